@@ -1,0 +1,6 @@
+"""x86-64: decode, optimizer checks and emission (the arch/x86/kernel/kprobes/ of kprewrite)."""
+from . import emit, optprobe
+from .decode import decode_function
+
+name = "x86_64"
+runtime_arch_dir = "arch/x86_64"

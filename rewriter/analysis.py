@@ -1,0 +1,85 @@
+"""Stage 3: analyse functions.
+
+Decodes every function of the image once (the arch decoder) and gathers the
+known jump targets from pluggable sources: the kernel checks that no jump lands
+in a probe's jump target prohibition region (JTPR) and that no exception-table
+fixup does; in user space the equivalents are direct branches anywhere in the
+image (a function's .cold part jumps back into it), C++ landing pads (LSDA),
+code addresses taken by relocations, and code symbols.  A kernel image adds
+__ex_table, alternatives, jump labels, static calls and ftrace sites as more
+sources.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import ehframe
+from .image import Function, Image
+
+# A source yields (target address, what makes it a target).
+TargetSource = Callable[[Image, "Analysis"], Iterable[tuple[int, str]]]
+
+
+def branch_targets(image: Image, an: "Analysis"):
+    for f in image.functions:
+        for target, src in an.decoded(f).branches:
+            yield target, f"jump from {src:#x}"
+
+
+def landing_pad_targets(image: Image, an: "Analysis"):
+    for fde_start, pads in ehframe.landing_pads(image.data, image.fdes).items():
+        for pad in pads:
+            yield pad, f"C++ landing pad of the function at {fde_start:#x}"
+
+
+def relocation_targets(image: Image, an: "Analysis"):
+    for _, r_offset, addend in image.relative_relocations():
+        if image.is_code(addend):
+            yield addend, f"code address taken by the relocation at {r_offset:#x}"
+
+
+def symbol_targets(image: Image, an: "Analysis"):
+    for addr in image.code_symbols:
+        yield addr, f"code symbol at {addr:#x}"
+
+
+DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets]
+
+
+class Analysis:
+    """Decoded functions and known jump targets of one image."""
+
+    def __init__(self, image: Image, arch, sources: list[TargetSource] | None = None):
+        self.image = image
+        self.arch = arch
+        self._decoded: dict[int, object] = {}
+        self.targets: dict[int, str] = {}
+        for source in sources if sources is not None else DEFAULT_SOURCES:
+            for target, why in source(image, self):
+                self.targets.setdefault(target, why)
+        self._sorted_targets = sorted(self.targets)
+
+    def decoded(self, f: Function):
+        d = self._decoded.get(f.start)
+        if d is None:
+            d = self.arch.decode_function(self.image.read(f.start, f.end - f.start), f.start)
+            self._decoded[f.start] = d
+        return d
+
+    def is_boundary(self, f: Function, addr: int) -> bool:
+        b = self.decoded(f).boundaries
+        off = addr - f.start
+        i = bisect.bisect_left(b, off)
+        return i < len(b) and b[i] == off
+
+    def targets_in(self, lo: int, hi: int) -> list[tuple[int, str]]:
+        """Known jump targets in [lo, hi)."""
+        i = bisect.bisect_left(self._sorted_targets, lo)
+        out = []
+        while i < len(self._sorted_targets) and self._sorted_targets[i] < hi:
+            t = self._sorted_targets[i]
+            out.append((t, self.targets[t]))
+            i += 1
+        return out

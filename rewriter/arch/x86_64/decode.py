@@ -1,0 +1,48 @@
+"""Whole-function decoding for x86-64 (Capstone), as can_probe() and
+can_optimize() do it in arch/x86/kernel/kprobes/{core,opt}.c: decode from the
+function's start so that every instruction boundary is known, and note every
+direct branch target and every indirect jump on the way."""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import capstone
+
+_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_cs.skipdata = False
+
+_JUMPS = frozenset(["jmp", "je", "jne", "ja", "jae", "jb", "jbe", "jg", "jge", "jl", "jle", "jo",
+                    "jno", "jp", "jnp", "js", "jns", "jcxz", "jecxz", "jrcxz", "loop", "loope",
+                    "loopne", "call", "bnd jmp", "bnd call", "notrack jmp", "notrack call",
+                    "bnd je", "bnd jne", "xbegin"])
+
+
+@dataclass
+class DecodedFunction:
+    boundaries: array            # offsets of instruction starts, from the function start
+    indirect_jump: int | None    # address of the first indirect jump (ff /4, ff /5, ea)
+    undecodable: int | None      # address where decoding failed, if it did
+    branches: list[tuple[int, int]]   # (target, address of the branch) of direct jumps/calls
+
+
+def decode_function(code: bytes, start: int) -> DecodedFunction:
+    bounds = array("I")
+    branches: list[tuple[int, int]] = []
+    indirect = None
+    end = start
+    for addr, size, mnem, ops in _cs.disasm_lite(code, start):
+        bounds.append(addr - start)
+        end = addr + size
+        if mnem in _JUMPS:
+            if ops.startswith("0x") or ops[:1].isdigit():
+                try:
+                    branches.append((int(ops, 0), addr))
+                except ValueError:
+                    pass
+            elif "jmp" in mnem and indirect is None:
+                indirect = addr
+        elif mnem == "ljmp" and indirect is None:
+            indirect = addr
+    undecodable = end if end < start + len(code) else None
+    return DecodedFunction(bounds, indirect, undecodable, branches)

@@ -1,0 +1,117 @@
+"""The x86-64 jump optimizer's checks: arch/x86/kernel/kprobes/opt.c's
+can_optimize() and copy_optimized_instructions(), extended where a static
+rewriter can do better (relative branches in the region are re-encoded)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import insn as x86insn
+
+JMP32_INSN_SIZE = 5
+MAX_OPTIMIZED_LENGTH = 15 + 4      # MAX_INSN_SIZE + DISP32_SIZE, as the kernel
+ENDBR64 = b"\xf3\x0f\x1e\xfa"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a probe stays unoptimized: the check's name and the offending address."""
+    check: str
+    addr: int
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.check} at {self.addr:#x}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class DcrInsn:
+    addr: int
+    code: bytes
+    info: "x86insn.InsnInfo"
+
+
+def adjust_kprobe_addr(image, sym_addr: int, offset: int) -> int:
+    """arch_adjust_kprobe_addr(): a probe on a function's entry (offset 0 or 4)
+    whose first instruction is endbr64 goes after the ENDBR."""
+    if offset in (0, 4) and image.read(sym_addr, 4) == ENDBR64:
+        return sym_addr + 4
+    return sym_addr + offset
+
+
+def can_probe_insn(image, addr: int) -> Refusal | None:
+    """can_probe()'s per-instruction refusals (int3, ud2, int n, ...)."""
+    try:
+        info = x86insn.classify(image.read(addr, 16), addr)
+    except ValueError:
+        return Refusal("decode", addr, "the instruction cannot be decoded")
+    if info.probe_refused:
+        return Refusal("can_probe", addr, f"{info.probe_refused} cannot be probed")
+    return None
+
+
+def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
+    """The detoured code region (DCR): whole instructions covering the 5-byte jump,
+    each one relocatable (copy_optimized_instructions() with can_boost(), plus
+    relative jumps and a final call, which we re-encode)."""
+    out: list[DcrInsn] = []
+    pos = addr
+    while pos < addr + JMP32_INSN_SIZE:
+        code = image.read(pos, 16)
+        try:
+            info = x86insn.classify(code, pos)
+        except ValueError:
+            return Refusal("decode", pos, "instruction in the region cannot be decoded")
+        code = code[:info.length]
+        if info.probe_refused:
+            return Refusal("can_probe", pos, f"{info.probe_refused} in the region")
+        if info.emulate in ("jmp rel", "jcc rel"):
+            pass
+        elif info.emulate == "call rel":
+            if pos + info.length < addr + JMP32_INSN_SIZE:
+                return Refusal("call_in_region", pos, "a call inside the region would return into the jump's bytes")
+        elif not info.boostable:
+            return Refusal("can_boost", pos, f"instruction is not boostable ({info.boost_reason})")
+        out.append(DcrInsn(pos, code, info))
+        pos += info.length
+    if pos - addr > MAX_OPTIMIZED_LENGTH:
+        return Refusal("region_size", addr, f"region is {pos - addr} bytes, more than {MAX_OPTIMIZED_LENGTH}")
+    if pos > func.end:
+        return Refusal("func_size", addr, f"region [{addr:#x}, {pos:#x}) crosses the end of {func.name} at {func.end:#x}")
+    # An unconditional jump ends the flow; what follows in the DCR is dead in the copy
+    # but still protected by the JTPR check.
+    return out
+
+
+def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
+    """can_optimize() of opt.c: region inside one function, no indirect jump in the
+    function, no jump target in the JTPR, every DCR instruction relocatable."""
+    if func is None:
+        return Refusal("func_size", addr, "no function symbol or FDE covers the address")
+    if func.end - addr < JMP32_INSN_SIZE:
+        return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at {func.end:#x}")
+    decoded = analysis.decoded(func)
+    if decoded.undecodable is not None:
+        return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
+    if decoded.indirect_jump is not None:
+        return Refusal("indirect_jump", decoded.indirect_jump, f"{func.name} has an indirect jump (it may have a jump table)")
+    dcr = copy_region(image, func, addr)
+    if isinstance(dcr, Refusal):
+        return dcr
+    end = dcr[-1].addr + len(dcr[-1].code)
+    hits = analysis.targets_in(addr + 1, end)
+    if hits:
+        target, why = hits[0]
+        src = _source_address(why, target)
+        return Refusal("jump_into_region", src, f"{why} lands at {target:#x}, inside the region [{addr:#x}, {end:#x})")
+    return dcr
+
+
+def _source_address(why: str, target: int) -> int:
+    # "jump from 0x401234" -> the jumping instruction is the offender.
+    if why.startswith("jump from "):
+        return int(why.split()[2], 16)
+    return target
+
+
+def region_end(dcr: list[DcrInsn]) -> int:
+    return dcr[-1].addr + len(dcr[-1].code)

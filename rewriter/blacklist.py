@@ -1,0 +1,79 @@
+"""What cannot be probed, and why: check_kprobe_address_safe()'s blacklist for
+a user image (.kprobes.text, NOKPROBE_SYMBOL's _kprobe_blacklist, PLT stubs,
+kernel-only sections, __cfi_/__pfx_ symbols) plus kprewrite's own runtime in an
+already rewritten image."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .image import Image
+
+SECTION_REASONS = {
+    ".kprobes.text": "in .kprobes.text (__kprobes)",
+    ".noinstr.text": "in .noinstr.text (noinstr)",
+    ".entry.text": "in .entry.text (entry code)",
+    ".plt": "PLT stub",
+    ".plt.got": "PLT stub",
+    ".plt.sec": "PLT stub",
+    ".iplt": "PLT stub",
+}
+RUNTIME_PREFIX = ".kprewrite"
+CLONE_SUFFIX = re.compile(r"\.(constprop|isra|part|cold|localalias)(\.\d+)*")
+
+
+@dataclass(frozen=True)
+class BlacklistEntry:
+    start: int
+    end: int
+    symbol: str
+    reason: str
+
+
+def _symbol_at(image: Image, addr: int) -> str:
+    f = image.function_at(addr)
+    if f is None:
+        return "-"
+    return f.name if f.start == addr else f"{f.name}+{addr - f.start:#x}"
+
+
+def _nokprobe_addresses(image: Image) -> list[int]:
+    sec = image.section_named("_kprobe_blacklist")
+    if sec is None or sec.type == 8:
+        return []
+    raw = image.data[sec.offset:sec.offset + sec.size]
+    addrs = {sec.addr + i: int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw) - 7, 8)}
+    for _, r_offset, addend in image.relative_relocations():   # PIE: the values live in relocations
+        if r_offset in addrs:
+            addrs[r_offset] = addend
+    return [a for a in addrs.values() if a]
+
+
+def compute(image: Image) -> list[BlacklistEntry]:
+    out: list[BlacklistEntry] = []
+    for s in image.sections:
+        reason = SECTION_REASONS.get(s.name)
+        if reason is None and s.name.startswith(RUNTIME_PREFIX) and s.flags & 2:
+            reason = "kprewrite runtime and detour buffers"
+        if reason and s.size:
+            out.append(BlacklistEntry(s.addr, s.addr + s.size, s.name, reason))
+    names = set()
+    for a in _nokprobe_addresses(image):
+        f = image.function_at(a)
+        if f is not None:
+            out.append(BlacklistEntry(f.start, f.end, f.name, "NOKPROBE_SYMBOL"))
+            names.add(f.name)
+    for f in image.functions:
+        if f.name.startswith(("__cfi_", "__pfx_")):
+            out.append(BlacklistEntry(f.start, f.end, f.name, "CFI/padding symbol"))
+        elif names and f.name not in names and CLONE_SUFFIX.sub("", f.name) in names:
+            out.append(BlacklistEntry(f.start, f.end, f.name, f"clone of NOKPROBE_SYMBOL {CLONE_SUFFIX.sub('', f.name)}"))
+    out.sort(key=lambda e: (e.start, e.end, e.symbol))
+    return out
+
+
+def lookup(entries: list[BlacklistEntry], addr: int) -> BlacklistEntry | None:
+    for e in entries:
+        if e.start <= addr < e.end:
+            return e
+    return None

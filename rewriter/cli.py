@@ -1,0 +1,98 @@
+"""The command line (interface.md): instrument, check, list, blacklist."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import click
+
+from .errors import KprewriteError
+
+
+def _fail(lines) -> None:
+    for line in lines:
+        click.echo(f"kprewrite: {line}", err=True)
+    sys.exit(1)
+
+
+def _guard(fn):
+    def run(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except KprewriteError as e:
+            _fail(e.lines)
+        except KeyboardInterrupt:
+            _fail(["interrupted"])
+        except Exception as e:   # a bug: still one line, traceback only on request
+            if os.environ.get("KPREWRITE_DEBUG"):
+                raise
+            _fail([f"internal error: {type(e).__name__}: {e} (set KPREWRITE_DEBUG=1 for a traceback)"])
+    run.__name__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+@click.group()
+@click.version_option(package_name="kprewrite")
+def main():
+    """kprewrite: Linux-style kprobes compiled ahead of time into ELF images."""
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT")
+@click.option("--spec", "spec_path", required=True, metavar="SPEC.toml", help="probe spec")
+@click.option("-o", "output", required=True, metavar="OUTPUT", help="rewritten image")
+@click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
+@click.option("--system-map", metavar="FILE", help="System.map for a kernel image (not supported yet)")
+@_guard
+def instrument(input_path, spec_path, output, no_optimize, system_map):
+    """Write OUTPUT: INPUT with the spec's probes compiled in."""
+    from . import pipeline
+    if system_map:
+        raise KprewriteError("--system-map: kernel images are not supported yet")
+    if os.path.abspath(output) == os.path.abspath(input_path):
+        raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
+    t = time.monotonic()
+    s = pipeline.instrument(input_path, spec_path, output, no_optimize)
+    for line in pipeline.skipped_summary(s):
+        click.echo(f"kprewrite: {line}", err=True)
+    if os.environ.get("KPREWRITE_VERBOSE"):
+        click.echo(f"kprewrite: wrote {output} in {time.monotonic() - t:.2f} s", err=True)
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT")
+@click.option("--spec", "spec_path", required=True, metavar="SPEC.toml")
+@click.option("--no-optimize", is_flag=True)
+@_guard
+def check(input_path, spec_path, no_optimize):
+    """Print the plan: each probe's decision and, if not optimized, why."""
+    from . import pipeline
+    s = pipeline.prepare_for_check(input_path, spec_path, no_optimize)
+    for line in pipeline.check_lines(s):
+        click.echo(line)
+    for line in pipeline.skipped_summary(s):
+        click.echo(f"kprewrite: {line}", err=True)
+    if s.plan.errors:
+        _fail(s.plan.errors)
+
+
+@main.command(name="list")
+@click.argument("binary", metavar="BINARY")
+@_guard
+def list_(binary):
+    """Probes compiled into a rewritten binary (debugfs kprobes/list form)."""
+    from . import pipeline
+    for line in pipeline.list_lines(binary):
+        click.echo(line)
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT")
+@_guard
+def blacklist(input_path):
+    """What cannot be probed in INPUT, and why."""
+    from . import pipeline
+    for line in pipeline.blacklist_lines(input_path):
+        click.echo(line)

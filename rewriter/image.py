@@ -1,0 +1,248 @@
+"""Stage 1: load the image.
+
+Reads an ELF file with LIEF (symbols, sections, segments, dynamic entries) and
+keeps its raw bytes.  Function bounds come from symbol sizes (.symtab, then
+.dynsym), else from .eh_frame FDEs, the way the kernel's kallsyms gives
+can_optimize() a function's size.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, field
+
+import lief
+
+from . import ehframe
+from .errors import KprewriteError
+
+lief.logging.disable()
+
+PT_LOAD, PT_INTERP, PT_PHDR, PT_NOTE = 1, 3, 6, 4
+PF_X, PF_W, PF_R = 1, 2, 4
+SHF_WRITE, SHF_ALLOC, SHF_EXECINSTR = 1, 2, 4
+DF_1_PIE = 0x08000000
+EM_NAMES = {3: "EM_386", 40: "EM_ARM", 62: "EM_X86_64", 183: "EM_AARCH64", 243: "EM_RISCV"}
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    type: int
+    flags: int
+    addr: int
+    offset: int
+    size: int
+
+    @property
+    def executable(self) -> bool:
+        return bool(self.flags & SHF_EXECINSTR) and bool(self.flags & SHF_ALLOC)
+
+
+@dataclass(frozen=True)
+class Segment:
+    type: int
+    flags: int
+    offset: int
+    vaddr: int
+    paddr: int
+    filesz: int
+    memsz: int
+    align: int
+
+
+@dataclass
+class Function:
+    name: str             # symbol name, or sub_<hex> for an FDE without a symbol
+    start: int
+    end: int              # exclusive
+    source: str           # "symtab", "dynsym" or "eh_frame"
+    aliases: list[str] = field(default_factory=list)
+
+
+class Image:
+    """A loaded ELF image: raw bytes plus what the pipeline needs to know of it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.label = os.path.basename(path)
+        try:
+            with open(path, "rb") as f:
+                self.data = f.read()
+        except OSError as e:
+            raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        self._check_header()
+        binary = lief.ELF.parse(path)
+        if binary is None:
+            raise KprewriteError(f"{path}: not a valid ELF file")
+        self.binary = binary
+        self.is_pic = self.e_type == 3
+        self.segments = [Segment(int(s.type), int(s.flags), s.file_offset, s.virtual_address,
+                                 s.physical_address, s.physical_size, s.virtual_size, s.alignment)
+                         for s in binary.segments]
+        self.sections = [Section(s.name, int(s.type), int(s.flags), s.virtual_address, s.file_offset, s.size)
+                         for s in binary.sections]
+        self._check_bounds()
+        self.has_interp = any(s.type == PT_INTERP for s in self.segments)
+        self.dynamic = {int(e.tag): e.value for e in binary.dynamic_entries} if binary.dynamic_entries else {}
+        flags_1 = self.dynamic.get(0x6FFFFFFB, 0)
+        self.is_executable = self.e_type == 2 or self.has_interp or bool(flags_1 & DF_1_PIE)
+        self.is_shared = not self.is_executable
+        self.kind = ("shared object" if self.is_shared else
+                     ("PIE" if self.has_interp else "static-PIE") if self.is_pic else
+                     ("executable" if self.has_interp else "static executable"))
+        self.exec_ranges = sorted((s.addr, s.addr + s.size) for s in self.sections if s.executable and s.size)
+        if not self.exec_ranges:
+            self.exec_ranges = sorted((s.vaddr, s.vaddr + s.filesz) for s in self.segments
+                                      if s.type == PT_LOAD and s.flags & PF_X)
+        self._load_symbols()
+        self.fdes = ehframe.read_fdes(self.data)
+        self._load_functions()
+
+    # -- validation ---------------------------------------------------------
+    def _check_header(self):
+        d, p = self.data, self.path
+        if len(d) < 4 or d[:4] != b"\x7fELF":
+            raise KprewriteError(f"{p}: not an ELF file")
+        if len(d) < 64:
+            raise KprewriteError(f"{p}: truncated ELF file ({len(d)} bytes, the ELF header alone needs 64)")
+        if d[4] != 2 or d[5] != 1:
+            raise KprewriteError(f"{p}: not a 64-bit little-endian ELF file")
+        self.e_type = int.from_bytes(d[16:18], "little")
+        machine = int.from_bytes(d[18:20], "little")
+        if machine != 62:
+            raise KprewriteError(f"{p}: ELF machine is {EM_NAMES.get(machine, machine)}; kprewrite supports x86-64 (EM_X86_64)")
+        if self.e_type not in (2, 3):
+            raise KprewriteError(f"{p}: ELF type {self.e_type} is neither an executable nor a shared object")
+        phoff = int.from_bytes(d[32:40], "little")
+        phnum = int.from_bytes(d[56:58], "little")
+        if phoff + phnum * 56 > len(d) or phnum == 0:
+            raise KprewriteError(f"{p}: truncated ELF file (program headers end at {phoff + phnum * 56:#x}, file is {len(d):#x} bytes)")
+        self.machine = "x86_64"
+
+    def _check_bounds(self):
+        size = len(self.data)
+        for s in self.segments:
+            if s.type == PT_LOAD and s.offset + s.filesz > size:
+                raise KprewriteError(f"{self.path}: truncated ELF file (a PT_LOAD segment ends at {s.offset + s.filesz:#x}, file is {size:#x} bytes)")
+        for s in self.sections:
+            if s.type != 8 and s.type != 0 and s.offset + s.size > size:
+                raise KprewriteError(f"{self.path}: truncated ELF file (section {s.name} ends at {s.offset + s.size:#x}, file is {size:#x} bytes)")
+
+    # -- symbols and functions ---------------------------------------------
+    def _load_symbols(self):
+        self.symbols: dict[str, list[int]] = {}    # name -> addresses
+        self.func_syms: list[tuple[int, int, str, str]] = []   # (start, size, name, source)
+        self.code_symbols: list[int] = []
+        for source, syms in (("symtab", self.binary.symtab_symbols), ("dynsym", self.binary.dynamic_symbols)):
+            for s in syms:
+                if not s.name or s.shndx == 0 or s.value == 0 and s.type != lief.ELF.Symbol.TYPE.FUNC:
+                    continue
+                t = s.type
+                if t in (lief.ELF.Symbol.TYPE.FUNC, lief.ELF.Symbol.TYPE.GNU_IFUNC):
+                    if s.value and self.is_code(s.value):
+                        self.func_syms.append((s.value, s.size, s.name, source))
+                        self.symbols.setdefault(s.name, [])
+                        if s.value not in self.symbols[s.name]:
+                            self.symbols[s.name].append(s.value)
+                elif t in (lief.ELF.Symbol.TYPE.NOTYPE, lief.ELF.Symbol.TYPE.OBJECT):
+                    if self.is_code(s.value):
+                        self.code_symbols.append(s.value)
+                        if t == lief.ELF.Symbol.TYPE.NOTYPE:
+                            self.symbols.setdefault(s.name, []).append(s.value)
+
+    def _load_functions(self):
+        by_start: dict[int, Function] = {}
+        for start, size, name, source in self.func_syms:
+            f = by_start.get(start)
+            if f is None:
+                if size == 0:
+                    continue
+                by_start[start] = Function(name, start, start + size, source)
+            elif name != f.name and name not in f.aliases:
+                f.aliases.append(name)
+        funcs = sorted(by_start.values(), key=lambda f: f.start)
+        starts = [f.start for f in funcs]
+        # FDEs cover what symbols don't: stripped binaries, local functions.
+        for fde in self.fdes:
+            i = bisect.bisect_right(starts, fde.start) - 1
+            if i >= 0 and funcs[i].start <= fde.start < funcs[i].end:
+                continue
+            j = bisect.bisect_left(starts, fde.start)
+            if j < len(funcs) and funcs[j].start < fde.end:
+                continue
+            if not self.is_code(fde.start):
+                continue
+            f = Function(f"sub_{fde.start:x}", fde.start, fde.end, "eh_frame")
+            funcs.insert(j, f)
+            starts.insert(j, fde.start)
+        # Sized symbols with no sized twin: a zero-size symbol at an FDE start names it.
+        named = {f.start: f for f in funcs if f.source == "eh_frame"}
+        for start, size, name, source in self.func_syms:
+            if size == 0 and start in named:
+                f = named[start]
+                if f.name.startswith("sub_"):
+                    f.name, f.source = name, source
+                elif name not in f.aliases and name != f.name:
+                    f.aliases.append(name)
+                self.symbols.setdefault(name, [])
+        self.functions = funcs
+        self._starts = starts
+
+    # -- queries -----------------------------------------------------------
+    def is_code(self, addr: int) -> bool:
+        for lo, hi in self.exec_ranges:
+            if lo <= addr < hi:
+                return True
+        return False
+
+    def function_at(self, addr: int) -> Function | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and self.functions[i].start <= addr < self.functions[i].end:
+            return self.functions[i]
+        return None
+
+    def function_named(self, name: str) -> Function | None:
+        for a in self.symbols.get(name, []):
+            f = self.function_at(a)
+            if f is not None and f.start == a:
+                return f
+        return None
+
+    def section_named(self, name: str) -> Section | None:
+        for s in self.sections:
+            if s.name == name:
+                return s
+        return None
+
+    def offset_of(self, addr: int) -> int:
+        for s in self.segments:
+            if s.type == PT_LOAD and s.vaddr <= addr < s.vaddr + s.filesz:
+                return s.offset + addr - s.vaddr
+        raise KprewriteError(f"{self.path}: address {addr:#x} is not in the file")
+
+    def read(self, addr: int, size: int) -> bytes:
+        off = self.offset_of(addr)
+        return self.data[off:off + size]
+
+    def section_containing(self, addr: int) -> Section | None:
+        for s in self.sections:
+            if s.flags & SHF_ALLOC and s.addr <= addr < s.addr + s.size:
+                return s
+        return None
+
+    def relative_relocations(self) -> list[tuple[int, int, int]]:
+        """(file offset of the Elf64_Rela, r_offset, addend) of every R_X86_64_RELATIVE."""
+        out = []
+        for tag_rela, tag_sz in ((7, 8),):
+            rela, size = self.dynamic.get(tag_rela), self.dynamic.get(tag_sz)
+            if not rela or not size:
+                continue
+            off = self.offset_of(rela)
+            for i in range(size // 24):
+                o = off + i * 24
+                r_offset = int.from_bytes(self.data[o:o + 8], "little")
+                info = int.from_bytes(self.data[o + 8:o + 16], "little")
+                if info & 0xFFFFFFFF == 8:
+                    out.append((o, r_offset, int.from_bytes(self.data[o + 16:o + 24], "little", signed=True)))
+        return out

@@ -1,0 +1,224 @@
+"""Stage 6: link handlers and runtime.
+
+Compiles the runtime, the user's handlers (C sources or relocatable objects) and
+the generated probe table freestanding, and links them with `ld -pie` at the
+address the new segments will have, so every reference is resolved at rewrite
+time.  What remains are R_X86_64_RELATIVE entries, applied here at link-time
+addresses; the runtime adds the load bias to them at start-up (PIE, shared).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from elftools.elf.elffile import ELFFile
+
+from .errors import KprewriteError
+
+RUNTIME_DIR = Path(os.environ.get("KPREWRITE_RUNTIME", Path(__file__).resolve().parent.parent / "runtime"))
+
+CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
+          "-fno-unwind-tables", "-mgeneral-regs-only", "-fvisibility=hidden", "-fno-common",
+          "-fcf-protection=none", "-fno-tree-loop-distribute-patterns", "-fno-plt",
+          "-std=gnu11", "-w", "-fno-ident"]
+
+RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "platform/linux_user/platform.c"]
+
+LINKER_SCRIPT = """
+SECTIONS
+{{
+  . = {text:#x};
+  .text : {{ *(.text .text.*) *(.kprobes.text) }}
+  .rodata : {{ *(.rodata .rodata.*) }}
+  .rela.dyn : {{ __kp_rela_start = .; *(.rela.dyn) *(.rela.*) __kp_rela_end = .; }}
+  . = ALIGN(0x1000);
+  __kp_data_start = .;
+  .data : {{ *(.data .data.*) *(.data.rel.ro .data.rel.ro.*) *(.got) *(.got.plt) }}
+  .bss : {{ *(.bss .bss.*) *(COMMON) }}
+  __kp_data_end = .;
+  . = ALIGN(0x1000);
+  .dynamic : {{ *(.dynamic) }}
+  /DISCARD/ : {{ *(.note.*) *(.comment) *(.eh_frame*) *(_kprobe_blacklist) *(.interp) }}
+}}
+"""
+
+
+@dataclass
+class Blob:
+    """The linked runtime + handlers: code (with rodata and relocations) and data."""
+    text_addr: int
+    text: bytes           # [text_addr, text_addr + len(text)): RX
+    data_addr: int
+    data: bytes           # file-backed part of the RW segment
+    data_memsz: int       # including .bss
+    symbols: dict[str, int]
+    sections: list[tuple[str, int, int, int, int]]   # (name, type, flags, addr, size)
+
+
+def _run(cmd, what: str, cwd=None):
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    if r.returncode != 0:
+        lines = [l for l in (r.stderr + r.stdout).splitlines() if "error" in l or "undefined" in l]
+        raise KprewriteError(*(f"{what}: {l.strip()}" for l in (lines or (r.stderr + r.stdout).splitlines()[:5] or ["failed"])))
+    return r
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC", "gcc")
+    if not shutil.which(cc):
+        raise KprewriteError(f"no C compiler: '{cc}' not found (set CC)")
+    return cc
+
+
+def c_string(s: str | None) -> str:
+    if s is None:
+        return "0"
+    out = []
+    for ch in s.encode():
+        if ch in (0x22, 0x5C):
+            out.append("\\" + chr(ch))
+        elif 0x20 <= ch < 0x7F:
+            out.append(chr(ch))
+        else:
+            out.append(f"\\{ch:03o}")
+    return '"' + "".join(out) + '"'
+
+
+_DEF_RE_CACHE: dict[Path, str] = {}
+
+
+def defines_function(cc: str, src: Path, name: str) -> bool:
+    """Whether a C source defines function `name` (static or not): after the
+    preprocessor, `name (...) {` with no `;` between the parameters and the brace."""
+    text = _DEF_RE_CACHE.get(src)
+    if text is None:
+        r = _run([cc, "-E", "-P", f"-I{RUNTIME_DIR / 'include'}", str(src)], f"{src.name}")
+        text = _DEF_RE_CACHE[src] = r.stdout
+    return re.search(r"\b" + re.escape(name) + r"\s*\([^;{}]*\)\s*(__attribute__\s*\(\(.*?\)\)\s*)*\{", text, re.S) is not None
+
+
+def object_defines(obj: Path, name: str) -> bool:
+    with open(obj, "rb") as f:
+        e = ELFFile(f)
+        st = e.get_section_by_name(".symtab")
+        for s in st.iter_symbols() if st else []:
+            if s.name == name and s["st_shndx"] != "SHN_UNDEF" and s["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK"):
+                return True
+    return False
+
+
+def resolve_handlers(cc: str, handlers: list[Path], names: set[str]) -> tuple[dict[str, str], dict[Path, list[str]], list[str]]:
+    """Which handler file defines each handler name.  Returns (name -> link symbol,
+    source -> names to export from it, missing names)."""
+    link_sym: dict[str, str] = {}
+    exports: dict[Path, list[str]] = {h: [] for h in handlers}
+    missing = []
+    for name in sorted(names):
+        found = []
+        for h in handlers:
+            if h.suffix == ".o":
+                if object_defines(h, name):
+                    found.append(h)
+            elif defines_function(cc, h, name):
+                found.append(h)
+        if not found:
+            missing.append(name)
+            continue
+        h = found[0]
+        if h.suffix == ".o":
+            link_sym[name] = name
+        else:
+            link_sym[name] = f"kp_handler_{name}"
+            exports[h].append(name)
+    return link_sym, exports, missing
+
+
+def compile_objects(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]], table_c: str) -> list[Path]:
+    inc = [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}"]
+    objs = []
+    for src in RUNTIME_SOURCES:
+        o = workdir / ("rt_" + src.replace("/", "_") + ".o")
+        _run([cc, *CFLAGS, *inc, "-c", str(RUNTIME_DIR / src), "-o", str(o)], f"runtime {src}")
+        objs.append(o)
+    for src in sorted((RUNTIME_DIR / "arch").glob("x86_64/*.S")):
+        o = workdir / ("rt_" + src.name + ".o")
+        _run([cc, *inc, "-c", str(src), "-o", str(o)], f"runtime {src.name}")
+        objs.append(o)
+    for i, h in enumerate(handlers):
+        if h.suffix == ".o":
+            objs.append(h)
+            continue
+        # Include the user's file and export its handlers under our own names:
+        # kernel sample handlers are static, and an alias keeps them reachable.
+        wrapper = workdir / f"handler{i}.c"
+        lines = [f'#include "{h}"']
+        for name in exports.get(h, []):
+            lines.append(f'extern __typeof__({name}) kp_handler_{name} __attribute__((alias("{name}"), used));')
+        wrapper.write_text("\n".join(lines) + "\n")
+        o = workdir / f"handler{i}.o"
+        _run([cc, *CFLAGS, *inc, f"-I{h.parent}", "-c", str(wrapper), "-o", str(o)], h.name)
+        objs.append(o)
+    table = workdir / "kp_table.c"
+    table.write_text(table_c)
+    o = workdir / "kp_table.o"
+    _run([cc, *CFLAGS, *inc, "-c", str(table), "-o", str(o)], "probe table")
+    objs.append(o)
+    return objs
+
+
+def link(workdir: Path, objs: list[Path], text_addr: int) -> Blob:
+    script = workdir / "kp.ld"
+    script.write_text(LINKER_SCRIPT.format(text=text_addr))
+    out = workdir / "blob.elf"
+    _run(["ld", "-pie", "--no-dynamic-linker", "-z", "norelro", "-z", "noexecstack", "--hash-style=gnu",
+          "--build-id=none", "-nostdlib", "-T", str(script), "-o", str(out), *map(str, objs)], "link")
+    return read_blob(out.read_bytes(), out)
+
+
+def read_blob(raw: bytes, path: Path) -> Blob:
+    import io
+    e = ELFFile(io.BytesIO(raw))
+    syms = {}
+    for s in e.get_section_by_name(".symtab").iter_symbols():
+        if s.name and s["st_shndx"] != "SHN_UNDEF":
+            syms[s.name] = s["st_value"]
+    secs = [(s.name, s["sh_type"], s["sh_flags"], s["sh_addr"], s["sh_size"], s["sh_offset"]) for s in e.iter_sections()]
+    image = bytearray()
+
+    def vaddr_bytes(lo, hi):
+        buf = bytearray(hi - lo)
+        for name, typ, flags, addr, size, off in secs:
+            if flags & 2 and typ != "SHT_NOBITS" and addr < hi and addr + size > lo:
+                a, b = max(lo, addr), min(hi, addr + size)
+                buf[a - lo:b - lo] = raw[off + a - addr:off + b - addr]
+        return buf
+
+    text_lo = syms.get("__kp_rela_start")  # sanity only
+    text_addr = min(addr for name, typ, flags, addr, size, off in secs if name == ".text")
+    text_end = syms["__kp_rela_end"]
+    data_lo, data_hi = syms["__kp_data_start"], syms["__kp_data_end"]
+    text = vaddr_bytes(text_addr, text_end)
+    data_file_hi = max([addr + size for name, typ, flags, addr, size, off in secs
+                        if flags & 2 and typ != "SHT_NOBITS" and data_lo <= addr < data_hi] + [data_lo])
+    data = vaddr_bytes(data_lo, data_file_hi)
+    # Apply R_X86_64_RELATIVE at link-time addresses; refuse anything else.
+    rela = e.get_section_by_name(".rela.dyn")
+    if rela is not None:
+        for r in rela.iter_relocations():
+            typ = r["r_info_type"]
+            if typ != 8:
+                raise KprewriteError(f"link: handler code needs dynamic relocation type {typ} at {r['r_offset']:#x}; "
+                                     "handlers must be position-independent and self-contained")
+            off, val = r["r_offset"], r["r_addend"] & (2**64 - 1)
+            if data_lo <= off < data_file_hi:
+                data[off - data_lo:off - data_lo + 8] = val.to_bytes(8, "little")
+            elif text_addr <= off < text_end:
+                text[off - text_addr:off - text_addr + 8] = val.to_bytes(8, "little")
+            else:
+                raise KprewriteError(f"link: relocation at {off:#x} outside the linked sections")
+    sections = [(n, t, f, a, s) for n, t, f, a, s, o in secs if f & 2 and s and n not in (".dynamic",)]
+    return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections)

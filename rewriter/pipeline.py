@@ -1,0 +1,272 @@
+"""The pipeline: load the image -> resolve probes -> analyse functions -> plan
+-> emit code and data -> link handlers and runtime -> write.  Each stage is its
+own module; this one only passes plain data between them."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import blacklist as bl
+from . import link, writer
+from .analysis import Analysis
+from .arch import get_arch
+from .errors import KprewriteError
+from .image import Image
+from .planner import OPTIMIZED, Plan, plan
+from .resolve import Probe, resolve
+from .spec import Spec, load_spec
+
+META_SECTION = ".kprewrite.meta"
+STUB_ROOM = 64
+DT_INIT, DT_FINI, DT_INIT_ARRAY, DT_FINI_ARRAY = 12, 13, 25, 26
+
+
+@dataclass
+class Session:
+    image: Image
+    spec: Spec
+    arch: object
+    analysis: Analysis
+    probes: list[Probe]
+    blacklist: list
+    plan: Plan
+
+
+def unsupported(spec: Spec) -> list[str]:
+    name = spec.path.name
+    out = [f"{name}: {k.table}: kretprobes are not supported yet" for k in spec.kretprobes]
+    out += [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kprobes if k.fetch]
+    if spec.events:
+        out.append(f"{name}: 'events' is not supported yet")
+    return out
+
+
+def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: bool = True) -> Session:
+    """Everything up to the plan.  strict: refused probes are an error (instrument);
+    otherwise they stay in the plan to be printed (check)."""
+    spec = load_spec(spec_path)
+    errors = unsupported(spec)
+    image = Image(input_path)
+    arch = get_arch(image.machine)
+    probes, res_errors = resolve(image, spec, arch)
+    errors += res_errors
+    analysis = Analysis(image, arch)
+    blist = bl.compute(image)
+    p = plan(image, analysis, arch, probes, blist, spec.optimize and not no_optimize, spec.path.name)
+    if strict:
+        errors += p.errors
+    if errors:
+        raise KprewriteError(*errors)
+    return Session(image, spec, arch, analysis, probes, blist, p)
+
+
+def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False) -> Session:
+    return prepare(input_path, spec_path, no_optimize, strict=False)
+
+
+def check_lines(s: Session) -> list[str]:
+    rows = []
+    for site in s.plan.sites:
+        for p in site.probes:
+            rows.append((p.index, f"{p.label}  k  {OPTIMIZED}"))
+    for p, decision, reason in s.plan.rejected:
+        rows.append((p.index, f"{p.label}  k  {decision}  {reason}"))
+    return [r for _, r in sorted(rows)]
+
+
+def skipped_summary(s: Session) -> list[str]:
+    if not s.plan.skipped:
+        return []
+    n = sum(len(v) for v in s.plan.skipped.values())
+    placed = sum(len(site.probes) for site in s.plan.sites)
+    lines = [f"{placed} probes placed, {n} from globs skipped:"]
+    for check, ps in sorted(s.plan.skipped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append(f"  {len(ps):6d}  {check}")
+    return lines
+
+
+def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
+    """The generated C: struct kprobe per probe, one kp_site per address."""
+    placed = [(site, p) for site in s.plan.sites for p in site.probes]
+    placed.sort(key=lambda sp: sp[1].index)
+    order = {id(p): i for i, (_, p) in enumerate(placed)}
+    out = ['#include "kp_internal.h"']
+    for name in sorted(set(link_sym.values())):
+        kind = [k for k, v in link_sym.items() if v == name][0]
+        out.append(f"extern char {name}[];")
+    out.append(f"struct kprobe kp_probes[{max(1, len(placed))}] = {{")
+    for site, p in placed:
+        flags = ["KPROBE_FLAG_OPTIMIZED"] + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
+        pre = f"(kprobe_pre_handler_t){link_sym[p.spec.pre_handler]}" if p.spec.pre_handler else "0"
+        post = f"(kprobe_post_handler_t){link_sym[p.spec.post_handler]}" if p.spec.post_handler else "0"
+        sym = link.c_string(p.symbol if (p.spec.symbol_name or p.func) else None)
+        out.append(f"  {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "
+                   f".pre_handler = {pre}, .post_handler = {post}, .flags = {'|'.join(flags)}, "
+                   f".name = {link.c_string(p.event_name)}, .index = {order[id(p)]}, .site = {site.index} }},")
+    out.append("};")
+    out.append(f"const unsigned int kp_nprobes = {len(placed)};")
+    out.append(f"struct kp_site kp_sites[{max(1, len(s.plan.sites))}] = {{")
+    first = 0
+    for site in s.plan.sites:
+        out.append(f"  {{ {site.addr:#x}UL, {site.post_ip:#x}UL, {site.resume:#x}UL, {site.resume_post:#x}UL, {first}, {len(site.probes)} }},")
+        first += len(site.probes)
+    out.append("};")
+    out.append(f"const unsigned int kp_nsites = {len(s.plan.sites)};")
+    refs = ", ".join(f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
+    out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
+    out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
+    return "\n".join(out) + "\n"
+
+
+def _slot_hook(image: Image, tag_array: int, tag_single: int):
+    """Where to hook a shared object's init (or fini): the first DT_*_ARRAY
+    slot's R_X86_64_RELATIVE addend, else DT_INIT/DT_FINI itself.  Returns
+    (file offset of the 8 bytes to rewrite, the function it held)."""
+    arr = image.dynamic.get(tag_array)
+    if arr:
+        for rel_off, r_offset, addend in image.relative_relocations():
+            if r_offset == arr:
+                return rel_off + 16, addend
+    single = image.dynamic.get(tag_single)
+    if single:
+        dyn = image.section_named(".dynamic")
+        if dyn is not None:
+            for i in range(dyn.size // 16):
+                o = dyn.offset + i * 16
+                if int.from_bytes(image.data[o:o + 8], "little") == tag_single:
+                    return o + 8, single
+    return None
+
+
+def emit(s: Session, workdir: Path) -> bytes:
+    image, arch, em = s.image, s.arch, s.arch.emit
+    layout = writer.plan_layout(image)
+    pos = layout.after_phdrs
+    # Start-up stubs: one for executables, init and fini for shared objects.
+    stub_at = {}
+    for name in (["entry"] if image.is_executable else ["init", "fini"]):
+        stub_at[name] = pos
+        pos += STUB_ROOM
+    # Detours: addresses first (their size does not depend on where the runtime lands).
+    for site in s.plan.sites:
+        pos = (pos + 15) & ~15
+        code, site.resume, site.resume_post = em.detour(site.index, site.dcr, site.with_post, pos, pos + 0x1000000, pos + 0x1000000)
+        site.detour = pos
+        pos += len(code)
+    text_addr = (pos + 63) & ~63
+    # Handlers and runtime.
+    cc = link.compiler()
+    names = {n for site in s.plan.sites for p in site.probes for n in (p.spec.pre_handler, p.spec.post_handler) if n}
+    link_sym, exports, missing = link.resolve_handlers(cc, s.spec.handlers, names)
+    if missing:
+        lines = []
+        for site in s.plan.sites:
+            for p in site.probes:
+                for key in ("pre_handler", "post_handler"):
+                    n = getattr(p.spec, key)
+                    if n in missing:
+                        lines.append(f"{s.spec.path.name}: {p.spec.table}: {key} '{n}' is not defined in any handler file "
+                                     f"({', '.join(h.name for h in s.spec.handlers) or 'none listed'})")
+        raise KprewriteError(*dict.fromkeys(lines))
+    objs = link.compile_objects(cc, workdir, s.spec.handlers, exports, _probe_table_c(s, link_sym))
+    blob = link.link(workdir, objs, text_addr)
+    sym = blob.symbols
+    # Final code, now that the runtime's addresses are known.
+    rx = bytearray(text_addr - layout.rx_vaddr)
+    def put(addr, code, room=None):
+        if room is not None and len(code) > room:
+            raise KprewriteError(f"internal error: stub at {addr:#x} is {len(code)} bytes")
+        rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
+    file_patches = []
+    entry = None
+    if image.is_executable:
+        put(stub_at["entry"], em.entry_stub(stub_at["entry"], sym["kp_user_start"], int.from_bytes(image.data[24:32], "little")), STUB_ROOM)
+        entry = stub_at["entry"]
+    else:
+        for name, arr, single, fn in (("init", DT_INIT_ARRAY, DT_INIT, "kp_user_lib_init"), ("fini", DT_FINI_ARRAY, DT_FINI, "kp_user_lib_fini")):
+            hook = _slot_hook(image, arr, single)
+            if hook is None:
+                if name == "init":
+                    raise KprewriteError(f"{image.path}: shared object has neither DT_INIT_ARRAY nor DT_INIT to start the runtime from")
+                continue
+            off, old = hook
+            put(stub_at[name], em.chain_stub(stub_at[name], sym[fn], old), STUB_ROOM)
+            file_patches.append((off, struct.pack("<Q", stub_at[name])))
+    patches = []
+    for site in s.plan.sites:
+        code, resume, resume_post = em.detour(site.index, site.dcr, site.with_post, site.detour,
+                                              sym["kp_optprobe_entry"], sym["kp_optprobe_post_entry"])
+        assert (resume, resume_post) == (site.resume, site.resume_post)
+        put(site.detour, code)
+        patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
+    rx += blob.text
+    sections = [
+        writer.NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, bytes(rx)),
+        writer.NewSection(".kprewrite.data", 1, 3, blob.data_addr, blob.data),
+    ]
+    if blob.data_memsz > len(blob.data):
+        sections.append(writer.NewSection(".kprewrite.bss", 8, 3, blob.data_addr + len(blob.data), b"", blob.data_memsz - len(blob.data)))
+    sections.append(writer.NewSection(META_SECTION, 1, 0, 0, metadata(s), align=1))
+    return writer.write_image(image, layout, patches, bytes(rx), blob.data_addr, blob.data, blob.data_memsz,
+                              sections, entry, file_patches)
+
+
+def metadata(s: Session) -> bytes:
+    probes = []
+    for site in s.plan.sites:
+        for p in site.probes:
+            probes.append({"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
+                           "name": p.event_name, "optimized": True, "disabled": p.spec.disabled,
+                           "detour": site.detour, "region": [site.addr, site.region_end]})
+    probes.sort(key=lambda d: d["index"])
+    doc = {"format": "kprewrite-1", "input": s.image.label, "probes": probes}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False) -> Session:
+    s = prepare(input_path, spec_path, no_optimize)
+    keep = os.environ.get("KPREWRITE_KEEP")   # debugging: keep the linked runtime (gdb add-symbol-file)
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        data = emit(s, Path(keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="kprewrite-") as d:
+            data = emit(s, Path(d))
+    writer.write_atomically(output, data, input_path)
+    return s
+
+
+def read_metadata(path: str) -> dict:
+    from elftools.elf.elffile import ELFFile
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                raise KprewriteError(f"{path}: not an ELF file")
+            f.seek(0)
+            sec = ELFFile(f).get_section_by_name(META_SECTION)
+            if sec is None:
+                raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
+            return json.loads(sec.data())
+    except OSError as e:
+        raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+    except (ValueError, KeyError) as e:
+        raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
+
+
+def list_lines(path: str) -> list[str]:
+    """debugfs kprobes/list: ADDRESS  k|r  SYMBOL+0xOFF  [DISABLED] [OPTIMIZED] [FTRACE]."""
+    out = []
+    for p in read_metadata(path)["probes"]:
+        flags = (" [DISABLED]" if p["disabled"] else "") + (" [OPTIMIZED]" if p["optimized"] else "")
+        out.append(f"{p['addr']:016x}  {p['kind']}  {p['symbol']}+{p['offset']:#x}{flags}")
+    return out
+
+
+def blacklist_lines(path: str) -> list[str]:
+    image = Image(path)
+    return [f"{e.start:#x}-{e.end:#x}  {e.symbol}  {e.reason}" for e in bl.compute(image)]

@@ -1,0 +1,125 @@
+"""Stage 4: plan each probe.
+
+Registration checks first (kernel/kprobes.c: instruction boundary, blacklist,
+can_probe), then probes at one address aggregate into a site, and each site is
+either jump-optimized (opt.c's can_optimize) or not, with the check that refused
+it and the offending address.  Explicit probes that cannot be placed are
+errors (register_kprobes() is all or nothing); probes from a glob are skipped.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from . import blacklist as bl
+from .resolve import Probe
+
+OPTIMIZED, INT3, REFUSED = "optimized", "int3", "refused"
+
+
+@dataclass
+class Site:
+    """One probed address: the kernel's aggregator kprobe, and its optimized_kprobe."""
+    addr: int
+    probes: list[Probe]
+    decision: str = REFUSED
+    reason: object = None            # arch Refusal, or str
+    dcr: list | None = None          # the detoured code region, if optimized
+    index: int = -1
+    detour: int = 0
+    resume: int = 0
+    resume_post: int = 0
+    detour_code: bytes = b""
+
+    @property
+    def with_post(self) -> bool:
+        return any(p.spec.post_handler for p in self.probes)
+
+    @property
+    def post_ip(self) -> int:
+        return self.dcr[0].addr + len(self.dcr[0].code) if self.dcr else self.addr
+
+    @property
+    def region_end(self) -> int:
+        return self.dcr[-1].addr + len(self.dcr[-1].code) if self.dcr else self.addr + 1
+
+
+@dataclass
+class Plan:
+    sites: list[Site] = field(default_factory=list)          # placed, in address order
+    errors: list[str] = field(default_factory=list)
+    skipped: dict[str, list[Probe]] = field(default_factory=lambda: defaultdict(list))
+    rejected: list[tuple[Probe, str, str]] = field(default_factory=list)   # (probe, decision, reason)
+
+
+def _where(p: Probe) -> str:
+    return f"{p.spec.table} ({p.label})"
+
+
+def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, spec_name: str) -> Plan:
+    out = Plan()
+    by_addr: dict[int, list[Probe]] = defaultdict(list)
+
+    def fail(p: Probe, decision: str, reason: str, check: str):
+        out.rejected.append((p, decision, reason))
+        if p.from_glob:
+            out.skipped[check].append(p)
+        else:
+            out.errors.append(f"{spec_name}: {_where(p)}: {reason}")
+
+    for p in probes:
+        if p.func is None:
+            fail(p, REFUSED, f"no function symbol or FDE covers {p.addr:#x}, so the instruction boundary cannot be checked", "no_function")
+            continue
+        if p.spec.symbol_name and not p.from_glob and not (p.func.start <= p.addr < p.func.end and p.addr - p.offset >= p.func.start):
+            fail(p, REFUSED, f"offset {p.offset:#x} is beyond the end of {p.symbol}", "offset")
+            continue
+        if not analysis.is_boundary(p.func, p.addr):
+            fail(p, REFUSED, f"{p.addr:#x} is not an instruction boundary of {p.func.name} (decoded from {p.func.start:#x})", "insn_boundary")
+            continue
+        e = bl.lookup(blacklist, p.addr)
+        if e is not None:
+            fail(p, REFUSED, f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist")
+            continue
+        r = arch.optprobe.can_probe_insn(image, p.addr)
+        if r is not None:
+            fail(p, REFUSED, str(r), r.check)
+            continue
+        by_addr[p.addr].append(p)
+
+    sites = [Site(a, ps) for a, ps in sorted(by_addr.items())]
+    for s in sites:
+        if not optimize:
+            s.reason = "kprobes_optimization: jump optimization is off (--no-optimize or optimize = false)"
+            continue
+        r = arch.optprobe.can_optimize(image, analysis, s.probes[0].func, s.addr)
+        if not isinstance(r, list):
+            s.reason = r
+            continue
+        if s.with_post and r[0].info.emulate in ("jmp rel", "jcc rel", "call rel"):
+            s.reason = arch.optprobe.Refusal("post_handler", s.addr, "a post_handler cannot run after a branch in a detour")
+            continue
+        s.dcr = r
+        s.decision = OPTIMIZED
+    # Another probe inside the region keeps the site unoptimized (the kernel's
+    # pre-optimization check); only sites that will be placed count.
+    placed = sorted(s.addr for s in sites if s.decision == OPTIMIZED)
+    import bisect
+    for s in sites:
+        if s.decision != OPTIMIZED:
+            continue
+        i = bisect.bisect_right(placed, s.addr)
+        if i < len(placed) and placed[i] < s.region_end:
+            s.reason = arch.optprobe.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
+            s.decision, s.dcr = REFUSED, None
+    for s in sites:
+        if s.decision == OPTIMIZED:
+            out.sites.append(s)
+            continue
+        # INT3 fallback is not implemented yet: an unoptimizable site cannot be placed.
+        check = getattr(s.reason, "check", "kprobes_optimization")
+        for p in s.probes:
+            fail(p, REFUSED, f"cannot be jump-optimized: {s.reason} (INT3 fallback probes are not supported yet)", check)
+    for i, s in enumerate(out.sites):
+        s.index = i
+    return out

@@ -1,0 +1,171 @@
+"""Stage 7: write the output ELF.
+
+Minimal surgery on the input's bytes, so everything the program had stays
+where it was: the probe jumps are patched in place, and the new code and data
+are appended as two new PT_LOAD segments.  The program header table moves into
+the first of them, whose vaddr - offset equals the first segment's, so both
+the kernel's and QEMU's AT_PHDR computations find it.  (LIEF reads the input;
+its builder is not used to write, because adding segments with it shifts the
+existing layout that our detours already point into.)
+"""
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+
+from .errors import KprewriteError
+from .image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
+
+PAGE = 0x1000
+PHDR_SIZE = 56
+SHDR_SIZE = 64
+NEW_PHDRS = 2
+
+
+def page_up(x: int) -> int:
+    return (x + PAGE - 1) & ~(PAGE - 1)
+
+
+@dataclass
+class Layout:
+    """Where the new segments go, decided before anything is emitted."""
+    skew: int          # vaddr - offset of the first PT_LOAD
+    rx_vaddr: int      # V: program headers, stubs, detours, runtime code
+    rx_offset: int
+    phdr_size: int
+
+    @property
+    def after_phdrs(self) -> int:
+        return self.rx_vaddr + ((self.phdr_size + 63) & ~63)
+
+
+def plan_layout(image: Image) -> Layout:
+    loads = [s for s in image.segments if s.type == PT_LOAD]
+    first = min(loads, key=lambda s: s.vaddr)
+    skew = first.vaddr - first.offset
+    max_end = max(s.vaddr + s.memsz for s in loads)
+    v = page_up(max(max_end, len(image.data) + skew)) + PAGE
+    nph = len(image.segments) + NEW_PHDRS
+    return Layout(skew, v, v - skew, nph * PHDR_SIZE)
+
+
+@dataclass
+class NewSection:
+    name: str
+    type: int
+    flags: int
+    addr: int
+    data: bytes
+    size: int = -1      # for NOBITS
+    align: int = 16
+
+
+def write_image(image: Image, layout: Layout, patches: list[tuple[int, bytes]], rx: bytes,
+                rw_vaddr: int, rw: bytes, rw_memsz: int, sections: list[NewSection],
+                entry: int | None, file_patches: list[tuple[int, bytes]]) -> bytes:
+    """Assemble the output bytes.  `rx` starts at layout.rx_vaddr and has room
+    for the program headers at its beginning; `rw` is the data segment."""
+    out = bytearray(image.data)
+    for addr, code in patches:
+        off = image.offset_of(addr)
+        out[off:off + len(code)] = code
+    for off, raw in file_patches:
+        out[off:off + len(raw)] = raw
+    # Program headers: the old ones, PT_PHDR moved, the two new PT_LOADs after the last old one.
+    e_phoff = int.from_bytes(out[32:40], "little")
+    e_phnum = int.from_bytes(out[56:58], "little")
+    old = [bytes(out[e_phoff + i * PHDR_SIZE:e_phoff + (i + 1) * PHDR_SIZE]) for i in range(e_phnum)]
+    rx_off = layout.rx_offset
+    rw_off = rx_off + (rw_vaddr - layout.rx_vaddr)
+    new_loads = [
+        struct.pack("<IIQQQQQQ", PT_LOAD, PF_R | PF_X, rx_off, layout.rx_vaddr, layout.rx_vaddr, len(rx), len(rx), PAGE),
+        struct.pack("<IIQQQQQQ", PT_LOAD, PF_R | PF_W, rw_off, rw_vaddr, rw_vaddr, len(rw), rw_memsz, PAGE),
+    ]
+    phdrs = []
+    last_load = max(i for i, p in enumerate(old) if struct.unpack_from("<I", p)[0] == PT_LOAD)
+    for i, p in enumerate(old):
+        typ = struct.unpack_from("<I", p)[0]
+        if typ == PT_PHDR:
+            size = (e_phnum + NEW_PHDRS) * PHDR_SIZE
+            p = struct.pack("<IIQQQQQQ", PT_PHDR, PF_R, rx_off, layout.rx_vaddr, layout.rx_vaddr, size, size, 8)
+        phdrs.append(p)
+        if i == last_load:
+            phdrs.extend(new_loads)
+    table = b"".join(phdrs)
+    assert len(table) == layout.phdr_size
+    rx = table + rx[len(table):]
+    # Lay out the file: pad to rx_off, rx, pad to rw_off, rw.
+    if len(out) > rx_off:
+        raise KprewriteError(f"{image.path}: internal layout error (file end {len(out):#x} past {rx_off:#x})")
+    out += b"\0" * (rx_off - len(out)) + rx
+    out += b"\0" * (rw_off - len(out)) + rw
+    # Section headers: the old ones plus ours, and a new .shstrtab at the end.
+    e_shoff = int.from_bytes(image.data[40:48], "little")
+    e_shnum = int.from_bytes(image.data[60:62], "little")
+    e_shstrndx = int.from_bytes(image.data[62:64], "little")
+    shdrs = [bytearray(image.data[e_shoff + i * SHDR_SIZE:e_shoff + (i + 1) * SHDR_SIZE]) for i in range(e_shnum)] if e_shoff else []
+    if shdrs and e_shstrndx < len(shdrs):
+        sh = shdrs[e_shstrndx]
+        off, size = struct.unpack_from("<QQ", sh, 24)
+        strtab = bytearray(image.data[off:off + size])
+    else:
+        shdrs = [bytearray(SHDR_SIZE)]
+        strtab = bytearray(b"\0")
+        e_shstrndx = None
+    for s in sections:
+        name_off = len(strtab)
+        strtab += s.name.encode() + b"\0"
+        if s.flags & 2:      # SHF_ALLOC: lies in a segment already written
+            off = (rx_off + s.addr - layout.rx_vaddr) if s.addr < rw_vaddr else (rw_off + s.addr - rw_vaddr)
+        else:
+            while len(out) % s.align:
+                out += b"\0"
+            off = len(out)
+            out += s.data
+        size = s.size if s.size >= 0 else len(s.data)
+        shdrs.append(bytearray(struct.pack("<IIQQQQIIQQ", name_off, s.type, s.flags, s.addr, off, size, 0, 0, s.align, 0)))
+    shstr_name = None
+    if e_shstrndx is None:
+        shstr_name = len(strtab)
+        strtab += b".shstrtab\0"
+        e_shstrndx = len(shdrs)
+        shdrs.append(bytearray(struct.pack("<IIQQQQIIQQ", shstr_name, 3, 0, 0, 0, 0, 0, 0, 1, 0)))
+    str_off = len(out)
+    out += strtab
+    struct.pack_into("<QQ", shdrs[e_shstrndx], 24, str_off, len(strtab))
+    while len(out) % 8:
+        out += b"\0"
+    shoff = len(out)
+    for sh in shdrs:
+        out += sh
+    # ELF header.
+    struct.pack_into("<Q", out, 32, rx_off)                 # e_phoff
+    struct.pack_into("<H", out, 56, len(phdrs))             # e_phnum
+    struct.pack_into("<Q", out, 40, shoff)                  # e_shoff
+    struct.pack_into("<H", out, 60, len(shdrs))             # e_shnum
+    struct.pack_into("<H", out, 62, e_shstrndx)             # e_shstrndx
+    if entry is not None:
+        struct.pack_into("<Q", out, 24, entry)
+    return bytes(out)
+
+
+def write_atomically(path: str, data: bytes, mode_from: str) -> None:
+    """Write OUTPUT atomically, with INPUT's file mode."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
+    except OSError as e:
+        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, os.stat(mode_from).st_mode & 0o7777)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise KprewriteError(f"{path}: cannot write: {e.strerror}")

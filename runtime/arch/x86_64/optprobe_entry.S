@@ -1,0 +1,151 @@
+/*
+ * The shared half of every detour buffer (arch/x86/kernel/kprobes/opt.c's
+ * optprobe_template, split so each probe's own stub stays small).
+ *
+ * A probe's stub, emitted by kprewrite, does:
+ *	lea  -128(%rsp), %rsp		step over the user red zone
+ *	push $SITE			which kp_sites[] entry
+ *	call kp_optprobe_entry		(or kp_optprobe_post_entry)
+ *	lea  136(%rsp), %rsp		pop SITE and the red zone
+ *	<relocated DCR>; jmp back
+ *
+ * Here we build struct pt_regs below that, call the C callback with a 16-byte
+ * aligned stack, and restore every register from pt_regs, so handler writes take
+ * effect.  Flags: pushfq/popfq cost 7 ns on the machines we measure, so the
+ * arithmetic flags are saved with seto/lahf and restored with add/sahf; when the
+ * callback asks for it (path change, sp or non-arithmetic flags changed) the slow
+ * path restores the full flags with popfq and resumes at regs->ip on regs->sp.
+ *
+ * pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56 r9 64
+ * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
+ * sp 152 ss 160; size 168.  At entry: 0(%rsp) return into the stub, 8(%rsp)
+ * SITE, and the probed code's %rsp was 144(%rsp).
+ */
+#define PT_SIZE 168
+
+	.text
+	.p2align 5
+
+.macro OPTPROBE_ENTRY name, callback
+	.globl \name
+	.hidden \name
+	.type \name, @function
+\name:
+	lea	-PT_SIZE(%rsp), %rsp
+	mov	%rax, 80(%rsp)
+	mov	%rcx, 88(%rsp)
+	seto	%al
+	lahf
+	movzbl	%ah, %ecx
+	movzbl	%al, %eax
+	shl	$11, %eax
+	or	%eax, %ecx
+	or	$0x200, %ecx			/* IF, as user code always runs with it */
+	mov	%rcx, 144(%rsp)
+	mov	%rdx, 96(%rsp)
+	mov	%rsi, 104(%rsp)
+	mov	%rdi, 112(%rsp)
+	mov	%r8, 72(%rsp)
+	mov	%r9, 64(%rsp)
+	mov	%r10, 56(%rsp)
+	mov	%r11, 48(%rsp)
+	mov	%rbx, 40(%rsp)
+	mov	%rbp, 32(%rsp)
+	mov	%r12, 24(%rsp)
+	mov	%r13, 16(%rsp)
+	mov	%r14, 8(%rsp)
+	mov	%r15, 0(%rsp)
+	movq	$-1, 120(%rsp)			/* orig_ax */
+	movq	$0x33, 136(%rsp)		/* __USER_CS */
+	movq	$0x2b, 160(%rsp)		/* __USER_DS */
+	lea	PT_SIZE+144(%rsp), %rax
+	mov	%rax, 152(%rsp)			/* sp before the detour */
+	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
+	mov	%rsp, %rsi
+	mov	%rsp, %rbx
+	and	$-16, %rsp
+	call	\callback
+	mov	%rbx, %rsp
+	test	%eax, %eax
+	jnz	kp_optprobe_resume_regs
+	/* Fast path: arithmetic flags back with add/sahf, then the registers. */
+	movzbl	144(%rsp), %eax
+	shl	$8, %eax
+	movzbl	145(%rsp), %ecx
+	shr	$3, %ecx
+	and	$1, %ecx
+	or	%ecx, %eax
+	add	$0x7f, %al			/* OF = (al == 1) */
+	sahf					/* SF ZF AF PF CF */
+	mov	0(%rsp), %r15
+	mov	8(%rsp), %r14
+	mov	16(%rsp), %r13
+	mov	24(%rsp), %r12
+	mov	32(%rsp), %rbp
+	mov	40(%rsp), %rbx
+	mov	48(%rsp), %r11
+	mov	56(%rsp), %r10
+	mov	64(%rsp), %r9
+	mov	72(%rsp), %r8
+	mov	80(%rsp), %rax
+	mov	88(%rsp), %rcx
+	mov	96(%rsp), %rdx
+	mov	104(%rsp), %rsi
+	mov	112(%rsp), %rdi
+	lea	PT_SIZE(%rsp), %rsp
+	ret
+	.size \name, .-\name
+.endm
+
+	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback
+	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback
+
+/*
+ * Resume at regs->ip on regs->sp with all of regs, flags by popfq.
+ * %rsp = R (pt_regs).  T = regs->sp.  Copy pt_regs down to
+ * N = min(R, T - 136) - 168 so that the return address we store at T - 136
+ * (below T's red zone) overlaps neither copy, then pop everything and
+ * `ret $128`: ip from T - 136, and %rsp ends at T.
+ */
+	.globl kp_optprobe_resume_regs
+	.hidden kp_optprobe_resume_regs
+	.type kp_optprobe_resume_regs, @function
+kp_optprobe_resume_regs:
+	mov	152(%rsp), %rax			/* T */
+	lea	-136(%rax), %rdx		/* where ip goes */
+	mov	%rsp, %rcx
+	cmp	%rdx, %rcx
+	cmova	%rdx, %rcx			/* min(R, T - 136) */
+	sub	$PT_SIZE, %rcx			/* N */
+	xor	%esi, %esi
+1:	mov	(%rsp,%rsi,8), %rdi		/* forward copy: N < R */
+	mov	%rdi, (%rcx,%rsi,8)
+	inc	%esi
+	cmp	$21, %esi
+	jb	1b
+	mov	%rcx, %rsp
+	mov	128(%rsp), %rdi
+	mov	%rdi, (%rdx)			/* ip at T - 136 */
+	mov	%rdx, 152(%rsp)			/* pop %rsp lands at T - 136 */
+	mov	0(%rsp), %r15
+	mov	8(%rsp), %r14
+	mov	16(%rsp), %r13
+	mov	24(%rsp), %r12
+	mov	32(%rsp), %rbp
+	mov	40(%rsp), %rbx
+	mov	48(%rsp), %r11
+	mov	56(%rsp), %r10
+	mov	64(%rsp), %r9
+	mov	72(%rsp), %r8
+	mov	80(%rsp), %rax
+	mov	88(%rsp), %rcx
+	mov	96(%rsp), %rdx
+	mov	104(%rsp), %rsi
+	mov	112(%rsp), %rdi
+	lea	144(%rsp), %rsp
+	popfq
+	pop	%rsp
+	ret	$128
+	.size kp_optprobe_resume_regs, .-kp_optprobe_resume_regs
+
+	.section .note.GNU-stack,"",@progbits

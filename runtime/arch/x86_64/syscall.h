@@ -1,0 +1,33 @@
+/* Raw x86-64 Linux system calls: the runtime calls nothing in the probed program. */
+#ifndef _KP_X86_64_SYSCALL_H
+#define _KP_X86_64_SYSCALL_H
+
+static inline long kp_syscall6(long n, long a, long b, long c, long d, long e, long f)
+{
+	long ret;
+	register long r10 __asm__("r10") = d;
+	register long r8 __asm__("r8") = e;
+	register long r9 __asm__("r9") = f;
+	__asm__ volatile("syscall"
+			 : "=a"(ret)
+			 : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
+			 : "rcx", "r11", "memory");
+	return ret;
+}
+#define kp_syscall3(n, a, b, c) kp_syscall6(n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
+
+#define __NR_write 1
+#define __NR_open 2
+#define __NR_close 3
+#define __NR_mmap 9
+#define __NR_arch_prctl 158
+#define ARCH_GET_FS 0x1003
+
+/* The thread pointer: %fs:0 is the TCB's self pointer in glibc and musl. */
+static inline unsigned long kp_arch_thread_pointer(void)
+{
+	unsigned long tp;
+	__asm__("mov %%fs:0, %0" : "=r"(tp));
+	return tp;
+}
+#endif

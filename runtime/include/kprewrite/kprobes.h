@@ -1,0 +1,182 @@
+/*
+ * kprewrite handler API: the kernel's <linux/kprobes.h> as far as handlers see it.
+ *
+ * Handlers are written as for kernel kprobes.  They are compiled freestanding
+ * (no libc) with -mgeneral-regs-only, like kernel code: no floating point.
+ */
+#ifndef _KPREWRITE_KPROBES_H
+#define _KPREWRITE_KPROBES_H
+
+/* Everything the runtime and handlers share stays inside the rewritten image:
+ * hidden visibility keeps references PC-relative (no GOT, no dynamic symbols). */
+#pragma GCC visibility push(hidden)
+
+#include <stddef.h>
+#include <stdarg.h>
+
+typedef unsigned char kprobe_opcode_t;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long s64;
+typedef int s32;
+
+/* arch/x86/include/asm/ptrace.h, x86-64 layout (offsets in 8-byte words). */
+struct pt_regs {
+	unsigned long r15, r14, r13, r12, bp, bx;
+	unsigned long r11, r10, r9, r8, ax, cx, dx, si, di;
+	unsigned long orig_ax;
+	unsigned long ip, cs, flags, sp, ss;
+};
+
+struct kprobe;
+typedef int (*kprobe_pre_handler_t)(struct kprobe *, struct pt_regs *);
+typedef void (*kprobe_post_handler_t)(struct kprobe *, struct pt_regs *, unsigned long flags);
+
+#define KPROBE_FLAG_GONE	1	/* breakpoint has already gone */
+#define KPROBE_FLAG_DISABLED	2	/* probe is temporarily disabled */
+#define KPROBE_FLAG_OPTIMIZED	4	/* probe is really optimized */
+#define KPROBE_FLAG_FTRACE	8	/* probe is using ftrace */
+
+struct kprobe {
+	kprobe_opcode_t *addr;		/* location of the probe point (as loaded) */
+	const char *symbol_name;	/* symbol the probe was resolved from, or NULL */
+	unsigned int offset;		/* offset into the symbol */
+	kprobe_pre_handler_t pre_handler;
+	kprobe_post_handler_t post_handler;
+	unsigned long nmissed;		/* hits skipped because a handler was running */
+	volatile unsigned int flags;	/* KPROBE_FLAG_* */
+	/* kprewrite: */
+	const char *name;		/* event name: spec `name`, else p_SYM_OFF */
+	unsigned int index;		/* position in the spec's probe table */
+	unsigned int site;		/* the probed address's aggregation site */
+};
+
+struct kretprobe_instance;
+struct kretprobe;
+typedef int (*kretprobe_handler_t)(struct kretprobe_instance *, struct pt_regs *);
+
+struct kretprobe {
+	struct kprobe kp;
+	kretprobe_handler_t handler;
+	kretprobe_handler_t entry_handler;
+	int maxactive;
+	int nmissed;
+	size_t data_size;
+};
+
+struct kretprobe_instance {
+	struct kretprobe *rp;
+	kprobe_opcode_t *ret_addr;
+	void *fp;
+	char data[];
+};
+
+static inline struct kretprobe *get_kretprobe(struct kretprobe_instance *ri)
+{
+	return ri->rp;
+}
+
+static inline unsigned long regs_return_value(struct pt_regs *regs)
+{
+	return regs->ax;
+}
+
+static inline unsigned long instruction_pointer(struct pt_regs *regs)
+{
+	return regs->ip;
+}
+
+static inline unsigned long kernel_stack_pointer(struct pt_regs *regs)
+{
+	return regs->sp;
+}
+
+/* The x86-64 function-call ABI: di, si, dx, cx, r8, r9, then the stack. */
+static inline unsigned long regs_get_kernel_argument(struct pt_regs *regs, unsigned int n)
+{
+	switch (n) {
+	case 0: return regs->di;
+	case 1: return regs->si;
+	case 2: return regs->dx;
+	case 3: return regs->cx;
+	case 4: return regs->r8;
+	case 5: return regs->r9;
+	default:
+		/* At a function entry, sp points at the return address. */
+		return ((unsigned long *)regs->sp)[n - 5];
+	}
+}
+
+int enable_kprobe(struct kprobe *kp);
+int disable_kprobe(struct kprobe *kp);
+int enable_kretprobe(struct kretprobe *rp);
+int disable_kretprobe(struct kretprobe *rp);
+
+static inline int kprobe_disabled(struct kprobe *p)
+{
+	return p->flags & (KPROBE_FLAG_DISABLED | KPROBE_FLAG_GONE);
+}
+
+/* printk: the kernel's format subset, one write per call. */
+int printk(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int vprintk(const char *fmt, va_list ap);
+int snprintf(char *buf, size_t size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+int vsnprintf(char *buf, size_t size, const char *fmt, va_list ap);
+
+#ifndef pr_fmt
+#define pr_fmt(fmt) fmt
+#endif
+#define KERN_EMERG	""
+#define KERN_ALERT	""
+#define KERN_CRIT	""
+#define KERN_ERR	""
+#define KERN_WARNING	""
+#define KERN_NOTICE	""
+#define KERN_INFO	""
+#define KERN_DEBUG	""
+#define pr_emerg(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_alert(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_crit(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_err(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_warn(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_notice(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_info(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_debug(fmt, ...)	do { } while (0)
+#define pr_cont(fmt, ...)	printk(fmt, ##__VA_ARGS__)
+
+/*
+ * Code that must never be probed: NOKPROBE_SYMBOL() records the function's
+ * address in the _kprobe_blacklist section, as the kernel does; __kprobes puts
+ * it in .kprobes.text.  kprewrite blacklists both when rewriting.
+ */
+#define __kprobes __attribute__((__section__(".kprobes.text")))
+#define NOKPROBE_SYMBOL(fname)						\
+	static unsigned long __attribute__((__used__, __section__("_kprobe_blacklist"))) \
+	_kbl_addr_##fname = (unsigned long)fname;
+
+/* Probes come from the spec; registration calls in a sample's module init are no-ops. */
+static inline int register_kprobe(struct kprobe *p) { (void)p; return 0; }
+static inline void unregister_kprobe(struct kprobe *p) { (void)p; }
+static inline int register_kretprobe(struct kretprobe *rp) { (void)rp; return 0; }
+static inline void unregister_kretprobe(struct kretprobe *rp) { (void)rp; }
+
+/* Module boilerplate of the kernel samples compiles to nothing. */
+#define MODULE_LICENSE(x)
+#define MODULE_AUTHOR(x)
+#define MODULE_DESCRIPTION(x)
+#define module_init(fn)
+#define module_exit(fn)
+#define module_param_string(n, s, l, p)
+#define module_param(n, t, p)
+#define MODULE_PARM_DESC(n, d)
+#define __init
+#define __exit
+#define __user
+#define unlikely(x) __builtin_expect(!!(x), 0)
+#define likely(x) __builtin_expect(!!(x), 1)
+#define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,257 @@
+/*
+ * The generic part of the runtime: kernel/kprobes.c's dispatch semantics.
+ *
+ * - aggregation: several kprobes at one address share a site; pre_handlers run
+ *   in spec order and the first non-zero return stops the chain
+ *   (aggr_pre_handler), every post_handler runs (aggr_post_handler);
+ * - reentrancy: a hit while a handler runs on the same thread increments the
+ *   probe's nmissed and runs nothing (kprobes_inc_nmissed_count);
+ * - disabled probes stay silent; KPREWRITE_ENABLED=0 is kprobes/enabled = 0;
+ * - hit counters are per thread, like trace kprobes' per-CPU nhit, so a hit
+ *   costs no atomic operation and the sums stay exact.
+ */
+#include "kp_internal.h"
+
+struct kp_runtime kp_rt;
+
+/* Single-threaded start-up before the C library has set up a thread pointer. */
+static struct kp_thread *kp_early_thread;
+
+#define KP_TABLE_SIZE 8192UL
+
+/* The anchor whose link-time address kprewrite records: bias = run - link. */
+void kp_link_anchor(void) { }
+
+/*
+ * Self-relocation: the runtime's own R_X86_64_RELATIVE entries were applied by
+ * kprewrite at link-time addresses; a PIE or shared object loaded elsewhere adds
+ * the load bias here.  Runs once, from start-up or from the first hit if a probe
+ * fires earlier (a shared object's code can run before its init_array).
+ */
+struct kp_rela { unsigned long offset, info; long addend; };
+extern const struct kp_rela __kp_rela_start[], __kp_rela_end[];
+
+void kp_relocate(void)
+{
+	int expected = 0;
+	if (kp_rt.state == 2)
+		return;
+	if (!__atomic_compare_exchange_n(&kp_rt.state, &expected, 1, 0,
+					 __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE)) {
+		while (__atomic_load_n(&kp_rt.state, __ATOMIC_ACQUIRE) != 2)
+			__builtin_ia32_pause();
+		return;
+	}
+	unsigned long bias = (unsigned long)&kp_link_anchor - kp_link_anchor_addr;
+	kp_rt.bias = bias;
+	if (bias) {
+		for (const struct kp_rela *r = __kp_rela_start; r < __kp_rela_end; r++)
+			*(unsigned long *)(r->offset + bias) += bias;
+		for (unsigned int i = 0; i < kp_nprobes; i++)
+			kp_probes[i].addr += bias;
+		for (unsigned int i = 0; i < kp_nsites; i++) {
+			kp_sites[i].addr += bias;
+			kp_sites[i].post_ip += bias;
+			kp_sites[i].resume += bias;
+			kp_sites[i].resume_post += bias;
+		}
+	}
+	kp_rt.armed = 1;
+	kp_rt.table = kp_platform_alloc(KP_TABLE_SIZE * sizeof(*kp_rt.table));
+	kp_rt.table_mask = kp_rt.table ? KP_TABLE_SIZE - 1 : 0;
+	__atomic_store_n(&kp_rt.state, 2, __ATOMIC_RELEASE);
+}
+
+static const char *kp_getenv(char **envp, const char *name)
+{
+	size_t n = strlen(name);
+	for (; envp && *envp; envp++)
+		if (!strncmp(*envp, name, n) && (*envp)[n] == '=')
+			return *envp + n + 1;
+	return 0;
+}
+
+/* Start-up configuration from the environment (after kp_relocate). */
+void kp_configure(char **envp)
+{
+	const char *e = kp_getenv(envp, "KPREWRITE_ENABLED");
+	if (e && e[0] == '0' && e[1] == 0)
+		kp_rt.armed = 0;
+	kp_rt.profile_path = kp_getenv(envp, "KPREWRITE_PROFILE");
+}
+
+static struct kp_thread *kp_new_thread(unsigned long key)
+{
+	struct kp_thread *t = kp_platform_alloc(sizeof(*t) + kp_nprobes * sizeof(unsigned long));
+	if (!t)
+		return 0;
+	t->key = key;
+	struct kp_thread *head = kp_rt.threads;
+	do {
+		t->next = head;
+	} while (!__atomic_compare_exchange_n(&kp_rt.threads, &head, t, 1,
+					      __ATOMIC_RELEASE, __ATOMIC_RELAXED));
+	return t;
+}
+
+/* Slow path of the thread lookup: claim a slot for a thread seen first. */
+struct kp_thread *kp_thread_slow(unsigned long key)
+{
+	if (!key || !kp_rt.table) {
+		/* No thread pointer yet: start-up is single-threaded. */
+		if (!kp_early_thread)
+			kp_early_thread = kp_new_thread(0);
+		return kp_early_thread;
+	}
+	unsigned long i = (key >> 6) * 0x9E3779B97F4A7C15UL >> 51;
+	struct kp_thread *t = 0;
+	for (unsigned long n = 0; n <= kp_rt.table_mask; n++, i++) {
+		struct kp_thread **slot = &kp_rt.table[i & kp_rt.table_mask];
+		struct kp_thread *cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+		if (cur) {
+			if (cur->key == key)
+				return cur;
+			continue;
+		}
+		if (!t && !(t = kp_new_thread(key)))
+			return kp_early_thread;
+		if (__atomic_compare_exchange_n(slot, &cur, t, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+			return t;
+		if (cur->key == key)	/* lost a race against... ourselves? keep going */
+			return cur;
+	}
+	return t;	/* table full: an unshared block, counts still summed */
+}
+
+static inline struct kp_thread *kp_current_thread(void)
+{
+	unsigned long key = kp_platform_thread_key();
+	if (likely(key && kp_rt.table)) {
+		unsigned long i = (key >> 6) * 0x9E3779B97F4A7C15UL >> 51;
+		struct kp_thread *t = kp_rt.table[i & kp_rt.table_mask];
+		if (likely(t && t->key == key))
+			return t;
+	}
+	return kp_thread_slow(key);
+}
+
+/* Return values of the callbacks, read by the arch entry code. */
+#define KP_RESUME_DETOUR 0	/* restore and continue in the detour */
+#define KP_RESUME_REGS 1	/* resume at regs->ip with regs->sp and the full regs->flags */
+
+#define KP_ARITH_FLAGS 0x8d5UL	/* OF SF ZF AF PF CF: restored without popfq */
+
+/*
+ * optimized_callback() of arch/x86/kernel/kprobes/opt.c, plus what the kernel
+ * cannot do: a pre_handler that returns non-zero resumes at regs->ip.
+ */
+long kp_optimized_callback(unsigned long site_index, struct pt_regs *regs)
+{
+	struct kp_site *s = &kp_sites[site_index];
+	if (unlikely(kp_rt.state != 2))
+		kp_relocate();
+	if (unlikely(!kp_rt.armed))
+		return KP_RESUME_DETOUR;
+	struct kp_thread *t = kp_current_thread();
+	struct kprobe *const *pp = &kp_site_probes[s->first];
+	unsigned int n = s->count;
+	if (unlikely(!t))
+		return KP_RESUME_DETOUR;
+	if (unlikely(t->active)) {
+		for (unsigned int i = 0; i < n; i++)
+			if (!kprobe_disabled(pp[i]))
+				__atomic_fetch_add(&pp[i]->nmissed, 1, __ATOMIC_RELAXED);
+		return KP_RESUME_DETOUR;
+	}
+	unsigned long sp = regs->sp, flags = regs->flags;
+	regs->ip = s->addr + 1;		/* as if the int3 had trapped */
+	t->active = 1;
+	for (unsigned int i = 0; i < n; i++) {
+		struct kprobe *p = pp[i];
+		if (kprobe_disabled(p))
+			continue;
+		t->hits[p->index]++;
+		if (p->pre_handler && p->pre_handler(p, regs)) {
+			t->active = 0;
+			return KP_RESUME_REGS;
+		}
+	}
+	t->active = 0;
+	if (unlikely(regs->sp != sp || ((regs->flags ^ flags) & ~KP_ARITH_FLAGS))) {
+		regs->ip = s->resume;
+		return KP_RESUME_REGS;
+	}
+	return KP_RESUME_DETOUR;
+}
+
+/* The post_handler half: runs after the probed instruction, in the detour. */
+long kp_post_callback(unsigned long site_index, struct pt_regs *regs)
+{
+	struct kp_site *s = &kp_sites[site_index];
+	if (unlikely(kp_rt.state != 2 || !kp_rt.armed))
+		return KP_RESUME_DETOUR;
+	struct kp_thread *t = kp_current_thread();
+	if (unlikely(!t || t->active))
+		return KP_RESUME_DETOUR;	/* the pre half already counted the miss */
+	struct kprobe *const *pp = &kp_site_probes[s->first];
+	unsigned long sp = regs->sp, flags = regs->flags;
+	regs->ip = s->post_ip;
+	t->active = 1;
+	for (unsigned int i = 0; i < s->count; i++) {
+		struct kprobe *p = pp[i];
+		if (!kprobe_disabled(p) && p->post_handler)
+			p->post_handler(p, regs, 0);
+	}
+	t->active = 0;
+	if (unlikely(regs->sp != sp || ((regs->flags ^ flags) & ~KP_ARITH_FLAGS)
+		     || regs->ip != s->post_ip)) {
+		if (regs->ip == s->post_ip)
+			regs->ip = s->resume_post;
+		return KP_RESUME_REGS;
+	}
+	return KP_RESUME_DETOUR;
+}
+
+int enable_kprobe(struct kprobe *kp)
+{
+	__atomic_fetch_and(&kp->flags, ~KPROBE_FLAG_DISABLED, __ATOMIC_RELAXED);
+	return 0;
+}
+
+int disable_kprobe(struct kprobe *kp)
+{
+	__atomic_fetch_or(&kp->flags, KPROBE_FLAG_DISABLED, __ATOMIC_RELAXED);
+	return 0;
+}
+
+int enable_kretprobe(struct kretprobe *rp)
+{
+	return enable_kprobe(&rp->kp);
+}
+
+int disable_kretprobe(struct kretprobe *rp)
+{
+	return disable_kprobe(&rp->kp);
+}
+
+/* kprobe_profile: "  EVENT  HITS  MISSES", written where KPREWRITE_PROFILE says. */
+void kp_write_profile(void)
+{
+	const char *path = kp_rt.profile_path;
+	if (!path || !*path || kp_rt.state != 2)
+		return;
+	int fd = (!strcmp(path, "-") || !strcmp(path, "stderr")) ? 2 : kp_platform_open_append(path);
+	if (fd < 0)
+		return;
+	char line[160];
+	for (unsigned int i = 0; i < kp_nprobes; i++) {
+		unsigned long hits = 0;
+		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
+			hits += t->hits[i];
+		int len = snprintf(line, sizeof(line), "  %-44s %15lu %15lu\n",
+				   kp_probes[i].name, hits, kp_probes[i].nmissed);
+		kp_platform_write(fd, line, len);
+	}
+	if (fd != 2)
+		kp_platform_close(fd);
+}
