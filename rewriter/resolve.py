@@ -31,8 +31,11 @@ class Probe:
         # The kernel's default kprobe event name: p_SYMBOL_OFFSET.
         if self.spec.name:
             return self.spec.name
+        # The kernel names events from what the user wrote, before the ENDBR adjustment.
+        if self.spec.addr is not None and not self.spec.symbol_name:
+            return f"p_0x{self.spec.addr + self.spec.offset:x}"
         sym = "".join(c if c.isalnum() or c == "_" else "_" for c in self.symbol)
-        return f"p_{sym}_{self.offset}"
+        return f"p_{sym}_{self.spec.offset}"
 
 
 def _where(spec_path, table) -> str:
