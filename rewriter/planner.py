@@ -60,12 +60,12 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
     out = Plan()
     by_addr: dict[int, list[Probe]] = defaultdict(list)
 
-    def fail(p: Probe, decision: str, reason: str, check: str):
+    def fail(p: Probe, decision: str, reason: str, check: str, error: str | None = None):
         out.rejected.append((p, decision, reason))
         if p.from_glob:
             out.skipped[check].append(p)
         else:
-            out.errors.append(f"{spec_name}: {_where(p)}: {reason}")
+            out.errors.append(f"{spec_name}: {_where(p)}: {error or reason}")
 
     for p in probes:
         if p.func is None:
@@ -119,7 +119,8 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
         # INT3 fallback is not implemented yet: an unoptimizable site cannot be placed.
         check = getattr(s.reason, "check", "kprobes_optimization")
         for p in s.probes:
-            fail(p, REFUSED, f"cannot be jump-optimized: {s.reason} (INT3 fallback probes are not supported yet)", check)
+            fail(p, REFUSED, str(s.reason), check,
+                 f"cannot be jump-optimized: {s.reason} (INT3 fallback probes are not supported yet)")
     for i, s in enumerate(out.sites):
         s.index = i
     return out

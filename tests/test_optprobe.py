@@ -1,0 +1,291 @@
+"""The optimizer's safety checks, each tripped by a real program, and the hard
+cases that must still work when jump-optimized."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import cc, instrument, kprewrite, profile, run, write_spec
+
+ASM = r"""
+__asm__(
+".text\n"
+/* A loop jumps back to offset 2: inside the region of a probe at 0. */
+".globl jump_into\n.type jump_into,@function\njump_into:\n"
+"  xor %eax,%eax\n"
+"1: add $1,%eax\n"
+"  cmp %edi,%eax\n"
+"  jl 1b\n"
+"  ret\n"
+".size jump_into,.-jump_into\n"
+/* An indirect jump: the kernel assumes a jump table and refuses the function. */
+".globl jump_table\n.type jump_table,@function\njump_table:\n"
+"  lea 1f(%rip),%rax\n"
+"  jmp *%rax\n"
+"1: mov %edi,%eax\n"
+"  ret\n"
+".size jump_table,.-jump_table\n"
+/* Three bytes: a 5-byte jump would cross the function's end. */
+".globl tiny\n.type tiny,@function\ntiny:\n"
+"  xor %eax,%eax\n"
+"  ret\n"
+".size tiny,.-tiny\n"
+/* A RIP-relative load heads the region. */
+".globl rip_rel\n.type rip_rel,@function\nrip_rel:\n"
+"  mov counter(%rip),%eax\n"
+"  add %edi,%eax\n"
+"  mov %eax,counter(%rip)\n"
+"  ret\n"
+".size rip_rel,.-rip_rel\n"
+/* A short conditional branch inside the region. */
+".globl short_br\n.type short_br,@function\nshort_br:\n"
+"  test %edi,%edi\n"
+"  je 1f\n"
+"  mov $1,%eax\n"
+"  ret\n"
+"1: mov $2,%eax\n"
+"  ret\n"
+".size short_br,.-short_br\n"
+/* A leaf that keeps live data in the red zone across the probe at +10. */
+".globl redzone\n.type redzone,@function\nredzone:\n"
+"  mov %rdi,-8(%rsp)\n"
+"  mov %rsi,-0x78(%rsp)\n"
+"  mov -8(%rsp),%rax\n"
+"  add -0x78(%rsp),%rax\n"
+"  ret\n"
+".size redzone,.-redzone\n"
+/* A call heads the region: the callee must see the original return address. */
+".globl calls\n.type calls,@function\ncalls:\n"
+"  sub $8,%rsp\n"
+"  call where_from\n"
+"  add $8,%rsp\n"
+"  ret\n"
+".size calls,.-calls\n"
+);
+"""
+
+PROGRAM = ASM + r"""
+#include <stdio.h>
+#include <stdlib.h>
+int counter;
+int jump_into(int), jump_table(int), tiny(void), rip_rel(int), short_br(int);
+long redzone(long, long);
+void *calls(void);
+__attribute__((noinline)) void *where_from(void) { return __builtin_return_address(0); }
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 5;
+    int t = 0;
+    for (int i = 0; i < n; i++) t += rip_rel(i);
+    printf("jump_into=%d jump_table=%d tiny=%d\n", jump_into(7), jump_table(9), tiny());
+    printf("rip_rel=%d counter=%d\n", t, counter);
+    printf("short_br=%d,%d\n", short_br(0), short_br(1));
+    printf("redzone=%ld\n", redzone(40, 2));
+    void *ra = calls();
+    printf("calls returns inside calls: %d\n", (char *)ra > (char *)calls && (char *)ra < (char *)calls + 16);
+    return 0;
+}
+"""
+
+NOISY = r"""
+#include <kprewrite/kprobes.h>
+/* Uses a lot of stack: anything left in the probed code's red zone would be overwritten. */
+int noisy(struct kprobe *p, struct pt_regs *regs)
+{
+    char buf[512];
+    for (int i = 0; i < (int)sizeof(buf); i++)
+        ((volatile char *)buf)[i] = (char)0xa5;
+    snprintf(buf, sizeof(buf), "%s", p->symbol_name);
+    pr_info("hit %s+%u\n", buf, p->offset);
+    return 0;
+}
+"""
+
+
+def spec_for(*probes):
+    out = ['handlers = ["handlers.c"]']
+    for sym, off in probes:
+        out.append(f'[[kprobe]]\nsymbol_name = "{sym}"\noffset = {off}\npre_handler = "noisy"')
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture
+def prog(tmp_path):
+    return cc(tmp_path, "prog", PROGRAM, "-O2")
+
+
+@pytest.mark.parametrize("sym,check,where", [
+    ("jump_into", "jump_into_region", lambda a: a["jump_into"] + 7),      # the jl
+    ("jump_table", "indirect_jump", lambda a: a["jump_table"] + 7),       # the jmp *%rax
+    ("tiny", "func_size", lambda a: a["tiny"]),
+])
+def test_safety_check_refuses(tmp_path, prog, sym, check, where):
+    addrs = symbols(prog)
+    spec = write_spec(tmp_path, spec_for((sym, 0)), NOISY)
+    r = kprewrite("check", prog, "--spec", spec, check=False)
+    line = r.stdout.strip()
+    assert line.startswith(f"{sym}+0x0  k  refused  "), r.stdout
+    assert f"{check} at {where(addrs):#x}" in line, line
+    # instrument is all or nothing: one line naming the probe, no output.
+    out = tmp_path / "out"
+    r = kprewrite("instrument", prog, "--spec", spec, "-o", out, check=False)
+    assert r.returncode != 0 and not out.exists()
+    assert len(r.stderr.strip().splitlines()) == 1 and check in r.stderr and "Traceback" not in r.stderr
+
+
+def symbols(path):
+    out = {}
+    for line in subprocess.run(["nm", str(path)], capture_output=True, text=True).stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            out[parts[2]] = int(parts[0], 16)
+    return out
+
+
+def test_hard_cases_optimized(tmp_path, prog, runner):
+    probes = [("rip_rel", 0), ("short_br", 0), ("redzone", 10), ("calls", 4)]
+    spec = write_spec(tmp_path, spec_for(*probes), NOISY)
+    r = kprewrite("check", prog, "--spec", spec)
+    assert r.stdout.splitlines() == [f"{s}+{o:#x}  k  optimized" for s, o in probes]
+    expect = run(prog)
+    out = instrument(prog, spec)
+    got = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == expect.stdout
+    assert "redzone=42\n" in got.stdout and "calls returns inside calls: 1\n" in got.stdout
+    prof = profile(got.stderr)
+    assert prof == {"p_rip_rel_0": (5, 0), "p_short_br_0": (2, 0), "p_redzone_10": (1, 0), "p_calls_4": (1, 0)}
+
+
+CXX = r"""
+#include <cstdio>
+#include <stdexcept>
+__attribute__((noinline)) int may_throw(int x) { if (x > 2) throw std::runtime_error("big"); return x; }
+__attribute__((noinline)) int catcher(int x) {
+    int r = 0;
+    try { r = may_throw(x); } catch (const std::exception &e) { r = -1; }
+    return r;
+}
+int main() { int s = 0; for (int i = 0; i < 6; i++) s += catcher(i); std::printf("s=%d\n", s); return 0; }
+"""
+
+
+def test_landing_pad_refuses_and_exceptions_still_work(tmp_path, runner):
+    from rewriter import ehframe
+    import capstone
+    prog = cc(tmp_path, "prog", CXX, "-O2", lang="c++")
+    data = prog.read_bytes()
+    fdes = ehframe.read_fdes(data)
+    pads = ehframe.landing_pads(data, fdes)
+    addrs = symbols(prog)
+    catcher = addrs["_Z7catcheri"]
+    pad = pads[catcher][0]
+    # The instruction that starts within 4 bytes before the landing pad.
+    from rewriter.image import Image
+    img = Image(str(prog))
+    f = img.function_at(catcher)
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    starts = [i.address for i in md.disasm(img.read(f.start, f.end - f.start), f.start)]
+    before = max(a for a in starts if a < pad)
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "_Z7catcheri"\n'
+                      f'offset = {before - catcher}\npre_handler = "noisy"\n', NOISY)
+    if pad - before < 5:
+        r = kprewrite("check", prog, "--spec", spec, check=False)
+        assert "refused  jump_into_region" in r.stdout and "landing pad" in r.stdout, r.stdout
+    # Probes on the entries of the throwing and the catching function: exceptions still land.
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "_Z9may_throwi"\npre_handler = "noisy"\n'
+                      '[[kprobe]]\nsymbol_name = "_Z7catcheri"\npre_handler = "noisy"\n', NOISY, name="ok.toml")
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == "s=0\n", r.stderr
+    assert profile(r.stderr) == {"p__Z9may_throwi_0": (6, 0), "p__Z7catcheri_0": (6, 0)}
+
+
+SEMANTICS = r"""
+#include <stdio.h>
+#include <pthread.h>
+#include <stdlib.h>
+static int side_effect;
+__attribute__((noinline)) long alloc_thing(long n) { side_effect++; return n * 2; }
+__attribute__((noinline)) long work(long x) { return x + 85; }
+__attribute__((noinline)) long helper(long x) { return x + 1; }
+__attribute__((noinline)) long outer(long x, long (*f)(long)) { return x * 10; }
+static void *thread(void *arg) { long s = 0; for (long i = 0; i < 200000; i++) s += helper(i); return (void *)s; }
+int main(void) {
+    long a5 = alloc_thing(5), a6 = alloc_thing(6);
+    printf("alloc=%ld,%ld side_effect=%d\n", a5, a6, side_effect);
+    printf("work=%ld\n", work(1));
+    long o = 0;
+    for (int i = 0; i < 10; i++) o += outer(i, helper);
+    printf("outer=%ld\n", o);
+    pthread_t t[8];
+    for (int i = 0; i < 8; i++) pthread_create(&t[i], 0, thread, 0);
+    long total = 0;
+    for (int i = 0; i < 8; i++) { void *r; pthread_join(t[i], &r); total += (long)r; }
+    printf("threads=%ld\n", total);
+    return 0;
+}
+"""
+
+SEM_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+/* Fault injection: return -ENOMEM from alloc_thing without running it. */
+int fail_alloc(struct kprobe *p, struct pt_regs *regs)
+{
+    if (regs->di != 6)
+        return 0;
+    regs->ax = (unsigned long)-12;
+    regs->ip = *(unsigned long *)regs->sp;
+    regs->sp += 8;
+    return 1;
+}
+/* Rewrites the argument register. */
+int set_arg(struct kprobe *p, struct pt_regs *regs) { regs->di = 42; return 0; }
+int first(struct kprobe *p, struct pt_regs *regs) { pr_info("first\n"); return 0; }
+int second(struct kprobe *p, struct pt_regs *regs) { pr_info("second\n"); return 0; }
+/* Calls a probed function from inside a handler: that hit is missed. */
+int reenter(struct kprobe *p, struct pt_regs *regs)
+{
+    long (*f)(long) = (long (*)(long))regs->si;
+    f(1);
+    return 0;
+}
+"""
+
+SEM_SPEC = """
+handlers = ["handlers.c"]
+[[kprobe]]
+symbol_name = "alloc_thing"
+pre_handler = "fail_alloc"
+[[kprobe]]
+symbol_name = "work"
+pre_handler = "first"
+[[kprobe]]
+symbol_name = "work"
+pre_handler = "set_arg"
+[[kprobe]]
+symbol_name = "work"
+pre_handler = "second"
+name = "work_second"
+[[kprobe]]
+symbol_name = "outer"
+pre_handler = "reenter"
+[[kprobe]]
+symbol_name = "helper"
+"""
+
+
+def test_semantics(tmp_path, runner):
+    prog = cc(tmp_path, "prog", SEMANTICS, "-O2", "-pthread")
+    out = instrument(prog, write_spec(tmp_path, SEM_SPEC, SEM_HANDLERS))
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    total = 8 * sum(i + 1 for i in range(200000))
+    assert r.stdout == f"alloc=10,-12 side_effect=1\nwork=127\nouter={sum(i * 10 for i in range(10))}\nthreads={total}\n"
+    # Aggregation: pre_handlers in spec order.
+    assert [l for l in r.stderr.splitlines() if l in ("first", "second")] == ["first", "second"]
+    prof = profile(r.stderr)
+    assert prof["p_alloc_thing_0"] == (2, 0)
+    assert prof["p_outer_0"] == (10, 0)
+    # helper: 1.6 M hits from 8 threads, exact; the 10 calls from inside a handler are missed.
+    assert prof["p_helper_0"] == (8 * 200000, 10)
