@@ -35,6 +35,8 @@ class Session:
     probes: list[Probe]
     blacklist: list
     plan: Plan
+    handler_symbols: dict | None = None    # handler name -> link symbol
+    handler_exports: dict | None = None    # C source -> names it exports
 
 
 def unsupported(spec: Spec) -> list[str]:
@@ -60,9 +62,29 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     p = plan(image, analysis, arch, probes, blist, spec.optimize and not no_optimize, spec.path.name)
     if strict:
         errors += p.errors
+    s = Session(image, spec, arch, analysis, probes, blist, p)
+    if strict:
+        errors += _resolve_handlers(s)
     if errors:
         raise KprewriteError(*errors)
-    return Session(image, spec, arch, analysis, probes, blist, p)
+    return s
+
+
+def _resolve_handlers(s: Session) -> list[str]:
+    """Every handler the placed probes name must be defined in a handler file."""
+    names = {n for k in s.spec.kprobes for n in (k.pre_handler, k.post_handler) if n}
+    if not names:
+        s.handler_symbols, s.handler_exports = {}, {}
+        return []
+    s.handler_symbols, s.handler_exports, missing = link.resolve_handlers(link.compiler(), s.spec.handlers, names)
+    lines = []
+    for k in s.spec.kprobes:
+        for key in ("pre_handler", "post_handler"):
+            n = getattr(k, key)
+            if n in missing:
+                lines.append(f"{s.spec.path.name}: {k.table}: {key} '{n}' is not defined in any handler file "
+                             f"({', '.join(h.name for h in s.spec.handlers) or 'none listed'})")
+    return lines
 
 
 def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False) -> Session:
@@ -161,19 +183,7 @@ def emit(s: Session, workdir: Path) -> bytes:
     text_addr = (pos + 63) & ~63
     # Handlers and runtime.
     cc = link.compiler()
-    names = {n for site in s.plan.sites for p in site.probes for n in (p.spec.pre_handler, p.spec.post_handler) if n}
-    link_sym, exports, missing = link.resolve_handlers(cc, s.spec.handlers, names)
-    if missing:
-        lines = []
-        for site in s.plan.sites:
-            for p in site.probes:
-                for key in ("pre_handler", "post_handler"):
-                    n = getattr(p.spec, key)
-                    if n in missing:
-                        lines.append(f"{s.spec.path.name}: {p.spec.table}: {key} '{n}' is not defined in any handler file "
-                                     f"({', '.join(h.name for h in s.spec.handlers) or 'none listed'})")
-        raise KprewriteError(*dict.fromkeys(lines))
-    objs = link.compile_objects(cc, workdir, s.spec.handlers, exports, _probe_table_c(s, link_sym))
+    objs = link.compile_objects(cc, workdir, s.spec.handlers, s.handler_exports, _probe_table_c(s, s.handler_symbols))
     blob = link.link(workdir, objs, text_addr)
     sym = blob.symbols
     # Final code, now that the runtime's addresses are known.
