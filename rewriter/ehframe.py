@@ -184,7 +184,9 @@ class _Elf:
         self.eh_frame_hdr: tuple[int, int, int] | None = None
         self.dynamic: tuple[int, int] | None = None
         if phnum:
-            if phentsize < 56 or phoff + phnum * phentsize > n:
+            if phentsize < 56:
+                raise KprewriteError(f"bad ELF program header size {phentsize} (needs 56)")
+            if phoff + phnum * phentsize > n:
                 raise KprewriteError(f"truncated ELF file (program headers end at "
                                      f"{phoff + phnum * phentsize:#x}, file is {n:#x} bytes)")
             for i in range(phnum):
@@ -203,7 +205,9 @@ class _Elf:
 
         self.sections: dict[str, tuple[int, int, int, int]] = {}
         if shoff and shnum:
-            if shentsize < 64 or shoff + shnum * shentsize > n:
+            if shentsize < 64:
+                raise KprewriteError(f"bad ELF section header size {shentsize} (needs 64)")
+            if shoff + shnum * shentsize > n:
                 raise KprewriteError(f"truncated ELF file (section headers end at "
                                      f"{shoff + shnum * shentsize:#x}, file is {n:#x} bytes)")
             raw = [_SHDR(data, shoff + i * shentsize) for i in range(shnum)]
@@ -391,8 +395,8 @@ def _parse_cie(d, p: int, end: int, delta: int, bases: _Bases) -> tuple[int, int
                     _, q = _ptr(d, q, penc & 0x7F, q + delta, bases)
             elif c in (0x53, 0x42, 0x47):  # 'S' signal frame, 'B' (AArch64 BTI), 'G' (MTE)
                 pass
-            else:
-                break                    # unknown letter: the rest is skipped via the length
+            else:                        # like libgcc: an unknown letter may hide 'R' or 'L'
+                raise _Malformed(f"unknown CIE augmentation {aug.decode('latin-1')!r}")
             if q > aend:
                 raise _Malformed("CIE augmentation data runs past its length")
         if (fenc & 0x0F) not in (0, 1, 2, 3, 4, 9, 10, 11, 12):
