@@ -1,8 +1,19 @@
 """Call-frame information: .eh_frame FDEs and C++ LSDA landing pads.
 
 Only the CIE/FDE headers are parsed (never the CFA programs), straight from
-the file bytes with `struct`, so the whole .eh_frame of a large library (a
-23 MB libpython, ~7,000 FDEs) reads in a few tens of milliseconds.
+the file bytes with `struct`, so the whole .eh_frame of a large library (the
+23 MB libpython3.11, ~5,400 FDEs) reads in about 15 ms.
+
+Finding .eh_frame: by section name; without section headers (sstrip), through
+PT_GNU_EH_FRAME -> .eh_frame_hdr's eh_frame_ptr, the walk ending at the last
+FDE of the binary-search table, else at the zero terminator.  gcc links
+-static executables without --eh-frame-hdr: with their section headers gone
+nothing locates .eh_frame any more, and read_fdes returns [].
+
+Records: 32-bit lengths, or 0xffffffff + a 64-bit length (the CIE id / CIE
+pointer stays 4 bytes in .eh_frame, as the LSB and LLVM read it); a zero
+length ends the section, as in libgcc.  CIE versions 1 and 3, augmentations
+"" and "z" + any of P, L, R, S (and AArch64's B, G), ancient "eh".
 
 Addresses are link-time virtual addresses, as written in the file (no load
 bias).  Pointer decoding follows libgcc's read_encoded_value_with_base:
@@ -19,7 +30,10 @@ bias).  Pointer decoding follows libgcc's read_encoded_value_with_base:
 * 0xff (DW_EH_PE_omit) means the field is absent.
 
 FDEs whose pc_begin is 0 (discarded link-once code, which libgcc skips too)
-and FDEs covering zero bytes are dropped.
+and FDEs covering zero bytes are dropped.  Malformed input raises
+KprewriteError("<what>: malformed .eh_frame at 0x<record address>") (or
+"... malformed LSDA at ...", "... malformed .eh_frame_hdr at ..."), never
+an IndexError.
 """
 from __future__ import annotations
 
