@@ -273,47 +273,56 @@ def classify(code: bytes, address: int) -> InsnInfo:
     emulate = None
     refused = None
     if omap == 1:
-        refused = _EXC_ONEBYTE.get(op)                      # can_probe()
-        if refused is None and (op == 0x17 or (op == 0x8E and reg == 2)):
-            refused = "pop ss" if op == 0x17 else "mov ss"  # insn_masking_exception()
-        if refused is None and op in _INVALID64:
-            # Not a kernel refusal (it would single-step into #UD): refused here.
-            refused = "invalid in 64-bit mode"
+        # prepare_emulation()
         emulate = _EMULATE_ONEBYTE.get(op)
-        if emulate is not None:
-            if refused is None:
-                refused = _EMULATE_UNSUPPORTED.get(op)
-        elif op == 0xFF and modrm_reg is not None:
+        unsupported = _EMULATE_UNSUPPORTED.get(op)
+        if op == 0xFF and modrm_reg is not None:
             # "Since the 0xff is an extended group opcode, the instruction is
             # determined by the MOD/RM byte."
             if reg in (2, 4):
                 kind = "call" if reg == 2 else "jmp"
                 emulate = f"{kind} reg" if mod == 3 else f"{kind} mem"
-                if 0x67 in prefixes:        # insn->addr_bytes != sizeof(long)
-                    refused = f"indirect {kind} with address-size prefix"
+                if 0x67 in prefixes:        # insn->addr_bytes != sizeof(unsigned long)
+                    unsupported = f"indirect {kind} with address-size prefix"
                 elif mod != 3:              # "TODO: support memory addressing"
-                    refused = f"indirect {kind} through memory"
-            elif reg in (3, 5):
-                emulate = refused = "far call" if reg == 3 else "far jmp"
+                    unsupported = f"indirect {kind} through memory"
+            elif reg in (3, 5):             # call/jmp far, absolute indirect
+                emulate = unsupported = "far call" if reg == 3 else "far jmp"
+        # can_probe()'s is_exception_insn() first, then __copy_instruction()'s
+        # insn_masking_exception(), then prepare_emulation()'s -EOPNOTSUPP.
+        refused = _EXC_ONEBYTE.get(op)
+        if refused is None:
+            if op == 0x17 or (op == 0x8E and reg == 2 and modrm_reg is not None):
+                refused = "pop ss" if op == 0x17 else "mov ss"
+            elif unsupported is not None:
+                refused = unsupported
+            elif op in _INVALID64:
+                # Not refused by the kernel (it would single-step into #UD).
+                refused = "invalid in 64-bit mode"
     elif omap == 2:
         refused = _EXC_TWOBYTE.get(op)                      # UD0 / UD1 / UD2
         if 0x80 <= op <= 0x8F:
             emulate = "jcc rel"
-        elif op == 0x01 and reg == 0 and mod == 3 and modrm_reg is not None:
-            emulate = "vmx"                                 # "VM extensions - not supported"
-            refused = refused or "vmx"
+        elif op == 0x01 and modrm_reg == 0 and mod == 3:
+            # 0f 01 c0-c7 (vmcall, vmlaunch, vmresume, vmxoff, ...):
+            # "VM extensions - not supported"
+            emulate = refused = "vmx"
     elif omap == 4:
         # KERNEL: is_exception_insn() and prepare_emulation() switch on
-        # opcode.bytes[0], which for VEX/EVEX is the opcode byte in its map, so
-        # the kernel refuses e.g. vpsllw (VEX 0f f1: "int1"), vpminsw (VEX 0f
-        # ea: "far jmp"), vfmsub132ps (VEX 0f38 9a: "far call"), gf2p8mulb /
-        # gf2p8affine(inv)qb (cc-cf).  Those refusals are ported (they only
-        # make us more conservative).  Its emulation of VEX opcodes that look
-        # like branches (vpor as "jmp rel8", vcmpps as "ret"...) is a latent
-        # kernel bug and is NOT ported: emulate stays None for VEX/EVEX.
+        # opcode.bytes[0], which for VEX/EVEX is the opcode byte within its
+        # map, so the kernel refuses to probe e.g. vpsllw (VEX 0f f1: "int1"),
+        # vpminsw (VEX 0f ea: "far jmp"), vfmsub132ps (VEX 0f38 9a: "far
+        # call"), vgf2p8mulb / vgf2p8affine(inv)qb (0f38 cf, 0f3a ce/cf).
+        # Those refusals are ported (they only make us more conservative).
+        # The kernel's *emulation* of VEX opcodes that look like branches
+        # (vpor as "jmp rel8", vcmpps as "ret", vpsubsb as "call rel"...) is a
+        # latent kernel bug and is NOT ported: emulate stays None for VEX/EVEX.
         why = _EXC_ONEBYTE.get(op) or _EMULATE_UNSUPPORTED.get(op)
-        if why is None and op == 0xFF and reg in (2, 3, 4, 5) and (reg in (3, 5) or mod != 3 or 0x67 in prefixes):
-            why = "far call" if reg == 3 else "far jmp" if reg == 5 else "indirect branch"
+        if why is None and op == 0xFF and modrm_reg is not None:
+            if reg in (3, 5):
+                why = "far call" if reg == 3 else "far jmp"
+            elif reg in (2, 4) and (mod != 3 or 0x67 in prefixes):
+                why = "indirect call/jmp through memory"
         if why is not None:
             refused = f"vex/evex opcode {op:02x} read as {why}"
 
