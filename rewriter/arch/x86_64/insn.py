@@ -138,7 +138,7 @@ _REL_CLASSES = frozenset(["call rel", "jmp rel", "jcc rel", "loop", "jcxz"])
 @dataclass(frozen=True)
 class InsnInfo:
     length: int
-    opcode_map: int           # 1 = one-byte, 2 = 0f xx, 3 = 0f 38/0f 3a (three-byte), 4 = VEX/EVEX
+    opcode_map: int           # 1 = one-byte, 2 = 0f xx, 3 = 0f 38/0f 3a (three-byte), 4 = VEX/EVEX (/XOP)
     opcode: int               # the opcode byte within its map
     modrm_reg: int | None
     boostable: bool           # the kernel's can_boost() verdict
@@ -246,6 +246,12 @@ def classify(code: bytes, address: int) -> InsnInfo:
         if b != 0x62 and vex_map == 1 and op == 0x77:   # vzeroupper / vzeroall
             has_modrm = False
         mi = j + 1
+    elif b == 0x8F and i + 3 < n and code[i + 1] & 0x1F >= 8:
+        # AMD XOP (8f RXBmmmmm WvvvvLpp opcode modrm): map 8/9/a.  The kernel's
+        # decoder does not know XOP (it reads 8f as Grp1a pop and gets the
+        # length wrong), so such an instruction cannot be probed or copied
+        # there; see the refusal below.
+        omap, op, mi = 4, code[i + 3], i + 4
     elif b == 0x0F and i + 1 < n:
         b2 = code[i + 1]
         if b2 in (0x38, 0x3A) and i + 2 < n:
@@ -260,7 +266,8 @@ def classify(code: bytes, address: int) -> InsnInfo:
         modrm = code[mi]
         mod, reg, rm = modrm >> 6, (modrm >> 3) & 7, modrm & 7
         modrm_reg: int | None = reg
-        # insn_rip_relative(): mod == 00 && rm == 101 (no SIB in 64-bit mode).
+        # insn_rip_relative(): mod == 00 && rm == 101 (no SIB in 64-bit mode);
+        # like the kernel, this includes EIP-relative ([eip + disp32], 67 prefix).
         # mov to/from CR/DR (0f 20-23) ignore mod: always registers.
         rip = mod == 0 and rm == 5 and not (omap == 2 and 0x20 <= op <= 0x27)
     else:
@@ -307,6 +314,9 @@ def classify(code: bytes, address: int) -> InsnInfo:
             # 0f 01 c0-c7 (vmcall, vmlaunch, vmresume, vmxoff, ...):
             # "VM extensions - not supported"
             emulate = refused = "vmx"
+    elif omap == 4 and b == 0x8F:
+        reason = "xop (unknown to the kernel decoder)"
+        refused = "xop (unknown to the kernel decoder)"
     elif omap == 4:
         # KERNEL: is_exception_insn() and prepare_emulation() switch on
         # opcode.bytes[0], which for VEX/EVEX is the opcode byte within its
@@ -328,7 +338,15 @@ def classify(code: bytes, address: int) -> InsnInfo:
 
     rel_target = None
     rel_size = 0
-    if emulate in _REL_CLASSES:
+    if omap == 1 and op == 0xC7 and modrm_reg == 7 and mod == 3:
+        # xbegin rel16/32 (c7 f8).  KERNEL: can_boost() lets c7 through and
+        # prepare_emulation() has no case for it, so the kernel would run it
+        # out of line with its abort target relative to the copy.  Not ported:
+        # refused boosting here, and the target is reported.
+        reason = "xbegin (relative abort target)"
+        rel_size = n - (mi + 1)
+        rel_target = (address + n + int.from_bytes(code[mi + 1:n], "little", signed=True)) & _MASK64
+    elif emulate in _REL_CLASSES:
         # The displacement is the whole tail after the opcode (no ModRM, no
         # other immediate): 1 byte for jcc8/jmp8/loop/jcxz, 4 for the rest.
         start = i + 2 if omap == 2 else i + 1
