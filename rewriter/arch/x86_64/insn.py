@@ -20,6 +20,25 @@ ModRM byte (mod == 00, rm == 101, as the kernel's insn_rip_relative()).
 
 Where the kernel and the fact sheet (/work/shared/reference/kernel-x86-kprobes.md)
 differ, this module follows the kernel; every such place is marked "KERNEL:".
+In short:
+
+* lock/rep (f0 f2 f3) are prefixes to the kernel decoder, so `lock add`,
+  `rep movs` are boostable; the "f0-f4" refusal only catches int1 and hlt.
+* 0x2e / 0x67 block boosting of one-byte opcodes only; a two-byte opcode is
+  decided by twobyte_is_boostable[] alone (`cs nopw`, `addr32 movzx` boost).
+* VEX/EVEX opcode bytes go through the one-byte rules (vzeroupper is a "jcc").
+* ff /4 (jmp *r/m) is boostable whatever the addressing mode.
+* probe_refused also carries what arch_prepare_kprobe() refuses after
+  can_probe(): mov %ss (insn_masking_exception), and prepare_emulation()'s
+  -EOPNOTSUPP cases -- far call/jmp (9a, ea, ff /3, ff /5), int3, iret,
+  VMX (0f 01 c0-c7), and call/jmp through memory or with an address-size
+  prefix (the fact sheet lists only some of these).
+
+Deliberately not ported (the kernel would misbehave, or it does not apply):
+the kernel's emulation of VEX opcodes that look like branches, boosting of
+xbegin, (mis)decoding of AMD XOP (refused here), single-stepping of opcodes
+invalid in 64-bit mode (refused here), search_exception_tables(), and the
+kCFI / kgdb checks of can_probe().
 """
 from __future__ import annotations
 
@@ -144,7 +163,7 @@ class InsnInfo:
     boostable: bool           # the kernel's can_boost() verdict
     boost_reason: str         # '' if boostable, else a short name
     emulate: str | None       # the kernel's prepare_emulation() class, or None
-    probe_refused: str | None  # why the kernel would refuse a kprobe here, else None
+    probe_refused: str | None  # why arch_prepare_kprobe() would refuse a kprobe here, else None
     rip_relative: bool        # has a RIP-relative memory operand
     rel_target: int | None    # relative branches/calls/loops/jcxz: absolute target
     rel_size: int             # size in bytes of the relative displacement, 0 if none
@@ -207,20 +226,15 @@ def classify(code: bytes, address: int) -> InsnInfo:
         break
     ncode = len(code)
 
-    # Prefixes, as insn_get_prefixes(): legacy prefixes, then a REX that is
-    # immediately followed by the opcode (a REX followed by a legacy prefix is
-    # ignored, as by the CPU).
+    # Prefixes, as insn_get_prefixes(): legacy prefixes, then REX (a REX
+    # followed by a legacy prefix is ignored by the CPU; skipped here too).
     i = 0
     prefixes: list[int] = []
-    rex = 0
     while i < ncode:
         b = code[i]
         if b in LEGACY_PREFIXES:
             prefixes.append(b)
-            rex = 0
-        elif 0x40 <= b <= 0x4F:
-            rex = b
-        else:
+        elif not 0x40 <= b <= 0x4F:
             break
         i += 1
     if i >= ncode:
@@ -242,9 +256,8 @@ def classify(code: bytes, address: int) -> InsnInfo:
         if j >= n:
             raise ValueError(f"cannot decode instruction at {address:#x}: {code.hex()}")
         op = code[j]
-        vex_map = 1 if b == 0xC5 else code[i + 1] & (0x1F if b == 0xC4 else 0x07)
-        if b != 0x62 and vex_map == 1 and op == 0x77:   # vzeroupper / vzeroall
-            has_modrm = False
+        if op == 0x77 and (b == 0xC5 or (b == 0xC4 and code[i + 1] & 0x1F == 1)):
+            has_modrm = False                           # vzeroupper / vzeroall
         mi = j + 1
     elif b == 0x8F and i + 3 < n and code[i + 1] & 0x1F >= 8:
         # AMD XOP (8f RXBmmmmm WvvvvLpp opcode modrm): map 8/9/a.  The kernel's
