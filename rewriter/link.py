@@ -27,6 +27,9 @@ CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynch
           "-std=gnu11", "-w", "-fno-ident"]
 
 RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "platform/linux_user/platform.c"]
+# INT3 fallback probes (issue 3).
+RUNTIME_SOURCES += ["kp_trap.c", "arch/x86_64/kp_int3.c", "platform/linux_user/kp_signal.c",
+                    "platform/linux_user/kp_sighook.c"]
 
 LINKER_SCRIPT = """
 SECTIONS

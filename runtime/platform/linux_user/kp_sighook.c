@@ -1,0 +1,2 @@
+#include "../../kp_internal.h"
+void kp_sighook_install(void) { }
