@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import blacklist as bl
-from . import link, writer
+from . import link, sighook, writer
 from .analysis import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
@@ -145,6 +145,7 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     refs = ", ".join(f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
     out.append(s.arch.kprobe_xol.table_c(s.plan.sites))
+    out.append(sighook.table_c(s.image, any(site.decision == INT3 for site in s.plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     return "\n".join(out) + "\n"
 

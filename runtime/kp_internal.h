@@ -117,6 +117,11 @@ struct kp_siginfo { int si_signo, si_errno, si_code; };
 #define KP_UC_SIGMASK 296	/* offsetof(ucontext_t, uc_sigmask) on x86-64 */
 extern struct kp_ksigaction kp_trap_chain;
 void kp_sighook_install(void);
+/* GOT slots of the rewritten object's sigaction & co. (generated, rewriter/sighook.py). */
+struct kp_got_hook { unsigned long got; unsigned long kind; };
+extern struct kp_got_hook kp_got_hooks[];
+extern const unsigned int kp_ngot_hooks;
+extern const unsigned long kp_relro_start, kp_relro_end;
 
 /* Freestanding libc pieces (kp_lib.c). */
 void *memcpy(void *d, const void *s, size_t n);
