@@ -31,7 +31,7 @@ EMULATE, BOOST, SINGLESTEP = "emulate", "boost", "single-step"
 MODE_CODE = {EMULATE: 1, BOOST: 2, SINGLESTEP: 3}
 
 # Emulated kinds (numbers shared with runtime/arch/x86_64/kp_int3.c).
-K_JMP, K_CALL, K_JCC, K_LOOP, K_JCXZ, K_RET, K_JMP_REG, K_CALL_REG = 1, 2, 3, 4, 5, 6, 7, 8
+K_JMP, K_CALL, K_JCC, K_LOOP, K_JCXZ, K_RET, K_JMP_REG, K_CALL_REG, K_XBEGIN = 1, 2, 3, 4, 5, 6, 7, 8, 9
 _KIND = {"jmp rel": K_JMP, "call rel": K_CALL, "jcc rel": K_JCC, "loop": K_LOOP, "jcxz": K_JCXZ,
          "ret": K_RET, "ret imm": K_RET, "jmp reg": K_JMP_REG, "call reg": K_CALL_REG}
 
@@ -96,7 +96,15 @@ def prepare(image, addr: int) -> Xol:
             rm = (insn.code[i + 1] & 7) | (8 if rex & 1 else 0)
             x.reg = PT_REGS_INDEX[rm]
         return x
-    if info.boostable:
+    if info.opcode_map == 1 and insn.code[i] == 0xC7 and info.rel_target is not None:
+        # xbegin: its abort target is relative, and the trap flag would abort
+        # the transaction anyway.  Emulated as an immediate abort (EAX = 0, go
+        # to the fallback path), which the architecture allows at any time.
+        return Xol(EMULATE, insn, kind=K_XBEGIN, target=info.rel_target)
+    if info.boostable or (info.opcode_map == 2 and info.opcode == 0x05):
+        # syscall is boosted in user space: with the trap flag set the kernel
+        # returns through iret and the single-step trap comes one instruction
+        # late (after the jmp back).  The kernel never probes a syscall insn.
         return Xol(BOOST, insn)
     return Xol(SINGLESTEP, insn)
 

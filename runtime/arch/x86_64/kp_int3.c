@@ -18,7 +18,7 @@
 
 /* Emulated kinds (rewriter/arch/x86_64/kprobe_xol.py). */
 enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU_RET,
-       KP_EMU_JMP_REG, KP_EMU_CALL_REG };
+       KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN };
 
 /* ucontext_t: uc_flags, uc_link, uc_stack (24 bytes), then mcontext_t's gregs[]. */
 #define KP_UC_GREGS 40
@@ -147,6 +147,10 @@ static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsig
 		return;
 	case KP_EMU_JMP_REG:
 		regs->ip = ((unsigned long *)regs)[d->reg];
+		return;
+	case KP_EMU_XBEGIN:	/* the transaction aborts at once: EAX = 0, fallback path */
+		regs->ax = 0;
+		regs->ip = target;
 		return;
 	case KP_EMU_CALL_REG:
 		v = ((unsigned long *)regs)[d->reg];

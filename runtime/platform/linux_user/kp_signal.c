@@ -57,9 +57,11 @@ void kp_trap_install(void)
 static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 {
 	void *h = kp_trap_chain.handler;
-	if (h == KP_SIG_IGN)
+	/* A trap the CPU raised cannot be ignored: the kernel forces it to the
+	 * default action (force_sig); a sent SIGTRAP can. */
+	if (h == KP_SIG_IGN && info->si_code <= 0)
 		return;
-	if (h == KP_SIG_DFL) {
+	if (h == KP_SIG_DFL || h == KP_SIG_IGN) {
 		/* Terminate with a core dump, as the default action: drop our
 		 * handler, and send it again to this thread; it is delivered as
 		 * soon as this handler returns (SIGTRAP is not blocked). */
