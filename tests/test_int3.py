@@ -592,6 +592,9 @@ def test_check_and_list(tmp_path):
     assert listing[1] == f"{addr['f_emul']:016x}  k  f_emul+0x0 [EMULATED]"
     assert listing[2] == f"{addr['f_step']:016x}  k  f_step+0x0 [SINGLESTEP]"
     assert listing[3].endswith(" [BOOSTED]") or listing[3].endswith(" [OPTIMIZED]")
+    # Deterministic: the same input and spec give the same bytes.
+    a = instrument(prog, spec, tmp_path / "a", "--no-optimize").read_bytes()
+    assert a == instrument(prog, spec, tmp_path / "b", "--no-optimize").read_bytes()
 
 
 # --- probe everywhere -------------------------------------------------------
@@ -825,3 +828,36 @@ def test_probe_on_every_instruction(everywhere, runner, optimize, tmp_path):
     prof = profile(r.stderr)
     assert {k: v[0] for k, v in prof.items()} == oracle
     assert all(v[1] == 0 for v in prof.values())
+
+
+SO_LIB = r"""
+#include <signal.h>
+int libwork(int x) { int s = 0; for (int i = 0; i < x; i++) s += i * x; return s; }
+/* Blocks every signal, SIGTRAP included, through the library's own GOT. */
+void lib_blocks(void) { sigset_t all; sigfillset(&all); sigprocmask(SIG_BLOCK, &all, 0); }
+"""
+
+SO_MAIN = r"""
+#include <stdio.h>
+int libwork(int);
+void lib_blocks(void);
+int main(void) { int t = libwork(5); lib_blocks(); t += libwork(7); printf("%d\n", t); return 0; }
+"""
+
+
+def test_shared_object_breakpoints(tmp_path, runner):
+    """Breakpoint probes on every instruction of a shared object's functions;
+    the library blocks SIGTRAP itself, which its hooked GOT keeps harmless."""
+    lib = cc(tmp_path, "libw.so", SO_LIB, "-O2", "-shared", "-fPIC")
+    main = cc(tmp_path, "main", SO_MAIN, "-O2", "-L", str(tmp_path), "-l:libw.so", "-Wl,-rpath,$ORIGIN")
+    probes = [(f, off) for f in ("libwork", "lib_blocks") for off, _ in insns(lib, f)]
+    spec = write_spec(tmp_path, spec_text(probes, handlers=False))
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    instrument(lib, spec, outdir / "libw.so", "--no-optimize")
+    (outdir / "main").write_bytes(main.read_bytes())
+    (outdir / "main").chmod(0o755)
+    r = run(outdir / "main", runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == "197\n", r
+    prof = profile(r.stderr)
+    assert prof["p_libwork_0"] == (2, 0) and prof["p_lib_blocks_0"] == (1, 0), prof
