@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 N = int(os.environ.get("BENCH_N", 50_000_000))
 RUNS = int(os.environ.get("BENCH_RUNS", 7))
-N_TRAP = int(os.environ.get("BENCH_N_TRAP", 300_000))
+N_TRAP = int(os.environ.get("BENCH_N_TRAP", 100_000))
 TRACEFS = Path("/sys/kernel/tracing")
 
 
