@@ -861,3 +861,79 @@ def test_shared_object_breakpoints(tmp_path, runner):
     assert r.returncode == 0 and r.stdout == "197\n", r
     prof = profile(r.stderr)
     assert prof["p_libwork_0"] == (2, 0) and prof["p_lib_blocks_0"] == (1, 0), prof
+
+
+SEMANTICS_PROG = r"""
+#include <stdio.h>
+__asm__(
+".text\n"
+".globl inner\n.type inner,@function\ninner:\n  lea 1(%rdi),%rax\n  ret\n.size inner,.-inner\n"
+".globl outer\n.type outer,@function\nouter:\n  movups (%rsi),%xmm0\n  lea 2(%rdi),%rax\n  ret\n.size outer,.-outer\n"
+".globl quiet\n.type quiet,@function\nquiet:\n  jmp 1f\n1: lea 3(%rdi),%rax\n  ret\n.size quiet,.-quiet\n"
+);
+long inner(long), outer(long, const void *, long (*)(long)), quiet(long);
+int main(void)
+{
+    char buf[16] = {0};
+    long s = 0;
+    for (int i = 0; i < 10; i++)
+        s += inner(i) + outer(i, buf, inner) + quiet(i);
+    printf("%ld\n", s);
+    return 0;
+}
+"""
+
+SEMANTICS_HANDLERS = r"""
+#include <linux/kprobes.h>
+/* Calls a function that has a breakpoint probe itself (its address comes in
+ * the third argument): that hit is missed. */
+int calls_inner(struct kprobe *p, struct pt_regs *regs) { ((long (*)(long))regs->dx)(0); return 0; }
+int first(struct kprobe *p, struct pt_regs *regs) { pr_info("first\n"); return 0; }
+int second(struct kprobe *p, struct pt_regs *regs) { pr_info("second\n"); return 0; }
+void post_a(struct kprobe *p, struct pt_regs *regs, unsigned long f) { pr_info("post_a\n"); }
+void post_b(struct kprobe *p, struct pt_regs *regs, unsigned long f) { pr_info("post_b\n"); }
+"""
+
+SEMANTICS_SPEC = """handlers = ["handlers.c"]
+[[kprobe]]
+symbol_name = "inner"
+[[kprobe]]
+symbol_name = "outer"
+pre_handler = "calls_inner"
+[[kprobe]]
+symbol_name = "outer"
+offset = 3
+name = "agg1"
+pre_handler = "first"
+post_handler = "post_a"
+[[kprobe]]
+symbol_name = "outer"
+offset = 3
+name = "agg2"
+pre_handler = "second"
+post_handler = "post_b"
+[[kprobe]]
+symbol_name = "quiet"
+pre_handler = "first"
+disabled = true
+"""
+
+
+def test_aggregation_reentrancy_disabled(tmp_path, runner):
+    """kernel/kprobes.c semantics on breakpoint probes: two probes at one address
+    aggregate (pre_handlers in order, every post_handler), a hit from inside a
+    handler counts as missed, disabled probes and KPREWRITE_ENABLED=0 stay silent."""
+    prog = cc(tmp_path, "sem", SEMANTICS_PROG, "-O2")
+    spec = write_spec(tmp_path, SEMANTICS_SPEC, SEMANTICS_HANDLERS)
+    out = instrument(prog, spec, None, "--no-optimize")
+    want = run(prog, runner=runner).stdout
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == want, r.stderr
+    prof = profile(r.stderr)
+    assert prof == {"p_inner_0": (10, 10), "p_outer_0": (10, 0), "agg1": (10, 0), "agg2": (10, 0),
+                    "p_quiet_0": (0, 0)}, prof
+    lines = [l for l in r.stderr.splitlines() if l in ("first", "second", "post_a", "post_b")]
+    assert lines == ["first", "second", "post_a", "post_b"] * 10
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-", "KPREWRITE_ENABLED": "0"})
+    assert r.returncode == 0 and r.stdout == want
+    assert all(v == (0, 0) for v in profile(r.stderr).values()) and "first" not in r.stderr
