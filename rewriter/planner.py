@@ -83,7 +83,7 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
             fail(p, REFUSED, f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist")
             continue
         r = arch.optprobe.can_probe_insn(image, p.addr)
-        if r is not None:
+        if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
             fail(p, REFUSED, str(r), r.check)
             continue
         by_addr[p.addr].append(p)

@@ -78,6 +78,9 @@ struct kp_int3_site {
 	unsigned short imm;		/* ret imm16 */
 	unsigned char reg;		/* call/jmp through a register: pt_regs word index */
 	unsigned char addr32;		/* loop/jcxz with an address-size prefix */
+	unsigned char index;		/* call/jmp through memory: index register (0xff none) */
+	unsigned char scale;
+	unsigned char rip;		/* call/jmp through memory: target is the absolute address */
 };
 #define KP_XOL_EMULATE 1
 #define KP_XOL_BOOST 2

@@ -937,3 +937,57 @@ def test_aggregation_reentrancy_disabled(tmp_path, runner):
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-", "KPREWRITE_ENABLED": "0"})
     assert r.returncode == 0 and r.stdout == want
     assert all(v == (0, 0) for v in profile(r.stderr).values()) and "first" not in r.stderr
+
+
+MEMORY_INDIRECT = r"""
+__asm__(
+".text\n"
+".globl m_callrip\n.type m_callrip,@function\nm_callrip:\n"
+"  sub $8,%rsp\n  call *fptr(%rip)\n  add $8,%rsp\n  ret\n.size m_callrip,.-m_callrip\n"
+".globl m_tail\n.type m_tail,@function\nm_tail:\n  jmp *fptr(%rip)\n.size m_tail,.-m_tail\n"
+".globl m_table\n.type m_table,@function\nm_table:\n"
+"  lea table(%rip),%rdx\n  jmp *(%rdx,%rdi,8)\n"
+"c0: mov $10,%eax\n  ret\n"
+"c1: mov $11,%eax\n  ret\n"
+".size m_table,.-m_table\n"
+".globl m_callbase\n.type m_callbase,@function\nm_callbase:\n"
+"  push %rbx\n  mov %rdi,%rbx\n  call *8(%rbx)\n  pop %rbx\n  ret\n.size m_callbase,.-m_callbase\n"
+".section .data.rel.ro\n.balign 8\n"
+"fptr: .quad helper\n"
+"table: .quad c0, c1\n"
+".text\n"
+);
+#include <stdio.h>
+long m_callrip(void), m_tail(void), m_table(long), m_callbase(void *);
+__attribute__((noinline, used)) long helper(void) { return 5; }
+struct ops { long x; long (*fn)(void); } ops = { 0, helper };
+int main(void)
+{
+    printf("%ld %ld %ld %ld %ld\n", m_callrip(), m_tail(), m_table(0), m_table(1), m_callbase(&ops));
+    return 0;
+}
+"""
+
+
+def test_call_jmp_through_memory(tmp_path, runner):
+    """call/jmp *mem: refused by the kernel's prepare_emulation() ("TODO: support
+    memory addressing"), emulated here: RIP-relative, base + disp, base + index * 8."""
+    prog = cc(tmp_path, "mem", MEMORY_INDIRECT, "-O1")
+    probes = [("m_callrip", offset_of(prog, "m_callrip", "call")), ("m_tail", 0),
+              ("m_table", offset_of(prog, "m_table", "jmp")), ("m_callbase", offset_of(prog, "m_callbase", "call"))]
+    spec = write_spec(tmp_path, spec_text(probes), HANDLERS)
+    modes = check_modes(prog, spec)
+    assert set(modes.values()) == {("int3", "emulate")}, modes
+    out = instrument(prog, spec)
+    want = run(prog, runner=runner)
+    assert want.stdout == "5 5 10 11 5\n"
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == want.stdout, r.stderr
+    prof = profile(r.stderr)
+    assert [prof[f"p_{f}_{off}"] for f, off in probes] == [(1, 0), (1, 0), (2, 0), (1, 0)], prof
+    posts = post_lines(r.stderr)
+    img = Image(str(prog))
+    helper = img.function_named("helper").start
+    for f, off in probes:
+        if f != "m_table":
+            assert posts[f"{f}+{off}"] == [helper - img.function_named(f).start - off], (f, posts)

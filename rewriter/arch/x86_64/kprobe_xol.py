@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import capstone
+
 from . import emit as em
 from . import insn as x86insn
 from .optprobe import DcrInsn
@@ -32,11 +34,17 @@ MODE_CODE = {EMULATE: 1, BOOST: 2, SINGLESTEP: 3}
 
 # Emulated kinds (numbers shared with runtime/arch/x86_64/kp_int3.c).
 K_JMP, K_CALL, K_JCC, K_LOOP, K_JCXZ, K_RET, K_JMP_REG, K_CALL_REG, K_XBEGIN = 1, 2, 3, 4, 5, 6, 7, 8, 9
+K_JMP_MEM, K_CALL_MEM = 10, 11
+NO_REG = 0xFF
 _KIND = {"jmp rel": K_JMP, "call rel": K_CALL, "jcc rel": K_JCC, "loop": K_LOOP, "jcxz": K_JCXZ,
          "ret": K_RET, "ret imm": K_RET, "jmp reg": K_JMP_REG, "call reg": K_CALL_REG}
 
 # struct pt_regs word index of each x86 register number (rax..r15).
 PT_REGS_INDEX = [10, 11, 12, 5, 19, 4, 13, 14, 9, 8, 7, 6, 3, 2, 1, 0]
+_REG_NUMBER = {n: i for i, n in enumerate(["rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
+                                           "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15"])}
+_csd = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_csd.detail = True
 
 
 @dataclass
@@ -50,6 +58,9 @@ class Xol:
     reg: int = 0           # emulate: pt_regs word index for call/jmp through a register
     imm: int = 0           # emulate: ret imm16
     addr32: int = 0        # emulate: loop/jcxz with an address-size prefix use ecx
+    index: int = NO_REG    # emulate, through memory: index register (pt_regs word index)
+    scale: int = 0         # emulate, through memory: index scale
+    rip: int = 0           # emulate, through memory: target holds the absolute (link-time) address
     slot: int = 0          # boost / single-step: where the copy is
     ss_end: int = 0        # single-step: address right after the copy
     slot_post: int = 0     # boost with post stub: where the jmp back is
@@ -74,11 +85,57 @@ def _prefix_end(code: bytes) -> tuple[int, int]:
     return i, rex
 
 
+def _memory_indirect(insn: DcrInsn) -> Xol | None:
+    """call/jmp *mem (ff /2, ff /4): the kernel refuses them ("TODO: support memory
+    addressing"); we emulate the ones with a plain 64-bit address: load the
+    target from base + index * scale + disp (or RIP-relative), no fs/gs."""
+    info = insn.info
+    if info.probe_refused not in ("indirect call through memory", "indirect jmp through memory"):
+        return None
+    try:
+        ci = next(_csd.disasm(insn.code, insn.addr, 1))
+    except StopIteration:
+        return None
+    if len(ci.operands) != 1 or ci.operands[0].type != capstone.x86.X86_OP_MEM or ci.operands[0].size != 8:
+        return None
+    m = ci.operands[0].mem
+    if m.segment and _csd.reg_name(m.segment) in ("fs", "gs"):
+        return None
+    kind = K_CALL_MEM if info.probe_refused.startswith("indirect call") else K_JMP_MEM
+    x = Xol(EMULATE, insn, kind=kind, reg=NO_REG)
+    base = _csd.reg_name(m.base) if m.base else None
+    if base == "rip":
+        x.rip, x.target = 1, (insn.addr + len(insn.code) + m.disp) & ((1 << 64) - 1)
+        return x
+    for name in (base, _csd.reg_name(m.index) if m.index else None):
+        if name is not None and name not in _REG_NUMBER:
+            return None         # 32-bit address registers: refused, as the kernel
+    x.target = m.disp & ((1 << 64) - 1)
+    if base is not None:
+        x.reg = PT_REGS_INDEX[_REG_NUMBER[base]]
+    if m.index:
+        x.index, x.scale = PT_REGS_INDEX[_REG_NUMBER[_csd.reg_name(m.index)]], m.scale
+    return x
+
+
+def emulates_refused(image, addr: int) -> bool:
+    """Whether we emulate an instruction the kernel's can_probe() refuses."""
+    try:
+        code = image.read(addr, 16)
+        info = x86insn.classify(code, addr)
+    except ValueError:
+        return False
+    return _memory_indirect(DcrInsn(addr, bytes(code[:info.length]), info)) is not None
+
+
 def prepare(image, addr: int) -> Xol:
     """arch_prepare_kprobe() for one address (can_probe() has already passed)."""
     code = image.read(addr, 16)
     info = x86insn.classify(code, addr)
     insn = DcrInsn(addr, bytes(code[:info.length]), info)
+    x = _memory_indirect(insn)
+    if x is not None:
+        return x
     i, rex = _prefix_end(insn.code)
     prefixes = insn.code[:i]
     kind = _KIND.get(info.emulate or "")
@@ -134,7 +191,8 @@ def table_c(sites) -> str:
         if x.mode == SINGLESTEP:
             ss.append(len(rows))
         rows.append(f"  {{ {s.addr:#x}UL, {x.slot:#x}UL, {x.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
-                    f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32} }},")
+                    f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32}, "
+                    f"{x.index}, {x.scale}, {x.rip} }},")
     out = [f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}] = {{", *rows, "};",
            f"const unsigned int kp_nint3 = {len(rows)};",
            f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",

@@ -18,7 +18,7 @@
 
 /* Emulated kinds (rewriter/arch/x86_64/kprobe_xol.py). */
 enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU_RET,
-       KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN };
+       KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN, KP_EMU_JMP_MEM, KP_EMU_CALL_MEM };
 
 /* ucontext_t: uc_flags, uc_link, uc_stack (24 bytes), then mcontext_t's gregs[]. */
 #define KP_UC_GREGS 40
@@ -147,6 +147,24 @@ static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsig
 		return;
 	case KP_EMU_JMP_REG:
 		regs->ip = ((unsigned long *)regs)[d->reg];
+		return;
+	case KP_EMU_JMP_MEM:	/* beyond the kernel, which refuses memory operands */
+	case KP_EMU_CALL_MEM:
+		if (d->rip) {
+			v = target;
+		} else {
+			v = d->target;
+			if (d->reg != 0xff)
+				v += ((unsigned long *)regs)[d->reg];
+			if (d->index != 0xff)
+				v += ((unsigned long *)regs)[d->index] * d->scale;
+		}
+		v = *(unsigned long *)v;
+		if (d->kind == KP_EMU_CALL_MEM) {
+			regs->sp -= 8;
+			*(unsigned long *)regs->sp = next;
+		}
+		regs->ip = v;
 		return;
 	case KP_EMU_XBEGIN:	/* the transaction aborts at once: EAX = 0, fallback path */
 		regs->ax = 0;
