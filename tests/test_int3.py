@@ -5,7 +5,9 @@ handlers, and a breakpoint on every instruction of real functions, whose hit
 counts are compared with a ptrace oracle run on the original program."""
 from __future__ import annotations
 
+import shutil
 import subprocess
+from pathlib import Path
 
 import capstone
 import pytest
@@ -991,3 +993,18 @@ def test_call_jmp_through_memory(tmp_path, runner):
     for f, off in probes:
         if f != "m_table":
             assert posts[f"{f}+{off}"] == [helper - img.function_named(f).start - off], (f, posts)
+
+
+@pytest.mark.skipif(not shutil.which("gdb"), reason="gdb not installed")
+def test_under_gdb(tmp_path):
+    """Under gdb, our int3s arrive as SIGTRAP stops gdb did not plant;
+    tools/kprewrite-gdb.py passes them on while gdb's own breakpoint still stops."""
+    prog = cc(tmp_path, "ovr", OVERRIDE_PROG, "-O1")
+    spec = write_spec(tmp_path, spec_text([("f_boost", 0), ("f_emul", 0), ("f_step", 0)]), HANDLERS)
+    out = instrument(prog, spec, None, "--no-optimize")
+    helper = Path(__file__).resolve().parent.parent / "tools" / "kprewrite-gdb.py"
+    r = subprocess.run(["gdb", "-q", "-batch", "-nx", "-x", str(helper), "-ex", "break main", "-ex", "kp-run",
+                        "-ex", "kp-continue", "--args", str(out)], capture_output=True, text=True, timeout=120)
+    assert "Breakpoint 1, " in r.stdout and "1 1 1" in r.stdout, r.stdout + r.stderr
+    assert "exited normally" in r.stdout, r.stdout
+    assert r.stderr.count("post ") == 3, r.stderr
