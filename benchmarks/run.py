@@ -60,7 +60,7 @@ class Uprobe:
         self.ok, self.note = False, ""
         events = TRACEFS / "uprobe_events"
         if not events.exists():
-            self.note = f"{events} not found (tracefs not mounted)"
+            self.note = f"{events} not found (tracefs not mounted; as root: mount -t tracefs nodev {TRACEFS})"
             return
         off = None
         for line in subprocess.run(["nm", str(exe)], capture_output=True, text=True).stdout.splitlines():
