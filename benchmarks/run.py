@@ -6,6 +6,13 @@ called in a tight loop; (rewritten - original) / N, medians of several runs of
 both binaries interleaved in one go.  Row "o+regs": the same with a
 pre_handler that reads a register, so the detour builds struct pt_regs.
 Run: python benchmarks/run.py
+
+Rows "b" and "k" (breakpoint probes, --no-optimize): "b" on the same function,
+whose first instruction is boosted; "k" on a function whose first instruction
+is single-stepped.  Each hit costs a SIGTRAP (two for "k"), so they run
+N_TRAP calls.  Row "u": a Linux uprobe (tracefs uprobe_events) on the same
+function as "b", when tracefs is mounted and writable; skipped with a note
+otherwise.
 """
 import os
 import platform
@@ -18,6 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 N = int(os.environ.get("BENCH_N", 50_000_000))
 RUNS = int(os.environ.get("BENCH_RUNS", 7))
+N_TRAP = int(os.environ.get("BENCH_N_TRAP", 100_000))
+TRACEFS = Path("/sys/kernel/tracing")
 
 
 def build(tmp: Path) -> Path:
@@ -26,14 +35,60 @@ def build(tmp: Path) -> Path:
     return exe
 
 
-def rewrite(exe: Path, spec: str, out: Path) -> Path:
-    subprocess.run(["kprewrite", "instrument", str(exe), "--spec", str(HERE / spec), "-o", str(out)], check=True)
+def rewrite(exe: Path, spec: str, out: Path, *extra: str) -> Path:
+    subprocess.run(["kprewrite", "instrument", str(exe), "--spec", str(HERE / spec), "-o", str(out), *extra],
+                   check=True)
     return out
 
 
-def time_ns(exe: Path) -> float:
-    r = subprocess.run([str(exe), str(N)], capture_output=True, text=True, check=True)
+def time_ns(exe: Path, n: int = N, *args: str) -> float:
+    r = subprocess.run([str(exe), str(n), *args], capture_output=True, text=True, check=True)
     return float(r.stdout.split()[0])
+
+
+def _append(path: Path, line: str):
+    # tracefs files refuse the seek that Python's append mode does.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+class Uprobe:
+    """A uprobe on `target` through tracefs, enabled only while timing."""
+    def __init__(self, exe: Path):
+        self.exe = exe
+        self.ok, self.note = False, ""
+        events = TRACEFS / "uprobe_events"
+        if not events.exists():
+            self.note = f"{events} not found (tracefs not mounted; as root: mount -t tracefs nodev {TRACEFS})"
+            return
+        off = None
+        for line in subprocess.run(["nm", str(exe)], capture_output=True, text=True).stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "target":
+                off = int(parts[0], 16)
+        try:
+            _append(events, f"p:kprewrite_bench/target {exe}:{off:#x}\n")
+            self.ok = True
+        except OSError as e:
+            self.note = f"cannot add a uprobe: {e.strerror}"
+
+    def _enable(self, on: bool):
+        (TRACEFS / "events/kprewrite_bench/enable").write_text("1" if on else "0")
+
+    def time_ns(self, n: int) -> float:
+        self._enable(True)
+        try:
+            return time_ns(self.exe, n)
+        finally:
+            self._enable(False)
+
+    def close(self):
+        if self.ok:
+            _append(TRACEFS / "uprobe_events", "-:kprewrite_bench/target\n")
+            (TRACEFS / "trace").write_text("")
 
 
 def cpu() -> str:
@@ -50,23 +105,45 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         orig = build(tmp)
-        rows = {"o": rewrite(orig, "optimized.toml", tmp / "loop.o"),
-                "o+regs": rewrite(orig, "regs.toml", tmp / "loop.regs")}
-        times = {"original": [], **{k: [] for k in rows}}
-        for _ in range(RUNS):
-            times["original"].append(time_ns(orig))
-            for k, exe in rows.items():
-                times[k].append(time_ns(exe))
-        base = statistics.median(times["original"])
-        print(f"machine: {cpu()}, {os.cpu_count()} CPUs; N = {N:,} calls, {RUNS} runs each, medians")
+        # row -> (binary, calls, extra arguments, its baseline)
+        rows = {
+            "o": (rewrite(orig, "optimized.toml", tmp / "loop.o"), N, (), "original"),
+            "o+regs": (rewrite(orig, "regs.toml", tmp / "loop.regs"), N, (), "original"),
+            "b": (rewrite(orig, "optimized.toml", tmp / "loop.b", "--no-optimize"), N_TRAP, (), "original-trap"),
+            "k": (rewrite(orig, "singlestep.toml", tmp / "loop.k", "--no-optimize"), N_TRAP, ("ss",), "original-ss"),
+        }
+        bases = {"original": (N, ()), "original-trap": (N_TRAP, ()), "original-ss": (N_TRAP, ("ss",))}
+        up = Uprobe(orig)
+        times = {k: [] for k in [*bases, *rows, "u"]}
+        try:
+            for _ in range(RUNS):
+                for k, (n, args) in bases.items():
+                    times[k].append(time_ns(orig, n, *args))
+                for k, (exe, n, args, _) in rows.items():
+                    times[k].append(time_ns(exe, n, *args))
+                if up.ok:
+                    times["u"].append(up.time_ns(N_TRAP))
+        finally:
+            up.close()
+        print(f"machine: {cpu()}, {os.cpu_count()} CPUs; N = {N:,} calls (b, k, u: {N_TRAP:,}), "
+              f"{RUNS} runs each, medians")
         print()
         print("| row | what | per call, original (ns) | per call, rewritten (ns) | per hit (ns) | ratio |")
         print("|---|---|---|---|---|---|")
         what = {"o": "optimized kprobe, empty pre_handler (clean call, dispatch inlined)",
-                "o+regs": "optimized kprobe, pre_handler reading regs (full struct pt_regs)"}
-        for k in rows:
+                "o+regs": "optimized kprobe, pre_handler reading regs (struct pt_regs built)",
+                "b": "breakpoint kprobe, boosted, empty pre_handler",
+                "k": "breakpoint kprobe, single-stepped, empty pre_handler",
+                "u": "Linux uprobe (tracefs event) on the function of row b"}
+        if up.ok:
+            rows["u"] = (None, N_TRAP, (), "original-trap")
+        for k, (_, n, _, b) in rows.items():
+            base = statistics.median(times[b])
             m = statistics.median(times[k])
-            print(f"| {k} | {what[k]} | {base / N:.2f} | {m / N:.2f} | {(m - base) / N:.2f} | {m / base:.2f}x |")
+            print(f"| {k} | {what[k]} | {base / n:.2f} | {m / n:.2f} | {(m - base) / n:.2f} | {m / base:.2f}x |")
+        if not up.ok:
+            print()
+            print(f"Row u skipped: {up.note}.")
 
 
 if __name__ == "__main__":

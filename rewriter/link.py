@@ -28,6 +28,9 @@ CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynch
 
 PLATFORM = "linux_user"
 RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", f"platform/{PLATFORM}/platform.c"]
+# INT3 fallback probes (issue 3).
+RUNTIME_SOURCES += ["kp_trap.c", "arch/x86_64/kp_int3.c", f"platform/{PLATFORM}/kp_signal.c",
+                    f"platform/{PLATFORM}/kp_sighook.c"]
 
 LINKER_SCRIPT = """
 SECTIONS

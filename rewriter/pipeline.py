@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import blacklist as bl
-from . import link, writer
+from . import link, sighook, writer
 from .analysis import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
 from .image import Image
-from .planner import OPTIMIZED, Plan, plan
+from .planner import INT3, OPTIMIZED, Plan, plan
 from .resolve import Probe, resolve
 from .spec import Spec, load_spec
 
@@ -106,6 +106,9 @@ def check_lines(s: Session) -> list[str]:
     rows = []
     for site in s.plan.sites:
         for p in site.probes:
+            if site.decision == INT3:   # breakpoint probe: why not optimized, and how it runs out of line
+                rows.append((p.index, f"{p.label}  k  {INT3}  {site.reason}  [{site.xol.mode}]"))
+                continue
             rows.append((p.index, f"{p.label}  k  {OPTIMIZED}"))
     for p, decision, reason in s.plan.rejected:
         rows.append((p.index, f"{p.label}  k  {decision}  {reason}"))
@@ -134,7 +137,7 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
         out.append(f"extern char {name}[];")
     out.append(f"struct kprobe kp_probes[{max(1, len(placed))}] = {{")
     for site, p in placed:
-        flags = ["KPROBE_FLAG_OPTIMIZED"] + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
+        flags = (["KPROBE_FLAG_OPTIMIZED"] if site.decision == OPTIMIZED else ["0"]) + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
         pre = f"(kprobe_pre_handler_t){link_sym[p.spec.pre_handler]}" if p.spec.pre_handler else "0"
         post = f"(kprobe_post_handler_t){link_sym[p.spec.post_handler]}" if p.spec.post_handler else "0"
         sym = link.c_string(p.symbol if (p.spec.symbol_name or p.func) else None)
@@ -152,6 +155,8 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     out.append(f"const unsigned int kp_nsites = {len(s.plan.sites)};")
     refs = ", ".join(f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
+    out.append(s.arch.kprobe_xol.table_c(s.plan.sites))
+    out.append(sighook.table_c(s.image, any(site.decision == INT3 for site in s.plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     em = s.arch.emit   # layouts the clean-call template reads directly
     out.append(f"_Static_assert(sizeof(struct kprobe) == {em.KPROBE_SIZE} && "
@@ -203,10 +208,19 @@ def emit(s: Session, workdir: Path) -> bytes:
                                     "kp_optprobe_clean_post_entry")}
     placeholder.update({v: far for v in s.handler_symbols.values()})
     for site in s.plan.sites:
+        if site.decision == INT3:
+            continue
         pos = (pos + 15) & ~15
         code, site.resume, site.resume_post = _detour(s, site, pos, placeholder)
         site.detour = pos
         pos += len(code)
+    # Out-of-line slots of breakpoint probes (the kernel's insn slots).
+    for site in s.plan.sites:
+        if site.decision == INT3 and site.xol.mode != "emulate":
+            code = arch.kprobe_xol.slot_code(site.xol, site.index, site.with_post, pos, pos + 0x1000000)
+            site.resume, site.resume_post = site.xol.slot, site.xol.slot_post
+            site.detour = pos
+            pos += len(code)
     text_addr = (pos + 63) & ~63
     # Handlers and runtime.
     objs = link.compile_runtime(cc, workdir) + hobjs + \
@@ -236,6 +250,12 @@ def emit(s: Session, workdir: Path) -> bytes:
             file_patches.append((off, struct.pack("<Q", stub_at[name])))
     patches = []
     for site in s.plan.sites:
+        if site.decision == INT3:
+            if site.xol.mode != "emulate":
+                put(site.detour, arch.kprobe_xol.slot_code(site.xol, site.index, site.with_post, site.detour,
+                                                           sym["kp_optprobe_post_entry"]))
+            patches.append((site.addr, b"\xcc"))
+            continue
         code, resume, resume_post = _detour(s, site, site.detour, sym)
         assert (resume, resume_post) == (site.resume, site.resume_post)
         put(site.detour, code)
@@ -301,9 +321,12 @@ def metadata(s: Session) -> bytes:
     for site in s.plan.sites:
         for p in site.probes:
             probes.append({"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
-                           "name": p.event_name, "optimized": True, "disabled": p.spec.disabled,
-                           "detour": site.detour, "region": [site.addr, site.region_end],
-                           "call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
+                           "name": p.event_name, "optimized": site.decision == OPTIMIZED, "disabled": p.spec.disabled,
+                           "detour": site.detour, "region": [site.addr, site.region_end]})
+            if site.decision == OPTIMIZED:
+                probes[-1].update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
+            if site.decision == INT3:
+                probes[-1].update({"int3": site.xol.mode, "reason": str(site.reason)})
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": s.image.label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -344,6 +367,7 @@ def list_lines(path: str) -> list[str]:
     out = []
     for p in read_metadata(path)["probes"]:
         flags = (" [DISABLED]" if p["disabled"] else "") + (" [OPTIMIZED]" if p["optimized"] else "")
+        flags += {"emulate": " [EMULATED]", "boost": " [BOOSTED]", "single-step": " [SINGLESTEP]"}.get(p.get("int3"), "")
         out.append(f"{p['addr']:016x}  {p['kind']}  {p['symbol']}+{p['offset']:#x}{flags}")
     return out
 

@@ -32,6 +32,7 @@ class Site:
     detour_code: bytes = b""
     clean: bool = False              # clean call: no handler here reads pt_regs
     template: bool = False           # clean, one probe, no post_handler: dispatch inlined in the detour
+    xol: object = None               # INT3 fallback: the arch's out-of-line plan (kprobe_xol.Xol)
 
     @property
     def with_post(self) -> bool:
@@ -84,7 +85,7 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
             fail(p, REFUSED, f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist")
             continue
         r = arch.optprobe.can_probe_insn(image, p.addr)
-        if r is not None:
+        if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
             fail(p, REFUSED, str(r), r.check)
             continue
         by_addr[p.addr].append(p)
@@ -104,8 +105,8 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
         s.dcr = r
         s.decision = OPTIMIZED
     # Another probe inside the region keeps the site unoptimized (the kernel's
-    # pre-optimization check); only sites that will be placed count.
-    placed = sorted(s.addr for s in sites if s.decision == OPTIMIZED)
+    # pre-optimization check); every site is placed (optimized or int3), so all count.
+    placed = sorted(s.addr for s in sites)
     import bisect
     for s in sites:
         if s.decision != OPTIMIZED:
@@ -115,14 +116,13 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
             s.reason = arch.optprobe.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
             s.decision, s.dcr = REFUSED, None
     for s in sites:
-        if s.decision == OPTIMIZED:
-            out.sites.append(s)
-            continue
-        # INT3 fallback is not implemented yet: an unoptimizable site cannot be placed.
-        check = getattr(s.reason, "check", "kprobes_optimization")
-        for p in s.probes:
-            fail(p, REFUSED, str(s.reason), check,
-                 f"cannot be jump-optimized: {s.reason} (INT3 fallback probes are not supported yet)")
+        if s.decision != OPTIMIZED:
+            # INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
+            # instruction is emulated, boosted or single-stepped out of line.
+            s.xol = arch.kprobe_xol.prepare(image, s.addr)
+            s.dcr = [s.xol.insn]
+            s.decision = INT3
+        out.sites.append(s)
     for i, s in enumerate(out.sites):
         s.index = i
     return out

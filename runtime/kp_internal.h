@@ -73,6 +73,70 @@ void kp_platform_write(int fd, const char *buf, unsigned long len);
 int kp_platform_open_append(const char *path);
 void kp_platform_close(int fd);
 
+/* INT3 fallback probes (kp_trap.c, arch/<arch>/kp_int3.c, platform/<name>/kp_signal.c).
+ * One descriptor per breakpoint site, sorted by address; addresses are link-time
+ * (the trap handler subtracts kp_rt.bias). */
+struct kp_int3_site {
+	unsigned long addr;		/* the probed instruction, now 0xcc */
+	unsigned long slot;		/* boost / single-step: the out-of-line copy */
+	unsigned long ss_end;		/* single-step: right after the copy (where TF traps) */
+	unsigned long target;		/* emulate: branch target */
+	unsigned int site;		/* kp_sites[] index */
+	unsigned char mode;		/* KP_XOL_* */
+	unsigned char kind;		/* emulate: KP_EMU_* */
+	unsigned char cc;		/* jcc condition; loop variant */
+	unsigned char size;		/* length of the probed instruction */
+	unsigned short imm;		/* ret imm16 */
+	unsigned char reg;		/* call/jmp through a register: pt_regs word index */
+	unsigned char addr32;		/* loop/jcxz with an address-size prefix */
+	unsigned char index;		/* call/jmp through memory: index register (0xff none) */
+	unsigned char scale;
+	unsigned char rip;		/* call/jmp through memory: target is the absolute address */
+};
+#define KP_XOL_EMULATE 1
+#define KP_XOL_BOOST 2
+#define KP_XOL_SINGLESTEP 3
+extern struct kp_int3_site kp_int3_sites[];
+extern const unsigned int kp_nint3;
+extern const unsigned int kp_int3_ss[];	/* single-step entries, by ss_end */
+extern const unsigned int kp_nint3_ss;
+
+/* Generic halves of a breakpoint hit (kp_trap.c). */
+#define KP_TRAP_RUN 0		/* run the instruction out of line, then the post_handlers */
+#define KP_TRAP_MISSED 1	/* run it out of line, no handlers (nmissed counted / disabled) */
+#define KP_TRAP_CHANGED 2	/* a pre_handler changed regs->ip: resume there */
+int kp_trap_pre(struct kp_site *s, struct pt_regs *regs);
+void kp_trap_post(struct kp_site *s, struct pt_regs *regs);
+/* Arch: handle a SIGTRAP's machine context if it is one of ours; 1 if it was. */
+int kp_arch_int3_trap(void *ucontext);
+/* Platform: install the SIGTRAP handler (only when there are breakpoint sites). */
+void kp_trap_install(void);
+/* The kernel's struct sigaction and siginfo head (platform/linux_user). */
+struct kp_ksigaction {
+	void *handler;
+	unsigned long flags;
+	void (*restorer)(void);
+	unsigned long mask;
+};
+struct kp_siginfo { int si_signo, si_errno, si_code; };
+#define KP_SIGTRAP 5
+#define KP_SIGBIT(n) (1UL << ((n) - 1))
+#define KP_SIG_DFL ((void *)0)
+#define KP_SIG_IGN ((void *)1)
+#define KP_SA_SIGINFO 0x4UL
+#define KP_SA_RESTORER 0x04000000UL
+#define KP_SA_RESTART 0x10000000UL
+#define KP_SA_NODEFER 0x40000000UL
+#define KP_SA_RESETHAND 0x80000000UL
+#define KP_UC_SIGMASK 296	/* offsetof(ucontext_t, uc_sigmask) on x86-64 */
+extern struct kp_ksigaction kp_trap_chain;
+void kp_sighook_install(void);
+/* GOT slots of the rewritten object's sigaction & co. (generated, rewriter/sighook.py). */
+struct kp_got_hook { unsigned long got; unsigned long kind; };
+extern struct kp_got_hook kp_got_hooks[];
+extern const unsigned int kp_ngot_hooks;
+extern const unsigned long kp_relro_start, kp_relro_end;
+
 /* Freestanding libc pieces (kp_lib.c). */
 void *memcpy(void *d, const void *s, size_t n);
 void *memset(void *d, int c, size_t n);

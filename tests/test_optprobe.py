@@ -119,18 +119,22 @@ def prog(tmp_path):
     ("jump_table", "indirect_jump", lambda a: a["jump_table"] + 7),       # the jmp *%rax
     ("tiny", "func_size", lambda a: a["tiny"]),
 ])
-def test_safety_check_refuses(tmp_path, prog, sym, check, where):
+def test_safety_check_refuses(tmp_path, prog, sym, check, where, runner):
+    """A probe the optimizer refuses becomes a breakpoint (int3) probe; check
+    still names the check that refused the jump and the offending address."""
     addrs = symbols(prog)
     spec = write_spec(tmp_path, spec_for((sym, 0)), NOISY)
     r = kprewrite("check", prog, "--spec", spec, check=False)
     line = r.stdout.strip()
-    assert line.startswith(f"{sym}+0x0  k  refused  "), r.stdout
+    assert r.returncode == 0 and line.startswith(f"{sym}+0x0  k  int3  "), r.stdout + r.stderr
     assert f"{check} at {where(addrs):#x}" in line, line
-    # instrument is all or nothing: one line naming the probe, no output.
-    out = tmp_path / "out"
-    r = kprewrite("instrument", prog, "--spec", spec, "-o", out, check=False)
-    assert r.returncode != 0 and not out.exists()
-    assert len(r.stderr.strip().splitlines()) == 1 and check in r.stderr and "Traceback" not in r.stderr
+    # instrument places it as a breakpoint; the program's behaviour is unchanged.
+    out = instrument(prog, spec, tmp_path / "out")
+    r = run(out, runner=runner)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == run(prog, runner=runner).stdout
+    assert f"hit {sym}+0" in r.stderr
+    assert "[OPTIMIZED]" not in kprewrite("list", out).stdout
 
 
 def symbols(path):
@@ -191,7 +195,11 @@ def test_landing_pad_refuses_and_exceptions_still_work(tmp_path, runner):
                       f'offset = {before - catcher}\npre_handler = "noisy"\n', NOISY)
     if pad - before < 5:
         r = kprewrite("check", prog, "--spec", spec, check=False)
-        assert "refused  jump_into_region" in r.stdout and "landing pad" in r.stdout, r.stdout
+        assert "int3  jump_into_region" in r.stdout and "landing pad" in r.stdout, r.stdout
+        # As a breakpoint probe, exceptions still land on the pad.
+        out = instrument(prog, spec, tmp_path / "near_pad")
+        r = run(out, runner=runner)
+        assert r.returncode == 0 and r.stdout == "s=0\n", r.stderr
     # Probes on the entries of the throwing and the catching function: exceptions still land.
     spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "_Z9may_throwi"\npre_handler = "noisy"\n'
                       '[[kprobe]]\nsymbol_name = "_Z7catcheri"\npre_handler = "noisy"\n', NOISY, name="ok.toml")

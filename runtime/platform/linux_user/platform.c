@@ -72,6 +72,7 @@ void *kp_user_start(unsigned long *sp, void (*rtld_fini)(void))
 	char **envp = (char **)(sp + 1 + argc + 1);
 	kp_configure(envp);
 	kp_platform_thread_key();
+	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler */
 	if (!kp_rt.profile_path)
 		return rtld_fini;
 	kp_saved_fini = rtld_fini;
@@ -87,6 +88,7 @@ void kp_user_lib_init(int argc, char **argv, char **envp)
 	kp_relocate();
 	kp_configure(envp);
 	kp_platform_thread_key();
+	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler */
 }
 
 /* Shared objects: called from the first DT_FINI_ARRAY entry. */

@@ -1,0 +1,41 @@
+"""Keeping the runtime's SIGTRAP handler installed (breakpoint probes, Linux user
+processes).
+
+A program that later calls sigaction(SIGTRAP) or signal(SIGTRAP) would replace
+the handler our int3s need, and one that blocks SIGTRAP (sigprocmask,
+pthread_sigmask, or a handler's sa_mask) would be killed by the next trap (the
+kernel forces a blocked synchronous signal to its default action).  So the
+runtime takes over the program's own GOT slots of those functions at start-up:
+sigaction/signal on SIGTRAP only record the program's handler, to which traps
+that are not ours are delivered; masks lose the SIGTRAP bit.  This covers calls
+made by the rewritten object itself through its GOT (PLT or -fno-plt), not
+calls from other libraries or static programs' internal calls.
+"""
+from __future__ import annotations
+
+HOOKS = {"sigaction": 1, "__sigaction": 1, "signal": 2, "sysv_signal": 2, "__sysv_signal": 2,
+         "bsd_signal": 2, "sigprocmask": 3, "pthread_sigmask": 4}
+R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT = 6, 7
+PT_GNU_RELRO = 0x6474E552
+
+
+def got_slots(image) -> list[tuple[int, int]]:
+    """(GOT slot link-time address, hook kind) of the hooked functions."""
+    out = set()
+    for r in image.binary.relocations:
+        if int(r.type) & 0xFF not in (R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT) or not r.has_symbol:
+            continue
+        kind = HOOKS.get(r.symbol.name)
+        if kind:
+            out.add((r.address, kind))
+    return sorted(out)
+
+
+def table_c(image, enabled: bool) -> str:
+    slots = got_slots(image) if enabled else []
+    relro = [(s.vaddr, s.vaddr + s.memsz) for s in image.segments if s.type == PT_GNU_RELRO]
+    lo, hi = relro[0] if relro else (0, 0)
+    rows = "".join(f"  {{ {a:#x}UL, {k} }},\n" for a, k in slots) or "  { 0, 0 },\n"
+    return (f"struct kp_got_hook kp_got_hooks[] = {{\n{rows}}};\n"
+            f"const unsigned int kp_ngot_hooks = {len(slots)};\n"
+            f"const unsigned long kp_relro_start = {lo:#x}UL, kp_relro_end = {hi:#x}UL;\n")

@@ -1,0 +1,230 @@
+/*
+ * x86-64 breakpoint probes: kprobe_int3_handler(), the emulation of
+ * prepare_emulation()'s branches, and resume_singlestep() of
+ * arch/x86/kernel/kprobes/core.c, on a Linux user signal context.
+ *
+ * The SIGTRAP's machine context (ucontext_t.uc_mcontext.gregs) is copied into
+ * struct pt_regs for the handlers and written back afterwards, so whatever a
+ * handler changes takes effect when the kernel's rt_sigreturn restores it.
+ */
+#include "../../kp_internal.h"
+
+#define X86_EFLAGS_CF 0x0001UL
+#define X86_EFLAGS_PF 0x0004UL
+#define X86_EFLAGS_ZF 0x0040UL
+#define X86_EFLAGS_SF 0x0080UL
+#define X86_EFLAGS_TF 0x0100UL
+#define X86_EFLAGS_OF 0x0800UL
+
+/* Emulated kinds (rewriter/arch/x86_64/kprobe_xol.py). */
+enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU_RET,
+       KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN, KP_EMU_JMP_MEM, KP_EMU_CALL_MEM };
+
+/* ucontext_t: uc_flags, uc_link, uc_stack (24 bytes), then mcontext_t's gregs[]. */
+#define KP_UC_GREGS 40
+enum { G_R8, G_R9, G_R10, G_R11, G_R12, G_R13, G_R14, G_R15, G_RDI, G_RSI, G_RBP,
+       G_RBX, G_RDX, G_RAX, G_RCX, G_RSP, G_RIP, G_EFL, G_CSGSFS };
+
+/* The restorer our SIGTRAP handler returns through (SA_RESTORER). */
+__asm__(".text\n"
+	".globl kp_arch_sigreturn\n"
+	".hidden kp_arch_sigreturn\n"
+	".type kp_arch_sigreturn, @function\n"
+	"kp_arch_sigreturn:\n"
+	"\tmov $15, %eax\n"		/* __NR_rt_sigreturn */
+	"\tsyscall\n"
+	"\thlt\n"
+	".size kp_arch_sigreturn, .-kp_arch_sigreturn\n");
+
+static void kp_uc_to_regs(const unsigned long *g, struct pt_regs *r)
+{
+	r->r15 = g[G_R15]; r->r14 = g[G_R14]; r->r13 = g[G_R13]; r->r12 = g[G_R12];
+	r->bp = g[G_RBP]; r->bx = g[G_RBX]; r->r11 = g[G_R11]; r->r10 = g[G_R10];
+	r->r9 = g[G_R9]; r->r8 = g[G_R8]; r->ax = g[G_RAX]; r->cx = g[G_RCX];
+	r->dx = g[G_RDX]; r->si = g[G_RSI]; r->di = g[G_RDI];
+	r->orig_ax = -1UL;
+	r->ip = g[G_RIP];
+	r->cs = g[G_CSGSFS] & 0xffff;
+	r->flags = g[G_EFL];
+	r->sp = g[G_RSP];
+	r->ss = 0x2b;
+}
+
+static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)
+{
+	g[G_R15] = r->r15; g[G_R14] = r->r14; g[G_R13] = r->r13; g[G_R12] = r->r12;
+	g[G_RBP] = r->bp; g[G_RBX] = r->bx; g[G_R11] = r->r11; g[G_R10] = r->r10;
+	g[G_R9] = r->r9; g[G_R8] = r->r8; g[G_RAX] = r->ax; g[G_RCX] = r->cx;
+	g[G_RDX] = r->dx; g[G_RSI] = r->si; g[G_RDI] = r->di;
+	g[G_RIP] = r->ip;
+	g[G_EFL] = r->flags;	/* the kernel keeps only the user-changeable bits */
+	g[G_RSP] = r->sp;
+}
+
+/* Binary search of the descriptors by link-time address. */
+static struct kp_int3_site *kp_int3_lookup(unsigned long addr)
+{
+	unsigned int lo = 0, hi = kp_nint3;
+	while (lo < hi) {
+		unsigned int mid = (lo + hi) / 2;
+		unsigned long a = kp_int3_sites[mid].addr;
+		if (a == addr)
+			return &kp_int3_sites[mid];
+		if (a < addr)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return 0;
+}
+
+/* The single-step site whose copy ends at `end` (slots are in address order). */
+static struct kp_int3_site *kp_int3_ss_lookup(unsigned long end)
+{
+	unsigned int lo = 0, hi = kp_nint3_ss;
+	while (lo < hi) {
+		unsigned int mid = (lo + hi) / 2;
+		struct kp_int3_site *d = &kp_int3_sites[kp_int3_ss[mid]];
+		if (d->ss_end == end)
+			return d;
+		if (d->ss_end < end)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return 0;
+}
+
+/* The condition codes of jcc (and cmovcc, setcc): cc>>1 picks the test, bit 0 negates. */
+static int kp_cond(unsigned long f, unsigned int cc)
+{
+	int r;
+	switch (cc >> 1) {
+	case 0: r = !!(f & X86_EFLAGS_OF); break;
+	case 1: r = !!(f & X86_EFLAGS_CF); break;
+	case 2: r = !!(f & X86_EFLAGS_ZF); break;
+	case 3: r = !!(f & (X86_EFLAGS_CF | X86_EFLAGS_ZF)); break;
+	case 4: r = !!(f & X86_EFLAGS_SF); break;
+	case 5: r = !!(f & X86_EFLAGS_PF); break;
+	case 6: r = !(f & X86_EFLAGS_SF) != !(f & X86_EFLAGS_OF); break;
+	default: r = (f & X86_EFLAGS_ZF) || (!(f & X86_EFLAGS_SF) != !(f & X86_EFLAGS_OF)); break;
+	}
+	return (cc & 1) ? !r : r;
+}
+
+/* kprobe_emulate_{call,jmp,jcc,loop,ret,call_indirect,jmp_indirect}(). */
+static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsigned long bias)
+{
+	unsigned long next = d->addr + bias + d->size, target = d->target + bias, v;
+	int taken;
+	switch (d->kind) {
+	case KP_EMU_JMP:
+		regs->ip = target;
+		return;
+	case KP_EMU_CALL:
+		regs->sp -= 8;
+		*(unsigned long *)regs->sp = next;
+		regs->ip = target;
+		return;
+	case KP_EMU_JCC:
+		regs->ip = kp_cond(regs->flags, d->cc) ? target : next;
+		return;
+	case KP_EMU_LOOP:	/* e0 loopne, e1 loope, e2 loop */
+		regs->cx = d->addr32 ? (unsigned int)(regs->cx - 1) : regs->cx - 1;
+		taken = regs->cx != 0;
+		if (d->cc == 0)
+			taken &= !(regs->flags & X86_EFLAGS_ZF);
+		else if (d->cc == 1)
+			taken &= !!(regs->flags & X86_EFLAGS_ZF);
+		regs->ip = taken ? target : next;
+		return;
+	case KP_EMU_JCXZ:
+		regs->ip = (d->addr32 ? (unsigned int)regs->cx : regs->cx) == 0 ? target : next;
+		return;
+	case KP_EMU_RET:
+		regs->ip = *(unsigned long *)regs->sp;
+		regs->sp += 8 + d->imm;
+		return;
+	case KP_EMU_JMP_REG:
+		regs->ip = ((unsigned long *)regs)[d->reg];
+		return;
+	case KP_EMU_JMP_MEM:	/* beyond the kernel, which refuses memory operands */
+	case KP_EMU_CALL_MEM:
+		if (d->rip) {
+			v = target;
+		} else {
+			v = d->target;
+			if (d->reg != 0xff)
+				v += ((unsigned long *)regs)[d->reg];
+			if (d->index != 0xff)
+				v += ((unsigned long *)regs)[d->index] * d->scale;
+		}
+		v = *(unsigned long *)v;
+		if (d->kind == KP_EMU_CALL_MEM) {
+			regs->sp -= 8;
+			*(unsigned long *)regs->sp = next;
+		}
+		regs->ip = v;
+		return;
+	case KP_EMU_XBEGIN:	/* the transaction aborts at once: EAX = 0, fallback path */
+		regs->ax = 0;
+		regs->ip = target;
+		return;
+	case KP_EMU_CALL_REG:
+		v = ((unsigned long *)regs)[d->reg];
+		regs->sp -= 8;
+		*(unsigned long *)regs->sp = next;
+		regs->ip = v;
+		return;
+	}
+}
+
+/*
+ * A SIGTRAP raised by the CPU (not sent by kill).  Ours if it follows one of
+ * our int3s, or the single-step of one of our copies; 0 otherwise (the platform
+ * layer passes it on to whoever else handles SIGTRAP).
+ */
+int kp_arch_int3_trap(void *uc)
+{
+	unsigned long *g = (unsigned long *)((char *)uc + KP_UC_GREGS);
+	if (unlikely(kp_rt.state != 2))
+		kp_relocate();
+	unsigned long bias = kp_rt.bias, ip = g[G_RIP];
+	struct kp_int3_site *d = kp_int3_lookup(ip - 1 - bias);
+	struct pt_regs regs;
+	if (d) {
+		struct kp_site *s = &kp_sites[d->site];
+		kp_uc_to_regs(g, &regs);
+		int r = kp_trap_pre(s, &regs);
+		if (r != KP_TRAP_CHANGED) {
+			switch (d->mode) {
+			case KP_XOL_EMULATE:
+				kp_emulate(d, &regs, bias);
+				if (r == KP_TRAP_RUN)
+					kp_trap_post(s, &regs);
+				break;
+			case KP_XOL_BOOST:	/* the slot runs the post stub itself */
+				regs.ip = d->slot + bias;
+				break;
+			default:		/* single-step: trap again after the copy */
+				regs.ip = d->slot + bias;
+				regs.flags |= X86_EFLAGS_TF;
+				break;
+			}
+		}
+		kp_regs_to_uc(&regs, g);
+		return 1;
+	}
+	if (kp_nint3_ss && (g[G_EFL] & X86_EFLAGS_TF) && (d = kp_int3_ss_lookup(ip - bias))) {
+		/* resume_singlestep(): the copy was not a branch, so the original
+		 * next instruction follows; RIP-relative operands were relocated. */
+		struct kp_site *s = &kp_sites[d->site];
+		kp_uc_to_regs(g, &regs);
+		regs.flags &= ~X86_EFLAGS_TF;
+		regs.ip = d->addr + bias + d->size;
+		kp_trap_post(s, &regs);
+		kp_regs_to_uc(&regs, g);
+		return 1;
+	}
+	return 0;
+}

@@ -1,0 +1,95 @@
+/*
+ * Platform layer for breakpoint probes in a Linux user process: the SIGTRAP
+ * handler is the user-space stand-in for the kernel's #BP/#DB entries.
+ *
+ * Installed at start-up with a raw rt_sigaction and our own restorer (no libc):
+ *  - SA_SIGINFO, for the machine context;
+ *  - SA_NODEFER, and SIGTRAP never blocked: a synchronous SIGTRAP that arrives
+ *    while blocked makes the kernel reset the handler to SIG_DFL and kill the
+ *    process, and a handler may hit another probe (counted in nmissed);
+ *  - sa_mask blocks every other asynchronous signal while handlers run, so a
+ *    program's signal handler cannot interleave with ours on this thread (it
+ *    runs after, at the out-of-line copy or the resume address); the synchronous
+ *    faults (SEGV BUS ILL FPE) stay unblocked for the same reason as SIGTRAP;
+ *  - no SA_ONSTACK: the trap runs on the probed thread's stack below its red
+ *    zone, like the program's own code would, and leaves a program's
+ *    sigaltstack to the program;
+ *  - SA_RESTART, so a trap never makes a system call fail with EINTR.
+ * Traps that are not ours (sent with kill/raise, or an int3 of the program's
+ * own) go to the disposition that was there before us, or the one the program
+ * set since through the hooks in kp_sighook.c.
+ */
+#include "../../kp_internal.h"
+#include "../../arch/x86_64/syscall.h"
+
+#define KP_NR_rt_sigaction 13
+#define KP_NR_rt_sigprocmask 14
+#define KP_NR_getpid 39
+#define KP_NR_gettid 186
+#define KP_NR_tgkill 234
+
+void kp_arch_sigreturn(void);
+
+static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
+
+/* The program's view of SIGTRAP: what was installed before us, later what it asked for. */
+struct kp_ksigaction kp_trap_chain;
+
+void kp_trap_install(void)
+{
+	static int done;
+	if (!kp_nint3 || done)
+		return;
+	done = 1;
+	struct kp_ksigaction sa = {
+		.handler = (void *)kp_sigtrap,
+		.flags = KP_SA_SIGINFO | KP_SA_RESTORER | KP_SA_NODEFER | KP_SA_RESTART,
+		.restorer = kp_arch_sigreturn,
+		.mask = ~(KP_SIGBIT(KP_SIGTRAP) | KP_SIGBIT(11) | KP_SIGBIT(7) | KP_SIGBIT(4) | KP_SIGBIT(8)),
+	};
+	kp_syscall6(KP_NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
+	if (kp_trap_chain.handler == (void *)kp_sigtrap)	/* never chain to ourselves */
+		kp_trap_chain.handler = 0;
+	kp_sighook_install();
+}
+
+/* Deliver a SIGTRAP that is not ours as the kernel would have without us. */
+static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
+{
+	void *h = kp_trap_chain.handler;
+	/* A trap the CPU raised cannot be ignored: the kernel forces it to the
+	 * default action (force_sig); a sent SIGTRAP can. */
+	if (h == KP_SIG_IGN && info->si_code <= 0)
+		return;
+	if (h == KP_SIG_DFL || h == KP_SIG_IGN) {
+		/* Terminate with a core dump, as the default action: drop our
+		 * handler, and send it again to this thread; it is delivered as
+		 * soon as this handler returns (SIGTRAP is not blocked). */
+		struct kp_ksigaction dfl = { 0 };
+		kp_syscall6(KP_NR_rt_sigaction, KP_SIGTRAP, (long)&dfl, 0, 8, 0, 0);
+		kp_syscall3(KP_NR_tgkill, kp_syscall3(KP_NR_getpid, 0, 0, 0), kp_syscall3(KP_NR_gettid, 0, 0, 0), KP_SIGTRAP);
+		return;
+	}
+	/* The program's handler, under its sa_mask (SIGTRAP itself stays
+	 * deliverable, see above); SA_RESETHAND is honoured. */
+	unsigned long *ucmask = (unsigned long *)((char *)uc + KP_UC_SIGMASK);
+	unsigned long mask = (*ucmask | kp_trap_chain.mask) & ~KP_SIGBIT(KP_SIGTRAP), old;
+	unsigned long flags = kp_trap_chain.flags;
+	if (flags & KP_SA_RESETHAND)
+		kp_trap_chain.handler = KP_SIG_DFL;
+	kp_syscall6(KP_NR_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&mask, (long)&old, 8, 0, 0);
+	if (flags & KP_SA_SIGINFO)
+		((void (*)(int, struct kp_siginfo *, void *))h)(sig, info, uc);
+	else
+		((void (*)(int))h)(sig);
+	kp_syscall6(KP_NR_rt_sigprocmask, 2, (long)&old, 0, 8, 0, 0);
+}
+
+static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
+{
+	/* si_code > 0: raised by the CPU (SI_KERNEL for int3, TRAP_TRACE or,
+	 * under QEMU, TRAP_BRKPT for the single-step); <= 0: sent by a process. */
+	if (info->si_code > 0 && kp_arch_int3_trap(uc))
+		return;
+	kp_trap_forward(sig, info, uc);
+}
