@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import blacklist as bl
+from . import kretprobe as kret
 from . import link, writer
 from .analysis import Analysis
 from .arch import get_arch
@@ -37,11 +38,12 @@ class Session:
     plan: Plan
     handler_symbols: dict | None = None    # handler name -> link symbol
     handler_exports: dict | None = None    # C source -> names it exports
+    kret: object = None                    # kretprobe.KretPlan: return sites
 
 
 def unsupported(spec: Spec) -> list[str]:
     name = spec.path.name
-    out = [f"{name}: {k.table}: kretprobes are not supported yet" for k in spec.kretprobes]
+    out = [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kretprobes if k.fetch]
     out += [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kprobes if k.fetch]
     if spec.events:
         out.append(f"{name}: 'events' is not supported yet")
@@ -59,10 +61,20 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     errors += res_errors
     analysis = Analysis(image, arch)
     blist = bl.compute(image)
-    p = plan(image, analysis, arch, probes, blist, spec.optimize and not no_optimize, spec.path.name)
+    kprobes_n = len(probes)
+    rprobes, res_errors = kret.resolve_kretprobes(image, spec, arch, kprobes_n)
+    errors += res_errors
+    refused = Plan()
+    rprobes = kret.refuse(image, analysis, arch, rprobes, spec.path.name, refused)
+    p = plan(image, analysis, arch, probes + rprobes, blist, spec.optimize and not no_optimize, spec.path.name)
+    p.errors += refused.errors
+    p.rejected += refused.rejected
+    for check, ps in refused.skipped.items():
+        p.skipped[check].extend(ps)
     if strict:
         errors += p.errors
     s = Session(image, spec, arch, analysis, probes, blist, p)
+    s.kret = kret.plan_returns(image, analysis, arch, p)
     if strict:
         errors += _resolve_handlers(s)
     if errors:
@@ -72,7 +84,7 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
 
 def _resolve_handlers(s: Session) -> list[str]:
     """Every handler the placed probes name must be defined in a handler file."""
-    names = {n for k in s.spec.kprobes for n in (k.pre_handler, k.post_handler) if n}
+    names = {n for k in s.spec.kprobes for n in (k.pre_handler, k.post_handler) if n} | kret.handler_names(s.spec)
     if not names:
         s.handler_symbols, s.handler_exports = {}, {}
         return []
@@ -84,7 +96,7 @@ def _resolve_handlers(s: Session) -> list[str]:
             if n in missing:
                 lines.append(f"{s.spec.path.name}: {k.table}: {key} '{n}' is not defined in any handler file "
                              f"({', '.join(h.name for h in s.spec.handlers) or 'none listed'})")
-    return lines
+    return lines + kret.missing_handler_lines(s.spec, missing)
 
 
 def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False) -> Session:
@@ -95,9 +107,11 @@ def check_lines(s: Session) -> list[str]:
     rows = []
     for site in s.plan.sites:
         for p in site.probes:
-            rows.append((p.index, f"{p.label}  k  {OPTIMIZED}"))
+            if not kret.is_entry(p):
+                rows.append((p.index, f"{p.label}  k  {OPTIMIZED}"))
+    rows += kret.check_rows(s)
     for p, decision, reason in s.plan.rejected:
-        rows.append((p.index, f"{p.label}  k  {decision}  {reason}"))
+        rows.append((p.index, f"{p.label}  {getattr(p, 'kind', 'k')}  {decision}  {reason}"))
     return [r for _, r in sorted(rows)]
 
 
@@ -114,7 +128,7 @@ def skipped_summary(s: Session) -> list[str]:
 
 def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     """The generated C: struct kprobe per probe, one kp_site per address."""
-    placed = [(site, p) for site in s.plan.sites for p in site.probes]
+    placed = [(site, p) for site in s.plan.sites for p in site.probes if not kret.is_entry(p)]
     placed.sort(key=lambda sp: sp[1].index)
     order = {id(p): i for i, (_, p) in enumerate(placed)}
     out = ['#include "kp_internal.h"']
@@ -139,7 +153,9 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
         first += len(site.probes)
     out.append("};")
     out.append(f"const unsigned int kp_nsites = {len(s.plan.sites)};")
-    refs = ", ".join(f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
+    kret_c, kret_refs = kret.table_c(s, link_sym, len(placed))
+    out.append(kret_c)
+    refs = ", ".join(kret_refs.get(id(p)) or f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     return "\n".join(out) + "\n"
@@ -177,9 +193,10 @@ def emit(s: Session, workdir: Path) -> bytes:
     # Detours: addresses first (their size does not depend on where the runtime lands).
     for site in s.plan.sites:
         pos = (pos + 15) & ~15
-        code, site.resume, site.resume_post = em.detour(site.index, site.dcr, site.with_post, pos, pos + 0x1000000, pos + 0x1000000)
+        code, site.resume, site.resume_post = kret.site_detour(s, em, site, pos, pos + 0x1000000, pos + 0x1000000)
         site.detour = pos
         pos += len(code)
+    pos = kret.layout(s, pos)
     text_addr = (pos + 63) & ~63
     # Handlers and runtime.
     cc = link.compiler()
@@ -209,11 +226,12 @@ def emit(s: Session, workdir: Path) -> bytes:
             file_patches.append((off, struct.pack("<Q", stub_at[name])))
     patches = []
     for site in s.plan.sites:
-        code, resume, resume_post = em.detour(site.index, site.dcr, site.with_post, site.detour,
-                                              sym["kp_optprobe_entry"], sym["kp_optprobe_post_entry"])
+        code, resume, resume_post = kret.site_detour(s, em, site, site.detour,
+                                                     sym["kp_optprobe_entry"], sym["kp_optprobe_post_entry"], sym)
         assert (resume, resume_post) == (site.resume, site.resume_post)
         put(site.detour, code)
         patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
+    kret.emit_sites(s, sym, put, patches)
     rx += blob.text
     sections = [
         writer.NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, bytes(rx)),
@@ -230,9 +248,12 @@ def metadata(s: Session) -> bytes:
     probes = []
     for site in s.plan.sites:
         for p in site.probes:
+            if kret.is_entry(p):
+                continue
             probes.append({"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
                            "name": p.event_name, "optimized": True, "disabled": p.spec.disabled,
                            "detour": site.detour, "region": [site.addr, site.region_end]})
+    probes += kret.metadata(s)
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": s.image.label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

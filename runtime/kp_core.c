@@ -56,6 +56,7 @@ void kp_relocate(void)
 			kp_sites[i].resume_post += bias;
 		}
 	}
+	kp_kretprobe_relocate(bias);
 	kp_rt.armed = 1;
 	kp_rt.table = kp_platform_alloc(KP_TABLE_SIZE * sizeof(*kp_rt.table));
 	kp_rt.table_mask = kp_rt.table ? KP_TABLE_SIZE - 1 : 0;
@@ -82,7 +83,8 @@ void kp_configure(char **envp)
 
 static struct kp_thread *kp_new_thread(unsigned long key)
 {
-	struct kp_thread *t = kp_platform_alloc(sizeof(*t) + kp_nprobes * sizeof(unsigned long));
+	/* Hit counters: kprobes, then kretprobes (whose kp.index follows kp_nprobes). */
+	struct kp_thread *t = kp_platform_alloc(sizeof(*t) + (kp_nprobes + kp_nkretprobes) * sizeof(unsigned long));
 	if (!t)
 		return 0;
 	t->key = key;
@@ -133,6 +135,12 @@ static inline struct kp_thread *kp_current_thread(void)
 			return t;
 	}
 	return kp_thread_slow(key);
+}
+
+/* The thread lookup for code outside this file (kretprobe return paths). */
+struct kp_thread *kp_thread_current(void)
+{
+	return kp_current_thread();
 }
 
 /* Return values of the callbacks, read by the arch entry code. */
@@ -252,6 +260,7 @@ void kp_write_profile(void)
 				   kp_probes[i].name, hits, kp_probes[i].nmissed);
 		kp_platform_write(fd, line, len);
 	}
+	kp_kretprobe_profile(fd);
 	if (fd != 2)
 		kp_platform_close(fd);
 }
