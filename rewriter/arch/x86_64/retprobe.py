@@ -87,13 +87,18 @@ def find_exits(image, analysis, func) -> Exits:
                 if em != "jmp rel":
                     refusal = refusal or Refusal("conditional_tail_call", ins.addr,
                                                  f"conditional jump to {t:#x} leaves {func.name}")
-                elif tf is None or tf.start != t:
+                elif (tf is None or tf.start != t) and not _plt(image, t):
                     refusal = refusal or Refusal("jump_out", ins.addr,
                                                  f"jump to {t:#x} leaves {func.name} but not to a function's start")
                 else:
                     exits.append(Exit(ins.addr, TAIL, ins, t))
     exits.sort(key=lambda e: e.addr)
     return Exits(exits, refusal, parts)
+
+
+def _plt(image, addr: int) -> bool:
+    sec = image.section_containing(addr)
+    return sec is not None and sec.name in (".plt", ".plt.sec", ".plt.got", ".iplt")
 
 
 def _padding(image, analysis, part, start: int, need: int) -> bool:
