@@ -9,8 +9,10 @@
  * (the function is leaving), so no red zone is skipped.  pt_regs is built as
  * the kernel's trampoline reports it: ip = the return address, sp = the stack
  * pointer after the ret.  Every register is restored from pt_regs afterwards
- * (a handler may change the return value in regs->ax); the arithmetic flags
- * are kept with seto/lahf and add/sahf as in optprobe_entry.S.
+ * (a handler may change the return value in regs->ax).  The flags are not
+ * saved: at a return (or a tail call) they carry nothing, as the x86-64 ABI
+ * says ("not preserved across calls"; only DF, which stays clear, has a role),
+ * so regs->flags reads 0x202 and the hooks cost no lahf/sahf.
  *
  * pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56 r9 64
  * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
@@ -23,14 +25,7 @@
 .macro SAVE_REGS
 	mov	%rax, 80(%rsp)
 	mov	%rcx, 88(%rsp)
-	seto	%al
-	lahf
-	movzbl	%ah, %ecx
-	movzbl	%al, %eax
-	shl	$11, %eax
-	or	%eax, %ecx
-	or	$0x200, %ecx
-	mov	%rcx, 144(%rsp)
+	movq	$0x202, 144(%rsp)		/* flags: dead at a return (see above) */
 	mov	%rdx, 96(%rsp)
 	mov	%rsi, 104(%rsp)
 	mov	%rdi, 112(%rsp)
@@ -50,14 +45,6 @@
 .endm
 
 .macro RESTORE_REGS
-	movzbl	144(%rsp), %eax
-	shl	$8, %eax
-	movzbl	145(%rsp), %ecx
-	shr	$3, %ecx
-	and	$1, %ecx
-	or	%ecx, %eax
-	add	$0x7f, %al
-	sahf
 	mov	0(%rsp), %r15
 	mov	8(%rsp), %r14
 	mov	16(%rsp), %r13
