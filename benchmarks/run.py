@@ -3,7 +3,12 @@
 
 Row "o": an optimized kprobe with an empty pre_handler on a trivial function
 called in a tight loop; (rewritten - original) / N, medians of several runs of
-both binaries interleaved in one go.  Run: python benchmarks/run.py
+both binaries interleaved in one go.  Rows "r" and "ro": a kretprobe on the
+same function, return hooks jump-optimized (kprewrite has no unoptimized
+kretprobe yet), with an empty return handler ("r") and with empty entry and
+return handlers ("ro").  Linux uretprobes are not measured: that needs tracefs
+(root, debugfs mounted), which these machines do not give.
+Run: python benchmarks/run.py
 """
 import os
 import platform
@@ -48,7 +53,9 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         orig = build(tmp)
-        rows = {"o": rewrite(orig, "optimized.toml", tmp / "loop.o")}
+        rows = {"o": rewrite(orig, "optimized.toml", tmp / "loop.o"),
+                "r": rewrite(orig, "return.toml", tmp / "loop.r"),
+                "ro": rewrite(orig, "return_entry.toml", tmp / "loop.ro")}
         times = {"original": [], **{k: [] for k in rows}}
         for _ in range(RUNS):
             times["original"].append(time_ns(orig))
@@ -59,7 +66,9 @@ def main():
         print()
         print("| row | what | per call, original (ns) | per call, rewritten (ns) | per hit (ns) | ratio |")
         print("|---|---|---|---|---|---|")
-        what = {"o": "optimized kprobe, empty pre_handler"}
+        what = {"o": "optimized kprobe, empty pre_handler",
+                "r": "kretprobe, empty handler",
+                "ro": "optimized kretprobe, empty entry_handler and handler"}
         for k in rows:
             m = statistics.median(times[k])
             print(f"| {k} | {what[k]} | {base / N:.2f} | {m / N:.2f} | {(m - base) / N:.2f} | {m / base:.2f}x |")

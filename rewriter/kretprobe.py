@@ -14,6 +14,7 @@ instead of sending the whole function to the trampoline.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -129,6 +130,9 @@ def refuse(image, analysis, arch, probes: list[EntryProbe], spec_name: str, plan
             bad = next((n for n in names if n in KRETPROBE_BLACKLIST), None)
             if bad:
                 reason, check = f"{bad} is on the kretprobe blacklist: {KRETPROBE_BLACKLIST[bad]}", "kretprobe_blacklist"
+            elif ".cold" in f.name:
+                reason, check = (f"{f.name} is a cold part of a function, entered by a jump, not a call: "
+                                 "it has no return address"), "cold_part"
             elif analysis.decoded(f).undecodable is None and analysis.decoded(f).indirect_jump is None:
                 ex = find_exits(image, analysis, f)
                 if not ex.exits and ex.refusal is None:
@@ -161,10 +165,23 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
             if is_entry(p):
                 g = groups.setdefault(site.addr, Group(p.func, site.addr, []))
                 g.probes.append(p)
-    busy_ranges = [(s.addr, s.region_end) for s in plan.sites]
+    # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
+    taken = sorted((s.addr, s.region_end) for s in plan.sites)
+    starts = [a for a, _ in taken]
+    site_at = sorted((s.addr, s.region_end, s) for s in plan.sites if s.dcr)
+    site_starts = [a for a, _, _ in site_at]
 
     def busy(lo, hi, extra):
-        return any(a < hi and lo < b for a, b in busy_ranges + extra)
+        i = bisect.bisect_left(starts, hi)
+        if i and taken[i - 1][1] > lo:
+            return True
+        return any(a < hi and lo < b for a, b in extra)
+
+    def host_of(addr):
+        i = bisect.bisect_right(site_starts, addr)
+        if i and site_at[i - 1][1] > addr:
+            return site_at[i - 1][2]
+        return None
 
     for g in sorted(groups.values(), key=lambda g: g.entry):
         ex = rp.find_exits(image, analysis, g.func)
@@ -174,7 +191,7 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
             continue
         mine: list[tuple[int, int]] = []
         for e in ex.exits:
-            host = next((s for s in plan.sites if s.dcr and s.addr <= e.addr < s.region_end), None)
+            host = host_of(e.addr)
             if host is not None:
                 g.embedded.append((host, e))
                 continue
@@ -189,7 +206,10 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
         if g.mode != OPTIMIZED:
             g.sites, g.embedded = [], []
             continue
-        busy_ranges.extend(mine)
+        for r in mine:
+            i = bisect.bisect_left(starts, r[0])
+            starts.insert(i, r[0])
+            taken.insert(i, r)
     # Tail calls to a function whose returns are all hooked leave the slot alone.
     kp._hooked = {g.func.start for g in groups.values() if g.mode == OPTIMIZED} | \
                  {g.entry for g in groups.values() if g.mode == OPTIMIZED}

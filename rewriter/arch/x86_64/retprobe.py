@@ -14,6 +14,7 @@ its start, inside the function (or its padding).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import capstone
@@ -44,17 +45,44 @@ class Exits:
     parts: list               # the function and its .cold parts
 
 
-def _insns(image, analysis, func):
-    d = analysis.decoded(func)
-    for off in d.boundaries:
-        a = func.start + off
-        code = image.read(a, min(16, func.end - a))
-        info = x86insn.classify(code, a)
-        yield DcrInsn(a, bytes(code[:info.length]), info)
+class _Insns:
+    """A function's instructions: decoded once (Capstone, lite), classified on
+    demand (only exits and the few instructions a return region takes)."""
+
+    def __init__(self, image, func):
+        self.code = image.read(func.start, func.end - func.start)
+        self.start = func.start
+        self.lite = list(_cs.disasm_lite(self.code, func.start))
+        self.addrs = [a for a, _s, _m, _o in self.lite]
+        self._cls: dict[int, DcrInsn] = {}
+
+    def at(self, k: int) -> DcrInsn:
+        got = self._cls.get(k)
+        if got is None:
+            a, size = self.lite[k][0], self.lite[k][1]
+            off = a - self.start
+            info = x86insn.classify(self.code[off:off + 16], a)
+            got = self._cls[k] = DcrInsn(a, bytes(self.code[off:off + info.length]), info)
+        return got
+
+
+def _insns(image, analysis, func) -> _Insns:
+    cache = analysis.__dict__.setdefault("_retprobe_insns", {})
+    got = cache.get(func.start)
+    if got is None:
+        got = cache[func.start] = _Insns(image, func)
+    return got
 
 
 def find_exits(image, analysis, func) -> Exits:
     """Every ret and tail jmp of `func`, following jumps into its `.cold` parts."""
+    cache = analysis.__dict__.setdefault("_retprobe_exits", {})
+    if func.start not in cache:
+        cache[func.start] = _find_exits(image, analysis, func)
+    return cache[func.start]
+
+
+def _find_exits(image, analysis, func) -> Exits:
     parts = [func]
     seen = {func.start}
     exits: list[Exit] = []
@@ -69,7 +97,11 @@ def find_exits(image, analysis, func) -> Exits:
         if d.indirect_jump is not None:
             return Exits([], Refusal("indirect_jump", d.indirect_jump,
                                      f"{part.name} has an indirect jump: its exits are unknown"), parts)
-        for ins in _insns(image, analysis, part):
+        insns = _insns(image, analysis, part)
+        for k, (_a, _size, mnem, _ops) in enumerate(insns.lite):
+            if not (mnem.startswith(("ret", "j", "loop", "repz ret", "bnd ret", "bnd j", "notrack j"))):
+                continue
+            ins = insns.at(k)
             em, info = ins.info.emulate, ins.info
             if em in ("ret", "ret imm"):
                 exits.append(Exit(ins.addr, RET, ins))
@@ -78,7 +110,7 @@ def find_exits(image, analysis, func) -> Exits:
                 if any(p.start <= t < p.end for p in parts):
                     continue
                 tf = image.function_at(t)
-                if tf is not None and ".cold" in tf.name and tf.start == t and tf.start not in seen:
+                if tf is not None and ".cold" in tf.name and tf.start not in seen:
                     seen.add(tf.start)
                     parts.append(tf)
                     continue
@@ -129,11 +161,11 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
     """The smallest region ending with `exit` that can take a 5-byte jump:
     (its instructions, region end).  `busy(lo, hi)` says whether another probe's
     region overlaps [lo, hi)."""
-    insns = [i for i in _insns(image, analysis, part) if i.addr <= exit.addr]
+    allin = _insns(image, analysis, part)
+    k = bisect.bisect_left(allin.addrs, exit.addr)
     end_insn = exit.addr + len(exit.insn.code)
     last = Refusal("ret_region", exit.addr, "no region of 5 bytes ending with this exit")
     dcr: list[DcrInsn] = [exit.insn]
-    k = len(insns) - 1
     while True:
         b = dcr[0].addr
         need = JMP32_INSN_SIZE - (end_insn - b)
@@ -151,9 +183,9 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         if hits:
             return Refusal("jump_into_region", b, f"{hits[0][1]} lands at {b:#x}, inside the return region")
         k -= 1
-        if k < 0 or insns[k].addr + len(insns[k].code) != b:
+        if k < 0 or allin.lite[k][0] + allin.lite[k][1] != b:
             return Refusal("func_size", exit.addr, f"fewer than 5 bytes from the start of {part.name} to this exit")
-        prev = insns[k]
+        prev = allin.at(k)
         if prev.info.probe_refused:
             return Refusal("can_probe", prev.addr, f"{prev.info.probe_refused} before the exit")
         if prev.info.emulate is not None or not prev.info.boostable:

@@ -192,6 +192,7 @@ static inline void unregister_kretprobe(struct kretprobe *rp) { (void)rp; }
 #define unlikely(x) __builtin_expect(!!(x), 0)
 #define likely(x) __builtin_expect(!!(x), 1)
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define KSYM_NAME_LEN 512
 
 #pragma GCC visibility pop
 #endif
