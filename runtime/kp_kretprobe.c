@@ -40,6 +40,7 @@
 
 struct kp_kret_thread {
 	unsigned int depth, cap;
+	unsigned long tail_slot;	/* set by a pending tail call, taken by the next entry */
 	struct kretprobe_instance *stack[];
 };
 
@@ -112,11 +113,12 @@ static struct kp_kret_thread *kp_kret_thread_of(struct kp_thread *t)
 }
 
 /* Is the instance at the top, recorded at slot S, still live at an entry at S?
- * Only if a tail call chained this entry to its frame. */
-static inline int kp_ri_chained(struct kretprobe_instance *ri, unsigned long S)
+ * Only if a tail call chained this entry to its frame: the pending tail hook
+ * said so just before its jmp, or the slot still holds the trampoline. */
+static inline int kp_ri_chained(struct kp_kret_thread *kt, struct kretprobe_instance *ri, unsigned long S)
 {
 	if (ri->kp_flags & KP_RI_PENDING)
-		return 1;
+		return kt->tail_slot == S;
 	return (ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S == TRAMP;
 }
 
@@ -127,7 +129,7 @@ static void kp_reclaim(struct kp_kret_thread *kt, unsigned long S, int at_entry)
 	while (kt->depth) {
 		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
 		unsigned long fp = (unsigned long)ri->fp;
-		if (fp > S || (fp == S && (!at_entry || kp_ri_chained(ri, S))))
+		if (fp > S || (fp == S && (!at_entry || kp_ri_chained(kt, ri, S))))
 			break;
 		kt->depth--;
 		kp_ri_free(ri);
@@ -160,6 +162,7 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 	}
 	if (kt->depth)
 		kp_reclaim(kt, S, 1);
+	kt->tail_slot = 0;
 	struct kretprobe_instance *ri = kp_ri_claim(rp);
 	if (unlikely(!ri)) {
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
@@ -234,6 +237,7 @@ void kp_kretprobe_tail_pending(struct pt_regs *regs)
 			break;
 		ri->kp_flags |= KP_RI_PENDING;
 	}
+	kt->tail_slot = S;
 }
 
 /* A tail call to a function we do not hook: swap the slot for the trampoline
@@ -262,6 +266,22 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
 	}
 }
 
+/* The slot's owner on any thread block: only the start-up block of a static
+ * program (before its thread pointer existed) can hold a frame of this thread.
+ * Its instance is left claimed; the return address is what matters. */
+static unsigned long kp_real_ret_elsewhere(unsigned long S)
+{
+	for (struct kp_thread *t = kp_rt.threads; t; t = t->next) {
+		struct kp_kret_thread *kt = t->kret;
+		for (unsigned int i = kt ? kt->depth : 0; i-- > 0;) {
+			struct kretprobe_instance *ri = kt->stack[i];
+			if ((unsigned long)ri->fp == S && (ri->kp_flags & KP_RI_SWAPPED))
+				return (unsigned long)ri->ret_addr;
+		}
+	}
+	return 0;
+}
+
 static void kp_kret_fatal(const char *msg)
 {
 	kp_platform_write(2, msg, strlen(msg));
@@ -278,10 +298,17 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 	unsigned long S = regs->sp - 8;
 	struct kp_thread *t = kp_thread_current();
 	struct kp_kret_thread *kt = t ? t->kret : 0;
-	if (!kt)
-		kp_kret_fatal("kprewrite: kretprobe trampoline without instances\n");
+	if (unlikely(!kt)) {
+		unsigned long ret = kp_real_ret_elsewhere(S);
+		if (!ret)
+			kp_kret_fatal("kprewrite: kretprobe trampoline without instances\n");
+		regs->ip = ret;
+		return ret;
+	}
 	kp_reclaim(kt, S, 0);
 	unsigned long ret = kp_real_ret(kt, S);
+	if (unlikely(!ret))
+		ret = kp_real_ret_elsewhere(S);	/* claimed before the thread had its own block */
 	if (!ret)
 		kp_kret_fatal("kprewrite: kretprobe trampoline lost the return address\n");
 	regs->ip = ret;

@@ -565,3 +565,48 @@ def test_return_handler_changes_the_return_value(tmp_path, runner):
     assert r.returncode == 0, r.stderr
     # rec(0) = 1000, rec(1) = 1000 + 1 + 1000, rec(2) = 2001 + 2 + 1000; twice.
     assert r.stdout == f"s={2 * 3003}\n"
+
+
+STALE_TAIL = r"""
+#include <setjmp.h>
+#include <stdio.h>
+static jmp_buf env;
+__attribute__((noinline)) long target(long x)
+{
+	if (x < 0)
+		longjmp(env, 1);
+	__asm__ volatile("" : "+r"(x));
+	return x * 3;
+}
+__attribute__((noinline)) long front(long x) { return target(x + 1); }
+__attribute__((noinline)) long other(long x) { __asm__ volatile("" : "+r"(x)); return x + 7; }
+int main(void)
+{
+	long s = 0;
+	for (long i = 0; i < 3; i++) {
+		if (!setjmp(env))
+			front(-5);
+		s += other(i) + front(i);
+	}
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+
+
+def test_tail_call_abandoned_by_longjmp_fires_nothing_later(tmp_path, runner):
+    # front() tail-calls target(), which longjmps out: front's pending instance is
+    # stale, and other(), called next on the same slot, must not fire it.
+    prog = cc(tmp_path, "prog", STALE_TAIL, "-O2")
+    spec = write_spec(tmp_path, kret_spec("front", "target", "other", maxactive=1), HANDLERS)
+    lines = check_lines(prog, spec)
+    assert "(pending)" in lines[0], lines
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    exp = []
+    for i in range(3):
+        exp += ["E front -5", "E target -4", f"E other {i}", f"R other {i} = {i + 7}",
+                f"E front {i}", f"E target {i + 1}", f"R target {i + 1} = {3 * (i + 1)}", f"R front {i} = {3 * (i + 1)}"]
+    assert events(r.stderr) == exp
+    assert all(m == 0 for _, m in profile(r.stderr).values())
