@@ -123,7 +123,9 @@ def refuse(image, analysis, arch, probes: list[EntryProbe], spec_name: str, plan
     for p in probes:
         reason, check = None, None
         f = p.func
-        if f is None or p.addr != arch.optprobe.adjust_kprobe_addr(image, f.start, 0):
+        if f is None:
+            reason, check = f"a kretprobe must be on a function entry (kprobe_on_func_entry): no function covers {p.addr:#x}", "func_entry"
+        elif p.addr != arch.optprobe.adjust_kprobe_addr(image, f.start, 0):
             reason, check = f"a kretprobe must be on a function entry (kprobe_on_func_entry): {p.label} is not", "func_entry"
         else:
             names = [f.name] + list(f.aliases)

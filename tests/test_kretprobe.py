@@ -452,6 +452,13 @@ def test_refused_not_entry_and_blacklist(tmp_path):
     assert "[[kretprobe]] #1 (rec+0x8): a kretprobe must be on a function entry" in lines[0]
     assert "[[kretprobe]] #2 (_start+0x0): _start is on the kretprobe blacklist" in lines[1]
     assert "Traceback" not in r.stderr
+    bad = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\nhandler = "nope"\n'
+                     '[[kretprobe]]\nsymbol_name = "nosuch"\n', HANDLERS, name="bad.toml")
+    r = kprewrite("instrument", prog, "--spec", bad, "-o", tmp_path / "out", check=False)
+    assert r.returncode == 1 and not (tmp_path / "out").exists()
+    assert r.stderr.splitlines() == ["kprewrite: bad.toml: [[kretprobe]] #2: symbol 'nosuch' not found in prog",
+                                     "kprewrite: bad.toml: [[kretprobe]] #1: handler 'nope' is not defined in any "
+                                     "handler file (handlers.c)"], r.stderr
     c = kprewrite("check", prog, "--spec", spec, check=False)
     assert c.returncode == 1
     assert "rec+0x8  r  refused  a kretprobe must be on a function entry" in c.stdout
