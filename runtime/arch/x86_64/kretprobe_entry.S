@@ -9,10 +9,13 @@
  * (the function is leaving), so no red zone is skipped.  pt_regs is built as
  * the kernel's trampoline reports it: ip = the return address, sp = the stack
  * pointer after the ret.  Every register is restored from pt_regs afterwards
- * (a handler may change the return value in regs->ax).  The flags are not
- * saved: at a return (or a tail call) they carry nothing, as the x86-64 ABI
- * says ("not preserved across calls"; only DF, which stays clear, has a role),
- * so regs->flags reads 0x202 and the hooks cost no lahf/sahf.
+ * (a handler may change the return value in regs->ax).  Caller-saved registers
+ * are kept too although the ABI leaves them undefined at a return: gcc's
+ * interprocedural register allocation (-fipa-ra) lets a caller keep values in
+ * them across a call to a function it knows does not touch them.  The flags
+ * are not saved: every compiler treats them as clobbered by a call, and the
+ * ABI says so ("not preserved across calls"; only DF, which stays clear, has a
+ * role), so regs->flags reads 0x202 and the hooks cost no lahf/sahf.
  *
  * pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56 r9 64
  * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
