@@ -12,10 +12,9 @@
  * (a handler may change the return value in regs->ax).  Caller-saved registers
  * are kept too although the ABI leaves them undefined at a return: gcc's
  * interprocedural register allocation (-fipa-ra) lets a caller keep values in
- * them across a call to a function it knows does not touch them.  The flags
- * are not saved: every compiler treats them as clobbered by a call, and the
- * ABI says so ("not preserved across calls"; only DF, which stays clear, has a
- * role), so regs->flags reads 0x202 and the hooks cost no lahf/sahf.
+ * them across a call to a function it knows does not touch them, and for the
+ * same reason the arithmetic flags are kept (seto/lahf and add/sahf, as in
+ * optprobe_entry.S) although the ABI says they are not preserved by a call.
  *
  * pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56 r9 64
  * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
@@ -28,7 +27,14 @@
 .macro SAVE_REGS
 	mov	%rax, 80(%rsp)
 	mov	%rcx, 88(%rsp)
-	movq	$0x202, 144(%rsp)		/* flags: dead at a return (see above) */
+	seto	%al
+	lahf
+	movzbl	%ah, %ecx
+	movzbl	%al, %eax
+	shl	$11, %eax
+	or	%eax, %ecx
+	or	$0x200, %ecx
+	mov	%rcx, 144(%rsp)
 	mov	%rdx, 96(%rsp)
 	mov	%rsi, 104(%rsp)
 	mov	%rdi, 112(%rsp)
@@ -48,6 +54,14 @@
 .endm
 
 .macro RESTORE_REGS
+	movzbl	144(%rsp), %eax
+	shl	$8, %eax
+	movzbl	145(%rsp), %ecx
+	shr	$3, %ecx
+	and	$1, %ecx
+	or	%ecx, %eax
+	add	$0x7f, %al
+	sahf
 	mov	0(%rsp), %r15
 	mov	8(%rsp), %r14
 	mov	16(%rsp), %r13
