@@ -150,11 +150,18 @@ def refuse(image, analysis, arch, probes: list[EntryProbe], spec_name: str, plan
     return keep
 
 
-def _fallback(g: Group, refusal) -> None:
-    """A return site that cannot be jump-optimized.  Today: the whole function
-    uses the kernel's trampoline.  With INT3 probes: place an INT3 return hook
-    at that exit instead (and keep g.mode OPTIMIZED)."""
+def _fallback(g: Group, exit, refusal) -> bool:
+    """A return site that cannot be jump-optimized.  Returns True if the exit
+    is handled on its own (planning of the function goes on), False if the
+    whole function falls back.
+
+    Today: the whole function uses the kernel's trampoline (the entry swaps the
+    return address).  With INT3 probes (issue 3) this is the one place to
+    change: record an INT3 return hook for `exit` (e.g. g.int3_exits.append(exit),
+    emitted as an INT3 probe whose handler is kp_kretprobe_return, or the tail
+    hooks for a tail jmp) and return True, so g.mode stays OPTIMIZED."""
     g.mode, g.reason = TRAMPOLINE, refusal
+    return False
 
 
 def plan_returns(image, analysis, arch, plan) -> KretPlan:
@@ -189,7 +196,9 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
         ex = rp.find_exits(image, analysis, g.func)
         g.exits = ex.exits
         if ex.refusal is not None:
-            _fallback(g, ex.refusal)
+            # An exit we cannot even name (a conditional tail call, a jump into
+            # another function's middle): only the trampoline catches it.
+            g.mode, g.reason = TRAMPOLINE, ex.refusal
             continue
         mine: list[tuple[int, int]] = []
         for e in ex.exits:
@@ -200,7 +209,8 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
             part = next(pt for pt in ex.parts if pt.start <= e.addr < pt.end)
             r = rp.exit_region(image, analysis, part, e, lambda lo, hi: busy(lo, hi, mine))
             if not isinstance(r, tuple):
-                _fallback(g, r)
+                if _fallback(g, e, r):
+                    continue
                 break
             dcr, end = r
             mine.append((dcr[0].addr, end))
