@@ -617,3 +617,27 @@ def test_tail_call_abandoned_by_longjmp_fires_nothing_later(tmp_path, runner):
                 f"E front {i}", f"E target {i + 1}", f"R target {i + 1} = {3 * (i + 1)}", f"R front {i} = {3 * (i + 1)}"]
     assert events(r.stderr) == exp
     assert all(m == 0 for _, m in profile(r.stderr).values())
+
+
+# --- the sample ------------------------------------------------------------------------
+
+def test_kretprobe_example_sample(tmp_path, runner):
+    from conftest import ROOT
+    sample = ROOT / "samples" / "kretprobe_example"
+    prog = tmp_path / "program"
+    subprocess.run(["gcc", "-O2", "-pthread", str(sample / "program.c"), "-o", str(prog)], check=True)
+    assert check_lines(prog, sample / "probes.toml")[0].startswith("kernel_clone+0x0  r  optimized  returns: ")
+    out = instrument(prog, sample / "probes.toml")
+    r = run(out, 3, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "3 clones, pids sum = 3006\n"
+    lines = [l for l in r.stderr.splitlines() if l.startswith("kernel_clone returned")]
+    assert len(lines) == 3 and all(re.fullmatch(r"kernel_clone returned 100[1-3] and took \d+ ns to execute", l) for l in lines)
+    assert profile(r.stderr) == {"r_kernel_clone_0": (3, 0)}
+    # 30 concurrent calls, maxactive = 20: every call either returned through the
+    # handler or was counted in nmissed.
+    r = run(out, 30, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    returned = sum(1 for l in r.stderr.splitlines() if l.startswith("kernel_clone returned"))
+    hits, missed = profile(r.stderr)["r_kernel_clone_0"]
+    assert hits == 30 and returned + missed == 30 and returned >= 20
