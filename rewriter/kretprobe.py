@@ -314,8 +314,10 @@ def table_c(s, link_sym: dict[str, str], first_index: int) -> tuple[str, dict[in
 # --- reporting --------------------------------------------------------------
 
 def describe(g: Group, s) -> str:
+    # The decision word is the entry's (interface.md: optimized, ftrace, int3,
+    # refused); how the returns are caught follows it.
     if g.mode == TRAMPOLINE:
-        return f"{TRAMPOLINE}  {g.reason}"
+        return f"{OPTIMIZED}  returns: {TRAMPOLINE}  {g.reason}"
     parts = []
     hooks = {}
     for rs in g.sites:
