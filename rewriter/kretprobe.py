@@ -25,6 +25,7 @@ from .spec import KprobeSpec
 OPTIMIZED, TRAMPOLINE = "optimized", "trampoline"
 MODE_C = {OPTIMIZED: 0, TRAMPOLINE: 1}
 HOOK_RET, HOOK_PENDING, HOOK_SWAP = "kp_kretprobe_ret_entry", "kp_kretprobe_tail_pending_entry", "kp_kretprobe_tail_swap_entry"
+HOOK_RET_JMP = "kp_kretprobe_ret_jmp_entry"       # HOOK_RET reached by jmp before a plain ret
 
 # kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
 # its caller): functions whose return does not match their call.
@@ -244,8 +245,14 @@ def site_detour(s, em, site, at, entry, post_entry, sym=None):
     hooks = s.kret.site_hooks.get(site.addr) if s.kret else None
     if not hooks:
         return em.detour(site.index, site.dcr, site.with_post, at, entry, post_entry)
-    addrs = {a: (sym[n] if sym else at + 0x1000000) for a, n in hooks.items()}
+    addrs = {a: _hook(n, sym, at) for a, n in hooks.items()}
     return s.arch.retprobe.site_detour(site.index, site.dcr, site.with_post, at, entry, post_entry, addrs)
+
+
+def _hook(name: str, sym, at: int) -> tuple[int, int | None]:
+    """(call target, jmp target for a plain ret) of a hook; placeholders before linking."""
+    addr = (lambda n: sym[n]) if sym else (lambda n: at + 0x1000000)
+    return addr(name), (addr(HOOK_RET_JMP) if name == HOOK_RET else None)
 
 
 def layout(s, pos: int) -> int:
@@ -253,13 +260,13 @@ def layout(s, pos: int) -> int:
     for rs in s.kret.sites if s.kret else []:
         pos = (pos + 15) & ~15
         rs.detour = pos
-        pos += len(s.arch.retprobe.ret_detour(rs.dcr, pos + 0x1000000, pos))
+        pos += len(s.arch.retprobe.ret_detour(rs.dcr, _hook(rs.hook, None, pos), pos))
     return pos
 
 
 def emit_sites(s, sym, put, patches) -> None:
     for rs in s.kret.sites if s.kret else []:
-        put(rs.detour, s.arch.retprobe.ret_detour(rs.dcr, sym[rs.hook], rs.detour))
+        put(rs.detour, s.arch.retprobe.ret_detour(rs.dcr, _hook(rs.hook, sym, rs.detour), rs.detour))
         patches.append((rs.addr, s.arch.emit.jump_patch(rs.addr, rs.region_end - rs.addr, rs.detour)))
 
 

@@ -203,18 +203,29 @@ def exit_code(insn: DcrInsn, at: int) -> bytes:
     return relocate(insn, at)
 
 
-def ret_detour(dcr: list[DcrInsn], hook: int, at: int) -> bytes:
-    """Detour of a return site: the DCR up to the exit, `call hook`, the exit."""
+PLAIN_RETS = (b"\xc3", b"\xf3\xc3", b"\xf2\xc3")
+
+
+def hook_then_exit(exit: DcrInsn, hook: tuple[int, int | None], at: int) -> bytes:
+    """`call hook` then the exit; for a plain ret, `jmp` to the hook's variant
+    that returns to the caller itself.  hook = (call target, jmp target or None)."""
+    call_hook, jmp_hook = hook
+    if jmp_hook is not None and exit.code in PLAIN_RETS:
+        return b"\xe9" + _s32(jmp_hook - (at + 5), "jmp return hook")
+    return hook_call(at, call_hook) + exit_code(exit, at + 5)
+
+
+def ret_detour(dcr: list[DcrInsn], hook: tuple[int, int | None], at: int) -> bytes:
+    """Detour of a return site: the DCR up to the exit, the hook, the exit."""
     out = bytearray()
     for insn in dcr[:-1]:
         out += relocate(insn, at + len(out))
-    out += hook_call(at + len(out), hook)
-    out += exit_code(dcr[-1], at + len(out))
+    out += hook_then_exit(dcr[-1], hook, at + len(out))
     return bytes(out)
 
 
 def site_detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: int, post_entry: int,
-                hooks: dict[int, int]) -> tuple[bytes, int, int]:
+                hooks: dict[int, tuple[int, int | None]]) -> tuple[bytes, int, int]:
     """emit.detour() for a kprobe site whose DCR holds exits of a return-probed
     function (a short function: the entry's region reaches its ret): each exit
     in the copy calls its return hook first."""
@@ -224,8 +235,9 @@ def site_detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: 
     resume_post = resume
     for i, insn in enumerate(dcr):
         if insn.addr in hooks:
-            out += hook_call(at + len(out), hooks[insn.addr])
-        out += relocate(insn, at + len(out))
+            out += hook_then_exit(insn, hooks[insn.addr], at + len(out))
+        else:
+            out += relocate(insn, at + len(out))
         if i == 0 and with_post:
             out += probe_stub(site, post_entry, at + len(out))
             resume_post = at + len(out)
