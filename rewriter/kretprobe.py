@@ -92,6 +92,7 @@ class KretPlan:
     groups: list[Group] = field(default_factory=list)
     sites: list[RetSite] = field(default_factory=list)
     site_hooks: dict = field(default_factory=dict)    # kprobe site addr -> {exit addr: hook symbol}
+    _hooked: set = field(default_factory=set)         # starts of functions with every exit hooked
 
     def hook_of(self, g: Group, e) -> str:
         return HOOK_RET if e.kind == "ret" else self._tail_hook(e)
