@@ -5,3 +5,6 @@ int empty_pre(struct kprobe *p, struct pt_regs *regs) { return 0; }
 /* Reads one register: the detour builds the full struct pt_regs, as the
  * kernel's optprobe always does. */
 int regs_pre(struct kprobe *p, struct pt_regs *regs) { return regs->ax == 0xdead; }
+/* The empty handlers of the seeds' "r" and "ro" rows. */
+int empty_ret(struct kretprobe_instance *ri, struct pt_regs *regs) { return 0; }
+int empty_entry(struct kretprobe_instance *ri, struct pt_regs *regs) { return 0; }

@@ -5,7 +5,6 @@ Row "o": an optimized kprobe with an empty pre_handler on a trivial function
 called in a tight loop; (rewritten - original) / N, medians of several runs of
 both binaries interleaved in one go.  Row "o+regs": the same with a
 pre_handler that reads a register, so the detour builds struct pt_regs.
-Run: python benchmarks/run.py
 
 Rows "b" and "k" (breakpoint probes, --no-optimize): "b" on the same function,
 whose first instruction is boosted; "k" on a function whose first instruction
@@ -13,6 +12,11 @@ is single-stepped.  Each hit costs a SIGTRAP (two for "k"), so they run
 N_TRAP calls.  Row "u": a Linux uprobe (tracefs uprobe_events) on the same
 function as "b", when tracefs is mounted and writable; skipped with a note
 otherwise.
+
+Rows "r" and "ro": a kretprobe on the same function, return hooks
+jump-optimized, with an empty return handler ("r") and with empty entry and
+return handlers ("ro").  Linux uretprobes need tracefs, like row "u".
+Run: python benchmarks/run.py
 """
 import os
 import platform
@@ -111,6 +115,8 @@ def main():
             "o+regs": (rewrite(orig, "regs.toml", tmp / "loop.regs"), N, (), "original"),
             "b": (rewrite(orig, "optimized.toml", tmp / "loop.b", "--no-optimize"), N_TRAP, (), "original-trap"),
             "k": (rewrite(orig, "singlestep.toml", tmp / "loop.k", "--no-optimize"), N_TRAP, ("ss",), "original-ss"),
+            "r": (rewrite(orig, "return.toml", tmp / "loop.r"), N, (), "original"),
+            "ro": (rewrite(orig, "return_entry.toml", tmp / "loop.ro"), N, (), "original"),
         }
         bases = {"original": (N, ()), "original-trap": (N_TRAP, ()), "original-ss": (N_TRAP, ("ss",))}
         up = Uprobe(orig)
@@ -134,6 +140,8 @@ def main():
                 "o+regs": "optimized kprobe, pre_handler reading regs (struct pt_regs built)",
                 "b": "breakpoint kprobe, boosted, empty pre_handler",
                 "k": "breakpoint kprobe, single-stepped, empty pre_handler",
+                "r": "kretprobe, empty handler",
+                "ro": "optimized kretprobe, empty entry_handler and handler",
                 "u": "Linux uprobe (tracefs event) on the function of row b"}
         if up.ok:
             rows["u"] = (None, N_TRAP, (), "original-trap")

@@ -31,6 +31,8 @@ RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", f"platform/{PLATFORM}
 # INT3 fallback probes (issue 3).
 RUNTIME_SOURCES += ["kp_trap.c", "arch/x86_64/kp_int3.c", f"platform/{PLATFORM}/kp_signal.c",
                     f"platform/{PLATFORM}/kp_sighook.c"]
+# kretprobes (issue 4).
+RUNTIME_SOURCES += ["kp_kretprobe.c", f"platform/{PLATFORM}/clock_cpus.c"]
 
 LINKER_SCRIPT = """
 SECTIONS

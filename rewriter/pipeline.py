@@ -7,11 +7,12 @@ import json
 import os
 import struct
 import tempfile
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import blacklist as bl
+from . import kretprobe as kret
 from . import link, sighook, writer
 from .analysis import Analysis
 from .arch import get_arch
@@ -38,11 +39,12 @@ class Session:
     handler_symbols: dict | None = None    # handler name -> link symbol
     handler_exports: dict | None = None    # C source -> names it exports
     probe_order: dict | None = None        # id(probe) -> index in kp_probes[]
+    kret: object = None                    # kretprobe.KretPlan: return sites
 
 
 def unsupported(spec: Spec) -> list[str]:
     name = spec.path.name
-    out = [f"{name}: {k.table}: kretprobes are not supported yet" for k in spec.kretprobes]
+    out = [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kretprobes if k.fetch]
     out += [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kprobes if k.fetch]
     if spec.events:
         out.append(f"{name}: 'events' is not supported yet")
@@ -60,10 +62,20 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     errors += res_errors
     analysis = Analysis(image, arch)
     blist = bl.compute(image)
-    p = plan(image, analysis, arch, probes, blist, spec.optimize and not no_optimize, spec.path.name)
+    kprobes_n = len(probes)
+    rprobes, res_errors = kret.resolve_kretprobes(image, spec, arch, kprobes_n)
+    errors += res_errors
+    refused = Plan()
+    rprobes = kret.refuse(image, analysis, arch, rprobes, spec.path.name, refused)
+    p = plan(image, analysis, arch, probes + rprobes, blist, spec.optimize and not no_optimize, spec.path.name)
+    p.errors += refused.errors
+    p.rejected += refused.rejected
+    for check, ps in refused.skipped.items():
+        p.skipped[check].extend(ps)
     if strict:
         errors += p.errors
     s = Session(image, spec, arch, analysis, probes, blist, p)
+    s.kret = kret.plan_returns(image, analysis, arch, p)
     if strict:
         errors += _resolve_handlers(s)
     if errors:
@@ -73,7 +85,7 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
 
 def _resolve_handlers(s: Session) -> list[str]:
     """Every handler the placed probes name must be defined in a handler file."""
-    names = {n for k in s.spec.kprobes for n in (k.pre_handler, k.post_handler) if n}
+    names = {n for k in s.spec.kprobes for n in (k.pre_handler, k.post_handler) if n} | kret.handler_names(s.spec)
     if not names:
         s.handler_symbols, s.handler_exports = {}, {}
         return []
@@ -95,7 +107,7 @@ def _resolve_handlers(s: Session) -> list[str]:
             if n in missing:
                 lines.append(f"{s.spec.path.name}: {k.table}: {key} '{n}' is not defined in any handler file "
                              f"({', '.join(h.name for h in s.spec.handlers) or 'none listed'})")
-    return lines
+    return lines + kret.missing_handler_lines(s.spec, missing)
 
 
 def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False) -> Session:
@@ -106,12 +118,15 @@ def check_lines(s: Session) -> list[str]:
     rows = []
     for site in s.plan.sites:
         for p in site.probes:
+            if kret.is_entry(p):
+                continue
             if site.decision == INT3:   # breakpoint probe: why not optimized, and how it runs out of line
                 rows.append((p.index, f"{p.label}  k  {INT3}  {site.reason}  [{site.xol.mode}]"))
                 continue
             rows.append((p.index, f"{p.label}  k  {OPTIMIZED}"))
+    rows += kret.check_rows(s)
     for p, decision, reason in s.plan.rejected:
-        rows.append((p.index, f"{p.label}  k  {decision}  {reason}"))
+        rows.append((p.index, f"{p.label}  {getattr(p, 'kind', 'k')}  {decision}  {reason}"))
     return [r for _, r in sorted(rows)]
 
 
@@ -128,7 +143,7 @@ def skipped_summary(s: Session) -> list[str]:
 
 def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     """The generated C: struct kprobe per probe, one kp_site per address."""
-    placed = [(site, p) for site in s.plan.sites for p in site.probes]
+    placed = [(site, p) for site in s.plan.sites for p in site.probes if not kret.is_entry(p)]
     placed.sort(key=lambda sp: sp[1].index)
     order = {id(p): i for i, (_, p) in enumerate(placed)}
     out = ['#include "kp_internal.h"']
@@ -153,7 +168,9 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
         first += len(site.probes)
     out.append("};")
     out.append(f"const unsigned int kp_nsites = {len(s.plan.sites)};")
-    refs = ", ".join(f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
+    kret_c, kret_refs = kret.table_c(s, link_sym, len(placed))
+    out.append(kret_c)
+    refs = ", ".join(kret_refs.get(id(p)) or f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
     out.append(s.arch.kprobe_xol.table_c(s.plan.sites))
     out.append(sighook.table_c(s.image, any(site.decision == INT3 for site in s.plan.sites)))
@@ -203,10 +220,7 @@ def emit(s: Session, workdir: Path) -> bytes:
         _choose_entry(s, site, hobjs)
     # Detours: addresses first (their size does not depend on where the runtime lands).
     far = pos + 0x1000000
-    placeholder = {n: far for n in ("kp_fast", "kp_thread_table", "kp_probes", "kp_optimized_clean_callback",
-                                    "kp_optimized_callback", "kp_optprobe_resume_regs", "kp_optprobe_entry", "kp_optprobe_post_entry", "kp_optprobe_clean_entry",
-                                    "kp_optprobe_clean_post_entry")}
-    placeholder.update({v: far for v in s.handler_symbols.values()})
+    placeholder = defaultdict(lambda: far)      # every runtime symbol, before linking
     for site in s.plan.sites:
         if site.decision == INT3:
             continue
@@ -214,6 +228,7 @@ def emit(s: Session, workdir: Path) -> bytes:
         code, site.resume, site.resume_post = _detour(s, site, pos, placeholder)
         site.detour = pos
         pos += len(code)
+    pos = kret.layout(s, pos)
     # Out-of-line slots of breakpoint probes (the kernel's insn slots).
     for site in s.plan.sites:
         if site.decision == INT3 and site.xol.mode != "emulate":
@@ -260,6 +275,7 @@ def emit(s: Session, workdir: Path) -> bytes:
         assert (resume, resume_post) == (site.resume, site.resume_post)
         put(site.detour, code)
         patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
+    kret.emit_sites(s, sym, put, patches)
     rx += blob.text
     sections = [
         writer.NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, bytes(rx)),
@@ -278,6 +294,8 @@ def _choose_entry(s: Session, site, hobjs) -> None:
     the detour) where the site has one probe and no post_handler."""
     site.clean = True
     for p in site.probes:
+        if kret.is_entry(p):
+            site.clean = False          # pre_handler_kretprobe() reads regs->sp
         for name in (p.spec.pre_handler, p.spec.post_handler):
             if not name:
                 continue
@@ -285,6 +303,7 @@ def _choose_entry(s: Session, site, hobjs) -> None:
             if fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1])):
                 site.clean = False
     site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
+        and not kret.is_entry(site.probes[0]) and not kret.has_hooks(s, site) \
         and (site.clean or bool(site.probes[0].spec.pre_handler))
 
 
@@ -305,13 +324,15 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
         return code, resume, resume
     entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
               ("kp_optprobe_entry", "kp_optprobe_post_entry")
-    return em.detour(site.index, site.dcr, site.with_post, at, sym[entries[0]], sym[entries[1]])
+    # A DCR holding a return-probed function's exit embeds its return hook.
+    return kret.site_detour(s, em, site, at, sym[entries[0]], sym[entries[1]], sym)
 
 
 def _probe_order(s: Session) -> dict[int, int]:
     """Position of each placed probe in kp_probes[] (spec order)."""
     if s.probe_order is None:
-        placed = sorted((p for site in s.plan.sites for p in site.probes), key=lambda p: p.index)
+        placed = sorted((p for site in s.plan.sites for p in site.probes if not kret.is_entry(p)),
+                        key=lambda p: p.index)
         s.probe_order = {id(p): i for i, p in enumerate(placed)}
     return s.probe_order
 
@@ -320,6 +341,8 @@ def metadata(s: Session) -> bytes:
     probes = []
     for site in s.plan.sites:
         for p in site.probes:
+            if kret.is_entry(p):
+                continue
             probes.append({"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
                            "name": p.event_name, "optimized": site.decision == OPTIMIZED, "disabled": p.spec.disabled,
                            "detour": site.detour, "region": [site.addr, site.region_end]})
@@ -327,6 +350,7 @@ def metadata(s: Session) -> bytes:
                 probes[-1].update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
             if site.decision == INT3:
                 probes[-1].update({"int3": site.xol.mode, "reason": str(site.reason)})
+    probes += kret.metadata(s)
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": s.image.label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

@@ -59,6 +59,7 @@ void kp_relocate(void)
 		}
 	}
 	kp_thread_table_init();
+	kp_kretprobe_relocate(bias);
 	kp_rt.armed = 1;
 	__atomic_store_n(&kp_rt.state, 2, __ATOMIC_RELEASE);
 	kp_update_fast();
@@ -86,7 +87,8 @@ void kp_configure(char **envp)
 
 static struct kp_thread *kp_new_thread(unsigned long key)
 {
-	struct kp_thread *t = kp_platform_alloc(sizeof(*t) + kp_nprobes * sizeof(unsigned long));
+	/* Hit counters: kprobes, then kretprobes (whose kp.index follows kp_nprobes). */
+	struct kp_thread *t = kp_platform_alloc(sizeof(*t) + (kp_nprobes + kp_nkretprobes) * sizeof(unsigned long));
 	if (!t)
 		return 0;
 	t->key = key;
@@ -171,6 +173,12 @@ static inline struct kp_thread *kp_current_thread(void)
 		return kp_thread_slow(key);
 	}
 	return kp_current_thread_slow();
+}
+
+/* The thread lookup for code outside this file (kretprobe return paths). */
+struct kp_thread *kp_thread_current(void)
+{
+	return kp_current_thread();
 }
 
 /* Return values of the callbacks, read by the arch entry code. */
@@ -324,6 +332,7 @@ void kp_write_profile(void)
 				   kp_probes[i].name, hits, kp_probes[i].nmissed);
 		kp_platform_write(fd, line, len);
 	}
+	kp_kretprobe_profile(fd);
 	if (fd != 2)
 		kp_platform_close(fd);
 }

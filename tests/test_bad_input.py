@@ -106,8 +106,8 @@ def test_every_failing_probe_named(tmp_path, prog):
 
 
 def test_not_supported_yet(tmp_path, prog):
-    spec = write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "work"\n')
-    assert fails(tmp_path, prog, spec) == ["kprewrite: probes.toml: [[kretprobe]] #1: kretprobes are not supported yet"]
+    spec = write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "work"\nfetch = "$retval"\n')
+    assert fails(tmp_path, prog, spec) == ["kprewrite: probes.toml: [[kretprobe]] #1: 'fetch' is not supported yet"]
 
 
 def test_list_on_plain_binary(tmp_path, prog):

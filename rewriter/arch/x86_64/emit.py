@@ -127,7 +127,7 @@ def ret_stub(at: int, fn: int) -> bytes:
 KPROBE_SIZE = 72             # sizeof(struct kprobe)
 KPROBE_FLAGS = 48            # offsetof(struct kprobe, flags)
 THREAD_ACTIVE = 16           # offsetof(struct kp_thread, active)
-THREAD_HITS = 24             # offsetof(struct kp_thread, hits)
+THREAD_HITS = 32             # offsetof(struct kp_thread, hits)
 THREAD_TABLE_MASK = 8191     # KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask
 CLEAN_FRAME = RED_ZONE + 88  # red zone + rax rcx rdx rsi rdi r8-r11, flags, the thread block
 _SCRATCH = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")

@@ -64,13 +64,21 @@ struct kretprobe {
 	int maxactive;
 	int nmissed;
 	size_t data_size;
+	/* kprewrite (runtime/kp_kretprobe.c): the instance pool, claimed atomically. */
+	unsigned int kp_mode;		/* KP_KRET_* : how the return is caught */
+	unsigned int kp_stride;		/* bytes per instance */
+	char *kp_pool;			/* maxactive instances, allocated at first hit */
+	unsigned int kp_hint;		/* where the next claim starts looking */
 };
 
 struct kretprobe_instance {
 	struct kretprobe *rp;
-	kprobe_opcode_t *ret_addr;
-	void *fp;
-	char data[];
+	kprobe_opcode_t *ret_addr;	/* the caller's return address */
+	void *fp;			/* the return-address slot at entry (the kernel's "sara") */
+	/* kprewrite: */
+	unsigned int kp_state;		/* 0 free, 1 claimed */
+	unsigned int kp_flags;		/* KP_RI_* */
+	char data[] __attribute__((aligned(8)));
 };
 
 static inline struct kretprobe *get_kretprobe(struct kretprobe_instance *ri)
@@ -82,6 +90,13 @@ static inline unsigned long regs_return_value(struct pt_regs *regs)
 {
 	return regs->ax;
 }
+
+/* Time for handlers (the kernel's ktime_get(): monotonic nanoseconds). */
+typedef s64 ktime_t;
+ktime_t ktime_get(void);
+static inline u64 ktime_get_ns(void) { return ktime_get(); }
+static inline ktime_t ktime_sub(ktime_t a, ktime_t b) { return a - b; }
+static inline s64 ktime_to_ns(ktime_t t) { return t; }
 
 static inline unsigned long instruction_pointer(struct pt_regs *regs)
 {
@@ -177,6 +192,7 @@ static inline void unregister_kretprobe(struct kretprobe *rp) { (void)rp; }
 #define unlikely(x) __builtin_expect(!!(x), 0)
 #define likely(x) __builtin_expect(!!(x), 1)
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define KSYM_NAME_LEN 512
 
 #pragma GCC visibility pop
 #endif

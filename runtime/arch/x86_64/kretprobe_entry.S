@@ -1,0 +1,164 @@
+/*
+ * Return hooks of kretprobes and the kernel-style trampoline
+ * (arch/x86/kernel/rethook.c's arch_rethook_trampoline, plus kprewrite's hooks
+ * that run before the function's own `ret`).
+ *
+ * A return hook is reached by `call` from a detour, right before the ret (or
+ * the tail jmp) it guards: 0(%rsp) returns into the detour, 8(%rsp) is the
+ * slot holding the caller's return address.  Below the slot everything is dead
+ * (the function is leaving), so no red zone is skipped.  pt_regs is built as
+ * the kernel's trampoline reports it: ip = the return address, sp = the stack
+ * pointer after the ret.  Every register is restored from pt_regs afterwards
+ * (a handler may change the return value in regs->ax).  Caller-saved registers
+ * are kept too although the ABI leaves them undefined at a return: gcc's
+ * interprocedural register allocation (-fipa-ra) lets a caller keep values in
+ * them across a call to a function it knows does not touch them, and for the
+ * same reason the arithmetic flags are kept (seto/lahf and add/sahf, as in
+ * optprobe_entry.S) although the ABI says they are not preserved by a call.
+ *
+ * pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56 r9 64
+ * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
+ * sp 152 ss 160; size 168.
+ */
+#define PT_SIZE 168
+
+	.text
+
+.macro SAVE_REGS
+	mov	%rax, 80(%rsp)
+	mov	%rcx, 88(%rsp)
+	seto	%al
+	lahf
+	movzbl	%ah, %ecx
+	movzbl	%al, %eax
+	shl	$11, %eax
+	or	%eax, %ecx
+	or	$0x200, %ecx
+	mov	%rcx, 144(%rsp)
+	mov	%rdx, 96(%rsp)
+	mov	%rsi, 104(%rsp)
+	mov	%rdi, 112(%rsp)
+	mov	%r8, 72(%rsp)
+	mov	%r9, 64(%rsp)
+	mov	%r10, 56(%rsp)
+	mov	%r11, 48(%rsp)
+	mov	%rbx, 40(%rsp)
+	mov	%rbp, 32(%rsp)
+	mov	%r12, 24(%rsp)
+	mov	%r13, 16(%rsp)
+	mov	%r14, 8(%rsp)
+	mov	%r15, 0(%rsp)
+	movq	$-1, 120(%rsp)
+	movq	$0x33, 136(%rsp)
+	movq	$0x2b, 160(%rsp)
+.endm
+
+.macro RESTORE_REGS
+	movzbl	144(%rsp), %eax
+	shl	$8, %eax
+	movzbl	145(%rsp), %ecx
+	shr	$3, %ecx
+	and	$1, %ecx
+	or	%ecx, %eax
+	add	$0x7f, %al
+	sahf
+	mov	0(%rsp), %r15
+	mov	8(%rsp), %r14
+	mov	16(%rsp), %r13
+	mov	24(%rsp), %r12
+	mov	32(%rsp), %rbp
+	mov	40(%rsp), %rbx
+	mov	48(%rsp), %r11
+	mov	56(%rsp), %r10
+	mov	64(%rsp), %r9
+	mov	72(%rsp), %r8
+	mov	80(%rsp), %rax
+	mov	88(%rsp), %rcx
+	mov	96(%rsp), %rdx
+	mov	104(%rsp), %rsi
+	mov	112(%rsp), %rdi
+.endm
+
+.macro KRET_HOOK name, callback
+	.p2align 4
+	.globl \name
+	.hidden \name
+	.type \name, @function
+\name:
+	lea	-PT_SIZE(%rsp), %rsp
+	SAVE_REGS
+	mov	PT_SIZE+8(%rsp), %rax		/* the return address */
+	mov	%rax, 128(%rsp)
+	lea	PT_SIZE+16(%rsp), %rax		/* sp after the ret */
+	mov	%rax, 152(%rsp)
+	mov	%rsp, %rdi
+	mov	%rsp, %rbx
+	and	$-16, %rsp
+	call	\callback
+	mov	%rbx, %rsp
+	RESTORE_REGS
+	lea	PT_SIZE(%rsp), %rsp
+	ret
+	.size \name, .-\name
+.endm
+
+	KRET_HOOK kp_kretprobe_ret_entry, kp_kretprobe_return
+
+/*
+ * The same hook for a plain `ret`, reached by `jmp` instead of `call`: 0(%rsp)
+ * is the slot itself, and the hook's own final `ret` is the function's return
+ * (one call/ret pair less; the return-stack predictor stays balanced).
+ */
+	.p2align 4
+	.globl kp_kretprobe_ret_jmp_entry
+	.hidden kp_kretprobe_ret_jmp_entry
+	.type kp_kretprobe_ret_jmp_entry, @function
+kp_kretprobe_ret_jmp_entry:
+	lea	-PT_SIZE(%rsp), %rsp
+	SAVE_REGS
+	mov	PT_SIZE(%rsp), %rax		/* the return address */
+	mov	%rax, 128(%rsp)
+	lea	PT_SIZE+8(%rsp), %rax		/* sp after the ret */
+	mov	%rax, 152(%rsp)
+	mov	%rsp, %rdi
+	mov	%rsp, %rbx
+	and	$-16, %rsp
+	call	kp_kretprobe_return
+	mov	%rbx, %rsp
+	RESTORE_REGS
+	lea	PT_SIZE(%rsp), %rsp
+	ret
+	.size kp_kretprobe_ret_jmp_entry, .-kp_kretprobe_ret_jmp_entry
+	KRET_HOOK kp_kretprobe_tail_pending_entry, kp_kretprobe_tail_pending
+	KRET_HOOK kp_kretprobe_tail_swap_entry, kp_kretprobe_tail_swap
+
+/*
+ * The trampoline a swapped slot returns into: %rsp is just above the slot.
+ * Push a word back into the slot, build pt_regs below it, let the handler
+ * fire the instances and return the real address, store it in the slot, and
+ * `ret` to it.
+ */
+	.p2align 4
+	.globl kp_kretprobe_trampoline
+	.hidden kp_kretprobe_trampoline
+	.type kp_kretprobe_trampoline, @function
+	nop					/* unwinders look up (return address - 1) */
+kp_kretprobe_trampoline:
+	push	$0
+	lea	-PT_SIZE(%rsp), %rsp
+	SAVE_REGS
+	movq	$0, 128(%rsp)
+	lea	PT_SIZE+8(%rsp), %rax
+	mov	%rax, 152(%rsp)
+	mov	%rsp, %rdi
+	mov	%rsp, %rbx
+	and	$-16, %rsp
+	call	kp_kretprobe_trampoline_handler
+	mov	%rbx, %rsp
+	mov	%rax, PT_SIZE(%rsp)
+	RESTORE_REGS
+	lea	PT_SIZE(%rsp), %rsp
+	ret
+	.size kp_kretprobe_trampoline, .-kp_kretprobe_trampoline
+
+	.section .note.GNU-stack,"",@progbits

@@ -1,0 +1,2 @@
+/* kprewrite shim: the kernel header a kprobes sample includes. */
+#include <kprewrite/kprobes.h>

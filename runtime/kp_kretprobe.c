@@ -1,0 +1,343 @@
+/*
+ * kretprobes without hijacking the return address (kernel/kprobes.c's
+ * pre_handler_kretprobe() and __kretprobe_trampoline_handler(), reorganised for
+ * a static rewriter).
+ *
+ * The kernel replaces the return address with a trampoline.  kprewrite sees
+ * every exit of the function ahead of time, so it hooks them instead:
+ *
+ * - entry: the kretprobe's kp is an ordinary (aggregated) optimized kprobe at
+ *   the function's entry whose pre_handler claims an instance from the pool of
+ *   maxactive, records the return-address slot (ri->fp, the kernel's "sara")
+ *   and the caller's return address, runs entry_handler, and pushes the
+ *   instance on the thread's instance stack (the kernel's per-task list);
+ * - each `ret`: a return hook runs just before the ret, with rsp at the slot;
+ *   the instances recorded at that slot fire their handler, newest first, and
+ *   are freed.  The return address stays where the caller put it, so
+ *   __builtin_return_address(), backtraces, unwinding and shadow stacks see
+ *   the program's own frames;
+ * - each tail call to a function whose returns are hooked too: the instances
+ *   are marked pending and fire at that function's ret through the same slot;
+ * - the kernel's way, kept for what cannot be hooked (a tail call to a function
+ *   we do not hook, a return site that cannot be jump-optimized): the slot is
+ *   swapped for kp_kretprobe_trampoline, which fires the handlers and returns to
+ *   the real return address.
+ *
+ * Frames left without returning (longjmp, C++ unwinding) leave their instances
+ * on the thread's stack with a slot below the current stack pointer: the next
+ * entry or return hook on that thread reclaims them (no handler, no count), so
+ * no instance leaks and later calls do not miss.  Stacks grow down and threads
+ * do not share them, so the slot address identifies a live frame.
+ */
+#include "kp_internal.h"
+
+#define KP_KRET_OPTIMIZED 0	/* every exit hooked */
+#define KP_KRET_TRAMPOLINE 1	/* entry swaps the return address (kernel's way) */
+
+#define KP_RI_SWAPPED 1		/* ret_addr is the real one; the slot holds the trampoline */
+#define KP_RI_TRAMP 2		/* fires at the trampoline */
+#define KP_RI_PENDING 4		/* the frame tail-called a hooked function */
+
+struct kp_kret_thread {
+	unsigned int depth, cap;
+	unsigned long tail_slot;	/* set by a pending tail call, taken by the next entry */
+	struct kretprobe_instance *stack[];
+};
+
+extern char kp_kretprobe_trampoline[];
+static unsigned long kp_kret_total;
+
+#define TRAMP ((unsigned long)kp_kretprobe_trampoline)
+
+/* Default maxactive (the kernel's max(10, 2 * num_possible_cpus())), the pools. */
+void kp_kretprobe_relocate(unsigned long bias)
+{
+	long def = 0;
+	unsigned long total = 0;
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		struct kretprobe *rp = &kp_kretprobes[i];
+		rp->kp.addr += bias;
+		if (rp->maxactive <= 0) {
+			if (!def) {
+				def = 2 * (long)kp_platform_ncpus();
+				if (def < 10)
+					def = 10;
+			}
+			rp->maxactive = def;
+		}
+		rp->kp_stride = (sizeof(struct kretprobe_instance) + rp->data_size + 7) & ~7UL;
+		rp->kp_pool = kp_platform_alloc((unsigned long)rp->kp_stride * rp->maxactive);
+		if (!rp->kp_pool)
+			rp->maxactive = 0;	/* every call misses, and says so */
+		total += rp->maxactive;
+	}
+	kp_kret_total = total;
+}
+
+static inline struct kretprobe_instance *kp_ri_at(struct kretprobe *rp, unsigned int i)
+{
+	return (struct kretprobe_instance *)(rp->kp_pool + (unsigned long)i * rp->kp_stride);
+}
+
+static struct kretprobe_instance *kp_ri_claim(struct kretprobe *rp)
+{
+	unsigned int n = rp->maxactive, i = rp->kp_hint;
+	for (unsigned int k = 0; k < n; k++, i++) {
+		if (i >= n)
+			i = 0;
+		struct kretprobe_instance *ri = kp_ri_at(rp, i);
+		unsigned int free = 0;
+		if (__atomic_load_n(&ri->kp_state, __ATOMIC_RELAXED) == 0 &&
+		    __atomic_compare_exchange_n(&ri->kp_state, &free, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+			rp->kp_hint = i + 1 < n ? i + 1 : 0;
+			return ri;
+		}
+	}
+	return 0;
+}
+
+static inline void kp_ri_free(struct kretprobe_instance *ri)
+{
+	__atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE);
+}
+
+static struct kp_kret_thread *kp_kret_thread_of(struct kp_thread *t)
+{
+	if (likely(t->kret))
+		return t->kret;
+	struct kp_kret_thread *kt = kp_platform_alloc(sizeof(*kt) + kp_kret_total * sizeof(kt->stack[0]));
+	if (kt)
+		kt->cap = kp_kret_total;
+	t->kret = kt;
+	return kt;
+}
+
+/* Is the instance at the top, recorded at slot S, still live at an entry at S?
+ * Only if a tail call chained this entry to its frame: the pending tail hook
+ * said so just before its jmp, or the slot still holds the trampoline. */
+static inline int kp_ri_chained(struct kp_kret_thread *kt, struct kretprobe_instance *ri, unsigned long S)
+{
+	if (ri->kp_flags & KP_RI_PENDING)
+		return kt->tail_slot == S;
+	return (ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S == TRAMP;
+}
+
+/* Free the instances of frames that were left without returning: recorded
+ * below S (deeper), or at S itself when an entry reuses the slot. */
+static void kp_reclaim(struct kp_kret_thread *kt, unsigned long S, int at_entry)
+{
+	while (kt->depth) {
+		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
+		unsigned long fp = (unsigned long)ri->fp;
+		if (fp > S || (fp == S && (!at_entry || kp_ri_chained(kt, ri, S))))
+			break;
+		kt->depth--;
+		kp_ri_free(ri);
+	}
+}
+
+/* The real return address of slot S when it holds the trampoline. */
+static unsigned long kp_real_ret(struct kp_kret_thread *kt, unsigned long S)
+{
+	for (unsigned int i = kt->depth; i-- > 0;) {
+		struct kretprobe_instance *ri = kt->stack[i];
+		if ((unsigned long)ri->fp != S)
+			break;
+		if (ri->kp_flags & KP_RI_SWAPPED)
+			return (unsigned long)ri->ret_addr;
+	}
+	return 0;
+}
+
+/* pre_handler_kretprobe(): the entry half, as the kretprobe's kp.pre_handler. */
+int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
+{
+	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
+	unsigned long S = regs->sp;
+	struct kp_thread *t = kp_thread_current();
+	struct kp_kret_thread *kt = t ? kp_kret_thread_of(t) : 0;
+	if (unlikely(!kt)) {
+		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
+		return 0;
+	}
+	if (kt->depth)
+		kp_reclaim(kt, S, 1);
+	kt->tail_slot = 0;
+	struct kretprobe_instance *ri = kp_ri_claim(rp);
+	if (unlikely(!ri)) {
+		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
+		return 0;
+	}
+	unsigned long ret = *(unsigned long *)S;
+	if (ret == TRAMP)
+		ret = kp_real_ret(kt, S);
+	ri->rp = rp;
+	ri->fp = (void *)S;
+	ri->ret_addr = (kprobe_opcode_t *)ret;
+	ri->kp_flags = rp->kp_mode == KP_KRET_TRAMPOLINE ? KP_RI_TRAMP : 0;
+	kt->stack[kt->depth++] = ri;
+	if (rp->entry_handler && rp->entry_handler(ri, regs)) {
+		kt->depth--;
+		kp_ri_free(ri);
+		return 0;
+	}
+	if ((ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S != TRAMP) {
+		ri->kp_flags |= KP_RI_SWAPPED;
+		*(unsigned long *)S = TRAMP;
+	}
+	return 0;
+}
+
+static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	struct kretprobe *rp = ri->rp;
+	if (rp->handler) {
+		t->active = 1;
+		rp->handler(ri, regs);
+		t->active = 0;
+	}
+	kp_ri_free(ri);
+}
+
+/*
+ * The return hook, just before a `ret` (called from kp_kretprobe_ret_entry).
+ * regs->sp is the stack pointer after the ret, regs->ip the return address,
+ * as the kernel's trampoline handler reports them.
+ */
+void kp_kretprobe_return(struct pt_regs *regs)
+{
+	unsigned long S = regs->sp - 8;
+	struct kp_thread *t = kp_thread_current();
+	struct kp_kret_thread *kt = t ? t->kret : 0;
+	if (!kt || !kt->depth || t->active)
+		return;
+	kp_reclaim(kt, S, 0);
+	while (kt->depth) {
+		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
+		if ((unsigned long)ri->fp != S || (ri->kp_flags & KP_RI_TRAMP))
+			break;
+		kt->depth--;
+		kp_ri_fire(t, ri, regs);
+	}
+}
+
+/* A tail call to a function whose returns are hooked: this frame's instances
+ * fire at that function's ret through the same slot. */
+void kp_kretprobe_tail_pending(struct pt_regs *regs)
+{
+	unsigned long S = regs->sp - 8;
+	struct kp_thread *t = kp_thread_current();
+	struct kp_kret_thread *kt = t ? t->kret : 0;
+	if (!kt || !kt->depth)
+		return;
+	kp_reclaim(kt, S, 0);
+	for (unsigned int i = kt->depth; i-- > 0;) {
+		struct kretprobe_instance *ri = kt->stack[i];
+		if ((unsigned long)ri->fp != S)
+			break;
+		ri->kp_flags |= KP_RI_PENDING;
+	}
+	kt->tail_slot = S;
+}
+
+/* A tail call to a function we do not hook: swap the slot for the trampoline
+ * (the kernel's way, for this path only). */
+void kp_kretprobe_tail_swap(struct pt_regs *regs)
+{
+	unsigned long S = regs->sp - 8;
+	struct kp_thread *t = kp_thread_current();
+	struct kp_kret_thread *kt = t ? t->kret : 0;
+	if (!kt || !kt->depth)
+		return;
+	kp_reclaim(kt, S, 0);
+	struct kretprobe_instance *top = 0;
+	for (unsigned int i = kt->depth; i-- > 0;) {
+		struct kretprobe_instance *ri = kt->stack[i];
+		if ((unsigned long)ri->fp != S)
+			break;
+		if (!top && !(ri->kp_flags & KP_RI_TRAMP))
+			top = ri;
+		ri->kp_flags |= KP_RI_TRAMP;
+	}
+	if (top && *(unsigned long *)S != TRAMP) {
+		top->ret_addr = (kprobe_opcode_t *)*(unsigned long *)S;
+		top->kp_flags |= KP_RI_SWAPPED;
+		*(unsigned long *)S = TRAMP;
+	}
+}
+
+/* The slot's owner on any thread block: only the start-up block of a static
+ * program (before its thread pointer existed) can hold a frame of this thread.
+ * Its instance is left claimed; the return address is what matters. */
+static unsigned long kp_real_ret_elsewhere(unsigned long S)
+{
+	for (struct kp_thread *t = kp_rt.threads; t; t = t->next) {
+		struct kp_kret_thread *kt = t->kret;
+		for (unsigned int i = kt ? kt->depth : 0; i-- > 0;) {
+			struct kretprobe_instance *ri = kt->stack[i];
+			if ((unsigned long)ri->fp == S && (ri->kp_flags & KP_RI_SWAPPED))
+				return (unsigned long)ri->ret_addr;
+		}
+	}
+	return 0;
+}
+
+static void kp_kret_fatal(const char *msg)
+{
+	kp_platform_write(2, msg, strlen(msg));
+	for (;;)
+		__asm__ volatile("ud2");
+}
+
+/*
+ * __kretprobe_trampoline_handler(): the function returned into the
+ * trampoline; fire the handlers of that slot and return the real address.
+ */
+unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
+{
+	unsigned long S = regs->sp - 8;
+	struct kp_thread *t = kp_thread_current();
+	struct kp_kret_thread *kt = t ? t->kret : 0;
+	if (unlikely(!kt)) {
+		unsigned long ret = kp_real_ret_elsewhere(S);
+		if (!ret)
+			kp_kret_fatal("kprewrite: kretprobe trampoline without instances\n");
+		regs->ip = ret;
+		return ret;
+	}
+	kp_reclaim(kt, S, 0);
+	unsigned long ret = kp_real_ret(kt, S);
+	if (unlikely(!ret))
+		ret = kp_real_ret_elsewhere(S);	/* claimed before the thread had its own block */
+	if (!ret)
+		kp_kret_fatal("kprewrite: kretprobe trampoline lost the return address\n");
+	regs->ip = ret;
+	int active = t->active;
+	while (kt->depth) {
+		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
+		if ((unsigned long)ri->fp != S)
+			break;
+		kt->depth--;
+		if (active)
+			kp_ri_free(ri);
+		else
+			kp_ri_fire(t, ri, regs);
+	}
+	return ret;
+}
+
+/* kprobe_profile rows of the kretprobes: hits, and kp.nmissed + nmissed as
+ * trace_kprobe reports them for return probes. */
+void kp_kretprobe_profile(int fd)
+{
+	char line[160];
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		struct kretprobe *rp = &kp_kretprobes[i];
+		unsigned long hits = 0;
+		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
+			hits += t->hits[rp->kp.index];
+		int len = snprintf(line, sizeof(line), "  %-44s %15lu %15lu\n", rp->kp.name, hits,
+				   rp->kp.nmissed + (unsigned long)rp->nmissed);
+		kp_platform_write(fd, line, len);
+	}
+}

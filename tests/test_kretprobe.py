@@ -1,0 +1,652 @@
+"""kretprobes that keep the program's stack honest: real programs, rewritten
+with the CLI, run natively and under qemu-x86_64."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import cc, instrument, kprewrite, profile, run, write_spec
+
+# Handlers shared by most tests: the entry handler keeps the first argument in
+# ri->data, the return handler prints it with the return value and checks that
+# regs->ip is the caller's return address (ri->ret_addr).
+HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+struct my_data { long arg; };
+int on_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	((struct my_data *)ri->data)->arg = regs->di;
+	pr_info("E %s %ld\n", ri->rp->kp.symbol_name, (long)regs->di);
+	return 0;
+}
+int on_return(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	pr_info("R %s %ld = %ld%s\n", ri->rp->kp.symbol_name, ((struct my_data *)ri->data)->arg,
+		(long)regs_return_value(regs), regs->ip == (unsigned long)ri->ret_addr ? "" : " BAD-IP");
+	return 0;
+}
+"""
+
+
+def kret_spec(*funcs, maxactive=0, entry=True, extra=""):
+    out = 'handlers = ["handlers.c"]\n'
+    for f in funcs:
+        out += f'[[kretprobe]]\nsymbol_name = "{f}"\nhandler = "on_return"\ndata_size = 8\n'
+        if entry:
+            out += 'entry_handler = "on_entry"\n'
+        if maxactive:
+            out += f"maxactive = {maxactive}\n"
+    return out + extra
+
+
+def events(stderr: str) -> list[str]:
+    return [l for l in stderr.splitlines() if l[:2] in ("E ", "R ")]
+
+
+def check_lines(prog, spec) -> list[str]:
+    return kprewrite("check", prog, "--spec", spec).stdout.splitlines()
+
+
+def hooked(line: str, name: str | None = None) -> bool:
+    """A kretprobe whose every exit is hooked (not the trampoline fallback)."""
+    return ("  r  optimized  returns: " in line and "returns: trampoline" not in line
+            and (name is None or line.startswith(f"{name}+0x0  r  ")))
+
+
+# --- 1. __builtin_return_address and backtrace() see the real caller ----------
+
+HONEST = r"""
+#include <execinfo.h>
+#include <stdio.h>
+#include <stdlib.h>
+long caller(long);
+__attribute__((noinline)) long probed(long x)
+{
+	void *ra = __builtin_return_address(0);
+	void *bt[8];
+	int n = backtrace(bt, 8);
+	int ra_ok = (char *)ra > (char *)caller && (char *)ra < (char *)caller + 200;
+	int bt_ok = n >= 2 && (char *)bt[1] > (char *)caller && (char *)bt[1] < (char *)caller + 200;
+	printf("ra_ok=%d bt_ok=%d\n", ra_ok, bt_ok);
+	return x + 1;
+}
+__attribute__((noinline)) long caller(long x) { long r = probed(x); __asm__ volatile("" : "+r"(r)); return r * 2; }
+int main(int argc, char **argv)
+{
+	long s = 0;
+	for (int i = 0; i < 3; i++)
+		s += caller(i);
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+
+
+def test_return_address_and_backtrace_show_the_real_caller(tmp_path, runner):
+    prog = cc(tmp_path, "prog", HONEST, "-O2")
+    spec = write_spec(tmp_path, kret_spec("probed", "caller"), HANDLERS)
+    lines = check_lines(prog, spec)
+    assert hooked(lines[0], "probed") and hooked(lines[1], "caller"), lines
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "ra_ok=1 bt_ok=1\n" * 3 + "s=12\n"
+    ev = events(r.stderr)
+    assert ev == [x for i in range(3) for x in (f"E caller {i}", f"E probed {i}", f"R probed {i} = {i + 1}",
+                                                 f"R caller {i} = {2 * (i + 1)}")], ev
+    assert profile(r.stderr) == {"r_probed_0": (3, 0), "r_caller_0": (3, 0)}
+
+
+# --- 2. C++ exceptions and longjmp through return-probed frames ---------------
+
+EXCEPTIONS = r"""
+#include <cstdio>
+#include <stdexcept>
+extern "C" __attribute__((noinline)) long thrower(long x)
+{
+	if (x % 3 == 0)
+		throw std::runtime_error("boom");
+	return x * 10;
+}
+extern "C" __attribute__((noinline)) long middle(long x)
+{
+	long r = thrower(x);
+	__asm__ volatile("" : "+r"(r));
+	return r + 1;
+}
+int main()
+{
+	long sum = 0, caught = 0;
+	for (long i = 0; i < 3000; i++) {
+		try {
+			sum += middle(i);
+		} catch (const std::exception &e) {
+			caught++;
+		}
+	}
+	std::printf("sum=%ld caught=%ld\n", sum, caught);
+	return 0;
+}
+"""
+
+COUNTING = r"""
+#include <kprewrite/kprobes.h>
+int count_return(struct kretprobe_instance *ri, struct pt_regs *regs) { return 0; }
+"""
+
+
+def test_cxx_exception_through_return_probed_frames(tmp_path, runner):
+    prog = cc(tmp_path, "prog", EXCEPTIONS, "-O2", lang="c++")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+                      '[[kretprobe]]\nsymbol_name = "thrower"\nhandler = "count_return"\nmaxactive = 2\n'
+                      '[[kretprobe]]\nsymbol_name = "middle"\nhandler = "count_return"\nmaxactive = 2\n', COUNTING)
+    lines = check_lines(prog, spec)
+    assert all(hooked(l) for l in lines), lines
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    n_ok = sum(1 for i in range(3000) if i % 3)
+    assert r.stdout == f"sum={sum(i * 10 + 1 for i in range(3000) if i % 3)} caught={3000 - n_ok}\n"
+    # Every call found an instance although 1000 frames of each were unwound
+    # with maxactive = 2: the abandoned instances were reclaimed.
+    assert profile(r.stderr) == {"r_thrower_0": (3000, 0), "r_middle_0": (3000, 0)}
+
+
+LONGJMP = r"""
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+static jmp_buf env;
+__attribute__((noinline)) long leaf(long x)
+{
+	if (x < 0)
+		longjmp(env, 1);
+	return x + 1;
+}
+__attribute__((noinline)) long probed(long x)
+{
+	long r = leaf(x);
+	__asm__ volatile("" : "+r"(r));
+	return r * 2;
+}
+__attribute__((noinline)) void report(long n) { static volatile long sink; sink = n; sink += 1; }
+int main(int argc, char **argv)
+{
+	long jumps = 0, s = 0;
+	for (long i = 0; i < 5000; i++)
+		if (!setjmp(env))
+			probed(-1);
+		else
+			jumps++;
+	for (long i = 0; i < 5000; i++)
+		s += probed(i);
+	report(0);
+	printf("jumps=%ld s=%ld\n", jumps, s);
+	return 0;
+}
+"""
+
+COUNT_REPORT = r"""
+#include <kprewrite/kprobes.h>
+static long returns, bad;
+int count_return(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	returns++;
+	if ((long)regs_return_value(regs) != 2 * (*(long *)ri->data + 1))
+		bad++;
+	return 0;
+}
+int keep_arg(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = regs->di; return 0; }
+int report(struct kprobe *p, struct pt_regs *regs) { pr_info("returns=%ld bad=%ld\n", returns, bad); return 0; }
+"""
+
+
+def test_longjmp_out_of_return_probed_function_leaks_nothing(tmp_path, runner):
+    prog = cc(tmp_path, "prog", LONGJMP, "-O2")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+                      '[[kretprobe]]\nsymbol_name = "probed"\nhandler = "count_return"\nentry_handler = "keep_arg"\n'
+                      'data_size = 8\nmaxactive = 1\n'
+                      '[[kprobe]]\nsymbol_name = "report"\npre_handler = "report"\n', COUNT_REPORT)
+    assert any(hooked(l, "probed") for l in check_lines(prog, spec))
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"jumps=5000 s={sum(2 * (i + 1) for i in range(5000))}\n"
+    assert "returns=5000 bad=0" in r.stderr
+    assert profile(r.stderr)["r_probed_0"] == (10000, 0)
+
+
+# --- 3. Recursion deeper than maxactive ---------------------------------------
+
+RECURSION = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noinline)) long rec(long n)
+{
+	if (n == 0)
+		return 0;
+	long r = rec(n - 1);
+	__asm__ volatile("" : "+r"(r));
+	return r + n;
+}
+int main(int argc, char **argv)
+{
+	long depth = atol(argv[1]), s = 0;
+	for (int i = 0; i < 2; i++)
+		s += rec(depth);
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+
+
+def test_recursion_deeper_than_maxactive(tmp_path, runner):
+    prog = cc(tmp_path, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp_path, kret_spec("rec", maxactive=10), HANDLERS)
+    assert hooked(check_lines(prog, spec)[0], "rec")
+    out = instrument(prog, spec)
+    depth = 29                      # 30 nested calls: 10 get an instance, 20 miss
+    r = run(out, depth, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"s={2 * depth * (depth + 1) // 2}\n"
+    one = [f"E rec {depth - d}" for d in range(10)]
+    one += [f"R rec {depth - d} = {sum(range(depth - d + 1))}" for d in reversed(range(10))]
+    assert events(r.stderr) == one * 2
+    assert profile(r.stderr) == {"r_rec_0": (60, 40)}
+
+
+# --- 4. Tail calls and several ret sites ----------------------------------------
+
+TAILS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noinline)) long leaf_probed(long x) { __asm__ volatile("" : "+r"(x)); return x * 3; }
+__attribute__((noinline)) long leaf_plain(long x) { __asm__ volatile("" : "+r"(x)); return x * 5; }
+/* Several ret sites. */
+__attribute__((noinline)) long multi(long x)
+{
+	if (x & 1)
+		return x + 100;
+	__asm__ volatile("");
+	if (x & 2)
+		return leaf_plain(x) + 3;
+	return -x;
+}
+/* Tail calls: to a return-probed function, to a plain one, to libc. */
+__attribute__((noinline)) long tail_probed(long x) { return leaf_probed(x + 1); }
+__attribute__((noinline)) long tail_plain(long x) { return leaf_plain(x + 2); }
+static const char *numbers[] = { "50", "49", "48", "47" };
+__attribute__((noinline)) long tail_libc(long x) { return strtol(numbers[x], 0, 10); }
+__attribute__((noinline)) long tail_either(long x) { if (x & 1) return leaf_probed(x); return leaf_plain(x); }
+int main(int argc, char **argv)
+{
+	long s = 0;
+	for (long i = 0; i < 4; i++)
+		s += multi(i) + tail_probed(i) + tail_plain(i) + tail_libc(i) + tail_either(i);
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+
+
+def test_tail_calls_and_several_ret_sites(tmp_path, runner):
+    prog = cc(tmp_path, "prog", TAILS, "-O2")
+    dis = subprocess.run(["objdump", "-d", str(prog)], capture_output=True, text=True).stdout
+    for f, target in (("tail_probed", "leaf_probed"), ("tail_plain", "leaf_plain"), ("tail_libc", "strtol")):
+        body = dis.split(f"<{f}>:")[1].split("\n\n")[0]
+        assert re.search(rf"jmp\s+\S+ <{target}", body), body     # the compiler made real tail calls
+    funcs = ["multi", "tail_probed", "tail_plain", "tail_libc", "tail_either", "leaf_probed"]
+    spec = write_spec(tmp_path, kret_spec(*funcs), HANDLERS)
+    lines = check_lines(prog, spec)
+    assert all(hooked(l) for l in lines), lines
+    assert "(pending)" in lines[1] and "(trampoline)" in lines[2] and "(trampoline)" in lines[3], lines
+    assert len(re.findall(r"0x[0-9a-f]+ ret", lines[0])) >= 2, lines[0]
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    exp = []
+    s = 0
+    for i in range(4):
+        m = i + 100 if i & 1 else (i * 5 + 3 if i & 2 else -i)
+        exp += [f"E multi {i}", f"R multi {i} = {m}"]
+        exp += [f"E tail_probed {i}", f"E leaf_probed {i + 1}", f"R leaf_probed {i + 1} = {3 * (i + 1)}",
+                f"R tail_probed {i} = {3 * (i + 1)}"]
+        exp += [f"E tail_plain {i}", f"R tail_plain {i} = {5 * (i + 2)}"]
+        exp += [f"E tail_libc {i}", f"R tail_libc {i} = {abs(i - 50)}"]
+        if i & 1:
+            exp += [f"E tail_either {i}", f"E leaf_probed {i}", f"R leaf_probed {i} = {3 * i}", f"R tail_either {i} = {3 * i}"]
+        else:
+            exp += [f"E tail_either {i}", f"R tail_either {i} = {5 * i}"]
+        s += m + 3 * (i + 1) + 5 * (i + 2) + abs(i - 50) + (3 * i if i & 1 else 5 * i)
+    assert r.stdout == f"s={s}\n"
+    assert events(r.stderr) == exp
+
+
+# --- 5. Threads ------------------------------------------------------------------
+
+THREADS = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noinline)) long probed(long x)
+{
+	__asm__ volatile("" : "+r"(x));
+	return 2 * (x + 1);
+}
+__attribute__((noinline)) void report(long n) { static volatile long sink; sink = n; sink += 1; }
+static void *worker(void *arg)
+{
+	long id = (long)arg, s = 0;
+	for (long i = 0; i < 20000; i++)
+		s += probed(id * 1000000 + i);
+	return (void *)s;
+}
+int main(void)
+{
+	pthread_t t[8];
+	for (long i = 0; i < 8; i++)
+		pthread_create(&t[i], 0, worker, (void *)i);
+	long s = 0;
+	for (int i = 0; i < 8; i++) {
+		void *r;
+		pthread_join(t[i], &r);
+		s += (long)r;
+	}
+	report(0);
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+
+ATOMIC_REPORT = r"""
+#include <kprewrite/kprobes.h>
+static long returns, bad;
+int count_return(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	__atomic_fetch_add(&returns, 1, __ATOMIC_RELAXED);
+	if ((long)regs_return_value(regs) != 2 * (*(long *)ri->data + 1))
+		__atomic_fetch_add(&bad, 1, __ATOMIC_RELAXED);
+	return 0;
+}
+int keep_arg(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = regs->di; return 0; }
+int report(struct kprobe *p, struct pt_regs *regs) { pr_info("returns=%ld bad=%ld\n", returns, bad); return 0; }
+"""
+
+
+def test_threads_keep_their_instances(tmp_path, runner):
+    prog = cc(tmp_path, "prog", THREADS, "-O2", "-pthread")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+                      '[[kretprobe]]\nsymbol_name = "probed"\nhandler = "count_return"\nentry_handler = "keep_arg"\n'
+                      'data_size = 8\nmaxactive = 16\n'
+                      '[[kprobe]]\nsymbol_name = "report"\npre_handler = "report"\n', ATOMIC_REPORT)
+    assert any(hooked(l, "probed") for l in check_lines(prog, spec))
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    n = 8 * 20000
+    assert r.stdout == f"s={sum(2 * (t * 1000000 + i + 1) for t in range(8) for i in range(20000))}\n"
+    assert f"returns={n} bad=0" in r.stderr
+    assert profile(r.stderr)["r_probed_0"] == (n, 0)
+
+
+# --- 6. A kprobe and a kretprobe on the same function ---------------------------
+
+def test_kprobe_and_kretprobe_on_the_same_function(tmp_path, runner):
+    prog = cc(tmp_path, "prog", RECURSION, "-O2")
+    handlers = HANDLERS + r"""
+int on_pre(struct kprobe *p, struct pt_regs *regs) { pr_info("P %ld\n", (long)regs->di); return 0; }
+"""
+    spec = write_spec(tmp_path, kret_spec("rec") + '[[kprobe]]\nsymbol_name = "rec"\npre_handler = "on_pre"\n', handlers)
+    lines = check_lines(prog, spec)
+    assert lines[0] == "rec+0x0  k  optimized", lines
+    assert hooked(lines[1], "rec"), lines
+    out = instrument(prog, spec)
+    listing = kprewrite("list", out).stdout.splitlines()
+    assert [l.split(None, 1)[1] for l in listing] == ["k  rec+0x0 [OPTIMIZED]", "r  rec+0x0 [OPTIMIZED]"]
+    # One detour at the entry serves both (aggregation): one site, one jump.
+    assert listing[0].split()[0] == listing[1].split()[0]
+    r = run(out, 2, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    got = [l for l in r.stderr.splitlines() if l[:2] in ("P ", "E ", "R ")]
+    one = ["P 2", "E rec 2", "P 1", "E rec 1", "P 0", "E rec 0", "R rec 0 = 0", "R rec 1 = 1", "R rec 2 = 3"]
+    assert got == one * 2
+    assert profile(r.stderr) == {"p_rec_0": (6, 0), "r_rec_0": (6, 0)}
+
+
+# --- semantics: entry_handler != 0, disable_kretprobe, maxactive default ---------
+
+SEMANTICS_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+static int returns;
+int odd_only(struct kretprobe_instance *ri, struct pt_regs *regs) { return !(regs->di & 1); }
+int ret_then_disable(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	pr_info("R %ld\n", (long)regs_return_value(regs));
+	if (++returns == 2)
+		disable_kretprobe(get_kretprobe(ri));
+	return 0;
+}
+"""
+
+
+def test_entry_handler_nonzero_and_disable_from_handler(tmp_path, runner):
+    prog = cc(tmp_path, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\n'
+                      'handler = "ret_then_disable"\nentry_handler = "odd_only"\n', SEMANTICS_HANDLERS)
+    out = instrument(prog, spec)
+    r = run(out, 5, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    # rec(5..0): entry handler accepts 5, 3, 1; returns come back 1 (=1), 3 (=6),
+    # then the probe is disabled: 5's instance still fires (it was taken), the
+    # second round claims nothing.
+    assert [l for l in r.stderr.splitlines() if l.startswith("R ")] == ["R 1", "R 6", "R 15"]
+    assert profile(r.stderr) == {"r_rec_0": (6, 0)}
+
+
+# --- refusals -----------------------------------------------------------------------
+
+def test_refused_not_entry_and_blacklist(tmp_path):
+    prog = cc(tmp_path, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+                      '[[kretprobe]]\nsymbol_name = "rec"\noffset = 8\nhandler = "on_return"\n'
+                      '[[kretprobe]]\nsymbol_name = "_start"\nhandler = "on_return"\n', HANDLERS)
+    r = kprewrite("instrument", prog, "--spec", spec, "-o", tmp_path / "out", check=False)
+    assert r.returncode == 1
+    assert not (tmp_path / "out").exists()
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2, lines
+    assert "[[kretprobe]] #1 (rec+0x8): a kretprobe must be on a function entry" in lines[0]
+    assert "[[kretprobe]] #2 (_start+0x0): _start is on the kretprobe blacklist" in lines[1]
+    assert "Traceback" not in r.stderr
+    bad = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\nhandler = "nope"\n'
+                     '[[kretprobe]]\nsymbol_name = "nosuch"\n', HANDLERS, name="bad.toml")
+    r = kprewrite("instrument", prog, "--spec", bad, "-o", tmp_path / "out", check=False)
+    assert r.returncode == 1 and not (tmp_path / "out").exists()
+    assert r.stderr.splitlines() == ["kprewrite: bad.toml: [[kretprobe]] #2: symbol 'nosuch' not found in prog",
+                                     "kprewrite: bad.toml: [[kretprobe]] #1: handler 'nope' is not defined in any "
+                                     "handler file (handlers.c)"], r.stderr
+    c = kprewrite("check", prog, "--spec", spec, check=False)
+    assert c.returncode == 1
+    assert "rec+0x8  r  refused  a kretprobe must be on a function entry" in c.stdout
+
+
+# --- the trampoline fallback --------------------------------------------------------
+
+FALLBACK = r"""
+__asm__(
+".text\n"
+".globl helper\n.type helper,@function\nhelper:\n"
+"  lea 7(%rdi),%rax\n"
+"  ret\n"
+".size helper,.-helper\n"
+/* The ret follows a call by 4 bytes and the next function starts right after:
+ * no 5-byte region ends with it.  The return goes through the trampoline. */
+".globl cramped\n.type cramped,@function\ncramped:\n"
+"  push %rbx\n"
+"  mov %rdi,%rbx\n"
+"  call helper\n"
+"  add %ebx,%eax\n"
+"  pop %rbx\n"
+"  ret\n"
+".size cramped,.-cramped\n"
+".globl after\n.type after,@function\nafter:\n"
+"  mov %rdi,%rax\n"
+"  ret\n"
+".size after,.-after\n"
+);
+#include <stdio.h>
+long cramped(long), after(long);
+int main(void)
+{
+	long s = 0;
+	for (long i = 0; i < 3; i++)
+		s += cramped(i) + after(i);
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+
+
+def test_trampoline_fallback_is_reported_and_works(tmp_path, runner):
+    prog = cc(tmp_path, "prog", FALLBACK, "-O2")
+    spec = write_spec(tmp_path, kret_spec("cramped"), HANDLERS)
+    lines = check_lines(prog, spec)
+    assert re.fullmatch(r"cramped\+0x0  r  optimized  returns: trampoline  can_boost at 0x[0-9a-f]+: .*call rel.*",
+                        lines[0]), lines
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"s={sum(2 * i + 7 + i for i in range(3))}\n"
+    assert events(r.stderr) == [x for i in range(3) for x in (f"E cramped {i}", f"R cramped {i} = {2 * i + 7}")]
+
+
+# --- every function of a program ----------------------------------------------------
+
+def test_glob_every_function(tmp_path, runner):
+    prog = cc(tmp_path, "prog", TAILS, "-O2")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "*"\n', HANDLERS)
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == subprocess.run([str(prog)], capture_output=True, text=True).stdout
+    prof = profile(r.stderr)
+    assert prof["r_multi_0"] == (4, 0) and prof["r_main_0"] == (1, 0), prof
+
+
+# --- shared objects, and a handler that changes the return value -------------------
+
+LIB = r"""
+__attribute__((noinline)) long lib_work(long x) { __asm__ volatile("" : "+r"(x)); return x + 100; }
+long lib_api(long x) { return lib_work(x) * 2; }
+"""
+LIB_MAIN = r"""
+#include <stdio.h>
+long lib_api(long);
+int main(void) { long s = 0; for (int i = 0; i < 7; i++) s += lib_api(i); printf("s=%ld\n", s); return 0; }
+"""
+
+
+def test_shared_object(tmp_path, runner):
+    lib = tmp_path / "libw.so"
+    (tmp_path / "w.c").write_text(LIB)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp_path / "w.c"), "-o", str(lib)], check=True)
+    prog = cc(tmp_path, "main", LIB_MAIN, "-O2", f"-L{tmp_path}", "-lw")
+    spec = write_spec(tmp_path, kret_spec("lib_work", "lib_api"), HANDLERS)
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    instrument(lib, spec, outdir / "libw.so")
+    r = run(prog, runner=runner, env={"LD_LIBRARY_PATH": str(outdir), "KPREWRITE_PROFILE": "-",
+                                      **({"QEMU_LD_LIBRARY_PATH": str(outdir)} if runner == "qemu" else {})})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"s={sum((i + 100) * 2 for i in range(7))}\n"
+    assert events(r.stderr) == [x for i in range(7) for x in (
+        f"E lib_api {i}", f"E lib_work {i}", f"R lib_work {i} = {i + 100}", f"R lib_api {i} = {2 * (i + 100)}")]
+
+
+OVERRIDE = r"""
+#include <kprewrite/kprobes.h>
+int plus_thousand(struct kretprobe_instance *ri, struct pt_regs *regs) { regs->ax += 1000; return 0; }
+"""
+
+
+def test_return_handler_changes_the_return_value(tmp_path, runner):
+    # As with the kernel's trampoline, registers are restored from pt_regs.
+    prog = cc(tmp_path, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\nhandler = "plus_thousand"\n',
+                      OVERRIDE)
+    out = instrument(prog, spec)
+    r = run(out, 2, runner=runner)
+    assert r.returncode == 0, r.stderr
+    # rec(0) = 1000, rec(1) = 1000 + 1 + 1000, rec(2) = 2001 + 2 + 1000; twice.
+    assert r.stdout == f"s={2 * 3003}\n"
+
+
+STALE_TAIL = r"""
+#include <setjmp.h>
+#include <stdio.h>
+static jmp_buf env;
+__attribute__((noinline)) long target(long x)
+{
+	if (x < 0)
+		longjmp(env, 1);
+	__asm__ volatile("" : "+r"(x));
+	return x * 3;
+}
+__attribute__((noinline)) long front(long x) { return target(x + 1); }
+__attribute__((noinline)) long other(long x) { __asm__ volatile("" : "+r"(x)); return x + 7; }
+int main(void)
+{
+	long s = 0;
+	for (long i = 0; i < 3; i++) {
+		if (!setjmp(env))
+			front(-5);
+		s += other(i) + front(i);
+	}
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+
+
+def test_tail_call_abandoned_by_longjmp_fires_nothing_later(tmp_path, runner):
+    # front() tail-calls target(), which longjmps out: front's pending instance is
+    # stale, and other(), called next on the same slot, must not fire it.
+    prog = cc(tmp_path, "prog", STALE_TAIL, "-O2")
+    spec = write_spec(tmp_path, kret_spec("front", "target", "other", maxactive=1), HANDLERS)
+    lines = check_lines(prog, spec)
+    assert "(pending)" in lines[0], lines
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    exp = []
+    for i in range(3):
+        exp += ["E front -5", "E target -4", f"E other {i}", f"R other {i} = {i + 7}",
+                f"E front {i}", f"E target {i + 1}", f"R target {i + 1} = {3 * (i + 1)}", f"R front {i} = {3 * (i + 1)}"]
+    assert events(r.stderr) == exp
+    assert all(m == 0 for _, m in profile(r.stderr).values())
+
+
+# --- the sample ------------------------------------------------------------------------
+
+def test_kretprobe_example_sample(tmp_path, runner):
+    from conftest import ROOT
+    sample = ROOT / "samples" / "kretprobe_example"
+    prog = tmp_path / "program"
+    subprocess.run(["gcc", "-O2", "-pthread", str(sample / "program.c"), "-o", str(prog)], check=True)
+    assert hooked(check_lines(prog, sample / "probes.toml")[0], "kernel_clone")
+    out = instrument(prog, sample / "probes.toml")
+    r = run(out, 3, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "3 clones, pids sum = 3006\n"
+    lines = [l for l in r.stderr.splitlines() if l.startswith("kernel_clone returned")]
+    assert len(lines) == 3 and all(re.fullmatch(r"kernel_clone returned 100[1-3] and took \d+ ns to execute", l) for l in lines)
+    assert profile(r.stderr) == {"r_kernel_clone_0": (3, 0)}
+    # 30 concurrent calls, maxactive = 20: every call either returned through the
+    # handler or was counted in nmissed.
+    r = run(out, 30, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    returned = sum(1 for l in r.stderr.splitlines() if l.startswith("kernel_clone returned"))
+    hits, missed = profile(r.stderr)["r_kernel_clone_0"]
+    assert hits == 30 and returned + missed == 30 and returned >= 20
