@@ -26,7 +26,8 @@ CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynch
           "-fcf-protection=none", "-fno-tree-loop-distribute-patterns", "-fno-plt",
           "-std=gnu11", "-w", "-fno-ident"]
 
-RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "platform/linux_user/platform.c"]
+RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "platform/linux_user/platform.c",
+                   "kp_fetch.c", "kp_trace.c"]
 
 LINKER_SCRIPT = """
 SECTIONS

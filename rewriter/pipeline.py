@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import blacklist as bl
+from . import events as ev_mod
+from . import fetch as fetch_mod
 from . import link, writer
 from .analysis import Analysis
 from .arch import get_arch
@@ -37,14 +39,14 @@ class Session:
     plan: Plan
     handler_symbols: dict | None = None    # handler name -> link symbol
     handler_exports: dict | None = None    # C source -> names it exports
+    traces: dict | None = None             # probe index -> events.TraceEvent (fetch / events lines)
 
 
 def unsupported(spec: Spec) -> list[str]:
     name = spec.path.name
-    out = [f"{name}: {k.table}: kretprobes are not supported yet" for k in spec.kretprobes]
-    out += [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kprobes if k.fetch]
-    if spec.events:
-        out.append(f"{name}: 'events' is not supported yet")
+    out = [f"{name}: {k.table}: return probes (r events) are not supported yet in this branch (kretprobes)"
+           if isinstance(k, ev_mod.EventKretprobeSpec) else f"{name}: {k.table}: kretprobes are not supported yet"
+           for k in spec.kretprobes]
     return out
 
 
@@ -52,7 +54,8 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     """Everything up to the plan.  strict: refused probes are an error (instrument);
     otherwise they stay in the plan to be printed (check)."""
     spec = load_spec(spec_path)
-    errors = unsupported(spec)
+    errors = ev_mod.expand(spec)        # kprobe_events lines become probe tables
+    errors += unsupported(spec)
     image = Image(input_path)
     arch = get_arch(image.machine)
     probes, res_errors = resolve(image, spec, arch)
@@ -63,6 +66,12 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     if strict:
         errors += p.errors
     s = Session(image, spec, arch, analysis, probes, blist, p)
+    s.traces = {}
+    for pr in probes:                   # fetch programs, compiled once at rewrite time
+        t, terr = ev_mod.compile_probe(image, arch, pr, spec.path.name)
+        errors += terr
+        if t is not None:
+            s.traces[pr.index] = t
     if strict:
         errors += _resolve_handlers(s)
     if errors:
@@ -125,6 +134,9 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     for site, p in placed:
         flags = ["KPROBE_FLAG_OPTIMIZED"] + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
         pre = f"(kprobe_pre_handler_t){link_sym[p.spec.pre_handler]}" if p.spec.pre_handler else "0"
+        if s.traces and p.index in s.traces:     # trace event: its pre_handler runs the fetch
+            pre = f"kp_trace_pre_{p.index}"
+            out.insert(1, f"int {pre}(struct kprobe *, struct pt_regs *);")
         post = f"(kprobe_post_handler_t){link_sym[p.spec.post_handler]}" if p.spec.post_handler else "0"
         sym = link.c_string(p.symbol if (p.spec.symbol_name or p.func) else None)
         out.append(f"  {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "
@@ -142,6 +154,12 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     refs = ", ".join(f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
+    traces = s.traces or {}
+    if traces:
+        users = {p.index: link_sym[p.spec.pre_handler] for _, p in placed if p.spec.pre_handler}
+        out += ev_mod.trace_c(traces, users, fetch_mod.symbol_table(s.image)).splitlines()
+    else:
+        out += ev_mod.trace_c({}, {}, []).splitlines()
     return "\n".join(out) + "\n"
 
 

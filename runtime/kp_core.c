@@ -78,6 +78,7 @@ void kp_configure(char **envp)
 	if (e && e[0] == '0' && e[1] == 0)
 		kp_rt.armed = 0;
 	kp_rt.profile_path = kp_getenv(envp, "KPREWRITE_PROFILE");
+	kp_trace_configure(envp);	/* kp_trace.c: KPREWRITE_TRACE */
 }
 
 static struct kp_thread *kp_new_thread(unsigned long key)

@@ -55,6 +55,9 @@ void kp_configure(char **envp);
 void kp_write_profile(void);
 struct kp_thread *kp_thread_slow(unsigned long key);
 
+/* Trace events (kp_trace.c). */
+void kp_trace_configure(char **envp);
+
 /* Platform layer (platform/<name>/). */
 unsigned long kp_platform_thread_key(void);	/* 0: no thread identity yet */
 void *kp_platform_alloc(unsigned long size);	/* zeroed, page granular; NULL on failure */
