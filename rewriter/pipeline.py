@@ -69,7 +69,8 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     s.traces = {}
     for pr in probes:                   # fetch programs, compiled once at rewrite time
         t, terr = ev_mod.compile_probe(image, arch, pr, spec.path.name)
-        errors += terr
+        if terr and terr[0] not in errors:    # a syntax error is already reported by expand()
+            errors += terr
         if t is not None:
             s.traces[pr.index] = t
     if strict:
