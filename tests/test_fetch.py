@@ -324,9 +324,9 @@ def test_fetch_string_error_names_the_table(tmp_path, small):
 
 
 def test_every_error_reported(tmp_path, small):
-    spec = write_spec(tmp_path, 'events = ["p:a work x=%foo", "p:b work y=$bar", "p:a work"]\n')
+    spec = write_spec(tmp_path, 'events = ["p:a work x=%foo", "p:b work y=$bar", "p:c work", "p:c other"]\n')
     r = kprewrite("check", small, "--spec", spec, check=False)
     assert r.returncode != 0
     heads = [l for l in r.stderr.splitlines() if "column" in l]
-    assert [h.split(":")[2].strip() for h in heads] == ["events[1]", "events[2]", "events[3]"]
-    assert "already used by another event (events[1])" in heads[2]
+    assert [h.split(":")[2].strip() for h in heads] == ["events[1]", "events[2]", "events[4]"]
+    assert "already used by another event (events[3])" in heads[2]
