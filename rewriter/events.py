@@ -187,6 +187,8 @@ def expand(spec: Spec) -> list[str]:
     seen: dict[tuple[str, str], int] = {}
     for i, text in enumerate(spec.events, 1):
         where = f"{name}: events[{i}]"
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue                    # as in kprobe_events: blank lines and comments
         try:
             ev = parse_line(text, i)
         except (LineError, F.FetchError) as e:
@@ -253,21 +255,50 @@ def compile_probe(image, arch, p, spec_name: str) -> tuple[TraceEvent | None, li
     return TraceEvent(p.event_name, loc, args), []
 
 
-def trace_c(events: dict[int, TraceEvent], pre_syms: dict[int, str | None], symtab) -> str:
-    """Generated C: fetch programs, events, one pre_handler per traced probe (which
-    runs the trace, then the user's pre_handler if any), and the symbol table."""
+def compile_return(image, k, func, spec_name: str) -> tuple[TraceEvent | None, list[str]]:
+    """The trace event of a kretprobe (an `r` line, or a [[kretprobe]] with `fetch`) on
+    function `func` (image.Function): FETCHARGS parsed for a return probe ($retval)."""
+    if k.fetch is None:
+        return None, []
+    text, words = _args_text(k)
+    is_event = getattr(k, "event", None) is not None
+    where = f"{spec_name}: {k.table}" + ("" if is_event else ": fetch")
+    try:
+        args = F.parse_args(words, F.ParseFlags(is_return=True, fentry=False))
+        F.resolve_symbols(args, image)
+    except F.FetchError as e:
+        return None, caret_lines(where, text, e.column, e.message)
+    name = k.name or _sanitize(f"r_{func.name}_0")
+    return TraceEvent(name, func.name, args, is_return=True), []
+
+
+def trace_c(events: dict, user_syms: dict, symtab) -> str:
+    """Generated C: fetch programs and events, then per traced probe a handler that
+    runs the trace and then the user's handler if any, and the symbol table.
+
+    events: key -> TraceEvent; key is an int or a short identifier.  A kprobe event
+    gets `int kp_trace_pre_<key>(struct kprobe *, struct pt_regs *)`, to be its
+    pre_handler; a kretprobe event gets `int kp_trace_ret_<key>(struct
+    kretprobe_instance *, struct pt_regs *)`, to be its return handler.
+    user_syms: key -> link symbol of the user's pre_handler / handler."""
     from .link import c_string
     out = ['#include "kp_trace.h"']
-    for idx in sorted(events):
+    for idx in sorted(events, key=str):
         ev = events[idx]
         lines, arr = F.args_c(f"kp_fa_{idx}", ev.args)
         out += lines
         out.append(f"static const struct kp_trace_event kp_tev_{idx} = {{ {c_string(ev.name)}, "
                    f"{c_string(ev.where)}, {arr}, {len(ev.args)}, {int(ev.is_return)} }};")
-        user = pre_syms.get(idx)
-        call = f"return ((kprobe_pre_handler_t){user})(p, regs);" if user else "return 0;"
-        out.append(f"int kp_trace_pre_{idx}(struct kprobe *p, struct pt_regs *regs) "
-                   f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs); {call} }}")
+        user = user_syms.get(idx)
+        if ev.is_return:
+            call = f"return ((kretprobe_handler_t){user})(ri, regs);" if user else "return 0;"
+            out.append(f"int kp_trace_ret_{idx}(struct kretprobe_instance *ri, struct pt_regs *regs) "
+                       f"{{ kp_trace_kretprobe(&kp_tev_{idx}, regs, (unsigned long)ri->ret_addr, "
+                       f"(unsigned long)get_kretprobe(ri)->kp.addr); {call} }}")
+        else:
+            call = f"return ((kprobe_pre_handler_t){user})(p, regs);" if user else "return 0;"
+            out.append(f"int kp_trace_pre_{idx}(struct kprobe *p, struct pt_regs *regs) "
+                       f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs); {call} }}")
     syms = symtab if events else []
     names, offs = bytearray(), []
     for _, _, n in syms:

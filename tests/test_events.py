@@ -286,3 +286,25 @@ def test_retval(tmp_path, prog, runner, kretprobes):
     assert sorted(e["name"] for e in xs) == ["fact"] * 4 + ["work"] * 3
     facts = sorted((e["ts"], e["dur"], e["args"]["entry.n"]) for e in xs if e["name"] == "fact")
     assert [f[2] for f in facts] == [4, 3, 2, 1]                     # nested: outermost first
+
+
+def test_return_event_code_compiles(tmp_path, prog):
+    """The kretprobe side of the generated C (the integration point for kretprobes):
+    an `r` line's handler compiles against the runtime and calls kp_trace_kretprobe()."""
+    from rewriter import events as E, link
+    from rewriter.image import Image
+    from rewriter.spec import Spec
+    image = Image(str(prog))
+    spec = Spec(path=tmp_path / "probes.toml", handlers=[], optimize=True,
+                events=["r:work_exit work ret=$retval:s64 s=+0(%si):string", "p:bad work $retval"])
+    errors = E.expand(spec)
+    assert errors[0].startswith("probes.toml: events[2]: column 12: $retval is not available on probe")
+    k = spec.kretprobes[0]
+    ev, err = E.compile_return(image, k, image.function_named("work"), "probes.toml")
+    assert not err and ev.is_return and ev.where == "work" and ev.name == "work_exit"
+    src = E.trace_c({"r0": ev}, {"r0": "kp_handler_user"}, [(0x1000, 0x20, "work")])
+    assert "int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs)" in src
+    (tmp_path / "t.c").write_text("extern char kp_handler_user[];\n" + src)
+    r = subprocess.run(["gcc", *link.CFLAGS, f"-I{link.RUNTIME_DIR / 'include'}", f"-I{link.RUNTIME_DIR}",
+                        "-c", str(tmp_path / "t.c"), "-o", str(tmp_path / "t.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
