@@ -308,3 +308,25 @@ def test_return_event_code_compiles(tmp_path, prog):
     r = subprocess.run(["gcc", *link.CFLAGS, f"-I{link.RUNTIME_DIR / 'include'}", f"-I{link.RUNTIME_DIR}",
                         "-c", str(tmp_path / "t.c"), "-o", str(tmp_path / "t.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_sample_events_example(tmp_path, runner):
+    """samples/events_example runs as its README shows."""
+    from conftest import ROOT
+    d = ROOT / "samples" / "events_example"
+    prog = tmp_path / "program"
+    subprocess.run(["gcc", "-O2", "-o", str(prog), str(d / "program.c")], check=True)
+    out = instrument(prog, d / "probes.toml", tmp_path / "program.kp")
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout.splitlines()[-2:] == ["fd 0: /etc/hostname", "fd 1: /tmp/out.txt"]
+    recs = trace_lines(r.stderr)
+    assert [x.event for x in recs] == ["myprobe", "install", "p_fd_install_0", "myprobe", "myprobe",
+                                       "install", "p_fd_install_0"]
+    assert recs[1].args["path"] == "/etc/hostname" and recs[1].args["flags"] == "0x81a4"
+    assert recs[3].args == {"dfd": -100, "filename": "/missing/file", "flags": "0x8001", "mode": "0x1a4"}
+    if runner != "native":
+        return                                  # COMM reads qemu-x86_64 there
+    readme = (d / "README.md").read_text()
+    for line in r.stderr.splitlines():          # the README shows this very output (times and pids aside)
+        shown = re.sub(r"-\d+ +\[\d+\] +\d+\.\d+:", "", line).strip()
+        assert any(shown == re.sub(r"-\d+ +\[\d+\] +\d+\.\d+:", "", l).strip() for l in readme.splitlines()), line
