@@ -330,3 +330,62 @@ def test_sample_events_example(tmp_path, runner):
     for line in r.stderr.splitlines():          # the README shows this very output (times and pids aside)
         shown = re.sub(r"-\d+ +\[\d+\] +\d+\.\d+:", "", line).strip()
         assert any(shown == re.sub(r"-\d+ +\[\d+\] +\d+\.\d+:", "", l).strip() for l in readme.splitlines()), line
+
+
+KIND_PROG = r"""
+#include <stdio.h>
+long counter = 40;
+__attribute__((noinline)) long other(long x) { return x ^ 0x55; }
+long (*fnptr)(long) = other;
+__attribute__((noinline)) long work(long x, const char *s) { __asm__ volatile("" ::: "memory"); counter++; return x + s[0]; }
+int main(void) { long s = 0; for (int i = 0; i < 2; i++) s += work(i, "kind") + fnptr(i); printf("s=%ld\n", s); return 0; }
+"""
+KIND_SPEC = 'events = ["p:w work x=%di:s64 s=+0(%si):string c=@counter:s64 f=@fnptr:symbol r=$stack0:symbol"]\n'
+
+
+@pytest.mark.parametrize("kind", [["-fPIE", "-pie"], ["-fno-pie", "-no-pie"], ["-static"], ["-static-pie", "-fPIE"]],
+                         ids=["pie", "nopie", "static", "static-pie"])
+def test_input_kinds(tmp_path, kind, runner):
+    """@SYM, symbol and the (SYM+off/size) of return addresses hold at any load address."""
+    prog = cc(tmp_path, "prog", KIND_PROG, "-O2", *kind)
+    out = instrument(prog, write_spec(tmp_path, KIND_SPEC))
+    r = run(out, runner=runner)
+    assert r.returncode == 0, r.stderr
+    recs = trace_lines(r.stderr)
+    assert [(x.args["x"], x.args["s"], x.args["c"]) for x in recs] == [(0, "kind", 40), (1, "kind", 41)]
+    assert all(re.fullmatch(r"other\+0x0/0x[0-9a-f]+", x.args["f"]) for x in recs)
+    assert all(re.fullmatch(r"main\+0x[0-9a-f]+/0x[0-9a-f]+", x.args["r"]) for x in recs)
+
+
+def test_shared_object(tmp_path, runner):
+    lib = tmp_path / "libw.so"
+    (tmp_path / "w.c").write_text(r"""
+long lib_count = 7;
+__attribute__((noinline)) long lib_work(long x, const char *tag) { __asm__ volatile("" ::: "memory"); return x + 100 + tag[0]; }
+long lib_api(long x) { lib_count++; return lib_work(x, "lib") * 2; }
+""")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp_path / "w.c"), "-o", str(lib)], check=True)
+    prog = cc(tmp_path, "main", r"""
+#include <stdio.h>
+long lib_api(long);
+int main(void) { long s = 0; for (int i = 0; i < 3; i++) s += lib_api(i); printf("s=%ld\n", s); return 0; }
+""", "-O2", f"-L{tmp_path}", "-lw")
+    spec = write_spec(tmp_path, 'events = ["p:lw lib_work x=%di:s64 tag=+0(%si):string n=@lib_count:s64 '
+                                'from=$stack0:symbol"]\n')
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    instrument(lib, spec, outdir / "libw.so")
+    r = run(prog, runner=runner, env={"LD_LIBRARY_PATH": str(outdir), "KPREWRITE_PROFILE": "-",
+                                      **({"QEMU_LD_LIBRARY_PATH": str(outdir)} if runner == "qemu" else {})})
+    assert r.returncode == 0, r.stderr
+    recs = trace_lines(r.stderr)
+    assert [(x.args["x"], x.args["tag"], x.args["n"]) for x in recs] == [(i, "lib", 8 + i) for i in range(3)]
+    assert all(re.fullmatch(r"lib_api\+0x[0-9a-f]+/0x[0-9a-f]+", x.args["from"]) for x in recs)
+    assert profile(r.stderr) == {"lw": (3, 0)}
+
+
+def test_deterministic(tmp_path, prog):
+    spec = write_spec(tmp_path, EVENTS_ONLY)
+    a = instrument(prog, spec, tmp_path / "a")
+    b = instrument(prog, spec, tmp_path / "b")
+    assert a.read_bytes() == b.read_bytes()
