@@ -27,7 +27,7 @@ CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynch
           "-std=gnu11", "-w", "-fno-ident"]
 
 RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "platform/linux_user/platform.c",
-                   "kp_fetch.c", "kp_trace.c"]
+                   "kp_fetch.c", "kp_trace.c", "platform/linux_user/profile_signal.c"]
 
 LINKER_SCRIPT = """
 SECTIONS

@@ -34,9 +34,12 @@ static const char *kp_trace_getenv(char **envp, const char *name)
 	return 0;
 }
 
-/* Start-up: where trace lines go. */
+void kp_profile_signal_configure(const char *value);
+
+/* Start-up: where trace lines go; kprobe_profile on a signal. */
 void kp_trace_configure(char **envp)
 {
+	kp_profile_signal_configure(kp_trace_getenv(envp, "KPREWRITE_PROFILE_SIGNAL"));
 	const char *path = kp_trace_getenv(envp, "KPREWRITE_TRACE");
 	if (!path || !*path || !strcmp(path, "-") || !strcmp(path, "stderr"))
 		return;

@@ -389,3 +389,30 @@ def test_deterministic(tmp_path, prog):
     a = instrument(prog, spec, tmp_path / "a")
     b = instrument(prog, spec, tmp_path / "b")
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_profile_on_request(tmp_path, runner):
+    """KPREWRITE_PROFILE_SIGNAL: the program (here: itself) asks for kprobe_profile mid-run."""
+    prog = cc(tmp_path, "prog", r"""
+#include <signal.h>
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((noinline)) long work(long x) { __asm__ volatile("" ::: "memory"); return x + 1; }
+int main(void)
+{
+    long s = 0;
+    for (int i = 0; i < 3; i++) s += work(i);
+    kill(getpid(), SIGUSR2);
+    for (int i = 0; i < 2; i++) s += work(i);
+    printf("s=%ld\n", s);
+    return 0;
+}
+""", "-O2")
+    out = instrument(prog, write_spec(tmp_path, 'events = ["p:w work"]\n'))
+    pf = tmp_path / "profile.txt"
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE_SIGNAL": "USR2", "KPREWRITE_PROFILE": str(pf)})
+    assert r.returncode == 0 and r.stdout == "s=9\n", r.stderr
+    rows = [l.split() for l in pf.read_text().splitlines()]
+    assert rows == [["w", "3", "0"], ["w", "5", "0"]]       # on request, then at exit
+    r = run(out, runner=runner)                              # without it, SIGUSR2 keeps its default action
+    assert r.returncode == -12
