@@ -44,8 +44,12 @@ void kp_trace_configure(char **envp)
 	if (!path || !*path || !strcmp(path, "-") || !strcmp(path, "stderr"))
 		return;
 	int fd = kp_platform_open_append(path);
-	if (fd >= 0)
+	if (fd >= 0) {
 		kp_trace_fd = fd;
+		return;
+	}
+	static const char msg[] = "kprewrite: KPREWRITE_TRACE: cannot open the file; tracing to standard error\n";
+	kp_platform_write(2, msg, sizeof(msg) - 1);
 }
 
 static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,

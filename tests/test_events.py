@@ -107,6 +107,14 @@ def test_trace_file_env(tmp_path, prog, runner):
     recs = trace_lines(tf.read_text())
     assert len(recs) == 2 * 2 + 4
     assert all(line.endswith("\n") for line in tf.read_text().splitlines(keepends=True))
+    # A second run appends (a forked or exec'd child keeps the lines of its parent).
+    run(out, 1, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
+    assert len(trace_lines(tf.read_text())) == 8 + 1 + 4
+    # A file that cannot be opened: one line says so, the trace goes to standard error.
+    r = run(out, 1, runner=runner, env={"KPREWRITE_TRACE": str(tmp_path / "no" / "such" / "dir")})
+    assert r.returncode == 0
+    assert r.stderr.splitlines()[0] == "kprewrite: KPREWRITE_TRACE: cannot open the file; tracing to standard error"
+    assert len(trace_lines(r.stderr)) == 1 + 4
 
 
 def test_aggregates_with_kprobe_table(tmp_path, prog, runner):
@@ -416,3 +424,60 @@ int main(void)
     assert rows == [["w", "3", "0"], ["w", "5", "0"]]       # on request, then at exit
     r = run(out, runner=runner)                              # without it, SIGUSR2 keeps its default action
     assert r.returncode == -12
+
+
+RET_HARNESS = r"""
+#include <stdio.h>
+#include "kp_trace.h"
+struct kp_runtime kp_rt;
+void kp_profile_signal_configure(const char *v) { (void)v; }
+void kp_write_profile(void) { }
+void kp_platform_write(int fd, const char *buf, unsigned long len) { fwrite(buf, 1, len, stdout); }
+int kp_platform_open_append(const char *path) { (void)path; return 1; }
+int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs);
+static const char text[] = "retstring";
+int main(void)
+{
+    static struct kretprobe rp = { .kp = { .addr = (kprobe_opcode_t *)0x2000 } };
+    static struct kretprobe_instance ri = { .rp = &rp, .ret_addr = (kprobe_opcode_t *)0x1013 };
+    struct pt_regs regs = { 0 };
+    regs.ax = (unsigned long)-5;
+    regs.si = (unsigned long)text;
+    kp_trace_ret_r0(&ri, &regs);
+    ri.ret_addr = (kprobe_opcode_t *)0x9999;
+    regs.ax = 7;
+    regs.si = 16;
+    kp_trace_ret_r0(&ri, &regs);
+    return 0;
+}
+"""
+
+
+def test_return_line_format(tmp_path, prog):
+    """The runtime's kretprobe line, driven directly (until kretprobes exist):
+    (CALLER+off/size <- FUNC) and $retval, as print_kretprobe_event() prints them."""
+    from rewriter import events as E, link
+    from rewriter.image import Image
+    from rewriter.spec import Spec
+    spec = Spec(path=tmp_path / "probes.toml", handlers=[], optimize=True,
+                events=["r:work_exit work ret=$retval:s64 s=+0(%si):string x=$retval"])
+    assert E.expand(spec) == []
+    image = Image(str(prog))
+    ev, err = E.compile_return(image, spec.kretprobes[0], image.function_named("work"), "probes.toml")
+    assert not err
+    (tmp_path / "gen.c").write_text(E.trace_c({"r0": ev}, {}, [(0x1000, 0x40, "caller_fn")]))
+    (tmp_path / "main.c").write_text(RET_HARNESS)
+    rt = link.RUNTIME_DIR
+    exe = tmp_path / "harness"
+    r = subprocess.run(["gcc", "-O1", "-w", f"-I{rt / 'include'}", f"-I{rt}", str(tmp_path / "main.c"),
+                        str(tmp_path / "gen.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
+                        "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True).stdout.splitlines()
+    assert len(out) == 2
+    a, b = map(tracefmt.parse_line, out)
+    assert a.event == "work_exit" and a.loc == "caller_fn+0x13/0x40 <- work" and a.is_return
+    assert a.args == {"ret": -5, "s": "retstring", "x": "0xfffffffffffffffb"}
+    assert b.loc == "0x9999 <- work" and b.args == {"ret": 7, "s": "(fault)", "x": "0x7"}
+    assert re.match(r"^ {0,15}\S+-\d+ +\[\d{3}\] +\d+\.\d{6}: work_exit: \(caller_fn\+0x13/0x40 <- work\) ret=-5 ", out[0])
