@@ -109,12 +109,12 @@ def test_trace_file_env(tmp_path, prog, runner):
     assert all(line.endswith("\n") for line in tf.read_text().splitlines(keepends=True))
     # A second run appends (a forked or exec'd child keeps the lines of its parent).
     run(out, 1, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
-    assert len(trace_lines(tf.read_text())) == 8 + 1 + 4
+    assert len(trace_lines(tf.read_text())) == 8 + 2 + 4
     # A file that cannot be opened: one line says so, the trace goes to standard error.
     r = run(out, 1, runner=runner, env={"KPREWRITE_TRACE": str(tmp_path / "no" / "such" / "dir")})
     assert r.returncode == 0
     assert r.stderr.splitlines()[0] == "kprewrite: KPREWRITE_TRACE: cannot open the file; tracing to standard error"
-    assert len(trace_lines(r.stderr)) == 1 + 4
+    assert len(trace_lines(r.stderr)) == 2 + 4
 
 
 def test_aggregates_with_kprobe_table(tmp_path, prog, runner):
