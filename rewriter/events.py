@@ -17,7 +17,7 @@ the kernel's `p_SYM_OFFS` / `r_SYM_OFFS` (or `p_0xADDR`), the group to
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import fetch as F
 from .spec import KprobeSpec, KretprobeSpec, Spec

@@ -14,7 +14,7 @@ Errors carry the column of the offending character, like the kernel's
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Kernel limits (trace_probe.h).
 MAX_TRACE_ARGS = 128
@@ -469,7 +469,7 @@ def args_c(prefix: str, args: list[ProbeArg]) -> tuple[list[str], str]:
         for n in a.code:
             data = _c_bytes(n.data) if n.data is not None else "0"
             insns.append(f"{{ {OPS[n.op]}, {n.size}, {n.lshift}, {n.rshift}, {n.param}U, "
-                         f"{n.imm - (1 << 64) if n.imm >= 1 << 63 else n.imm}L, {data} }}")
+                         f"(long){n.imm & (1 << 64) - 1:#x}UL, {data} }}")
         out.append(f"static const struct kp_fetch_insn {prefix}_{j}[] = {{ {', '.join(insns)} }};")
     arr = f"{prefix}_args"
     if args:

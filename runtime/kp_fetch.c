@@ -21,8 +21,11 @@
 
 struct kp_iovec { void *base; unsigned long len; };
 
+#define __NR_getpid 39
+
 static int kp_mem_use_pipe;
 static int kp_mem_pipe[2] = { -1, -1 };
+static long kp_mem_pipe_pid;		/* the process that made the pipe: a forked child makes its own */
 static int kp_mem_lock;
 
 static int kp_mem_read_pipe(void *dst, unsigned long addr, unsigned long len)
@@ -30,9 +33,17 @@ static int kp_mem_read_pipe(void *dst, unsigned long addr, unsigned long len)
 	int ret = 0;
 	while (__atomic_exchange_n(&kp_mem_lock, 1, __ATOMIC_ACQUIRE))
 		__builtin_ia32_pause();
-	if (kp_mem_pipe[0] < 0 &&
-	    kp_syscall3(__NR_pipe2, kp_mem_pipe, 02000000 | 04000 /* O_CLOEXEC|O_NONBLOCK */, 0) < 0)
-		ret = -KP_EFAULT;
+	long pid = kp_syscall3(__NR_getpid, 0, 0, 0);
+	if (kp_mem_pipe[0] >= 0 && pid != kp_mem_pipe_pid) {
+		kp_platform_close(kp_mem_pipe[0]);
+		kp_platform_close(kp_mem_pipe[1]);
+		kp_mem_pipe[0] = kp_mem_pipe[1] = -1;
+	}
+	if (kp_mem_pipe[0] < 0) {
+		if (kp_syscall3(__NR_pipe2, kp_mem_pipe, 02000000 | 04000 /* O_CLOEXEC|O_NONBLOCK */, 0) < 0)
+			ret = -KP_EFAULT;
+		kp_mem_pipe_pid = pid;
+	}
 	while (!ret && len) {
 		unsigned long chunk = len > 4096 ? 4096 : len;
 		long n = kp_syscall3(__NR_write, kp_mem_pipe[1], addr, chunk);

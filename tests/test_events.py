@@ -481,3 +481,33 @@ def test_return_line_format(tmp_path, prog):
     assert a.args == {"ret": -5, "s": "retstring", "x": "0xfffffffffffffffb"}
     assert b.loc == "0x9999 <- work" and b.args == {"ret": 7, "s": "(fault)", "x": "0x7"}
     assert re.match(r"^ {0,15}\S+-\d+ +\[\d{3}\] +\d+\.\d{6}: work_exit: \(caller_fn\+0x13/0x40 <- work\) ret=-5 ", out[0])
+
+
+def test_fork_and_exec(tmp_path, runner):
+    """Parent and child both trace (and dereference) at once: every line well formed, values right."""
+    prog = cc(tmp_path, "prog", r"""
+#include <stdio.h>
+#include <unistd.h>
+#include <sys/wait.h>
+__attribute__((noinline)) long work(long x, const char *s) { __asm__ volatile("" ::: "memory"); return x + s[0]; }
+int main(void)
+{
+    long s = 0;
+    pid_t pid = fork();
+    const char *who = pid ? "parent" : "child";
+    for (int i = 0; i < 200; i++)
+        s += work(pid ? i : 1000 + i, who);
+    if (pid) { int st; waitpid(pid, &st, 0); }
+    printf("%s %ld\n", who, s);
+    return 0;
+}
+""", "-O2")
+    out = instrument(prog, write_spec(tmp_path, 'events = ["p:w work x=%di:s64 who=+0(%si):string"]\n'))
+    tf = tmp_path / "trace.txt"
+    r = run(out, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
+    assert r.returncode == 0
+    recs = [tracefmt.parse_line(l) for l in tf.read_text().splitlines()]
+    assert len(recs) == 400 and all(recs)
+    for x in recs:
+        assert x.args["who"] == ("child" if x.args["x"] >= 1000 else "parent")
+    assert len({x.pid for x in recs}) == 2
