@@ -511,3 +511,24 @@ int main(void)
     for x in recs:
         assert x.args["who"] == ("child" if x.args["x"] >= 1000 else "parent")
     assert len({x.pid for x in recs}) == 2
+
+
+def test_memaddr_event(tmp_path, prog, runner):
+    """p MEMADDR: an address as linked (nm), the kernel's default name p_0xADDR."""
+    nm = subprocess.run(["nm", str(prog)], capture_output=True, text=True).stdout
+    addr = int(re.search(r"^([0-9a-f]+) T work$", nm, re.M).group(1), 16)
+    out = instrument(prog, write_spec(tmp_path, f'events = ["p {addr:#x} x=%di:s64"]\n'))
+    r = run(out, 2, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    recs = trace_lines(r.stderr)
+    assert [(x.event, x.args["x"]) for x in recs] == [(f"p_0x{addr:x}", 0), (f"p_0x{addr:x}", 1)]
+    assert profile(r.stderr)[f"p_0x{addr:x}"] == (2, 0)
+
+
+def test_parse_values():
+    line = ('  my prog-12 [003]  5.000001: e: (f+0x0/0x10) s="a,b}{\\"c\\\\" arr={"x,y",(fault),"z"} '
+            'n=-3 h=0xff c=\'q\' e="" f=(fault) sym=main+0x1/0x2')
+    r = tracefmt.parse_line(line)
+    assert (r.comm, r.pid, r.cpu, r.ts_us) == ("my prog", 12, 3, 5000001)
+    assert r.args == {"s": 'a,b}{"c\\', "arr": ["x,y", "(fault)", "z"], "n": -3, "h": "0xff", "c": "'q'",
+                      "e": "", "f": "(fault)", "sym": "main+0x1/0x2"}
+    assert tracefmt.parse_line("random program output") is None
