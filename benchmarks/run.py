@@ -3,9 +3,11 @@
 
 Row "o": an optimized kprobe with an empty pre_handler on a trivial function
 called in a tight loop; (rewritten - original) / N, medians of several runs of
-both binaries interleaved in one go.  Row "t": the same probe as a
-kprobe_events line with one fetch arg, each hit writing a trace line to
-/dev/null (N / 100 calls: a trace line costs microseconds, not nanoseconds).
+both binaries interleaved in one go.  Row "o+regs": the same with a
+pre_handler that reads a register, so the detour builds struct pt_regs.
+Row "t": the same probe as a kprobe_events line with one fetch arg, each hit
+writing a trace line to /dev/null (N / 100 calls: a trace line costs
+microseconds, not nanoseconds).
 Run: python benchmarks/run.py
 """
 import os
@@ -57,6 +59,7 @@ def main():
         tmp = Path(d)
         orig = build(tmp)
         rows = {"o": rewrite(orig, "optimized.toml", tmp / "loop.o"),
+                "o+regs": rewrite(orig, "regs.toml", tmp / "loop.regs"),
                 "t": rewrite(orig, "trace.toml", tmp / "loop.t")}
         times = {"original": [], **{k: [] for k in rows}}
         base_n = {}                      # the original, timed with each row's N
@@ -71,7 +74,8 @@ def main():
         print()
         print("| row | what | per call, original (ns) | per call, rewritten (ns) | per hit (ns) | ratio |")
         print("|---|---|---|---|---|---|")
-        what = {"o": "optimized kprobe, empty pre_handler",
+        what = {"o": "optimized kprobe, empty pre_handler (clean call, dispatch inlined)",
+                "o+regs": "optimized kprobe, pre_handler reading regs (full struct pt_regs)",
                 "t": "kprobe_events line, 1 fetch arg, trace line to /dev/null"}
         for k in rows:
             n = ROW_N.get(k, N)

@@ -26,8 +26,9 @@ CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynch
           "-fcf-protection=none", "-fno-tree-loop-distribute-patterns", "-fno-plt",
           "-std=gnu11", "-w", "-fno-ident"]
 
-RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "platform/linux_user/platform.c",
-                   "kp_fetch.c", "kp_trace.c", "platform/linux_user/profile_signal.c"]
+PLATFORM = "linux_user"
+RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", f"platform/{PLATFORM}/platform.c",
+                   "kp_fetch.c", "kp_trace.c", f"platform/{PLATFORM}/profile_signal.c"]
 
 LINKER_SCRIPT = """
 SECTIONS
@@ -58,6 +59,15 @@ class Blob:
     data_memsz: int       # including .bss
     symbols: dict[str, int]
     sections: list[tuple[str, int, int, int, int]]   # (name, type, flags, addr, size)
+    func_sizes: dict[int, int] | None = None          # function address -> st_size
+
+    def function_code(self, name: str) -> tuple[int, bytes] | None:
+        """(address, bytes) of a linked function, if it lies in the text."""
+        addr = self.symbols.get(name)
+        size = (self.func_sizes or {}).get(addr)
+        if addr is None or not size or not self.text_addr <= addr < self.text_addr + len(self.text):
+            return None
+        return addr, self.text[addr - self.text_addr:addr - self.text_addr + size]
 
 
 def _run(cmd, what: str, cwd=None):
@@ -138,8 +148,8 @@ def resolve_handlers(cc: str, handlers: list[Path], names: set[str]) -> tuple[di
     return link_sym, exports, missing
 
 
-def compile_objects(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]], table_c: str) -> list[Path]:
-    inc = [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}"]
+def compile_runtime(cc: str, workdir: Path) -> list[Path]:
+    inc = _includes()
     objs = []
     for src in RUNTIME_SOURCES:
         o = workdir / ("rt_" + src.replace("/", "_") + ".o")
@@ -149,6 +159,11 @@ def compile_objects(cc: str, workdir: Path, handlers: list[Path], exports: dict[
         o = workdir / ("rt_" + src.name + ".o")
         _run([cc, *inc, "-c", str(src), "-o", str(o)], f"runtime {src.name}")
         objs.append(o)
+    return objs
+
+
+def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]]) -> list[Path]:
+    objs = []
     for i, h in enumerate(handlers):
         if h.suffix == ".o":
             objs.append(h)
@@ -161,14 +176,60 @@ def compile_objects(cc: str, workdir: Path, handlers: list[Path], exports: dict[
             lines.append(f'extern __typeof__({name}) kp_handler_{name} __attribute__((alias("{name}"), used));')
         wrapper.write_text("\n".join(lines) + "\n")
         o = workdir / f"handler{i}.o"
-        _run([cc, *CFLAGS, *inc, f"-I{h.parent}", "-c", str(wrapper), "-o", str(o)], h.name)
+        _run([cc, *CFLAGS, *_includes(), f"-I{h.parent}", "-c", str(wrapper), "-o", str(o)], h.name)
         objs.append(o)
+    return objs
+
+
+def compile_table(cc: str, workdir: Path, table_c: str) -> Path:
     table = workdir / "kp_table.c"
     table.write_text(table_c)
     o = workdir / "kp_table.o"
-    _run([cc, *CFLAGS, *inc, "-c", str(table), "-o", str(o)], "probe table")
-    objs.append(o)
-    return objs
+    _run([cc, *CFLAGS, *_includes(), "-c", str(table), "-o", str(o)], "probe table")
+    return o
+
+
+def _includes() -> list[str]:
+    return [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}", f"-I{RUNTIME_DIR / 'platform' / PLATFORM}"]
+
+
+def compile_objects(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]], table_c: str) -> list[Path]:
+    return compile_runtime(cc, workdir) + compile_handlers(cc, workdir, handlers, exports) + \
+        [compile_table(cc, workdir, table_c)]
+
+
+def executable_sections(obj: Path) -> list[tuple[bytes, int]]:
+    """(bytes, 0) of each executable section of a relocatable object."""
+    try:
+        with open(obj, "rb") as f:
+            e = ELFFile(f)
+            return [(sec.data(), 0) for sec in e.iter_sections()
+                    if sec["sh_type"] == "SHT_PROGBITS" and sec["sh_flags"] & 4]
+    except Exception:
+        return []
+
+
+def object_function(objs: list[Path], name: str) -> tuple[int, bytes] | None:
+    """(section offset, bytes) of function `name` defined in one of the
+    relocatable objects, for reading its code before linking."""
+    for obj in objs:
+        with open(obj, "rb") as f:
+            e = ELFFile(f)
+            st = e.get_section_by_name(".symtab")
+            if st is None:
+                continue
+            syms = list(st.iter_symbols())
+            for sym in syms:
+                if sym.name != name or not isinstance(sym["st_shndx"], int):
+                    continue
+                size = sym["st_size"] or max((o["st_size"] for o in syms if o["st_shndx"] == sym["st_shndx"]
+                                              and o["st_value"] == sym["st_value"]
+                                              and o["st_info"]["type"] == "STT_FUNC"), default=0)
+                if not size:
+                    return None
+                data = e.get_section(sym["st_shndx"]).data()
+                return sym["st_value"], data[sym["st_value"]:sym["st_value"] + size]
+    return None
 
 
 def link(workdir: Path, objs: list[Path], text_addr: int) -> Blob:
@@ -183,10 +244,12 @@ def link(workdir: Path, objs: list[Path], text_addr: int) -> Blob:
 def read_blob(raw: bytes, path: Path) -> Blob:
     import io
     e = ELFFile(io.BytesIO(raw))
-    syms = {}
+    syms, sizes = {}, {}
     for s in e.get_section_by_name(".symtab").iter_symbols():
         if s.name and s["st_shndx"] != "SHN_UNDEF":
             syms[s.name] = s["st_value"]
+            if s["st_info"]["type"] == "STT_FUNC" and s["st_size"]:
+                sizes[s["st_value"]] = max(sizes.get(s["st_value"], 0), s["st_size"])
     secs = [(s.name, s["sh_type"], s["sh_flags"], s["sh_addr"], s["sh_size"], s["sh_offset"]) for s in e.iter_sections()]
     image = bytearray()
 
@@ -222,4 +285,4 @@ def read_blob(raw: bytes, path: Path) -> Blob:
             else:
                 raise KprewriteError(f"link: relocation at {off:#x} outside the linked sections")
     sections = [(n, t, f, a, s) for n, t, f, a, s, o in secs if f & 2 and s and n not in (".dynamic",)]
-    return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections)
+    return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections, sizes)

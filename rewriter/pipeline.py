@@ -88,6 +88,16 @@ def _resolve_handlers(s: Session) -> list[str]:
         return []
     s.handler_symbols, s.handler_exports, missing = link.resolve_handlers(link.compiler(), s.spec.handlers, names)
     lines = []
+    # Detours save no SSE/AVX/x87 state, so handler code must not touch it: C
+    # sources are compiled with -mgeneral-regs-only, prebuilt objects are read.
+    for h in s.spec.handlers:
+        if h.suffix == ".o":
+            for sec, addr in link.executable_sections(h):
+                at = s.arch.handler_abi.vector_use(sec, addr)
+                if at is not None:
+                    lines.append(f"{s.spec.path.name}: handlers: {h.name} uses SSE/AVX/x87 registers at "
+                                 f"{at:#x}, which detours do not save; compile it with -mgeneral-regs-only")
+                    break
     for k in s.spec.kprobes:
         for key in ("pre_handler", "post_handler"):
             n = getattr(k, key)
@@ -155,6 +165,12 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     refs = ", ".join(f"&kp_probes[{order[id(p)]}]" for site in s.plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
+    em = s.arch.emit   # layouts the clean-call template reads directly
+    out.append(f"_Static_assert(sizeof(struct kprobe) == {em.KPROBE_SIZE} && "
+               f"__builtin_offsetof(struct kprobe, flags) == {em.KPROBE_FLAGS} && "
+               f"__builtin_offsetof(struct kp_thread, active) == {em.THREAD_ACTIVE} && "
+               f"__builtin_offsetof(struct kp_thread, hits) == {em.THREAD_HITS} && "
+               f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK}, \"kprewrite's clean-call template is out of date\");")
     traces = s.traces or {}
     if traces:
         users = {p.index: link_sym[p.spec.pre_handler] for _, p in placed if p.spec.pre_handler}
@@ -193,16 +209,26 @@ def emit(s: Session, workdir: Path) -> bytes:
     for name in (["entry"] if image.is_executable else ["init", "fini"]):
         stub_at[name] = pos
         pos += STUB_ROOM
+    # Handlers first: whether a site may use the clean call depends on their code.
+    cc = link.compiler()
+    hobjs = link.compile_handlers(cc, workdir, s.spec.handlers, s.handler_exports)
+    for site in s.plan.sites:
+        _choose_entry(s, site, hobjs)
     # Detours: addresses first (their size does not depend on where the runtime lands).
+    far = pos + 0x1000000
+    placeholder = {n: far for n in ("kp_fast", "kp_thread_table", "kp_probes", "kp_optimized_clean_callback",
+                                    "kp_optprobe_entry", "kp_optprobe_post_entry", "kp_optprobe_clean_entry",
+                                    "kp_optprobe_clean_post_entry")}
+    placeholder.update({v: far for v in s.handler_symbols.values()})
     for site in s.plan.sites:
         pos = (pos + 15) & ~15
-        code, site.resume, site.resume_post = em.detour(site.index, site.dcr, site.with_post, pos, pos + 0x1000000, pos + 0x1000000)
+        code, site.resume, site.resume_post = _detour(s, site, pos, placeholder)
         site.detour = pos
         pos += len(code)
     text_addr = (pos + 63) & ~63
     # Handlers and runtime.
-    cc = link.compiler()
-    objs = link.compile_objects(cc, workdir, s.spec.handlers, s.handler_exports, _probe_table_c(s, s.handler_symbols))
+    objs = link.compile_runtime(cc, workdir) + hobjs + \
+        [link.compile_table(cc, workdir, _probe_table_c(s, s.handler_symbols))]
     blob = link.link(workdir, objs, text_addr)
     sym = blob.symbols
     # Final code, now that the runtime's addresses are known.
@@ -228,8 +254,7 @@ def emit(s: Session, workdir: Path) -> bytes:
             file_patches.append((off, struct.pack("<Q", stub_at[name])))
     patches = []
     for site in s.plan.sites:
-        code, resume, resume_post = em.detour(site.index, site.dcr, site.with_post, site.detour,
-                                              sym["kp_optprobe_entry"], sym["kp_optprobe_post_entry"])
+        code, resume, resume_post = _detour(s, site, site.detour, sym)
         assert (resume, resume_post) == (site.resume, site.resume_post)
         put(site.detour, code)
         patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
@@ -245,13 +270,56 @@ def emit(s: Session, workdir: Path) -> bytes:
                               sections, entry, file_patches)
 
 
+def _choose_entry(s: Session, site, hobjs) -> None:
+    """Clean call where no handler of the site can read its pt_regs argument
+    (handler_abi reads their compiled code); the inlined template where, in
+    addition, the site has one probe and no post_handler."""
+    site.clean = True
+    for p in site.probes:
+        if s.traces and p.index in s.traces:      # the trace's pre_handler reads pt_regs
+            site.clean = False
+        for name in (p.spec.pre_handler, p.spec.post_handler):
+            if not name:
+                continue
+            fn = link.object_function(hobjs, s.handler_symbols[name])
+            if fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1])):
+                site.clean = False
+    site.template = site.clean and len(site.probes) == 1 and not site.with_post
+
+
+def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int, int]:
+    em, opt = s.arch.emit, s.arch.optprobe
+    if site.template:
+        p = site.probes[0]
+        k = _probe_order(s)[id(p)]
+        func = p.func
+        code, resume = em.clean_detour(
+            site.index, site.dcr, at, fast=sym["kp_fast"], table=sym["kp_thread_table"],
+            probe=sym["kp_probes"] + k * em.KPROBE_SIZE, probe_index=k,
+            handler=sym[s.handler_symbols[p.spec.pre_handler]] if p.spec.pre_handler else None,
+            callback=sym["kp_optimized_clean_callback"],
+            flags_live=not opt.arith_flags_dead(s.image, func, site.addr),
+            aligned=opt.stack_aligned_at(s.image, func, site.addr))
+        return code, resume, resume
+    entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
+              ("kp_optprobe_entry", "kp_optprobe_post_entry")
+    return em.detour(site.index, site.dcr, site.with_post, at, sym[entries[0]], sym[entries[1]])
+
+
+def _probe_order(s: Session) -> dict[int, int]:
+    """Position of each placed probe in kp_probes[] (spec order)."""
+    placed = sorted((p for site in s.plan.sites for p in site.probes), key=lambda p: p.index)
+    return {id(p): i for i, p in enumerate(placed)}
+
+
 def metadata(s: Session) -> bytes:
     probes = []
     for site in s.plan.sites:
         for p in site.probes:
             probes.append({"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
                            "name": p.event_name, "optimized": True, "disabled": p.spec.disabled,
-                           "detour": site.detour, "region": [site.addr, site.region_end]})
+                           "detour": site.detour, "region": [site.addr, site.region_end],
+                           "call": ("template" if site.template else "clean") if site.clean else "pt_regs"})
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": s.image.label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

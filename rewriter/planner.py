@@ -30,6 +30,8 @@ class Site:
     resume: int = 0
     resume_post: int = 0
     detour_code: bytes = b""
+    clean: bool = False              # clean call: no handler here reads pt_regs
+    template: bool = False           # clean, one probe, no post_handler: dispatch inlined in the detour
 
     @property
     def with_post(self) -> bool:

@@ -13,11 +13,11 @@
 #include "kp_internal.h"
 
 struct kp_runtime kp_rt;
+volatile int kp_fast;
 
 /* Single-threaded start-up before the C library has set up a thread pointer. */
 static struct kp_thread *kp_early_thread;
 
-#define KP_TABLE_SIZE 8192UL
 
 /* The anchor whose link-time address kprewrite records: bias = run - link. */
 void kp_link_anchor(void) { }
@@ -28,6 +28,8 @@ void kp_link_anchor(void) { }
  * the load bias here.  Runs once, from start-up or from the first hit if a probe
  * fires earlier (a shared object's code can run before its init_array).
  */
+static void kp_thread_table_init(void);
+
 struct kp_rela { unsigned long offset, info; long addend; };
 extern const struct kp_rela __kp_rela_start[], __kp_rela_end[];
 
@@ -56,10 +58,10 @@ void kp_relocate(void)
 			kp_sites[i].resume_post += bias;
 		}
 	}
+	kp_thread_table_init();
 	kp_rt.armed = 1;
-	kp_rt.table = kp_platform_alloc(KP_TABLE_SIZE * sizeof(*kp_rt.table));
-	kp_rt.table_mask = kp_rt.table ? KP_TABLE_SIZE - 1 : 0;
 	__atomic_store_n(&kp_rt.state, 2, __ATOMIC_RELEASE);
+	kp_update_fast();
 }
 
 static const char *kp_getenv(char **envp, const char *name)
@@ -75,8 +77,10 @@ static const char *kp_getenv(char **envp, const char *name)
 void kp_configure(char **envp)
 {
 	const char *e = kp_getenv(envp, "KPREWRITE_ENABLED");
-	if (e && e[0] == '0' && e[1] == 0)
+	if (e && e[0] == '0' && e[1] == 0) {
 		kp_rt.armed = 0;
+		kp_update_fast();
+	}
 	kp_rt.profile_path = kp_getenv(envp, "KPREWRITE_PROFILE");
 	kp_trace_configure(envp);	/* kp_trace.c: KPREWRITE_TRACE */
 }
@@ -95,45 +99,79 @@ static struct kp_thread *kp_new_thread(unsigned long key)
 	return t;
 }
 
+/*
+ * Thread blocks by thread pointer: an open-addressed table whose empty slots
+ * hold kp_no_thread (key 0, never a thread pointer), so the probe path's
+ * lookup is one load and one compare.  Thread pointers sit in separate
+ * mappings, so their page numbers spread well.
+ */
+static struct kp_thread kp_no_thread;
+struct kp_thread *kp_thread_table[KP_TABLE_SIZE];
+
+static void kp_thread_table_init(void)
+{
+	for (unsigned long i = 0; i < KP_TABLE_SIZE; i++)
+		kp_thread_table[i] = &kp_no_thread;
+}
+
 /* Slow path of the thread lookup: claim a slot for a thread seen first. */
 struct kp_thread *kp_thread_slow(unsigned long key)
 {
-	if (!key || !kp_rt.table) {
+	if (!key) {
 		/* No thread pointer yet: start-up is single-threaded. */
 		if (!kp_early_thread)
 			kp_early_thread = kp_new_thread(0);
 		return kp_early_thread;
 	}
-	unsigned long i = (key >> 6) * 0x9E3779B97F4A7C15UL >> 51;
 	struct kp_thread *t = 0;
-	for (unsigned long n = 0; n <= kp_rt.table_mask; n++, i++) {
-		struct kp_thread **slot = &kp_rt.table[i & kp_rt.table_mask];
+	for (unsigned long n = 0, i = KP_HASH(key); n < KP_TABLE_SIZE; n++, i = (i + 1) & KP_TABLE_MASK) {
+		struct kp_thread **slot = &kp_thread_table[i];
 		struct kp_thread *cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-		if (cur) {
+		if (cur != &kp_no_thread) {
 			if (cur->key == key)
 				return cur;
 			continue;
 		}
 		if (!t && !(t = kp_new_thread(key)))
-			return kp_early_thread;
+			return 0;
 		if (__atomic_compare_exchange_n(slot, &cur, t, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
 			return t;
-		if (cur->key == key)	/* lost a race against... ourselves? keep going */
+		if (cur->key == key)
 			return cur;
 	}
 	return t;	/* table full: an unshared block, counts still summed */
 }
 
+/* kp_fast: armed, and the thread pointer can be read (the probe path's one test). */
+void kp_update_fast(void)
+{
+	__atomic_store_n(&kp_fast, kp_rt.armed && kp_rt.state == 2 && kp_platform_thread_key_ready(), __ATOMIC_RELEASE);
+}
+
+/*
+ * The thread block of the running thread, or NULL when probes are disarmed.
+ * Slow path: before start-up (relocate first), before a static program has a
+ * thread pointer, with KPREWRITE_ENABLED=0.
+ */
+static __attribute__((noinline)) struct kp_thread *kp_current_thread_slow(void)
+{
+	if (kp_rt.state != 2)
+		kp_relocate();		/* a probe fired before start-up */
+	if (!kp_rt.armed)
+		return 0;
+	return kp_thread_slow(kp_platform_thread_key());
+}
+
 static inline struct kp_thread *kp_current_thread(void)
 {
-	unsigned long key = kp_platform_thread_key();
-	if (likely(key && kp_rt.table)) {
-		unsigned long i = (key >> 6) * 0x9E3779B97F4A7C15UL >> 51;
-		struct kp_thread *t = kp_rt.table[i & kp_rt.table_mask];
-		if (likely(t && t->key == key))
+	if (likely(kp_fast)) {
+		unsigned long key = kp_platform_thread_key_fast();
+		struct kp_thread *t = kp_thread_table[KP_HASH(key)];
+		if (likely(t->key == key))
 			return t;
+		return kp_thread_slow(key);
 	}
-	return kp_thread_slow(key);
+	return kp_current_thread_slow();
 }
 
 /* Return values of the callbacks, read by the arch entry code. */
@@ -143,41 +181,50 @@ static inline struct kp_thread *kp_current_thread(void)
 #define KP_ARITH_FLAGS 0x8d5UL	/* OF SF ZF AF PF CF: restored without popfq */
 
 /*
- * optimized_callback() of arch/x86/kernel/kprobes/opt.c, plus what the kernel
- * cannot do: a pre_handler that returns non-zero resumes at regs->ip.
+ * optimized_callback() of arch/x86/kernel/kprobes/opt.c with the aggregator's
+ * aggr_pre_handler(), plus what the kernel cannot do: a pre_handler that
+ * returns non-zero after changing regs->ip resumes there.  `regs` is NULL for a
+ * clean call (kprewrite proved from their code that the site's handlers never
+ * read it), so the inlined copies below drop everything about registers.
  */
-long kp_optimized_callback(unsigned long site_index, struct pt_regs *regs)
+static __attribute__((always_inline)) inline long
+kp_pre_dispatch(unsigned long site_index, struct pt_regs *regs)
 {
 	struct kp_site *s = &kp_sites[site_index];
-	if (unlikely(kp_rt.state != 2))
-		kp_relocate();
-	if (unlikely(!kp_rt.armed))
-		return KP_RESUME_DETOUR;
 	struct kp_thread *t = kp_current_thread();
-	struct kprobe *const *pp = &kp_site_probes[s->first];
-	unsigned int n = s->count;
 	if (unlikely(!t))
 		return KP_RESUME_DETOUR;
+	struct kprobe *const *pp = &kp_site_probes[s->first];
+	unsigned int n = s->count;
 	if (unlikely(t->active)) {
 		for (unsigned int i = 0; i < n; i++)
 			if (!kprobe_disabled(pp[i]))
 				__atomic_fetch_add(&pp[i]->nmissed, 1, __ATOMIC_RELAXED);
 		return KP_RESUME_DETOUR;
 	}
-	unsigned long sp = regs->sp, flags = regs->flags;
-	regs->ip = s->addr + 1;		/* as if the int3 had trapped */
+	unsigned long sp = 0, flags = 0, ip = s->addr + 1;	/* as if the int3 had trapped */
+	if (regs) {
+		sp = regs->sp;
+		flags = regs->flags;
+		regs->ip = ip;
+	}
 	t->active = 1;
+	long stop = 0;
 	for (unsigned int i = 0; i < n; i++) {
 		struct kprobe *p = pp[i];
 		if (kprobe_disabled(p))
 			continue;
 		t->hits[p->index]++;
 		if (p->pre_handler && p->pre_handler(p, regs)) {
-			t->active = 0;
-			return KP_RESUME_REGS;
+			stop = 1;	/* the first non-zero return ends the chain */
+			break;
 		}
 	}
 	t->active = 0;
+	if (!regs)
+		return KP_RESUME_DETOUR;
+	if (unlikely(stop && regs->ip != ip))
+		return KP_RESUME_REGS;		/* the handler changed the path */
 	if (unlikely(regs->sp != sp || ((regs->flags ^ flags) & ~KP_ARITH_FLAGS))) {
 		regs->ip = s->resume;
 		return KP_RESUME_REGS;
@@ -185,18 +232,31 @@ long kp_optimized_callback(unsigned long site_index, struct pt_regs *regs)
 	return KP_RESUME_DETOUR;
 }
 
-/* The post_handler half: runs after the probed instruction, in the detour. */
-long kp_post_callback(unsigned long site_index, struct pt_regs *regs)
+long kp_optimized_callback(unsigned long site_index, struct pt_regs *regs)
+{
+	return kp_pre_dispatch(site_index, regs);
+}
+
+void kp_optimized_clean_callback(unsigned long site_index)
+{
+	kp_pre_dispatch(site_index, 0);
+}
+
+/* The post_handler half (aggr_post_handler): after the probed instruction, in the detour. */
+static __attribute__((always_inline)) inline long
+kp_post_dispatch(unsigned long site_index, struct pt_regs *regs)
 {
 	struct kp_site *s = &kp_sites[site_index];
-	if (unlikely(kp_rt.state != 2 || !kp_rt.armed))
-		return KP_RESUME_DETOUR;
 	struct kp_thread *t = kp_current_thread();
 	if (unlikely(!t || t->active))
 		return KP_RESUME_DETOUR;	/* the pre half already counted the miss */
 	struct kprobe *const *pp = &kp_site_probes[s->first];
-	unsigned long sp = regs->sp, flags = regs->flags;
-	regs->ip = s->post_ip;
+	unsigned long sp = 0, flags = 0;
+	if (regs) {
+		sp = regs->sp;
+		flags = regs->flags;
+		regs->ip = s->post_ip;
+	}
 	t->active = 1;
 	for (unsigned int i = 0; i < s->count; i++) {
 		struct kprobe *p = pp[i];
@@ -204,6 +264,8 @@ long kp_post_callback(unsigned long site_index, struct pt_regs *regs)
 			p->post_handler(p, regs, 0);
 	}
 	t->active = 0;
+	if (!regs)
+		return KP_RESUME_DETOUR;
 	if (unlikely(regs->sp != sp || ((regs->flags ^ flags) & ~KP_ARITH_FLAGS)
 		     || regs->ip != s->post_ip)) {
 		if (regs->ip == s->post_ip)
@@ -211,6 +273,16 @@ long kp_post_callback(unsigned long site_index, struct pt_regs *regs)
 		return KP_RESUME_REGS;
 	}
 	return KP_RESUME_DETOUR;
+}
+
+long kp_post_callback(unsigned long site_index, struct pt_regs *regs)
+{
+	return kp_post_dispatch(site_index, regs);
+}
+
+void kp_post_clean_callback(unsigned long site_index)
+{
+	kp_post_dispatch(site_index, 0);
 }
 
 int enable_kprobe(struct kprobe *kp)

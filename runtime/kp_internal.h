@@ -43,23 +43,34 @@ struct kp_runtime {
 	int armed;			/* debugfs kprobes/enabled */
 	unsigned long bias;		/* load address - link address */
 	struct kp_thread *volatile threads;
-	struct kp_thread **table;	/* thread-pointer hash table */
-	unsigned long table_mask;
 	const char *profile_path;	/* KPREWRITE_PROFILE */
 };
 extern struct kp_runtime kp_rt;
+
+/* Armed, and the thread pointer can be read: the probe path's one test (read
+ * directly by kprewrite's clean-call template, as are the table below,
+ * struct kp_thread and struct kprobe; kp_table.c asserts their layout). */
+extern volatile int kp_fast;
+
+/* Thread blocks by thread pointer, open-addressed; empty slots point at a block
+ * whose key (0) is never a thread pointer. */
+#define KP_TABLE_SIZE 8192UL
+#define KP_TABLE_MASK (KP_TABLE_SIZE - 1)
+#define KP_HASH(key) (((key) >> 12) & KP_TABLE_MASK)
+extern struct kp_thread *kp_thread_table[KP_TABLE_SIZE];
 
 /* Generic core (kp_core.c). */
 void kp_relocate(void);
 void kp_configure(char **envp);
 void kp_write_profile(void);
 struct kp_thread *kp_thread_slow(unsigned long key);
+void kp_update_fast(void);
 
 /* Trace events (kp_trace.c). */
 void kp_trace_configure(char **envp);
 
-/* Platform layer (platform/<name>/). */
-unsigned long kp_platform_thread_key(void);	/* 0: no thread identity yet */
+/* Platform layer (platform/<name>/; kp_platform.h has what the probe path inlines). */
+#include <kp_platform.h>
 void *kp_platform_alloc(unsigned long size);	/* zeroed, page granular; NULL on failure */
 void kp_platform_write(int fd, const char *buf, unsigned long len);
 int kp_platform_open_append(const char *path);

@@ -313,7 +313,7 @@ def test_return_event_code_compiles(tmp_path, prog):
     src = E.trace_c({"r0": ev}, {"r0": "kp_handler_user"}, [(0x1000, 0x20, "work")])
     assert "int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs)" in src
     (tmp_path / "t.c").write_text("extern char kp_handler_user[];\n" + src)
-    r = subprocess.run(["gcc", *link.CFLAGS, f"-I{link.RUNTIME_DIR / 'include'}", f"-I{link.RUNTIME_DIR}",
+    r = subprocess.run(["gcc", *link.CFLAGS, *link._includes(),
                         "-c", str(tmp_path / "t.c"), "-o", str(tmp_path / "t.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -434,6 +434,7 @@ void kp_profile_signal_configure(const char *v) { (void)v; }
 void kp_write_profile(void) { }
 void kp_platform_write(int fd, const char *buf, unsigned long len) { fwrite(buf, 1, len, stdout); }
 int kp_platform_open_append(const char *path) { (void)path; return 1; }
+void kp_platform_close(int fd) { (void)fd; }
 int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs);
 static const char text[] = "retstring";
 int main(void)
@@ -469,7 +470,7 @@ def test_return_line_format(tmp_path, prog):
     (tmp_path / "main.c").write_text(RET_HARNESS)
     rt = link.RUNTIME_DIR
     exe = tmp_path / "harness"
-    r = subprocess.run(["gcc", "-O1", "-w", f"-I{rt / 'include'}", f"-I{rt}", str(tmp_path / "main.c"),
+    r = subprocess.run(["gcc", "-O1", "-w", *link._includes(), str(tmp_path / "main.c"),
                         str(tmp_path / "gen.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
                         "-o", str(exe)],
                        capture_output=True, text=True)

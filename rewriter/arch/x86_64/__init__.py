@@ -1,5 +1,5 @@
 """x86-64: decode, optimizer checks and emission (the arch/x86/kernel/kprobes/ of kprewrite)."""
-from . import emit, optprobe
+from . import emit, handler_abi, optprobe
 from .decode import decode_function
 
 name = "x86_64"

@@ -117,3 +117,103 @@ def chain_stub(at: int, fn: int, then: int) -> bytes:
 def ret_stub(at: int, fn: int) -> bytes:
     """An init/fini function where the slot held nothing to chain to."""
     return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; ret", at)
+
+
+# -- The clean-call optprobe template -------------------------------------------
+#
+# Layouts the template reads directly; kprewrite's generated probe table
+# asserts them (_Static_assert) so a change in the C structures fails the build.
+KPROBE_SIZE = 72             # sizeof(struct kprobe)
+KPROBE_FLAGS = 48            # offsetof(struct kprobe, flags)
+THREAD_ACTIVE = 16           # offsetof(struct kp_thread, active)
+THREAD_HITS = 24             # offsetof(struct kp_thread, hits)
+THREAD_TABLE_MASK = 8191     # KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask
+CLEAN_FRAME = RED_ZONE + 88  # red zone + rax rcx rdx rsi rdi r8-r11, flags, the thread block
+_SCRATCH = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
+
+
+def _rip(text: str, at: int, target: int) -> bytes:
+    """One instruction with a [rip + X] operand reaching `target` (text holds {d})."""
+    size = len(asm(text.format(d=0x12345678), at))
+    code = asm(text.format(d=target - (at + size)), at)
+    assert len(code) == size
+    return code
+
+
+def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
+                 probe_index: int, handler: int | None, callback: int,
+                 flags_live: bool, aligned: bool) -> tuple[bytes, int]:
+    """The detour of a site with one probe whose handler never reads pt_regs:
+    arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
+    common case inlined (kprobes armed, the thread known, no handler running,
+    probe enabled: count the hit, mark the thread, call the pre_handler).
+    Anything else calls the generic clean callback.  Only the registers a C call
+    clobbers are saved, the arithmetic flags only where they are live, and the
+    stack is realigned only where its alignment is not fixed by the ABI.
+    Returns (code, resume): where the relocated DCR starts."""
+    out = bytearray()
+
+    def a(text: str):
+        out.extend(asm(text, at + len(out)))
+
+    def r(text: str, target: int):
+        out.extend(_rip(text, at + len(out), target))
+
+    frame = CLEAN_FRAME
+    a(f"lea rsp, [rsp - {frame:#x}]")
+    a("mov qword ptr [rsp], rax")
+    if flags_live:
+        a("seto al; lahf; mov word ptr [rsp + 72], ax")
+    for i, reg in enumerate(_SCRATCH[1:], 1):
+        a(f"mov qword ptr [rsp + {8 * i}], {reg}")
+    r("cmp dword ptr [rip + {d}], 0", fast)
+    jumps_to_slow = [len(out)]
+    out += b"\x0f\x84\0\0\0\0"                              # je slow
+    out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                # mov %fs:0,%rdi: the thread pointer (linux_user)
+    a(f"mov rax, rdi; shr rax, 12; and eax, {THREAD_TABLE_MASK:#x}")
+    r("lea rdx, [rip + {d}]", table)
+    a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
+    jumps_to_slow.append(len(out))
+    out += b"\x0f\x85\0\0\0\0"                              # jne slow: thread not seen yet
+    a(f"cmp dword ptr [rdx + {THREAD_ACTIVE}], 0")
+    jumps_to_slow.append(len(out))
+    out += b"\x0f\x85\0\0\0\0"                              # jne slow: nmissed
+    r("test byte ptr [rip + {d}], 3", probe + KPROBE_FLAGS)   # KPROBE_FLAG_GONE|DISABLED
+    jumps_to_restore = [len(out)]
+    out += b"\x0f\x85\0\0\0\0"                              # jne restore: disabled, silent
+    a(f"inc qword ptr [rdx + {THREAD_HITS + 8 * probe_index}]")
+    if handler is not None:
+        a(f"mov dword ptr [rdx + {THREAD_ACTIVE}], 1")
+        if aligned:
+            a("mov qword ptr [rsp + 80], rdx")
+        else:
+            a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx; mov qword ptr [rsp], rdx")
+        r("lea rdi, [rip + {d}]", probe)
+        a("xor esi, esi")
+        a(f"call {handler:#x}")
+        a("mov rdx, qword ptr [rsp + 80]" if aligned else "mov rdx, qword ptr [rsp]; mov rsp, qword ptr [rsp + 8]")
+        a(f"mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
+    restore = len(out)
+    if flags_live:
+        a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
+    for i, reg in enumerate(_SCRATCH):
+        a(f"mov {reg}, qword ptr [rsp + {8 * i}]")
+    a(f"lea rsp, [rsp + {frame:#x}]")
+    resume = at + len(out)
+    for insn in dcr:
+        out += relocate(insn, at + len(out))
+    back = dcr[-1].addr + len(dcr[-1].code)
+    out += b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back")
+    slow = len(out)
+    a(f"mov edi, {site:#x}")
+    if aligned:
+        a(f"call {callback:#x}")
+    else:
+        a(f"mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx; call {callback:#x}; "
+          "mov rsp, qword ptr [rsp + 8]")
+    out += b"\xe9" + _s32(restore - (len(out) + 5), "jmp restore")
+    for j in jumps_to_slow:
+        out[j + 2:j + 6] = _s32(slow - (j + 6), "je slow")
+    for j in jumps_to_restore:
+        out[j + 2:j + 6] = _s32(restore - (j + 6), "jne restore")
+    return bytes(out), resume

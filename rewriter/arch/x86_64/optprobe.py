@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import capstone
+import capstone.x86_const
+
 from . import insn as x86insn
+
+_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_cs.detail = True
 
 JMP32_INSN_SIZE = 5
 MAX_OPTIMIZED_LENGTH = 15 + 4      # MAX_INSN_SIZE + DISP32_SIZE, as the kernel
@@ -115,3 +121,58 @@ def _source_address(why: str, target: int) -> int:
 
 def region_end(dcr: list[DcrInsn]) -> int:
     return dcr[-1].addr + len(dcr[-1].code)
+
+
+# -- What the detour may assume at a probe point (used by the clean-call template) --
+
+_ARITH_READ = (capstone.x86_const.X86_EFLAGS_TEST_OF | capstone.x86_const.X86_EFLAGS_TEST_SF
+               | capstone.x86_const.X86_EFLAGS_TEST_ZF | capstone.x86_const.X86_EFLAGS_TEST_AF
+               | capstone.x86_const.X86_EFLAGS_TEST_PF | capstone.x86_const.X86_EFLAGS_TEST_CF)
+_WRITES = {
+    flag: (getattr(capstone.x86_const, f"X86_EFLAGS_MODIFY_{flag}")
+           | getattr(capstone.x86_const, f"X86_EFLAGS_RESET_{flag}")
+           | getattr(capstone.x86_const, f"X86_EFLAGS_UNDEFINED_{flag}")
+           | (getattr(capstone.x86_const, f"X86_EFLAGS_SET_{flag}", 0)))
+    for flag in ("OF", "SF", "ZF", "AF", "PF", "CF")
+}
+
+
+def is_function_entry(image, func, addr: int) -> bool:
+    """The probe sits where the function is entered by a call or tail jump
+    (its first byte, or just after its endbr64)."""
+    return func is not None and func.name != "_start" and \
+        (addr == func.start or (addr == func.start + 4 and image.read(func.start, 4) == ENDBR64))
+
+
+def stack_aligned_at(image, func, addr: int) -> bool:
+    """The System V ABI fixes %rsp = 8 (mod 16) at a function's entry."""
+    return is_function_entry(image, func, addr)
+
+
+def arith_flags_dead(image, func, addr: int, limit: int = 32) -> bool:
+    """Whether OF SF ZF AF PF CF are dead at addr: at a function entry (the ABI
+    gives them no role across calls), else when straight-line code from addr
+    overwrites all six, or reaches a call or ret, before reading any."""
+    if is_function_entry(image, func, addr):
+        return True
+    written = set()
+    pos = addr
+    for _ in range(limit):
+        if func is None or not func.start <= pos < func.end:
+            return False
+        ci = next(_cs.disasm(image.read(pos, 16), pos, 1), None)
+        if ci is None:
+            return False
+        ef = ci.eflags or 0
+        if ef & _ARITH_READ:
+            return False
+        written |= {f for f, bits in _WRITES.items() if ef & bits}
+        if len(written) == 6:
+            return True
+        groups = set(ci.groups)
+        if capstone.CS_GRP_CALL in groups or capstone.CS_GRP_RET in groups:
+            return True
+        if capstone.CS_GRP_JUMP in groups or capstone.CS_GRP_INT in groups:
+            return False
+        pos += ci.size
+    return False

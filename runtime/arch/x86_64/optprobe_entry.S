@@ -101,6 +101,59 @@
 	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback
 
 /*
+ * The clean call: for sites whose handlers kprewrite proved never read their
+ * regs argument.  Saves only what a C call clobbers (rax rcx rdx rsi rdi
+ * r8-r11) and the arithmetic flags, calls callback(SITE) on a 16-byte aligned
+ * stack and restores them; the callee-saved registers are the callee's to keep.
+ * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
+ * 80 return into the stub, 88 SITE.
+ */
+.macro OPTPROBE_CLEAN_ENTRY name, callback
+	.globl \name
+	.hidden \name
+	.type \name, @function
+\name:
+	lea	-80(%rsp), %rsp
+	mov	%rax, 0(%rsp)
+	seto	%al
+	lahf
+	mov	%ax, 72(%rsp)
+	mov	%rcx, 8(%rsp)
+	mov	%rdx, 16(%rsp)
+	mov	%rsi, 24(%rsp)
+	mov	%rdi, 32(%rsp)
+	mov	%r8, 40(%rsp)
+	mov	%r9, 48(%rsp)
+	mov	%r10, 56(%rsp)
+	mov	%r11, 64(%rsp)
+	mov	88(%rsp), %edi			/* SITE */
+	mov	%rsp, %rcx
+	and	$-16, %rsp
+	push	%rcx
+	push	%rcx
+	call	\callback
+	mov	(%rsp), %rsp
+	movzwl	72(%rsp), %eax
+	add	$0x7f, %al			/* OF = (al == 1) */
+	sahf					/* SF ZF AF PF CF */
+	mov	0(%rsp), %rax
+	mov	8(%rsp), %rcx
+	mov	16(%rsp), %rdx
+	mov	24(%rsp), %rsi
+	mov	32(%rsp), %rdi
+	mov	40(%rsp), %r8
+	mov	48(%rsp), %r9
+	mov	56(%rsp), %r10
+	mov	64(%rsp), %r11
+	lea	80(%rsp), %rsp
+	ret
+	.size \name, .-\name
+.endm
+
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_entry, kp_optimized_clean_callback
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback
+
+/*
  * Resume at regs->ip on regs->sp with all of regs, flags by popfq.
  * %rsp = R (pt_regs).  T = regs->sp.  Copy pt_regs down to
  * N = min(R, T - 136) - 168 so that the return address we store at T - 136

@@ -3,21 +3,19 @@
  * start-up; a kernel image gets its own folder next to this one.
  */
 #include "../../kp_internal.h"
-#include "../../arch/x86_64/syscall.h"
 
 /* Set once a thread pointer exists; until then reading %fs:0 would fault
  * (a static program before __libc_setup_tls). */
-static int kp_tls_ready;
+int kp_tls_ready;
 
-unsigned long kp_platform_thread_key(void)
+unsigned long kp_platform_thread_key_slow(void)
 {
-	if (likely(kp_tls_ready))
-		return kp_arch_thread_pointer();
 	unsigned long fs = 0;
 	kp_syscall3(__NR_arch_prctl, ARCH_GET_FS, &fs, 0);
 	if (!fs)
 		return 0;
 	kp_tls_ready = 1;
+	kp_update_fast();
 	return kp_arch_thread_pointer();
 }
 

@@ -1,0 +1,133 @@
+"""What linked handler code can touch, read from its machine code (x86-64).
+
+The kernel's optprobe always builds a full struct pt_regs, because a module's
+handler is opaque to it.  kprewrite compiles and links the handlers itself, so it
+can read them: a handler that can never read its `regs` argument (the System V
+ABI's second argument, %rsi) is called through a clean call, which saves only
+what a C call clobbers (E9Tool's distinction between a clean call and a call
+with the `state` argument).  The analysis is conservative: any path on which
+%rsi may still hold `regs` when it is read, copied, passed to a call or left by
+a jump out of the function counts as a use.
+
+It also finds vector and x87 register use: the detour does not save the
+SSE/AVX state, so a prebuilt handler object that touches it is refused (C
+sources are compiled with -mgeneral-regs-only, like kernel code).
+"""
+from __future__ import annotations
+
+import re
+
+import capstone
+from capstone import x86_const as X
+
+_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_cs.detail = True
+
+_RSI_FULL = {X.X86_REG_RSI, X.X86_REG_ESI}            # writing these kills the old value
+_RSI_ANY = _RSI_FULL | {X.X86_REG_SI, X.X86_REG_SIL}
+_BRANCH_GROUPS = (capstone.CS_GRP_JUMP, capstone.CS_GRP_CALL, capstone.CS_GRP_RET,
+                  capstone.CS_GRP_INT, capstone.CS_GRP_IRET)
+
+
+def _reads_rsi(ci) -> bool:
+    if ci.mnemonic in ("syscall", "sysenter", "int", "int3"):
+        return True
+    if _zero_idiom(ci):
+        return False
+    try:
+        read, _ = ci.regs_access()
+    except capstone.CsError:
+        return True
+    if any(r in _RSI_ANY for r in read):
+        return True
+    # Memory operands use their base/index registers (regs_access covers them,
+    # but be explicit: `mov 8(%rsi),%rax` is the typical use of regs).
+    for op in ci.operands:
+        if op.type == X.X86_OP_MEM and (op.mem.base in _RSI_ANY or op.mem.index in _RSI_ANY):
+            return True
+    return False
+
+
+def _zero_idiom(ci) -> bool:
+    """`xor %esi,%esi` and `sub %esi,%esi` write %rsi without depending on it."""
+    ops = ci.operands
+    return (ci.mnemonic in ("xor", "sub") and len(ops) == 2 and ops[0].type == ops[1].type == X.X86_OP_REG
+            and ops[0].reg == ops[1].reg)
+
+
+def _kills_rsi(ci) -> bool:
+    try:
+        _, written = ci.regs_access()
+    except capstone.CsError:
+        return False
+    return any(r in _RSI_FULL for r in written)
+
+
+def _target(ci):
+    if ci.operands and ci.operands[0].type == X.X86_OP_IMM:
+        return ci.operands[0].imm
+    return None
+
+
+def may_use_regs(code: bytes, start: int, end: int) -> bool:
+    """Whether the function [start, end) (code = its bytes) may use the value
+    %rsi has at entry.  Follows every path until %rsi is overwritten."""
+    seen: set[int] = set()
+    work = [start]
+    while work:
+        addr = work.pop()
+        while True:
+            if addr in seen:
+                break
+            if not start <= addr < end:
+                return True                      # fell or jumped out: unknown code
+            seen.add(addr)
+            ci = next(_cs.disasm(code[addr - start:addr - start + 16], addr, 1), None)
+            if ci is None:
+                return True
+            if _reads_rsi(ci):
+                return True
+            groups = set(ci.groups)
+            if capstone.CS_GRP_RET in groups:
+                break
+            if capstone.CS_GRP_CALL in groups:
+                return True                      # the callee may take it as an argument
+            if capstone.CS_GRP_INT in groups or capstone.CS_GRP_IRET in groups:
+                return True
+            if _kills_rsi(ci):
+                break                            # this path no longer holds regs
+            nxt = addr + ci.size
+            if capstone.CS_GRP_JUMP in groups:
+                t = _target(ci)
+                if t is None:
+                    return True                  # indirect jump: could go anywhere
+                if ci.mnemonic == "jmp":
+                    addr = t
+                    continue
+                work.append(t)                   # conditional: both ways
+            if ci.mnemonic == "ud2" or ci.mnemonic == "hlt":
+                break
+            addr = nxt
+    return False
+
+
+_VECTOR_GROUPS = {X.X86_GRP_SSE1, X.X86_GRP_SSE2, X.X86_GRP_SSE3, X.X86_GRP_SSSE3, X.X86_GRP_SSE41,
+                  X.X86_GRP_SSE42, X.X86_GRP_SSE4A, X.X86_GRP_AVX, X.X86_GRP_AVX2, X.X86_GRP_AVX512,
+                  X.X86_GRP_FMA, X.X86_GRP_FMA4, X.X86_GRP_F16C, X.X86_GRP_FPU, X.X86_GRP_MMX,
+                  X.X86_GRP_3DNOW, X.X86_GRP_AES, X.X86_GRP_PCLMUL, X.X86_GRP_SHA, X.X86_GRP_XOP}
+_VECTOR_REG = re.compile(r"^(xmm|ymm|zmm|mm|st)\d*$|^k[0-7]$")
+
+
+def vector_use(code: bytes, start: int) -> int | None:
+    """Address of the first instruction that touches SSE/AVX/AVX-512/x87/MMX
+    state in `code` (loaded at `start`), or None."""
+    for ci in _cs.disasm(code, start):
+        if _VECTOR_GROUPS & set(ci.groups):
+            return ci.address
+        try:
+            read, written = ci.regs_access()
+        except capstone.CsError:
+            continue
+        if any(_VECTOR_REG.match(ci.reg_name(r) or "") for r in (*read, *written)):
+            return ci.address
+    return None
