@@ -168,6 +168,12 @@ def test_many_threads(tmp_path, prog, runner):
     assert all(v == list(range(iters)) for v in seen.values())       # per thread, in order
     assert len(set(tids.values())) == nthreads
     assert profile(r.stderr)["w"] == (nthreads * iters, 0)
+    # The timeline of a real multi-threaded run: one track per thread, named by its comm.
+    doc = json.loads(kprewrite("trace", tf, "--format", "chrome").stdout)
+    check_chrome(doc)
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(names.values()) == sorted(f"worker{i}" for i in range(1, nthreads + 1))
+    assert len([e for e in doc["traceEvents"] if e["ph"] == "i"]) == nthreads * iters
 
 
 # --- the timeline export ------------------------------------------------------------------------
