@@ -217,7 +217,7 @@ def emit(s: Session, workdir: Path) -> bytes:
     # Detours: addresses first (their size does not depend on where the runtime lands).
     far = pos + 0x1000000
     placeholder = {n: far for n in ("kp_fast", "kp_thread_table", "kp_probes", "kp_optimized_clean_callback",
-                                    "kp_optprobe_entry", "kp_optprobe_post_entry", "kp_optprobe_clean_entry",
+                                    "kp_optimized_callback", "kp_optprobe_resume_regs", "kp_optprobe_entry", "kp_optprobe_post_entry", "kp_optprobe_clean_entry",
                                     "kp_optprobe_clean_post_entry")}
     placeholder.update({v: far for v in s.handler_symbols.values()})
     for site in s.plan.sites:
@@ -272,8 +272,8 @@ def emit(s: Session, workdir: Path) -> bytes:
 
 def _choose_entry(s: Session, site, hobjs) -> None:
     """Clean call where no handler of the site can read its pt_regs argument
-    (handler_abi reads their compiled code); the inlined template where, in
-    addition, the site has one probe and no post_handler."""
+    (handler_abi reads their compiled code).  The inlined template (dispatch in
+    the detour) where the site has one probe and no post_handler."""
     site.clean = True
     for p in site.probes:
         if s.traces and p.index in s.traces:      # the trace's pre_handler reads pt_regs
@@ -284,7 +284,8 @@ def _choose_entry(s: Session, site, hobjs) -> None:
             fn = link.object_function(hobjs, s.handler_symbols[name])
             if fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1])):
                 site.clean = False
-    site.template = site.clean and len(site.probes) == 1 and not site.with_post
+    site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
+        and (site.clean or bool(site.probes[0].spec.pre_handler))
 
 
 def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int, int]:
@@ -292,14 +293,15 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
     if site.template:
         p = site.probes[0]
         k = _probe_order(s)[id(p)]
-        func = p.func
-        code, resume = em.clean_detour(
-            site.index, site.dcr, at, fast=sym["kp_fast"], table=sym["kp_thread_table"],
-            probe=sym["kp_probes"] + k * em.KPROBE_SIZE, probe_index=k,
-            handler=sym[s.handler_symbols[p.spec.pre_handler]] if p.spec.pre_handler else None,
-            callback=sym["kp_optimized_clean_callback"],
-            flags_live=not opt.arith_flags_dead(s.image, func, site.addr),
-            aligned=opt.stack_aligned_at(s.image, func, site.addr))
+        handler = sym[s.handler_symbols[p.spec.pre_handler]] if p.spec.pre_handler else None
+        common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=sym["kp_probes"] + k * em.KPROBE_SIZE,
+                      probe_index=k, handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr))
+        if site.clean:
+            code, resume = em.clean_detour(site.index, site.dcr, at, callback=sym["kp_optimized_clean_callback"],
+                                           flags_live=not opt.arith_flags_dead(s.image, p.func, site.addr), **common)
+        else:
+            code, resume = em.full_detour(site.index, site.dcr, at, callback=sym["kp_optimized_callback"],
+                                          resume_regs=sym["kp_optprobe_resume_regs"], **common)
         return code, resume, resume
     entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
               ("kp_optprobe_entry", "kp_optprobe_post_entry")
@@ -319,7 +321,7 @@ def metadata(s: Session) -> bytes:
             probes.append({"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
                            "name": p.event_name, "optimized": True, "disabled": p.spec.disabled,
                            "detour": site.detour, "region": [site.addr, site.region_end],
-                           "call": ("template" if site.template else "clean") if site.clean else "pt_regs"})
+                           "call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": s.image.label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

@@ -107,8 +107,9 @@ EXPECTED = f"{_lives()}\n{sum(i * 3 + i + 2 + i - 1 + (i ^ 1) for i in range(100
 def test_call_kind_follows_handler_code(tmp_path):
     prog = cc(tmp_path, "prog", PROG, "-O2")
     out = instrument(prog, write_spec(tmp_path, SPEC, HANDLERS))
-    call = {p["symbol"]: p["call"] for p in read_metadata(str(out))["probes"]}
-    assert call == {"live": "template", "reads": "pt_regs", "quiet": "template", "both": "clean", "off": "template"}
+    call = {p["symbol"]: (p["call"], p["inline_dispatch"]) for p in read_metadata(str(out))["probes"]}
+    assert call == {"live": ("clean", True), "reads": ("pt_regs", True), "quiet": ("clean", True),
+                    "both": ("clean", False), "off": ("clean", True)}
 
 
 def test_clean_call_keeps_registers_and_flags(tmp_path, runner):
@@ -143,3 +144,51 @@ def test_prebuilt_handler_with_sse_is_refused(tmp_path):
     assert r.returncode != 0 and not (tmp_path / "out").exists()
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "fp.o uses SSE/AVX/x87 registers" in lines[0] and "Traceback" not in r.stderr
+
+
+FULL_PROG = r"""
+#include <stdio.h>
+/* Reads EFLAGS.ID (bit 21) as the probed code sees it. */
+__asm__(
+".text\n.globl id_flag\n.type id_flag,@function\nid_flag:\n"
+"  pushf\n  pop %rax\n  shr $21,%rax\n  and $1,%eax\n  ret\n"
+".size id_flag,.-id_flag\n");
+long id_flag(void);
+__attribute__((noinline)) long twice(long x) { return 2 * x; }
+int main(void) {
+    long s = 0;
+    for (long i = 0; i < 100; i++)
+        s += twice(i);
+    printf("%ld %ld\n", s, id_flag());
+    return 0;
+}
+"""
+
+FULL_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+/* One probe each, reading and writing pt_regs: the full inlined template. */
+int set_di(struct kprobe *p, struct pt_regs *regs) { if (regs->di == 7) regs->di = 1000; return 0; }
+int set_id(struct kprobe *p, struct pt_regs *regs) { regs->flags |= 1UL << 21; return 0; }
+"""
+
+FULL_SPEC = """
+handlers = ["handlers.c"]
+[[kprobe]]
+symbol_name = "twice"
+pre_handler = "set_di"
+[[kprobe]]
+symbol_name = "id_flag"
+pre_handler = "set_id"
+"""
+
+
+def test_full_template_writes_registers_and_flags(tmp_path, runner):
+    prog = cc(tmp_path, "prog", FULL_PROG, "-O2")
+    assert run(prog).stdout == f"{sum(2 * i for i in range(100))} 0\n"
+    out = instrument(prog, write_spec(tmp_path, FULL_SPEC, FULL_HANDLERS))
+    call = {p["symbol"]: (p["call"], p["inline_dispatch"]) for p in read_metadata(str(out))["probes"]}
+    assert call == {"twice": ("pt_regs", True), "id_flag": ("pt_regs", True)}
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    # regs->di written for one call; the ID flag (not arithmetic) set through popfq.
+    assert r.returncode == 0 and r.stdout == f"{sum(2 * i for i in range(100)) - 14 + 2000} 1\n", r.stderr
+    assert profile(r.stderr)["p_twice_0"] == (100, 0)

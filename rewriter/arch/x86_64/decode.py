@@ -24,12 +24,14 @@ class DecodedFunction:
     indirect_jump: int | None    # address of the first indirect jump (ff /4, ff /5, ea)
     undecodable: int | None      # address where decoding failed, if it did
     branches: list[tuple[int, int]]   # (target, address of the branch) of direct jumps/calls
+    sets_df: int | None = None   # address of the first `std`: DF may be set inside the function
 
 
 def decode_function(code: bytes, start: int) -> DecodedFunction:
     bounds = array("I")
     branches: list[tuple[int, int]] = []
     indirect = None
+    std = None
     end = start
     for addr, size, mnem, ops in _cs.disasm_lite(code, start):
         bounds.append(addr - start)
@@ -44,5 +46,7 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
                 indirect = addr
         elif mnem == "ljmp" and indirect is None:
             indirect = addr
+        elif mnem == "std" and std is None:
+            std = addr
     undecodable = end if end < start + len(code) else None
-    return DecodedFunction(bounds, indirect, undecodable, branches)
+    return DecodedFunction(bounds, indirect, undecodable, branches, std)

@@ -140,80 +140,191 @@ def _rip(text: str, at: int, target: int) -> bytes:
     return code
 
 
+class _Code:
+    """Code being assembled at a known address, with rel32 forward jumps."""
+
+    def __init__(self, at: int):
+        self.at, self.out = at, bytearray()
+
+    @property
+    def pc(self) -> int:
+        return self.at + len(self.out)
+
+    def a(self, text: str):
+        self.out += asm(text, self.pc)
+
+    def rip(self, text: str, target: int):
+        self.out += _rip(text, self.pc, target)
+
+    def jcc(self, cc: int) -> int:
+        """A rel32 jcc (0x0f 0x80|cc) or, with cc = -1, jmp, to be fixed up."""
+        self.out += b"\xe9\0\0\0\0" if cc < 0 else bytes([0x0F, 0x80 | cc]) + b"\0\0\0\0"
+        return len(self.out)
+
+    def fix(self, ends: list[int], target: int):
+        for end in ends:
+            self.out[end - 4:end] = _s32(target - (self.at + end), "jump in a detour")
+
+    def jmp_abs(self, target: int, what: str):
+        self.out += b"\xe9" + _s32(target - (self.pc + 5), what)
+
+
+JE, JNE = 0x4, 0x5
+
+
+def _dispatch_fast_path(c: _Code, fast: int, table: int, probe: int, probe_index: int,
+                        thread_slot: str | None) -> tuple[list[int], list[int]]:
+    """The inlined part of the dispatch (kp_pre_dispatch() in kp_core.c for a
+    site with one probe): kprobes armed, the thread's block found, no handler
+    running on this thread, the probe enabled.  Counts the hit and, if a
+    handler is to run (thread_slot), marks the thread active and leaves its
+    block at `thread_slot` for after the handler.
+    Clobbers rax rdx rdi.  Returns (jumps to the slow path, jumps to the
+    restore: a disabled probe stays silent)."""
+    c.rip("cmp dword ptr [rip + {d}], 0", fast)
+    slow = [c.jcc(JE)]
+    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"              # mov %fs:0,%rdi: the thread pointer (linux_user)
+    c.a(f"mov rax, rdi; shr rax, 12; and eax, {THREAD_TABLE_MASK:#x}")
+    c.rip("lea rdx, [rip + {d}]", table)
+    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
+    slow.append(c.jcc(JNE))                                    # a thread seen for the first time
+    c.a(f"cmp dword ptr [rdx + {THREAD_ACTIVE}], 0")
+    slow.append(c.jcc(JNE))                                    # reentered: nmissed
+    c.rip("test byte ptr [rip + {d}], 3", probe + KPROBE_FLAGS)   # KPROBE_FLAG_GONE|DISABLED
+    restore = [c.jcc(JNE)]
+    c.a(f"inc qword ptr [rdx + {THREAD_HITS + 8 * probe_index}]")
+    if thread_slot:
+        c.a(f"mov dword ptr [rdx + {THREAD_ACTIVE}], 1; mov qword ptr {thread_slot}, rdx")
+    return slow, restore
+
+
+def _dcr_and_back(c: _Code, dcr: list[DcrInsn]) -> int:
+    resume = c.pc
+    for insn in dcr:
+        c.out += relocate(insn, c.pc)
+    c.jmp_abs(dcr[-1].addr + len(dcr[-1].code), "jmp back")
+    return resume
+
+
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
                  probe_index: int, handler: int | None, callback: int,
                  flags_live: bool, aligned: bool) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
-    common case inlined (kprobes armed, the thread known, no handler running,
-    probe enabled: count the hit, mark the thread, call the pre_handler).
-    Anything else calls the generic clean callback.  Only the registers a C call
-    clobbers are saved, the arithmetic flags only where they are live, and the
-    stack is realigned only where its alignment is not fixed by the ABI.
+    common case inlined (_dispatch_fast_path); anything else calls the generic
+    clean callback.  Only the registers a C call clobbers are saved, the
+    arithmetic flags only where they are live, and the stack is realigned only
+    where its alignment is not fixed by the ABI.
     Returns (code, resume): where the relocated DCR starts."""
-    out = bytearray()
-
-    def a(text: str):
-        out.extend(asm(text, at + len(out)))
-
-    def r(text: str, target: int):
-        out.extend(_rip(text, at + len(out), target))
-
-    frame = CLEAN_FRAME
-    a(f"lea rsp, [rsp - {frame:#x}]")
-    a("mov qword ptr [rsp], rax")
+    c = _Code(at)
+    c.a(f"lea rsp, [rsp - {CLEAN_FRAME:#x}]")
+    c.a("mov qword ptr [rsp], rax")
     if flags_live:
-        a("seto al; lahf; mov word ptr [rsp + 72], ax")
+        c.a("seto al; lahf; mov word ptr [rsp + 72], ax")
     for i, reg in enumerate(_SCRATCH[1:], 1):
-        a(f"mov qword ptr [rsp + {8 * i}], {reg}")
-    r("cmp dword ptr [rip + {d}], 0", fast)
-    jumps_to_slow = [len(out)]
-    out += b"\x0f\x84\0\0\0\0"                              # je slow
-    out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                # mov %fs:0,%rdi: the thread pointer (linux_user)
-    a(f"mov rax, rdi; shr rax, 12; and eax, {THREAD_TABLE_MASK:#x}")
-    r("lea rdx, [rip + {d}]", table)
-    a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
-    jumps_to_slow.append(len(out))
-    out += b"\x0f\x85\0\0\0\0"                              # jne slow: thread not seen yet
-    a(f"cmp dword ptr [rdx + {THREAD_ACTIVE}], 0")
-    jumps_to_slow.append(len(out))
-    out += b"\x0f\x85\0\0\0\0"                              # jne slow: nmissed
-    r("test byte ptr [rip + {d}], 3", probe + KPROBE_FLAGS)   # KPROBE_FLAG_GONE|DISABLED
-    jumps_to_restore = [len(out)]
-    out += b"\x0f\x85\0\0\0\0"                              # jne restore: disabled, silent
-    a(f"inc qword ptr [rdx + {THREAD_HITS + 8 * probe_index}]")
+        c.a(f"mov qword ptr [rsp + {8 * i}], {reg}")
+    to_slow, to_restore = _dispatch_fast_path(c, fast, table, probe, probe_index,
+                                              "[rsp + 80]" if handler is not None else None)
     if handler is not None:
-        a(f"mov dword ptr [rdx + {THREAD_ACTIVE}], 1")
-        if aligned:
-            a("mov qword ptr [rsp + 80], rdx")
-        else:
-            a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx; mov qword ptr [rsp], rdx")
-        r("lea rdi, [rip + {d}]", probe)
-        a("xor esi, esi")
-        a(f"call {handler:#x}")
-        a("mov rdx, qword ptr [rsp + 80]" if aligned else "mov rdx, qword ptr [rsp]; mov rsp, qword ptr [rsp + 8]")
-        a(f"mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
-    restore = len(out)
+        if not aligned:
+            c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
+        c.rip("lea rdi, [rip + {d}]", probe)
+        c.a("xor esi, esi")
+        c.a(f"call {handler:#x}")
+        if not aligned:
+            c.a("mov rsp, qword ptr [rsp + 8]")
+        c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
+    restore = c.pc
     if flags_live:
-        a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
+        c.a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
     for i, reg in enumerate(_SCRATCH):
-        a(f"mov {reg}, qword ptr [rsp + {8 * i}]")
-    a(f"lea rsp, [rsp + {frame:#x}]")
-    resume = at + len(out)
-    for insn in dcr:
-        out += relocate(insn, at + len(out))
-    back = dcr[-1].addr + len(dcr[-1].code)
-    out += b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back")
-    slow = len(out)
-    a(f"mov edi, {site:#x}")
+        c.a(f"mov {reg}, qword ptr [rsp + {8 * i}]")
+    c.a(f"lea rsp, [rsp + {CLEAN_FRAME:#x}]")
+    resume = _dcr_and_back(c, dcr)
+    slow = c.pc
+    c.a(f"mov edi, {site:#x}")
     if aligned:
-        a(f"call {callback:#x}")
+        c.a(f"call {callback:#x}")
     else:
-        a(f"mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx; call {callback:#x}; "
-          "mov rsp, qword ptr [rsp + 8]")
-    out += b"\xe9" + _s32(restore - (len(out) + 5), "jmp restore")
-    for j in jumps_to_slow:
-        out[j + 2:j + 6] = _s32(slow - (j + 6), "je slow")
-    for j in jumps_to_restore:
-        out[j + 2:j + 6] = _s32(restore - (j + 6), "jne restore")
-    return bytes(out), resume
+        c.a(f"mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx; call {callback:#x}; "
+            "mov rsp, qword ptr [rsp + 8]")
+    c.fix([c.jcc(-1)], restore)
+    c.fix(to_slow, slow)
+    c.fix(to_restore, restore)
+    return bytes(c.out), resume
+
+
+# struct pt_regs (arch/x86/include/asm/ptrace.h), byte offsets.
+PT_REGS = {"r15": 0, "r14": 8, "r13": 16, "r12": 24, "rbp": 32, "rbx": 40, "r11": 48, "r10": 56,
+           "r9": 64, "r8": 72, "rax": 80, "rcx": 88, "rdx": 96, "rsi": 104, "rdi": 112}
+PT_ORIG_AX, PT_IP, PT_CS, PT_FLAGS, PT_SP, PT_SS, PT_SIZE = 120, 128, 136, 144, 152, 160, 168
+ARITH_FLAGS = 0x8D5          # OF SF ZF AF PF CF: restored without popfq (KP_ARITH_FLAGS)
+FULL_FRAME = RED_ZONE + PT_SIZE + 16   # red zone, pt_regs, the thread block, the flags at the hit
+
+
+def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
+                probe_index: int, handler: int, callback: int, resume_regs: int,
+                aligned: bool) -> tuple[bytes, int]:
+    """The detour of a site with one probe whose pre_handler may read or write
+    pt_regs: optprobe_template building struct pt_regs inline (as
+    kp_optprobe_entry does), with the dispatch of the common case inlined.  A
+    handler that changed the path (non-zero return and a new regs->ip),
+    regs->sp or a non-arithmetic flag resumes through kp_optprobe_resume_regs;
+    anything else restores every register from pt_regs.
+    Returns (code, resume): where the relocated DCR starts."""
+    c = _Code(at)
+    F = PT_FLAGS
+    c.a(f"lea rsp, [rsp - {FULL_FRAME:#x}]")
+    c.a(f"mov qword ptr [rsp + {PT_REGS['rax']}], rax; mov qword ptr [rsp + {PT_REGS['rcx']}], rcx")
+    c.a("seto al; lahf; movzx ecx, ah; movzx eax, al; shl eax, 11; or ecx, eax; or ecx, 0x200")
+    c.a(f"mov qword ptr [rsp + {F}], rcx; mov qword ptr [rsp + {PT_SIZE + 8}], rcx")
+    for reg, off in PT_REGS.items():
+        if reg not in ("rax", "rcx"):
+            c.a(f"mov qword ptr [rsp + {off}], {reg}")
+    c.a(f"mov qword ptr [rsp + {PT_ORIG_AX}], -1; mov qword ptr [rsp + {PT_CS}], 0x33; "
+        f"mov qword ptr [rsp + {PT_SS}], 0x2b")
+    c.a(f"lea rax, [rsp + {FULL_FRAME:#x}]; mov qword ptr [rsp + {PT_SP}], rax")
+    hit_ip = dcr[0].addr + 1                                    # as if the int3 had trapped
+    c.rip("lea rax, [rip + {d}]", hit_ip)
+    c.a(f"mov qword ptr [rsp + {PT_IP}], rax")
+    to_slow, to_restore = _dispatch_fast_path(c, fast, table, probe, probe_index, f"[rsp + {PT_SIZE}]")
+    c.a("mov rbx, rsp")                                         # saved in pt_regs; the callee keeps it
+    if not aligned:
+        c.a("and rsp, -16")
+    c.rip("lea rdi, [rip + {d}]", probe)
+    c.a(f"mov rsi, rbx; call {handler:#x}; mov rsp, rbx")
+    c.a(f"mov rdx, qword ptr [rsp + {PT_SIZE}]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
+    # What the handler changed: the path, the stack pointer, non-arithmetic flags.
+    c.rip("lea rcx, [rip + {d}]", hit_ip)
+    c.a("test eax, eax")
+    same_path = c.jcc(JE)
+    c.a(f"cmp qword ptr [rsp + {PT_IP}], rcx")
+    to_resume_regs = [c.jcc(JNE)]
+    c.fix([same_path], c.pc)
+    c.a(f"lea rax, [rsp + {FULL_FRAME:#x}]; cmp qword ptr [rsp + {PT_SP}], rax")
+    to_changed = [c.jcc(JNE)]
+    c.a(f"mov rax, qword ptr [rsp + {F}]; xor rax, qword ptr [rsp + {PT_SIZE + 8}]; test rax, {~ARITH_FLAGS}")
+    to_changed.append(c.jcc(JNE))
+    restore = c.pc
+    c.a(f"movzx eax, byte ptr [rsp + {F}]; shl eax, 8; movzx ecx, byte ptr [rsp + {F + 1}]; shr ecx, 3; "
+        "and ecx, 1; or eax, ecx; add al, 0x7f; sahf")
+    for reg, off in PT_REGS.items():
+        c.a(f"mov {reg}, qword ptr [rsp + {off}]")
+    c.a(f"lea rsp, [rsp + {FULL_FRAME:#x}]")
+    resume = _dcr_and_back(c, dcr)
+    changed = c.pc                                              # go on with the DCR, on regs->sp
+    c.rip("lea rax, [rip + {d}]", resume)
+    c.a(f"mov qword ptr [rsp + {PT_IP}], rax")
+    c.fix([c.jcc(-1)], resume_regs)
+    slow = c.pc
+    c.a(f"mov edi, {site:#x}; mov rsi, rsp; mov rbx, rsp")
+    if not aligned:
+        c.a("and rsp, -16")
+    c.a(f"call {callback:#x}; mov rsp, rbx; test eax, eax")
+    c.fix([c.jcc(JNE)], resume_regs)
+    c.fix([c.jcc(-1)], restore)
+    c.fix(to_slow, slow)
+    c.fix(to_restore, restore)
+    c.fix(to_resume_regs, resume_regs)
+    c.fix(to_changed, changed)
+    return bytes(c.out), resume

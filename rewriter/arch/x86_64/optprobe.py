@@ -100,6 +100,11 @@ def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
     if decoded.indirect_jump is not None:
         return Refusal("indirect_jump", decoded.indirect_jump, f"{func.name} has an indirect jump (it may have a jump table)")
+    if decoded.sets_df is not None:
+        # The detour calls C code, which the ABI lets assume DF = 0, and does
+        # not save DF (an int3 probe is safe: the trap entry clears DF and the
+        # signal frame restores it).
+        return Refusal("direction_flag", decoded.sets_df, f"{func.name} sets the direction flag (std)")
     dcr = copy_region(image, func, addr)
     if isinstance(dcr, Refusal):
         return dcr
