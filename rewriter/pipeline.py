@@ -220,6 +220,7 @@ def emit(s: Session, workdir: Path) -> bytes:
                                     "kp_optimized_callback", "kp_optprobe_resume_regs", "kp_optprobe_entry", "kp_optprobe_post_entry", "kp_optprobe_clean_entry",
                                     "kp_optprobe_clean_post_entry")}
     placeholder.update({v: far for v in s.handler_symbols.values()})
+    placeholder.update({f"kp_trace_pre_{i}": far for i in (s.traces or {})})
     for site in s.plan.sites:
         pos = (pos + 15) & ~15
         code, site.resume, site.resume_post = _detour(s, site, pos, placeholder)
@@ -285,7 +286,15 @@ def _choose_entry(s: Session, site, hobjs) -> None:
             if fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1])):
                 site.clean = False
     site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
-        and (site.clean or bool(site.probes[0].spec.pre_handler))
+        and (site.clean or bool(_pre_handler_symbol(s, site.probes[0])))
+
+
+def _pre_handler_symbol(s: Session, p) -> str | None:
+    """The link symbol the probe's pre_handler field holds: a trace event's generated
+    pre_handler (which calls the user's, if any), else the user's."""
+    if s.traces and p.index in s.traces:
+        return f"kp_trace_pre_{p.index}"
+    return s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None
 
 
 def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int, int]:
@@ -293,7 +302,8 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
     if site.template:
         p = site.probes[0]
         k = _probe_order(s)[id(p)]
-        handler = sym[s.handler_symbols[p.spec.pre_handler]] if p.spec.pre_handler else None
+        pre = _pre_handler_symbol(s, p)
+        handler = sym[pre] if pre else None
         common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=sym["kp_probes"] + k * em.KPROBE_SIZE,
                       probe_index=k, handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr))
         if site.clean:
