@@ -8,7 +8,8 @@
  *
  * The line is built in a buffer on the stack and written with one write(2),
  * so lines of concurrent threads never interleave.  COMM is the thread's
- * name (prctl PR_GET_NAME), PID the thread id, CPU from getcpu(2), the time
+ * name (prctl PR_GET_NAME), PID the thread id, CPU as vgetcpu reads it
+ * (getcpu(2) under QEMU), the time
  * from CLOCK_MONOTONIC.  Output goes to standard error, or to the file named
  * by KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error).
  */
@@ -24,6 +25,22 @@
 #define KP_TRACE_LINE 2048
 
 static int kp_trace_fd = 2;
+
+/*
+ * The CPU we run on, as the vDSO's vgetcpu reads it: the limit of the per-CPU
+ * GDT segment Linux sets up (selector 0x7b, cpu | node << 12).  Where that
+ * segment does not exist (QEMU's user-mode GDT), LSL clears ZF: getcpu(2).
+ */
+static unsigned int kp_trace_cpu(void)
+{
+	unsigned int limit = 0, cpu = 0;
+	unsigned char ok;
+	__asm__ volatile("lsl %2, %0; setz %1" : "=r"(limit), "=qm"(ok) : "r"(0x7bU) : "cc");
+	if (ok)
+		return limit & 0xfff;
+	kp_syscall3(__NR_getcpu, &cpu, 0, 0);
+	return cpu;
+}
 
 static const char *kp_trace_getenv(char **envp, const char *name)
 {
@@ -63,7 +80,7 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 
 	kp_syscall3(__NR_prctl, PR_GET_NAME, comm, 0);
 	int tid = (int)kp_syscall3(__NR_gettid, 0, 0, 0);
-	kp_syscall3(__NR_getcpu, &cpu, 0, 0);
+	cpu = kp_trace_cpu();
 	kp_syscall3(__NR_clock_gettime, CLOCK_MONOTONIC, &ts, 0);
 
 	/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: " */

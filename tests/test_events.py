@@ -4,6 +4,8 @@ once, and the timeline export (`kprewrite trace`), natively and under QEMU."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import re
 import subprocess
 
@@ -539,3 +541,13 @@ def test_parse_values():
     assert r.args == {"s": 'a,b}{"c\\', "arr": ["x,y", "(fault)", "z"], "n": -3, "h": "0xff", "c": "'q'",
                       "e": "", "f": "(fault)", "sym": "main+0x1/0x2"}
     assert tracefmt.parse_line("random program output") is None
+
+
+@pytest.mark.skipif(not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2, reason="needs taskset, 2 CPUs")
+def test_cpu_column(tmp_path, prog, runner):
+    out = instrument(prog, write_spec(tmp_path, 'events = ["p work"]\n'))
+    for cpu in sorted(os.sched_getaffinity(0))[:2]:
+        cmd = ["taskset", "-c", str(cpu)] + (["qemu-x86_64"] if runner == "qemu" else []) + [str(out), "2"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0
+        assert [x.cpu for x in trace_lines(r.stderr)] == [cpu, cpu]
