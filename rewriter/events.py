@@ -257,7 +257,13 @@ def compile_probe(image, arch, p, spec_name: str) -> tuple[TraceEvent | None, li
 
 def compile_return(image, k, func, spec_name: str) -> tuple[TraceEvent | None, list[str]]:
     """The trace event of a kretprobe (an `r` line, or a [[kretprobe]] with `fetch`) on
-    function `func` (image.Function): FETCHARGS parsed for a return probe ($retval)."""
+    function `func` (image.Function): FETCHARGS parsed for a return probe ($retval).
+
+    Wiring, once kretprobes are planned: key the event "r<probe index>" in
+    Session.traces (next to the kprobes' int keys), give that kretprobe
+    `.handler = kp_trace_ret_r<index>` in its struct kretprobe (trace_c() defines
+    it; it runs the trace line, then the user's handler from user_syms), and drop
+    the "not supported yet" refusals of `fetch` on kretprobes and of `r` events."""
     if k.fetch is None:
         return None, []
     text, words = _args_text(k)
