@@ -146,9 +146,14 @@ def parse_line(line: str) -> Record | None:
 
 
 def read(path: str) -> list[Record]:
+    """Trace records of a file ("-": standard input); other lines are skipped."""
+    import sys
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.readlines()
+        if path == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.readlines()
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
     out = []

@@ -551,3 +551,12 @@ def test_cpu_column(tmp_path, prog, runner):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0
         assert [x.cpu for x in trace_lines(r.stderr)] == [cpu, cpu]
+
+
+def test_trace_command_input(tmp_path):
+    line = "            prog-7       [000]     1.000002: ev: (f+0x0/0x10) a=1\n"
+    r = subprocess.run(["kprewrite", "trace", "-"], input="noise\n" + line, capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["args"] == {"a": 1}
+    r = kprewrite("trace", tmp_path / "missing.txt", check=False)
+    assert r.returncode == 1 and r.stderr.startswith("kprewrite: ") and "cannot read" in r.stderr
+    assert "Traceback" not in r.stderr
