@@ -39,6 +39,7 @@ class Session:
     plan: Plan
     handler_symbols: dict | None = None    # handler name -> link symbol
     handler_exports: dict | None = None    # C source -> names it exports
+    probe_order: dict | None = None        # id(probe) -> index in kp_probes[]
     traces: dict | None = None             # probe index -> events.TraceEvent (fetch / events lines)
 
 
@@ -320,8 +321,10 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
 
 def _probe_order(s: Session) -> dict[int, int]:
     """Position of each placed probe in kp_probes[] (spec order)."""
-    placed = sorted((p for site in s.plan.sites for p in site.probes), key=lambda p: p.index)
-    return {id(p): i for i, p in enumerate(placed)}
+    if s.probe_order is None:
+        placed = sorted((p for site in s.plan.sites for p in site.probes), key=lambda p: p.index)
+        s.probe_order = {id(p): i for i, p in enumerate(placed)}
+    return s.probe_order
 
 
 def metadata(s: Session) -> bytes:

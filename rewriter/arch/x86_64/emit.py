@@ -5,6 +5,7 @@ instructions are relocated byte-wise as the kernel's __copy_instruction() does
 (RIP-relative displacement adjusted; relative branches re-encoded with rel32)."""
 from __future__ import annotations
 
+import functools
 import struct
 
 import capstone
@@ -132,12 +133,25 @@ CLEAN_FRAME = RED_ZONE + 88  # red zone + rax rcx rdx rsi rdi r8-r11, flags, the
 _SCRATCH = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 
 
+@functools.lru_cache(maxsize=None)
+def _asm_pi(text: str) -> bytes:
+    """Position-independent instructions (no relative branch): assembled once."""
+    return asm(text, 0)
+
+
+_DISP_MARK = struct.pack("<i", 0x12345678)
+
+
+@functools.lru_cache(maxsize=None)
+def _rip_template(text: str) -> tuple[bytes, int]:
+    code = _asm_pi(text.format(d=0x12345678))
+    return code, code.index(_DISP_MARK)
+
+
 def _rip(text: str, at: int, target: int) -> bytes:
     """One instruction with a [rip + X] operand reaching `target` (text holds {d})."""
-    size = len(asm(text.format(d=0x12345678), at))
-    code = asm(text.format(d=target - (at + size)), at)
-    assert len(code) == size
-    return code
+    code, off = _rip_template(text)
+    return code[:off] + _s32(target - (at + len(code)), "RIP-relative operand") + code[off + 4:]
 
 
 class _Code:
@@ -151,7 +165,11 @@ class _Code:
         return self.at + len(self.out)
 
     def a(self, text: str):
-        self.out += asm(text, self.pc)
+        """Instructions without relative branches (those go through call/jcc)."""
+        self.out += _asm_pi(text)
+
+    def call(self, target: int):
+        self.out += b"\xe8" + _s32(target - (self.pc + 5), "call")
 
     def rip(self, text: str, target: int):
         self.out += _rip(text, self.pc, target)
@@ -230,7 +248,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
             c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
         c.rip("lea rdi, [rip + {d}]", probe)
         c.a("xor esi, esi")
-        c.a(f"call {handler:#x}")
+        c.call(handler)
         if not aligned:
             c.a("mov rsp, qword ptr [rsp + 8]")
         c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
@@ -243,11 +261,11 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     resume = _dcr_and_back(c, dcr)
     slow = c.pc
     c.a(f"mov edi, {site:#x}")
-    if aligned:
-        c.a(f"call {callback:#x}")
-    else:
-        c.a(f"mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx; call {callback:#x}; "
-            "mov rsp, qword ptr [rsp + 8]")
+    if not aligned:
+        c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
+    c.call(callback)
+    if not aligned:
+        c.a("mov rsp, qword ptr [rsp + 8]")
     c.fix([c.jcc(-1)], restore)
     c.fix(to_slow, slow)
     c.fix(to_restore, restore)
@@ -292,7 +310,9 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     if not aligned:
         c.a("and rsp, -16")
     c.rip("lea rdi, [rip + {d}]", probe)
-    c.a(f"mov rsi, rbx; call {handler:#x}; mov rsp, rbx")
+    c.a("mov rsi, rbx")
+    c.call(handler)
+    c.a("mov rsp, rbx")
     c.a(f"mov rdx, qword ptr [rsp + {PT_SIZE}]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
     # What the handler changed: the path, the stack pointer, non-arithmetic flags.
     c.rip("lea rcx, [rip + {d}]", hit_ip)
@@ -320,7 +340,8 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     c.a(f"mov edi, {site:#x}; mov rsi, rsp; mov rbx, rsp")
     if not aligned:
         c.a("and rsp, -16")
-    c.a(f"call {callback:#x}; mov rsp, rbx; test eax, eax")
+    c.call(callback)
+    c.a("mov rsp, rbx; test eax, eax")
     c.fix([c.jcc(JNE)], resume_regs)
     c.fix([c.jcc(-1)], restore)
     c.fix(to_slow, slow)
