@@ -16,6 +16,10 @@ otherwise.
 Rows "r" and "ro": a kretprobe on the same function, return hooks
 jump-optimized, with an empty return handler ("r") and with empty entry and
 return handlers ("ro").  Linux uretprobes need tracefs, like row "u".
+
+Row "t": the same probe as a kprobe_events line with one fetch arg, each hit
+writing a trace line to /dev/null (N / 100 calls: a trace line costs
+microseconds, not nanoseconds).
 Run: python benchmarks/run.py
 """
 import os
@@ -30,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 N = int(os.environ.get("BENCH_N", 50_000_000))
 RUNS = int(os.environ.get("BENCH_RUNS", 7))
 N_TRAP = int(os.environ.get("BENCH_N_TRAP", 100_000))
+N_T = max(1, N // 100)                    # row t: a trace line costs microseconds
 TRACEFS = Path("/sys/kernel/tracing")
 
 
@@ -45,8 +50,12 @@ def rewrite(exe: Path, spec: str, out: Path, *extra: str) -> Path:
     return out
 
 
-def time_ns(exe: Path, n: int = N, *args: str) -> float:
-    r = subprocess.run([str(exe), str(n), *args], capture_output=True, text=True, check=True)
+ROW_ENV = {"t": {"KPREWRITE_TRACE": "/dev/null"}}
+
+
+def time_ns(exe: Path, n: int = N, *args: str, env: dict | None = None) -> float:
+    e = dict(os.environ, **(env or {}))
+    r = subprocess.run([str(exe), str(n), *args], capture_output=True, text=True, check=True, env=e)
     return float(r.stdout.split()[0])
 
 
@@ -117,8 +126,10 @@ def main():
             "k": (rewrite(orig, "singlestep.toml", tmp / "loop.k", "--no-optimize"), N_TRAP, ("ss",), "original-ss"),
             "r": (rewrite(orig, "return.toml", tmp / "loop.r"), N, (), "original"),
             "ro": (rewrite(orig, "return_entry.toml", tmp / "loop.ro"), N, (), "original"),
+            "t": (rewrite(orig, "trace.toml", tmp / "loop.t"), N_T, (), "original-t"),
         }
-        bases = {"original": (N, ()), "original-trap": (N_TRAP, ()), "original-ss": (N_TRAP, ("ss",))}
+        bases = {"original": (N, ()), "original-trap": (N_TRAP, ()), "original-ss": (N_TRAP, ("ss",)),
+                 "original-t": (N_T, ())}
         up = Uprobe(orig)
         times = {k: [] for k in [*bases, *rows, "u"]}
         try:
@@ -126,12 +137,12 @@ def main():
                 for k, (n, args) in bases.items():
                     times[k].append(time_ns(orig, n, *args))
                 for k, (exe, n, args, _) in rows.items():
-                    times[k].append(time_ns(exe, n, *args))
+                    times[k].append(time_ns(exe, n, *args, env=ROW_ENV.get(k)))
                 if up.ok:
                     times["u"].append(up.time_ns(N_TRAP))
         finally:
             up.close()
-        print(f"machine: {cpu()}, {os.cpu_count()} CPUs; N = {N:,} calls (b, k, u: {N_TRAP:,}), "
+        print(f"machine: {cpu()}, {os.cpu_count()} CPUs; N = {N:,} calls (b, k, u: {N_TRAP:,}; t: {N_T:,}), "
               f"{RUNS} runs each, medians")
         print()
         print("| row | what | per call, original (ns) | per call, rewritten (ns) | per hit (ns) | ratio |")
@@ -142,6 +153,7 @@ def main():
                 "k": "breakpoint kprobe, single-stepped, empty pre_handler",
                 "r": "kretprobe, empty handler",
                 "ro": "optimized kretprobe, empty entry_handler and handler",
+                "t": "kprobe_events line, 1 fetch arg, trace line to /dev/null",
                 "u": "Linux uprobe (tracefs event) on the function of row b"}
         if up.ok:
             rows["u"] = (None, N_TRAP, (), "original-trap")

@@ -96,3 +96,28 @@ def blacklist(input_path):
     from . import pipeline
     for line in pipeline.blacklist_lines(input_path):
         click.echo(line)
+
+
+@main.command()
+@click.argument("trace_file", metavar="FILE")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "chrome"]), default="jsonl", show_default=True,
+              help="jsonl: one JSON object per trace line; chrome: trace-event JSON for Perfetto / chrome://tracing")
+@click.option("-o", "output", metavar="OUT", help="write here instead of standard output")
+@_guard
+def trace(trace_file, fmt, output):
+    """Convert trace lines (KPREWRITE_TRACE output) to JSON lines or a Chrome/Perfetto timeline."""
+    import json
+    from . import tracefmt
+    records = tracefmt.read(trace_file)
+    if fmt == "jsonl":
+        text = tracefmt.jsonl(records)
+    else:
+        text = json.dumps(tracefmt.chrome(records, os.path.basename(trace_file)), sort_keys=True) + "\n"
+    if output:
+        try:
+            with open(output, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise KprewriteError(f"{output}: cannot write: {e.strerror}")
+    else:
+        click.echo(text, nl=False)

@@ -311,6 +311,9 @@ def table_c(s, link_sym: dict[str, str], first_index: int) -> tuple[str, dict[in
         k = p.kret
         flags = ["KPROBE_FLAG_OPTIMIZED"] + (["KPROBE_FLAG_DISABLED"] if k.disabled else [])
         h = f"(kretprobe_handler_t){link_sym[k.handler]}" if k.handler else "0"
+        if s.traces and f"r{p.index}" in s.traces:     # fetch / r event: the trace handler calls k.handler
+            h = f"kp_trace_ret_r{p.index}"
+            out.insert(0, f"int {h}(struct kretprobe_instance *, struct pt_regs *);")
         eh = f"(kretprobe_handler_t){link_sym[k.entry_handler]}" if k.entry_handler else "0"
         sym = link.c_string(p.symbol if (k.symbol_name or p.func) else None)
         out.append(f"  {{ .kp = {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "

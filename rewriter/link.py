@@ -33,6 +33,8 @@ RUNTIME_SOURCES += ["kp_trap.c", "arch/x86_64/kp_int3.c", f"platform/{PLATFORM}/
                     f"platform/{PLATFORM}/kp_sighook.c"]
 # kretprobes (issue 4).
 RUNTIME_SOURCES += ["kp_kretprobe.c", f"platform/{PLATFORM}/clock_cpus.c"]
+# kprobe_events, fetch args, trace lines (issue 5).
+RUNTIME_SOURCES += ["kp_fetch.c", "kp_trace.c", f"platform/{PLATFORM}/profile_signal.c"]
 
 LINKER_SCRIPT = """
 SECTIONS

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import blacklist as bl
+from . import events as ev_mod
+from . import fetch as fetch_mod
 from . import kretprobe as kret
 from . import link, sighook, writer
 from .analysis import Analysis
@@ -40,14 +42,12 @@ class Session:
     handler_exports: dict | None = None    # C source -> names it exports
     probe_order: dict | None = None        # id(probe) -> index in kp_probes[]
     kret: object = None                    # kretprobe.KretPlan: return sites
+    traces: dict | None = None             # probe index ("rN" for kretprobes) -> events.TraceEvent
 
 
 def unsupported(spec: Spec) -> list[str]:
     name = spec.path.name
-    out = [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kretprobes if k.fetch]
-    out += [f"{name}: {k.table}: 'fetch' is not supported yet" for k in spec.kprobes if k.fetch]
-    if spec.events:
-        out.append(f"{name}: 'events' is not supported yet")
+    out: list[str] = []               # everything in the spec is supported
     return out
 
 
@@ -55,7 +55,8 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     """Everything up to the plan.  strict: refused probes are an error (instrument);
     otherwise they stay in the plan to be printed (check)."""
     spec = load_spec(spec_path)
-    errors = unsupported(spec)
+    errors = ev_mod.expand(spec)        # kprobe_events lines become probe tables
+    errors += unsupported(spec)
     image = Image(input_path)
     arch = get_arch(image.machine)
     probes, res_errors = resolve(image, spec, arch)
@@ -76,6 +77,19 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
         errors += p.errors
     s = Session(image, spec, arch, analysis, probes, blist, p)
     s.kret = kret.plan_returns(image, analysis, arch, p)
+    s.traces = {}
+    for pr in probes:                   # fetch programs, compiled once at rewrite time
+        t, terr = ev_mod.compile_probe(image, arch, pr, spec.path.name)
+        if terr and terr[0] not in errors:    # a syntax error is already reported by expand()
+            errors += terr
+        if t is not None:
+            s.traces[pr.index] = t
+    for _, pr, _ in kret.placed(s):     # kretprobes with fetch, and r events
+        t, terr = ev_mod.compile_return(image, pr.kret, pr.func, spec.path.name)
+        if terr and terr[0] not in errors:
+            errors += terr
+        if t is not None:
+            s.traces[f"r{pr.index}"] = t
     if strict:
         errors += _resolve_handlers(s)
     if errors:
@@ -154,6 +168,9 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     for site, p in placed:
         flags = (["KPROBE_FLAG_OPTIMIZED"] if site.decision == OPTIMIZED else ["0"]) + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
         pre = f"(kprobe_pre_handler_t){link_sym[p.spec.pre_handler]}" if p.spec.pre_handler else "0"
+        if s.traces and p.index in s.traces:     # trace event: its pre_handler runs the fetch
+            pre = f"kp_trace_pre_{p.index}"
+            out.insert(1, f"int {pre}(struct kprobe *, struct pt_regs *);")
         post = f"(kprobe_post_handler_t){link_sym[p.spec.post_handler]}" if p.spec.post_handler else "0"
         sym = link.c_string(p.symbol if (p.spec.symbol_name or p.func) else None)
         out.append(f"  {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "
@@ -181,6 +198,13 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
                f"__builtin_offsetof(struct kp_thread, active) == {em.THREAD_ACTIVE} && "
                f"__builtin_offsetof(struct kp_thread, hits) == {em.THREAD_HITS} && "
                f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK}, \"kprewrite's clean-call template is out of date\");")
+    traces = s.traces or {}
+    if traces:
+        users = {p.index: link_sym[p.spec.pre_handler] for _, p in placed if p.spec.pre_handler}
+        users.update({f"r{p.index}": link_sym[p.kret.handler] for _, p, _ in kret.placed(s) if p.kret.handler})
+        out += ev_mod.trace_c(traces, users, fetch_mod.symbol_table(s.image)).splitlines()
+    else:
+        out += ev_mod.trace_c({}, {}, []).splitlines()
     return "\n".join(out) + "\n"
 
 
@@ -296,6 +320,8 @@ def _choose_entry(s: Session, site, hobjs) -> None:
     for p in site.probes:
         if kret.is_entry(p):
             site.clean = False          # pre_handler_kretprobe() reads regs->sp
+        if s.traces and p.index in s.traces:      # the trace's pre_handler reads pt_regs
+            site.clean = False
         for name in (p.spec.pre_handler, p.spec.post_handler):
             if not name:
                 continue
@@ -304,7 +330,15 @@ def _choose_entry(s: Session, site, hobjs) -> None:
                 site.clean = False
     site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
         and not kret.is_entry(site.probes[0]) and not kret.has_hooks(s, site) \
-        and (site.clean or bool(site.probes[0].spec.pre_handler))
+        and (site.clean or bool(_pre_handler_symbol(s, site.probes[0])))
+
+
+def _pre_handler_symbol(s: Session, p) -> str | None:
+    """The link symbol the probe's pre_handler field holds: a trace event's generated
+    pre_handler (which calls the user's, if any), else the user's."""
+    if s.traces and p.index in s.traces:
+        return f"kp_trace_pre_{p.index}"
+    return s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None
 
 
 def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int, int]:
@@ -312,7 +346,8 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
     if site.template:
         p = site.probes[0]
         k = _probe_order(s)[id(p)]
-        handler = sym[s.handler_symbols[p.spec.pre_handler]] if p.spec.pre_handler else None
+        pre = _pre_handler_symbol(s, p)
+        handler = sym[pre] if pre else None
         common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=sym["kp_probes"] + k * em.KPROBE_SIZE,
                       probe_index=k, handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr))
         if site.clean:

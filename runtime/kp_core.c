@@ -83,6 +83,7 @@ void kp_configure(char **envp)
 		kp_update_fast();
 	}
 	kp_rt.profile_path = kp_getenv(envp, "KPREWRITE_PROFILE");
+	kp_trace_configure(envp);	/* kp_trace.c: KPREWRITE_TRACE */
 }
 
 static struct kp_thread *kp_new_thread(unsigned long key)

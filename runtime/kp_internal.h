@@ -67,6 +67,9 @@ void kp_write_profile(void);
 struct kp_thread *kp_thread_slow(unsigned long key);
 void kp_update_fast(void);
 
+/* Trace events (kp_trace.c). */
+void kp_trace_configure(char **envp);
+
 /* Platform layer (platform/<name>/; kp_platform.h has what the probe path inlines). */
 #include <kp_platform.h>
 void *kp_platform_alloc(unsigned long size);	/* zeroed, page granular; NULL on failure */

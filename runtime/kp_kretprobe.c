@@ -150,6 +150,23 @@ static unsigned long kp_real_ret(struct kp_kret_thread *kt, unsigned long S)
 }
 
 /* pre_handler_kretprobe(): the entry half, as the kretprobe's kp.pre_handler. */
+/*
+ * Whether p is the first enabled kretprobe of its (aggregated) site: only that
+ * one may free instances recorded at the same return slot, which an earlier
+ * call left behind; a later one would free what this very hit just claimed.
+ */
+int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs);
+
+static int kp_first_kretprobe_of_site(struct kprobe *p)
+{
+	const struct kp_site *s = &kp_sites[p->site];
+	struct kprobe *const *pp = &kp_site_probes[s->first];
+	for (unsigned int i = 0; i < s->count && pp[i] != p; i++)
+		if (pp[i]->pre_handler == kp_pre_handler_kretprobe && !kprobe_disabled(pp[i]))
+			return 0;
+	return 1;
+}
+
 int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 {
 	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
@@ -161,7 +178,7 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 		return 0;
 	}
 	if (kt->depth)
-		kp_reclaim(kt, S, 1);
+		kp_reclaim(kt, S, kp_first_kretprobe_of_site(p));
 	kt->tail_slot = 0;
 	struct kretprobe_instance *ri = kp_ri_claim(rp);
 	if (unlikely(!ri)) {

@@ -650,3 +650,51 @@ def test_kretprobe_example_sample(tmp_path, runner):
     returned = sum(1 for l in r.stderr.splitlines() if l.startswith("kernel_clone returned"))
     hits, missed = profile(r.stderr)["r_kernel_clone_0"]
     assert hits == 30 and returned + missed == 30 and returned >= 20
+
+
+TWO_PROG = r"""
+#include <stdio.h>
+#include <setjmp.h>
+static jmp_buf jb;
+__attribute__((noinline)) long twice(long x) { if (x < 0) longjmp(jb, 1); return 2 * x; }
+int main(void) {
+    long s = 0;
+    for (long i = 0; i < 100; i++)
+        s += twice(i);
+    if (!setjmp(jb))
+        twice(-1);              /* abandoned: both instances at that slot are stale */
+    for (long i = 0; i < 100; i++)
+        s += twice(i);
+    printf("%ld\n", s);
+    return 0;
+}
+"""
+
+TWO_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+static long sum_a, sum_b;
+/* Return handlers run newest instance first: b, then a. */
+int ret_b(struct kretprobe_instance *ri, struct pt_regs *regs) { sum_b += regs_return_value(regs); return 0; }
+int ret_a(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+    sum_a += regs_return_value(regs);
+    if (sum_a == 2 * 9900)
+        pr_info("a=%ld b=%ld\n", sum_a, sum_b);
+    return 0;
+}
+"""
+
+
+def test_two_kretprobes_on_one_function(tmp_path, runner):
+    """Aggregated kretprobes: each gets its own instance and fires once per call
+    (the entry of the second must not take the first's fresh instance for a stale one)."""
+    prog = cc(tmp_path, "prog", TWO_PROG, "-O2")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+                      '[[kretprobe]]\nsymbol_name = "twice"\nhandler = "ret_a"\nmaxactive = 1\nname = "a"\n'
+                      '[[kretprobe]]\nsymbol_name = "twice"\nhandler = "ret_b"\nmaxactive = 1\nname = "b"\n',
+                      TWO_HANDLERS)
+    r = run(instrument(prog, spec), runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == f"{2 * 9900}\n", r.stderr
+    assert "a=19800 b=19800" in r.stderr, r.stderr
+    prof = profile(r.stderr)
+    assert prof["a"] == (201, 0) and prof["b"] == (201, 0), prof

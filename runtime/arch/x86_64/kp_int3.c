@@ -25,16 +25,8 @@ enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU
 enum { G_R8, G_R9, G_R10, G_R11, G_R12, G_R13, G_R14, G_R15, G_RDI, G_RSI, G_RBP,
        G_RBX, G_RDX, G_RAX, G_RCX, G_RSP, G_RIP, G_EFL, G_CSGSFS };
 
-/* The restorer our SIGTRAP handler returns through (SA_RESTORER). */
-__asm__(".text\n"
-	".globl kp_arch_sigreturn\n"
-	".hidden kp_arch_sigreturn\n"
-	".type kp_arch_sigreturn, @function\n"
-	"kp_arch_sigreturn:\n"
-	"\tmov $15, %eax\n"		/* __NR_rt_sigreturn */
-	"\tsyscall\n"
-	"\thlt\n"
-	".size kp_arch_sigreturn, .-kp_arch_sigreturn\n");
+/* The restorer our SIGTRAP handler returns through (SA_RESTORER) is
+ * kp_arch_sigreturn, in sigreturn.S. */
 
 static void kp_uc_to_regs(const unsigned long *g, struct pt_regs *r)
 {

@@ -1,0 +1,214 @@
+"""Reading trace lines: `kprewrite trace FILE [--format jsonl|chrome]`.
+
+Parses the lines a rewritten program writes (the kernel's tracing/trace
+format, see runtime/kp_trace.c) into JSON lines, or into the Chrome
+trace-event format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
+For the timeline, an entry event (a kprobe on FUNC+0x0, or +0x4 after an
+ENDBR) and the next return event of one thread with `<- FUNC` (a kretprobe)
+become one duration slice ("ph": "X"); any other event is an instant on its
+thread.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from .errors import KprewriteError
+
+# trace_print_context() + print_kprobe_event()/print_kretprobe_event().
+LINE = re.compile(r"^\s*(?P<comm>.*?)-(?P<pid>\d+)\s+\[(?P<cpu>\d+)\]\s+(?P<ts>\d+\.\d+):\s+"
+                  r"(?P<event>[^\s:]+):\s+\((?P<loc>[^()]*)\)(?P<args>.*)$")
+SYM = re.compile(r"^(?P<sym>.+?)\+(?P<off>0x[0-9a-f]+)/(?P<size>0x[0-9a-f]+)$")
+
+
+@dataclass
+class Record:
+    comm: str
+    pid: int
+    cpu: int
+    ts: str                  # seconds.microseconds, as printed
+    event: str
+    loc: str
+    args: dict
+
+    @property
+    def ts_us(self) -> int:
+        sec, us = self.ts.split(".")
+        return int(sec) * 1_000_000 + int(us.ljust(6, "0")[:6])
+
+    @property
+    def is_return(self) -> bool:
+        return " <- " in self.loc
+
+    @property
+    def func(self) -> str:
+        """The function: FUNC of a return event, else the symbol of the probe address."""
+        if self.is_return:
+            return self.loc.split(" <- ", 1)[1]
+        m = SYM.match(self.loc)
+        return m.group("sym") if m else self.loc
+
+    @property
+    def is_entry(self) -> bool:
+        m = SYM.match(self.loc)
+        return not self.is_return and m is not None and int(m.group("off"), 16) in (0, 4)
+
+    def to_json(self) -> dict:
+        d = {"comm": self.comm, "pid": self.pid, "cpu": self.cpu, "ts": float(self.ts), "ts_us": self.ts_us,
+             "event": self.event}
+        if self.is_return:
+            caller, func = self.loc.split(" <- ", 1)
+            d.update(kind="return", caller=caller, func=func)
+        else:
+            d.update(kind="probe", ip=self.loc, func=self.func)
+        d["args"] = self.args
+        return d
+
+
+def _value(text: str):
+    """A printed value: "string" -> str, {a,b} -> list, decimal -> int, anything else as printed."""
+    if text.startswith('"') and text.endswith('"') and len(text) >= 2:
+        return _unescape(text[1:-1])
+    if text.startswith("{") and text.endswith("}"):
+        return [_value(t) for t in _split(text[1:-1], ",")]
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    return text
+
+
+def _unescape(s: str) -> str:
+    out, i = [], 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s):
+            n = s[i + 1]
+            if n == "n":
+                out.append("\n"); i += 2; continue
+            if n == "t":
+                out.append("\t"); i += 2; continue
+            if n == "x" and i + 3 < len(s):
+                out.append(chr(int(s[i + 2:i + 4], 16))); i += 4; continue
+            out.append(n); i += 2; continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _split(text: str, sep: str) -> list[str]:
+    """Split on `sep` outside quotes and braces."""
+    parts, cur, depth, quote, i = [], [], 0, False, 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            cur.append(c)
+            if c == "\\" and i + 1 < len(text):
+                cur.append(text[i + 1]); i += 1
+            elif c == '"':
+                quote = False
+        elif c == '"':
+            quote = True; cur.append(c)
+        elif c == "{":
+            depth += 1; cur.append(c)
+        elif c == "}":
+            depth -= 1; cur.append(c)
+        elif c == sep and depth == 0:
+            parts.append("".join(cur)); cur = []
+        else:
+            cur.append(c)
+        i += 1
+    if cur or parts:
+        parts.append("".join(cur))
+    return parts
+
+
+def parse_args(text: str) -> dict | None:
+    args = {}
+    for word in _split(text.strip(), " "):
+        if not word:
+            continue
+        name, eq, value = word.partition("=")
+        if not eq or not name:
+            return None
+        args[name] = _value(value)
+    return args
+
+
+def parse_line(line: str) -> Record | None:
+    m = LINE.match(line.rstrip("\n"))
+    if not m:
+        return None
+    args = parse_args(m.group("args"))
+    if args is None:
+        return None
+    return Record(m.group("comm"), int(m.group("pid")), int(m.group("cpu")), m.group("ts"),
+                  m.group("event"), m.group("loc"), args)
+
+
+def read(path: str) -> list[Record]:
+    """Trace records of a file ("-": standard input); other lines are skipped."""
+    import sys
+    try:
+        if path == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.readlines()
+    except OSError as e:
+        raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+    out = []
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        r = parse_line(line)
+        if r is not None:        # other output of the program (its own stderr) is skipped
+            out.append(r)
+    return out
+
+
+def jsonl(records: list[Record]) -> str:
+    return "".join(json.dumps(r.to_json(), sort_keys=True) + "\n" for r in records)
+
+
+def chrome(records: list[Record], process: str = "kprewrite") -> dict:
+    """Chrome trace-event JSON (the JSON Object Format): ts and dur in microseconds."""
+    PID = 1
+    events = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": process}}]
+    names: dict[int, str] = {}
+    stacks: dict[int, list[Record]] = {}
+    out: list[dict] = []
+
+    def instant(r: Record):
+        out.append({"name": r.event, "cat": "kprobe", "ph": "i", "s": "t", "ts": r.ts_us, "pid": PID,
+                    "tid": r.pid, "args": dict(r.args, ip=r.loc)})
+
+    for r in sorted(records, key=lambda r: r.ts_us):     # stable: equal times keep file order
+        names.setdefault(r.pid, r.comm)
+        st = stacks.setdefault(r.pid, [])
+        if r.is_entry:
+            st.append(r)
+        elif r.is_return:
+            for i in range(len(st) - 1, -1, -1):
+                if st[i].func == r.func:
+                    e = st[i]
+                    for inner in st[i + 1:]:         # entries left open inside: no return seen
+                        instant(inner)
+                    del st[i:]
+                    args = {f"entry.{k}": v for k, v in e.args.items()}
+                    args.update({f"return.{k}": v for k, v in r.args.items()})
+                    args.update(entry=e.event, ret=r.event, caller=r.loc.split(" <- ")[0])
+                    out.append({"name": r.func, "cat": "kprobe", "ph": "X", "ts": e.ts_us,
+                                "dur": r.ts_us - e.ts_us, "pid": PID, "tid": r.pid, "args": args})
+                    break
+            else:
+                instant(r)
+        else:
+            instant(r)
+    for st in stacks.values():
+        for r in st:
+            instant(r)
+    for tid, comm in sorted(names.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": comm}})
+    out.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+    return {"traceEvents": events + out, "displayTimeUnit": "ms",
+            "otherData": {"source": "kprewrite trace"}}

@@ -1,0 +1,341 @@
+/*
+ * The fetch engine: runs the fetch programs kprewrite compiled from FETCHARGS
+ * (process_fetch_insn() of kernel/trace/trace_kprobe.c and
+ * trace_probe_tmpl.h) and prints each value with its type's print function.
+ *
+ * Memory is never read directly: a bad pointer must print "(fault)" and never
+ * crash the probed program, like the kernel's copy_from_kernel_nofault().
+ * kp_mem_read() asks the kernel to copy with process_vm_readv(2) on our own
+ * thread, which fails with EFAULT instead of faulting.  Where that system
+ * call does not exist (qemu-user), it writes the bytes into a pipe and reads
+ * them back: write(2) also reports EFAULT for an unreadable buffer.
+ */
+#include "kp_trace.h"
+#include "arch/x86_64/syscall.h"
+
+#define __NR_read 0
+#define __NR_pipe2 293
+#define __NR_process_vm_readv 310
+#define KP_EFAULT 14
+#define KP_STRING_MAX 256	/* bytes of a string argument (the kernel: MAX_STRING_SIZE) */
+
+struct kp_iovec { void *base; unsigned long len; };
+
+#define __NR_getpid 39
+
+static int kp_mem_use_pipe;
+static int kp_mem_pipe[2] = { -1, -1 };
+static long kp_mem_pipe_pid;		/* the process that made the pipe: a forked child makes its own */
+static int kp_mem_lock;
+
+static int kp_mem_read_pipe(void *dst, unsigned long addr, unsigned long len)
+{
+	int ret = 0;
+	while (__atomic_exchange_n(&kp_mem_lock, 1, __ATOMIC_ACQUIRE))
+		__builtin_ia32_pause();
+	long pid = kp_syscall3(__NR_getpid, 0, 0, 0);
+	if (kp_mem_pipe[0] >= 0 && pid != kp_mem_pipe_pid) {
+		kp_platform_close(kp_mem_pipe[0]);
+		kp_platform_close(kp_mem_pipe[1]);
+		kp_mem_pipe[0] = kp_mem_pipe[1] = -1;
+	}
+	if (kp_mem_pipe[0] < 0) {
+		if (kp_syscall3(__NR_pipe2, kp_mem_pipe, 02000000 | 04000 /* O_CLOEXEC|O_NONBLOCK */, 0) < 0)
+			ret = -KP_EFAULT;
+		kp_mem_pipe_pid = pid;
+	}
+	while (!ret && len) {
+		unsigned long chunk = len > 4096 ? 4096 : len;
+		long n = kp_syscall3(__NR_write, kp_mem_pipe[1], addr, chunk);
+		if (n <= 0) {
+			ret = -KP_EFAULT;
+			break;
+		}
+		for (long got = 0; got < n;) {
+			long r = kp_syscall3(__NR_read, kp_mem_pipe[0], (char *)dst + got, n - got);
+			if (r <= 0)
+				break;
+			got += r;
+		}
+		if ((unsigned long)n < chunk)
+			ret = -KP_EFAULT;
+		dst = (char *)dst + n;
+		addr += n;
+		len -= n;
+	}
+	__atomic_store_n(&kp_mem_lock, 0, __ATOMIC_RELEASE);
+	return ret;
+}
+
+/* 0, or -EFAULT if any byte of [addr, addr + len) cannot be read. */
+int kp_mem_read(void *dst, unsigned long addr, unsigned long len, int tid)
+{
+	if (!len)
+		return 0;
+	if (addr + len < addr || addr < 4096)
+		return -KP_EFAULT;
+	if (!kp_mem_use_pipe) {
+		struct kp_iovec local = { dst, len }, remote = { (void *)addr, len };
+		long n = kp_syscall6(__NR_process_vm_readv, tid, (long)&local, 1, (long)&remote, 1, 0);
+		if (n >= 0)
+			return (unsigned long)n == len ? 0 : -KP_EFAULT;
+		if (n == -KP_EFAULT)
+			return -KP_EFAULT;
+		kp_mem_use_pipe = 1;	/* ENOSYS (qemu-user), EPERM (seccomp)... */
+	}
+	return kp_mem_read_pipe(dst, addr, len);
+}
+
+/* --- printing into one line --------------------------------------------------------------- */
+
+void kp_line_putc(struct kp_line *l, char ch)
+{
+	if (l->p < l->end)
+		*l->p++ = ch;
+}
+
+void kp_line_puts(struct kp_line *l, const char *s)
+{
+	while (*s && l->p < l->end)
+		*l->p++ = *s++;
+}
+
+void kp_line_dec(struct kp_line *l, unsigned long v, int neg, int width, int left)
+{
+	char tmp[24];
+	int n = 0;
+	do {
+		tmp[n++] = '0' + v % 10;
+		v /= 10;
+	} while (v);
+	if (neg)
+		tmp[n++] = '-';
+	int pad = width > n ? width - n : 0;
+	if (!left)
+		while (pad-- > 0)
+			kp_line_putc(l, ' ');
+	while (n)
+		kp_line_putc(l, tmp[--n]);
+	if (left)
+		while (pad-- > 0)
+			kp_line_putc(l, ' ');
+}
+
+void kp_line_hex(struct kp_line *l, unsigned long v, int width)
+{
+	char tmp[16];
+	int n = 0;
+	do {
+		tmp[n++] = "0123456789abcdef"[v & 15];
+		v >>= 4;
+	} while (v);
+	while (width-- > n)
+		kp_line_putc(l, '0');
+	while (n)
+		kp_line_putc(l, tmp[--n]);
+}
+
+/* %pS: "sym+0xoff/0xsize" from the compiled symbol table, else the address. */
+void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset)
+{
+	unsigned long a = addr - kp_rt.bias;
+	unsigned int lo = 0, hi = kp_nsyms;
+	while (lo < hi) {
+		unsigned int mid = (lo + hi) / 2;
+		if (kp_syms[mid].addr <= a)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo && a - kp_syms[lo - 1].addr < kp_syms[lo - 1].size) {
+		const struct kp_sym *s = &kp_syms[lo - 1];
+		kp_line_puts(l, kp_symnames + s->name);
+		if (with_offset) {
+			kp_line_puts(l, "+0x");
+			kp_line_hex(l, a - s->addr, 0);
+			kp_line_puts(l, "/0x");
+			kp_line_hex(l, s->size, 0);
+		}
+		return;
+	}
+	kp_line_puts(l, "0x");
+	kp_line_hex(l, addr, 0);
+}
+
+/* A string argument: "text" (control characters escaped, so a line stays one line), or (fault). */
+static void kp_print_string(struct kp_line *l, unsigned long addr, int tid)
+{
+	char buf[KP_STRING_MAX];
+	unsigned long n = 0;
+	int done = 0;
+	while (!done && n < sizeof(buf)) {
+		unsigned long chunk = 4096 - ((addr + n) & 4095);	/* never across a page we did not ask for */
+		if (chunk > sizeof(buf) - n)
+			chunk = sizeof(buf) - n;
+		if (kp_mem_read(buf + n, addr + n, chunk, tid)) {
+			kp_line_puts(l, "(fault)");
+			return;
+		}
+		for (unsigned long i = n; i < n + chunk; i++)
+			if (!buf[i]) {
+				done = 1;
+				chunk = i - n;
+				break;
+			}
+		n += chunk;
+	}
+	kp_line_putc(l, '"');
+	for (unsigned long i = 0; i < n; i++) {
+		unsigned char ch = buf[i];
+		if (ch == '\\' || ch == '"') {
+			kp_line_putc(l, '\\');
+			kp_line_putc(l, ch);
+		} else if (ch < 0x20 || ch == 0x7f) {
+			kp_line_puts(l, ch == '\n' ? "\\n" : ch == '\t' ? "\\t" : "\\x");
+			if (ch != '\n' && ch != '\t')
+				kp_line_hex(l, ch, 2);
+		} else {
+			kp_line_putc(l, ch);
+		}
+	}
+	kp_line_putc(l, '"');
+}
+
+static void kp_print_value(struct kp_line *l, const struct kp_probe_arg *a, unsigned long v)
+{
+	unsigned int bits = a->size * 8;
+	unsigned long mask = bits >= 64 ? ~0UL : (1UL << bits) - 1;
+	switch (a->print) {
+	case KP_PRINT_U:
+		kp_line_dec(l, v & mask, 0, 0, 0);
+		break;
+	case KP_PRINT_S: {
+		long s = bits >= 64 ? (long)v : (long)(v << (64 - bits)) >> (64 - bits);
+		kp_line_dec(l, s < 0 ? -(unsigned long)s : (unsigned long)s, s < 0, 0, 0);
+		break;
+	}
+	case KP_PRINT_X:
+		kp_line_puts(l, "0x");
+		kp_line_hex(l, v & mask, 0);
+		break;
+	case KP_PRINT_CHAR:
+		kp_line_putc(l, '\'');
+		kp_line_putc(l, (char)v);
+		kp_line_putc(l, '\'');
+		break;
+	case KP_PRINT_SYMBOL:
+		kp_line_sym(l, v, 1);
+		break;
+	case KP_PRINT_SYMSTR:
+		kp_line_putc(l, '"');
+		kp_line_sym(l, v, 1);
+		kp_line_putc(l, '"');
+		break;
+	}
+}
+
+static unsigned long kp_stack_nth(struct kp_fetch_ctx *c, unsigned long n, int *fault)
+{
+	unsigned long v = 0;
+	*fault = kp_mem_read(&v, c->regs->sp + 8 * n, 8, c->tid) != 0;
+	return v;
+}
+
+/* One argument: stage 1 (a value), stage 2 (dereferences), stage 3 (store, bitfield, array). */
+void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fetch_ctx *c)
+{
+	const struct kp_fetch_insn *code = a->code, *st;
+	struct pt_regs *regs = c->regs;
+	unsigned long val = 0, lval = 0;
+	int fault = 0;
+
+	switch (code->op) {
+	case KP_FETCH_REG:
+		val = *(unsigned long *)((char *)regs + code->param);
+		break;
+	case KP_FETCH_STACK:
+		val = kp_stack_nth(c, code->param, &fault);
+		break;
+	case KP_FETCH_STACKP:
+		val = regs->sp;
+		break;
+	case KP_FETCH_RETVAL:
+		val = regs_return_value(regs);
+		break;
+	case KP_FETCH_COMM:
+		val = (unsigned long)c->comm;
+		break;
+	case KP_FETCH_ARG:
+		/* regs_get_kernel_argument(): the stack part at a function entry. */
+		if (code->param < 6)
+			val = regs_get_kernel_argument(regs, code->param);
+		else
+			val = kp_stack_nth(c, code->param - 5, &fault);
+		break;
+	case KP_FETCH_IMM:
+		val = code->imm;
+		break;
+	case KP_FETCH_IMM_LINK:
+		val = code->imm + kp_rt.bias;
+		break;
+	case KP_FETCH_DATA:
+		val = (unsigned long)code->data;
+		break;
+	default:
+		fault = 1;
+	}
+	if (fault)
+		goto fault;
+	code++;
+	while (code->op == KP_FETCH_DEREF || code->op == KP_FETCH_UDEREF) {
+		lval = val;
+		if (kp_mem_read(&val, val + code->imm, 8, c->tid))
+			goto fault;
+		code++;
+	}
+	st = code;
+	if (a->count)
+		kp_line_putc(l, '{');
+	for (unsigned int i = 0;;) {
+		const struct kp_fetch_insn *op = st;
+		unsigned long v = 0;
+		fault = 0;
+		switch (op->op) {
+		case KP_FETCH_ST_RAW:
+			v = val;
+			break;
+		case KP_FETCH_ST_MEM:
+		case KP_FETCH_ST_UMEM:
+			fault = kp_mem_read(&v, val + op->imm, op->size, c->tid) != 0;
+			break;
+		case KP_FETCH_ST_STRING:
+		case KP_FETCH_ST_USTRING:
+			if (i && kp_mem_read(&val, lval + 8 * i + st[-1].imm, 8, c->tid))
+				kp_line_puts(l, "(fault)");
+			else
+				kp_print_string(l, val + op->imm, c->tid);
+			goto next;
+		}
+		op++;
+		if (op->op == KP_FETCH_MOD_BF) {
+			unsigned int bits = op->size * 8;
+			v <<= 64 - bits + op->lshift;
+			v >>= 64 - bits + op->rshift;
+		}
+		if (fault)
+			kp_line_puts(l, "(fault)");
+		else
+			kp_print_value(l, a, v);
+next:
+		if (++i >= a->count)
+			break;
+		kp_line_putc(l, ',');
+		if (op->op != KP_FETCH_ST_STRING && op->op != KP_FETCH_ST_USTRING)
+			val += a->size;
+	}
+	if (a->count)
+		kp_line_putc(l, '}');
+	return;
+fault:
+	kp_line_puts(l, "(fault)");
+}

@@ -1,0 +1,144 @@
+/*
+ * Trace output: one line per hit of a trace event, in the format of the
+ * kernel's tracing/trace file (kernel/trace/trace_output.c and
+ * print_kprobe_event()/print_kretprobe_event() of trace_kprobe.c):
+ *
+ *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (SYM+off/size) name=value ...
+ *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (CALLER+off/size <- FUNC) name=value ...
+ *
+ * The line is built in a buffer on the stack and written with one write(2),
+ * so lines of concurrent threads never interleave.  COMM is the thread's
+ * name (prctl PR_GET_NAME), PID the thread id, CPU as vgetcpu reads it
+ * (getcpu(2) under QEMU), the time
+ * from CLOCK_MONOTONIC.  Output goes to standard error, or to the file named
+ * by KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error).
+ */
+#include "kp_trace.h"
+#include "arch/x86_64/syscall.h"
+
+#define __NR_prctl 157
+#define __NR_gettid 186
+#define __NR_clock_gettime 228
+#define __NR_getcpu 309
+#define PR_GET_NAME 16
+#define CLOCK_MONOTONIC 1
+#define KP_TRACE_LINE 2048
+
+static int kp_trace_fd = 2;
+
+/*
+ * The CPU we run on, as the vDSO's vgetcpu reads it: the limit of the per-CPU
+ * GDT segment Linux sets up (selector 0x7b, cpu | node << 12).  Where that
+ * segment does not exist (QEMU's user-mode GDT), LSL clears ZF: getcpu(2).
+ */
+static unsigned int kp_trace_cpu(void)
+{
+	unsigned int limit = 0, cpu = 0;
+	unsigned char ok;
+	__asm__ volatile("lsl %2, %0; setz %1" : "=r"(limit), "=qm"(ok) : "r"(0x7bU) : "cc");
+	if (ok)
+		return limit & 0xfff;
+	kp_syscall3(__NR_getcpu, &cpu, 0, 0);
+	return cpu;
+}
+
+static const char *kp_trace_getenv(char **envp, const char *name)
+{
+	size_t n = strlen(name);
+	for (; envp && *envp; envp++)
+		if (!strncmp(*envp, name, n) && (*envp)[n] == '=')
+			return *envp + n + 1;
+	return 0;
+}
+
+void kp_profile_signal_configure(const char *value);
+
+/* Start-up: where trace lines go; kprobe_profile on a signal. */
+void kp_trace_configure(char **envp)
+{
+	kp_profile_signal_configure(kp_trace_getenv(envp, "KPREWRITE_PROFILE_SIGNAL"));
+	const char *path = kp_trace_getenv(envp, "KPREWRITE_TRACE");
+	if (!path || !*path || !strcmp(path, "-") || !strcmp(path, "stderr"))
+		return;
+	int fd = kp_platform_open_append(path);
+	if (fd >= 0) {
+		kp_trace_fd = fd;
+		return;
+	}
+	static const char msg[] = "kprewrite: KPREWRITE_TRACE: cannot open the file; tracing to standard error\n";
+	kp_platform_write(2, msg, sizeof(msg) - 1);
+}
+
+static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
+			 unsigned long ret_addr)
+{
+	char buf[KP_TRACE_LINE];
+	char comm[17] = { 0 };
+	struct { long sec, nsec; } ts = { 0, 0 };
+	unsigned int cpu = 0;
+	struct kp_line l = { buf, buf + sizeof(buf) - 1 };
+
+	kp_syscall3(__NR_prctl, PR_GET_NAME, comm, 0);
+	int tid = (int)kp_syscall3(__NR_gettid, 0, 0, 0);
+	cpu = kp_trace_cpu();
+	kp_syscall3(__NR_clock_gettime, CLOCK_MONOTONIC, &ts, 0);
+
+	/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: " */
+	int n = (int)strlen(comm);
+	for (int i = n; i < 16; i++)
+		kp_line_putc(&l, ' ');
+	kp_line_puts(&l, comm);
+	kp_line_putc(&l, '-');
+	kp_line_dec(&l, tid, 0, 7, 1);
+	kp_line_puts(&l, " [");
+	kp_line_dec(&l, cpu / 100 % 10, 0, 0, 0);
+	kp_line_dec(&l, cpu / 10 % 10, 0, 0, 0);
+	kp_line_dec(&l, cpu % 10, 0, 0, 0);
+	kp_line_puts(&l, "] ");
+	kp_line_dec(&l, ts.sec, 0, 5, 0);
+	kp_line_putc(&l, '.');
+	unsigned long us = ts.nsec / 1000;
+	for (unsigned long d = 100000; d; d /= 10)
+		kp_line_putc(&l, '0' + us / d % 10);
+	kp_line_puts(&l, ": ");
+	kp_line_puts(&l, ev->name);
+	kp_line_puts(&l, ": ");
+	if (ev->is_return) {
+		kp_line_putc(&l, '(');
+		kp_line_sym(&l, ret_addr, 1);
+		kp_line_puts(&l, " <- ");
+		kp_line_puts(&l, ev->where);
+		kp_line_putc(&l, ')');
+	} else {
+		kp_line_puts(&l, ev->where);
+	}
+	struct kp_fetch_ctx c = { regs, comm, tid };
+	for (unsigned int i = 0; i < ev->nargs; i++) {
+		kp_line_putc(&l, ' ');
+		kp_line_puts(&l, ev->args[i].name);
+		kp_line_putc(&l, '=');
+		kp_fetch_arg(&l, &ev->args[i], &c);
+	}
+	if (l.p >= l.end)	/* truncated: still one line */
+		l.p = l.end - 3, kp_line_puts(&l, "..."), l.p = l.end;
+	*l.p++ = '\n';
+	kp_platform_write(kp_trace_fd, buf, l.p - buf);
+}
+
+void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs)
+{
+	kp_trace_hit(ev, regs, 0);
+}
+
+/*
+ * The kretprobe side: called by a return handler with pt_regs at the return
+ * (ax holds $retval), the address returned to (ri->ret_addr) and the probed
+ * function's address.  FUNC is printed from the event, like the kernel's
+ * "%ps" of tk->rp.kp.addr.
+ */
+void kp_trace_kretprobe(const struct kp_trace_event *ev, struct pt_regs *regs,
+			unsigned long ret_addr, unsigned long func_addr)
+{
+	(void)func_addr;
+	kp_trace_hit(ev, regs, ret_addr);
+}

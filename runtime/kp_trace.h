@@ -1,0 +1,84 @@
+/*
+ * Trace events compiled from kprobe_events lines and `fetch` strings: the
+ * kernel's struct fetch_insn programs (kernel/trace/trace_probe.h), emitted as
+ * data by kprewrite at rewrite time and interpreted by kp_fetch.c on each hit.
+ */
+#ifndef _KP_TRACE_H
+#define _KP_TRACE_H
+#include "kp_internal.h"
+#pragma GCC visibility push(hidden)
+
+/* enum fetch_op; the numbers are rewriter/fetch.py's OPS. */
+enum {
+	KP_FETCH_END, KP_FETCH_REG, KP_FETCH_STACK, KP_FETCH_STACKP, KP_FETCH_RETVAL,
+	KP_FETCH_COMM, KP_FETCH_ARG, KP_FETCH_IMM, KP_FETCH_IMM_LINK, KP_FETCH_DATA,
+	KP_FETCH_DEREF, KP_FETCH_UDEREF, KP_FETCH_ST_RAW, KP_FETCH_ST_MEM, KP_FETCH_ST_UMEM,
+	KP_FETCH_ST_STRING, KP_FETCH_ST_USTRING, KP_FETCH_MOD_BF, KP_FETCH_LP_ARRAY,
+};
+
+/* How a fetched value is printed (the fetch type's print function). */
+enum { KP_PRINT_U, KP_PRINT_S, KP_PRINT_X, KP_PRINT_CHAR, KP_PRINT_SYMBOL, KP_PRINT_STRING, KP_PRINT_SYMSTR };
+
+struct kp_fetch_insn {
+	unsigned char op;
+	unsigned char size;		/* bytes stored (ST_*), container bytes (MOD_BF) */
+	unsigned char lshift, rshift;	/* MOD_BF */
+	unsigned int param;		/* pt_regs offset, stack/arg index, array count */
+	long imm;			/* immediate, link-time address, dereference offset */
+	const char *data;		/* immediate string */
+};
+
+struct kp_probe_arg {
+	const char *name;
+	const struct kp_fetch_insn *code;
+	unsigned char print;		/* KP_PRINT_* */
+	unsigned char size;		/* bytes of one element */
+	unsigned short count;		/* array length; 0: a scalar */
+};
+
+struct kp_trace_event {
+	const char *name;		/* event name */
+	const char *where;		/* kprobe: "(SYM+off/size)"; kretprobe: "FUNC" */
+	const struct kp_probe_arg *args;
+	unsigned int nargs;
+	unsigned int is_return;
+};
+
+/* kallsyms for symbol/symstr types and return addresses, link-time addresses. */
+struct kp_sym { unsigned long addr, size; unsigned int name; };
+extern const struct kp_sym kp_syms[];
+extern const unsigned int kp_nsyms;
+extern const char kp_symnames[];
+
+/* What the fetch programs can read besides pt_regs. */
+struct kp_fetch_ctx {
+	struct pt_regs *regs;
+	const char *comm;
+	int tid;
+};
+
+/* Output being built: one trace line. */
+struct kp_line { char *p, *end; };
+
+/* kp_fetch.c */
+int kp_mem_read(void *dst, unsigned long addr, unsigned long len, int tid);
+void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fetch_ctx *c);
+void kp_line_puts(struct kp_line *l, const char *s);
+void kp_line_putc(struct kp_line *l, char ch);
+void kp_line_hex(struct kp_line *l, unsigned long v, int width);
+void kp_line_dec(struct kp_line *l, unsigned long v, int neg, int width, int left);
+void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset);
+
+/*
+ * kp_trace.c: one hit of a trace event.  A kprobe event calls
+ * kp_trace_kprobe() from its generated pre_handler; a kretprobe event calls
+ * kp_trace_kretprobe() from its return handler, with the return address
+ * (ri->ret_addr) and the probed function's address (rp->kp.addr).
+ */
+void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs);
+void kp_trace_kretprobe(const struct kp_trace_event *ev, struct pt_regs *regs,
+			unsigned long ret_addr, unsigned long func_addr);
+void kp_trace_configure(char **envp);
+
+#pragma GCC visibility pop
+#endif
