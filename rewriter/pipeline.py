@@ -195,6 +195,7 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     em = s.arch.emit   # layouts the clean-call template reads directly
     out.append(f"_Static_assert(sizeof(struct kprobe) == {em.KPROBE_SIZE} && "
                f"__builtin_offsetof(struct kprobe, flags) == {em.KPROBE_FLAGS} && "
+               f"sizeof(struct kretprobe) == {em.KRETPROBE_SIZE} && __builtin_offsetof(struct kretprobe, kp) == 0 && "
                f"__builtin_offsetof(struct kp_thread, active) == {em.THREAD_ACTIVE} && "
                f"__builtin_offsetof(struct kp_thread, hits) == {em.THREAD_HITS} && "
                f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK}, \"kprewrite's clean-call template is out of date\");")
@@ -329,8 +330,8 @@ def _choose_entry(s: Session, site, hobjs) -> None:
             if fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1])):
                 site.clean = False
     site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
-        and not kret.is_entry(site.probes[0]) and not kret.has_hooks(s, site) \
-        and (site.clean or bool(_pre_handler_symbol(s, site.probes[0])))
+        and not kret.has_hooks(s, site) \
+        and (kret.is_entry(site.probes[0]) or site.clean or bool(_pre_handler_symbol(s, site.probes[0])))
 
 
 def _pre_handler_symbol(s: Session, p) -> str | None:
@@ -345,11 +346,18 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
     em, opt = s.arch.emit, s.arch.optprobe
     if site.template:
         p = site.probes[0]
-        k = _probe_order(s)[id(p)]
-        pre = _pre_handler_symbol(s, p)
-        handler = sym[pre] if pre else None
-        common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=sym["kp_probes"] + k * em.KPROBE_SIZE,
-                      probe_index=k, handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr))
+        if kret.is_entry(p):
+            # rp->kp of a kretprobe: its pre_handler is pre_handler_kretprobe(), its hit
+            # counter follows the kprobes' (struct kretprobe starts with its kprobe).
+            j, nk = _kret_order(s)[id(p)], len(_probe_order(s))
+            probe, k, handler = sym["kp_kretprobes"] + j * em.KRETPROBE_SIZE, nk + j, sym["kp_pre_handler_kretprobe"]
+        else:
+            k = _probe_order(s)[id(p)]
+            probe = sym["kp_probes"] + k * em.KPROBE_SIZE
+            h = _pre_handler_symbol(s, p)
+            handler = sym[h] if h else None
+        common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=probe, probe_index=k,
+                      handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr))
         if site.clean:
             code, resume = em.clean_detour(site.index, site.dcr, at, callback=sym["kp_optimized_clean_callback"],
                                            flags_live=not opt.arith_flags_dead(s.image, p.func, site.addr), **common)
@@ -361,6 +369,11 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
               ("kp_optprobe_entry", "kp_optprobe_post_entry")
     # A DCR holding a return-probed function's exit embeds its return hook.
     return kret.site_detour(s, em, site, at, sym[entries[0]], sym[entries[1]], sym)
+
+
+def _kret_order(s: Session) -> dict[int, int]:
+    """Position of each kretprobe's entry probe in kp_kretprobes[]."""
+    return {id(p): j for j, (_, p, _) in enumerate(kret.placed(s))}
 
 
 def _probe_order(s: Session) -> dict[int, int]:

@@ -150,12 +150,9 @@ void kp_update_fast(void)
 	__atomic_store_n(&kp_fast, kp_rt.armed && kp_rt.state == 2 && kp_platform_thread_key_ready(), __ATOMIC_RELEASE);
 }
 
-/*
- * The thread block of the running thread, or NULL when probes are disarmed.
- * Slow path: before start-up (relocate first), before a static program has a
- * thread pointer, with KPREWRITE_ENABLED=0.
- */
-static __attribute__((noinline)) struct kp_thread *kp_current_thread_slow(void)
+/* Slow path of kp_current_thread() (kp_internal.h): before start-up (relocate
+ * first), before a static program has a thread pointer, with KPREWRITE_ENABLED=0. */
+__attribute__((noinline)) struct kp_thread *kp_current_thread_slow(void)
 {
 	if (kp_rt.state != 2)
 		kp_relocate();		/* a probe fired before start-up */
@@ -164,19 +161,6 @@ static __attribute__((noinline)) struct kp_thread *kp_current_thread_slow(void)
 	return kp_thread_slow(kp_platform_thread_key());
 }
 
-static inline struct kp_thread *kp_current_thread(void)
-{
-	if (likely(kp_fast)) {
-		unsigned long key = kp_platform_thread_key_fast();
-		struct kp_thread *t = kp_thread_table[KP_HASH(key)];
-		if (likely(t->key == key))
-			return t;
-		return kp_thread_slow(key);
-	}
-	return kp_current_thread_slow();
-}
-
-/* The thread lookup for code outside this file (kretprobe return paths). */
 struct kp_thread *kp_thread_current(void)
 {
 	return kp_current_thread();

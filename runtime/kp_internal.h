@@ -66,6 +66,7 @@ void kp_configure(char **envp);
 void kp_write_profile(void);
 struct kp_thread *kp_thread_slow(unsigned long key);
 void kp_update_fast(void);
+struct kp_thread *kp_current_thread_slow(void);
 
 /* Trace events (kp_trace.c). */
 void kp_trace_configure(char **envp);
@@ -157,6 +158,22 @@ int memcmp(const void *a, const void *b, size_t n);
 size_t strlen(const char *s);
 int strcmp(const char *a, const char *b);
 int strncmp(const char *a, const char *b, size_t n);
+
+/*
+ * The thread block of the running thread, or NULL when probes are disarmed:
+ * one load and one compare once kp_fast is set (the probe path inlines it).
+ */
+static inline struct kp_thread *kp_current_thread(void)
+{
+	if (__builtin_expect(kp_fast, 1)) {
+		unsigned long key = kp_platform_thread_key_fast();
+		struct kp_thread *t = kp_thread_table[KP_HASH(key)];
+		if (__builtin_expect(t->key == key, 1))
+			return t;
+		return kp_thread_slow(key);
+	}
+	return kp_current_thread_slow();
+}
 
 #pragma GCC visibility pop
 #endif

@@ -171,7 +171,7 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 {
 	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
 	unsigned long S = regs->sp;
-	struct kp_thread *t = kp_thread_current();
+	struct kp_thread *t = kp_current_thread();
 	struct kp_kret_thread *kt = t ? kp_kret_thread_of(t) : 0;
 	if (unlikely(!kt)) {
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
@@ -224,7 +224,7 @@ static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri
 void kp_kretprobe_return(struct pt_regs *regs)
 {
 	unsigned long S = regs->sp - 8;
-	struct kp_thread *t = kp_thread_current();
+	struct kp_thread *t = kp_current_thread();
 	struct kp_kret_thread *kt = t ? t->kret : 0;
 	if (!kt || !kt->depth || t->active)
 		return;
@@ -243,7 +243,7 @@ void kp_kretprobe_return(struct pt_regs *regs)
 void kp_kretprobe_tail_pending(struct pt_regs *regs)
 {
 	unsigned long S = regs->sp - 8;
-	struct kp_thread *t = kp_thread_current();
+	struct kp_thread *t = kp_current_thread();
 	struct kp_kret_thread *kt = t ? t->kret : 0;
 	if (!kt || !kt->depth)
 		return;
@@ -262,7 +262,7 @@ void kp_kretprobe_tail_pending(struct pt_regs *regs)
 void kp_kretprobe_tail_swap(struct pt_regs *regs)
 {
 	unsigned long S = regs->sp - 8;
-	struct kp_thread *t = kp_thread_current();
+	struct kp_thread *t = kp_current_thread();
 	struct kp_kret_thread *kt = t ? t->kret : 0;
 	if (!kt || !kt->depth)
 		return;
@@ -313,7 +313,7 @@ static void kp_kret_fatal(const char *msg)
 unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 {
 	unsigned long S = regs->sp - 8;
-	struct kp_thread *t = kp_thread_current();
+	struct kp_thread *t = kp_current_thread();
 	struct kp_kret_thread *kt = t ? t->kret : 0;
 	if (unlikely(!kt)) {
 		unsigned long ret = kp_real_ret_elsewhere(S);

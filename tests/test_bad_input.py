@@ -105,9 +105,19 @@ def test_every_failing_probe_named(tmp_path, prog):
     assert len(lines) == 2
 
 
-def test_not_supported_yet(tmp_path, prog):
-    spec = write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "work"\nfetch = "$retval"\n')
-    assert fails(tmp_path, prog, spec) == ["kprewrite: probes.toml: [[kretprobe]] #1: 'fetch' is not supported yet"]
+def test_fetch_on_a_kretprobe_and_its_syntax_error(tmp_path, prog):
+    """`fetch` on [[kretprobe]] compiles for the return ($retval); $retval on a
+    kprobe is refused with the kernel's error and column."""
+    from conftest import run
+    spec = write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "work"\nfetch = "ret=$retval:s32"\n')
+    out = tmp_path / "ok"
+    kprewrite("instrument", prog, "--spec", spec, "-o", out)
+    r = run(out)
+    assert r.returncode == 0 and r.stdout == "18\n"
+    assert r.stderr.count(": r_work_0: (main+0x") == 1 and "<- work) ret=4\n" in r.stderr, r.stderr
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\nfetch = "ret=$retval"\n', name="bad.toml")
+    lines = fails(tmp_path, prog, spec, "bad.toml: [[kprobe]] #1: fetch")
+    assert "Traceback" not in "\n".join(lines)
 
 
 def test_list_on_plain_binary(tmp_path, prog):

@@ -126,6 +126,7 @@ def ret_stub(at: int, fn: int) -> bytes:
 # asserts them (_Static_assert) so a change in the C structures fails the build.
 KPROBE_SIZE = 72             # sizeof(struct kprobe)
 KPROBE_FLAGS = 48            # offsetof(struct kprobe, flags)
+KRETPROBE_SIZE = 128         # sizeof(struct kretprobe), whose kprobe comes first
 THREAD_ACTIVE = 16           # offsetof(struct kp_thread, active)
 THREAD_HITS = 32             # offsetof(struct kp_thread, hits)
 THREAD_TABLE_MASK = 8191     # KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask
