@@ -318,6 +318,7 @@ def _choose_entry(s: Session, site, hobjs) -> None:
     (handler_abi reads their compiled code).  The inlined template (dispatch in
     the detour) where the site has one probe and no post_handler."""
     site.clean = True
+    site.clobbers = set()
     for p in site.probes:
         if kret.is_entry(p):
             site.clean = False          # pre_handler_kretprobe() reads regs->sp
@@ -329,6 +330,8 @@ def _choose_entry(s: Session, site, hobjs) -> None:
             fn = link.object_function(hobjs, s.handler_symbols[name])
             if fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1])):
                 site.clean = False
+            written = s.arch.handler_abi.clobbered_scratch(fn[1], fn[0]) if fn else None
+            site.clobbers = None if written is None or site.clobbers is None else site.clobbers | written
     site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
         and not kret.has_hooks(s, site) \
         and (kret.is_entry(site.probes[0]) or site.clean or bool(_pre_handler_symbol(s, site.probes[0])))
@@ -360,7 +363,8 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
                       handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr))
         if site.clean:
             code, resume = em.clean_detour(site.index, site.dcr, at, callback=sym["kp_optimized_clean_callback"],
-                                           flags_live=not opt.arith_flags_dead(s.image, p.func, site.addr), **common)
+                                           flags_live=not opt.arith_flags_dead(s.image, p.func, site.addr),
+                                           handler_clobbers=site.clobbers, **common)
         else:
             code, resume = em.full_detour(site.index, site.dcr, at, callback=sym["kp_optimized_callback"],
                                           resume_regs=sym["kp_optprobe_resume_regs"], **common)

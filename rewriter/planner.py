@@ -32,6 +32,7 @@ class Site:
     detour_code: bytes = b""
     clean: bool = False              # clean call: no handler here reads pt_regs
     template: bool = False           # clean, one probe, no post_handler: dispatch inlined in the detour
+    clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
     xol: object = None               # INT3 fallback: the arch's out-of-line plan (kprobe_xol.Xol)
 
     @property

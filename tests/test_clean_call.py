@@ -192,3 +192,29 @@ def test_full_template_writes_registers_and_flags(tmp_path, runner):
     # regs->di written for one call; the ID flag (not arithmetic) set through popfq.
     assert r.returncode == 0 and r.stdout == f"{sum(2 * i for i in range(100)) - 14 + 2000} 1\n", r.stderr
     assert profile(r.stderr)["p_twice_0"] == (100, 0)
+
+
+LEAF_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+/* A leaf: no call, so kprewrite knows exactly which scratch registers it writes
+   (rcx r8 r11 and the flags) and the template saves only those and its own. */
+static unsigned long n;
+int leaf(struct kprobe *p, struct pt_regs *regs)
+{
+    __asm__ volatile("mov $-1,%%rcx; mov $-1,%%r8; mov $-1,%%r11; cmp %%rcx,%%rcx" ::: "rcx", "r8", "r11", "cc");
+    n++;
+    return 0;
+}
+"""
+
+
+def test_template_saves_what_a_leaf_handler_writes(tmp_path, runner):
+    prog = cc(tmp_path, "prog", PROG, "-O2")
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "live"\noffset = 48\n'
+                      'pre_handler = "leaf"\n', LEAF_HANDLERS)
+    out = instrument(prog, spec)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    # The first hit of the thread takes the slow path (the C callback clobbers every
+    # scratch register), the others the fast path: both keep every live value.
+    assert r.returncode == 0 and r.stdout == EXPECTED, r.stderr
+    assert profile(r.stderr)["p_live_48"] == (12, 0)

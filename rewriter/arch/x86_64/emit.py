@@ -227,28 +227,33 @@ def _dcr_and_back(c: _Code, dcr: list[DcrInsn]) -> int:
 
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
                  probe_index: int, handler: int | None, callback: int,
-                 flags_live: bool, aligned: bool) -> tuple[bytes, int]:
+                 flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
     common case inlined (_dispatch_fast_path); anything else calls the generic
-    clean callback.  Only the registers a C call clobbers are saved, the
-    arithmetic flags only where they are live, and the stack is realigned only
-    where its alignment is not fixed by the ABI.
+    clean callback.  Only call-clobbered registers are saved: on the fast path
+    those the template and the handler write (handler_clobbers, None: unknown,
+    so all of them), on the slow path the rest before calling into C.  The
+    arithmetic flags are saved only where they are live, and the stack is
+    realigned only where its alignment is not fixed by the ABI.
     Returns (code, resume): where the relocated DCR starts."""
+    used = {"rax", "rdx", "rdi"} | (set() if aligned else {"rcx"})
+    fast_saves = [r for r in _SCRATCH if r in used or handler_clobbers is None or r in handler_clobbers]
+    slow_saves = [r for r in _SCRATCH if r not in fast_saves]
+    slot = {r: 8 * i for i, r in enumerate(_SCRATCH)}
     c = _Code(at)
     c.a(f"lea rsp, [rsp - {CLEAN_FRAME:#x}]")
     c.a("mov qword ptr [rsp], rax")
     if flags_live:
         c.a("seto al; lahf; mov word ptr [rsp + 72], ax")
-    for i, reg in enumerate(_SCRATCH[1:], 1):
-        c.a(f"mov qword ptr [rsp + {8 * i}], {reg}")
+    for reg in fast_saves[1:]:
+        c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
     to_slow, to_restore = _dispatch_fast_path(c, fast, table, probe, probe_index,
                                               "[rsp + 80]" if handler is not None else None)
     if handler is not None:
         if not aligned:
             c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
-        c.rip("lea rdi, [rip + {d}]", probe)
-        c.a("xor esi, esi")
+        c.rip("lea rdi, [rip + {d}]", probe)        # the handler never reads regs (%rsi)
         c.call(handler)
         if not aligned:
             c.a("mov rsp, qword ptr [rsp + 8]")
@@ -256,17 +261,21 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     restore = c.pc
     if flags_live:
         c.a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
-    for i, reg in enumerate(_SCRATCH):
-        c.a(f"mov {reg}, qword ptr [rsp + {8 * i}]")
+    for reg in fast_saves:
+        c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
     c.a(f"lea rsp, [rsp + {CLEAN_FRAME:#x}]")
     resume = _dcr_and_back(c, dcr)
     slow = c.pc
+    for reg in slow_saves:
+        c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
     c.a(f"mov edi, {site:#x}")
     if not aligned:
         c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
     c.call(callback)
     if not aligned:
         c.a("mov rsp, qword ptr [rsp + 8]")
+    for reg in slow_saves:
+        c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
     c.fix([c.jcc(-1)], restore)
     c.fix(to_slow, slow)
     c.fix(to_restore, restore)

@@ -131,3 +131,45 @@ def vector_use(code: bytes, start: int) -> int | None:
         if any(_VECTOR_REG.match(ci.reg_name(r) or "") for r in (*read, *written)):
             return ci.address
     return None
+
+
+SCRATCH = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")   # what a C call may clobber
+_PARENT = {}
+for _r in ("ax", "cx", "dx"):
+    for _n in (f"r{_r}", f"e{_r}", _r, _r[0] + "l", _r[0] + "h"):
+        _PARENT[_n] = f"r{_r}"
+for _r in ("si", "di"):
+    for _n in (f"r{_r}", f"e{_r}", _r, _r + "l"):
+        _PARENT[_n] = f"r{_r}"
+for _i in (8, 9, 10, 11):
+    for _s in ("", "d", "w", "b"):
+        _PARENT[f"r{_i}{_s}"] = f"r{_i}"
+
+
+def clobbered_scratch(code: bytes, start: int) -> set[str] | None:
+    """The call-clobbered registers a leaf function writes (code loaded at
+    `start`), or None when that cannot be known: it calls, makes a system call,
+    or jumps out of itself.  Lets the clean-call template save only those."""
+    out: set[str] = set()
+    end = start
+    for ci in _cs.disasm(code, start):
+        end = ci.address + ci.size
+        groups = set(ci.groups)
+        if groups & {capstone.CS_GRP_CALL, capstone.CS_GRP_INT, capstone.CS_GRP_IRET} or \
+                ci.mnemonic in ("syscall", "sysenter"):
+            return None
+        if capstone.CS_GRP_JUMP in groups:
+            t = _target(ci)
+            if t is None or not start <= t < start + len(code):
+                return None
+        try:
+            _, written = ci.regs_access()
+        except capstone.CsError:
+            return None
+        for r in written:
+            parent = _PARENT.get(ci.reg_name(r) or "")
+            if parent:
+                out.add(parent)
+    if end != start + len(code):
+        return None                              # not all of it decodes
+    return out
