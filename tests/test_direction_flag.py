@@ -47,3 +47,20 @@ def subprocess_nm(path):
         if len(parts) == 3:
             out[parts[2]] = parts[0]
     return out
+
+
+def test_probe_where_df_is_set_runs_as_a_breakpoint(tmp_path, runner):
+    """A probe on the `rep movsb` itself (DF = 1 there) becomes an int3 probe: the
+    handler runs with DF clear, and the copy goes on backwards."""
+    from conftest import instrument, profile, run
+    prog = cc(tmp_path, "prog", PROG, "-O2")
+    assert run(prog).stdout == "ababcdef\n"
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "back_copy"\noffset = 14\n'
+                      'pre_handler = "h"\n',
+                      '#include <kprewrite/kprobes.h>\n'
+                      'int h(struct kprobe *p, struct pt_regs *regs) { pr_info("df=%lu\\n", (regs->flags >> 10) & 1); return 0; }\n')
+    line = kprewrite("check", prog, "--spec", spec).stdout.strip()
+    assert "  int3  " in line, line
+    r = run(instrument(prog, spec), runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == "ababcdef\n", r.stderr
+    assert "df=1\n" in r.stderr and profile(r.stderr)["p_back_copy_14"] == (1, 0)
