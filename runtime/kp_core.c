@@ -242,7 +242,6 @@ kp_post_dispatch(unsigned long site_index, struct pt_regs *regs)
 	struct kp_thread *t = kp_current_thread();
 	if (unlikely(!t || t->active))
 		return KP_RESUME_DETOUR;	/* the pre half already counted the miss */
-	struct kprobe *const *pp = &kp_site_probes[s->first];
 	unsigned long sp = 0, flags = 0;
 	if (regs) {
 		sp = regs->sp;
@@ -250,11 +249,7 @@ kp_post_dispatch(unsigned long site_index, struct pt_regs *regs)
 		regs->ip = s->post_ip;
 	}
 	t->active = 1;
-	for (unsigned int i = 0; i < s->count; i++) {
-		struct kprobe *p = pp[i];
-		if (!kprobe_disabled(p) && p->post_handler)
-			p->post_handler(p, regs, 0);
-	}
+	kp_run_post_handlers(s, regs);
 	t->active = 0;
 	if (!regs)
 		return KP_RESUME_DETOUR;

@@ -159,6 +159,15 @@ size_t strlen(const char *s);
 int strcmp(const char *a, const char *b);
 int strncmp(const char *a, const char *b, size_t n);
 
+/* aggr_post_handler(): every enabled post_handler of the site, in spec order. */
+static inline void kp_run_post_handlers(const struct kp_site *s, struct pt_regs *regs)
+{
+	struct kprobe *const *pp = &kp_site_probes[s->first];
+	for (unsigned int i = 0; i < s->count; i++)
+		if (!kprobe_disabled(pp[i]) && pp[i]->post_handler)
+			pp[i]->post_handler(pp[i], regs, 0);
+}
+
 /*
  * The thread block of the running thread, or NULL when probes are disarmed:
  * one load and one compare once kp_fast is set (the probe path inlines it).

@@ -53,12 +53,7 @@ void kp_trap_post(struct kp_site *s, struct pt_regs *regs)
 	struct kp_thread *t = kp_trap_thread();
 	if (unlikely(!t || t->active))
 		return;
-	struct kprobe *const *pp = &kp_site_probes[s->first];
 	t->active = 1;
-	for (unsigned int i = 0; i < s->count; i++) {
-		struct kprobe *p = pp[i];
-		if (!kprobe_disabled(p) && p->post_handler)
-			p->post_handler(p, regs, 0);
-	}
+	kp_run_post_handlers(s, regs);
 	t->active = 0;
 }

@@ -74,14 +74,16 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
 
 
 def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
-           entry: int, post_entry: int) -> tuple[bytes, int, int]:
+           entry: int, post_entry: int, copy=None) -> tuple[bytes, int, int]:
     """The detour buffer of one site.  Returns (code, resume, resume_post): where
-    the DCR copy starts and where the part after the post_handler starts."""
+    the DCR copy starts and where the part after the post_handler starts.
+    copy(insn, at): how to copy one DCR instruction (default: relocate)."""
+    copy = copy or relocate
     out = bytearray(probe_stub(site, entry, at))
     resume = at + len(out)
     resume_post = resume
     for i, insn in enumerate(dcr):
-        out += relocate(insn, at + len(out))
+        out += copy(insn, at + len(out))
         if i == 0 and with_post:
             out += probe_stub(site, post_entry, at + len(out))
             resume_post = at + len(out)

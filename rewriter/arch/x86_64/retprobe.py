@@ -229,19 +229,10 @@ def site_detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: 
     """emit.detour() for a kprobe site whose DCR holds exits of a return-probed
     function (a short function: the entry's region reaches its ret): each exit
     in the copy calls its return hook first."""
-    from .emit import probe_stub
-    out = bytearray(probe_stub(site, entry, at))
-    resume = at + len(out)
-    resume_post = resume
-    for i, insn in enumerate(dcr):
+    from .emit import detour
+
+    def copy(insn, pos):
         if insn.addr in hooks:
-            out += hook_then_exit(insn, hooks[insn.addr], at + len(out))
-        else:
-            out += relocate(insn, at + len(out))
-        if i == 0 and with_post:
-            out += probe_stub(site, post_entry, at + len(out))
-            resume_post = at + len(out)
-    back = dcr[-1].addr + len(dcr[-1].code)
-    pos = at + len(out)
-    out += b"\xe9" + _s32(back - (pos + 5), "jmp back")
-    return bytes(out), resume, resume_post
+            return hook_then_exit(insn, hooks[insn.addr], pos)
+        return relocate(insn, pos)
+    return detour(site, dcr, with_post, at, entry, post_entry, copy)
