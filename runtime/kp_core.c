@@ -186,12 +186,8 @@ kp_pre_dispatch(unsigned long site_index, struct pt_regs *regs)
 	struct kp_thread *t = kp_current_thread();
 	if (unlikely(!t))
 		return KP_RESUME_DETOUR;
-	struct kprobe *const *pp = &kp_site_probes[s->first];
-	unsigned int n = s->count;
 	if (unlikely(t->active)) {
-		for (unsigned int i = 0; i < n; i++)
-			if (!kprobe_disabled(pp[i]))
-				__atomic_fetch_add(&pp[i]->nmissed, 1, __ATOMIC_RELAXED);
+		kp_count_missed(s);
 		return KP_RESUME_DETOUR;
 	}
 	unsigned long sp = 0, flags = 0, ip = s->addr + 1;	/* as if the int3 had trapped */
@@ -201,17 +197,7 @@ kp_pre_dispatch(unsigned long site_index, struct pt_regs *regs)
 		regs->ip = ip;
 	}
 	t->active = 1;
-	long stop = 0;
-	for (unsigned int i = 0; i < n; i++) {
-		struct kprobe *p = pp[i];
-		if (kprobe_disabled(p))
-			continue;
-		t->hits[p->index]++;
-		if (p->pre_handler && p->pre_handler(p, regs)) {
-			stop = 1;	/* the first non-zero return ends the chain */
-			break;
-		}
-	}
+	int stop = kp_run_pre_handlers(t, s, regs);
 	t->active = 0;
 	if (!regs)
 		return KP_RESUME_DETOUR;

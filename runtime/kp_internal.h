@@ -159,6 +159,32 @@ size_t strlen(const char *s);
 int strcmp(const char *a, const char *b);
 int strncmp(const char *a, const char *b, size_t n);
 
+/* kprobes_inc_nmissed_count(): a hit while a handler runs on this thread. */
+static inline __attribute__((always_inline)) void kp_count_missed(const struct kp_site *s)
+{
+	struct kprobe *const *pp = &kp_site_probes[s->first];
+	for (unsigned int i = 0; i < s->count; i++)
+		if (!kprobe_disabled(pp[i]))
+			__atomic_fetch_add(&pp[i]->nmissed, 1, __ATOMIC_RELAXED);
+}
+
+/* aggr_pre_handler(): count each enabled probe's hit and run its pre_handler,
+ * in spec order; 1 when one returned non-zero (that ends the chain). */
+static inline __attribute__((always_inline)) int
+kp_run_pre_handlers(struct kp_thread *t, const struct kp_site *s, struct pt_regs *regs)
+{
+	struct kprobe *const *pp = &kp_site_probes[s->first];
+	for (unsigned int i = 0; i < s->count; i++) {
+		struct kprobe *p = pp[i];
+		if (kprobe_disabled(p))
+			continue;
+		t->hits[p->index]++;
+		if (p->pre_handler && p->pre_handler(p, regs))
+			return 1;
+	}
+	return 0;
+}
+
 /* aggr_post_handler(): every enabled post_handler of the site, in spec order. */
 static inline void kp_run_post_handlers(const struct kp_site *s, struct pt_regs *regs)
 {
