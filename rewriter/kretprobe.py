@@ -278,10 +278,10 @@ def emit_sites(s, sym, put, patches) -> None:
 
 def placed(s) -> list[tuple[object, EntryProbe, Group]]:
     out = []
+    by_addr = {x.addr: x for x in s.plan.sites}
     for g in s.kret.groups if s.kret else []:
-        site = next(x for x in s.plan.sites if x.addr == g.entry)
         for p in g.probes:
-            out.append((site, p, g))
+            out.append((by_addr[g.entry], p, g))
     out.sort(key=lambda t: t[1].index)
     return out
 

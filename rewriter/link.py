@@ -257,7 +257,6 @@ def read_blob(raw: bytes, path: Path) -> Blob:
             if s["st_info"]["type"] == "STT_FUNC" and s["st_size"]:
                 sizes[s["st_value"]] = max(sizes.get(s["st_value"], 0), s["st_size"])
     secs = [(s.name, s["sh_type"], s["sh_flags"], s["sh_addr"], s["sh_size"], s["sh_offset"]) for s in e.iter_sections()]
-    image = bytearray()
 
     def vaddr_bytes(lo, hi):
         buf = bytearray(hi - lo)
@@ -267,7 +266,6 @@ def read_blob(raw: bytes, path: Path) -> Blob:
                 buf[a - lo:b - lo] = raw[off + a - addr:off + b - addr]
         return buf
 
-    text_lo = syms.get("__kp_rela_start")  # sanity only
     text_addr = min(addr for name, typ, flags, addr, size, off in secs if name == ".text")
     text_end = syms["__kp_rela_end"]
     data_lo, data_hi = syms["__kp_data_start"], syms["__kp_data_end"]

@@ -7,7 +7,7 @@ import json
 import os
 import struct
 import tempfile
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +41,9 @@ class Session:
     handler_symbols: dict | None = None    # handler name -> link symbol
     handler_exports: dict | None = None    # C source -> names it exports
     probe_order: dict | None = None        # id(probe) -> index in kp_probes[]
+    kret_order: dict | None = None         # id(entry probe) -> index in kp_kretprobes[]
     kret: object = None                    # kretprobe.KretPlan: return sites
     traces: dict | None = None             # probe index ("rN" for kretprobes) -> events.TraceEvent
-
-
-def unsupported(spec: Spec) -> list[str]:
-    name = spec.path.name
-    out: list[str] = []               # everything in the spec is supported
-    return out
 
 
 def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: bool = True) -> Session:
@@ -56,7 +51,6 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     otherwise they stay in the plan to be printed (check)."""
     spec = load_spec(spec_path)
     errors = ev_mod.expand(spec)        # kprobe_events lines become probe tables
-    errors += unsupported(spec)
     image = Image(input_path)
     arch = get_arch(image.machine)
     probes, res_errors = resolve(image, spec, arch)
@@ -162,7 +156,6 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
     order = {id(p): i for i, (_, p) in enumerate(placed)}
     out = ['#include "kp_internal.h"']
     for name in sorted(set(link_sym.values())):
-        kind = [k for k, v in link_sym.items() if v == name][0]
         out.append(f"extern char {name}[];")
     out.append(f"struct kprobe kp_probes[{max(1, len(placed))}] = {{")
     for site, p in placed:
@@ -377,7 +370,9 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
 
 def _kret_order(s: Session) -> dict[int, int]:
     """Position of each kretprobe's entry probe in kp_kretprobes[]."""
-    return {id(p): j for j, (_, p, _) in enumerate(kret.placed(s))}
+    if s.kret_order is None:
+        s.kret_order = {id(p): j for j, (_, p, _) in enumerate(kret.placed(s))}
+    return s.kret_order
 
 
 def _probe_order(s: Session) -> dict[int, int]:
@@ -434,7 +429,7 @@ def read_metadata(path: str) -> dict:
             return json.loads(sec.data())
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError):
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 
