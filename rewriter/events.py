@@ -236,20 +236,29 @@ def _args_text(k) -> tuple[str, list[tuple[str, int]]]:
     return k.fetch, F.split_args(k.fetch)
 
 
-def compile_probe(image, arch, p, spec_name: str) -> tuple[TraceEvent | None, list[str]]:
-    """The trace event of one resolved kprobe (resolve.Probe) with `fetch` or from a `p` line."""
-    k = p.spec
+def _parse_fetch(image, k, spec_name: str, flags) -> tuple[list | None, list[str]]:
+    """A probe table's FETCHARGS parsed and its @SYMs resolved: (args, []), or
+    (None, error lines with the column); (None, []) without fetch."""
     if k.fetch is None:
         return None, []
     text, words = _args_text(k)
-    fentry = p.func is not None and p.addr == arch.optprobe.adjust_kprobe_addr(image, p.func.start, 0)
     is_event = getattr(k, "event", None) is not None
     where = f"{spec_name}: {k.table}" + ("" if is_event else ": fetch")
     try:
-        args = F.parse_args(words, F.ParseFlags(is_return=False, fentry=fentry))
+        args = F.parse_args(words, flags)
         F.resolve_symbols(args, image)
     except F.FetchError as e:
         return None, caret_lines(where, text, e.column, e.message)
+    return args, []
+
+
+def compile_probe(image, arch, p, spec_name: str) -> tuple[TraceEvent | None, list[str]]:
+    """The trace event of one resolved kprobe (resolve.Probe) with `fetch` or from a `p` line."""
+    k = p.spec
+    fentry = p.func is not None and p.addr == arch.optprobe.adjust_kprobe_addr(image, p.func.start, 0)
+    args, err = _parse_fetch(image, k, spec_name, F.ParseFlags(is_return=False, fentry=fentry))
+    if args is None:
+        return None, err
     f = p.func
     loc = f"({f.name}+{p.addr - f.start:#x}/{f.end - f.start:#x})" if f else f"({p.addr:#x})"
     return TraceEvent(p.event_name, loc, args), []
@@ -258,22 +267,11 @@ def compile_probe(image, arch, p, spec_name: str) -> tuple[TraceEvent | None, li
 def compile_return(image, k, func, spec_name: str) -> tuple[TraceEvent | None, list[str]]:
     """The trace event of a kretprobe (an `r` line, or a [[kretprobe]] with `fetch`) on
     function `func` (image.Function): FETCHARGS parsed for a return probe ($retval).
-
-    Wiring, once kretprobes are planned: key the event "r<probe index>" in
-    Session.traces (next to the kprobes' int keys), give that kretprobe
-    `.handler = kp_trace_ret_r<index>` in its struct kretprobe (trace_c() defines
-    it; it runs the trace line, then the user's handler from user_syms), and drop
-    the "not supported yet" refusals of `fetch` on kretprobes and of `r` events."""
-    if k.fetch is None:
-        return None, []
-    text, words = _args_text(k)
-    is_event = getattr(k, "event", None) is not None
-    where = f"{spec_name}: {k.table}" + ("" if is_event else ": fetch")
-    try:
-        args = F.parse_args(words, F.ParseFlags(is_return=True, fentry=False))
-        F.resolve_symbols(args, image)
-    except F.FetchError as e:
-        return None, caret_lines(where, text, e.column, e.message)
+    The pipeline keys it "r<probe index>" in Session.traces; trace_c() then defines
+    kp_trace_ret_r<index>, the kretprobe's handler, which runs the user's after it."""
+    args, err = _parse_fetch(image, k, spec_name, F.ParseFlags(is_return=True, fentry=False))
+    if args is None:
+        return None, err
     name = k.name or _sanitize(f"r_{func.name}_0")
     return TraceEvent(name, func.name, args, is_return=True), []
 
