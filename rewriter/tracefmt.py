@@ -156,13 +156,18 @@ def read(path: str) -> list[Record]:
                 lines = f.readlines()
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
-    out = []
+    out, other = [], 0
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         r = parse_line(line)
         if r is not None:        # other output of the program (its own stderr) is skipped
             out.append(r)
+        else:
+            other += 1
+    if other and not out:        # text, but not one trace line: the wrong file
+        raise KprewriteError(f"{path}: no trace lines in it ({other} other lines); "
+                             "expected the output of KPREWRITE_TRACE or standard error of a rewritten program")
     return out
 
 

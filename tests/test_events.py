@@ -549,3 +549,13 @@ def test_trace_command_input(tmp_path):
     r = kprewrite("trace", tmp_path / "missing.txt", check=False)
     assert r.returncode == 1 and r.stderr.startswith("kprewrite: ") and "cannot read" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_trace_of_a_file_without_trace_lines(tmp_path, prog):
+    """The wrong file (here the program itself) is one clear line, not an empty timeline;
+    an empty trace (no hits) is still a valid, empty one."""
+    r = kprewrite("trace", prog, "--format", "chrome", "-o", tmp_path / "t.json", check=False)
+    assert r.returncode != 0 and not (tmp_path / "t.json").exists()
+    assert len(r.stderr.strip().splitlines()) == 1 and "no trace lines in it" in r.stderr
+    (tmp_path / "empty.txt").write_text("")
+    assert kprewrite("trace", tmp_path / "empty.txt").stdout == ""
