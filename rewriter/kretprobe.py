@@ -26,6 +26,10 @@ OPTIMIZED, TRAMPOLINE = "optimized", "trampoline"
 MODE_C = {OPTIMIZED: 0, TRAMPOLINE: 1}
 HOOK_RET, HOOK_PENDING, HOOK_SWAP = "kp_kretprobe_ret_entry", "kp_kretprobe_tail_pending_entry", "kp_kretprobe_tail_swap_entry"
 HOOK_RET_JMP = "kp_kretprobe_ret_jmp_entry"       # HOOK_RET reached by jmp before a plain ret
+# The clean return hook (only scratch registers saved) of a function whose
+# kretprobes' handlers never read regs; and its jmp form.
+HOOK_RET_CLEAN, HOOK_RET_CLEAN_JMP = "kp_kretprobe_ret_clean_entry", "kp_kretprobe_ret_clean_jmp_entry"
+JMP_FORM = {HOOK_RET: HOOK_RET_JMP, HOOK_RET_CLEAN: HOOK_RET_CLEAN_JMP}
 
 # kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
 # its caller): functions whose return does not match their call.
@@ -51,6 +55,7 @@ class EntryProbe(Probe):
     """The entry half of a kretprobe: rp->kp."""
     kret: object = None          # KretprobeSpec
     kind: str = "r"
+    ret_clean: bool = False      # its handler never reads regs (emission decides)
 
     @property
     def event_name(self) -> str:
@@ -82,6 +87,7 @@ class Group:
     probes: list[EntryProbe]
     mode: str = OPTIMIZED
     reason: object = None
+    ret_clean: bool = False      # no handler of its kretprobes reads regs at return (emission decides)
     exits: list = field(default_factory=list)
     sites: list[RetSite] = field(default_factory=list)
     embedded: list = field(default_factory=list)     # (kprobe Site, Exit)
@@ -92,6 +98,7 @@ class KretPlan:
     groups: list[Group] = field(default_factory=list)
     sites: list[RetSite] = field(default_factory=list)
     site_hooks: dict = field(default_factory=dict)    # kprobe site addr -> {exit addr: hook symbol}
+    ret_templates: dict = field(default_factory=dict)  # exit addr -> inlined clean hook's parameters
     _hooked: set = field(default_factory=set)         # starts of functions with every exit hooked
 
     def hook_of(self, g: Group, e) -> str:
@@ -251,14 +258,68 @@ def site_detour(s, em, site, at, entry, post_entry, sym=None):
     hooks = s.kret.site_hooks.get(site.addr) if s.kret else None
     if not hooks:
         return em.detour(site.index, site.dcr, site.with_post, at, entry, post_entry)
-    addrs = {a: _hook(n, sym, at) for a, n in hooks.items()}
+    addrs = {a: _hook(s, n, sym, at, a) for a, n in hooks.items()}
     return s.arch.retprobe.site_detour(site.index, site.dcr, site.with_post, at, entry, post_entry, addrs)
 
 
-def _hook(name: str, sym, at: int) -> tuple[int, int | None]:
-    """(call target, jmp target for a plain ret) of a hook; placeholders before linking."""
+def site_copy(s, site, at, sym):
+    """For a per-site template: how to copy the DCR (None: plain relocation)."""
+    hooks = s.kret.site_hooks.get(site.addr) if s.kret else None
+    if not hooks:
+        return None
+    return s.arch.retprobe.hook_copy({a: _hook(s, n, sym, at, a) for a, n in hooks.items()})
+
+
+def _hook(s, name: str, sym, at: int, exit_addr: int):
+    """How the exit at exit_addr reaches its hook: (call target, jmp target for
+    a plain ret), or the inlined template; placeholders before linking."""
     addr = (lambda n: sym[n]) if sym else (lambda n: at + 0x1000000)
-    return addr(name), (addr(HOOK_RET_JMP) if name == HOOK_RET else None)
+    jmp = JMP_FORM.get(name)
+    hook = addr(name), (addr(jmp) if jmp else None)
+    tpl = s.kret.ret_templates.get(exit_addr) if name == HOOK_RET_CLEAN else None
+    if tpl is None:
+        return hook
+    em = s.arch.emit
+    rp = addr("kp_kretprobes") + tpl["index"] * em.KRETPROBE_SIZE
+    return lambda exit, pos: s.arch.retprobe.clean_ret_hook(
+        exit, pos, fast=addr("kp_fast"), table=addr("kp_thread_table"), rp=rp,
+        handler=addr(tpl["handler"]) if tpl["handler"] else None, return_c=addr("kp_kretprobe_return_clean"),
+        full_hook=(addr(HOOK_RET), addr(HOOK_RET_JMP)), aligned=tpl["aligned"], handler_clobbers=tpl["clobbers"])
+
+
+def choose_return_hooks(s, ret_clean, handler_info) -> None:
+    """Clean return hooks for functions whose kretprobes' handlers never read
+    regs at return; ret_clean(entry probe) says so for one kretprobe.  A
+    function with one such kretprobe gets the hook inlined at each ret (the
+    per-site template, clean_ret_hook); handler_info(name) gives the
+    handler's (link symbol, clobbered scratch registers or None)."""
+    kp = s.kret
+    if kp is None:
+        return
+    index = {id(p): j for j, (_, p, _) in enumerate(placed(s))}
+    for g in kp.groups:
+        for p in g.probes:
+            p.ret_clean = ret_clean(p)
+        g.ret_clean = all(p.ret_clean for p in g.probes)
+        if not g.ret_clean:
+            continue
+        exits = [(rs.exit.addr, rs) for rs in g.sites] + [(e.addr, None) for _, e in g.embedded]
+        tpl = None
+        if len(g.probes) == 1 and g.mode == OPTIMIZED:
+            p = g.probes[0]
+            sym, clobbers = handler_info(p.kret.handler) if p.kret.handler else (None, set())
+            tpl = {"index": index[id(p)], "handler": sym, "clobbers": clobbers,
+                   "aligned": s.arch.optprobe.stack_aligned_at(s.image, g.func, g.func.start)}
+        for rs in g.sites:
+            if rs.hook == HOOK_RET:
+                rs.hook = HOOK_RET_CLEAN
+        for host, e in g.embedded:
+            hooks = kp.site_hooks[host.addr]
+            if hooks[e.addr] == HOOK_RET:
+                hooks[e.addr] = HOOK_RET_CLEAN
+        if tpl is not None:
+            for a, _ in exits:
+                kp.ret_templates[a] = tpl
 
 
 def layout(s, pos: int) -> int:
@@ -266,14 +327,18 @@ def layout(s, pos: int) -> int:
     for rs in s.kret.sites if s.kret else []:
         pos = (pos + 15) & ~15
         rs.detour = pos
-        pos += len(s.arch.retprobe.ret_detour(rs.dcr, _hook(rs.hook, None, pos), pos))
+        pos += len(s.arch.retprobe.ret_detour(rs.dcr, _hook(s, rs.hook, None, pos, rs.exit.addr), pos))
     return pos
 
 
 def emit_sites(s, sym, put, patches) -> None:
     for rs in s.kret.sites if s.kret else []:
-        put(rs.detour, s.arch.retprobe.ret_detour(rs.dcr, _hook(rs.hook, sym, rs.detour), rs.detour))
+        put(rs.detour, s.arch.retprobe.ret_detour(rs.dcr, _hook(s, rs.hook, sym, rs.detour, rs.exit.addr), rs.detour))
         patches.append((rs.addr, s.arch.emit.jump_patch(rs.addr, rs.region_end - rs.addr, rs.detour)))
+
+
+def group_of(s, p: EntryProbe) -> Group:
+    return next(g for _, q, g in placed(s) if q is p)
 
 
 def placed(s) -> list[tuple[object, EntryProbe, Group]]:
@@ -320,7 +385,7 @@ def table_c(s, link_sym: dict[str, str], first_index: int) -> tuple[str, dict[in
                    f".pre_handler = kp_pre_handler_kretprobe, .flags = {'|'.join(flags)}, "
                    f".name = {link.c_string(p.event_name)}, .index = {first_index + j}, .site = {site.index} }}, "
                    f".handler = {h}, .entry_handler = {eh}, .maxactive = {k.maxactive}, .data_size = {k.data_size}, "
-                   f".kp_mode = {MODE_C[g.mode]} }},")
+                   f".kp_mode = {MODE_C[g.mode]}, .kp_ret_clean = {int(p.ret_clean)} }},")
         refs[id(p)] = f"&kp_kretprobes[{j}].kp"
     out.append("};")
     out.append(f"const unsigned int kp_nkretprobes = {len(rows)};")
@@ -356,6 +421,10 @@ def metadata(s) -> list[dict]:
         out.append({"index": p.index, "addr": p.addr, "kind": "r", "symbol": p.symbol, "offset": p.offset,
                     "name": p.event_name, "optimized": True, "disabled": p.kret.disabled,
                     "detour": site.detour, "region": [site.addr, site.region_end], "returns": g.mode,
+                    "call": "clean" if getattr(site, "clean", False) else "pt_regs",
+                    "inline_dispatch": bool(getattr(site, "template", False)),
+                    "return_hook": ("inline" if any(e.addr in s.kret.ret_templates for e in g.exits)
+                                    else "clean" if g.ret_clean else "pt_regs"),
                     "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]
                     + [[h.addr, h.region_end, e.addr] for h, e in g.embedded]})
     return out

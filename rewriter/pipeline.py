@@ -192,6 +192,17 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
                f"__builtin_offsetof(struct kp_thread, active) == {em.THREAD_ACTIVE} && "
                f"__builtin_offsetof(struct kp_thread, hits) == {em.THREAD_HITS} && "
                f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK}, \"kprewrite's clean-call template is out of date\");")
+    off = "__builtin_offsetof"
+    out.append(f"_Static_assert({off}(struct kp_thread, kret) == {em.THREAD_KRET} && "
+               f"{off}(struct kp_kret_thread, depth) == {em.KRET_DEPTH} && "
+               f"{off}(struct kp_kret_thread, tail_slot) == {em.KRET_TAIL_SLOT} && "
+               f"{off}(struct kp_kret_thread, stack) == {em.KRET_STACK} && "
+               f"{off}(struct kretprobe, maxactive) == {em.RP_MAXACTIVE} && {off}(struct kretprobe, kp_stride) == {em.RP_STRIDE} && "
+               f"{off}(struct kretprobe, kp_pool) == {em.RP_POOL} && {off}(struct kretprobe, kp_hint) == {em.RP_HINT} && "
+               f"{off}(struct kretprobe_instance, rp) == {em.RI_RP} && {off}(struct kretprobe_instance, ret_addr) == {em.RI_RET_ADDR} && "
+               f"{off}(struct kretprobe_instance, fp) == {em.RI_FP} && {off}(struct kretprobe_instance, kp_state) == {em.RI_STATE} && "
+               f"{off}(struct kretprobe_instance, kp_flags) == {em.RI_FLAGS} && KP_RI_TRAMP == {em.RI_TRAMP}, "
+               f"\"kprewrite's kretprobe templates are out of date\");")
     traces = s.traces or {}
     if traces:
         users = {p.index: link_sym[p.spec.pre_handler] for _, p in placed if p.spec.pre_handler}
@@ -236,6 +247,9 @@ def emit(s: Session, workdir: Path) -> bytes:
     hobjs = link.compile_handlers(cc, workdir, s.spec.handlers, s.handler_exports)
     for site in s.plan.sites:
         _choose_entry(s, site, hobjs)
+    kret.choose_return_hooks(s, lambda p: f"r{p.index}" not in (s.traces or {})
+                             and not _reads_regs(s, hobjs, p.kret.handler),
+                             lambda name: (s.handler_symbols[name], _clobbers(s, hobjs, name)))
     # Detours: addresses first (their size does not depend on where the runtime lands).
     far = pos + 0x1000000
     placeholder = defaultdict(lambda: far)      # every runtime symbol, before linking
@@ -306,28 +320,49 @@ def emit(s: Session, workdir: Path) -> bytes:
                               sections, entry, file_patches)
 
 
+def _reads_regs(s: Session, hobjs, name: str | None) -> bool:
+    """Whether handler `name` may read its pt_regs argument (handler_abi reads
+    its compiled code; unknown code may)."""
+    if not name:
+        return False
+    fn = link.object_function(hobjs, s.handler_symbols[name])
+    return fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1]))
+
+
+def _clobbers(s: Session, hobjs, name: str) -> set[str] | None:
+    """The call-clobbered registers handler `name` writes (None: unknown)."""
+    fn = link.object_function(hobjs, s.handler_symbols[name])
+    return s.arch.handler_abi.clobbered_scratch(fn[1], fn[0]) if fn else None
+
+
 def _choose_entry(s: Session, site, hobjs) -> None:
     """Clean call where no handler of the site can read its pt_regs argument
     (handler_abi reads their compiled code).  The inlined template (dispatch in
-    the detour) where the site has one probe and no post_handler."""
+    the detour) where the site has one probe and no post_handler.  A kretprobe's
+    entry (pre_handler_kretprobe() reads regs->sp) is clean only as the
+    template, which passes the slot itself, when its entry_handler is clean."""
     site.clean = True
     site.clobbers = set()
     for p in site.probes:
         if kret.is_entry(p):
-            site.clean = False          # pre_handler_kretprobe() reads regs->sp
+            site.clean = False
         if s.traces and p.index in s.traces:      # the trace's pre_handler reads pt_regs
             site.clean = False
         for name in (p.spec.pre_handler, p.spec.post_handler):
             if not name:
                 continue
-            fn = link.object_function(hobjs, s.handler_symbols[name])
-            if fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1])):
+            if _reads_regs(s, hobjs, name):
                 site.clean = False
-            written = s.arch.handler_abi.clobbered_scratch(fn[1], fn[0]) if fn else None
+            written = _clobbers(s, hobjs, name)
             site.clobbers = None if written is None or site.clobbers is None else site.clobbers | written
     site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
-        and not kret.has_hooks(s, site) \
         and (kret.is_entry(site.probes[0]) or site.clean or bool(_pre_handler_symbol(s, site.probes[0])))
+    if site.template and kret.is_entry(site.probes[0]):
+        eh = site.probes[0].kret.entry_handler
+        site.clean = not _reads_regs(s, hobjs, eh)
+        # The inlined entry (retprobe.kret_entry_body) uses these, and the entry_handler its own.
+        written = _clobbers(s, hobjs, eh) if eh else set()
+        site.clobbers = None if written is None else written | {"rax", "rcx", "rdx", "rsi", "rdi", "r8"}
 
 
 def _pre_handler_symbol(s: Session, p) -> str | None:
@@ -353,11 +388,21 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
             h = _pre_handler_symbol(s, p)
             handler = sym[h] if h else None
         common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=probe, probe_index=k,
-                      handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr))
+                      handler=handler, aligned=opt.stack_aligned_at(s.image, p.func, site.addr),
+                      copy=kret.site_copy(s, site, at, sym))
         if site.clean:
-            code, resume = em.clean_detour(site.index, site.dcr, at, callback=sym["kp_optimized_clean_callback"],
+            kret_entry = kret.is_entry(p)
+            callback, body = sym["kp_optimized_clean_callback"], None
+            if kret_entry:
+                eh = p.kret.entry_handler
+                callback = sym["kp_kretprobe_enter_clean_slow"]
+                body = s.arch.retprobe.kret_entry_body(
+                    rp=probe, tramp=sym["kp_kretprobe_trampoline"], entry_handler=sym[s.handler_symbols[eh]] if eh else None,
+                    enter_c=sym["kp_kretprobe_enter_clean"], aligned=common["aligned"],
+                    inline=kret.group_of(s, p).mode == kret.OPTIMIZED)
+            code, resume = em.clean_detour(site.index, site.dcr, at, callback=callback,
                                            flags_live=not opt.arith_flags_dead(s.image, p.func, site.addr),
-                                           handler_clobbers=site.clobbers, **common)
+                                           handler_clobbers=site.clobbers, pass_slot=kret_entry, body=body, **common)
         else:
             code, resume = em.full_detour(site.index, site.dcr, at, callback=sym["kp_optimized_callback"],
                                           resume_regs=sym["kp_optprobe_resume_regs"], **common)

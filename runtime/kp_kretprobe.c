@@ -34,15 +34,6 @@
 #define KP_KRET_OPTIMIZED 0	/* every exit hooked */
 #define KP_KRET_TRAMPOLINE 1	/* entry swaps the return address (kernel's way) */
 
-#define KP_RI_SWAPPED 1		/* ret_addr is the real one; the slot holds the trampoline */
-#define KP_RI_TRAMP 2		/* fires at the trampoline */
-#define KP_RI_PENDING 4		/* the frame tail-called a hooked function */
-
-struct kp_kret_thread {
-	unsigned int depth, cap;
-	unsigned long tail_slot;	/* set by a pending tail call, taken by the next entry */
-	struct kretprobe_instance *stack[];
-};
 
 extern char kp_kretprobe_trampoline[];
 static unsigned long kp_kret_total;
@@ -167,26 +158,28 @@ static int kp_first_kretprobe_of_site(struct kprobe *p)
 	return 1;
 }
 
-int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
+/*
+ * The entry half, for rp on thread t with the return-address slot at S; regs
+ * is NULL on the clean path (the entry_handler never reads it).
+ */
+static inline __attribute__((always_inline)) void
+kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int first, struct pt_regs *regs)
 {
-	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
-	unsigned long S = regs->sp;
-	struct kp_thread *t = kp_current_thread();
 	struct kp_kret_thread *kt = t ? kp_kret_thread_of(t) : 0;
 	if (unlikely(!kt)) {
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
-		return 0;
+		return;
 	}
-	if (kt->depth)
-		kp_reclaim(kt, S, kp_first_kretprobe_of_site(p));
+	if (kt->depth && (unsigned long)kt->stack[kt->depth - 1]->fp <= S)
+		kp_reclaim(kt, S, first);
 	kt->tail_slot = 0;
 	struct kretprobe_instance *ri = kp_ri_claim(rp);
 	if (unlikely(!ri)) {
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
-		return 0;
+		return;
 	}
 	unsigned long ret = *(unsigned long *)S;
-	if (ret == TRAMP)
+	if (unlikely(ret == TRAMP))
 		ret = kp_real_ret(kt, S);
 	ri->rp = rp;
 	ri->fp = (void *)S;
@@ -196,13 +189,52 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 	if (rp->entry_handler && rp->entry_handler(ri, regs)) {
 		kt->depth--;
 		kp_ri_free(ri);
-		return 0;
+		return;
 	}
-	if ((ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S != TRAMP) {
+	if (unlikely(ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S != TRAMP) {
 		ri->kp_flags |= KP_RI_SWAPPED;
 		*(unsigned long *)S = TRAMP;
 	}
+}
+
+int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
+{
+	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
+	kp_kret_enter(rp, regs->sp, kp_current_thread(), kp_first_kretprobe_of_site(p), regs);
 	return 0;
+}
+
+/*
+ * The entry half called from kprewrite's clean-call template (a site whose one
+ * probe is rp->kp, whose entry_handler never reads regs): the template has
+ * done the dispatch (thread block t found, marked active, hit counted) and
+ * passes the slot S.
+ */
+void kp_kretprobe_enter_clean(struct kprobe *p, unsigned long S, struct kp_thread *t)
+{
+	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
+	kp_kret_enter(rp, S, t, 1, 0);
+}
+
+/* The same template's slow path (kp_optimized_clean_callback() for it):
+ * disarmed, a thread seen for the first time, or a handler running. */
+void kp_kretprobe_enter_clean_slow(unsigned long site_index, unsigned long S)
+{
+	const struct kp_site *s = &kp_sites[site_index];
+	struct kp_thread *t = kp_current_thread();
+	struct kprobe *p = kp_site_probes[s->first];
+	if (unlikely(!t))
+		return;
+	if (t->active) {
+		kp_count_missed(s);
+		return;
+	}
+	if (kprobe_disabled(p))
+		return;
+	t->hits[p->index]++;
+	t->active = 1;
+	kp_kretprobe_enter_clean(p, S, t);
+	t->active = 0;
 }
 
 static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri, struct pt_regs *regs)
@@ -236,6 +268,33 @@ void kp_kretprobe_return(struct pt_regs *regs)
 		kt->depth--;
 		kp_ri_fire(t, ri, regs);
 	}
+}
+
+/*
+ * The same from the clean return hook (kp_kretprobe_ret_clean_entry), for a
+ * function whose kretprobes' handlers never read regs: only the scratch
+ * registers were saved, S is the return-address slot.  Returns 1 when an
+ * instance at S needs struct pt_regs (a tail-calling caller's kretprobe
+ * whose handler reads it): the hook then goes on through the full one.
+ */
+int kp_kretprobe_return_clean(unsigned long S)
+{
+	struct kp_thread *t = kp_current_thread();
+	struct kp_kret_thread *kt = t ? t->kret : 0;
+	if (!kt || !kt->depth || t->active)
+		return 0;
+	if ((unsigned long)kt->stack[kt->depth - 1]->fp < S)
+		kp_reclaim(kt, S, 0);
+	while (kt->depth) {
+		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
+		if ((unsigned long)ri->fp != S || (ri->kp_flags & KP_RI_TRAMP))
+			break;
+		if (unlikely(!ri->rp->kp_ret_clean))
+			return 1;
+		kt->depth--;
+		kp_ri_fire(t, ri, 0);
+	}
+	return 0;
 }
 
 /* A tail call to a function whose returns are hooked: this frame's instances

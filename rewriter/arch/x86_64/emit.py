@@ -132,6 +132,12 @@ KRETPROBE_SIZE = 128         # sizeof(struct kretprobe), whose kprobe comes firs
 THREAD_ACTIVE = 16           # offsetof(struct kp_thread, active)
 THREAD_HITS = 32             # offsetof(struct kp_thread, hits)
 THREAD_TABLE_MASK = 8191     # KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask
+THREAD_KRET = 24             # offsetof(struct kp_thread, kret)
+# The kretprobe templates (retprobe.py) also read these:
+KRET_DEPTH, KRET_TAIL_SLOT, KRET_STACK = 0, 8, 16        # struct kp_kret_thread
+RP_MAXACTIVE, RP_STRIDE, RP_POOL, RP_HINT = 88, 108, 112, 120   # struct kretprobe
+RI_RP, RI_RET_ADDR, RI_FP, RI_STATE, RI_FLAGS = 0, 8, 16, 24, 28  # struct kretprobe_instance
+RI_TRAMP = 2                 # KP_RI_TRAMP
 CLEAN_FRAME = RED_ZONE + 88  # red zone + rax rcx rdx rsi rdi r8-r11, flags, the thread block
 _SCRATCH = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 
@@ -190,7 +196,7 @@ class _Code:
         self.out += b"\xe9" + _s32(target - (self.pc + 5), what)
 
 
-JE, JNE = 0x4, 0x5
+JB, JAE, JE, JNE, JBE = 0x2, 0x3, 0x4, 0x5, 0x6
 
 
 def _dispatch_fast_path(c: _Code, fast: int, table: int, probe: int, probe_index: int,
@@ -219,17 +225,19 @@ def _dispatch_fast_path(c: _Code, fast: int, table: int, probe: int, probe_index
     return slow, restore
 
 
-def _dcr_and_back(c: _Code, dcr: list[DcrInsn]) -> int:
+def _dcr_and_back(c: _Code, dcr: list[DcrInsn], copy=None) -> int:
+    copy = copy or relocate
     resume = c.pc
     for insn in dcr:
-        c.out += relocate(insn, c.pc)
+        c.out += copy(insn, c.pc)
     c.jmp_abs(dcr[-1].addr + len(dcr[-1].code), "jmp back")
     return resume
 
 
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
                  probe_index: int, handler: int | None, callback: int,
-                 flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None) -> tuple[bytes, int]:
+                 flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None,
+                 pass_slot: bool = False, copy=None, body=None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
     common case inlined (_dispatch_fast_path); anything else calls the generic
@@ -238,6 +246,11 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     so all of them), on the slow path the rest before calling into C.  The
     arithmetic flags are saved only where they are live, and the stack is
     realigned only where its alignment is not fixed by the ABI.
+    pass_slot: the callback is callback(site, sp at the hit) (a kretprobe's
+    entry: the return-address slot).  body(c, slow_saves, slot): emits what
+    runs instead of the handler call, with the thread block in rdx and at
+    [rsp + 80] (kretprobe.py's entry template).
+    copy(insn, at): how to copy a DCR instruction (default: relocate).
     Returns (code, resume): where the relocated DCR starts."""
     used = {"rax", "rdx", "rdi"} | (set() if aligned else {"rcx"})
     fast_saves = [r for r in _SCRATCH if r in used or handler_clobbers is None or r in handler_clobbers]
@@ -251,8 +264,10 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     for reg in fast_saves[1:]:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
     to_slow, to_restore = _dispatch_fast_path(c, fast, table, probe, probe_index,
-                                              "[rsp + 80]" if handler is not None else None)
-    if handler is not None:
+                                              "[rsp + 80]" if handler is not None or body else None)
+    if body is not None:
+        body(c, slow_saves, slot)
+    elif handler is not None:
         if not aligned:
             c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
         c.rip("lea rdi, [rip + {d}]", probe)        # the handler never reads regs (%rsi)
@@ -266,11 +281,13 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     for reg in fast_saves:
         c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
     c.a(f"lea rsp, [rsp + {CLEAN_FRAME:#x}]")
-    resume = _dcr_and_back(c, dcr)
+    resume = _dcr_and_back(c, dcr, copy)
     slow = c.pc
     for reg in slow_saves:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
     c.a(f"mov edi, {site:#x}")
+    if pass_slot:
+        c.a(f"lea rsi, [rsp + {CLEAN_FRAME:#x}]")
     if not aligned:
         c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
     c.call(callback)
@@ -294,7 +311,7 @@ FULL_FRAME = RED_ZONE + PT_SIZE + 16   # red zone, pt_regs, the thread block, th
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
                 probe_index: int, handler: int, callback: int, resume_regs: int,
-                aligned: bool) -> tuple[bytes, int]:
+                aligned: bool, copy=None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
     pt_regs: optprobe_template building struct pt_regs inline (as
     kp_optprobe_entry does), with the dispatch of the common case inlined.  A
@@ -343,7 +360,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     for reg, off in PT_REGS.items():
         c.a(f"mov {reg}, qword ptr [rsp + {off}]")
     c.a(f"lea rsp, [rsp + {FULL_FRAME:#x}]")
-    resume = _dcr_and_back(c, dcr)
+    resume = _dcr_and_back(c, dcr, copy)
     changed = c.pc                                              # go on with the DCR, on regs->sp
     c.rip("lea rax, [rip + {d}]", resume)
     c.a(f"mov qword ptr [rsp + {PT_IP}], rax")

@@ -206,9 +206,13 @@ def exit_code(insn: DcrInsn, at: int) -> bytes:
 PLAIN_RETS = (b"\xc3", b"\xf3\xc3", b"\xf2\xc3")
 
 
-def hook_then_exit(exit: DcrInsn, hook: tuple[int, int | None], at: int) -> bytes:
+def hook_then_exit(exit: DcrInsn, hook, at: int) -> bytes:
     """`call hook` then the exit; for a plain ret, `jmp` to the hook's variant
-    that returns to the caller itself.  hook = (call target, jmp target or None)."""
+    that returns to the caller itself.  hook = (call target, jmp target or
+    None), or a function (exit, at) -> code that inlines the hook and the exit
+    (clean_ret_hook)."""
+    if callable(hook):
+        return hook(exit, at)
     call_hook, jmp_hook = hook
     if jmp_hook is not None and exit.code in PLAIN_RETS:
         return b"\xe9" + _s32(jmp_hook - (at + 5), "jmp return hook")
@@ -224,15 +228,190 @@ def ret_detour(dcr: list[DcrInsn], hook: tuple[int, int | None], at: int) -> byt
     return bytes(out)
 
 
-def site_detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: int, post_entry: int,
-                hooks: dict[int, tuple[int, int | None]]) -> tuple[bytes, int, int]:
-    """emit.detour() for a kprobe site whose DCR holds exits of a return-probed
+def hook_copy(hooks: dict[int, tuple[int, int | None]]):
+    """How a detour copies its DCR when the DCR holds exits of a return-probed
     function (a short function: the entry's region reaches its ret): each exit
-    in the copy calls its return hook first."""
-    from .emit import detour
-
+    in the copy calls its return hook first.  hooks: exit address -> hook."""
     def copy(insn, pos):
         if insn.addr in hooks:
             return hook_then_exit(insn, hooks[insn.addr], pos)
         return relocate(insn, pos)
-    return detour(site, dcr, with_post, at, entry, post_entry, copy)
+    return copy
+
+
+def site_detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: int, post_entry: int,
+                hooks: dict[int, tuple[int, int | None]]) -> tuple[bytes, int, int]:
+    """emit.detour() for a kprobe site whose DCR holds exits of a return-probed function."""
+    from .emit import detour
+    return detour(site, dcr, with_post, at, entry, post_entry, hook_copy(hooks))
+
+
+# -- Per-site kretprobe templates -------------------------------------------------
+#
+# The kretprobe's halves with the common case inlined, as emit.clean_detour()
+# inlines a kprobe's dispatch: the kernel's pre_handler_kretprobe() and
+# __kretprobe_trampoline_handler() for one kretprobe whose handlers never read
+# regs, calling those handlers directly.  Anything uncommon (a frame left
+# behind to reclaim, the instance at the hint taken, a swapped slot, another
+# kretprobe's instance at the slot, a thread seen for the first time) goes to
+# the C code of runtime/kp_kretprobe.c, which handles every case.
+
+def _call_aligned(c, target: int, aligned: bool, scratch: str = "rax"):
+    """call target, realigning the stack first unless the ABI already did."""
+    if not aligned:
+        c.a(f"mov {scratch}, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], {scratch}")
+    c.call(target)
+    if not aligned:
+        c.a("mov rsp, qword ptr [rsp + 8]")
+
+
+def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: int, aligned: bool,
+                    inline: bool = True):
+    """emit.clean_detour()'s body for a site whose one probe is rp->kp: claim
+    the instance at the pool's hint (lock cmpxchg), record the slot and the
+    return address, push it on the thread's instance stack, run the
+    entry_handler (a non-zero return drops the instance).  On entry rdx holds
+    the thread block (also at [rsp + 80]), marked active.  Uses rax rcx rdx
+    rsi rdi r8 and what the entry_handler clobbers.  inline=False: only the
+    call to C (a kretprobe whose returns use the trampoline)."""
+    from . import emit as em
+
+    def body(c, slow_saves, slot):
+        F = em.CLEAN_FRAME
+        to_c, end = [], []
+        c.a(f"lea rsi, [rsp + {F:#x}]")                               # S: the return-address slot
+        if not inline:
+            to_c.append(c.jcc(-1))
+        c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
+        to_c.append(c.jcc(em.JE))                                     # the thread's first kretprobe hit
+        c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+        empty = c.jcc(em.JE)
+        c.a(f"mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; cmp qword ptr [rcx + {em.RI_FP}], rsi")
+        to_c.append(c.jcc(em.JBE))                                    # a frame left behind: reclaim
+        c.fix([empty], c.pc)
+        c.rip("lea r8, [rip + {d}]", tramp)
+        c.a("cmp qword ptr [rsi], r8")
+        to_c.append(c.jcc(em.JE))                                     # a tail call swapped the slot
+        c.rip("mov ecx, dword ptr [rip + {d}]", rp + em.RP_HINT)
+        c.rip("cmp ecx, dword ptr [rip + {d}]", rp + em.RP_MAXACTIVE)
+        to_c.append(c.jcc(em.JAE))                                    # no pool
+        c.rip("imul ecx, dword ptr [rip + {d}]", rp + em.RP_STRIDE)
+        c.rip("add rcx, qword ptr [rip + {d}]", rp + em.RP_POOL)      # the instance at the hint
+        c.a(f"xor eax, eax; mov r8d, 1; lock cmpxchg dword ptr [rcx + {em.RI_STATE}], r8d")
+        to_c.append(c.jcc(em.JNE))                                    # taken: C scans the pool
+        c.rip("mov eax, dword ptr [rip + {d}]", rp + em.RP_HINT)
+        c.a("inc eax; xor r8d, r8d")
+        c.rip("cmp eax, dword ptr [rip + {d}]", rp + em.RP_MAXACTIVE)
+        c.a("cmovae eax, r8d")
+        c.rip("mov dword ptr [rip + {d}], eax", rp + em.RP_HINT)
+        c.rip("lea r8, [rip + {d}]", rp)
+        c.a(f"mov qword ptr [rcx + {em.RI_RP}], r8; mov r8, qword ptr [rsi]; "
+            f"mov qword ptr [rcx + {em.RI_RET_ADDR}], r8; mov qword ptr [rcx + {em.RI_FP}], rsi; "
+            f"mov dword ptr [rcx + {em.RI_FLAGS}], 0; mov qword ptr [rdi + {em.KRET_TAIL_SLOT}], 0; "
+            f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; mov qword ptr [rdi + rax*8 + {em.KRET_STACK}], rcx; "
+            f"inc eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
+        if entry_handler is not None:
+            c.a("mov rdi, rcx; xor esi, esi")                         # it never reads regs
+            _call_aligned(c, entry_handler, aligned)
+            c.a("test eax, eax")
+            end.append(c.jcc(em.JE))
+            # Non-zero: no return handler for this call (nested probes missed, so ours is on top).
+            c.a(f"mov rdx, qword ptr [rsp + 80]; mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; "
+                f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax; "
+                f"mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK}]; mov dword ptr [rcx + {em.RI_STATE}], 0")
+        end.append(c.jcc(-1))
+        c.fix(to_c, c.pc)                                             # kp_kretprobe_enter_clean(p, S, t)
+        for reg in slow_saves:
+            c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
+        c.rip("lea rdi, [rip + {d}]", rp)
+        _call_aligned(c, enter_c, aligned)
+        for reg in slow_saves:
+            c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
+        c.fix(end, c.pc)
+        c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
+    return body
+
+
+RET_FRAME = 104     # rax rcx rdx rsi rdi r8-r11 (0..64), flags 72, the instance 80, the thread 88
+
+
+def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, handler: int | None,
+                   return_c: int, full_hook: tuple[int, int | None], aligned: bool,
+                   handler_clobbers: set[str] | None) -> bytes:
+    """A return hook inlined before a `ret` (rsp at the return-address slot S)
+    of a function with one kretprobe whose handler never reads regs: find the
+    thread, pop the instance recorded at S, run the handler, free the
+    instance, then the ret.  Call-clobbered registers (those the fast path
+    and the handler write; the rest before calling C) and the arithmetic
+    flags are kept, as kretprobe_entry.S explains.  Anything else goes to
+    kp_kretprobe_return_clean(S), which may hand over to the full hook."""
+    from . import emit as em
+    scratch = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
+    used = {"rax", "rcx", "rdx", "rsi", "rdi", "r8"}
+    fast_saves = [r for r in scratch if r in used or handler_clobbers is None or r in handler_clobbers]
+    slow_saves = [r for r in scratch if r not in fast_saves]
+    slot = {r: 8 * i for i, r in enumerate(scratch)}
+    F = RET_FRAME
+    c = em._Code(at)
+    c.a(f"lea rsp, [rsp - {F}]")
+    c.a("mov qword ptr [rsp], rax; seto al; lahf; mov word ptr [rsp + 72], ax")
+    for reg in fast_saves[1:]:
+        c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
+    c.rip("cmp dword ptr [rip + {d}], 0", fast)
+    slow = [c.jcc(em.JE)]
+    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                       # mov %fs:0,%rdi (linux_user)
+    c.a(f"mov rax, rdi; shr rax, 12; and eax, {em.THREAD_TABLE_MASK:#x}")
+    c.rip("lea rdx, [rip + {d}]", table)
+    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
+    slow.append(c.jcc(em.JNE))
+    c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
+    restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
+    restore.append(c.jcc(em.JE))
+    c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    restore.append(c.jcc(em.JE))
+    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
+        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    slow.append(c.jcc(em.JNE))                                      # frames to reclaim, or none of S
+    c.a(f"test byte ptr [rcx + {em.RI_FLAGS}], {em.RI_TRAMP}")
+    slow.append(c.jcc(em.JNE))
+    c.rip("lea r8, [rip + {d}]", rp)
+    c.a(f"cmp qword ptr [rcx + {em.RI_RP}], r8")
+    slow.append(c.jcc(em.JNE))                                      # a tail-calling caller's instance
+    c.a(f"dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
+    if handler is not None:
+        c.a(f"mov dword ptr [rdx + {em.THREAD_ACTIVE}], 1; mov qword ptr [rsp + 80], rcx; "
+            "mov qword ptr [rsp + 88], rdx; mov rdi, rcx; xor esi, esi")
+        _call_aligned(c, handler, aligned)
+        c.a(f"mov rdx, qword ptr [rsp + 88]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0; "
+            "mov rcx, qword ptr [rsp + 80]")
+    c.a(f"mov dword ptr [rcx + {em.RI_STATE}], 0")                  # kp_ri_free()
+    # A tail-calling caller's instance at the same slot fires too: C does that.
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    restore.append(c.jcc(em.JE))
+    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
+        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    slow.append(c.jcc(em.JE))
+
+    def restore_all(saves):
+        c.a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
+        for reg in saves:
+            c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
+        c.a(f"lea rsp, [rsp + {F}]")
+
+    restore_pc = c.pc
+    c.fix(restore, restore_pc)
+    restore_all(fast_saves)
+    c.out += exit_code(exit, c.pc)
+    c.fix(slow, c.pc)
+    for reg in slow_saves:
+        c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
+    c.a(f"lea rdi, [rsp + {F}]")
+    _call_aligned(c, return_c, aligned)
+    for reg in slow_saves:
+        c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
+    c.a("test eax, eax")
+    c.fix([c.jcc(em.JE)], restore_pc)
+    restore_all(scratch)
+    c.out += hook_then_exit(exit, full_hook, c.pc)
+    return bytes(c.out)

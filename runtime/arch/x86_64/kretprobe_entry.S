@@ -133,6 +133,71 @@ kp_kretprobe_ret_jmp_entry:
 	KRET_HOOK kp_kretprobe_tail_swap_entry, kp_kretprobe_tail_swap
 
 /*
+ * Clean return hooks: for a function whose kretprobes' handlers never read
+ * regs (kprewrite reads their code), only the call-clobbered registers and
+ * the arithmetic flags are saved (callee-saved ones are the C code's to keep),
+ * as the clean optprobe entry does.  kp_kretprobe_return_clean(S) returns 1
+ * when an instance at the slot needs struct pt_regs after all: everything is
+ * restored and the full hook of the same kind takes over.
+ * Frame: rax rcx rdx rsi rdi r8 r9 r10 r11 at 0..64, the flags at 72.
+ */
+#define CLEAN_SIZE 88
+
+.macro CLEAN_RESTORE
+	movzwl	72(%rsp), %eax
+	add	$0x7f, %al
+	sahf
+	mov	0(%rsp), %rax
+	mov	8(%rsp), %rcx
+	mov	16(%rsp), %rdx
+	mov	24(%rsp), %rsi
+	mov	32(%rsp), %rdi
+	mov	40(%rsp), %r8
+	mov	48(%rsp), %r9
+	mov	56(%rsp), %r10
+	mov	64(%rsp), %r11
+	lea	CLEAN_SIZE(%rsp), %rsp
+.endm
+
+.macro KRET_CLEAN_HOOK name, slot, full
+	.p2align 4
+	.globl \name
+	.hidden \name
+	.type \name, @function
+\name:
+	lea	-CLEAN_SIZE(%rsp), %rsp
+	mov	%rax, 0(%rsp)
+	seto	%al
+	lahf
+	mov	%ax, 72(%rsp)
+	mov	%rcx, 8(%rsp)
+	mov	%rdx, 16(%rsp)
+	mov	%rsi, 24(%rsp)
+	mov	%rdi, 32(%rsp)
+	mov	%r8, 40(%rsp)
+	mov	%r9, 48(%rsp)
+	mov	%r10, 56(%rsp)
+	mov	%r11, 64(%rsp)
+	lea	CLEAN_SIZE+\slot(%rsp), %rdi	/* the return-address slot */
+	mov	%rsp, %rcx
+	and	$-16, %rsp
+	sub	$16, %rsp
+	mov	%rcx, 8(%rsp)
+	call	kp_kretprobe_return_clean
+	mov	8(%rsp), %rsp
+	test	%eax, %eax
+	jne	1f
+	CLEAN_RESTORE
+	ret
+1:	CLEAN_RESTORE
+	jmp	\full
+	.size \name, .-\name
+.endm
+
+	KRET_CLEAN_HOOK kp_kretprobe_ret_clean_entry, 8, kp_kretprobe_ret_entry
+	KRET_CLEAN_HOOK kp_kretprobe_ret_clean_jmp_entry, 0, kp_kretprobe_ret_jmp_entry
+
+/*
  * The trampoline a swapped slot returns into: %rsp is just above the slot.
  * Push a word back into the slot, build pt_regs below it, let the handler
  * fire the instances and return the real address, store it in the slot, and

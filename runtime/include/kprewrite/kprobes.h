@@ -69,6 +69,7 @@ struct kretprobe {
 	unsigned int kp_stride;		/* bytes per instance */
 	char *kp_pool;			/* maxactive instances, allocated at first hit */
 	unsigned int kp_hint;		/* where the next claim starts looking */
+	unsigned int kp_ret_clean;	/* no handler of this kretprobe reads regs at return */
 };
 
 struct kretprobe_instance {
