@@ -99,6 +99,7 @@ class KretPlan:
     sites: list[RetSite] = field(default_factory=list)
     site_hooks: dict = field(default_factory=dict)    # kprobe site addr -> {exit addr: hook symbol}
     ret_templates: dict = field(default_factory=dict)  # exit addr -> inlined clean hook's parameters
+    by_probe: dict | None = None                       # id(entry probe) -> its Group
     _hooked: set = field(default_factory=set)         # starts of functions with every exit hooked
 
     def hook_of(self, g: Group, e) -> str:
@@ -338,7 +339,9 @@ def emit_sites(s, sym, put, patches) -> None:
 
 
 def group_of(s, p: EntryProbe) -> Group:
-    return next(g for _, q, g in placed(s) if q is p)
+    if s.kret.by_probe is None:
+        s.kret.by_probe = {id(q): g for g in s.kret.groups for q in g.probes}
+    return s.kret.by_probe[id(p)]
 
 
 def placed(s) -> list[tuple[object, EntryProbe, Group]]:

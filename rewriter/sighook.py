@@ -36,6 +36,11 @@ def table_c(image, enabled: bool) -> str:
     relro = [(s.vaddr, s.vaddr + s.memsz) for s in image.segments if s.type == PT_GNU_RELRO]
     lo, hi = relro[0] if relro else (0, 0)
     rows = "".join(f"  {{ {a:#x}UL, {k} }},\n" for a, k in slots) or "  { 0, 0 },\n"
+    # A slot still holding its PLT stub (lazy binding) is resolved at start-up.
+    plt = [(s.virtual_address, s.virtual_address + s.size) for s in image.binary.sections
+           if s.name in (".plt", ".plt.sec")]
+    plo, phi = (min(a for a, _ in plt), max(b for _, b in plt)) if plt else (0, 0)
     return (f"struct kp_got_hook kp_got_hooks[] = {{\n{rows}}};\n"
             f"const unsigned int kp_ngot_hooks = {len(slots)};\n"
-            f"const unsigned long kp_relro_start = {lo:#x}UL, kp_relro_end = {hi:#x}UL;\n")
+            f"const unsigned long kp_relro_start = {lo:#x}UL, kp_relro_end = {hi:#x}UL;\n"
+            f"const unsigned long kp_plt_start = {plo:#x}UL, kp_plt_end = {phi:#x}UL;\n")

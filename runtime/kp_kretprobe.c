@@ -28,12 +28,18 @@
  * entry or return hook on that thread reclaims them (no handler, no count), so
  * no instance leaks and later calls do not miss.  Stacks grow down and threads
  * do not share them, so the slot address identifies a live frame.
+ *
+ * Fast paths: for a kretprobe whose handlers never read regs (kprewrite reads
+ * their code), kprewrite inlines the common case of both halves in per-site
+ * templates (rewriter/arch/x86_64/retprobe.py: the claim at the pool's hint,
+ * the push, the pop at the ret, direct calls of the handlers), with only the
+ * call-clobbered registers saved.  Everything else comes here:
+ * kp_kretprobe_enter_clean(), kp_kretprobe_return_clean().
  */
 #include "kp_internal.h"
 
 #define KP_KRET_OPTIMIZED 0	/* every exit hooked */
 #define KP_KRET_TRAMPOLINE 1	/* entry swaps the return address (kernel's way) */
-
 
 extern char kp_kretprobe_trampoline[];
 static unsigned long kp_kret_total;

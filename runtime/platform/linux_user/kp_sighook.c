@@ -55,12 +55,40 @@ static void kp_set_slot(unsigned long *slot, void *fn, int relro)
 		kp_syscall3(KP_NR_mprotect, page, 4096, 1 /* R */);
 }
 
+/*
+ * A slot still holding its PLT stub (lazy binding) is resolved now, by a call
+ * with no effect through the stub: resolved later from a hook, the dynamic
+ * linker would write the real address into the slot before the hook could
+ * re-arm it, and another thread calling in that window (pthread_sigmask
+ * blocking everything, say) would bypass the hook and die at its next trap.
+ */
+static void kp_resolve_lazy(unsigned long kind, unsigned long *slot)
+{
+	unsigned long v = *slot, bias = kp_rt.bias;
+	if (v < kp_plt_start + bias || v >= kp_plt_end + bias)
+		return;
+	unsigned long old[16];
+	struct kp_libc_sigaction sa;
+	switch (kind) {
+	case KP_HOOK_SIGACTION:		/* a query */
+		((int (*)(int, void *, void *))v)(KP_SIGTRAP, 0, &sa);
+		break;
+	case KP_HOOK_SIGNAL:		/* SIGKILL cannot be caught: EINVAL, nothing changes */
+		((void *(*)(int, void *))v)(9, KP_SIG_DFL);
+		break;
+	default:			/* SIG_BLOCK with no set: a query */
+		((int (*)(int, const void *, void *))v)(0, 0, old);
+		break;
+	}
+}
+
 void kp_sighook_install(void)
 {
 	unsigned long bias = kp_rt.bias;
 	for (unsigned int i = 0; i < kp_ngot_hooks; i++) {
 		struct kp_got_hook *h = &kp_got_hooks[i];
 		unsigned long *slot = (unsigned long *)(h->got + bias);
+		kp_resolve_lazy(h->kind, slot);
 		if (!kp_real[h->kind])
 			kp_real[h->kind] = (void *)*slot;
 		kp_set_slot(slot, kp_hook_fn(h->kind), h->got >= kp_relro_start && h->got < kp_relro_end);
