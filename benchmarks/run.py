@@ -15,7 +15,8 @@ otherwise.
 
 Rows "r" and "ro": a kretprobe on the same function, return hooks
 jump-optimized, with an empty return handler ("r") and with empty entry and
-return handlers ("ro").  Linux uretprobes need tracefs, like row "u".
+return handlers ("ro").  Row "ur": a Linux uretprobe on the same function,
+when tracefs allows, like row "u".
 
 Row "t": the same probe as a kprobe_events line with one fetch arg, each hit
 writing a trace line to /dev/null (N / 100 calls: a trace line costs
@@ -69,9 +70,11 @@ def _append(path: Path, line: str):
 
 
 class Uprobe:
-    """A uprobe on `target` through tracefs, enabled only while timing."""
-    def __init__(self, exe: Path):
+    """A uprobe (ret: a uretprobe) on `target` through tracefs, enabled only while timing."""
+    def __init__(self, exe: Path, ret: bool = False):
         self.exe = exe
+        self.event = "target_ret" if ret else "target"
+        self.kind = "r" if ret else "p"
         self.ok, self.note = False, ""
         events = TRACEFS / "uprobe_events"
         if not events.exists():
@@ -83,13 +86,13 @@ class Uprobe:
             if len(parts) == 3 and parts[2] == "target":
                 off = int(parts[0], 16)
         try:
-            _append(events, f"p:kprewrite_bench/target {exe}:{off:#x}\n")
+            _append(events, f"{self.kind}:kprewrite_bench/{self.event} {exe}:{off:#x}\n")
             self.ok = True
         except OSError as e:
             self.note = f"cannot add a uprobe: {e.strerror}"
 
     def _enable(self, on: bool):
-        (TRACEFS / "events/kprewrite_bench/enable").write_text("1" if on else "0")
+        (TRACEFS / f"events/kprewrite_bench/{self.event}/enable").write_text("1" if on else "0")
 
     def time_ns(self, n: int) -> float:
         self._enable(True)
@@ -100,7 +103,7 @@ class Uprobe:
 
     def close(self):
         if self.ok:
-            _append(TRACEFS / "uprobe_events", "-:kprewrite_bench/target\n")
+            _append(TRACEFS / "uprobe_events", f"-:kprewrite_bench/{self.event}\n")
             (TRACEFS / "trace").write_text("")
 
 
@@ -131,7 +134,8 @@ def main():
         bases = {"original": (N, ()), "original-trap": (N_TRAP, ()), "original-ss": (N_TRAP, ("ss",)),
                  "original-t": (N_T, ())}
         up = Uprobe(orig)
-        times = {k: [] for k in [*bases, *rows, "u"]}
+        urp = Uprobe(orig, ret=True)
+        times = {k: [] for k in [*bases, *rows, "u", "ur"]}
         try:
             for _ in range(RUNS):
                 for k, (n, args) in bases.items():
@@ -140,8 +144,11 @@ def main():
                     times[k].append(time_ns(exe, n, *args, env=ROW_ENV.get(k)))
                 if up.ok:
                     times["u"].append(up.time_ns(N_TRAP))
+                if urp.ok:
+                    times["ur"].append(urp.time_ns(N_TRAP))
         finally:
             up.close()
+            urp.close()
         print(f"machine: {cpu()}, {os.cpu_count()} CPUs; N = {N:,} calls (b, k, u: {N_TRAP:,}; t: {N_T:,}), "
               f"{RUNS} runs each, medians")
         print()
@@ -154,16 +161,20 @@ def main():
                 "r": "kretprobe, empty handler",
                 "ro": "optimized kretprobe, empty entry_handler and handler",
                 "t": "kprobe_events line, 1 fetch arg, trace line to /dev/null",
-                "u": "Linux uprobe (tracefs event) on the function of row b"}
+                "u": "Linux uprobe (tracefs event) on the function of row b",
+                "ur": "Linux uretprobe (tracefs event) on the same function (compare with r, ro)"}
         if up.ok:
             rows["u"] = (None, N_TRAP, (), "original-trap")
+        if urp.ok:
+            rows["ur"] = (None, N_TRAP, (), "original-trap")
         for k, (_, n, _, b) in rows.items():
             base = statistics.median(times[b])
             m = statistics.median(times[k])
             print(f"| {k} | {what[k]} | {base / n:.2f} | {m / n:.2f} | {(m - base) / n:.2f} | {m / base:.2f}x |")
-        if not up.ok:
-            print()
-            print(f"Row u skipped: {up.note}.")
+        for name, u in (("u", up), ("ur", urp)):
+            if not u.ok:
+                print()
+                print(f"Row {name} skipped: {u.note}.")
 
 
 if __name__ == "__main__":

@@ -277,11 +277,16 @@ def _hook(s, name: str, sym, at: int, exit_addr: int):
     addr = (lambda n: sym[n]) if sym else (lambda n: at + 0x1000000)
     jmp = JMP_FORM.get(name)
     hook = addr(name), (addr(jmp) if jmp else None)
-    tpl = s.kret.ret_templates.get(exit_addr) if name == HOOK_RET_CLEAN else None
+    tpl = s.kret.ret_templates.get(exit_addr) if name in (HOOK_RET, HOOK_RET_CLEAN) else None
     if tpl is None:
         return hook
     em = s.arch.emit
     rp = addr("kp_kretprobes") + tpl["index"] * em.KRETPROBE_SIZE
+    if name == HOOK_RET:
+        return lambda exit, pos: s.arch.retprobe.full_ret_hook(
+            exit, pos, fast=addr("kp_fast"), table=addr("kp_thread_table"), rp=rp,
+            handler=addr(tpl["handler"]) if tpl["handler"] else None, return_c=addr("kp_kretprobe_return"),
+            aligned=tpl["aligned"])
     return lambda exit, pos: s.arch.retprobe.clean_ret_hook(
         exit, pos, fast=addr("kp_fast"), table=addr("kp_thread_table"), rp=rp,
         handler=addr(tpl["handler"]) if tpl["handler"] else None, return_c=addr("kp_kretprobe_return_clean"),
@@ -289,11 +294,13 @@ def _hook(s, name: str, sym, at: int, exit_addr: int):
 
 
 def choose_return_hooks(s, ret_clean, handler_info) -> None:
-    """Clean return hooks for functions whose kretprobes' handlers never read
-    regs at return; ret_clean(entry probe) says so for one kretprobe.  A
-    function with one such kretprobe gets the hook inlined at each ret (the
-    per-site template, clean_ret_hook); handler_info(name) gives the
-    handler's (link symbol, clobbered scratch registers or None)."""
+    """How each function's returns are hooked.  A function with one kretprobe
+    gets the hook inlined at each ret (per-site templates): clean_ret_hook
+    when its handler never reads regs (ret_clean(entry probe) says so),
+    full_ret_hook otherwise.  Several kretprobes share the hooks of
+    kretprobe_entry.S: the clean one when no handler reads regs.
+    handler_info(name) gives the handler's (link symbol, clobbered scratch
+    registers or None)."""
     kp = s.kret
     if kp is None:
         return
@@ -302,25 +309,29 @@ def choose_return_hooks(s, ret_clean, handler_info) -> None:
         for p in g.probes:
             p.ret_clean = ret_clean(p)
         g.ret_clean = all(p.ret_clean for p in g.probes)
-        if not g.ret_clean:
+        if g.ret_clean:
+            for rs in g.sites:
+                if rs.hook == HOOK_RET:
+                    rs.hook = HOOK_RET_CLEAN
+            for host, e in g.embedded:
+                hooks = kp.site_hooks[host.addr]
+                if hooks[e.addr] == HOOK_RET:
+                    hooks[e.addr] = HOOK_RET_CLEAN
+        if len(g.probes) != 1 or g.mode != OPTIMIZED:
             continue
-        exits = [(rs.exit.addr, rs) for rs in g.sites] + [(e.addr, None) for _, e in g.embedded]
-        tpl = None
-        if len(g.probes) == 1 and g.mode == OPTIMIZED:
-            p = g.probes[0]
-            sym, clobbers = handler_info(p.kret.handler) if p.kret.handler else (None, set())
-            tpl = {"index": index[id(p)], "handler": sym, "clobbers": clobbers,
-                   "aligned": s.arch.optprobe.stack_aligned_at(s.image, g.func, g.func.start)}
-        for rs in g.sites:
-            if rs.hook == HOOK_RET:
-                rs.hook = HOOK_RET_CLEAN
-        for host, e in g.embedded:
-            hooks = kp.site_hooks[host.addr]
-            if hooks[e.addr] == HOOK_RET:
-                hooks[e.addr] = HOOK_RET_CLEAN
-        if tpl is not None:
-            for a, _ in exits:
-                kp.ret_templates[a] = tpl
+        p = g.probes[0]
+        trace = f"r{p.index}" in (s.traces or {})
+        if trace:            # the generated trace handler (it calls the user's)
+            sym, clobbers = f"kp_trace_ret_r{p.index}", None
+        elif p.kret.handler:
+            sym, clobbers = handler_info(p.kret.handler)
+        else:
+            sym, clobbers = None, set()
+        tpl = {"index": index[id(p)], "handler": sym, "clobbers": clobbers,
+               "aligned": s.arch.optprobe.stack_aligned_at(s.image, g.func, g.func.start)}
+        for e in g.exits:
+            if e.kind == "ret":
+                kp.ret_templates[e.addr] = tpl
 
 
 def layout(s, pos: int) -> int:
@@ -426,8 +437,8 @@ def metadata(s) -> list[dict]:
                     "detour": site.detour, "region": [site.addr, site.region_end], "returns": g.mode,
                     "call": "clean" if getattr(site, "clean", False) else "pt_regs",
                     "inline_dispatch": bool(getattr(site, "template", False)),
-                    "return_hook": ("inline" if any(e.addr in s.kret.ret_templates for e in g.exits)
-                                    else "clean" if g.ret_clean else "pt_regs"),
+                    "return_hook": ("inline " if any(e.addr in s.kret.ret_templates for e in g.exits) else "")
+                    + ("clean" if g.ret_clean else "pt_regs"),
                     "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]
                     + [[h.addr, h.region_end, e.addr] for h, e in g.embedded]})
     return out

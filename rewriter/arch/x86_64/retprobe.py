@@ -415,3 +415,75 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, ha
     restore_all(scratch)
     c.out += hook_then_exit(exit, full_hook, c.pc)
     return bytes(c.out)
+
+
+def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, handler: int | None,
+                  return_c: int, aligned: bool) -> bytes:
+    """The same for a kretprobe whose handler may read regs: struct pt_regs is
+    built inline as the kernel's trampoline reports it (ip the return address,
+    sp the stack pointer after the ret), the handler is called directly, and
+    every register is restored from pt_regs (a handler may change regs->ax).
+    Anything uncommon calls kp_kretprobe_return(regs)."""
+    from . import emit as em
+    F = em.PT_SIZE + 16                   # pt_regs, the instance, the thread block
+    RI, T = em.PT_SIZE, em.PT_SIZE + 8
+    c = em._Code(at)
+    c.a(f"lea rsp, [rsp - {F}]")
+    c.a(f"mov qword ptr [rsp + {em.PT_REGS['rax']}], rax; mov qword ptr [rsp + {em.PT_REGS['rcx']}], rcx")
+    c.a("seto al; lahf; movzx ecx, ah; movzx eax, al; shl eax, 11; or ecx, eax; or ecx, 0x200")
+    c.a(f"mov qword ptr [rsp + {em.PT_FLAGS}], rcx")
+    for reg, off in em.PT_REGS.items():
+        if reg not in ("rax", "rcx"):
+            c.a(f"mov qword ptr [rsp + {off}], {reg}")
+    c.a(f"mov qword ptr [rsp + {em.PT_ORIG_AX}], -1; mov qword ptr [rsp + {em.PT_CS}], 0x33; "
+        f"mov qword ptr [rsp + {em.PT_SS}], 0x2b")
+    c.a(f"mov rax, qword ptr [rsp + {F}]; mov qword ptr [rsp + {em.PT_IP}], rax; "
+        f"lea rax, [rsp + {F + 8}]; mov qword ptr [rsp + {em.PT_SP}], rax")
+    c.rip("cmp dword ptr [rip + {d}], 0", fast)
+    slow = [c.jcc(em.JE)]
+    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                       # mov %fs:0,%rdi (linux_user)
+    c.a(f"mov rax, rdi; shr rax, 12; and eax, {em.THREAD_TABLE_MASK:#x}")
+    c.rip("lea rdx, [rip + {d}]", table)
+    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
+    slow.append(c.jcc(em.JNE))
+    c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
+    restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
+    restore.append(c.jcc(em.JE))
+    c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    restore.append(c.jcc(em.JE))
+    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
+        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    slow.append(c.jcc(em.JNE))
+    c.a(f"test byte ptr [rcx + {em.RI_FLAGS}], {em.RI_TRAMP}")
+    slow.append(c.jcc(em.JNE))
+    c.rip("lea r8, [rip + {d}]", rp)
+    c.a(f"cmp qword ptr [rcx + {em.RI_RP}], r8")
+    slow.append(c.jcc(em.JNE))
+    c.a(f"dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
+    if handler is not None:
+        c.a(f"mov dword ptr [rdx + {em.THREAD_ACTIVE}], 1; mov qword ptr [rsp + {RI}], rcx; "
+            f"mov qword ptr [rsp + {T}], rdx; mov rdi, rcx; mov rsi, rsp")
+        _call_aligned(c, handler, aligned)
+        c.a(f"mov rdx, qword ptr [rsp + {T}]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0; "
+            f"mov rcx, qword ptr [rsp + {RI}]")
+    c.a(f"mov dword ptr [rcx + {em.RI_STATE}], 0")                  # kp_ri_free()
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    restore.append(c.jcc(em.JE))
+    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
+        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    slow.append(c.jcc(em.JE))                                       # a tail-calling caller's too
+    restore_pc = c.pc
+    c.fix(restore, restore_pc)
+    P = em.PT_FLAGS
+    c.a(f"movzx eax, byte ptr [rsp + {P}]; shl eax, 8; movzx ecx, byte ptr [rsp + {P + 1}]; shr ecx, 3; "
+        "and ecx, 1; or eax, ecx; add al, 0x7f; sahf")
+    for reg, off in em.PT_REGS.items():
+        c.a(f"mov {reg}, qword ptr [rsp + {off}]")
+    c.a(f"lea rsp, [rsp + {F}]")
+    c.out += exit_code(exit, c.pc)
+    c.fix(slow, c.pc)
+    c.a("mov rdi, rsp")
+    _call_aligned(c, return_c, aligned)
+    c.jmp_abs(restore_pc, "jmp restore")
+    return bytes(c.out)
