@@ -394,23 +394,30 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
             kret_entry = kret.is_entry(p)
             callback, body = sym["kp_optimized_clean_callback"], None
             if kret_entry:
-                eh = p.kret.entry_handler
                 callback = sym["kp_kretprobe_enter_clean_slow"]
-                body = s.arch.retprobe.kret_entry_body(
-                    rp=probe, tramp=sym["kp_kretprobe_trampoline"], entry_handler=sym[s.handler_symbols[eh]] if eh else None,
-                    enter_c=sym["kp_kretprobe_enter_clean"], aligned=common["aligned"],
-                    inline=kret.group_of(s, p).mode == kret.OPTIMIZED)
+                body = _kret_entry_body(s, p, probe, sym, common["aligned"], regs=False)
             code, resume = em.clean_detour(site.index, site.dcr, at, callback=callback,
                                            flags_live=not opt.arith_flags_dead(s.image, p.func, site.addr),
                                            handler_clobbers=site.clobbers, pass_slot=kret_entry, body=body, **common)
         else:
+            # full_detour realigns the stack itself before the body.
+            body = _kret_entry_body(s, p, probe, sym, True, regs=True) if kret.is_entry(p) else None
             code, resume = em.full_detour(site.index, site.dcr, at, callback=sym["kp_optimized_callback"],
-                                          resume_regs=sym["kp_optprobe_resume_regs"], **common)
+                                          resume_regs=sym["kp_optprobe_resume_regs"], body=body, **common)
         return code, resume, resume
     entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
               ("kp_optprobe_entry", "kp_optprobe_post_entry")
     # A DCR holding a return-probed function's exit embeds its return hook.
     return kret.site_detour(s, em, site, at, sym[entries[0]], sym[entries[1]], sym)
+
+
+def _kret_entry_body(s: Session, p, rp: int, sym, aligned: bool, regs: bool):
+    """pre_handler_kretprobe() inlined in the entry template (retprobe.kret_entry_body)."""
+    eh = p.kret.entry_handler
+    return s.arch.retprobe.kret_entry_body(
+        rp=rp, tramp=sym["kp_kretprobe_trampoline"], entry_handler=sym[s.handler_symbols[eh]] if eh else None,
+        enter_c=sym["kp_kretprobe_enter"], aligned=aligned, inline=kret.group_of(s, p).mode == kret.OPTIMIZED,
+        regs=regs)
 
 
 def _kret_order(s: Session) -> dict[int, int]:

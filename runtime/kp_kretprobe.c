@@ -30,11 +30,12 @@
  * do not share them, so the slot address identifies a live frame.
  *
  * Fast paths: for a kretprobe whose handlers never read regs (kprewrite reads
- * their code), kprewrite inlines the common case of both halves in per-site
+ * their code; or with struct pt_regs built in place when they do), kprewrite
+ * inlines the common case of both halves in per-site
  * templates (rewriter/arch/x86_64/retprobe.py: the claim at the pool's hint,
  * the push, the pop at the ret, direct calls of the handlers), with only the
  * call-clobbered registers saved.  Everything else comes here:
- * kp_kretprobe_enter_clean(), kp_kretprobe_return_clean().
+ * kp_kretprobe_enter(), kp_kretprobe_return_clean(), kp_kretprobe_return().
  */
 #include "kp_internal.h"
 
@@ -211,15 +212,15 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 }
 
 /*
- * The entry half called from kprewrite's clean-call template (a site whose one
- * probe is rp->kp, whose entry_handler never reads regs): the template has
- * done the dispatch (thread block t found, marked active, hit counted) and
- * passes the slot S.
+ * The entry half called from kprewrite's entry templates (a site whose one
+ * probe is rp->kp) for what they do not inline: the template has done the
+ * dispatch (thread block t found, marked active, hit counted) and passes the
+ * slot S, and regs (NULL when the entry_handler never reads it).
  */
-void kp_kretprobe_enter_clean(struct kprobe *p, unsigned long S, struct kp_thread *t)
+void kp_kretprobe_enter(struct kprobe *p, unsigned long S, struct kp_thread *t, struct pt_regs *regs)
 {
 	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
-	kp_kret_enter(rp, S, t, 1, 0);
+	kp_kret_enter(rp, S, t, 1, regs);
 }
 
 /* The same template's slow path (kp_optimized_clean_callback() for it):
@@ -239,7 +240,7 @@ void kp_kretprobe_enter_clean_slow(unsigned long site_index, unsigned long S)
 		return;
 	t->hits[p->index]++;
 	t->active = 1;
-	kp_kretprobe_enter_clean(p, S, t);
+	kp_kretprobe_enter(p, S, t, 0);
 	t->active = 0;
 }
 

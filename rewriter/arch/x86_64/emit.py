@@ -311,13 +311,16 @@ FULL_FRAME = RED_ZONE + PT_SIZE + 16   # red zone, pt_regs, the thread block, th
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
                 probe_index: int, handler: int, callback: int, resume_regs: int,
-                aligned: bool, copy=None) -> tuple[bytes, int]:
+                aligned: bool, copy=None, body=None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
     pt_regs: optprobe_template building struct pt_regs inline (as
     kp_optprobe_entry does), with the dispatch of the common case inlined.  A
     handler that changed the path (non-zero return and a new regs->ip),
     regs->sp or a non-arithmetic flag resumes through kp_optprobe_resume_regs;
     anything else restores every register from pt_regs.
+    body(c): emits what runs instead of the handler call (pt_regs at rbx, the
+    thread block in rdx and after pt_regs; leaves the pre_handler's return in
+    eax: retprobe.kret_entry_body).
     Returns (code, resume): where the relocated DCR starts."""
     c = _Code(at)
     F = PT_FLAGS
@@ -338,9 +341,12 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     c.a("mov rbx, rsp")                                         # saved in pt_regs; the callee keeps it
     if not aligned:
         c.a("and rsp, -16")
-    c.rip("lea rdi, [rip + {d}]", probe)
-    c.a("mov rsi, rbx")
-    c.call(handler)
+    if body is not None:
+        body(c)
+    else:
+        c.rip("lea rdi, [rip + {d}]", probe)
+        c.a("mov rsi, rbx")
+        c.call(handler)
     c.a("mov rsp, rbx")
     c.a(f"mov rdx, qword ptr [rsp + {PT_SIZE}]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
     # What the handler changed: the path, the stack pointer, non-arithmetic flags.

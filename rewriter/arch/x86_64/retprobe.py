@@ -266,20 +266,29 @@ def _call_aligned(c, target: int, aligned: bool, scratch: str = "rax"):
 
 
 def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: int, aligned: bool,
-                    inline: bool = True):
-    """emit.clean_detour()'s body for a site whose one probe is rp->kp: claim
-    the instance at the pool's hint (lock cmpxchg), record the slot and the
-    return address, push it on the thread's instance stack, run the
-    entry_handler (a non-zero return drops the instance).  On entry rdx holds
-    the thread block (also at [rsp + 80]), marked active.  Uses rax rcx rdx
-    rsi rdi r8 and what the entry_handler clobbers.  inline=False: only the
-    call to C (a kretprobe whose returns use the trampoline)."""
+                    inline: bool = True, regs: bool = False):
+    """The handler part of an entry template for a site whose one probe is
+    rp->kp (pre_handler_kretprobe() inlined): claim the instance at the
+    pool's hint (lock cmpxchg), record the slot and the return address, push
+    it on the thread's instance stack, run the entry_handler (a non-zero
+    return drops the instance).  On entry rdx holds the thread block, marked
+    active.  Anything uncommon calls enter_c(p, S, t, regs)
+    (kp_kretprobe_enter).  inline=False: only that call (a kretprobe whose
+    returns use the trampoline).
+    regs=False: emit.clean_detour()'s body (frame at rsp, the thread block at
+    [rsp + 80]; uses rax rcx rdx rsi rdi r8 and what the entry_handler
+    clobbers; the entry_handler never reads regs).  regs=True:
+    emit.full_detour()'s (struct pt_regs at rbx, which may differ from rsp by
+    the realignment; the thread block after it; every register is saved; the
+    body leaves eax = 0, pre_handler_kretprobe()'s return)."""
     from . import emit as em
+    F = em.FULL_FRAME if regs else em.CLEAN_FRAME
+    base = "rbx" if regs else "rsp"
+    T = f"[rbx + {em.PT_SIZE}]" if regs else "[rsp + 80]"
 
-    def body(c, slow_saves, slot):
-        F = em.CLEAN_FRAME
+    def body(c, slow_saves=(), slot=None):
         to_c, end = [], []
-        c.a(f"lea rsi, [rsp + {F:#x}]")                               # S: the return-address slot
+        c.a(f"lea rsi, [{base} + {F:#x}]")                            # S: the return-address slot
         if not inline:
             to_c.append(c.jcc(-1))
         c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
@@ -311,24 +320,28 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
             f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; mov qword ptr [rdi + rax*8 + {em.KRET_STACK}], rcx; "
             f"inc eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
         if entry_handler is not None:
-            c.a("mov rdi, rcx; xor esi, esi")                         # it never reads regs
+            c.a("mov rdi, rcx; mov rsi, rbx" if regs else "mov rdi, rcx; xor esi, esi")
             _call_aligned(c, entry_handler, aligned)
             c.a("test eax, eax")
             end.append(c.jcc(em.JE))
             # Non-zero: no return handler for this call (nested probes missed, so ours is on top).
-            c.a(f"mov rdx, qword ptr [rsp + 80]; mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; "
+            c.a(f"mov rdx, qword ptr {T}; mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; "
                 f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax; "
                 f"mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK}]; mov dword ptr [rcx + {em.RI_STATE}], 0")
         end.append(c.jcc(-1))
-        c.fix(to_c, c.pc)                                             # kp_kretprobe_enter_clean(p, S, t)
+        c.fix(to_c, c.pc)                                             # kp_kretprobe_enter(p, S, t, regs)
         for reg in slow_saves:
             c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
         c.rip("lea rdi, [rip + {d}]", rp)
+        c.a("mov rcx, rbx" if regs else "xor ecx, ecx")
         _call_aligned(c, enter_c, aligned)
         for reg in slow_saves:
             c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
         c.fix(end, c.pc)
-        c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
+        if regs:
+            c.a("xor eax, eax")
+        else:
+            c.a(f"mov rdx, qword ptr {T}; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
     return body
 
 
