@@ -345,6 +345,52 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
     return body
 
 
+def _ret_fast_path(c, F: int, *, fast: int, table: int, rp: int, handler: int | None, aligned: bool,
+                   ri_slot: int, t_slot: int, regs_arg: str) -> tuple[list[int], list[int]]:
+    """The inlined part of a return hook (kp_kretprobe_return() for the common
+    case), S at [rsp + F]: armed, the thread's block found, no handler running,
+    the top instance recorded at S, not fired by the trampoline, this
+    kretprobe's; pop it, run the handler (regs_arg sets its regs argument),
+    free it.  Returns (jumps to the slow path, jumps to the restore)."""
+    from . import emit as em
+    c.rip("cmp dword ptr [rip + {d}], 0", fast)
+    slow = [c.jcc(em.JE)]
+    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                       # mov %fs:0,%rdi (linux_user)
+    c.a(f"mov rax, rdi; shr rax, 12; and eax, {em.THREAD_TABLE_MASK:#x}")
+    c.rip("lea rdx, [rip + {d}]", table)
+    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
+    slow.append(c.jcc(em.JNE))
+    c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
+    restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
+    restore.append(c.jcc(em.JE))
+    c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    restore.append(c.jcc(em.JE))
+    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
+        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    slow.append(c.jcc(em.JNE))                                      # frames to reclaim, or none of S
+    c.a(f"test byte ptr [rcx + {em.RI_FLAGS}], {em.RI_TRAMP}")
+    slow.append(c.jcc(em.JNE))
+    c.rip("lea r8, [rip + {d}]", rp)
+    c.a(f"cmp qword ptr [rcx + {em.RI_RP}], r8")
+    slow.append(c.jcc(em.JNE))                                      # a tail-calling caller's instance
+    c.a(f"dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
+    if handler is not None:
+        c.a(f"mov dword ptr [rdx + {em.THREAD_ACTIVE}], 1; mov qword ptr [rsp + {ri_slot}], rcx; "
+            f"mov qword ptr [rsp + {t_slot}], rdx; mov rdi, rcx; {regs_arg}")
+        _call_aligned(c, handler, aligned)
+        c.a(f"mov rdx, qword ptr [rsp + {t_slot}]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0; "
+            f"mov rcx, qword ptr [rsp + {ri_slot}]")
+    c.a(f"mov dword ptr [rcx + {em.RI_STATE}], 0")                  # kp_ri_free()
+    # A tail-calling caller's instance at the same slot fires too: C does that.
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    restore.append(c.jcc(em.JE))
+    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
+        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    slow.append(c.jcc(em.JE))
+    return slow, restore
+
+
 RET_FRAME = 104     # rax rcx rdx rsi rdi r8-r11 (0..64), flags 72, the instance 80, the thread 88
 
 
@@ -370,41 +416,8 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, ha
     c.a("mov qword ptr [rsp], rax; seto al; lahf; mov word ptr [rsp + 72], ax")
     for reg in fast_saves[1:]:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
-    c.rip("cmp dword ptr [rip + {d}], 0", fast)
-    slow = [c.jcc(em.JE)]
-    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                       # mov %fs:0,%rdi (linux_user)
-    c.a(f"mov rax, rdi; shr rax, 12; and eax, {em.THREAD_TABLE_MASK:#x}")
-    c.rip("lea rdx, [rip + {d}]", table)
-    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
-    slow.append(c.jcc(em.JNE))
-    c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
-    restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
-    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
-    restore.append(c.jcc(em.JE))
-    c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
-    restore.append(c.jcc(em.JE))
-    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
-        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
-    slow.append(c.jcc(em.JNE))                                      # frames to reclaim, or none of S
-    c.a(f"test byte ptr [rcx + {em.RI_FLAGS}], {em.RI_TRAMP}")
-    slow.append(c.jcc(em.JNE))
-    c.rip("lea r8, [rip + {d}]", rp)
-    c.a(f"cmp qword ptr [rcx + {em.RI_RP}], r8")
-    slow.append(c.jcc(em.JNE))                                      # a tail-calling caller's instance
-    c.a(f"dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
-    if handler is not None:
-        c.a(f"mov dword ptr [rdx + {em.THREAD_ACTIVE}], 1; mov qword ptr [rsp + 80], rcx; "
-            "mov qword ptr [rsp + 88], rdx; mov rdi, rcx; xor esi, esi")
-        _call_aligned(c, handler, aligned)
-        c.a(f"mov rdx, qword ptr [rsp + 88]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0; "
-            "mov rcx, qword ptr [rsp + 80]")
-    c.a(f"mov dword ptr [rcx + {em.RI_STATE}], 0")                  # kp_ri_free()
-    # A tail-calling caller's instance at the same slot fires too: C does that.
-    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
-    restore.append(c.jcc(em.JE))
-    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
-        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
-    slow.append(c.jcc(em.JE))
+    slow, restore = _ret_fast_path(c, F, fast=fast, table=table, rp=rp, handler=handler, aligned=aligned,
+                                   ri_slot=80, t_slot=88, regs_arg="xor esi, esi")
 
     def restore_all(saves):
         c.a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
@@ -452,40 +465,8 @@ def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, han
         f"mov qword ptr [rsp + {em.PT_SS}], 0x2b")
     c.a(f"mov rax, qword ptr [rsp + {F}]; mov qword ptr [rsp + {em.PT_IP}], rax; "
         f"lea rax, [rsp + {F + 8}]; mov qword ptr [rsp + {em.PT_SP}], rax")
-    c.rip("cmp dword ptr [rip + {d}], 0", fast)
-    slow = [c.jcc(em.JE)]
-    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                       # mov %fs:0,%rdi (linux_user)
-    c.a(f"mov rax, rdi; shr rax, 12; and eax, {em.THREAD_TABLE_MASK:#x}")
-    c.rip("lea rdx, [rip + {d}]", table)
-    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
-    slow.append(c.jcc(em.JNE))
-    c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
-    restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
-    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
-    restore.append(c.jcc(em.JE))
-    c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
-    restore.append(c.jcc(em.JE))
-    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
-        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
-    slow.append(c.jcc(em.JNE))
-    c.a(f"test byte ptr [rcx + {em.RI_FLAGS}], {em.RI_TRAMP}")
-    slow.append(c.jcc(em.JNE))
-    c.rip("lea r8, [rip + {d}]", rp)
-    c.a(f"cmp qword ptr [rcx + {em.RI_RP}], r8")
-    slow.append(c.jcc(em.JNE))
-    c.a(f"dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
-    if handler is not None:
-        c.a(f"mov dword ptr [rdx + {em.THREAD_ACTIVE}], 1; mov qword ptr [rsp + {RI}], rcx; "
-            f"mov qword ptr [rsp + {T}], rdx; mov rdi, rcx; mov rsi, rsp")
-        _call_aligned(c, handler, aligned)
-        c.a(f"mov rdx, qword ptr [rsp + {T}]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0; "
-            f"mov rcx, qword ptr [rsp + {RI}]")
-    c.a(f"mov dword ptr [rcx + {em.RI_STATE}], 0")                  # kp_ri_free()
-    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
-    restore.append(c.jcc(em.JE))
-    c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
-        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
-    slow.append(c.jcc(em.JE))                                       # a tail-calling caller's too
+    slow, restore = _ret_fast_path(c, F, fast=fast, table=table, rp=rp, handler=handler, aligned=aligned,
+                                   ri_slot=RI, t_slot=T, regs_arg="mov rsi, rsp")
     restore_pc = c.pc
     c.fix(restore, restore_pc)
     P = em.PT_FLAGS

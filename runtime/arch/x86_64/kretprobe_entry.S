@@ -20,64 +20,9 @@
  * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
  * sp 152 ss 160; size 168.
  */
-#define PT_SIZE 168
+#include "kp_regs.h"
 
 	.text
-
-.macro SAVE_REGS
-	mov	%rax, 80(%rsp)
-	mov	%rcx, 88(%rsp)
-	seto	%al
-	lahf
-	movzbl	%ah, %ecx
-	movzbl	%al, %eax
-	shl	$11, %eax
-	or	%eax, %ecx
-	or	$0x200, %ecx
-	mov	%rcx, 144(%rsp)
-	mov	%rdx, 96(%rsp)
-	mov	%rsi, 104(%rsp)
-	mov	%rdi, 112(%rsp)
-	mov	%r8, 72(%rsp)
-	mov	%r9, 64(%rsp)
-	mov	%r10, 56(%rsp)
-	mov	%r11, 48(%rsp)
-	mov	%rbx, 40(%rsp)
-	mov	%rbp, 32(%rsp)
-	mov	%r12, 24(%rsp)
-	mov	%r13, 16(%rsp)
-	mov	%r14, 8(%rsp)
-	mov	%r15, 0(%rsp)
-	movq	$-1, 120(%rsp)
-	movq	$0x33, 136(%rsp)
-	movq	$0x2b, 160(%rsp)
-.endm
-
-.macro RESTORE_REGS
-	movzbl	144(%rsp), %eax
-	shl	$8, %eax
-	movzbl	145(%rsp), %ecx
-	shr	$3, %ecx
-	and	$1, %ecx
-	or	%ecx, %eax
-	add	$0x7f, %al
-	sahf
-	mov	0(%rsp), %r15
-	mov	8(%rsp), %r14
-	mov	16(%rsp), %r13
-	mov	24(%rsp), %r12
-	mov	32(%rsp), %rbp
-	mov	40(%rsp), %rbx
-	mov	48(%rsp), %r11
-	mov	56(%rsp), %r10
-	mov	64(%rsp), %r9
-	mov	72(%rsp), %r8
-	mov	80(%rsp), %rax
-	mov	88(%rsp), %rcx
-	mov	96(%rsp), %rdx
-	mov	104(%rsp), %rsi
-	mov	112(%rsp), %rdi
-.endm
 
 .macro KRET_HOOK name, callback
 	.p2align 4
@@ -86,7 +31,7 @@
 	.type \name, @function
 \name:
 	lea	-PT_SIZE(%rsp), %rsp
-	SAVE_REGS
+	PT_REGS_SAVE
 	mov	PT_SIZE+8(%rsp), %rax		/* the return address */
 	mov	%rax, 128(%rsp)
 	lea	PT_SIZE+16(%rsp), %rax		/* sp after the ret */
@@ -96,7 +41,7 @@
 	and	$-16, %rsp
 	call	\callback
 	mov	%rbx, %rsp
-	RESTORE_REGS
+	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
 	ret
 	.size \name, .-\name
@@ -115,7 +60,7 @@
 	.type kp_kretprobe_ret_jmp_entry, @function
 kp_kretprobe_ret_jmp_entry:
 	lea	-PT_SIZE(%rsp), %rsp
-	SAVE_REGS
+	PT_REGS_SAVE
 	mov	PT_SIZE(%rsp), %rax		/* the return address */
 	mov	%rax, 128(%rsp)
 	lea	PT_SIZE+8(%rsp), %rax		/* sp after the ret */
@@ -125,7 +70,7 @@ kp_kretprobe_ret_jmp_entry:
 	and	$-16, %rsp
 	call	kp_kretprobe_return
 	mov	%rbx, %rsp
-	RESTORE_REGS
+	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
 	ret
 	.size kp_kretprobe_ret_jmp_entry, .-kp_kretprobe_ret_jmp_entry
@@ -139,25 +84,9 @@ kp_kretprobe_ret_jmp_entry:
  * as the clean optprobe entry does.  kp_kretprobe_return_clean(S) returns 1
  * when an instance at the slot needs struct pt_regs after all: everything is
  * restored and the full hook of the same kind takes over.
- * Frame: rax rcx rdx rsi rdi r8 r9 r10 r11 at 0..64, the flags at 72.
+ * Frame: kp_regs.h's clean frame.
  */
 #define CLEAN_SIZE 88
-
-.macro CLEAN_RESTORE
-	movzwl	72(%rsp), %eax
-	add	$0x7f, %al
-	sahf
-	mov	0(%rsp), %rax
-	mov	8(%rsp), %rcx
-	mov	16(%rsp), %rdx
-	mov	24(%rsp), %rsi
-	mov	32(%rsp), %rdi
-	mov	40(%rsp), %r8
-	mov	48(%rsp), %r9
-	mov	56(%rsp), %r10
-	mov	64(%rsp), %r11
-	lea	CLEAN_SIZE(%rsp), %rsp
-.endm
 
 .macro KRET_CLEAN_HOOK name, slot, full
 	.p2align 4
@@ -166,18 +95,7 @@ kp_kretprobe_ret_jmp_entry:
 	.type \name, @function
 \name:
 	lea	-CLEAN_SIZE(%rsp), %rsp
-	mov	%rax, 0(%rsp)
-	seto	%al
-	lahf
-	mov	%ax, 72(%rsp)
-	mov	%rcx, 8(%rsp)
-	mov	%rdx, 16(%rsp)
-	mov	%rsi, 24(%rsp)
-	mov	%rdi, 32(%rsp)
-	mov	%r8, 40(%rsp)
-	mov	%r9, 48(%rsp)
-	mov	%r10, 56(%rsp)
-	mov	%r11, 64(%rsp)
+	CLEAN_SAVE
 	lea	CLEAN_SIZE+\slot(%rsp), %rdi	/* the return-address slot */
 	mov	%rsp, %rcx
 	and	$-16, %rsp
@@ -188,8 +106,10 @@ kp_kretprobe_ret_jmp_entry:
 	test	%eax, %eax
 	jne	1f
 	CLEAN_RESTORE
+	lea	CLEAN_SIZE(%rsp), %rsp
 	ret
 1:	CLEAN_RESTORE
+	lea	CLEAN_SIZE(%rsp), %rsp
 	jmp	\full
 	.size \name, .-\name
 .endm
@@ -211,7 +131,7 @@ kp_kretprobe_ret_jmp_entry:
 kp_kretprobe_trampoline:
 	push	$0
 	lea	-PT_SIZE(%rsp), %rsp
-	SAVE_REGS
+	PT_REGS_SAVE
 	movq	$0, 128(%rsp)
 	lea	PT_SIZE+8(%rsp), %rax
 	mov	%rax, 152(%rsp)
@@ -221,7 +141,7 @@ kp_kretprobe_trampoline:
 	call	kp_kretprobe_trampoline_handler
 	mov	%rbx, %rsp
 	mov	%rax, PT_SIZE(%rsp)
-	RESTORE_REGS
+	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
 	ret
 	.size kp_kretprobe_trampoline, .-kp_kretprobe_trampoline

@@ -11,8 +11,7 @@
  *
  * Here we build struct pt_regs below that, call the C callback with a 16-byte
  * aligned stack, and restore every register from pt_regs, so handler writes take
- * effect.  Flags: pushfq/popfq cost 7 ns on the machines we measure, so the
- * arithmetic flags are saved with seto/lahf and restored with add/sahf; when the
+ * effect (kp_regs.h: the arithmetic flags by seto/lahf and add/sahf); when the
  * callback asks for it (path change, sp or non-arithmetic flags changed) the slow
  * path restores the full flags with popfq and resumes at regs->ip on regs->sp.
  *
@@ -21,7 +20,7 @@
  * sp 152 ss 160; size 168.  At entry: 0(%rsp) return into the stub, 8(%rsp)
  * SITE, and the probed code's %rsp was 144(%rsp).
  */
-#define PT_SIZE 168
+#include "kp_regs.h"
 
 	.text
 	.p2align 5
@@ -32,32 +31,7 @@
 	.type \name, @function
 \name:
 	lea	-PT_SIZE(%rsp), %rsp
-	mov	%rax, 80(%rsp)
-	mov	%rcx, 88(%rsp)
-	seto	%al
-	lahf
-	movzbl	%ah, %ecx
-	movzbl	%al, %eax
-	shl	$11, %eax
-	or	%eax, %ecx
-	or	$0x200, %ecx			/* IF, as user code always runs with it */
-	mov	%rcx, 144(%rsp)
-	mov	%rdx, 96(%rsp)
-	mov	%rsi, 104(%rsp)
-	mov	%rdi, 112(%rsp)
-	mov	%r8, 72(%rsp)
-	mov	%r9, 64(%rsp)
-	mov	%r10, 56(%rsp)
-	mov	%r11, 48(%rsp)
-	mov	%rbx, 40(%rsp)
-	mov	%rbp, 32(%rsp)
-	mov	%r12, 24(%rsp)
-	mov	%r13, 16(%rsp)
-	mov	%r14, 8(%rsp)
-	mov	%r15, 0(%rsp)
-	movq	$-1, 120(%rsp)			/* orig_ax */
-	movq	$0x33, 136(%rsp)		/* __USER_CS */
-	movq	$0x2b, 160(%rsp)		/* __USER_DS */
+	PT_REGS_SAVE
 	lea	PT_SIZE+144(%rsp), %rax
 	mov	%rax, 152(%rsp)			/* sp before the detour */
 	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
@@ -69,29 +43,7 @@
 	test	%eax, %eax
 	jnz	kp_optprobe_resume_regs
 	/* Fast path: arithmetic flags back with add/sahf, then the registers. */
-	movzbl	144(%rsp), %eax
-	shl	$8, %eax
-	movzbl	145(%rsp), %ecx
-	shr	$3, %ecx
-	and	$1, %ecx
-	or	%ecx, %eax
-	add	$0x7f, %al			/* OF = (al == 1) */
-	sahf					/* SF ZF AF PF CF */
-	mov	0(%rsp), %r15
-	mov	8(%rsp), %r14
-	mov	16(%rsp), %r13
-	mov	24(%rsp), %r12
-	mov	32(%rsp), %rbp
-	mov	40(%rsp), %rbx
-	mov	48(%rsp), %r11
-	mov	56(%rsp), %r10
-	mov	64(%rsp), %r9
-	mov	72(%rsp), %r8
-	mov	80(%rsp), %rax
-	mov	88(%rsp), %rcx
-	mov	96(%rsp), %rdx
-	mov	104(%rsp), %rsi
-	mov	112(%rsp), %rdi
+	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
 	ret
 	.size \name, .-\name
@@ -114,18 +66,7 @@
 	.type \name, @function
 \name:
 	lea	-80(%rsp), %rsp
-	mov	%rax, 0(%rsp)
-	seto	%al
-	lahf
-	mov	%ax, 72(%rsp)
-	mov	%rcx, 8(%rsp)
-	mov	%rdx, 16(%rsp)
-	mov	%rsi, 24(%rsp)
-	mov	%rdi, 32(%rsp)
-	mov	%r8, 40(%rsp)
-	mov	%r9, 48(%rsp)
-	mov	%r10, 56(%rsp)
-	mov	%r11, 64(%rsp)
+	CLEAN_SAVE
 	mov	88(%rsp), %edi			/* SITE */
 	mov	%rsp, %rcx
 	and	$-16, %rsp
@@ -133,18 +74,7 @@
 	push	%rcx
 	call	\callback
 	mov	(%rsp), %rsp
-	movzwl	72(%rsp), %eax
-	add	$0x7f, %al			/* OF = (al == 1) */
-	sahf					/* SF ZF AF PF CF */
-	mov	0(%rsp), %rax
-	mov	8(%rsp), %rcx
-	mov	16(%rsp), %rdx
-	mov	24(%rsp), %rsi
-	mov	32(%rsp), %rdi
-	mov	40(%rsp), %r8
-	mov	48(%rsp), %r9
-	mov	56(%rsp), %r10
-	mov	64(%rsp), %r11
+	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
 	ret
 	.size \name, .-\name
