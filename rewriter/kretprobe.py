@@ -29,6 +29,8 @@ HOOK_RET_JMP = "kp_kretprobe_ret_jmp_entry"       # HOOK_RET reached by jmp befo
 # The clean return hook (only scratch registers saved) of a function whose
 # kretprobes' handlers never read regs; and its jmp form.
 HOOK_RET_CLEAN, HOOK_RET_CLEAN_JMP = "kp_kretprobe_ret_clean_entry", "kp_kretprobe_ret_clean_jmp_entry"
+# A breakpoint return hook's kind (KP_KRET_HOOK_* in kp_internal.h).
+HOOK_KIND = {HOOK_RET: 1, HOOK_PENDING: 2, HOOK_SWAP: 3}
 JMP_FORM = {HOOK_RET: HOOK_RET_JMP, HOOK_RET_CLEAN: HOOK_RET_CLEAN_JMP}
 
 # kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
@@ -91,6 +93,7 @@ class Group:
     exits: list = field(default_factory=list)
     sites: list[RetSite] = field(default_factory=list)
     embedded: list = field(default_factory=list)     # (kprobe Site, Exit)
+    int3_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
 
 
 @dataclass
@@ -161,17 +164,12 @@ def refuse(image, analysis, arch, probes: list[EntryProbe], spec_name: str, plan
 
 
 def _fallback(g: Group, exit, refusal) -> bool:
-    """A return site that cannot be jump-optimized.  Returns True if the exit
-    is handled on its own (planning of the function goes on), False if the
-    whole function falls back.
-
-    Today: the whole function uses the kernel's trampoline (the entry swaps the
-    return address).  With INT3 probes (issue 3) this is the one place to
-    change: record an INT3 return hook for `exit` (e.g. g.int3_exits.append(exit),
-    emitted as an INT3 probe whose handler is kp_kretprobe_return, or the tail
-    hooks for a tail jmp) and return True, so g.mode stays OPTIMIZED."""
-    g.mode, g.reason = TRAMPOLINE, refusal
-    return False
+    """A return site that cannot be jump-optimized: it becomes a breakpoint
+    return hook (an INT3 site at the exit whose trap runs the hook, then
+    emulates the ret or the tail jmp), so the return address still stays
+    where the caller put it.  Returns True: planning of the function goes on."""
+    g.int3_exits.append((exit, refusal))
+    return True
 
 
 def plan_returns(image, analysis, arch, plan) -> KretPlan:
@@ -226,7 +224,7 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
             mine.append((dcr[0].addr, end))
             g.sites.append(RetSite(e, dcr, dcr[0].addr, end))
         if g.mode != OPTIMIZED:
-            g.sites, g.embedded = [], []
+            g.sites, g.embedded, g.int3_exits = [], [], []
             continue
         for r in mine:
             i = bisect.bisect_left(starts, r[0])
@@ -243,7 +241,30 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
         for host, e in g.embedded:
             kp.site_hooks.setdefault(host.addr, {})[e.addr] = kp.hook_of(g, e)
     kp.sites.sort(key=lambda s: s.addr)
+    _place_int3_hooks(image, arch, plan, kp)
     return kp
+
+
+def _place_int3_hooks(image, arch, plan, kp: KretPlan) -> None:
+    """Breakpoint sites for the exits no jump could hook (arch_prepare_kprobe()
+    on the ret or the tail jmp, emulated out of line), aggregated with a
+    breakpoint kprobe already at that address; the sites are re-indexed."""
+    from .planner import INT3, Site
+    at = {s.addr: s for s in plan.sites}
+    added = False
+    for g in kp.groups:
+        for e, why in g.int3_exits:
+            site = at.get(e.addr)
+            if site is None:
+                site = at[e.addr] = Site(e.addr, [], decision=INT3, reason=why)
+                site.xol = arch.kprobe_xol.prepare(image, e.addr)
+                site.dcr = [site.xol.insn]
+                added = True
+            site.kret_hook = HOOK_KIND[kp.hook_of(g, e)]
+    if added:
+        plan.sites = sorted(at.values(), key=lambda s: s.addr)
+        for i, s in enumerate(plan.sites):
+            s.index = i
 
 
 # --- emission ---------------------------------------------------------------
@@ -419,9 +440,12 @@ def describe(g: Group, s) -> str:
         hooks[rs.exit.addr] = rs.hook
     for host, e in g.embedded:
         hooks[e.addr] = s.kret.site_hooks[host.addr][e.addr]
+    int3 = {e.addr for e, _ in g.int3_exits}
     for e in g.exits:
+        if e.kind != "ret":
+            hooks.setdefault(e.addr, s.kret.hook_of(g, e))
         what = "ret" if e.kind == "ret" else f"tail->{e.target:#x}" + (" (pending)" if hooks.get(e.addr) == HOOK_PENDING else " (trampoline)")
-        parts.append(f"{e.addr:#x} {what}")
+        parts.append(f"{e.addr:#x} {what}" + (" (int3)" if e.addr in int3 else ""))
     return f"{OPTIMIZED}  returns: {', '.join(parts)}"
 
 
@@ -440,5 +464,6 @@ def metadata(s) -> list[dict]:
                     "return_hook": ("inline " if any(e.addr in s.kret.ret_templates for e in g.exits) else "")
                     + ("clean" if g.ret_clean else "pt_regs"),
                     "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]
-                    + [[h.addr, h.region_end, e.addr] for h, e in g.embedded]})
+                    + [[h.addr, h.region_end, e.addr] for h, e in g.embedded],
+                    "int3_exits": [e.addr for e, _ in g.int3_exits]})
     return out

@@ -34,6 +34,7 @@ class Site:
     template: bool = False           # clean, one probe, no post_handler: dispatch inlined in the detour
     clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
     xol: object = None               # INT3 fallback: the arch's out-of-line plan (kprobe_xol.Xol)
+    kret_hook: int = 0               # a kretprobe return hook at this exit (kretprobe.HOOK_KIND), as a breakpoint
 
     @property
     def with_post(self) -> bool:

@@ -97,10 +97,14 @@ struct kp_int3_site {
 	unsigned char index;		/* call/jmp through memory: index register (0xff none) */
 	unsigned char scale;
 	unsigned char rip;		/* call/jmp through memory: target is the absolute address */
+	unsigned char kret;		/* a kretprobe return hook at this exit: KP_KRET_HOOK_* (0 none) */
 };
 #define KP_XOL_EMULATE 1
 #define KP_XOL_BOOST 2
 #define KP_XOL_SINGLESTEP 3
+#define KP_KRET_HOOK_RET 1
+#define KP_KRET_HOOK_PENDING 2
+#define KP_KRET_HOOK_SWAP 3
 extern struct kp_int3_site kp_int3_sites[];
 extern const unsigned int kp_nint3;
 extern const unsigned int kp_int3_ss[];	/* single-step entries, by ss_end */
@@ -159,6 +163,7 @@ extern const unsigned int kp_nkretprobes;
 struct kp_thread *kp_thread_current(void);
 void kp_kretprobe_relocate(unsigned long bias);
 void kp_kretprobe_profile(int fd);
+void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs);
 unsigned long kp_platform_ncpus(void);		/* CPUs this process may run on */
 long long kp_platform_ktime(void);		/* monotonic clock, ns */
 

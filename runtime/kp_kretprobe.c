@@ -349,6 +349,28 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
 	}
 }
 
+/*
+ * A return hook placed as a breakpoint, at an exit that cannot take a jump
+ * (kp_arch_int3_trap(), before the exit is emulated): regs->sp is the slot.
+ * The hooks see what the jump-optimized ones see: ip the return address, sp
+ * the stack pointer after the ret; a handler's register writes are kept.
+ */
+void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
+{
+	struct pt_regs r = *regs;
+	r.ip = *(unsigned long *)regs->sp;
+	r.sp = regs->sp + 8;
+	if (kind == KP_KRET_HOOK_RET)
+		kp_kretprobe_return(&r);
+	else if (kind == KP_KRET_HOOK_PENDING)
+		kp_kretprobe_tail_pending(&r);
+	else
+		kp_kretprobe_tail_swap(&r);
+	/* the general registers (r15 .. di) and the arithmetic flags */
+	memcpy(regs, &r, __builtin_offsetof(struct pt_regs, orig_ax));
+	regs->flags = (regs->flags & ~0x8d5UL) | (r.flags & 0x8d5UL);
+}
+
 /* The slot's owner on any thread block: only the start-up block of a static
  * program (before its thread pointer existed) can hold a frame of this thread.
  * Its instance is left claimed; the return address is what matters. */

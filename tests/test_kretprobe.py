@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from conftest import cc, instrument, kprewrite, profile, run, write_spec
+from rewriter.pipeline import read_metadata
 
 # Handlers shared by most tests: the entry handler keeps the first argument in
 # ri->data, the return handler prints it with the return value and checks that
@@ -482,10 +483,13 @@ __asm__(
 "  ret\n"
 ".size helper,.-helper\n"
 /* The ret follows a call by 4 bytes and the next function starts right after:
- * no 5-byte region ends with it.  The return goes through the trampoline. */
+ * no 5-byte region ends with it, so its return hook is a breakpoint.  The
+ * return address it sees in its slot is recorded in seen_ra. */
 ".globl cramped\n.type cramped,@function\ncramped:\n"
 "  push %rbx\n"
 "  mov %rdi,%rbx\n"
+"  mov 8(%rsp),%rcx\n"
+"  mov %rcx,seen_ra(%rip)\n"
 "  call helper\n"
 "  add %ebx,%eax\n"
 "  pop %rbx\n"
@@ -498,28 +502,45 @@ __asm__(
 );
 #include <stdio.h>
 long cramped(long), after(long);
+void *seen_ra;
 int main(void)
 {
 	long s = 0;
-	for (long i = 0; i < 3; i++)
+	int ra_ok = 1;
+	for (long i = 0; i < 3; i++) {
 		s += cramped(i) + after(i);
-	printf("s=%ld\n", s);
+		ra_ok &= (char *)seen_ra > (char *)main && (char *)seen_ra < (char *)main + 400;
+	}
+	printf("s=%ld ra_ok=%d\n", s, ra_ok);
 	return 0;
 }
 """
 
 
-def test_trampoline_fallback_is_reported_and_works(tmp_path, runner):
+def test_int3_return_hook_fallback_is_reported_and_works(tmp_path, runner):
+    """An exit no jump can hook gets a breakpoint return hook: the return
+    address is still never replaced, and the handler sees what a jump hook's
+    does (regs->ip the return address, the return value)."""
     prog = cc(tmp_path, "prog", FALLBACK, "-O2")
     spec = write_spec(tmp_path, kret_spec("cramped"), HANDLERS)
     lines = check_lines(prog, spec)
-    assert re.fullmatch(r"cramped\+0x0  r  optimized  returns: trampoline  can_boost at 0x[0-9a-f]+: .*call rel.*",
-                        lines[0]), lines
+    assert re.fullmatch(r"cramped\+0x0  r  optimized  returns: 0x[0-9a-f]+ ret \(int3\)", lines[0]), lines
     out = instrument(prog, spec)
+    meta = [p for p in read_metadata(str(out))["probes"] if p["kind"] == "r"][0]
+    assert len(meta["int3_exits"]) == 1 and meta["return_sites"] == [], meta
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
-    assert r.stdout == f"s={sum(2 * i + 7 + i for i in range(3))}\n"
+    assert r.stdout == f"s={sum(2 * i + 7 + i for i in range(3))} ra_ok=1\n"
     assert events(r.stderr) == [x for i in range(3) for x in (f"E cramped {i}", f"R cramped {i} = {2 * i + 7}")]
+    assert profile(r.stderr) == {"r_cramped_0": (3, 0)}
+    # A handler's write to regs->ax is the value the caller gets, as with a jump hook.
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "cramped"\nhandler = "plus_100"\n',
+                      "#include <kprewrite/kprobes.h>\n"
+                      "int plus_100(struct kretprobe_instance *ri, struct pt_regs *regs) { regs->ax += 100; return 0; }\n",
+                      name="plus.toml")
+    r = run(instrument(prog, spec), runner=runner)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"s={sum(2 * i + 7 + 100 + i for i in range(3))} ra_ok=1\n"
 
 
 # --- every function of a program ----------------------------------------------------

@@ -192,7 +192,7 @@ def table_c(sites) -> str:
             ss.append(len(rows))
         rows.append(f"  {{ {s.addr:#x}UL, {x.slot:#x}UL, {x.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
                     f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32}, "
-                    f"{x.index}, {x.scale}, {x.rip} }},")
+                    f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook} }},")
     out = [f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}] = {{", *rows, "};",
            f"const unsigned int kp_nint3 = {len(rows)};",
            f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",

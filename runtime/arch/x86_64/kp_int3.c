@@ -188,6 +188,8 @@ int kp_arch_int3_trap(void *uc)
 		struct kp_site *s = &kp_sites[d->site];
 		kp_uc_to_regs(g, &regs);
 		int r = kp_trap_pre(s, &regs);
+		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
+			kp_kretprobe_int3_hook(d->kret, &regs);
 		if (r != KP_TRAP_CHANGED) {
 			switch (d->mode) {
 			case KP_XOL_EMULATE:
