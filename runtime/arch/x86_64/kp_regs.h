@@ -54,6 +54,11 @@
 	or	%ecx, %eax
 	add	$0x7f, %al			/* OF = (al == 1) */
 	sahf					/* SF ZF AF PF CF */
+	PT_REGS_LOAD
+.endm
+
+/* Every register (not the flags) from pt_regs at %rsp. */
+.macro PT_REGS_LOAD
 	mov	0(%rsp), %r15
 	mov	8(%rsp), %r14
 	mov	16(%rsp), %r13

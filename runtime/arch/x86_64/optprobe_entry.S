@@ -110,21 +110,7 @@ kp_optprobe_resume_regs:
 	mov	128(%rsp), %rdi
 	mov	%rdi, (%rdx)			/* ip at T - 136 */
 	mov	%rdx, 152(%rsp)			/* pop %rsp lands at T - 136 */
-	mov	0(%rsp), %r15
-	mov	8(%rsp), %r14
-	mov	16(%rsp), %r13
-	mov	24(%rsp), %r12
-	mov	32(%rsp), %rbp
-	mov	40(%rsp), %rbx
-	mov	48(%rsp), %r11
-	mov	56(%rsp), %r10
-	mov	64(%rsp), %r9
-	mov	72(%rsp), %r8
-	mov	80(%rsp), %rax
-	mov	88(%rsp), %rcx
-	mov	96(%rsp), %rdx
-	mov	104(%rsp), %rsi
-	mov	112(%rsp), %rdi
+	PT_REGS_LOAD
 	lea	144(%rsp), %rsp
 	popfq
 	pop	%rsp
