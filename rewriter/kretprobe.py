@@ -5,12 +5,12 @@ The entry half of a kretprobe is an ordinary kprobe at the function's entry
 and jump-optimized with the other kprobes; a kprobe on the same function shares
 its detour.  The return half is planned here, once per function: every exit
 (ret, tail-call jmp) gets a jump-optimized return hook (arch retprobe.py), or,
-when one exit cannot be hooked, the function falls back to the kernel's
-return-address trampoline (the entry swaps the return address).
-
-The fallback is chosen in one place, `_fallback()`: when INT3 probes exist, a
-return site that cannot be jump-optimized becomes an INT3 return hook there
-instead of sending the whole function to the trampoline.
+where no jump fits, a breakpoint return hook (`_fallback()`, an INT3 site at
+the exit).  Only a function whose exits cannot all be named (an indirect jump,
+a conditional tail call) falls back to the kernel's return-address trampoline
+(the entry swaps the return address).  How each hook is emitted (inlined
+templates, clean or with pt_regs, or the shared hooks) is chosen once the
+handlers are compiled: choose_return_hooks().
 """
 from __future__ import annotations
 
