@@ -255,6 +255,36 @@ static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri
 	kp_ri_free(ri);
 }
 
+/* The thread's instance stack with the frames below slot S reclaimed, or NULL
+ * when it holds nothing (the common start of every return-side hook). */
+static struct kp_kret_thread *kp_kret_at(struct kp_thread *t, unsigned long S)
+{
+	struct kp_kret_thread *kt = t ? t->kret : 0;
+	if (!kt || !kt->depth)
+		return 0;
+	kp_reclaim(kt, S, 0);
+	return kt;
+}
+
+/* Fire the instances recorded at slot S, newest first (those the trampoline
+ * fires are left to it).  regs NULL (the clean hook): returns 1 at the first
+ * instance whose handler may read regs, for the caller to build them. */
+static inline __attribute__((always_inline)) int kp_fire_at(unsigned long S, struct pt_regs *regs)
+{
+	struct kp_thread *t = kp_current_thread();
+	struct kp_kret_thread *kt = t && !t->active ? kp_kret_at(t, S) : 0;
+	while (kt && kt->depth) {
+		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
+		if ((unsigned long)ri->fp != S || (ri->kp_flags & KP_RI_TRAMP))
+			break;
+		if (!regs && unlikely(!ri->rp->kp_ret_clean))
+			return 1;
+		kt->depth--;
+		kp_ri_fire(t, ri, regs);
+	}
+	return 0;
+}
+
 /*
  * The return hook, just before a `ret` (called from kp_kretprobe_ret_entry).
  * regs->sp is the stack pointer after the ret, regs->ip the return address,
@@ -262,19 +292,7 @@ static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri
  */
 void kp_kretprobe_return(struct pt_regs *regs)
 {
-	unsigned long S = regs->sp - 8;
-	struct kp_thread *t = kp_current_thread();
-	struct kp_kret_thread *kt = t ? t->kret : 0;
-	if (!kt || !kt->depth || t->active)
-		return;
-	kp_reclaim(kt, S, 0);
-	while (kt->depth) {
-		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
-		if ((unsigned long)ri->fp != S || (ri->kp_flags & KP_RI_TRAMP))
-			break;
-		kt->depth--;
-		kp_ri_fire(t, ri, regs);
-	}
+	kp_fire_at(regs->sp - 8, regs);
 }
 
 /*
@@ -286,22 +304,7 @@ void kp_kretprobe_return(struct pt_regs *regs)
  */
 int kp_kretprobe_return_clean(unsigned long S)
 {
-	struct kp_thread *t = kp_current_thread();
-	struct kp_kret_thread *kt = t ? t->kret : 0;
-	if (!kt || !kt->depth || t->active)
-		return 0;
-	if ((unsigned long)kt->stack[kt->depth - 1]->fp < S)
-		kp_reclaim(kt, S, 0);
-	while (kt->depth) {
-		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
-		if ((unsigned long)ri->fp != S || (ri->kp_flags & KP_RI_TRAMP))
-			break;
-		if (unlikely(!ri->rp->kp_ret_clean))
-			return 1;
-		kt->depth--;
-		kp_ri_fire(t, ri, 0);
-	}
-	return 0;
+	return kp_fire_at(S, 0);
 }
 
 /* A tail call to a function whose returns are hooked: this frame's instances
@@ -309,11 +312,9 @@ int kp_kretprobe_return_clean(unsigned long S)
 void kp_kretprobe_tail_pending(struct pt_regs *regs)
 {
 	unsigned long S = regs->sp - 8;
-	struct kp_thread *t = kp_current_thread();
-	struct kp_kret_thread *kt = t ? t->kret : 0;
-	if (!kt || !kt->depth)
+	struct kp_kret_thread *kt = kp_kret_at(kp_current_thread(), S);
+	if (!kt)
 		return;
-	kp_reclaim(kt, S, 0);
 	for (unsigned int i = kt->depth; i-- > 0;) {
 		struct kretprobe_instance *ri = kt->stack[i];
 		if ((unsigned long)ri->fp != S)
@@ -328,11 +329,9 @@ void kp_kretprobe_tail_pending(struct pt_regs *regs)
 void kp_kretprobe_tail_swap(struct pt_regs *regs)
 {
 	unsigned long S = regs->sp - 8;
-	struct kp_thread *t = kp_current_thread();
-	struct kp_kret_thread *kt = t ? t->kret : 0;
-	if (!kt || !kt->depth)
+	struct kp_kret_thread *kt = kp_kret_at(kp_current_thread(), S);
+	if (!kt)
 		return;
-	kp_reclaim(kt, S, 0);
 	struct kretprobe_instance *top = 0;
 	for (unsigned int i = kt->depth; i-- > 0;) {
 		struct kretprobe_instance *ri = kt->stack[i];

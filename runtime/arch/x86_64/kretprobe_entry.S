@@ -24,7 +24,9 @@
 
 	.text
 
-.macro KRET_HOOK name, callback
+/* slot: where the return-address slot is from %rsp on entry: 8 when reached
+ * by `call` from a detour, 0 when reached by `jmp` (below). */
+.macro KRET_HOOK name, callback, slot=8
 	.p2align 4
 	.globl \name
 	.hidden \name
@@ -32,9 +34,9 @@
 \name:
 	lea	-PT_SIZE(%rsp), %rsp
 	PT_REGS_SAVE
-	mov	PT_SIZE+8(%rsp), %rax		/* the return address */
+	mov	PT_SIZE+\slot(%rsp), %rax	/* the return address */
 	mov	%rax, 128(%rsp)
-	lea	PT_SIZE+16(%rsp), %rax		/* sp after the ret */
+	lea	PT_SIZE+\slot+8(%rsp), %rax	/* sp after the ret */
 	mov	%rax, 152(%rsp)
 	mov	%rsp, %rdi
 	mov	%rsp, %rbx
@@ -48,32 +50,12 @@
 .endm
 
 	KRET_HOOK kp_kretprobe_ret_entry, kp_kretprobe_return
-
 /*
  * The same hook for a plain `ret`, reached by `jmp` instead of `call`: 0(%rsp)
  * is the slot itself, and the hook's own final `ret` is the function's return
  * (one call/ret pair less; the return-stack predictor stays balanced).
  */
-	.p2align 4
-	.globl kp_kretprobe_ret_jmp_entry
-	.hidden kp_kretprobe_ret_jmp_entry
-	.type kp_kretprobe_ret_jmp_entry, @function
-kp_kretprobe_ret_jmp_entry:
-	lea	-PT_SIZE(%rsp), %rsp
-	PT_REGS_SAVE
-	mov	PT_SIZE(%rsp), %rax		/* the return address */
-	mov	%rax, 128(%rsp)
-	lea	PT_SIZE+8(%rsp), %rax		/* sp after the ret */
-	mov	%rax, 152(%rsp)
-	mov	%rsp, %rdi
-	mov	%rsp, %rbx
-	and	$-16, %rsp
-	call	kp_kretprobe_return
-	mov	%rbx, %rsp
-	PT_REGS_RESTORE
-	lea	PT_SIZE(%rsp), %rsp
-	ret
-	.size kp_kretprobe_ret_jmp_entry, .-kp_kretprobe_ret_jmp_entry
+	KRET_HOOK kp_kretprobe_ret_jmp_entry, kp_kretprobe_return, 0
 	KRET_HOOK kp_kretprobe_tail_pending_entry, kp_kretprobe_tail_pending
 	KRET_HOOK kp_kretprobe_tail_swap_entry, kp_kretprobe_tail_swap
 
