@@ -5,8 +5,8 @@ The entry half of a kretprobe is an ordinary kprobe at the function's entry
 and jump-optimized with the other kprobes; a kprobe on the same function shares
 its detour.  The return half is planned here, once per function: every exit
 (ret, tail-call jmp) gets a jump-optimized return hook (arch retprobe.py), or,
-where no jump fits, a breakpoint return hook (`_fallback()`, an INT3 site at
-the exit).  Only a function whose exits cannot all be named (an indirect jump,
+where no jump fits, a breakpoint return hook (an INT3 site at the exit,
+`_place_int3_hooks()`).  Only a function whose exits cannot all be named (an indirect jump,
 a conditional tail call) falls back to the kernel's return-address trampoline
 (the entry swaps the return address).  How each hook is emitted (inlined
 templates, clean or with pt_regs, or the shared hooks) is chosen once the
@@ -58,6 +58,7 @@ class EntryProbe(Probe):
     kret: object = None          # KretprobeSpec
     kind: str = "r"
     ret_clean: bool = False      # its handler never reads regs (emission decides)
+    group: object = None         # its Group (plan_returns)
 
     @property
     def event_name(self) -> str:
@@ -89,11 +90,15 @@ class Group:
     probes: list[EntryProbe]
     mode: str = OPTIMIZED
     reason: object = None
-    ret_clean: bool = False      # no handler of its kretprobes reads regs at return (emission decides)
     exits: list = field(default_factory=list)
     sites: list[RetSite] = field(default_factory=list)
     embedded: list = field(default_factory=list)     # (kprobe Site, Exit)
     int3_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
+
+    @property
+    def ret_clean(self) -> bool:
+        """No handler of its kretprobes reads regs at return (set at emission)."""
+        return all(p.ret_clean for p in self.probes)
 
 
 @dataclass
@@ -102,7 +107,6 @@ class KretPlan:
     sites: list[RetSite] = field(default_factory=list)
     site_hooks: dict = field(default_factory=dict)    # kprobe site addr -> {exit addr: hook symbol}
     ret_templates: dict = field(default_factory=dict)  # exit addr -> inlined clean hook's parameters
-    by_probe: dict | None = None                       # id(entry probe) -> its Group
     _hooked: set = field(default_factory=set)         # starts of functions with every exit hooked
 
     def hook_of(self, g: Group, e) -> str:
@@ -163,15 +167,6 @@ def refuse(image, analysis, arch, probes: list[EntryProbe], spec_name: str, plan
     return keep
 
 
-def _fallback(g: Group, exit, refusal) -> bool:
-    """A return site that cannot be jump-optimized: it becomes a breakpoint
-    return hook (an INT3 site at the exit whose trap runs the hook, then
-    emulates the ret or the tail jmp), so the return address still stays
-    where the caller put it.  Returns True: planning of the function goes on."""
-    g.int3_exits.append((exit, refusal))
-    return True
-
-
 def plan_returns(image, analysis, arch, plan) -> KretPlan:
     """Return sites of every function with a placed kretprobe."""
     rp = arch.retprobe
@@ -182,6 +177,7 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
             if is_entry(p):
                 g = groups.setdefault(site.addr, Group(p.func, site.addr, []))
                 g.probes.append(p)
+                p.group = g
     # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
     taken = sorted((s.addr, s.region_end) for s in plan.sites)
     starts = [a for a, _ in taken]
@@ -217,15 +213,13 @@ def plan_returns(image, analysis, arch, plan) -> KretPlan:
             part = next(pt for pt in ex.parts if pt.start <= e.addr < pt.end)
             r = rp.exit_region(image, analysis, part, e, lambda lo, hi: busy(lo, hi, mine))
             if not isinstance(r, tuple):
-                if _fallback(g, e, r):
-                    continue
-                break
+                # No jump fits: a breakpoint return hook at the exit (the return
+                # address still stays where the caller put it).
+                g.int3_exits.append((e, r))
+                continue
             dcr, end = r
             mine.append((dcr[0].addr, end))
             g.sites.append(RetSite(e, dcr, dcr[0].addr, end))
-        if g.mode != OPTIMIZED:
-            g.sites, g.embedded, g.int3_exits = [], [], []
-            continue
         for r in mine:
             i = bisect.bisect_left(starts, r[0])
             starts.insert(i, r[0])
@@ -249,16 +243,14 @@ def _place_int3_hooks(image, arch, plan, kp: KretPlan) -> None:
     """Breakpoint sites for the exits no jump could hook (arch_prepare_kprobe()
     on the ret or the tail jmp, emulated out of line), aggregated with a
     breakpoint kprobe already at that address; the sites are re-indexed."""
-    from .planner import INT3, Site
+    from .planner import Site, make_int3
     at = {s.addr: s for s in plan.sites}
     added = False
     for g in kp.groups:
         for e, why in g.int3_exits:
             site = at.get(e.addr)
             if site is None:
-                site = at[e.addr] = Site(e.addr, [], decision=INT3, reason=why)
-                site.xol = arch.kprobe_xol.prepare(image, e.addr)
-                site.dcr = [site.xol.insn]
+                site = at[e.addr] = make_int3(image, arch, Site(e.addr, [], reason=why))
                 added = True
             site.kret_hook = HOOK_KIND[kp.hook_of(g, e)]
     if added:
@@ -268,21 +260,6 @@ def _place_int3_hooks(image, arch, plan, kp: KretPlan) -> None:
 
 
 # --- emission ---------------------------------------------------------------
-
-def has_hooks(s, site) -> bool:
-    """Whether the site's DCR holds an exit of a return-probed function."""
-    return bool(s.kret and s.kret.site_hooks.get(site.addr))
-
-
-def site_detour(s, em, site, at, entry, post_entry, sym=None):
-    """The detour of a kprobe site; with embedded return hooks if its DCR holds
-    an exit of a return-probed function."""
-    hooks = s.kret.site_hooks.get(site.addr) if s.kret else None
-    if not hooks:
-        return em.detour(site.index, site.dcr, site.with_post, at, entry, post_entry)
-    addrs = {a: _hook(s, n, sym, at, a) for a, n in hooks.items()}
-    return s.arch.retprobe.site_detour(site.index, site.dcr, site.with_post, at, entry, post_entry, addrs)
-
 
 def site_copy(s, site, at, sym):
     """For a per-site template: how to copy the DCR (None: plain relocation)."""
@@ -329,7 +306,6 @@ def choose_return_hooks(s, ret_clean, handler_info) -> None:
     for g in kp.groups:
         for p in g.probes:
             p.ret_clean = ret_clean(p)
-        g.ret_clean = all(p.ret_clean for p in g.probes)
         if g.ret_clean:
             for rs in g.sites:
                 if rs.hook == HOOK_RET:
@@ -368,12 +344,6 @@ def emit_sites(s, sym, put, patches) -> None:
     for rs in s.kret.sites if s.kret else []:
         put(rs.detour, s.arch.retprobe.ret_detour(rs.dcr, _hook(s, rs.hook, sym, rs.detour, rs.exit.addr), rs.detour))
         patches.append((rs.addr, s.arch.emit.jump_patch(rs.addr, rs.region_end - rs.addr, rs.detour)))
-
-
-def group_of(s, p: EntryProbe) -> Group:
-    if s.kret.by_probe is None:
-        s.kret.by_probe = {id(q): g for g in s.kret.groups for q in g.probes}
-    return s.kret.by_probe[id(p)]
 
 
 def placed(s) -> list[tuple[object, EntryProbe, Group]]:
@@ -459,8 +429,8 @@ def metadata(s) -> list[dict]:
         out.append({"index": p.index, "addr": p.addr, "kind": "r", "symbol": p.symbol, "offset": p.offset,
                     "name": p.event_name, "optimized": True, "disabled": p.kret.disabled,
                     "detour": site.detour, "region": [site.addr, site.region_end], "returns": g.mode,
-                    "call": "clean" if getattr(site, "clean", False) else "pt_regs",
-                    "inline_dispatch": bool(getattr(site, "template", False)),
+                    "call": "clean" if site.clean else "pt_regs",
+                    "inline_dispatch": site.template,
                     "return_hook": ("inline " if any(e.addr in s.kret.ret_templates for e in g.exits) else "")
                     + ("clean" if g.ret_clean else "pt_regs"),
                     "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]

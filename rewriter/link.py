@@ -65,15 +65,6 @@ class Blob:
     data_memsz: int       # including .bss
     symbols: dict[str, int]
     sections: list[tuple[str, int, int, int, int]]   # (name, type, flags, addr, size)
-    func_sizes: dict[int, int] | None = None          # function address -> st_size
-
-    def function_code(self, name: str) -> tuple[int, bytes] | None:
-        """(address, bytes) of a linked function, if it lies in the text."""
-        addr = self.symbols.get(name)
-        size = (self.func_sizes or {}).get(addr)
-        if addr is None or not size or not self.text_addr <= addr < self.text_addr + len(self.text):
-            return None
-        return addr, self.text[addr - self.text_addr:addr - self.text_addr + size]
 
 
 def _run(cmd, what: str, cwd=None):
@@ -199,43 +190,44 @@ def _includes() -> list[str]:
     return [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}", f"-I{RUNTIME_DIR / 'platform' / PLATFORM}"]
 
 
-def compile_objects(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]], table_c: str) -> list[Path]:
-    return compile_runtime(cc, workdir) + compile_handlers(cc, workdir, handlers, exports) + \
-        [compile_table(cc, workdir, table_c)]
-
-
-def executable_sections(obj: Path) -> list[tuple[bytes, int]]:
-    """(bytes, 0) of each executable section of a relocatable object."""
+def executable_sections(obj: Path) -> list[bytes]:
+    """The bytes of each executable section of a relocatable object."""
     try:
         with open(obj, "rb") as f:
             e = ELFFile(f)
-            return [(sec.data(), 0) for sec in e.iter_sections()
+            return [sec.data() for sec in e.iter_sections()
                     if sec["sh_type"] == "SHT_PROGBITS" and sec["sh_flags"] & 4]
     except Exception:
         return []
 
 
-def object_function(objs: list[Path], name: str) -> tuple[int, bytes] | None:
-    """(section offset, bytes) of function `name` defined in one of the
-    relocatable objects, for reading its code before linking."""
+def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes]]:
+    """name -> (section offset, bytes) of every sized function defined in the
+    relocatable objects, each object read once: handler code is read before
+    linking (handler_abi)."""
+    out: dict[str, tuple[int, bytes]] = {}
     for obj in objs:
         with open(obj, "rb") as f:
             e = ELFFile(f)
             st = e.get_section_by_name(".symtab")
             if st is None:
                 continue
-            syms = list(st.iter_symbols())
-            for sym in syms:
-                if sym.name != name or not isinstance(sym["st_shndx"], int):
+            syms = [s for s in st.iter_symbols() if isinstance(s["st_shndx"], int) and s.name]
+            # An alias (e.g. kp_handler_NAME) may carry no size: take its function's.
+            sizes: dict[tuple[int, int], int] = {}
+            for s in syms:
+                if s["st_info"]["type"] == "STT_FUNC":
+                    key = (s["st_shndx"], s["st_value"])
+                    sizes[key] = max(sizes.get(key, 0), s["st_size"])
+            data: dict[int, bytes] = {}
+            for s in syms:
+                size = s["st_size"] or sizes.get((s["st_shndx"], s["st_value"]), 0)
+                if not size or s.name in out:
                     continue
-                size = sym["st_size"] or max((o["st_size"] for o in syms if o["st_shndx"] == sym["st_shndx"]
-                                              and o["st_value"] == sym["st_value"]
-                                              and o["st_info"]["type"] == "STT_FUNC"), default=0)
-                if not size:
-                    return None
-                data = e.get_section(sym["st_shndx"]).data()
-                return sym["st_value"], data[sym["st_value"]:sym["st_value"] + size]
-    return None
+                if s["st_shndx"] not in data:
+                    data[s["st_shndx"]] = e.get_section(s["st_shndx"]).data()
+                out[s.name] = s["st_value"], data[s["st_shndx"]][s["st_value"]:s["st_value"] + size]
+    return out
 
 
 def link(workdir: Path, objs: list[Path], text_addr: int) -> Blob:
@@ -250,12 +242,10 @@ def link(workdir: Path, objs: list[Path], text_addr: int) -> Blob:
 def read_blob(raw: bytes, path: Path) -> Blob:
     import io
     e = ELFFile(io.BytesIO(raw))
-    syms, sizes = {}, {}
+    syms = {}
     for s in e.get_section_by_name(".symtab").iter_symbols():
         if s.name and s["st_shndx"] != "SHN_UNDEF":
             syms[s.name] = s["st_value"]
-            if s["st_info"]["type"] == "STT_FUNC" and s["st_size"]:
-                sizes[s["st_value"]] = max(sizes.get(s["st_value"], 0), s["st_size"])
     secs = [(s.name, s["sh_type"], s["sh_flags"], s["sh_addr"], s["sh_size"], s["sh_offset"]) for s in e.iter_sections()]
 
     def vaddr_bytes(lo, hi):
@@ -289,4 +279,4 @@ def read_blob(raw: bytes, path: Path) -> Blob:
             else:
                 raise KprewriteError(f"link: relocation at {off:#x} outside the linked sections")
     sections = [(n, t, f, a, s) for n, t, f, a, s, o in secs if f & 2 and s and n not in (".dynamic",)]
-    return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections, sizes)
+    return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections)

@@ -103,8 +103,8 @@ def _resolve_handlers(s: Session) -> list[str]:
     # sources are compiled with -mgeneral-regs-only, prebuilt objects are read.
     for h in s.spec.handlers:
         if h.suffix == ".o":
-            for sec, addr in link.executable_sections(h):
-                at = s.arch.handler_abi.vector_use(sec, addr)
+            for sec in link.executable_sections(h):
+                at = s.arch.handler_abi.vector_use(sec, 0)
                 if at is not None:
                     lines.append(f"{s.spec.path.name}: handlers: {h.name} uses SSE/AVX/x87 registers at "
                                  f"{at:#x}, which detours do not save; compile it with -mgeneral-regs-only")
@@ -245,11 +245,12 @@ def emit(s: Session, workdir: Path) -> bytes:
     # Handlers first: whether a site may use the clean call depends on their code.
     cc = link.compiler()
     hobjs = link.compile_handlers(cc, workdir, s.spec.handlers, s.handler_exports)
+    code = _handler_code(s, hobjs)
     for site in s.plan.sites:
-        _choose_entry(s, site, hobjs)
+        _choose_entry(s, site, code)
     kret.choose_return_hooks(s, lambda p: f"r{p.index}" not in (s.traces or {})
-                             and not _reads_regs(s, hobjs, p.kret.handler),
-                             lambda name: (s.handler_symbols[name], _clobbers(s, hobjs, name)))
+                             and not (p.kret.handler and code[p.kret.handler].reads_regs),
+                             lambda name: (s.handler_symbols[name], code[name].clobbers))
     # Detours: addresses first (their size does not depend on where the runtime lands).
     far = pos + 0x1000000
     placeholder = defaultdict(lambda: far)      # every runtime symbol, before linking
@@ -320,22 +321,29 @@ def emit(s: Session, workdir: Path) -> bytes:
                               sections, entry, file_patches)
 
 
-def _reads_regs(s: Session, hobjs, name: str | None) -> bool:
-    """Whether handler `name` may read its pt_regs argument (handler_abi reads
-    its compiled code; unknown code may)."""
-    if not name:
-        return False
-    fn = link.object_function(hobjs, s.handler_symbols[name])
-    return fn is None or s.arch.handler_abi.may_use_regs(fn[1], fn[0], fn[0] + len(fn[1]))
+@dataclass
+class HandlerCode:
+    """What handler_abi read in a handler's compiled code."""
+    reads_regs: bool                 # may read its pt_regs argument (unknown code may)
+    clobbers: set[str] | None        # call-clobbered registers it writes (None: unknown)
 
 
-def _clobbers(s: Session, hobjs, name: str) -> set[str] | None:
-    """The call-clobbered registers handler `name` writes (None: unknown)."""
-    fn = link.object_function(hobjs, s.handler_symbols[name])
-    return s.arch.handler_abi.clobbered_scratch(fn[1], fn[0]) if fn else None
+def _handler_code(s: Session, hobjs) -> dict[str, HandlerCode]:
+    """Every handler the spec names, its object code read once."""
+    abi = s.arch.handler_abi
+    funcs = link.object_functions(hobjs)
+    out = {}
+    for name, sym in (s.handler_symbols or {}).items():
+        fn = funcs.get(sym)
+        if fn is None:
+            out[name] = HandlerCode(True, None)
+        else:
+            off, body = fn
+            out[name] = HandlerCode(abi.may_use_regs(body, off, off + len(body)), abi.clobbered_scratch(body, off))
+    return out
 
 
-def _choose_entry(s: Session, site, hobjs) -> None:
+def _choose_entry(s: Session, site, code: dict[str, HandlerCode]) -> None:
     """Clean call where no handler of the site can read its pt_regs argument
     (handler_abi reads their compiled code).  The inlined template (dispatch in
     the detour) where the site has one probe and no post_handler.  A kretprobe's
@@ -351,18 +359,16 @@ def _choose_entry(s: Session, site, hobjs) -> None:
         for name in (p.spec.pre_handler, p.spec.post_handler):
             if not name:
                 continue
-            if _reads_regs(s, hobjs, name):
-                site.clean = False
-            written = _clobbers(s, hobjs, name)
-            site.clobbers = None if written is None or site.clobbers is None else site.clobbers | written
-    site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post \
-        and (kret.is_entry(site.probes[0]) or site.clean or bool(_pre_handler_symbol(s, site.probes[0])))
+            h = code[name]
+            site.clean = site.clean and not h.reads_regs
+            site.clobbers = None if h.clobbers is None or site.clobbers is None else site.clobbers | h.clobbers
+    site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post
     if site.template and kret.is_entry(site.probes[0]):
         eh = site.probes[0].kret.entry_handler
-        site.clean = not _reads_regs(s, hobjs, eh)
+        h = code[eh] if eh else HandlerCode(False, set())
+        site.clean = not h.reads_regs
         # The inlined entry (retprobe.kret_entry_body) uses these, and the entry_handler its own.
-        written = _clobbers(s, hobjs, eh) if eh else set()
-        site.clobbers = None if written is None else written | {"rax", "rcx", "rdx", "rsi", "rdi", "r8"}
+        site.clobbers = None if h.clobbers is None else h.clobbers | set(s.arch.retprobe.KRET_ENTRY_USES)
 
 
 def _pre_handler_symbol(s: Session, p) -> str | None:
@@ -408,7 +414,8 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
     entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
               ("kp_optprobe_entry", "kp_optprobe_post_entry")
     # A DCR holding a return-probed function's exit embeds its return hook.
-    return kret.site_detour(s, em, site, at, sym[entries[0]], sym[entries[1]], sym)
+    return em.detour(site.index, site.dcr, site.with_post, at, sym[entries[0]], sym[entries[1]],
+                     kret.site_copy(s, site, at, sym))
 
 
 def _kret_entry_body(s: Session, p, rp: int, sym, aligned: bool, regs: bool):
@@ -416,7 +423,7 @@ def _kret_entry_body(s: Session, p, rp: int, sym, aligned: bool, regs: bool):
     eh = p.kret.entry_handler
     return s.arch.retprobe.kret_entry_body(
         rp=rp, tramp=sym["kp_kretprobe_trampoline"], entry_handler=sym[s.handler_symbols[eh]] if eh else None,
-        enter_c=sym["kp_kretprobe_enter"], aligned=aligned, inline=kret.group_of(s, p).mode == kret.OPTIMIZED,
+        enter_c=sym["kp_kretprobe_enter"], aligned=aligned, inline=p.group.mode == kret.OPTIMIZED,
         regs=regs)
 
 

@@ -57,6 +57,15 @@ class Plan:
     rejected: list[tuple[Probe, str, str]] = field(default_factory=list)   # (probe, decision, reason)
 
 
+def make_int3(image, arch, s: Site) -> Site:
+    """The INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
+    instruction is emulated, boosted or single-stepped out of line."""
+    s.xol = arch.kprobe_xol.prepare(image, s.addr)
+    s.dcr = [s.xol.insn]
+    s.decision = INT3
+    return s
+
+
 def _where(p: Probe) -> str:
     return f"{p.spec.table} ({p.label})"
 
@@ -119,11 +128,7 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
             s.decision, s.dcr = REFUSED, None
     for s in sites:
         if s.decision != OPTIMIZED:
-            # INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
-            # instruction is emulated, boosted or single-stepped out of line.
-            s.xol = arch.kprobe_xol.prepare(image, s.addr)
-            s.dcr = [s.xol.insn]
-            s.decision = INT3
+            make_int3(image, arch, s)
         out.sites.append(s)
     for i, s in enumerate(out.sites):
         s.index = i

@@ -239,13 +239,6 @@ def hook_copy(hooks: dict[int, tuple[int, int | None]]):
     return copy
 
 
-def site_detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: int, post_entry: int,
-                hooks: dict[int, tuple[int, int | None]]) -> tuple[bytes, int, int]:
-    """emit.detour() for a kprobe site whose DCR holds exits of a return-probed function."""
-    from .emit import detour
-    return detour(site, dcr, with_post, at, entry, post_entry, hook_copy(hooks))
-
-
 # -- Per-site kretprobe templates -------------------------------------------------
 #
 # The kretprobe's halves with the common case inlined, as emit.clean_detour()
@@ -263,6 +256,10 @@ def _call_aligned(c, target: int, aligned: bool, scratch: str = "rax"):
     c.call(target)
     if not aligned:
         c.a("mov rsp, qword ptr [rsp + 8]")
+
+
+# What kret_entry_body's clean form writes besides the entry_handler's own.
+KRET_ENTRY_USES = ("rax", "rcx", "rdx", "rsi", "rdi", "r8")
 
 
 def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: int, aligned: bool,
