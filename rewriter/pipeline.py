@@ -191,7 +191,8 @@ def _probe_table_c(s: Session, link_sym: dict[str, str]) -> str:
                f"sizeof(struct kretprobe) == {em.KRETPROBE_SIZE} && __builtin_offsetof(struct kretprobe, kp) == 0 && "
                f"__builtin_offsetof(struct kp_thread, active) == {em.THREAD_ACTIVE} && "
                f"__builtin_offsetof(struct kp_thread, hits) == {em.THREAD_HITS} && "
-               f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK}, \"kprewrite's clean-call template is out of date\");")
+               f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK} && KP_HASH(1UL << 12) == 1 && KP_HASH(0xfffUL) == 0, "
+               f"\"kprewrite's clean-call template is out of date\");")
     off = "__builtin_offsetof"
     out.append(f"_Static_assert({off}(struct kp_thread, kret) == {em.THREAD_KRET} && "
                f"{off}(struct kp_kret_thread, depth) == {em.KRET_DEPTH} && "

@@ -161,16 +161,10 @@ __attribute__((noinline)) struct kp_thread *kp_current_thread_slow(void)
 	return kp_thread_slow(kp_platform_thread_key());
 }
 
-struct kp_thread *kp_thread_current(void)
-{
-	return kp_current_thread();
-}
-
 /* Return values of the callbacks, read by the arch entry code. */
 #define KP_RESUME_DETOUR 0	/* restore and continue in the detour */
 #define KP_RESUME_REGS 1	/* resume at regs->ip with regs->sp and the full regs->flags */
 
-#define KP_ARITH_FLAGS 0x8d5UL	/* OF SF ZF AF PF CF: restored without popfq */
 
 /*
  * optimized_callback() of arch/x86/kernel/kprobes/opt.c with the aggregator's

@@ -60,6 +60,8 @@ extern volatile int kp_fast;
 #define KP_HASH(key) (((key) >> 12) & KP_TABLE_MASK)
 extern struct kp_thread *kp_thread_table[KP_TABLE_SIZE];
 
+#define KP_ARITH_FLAGS 0x8d5UL	/* OF SF ZF AF PF CF: restored without popfq */
+
 /* Generic core (kp_core.c). */
 void kp_relocate(void);
 void kp_configure(char **envp);
@@ -150,7 +152,7 @@ extern const unsigned long kp_plt_start, kp_plt_end;	/* link-time .plt/.plt.sec 
  * instance stack (the kernel's per-task kretprobe_instances list), which
  * kprewrite's inlined kretprobe templates read too. */
 struct kp_kret_thread {
-	unsigned int depth, cap;
+	unsigned int depth, pad;
 	unsigned long tail_slot;	/* set by a pending tail call, taken by the next entry */
 	struct kretprobe_instance *stack[];
 };
@@ -160,7 +162,6 @@ struct kp_kret_thread {
 
 extern struct kretprobe kp_kretprobes[];
 extern const unsigned int kp_nkretprobes;
-struct kp_thread *kp_thread_current(void);
 void kp_kretprobe_relocate(unsigned long bias);
 void kp_kretprobe_profile(int fd);
 void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs);

@@ -39,7 +39,6 @@
  */
 #include "kp_internal.h"
 
-#define KP_KRET_OPTIMIZED 0	/* every exit hooked */
 #define KP_KRET_TRAMPOLINE 1	/* entry swaps the return address (kernel's way) */
 
 extern char kp_kretprobe_trampoline[];
@@ -104,8 +103,6 @@ static struct kp_kret_thread *kp_kret_thread_of(struct kp_thread *t)
 	if (likely(t->kret))
 		return t->kret;
 	struct kp_kret_thread *kt = kp_platform_alloc(sizeof(*kt) + kp_kret_total * sizeof(kt->stack[0]));
-	if (kt)
-		kt->cap = kp_kret_total;
 	t->kret = kt;
 	return kt;
 }
@@ -170,15 +167,17 @@ static int kp_first_kretprobe_of_site(struct kprobe *p)
  * is NULL on the clean path (the entry_handler never reads it).
  */
 static inline __attribute__((always_inline)) void
-kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int first, struct pt_regs *regs)
+kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int aggregated, struct pt_regs *regs)
 {
 	struct kp_kret_thread *kt = t ? kp_kret_thread_of(t) : 0;
 	if (unlikely(!kt)) {
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
 		return;
 	}
+	/* Whether this is the first kretprobe of an aggregated site is asked
+	 * only when there is something to reclaim. */
 	if (kt->depth && (unsigned long)kt->stack[kt->depth - 1]->fp <= S)
-		kp_reclaim(kt, S, first);
+		kp_reclaim(kt, S, !aggregated || kp_first_kretprobe_of_site(&rp->kp));
 	kt->tail_slot = 0;
 	struct kretprobe_instance *ri = kp_ri_claim(rp);
 	if (unlikely(!ri)) {
@@ -207,7 +206,7 @@ kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int fi
 int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 {
 	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
-	kp_kret_enter(rp, regs->sp, kp_current_thread(), kp_first_kretprobe_of_site(p), regs);
+	kp_kret_enter(rp, regs->sp, kp_current_thread(), 1, regs);
 	return 0;
 }
 
@@ -220,7 +219,7 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 void kp_kretprobe_enter(struct kprobe *p, unsigned long S, struct kp_thread *t, struct pt_regs *regs)
 {
 	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
-	kp_kret_enter(rp, S, t, 1, regs);
+	kp_kret_enter(rp, S, t, 0, regs);
 }
 
 /* The same template's slow path (kp_optimized_clean_callback() for it):
@@ -356,18 +355,20 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
  */
 void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
 {
-	struct pt_regs r = *regs;
-	r.ip = *(unsigned long *)regs->sp;
-	r.sp = regs->sp + 8;
+	unsigned long ip = regs->ip, sp = regs->sp, flags = regs->flags;
+	regs->ip = *(unsigned long *)sp;
+	regs->sp = sp + 8;
 	if (kind == KP_KRET_HOOK_RET)
-		kp_kretprobe_return(&r);
+		kp_kretprobe_return(regs);
 	else if (kind == KP_KRET_HOOK_PENDING)
-		kp_kretprobe_tail_pending(&r);
+		kp_kretprobe_tail_pending(regs);
 	else
-		kp_kretprobe_tail_swap(&r);
-	/* the general registers (r15 .. di) and the arithmetic flags */
-	memcpy(regs, &r, __builtin_offsetof(struct pt_regs, orig_ax));
-	regs->flags = (regs->flags & ~0x8d5UL) | (r.flags & 0x8d5UL);
+		kp_kretprobe_tail_swap(regs);
+	/* The exit still runs from the trap: only general registers and
+	 * arithmetic flags take a handler's writes. */
+	regs->ip = ip;
+	regs->sp = sp;
+	regs->flags = (flags & ~KP_ARITH_FLAGS) | (regs->flags & KP_ARITH_FLAGS);
 }
 
 /* The slot's owner on any thread block: only the start-up block of a static

@@ -17,10 +17,13 @@ int kp_trap_pre(struct kp_site *s, struct pt_regs *regs)
 		kp_count_missed(s);
 		return KP_TRAP_MISSED;
 	}
+	unsigned long ip = regs->ip;
 	t->active = 1;
-	int changed = kp_run_pre_handlers(t, s, regs);
+	int stop = kp_run_pre_handlers(t, s, regs);
 	t->active = 0;
-	return changed ? KP_TRAP_CHANGED : KP_TRAP_RUN;
+	/* A path change only when the handler moved regs->ip, as on the
+	 * optimized path (kp_pre_dispatch()). */
+	return stop && regs->ip != ip ? KP_TRAP_CHANGED : KP_TRAP_RUN;
 }
 
 /* After the probed instruction ran out of line; regs->ip is where it resumes.

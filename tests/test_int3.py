@@ -402,6 +402,26 @@ def test_pre_handler_changes_path(tmp_path, runner):
     assert r.returncode == 0 and r.stdout == "42 42 42\n" and "post_handler" not in r.stderr, r.stderr
 
 
+STOP_ONLY = r"""
+#include <linux/kprobes.h>
+/* Non-zero without moving regs->ip: not a path change (as on the optimized path). */
+int stop(struct kprobe *p, struct pt_regs *regs) { return 1; }
+void after(struct kprobe *p, struct pt_regs *regs, unsigned long flags) { pr_info("post %s\n", p->symbol_name); }
+"""
+
+
+def test_pre_handler_nonzero_without_new_ip_runs_on(tmp_path, runner):
+    prog = cc(tmp_path, "ovr", OVERRIDE_PROG, "-O1")
+    spec = write_spec(tmp_path, spec_text([("f_boost", 0), ("f_emul", 0), ("f_step", 0)], pre="stop", post="after"),
+                      STOP_ONLY)
+    out = instrument(prog, spec, None, "--no-optimize")
+    r = run(out, runner=runner)
+    assert r.returncode == 0 and r.stdout == "1 1 1\n", r.stderr
+    # (printf's arguments run in an unspecified order)
+    assert sorted(l for l in r.stderr.splitlines() if l.startswith("post ")) == ["post f_boost", "post f_emul",
+                                                                                    "post f_step"]
+
+
 SIGTRAP_PROG = r"""
 #define _GNU_SOURCE
 #include <signal.h>

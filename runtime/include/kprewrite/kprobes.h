@@ -67,7 +67,7 @@ struct kretprobe {
 	/* kprewrite (runtime/kp_kretprobe.c): the instance pool, claimed atomically. */
 	unsigned int kp_mode;		/* KP_KRET_* : how the return is caught */
 	unsigned int kp_stride;		/* bytes per instance */
-	char *kp_pool;			/* maxactive instances, allocated at first hit */
+	char *kp_pool;			/* maxactive instances, allocated at start-up */
 	unsigned int kp_hint;		/* where the next claim starts looking */
 	unsigned int kp_ret_clean;	/* no handler of this kretprobe reads regs at return */
 };
