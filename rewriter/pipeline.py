@@ -405,7 +405,7 @@ def _detour(s: Session, site, at: int, sym: dict[str, int]) -> tuple[bytes, int,
                 body = _kret_entry_body(s, p, probe, sym, common["aligned"], regs=False)
             code, resume = em.clean_detour(site.index, site.dcr, at, callback=callback,
                                            flags_live=not opt.arith_flags_dead(s.image, p.func, site.addr),
-                                           handler_clobbers=site.clobbers, pass_slot=kret_entry, body=body, **common)
+                                           handler_clobbers=site.clobbers, body=body, **common)
         else:
             # full_detour realigns the stack itself before the body.
             body = _kret_entry_body(s, p, probe, sym, True, regs=True) if kret.is_entry(p) else None

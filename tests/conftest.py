@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KPREWRITE = [sys.executable, "-m", "rewriter.cli"] if False else [shutil.which("kprewrite") or "kprewrite"]
+KPREWRITE = [shutil.which("kprewrite") or "kprewrite"]
 QEMU = shutil.which("qemu-x86_64")
 RUNNERS = ["native", "qemu"]
 

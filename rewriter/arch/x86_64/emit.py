@@ -192,11 +192,65 @@ class _Code:
         for end in ends:
             self.out[end - 4:end] = _s32(target - (self.at + end), "jump in a detour")
 
+    def call_aligned(self, target: int, aligned: bool, scratch: str = "rax"):
+        """call target, realigning the stack first unless the ABI already did
+        (scratch: a register free to hold the old %rsp)."""
+        if not aligned:
+            self.a(f"mov {scratch}, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], {scratch}")
+        self.call(target)
+        if not aligned:
+            self.a("mov rsp, qword ptr [rsp + 8]")
+
     def jmp_abs(self, target: int, what: str):
         self.out += b"\xe9" + _s32(target - (self.pc + 5), what)
 
 
 JB, JAE, JE, JNE, JBE = 0x2, 0x3, 0x4, 0x5, 0x6
+
+
+def find_thread(c: _Code, fast: int, table: int) -> list[int]:
+    """kp_current_thread() inlined: kprobes armed, and the thread's block
+    (found by its thread pointer) in rdx.  Clobbers rax rdx rdi.  Returns the
+    jumps to the slow path (disarmed, a thread seen for the first time)."""
+    c.rip("cmp dword ptr [rip + {d}], 0", fast)
+    slow = [c.jcc(JE)]
+    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"              # mov %fs:0,%rdi: the thread pointer (linux_user)
+    c.a(f"mov rax, rdi; shr rax, 12; and eax, {THREAD_TABLE_MASK:#x}")
+    c.rip("lea rdx, [rip + {d}]", table)
+    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
+    slow.append(c.jcc(JNE))
+    return slow
+
+
+def scratch_plan(used: set[str], clobbers: set[str] | None) -> tuple[list[str], list[str], dict[str, int]]:
+    """Which call-clobbered registers a clean template saves on its fast path
+    (those it uses and the handler writes; all when unknown), which only
+    before calling C, and each one's slot in the frame."""
+    fast_saves = [r for r in _SCRATCH if r in used or clobbers is None or r in clobbers]
+    return fast_saves, [r for r in _SCRATCH if r not in fast_saves], {r: 8 * i for i, r in enumerate(_SCRATCH)}
+
+
+def save_pt_regs(c: _Code):
+    """struct pt_regs at %rsp as the kernel's optprobe template builds it:
+    every register, the flags (arithmetic ones by seto/lahf, IF set), orig_ax,
+    cs, ss; the flags word is left in rcx.  ip and sp are the caller's."""
+    c.a(f"mov qword ptr [rsp + {PT_REGS['rax']}], rax; mov qword ptr [rsp + {PT_REGS['rcx']}], rcx")
+    c.a("seto al; lahf; movzx ecx, ah; movzx eax, al; shl eax, 11; or ecx, eax; or ecx, 0x200")
+    c.a(f"mov qword ptr [rsp + {PT_FLAGS}], rcx")
+    for reg, off in PT_REGS.items():
+        if reg not in ("rax", "rcx"):
+            c.a(f"mov qword ptr [rsp + {off}], {reg}")
+    c.a(f"mov qword ptr [rsp + {PT_ORIG_AX}], -1; mov qword ptr [rsp + {PT_CS}], 0x33; "
+        f"mov qword ptr [rsp + {PT_SS}], 0x2b")
+
+
+def restore_pt_regs(c: _Code):
+    """Every register and the arithmetic flags back from pt_regs at %rsp."""
+    F = PT_FLAGS
+    c.a(f"movzx eax, byte ptr [rsp + {F}]; shl eax, 8; movzx ecx, byte ptr [rsp + {F + 1}]; shr ecx, 3; "
+        "and ecx, 1; or eax, ecx; add al, 0x7f; sahf")
+    for reg, off in PT_REGS.items():
+        c.a(f"mov {reg}, qword ptr [rsp + {off}]")
 
 
 def _dispatch_fast_path(c: _Code, fast: int, table: int, probe: int, probe_index: int,
@@ -208,13 +262,7 @@ def _dispatch_fast_path(c: _Code, fast: int, table: int, probe: int, probe_index
     block at `thread_slot` for after the handler.
     Clobbers rax rdx rdi.  Returns (jumps to the slow path, jumps to the
     restore: a disabled probe stays silent)."""
-    c.rip("cmp dword ptr [rip + {d}], 0", fast)
-    slow = [c.jcc(JE)]
-    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"              # mov %fs:0,%rdi: the thread pointer (linux_user)
-    c.a(f"mov rax, rdi; shr rax, 12; and eax, {THREAD_TABLE_MASK:#x}")
-    c.rip("lea rdx, [rip + {d}]", table)
-    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
-    slow.append(c.jcc(JNE))                                    # a thread seen for the first time
+    slow = find_thread(c, fast, table)
     c.a(f"cmp dword ptr [rdx + {THREAD_ACTIVE}], 0")
     slow.append(c.jcc(JNE))                                    # reentered: nmissed
     c.rip("test byte ptr [rip + {d}], 3", probe + KPROBE_FLAGS)   # KPROBE_FLAG_GONE|DISABLED
@@ -237,7 +285,7 @@ def _dcr_and_back(c: _Code, dcr: list[DcrInsn], copy=None) -> int:
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
                  probe_index: int, handler: int | None, callback: int,
                  flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None,
-                 pass_slot: bool = False, copy=None, body=None) -> tuple[bytes, int]:
+                 copy=None, body=None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
     common case inlined (_dispatch_fast_path); anything else calls the generic
@@ -246,16 +294,14 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     so all of them), on the slow path the rest before calling into C.  The
     arithmetic flags are saved only where they are live, and the stack is
     realigned only where its alignment is not fixed by the ABI.
-    pass_slot: the callback is callback(site, sp at the hit) (a kretprobe's
-    entry: the return-address slot).  body(c, slow_saves, slot): emits what
-    runs instead of the handler call, with the thread block in rdx and at
-    [rsp + 80] (kretprobe.py's entry template).
+    body(c, slow_saves, slot): emits what runs instead of the handler call,
+    with the thread block in rdx and at [rsp + 80] (a kretprobe's entry,
+    retprobe.kret_entry_body); the callback is then callback(site, sp at the
+    hit), the return-address slot.
     copy(insn, at): how to copy a DCR instruction (default: relocate).
     Returns (code, resume): where the relocated DCR starts."""
     used = {"rax", "rdx", "rdi"} | (set() if aligned else {"rcx"})
-    fast_saves = [r for r in _SCRATCH if r in used or handler_clobbers is None or r in handler_clobbers]
-    slow_saves = [r for r in _SCRATCH if r not in fast_saves]
-    slot = {r: 8 * i for i, r in enumerate(_SCRATCH)}
+    fast_saves, slow_saves, slot = scratch_plan(used, handler_clobbers)
     c = _Code(at)
     c.a(f"lea rsp, [rsp - {CLEAN_FRAME:#x}]")
     c.a("mov qword ptr [rsp], rax")
@@ -268,12 +314,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     if body is not None:
         body(c, slow_saves, slot)
     elif handler is not None:
-        if not aligned:
-            c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
         c.rip("lea rdi, [rip + {d}]", probe)        # the handler never reads regs (%rsi)
-        c.call(handler)
-        if not aligned:
-            c.a("mov rsp, qword ptr [rsp + 8]")
+        c.call_aligned(handler, aligned, "rcx")
         c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
     restore = c.pc
     if flags_live:
@@ -286,13 +328,9 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     for reg in slow_saves:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
     c.a(f"mov edi, {site:#x}")
-    if pass_slot:
+    if body is not None:                                       # kp_kretprobe_enter_clean_slow(site, S)
         c.a(f"lea rsi, [rsp + {CLEAN_FRAME:#x}]")
-    if not aligned:
-        c.a("mov rcx, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], rcx")
-    c.call(callback)
-    if not aligned:
-        c.a("mov rsp, qword ptr [rsp + 8]")
+    c.call_aligned(callback, aligned, "rcx")
     for reg in slow_saves:
         c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
     c.fix([c.jcc(-1)], restore)
@@ -325,14 +363,8 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     c = _Code(at)
     F = PT_FLAGS
     c.a(f"lea rsp, [rsp - {FULL_FRAME:#x}]")
-    c.a(f"mov qword ptr [rsp + {PT_REGS['rax']}], rax; mov qword ptr [rsp + {PT_REGS['rcx']}], rcx")
-    c.a("seto al; lahf; movzx ecx, ah; movzx eax, al; shl eax, 11; or ecx, eax; or ecx, 0x200")
-    c.a(f"mov qword ptr [rsp + {F}], rcx; mov qword ptr [rsp + {PT_SIZE + 8}], rcx")
-    for reg, off in PT_REGS.items():
-        if reg not in ("rax", "rcx"):
-            c.a(f"mov qword ptr [rsp + {off}], {reg}")
-    c.a(f"mov qword ptr [rsp + {PT_ORIG_AX}], -1; mov qword ptr [rsp + {PT_CS}], 0x33; "
-        f"mov qword ptr [rsp + {PT_SS}], 0x2b")
+    save_pt_regs(c)
+    c.a(f"mov qword ptr [rsp + {PT_SIZE + 8}], rcx")           # the flags at the hit
     c.a(f"lea rax, [rsp + {FULL_FRAME:#x}]; mov qword ptr [rsp + {PT_SP}], rax")
     hit_ip = dcr[0].addr + 1                                    # as if the int3 had trapped
     c.rip("lea rax, [rip + {d}]", hit_ip)
@@ -361,10 +393,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     c.a(f"mov rax, qword ptr [rsp + {F}]; xor rax, qword ptr [rsp + {PT_SIZE + 8}]; test rax, {~ARITH_FLAGS}")
     to_changed.append(c.jcc(JNE))
     restore = c.pc
-    c.a(f"movzx eax, byte ptr [rsp + {F}]; shl eax, 8; movzx ecx, byte ptr [rsp + {F + 1}]; shr ecx, 3; "
-        "and ecx, 1; or eax, ecx; add al, 0x7f; sahf")
-    for reg, off in PT_REGS.items():
-        c.a(f"mov {reg}, qword ptr [rsp + {off}]")
+    restore_pt_regs(c)
     c.a(f"lea rsp, [rsp + {FULL_FRAME:#x}]")
     resume = _dcr_and_back(c, dcr, copy)
     changed = c.pc                                              # go on with the DCR, on regs->sp

@@ -59,7 +59,7 @@ class _Insns:
     def at(self, k: int) -> DcrInsn:
         got = self._cls.get(k)
         if got is None:
-            a, size = self.lite[k][0], self.lite[k][1]
+            a = self.lite[k][0]
             off = a - self.start
             info = x86insn.classify(self.code[off:off + 16], a)
             got = self._cls[k] = DcrInsn(a, bytes(self.code[off:off + info.length]), info)
@@ -249,15 +249,6 @@ def hook_copy(hooks: dict[int, tuple[int, int | None]]):
 # kretprobe's instance at the slot, a thread seen for the first time) goes to
 # the C code of runtime/kp_kretprobe.c, which handles every case.
 
-def _call_aligned(c, target: int, aligned: bool, scratch: str = "rax"):
-    """call target, realigning the stack first unless the ABI already did."""
-    if not aligned:
-        c.a(f"mov {scratch}, rsp; and rsp, -16; sub rsp, 16; mov qword ptr [rsp + 8], {scratch}")
-    c.call(target)
-    if not aligned:
-        c.a("mov rsp, qword ptr [rsp + 8]")
-
-
 # What kret_entry_body's clean form writes besides the entry_handler's own.
 KRET_ENTRY_USES = ("rax", "rcx", "rdx", "rsi", "rdi", "r8")
 
@@ -318,7 +309,7 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
             f"inc eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax")
         if entry_handler is not None:
             c.a("mov rdi, rcx; mov rsi, rbx" if regs else "mov rdi, rcx; xor esi, esi")
-            _call_aligned(c, entry_handler, aligned)
+            c.call_aligned(entry_handler, aligned)
             c.a("test eax, eax")
             end.append(c.jcc(em.JE))
             # Non-zero: no return handler for this call (nested probes missed, so ours is on top).
@@ -331,7 +322,7 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
             c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
         c.rip("lea rdi, [rip + {d}]", rp)
         c.a("mov rcx, rbx" if regs else "xor ecx, ecx")
-        _call_aligned(c, enter_c, aligned)
+        c.call_aligned(enter_c, aligned)
         for reg in slow_saves:
             c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
         c.fix(end, c.pc)
@@ -350,13 +341,7 @@ def _ret_fast_path(c, F: int, *, fast: int, table: int, rp: int, handler: int | 
     kretprobe's; pop it, run the handler (regs_arg sets its regs argument),
     free it.  Returns (jumps to the slow path, jumps to the restore)."""
     from . import emit as em
-    c.rip("cmp dword ptr [rip + {d}], 0", fast)
-    slow = [c.jcc(em.JE)]
-    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"                       # mov %fs:0,%rdi (linux_user)
-    c.a(f"mov rax, rdi; shr rax, 12; and eax, {em.THREAD_TABLE_MASK:#x}")
-    c.rip("lea rdx, [rip + {d}]", table)
-    c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
-    slow.append(c.jcc(em.JNE))
+    slow = em.find_thread(c, fast, table)
     c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
     restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
     c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
@@ -375,7 +360,7 @@ def _ret_fast_path(c, F: int, *, fast: int, table: int, rp: int, handler: int | 
     if handler is not None:
         c.a(f"mov dword ptr [rdx + {em.THREAD_ACTIVE}], 1; mov qword ptr [rsp + {ri_slot}], rcx; "
             f"mov qword ptr [rsp + {t_slot}], rdx; mov rdi, rcx; {regs_arg}")
-        _call_aligned(c, handler, aligned)
+        c.call_aligned(handler, aligned)
         c.a(f"mov rdx, qword ptr [rsp + {t_slot}]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0; "
             f"mov rcx, qword ptr [rsp + {ri_slot}]")
     c.a(f"mov dword ptr [rcx + {em.RI_STATE}], 0")                  # kp_ri_free()
@@ -402,11 +387,7 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, ha
     flags are kept, as kretprobe_entry.S explains.  Anything else goes to
     kp_kretprobe_return_clean(S), which may hand over to the full hook."""
     from . import emit as em
-    scratch = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
-    used = {"rax", "rcx", "rdx", "rsi", "rdi", "r8"}
-    fast_saves = [r for r in scratch if r in used or handler_clobbers is None or r in handler_clobbers]
-    slow_saves = [r for r in scratch if r not in fast_saves]
-    slot = {r: 8 * i for i, r in enumerate(scratch)}
+    fast_saves, slow_saves, slot = em.scratch_plan({"rax", "rcx", "rdx", "rsi", "rdi", "r8"}, handler_clobbers)
     F = RET_FRAME
     c = em._Code(at)
     c.a(f"lea rsp, [rsp - {F}]")
@@ -430,12 +411,12 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, ha
     for reg in slow_saves:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
     c.a(f"lea rdi, [rsp + {F}]")
-    _call_aligned(c, return_c, aligned)
+    c.call_aligned(return_c, aligned)
     for reg in slow_saves:
         c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
     c.a("test eax, eax")
     c.fix([c.jcc(em.JE)], restore_pc)
-    restore_all(scratch)
+    restore_all(list(slot))                                      # all of them
     c.out += hook_then_exit(exit, full_hook, c.pc)
     return bytes(c.out)
 
@@ -452,29 +433,18 @@ def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, han
     RI, T = em.PT_SIZE, em.PT_SIZE + 8
     c = em._Code(at)
     c.a(f"lea rsp, [rsp - {F}]")
-    c.a(f"mov qword ptr [rsp + {em.PT_REGS['rax']}], rax; mov qword ptr [rsp + {em.PT_REGS['rcx']}], rcx")
-    c.a("seto al; lahf; movzx ecx, ah; movzx eax, al; shl eax, 11; or ecx, eax; or ecx, 0x200")
-    c.a(f"mov qword ptr [rsp + {em.PT_FLAGS}], rcx")
-    for reg, off in em.PT_REGS.items():
-        if reg not in ("rax", "rcx"):
-            c.a(f"mov qword ptr [rsp + {off}], {reg}")
-    c.a(f"mov qword ptr [rsp + {em.PT_ORIG_AX}], -1; mov qword ptr [rsp + {em.PT_CS}], 0x33; "
-        f"mov qword ptr [rsp + {em.PT_SS}], 0x2b")
+    em.save_pt_regs(c)
     c.a(f"mov rax, qword ptr [rsp + {F}]; mov qword ptr [rsp + {em.PT_IP}], rax; "
         f"lea rax, [rsp + {F + 8}]; mov qword ptr [rsp + {em.PT_SP}], rax")
     slow, restore = _ret_fast_path(c, F, fast=fast, table=table, rp=rp, handler=handler, aligned=aligned,
                                    ri_slot=RI, t_slot=T, regs_arg="mov rsi, rsp")
     restore_pc = c.pc
     c.fix(restore, restore_pc)
-    P = em.PT_FLAGS
-    c.a(f"movzx eax, byte ptr [rsp + {P}]; shl eax, 8; movzx ecx, byte ptr [rsp + {P + 1}]; shr ecx, 3; "
-        "and ecx, 1; or eax, ecx; add al, 0x7f; sahf")
-    for reg, off in em.PT_REGS.items():
-        c.a(f"mov {reg}, qword ptr [rsp + {off}]")
+    em.restore_pt_regs(c)
     c.a(f"lea rsp, [rsp + {F}]")
     c.out += exit_code(exit, c.pc)
     c.fix(slow, c.pc)
     c.a("mov rdi, rsp")
-    _call_aligned(c, return_c, aligned)
+    c.call_aligned(return_c, aligned)
     c.jmp_abs(restore_pc, "jmp restore")
     return bytes(c.out)
