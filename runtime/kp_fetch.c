@@ -13,15 +13,11 @@
 #include "kp_trace.h"
 #include "arch/x86_64/syscall.h"
 
-#define __NR_read 0
-#define __NR_pipe2 293
-#define __NR_process_vm_readv 310
 #define KP_EFAULT 14
 #define KP_STRING_MAX 256	/* bytes of a string argument (the kernel: MAX_STRING_SIZE) */
 
 struct kp_iovec { void *base; unsigned long len; };
 
-#define __NR_getpid 39
 
 static int kp_mem_use_pipe;
 static int kp_mem_pipe[2] = { -1, -1 };

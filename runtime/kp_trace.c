@@ -16,10 +16,6 @@
 #include "kp_trace.h"
 #include "arch/x86_64/syscall.h"
 
-#define __NR_prctl 157
-#define __NR_gettid 186
-#define __NR_clock_gettime 228
-#define __NR_getcpu 309
 #define PR_GET_NAME 16
 #define CLOCK_MONOTONIC 1
 #define KP_TRACE_LINE 2048

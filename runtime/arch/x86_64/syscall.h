@@ -16,11 +16,25 @@ static inline long kp_syscall6(long n, long a, long b, long c, long d, long e, l
 }
 #define kp_syscall3(n, a, b, c) kp_syscall6(n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
 
+/* The system call numbers the runtime uses. */
+#define __NR_read 0
 #define __NR_write 1
 #define __NR_open 2
 #define __NR_close 3
 #define __NR_mmap 9
+#define __NR_mprotect 10
+#define __NR_rt_sigaction 13
+#define __NR_rt_sigprocmask 14
+#define __NR_getpid 39
+#define __NR_prctl 157
 #define __NR_arch_prctl 158
+#define __NR_gettid 186
+#define __NR_sched_getaffinity 204
+#define __NR_clock_gettime 228
+#define __NR_tgkill 234
+#define __NR_pipe2 293
+#define __NR_getcpu 309
+#define __NR_process_vm_readv 310
 #define ARCH_GET_FS 0x1003
 
 /* The thread pointer: %fs:0 is the TCB's self pointer in glibc and musl. */

@@ -6,8 +6,6 @@
 #include "../../kp_internal.h"
 #include "../../arch/x86_64/syscall.h"
 
-#define __NR_clock_gettime 228
-#define __NR_sched_getaffinity 204
 #define CLOCK_MONOTONIC 1
 
 unsigned long kp_platform_ncpus(void)

@@ -16,7 +16,6 @@
 #include "../../kp_internal.h"
 #include "../../arch/x86_64/syscall.h"
 
-#define KP_NR_mprotect 10
 
 enum { KP_HOOK_SIGACTION = 1, KP_HOOK_SIGNAL, KP_HOOK_SIGPROCMASK, KP_HOOK_PTHREAD_SIGMASK, KP_HOOK_MAX };
 
@@ -49,10 +48,10 @@ static void kp_set_slot(unsigned long *slot, void *fn, int relro)
 {
 	unsigned long page = (unsigned long)slot & ~4095UL;
 	if (relro)
-		kp_syscall3(KP_NR_mprotect, page, 4096, 3 /* RW */);
+		kp_syscall3(__NR_mprotect, page, 4096, 3 /* RW */);
 	__atomic_store_n(slot, (unsigned long)fn, __ATOMIC_RELEASE);
 	if (relro)
-		kp_syscall3(KP_NR_mprotect, page, 4096, 1 /* R */);
+		kp_syscall3(__NR_mprotect, page, 4096, 1 /* R */);
 }
 
 /*

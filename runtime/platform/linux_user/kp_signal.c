@@ -22,11 +22,6 @@
 #include "../../kp_internal.h"
 #include "../../arch/x86_64/syscall.h"
 
-#define KP_NR_rt_sigaction 13
-#define KP_NR_rt_sigprocmask 14
-#define KP_NR_getpid 39
-#define KP_NR_gettid 186
-#define KP_NR_tgkill 234
 
 void kp_arch_sigreturn(void);
 
@@ -47,7 +42,7 @@ void kp_trap_install(void)
 		.restorer = kp_arch_sigreturn,
 		.mask = ~(KP_SIGBIT(KP_SIGTRAP) | KP_SIGBIT(11) | KP_SIGBIT(7) | KP_SIGBIT(4) | KP_SIGBIT(8)),
 	};
-	kp_syscall6(KP_NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
+	kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
 	if (kp_trap_chain.handler == (void *)kp_sigtrap)	/* never chain to ourselves */
 		kp_trap_chain.handler = 0;
 	kp_sighook_install();
@@ -66,8 +61,8 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 		 * handler, and send it again to this thread; it is delivered as
 		 * soon as this handler returns (SIGTRAP is not blocked). */
 		struct kp_ksigaction dfl = { 0 };
-		kp_syscall6(KP_NR_rt_sigaction, KP_SIGTRAP, (long)&dfl, 0, 8, 0, 0);
-		kp_syscall3(KP_NR_tgkill, kp_syscall3(KP_NR_getpid, 0, 0, 0), kp_syscall3(KP_NR_gettid, 0, 0, 0), KP_SIGTRAP);
+		kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&dfl, 0, 8, 0, 0);
+		kp_syscall3(__NR_tgkill, kp_syscall3(__NR_getpid, 0, 0, 0), kp_syscall3(__NR_gettid, 0, 0, 0), KP_SIGTRAP);
 		return;
 	}
 	/* The program's handler, under its sa_mask (SIGTRAP itself stays
@@ -77,12 +72,12 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 	unsigned long flags = kp_trap_chain.flags;
 	if (flags & KP_SA_RESETHAND)
 		kp_trap_chain.handler = KP_SIG_DFL;
-	kp_syscall6(KP_NR_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&mask, (long)&old, 8, 0, 0);
+	kp_syscall6(__NR_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&mask, (long)&old, 8, 0, 0);
 	if (flags & KP_SA_SIGINFO)
 		((void (*)(int, struct kp_siginfo *, void *))h)(sig, info, uc);
 	else
 		((void (*)(int))h)(sig);
-	kp_syscall6(KP_NR_rt_sigprocmask, 2, (long)&old, 0, 8, 0, 0);
+	kp_syscall6(__NR_rt_sigprocmask, 2, (long)&old, 0, 8, 0, 0);
 }
 
 static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)

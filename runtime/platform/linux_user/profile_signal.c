@@ -8,7 +8,6 @@
 #include "../../kp_internal.h"
 #include "../../arch/x86_64/syscall.h"
 
-#define __NR_rt_sigaction 13
 #define SA_RESTORER 0x04000000UL
 #define SA_RESTART 0x10000000UL
 
