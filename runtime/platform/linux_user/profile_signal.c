@@ -8,16 +8,6 @@
 #include "../../kp_internal.h"
 #include "../../arch/x86_64/syscall.h"
 
-#define SA_RESTORER 0x04000000UL
-#define SA_RESTART 0x10000000UL
-
-struct kp_sigaction {
-	void (*handler)(int);
-	unsigned long flags;
-	void (*restorer)(void);
-	unsigned long mask;
-};
-
 void kp_arch_sigreturn(void);
 
 static void kp_profile_on_signal(int sig)
@@ -42,6 +32,6 @@ void kp_profile_signal_configure(const char *value)
 		return;
 	if (!kp_rt.profile_path)
 		kp_rt.profile_path = "-";
-	struct kp_sigaction sa = { kp_profile_on_signal, SA_RESTORER | SA_RESTART, kp_arch_sigreturn, 0 };
+	struct kp_ksigaction sa = { (void *)kp_profile_on_signal, KP_SA_RESTORER | KP_SA_RESTART, kp_arch_sigreturn, 0 };
 	kp_syscall6(__NR_rt_sigaction, sig, (long)&sa, 0, 8, 0, 0);
 }
