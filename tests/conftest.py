@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KPREWRITE = [shutil.which("kprewrite") or "kprewrite"]
+# The CLI of this tree, not whatever `kprewrite` comes first on PATH (another checkout).
+KPREWRITE = [sys.executable, "-m", "rewriter"]
+TREE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 QEMU = shutil.which("qemu-x86_64")
 RUNNERS = ["native", "qemu"]
 
@@ -26,7 +29,7 @@ def cc(tmp: Path, name: str, source: str, *flags: str, lang: str = "c") -> Path:
 
 
 def kprewrite(*args, check=True, cwd=None) -> subprocess.CompletedProcess:
-    r = subprocess.run([*KPREWRITE, *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    r = subprocess.run([*KPREWRITE, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=TREE_ENV)
     if check:
         assert r.returncode == 0, r.stderr
     return r

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import cc, instrument, kprewrite, profile, run, write_spec
+from conftest import KPREWRITE, TREE_ENV, cc, instrument, kprewrite, profile, run, write_spec
 from rewriter import tracefmt
 
 PROGRAM = r"""
@@ -544,7 +544,7 @@ def test_cpu_column(tmp_path, prog, runner):
 
 def test_trace_command_input(tmp_path):
     line = "            prog-7       [000]     1.000002: ev: (f+0x0/0x10) a=1\n"
-    r = subprocess.run(["kprewrite", "trace", "-"], input="noise\n" + line, capture_output=True, text=True)
+    r = subprocess.run([*KPREWRITE, "trace", "-"], input="noise\n" + line, capture_output=True, text=True, env=TREE_ENV)
     assert r.returncode == 0 and json.loads(r.stdout)["args"] == {"a": 1}
     r = kprewrite("trace", tmp_path / "missing.txt", check=False)
     assert r.returncode == 1 and r.stderr.startswith("kprewrite: ") and "cannot read" in r.stderr

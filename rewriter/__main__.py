@@ -1,0 +1,4 @@
+"""`python -m rewriter`: the CLI of this tree (tests run it, not whatever `kprewrite` is on PATH)."""
+from .cli import main
+
+main(prog_name="kprewrite")
