@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))      # in-process imports of rewriter: this tree too
 # The CLI of this tree, not whatever `kprewrite` comes first on PATH (another checkout).
 KPREWRITE = [sys.executable, "-m", "rewriter"]
 TREE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
