@@ -48,14 +48,14 @@ def main():
 @_guard
 def instrument(input_path, spec_path, output, no_optimize, system_map):
     """Write OUTPUT: INPUT with the spec's probes compiled in."""
-    from . import pipeline
+    from . import pipeline, report
     if system_map:
         raise KprewriteError("--system-map: kernel images are not supported yet")
     if os.path.abspath(output) == os.path.abspath(input_path):
         raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
     t = time.monotonic()
     s = pipeline.instrument(input_path, spec_path, output, no_optimize)
-    for line in pipeline.skipped_summary(s):
+    for line in report.skipped_summary(s.plan):
         click.echo(f"kprewrite: {line}", err=True)
     if os.environ.get("KPREWRITE_VERBOSE"):
         click.echo(f"kprewrite: wrote {output} in {time.monotonic() - t:.2f} s", err=True)
@@ -68,11 +68,11 @@ def instrument(input_path, spec_path, output, no_optimize, system_map):
 @_guard
 def check(input_path, spec_path, no_optimize):
     """Print the plan: each probe's decision and, if not optimized, why."""
-    from . import pipeline
+    from . import pipeline, report
     s = pipeline.prepare_for_check(input_path, spec_path, no_optimize)
-    for line in pipeline.check_lines(s):
+    for line in report.check_lines(s.plan):
         click.echo(line)
-    for line in pipeline.skipped_summary(s):
+    for line in report.skipped_summary(s.plan):
         click.echo(f"kprewrite: {line}", err=True)
     if s.plan.errors:
         _fail(s.plan.errors)
@@ -83,8 +83,8 @@ def check(input_path, spec_path, no_optimize):
 @_guard
 def list_(binary):
     """Probes compiled into a rewritten binary (debugfs kprobes/list form)."""
-    from . import pipeline
-    for line in pipeline.list_lines(binary):
+    from . import report
+    for line in report.list_lines(binary):
         click.echo(line)
 
 
@@ -93,8 +93,8 @@ def list_(binary):
 @_guard
 def blacklist(input_path):
     """What cannot be probed in INPUT, and why."""
-    from . import pipeline
-    for line in pipeline.blacklist_lines(input_path):
+    from . import report
+    for line in report.blacklist_lines(input_path):
         click.echo(line)
 
 

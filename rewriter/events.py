@@ -276,6 +276,31 @@ def compile_return(image, k, func, spec_name: str) -> tuple[TraceEvent | None, l
     return TraceEvent(name, func.name, args, is_return=True), []
 
 
+def trace_key(p):
+    """The key of a probe's trace event: its index for a kprobe, "r<index>" for a kretprobe."""
+    return f"r{p.index}" if getattr(p, "kret", None) is not None else p.index
+
+
+def compile_all(image, arch, probes, kretprobes, spec_name: str, known_errors: list[str]) -> tuple[dict, list[str]]:
+    """The trace event of every kprobe with `fetch` or from a `p` line, and of every
+    placed kretprobe with `fetch` or from an `r` line, keyed by trace_key().
+    Errors already reported (a syntax error expand() found) are not repeated."""
+    traces, errors = {}, []
+    for p in probes:
+        t, err = compile_probe(image, arch, p, spec_name)
+        if err and err[0] not in known_errors + errors:
+            errors += err
+        if t is not None:
+            traces[trace_key(p)] = t
+    for p in kretprobes:
+        t, err = compile_return(image, p.kret, p.func, spec_name)
+        if err and err[0] not in known_errors + errors:
+            errors += err
+        if t is not None:
+            traces[trace_key(p)] = t
+    return traces, errors
+
+
 def trace_c(events: dict, user_syms: dict, symtab) -> str:
     """Generated C: fetch programs and events, then per traced probe a handler that
     runs the trace and then the user's handler if any, and the symbol table.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import lief
 
 from . import ehframe
+from .arch import MACHINES
 from .errors import KprewriteError
 
 lief.logging.disable()
@@ -110,7 +111,7 @@ class Image:
             raise KprewriteError(f"{p}: not a 64-bit little-endian ELF file")
         self.e_type = int.from_bytes(d[16:18], "little")
         machine = int.from_bytes(d[18:20], "little")
-        if machine != 62:
+        if machine not in MACHINES:
             raise KprewriteError(f"{p}: ELF machine is {EM_NAMES.get(machine, machine)}; kprewrite supports x86-64 (EM_X86_64)")
         if self.e_type not in (2, 3):
             raise KprewriteError(f"{p}: ELF type {self.e_type} is neither an executable nor a shared object")
@@ -118,7 +119,7 @@ class Image:
         phnum = int.from_bytes(d[56:58], "little")
         if phoff + phnum * 56 > len(d) or phnum == 0:
             raise KprewriteError(f"{p}: truncated ELF file (program headers end at {phoff + phnum * 56:#x}, file is {len(d):#x} bytes)")
-        self.machine = "x86_64"
+        self.machine = MACHINES[machine]
 
     def _check_bounds(self):
         size = len(self.data)
@@ -232,7 +233,10 @@ class Image:
         return None
 
     def relative_relocations(self) -> list[tuple[int, int, int]]:
-        """(file offset of the Elf64_Rela, r_offset, addend) of every R_X86_64_RELATIVE."""
+        """(file offset of the Elf64_Rela, r_offset, addend) of every base-relative
+        relocation (the arch's r_relative: R_X86_64_RELATIVE)."""
+        from .arch import get_arch
+        r_relative = get_arch(self.machine).r_relative
         out = []
         for tag_rela, tag_sz in ((7, 8),):
             rela, size = self.dynamic.get(tag_rela), self.dynamic.get(tag_sz)
@@ -243,6 +247,6 @@ class Image:
                 o = off + i * 24
                 r_offset = int.from_bytes(self.data[o:o + 8], "little")
                 info = int.from_bytes(self.data[o + 8:o + 16], "little")
-                if info & 0xFFFFFFFF == 8:
+                if info & 0xFFFFFFFF == r_relative:
                     out.append((o, r_offset, int.from_bytes(self.data[o + 16:o + 24], "little", signed=True)))
         return out

@@ -1,20 +1,58 @@
-"""Stage 4: plan each probe.
+"""Stage 4: plan each probe, kprobes and kretprobes together.
 
 Registration checks first (kernel/kprobes.c: instruction boundary, blacklist,
-can_probe), then probes at one address aggregate into a site, and each site is
-either jump-optimized (opt.c's can_optimize) or not, with the check that refused
-it and the offending address.  Explicit probes that cannot be placed are
-errors (register_kprobes() is all or nothing); probes from a glob are skipped.
+can_probe; register_kretprobe()'s own checks for rp->kp), then probes at one
+address aggregate into a site, and each site is either jump-optimized (opt.c's
+can_optimize) or an INT3 probe, with the check that refused the jump and the
+offending address.  Explicit probes that cannot be placed are errors
+(register_kprobes() is all or nothing); probes from a glob are skipped.
+
+Then the return sites of every function with a kretprobe: every exit (ret,
+tail-call jmp) gets a jump-optimized return hook, or where no jump fits a
+breakpoint return hook (an INT3 site at the exit, aggregated with the sites
+above).  Only a function whose exits cannot all be named falls back to the
+kernel's return-address trampoline.  The plan ends with one numbering: site
+indices, kp_probes[] and kp_kretprobes[] slots.
+
+choose_forms() finishes the plan once the handlers' code is known: the detour
+form of each site (clean call, pt_regs, inlined template) and of each return
+hook.  Nothing after planning decides or renumbers anything.
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import blacklist as bl
-from .resolve import Probe
+from .resolve import EntryProbe, Probe, is_entry
 
 OPTIMIZED, INT3, REFUSED = "optimized", "int3", "refused"
+TRAMPOLINE = "trampoline"           # a kretprobe whose returns only the trampoline catches
+# How an exit reaches the kretprobe return path (the runtime's KP_KRET_HOOK_*):
+# a ret; a tail call to a function whose own returns are hooked (the instance
+# stays pending for them); a tail call to anything else (the return address is
+# swapped for the trampoline, as the kernel's kretprobes always do).
+HOOK_RET, HOOK_PENDING, HOOK_SWAP = "ret", "pending", "swap"
+HOOK_KIND = {HOOK_RET: 1, HOOK_PENDING: 2, HOOK_SWAP: 3}
+
+# kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
+# its caller): functions whose return does not match their call.
+NEVER_RETURNS = "never returns to its caller"
+RETURNS_TWICE = "returns twice (a return handler would fire for a call that never entered)"
+SWITCHES = "does not return to its caller (it switches the stack)"
+KRETPROBE_BLACKLIST = {
+    "__switch_to": SWITCHES,
+    "_start": "the program's entry point has no caller to return to",
+    "__libc_start_main": NEVER_RETURNS, "__libc_start_call_main": NEVER_RETURNS,
+    "exit": NEVER_RETURNS, "_exit": NEVER_RETURNS, "_Exit": NEVER_RETURNS, "abort": NEVER_RETURNS,
+    "pthread_exit": NEVER_RETURNS, "__stack_chk_fail": NEVER_RETURNS, "__assert_fail": NEVER_RETURNS,
+    "__cxa_throw": NEVER_RETURNS, "_Unwind_Resume": NEVER_RETURNS,
+    "setjmp": RETURNS_TWICE, "_setjmp": RETURNS_TWICE, "__sigsetjmp": RETURNS_TWICE, "sigsetjmp": RETURNS_TWICE,
+    "vfork": RETURNS_TWICE, "fork": RETURNS_TWICE, "getcontext": RETURNS_TWICE,
+    "longjmp": SWITCHES, "_longjmp": SWITCHES, "siglongjmp": SWITCHES, "__longjmp_chk": SWITCHES,
+    "setcontext": SWITCHES, "swapcontext": SWITCHES,
+}
 
 
 @dataclass
@@ -26,15 +64,19 @@ class Site:
     reason: object = None            # arch Refusal, or str
     dcr: list | None = None          # the detoured code region, if optimized
     index: int = -1
+    xol: object = None               # INT3 fallback: the arch's out-of-line plan
+    kret_hook: int = 0               # a breakpoint return hook at this exit (HOOK_KIND)
+    ret_hooks: dict = field(default_factory=dict)   # exits inside this DCR -> (Group, hook kind)
+    # Forms (choose_forms):
+    clean: bool = False              # clean call: no handler here reads pt_regs
+    template: bool = False           # one probe, no post_handler: dispatch inlined in the detour
+    clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
+    aligned: bool = False            # template: the ABI has the stack 16-byte aligned at the site
+    flags_live: bool = True          # clean template: the arithmetic flags are live at the site
+    # Addresses (layout):
     detour: int = 0
     resume: int = 0
     resume_post: int = 0
-    detour_code: bytes = b""
-    clean: bool = False              # clean call: no handler here reads pt_regs
-    template: bool = False           # clean, one probe, no post_handler: dispatch inlined in the detour
-    clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
-    xol: object = None               # INT3 fallback: the arch's out-of-line plan (kprobe_xol.Xol)
-    kret_hook: int = 0               # a kretprobe return hook at this exit (kretprobe.HOOK_KIND), as a breakpoint
 
     @property
     def with_post(self) -> bool:
@@ -50,11 +92,53 @@ class Site:
 
 
 @dataclass
+class RetSite:
+    """A return site with its own detour: a 5-byte jmp at `addr`."""
+    exit: object                 # arch Exit
+    dcr: list
+    addr: int
+    region_end: int
+    hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP
+    group: object = None
+    detour: int = 0              # layout
+
+
+@dataclass
+class Group:
+    """The kretprobes of one function, and how its returns are caught."""
+    func: object
+    entry: int
+    site: Site                       # the entry's site
+    probes: list[EntryProbe]
+    mode: str = OPTIMIZED
+    reason: object = None
+    exits: list = field(default_factory=list)
+    sites: list[RetSite] = field(default_factory=list)
+    embedded: list = field(default_factory=list)     # (kprobe Site, Exit): exits inside a kprobe's DCR
+    int3_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
+    hooks: dict = field(default_factory=dict)        # exit addr -> HOOK_*
+    ret_template: dict | None = None  # the inlined return hook's parameters (choose_forms)
+
+    @property
+    def ret_clean(self) -> bool:
+        """No handler of its kretprobes reads regs at return."""
+        return all(p.ret_clean for p in self.probes)
+
+
+@dataclass
 class Plan:
     sites: list[Site] = field(default_factory=list)          # placed, in address order
     errors: list[str] = field(default_factory=list)
     skipped: dict[str, list[Probe]] = field(default_factory=lambda: defaultdict(list))
     rejected: list[tuple[Probe, str, str]] = field(default_factory=list)   # (probe, decision, reason)
+    groups: list[Group] = field(default_factory=list)        # functions with kretprobes, by entry
+    ret_sites: list[RetSite] = field(default_factory=list)   # by address
+    kprobes: list[tuple[Site, Probe]] = field(default_factory=list)          # kp_probes[], by slot
+    kretprobes: list[tuple[Site, EntryProbe, Group]] = field(default_factory=list)   # kp_kretprobes[]
+
+    def hit_slot(self, p: Probe) -> int:
+        """A probe's hit counter: kp_probes[] first, then each kretprobe's rp->kp."""
+        return len(self.kprobes) + p.slot if is_entry(p) else p.slot
 
 
 def make_int3(image, arch, s: Site) -> Site:
@@ -66,70 +150,278 @@ def make_int3(image, arch, s: Site) -> Site:
     return s
 
 
-def _where(p: Probe) -> str:
-    return f"{p.spec.table} ({p.label})"
-
-
 def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, spec_name: str) -> Plan:
     out = Plan()
+    kret_refused = Plan()
     by_addr: dict[int, list[Probe]] = defaultdict(list)
 
-    def fail(p: Probe, decision: str, reason: str, check: str, error: str | None = None):
-        out.rejected.append((p, decision, reason))
+    def fail(p: Probe, decision: str, reason: str, check: str, into: Plan = out):
+        into.rejected.append((p, decision, reason))
         if p.from_glob:
-            out.skipped[check].append(p)
+            into.skipped[check].append(p)
         else:
-            out.errors.append(f"{spec_name}: {_where(p)}: {error or reason}")
+            into.errors.append(f"{spec_name}: {p.spec.table} ({p.label}): {reason}")
 
     for p in probes:
-        if p.func is None:
-            fail(p, REFUSED, f"no function symbol or FDE covers {p.addr:#x}, so the instruction boundary cannot be checked", "no_function")
-            continue
-        if p.spec.symbol_name and not p.from_glob and not (p.func.start <= p.addr < p.func.end and p.addr - p.offset >= p.func.start):
-            fail(p, REFUSED, f"offset {p.offset:#x} is beyond the end of {p.symbol}", "offset")
-            continue
-        if not analysis.is_boundary(p.func, p.addr):
-            fail(p, REFUSED, f"{p.addr:#x} is not an instruction boundary of {p.func.name} (decoded from {p.func.start:#x})", "insn_boundary")
-            continue
-        e = bl.lookup(blacklist, p.addr)
-        if e is not None:
-            fail(p, REFUSED, f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist")
-            continue
-        r = arch.optprobe.can_probe_insn(image, p.addr)
-        if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
-            fail(p, REFUSED, str(r), r.check)
+        if is_entry(p):
+            why = _kretprobe_refusal(image, analysis, arch, p)
+            if why is not None:
+                fail(p, REFUSED, why[0], why[1], kret_refused)
+                continue
+        why = _register_refusal(image, analysis, arch, p, blacklist)
+        if why is not None:
+            fail(p, REFUSED, *why)
             continue
         by_addr[p.addr].append(p)
 
     sites = [Site(a, ps) for a, ps in sorted(by_addr.items())]
     for s in sites:
-        if not optimize:
-            s.reason = "kprobes_optimization: jump optimization is off (--no-optimize or optimize = false)"
-            continue
-        r = arch.optprobe.can_optimize(image, analysis, s.probes[0].func, s.addr)
-        if not isinstance(r, list):
-            s.reason = r
-            continue
-        if s.with_post and r[0].info.emulate in ("jmp rel", "jcc rel", "call rel"):
-            s.reason = arch.optprobe.Refusal("post_handler", s.addr, "a post_handler cannot run after a branch in a detour")
-            continue
-        s.dcr = r
-        s.decision = OPTIMIZED
+        _optimize(image, analysis, arch, s, optimize)
     # Another probe inside the region keeps the site unoptimized (the kernel's
     # pre-optimization check); every site is placed (optimized or int3), so all count.
     placed = sorted(s.addr for s in sites)
-    import bisect
     for s in sites:
         if s.decision != OPTIMIZED:
             continue
         i = bisect.bisect_right(placed, s.addr)
         if i < len(placed) and placed[i] < s.region_end:
-            s.reason = arch.optprobe.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
+            s.reason = arch.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
             s.decision, s.dcr = REFUSED, None
     for s in sites:
         if s.decision != OPTIMIZED:
             make_int3(image, arch, s)
         out.sites.append(s)
-    for i, s in enumerate(out.sites):
-        s.index = i
+    out.errors += kret_refused.errors
+    out.rejected += kret_refused.rejected
+    for check, ps in kret_refused.skipped.items():
+        out.skipped[check].extend(ps)
+    _plan_returns(image, analysis, arch, out)
+    _number(out)
     return out
+
+
+def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple[str, str] | None:
+    """register_kprobe()'s checks: (reason, check name), or None."""
+    if p.func is None:
+        return f"no function symbol or FDE covers {p.addr:#x}, so the instruction boundary cannot be checked", "no_function"
+    if p.spec.symbol_name and not p.from_glob and not (p.func.start <= p.addr < p.func.end and p.addr - p.offset >= p.func.start):
+        return f"offset {p.offset:#x} is beyond the end of {p.symbol}", "offset"
+    if not analysis.is_boundary(p.func, p.addr):
+        return f"{p.addr:#x} is not an instruction boundary of {p.func.name} (decoded from {p.func.start:#x})", "insn_boundary"
+    e = bl.lookup(blacklist, p.addr)
+    if e is not None:
+        return f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist"
+    r = arch.optprobe.can_probe_insn(image, p.addr)
+    if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
+        return str(r), r.check
+    return None
+
+
+def _kretprobe_refusal(image, analysis, arch, p: EntryProbe) -> tuple[str, str] | None:
+    """register_kretprobe()'s own checks: a function entry (kprobe_on_func_entry),
+    not on the kretprobe blacklist, a function that returns."""
+    f = p.func
+    if f is None:
+        return f"a kretprobe must be on a function entry (kprobe_on_func_entry): no function covers {p.addr:#x}", "func_entry"
+    if p.addr != arch.optprobe.adjust_kprobe_addr(image, f.start, 0):
+        return f"a kretprobe must be on a function entry (kprobe_on_func_entry): {p.label} is not", "func_entry"
+    bad = next((n for n in [f.name] + list(f.aliases) if n in KRETPROBE_BLACKLIST), None)
+    if bad:
+        return f"{bad} is on the kretprobe blacklist: {KRETPROBE_BLACKLIST[bad]}", "kretprobe_blacklist"
+    if ".cold" in f.name:
+        return (f"{f.name} is a cold part of a function, entered by a jump, not a call: "
+                "it has no return address"), "cold_part"
+    d = analysis.decoded(f)
+    if d.undecodable is None and d.indirect_jump is None:
+        ex = arch.retprobe.find_exits(image, analysis, f)
+        if not ex.exits and ex.refusal is None:
+            return f"{f.name} has no ret and no tail call: it never returns", "never_returns"
+    return None
+
+
+def _optimize(image, analysis, arch, s: Site, optimize: bool) -> None:
+    """can_optimize() for one site: its DCR, or the refusal."""
+    if not optimize:
+        s.reason = "kprobes_optimization: jump optimization is off (--no-optimize or optimize = false)"
+        return
+    r = arch.optprobe.can_optimize(image, analysis, s.probes[0].func, s.addr)
+    if not isinstance(r, list):
+        s.reason = r
+        return
+    if s.with_post and arch.is_branch(r[0]):
+        s.reason = arch.Refusal("post_handler", s.addr, "a post_handler cannot run after a branch in a detour")
+        return
+    s.dcr = r
+    s.decision = OPTIMIZED
+
+
+def _plan_returns(image, analysis, arch, plan: Plan) -> None:
+    """Return sites of every function with a placed kretprobe."""
+    rp = arch.retprobe
+    groups: dict[int, Group] = {}
+    for site in plan.sites:
+        for p in site.probes:
+            if is_entry(p):
+                g = groups.setdefault(site.addr, Group(p.func, site.addr, site, []))
+                g.probes.append(p)
+                p.group = g
+    # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
+    taken = sorted((s.addr, s.region_end) for s in plan.sites)
+    starts = [a for a, _ in taken]
+    site_at = sorted((s.addr, s.region_end, s) for s in plan.sites if s.dcr)
+    site_starts = [a for a, _, _ in site_at]
+
+    def busy(lo, hi, extra):
+        i = bisect.bisect_left(starts, hi)
+        if i and taken[i - 1][1] > lo:
+            return True
+        return any(a < hi and lo < b for a, b in extra)
+
+    def host_of(addr):
+        i = bisect.bisect_right(site_starts, addr)
+        if i and site_at[i - 1][1] > addr:
+            return site_at[i - 1][2]
+        return None
+
+    plan.groups = sorted(groups.values(), key=lambda g: g.entry)
+    for g in plan.groups:
+        ex = rp.find_exits(image, analysis, g.func)
+        g.exits = ex.exits
+        if ex.refusal is not None:
+            # An exit we cannot even name (a conditional tail call, a jump into
+            # another function's middle): only the trampoline catches it.
+            g.mode, g.reason = TRAMPOLINE, ex.refusal
+            continue
+        mine: list[tuple[int, int]] = []
+        for e in ex.exits:
+            host = host_of(e.addr)
+            if host is not None:
+                g.embedded.append((host, e))
+                continue
+            part = next(pt for pt in ex.parts if pt.start <= e.addr < pt.end)
+            r = rp.exit_region(image, analysis, part, e, lambda lo, hi: busy(lo, hi, mine))
+            if not isinstance(r, tuple):
+                # No jump fits: a breakpoint return hook at the exit (the return
+                # address still stays where the caller put it).
+                g.int3_exits.append((e, r))
+                continue
+            dcr, end = r
+            mine.append((dcr[0].addr, end))
+            g.sites.append(RetSite(e, dcr, dcr[0].addr, end, group=g))
+        for r in mine:
+            i = bisect.bisect_left(starts, r[0])
+            starts.insert(i, r[0])
+            taken.insert(i, r)
+    # Tail calls to a function whose returns are all hooked leave the slot alone.
+    hooked = {g.func.start for g in plan.groups if g.mode == OPTIMIZED} | \
+             {g.entry for g in plan.groups if g.mode == OPTIMIZED}
+    for g in plan.groups:
+        for e in g.exits:
+            g.hooks[e.addr] = HOOK_RET if e.kind == "ret" else HOOK_PENDING if e.target in hooked else HOOK_SWAP
+        if g.mode != OPTIMIZED:
+            continue
+        for s in g.sites:
+            s.hook = g.hooks[s.exit.addr]
+            plan.ret_sites.append(s)
+        for host, e in g.embedded:
+            host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
+    plan.ret_sites.sort(key=lambda s: s.addr)
+    _place_int3_hooks(image, arch, plan)
+
+
+def _place_int3_hooks(image, arch, plan: Plan) -> None:
+    """Breakpoint sites for the exits no jump could hook (arch_prepare_kprobe()
+    on the ret or the tail jmp, emulated out of line), aggregated with a
+    breakpoint kprobe already at that address."""
+    at = {s.addr: s for s in plan.sites}
+    for g in plan.groups:
+        for e, why in g.int3_exits:
+            site = at.get(e.addr)
+            if site is None:
+                site = at[e.addr] = make_int3(image, arch, Site(e.addr, [], reason=why))
+            site.kret_hook = HOOK_KIND[g.hooks[e.addr]]
+    plan.sites = sorted(at.values(), key=lambda s: s.addr)
+
+
+def _number(plan: Plan) -> None:
+    """The one numbering: sites by address, kp_probes[] and kp_kretprobes[] in spec order."""
+    for i, s in enumerate(plan.sites):
+        s.index = i
+    plan.kprobes = sorted(((s, p) for s in plan.sites for p in s.probes if not is_entry(p)), key=lambda sp: sp[1].index)
+    for i, (_, p) in enumerate(plan.kprobes):
+        p.slot = i
+    plan.kretprobes = sorted(((g.site, p, g) for g in plan.groups for p in g.probes), key=lambda t: t[1].index)
+    for j, (_, p, _) in enumerate(plan.kretprobes):
+        p.slot = j
+
+
+# --- forms, once the handlers' code is known ------------------------------------
+
+@dataclass
+class HandlerCode:
+    """What the arch's handler_abi read in a handler's compiled code."""
+    reads_regs: bool                 # may read its pt_regs argument (unknown code may)
+    clobbers: set[str] | None        # call-clobbered registers it writes (None: unknown)
+    symbol: str | None = None        # its link symbol
+
+
+NO_HANDLER = HandlerCode(False, set())
+
+
+def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set) -> None:
+    """How each site and each function's returns are emitted.
+
+    Sites: a clean call where no handler can read its pt_regs argument; the
+    inlined template (dispatch in the detour) where the site has one probe and
+    no post_handler.  A kretprobe's entry (pre_handler_kretprobe() reads
+    regs->sp) is clean only as the template, which passes the slot itself, when
+    its entry_handler is clean.
+
+    Returns: a function with one kretprobe gets the hook inlined at each ret,
+    clean when its handler never reads regs, with pt_regs otherwise; several
+    kretprobes share the runtime's hooks, the clean one when no handler reads
+    regs.  traced: keys of probes with a trace event (events.trace_key), whose
+    generated handlers read regs."""
+    from .events import trace_key
+    for site in plan.sites:
+        _site_form(site, image, arch, code, traced, trace_key)
+    for g in plan.groups:
+        for p in g.probes:
+            p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
+        if len(g.probes) != 1 or g.mode != OPTIMIZED:
+            continue
+        p = g.probes[0]
+        if trace_key(p) in traced:           # the generated trace handler (it calls the user's)
+            sym, clobbers = f"kp_trace_ret_{trace_key(p)}", None
+        elif p.kret.handler:
+            sym, clobbers = code[p.kret.handler].symbol, code[p.kret.handler].clobbers
+        else:
+            sym, clobbers = None, set()
+        g.ret_template = {"slot": p.slot, "handler": sym, "clobbers": clobbers,
+                          "aligned": arch.optprobe.stack_aligned_at(image, g.func, g.func.start)}
+
+
+def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key) -> None:
+    site.clean = True
+    site.clobbers = set()
+    for p in site.probes:
+        if is_entry(p) or trace_key(p) in traced:   # pre_handler_kretprobe / the trace's pre_handler read pt_regs
+            site.clean = False
+        for name in (p.spec.pre_handler, p.spec.post_handler):
+            if not name:
+                continue
+            h = code[name]
+            site.clean = site.clean and not h.reads_regs
+            site.clobbers = None if h.clobbers is None or site.clobbers is None else site.clobbers | h.clobbers
+    site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post
+    if site.template and is_entry(site.probes[0]):
+        eh = site.probes[0].kret.entry_handler
+        h = code[eh] if eh else NO_HANDLER
+        site.clean = not h.reads_regs
+        # The inlined entry (retprobe.kret_entry_body) uses these, and the entry_handler its own.
+        site.clobbers = None if h.clobbers is None else h.clobbers | set(arch.retprobe.KRET_ENTRY_USES)
+    if site.template:
+        p = site.probes[0]
+        site.aligned = arch.optprobe.stack_aligned_at(image, p.func, site.addr)
+        if site.clean:
+            site.flags_live = not arch.optprobe.arith_flags_dead(image, p.func, site.addr)

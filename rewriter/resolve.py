@@ -1,6 +1,8 @@
-"""Stage 2: resolve probes.  Turns the spec's tables into probe addresses:
-symbol_name (+offset) through .symtab/.dynsym, addr, or a glob over function
-symbols; kprobe_lookup_name() and arch_adjust_kprobe_addr()'s part."""
+"""Stage 2: resolve probes.  Turns the spec's [[kprobe]] and [[kretprobe]]
+tables into one probe list: symbol_name (+offset) through the image's symbols,
+addr, or a glob over function symbols; kprobe_lookup_name() and
+arch_adjust_kprobe_addr()'s part.  A kretprobe resolves to its entry half, rp->kp
+(EntryProbe), which is planned and aggregated with the kprobes."""
 from __future__ import annotations
 
 import fnmatch
@@ -8,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import KprewriteError
 from .image import Function, Image
-from .spec import KprobeSpec, Spec
+from .spec import KprobeSpec, KretprobeSpec, Spec
 
 
 @dataclass
@@ -21,6 +23,7 @@ class Probe:
     symbol: str              # symbol the address is reported against
     offset: int              # addr - symbol
     from_glob: bool
+    slot: int = -1           # index in kp_probes[] (kp_kretprobes[] for an EntryProbe): set by the planner
 
     @property
     def label(self) -> str:
@@ -38,51 +41,86 @@ class Probe:
         return f"p_{sym}_{self.spec.offset}"
 
 
-def _where(spec_path, table) -> str:
-    return f"{spec_path.name}: {table}"
+@dataclass
+class EntryProbe(Probe):
+    """The entry half of a kretprobe: rp->kp, whose pre_handler is pre_handler_kretprobe()."""
+    kret: KretprobeSpec | None = None
+    kind: str = "r"
+    group: object = None     # its planner.Group (the function's return sites)
+    ret_clean: bool = False  # its return handler never reads regs (planner.choose_forms)
+
+    @property
+    def event_name(self) -> str:
+        # trace_kprobe's default name for a return probe: r_SYMBOL_OFFSET.
+        if self.kret.name:
+            return self.kret.name
+        if self.kret.addr is not None and not self.kret.symbol_name:
+            return f"r_0x{self.kret.addr + self.kret.offset:x}"
+        sym = "".join(c if c.isalnum() or c == "_" else "_" for c in self.symbol)
+        return f"r_{sym}_{self.kret.offset}"
+
+
+def is_entry(p: Probe) -> bool:
+    """A kretprobe's rp->kp rather than a kprobe of the spec."""
+    return isinstance(p, EntryProbe)
+
+
+def _entry_spec(k: KretprobeSpec) -> KprobeSpec:
+    """rp->kp as a kprobe table: where the kretprobe is, no handlers of its own."""
+    return KprobeSpec(k.table, k.symbol_name, k.addr, k.offset, None, None, k.disabled, k.name, None, k.is_glob)
 
 
 def resolve(image: Image, spec: Spec, arch) -> tuple[list[Probe], list[str]]:
-    """Returns the probes and the error lines (all of them, so every failing probe is named)."""
+    """Every kprobe, then every kretprobe's rp->kp, numbered in that order; and
+    the error lines (all of them, so every failing probe is named)."""
     probes: list[Probe] = []
     errors: list[str] = []
     for kp in spec.kprobes:
-        where = _where(spec.path, kp.table)
-        if kp.is_glob:
-            matched = []
-            seen = set()
-            for f in image.functions:
-                names = [f.name] + f.aliases
-                if any(fnmatch.fnmatchcase(n, kp.symbol_name) for n in names) and f.start not in seen:
-                    seen.add(f.start)
-                    matched.append(f)
-            if not matched:
-                errors.append(f"{where}: symbol_name '{kp.symbol_name}' matches no function in {image.label}")
-            for f in matched:
-                addr = arch.optprobe.adjust_kprobe_addr(image, f.start, kp.offset)
-                probes.append(Probe(kp, len(probes), addr, f, f.name, addr - f.start, True))
-            continue
-        if kp.symbol_name is not None:
-            addrs = image.symbols.get(kp.symbol_name)
-            if not addrs:
-                errors.append(f"{where}: symbol '{kp.symbol_name}' not found in {image.label}")
-                continue
-            if len(set(addrs)) > 1:
-                errors.append(f"{where}: symbol '{kp.symbol_name}' is ambiguous in {image.label} "
-                              f"({', '.join(hex(a) for a in sorted(set(addrs)))}); use addr")
-                continue
-            base = addrs[0]
-            addr = arch.optprobe.adjust_kprobe_addr(image, base, kp.offset)
-            func = image.function_at(addr)
-            probes.append(Probe(kp, len(probes), addr, func, kp.symbol_name, addr - base, False))
-        else:
-            addr = kp.addr + kp.offset
-            func = image.function_at(addr)
-            if func is not None and addr in (func.start,) :
-                addr = arch.optprobe.adjust_kprobe_addr(image, func.start, 0)
-            if not image.is_code(addr):
-                errors.append(f"{where}: addr {addr:#x} is not in an executable section of {image.label}")
-                continue
-            sym, off = (func.name, addr - func.start) if func else (f"{addr:#x}", 0)
-            probes.append(Probe(kp, len(probes), addr, func, sym, off, False))
+        for args in _resolve_one(image, spec, arch, kp, errors):
+            probes.append(Probe(kp, len(probes), *args))
+    for k in spec.kretprobes:
+        kp = _entry_spec(k)
+        for args in _resolve_one(image, spec, arch, kp, errors):
+            probes.append(EntryProbe(kp, len(probes), *args, kret=k))
     return probes, errors
+
+
+def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[str]):
+    """(addr, function, symbol, offset, from_glob) of each probe one table asks for."""
+    where = f"{spec.path.name}: {kp.table}"
+    if kp.is_glob:
+        matched = []
+        seen = set()
+        for f in image.functions:
+            names = [f.name] + f.aliases
+            if any(fnmatch.fnmatchcase(n, kp.symbol_name) for n in names) and f.start not in seen:
+                seen.add(f.start)
+                matched.append(f)
+        if not matched:
+            errors.append(f"{where}: symbol_name '{kp.symbol_name}' matches no function in {image.label}")
+        for f in matched:
+            addr = arch.optprobe.adjust_kprobe_addr(image, f.start, kp.offset)
+            yield addr, f, f.name, addr - f.start, True
+        return
+    if kp.symbol_name is not None:
+        addrs = image.symbols.get(kp.symbol_name)
+        if not addrs:
+            errors.append(f"{where}: symbol '{kp.symbol_name}' not found in {image.label}")
+            return
+        if len(set(addrs)) > 1:
+            errors.append(f"{where}: symbol '{kp.symbol_name}' is ambiguous in {image.label} "
+                          f"({', '.join(hex(a) for a in sorted(set(addrs)))}); use addr")
+            return
+        base = addrs[0]
+        addr = arch.optprobe.adjust_kprobe_addr(image, base, kp.offset)
+        yield addr, image.function_at(addr), kp.symbol_name, addr - base, False
+        return
+    addr = kp.addr + kp.offset
+    func = image.function_at(addr)
+    if func is not None and addr == func.start:
+        addr = arch.optprobe.adjust_kprobe_addr(image, func.start, 0)
+    if not image.is_code(addr):
+        errors.append(f"{where}: addr {addr:#x} is not in an executable section of {image.label}")
+        return
+    sym, off = (func.name, addr - func.start) if func else (f"{addr:#x}", 0)
+    yield addr, func, sym, off, False

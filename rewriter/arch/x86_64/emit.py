@@ -11,7 +11,7 @@ import struct
 import capstone
 from keystone import KS_ARCH_X86, KS_MODE_64, Ks
 
-from .optprobe import DcrInsn
+from ..base import DcrInsn
 
 _ks = Ks(KS_ARCH_X86, KS_MODE_64)
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)

@@ -27,7 +27,7 @@ import capstone
 
 from . import emit as em
 from . import insn as x86insn
-from .optprobe import DcrInsn
+from ..base import DcrInsn
 
 EMULATE, BOOST, SINGLESTEP = "emulate", "boost", "single-step"
 MODE_CODE = {EMULATE: 1, BOOST: 2, SINGLESTEP: 3}

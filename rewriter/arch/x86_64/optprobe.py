@@ -3,11 +3,11 @@ can_optimize() and copy_optimized_instructions(), extended where a static
 rewriter can do better (relative branches in the region are re-encoded)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import capstone
 import capstone.x86_const
 
+from ..base import DcrInsn, Refusal  # noqa: F401  (re-exported: optprobe.Refusal)
 from . import insn as x86insn
 
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
@@ -16,24 +16,6 @@ _cs.detail = True
 JMP32_INSN_SIZE = 5
 MAX_OPTIMIZED_LENGTH = 15 + 4      # MAX_INSN_SIZE + DISP32_SIZE, as the kernel
 ENDBR64 = b"\xf3\x0f\x1e\xfa"
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a probe stays unoptimized: the check's name and the offending address."""
-    check: str
-    addr: int
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.check} at {self.addr:#x}: {self.detail}"
-
-
-@dataclass(frozen=True)
-class DcrInsn:
-    addr: int
-    code: bytes
-    info: "x86insn.InsnInfo"
 
 
 def adjust_kprobe_addr(image, sym_addr: int, offset: int) -> int:

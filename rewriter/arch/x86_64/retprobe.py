@@ -15,34 +15,17 @@ its start, inside the function (or its padding).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 import capstone
 
 from . import insn as x86insn
 from .emit import _s32, relocate
-from .optprobe import JMP32_INSN_SIZE, DcrInsn, Refusal
+from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
+from .optprobe import JMP32_INSN_SIZE
 
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 
-RET, TAIL = "ret", "tail"
 PAD_OK = ("nop", "int3")
-
-
-@dataclass(frozen=True)
-class Exit:
-    """One way out of a function: a ret, or a tail-call jmp to `target`."""
-    addr: int
-    kind: str                 # RET or TAIL
-    insn: DcrInsn
-    target: int | None = None
-
-
-@dataclass
-class Exits:
-    exits: list[Exit]
-    refusal: Refusal | None   # an exit that cannot be hooked at all (conditional tail call...)
-    parts: list               # the function and its .cold parts
 
 
 class _Insns:

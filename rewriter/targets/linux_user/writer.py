@@ -10,13 +10,11 @@ existing layout that our detours already point into.)
 """
 from __future__ import annotations
 
-import os
 import struct
-import tempfile
 from dataclasses import dataclass
 
-from .errors import KprewriteError
-from .image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
+from ...errors import KprewriteError
+from ...image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
 
 PAGE = 0x1000
 PHDR_SIZE = 56
@@ -149,23 +147,3 @@ def write_image(image: Image, layout: Layout, patches: list[tuple[int, bytes]], 
     if entry is not None:
         struct.pack_into("<Q", out, 24, entry)
     return bytes(out)
-
-
-def write_atomically(path: str, data: bytes, mode_from: str) -> None:
-    """Write OUTPUT atomically, with INPUT's file mode."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
-    except OSError as e:
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, os.stat(mode_from).st_mode & 0o7777)
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")

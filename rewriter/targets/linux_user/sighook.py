@@ -15,15 +15,14 @@ from __future__ import annotations
 
 HOOKS = {"sigaction": 1, "__sigaction": 1, "signal": 2, "sysv_signal": 2, "__sysv_signal": 2,
          "bsd_signal": 2, "sigprocmask": 3, "pthread_sigmask": 4}
-R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT = 6, 7
 PT_GNU_RELRO = 0x6474E552
 
 
-def got_slots(image) -> list[tuple[int, int]]:
+def got_slots(image, arch) -> list[tuple[int, int]]:
     """(GOT slot link-time address, hook kind) of the hooked functions."""
     out = set()
     for r in image.binary.relocations:
-        if int(r.type) & 0xFF not in (R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT) or not r.has_symbol:
+        if int(r.type) & 0xFF not in arch.r_got_slot or not r.has_symbol:
             continue
         kind = HOOKS.get(r.symbol.name)
         if kind:
@@ -31,8 +30,8 @@ def got_slots(image) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def table_c(image, enabled: bool) -> str:
-    slots = got_slots(image) if enabled else []
+def table_c(image, arch, enabled: bool) -> str:
+    slots = got_slots(image, arch) if enabled else []
     relro = [(s.vaddr, s.vaddr + s.memsz) for s in image.segments if s.type == PT_GNU_RELRO]
     lo, hi = relro[0] if relro else (0, 0)
     rows = "".join(f"  {{ {a:#x}UL, {k} }},\n" for a, k in slots) or "  { 0, 0 },\n"

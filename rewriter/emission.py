@@ -1,0 +1,172 @@
+"""Stage 6: emit code.  Reads the finished plan (forms chosen, addresses laid
+out) and the linked runtime's symbols, and produces the bytes: each optimized
+site's detour buffer and the jump that replaces its region (the kernel's
+arch_prepare_optimized_kprobe() and arch_optimize_kprobes()), each return
+site's detour, each breakpoint site's out-of-line slot and breakpoint
+(arch_prepare_kprobe(), arch_arm_kprobe()).  The code of one site is the same
+function whether `sym` holds the runtime's real addresses or, during layout,
+placeholders (Far): only its size and internal offsets matter then.  Nothing
+here decides or writes back into the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import KprewriteError
+from .planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, Plan, Site
+from .resolve import is_entry
+
+# The runtime's return hooks (runtime/arch/*/kretprobe_entry.S), by hook kind;
+# the clean one (only scratch registers saved) for functions whose kretprobes'
+# handlers never read regs; and the jmp form of the ret hooks, reached by jmp
+# before a plain ret.
+HOOK_SYMBOL = {HOOK_RET: "kp_kretprobe_ret_entry", HOOK_PENDING: "kp_kretprobe_tail_pending_entry",
+               HOOK_SWAP: "kp_kretprobe_tail_swap_entry"}
+HOOK_RET_CLEAN, HOOK_RET_JMP, HOOK_RET_CLEAN_JMP = \
+    "kp_kretprobe_ret_clean_entry", "kp_kretprobe_ret_jmp_entry", "kp_kretprobe_ret_clean_jmp_entry"
+JMP_FORM = {HOOK_SYMBOL[HOOK_RET]: HOOK_RET_JMP, HOOK_RET_CLEAN: HOOK_RET_CLEAN_JMP}
+
+
+class Far:
+    """Placeholder addresses of runtime symbols, before linking: far enough from
+    `at` that every reference takes its long form, as the real ones will."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def __getitem__(self, name: str) -> int:
+        return self.at + 0x1000000
+
+
+@dataclass
+class Code:
+    """What the plan's code needs besides the plan: where things are named."""
+    image: object
+    arch: object
+    plan: Plan
+    handler_symbol: dict          # handler name -> link symbol
+    traced: set                   # events.trace_key of probes with a trace event
+
+
+def hook_symbol(group, kind: str) -> str:
+    """The runtime hook an exit of `group` calls."""
+    name = HOOK_SYMBOL[kind]
+    return HOOK_RET_CLEAN if kind == HOOK_RET and group.ret_clean else name
+
+
+def _hook(c: Code, group, kind: str, sym, at: int):
+    """How an exit reaches its return hook: (call target, jmp target for a plain
+    ret), or the inlined template (a function with one kretprobe, at a ret)."""
+    name = hook_symbol(group, kind)
+    jmp = JMP_FORM.get(name)
+    hook = sym[name], (sym[jmp] if jmp else None)
+    tpl = group.ret_template if kind == HOOK_RET else None
+    if tpl is None:
+        return hook
+    rp_ = c.arch.retprobe
+    rp = sym["kp_kretprobes"] + tpl["slot"] * c.arch.emit.KRETPROBE_SIZE
+    handler = sym[tpl["handler"]] if tpl["handler"] else None
+    if not group.ret_clean:
+        return lambda exit, pos: rp_.full_ret_hook(
+            exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], rp=rp, handler=handler,
+            return_c=sym["kp_kretprobe_return"], aligned=tpl["aligned"])
+    return lambda exit, pos: rp_.clean_ret_hook(
+        exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], rp=rp, handler=handler,
+        return_c=sym["kp_kretprobe_return_clean"], full_hook=(sym[HOOK_SYMBOL[HOOK_RET]], sym[HOOK_RET_JMP]),
+        aligned=tpl["aligned"], handler_clobbers=tpl["clobbers"])
+
+
+def _site_copy(c: Code, site: Site, at: int, sym):
+    """How to copy a DCR holding a return-probed function's exits (None: plain relocation)."""
+    if not site.ret_hooks:
+        return None
+    return c.arch.retprobe.hook_copy({a: _hook(c, g, kind, sym, at) for a, (g, kind) in site.ret_hooks.items()})
+
+
+def pre_handler_symbol(c: Code, p) -> str | None:
+    """The link symbol the probe's pre_handler field holds: a trace event's generated
+    pre_handler (which calls the user's, if any), else the user's."""
+    from .events import trace_key
+    if trace_key(p) in c.traced:
+        return f"kp_trace_pre_{trace_key(p)}"
+    return c.handler_symbol[p.spec.pre_handler] if p.spec.pre_handler else None
+
+
+def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
+    """An optimized site's detour buffer at `at`: (code, resume, resume_post)."""
+    em = c.arch.emit
+    if not site.template:
+        entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
+                  ("kp_optprobe_entry", "kp_optprobe_post_entry")
+        return em.detour(site.index, site.dcr, site.with_post, at, sym[entries[0]], sym[entries[1]],
+                         _site_copy(c, site, at, sym))
+    p = site.probes[0]
+    k = c.plan.hit_slot(p)
+    if is_entry(p):
+        # rp->kp of a kretprobe: its pre_handler is pre_handler_kretprobe(), its hit
+        # counter follows the kprobes' (struct kretprobe starts with its kprobe).
+        probe, handler = sym["kp_kretprobes"] + p.slot * em.KRETPROBE_SIZE, sym["kp_pre_handler_kretprobe"]
+    else:
+        probe = sym["kp_probes"] + p.slot * em.KPROBE_SIZE
+        h = pre_handler_symbol(c, p)
+        handler = sym[h] if h else None
+    common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=probe, probe_index=k,
+                  handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym))
+    if site.clean:
+        callback, body = sym["kp_optimized_clean_callback"], None
+        if is_entry(p):
+            callback = sym["kp_kretprobe_enter_clean_slow"]
+            body = _kret_entry_body(c, p, probe, sym, site.aligned, regs=False)
+        code, resume = em.clean_detour(site.index, site.dcr, at, callback=callback, flags_live=site.flags_live,
+                                       handler_clobbers=site.clobbers, body=body, **common)
+    else:
+        # full_detour realigns the stack itself before the body.
+        body = _kret_entry_body(c, p, probe, sym, True, regs=True) if is_entry(p) else None
+        code, resume = em.full_detour(site.index, site.dcr, at, callback=sym["kp_optimized_callback"],
+                                      resume_regs=sym["kp_optprobe_resume_regs"], body=body, **common)
+    return code, resume, resume
+
+
+def _kret_entry_body(c: Code, p, rp: int, sym, aligned: bool, regs: bool):
+    """pre_handler_kretprobe() inlined in the entry template (retprobe.kret_entry_body)."""
+    eh = p.kret.entry_handler
+    return c.arch.retprobe.kret_entry_body(
+        rp=rp, tramp=sym["kp_kretprobe_trampoline"], entry_handler=sym[c.handler_symbol[eh]] if eh else None,
+        enter_c=sym["kp_kretprobe_enter"], aligned=aligned, inline=p.group.mode == OPTIMIZED, regs=regs)
+
+
+def ret_detour(c: Code, rs, at: int, sym) -> bytes:
+    """A return site's detour at `at`: the DCR up to the exit, the hook, the exit."""
+    return c.arch.retprobe.ret_detour(rs.dcr, _hook(c, rs.group, rs.hook, sym, at), at)
+
+
+def xol_slot(c: Code, site: Site, at: int, sym) -> bytes:
+    """A boosted or single-stepped breakpoint site's out-of-line slot at `at`."""
+    return c.arch.kprobe_xol.slot_code(site.xol, site.index, site.with_post, at, sym["kp_optprobe_post_entry"])
+
+
+def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[int, bytes]]]:
+    """The new code below the runtime (stubs excluded), and the patches to the
+    image's own code: (rx bytes from layout.rx_vaddr, [(addr, bytes)])."""
+    rx = bytearray(layout.text_addr - layout.rx_vaddr)
+
+    def put(addr, code, size):
+        if len(code) != size:
+            raise KprewriteError(f"internal error: code at {addr:#x} is {len(code)} bytes, laid out for {size}")
+        rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
+
+    patches = []
+    em = c.arch.emit
+    for site in c.plan.sites:
+        if site.decision == INT3:
+            if site.xol.mode != "emulate":
+                put(site.detour, xol_slot(c, site, site.detour, sym), layout.sizes[("xol", site.index)])
+            patches.append((site.addr, c.arch.breakpoint))
+            continue
+        code, _, _ = site_detour(c, site, site.detour, sym)
+        put(site.detour, code, layout.sizes[("site", site.index)])
+        patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
+    for rs in c.plan.ret_sites:
+        put(rs.detour, ret_detour(c, rs, rs.detour, sym), layout.sizes[("ret", rs.addr)])
+        patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, rs.detour)))
+    return rx, patches

@@ -1,0 +1,52 @@
+"""Stage 5: lay out the new code.  Every address the generated C tables and the
+final code need is decided here, before linking: the target's start-up stubs,
+each optimized site's detour buffer (the kernel's optinsn slot), each return
+site's detour, each breakpoint site's out-of-line slot (its insn slot), and
+where the linked runtime and handlers start.  Sizes come from emitting each
+piece once with placeholder runtime addresses (emission.Far): no piece's size
+depends on where the runtime lands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import emission
+from .planner import INT3
+
+
+@dataclass
+class Layout:
+    rx_vaddr: int                 # where the new code segment starts (the target's choice)
+    stubs: dict[str, int]         # start-up stub name -> address (the target's)
+    text_addr: int                # the linked runtime and handlers
+    target: object = None         # the target's own layout (file offsets, headers)
+    sizes: dict = field(default_factory=dict)   # ("site"|"ret"|"xol", key) -> bytes laid out
+
+
+def place(c: emission.Code, target) -> Layout:
+    """Addresses for everything the plan adds; fills the plan's address fields
+    (Site.detour/resume/resume_post, RetSite.detour, the xol slots)."""
+    tl = target.plan_layout(c.image)
+    stubs, pos = target.reserve_stubs(c.image, tl.after_phdrs)
+    sizes = {}
+    for site in c.plan.sites:
+        if site.decision == INT3:
+            continue
+        pos = (pos + 15) & ~15
+        code, site.resume, site.resume_post = emission.site_detour(c, site, pos, emission.Far(pos))
+        site.detour = pos
+        sizes[("site", site.index)] = len(code)
+        pos += len(code)
+    for rs in c.plan.ret_sites:
+        pos = (pos + 15) & ~15
+        rs.detour = pos
+        sizes[("ret", rs.addr)] = n = len(emission.ret_detour(c, rs, pos, emission.Far(pos)))
+        pos += n
+    for site in c.plan.sites:
+        if site.decision == INT3 and site.xol.mode != "emulate":
+            code = emission.xol_slot(c, site, pos, emission.Far(pos))
+            site.resume, site.resume_post = site.xol.slot, site.xol.slot_post
+            site.detour = pos
+            sizes[("xol", site.index)] = len(code)
+            pos += len(code)
+    return Layout(tl.rx_vaddr, stubs, (pos + 63) & ~63, tl, sizes)

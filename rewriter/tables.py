@@ -1,0 +1,109 @@
+"""The generated C tables, from the finished plan alone: struct kprobe per
+kprobe (kp_probes[]), struct kretprobe per kretprobe (kp_kretprobes[]), one
+kp_site per address with its probes (the aggregator's list), the arch's
+breakpoint-site descriptors, the target's own tables, the trace events' fetch
+programs.  What the kernel builds at register_kprobe() time, built at rewrite
+time and linked with the runtime."""
+from __future__ import annotations
+
+from . import events as ev_mod
+from . import fetch as fetch_mod
+from .emission import Code, pre_handler_symbol
+from .events import trace_key
+from .link import c_string
+from .planner import INT3, OPTIMIZED, TRAMPOLINE
+from .resolve import is_entry
+
+KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAMPOLINE
+
+
+def generate(c: Code, target, traces: dict) -> str:
+    plan, link_sym = c.plan, c.handler_symbol
+    out = ['#include "kp_internal.h"']
+    for name in sorted(set(link_sym.values())):
+        out.append(f"extern char {name}[];")
+    out.append(f"struct kprobe kp_probes[{max(1, len(plan.kprobes))}] = {{")
+    for site, p in plan.kprobes:
+        flags = (["KPROBE_FLAG_OPTIMIZED"] if site.decision == OPTIMIZED else ["0"]) + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
+        pre = pre_handler_symbol(c, p)
+        if trace_key(p) in traces:      # trace event: its pre_handler runs the fetch
+            out.insert(1, f"int {pre}(struct kprobe *, struct pt_regs *);")
+        elif pre:
+            pre = f"(kprobe_pre_handler_t){pre}"
+        post = f"(kprobe_post_handler_t){link_sym[p.spec.post_handler]}" if p.spec.post_handler else "0"
+        sym = c_string(p.symbol if (p.spec.symbol_name or p.func) else None)
+        out.append(f"  {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "
+                   f".pre_handler = {pre or '0'}, .post_handler = {post}, .flags = {'|'.join(flags)}, "
+                   f".name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
+    out.append("};")
+    out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
+    out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] = {{")
+    first = 0
+    for site in plan.sites:
+        out.append(f"  {{ {site.addr:#x}UL, {site.post_ip:#x}UL, {site.resume:#x}UL, {site.resume_post:#x}UL, {first}, {len(site.probes)} }},")
+        first += len(site.probes)
+    out.append("};")
+    out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
+    out.append(_kretprobes_c(c, traces))
+    refs = ", ".join(f"&kp_kretprobes[{p.slot}].kp" if is_entry(p) else f"&kp_probes[{p.slot}]"
+                     for site in plan.sites for p in site.probes) or "0"
+    out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
+    out.append(c.arch.kprobe_xol.table_c(plan.sites))
+    out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
+    out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
+    out += _layout_asserts(c.arch.emit)
+    if traces:
+        users = {trace_key(p): link_sym[p.spec.pre_handler] for _, p in plan.kprobes if p.spec.pre_handler}
+        users.update({trace_key(p): link_sym[p.kret.handler] for _, p, _ in plan.kretprobes if p.kret.handler})
+        out += ev_mod.trace_c(traces, users, fetch_mod.symbol_table(c.image)).splitlines()
+    else:
+        out += ev_mod.trace_c({}, {}, []).splitlines()
+    return "\n".join(out) + "\n"
+
+
+def _kretprobes_c(c: Code, traces: dict) -> str:
+    """struct kretprobe per placed kretprobe; rp->kp's hit slot follows the kprobes'."""
+    link_sym, nk = c.handler_symbol, len(c.plan.kprobes)
+    out = ["int kp_pre_handler_kretprobe(struct kprobe *, struct pt_regs *);",
+           f"struct kretprobe kp_kretprobes[{max(1, len(c.plan.kretprobes))}] = {{"]
+    for site, p, g in c.plan.kretprobes:
+        k = p.kret
+        flags = ["KPROBE_FLAG_OPTIMIZED"] + (["KPROBE_FLAG_DISABLED"] if k.disabled else [])
+        h = f"(kretprobe_handler_t){link_sym[k.handler]}" if k.handler else "0"
+        if trace_key(p) in traces:     # fetch / r event: the trace handler calls k.handler
+            h = f"kp_trace_ret_{trace_key(p)}"
+            out.insert(0, f"int {h}(struct kretprobe_instance *, struct pt_regs *);")
+        eh = f"(kretprobe_handler_t){link_sym[k.entry_handler]}" if k.entry_handler else "0"
+        sym = c_string(p.symbol if (k.symbol_name or p.func) else None)
+        out.append(f"  {{ .kp = {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "
+                   f".pre_handler = kp_pre_handler_kretprobe, .flags = {'|'.join(flags)}, "
+                   f".name = {c_string(p.event_name)}, .index = {nk + p.slot}, .site = {site.index} }}, "
+                   f".handler = {h}, .entry_handler = {eh}, .maxactive = {k.maxactive}, .data_size = {k.data_size}, "
+                   f".kp_mode = {KRET_MODE[g.mode]}, .kp_ret_clean = {int(p.ret_clean)} }},")
+    out.append("};")
+    out.append(f"const unsigned int kp_nkretprobes = {len(c.plan.kretprobes)};")
+    return "\n".join(out) + "\n"
+
+
+def _layout_asserts(em) -> list[str]:
+    """The struct layouts the emitted templates read directly, checked by the compiler."""
+    off = "__builtin_offsetof"
+    return [
+        f"_Static_assert(sizeof(struct kprobe) == {em.KPROBE_SIZE} && "
+        f"__builtin_offsetof(struct kprobe, flags) == {em.KPROBE_FLAGS} && "
+        f"sizeof(struct kretprobe) == {em.KRETPROBE_SIZE} && __builtin_offsetof(struct kretprobe, kp) == 0 && "
+        f"__builtin_offsetof(struct kp_thread, active) == {em.THREAD_ACTIVE} && "
+        f"__builtin_offsetof(struct kp_thread, hits) == {em.THREAD_HITS} && "
+        f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK} && KP_HASH(1UL << 12) == 1 && KP_HASH(0xfffUL) == 0, "
+        f"\"kprewrite's clean-call template is out of date\");",
+        f"_Static_assert({off}(struct kp_thread, kret) == {em.THREAD_KRET} && "
+        f"{off}(struct kp_kret_thread, depth) == {em.KRET_DEPTH} && "
+        f"{off}(struct kp_kret_thread, tail_slot) == {em.KRET_TAIL_SLOT} && "
+        f"{off}(struct kp_kret_thread, stack) == {em.KRET_STACK} && "
+        f"{off}(struct kretprobe, maxactive) == {em.RP_MAXACTIVE} && {off}(struct kretprobe, kp_stride) == {em.RP_STRIDE} && "
+        f"{off}(struct kretprobe, kp_pool) == {em.RP_POOL} && {off}(struct kretprobe, kp_hint) == {em.RP_HINT} && "
+        f"{off}(struct kretprobe_instance, rp) == {em.RI_RP} && {off}(struct kretprobe_instance, ret_addr) == {em.RI_RET_ADDR} && "
+        f"{off}(struct kretprobe_instance, fp) == {em.RI_FP} && {off}(struct kretprobe_instance, kp_state) == {em.RI_STATE} && "
+        f"{off}(struct kretprobe_instance, kp_flags) == {em.RI_FLAGS} && KP_RI_TRAMP == {em.RI_TRAMP}, "
+        f"\"kprewrite's kretprobe templates are out of date\");",
+    ]

@@ -1,0 +1,15 @@
+"""Targets: what differs between kinds of image, one answer per target.
+
+A target answers, for its kind of image: which ranges are reserved, where new
+code and data go and how the output is written, how the output starts the
+runtime, and which platform folder of the runtime it links
+(runtime/platform/<name>).  linux_user/ is Linux user processes (executables,
+static and PIE, and shared objects).  A kernel image is a second folder here.
+"""
+from __future__ import annotations
+
+
+def for_image(image):
+    """The target of a loaded image."""
+    from . import linux_user
+    return linux_user

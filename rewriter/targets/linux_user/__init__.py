@@ -1,0 +1,42 @@
+"""Linux user processes: executables (static or dynamic, PIE or not) and shared
+objects.  New code and data go in two PT_LOAD segments appended to the file
+(writer.py); the runtime starts from a new entry point or the init arrays
+(startup.py); breakpoint probes keep their SIGTRAP handler through the GOT
+(sighook.py); the runtime's platform layer is runtime/platform/linux_user."""
+from __future__ import annotations
+
+from ...errors import KprewriteError
+from . import sighook, writer
+from .startup import emit_stubs, reserve_stubs  # noqa: F401
+from .writer import plan_layout  # noqa: F401
+
+name = "linux_user"
+META_SECTION = ".kprewrite.meta"
+
+
+def tables_c(image, arch, any_int3: bool) -> str:
+    """The target's part of the generated C: the GOT slots sighook takes over."""
+    return sighook.table_c(image, arch, any_int3)
+
+
+def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes) -> bytes:
+    """The output file: rx (stubs and detours) and the linked runtime in a new
+    RX segment, the runtime's data in a new RW one, the probes' patches, the
+    metadata section."""
+    def put(addr, code, room):
+        if len(code) > room:
+            raise KprewriteError(f"internal error: stub at {addr:#x} is {len(code)} bytes")
+        rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
+
+    entry, file_patches = emit_stubs(image, arch, layout.stubs, blob.symbols, put)
+    rx = bytes(rx + blob.text)
+    sections = [
+        writer.NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, rx),
+        writer.NewSection(".kprewrite.data", 1, 3, blob.data_addr, blob.data),
+    ]
+    if blob.data_memsz > len(blob.data):
+        sections.append(writer.NewSection(".kprewrite.bss", 8, 3, blob.data_addr + len(blob.data), b"",
+                                          blob.data_memsz - len(blob.data)))
+    sections.append(writer.NewSection(META_SECTION, 1, 0, 0, metadata, align=1))
+    return writer.write_image(image, layout.target, patches, rx, blob.data_addr, blob.data, blob.data_memsz,
+                              sections, entry, file_patches)

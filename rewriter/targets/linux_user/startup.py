@@ -1,0 +1,63 @@
+"""How a rewritten user image starts the runtime: an executable's new entry
+point calls kp_user_start() before the program's own; a shared object's first
+DT_INIT_ARRAY slot (else DT_INIT) and DT_FINI_ARRAY slot (else DT_FINI) are
+chained through stubs that call kp_user_lib_init()/kp_user_lib_fini()."""
+from __future__ import annotations
+
+import struct
+
+from ...errors import KprewriteError
+
+STUB_ROOM = 64
+DT_INIT, DT_FINI, DT_INIT_ARRAY, DT_FINI_ARRAY = 12, 13, 25, 26
+
+
+def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
+    """Room for the stubs at `pos`: one for executables, init and fini for shared objects."""
+    stubs = {}
+    for name in (["entry"] if image.is_executable else ["init", "fini"]):
+        stubs[name] = pos
+        pos += STUB_ROOM
+    return stubs, pos
+
+
+def slot_hook(image, tag_array: int, tag_single: int):
+    """Where to hook a shared object's init (or fini): the first DT_*_ARRAY
+    slot's base-relative relocation addend, else DT_INIT/DT_FINI itself.
+    Returns (file offset of the 8 bytes to rewrite, the function it held)."""
+    arr = image.dynamic.get(tag_array)
+    if arr:
+        for rel_off, r_offset, addend in image.relative_relocations():
+            if r_offset == arr:
+                return rel_off + 16, addend
+    single = image.dynamic.get(tag_single)
+    if single:
+        dyn = image.section_named(".dynamic")
+        if dyn is not None:
+            for i in range(dyn.size // 16):
+                o = dyn.offset + i * 16
+                if int.from_bytes(image.data[o:o + 8], "little") == tag_single:
+                    return o + 8, single
+    return None
+
+
+def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> tuple[int | None, list]:
+    """The stubs' code (put(addr, code, room)); returns (new entry point or None,
+    file patches [(offset, bytes)])."""
+    em = arch.emit
+    if image.is_executable:
+        orig = int.from_bytes(image.data[24:32], "little")
+        put(stubs["entry"], em.entry_stub(stubs["entry"], sym["kp_user_start"], orig), STUB_ROOM)
+        return stubs["entry"], []
+    file_patches = []
+    for name, arr, single, fn in (("init", DT_INIT_ARRAY, DT_INIT, "kp_user_lib_init"),
+                                  ("fini", DT_FINI_ARRAY, DT_FINI, "kp_user_lib_fini")):
+        hook = slot_hook(image, arr, single)
+        if hook is None:
+            if name == "init":
+                raise KprewriteError(f"{image.path}: shared object has neither DT_INIT_ARRAY nor DT_INIT to start the runtime from")
+            continue
+        off, old = hook
+        put(stubs[name], em.chain_stub(stubs[name], sym[fn], old), STUB_ROOM)
+        file_patches.append((off, struct.pack("<Q", stubs[name])))
+    return None, file_patches
