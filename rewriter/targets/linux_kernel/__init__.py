@@ -1,0 +1,1 @@
+"""Linux kernel images: vmlinux (with or without .symtab) and bzImage."""
