@@ -263,3 +263,46 @@ def test_no_kallsyms_tables(image):
         kallsyms.read_kallsyms(bytes(data), "vmlinux.nosyms")
     msg = str(e.value)
     assert len(msg.splitlines()) == 1 and "no kallsyms tables" in msg and "--system-map" in msg
+
+
+def _relayout(image, order: str) -> bytes:
+    """The image with its 6.1 kallsyms tables rewritten in place in a later kernel's order
+    (from scripts/kallsyms.c: 6.2 added kallsyms_seqs_of_names before the token table; 6.4
+    moved num_syms/names/markers/tokens first, then offsets, relative_base, seqs)."""
+    data, elf, ks, _ = image
+    t = ks.tables
+    ro = elf.section(".rodata")
+
+    def off(va):
+        return va - ro.addr + ro.offset
+
+    def pad8(b):
+        return b + bytes(-len(b) % 8)
+
+    n = len(ks)
+    offsets = pad8(data[off(t.offsets):off(t.offsets) + 4 * n])
+    base = struct.pack("<Q", t.relative_base)
+    num = struct.pack("<II", n, 0)
+    names = data[off(t.names):off(t.markers)]
+    markers = data[off(t.markers):off(t.token_table)]
+    tokens = data[off(t.token_table):off(t.token_index)]
+    index = data[off(t.token_index):off(t.token_index) + 512]
+    by_name = sorted(range(n), key=lambda i: ks.symbols[i].name)
+    seqs = pad8(b"".join(i.to_bytes(3, "big") for i in by_name))
+    if order == "6.2":
+        blob = offsets + base + num + names + markers + seqs + tokens + index
+        start = off(t.offsets) - len(seqs)
+    else:
+        blob = num + names + markers + tokens + index + offsets + base + seqs
+        start = off(t.offsets)
+    out = bytearray(data)
+    out[start:start + len(blob)] = blob
+    return bytes(out)
+
+
+@pytest.mark.parametrize("order, layout", [("6.2", "offsets-first (<= 6.3)"),
+                                           ("6.4", "names-first (>= 6.4)")])
+def test_later_kallsyms_layouts(image, order, layout):
+    ks = kallsyms.read_kallsyms(_relayout(image, order), f"vmlinux-{order}-layout")
+    assert ks.tables.layout == layout
+    assert ks.symbols == image[2].symbols
