@@ -51,12 +51,13 @@ DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relo
 class Analysis:
     """Decoded functions and known jump targets of one image."""
 
-    def __init__(self, image: Image, arch, sources: list[TargetSource] | None = None):
+    def __init__(self, image: Image, arch, sources: list[TargetSource] | None = None,
+                 extra_sources: list[TargetSource] = ()):
         self.image = image
         self.arch = arch
         self._decoded: dict[int, object] = {}
         self.targets: dict[int, str] = {}
-        for source in sources if sources is not None else DEFAULT_SOURCES:
+        for source in [*(sources if sources is not None else DEFAULT_SOURCES), *extra_sources]:
             for target, why in source(image, self):
                 self.targets.setdefault(target, why)
         self._sorted_targets = sorted(self.targets)

@@ -4,6 +4,7 @@ kernel-only sections, __cfi_/__pfx_ symbols) plus kprewrite's own runtime in an
 already rewritten image."""
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -72,7 +73,35 @@ def compute(image: Image) -> list[BlacklistEntry]:
     return out
 
 
-def lookup(entries: list[BlacklistEntry], addr: int) -> BlacklistEntry | None:
+class Index:
+    """Entries sorted by start, for point and range queries by bisection (a kernel
+    image has tens of thousands)."""
+
+    def __init__(self, entries: list[BlacklistEntry]):
+        self.entries = sorted(entries, key=lambda e: (e.start, e.end, e.symbol))
+        self._starts = [e.start for e in self.entries]
+        self._reach, hi = [], 0          # the furthest end among entries[:i+1]
+        for e in self.entries:
+            hi = max(hi, e.end)
+            self._reach.append(hi)
+
+    def overlapping(self, lo: int, hi: int) -> BlacklistEntry | None:
+        """The first entry (by start) overlapping [lo, hi)."""
+        i = bisect.bisect_left(self._starts, hi)
+        found = None
+        while i > 0 and self._reach[i - 1] > lo:
+            i -= 1
+            if self.entries[i].end > lo:
+                found = self.entries[i]
+        return found
+
+    def lookup(self, addr: int) -> BlacklistEntry | None:
+        return self.overlapping(addr, addr + 1)
+
+
+def lookup(entries, addr: int) -> BlacklistEntry | None:
+    if isinstance(entries, Index):
+        return entries.lookup(addr)
     for e in entries:
         if e.start <= addr < e.end:
             return e

@@ -44,17 +44,15 @@ def main():
 @click.option("--spec", "spec_path", required=True, metavar="SPEC.toml", help="probe spec")
 @click.option("-o", "output", required=True, metavar="OUTPUT", help="rewritten image")
 @click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
-@click.option("--system-map", metavar="FILE", help="System.map for a kernel image (not supported yet)")
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
 @_guard
 def instrument(input_path, spec_path, output, no_optimize, system_map):
     """Write OUTPUT: INPUT with the spec's probes compiled in."""
     from . import pipeline, report
-    if system_map:
-        raise KprewriteError("--system-map: kernel images are not supported yet")
     if os.path.abspath(output) == os.path.abspath(input_path):
         raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
     t = time.monotonic()
-    s = pipeline.instrument(input_path, spec_path, output, no_optimize)
+    s = pipeline.instrument(input_path, spec_path, output, no_optimize, system_map)
     for line in report.skipped_summary(s.plan):
         click.echo(f"kprewrite: {line}", err=True)
     if os.environ.get("KPREWRITE_VERBOSE"):
@@ -65,11 +63,12 @@ def instrument(input_path, spec_path, output, no_optimize, system_map):
 @click.argument("input_path", metavar="INPUT")
 @click.option("--spec", "spec_path", required=True, metavar="SPEC.toml")
 @click.option("--no-optimize", is_flag=True)
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
 @_guard
-def check(input_path, spec_path, no_optimize):
+def check(input_path, spec_path, no_optimize, system_map):
     """Print the plan: each probe's decision and, if not optimized, why."""
     from . import pipeline, report
-    s = pipeline.prepare_for_check(input_path, spec_path, no_optimize)
+    s = pipeline.prepare_for_check(input_path, spec_path, no_optimize, system_map)
     for line in report.check_lines(s.plan):
         click.echo(line)
     for line in report.skipped_summary(s.plan):
@@ -90,11 +89,12 @@ def list_(binary):
 
 @main.command()
 @click.argument("input_path", metavar="INPUT")
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
 @_guard
-def blacklist(input_path):
+def blacklist(input_path, system_map):
     """What cannot be probed in INPUT, and why."""
     from . import report
-    for line in report.blacklist_lines(input_path):
+    for line in report.blacklist_lines(input_path, system_map):
         click.echo(line)
 
 

@@ -190,6 +190,33 @@ class Image:
         self.functions = funcs
         self._starts = starts
 
+    def set_functions(self, funcs: list[tuple[int, int, str]], source: str) -> None:
+        """Functions from another symbol source (a kernel's kallsyms or System.map):
+        (start, end, name), several names at one start being aliases."""
+        by_start: dict[int, Function] = {}
+        self.symbols = {}
+        for start, end, name in sorted(funcs):
+            f = by_start.get(start)
+            if f is None:
+                by_start[start] = Function(name, start, end, source)
+            elif name != f.name and name not in f.aliases:
+                f.aliases.append(name)
+            self.symbols.setdefault(name, [])
+            if start not in self.symbols[name]:
+                self.symbols[name].append(start)
+        self.functions = sorted(by_start.values(), key=lambda f: f.start)
+        self._starts = [f.start for f in self.functions]
+        self.code_symbols = []
+
+    def all_symbols(self) -> dict[str, int]:
+        """Every named, defined symbol of .symtab and .dynsym: name -> its first address."""
+        out: dict[str, int] = {}
+        for syms in (self.binary.symtab_symbols, self.binary.dynamic_symbols):
+            for s in syms:
+                if s.name and s.shndx != 0:
+                    out.setdefault(s.name, s.value)
+        return out
+
     # -- queries -----------------------------------------------------------
     def is_code(self, addr: int) -> bool:
         for lo, hi in self.exec_ranges:

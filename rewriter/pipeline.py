@@ -10,7 +10,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import blacklist as bl
 from . import emission, events, handlers, layout, link, planner, report, tables, targets
 from .analysis import Analysis
 from .arch import get_arch
@@ -37,7 +36,8 @@ class Session:
     handler_exports: dict              # C source -> handler names it exports
 
 
-def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: bool = True) -> Session:
+def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: bool = True,
+            system_map: str | None = None) -> Session:
     """Everything up to the plan.  strict: refused probes and missing handlers are
     errors (instrument); otherwise refused probes stay in the plan to be printed (check)."""
     spec = load_spec(spec_path)
@@ -45,11 +45,12 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     image = Image(input_path)
     arch = get_arch(image.machine)
     target = targets.for_image(image)
+    target.load_symbols(image, system_map)
+    rules = target.rules(image, arch)
     probes, res_errors = resolve(image, spec, arch)
     errors += res_errors
-    analysis = Analysis(image, arch)
-    plan = planner.plan(image, analysis, arch, probes, bl.compute(image), spec.optimize and not no_optimize,
-                        spec.path.name)
+    analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources)
+    plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.path.name)
     if strict:
         errors += plan.errors
     traces, trace_errors = events.compile_all(image, arch, [p for p in probes if not is_entry(p)],
@@ -64,8 +65,9 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     return Session(image, spec, arch, target, analysis, probes, plan, traces, symbols, exports)
 
 
-def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False) -> Session:
-    return prepare(input_path, spec_path, no_optimize, strict=False)
+def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False,
+                      system_map: str | None = None) -> Session:
+    return prepare(input_path, spec_path, no_optimize, strict=False, system_map=system_map)
 
 
 def build(s: Session, workdir: Path) -> bytes:
@@ -81,8 +83,9 @@ def build(s: Session, workdir: Path) -> bytes:
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label))
 
 
-def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False) -> Session:
-    s = prepare(input_path, spec_path, no_optimize)
+def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,
+               system_map: str | None = None) -> Session:
+    s = prepare(input_path, spec_path, no_optimize, system_map=system_map)
     keep = os.environ.get("KPREWRITE_KEEP")   # debugging: keep the linked runtime (gdb add-symbol-file)
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from . import blacklist as bl
 from .resolve import EntryProbe, Probe, is_entry
 
-OPTIMIZED, INT3, REFUSED = "optimized", "int3", "refused"
+OPTIMIZED, FTRACE, INT3, REFUSED = "optimized", "ftrace", "int3", "refused"
+JUMPS = (OPTIMIZED, FTRACE)         # decisions that write a jump to a detour
 TRAMPOLINE = "trampoline"           # a kretprobe whose returns only the trampoline catches
 # How an exit reaches the kretprobe return path (the runtime's KP_KRET_HOOK_*):
 # a ret; a tail call to a function whose own returns are hooked (the instance
@@ -150,7 +151,7 @@ def make_int3(image, arch, s: Site) -> Site:
     return s
 
 
-def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, spec_name: str) -> Plan:
+def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec_name: str) -> Plan:
     out = Plan()
     kret_refused = Plan()
     by_addr: dict[int, list[Probe]] = defaultdict(list)
@@ -164,11 +165,11 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
 
     for p in probes:
         if is_entry(p):
-            why = _kretprobe_refusal(image, analysis, arch, p)
+            why = _kretprobe_refusal(image, analysis, arch, p, rules)
             if why is not None:
                 fail(p, REFUSED, why[0], why[1], kret_refused)
                 continue
-        why = _register_refusal(image, analysis, arch, p, blacklist)
+        why = _register_refusal(image, analysis, arch, p, rules.blacklist)
         if why is not None:
             fail(p, REFUSED, *why)
             continue
@@ -176,19 +177,23 @@ def plan(image, analysis, arch, probes: list[Probe], blacklist, optimize: bool, 
 
     sites = [Site(a, ps) for a, ps in sorted(by_addr.items())]
     for s in sites:
-        _optimize(image, analysis, arch, s, optimize)
+        _optimize(image, analysis, arch, s, optimize, rules)
     # Another probe inside the region keeps the site unoptimized (the kernel's
     # pre-optimization check); every site is placed (optimized or int3), so all count.
     placed = sorted(s.addr for s in sites)
     for s in sites:
-        if s.decision != OPTIMIZED:
+        if s.decision not in JUMPS:
             continue
         i = bisect.bisect_right(placed, s.addr)
         if i < len(placed) and placed[i] < s.region_end:
             s.reason = arch.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
             s.decision, s.dcr = REFUSED, None
     for s in sites:
-        if s.decision != OPTIMIZED:
+        if s.decision not in JUMPS:
+            if not rules.int3:      # no breakpoint probes in this target (yet): refused
+                for p in s.probes:
+                    fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"))
+                continue
             make_int3(image, arch, s)
         out.sites.append(s)
     out.errors += kret_refused.errors
@@ -217,9 +222,11 @@ def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple[str, 
     return None
 
 
-def _kretprobe_refusal(image, analysis, arch, p: EntryProbe) -> tuple[str, str] | None:
+def _kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str, str] | None:
     """register_kretprobe()'s own checks: a function entry (kprobe_on_func_entry),
     not on the kretprobe blacklist, a function that returns."""
+    if not rules.kretprobes:
+        return f"kretprobes are not supported in {image.label} yet", "kretprobe"
     f = p.func
     if f is None:
         return f"a kretprobe must be on a function entry (kprobe_on_func_entry): no function covers {p.addr:#x}", "func_entry"
@@ -239,8 +246,13 @@ def _kretprobe_refusal(image, analysis, arch, p: EntryProbe) -> tuple[str, str] 
     return None
 
 
-def _optimize(image, analysis, arch, s: Site, optimize: bool) -> None:
-    """can_optimize() for one site: its DCR, or the refusal."""
+def _optimize(image, analysis, arch, s: Site, optimize: bool, rules) -> None:
+    """An ftrace site (KPROBE_FLAG_FTRACE: the jump takes the 5-byte site, the
+    function's own code is not touched, whatever the optimization setting), else
+    can_optimize() for the site: its DCR, or the refusal."""
+    if s.addr in rules.ftrace:
+        s.dcr, s.decision = [arch.ftrace_site_insn(s.addr)], FTRACE
+        return
     if not optimize:
         s.reason = "kprobes_optimization: jump optimization is off (--no-optimize or optimize = false)"
         return
@@ -250,6 +262,10 @@ def _optimize(image, analysis, arch, s: Site, optimize: bool) -> None:
         return
     if s.with_post and arch.is_branch(r[0]):
         s.reason = arch.Refusal("post_handler", s.addr, "a post_handler cannot run after a branch in a detour")
+        return
+    why = rules.region_refusal(arch, analysis, s.probes[0].func, s.addr, r[-1].addr + len(r[-1].code))
+    if why is not None:
+        s.reason = why
         return
     s.dcr = r
     s.decision = OPTIMIZED
@@ -413,7 +429,7 @@ def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: se
             h = code[name]
             site.clean = site.clean and not h.reads_regs
             site.clobbers = None if h.clobbers is None or site.clobbers is None else site.clobbers | h.clobbers
-    site.template = site.decision == OPTIMIZED and len(site.probes) == 1 and not site.with_post
+    site.template = site.decision in JUMPS and len(site.probes) == 1 and not site.with_post
     if site.template and is_entry(site.probes[0]):
         eh = site.probes[0].kret.entry_handler
         h = code[eh] if eh else NO_HANDLER

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 
-from . import blacklist as bl
 from .errors import KprewriteError
 from .image import Image
-from .planner import INT3, OPTIMIZED, TRAMPOLINE, HOOK_PENDING, Plan
+from .planner import FTRACE, HOOK_PENDING, INT3, JUMPS, OPTIMIZED, TRAMPOLINE, Plan
 from .resolve import is_entry
 
 META_SECTION = ".kprewrite.meta"
@@ -20,7 +19,7 @@ def check_lines(plan: Plan) -> list[str]:
         if site.decision == INT3:   # breakpoint probe: why not optimized, and how it runs out of line
             rows.append((p.index, f"{p.label}  k  {INT3}  {site.reason}  [{site.xol.mode}]"))
         else:
-            rows.append((p.index, f"{p.label}  k  {OPTIMIZED}"))
+            rows.append((p.index, f"{p.label}  k  {site.decision}"))
     rows += [(p.index, f"{p.label}  r  {describe_returns(g)}") for _, p, g in plan.kretprobes]
     for p, decision, reason in plan.rejected:
         rows.append((p.index, f"{p.label}  {getattr(p, 'kind', 'k')}  {decision}  {reason}"))
@@ -58,7 +57,9 @@ def metadata(plan: Plan, label: str) -> bytes:
         d = {"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
              "name": p.event_name, "optimized": site.decision == OPTIMIZED, "disabled": p.spec.disabled,
              "detour": site.detour, "region": [site.addr, site.region_end]}
-        if site.decision == OPTIMIZED:
+        if site.decision == FTRACE:
+            d["ftrace"] = True
+        if site.decision in JUMPS:
             d.update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
         if site.decision == INT3:
             d.update({"int3": site.xol.mode, "reason": str(site.reason)})
@@ -101,11 +102,20 @@ def list_lines(path: str) -> list[str]:
     out = []
     for p in read_metadata(path)["probes"]:
         flags = (" [DISABLED]" if p["disabled"] else "") + (" [OPTIMIZED]" if p["optimized"] else "")
+        flags += " [FTRACE]" if p.get("ftrace") else ""
         flags += {"emulate": " [EMULATED]", "boost": " [BOOSTED]", "single-step": " [SINGLESTEP]"}.get(p.get("int3"), "")
         out.append(f"{p['addr']:016x}  {p['kind']}  {p['symbol']}+{p['offset']:#x}{flags}")
     return out
 
 
-def blacklist_lines(path: str) -> list[str]:
+def blacklist_lines(path: str, system_map: str | None = None) -> list[str]:
+    """Registration refusals (debugfs kprobes/blacklist), then the sites a detour
+    must not overlap (for a kernel: everything it patches at boot)."""
+    from . import targets
+    from .arch import get_arch
     image = Image(path)
-    return [f"{e.start:#x}-{e.end:#x}  {e.symbol}  {e.reason}" for e in bl.compute(image)]
+    target = targets.for_image(image)
+    target.load_symbols(image, system_map)
+    rules = target.rules(image, get_arch(image.machine))
+    return ([f"{e.start:#x}-{e.end:#x}  {e.symbol}  {e.reason}" for e in rules.blacklist.entries]
+            + [f"{e.start:#x}-{e.end:#x}  {e.symbol}  boot-patched site ({e.reason})" for e in rules.reserved.entries])

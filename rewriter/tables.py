@@ -11,10 +11,11 @@ from . import fetch as fetch_mod
 from .emission import Code, pre_handler_symbol
 from .events import trace_key
 from .link import c_string
-from .planner import INT3, OPTIMIZED, TRAMPOLINE
+from .planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
 from .resolve import is_entry
 
 KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAMPOLINE
+DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE"}
 
 
 def generate(c: Code, target, traces: dict) -> str:
@@ -24,7 +25,7 @@ def generate(c: Code, target, traces: dict) -> str:
         out.append(f"extern char {name}[];")
     out.append(f"struct kprobe kp_probes[{max(1, len(plan.kprobes))}] = {{")
     for site, p in plan.kprobes:
-        flags = (["KPROBE_FLAG_OPTIMIZED"] if site.decision == OPTIMIZED else ["0"]) + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
+        flags = [DECISION_FLAG.get(site.decision, "0")] + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
         pre = pre_handler_symbol(c, p)
         if trace_key(p) in traces:      # trace event: its pre_handler runs the fetch
             out.insert(1, f"int {pre}(struct kprobe *, struct pt_regs *);")

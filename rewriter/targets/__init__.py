@@ -10,6 +10,6 @@ from __future__ import annotations
 
 
 def for_image(image):
-    """The target of a loaded image."""
-    from . import linux_user
-    return linux_user
+    """The target of a loaded image: detected, never flagged."""
+    from . import linux_kernel, linux_user
+    return linux_kernel if linux_kernel.detect(image) else linux_user

@@ -16,3 +16,14 @@ JUMP_SIZE = 5                   # jmp rel32: what an optimized probe writes
 def is_branch(insn) -> bool:
     """A relative branch: a detour's copy of it goes elsewhere, so no post_handler can follow it."""
     return insn.info.emulate in ("jmp rel", "jcc rel", "call rel")
+
+
+FTRACE_NOP = b"\x0f\x1f\x44\x00\x00"     # the 5-byte nop an ftrace site holds when not tracing
+
+
+def ftrace_site_insn(addr: int):
+    """The DCR of a probe on an ftrace site (KPROBE_FLAG_FTRACE): the site as the
+    nop it is when not traced, whatever the file holds (call __fentry__)."""
+    from ..base import DcrInsn
+    from .insn import classify
+    return DcrInsn(addr, FTRACE_NOP, classify(FTRACE_NOP, addr))

@@ -1,1 +1,125 @@
-"""Linux kernel images: vmlinux (with or without .symtab) and bzImage."""
+"""Linux kernel images: a vmlinux, with or without .symtab.
+
+Symbols come from .symtab when the image has one, else from a System.map
+(--system-map), else from the image's own kallsyms tables (kallsyms.py); a
+function ends where the next symbol starts, as kallsyms_lookup_size_offset()
+does.  The rules are the kernel's own (sites.py reads the tables):
+registration refuses the kprobe blacklist (_kprobe_blacklist, .kprobes.text,
+.noinstr.text, .entry.text), __cfi_/__pfx_ symbols, jump labels, static calls,
+BUG sites, alternatives and the inside of ftrace sites; a detoured region must
+not overlap any site the kernel patches at boot; a function with an
+exception-table entry, or an indirect jump (a jmp through a retpoline thunk
+included), is not jump-optimized.  A function entry with an ftrace site
+(__mcount_loc) is probed there, as KPROBE_FLAG_FTRACE does.
+"""
+from __future__ import annotations
+
+import bisect
+import struct
+
+from ...blacklist import BlacklistEntry, Index
+from ...rules import Rules
+from . import sites as ks
+from .elfview import ElfView
+from .kallsyms import functions as kallsyms_functions, read_kallsyms
+from .sysmap import read_system_map
+
+name = "linux_kernel"
+KERNEL_HALF = 1 << 63
+PT_LOAD = 1
+
+# Registration refusals (check_kprobe_address_safe(), arch_prepare_kprobe()), by table.
+REGISTER_REASONS = {
+    "_kprobe_blacklist": "NOKPROBE_SYMBOL",
+    ".kprobes.text": "in .kprobes.text (__kprobes)",
+    ".noinstr.text": "in .noinstr.text (noinstr)",
+    ".entry.text": "in .entry.text (entry code)",
+    ".static_call.text": "static call trampoline (static_call_text_reserved)",
+    "__cfi_/__pfx_": "CFI/padding symbol",
+    "__jump_table": "jump label site (jump_label_text_reserved)",
+    ".static_call_sites": "static call site (static_call_text_reserved)",
+    "__bug_table": "BUG/WARN site (find_bug)",
+    ".altinstructions": "alternatives site (alternatives_text_reserved)",
+}
+
+
+def detect(image) -> bool:
+    """A kernel image: an executable linked in the kernel half of the address space."""
+    return image.e_type == 2 and any(s.type == PT_LOAD and s.vaddr >= KERNEL_HALF for s in image.segments)
+
+
+def load_symbols(image, system_map: str | None = None) -> None:
+    """Function symbols and bounds: .symtab as for any ELF, else System.map, else kallsyms."""
+    if system_map is None and any(f.source == "symtab" for f in image.functions):
+        return
+    if system_map is not None:
+        syms = read_system_map(system_map).require_symbols().symbols
+        source = "System.map"
+    else:
+        syms = read_kallsyms(image.data, image.path).symbols
+        source = "kallsyms"
+    image.kernel_symbols = syms
+    image.set_functions([(f.start, f.end, f.name) for f in kallsyms_functions(syms, ElfView(image.data, image.path))],
+                        source)
+
+
+def _kernel(image) -> ks.KernelImage:
+    k = getattr(image, "_kernel_tables", None)
+    if k is None:
+        syms = getattr(image, "kernel_symbols", None)
+        if syms is None:     # .symtab: the function symbols and the linker's table bounds
+            syms = {n: a[0] for n, a in image.symbols.items()}
+            syms.update({n: a for n, a in image.all_symbols().items() if n not in syms})
+        k = image._kernel_tables = ks.KernelImage(image.data, syms, image.path)
+    return k
+
+
+def rules(image, arch) -> Rules:
+    k = _kernel(image)
+    reserved = ks.kernel_sites(image.data, None, image.path, image=k)
+    mcount = {m.site: m for m in ks.mcount_locs(k)}
+    register, patched = [], []
+    for r in reserved:
+        why = REGISTER_REASONS.get(r.table)
+        if why is not None:
+            sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_") else _symbol_at(image, r.start)
+            register.append(BlacklistEntry(r.start, r.end, sym, why))
+        if r.table == "__mcount_loc":
+            # Inside an ftrace site, not at its start (arch_check_ftrace_location()).
+            register.append(BlacklistEntry(r.start + 1, r.end, _symbol_at(image, r.start), "inside an ftrace site"))
+        if r.table not in ("_kprobe_blacklist", ".kprobes.text", ".noinstr.text", ".entry.text", "__cfi_/__pfx_"):
+            patched.append(BlacklistEntry(r.start, r.end, r.detail or r.table, r.table))
+    ex_insns = sorted(e.insn for e in ks.ex_table(k))
+    thunks = ks.indirect_thunk_range(k)
+
+    def function_refusal(analysis, func):
+        i = bisect.bisect_left(ex_insns, func.start)
+        if i < len(ex_insns) and ex_insns[i] < func.end:
+            return arch.Refusal("__ex_table", ex_insns[i], f"{func.name} has an exception table entry: "
+                                "its fixup may jump back into the function")
+        if thunks is not None:
+            for target, src in analysis.decoded(func).branches:
+                if thunks[0] <= target < thunks[1] and image.read(src, 1) != b"\xe8":
+                    return arch.Refusal("indirect_jump", src, f"{func.name} jumps through a retpoline thunk "
+                                        "(an indirect jump)")
+        return None
+
+    def ex_fixups(img, an):
+        for e in ks.ex_table(k):
+            yield e.fixup, f"exception fixup of {e.insn:#x}"
+
+    def jump_label_targets(img, an):
+        a, buf = k.table_bytes("__jump_table", 16)
+        for i in range(0, len(buf), 16):
+            code, target, _ = struct.unpack_from("<iiq", buf, i)
+            yield a + i + 4 + target, f"jump label at {a + i + code:#x}"
+
+    return Rules(Index(register), Index(patched), mcount, function_refusal, int3=False, kretprobes=False,
+                 jump_target_sources=[ex_fixups, jump_label_targets])
+
+
+def _symbol_at(image, addr: int) -> str:
+    f = image.function_at(addr)
+    if f is None:
+        return f"{addr:#x}"
+    return f.name if f.start == addr else f"{f.name}+{addr - f.start:#x}"

@@ -5,13 +5,26 @@ objects.  New code and data go in two PT_LOAD segments appended to the file
 (sighook.py); the runtime's platform layer is runtime/platform/linux_user."""
 from __future__ import annotations
 
+from ... import blacklist as bl
 from ...errors import KprewriteError
+from ...rules import Rules
 from . import sighook, writer
 from .startup import emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"
 META_SECTION = ".kprewrite.meta"
+
+
+def load_symbols(image, system_map: str | None = None) -> None:
+    """A user ELF's symbols are its own (.symtab, .dynsym, .eh_frame): nothing to add."""
+    if system_map is not None:
+        raise KprewriteError(f"--system-map: {image.path} is not a kernel image")
+
+
+def rules(image, arch) -> Rules:
+    """check_kprobe_address_safe()'s blacklist for a user image (blacklist.compute)."""
+    return Rules(bl.Index(bl.compute(image)))
 
 
 def tables_c(image, arch, any_int3: bool) -> str:

@@ -1,0 +1,46 @@
+"""Which addresses may be probed and which regions jump-optimized: a target's
+answer (targets/*), used by the planner.
+
+- blacklist: registration refusals (check_kprobe_address_safe(): the kprobe
+  blacklist, and for a kernel jump labels, static calls, BUG sites, alternatives);
+- reserved: sites patched at load or boot (the kernel's alternatives, paravirt,
+  retpoline and return sites, .smp_locks, ftrace sites, ...): a detoured region
+  overlapping one is refused, naming the table (copy_optimized_instructions()'s
+  *_text_reserved() checks);
+- function_refusal: what refuses a whole function (a kernel function with an
+  exception-table entry: can_optimize()'s search_exception_tables());
+- ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
+- int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .blacklist import BlacklistEntry, Index
+
+
+@dataclass
+class Rules:
+    blacklist: Index
+    reserved: Index = field(default_factory=lambda: Index([]))
+    ftrace: dict = field(default_factory=dict)          # site address -> what to drop from the image's table
+    function_refusal: Callable | None = None            # (analysis, func) -> arch Refusal | None
+    int3: bool = True
+    kretprobes: bool = True
+    jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
+
+    def region_refusal(self, arch, analysis, func, lo: int, hi: int):
+        """Why the region [lo, hi) of func cannot be detoured, or None."""
+        if self.function_refusal is not None:
+            r = self.function_refusal(analysis, func)
+            if r is not None:
+                return r
+        e = self.reserved.overlapping(lo, hi)
+        if e is not None:
+            return arch.Refusal(e.reason, e.start, f"the region [{lo:#x}, {hi:#x}) overlaps a site patched at boot "
+                                                   f"({e.symbol})")
+        return None
+
+
+__all__ = ["Rules", "BlacklistEntry", "Index"]
