@@ -1,0 +1,442 @@
+"""The kernel-image test and benchmark harness: a real Debian kernel, a busybox initramfs, QEMU.
+
+- obtain_kernel(): the current Debian cloud kernel (``linux-image-<release>-cloud-amd64-unsigned``)
+  via apt, extracted into a cache (``$KPREWRITE_KERNEL_CACHE``, else ~/.cache/kprewrite/kernel):
+  vmlinuz, config, the System.map stub, and the vmlinux decompressed from the vmlinuz by
+  rewriter.targets.linux_kernel.bzimage (plus its KASLR relocation table).
+- build_initramfs(): a gzip'd cpio (newc) of Debian's static busybox with a given /init and extra
+  files, written in Python (deterministic: fixed inode numbers and times), cached by content.
+- boot(): qemu-system-x86_64 on a kernel and initrd, the serial console captured; KVM when
+  /dev/kvm works (``$KPREWRITE_QEMU_ACCEL=tcg|kvm`` forces one), else TCG.
+- assert_*(): what the console must and must not show.
+
+Run it as a script (``python3 tests/kernel/kernel_env.py``) to fetch the kernel and time one boot.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from rewriter.targets.linux_kernel import bzimage  # noqa: E402
+
+META_PACKAGE = "linux-image-cloud-amd64"
+BUSYBOX = Path("/bin/busybox")
+QEMU_SYSTEM = "qemu-system-x86_64"
+
+USERSPACE_MARKER = "KPREWRITE-USERSPACE-REACHED"
+DONE_MARKER = "KPREWRITE-INIT-DONE"
+WX_PASSED = "x86/mm: Checked W+X mappings: passed"
+POWER_DOWN = "reboot: Power down"
+DEFAULT_APPEND = "console=ttyS0 panic=-1"
+# Lines that mean the kernel went wrong somewhere (matched case-sensitively, anywhere in a line).
+PROBLEMS = ("Oops", "BUG:", "WARNING:", "Call Trace", "Kernel panic", "general protection fault",
+            "ftrace bug", "ftrace failed", "unable to handle", "segfault at", "invalid opcode")
+
+
+class KernelEnvError(RuntimeError):
+    """The harness cannot do its job (no apt, no qemu, no busybox): the message says what to install."""
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("KPREWRITE_KERNEL_CACHE")
+    p = Path(d) if d else Path.home() / ".cache" / "kprewrite" / "kernel"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock between processes sharing the cache (two pytest runs, two worktrees)."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# --- the Debian kernel -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DebianKernel:
+    package: str            # linux-image-6.1.0-56-cloud-amd64-unsigned
+    version: str            # the package's version, 6.1.192-2
+    release: str            # uname -r: 6.1.0-56-cloud-amd64
+    dir: Path
+    vmlinuz: Path
+    vmlinux: Path           # the ELF alone (boots through its PVH note)
+    relocs: Path            # the KASLR relocation table that followed it in the payload
+    config: Path
+    system_map: Path        # Debian's stub: the real one is in the -dbg package
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def config_value(self, name: str) -> str | None:
+        for line in self.config.read_text().splitlines():
+            if line.startswith(name + "="):
+                return line.split("=", 1)[1]
+        return None
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, **kw)
+    except FileNotFoundError:
+        raise KernelEnvError(f"{cmd[0]} not found (the kernel tests need Debian's apt)")
+
+
+def current_package() -> tuple[str, str, str]:
+    """(package, version, release) of the current Debian cloud kernel, as apt knows it now."""
+    r = _run(["apt-cache", "depends", META_PACKAGE])
+    m = re.search(r"Depends:\s*linux-image-(\S+-cloud-amd64)\b", r.stdout)
+    if r.returncode != 0 or not m:
+        raise KernelEnvError(f"apt does not know {META_PACKAGE} ({(r.stderr or r.stdout).strip() or 'no Depends'}); "
+                             "run `apt-get update` (.ci/run does)")
+    release = m.group(1)
+    package = f"linux-image-{release}-unsigned"
+    r = _run(["apt-cache", "policy", package])
+    m = re.search(r"Candidate:\s*(\S+)", r.stdout)
+    if r.returncode != 0 or not m or m.group(1) == "(none)":
+        raise KernelEnvError(f"apt has no candidate for {package}; run `apt-get update` (.ci/run does)")
+    return package, m.group(1), release
+
+
+def _load(d: Path) -> DebianKernel:
+    meta = json.loads((d / "meta.json").read_text())
+    return DebianKernel(package=meta["package"], version=meta["version"], release=meta["release"], dir=d,
+                        vmlinuz=d / meta["vmlinuz"], vmlinux=d / "vmlinux", relocs=d / "vmlinux.relocs",
+                        config=d / meta["config"], system_map=d / meta["system_map"], meta=meta)
+
+
+def obtain_kernel() -> DebianKernel:
+    """The current Debian cloud kernel, downloaded and extracted once per version into the cache.
+    Without apt (offline), the newest kernel already in the cache."""
+    root = cache_dir()
+    try:
+        package, version, release = current_package()
+    except KernelEnvError as e:
+        cached = sorted(p.parent for p in root.glob("*/meta.json"))
+        if cached:
+            return _load(cached[-1])
+        raise KernelEnvError(f"cannot obtain the Debian cloud kernel: {e}")
+    final = root / f"{package}_{version}"
+    with _locked(root / ".lock"):
+        if (final / "meta.json").exists():
+            return _load(final)
+        work = Path(tempfile.mkdtemp(prefix=".dl-", dir=root))
+        try:
+            t0 = time.monotonic()
+            r = _run(["apt-get", "download", "-q", f"{package}={version}"], cwd=work)
+            debs = list(work.glob("*.deb"))
+            if r.returncode != 0 or len(debs) != 1:
+                raise KernelEnvError(f"apt-get download {package}={version} failed: "
+                                     f"{(r.stderr or r.stdout).strip().splitlines()[-1:] or ['no .deb']}")
+            t1 = time.monotonic()
+            names = _extract_boot(debs[0], work, release)
+            t2 = time.monotonic()
+            img = bzimage.read(work / names["vmlinuz"])
+            (work / "vmlinux").write_bytes(img.vmlinux)
+            (work / "vmlinux.relocs").write_bytes(img.relocs_bytes)
+            t3 = time.monotonic()
+            debs[0].unlink()
+            meta = {"package": package, "version": version, "release": release, "deb": debs[0].name,
+                    **names, "bzimage": img.describe(), "download_seconds": round(t1 - t0, 2),
+                    "extract_seconds": round(t2 - t1, 2), "decompress_seconds": round(t3 - t2, 2)}
+            (work / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            work.rename(final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return _load(final)
+
+
+def _extract_boot(deb: Path, dest: Path, release: str) -> dict:
+    """boot/{vmlinuz,config,System.map}-<release> from the .deb (dpkg-deb --fsys-tarfile, streamed)."""
+    want = {f"vmlinuz-{release}": "vmlinuz", f"config-{release}": "config", f"System.map-{release}": "system_map"}
+    found = {}
+    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for m in tar:
+                name = m.name.lstrip("./")
+                if m.isfile() and name.startswith("boot/") and name[5:] in want:
+                    (dest / name[5:]).write_bytes(tar.extractfile(m).read())
+                    found[want[name[5:]]] = name[5:]
+    finally:
+        proc.stdout.close()
+        err = proc.stderr.read().decode(errors="replace")
+        proc.wait()
+    missing = set(want.values()) - set(found)
+    if missing:
+        raise KernelEnvError(f"{deb.name} has no boot/{', boot/'.join(sorted(missing))}-{release} {err.strip()}")
+    return found
+
+
+# --- the initramfs ---------------------------------------------------------------------------------
+
+def init_script(commands: str, marker: str = USERSPACE_MARKER) -> str:
+    """An /init that mounts /proc, /sys, /dev, debugfs and tracefs, prints ``marker``, runs
+    ``commands`` (busybox sh), prints DONE_MARKER and powers off at once."""
+    return ("#!/bin/busybox sh\n"
+            "mount -t proc proc /proc\n"
+            "mount -t sysfs sysfs /sys\n"
+            "mount -t devtmpfs devtmpfs /dev 2>/dev/null\n"
+            "mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null\n"
+            "mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null\n"
+            f"echo {marker}\n"
+            f"{commands.rstrip()}\n"
+            f"echo {DONE_MARKER}\n"
+            "poweroff -f\n")
+
+
+def _newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
+    """A cpio archive, SVR4 "newc" format (what the kernel's initramfs unpacker reads).
+    entries: (name, mode, data, rdev as (major << 8 | minor)); times and owners zero."""
+    out = bytearray()
+
+    def pad():
+        out.extend(b"\0" * (-len(out) % 4))
+
+    for ino, (name, mode, data, rdev) in enumerate(entries + [("TRAILER!!!", 0, b"", 0)], 1):
+        nb = name.encode() + b"\0"
+        fields = (ino if name != "TRAILER!!!" else 0, mode, 0, 0, 1, 0, len(data), 0, 0,
+                  rdev >> 8, rdev & 0xFF, len(nb), 0)
+        out += b"070701" + "".join(f"{f:08X}" for f in fields).encode() + nb
+        pad()
+        out += data
+        pad()
+    return bytes(out)
+
+
+def _busybox_entries() -> list[tuple[str, int, bytes, int]]:
+    if not BUSYBOX.exists():
+        raise KernelEnvError(f"{BUSYBOX} not found: install Debian's busybox-static")
+    data = BUSYBOX.read_bytes()
+    if b"/lib64/ld-linux" in data[:4096] or b"/lib/ld-linux" in data[:4096]:
+        raise KernelEnvError(f"{BUSYBOX} is dynamically linked: install busybox-static instead of busybox")
+    r = _run([str(BUSYBOX), "--list-full"])
+    applets = sorted({l.strip() for l in r.stdout.splitlines() if l.strip()})
+    dirs = ["bin", "sbin", "usr", "usr/bin", "usr/sbin", "dev", "proc", "sys", "tmp", "etc", "root", "run"]
+    e = [(d, 0o40755, b"", 0) for d in dirs]
+    e.append(("dev/console", 0o20600, b"", 5 << 8 | 1))
+    e.append(("dev/null", 0o20666, b"", 1 << 8 | 3))
+    e.append(("bin/busybox", 0o100755, data, 0))
+    for a in applets:
+        if a != "bin/busybox":
+            e.append((a, 0o120777, b"/bin/busybox", 0))
+    return e
+
+
+def build_initramfs(init: str, extra: dict[str, bytes | str | Path] | None = None, *,
+                    dest_dir: Path | None = None) -> Path:
+    """A gzip'd newc initramfs: busybox with its applets as symlinks, ``/init`` (the script text),
+    and ``extra`` files (archive path -> contents, text or a file to copy; mode 0755, so scripts
+    and programs run).  Cached by content in ``dest_dir`` (default: the kernel cache's initramfs/)."""
+    entries = _busybox_entries()
+    names = {n for n, *_ in entries}
+    files = {"init": init, **(extra or {})}
+    for name, content in sorted(files.items()):
+        name = name.lstrip("/")
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            d = "/".join(parts[:i])
+            if d not in names:
+                entries.append((d, 0o40755, b"", 0))
+                names.add(d)
+        if isinstance(content, Path):
+            content = content.read_bytes()
+        elif isinstance(content, str):
+            content = content.encode()
+        entries = [e for e in entries if e[0] != name]
+        entries.append((name, 0o100755, content, 0))
+        names.add(name)
+    archive = _newc(entries)
+    digest = hashlib.sha256(archive).hexdigest()[:20]
+    dest_dir = dest_dir or cache_dir() / "initramfs"
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    path = dest_dir / f"initramfs-{digest}.cpio.gz"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(gzip.compress(archive, compresslevel=6, mtime=0))
+        tmp.rename(path)
+    return path
+
+
+# --- booting ----------------------------------------------------------------------------------------
+
+def kvm_usable() -> bool:
+    """Whether /dev/kvm opens and answers KVM_GET_API_VERSION (12)."""
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return fcntl.ioctl(fd, 0xAE00) == 12
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def default_accel() -> str:
+    """TCG unless $KPREWRITE_QEMU_ACCEL says otherwise.  Not KVM by default: on this project's
+    machines /dev/kvm opens and answers its API version, yet a guest never gets past SeaBIOS's
+    "Booting from ROM" (the host's KVM lacks even SSE3 in CPUID), so only a boot would tell."""
+    return os.environ.get("KPREWRITE_QEMU_ACCEL") or "tcg"
+
+
+@dataclass
+class BootResult:
+    console: str
+    returncode: int | None
+    timed_out: bool
+    seconds: float
+    accel: str
+    cmd: list[str]
+    log: Path | None = None
+
+    def __str__(self) -> str:
+        return self.console
+
+    def lines(self) -> list[str]:
+        return self.console.splitlines()
+
+    def reached(self, marker: str = USERSPACE_MARKER) -> bool:
+        return any(l.strip() == marker for l in self.lines())
+
+    @property
+    def powered_off(self) -> bool:
+        return (POWER_DOWN in self.console and self.returncode == 0 and not self.timed_out
+                and "Kernel panic" not in self.console)
+
+    def problems(self, allow: tuple[str, ...] = ()) -> list[str]:
+        return [l for l in self.lines() if any(p in l for p in PROBLEMS) and not any(a in l for a in allow)]
+
+    def between(self, start: str = USERSPACE_MARKER, end: str = DONE_MARKER) -> str:
+        """The console lines after the line ``start`` and before the line ``end`` (what /init printed)."""
+        out, inside = [], False
+        for l in self.lines():
+            if l.strip() == start:
+                inside = True
+            elif l.strip() == end and inside:
+                break
+            elif inside:
+                out.append(l)
+        return "\n".join(out)
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.lines()[-n:])
+
+    def explain(self, what: str) -> str:
+        state = "timed out" if self.timed_out else f"qemu exit {self.returncode}"
+        state += f", {self.seconds:.1f} s, {self.accel}"
+        where = f" (full console: {self.log})" if self.log else ""
+        return f"{what} [{state}]{where}\n--- console tail ---\n{self.tail()}"
+
+
+def boot(kernel: Path | str, initrd: Path | str, *, smp: int = 2, memory: int = 512,
+         append: str = DEFAULT_APPEND, extra_append: str = "", timeout: float = 90,
+         accel: str | None = None, qemu_args: tuple[str, ...] = (), log: Path | None = None) -> BootResult:
+    """Boot ``kernel`` (an ELF vmlinux through its PVH note, or a bzImage) with ``initrd`` in
+    qemu-system-x86_64 and return the serial console.  -no-reboot: a reboot or a panic
+    (panic=-1) ends QEMU like a power-off does; BootResult.powered_off tells them apart."""
+    qemu = shutil.which(QEMU_SYSTEM)
+    if not qemu:
+        raise KernelEnvError(f"{QEMU_SYSTEM} not found: install Debian's qemu-system-x86")
+    accel = accel or default_accel()
+    cmdline = " ".join(x for x in (append, extra_append) if x)
+    cmd = [qemu, "-accel", accel, "-m", str(memory), "-smp", str(smp), "-nographic", "-no-reboot",
+           "-nic", "none", "-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline, *qemu_args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    timed_out = False
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.kill()
+        out, _ = proc.communicate()
+    seconds = time.monotonic() - t0
+    console = out.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    if log is not None:
+        log.write_text(console)
+    return BootResult(console=console, returncode=None if timed_out else proc.returncode, timed_out=timed_out,
+                      seconds=seconds, accel=accel, cmd=cmd, log=log)
+
+
+# --- reading what /init printed ------------------------------------------------------------------------
+
+def sections(text: str) -> dict[str, list[str]]:
+    """Split /init's output into sections, each started by a line ``== name``: {name: lines}."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    for line in text.splitlines():
+        if line.startswith("== "):
+            cur = out.setdefault(line[3:].strip(), [])
+        elif cur is not None:
+            cur.append(line)
+    return out
+
+
+def parse_kallsyms(lines) -> dict[str, tuple[int, str]]:
+    """{name: (address, type)} from /proc/kallsyms lines (the first of a duplicated name wins)."""
+    syms: dict[str, tuple[int, str]] = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3 and re.fullmatch(r"[0-9a-f]{8,16}", parts[0]):
+            syms.setdefault(parts[2], (int(parts[0], 16), parts[1]))
+    return syms
+
+
+# --- assertions ---------------------------------------------------------------------------------------
+
+def assert_reached_user_space(r: BootResult, marker: str = USERSPACE_MARKER) -> None:
+    assert r.reached(marker), r.explain(f"the boot did not reach user space (no line {marker!r})")
+
+
+def assert_clean_poweroff(r: BootResult) -> None:
+    assert r.powered_off, r.explain(f"no clean power-off (no {POWER_DOWN!r}, or a panic, or QEMU failed)")
+
+
+def assert_no_kernel_problems(r: BootResult, allow: tuple[str, ...] = ()) -> None:
+    bad = r.problems(allow)
+    assert not bad, r.explain("the kernel reported problems:\n  " + "\n  ".join(bad[:20]))
+
+
+def assert_wx_passed(r: BootResult) -> None:
+    assert WX_PASSED in r.console, r.explain(f"no {WX_PASSED!r} line (CONFIG_DEBUG_WX's check at boot)")
+
+
+def assert_boot_ok(r: BootResult, marker: str = USERSPACE_MARKER, allow: tuple[str, ...] = ()) -> None:
+    """Reached user space, /init finished, W+X check passed, no oops/BUG/WARNING, clean power-off."""
+    assert_reached_user_space(r, marker)
+    assert r.reached(DONE_MARKER), r.explain(f"/init did not finish (no line {DONE_MARKER!r})")
+    assert_no_kernel_problems(r, allow)
+    assert_wx_passed(r)
+    assert_clean_poweroff(r)
+
+
+if __name__ == "__main__":
+    k = obtain_kernel()
+    print(json.dumps({**k.meta, "dir": str(k.dir)}, indent=1))
+    initrd = build_initramfs(init_script("cat /proc/version"))
+    for accel in sys.argv[1:] or [default_accel()]:
+        r = boot(k.vmlinux, initrd, accel=accel, timeout=60)
+        print(f"{accel}: {r.seconds:.2f} s, user space {r.reached()}, powered off {r.powered_off}, "
+              f"W+X passed {WX_PASSED in r.console}, problems {r.problems()}")
