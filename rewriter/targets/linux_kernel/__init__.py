@@ -79,8 +79,15 @@ def rules(image, arch) -> Rules:
     reserved = ks.kernel_sites(image.data, None, image.path, image=k)
     mcount = {m.site: m for m in ks.mcount_locs(k)}
     register, patched = [], []
+    # The kprobe blacklist is listed function by function (sites.kprobe_blacklist() adds the
+    # functions of .kprobes.text, .noinstr.text and .entry.text), each with its section's reason.
+    whole = {t: k.bounds(t) for t in (".kprobes.text", ".noinstr.text", ".entry.text")}
     for r in reserved:
+        if r.table in whole:
+            continue
         why = REGISTER_REASONS.get(r.table)
+        if r.table == "_kprobe_blacklist":
+            why = next((REGISTER_REASONS[t] for t, b in whole.items() if b and b[0] <= r.start < b[1]), why)
         if why is not None:
             sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_") else _symbol_at(image, r.start)
             register.append(BlacklistEntry(r.start, r.end, sym, why))
@@ -91,6 +98,9 @@ def rules(image, arch) -> Rules:
             patched.append(BlacklistEntry(r.start, r.end, r.detail or r.table, r.table))
     ex_insns = sorted(e.insn for e in ks.ex_table(k))
     thunks = ks.indirect_thunk_range(k)
+    # A `jmp __x86_return_thunk` at a .return_sites entry is a return (patched at boot to
+    # the chosen return sequence), not a jump through a retpoline thunk.
+    returns = {r.start for r in reserved if r.table == ".return_sites"}
 
     def function_refusal(analysis, func):
         i = bisect.bisect_left(ex_insns, func.start)
@@ -99,7 +109,7 @@ def rules(image, arch) -> Rules:
                                 "its fixup may jump back into the function")
         if thunks is not None:
             for target, src in analysis.decoded(func).branches:
-                if thunks[0] <= target < thunks[1] and image.read(src, 1) != b"\xe8":
+                if thunks[0] <= target < thunks[1] and src not in returns and image.read(src, 1) != b"\xe8":
                     return arch.Refusal("indirect_jump", src, f"{func.name} jumps through a retpoline thunk "
                                         "(an indirect jump)")
         return None
@@ -123,3 +133,10 @@ def _symbol_at(image, addr: int) -> str:
     if f is None:
         return f"{addr:#x}"
     return f.name if f.start == addr else f"{f.name}+{addr - f.start:#x}"
+
+
+def plan_layout(image):
+    """Where new code goes in a kernel image: not written yet (check, list and blacklist work)."""
+    from ...errors import KprewriteError
+    raise KprewriteError(f"{image.path}: writing probes into a kernel image is not supported yet "
+                         "(kprewrite check and blacklist read it)")

@@ -1,0 +1,158 @@
+"""`check` and `blacklist` on Debian's own stripped vmlinux: symbols from its kallsyms, the
+kernel's registration rules, the sites it patches at boot, ftrace-site probes.  The probes are
+chosen from the image's own tables, so the test holds for another build of the kernel."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import capstone
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from rewriter.image import Image  # noqa: E402
+from rewriter.targets import linux_kernel  # noqa: E402
+from rewriter.targets.linux_kernel import sites as ks  # noqa: E402
+
+pytestmark = pytest.mark.kernel
+
+_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+
+
+def kprewrite(*args, check=True) -> subprocess.CompletedProcess:
+    """This tree's CLI."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "rewriter", *map(str, args)], capture_output=True, text=True, env=env)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def write_spec(tmp: Path, text: str) -> Path:
+    p = tmp / "probes.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.fixture(scope="module")
+def kimage(debian_kernel):
+    image = Image(str(debian_kernel.vmlinux))
+    linux_kernel.load_symbols(image)
+    return image
+
+
+def _boundaries(image, f):
+    return [a for a, *_ in _cs.disasm_lite(image.read(f.start, f.end - f.start), f.start)]
+
+
+def _examples(image):
+    """(symbol, offset, expected words in the check line) for each kernel-only rule."""
+    k = linux_kernel._kernel(image)
+    reserved = ks.kernel_sites(image.data, None, image.path, image=k)
+    mcount = {m.site for m in ks.mcount_locs(k)}
+    out = {}
+    by_table = {}
+    for r in reserved:
+        by_table.setdefault(r.table, []).append(r)
+    # A region overlapping a .return_sites entry: the instruction 1-4 bytes before it, in a
+    # function whose entry is an ftrace site (so the function is ordinary text).
+    for r in by_table[".return_sites"]:
+        f = image.function_at(r.start)
+        if f is None or f.start not in mcount or f.end - f.start > 4096:
+            continue
+        before = [a for a in _boundaries(image, f) if r.start - 4 <= a < r.start and a >= f.start + 5]
+        if before:
+            out["return_site"] = (f.name, before[0] - f.start, ["refused", ".return_sites at", "patched at boot"])
+            break
+    # An alternatives site itself: refused at registration (alternatives_text_reserved).
+    for r in by_table[".altinstructions"]:
+        f = image.function_at(r.start)
+        if f is not None and f.start in mcount and r.start > f.start + 5 and r.start in _boundaries(image, f):
+            out["alternatives"] = (f.name, r.start - f.start, ["refused", "alternatives site"])
+            break
+    # A function with an exception-table entry: no jump optimization anywhere in it.
+    ex = sorted(e.insn for e in ks.ex_table(k))
+    for insn in ex:
+        f = image.function_at(insn)
+        if f is None or f.start not in mcount:
+            continue
+        b = _boundaries(image, f)
+        cands = [a for a in b if a >= f.start + 5 and not any(r.start < a + 5 and a < r.end for r in reserved
+                                                               if f.start <= r.start < f.end)]
+        if cands:
+            out["ex_table"] = (f.name, cands[0] - f.start, ["refused", "__ex_table at"])
+            break
+    return out
+
+
+def test_check_kernel_rules(tmp_path, debian_kernel, kimage):
+    ex = _examples(kimage)
+    assert set(ex) == {"return_site", "alternatives", "ex_table"}, ex
+    probes = [("do_sys_openat2", 0, ["ftrace"]), ("kernel_clone", 0, ["ftrace"]), ("vfs_read", 0, ["ftrace"]),
+              ("do_sys_openat2", 5, ["optimized"]),
+              ("kprobe_int3_handler", 0, ["refused", "NOKPROBE_SYMBOL"]),
+              ("do_syscall_64", 0, ["refused", ".noinstr.text"]),
+              *ex.values()]
+    spec = write_spec(tmp_path, "".join(f'[[kprobe]]\nsymbol_name = "{s}"\noffset = {o:#x}\n' for s, o, _ in probes)
+                      + '[[kretprobe]]\nsymbol_name = "kernel_clone"\n')
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, check=False)
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(probes) + 1, r.stdout + r.stderr
+    for (sym, off, words), line in zip(probes, lines):
+        assert line.startswith(f"{sym}+{off:#x}  k  "), (line, sym, off)
+        for w in words:
+            assert w in line, (line, words)
+    assert lines[-1].startswith("kernel_clone+0x0  r  refused")
+    # Every refused probe is named on standard error, one line each, and check fails.
+    refused = sum("refused" in w for _, _, w in probes) + 1
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == refused, r.stderr
+
+
+def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_kernel, kimage):
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n'
+                                '[[kprobe]]\nsymbol_name = "kprobe_int3_handler"\n')
+    out = tmp_path / "vmlinux.kp"
+    r = kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out, check=False)
+    assert r.returncode == 1 and not out.exists()
+    assert r.stderr.splitlines() == [
+        "kprewrite: probes.toml: [[kprobe]] #2 (kprobe_int3_handler+0x0): "
+        f"{kimage.symbols['kprobe_int3_handler'][0]:#x} is blacklisted: NOKPROBE_SYMBOL (kprobe_int3_handler)"]
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
+    r = kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out, check=False)
+    assert r.returncode == 1 and not out.exists() and len(r.stderr.splitlines()) == 1
+    assert "not supported yet" in r.stderr
+
+
+def test_blacklist_lists_every_table(debian_kernel):
+    r = kprewrite("blacklist", debian_kernel.vmlinux)
+    lines = r.stdout.splitlines()
+    reasons = {}
+    for l in lines:
+        start_end, sym, reason = l.split("  ", 2)
+        lo, hi = (int(x, 16) for x in start_end.split("-"))
+        assert lo < hi
+        reasons.setdefault(reason, []).append(sym)
+    assert "kprobe_int3_handler" in reasons["NOKPROBE_SYMBOL"]
+    assert "do_syscall_64" in reasons["in .noinstr.text (noinstr)"]
+    for table in (".altinstructions", ".parainstructions", ".retpoline_sites", ".return_sites", ".smp_locks",
+                  "__jump_table", ".static_call_sites", "__mcount_loc", "__ex_table", "__bug_table"):
+        assert reasons.get(f"boot-patched site ({table})"), table
+    for why in ("alternatives site (alternatives_text_reserved)", "jump label site (jump_label_text_reserved)",
+                "static call site (static_call_text_reserved)", "BUG/WARN site (find_bug)", "inside an ftrace site"):
+        assert reasons.get(why), why
+
+
+def test_system_map_stub_is_refused(tmp_path, debian_kernel, kimage):
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, "--system-map", debian_kernel.system_map, check=False)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "stub System.map" in r.stderr
+    # A System.map in the kernel's format (here: from /proc/kallsyms's view of the image) is used.
+    sm = tmp_path / "System.map"
+    sm.write_text("".join(f"{s.addr:016x} {s.type} {s.name}\n" for s in kimage.kernel_symbols))
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, "--system-map", sm)
+    assert r.stdout == "do_sys_openat2+0x0  k  ftrace\n"
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, "--system-map", tmp_path / "missing.map", check=False)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "missing.map" in r.stderr
