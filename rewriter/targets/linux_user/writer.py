@@ -14,11 +14,11 @@ import struct
 from dataclasses import dataclass
 
 from ...errors import KprewriteError
+from ...elfwrite import NewSection, append_section_headers  # noqa: F401  (NewSection: the target's API)
 from ...image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
 
 PAGE = 0x1000
 PHDR_SIZE = 56
-SHDR_SIZE = 64
 NEW_PHDRS = 2
 
 
@@ -47,17 +47,6 @@ def plan_layout(image: Image) -> Layout:
     v = page_up(max(max_end, len(image.data) + skew)) + PAGE
     nph = len(image.segments) + NEW_PHDRS
     return Layout(skew, v, v - skew, nph * PHDR_SIZE)
-
-
-@dataclass
-class NewSection:
-    name: str
-    type: int
-    flags: int
-    addr: int
-    data: bytes
-    size: int = -1      # for NOBITS
-    align: int = 16
 
 
 def write_image(image: Image, layout: Layout, patches: list[tuple[int, bytes]], rx: bytes,
@@ -100,49 +89,14 @@ def write_image(image: Image, layout: Layout, patches: list[tuple[int, bytes]], 
     out += b"\0" * (rx_off - len(out)) + rx
     out += b"\0" * (rw_off - len(out)) + rw
     # Section headers: the old ones plus ours, and a new .shstrtab at the end.
-    e_shoff = int.from_bytes(image.data[40:48], "little")
-    e_shnum = int.from_bytes(image.data[60:62], "little")
-    e_shstrndx = int.from_bytes(image.data[62:64], "little")
-    shdrs = [bytearray(image.data[e_shoff + i * SHDR_SIZE:e_shoff + (i + 1) * SHDR_SIZE]) for i in range(e_shnum)] if e_shoff else []
-    if shdrs and e_shstrndx < len(shdrs):
-        sh = shdrs[e_shstrndx]
-        off, size = struct.unpack_from("<QQ", sh, 24)
-        strtab = bytearray(image.data[off:off + size])
-    else:
-        shdrs = [bytearray(SHDR_SIZE)]
-        strtab = bytearray(b"\0")
-        e_shstrndx = None
-    for s in sections:
-        name_off = len(strtab)
-        strtab += s.name.encode() + b"\0"
-        if s.flags & 2:      # SHF_ALLOC: lies in a segment already written
-            off = (rx_off + s.addr - layout.rx_vaddr) if s.addr < rw_vaddr else (rw_off + s.addr - rw_vaddr)
-        else:
-            while len(out) % s.align:
-                out += b"\0"
-            off = len(out)
-            out += s.data
-        size = s.size if s.size >= 0 else len(s.data)
-        shdrs.append(bytearray(struct.pack("<IIQQQQIIQQ", name_off, s.type, s.flags, s.addr, off, size, 0, 0, s.align, 0)))
-    shstr_name = None
-    if e_shstrndx is None:
-        shstr_name = len(strtab)
-        strtab += b".shstrtab\0"
-        e_shstrndx = len(shdrs)
-        shdrs.append(bytearray(struct.pack("<IIQQQQIIQQ", shstr_name, 3, 0, 0, 0, 0, 0, 0, 1, 0)))
-    str_off = len(out)
-    out += strtab
-    struct.pack_into("<QQ", shdrs[e_shstrndx], 24, str_off, len(strtab))
-    while len(out) % 8:
-        out += b"\0"
-    shoff = len(out)
-    for sh in shdrs:
-        out += sh
+    shoff, shnum, e_shstrndx = append_section_headers(
+        out, image, sections,
+        lambda s: (rx_off + s.addr - layout.rx_vaddr) if s.addr < rw_vaddr else (rw_off + s.addr - rw_vaddr))
     # ELF header.
     struct.pack_into("<Q", out, 32, rx_off)                 # e_phoff
     struct.pack_into("<H", out, 56, len(phdrs))             # e_phnum
     struct.pack_into("<Q", out, 40, shoff)                  # e_shoff
-    struct.pack_into("<H", out, 60, len(shdrs))             # e_shnum
+    struct.pack_into("<H", out, 60, shnum)                  # e_shnum
     struct.pack_into("<H", out, 62, e_shstrndx)             # e_shstrndx
     if entry is not None:
         struct.pack_into("<Q", out, 24, entry)
