@@ -187,7 +187,7 @@ def compile_table(cc: str, workdir: Path, table_c: str) -> Path:
 
 
 def _includes() -> list[str]:
-    return [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}", f"-I{RUNTIME_DIR / 'platform' / PLATFORM}"]
+    return [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}", f"-I{RUNTIME_DIR / 'arch' / 'x86_64'}", f"-I{RUNTIME_DIR / 'platform' / PLATFORM}"]
 
 
 def executable_sections(obj: Path) -> list[bytes]:
