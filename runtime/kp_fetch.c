@@ -11,12 +11,6 @@
 
 #define KP_STRING_MAX 256	/* bytes of a string argument (the kernel: MAX_STRING_SIZE) */
 
-/* probe_mem_read(): 0, or non-zero if any byte of [addr, addr + len) cannot be read. */
-int kp_mem_read(void *dst, unsigned long addr, unsigned long len, int tid)
-{
-	return kp_platform_copy_nofault(dst, addr, len, tid);
-}
-
 /* --- printing into one line --------------------------------------------------------------- */
 
 void kp_line_putc(struct kp_line *l, char ch)
@@ -103,7 +97,7 @@ static void kp_print_string(struct kp_line *l, unsigned long addr, int tid)
 		unsigned long chunk = 4096 - ((addr + n) & 4095);	/* never across a page we did not ask for */
 		if (chunk > sizeof(buf) - n)
 			chunk = sizeof(buf) - n;
-		if (kp_mem_read(buf + n, addr + n, chunk, tid)) {
+		if (kp_platform_copy_nofault(buf + n, addr + n, chunk, tid)) {
 			kp_line_puts(l, "(fault)");
 			return;
 		}
@@ -168,7 +162,7 @@ static void kp_print_value(struct kp_line *l, const struct kp_probe_arg *a, unsi
 static unsigned long kp_stack_nth(struct kp_fetch_ctx *c, unsigned long n, int *fault)
 {
 	unsigned long v = 0;
-	*fault = kp_mem_read(&v, c->regs->sp + 8 * n, 8, c->tid) != 0;
+	*fault = kp_platform_copy_nofault(&v, c->regs->sp + 8 * n, 8, c->tid) != 0;
 	return v;
 }
 
@@ -220,7 +214,7 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 	code++;
 	while (code->op == KP_FETCH_DEREF || code->op == KP_FETCH_UDEREF) {
 		lval = val;
-		if (kp_mem_read(&val, val + code->imm, 8, c->tid))
+		if (kp_platform_copy_nofault(&val, val + code->imm, 8, c->tid))
 			goto fault;
 		code++;
 	}
@@ -237,11 +231,11 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 			break;
 		case KP_FETCH_ST_MEM:
 		case KP_FETCH_ST_UMEM:
-			fault = kp_mem_read(&v, val + op->imm, op->size, c->tid) != 0;
+			fault = kp_platform_copy_nofault(&v, val + op->imm, op->size, c->tid) != 0;
 			break;
 		case KP_FETCH_ST_STRING:
 		case KP_FETCH_ST_USTRING:
-			if (i && kp_mem_read(&val, lval + 8 * i + st[-1].imm, 8, c->tid))
+			if (i && kp_platform_copy_nofault(&val, lval + 8 * i + st[-1].imm, 8, c->tid))
 				kp_line_puts(l, "(fault)");
 			else
 				kp_print_string(l, val + op->imm, c->tid);

@@ -56,7 +56,7 @@ extern struct kp_runtime kp_rt;
 
 /* Armed, and the thread pointer can be read: the probe path's one test (read
  * directly by kprewrite's clean-call template, as are the table below,
- * struct kp_thread and struct kprobe; kp_table.c asserts their layout). */
+ * struct kp_thread and struct kprobe, whose layout it takes from kp_asm_offsets.c). */
 extern volatile int kp_fast;
 
 /* Thread blocks by thread pointer, open-addressed; empty slots point at a block

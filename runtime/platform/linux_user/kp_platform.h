@@ -93,17 +93,18 @@ static inline void kp_platform_trace_clock(struct kp_timespec *ts)
  * memory is never read directly: process_vm_readv(2) on our own thread fails
  * with EFAULT instead of faulting.  Where that system call does not exist
  * (qemu-user), the bytes go through a pipe: write(2) also reports EFAULT for
- * an unreadable buffer.  Inline for its one caller, the fetch engine
- * (kp_fetch.c's kp_mem_read()), which also owns the pipe's state below.
+ * an unreadable buffer.  Defined here for its one caller, the fetch engine
+ * (kp_fetch.c), whose object holds the function and the pipe's state; static
+ * and not inline, so it stays one call, as the kernel's is.
  */
 #define KP_EFAULT 14
 
 struct kp_iovec { void *base; unsigned long len; };
 
-static int kp_mem_use_pipe;
-static int kp_mem_pipe[2] = { -1, -1 };
-static long kp_mem_pipe_pid;		/* the process that made the pipe: a forked child makes its own */
-static int kp_mem_lock;
+static int kp_mem_use_pipe __attribute__((unused));
+static int kp_mem_pipe[2] __attribute__((unused)) = { -1, -1 };
+static long kp_mem_pipe_pid __attribute__((unused));	/* the process that made the pipe: a forked child makes its own */
+static int kp_mem_lock __attribute__((unused));
 
 static inline int kp_mem_read_pipe(void *dst, unsigned long addr, unsigned long len)
 {
@@ -146,7 +147,7 @@ static inline int kp_mem_read_pipe(void *dst, unsigned long addr, unsigned long 
 
 /* 0, or -EFAULT if any byte of [addr, addr + len) cannot be read; tid is
  * kp_platform_task_pid()'s, which the caller has at hand. */
-static inline __attribute__((always_inline)) int
+static __attribute__((unused)) int
 kp_platform_copy_nofault(void *dst, unsigned long addr, unsigned long len, int tid)
 {
 	if (!len)
