@@ -3,4 +3,3 @@ from . import emit, handler_abi, kprobe_xol, optprobe, retprobe
 from .decode import decode_function
 
 name = "x86_64"
-runtime_arch_dir = "arch/x86_64"
