@@ -8,6 +8,7 @@ addresses; the runtime adds the load bias to them at start-up (PIE, shared).
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import os
@@ -255,6 +256,8 @@ def _runtime_build(cc: str, arch=None, platform: str = PLATFORM, workdir: Path |
             tmp = None
         if tmp is None:
             out = Path(tempfile.mkdtemp(prefix="kp-runtime-", dir=workdir))
+            if workdir is None:
+                atexit.register(shutil.rmtree, out, ignore_errors=True)
             _build_runtime(cc, arch, platform, out)
             _BUILT[key] = out
             return out

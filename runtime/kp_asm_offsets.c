@@ -12,7 +12,6 @@ void kp_asm_offsets(void)
 	DEFINE(KPROBE_SIZE, sizeof(struct kprobe));
 	OFFSET(KPROBE_FLAGS, kprobe, flags);
 	DEFINE(KRETPROBE_SIZE, sizeof(struct kretprobe));
-	OFFSET(KRETPROBE_KP, kretprobe, kp);
 
 	OFFSET(THREAD_ACTIVE, kp_thread, active);
 	OFFSET(THREAD_HITS, kp_thread, hits);

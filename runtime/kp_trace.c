@@ -6,11 +6,11 @@
  *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (SYM+off/size) name=value ...
  *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (CALLER+off/size <- FUNC) name=value ...
  *
- * The line is built in a buffer on the stack and written with one write(2),
- * so lines of concurrent threads never interleave.  COMM, PID (the thread
- * id), CPU and the time stamp are the platform's (kp_platform.h).  Output goes
- * to standard error, or to the file named by KPREWRITE_TRACE (opened for
- * appending at start-up; "-" is standard error).
+ * The line is built in a buffer on the stack and written in one piece
+ * (kp_platform_write()), so lines of concurrent threads never interleave.
+ * COMM, PID (the thread id), CPU and the time stamp are the platform's
+ * (kp_platform.h).  Output goes to standard error, or to the file named by
+ * KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error).
  */
 #include "kp_trace.h"
 
