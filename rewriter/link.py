@@ -171,7 +171,10 @@ def _compiler_identity(cc: str) -> tuple[str, str]:
 
 def default_arch(cc: str | None = None) -> str:
     """The arch the compiler builds for (x86_64-linux-gnu -> x86_64): its runtime folder."""
-    return _compiler_identity(cc or compiler())[1].split("-")[0] or "x86_64"
+    target = _compiler_identity(cc or compiler())[1]
+    if not target:
+        raise KprewriteError(f"{cc or compiler()} -v names no target: cannot tell which runtime/arch/ folder to build")
+    return target.split("-")[0]
 
 
 def _includes(arch=None, platform: str = PLATFORM) -> list[str]:
@@ -238,11 +241,11 @@ def _build_runtime(cc: str, arch: str, platform: str, out: Path) -> None:
 _BUILT: dict[str, Path] = {}
 
 
-def _runtime_build(cc: str, arch=None, platform: str = PLATFORM, workdir: Path | None = None) -> Path:
+def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
     """The folder holding the compiled runtime for (sources, compiler, flags,
-    arch, platform): from the cache, built into it once (in a temporary folder
+    arch, platform): the cache's entry, built once (in a temporary folder
     renamed into place, so concurrent processes never see half an entry); or,
-    if the cache cannot be written, built in workdir (a temporary folder if none)."""
+    if the cache cannot be written, a temporary folder built once for this process."""
     arch = getattr(arch, "name", arch) or default_arch(cc)
     key = _runtime_key(cc, arch, platform)
     if key in _BUILT:
@@ -253,14 +256,11 @@ def _runtime_build(cc: str, arch=None, platform: str = PLATFORM, workdir: Path |
             entry.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         except OSError:
-            tmp = None
-        if tmp is None:
-            out = Path(tempfile.mkdtemp(prefix="kp-runtime-", dir=workdir))
-            if workdir is None:
-                atexit.register(shutil.rmtree, out, ignore_errors=True)
-            _build_runtime(cc, arch, platform, out)
-            _BUILT[key] = out
-            return out
+            entry = Path(tempfile.mkdtemp(prefix="kprewrite-runtime-"))
+            atexit.register(shutil.rmtree, entry, ignore_errors=True)
+            _build_runtime(cc, arch, platform, entry)
+            _BUILT[key] = entry
+            return entry
         try:
             _build_runtime(cc, arch, platform, tmp)
             os.rename(tmp, entry)
@@ -282,10 +282,11 @@ def asm_offsets(arch=None, platform: str = PLATFORM) -> dict[str, int]:
     return {name: int(value) for name, value in re.findall(r"^#define (\w+) (-?\d+)$", header.read_text(), re.M)}
 
 
-def compile_runtime(cc: str, workdir: Path, arch=None, platform: str = PLATFORM) -> list[Path]:
+def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: str = PLATFORM) -> list[Path]:
     """The runtime's objects in link order, compiled once per (sources,
-    compiler, flags, arch, platform) and cached."""
-    out = _runtime_build(cc, arch, platform, workdir)
+    compiler, flags, arch, platform) and cached (_runtime_build(); workdir is
+    not needed)."""
+    out = _runtime_build(cc, arch, platform)
     c_srcs, asm_srcs, _ = _runtime_files(getattr(arch, "name", arch) or default_arch(cc), platform)
     return [out / ("rt_" + src.replace("/", "_") + ".o") for src in c_srcs] + \
         [out / ("rt_" + Path(src).name + ".o") for src in asm_srcs]
