@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from . import link
+
 # Kernel limits (trace_probe.h).
 MAX_TRACE_ARGS = 128
 MAX_ARG_NAME_LEN = 32
@@ -76,7 +78,8 @@ class FetchError(Exception):
 
 PT_REGS = ["r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10", "r9", "r8", "ax", "cx", "dx",
            "si", "di", "orig_ax", "ip", "cs", "flags", "sp", "ss"]
-REG_OFFSET = {name: 8 * i for i, name in enumerate(PT_REGS)}
+# Offsets from the runtime's C header (arch/x86_64/kp_asm_offsets.c).
+REG_OFFSET = {name: link.asm_offsets()["PT_" + name.upper()] for name in PT_REGS}
 REGS_HINT = "x86-64 names: ax bx cx dx si di bp sp r8-r15 ip flags cs ss orig_ax"
 
 # --- fetch types: probe_fetch_types[] ----------------------------------------------------------

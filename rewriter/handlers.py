@@ -15,15 +15,18 @@ def names(spec) -> set[str]:
             | {n for k in spec.kretprobes for n in (k.handler, k.entry_handler) if n})
 
 
-def resolve(spec, arch) -> tuple[dict[str, str], dict, list[str]]:
+def resolve(spec, arch, runtime_handlers=frozenset()) -> tuple[dict[str, str], dict, list[str]]:
     """(handler name -> link symbol, C source -> names it exports, error lines).
+    runtime_handlers: names the runtime itself defines (a target's own probes).
     Every handler named must be defined in a handler file; detours save no
     SSE/AVX/x87 state, so handler code must not touch it: C sources are compiled
     with -mgeneral-regs-only, prebuilt objects are read."""
-    wanted = names(spec)
+    wanted = names(spec) - runtime_handlers
+    own = {n: n for n in names(spec) & runtime_handlers}
     if not wanted:
-        return {}, {}, []
+        return own, {}, []
     symbols, exports, missing = link.resolve_handlers(link.compiler(), spec.handlers, wanted)
+    symbols.update(own)
     lines = []
     for h in spec.handlers:
         if h.suffix == ".o":

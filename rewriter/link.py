@@ -8,10 +8,14 @@ addresses; the runtime adds the load bias to them at start-up (PIE, shared).
 """
 from __future__ import annotations
 
+import atexit
+import functools
+import hashlib
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,14 +31,19 @@ CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynch
           "-std=gnu11", "-w", "-fno-ident"]
 
 PLATFORM = "linux_user"
-RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", f"platform/{PLATFORM}/platform.c"]
+# In link order ({arch}: runtime/arch/<arch>/, {platform}: runtime/platform/<platform>/),
+# then the arch's .S files.  The order decides where each function lands: changing
+# it changes every output.
+RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c"]
 # INT3 fallback probes (issue 3).
-RUNTIME_SOURCES += ["kp_trap.c", "arch/x86_64/kp_int3.c", f"platform/{PLATFORM}/kp_signal.c",
-                    f"platform/{PLATFORM}/kp_sighook.c"]
+RUNTIME_SOURCES += ["kp_trap.c", "{arch}/kp_int3.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
 # kretprobes (issue 4).
-RUNTIME_SOURCES += ["kp_kretprobe.c", f"platform/{PLATFORM}/clock_cpus.c"]
+RUNTIME_SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
 # kprobe_events, fetch args, trace lines (issue 5).
-RUNTIME_SOURCES += ["kp_fetch.c", "kp_trace.c", f"platform/{PLATFORM}/profile_signal.c"]
+RUNTIME_SOURCES += ["kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
+# Compiled to assembly for their "->NAME value" lines, never linked (asm_offsets()).
+ASM_OFFSETS_SOURCES = ["kp_asm_offsets.c", "{arch}/kp_asm_offsets.c"]
+CACHE_FORMAT = "1"      # bump when what a cache entry holds changes
 
 LINKER_SCRIPT = """
 SECTIONS
@@ -145,18 +154,142 @@ def resolve_handlers(cc: str, handlers: list[Path], names: set[str]) -> tuple[di
     return link_sym, exports, missing
 
 
-def compile_runtime(cc: str, workdir: Path) -> list[Path]:
-    inc = _includes()
-    objs = []
-    for src in RUNTIME_SOURCES:
-        o = workdir / ("rt_" + src.replace("/", "_") + ".o")
+def _folders(arch, platform: str) -> dict[str, str]:
+    """The runtime folders of an arch (its rewriter module, or its name) and a platform."""
+    return {"arch": f"arch/{getattr(arch, 'name', arch)}", "platform": f"platform/{platform}"}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(cc: str) -> tuple[str, str]:
+    """(identity, target): the resolved driver and what `cc -v` says (version,
+    configuration, target), which the cache key includes."""
+    path = shutil.which(cc) or cc
+    r = subprocess.run([cc, "-v"], capture_output=True, text=True)
+    target = re.search(r"^Target:\s*(\S+)", r.stderr, re.M)
+    return f"{os.path.realpath(path)}\n{r.stderr}", target.group(1) if target else ""
+
+
+def default_arch(cc: str | None = None) -> str:
+    """The arch the compiler builds for (x86_64-linux-gnu -> x86_64): its runtime folder."""
+    target = _compiler_identity(cc or compiler())[1]
+    if not target:
+        raise KprewriteError(f"{cc or compiler()} -v names no target: cannot tell which runtime/arch/ folder to build")
+    return target.split("-")[0]
+
+
+def _includes(arch=None, platform: str = PLATFORM) -> list[str]:
+    """-I for the runtime and the code compiled against it: the handler API
+    (include/), the core, and the arch's and platform's folders, where
+    kp_arch.h and kp_platform.h are."""
+    d = _folders(arch or default_arch(), platform)
+    return [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}", f"-I{RUNTIME_DIR / d['arch']}",
+            f"-I{RUNTIME_DIR / d['platform']}"]
+
+
+def _runtime_files(arch, platform: str) -> tuple[list[str], list[str], list[str]]:
+    """(C sources in link order, the arch's .S files, the asm-offsets sources), relative to RUNTIME_DIR."""
+    d = _folders(arch, platform)
+    c = [src.format(**d) for src in RUNTIME_SOURCES]
+    asm = [f"{d['arch']}/{p.name}" for p in sorted((RUNTIME_DIR / d["arch"]).glob("*.S"))]
+    offsets = [src.format(**d) for src in ASM_OFFSETS_SOURCES if (RUNTIME_DIR / src.format(**d)).exists()]
+    return c, asm, offsets
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_key(cc: str, arch: str, platform: str) -> str:
+    """What the compiled runtime depends on: every file of the runtime tree
+    (sources and headers, by contents), the compiler, the flags, arch and platform."""
+    h = hashlib.sha256()
+    for part in (CACHE_FORMAT, arch, platform, *_compiler_identity(cc), *CFLAGS, *RUNTIME_SOURCES,
+                 *ASM_OFFSETS_SOURCES):
+        h.update(part.encode() + b"\0")
+    for f in sorted(p for p in RUNTIME_DIR.rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".S")):
+        h.update(str(f.relative_to(RUNTIME_DIR)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def cache_dir() -> Path:
+    """$KPREWRITE_CACHE, else $XDG_CACHE_HOME/kprewrite, else ~/.cache/kprewrite."""
+    if os.environ.get("KPREWRITE_CACHE"):
+        return Path(os.environ["KPREWRITE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kprewrite"
+
+
+def _build_runtime(cc: str, arch: str, platform: str, out: Path) -> None:
+    """Compile the runtime into `out`: asm-offsets.h and the objects."""
+    inc = _includes(arch, platform)
+    c_srcs, asm_srcs, offset_srcs = _runtime_files(arch, platform)
+    lines = []
+    for i, src in enumerate(offset_srcs):
+        s = out / f"asm_offsets{i}.s"
+        _run([cc, *CFLAGS, *inc, "-S", str(RUNTIME_DIR / src), "-o", str(s)], f"runtime {src}")
+        lines += re.findall(r'"->(\w+) [$#]?(-?\d+)"', s.read_text())
+        s.unlink()
+    (out / "include").mkdir()
+    (out / "include" / "kp_asm_offsets.h").write_text(
+        "/* Generated by rewriter/link.py from the runtime's kp_asm_offsets.c files. */\n"
+        "#ifndef _KP_ASM_OFFSETS_H\n#define _KP_ASM_OFFSETS_H\n"
+        + "".join(f"#define {name} {value}\n" for name, value in lines) + "#endif\n")
+    for src in c_srcs:
+        o = out / ("rt_" + src.replace("/", "_") + ".o")
         _run([cc, *CFLAGS, *inc, "-c", str(RUNTIME_DIR / src), "-o", str(o)], f"runtime {src}")
-        objs.append(o)
-    for src in sorted((RUNTIME_DIR / "arch").glob("x86_64/*.S")):
-        o = workdir / ("rt_" + src.name + ".o")
-        _run([cc, *inc, "-c", str(src), "-o", str(o)], f"runtime {src.name}")
-        objs.append(o)
-    return objs
+    for src in asm_srcs:
+        o = out / ("rt_" + Path(src).name + ".o")
+        _run([cc, *inc, f"-I{out / 'include'}", "-c", str(RUNTIME_DIR / src), "-o", str(o)], f"runtime {Path(src).name}")
+
+
+_BUILT: dict[str, Path] = {}
+
+
+def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
+    """The folder holding the compiled runtime for (sources, compiler, flags,
+    arch, platform): the cache's entry, built once (in a temporary folder
+    renamed into place, so concurrent processes never see half an entry); or,
+    if the cache cannot be written, a temporary folder built once for this process."""
+    arch = getattr(arch, "name", arch) or default_arch(cc)
+    key = _runtime_key(cc, arch, platform)
+    if key in _BUILT:
+        return _BUILT[key]
+    entry = cache_dir() / f"runtime-{arch}-{platform}-{key}"
+    if not entry.is_dir():
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+        except OSError:
+            entry = Path(tempfile.mkdtemp(prefix="kprewrite-runtime-"))
+            atexit.register(shutil.rmtree, entry, ignore_errors=True)
+            _build_runtime(cc, arch, platform, entry)
+            _BUILT[key] = entry
+            return entry
+        try:
+            _build_runtime(cc, arch, platform, tmp)
+            os.rename(tmp, entry)
+        except OSError:
+            if not entry.is_dir():      # not another process's entry: a failed rename
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _BUILT[key] = entry
+    return entry
+
+
+@functools.lru_cache(maxsize=None)
+def asm_offsets(arch=None, platform: str = PLATFORM) -> dict[str, int]:
+    """NAME -> value of the runtime's kp_asm_offsets.c files (struct layouts and
+    constants the emitted code uses), read from the compiled runtime's
+    kp_asm_offsets.h (the kernel's asm-offsets)."""
+    header = _runtime_build(compiler(), arch, platform) / "include" / "kp_asm_offsets.h"
+    return {name: int(value) for name, value in re.findall(r"^#define (\w+) (-?\d+)$", header.read_text(), re.M)}
+
+
+def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: str = PLATFORM) -> list[Path]:
+    """The runtime's objects in link order, compiled once per (sources,
+    compiler, flags, arch, platform) and cached (_runtime_build(); workdir is
+    not needed)."""
+    out = _runtime_build(cc, arch, platform)
+    c_srcs, asm_srcs, _ = _runtime_files(getattr(arch, "name", arch) or default_arch(cc), platform)
+    return [out / ("rt_" + src.replace("/", "_") + ".o") for src in c_srcs] + \
+        [out / ("rt_" + Path(src).name + ".o") for src in asm_srcs]
 
 
 def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]]) -> list[Path]:
@@ -184,10 +317,6 @@ def compile_table(cc: str, workdir: Path, table_c: str) -> Path:
     o = workdir / "kp_table.o"
     _run([cc, *CFLAGS, *_includes(), "-c", str(table), "-o", str(o)], "probe table")
     return o
-
-
-def _includes() -> list[str]:
-    return [f"-I{RUNTIME_DIR / 'include'}", f"-I{RUNTIME_DIR}", f"-I{RUNTIME_DIR / 'platform' / PLATFORM}"]
 
 
 def executable_sections(obj: Path) -> list[bytes]:

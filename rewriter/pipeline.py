@@ -31,6 +31,7 @@ class Session:
     analysis: Analysis
     probes: list[Probe]
     plan: planner.Plan
+    rules: object                      # rules.Rules: the target's answer
     traces: dict                       # events.trace_key -> events.TraceEvent
     handler_symbols: dict              # handler name -> link symbol
     handler_exports: dict              # C source -> handler names it exports
@@ -46,6 +47,8 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     arch = get_arch(image.machine)
     target = targets.for_image(image)
     target.load_symbols(image, system_map)
+    if strict:
+        target.runtime_probes(spec)     # probes the runtime itself needs (a kernel's boot hooks)
     rules = target.rules(image, arch)
     probes, res_errors = resolve(image, spec, arch)
     errors += res_errors
@@ -58,11 +61,11 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     errors += trace_errors
     symbols, exports = {}, {}
     if strict:
-        symbols, exports, handler_errors = handlers.resolve(spec, arch)
+        symbols, exports, handler_errors = handlers.resolve(spec, arch, target.RUNTIME_HANDLERS)
         errors += handler_errors
     if errors:
         raise KprewriteError(*errors)
-    return Session(image, spec, arch, target, analysis, probes, plan, traces, symbols, exports)
+    return Session(image, spec, arch, target, analysis, probes, plan, rules, traces, symbols, exports)
 
 
 def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False,
@@ -74,14 +77,14 @@ def build(s: Session, workdir: Path) -> bytes:
     """The output image's bytes."""
     s.target.plan_layout(s.image)        # a target that cannot write yet says so before compiling
     objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir)
-    planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces))
+    planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces))
     lay = layout.place(c, s.target)
     cc = link.compiler()
     table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces))
     blob = link.link(workdir, link.compile_runtime(cc, workdir) + objs + [table], lay.text_addr)
     rx, patches = emission.emit(c, lay, blob.symbols)
-    return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label))
+    return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)
 
 
 def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,

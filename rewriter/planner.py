@@ -384,7 +384,7 @@ class HandlerCode:
 NO_HANDLER = HandlerCode(False, set())
 
 
-def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set) -> None:
+def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, fast_forms: bool = True) -> None:
     """How each site and each function's returns are emitted.
 
     Sites: a clean call where no handler can read its pt_regs argument; the
@@ -400,11 +400,14 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     generated handlers read regs."""
     from .events import trace_key
     for site in plan.sites:
-        _site_form(site, image, arch, code, traced, trace_key)
+        if fast_forms:
+            _site_form(site, image, arch, code, traced, trace_key)
+        else:       # every detour builds pt_regs and calls the runtime (optimized_callback())
+            site.clean, site.template, site.clobbers = False, False, None
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
-        if len(g.probes) != 1 or g.mode != OPTIMIZED:
+        if len(g.probes) != 1 or g.mode != OPTIMIZED or not fast_forms:
             continue
         p = g.probes[0]
         if trace_key(p) in traced:           # the generated trace handler (it calls the user's)

@@ -10,7 +10,8 @@ answer (targets/*), used by the planner.
 - function_refusal: what refuses a whole function (a kernel function with an
   exception-table entry: can_optimize()'s search_exception_tables());
 - ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
-- int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet.
+- int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
+- fast_forms: whether the runtime has the clean-call and inlined-template fast paths.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Rules:
     function_refusal: Callable | None = None            # (analysis, func) -> arch Refusal | None
     int3: bool = True
     kretprobes: bool = True
+    fast_forms: bool = True          # clean calls and inlined templates (else every detour builds pt_regs)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
 
     def region_refusal(self, arch, analysis, func, lo: int, hi: int):

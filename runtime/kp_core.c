@@ -41,7 +41,7 @@ void kp_relocate(void)
 	if (!__atomic_compare_exchange_n(&kp_rt.state, &expected, 1, 0,
 					 __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE)) {
 		while (__atomic_load_n(&kp_rt.state, __ATOMIC_ACQUIRE) != 2)
-			__builtin_ia32_pause();
+			cpu_relax();
 		return;
 	}
 	unsigned long bias = (unsigned long)&kp_link_anchor - kp_link_anchor_addr;

@@ -3,84 +3,13 @@
  * (process_fetch_insn() of kernel/trace/trace_kprobe.c and
  * trace_probe_tmpl.h) and prints each value with its type's print function.
  *
- * Memory is never read directly: a bad pointer must print "(fault)" and never
- * crash the probed program, like the kernel's copy_from_kernel_nofault().
- * kp_mem_read() asks the kernel to copy with process_vm_readv(2) on our own
- * thread, which fails with EFAULT instead of faulting.  Where that system
- * call does not exist (qemu-user), it writes the bytes into a pipe and reads
- * them back: write(2) also reports EFAULT for an unreadable buffer.
+ * Memory is read through the platform's fault-reporting copy
+ * (kp_platform_copy_nofault(), the kernel's copy_from_kernel_nofault()): a bad
+ * pointer prints "(fault)" and never crashes the probed program.
  */
 #include "kp_trace.h"
-#include "arch/x86_64/syscall.h"
 
-#define KP_EFAULT 14
 #define KP_STRING_MAX 256	/* bytes of a string argument (the kernel: MAX_STRING_SIZE) */
-
-struct kp_iovec { void *base; unsigned long len; };
-
-
-static int kp_mem_use_pipe;
-static int kp_mem_pipe[2] = { -1, -1 };
-static long kp_mem_pipe_pid;		/* the process that made the pipe: a forked child makes its own */
-static int kp_mem_lock;
-
-static int kp_mem_read_pipe(void *dst, unsigned long addr, unsigned long len)
-{
-	int ret = 0;
-	while (__atomic_exchange_n(&kp_mem_lock, 1, __ATOMIC_ACQUIRE))
-		__builtin_ia32_pause();
-	long pid = kp_syscall3(__NR_getpid, 0, 0, 0);
-	if (kp_mem_pipe[0] >= 0 && pid != kp_mem_pipe_pid) {
-		kp_platform_close(kp_mem_pipe[0]);
-		kp_platform_close(kp_mem_pipe[1]);
-		kp_mem_pipe[0] = kp_mem_pipe[1] = -1;
-	}
-	if (kp_mem_pipe[0] < 0) {
-		if (kp_syscall3(__NR_pipe2, kp_mem_pipe, 02000000 | 04000 /* O_CLOEXEC|O_NONBLOCK */, 0) < 0)
-			ret = -KP_EFAULT;
-		kp_mem_pipe_pid = pid;
-	}
-	while (!ret && len) {
-		unsigned long chunk = len > 4096 ? 4096 : len;
-		long n = kp_syscall3(__NR_write, kp_mem_pipe[1], addr, chunk);
-		if (n <= 0) {
-			ret = -KP_EFAULT;
-			break;
-		}
-		for (long got = 0; got < n;) {
-			long r = kp_syscall3(__NR_read, kp_mem_pipe[0], (char *)dst + got, n - got);
-			if (r <= 0)
-				break;
-			got += r;
-		}
-		if ((unsigned long)n < chunk)
-			ret = -KP_EFAULT;
-		dst = (char *)dst + n;
-		addr += n;
-		len -= n;
-	}
-	__atomic_store_n(&kp_mem_lock, 0, __ATOMIC_RELEASE);
-	return ret;
-}
-
-/* 0, or -EFAULT if any byte of [addr, addr + len) cannot be read. */
-int kp_mem_read(void *dst, unsigned long addr, unsigned long len, int tid)
-{
-	if (!len)
-		return 0;
-	if (addr + len < addr || addr < 4096)
-		return -KP_EFAULT;
-	if (!kp_mem_use_pipe) {
-		struct kp_iovec local = { dst, len }, remote = { (void *)addr, len };
-		long n = kp_syscall6(__NR_process_vm_readv, tid, (long)&local, 1, (long)&remote, 1, 0);
-		if (n >= 0)
-			return (unsigned long)n == len ? 0 : -KP_EFAULT;
-		if (n == -KP_EFAULT)
-			return -KP_EFAULT;
-		kp_mem_use_pipe = 1;	/* ENOSYS (qemu-user), EPERM (seccomp)... */
-	}
-	return kp_mem_read_pipe(dst, addr, len);
-}
 
 /* --- printing into one line --------------------------------------------------------------- */
 
@@ -168,7 +97,7 @@ static void kp_print_string(struct kp_line *l, unsigned long addr, int tid)
 		unsigned long chunk = 4096 - ((addr + n) & 4095);	/* never across a page we did not ask for */
 		if (chunk > sizeof(buf) - n)
 			chunk = sizeof(buf) - n;
-		if (kp_mem_read(buf + n, addr + n, chunk, tid)) {
+		if (kp_platform_copy_nofault(buf + n, addr + n, chunk, tid)) {
 			kp_line_puts(l, "(fault)");
 			return;
 		}
@@ -233,7 +162,7 @@ static void kp_print_value(struct kp_line *l, const struct kp_probe_arg *a, unsi
 static unsigned long kp_stack_nth(struct kp_fetch_ctx *c, unsigned long n, int *fault)
 {
 	unsigned long v = 0;
-	*fault = kp_mem_read(&v, c->regs->sp + 8 * n, 8, c->tid) != 0;
+	*fault = kp_platform_copy_nofault(&v, c->regs->sp + 8 * n, 8, c->tid) != 0;
 	return v;
 }
 
@@ -285,7 +214,7 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 	code++;
 	while (code->op == KP_FETCH_DEREF || code->op == KP_FETCH_UDEREF) {
 		lval = val;
-		if (kp_mem_read(&val, val + code->imm, 8, c->tid))
+		if (kp_platform_copy_nofault(&val, val + code->imm, 8, c->tid))
 			goto fault;
 		code++;
 	}
@@ -302,11 +231,11 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 			break;
 		case KP_FETCH_ST_MEM:
 		case KP_FETCH_ST_UMEM:
-			fault = kp_mem_read(&v, val + op->imm, op->size, c->tid) != 0;
+			fault = kp_platform_copy_nofault(&v, val + op->imm, op->size, c->tid) != 0;
 			break;
 		case KP_FETCH_ST_STRING:
 		case KP_FETCH_ST_USTRING:
-			if (i && kp_mem_read(&val, lval + 8 * i + st[-1].imm, 8, c->tid))
+			if (i && kp_platform_copy_nofault(&val, lval + 8 * i + st[-1].imm, 8, c->tid))
 				kp_line_puts(l, "(fault)");
 			else
 				kp_print_string(l, val + op->imm, c->tid);

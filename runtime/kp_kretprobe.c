@@ -390,8 +390,7 @@ static unsigned long kp_real_ret_elsewhere(unsigned long S)
 static void kp_kret_fatal(const char *msg)
 {
 	kp_platform_write(2, msg, strlen(msg));
-	for (;;)
-		__asm__ volatile("ud2");
+	BUG();
 }
 
 /*

@@ -6,37 +6,17 @@
  *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (SYM+off/size) name=value ...
  *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (CALLER+off/size <- FUNC) name=value ...
  *
- * The line is built in a buffer on the stack and written with one write(2),
- * so lines of concurrent threads never interleave.  COMM is the thread's
- * name (prctl PR_GET_NAME), PID the thread id, CPU as vgetcpu reads it
- * (getcpu(2) under QEMU), the time
- * from CLOCK_MONOTONIC.  Output goes to standard error, or to the file named
- * by KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error).
+ * The line is built in a buffer on the stack and written in one piece
+ * (kp_platform_write()), so lines of concurrent threads never interleave.
+ * COMM, PID (the thread id), CPU and the time stamp are the platform's
+ * (kp_platform.h).  Output goes to standard error, or to the file named by
+ * KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error).
  */
 #include "kp_trace.h"
-#include "arch/x86_64/syscall.h"
 
-#define PR_GET_NAME 16
-#define CLOCK_MONOTONIC 1
 #define KP_TRACE_LINE 2048
 
 static int kp_trace_fd = 2;
-
-/*
- * The CPU we run on, as the vDSO's vgetcpu reads it: the limit of the per-CPU
- * GDT segment Linux sets up (selector 0x7b, cpu | node << 12).  Where that
- * segment does not exist (QEMU's user-mode GDT), LSL clears ZF: getcpu(2).
- */
-static unsigned int kp_trace_cpu(void)
-{
-	unsigned int limit = 0, cpu = 0;
-	unsigned char ok;
-	__asm__ volatile("lsl %2, %0; setz %1" : "=r"(limit), "=qm"(ok) : "r"(0x7bU) : "cc");
-	if (ok)
-		return limit & 0xfff;
-	kp_syscall3(__NR_getcpu, &cpu, 0, 0);
-	return cpu;
-}
 
 static const char *kp_trace_getenv(char **envp, const char *name)
 {
@@ -46,8 +26,6 @@ static const char *kp_trace_getenv(char **envp, const char *name)
 			return *envp + n + 1;
 	return 0;
 }
-
-void kp_profile_signal_configure(const char *value);
 
 /* Start-up: where trace lines go; kprobe_profile on a signal. */
 void kp_trace_configure(char **envp)
@@ -69,15 +47,15 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 			 unsigned long ret_addr)
 {
 	char buf[KP_TRACE_LINE];
-	char comm[17] = { 0 };
-	struct { long sec, nsec; } ts = { 0, 0 };
+	char comm[KP_TASK_COMM_LEN + 1] = { 0 };
+	struct kp_timespec ts = { 0, 0 };
 	unsigned int cpu = 0;
 	struct kp_line l = { buf, buf + sizeof(buf) - 1 };
 
-	kp_syscall3(__NR_prctl, PR_GET_NAME, comm, 0);
-	int tid = (int)kp_syscall3(__NR_gettid, 0, 0, 0);
-	cpu = kp_trace_cpu();
-	kp_syscall3(__NR_clock_gettime, CLOCK_MONOTONIC, &ts, 0);
+	kp_platform_task_comm(comm);
+	int tid = kp_platform_task_pid();
+	cpu = kp_platform_cpu();
+	kp_platform_trace_clock(&ts);
 
 	/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: " */
 	int n = (int)strlen(comm);

@@ -61,7 +61,6 @@ struct kp_fetch_ctx {
 struct kp_line { char *p, *end; };
 
 /* kp_fetch.c */
-int kp_mem_read(void *dst, unsigned long addr, unsigned long len, int tid);
 void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fetch_ctx *c);
 void kp_line_puts(struct kp_line *l, const char *s);
 void kp_line_putc(struct kp_line *l, char ch);

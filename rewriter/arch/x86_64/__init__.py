@@ -5,7 +5,6 @@ from . import emit, handler_abi, kprobe_xol, optprobe, retprobe  # noqa: F401
 from .decode import decode_function  # noqa: F401
 
 name = "x86_64"
-runtime_arch_dir = "arch/x86_64"
 e_machine = 62                  # EM_X86_64
 r_relative = 8                  # R_X86_64_RELATIVE
 r_got_slot = (6, 7)             # R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT

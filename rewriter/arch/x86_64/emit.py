@@ -11,6 +11,7 @@ import struct
 import capstone
 from keystone import KS_ARCH_X86, KS_MODE_64, Ks
 
+from ... import link
 from ..base import DcrInsn
 
 _ks = Ks(KS_ARCH_X86, KS_MODE_64)
@@ -124,20 +125,21 @@ def ret_stub(at: int, fn: int) -> bytes:
 
 # -- The clean-call optprobe template -------------------------------------------
 #
-# Layouts the template reads directly; kprewrite's generated probe table
-# asserts them (_Static_assert) so a change in the C structures fails the build.
-KPROBE_SIZE = 72             # sizeof(struct kprobe)
-KPROBE_FLAGS = 48            # offsetof(struct kprobe, flags)
-KRETPROBE_SIZE = 128         # sizeof(struct kretprobe), whose kprobe comes first
-THREAD_ACTIVE = 16           # offsetof(struct kp_thread, active)
-THREAD_HITS = 32             # offsetof(struct kp_thread, hits)
-THREAD_TABLE_MASK = 8191     # KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask
-THREAD_KRET = 24             # offsetof(struct kp_thread, kret)
+# Layouts the template reads directly, from the runtime's C headers
+# (runtime/kp_asm_offsets.c and arch/x86_64/kp_asm_offsets.c, via link.asm_offsets()).
+_OFFSETS = link.asm_offsets(__package__.rpartition(".")[2])
+KPROBE_SIZE = _OFFSETS["KPROBE_SIZE"]            # sizeof(struct kprobe)
+KPROBE_FLAGS = _OFFSETS["KPROBE_FLAGS"]          # offsetof(struct kprobe, flags)
+KRETPROBE_SIZE = _OFFSETS["KRETPROBE_SIZE"]      # sizeof(struct kretprobe), whose kprobe comes first
+THREAD_ACTIVE = _OFFSETS["THREAD_ACTIVE"]        # offsetof(struct kp_thread, active)
+THREAD_HITS = _OFFSETS["THREAD_HITS"]            # offsetof(struct kp_thread, hits)
+THREAD_TABLE_MASK = _OFFSETS["THREAD_TABLE_MASK"]   # KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask
+THREAD_KRET = _OFFSETS["THREAD_KRET"]            # offsetof(struct kp_thread, kret)
 # The kretprobe templates (retprobe.py) also read these:
-KRET_DEPTH, KRET_TAIL_SLOT, KRET_STACK = 0, 8, 16        # struct kp_kret_thread
-RP_MAXACTIVE, RP_STRIDE, RP_POOL, RP_HINT = 88, 108, 112, 120   # struct kretprobe
-RI_RP, RI_RET_ADDR, RI_FP, RI_STATE, RI_FLAGS = 0, 8, 16, 24, 28  # struct kretprobe_instance
-RI_TRAMP = 2                 # KP_RI_TRAMP
+KRET_DEPTH, KRET_TAIL_SLOT, KRET_STACK = (_OFFSETS[n] for n in ("KRET_DEPTH", "KRET_TAIL_SLOT", "KRET_STACK"))
+RP_MAXACTIVE, RP_STRIDE, RP_POOL, RP_HINT = (_OFFSETS[n] for n in ("RP_MAXACTIVE", "RP_STRIDE", "RP_POOL", "RP_HINT"))
+RI_RP, RI_RET_ADDR, RI_FP, RI_STATE, RI_FLAGS = (_OFFSETS[n] for n in ("RI_RP", "RI_RET_ADDR", "RI_FP", "RI_STATE", "RI_FLAGS"))
+RI_TRAMP = _OFFSETS["RI_TRAMP"]                  # KP_RI_TRAMP
 CLEAN_FRAME = RED_ZONE + 88  # red zone + rax rcx rdx rsi rdi r8-r11, flags, the thread block
 _SCRATCH = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 
@@ -339,11 +341,13 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     return bytes(c.out), resume
 
 
-# struct pt_regs (arch/x86/include/asm/ptrace.h), byte offsets.
-PT_REGS = {"r15": 0, "r14": 8, "r13": 16, "r12": 24, "rbp": 32, "rbx": 40, "r11": 48, "r10": 56,
-           "r9": 64, "r8": 72, "rax": 80, "rcx": 88, "rdx": 96, "rsi": 104, "rdi": 112}
-PT_ORIG_AX, PT_IP, PT_CS, PT_FLAGS, PT_SP, PT_SS, PT_SIZE = 120, 128, 136, 144, 152, 160, 168
-ARITH_FLAGS = 0x8D5          # OF SF ZF AF PF CF: restored without popfq (KP_ARITH_FLAGS)
+# struct pt_regs (arch/x86/include/asm/ptrace.h), byte offsets, in save order.
+PT_REGS = {reg: _OFFSETS["PT_" + (reg if reg[1].isdigit() else reg[1:]).upper()]     # rbp: PT_BP, r8: PT_R8
+           for reg in ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8",
+                       "rax", "rcx", "rdx", "rsi", "rdi")}
+PT_ORIG_AX, PT_IP, PT_CS, PT_FLAGS, PT_SP, PT_SS, PT_SIZE = (
+    _OFFSETS[n] for n in ("PT_ORIG_AX", "PT_IP", "PT_CS", "PT_FLAGS", "PT_SP", "PT_SS", "PT_SIZE"))
+ARITH_FLAGS = _OFFSETS["ARITH_FLAGS"]   # OF SF ZF AF PF CF: restored without popfq (KP_ARITH_FLAGS)
 FULL_FRAME = RED_ZONE + PT_SIZE + 16   # red zone, pt_regs, the thread block, the flags at the hit
 
 

@@ -39,8 +39,10 @@ NO_REG = 0xFF
 _KIND = {"jmp rel": K_JMP, "call rel": K_CALL, "jcc rel": K_JCC, "loop": K_LOOP, "jcxz": K_JCXZ,
          "ret": K_RET, "ret imm": K_RET, "jmp reg": K_JMP_REG, "call reg": K_CALL_REG}
 
-# struct pt_regs word index of each x86 register number (rax..r15).
-PT_REGS_INDEX = [10, 11, 12, 5, 19, 4, 13, 14, 9, 8, 7, 6, 3, 2, 1, 0]
+# struct pt_regs word index of each x86 register number (rax..r15), from the C header.
+PT_REGS_INDEX = [em.PT_SP // 8 if r == "rsp" else em.PT_REGS[r] // 8
+                 for r in ("rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
+                           "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")]
 _REG_NUMBER = {n: i for i, n in enumerate(["rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
                                            "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15"])}
 _csd = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import bisect
 import struct
+from dataclasses import dataclass
 
 from ...blacklist import BlacklistEntry, Index
+from ...elfwrite import NewSection, append_section_headers
+from ...errors import KprewriteError
+from ...report import META_SECTION
+from ...spec import KprobeSpec
 from ...rules import Rules
 from . import sites as ks
 from .elfview import ElfView
@@ -125,7 +130,7 @@ def rules(image, arch) -> Rules:
             yield a + i + 4 + target, f"jump label at {a + i + code:#x}"
 
     return Rules(Index(register), Index(patched), mcount, function_refusal, int3=False, kretprobes=False,
-                 jump_target_sources=[ex_fixups, jump_label_targets])
+                 fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets])
 
 
 def _symbol_at(image, addr: int) -> str:
@@ -135,8 +140,94 @@ def _symbol_at(image, addr: int) -> str:
     return f.name if f.start == addr else f"{f.name}+{addr - f.start:#x}"
 
 
-def plan_layout(image):
-    """Where new code goes in a kernel image: not written yet (check, list and blacklist work)."""
-    from ...errors import KprewriteError
-    raise KprewriteError(f"{image.path}: writing probes into a kernel image is not supported yet "
-                         "(kprewrite check and blacklist read it)")
+
+# --- where new code and data go, and how the output is written -----------------------------
+#
+# The gap between the end of .text and .rodata (PFN_ALIGN(_etext) .. __start_rodata) is in
+# the first PT_LOAD: loaded, mapped and executable from boot, zero-filled in the file.
+# mark_rodata_ro() would make it read-only and NX, then free it; two boot hooks (runtime
+# handlers on set_memory_nx() and free_kernel_image_pages(), placed as any probe) keep the
+# pages we use: code read-only and executable like .text, data read-write and NX.
+PAGE = 0x1000
+# The boot hooks: (function, runtime pre_handler).
+BOOT_HOOKS = (("set_memory_nx", "kp_kernel_keep_nx"), ("free_kernel_image_pages", "kp_kernel_keep_free"))
+
+
+@dataclass
+class GapLayout:
+    rx_vaddr: int             # the first byte we use: PFN_ALIGN(_etext)
+    end: int                  # __start_rodata
+
+    @property
+    def after_phdrs(self) -> int:
+        return self.rx_vaddr
+
+
+def _symbol(image, name: str) -> int:
+    syms = getattr(image, "kernel_symbols", None)
+    if syms is not None:
+        for s in syms:
+            if s.name == name:
+                return s.addr
+    else:
+        a = image.all_symbols().get(name)
+        if a is not None:
+            return a
+    raise KprewriteError(f"{image.path}: no symbol {name}, so the text/rodata gap cannot be found")
+
+
+def plan_layout(image) -> GapLayout:
+    start = (_symbol(image, "_etext") + PAGE - 1) & ~(PAGE - 1)
+    return GapLayout(start, _symbol(image, "__start_rodata"))
+
+
+def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
+    """No start-up stub: the runtime starts on its first hit, the boot hooks are probes."""
+    return {}, pos
+
+
+def runtime_probes(spec) -> None:
+    """The boot hooks: probes that keep our pages through mark_rodata_ro(), added to the spec's kprobes."""
+    for fn, handler in BOOT_HOOKS:
+        spec.kprobes.append(KprobeSpec(f"[kprewrite boot hook {fn}]", fn, None, 0, handler, None, False,
+                                       f"kprewrite_{fn}"))
+
+
+RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS)
+
+
+def tables_c(image, arch, any_int3: bool) -> str:
+    lay = plan_layout(image)
+    return f"const unsigned long kp_kernel_gap_start = {lay.rx_vaddr:#x}UL, kp_kernel_gap_end = {lay.end:#x}UL;\n"
+
+
+def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
+    """The vmlinux with the probes' jumps, the dropped __mcount_loc entries of the ftrace
+    sites we took, our code and data in the gap, and the metadata section."""
+    k = _kernel(image)
+    end = blob.data_addr + blob.data_memsz
+    if end > layout.target.end:
+        raise KprewriteError(f"{image.path}: the probes' code and data need {(end - layout.rx_vaddr) >> 10} KiB; "
+                             f"the text/rodata gap has {(layout.target.end - layout.rx_vaddr) >> 10} KiB")
+    out = bytearray(image.data)
+    for addr, code in patches:
+        off = image.offset_of(addr)
+        out[off:off + len(code)] = code
+    mcount = {m.site: m for m in ks.mcount_locs(k)}
+    for site in plan.sites:
+        if site.decision == "ftrace":      # ftrace neither patches nor checks it any more
+            m = mcount[site.addr]
+            out[m.entry_offset:m.entry_offset + 8] = bytes(8)
+    code = bytes(rx) + blob.text
+    off = image.offset_of(layout.rx_vaddr)
+    out[off:off + len(code)] = code
+    doff = image.offset_of(blob.data_addr)
+    out[doff:doff + len(blob.data)] = blob.data
+    sections = [NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, code),
+                NewSection(".kprewrite.data", 8 if not blob.data else 1, 3, blob.data_addr, blob.data, blob.data_memsz),
+                NewSection(META_SECTION, 1, 0, 0, metadata, align=1)]
+    shoff, shnum, shstrndx = append_section_headers(out, image, sections, lambda s: image.offset_of(s.addr))
+    struct.pack_into("<Q", out, 40, shoff)
+    struct.pack_into("<H", out, 60, shnum)
+    struct.pack_into("<H", out, 62, shstrndx)
+    return bytes(out)

@@ -32,7 +32,14 @@ def tables_c(image, arch, any_int3: bool) -> str:
     return sighook.table_c(image, arch, any_int3)
 
 
-def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes) -> bytes:
+RUNTIME_HANDLERS = frozenset()
+
+
+def runtime_probes(spec) -> None:
+    """Probes the runtime itself needs: none in a user process."""
+
+
+def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
     """The output file: rx (stubs and detours) and the linked runtime in a new
     RX segment, the runtime's data in a new RW one, the probes' patches, the
     metadata section."""

@@ -7,7 +7,7 @@
  * struct pt_regs for the handlers and written back afterwards, so whatever a
  * handler changes takes effect when the kernel's rt_sigreturn restores it.
  */
-#include "../../kp_internal.h"
+#include "kp_internal.h"
 
 #define X86_EFLAGS_CF 0x0001UL
 #define X86_EFLAGS_PF 0x0004UL

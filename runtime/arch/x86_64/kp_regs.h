@@ -2,22 +2,21 @@
  * Register save/restore sequences shared by the asm entries
  * (optprobe_entry.S, kretprobe_entry.S).
  *
- * struct pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56
- * r9 64 r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136
- * flags 144 sp 152 ss 160; size 168.  Flags: pushfq/popfq cost 7 ns on the
- * machines we measure, so the arithmetic flags are saved with seto/lahf and
- * restored with add/sahf.
+ * struct pt_regs offsets (PT_*, PT_SIZE) come from kp_asm_offsets.h, which
+ * rewriter/link.py generates from kp_asm_offsets.c.  Flags: pushfq/popfq cost
+ * 7 ns on the machines we measure, so the arithmetic flags are saved with
+ * seto/lahf and restored with add/sahf.
  *
  * The clean frame: rax rcx rdx rsi rdi r8 r9 r10 r11 at 0..64, the flags word
  * at 72 (al = OF, ah = lahf).
  */
-#define PT_SIZE 168
+#include <kp_asm_offsets.h>
 
 /* pt_regs at %rsp: every register, the flags (IF set, as user code always
  * runs with it), orig_ax, cs, ss; ip and sp are the caller's to fill. */
 .macro PT_REGS_SAVE
-	mov	%rax, 80(%rsp)
-	mov	%rcx, 88(%rsp)
+	mov	%rax, PT_AX(%rsp)
+	mov	%rcx, PT_CX(%rsp)
 	seto	%al
 	lahf
 	movzbl	%ah, %ecx
@@ -25,30 +24,30 @@
 	shl	$11, %eax
 	or	%eax, %ecx
 	or	$0x200, %ecx
-	mov	%rcx, 144(%rsp)
-	mov	%rdx, 96(%rsp)
-	mov	%rsi, 104(%rsp)
-	mov	%rdi, 112(%rsp)
-	mov	%r8, 72(%rsp)
-	mov	%r9, 64(%rsp)
-	mov	%r10, 56(%rsp)
-	mov	%r11, 48(%rsp)
-	mov	%rbx, 40(%rsp)
-	mov	%rbp, 32(%rsp)
-	mov	%r12, 24(%rsp)
-	mov	%r13, 16(%rsp)
-	mov	%r14, 8(%rsp)
-	mov	%r15, 0(%rsp)
-	movq	$-1, 120(%rsp)			/* orig_ax */
-	movq	$0x33, 136(%rsp)		/* __USER_CS */
-	movq	$0x2b, 160(%rsp)		/* __USER_DS */
+	mov	%rcx, PT_FLAGS(%rsp)
+	mov	%rdx, PT_DX(%rsp)
+	mov	%rsi, PT_SI(%rsp)
+	mov	%rdi, PT_DI(%rsp)
+	mov	%r8, PT_R8(%rsp)
+	mov	%r9, PT_R9(%rsp)
+	mov	%r10, PT_R10(%rsp)
+	mov	%r11, PT_R11(%rsp)
+	mov	%rbx, PT_BX(%rsp)
+	mov	%rbp, PT_BP(%rsp)
+	mov	%r12, PT_R12(%rsp)
+	mov	%r13, PT_R13(%rsp)
+	mov	%r14, PT_R14(%rsp)
+	mov	%r15, PT_R15(%rsp)
+	movq	$-1, PT_ORIG_AX(%rsp)
+	movq	$0x33, PT_CS(%rsp)		/* __USER_CS */
+	movq	$0x2b, PT_SS(%rsp)		/* __USER_DS */
 .endm
 
 /* Every register and the arithmetic flags back from pt_regs at %rsp. */
 .macro PT_REGS_RESTORE
-	movzbl	144(%rsp), %eax
+	movzbl	PT_FLAGS(%rsp), %eax
 	shl	$8, %eax
-	movzbl	145(%rsp), %ecx
+	movzbl	PT_FLAGS+1(%rsp), %ecx
 	shr	$3, %ecx
 	and	$1, %ecx
 	or	%ecx, %eax
@@ -59,21 +58,21 @@
 
 /* Every register (not the flags) from pt_regs at %rsp. */
 .macro PT_REGS_LOAD
-	mov	0(%rsp), %r15
-	mov	8(%rsp), %r14
-	mov	16(%rsp), %r13
-	mov	24(%rsp), %r12
-	mov	32(%rsp), %rbp
-	mov	40(%rsp), %rbx
-	mov	48(%rsp), %r11
-	mov	56(%rsp), %r10
-	mov	64(%rsp), %r9
-	mov	72(%rsp), %r8
-	mov	80(%rsp), %rax
-	mov	88(%rsp), %rcx
-	mov	96(%rsp), %rdx
-	mov	104(%rsp), %rsi
-	mov	112(%rsp), %rdi
+	mov	PT_R15(%rsp), %r15
+	mov	PT_R14(%rsp), %r14
+	mov	PT_R13(%rsp), %r13
+	mov	PT_R12(%rsp), %r12
+	mov	PT_BP(%rsp), %rbp
+	mov	PT_BX(%rsp), %rbx
+	mov	PT_R11(%rsp), %r11
+	mov	PT_R10(%rsp), %r10
+	mov	PT_R9(%rsp), %r9
+	mov	PT_R8(%rsp), %r8
+	mov	PT_AX(%rsp), %rax
+	mov	PT_CX(%rsp), %rcx
+	mov	PT_DX(%rsp), %rdx
+	mov	PT_SI(%rsp), %rsi
+	mov	PT_DI(%rsp), %rdi
 .endm
 
 /* The clean frame at %rsp: the call-clobbered registers and the flags. */

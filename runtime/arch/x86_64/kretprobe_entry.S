@@ -16,9 +16,7 @@
  * same reason the arithmetic flags are kept (seto/lahf and add/sahf, as in
  * optprobe_entry.S) although the ABI says they are not preserved by a call.
  *
- * pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56 r9 64
- * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
- * sp 152 ss 160; size 168.
+ * pt_regs offsets are kp_asm_offsets.h's PT_* (kp_regs.h).
  */
 #include "kp_regs.h"
 
@@ -35,9 +33,9 @@
 	lea	-PT_SIZE(%rsp), %rsp
 	PT_REGS_SAVE
 	mov	PT_SIZE+\slot(%rsp), %rax	/* the return address */
-	mov	%rax, 128(%rsp)
+	mov	%rax, PT_IP(%rsp)
 	lea	PT_SIZE+\slot+8(%rsp), %rax	/* sp after the ret */
-	mov	%rax, 152(%rsp)
+	mov	%rax, PT_SP(%rsp)
 	mov	%rsp, %rdi
 	mov	%rsp, %rbx
 	and	$-16, %rsp
@@ -114,9 +112,9 @@ kp_kretprobe_trampoline:
 	push	$0
 	lea	-PT_SIZE(%rsp), %rsp
 	PT_REGS_SAVE
-	movq	$0, 128(%rsp)
+	movq	$0, PT_IP(%rsp)
 	lea	PT_SIZE+8(%rsp), %rax
-	mov	%rax, 152(%rsp)
+	mov	%rax, PT_SP(%rsp)
 	mov	%rsp, %rdi
 	mov	%rsp, %rbx
 	and	$-16, %rsp

@@ -15,10 +15,8 @@
  * callback asks for it (path change, sp or non-arithmetic flags changed) the slow
  * path restores the full flags with popfq and resumes at regs->ip on regs->sp.
  *
- * pt_regs offsets: r15 0 r14 8 r13 16 r12 24 bp 32 bx 40 r11 48 r10 56 r9 64
- * r8 72 ax 80 cx 88 dx 96 si 104 di 112 orig_ax 120 ip 128 cs 136 flags 144
- * sp 152 ss 160; size 168.  At entry: 0(%rsp) return into the stub, 8(%rsp)
- * SITE, and the probed code's %rsp was 144(%rsp).
+ * pt_regs offsets are kp_asm_offsets.h's PT_* (kp_regs.h).  At entry: 0(%rsp)
+ * return into the stub, 8(%rsp) SITE, and the probed code's %rsp was 144(%rsp).
  */
 #include "kp_regs.h"
 
@@ -33,7 +31,7 @@
 	lea	-PT_SIZE(%rsp), %rsp
 	PT_REGS_SAVE
 	lea	PT_SIZE+144(%rsp), %rax
-	mov	%rax, 152(%rsp)			/* sp before the detour */
+	mov	%rax, PT_SP(%rsp)		/* sp before the detour */
 	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
 	mov	%rsp, %rsi
 	mov	%rsp, %rbx
@@ -94,7 +92,7 @@
 	.hidden kp_optprobe_resume_regs
 	.type kp_optprobe_resume_regs, @function
 kp_optprobe_resume_regs:
-	mov	152(%rsp), %rax			/* T */
+	mov	PT_SP(%rsp), %rax		/* T */
 	lea	-136(%rax), %rdx		/* where ip goes */
 	mov	%rsp, %rcx
 	cmp	%rdx, %rcx
@@ -104,14 +102,14 @@ kp_optprobe_resume_regs:
 1:	mov	(%rsp,%rsi,8), %rdi		/* forward copy: N < R */
 	mov	%rdi, (%rcx,%rsi,8)
 	inc	%esi
-	cmp	$21, %esi
+	cmp	$PT_SIZE/8, %esi
 	jb	1b
 	mov	%rcx, %rsp
-	mov	128(%rsp), %rdi
+	mov	PT_IP(%rsp), %rdi
 	mov	%rdi, (%rdx)			/* ip at T - 136 */
-	mov	%rdx, 152(%rsp)			/* pop %rsp lands at T - 136 */
+	mov	%rdx, PT_SP(%rsp)		/* pop %rsp lands at T - 136 */
 	PT_REGS_LOAD
-	lea	144(%rsp), %rsp
+	lea	PT_FLAGS(%rsp), %rsp
 	popfq
 	pop	%rsp
 	ret	$128

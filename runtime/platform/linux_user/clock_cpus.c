@@ -3,8 +3,7 @@
  * maxactive, the kernel's num_possible_cpus()) and the monotonic clock behind
  * ktime_get().  Raw system calls only.
  */
-#include "../../kp_internal.h"
-#include "../../arch/x86_64/syscall.h"
+#include "kp_internal.h"
 
 #define CLOCK_MONOTONIC 1
 

@@ -13,8 +13,7 @@
  * address the slot held; with lazy binding the dynamic linker overwrites the
  * slot on that first call, so the hook re-arms itself afterwards.
  */
-#include "../../kp_internal.h"
-#include "../../arch/x86_64/syscall.h"
+#include "kp_signal.h"
 
 
 enum { KP_HOOK_SIGACTION = 1, KP_HOOK_SIGNAL, KP_HOOK_SIGPROCMASK, KP_HOOK_PTHREAD_SIGMASK, KP_HOOK_MAX };

@@ -19,15 +19,11 @@
  * own) go to the disposition that was there before us, or the one the program
  * set since through the hooks in kp_sighook.c.
  */
-#include "../../kp_internal.h"
-#include "../../arch/x86_64/syscall.h"
+#include "kp_signal.h"
 
-
-void kp_arch_sigreturn(void);
 
 static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
 
-/* The program's view of SIGTRAP: what was installed before us, later what it asked for. */
 struct kp_ksigaction kp_trap_chain;
 
 void kp_trap_install(void)

@@ -2,7 +2,7 @@
  * Platform layer: a Linux user process.  Output, memory, thread identity and
  * start-up; a kernel image gets its own folder next to this one.
  */
-#include "../../kp_internal.h"
+#include "kp_signal.h"
 
 /* Set once a thread pointer exists; until then reading %fs:0 would fault
  * (a static program before __libc_setup_tls). */

@@ -5,10 +5,7 @@
  * arrives, like reading tracing/kprobe_profile while the program runs.
  * Opt-in, because it takes the signal from the program.
  */
-#include "../../kp_internal.h"
-#include "../../arch/x86_64/syscall.h"
-
-void kp_arch_sigreturn(void);
+#include "kp_signal.h"
 
 static void kp_profile_on_signal(int sig)
 {

@@ -1,6 +1,10 @@
-/* Raw x86-64 Linux system calls: the runtime calls nothing in the probed program. */
-#ifndef _KP_X86_64_SYSCALL_H
-#define _KP_X86_64_SYSCALL_H
+/*
+ * Linux's user ABI on x86-64, for the linux_user platform: raw system calls
+ * (the runtime calls nothing in the probed program), their numbers, the
+ * thread pointer, the signal frame and the CPU number the vDSO reads.
+ */
+#ifndef _KP_UAPI_H
+#define _KP_UAPI_H
 
 static inline long kp_syscall6(long n, long a, long b, long c, long d, long e, long f)
 {
@@ -43,5 +47,20 @@ static inline unsigned long kp_arch_thread_pointer(void)
 	unsigned long tp;
 	__asm__("mov %%fs:0, %0" : "=r"(tp));
 	return tp;
+}
+
+/* offsetof(ucontext_t, uc_sigmask) */
+#define KP_UC_SIGMASK 296
+
+/*
+ * What the vDSO's vgetcpu reads: the limit of the per-CPU GDT segment Linux
+ * sets up (selector 0x7b, cpu | node << 12).  0 where that segment does not
+ * exist (QEMU's user-mode GDT): LSL clears ZF.
+ */
+static inline int kp_arch_vgetcpu(unsigned int *limit)
+{
+	unsigned char ok;
+	__asm__ volatile("lsl %2, %0; setz %1" : "=r"(*limit), "=qm"(ok) : "r"(0x7bU) : "cc");
+	return ok;
 }
 #endif

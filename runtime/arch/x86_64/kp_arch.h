@@ -1,0 +1,55 @@
+/*
+ * The x86-64 half of the runtime's interface, included by the generic core
+ * (kp_internal.h): what the core needs of the CPU, and the breakpoint-site
+ * descriptor kprewrite's x86 back end generates (rewriter/arch/x86_64/kprobe_xol.py).
+ * struct pt_regs is the handler API's (<kprewrite/kprobes.h>).
+ */
+#ifndef _KP_ARCH_H
+#define _KP_ARCH_H
+#pragma GCC visibility push(hidden)
+
+#define KP_ARITH_FLAGS 0x8d5UL	/* OF SF ZF AF PF CF: restored without popfq */
+
+/* A spin-wait iteration (the kernel's cpu_relax()). */
+static inline void cpu_relax(void)
+{
+	__builtin_ia32_pause();
+}
+
+/* Stop for good (the kernel's BUG()). */
+#define BUG() do { for (;;) __asm__ volatile("ud2"); } while (0)
+
+/* INT3 fallback probes (kp_trap.c, arch/x86_64/kp_int3.c, the platform's trap entry).
+ * One descriptor per breakpoint site, sorted by address; addresses are link-time
+ * (the trap handler subtracts kp_rt.bias). */
+struct kp_int3_site {
+	unsigned long addr;		/* the probed instruction, now 0xcc */
+	unsigned long slot;		/* boost / single-step: the out-of-line copy */
+	unsigned long ss_end;		/* single-step: right after the copy (where TF traps) */
+	unsigned long target;		/* emulate: branch target */
+	unsigned int site;		/* kp_sites[] index */
+	unsigned char mode;		/* KP_XOL_* */
+	unsigned char kind;		/* emulate: KP_EMU_* */
+	unsigned char cc;		/* jcc condition; loop variant */
+	unsigned char size;		/* length of the probed instruction */
+	unsigned short imm;		/* ret imm16 */
+	unsigned char reg;		/* call/jmp through a register: pt_regs word index */
+	unsigned char addr32;		/* loop/jcxz with an address-size prefix */
+	unsigned char index;		/* call/jmp through memory: index register (0xff none) */
+	unsigned char scale;
+	unsigned char rip;		/* call/jmp through memory: target is the absolute address */
+	unsigned char kret;		/* a kretprobe return hook at this exit: KP_KRET_HOOK_* (0 none) */
+};
+#define KP_XOL_EMULATE 1
+#define KP_XOL_BOOST 2
+#define KP_XOL_SINGLESTEP 3
+extern struct kp_int3_site kp_int3_sites[];
+extern const unsigned int kp_nint3;
+extern const unsigned int kp_int3_ss[];	/* single-step entries, by ss_end */
+extern const unsigned int kp_nint3_ss;
+
+/* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was. */
+int kp_arch_int3_trap(void *ucontext);
+
+#pragma GCC visibility pop
+#endif

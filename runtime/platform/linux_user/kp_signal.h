@@ -1,0 +1,41 @@
+/*
+ * The Linux signal ABI and the SIGTRAP plumbing shared by this platform's
+ * files (kp_signal.c, kp_sighook.c, profile_signal.c).
+ */
+#ifndef _KP_SIGNAL_H
+#define _KP_SIGNAL_H
+#include "kp_internal.h"
+#pragma GCC visibility push(hidden)
+
+/* The kernel's struct sigaction and siginfo head. */
+struct kp_ksigaction {
+	void *handler;
+	unsigned long flags;
+	void (*restorer)(void);
+	unsigned long mask;
+};
+struct kp_siginfo { int si_signo, si_errno, si_code; };
+#define KP_SIGTRAP 5
+#define KP_SIGBIT(n) (1UL << ((n) - 1))
+#define KP_SIG_DFL ((void *)0)
+#define KP_SIG_IGN ((void *)1)
+#define KP_SA_SIGINFO 0x4UL
+#define KP_SA_RESTORER 0x04000000UL
+#define KP_SA_RESTART 0x10000000UL
+#define KP_SA_NODEFER 0x40000000UL
+#define KP_SA_RESETHAND 0x80000000UL
+
+/* Install the SIGTRAP handler, only when there are breakpoint sites (kp_signal.c). */
+void kp_trap_install(void);
+/* The program's view of SIGTRAP: what was installed before us, later what it asked for. */
+extern struct kp_ksigaction kp_trap_chain;
+/* Point the program's sigaction & co. at our hooks (kp_sighook.c). */
+void kp_sighook_install(void);
+
+#pragma GCC visibility pop
+
+/* The restorer of the runtime's own handlers (SA_RESTORER): rt_sigreturn, in
+ * the arch's sigreturn.S (hidden there; declared without the pragma as before
+ * the headers were split, which keeps the compiled code as it was). */
+void kp_arch_sigreturn(void);
+#endif
