@@ -12,7 +12,6 @@ sources.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from array import array
@@ -79,6 +78,7 @@ class Analysis:
         self.image = image
         self.arch = arch
         self._decoded: dict[int, object] = {}
+        self._memo: dict[str, dict] = {}
         self.targets: dict[int, str] = {}
         for source in [*(sources if sources is not None else DEFAULT_SOURCES), *extra_sources]:
             for target, why in source(image, self):
@@ -91,6 +91,14 @@ class Analysis:
             d = self.arch.decode_function(self.image.read(f.start, f.end - f.start), f.start)
             self._decoded[f.start] = d
         return d
+
+    def memo(self, kind: str, key, compute):
+        """What an arch back end derives from a decoded function (its exits...),
+        computed once per image."""
+        table = self._memo.setdefault(kind, {})
+        if key not in table:
+            table[key] = compute()
+        return table[key]
 
     def is_boundary(self, f: Function, addr: int) -> bool:
         b = self.decoded(f).boundaries

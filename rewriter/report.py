@@ -8,7 +8,6 @@ import json
 from .errors import KprewriteError
 from .image import Image
 from .planner import FTRACE, HOOK_PENDING, INT3, JUMPS, OPTIMIZED, TRAMPOLINE, Plan
-from .resolve import is_entry
 
 META_SECTION = ".kprewrite.meta"
 

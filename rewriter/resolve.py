@@ -8,7 +8,6 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from .errors import KprewriteError
 from .image import Function, Image
 from .spec import KprobeSpec, KretprobeSpec, Spec
 

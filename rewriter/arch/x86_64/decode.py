@@ -7,15 +7,17 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-import capstone
+from . import cs
 
-_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-_cs.skipdata = False
+_cs = cs.LITE
 
 _JUMPS = frozenset(["jmp", "je", "jne", "ja", "jae", "jb", "jbe", "jg", "jge", "jl", "jle", "jo",
                     "jno", "jp", "jnp", "js", "jns", "jcxz", "jecxz", "jrcxz", "loop", "loope",
                     "loopne", "call", "bnd jmp", "bnd call", "notrack jmp", "notrack call",
                     "bnd je", "bnd jne", "xbegin"])
+
+
+_EXIT_MNEMONICS = ("ret", "j", "loop", "repz ret", "bnd ret", "bnd j", "notrack j")
 
 
 @dataclass
@@ -25,6 +27,7 @@ class DecodedFunction:
     undecodable: int | None      # address where decoding failed, if it did
     branches: list[tuple[int, int]]   # (target, address of the branch) of direct jumps/calls
     sets_df: int | None = None   # address of the first `std`: DF may be set inside the function
+    exits: list[int] | None = None   # addresses of every ret, jmp, jcc, loop: where a function may leave
 
 
 def decode_function(code: bytes, start: int) -> DecodedFunction:
@@ -32,10 +35,13 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
     branches: list[tuple[int, int]] = []
     indirect = None
     std = None
+    exits: list[int] = []
     end = start
     for addr, size, mnem, ops in _cs.disasm_lite(code, start):
         bounds.append(addr - start)
         end = addr + size
+        if mnem.startswith(_EXIT_MNEMONICS):
+            exits.append(addr)
         if mnem in _JUMPS:
             if ops.startswith("0x") or ops[:1].isdigit():
                 try:
@@ -49,4 +55,4 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
         elif mnem == "std" and std is None:
             std = addr
     undecodable = end if end < start + len(code) else None
-    return DecodedFunction(bounds, indirect, undecodable, branches, std)
+    return DecodedFunction(bounds, indirect, undecodable, branches, std, exits)

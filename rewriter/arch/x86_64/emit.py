@@ -8,15 +8,14 @@ from __future__ import annotations
 import functools
 import struct
 
-import capstone
 from keystone import KS_ARCH_X86, KS_MODE_64, Ks
 
 from ... import link
 from ..base import DcrInsn
+from . import cs
 
 _ks = Ks(KS_ARCH_X86, KS_MODE_64)
-_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-_cs.detail = True
+_cs = cs.DETAIL
 
 RED_ZONE = 128
 
@@ -64,10 +63,6 @@ def relocate(insn: DcrInsn, new: int) -> bytes:
     return insn.code
 
 
-def relocated_size(insn: DcrInsn) -> int:
-    return len(relocate(insn, insn.addr + 0x10000000))
-
-
 def probe_stub(site: int, entry: int, at: int) -> bytes:
     """lea -128(%rsp),%rsp; push $site; call entry; lea 136(%rsp),%rsp"""
     return asm(f"lea rsp, [rsp-{RED_ZONE:#x}]; push {site:#x}; call {entry:#x}; "
@@ -94,11 +89,6 @@ def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
     return bytes(out), resume, resume_post
 
 
-def detour_size(site: int, dcr: list[DcrInsn], with_post: bool) -> int:
-    far = dcr[0].addr + 0x10000000
-    return len(detour(site, dcr, with_post, far, far + 0x100000, far + 0x100000)[0])
-
-
 def jump_patch(addr: int, region_len: int, target: int) -> bytes:
     """The optimized probe itself: jmp rel32 to the detour; the rest of the DCR
     becomes int3 so a stray jump into it traps loudly."""
@@ -116,11 +106,6 @@ def chain_stub(at: int, fn: int, then: int) -> bytes:
     """An init/fini function for a shared object: call fn(argc, argv, envp) and
     go on to the function the slot held before."""
     return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; jmp {then:#x}", at)
-
-
-def ret_stub(at: int, fn: int) -> bytes:
-    """An init/fini function where the slot held nothing to chain to."""
-    return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; ret", at)
 
 
 # -- The clean-call optprobe template -------------------------------------------

@@ -19,9 +19,9 @@ import re
 
 import capstone
 from capstone import x86_const as X
+from . import cs
 
-_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-_cs.detail = True
+_cs = cs.DETAIL
 
 _RSI_FULL = {X.X86_REG_RSI, X.X86_REG_ESI}            # writing these kills the old value
 _RSI_ANY = _RSI_FULL | {X.X86_REG_SI, X.X86_REG_SIL}

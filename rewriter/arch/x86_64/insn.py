@@ -44,12 +44,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import capstone
+from . import cs
 
 # Length decoding only: detail off.  disasm_lite() is about twice as fast as a
 # detailed disasm() and all we take from Capstone is the size.
-_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-_cs.detail = False
+_cs = cs.LITE
 _disasm_lite = _cs.disasm_lite
 
 _MASK64 = (1 << 64) - 1

@@ -28,6 +28,7 @@ import capstone
 from . import emit as em
 from . import insn as x86insn
 from ..base import DcrInsn
+from . import cs
 
 EMULATE, BOOST, SINGLESTEP = "emulate", "boost", "single-step"
 MODE_CODE = {EMULATE: 1, BOOST: 2, SINGLESTEP: 3}
@@ -45,8 +46,7 @@ PT_REGS_INDEX = [em.PT_SP // 8 if r == "rsp" else em.PT_REGS[r] // 8
                            "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")]
 _REG_NUMBER = {n: i for i, n in enumerate(["rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
                                            "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15"])}
-_csd = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-_csd.detail = True
+_csd = cs.DETAIL
 
 
 @dataclass

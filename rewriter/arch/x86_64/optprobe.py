@@ -9,9 +9,9 @@ import capstone.x86_const
 
 from ..base import DcrInsn, Refusal  # noqa: F401  (re-exported: optprobe.Refusal)
 from . import insn as x86insn
+from . import cs
 
-_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-_cs.detail = True
+_cs = cs.DETAIL
 
 JMP32_INSN_SIZE = 5
 MAX_OPTIMIZED_LENGTH = 15 + 4      # MAX_INSN_SIZE + DISP32_SIZE, as the kernel
@@ -106,8 +106,6 @@ def _source_address(why: str, target: int) -> int:
     return target
 
 
-def region_end(dcr: list[DcrInsn]) -> int:
-    return dcr[-1].addr + len(dcr[-1].code)
 
 
 # -- What the detour may assume at a probe point (used by the clean-call template) --

@@ -16,33 +16,36 @@ from __future__ import annotations
 
 import bisect
 
-import capstone
 
 from . import insn as x86insn
 from .emit import _s32, relocate
 from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
 from .optprobe import JMP32_INSN_SIZE
+from . import cs
 
-_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_cs = cs.LITE
 
 PAD_OK = ("nop", "int3")
 
 
 class _Insns:
-    """A function's instructions: decoded once (Capstone, lite), classified on
-    demand (only exits and the few instructions a return region takes)."""
+    """A function's instructions, as Analysis decoded them once (boundaries and
+    exit candidates), classified on demand (only exits and the few instructions
+    a return region takes)."""
 
-    def __init__(self, image, func):
+    def __init__(self, image, analysis, func):
+        d = analysis.decoded(func)
         self.code = image.read(func.start, func.end - func.start)
         self.start = func.start
-        self.lite = list(_cs.disasm_lite(self.code, func.start))
-        self.addrs = [a for a, _s, _m, _o in self.lite]
+        self.addrs = [func.start + b for b in d.boundaries]
+        self.ends = self.addrs[1:] + [func.start + (d.undecodable - func.start if d.undecodable else len(self.code))]
+        self.exits = d.exits
         self._cls: dict[int, DcrInsn] = {}
 
     def at(self, k: int) -> DcrInsn:
         got = self._cls.get(k)
         if got is None:
-            a = self.lite[k][0]
+            a = self.addrs[k]
             off = a - self.start
             info = x86insn.classify(self.code[off:off + 16], a)
             got = self._cls[k] = DcrInsn(a, bytes(self.code[off:off + info.length]), info)
@@ -50,19 +53,12 @@ class _Insns:
 
 
 def _insns(image, analysis, func) -> _Insns:
-    cache = analysis.__dict__.setdefault("_retprobe_insns", {})
-    got = cache.get(func.start)
-    if got is None:
-        got = cache[func.start] = _Insns(image, func)
-    return got
+    return analysis.memo("retprobe.insns", func.start, lambda: _Insns(image, analysis, func))
 
 
 def find_exits(image, analysis, func) -> Exits:
     """Every ret and tail jmp of `func`, following jumps into its `.cold` parts."""
-    cache = analysis.__dict__.setdefault("_retprobe_exits", {})
-    if func.start not in cache:
-        cache[func.start] = _find_exits(image, analysis, func)
-    return cache[func.start]
+    return analysis.memo("retprobe.exits", func.start, lambda: _find_exits(image, analysis, func))
 
 
 def _find_exits(image, analysis, func) -> Exits:
@@ -81,10 +77,8 @@ def _find_exits(image, analysis, func) -> Exits:
             return Exits([], Refusal("indirect_jump", d.indirect_jump,
                                      f"{part.name} has an indirect jump: its exits are unknown"), parts)
         insns = _insns(image, analysis, part)
-        for k, (_a, _size, mnem, _ops) in enumerate(insns.lite):
-            if not (mnem.startswith(("ret", "j", "loop", "repz ret", "bnd ret", "bnd j", "notrack j"))):
-                continue
-            ins = insns.at(k)
+        for a in insns.exits:
+            ins = insns.at(bisect.bisect_left(insns.addrs, a))
             em, info = ins.info.emulate, ins.info
             if em in ("ret", "ret imm"):
                 exits.append(Exit(ins.addr, RET, ins))
@@ -166,7 +160,7 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         if hits:
             return Refusal("jump_into_region", b, f"{hits[0][1]} lands at {b:#x}, inside the return region")
         k -= 1
-        if k < 0 or allin.lite[k][0] + allin.lite[k][1] != b:
+        if k < 0 or allin.ends[k] != b:
             return Refusal("func_size", exit.addr, f"fewer than 5 bytes from the start of {part.name} to this exit")
         prev = allin.at(k)
         if prev.info.probe_refused:
