@@ -118,7 +118,7 @@ def _event_name(ev: str, col: int) -> tuple[str | None, str | None]:
     return group, ev
 
 
-def parse_line(text: str, index: int) -> EventDef:
+def parse_line(text: str, index: int, regs=None) -> EventDef:
     words = F.split_args(text)
     if not words:
         raise LineError(0, "BAD_PROBE_TYPE")
@@ -175,13 +175,14 @@ def parse_line(text: str, index: int) -> EventDef:
         event = _sanitize(f"{c}_{symbol}_{offset}" if symbol else f"{c}_0x{addr:x}")[:MAX_EVENT_NAME_LEN]
     ev = EventDef(index, text, is_return, group or DEFAULT_GROUP, event, symbol, offset, addr, maxactive, words[2:])
     # Syntax of the arguments now; $argN is checked again once the address is known.
-    F.parse_args(ev.words, F.ParseFlags(is_return=is_return, fentry=True))
+    F.parse_args(ev.words, F.ParseFlags(is_return=is_return, fentry=True, regs=regs))
     return ev
 
 
-def expand(spec: Spec) -> list[str]:
+def expand(spec: Spec, arch=None) -> list[str]:
     """Parse `events` into probe tables appended to the spec, and check the syntax
-    of every table's `fetch`.  Returns the error lines."""
+    of every table's `fetch` (register names: the arch's).  Returns the error lines."""
+    regs = arch.fetch_regs if arch is not None else None
     name = spec.path.name
     errors: list[str] = []
     seen: dict[tuple[str, str], int] = {}
@@ -190,7 +191,7 @@ def expand(spec: Spec) -> list[str]:
         if not text.strip() or text.lstrip().startswith("#"):
             continue                    # as in kprobe_events: blank lines and comments
         try:
-            ev = parse_line(text, i)
+            ev = parse_line(text, i, regs)
         except (LineError, F.FetchError) as e:
             errors += caret_lines(where, text, e.column, e.message)
             continue
@@ -211,7 +212,7 @@ def expand(spec: Spec) -> list[str]:
         if k.fetch is None or isinstance(k, (EventKprobeSpec, EventKretprobeSpec)):
             continue
         try:
-            F.parse_args(F.split_args(k.fetch), F.ParseFlags(is_return=isinstance(k, KretprobeSpec), fentry=True))
+            F.parse_args(F.split_args(k.fetch), F.ParseFlags(is_return=isinstance(k, KretprobeSpec), fentry=True, regs=regs))
         except F.FetchError as e:
             errors += caret_lines(f"{name}: {k.table}: fetch", k.fetch, e.column, e.message)
     return errors
@@ -256,7 +257,7 @@ def compile_probe(image, arch, p, spec_name: str) -> tuple[TraceEvent | None, li
     """The trace event of one resolved kprobe (resolve.Probe) with `fetch` or from a `p` line."""
     k = p.spec
     fentry = p.func is not None and p.addr == arch.optprobe.adjust_kprobe_addr(image, p.func.start, 0)
-    args, err = _parse_fetch(image, k, spec_name, F.ParseFlags(is_return=False, fentry=fentry))
+    args, err = _parse_fetch(image, k, spec_name, F.ParseFlags(is_return=False, fentry=fentry, regs=arch.fetch_regs))
     if args is None:
         return None, err
     f = p.func
@@ -269,7 +270,9 @@ def compile_return(image, k, func, spec_name: str) -> tuple[TraceEvent | None, l
     function `func` (image.Function): FETCHARGS parsed for a return probe ($retval).
     The pipeline keys it "r<probe index>" in Session.traces; trace_c() then defines
     kp_trace_ret_r<index>, the kretprobe's handler, which runs the user's after it."""
-    args, err = _parse_fetch(image, k, spec_name, F.ParseFlags(is_return=True, fentry=False))
+    from .arch import get_arch
+    regs = get_arch(image.machine).fetch_regs
+    args, err = _parse_fetch(image, k, spec_name, F.ParseFlags(is_return=True, fentry=False, regs=regs))
     if args is None:
         return None, err
     name = k.name or _sanitize(f"r_{func.name}_0")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import link
 
 # Kernel limits (trace_probe.h).
 MAX_TRACE_ARGS = 128
@@ -24,7 +23,6 @@ MAX_ARG_NAME_LEN = 32
 MAX_ARGSTR_LEN = 63
 MAX_ARRAY_LEN = 64
 FETCH_INSN_MAX = 16
-PARAM_MAX_STACK = 16384 // 8       # THREAD_SIZE / sizeof(long), as on x86-64
 
 # Error texts: the kernel's ERRORS table (trace_probe.h), by code.
 ERR = {
@@ -74,13 +72,14 @@ class FetchError(Exception):
         super().__init__(self.message)
 
 
-# --- x86-64 registers: regs_query_register_offset() over struct pt_regs -------------------------
+# --- registers: the arch's fetch_regs (names and pt_regs offsets, $stackN bound, default type) ---
 
-PT_REGS = ["r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10", "r9", "r8", "ax", "cx", "dx",
-           "si", "di", "orig_ax", "ip", "cs", "flags", "sp", "ss"]
-# Offsets from the runtime's C header (arch/x86_64/kp_asm_offsets.c).
-REG_OFFSET = {name: link.asm_offsets()["PT_" + name.upper()] for name in PT_REGS}
-REGS_HINT = "x86-64 names: ax bx cx dx si di bp sp r8-r15 ip flags cs ss orig_ax"
+def _regs(flags: "ParseFlags"):
+    """The arch's FETCHARGS facts: the image's arch, else the machine we run on."""
+    if flags.regs is not None:
+        return flags.regs
+    from .arch import get_arch, host_machine
+    return get_arch(host_machine()).fetch_regs
 
 # --- fetch types: probe_fetch_types[] ----------------------------------------------------------
 
@@ -98,7 +97,6 @@ TYPES = {t.name: t for t in [
     FetchType("char", 1, "char"), FetchType("symbol", 8, "symbol"),
     FetchType("string", 8, "string"), FetchType("ustring", 8, "ustring"), FetchType("symstr", 8, "symstr"),
 ]}
-DEFAULT_TYPE = "x64"       # BITS_PER_LONG on x86-64
 STRING_KINDS = ("string", "ustring")
 
 # --- fetch instructions: enum fetch_op (the numbers are the runtime's, kp_trace.h) --------------
@@ -141,6 +139,7 @@ class ProbeArg:
 class ParseFlags:
     is_return: bool = False
     fentry: bool = False            # the probe is on a function entry: $argN allowed
+    regs: object = None             # the arch's fetch_regs (None: the machine we run on)
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -192,7 +191,7 @@ def _parse_vars(arg: str, code: list[Insn], flags: ParseFlags, offs: int) -> Non
             n = kstrtoul(rest) if rest.isdigit() else None
             if n is None or not rest.isdigit():
                 raise FetchError(offs, "BAD_VAR")
-            if n > PARAM_MAX_STACK:
+            if n > _regs(flags).PARAM_MAX_STACK:
                 raise FetchError(offs, "BAD_STACK_NUM")
             code.append(Insn("STACK", param=n))
         else:
@@ -203,7 +202,7 @@ def _parse_vars(arg: str, code: list[Insn], flags: ParseFlags, offs: int) -> Non
         if not flags.fentry:
             raise FetchError(offs, "NOFENTRY_ARGS")
         n = int(arg[3:])
-        if n == 0 or n > PARAM_MAX_STACK:
+        if n == 0 or n > _regs(flags).PARAM_MAX_STACK:
             raise FetchError(offs, "BAD_ARG_NUM")
         code.append(Insn("ARG", param=n - 1))
     else:
@@ -230,9 +229,10 @@ def _parse_arg(arg: str, code: list[Insn], flags: ParseFlags, offs: int) -> None
     if c == "$":
         _parse_vars(arg[1:], code, flags, offs)
     elif c == "%":
-        if arg[1:] not in REG_OFFSET:
-            raise FetchError(offs, "BAD_REG_NAME", REGS_HINT)
-        code.append(Insn("REG", param=REG_OFFSET[arg[1:]]))
+        regs = _regs(flags)
+        if arg[1:] not in regs.REG_OFFSET:
+            raise FetchError(offs, "BAD_REG_NAME", regs.REGS_HINT)
+        code.append(Insn("REG", param=regs.REG_OFFSET[arg[1:]]))
     elif c == "@":
         if arg[1:2].isdigit():
             v = kstrtoul(arg[1:])
@@ -347,7 +347,7 @@ def parse_arg_body(body: str, col: int, flags: ParseFlags) -> tuple[FetchType, i
         bf = _bitfield(t, tcol)
         ftype = TYPES[f"u{bf[2] * 8}"]
     else:
-        ftype = TYPES.get(t if t is not None else DEFAULT_TYPE)
+        ftype = TYPES.get(t if t is not None else _regs(flags).DEFAULT_TYPE)
         if ftype is None:
             raise FetchError(tcol, "BAD_TYPE")
     code: list[Insn] = []

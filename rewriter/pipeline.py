@@ -42,9 +42,9 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     """Everything up to the plan.  strict: refused probes and missing handlers are
     errors (instrument); otherwise refused probes stay in the plan to be printed (check)."""
     spec = load_spec(spec_path)
-    errors = events.expand(spec)        # kprobe_events lines become probe tables
     image = Image(input_path)
     arch = get_arch(image.machine)
+    errors = events.expand(spec, arch)  # kprobe_events lines become probe tables
     target = targets.for_image(image)
     target.load_symbols(image, system_map)
     if strict:

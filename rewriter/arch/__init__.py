@@ -1,5 +1,6 @@
 """Architecture back ends.  A second architecture is one more folder here,
 providing what arch/base.py's Arch declares."""
+import platform
 from importlib import import_module
 
 # ELF e_machine -> back end folder.
@@ -12,3 +13,10 @@ def get_arch(machine: str):
     except ModuleNotFoundError:
         from ..errors import KprewriteError
         raise KprewriteError(f"architecture {machine} is not supported")
+
+
+def host_machine() -> str:
+    """The back end of the machine kprewrite runs on (for what is checked before an
+    image names its own, e.g. event syntax in unit use)."""
+    m = platform.machine().lower()
+    return {"amd64": "x86_64"}.get(m, m)

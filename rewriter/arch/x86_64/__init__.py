@@ -2,6 +2,7 @@
 The package is the arch.base.Arch of x86-64."""
 from ..base import Refusal  # noqa: F401
 from . import emit, handler_abi, kprobe_xol, optprobe, retprobe  # noqa: F401
+from . import fetchregs as fetch_regs  # noqa: F401
 from .decode import decode_function  # noqa: F401
 
 name = "x86_64"
