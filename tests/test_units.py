@@ -1,0 +1,277 @@
+"""Unit tests of the stages on synthetic code: resolve, analysis, the planner's safety
+rules, numbering and return sites, the emitters, the blacklist index and a target's
+reserved ranges.  Each case is a few instructions assembled into a real (tiny, static)
+ELF by the system assembler and linker, loaded with the real Image; the stages run in
+this process, so every rule is checked in milliseconds, beside the end-to-end tests."""
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import capstone
+import pytest
+
+from rewriter import blacklist as bl
+from rewriter.analysis import Analysis
+from rewriter.arch import get_arch
+from rewriter.image import Image
+from rewriter.planner import FTRACE, INT3, OPTIMIZED, REFUSED, plan
+from rewriter.resolve import is_entry, resolve
+from rewriter.rules import Rules
+from rewriter.spec import KprobeSpec, KretprobeSpec, Spec
+
+ARCH = get_arch("x86_64")
+
+
+def assemble(tmp: Path, body: str) -> Image:
+    """`body` (Intel syntax, functions declared with FUNC name / END name) as a static ELF."""
+    lines = [".intel_syntax noprefix", ".text", ".globl _start", "_start: ud2"]
+    for line in body.strip().splitlines():
+        w = line.split()
+        if w and w[0] == "FUNC":
+            lines += [".p2align 4", f".globl {w[1]}", f".type {w[1]}, @function", f"{w[1]}:"]
+        elif w and w[0] == "END":
+            lines.append(f".size {w[1]}, .-{w[1]}")
+        else:
+            lines.append(line)
+    src = tmp / "code.s"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp / "code"
+    r = subprocess.run(["gcc", "-nostdlib", "-static", "-no-pie", "-o", str(out), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return Image(str(out))
+
+
+def kprobe(sym: str, offset: int = 0, **kw) -> KprobeSpec:
+    return KprobeSpec(f"[[kprobe]] {sym}+{offset}", sym, None, offset, **kw)
+
+
+def planned(image: Image, kprobes=(), kretprobes=(), optimize=True, rules=None):
+    spec = Spec(Path("/nonexistent/p.toml"), [], optimize, list(kprobes), list(kretprobes))
+    probes, errors = resolve(image, spec, ARCH)
+    assert not errors, errors
+    an = Analysis(image, ARCH)
+    return plan(image, an, ARCH, probes, rules or Rules(bl.Index(bl.compute(image))), optimize, "p.toml")
+
+
+def site_of(p, addr):
+    return next(s for s in p.sites if s.addr == addr)
+
+
+def sym(image: Image, name: str) -> int:
+    return image.symbols[name][0]
+
+
+def test_region_is_whole_instructions(tmp_path):
+    image = assemble(tmp_path, """
+FUNC f
+    push rbx
+    mov rbx, rdi
+    lea rax, [rdi + 1]
+    pop rbx
+    ret
+END f
+""")
+    p = planned(image, [kprobe("f")])
+    s = site_of(p, sym(image, "f"))
+    assert s.decision == OPTIMIZED
+    # push rbx (1) + mov rbx, rdi (3) + lea (4): the first whole instructions covering 5 bytes.
+    assert [i.addr - s.addr for i in s.dcr] == [0, 1, 4] and s.region_end - s.addr == 8
+
+
+def test_jump_into_region_keeps_an_int3(tmp_path):
+    image = assemble(tmp_path, """
+FUNC f
+    test edi, edi
+    jz 1f
+1:  mov eax, 1
+    ret
+END f
+""")
+    f = sym(image, "f")
+    p = planned(image, [kprobe("f")])
+    s = site_of(p, f)
+    assert s.decision == INT3 and s.reason.check == "jump_into_region"
+    assert s.reason.addr == f + 2          # the jz is the offender
+    assert s.xol.mode in ("boost", "emulate", "single-step")
+
+
+@pytest.mark.parametrize("insn, check", [("jmp rax", "indirect_jump"), ("std", "direction_flag")])
+def test_function_wide_refusals(tmp_path, insn, check):
+    image = assemble(tmp_path, f"""
+FUNC f
+    mov rax, rdi
+    add rax, 8
+    {insn}
+    ret
+END f
+""")
+    f = sym(image, "f")
+    s = site_of(planned(image, [kprobe("f")]), f)
+    assert s.decision == INT3 and s.reason.check == check and s.reason.addr == f + 7
+
+
+def test_short_function_and_no_optimize(tmp_path):
+    image = assemble(tmp_path, """
+FUNC tiny
+    ret
+END tiny
+FUNC g
+    mov rax, rdi
+    add rax, 8
+    ret
+END g
+""")
+    p = planned(image, [kprobe("tiny"), kprobe("g")])
+    assert site_of(p, sym(image, "tiny")).reason.check == "func_size"
+    assert site_of(p, sym(image, "g")).decision == OPTIMIZED
+    p = planned(image, [kprobe("g")], optimize=False)
+    s = site_of(p, sym(image, "g"))
+    assert s.decision == INT3 and "kprobes_optimization" in str(s.reason)
+
+
+def test_registration_refusals_are_errors_for_explicit_probes(tmp_path):
+    image = assemble(tmp_path, """
+FUNC f
+    mov rax, rdi
+    add rax, 8
+    ret
+END f
+""")
+    p = planned(image, [kprobe("f", 1), kprobe("f", 0x40)])
+    assert not p.sites and len(p.errors) == 2
+    assert "is not an instruction boundary of f" in p.errors[0]
+    assert "no function symbol or FDE covers" in p.errors[1]
+    assert [r[1] for r in p.rejected] == [REFUSED, REFUSED]
+
+
+def test_aggregation_numbering_and_probe_in_region(tmp_path):
+    image = assemble(tmp_path, """
+FUNC f
+    push rbx
+    mov rbx, rdi
+    lea rax, [rdi + 1]
+    pop rbx
+    ret
+END f
+""")
+    f = sym(image, "f")
+    p = planned(image, [kprobe("f", 1, pre_handler="a"), kprobe("f", 0, pre_handler="b"), kprobe("f", 0, post_handler="c")],
+                [KretprobeSpec("[[kretprobe]] f", "f", None, 0)])
+    at_f, at_f1 = site_of(p, f), site_of(p, f + 1)
+    # Three kprobes and rp->kp at f aggregate; the probe at f+1 inside f's region keeps f an int3.
+    assert len(at_f.probes) == 3 and at_f.decision == INT3 and at_f.reason.check == "probe_in_region"
+    assert at_f1.decision == OPTIMIZED
+    # f's ret has no room for a jump (f+1's region reaches it): a breakpoint return hook.
+    assert [s.index for s in p.sites] == [0, 1, 2] and p.sites[2].kret_hook and not p.sites[2].probes
+    # kp_probes[] in spec order, kp_kretprobes[] after them for the hit counters.
+    assert [(q.spec.offset, q.slot) for _, q in p.kprobes] == [(1, 0), (0, 1), (0, 2)]
+    (_, rp, g), = p.kretprobes
+    assert is_entry(rp) and rp.slot == 0 and p.hit_slot(rp) == 3 and g.site is at_f
+
+
+def test_kretprobe_checks_and_return_sites(tmp_path):
+    image = assemble(tmp_path, """
+FUNC two_rets
+    mov ecx, 5
+    test edi, edi
+    jz 1f
+    mov eax, 1
+    add eax, 2
+    ret
+1:  mov eax, 7
+    add eax, 3
+    ret
+END two_rets
+FUNC spins
+1:  jmp 1b
+END spins
+""")
+    p = planned(image, [], [KretprobeSpec("[[kretprobe]] a", "two_rets", None, 0),
+                            KretprobeSpec("[[kretprobe]] b", "two_rets", None, 4),
+                            KretprobeSpec("[[kretprobe]] c", "spins", None, 0)])
+    assert len(p.errors) == 2
+    assert "must be on a function entry" in p.errors[0] and "never returns" in p.errors[1]
+    (_, _, g), = p.kretprobes
+    rets = [e.addr for e in g.exits]
+    assert len(rets) == 2 and all(image.read(a, 1) == b"\xc3" for a in rets)
+    # Each ret gets a return site whose region holds the ret and takes a 5-byte jump: the
+    # first ends with it, the last runs on into the alignment padding after the function.
+    first, last = sorted(p.ret_sites, key=lambda rs: rs.addr)
+    assert (first.exit.addr, last.exit.addr) == tuple(rets)
+    assert first.region_end == first.exit.addr + 1 and first.region_end - first.addr >= 5
+    assert last.addr <= last.exit.addr < last.region_end and last.region_end - last.addr >= 5
+    assert set(image.read(last.exit.addr + 1, last.region_end - last.exit.addr - 1)) <= {0x90, 0x66, 0x0f, 0x1f, 0x84, 0x00, 0x2e, 0xcc}
+
+
+def test_target_rules_reserved_and_ftrace(tmp_path):
+    image = assemble(tmp_path, """
+FUNC f
+    nop DWORD PTR [rax + rax]
+    push rbx
+    mov rbx, rdi
+    lea rax, [rdi + 1]
+    pop rbx
+    ret
+END f
+""")
+    f = sym(image, "f")
+    # A site patched at load (as a kernel's .smp_locks entry) inside the region refuses it, by name.
+    rules = Rules(bl.Index(bl.compute(image)), bl.Index([bl.BlacklistEntry(f + 6, f + 7, "lock", ".smp_locks")]))
+    s = site_of(planned(image, [kprobe("f", 5)], rules=rules), f + 5)
+    assert s.decision == INT3 and s.reason.check == ".smp_locks" and s.reason.addr == f + 6
+    # An ftrace site: the 5-byte nop is the probe's whole region, whatever optimize says.
+    rules = Rules(bl.Index(bl.compute(image)), ftrace={f: None})
+    s = site_of(planned(image, [kprobe("f")], optimize=False, rules=rules), f)
+    assert s.decision == FTRACE and s.region_end == f + 5
+    # A target without breakpoint probes refuses what it cannot optimize.
+    rules = Rules(bl.Index(bl.compute(image)), int3=False)
+    p = planned(image, [kprobe("f", 5)], optimize=False, rules=rules)
+    assert not p.sites and "kprobes_optimization" in p.errors[0]
+
+
+def test_blacklist_index_matches_a_linear_scan():
+    rnd = random.Random(7)
+    entries = []
+    for i in range(300):
+        lo = rnd.randrange(0, 5000)
+        entries.append(bl.BlacklistEntry(lo, lo + rnd.randrange(1, 400), f"s{i}", "r"))
+    index = bl.Index(entries)
+    ordered = sorted(entries, key=lambda e: (e.start, e.end, e.symbol))
+    for _ in range(2000):
+        lo = rnd.randrange(0, 5600)
+        hi = lo + rnd.randrange(1, 20)
+        want = next((e for e in ordered if e.start < hi and lo < e.end), None)
+        assert index.overlapping(lo, hi) == want
+
+
+def test_emitters(tmp_path):
+    em = ARCH.emit
+    # The jump over a 7-byte region: jmp rel32, then int3 over the rest.
+    assert em.jump_patch(0x1000, 7, 0x2000) == b"\xe9" + (0x2000 - 0x1005).to_bytes(4, "little", signed=True) + b"\xcc\xcc"
+    # A RIP-relative load moved elsewhere still reaches the same address.
+    image = assemble(tmp_path, """
+FUNC f
+    lea rax, [rip + data]
+    ret
+END f
+data: .quad 0
+""")
+    f = sym(image, "f")
+    s = site_of(planned(image, [kprobe("f")]), f)
+    insn = s.dcr[0]
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    cs.detail = True
+
+    def target(code, at):
+        i = next(cs.disasm(code, at))
+        return i.address + i.size + i.operands[1].mem.disp
+
+    moved = em.relocate(insn, f + 0x100000)
+    assert target(moved, f + 0x100000) == target(insn.code, f)
+    # The detour: stub, the DCR copy, the jump back after the region.
+    code, resume, resume_post = em.detour(s.index, s.dcr, False, 0x500000, 0x600000, 0x600100)
+    back = next(cs.disasm(code[-5:], 0x500000 + len(code) - 5))
+    assert back.mnemonic == "jmp" and int(back.op_str, 16) == s.region_end and resume == resume_post
