@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .errors import KprewriteError
 from .planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, Plan, Site
+from .events import trace_key
 from .resolve import is_entry
 
 # The runtime's return hooks (runtime/arch/*/kretprobe_entry.S), by hook kind;
@@ -46,6 +47,7 @@ class Code:
     plan: Plan
     handler_symbol: dict          # handler name -> link symbol
     traced: set                   # events.trace_key of probes with a trace event
+    thread_key: object = None     # arch.base.ThreadKey: the target's (templates find the thread with it)
 
 
 def hook_symbol(group, kind: str) -> str:
@@ -68,10 +70,10 @@ def _hook(c: Code, group, kind: str, sym, at: int):
     handler = sym[tpl["handler"]] if tpl["handler"] else None
     if not group.ret_clean:
         return lambda exit, pos: rp_.full_ret_hook(
-            exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], rp=rp, handler=handler,
+            exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, rp=rp, handler=handler,
             return_c=sym["kp_kretprobe_return"], aligned=tpl["aligned"])
     return lambda exit, pos: rp_.clean_ret_hook(
-        exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], rp=rp, handler=handler,
+        exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, rp=rp, handler=handler,
         return_c=sym["kp_kretprobe_return_clean"], full_hook=(sym[HOOK_SYMBOL[HOOK_RET]], sym[HOOK_RET_JMP]),
         aligned=tpl["aligned"], handler_clobbers=tpl["clobbers"])
 
@@ -86,7 +88,6 @@ def _site_copy(c: Code, site: Site, at: int, sym):
 def pre_handler_symbol(c: Code, p) -> str | None:
     """The link symbol the probe's pre_handler field holds: a trace event's generated
     pre_handler (which calls the user's, if any), else the user's."""
-    from .events import trace_key
     if trace_key(p) in c.traced:
         return f"kp_trace_pre_{trace_key(p)}"
     return c.handler_symbol[p.spec.pre_handler] if p.spec.pre_handler else None
@@ -110,7 +111,7 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
         probe = sym["kp_probes"] + p.slot * em.KPROBE_SIZE
         h = pre_handler_symbol(c, p)
         handler = sym[h] if h else None
-    common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], probe=probe, probe_index=k,
+    common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, probe=probe, probe_index=k,
                   handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym))
     if site.clean:
         callback, body = sym["kp_optimized_clean_callback"], None

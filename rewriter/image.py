@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import lief
 
 from . import ehframe
-from .arch import MACHINES
+from .arch import MACHINES, get_arch
 from .errors import KprewriteError
 
 lief.logging.disable()
@@ -262,7 +262,6 @@ class Image:
     def relative_relocations(self) -> list[tuple[int, int, int]]:
         """(file offset of the Elf64_Rela, r_offset, addend) of every base-relative
         relocation (the arch's r_relative: R_X86_64_RELATIVE)."""
-        from .arch import get_arch
         r_relative = get_arch(self.machine).r_relative
         out = []
         for tag_rela, tag_sz in ((7, 8),):

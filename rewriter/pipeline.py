@@ -78,7 +78,7 @@ def build(s: Session, workdir: Path) -> bytes:
     s.target.plan_layout(s.image)        # a target that cannot write yet says so before compiling
     objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
-    c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces))
+    c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
     lay = layout.place(c, s.target)
     cc = link.compiler()
     table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces))

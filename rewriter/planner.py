@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import blacklist as bl
+from .events import trace_key
 from .resolve import EntryProbe, Probe, is_entry
 
 OPTIMIZED, FTRACE, INT3, REFUSED = "optimized", "ftrace", "int3", "refused"
@@ -398,7 +399,6 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     kretprobes share the runtime's hooks, the clean one when no handler reads
     regs.  traced: keys of probes with a trace event (events.trace_key), whose
     generated handlers read regs."""
-    from .events import trace_key
     for site in plan.sites:
         if fast_forms:
             _site_form(site, image, arch, code, traced, trace_key)

@@ -35,6 +35,17 @@ RET, TAIL = "ret", "tail"
 
 
 @dataclass(frozen=True)
+class ThreadKey:
+    """What identifies the running thread to the runtime's thread table, as the
+    platform defines it and the arch reads it: a word at `disp` from the thread
+    pointer (base "thread": a user TCB's self pointer at 0) or from the CPU's
+    per-CPU base (base "cpu": a kernel's this_cpu_off, the thread being the CPU
+    with preemption off)."""
+    base: str
+    disp: int
+
+
+@dataclass(frozen=True)
 class Exit:
     """One way out of a function: a ret, or a tail-call jmp to `target`."""
     addr: int

@@ -195,13 +195,19 @@ class _Code:
 JB, JAE, JE, JNE, JBE = 0x2, 0x3, 0x4, 0x5, 0x6
 
 
-def find_thread(c: _Code, fast: int, table: int) -> list[int]:
+# The base a platform's thread key is read from (arch.base.ThreadKey.base): the
+# thread pointer (%fs) or the CPU's per-CPU base (%gs).
+_KEY_SEGMENT = {"thread": b"\x64", "cpu": b"\x65"}
+
+
+def find_thread(c: _Code, fast: int, table: int, key) -> list[int]:
     """kp_current_thread() inlined: kprobes armed, and the thread's block
-    (found by its thread pointer) in rdx.  Clobbers rax rdx rdi.  Returns the
-    jumps to the slow path (disarmed, a thread seen for the first time)."""
+    (found by the platform's thread key, arch.base.ThreadKey) in rdx.  Clobbers
+    rax rdx rdi.  Returns the jumps to the slow path (disarmed, a thread seen
+    for the first time)."""
     c.rip("cmp dword ptr [rip + {d}], 0", fast)
     slow = [c.jcc(JE)]
-    c.out += b"\x64\x48\x8b\x3c\x25\0\0\0\0"              # mov %fs:0,%rdi: the thread pointer (linux_user)
+    c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x3c\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rdi
     c.a(f"mov rax, rdi; shr rax, 12; and eax, {THREAD_TABLE_MASK:#x}")
     c.rip("lea rdx, [rip + {d}]", table)
     c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
@@ -240,7 +246,7 @@ def restore_pt_regs(c: _Code):
         c.a(f"mov {reg}, qword ptr [rsp + {off}]")
 
 
-def _dispatch_fast_path(c: _Code, fast: int, table: int, probe: int, probe_index: int,
+def _dispatch_fast_path(c: _Code, fast: int, table: int, key, probe: int, probe_index: int,
                         thread_slot: str | None) -> tuple[list[int], list[int]]:
     """The inlined part of the dispatch (kp_pre_dispatch() in kp_core.c for a
     site with one probe): kprobes armed, the thread's block found, no handler
@@ -249,7 +255,7 @@ def _dispatch_fast_path(c: _Code, fast: int, table: int, probe: int, probe_index
     block at `thread_slot` for after the handler.
     Clobbers rax rdx rdi.  Returns (jumps to the slow path, jumps to the
     restore: a disabled probe stays silent)."""
-    slow = find_thread(c, fast, table)
+    slow = find_thread(c, fast, table, key)
     c.a(f"cmp dword ptr [rdx + {THREAD_ACTIVE}], 0")
     slow.append(c.jcc(JNE))                                    # reentered: nmissed
     c.rip("test byte ptr [rip + {d}], 3", probe + KPROBE_FLAGS)   # KPROBE_FLAG_GONE|DISABLED
@@ -269,7 +275,7 @@ def _dcr_and_back(c: _Code, dcr: list[DcrInsn], copy=None) -> int:
     return resume
 
 
-def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
+def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
                  probe_index: int, handler: int | None, callback: int,
                  flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None,
                  copy=None, body=None) -> tuple[bytes, int]:
@@ -296,7 +302,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         c.a("seto al; lahf; mov word ptr [rsp + 72], ax")
     for reg in fast_saves[1:]:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
-    to_slow, to_restore = _dispatch_fast_path(c, fast, table, probe, probe_index,
+    to_slow, to_restore = _dispatch_fast_path(c, fast, table, key, probe, probe_index,
                                               "[rsp + 80]" if handler is not None or body else None)
     if body is not None:
         body(c, slow_saves, slot)
@@ -336,7 +342,7 @@ ARITH_FLAGS = _OFFSETS["ARITH_FLAGS"]   # OF SF ZF AF PF CF: restored without po
 FULL_FRAME = RED_ZONE + PT_SIZE + 16   # red zone, pt_regs, the thread block, the flags at the hit
 
 
-def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe: int,
+def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
                 probe_index: int, handler: int, callback: int, resume_regs: int,
                 aligned: bool, copy=None, body=None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
@@ -358,7 +364,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     hit_ip = dcr[0].addr + 1                                    # as if the int3 had trapped
     c.rip("lea rax, [rip + {d}]", hit_ip)
     c.a(f"mov qword ptr [rsp + {PT_IP}], rax")
-    to_slow, to_restore = _dispatch_fast_path(c, fast, table, probe, probe_index, f"[rsp + {PT_SIZE}]")
+    to_slow, to_restore = _dispatch_fast_path(c, fast, table, key, probe, probe_index, f"[rsp + {PT_SIZE}]")
     c.a("mov rbx, rsp")                                         # saved in pt_regs; the callee keeps it
     if not aligned:
         c.a("and rsp, -16")

@@ -18,6 +18,7 @@ import bisect
 
 
 from . import insn as x86insn
+from . import emit as em
 from .emit import _s32, relocate
 from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
 from .optprobe import JMP32_INSN_SIZE
@@ -246,7 +247,6 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
     emit.full_detour()'s (struct pt_regs at rbx, which may differ from rsp by
     the realignment; the thread block after it; every register is saved; the
     body leaves eax = 0, pre_handler_kretprobe()'s return)."""
-    from . import emit as em
     F = em.FULL_FRAME if regs else em.CLEAN_FRAME
     base = "rbx" if regs else "rsp"
     T = f"[rbx + {em.PT_SIZE}]" if regs else "[rsp + 80]"
@@ -310,15 +310,14 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
     return body
 
 
-def _ret_fast_path(c, F: int, *, fast: int, table: int, rp: int, handler: int | None, aligned: bool,
+def _ret_fast_path(c, F: int, *, fast: int, table: int, key, rp: int, handler: int | None, aligned: bool,
                    ri_slot: int, t_slot: int, regs_arg: str) -> tuple[list[int], list[int]]:
     """The inlined part of a return hook (kp_kretprobe_return() for the common
     case), S at [rsp + F]: armed, the thread's block found, no handler running,
     the top instance recorded at S, not fired by the trampoline, this
     kretprobe's; pop it, run the handler (regs_arg sets its regs argument),
     free it.  Returns (jumps to the slow path, jumps to the restore)."""
-    from . import emit as em
-    slow = em.find_thread(c, fast, table)
+    slow = em.find_thread(c, fast, table, key)
     c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
     restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
     c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
@@ -353,7 +352,7 @@ def _ret_fast_path(c, F: int, *, fast: int, table: int, rp: int, handler: int | 
 RET_FRAME = 104     # rax rcx rdx rsi rdi r8-r11 (0..64), flags 72, the instance 80, the thread 88
 
 
-def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, handler: int | None,
+def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int, handler: int | None,
                    return_c: int, full_hook: tuple[int, int | None], aligned: bool,
                    handler_clobbers: set[str] | None) -> bytes:
     """A return hook inlined before a `ret` (rsp at the return-address slot S)
@@ -363,7 +362,6 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, ha
     and the handler write; the rest before calling C) and the arithmetic
     flags are kept, as kretprobe_entry.S explains.  Anything else goes to
     kp_kretprobe_return_clean(S), which may hand over to the full hook."""
-    from . import emit as em
     fast_saves, slow_saves, slot = em.scratch_plan({"rax", "rcx", "rdx", "rsi", "rdi", "r8"}, handler_clobbers)
     F = RET_FRAME
     c = em._Code(at)
@@ -371,7 +369,7 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, ha
     c.a("mov qword ptr [rsp], rax; seto al; lahf; mov word ptr [rsp + 72], ax")
     for reg in fast_saves[1:]:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
-    slow, restore = _ret_fast_path(c, F, fast=fast, table=table, rp=rp, handler=handler, aligned=aligned,
+    slow, restore = _ret_fast_path(c, F, fast=fast, table=table, key=key, rp=rp, handler=handler, aligned=aligned,
                                    ri_slot=80, t_slot=88, regs_arg="xor esi, esi")
 
     def restore_all(saves):
@@ -398,14 +396,13 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, ha
     return bytes(c.out)
 
 
-def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, handler: int | None,
+def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int, handler: int | None,
                   return_c: int, aligned: bool) -> bytes:
     """The same for a kretprobe whose handler may read regs: struct pt_regs is
     built inline as the kernel's trampoline reports it (ip the return address,
     sp the stack pointer after the ret), the handler is called directly, and
     every register is restored from pt_regs (a handler may change regs->ax).
     Anything uncommon calls kp_kretprobe_return(regs)."""
-    from . import emit as em
     F = em.PT_SIZE + 16                   # pt_regs, the instance, the thread block
     RI, T = em.PT_SIZE, em.PT_SIZE + 8
     c = em._Code(at)
@@ -413,7 +410,7 @@ def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, rp: int, han
     em.save_pt_regs(c)
     c.a(f"mov rax, qword ptr [rsp + {F}]; mov qword ptr [rsp + {em.PT_IP}], rax; "
         f"lea rax, [rsp + {F + 8}]; mov qword ptr [rsp + {em.PT_SP}], rax")
-    slow, restore = _ret_fast_path(c, F, fast=fast, table=table, rp=rp, handler=handler, aligned=aligned,
+    slow, restore = _ret_fast_path(c, F, fast=fast, table=table, key=key, rp=rp, handler=handler, aligned=aligned,
                                    ri_slot=RI, t_slot=T, regs_arg="mov rsi, rsp")
     restore_pc = c.pc
     c.fix(restore, restore_pc)

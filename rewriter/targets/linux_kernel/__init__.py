@@ -18,6 +18,7 @@ import bisect
 import struct
 from dataclasses import dataclass
 
+from ...arch.base import ThreadKey
 from ...blacklist import BlacklistEntry, Index
 from ...elfwrite import NewSection, append_section_headers
 from ...errors import KprewriteError
@@ -179,6 +180,12 @@ def _symbol(image, name: str) -> int:
 def plan_layout(image) -> GapLayout:
     start = (_symbol(image, "_etext") + PAGE - 1) & ~(PAGE - 1)
     return GapLayout(start, _symbol(image, "__start_rodata"))
+
+
+def thread_key(image) -> ThreadKey:
+    """The runtime's "thread" in a kernel is the CPU (preemption off while handlers
+    run, as the kernel's current_kprobe is per-CPU): its per-CPU offset."""
+    return ThreadKey("cpu", _symbol(image, "this_cpu_off"))
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:

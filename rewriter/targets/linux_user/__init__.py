@@ -6,6 +6,7 @@ objects.  New code and data go in two PT_LOAD segments appended to the file
 from __future__ import annotations
 
 from ... import blacklist as bl
+from ...arch.base import ThreadKey
 from ...errors import KprewriteError
 from ...rules import Rules
 from . import sighook, writer
@@ -13,6 +14,11 @@ from .startup import emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"
+
+
+def thread_key(image) -> ThreadKey:
+    """The thread's identity: the C library's TCB self pointer, at 0 from the thread pointer."""
+    return ThreadKey("thread", 0)
 META_SECTION = ".kprewrite.meta"
 
 
