@@ -62,7 +62,11 @@ def once(_once_cache, tmp_path_factory):
     A test parametrized by `runner` puts its compile and rewrite in such a build
     function: the native and the QEMU run then share the built and rewritten
     files, and each runs (and asserts) only what differs.  A build that fails is
-    not kept: the other runner's test builds again, and fails the same way."""
+    not kept: the other runner's test builds again, and fails the same way.
+
+    What a build writes goes in its tmp, each file under a name of its own:
+    instrument()'s default output (next to the input) would be overwritten by
+    the next build or rewrite of the same input (a module-scoped program)."""
     def get(build, *args):
         key = (build.__module__, build.__qualname__, args)
         if key not in _once_cache:
@@ -108,7 +112,8 @@ def write_spec(tmp: Path, text: str, handlers: str | None = None, name="probes.t
     return p
 
 
-def _toml(v) -> str:
+def toml_value(v) -> str:
+    """A TOML value: a bool, an int, or a basic string (quotes and backslashes escaped)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
@@ -123,10 +128,10 @@ def probe_spec(kind: str, targets, handlers: bool = True, extra: str = "", **key
     out = ['handlers = ["handlers.c"]'] if handlers else []
     for t in targets:
         sym, off = t if isinstance(t, tuple) else (t, None)
-        table = [f"[[{kind}]]", f"symbol_name = {_toml(sym)}"]
+        table = [f"[[{kind}]]", f"symbol_name = {toml_value(sym)}"]
         if off is not None:
             table.append(f"offset = {off}")
-        table += [f"{k} = {_toml(v)}" for k, v in keys.items() if v is not None]
+        table += [f"{k} = {toml_value(v)}" for k, v in keys.items() if v is not None]
         out.append("\n".join(table))
     return "\n".join(out) + "\n" + extra
 

@@ -83,7 +83,7 @@ def trace_lines(text: str) -> list[tracefmt.Record]:
 
 def _events_only(tmp, prog):
     """prog rewritten with EVENTS_ONLY, and what `check` says of that spec."""
-    out = instrument(prog, write_spec(tmp, EVENTS_ONLY))
+    out = instrument(prog, write_spec(tmp, EVENTS_ONLY), tmp / "prog.kp")
     return kprewrite("check", prog, "--spec", tmp / "probes.toml").stdout.split("\n"), out
 
 
@@ -136,7 +136,7 @@ events = ["p:ev_work work x=%di:s64"]
 symbol_name = "work"
 pre_handler = "on_work"
 """, handlers)
-    out = instrument(prog, spec)
+    out = instrument(prog, spec, tmp / "prog.kp")
     return out, kprewrite("list", out).stdout.splitlines()
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import cc, kprewrite, rewritten, run, write_spec
+from conftest import cc, kprewrite, rewritten, run, toml_value, write_spec
 from rewriter import events as E
 from rewriter import fetch as F
 
@@ -139,7 +139,7 @@ def parse_trace(stderr: str, event: str) -> list[dict[str, str]]:
 def test_every_form_and_type(once, built, runner):
     prog, offs = built
     args = " ".join(f"{n}={a.format(**offs)}" for n, (a, _) in CASES.items())
-    out = once(rewritten, prog, f"events = [{E_toml('p:work_entry work ' + args)}]\n")
+    out = once(rewritten, prog, f"events = [{toml_value('p:work_entry work ' + args)}]\n")
     r = run(out, runner=runner)
     assert r.returncode == 0, r.stderr
     comm = re.search(r"comm=(\S+)", r.stdout).group(1)
@@ -288,7 +288,7 @@ def small(built):
 
 @pytest.mark.parametrize("line,at,msg", ERRORS, ids=[e[2][:30] + f"-{i}" for i, e in enumerate(ERRORS)])
 def test_error_caret(tmp_path, small, line, at, msg):
-    spec = write_spec(tmp_path, f'events = ["p:fine work", {E_toml(line)}]\n')
+    spec = write_spec(tmp_path, f'events = ["p:fine work", {toml_value(line)}]\n')
     r = kprewrite("instrument", small, "--spec", spec, "-o", tmp_path / "out", check=False)
     assert r.returncode != 0 and not (tmp_path / "out").exists()
     assert "Traceback" not in r.stderr
@@ -305,10 +305,6 @@ def test_error_caret(tmp_path, small, line, at, msg):
         assert line[col:col + len(at)] == at, (line, col, at)
     else:
         assert col >= len(line) - 1, (line, col)
-
-
-def E_toml(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def test_fetch_string_error_names_the_table(tmp_path, small):

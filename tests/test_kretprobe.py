@@ -551,7 +551,7 @@ def _fallback(tmp):
                       "#include <kprewrite/kprobes.h>\n"
                       "int plus_100(struct kretprobe_instance *ri, struct pt_regs *regs) { regs->ax += 100; return 0; }\n",
                       name="plus.toml")
-    return lines, out, instrument(prog, plus)
+    return lines, out, instrument(prog, plus, tmp / "prog.plus.kp")
 
 
 def test_int3_return_hook_fallback_is_reported_and_works(once, runner):

@@ -137,7 +137,7 @@ def _tails(tmp):
     spec = ('handlers = ["handlers.c"]\n'
             '[[kretprobe]]\nsymbol_name = "tail_probed"\nhandler = "on_return"\nentry_handler = "on_entry"\ndata_size = 8\n'
             '[[kretprobe]]\nsymbol_name = "leaf_probed"\nhandler = "c_return"\nentry_handler = "c_entry"\ndata_size = 8\n')
-    return out, instrument(prog, write_spec(tmp, spec, handlers, name="mixed.toml"))
+    return out, instrument(prog, write_spec(tmp, spec, handlers, name="mixed.toml"), tmp / "prog.mixed.kp")
 
 
 def test_tail_calls_clean_and_a_regs_reading_caller(once, runner):

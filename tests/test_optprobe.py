@@ -138,7 +138,7 @@ HARD = [("rip_rel", 0), ("short_br", 0), ("redzone", 10), ("calls", 4)]
 
 def _hard(tmp, prog):
     spec = write_spec(tmp, probe_spec("kprobe", HARD, pre_handler="noisy"), NOISY)
-    return check_lines(prog, spec), instrument(prog, spec)
+    return check_lines(prog, spec), instrument(prog, spec, tmp / "prog.kp")
 
 
 def test_hard_cases_optimized(once, runner):
