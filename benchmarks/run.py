@@ -32,6 +32,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# This tree's CLI, not whatever `kprewrite` comes first on PATH (another checkout).
+KPREWRITE = [sys.executable, "-m", "rewriter"]
+TREE_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 N = int(os.environ.get("BENCH_N", 50_000_000))
 RUNS = int(os.environ.get("BENCH_RUNS", 7))
 N_TRAP = int(os.environ.get("BENCH_N_TRAP", 100_000))
@@ -46,8 +49,8 @@ def build(tmp: Path) -> Path:
 
 
 def rewrite(exe: Path, spec: str, out: Path, *extra: str) -> Path:
-    subprocess.run(["kprewrite", "instrument", str(exe), "--spec", str(HERE / spec), "-o", str(out), *extra],
-                   check=True)
+    subprocess.run([*KPREWRITE, "instrument", str(exe), "--spec", str(HERE / spec), "-o", str(out), *extra],
+                   check=True, env=TREE_ENV)
     return out
 
 

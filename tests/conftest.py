@@ -1,14 +1,25 @@
 """Shared helpers: compile real programs with gcc, rewrite them with the real
-CLI, run them natively and under qemu-x86_64."""
+CLI, run them natively and under qemu-x86_64.
+
+Every test module takes its helpers from here: compiling (`cc`), the CLI
+(`kprewrite`, `instrument`, `check_lines`), spec text (`write_spec`,
+`probe_spec`), running (`run`, the `runner` fixture), reading results
+(`profile`, `meta`), the symbols of a binary (`symbols`, `functions`, `insns`),
+and `once`, which builds what a native/QEMU pair of a test shares."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
+import capstone
 import pytest
+from elftools.elf.elffile import ELFFile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))      # in-process imports of rewriter: this tree too
@@ -16,18 +27,55 @@ sys.path.insert(0, str(ROOT))      # in-process imports of rewriter: this tree t
 KPREWRITE = [sys.executable, "-m", "rewriter"]
 TREE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 QEMU = shutil.which("qemu-x86_64")
+# The libpython of the interpreter running the tests, if it has one.
+LIBPYTHON = (Path(sysconfig.get_config_var("LIBDIR")) / (sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY"))
+             if sysconfig.get_config_var("Py_ENABLE_SHARED") else None)
 RUNNERS = ["native", "qemu"]
 
 
-def cc(tmp: Path, name: str, source: str, *flags: str, lang: str = "c") -> Path:
+# --- building ---------------------------------------------------------------------------------
+
+def cc(tmp: Path, name: str, source: str, *flags: str, lang: str = "c", skip_without_static: bool = False) -> Path:
+    """Compiles `source` to tmp/name with gcc (g++ for lang="c++").  With
+    skip_without_static, a -static link that finds no static libraries skips the test."""
     src = tmp / f"{name}.{'cc' if lang == 'c++' else 'c'}"
     src.write_text(source)
     out = tmp / name
     compiler = "g++" if lang == "c++" else "gcc"
     r = subprocess.run([compiler, str(src), *flags, "-o", str(out)], capture_output=True, text=True)
+    if skip_without_static and r.returncode != 0 and "-static" in flags and "cannot find" in r.stderr:
+        pytest.skip("no static libc/libstdc++ installed")
     assert r.returncode == 0, r.stderr
     return out
 
+
+@pytest.fixture(scope="session")
+def _once_cache() -> dict:
+    return {}
+
+
+@pytest.fixture
+def once(_once_cache, tmp_path_factory):
+    """once(build, *args) -> build(tmp, *args), computed once per (build, args) in
+    the session, in a directory of its own (tmp_path_factory).
+
+    A test parametrized by `runner` puts its compile and rewrite in such a build
+    function: the native and the QEMU run then share the built and rewritten
+    files, and each runs (and asserts) only what differs.  A build that fails is
+    not kept: the other runner's test builds again, and fails the same way.
+
+    What a build writes goes in its tmp, each file under a name of its own:
+    instrument()'s default output (next to the input) would be overwritten by
+    the next build or rewrite of the same input (a module-scoped program)."""
+    def get(build, *args):
+        key = (build.__module__, build.__qualname__, args)
+        if key not in _once_cache:
+            _once_cache[key] = build(tmp_path_factory.mktemp(build.__name__.strip("_")), *args)
+        return _once_cache[key]
+    return get
+
+
+# --- the CLI ------------------------------------------------------------------------------------
 
 def kprewrite(*args, check=True, cwd=None) -> subprocess.CompletedProcess:
     r = subprocess.run([*KPREWRITE, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=TREE_ENV)
@@ -36,7 +84,27 @@ def kprewrite(*args, check=True, cwd=None) -> subprocess.CompletedProcess:
     return r
 
 
+def instrument(binary: Path, spec: Path, out: Path | None = None, *extra) -> Path:
+    out = out or binary.with_name(binary.name + ".kp")
+    kprewrite("instrument", binary, "--spec", spec, "-o", out, *extra)
+    return out
+
+
+def rewritten(tmp: Path, binary: Path, text: str, handlers: str | None = None) -> Path:
+    """`binary` rewritten with the spec `text` (and handlers.c holding `handlers`),
+    written in tmp: a build for once(rewritten, binary, text, ...)."""
+    return instrument(binary, write_spec(tmp, text, handlers), tmp / (binary.name + ".kp"))
+
+
+def check_lines(binary: Path, spec: Path, *extra) -> list[str]:
+    """`kprewrite check`'s lines: SYMBOL+0xOFF  k|r  DECISION  [CHECK at ADDR] ..."""
+    return kprewrite("check", binary, "--spec", spec, *extra).stdout.splitlines()
+
+
+# --- specs -------------------------------------------------------------------------------------
+
 def write_spec(tmp: Path, text: str, handlers: str | None = None, name="probes.toml") -> Path:
+    """tmp/name holding `text`, and tmp/handlers.c holding `handlers` if given."""
     if handlers is not None:
         (tmp / "handlers.c").write_text(handlers)
     p = tmp / name
@@ -44,21 +112,53 @@ def write_spec(tmp: Path, text: str, handlers: str | None = None, name="probes.t
     return p
 
 
-def instrument(binary: Path, spec: Path, out: Path | None = None, *extra) -> Path:
-    out = out or binary.with_name(binary.name + ".kp")
-    kprewrite("instrument", binary, "--spec", spec, "-o", out, *extra)
-    return out
+def toml_value(v) -> str:
+    """A TOML value: a bool, an int, or a basic string (quotes and backslashes escaped)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def run(binary: Path, *args, runner="native", env=None, timeout=120) -> subprocess.CompletedProcess:
+def probe_spec(kind: str, targets, handlers: bool = True, extra: str = "", **keys) -> str:
+    """Spec text: `handlers = ["handlers.c"]` (unless handlers=False), one
+    [[kind]] table per target, a symbol name or (symbol, offset), each with the
+    given keys (a None value leaves its key out), then `extra` verbatim."""
+    out = ['handlers = ["handlers.c"]'] if handlers else []
+    for t in targets:
+        sym, off = t if isinstance(t, tuple) else (t, None)
+        table = [f"[[{kind}]]", f"symbol_name = {toml_value(sym)}"]
+        if off is not None:
+            table.append(f"offset = {off}")
+        table += [f"{k} = {toml_value(v)}" for k, v in keys.items() if v is not None]
+        out.append("\n".join(table))
+    return "\n".join(out) + "\n" + extra
+
+
+# --- running -------------------------------------------------------------------------------------
+
+def run(binary: Path, *args, runner="native", env=None, libdir: Path | None = None,
+        timeout=120) -> subprocess.CompletedProcess:
+    """Runs `binary` natively or under qemu-x86_64, with `env` added to the
+    environment; `libdir` goes first on the library path (both loaders')."""
     cmd = [str(binary), *map(str, args)]
     if runner == "qemu":
         if not QEMU:
             pytest.skip("qemu-x86_64 not installed")
         cmd = [QEMU, *cmd]
     e = dict(os.environ)
+    if libdir is not None:
+        e["LD_LIBRARY_PATH"] = str(libdir)
+        if runner == "qemu":
+            e["QEMU_LD_LIBRARY_PATH"] = str(libdir)
     e.update(env or {})
     return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout)
+
+
+@pytest.fixture(params=RUNNERS)
+def runner(request):
+    return request.param
 
 
 def profile(stderr: str) -> dict[str, tuple[int, int]]:
@@ -71,6 +171,69 @@ def profile(stderr: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-@pytest.fixture(params=RUNNERS)
-def runner(request):
-    return request.param
+def meta(binary: Path) -> dict:
+    """The .kprewrite.meta section of a rewritten file (the probe list `kprewrite
+    list` reads), read with pyelftools."""
+    with open(binary, "rb") as f:
+        sec = ELFFile(f).get_section_by_name(".kprewrite.meta")
+        assert sec is not None, f"{binary}: no .kprewrite.meta section"
+        return json.loads(sec.data())
+
+
+# --- symbols and code of a binary (pyelftools and capstone, not the rewriter's own reader) --------
+
+def _defined_symbols(path: Path):
+    with open(path, "rb") as fh:
+        symtab = ELFFile(fh).get_section_by_name(".symtab")
+        assert symtab is not None, f"{path} has no .symtab"
+        for s in symtab.iter_symbols():
+            if s.name and s["st_shndx"] != "SHN_UNDEF" and s["st_info"]["type"] not in ("STT_FILE", "STT_SECTION"):
+                yield s
+
+
+def symbols(path: Path) -> dict[str, int]:
+    """name -> link-time address of the defined symbols of .symtab (what nm lists)."""
+    return {s.name: s["st_value"] for s in _defined_symbols(path)}
+
+
+def functions(path: Path) -> dict[str, list[tuple[int, int]]]:
+    """name -> [(start, end)] of the defined STT_FUNC symbols with a size."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for s in _defined_symbols(path):
+        if s["st_info"]["type"] == "STT_FUNC" and s["st_size"]:
+            out.setdefault(s.name, []).append((s["st_value"], s["st_value"] + s["st_size"]))
+    return out
+
+
+def function(path: Path, name: str) -> tuple[int, int]:
+    """(start, end) of the one sized function `name`."""
+    found = functions(path).get(name, [])
+    assert len(found) == 1, (path, name, found)
+    return found[0]
+
+
+def va_to_off(data: bytes, va: int) -> int:
+    """File offset of a link-time address, through the PT_LOAD segments."""
+    phoff, = struct.unpack_from("<Q", data, 32)
+    phnum, = struct.unpack_from("<H", data, 56)
+    for i in range(phnum):
+        t, _, off, pva, _, fsz, _, _ = struct.unpack_from("<IIQQQQQQ", data, phoff + i * 56)
+        if t == 1 and pva <= va < pva + fsz:
+            return off + va - pva
+    raise AssertionError(f"{va:#x} not in any PT_LOAD")
+
+
+def read_at(path: Path, va: int, size: int) -> bytes:
+    """`size` bytes of the file at link-time address `va`."""
+    data = Path(path).read_bytes()
+    off = va_to_off(data, va)
+    return data[off:off + size]
+
+
+_md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+
+
+def insns(path: Path, func: str) -> list:
+    """[(offset, capstone insn)] of function `func`, decoded linearly from its start."""
+    start, end = function(path, func)
+    return [(i.address - start, i) for i in _md.disasm(read_at(path, start, end - start), start)]

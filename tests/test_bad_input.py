@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from conftest import cc, kprewrite, write_spec
+from conftest import ROOT, cc, kprewrite, run, write_spec
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -18,10 +18,10 @@ int main(void) { printf("%d\n", work(1) + secret(2)); return 0; }
 GOOD_HANDLERS = "#include <kprewrite/kprobes.h>\nint h(struct kprobe *p, struct pt_regs *r) { return 0; }\n"
 
 
-@pytest.fixture
-def prog(tmp_path):
-    from conftest import ROOT
-    return cc(tmp_path, "prog", PROGRAM, "-O2", f"-I{ROOT / 'runtime' / 'include'}")
+@pytest.fixture(scope="module")
+def prog(tmp_path_factory):
+    """Read only: every failing rewrite checks that it is left untouched."""
+    return cc(tmp_path_factory.mktemp("bad_input"), "prog", PROGRAM, "-O2", f"-I{ROOT / 'runtime' / 'include'}")
 
 
 def fails(tmp_path, inp, spec, *expect):
@@ -108,7 +108,6 @@ def test_every_failing_probe_named(tmp_path, prog):
 def test_fetch_on_a_kretprobe_and_its_syntax_error(tmp_path, prog):
     """`fetch` on [[kretprobe]] compiles for the return ($retval); $retval on a
     kprobe is refused with the kernel's error and column."""
-    from conftest import run
     spec = write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "work"\nfetch = "ret=$retval:s32"\n')
     out = tmp_path / "ok"
     kprewrite("instrument", prog, "--spec", spec, "-o", out)

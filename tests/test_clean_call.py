@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import cc, instrument, kprewrite, profile, run, write_spec
-from rewriter.pipeline import read_metadata
+from conftest import cc, instrument, kprewrite, meta, profile, run, write_spec
 
 PROG = r"""
 #include <stdio.h>
@@ -104,18 +103,21 @@ def _lives():
 EXPECTED = f"{_lives()}\n{sum(i * 3 + i + 2 + i - 1 + (i ^ 1) for i in range(1000))}\n"
 
 
-def test_call_kind_follows_handler_code(tmp_path):
-    prog = cc(tmp_path, "prog", PROG, "-O2")
-    out = instrument(prog, write_spec(tmp_path, SPEC, HANDLERS))
-    call = {p["symbol"]: (p["call"], p["inline_dispatch"]) for p in read_metadata(str(out))["probes"]}
+def _prog(tmp):
+    prog = cc(tmp, "prog", PROG, "-O2")
+    return prog, instrument(prog, write_spec(tmp, SPEC, HANDLERS))
+
+
+def test_call_kind_follows_handler_code(once):
+    prog, out = once(_prog)
+    call = {p["symbol"]: (p["call"], p["inline_dispatch"]) for p in meta(out)["probes"]}
     assert call == {"live": ("clean", True), "reads": ("pt_regs", True), "quiet": ("clean", True),
                     "both": ("clean", False), "off": ("clean", True)}
 
 
-def test_clean_call_keeps_registers_and_flags(tmp_path, runner):
-    prog = cc(tmp_path, "prog", PROG, "-O2")
+def test_clean_call_keeps_registers_and_flags(once, runner):
+    prog, out = once(_prog)
     assert run(prog).stdout == EXPECTED
-    out = instrument(prog, write_spec(tmp_path, SPEC, HANDLERS))
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == EXPECTED, r.stderr
     assert r.stderr.count("hit live\n") == 12 and "hit off" not in r.stderr
@@ -126,9 +128,8 @@ def test_clean_call_keeps_registers_and_flags(tmp_path, runner):
     assert prof["p_off_0"] == (0, 0)           # disabled: silent, not counted
 
 
-def test_disarmed_template(tmp_path, runner):
-    prog = cc(tmp_path, "prog", PROG, "-O2")
-    out = instrument(prog, write_spec(tmp_path, SPEC, HANDLERS))
+def test_disarmed_template(once, runner):
+    prog, out = once(_prog)
     r = run(out, runner=runner, env={"KPREWRITE_ENABLED": "0", "KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == EXPECTED
     assert "hit" not in r.stderr and profile(r.stderr)["p_quiet_0"] == (0, 0)
@@ -182,11 +183,15 @@ pre_handler = "set_id"
 """
 
 
-def test_full_template_writes_registers_and_flags(tmp_path, runner):
-    prog = cc(tmp_path, "prog", FULL_PROG, "-O2")
+def _full(tmp):
+    prog = cc(tmp, "prog", FULL_PROG, "-O2")
+    return prog, instrument(prog, write_spec(tmp, FULL_SPEC, FULL_HANDLERS))
+
+
+def test_full_template_writes_registers_and_flags(once, runner):
+    prog, out = once(_full)
     assert run(prog).stdout == f"{sum(2 * i for i in range(100))} 0\n"
-    out = instrument(prog, write_spec(tmp_path, FULL_SPEC, FULL_HANDLERS))
-    call = {p["symbol"]: (p["call"], p["inline_dispatch"]) for p in read_metadata(str(out))["probes"]}
+    call = {p["symbol"]: (p["call"], p["inline_dispatch"]) for p in meta(out)["probes"]}
     assert call == {"twice": ("pt_regs", True), "id_flag": ("pt_regs", True)}
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     # regs->di written for one call; the ID flag (not arithmetic) set through popfq.
@@ -208,11 +213,15 @@ int leaf(struct kprobe *p, struct pt_regs *regs)
 """
 
 
-def test_template_saves_what_a_leaf_handler_writes(tmp_path, runner):
-    prog = cc(tmp_path, "prog", PROG, "-O2")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "live"\noffset = 48\n'
+def _leaf(tmp):
+    prog = cc(tmp, "prog", PROG, "-O2")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "live"\noffset = 48\n'
                       'pre_handler = "leaf"\n', LEAF_HANDLERS)
-    out = instrument(prog, spec)
+    return instrument(prog, spec)
+
+
+def test_template_saves_what_a_leaf_handler_writes(once, runner):
+    out = once(_leaf)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     # The first hit of the thread takes the slow path (the C callback clobbers every
     # scratch register), the others the fast path: both keep every live value.

@@ -19,9 +19,8 @@ from elftools.elf.elffile import ELFFile
 
 from rewriter import ehframe
 from rewriter.ehframe import Fde, landing_pads, read_fdes
+from conftest import LIBPYTHON, cc, functions, va_to_off
 from rewriter.errors import KprewriteError
-
-LIBPYTHON = Path("/root/.pyenv/versions/3.11.7/lib/libpython3.11.so.1.0")
 
 pytestmark = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("g++") and shutil.which("readelf")),
                                 reason="needs gcc, g++ and readelf")
@@ -107,18 +106,6 @@ CXX_BUILDS = {
 
 
 # --- helpers -------------------------------------------------------------------
-def compile_(tmp: Path, name: str, source: str, flags: list[str], lang: str = "c") -> Path:
-    src = tmp / f"{name}.{'cc' if lang == 'c++' else 'c'}"
-    src.write_text(source)
-    out = tmp / (name + (".so" if "-shared" in flags else ""))
-    compiler = "g++" if lang == "c++" else "gcc"
-    r = subprocess.run([compiler, "-O2", *flags, str(src), "-o", str(out)], capture_output=True, text=True)
-    if r.returncode != 0 and "-static" in flags and "cannot find" in r.stderr:
-        pytest.skip("no static libc/libstdc++ installed")
-    assert r.returncode == 0, r.stderr
-    return out
-
-
 def readelf_fdes(path: Path) -> list[tuple[int, int]]:
     out = subprocess.run(["readelf", "--debug-dump=frames", str(path)],
                          capture_output=True, text=True, check=True).stdout
@@ -133,21 +120,9 @@ def readelf_aug_data(path: Path) -> list[bytes]:
     return [bytes.fromhex(h) for h in re.findall(r"Augmentation data:\s+([0-9a-f ]+)", out)]
 
 
-def func_symbols(path: Path) -> dict[str, list[tuple[int, int]]]:
-    """name -> [(start, end)] of the defined STT_FUNC symbols with a size."""
-    out: dict[str, list[tuple[int, int]]] = {}
-    with open(path, "rb") as fh:
-        symtab = ELFFile(fh).get_section_by_name(".symtab")
-        assert symtab is not None, f"{path} has no .symtab"
-        for s in symtab.iter_symbols():
-            if (s["st_info"]["type"] == "STT_FUNC" and s["st_size"] and s["st_shndx"] != "SHN_UNDEF"):
-                out.setdefault(s.name, []).append((s["st_value"], s["st_value"] + s["st_size"]))
-    return out
-
-
 def insn_starts(data: bytes, start: int, end: int) -> set[int]:
     """Instruction boundaries of [start, end), by a linear capstone sweep."""
-    off = _va_to_off(data, start)
+    off = va_to_off(data, start)
     md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     starts = set()
     addr = start
@@ -161,16 +136,6 @@ def insn_starts(data: bytes, start: int, end: int) -> set[int]:
         if not got:             # undecodable byte: step over it (never seen in gcc output)
             addr += 1
     return starts
-
-
-def _va_to_off(data: bytes, va: int) -> int:
-    phoff, = struct.unpack_from("<Q", data, 32)
-    phnum, = struct.unpack_from("<H", data, 56)
-    for i in range(phnum):
-        t, _, off, pva, _, fsz, _, _ = struct.unpack_from("<IIQQQQQQ", data, phoff + i * 56)
-        if t == 1 and pva <= va < pva + fsz:
-            return off + va - pva
-    raise AssertionError(f"{va:#x} not in any PT_LOAD")
 
 
 def strip_section_headers(data: bytes) -> bytes:
@@ -207,7 +172,7 @@ def check_fde_list(fdes: list[Fde]):
 # --- (1) FDE ranges of C programs ------------------------------------------------
 @pytest.mark.parametrize("kind", list(C_BUILDS))
 def test_fdes_match_function_symbols(tmp_path, kind):
-    exe = compile_(tmp_path, f"prog_{kind}", C_SOURCE, C_BUILDS[kind])
+    exe = cc(tmp_path, f"prog_{kind}", C_SOURCE, "-O2", *C_BUILDS[kind], skip_without_static=True)
     data = exe.read_bytes()
     fdes = read_fdes(data)
     check_fde_list(fdes)
@@ -215,7 +180,7 @@ def test_fdes_match_function_symbols(tmp_path, kind):
     assert sorted(set(ranges)) == readelf_fdes(exe)
     have = set(ranges)
 
-    syms = func_symbols(exe)
+    syms = functions(exe)
     for name in C_OWN:                      # the program's own functions: exact, always
         assert name in syms, name
         for r in syms[name]:
@@ -239,7 +204,7 @@ def test_fdes_match_function_symbols(tmp_path, kind):
 @pytest.mark.parametrize("kind", list(CXX_BUILDS))
 def test_cxx_landing_pads(tmp_path, kind):
     flags, fenc = CXX_BUILDS[kind]
-    exe = compile_(tmp_path, f"cxx_{kind}", CXX_SOURCE, flags, lang="c++")
+    exe = cc(tmp_path, f"cxx_{kind}", CXX_SOURCE, "-O2", *flags, lang="c++", skip_without_static=True)
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "guard" in r.stdout and "boom" in r.stdout, (r.returncode, r.stdout)
 
@@ -258,7 +223,7 @@ def test_cxx_landing_pads(tmp_path, kind):
     assert set(pads) == {f.start for f in fdes if f.lsda is not None}
     by_start = {f.start: f for f in fdes}
 
-    syms = func_symbols(exe)
+    syms = functions(exe)
     (lo, hi), = syms["_Z6calleri"]
     assert by_start[lo].end == hi and by_start[lo].lsda is not None
     assert pads[lo], "caller() has a try/catch but no landing pad"
@@ -283,7 +248,7 @@ def test_cxx_landing_pads(tmp_path, kind):
 def test_stripped_gives_same_fdes(tmp_path, kind):
     lang = "c++" if kind != "shared" else "c"
     src = CXX_SOURCE if lang == "c++" else C_SOURCE
-    exe = compile_(tmp_path, f"s_{kind}", src, C_BUILDS[kind], lang=lang)
+    exe = cc(tmp_path, f"s_{kind}", src, "-O2", *C_BUILDS[kind], lang=lang, skip_without_static=True)
     data = exe.read_bytes()
     fdes = read_fdes(data)
     pads = landing_pads(data, fdes)
@@ -302,7 +267,7 @@ def test_stripped_gives_same_fdes(tmp_path, kind):
 
 
 # --- (4) libpython: the big one (a sanity check, not a timing test) ----------------
-@pytest.mark.skipif(not LIBPYTHON.exists(), reason="libpython3.11 not at the expected path")
+@pytest.mark.skipif(LIBPYTHON is None, reason="this Python has no shared libpython")
 def test_libpython():
     data = LIBPYTHON.read_bytes()
     fdes = read_fdes(data)
@@ -323,7 +288,7 @@ def test_not_elf(blob):
 
 @pytest.fixture(scope="module")
 def cxx_exe(tmp_path_factory) -> Path:
-    return compile_(tmp_path_factory.mktemp("cxx"), "cxx", CXX_SOURCE, ["-fPIE", "-pie"], lang="c++")
+    return cc(tmp_path_factory.mktemp("cxx"), "cxx", CXX_SOURCE, "-O2", "-fPIE", "-pie", lang="c++")
 
 
 def _section(path: Path, name: str) -> tuple[int, int, int]:
@@ -381,7 +346,7 @@ def test_corrupt_lsda(cxx_exe):
     data = cxx_exe.read_bytes()
     fdes = read_fdes(data)
     f = next(f for f in fdes if f.lsda is not None)
-    off = _va_to_off(data, f.lsda)
+    off = va_to_off(data, f.lsda)
     b = bytearray(data)
     b[off:off + 8] = b"\xff\xff\x01\xff\xff\xff\xff\x7f"   # call-site table far past the end of the file
     with pytest.raises(KprewriteError, match="malformed LSDA"):

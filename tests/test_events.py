@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import KPREWRITE, TREE_ENV, cc, instrument, kprewrite, profile, run, write_spec
+from conftest import KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, rewritten, run, symbols, write_spec
 from rewriter import tracefmt
 
 PROGRAM = r"""
@@ -81,9 +81,14 @@ def trace_lines(text: str) -> list[tracefmt.Record]:
     return [r for r in map(tracefmt.parse_line, text.splitlines()) if r is not None]
 
 
-def test_events_only(tmp_path, prog, runner):
-    out = instrument(prog, write_spec(tmp_path, EVENTS_ONLY))
-    check = kprewrite("check", prog, "--spec", tmp_path / "probes.toml").stdout.split("\n")
+def _events_only(tmp, prog):
+    """prog rewritten with EVENTS_ONLY, and what `check` says of that spec."""
+    out = instrument(prog, write_spec(tmp, EVENTS_ONLY), tmp / "prog.kp")
+    return kprewrite("check", prog, "--spec", tmp / "probes.toml").stdout.split("\n"), out
+
+
+def test_events_only(once, prog, runner):
+    check, out = once(_events_only, prog)
     assert check[:3] == ["work+0x0  k  optimized", "fact+0x0  k  optimized", "other+0x0  k  optimized"]
     r = run(out, 3, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == f"sum={sum(i * 3 + 5 + (i ^ 0x55) for i in range(3)) + 24}\n"
@@ -101,8 +106,8 @@ def test_events_only(tmp_path, prog, runner):
     assert r.returncode == 0 and trace_lines(r.stderr) == [] and profile(r.stderr)["myprobe"] == (0, 0)
 
 
-def test_trace_file_env(tmp_path, prog, runner):
-    out = instrument(prog, write_spec(tmp_path, EVENTS_ONLY))
+def test_trace_file_env(tmp_path, once, prog, runner):
+    _, out = once(_events_only, prog)
     tf = tmp_path / "trace.txt"
     r = run(out, 2, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
     assert r.returncode == 0 and r.stderr == ""
@@ -119,21 +124,25 @@ def test_trace_file_env(tmp_path, prog, runner):
     assert len(trace_lines(r.stderr)) == 2 + 4
 
 
-def test_aggregates_with_kprobe_table(tmp_path, prog, runner):
-    """An events line and a [[kprobe]] table on one address: one site, both probes run."""
+def _aggregates(tmp, prog):
     handlers = r"""
 #include <kprewrite/kprobes.h>
 int on_work(struct kprobe *p, struct pt_regs *regs) { pr_info("handler %s x=%ld\n", p->name, (long)regs->di); return 0; }
 """
-    spec = write_spec(tmp_path, """
+    spec = write_spec(tmp, """
 handlers = ["handlers.c"]
 events = ["p:ev_work work x=%di:s64"]
 [[kprobe]]
 symbol_name = "work"
 pre_handler = "on_work"
 """, handlers)
-    out = instrument(prog, spec)
-    lst = kprewrite("list", out).stdout.splitlines()
+    out = instrument(prog, spec, tmp / "prog.kp")
+    return out, kprewrite("list", out).stdout.splitlines()
+
+
+def test_aggregates_with_kprobe_table(once, prog, runner):
+    """An events line and a [[kprobe]] table on one address: one site, both probes run."""
+    out, lst = once(_aggregates, prog)
     assert len(lst) == 2 and all("work+0x0" in l and "[OPTIMIZED]" in l for l in lst)
     r = run(out, 2, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0
@@ -143,10 +152,9 @@ pre_handler = "on_work"
     assert prof["ev_work"] == (2, 0) and prof["p_work_0"] == (2, 0)
 
 
-def test_many_threads(tmp_path, prog, runner):
+def test_many_threads(tmp_path, once, prog, runner):
     """Many threads tracing at once: every line well formed, none lost, none mixed."""
-    spec = write_spec(tmp_path, 'events = ["p:w work x=%di:s64 s=+0(%si):string c=$comm"]\n')
-    out = instrument(prog, spec)
+    out = once(rewritten, prog, 'events = ["p:w work x=%di:s64 s=+0(%si):string c=$comm"]\n')
     tf = tmp_path / "trace.txt"
     nthreads, iters = 8, 150
     r = run(out, iters, nthreads, runner=runner, env={"KPREWRITE_TRACE": str(tf), "KPREWRITE_PROFILE": "-"})
@@ -212,8 +220,8 @@ def check_chrome(doc: dict) -> None:
             stack.append(b)
 
 
-def test_timeline_export(tmp_path, prog, runner):
-    out = instrument(prog, write_spec(tmp_path, EVENTS_ONLY))
+def test_timeline_export(tmp_path, once, prog, runner):
+    _, out = once(_events_only, prog)
     tf = tmp_path / "trace.txt"
     r = run(out, 3, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
     assert r.returncode == 0
@@ -265,15 +273,14 @@ def kretprobes(prog, tmp_path_factory):
     return True
 
 
-def test_retval(tmp_path, prog, runner, kretprobes):
-    spec = write_spec(tmp_path, """events = [
+def test_retval(tmp_path, once, prog, runner, kretprobes):
+    out = once(rewritten, prog, """events = [
   "p:work_entry work x=%di:s64",
   "r:work_exit work ret=$retval:s64",
   "r5:grp/ work",
   "p:fact_entry fact n=%di:s64",
   "r:fact_exit fact $retval:u64",
 ]""")
-    out = instrument(prog, spec)
     tf = tmp_path / "trace.txt"
     r = run(out, 3, runner=runner, env={"KPREWRITE_TRACE": str(tf), "KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
@@ -315,13 +322,19 @@ def test_return_event_code_compiles(tmp_path, prog):
     assert r.returncode == 0, r.stderr
 
 
-def test_sample_events_example(tmp_path, runner):
+SAMPLE = ROOT / "samples" / "events_example"
+
+
+def _sample(tmp):
+    prog = tmp / "program"
+    subprocess.run(["gcc", "-O2", "-o", str(prog), str(SAMPLE / "program.c")], check=True)
+    return instrument(prog, SAMPLE / "probes.toml", tmp / "program.kp")
+
+
+def test_sample_events_example(once, runner):
     """samples/events_example runs as its README shows."""
-    from conftest import ROOT
-    d = ROOT / "samples" / "events_example"
-    prog = tmp_path / "program"
-    subprocess.run(["gcc", "-O2", "-o", str(prog), str(d / "program.c")], check=True)
-    out = instrument(prog, d / "probes.toml", tmp_path / "program.kp")
+    d = SAMPLE
+    out = once(_sample)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout.splitlines()[-2:] == ["fd 0: /etc/hostname", "fd 1: /tmp/out.txt"]
     recs = trace_lines(r.stderr)
@@ -348,12 +361,16 @@ int main(void) { long s = 0; for (int i = 0; i < 2; i++) s += work(i, "kind") + 
 KIND_SPEC = 'events = ["p:w work x=%di:s64 s=+0(%si):string c=@counter:s64 f=@fnptr:symbol r=$stack0:symbol"]\n'
 
 
+def _input_kind(tmp, kind):
+    prog = cc(tmp, "prog", KIND_PROG, "-O2", *kind)
+    return instrument(prog, write_spec(tmp, KIND_SPEC))
+
+
 @pytest.mark.parametrize("kind", [["-fPIE", "-pie"], ["-fno-pie", "-no-pie"], ["-static"], ["-static-pie", "-fPIE"]],
                          ids=["pie", "nopie", "static", "static-pie"])
-def test_input_kinds(tmp_path, kind, runner):
+def test_input_kinds(once, kind, runner):
     """@SYM, symbol and the (SYM+off/size) of return addresses hold at any load address."""
-    prog = cc(tmp_path, "prog", KIND_PROG, "-O2", *kind)
-    out = instrument(prog, write_spec(tmp_path, KIND_SPEC))
+    out = once(_input_kind, tuple(kind))
     r = run(out, runner=runner)
     assert r.returncode == 0, r.stderr
     recs = trace_lines(r.stderr)
@@ -362,26 +379,28 @@ def test_input_kinds(tmp_path, kind, runner):
     assert all(re.fullmatch(r"main\+0x[0-9a-f]+/0x[0-9a-f]+", x.args["r"]) for x in recs)
 
 
-def test_shared_object(tmp_path, runner):
-    lib = tmp_path / "libw.so"
-    (tmp_path / "w.c").write_text(r"""
+def _shared_object(tmp):
+    lib = cc(tmp, "libw.so", r"""
 long lib_count = 7;
 __attribute__((noinline)) long lib_work(long x, const char *tag) { __asm__ volatile("" ::: "memory"); return x + 100 + tag[0]; }
 long lib_api(long x) { lib_count++; return lib_work(x, "lib") * 2; }
-""")
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp_path / "w.c"), "-o", str(lib)], check=True)
-    prog = cc(tmp_path, "main", r"""
+""", "-O2", "-shared", "-fPIC")
+    prog = cc(tmp, "main", r"""
 #include <stdio.h>
 long lib_api(long);
 int main(void) { long s = 0; for (int i = 0; i < 3; i++) s += lib_api(i); printf("s=%ld\n", s); return 0; }
-""", "-O2", f"-L{tmp_path}", "-lw")
-    spec = write_spec(tmp_path, 'events = ["p:lw lib_work x=%di:s64 tag=+0(%si):string n=@lib_count:s64 '
-                                'from=$stack0:symbol"]\n')
-    outdir = tmp_path / "out"
+""", "-O2", f"-L{tmp}", "-lw")
+    spec = write_spec(tmp, 'events = ["p:lw lib_work x=%di:s64 tag=+0(%si):string n=@lib_count:s64 '
+                           'from=$stack0:symbol"]\n')
+    outdir = tmp / "out"
     outdir.mkdir()
     instrument(lib, spec, outdir / "libw.so")
-    r = run(prog, runner=runner, env={"LD_LIBRARY_PATH": str(outdir), "KPREWRITE_PROFILE": "-",
-                                      **({"QEMU_LD_LIBRARY_PATH": str(outdir)} if runner == "qemu" else {})})
+    return prog, outdir
+
+
+def test_shared_object(once, runner):
+    prog, outdir = once(_shared_object)
+    r = run(prog, runner=runner, libdir=outdir, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     recs = trace_lines(r.stderr)
     assert [(x.args["x"], x.args["tag"], x.args["n"]) for x in recs] == [(i, "lib", 8 + i) for i in range(3)]
@@ -396,9 +415,8 @@ def test_deterministic(tmp_path, prog):
     assert a.read_bytes() == b.read_bytes()
 
 
-def test_profile_on_request(tmp_path, runner):
-    """KPREWRITE_PROFILE_SIGNAL: the program (here: itself) asks for kprobe_profile mid-run."""
-    prog = cc(tmp_path, "prog", r"""
+def _profile_on_request(tmp):
+    prog = cc(tmp, "prog", r"""
 #include <signal.h>
 #include <stdio.h>
 #include <unistd.h>
@@ -413,7 +431,12 @@ int main(void)
     return 0;
 }
 """, "-O2")
-    out = instrument(prog, write_spec(tmp_path, 'events = ["p:w work"]\n'))
+    return instrument(prog, write_spec(tmp, 'events = ["p:w work"]\n'))
+
+
+def test_profile_on_request(tmp_path, once, runner):
+    """KPREWRITE_PROFILE_SIGNAL: the program (here: itself) asks for kprobe_profile mid-run."""
+    out = once(_profile_on_request)
     pf = tmp_path / "profile.txt"
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE_SIGNAL": "USR2", "KPREWRITE_PROFILE": str(pf)})
     assert r.returncode == 0 and r.stdout == "s=9\n", r.stderr
@@ -481,9 +504,8 @@ def test_return_line_format(tmp_path, prog):
     assert re.match(r"^ {0,15}\S+-\d+ +\[\d{3}\] +\d+\.\d{6}: work_exit: \(caller_fn\+0x13/0x40 <- work\) ret=-5 ", out[0])
 
 
-def test_fork_and_exec(tmp_path, runner):
-    """Parent and child both trace (and dereference) at once: every line well formed, values right."""
-    prog = cc(tmp_path, "prog", r"""
+def _fork(tmp):
+    prog = cc(tmp, "prog", r"""
 #include <stdio.h>
 #include <unistd.h>
 #include <sys/wait.h>
@@ -500,7 +522,12 @@ int main(void)
     return 0;
 }
 """, "-O2")
-    out = instrument(prog, write_spec(tmp_path, 'events = ["p:w work x=%di:s64 who=+0(%si):string"]\n'))
+    return instrument(prog, write_spec(tmp, 'events = ["p:w work x=%di:s64 who=+0(%si):string"]\n'))
+
+
+def test_fork_and_exec(tmp_path, once, runner):
+    """Parent and child both trace (and dereference) at once: every line well formed, values right."""
+    out = once(_fork)
     tf = tmp_path / "trace.txt"
     r = run(out, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
     assert r.returncode == 0
@@ -511,11 +538,10 @@ int main(void)
     assert len({x.pid for x in recs}) == 2
 
 
-def test_memaddr_event(tmp_path, prog, runner):
-    """p MEMADDR: an address as linked (nm), the kernel's default name p_0xADDR."""
-    nm = subprocess.run(["nm", str(prog)], capture_output=True, text=True).stdout
-    addr = int(re.search(r"^([0-9a-f]+) T work$", nm, re.M).group(1), 16)
-    out = instrument(prog, write_spec(tmp_path, f'events = ["p {addr:#x} x=%di:s64"]\n'))
+def test_memaddr_event(once, prog, runner):
+    """p MEMADDR: an address as linked (the symbol table), the kernel's default name p_0xADDR."""
+    addr = symbols(prog)["work"]
+    out = once(rewritten, prog, f'events = ["p {addr:#x} x=%di:s64"]\n')
     r = run(out, 2, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     recs = trace_lines(r.stderr)
     assert [(x.event, x.args["x"]) for x in recs] == [(f"p_0x{addr:x}", 0), (f"p_0x{addr:x}", 1)]
@@ -533,8 +559,8 @@ def test_parse_values():
 
 
 @pytest.mark.skipif(not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2, reason="needs taskset, 2 CPUs")
-def test_cpu_column(tmp_path, prog, runner):
-    out = instrument(prog, write_spec(tmp_path, 'events = ["p work"]\n'))
+def test_cpu_column(once, prog, runner):
+    out = once(rewritten, prog, 'events = ["p work"]\n')
     for cpu in sorted(os.sched_getaffinity(0))[:2]:
         cmd = ["taskset", "-c", str(cpu)] + (["qemu-x86_64"] if runner == "qemu" else []) + [str(out), "2"]
         r = subprocess.run(cmd, capture_output=True, text=True)

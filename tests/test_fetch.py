@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import cc, instrument, kprewrite, run, write_spec
+from conftest import cc, kprewrite, rewritten, run, toml_value, write_spec
 from rewriter import events as E
 from rewriter import fetch as F
 
@@ -117,8 +117,10 @@ CASES = {
 }
 
 
-def build(tmp_path):
-    prog = cc(tmp_path, "prog", PROGRAM, "-O2", "-fno-inline")
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """PROGRAM, and the offsets of its struct fields it prints."""
+    prog = cc(tmp_path_factory.mktemp("fetch"), "prog", PROGRAM, "-O2", "-fno-inline")
     offs = dict(kv.split("=") for kv in run(prog, "offsets").stdout.split())
     return prog, offs
 
@@ -134,11 +136,10 @@ def parse_trace(stderr: str, event: str) -> list[dict[str, str]]:
     return out
 
 
-def test_every_form_and_type(tmp_path, runner):
-    prog, offs = build(tmp_path)
+def test_every_form_and_type(once, built, runner):
+    prog, offs = built
     args = " ".join(f"{n}={a.format(**offs)}" for n, (a, _) in CASES.items())
-    spec = write_spec(tmp_path, f"events = [{E_toml('p:work_entry work ' + args)}]\n")
-    out = instrument(prog, spec)
+    out = once(rewritten, prog, f"events = [{toml_value('p:work_entry work ' + args)}]\n")
     r = run(out, runner=runner)
     assert r.returncode == 0, r.stderr
     comm = re.search(r"comm=(\S+)", r.stdout).group(1)
@@ -167,14 +168,14 @@ def test_every_form_and_type(tmp_path, runner):
     assert "sum=" in r.stdout
 
 
-def test_kprobe_table_fetch_with_handler(tmp_path, runner):
+def test_kprobe_table_fetch_with_handler(once, built, runner):
     """A [[kprobe]] with both `fetch` and a pre_handler: the trace line, then the handler."""
-    prog, offs = build(tmp_path)
+    prog, offs = built
     handlers = r"""
 #include <kprewrite/kprobes.h>
 int on_work(struct kprobe *p, struct pt_regs *regs) { pr_info("handler x=%ld\n", (long)regs->si); return 0; }
 """
-    spec = write_spec(tmp_path, f"""
+    out = once(rewritten, prog, f"""
 handlers = ["handlers.c"]
 [[kprobe]]
 symbol_name = "work"
@@ -185,7 +186,6 @@ fetch = "x=%si:s64 id=+{offs['id']}(%di):s32"
 symbol_name = "other"
 fetch = ""
 """, handlers)
-    out = instrument(prog, spec)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
@@ -282,14 +282,13 @@ ERRORS = [
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("small")
-    return cc(tmp, "prog", PROGRAM, "-O2", "-fno-inline")
+def small(built):
+    return built[0]
 
 
 @pytest.mark.parametrize("line,at,msg", ERRORS, ids=[e[2][:30] + f"-{i}" for i, e in enumerate(ERRORS)])
 def test_error_caret(tmp_path, small, line, at, msg):
-    spec = write_spec(tmp_path, f'events = ["p:fine work", {E_toml(line)}]\n')
+    spec = write_spec(tmp_path, f'events = ["p:fine work", {toml_value(line)}]\n')
     r = kprewrite("instrument", small, "--spec", spec, "-o", tmp_path / "out", check=False)
     assert r.returncode != 0 and not (tmp_path / "out").exists()
     assert "Traceback" not in r.stderr
@@ -306,10 +305,6 @@ def test_error_caret(tmp_path, small, line, at, msg):
         assert line[col:col + len(at)] == at, (line, col, at)
     else:
         assert col >= len(line) - 1, (line, col)
-
-
-def E_toml(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def test_fetch_string_error_names_the_table(tmp_path, small):

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import cc, instrument, kprewrite, profile, run, write_spec
+from conftest import cc, instrument, kprewrite, profile, run, symbols, write_spec
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -56,13 +56,17 @@ def expected(n):
     return s, s & 0x3F
 
 
+def _kind(tmp, kind, opt, cf):
+    flags = [opt, *KINDS[kind]] + ([cf] if cf else [])
+    prog = cc(tmp, "prog", PROGRAM, *flags)
+    return instrument(prog, write_spec(tmp, SPEC, HANDLERS))
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("opt", ["-O0", "-O2"])
 @pytest.mark.parametrize("cf", ["", "-fcf-protection"])
-def test_kinds(tmp_path, kind, opt, cf, runner):
-    flags = [opt, *KINDS[kind]] + ([cf] if cf else [])
-    prog = cc(tmp_path, "prog", PROGRAM, *flags)
-    out = instrument(prog, write_spec(tmp_path, SPEC, HANDLERS))
+def test_kinds(once, kind, opt, cf, runner):
+    out = once(_kind, kind, opt, cf)
     s, rc = expected(25)
     r = run(out, 25, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == rc, r.stderr
@@ -91,14 +95,18 @@ def test_cf_protection_entry_lands_after_endbr(tmp_path):
     assert b"\xf3\x0f\x1e\xfa\xe9" in data
 
 
-@pytest.mark.parametrize("opt", ["-O0", "-O2"])
-def test_stripped_binary_by_address(tmp_path, opt, runner):
-    prog = cc(tmp_path, "prog", PROGRAM, opt)
-    addr = int(subprocess.run(["nm", str(prog)], capture_output=True, text=True).stdout.split(" T work")[0].split("\n")[-1], 16)
-    stripped = tmp_path / "stripped"
+def _stripped(tmp, opt):
+    prog = cc(tmp, "prog", PROGRAM, opt)
+    addr = symbols(prog)["work"]
+    stripped = tmp / "stripped"
     subprocess.run(["strip", "-o", str(stripped), str(prog)], check=True)
-    spec = write_spec(tmp_path, f'handlers = ["handlers.c"]\n[[kprobe]]\naddr = {addr:#x}\npre_handler = "on_work"\n', HANDLERS)
-    out = instrument(stripped, spec)
+    spec = write_spec(tmp, f'handlers = ["handlers.c"]\n[[kprobe]]\naddr = {addr:#x}\npre_handler = "on_work"\n', HANDLERS)
+    return instrument(stripped, spec)
+
+
+@pytest.mark.parametrize("opt", ["-O0", "-O2"])
+def test_stripped_binary_by_address(once, opt, runner):
+    out = once(_stripped, opt)
     r = run(out, 5, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.stdout == f"sum={expected(5)[0]}\n"
     assert "work(3) ip=" in r.stderr
@@ -116,19 +124,21 @@ int main(void) { long s = 0; for (int i = 0; i < 7; i++) s += lib_api(i); printf
 """
 
 
-@pytest.mark.parametrize("opt", ["-O0", "-O2"])
-def test_shared_object(tmp_path, opt, runner):
-    lib = tmp_path / "libw.so"
-    (tmp_path / "w.c").write_text(LIB)
-    subprocess.run(["gcc", opt, "-shared", "-fPIC", str(tmp_path / "w.c"), "-o", str(lib)], check=True)
-    prog = cc(tmp_path, "main", LIB_MAIN, opt, f"-L{tmp_path}", "-lw")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "lib_work"\npre_handler = "h"\n',
+def _shared_object(tmp, opt):
+    lib = cc(tmp, "libw.so", LIB, opt, "-shared", "-fPIC")
+    prog = cc(tmp, "main", LIB_MAIN, opt, f"-L{tmp}", "-lw")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "lib_work"\npre_handler = "h"\n',
                       '#include <kprewrite/kprobes.h>\nint h(struct kprobe *p, struct pt_regs *r) { pr_info("lib_work(%lu)\\n", r->di); return 0; }\n')
-    outdir = tmp_path / "out"
+    outdir = tmp / "out"
     outdir.mkdir()
     instrument(lib, spec, outdir / "libw.so")
-    r = run(prog, runner=runner, env={"LD_LIBRARY_PATH": str(outdir), "KPREWRITE_PROFILE": "-",
-                                      **({"QEMU_LD_LIBRARY_PATH": str(outdir)} if runner == "qemu" else {})})
+    return prog, outdir
+
+
+@pytest.mark.parametrize("opt", ["-O0", "-O2"])
+def test_shared_object(once, opt, runner):
+    prog, outdir = once(_shared_object, opt)
+    r = run(prog, runner=runner, libdir=outdir, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"s={sum((i + 100) * 2 for i in range(7))}\n"
     assert [l for l in r.stderr.splitlines() if l.startswith("lib_work(")] == [f"lib_work({i})" for i in range(7)]
@@ -156,7 +166,7 @@ def test_check_and_list(tmp_path):
     assert len(lines) == 3
     assert lines[0].endswith("  k  work+0x0 [OPTIMIZED]")
     assert lines[2].endswith("  k  work+0x0 [DISABLED] [OPTIMIZED]")
-    addr = int(subprocess.run(["nm", str(prog)], capture_output=True, text=True).stdout.split(" T work")[0].split("\n")[-1], 16)
+    addr = symbols(prog)["work"]
     assert int(lines[0].split()[0], 16) == addr
     # The disabled probe aggregates with the enabled one and stays silent.
     r = run(out, 6, env={"KPREWRITE_PROFILE": "-"})

@@ -9,21 +9,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import capstone
 import pytest
 
-from conftest import cc, instrument, kprewrite, profile, run, write_spec
+from conftest import (cc, check_lines, function, insns, instrument, kprewrite, probe_spec, profile, read_at, run,
+                      write_spec)
 from rewriter.arch.x86_64 import insn as x86insn
-from rewriter.image import Image
-
-_md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-
-
-def insns(binary, func):
-    """[(offset, capstone insn)] of a function of `binary`."""
-    img = Image(str(binary))
-    f = img.function_named(func)
-    return [(i.address - f.start, i) for i in _md.disasm(img.read(f.start, f.end - f.start), f.start)]
 
 
 def offset_of(binary, func, mnemonic_prefix, nth=0):
@@ -32,20 +22,10 @@ def offset_of(binary, func, mnemonic_prefix, nth=0):
     return hits[nth]
 
 
-def spec_text(probes, handlers=True, pre="pre", post="post"):
-    out = ['handlers = ["handlers.c"]'] if handlers else []
-    for sym, off in probes:
-        out.append(f'[[kprobe]]\nsymbol_name = "{sym}"\noffset = {off}')
-        if handlers:
-            out.append(f'pre_handler = "{pre}"' + (f'\npost_handler = "{post}"' if post else ""))
-    return "\n".join(out) + "\n"
-
-
 def check_modes(binary, spec, *extra) -> dict[str, tuple[str, str]]:
     """label -> (decision, out-of-line mode) from `kprewrite check`."""
-    r = kprewrite("check", binary, "--spec", spec, *extra)
     out = {}
-    for line in r.stdout.splitlines():
+    for line in check_lines(binary, spec, *extra):
         parts = line.split("  ")
         out[parts[0]] = (parts[2], parts[-1].strip("[]") if parts[2] == "int3" else "")
     return out
@@ -200,13 +180,16 @@ def post_lines(stderr):
     return out
 
 
-def test_emulated_classes(tmp_path, runner):
-    prog = cc(tmp_path, "emu", EMULATED_MAIN, "-O1")
+def _emulated(tmp):
+    prog = cc(tmp, "emu", EMULATED_MAIN, "-O1")
     probes = [(f, offset_of(prog, f, m)) for f, m, _ in EMULATED_PROBES]
-    spec = write_spec(tmp_path, spec_text(probes), HANDLERS)
-    modes = check_modes(prog, spec, "--no-optimize")
+    spec = write_spec(tmp, probe_spec("kprobe", probes, pre_handler="pre", post_handler="post"), HANDLERS)
+    return prog, probes, check_modes(prog, spec, "--no-optimize"), instrument(prog, spec, None, "--no-optimize")
+
+
+def test_emulated_classes(once, runner):
+    prog, probes, modes, out = once(_emulated)
     assert set(modes.values()) == {("int3", "emulate")}, modes
-    out = instrument(prog, spec, None, "--no-optimize")
     want = run(prog, runner=runner)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == want.stdout, r.stderr
@@ -215,11 +198,10 @@ def test_emulated_classes(tmp_path, runner):
     for (f, m, n), (_, off) in zip(EMULATED_PROBES, probes):
         assert prof[f"p_{f}_{off}"] == (n, 0), (f, m, prof)
     # The post_handler sees where the emulated branch went.
-    img = Image(str(prog))
     posts = post_lines(r.stderr)
     for f, off in probes:
-        addr = img.function_named(f).start + off
-        info = x86insn.classify(img.read(addr, 16), addr)
+        addr = function(prog, f)[0] + off
+        info = x86insn.classify(read_at(prog, addr, 16), addr)
         seen = set(posts[f"{f}+{off}"])
         if info.emulate in ("jmp rel", "call rel"):
             assert seen == {info.rel_target - addr}, (f, seen)
@@ -328,15 +310,19 @@ BOOST_SS_PROBES = [
 ]
 
 
-@pytest.mark.parametrize("with_post", [True, False], ids=["post", "nopost"])
-def test_boosted_and_single_stepped(tmp_path, runner, with_post):
-    prog = cc(tmp_path, "bss", BOOST_SS_MAIN, "-O1")
+def _boost_ss(tmp, with_post):
+    prog = cc(tmp, "bss", BOOST_SS_MAIN, "-O1")
     probes = [(f, offset_of(prog, f, m)) for f, m, _, _ in BOOST_SS_PROBES]
-    spec = write_spec(tmp_path, spec_text(probes, post="post" if with_post else None), HANDLERS)
-    modes = check_modes(prog, spec, "--no-optimize")
+    spec = write_spec(tmp, probe_spec("kprobe", probes, pre_handler="pre", post_handler="post" if with_post else None),
+                      HANDLERS)
+    return prog, probes, check_modes(prog, spec, "--no-optimize"), instrument(prog, spec, None, "--no-optimize")
+
+
+@pytest.mark.parametrize("with_post", [True, False], ids=["post", "nopost"])
+def test_boosted_and_single_stepped(once, runner, with_post):
+    prog, probes, modes, out = once(_boost_ss, with_post)
     for (f, m, mode, _), (_, off) in zip(BOOST_SS_PROBES, probes):
         assert modes[f"{f}+{off:#x}"] == ("int3", mode), (f, m, modes)
-    out = instrument(prog, spec, None, "--no-optimize")
     want = run(prog, runner=runner)
     assert want.stdout.endswith("\n1\n")
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
@@ -350,10 +336,9 @@ def test_boosted_and_single_stepped(tmp_path, runner, with_post):
         assert not posts
         return
     # The post_handler runs after the instruction, at the next one, in every mode.
-    img = Image(str(prog))
     for (f, m, _, n), (_, off) in zip(BOOST_SS_PROBES, probes):
-        addr = img.function_named(f).start + off
-        assert posts[f"{f}+{off}"] == [x86insn.decode_length(img.read(addr, 16), addr)] * n, (f, m, posts)
+        addr = function(prog, f)[0] + off
+        assert posts[f"{f}+{off}"] == [x86insn.decode_length(read_at(prog, addr, 16), addr)] * n, (f, m, posts)
 
 
 OVERRIDE = r"""
@@ -390,14 +375,19 @@ int main(void)
 """
 
 
-def test_pre_handler_changes_path(tmp_path, runner):
-    prog = cc(tmp_path, "ovr", OVERRIDE_PROG, "-O1")
+OVR_PROBES = [("f_boost", 0), ("f_emul", 0), ("f_step", 0)]
+
+
+def _path_change(tmp):
+    prog = cc(tmp, "ovr", OVERRIDE_PROG, "-O1")
+    spec = write_spec(tmp, probe_spec("kprobe", OVR_PROBES, pre_handler="skip", post_handler="never"), OVERRIDE)
+    return prog, check_modes(prog, spec, "--no-optimize"), instrument(prog, spec, None, "--no-optimize")
+
+
+def test_pre_handler_changes_path(once, runner):
+    prog, modes, out = once(_path_change)
     assert run(prog).stdout == "1 1 1\n"
-    spec = write_spec(tmp_path, spec_text([("f_boost", 0), ("f_emul", 0), ("f_step", 0)], pre="skip", post="never"),
-                      OVERRIDE)
-    modes = check_modes(prog, spec, "--no-optimize")
     assert [modes[f"{f}+0x0"][1] for f in ("f_boost", "f_emul", "f_step")] == ["boost", "emulate", "single-step"]
-    out = instrument(prog, spec, None, "--no-optimize")
     r = run(out, runner=runner)
     assert r.returncode == 0 and r.stdout == "42 42 42\n" and "post_handler" not in r.stderr, r.stderr
 
@@ -410,11 +400,14 @@ void after(struct kprobe *p, struct pt_regs *regs, unsigned long flags) { pr_inf
 """
 
 
-def test_pre_handler_nonzero_without_new_ip_runs_on(tmp_path, runner):
-    prog = cc(tmp_path, "ovr", OVERRIDE_PROG, "-O1")
-    spec = write_spec(tmp_path, spec_text([("f_boost", 0), ("f_emul", 0), ("f_step", 0)], pre="stop", post="after"),
-                      STOP_ONLY)
-    out = instrument(prog, spec, None, "--no-optimize")
+def _stop_only(tmp):
+    prog = cc(tmp, "ovr", OVERRIDE_PROG, "-O1")
+    spec = write_spec(tmp, probe_spec("kprobe", OVR_PROBES, pre_handler="stop", post_handler="after"), STOP_ONLY)
+    return instrument(prog, spec, None, "--no-optimize")
+
+
+def test_pre_handler_nonzero_without_new_ip_runs_on(once, runner):
+    out = once(_stop_only)
     r = run(out, runner=runner)
     assert r.returncode == 0 and r.stdout == "1 1 1\n", r.stderr
     # (printf's arguments run in an unspecified order)
@@ -466,12 +459,16 @@ int main(void)
 """
 
 
-def test_program_with_its_own_sigtrap_handler(tmp_path, runner):
-    prog = cc(tmp_path, "trap", SIGTRAP_PROG, "-O2")
+def _sigtrap(tmp):
+    prog = cc(tmp, "trap", SIGTRAP_PROG, "-O2")
+    spec = write_spec(tmp, probe_spec("kprobe", [("work", 0)], pre_handler="pre"), HANDLERS)
+    return prog, instrument(prog, spec, None, "--no-optimize")
+
+
+def test_program_with_its_own_sigtrap_handler(once, runner):
+    prog, out = once(_sigtrap)
     want = run(prog, runner=runner)
     assert want.returncode in (-5, 133) and want.stdout.endswith("t=50 mine=102\n"), want
-    spec = write_spec(tmp_path, spec_text([("work", 0)], post=None), HANDLERS)
-    out = instrument(prog, spec, None, "--no-optimize")
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == want.returncode and r.stdout == want.stdout, r
     assert "reads back its own handler: 1" in r.stdout
@@ -524,11 +521,15 @@ void after(struct kprobe *p, struct pt_regs *regs, unsigned long flags) { __atom
 """
 
 
-def test_threads_hammer_one_breakpoint(tmp_path, runner):
-    prog = cc(tmp_path, "thr", THREADS, "-O2", "-pthread")
-    spec = write_spec(tmp_path, spec_text([("t_emul", 0), ("t_boost", 0), ("t_step", 0)], pre="count", post="after"),
-                      COUNTING)
-    out = instrument(prog, spec, None, "--no-optimize")
+def _threads(tmp):
+    prog = cc(tmp, "thr", THREADS, "-O2", "-pthread")
+    spec = write_spec(tmp, probe_spec("kprobe", [("t_emul", 0), ("t_boost", 0), ("t_step", 0)], pre_handler="count",
+                                      post_handler="after"), COUNTING)
+    return prog, instrument(prog, spec, None, "--no-optimize")
+
+
+def test_threads_hammer_one_breakpoint(once, runner):
+    prog, out = once(_threads)
     want = run(prog, runner=runner)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == want.stdout, r.stderr
@@ -580,12 +581,16 @@ int slow(struct kprobe *p, struct pt_regs *regs)
 """
 
 
-def test_signals_during_handlers(tmp_path, runner):
+def _signals(tmp):
+    prog = cc(tmp, "sig", SIGNALS, "-O2")
+    spec = write_spec(tmp, probe_spec("kprobe", [("work", 0), ("work", 3), ("other", 0)], pre_handler="slow"), SLOW)
+    return instrument(prog, spec, None, "--no-optimize")
+
+
+def test_signals_during_handlers(once, runner):
     """A timer signal whose handler hits the same breakpoints, arriving all the
     time, also while our handlers run: every hit counted, none missed."""
-    prog = cc(tmp_path, "sig", SIGNALS, "-O2")
-    spec = write_spec(tmp_path, spec_text([("work", 0), ("work", 3), ("other", 0)], pre="slow", post=None), SLOW)
-    out = instrument(prog, spec, None, "--no-optimize")
+    out = once(_signals)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == "200010000 1\n", r.stderr
     n = int(r.stderr.split("IN_HANDLER ")[1].split()[0])
@@ -596,11 +601,10 @@ def test_signals_during_handlers(tmp_path, runner):
 
 def test_check_and_list(tmp_path):
     prog = cc(tmp_path, "ovr", OVERRIDE_PROG, "-O1")
-    spec = write_spec(tmp_path, spec_text([("f_boost", 0), ("f_emul", 0), ("f_step", 0), ("main", 0)], pre="skip",
-                                          post=None), OVERRIDE)
+    spec = write_spec(tmp_path, probe_spec("kprobe", OVR_PROBES + [("main", 0)], pre_handler="skip"), OVERRIDE)
     r = kprewrite("check", prog, "--spec", spec)
     lines = r.stdout.splitlines()
-    addr = {f: Image(str(prog)).function_named(f).start for f in ("f_boost", "f_emul", "f_step")}
+    addr = {f: function(prog, f)[0] for f in ("f_boost", "f_emul", "f_step")}
     # f_boost is 6 bytes: jump-optimizable.  f_emul: the jump would cover the jmp's target.
     assert lines[0] == "f_boost+0x0  k  optimized"
     assert lines[1].startswith("f_emul+0x0  k  int3  jump_into_region at ") and lines[1].endswith("  [emulate]")
@@ -819,8 +823,8 @@ def everywhere(tmp_path_factory):
     prog = cc(tmp, "every", EVERYWHERE, "-O2")
     tracer = cc(tmp, "tracer", TRACER, "-O2")
     probes = [(f, off) for f in EVERY_FUNCS for off, _ in insns(prog, f)]
-    img = Image(str(prog))
-    addr = {(f, off): img.function_named(f).start + off for f, off in probes}
+    start = {f: function(prog, f)[0] for f in EVERY_FUNCS}
+    addr = {(f, off): start[f] + off for f, off in probes}
     (tmp / "addrs").write_text("".join(f"{a:x}\n" for a in addr.values()))
     r = subprocess.run([str(tracer), str(tmp / "addrs"), str(tmp / "counts"), str(prog), "37"],
                        capture_output=True, text=True)
@@ -828,23 +832,26 @@ def everywhere(tmp_path_factory):
     counts = {int(a, 16): int(c) for a, c in (l.split() for l in (tmp / "counts").read_text().splitlines())}
     oracle = {f"p_{f}_{off}": counts[addr[(f, off)]] for f, off in probes}
     assert sum(oracle.values()) > 2000 and oracle["p_redzone_0"] == 37
-    spec = write_spec(tmp, spec_text(probes, handlers=False))
+    spec = write_spec(tmp, probe_spec("kprobe", probes, handlers=False))
     want = run(prog, "37")
     assert want.returncode == 0 and want.stdout == r.stdout
     return prog, spec, want.stdout, oracle
 
 
-@pytest.mark.parametrize("optimize", [False, True], ids=["no-optimize", "mixed"])
-def test_probe_on_every_instruction(everywhere, runner, optimize, tmp_path):
-    prog, spec, want, oracle = everywhere
+def _every_rewritten(tmp, prog, spec, optimize):
     extra = [] if optimize else ["--no-optimize"]
-    modes = check_modes(prog, spec, *extra)
+    return check_modes(prog, spec, *extra), instrument(prog, spec, tmp / "every.kp", *extra)
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["no-optimize", "mixed"])
+def test_probe_on_every_instruction(everywhere, once, runner, optimize):
+    prog, spec, want, oracle = everywhere
+    modes, out = once(_every_rewritten, prog, spec, optimize)
     kinds = {m for m in modes.values()}
     if optimize:
         assert ("optimized", "") in kinds and ("int3", "boost") in kinds, kinds
     else:
         assert kinds == {("int3", "boost"), ("int3", "emulate"), ("int3", "single-step")}, kinds
-    out = instrument(prog, spec, tmp_path / "every.kp", *extra)
     r = run(out, "37", runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == want, r.stderr
     prof = profile(r.stderr)
@@ -867,18 +874,23 @@ int main(void) { int t = libwork(5); lib_blocks(); t += libwork(7); printf("%d\n
 """
 
 
-def test_shared_object_breakpoints(tmp_path, runner):
-    """Breakpoint probes on every instruction of a shared object's functions;
-    the library blocks SIGTRAP itself, which its hooked GOT keeps harmless."""
-    lib = cc(tmp_path, "libw.so", SO_LIB, "-O2", "-shared", "-fPIC")
-    main = cc(tmp_path, "main", SO_MAIN, "-O2", "-L", str(tmp_path), "-l:libw.so", "-Wl,-rpath,$ORIGIN")
+def _shared_object(tmp):
+    lib = cc(tmp, "libw.so", SO_LIB, "-O2", "-shared", "-fPIC")
+    main = cc(tmp, "main", SO_MAIN, "-O2", "-L", str(tmp), "-l:libw.so", "-Wl,-rpath,$ORIGIN")
     probes = [(f, off) for f in ("libwork", "lib_blocks") for off, _ in insns(lib, f)]
-    spec = write_spec(tmp_path, spec_text(probes, handlers=False))
-    outdir = tmp_path / "out"
+    spec = write_spec(tmp, probe_spec("kprobe", probes, handlers=False))
+    outdir = tmp / "out"
     outdir.mkdir()
     instrument(lib, spec, outdir / "libw.so", "--no-optimize")
     (outdir / "main").write_bytes(main.read_bytes())
     (outdir / "main").chmod(0o755)
+    return outdir
+
+
+def test_shared_object_breakpoints(once, runner):
+    """Breakpoint probes on every instruction of a shared object's functions;
+    the library blocks SIGTRAP itself, which its hooked GOT keeps harmless."""
+    outdir = once(_shared_object)
     r = run(outdir / "main", runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == "197\n", r
     prof = profile(r.stderr)
@@ -941,13 +953,17 @@ disabled = true
 """
 
 
-def test_aggregation_reentrancy_disabled(tmp_path, runner):
+def _semantics(tmp):
+    prog = cc(tmp, "sem", SEMANTICS_PROG, "-O2")
+    spec = write_spec(tmp, SEMANTICS_SPEC, SEMANTICS_HANDLERS)
+    return prog, instrument(prog, spec, None, "--no-optimize")
+
+
+def test_aggregation_reentrancy_disabled(once, runner):
     """kernel/kprobes.c semantics on breakpoint probes: two probes at one address
     aggregate (pre_handlers in order, every post_handler), a hit from inside a
     handler counts as missed, disabled probes and KPREWRITE_ENABLED=0 stay silent."""
-    prog = cc(tmp_path, "sem", SEMANTICS_PROG, "-O2")
-    spec = write_spec(tmp_path, SEMANTICS_SPEC, SEMANTICS_HANDLERS)
-    out = instrument(prog, spec, None, "--no-optimize")
+    prog, out = once(_semantics)
     want = run(prog, runner=runner).stdout
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == want, r.stderr
@@ -991,16 +1007,19 @@ int main(void)
 """
 
 
-def test_call_jmp_through_memory(tmp_path, runner):
-    """call/jmp *mem: refused by the kernel's prepare_emulation() ("TODO: support
-    memory addressing"), emulated here: RIP-relative, base + disp, base + index * 8."""
-    prog = cc(tmp_path, "mem", MEMORY_INDIRECT, "-O1")
+def _memory(tmp):
+    prog = cc(tmp, "mem", MEMORY_INDIRECT, "-O1")
     probes = [("m_callrip", offset_of(prog, "m_callrip", "call")), ("m_tail", 0),
               ("m_table", offset_of(prog, "m_table", "jmp")), ("m_callbase", offset_of(prog, "m_callbase", "call"))]
-    spec = write_spec(tmp_path, spec_text(probes), HANDLERS)
-    modes = check_modes(prog, spec)
+    spec = write_spec(tmp, probe_spec("kprobe", probes, pre_handler="pre", post_handler="post"), HANDLERS)
+    return prog, probes, check_modes(prog, spec), instrument(prog, spec)
+
+
+def test_call_jmp_through_memory(once, runner):
+    """call/jmp *mem: refused by the kernel's prepare_emulation() ("TODO: support
+    memory addressing"), emulated here: RIP-relative, base + disp, base + index * 8."""
+    prog, probes, modes, out = once(_memory)
     assert set(modes.values()) == {("int3", "emulate")}, modes
-    out = instrument(prog, spec)
     want = run(prog, runner=runner)
     assert want.stdout == "5 5 10 11 5\n"
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
@@ -1008,11 +1027,10 @@ def test_call_jmp_through_memory(tmp_path, runner):
     prof = profile(r.stderr)
     assert [prof[f"p_{f}_{off}"] for f, off in probes] == [(1, 0), (1, 0), (2, 0), (1, 0)], prof
     posts = post_lines(r.stderr)
-    img = Image(str(prog))
-    helper = img.function_named("helper").start
+    helper = function(prog, "helper")[0]
     for f, off in probes:
         if f != "m_table":
-            assert posts[f"{f}+{off}"] == [helper - img.function_named(f).start - off], (f, posts)
+            assert posts[f"{f}+{off}"] == [helper - function(prog, f)[0] - off], (f, posts)
 
 
 @pytest.mark.skipif(not shutil.which("gdb"), reason="gdb not installed")
@@ -1020,7 +1038,7 @@ def test_under_gdb(tmp_path):
     """Under gdb, our int3s arrive as SIGTRAP stops gdb did not plant;
     tools/kprewrite-gdb.py passes them on while gdb's own breakpoint still stops."""
     prog = cc(tmp_path, "ovr", OVERRIDE_PROG, "-O1")
-    spec = write_spec(tmp_path, spec_text([("f_boost", 0), ("f_emul", 0), ("f_step", 0)]), HANDLERS)
+    spec = write_spec(tmp_path, probe_spec("kprobe", OVR_PROBES, pre_handler="pre", post_handler="post"), HANDLERS)
     out = instrument(prog, spec, None, "--no-optimize")
     helper = Path(__file__).resolve().parent.parent / "tools" / "kprewrite-gdb.py"
     r = subprocess.run(["gdb", "-q", "-batch", "-nx", "-x", str(helper), "-ex", "break main", "-ex", "kp-run",

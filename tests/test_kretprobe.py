@@ -6,8 +6,7 @@ import re
 import subprocess
 
 
-from conftest import cc, instrument, kprewrite, profile, run, write_spec
-from rewriter.pipeline import read_metadata
+from conftest import ROOT, cc, check_lines, instrument, kprewrite, meta, probe_spec, profile, run, write_spec
 
 # Handlers shared by most tests: the entry handler keeps the first argument in
 # ri->data, the return handler prints it with the return value and checks that
@@ -30,23 +29,12 @@ int on_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 """
 
 
-def kret_spec(*funcs, maxactive=0, entry=True, extra=""):
-    out = 'handlers = ["handlers.c"]\n'
-    for f in funcs:
-        out += f'[[kretprobe]]\nsymbol_name = "{f}"\nhandler = "on_return"\ndata_size = 8\n'
-        if entry:
-            out += 'entry_handler = "on_entry"\n'
-        if maxactive:
-            out += f"maxactive = {maxactive}\n"
-    return out + extra
+# The keys of a [[kretprobe]] table with those handlers (probe_spec("kretprobe", funcs, **KRET)).
+KRET = dict(handler="on_return", data_size=8, entry_handler="on_entry")
 
 
 def events(stderr: str) -> list[str]:
     return [l for l in stderr.splitlines() if l[:2] in ("E ", "R ")]
-
-
-def check_lines(prog, spec) -> list[str]:
-    return kprewrite("check", prog, "--spec", spec).stdout.splitlines()
 
 
 def hooked(line: str, name: str | None = None) -> bool:
@@ -84,12 +72,15 @@ int main(int argc, char **argv)
 """
 
 
-def test_return_address_and_backtrace_show_the_real_caller(tmp_path, runner):
-    prog = cc(tmp_path, "prog", HONEST, "-O2")
-    spec = write_spec(tmp_path, kret_spec("probed", "caller"), HANDLERS)
-    lines = check_lines(prog, spec)
+def _honest(tmp):
+    prog = cc(tmp, "prog", HONEST, "-O2")
+    spec = write_spec(tmp, probe_spec("kretprobe", ["probed", "caller"], **KRET), HANDLERS)
+    return check_lines(prog, spec), instrument(prog, spec)
+
+
+def test_return_address_and_backtrace_show_the_real_caller(once, runner):
+    lines, out = once(_honest)
     assert hooked(lines[0], "probed") and hooked(lines[1], "caller"), lines
-    out = instrument(prog, spec)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == "ra_ok=1 bt_ok=1\n" * 3 + "s=12\n"
@@ -137,14 +128,17 @@ int count_return(struct kretprobe_instance *ri, struct pt_regs *regs) { return 0
 """
 
 
-def test_cxx_exception_through_return_probed_frames(tmp_path, runner):
-    prog = cc(tmp_path, "prog", EXCEPTIONS, "-O2", lang="c++")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+def _exceptions(tmp):
+    prog = cc(tmp, "prog", EXCEPTIONS, "-O2", lang="c++")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n'
                       '[[kretprobe]]\nsymbol_name = "thrower"\nhandler = "count_return"\nmaxactive = 2\n'
                       '[[kretprobe]]\nsymbol_name = "middle"\nhandler = "count_return"\nmaxactive = 2\n', COUNTING)
-    lines = check_lines(prog, spec)
+    return check_lines(prog, spec), instrument(prog, spec)
+
+
+def test_cxx_exception_through_return_probed_frames(once, runner):
+    lines, out = once(_exceptions)
     assert all(hooked(l) for l in lines), lines
-    out = instrument(prog, spec)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     n_ok = sum(1 for i in range(3000) if i % 3)
@@ -203,14 +197,18 @@ int report(struct kprobe *p, struct pt_regs *regs) { pr_info("returns=%ld bad=%l
 """
 
 
-def test_longjmp_out_of_return_probed_function_leaks_nothing(tmp_path, runner):
-    prog = cc(tmp_path, "prog", LONGJMP, "-O2")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+def _longjmp(tmp):
+    prog = cc(tmp, "prog", LONGJMP, "-O2")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n'
                       '[[kretprobe]]\nsymbol_name = "probed"\nhandler = "count_return"\nentry_handler = "keep_arg"\n'
                       'data_size = 8\nmaxactive = 1\n'
                       '[[kprobe]]\nsymbol_name = "report"\npre_handler = "report"\n', COUNT_REPORT)
-    assert any(hooked(l, "probed") for l in check_lines(prog, spec))
-    out = instrument(prog, spec)
+    return check_lines(prog, spec), instrument(prog, spec)
+
+
+def test_longjmp_out_of_return_probed_function_leaks_nothing(once, runner):
+    lines, out = once(_longjmp)
+    assert any(hooked(l, "probed") for l in lines)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"jumps=5000 s={sum(2 * (i + 1) for i in range(5000))}\n"
@@ -242,11 +240,15 @@ int main(int argc, char **argv)
 """
 
 
-def test_recursion_deeper_than_maxactive(tmp_path, runner):
-    prog = cc(tmp_path, "prog", RECURSION, "-O2")
-    spec = write_spec(tmp_path, kret_spec("rec", maxactive=10), HANDLERS)
-    assert hooked(check_lines(prog, spec)[0], "rec")
-    out = instrument(prog, spec)
+def _recursion(tmp):
+    prog = cc(tmp, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp, probe_spec("kretprobe", ["rec"], **KRET, maxactive=10), HANDLERS)
+    return check_lines(prog, spec), instrument(prog, spec)
+
+
+def test_recursion_deeper_than_maxactive(once, runner):
+    lines, out = once(_recursion)
+    assert hooked(lines[0], "rec")
     depth = 29                      # 30 nested calls: 10 get an instance, 20 miss
     r = run(out, depth, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
@@ -291,19 +293,24 @@ int main(int argc, char **argv)
 """
 
 
-def test_tail_calls_and_several_ret_sites(tmp_path, runner):
-    prog = cc(tmp_path, "prog", TAILS, "-O2")
+TAIL_FUNCS = ["multi", "tail_probed", "tail_plain", "tail_libc", "tail_either", "leaf_probed"]
+
+
+def _tails(tmp):
+    prog = cc(tmp, "prog", TAILS, "-O2")
     dis = subprocess.run(["objdump", "-d", str(prog)], capture_output=True, text=True).stdout
+    spec = write_spec(tmp, probe_spec("kretprobe", TAIL_FUNCS, **KRET), HANDLERS)
+    return dis, check_lines(prog, spec), instrument(prog, spec)
+
+
+def test_tail_calls_and_several_ret_sites(once, runner):
+    dis, lines, out = once(_tails)
     for f, target in (("tail_probed", "leaf_probed"), ("tail_plain", "leaf_plain"), ("tail_libc", "strtol")):
         body = dis.split(f"<{f}>:")[1].split("\n\n")[0]
         assert re.search(rf"jmp\s+\S+ <{target}", body), body     # the compiler made real tail calls
-    funcs = ["multi", "tail_probed", "tail_plain", "tail_libc", "tail_either", "leaf_probed"]
-    spec = write_spec(tmp_path, kret_spec(*funcs), HANDLERS)
-    lines = check_lines(prog, spec)
     assert all(hooked(l) for l in lines), lines
     assert "(pending)" in lines[1] and "(trampoline)" in lines[2] and "(trampoline)" in lines[3], lines
     assert len(re.findall(r"0x[0-9a-f]+ ret", lines[0])) >= 2, lines[0]
-    out = instrument(prog, spec)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     exp = []
@@ -375,14 +382,19 @@ int report(struct kprobe *p, struct pt_regs *regs) { pr_info("returns=%ld bad=%l
 """
 
 
-def test_threads_keep_their_instances(tmp_path, runner):
-    prog = cc(tmp_path, "prog", THREADS, "-O2", "-pthread")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+def _threads(tmp):
+    prog = cc(tmp, "prog", THREADS, "-O2", "-pthread")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n'
                       '[[kretprobe]]\nsymbol_name = "probed"\nhandler = "count_return"\nentry_handler = "keep_arg"\n'
                       'data_size = 8\nmaxactive = 16\n'
                       '[[kprobe]]\nsymbol_name = "report"\npre_handler = "report"\n', ATOMIC_REPORT)
-    assert any(hooked(l, "probed") for l in check_lines(prog, spec))
-    check_threads_run(instrument(prog, spec), runner)
+    return check_lines(prog, spec), instrument(prog, spec)
+
+
+def test_threads_keep_their_instances(once, runner):
+    lines, out = once(_threads)
+    assert any(hooked(l, "probed") for l in lines)
+    check_threads_run(out, runner)
 
 
 def check_threads_run(out, runner):
@@ -398,17 +410,22 @@ def check_threads_run(out, runner):
 
 # --- 6. A kprobe and a kretprobe on the same function ---------------------------
 
-def test_kprobe_and_kretprobe_on_the_same_function(tmp_path, runner):
-    prog = cc(tmp_path, "prog", RECURSION, "-O2")
+def _kprobe_and_kretprobe(tmp):
+    prog = cc(tmp, "prog", RECURSION, "-O2")
     handlers = HANDLERS + r"""
 int on_pre(struct kprobe *p, struct pt_regs *regs) { pr_info("P %ld\n", (long)regs->di); return 0; }
 """
-    spec = write_spec(tmp_path, kret_spec("rec") + '[[kprobe]]\nsymbol_name = "rec"\npre_handler = "on_pre"\n', handlers)
+    spec = write_spec(tmp, probe_spec("kretprobe", ["rec"], **KRET,
+                                      extra='[[kprobe]]\nsymbol_name = "rec"\npre_handler = "on_pre"\n'), handlers)
     lines = check_lines(prog, spec)
+    out = instrument(prog, spec)
+    return lines, out, kprewrite("list", out).stdout.splitlines()
+
+
+def test_kprobe_and_kretprobe_on_the_same_function(once, runner):
+    lines, out, listing = once(_kprobe_and_kretprobe)
     assert lines[0] == "rec+0x0  k  optimized", lines
     assert hooked(lines[1], "rec"), lines
-    out = instrument(prog, spec)
-    listing = kprewrite("list", out).stdout.splitlines()
     assert [l.split(None, 1)[1] for l in listing] == ["k  rec+0x0 [OPTIMIZED]", "r  rec+0x0 [OPTIMIZED]"]
     # One detour at the entry serves both (aggregation): one site, one jump.
     assert listing[0].split()[0] == listing[1].split()[0]
@@ -436,11 +453,15 @@ int ret_then_disable(struct kretprobe_instance *ri, struct pt_regs *regs)
 """
 
 
-def test_entry_handler_nonzero_and_disable_from_handler(tmp_path, runner):
-    prog = cc(tmp_path, "prog", RECURSION, "-O2")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\n'
+def _semantics(tmp):
+    prog = cc(tmp, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\n'
                       'handler = "ret_then_disable"\nentry_handler = "odd_only"\n', SEMANTICS_HANDLERS)
-    out = instrument(prog, spec)
+    return instrument(prog, spec)
+
+
+def test_entry_handler_nonzero_and_disable_from_handler(once, runner):
+    out = once(_semantics)
     r = run(out, 5, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     # rec(5..0): entry handler accepts 5, 3, 1; returns come back 1 (=1), 3 (=6),
@@ -521,38 +542,47 @@ int main(void)
 """
 
 
-def test_int3_return_hook_fallback_is_reported_and_works(tmp_path, runner):
+def _fallback(tmp):
+    prog = cc(tmp, "prog", FALLBACK, "-O2")
+    spec = write_spec(tmp, probe_spec("kretprobe", ["cramped"], **KRET), HANDLERS)
+    lines = check_lines(prog, spec)
+    out = instrument(prog, spec)
+    plus = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "cramped"\nhandler = "plus_100"\n',
+                      "#include <kprewrite/kprobes.h>\n"
+                      "int plus_100(struct kretprobe_instance *ri, struct pt_regs *regs) { regs->ax += 100; return 0; }\n",
+                      name="plus.toml")
+    return lines, out, instrument(prog, plus, tmp / "prog.plus.kp")
+
+
+def test_int3_return_hook_fallback_is_reported_and_works(once, runner):
     """An exit no jump can hook gets a breakpoint return hook: the return
     address is still never replaced, and the handler sees what a jump hook's
     does (regs->ip the return address, the return value)."""
-    prog = cc(tmp_path, "prog", FALLBACK, "-O2")
-    spec = write_spec(tmp_path, kret_spec("cramped"), HANDLERS)
-    lines = check_lines(prog, spec)
+    lines, out, out_plus = once(_fallback)
     assert re.fullmatch(r"cramped\+0x0  r  optimized  returns: 0x[0-9a-f]+ ret \(int3\)", lines[0]), lines
-    out = instrument(prog, spec)
-    meta = [p for p in read_metadata(str(out))["probes"] if p["kind"] == "r"][0]
-    assert len(meta["int3_exits"]) == 1 and meta["return_sites"] == [], meta
+    kret = [p for p in meta(out)["probes"] if p["kind"] == "r"][0]
+    assert len(kret["int3_exits"]) == 1 and kret["return_sites"] == [], kret
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"s={sum(2 * i + 7 + i for i in range(3))} ra_ok=1\n"
     assert events(r.stderr) == [x for i in range(3) for x in (f"E cramped {i}", f"R cramped {i} = {2 * i + 7}")]
     assert profile(r.stderr) == {"r_cramped_0": (3, 0)}
     # A handler's write to regs->ax is the value the caller gets, as with a jump hook.
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "cramped"\nhandler = "plus_100"\n',
-                      "#include <kprewrite/kprobes.h>\n"
-                      "int plus_100(struct kretprobe_instance *ri, struct pt_regs *regs) { regs->ax += 100; return 0; }\n",
-                      name="plus.toml")
-    r = run(instrument(prog, spec), runner=runner)
+    r = run(out_plus, runner=runner)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"s={sum(2 * i + 7 + 100 + i for i in range(3))} ra_ok=1\n"
 
 
 # --- every function of a program ----------------------------------------------------
 
-def test_glob_every_function(tmp_path, runner):
-    prog = cc(tmp_path, "prog", TAILS, "-O2")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "*"\n', HANDLERS)
-    out = instrument(prog, spec)
+def _glob(tmp):
+    prog = cc(tmp, "prog", TAILS, "-O2")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "*"\n', HANDLERS)
+    return prog, instrument(prog, spec)
+
+
+def test_glob_every_function(once, runner):
+    prog, out = once(_glob)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == subprocess.run([str(prog)], capture_output=True, text=True).stdout
@@ -573,17 +603,19 @@ int main(void) { long s = 0; for (int i = 0; i < 7; i++) s += lib_api(i); printf
 """
 
 
-def test_shared_object(tmp_path, runner):
-    lib = tmp_path / "libw.so"
-    (tmp_path / "w.c").write_text(LIB)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp_path / "w.c"), "-o", str(lib)], check=True)
-    prog = cc(tmp_path, "main", LIB_MAIN, "-O2", f"-L{tmp_path}", "-lw")
-    spec = write_spec(tmp_path, kret_spec("lib_work", "lib_api"), HANDLERS)
-    outdir = tmp_path / "out"
+def _shared_object(tmp):
+    lib = cc(tmp, "libw.so", LIB, "-O2", "-shared", "-fPIC")
+    prog = cc(tmp, "main", LIB_MAIN, "-O2", f"-L{tmp}", "-lw")
+    spec = write_spec(tmp, probe_spec("kretprobe", ["lib_work", "lib_api"], **KRET), HANDLERS)
+    outdir = tmp / "out"
     outdir.mkdir()
     instrument(lib, spec, outdir / "libw.so")
-    r = run(prog, runner=runner, env={"LD_LIBRARY_PATH": str(outdir), "KPREWRITE_PROFILE": "-",
-                                      **({"QEMU_LD_LIBRARY_PATH": str(outdir)} if runner == "qemu" else {})})
+    return prog, outdir
+
+
+def test_shared_object(once, runner):
+    prog, outdir = once(_shared_object)
+    r = run(prog, runner=runner, libdir=outdir, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"s={sum((i + 100) * 2 for i in range(7))}\n"
     assert events(r.stderr) == [x for i in range(7) for x in (
@@ -596,12 +628,16 @@ int plus_thousand(struct kretprobe_instance *ri, struct pt_regs *regs) { regs->a
 """
 
 
-def test_return_handler_changes_the_return_value(tmp_path, runner):
-    # As with the kernel's trampoline, registers are restored from pt_regs.
-    prog = cc(tmp_path, "prog", RECURSION, "-O2")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\nhandler = "plus_thousand"\n',
+def _override(tmp):
+    prog = cc(tmp, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "rec"\nhandler = "plus_thousand"\n',
                       OVERRIDE)
-    out = instrument(prog, spec)
+    return instrument(prog, spec)
+
+
+def test_return_handler_changes_the_return_value(once, runner):
+    # As with the kernel's trampoline, registers are restored from pt_regs.
+    out = once(_override)
     r = run(out, 2, runner=runner)
     assert r.returncode == 0, r.stderr
     # rec(0) = 1000, rec(1) = 1000 + 1 + 1000, rec(2) = 2001 + 2 + 1000; twice.
@@ -635,14 +671,17 @@ int main(void)
 """
 
 
-def test_tail_call_abandoned_by_longjmp_fires_nothing_later(tmp_path, runner):
+def _stale_tail(tmp):
+    prog = cc(tmp, "prog", STALE_TAIL, "-O2")
+    spec = write_spec(tmp, probe_spec("kretprobe", ["front", "target", "other"], **KRET, maxactive=1), HANDLERS)
+    return check_lines(prog, spec), instrument(prog, spec)
+
+
+def test_tail_call_abandoned_by_longjmp_fires_nothing_later(once, runner):
     # front() tail-calls target(), which longjmps out: front's pending instance is
     # stale, and other(), called next on the same slot, must not fire it.
-    prog = cc(tmp_path, "prog", STALE_TAIL, "-O2")
-    spec = write_spec(tmp_path, kret_spec("front", "target", "other", maxactive=1), HANDLERS)
-    lines = check_lines(prog, spec)
+    lines, out = once(_stale_tail)
     assert "(pending)" in lines[0], lines
-    out = instrument(prog, spec)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     exp = []
@@ -655,13 +694,16 @@ def test_tail_call_abandoned_by_longjmp_fires_nothing_later(tmp_path, runner):
 
 # --- the sample ------------------------------------------------------------------------
 
-def test_kretprobe_example_sample(tmp_path, runner):
-    from conftest import ROOT
+def _sample(tmp):
     sample = ROOT / "samples" / "kretprobe_example"
-    prog = tmp_path / "program"
+    prog = tmp / "program"
     subprocess.run(["gcc", "-O2", "-pthread", str(sample / "program.c"), "-o", str(prog)], check=True)
-    assert hooked(check_lines(prog, sample / "probes.toml")[0], "kernel_clone")
-    out = instrument(prog, sample / "probes.toml")
+    return check_lines(prog, sample / "probes.toml"), instrument(prog, sample / "probes.toml")
+
+
+def test_kretprobe_example_sample(once, runner):
+    lines, out = once(_sample)
+    assert hooked(lines[0], "kernel_clone")
     r = run(out, 3, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == "3 clones, pids sum = 3006\n"
@@ -710,15 +752,20 @@ int ret_a(struct kretprobe_instance *ri, struct pt_regs *regs)
 """
 
 
-def test_two_kretprobes_on_one_function(tmp_path, runner):
-    """Aggregated kretprobes: each gets its own instance and fires once per call
-    (the entry of the second must not take the first's fresh instance for a stale one)."""
-    prog = cc(tmp_path, "prog", TWO_PROG, "-O2")
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+def _two(tmp):
+    prog = cc(tmp, "prog", TWO_PROG, "-O2")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n'
                       '[[kretprobe]]\nsymbol_name = "twice"\nhandler = "ret_a"\nmaxactive = 1\nname = "a"\n'
                       '[[kretprobe]]\nsymbol_name = "twice"\nhandler = "ret_b"\nmaxactive = 1\nname = "b"\n',
                       TWO_HANDLERS)
-    r = run(instrument(prog, spec), runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    return instrument(prog, spec)
+
+
+def test_two_kretprobes_on_one_function(once, runner):
+    """Aggregated kretprobes: each gets its own instance and fires once per call
+    (the entry of the second must not take the first's fresh instance for a stale one)."""
+    out = once(_two)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == f"{2 * 9900}\n", r.stderr
     assert "a=19800 b=19800" in r.stderr, r.stderr
     prof = profile(r.stderr)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cc, instrument, profile, run, write_spec
-from rewriter.pipeline import read_metadata
-from test_kretprobe import EXCEPTIONS, HANDLERS as REGS_HANDLERS, LONGJMP, RECURSION, TAILS, THREADS, check_threads_run
+from conftest import cc, instrument, meta, probe_spec, profile, run, write_spec
+from test_kretprobe import (EXCEPTIONS, HANDLERS as REGS_HANDLERS, LONGJMP, RECURSION, TAIL_FUNCS, TAILS, THREADS,
+                            check_threads_run, events)
 
 # Handlers that never read regs: the entry handler numbers the call in
 # ri->data, the return handler prints that number (so order and pairing show).
@@ -32,23 +32,12 @@ int c_count(struct kretprobe_instance *ri, struct pt_regs *regs) { return 0; }
 """
 
 
-def spec_of(*funcs, handler="c_return", entry="c_entry", maxactive=0, extra=""):
-    out = 'handlers = ["handlers.c"]\n'
-    for f in funcs:
-        out += f'[[kretprobe]]\nsymbol_name = "{f}"\nhandler = "{handler}"\ndata_size = 8\n'
-        if entry:
-            out += f'entry_handler = "{entry}"\n'
-        if maxactive:
-            out += f"maxactive = {maxactive}\n"
-    return out + extra
-
-
-def events(stderr: str) -> list[str]:
-    return [l for l in stderr.splitlines() if l[:2] in ("E ", "R ")]
+# The keys of a [[kretprobe]] table with those handlers (probe_spec("kretprobe", funcs, **CLEAN_KRET)).
+CLEAN_KRET = dict(handler="c_return", data_size=8, entry_handler="c_entry")
 
 
 def kret_meta(out) -> dict:
-    return {p["symbol"]: p for p in read_metadata(str(out))["probes"] if p["kind"] == "r"}
+    return {p["symbol"]: p for p in meta(out)["probes"] if p["kind"] == "r"}
 
 
 def assert_inline(out, *funcs):
@@ -58,9 +47,13 @@ def assert_inline(out, *funcs):
         assert (m["call"], m["inline_dispatch"], m["return_hook"]) == ("clean", True, "inline clean"), (f, m)
 
 
-def test_recursion_deeper_than_maxactive_clean(tmp_path, runner):
-    prog = cc(tmp_path, "prog", RECURSION, "-O2")
-    out = instrument(prog, write_spec(tmp_path, spec_of("rec", maxactive=10), CLEAN))
+def _recursion(tmp):
+    prog = cc(tmp, "prog", RECURSION, "-O2")
+    return instrument(prog, write_spec(tmp, probe_spec("kretprobe", ["rec"], **CLEAN_KRET, maxactive=10), CLEAN))
+
+
+def test_recursion_deeper_than_maxactive_clean(once, runner):
+    out = once(_recursion)
     assert_inline(out, "rec")
     depth = 29                      # 30 nested calls: 10 get an instance, 20 miss
     r = run(out, depth, runner=runner, env={"KPREWRITE_PROFILE": "-"})
@@ -73,8 +66,8 @@ def test_recursion_deeper_than_maxactive_clean(tmp_path, runner):
     assert profile(r.stderr) == {"r_rec_0": (60, 40)}
 
 
-def test_entry_handler_nonzero_drops_the_return_clean(tmp_path, runner):
-    prog = cc(tmp_path, "prog", RECURSION, "-O2")
+def _entry_nonzero(tmp):
+    prog = cc(tmp, "prog", RECURSION, "-O2")
     handlers = CLEAN + r"""
 static long n;
 int every_other(struct kretprobe_instance *ri, struct pt_regs *regs)
@@ -83,7 +76,12 @@ int every_other(struct kretprobe_instance *ri, struct pt_regs *regs)
 	return n % 2 == 0;
 }
 """
-    out = instrument(prog, write_spec(tmp_path, spec_of("rec", entry="every_other", maxactive=2), handlers))
+    return instrument(prog, write_spec(tmp, probe_spec("kretprobe", ["rec"], **dict(CLEAN_KRET, entry_handler="every_other"),
+                                                      maxactive=2), handlers))
+
+
+def test_entry_handler_nonzero_drops_the_return_clean(once, runner):
+    out = once(_entry_nonzero)
     assert_inline(out, "rec")
     r = run(out, 5, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
@@ -94,12 +92,19 @@ int every_other(struct kretprobe_instance *ri, struct pt_regs *regs)
     assert profile(r.stderr) == {"r_rec_0": (12, 5)}
 
 
-def test_exceptions_and_longjmp_clean(tmp_path, runner):
+def _exceptions_and_longjmp(tmp):
+    prog = cc(tmp, "exc", EXCEPTIONS, "-O2", lang="c++")
+    out = instrument(prog, write_spec(tmp, probe_spec("kretprobe", ["thrower", "middle"], **CLEAN_KRET, maxactive=3), CLEAN))
+    prog = cc(tmp, "lj", LONGJMP, "-O2")
+    return out, instrument(prog, write_spec(tmp, probe_spec("kretprobe", ["probed"], **CLEAN_KRET, maxactive=3), CLEAN,
+                                            name="lj.toml"))
+
+
+def test_exceptions_and_longjmp_clean(once, runner):
     """Frames left by C++ unwinding and by longjmp: their instances are
     reclaimed, never fired, and later calls find instances (maxactive 3, so
     the inlined claim at the hint succeeds and the entry must reclaim)."""
-    prog = cc(tmp_path, "exc", EXCEPTIONS, "-O2", lang="c++")
-    out = instrument(prog, write_spec(tmp_path, spec_of("thrower", "middle", maxactive=3), CLEAN))
+    out, out_lj = once(_exceptions_and_longjmp)
     assert_inline(out, "thrower", "middle")
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
@@ -113,8 +118,7 @@ def test_exceptions_and_longjmp_clean(tmp_path, runner):
     assert events(r.stderr) == exp
     assert profile(r.stderr) == {"r_thrower_0": (3000, 0), "r_middle_0": (3000, 0)}
 
-    prog = cc(tmp_path, "lj", LONGJMP, "-O2")
-    out = instrument(prog, write_spec(tmp_path, spec_of("probed", maxactive=3), CLEAN, name="lj.toml"))
+    out = out_lj
     assert_inline(out, "probed")
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
@@ -126,14 +130,22 @@ def test_exceptions_and_longjmp_clean(tmp_path, runner):
     assert profile(r.stderr) == {"r_probed_0": (10000, 0)}
 
 
-def test_tail_calls_clean_and_a_regs_reading_caller(tmp_path, runner):
+def _tails(tmp):
+    prog = cc(tmp, "prog", TAILS, "-O2")
+    out = instrument(prog, write_spec(tmp, probe_spec("kretprobe", TAIL_FUNCS, **CLEAN_KRET), CLEAN))
+    handlers = REGS_HANDLERS + CLEAN.replace("#include <kprewrite/kprobes.h>", "")
+    spec = ('handlers = ["handlers.c"]\n'
+            '[[kretprobe]]\nsymbol_name = "tail_probed"\nhandler = "on_return"\nentry_handler = "on_entry"\ndata_size = 8\n'
+            '[[kretprobe]]\nsymbol_name = "leaf_probed"\nhandler = "c_return"\nentry_handler = "c_entry"\ndata_size = 8\n')
+    return out, instrument(prog, write_spec(tmp, spec, handlers, name="mixed.toml"), tmp / "prog.mixed.kp")
+
+
+def test_tail_calls_clean_and_a_regs_reading_caller(once, runner):
     """Tail calls between clean kretprobes (the caller's pending instance fires
     at the callee's inlined hook, through C), and a tail call from a function
     whose handler reads regs into a clean one: at the callee's ret the inlined
     hook hands over to the full one, which builds pt_regs for it."""
-    prog = cc(tmp_path, "prog", TAILS, "-O2")
-    funcs = ["multi", "tail_probed", "tail_plain", "tail_libc", "tail_either", "leaf_probed"]
-    out = instrument(prog, write_spec(tmp_path, spec_of(*funcs), CLEAN))
+    out, out_mixed = once(_tails)
     assert_inline(out, "multi", "leaf_probed")
     r = run(out, runner=runner)
     assert r.returncode == 0, r.stderr
@@ -151,11 +163,7 @@ def test_tail_calls_clean_and_a_regs_reading_caller(tmp_path, runner):
     assert events(r.stderr) == exp
 
     # tail_probed's handler reads regs (the return value); leaf_probed's does not.
-    handlers = REGS_HANDLERS + CLEAN.replace("#include <kprewrite/kprobes.h>", "")
-    spec = ('handlers = ["handlers.c"]\n'
-            '[[kretprobe]]\nsymbol_name = "tail_probed"\nhandler = "on_return"\nentry_handler = "on_entry"\ndata_size = 8\n'
-            '[[kretprobe]]\nsymbol_name = "leaf_probed"\nhandler = "c_return"\nentry_handler = "c_entry"\ndata_size = 8\n')
-    out = instrument(prog, write_spec(tmp_path, spec, handlers, name="mixed.toml"))
+    out = out_mixed
     meta = kret_meta(out)
     assert meta["leaf_probed"]["return_hook"] == "inline clean", meta
     assert meta["tail_probed"]["return_hook"] == "pt_regs", meta      # its one exit is the tail call
@@ -194,12 +202,16 @@ int report(struct kprobe *p, struct pt_regs *regs) { pr_info("returns=%ld bad=%l
 """
 
 
-def test_threads_clean(tmp_path, runner):
-    prog = cc(tmp_path, "prog", THREADS, "-O2", "-pthread")
+def _threads(tmp):
+    prog = cc(tmp, "prog", THREADS, "-O2", "-pthread")
     spec = ('handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "probed"\nhandler = "t_return"\n'
             'entry_handler = "t_entry"\ndata_size = 16\nmaxactive = 16\n'
             '[[kprobe]]\nsymbol_name = "report"\npre_handler = "report"\n')
-    out = instrument(prog, write_spec(tmp_path, spec, THREAD_CHECK))
+    return instrument(prog, write_spec(tmp, spec, THREAD_CHECK))
+
+
+def test_threads_clean(once, runner):
+    out = once(_threads)
     assert_inline(out, "probed")
     check_threads_run(out, runner)
 
@@ -260,13 +272,18 @@ int n_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 """
 
 
-@pytest.mark.parametrize("handlers", ["noisy", "leaf"])
-def test_registers_and_flags_survive_the_inlined_hooks(tmp_path, runner, handlers):
-    prog = cc(tmp_path, "prog", REGS, "-O2")
+def _regs(tmp, handlers):
+    prog = cc(tmp, "prog", REGS, "-O2")
     src = NOISY if handlers == "noisy" else NOISY.replace(
         "\tif (++k % 500 < 2)\n\t\tpr_info(\"R %s %ld\\n\", ri->rp->kp.symbol_name, *(long *)ri->data);\n",
         "\t++k;\n")
-    out = instrument(prog, write_spec(tmp_path, spec_of("plong", "pshort", handler="n_return", entry="n_entry"), src))
+    spec = probe_spec("kretprobe", ["plong", "pshort"], handler="n_return", data_size=8, entry_handler="n_entry")
+    return instrument(prog, write_spec(tmp, spec, src))
+
+
+@pytest.mark.parametrize("handlers", ["noisy", "leaf"])
+def test_registers_and_flags_survive_the_inlined_hooks(once, runner, handlers):
+    out = once(_regs, handlers)
     assert_inline(out, "plong", "pshort")
     meta = kret_meta(out)
     assert meta["pshort"]["return_sites"][0][0] == meta["pshort"]["addr"]        # embedded in the entry detour

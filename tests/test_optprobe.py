@@ -2,11 +2,9 @@
 cases that must still work when jump-optimized."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from conftest import cc, instrument, kprewrite, profile, run, write_spec
+from conftest import cc, check_lines, insns, instrument, kprewrite, probe_spec, profile, run, symbols, write_spec
 
 ASM = r"""
 __asm__(
@@ -102,16 +100,15 @@ int noisy(struct kprobe *p, struct pt_regs *regs)
 """
 
 
-def spec_for(*probes):
-    out = ['handlers = ["handlers.c"]']
-    for sym, off in probes:
-        out.append(f'[[kprobe]]\nsymbol_name = "{sym}"\noffset = {off}\npre_handler = "noisy"')
-    return "\n".join(out) + "\n"
+def _prog(tmp):
+    return cc(tmp, "prog", PROGRAM, "-O2")
 
 
-@pytest.fixture
-def prog(tmp_path):
-    return cc(tmp_path, "prog", PROGRAM, "-O2")
+def _refused(tmp, prog, sym):
+    spec = write_spec(tmp, probe_spec("kprobe", [(sym, 0)], pre_handler="noisy"), NOISY)
+    check = kprewrite("check", prog, "--spec", spec, check=False)
+    out = instrument(prog, spec, tmp / "out")
+    return check, out, kprewrite("list", out).stdout
 
 
 @pytest.mark.parametrize("sym,check,where", [
@@ -119,40 +116,36 @@ def prog(tmp_path):
     ("jump_table", "indirect_jump", lambda a: a["jump_table"] + 7),       # the jmp *%rax
     ("tiny", "func_size", lambda a: a["tiny"]),
 ])
-def test_safety_check_refuses(tmp_path, prog, sym, check, where, runner):
+def test_safety_check_refuses(once, sym, check, where, runner):
     """A probe the optimizer refuses becomes a breakpoint (int3) probe; check
     still names the check that refused the jump and the offending address."""
+    prog = once(_prog)
     addrs = symbols(prog)
-    spec = write_spec(tmp_path, spec_for((sym, 0)), NOISY)
-    r = kprewrite("check", prog, "--spec", spec, check=False)
+    r, out, listing = once(_refused, prog, sym)
     line = r.stdout.strip()
     assert r.returncode == 0 and line.startswith(f"{sym}+0x0  k  int3  "), r.stdout + r.stderr
     assert f"{check} at {where(addrs):#x}" in line, line
     # instrument places it as a breakpoint; the program's behaviour is unchanged.
-    out = instrument(prog, spec, tmp_path / "out")
     r = run(out, runner=runner)
     assert r.returncode == 0, r.stderr
     assert r.stdout == run(prog, runner=runner).stdout
     assert f"hit {sym}+0" in r.stderr
-    assert "[OPTIMIZED]" not in kprewrite("list", out).stdout
+    assert "[OPTIMIZED]" not in listing
 
 
-def symbols(path):
-    out = {}
-    for line in subprocess.run(["nm", str(path)], capture_output=True, text=True).stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3:
-            out[parts[2]] = int(parts[0], 16)
-    return out
+HARD = [("rip_rel", 0), ("short_br", 0), ("redzone", 10), ("calls", 4)]
 
 
-def test_hard_cases_optimized(tmp_path, prog, runner):
-    probes = [("rip_rel", 0), ("short_br", 0), ("redzone", 10), ("calls", 4)]
-    spec = write_spec(tmp_path, spec_for(*probes), NOISY)
-    r = kprewrite("check", prog, "--spec", spec)
-    assert r.stdout.splitlines() == [f"{s}+{o:#x}  k  optimized" for s, o in probes]
+def _hard(tmp, prog):
+    spec = write_spec(tmp, probe_spec("kprobe", HARD, pre_handler="noisy"), NOISY)
+    return check_lines(prog, spec), instrument(prog, spec, tmp / "prog.kp")
+
+
+def test_hard_cases_optimized(once, runner):
+    prog = once(_prog)
+    lines, out = once(_hard, prog)
+    assert lines == [f"{s}+{o:#x}  k  optimized" for s, o in HARD]
     expect = run(prog)
-    out = instrument(prog, spec)
     got = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert got.returncode == 0, got.stderr
     assert got.stdout == expect.stdout
@@ -174,10 +167,9 @@ int main() { int s = 0; for (int i = 0; i < 6; i++) s += catcher(i); std::printf
 """
 
 
-def test_landing_pad_refuses_and_exceptions_still_work(tmp_path, runner):
+def _landing_pad(tmp):
     from rewriter import ehframe
-    import capstone
-    prog = cc(tmp_path, "prog", CXX, "-O2", lang="c++")
+    prog = cc(tmp, "prog", CXX, "-O2", lang="c++")
     data = prog.read_bytes()
     fdes = ehframe.read_fdes(data)
     pads = ehframe.landing_pads(data, fdes)
@@ -185,25 +177,28 @@ def test_landing_pad_refuses_and_exceptions_still_work(tmp_path, runner):
     catcher = addrs["_Z7catcheri"]
     pad = pads[catcher][0]
     # The instruction that starts within 4 bytes before the landing pad.
-    from rewriter.image import Image
-    img = Image(str(prog))
-    f = img.function_at(catcher)
-    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    starts = [i.address for i in md.disasm(img.read(f.start, f.end - f.start), f.start)]
+    starts = [catcher + off for off, _ in insns(prog, "_Z7catcheri")]
     before = max(a for a in starts if a < pad)
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "_Z7catcheri"\n'
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "_Z7catcheri"\n'
                       f'offset = {before - catcher}\npre_handler = "noisy"\n', NOISY)
+    near = None
     if pad - before < 5:
-        r = kprewrite("check", prog, "--spec", spec, check=False)
+        near = kprewrite("check", prog, "--spec", spec, check=False), instrument(prog, spec, tmp / "near_pad")
+    # Probes on the entries of the throwing and the catching function.
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "_Z9may_throwi"\npre_handler = "noisy"\n'
+                      '[[kprobe]]\nsymbol_name = "_Z7catcheri"\npre_handler = "noisy"\n', NOISY, name="ok.toml")
+    return near, instrument(prog, spec)
+
+
+def test_landing_pad_refuses_and_exceptions_still_work(once, runner):
+    near, out = once(_landing_pad)
+    if near is not None:                # a probe whose 5 bytes would cover the landing pad
+        r, near_out = near
         assert "int3  jump_into_region" in r.stdout and "landing pad" in r.stdout, r.stdout
         # As a breakpoint probe, exceptions still land on the pad.
-        out = instrument(prog, spec, tmp_path / "near_pad")
-        r = run(out, runner=runner)
+        r = run(near_out, runner=runner)
         assert r.returncode == 0 and r.stdout == "s=0\n", r.stderr
     # Probes on the entries of the throwing and the catching function: exceptions still land.
-    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "_Z9may_throwi"\npre_handler = "noisy"\n'
-                      '[[kprobe]]\nsymbol_name = "_Z7catcheri"\npre_handler = "noisy"\n', NOISY, name="ok.toml")
-    out = instrument(prog, spec)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == "s=0\n", r.stderr
     assert profile(r.stderr) == {"p__Z9may_throwi_0": (6, 0), "p__Z7catcheri_0": (6, 0)}
@@ -283,9 +278,13 @@ symbol_name = "helper"
 """
 
 
-def test_semantics(tmp_path, runner):
-    prog = cc(tmp_path, "prog", SEMANTICS, "-O2", "-pthread")
-    out = instrument(prog, write_spec(tmp_path, SEM_SPEC, SEM_HANDLERS))
+def _semantics(tmp):
+    prog = cc(tmp, "prog", SEMANTICS, "-O2", "-pthread")
+    return instrument(prog, write_spec(tmp, SEM_SPEC, SEM_HANDLERS))
+
+
+def test_semantics(once, runner):
+    out = once(_semantics)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     total = 8 * sum(i + 1 for i in range(200000))

@@ -6,21 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_spec
 from rewriter.errors import KprewriteError
 from rewriter.spec import KprobeSpec, KretprobeSpec, Spec, load_spec
-
-
-def write(tmp: Path, text: str, name: str = "probes.toml") -> Path:
-    p = tmp / name
-    p.write_text(text)
-    return p
 
 
 def errors(tmp: Path, text: str, *files: str) -> list[str]:
     for f in files:
         (tmp / f).write_text("int x;\n")
     with pytest.raises(KprewriteError) as e:
-        load_spec(write(tmp, text))
+        load_spec(write_spec(tmp, text))
     assert str(e.value) == "\n".join(e.value.lines)
     return e.value.lines
 
@@ -67,7 +62,7 @@ def test_every_key_round_trips(tmp_path):
     # `events` after [[kretprobe]] would belong to that table: move it to the top.
     text = 'events = [\n  "p:grp/work_entry work x=%di",\n  "r20:work_ret work $retval",\n]\n' + \
         FULL[:FULL.index("events = [")]
-    spec = load_spec(str(write(tmp_path, text)))
+    spec = load_spec(str(write_spec(tmp_path, text)))
     assert spec == Spec(
         path=tmp_path / "probes.toml",
         handlers=[tmp_path / "handlers.c", tmp_path / "sub" / "extra.o"],
@@ -98,28 +93,28 @@ def test_top_level_key_after_a_table_is_explained(tmp_path):
 
 
 def test_defaults(tmp_path):
-    spec = load_spec(write(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n'))
+    spec = load_spec(write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n'))
     assert spec.optimize is True
     assert spec.handlers == [] and spec.events == [] and spec.kretprobes == []
     assert spec.kprobes == [KprobeSpec("[[kprobe]] #1", "work", None)]
     k = spec.kprobes[0]
     assert (k.offset, k.pre_handler, k.post_handler, k.disabled, k.name, k.fetch, k.is_glob) == \
         (0, None, None, False, None, None, False)
-    spec = load_spec(write(tmp_path, '[[kretprobe]]\naddr = 4096\n'))
+    spec = load_spec(write_spec(tmp_path, '[[kretprobe]]\naddr = 4096\n'))
     assert spec.kretprobes == [KretprobeSpec("[[kretprobe]] #1", None, 4096)]
     r = spec.kretprobes[0]
     assert (r.maxactive, r.data_size, r.handler, r.entry_handler) == (0, 0, None, None)
 
 
 def test_empty_spec_and_inline_array_of_tables(tmp_path):
-    assert load_spec(write(tmp_path, "")).kprobes == []
-    spec = load_spec(write(tmp_path, 'kprobe = [{symbol_name = "a"}, {addr = 1}]\n'))
+    assert load_spec(write_spec(tmp_path, "")).kprobes == []
+    spec = load_spec(write_spec(tmp_path, 'kprobe = [{symbol_name = "a"}, {addr = 1}]\n'))
     assert [(k.table, k.symbol_name, k.addr) for k in spec.kprobes] == \
         [("[[kprobe]] #1", "a", None), ("[[kprobe]] #2", None, 1)]
 
 
 def test_tables_numbered_per_kind_in_file_order(tmp_path):
-    spec = load_spec(write(tmp_path, '[[kprobe]]\nsymbol_name = "a"\n[[kretprobe]]\nsymbol_name = "b"\n'
+    spec = load_spec(write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "a"\n[[kretprobe]]\nsymbol_name = "b"\n'
                                      '[[kprobe]]\nsymbol_name = "c"\n'))
     assert [(k.table, k.symbol_name) for k in spec.kprobes] == [("[[kprobe]] #1", "a"), ("[[kprobe]] #2", "c")]
     assert [(k.table, k.symbol_name) for k in spec.kretprobes] == [("[[kretprobe]] #1", "b")]
@@ -130,23 +125,23 @@ def test_tables_numbered_per_kind_in_file_order(tmp_path):
     ("_Z4workv", False), ("work.cold", False), ("operator]", False),
 ])
 def test_glob_detection(tmp_path, sym, glob):
-    spec = load_spec(write(tmp_path, f'[[kprobe]]\nsymbol_name = "{sym}"\n'
+    spec = load_spec(write_spec(tmp_path, f'[[kprobe]]\nsymbol_name = "{sym}"\n'
                                      f'[[kretprobe]]\nsymbol_name = "{sym}"\n'))
     assert spec.kprobes[0].is_glob is glob and spec.kretprobes[0].is_glob is glob
 
 
 def test_offset_with_addr_is_allowed(tmp_path):
-    k = load_spec(write(tmp_path, "[[kprobe]]\naddr = 0x1000\noffset = 3\n")).kprobes[0]
+    k = load_spec(write_spec(tmp_path, "[[kprobe]]\naddr = 0x1000\noffset = 3\n")).kprobes[0]
     assert (k.addr, k.offset, k.symbol_name) == (0x1000, 3, None)
 
 
 def test_negative_maxactive_is_the_default_rule(tmp_path):
-    r = load_spec(write(tmp_path, '[[kretprobe]]\nsymbol_name = "f"\nmaxactive = -1\n')).kretprobes[0]
+    r = load_spec(write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "f"\nmaxactive = -1\n')).kretprobes[0]
     assert r.maxactive == -1
 
 
 def test_empty_fetch_and_event_strings_are_strings(tmp_path):
-    spec = load_spec(write(tmp_path, 'events = [""]\n[[kprobe]]\nsymbol_name = "f"\nfetch = ""\n'))
+    spec = load_spec(write_spec(tmp_path, 'events = [""]\n[[kprobe]]\nsymbol_name = "f"\nfetch = ""\n'))
     assert spec.kprobes[0].fetch == "" and spec.events == [""]
 
 
@@ -155,7 +150,7 @@ def test_handler_paths_relative_to_spec_dir_not_cwd(tmp_path, monkeypatch):
     d.mkdir()
     (d / "h.c").write_text("int x;\n")
     (tmp_path / "abs.o").write_bytes(b"")
-    write(d, f'handlers = ["h.c", "../conf/./h2.c", "{tmp_path / "abs.o"}"]\n')
+    write_spec(d, f'handlers = ["h.c", "../conf/./h2.c", "{tmp_path / "abs.o"}"]\n')
     (d / "h2.c").write_text("")
     monkeypatch.chdir(tmp_path)
     spec = load_spec("conf/probes.toml")
@@ -265,7 +260,7 @@ def test_handler_files(tmp_path):
 def test_handler_extension_is_the_name_given_not_a_symlink_target(tmp_path):
     (tmp_path / "real.txt").write_text("")
     os.symlink(tmp_path / "real.txt", tmp_path / "h.c")
-    assert load_spec(write(tmp_path, 'handlers = ["h.c"]\n')).handlers == [tmp_path / "h.c"]
+    assert load_spec(write_spec(tmp_path, 'handlers = ["h.c"]\n')).handlers == [tmp_path / "h.c"]
 
 
 def test_missing_spec_file(tmp_path):
@@ -352,7 +347,7 @@ data_size = -8
 
 
 def test_label_is_the_spec_file_name(tmp_path):
-    p = write(tmp_path, "[[kprobe]]\n", name="mine.toml")
+    p = write_spec(tmp_path, "[[kprobe]]\n", name="mine.toml")
     with pytest.raises(KprewriteError) as e:
         load_spec(p)
     assert e.value.lines == ["mine.toml: [[kprobe]] #1: needs exactly one of 'symbol_name' or 'addr'"]
