@@ -4,7 +4,7 @@
  * provides the same functions (its per-CPU base for the thread key,
  * copy_from_kernel_nofault(), current->comm, smp_processor_id(), ...).
  *
- * What the probe and trace paths call is inline here, as raw system calls
+ * What the probe and trace paths call is defined here, as raw system calls
  * (the arch's kp_uapi.h); the rest is in this folder's .c files.
  */
 #ifndef _KP_PLATFORM_H
