@@ -237,3 +237,7 @@ def insns(path: Path, func: str) -> list:
     """[(offset, capstone insn)] of function `func`, decoded linearly from its start."""
     start, end = function(path, func)
     return [(i.address - start, i) for i in _md.disasm(read_at(path, start, end - start), start)]
+
+
+# The kernel-image tests' fixtures (tests/kernel/fixtures.py).
+from kernel.fixtures import boot_kernel, debian_kernel, make_initramfs, pytest_terminal_summary  # noqa: E402,F401

@@ -1,4 +1,5 @@
-"""Fixtures of the kernel-image tests: the Debian cloud kernel, busybox initramfs, QEMU boots.
+"""Fixtures of the kernel-image tests (imported by tests/conftest.py: a second conftest.py
+here would shadow that one's helpers, which test files import as `conftest`): the Debian cloud kernel, busybox initramfs, QEMU boots.
 
 Everything costly is session-scoped: the kernel is fetched and extracted once per version into the
 cache (kernel_env.cache_dir()), initramfs images are cached by content, and the boot of the
