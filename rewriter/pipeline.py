@@ -75,7 +75,6 @@ def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False
 
 def build(s: Session, workdir: Path) -> bytes:
     """The output image's bytes."""
-    s.target.plan_layout(s.image)        # a target that cannot write yet says so before compiling
     objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))

@@ -189,8 +189,10 @@ def thread_key(image) -> ThreadKey:
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
-    """No start-up stub: the runtime starts on its first hit, the boot hooks are probes."""
-    return {}, pos
+    """No start-up stub: the runtime starts on its first hit, the boot hooks are probes.
+    Until the runtime has its kernel platform, writing stops here, before linking."""
+    raise KprewriteError(f"{image.path}: writing probes into a kernel image is not supported yet "
+                         "(kprewrite check and blacklist read it)")
 
 
 def runtime_probes(spec) -> None:
