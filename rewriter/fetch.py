@@ -256,7 +256,7 @@ def _parse_arg(arg: str, code: list[Insn], flags: ParseFlags, offs: int) -> None
         code.append(Insn("DEREF", imm=0))
     elif c in ("+", "-"):
         op = "DEREF"
-        a, col = arg, offs
+        a = arg
         if a[1:2] == "u":
             op = "UDEREF"
             a = a[0] + a[2:]

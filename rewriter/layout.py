@@ -44,9 +44,9 @@ def place(c: emission.Code, target) -> Layout:
         pos += n
     for site in c.plan.sites:
         if site.decision == INT3 and site.xol.mode != "emulate":
-            code = emission.xol_slot(c, site, pos, emission.Far(pos))
+            n = c.arch.kprobe_xol.place_slot(site.xol, site.index, site.with_post, pos)
             site.resume, site.resume_post = site.xol.slot, site.xol.slot_post
             site.detour = pos
-            sizes[("xol", site.index)] = len(code)
-            pos += len(code)
+            sizes[("xol", site.index)] = n
+            pos += n
     return Layout(tl.rx_vaddr, stubs, (pos + 63) & ~63, tl, sizes)

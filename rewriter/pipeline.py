@@ -16,7 +16,10 @@ from .arch import get_arch
 from .errors import KprewriteError
 from .image import Image
 from .output import write_atomically
-from .report import check_lines, list_lines, blacklist_lines, read_metadata, skipped_summary  # noqa: F401  (the API)
+from .report import blacklist_lines, check_lines, list_lines, read_metadata, skipped_summary
+
+__all__ = ["Session", "prepare", "prepare_for_check", "build", "instrument",
+           "check_lines", "list_lines", "blacklist_lines", "read_metadata", "skipped_summary"]
 from .resolve import Probe, is_entry, resolve
 from .spec import Spec, load_spec
 

@@ -169,18 +169,25 @@ def prepare(image, addr: int) -> Xol:
 
 
 def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int) -> bytes:
-    """The slot of a boosted or single-stepped site at `at`; fills x.slot,
-    x.ss_end and x.slot_post.  Same size whatever post_entry is."""
+    """The slot of a boosted or single-stepped site at `at`: the copy, for a boosted
+    one with a post_handler the probe stub, and the jmp back.  Same size whatever
+    post_entry is."""
     out = bytearray(em.relocate(x.insn, at))
-    x.slot, x.ss_end, x.slot_post = at, 0, 0
-    if x.mode == SINGLESTEP:
-        x.ss_end = at + len(out)
-    elif with_post:
+    if x.mode != SINGLESTEP and with_post:
         out += em.probe_stub(site_index, post_entry, at + len(out))
-    x.slot_post = at + len(out)
     pos = at + len(out)
     out += b"\xe9" + em._s32(x.next_ip - (pos + 5), "jmp back from the out-of-line slot")
     return bytes(out)
+
+
+def place_slot(x: Xol, site_index: int, with_post: bool, at: int) -> int:
+    """Lay the slot out at `at` (the insn slot's address, as get_insn_slot() gives
+    it): fills x.slot, x.ss_end and x.slot_post; returns its size."""
+    copy = len(em.relocate(x.insn, at))
+    x.slot, x.ss_end = at, at + copy if x.mode == SINGLESTEP else 0
+    size = len(slot_code(x, site_index, with_post, at, at + 0x1000000))
+    x.slot_post = at + size - 5
+    return size
 
 
 def table_c(sites) -> str:
