@@ -9,6 +9,7 @@ Run: python benchmarks/kernel_check.py   (fetches the kernel like tests/kernel d
 """
 import collections
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -40,7 +41,8 @@ def check_everything(vmlinux: Path, cold: bool) -> tuple[float, int, collections
         decisions[parts[2]] += 1
         if parts[2] == "refused":
             why = parts[3]
-            refusals[why.split(" at ")[0] if " at 0x" in why else why.split(":")[-1].strip() if "blacklisted" in why else why[:40]] += 1
+            m = re.search(r"is blacklisted: (.*) \([^)]*\)$", why)
+            refusals[m.group(1) if m else why.split(" at 0x")[0] if " at 0x" in why else why[:60]] += 1
     return wall, peak_kib, decisions, refusals
 
 
