@@ -8,6 +8,7 @@ can_optimize() a function's size.
 from __future__ import annotations
 
 import bisect
+import io
 import os
 from dataclasses import dataclass, field
 
@@ -72,8 +73,14 @@ class Image:
                 self.data = f.read()
         except OSError as e:
             raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        # A container the image travels in (a kernel's bzImage): its ELF is what we read.
+        self.container = None
+        from .targets import unwrap
+        unwrapped = unwrap(self.data, path)
+        if unwrapped is not None:
+            self.data, self.container = unwrapped
         self._check_header()
-        binary = lief.ELF.parse(path)
+        binary = lief.ELF.parse(io.BytesIO(self.data) if self.container else path)
         if binary is None:
             raise KprewriteError(f"{path}: not a valid ELF file")
         self.binary = binary

@@ -13,3 +13,13 @@ def for_image(image):
     """The target of a loaded image: detected, never flagged."""
     from . import linux_kernel, linux_user
     return linux_kernel if linux_kernel.detect(image) else linux_user
+
+
+def unwrap(data: bytes, path: str):
+    """(ELF bytes, container) when `data` is an image inside a container a target
+    knows (a bzImage holds a vmlinux), else None."""
+    from .linux_kernel import bzimage
+    if bzimage.is_bzimage(data):
+        b = bzimage.parse(data, path)
+        return b.vmlinux, b
+    return None

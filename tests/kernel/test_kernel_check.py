@@ -156,3 +156,12 @@ def test_system_map_stub_is_refused(tmp_path, debian_kernel, kimage):
     assert r.stdout == "do_sys_openat2+0x0  k  ftrace\n"
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, "--system-map", tmp_path / "missing.map", check=False)
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "missing.map" in r.stderr
+
+
+def test_check_reads_the_bzimage_too(tmp_path, debian_kernel):
+    """A bzImage is detected and read through its payload: the same plan as its vmlinux."""
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n'
+                                '[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = 5\n')
+    a = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
+    b = kprewrite("check", debian_kernel.vmlinuz, "--spec", spec)
+    assert a.stdout == b.stdout == "do_sys_openat2+0x0  k  ftrace\ndo_sys_openat2+0x5  k  optimized\n"

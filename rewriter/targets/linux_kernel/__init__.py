@@ -178,6 +178,9 @@ def _symbol(image, name: str) -> int:
 
 
 def plan_layout(image) -> GapLayout:
+    if image.container is not None:
+        raise KprewriteError(f"{image.path}: writing a bzImage is not supported yet; "
+                             "instrument the vmlinux it holds")
     start = (_symbol(image, "_etext") + PAGE - 1) & ~(PAGE - 1)
     return GapLayout(start, _symbol(image, "__start_rodata"))
 
