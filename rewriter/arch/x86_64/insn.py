@@ -42,6 +42,8 @@ kCFI / kgdb checks of can_probe().
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from . import cs
@@ -216,6 +218,7 @@ def _can_boost(omap: int, op: int, reg: int, prefixes: list[int]) -> str:
     return why
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def classify(code: bytes, address: int) -> InsnInfo:
     """Classify the single instruction at the start of `code`, located at
     `address` (x86-64).  Raise ValueError if it cannot be decoded."""
