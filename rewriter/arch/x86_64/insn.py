@@ -218,11 +218,15 @@ def _can_boost(omap: int, op: int, reg: int, prefixes: list[int]) -> str:
     return why
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def classify(code: bytes, address: int) -> InsnInfo:
     """Classify the single instruction at the start of `code`, located at
-    `address` (x86-64).  Raise ValueError if it cannot be decoded."""
-    code = bytes(code[:15])
+    `address` (x86-64).  Raise ValueError if it cannot be decoded.  Memoized:
+    registration, the optimizer and the int3 plan ask about the same sites."""
+    return _classify(bytes(code[:15]), address)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _classify(code: bytes, address: int) -> InsnInfo:
     n = 0
     for _addr, n, _mn, _ops in _disasm_lite(code, address, 1):
         break
