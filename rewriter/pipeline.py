@@ -75,14 +75,20 @@ def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False
 
 def build(s: Session, workdir: Path) -> bytes:
     """The output image's bytes."""
-    s.target.plan_layout(s.image)        # a target that cannot write yet says so before compiling
-    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir)
+    platform = s.target.name             # its runtime/platform/<name> folder
+    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces))
     lay = layout.place(c, s.target)
     cc = link.compiler()
-    table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces))
-    blob = link.link(workdir, link.compile_runtime(cc, workdir) + objs + [table], lay.text_addr)
+    table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces), platform)
+    runtime = link.compile_runtime(cc, workdir, s.arch, platform)
+    # A target whose runtime calls into the image (a kernel's printk...) resolves it from the image's symbols.
+    link_symbols = getattr(s.target, "link_symbols", None)
+    origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
+    origin[table] = "probe table"
+    blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
+                     link_symbols(s.image) if link_symbols else None, origin, Path(s.image.path).name)
     rx, patches = emission.emit(c, lay, blob.symbols)
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)
 
