@@ -50,10 +50,29 @@ static void print_name(const char *what, int dfd, unsigned long user_name)
 	pr_info("%s: dfd=%d name=%s\n", what, dfd, n > 0 ? name : "(fault)");
 }
 
+/* Reentrancy: open_entry() calls ktime_get(), which has a probe too.  That hit is on the
+ * same CPU while a handler runs, so it must count as missed and run no handler; hits
+ * elsewhere (timers, other CPUs: their own stacks) run it. */
+static unsigned long open_frame;	/* open_entry()'s frame while it calls ktime_get() */
+static unsigned long ktime_hits;
+
+static int ktime_hit(struct kprobe *p, struct pt_regs *regs)
+{
+	unsigned long frame = __atomic_load_n(&open_frame, __ATOMIC_RELAXED);
+	if (frame && regs->sp < frame && regs->sp > frame - 8192)
+		pr_info("kp-nested: a handler ran inside open_entry\n");
+	__atomic_fetch_add(&ktime_hits, 1, __ATOMIC_RELAXED);
+	return 0;
+}
+
 /* do_sys_openat2(int dfd, const char __user *filename, struct open_how *how), at its entry. */
 static int open_entry(struct kprobe *p, struct pt_regs *regs)
 {
+	__atomic_store_n(&open_frame, (unsigned long)__builtin_frame_address(0), __ATOMIC_RELAXED);
+	ktime_get();
+	__atomic_store_n(&open_frame, 0, __ATOMIC_RELAXED);
 	print_name("kp-open-entry", (int)regs->di, regs->si);
+	pr_info("kp-ktime-hits: %lu\n", __atomic_load_n(&ktime_hits, __ATOMIC_RELAXED));
 	return 0;
 }
 
@@ -109,10 +128,11 @@ def probed(tmp_path_factory, debian_kernel):
     spec.write_text(f'handlers = ["{sample}", "open_handlers.c"]\n'
                     '[[kprobe]]\nsymbol_name = "kernel_clone"\npre_handler = "handler_pre"\npost_handler = "handler_post"\n'
                     '[[kprobe]]\nsymbol_name = "do_sys_openat2"\npre_handler = "open_entry"\n'
-                    f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n')
+                    f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n'
+                    '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     assert r.stdout.splitlines() == ["kernel_clone+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace",
-                                     f"do_sys_openat2+{off:#x}  k  optimized"], r.stdout
+                                     f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace"], r.stdout
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
@@ -186,6 +206,15 @@ def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed
     entry = [l.split("kp-open-entry: ")[1] for l in r.lines() if "kp-open-entry: " in l]
     inside = [l.split("kp-open-inside: ")[1] for l in r.lines() if "kp-open-inside: " in l]
     assert entry == inside and len(entry) > 3, r.explain("the entry and the inside probe saw different opens")
+
+
+def test_a_hit_inside_a_handler_on_the_same_cpu_is_missed(probed_boot):
+    """ktime_get()'s probe fires all the time, but never inside open_entry(), which calls
+    ktime_get() on the CPU its own dispatch holds (preemption is disabled there)."""
+    r = probed_boot
+    hits = [int(l.split("kp-ktime-hits: ")[1]) for l in r.lines() if "kp-ktime-hits: " in l]
+    assert len(hits) > 3 and hits[-1] > hits[0] > 0, r.explain("ktime_get()'s probe should fire")
+    assert "kp-nested" not in r.console, r.explain("a probe ran its handler inside another probe's handler")
 
 
 def test_list_reads_the_probes_back(probed, debian_kernel):
