@@ -43,7 +43,7 @@
 	/* Fast path: arithmetic flags back with add/sahf, then the registers. */
 	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
-	ret
+	KP_RET
 	.size \name, .-\name
 .endm
 
@@ -74,7 +74,7 @@
 	mov	(%rsp), %rsp
 	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
-	ret
+	KP_RET
 	.size \name, .-\name
 .endm
 

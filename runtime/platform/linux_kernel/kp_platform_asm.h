@@ -4,4 +4,5 @@
 #define KP_PT_CS 0x10		/* __KERNEL_CS */
 #define KP_PT_SS 0x18		/* __KERNEL_DS */
 #define KP_PT_REAL_FLAGS 1	/* regs->flags by pushfq: IF is not always set in a kernel */
+#define KP_RET jmp __x86_return_thunk	/* the image's return thunk (CONFIG_RETHUNK), as its own code returns */
 #endif

@@ -3,4 +3,5 @@
 #define _KP_PLATFORM_ASM_H
 #define KP_PT_CS 0x33		/* __USER_CS */
 #define KP_PT_SS 0x2b		/* __USER_DS */
+#define KP_RET ret
 #endif
