@@ -34,6 +34,7 @@ echo LOOP-START > /dev/kmsg
 for i in {' '.join(str(i) for i in range(FORKS))}; do /bin/true; done
 echo LOOP-END > /dev/kmsg
 cat {OPEN_FILE}
+dmesg -r | grep -m1 kp-open-entry | sed 's/^/raw: /'
 """
 
 OPEN_HANDLERS = r"""
@@ -195,6 +196,8 @@ def test_ftrace_site_probe_reads_the_file_name(probed_boot):
     r = probed_boot
     assert re.search(rf"kp-open-entry: dfd=-100 name={re.escape(OPEN_FILE)}$", r.console, re.M), \
         r.explain(f"no kp-open-entry line for {OPEN_FILE}")
+    # pr_info()'s level reaches the kernel's log (dmesg -r: <6> is KERN_INFO).
+    assert re.search(r"^raw: <6>\[ *[\d.]+\] kp-open-entry: ", r.console, re.M), r.explain("no KERN_INFO record")
 
 
 def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed):
@@ -203,8 +206,9 @@ def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed
     r = probed_boot
     assert re.search(rf"kp-open-inside: dfd=-100 name={re.escape(OPEN_FILE)}$", r.console, re.M), \
         r.explain(f"no kp-open-inside line for {OPEN_FILE} (regs {probed['regs']})")
-    entry = [l.split("kp-open-entry: ")[1] for l in r.lines() if "kp-open-entry: " in l]
-    inside = [l.split("kp-open-inside: ")[1] for l in r.lines() if "kp-open-inside: " in l]
+    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    entry = [l.split("kp-open-entry: ")[1] for l in log if "kp-open-entry: " in l]
+    inside = [l.split("kp-open-inside: ")[1] for l in log if "kp-open-inside: " in l]
     assert entry == inside and len(entry) > 3, r.explain("the entry and the inside probe saw different opens")
 
 

@@ -29,8 +29,7 @@ extern unsigned long this_cpu_off;
 extern int __preempt_count;
 extern int cpu_number;
 
-#define KERN_SOH "\001"
-#define KP_KERN_INFO KERN_SOH "6"
+#define KP_KERN_INFO "\001" "6"	/* KERN_INFO */
 
 /* --- thread identity: the CPU --- */
 

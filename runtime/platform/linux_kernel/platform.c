@@ -26,13 +26,16 @@ void *kp_platform_alloc(unsigned long size)
 	return (char *)kp_kernel_pool + at;
 }
 
-/* Each write is one line of the kernel log, at KERN_INFO (pr_info's level). */
+/* Each write is one printk: at the level the handler's text starts with
+ * (pr_err(), KERN_CONT...; the kernel's printk reads it from the formatted
+ * text), else KERN_INFO, pr_info()'s. */
 void kp_platform_write(int fd, const char *buf, unsigned long len)
 {
 	(void)fd;
-	if (len && buf[len - 1] == '\n')
-		len--;
-	_printk(KP_KERN_INFO "%.*s\n", (int)len, buf);
+	if (len && buf[0] == KERN_SOH[0])
+		_printk("%.*s", (int)len, buf);
+	else
+		_printk(KP_KERN_INFO "%.*s", (int)len, buf);
 }
 
 /* No files in a kernel: every output goes to printk. */
