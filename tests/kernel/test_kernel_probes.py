@@ -27,6 +27,7 @@ pytestmark = pytest.mark.kernel
 
 FORKS = 4                                   # /bin/true runs /init makes between the markers
 OPEN_FILE = "/etc/kprewrite-hello"          # a file only /init opens
+KILL_PID = 4242                             # kill(KILL_PID, 0) succeeds: a pre_handler returns 0 for it
 
 # /dev/kmsg puts the markers in the kernel log, in order with the handlers' printk lines.
 COMMANDS = f"""
@@ -34,6 +35,7 @@ echo LOOP-START > /dev/kmsg
 for i in {' '.join(str(i) for i in range(FORKS))}; do /bin/true; done
 echo LOOP-END > /dev/kmsg
 cat {OPEN_FILE}
+kill -0 {KILL_PID}; echo "kill-status=$?"
 dmesg -r | grep -m1 kp-open-entry | sed 's/^/raw: /'
 """
 
@@ -64,6 +66,19 @@ static int ktime_hit(struct kprobe *p, struct pt_regs *regs)
 		pr_info("kp-nested: a handler ran inside open_entry\n");
 	__atomic_fetch_add(&ktime_hits, 1, __ATOMIC_RELAXED);
 	return 0;
+}
+
+/* __x64_sys_kill(const struct pt_regs *user): kill(KILL_PID, 0) returns 0 at once, as
+ * the kernel's override_function_with_return() does (a pre_handler changing the path). */
+static int kill_override(struct kprobe *p, struct pt_regs *regs)
+{
+	const struct pt_regs *user = (const struct pt_regs *)regs->di;
+	if ((int)user->di != KILL_PID || user->si != 0)
+		return 0;
+	regs->ax = 0;
+	regs->ip = *(unsigned long *)regs->sp;	/* at the entry: the return address */
+	regs->sp += 8;
+	return 1;
 }
 
 /* do_sys_openat2(int dfd, const char __user *filename, struct open_how *how), at its entry. */
@@ -123,17 +138,20 @@ def probed(tmp_path_factory, debian_kernel):
     image = Image(str(debian_kernel.vmlinux))
     linux_kernel.load_symbols(image)
     off, name_reg, dfd_reg = inside_probe(image)
-    (d / "open_handlers.c").write_text(OPEN_HANDLERS.replace("NAME_REG", name_reg).replace("DFD_REG", dfd_reg))
+    (d / "open_handlers.c").write_text(OPEN_HANDLERS.replace("NAME_REG", name_reg).replace("DFD_REG", dfd_reg)
+                                       .replace("KILL_PID", str(KILL_PID)))
     sample = ROOT / "samples" / "kprobe_example" / "handlers.c"
     spec = d / "probes.toml"
     spec.write_text(f'handlers = ["{sample}", "open_handlers.c"]\n'
                     '[[kprobe]]\nsymbol_name = "kernel_clone"\npre_handler = "handler_pre"\npost_handler = "handler_post"\n'
                     '[[kprobe]]\nsymbol_name = "do_sys_openat2"\npre_handler = "open_entry"\n'
                     f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n'
-                    '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n')
+                    '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n'
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     assert r.stdout.splitlines() == ["kernel_clone+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace",
-                                     f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace"], r.stdout
+                                     f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace",
+                                     "__x64_sys_kill+0x0  k  ftrace"], r.stdout
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
@@ -219,6 +237,13 @@ def test_a_hit_inside_a_handler_on_the_same_cpu_is_missed(probed_boot):
     hits = [int(l.split("kp-ktime-hits: ")[1]) for l in r.lines() if "kp-ktime-hits: " in l]
     assert len(hits) > 3 and hits[-1] > hits[0] > 0, r.explain("ktime_get()'s probe should fire")
     assert "kp-nested" not in r.console, r.explain("a probe ran its handler inside another probe's handler")
+
+
+def test_a_pre_handler_changing_regs_ip_changes_the_path(probed_boot):
+    """kill(4242, 0) has no such process to find, yet returns 0: the pre_handler set regs->ax,
+    regs->ip (the return address) and regs->sp and returned 1, so __x64_sys_kill never ran."""
+    r = probed_boot
+    assert re.search(r"^kill-status=0$", r.console, re.M), r.explain("kill -0 should have succeeded")
 
 
 def test_list_reads_the_probes_back(probed, debian_kernel):
