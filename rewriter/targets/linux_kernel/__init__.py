@@ -188,14 +188,21 @@ def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
     return {}, pos
 
 
+# The shutdown hooks: kprobe_profile (event, hits, nmissed) in the kernel log before power-off,
+# restart or halt, the counters' last chance to be read (a kernel has no exit to write them at).
+SHUTDOWN_HOOKS = (("kernel_power_off", "kp_kernel_profile"), ("kernel_restart", "kp_kernel_profile"),
+                  ("kernel_halt", "kp_kernel_profile"))
+
+
 def runtime_probes(spec) -> None:
-    """The boot hooks: probes that keep our pages through mark_rodata_ro(), added to the spec's kprobes."""
-    for fn, handler in BOOT_HOOKS:
-        spec.kprobes.append(KprobeSpec(f"[kprewrite boot hook {fn}]", fn, None, 0, handler, None, False,
-                                       f"kprewrite_{fn}"))
+    """The boot and shutdown hooks: probes the runtime needs, added to the spec's kprobes."""
+    for what, hooks in (("boot", BOOT_HOOKS), ("shutdown", SHUTDOWN_HOOKS)):
+        for fn, handler in hooks:
+            spec.kprobes.append(KprobeSpec(f"[kprewrite {what} hook {fn}]", fn, None, 0, handler, None, False,
+                                           f"kprewrite_{fn}"))
 
 
-RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS)
+RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS + SHUTDOWN_HOOKS)
 
 
 # Per-CPU blocks (struct kp_thread and its hit counters) are taken from a static pool on

@@ -126,3 +126,15 @@ int kp_kernel_keep_free(struct kprobe *p, struct pt_regs *regs)
 		(data_end - data) >> 10);
 	return 0;
 }
+
+/* kernel_power_off(), kernel_restart(), kernel_halt(): kprobe_profile's rows
+ * (event, hits, nmissed) in the kernel log, the counters' last chance to be
+ * read. */
+int kp_kernel_profile(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)regs;
+	_printk(KP_KERN_INFO "kprewrite: kprobe_profile at %s:\n", p->symbol_name);
+	kp_rt.profile_path = "-";	/* kp_platform_write(): the kernel log */
+	kp_write_profile();
+	return 0;
+}
