@@ -253,6 +253,38 @@ def test_a_pre_handler_changing_regs_ip_changes_the_path(probed_boot):
     assert re.search(rf"^kill-ok={KILLS}$", r.console, re.M), r.explain(f"{KILLS} kill -0 should have succeeded")
 
 
+def _profile(r) -> dict[str, tuple[int, int]]:
+    """kprobe_profile's rows the runtime prints at power-off: event -> (hits, nmissed)."""
+    lines = r.lines()
+    i = next((n for n, l in enumerate(lines) if l.endswith("kprewrite: kprobe_profile at kernel_power_off:")), None)
+    assert i is not None, r.explain("no kprobe_profile at power-off")
+    rows = {}
+    for l in lines[i + 1:]:
+        m = re.fullmatch(r"\[ *[\d.]+\]   (\S+) +(\d+) +(\d+)", l)
+        if not m:
+            break
+        rows[m.group(1)] = int(m.group(2)), int(m.group(3))
+    return rows
+
+
+def test_hit_and_missed_counters_are_exact(probed_boot, probed):
+    """The per-CPU counters summed at power-off (-smp 2) against the handlers' own lines."""
+    r = probed_boot
+    rows = _profile(r)
+    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    count = lambda what: sum(what in l for l in log)  # noqa: E731
+    assert rows["p_kernel_clone_0"] == (count("handler_pre: <kernel_clone>"), 0), rows
+    assert count("handler_post: <kernel_clone>") == count("handler_pre: <kernel_clone>")
+    opens = count("kp-open-entry: ")
+    assert rows["p_do_sys_openat2_0"] == (opens, 0) and rows[f"p_do_sys_openat2_{probed['offset']}"] == (opens, 0), rows
+    assert rows["p___x64_sys_kill_0"] == (1 + KILLS, 0), rows
+    # Each open_entry() calls ktime_get() while it runs: at least that many misses.
+    hits, missed = rows["p_ktime_get_0"]
+    assert hits > 0 and missed >= opens, rows
+    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
+        assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
+
+
 def test_list_reads_the_probes_back(probed, debian_kernel):
     r = kprewrite("list", probed["out"])
     lines = r.stdout.splitlines()
