@@ -43,6 +43,38 @@ RUNTIME_SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
 RUNTIME_SOURCES += ["kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
 # Compiled to assembly for their "->NAME value" lines, never linked (asm_offsets()).
 ASM_OFFSETS_SOURCES = ["kp_asm_offsets.c", "{arch}/kp_asm_offsets.c"]
+
+# A kernel image (runtime/platform/linux_kernel): no signals, no GOT hooks, no
+# breakpoint sites yet.  Compiled as kernel code is: kernel code model, no red
+# zone (interrupts push below %rsp), not position-independent (linked where it
+# runs), and the image's return-thunk and retpoline conventions.
+KERNEL_RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
+                          "kp_kretprobe.c", "kp_fetch.c", "kp_trace.c"]
+KERNEL_CFLAGS = [f for f in CFLAGS if f not in ("-fPIC", "-fno-plt")] + [
+    "-D__KERNEL__", "-fno-pic", "-fno-pie", "-mcmodel=kernel", "-mno-red-zone", "-mfunction-return=thunk-extern",
+    "-mindirect-branch=thunk-extern", "-mindirect-branch-register"]
+
+
+@dataclass(frozen=True)
+class Platform:
+    """How the runtime is built and linked for a runtime/platform/<name> folder."""
+    sources: tuple[str, ...]          # C sources in link order
+    cflags: tuple[str, ...]
+    asm_exclude: frozenset = frozenset()   # the arch's .S files it has no use for
+    pie: bool = True                  # linked -pie (relocated at run time) or where it runs
+
+
+PLATFORMS = {
+    "linux_user": Platform(tuple(RUNTIME_SOURCES), tuple(CFLAGS)),
+    "linux_kernel": Platform(tuple(KERNEL_RUNTIME_SOURCES), tuple(KERNEL_CFLAGS), frozenset({"sigreturn.S"}), pie=False),
+}
+
+
+def _platform(name: str) -> Platform:
+    p = PLATFORMS.get(name)
+    if p is None:
+        raise KprewriteError(f"no runtime platform '{name}' (runtime/platform/{name}: known: {', '.join(PLATFORMS)})")
+    return p
 CACHE_FORMAT = "1"      # bump when what a cache entry holds changes
 
 LINKER_SCRIPT = """
@@ -189,8 +221,10 @@ def _includes(arch=None, platform: str = PLATFORM) -> list[str]:
 def _runtime_files(arch, platform: str) -> tuple[list[str], list[str], list[str]]:
     """(C sources in link order, the arch's .S files, the asm-offsets sources), relative to RUNTIME_DIR."""
     d = _folders(arch, platform)
-    c = [src.format(**d) for src in RUNTIME_SOURCES]
-    asm = [f"{d['arch']}/{p.name}" for p in sorted((RUNTIME_DIR / d["arch"]).glob("*.S"))]
+    plat = _platform(platform)
+    c = [src.format(**d) for src in plat.sources]
+    asm = [f"{d['arch']}/{p.name}" for p in sorted((RUNTIME_DIR / d["arch"]).glob("*.S"))
+           if p.name not in plat.asm_exclude]
     offsets = [src.format(**d) for src in ASM_OFFSETS_SOURCES if (RUNTIME_DIR / src.format(**d)).exists()]
     return c, asm, offsets
 
@@ -200,8 +234,9 @@ def _runtime_key(cc: str, arch: str, platform: str) -> str:
     """What the compiled runtime depends on: every file of the runtime tree
     (sources and headers, by contents), the compiler, the flags, arch and platform."""
     h = hashlib.sha256()
-    for part in (CACHE_FORMAT, arch, platform, *_compiler_identity(cc), *CFLAGS, *RUNTIME_SOURCES,
-                 *ASM_OFFSETS_SOURCES):
+    plat = _platform(platform)
+    for part in (CACHE_FORMAT, arch, platform, *_compiler_identity(cc), *plat.cflags, *plat.sources,
+                 *ASM_OFFSETS_SOURCES, *sorted(plat.asm_exclude)):
         h.update(part.encode() + b"\0")
     for f in sorted(p for p in RUNTIME_DIR.rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".S")):
         h.update(str(f.relative_to(RUNTIME_DIR)).encode() + b"\0" + f.read_bytes() + b"\0")
@@ -218,11 +253,12 @@ def cache_dir() -> Path:
 def _build_runtime(cc: str, arch: str, platform: str, out: Path) -> None:
     """Compile the runtime into `out`: asm-offsets.h and the objects."""
     inc = _includes(arch, platform)
+    cflags = _platform(platform).cflags
     c_srcs, asm_srcs, offset_srcs = _runtime_files(arch, platform)
     lines = []
     for i, src in enumerate(offset_srcs):
         s = out / f"asm_offsets{i}.s"
-        _run([cc, *CFLAGS, *inc, "-S", str(RUNTIME_DIR / src), "-o", str(s)], f"runtime {src}")
+        _run([cc, *cflags, *inc, "-S", str(RUNTIME_DIR / src), "-o", str(s)], f"runtime {src}")
         lines += re.findall(r'"->(\w+) [$#]?(-?\d+)"', s.read_text())
         s.unlink()
     (out / "include").mkdir()
@@ -232,7 +268,7 @@ def _build_runtime(cc: str, arch: str, platform: str, out: Path) -> None:
         + "".join(f"#define {name} {value}\n" for name, value in lines) + "#endif\n")
     for src in c_srcs:
         o = out / ("rt_" + src.replace("/", "_") + ".o")
-        _run([cc, *CFLAGS, *inc, "-c", str(RUNTIME_DIR / src), "-o", str(o)], f"runtime {src}")
+        _run([cc, *cflags, *inc, "-c", str(RUNTIME_DIR / src), "-o", str(o)], f"runtime {src}")
     for src in asm_srcs:
         o = out / ("rt_" + Path(src).name + ".o")
         _run([cc, *inc, f"-I{out / 'include'}", "-c", str(RUNTIME_DIR / src), "-o", str(o)], f"runtime {Path(src).name}")
@@ -292,7 +328,8 @@ def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: s
         [out / ("rt_" + Path(src).name + ".o") for src in asm_srcs]
 
 
-def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]]) -> list[Path]:
+def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]],
+                     platform: str = PLATFORM) -> list[Path]:
     objs = []
     for i, h in enumerate(handlers):
         if h.suffix == ".o":
@@ -306,16 +343,18 @@ def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict
             lines.append(f'extern __typeof__({name}) kp_handler_{name} __attribute__((alias("{name}"), used));')
         wrapper.write_text("\n".join(lines) + "\n")
         o = workdir / f"handler{i}.o"
-        _run([cc, *CFLAGS, *_includes(), f"-I{h.parent}", "-c", str(wrapper), "-o", str(o)], h.name)
+        _run([cc, *_platform(platform).cflags, *_includes(platform=platform), f"-I{h.parent}", "-c", str(wrapper),
+              "-o", str(o)], h.name)
         objs.append(o)
     return objs
 
 
-def compile_table(cc: str, workdir: Path, table_c: str) -> Path:
+def compile_table(cc: str, workdir: Path, table_c: str, platform: str = PLATFORM) -> Path:
     table = workdir / "kp_table.c"
     table.write_text(table_c)
     o = workdir / "kp_table.o"
-    _run([cc, *CFLAGS, *_includes(), "-c", str(table), "-o", str(o)], "probe table")
+    _run([cc, *_platform(platform).cflags, *_includes(platform=platform), "-c", str(table), "-o", str(o)],
+         "probe table")
     return o
 
 
@@ -359,12 +398,58 @@ def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes]]:
     return out
 
 
-def link(workdir: Path, objs: list[Path], text_addr: int) -> Blob:
+# Symbols the linker script defines.
+SCRIPT_SYMBOLS = frozenset({"__kp_rela_start", "__kp_rela_end", "__kp_data_start", "__kp_data_end"})
+
+
+def undefined_symbols(objs: list[Path]) -> dict[str, Path]:
+    """name -> the first object that references it, for every global symbol no
+    object defines (and the linker script does not): what the image must provide."""
+    defined, wanted = set(SCRIPT_SYMBOLS), {}
+    for obj in objs:
+        with open(obj, "rb") as f:
+            st = ELFFile(f).get_section_by_name(".symtab")
+            for sym in st.iter_symbols() if st else []:
+                if not sym.name or sym["st_info"]["bind"] not in ("STB_GLOBAL", "STB_WEAK"):
+                    continue
+                if sym["st_shndx"] != "SHN_UNDEF":
+                    defined.add(sym.name)
+                elif sym["st_info"]["bind"] == "STB_GLOBAL":
+                    wanted.setdefault(sym.name, obj)
+    return {n: o for n, o in wanted.items() if n not in defined}
+
+
+def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFORM,
+         externs: dict[str, int | None] | None = None, origin: dict[Path, str] | None = None,
+         image_name: str = "the image") -> Blob:
+    """Link at text_addr.  A PIE platform's blob is self-contained; any other
+    resolves what it leaves undefined from `externs` (the image's symbols:
+    name -> address, None when the name is ambiguous), each missing one an
+    error naming the symbol and the file that uses it (`origin`: object -> name)."""
     script = workdir / "kp.ld"
-    script.write_text(LINKER_SCRIPT.format(text=text_addr))
+    text = LINKER_SCRIPT.format(text=text_addr)
     out = workdir / "blob.elf"
-    _run(["ld", "-pie", "--no-dynamic-linker", "-z", "norelro", "-z", "noexecstack", "--hash-style=gnu",
-          "--build-id=none", "-nostdlib", "-T", str(script), "-o", str(out), *map(str, objs)], "link")
+    if _platform(platform).pie:
+        script.write_text(text)
+        _run(["ld", "-pie", "--no-dynamic-linker", "-z", "norelro", "-z", "noexecstack", "--hash-style=gnu",
+              "--build-id=none", "-nostdlib", "-T", str(script), "-o", str(out), *map(str, objs)], "link")
+        return read_blob(out.read_bytes(), out)
+    externs, origin = externs or {}, origin or {}
+    errors, assigns = [], []
+    for name, obj in sorted(undefined_symbols(objs).items()):
+        where = origin.get(obj, obj.name)
+        if name not in externs:
+            errors.append(f"{where}: {name} is not a symbol of {image_name}")
+        elif externs[name] is None:
+            errors.append(f"{where}: {name} names several symbols of {image_name} (a static function or "
+                          "variable of several files)")
+        else:
+            assigns.append(f"{name} = {externs[name]:#x};")
+    if errors:
+        raise KprewriteError(*errors)
+    script.write_text("\n".join(assigns) + "\n" + text)
+    _run(["ld", "-static", "-z", "noexecstack", "--build-id=none", "-nostdlib", "-T", str(script),
+          "-o", str(out), *map(str, objs)], "link")
     return read_blob(out.read_bytes(), out)
 
 

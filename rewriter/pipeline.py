@@ -78,13 +78,20 @@ def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False
 
 def build(s: Session, workdir: Path) -> bytes:
     """The output image's bytes."""
-    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir)
+    platform = s.target.name             # its runtime/platform/<name> folder
+    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
     lay = layout.place(c, s.target)
     cc = link.compiler()
-    table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces))
-    blob = link.link(workdir, link.compile_runtime(cc, workdir) + objs + [table], lay.text_addr)
+    table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces), platform)
+    runtime = link.compile_runtime(cc, workdir, s.arch, platform)
+    # A target whose runtime and handlers call into the image (a kernel's printk...)
+    # resolves them from the image's symbols.
+    origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
+    origin[table] = "probe table"
+    blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
+                     s.target.link_symbols(s.image), origin, Path(s.image.path).name)
     rx, patches = emission.emit(c, lay, blob.symbols)
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)
 

@@ -12,8 +12,15 @@
  */
 #include "kp_internal.h"
 
+#ifdef KP_PLATFORM_NO_STARTUP
+/* Linked where it runs and never started (a kernel image): ready at the first
+ * hit, with nothing to relocate or configure. */
+struct kp_runtime kp_rt = { .state = 2, .armed = 1 };
+volatile int kp_fast = 1;
+#else
 struct kp_runtime kp_rt;
 volatile int kp_fast;
+#endif
 
 /* Single-threaded start-up before the C library has set up a thread pointer. */
 static struct kp_thread *kp_early_thread;
@@ -108,7 +115,11 @@ static struct kp_thread *kp_new_thread(unsigned long key)
  * mappings, so their page numbers spread well.
  */
 static struct kp_thread kp_no_thread;
+#ifdef KP_PLATFORM_NO_STARTUP
+struct kp_thread *kp_thread_table[KP_TABLE_SIZE] = { [0 ... KP_TABLE_SIZE - 1] = &kp_no_thread };
+#else
 struct kp_thread *kp_thread_table[KP_TABLE_SIZE];
+#endif
 
 static void kp_thread_table_init(void)
 {
@@ -206,12 +217,17 @@ kp_pre_dispatch(unsigned long site_index, struct pt_regs *regs)
 
 long kp_optimized_callback(unsigned long site_index, struct pt_regs *regs)
 {
-	return kp_pre_dispatch(site_index, regs);
+	kp_platform_dispatch_begin();
+	long r = kp_pre_dispatch(site_index, regs);
+	kp_platform_dispatch_end();
+	return r;
 }
 
 void kp_optimized_clean_callback(unsigned long site_index)
 {
+	kp_platform_dispatch_begin();
 	kp_pre_dispatch(site_index, 0);
+	kp_platform_dispatch_end();
 }
 
 /* The post_handler half (aggr_post_handler): after the probed instruction, in the detour. */
@@ -244,12 +260,17 @@ kp_post_dispatch(unsigned long site_index, struct pt_regs *regs)
 
 long kp_post_callback(unsigned long site_index, struct pt_regs *regs)
 {
-	return kp_post_dispatch(site_index, regs);
+	kp_platform_dispatch_begin();
+	long r = kp_post_dispatch(site_index, regs);
+	kp_platform_dispatch_end();
+	return r;
 }
 
 void kp_post_clean_callback(unsigned long site_index)
 {
+	kp_platform_dispatch_begin();
 	kp_post_dispatch(site_index, 0);
+	kp_platform_dispatch_end();
 }
 
 int enable_kprobe(struct kprobe *kp)

@@ -120,10 +120,10 @@ def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_
     assert r.stderr.splitlines() == [
         "kprewrite: probes.toml: [[kprobe]] #2 (kprobe_int3_handler+0x0): "
         f"{kimage.symbols['kprobe_int3_handler'][0]:#x} is blacklisted: NOKPROBE_SYMBOL (kprobe_int3_handler)"]
+    # Without the refused probe, the same image is written (test_kernel_probes.py boots such images).
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
     r = kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out, check=False)
-    assert r.returncode == 1 and not out.exists() and len(r.stderr.splitlines()) == 1
-    assert "not supported yet" in r.stderr
+    assert r.returncode == 0 and out.exists() and r.stderr == "", r.stderr
 
 
 def test_blacklist_lists_every_table(debian_kernel):

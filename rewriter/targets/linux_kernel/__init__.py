@@ -146,12 +146,14 @@ def _symbol_at(image, addr: int) -> str:
 #
 # The gap between the end of .text and .rodata (PFN_ALIGN(_etext) .. __start_rodata) is in
 # the first PT_LOAD: loaded, mapped and executable from boot, zero-filled in the file.
-# mark_rodata_ro() would make it read-only and NX, then free it; two boot hooks (runtime
-# handlers on set_memory_nx() and free_kernel_image_pages(), placed as any probe) keep the
-# pages we use: code read-only and executable like .text, data read-write and NX.
+# mark_rodata_ro() would make it read-only and NX, then free it; three boot hooks (runtime
+# handlers on set_memory_ro(), set_memory_nx() and free_kernel_image_pages(), placed as any
+# probe; runtime/platform/linux_kernel/platform.c) keep the pages we use: code read-only and
+# executable like .text, data read-write (never made read-only: every hit writes it) and NX.
 PAGE = 0x1000
 # The boot hooks: (function, runtime pre_handler).
-BOOT_HOOKS = (("set_memory_nx", "kp_kernel_keep_nx"), ("free_kernel_image_pages", "kp_kernel_keep_free"))
+BOOT_HOOKS = (("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),
+              ("free_kernel_image_pages", "kp_kernel_keep_free"))
 
 
 @dataclass
@@ -192,25 +194,59 @@ def thread_key(image) -> ThreadKey:
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
-    """No start-up stub: the runtime starts on its first hit, the boot hooks are probes.
-    Until the runtime has its kernel platform, writing stops here, before linking."""
-    raise KprewriteError(f"{image.path}: writing probes into a kernel image is not supported yet "
-                         "(kprewrite check and blacklist read it)")
+    """No start-up stub: the runtime's tables are ready statically, the boot hooks are probes."""
+    return {}, pos
+
+
+# The shutdown hooks: kprobe_profile (event, hits, nmissed) in the kernel log before power-off,
+# restart or halt, the counters' last chance to be read (a kernel has no exit to write them at).
+SHUTDOWN_HOOKS = (("kernel_power_off", "kp_kernel_profile"), ("kernel_restart", "kp_kernel_profile"),
+                  ("kernel_halt", "kp_kernel_profile"))
 
 
 def runtime_probes(spec) -> None:
-    """The boot hooks: probes that keep our pages through mark_rodata_ro(), added to the spec's kprobes."""
-    for fn, handler in BOOT_HOOKS:
-        spec.kprobes.append(KprobeSpec(f"[kprewrite boot hook {fn}]", fn, None, 0, handler, None, False,
-                                       f"kprewrite_{fn}"))
+    """The boot and shutdown hooks: probes the runtime needs, added to the spec's kprobes."""
+    for what, hooks in (("boot", BOOT_HOOKS), ("shutdown", SHUTDOWN_HOOKS)):
+        for fn, handler in hooks:
+            spec.kprobes.append(KprobeSpec(f"[kprewrite {what} hook {fn}]", fn, None, 0, handler, None, False,
+                                           f"kprewrite_{fn}"))
 
 
-RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS)
+RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS + SHUTDOWN_HOOKS)
+
+
+# Per-CPU blocks (struct kp_thread and its hit counters) are taken from a static pool on
+# each CPU's first hit, never allocated in probe context: room for this many CPUs.
+POOL_CPUS = 64
 
 
 def tables_c(image, arch, any_int3: bool) -> str:
+    """The gap's bounds (the boot hooks), and the per-CPU blocks' pool, sized from the
+    probe tables generated before this part."""
     lay = plan_layout(image)
-    return f"const unsigned long kp_kernel_gap_start = {lay.rx_vaddr:#x}UL, kp_kernel_gap_end = {lay.end:#x}UL;\n"
+    return (f"const unsigned long kp_kernel_gap_start = {lay.rx_vaddr:#x}UL, kp_kernel_gap_end = {lay.end:#x}UL;\n"
+            "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
+            " + sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0])) * sizeof(unsigned long) + 63) & ~63UL)\n"
+            f"unsigned long kp_kernel_pool[{POOL_CPUS} * KP_KERNEL_BLOCK / sizeof(unsigned long)];\n"
+            "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
+
+
+def link_symbols(image) -> dict[str, int | None]:
+    """What the runtime and handlers may call or read in the image: name -> address
+    (kallsyms, System.map or .symtab), None for a name that several symbols share
+    (static functions of different files), unless one of them is global."""
+    syms = getattr(image, "kernel_symbols", None)
+    if syms is None:
+        return dict(image.all_symbols())
+    out: dict[str, int | None] = {}
+    is_global: dict[str, bool] = {}
+    for s in syms:
+        g = s.type.isupper()
+        if s.name not in out or (g and not is_global[s.name]):
+            out[s.name], is_global[s.name] = s.addr, g
+        elif g == is_global[s.name] and out[s.name] != s.addr:
+            out[s.name] = None
+    return out
 
 
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:

@@ -33,6 +33,11 @@ def rules(image, arch) -> Rules:
     return Rules(bl.Index(bl.compute(image)))
 
 
+def link_symbols(image):
+    """Symbols of the image the runtime and handlers may call: none (they are self-contained)."""
+    return None
+
+
 def tables_c(image, arch, any_int3: bool) -> str:
     """The target's part of the generated C: the GOT slots sighook takes over."""
     return sighook.table_c(image, arch, any_int3)

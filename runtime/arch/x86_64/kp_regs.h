@@ -11,12 +11,18 @@
  * at 72 (al = OF, ah = lahf).
  */
 #include <kp_asm_offsets.h>
+#include <kp_platform_asm.h>	/* KP_PT_CS, KP_PT_SS, KP_PT_REAL_FLAGS, KP_RET, KP_NO_RED_ZONE */
 
-/* pt_regs at %rsp: every register, the flags (IF set, as user code always
- * runs with it), orig_ax, cs, ss; ip and sp are the caller's to fill. */
+/* pt_regs at %rsp: every register, the flags (user code: the arithmetic
+ * flags with IF set, as it always runs with it; a kernel: pushfq), orig_ax,
+ * cs, ss (the platform's segments); ip and sp are the caller's to fill. */
 .macro PT_REGS_SAVE
 	mov	%rax, PT_AX(%rsp)
 	mov	%rcx, PT_CX(%rsp)
+#ifdef KP_PT_REAL_FLAGS
+	pushfq					/* IF may be clear in a kernel */
+	pop	%rcx
+#else
 	seto	%al
 	lahf
 	movzbl	%ah, %ecx
@@ -24,6 +30,7 @@
 	shl	$11, %eax
 	or	%eax, %ecx
 	or	$0x200, %ecx
+#endif
 	mov	%rcx, PT_FLAGS(%rsp)
 	mov	%rdx, PT_DX(%rsp)
 	mov	%rsi, PT_SI(%rsp)
@@ -39,8 +46,8 @@
 	mov	%r14, PT_R14(%rsp)
 	mov	%r15, PT_R15(%rsp)
 	movq	$-1, PT_ORIG_AX(%rsp)
-	movq	$0x33, PT_CS(%rsp)		/* __USER_CS */
-	movq	$0x2b, PT_SS(%rsp)		/* __USER_DS */
+	movq	$KP_PT_CS, PT_CS(%rsp)
+	movq	$KP_PT_SS, PT_SS(%rsp)
 .endm
 
 /* Every register and the arithmetic flags back from pt_regs at %rsp. */

@@ -43,7 +43,7 @@
 	mov	%rbx, %rsp
 	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
-	ret
+	KP_RET
 	.size \name, .-\name
 .endm
 
@@ -87,7 +87,7 @@
 	jne	1f
 	CLEAN_RESTORE
 	lea	CLEAN_SIZE(%rsp), %rsp
-	ret
+	KP_RET
 1:	CLEAN_RESTORE
 	lea	CLEAN_SIZE(%rsp), %rsp
 	jmp	\full
@@ -123,7 +123,7 @@ kp_kretprobe_trampoline:
 	mov	%rax, PT_SIZE(%rsp)
 	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
-	ret
+	KP_RET
 	.size kp_kretprobe_trampoline, .-kp_kretprobe_trampoline
 
 	.section .note.GNU-stack,"",@progbits

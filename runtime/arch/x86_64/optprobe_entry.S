@@ -43,7 +43,7 @@
 	/* Fast path: arithmetic flags back with add/sahf, then the registers. */
 	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
-	ret
+	KP_RET
 	.size \name, .-\name
 .endm
 
@@ -74,7 +74,7 @@
 	mov	(%rsp), %rsp
 	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
-	ret
+	KP_RET
 	.size \name, .-\name
 .endm
 
@@ -98,6 +98,18 @@ kp_optprobe_resume_regs:
 	cmp	%rdx, %rcx
 	cmova	%rdx, %rcx			/* min(R, T - 136) */
 	sub	$PT_SIZE, %rcx			/* N */
+#ifdef KP_NO_RED_ZONE
+	/* Interrupts push below %rsp at any instruction: move %rsp down to N
+	 * first, so the copy and its source both lie above it. */
+	mov	%rsp, %rsi			/* R */
+	mov	%rcx, %rsp
+	xor	%eax, %eax
+1:	mov	(%rsi,%rax,8), %rdi		/* N + PT_SIZE <= R: no overlap */
+	mov	%rdi, (%rsp,%rax,8)
+	inc	%eax
+	cmp	$PT_SIZE/8, %eax
+	jb	1b
+#else
 	xor	%esi, %esi
 1:	mov	(%rsp,%rsi,8), %rdi		/* forward copy: N < R */
 	mov	%rdi, (%rcx,%rsi,8)
@@ -105,6 +117,7 @@ kp_optprobe_resume_regs:
 	cmp	$PT_SIZE/8, %esi
 	jb	1b
 	mov	%rcx, %rsp
+#endif
 	mov	PT_IP(%rsp), %rdi
 	mov	%rdi, (%rdx)			/* ip at T - 136 */
 	mov	%rdx, PT_SP(%rsp)		/* pop %rsp lands at T - 136 */

@@ -144,6 +144,20 @@ int vsnprintf(char *buf, size_t size, const char *fmt, va_list ap);
 #ifndef pr_fmt
 #define pr_fmt(fmt) fmt
 #endif
+#ifdef __KERNEL__
+/* A kernel image: the level reaches the kernel's printk (include/linux/kern_levels.h). */
+#define KERN_SOH	"\001"
+#define KERN_EMERG	KERN_SOH "0"
+#define KERN_ALERT	KERN_SOH "1"
+#define KERN_CRIT	KERN_SOH "2"
+#define KERN_ERR	KERN_SOH "3"
+#define KERN_WARNING	KERN_SOH "4"
+#define KERN_NOTICE	KERN_SOH "5"
+#define KERN_INFO	KERN_SOH "6"
+#define KERN_DEBUG	KERN_SOH "7"
+#define KERN_CONT	KERN_SOH "c"
+#else
+/* A user process: one stream, no levels. */
 #define KERN_EMERG	""
 #define KERN_ALERT	""
 #define KERN_CRIT	""
@@ -152,15 +166,17 @@ int vsnprintf(char *buf, size_t size, const char *fmt, va_list ap);
 #define KERN_NOTICE	""
 #define KERN_INFO	""
 #define KERN_DEBUG	""
-#define pr_emerg(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
-#define pr_alert(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
-#define pr_crit(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
-#define pr_err(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
-#define pr_warn(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
-#define pr_notice(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
-#define pr_info(fmt, ...)	printk(pr_fmt(fmt), ##__VA_ARGS__)
+#define KERN_CONT	""
+#endif
+#define pr_emerg(fmt, ...)	printk(KERN_EMERG pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_alert(fmt, ...)	printk(KERN_ALERT pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_crit(fmt, ...)	printk(KERN_CRIT pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_err(fmt, ...)	printk(KERN_ERR pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_warn(fmt, ...)	printk(KERN_WARNING pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_notice(fmt, ...)	printk(KERN_NOTICE pr_fmt(fmt), ##__VA_ARGS__)
+#define pr_info(fmt, ...)	printk(KERN_INFO pr_fmt(fmt), ##__VA_ARGS__)
 #define pr_debug(fmt, ...)	do { } while (0)
-#define pr_cont(fmt, ...)	printk(fmt, ##__VA_ARGS__)
+#define pr_cont(fmt, ...)	printk(KERN_CONT fmt, ##__VA_ARGS__)
 
 /*
  * Code that must never be probed: NOKPROBE_SYMBOL() records the function's

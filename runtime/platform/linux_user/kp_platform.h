@@ -36,6 +36,12 @@ static inline unsigned long kp_platform_thread_key_fast(void)
 	return kp_arch_thread_pointer();
 }
 
+/* Around each optimized-probe dispatch: nothing in a user process, where the
+ * thread key cannot change under the dispatch (the kernel platform disables
+ * preemption here, as optimized_callback() does). */
+static inline void kp_platform_dispatch_begin(void) { }
+static inline void kp_platform_dispatch_end(void) { }
+
 /* --- memory, output, time (platform.c, clock_cpus.c) --- */
 
 void *kp_platform_alloc(unsigned long size);	/* zeroed, page granular; NULL on failure */

@@ -1,0 +1,127 @@
+/*
+ * The platform half of the runtime's interface, included by the generic core
+ * (kp_internal.h): a Linux kernel image (x86-64).
+ *
+ * The runtime is linked at the address it runs at, inside the kernel image,
+ * and calls the kernel's own functions by their kallsyms addresses (resolved
+ * at link time by rewriter/link.py).  It is never started: its tables are
+ * ready at link time (KP_PLATFORM_NO_STARTUP), so probes fire from the first
+ * instruction of boot.  The "thread" of the core is the CPU, as the kernel's
+ * current_kprobe is per-CPU: its key is the CPU's per-CPU offset, read with
+ * preemption disabled around the dispatch, so a hit while a handler runs on
+ * the same CPU counts as missed.
+ */
+#ifndef _KP_PLATFORM_H
+#define _KP_PLATFORM_H
+#pragma GCC visibility push(hidden)
+
+#define KP_PLATFORM_NO_STARTUP 1
+
+/* --- the kernel's own functions and per-CPU variables (kallsyms) --- */
+
+int _printk(const char *fmt, ...);
+long long ktime_get(void);
+long copy_from_kernel_nofault(void *dst, const void *src, unsigned long size);
+int set_memory_ro(unsigned long addr, int numpages);
+extern unsigned int nr_cpu_ids;
+/* Per-CPU variables: their symbols are offsets from the CPU's %gs base. */
+extern unsigned long this_cpu_off;
+extern int __preempt_count;
+extern int cpu_number;
+
+#define KP_KERN_INFO "\001" "6"	/* KERN_INFO */
+
+/* --- thread identity: the CPU --- */
+
+/* The running CPU's per-CPU offset (never 0 once per-CPU areas exist; the
+ * boot CPU's early value is __per_cpu_load, not 0 either). */
+static inline unsigned long kp_platform_thread_key_fast(void)
+{
+	unsigned long off;
+	__asm__ volatile("mov %%gs:this_cpu_off, %0" : "=r"(off));
+	return off;
+}
+
+static inline unsigned long kp_platform_thread_key(void)
+{
+	return kp_platform_thread_key_fast();
+}
+
+static inline int kp_platform_thread_key_ready(void)
+{
+	return 1;
+}
+
+/* optimized_callback()'s preempt_disable()/preempt_enable(): the key is the
+ * CPU's, so the dispatch must not move to another CPU.  No reschedule on the
+ * way out (preempt_enable_no_resched()): a pending one waits for the next
+ * preemption point, and the detour never calls into the scheduler. */
+static inline void kp_platform_dispatch_begin(void)
+{
+	__asm__ volatile("incl %%gs:__preempt_count" ::: "memory", "cc");
+}
+
+static inline void kp_platform_dispatch_end(void)
+{
+	__asm__ volatile("decl %%gs:__preempt_count" ::: "memory", "cc");
+}
+
+/* --- memory, output, time (platform.c) --- */
+
+void *kp_platform_alloc(unsigned long size);	/* zeroed, from a static pool; NULL when it is used up */
+void kp_platform_write(int fd, const char *buf, unsigned long len);	/* one printk line */
+int kp_platform_open_append(const char *path);
+void kp_platform_close(int fd);
+unsigned long kp_platform_ncpus(void);
+long long kp_platform_ktime(void);
+
+/* The per-CPU blocks' pool, generated with the probe table (rewriter/targets/linux_kernel). */
+extern unsigned long kp_kernel_pool[];
+extern const unsigned long kp_kernel_pool_size;
+/* The text/rodata gap, PFN_ALIGN(_etext) .. __start_rodata, which holds our code and data. */
+extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
+
+/* --- the current task, for trace lines --- */
+
+#define KP_TASK_COMM_LEN 16
+
+/* The task's name and pid need struct task_struct's layout (the image's BTF
+ * has it); until it is read, trace lines name the CPU instead. */
+static inline void kp_platform_task_comm(char *comm)
+{
+	const char *s = "kernel";
+	while ((*comm++ = *s++))
+		;
+}
+
+static inline int kp_platform_task_pid(void)
+{
+	return 0;
+}
+
+static inline unsigned int kp_platform_cpu(void)
+{
+	int cpu;
+	__asm__ volatile("movl %%gs:cpu_number, %0" : "=r"(cpu));
+	return cpu;
+}
+
+struct kp_timespec { long sec, nsec; };
+static inline void kp_platform_trace_clock(struct kp_timespec *ts)
+{
+	long long ns = ktime_get();
+	ts->sec = ns / 1000000000;
+	ts->nsec = ns % 1000000000;
+}
+
+/* copy_from_kernel_nofault(): 0, or non-zero if any byte cannot be read. */
+static inline int kp_platform_copy_nofault(void *dst, unsigned long addr, unsigned long len, int tid)
+{
+	(void)tid;
+	return len ? (int)copy_from_kernel_nofault(dst, (const void *)addr, len) : 0;
+}
+
+#pragma GCC visibility pop
+
+void kp_profile_signal_configure(const char *value);
+#endif

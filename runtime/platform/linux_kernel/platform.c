@@ -1,0 +1,140 @@
+/*
+ * Platform layer: a Linux kernel image.  Output goes to the kernel's printk;
+ * memory comes from a static pool (nothing is allocated in probe context);
+ * the boot hooks keep our pages of the text/rodata gap through
+ * mark_rodata_ro(), with the kernel's own W^X rules: code read-only and
+ * executable like .text, data read-write and NX.
+ */
+#include "kp_internal.h"
+
+#define PAGE_SIZE 4096UL
+#define PAGE_SHIFT 12
+#define PAGE_ALIGN(x) (((x) + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1))
+
+/* The linked blob's layout (rewriter/link.py's linker script): code and
+ * rodata from the gap's start, data from the page __kp_data_start. */
+extern char __kp_data_start[], __kp_data_end[];
+
+static unsigned long kp_kernel_pool_used;
+
+void *kp_platform_alloc(unsigned long size)
+{
+	size = (size + 63) & ~63UL;
+	unsigned long at = __atomic_fetch_add(&kp_kernel_pool_used, size, __ATOMIC_RELAXED);
+	if (at + size > kp_kernel_pool_size)
+		return 0;
+	return (char *)kp_kernel_pool + at;
+}
+
+/* Each write is one printk: at the level the handler's text starts with
+ * (pr_err(), KERN_CONT...; the kernel's printk reads it from the formatted
+ * text), else KERN_INFO, pr_info()'s. */
+void kp_platform_write(int fd, const char *buf, unsigned long len)
+{
+	(void)fd;
+	if (len && buf[0] == KERN_SOH[0])
+		_printk("%.*s", (int)len, buf);
+	else
+		_printk(KP_KERN_INFO "%.*s", (int)len, buf);
+}
+
+/* No files in a kernel: every output goes to printk. */
+int kp_platform_open_append(const char *path)
+{
+	(void)path;
+	return 2;
+}
+
+void kp_platform_close(int fd)
+{
+	(void)fd;
+}
+
+unsigned long kp_platform_ncpus(void)
+{
+	return nr_cpu_ids;
+}
+
+long long kp_platform_ktime(void)
+{
+	return ktime_get();
+}
+
+/* No signals in a kernel. */
+void kp_profile_signal_configure(const char *value)
+{
+	(void)value;
+}
+
+/*
+ * The boot hooks, pre_handlers of probes the rewriter adds on the kernel's
+ * own set_memory_ro(), set_memory_nx() and free_kernel_image_pages() (their
+ * ftrace sites).  mark_rodata_ro() calls set_memory_ro(_text, ...) up to the
+ * end of .rodata, set_memory_nx(PFN_ALIGN(_etext), ...), then
+ * free_kernel_image_pages(what, PFN_ALIGN(_etext), __start_rodata).  Our data
+ * pages are kept out of the first (every probe hit writes them, the hooks'
+ * own included, so they must never be read-only), our code pages out of the
+ * second, both out of the third.  Only the arguments' meanings are relied
+ * on, not the code of mark_rodata_ro().
+ */
+
+/* set_memory_ro(addr, numpages) over our data pages: everything but them. */
+int kp_kernel_keep_ro(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	unsigned long data = (unsigned long)__kp_data_start;
+	unsigned long data_end = PAGE_ALIGN((unsigned long)__kp_data_end);
+	unsigned long lo = regs->di, hi = lo + ((unsigned long)(long)(int)regs->si << PAGE_SHIFT);
+	if (data_end == data || hi <= data || lo >= data_end)
+		return 0;
+	if (hi > data_end) {
+		/* set_memory_ro() may sleep (change_page_attr takes mutexes),
+		 * and its caller may: allow it for the call.  The nested hit
+		 * on this probe counts as missed and changes nothing. */
+		kp_platform_dispatch_end();
+		set_memory_ro(data_end, (int)((hi - data_end) >> PAGE_SHIFT));
+		kp_platform_dispatch_begin();
+	}
+	regs->si = lo < data ? (data - lo) >> PAGE_SHIFT : 0;
+	return 0;
+}
+
+/* set_memory_nx(addr, numpages): start the NX range after our code pages. */
+int kp_kernel_keep_nx(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	unsigned long code_end = (unsigned long)__kp_data_start;	/* page aligned */
+	if (regs->di != kp_kernel_gap_start)
+		return 0;
+	long pages = (long)(int)regs->si - (long)((code_end - kp_kernel_gap_start) >> PAGE_SHIFT);
+	regs->di = code_end;
+	regs->si = pages > 0 ? (unsigned long)pages : 0;
+	return 0;
+}
+
+/* free_kernel_image_pages(what, begin, end): keep our code and data pages. */
+int kp_kernel_keep_free(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	unsigned long data = (unsigned long)__kp_data_start;
+	unsigned long data_end = PAGE_ALIGN((unsigned long)__kp_data_end);
+	if (regs->si != kp_kernel_gap_start)
+		return 0;
+	regs->si = data_end < regs->dx ? data_end : regs->dx;
+	_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the text/rodata gap: code %lu KiB (read-only), "
+		"data %lu KiB (read-write, NX)\n", kp_kernel_gap_start, data_end, (data - kp_kernel_gap_start) >> 10,
+		(data_end - data) >> 10);
+	return 0;
+}
+
+/* kernel_power_off(), kernel_restart(), kernel_halt(): kprobe_profile's rows
+ * (event, hits, nmissed) in the kernel log, the counters' last chance to be
+ * read. */
+int kp_kernel_profile(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)regs;
+	_printk(KP_KERN_INFO "kprewrite: kprobe_profile at %s:\n", p->symbol_name);
+	kp_rt.profile_path = "-";	/* kp_platform_write(): the kernel log */
+	kp_write_profile();
+	return 0;
+}

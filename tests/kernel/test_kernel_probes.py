@@ -1,0 +1,316 @@
+"""The first end-to-end kernel probes: `instrument` on Debian's stripped vmlinux writes a vmlinux
+that boots under qemu-system-x86_64 -smp 2 with no boot parameter, and whose probes fire with C
+handlers printing through the kernel's printk: the kernel's kprobe_example handlers on
+kernel_clone (an ftrace site), a handler on do_sys_openat2's ftrace site reading the file name
+from regs->si with the kernel's strncpy_from_user_nofault(), and a jump-optimized probe inside
+do_sys_openat2 reading the registers the function copied its arguments to.  One rewrite and one
+boot are shared by the tests of this module."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import capstone
+import pytest
+
+from kernel_env import DONE_MARKER, WX_PASSED, assert_boot_ok, init_script
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from rewriter.image import Image  # noqa: E402
+from rewriter.targets import linux_kernel  # noqa: E402
+
+pytestmark = pytest.mark.kernel
+
+FORKS = 4                                   # /bin/true runs /init makes between the markers
+OPEN_FILE = "/etc/kprewrite-hello"          # a file only /init opens
+KILL_PID = 4242                             # kill(KILL_PID, 0) succeeds: a pre_handler returns 0 for it
+KILLS = 500                                 # path changes in a row, interrupts arriving among them
+
+# /dev/kmsg puts the markers in the kernel log, in order with the handlers' printk lines.
+COMMANDS = f"""
+echo LOOP-START > /dev/kmsg
+for i in {' '.join(str(i) for i in range(FORKS))}; do /bin/true; done
+echo LOOP-END > /dev/kmsg
+cat {OPEN_FILE}
+kill -0 {KILL_PID}; echo "kill-status=$?"
+ok=0; for i in $(seq {KILLS}); do kill -0 {KILL_PID} 2>/dev/null && ok=$((ok + 1)); done; echo "kill-ok=$ok"
+dmesg -r | grep -m1 kp-open-entry | sed 's/^/raw: /'
+echo {DONE_MARKER}
+sleep 1
+"""
+# The sleep: /init's output drains through the serial line after the fact, and the
+# `poweroff -f` that follows init_script()'s own DONE line can cut the last lines.
+
+OPEN_HANDLERS = r"""
+#include <linux/kprobes.h>
+
+/* The kernel's own: a NUL-terminated string from user space, never faults. */
+long strncpy_from_user_nofault(char *dst, const void __user *unsafe_addr, long count);
+
+static void print_name(const char *what, int dfd, unsigned long user_name)
+{
+	char name[64];
+	long n = strncpy_from_user_nofault(name, (const void __user *)user_name, sizeof(name) - 1);
+	name[n > 0 ? n : 0] = 0;
+	pr_info("%s: dfd=%d name=%s\n", what, dfd, n > 0 ? name : "(fault)");
+}
+
+/* Reentrancy: open_entry() calls ktime_get(), which has a probe too.  That hit is on the
+ * same CPU while a handler runs, so it must count as missed and run no handler; hits
+ * elsewhere (timers, other CPUs: their own stacks) run it. */
+static unsigned long open_frame;	/* open_entry()'s frame while it calls ktime_get() */
+static unsigned long ktime_hits;
+
+static int ktime_hit(struct kprobe *p, struct pt_regs *regs)
+{
+	unsigned long frame = __atomic_load_n(&open_frame, __ATOMIC_RELAXED);
+	if (frame && regs->sp < frame && regs->sp > frame - 8192)
+		pr_info("kp-nested: a handler ran inside open_entry\n");
+	__atomic_fetch_add(&ktime_hits, 1, __ATOMIC_RELAXED);
+	return 0;
+}
+
+/* __x64_sys_kill(const struct pt_regs *user): kill(KILL_PID, 0) returns 0 at once, as
+ * the kernel's override_function_with_return() does (a pre_handler changing the path). */
+static int kill_override(struct kprobe *p, struct pt_regs *regs)
+{
+	const struct pt_regs *user = (const struct pt_regs *)regs->di;
+	if ((int)user->di != KILL_PID || user->si != 0)
+		return 0;
+	regs->ax = 0;
+	regs->ip = *(unsigned long *)regs->sp;	/* at the entry: the return address */
+	regs->sp += 8;
+	return 1;
+}
+
+/* do_sys_openat2(int dfd, const char __user *filename, struct open_how *how), at its entry. */
+static int open_entry(struct kprobe *p, struct pt_regs *regs)
+{
+	__atomic_store_n(&open_frame, (unsigned long)__builtin_frame_address(0), __ATOMIC_RELAXED);
+	ktime_get();
+	__atomic_store_n(&open_frame, 0, __ATOMIC_RELAXED);
+	print_name("kp-open-entry", (int)regs->di, regs->si);
+	pr_info("kp-ktime-hits: %lu\n", __atomic_load_n(&ktime_hits, __ATOMIC_RELAXED));
+	return 0;
+}
+
+/* Inside it, once the arguments sit in the registers the function moved them to. */
+static int open_inside(struct kprobe *p, struct pt_regs *regs)
+{
+	print_name("kp-open-inside", (int)regs->DFD_REG, regs->NAME_REG);
+	return 0;
+}
+"""
+
+# capstone's 64/32-bit register names -> struct pt_regs fields.
+PT_REGS = {**{f"r{i}": f"r{i}" for i in range(8, 16)}, **{f"r{i}d": f"r{i}" for i in range(8, 16)},
+           "rbx": "bx", "ebx": "bx", "rbp": "bp", "ebp": "bp"}
+
+
+def kprewrite(*args, check=True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "rewriter", *map(str, args)], capture_output=True, text=True, env=env)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def inside_probe(image) -> tuple[int, str, str]:
+    """(offset, pt_regs field holding filename, field holding dfd) for a probe inside
+    do_sys_openat2, right after it copied both arguments to callee-saved registers."""
+    f = next(f for f in image.functions if f.name == "do_sys_openat2")
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    name_reg = dfd_reg = None
+    for insn in cs.disasm(image.read(f.start, min(64, f.end - f.start)), f.start):
+        ops = [o.strip() for o in insn.op_str.split(",")]
+        if insn.mnemonic == "mov" and len(ops) == 2 and ops[0] in PT_REGS:
+            if ops[1] == "rsi" and name_reg is None:
+                name_reg = PT_REGS[ops[0]]
+            elif ops[1] == "edi" and dfd_reg is None:
+                dfd_reg = PT_REGS[ops[0]]
+        if name_reg and dfd_reg:
+            return insn.address + insn.size - f.start, name_reg, dfd_reg
+    pytest.fail("do_sys_openat2 does not copy filename and dfd to callee-saved registers in its first 64 bytes")
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory, debian_kernel):
+    """The spec, its handlers and the rewritten vmlinux."""
+    d = tmp_path_factory.mktemp("kprobes")
+    image = Image(str(debian_kernel.vmlinux))
+    linux_kernel.load_symbols(image)
+    off, name_reg, dfd_reg = inside_probe(image)
+    (d / "open_handlers.c").write_text(OPEN_HANDLERS.replace("NAME_REG", name_reg).replace("DFD_REG", dfd_reg)
+                                       .replace("KILL_PID", str(KILL_PID)))
+    sample = ROOT / "samples" / "kprobe_example" / "handlers.c"
+    spec = d / "probes.toml"
+    spec.write_text(f'handlers = ["{sample}", "open_handlers.c"]\n'
+                    '[[kprobe]]\nsymbol_name = "kernel_clone"\npre_handler = "handler_pre"\npost_handler = "handler_post"\n'
+                    '[[kprobe]]\nsymbol_name = "do_sys_openat2"\npre_handler = "open_entry"\n'
+                    f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n'
+                    '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n'
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n')
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
+    assert r.stdout.splitlines() == ["kernel_clone+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace",
+                                     f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace",
+                                     "__x64_sys_kill+0x0  k  ftrace"], r.stdout
+    out = d / "vmlinux.kp"
+    kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
+    lay = linux_kernel.plan_layout(image)
+    return {"dir": d, "spec": spec, "out": out, "offset": off, "regs": (name_reg, dfd_reg),
+            "kernel_clone": image.symbols["kernel_clone"][0], "gap": (lay.rx_vaddr, lay.end)}
+
+
+@pytest.fixture(scope="module")
+def probed_boot(probed, make_initramfs, boot_kernel):
+    initrd = make_initramfs(init_script(COMMANDS), {OPEN_FILE: "hello\n"})
+    return boot_kernel("probed-vmlinux-smp2", probed["out"], initrd, smp=2, timeout=120)
+
+
+def _lines(r, start: str, end: str) -> list[str]:
+    """Console lines strictly between the first line ending with `start` and the next ending with `end`."""
+    lines = r.lines()
+    i = next(n for n, l in enumerate(lines) if l.endswith(start))
+    j = next(n for n in range(i + 1, len(lines)) if lines[n].endswith(end))
+    return lines[i + 1:j]
+
+
+def test_boots_with_no_boot_parameter(probed_boot, probed):
+    """User space after mark_rodata_ro(), /init done, the kernel's W+X check passed, no
+    oops/BUG/WARNING (ftrace's included), clean power-off; our pages kept, the rest freed."""
+    r = probed_boot
+    assert_boot_ok(r)
+    assert r.cmd[r.cmd.index("-append") + 1] == "console=ttyS0 panic=-1", r.cmd
+    kept = re.search(r"kprewrite: kept (\w+)\.\.(\w+) of the text/rodata gap: code (\d+) KiB \(read-only\), "
+                     r"data (\d+) KiB \(read-write, NX\)", r.console)
+    assert kept, r.explain("no line from the free_kernel_image_pages boot hook")
+    freed = re.search(r"Freeing unused kernel image \(text/rodata gap\) memory: (\d+)K", r.console)
+    assert int(kept.group(1), 16) == probed["gap"][0]
+    gap = (probed["gap"][1] - probed["gap"][0]) >> 10
+    assert freed and int(freed.group(1)) == gap - ((int(kept.group(2), 16) - int(kept.group(1), 16)) >> 10), \
+        r.explain("the gap freed is not the gap minus our pages")
+    print(f"\nprobed vmlinux: boot to power-off {r.seconds:.2f} s ({r.accel}, -smp 2); kept "
+          f"{kept.group(3)} KiB code + {kept.group(4)} KiB data of the gap")
+
+
+def test_kprobe_example_on_kernel_clone(probed_boot, probed):
+    """The kernel sample's handlers, unchanged: one handler_pre and one handler_post per fork,
+    from early boot on, and after mark_rodata_ro() exactly one pair per fork /init makes."""
+    r = probed_boot
+    lines = r.lines()
+    wx = next(n for n, l in enumerate(lines) if WX_PASSED in l)
+    assert any("handler_pre: <kernel_clone>" in l for l in lines[:wx]), r.explain("no hit before mark_rodata_ro()")
+    loop = _lines(r, "LOOP-START", "LOOP-END")
+    pre = [l for l in loop if "handler_pre: <kernel_clone>" in l]
+    post = [l for l in loop if "handler_post: <kernel_clone>" in l]
+    assert len(pre) == FORKS and len(post) == FORKS, r.explain(f"{FORKS} forks between the markers")
+    # As in the kernel: p->addr is the probed address, ip is addr + 1 (as if an int3 had trapped).
+    addr = probed["kernel_clone"]
+    assert re.search(rf"handler_pre: <kernel_clone> p->addr = 0x{addr:016x}, ip = {addr + 1:x}, "
+                     r"flags = 0x[0-9a-f]+$", pre[0]), pre[0]
+    assert re.search(rf"handler_post: <kernel_clone> p->addr = 0x{addr:016x}, flags = 0x[0-9a-f]+$", post[0]), post[0]
+
+
+def test_ftrace_site_probe_reads_the_file_name(probed_boot):
+    """do_sys_openat2's ftrace site: regs->si is the user's file name and regs->di the dfd."""
+    r = probed_boot
+    assert re.search(rf"kp-open-entry: dfd=-100 name={re.escape(OPEN_FILE)}$", r.console, re.M), \
+        r.explain(f"no kp-open-entry line for {OPEN_FILE}")
+    # pr_info()'s level reaches the kernel's log (dmesg -r: <6> is KERN_INFO).
+    assert re.search(r"^raw: <6>\[ *[\d.]+\] kp-open-entry: ", r.console, re.M), r.explain("no KERN_INFO record")
+
+
+def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed):
+    """A jump-optimized probe inside do_sys_openat2 sees the registers the function moved its
+    arguments to (the same name and dfd as at the entry)."""
+    r = probed_boot
+    assert re.search(rf"kp-open-inside: dfd=-100 name={re.escape(OPEN_FILE)}$", r.console, re.M), \
+        r.explain(f"no kp-open-inside line for {OPEN_FILE} (regs {probed['regs']})")
+    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    entry = [l.split("kp-open-entry: ")[1] for l in log if "kp-open-entry: " in l]
+    inside = [l.split("kp-open-inside: ")[1] for l in log if "kp-open-inside: " in l]
+    assert entry == inside and len(entry) > 3, r.explain("the entry and the inside probe saw different opens")
+
+
+def test_a_hit_inside_a_handler_on_the_same_cpu_is_missed(probed_boot):
+    """ktime_get()'s probe fires all the time, but never inside open_entry(), which calls
+    ktime_get() on the CPU its own dispatch holds (preemption is disabled there)."""
+    r = probed_boot
+    hits = [int(l.split("kp-ktime-hits: ")[1]) for l in r.lines() if "kp-ktime-hits: " in l]
+    assert len(hits) > 3 and hits[-1] > hits[0] > 0, r.explain("ktime_get()'s probe should fire")
+    assert "kp-nested" not in r.console, r.explain("a probe ran its handler inside another probe's handler")
+
+
+def test_a_pre_handler_changing_regs_ip_changes_the_path(probed_boot):
+    """kill(4242, 0) has no such process to find, yet returns 0: the pre_handler set regs->ax,
+    regs->ip (the return address) and regs->sp and returned 1, so __x64_sys_kill never ran."""
+    r = probed_boot
+    assert re.search(r"^kill-status=0$", r.console, re.M), r.explain("kill -0 should have succeeded")
+    assert re.search(rf"^kill-ok={KILLS}$", r.console, re.M), r.explain(f"{KILLS} kill -0 should have succeeded")
+
+
+def _profile(r) -> dict[str, tuple[int, int]]:
+    """kprobe_profile's rows the runtime prints at power-off: event -> (hits, nmissed)."""
+    lines = r.lines()
+    i = next((n for n, l in enumerate(lines) if l.endswith("kprewrite: kprobe_profile at kernel_power_off:")), None)
+    assert i is not None, r.explain("no kprobe_profile at power-off")
+    rows = {}
+    for l in lines[i + 1:]:
+        m = re.fullmatch(r"\[ *[\d.]+\]   (\S+) +(\d+) +(\d+)", l)
+        if not m:
+            break
+        rows[m.group(1)] = int(m.group(2)), int(m.group(3))
+    return rows
+
+
+def test_hit_and_missed_counters_are_exact(probed_boot, probed):
+    """The per-CPU counters summed at power-off (-smp 2) against the handlers' own lines."""
+    r = probed_boot
+    rows = _profile(r)
+    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    count = lambda what: sum(what in l for l in log)  # noqa: E731
+    assert rows["p_kernel_clone_0"] == (count("handler_pre: <kernel_clone>"), 0), rows
+    assert count("handler_post: <kernel_clone>") == count("handler_pre: <kernel_clone>")
+    opens = count("kp-open-entry: ")
+    assert rows["p_do_sys_openat2_0"] == (opens, 0) and rows[f"p_do_sys_openat2_{probed['offset']}"] == (opens, 0), rows
+    assert rows["p___x64_sys_kill_0"] == (1 + KILLS, 0), rows
+    # Each open_entry() calls ktime_get() while it runs: at least that many misses.
+    hits, missed = rows["p_ktime_get_0"]
+    assert hits > 0 and missed >= opens, rows
+    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
+        assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
+
+
+def test_list_reads_the_probes_back(probed, debian_kernel):
+    r = kprewrite("list", probed["out"])
+    lines = r.stdout.splitlines()
+    off = probed["offset"]
+    assert any(re.fullmatch(r"[0-9a-f]{16}  k  kernel_clone\+0x0 \[FTRACE\]", l) for l in lines), lines
+    assert any(re.fullmatch(r"[0-9a-f]{16}  k  do_sys_openat2\+0x0 \[FTRACE\]", l) for l in lines), lines
+    assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  do_sys_openat2\+{off:#x} \[OPTIMIZED\]", l) for l in lines), lines
+    # The boot hooks are probes too, on ftrace sites.
+    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages"):
+        assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  {fn}\+0x0 \[FTRACE\]", l) for l in lines), (fn, lines)
+
+
+def test_rewriting_twice_gives_identical_bytes(probed, debian_kernel):
+    again = probed["dir"] / "vmlinux.kp.again"
+    kprewrite("instrument", debian_kernel.vmlinux, "--spec", probed["spec"], "-o", again)
+    assert again.read_bytes() == probed["out"].read_bytes()
+
+
+def test_handler_calling_a_symbol_the_image_lacks_is_refused(tmp_path, debian_kernel):
+    (tmp_path / "bad.c").write_text("#include <linux/kprobes.h>\n"
+                                    "void kprewrite_no_such_kernel_function(void);\n"
+                                    "static int pre(struct kprobe *p, struct pt_regs *regs)\n"
+                                    "{ kprewrite_no_such_kernel_function(); return 0; }\n")
+    spec = tmp_path / "probes.toml"
+    spec.write_text('handlers = ["bad.c"]\n[[kprobe]]\nsymbol_name = "kernel_clone"\npre_handler = "pre"\n')
+    out = tmp_path / "vmlinux.kp"
+    r = kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out, check=False)
+    assert r.returncode == 1 and not out.exists()
+    assert r.stderr.splitlines() == ["kprewrite: bad.c: kprewrite_no_such_kernel_function is not a symbol of vmlinux"]
