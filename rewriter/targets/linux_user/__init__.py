@@ -9,7 +9,7 @@ from ... import blacklist as bl
 from ...arch.base import ThreadKey
 from ...errors import KprewriteError
 from ...rules import Rules
-from . import sighook, writer
+from . import ftrace, sighook, writer
 from .startup import emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
@@ -29,8 +29,14 @@ def load_symbols(image, system_map: str | None = None) -> None:
 
 
 def rules(image, arch) -> Rules:
-    """check_kprobe_address_safe()'s blacklist for a user image (blacklist.compute)."""
-    return Rules(bl.Index(bl.compute(image)))
+    """check_kprobe_address_safe()'s blacklist for a user image (blacklist.compute),
+    and the image's ftrace sites (ftrace.py: function entries a -mnop-mcount or
+    -fpatchable-function-entry build left as a 5-byte nop), which a probe takes
+    as KPROBE_FLAG_FTRACE does, the bytes after a site's first refused as in a
+    kernel.  The output keeps the sites' tables unchanged (write() does not touch
+    them): nothing patches them at run time in a user process."""
+    sites = ftrace.sites(image, arch)
+    return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, sites)), ftrace=sites)
 
 
 def link_symbols(image):
