@@ -28,14 +28,15 @@ def check_lines(plan: Plan) -> list[str]:
 def describe_returns(g) -> str:
     # The decision word is the entry's (interface.md: optimized, ftrace, int3,
     # refused); how the returns are caught follows it.
+    word = FTRACE if g.site.decision == FTRACE else OPTIMIZED
     if g.mode == TRAMPOLINE:
-        return f"{OPTIMIZED}  returns: {TRAMPOLINE}  {g.reason}"
+        return f"{word}  returns: {TRAMPOLINE}  {g.reason}"
     int3 = {e.addr for e, _ in g.int3_exits}
     parts = []
     for e in g.exits:
         what = "ret" if e.kind == "ret" else f"tail->{e.target:#x}" + (" (pending)" if g.hooks[e.addr] == HOOK_PENDING else " (trampoline)")
         parts.append(f"{e.addr:#x} {what}" + (" (int3)" if e.addr in int3 else ""))
-    return f"{OPTIMIZED}  returns: {', '.join(parts)}"
+    return f"{word}  returns: {', '.join(parts)}"
 
 
 def skipped_summary(plan: Plan) -> list[str]:
@@ -65,7 +66,7 @@ def metadata(plan: Plan, label: str) -> bytes:
         probes.append(d)
     for site, p, g in plan.kretprobes:
         probes.append({"index": p.index, "addr": p.addr, "kind": "r", "symbol": p.symbol, "offset": p.offset,
-                       "name": p.event_name, "optimized": True, "disabled": p.kret.disabled,
+                       "name": p.event_name, "optimized": site.decision != FTRACE, "disabled": p.kret.disabled,
                        "detour": site.detour, "region": [site.addr, site.region_end], "returns": g.mode,
                        "call": "clean" if site.clean else "pt_regs",
                        "inline_dispatch": site.template,
@@ -74,6 +75,8 @@ def metadata(plan: Plan, label: str) -> bytes:
                        "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]
                        + [[h.addr, h.region_end, e.addr] for h, e in g.embedded],
                        "int3_exits": [e.addr for e, _ in g.int3_exits]})
+        if site.decision == FTRACE:
+            probes[-1]["ftrace"] = True
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
