@@ -11,7 +11,7 @@
  * at 72 (al = OF, ah = lahf).
  */
 #include <kp_asm_offsets.h>
-#include <kp_platform_asm.h>	/* KP_PT_CS, KP_PT_SS, KP_PT_REAL_FLAGS, KP_RET, KP_NO_RED_ZONE */
+#include <kp_platform_asm.h>	/* KP_PT_CS, KP_PT_SS, KP_PT_REAL_FLAGS, KP_RET */
 
 /* pt_regs at %rsp: every register, the flags (user code: the arithmetic
  * flags with IF set, as it always runs with it; a kernel: pushfq), orig_ax,

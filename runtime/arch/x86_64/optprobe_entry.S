@@ -98,9 +98,9 @@ kp_optprobe_resume_regs:
 	cmp	%rdx, %rcx
 	cmova	%rdx, %rcx			/* min(R, T - 136) */
 	sub	$PT_SIZE, %rcx			/* N */
-#ifdef KP_NO_RED_ZONE
-	/* Interrupts push below %rsp at any instruction: move %rsp down to N
-	 * first, so the copy and its source both lie above it. */
+	/* Move %rsp down to N first, so the copy and its source both lie above it:
+	 * an interrupt (kernel) pushes below %rsp at any instruction, and a signal
+	 * frame (user) lands 128 bytes below it, inside the copy's lower end. */
 	mov	%rsp, %rsi			/* R */
 	mov	%rcx, %rsp
 	xor	%eax, %eax
@@ -109,15 +109,6 @@ kp_optprobe_resume_regs:
 	inc	%eax
 	cmp	$PT_SIZE/8, %eax
 	jb	1b
-#else
-	xor	%esi, %esi
-1:	mov	(%rsp,%rsi,8), %rdi		/* forward copy: N < R */
-	mov	%rdi, (%rcx,%rsi,8)
-	inc	%esi
-	cmp	$PT_SIZE/8, %esi
-	jb	1b
-	mov	%rcx, %rsp
-#endif
 	mov	PT_IP(%rsp), %rdi
 	mov	%rdi, (%rdx)			/* ip at T - 136 */
 	mov	%rdx, PT_SP(%rsp)		/* pop %rsp lands at T - 136 */

@@ -5,5 +5,4 @@
 #define KP_PT_SS 0x18		/* __KERNEL_DS */
 #define KP_PT_REAL_FLAGS 1	/* regs->flags by pushfq: IF is not always set in a kernel */
 #define KP_RET jmp __x86_return_thunk	/* the image's return thunk (CONFIG_RETHUNK), as its own code returns */
-#define KP_NO_RED_ZONE 1	/* nothing below %rsp survives: interrupts push there */
 #endif
