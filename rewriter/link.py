@@ -329,8 +329,9 @@ def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: s
 
 
 def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]],
-                     platform: str = PLATFORM) -> list[Path]:
+                     platform: str = PLATFORM, headers: Path | None = None) -> list[Path]:
     objs = []
+    first = [f"-I{headers}"] if headers is not None and headers.is_dir() else []
     for i, h in enumerate(handlers):
         if h.suffix == ".o":
             objs.append(h)
@@ -343,7 +344,7 @@ def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict
             lines.append(f'extern __typeof__({name}) kp_handler_{name} __attribute__((alias("{name}"), used));')
         wrapper.write_text("\n".join(lines) + "\n")
         o = workdir / f"handler{i}.o"
-        _run([cc, *_platform(platform).cflags, *_includes(platform=platform), f"-I{h.parent}", "-c", str(wrapper),
+        _run([cc, *_platform(platform).cflags, *first, *_includes(platform=platform), f"-I{h.parent}", "-c", str(wrapper),
               "-o", str(o)], h.name)
         objs.append(o)
     return objs

@@ -79,7 +79,12 @@ def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False
 def build(s: Session, workdir: Path) -> bytes:
     """The output image's bytes."""
     platform = s.target.name             # its runtime/platform/<name> folder
-    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform)
+    headers = workdir / "include"       # headers the target makes from the image (a kernel's types)
+    for rel, text in s.target.handler_headers(s.image).items():
+        (headers / rel).parent.mkdir(parents=True, exist_ok=True)
+        (headers / rel).write_text(text)
+    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform,
+                                           headers)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
     lay = layout.place(c, s.target)

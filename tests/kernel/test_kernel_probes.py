@@ -35,7 +35,7 @@ COMMANDS = f"""
 echo LOOP-START > /dev/kmsg
 for i in {' '.join(str(i) for i in range(FORKS))}; do /bin/true; done
 echo LOOP-END > /dev/kmsg
-cat {OPEN_FILE}
+cat {OPEN_FILE} & echo "cat-pid=$!"; wait
 kill -0 {KILL_PID}; echo "kill-status=$?"
 ok=0; for i in $(seq {KILLS}); do kill -0 {KILL_PID} 2>/dev/null && ok=$((ok + 1)); done; echo "kill-ok=$ok"
 dmesg -r | grep -m1 kp-open-entry | sed 's/^/raw: /'
@@ -47,6 +47,7 @@ sleep 1
 
 OPEN_HANDLERS = r"""
 #include <linux/kprobes.h>
+#include <linux/sched.h>	/* struct task_struct and current, from the image's BTF */
 
 /* The kernel's own: a NUL-terminated string from user space, never faults. */
 long strncpy_from_user_nofault(char *dst, const void __user *unsafe_addr, long count);
@@ -57,6 +58,8 @@ static void print_name(const char *what, int dfd, unsigned long user_name)
 	long n = strncpy_from_user_nofault(name, (const void __user *)user_name, sizeof(name) - 1);
 	name[n > 0 ? n : 0] = 0;
 	pr_info("%s: dfd=%d name=%s\n", what, dfd, n > 0 ? name : "(fault)");
+	if (n > 0 && __builtin_strcmp(name, "OPEN_FILE") == 0)
+		pr_info("%s-task: comm=%s pid=%d\n", what, current->comm, current->pid);
 }
 
 /* Reentrancy: open_entry() calls ktime_get(), which has a probe too.  That hit is on the
@@ -145,7 +148,7 @@ def probed(tmp_path_factory, debian_kernel):
     linux_kernel.load_symbols(image)
     off, name_reg, dfd_reg = inside_probe(image)
     (d / "open_handlers.c").write_text(OPEN_HANDLERS.replace("NAME_REG", name_reg).replace("DFD_REG", dfd_reg)
-                                       .replace("KILL_PID", str(KILL_PID)))
+                                       .replace("KILL_PID", str(KILL_PID)).replace("OPEN_FILE", OPEN_FILE))
     sample = ROOT / "samples" / "kprobe_example" / "handlers.c"
     spec = d / "probes.toml"
     spec.write_text(f'handlers = ["{sample}", "open_handlers.c"]\n'
@@ -222,6 +225,17 @@ def test_ftrace_site_probe_reads_the_file_name(probed_boot):
         r.explain(f"no kp-open-entry line for {OPEN_FILE}")
     # pr_info()'s level reaches the kernel's log (dmesg -r: <6> is KERN_INFO).
     assert re.search(r"^raw: <6>\[ *[\d.]+\] kp-open-entry: ", r.console, re.M), r.explain("no KERN_INFO record")
+
+
+def test_handlers_read_current_from_the_images_btf(probed_boot):
+    """current->comm and current->pid, with struct task_struct from the image's own BTF: the
+    task that opened the file is the `cat` /init started, with the pid the shell reported."""
+    r = probed_boot
+    pid = re.search(r"^cat-pid=(\d+)$", r.console, re.M)
+    assert pid, r.explain("/init did not report cat's pid")
+    for what in ("kp-open-entry", "kp-open-inside"):
+        assert re.search(rf"{what}-task: comm=cat pid={pid.group(1)}$", r.console, re.M), \
+            r.explain(f"no {what}-task line naming cat and its pid {pid.group(1)}")
 
 
 def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed):

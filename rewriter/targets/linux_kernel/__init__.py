@@ -25,7 +25,7 @@ from ...errors import KprewriteError
 from ...report import META_SECTION
 from ...spec import KprobeSpec
 from ...rules import Rules
-from . import sites as ks
+from . import btf, sites as ks
 from .elfview import ElfView
 from .kallsyms import functions as kallsyms_functions, read_kallsyms
 from .sysmap import read_system_map
@@ -221,14 +221,37 @@ POOL_CPUS = 64
 
 
 def tables_c(image, arch, any_int3: bool) -> str:
-    """The gap's bounds (the boot hooks), and the per-CPU blocks' pool, sized from the
-    probe tables generated before this part."""
+    """struct task_struct's comm and pid (BTF) and the current task, for trace lines; the
+    gap's bounds (the boot hooks); the per-CPU blocks' pool, sized from the probe tables
+    generated before this part."""
     lay = plan_layout(image)
-    return (f"const unsigned long kp_kernel_gap_start = {lay.rx_vaddr:#x}UL, kp_kernel_gap_end = {lay.end:#x}UL;\n"
+    kt = _types(image)
+    task = ("const long kp_kernel_task_comm = -1, kp_kernel_task_pid = -1;\n"
+            "char *kp_kernel_current(void) { return 0; }\n") if kt is None else (
+        f"const long kp_kernel_task_comm = {kt.comm if kt.comm is not None else -1}, "
+        f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
+        "char *kp_kernel_current(void)\n{\n\tchar *t;\n"
+        f'\t__asm__("movq %%gs:{kt.current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
+    return task + (f"const unsigned long kp_kernel_gap_start = {lay.rx_vaddr:#x}UL, kp_kernel_gap_end = {lay.end:#x}UL;\n"
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
             " + sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0])) * sizeof(unsigned long) + 63) & ~63UL)\n"
             f"unsigned long kp_kernel_pool[{POOL_CPUS} * KP_KERNEL_BLOCK / sizeof(unsigned long)];\n"
             "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
+
+
+def handler_headers(image) -> dict[str, str]:
+    """linux/sched.h from the image's own BTF (btf.py): the kernel's types and `current`,
+    so that handlers read current->comm or a struct file as module code does."""
+    kt = _types(image)
+    return {} if kt is None else {"linux/sched.h": kt.sched_h}    # no BTF: the handler API's own
+
+
+def _types(image) -> btf.KernelTypes | None:
+    if not hasattr(image, "_kernel_types"):
+        sec = image.section_named(".BTF")
+        image._kernel_types = None if sec is None else btf.kernel_types(
+            image.data[sec.offset:sec.offset + sec.size], link_symbols(image), image.path)
+    return image._kernel_types
 
 
 def link_symbols(image) -> dict[str, int | None]:

@@ -85,18 +85,23 @@ extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
 
 #define KP_TASK_COMM_LEN 16
 
-/* The task's name and pid need struct task_struct's layout (the image's BTF
- * has it); until it is read, trace lines name the CPU instead. */
+/* The task's name and pid: struct task_struct's layout from the image's BTF,
+ * generated with the probe table (-1: no BTF, trace lines say "kernel"). */
+extern const long kp_kernel_task_comm, kp_kernel_task_pid;
+char *kp_kernel_current(void);
+
 static inline void kp_platform_task_comm(char *comm)
 {
-	const char *s = "kernel";
-	while ((*comm++ = *s++))
-		;
+	const char *s = kp_kernel_task_comm < 0 ? "kernel" : kp_kernel_current() + kp_kernel_task_comm;
+	int i;
+	for (i = 0; i < KP_TASK_COMM_LEN - 1 && s[i]; i++)
+		comm[i] = s[i];
+	comm[i] = 0;
 }
 
 static inline int kp_platform_task_pid(void)
 {
-	return 0;
+	return kp_kernel_task_pid < 0 ? 0 : *(int *)(kp_kernel_current() + kp_kernel_task_pid);
 }
 
 static inline unsigned int kp_platform_cpu(void)
