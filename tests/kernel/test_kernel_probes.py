@@ -295,7 +295,7 @@ def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     # Each open_entry() calls ktime_get() while it runs: at least that many misses.
     hits, missed = rows["p_ktime_get_0"]
     assert hits > 0 and missed >= opens, rows
-    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
+    for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
         assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
 
 
@@ -307,7 +307,7 @@ def test_list_reads_the_probes_back(probed, debian_kernel):
     assert any(re.fullmatch(r"[0-9a-f]{16}  k  do_sys_openat2\+0x0 \[FTRACE\]", l) for l in lines), lines
     assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  do_sys_openat2\+{off:#x} \[OPTIMIZED\]", l) for l in lines), lines
     # The boot hooks are probes too, on ftrace sites.
-    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages"):
+    for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages"):
         assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  {fn}\+0x0 \[FTRACE\]", l) for l in lines), (fn, lines)
 
 

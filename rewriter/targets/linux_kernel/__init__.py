@@ -150,9 +150,11 @@ def _symbol_at(image, addr: int) -> str:
 # handlers on set_memory_ro(), set_memory_nx() and free_kernel_image_pages(), placed as any
 # probe; runtime/platform/linux_kernel/platform.c) keep the pages we use: code read-only and
 # executable like .text, data read-write (never made read-only: every hit writes it) and NX.
+# A fourth, on setup_per_cpu_areas(), allocates every possible CPU's counters from memblock.
 PAGE = 0x1000
 # The boot hooks: (function, runtime pre_handler).
-BOOT_HOOKS = (("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),
+BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),
+              ("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),
               ("free_kernel_image_pages", "kp_kernel_keep_free"))
 
 
@@ -215,9 +217,10 @@ def runtime_probes(spec) -> None:
 RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS + SHUTDOWN_HOOKS)
 
 
-# Per-CPU blocks (struct kp_thread and its hit counters) are taken from a static pool on
-# each CPU's first hit, never allocated in probe context: room for this many CPUs.
-POOL_CPUS = 64
+# Per-CPU blocks (struct kp_thread and its hit counters) are taken on each CPU's first
+# hit, never allocated in probe context: the boot CPU's first from a static block, every
+# possible CPU's from memory the setup_per_cpu_areas() boot hook allocates (platform.c).
+POOL_CPUS = 1
 
 
 def tables_c(image, arch, any_int3: bool) -> str:
@@ -236,6 +239,7 @@ def tables_c(image, arch, any_int3: bool) -> str:
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
             " + sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0])) * sizeof(unsigned long) + 63) & ~63UL)\n"
             f"unsigned long kp_kernel_pool[{POOL_CPUS} * KP_KERNEL_BLOCK / sizeof(unsigned long)];\n"
+            "const unsigned long kp_kernel_block = KP_KERNEL_BLOCK;\n"
             "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
 
 

@@ -1,6 +1,8 @@
 /*
  * Platform layer: a Linux kernel image.  Output goes to the kernel's printk;
- * memory comes from a static pool (nothing is allocated in probe context);
+ * memory (the per-CPU blocks) comes from a block for the boot CPU's earliest
+ * hits and from memory allocated once at boot for every possible CPU (never
+ * in probe context);
  * the boot hooks keep our pages of the text/rodata gap through
  * mark_rodata_ro(), with the kernel's own W^X rules: code read-only and
  * executable like .text, data read-write and NX.
@@ -16,14 +18,42 @@
 extern char __kp_data_start[], __kp_data_end[];
 
 static unsigned long kp_kernel_pool_used;
+/* Every possible CPU's block, allocated by the setup_per_cpu_areas() boot hook. */
+static char *kp_kernel_cpus;
+static unsigned long kp_kernel_cpus_size, kp_kernel_cpus_used;
 
 void *kp_platform_alloc(unsigned long size)
 {
 	size = (size + 63) & ~63UL;
+	char *cpus = __atomic_load_n(&kp_kernel_cpus, __ATOMIC_ACQUIRE);
+	if (cpus) {
+		unsigned long at = __atomic_fetch_add(&kp_kernel_cpus_used, size, __ATOMIC_RELAXED);
+		return at + size > kp_kernel_cpus_size ? 0 : cpus + at;
+	}
 	unsigned long at = __atomic_fetch_add(&kp_kernel_pool_used, size, __ATOMIC_RELAXED);
 	if (at + size > kp_kernel_pool_size)
 		return 0;
 	return (char *)kp_kernel_pool + at;
+}
+
+/* setup_per_cpu_areas(): nr_cpu_ids is known and memblock still hands out
+ * memory for good, as it does for the per-CPU areas themselves.  Until here
+ * only the boot CPU runs, on the static block; its per-CPU offset changes
+ * now, so its next hit takes a block of this memory, as every other CPU's. */
+int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	(void)regs;
+	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
+	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);	/* MEMBLOCK_ALLOC_ACCESSIBLE, NUMA_NO_NODE */
+	if (!m) {
+		_printk(KP_KERN_ERR "kprewrite: no memory for %u CPUs' counters (%lu KiB): "
+			"hits on CPUs without one count as missed\n", nr_cpu_ids, size >> 10);
+		return 0;
+	}
+	kp_kernel_cpus_size = size;
+	__atomic_store_n(&kp_kernel_cpus, m, __ATOMIC_RELEASE);
+	return 0;
 }
 
 /* Each write is one printk: at the level the handler's text starts with
