@@ -84,7 +84,7 @@ SECTIONS
   .text : {{ *(.text .text.*) *(.kprobes.text) }}
   .rodata : {{ *(.rodata .rodata.*) }}
   .rela.dyn : {{ __kp_rela_start = .; *(.rela.dyn) *(.rela.*) __kp_rela_end = .; }}
-  . = ALIGN(0x1000);
+  {data}
   __kp_data_start = .;
   .data : {{ *(.data .data.*) *(.data.rel.ro .data.rel.ro.*) *(.got) *(.got.plt) }}
   .bss : {{ *(.bss .bss.*) *(COMMON) }}
@@ -422,13 +422,14 @@ def undefined_symbols(objs: list[Path]) -> dict[str, Path]:
 
 def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFORM,
          externs: dict[str, int | None] | None = None, origin: dict[Path, str] | None = None,
-         image_name: str = "the image") -> Blob:
+         image_name: str = "the image", data_addr: int | None = None) -> Blob:
     """Link at text_addr.  A PIE platform's blob is self-contained; any other
     resolves what it leaves undefined from `externs` (the image's symbols:
     name -> address, None when the name is ambiguous), each missing one an
-    error naming the symbol and the file that uses it (`origin`: object -> name)."""
+    error naming the symbol and the file that uses it (`origin`: object -> name).
+    data_addr: where the data starts (default: the page after the code)."""
     script = workdir / "kp.ld"
-    text = LINKER_SCRIPT.format(text=text_addr)
+    text = LINKER_SCRIPT.format(text=text_addr, data=". = ALIGN(0x1000);" if data_addr is None else f". = {data_addr:#x};")
     out = workdir / "blob.elf"
     if _platform(platform).pie:
         script.write_text(text)

@@ -96,7 +96,7 @@ def build(s: Session, workdir: Path) -> bytes:
     origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
     origin[table] = "probe table"
     blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
-                     s.target.link_symbols(s.image), origin, Path(s.image.path).name)
+                     s.target.link_symbols(s.image), origin, Path(s.image.path).name, lay.data_addr)
     rx, patches = emission.emit(c, lay, blob.symbols)
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)
 

@@ -165,7 +165,8 @@ def probed(tmp_path_factory, debian_kernel):
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
     return {"dir": d, "spec": spec, "out": out, "offset": off, "regs": (name_reg, dfd_reg),
-            "kernel_clone": image.symbols["kernel_clone"][0], "gap": (lay.rx_vaddr, lay.end)}
+            "kernel_clone": image.symbols["kernel_clone"][0], "gap": (lay.rx_vaddr, lay.end),
+            "data_gap": (lay.data_vaddr, lay.data_end)}
 
 
 @pytest.fixture(scope="module")
@@ -188,16 +189,17 @@ def test_boots_with_no_boot_parameter(probed_boot, probed):
     r = probed_boot
     assert_boot_ok(r)
     assert r.cmd[r.cmd.index("-append") + 1] == "console=ttyS0 panic=-1", r.cmd
-    kept = re.search(r"kprewrite: kept (\w+)\.\.(\w+) of the text/rodata gap: code (\d+) KiB \(read-only\), "
-                     r"data (\d+) KiB \(read-write, NX\)", r.console)
-    assert kept, r.explain("no line from the free_kernel_image_pages boot hook")
-    freed = re.search(r"Freeing unused kernel image \(text/rodata gap\) memory: (\d+)K", r.console)
-    assert int(kept.group(1), 16) == probed["gap"][0]
-    gap = (probed["gap"][1] - probed["gap"][0]) >> 10
-    assert freed and int(freed.group(1)) == gap - ((int(kept.group(2), 16) - int(kept.group(1), 16)) >> 10), \
-        r.explain("the gap freed is not the gap minus our pages")
+    kept = {}
+    for gap, what, start, end in (("text/rodata", "code", *probed["gap"]), ("rodata/data", "data", *probed["data_gap"])):
+        m = re.search(rf"kprewrite: kept (\w+)\.\.(\w+) of the {gap} gap: {what} (\d+) KiB", r.console)
+        assert m, r.explain(f"no line from the free_kernel_image_pages boot hook for the {gap} gap")
+        freed = re.search(rf"Freeing unused kernel image \({gap} gap\) memory: (\d+)K", r.console)
+        assert int(m.group(1), 16) == start
+        assert freed and int(freed.group(1)) == ((end - start) >> 10) - int(m.group(3)), \
+            r.explain(f"the {gap} gap freed is not the gap minus our pages")
+        kept[what] = m.group(3)
     print(f"\nprobed vmlinux: boot to power-off {r.seconds:.2f} s ({r.accel}, -smp 2); kept "
-          f"{kept.group(3)} KiB code + {kept.group(4)} KiB data of the gap")
+          f"{kept['code']} KiB code of the text/rodata gap, {kept['data']} KiB data of the rodata/data gap")
 
 
 def test_kprobe_example_on_kernel_clone(probed_boot, probed):

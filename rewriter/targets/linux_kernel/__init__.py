@@ -151,6 +151,10 @@ def _symbol_at(image, addr: int) -> str:
 # probe; runtime/platform/linux_kernel/platform.c) keep the pages we use: code read-only and
 # executable like .text, data read-write (never made read-only: every hit writes it) and NX.
 # A fourth, on setup_per_cpu_areas(), allocates every possible CPU's counters from memblock.
+# The runtime's data (the probe tables, written at every hit) goes in the rodata/data gap
+# (PFN_ALIGN(__end_rodata) .. _sdata), which mark_rodata_ro() frees the same way; the first
+# PT_LOAD is extended over it, so that it is loaded (its file bytes are the padding before
+# the second PT_LOAD's 2 MiB-aligned offset).
 PAGE = 0x1000
 # The boot hooks: (function, runtime pre_handler).
 BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),
@@ -162,6 +166,8 @@ BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),
 class GapLayout:
     rx_vaddr: int             # the first byte we use: PFN_ALIGN(_etext)
     end: int                  # __start_rodata
+    data_vaddr: int           # PFN_ALIGN(__end_rodata): the runtime's data
+    data_end: int             # _sdata
 
     @property
     def after_phdrs(self) -> int:
@@ -185,8 +191,9 @@ def plan_layout(image) -> GapLayout:
     if image.container is not None:
         raise KprewriteError(f"{image.path}: writing a bzImage is not supported yet; "
                              "instrument the vmlinux it holds")
-    start = (_symbol(image, "_etext") + PAGE - 1) & ~(PAGE - 1)
-    return GapLayout(start, _symbol(image, "__start_rodata"))
+    align = lambda a: (a + PAGE - 1) & ~(PAGE - 1)  # noqa: E731
+    return GapLayout(align(_symbol(image, "_etext")), _symbol(image, "__start_rodata"),
+                     align(_symbol(image, "__end_rodata")), _symbol(image, "_sdata"))
 
 
 def thread_key(image) -> ThreadKey:
@@ -279,12 +286,14 @@ def link_symbols(image) -> dict[str, int | None]:
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
     """The vmlinux with the probes' jumps, the dropped __mcount_loc entries of the ftrace
     sites we took, our code and data in the gap, and the metadata section."""
-    k = _kernel(image)
-    end = blob.data_addr + blob.data_memsz
-    if end > layout.target.end:
-        raise KprewriteError(f"{image.path}: the probes' code and data need {(end - layout.rx_vaddr) >> 10} KiB; "
-                             f"the text/rodata gap has {(layout.target.end - layout.rx_vaddr) >> 10} KiB")
+    k, gap = _kernel(image), layout.target
+    code_end, data_end = blob.text_addr + len(blob.text), blob.data_addr + blob.data_memsz
+    if code_end > gap.end or data_end > gap.data_end:
+        raise KprewriteError(f"{image.path}: the probes need {(code_end - gap.rx_vaddr) >> 10} KiB of code and "
+                             f"{(data_end - gap.data_vaddr) >> 10} KiB of data; the text/rodata gap has "
+                             f"{(gap.end - gap.rx_vaddr) >> 10} KiB and the rodata/data gap {(gap.data_end - gap.data_vaddr) >> 10} KiB")
     out = bytearray(image.data)
+    offset_of = _extend_first_load(image, out, gap.data_vaddr, data_end)
     for addr, code in patches:
         off = image.offset_of(addr)
         out[off:off + len(code)] = code
@@ -296,13 +305,39 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     code = bytes(rx) + blob.text
     off = image.offset_of(layout.rx_vaddr)
     out[off:off + len(code)] = code
-    doff = image.offset_of(blob.data_addr)
+    doff = offset_of(blob.data_addr)
     out[doff:doff + len(blob.data)] = blob.data
     sections = [NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, code),
                 NewSection(".kprewrite.data", 8 if not blob.data else 1, 3, blob.data_addr, blob.data, blob.data_memsz),
                 NewSection(META_SECTION, 1, 0, 0, metadata, align=1)]
-    shoff, shnum, shstrndx = append_section_headers(out, image, sections, lambda s: image.offset_of(s.addr))
+    shoff, shnum, shstrndx = append_section_headers(out, image, sections, lambda s: offset_of(s.addr))
     struct.pack_into("<Q", out, 40, shoff)
     struct.pack_into("<H", out, 60, shnum)
     struct.pack_into("<H", out, 62, shstrndx)
     return bytes(out)
+
+
+def _extend_first_load(image, out: bytearray, data_vaddr: int, data_end: int):
+    """Extend the PT_LOAD that ends in the rodata/data gap over [data_vaddr, data_end), so
+    that the loader (QEMU's PVH loader, the decompressor's parse_elf()) copies our data;
+    the file bytes there are the padding before the next PT_LOAD and must be zero.
+    Returns the file offset of an address, the extended segment included."""
+    e_phoff, = struct.unpack_from("<Q", out, 32)
+    e_phnum, = struct.unpack_from("<H", out, 56)
+    for i in range(e_phnum):
+        at = e_phoff + 56 * i
+        p_type, _, p_offset, p_vaddr, _, p_filesz, p_memsz, _ = struct.unpack_from("<IIQQQQQQ", out, at)
+        if p_type == PT_LOAD and p_vaddr <= data_vaddr and p_vaddr + p_memsz <= data_vaddr < p_vaddr + 0x40000000:
+            end_off = p_offset + (data_end - p_vaddr)
+            others = [s for s in image.segments if s.type == PT_LOAD and s.vaddr != p_vaddr]
+            if p_filesz != p_memsz or any(p_offset + p_filesz < s.offset + s.filesz and s.offset < end_off for s in others) \
+                    or end_off > len(out) or any(out[p_offset + p_filesz:end_off]):
+                break
+            if data_end > data_vaddr:
+                struct.pack_into("<QQ", out, at + 32, data_end - p_vaddr, data_end - p_vaddr)
+
+            def offset_of(addr: int, base=p_offset - p_vaddr, lo=p_vaddr, hi=data_end) -> int:
+                return base + addr if lo <= addr < max(hi, lo + 1) else image.offset_of(addr)
+            return offset_of
+    raise KprewriteError(f"{image.path}: the rodata/data gap at {data_vaddr:#x} is not file padding after "
+                         "a PT_LOAD; cannot place the probes' data there")

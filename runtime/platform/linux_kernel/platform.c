@@ -14,8 +14,9 @@
 #define PAGE_ALIGN(x) (((x) + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1))
 
 /* The linked blob's layout (rewriter/link.py's linker script): code and
- * rodata from the gap's start, data from the page __kp_data_start. */
-extern char __kp_data_start[], __kp_data_end[];
+ * rodata from the text/rodata gap's start up to __kp_rela_end, data from
+ * __kp_data_start, the start of the rodata/data gap. */
+extern char __kp_rela_end[], __kp_data_start[], __kp_data_end[];
 
 static unsigned long kp_kernel_pool_used;
 /* Every possible CPU's block, allocated by the setup_per_cpu_areas() boot hook. */
@@ -100,12 +101,12 @@ void kp_profile_signal_configure(const char *value)
  * The boot hooks, pre_handlers of probes the rewriter adds on the kernel's
  * own set_memory_ro(), set_memory_nx() and free_kernel_image_pages() (their
  * ftrace sites).  mark_rodata_ro() calls set_memory_ro(_text, ...) up to the
- * end of .rodata, set_memory_nx(PFN_ALIGN(_etext), ...), then
- * free_kernel_image_pages(what, PFN_ALIGN(_etext), __start_rodata).  Our data
- * pages are kept out of the first (every probe hit writes them, the hooks'
- * own included, so they must never be read-only), our code pages out of the
- * second, both out of the third.  Only the arguments' meanings are relied
- * on, not the code of mark_rodata_ro().
+ * end of the rodata/data gap, set_memory_nx(PFN_ALIGN(_etext), ...), then
+ * free_kernel_image_pages(what, PFN_ALIGN(_etext), __start_rodata) and the
+ * same for the rodata/data gap.  Our data pages are kept out of the first
+ * (every probe hit writes them, the hooks' own included, so they must never
+ * be read-only), our code pages out of the second, both out of the frees.
+ * Only the arguments' meanings are relied on, not the code of mark_rodata_ro().
  */
 
 /* set_memory_ro(addr, numpages) over our data pages: everything but them. */
@@ -133,7 +134,7 @@ int kp_kernel_keep_ro(struct kprobe *p, struct pt_regs *regs)
 int kp_kernel_keep_nx(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
-	unsigned long code_end = (unsigned long)__kp_data_start;	/* page aligned */
+	unsigned long code_end = PAGE_ALIGN((unsigned long)__kp_rela_end);
 	if (regs->di != kp_kernel_gap_start)
 		return 0;
 	long pages = (long)(int)regs->si - (long)((code_end - kp_kernel_gap_start) >> PAGE_SHIFT);
@@ -142,18 +143,23 @@ int kp_kernel_keep_nx(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
-/* free_kernel_image_pages(what, begin, end): keep our code and data pages. */
+/* free_kernel_image_pages(what, begin, end): keep our code pages (the start
+ * of the text/rodata gap) and our data pages (the start of the rodata/data gap). */
 int kp_kernel_keep_free(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
+	unsigned long code_end = PAGE_ALIGN((unsigned long)__kp_rela_end);
 	unsigned long data = (unsigned long)__kp_data_start;
 	unsigned long data_end = PAGE_ALIGN((unsigned long)__kp_data_end);
-	if (regs->si != kp_kernel_gap_start)
-		return 0;
-	regs->si = data_end < regs->dx ? data_end : regs->dx;
-	_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the text/rodata gap: code %lu KiB (read-only), "
-		"data %lu KiB (read-write, NX)\n", kp_kernel_gap_start, data_end, (data - kp_kernel_gap_start) >> 10,
-		(data_end - data) >> 10);
+	if (regs->si == kp_kernel_gap_start) {
+		regs->si = code_end < regs->dx ? code_end : regs->dx;
+		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the text/rodata gap: code %lu KiB (read-only)\n",
+			kp_kernel_gap_start, code_end, (code_end - kp_kernel_gap_start) >> 10);
+	} else if (regs->si == data && data_end > data) {
+		regs->si = data_end < regs->dx ? data_end : regs->dx;
+		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the rodata/data gap: data %lu KiB (read-write, NX)\n",
+			data, data_end, (data_end - data) >> 10);
+	}
 	return 0;
 }
 
