@@ -58,6 +58,7 @@ import argparse
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -432,9 +433,7 @@ def main():
         for note in notes:
             print(f"  CHECK FAILED: {note}")
     if not args.keep:
-        for p in sorted(work.iterdir()):
-            p.unlink()
-        work.rmdir()
+        shutil.rmtree(work)
     print(f"\ntotal {time.monotonic() - t_start:.0f} s")
 
 
