@@ -400,10 +400,9 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     regs.  traced: keys of probes with a trace event (events.trace_key), whose
     generated handlers read regs."""
     for site in plan.sites:
-        if fast_forms:
-            _site_form(site, image, arch, code, traced, trace_key)
-        else:       # every detour builds pt_regs and calls the runtime (optimized_callback())
-            site.clean, site.template, site.clobbers = False, False, None
+        # Without fast forms, detours call the runtime's shared entries: optimized_callback()
+        # with pt_regs, or the clean callback where no handler reads pt_regs.
+        _site_form(site, image, arch, code, traced, trace_key, fast_forms)
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
@@ -420,7 +419,8 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
                           "aligned": arch.optprobe.stack_aligned_at(image, g.func, g.func.start)}
 
 
-def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key) -> None:
+def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key,
+               templates: bool = True) -> None:
     site.clean = True
     site.clobbers = set()
     for p in site.probes:
@@ -432,7 +432,7 @@ def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: se
             h = code[name]
             site.clean = site.clean and not h.reads_regs
             site.clobbers = None if h.clobbers is None or site.clobbers is None else site.clobbers | h.clobbers
-    site.template = site.decision in JUMPS and len(site.probes) == 1 and not site.with_post
+    site.template = templates and site.decision in JUMPS and len(site.probes) == 1 and not site.with_post
     if site.template and is_entry(site.probes[0]):
         eh = site.probes[0].kret.entry_handler
         h = code[eh] if eh else NO_HANDLER

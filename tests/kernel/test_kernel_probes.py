@@ -101,6 +101,14 @@ static int open_entry(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* __x64_sys_openat's entry: a handler that never reads regs gets a clean call (no
+ * struct pt_regs built, kp_optprobe_clean_entry). */
+static int openat_seen(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kp-openat-clean: %s\n", p->symbol_name);
+	return 0;
+}
+
 /* Inside it, once the arguments sit in the registers the function moved them to. */
 static int open_inside(struct kprobe *p, struct pt_regs *regs)
 {
@@ -156,11 +164,12 @@ def probed(tmp_path_factory, debian_kernel):
                     '[[kprobe]]\nsymbol_name = "do_sys_openat2"\npre_handler = "open_entry"\n'
                     f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n'
                     '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n'
-                    '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n')
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n'
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_openat"\npre_handler = "openat_seen"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     assert r.stdout.splitlines() == ["kernel_clone+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace",
                                      f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace",
-                                     "__x64_sys_kill+0x0  k  ftrace"], r.stdout
+                                     "__x64_sys_kill+0x0  k  ftrace", "__x64_sys_openat+0x0  k  ftrace"], r.stdout
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
@@ -294,11 +303,35 @@ def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     opens = count("kp-open-entry: ")
     assert rows["p_do_sys_openat2_0"] == (opens, 0) and rows[f"p_do_sys_openat2_{probed['offset']}"] == (opens, 0), rows
     assert rows["p___x64_sys_kill_0"] == (1 + KILLS, 0), rows
+    # The clean call counts and runs its handler as the full one does: every openat(2)
+    # reaches do_sys_openat2 (busybox opens files with openat only).
+    assert rows["p___x64_sys_openat_0"] == (count("kp-openat-clean: __x64_sys_openat"), 0), rows
+    assert rows["p___x64_sys_openat_0"][0] == opens, (rows, opens)
     # Each open_entry() calls ktime_get() while it runs: at least that many misses.
     hits, missed = rows["p_ktime_get_0"]
     assert hits > 0 and missed >= opens, rows
     for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
         assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
+
+
+def _detour_entry(image, addr: int) -> int:
+    """The runtime entry a site's detour calls: the jmp at the site, then the detour's first call."""
+    code = image.read(addr, 5)
+    assert code[0] == 0xE9, code.hex()
+    detour = addr + 5 + int.from_bytes(code[1:], "little", signed=True)
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    call = next(i for i in cs.disasm(image.read(detour, 32), detour) if i.mnemonic == "call")
+    return int(call.op_str, 16)
+
+
+def test_clean_handler_gets_a_clean_call(probed):
+    """A pre_handler that never reads regs is called through the runtime's clean entry
+    (no struct pt_regs), the others through the pt_regs one, as in user space."""
+    out = Image(str(probed["out"]))
+    linux_kernel.load_symbols(out)
+    full = {_detour_entry(out, out.symbols[f][0]) for f in ("kernel_clone", "do_sys_openat2", "__x64_sys_kill")}
+    clean = _detour_entry(out, out.symbols["__x64_sys_openat"][0])
+    assert len(full) == 1 and clean not in full, (full, clean)
 
 
 def test_list_reads_the_probes_back(probed, debian_kernel):
