@@ -60,6 +60,7 @@ def compile_and_read(spec, arch, symbols: dict[str, str], exports: dict, workdir
         if fn is None:
             code[name] = HandlerCode(True, None, sym)
         else:
-            off, body = fn
-            code[name] = HandlerCode(abi.may_use_regs(body, off, off + len(body)), abi.clobbered_scratch(body, off), sym)
+            off, body, relocs = fn
+            code[name] = HandlerCode(abi.may_use_regs(body, off, off + len(body), relocs),
+                                     abi.clobbered_scratch(body, off), sym)
     return objs, code

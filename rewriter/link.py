@@ -370,11 +370,11 @@ def executable_sections(obj: Path) -> list[bytes]:
         return []
 
 
-def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes]]:
-    """name -> (section offset, bytes) of every sized function defined in the
-    relocatable objects, each object read once: handler code is read before
-    linking (handler_abi)."""
-    out: dict[str, tuple[int, bytes]] = {}
+def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes, dict[int, str]]]:
+    """name -> (section offset, bytes, {section offset of a relocated field: the
+    symbol it names}) of every sized function defined in the relocatable objects,
+    each object read once: handler code is read before linking (handler_abi)."""
+    out: dict[str, tuple[int, bytes, dict[int, str]]] = {}
     for obj in objs:
         with open(obj, "rb") as f:
             e = ELFFile(f)
@@ -389,13 +389,21 @@ def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes]]:
                     key = (s["st_shndx"], s["st_value"])
                     sizes[key] = max(sizes.get(key, 0), s["st_size"])
             data: dict[int, bytes] = {}
+            relocs: dict[int, dict[int, str]] = {}
+            for sec in e.iter_sections():
+                if sec["sh_type"] == "SHT_RELA" and sec["sh_info"]:
+                    named = relocs.setdefault(sec["sh_info"], {})
+                    for r in sec.iter_relocations():
+                        named[r["r_offset"]] = st.get_symbol(r["r_info_sym"]).name
             for s in syms:
                 size = s["st_size"] or sizes.get((s["st_shndx"], s["st_value"]), 0)
                 if not size or s.name in out:
                     continue
                 if s["st_shndx"] not in data:
                     data[s["st_shndx"]] = e.get_section(s["st_shndx"]).data()
-                out[s.name] = s["st_value"], data[s["st_shndx"]][s["st_value"]:s["st_value"] + size]
+                lo, hi = s["st_value"], s["st_value"] + size
+                out[s.name] = lo, data[s["st_shndx"]][lo:hi], \
+                    {o: n for o, n in relocs.get(s["st_shndx"], {}).items() if lo <= o < hi}
     return out
 
 
