@@ -3,6 +3,7 @@ kernel's registration rules, the sites it patches at boot, ftrace-site probes.  
 chosen from the image's own tables, so the test holds for another build of the kernel."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -109,6 +110,16 @@ def test_check_kernel_rules(tmp_path, debian_kernel, kimage):
     # Every refused probe is named on standard error, one line each, and check fails.
     refused = sum("refused" in w for _, _, w in probes) + 1
     assert r.returncode == 1 and len(r.stderr.splitlines()) == refused, r.stderr
+    # --format json: the same plan; kernel addresses as "0x..." strings (beyond a double's 53 bits).
+    j = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, "--format", "json", check=False)
+    doc = json.loads(j.stdout)
+    assert j.returncode == 1 and j.stderr == r.stderr and len(doc["errors"]) == refused
+    for (sym, off, words), p, line in zip(probes, doc["probes"], lines):
+        assert (p["symbol"], p["offset"], p["kind"]) == (sym, off, "k") and p["decision"] == words[0]
+        assert int(p["address"], 16) == kimage.symbols[sym][0] + off and int(p["address"], 16) > 2**53
+        if p["decision"] == "refused":
+            assert p["reason"]["message"] in line and p["reason"]["check"] and int(p["reason"]["address"], 16)
+    assert doc["probes"][-1]["kind"] == "r" and doc["probes"][-1]["decision"] == "refused"
 
 
 def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_kernel, kimage):
