@@ -77,6 +77,37 @@ def read_probes(binary) -> list[dict]:
     return report.list_records(str(binary))
 
 
+@dataclass
+class DiffResult:
+    """`diff`: every change `rewritten` made to `original`, attributed (changes.diff)."""
+    doc: dict
+
+    @property
+    def ok(self) -> bool:
+        """Every changed byte is explained (`kprewrite diff` exits 0)."""
+        return not self.doc["unattributed"] and not self.doc["problems"]
+
+    @property
+    def changes(self) -> list[dict]:
+        return self.doc["changes"]
+
+    @property
+    def errors(self) -> list[str]:
+        from .changes import diff_errors
+        return diff_errors(self.doc, self.doc["rewritten"])
+
+    def lines(self) -> list[str]:
+        from .changes import diff_lines
+        return diff_lines(self.doc)
+
+
+def diff(original, rewritten, *, system_map=None) -> DiffResult:
+    """Which bytes of `original` the rewrite `rewritten` changed, and which probe
+    site (or known part of the rewrite) explains each; what it added."""
+    from . import changes
+    return DiffResult(changes.diff(str(original), str(rewritten), str(system_map) if system_map else None))
+
+
 def read_blacklist(input_path, *, system_map=None) -> list[dict]:
     """What cannot be probed in an image, and why (`blacklist`)."""
     from . import report

@@ -128,6 +128,25 @@ def blacklist(input_path, system_map, fmt):
 
 
 @main.command()
+@click.argument("original", metavar="ORIGINAL")
+@click.argument("rewritten", metavar="REWRITTEN")
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@FORMAT
+@_guard
+def diff(original, rewritten, system_map, fmt):
+    """Attribute every byte REWRITTEN changed in ORIGINAL to a probe site; exit 1 if one is not."""
+    from . import api
+    r = api.diff(original, rewritten, system_map=system_map)
+    if fmt == "json":
+        _json(r.doc)
+    else:
+        for line in r.lines():
+            click.echo(line)
+    if not r.ok:
+        _fail([f"{e}" for e in r.errors])
+
+
+@main.command()
 @click.argument("trace_file", metavar="FILE")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "chrome"]), default="jsonl", show_default=True,
               help="jsonl: one JSON object per trace line; chrome: trace-event JSON for Perfetto / chrome://tracing")

@@ -85,9 +85,21 @@ def kprewrite(*args, check=True, cwd=None) -> subprocess.CompletedProcess:
 
 
 def instrument(binary: Path, spec: Path, out: Path | None = None, *extra) -> Path:
+    """`kprewrite instrument`; then every byte the rewrite changed in `binary` must be
+    attributed to a probe site or a known part of the rewrite (attributed())."""
     out = out or binary.with_name(binary.name + ".kp")
     kprewrite("instrument", binary, "--spec", spec, "-o", out, *extra)
+    attributed(binary, out)
     return out
+
+
+def attributed(original: Path, rewritten: Path) -> dict:
+    """`kprewrite diff`'s document (in-process, through the API: no second
+    interpreter per rewrite), asserting that it explains every change."""
+    import rewriter
+    d = rewriter.diff(original, rewritten)
+    assert d.ok, "\n".join(d.errors)
+    return d.doc
 
 
 def rewritten(tmp: Path, binary: Path, text: str, handlers: str | None = None) -> Path:
