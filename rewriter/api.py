@@ -48,16 +48,24 @@ class InstrumentResult:
     skipped_lines: list[str]         # the text summary the CLI prints on standard error
 
 
-def check(input_path, spec, *, optimize: bool = True, system_map=None) -> CheckResult:
+def _progress(on: bool):
+    from .progress import NoProgress, Progress
+    return Progress() if on else NoProgress()
+
+
+def check(input_path, spec, *, optimize: bool = True, system_map=None, progress: bool = False) -> CheckResult:
     """The plan, nothing written.  Refused probes are in `probes` (decision
-    "refused") and, when named exactly, in `errors`; a bad spec or image raises."""
+    "refused") and, when named exactly, in `errors`; a bad spec or image raises.
+    progress: show each stage on standard error if it is a terminal."""
     from . import pipeline, report
-    s = pipeline.prepare_for_check(str(input_path), str(spec), not optimize, str(system_map) if system_map else None)
+    s = pipeline.prepare_for_check(str(input_path), str(spec), not optimize, str(system_map) if system_map else None,
+                                   _progress(progress))
     d = report.check_doc(s.plan, s.image.label)
     return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"])
 
 
-def instrument(input_path, spec, output, *, optimize: bool = True, system_map=None) -> InstrumentResult:
+def instrument(input_path, spec, output, *, optimize: bool = True, system_map=None,
+               progress: bool = False) -> InstrumentResult:
     """Write `output`: `input_path` with the spec's probes compiled in, atomically,
     all or nothing.  Raises KprewriteError (every failing probe named) and
     writes nothing if any probe named exactly cannot be placed."""
@@ -66,7 +74,7 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
     if os.path.abspath(output) == os.path.abspath(input_path):
         raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
     s = pipeline.instrument(input_path, str(spec), output, not optimize,
-                            str(system_map) if system_map else None)
+                            str(system_map) if system_map else None, _progress(progress))
     return InstrumentResult(output, report.check_records(s.plan), report.skipped_counts(s.plan),
                             report.instrument_summary(s.plan, output), report.skipped_summary(s.plan))
 

@@ -56,13 +56,15 @@ def _json(doc) -> None:
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: the summary as JSON lines on standard output")
-@click.option("-q", "--quiet", is_flag=True, help="print nothing on success (errors still go to standard error)")
+@click.option("-q", "--quiet", is_flag=True,
+              help="print nothing on success, not even progress (errors still go to standard error)")
 @_guard
 def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, quiet):
     """Write OUTPUT: INPUT with the spec's probes compiled in."""
     from . import api
     t = time.monotonic()
-    r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map)
+    r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
+                       progress=not quiet)
     if quiet:
         return
     if fmt == "json":
@@ -86,7 +88,7 @@ def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, quie
 def check(input_path, spec_path, no_optimize, system_map, fmt):
     """Print the plan: each probe's decision and, if not optimized, why."""
     from . import api, report
-    r = api.check(input_path, spec_path, optimize=not no_optimize, system_map=system_map)
+    r = api.check(input_path, spec_path, optimize=not no_optimize, system_map=system_map, progress=True)
     if fmt == "json":
         _json(r.as_dict())
     else:
