@@ -65,16 +65,18 @@ def check(input_path, spec, *, optimize: bool = True, system_map=None, progress:
 
 
 def instrument(input_path, spec, output, *, optimize: bool = True, system_map=None,
-               progress: bool = False) -> InstrumentResult:
+               progress: bool = False, depfile=None) -> InstrumentResult:
     """Write `output`: `input_path` with the spec's probes compiled in, atomically,
     all or nothing.  Raises KprewriteError (every failing probe named) and
-    writes nothing if any probe named exactly cannot be placed."""
+    writes nothing if any probe named exactly cannot be placed.  depfile: also
+    write a make/ninja depfile there, naming every file the rewrite read."""
     from . import pipeline, report
     input_path, output = str(input_path), str(output)
     if os.path.abspath(output) == os.path.abspath(input_path):
         raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
     s = pipeline.instrument(input_path, str(spec), output, not optimize,
-                            str(system_map) if system_map else None, _progress(progress))
+                            str(system_map) if system_map else None, _progress(progress),
+                            str(depfile) if depfile else None)
     return InstrumentResult(output, report.check_records(s.plan), report.skipped_counts(s.plan),
                             report.instrument_summary(s.plan, output), report.skipped_summary(s.plan))
 

@@ -56,15 +56,17 @@ def _json(doc) -> None:
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: the summary as JSON lines on standard output")
+@click.option("--depfile", metavar="FILE",
+              help="also write a make/ninja depfile: OUTPUT's prerequisites (spec, handlers and their headers, runtime)")
 @click.option("-q", "--quiet", is_flag=True,
               help="print nothing on success, not even progress (errors still go to standard error)")
 @_guard
-def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, quiet):
+def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depfile, quiet):
     """Write OUTPUT: INPUT with the spec's probes compiled in."""
     from . import api
     t = time.monotonic()
     r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
-                       progress=not quiet)
+                       progress=not quiet, depfile=depfile)
     if quiet:
         return
     if fmt == "json":

@@ -87,12 +87,12 @@ def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False
         progress.done()
 
 
-def build(s: Session, workdir: Path, progress=None) -> bytes:
-    """The output image's bytes."""
+def build(s: Session, workdir: Path, progress=None, deps: list | None = None) -> bytes:
+    """The output image's bytes.  deps: gets every file the handlers' compilation read."""
     progress = progress or NoProgress()
     platform = s.target.name             # its runtime/platform/<name> folder
     progress.stage("compiling", f"{len(s.spec.handlers)} handler files")
-    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform)
+    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform, deps)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
@@ -113,18 +113,27 @@ def build(s: Session, workdir: Path, progress=None) -> bytes:
 
 
 def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,
-               system_map: str | None = None, progress=None) -> Session:
+               system_map: str | None = None, progress=None, depfile: str | None = None) -> Session:
+    """Write OUTPUT; with depfile, also a make/ninja depfile of every file read:
+    INPUT, the spec, the System.map, the handlers and the headers they include,
+    the runtime's sources."""
     progress = progress or NoProgress()
+    deps = [input_path, spec_path] + ([system_map] if system_map else [])
     try:
         s = prepare(input_path, spec_path, no_optimize, system_map=system_map, progress=progress)
+        deps += s.spec.handlers
         keep = os.environ.get("KPREWRITE_KEEP")   # debugging: keep the linked runtime (gdb add-symbol-file)
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
-            data = build(s, Path(keep), progress)
+            data = build(s, Path(keep), progress, deps)
         else:
             with tempfile.TemporaryDirectory(prefix="kprewrite-") as d:
-                data = build(s, Path(d), progress)
+                data = build(s, Path(d), progress, deps)
+        deps += link.runtime_sources()
         write_atomically(output, data, input_path)
+        if depfile:
+            from . import depfile as df
+            df.write(depfile, output, deps, input_path)
     finally:
         progress.done()
     return s
