@@ -173,3 +173,32 @@ def trace(trace_file, fmt, output):
             raise KprewriteError(f"{output}: cannot write: {e.strerror}")
     else:
         click.echo(text, nl=False)
+
+
+@main.command()
+@click.argument("trace_file", metavar="TRACE")
+@click.option("--plot", metavar="FILE.svg", help="also write the histograms as an SVG plot")
+@FORMAT
+@_guard
+def report(trace_file, plot, fmt):
+    """Per-event counts and log2 histograms (kretprobe durations, numeric fields) of trace lines."""
+    from . import tracefmt, tracereport
+    from .output import write_atomically
+    if plot and not plot.lower().endswith(".svg"):
+        raise KprewriteError(f"{plot}: --plot writes SVG; name the file *.svg")
+    records = tracefmt.read(trace_file)
+    s = tracereport.summary(records)
+    if plot:
+        data = tracereport.svg(s, f"kprewrite report {os.path.basename(trace_file)}").encode()
+        d = os.path.dirname(os.path.abspath(plot))
+        if not os.path.isdir(d):
+            raise KprewriteError(f"{plot}: cannot write: no such directory")
+        write_atomically(plot, data, trace_file if trace_file != "-" else d)
+        os.chmod(plot, 0o644)
+    if fmt == "json":
+        _json({"format": "kprewrite-report-1", "events": [{"event": e, "count": n} for e, n in s["events"]],
+               "histograms": [{"name": h["name"], "count": h["count"],
+                               "buckets": [{"bucket": b, "count": n} for b, n in h["buckets"]]}
+                              for h in s["histograms"]]})
+    else:
+        click.echo(tracereport.text(s), nl=False)
