@@ -35,7 +35,8 @@ class Expected:
     """A range of the original file the rewrite may change, and why."""
     offset: int
     size: int
-    what: str                         # kprobe, kretprobe, return_site, int3_exit, elf_header, section_names, target, added_section
+    what: str                         # kprobe, kretprobe, return_site, int3_exit, elf_header, program_header,
+    #                                   section_names, target, added_section
     detail: str
     address: int | None = None
     probes: list[str] = field(default_factory=list)
@@ -138,14 +139,25 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
 
     # Program headers: every original one kept as it was (PT_PHDR may move); the rest are added.
     old_ph, new_ph = _phdrs(a), _phdrs(b)
-    moved, remaining = [], list(new_ph)
-    for ph in old_ph:
+    moved, grown, remaining = [], [], list(new_ph)
+    phdr_entries = []                  # (index, how) of original program headers rewritten in place
+    for i, ph in enumerate(old_ph):
+        # A PT_LOAD grown over the padding after it (a kernel's data in its rodata/data gap):
+        # the same segment but for filesz and memsz.
+        bigger = next((q for q in remaining if q[0] == PT_LOAD and q[:5] == ph[:5] and q[7] == ph[7]
+                       and q[5] >= ph[5] and q[6] >= ph[6]), None) if ph[0] == PT_LOAD else None
         if ph in remaining:
             remaining.remove(ph)
         elif ph[0] == PT_PHDR and any(q[0] == PT_PHDR for q in remaining):
             q = next(q for q in remaining if q[0] == PT_PHDR)
             remaining.remove(q)
             moved.append({"segment": "PHDR", "from": hexaddr(ph[3]), "to": hexaddr(q[3])})
+        elif bigger is not None:
+            remaining.remove(bigger)
+            grown.append({"segment": "LOAD", "address": hexaddr(ph[3]), "filesz": [ph[5], bigger[5]],
+                          "memsz": [ph[6], bigger[6]]})
+            phdr_entries.append((i, f"LOAD at {ph[3]:#x} grown from {ph[5]:#x} to {bigger[5]:#x} bytes "
+                                    f"over the padding after it"))
         else:
             problems.append({"what": "segment", "detail": f"{PT_NAMES.get(ph[0], hex(ph[0]))} segment at {ph[3]:#x} "
                              "of the original is missing or changed"})
@@ -168,6 +180,10 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
     for off, size, name in EHDR_FIELDS:
         old, now = int.from_bytes(a[off:off + size], "little"), int.from_bytes(b[off:off + size], "little")
         expected.append(Expected(off, size, "elf_header", f"{name}: {old:#x} -> {now:#x}"))
+    e_phoff = struct.unpack_from("<Q", a, 32)[0]
+    for i, how in phdr_entries:
+        if struct.unpack_from("<Q", b, 32)[0] == e_phoff:     # the table rewritten where it was
+            expected.append(Expected(e_phoff + i * 56, 56, "program_header", how))
     if old_sh and shstrndx < len(old_sh):
         sh = old_sh[shstrndx]
         expected.append(Expected(struct.unpack_from("<Q", a, 40)[0] + shstrndx * 64, 64, "section_names",
@@ -212,7 +228,7 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
                 "changed": e.changed, "probes": e.probes, "detail": e.detail}
                for e in expected if e.changed]
     return {"format": DIFF_FORMAT, "original": os.path.basename(original), "rewritten": rewritten,
-            "changes": changes, "moved": moved, "added_segments": added_segments, "added_sections": added_sections,
+            "changes": changes, "moved": moved, "grown": grown, "added_segments": added_segments, "added_sections": added_sections,
             "unattributed": unattributed, "problems": problems}
 
 
@@ -232,6 +248,9 @@ def diff_lines(doc: dict) -> list[str]:
         out.append(f"changed  {where}  {c['changed']:>5} bytes  {c['what']}  {c['detail']}{probes}")
     for m in doc["moved"]:
         out.append(f"moved    {m['segment']}  {m['from']} -> {m['to']}")
+    for g in doc["grown"]:
+        out.append(f"grown    {g['segment']}  {g['address']}  filesz {g['filesz'][0]:#x} -> {g['filesz'][1]:#x}"
+                   f"  memsz {g['memsz'][0]:#x} -> {g['memsz'][1]:#x}")
     for s in doc["added_segments"]:
         out.append(f"added    segment {s['type']} {s['flags']}  {s['address']}  filesz {s['filesz']:#x}  memsz {s['memsz']:#x}")
     for s in doc["added_sections"]:

@@ -84,7 +84,7 @@ SECTIONS
   .text : {{ *(.text .text.*) *(.kprobes.text) }}
   .rodata : {{ *(.rodata .rodata.*) }}
   .rela.dyn : {{ __kp_rela_start = .; *(.rela.dyn) *(.rela.*) __kp_rela_end = .; }}
-  . = ALIGN(0x1000);
+  {data}
   __kp_data_start = .;
   .data : {{ *(.data .data.*) *(.data.rel.ro .data.rel.ro.*) *(.got) *(.got.plt) }}
   .bss : {{ *(.bss .bss.*) *(COMMON) }}
@@ -334,10 +334,13 @@ def runtime_sources() -> list[Path]:
 
 
 def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]],
-                     platform: str = PLATFORM, deps: list[Path] | None = None) -> list[Path]:
+                     platform: str = PLATFORM, headers: Path | None = None,
+                     deps: list[Path] | None = None) -> list[Path]:
     """The handlers' objects; with `deps`, every file each C source read (gcc -MD:
-    the source and the headers it includes) is appended to it."""
+    the source and the headers it includes, but not what kprewrite generated in
+    `workdir`) is appended to it."""
     objs = []
+    first = [f"-I{headers}"] if headers is not None and headers.is_dir() else []
     for i, h in enumerate(handlers):
         if h.suffix == ".o":
             objs.append(h)
@@ -351,10 +354,11 @@ def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict
         wrapper.write_text("\n".join(lines) + "\n")
         o = workdir / f"handler{i}.o"
         d = workdir / f"handler{i}.d"
-        _run([cc, *_platform(platform).cflags, *_includes(platform=platform), f"-I{h.parent}", "-c", str(wrapper),
+        _run([cc, *_platform(platform).cflags, *first, *_includes(platform=platform), f"-I{h.parent}", "-c", str(wrapper),
               "-o", str(o), *(["-MD", "-MF", str(d)] if deps is not None else [])], h.name)
         if deps is not None:
-            deps += [p for p in read_depfile(d) if p != wrapper]
+            scratch = workdir.resolve()
+            deps += [p for p in read_depfile(d) if scratch not in p.parents]
         objs.append(o)
     return objs
 
@@ -457,13 +461,14 @@ def undefined_symbols(objs: list[Path]) -> dict[str, Path]:
 
 def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFORM,
          externs: dict[str, int | None] | None = None, origin: dict[Path, str] | None = None,
-         image_name: str = "the image") -> Blob:
+         image_name: str = "the image", data_addr: int | None = None) -> Blob:
     """Link at text_addr.  A PIE platform's blob is self-contained; any other
     resolves what it leaves undefined from `externs` (the image's symbols:
     name -> address, None when the name is ambiguous), each missing one an
-    error naming the symbol and the file that uses it (`origin`: object -> name)."""
+    error naming the symbol and the file that uses it (`origin`: object -> name).
+    data_addr: where the data starts (default: the page after the code)."""
     script = workdir / "kp.ld"
-    text = LINKER_SCRIPT.format(text=text_addr)
+    text = LINKER_SCRIPT.format(text=text_addr, data=". = ALIGN(0x1000);" if data_addr is None else f". = {data_addr:#x};")
     out = workdir / "blob.elf"
     if _platform(platform).pie:
         script.write_text(text)

@@ -92,7 +92,12 @@ def build(s: Session, workdir: Path, progress=None, deps: list | None = None) ->
     progress = progress or NoProgress()
     platform = s.target.name             # its runtime/platform/<name> folder
     progress.stage("compiling", f"{len(s.spec.handlers)} handler files")
-    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform, deps)
+    headers = workdir / "include"       # headers the target makes from the image (a kernel's types)
+    for rel, text in s.target.handler_headers(s.image).items():
+        (headers / rel).parent.mkdir(parents=True, exist_ok=True)
+        (headers / rel).write_text(text)
+    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform,
+                                           headers, deps)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
@@ -106,7 +111,7 @@ def build(s: Session, workdir: Path, progress=None, deps: list | None = None) ->
     origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
     origin[table] = "probe table"
     blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
-                     s.target.link_symbols(s.image), origin, Path(s.image.path).name)
+                     s.target.link_symbols(s.image), origin, Path(s.image.path).name, lay.data_addr)
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)

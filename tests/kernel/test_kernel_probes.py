@@ -35,7 +35,7 @@ COMMANDS = f"""
 echo LOOP-START > /dev/kmsg
 for i in {' '.join(str(i) for i in range(FORKS))}; do /bin/true; done
 echo LOOP-END > /dev/kmsg
-cat {OPEN_FILE}
+cat {OPEN_FILE} & echo "cat-pid=$!"; wait
 kill -0 {KILL_PID}; echo "kill-status=$?"
 ok=0; for i in $(seq {KILLS}); do kill -0 {KILL_PID} 2>/dev/null && ok=$((ok + 1)); done; echo "kill-ok=$ok"
 dmesg -r | grep -m1 kp-open-entry | sed 's/^/raw: /'
@@ -47,6 +47,7 @@ sleep 1
 
 OPEN_HANDLERS = r"""
 #include <linux/kprobes.h>
+#include <linux/sched.h>	/* struct task_struct and current, from the image's BTF */
 
 /* The kernel's own: a NUL-terminated string from user space, never faults. */
 long strncpy_from_user_nofault(char *dst, const void __user *unsafe_addr, long count);
@@ -57,6 +58,8 @@ static void print_name(const char *what, int dfd, unsigned long user_name)
 	long n = strncpy_from_user_nofault(name, (const void __user *)user_name, sizeof(name) - 1);
 	name[n > 0 ? n : 0] = 0;
 	pr_info("%s: dfd=%d name=%s\n", what, dfd, n > 0 ? name : "(fault)");
+	if (n > 0 && __builtin_strcmp(name, "OPEN_FILE") == 0)
+		pr_info("%s-task: comm=%s pid=%d\n", what, current->comm, current->pid);
 }
 
 /* Reentrancy: open_entry() calls ktime_get(), which has a probe too.  That hit is on the
@@ -145,7 +148,7 @@ def probed(tmp_path_factory, debian_kernel):
     linux_kernel.load_symbols(image)
     off, name_reg, dfd_reg = inside_probe(image)
     (d / "open_handlers.c").write_text(OPEN_HANDLERS.replace("NAME_REG", name_reg).replace("DFD_REG", dfd_reg)
-                                       .replace("KILL_PID", str(KILL_PID)))
+                                       .replace("KILL_PID", str(KILL_PID)).replace("OPEN_FILE", OPEN_FILE))
     sample = ROOT / "samples" / "kprobe_example" / "handlers.c"
     spec = d / "probes.toml"
     spec.write_text(f'handlers = ["{sample}", "open_handlers.c"]\n'
@@ -162,7 +165,8 @@ def probed(tmp_path_factory, debian_kernel):
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
     return {"dir": d, "spec": spec, "out": out, "offset": off, "regs": (name_reg, dfd_reg),
-            "kernel_clone": image.symbols["kernel_clone"][0], "gap": (lay.rx_vaddr, lay.end)}
+            "kernel_clone": image.symbols["kernel_clone"][0], "gap": (lay.rx_vaddr, lay.end),
+            "data_gap": (lay.data_vaddr, lay.data_end)}
 
 
 @pytest.fixture(scope="module")
@@ -185,16 +189,17 @@ def test_boots_with_no_boot_parameter(probed_boot, probed):
     r = probed_boot
     assert_boot_ok(r)
     assert r.cmd[r.cmd.index("-append") + 1] == "console=ttyS0 panic=-1", r.cmd
-    kept = re.search(r"kprewrite: kept (\w+)\.\.(\w+) of the text/rodata gap: code (\d+) KiB \(read-only\), "
-                     r"data (\d+) KiB \(read-write, NX\)", r.console)
-    assert kept, r.explain("no line from the free_kernel_image_pages boot hook")
-    freed = re.search(r"Freeing unused kernel image \(text/rodata gap\) memory: (\d+)K", r.console)
-    assert int(kept.group(1), 16) == probed["gap"][0]
-    gap = (probed["gap"][1] - probed["gap"][0]) >> 10
-    assert freed and int(freed.group(1)) == gap - ((int(kept.group(2), 16) - int(kept.group(1), 16)) >> 10), \
-        r.explain("the gap freed is not the gap minus our pages")
+    kept = {}
+    for gap, what, start, end in (("text/rodata", "code", *probed["gap"]), ("rodata/data", "data", *probed["data_gap"])):
+        m = re.search(rf"kprewrite: kept (\w+)\.\.(\w+) of the {gap} gap: {what} (\d+) KiB", r.console)
+        assert m, r.explain(f"no line from the free_kernel_image_pages boot hook for the {gap} gap")
+        freed = re.search(rf"Freeing unused kernel image \({gap} gap\) memory: (\d+)K", r.console)
+        assert int(m.group(1), 16) == start
+        assert freed and int(freed.group(1)) == ((end - start) >> 10) - int(m.group(3)), \
+            r.explain(f"the {gap} gap freed is not the gap minus our pages")
+        kept[what] = m.group(3)
     print(f"\nprobed vmlinux: boot to power-off {r.seconds:.2f} s ({r.accel}, -smp 2); kept "
-          f"{kept.group(3)} KiB code + {kept.group(4)} KiB data of the gap")
+          f"{kept['code']} KiB code of the text/rodata gap, {kept['data']} KiB data of the rodata/data gap")
 
 
 def test_kprobe_example_on_kernel_clone(probed_boot, probed):
@@ -222,6 +227,17 @@ def test_ftrace_site_probe_reads_the_file_name(probed_boot):
         r.explain(f"no kp-open-entry line for {OPEN_FILE}")
     # pr_info()'s level reaches the kernel's log (dmesg -r: <6> is KERN_INFO).
     assert re.search(r"^raw: <6>\[ *[\d.]+\] kp-open-entry: ", r.console, re.M), r.explain("no KERN_INFO record")
+
+
+def test_handlers_read_current_from_the_images_btf(probed_boot):
+    """current->comm and current->pid, with struct task_struct from the image's own BTF: the
+    task that opened the file is the `cat` /init started, with the pid the shell reported."""
+    r = probed_boot
+    pid = re.search(r"^cat-pid=(\d+)$", r.console, re.M)
+    assert pid, r.explain("/init did not report cat's pid")
+    for what in ("kp-open-entry", "kp-open-inside"):
+        assert re.search(rf"{what}-task: comm=cat pid={pid.group(1)}$", r.console, re.M), \
+            r.explain(f"no {what}-task line naming cat and its pid {pid.group(1)}")
 
 
 def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed):
@@ -281,7 +297,7 @@ def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     # Each open_entry() calls ktime_get() while it runs: at least that many misses.
     hits, missed = rows["p_ktime_get_0"]
     assert hits > 0 and missed >= opens, rows
-    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
+    for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
         assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
 
 
@@ -293,7 +309,7 @@ def test_list_reads_the_probes_back(probed, debian_kernel):
     assert any(re.fullmatch(r"[0-9a-f]{16}  k  do_sys_openat2\+0x0 \[FTRACE\]", l) for l in lines), lines
     assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  do_sys_openat2\+{off:#x} \[OPTIMIZED\]", l) for l in lines), lines
     # The boot hooks are probes too, on ftrace sites.
-    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages"):
+    for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages"):
         assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  {fn}\+0x0 \[FTRACE\]", l) for l in lines), (fn, lines)
 
 

@@ -44,6 +44,11 @@ def link_symbols(image):
     return None
 
 
+def handler_headers(image) -> dict[str, str]:
+    """Headers generated for the handlers from the image: none (runtime/include has them all)."""
+    return {}
+
+
 def tables_c(image, arch, any_int3: bool) -> str:
     """The target's part of the generated C: the GOT slots sighook takes over."""
     return sighook.table_c(image, arch, any_int3)
