@@ -144,6 +144,7 @@ def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_
     (entry,) = [c for c in doc["changes"] if c["address"] == hex(site)]
     assert entry["probes"] == ["p_do_sys_openat2_0"] and entry["changed"] == 5 and "ftrace site" in entry["detail"]
     assert any(c["what"] == "target" and f"ftrace site {site:#x} dropped" in c["detail"] for c in doc["changes"])
+    assert all(g["segment"] == "LOAD" and g["filesz"][1] > g["filesz"][0] for g in doc["grown"])
     assert doc["added_segments"] == [] and [s["name"] for s in doc["added_sections"]] == [
         ".kprewrite.text", ".kprewrite.data", ".kprewrite.meta"]
 
