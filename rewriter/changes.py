@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .errors import KprewriteError
 from .image import PT_LOAD, PT_PHDR
-from .report import META_SECTION, hexaddr, read_metadata
+from .report import hexaddr, read_metadata
 
 DIFF_FORMAT = "kprewrite-diff-1"
 BLOCK = 1 << 16

@@ -4,7 +4,6 @@ convention: `OUTPUT: PREREQ...`)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from .errors import KprewriteError
 from .output import write_atomically

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import cc, function, instrument, kprewrite, probe_spec, run, symbols, write_spec
+from conftest import cc, function, kprewrite, run, symbols, write_spec
 
 PROG = r"""
 #include <stdio.h>
