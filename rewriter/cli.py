@@ -1,4 +1,4 @@
-"""The command line (interface.md): instrument, check, list, blacklist."""
+"""The command line (interface.md, and what README adds): instrument, check, list, blacklist, trace, diff, report.  A thin layer: it formats what api.py returns."""
 from __future__ import annotations
 
 import os

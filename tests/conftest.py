@@ -2,7 +2,8 @@
 CLI, run them natively and under qemu-x86_64.
 
 Every test module takes its helpers from here: compiling (`cc`), the CLI
-(`kprewrite`, `instrument`, `check_lines`), spec text (`write_spec`,
+(`kprewrite`, `instrument`, which also checks with `attributed` that
+`kprewrite diff` explains every byte the rewrite changed, `check_lines`), spec text (`write_spec`,
 `probe_spec`), running (`run`, the `runner` fixture), reading results
 (`profile`, `meta`), the symbols of a binary (`symbols`, `functions`, `insns`),
 and `once`, which builds what a native/QEMU pair of a test shares."""
