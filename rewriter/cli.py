@@ -1,4 +1,5 @@
-"""The command line (interface.md, and what README adds): instrument, check, list, blacklist, trace, diff, report.  A thin layer: it formats what api.py returns."""
+"""The command line (interface.md, and what README adds): instrument, check,
+list, blacklist, trace, diff, report.  A thin layer: it formats what api.py returns."""
 from __future__ import annotations
 
 import os
