@@ -328,8 +328,17 @@ def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: s
         [out / ("rt_" + Path(src).name + ".o") for src in asm_srcs]
 
 
+def runtime_sources() -> list[Path]:
+    """Every file the compiled runtime depends on (what _runtime_key() hashes)."""
+    return sorted(p for p in RUNTIME_DIR.rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".S"))
+
+
 def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]],
-                     platform: str = PLATFORM, headers: Path | None = None) -> list[Path]:
+                     platform: str = PLATFORM, headers: Path | None = None,
+                     deps: list[Path] | None = None) -> list[Path]:
+    """The handlers' objects; with `deps`, every file each C source read (gcc -MD:
+    the source and the headers it includes, but not what kprewrite generated in
+    `workdir`) is appended to it."""
     objs = []
     first = [f"-I{headers}"] if headers is not None and headers.is_dir() else []
     for i, h in enumerate(handlers):
@@ -344,10 +353,40 @@ def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict
             lines.append(f'extern __typeof__({name}) kp_handler_{name} __attribute__((alias("{name}"), used));')
         wrapper.write_text("\n".join(lines) + "\n")
         o = workdir / f"handler{i}.o"
+        d = workdir / f"handler{i}.d"
         _run([cc, *_platform(platform).cflags, *first, *_includes(platform=platform), f"-I{h.parent}", "-c", str(wrapper),
-              "-o", str(o)], h.name)
+              "-o", str(o), *(["-MD", "-MF", str(d)] if deps is not None else [])], h.name)
+        if deps is not None:
+            scratch = workdir.resolve()
+            deps += [p for p in read_depfile(d) if scratch not in p.parents]
         objs.append(o)
     return objs
+
+
+def read_depfile(path: Path) -> list[Path]:
+    """The prerequisites of a make-style depfile gcc wrote (-MD), resolved."""
+    text = path.read_text().replace("\\\n", " ")
+    _, _, rest = text.partition(": ")
+    words, cur, i = [], "", 0
+    while i < len(rest):
+        ch = rest[i]
+        if ch == "\\" and i + 1 < len(rest) and rest[i + 1] in " #":
+            cur += rest[i + 1]
+            i += 2
+            continue
+        if ch.isspace():
+            if cur:
+                words.append(cur)
+            cur = ""
+        elif ch == "$" and rest[i + 1:i + 2] == "$":
+            cur += "$"
+            i += 1
+        else:
+            cur += ch
+        i += 1
+    if cur:
+        words.append(cur)
+    return [Path(w).resolve() for w in words]
 
 
 def compile_table(cc: str, workdir: Path, table_c: str, platform: str = PLATFORM) -> Path:

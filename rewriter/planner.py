@@ -132,7 +132,8 @@ class Plan:
     sites: list[Site] = field(default_factory=list)          # placed, in address order
     errors: list[str] = field(default_factory=list)
     skipped: dict[str, list[Probe]] = field(default_factory=lambda: defaultdict(list))
-    rejected: list[tuple[Probe, str, str]] = field(default_factory=list)   # (probe, decision, reason)
+    # (probe, decision, reason, check name, address of the instruction that made it fail)
+    rejected: list[tuple[Probe, str, str, str, int]] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)        # functions with kretprobes, by entry
     ret_sites: list[RetSite] = field(default_factory=list)   # by address
     kprobes: list[tuple[Site, Probe]] = field(default_factory=list)          # kp_probes[], by slot
@@ -157,8 +158,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     kret_refused = Plan()
     by_addr: dict[int, list[Probe]] = defaultdict(list)
 
-    def fail(p: Probe, decision: str, reason: str, check: str, into: Plan = out):
-        into.rejected.append((p, decision, reason))
+    def fail(p: Probe, decision: str, reason: str, check: str, addr: int | None = None, into: Plan = out):
+        into.rejected.append((p, decision, reason, check, p.addr if addr is None else addr))
         if p.from_glob:
             into.skipped[check].append(p)
         else:
@@ -168,7 +169,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if is_entry(p):
             why = _kretprobe_refusal(image, analysis, arch, p, rules)
             if why is not None:
-                fail(p, REFUSED, why[0], why[1], kret_refused)
+                fail(p, REFUSED, *why, into=kret_refused)
                 continue
         why = _register_refusal(image, analysis, arch, p, rules.blacklist)
         if why is not None:
@@ -193,7 +194,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if s.decision not in JUMPS:
             if not rules.int3:      # no breakpoint probes in this target (yet): refused
                 for p in s.probes:
-                    fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"))
+                    fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"),
+                         getattr(s.reason, "addr", s.addr))
                 continue
             make_int3(image, arch, s)
         out.sites.append(s)
@@ -206,8 +208,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     return out
 
 
-def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple[str, str] | None:
-    """register_kprobe()'s checks: (reason, check name), or None."""
+def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None:
+    """register_kprobe()'s checks: (reason, check name[, address]), or None."""
     if p.func is None:
         return f"no function symbol or FDE covers {p.addr:#x}, so the instruction boundary cannot be checked", "no_function"
     if p.spec.symbol_name and not p.from_glob and not (p.func.start <= p.addr < p.func.end and p.addr - p.offset >= p.func.start):
@@ -219,7 +221,7 @@ def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple[str, 
         return f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist"
     r = arch.optprobe.can_probe_insn(image, p.addr)
     if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
-        return str(r), r.check
+        return str(r), r.check, r.addr
     return None
 
 

@@ -283,6 +283,17 @@ def link_symbols(image) -> dict[str, int | None]:
     return out
 
 
+def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
+    """What `kprewrite diff` may find changed besides the probe sites and the gap
+    our code fills: the __mcount_loc entry of each ftrace site a probe took
+    (write() zeroes it, so ftrace neither patches nor checks the site)."""
+    taken = {p["addr"]: p["name"] for p in meta["probes"] if p.get("ftrace")}
+    if not taken:
+        return []
+    return [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
+            for m in ks.mcount_locs(_kernel(image)) if m.site in taken]
+
+
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
     """The vmlinux with the probes' jumps, the dropped __mcount_loc entries of the ftrace
     sites we took, our code and data in the gap, and the metadata section."""
