@@ -148,17 +148,6 @@ static inline void kp_run_post_handlers(const struct kp_site *s, struct pt_regs 
  */
 static inline struct kp_thread *kp_current_thread(void)
 {
-#ifdef KP_PLATFORM_CPU_INDEXED
-	/* Preemption is off (kp_platform_dispatch_begin()): only this CPU writes its slot. */
-	struct kp_thread **cpus = kp_kernel_cpu_threads;
-	if (__builtin_expect(cpus != 0 && kp_fast, 1)) {
-		unsigned int cpu = kp_platform_cpu();
-		struct kp_thread *t = cpus[cpu];
-		if (__builtin_expect(t != 0, 1))
-			return t;
-		return cpus[cpu] = kp_thread_slow(kp_platform_thread_key_fast());
-	}
-#endif
 	if (__builtin_expect(kp_fast, 1)) {
 		unsigned long key = kp_platform_thread_key_fast();
 		struct kp_thread *t = kp_thread_table[KP_HASH(key)];

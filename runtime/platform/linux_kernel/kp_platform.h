@@ -53,13 +53,6 @@ static inline int kp_platform_thread_key_ready(void)
 	return 1;
 }
 
-/* Once every possible CPU's memory exists (the setup_per_cpu_areas() boot hook),
- * a CPU's block is found by its number, as a per-CPU variable would be: one
- * pointer per CPU (NULL until the CPU's first hit), not the hashed table. */
-#define KP_PLATFORM_CPU_INDEXED 1
-struct kp_thread;
-extern struct kp_thread **kp_kernel_cpu_threads;
-
 /* optimized_callback()'s preempt_disable()/preempt_enable(): the key is the
  * CPU's, so the dispatch must not move to another CPU.  No reschedule on the
  * way out (preempt_enable_no_resched()): a pending one waits for the next

@@ -22,7 +22,6 @@ static unsigned long kp_kernel_pool_used;
 /* Every possible CPU's block, allocated by the setup_per_cpu_areas() boot hook. */
 static char *kp_kernel_cpus;
 static unsigned long kp_kernel_cpus_size, kp_kernel_cpus_used;
-struct kp_thread **kp_kernel_cpu_threads;	/* by CPU number, once kp_kernel_cpus exists */
 
 void *kp_platform_alloc(unsigned long size)
 {
@@ -48,15 +47,13 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	(void)regs;
 	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);	/* MEMBLOCK_ALLOC_ACCESSIBLE, NUMA_NO_NODE */
-	struct kp_thread **by_cpu = memblock_alloc_try_nid(nr_cpu_ids * sizeof(*by_cpu), 64, 0, 0, -1);
-	if (!m || !by_cpu) {
+	if (!m) {
 		_printk(KP_KERN_ERR "kprewrite: no memory for %u CPUs' counters (%lu KiB): "
 			"hits on CPUs without one count as missed\n", nr_cpu_ids, size >> 10);
 		return 0;
 	}
 	kp_kernel_cpus_size = size;
 	__atomic_store_n(&kp_kernel_cpus, m, __ATOMIC_RELEASE);
-	__atomic_store_n(&kp_kernel_cpu_threads, by_cpu, __ATOMIC_RELEASE);
 	return 0;
 }
 
