@@ -1,7 +1,7 @@
 """x86-64: decode, optimizer checks and emission (the arch/x86/kernel/kprobes/ of kprewrite).
 The package is the arch.base.Arch of x86-64."""
 from ..base import Refusal  # noqa: F401
-from . import emit, handler_abi, kprobe_xol, optprobe, retprobe  # noqa: F401
+from . import emit, handler_abi, jumptable, kprobe_xol, optprobe, retprobe  # noqa: F401
 from . import fetchregs as fetch_regs  # noqa: F401
 from .decode import decode_function  # noqa: F401
 

@@ -80,8 +80,9 @@ def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
     decoded = analysis.decoded(func)
     if decoded.undecodable is not None:
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
-    if decoded.indirect_jump is not None:
-        return Refusal("indirect_jump", decoded.indirect_jump, f"{func.name} has an indirect jump (it may have a jump table)")
+    ij = analysis.unbounded_indirect_jump(func)
+    if ij is not None:
+        return Refusal("indirect_jump", ij[0], f"{func.name} has an indirect jump whose targets are not bounded ({ij[1]})")
     if decoded.sets_df is not None:
         # The detour calls C code, which the ABI lets assume DF = 0, and does
         # not save DF (an int3 probe is safe: the trap entry clears DF and the
