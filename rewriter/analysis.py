@@ -94,7 +94,8 @@ def indirect_jump_targets(image: Image, an: "Analysis"):
         an.indirect[f.start] = jumps
         for j in jumps:
             for t in j.targets:
-                yield t, f"{j.kind} entry of the jump at {j.addr:#x}"
+                yield t, (f"jump table entry of the jump at {j.addr:#x}" if j.kind == "jump table"
+                          else f"target of the indirect jump at {j.addr:#x}")
 
 
 DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets,
