@@ -50,15 +50,21 @@ def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
         except ValueError:
             return Refusal("decode", pos, "instruction in the region cannot be decoded")
         code = code[:info.length]
-        if info.probe_refused:
+        if info.probe_refused and info.emulate not in _INDIRECT:
             return Refusal("can_probe", pos, f"{info.probe_refused} in the region")
-        if info.emulate in ("jmp rel", "jcc rel"):
+        if info.emulate in ("jmp rel", "jcc rel", "jmp mem", "jmp reg"):
             pass
-        elif info.emulate == "call rel":
+        elif info.emulate in ("call rel", "call mem", "call reg"):
             if pos + info.length < addr + JMP32_INSN_SIZE:
                 return Refusal("call_in_region", pos, "a call inside the region would return into the jump's bytes")
+            why = _indirect_call_relocatable(code, pos) if info.emulate != "call rel" else None
+            if why:
+                return Refusal("can_boost", pos, why)
         elif not info.boostable:
-            return Refusal("can_boost", pos, f"instruction is not boostable ({info.boost_reason})")
+            why = _relocatable(code, pos, info)
+            if why:
+                return Refusal("can_boost", pos, f"instruction is not boostable ({info.boost_reason}) "
+                                                 f"nor relocatable ({why})")
         out.append(DcrInsn(pos, code, info))
         pos += info.length
     if pos - addr > MAX_OPTIMIZED_LENGTH:
@@ -68,6 +74,58 @@ def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
     # An unconditional jump ends the flow; what follows in the DCR is dead in the copy
     # but still protected by the JTPR check.
     return out
+
+
+# Indirect branches through memory: the kernel cannot emulate them
+# (prepare_emulation()'s -EOPNOTSUPP); a detour copies the jmp (its RIP-relative
+# operand re-encoded) and emulates the call (emit.relocate()).
+_INDIRECT = ("jmp mem", "call mem")
+
+_CONTROL = frozenset([capstone.CS_GRP_JUMP, capstone.CS_GRP_CALL, capstone.CS_GRP_RET, capstone.CS_GRP_INT,
+                      capstone.CS_GRP_IRET, capstone.CS_GRP_PRIVILEGE, capstone.CS_GRP_BRANCH_RELATIVE])
+_NOT_RELOCATABLE = frozenset(["popf", "popfq", "popfd", "xbegin", "xabort", "xend", "enclu", "sysenter",
+                              "sysexit", "sysret", "iretq", "iretd", "iret", "rsm", "hlt"])
+
+
+def _relocatable(code: bytes, addr: int, info) -> str:
+    """Beyond can_boost(): an instruction that behaves the same at another
+    address followed by more code, because it neither transfers control nor
+    touches TF/RTM state, and its only use of its own address is a RIP-relative
+    operand, which relocate() re-encodes (SSE/AVX moves and compares, bt,
+    push m64...).  Returns '' if so, else why not."""
+    if info.emulate:
+        return f"{info.emulate} is emulated"
+    ci = next(_cs.disasm(code, addr, 1), None)
+    if ci is None:
+        return "not decoded"
+    if _CONTROL & set(ci.groups):
+        return "transfers control"
+    if ci.mnemonic in _NOT_RELOCATABLE:
+        return f"{ci.mnemonic} changes TF, RTM or privilege state"
+    for op in ci.operands:
+        if op.type == capstone.x86_const.X86_OP_MEM and op.mem.base == capstone.x86_const.X86_REG_RIP \
+                and not info.rip_relative:
+            return "RIP-relative operand not found by the decoder"
+    return ""
+
+
+def _indirect_call_relocatable(code: bytes, addr: int) -> str:
+    """A final call *%reg / *m64 is emulated in the detour (emit.relocate()):
+    the original return address pushed, then the same operand jumped through.
+    Its operand is read after the detour has pushed a word, so it must not use
+    %rsp."""
+    ci = next(_cs.disasm(code, addr, 1), None)
+    if ci is None or not ci.operands:
+        return "not decoded"
+    op = ci.operands[0]
+    sp = capstone.x86_const.X86_REG_RSP
+    if op.type == capstone.x86_const.X86_OP_REG and op.reg == sp:
+        return "call through %rsp"
+    if op.type == capstone.x86_const.X86_OP_MEM and sp in (op.mem.base, op.mem.index):
+        return "call through an %rsp-relative operand"
+    if op.type == capstone.x86_const.X86_OP_MEM and op.mem.segment:
+        return "call through a segment-relative operand"
+    return ""
 
 
 def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
