@@ -178,3 +178,33 @@ def test_jump_tables_read(once, build, runner):
         assert jmps and all(d == "int3" for d in decisions("interp"))
         assert all("indirect_jump at " in l and "not bounded" in l for l in by_func["interp"])
         assert any(f"indirect_jump at {jmps[0].address:#x}" in l for l in by_func["interp"])
+
+
+def _kret(tmp, build):
+    from test_kretprobe import HANDLERS, KRET
+    from conftest import probe_spec
+    prog = cc(tmp, f"swr_{build}", PROGRAM, *BUILDS[build])
+    funcs = ["sw", "sw_byte", "tail_sw", "f0", "f1", "f2", "f3", "f4"]
+    spec = write_spec(tmp, probe_spec("kretprobe", funcs, **KRET), HANDLERS)
+    return prog, kprewrite("check", prog, "--spec", spec).stdout.splitlines(), instrument(prog, spec, tmp / "kret")
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_kretprobe_on_jump_table_functions(once, build, runner):
+    """A function whose jump tables stay inside it has its exits hooked, not the
+    trampoline's swapped return address; every call gets its return handler
+    with the return address of its caller."""
+    prog, check, out = once(_kret, build)
+    lines = {l.split("+")[0]: l for l in check}
+    for f in ["sw", "sw_byte"]:
+        assert "returns: 0x" in lines[f] and "trampoline" not in lines[f], lines[f]
+    assert "tail->" in lines["tail_sw"] and "(trampoline)" not in lines["tail_sw"] \
+        and "indirect_jump" not in lines["tail_sw"], lines["tail_sw"]
+    want = run(prog, 3, runner=runner)
+    got = run(out, 3, runner=runner)
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-2000:]
+    ev = got.stderr.splitlines()
+    assert not any("BAD-IP" in l for l in ev)
+    for f, calls in [("sw", 13 * 3), ("sw_byte", 16 * 3), ("tail_sw", 9 * 3)]:
+        assert sum(l.startswith(f"E {f} ") for l in ev) == calls
+        assert sum(l.startswith(f"R {f} ") for l in ev) == calls, [l for l in ev if f in l][:20]
