@@ -37,10 +37,15 @@ def can_probe_insn(image, addr: int) -> Refusal | None:
     return None
 
 
-def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
+_UNCOND = ("ret", "ret imm", "jmp rel", "jmp mem", "jmp reg")
+
+
+def copy_region(image, func, addr: int, analysis=None) -> list[DcrInsn] | Refusal:
     """The detoured code region (DCR): whole instructions covering the 5-byte jump,
     each one relocatable (copy_optimized_instructions() with can_boost(), plus
-    relative jumps and a final call, which we re-encode)."""
+    relative jumps and a final call, which we re-encode).  A region may run on
+    into the alignment padding after the function (nop, or int3 after an
+    unconditional exit) if nothing names those bytes (_borrow_padding())."""
     out: list[DcrInsn] = []
     pos = addr
     while pos < addr + JMP32_INSN_SIZE:
@@ -50,6 +55,10 @@ def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
         except ValueError:
             return Refusal("decode", pos, "instruction in the region cannot be decoded")
         code = code[:info.length]
+        if pos >= func.end and code == b"\xcc" and out and out[-1].info.emulate in _UNCOND:
+            out.append(DcrInsn(pos, code, info))      # padding never reached: copied, never run
+            pos += info.length
+            continue
         if info.probe_refused and info.emulate not in _INDIRECT:
             return Refusal("can_probe", pos, f"{info.probe_refused} in the region")
         if info.emulate in ("jmp rel", "jcc rel", "jmp mem", "jmp reg"):
@@ -69,8 +78,9 @@ def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
         pos += info.length
     if pos - addr > MAX_OPTIMIZED_LENGTH:
         return Refusal("region_size", addr, f"region is {pos - addr} bytes, more than {MAX_OPTIMIZED_LENGTH}")
-    if pos > func.end:
-        return Refusal("func_size", addr, f"region [{addr:#x}, {pos:#x}) crosses the end of {func.name} at {func.end:#x}")
+    if pos > func.end and (analysis is None or not _borrow_padding(image, analysis, func, pos)):
+        return Refusal("func_size", addr, f"region [{addr:#x}, {pos:#x}) crosses the end of {func.name} at "
+                                          f"{func.end:#x}, and the bytes after it are not padding to borrow")
     # An unconditional jump ends the flow; what follows in the DCR is dead in the copy
     # but still protected by the JTPR check.
     return out
@@ -128,13 +138,22 @@ def _indirect_call_relocatable(code: bytes, addr: int) -> str:
     return ""
 
 
+def _borrow_padding(image, analysis, func, end: int) -> bool:
+    """Beyond the kernel (which keeps a region inside its function): may
+    [func.end, end) be part of a region?  Only alignment padding (nop, int3)
+    that no symbol, FDE, relocation or jump names, in no other function."""
+    from .retprobe import _padding
+    return _padding(image, analysis, func, func.end, end - func.end)
+
+
 def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
     """can_optimize() of opt.c: region inside one function, no indirect jump in the
     function, no jump target in the JTPR, every DCR instruction relocatable."""
     if func is None:
         return Refusal("func_size", addr, "no function symbol or FDE covers the address")
-    if func.end - addr < JMP32_INSN_SIZE:
-        return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at {func.end:#x}")
+    if func.end - addr < JMP32_INSN_SIZE and not _borrow_padding(image, analysis, func, addr + JMP32_INSN_SIZE):
+        return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at "
+                                          f"{func.end:#x}, and no padding after it to borrow")
     decoded = analysis.decoded(func)
     if decoded.undecodable is not None:
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
@@ -146,7 +165,7 @@ def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
         # not save DF (an int3 probe is safe: the trap entry clears DF and the
         # signal frame restores it).
         return Refusal("direction_flag", decoded.sets_df, f"{func.name} sets the direction flag (std)")
-    dcr = copy_region(image, func, addr)
+    dcr = copy_region(image, func, addr, analysis)
     if isinstance(dcr, Refusal):
         return dcr
     end = dcr[-1].addr + len(dcr[-1].code)
