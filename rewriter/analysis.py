@@ -117,11 +117,14 @@ class Analysis:
         # Targets named by something other than a direct branch (a jump into a
         # function's middle from what a backward slice cannot follow).
         self.entered: set[int] = set()
+        self.branch_sources: dict[int, list[int]] = {}     # target -> every direct branch to it
         for source in [*(sources if sources is not None else DEFAULT_SOURCES), *extra_sources]:
             for target, why in source(image, self):
                 self.targets.setdefault(target, why)
                 if source is not branch_targets:
                     self.entered.add(target)
+                elif why.startswith("jump from "):
+                    self.branch_sources.setdefault(target, []).append(int(why[10:], 16))
         self._sorted_targets = sorted(self.targets)
 
     def decoded(self, f: Function):

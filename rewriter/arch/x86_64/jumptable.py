@@ -63,7 +63,13 @@ def _reg(ci, r) -> str | None:
     return _PARENT.get(ci.reg_name(r)) if r else None
 
 
+# What a call leaves undefined (the System V ABI's caller-saved registers).
+_CALL_CLOBBERS = frozenset(["rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"])
+
+
 def _writes(ci, reg: str) -> bool:
+    if capstone.CS_GRP_CALL in ci.groups and reg in _CALL_CLOBBERS:
+        return True
     _, w = ci.regs_access()
     return any(_reg(ci, r) == reg for r in w)
 
@@ -78,7 +84,6 @@ class _Fn:
         self.image, self.an, self.func = image, an, func
         self.insns = list(_cs.disasm(image.read(func.start, func.end - func.start), func.start))
         self.index = {ci.address: k for k, ci in enumerate(self.insns)}
-        self._preds = None
         self.join = None
 
     def back(self, k: int, first: bool = False):
@@ -100,26 +105,20 @@ class _Fn:
             j -= 1
             yield j
 
-    def preds(self, j: int) -> list[int] | None:
-        """Every instruction that may run just before insns[j], a join point: the
-        direct branches of this function to it and the fall-through; None if
-        something else names it (a symbol, a relocation, a landing pad, another
-        function's branch)."""
+    def preds(self, j: int) -> list[tuple[int, bool]] | None:
+        """Every instruction that may run just before insns[j], a join point, as
+        (index, taken): the direct branches to it (taken) and the fall-through;
+        None if something else names it (a symbol, a relocation, a landing pad,
+        a branch from another function)."""
         a = self.insns[j].address
         if a in self.an.entered:
             return None
-        if self._preds is None:
-            self._preds = {}
-            for t, src in self.an.decoded(self.func).branches:
-                self._preds.setdefault(t, []).append(src)
-        srcs = self._preds.get(a, [])
-        if self.an.targets.get(a, "").startswith("jump from ") and not srcs:
-            return None        # another function jumps here
-        out = [self.index[s] for s in srcs if s in self.index]
-        if len(out) != len(srcs):
+        srcs = self.an.branch_sources.get(a, [])
+        if any(s not in self.index for s in srcs):
             return None
+        out = [(self.index[s], True) for s in srcs]
         if j > 0 and not _uncond(self.insns[j - 1]):
-            out.append(j - 1)
+            out.append((j - 1, False))
         return out
 
 
@@ -183,7 +182,7 @@ def _register(fn: _Fn, k: int, addr: int, reg: str | None) -> IndirectJump:
             preds = fn.preds(fn.join) if fn.join is not None else None
             if preds is None:
                 return IndirectJump(addr, UNBOUNDED, why=f"%{r} comes from a path not followed")
-            work.extend((p, r, True) for p in preds)
+            work.extend((p, r, True) for p, _ in preds)
             continue
         if isinstance(got, tuple):          # a copy on the way: follow the source
             work.append(got)
@@ -238,7 +237,7 @@ def _follow_copy(fn: _Fn, j: int, src: str, addr: int):
         return IndirectJump(addr, UNBOUNDED, why=f"%{src} comes from a path not followed")
     if len(preds) != 1:
         return IndirectJump(addr, UNBOUNDED, why=f"%{src} comes from several paths")
-    return (preds[0], src, True)
+    return (preds[0][0], src, True)
 
 
 def _computed(fn: _Fn, addr: int, target: int) -> IndirectJump:
@@ -307,7 +306,7 @@ def _bound(fn: _Fn, k: int, index: str) -> int | None:
     an `and $M` (M + 1).  None if some path does not bound it."""
     # A 64-bit index compared in 32 bits: the compiler wrote it with a 32-bit
     # operation, which zero-extends (the code it emits relies on that too).
-    work, seen, worst = [(k, False, index, 4, None)], set(), 0
+    work, seen, worst = [(k, False, False, index, 4, None)], set(), 0
     while work:
         item = work.pop()
         if item in seen:
@@ -325,8 +324,10 @@ def _bound(fn: _Fn, k: int, index: str) -> int | None:
     return worst
 
 
-def _bound_path(fn: _Fn, start: int, first: bool, index: str, width: int, limit: int | None):
-    """One straight-line stretch of _bound(): a bound, None, or the states to go on from."""
+def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width: int, limit: int | None):
+    """One straight-line stretch of _bound(): a bound, None, or the states to go on
+    from.  `taken`: the stretch ends with a conditional jump taken toward the table,
+    so a `cmp` just before it bounds the index by `jbe`/`jb` instead."""
     def lim(n):
         return n if limit is None else min(n, limit)
     for j in fn.back(start, first):
@@ -337,6 +338,8 @@ def _bound_path(fn: _Fn, start: int, first: bool, index: str, width: int, limit:
         if ci.mnemonic == "cmp" and len(ops) == 2 and ops[0].type == X.X86_OP_REG \
                 and _reg(ci, ops[0].reg) == index and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
             nxt = fn.insns[j + 1].mnemonic
+            if taken and j + 1 == start:
+                nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
             if nxt == "ja":
                 return lim(ops[1].imm + 1)
             if nxt == "jae":
@@ -363,7 +366,7 @@ def _bound_path(fn: _Fn, start: int, first: bool, index: str, width: int, limit:
     preds = fn.preds(fn.join)
     if preds is None:
         return limit
-    return [(p, True, index, width, limit) for p in preds]
+    return [(p, True, tk, index, width, limit) for p, tk in preds]
 
 
 def _table(fn: _Fn, k: int, index: str | None, table: int, size: int, relative: bool = False) -> list[int] | None:
