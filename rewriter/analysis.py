@@ -70,7 +70,7 @@ def symbol_targets(image: Image, an: "Analysis"):
 def code_ref_targets(image: Image, an: "Analysis"):
     """Code addresses the code computes (x86: a RIP-relative lea): a register may
     hold one and jump to it."""
-    if len(image.data) >= BIG_IMAGE:
+    if not an.read_indirect_jumps:
         return
     for f in image.functions:
         for target, src in an.decoded(f).code_refs or ():
@@ -80,9 +80,9 @@ def code_ref_targets(image: Image, an: "Analysis"):
 
 def indirect_jump_targets(image: Image, an: "Analysis"):
     """The entries of the jump tables the arch reads (last: its slices stop at the
-    targets the other sources found).  A big image (a kernel) keeps the kernel's
-    rule: any indirect jump refuses its function."""
-    if len(image.data) >= BIG_IMAGE:
+    targets the other sources found).  Where the target says not to (a kernel),
+    the kernel's rule stays: any indirect jump refuses its function."""
+    if not an.read_indirect_jumps:
         return
     resolve = getattr(an.arch, "jumptable", None)
     if resolve is None:
@@ -106,8 +106,9 @@ class Analysis:
     """Decoded functions and known jump targets of one image."""
 
     def __init__(self, image: Image, arch, sources: list[TargetSource] | None = None,
-                 extra_sources: list[TargetSource] = ()):
+                 extra_sources: list[TargetSource] = (), read_indirect_jumps: bool = True):
         self.image = image
+        self.read_indirect_jumps = read_indirect_jumps
         self.arch = arch
         self._decoded: dict[int, object] = {}
         self._memo: dict[str, dict] = {}

@@ -55,7 +55,8 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     rules = target.rules(image, arch)
     probes, res_errors = resolve(image, spec, arch)
     errors += res_errors
-    analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources)
+    analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources,
+                        read_indirect_jumps=rules.read_indirect_jumps)
     plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.path.name)
     if strict:
         errors += plan.errors
