@@ -187,6 +187,9 @@ def _register(fn: _Fn, k: int, addr: int, reg: str | None) -> IndirectJump:
         if isinstance(got, tuple):          # a copy on the way: follow the source
             work.append(got)
             continue
+        if isinstance(got, list):           # a conditional move: follow both
+            work.extend(got)
+            continue
         if got.kind == UNBOUNDED:
             return got
         found.append(got)
@@ -208,6 +211,17 @@ def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
         if not _writes(ci, reg):
             continue
         m, ops = ci.mnemonic, ci.operands
+        if capstone.CS_GRP_CALL in ci.groups:
+            # A function's return value: a code pointer it loaded or computed.
+            if fn.image.is_pic and reg == "rax":
+                return IndirectJump(addr, POINTER)
+            return IndirectJump(addr, UNBOUNDED, why=f"%{reg} set by the call at {ci.address:#x}")
+        if m.startswith("cmov") and len(ops) == 2 and ops[0].type == X.X86_OP_REG \
+                and ops[1].type == X.X86_OP_REG and ops[0].size == 8 and j > 0:
+            # Either value: the source's, or the register's own from before.
+            return [(j - 1, _reg(ci, ops[1].reg), True), (j - 1, reg, True)] \
+                if fn.insns[j].address not in fn.an.targets else \
+                IndirectJump(addr, UNBOUNDED, why=f"%{reg} set by `{m}` at a join point")
         if m == "mov" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[0].size == 8:
             if ops[1].type == X.X86_OP_REG:
                 if j == 0:
@@ -275,22 +289,35 @@ def _pic_table(fn: _Fn, k_add: int, addr: int, reg: str, base: str) -> IndirectJ
 
 
 def _lea_value(fn: _Fn, k: int, base: str) -> int | None:
-    """The value of %base at instruction k: the lea on the straight-line path
-    before it, else the one lea every write of %base in the function makes
-    (a table base the compiler hoisted out of a loop; pop restores it at exits)."""
-    for j in fn.back(k):
-        if j < 0:
-            break
-        ci = fn.insns[j]
-        if _writes(ci, base):
-            return _rip_lea(ci)
-    values = set()
-    for ci in fn.insns:
-        if _writes(ci, base) and ci.mnemonic not in ("push", "pop"):
-            values.add(_rip_lea(ci))
-    if len(values) == 1:
-        return values.pop()
-    return None
+    """The value of %base at instruction k: the RIP-relative lea that defines it
+    on every path (join points followed back to their direct branches: a table
+    base the compiler hoisted out of a loop), else None."""
+    work, seen, values = [(k, False)], set(), set()
+    while work:
+        item = work.pop()
+        if item in seen:
+            continue
+        seen.add(item)
+        if len(seen) > 32:
+            return None
+        for j in fn.back(*item):
+            if j < 0:
+                return None
+            ci = fn.insns[j]
+            if _writes(ci, base):
+                v = _rip_lea(ci)
+                if v is None:
+                    return None
+                values.add(v)
+                break
+        else:
+            if fn.join is None:
+                return None
+            preds = fn.preds(fn.join)
+            if preds is None:
+                return None
+            work.extend((p, True) for p, _ in preds)
+    return values.pop() if len(values) == 1 else None
 
 
 def _rip_lea(ci) -> int | None:
@@ -335,10 +362,25 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
             return limit
         ci = fn.insns[j]
         ops = ci.operands
-        if ci.mnemonic == "cmp" and len(ops) == 2 and ops[0].type == X.X86_OP_REG \
-                and _reg(ci, ops[0].reg) == index and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
-            nxt = fn.insns[j + 1].mnemonic
-            if taken and j + 1 == start:
+        if isinstance(index, tuple):
+            # The index was loaded from memory: a cmp of the same memory, with no
+            # store and no change of its address registers in between.
+            if ci.mnemonic == "cmp" and len(ops) == 2 and ops[0].type == X.X86_OP_MEM \
+                    and _memkey(ci, ops[0]) == index and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
+                pass
+            elif _stores(ci) or any(r and _writes(ci, r) for r in index[1:3]):
+                return limit
+            else:
+                continue
+        if ci.mnemonic == "cmp" and len(ops) == 2 and (
+                (ops[0].type == X.X86_OP_REG and _reg(ci, ops[0].reg) == index)
+                or (ops[0].type == X.X86_OP_MEM and _memkey(ci, ops[0]) == index)) \
+                and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
+            k2 = j + 1            # the jcc reading the cmp's flags (movs and leas may sit between)
+            while fn.insns[k2].mnemonic in ("mov", "lea") and k2 < start:
+                k2 += 1
+            nxt = fn.insns[k2].mnemonic
+            if taken and k2 == start:
                 nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
             if nxt == "ja":
                 return lim(ops[1].imm + 1)
@@ -360,6 +402,10 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
             continue
         if m == "and" and ops[1].type == X.X86_OP_IMM and 0 <= ops[1].imm < MAX_ENTRIES and ops[0].size >= 4:
             return lim(ops[1].imm + 1)
+        if m == "mov" and ops[0].type == X.X86_OP_REG and ops[0].size == 4 and ops[1].type == X.X86_OP_MEM \
+                and not ops[1].mem.segment:
+            index, width = _memkey(ci, ops[1]), 4
+            continue
         return limit
     if fn.join is None:
         return limit
@@ -367,6 +413,21 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
     if preds is None:
         return limit
     return [(p, True, tk, index, width, limit) for p, tk in preds]
+
+
+def _memkey(ci, op) -> tuple:
+    """A memory operand as (kind, base, index, scale, disp, size); RIP-relative made absolute."""
+    m = op.mem
+    if m.base == X.X86_REG_RIP:
+        return ("mem", None, _reg(ci, m.index), m.scale, ci.address + ci.size + m.disp, op.size)
+    return ("mem", _reg(ci, m.base), _reg(ci, m.index), m.scale, m.disp, op.size)
+
+
+def _stores(ci) -> bool:
+    """May the instruction write memory?"""
+    if capstone.CS_GRP_CALL in ci.groups or ci.mnemonic.startswith(("push", "stos", "movs", "rep", "lock")):
+        return True
+    return any(op.type == X.X86_OP_MEM and op.access & capstone.CS_AC_WRITE for op in ci.operands)
 
 
 def _table(fn: _Fn, k: int, index: str | None, table: int, size: int, relative: bool = False) -> list[int] | None:
