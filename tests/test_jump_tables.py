@@ -88,6 +88,43 @@ neg: acc = -acc; goto *labels[*code++];
 halt: return acc;
 }
 
+/* A switch on a field: cmpl $N,(%rdi); ja; mov (%rdi),%eax (the bound is on memory). */
+struct node { int kind; long v; };
+__attribute__((noinline)) long sw_field(struct node *n) {
+    switch (n->kind) {
+    case 0: return n->v + 3;
+    case 1: return n->v * 9;
+    case 2: return n->v - 100;
+    case 3: return n->v ^ 0x7777;
+    case 4: return n->v << 3;
+    case 5: return -n->v;
+    case 6: return n->v / 7;
+    default: return 1;
+    }
+}
+
+/* A switch in a loop: the table's base is loaded once, before the loop. */
+__attribute__((noinline)) long sw_loop(const unsigned char *ops, int n, long acc) {
+    for (int i = 0; i < n; i++) {
+        switch (ops[i] % 9) {
+        case 0: acc += 5; break;
+        case 1: acc *= 3; break;
+        case 2: acc -= 17; break;
+        case 3: acc ^= 0x5a; break;
+        case 4: acc <<= 1; break;
+        case 5: acc = -acc; break;
+        case 6: acc /= 3; break;
+        case 7: acc |= 0x40; break;
+        default: acc += i; break;
+        }
+    }
+    return acc;
+}
+
+/* A tail call through a pointer chosen by a conditional move. */
+struct obj { int (*fn)(int); };
+__attribute__((noinline)) int via_cmov(struct obj *o, int x) { int (*f)(int) = o->fn ? o->fn : f4; return f(x); }
+
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 3;
     long t = 0;
@@ -98,13 +135,17 @@ int main(int argc, char **argv) {
         for (int i = -1; i < 8; i++) t += tail_sw(i, 50 + r);
         for (int i = 0; i < 8; i++) t += tail_ptr(i, 60 + r);
         t += interp(prog, r);
+        for (int k = -1; k < 9; k++) { struct node nd = {k, 1000 + r}; t += sw_field(&nd); }
+        t += sw_loop(prog, sizeof prog, r);
+        struct obj o1 = {f2}, o2 = {0};
+        t += via_cmov(&o1, r) + via_cmov(&o2, r);
         printf("round %d: %ld\n", r, t);
     }
     return 0;
 }
 """
 
-FUNCS = ["sw", "sw_byte", "tail_sw", "tail_ptr", "interp", "f0", "f1"]
+FUNCS = ["sw", "sw_byte", "tail_sw", "tail_ptr", "interp", "sw_field", "sw_loop", "via_cmov", "f0", "f1"]
 # Labels unaligned: no padding before a case label or a computed-goto label, so
 # the tiling regions run across them.
 ALIGN = ["-falign-jumps=1", "-falign-labels=1", "-falign-loops=1"]
@@ -161,15 +202,18 @@ def test_jump_tables_read(once, build, runner):
         return [l.split("  ")[2] for l in by_func[f]]
     # Functions with a bounded jump table, or a tail call through a pointer the
     # image relocates, are jump-optimized now; their entries too.
-    for f in ["sw", "sw_byte", "tail_sw", "tail_ptr"]:
+    for f in ["sw", "sw_byte", "tail_sw", "tail_ptr", "sw_field", "sw_loop"] + (["via_cmov"] if build == "pie" else []):
         assert decisions(f).count("optimized") >= (1 if f == "tail_ptr" else 3), by_func[f]
         assert not any("indirect_jump" in l for l in by_func[f]), by_func[f]
     # Some region would have covered a case label: the table's entry refused it.
     assert any("jump table entry of the jump at" in l for l in by_func["sw"]), by_func["sw"]
     assert any("jump table entry of the jump at" in l for l in by_func["tail_sw"]), by_func["tail_sw"]
+    assert any("jump table entry of the jump at" in l for l in by_func["sw_field"]), by_func["sw_field"]
+    assert any("jump table entry of the jump at" in l for l in by_func["sw_loop"]), by_func["sw_loop"]
     if build == "pie":
         # Computed goto: each label is relocated, so a known jump target.
         assert "optimized" in decisions("interp")
+        assert "optimized" in decisions("via_cmov")
         assert any("code address taken by the relocation" in l for l in by_func["interp"]), by_func["interp"]
     else:
         # The label table holds absolute addresses no relocation names, and its
@@ -178,6 +222,8 @@ def test_jump_tables_read(once, build, runner):
         assert jmps and all(d == "int3" for d in decisions("interp"))
         assert all("indirect_jump at " in l and "not bounded" in l for l in by_func["interp"])
         assert any(f"indirect_jump at {jmps[0].address:#x}" in l for l in by_func["interp"])
+        # cmov between a pointer loaded from memory and a lea: the load is unbounded here.
+        assert "indirect_jump" in by_func["via_cmov"][0]
 
 
 def _kret(tmp, build):
