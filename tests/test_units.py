@@ -123,9 +123,23 @@ FUNC g
     add rax, 8
     ret
 END g
+.globl h
+.type h, @function
+h:
+    ret
+.size h, .-h
+.globl h2
+.type h2, @function
+h2:
+    mov rax, 1
+    ret
+.size h2, .-h2
 """)
-    p = planned(image, [kprobe("tiny"), kprobe("g")])
-    assert site_of(p, sym(image, "tiny")).reason.check == "func_size"
+    p = planned(image, [kprobe("tiny"), kprobe("g"), kprobe("h")])
+    # tiny borrows the nop padding before g; h is followed by h2 at once.
+    tiny = site_of(p, sym(image, "tiny"))
+    assert tiny.decision == OPTIMIZED and tiny.dcr[-1].addr >= sym(image, "tiny") + 1
+    assert site_of(p, sym(image, "h")).reason.check == "func_size"
     assert site_of(p, sym(image, "g")).decision == OPTIMIZED
     p = planned(image, [kprobe("g")], optimize=False)
     s = site_of(p, sym(image, "g"))
