@@ -33,7 +33,7 @@ def test_readme_example(tmp_path):
 
 
 def test_api_agrees_with_cli(tmp_path, capfd):
-    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none")
+    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none", "-falign-functions=1")
     spec = write_spec(tmp_path, probe_spec("kprobe", ["work", ("leaf", 4)], handlers=False)
                       + '[[kretprobe]]\nsymbol_name = "leaf"\n')
     capfd.readouterr()
@@ -59,7 +59,7 @@ def test_api_agrees_with_cli(tmp_path, capfd):
 @pytest.mark.parametrize("case", ["spec", "refused", "input", "same_output", "not_rewritten"])
 def test_api_errors_are_the_cli_errors(tmp_path, case):
     """Each failure raises KprewriteError whose lines are the CLI's, and nothing is written."""
-    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none")
+    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none", "-falign-functions=1")
     out = tmp_path / "out"
     specs = {"spec": '[[kprobe]]\nsymbol_name = "leaf"\nofset = 1\n',
              "refused": '[[kprobe]]\nsymbol_name = "leaf"\noffset = 1\n[[kprobe]]\nsymbol_name = "work"\noffset = 2\n'}

@@ -36,7 +36,7 @@ def _diff(*args, rc=0):
 
 
 def test_diff_executable(tmp_path):
-    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none")
+    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none", "-falign-functions=1")
     out = instrument(prog, write_spec(tmp_path, SPEC))
     doc, r = _diff(prog, out)
     assert r.stderr == "" and doc["format"] == "kprewrite-diff-1" and doc["unattributed"] == doc["problems"] == []
@@ -73,7 +73,7 @@ def test_diff_shared_object_init_hooks(tmp_path):
 
 
 def test_diff_fails_on_unexplained_changes(tmp_path):
-    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none")
+    prog = cc(tmp_path, "prog", PROG, "-O2", "-fcf-protection=none", "-falign-functions=1")
     out = instrument(prog, write_spec(tmp_path, SPEC))
     sym = symbols(prog)
     data = bytearray(out.read_bytes())

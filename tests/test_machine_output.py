@@ -16,8 +16,10 @@ __attribute__((noinline)) int work(int x) { int s = 0; for (int i = 0; i < x; i+
 int main(int argc, char **argv) { printf("%d\n", work(argc > 1 ? atoi(argv[1]) : 10)); return 0; }
 """
 
-# leaf is `lea 0x1(%rdi,%rdi,2),%eax; ret` (-O2, no endbr64): a probe on its ret
-# keeps the one at its entry from being optimized (probe_in_region at leaf+4);
+# leaf is `lea 0x1(%rdi,%rdi,2),%eax; ret` (-O2, no endbr64, functions packed with
+# -falign-functions=1, so no padding follows it to borrow): a probe on its ret is
+# refused a jump (func_size) and keeps the one at its entry from being optimized
+# (probe_in_region at leaf+4);
 # tail is `add $1,%edi; jmp leaf`: a kretprobe whose one exit is a tail call.
 SPEC = """
 [[kprobe]]
@@ -40,7 +42,7 @@ offset = 1
 
 
 def _prog(tmp):
-    prog = cc(tmp, "prog", PROG, "-O2", "-fcf-protection=none")
+    prog = cc(tmp, "prog", PROG, "-O2", "-fcf-protection=none", "-falign-functions=1")
     assert function(prog, "leaf")[1] - function(prog, "leaf")[0] >= 5   # the layout the spec relies on
     return prog
 
