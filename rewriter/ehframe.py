@@ -423,7 +423,27 @@ def _parse_cie(d, p: int, end: int, delta: int, bases: _Bases) -> tuple[int, int
 
 
 # --- FDEs --------------------------------------------------------------------
-def read_fdes(data: bytes) -> list[Fde]:
+def _named(path: str | None, fn, *args):
+    """fn(*args), its KprewriteError's lines prefixed with the file's path."""
+    try:
+        return fn(*args)
+    except KprewriteError as e:
+        if path is None:
+            raise
+        raise KprewriteError(*(f"{path}: {l}" for l in e.lines)) from None
+
+
+def read_fdes(data: bytes, path: str | None = None) -> list[Fde]:
+    """_read_fdes(data), every message naming `path`."""
+    return _named(path, _read_fdes, data)
+
+
+def landing_pads(data: bytes, fdes: list[Fde], path: str | None = None) -> dict[int, list[int]]:
+    """_landing_pads(data, fdes), every message naming `path`."""
+    return _named(path, _landing_pads, data, fdes)
+
+
+def _read_fdes(data: bytes) -> list[Fde]:
     """All FDEs of the image's .eh_frame (found by section header name, or, if
     the file has no section headers, via PT_GNU_EH_FRAME/.eh_frame_hdr's
     eh_frame_ptr), sorted by start, zero-length FDEs dropped.  `data` is the
@@ -505,7 +525,7 @@ def read_fdes(data: bytes) -> list[Fde]:
 
 
 # --- LSDA ----------------------------------------------------------------------
-def landing_pads(data: bytes, fdes: list[Fde]) -> dict[int, list[int]]:
+def _landing_pads(data: bytes, fdes: list[Fde]) -> dict[int, list[int]]:
     """For every FDE with an LSDA: fde.start -> sorted list of distinct
     landing-pad addresses (link-time) from the LSDA call-site table (LPStart
     defaults to the function start; lp==0 means no landing pad)."""

@@ -83,7 +83,9 @@ def metadata(plan: Plan, label: str) -> bytes:
 
 
 def read_metadata(path: str) -> dict:
+    from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
+    import struct
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"\x7fELF":
@@ -92,10 +94,14 @@ def read_metadata(path: str) -> dict:
             sec = ELFFile(f).get_section_by_name(META_SECTION)
             if sec is None:
                 raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
-            return json.loads(sec.data())
+            doc = json.loads(sec.data())
+            if not isinstance(doc, dict) or not isinstance(doc.get("probes"), list):
+                raise ValueError
+            return doc
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, TypeError, ELFError, struct.error, AssertionError):
+        # pyelftools raises ELFError on a bad header, struct errors or assertions on truncation
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 
@@ -103,10 +109,13 @@ def list_lines(path: str) -> list[str]:
     """debugfs kprobes/list: ADDRESS  k|r  SYMBOL+0xOFF  [DISABLED] [OPTIMIZED] [FTRACE]."""
     out = []
     for p in read_metadata(path)["probes"]:
-        flags = (" [DISABLED]" if p["disabled"] else "") + (" [OPTIMIZED]" if p["optimized"] else "")
-        flags += " [FTRACE]" if p.get("ftrace") else ""
-        flags += {"emulate": " [EMULATED]", "boost": " [BOOSTED]", "single-step": " [SINGLESTEP]"}.get(p.get("int3"), "")
-        out.append(f"{p['addr']:016x}  {p['kind']}  {p['symbol']}+{p['offset']:#x}{flags}")
+        try:
+            flags = (" [DISABLED]" if p["disabled"] else "") + (" [OPTIMIZED]" if p["optimized"] else "")
+            flags += " [FTRACE]" if p.get("ftrace") else ""
+            flags += {"emulate": " [EMULATED]", "boost": " [BOOSTED]", "single-step": " [SINGLESTEP]"}.get(p.get("int3"), "")
+            out.append(f"{p['addr']:016x}  {p['kind']}  {p['symbol']}+{p['offset']:#x}{flags}")
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise KprewriteError(f"{path}: malformed {META_SECTION} section (probe entry {str(p)[:60]})") from None
     return out
 
 
