@@ -135,7 +135,12 @@ class Image:
 
     def _check_bounds(self):
         size = len(self.data)
+        if not any(s.type == PT_LOAD for s in self.segments):
+            raise KprewriteError(f"{self.path}: no PT_LOAD segment: nothing is loaded from this ELF file")
         for s in self.segments:
+            if s.type == PT_LOAD and s.memsz < s.filesz:
+                raise KprewriteError(f"{self.path}: malformed ELF file (a PT_LOAD segment at {s.vaddr:#x} has "
+                                     f"p_filesz {s.filesz:#x} > p_memsz {s.memsz:#x})")
             if s.type == PT_LOAD and s.offset + s.filesz > size:
                 raise KprewriteError(f"{self.path}: truncated ELF file (a PT_LOAD segment ends at {s.offset + s.filesz:#x}, file is {size:#x} bytes)")
         for s in self.sections:
