@@ -235,3 +235,25 @@ def test_trace_bad_hex_escape(tmp_path):
     f.write_text('prog-1 [000] 1.000001: p_work_0: (work+0x0/0x10) s="\\xzz\\x41"\n')
     r = kprewrite("trace", f)
     assert r.returncode == 0 and '"s": "xzzA"' in r.stdout, (r.stdout, r.stderr)
+
+
+KPROBES_TEXT = r"""
+#include <stdio.h>
+#include <kprewrite/kprobes.h>
+__kprobes __attribute__((noinline)) int hidden_a(int x) { return x * 3 + 1; }
+__kprobes __attribute__((noinline)) int hidden_b(int x) { return hidden_a(x) * 5; }
+__attribute__((noinline)) int work(int x) { return hidden_b(x) + 1; }
+int main(void) { printf("%d\n", work(2)); return 0; }
+"""
+
+
+def test_kprobes_text_listed_function_by_function(tmp_path):
+    """debugfs kprobes/blacklist lists each function of .kprobes.text by its own name
+    (kprobe_add_area_blacklist()), not the section as one range; each is refused by name."""
+    prog = cc(tmp_path, "kt", KPROBES_TEXT, "-O2", f"-I{ROOT / 'runtime' / 'include'}")
+    lines = kprewrite("blacklist", prog).stdout.splitlines()
+    mine = [l for l in lines if "kprobes.text" in l]
+    assert [l.split()[1] for l in mine] == ["hidden_a", "hidden_b"], lines
+    assert all(l.endswith("in .kprobes.text (__kprobes)") for l in mine)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "hidden_b"\n')
+    assert len(fails(tmp_path, prog, spec, "is blacklisted: in .kprobes.text (__kprobes) (hidden_b)")) == 1
