@@ -257,3 +257,15 @@ def test_kprobes_text_listed_function_by_function(tmp_path):
     assert all(l.endswith("in .kprobes.text (__kprobes)") for l in mine)
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "hidden_b"\n')
     assert len(fails(tmp_path, prog, spec, "is blacklisted: in .kprobes.text (__kprobes) (hidden_b)")) == 1
+
+
+def test_pt_load_far_past_the_file(tmp_path, prog):
+    """A p_memsz of 1 GiB: the new segments' file offset follows their address, so the output
+    would be a gigabyte of zeros (the fuzzer's case took half a minute to write 1.3 GB)."""
+    from elftools.elf.elffile import ELFFile
+    with open(prog, "rb") as fh:
+        e = ELFFile(fh)
+        ph = e["e_phoff"] + next(i for i, s in enumerate(e.iter_segments()) if s["p_type"] == "PT_LOAD") * e["e_phentsize"]
+    f = _damaged(tmp_path, prog, "big_bss", lambda d: d.__setitem__(slice(ph + 40, ph + 48), (1 << 30).to_bytes(8, "little")))
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: its PT_LOAD segments end at 0x40000000", "at most 512 MiB")) == 1

@@ -21,6 +21,7 @@ PAGE = 0x1000
 PHDR_SIZE = 56
 NEW_PHDRS = 2
 REL32_REACH = 1 << 31
+MAX_PADDING = 512 << 20
 
 
 def page_up(x: int) -> int:
@@ -53,6 +54,12 @@ def plan_layout(image: Image) -> Layout:
     if v - lo > REL32_REACH - (256 << 20) or v - skew < 0:
         raise KprewriteError(f"{image.path}: its PT_LOAD segments end at {max_end:#x}, out of rel32 reach "
                              f"of its code at {lo:#x}: no place for detours")
+    # The new segments' file offset follows their address (so AT_PHDR finds the moved program
+    # headers): whatever a segment's memory reaches past the file becomes zeros in the output.
+    if v - skew - len(image.data) > MAX_PADDING:
+        raise KprewriteError(f"{image.path}: its PT_LOAD segments end at {max_end:#x}, "
+                             f"{(v - skew - len(image.data)) >> 20} MiB past the end of the file; the output "
+                             f"would hold that much padding (at most {MAX_PADDING >> 20} MiB)")
     nph = len(image.segments) + NEW_PHDRS
     return Layout(skew, v, v - skew, nph * PHDR_SIZE)
 
