@@ -70,6 +70,7 @@ extern struct kp_thread *kp_thread_table[KP_TABLE_SIZE];
 void kp_relocate(void);
 void kp_configure(char **envp);
 void kp_write_profile(void);
+void kp_profile_row(int fd, const char *name, unsigned long hits, unsigned long missed);
 struct kp_thread *kp_thread_slow(unsigned long key);
 void kp_update_fast(void);
 struct kp_thread *kp_current_thread_slow(void);

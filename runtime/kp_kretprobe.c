@@ -434,14 +434,11 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
  * trace_kprobe reports them for return probes. */
 void kp_kretprobe_profile(int fd)
 {
-	char line[160];
 	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
 		struct kretprobe *rp = &kp_kretprobes[i];
 		unsigned long hits = 0;
 		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
 			hits += t->hits[rp->kp.index];
-		int len = snprintf(line, sizeof(line), "  %-44s %15lu %15lu\n", rp->kp.name, hits,
-				   rp->kp.nmissed + (unsigned long)rp->nmissed);
-		kp_platform_write(fd, line, len);
+		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
 	}
 }
