@@ -67,6 +67,13 @@ def compute(image: Image) -> list[BlacklistEntry]:
             out.append(BlacklistEntry(f.start, min(f.end, s.addr + s.size), f.name, reason))
         if not funcs:
             out.append(BlacklistEntry(s.addr, s.addr + s.size, s.name, reason))
+    # The sigreturn trampoline (an FDE whose CIE says 'S'; glibc starts it one byte early, in
+    # the padding before __restore_rt, for unwinders that look up return address - 1): the
+    # kernel jumps to it from a signal frame, and a 5-byte jump laid from the FDE's start
+    # would overwrite its first instruction.  A kernel never probes its vDSO's either.
+    for fde in image.fdes:
+        if fde.signal_frame:
+            out.append(BlacklistEntry(fde.start, fde.end, _symbol_at(image, fde.start), "signal return trampoline"))
     names = set()
     for a in _nokprobe_addresses(image):
         f = image.function_at(a)

@@ -298,17 +298,23 @@ int disable_kretprobe(struct kretprobe *rp)
 /* One kprobe_profile row, "  %-44s %15lu %15lu\n" as trace_kprobe's probes_profile_seq_show()
  * prints it, in one write (a kernel's platform makes each write one printk line).  An
  * event name of any length (a C++ symbol's runs to hundreds of characters) is written
- * whole up to 4 KiB: writing snprintf's would-be length from a fixed 160-byte line wrote
+ * whole up to 1 KiB: writing snprintf's would-be length from a fixed 160-byte line wrote
  * the stack bytes past it. */
 void kp_profile_row(int fd, const char *name, unsigned long hits, unsigned long missed)
 {
 	size_t n = strlen(name);
-	int shown = n > 4096 ? 4096 : (int)n;
-	char line[shown + 48 + 2 * 21];
-	int len = snprintf(line, sizeof(line), "  %-44.*s %15lu %15lu\n", shown, name, hits, missed);
-	if (len > (int)sizeof(line) - 1)
-		len = (int)sizeof(line) - 1;
-	kp_platform_write(fd, line, len);
+	if (n > 1024)
+		n = 1024;
+	char line[1024 + 2 + 2 * 17 + 2];
+	size_t pos = 0;
+	line[pos++] = ' ';
+	line[pos++] = ' ';
+	memcpy(line + pos, name, n);	/* the runtime's snprintf knows no "%-44.*s" */
+	pos += n;
+	while (pos < 2 + 44)
+		line[pos++] = ' ';
+	pos += snprintf(line + pos, sizeof(line) - pos, " %15lu %15lu\n", hits, missed);
+	kp_platform_write(fd, line, pos);
 }
 
 /* kprobe_profile: "  EVENT  HITS  MISSES", written where KPREWRITE_PROFILE says. */

@@ -96,16 +96,20 @@ def _rewrites(tmp: Path, binary: Path) -> dict[str, Path]:
     return out
 
 
-def _same(orig: Path, new: Path, runner: str, *args, stdin: str | None = None, cwd=None, env=None, hits=None):
+def _same(orig: Path, new: Path, runner: str, *args, stdin: str | None = None, cwd=None, env=None,
+          profiled=True):
     """Runs both; asserts equal stdout, stderr and exit code, and that the probes fired
-    (the profile goes to a file, not to the program's stderr)."""
+    (the profile goes to a file, not to the program's stderr; `profiled=False`: a program
+    that leaves by _exit(), as busybox's ash does, writes none, as no atexit work runs)."""
     prof = new.parent / f"profile.{new.name}.{runner}"
     prof.unlink(missing_ok=True)
     a = _run(orig, runner, args, stdin, cwd, env)
     b = _run(new, runner, args, stdin, cwd, {**(env or {}), "KPREWRITE_PROFILE": str(prof)})
     assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
+    if not profiled:
+        return a
     p = profile("\n".join("  " + l.strip() for l in prof.read_text().splitlines()))
-    assert sum(h for h, _ in p.values()) > (hits or 0), prof.read_text()[:500]
+    assert sum(h for h, _ in p.values()) > 0, prof.read_text()[:500]
     return a
 
 
@@ -118,8 +122,11 @@ def _run(binary, runner, args, stdin, cwd, env):
         if not QEMU:
             pytest.skip("qemu-x86_64 not installed")
         cmd = [QEMU, *cmd]
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, **(env or {})}, timeout=300)
+    # Bytes: gzip writes binary output.
+    r = subprocess.run(cmd, input=stdin.encode() if isinstance(stdin, str) else stdin, capture_output=True,
+                       cwd=cwd, env={**os.environ, **(env or {})}, timeout=300)
+    r.text = r.stdout.decode("utf-8", "replace")
+    return r
 
 
 def _sqlite3(tmp):
@@ -143,7 +150,7 @@ def _cxx(tmp):
 def test_sqlite3(once, runner, variant, tmp_path):
     new = once(_sqlite3)[variant]
     r = _same(_debian("sqlite3"), new, runner, ":memory:", stdin=SQL)
-    assert r.returncode == 0 and "2000|4501500.0|n00001|n02000" in r.stdout, r.stdout
+    assert r.returncode == 0 and "2000|3001500.0|n00001|n02000" in r.text, r.text
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -155,7 +162,8 @@ def test_gzip_round_trip(once, runner, variant, tmp_path):
     data.write_bytes(chunk + hashlib.sha512(chunk).digest() * 8192 + chunk[:300000])
     orig = _debian("gzip")
     for level in ("-1", "-9"):
-        _same(orig, new, runner, level, "-k", "-f", "-c", data, cwd=tmp_path)
+        r = _same(orig, new, runner, level, "-c", data, cwd=tmp_path)
+        assert len(r.stdout) > 10000
     # The rewritten gzip compresses, the rewritten gzip decompresses, the original checks.
     import subprocess
     gz = tmp_path / "data.gz"
@@ -183,11 +191,39 @@ def test_busybox_applets(once, runner, variant, tmp_path):
     new = once(_busybox)[variant]
     orig = _debian("/bin/busybox")
     for applet, args, stdin in BUSYBOX:
-        _same(orig, new, runner, applet, *args, stdin=stdin)
+        _same(orig, new, runner, applet, *args, stdin=stdin, profiled=applet != "sh")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cxx_exceptions_and_threads(once, runner, variant):
     prog, rewrites = once(_cxx)
     r = _same(prog, rewrites[variant], runner)
-    assert "main caught: bad: " in r.stdout and r.stdout.count("/31\n") == 4, r.stdout
+    assert "main caught: bad: " in r.text and r.text.count("/31\n") == 4, r.text
+
+
+SIGNALS = r"""
+#include <signal.h>
+#include <stdio.h>
+#include <unistd.h>
+static volatile int got;
+__attribute__((noinline)) static void on_usr1(int sig) { got += sig; }
+int main(void) {
+  signal(SIGUSR1, on_usr1);
+  for (int i = 0; i < 3; i++) raise(SIGUSR1);
+  printf("got %d\n", got);
+  return 0;
+}
+"""
+
+
+def test_sigreturn_trampoline_is_blacklisted(tmp_path, runner):
+    """glibc's FDE of __restore_rt (CIE augmentation 'S') starts one byte early, in the
+    padding: a jump laid there overwrote `mov $15, %rax` and the first signal handler's
+    return died of SIGILL (found with busybox sh's $(...) and its SIGCHLD)."""
+    from conftest import kprewrite
+    prog = cc(tmp_path, "signals", SIGNALS, "-O2", "-static", skip_without_static=True)
+    lines = kprewrite("blacklist", prog).stdout.splitlines()
+    assert sum(l.endswith("  signal return trampoline") for l in lines) == 1, lines
+    new = instrument(prog, write_spec(tmp_path, KPROBES), tmp_path / "signals.k")
+    r = _same(prog, new, runner)
+    assert r.text == "got 30\n"
