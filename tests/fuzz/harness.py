@@ -9,7 +9,7 @@ by a failure, and every input byte-identical afterwards.
 The fuzzer's settings (README "Fuzzing"): how many cases each target runs and
 whether they are the same every run.
 
-KPREWRITE_FUZZ_EXAMPLES=N  cases per target (default 2000 each, about a minute in all on the CI machine);
+KPREWRITE_FUZZ_EXAMPLES=N  cases per target (default: each target's own, about a minute in all);
 KPREWRITE_FUZZ_RANDOM=1    new random cases each run (default: derandomized, the same cases every
                            run, so a CI failure is a regression of the change under test).
 The number of cases run is printed at the end of the session."""
@@ -32,13 +32,18 @@ COUNTS: dict[str, int] = {}
 
 settings.register_profile(
     "kprewrite-fuzz",
-    max_examples=int(os.environ.get("KPREWRITE_FUZZ_EXAMPLES", "2000")),
     derandomize=not os.environ.get("KPREWRITE_FUZZ_RANDOM"),
     deadline=None,                         # the harness has its own hang alarm
     database=None,                         # nothing written in the tree; a failure prints its reproducer
     print_blob=True,
     suppress_health_check=list(HealthCheck),
 )
+
+
+def fuzz_settings(default_examples: int):
+    """The profile with this target's number of cases (KPREWRITE_FUZZ_EXAMPLES overrides)."""
+    n = int(os.environ.get("KPREWRITE_FUZZ_EXAMPLES") or default_examples)
+    return settings(settings.get_profile("kprewrite-fuzz"), max_examples=n)
 
 
 def count(target: str) -> None:

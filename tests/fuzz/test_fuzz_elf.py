@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
-from harness import count, run_case
+from harness import count, fuzz_settings, run_case
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -144,7 +144,7 @@ CASE = st.tuples(st.sampled_from(sorted(BASES)), st.sampled_from(sorted(SPECS)),
                  st.lists(mutation(1 << 16), min_size=1, max_size=4))
 
 
-@settings(settings.get_profile("kprewrite-fuzz"))
+@fuzz_settings(900)
 @given(case=CASE)
 def test_fuzz_elf(case, bases, tmp_path_factory):
     base, spec_name, cmd, muts = case

@@ -9,9 +9,9 @@ import datetime
 import subprocess
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
-from harness import count, run_case
+from harness import count, fuzz_settings, run_case
 from test_fuzz_elf import PROGRAM
 
 SYMBOLS = ["work", "pick", "main", "counter", "fp", "printf", "strlen", "_start", "nosuch", "*", "w*", "?ork",
@@ -159,13 +159,13 @@ def _case(tmp_path_factory, program, spec_bytes: bytes, cmd: str, target: str):
     d.rmdir()
 
 
-@settings(settings.get_profile("kprewrite-fuzz"))
+@fuzz_settings(500)
 @given(text=spec_text(), cmd=st.sampled_from(["check", "check", "check", "instrument"]))
 def test_fuzz_spec(text, cmd, program, tmp_path_factory):
     _case(tmp_path_factory, program, text.encode("utf-8", "surrogatepass"), cmd, "spec")
 
 
-@settings(settings.get_profile("kprewrite-fuzz"))
+@fuzz_settings(500)
 @given(lines=st.lists(event_line(), min_size=1, max_size=3), fetch=fetch_string(), kret=st.booleans(),
        cmd=st.sampled_from(["check", "check", "check", "instrument"]), data=st.data())
 def test_fuzz_events_and_fetch(lines, fetch, kret, cmd, data, program, tmp_path_factory):
@@ -193,7 +193,7 @@ def trace_line(draw):
     return mutate_text(draw, line) if not draw(st.integers(0, 3)) else line
 
 
-@settings(settings.get_profile("kprewrite-fuzz"))
+@fuzz_settings(1000)
 @given(lines=st.lists(st.one_of(trace_line(), st.text(max_size=20)), max_size=8),
        fmt=st.sampled_from(["jsonl", "chrome"]), to_file=st.booleans(), raw=st.binary(max_size=16))
 def test_fuzz_trace(lines, fmt, to_file, raw, tmp_path_factory):
