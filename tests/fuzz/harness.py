@@ -12,6 +12,7 @@ whether they are the same every run.
 KPREWRITE_FUZZ_EXAMPLES=N  cases per target (default: each target's own, about a minute in all);
 KPREWRITE_FUZZ_RANDOM=1    new random cases each run (default: derandomized, the same cases every
                            run, so a CI failure is a regression of the change under test).
+KPREWRITE_FUZZ_PROGRESS=FILE  a long run writes its counts so far to FILE every 100 cases.
 The number of cases run is printed at the end of the session."""
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def fuzz_settings(default_examples: int):
 
 def count(target: str) -> None:
     COUNTS[target] = COUNTS.get(target, 0) + 1
+    progress = os.environ.get("KPREWRITE_FUZZ_PROGRESS")     # a long run: the counts so far, in this file
+    if progress and sum(COUNTS.values()) % 100 == 0:
+        with open(progress, "w") as f:
+            f.write(" ".join(f"{k}={v}" for k, v in sorted(COUNTS.items())) + "\n")
 
 
 
