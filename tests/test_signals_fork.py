@@ -182,3 +182,51 @@ def test_return_handlers_of_frames_on_another_stack(once, part, tmp_path):
     rets = _returns(trace.read_text())
     parent = next(d for d in rets.values() if d.get("main"))
     assert parent.get({"sigaltstack": "on_alt_stack", "coroutine": "co_step"}[part]) == {"sigaltstack": 5, "coroutine": 3}[part]
+
+
+TRAMPOLINE = r"""
+#include <signal.h>
+#include <stdio.h>
+static volatile long acc;
+__attribute__((noinline)) long leaf(long x) { acc += x; return x * 3 + 1; }
+long (*volatile fptr)(long) = leaf;
+__attribute__((noinline)) void on_alt(int s) { acc += leaf(s); }
+/* An indirect tail call: the kretprobe takes the kernel's way, the return address
+ * swapped for the trampoline. */
+__attribute__((noinline)) long tramp_fn(long n) { long r = leaf(n); raise(SIGUSR2); return fptr(r); }
+int main(void) {
+  char altstack[65536];                    /* above tramp_fn's frame */
+  stack_t ss = { .ss_sp = altstack, .ss_size = sizeof altstack };
+  sigaltstack(&ss, 0);
+  struct sigaction sa = { .sa_handler = on_alt, .sa_flags = SA_ONSTACK };
+  sigaction(SIGUSR2, &sa, 0);
+  long t = 0;
+  for (int i = 0; i < 5; i++) t += tramp_fn(i);
+  printf("%ld %ld\n", t, acc);
+  return 0;
+}
+"""
+
+
+def _tramp(tmp):
+    prog = cc(tmp, "tramp_alt", TRAMPOLINE, "-O2")
+    return prog, instrument(prog, write_spec(tmp, SPECS["kretprobe"]), tmp / "tramp_alt.r")
+
+
+def test_trampoline_kretprobe_under_a_sigaltstack_handler(once, runner, tmp_path):
+    """A kretprobe by the trampoline (the slot swapped) whose function is interrupted by a
+    SA_ONSTACK handler on a stack above it: the handler's probes took the instance as left
+    behind, and the function's return into the trampoline died ("kretprobe trampoline
+    lost the return address", SIGILL).  Such an instance is now kept aside (a short
+    per-thread list of swapped slots) and the trampoline finds it: the return address and
+    the return handler, each of the 5 times."""
+    prog, new = once(_tramp)
+    from conftest import check_lines
+    assert any(l.startswith("tramp_fn+0x0  r  optimized  returns: trampoline")
+               for l in check_lines(prog, write_spec(tmp_path, SPECS["kretprobe"])))
+    a = run(prog, runner=runner)
+    trace = tmp_path / "trace"
+    b = run(new, runner=runner, env={"KPREWRITE_TRACE": str(trace)})
+    assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr) == (0, "110 290\n", "")
+    rets = next(iter(_returns(trace.read_text()).values()))
+    assert rets.get("tramp_fn") == 5 and rets.get("on_alt") == 5, rets
