@@ -269,3 +269,23 @@ def test_pt_load_far_past_the_file(tmp_path, prog):
     f = _damaged(tmp_path, prog, "big_bss", lambda d: d.__setitem__(slice(ph + 40, ph + 48), (1 << 30).to_bytes(8, "little")))
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
     assert len(fails(tmp_path, f, spec, f"{f}: its PT_LOAD segments end at 0x40000000", "at most 512 MiB")) == 1
+
+
+FAR_CALL = r"""
+#include <stdio.h>
+/* A call whose rel32 reaches below address 0 (only damaged code has one); never run. */
+__asm__(".text\n.globl far_call\n.type far_call, @function\nfar_call:\n"
+        "  call . - 0x7ffff000\n  ret\n.size far_call, . - far_call\n");
+int main(int argc, char **argv) { printf("%d\n", argc); return 0; }
+"""
+
+
+def test_instruction_that_cannot_be_relocated(tmp_path):
+    """A probed call whose target is out of rel32 reach of the detour (the fuzzer's random
+    .text bytes; was 'internal error: EmitError: call: displacement ... does not fit in
+    32 bits'): one line naming the file and the probe, as __copy_instruction()'s failure
+    refuses the kprobe."""
+    prog = cc(tmp_path, "far", FAR_CALL, "-O2")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "far_call"\n')
+    assert len(fails(tmp_path, prog, spec, f"{prog}: probe at 0x", "an instruction cannot be relocated to the new code",
+                     "does not fit in 32 bits")) == 1
