@@ -56,7 +56,10 @@ def count(target: str) -> None:
 
 
 
+# A hang: 20 s of this process's CPU time (ITIMER_PROF: a loaded machine does not make
+# a slow case look like a hang), or 180 s of wall time (waiting on something).
 HANG_SECONDS = float(os.environ.get("KPREWRITE_FUZZ_HANG", "20"))
+HANG_WALL_SECONDS = 180.0
 
 
 class Hang(BaseException):
@@ -90,28 +93,32 @@ def invoke(args: list[str]) -> Result:
         os.write(2, f"{filename}:{lineno}: {category.__name__}: {message}\n".encode())
     warnings.resetwarnings()
     warnings.simplefilter("default")
-    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(Hang()))
+    hang = lambda *_: (_ for _ in ()).throw(Hang())
+    old = signal.signal(signal.SIGALRM, hang), signal.signal(signal.SIGPROF, hang)
     os.environ["KPREWRITE_DEBUG"] = "1"       # an internal error propagates here, with its traceback
     try:
         sys.stdout.flush(); sys.stderr.flush()
         os.dup2(out_f.fileno(), 1); os.dup2(err_f.fileno(), 2)
         sys.stdout = io.TextIOWrapper(open(os.dup(1), "wb", buffering=0), write_through=True)
         sys.stderr = io.TextIOWrapper(open(os.dup(2), "wb", buffering=0), write_through=True)
-        signal.setitimer(signal.ITIMER_REAL, HANG_SECONDS)
+        signal.setitimer(signal.ITIMER_PROF, HANG_SECONDS)
+        signal.setitimer(signal.ITIMER_REAL, HANG_WALL_SECONDS)
         try:
             main.main(args=[str(a) for a in args], prog_name="kprewrite", standalone_mode=True)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except Hang:
-            exc = f"hang: more than {HANG_SECONDS} s"
+            exc = f"hang: more than {HANG_SECONDS} s of CPU time or {HANG_WALL_SECONDS} s"
         except BaseException:
             exc = traceback.format_exc()
         finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
             signal.setitimer(signal.ITIMER_REAL, 0)
     finally:
         caught.__exit__(None, None, None)
-        signal.signal(signal.SIGALRM, old)
+        signal.signal(signal.SIGALRM, old[0])
+        signal.signal(signal.SIGPROF, old[1])
         del os.environ["KPREWRITE_DEBUG"]
         for s in (sys.stdout, sys.stderr):
             if s is not saved_py[0] and s is not saved_py[1]:
