@@ -10,7 +10,7 @@ from ...arch.base import ThreadKey
 from ...errors import KprewriteError
 from ...rules import Rules
 from . import ftrace, sighook, writer
-from .startup import emit_stubs, reserve_stubs  # noqa: F401
+from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"
@@ -42,6 +42,11 @@ def rules(image, arch) -> Rules:
 def link_symbols(image):
     """Symbols of the image the runtime and handlers may call: none (they are self-contained)."""
     return None
+
+
+def handler_headers(image) -> dict[str, str]:
+    """Headers generated for the handlers from the image: none (runtime/include has them all)."""
+    return {}
 
 
 def tables_c(image, arch, any_int3: bool) -> str:

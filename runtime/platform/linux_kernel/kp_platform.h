@@ -30,6 +30,7 @@ extern int __preempt_count;
 extern int cpu_number;
 
 #define KP_KERN_INFO "\001" "6"	/* KERN_INFO */
+#define KP_KERN_ERR "\001" "3"	/* KERN_ERR */
 
 /* --- thread identity: the CPU --- */
 
@@ -75,9 +76,12 @@ void kp_platform_close(int fd);
 unsigned long kp_platform_ncpus(void);
 long long kp_platform_ktime(void);
 
-/* The per-CPU blocks' pool, generated with the probe table (rewriter/targets/linux_kernel). */
+/* The boot CPU's first block and the size of one (struct kp_thread and the
+ * hit counters), generated with the probe table (rewriter/targets/linux_kernel). */
 extern unsigned long kp_kernel_pool[];
-extern const unsigned long kp_kernel_pool_size;
+extern const unsigned long kp_kernel_pool_size, kp_kernel_block;
+void *memblock_alloc_try_nid(unsigned long size, unsigned long align, unsigned long min_addr,
+			     unsigned long max_addr, int nid);
 /* The text/rodata gap, PFN_ALIGN(_etext) .. __start_rodata, which holds our code and data. */
 extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
 
@@ -85,18 +89,23 @@ extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
 
 #define KP_TASK_COMM_LEN 16
 
-/* The task's name and pid need struct task_struct's layout (the image's BTF
- * has it); until it is read, trace lines name the CPU instead. */
+/* The task's name and pid: struct task_struct's layout from the image's BTF,
+ * generated with the probe table (-1: no BTF, trace lines say "kernel"). */
+extern const long kp_kernel_task_comm, kp_kernel_task_pid;
+char *kp_kernel_current(void);
+
 static inline void kp_platform_task_comm(char *comm)
 {
-	const char *s = "kernel";
-	while ((*comm++ = *s++))
-		;
+	const char *s = kp_kernel_task_comm < 0 ? "kernel" : kp_kernel_current() + kp_kernel_task_comm;
+	int i;
+	for (i = 0; i < KP_TASK_COMM_LEN - 1 && s[i]; i++)
+		comm[i] = s[i];
+	comm[i] = 0;
 }
 
 static inline int kp_platform_task_pid(void)
 {
-	return 0;
+	return kp_kernel_task_pid < 0 ? 0 : *(int *)(kp_kernel_current() + kp_kernel_task_pid);
 }
 
 static inline unsigned int kp_platform_cpu(void)

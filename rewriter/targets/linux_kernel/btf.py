@@ -1,0 +1,253 @@
+"""The kernel's types, from the image's own BTF (.BTF): what a handler written as
+module code needs to read `current->comm`, `current->pid` or a `struct file *`
+argument, with no headers package.
+
+`bpftool btf dump file vmlinux format c` writes every type as C; this module
+writes the same types in a form that cannot clash with the handler API's own
+headers: every named struct and union, each member at its BTF offset (a union of
+packed structs, each a padding array and one member), typedefs and enums
+resolved to the integer they are, and the handler API's own tags (struct kprobe,
+struct pt_regs, ...) either reused (pt_regs: the same layout) or renamed.  The
+result is linux/sched.h for kernel handlers, with `current` read from the CPU's
+per-CPU `current_task` (or `pcpu_hot.current_task`, Linux 6.2+) as the kernel's
+get_current() does.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+from ... import cache
+from ...errors import KprewriteError
+
+BTF_MAGIC = 0xEB9F
+(INT, PTR, ARRAY, STRUCT, UNION, ENUM, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FUNC_PROTO,
+ VAR, DATASEC, FLOAT, DECL_TAG, TYPE_TAG, ENUM64) = range(1, 20)
+QUALIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
+# Tags the handler API defines itself (runtime/include/kprewrite/kprobes.h):
+# pt_regs has the kernel's layout and is reused; the others are renamed.
+OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kretprobe",
+            "kretprobe_instance": "kp_btf_kretprobe_instance"}
+GENERATOR = b"kprewrite-btf-sched-h-1"
+
+
+@dataclass
+class BtfType:
+    kind: int
+    name: str
+    size_or_type: int
+    kind_flag: bool
+    members: list          # STRUCT/UNION: (name, type, bit offset, bitfield size)
+    array: tuple = ()      # ARRAY: (element type, nelems)
+    nr_bits: int = 0       # INT
+
+
+def parse(data: bytes, where: str) -> list[BtfType | None]:
+    """Types by id (0: void), from a .BTF section's bytes (include/uapi/linux/btf.h)."""
+    if len(data) < 24:
+        raise KprewriteError(f"{where}: .BTF is truncated")
+    magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data)
+    if magic != BTF_MAGIC:
+        raise KprewriteError(f"{where}: .BTF has magic {magic:#x}, not {BTF_MAGIC:#x}")
+    types_at, strs_at = hdr_len + type_off, hdr_len + str_off
+    if types_at + type_len > len(data) or strs_at + str_len > len(data):
+        raise KprewriteError(f"{where}: .BTF's type or string section runs past its end")
+    strs = data[strs_at:strs_at + str_len]
+
+    def name(off: int) -> str:
+        end = strs.find(b"\0", off)
+        return strs[off:end if end >= 0 else len(strs)].decode("ascii", "replace")
+
+    out: list[BtfType | None] = [None]
+    p, end = types_at, types_at + type_len
+    try:
+        while p < end:
+            name_off, info, st = struct.unpack_from("<III", data, p)
+            p += 12
+            kind, vlen, kflag = (info >> 24) & 0x1F, info & 0xFFFF, bool(info >> 31)
+            t = BtfType(kind, name(name_off), st, kflag, [])
+            if kind == INT:
+                t.nr_bits = struct.unpack_from("<I", data, p)[0] & 0xFF
+                p += 4
+            elif kind == ARRAY:
+                elem, _index, nelems = struct.unpack_from("<III", data, p)
+                t.array = (elem, nelems)
+                p += 12
+            elif kind in (STRUCT, UNION):
+                for i in range(vlen):
+                    m_name, m_type, m_off = struct.unpack_from("<III", data, p + 12 * i)
+                    bits = m_off >> 24 if kflag else 0
+                    t.members.append((name(m_name), m_type, m_off & 0xFFFFFF if kflag else m_off, bits))
+                p += 12 * vlen
+            elif kind == ENUM:
+                p += 8 * vlen
+            elif kind == ENUM64:
+                p += 12 * vlen
+            elif kind == FUNC_PROTO:
+                p += 8 * vlen
+            elif kind == VAR:
+                p += 4
+            elif kind == DATASEC:
+                p += 12 * vlen
+            elif kind == DECL_TAG:
+                p += 4
+            elif kind not in (PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG):
+                raise KprewriteError(f"{where}: .BTF type {len(out)} has unknown kind {kind}")
+            out.append(t)
+    except struct.error:
+        raise KprewriteError(f"{where}: .BTF's type section is truncated at type {len(out)}") from None
+    return out
+
+
+class _Writer:
+    """C for the types, each aggregate as a union of packed (padding, member) structs."""
+
+    def __init__(self, types: list[BtfType | None]):
+        self.t = types
+        self.tags: dict[int, str] = {}      # aggregate id -> its C tag
+        taken: dict[str, int] = {}
+        for i, t in enumerate(types):
+            if t is not None and t.kind in (STRUCT, UNION) and t.name:
+                base = OWN_TAGS.get(t.name, t.name) or t.name
+                n = taken.get(base, 0)
+                taken[base] = n + 1
+                self.tags[i] = base if n == 0 else f"{base}___{n + 1}"
+        self.done: set[int] = set()
+        self.out: list[str] = []
+        self.serial = 0
+
+    def strip(self, tid: int) -> int:
+        while tid and self.t[tid].kind in QUALIFIERS:
+            tid = self.t[tid].size_or_type
+        return tid
+
+    def keyword(self, tid: int) -> str:
+        return "union" if self.t[tid].kind == UNION else "struct"
+
+    def decl(self, tid: int, name: str) -> str:
+        """A declaration of `name` with type tid (typedefs and qualifiers dropped)."""
+        tid = self.strip(tid)
+        if tid == 0:
+            return f"void {name}"
+        t = self.t[tid]
+        if t.kind in (INT, FLOAT):
+            return f"{t.name} {name}"
+        if t.kind in (ENUM, ENUM64):
+            return f"{ {1: 'unsigned char', 2: 'unsigned short', 8: 'unsigned long long'}.get(t.size_or_type, 'int')} {name}"
+        if t.kind == PTR:
+            to = self.strip(t.size_or_type)
+            if to == 0 or self.t[to].kind in (INT, FLOAT, ENUM, ENUM64, STRUCT, UNION, FWD, PTR):
+                return self.decl(to, f"*{name}")
+            return f"void *{name}"         # pointers to functions and arrays
+        if t.kind == ARRAY:
+            return self.decl(t.array[0], f"{name}[{t.array[1]}]")
+        if t.kind in (STRUCT, UNION):
+            if tid in self.tags:
+                if self.t[tid].name == "pt_regs":
+                    return f"struct pt_regs {name}"
+                return f"{self.keyword(tid)} {self.tags[tid]} {name}"
+            return f"{self.keyword(tid)} {{ {self.body(tid)} }} {name}"
+        if t.kind == FWD:
+            return f"{'union' if t.kind_flag else 'struct'} {OWN_TAGS.get(t.name) or t.name} {name}"
+        return f"void *{name}"
+
+    def body(self, tid: int) -> str:
+        """Members at their offsets; bitfields as packed bitfields after their padding."""
+        t = self.t[tid]
+        self.serial += 1
+        parts = [f"char __kp_size{self.serial}[{t.size_or_type}];"]
+        for name, mtype, bit_off, bits in t.members:
+            m = self.strip(mtype)
+            if not name and not (m and self.t[m].kind in (STRUCT, UNION) and m not in self.tags):
+                continue
+            self.serial += 1
+            pad = f"char __kp_pad{self.serial}[{bit_off // 8}]; " if bit_off >= 8 else ""
+            if bits or (m and self.t[m].kind == INT and self.t[m].nr_bits not in (0, 8 * self.t[m].size_or_type)):
+                width = bits or self.t[m].nr_bits
+                base = self.t[m].name if m and self.t[m].kind == INT else "unsigned int"
+                lead = f"unsigned long long : {bit_off % 8}; " if bit_off % 8 else ""
+                parts.append(f"struct __attribute__((packed)) {{ {pad}{lead}{base} {name} : {width}; }};")
+            else:
+                parts.append(f"struct __attribute__((packed)) {{ {pad}{self.decl(mtype, name)}; }};")
+        return "union { " + " ".join(parts) + " };"
+
+    def need(self, tid: int) -> None:
+        """Define tid's tag after every aggregate it holds by value."""
+        if tid in self.done or tid not in self.tags or self.t[tid].name == "pt_regs":
+            return
+        self.done.add(tid)
+        self.by_value(tid)
+        self.out.append(f"{self.keyword(tid)} {self.tags[tid]} {{ {self.body(tid)} }};")
+
+    def by_value(self, tid: int) -> None:
+        for _, mtype, _, _ in self.t[tid].members:
+            m = self.strip(mtype)
+            while m and self.t[m].kind == ARRAY:
+                m = self.strip(self.t[m].array[0])
+            if m and self.t[m].kind in (STRUCT, UNION):
+                if m in self.tags:
+                    self.need(m)
+                else:
+                    self.by_value(m)       # an anonymous aggregate, written inline
+
+    def header(self, current: str) -> str:
+        for tid in sorted(self.tags):
+            self.need(tid)
+        fwd = [f"{self.keyword(i)} {n};" for i, n in sorted(self.tags.items()) if self.t[i].name != "pt_regs"]
+        return "\n".join([
+            "/* Generated by kprewrite from the kernel image's BTF: the kernel's structs and unions,",
+            " * each member at its offset (typedefs and enums as their integers). */",
+            "#ifndef _KPREWRITE_SCHED_H", "#define _KPREWRITE_SCHED_H", "#include <kprewrite/kprobes.h>",
+            *fwd, *self.out,
+            "/* get_current(): the CPU's current task, a per-CPU variable. */",
+            "static inline __attribute__((always_inline)) struct task_struct *kp_get_current(void)",
+            "{", "\tstruct task_struct *t;", f'\t__asm__("movq %%gs:{current}, %0" : "=r"(t));', "\treturn t;", "}",
+            "#define current kp_get_current()", "#endif", ""])
+
+
+def member_offset(types: list[BtfType | None], struct_name: str, member: str) -> int | None:
+    """A member's byte offset in a named struct (anonymous members searched)."""
+    def find(tid: int, base: int) -> int | None:
+        for name, mtype, bit_off, _ in types[tid].members:
+            m = mtype
+            while m and types[m].kind in QUALIFIERS:
+                m = types[m].size_or_type
+            if name == member:
+                return base + bit_off // 8
+            if not name and m and types[m].kind in (STRUCT, UNION):
+                r = find(m, base + bit_off // 8)
+                if r is not None:
+                    return r
+        return None
+    for i, t in enumerate(types):
+        if t is not None and t.kind == STRUCT and t.name == struct_name:
+            return find(i, 0)
+    return None
+
+
+@dataclass(frozen=True)
+class KernelTypes:
+    sched_h: str              # linux/sched.h for handlers
+    current: str              # the per-CPU variable holding the current task (gs-relative)
+    comm: int | None          # offsetof(struct task_struct, comm)
+    pid: int | None           # offsetof(struct task_struct, pid)
+
+
+def kernel_types(btf: bytes, symbols: dict, where: str) -> KernelTypes:
+    """The image's types for handlers and the runtime's trace lines, cached by the BTF's contents."""
+    hot = "pcpu_hot" in symbols
+    k = cache.key(GENERATOR, btf, b"pcpu_hot" if hot else b"current_task")
+    hit = cache.get("btf-types", k)
+    if hit is not None:
+        d = json.loads(hit)
+        return KernelTypes(d["sched_h"], d["current"], d["comm"], d["pid"])
+    types = parse(btf, where)
+    current = "current_task"
+    if hot:                            # Linux 6.2+: struct pcpu_hot { ... current_task ... }
+        off = member_offset(types, "pcpu_hot", "current_task")
+        current = f"pcpu_hot+{off}" if off is not None else current
+    kt = KernelTypes(_Writer(types).header(current), current, member_offset(types, "task_struct", "comm"),
+                     member_offset(types, "task_struct", "pid"))
+    cache.put("btf-types", k, json.dumps(kt.__dict__).encode())
+    return kt
