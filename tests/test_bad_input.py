@@ -289,3 +289,11 @@ def test_instruction_that_cannot_be_relocated(tmp_path):
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "far_call"\n')
     assert len(fails(tmp_path, prog, spec, f"{prog}: probe at 0x", "an instruction cannot be relocated to the new code",
                      "does not fit in 32 bits")) == 1
+
+
+def test_entry_point_outside_the_code(tmp_path, prog):
+    """e_entry pointing past the image (was 'internal error: KsError: Invalid fixup' from
+    assembling the entry stub's jmp)."""
+    f = _damaged(tmp_path, prog, "far_entry", lambda d: d.__setitem__(28, 2))     # e_entry + 2**33
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: entry point 0x2", "(e_entry) is not in the image's code")) == 1
