@@ -108,6 +108,8 @@ def invoke(args: list[str]) -> Result:
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt:          # the user (or `timeout -s INT`) stops the run: not a finding
+            raise
         except Hang:
             exc = f"hang: more than {HANG_SECONDS} s of CPU time or {HANG_WALL_SECONDS} s"
         except BaseException:
