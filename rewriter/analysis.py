@@ -51,7 +51,7 @@ def branch_targets(image: Image, an: "Analysis"):
 
 
 def landing_pad_targets(image: Image, an: "Analysis"):
-    for fde_start, pads in ehframe.landing_pads(image.data, image.fdes).items():
+    for fde_start, pads in ehframe.landing_pads(image.data, image.fdes, image.path).items():
         for pad in pads:
             yield pad, f"C++ landing pad of the function at {fde_start:#x}"
 

@@ -19,6 +19,7 @@ SECTION_REASONS = {
     ".plt.sec": "PLT stub",
     ".iplt": "PLT stub",
 }
+FUNCTION_SECTIONS = (".kprobes.text", ".noinstr.text", ".entry.text")
 RUNTIME_PREFIX = ".kprewrite"
 CLONE_SUFFIX = re.compile(r"\.(constprop|isra|part|cold|localalias)(\.\d+)*")
 
@@ -56,8 +57,23 @@ def compute(image: Image) -> list[BlacklistEntry]:
         reason = SECTION_REASONS.get(s.name)
         if reason is None and s.name.startswith(RUNTIME_PREFIX) and s.flags & 2:
             reason = "kprewrite runtime and detour buffers"
-        if reason and s.size:
+        if not reason or not s.size:
+            continue
+        # A section of functions (__kprobes, noinstr) is listed function by function, as
+        # populate_kprobe_blacklist() -> kprobe_add_area_blacklist() does from kallsyms; a
+        # section with no function known (no symbols, no FDEs) stays one range.
+        funcs = [f for f in image.functions if s.addr <= f.start < s.addr + s.size] if s.name in FUNCTION_SECTIONS else []
+        for f in funcs:
+            out.append(BlacklistEntry(f.start, min(f.end, s.addr + s.size), f.name, reason))
+        if not funcs:
             out.append(BlacklistEntry(s.addr, s.addr + s.size, s.name, reason))
+    # The sigreturn trampoline (an FDE whose CIE says 'S'; glibc starts it one byte early, in
+    # the padding before __restore_rt, for unwinders that look up return address - 1): the
+    # kernel jumps to it from a signal frame, and a 5-byte jump laid from the FDE's start
+    # would overwrite its first instruction.  A kernel never probes its vDSO's either.
+    for fde in image.fdes:
+        if fde.signal_frame:
+            out.append(BlacklistEntry(fde.start, fde.end, _symbol_at(image, fde.start), "signal return trampoline"))
     names = set()
     for a in _nokprobe_addresses(image):
         f = image.function_at(a)

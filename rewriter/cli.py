@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 import click
 
@@ -19,6 +20,9 @@ def _fail(lines) -> None:
 
 def _guard(fn):
     def run(*a, **kw):
+        # LIEF reads an unknown enum value (a section type, a dynamic tag of a damaged or
+        # newer ELF) as its number, warning as it does: a number is all kprewrite needs.
+        warnings.filterwarnings("ignore", r"\d+ is not a valid", RuntimeWarning)
         try:
             return fn(*a, **kw)
         except KprewriteError as e:

@@ -51,6 +51,7 @@ class Fde:
     start: int          # link-time virtual address of the first instruction covered
     end: int            # exclusive
     lsda: int | None    # link-time address of the LSDA, or None
+    signal_frame: bool = False   # its CIE says 'S': a signal return trampoline (glibc's __restore_rt)
 
 
 # --- constants ---------------------------------------------------------------
@@ -355,9 +356,9 @@ def _locate_via_hdr(elf: _Elf) -> tuple[int, int, int] | None:
 
 
 # --- CIEs --------------------------------------------------------------------
-def _parse_cie(d, p: int, end: int, delta: int, bases: _Bases) -> tuple[int, int, bool]:
+def _parse_cie(d, p: int, end: int, delta: int, bases: _Bases) -> tuple[int, int, bool, bool]:
     """Parse the CIE at file offset p; returns (FDE pointer encoding, LSDA
-    encoding, whether FDEs carry augmentation data)."""
+    encoding, whether FDEs carry augmentation data, whether it is a signal frame)."""
     if p < 0 or p + 4 > end:
         raise _Malformed("CIE pointer out of range")
     length = _U32(d, p)[0]
@@ -419,11 +420,31 @@ def _parse_cie(d, p: int, end: int, delta: int, bases: _Bases) -> tuple[int, int
         raise _Malformed(f"unknown CIE augmentation {aug.decode('latin-1')!r}")
     if q > nxt:
         raise _Malformed("CIE runs past its length")
-    return fenc, lenc, has_z
+    return fenc, lenc, has_z, has_z and b"S" in aug
 
 
 # --- FDEs --------------------------------------------------------------------
-def read_fdes(data: bytes) -> list[Fde]:
+def _named(path: str | None, fn, *args):
+    """fn(*args), its KprewriteError's lines prefixed with the file's path."""
+    try:
+        return fn(*args)
+    except KprewriteError as e:
+        if path is None:
+            raise
+        raise KprewriteError(*(f"{path}: {l}" for l in e.lines)) from None
+
+
+def read_fdes(data: bytes, path: str | None = None) -> list[Fde]:
+    """_read_fdes(data), every message naming `path`."""
+    return _named(path, _read_fdes, data)
+
+
+def landing_pads(data: bytes, fdes: list[Fde], path: str | None = None) -> dict[int, list[int]]:
+    """_landing_pads(data, fdes), every message naming `path`."""
+    return _named(path, _landing_pads, data, fdes)
+
+
+def _read_fdes(data: bytes) -> list[Fde]:
     """All FDEs of the image's .eh_frame (found by section header name, or, if
     the file has no section headers, via PT_GNU_EH_FRAME/.eh_frame_hdr's
     eh_frame_ptr), sorted by start, zero-length FDEs dropped.  `data` is the
@@ -436,7 +457,7 @@ def read_fdes(data: bytes) -> list[Fde]:
     base, off0, end = loc
     delta = base - off0                  # file offset -> link-time address
     bases = elf.bases()
-    cies: dict[int, tuple[int, int, bool]] = {}
+    cies: dict[int, tuple[int, int, bool, bool]] = {}
     out: list[Fde] = []
     append = out.append
     U32, S32_U32, uleb = _U32, _S32_U32, _uleb
@@ -467,7 +488,7 @@ def read_fdes(data: bytes) -> list[Fde]:
                 if cie_off < off0:
                     raise _Malformed("CIE pointer out of range")
                 cie = cies[cie_off] = _parse_cie(d, cie_off, end, delta, bases)
-            fenc, lenc, has_z = cie
+            fenc, lenc, has_z, sig = cie
             q = body + 4
             if fenc == PCREL_SDATA4:
                 raw, rng = S32_U32(d, q)
@@ -494,7 +515,7 @@ def read_fdes(data: bytes) -> list[Fde]:
             if q > nxt:
                 raise _Malformed("FDE runs past its length")
             if rng and start:
-                append(Fde(start, start + rng, lsda))
+                append(Fde(start, start + rng, lsda, sig))
             p = nxt
     except _Malformed as e:
         raise KprewriteError(f"{e}: malformed .eh_frame at {rec + delta:#x}") from None
@@ -505,7 +526,7 @@ def read_fdes(data: bytes) -> list[Fde]:
 
 
 # --- LSDA ----------------------------------------------------------------------
-def landing_pads(data: bytes, fdes: list[Fde]) -> dict[int, list[int]]:
+def _landing_pads(data: bytes, fdes: list[Fde]) -> dict[int, list[int]]:
     """For every FDE with an LSDA: fde.start -> sorted list of distinct
     landing-pad addresses (link-time) from the LSDA call-site table (LPStart
     defaults to the function start; lp==0 means no landing pad)."""

@@ -55,7 +55,11 @@ class LineError(Exception):
 
 def caret_lines(where: str, text: str, column: int, message: str) -> list[str]:
     """error_log's three lines: what and where, the command, a caret under the column."""
-    return [f"{where}: column {column + 1}: {message}", f"{CMD}{text}", " " * (len(CMD) + column) + "^"]
+    # A control character (a newline in a TOML string) would break the one-line rule:
+    # shown escaped, the caret still under the character it points at.
+    shown = [c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text]
+    caret = sum(len(c) for c in shown[:column]) + max(column - len(shown), 0)
+    return [f"{where}: column {column + 1}: {message}", f"{CMD}{''.join(shown)}", " " * (len(CMD) + caret) + "^"]
 
 
 @dataclass

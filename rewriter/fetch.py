@@ -419,11 +419,12 @@ def data_symbols(image) -> dict[str, list[tuple[int, int]]]:
     cached = getattr(image, "_kp_all_symbols", None)
     if cached is not None:
         return cached
+    from .image import text
     out: dict[str, list[tuple[int, int]]] = {}
     for syms in (image.binary.symtab_symbols, image.binary.dynamic_symbols):
         for s in syms:
             if s.name and s.shndx != 0 and s.value:
-                lst = out.setdefault(s.name, [])
+                lst = out.setdefault(text(s.name), [])
                 if all(v != s.value for v, _ in lst):
                     lst.append((s.value, s.size))
     image._kp_all_symbols = out

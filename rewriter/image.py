@@ -27,6 +27,11 @@ DF_1_PIE = 0x08000000
 EM_NAMES = {3: "EM_386", 40: "EM_ARM", 62: "EM_X86_64", 183: "EM_AARCH64", 243: "EM_RISCV"}
 
 
+def text(name) -> str:
+    """A name as LIEF gives it: str, or bytes when it is not UTF-8 (a damaged string table)."""
+    return name if isinstance(name, str) else bytes(name).decode("utf-8", "backslashreplace")
+
+
 @dataclass(frozen=True)
 class Section:
     name: str
@@ -88,7 +93,7 @@ class Image:
         self.segments = [Segment(int(s.type), int(s.flags), s.file_offset, s.virtual_address,
                                  s.physical_address, s.physical_size, s.virtual_size, s.alignment)
                          for s in binary.segments]
-        self.sections = [Section(s.name, int(s.type), int(s.flags), s.virtual_address, s.file_offset, s.size)
+        self.sections = [Section(text(s.name), int(s.type), int(s.flags), s.virtual_address, s.file_offset, s.size)
                          for s in binary.sections]
         self._check_bounds()
         self.has_interp = any(s.type == PT_INTERP for s in self.segments)
@@ -104,7 +109,7 @@ class Image:
             self.exec_ranges = sorted((s.vaddr, s.vaddr + s.filesz) for s in self.segments
                                       if s.type == PT_LOAD and s.flags & PF_X)
         self._load_symbols()
-        self.fdes = ehframe.read_fdes(self.data)
+        self.fdes = ehframe.read_fdes(self.data, path)
         self._load_functions()
 
     # -- validation ---------------------------------------------------------
@@ -131,7 +136,12 @@ class Image:
 
     def _check_bounds(self):
         size = len(self.data)
+        if not any(s.type == PT_LOAD for s in self.segments):
+            raise KprewriteError(f"{self.path}: no PT_LOAD segment: nothing is loaded from this ELF file")
         for s in self.segments:
+            if s.type == PT_LOAD and s.memsz < s.filesz:
+                raise KprewriteError(f"{self.path}: malformed ELF file (a PT_LOAD segment at {s.vaddr:#x} has "
+                                     f"p_filesz {s.filesz:#x} > p_memsz {s.memsz:#x})")
             if s.type == PT_LOAD and s.offset + s.filesz > size:
                 raise KprewriteError(f"{self.path}: truncated ELF file (a PT_LOAD segment ends at {s.offset + s.filesz:#x}, file is {size:#x} bytes)")
         for s in self.sections:
@@ -145,20 +155,21 @@ class Image:
         self.code_symbols: list[int] = []
         for source, syms in (("symtab", self.binary.symtab_symbols), ("dynsym", self.binary.dynamic_symbols)):
             for s in syms:
-                if not s.name or s.shndx == 0 or s.value == 0 and s.type != lief.ELF.Symbol.TYPE.FUNC:
+                name = text(s.name)
+                if not name or s.shndx == 0 or s.value == 0 and s.type != lief.ELF.Symbol.TYPE.FUNC:
                     continue
                 t = s.type
                 if t in (lief.ELF.Symbol.TYPE.FUNC, lief.ELF.Symbol.TYPE.GNU_IFUNC):
                     if s.value and self.is_code(s.value):
-                        self.func_syms.append((s.value, s.size, s.name, source))
-                        self.symbols.setdefault(s.name, [])
-                        if s.value not in self.symbols[s.name]:
-                            self.symbols[s.name].append(s.value)
+                        self.func_syms.append((s.value, s.size, name, source))
+                        self.symbols.setdefault(name, [])
+                        if s.value not in self.symbols[name]:
+                            self.symbols[name].append(s.value)
                 elif t in (lief.ELF.Symbol.TYPE.NOTYPE, lief.ELF.Symbol.TYPE.OBJECT):
                     if self.is_code(s.value):
                         self.code_symbols.append(s.value)
                         if t == lief.ELF.Symbol.TYPE.NOTYPE:
-                            self.symbols.setdefault(s.name, []).append(s.value)
+                            self.symbols.setdefault(name, []).append(s.value)
 
     def _load_functions(self):
         by_start: dict[int, Function] = {}
@@ -222,7 +233,7 @@ class Image:
         for syms in (self.binary.symtab_symbols, self.binary.dynamic_symbols):
             for s in syms:
                 if s.name and s.shndx != 0:
-                    out.setdefault(s.name, s.value)
+                    out.setdefault(text(s.name), s.value)
         return out
 
     # -- queries -----------------------------------------------------------

@@ -8,10 +8,25 @@ depends on where the runtime lands.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import emission
+from .errors import KprewriteError
 from .planner import INT3
+
+
+@contextmanager
+def relocating(c: emission.Code, what: str, addr: int):
+    """The arch cannot move an instruction near `addr` to where its copy goes (a rel32
+    branch or rip-relative target out of reach of the new code: only damaged code has
+    one): one line naming the file and the site, as __copy_instruction()'s failure
+    makes register_kprobe() refuse the probe."""
+    try:
+        yield
+    except c.arch.emit.EmitError as e:
+        raise KprewriteError(f"{c.image.path}: {what} at {addr:#x}: an instruction cannot be relocated "
+                             f"to the new code ({e})") from None
 
 
 @dataclass
@@ -34,18 +49,21 @@ def place(c: emission.Code, target) -> Layout:
         if site.decision == INT3:
             continue
         pos = (pos + 15) & ~15
-        code, site.resume, site.resume_post = emission.site_detour(c, site, pos, emission.Far(pos))
+        with relocating(c, "probe", site.addr):
+            code, site.resume, site.resume_post = emission.site_detour(c, site, pos, emission.Far(pos))
         site.detour = pos
         sizes[("site", site.index)] = len(code)
         pos += len(code)
     for rs in c.plan.ret_sites:
         pos = (pos + 15) & ~15
         rs.detour = pos
-        sizes[("ret", rs.addr)] = n = len(emission.ret_detour(c, rs, pos, emission.Far(pos)))
+        with relocating(c, "return site", rs.addr):
+            sizes[("ret", rs.addr)] = n = len(emission.ret_detour(c, rs, pos, emission.Far(pos)))
         pos += n
     for site in c.plan.sites:
         if site.decision == INT3 and site.xol.mode != "emulate":
-            n = c.arch.kprobe_xol.place_slot(site.xol, site.index, site.with_post, pos)
+            with relocating(c, "probe", site.addr):
+                n = c.arch.kprobe_xol.place_slot(site.xol, site.index, site.with_post, pos)
             site.resume, site.resume_post = site.xol.slot, site.xol.slot_post
             site.detour = pos
             sizes[("xol", site.index)] = n

@@ -163,7 +163,9 @@ def metadata(plan: Plan, label: str) -> bytes:
 
 
 def read_metadata(path: str) -> dict:
+    from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
+    import struct
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"\x7fELF":
@@ -172,10 +174,14 @@ def read_metadata(path: str) -> dict:
             sec = ELFFile(f).get_section_by_name(META_SECTION)
             if sec is None:
                 raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
-            return json.loads(sec.data())
+            doc = json.loads(sec.data())
+            if not isinstance(doc, dict) or not isinstance(doc.get("probes"), list):
+                raise ValueError
+            return doc
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, TypeError, ELFError, struct.error, AssertionError):
+        # pyelftools raises ELFError on a bad header, struct errors or assertions on truncation
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 
@@ -192,15 +198,18 @@ def list_records(path: str, meta: dict | None = None) -> list[dict]:
     (the `probes` of `list --format json`)."""
     out = []
     for p in (meta or read_metadata(path))["probes"]:
-        r = {"index": p["index"], "name": p["name"], "kind": p["kind"], "symbol": p["symbol"], "offset": p["offset"],
-             "address": hexaddr(p["addr"]), "flags": _list_flags(p), "disabled": p["disabled"],
-             "optimized": p["optimized"], "ftrace": bool(p.get("ftrace")), "int3": p.get("int3"),
-             "reason": p.get("reason"), "call": p.get("call"), "detour": hexaddr(p["detour"]) if p.get("detour") else None,
-             "region": [hexaddr(a) for a in p["region"]], "returns": p.get("returns"), "return_sites": None, "int3_exits": None}
-        if p["kind"] == "r":
-            r["return_sites"] = [{"address": hexaddr(a), "end": hexaddr(e), "exit": hexaddr(x)} for a, e, x in p["return_sites"]]
-            r["int3_exits"] = [hexaddr(a) for a in p["int3_exits"]]
-        out.append(r)
+        try:
+            r = {"index": p["index"], "name": p["name"], "kind": p["kind"], "symbol": p["symbol"], "offset": p["offset"],
+                 "address": hexaddr(p["addr"]), "flags": _list_flags(p), "disabled": p["disabled"],
+                 "optimized": p["optimized"], "ftrace": bool(p.get("ftrace")), "int3": p.get("int3"),
+                 "reason": p.get("reason"), "call": p.get("call"), "detour": hexaddr(p["detour"]) if p.get("detour") else None,
+                 "region": [hexaddr(a) for a in p["region"]], "returns": p.get("returns"), "return_sites": None, "int3_exits": None}
+            if p["kind"] == "r":
+                r["return_sites"] = [{"address": hexaddr(a), "end": hexaddr(e), "exit": hexaddr(x)} for a, e, x in p["return_sites"]]
+                r["int3_exits"] = [hexaddr(a) for a in p["int3_exits"]]
+            out.append(r)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise KprewriteError(f"{path}: malformed {META_SECTION} section (probe entry {str(p)[:60]})") from None
     return out
 
 

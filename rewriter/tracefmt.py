@@ -87,7 +87,7 @@ def _unescape(s: str) -> str:
                 out.append("\n"); i += 2; continue
             if n == "t":
                 out.append("\t"); i += 2; continue
-            if n == "x" and i + 3 < len(s):
+            if n == "x" and re.fullmatch(r"[0-9a-fA-F]{2}", s[i + 2:i + 4]):
                 out.append(chr(int(s[i + 2:i + 4], 16))); i += 4; continue
             out.append(n); i += 2; continue
         out.append(c)

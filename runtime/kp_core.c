@@ -295,6 +295,28 @@ int disable_kretprobe(struct kretprobe *rp)
 	return disable_kprobe(&rp->kp);
 }
 
+/* One kprobe_profile row, "  %-44s %15lu %15lu\n" as trace_kprobe's probes_profile_seq_show()
+ * prints it, in one write (a kernel's platform makes each write one printk line).  An
+ * event name of any length (a C++ symbol's runs to hundreds of characters) is written
+ * whole up to 1 KiB: writing snprintf's would-be length from a fixed 160-byte line wrote
+ * the stack bytes past it. */
+void kp_profile_row(int fd, const char *name, unsigned long hits, unsigned long missed)
+{
+	size_t n = strlen(name);
+	if (n > 1024)
+		n = 1024;
+	char line[1024 + 2 + 2 * 17 + 2];
+	size_t pos = 0;
+	line[pos++] = ' ';
+	line[pos++] = ' ';
+	memcpy(line + pos, name, n);	/* the runtime's snprintf knows no "%-44.*s" */
+	pos += n;
+	while (pos < 2 + 44)
+		line[pos++] = ' ';
+	pos += snprintf(line + pos, sizeof(line) - pos, " %15lu %15lu\n", hits, missed);
+	kp_platform_write(fd, line, pos);
+}
+
 /* kprobe_profile: "  EVENT  HITS  MISSES", written where KPREWRITE_PROFILE says. */
 void kp_write_profile(void)
 {
@@ -304,14 +326,11 @@ void kp_write_profile(void)
 	int fd = (!strcmp(path, "-") || !strcmp(path, "stderr")) ? 2 : kp_platform_open_append(path);
 	if (fd < 0)
 		return;
-	char line[160];
 	for (unsigned int i = 0; i < kp_nprobes; i++) {
 		unsigned long hits = 0;
 		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
 			hits += t->hits[i];
-		int len = snprintf(line, sizeof(line), "  %-44s %15lu %15lu\n",
-				   kp_probes[i].name, hits, kp_probes[i].nmissed);
-		kp_platform_write(fd, line, len);
+		kp_profile_row(fd, kp_probes[i].name, hits, kp_probes[i].nmissed);
 	}
 	kp_kretprobe_profile(fd);
 	if (fd != 2)

@@ -117,8 +117,37 @@ static inline int kp_ri_chained(struct kp_kret_thread *kt, struct kretprobe_inst
 	return (ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S == TRAMP;
 }
 
+/* Keep ri, whose frame may be alive on another stack, for the trampoline; the
+ * oldest kept one goes when there is no room. */
+static void kp_orphan(struct kp_kret_thread *kt, struct kretprobe_instance *ri)
+{
+	if (kt->norphans == KP_KRET_ORPHANS) {
+		kp_ri_free(kt->orphans[0]);
+		__builtin_memmove(&kt->orphans[0], &kt->orphans[1], (KP_KRET_ORPHANS - 1) * sizeof(kt->orphans[0]));
+		kt->norphans--;
+	}
+	kt->orphans[kt->norphans++] = ri;
+}
+
+/* Drop kept instances: those of rp (NULL: any) or recorded at slot S (0: any). */
+static void kp_drop_orphans(struct kp_kret_thread *kt, struct kretprobe *rp, unsigned long S)
+{
+	unsigned int j = 0;
+	for (unsigned int i = 0; i < kt->norphans; i++) {
+		struct kretprobe_instance *ri = kt->orphans[i];
+		if ((!rp || ri->rp == rp) && (!S || (unsigned long)ri->fp == S))
+			kp_ri_free(ri);
+		else
+			kt->orphans[j++] = ri;
+	}
+	kt->norphans = j;
+}
+
 /* Free the instances of frames that were left without returning: recorded
- * below S (deeper), or at S itself when an entry reuses the slot. */
+ * below S (deeper), or at S itself when an entry reuses the slot.  One below S
+ * whose slot still holds the trampoline may be a live frame on another stack
+ * (a signal handler on a sigaltstack above it, a coroutine's caller): kept
+ * aside for the trampoline, which would otherwise lose the return address. */
 static void kp_reclaim(struct kp_kret_thread *kt, unsigned long S, int at_entry)
 {
 	while (kt->depth) {
@@ -127,8 +156,13 @@ static void kp_reclaim(struct kp_kret_thread *kt, unsigned long S, int at_entry)
 		if (fp > S || (fp == S && (!at_entry || kp_ri_chained(kt, ri, S))))
 			break;
 		kt->depth--;
-		kp_ri_free(ri);
+		if (unlikely(ri->kp_flags & KP_RI_SWAPPED) && fp < S && *(unsigned long *)fp == TRAMP)
+			kp_orphan(kt, ri);
+		else
+			kp_ri_free(ri);
 	}
+	if (unlikely(kt->norphans) && at_entry)
+		kp_drop_orphans(kt, 0, S);	/* the slot is a new call's now */
 }
 
 /* The real return address of slot S when it holds the trampoline. */
@@ -139,6 +173,11 @@ static unsigned long kp_real_ret(struct kp_kret_thread *kt, unsigned long S)
 		if ((unsigned long)ri->fp != S)
 			break;
 		if (ri->kp_flags & KP_RI_SWAPPED)
+			return (unsigned long)ri->ret_addr;
+	}
+	for (unsigned int i = kt->norphans; i-- > 0;) {
+		struct kretprobe_instance *ri = kt->orphans[i];
+		if ((unsigned long)ri->fp == S && (ri->kp_flags & KP_RI_SWAPPED))
 			return (unsigned long)ri->ret_addr;
 	}
 	return 0;
@@ -180,6 +219,10 @@ kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int ag
 		kp_reclaim(kt, S, !aggregated || kp_first_kretprobe_of_site(&rp->kp));
 	kt->tail_slot = 0;
 	struct kretprobe_instance *ri = kp_ri_claim(rp);
+	if (unlikely(!ri) && kt->norphans) {
+		kp_drop_orphans(kt, rp, 0);	/* a live call before a frame that may be dead */
+		ri = kp_ri_claim(rp);
+	}
 	if (unlikely(!ri)) {
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
 		return;
@@ -417,11 +460,25 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 		kp_kret_fatal("kprewrite: kretprobe trampoline lost the return address\n");
 	regs->ip = ret;
 	int active = t->active;
+	int fired = 0;
 	while (kt->depth) {
 		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
 		if ((unsigned long)ri->fp != S)
 			break;
 		kt->depth--;
+		fired = 1;
+		if (active)
+			kp_ri_free(ri);
+		else
+			kp_ri_fire(t, ri, regs);
+	}
+	/* Instances kept aside for this slot: their frame was alive after all. */
+	for (unsigned int i = kt->norphans; !fired && i-- > 0;) {
+		struct kretprobe_instance *ri = kt->orphans[i];
+		if ((unsigned long)ri->fp != S)
+			continue;
+		__builtin_memmove(&kt->orphans[i], &kt->orphans[i + 1], (kt->norphans - i - 1) * sizeof(kt->orphans[0]));
+		kt->norphans--;
 		if (active)
 			kp_ri_free(ri);
 		else
@@ -434,14 +491,11 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
  * trace_kprobe reports them for return probes. */
 void kp_kretprobe_profile(int fd)
 {
-	char line[160];
 	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
 		struct kretprobe *rp = &kp_kretprobes[i];
 		unsigned long hits = 0;
 		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
 			hits += t->hits[rp->kp.index];
-		int len = snprintf(line, sizeof(line), "  %-44s %15lu %15lu\n", rp->kp.name, hits,
-				   rp->kp.nmissed + (unsigned long)rp->nmissed);
-		kp_platform_write(fd, line, len);
+		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
 	}
 }

@@ -122,3 +122,178 @@ def test_fetch_on_a_kretprobe_and_its_syntax_error(tmp_path, prog):
 def test_list_on_plain_binary(tmp_path, prog):
     r = kprewrite("list", prog, check=False)
     assert r.returncode != 0 and "not rewritten by kprewrite" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- found by the fuzzer (tests/fuzz): each a damaged real ELF or a bad line -------------------
+
+def _section(path, name):
+    """(sh_offset, sh_size, offset of its section header) of section `name`."""
+    from elftools.elf.elffile import ELFFile
+    with open(path, "rb") as f:
+        e = ELFFile(f)
+        for i, s in enumerate(e.iter_sections()):
+            if s.name == name:
+                return s["sh_offset"], s["sh_size"], e["e_shoff"] + i * e["e_shentsize"]
+    raise AssertionError(name)
+
+
+def _damaged(tmp_path, prog, name, edit):
+    data = bytearray(prog.read_bytes())
+    edit(data)
+    f = tmp_path / name
+    f.write_bytes(data)
+    return f
+
+
+def _one_clean_line(r, *expect):
+    """A failure of `check`/`blacklist`/`list`: exit 1, one line, naming what is expected, nothing else."""
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert all(l.startswith("kprewrite: ") for l in lines), lines
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+    for e in expect:
+        assert any(e in l for l in lines), (e, lines)
+    return lines
+
+
+def test_unknown_section_type_prints_no_warning(tmp_path, prog):
+    """LIEF warned 'RuntimeWarning: 29806 is not a valid TYPE.' and Python printed the line
+    of kprewrite's source under it; an unknown sh_type is only a number."""
+    _, _, sh = _section(prog, ".comment")
+    f = _damaged(tmp_path, prog, "odd_type", lambda d: d.__setitem__(slice(sh + 4, sh + 8), (29806).to_bytes(4, "little")))
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    r = kprewrite("check", f, "--spec", spec)
+    assert r.stderr == "" and "work+0x0  k  optimized" in r.stdout
+
+
+def test_malformed_eh_frame_names_the_file(tmp_path, prog):
+    off, size, _ = _section(prog, ".eh_frame")
+    f = _damaged(tmp_path, prog, "bad_eh", lambda d: d.__setitem__(slice(off, off + 4), (size + 64).to_bytes(4, "little")))
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    lines = fails(tmp_path, f, spec, f"{f}: record length runs past the section: malformed .eh_frame at 0x")
+    assert len(lines) == 1
+
+
+def test_non_utf8_names(tmp_path, prog):
+    """A section or symbol name that is not UTF-8 (LIEF gives bytes: 'startswith first arg
+    must be bytes', 'cannot use a string pattern on a bytes-like object'): read with escapes."""
+    soff, _, _ = _section(prog, ".shstrtab")
+    toff, tsize, _ = _section(prog, ".strtab")
+    strtab = prog.read_bytes()[toff:toff + tsize]
+    at = strtab.index(b"\0work\0") + 1
+
+    def edit(d):
+        d[soff + 1] = 0xFF                         # the first section name
+        d[toff + at] = 0xFE                        # 'work' -> b'\xfeork'
+    f = _damaged(tmp_path, prog, "bad_names", edit)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "*ork"\n[[kprobe]]\nsymbol_name = "m*"\n')
+    r = kprewrite("check", f, "--spec", spec)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "main+0x0  k  optimized" in r.stdout and "\\xfeork+0x0  k  optimized" in r.stdout, r.stdout
+    assert kprewrite("blacklist", f).returncode == 0
+
+
+def test_list_on_a_damaged_elf(tmp_path):
+    f = tmp_path / "four_bytes"
+    f.write_bytes(b"\x7fELF")
+    _one_clean_line(kprewrite("list", f, check=False), f"{f}: malformed .kprewrite")
+
+
+def test_pt_load_out_of_reach(tmp_path, prog):
+    """A PT_LOAD whose p_memsz reaches past 4 GiB: the detours would be out of rel32 reach
+    (was 'internal error: EmitError: jmp back: displacement ... does not fit in 32 bits')."""
+    from elftools.elf.elffile import ELFFile
+    with open(prog, "rb") as fh:
+        e = ELFFile(fh)
+        i = next(i for i, s in enumerate(e.iter_segments()) if s["p_type"] == "PT_LOAD" and s["p_flags"] & 1)
+        ph = e["e_phoff"] + i * e["e_phentsize"]
+    f = _damaged(tmp_path, prog, "huge_load", lambda d: d.__setitem__(slice(ph + 40, ph + 48), (1 << 32).to_bytes(8, "little")))
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: its PT_LOAD segments end at", "out of rel32 reach")) == 1
+
+
+def test_no_pt_load(tmp_path, prog):
+    from elftools.elf.elffile import ELFFile
+    with open(prog, "rb") as fh:
+        e = ELFFile(fh)
+        phs = [e["e_phoff"] + i * e["e_phentsize"] for i, s in enumerate(e.iter_segments()) if s["p_type"] == "PT_LOAD"]
+    f = _damaged(tmp_path, prog, "no_load", lambda d: [d.__setitem__(slice(p, p + 4), (4).to_bytes(4, "little")) for p in phs])
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: no PT_LOAD segment")) == 1
+
+
+def test_control_character_in_an_events_line(tmp_path, prog):
+    """A newline inside an events string: the error_log lines show it escaped, one line each."""
+    spec = write_spec(tmp_path, 'events = ["p work\\na=%di a=%si"]\n')
+    lines = fails(tmp_path, prog, spec, "probes.toml: events[1]: column 14: This argument name is already used",
+                  "kprewrite:   Command: p work\\na=%di a=%si")
+    assert len(lines) == 3 and lines[2].index("^") == lines[1].index("a=%si")
+
+
+def test_trace_bad_hex_escape(tmp_path):
+    f = tmp_path / "trace.txt"
+    f.write_text('prog-1 [000] 1.000001: p_work_0: (work+0x0/0x10) s="\\xzz\\x41"\n')
+    r = kprewrite("trace", f)
+    assert r.returncode == 0 and '"s": "xzzA"' in r.stdout, (r.stdout, r.stderr)
+
+
+KPROBES_TEXT = r"""
+#include <stdio.h>
+#include <kprewrite/kprobes.h>
+__kprobes __attribute__((noinline)) int hidden_a(int x) { return x * 3 + 1; }
+__kprobes __attribute__((noinline)) int hidden_b(int x) { return hidden_a(x) * 5; }
+__attribute__((noinline)) int work(int x) { return hidden_b(x) + 1; }
+int main(void) { printf("%d\n", work(2)); return 0; }
+"""
+
+
+def test_kprobes_text_listed_function_by_function(tmp_path):
+    """debugfs kprobes/blacklist lists each function of .kprobes.text by its own name
+    (kprobe_add_area_blacklist()), not the section as one range; each is refused by name."""
+    prog = cc(tmp_path, "kt", KPROBES_TEXT, "-O2", f"-I{ROOT / 'runtime' / 'include'}")
+    lines = kprewrite("blacklist", prog).stdout.splitlines()
+    mine = [l for l in lines if "kprobes.text" in l]
+    assert [l.split()[1] for l in mine] == ["hidden_a", "hidden_b"], lines
+    assert all(l.endswith("in .kprobes.text (__kprobes)") for l in mine)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "hidden_b"\n')
+    assert len(fails(tmp_path, prog, spec, "is blacklisted: in .kprobes.text (__kprobes) (hidden_b)")) == 1
+
+
+def test_pt_load_far_past_the_file(tmp_path, prog):
+    """A p_memsz of 1 GiB: the new segments' file offset follows their address, so the output
+    would be a gigabyte of zeros (the fuzzer's case took half a minute to write 1.3 GB)."""
+    from elftools.elf.elffile import ELFFile
+    with open(prog, "rb") as fh:
+        e = ELFFile(fh)
+        ph = e["e_phoff"] + next(i for i, s in enumerate(e.iter_segments()) if s["p_type"] == "PT_LOAD") * e["e_phentsize"]
+    f = _damaged(tmp_path, prog, "big_bss", lambda d: d.__setitem__(slice(ph + 40, ph + 48), (1 << 30).to_bytes(8, "little")))
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: its PT_LOAD segments end at 0x40000000", "at most 512 MiB")) == 1
+
+
+FAR_CALL = r"""
+#include <stdio.h>
+/* A call whose rel32 reaches below address 0 (only damaged code has one); never run. */
+__asm__(".text\n.globl far_call\n.type far_call, @function\nfar_call:\n"
+        "  call . - 0x7ffff000\n  ret\n.size far_call, . - far_call\n");
+int main(int argc, char **argv) { printf("%d\n", argc); return 0; }
+"""
+
+
+def test_instruction_that_cannot_be_relocated(tmp_path):
+    """A probed call whose target is out of rel32 reach of the detour (the fuzzer's random
+    .text bytes; was 'internal error: EmitError: call: displacement ... does not fit in
+    32 bits'): one line naming the file and the probe, as __copy_instruction()'s failure
+    refuses the kprobe."""
+    prog = cc(tmp_path, "far", FAR_CALL, "-O2")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "far_call"\n')
+    assert len(fails(tmp_path, prog, spec, f"{prog}: probe at 0x", "an instruction cannot be relocated to the new code",
+                     "does not fit in 32 bits")) == 1
+
+
+def test_entry_point_outside_the_code(tmp_path, prog):
+    """e_entry pointing past the image (was 'internal error: KsError: Invalid fixup' from
+    assembling the entry stub's jmp)."""
+    f = _damaged(tmp_path, prog, "far_entry", lambda d: d.__setitem__(28, 2))     # e_entry + 2**33
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: entry point 0x2", "(e_entry) is not in the image's code")) == 1

@@ -449,8 +449,8 @@ def build_synthetic_elf() -> tuple[bytes, list[Fde], dict[int, list[int]]]:
     eh = EhFrameAsm(base + EH)
     want: list[Fde] = []
 
-    def f(start_off, length, lsda=None):
-        want.append(Fde(text_va + start_off, text_va + start_off + length, lsda))
+    def f(start_off, length, lsda=None, signal_frame=False):
+        want.append(Fde(text_va + start_off, text_va + start_off + length, lsda, signal_frame))
 
     # plain "zR" with gcc's pcrel|sdata4
     c = eh.cie(b"zR", lambda va: b"\x1b")
@@ -464,9 +464,9 @@ def build_synthetic_elf() -> tuple[bytes, list[Fde], dict[int, list[int]]]:
                       (0x03, 0x090), (0x0B, 0x0A0), (0x14, 0x0B0)):
         c = eh.cie(b"zR", lambda va, e=fenc: bytes([e]))
         eh.fde(c, fenc, text_va + off, 0x10); f(off, 0x10)
-    # signal frame, and version 3 (uleb128 return-address column)
+    # signal frame (marked: the sigreturn trampoline), and version 3 (uleb128 return-address column)
     c = eh.cie(b"zRS", lambda va: b"\x1b")
-    eh.fde(c, 0x1B, text_va + 0x0C0, 0x08); f(0x0C0, 0x08)
+    eh.fde(c, 0x1B, text_va + 0x0C0, 0x08); f(0x0C0, 0x08, signal_frame=True)
     c = eh.cie(b"zR", lambda va: b"\x1b", version=3)
     eh.fde(c, 0x1B, text_va + 0x0C8, 0x08); f(0x0C8, 0x08)
     # no augmentation at all: absptr, no augmentation data in the FDE

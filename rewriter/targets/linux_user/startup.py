@@ -75,6 +75,8 @@ def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> 
     em = arch.emit
     if image.is_executable:
         orig = int.from_bytes(image.data[24:32], "little")
+        if not image.is_code(orig):       # a damaged e_entry: the stub's jmp could not reach it
+            raise KprewriteError(f"{image.path}: entry point {orig:#x} (e_entry) is not in the image's code")
         put(stubs["entry"], em.entry_stub(stubs["entry"], sym["kp_user_start"], orig), STUB_ROOM)
         return stubs["entry"], []
     file_patches = []
@@ -86,6 +88,8 @@ def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> 
                 raise KprewriteError(f"{image.path}: shared object has neither DT_INIT_ARRAY nor DT_INIT to start the runtime from")
             continue
         off, old = hook
+        if not image.is_code(old):
+            raise KprewriteError(f"{image.path}: the {name} function {old:#x} the runtime would chain to is not in the image's code")
         put(stubs[name], em.chain_stub(stubs[name], sym[fn], old), STUB_ROOM)
         file_patches.append((off, struct.pack("<Q", stubs[name])))
     return None, file_patches

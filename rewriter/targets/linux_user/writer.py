@@ -20,6 +20,8 @@ from ...image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
 PAGE = 0x1000
 PHDR_SIZE = 56
 NEW_PHDRS = 2
+REL32_REACH = 1 << 31
+MAX_PADDING = 512 << 20
 
 
 def page_up(x: int) -> int:
@@ -46,6 +48,19 @@ def plan_layout(image: Image) -> Layout:
     skew = first.vaddr - first.offset
     max_end = max(s.vaddr + s.memsz for s in loads)
     v = page_up(max(max_end, len(image.data) + skew)) + PAGE
+    # Detours are reached by rel32 jumps from the code and jump back the same way; a
+    # segment (a damaged p_memsz, a bss of gigabytes) that puts the end of the image out
+    # of that reach leaves no place for them.  256 MiB are kept for the new code itself.
+    lo = min((a for a, _ in image.exec_ranges), default=first.vaddr)
+    if v - lo > REL32_REACH - (256 << 20) or v - skew < 0:
+        raise KprewriteError(f"{image.path}: its PT_LOAD segments end at {max_end:#x}, out of rel32 reach "
+                             f"of its code at {lo:#x}: no place for detours")
+    # The new segments' file offset follows their address (so AT_PHDR finds the moved program
+    # headers): whatever a segment's memory reaches past the file becomes zeros in the output.
+    if v - skew - len(image.data) > MAX_PADDING:
+        raise KprewriteError(f"{image.path}: its PT_LOAD segments end at {max_end:#x}, "
+                             f"{(v - skew - len(image.data)) >> 20} MiB past the end of the file; the output "
+                             f"would hold that much padding (at most {MAX_PADDING >> 20} MiB)")
     nph = len(image.segments) + NEW_PHDRS
     return Layout(skew, v, v - skew, nph * PHDR_SIZE)
 
