@@ -84,15 +84,20 @@ def metadata(plan: Plan, label: str) -> bytes:
 
 def read_metadata(path: str) -> dict:
     from elftools.elf.elffile import ELFFile
+    import io
+    from .targets import unwrap
     try:
         with open(path, "rb") as f:
-            if f.read(4) != b"\x7fELF":
-                raise KprewriteError(f"{path}: not an ELF file")
-            f.seek(0)
-            sec = ELFFile(f).get_section_by_name(META_SECTION)
-            if sec is None:
-                raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
-            return json.loads(sec.data())
+            data = f.read()
+        unwrapped = unwrap(data, path)      # an image inside a container (a kernel's bzImage)
+        if unwrapped is not None:
+            data = unwrapped[0]
+        if data[:4] != b"\x7fELF":
+            raise KprewriteError(f"{path}: not an ELF file")
+        sec = ELFFile(io.BytesIO(data)).get_section_by_name(META_SECTION)
+        if sec is None:
+            raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
+        return json.loads(sec.data())
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
     except (ValueError, KeyError):
