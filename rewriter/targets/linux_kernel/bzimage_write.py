@@ -130,47 +130,57 @@ def memory_end(elf: bytes) -> int:
 
 # --- compressors, as the kernel's Makefile.lib runs them, at their best level ---------------------------
 
-def _lz4(data: bytes, level: int) -> bytes:
-    """lz4 -l: the legacy frame, 8 MiB blocks compressed independently (LZ4HC)."""
+def _lz4(data: bytes, limit: int) -> bytes:
+    """lz4 -l: the legacy frame, 8 MiB blocks compressed independently (LZ4HC), as the kernel's
+    `lz4 -l -9`; while the stream is longer than `limit`, blocks recompressed in turn at LZ4HC's
+    best level (optimal parsing, several times slower)."""
     import lz4.block
-    out = [struct.pack("<I", bzimage.LZ4_LEGACY_MAGIC)]
-    for i in range(0, len(data), bzimage.LZ4_LEGACY_BLOCK):
-        blk = lz4.block.compress(data[i:i + bzimage.LZ4_LEGACY_BLOCK], mode="high_compression",
-                                 compression=level, store_size=False)
-        out += [struct.pack("<I", len(blk)), blk]
-    return b"".join(out)
+
+    def block(i: int, level: int) -> bytes:
+        return lz4.block.compress(data[i:i + bzimage.LZ4_LEGACY_BLOCK], mode="high_compression",
+                                  compression=level, store_size=False)
+    starts = range(0, len(data), bzimage.LZ4_LEGACY_BLOCK)
+    blocks = [block(i, 9) for i in starts]
+    size = lambda: 4 + sum(4 + len(b) for b in blocks) + 4  # noqa: E731  (with size_append)
+    for n, i in enumerate(starts):
+        if size() <= limit:
+            break
+        blocks[n] = block(i, 12)
+    return struct.pack("<I", bzimage.LZ4_LEGACY_MAGIC) + b"".join(struct.pack("<I", len(b)) + b for b in blocks)
 
 
-def _zstd(data: bytes, level: int) -> bytes:
+def _zstd(data: bytes, limit: int) -> bytes:
+    """zstd -22 --ultra (the kernel's), unless level 19 fits: several times faster."""
     import zstandard
-    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
+    out = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(data)
+    if len(out) + 4 > limit:
+        out = zstandard.ZstdCompressor(level=22, write_content_size=True).compress(data)
+    return out
 
 
-# name -> compressors to try in turn (the cheaper first): each data -> compressed stream
+# name -> data, room -> compressed stream, as scripts/Makefile.lib makes it, at its best level
 COMPRESSORS = {
-    "lz4": (lambda d: _lz4(d, 9), lambda d: _lz4(d, 12)),                      # lz4 -l -9, then LZ4HC's max
-    "gzip": (lambda d: gzip.compress(d, compresslevel=9, mtime=0),),         # gzip -n -f -9
-    "xz": (lambda d: lzma.compress(d, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32,  # scripts/xz_wrap.sh
-                                   filters=[{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 9,
-                                                                      "dict_size": 32 << 20}]),),
-    "lzma": (lambda d: lzma.compress(d, format=lzma.FORMAT_ALONE, preset=9),),  # lzma -9
-    "zstd": (lambda d: _zstd(d, 19), lambda d: _zstd(d, 22)),                  # zstd -22 --ultra
-    "bzip2": (lambda d: bz2.compress(d, 9),),                                  # bzip2 -9
+    "lz4": _lz4,
+    "gzip": lambda d, _: gzip.compress(d, compresslevel=9, mtime=0),           # gzip -n -f -9
+    "xz": lambda d, _: lzma.compress(d, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32,  # scripts/xz_wrap.sh
+                                     filters=[{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 9,
+                                                                        "dict_size": 32 << 20}]),
+    "lzma": lambda d, _: lzma.compress(d, format=lzma.FORMAT_ALONE, preset=9),  # lzma -9
+    "zstd": _zstd,
+    "bzip2": lambda d, _: bz2.compress(d, 9),                                  # bzip2 -9
 }
 
 
 def compress(name: str, data: bytes, limit: int, path: str) -> bytes:
-    """The payload stream: `data` compressed, then its length (the build's size_append);
-    the first of the compressor's levels whose stream fits in `limit` bytes."""
-    tries = COMPRESSORS.get(name)
-    if tries is None:
+    """The payload stream: `data` compressed, then its length (the build's size_append),
+    refused unless it fits in `limit` bytes."""
+    c = COMPRESSORS.get(name)
+    if c is None:
         raise KprewriteError(f"{path}: writing a bzImage with a {name} payload is not supported "
                              f"(supported: {', '.join(COMPRESSORS)})")
-    stream = b""
-    for c in tries:
-        stream = c(data) + struct.pack("<I", len(data) & 0xFFFFFFFF)
-        if len(stream) <= limit:
-            return stream
+    stream = c(data, limit) + struct.pack("<I", len(data) & 0xFFFFFFFF)
+    if len(stream) <= limit:
+        return stream
     raise KprewriteError(f"{path}: the rewritten kernel compresses ({name}) to {len(stream)} bytes; the "
                          f"decompressor has room for {limit} (the original payload's length)")
 
