@@ -20,13 +20,17 @@ table is the original one
 
 Addresses in the generated tables (a struct kprobe's addr) are written as
 `_text + offset` (address_c()) so that the linker relocates them too: a handler
-printing p->addr prints the randomized address.
+printing p->addr prints the randomized address.  The runtime's load bias
+(kp_rt.bias, 0 as linked) gets a 64-bit entry of its own, so the decompressor
+makes it the KASLR offset: what the runtime adds to a fetch arg's @SYM and
+subtracts before looking an address up in its symbol table, as for a PIE.
 """
 from __future__ import annotations
 
 import bisect
 from array import array
 
+from ... import link
 from ...errors import KprewriteError
 from .bzimage import RelocTable
 
@@ -125,6 +129,7 @@ def relocation_table(image, arch, layout, rx: bytes, patches, blob, plan, zeroed
         else:
             raise KprewriteError(f"{path}: the linked runtime and handlers hold relocation type {r.type} against "
                                  f"{r.symbol or 'a section'} at {r.offset:#x}, which KASLR cannot relocate")
+    r64.add(blob.symbols["kp_rt"] + link.asm_offsets(arch, "linux_kernel")["RT_BIAS"])
     for lst, _ in lists:
         for e in lst:
             if not lo <= e < hi:
