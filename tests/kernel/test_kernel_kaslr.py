@@ -1,6 +1,7 @@
 """A bzImage in, a bzImage out, KASLR on (issue 12): `instrument` on Debian's own vmlinuz writes a
 vmlinuz that qemu-system-x86_64 -kernel boots like the original, with no boot parameter (KASLR on,
-as by default): three boots, three random bases, probes firing at each.
+as by default): three boots, three random bases, probes firing at each; two through the Linux
+boot protocol (SeaBIOS), the third through UEFI (OVMF: the PE header and the EFI stub).
 
 The spec: the kernel's kprobe_example handlers on kernel_clone (an ftrace site: its __mcount_loc
 entry, a 64-bit KASLR relocation, is zeroed and must stay 0), and a jump-optimized probe on an
@@ -33,6 +34,7 @@ from rewriter.targets.linux_kernel import bzimage  # noqa: E402
 pytestmark = pytest.mark.kernel
 
 BOOTS = 3
+OVMF = Path("/usr/share/OVMF")
 FORKS = 3
 SYMBOLS = ("_text", "kernel_clone", "copy_process", "tasklist_lock")
 # Everything /init reports goes through /dev/kmsg, in order with the handlers' printk lines:
@@ -98,10 +100,29 @@ def rewritten(tmp_path_factory, debian_kernel):
     return {"out": out, "offset": off, "link": {s.name: s.addr for s in image.kernel_symbols if s.name in SYMBOLS}}
 
 
+def uefi_args(tmp: Path) -> tuple[str, ...]:
+    """OVMF (Debian's ovmf), with a writable copy of its variable store: QEMU then starts the
+    bzImage as a UEFI application, through its PE header and the kernel's EFI stub."""
+    code, vars_ = OVMF / "OVMF_CODE.fd", OVMF / "OVMF_VARS.fd"
+    if not code.exists() or not vars_.exists():
+        pytest.fail(f"kernel test environment: no {code} (install Debian's ovmf)", pytrace=False)
+    (tmp / "OVMF_VARS.fd").write_bytes(vars_.read_bytes())
+    return ("-drive", f"if=pflash,format=raw,readonly=on,file={code}",
+            "-drive", f"if=pflash,format=raw,file={tmp / 'OVMF_VARS.fd'}")
+
+
 @pytest.fixture(scope="module")
-def boots(rewritten, make_initramfs, boot_kernel):
+def boots(rewritten, make_initramfs, boot_kernel, tmp_path_factory):
+    """BOOTS boots of the rewritten bzImage: through SeaBIOS's Linux boot protocol
+    (`-kernel`), the last one through UEFI (OVMF)."""
     initrd = make_initramfs(init_script(COMMANDS))
-    return [boot_kernel(f"kaslr-bzimage-{i}", rewritten["out"], initrd, smp=2, timeout=120) for i in range(BOOTS)]
+    out = []
+    for i in range(BOOTS):
+        uefi = i == BOOTS - 1
+        args = uefi_args(tmp_path_factory.mktemp("ovmf")) if uefi else ()
+        out.append(boot_kernel(f"kaslr-bzimage-{i}{'-uefi' if uefi else ''}", rewritten["out"], initrd, smp=2,
+                               timeout=180 if uefi else 120, qemu_args=args))
+    return out
 
 
 def _kallsyms(r) -> dict[str, int]:
@@ -147,9 +168,12 @@ def test_boots_with_kaslr_at_different_bases(boots, rewritten):
     bases = []
     for r in boots:
         assert_boot_ok(r)
-        cmdline = re.findall(r"kp-cmdline: (.*)$", r.console, re.M)
-        assert cmdline == ["console=ttyS0 panic=-1"], r.explain("a boot parameter was added")
+        uefi = r is boots[-1]
+        cmdline = re.findall(r"kp-cmdline: (.*)$", r.console, re.M)     # QEMU's UEFI loader adds initrd=
+        assert cmdline == ["console=ttyS0 panic=-1" + " initrd=initrd" * uefi], r.explain("a boot parameter was added")
         assert "KASLR disabled" not in r.console, r.explain("the kernel did not randomize")
+        assert ("EFI stub: " in r.console and "efi: EFI v" in r.console) == uefi, \
+            r.explain("the last boot is through UEFI, the others not")
         bases.append(_kallsyms(r)["_text"])
     assert len(set(bases)) == BOOTS and rewritten["link"]["_text"] not in bases, [hex(b) for b in bases]
     print("\n_text per boot: " + ", ".join(f"{b:#x}" for b in bases) +
