@@ -1,7 +1,7 @@
 """A bzImage in, a bzImage out, KASLR on (issue 12): `instrument` on Debian's own vmlinuz writes a
 vmlinuz that qemu-system-x86_64 -kernel boots like the original, with no boot parameter (KASLR on,
-as by default): three boots, three random bases, probes firing at each; two through the Linux
-boot protocol (SeaBIOS), the third through UEFI (OVMF: the PE header and the EFI stub).
+as by default): three boots, three random bases, probes firing at each; one per boot loader:
+QEMU's -kernel, SYSLINUX from a disk image, and UEFI (OVMF: the PE header and the EFI stub).
 
 The spec: the kernel's kprobe_example handlers on kernel_clone (an ftrace site: its __mcount_loc
 entry, a 64-bit KASLR relocation, is zeroed and must stay 0), and a jump-optimized probe on an
@@ -34,7 +34,6 @@ from rewriter.targets.linux_kernel import bzimage  # noqa: E402
 pytestmark = pytest.mark.kernel
 
 BOOTS = 3
-OVMF = Path("/usr/share/OVMF")
 FORKS = 3
 SYMBOLS = ("_text", "kernel_clone", "copy_process", "tasklist_lock")
 # Everything /init reports goes through /dev/kmsg, in order with the handlers' printk lines:
@@ -100,29 +99,19 @@ def rewritten(tmp_path_factory, debian_kernel):
     return {"out": out, "offset": off, "link": {s.name: s.addr for s in image.kernel_symbols if s.name in SYMBOLS}}
 
 
-def uefi_args(tmp: Path) -> tuple[str, ...]:
-    """OVMF (Debian's ovmf), with a writable copy of its variable store: QEMU then starts the
-    bzImage as a UEFI application, through its PE header and the kernel's EFI stub."""
-    code, vars_ = OVMF / "OVMF_CODE.fd", OVMF / "OVMF_VARS.fd"
-    if not code.exists() or not vars_.exists():
-        pytest.fail(f"kernel test environment: no {code} (install Debian's ovmf)", pytrace=False)
-    (tmp / "OVMF_VARS.fd").write_bytes(vars_.read_bytes())
-    return ("-drive", f"if=pflash,format=raw,readonly=on,file={code}",
-            "-drive", f"if=pflash,format=raw,file={tmp / 'OVMF_VARS.fd'}")
+LOADERS = ("qemu", "syslinux", "uefi")     # kernel_env.boot()'s
+CMDLINES = {"qemu": "console=ttyS0 panic=-1", "syslinux": "BOOT_IMAGE=vmlinuz console=ttyS0 panic=-1 initrd=initrd.gz",
+            "uefi": "console=ttyS0 panic=-1 initrd=initrd"}
 
 
 @pytest.fixture(scope="module")
-def boots(rewritten, make_initramfs, boot_kernel, tmp_path_factory):
-    """BOOTS boots of the rewritten bzImage: through SeaBIOS's Linux boot protocol
-    (`-kernel`), the last one through UEFI (OVMF)."""
+def boots(rewritten, make_initramfs, boot_kernel):
+    """One boot of the rewritten bzImage per boot loader: QEMU's -kernel (SeaBIOS and QEMU's
+    Linux boot ROM), SYSLINUX from a disk image (BIOS), UEFI (OVMF: the PE header and the
+    kernel's EFI stub)."""
     initrd = make_initramfs(init_script(COMMANDS))
-    out = []
-    for i in range(BOOTS):
-        uefi = i == BOOTS - 1
-        args = uefi_args(tmp_path_factory.mktemp("ovmf")) if uefi else ()
-        out.append(boot_kernel(f"kaslr-bzimage-{i}{'-uefi' if uefi else ''}", rewritten["out"], initrd, smp=2,
-                               timeout=180 if uefi else 120, qemu_args=args))
-    return out
+    return [boot_kernel(f"kaslr-bzimage-{loader}", rewritten["out"], initrd, smp=2, timeout=180, loader=loader)
+            for loader in LOADERS]
 
 
 def _kallsyms(r) -> dict[str, int]:
@@ -166,14 +155,14 @@ def test_boots_with_kaslr_at_different_bases(boots, rewritten):
     """No boot parameter: KASLR on; user space reached, W+X check passed, no oops, clean
     power-off, each boot at its own base."""
     bases = []
-    for r in boots:
+    for loader, r in zip(LOADERS, boots):
         assert_boot_ok(r)
-        uefi = r is boots[-1]
-        cmdline = re.findall(r"kp-cmdline: (.*)$", r.console, re.M)     # QEMU's UEFI loader adds initrd=
-        assert cmdline == ["console=ttyS0 panic=-1" + " initrd=initrd" * uefi], r.explain("a boot parameter was added")
+        cmdline = re.findall(r"kp-cmdline: (.*)$", r.console, re.M)     # as each loader passes it
+        assert cmdline == [CMDLINES[loader]], r.explain("a boot parameter was added")
         assert "KASLR disabled" not in r.console, r.explain("the kernel did not randomize")
-        assert ("EFI stub: " in r.console and "efi: EFI v" in r.console) == uefi, \
-            r.explain("the last boot is through UEFI, the others not")
+        assert ("SYSLINUX " in r.console) == (loader == "syslinux"), r.explain("SYSLINUX booted it, or not")
+        assert ("EFI stub: " in r.console and "efi: EFI v" in r.console) == (loader == "uefi"), \
+            r.explain("booted through UEFI, or not")
         bases.append(_kallsyms(r)["_text"])
     assert len(set(bases)) == BOOTS and rewritten["link"]["_text"] not in bases, [hex(b) for b in bases]
     print("\n_text per boot: " + ", ".join(f"{b:#x}" for b in bases) +
