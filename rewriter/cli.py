@@ -1,4 +1,5 @@
-"""The command line (interface.md): instrument, check, list, blacklist."""
+"""The command line (interface.md, and what README adds): instrument, check,
+list, blacklist, trace, diff, report.  A thin layer: it formats what api.py returns."""
 from __future__ import annotations
 
 import os
@@ -39,21 +40,42 @@ def main():
     """kprewrite: Linux-style kprobes compiled ahead of time into ELF images."""
 
 
+FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+                      help="json: one JSON document (README: Machine-readable output)")
+
+
+def _json(doc) -> None:
+    import json
+    click.echo(json.dumps(doc, sort_keys=True))
+
+
 @main.command()
 @click.argument("input_path", metavar="INPUT")
 @click.option("--spec", "spec_path", required=True, metavar="SPEC.toml", help="probe spec")
 @click.option("-o", "output", required=True, metavar="OUTPUT", help="rewritten image")
 @click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: the summary as JSON lines on standard output")
+@click.option("--depfile", metavar="FILE",
+              help="also write a make/ninja depfile: OUTPUT's prerequisites (spec, handlers and their headers, runtime)")
+@click.option("-q", "--quiet", is_flag=True,
+              help="print nothing on success, not even progress (errors still go to standard error)")
 @_guard
-def instrument(input_path, spec_path, output, no_optimize, system_map):
+def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depfile, quiet):
     """Write OUTPUT: INPUT with the spec's probes compiled in."""
-    from . import pipeline, report
-    if os.path.abspath(output) == os.path.abspath(input_path):
-        raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
+    from . import api
     t = time.monotonic()
-    s = pipeline.instrument(input_path, spec_path, output, no_optimize, system_map)
-    for line in report.skipped_summary(s.plan):
+    r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
+                       progress=not quiet, depfile=depfile)
+    if quiet:
+        return
+    if fmt == "json":
+        for check, n in r.skipped.items():
+            _json({"type": "skipped", "check": check, "count": n})
+        _json(r.summary)
+        return
+    for line in r.skipped_lines:
         click.echo(f"kprewrite: {line}", err=True)
     if os.environ.get("KPREWRITE_VERBOSE"):
         click.echo(f"kprewrite: wrote {output} in {time.monotonic() - t:.2f} s", err=True)
@@ -64,25 +86,33 @@ def instrument(input_path, spec_path, output, no_optimize, system_map):
 @click.option("--spec", "spec_path", required=True, metavar="SPEC.toml")
 @click.option("--no-optimize", is_flag=True)
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@FORMAT
 @_guard
-def check(input_path, spec_path, no_optimize, system_map):
+def check(input_path, spec_path, no_optimize, system_map, fmt):
     """Print the plan: each probe's decision and, if not optimized, why."""
-    from . import pipeline, report
-    s = pipeline.prepare_for_check(input_path, spec_path, no_optimize, system_map)
-    for line in report.check_lines(s.plan):
-        click.echo(line)
-    for line in report.skipped_summary(s.plan):
-        click.echo(f"kprewrite: {line}", err=True)
-    if s.plan.errors:
-        _fail(s.plan.errors)
+    from . import api, report
+    r = api.check(input_path, spec_path, optimize=not no_optimize, system_map=system_map, progress=True)
+    if fmt == "json":
+        _json(r.as_dict())
+    else:
+        for line in r.lines():
+            click.echo(line)
+        for line in report.skipped_text(r.skipped, sum(1 for p in r.probes if p["decision"] != "refused")):
+            click.echo(f"kprewrite: {line}", err=True)
+    if r.errors:
+        _fail(r.errors)
 
 
 @main.command(name="list")
 @click.argument("binary", metavar="BINARY")
+@FORMAT
 @_guard
-def list_(binary):
+def list_(binary, fmt):
     """Probes compiled into a rewritten binary (debugfs kprobes/list form)."""
     from . import report
+    if fmt == "json":
+        _json(report.list_doc(binary))
+        return
     for line in report.list_lines(binary):
         click.echo(line)
 
@@ -90,12 +120,35 @@ def list_(binary):
 @main.command()
 @click.argument("input_path", metavar="INPUT")
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@FORMAT
 @_guard
-def blacklist(input_path, system_map):
+def blacklist(input_path, system_map, fmt):
     """What cannot be probed in INPUT, and why."""
     from . import report
+    if fmt == "json":
+        _json(report.blacklist_doc(input_path, system_map))
+        return
     for line in report.blacklist_lines(input_path, system_map):
         click.echo(line)
+
+
+@main.command()
+@click.argument("original", metavar="ORIGINAL")
+@click.argument("rewritten", metavar="REWRITTEN")
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@FORMAT
+@_guard
+def diff(original, rewritten, system_map, fmt):
+    """Attribute every byte REWRITTEN changed in ORIGINAL to a probe site; exit 1 if one is not."""
+    from . import api
+    r = api.diff(original, rewritten, system_map=system_map)
+    if fmt == "json":
+        _json(r.doc)
+    else:
+        for line in r.lines():
+            click.echo(line)
+    if not r.ok:
+        _fail([f"{e}" for e in r.errors])
 
 
 @main.command()
@@ -121,3 +174,32 @@ def trace(trace_file, fmt, output):
             raise KprewriteError(f"{output}: cannot write: {e.strerror}")
     else:
         click.echo(text, nl=False)
+
+
+@main.command()
+@click.argument("trace_file", metavar="TRACE")
+@click.option("--plot", metavar="FILE.svg", help="also write the histograms as an SVG plot")
+@FORMAT
+@_guard
+def report(trace_file, plot, fmt):
+    """Per-event counts and log2 histograms (kretprobe durations, numeric fields) of trace lines."""
+    from . import tracefmt, tracereport
+    from .output import write_atomically
+    if plot and not plot.lower().endswith(".svg"):
+        raise KprewriteError(f"{plot}: --plot writes SVG; name the file *.svg")
+    records = tracefmt.read(trace_file)
+    s = tracereport.summary(records)
+    if plot:
+        data = tracereport.svg(s, f"kprewrite report {os.path.basename(trace_file)}").encode()
+        d = os.path.dirname(os.path.abspath(plot))
+        if not os.path.isdir(d):
+            raise KprewriteError(f"{plot}: cannot write: no such directory")
+        write_atomically(plot, data, trace_file if trace_file != "-" else d)
+        os.chmod(plot, 0o644)
+    if fmt == "json":
+        _json({"format": "kprewrite-report-1", "events": [{"event": e, "count": n} for e, n in s["events"]],
+               "histograms": [{"name": h["name"], "count": h["count"],
+                               "buckets": [{"bucket": b, "count": n} for b, n in h["buckets"]]}
+                              for h in s["histograms"]]})
+    else:
+        click.echo(tracereport.text(s), nl=False)

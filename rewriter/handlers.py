@@ -47,11 +47,12 @@ def resolve(spec, arch, runtime_handlers=frozenset()) -> tuple[dict[str, str], d
 
 
 def compile_and_read(spec, arch, symbols: dict[str, str], exports: dict, workdir: Path,
-                     platform: str = link.PLATFORM, headers: Path | None = None
+                     platform: str = link.PLATFORM, headers: Path | None = None, deps: list | None = None
                      ) -> tuple[list[Path], dict[str, HandlerCode]]:
     """The handlers' objects (one per spec.handlers entry, in order), compiled for
-    the runtime platform (headers: a folder searched first), and every handler's code read once."""
-    objs = link.compile_handlers(link.compiler(), workdir, spec.handlers, exports, platform, headers)
+    the runtime platform (headers: a folder searched first), and every handler's code
+    read once.  deps: gets every file the compilation read (link.compile_handlers)."""
+    objs = link.compile_handlers(link.compiler(), workdir, spec.handlers, exports, platform, headers, deps)
     abi = arch.handler_abi
     funcs = link.object_functions(objs)
     code = {}
@@ -60,6 +61,7 @@ def compile_and_read(spec, arch, symbols: dict[str, str], exports: dict, workdir
         if fn is None:
             code[name] = HandlerCode(True, None, sym)
         else:
-            off, body = fn
-            code[name] = HandlerCode(abi.may_use_regs(body, off, off + len(body)), abi.clobbered_scratch(body, off), sym)
+            off, body, relocs = fn
+            code[name] = HandlerCode(abi.may_use_regs(body, off, off + len(body), relocs),
+                                     abi.clobbered_scratch(body, off), sym)
     return objs, code

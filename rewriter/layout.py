@@ -20,6 +20,7 @@ class Layout:
     stubs: dict[str, int]         # start-up stub name -> address (the target's)
     text_addr: int                # the linked runtime and handlers
     target: object = None         # the target's own layout (file offsets, headers)
+    data_addr: int | None = None  # the runtime's data, when the target puts it apart from the code
     sizes: dict = field(default_factory=dict)   # ("site"|"ret"|"xol", key) -> bytes laid out
 
 
@@ -49,4 +50,4 @@ def place(c: emission.Code, target) -> Layout:
             site.detour = pos
             sizes[("xol", site.index)] = n
             pos += n
-    return Layout(tl.rx_vaddr, stubs, (pos + 63) & ~63, tl, sizes)
+    return Layout(tl.rx_vaddr, stubs, (pos + 63) & ~63, tl, tl.data_vaddr, sizes)

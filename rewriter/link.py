@@ -84,7 +84,7 @@ SECTIONS
   .text : {{ *(.text .text.*) *(.kprobes.text) }}
   .rodata : {{ *(.rodata .rodata.*) }}
   .rela.dyn : {{ __kp_rela_start = .; *(.rela.dyn) *(.rela.*) __kp_rela_end = .; }}
-  . = ALIGN(0x1000);
+  {data}
   __kp_data_start = .;
   .data : {{ *(.data .data.*) *(.data.rel.ro .data.rel.ro.*) *(.got) *(.got.plt) }}
   .bss : {{ *(.bss .bss.*) *(COMMON) }}
@@ -344,8 +344,17 @@ def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: s
         [out / ("rt_" + Path(src).name + ".o") for src in asm_srcs]
 
 
+def runtime_sources() -> list[Path]:
+    """Every file the compiled runtime depends on (what _runtime_key() hashes)."""
+    return sorted(p for p in RUNTIME_DIR.rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".S"))
+
+
 def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict[Path, list[str]],
-                     platform: str = PLATFORM, headers: Path | None = None) -> list[Path]:
+                     platform: str = PLATFORM, headers: Path | None = None,
+                     deps: list[Path] | None = None) -> list[Path]:
+    """The handlers' objects; with `deps`, every file each C source read (gcc -MD:
+    the source and the headers it includes, but not what kprewrite generated in
+    `workdir`) is appended to it."""
     objs = []
     first = [f"-I{headers}"] if headers is not None and headers.is_dir() else []
     for i, h in enumerate(handlers):
@@ -360,10 +369,40 @@ def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict
             lines.append(f'extern __typeof__({name}) kp_handler_{name} __attribute__((alias("{name}"), used));')
         wrapper.write_text("\n".join(lines) + "\n")
         o = workdir / f"handler{i}.o"
+        d = workdir / f"handler{i}.d"
         _run([cc, *_platform(platform).cflags, *first, *_includes(platform=platform), f"-I{h.parent}", "-c", str(wrapper),
-              "-o", str(o)], h.name)
+              "-o", str(o), *(["-MD", "-MF", str(d)] if deps is not None else [])], h.name)
+        if deps is not None:
+            scratch = workdir.resolve()
+            deps += [p for p in read_depfile(d) if scratch not in p.parents]
         objs.append(o)
     return objs
+
+
+def read_depfile(path: Path) -> list[Path]:
+    """The prerequisites of a make-style depfile gcc wrote (-MD), resolved."""
+    text = path.read_text().replace("\\\n", " ")
+    _, _, rest = text.partition(": ")
+    words, cur, i = [], "", 0
+    while i < len(rest):
+        ch = rest[i]
+        if ch == "\\" and i + 1 < len(rest) and rest[i + 1] in " #":
+            cur += rest[i + 1]
+            i += 2
+            continue
+        if ch.isspace():
+            if cur:
+                words.append(cur)
+            cur = ""
+        elif ch == "$" and rest[i + 1:i + 2] == "$":
+            cur += "$"
+            i += 1
+        else:
+            cur += ch
+        i += 1
+    if cur:
+        words.append(cur)
+    return [Path(w).resolve() for w in words]
 
 
 def compile_table(cc: str, workdir: Path, table_c: str, platform: str = PLATFORM) -> Path:
@@ -386,11 +425,11 @@ def executable_sections(obj: Path) -> list[bytes]:
         return []
 
 
-def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes]]:
-    """name -> (section offset, bytes) of every sized function defined in the
-    relocatable objects, each object read once: handler code is read before
-    linking (handler_abi)."""
-    out: dict[str, tuple[int, bytes]] = {}
+def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes, dict[int, str]]]:
+    """name -> (section offset, bytes, {section offset of a relocated field: the
+    symbol it names}) of every sized function defined in the relocatable objects,
+    each object read once: handler code is read before linking (handler_abi)."""
+    out: dict[str, tuple[int, bytes, dict[int, str]]] = {}
     for obj in objs:
         with open(obj, "rb") as f:
             e = ELFFile(f)
@@ -405,13 +444,21 @@ def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes]]:
                     key = (s["st_shndx"], s["st_value"])
                     sizes[key] = max(sizes.get(key, 0), s["st_size"])
             data: dict[int, bytes] = {}
+            relocs: dict[int, dict[int, str]] = {}
+            for sec in e.iter_sections():
+                if sec["sh_type"] == "SHT_RELA" and sec["sh_info"]:
+                    named = relocs.setdefault(sec["sh_info"], {})
+                    for r in sec.iter_relocations():
+                        named[r["r_offset"]] = st.get_symbol(r["r_info_sym"]).name
             for s in syms:
                 size = s["st_size"] or sizes.get((s["st_shndx"], s["st_value"]), 0)
                 if not size or s.name in out:
                     continue
                 if s["st_shndx"] not in data:
                     data[s["st_shndx"]] = e.get_section(s["st_shndx"]).data()
-                out[s.name] = s["st_value"], data[s["st_shndx"]][s["st_value"]:s["st_value"] + size]
+                lo, hi = s["st_value"], s["st_value"] + size
+                out[s.name] = lo, data[s["st_shndx"]][lo:hi], \
+                    {o: n for o, n in relocs.get(s["st_shndx"], {}).items() if lo <= o < hi}
     return out
 
 
@@ -438,13 +485,14 @@ def undefined_symbols(objs: list[Path]) -> dict[str, Path]:
 
 def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFORM,
          externs: dict[str, int | None] | None = None, origin: dict[Path, str] | None = None,
-         image_name: str = "the image") -> Blob:
+         image_name: str = "the image", data_addr: int | None = None) -> Blob:
     """Link at text_addr.  A PIE platform's blob is self-contained; any other
     resolves what it leaves undefined from `externs` (the image's symbols:
     name -> address, None when the name is ambiguous), each missing one an
-    error naming the symbol and the file that uses it (`origin`: object -> name)."""
+    error naming the symbol and the file that uses it (`origin`: object -> name).
+    data_addr: where the data starts (default: the page after the code)."""
     script = workdir / "kp.ld"
-    text = LINKER_SCRIPT.format(text=text_addr)
+    text = LINKER_SCRIPT.format(text=text_addr, data=". = ALIGN(0x1000);" if data_addr is None else f". = {data_addr:#x};")
     out = workdir / "blob.elf"
     if _platform(platform).pie:
         script.write_text(text)

@@ -16,6 +16,7 @@ from .arch import get_arch
 from .errors import KprewriteError
 from .image import Image
 from .output import write_atomically
+from .progress import NoProgress
 from .report import blacklist_lines, check_lines, list_lines, read_metadata, skipped_summary
 
 __all__ = ["Session", "prepare", "prepare_for_check", "build", "instrument",
@@ -41,10 +42,13 @@ class Session:
 
 
 def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: bool = True,
-            system_map: str | None = None) -> Session:
+            system_map: str | None = None, progress=None) -> Session:
     """Everything up to the plan.  strict: refused probes and missing handlers are
-    errors (instrument); otherwise refused probes stay in the plan to be printed (check)."""
+    errors (instrument); otherwise refused probes stay in the plan to be printed (check).
+    progress: a progress.Progress told each stage as it starts."""
+    progress = progress or NoProgress()
     spec = load_spec(spec_path)
+    progress.stage("loading", os.path.basename(input_path))
     image = Image(input_path)
     arch = get_arch(image.machine)
     errors = events.expand(spec, arch)  # kprobe_events lines become probe tables
@@ -52,10 +56,13 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     target.load_symbols(image, system_map)
     if strict:
         target.runtime_probes(spec)     # probes the runtime itself needs (a kernel's boot hooks)
+    progress.stage("resolving", f"{len(image.functions)} functions")
     rules = target.rules(image, arch)
     probes, res_errors = resolve(image, spec, arch)
     errors += res_errors
+    progress.stage("analysing", f"{len(image.functions)} functions, {len(probes)} probes")
     analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources)
+    progress.stage("planning", f"{len(probes)} probes, {len(analysis.targets)} jump targets")
     plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.path.name)
     if strict:
         errors += plan.errors
@@ -72,22 +79,30 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
 
 
 def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False,
-                      system_map: str | None = None) -> Session:
-    return prepare(input_path, spec_path, no_optimize, strict=False, system_map=system_map)
+                      system_map: str | None = None, progress=None) -> Session:
+    progress = progress or NoProgress()
+    try:
+        return prepare(input_path, spec_path, no_optimize, strict=False, system_map=system_map, progress=progress)
+    finally:
+        progress.done()
 
 
-def build(s: Session, workdir: Path) -> bytes:
-    """The output image's bytes."""
+def build(s: Session, workdir: Path, progress=None, deps: list | None = None) -> bytes:
+    """The output image's bytes.  deps: gets every file the handlers' compilation read."""
+    progress = progress or NoProgress()
     platform = s.target.name             # its runtime/platform/<name> folder
+    progress.stage("compiling", f"{len(s.spec.handlers)} handler files")
     headers = workdir / "include"       # headers the target makes from the image (a kernel's types)
     for rel, text in s.target.handler_headers(s.image).items():
         (headers / rel).parent.mkdir(parents=True, exist_ok=True)
         (headers / rel).write_text(text)
     objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform,
-                                           headers)
+                                           headers, deps)
     planner.choose_forms(s.plan, s.image, s.arch, code, set(s.traces), s.rules.fast_forms)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
+    progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
     lay = layout.place(c, s.target)
+    progress.stage("linking")
     cc = link.compiler()
     table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces), platform)
     runtime = link.compile_runtime(cc, workdir, s.arch, platform)
@@ -96,20 +111,34 @@ def build(s: Session, workdir: Path) -> bytes:
     origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
     origin[table] = "probe table"
     blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
-                     s.target.link_symbols(s.image), origin, Path(s.image.path).name)
+                     s.target.link_symbols(s.image), origin, Path(s.image.path).name, lay.data_addr)
     rx, patches = emission.emit(c, lay, blob.symbols)
+    progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)
 
 
 def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,
-               system_map: str | None = None) -> Session:
-    s = prepare(input_path, spec_path, no_optimize, system_map=system_map)
-    keep = os.environ.get("KPREWRITE_KEEP")   # debugging: keep the linked runtime (gdb add-symbol-file)
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        data = build(s, Path(keep))
-    else:
-        with tempfile.TemporaryDirectory(prefix="kprewrite-") as d:
-            data = build(s, Path(d))
-    write_atomically(output, data, input_path)
+               system_map: str | None = None, progress=None, depfile: str | None = None) -> Session:
+    """Write OUTPUT; with depfile, also a make/ninja depfile of every file read:
+    INPUT, the spec, the System.map, the handlers and the headers they include,
+    the runtime's sources."""
+    progress = progress or NoProgress()
+    deps = [input_path, spec_path] + ([system_map] if system_map else [])
+    try:
+        s = prepare(input_path, spec_path, no_optimize, system_map=system_map, progress=progress)
+        deps += s.spec.handlers
+        keep = os.environ.get("KPREWRITE_KEEP")   # debugging: keep the linked runtime (gdb add-symbol-file)
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            data = build(s, Path(keep), progress, deps)
+        else:
+            with tempfile.TemporaryDirectory(prefix="kprewrite-") as d:
+                data = build(s, Path(d), progress, deps)
+        deps += link.runtime_sources()
+        write_atomically(output, data, input_path)
+        if depfile:
+            from . import depfile as df
+            df.write(depfile, output, deps, input_path)
+    finally:
+        progress.done()
     return s

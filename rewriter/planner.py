@@ -132,7 +132,8 @@ class Plan:
     sites: list[Site] = field(default_factory=list)          # placed, in address order
     errors: list[str] = field(default_factory=list)
     skipped: dict[str, list[Probe]] = field(default_factory=lambda: defaultdict(list))
-    rejected: list[tuple[Probe, str, str]] = field(default_factory=list)   # (probe, decision, reason)
+    # (probe, decision, reason, check name, address of the instruction that made it fail)
+    rejected: list[tuple[Probe, str, str, str, int]] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)        # functions with kretprobes, by entry
     ret_sites: list[RetSite] = field(default_factory=list)   # by address
     kprobes: list[tuple[Site, Probe]] = field(default_factory=list)          # kp_probes[], by slot
@@ -157,8 +158,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     kret_refused = Plan()
     by_addr: dict[int, list[Probe]] = defaultdict(list)
 
-    def fail(p: Probe, decision: str, reason: str, check: str, into: Plan = out):
-        into.rejected.append((p, decision, reason))
+    def fail(p: Probe, decision: str, reason: str, check: str, addr: int | None = None, into: Plan = out):
+        into.rejected.append((p, decision, reason, check, p.addr if addr is None else addr))
         if p.from_glob:
             into.skipped[check].append(p)
         else:
@@ -168,7 +169,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if is_entry(p):
             why = _kretprobe_refusal(image, analysis, arch, p, rules)
             if why is not None:
-                fail(p, REFUSED, why[0], why[1], kret_refused)
+                fail(p, REFUSED, *why, into=kret_refused)
                 continue
         why = _register_refusal(image, analysis, arch, p, rules.blacklist)
         if why is not None:
@@ -193,7 +194,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if s.decision not in JUMPS:
             if not rules.int3:      # no breakpoint probes in this target (yet): refused
                 for p in s.probes:
-                    fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"))
+                    fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"),
+                         getattr(s.reason, "addr", s.addr))
                 continue
             make_int3(image, arch, s)
         out.sites.append(s)
@@ -206,8 +208,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     return out
 
 
-def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple[str, str] | None:
-    """register_kprobe()'s checks: (reason, check name), or None."""
+def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None:
+    """register_kprobe()'s checks: (reason, check name[, address]), or None."""
     if p.func is None:
         return f"no function symbol or FDE covers {p.addr:#x}, so the instruction boundary cannot be checked", "no_function"
     if p.spec.symbol_name and not p.from_glob and not (p.func.start <= p.addr < p.func.end and p.addr - p.offset >= p.func.start):
@@ -219,7 +221,7 @@ def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple[str, 
         return f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist"
     r = arch.optprobe.can_probe_insn(image, p.addr)
     if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
-        return str(r), r.check
+        return str(r), r.check, r.addr
     return None
 
 
@@ -400,10 +402,9 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     regs.  traced: keys of probes with a trace event (events.trace_key), whose
     generated handlers read regs."""
     for site in plan.sites:
-        if fast_forms:
-            _site_form(site, image, arch, code, traced, trace_key)
-        else:       # every detour builds pt_regs and calls the runtime (optimized_callback())
-            site.clean, site.template, site.clobbers = False, False, None
+        # Without fast forms, detours call the runtime's shared entries: optimized_callback()
+        # with pt_regs, or the clean callback where no handler reads pt_regs.
+        _site_form(site, image, arch, code, traced, trace_key, fast_forms)
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
@@ -420,7 +421,8 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
                           "aligned": arch.optprobe.stack_aligned_at(image, g.func, g.func.start)}
 
 
-def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key) -> None:
+def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key,
+               templates: bool = True) -> None:
     site.clean = True
     site.clobbers = set()
     for p in site.probes:
@@ -432,7 +434,7 @@ def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: se
             h = code[name]
             site.clean = site.clean and not h.reads_regs
             site.clobbers = None if h.clobbers is None or site.clobbers is None else site.clobbers | h.clobbers
-    site.template = site.decision in JUMPS and len(site.probes) == 1 and not site.with_post
+    site.template = templates and site.decision in JUMPS and len(site.probes) == 1 and not site.with_post
     if site.template and is_entry(site.probes[0]):
         eh = site.probes[0].kret.entry_handler
         h = code[eh] if eh else NO_HANDLER

@@ -12,41 +12,121 @@ from .planner import FTRACE, HOOK_PENDING, INT3, JUMPS, OPTIMIZED, TRAMPOLINE, P
 META_SECTION = ".kprewrite.meta"
 
 
-def check_lines(plan: Plan) -> list[str]:
+# --- machine-readable forms (--format json, and the Python API) ------------------------------
+# Addresses are "0x..." strings: a kernel address does not fit the 53 bits a JSON
+# number keeps in JavaScript or jq.  Offsets and counts are numbers.
+
+CHECK_FORMAT, LIST_FORMAT, BLACKLIST_FORMAT = "kprewrite-check-1", "kprewrite-list-1", "kprewrite-blacklist-1"
+
+
+def hexaddr(a: int | None) -> str | None:
+    return None if a is None else f"{a:#x}"
+
+
+def refusal(reason, default_addr: int, check: str | None = None, addr: int | None = None) -> dict:
+    """A refusal as {check, address, message}: an arch Refusal carries both; a
+    plain reason "check: message" names its check first, at the probe's address."""
+    text = str(reason)
+    if hasattr(reason, "check"):
+        return {"check": reason.check, "address": hexaddr(reason.addr), "message": text}
+    if check is None:
+        head, sep, _ = text.partition(": ")
+        check = head if sep and head.isidentifier() else "unknown"
+    return {"check": check, "address": hexaddr(default_addr if addr is None else addr), "message": text}
+
+
+def _probe_record(p, kind: str, decision: str) -> dict:
+    return {"index": p.index, "name": p.event_name, "kind": kind, "symbol": p.symbol, "offset": p.offset,
+            "address": hexaddr(p.addr), "decision": decision, "from_glob": p.from_glob,
+            "reason": None, "int3": None, "returns": None}
+
+
+def returns_record(g) -> dict:
+    """How a kretprobe's returns are caught: every exit hooked, or the trampoline."""
+    if g.mode == TRAMPOLINE:
+        return {"mode": TRAMPOLINE, "reason": refusal(g.reason, g.entry), "sites": []}
+    int3 = {e.addr: why for e, why in g.int3_exits}
+    sites = []
+    for e in g.exits:
+        hook = "ret" if e.kind == "ret" else ("pending" if g.hooks[e.addr] == HOOK_PENDING else TRAMPOLINE)
+        sites.append({"address": hexaddr(e.addr), "kind": "ret" if e.kind == "ret" else "tail",
+                      "target": hexaddr(e.target) if e.kind != "ret" else None, "hook": hook,
+                      "int3": e.addr in int3,
+                      "int3_reason": refusal(int3[e.addr], e.addr) if e.addr in int3 else None})
+    return {"mode": "hooks", "reason": None, "sites": sites}
+
+
+def check_records(plan: Plan) -> list[dict]:
+    """`check`'s lines as records, in spec order (the `probes` of `check --format json`)."""
     rows = []
     for site, p in plan.kprobes:
-        if site.decision == INT3:   # breakpoint probe: why not optimized, and how it runs out of line
-            rows.append((p.index, f"{p.label}  k  {INT3}  {site.reason}  [{site.xol.mode}]"))
-        else:
-            rows.append((p.index, f"{p.label}  k  {site.decision}"))
-    rows += [(p.index, f"{p.label}  r  {describe_returns(g)}") for _, p, g in plan.kretprobes]
-    for p, decision, reason in plan.rejected:
-        rows.append((p.index, f"{p.label}  {getattr(p, 'kind', 'k')}  {decision}  {reason}"))
-    return [r for _, r in sorted(rows)]
+        r = _probe_record(p, "k", site.decision)
+        if site.decision == INT3:
+            r["reason"], r["int3"] = refusal(site.reason, site.addr), site.xol.mode
+        rows.append(r)
+    for site, p, g in plan.kretprobes:
+        r = _probe_record(p, "r", FTRACE if site.decision == FTRACE else OPTIMIZED)
+        r["returns"] = returns_record(g)
+        rows.append(r)
+    for p, decision, reason, check, addr in plan.rejected:
+        r = _probe_record(p, getattr(p, "kind", "k"), decision)
+        r["reason"] = refusal(reason, p.addr, check, addr)
+        rows.append(r)
+    return sorted(rows, key=lambda r: r["index"])
 
 
-def describe_returns(g) -> str:
-    # The decision word is the entry's (interface.md: optimized, ftrace, int3,
-    # refused); how the returns are caught follows it.
-    word = FTRACE if g.site.decision == FTRACE else OPTIMIZED
-    if g.mode == TRAMPOLINE:
-        return f"{word}  returns: {TRAMPOLINE}  {g.reason}"
-    int3 = {e.addr for e, _ in g.int3_exits}
-    parts = []
-    for e in g.exits:
-        what = "ret" if e.kind == "ret" else f"tail->{e.target:#x}" + (" (pending)" if g.hooks[e.addr] == HOOK_PENDING else " (trampoline)")
-        parts.append(f"{e.addr:#x} {what}" + (" (int3)" if e.addr in int3 else ""))
-    return f"{word}  returns: {', '.join(parts)}"
+def check_line(r: dict) -> str:
+    """One line of `check`: SYMBOL+0xOFF  k|r  DECISION  [why] ...; for a kretprobe,
+    how its returns are caught."""
+    head = f"{r['symbol']}+{r['offset']:#x}  {r['kind']}  {r['decision']}"
+    if r["returns"] is not None:
+        ret = r["returns"]
+        if ret["mode"] == TRAMPOLINE:
+            return f"{head}  returns: {TRAMPOLINE}  {ret['reason']['message']}"
+        parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target']} ({e['hook']})"
+                 for e in ret["sites"]]
+        parts = [t + (" (int3)" if e["int3"] else "") for t, e in zip(parts, ret["sites"])]
+        return f"{head}  returns: {', '.join(parts)}"
+    if r["reason"] is not None:
+        head += f"  {r['reason']['message']}"
+    return head + (f"  [{r['int3']}]" if r["int3"] else "")
+
+
+def check_lines(plan: Plan) -> list[str]:
+    return [check_line(r) for r in check_records(plan)]
+
+
+def skipped_counts(plan: Plan) -> dict[str, int]:
+    return {check: len(ps) for check, ps in sorted(plan.skipped.items())}
+
+
+def check_doc(plan: Plan, label: str) -> dict:
+    """`check --format json`: the plan, what globs skipped, and the errors that fail it."""
+    return {"format": CHECK_FORMAT, "input": label, "probes": check_records(plan),
+            "skipped": skipped_counts(plan), "errors": list(plan.errors)}
+
+
+def instrument_summary(plan: Plan, output: str) -> dict:
+    """`instrument --format json`'s last line."""
+    decisions = {d: 0 for d in (OPTIMIZED, FTRACE, INT3)}
+    for site, _ in plan.kprobes:
+        decisions[site.decision] += 1
+    return {"type": "summary", "output": output, "kprobes": len(plan.kprobes),
+            "kretprobes": len(plan.kretprobes), **decisions,
+            "skipped": sum(len(v) for v in plan.skipped.values())}
 
 
 def skipped_summary(plan: Plan) -> list[str]:
-    if not plan.skipped:
+    return skipped_text(skipped_counts(plan), sum(len(site.probes) for site in plan.sites))
+
+
+def skipped_text(counts: dict[str, int], placed: int) -> list[str]:
+    """The summary of what globs skipped, grouped by reason, most frequent first."""
+    if not counts:
         return []
-    n = sum(len(v) for v in plan.skipped.values())
-    placed = sum(len(site.probes) for site in plan.sites)
-    lines = [f"{placed} probes placed, {n} from globs skipped:"]
-    for check, ps in sorted(plan.skipped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append(f"  {len(ps):6d}  {check}")
+    lines = [f"{placed} probes placed, {sum(counts.values())} from globs skipped:"]
+    for check, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"  {n:6d}  {check}")
     return lines
 
 
@@ -104,25 +184,64 @@ def read_metadata(path: str) -> dict:
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 
-def list_lines(path: str) -> list[str]:
-    """debugfs kprobes/list: ADDRESS  k|r  SYMBOL+0xOFF  [DISABLED] [OPTIMIZED] [FTRACE]."""
+INT3_FLAGS = {"emulate": "EMULATED", "boost": "BOOSTED", "single-step": "SINGLESTEP"}
+
+
+def _list_flags(p: dict) -> list[str]:
+    return ((["DISABLED"] if p["disabled"] else []) + (["OPTIMIZED"] if p["optimized"] else [])
+            + (["FTRACE"] if p.get("ftrace") else []) + ([INT3_FLAGS[p["int3"]]] if p.get("int3") in INT3_FLAGS else []))
+
+
+def list_records(path: str, meta: dict | None = None) -> list[dict]:
+    """The probes compiled into a rewritten image, from its .kprewrite.meta
+    (the `probes` of `list --format json`)."""
     out = []
-    for p in read_metadata(path)["probes"]:
-        flags = (" [DISABLED]" if p["disabled"] else "") + (" [OPTIMIZED]" if p["optimized"] else "")
-        flags += " [FTRACE]" if p.get("ftrace") else ""
-        flags += {"emulate": " [EMULATED]", "boost": " [BOOSTED]", "single-step": " [SINGLESTEP]"}.get(p.get("int3"), "")
-        out.append(f"{p['addr']:016x}  {p['kind']}  {p['symbol']}+{p['offset']:#x}{flags}")
+    for p in (meta or read_metadata(path))["probes"]:
+        r = {"index": p["index"], "name": p["name"], "kind": p["kind"], "symbol": p["symbol"], "offset": p["offset"],
+             "address": hexaddr(p["addr"]), "flags": _list_flags(p), "disabled": p["disabled"],
+             "optimized": p["optimized"], "ftrace": bool(p.get("ftrace")), "int3": p.get("int3"),
+             "reason": p.get("reason"), "call": p.get("call"), "detour": hexaddr(p["detour"]) if p.get("detour") else None,
+             "region": [hexaddr(a) for a in p["region"]], "returns": p.get("returns"), "return_sites": None, "int3_exits": None}
+        if p["kind"] == "r":
+            r["return_sites"] = [{"address": hexaddr(a), "end": hexaddr(e), "exit": hexaddr(x)} for a, e, x in p["return_sites"]]
+            r["int3_exits"] = [hexaddr(a) for a in p["int3_exits"]]
+        out.append(r)
     return out
 
 
-def blacklist_lines(path: str, system_map: str | None = None) -> list[str]:
-    """Registration refusals (debugfs kprobes/blacklist), then the sites a detour
-    must not overlap (for a kernel: everything it patches at boot)."""
+def list_doc(path: str) -> dict:
+    meta = read_metadata(path)
+    return {"format": LIST_FORMAT, "input": meta.get("input"), "probes": list_records(path, meta)}
+
+
+def list_lines(path: str) -> list[str]:
+    """debugfs kprobes/list: ADDRESS  k|r  SYMBOL+0xOFF  [DISABLED] [OPTIMIZED] [FTRACE]."""
+    return [f"{int(r['address'], 16):016x}  {r['kind']}  {r['symbol']}+{r['offset']:#x}"
+            + "".join(f" [{f}]" for f in r["flags"]) for r in list_records(path)]
+
+
+def blacklist_records(path: str, system_map: str | None = None) -> list[dict]:
+    """Registration refusals (debugfs kprobes/blacklist, kind "blacklist"), then the
+    sites a detour must not overlap (kind "reserved"; for a kernel: everything it
+    patches at boot)."""
     from . import targets
     from .arch import get_arch
     image = Image(path)
     target = targets.for_image(image)
     target.load_symbols(image, system_map)
     rules = target.rules(image, get_arch(image.machine))
-    return ([f"{e.start:#x}-{e.end:#x}  {e.symbol}  {e.reason}" for e in rules.blacklist.entries]
-            + [f"{e.start:#x}-{e.end:#x}  {e.symbol}  boot-patched site ({e.reason})" for e in rules.reserved.entries])
+    return ([{"start": hexaddr(e.start), "end": hexaddr(e.end), "symbol": e.symbol, "kind": "blacklist", "reason": e.reason}
+             for e in rules.blacklist.entries]
+            + [{"start": hexaddr(e.start), "end": hexaddr(e.end), "symbol": e.symbol, "kind": "reserved", "reason": e.reason}
+               for e in rules.reserved.entries])
+
+
+def blacklist_doc(path: str, system_map: str | None = None) -> dict:
+    import os
+    return {"format": BLACKLIST_FORMAT, "input": os.path.basename(path), "entries": blacklist_records(path, system_map)}
+
+
+def blacklist_lines(path: str, system_map: str | None = None) -> list[str]:
+    return [f"{e['start']}-{e['end']}  {e['symbol']}  "
+            + (e["reason"] if e["kind"] == "blacklist" else f"boot-patched site ({e['reason']})")
+            for e in blacklist_records(path, system_map)]

@@ -11,7 +11,9 @@ answer (targets/*), used by the planner.
   exception-table entry: can_optimize()'s search_exception_tables());
 - ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
-- fast_forms: whether the runtime has the clean-call and inlined-template fast paths.
+- fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
+  hit counter and the handler call in the detour itself).  Clean calls (no pt_regs for a
+  handler that never reads it, through the runtime's shared clean entry) are always allowed.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class Rules:
     function_refusal: Callable | None = None            # (analysis, func) -> arch Refusal | None
     int3: bool = True
     kretprobes: bool = True
-    fast_forms: bool = True          # clean calls and inlined templates (else every detour builds pt_regs)
+    fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
 
     def region_refusal(self, arch, analysis, func, lo: int, hi: int):

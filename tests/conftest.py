@@ -2,7 +2,8 @@
 CLI, run them natively and under qemu-x86_64.
 
 Every test module takes its helpers from here: compiling (`cc`), the CLI
-(`kprewrite`, `instrument`, `check_lines`), spec text (`write_spec`,
+(`kprewrite`, `instrument`, which also checks with `attributed` that
+`kprewrite diff` explains every byte the rewrite changed, `check_lines`), spec text (`write_spec`,
 `probe_spec`), running (`run`, the `runner` fixture), reading results
 (`profile`, `meta`), the symbols of a binary (`symbols`, `functions`, `insns`),
 and `once`, which builds what a native/QEMU pair of a test shares."""
@@ -85,9 +86,21 @@ def kprewrite(*args, check=True, cwd=None) -> subprocess.CompletedProcess:
 
 
 def instrument(binary: Path, spec: Path, out: Path | None = None, *extra) -> Path:
+    """`kprewrite instrument`; then every byte the rewrite changed in `binary` must be
+    attributed to a probe site or a known part of the rewrite (attributed())."""
     out = out or binary.with_name(binary.name + ".kp")
     kprewrite("instrument", binary, "--spec", spec, "-o", out, *extra)
+    attributed(binary, out)
     return out
+
+
+def attributed(original: Path, rewritten: Path) -> dict:
+    """`kprewrite diff`'s document (in-process, through the API: no second
+    interpreter per rewrite), asserting that it explains every change."""
+    import rewriter
+    d = rewriter.diff(original, rewritten)
+    assert d.ok, "\n".join(d.errors)
+    return d.doc
 
 
 def rewritten(tmp: Path, binary: Path, text: str, handlers: str | None = None) -> Path:

@@ -3,6 +3,7 @@ kernel's registration rules, the sites it patches at boot, ftrace-site probes.  
 chosen from the image's own tables, so the test holds for another build of the kernel."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -109,6 +110,16 @@ def test_check_kernel_rules(tmp_path, debian_kernel, kimage):
     # Every refused probe is named on standard error, one line each, and check fails.
     refused = sum("refused" in w for _, _, w in probes) + 1
     assert r.returncode == 1 and len(r.stderr.splitlines()) == refused, r.stderr
+    # --format json: the same plan; kernel addresses as "0x..." strings (beyond a double's 53 bits).
+    j = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, "--format", "json", check=False)
+    doc = json.loads(j.stdout)
+    assert j.returncode == 1 and j.stderr == r.stderr and len(doc["errors"]) == refused
+    for (sym, off, words), p, line in zip(probes, doc["probes"], lines):
+        assert (p["symbol"], p["offset"], p["kind"]) == (sym, off, "k") and p["decision"] == words[0]
+        assert int(p["address"], 16) == kimage.symbols[sym][0] + off and int(p["address"], 16) > 2**53
+        if p["decision"] == "refused":
+            assert p["reason"]["message"] in line and p["reason"]["check"] and int(p["reason"]["address"], 16)
+    assert doc["probes"][-1]["kind"] == "r" and doc["probes"][-1]["decision"] == "refused"
 
 
 def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_kernel, kimage):
@@ -124,6 +135,18 @@ def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
     r = kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out, check=False)
     assert r.returncode == 0 and out.exists() and r.stderr == "", r.stderr
+    # kprewrite diff explains every changed byte: the ftrace site's jump, its dropped
+    # __mcount_loc entry, our code and data in the text/rodata gap (and the boot hooks' probes).
+    doc = json.loads(kprewrite("diff", debian_kernel.vmlinux, out, "--format", "json").stdout)
+    site = kimage.symbols["do_sys_openat2"][0]
+    what = {c["what"] for c in doc["changes"]}
+    assert {"kprobe", "target", "added_section", "elf_header"} <= what and doc["unattributed"] == []
+    (entry,) = [c for c in doc["changes"] if c["address"] == hex(site)]
+    assert entry["probes"] == ["p_do_sys_openat2_0"] and entry["changed"] == 5 and "ftrace site" in entry["detail"]
+    assert any(c["what"] == "target" and f"ftrace site {site:#x} dropped" in c["detail"] for c in doc["changes"])
+    assert all(g["segment"] == "LOAD" and g["filesz"][1] > g["filesz"][0] for g in doc["grown"])
+    assert doc["added_segments"] == [] and [s["name"] for s in doc["added_sections"]] == [
+        ".kprewrite.text", ".kprewrite.data", ".kprewrite.meta"]
 
 
 def test_blacklist_lists_every_table(debian_kernel):

@@ -101,6 +101,14 @@ static int open_entry(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* __x64_sys_openat's entry: a handler that never reads regs gets a clean call (no
+ * struct pt_regs built, kp_optprobe_clean_entry). */
+static int openat_seen(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kp-openat-clean: %s\n", p->symbol_name);
+	return 0;
+}
+
 /* Inside it, once the arguments sit in the registers the function moved them to. */
 static int open_inside(struct kprobe *p, struct pt_regs *regs)
 {
@@ -156,16 +164,18 @@ def probed(tmp_path_factory, debian_kernel):
                     '[[kprobe]]\nsymbol_name = "do_sys_openat2"\npre_handler = "open_entry"\n'
                     f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n'
                     '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n'
-                    '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n')
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n'
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_openat"\npre_handler = "openat_seen"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     assert r.stdout.splitlines() == ["kernel_clone+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace",
                                      f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace",
-                                     "__x64_sys_kill+0x0  k  ftrace"], r.stdout
+                                     "__x64_sys_kill+0x0  k  ftrace", "__x64_sys_openat+0x0  k  ftrace"], r.stdout
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
     return {"dir": d, "spec": spec, "out": out, "offset": off, "regs": (name_reg, dfd_reg),
-            "kernel_clone": image.symbols["kernel_clone"][0], "gap": (lay.rx_vaddr, lay.end)}
+            "kernel_clone": image.symbols["kernel_clone"][0], "gap": (lay.rx_vaddr, lay.end),
+            "data_gap": (lay.data_vaddr, lay.data_end)}
 
 
 @pytest.fixture(scope="module")
@@ -188,16 +198,17 @@ def test_boots_with_no_boot_parameter(probed_boot, probed):
     r = probed_boot
     assert_boot_ok(r)
     assert r.cmd[r.cmd.index("-append") + 1] == "console=ttyS0 panic=-1", r.cmd
-    kept = re.search(r"kprewrite: kept (\w+)\.\.(\w+) of the text/rodata gap: code (\d+) KiB \(read-only\), "
-                     r"data (\d+) KiB \(read-write, NX\)", r.console)
-    assert kept, r.explain("no line from the free_kernel_image_pages boot hook")
-    freed = re.search(r"Freeing unused kernel image \(text/rodata gap\) memory: (\d+)K", r.console)
-    assert int(kept.group(1), 16) == probed["gap"][0]
-    gap = (probed["gap"][1] - probed["gap"][0]) >> 10
-    assert freed and int(freed.group(1)) == gap - ((int(kept.group(2), 16) - int(kept.group(1), 16)) >> 10), \
-        r.explain("the gap freed is not the gap minus our pages")
+    kept = {}
+    for gap, what, start, end in (("text/rodata", "code", *probed["gap"]), ("rodata/data", "data", *probed["data_gap"])):
+        m = re.search(rf"kprewrite: kept (\w+)\.\.(\w+) of the {gap} gap: {what} (\d+) KiB", r.console)
+        assert m, r.explain(f"no line from the free_kernel_image_pages boot hook for the {gap} gap")
+        freed = re.search(rf"Freeing unused kernel image \({gap} gap\) memory: (\d+)K", r.console)
+        assert int(m.group(1), 16) == start
+        assert freed and int(freed.group(1)) == ((end - start) >> 10) - int(m.group(3)), \
+            r.explain(f"the {gap} gap freed is not the gap minus our pages")
+        kept[what] = m.group(3)
     print(f"\nprobed vmlinux: boot to power-off {r.seconds:.2f} s ({r.accel}, -smp 2); kept "
-          f"{kept.group(3)} KiB code + {kept.group(4)} KiB data of the gap")
+          f"{kept['code']} KiB code of the text/rodata gap, {kept['data']} KiB data of the rodata/data gap")
 
 
 def test_kprobe_example_on_kernel_clone(probed_boot, probed):
@@ -292,11 +303,35 @@ def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     opens = count("kp-open-entry: ")
     assert rows["p_do_sys_openat2_0"] == (opens, 0) and rows[f"p_do_sys_openat2_{probed['offset']}"] == (opens, 0), rows
     assert rows["p___x64_sys_kill_0"] == (1 + KILLS, 0), rows
+    # The clean call counts and runs its handler as the full one does: every openat(2)
+    # reaches do_sys_openat2 (busybox opens files with openat only).
+    assert rows["p___x64_sys_openat_0"] == (count("kp-openat-clean: __x64_sys_openat"), 0), rows
+    assert rows["p___x64_sys_openat_0"][0] == opens, (rows, opens)
     # Each open_entry() calls ktime_get() while it runs: at least that many misses.
     hits, missed = rows["p_ktime_get_0"]
     assert hits > 0 and missed >= opens, rows
-    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
+    for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
         assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
+
+
+def _detour_entry(image, addr: int) -> int:
+    """The runtime entry a site's detour calls: the jmp at the site, then the detour's first call."""
+    code = image.read(addr, 5)
+    assert code[0] == 0xE9, code.hex()
+    detour = addr + 5 + int.from_bytes(code[1:], "little", signed=True)
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    call = next(i for i in cs.disasm(image.read(detour, 32), detour) if i.mnemonic == "call")
+    return int(call.op_str, 16)
+
+
+def test_clean_handler_gets_a_clean_call(probed):
+    """A pre_handler that never reads regs is called through the runtime's clean entry
+    (no struct pt_regs), the others through the pt_regs one, as in user space."""
+    out = Image(str(probed["out"]))
+    linux_kernel.load_symbols(out)
+    full = {_detour_entry(out, out.symbols[f][0]) for f in ("kernel_clone", "do_sys_openat2", "__x64_sys_kill")}
+    clean = _detour_entry(out, out.symbols["__x64_sys_openat"][0])
+    assert len(full) == 1 and clean not in full, (full, clean)
 
 
 def test_list_reads_the_probes_back(probed, debian_kernel):
@@ -307,7 +342,7 @@ def test_list_reads_the_probes_back(probed, debian_kernel):
     assert any(re.fullmatch(r"[0-9a-f]{16}  k  do_sys_openat2\+0x0 \[FTRACE\]", l) for l in lines), lines
     assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  do_sys_openat2\+{off:#x} \[OPTIMIZED\]", l) for l in lines), lines
     # The boot hooks are probes too, on ftrace sites.
-    for fn in ("set_memory_ro", "set_memory_nx", "free_kernel_image_pages"):
+    for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages"):
         assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  {fn}\+0x0 \[FTRACE\]", l) for l in lines), (fn, lines)
 
 

@@ -69,9 +69,16 @@ def _target(ci):
     return None
 
 
-def may_use_regs(code: bytes, start: int, end: int) -> bool:
+# A jmp to one of these is a return: a kernel built with CONFIG_RETHUNK (and code
+# compiled for it, -mfunction-return=thunk-extern) returns through the thunk.
+RETURN_THUNKS = frozenset({"__x86_return_thunk"})
+
+
+def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None) -> bool:
     """Whether the function [start, end) (code = its bytes) may use the value
-    %rsi has at entry.  Follows every path until %rsi is overwritten."""
+    %rsi has at entry.  Follows every path until %rsi is overwritten.
+    relocs: offset of a relocated field -> the symbol it names (an object's)."""
+    relocs = relocs or {}
     seen: set[int] = set()
     work = [start]
     while work:
@@ -90,6 +97,8 @@ def may_use_regs(code: bytes, start: int, end: int) -> bool:
             groups = set(ci.groups)
             if capstone.CS_GRP_RET in groups:
                 break
+            if ci.mnemonic == "jmp" and relocs.get(addr + 1) in RETURN_THUNKS:
+                break                            # jmp __x86_return_thunk: a return
             if capstone.CS_GRP_CALL in groups:
                 return True                      # the callee may take it as an argument
             if capstone.CS_GRP_INT in groups or capstone.CS_GRP_IRET in groups:

@@ -151,9 +151,15 @@ def _symbol_at(image, addr: int) -> str:
 # handlers on set_memory_ro(), set_memory_nx() and free_kernel_image_pages(), placed as any
 # probe; runtime/platform/linux_kernel/platform.c) keep the pages we use: code read-only and
 # executable like .text, data read-write (never made read-only: every hit writes it) and NX.
+# A fourth, on setup_per_cpu_areas(), allocates every possible CPU's counters from memblock.
+# The runtime's data (the probe tables, written at every hit) goes in the rodata/data gap
+# (PFN_ALIGN(__end_rodata) .. _sdata), which mark_rodata_ro() frees the same way; the first
+# PT_LOAD is extended over it, so that it is loaded (its file bytes are the padding before
+# the second PT_LOAD's 2 MiB-aligned offset).
 PAGE = 0x1000
 # The boot hooks: (function, runtime pre_handler).
-BOOT_HOOKS = (("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),
+BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),
+              ("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),
               ("free_kernel_image_pages", "kp_kernel_keep_free"))
 
 
@@ -161,6 +167,8 @@ BOOT_HOOKS = (("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kern
 class GapLayout:
     rx_vaddr: int             # the first byte we use: PFN_ALIGN(_etext)
     end: int                  # __start_rodata
+    data_vaddr: int           # PFN_ALIGN(__end_rodata): the runtime's data
+    data_end: int             # _sdata
 
     @property
     def after_phdrs(self) -> int:
@@ -181,8 +189,9 @@ def _symbol(image, name: str) -> int:
 
 
 def plan_layout(image) -> GapLayout:
-    start = (_symbol(image, "_etext") + PAGE - 1) & ~(PAGE - 1)
-    return GapLayout(start, _symbol(image, "__start_rodata"))
+    align = lambda a: (a + PAGE - 1) & ~(PAGE - 1)  # noqa: E731
+    return GapLayout(align(_symbol(image, "_etext")), _symbol(image, "__start_rodata"),
+                     align(_symbol(image, "__end_rodata")), _symbol(image, "_sdata"))
 
 
 def thread_key(image) -> ThreadKey:
@@ -213,9 +222,10 @@ def runtime_probes(spec) -> None:
 RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS + SHUTDOWN_HOOKS)
 
 
-# Per-CPU blocks (struct kp_thread and its hit counters) are taken from a static pool on
-# each CPU's first hit, never allocated in probe context: room for this many CPUs.
-POOL_CPUS = 64
+# Per-CPU blocks (struct kp_thread and its hit counters) are taken on each CPU's first
+# hit, never allocated in probe context: the boot CPU's first from a static block, every
+# possible CPU's from memory the setup_per_cpu_areas() boot hook allocates (platform.c).
+POOL_CPUS = 1
 
 
 def tables_c(image, arch, any_int3: bool) -> str:
@@ -235,6 +245,7 @@ def tables_c(image, arch, any_int3: bool) -> str:
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
             " + sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0])) * sizeof(unsigned long) + 63) & ~63UL)\n"
             f"unsigned long kp_kernel_pool[{POOL_CPUS} * KP_KERNEL_BLOCK / sizeof(unsigned long)];\n"
+            "const unsigned long kp_kernel_block = KP_KERNEL_BLOCK;\n"
             "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
 
 
@@ -271,15 +282,28 @@ def link_symbols(image) -> dict[str, int | None]:
     return out
 
 
+def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
+    """What `kprewrite diff` may find changed besides the probe sites and the gap
+    our code fills: the __mcount_loc entry of each ftrace site a probe took
+    (write() zeroes it, so ftrace neither patches nor checks the site)."""
+    taken = {p["addr"]: p["name"] for p in meta["probes"] if p.get("ftrace")}
+    if not taken:
+        return []
+    return [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
+            for m in ks.mcount_locs(_kernel(image)) if m.site in taken]
+
+
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
     """The vmlinux with the probes' jumps, the dropped __mcount_loc entries of the ftrace
     sites we took, our code and data in the gap, and the metadata section."""
-    k = _kernel(image)
-    end = blob.data_addr + blob.data_memsz
-    if end > layout.target.end:
-        raise KprewriteError(f"{image.path}: the probes' code and data need {(end - layout.rx_vaddr) >> 10} KiB; "
-                             f"the text/rodata gap has {(layout.target.end - layout.rx_vaddr) >> 10} KiB")
+    k, gap = _kernel(image), layout.target
+    code_end, data_end = blob.text_addr + len(blob.text), blob.data_addr + blob.data_memsz
+    if code_end > gap.end or data_end > gap.data_end:
+        raise KprewriteError(f"{image.path}: the probes need {(code_end - gap.rx_vaddr) >> 10} KiB of code and "
+                             f"{(data_end - gap.data_vaddr) >> 10} KiB of data; the text/rodata gap has "
+                             f"{(gap.end - gap.rx_vaddr) >> 10} KiB and the rodata/data gap {(gap.data_end - gap.data_vaddr) >> 10} KiB")
     out = bytearray(image.data)
+    offset_of = _extend_first_load(image, out, gap.data_vaddr, data_end)
     for addr, code in patches:
         off = image.offset_of(addr)
         out[off:off + len(code)] = code
@@ -291,13 +315,13 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     code = bytes(rx) + blob.text
     off = image.offset_of(layout.rx_vaddr)
     out[off:off + len(code)] = code
-    doff = image.offset_of(blob.data_addr)
+    doff = offset_of(blob.data_addr)
     out[doff:doff + len(blob.data)] = blob.data
     zeroed = [mcount[site.addr].entry for site in plan.sites if site.decision == "ftrace"]
     sections = [NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, code),
                 NewSection(".kprewrite.data", 8 if not blob.data else 1, 3, blob.data_addr, blob.data, blob.data_memsz),
                 NewSection(META_SECTION, 1, 0, 0, metadata, align=1)]
-    shoff, shnum, shstrndx = append_section_headers(out, image, sections, lambda s: image.offset_of(s.addr))
+    shoff, shnum, shstrndx = append_section_headers(out, image, sections, lambda s: offset_of(s.addr))
     struct.pack_into("<Q", out, 40, shoff)
     struct.pack_into("<H", out, 60, shnum)
     struct.pack_into("<H", out, 62, shstrndx)
@@ -307,3 +331,29 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     table = None if image.container.relocs is None else \
         kaslr.relocation_table(image, arch, layout, rx, patches, blob, plan, zeroed)
     return bzimage_write.build(image.container, bytes(out), table, image.path)
+
+
+def _extend_first_load(image, out: bytearray, data_vaddr: int, data_end: int):
+    """Extend the PT_LOAD that ends in the rodata/data gap over [data_vaddr, data_end), so
+    that the loader (QEMU's PVH loader, the decompressor's parse_elf()) copies our data;
+    the file bytes there are the padding before the next PT_LOAD and must be zero.
+    Returns the file offset of an address, the extended segment included."""
+    e_phoff, = struct.unpack_from("<Q", out, 32)
+    e_phnum, = struct.unpack_from("<H", out, 56)
+    for i in range(e_phnum):
+        at = e_phoff + 56 * i
+        p_type, _, p_offset, p_vaddr, _, p_filesz, p_memsz, _ = struct.unpack_from("<IIQQQQQQ", out, at)
+        if p_type == PT_LOAD and p_vaddr <= data_vaddr and p_vaddr + p_memsz <= data_vaddr < p_vaddr + 0x40000000:
+            end_off = p_offset + (data_end - p_vaddr)
+            others = [s for s in image.segments if s.type == PT_LOAD and s.vaddr != p_vaddr]
+            if p_filesz != p_memsz or any(p_offset + p_filesz < s.offset + s.filesz and s.offset < end_off for s in others) \
+                    or end_off > len(out) or any(out[p_offset + p_filesz:end_off]):
+                break
+            if data_end > data_vaddr:
+                struct.pack_into("<QQ", out, at + 32, data_end - p_vaddr, data_end - p_vaddr)
+
+            def offset_of(addr: int, base=p_offset - p_vaddr, lo=p_vaddr, hi=data_end) -> int:
+                return base + addr if lo <= addr < max(hi, lo + 1) else image.offset_of(addr)
+            return offset_of
+    raise KprewriteError(f"{image.path}: the rodata/data gap at {data_vaddr:#x} is not file padding after "
+                         "a PT_LOAD; cannot place the probes' data there")

@@ -107,7 +107,6 @@ def compact_elf(elf: bytes, path: str) -> bytes:
 def _check_moves(loads, room: int, base: int, path: str) -> None:
     """parse_elf() moves the PT_LOADs in program-header order: no move may write over a
     segment still to be moved."""
-    done = []
     for i, p in enumerate(loads):
         dest = (p[4] - base, p[4] - base + p[5])
         for q in loads[i + 1:]:
@@ -115,7 +114,6 @@ def _check_moves(loads, room: int, base: int, path: str) -> None:
             if dest[0] < src[1] and src[0] < dest[1]:
                 raise KprewriteError(f"{path}: the PT_LOAD at p_paddr {p[4]:#x} would overwrite the one at "
                                      f"{q[4]:#x} while the decompressor moves them")
-        done.append(dest)
 
 
 def memory_end(elf: bytes) -> int:

@@ -54,11 +54,6 @@ def percpu_range(image) -> tuple[int, int]:
     return (min(s.vaddr for s in loads), max(s.vaddr + s.memsz for s in loads)) if loads else (0, 0)
 
 
-def text_symbol(image) -> int:
-    lo, _ = kernel_range(image)
-    return lo
-
-
 def address_c(image, addr: int) -> str:
     """An address of the kernel as a C constant expression the linker relocates
     (`_text` + offset: an R_X86_64_64 in data); anything else as a number."""
@@ -81,11 +76,14 @@ def relocation_table(image, arch, layout, rx: bytes, patches, blob, plan, zeroed
     pc_lo, pc_hi = percpu_range(image)
     r64, r32neg, r32 = _entries(old.relocs64), _entries(old.relocs32neg), _entries(old.relocs32)
     lists = ((r64, 8), (r32neg, 4), (r32, 4))
-    gap = (layout.rx_vaddr, layout.target.end)
+    gaps = [(layout.rx_vaddr, layout.target.end, "text/rodata")]
+    if hasattr(layout.target, "data_vaddr"):
+        gaps.append((layout.target.data_vaddr, layout.target.data_end, "rodata/data"))
     for lst, _ in lists:
-        if any(gap[0] <= e < gap[1] for e in lst):
-            raise KprewriteError(f"{path}: the relocation table has entries in the text/rodata gap "
-                                 f"{gap[0]:#x}..{gap[1]:#x}: it is not free space")
+        for start, end, what in gaps:
+            if any(start <= e < end for e in lst):
+                raise KprewriteError(f"{path}: the relocation table has entries in the {what} gap "
+                                     f"{start:#x}..{end:#x}: it is not free space")
 
     ordered = [(lst, width, sorted(lst)) for lst, width in lists]
 

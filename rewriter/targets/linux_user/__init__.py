@@ -10,7 +10,7 @@ from ...arch.base import ThreadKey
 from ...errors import KprewriteError
 from ...rules import Rules
 from . import ftrace, sighook, writer
-from .startup import emit_stubs, reserve_stubs  # noqa: F401
+from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"

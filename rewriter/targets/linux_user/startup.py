@@ -41,6 +41,34 @@ def slot_hook(image, tag_array: int, tag_single: int):
     return None
 
 
+def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
+    """What `kprewrite diff` may find changed besides the probe sites: a shared
+    object's init/fini hooks (the 8 bytes slot_hook() rewrites).  An executable's
+    new entry point is in the ELF header, which diff explains itself."""
+    if image.is_executable:
+        return []
+    out = []
+    for name, arr, single in (("init", DT_INIT_ARRAY, DT_INIT), ("fini", DT_FINI_ARRAY, DT_FINI)):
+        hook = slot_hook(image, arr, single)
+        if hook is not None:
+            off, old = hook
+            how = ("the R_X86_64_RELATIVE addend of DT_{0}_ARRAY[0]" if image.dynamic.get(arr) and off != _dynamic_value_offset(image, single)
+                   else "DT_{0}").format(name.upper())
+            out.append((off, 8, f"{how}: chained through the runtime's {name} stub (was {old:#x})"))
+    return out
+
+
+def _dynamic_value_offset(image, tag: int) -> int | None:
+    dyn = image.section_named(".dynamic")
+    if dyn is None:
+        return None
+    for i in range(dyn.size // 16):
+        o = dyn.offset + i * 16
+        if int.from_bytes(image.data[o:o + 8], "little") == tag:
+            return o + 8
+    return None
+
+
 def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> tuple[int | None, list]:
     """The stubs' code (put(addr, code, room)); returns (new entry point or None,
     file patches [(offset, bytes)])."""

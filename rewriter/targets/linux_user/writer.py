@@ -33,6 +33,7 @@ class Layout:
     rx_vaddr: int      # V: program headers, stubs, detours, runtime code
     rx_offset: int
     phdr_size: int
+    data_vaddr = None  # the runtime's data follows its code (link.py's default)
 
     @property
     def after_phdrs(self) -> int:

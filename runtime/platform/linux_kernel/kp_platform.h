@@ -33,6 +33,7 @@ extern int __preempt_count;
 extern int cpu_number;
 
 #define KP_KERN_INFO "\001" "6"	/* KERN_INFO */
+#define KP_KERN_ERR "\001" "3"	/* KERN_ERR */
 
 /* --- thread identity: the CPU --- */
 
@@ -78,9 +79,12 @@ void kp_platform_close(int fd);
 unsigned long kp_platform_ncpus(void);
 long long kp_platform_ktime(void);
 
-/* The per-CPU blocks' pool, generated with the probe table (rewriter/targets/linux_kernel). */
+/* The boot CPU's first block and the size of one (struct kp_thread and the
+ * hit counters), generated with the probe table (rewriter/targets/linux_kernel). */
 extern unsigned long kp_kernel_pool[];
-extern const unsigned long kp_kernel_pool_size;
+extern const unsigned long kp_kernel_pool_size, kp_kernel_block;
+void *memblock_alloc_try_nid(unsigned long size, unsigned long align, unsigned long min_addr,
+			     unsigned long max_addr, int nid);
 /* The text/rodata gap, PFN_ALIGN(_etext) .. __start_rodata, which holds our code and data. */
 extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
 

@@ -1,6 +1,8 @@
 /*
  * Platform layer: a Linux kernel image.  Output goes to the kernel's printk;
- * memory comes from a static pool (nothing is allocated in probe context);
+ * memory (the per-CPU blocks) comes from a block for the boot CPU's earliest
+ * hits and from memory allocated once at boot for every possible CPU (never
+ * in probe context);
  * the boot hooks keep our pages of the text/rodata gap through
  * mark_rodata_ro(), with the kernel's own W^X rules: code read-only and
  * executable like .text, data read-write and NX.
@@ -12,18 +14,47 @@
 #define PAGE_ALIGN(x) (((x) + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1))
 
 /* The linked blob's layout (rewriter/link.py's linker script): code and
- * rodata from the gap's start, data from the page __kp_data_start. */
-extern char __kp_data_start[], __kp_data_end[];
+ * rodata from the text/rodata gap's start up to __kp_rela_end, data from
+ * __kp_data_start, the start of the rodata/data gap. */
+extern char __kp_rela_end[], __kp_data_start[], __kp_data_end[];
 
 static unsigned long kp_kernel_pool_used;
+/* Every possible CPU's block, allocated by the setup_per_cpu_areas() boot hook. */
+static char *kp_kernel_cpus;
+static unsigned long kp_kernel_cpus_size, kp_kernel_cpus_used;
 
 void *kp_platform_alloc(unsigned long size)
 {
 	size = (size + 63) & ~63UL;
+	char *cpus = __atomic_load_n(&kp_kernel_cpus, __ATOMIC_ACQUIRE);
+	if (cpus) {
+		unsigned long at = __atomic_fetch_add(&kp_kernel_cpus_used, size, __ATOMIC_RELAXED);
+		return at + size > kp_kernel_cpus_size ? 0 : cpus + at;
+	}
 	unsigned long at = __atomic_fetch_add(&kp_kernel_pool_used, size, __ATOMIC_RELAXED);
 	if (at + size > kp_kernel_pool_size)
 		return 0;
 	return (char *)kp_kernel_pool + at;
+}
+
+/* setup_per_cpu_areas(): nr_cpu_ids is known and memblock still hands out
+ * memory for good, as it does for the per-CPU areas themselves.  Until here
+ * only the boot CPU runs, on the static block; its per-CPU offset changes
+ * now, so its next hit takes a block of this memory, as every other CPU's. */
+int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	(void)regs;
+	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
+	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);	/* MEMBLOCK_ALLOC_ACCESSIBLE, NUMA_NO_NODE */
+	if (!m) {
+		_printk(KP_KERN_ERR "kprewrite: no memory for %u CPUs' counters (%lu KiB): "
+			"hits on CPUs without one count as missed\n", nr_cpu_ids, size >> 10);
+		return 0;
+	}
+	kp_kernel_cpus_size = size;
+	__atomic_store_n(&kp_kernel_cpus, m, __ATOMIC_RELEASE);
+	return 0;
 }
 
 /* Each write is one printk: at the level the handler's text starts with
@@ -70,12 +101,12 @@ void kp_profile_signal_configure(const char *value)
  * The boot hooks, pre_handlers of probes the rewriter adds on the kernel's
  * own set_memory_ro(), set_memory_nx() and free_kernel_image_pages() (their
  * ftrace sites).  mark_rodata_ro() calls set_memory_ro(_text, ...) up to the
- * end of .rodata, set_memory_nx(PFN_ALIGN(_etext), ...), then
- * free_kernel_image_pages(what, PFN_ALIGN(_etext), __start_rodata).  Our data
- * pages are kept out of the first (every probe hit writes them, the hooks'
- * own included, so they must never be read-only), our code pages out of the
- * second, both out of the third.  Only the arguments' meanings are relied
- * on, not the code of mark_rodata_ro().
+ * end of the rodata/data gap, set_memory_nx(PFN_ALIGN(_etext), ...), then
+ * free_kernel_image_pages(what, PFN_ALIGN(_etext), __start_rodata) and the
+ * same for the rodata/data gap.  Our data pages are kept out of the first
+ * (every probe hit writes them, the hooks' own included, so they must never
+ * be read-only), our code pages out of the second, both out of the frees.
+ * Only the arguments' meanings are relied on, not the code of mark_rodata_ro().
  */
 
 /* set_memory_ro(addr, numpages) over our data pages: everything but them. */
@@ -103,7 +134,7 @@ int kp_kernel_keep_ro(struct kprobe *p, struct pt_regs *regs)
 int kp_kernel_keep_nx(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
-	unsigned long code_end = (unsigned long)__kp_data_start;	/* page aligned */
+	unsigned long code_end = PAGE_ALIGN((unsigned long)__kp_rela_end);
 	if (regs->di != kp_kernel_gap_start)
 		return 0;
 	long pages = (long)(int)regs->si - (long)((code_end - kp_kernel_gap_start) >> PAGE_SHIFT);
@@ -112,18 +143,23 @@ int kp_kernel_keep_nx(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
-/* free_kernel_image_pages(what, begin, end): keep our code and data pages. */
+/* free_kernel_image_pages(what, begin, end): keep our code pages (the start
+ * of the text/rodata gap) and our data pages (the start of the rodata/data gap). */
 int kp_kernel_keep_free(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
+	unsigned long code_end = PAGE_ALIGN((unsigned long)__kp_rela_end);
 	unsigned long data = (unsigned long)__kp_data_start;
 	unsigned long data_end = PAGE_ALIGN((unsigned long)__kp_data_end);
-	if (regs->si != kp_kernel_gap_start)
-		return 0;
-	regs->si = data_end < regs->dx ? data_end : regs->dx;
-	_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the text/rodata gap: code %lu KiB (read-only), "
-		"data %lu KiB (read-write, NX)\n", kp_kernel_gap_start, data_end, (data - kp_kernel_gap_start) >> 10,
-		(data_end - data) >> 10);
+	if (regs->si == kp_kernel_gap_start) {
+		regs->si = code_end < regs->dx ? code_end : regs->dx;
+		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the text/rodata gap: code %lu KiB (read-only)\n",
+			kp_kernel_gap_start, code_end, (code_end - kp_kernel_gap_start) >> 10);
+	} else if (regs->si == data && data_end > data) {
+		regs->si = data_end < regs->dx ? data_end : regs->dx;
+		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the rodata/data gap: data %lu KiB (read-write, NX)\n",
+			data, data_end, (data_end - data) >> 10);
+	}
 	return 0;
 }
 

@@ -1,0 +1,124 @@
+"""The Python API: the CLI's commands as functions, with the same semantics.
+
+    from rewriter import instrument, check, read_probes, read_blacklist, KprewriteError
+
+Each returns the records that `--format json` prints (README: "Machine-readable
+output"); every failure is a KprewriteError whose `lines` are the CLI's error
+lines (str(e) joins them).  Nothing here prints.  The CLI (cli.py) only formats
+what these return.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import KprewriteError
+
+
+@dataclass
+class CheckResult:
+    """`check`: each probe's decision and, if not optimized, why (report.check_records)."""
+    input: str
+    probes: list[dict]
+    skipped: dict[str, int] = field(default_factory=dict)   # glob probes skipped, by check name
+    errors: list[str] = field(default_factory=list)          # what makes `instrument` refuse the spec
+    format: str = "kprewrite-check-1"
+
+    @property
+    def ok(self) -> bool:
+        """instrument would succeed (register_kprobes() all or nothing)."""
+        return not self.errors
+
+    def as_dict(self) -> dict:
+        return {"format": self.format, "input": self.input, "probes": self.probes,
+                "skipped": self.skipped, "errors": self.errors}
+
+    def lines(self) -> list[str]:
+        from .report import check_line
+        return [check_line(r) for r in self.probes]
+
+
+@dataclass
+class InstrumentResult:
+    """`instrument`: what was written, and the plan it was written from."""
+    output: str
+    probes: list[dict]               # as check's, for the placed probes
+    skipped: dict[str, int]
+    summary: dict                    # report.instrument_summary
+    skipped_lines: list[str]         # the text summary the CLI prints on standard error
+
+
+def _progress(on: bool):
+    from .progress import NoProgress, Progress
+    return Progress() if on else NoProgress()
+
+
+def check(input_path, spec, *, optimize: bool = True, system_map=None, progress: bool = False) -> CheckResult:
+    """The plan, nothing written.  Refused probes are in `probes` (decision
+    "refused") and, when named exactly, in `errors`; a bad spec or image raises.
+    progress: show each stage on standard error if it is a terminal."""
+    from . import pipeline, report
+    s = pipeline.prepare_for_check(str(input_path), str(spec), not optimize, str(system_map) if system_map else None,
+                                   _progress(progress))
+    d = report.check_doc(s.plan, s.image.label)
+    return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"])
+
+
+def instrument(input_path, spec, output, *, optimize: bool = True, system_map=None,
+               progress: bool = False, depfile=None) -> InstrumentResult:
+    """Write `output`: `input_path` with the spec's probes compiled in, atomically,
+    all or nothing.  Raises KprewriteError (every failing probe named) and
+    writes nothing if any probe named exactly cannot be placed.  depfile: also
+    write a make/ninja depfile there, naming every file the rewrite read."""
+    from . import pipeline, report
+    input_path, output = str(input_path), str(output)
+    if os.path.abspath(output) == os.path.abspath(input_path):
+        raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
+    s = pipeline.instrument(input_path, str(spec), output, not optimize,
+                            str(system_map) if system_map else None, _progress(progress),
+                            str(depfile) if depfile else None)
+    return InstrumentResult(output, report.check_records(s.plan), report.skipped_counts(s.plan),
+                            report.instrument_summary(s.plan, output), report.skipped_summary(s.plan))
+
+
+def read_probes(binary) -> list[dict]:
+    """The probes compiled into a rewritten image (`list`), from its .kprewrite.meta."""
+    from . import report
+    return report.list_records(str(binary))
+
+
+@dataclass
+class DiffResult:
+    """`diff`: every change `rewritten` made to `original`, attributed (changes.diff)."""
+    doc: dict
+
+    @property
+    def ok(self) -> bool:
+        """Every changed byte is explained (`kprewrite diff` exits 0)."""
+        return not self.doc["unattributed"] and not self.doc["problems"]
+
+    @property
+    def changes(self) -> list[dict]:
+        return self.doc["changes"]
+
+    @property
+    def errors(self) -> list[str]:
+        from .changes import diff_errors
+        return diff_errors(self.doc, self.doc["rewritten"])
+
+    def lines(self) -> list[str]:
+        from .changes import diff_lines
+        return diff_lines(self.doc)
+
+
+def diff(original, rewritten, *, system_map=None) -> DiffResult:
+    """Which bytes of `original` the rewrite `rewritten` changed, and which probe
+    site (or known part of the rewrite) explains each; what it added."""
+    from . import changes
+    return DiffResult(changes.diff(str(original), str(rewritten), str(system_map) if system_map else None))
+
+
+def read_blacklist(input_path, *, system_map=None) -> list[dict]:
+    """What cannot be probed in an image, and why (`blacklist`)."""
+    from . import report
+    return report.blacklist_records(str(input_path), str(system_map) if system_map else None)

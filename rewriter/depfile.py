@@ -1,0 +1,35 @@
+"""`instrument --depfile FILE`: a make/ninja depfile naming every file the rewrite
+read, so a build system re-runs it exactly when one of them changes (gcc -MD's
+convention: `OUTPUT: PREREQ...`)."""
+from __future__ import annotations
+
+import os
+
+from .errors import KprewriteError
+from .output import write_atomically
+
+
+def escape(path: str) -> str:
+    """A path as make and ninja read it in a depfile: spaces and # escaped, $ doubled."""
+    return path.replace("\\", "\\\\").replace(" ", "\\ ").replace("#", "\\#").replace("$", "$$")
+
+
+def text(target: str, deps: list) -> str:
+    seen, ordered = set(), []
+    for d in deps:
+        p = os.path.abspath(str(d))
+        if p not in seen:
+            seen.add(p)
+            ordered.append(p)
+    return escape(target) + ":" + "".join(f" \\\n  {escape(p)}" for p in ordered) + "\n"
+
+
+def write(path: str, target: str, deps: list, mode_from: str) -> None:
+    if os.path.isdir(path):
+        raise KprewriteError(f"{path}: --depfile is a directory")
+    write_atomically(path, text(target, deps).encode(), mode_from)
+    # A depfile is not executable, whatever INPUT is.
+    try:
+        os.chmod(path, os.stat(path).st_mode & 0o666)
+    except OSError as e:
+        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
