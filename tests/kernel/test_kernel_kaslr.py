@@ -151,6 +151,13 @@ def test_list_reads_the_bzimage(rewritten):
            "[OPTIMIZED]" in lines, lines
 
 
+def test_diff_refuses_a_bzimage(rewritten, debian_kernel):
+    r = kprewrite("diff", debian_kernel.vmlinuz, rewritten["out"], check=False)
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"kprewrite: {debian_kernel.vmlinuz}: diff compares ELF files; a bzImage's vmlinux is re-laid when written, "
+        "so compare the vmlinux it holds and that vmlinux rewritten"], r.stderr
+
+
 def test_boots_with_kaslr_at_different_bases(boots, rewritten):
     """No boot parameter: KASLR on; user space reached, W+X check passed, no oops, clean
     power-off, each boot at its own base."""
