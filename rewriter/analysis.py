@@ -67,22 +67,65 @@ def symbol_targets(image: Image, an: "Analysis"):
         yield addr, f"code symbol at {addr:#x}"
 
 
-DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets]
+def code_ref_targets(image: Image, an: "Analysis"):
+    """Code addresses the code computes (x86: a RIP-relative lea): a register may
+    hold one and jump to it."""
+    if not an.read_indirect_jumps:
+        return
+    for f in image.functions:
+        for target, src in an.decoded(f).code_refs or ():
+            if image.is_code(target):
+                yield target, f"code address computed at {src:#x}"
+
+
+def indirect_jump_targets(image: Image, an: "Analysis"):
+    """The entries of the jump tables the arch reads (last: its slices stop at the
+    targets the other sources found).  Where the target says not to (a kernel),
+    the kernel's rule stays: any indirect jump refuses its function."""
+    if not an.read_indirect_jumps:
+        return
+    resolve = getattr(an.arch, "jumptable", None)
+    if resolve is None:
+        return
+    for f in image.functions:
+        if not an.decoded(f).indirect_jumps:
+            continue
+        jumps = resolve.resolve(image, an, f)
+        an.indirect[f.start] = jumps
+        for j in jumps:
+            for t in j.targets:
+                yield t, (f"jump table entry of the jump at {j.addr:#x}" if j.kind == "jump table"
+                          else f"target of the indirect jump at {j.addr:#x}")
+
+
+DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets,
+                                       code_ref_targets, indirect_jump_targets]
 
 
 class Analysis:
     """Decoded functions and known jump targets of one image."""
 
     def __init__(self, image: Image, arch, sources: list[TargetSource] | None = None,
-                 extra_sources: list[TargetSource] = ()):
+                 extra_sources: list[TargetSource] = (), read_indirect_jumps: bool = True):
         self.image = image
+        self.read_indirect_jumps = read_indirect_jumps
         self.arch = arch
         self._decoded: dict[int, object] = {}
         self._memo: dict[str, dict] = {}
         self.targets: dict[int, str] = {}
+        # func.start -> the arch's reading of each of its indirect jumps (jumptable.resolve)
+        self.indirect: dict[int, list] = {}
+        # Targets named by something other than a direct branch (a jump into a
+        # function's middle from what a backward slice cannot follow).
+        self.entered: set[int] = set()
+        self.branch_sources: dict[int, list[int]] = {}     # target -> every direct branch to it
         for source in [*(sources if sources is not None else DEFAULT_SOURCES), *extra_sources]:
             for target, why in source(image, self):
                 self.targets.setdefault(target, why)
+                if source is not branch_targets:
+                    self.entered.add(target)
+                elif why.startswith("jump from "):
+                    self.branch_sources.setdefault(target, []).append(int(why[10:], 16))
         self._sorted_targets = sorted(self.targets)
 
     def decoded(self, f: Function):
@@ -91,6 +134,21 @@ class Analysis:
             d = self.arch.decode_function(self.image.read(f.start, f.end - f.start), f.start)
             self._decoded[f.start] = d
         return d
+
+    def unbounded_indirect_jump(self, f: Function):
+        """The first indirect jump of f whose targets are not all known jump targets
+        (the kernel's insn_is_indirect_jump() refusal, narrowed to what the arch could
+        not read), as (address, why); None if every one is read."""
+        d = self.decoded(f)
+        if d.indirect_jump is None:
+            return None
+        jumps = self.indirect.get(f.start)
+        if jumps is None:
+            return d.indirect_jump, "it may have a jump table"
+        for j in jumps:
+            if j.kind == "unbounded":
+                return j.addr, j.why
+        return None
 
     def memo(self, kind: str, key, compute):
         """What an arch back end derives from a decoded function (its exits...),

@@ -119,7 +119,8 @@ class Image:
         self.e_type = int.from_bytes(d[16:18], "little")
         machine = int.from_bytes(d[18:20], "little")
         if machine not in MACHINES:
-            raise KprewriteError(f"{p}: ELF machine is {EM_NAMES.get(machine, machine)}; kprewrite supports x86-64 (EM_X86_64)")
+            known = ", ".join(f"{a.replace('_', '-')} ({EM_NAMES.get(m, m)})" for m, a in sorted(MACHINES.items()))
+            raise KprewriteError(f"{p}: ELF machine is {EM_NAMES.get(machine, machine)}; kprewrite supports {known}")
         if self.e_type not in (2, 3):
             raise KprewriteError(f"{p}: ELF type {self.e_type} is neither an executable nor a shared object")
         phoff = int.from_bytes(d[32:40], "little")

@@ -51,7 +51,8 @@ ASM_OFFSETS_SOURCES = ["kp_asm_offsets.c", "{arch}/kp_asm_offsets.c"]
 KERNEL_RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
                           "kp_kretprobe.c", "kp_fetch.c", "kp_trace.c"]
 KERNEL_CFLAGS = [f for f in CFLAGS if f not in ("-fPIC", "-fno-plt")] + [
-    "-D__KERNEL__", "-fno-pic", "-fno-pie", "-mcmodel=kernel", "-mno-red-zone", "-mfunction-return=thunk-extern",
+    "-D__KERNEL__", "-fno-pic", "-fno-pie", "-mcmodel=kernel", "-mno-red-zone", "-mpreferred-stack-boundary=3",
+    "-mfunction-return=thunk-extern",
     "-mindirect-branch=thunk-extern", "-mindirect-branch-register"]
 
 

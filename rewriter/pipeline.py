@@ -61,7 +61,8 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     probes, res_errors = resolve(image, spec, arch)
     errors += res_errors
     progress.stage("analysing", f"{len(image.functions)} functions, {len(probes)} probes")
-    analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources)
+    analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources,
+                        read_indirect_jumps=rules.read_indirect_jumps)
     progress.stage("planning", f"{len(probes)} probes, {len(analysis.targets)} jump targets")
     plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.path.name)
     if strict:

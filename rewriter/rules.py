@@ -33,6 +33,9 @@ class Rules:
     kretprobes: bool = True
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
+    # Read indirect jumps (jump tables, stored code pointers) instead of refusing their
+    # functions as the kernel does; off where decoding every function costs too much.
+    read_indirect_jumps: bool = True
 
     def region_refusal(self, arch, analysis, func, lo: int, hi: int):
         """Why the region [lo, hi) of func cannot be detoured, or None."""

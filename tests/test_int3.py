@@ -362,7 +362,9 @@ __asm__(
 ".text\n"
 ".globl f_boost\n.type f_boost,@function\nf_boost:\n  mov $1,%eax\n  ret\n.size f_boost,.-f_boost\n"
 ".globl f_emul\n.type f_emul,@function\nf_emul:\n  jmp 1f\n  nop\n1: mov $1,%eax\n  ret\n.size f_emul,.-f_emul\n"
-".globl f_step\n.type f_step,@function\nf_step:\n  movups (%rdi),%xmm0\n  mov $1,%eax\n  ret\n.size f_step,.-f_step\n"
+/* movups is relocatable into a detour, so a (dead) jump into the region keeps
+   this probe a breakpoint, single-stepped: SSE moves are not boostable. */
+".globl f_step\n.type f_step,@function\nf_step:\n  movups (%rdi),%xmm0\n1: mov $1,%eax\n  ret\n  jmp 1b\n.size f_step,.-f_step\n"
 );
 #include <stdio.h>
 int f_boost(void), f_emul(void), f_step(const void *);

@@ -123,9 +123,23 @@ FUNC g
     add rax, 8
     ret
 END g
+.globl h
+.type h, @function
+h:
+    ret
+.size h, .-h
+.globl h2
+.type h2, @function
+h2:
+    mov rax, 1
+    ret
+.size h2, .-h2
 """)
-    p = planned(image, [kprobe("tiny"), kprobe("g")])
-    assert site_of(p, sym(image, "tiny")).reason.check == "func_size"
+    p = planned(image, [kprobe("tiny"), kprobe("g"), kprobe("h")])
+    # tiny borrows the nop padding before g; h is followed by h2 at once.
+    tiny = site_of(p, sym(image, "tiny"))
+    assert tiny.decision == OPTIMIZED and tiny.dcr[-1].addr >= sym(image, "tiny") + 1
+    assert site_of(p, sym(image, "h")).reason.check == "func_size"
     assert site_of(p, sym(image, "g")).decision == OPTIMIZED
     p = planned(image, [kprobe("g")], optimize=False)
     s = site_of(p, sym(image, "g"))
@@ -277,3 +291,19 @@ data: .quad 0
     code, resume, resume_post = em.detour(s.index, s.dcr, False, 0x500000, 0x600000, 0x600100)
     back = next(cs.disasm(code[-5:], 0x500000 + len(code) - 5))
     assert back.mnemonic == "jmp" and int(back.op_str, 16) == s.region_end and resume == resume_post
+
+
+def test_every_target_answers_the_declared_interface():
+    """targets.base.Target: each target module has every member, functions with the
+    declared parameters, so a stage can call any target the same way."""
+    import inspect
+
+    from rewriter.targets import base, linux_kernel, linux_user
+    declared = {n: v for n, v in vars(base.Target).items() if not n.startswith("_") and callable(v)}
+    assert {"write", "rules", "plan_layout", "tables_c"} <= set(declared)
+    for target in (linux_user, linux_kernel):
+        for n in base.Target.__annotations__:
+            assert hasattr(target, n), (target.name, n)
+        for n, f in declared.items():
+            want = list(inspect.signature(f).parameters)[1:]          # without self
+            assert list(inspect.signature(getattr(target, n)).parameters) == want, (target.name, n)

@@ -69,7 +69,8 @@ class Arch(Protocol):
     breakpoint: bytes         # the breakpoint instruction an INT3-style probe writes
     Refusal: type
 
-    decode_function: Any      # (code, start) -> decoded function (boundaries, branches, ...)
+    decode_function: Any      # (code, start) -> decoded function (boundaries, branches, indirect jumps, code refs)
+    jumptable: Any            # resolve(image, analysis, func) -> each indirect jump's kind, targets (bounded or not)
     optprobe: Any             # adjust_kprobe_addr, can_probe_insn, can_optimize, stack_aligned_at, arith_flags_dead
     kprobe_xol: Any           # prepare, emulates_refused, slot_code, table_c: breakpoint probes out of line
     retprobe: Any             # find_exits, exit_region, return-hook emitters

@@ -4,7 +4,8 @@ A target answers, for its kind of image: which ranges are reserved, where new
 code and data go and how the output is written, how the output starts the
 runtime, and which platform folder of the runtime it links
 (runtime/platform/<name>).  linux_user/ is Linux user processes (executables,
-static and PIE, and shared objects).  A kernel image is a second folder here.
+static and PIE, and shared objects); linux_kernel/ is kernel images (vmlinux,
+and a bzImage's payload).  base.Target declares what each one answers.
 """
 from __future__ import annotations
 

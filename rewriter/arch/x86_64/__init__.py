@@ -1,7 +1,7 @@
 """x86-64: decode, optimizer checks and emission (the arch/x86/kernel/kprobes/ of kprewrite).
 The package is the arch.base.Arch of x86-64."""
 from ..base import Refusal  # noqa: F401
-from . import emit, handler_abi, kprobe_xol, optprobe, retprobe  # noqa: F401
+from . import emit, handler_abi, jumptable, kprobe_xol, optprobe, retprobe  # noqa: F401
 from . import fetchregs as fetch_regs  # noqa: F401
 from .decode import decode_function  # noqa: F401
 
@@ -14,8 +14,8 @@ JUMP_SIZE = 5                   # jmp rel32: what an optimized probe writes
 
 
 def is_branch(insn) -> bool:
-    """A relative branch: a detour's copy of it goes elsewhere, so no post_handler can follow it."""
-    return insn.info.emulate in ("jmp rel", "jcc rel", "call rel")
+    """A branch: a detour's copy of it goes elsewhere, so no post_handler can follow it."""
+    return insn.info.emulate in ("jmp rel", "jcc rel", "call rel", "jmp mem", "jmp reg", "call mem", "call reg")
 
 
 FTRACE_NOP = b"\x0f\x1f\x44\x00\x00"     # the 5-byte nop an ftrace site holds when not tracing

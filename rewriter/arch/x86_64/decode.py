@@ -4,6 +4,8 @@ function's start so that every instruction boundary is known, and note every
 direct branch target and every indirect jump on the way."""
 from __future__ import annotations
 
+import re
+
 from array import array
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ _JUMPS = frozenset(["jmp", "je", "jne", "ja", "jae", "jb", "jbe", "jg", "jge", "
                     "bnd je", "bnd jne", "xbegin"])
 
 
+_RIP = re.compile(r"\[rip ([+-]) (0x[0-9a-f]+)\]")
+
 _EXIT_MNEMONICS = ("ret", "j", "loop", "repz ret", "bnd ret", "bnd j", "notrack j")
 
 
@@ -28,6 +32,8 @@ class DecodedFunction:
     branches: list[tuple[int, int]]   # (target, address of the branch) of direct jumps/calls
     sets_df: int | None = None   # address of the first `std`: DF may be set inside the function
     exits: list[int] | None = None   # addresses of every ret, jmp, jcc, loop: where a function may leave
+    indirect_jumps: list[int] | None = None   # every indirect jump (jumptable.py decides which are bounded)
+    code_refs: list[tuple[int, int]] | None = None   # (address, lea) of every RIP-relative lea: addresses the code computes
 
 
 def decode_function(code: bytes, start: int) -> DecodedFunction:
@@ -36,6 +42,8 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
     indirect = None
     std = None
     exits: list[int] = []
+    indirects: list[int] = []
+    refs: list[tuple[int, int]] = []
     end = start
     for addr, size, mnem, ops in _cs.disasm_lite(code, start):
         bounds.append(addr - start)
@@ -48,11 +56,20 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
                     branches.append((int(ops, 0), addr))
                 except ValueError:
                     pass
-            elif "jmp" in mnem and indirect is None:
+            elif "jmp" in mnem:
+                indirects.append(addr)
+                if indirect is None:
+                    indirect = addr
+        elif mnem == "ljmp":
+            indirects.append(addr)
+            if indirect is None:
                 indirect = addr
-        elif mnem == "ljmp" and indirect is None:
-            indirect = addr
+        elif mnem == "lea" and "[rip " in ops:
+            # `lea X(%rip)`: a code address a register may hold, then jump to.
+            m = _RIP.search(ops)
+            if m:
+                refs.append((addr + size + int(m.group(1) + m.group(2), 16), addr))
         elif mnem == "std" and std is None:
             std = addr
     undecodable = end if end < start + len(code) else None
-    return DecodedFunction(bounds, indirect, undecodable, branches, std, exits)
+    return DecodedFunction(bounds, indirect, undecodable, branches, std, exits, indirects, refs)

@@ -54,13 +54,34 @@ def relocate(insn: DcrInsn, new: int) -> bytes:
         tail = asm("mov [rsp+8], rax; pop rax", lea_at + 7)
         jmp_at = lea_at + 7 + len(tail)
         return head + lea + tail + b"\xe9" + _s32(info.rel_target - (jmp_at + 5), "call")
+    if info.emulate in ("call mem", "call reg"):
+        # As a call rel: the original return address, then the same operand as a jmp
+        # (ff /2 -> ff /4: ModRM reg field 010 -> 100; optprobe refused %rsp in it).
+        ret = insn.addr + len(insn.code)
+        head = asm("lea rsp, [rsp-8]; push rax", new)
+        lea_at = new + len(head)
+        lea = b"\x48\x8d\x05" + _s32(ret - (lea_at + 7), "call")
+        tail = asm("mov [rsp+8], rax; pop rax", lea_at + 7)
+        jmp_at = lea_at + 7 + len(tail)
+        code = bytearray(insn.code)
+        i = 0
+        while code[i] != 0xFF:      # legacy prefixes and REX come first
+            i += 1
+        code[i + 1] ^= 0x30
+        jmp = DcrInsn(insn.addr, bytes(code), info)
+        return head + lea + tail + (_rip_moved(jmp, jmp_at) if info.rip_relative else jmp.code)
     if info.rip_relative:
-        ci = next(_cs.disasm(insn.code, insn.addr, 1))
-        off = ci.disp_offset
-        disp = struct.unpack_from("<i", insn.code, off)[0]
-        new_disp = disp + insn.addr - new
-        return insn.code[:off] + _s32(new_disp, f"RIP-relative operand at {insn.addr:#x}") + insn.code[off + 4:]
+        return _rip_moved(insn, new)
     return insn.code
+
+
+def _rip_moved(insn: DcrInsn, new: int) -> bytes:
+    """The instruction with its RIP-relative displacement re-encoded for `new`."""
+    ci = next(_cs.disasm(insn.code, insn.addr, 1))
+    off = ci.disp_offset
+    disp = struct.unpack_from("<i", insn.code, off)[0]
+    new_disp = disp + insn.addr - new
+    return insn.code[:off] + _s32(new_disp, f"RIP-relative operand at {insn.addr:#x}") + insn.code[off + 4:]
 
 
 def probe_stub(site: int, entry: int, at: int) -> bytes:

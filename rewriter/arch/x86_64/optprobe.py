@@ -37,10 +37,15 @@ def can_probe_insn(image, addr: int) -> Refusal | None:
     return None
 
 
-def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
+_UNCOND = ("ret", "ret imm", "jmp rel", "jmp mem", "jmp reg")
+
+
+def copy_region(image, func, addr: int, analysis=None) -> list[DcrInsn] | Refusal:
     """The detoured code region (DCR): whole instructions covering the 5-byte jump,
     each one relocatable (copy_optimized_instructions() with can_boost(), plus
-    relative jumps and a final call, which we re-encode)."""
+    relative jumps and a final call, which we re-encode).  A region may run on
+    into the alignment padding after the function (nop, or int3 after an
+    unconditional exit) if nothing names those bytes (_borrow_padding())."""
     out: list[DcrInsn] = []
     pos = addr
     while pos < addr + JMP32_INSN_SIZE:
@@ -50,24 +55,95 @@ def copy_region(image, func, addr: int) -> list[DcrInsn] | Refusal:
         except ValueError:
             return Refusal("decode", pos, "instruction in the region cannot be decoded")
         code = code[:info.length]
-        if info.probe_refused:
+        if pos >= func.end and code == b"\xcc" and out and out[-1].info.emulate in _UNCOND:
+            out.append(DcrInsn(pos, code, info))      # padding never reached: copied, never run
+            pos += info.length
+            continue
+        if info.probe_refused and info.emulate not in _INDIRECT:
             return Refusal("can_probe", pos, f"{info.probe_refused} in the region")
-        if info.emulate in ("jmp rel", "jcc rel"):
+        if info.emulate in ("jmp rel", "jcc rel", "jmp mem", "jmp reg"):
             pass
-        elif info.emulate == "call rel":
+        elif info.emulate in ("call rel", "call mem", "call reg"):
             if pos + info.length < addr + JMP32_INSN_SIZE:
                 return Refusal("call_in_region", pos, "a call inside the region would return into the jump's bytes")
+            why = _indirect_call_relocatable(code, pos) if info.emulate != "call rel" else None
+            if why:
+                return Refusal("can_boost", pos, why)
         elif not info.boostable:
-            return Refusal("can_boost", pos, f"instruction is not boostable ({info.boost_reason})")
+            why = _relocatable(code, pos, info)
+            if why:
+                return Refusal("can_boost", pos, f"instruction is not boostable ({info.boost_reason}) "
+                                                 f"nor relocatable ({why})")
         out.append(DcrInsn(pos, code, info))
         pos += info.length
     if pos - addr > MAX_OPTIMIZED_LENGTH:
         return Refusal("region_size", addr, f"region is {pos - addr} bytes, more than {MAX_OPTIMIZED_LENGTH}")
-    if pos > func.end:
-        return Refusal("func_size", addr, f"region [{addr:#x}, {pos:#x}) crosses the end of {func.name} at {func.end:#x}")
+    if pos > func.end and (analysis is None or not _borrow_padding(image, analysis, func, pos)):
+        return Refusal("func_size", addr, f"region [{addr:#x}, {pos:#x}) crosses the end of {func.name} at "
+                                          f"{func.end:#x}, and the bytes after it are not padding to borrow")
     # An unconditional jump ends the flow; what follows in the DCR is dead in the copy
     # but still protected by the JTPR check.
     return out
+
+
+# Indirect branches through memory: the kernel cannot emulate them
+# (prepare_emulation()'s -EOPNOTSUPP); a detour copies the jmp (its RIP-relative
+# operand re-encoded) and emulates the call (emit.relocate()).
+_INDIRECT = ("jmp mem", "call mem")
+
+_CONTROL = frozenset([capstone.CS_GRP_JUMP, capstone.CS_GRP_CALL, capstone.CS_GRP_RET, capstone.CS_GRP_INT,
+                      capstone.CS_GRP_IRET, capstone.CS_GRP_PRIVILEGE, capstone.CS_GRP_BRANCH_RELATIVE])
+_NOT_RELOCATABLE = frozenset(["popf", "popfq", "popfd", "xbegin", "xabort", "xend", "enclu", "sysenter",
+                              "sysexit", "sysret", "iretq", "iretd", "iret", "rsm", "hlt"])
+
+
+def _relocatable(code: bytes, addr: int, info) -> str:
+    """Beyond can_boost(): an instruction that behaves the same at another
+    address followed by more code, because it neither transfers control nor
+    touches TF/RTM state, and its only use of its own address is a RIP-relative
+    operand, which relocate() re-encodes (SSE/AVX moves and compares, bt,
+    push m64...).  Returns '' if so, else why not."""
+    if info.emulate:
+        return f"{info.emulate} is emulated"
+    ci = next(_cs.disasm(code, addr, 1), None)
+    if ci is None:
+        return "not decoded"
+    if _CONTROL & set(ci.groups):
+        return "transfers control"
+    if ci.mnemonic in _NOT_RELOCATABLE:
+        return f"{ci.mnemonic} changes TF, RTM or privilege state"
+    for op in ci.operands:
+        if op.type == capstone.x86_const.X86_OP_MEM and op.mem.base == capstone.x86_const.X86_REG_RIP \
+                and not info.rip_relative:
+            return "RIP-relative operand not found by the decoder"
+    return ""
+
+
+def _indirect_call_relocatable(code: bytes, addr: int) -> str:
+    """A final call *%reg / *m64 is emulated in the detour (emit.relocate()):
+    the original return address pushed, then the same operand jumped through.
+    Its operand is read after the detour has pushed a word, so it must not use
+    %rsp."""
+    ci = next(_cs.disasm(code, addr, 1), None)
+    if ci is None or not ci.operands:
+        return "not decoded"
+    op = ci.operands[0]
+    sp = capstone.x86_const.X86_REG_RSP
+    if op.type == capstone.x86_const.X86_OP_REG and op.reg == sp:
+        return "call through %rsp"
+    if op.type == capstone.x86_const.X86_OP_MEM and sp in (op.mem.base, op.mem.index):
+        return "call through an %rsp-relative operand"
+    if op.type == capstone.x86_const.X86_OP_MEM and op.mem.segment:
+        return "call through a segment-relative operand"
+    return ""
+
+
+def _borrow_padding(image, analysis, func, end: int) -> bool:
+    """Beyond the kernel (which keeps a region inside its function): may
+    [func.end, end) be part of a region?  Only alignment padding (nop, int3)
+    that no symbol, FDE, relocation or jump names, in no other function."""
+    from .retprobe import _padding
+    return _padding(image, analysis, func, func.end, end - func.end)
 
 
 def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
@@ -75,19 +151,21 @@ def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
     function, no jump target in the JTPR, every DCR instruction relocatable."""
     if func is None:
         return Refusal("func_size", addr, "no function symbol or FDE covers the address")
-    if func.end - addr < JMP32_INSN_SIZE:
-        return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at {func.end:#x}")
+    if func.end - addr < JMP32_INSN_SIZE and not _borrow_padding(image, analysis, func, addr + JMP32_INSN_SIZE):
+        return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at "
+                                          f"{func.end:#x}, and no padding after it to borrow")
     decoded = analysis.decoded(func)
     if decoded.undecodable is not None:
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
-    if decoded.indirect_jump is not None:
-        return Refusal("indirect_jump", decoded.indirect_jump, f"{func.name} has an indirect jump (it may have a jump table)")
+    ij = analysis.unbounded_indirect_jump(func)
+    if ij is not None:
+        return Refusal("indirect_jump", ij[0], f"{func.name} has an indirect jump whose targets are not bounded ({ij[1]})")
     if decoded.sets_df is not None:
         # The detour calls C code, which the ABI lets assume DF = 0, and does
         # not save DF (an int3 probe is safe: the trap entry clears DF and the
         # signal frame restores it).
         return Refusal("direction_flag", decoded.sets_df, f"{func.name} sets the direction flag (std)")
-    dcr = copy_region(image, func, addr)
+    dcr = copy_region(image, func, addr, analysis)
     if isinstance(dcr, Refusal):
         return dcr
     end = dcr[-1].addr + len(dcr[-1].code)

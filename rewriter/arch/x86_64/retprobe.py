@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 
 
+from . import jumptable
 from . import insn as x86insn
 from . import emit as em
 from .emit import _s32, relocate
@@ -74,9 +75,10 @@ def _find_exits(image, analysis, func) -> Exits:
         d = analysis.decoded(part)
         if d.undecodable is not None:
             return Exits([], Refusal("decode", d.undecodable, f"{part.name} cannot be decoded"), parts)
-        if d.indirect_jump is not None:
-            return Exits([], Refusal("indirect_jump", d.indirect_jump,
-                                     f"{part.name} has an indirect jump: its exits are unknown"), parts)
+        ij = analysis.unbounded_indirect_jump(part)
+        if ij is not None:
+            return Exits([], Refusal("indirect_jump", ij[0],
+                                     f"{part.name} has an indirect jump: its exits are unknown ({ij[1]})"), parts)
         insns = _insns(image, analysis, part)
         for a in insns.exits:
             ins = insns.at(bisect.bisect_left(insns.addrs, a))
@@ -102,6 +104,13 @@ def _find_exits(image, analysis, func) -> Exits:
                                                  f"jump to {t:#x} leaves {func.name} but not to a function's start")
                 else:
                     exits.append(Exit(ins.addr, TAIL, ins, t))
+    # A jump table whose every entry stays in the function is no exit; any other
+    # indirect jump (a tail call through a pointer) leaves for where we cannot hook.
+    for part in parts:
+        for j in analysis.indirect.get(part.start, ()):
+            if j.kind != jumptable.TABLE or not all(any(p.start <= t < p.end for p in parts) for t in j.targets):
+                return Exits([], Refusal("indirect_jump", j.addr,
+                                         f"{part.name} has an indirect jump that may leave it ({j.kind})"), parts)
     exits.sort(key=lambda e: e.addr)
     return Exits(exits, refusal, parts)
 

@@ -132,7 +132,10 @@ def rules(image, arch) -> Rules:
             yield a + i + 4 + target, f"jump label at {a + i + code:#x}"
 
     return Rules(Index(register), Index(patched), mcount, function_refusal, int3=False, kretprobes=False,
-                 fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets])
+                 fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],
+                 # A kernel is built with -fno-jump-tables and jumps through retpoline
+                 # thunks; decoding its 46,000 functions again would cost half a minute.
+                 read_indirect_jumps=False)
 
 
 def _symbol_at(image, addr: int) -> str:

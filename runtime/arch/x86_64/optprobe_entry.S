@@ -34,10 +34,14 @@
 	mov	%rax, PT_SP(%rsp)		/* sp before the detour */
 	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
 	mov	%rsp, %rsi
+#ifdef KP_STACK_ALIGN8
+	call	\callback
+#else
 	mov	%rsp, %rbx
 	and	$-16, %rsp
 	call	\callback
 	mov	%rbx, %rsp
+#endif
 	test	%eax, %eax
 	jnz	kp_optprobe_resume_regs
 	/* Fast path: arithmetic flags back with add/sahf, then the registers. */
@@ -66,12 +70,16 @@
 	lea	-80(%rsp), %rsp
 	CLEAN_SAVE
 	mov	88(%rsp), %edi			/* SITE */
+#ifdef KP_STACK_ALIGN8
+	call	\callback
+#else
 	mov	%rsp, %rcx
 	and	$-16, %rsp
 	push	%rcx
 	push	%rcx
 	call	\callback
 	mov	(%rsp), %rsp
+#endif
 	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
 	KP_RET

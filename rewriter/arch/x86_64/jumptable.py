@@ -1,0 +1,452 @@
+"""Indirect jumps read, where the kernel refuses: opt.c's can_optimize() gives up
+on a whole function when insn_is_indirect_jump() finds one jump through a
+register or memory, because a jump table might land in the region and a
+run-time patcher cannot afford to find the table.  A static rewriter can: a
+bounded backward slice from each indirect jump, over straight-line code only
+(no known jump target and no unconditional jump between the slice's start and
+the jump), recognises what the compiler emits.
+
+* a jump table: the PIC form `lea T(%rip),%B; movslq (%B,%I,4),%R; add %B,%R;
+  jmp *%R` and the absolute form `jmp *T(,%I,8)`, with the index bounded by
+  `cmp $N,%I; ja` (N + 1 entries), `jae` (N), `movzbl` (256) or `and $M` (M + 1).
+  Its entries, read from the image, are known jump targets; an entry outside the
+  code means the slice misread the table, and the jump stays unbounded;
+* a jump to a stored code pointer: a 64-bit load, `jmp *m64` (the GOT, a function
+  pointer in a struct, CPython's computed-goto table), or a register the function
+  was called with.  In a position-independent image every code address stored
+  in memory is a relocation's (R_X86_64_RELATIVE or a symbol), and every one the
+  code computes is a RIP-relative `lea` (decode.code_refs): those are already
+  known jump targets, so such a jump (mostly a tail call) lands on none but them.
+  An image linked at a fixed address stores code addresses with no relocation,
+  so there only jump tables are read;
+* a jump to a RIP-relative `lea`: its one target.
+
+Anything else (the slice reaches a join point, an index reloaded from the stack,
+arithmetic) is unbounded, and the kernel's refusal stays."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import capstone
+from capstone import x86_const as X
+
+from . import cs
+
+_cs = cs.DETAIL
+SLICE = 24            # instructions walked back from a jump
+MAX_ENTRIES = 4096
+
+TABLE, POINTER, COMPUTED, UNBOUNDED = "jump table", "stored code pointer", "computed address", "unbounded"
+
+
+@dataclass
+class IndirectJump:
+    addr: int
+    kind: str                     # TABLE, POINTER, COMPUTED or UNBOUNDED
+    targets: list[int] = field(default_factory=list)
+    why: str = ""                 # for UNBOUNDED: what the slice could not read
+
+
+_PARENT: dict[str, str] = {}
+for _r in ("ax", "bx", "cx", "dx"):
+    for n in (f"r{_r}", f"e{_r}", _r, f"{_r[0]}l", f"{_r[0]}h"):
+        _PARENT[n] = f"r{_r}"
+for _r in ("si", "di", "bp", "sp"):
+    for n in (f"r{_r}", f"e{_r}", _r, f"{_r}l"):
+        _PARENT[n] = f"r{_r}"
+for _i in range(8, 16):
+    for n in (f"r{_i}", f"r{_i}d", f"r{_i}w", f"r{_i}b"):
+        _PARENT[n] = f"r{_i}"
+
+
+def _reg(ci, r) -> str | None:
+    return _PARENT.get(ci.reg_name(r)) if r else None
+
+
+# What a call leaves undefined (the System V ABI's caller-saved registers).
+_CALL_CLOBBERS = frozenset(["rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"])
+
+
+def _writes(ci, reg: str) -> bool:
+    if capstone.CS_GRP_CALL in ci.groups and reg in _CALL_CLOBBERS:
+        return True
+    _, w = ci.regs_access()
+    return any(_reg(ci, r) == reg for r in w)
+
+
+def _uncond(ci) -> bool:
+    m = ci.mnemonic
+    return m.startswith(("jmp", "ret", "notrack jmp", "bnd jmp", "repz ret", "bnd ret", "ud2", "hlt"))
+
+
+class _Fn:
+    def __init__(self, image, an, func):
+        self.image, self.an, self.func = image, an, func
+        self.insns = list(_cs.disasm(image.read(func.start, func.end - func.start), func.start))
+        self.index = {ci.address: k for k, ci in enumerate(self.insns)}
+        self.join = None
+
+    def back(self, k: int, first: bool = False):
+        """Indices before k on straight-line code (k itself first if `first`): stops
+        where another path may join (a known jump target, the instruction after
+        an unconditional jump), leaving that index in self.join.  Yields -1 when
+        the walk reaches the function's entry."""
+        self.join = None
+        j = k
+        if first:
+            yield j
+        for _ in range(SLICE):
+            if j == 0:
+                yield -1
+                return
+            if self.insns[j].address in self.an.targets or _uncond(self.insns[j - 1]):
+                self.join = j
+                return
+            j -= 1
+            yield j
+
+    def preds(self, j: int) -> list[tuple[int, bool]] | None:
+        """Every instruction that may run just before insns[j], a join point, as
+        (index, taken): the direct branches to it (taken) and the fall-through;
+        None if something else names it (a symbol, a relocation, a landing pad,
+        a branch from another function)."""
+        a = self.insns[j].address
+        if a in self.an.entered:
+            return None
+        srcs = self.an.branch_sources.get(a, [])
+        if any(s not in self.index for s in srcs):
+            return None
+        out = [(self.index[s], True) for s in srcs]
+        if j > 0 and not _uncond(self.insns[j - 1]):
+            out.append((j - 1, False))
+        return out
+
+
+def resolve(image, an, func) -> list[IndirectJump]:
+    """Every indirect jump of func, classified (see the module docstring)."""
+    d = an.decoded(func)
+    if not d.indirect_jumps:
+        return []
+    fn = _Fn(image, an, func)
+    return [_classify(fn, a) for a in d.indirect_jumps]
+
+
+def _classify(fn: _Fn, addr: int) -> IndirectJump:
+    k = fn.index.get(addr)
+    if k is None:
+        return IndirectJump(addr, UNBOUNDED, why="not an instruction boundary")
+    ci = fn.insns[k]
+    if ci.mnemonic == "ljmp" or not ci.operands:
+        return IndirectJump(addr, UNBOUNDED, why="far jump")
+    op = ci.operands[0]
+    if op.type == X.X86_OP_MEM:
+        return _through_memory(fn, k, ci, op)
+    if op.type != X.X86_OP_REG:
+        return IndirectJump(addr, UNBOUNDED, why="operand")
+    return _register(fn, k, addr, _reg(ci, op.reg))
+
+
+def _through_memory(fn, k, ci, op) -> IndirectJump:
+    """jmp *m64 / mov m64,%reg: a stored code pointer, or an absolute jump table."""
+    m = op.mem
+    jaddr = ci.address
+    if m.segment:
+        return IndirectJump(jaddr, UNBOUNDED, why="segment-relative pointer")
+    if m.index and not m.base and op.size == 8 and m.scale == 8:
+        got = _table(fn, k, _reg(ci, m.index), m.disp & 0xFFFFFFFFFFFFFFFF, 8)
+        if got is not None:
+            return IndirectJump(jaddr, TABLE, got)
+    if fn.image.is_pic and op.size == 8:
+        return IndirectJump(jaddr, POINTER)
+    if m.base == X.X86_REG_RIP and op.size == 8:
+        slot = ci.address + ci.size + m.disp
+        sec = fn.image.section_containing(slot)
+        if sec is not None and sec.name in (".got", ".got.plt"):
+            return IndirectJump(jaddr, POINTER)
+    return IndirectJump(jaddr, UNBOUNDED, why="a pointer loaded from memory in an image without relocations")
+
+
+def _register(fn: _Fn, k: int, addr: int, reg: str | None) -> IndirectJump:
+    """jmp *%reg: the definitions of %reg reaching the jump, over every path
+    (through join points whose predecessors are all direct branches of the function)."""
+    work, seen, found = [(k, reg, False)], set(), []
+    while work:
+        start, r, first = work.pop()
+        if (start, r, first) in seen:
+            continue
+        seen.add((start, r, first))
+        if len(seen) > 32:
+            return IndirectJump(addr, UNBOUNDED, why="too many paths to the jump")
+        got = _definition(fn, start, r, first, addr)
+        if got is None:
+            preds = fn.preds(fn.join) if fn.join is not None else None
+            if preds is None:
+                return IndirectJump(addr, UNBOUNDED, why=f"%{r} comes from a path not followed")
+            work.extend((p, r, True) for p, _ in preds)
+            continue
+        if isinstance(got, tuple):          # a copy on the way: follow the source
+            work.append(got)
+            continue
+        if isinstance(got, list):           # a conditional move: follow both
+            work.extend(got)
+            continue
+        if got.kind == UNBOUNDED:
+            return got
+        found.append(got)
+    kinds = {j.kind for j in found}
+    kind = TABLE if TABLE in kinds else COMPUTED if COMPUTED in kinds else POINTER
+    return IndirectJump(addr, kind, sorted({t for j in found for t in j.targets}))
+
+
+def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
+    """The definition of %reg seen walking back from start: an IndirectJump, a
+    (index, register, True) to follow a copy from, or None at a join point."""
+    for j in fn.back(start, first):
+        if j < 0:
+            # A value the function was called with: a code pointer someone stored or computed.
+            if fn.image.is_pic:
+                return IndirectJump(addr, POINTER)
+            return IndirectJump(addr, UNBOUNDED, why=f"%{reg} comes from the caller")
+        ci = fn.insns[j]
+        if not _writes(ci, reg):
+            continue
+        m, ops = ci.mnemonic, ci.operands
+        if capstone.CS_GRP_CALL in ci.groups:
+            # A function's return value: a code pointer it loaded or computed.
+            if fn.image.is_pic and reg == "rax":
+                return IndirectJump(addr, POINTER)
+            return IndirectJump(addr, UNBOUNDED, why=f"%{reg} set by the call at {ci.address:#x}")
+        if m.startswith("cmov") and len(ops) == 2 and ops[0].type == X.X86_OP_REG \
+                and ops[1].type == X.X86_OP_REG and ops[0].size == 8 and j > 0:
+            # Either value: the source's, or the register's own from before.
+            return [(j - 1, _reg(ci, ops[1].reg), True), (j - 1, reg, True)] \
+                if fn.insns[j].address not in fn.an.targets else \
+                IndirectJump(addr, UNBOUNDED, why=f"%{reg} set by `{m}` at a join point")
+        if m == "mov" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[0].size == 8:
+            if ops[1].type == X.X86_OP_REG:
+                if j == 0:
+                    return IndirectJump(addr, POINTER) if fn.image.is_pic else \
+                        IndirectJump(addr, UNBOUNDED, why=f"%{reg} comes from the caller")
+                return (j - 1, _reg(ci, ops[1].reg), True) if fn.insns[j].address not in fn.an.targets \
+                    else _follow_copy(fn, j, _reg(ci, ops[1].reg), addr)
+            if ops[1].type == X.X86_OP_MEM:
+                r = _through_memory(fn, j, ci, ops[1])
+                r.addr = addr
+                return r
+            if ops[1].type == X.X86_OP_IMM:
+                return _computed(fn, addr, ops[1].imm & 0xFFFFFFFFFFFFFFFF)
+        if m == "lea" and ops[1].mem.base == X.X86_REG_RIP and not ops[1].mem.index:
+            return _computed(fn, addr, ci.address + ci.size + ops[1].mem.disp)
+        if m == "add" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[1].type == X.X86_OP_REG \
+                and ops[0].size == 8:
+            return _pic_table(fn, j, addr, reg, _reg(ci, ops[1].reg))
+        return IndirectJump(addr, UNBOUNDED, why=f"%{reg} computed by `{m} {ci.op_str}` at {ci.address:#x}")
+    return None
+
+
+def _follow_copy(fn: _Fn, j: int, src: str, addr: int):
+    """A copy that is itself at a join point: the source's value before it, on every path."""
+    preds = fn.preds(j)
+    if preds is None:
+        return IndirectJump(addr, UNBOUNDED, why=f"%{src} comes from a path not followed")
+    if len(preds) != 1:
+        return IndirectJump(addr, UNBOUNDED, why=f"%{src} comes from several paths")
+    return (preds[0][0], src, True)
+
+
+def _computed(fn: _Fn, addr: int, target: int) -> IndirectJump:
+    if not fn.image.is_code(target):
+        return IndirectJump(addr, UNBOUNDED, why=f"computed target {target:#x} is not code")
+    return IndirectJump(addr, COMPUTED, [target])
+
+
+def _pic_table(fn: _Fn, k_add: int, addr: int, reg: str, base: str) -> IndirectJump:
+    """add %B,%R after movslq (%B,%I,4),%R, with %B = lea T(%rip)."""
+    load = None
+    for j in fn.back(k_add):
+        if j < 0:
+            break
+        ci = fn.insns[j]
+        if _writes(ci, base) and load is None:
+            break              # the base changes between the load and the add
+        if _writes(ci, reg):
+            ops = ci.operands
+            if ci.mnemonic == "movsxd" and ops[1].type == X.X86_OP_MEM and ops[1].size == 4:
+                mm = ops[1].mem
+                if _reg(ci, mm.base) == base and mm.index and mm.scale == 4 and mm.disp == 0 and not mm.segment:
+                    load = (j, _reg(ci, mm.index))
+            break
+    if load is None:
+        return IndirectJump(addr, UNBOUNDED, why=f"the sum into %{reg} is not a jump table's")
+    k_load, index = load
+    table = _lea_value(fn, k_load, base)
+    if table is None:
+        return IndirectJump(addr, UNBOUNDED, why=f"the jump table's base %{base} is not a RIP-relative lea")
+    got = _table(fn, k_load, index, table, 4, relative=True)
+    if got is None:
+        return IndirectJump(addr, UNBOUNDED, why=f"the index %{index} of the jump table at {table:#x} is not bounded")
+    return IndirectJump(addr, TABLE, got)
+
+
+def _lea_value(fn: _Fn, k: int, base: str) -> int | None:
+    """The value of %base at instruction k: the RIP-relative lea that defines it
+    on every path (join points followed back to their direct branches: a table
+    base the compiler hoisted out of a loop), else None."""
+    work, seen, values = [(k, False)], set(), set()
+    while work:
+        item = work.pop()
+        if item in seen:
+            continue
+        seen.add(item)
+        if len(seen) > 32:
+            return None
+        for j in fn.back(*item):
+            if j < 0:
+                return None
+            ci = fn.insns[j]
+            if _writes(ci, base):
+                v = _rip_lea(ci)
+                if v is None:
+                    return None
+                values.add(v)
+                break
+        else:
+            if fn.join is None:
+                return None
+            preds = fn.preds(fn.join)
+            if preds is None:
+                return None
+            work.extend((p, True) for p, _ in preds)
+    return values.pop() if len(values) == 1 else None
+
+
+def _rip_lea(ci) -> int | None:
+    if ci.mnemonic == "lea" and ci.operands[1].mem.base == X.X86_REG_RIP and not ci.operands[1].mem.index:
+        return ci.address + ci.size + ci.operands[1].mem.disp
+    return None
+
+
+def _bound(fn: _Fn, k: int, index: str) -> int | None:
+    """How many values the index register can hold at instruction k, on every
+    path to it (join points followed back to their direct branches): a `cmp $N`
+    followed by `ja` (N + 1) or `jae` (N), a zero extension from a byte (256),
+    an `and $M` (M + 1).  None if some path does not bound it."""
+    # A 64-bit index compared in 32 bits: the compiler wrote it with a 32-bit
+    # operation, which zero-extends (the code it emits relies on that too).
+    work, seen, worst = [(k, False, False, index, 4, None)], set(), 0
+    while work:
+        item = work.pop()
+        if item in seen:
+            continue
+        seen.add(item)
+        if len(seen) > 32:
+            return None
+        got = _bound_path(fn, *item)
+        if got is None:
+            return None
+        if isinstance(got, list):
+            work.extend(got)
+            continue
+        worst = max(worst, got)
+    return worst
+
+
+def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width: int, limit: int | None):
+    """One straight-line stretch of _bound(): a bound, None, or the states to go on
+    from.  `taken`: the stretch ends with a conditional jump taken toward the table,
+    so a `cmp` just before it bounds the index by `jbe`/`jb` instead."""
+    def lim(n):
+        return n if limit is None else min(n, limit)
+    for j in fn.back(start, first):
+        if j < 0:
+            return limit
+        ci = fn.insns[j]
+        ops = ci.operands
+        if isinstance(index, tuple):
+            # The index was loaded from memory: a cmp of the same memory, with no
+            # store and no change of its address registers in between.
+            if ci.mnemonic == "cmp" and len(ops) == 2 and ops[0].type == X.X86_OP_MEM \
+                    and _memkey(ci, ops[0]) == index and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
+                pass
+            elif _stores(ci) or any(r and _writes(ci, r) for r in index[1:3]):
+                return limit
+            else:
+                continue
+        if ci.mnemonic == "cmp" and len(ops) == 2 and (
+                (ops[0].type == X.X86_OP_REG and _reg(ci, ops[0].reg) == index)
+                or (ops[0].type == X.X86_OP_MEM and _memkey(ci, ops[0]) == index)) \
+                and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
+            k2 = j + 1            # the jcc reading the cmp's flags (movs and leas may sit between)
+            while fn.insns[k2].mnemonic in ("mov", "lea") and k2 < start:
+                k2 += 1
+            nxt = fn.insns[k2].mnemonic
+            if taken and k2 == start:
+                nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
+            if nxt == "ja":
+                return lim(ops[1].imm + 1)
+            if nxt == "jae":
+                return lim(ops[1].imm)
+            return limit
+        if not _writes(ci, index):
+            continue
+        m = ci.mnemonic
+        if m == "mov" and ops[0].type == X.X86_OP_REG and ops[1].type == X.X86_OP_REG \
+                and ops[0].size == ops[1].size >= 4:
+            index, width = _reg(ci, ops[1].reg), min(width, ops[0].size)
+            continue
+        if m == "movzx" and ops[1].size in (1, 2):
+            limit = lim(1 << (8 * ops[1].size))
+            if ops[1].type != X.X86_OP_REG:
+                return limit
+            index, width = _reg(ci, ops[1].reg), ops[1].size
+            continue
+        if m == "and" and ops[1].type == X.X86_OP_IMM and 0 <= ops[1].imm < MAX_ENTRIES and ops[0].size >= 4:
+            return lim(ops[1].imm + 1)
+        if m == "mov" and ops[0].type == X.X86_OP_REG and ops[0].size == 4 and ops[1].type == X.X86_OP_MEM \
+                and not ops[1].mem.segment:
+            index, width = _memkey(ci, ops[1]), 4
+            continue
+        return limit
+    if fn.join is None:
+        return limit
+    preds = fn.preds(fn.join)
+    if preds is None:
+        return limit
+    return [(p, True, tk, index, width, limit) for p, tk in preds]
+
+
+def _memkey(ci, op) -> tuple:
+    """A memory operand as (kind, base, index, scale, disp, size); RIP-relative made absolute."""
+    m = op.mem
+    if m.base == X.X86_REG_RIP:
+        return ("mem", None, _reg(ci, m.index), m.scale, ci.address + ci.size + m.disp, op.size)
+    return ("mem", _reg(ci, m.base), _reg(ci, m.index), m.scale, m.disp, op.size)
+
+
+def _stores(ci) -> bool:
+    """May the instruction write memory?"""
+    if capstone.CS_GRP_CALL in ci.groups or ci.mnemonic.startswith(("push", "stos", "movs", "rep", "lock")):
+        return True
+    return any(op.type == X.X86_OP_MEM and op.access & capstone.CS_AC_WRITE for op in ci.operands)
+
+
+def _table(fn: _Fn, k: int, index: str | None, table: int, size: int, relative: bool = False) -> list[int] | None:
+    """The entries of the table at `table` indexed by %index at instruction k,
+    each a code address; None if the index is not bounded or an entry is not code."""
+    if index is None:
+        return None
+    n = _bound(fn, k, index)
+    if n is None or not 0 < n <= MAX_ENTRIES:
+        return None
+    sec = fn.image.section_containing(table)
+    if sec is None or table + n * size > sec.addr + sec.size or sec.type == 8:    # SHT_NOBITS
+        return None
+    raw = fn.image.read(table, n * size)
+    out = []
+    for i in range(n):
+        v = int.from_bytes(raw[i * size:(i + 1) * size], "little", signed=relative)
+        t = table + v if relative else v
+        if not fn.image.is_code(t):
+            return None
+        out.append(t)
+    return out

@@ -1,0 +1,49 @@
+"""The interface every target answers (a module with these members), as
+arch.base.Arch is for architectures: what differs between kinds of image.
+linux_user/ and linux_kernel/ are the two; a third is a folder beside them
+with these members, and one line in targets.for_image()."""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Target(Protocol):
+    name: str                          # also the runtime's folder: runtime/platform/<name>
+    RUNTIME_HANDLERS: frozenset        # handler names the runtime itself defines (boot hooks...)
+
+    # --- reading the image ---
+    def load_symbols(self, image, system_map: str | None = None) -> None:
+        """Function symbols and bounds beyond the ELF's own (a kernel's kallsyms)."""
+
+    def rules(self, image, arch) -> Any:
+        """rules.Rules: the blacklist, reserved ranges, ftrace sites, function refusals."""
+
+    def runtime_probes(self, spec) -> None:
+        """Add the probes the runtime needs (a kernel's boot and shutdown hooks)."""
+
+    # --- where new code and data go ---
+    def plan_layout(self, image) -> Any:
+        """Where the new code starts (rx_vaddr, after_phdrs) and the data (data_vaddr, None: after the code)."""
+
+    def reserve_stubs(self, image, pos: int) -> tuple[dict[str, int], int]:
+        """Start-up stubs' addresses from pos, and the position after them."""
+
+    def thread_key(self, image) -> Any:
+        """arch.base.ThreadKey: how detours find the running thread (or CPU)."""
+
+    # --- the runtime, handlers and tables ---
+    def handler_headers(self, image) -> dict[str, str]:
+        """Headers made from the image for the handlers (path -> text): a kernel's types."""
+
+    def link_symbols(self, image) -> dict[str, int | None] | None:
+        """The image's symbols the runtime and handlers may use (None: self-contained)."""
+
+    def tables_c(self, image, arch, any_int3: bool) -> str:
+        """The target's part of the generated C tables."""
+
+    # --- the output ---
+    def write(self, image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
+        """The output image's bytes."""
+
+    def diff_expected(self, image, meta: dict) -> list[tuple[int, int, str]]:
+        """Changes `kprewrite diff` may find besides the probe sites: (start, end, why)."""

@@ -1,0 +1,133 @@
+"""Every relocatable instruction in the DCR (issue 15): beyond can_boost(),
+SSE moves and compares, push m64, bt, with RIP-relative operands re-encoded;
+a final call through a register or memory, emulated so the callee sees the
+original return address; a jmp through memory.  Each function's entry region
+holds one of them; the program prints what would change if a copy ran wrong
+(a RIP-relative constant read from the wrong place, a return address in the
+detour), natively and under qemu."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import cc, check_lines, instrument, profile, run, write_spec
+
+ASM = r"""
+__asm__(
+".section .rodata\n.balign 16\n"
+"consts: .double 1.5, 2.25\n"
+"        .quad 0x1122334455667788\n"
+".text\n"
+/* movupd consts(%rip): 66 0f 10, not boostable in the kernel. */
+".globl sse_load\n.type sse_load,@function\nsse_load:\n"
+"  movupd consts(%rip),%xmm1\n"
+"  addsd %xmm1,%xmm0\n"
+"  unpckhpd %xmm1,%xmm1\n"
+"  addsd %xmm1,%xmm0\n"
+"  ret\n"
+".size sse_load,.-sse_load\n"
+/* ucomisd consts(%rip): 66 0f 2e. */
+".globl sse_cmp\n.type sse_cmp,@function\nsse_cmp:\n"
+"  ucomisd consts(%rip),%xmm0\n"
+"  seta %al\n"
+"  movzbl %al,%eax\n"
+"  ret\n"
+".size sse_cmp,.-sse_cmp\n"
+/* push consts+16(%rip): ff /6. */
+".globl push_mem\n.type push_mem,@function\npush_mem:\n"
+"  push consts+16(%rip)\n"
+"  pop %rax\n"
+"  ret\n"
+".size push_mem,.-push_mem\n"
+/* bt $3,%edi: 0f ba. */
+".globl bit_test\n.type bit_test,@function\nbit_test:\n"
+"  bt $3,%edi\n"
+"  setc %al\n"
+"  movzbl %al,%eax\n"
+"  ret\n"
+".size bit_test,.-bit_test\n"
+/* A call through a RIP-relative pointer ends the region. */
+".globl call_mem\n.type call_mem,@function\ncall_mem:\n"
+"  sub $8,%rsp\n"
+"  call *fptr(%rip)\n"
+"  add $8,%rsp\n"
+"  ret\n"
+".size call_mem,.-call_mem\n"
+/* A call through a register ends the region. */
+".globl call_reg\n.type call_reg,@function\ncall_reg:\n"
+"  sub $8,%rsp\n"
+"  call *%rdi\n"
+"  add $8,%rsp\n"
+"  ret\n"
+".size call_reg,.-call_reg\n"
+/* A call through 8(%rdi) ends the region. */
+".globl call_ind\n.type call_ind,@function\ncall_ind:\n"
+"  sub $8,%rsp\n"
+"  call *8(%rdi)\n"
+"  add $8,%rsp\n"
+"  ret\n"
+".size call_ind,.-call_ind\n"
+/* A tail jump through a RIP-relative pointer. */
+".globl jmp_mem\n.type jmp_mem,@function\njmp_mem:\n"
+"  jmp *gptr(%rip)\n"
+".size jmp_mem,.-jmp_mem\n"
+);
+"""
+
+PROGRAM = ASM + r"""
+#include <stdio.h>
+#include <stdlib.h>
+double sse_load(double);
+int sse_cmp(double), bit_test(int);
+long push_mem(void);
+void *call_mem(void), *call_reg(void *(*)(void)), *call_ind(void *);
+long jmp_mem(long);
+
+__attribute__((noinline)) void *where(void) { return __builtin_return_address(0); }
+__attribute__((noinline)) long plus42(long x) { return x + 42; }
+void *(*fptr)(void) = where;
+long (*gptr)(long) = plus42;
+struct ops { long pad; void *(*fn)(void); } ops = {0, where};
+
+static int inside(void *ra, void *f) { return (char *)ra > (char *)f && (char *)ra < (char *)f + 16; }
+
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 3;
+    double d = 0;
+    long t = 0;
+    int in = 0;
+    for (int i = 0; i < n; i++) {
+        d += sse_load(i * 0.5);
+        t += sse_cmp(i * 0.5) + bit_test(i) + jmp_mem(i);
+        t += push_mem() == 0x1122334455667788L;
+        in += inside(call_mem(), (void *)call_mem) + inside(call_reg(where), (void *)call_reg)
+              + inside(call_ind(&ops), (void *)call_ind);
+    }
+    printf("d=%.2f t=%ld returns inside the caller: %d of %d\n", d, t, in, 3 * n);
+    return 0;
+}
+"""
+
+FUNCS = ["sse_load", "sse_cmp", "push_mem", "bit_test", "call_mem", "call_reg", "call_ind", "jmp_mem"]
+
+
+def _build(tmp, pie):
+    prog = cc(tmp, "dcr", PROGRAM, "-O2", *(["-fpie", "-pie"] if pie else ["-fno-pie", "-no-pie"]))
+    spec = write_spec(tmp, "".join(f'[[kprobe]]\nsymbol_name = "{f}"\n' for f in FUNCS))
+    return prog, check_lines(prog, spec), instrument(prog, spec, tmp / "dcr.kp")
+
+
+@pytest.mark.parametrize("pie", [True, False], ids=["pie", "nopie"])
+def test_relocatable_instructions_in_the_dcr(once, pie, runner):
+    prog, check, out = once(_build, pie)
+    decisions = dict(zip(FUNCS, [l.split("  ")[2] for l in check]))
+    # An image linked at a fixed address stores code pointers with no relocation:
+    # a jump through one keeps the kernel's indirect_jump refusal.
+    assert decisions == {f: "int3" if f == "jmp_mem" and not pie else "optimized" for f in FUNCS}, check
+    if not pie:
+        assert "indirect_jump" in check[FUNCS.index("jmp_mem")]
+    want = run(prog, 7, runner=runner)
+    assert want.returncode == 0 and want.stdout.endswith("returns inside the caller: 21 of 21\n"), want.stdout
+    got = run(out, 7, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
+    hits = profile(got.stderr)
+    assert {k: v[0] for k, v in hits.items()} == {f"p_{f}_0": 7 for f in FUNCS}, hits

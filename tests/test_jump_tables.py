@@ -1,0 +1,256 @@
+"""Indirect jumps read instead of refused (issue 15; rewriter/arch/x86_64/jumptable.py).
+
+The kernel refuses to jump-optimize any probe in a function with an indirect
+jump.  kprewrite reads the jump tables and knows where stored code pointers
+can land, so such functions are optimized, except where a table's entry lands
+inside a probe's region.  The program below has a jump table (PIC and absolute),
+a switch on a byte, tail calls through a table and through a function-pointer
+array, and a computed-goto interpreter.  Each function is tiled with probes
+whose regions cover it end to end (three phases, so each instruction boundary
+is inside some region): if a table entry were missed, a switch would jump into
+the middle of a 5-byte jmp and the program would crash or print something else.
+Hit counts must equal those of the same probes as breakpoints (--no-optimize),
+whose correctness does not depend on the jump analysis."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import cc, insns, instrument, kprewrite, profile, run, write_spec
+
+PROGRAM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+
+/* A jump table (PIC: lea/movslq/add; fixed address: jmp *T(,%rax,8)), bounded by cmp/ja. */
+__attribute__((noinline)) int sw(int op, int x) {
+    switch (op) {
+    case 0: return x + 1;
+    case 1: return x * 3;
+    case 2: return x - 7;
+    case 3: return x ^ 0x55;
+    case 4: return x << 2;
+    case 5: return x / 3;
+    case 6: return -x;
+    case 7: return x % 11;
+    case 8: return x | 0x100;
+    case 9: return x & 0xf0;
+    default: return 0;
+    }
+}
+
+/* A switch on a byte (bounded by movzbl after cmp/ja). */
+__attribute__((noinline)) long sw_byte(unsigned char c, long x) {
+    switch (c) {
+    case 'a': x += 3; break;
+    case 'b': x *= 5; break;
+    case 'c': x -= 11; break;
+    case 'd': x ^= 0x3c; break;
+    case 'e': x = x * x; break;
+    case 'f': x >>= 1; break;
+    case 'g': x |= 0x1000; break;
+    default: x = -x; break;
+    }
+    return x + c;
+}
+
+__attribute__((noinline)) int f0(int x) { return x * 7 + 1; }
+__attribute__((noinline)) int f1(int x) { return x * 11 - 3; }
+__attribute__((noinline)) int f2(int x) { return (x << 3) ^ 9; }
+__attribute__((noinline)) int f3(int x) { return x / 5 + 2; }
+__attribute__((noinline)) int f4(int x) { return x % 13; }
+
+/* Tail calls through a jump table. */
+__attribute__((noinline)) int tail_sw(int i, int x) {
+    switch (i) {
+    case 0: return f0(x);
+    case 1: return f1(x);
+    case 2: return f2(x);
+    case 3: return f3(x);
+    case 4: return f4(x);
+    case 5: return f0(x + 1);
+    default: return f1(x + 2);
+    }
+}
+
+/* A tail call through a table of function pointers (bounded by and $3). */
+int (*const handlers[4])(int) = {f0, f1, f2, f3};
+__attribute__((noinline)) int tail_ptr(int i, int x) { return handlers[i & 3](x); }
+
+/* Computed goto: a table of label addresses, unbounded.  A PIC image relocates
+   each entry (the labels are known jump targets); a fixed-address one does not. */
+__attribute__((noinline)) long interp(const unsigned char *code, long acc) {
+    static void *const labels[] = {&&inc, &&dbl, &&dec, &&neg, &&halt};
+    goto *labels[*code++];
+inc: acc += 1; goto *labels[*code++];
+dbl: acc *= 2; goto *labels[*code++];
+dec: acc -= 3; goto *labels[*code++];
+neg: acc = -acc; goto *labels[*code++];
+halt: return acc;
+}
+
+/* A switch on a field: cmpl $N,(%rdi); ja; mov (%rdi),%eax (the bound is on memory). */
+struct node { int kind; long v; };
+__attribute__((noinline)) long sw_field(struct node *n) {
+    switch (n->kind) {
+    case 0: return n->v + 3;
+    case 1: return n->v * 9;
+    case 2: return n->v - 100;
+    case 3: return n->v ^ 0x7777;
+    case 4: return n->v << 3;
+    case 5: return -n->v;
+    case 6: return n->v / 7;
+    default: return 1;
+    }
+}
+
+/* A switch in a loop: the table's base is loaded once, before the loop. */
+__attribute__((noinline)) long sw_loop(const unsigned char *ops, int n, long acc) {
+    for (int i = 0; i < n; i++) {
+        switch (ops[i] % 9) {
+        case 0: acc += 5; break;
+        case 1: acc *= 3; break;
+        case 2: acc -= 17; break;
+        case 3: acc ^= 0x5a; break;
+        case 4: acc <<= 1; break;
+        case 5: acc = -acc; break;
+        case 6: acc /= 3; break;
+        case 7: acc |= 0x40; break;
+        default: acc += i; break;
+        }
+    }
+    return acc;
+}
+
+/* A tail call through a pointer chosen by a conditional move. */
+struct obj { int (*fn)(int); };
+__attribute__((noinline)) int via_cmov(struct obj *o, int x) { int (*f)(int) = o->fn ? o->fn : f4; return f(x); }
+
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 3;
+    long t = 0;
+    static const unsigned char prog[] = {0, 1, 1, 2, 3, 0, 1, 2, 2, 3, 1, 4};
+    for (int r = 0; r < n; r++) {
+        for (int op = -1; op < 12; op++) t += sw(op, 1000 + op * r);
+        for (int c = 'Z'; c < 'j'; c++) t += sw_byte((unsigned char)c, 77 + r);
+        for (int i = -1; i < 8; i++) t += tail_sw(i, 50 + r);
+        for (int i = 0; i < 8; i++) t += tail_ptr(i, 60 + r);
+        t += interp(prog, r);
+        for (int k = -1; k < 9; k++) { struct node nd = {k, 1000 + r}; t += sw_field(&nd); }
+        t += sw_loop(prog, sizeof prog, r);
+        struct obj o1 = {f2}, o2 = {0};
+        t += via_cmov(&o1, r) + via_cmov(&o2, r);
+        printf("round %d: %ld\n", r, t);
+    }
+    return 0;
+}
+"""
+
+FUNCS = ["sw", "sw_byte", "tail_sw", "tail_ptr", "interp", "sw_field", "sw_loop", "via_cmov", "f0", "f1"]
+# Labels unaligned: no padding before a case label or a computed-goto label, so
+# the tiling regions run across them.
+ALIGN = ["-falign-jumps=1", "-falign-labels=1", "-falign-loops=1"]
+BUILDS = {"pie": ["-O2", "-fpie", "-pie", *ALIGN], "nopie": ["-O2", "-fno-pie", "-no-pie", *ALIGN]}
+
+
+def _tiles(prog, phase: int) -> list[tuple[str, int]]:
+    """(function, offset) of probes whose 5-byte regions tile each function,
+    starting at its `phase`-th instruction: every boundary after the first of a
+    region is inside it, so a table entry landing there must refuse the probe."""
+    out = []
+    for f in FUNCS:
+        ins = insns(prog, f)
+        bounds = [off for off, _ in ins]
+        size = ins[-1][0] + ins[-1][1].size
+        i = phase
+        while i < len(bounds) and bounds[i] + 5 <= size:
+            out.append((f, bounds[i]))
+            i = next((j for j in range(i, len(bounds)) if bounds[j] >= bounds[i] + 5), len(bounds))
+    return out
+
+
+def _build(tmp, build):
+    prog = cc(tmp, f"sw_{build}", PROGRAM, *BUILDS[build])
+    outs = []
+    for phase in range(3):
+        spec = write_spec(tmp, "".join(f"[[kprobe]]\nsymbol_name = \"{f}\"\noffset = {o}\n"
+                                       for f, o in _tiles(prog, phase)), name=f"p{phase}.toml")
+        check = kprewrite("check", prog, "--spec", spec).stdout.splitlines()
+        opt = instrument(prog, spec, tmp / f"opt{phase}")
+        oracle = instrument(prog, spec, tmp / f"int3_{phase}", "--no-optimize")
+        outs.append((check, opt, oracle))
+    return prog, outs
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_jump_tables_read(once, build, runner):
+    prog, outs = once(_build, build)
+    want = run(prog, 4, runner=runner)
+    assert want.returncode == 0
+    by_func: dict[str, list[str]] = {}
+    for check, opt, oracle in outs:
+        for line in check:
+            by_func.setdefault(line.split("+")[0], []).append(line)
+        got = run(opt, 4, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+        assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-2000:]
+        ref = run(oracle, 4, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+        assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
+        hits, ref_hits = profile(got.stderr), profile(ref.stderr)
+        assert hits and hits == ref_hits
+        assert sum(h for h, _ in hits.values()) > 500
+
+    def decisions(f):
+        return [l.split("  ")[2] for l in by_func[f]]
+    # Functions with a bounded jump table, or a tail call through a pointer the
+    # image relocates, are jump-optimized now; their entries too.
+    for f in ["sw", "sw_byte", "tail_sw", "tail_ptr", "sw_field", "sw_loop"] + (["via_cmov"] if build == "pie" else []):
+        assert decisions(f).count("optimized") >= (1 if f == "tail_ptr" else 3), by_func[f]
+        assert not any("indirect_jump" in l for l in by_func[f]), by_func[f]
+    # Some region would have covered a case label: the table's entry refused it.
+    assert any("jump table entry of the jump at" in l for l in by_func["sw"]), by_func["sw"]
+    assert any("jump table entry of the jump at" in l for l in by_func["tail_sw"]), by_func["tail_sw"]
+    assert any("jump table entry of the jump at" in l for l in by_func["sw_field"]), by_func["sw_field"]
+    assert any("jump table entry of the jump at" in l for l in by_func["sw_loop"]), by_func["sw_loop"]
+    if build == "pie":
+        # Computed goto: each label is relocated, so a known jump target.
+        assert "optimized" in decisions("interp")
+        assert "optimized" in decisions("via_cmov")
+        assert any("code address taken by the relocation" in l for l in by_func["interp"]), by_func["interp"]
+    else:
+        # The label table holds absolute addresses no relocation names, and its
+        # index is not bounded: the kernel's refusal stays, and check names the jump.
+        jmps = [a for _, a in insns(prog, "interp") if a.mnemonic == "jmp" and not a.op_str.startswith("0x")]
+        assert jmps and all(d == "int3" for d in decisions("interp"))
+        assert all("indirect_jump at " in l and "not bounded" in l for l in by_func["interp"])
+        assert any(f"indirect_jump at {jmps[0].address:#x}" in l for l in by_func["interp"])
+        # cmov between a pointer loaded from memory and a lea: the load is unbounded here.
+        assert "indirect_jump" in by_func["via_cmov"][0]
+
+
+def _kret(tmp, build):
+    from test_kretprobe import HANDLERS, KRET
+    from conftest import probe_spec
+    prog = cc(tmp, f"swr_{build}", PROGRAM, *BUILDS[build])
+    funcs = ["sw", "sw_byte", "tail_sw", "f0", "f1", "f2", "f3", "f4"]
+    spec = write_spec(tmp, probe_spec("kretprobe", funcs, **KRET), HANDLERS)
+    return prog, kprewrite("check", prog, "--spec", spec).stdout.splitlines(), instrument(prog, spec, tmp / "kret")
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_kretprobe_on_jump_table_functions(once, build, runner):
+    """A function whose jump tables stay inside it has its exits hooked, not the
+    trampoline's swapped return address; every call gets its return handler
+    with the return address of its caller."""
+    prog, check, out = once(_kret, build)
+    lines = {l.split("+")[0]: l for l in check}
+    for f in ["sw", "sw_byte"]:
+        assert "returns: 0x" in lines[f] and "trampoline" not in lines[f], lines[f]
+    assert "tail->" in lines["tail_sw"] and "(trampoline)" not in lines["tail_sw"] \
+        and "indirect_jump" not in lines["tail_sw"], lines["tail_sw"]
+    want = run(prog, 3, runner=runner)
+    got = run(out, 3, runner=runner)
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-2000:]
+    ev = got.stderr.splitlines()
+    assert not any("BAD-IP" in l for l in ev)
+    for f, calls in [("sw", 13 * 3), ("sw_byte", 16 * 3), ("tail_sw", 9 * 3)]:
+        assert sum(l.startswith(f"E {f} ") for l in ev) == calls
+        assert sum(l.startswith(f"R {f} ") for l in ev) == calls, [l for l in ev if f in l][:20]
