@@ -18,15 +18,11 @@ KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAM
 DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE"}
 
 
-def _hex(image, addr: int) -> str:
-    return f"{addr:#x}UL"
-
-
 def generate(c: Code, target, traces: dict) -> str:
     plan, link_sym = c.plan, c.handler_symbol
     # An address in the image, as C: a number, or for a target whose image moves at
     # boot (a kernel's KASLR) an expression the linker relocates.
-    A = lambda a: getattr(target, "address_c", _hex)(c.image, a)  # noqa: E731
+    A = lambda a: target.address_c(c.image, a)  # noqa: E731
     out = ['#include "kp_internal.h"']
     for name in sorted(set(link_sym.values())):
         out.append(f"extern char {name}[];")

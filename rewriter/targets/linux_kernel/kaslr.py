@@ -100,12 +100,9 @@ def relocation_table(image, arch, layout, rx: bytes, patches, blob, plan, zeroed
     for addr, code in patches:
         for lst, e in list(overlapping(addr, addr + len(code))):
             lst.discard(e)
-    for insn, at in copies:
+    for insn, at, copy in copies:
         for lst, e in list(overlapping(insn.addr, insn.addr + len(insn.code))):
-            if insn.info.emulate in REENCODED:
-                raise KprewriteError(f"{path}: the relocated instruction at {insn.addr:#x} has a KASLR relocation "
-                                     f"at {e:#x} and is re-encoded in its detour")
-            lst.add(at + e - insn.addr)
+            lst.add(_moved(path, insn, at, copy, e, lst is r32neg, 8 if lst is r64 else 4))
     for z in zeroed:
         r64.discard(z)
     for r in blob.relocations:
@@ -135,9 +132,28 @@ def relocation_table(image, arch, layout, rx: bytes, patches, blob, plan, zeroed
     return RelocTable(*(array("I", sorted(e & 0xFFFFFFFF for e in lst)) for lst, _ in lists))
 
 
+def _moved(path: str, insn, at: int, copy: bytes, e: int, inverse: bool, width: int) -> int:
+    """Where the relocated field at `e` of DCR instruction `insn` is in its copy (`copy`, at
+    `at`).  The copy ends with the instruction re-encoded at the same length (itself, its
+    RIP-relative displacement moved, or a call's operand as a jmp's after the pushed return
+    address); an absolute field keeps its bytes there, an inverse one is the displacement."""
+    pos = at + len(copy) - len(insn.code) + (e - insn.addr)
+    k = pos - at
+    fail = None
+    if insn.info.emulate in REENCODED or len(copy) < len(insn.code):
+        fail = "is re-encoded in its detour"
+    elif inverse and not insn.info.rip_relative:
+        fail = "is not RIP-relative"
+    elif not inverse and copy[k:k + width] != insn.code[e - insn.addr:e - insn.addr + width]:
+        fail = "does not keep its operand bytes in its detour"
+    if fail:
+        raise KprewriteError(f"{path}: the instruction at {insn.addr:#x} has a KASLR relocation at {e:#x} and {fail}")
+    return pos
+
+
 def _copies(image, arch, plan, rx: bytes, layout, blob):
-    """(DCR instruction, address of its copy) of every detoured site, found by emitting
-    each detour again with a recording copy and checking it is the one written."""
+    """(DCR instruction, address of its copy, the copy) of every detoured site, found by
+    emitting each detour again with a recording copy and checking it is the one written."""
     from ...planner import INT3
     em = arch.emit
     out = []
@@ -151,8 +167,9 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
         seen = []
 
         def record(insn, at, seen=seen):
-            seen.append((insn, at))
-            return em.relocate(insn, at)
+            copy = em.relocate(insn, at)
+            seen.append((insn, at, copy))
+            return copy
         code, _, _ = em.detour(site.index, site.dcr, site.with_post, site.detour, blob.symbols[entries[0]],
                                blob.symbols[entries[1]], record)
         off = site.detour - layout.rx_vaddr
