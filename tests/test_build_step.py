@@ -32,8 +32,13 @@ def sh(*cmd, cwd) -> subprocess.CompletedProcess:
 
 
 def later(path):
-    """Marks `path` changed, a second after anything the build wrote."""
-    t = time.time() + 2
+    """Marks `path` changed: newer than anything in its sample folder, never in the
+    future (a date ahead of the clock would leave the rebuilt outputs older than it,
+    and make would rebuild them once more)."""
+    root = next(p for p in path.parents if p.name == "build_step")
+    t = max(f.stat().st_mtime for f in root.rglob("*")) + 0.01
+    while time.time() <= t:
+        time.sleep(0.01)
     os.utime(path, (t, t))
 
 
