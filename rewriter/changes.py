@@ -128,6 +128,9 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
     from . import targets
     from .image import Image
     orig = Image(original)
+    if orig.container is not None:      # the image is re-laid inside its container when written
+        raise KprewriteError(f"{original}: diff compares ELF files; a bzImage's vmlinux is re-laid when "
+                             "written, so compare the vmlinux it holds and that vmlinux rewritten")
     target = targets.for_image(orig)
     target.load_symbols(orig, system_map)
     meta = read_metadata(rewritten)

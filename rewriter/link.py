@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from elftools.elf.elffile import ELFFile
@@ -107,6 +107,22 @@ class Blob:
     data_memsz: int       # including .bss
     symbols: dict[str, int]
     sections: list[tuple[str, int, int, int, int]]   # (name, type, flags, addr, size)
+    # A blob linked where it runs (not PIE): its link-time relocations (ld --emit-relocs)
+    # into loaded sections, for a target that moves the image at boot (KASLR).
+    relocations: list["LinkReloc"] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LinkReloc:
+    """One relocation the linker applied: at `offset` (final address), of ELF type
+    `type`, against a symbol of value `value` (`absolute`: defined by address, as
+    the image's own symbols are, rather than in one of the blob's sections)."""
+    offset: int
+    type: int
+    value: int
+    absolute: bool
+    symbol: str
+    addend: int
 
 
 def _run(cmd, what: str, cwd=None):
@@ -498,7 +514,9 @@ def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFO
     if errors:
         raise KprewriteError(*errors)
     script.write_text("\n".join(assigns) + "\n" + text)
-    _run(["ld", "-static", "-z", "noexecstack", "--build-id=none", "-nostdlib", "-T", str(script),
+    # -q (--emit-relocs): the relocations stay in the output, for a target whose image
+    # is relocated at boot (a kernel's KASLR table needs every absolute address).
+    _run(["ld", "-static", "-q", "-z", "noexecstack", "--build-id=none", "-nostdlib", "-T", str(script),
           "-o", str(out), *map(str, objs)], "link")
     return read_blob(out.read_bytes(), out)
 
@@ -543,4 +561,22 @@ def read_blob(raw: bytes, path: Path) -> Blob:
             else:
                 raise KprewriteError(f"link: relocation at {off:#x} outside the linked sections")
     sections = [(n, t, f, a, s) for n, t, f, a, s, o in secs if f & 2 and s and n not in (".dynamic",)]
-    return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections)
+    return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections, _emitted_relocs(e))
+
+
+def _emitted_relocs(e) -> list[LinkReloc]:
+    """The relocations ld -q kept (SHT_RELA sections of a static link) that apply to
+    loaded sections."""
+    out = []
+    symtab = e.get_section_by_name(".symtab")
+    for sec in e.iter_sections():
+        if sec["sh_type"] != "SHT_RELA" or sec.name == ".rela.dyn" or not sec["sh_info"]:
+            continue
+        target = e.get_section(sec["sh_info"])
+        if not target["sh_flags"] & 2 or target["sh_type"] == "SHT_NOBITS":
+            continue
+        for r in sec.iter_relocations():
+            s = symtab.get_symbol(r["r_info_sym"])
+            out.append(LinkReloc(r["r_offset"], r["r_info_type"], s["st_value"], s["st_shndx"] == "SHN_ABS",
+                                 s.name, r["r_addend"]))
+    return sorted(out, key=lambda r: r.offset)

@@ -165,19 +165,25 @@ def metadata(plan: Plan, label: str) -> bytes:
 def read_metadata(path: str) -> dict:
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
+    import io
     import struct
+
+    from .targets import unwrap
     try:
         with open(path, "rb") as f:
-            if f.read(4) != b"\x7fELF":
-                raise KprewriteError(f"{path}: not an ELF file")
-            f.seek(0)
-            sec = ELFFile(f).get_section_by_name(META_SECTION)
-            if sec is None:
-                raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
-            doc = json.loads(sec.data())
-            if not isinstance(doc, dict) or not isinstance(doc.get("probes"), list):
-                raise ValueError
-            return doc
+            data = f.read()
+        unwrapped = unwrap(data, path)      # an image inside a container (a kernel's bzImage)
+        if unwrapped is not None:
+            data = unwrapped[0]
+        if data[:4] != b"\x7fELF":
+            raise KprewriteError(f"{path}: not an ELF file")
+        sec = ELFFile(io.BytesIO(data)).get_section_by_name(META_SECTION)
+        if sec is None:
+            raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
+        doc = json.loads(sec.data())
+        if not isinstance(doc, dict) or not isinstance(doc.get("probes"), list):
+            raise ValueError
+        return doc
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
     except (ValueError, KeyError, TypeError, ELFError, struct.error, AssertionError):

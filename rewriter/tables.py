@@ -20,6 +20,9 @@ DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE
 
 def generate(c: Code, target, traces: dict) -> str:
     plan, link_sym = c.plan, c.handler_symbol
+    # An address in the image, as C: a number, or for a target whose image moves at
+    # boot (a kernel's KASLR) an expression the linker relocates.
+    A = lambda a: target.address_c(c.image, a)  # noqa: E731
     out = ['#include "kp_internal.h"']
     for name in sorted(set(link_sym.values())):
         out.append(f"extern char {name}[];")
@@ -33,7 +36,7 @@ def generate(c: Code, target, traces: dict) -> str:
             pre = f"(kprobe_pre_handler_t){pre}"
         post = f"(kprobe_post_handler_t){link_sym[p.spec.post_handler]}" if p.spec.post_handler else "0"
         sym = c_string(p.symbol if (p.spec.symbol_name or p.func) else None)
-        out.append(f"  {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "
+        out.append(f"  {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {sym}, .offset = {p.offset}, "
                    f".pre_handler = {pre or '0'}, .post_handler = {post}, .flags = {'|'.join(flags)}, "
                    f".name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
     out.append("};")
@@ -41,11 +44,11 @@ def generate(c: Code, target, traces: dict) -> str:
     out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] = {{")
     first = 0
     for site in plan.sites:
-        out.append(f"  {{ {site.addr:#x}UL, {site.post_ip:#x}UL, {site.resume:#x}UL, {site.resume_post:#x}UL, {first}, {len(site.probes)} }},")
+        out.append(f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, {first}, {len(site.probes)} }},")
         first += len(site.probes)
     out.append("};")
     out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
-    out.append(_kretprobes_c(c, traces))
+    out.append(_kretprobes_c(c, traces, A))
     refs = ", ".join(f"&kp_kretprobes[{p.slot}].kp" if is_entry(p) else f"&kp_probes[{p.slot}]"
                      for site in plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
@@ -62,7 +65,7 @@ def generate(c: Code, target, traces: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _kretprobes_c(c: Code, traces: dict) -> str:
+def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL") -> str:
     """struct kretprobe per placed kretprobe; rp->kp's hit slot follows the kprobes'."""
     link_sym, nk = c.handler_symbol, len(c.plan.kprobes)
     out = ["int kp_pre_handler_kretprobe(struct kprobe *, struct pt_regs *);",
@@ -76,7 +79,7 @@ def _kretprobes_c(c: Code, traces: dict) -> str:
             out.insert(0, f"int {h}(struct kretprobe_instance *, struct pt_regs *);")
         eh = f"(kretprobe_handler_t){link_sym[k.entry_handler]}" if k.entry_handler else "0"
         sym = c_string(p.symbol if (k.symbol_name or p.func) else None)
-        out.append(f"  {{ .kp = {{ .addr = (kprobe_opcode_t *){p.addr:#x}UL, .symbol_name = {sym}, .offset = {p.offset}, "
+        out.append(f"  {{ .kp = {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {sym}, .offset = {p.offset}, "
                    f".pre_handler = kp_pre_handler_kretprobe, .flags = {'|'.join(flags)}, "
                    f".name = {c_string(p.event_name)}, .index = {nk + p.slot}, .site = {site.index} }}, "
                    f".handler = {h}, .entry_handler = {eh}, .maxactive = {k.maxactive}, .data_size = {k.data_size}, "

@@ -33,4 +33,7 @@ void kp_asm_offsets(void)
 	OFFSET(RI_STATE, kretprobe_instance, kp_state);
 	OFFSET(RI_FLAGS, kretprobe_instance, kp_flags);
 	DEFINE(RI_TRAMP, KP_RI_TRAMP);
+
+	/* A kernel's KASLR table gets an entry for kp_rt.bias (targets/linux_kernel/kaslr.py). */
+	OFFSET(RT_BIAS, kp_runtime, bias);
 }

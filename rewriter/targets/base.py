@@ -41,6 +41,10 @@ class Target(Protocol):
     def tables_c(self, image, arch, any_int3: bool) -> str:
         """The target's part of the generated C tables."""
 
+    def address_c(self, image, addr: int) -> str:
+        """An address of the image as a C constant in the generated tables: a number, or an
+        expression the linker relocates (a kernel moved by KASLR)."""
+
     # --- the output ---
     def write(self, image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
         """The output image's bytes."""

@@ -350,29 +350,77 @@ class BootResult:
         return f"{what} [{state}]{where}\n--- console tail ---\n{self.tail()}"
 
 
+OVMF = Path("/usr/share/OVMF")
+LOADERS = ("qemu", "syslinux", "uefi")
+
+
+def syslinux_disk(kernel: Path | str, initrd: Path | str, cmdline: str, dest: Path) -> Path:
+    """A FAT disk image (no partition table) booted by SYSLINUX (Debian's syslinux, installed
+    with its mtools-based installer, no mounting): the kernel, the initrd and a syslinux.cfg
+    that boots them with ``cmdline``."""
+    for tool, pkg in (("mformat", "mtools"), ("mcopy", "mtools"), ("syslinux", "syslinux")):
+        if not shutil.which(tool):
+            raise KernelEnvError(f"{tool} not found: install Debian's {pkg} (and syslinux-common)")
+    size = Path(kernel).stat().st_size + Path(initrd).stat().st_size + (16 << 20)
+    img = dest / "syslinux.img"
+    with open(img, "wb") as f:
+        f.truncate(max(64 << 20, size))
+    cfg = dest / "syslinux.cfg"
+    cfg.write_text(f"DEFAULT linux\nLABEL linux\n  KERNEL vmlinuz\n  INITRD initrd.gz\n  APPEND {cmdline}\n")
+    for cmd in (["mformat", "-i", str(img), "-F", "::"], ["syslinux", "--install", str(img)],
+                ["mcopy", "-i", str(img), str(kernel), "::vmlinuz"], ["mcopy", "-i", str(img), str(initrd), "::initrd.gz"],
+                ["mcopy", "-i", str(img), str(cfg), "::syslinux.cfg"]):
+        r = _run(cmd)
+        if r.returncode != 0:
+            raise KernelEnvError(f"{' '.join(cmd[:2])} failed: {(r.stderr or r.stdout).strip()}")
+    return img
+
+
+def _loader_args(loader: str, kernel, initrd, cmdline: str, work: Path) -> list[str]:
+    """How QEMU gets the kernel: its own -kernel (SeaBIOS and QEMU's Linux boot ROM; PVH for an
+    ELF), SYSLINUX from a disk image, or UEFI (OVMF starts a bzImage through its PE header and
+    the kernel's EFI stub)."""
+    direct = ["-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline]
+    if loader == "qemu":
+        return direct
+    if loader == "syslinux":
+        return ["-drive", f"file={syslinux_disk(kernel, initrd, cmdline, work)},format=raw,if=ide"]
+    if loader == "uefi":
+        code, vars_ = OVMF / "OVMF_CODE.fd", OVMF / "OVMF_VARS.fd"
+        if not code.exists() or not vars_.exists():
+            raise KernelEnvError(f"no {code}: install Debian's ovmf")
+        shutil.copyfile(vars_, work / "OVMF_VARS.fd")     # the variable store is written
+        return ["-drive", f"if=pflash,format=raw,readonly=on,file={code}",
+                "-drive", f"if=pflash,format=raw,file={work / 'OVMF_VARS.fd'}", *direct]
+    raise KernelEnvError(f"unknown boot loader {loader!r} (known: {', '.join(LOADERS)})")
+
+
 def boot(kernel: Path | str, initrd: Path | str, *, smp: int = 2, memory: int = 512,
          append: str = DEFAULT_APPEND, extra_append: str = "", timeout: float = 90,
-         accel: str | None = None, qemu_args: tuple[str, ...] = (), log: Path | None = None) -> BootResult:
+         accel: str | None = None, qemu_args: tuple[str, ...] = (), log: Path | None = None,
+         loader: str = "qemu") -> BootResult:
     """Boot ``kernel`` (an ELF vmlinux through its PVH note, or a bzImage) with ``initrd`` in
     qemu-system-x86_64 and return the serial console.  -no-reboot: a reboot or a panic
-    (panic=-1) ends QEMU like a power-off does; BootResult.powered_off tells them apart."""
+    (panic=-1) ends QEMU like a power-off does; BootResult.powered_off tells them apart.
+    loader: "qemu" (-kernel), "syslinux" (a disk image) or "uefi" (OVMF; bzImage only)."""
     qemu = shutil.which(QEMU_SYSTEM)
     if not qemu:
         raise KernelEnvError(f"{QEMU_SYSTEM} not found: install Debian's qemu-system-x86")
     accel = accel or default_accel()
     cmdline = " ".join(x for x in (append, extra_append) if x)
-    cmd = [qemu, "-accel", accel, "-m", str(memory), "-smp", str(smp), "-nographic", "-no-reboot",
-           "-nic", "none", "-kernel", str(kernel), "-initrd", str(initrd), "-append", cmdline, *qemu_args]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    timed_out = False
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        proc.kill()
-        out, _ = proc.communicate()
-    seconds = time.monotonic() - t0
+    with tempfile.TemporaryDirectory(prefix="kprewrite-boot-") as work:
+        cmd = [qemu, "-accel", accel, "-m", str(memory), "-smp", str(smp), "-nographic", "-no-reboot",
+               "-nic", "none", *_loader_args(loader, kernel, initrd, cmdline, Path(work)), *qemu_args]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        timed_out = False
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            out, _ = proc.communicate()
+        seconds = time.monotonic() - t0
     console = out.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
     if log is not None:
         log.write_text(console)

@@ -9,6 +9,7 @@ import lzma
 import shutil
 import struct
 import subprocess
+import zlib
 from array import array
 from pathlib import Path
 
@@ -260,3 +261,138 @@ def test_missing_decoder_package(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "lz4.block", None)
     with pytest.raises(KprewriteError, match=r": an LZ4 payload needs the Python package lz4 \(pip install lz4\)$"):
         bzimage.read(path)
+
+
+# --- writing a bzImage (bzimage_write.py) -----------------------------------------------------------------
+
+def _kernel_like_elf(noise: bool = True) -> bytes:
+    """An x86-64 ELF laid out like a vmlinux: two PT_LOADs at p_paddr-relative offsets with
+    padding between them, p_align 2 MiB; its text random (noise), else zeros (what a rewrite
+    filling it with compressible code leaves room for)."""
+    import random
+    rnd = random.Random(12)
+    text = rnd.randbytes(0x800) if noise else bytes(0x800)
+    data = bytes(rnd.choice(b"\0\0\0\x01\xff") for _ in range(0x400))
+    out = bytearray(0x4400)
+    out[:16] = b"\x7fELF\x02\x01\x01" + bytes(9)
+    struct.pack_into("<HHIQQQIHHHHHH", out, 16, 2, 62, 1, 0xFFFFFFFF81000000, 64, 0, 0, 64, 56, 2, 64, 0, 0)
+    struct.pack_into("<IIQQQQQQ", out, 64, 1, 5, 0x2000, 0xFFFFFFFF81000000, 0x1000000, 0x800, 0x800, 0x200000)
+    struct.pack_into("<IIQQQQQQ", out, 120, 1, 6, 0x4000, 0xFFFFFFFF81001000, 0x1001000, 0x400, 0x1000, 0x200000)
+    out[0x2000:0x2800] = text
+    out[0x4000:0x4400] = data
+    return bytes(out)
+
+
+def _table(n: int) -> bzimage.RelocTable:
+    return bzimage.RelocTable(array("I", [0x81000000 + 8 * i for i in range(n)]), array("I", [0x81000400]),
+                              array("I", [0x81000010, 0x81000020]))
+
+
+def _zo_bzimage(name: str, payload: bytes) -> bytes:
+    """make_bzimage() with what the writer also needs: ZO's input_len/output_len words after
+    the payload (mkpiggy.c) and tools/build.c's CRC-32 at the end."""
+    compressed = COMPRESS[name](payload)
+    img = bytearray(make_bzimage(compressed))
+    struct.pack_into("<II", img, len(img) - 16, len(compressed), len(payload))
+    img += bytes(4)
+    struct.pack_into("<I", img, len(img) - 4, ~zlib.crc32(bytes(img[:-4])) & 0xFFFFFFFF)
+    return bytes(img)
+
+
+@pytest.mark.parametrize("name", [c for c in bzimage.COMPRESSORS if c != "lzo"])
+def test_write_each_compressor(name, tmp_path):
+    """A rewritten ELF and a longer table back in the payload: same file size, same compressor,
+    the decompressed payload exactly output_len bytes (ELF re-laid, zeros, the table last),
+    input_len, payload_length and the CRC-32 updated, nothing else changed."""
+    from rewriter.targets.linux_kernel import bzimage_write
+    old = _zo_bzimage(name, _kernel_like_elf() + _table(4).to_bytes())
+    b = bzimage.parse(old, "in")
+    elf = _kernel_like_elf(noise=False)
+    new = bzimage_write.build(b, elf, _table(300), "in")
+    assert len(new) == len(old)
+    c = bzimage.parse(new, "out")
+    assert c.compressor == name and len(c.payload) == len(b.payload)
+    assert c.relocs == _table(300) and c.payload.endswith(_table(300).to_bytes())
+    compact = bzimage_write.compact_elf(elf, "in")
+    assert len(compact) == 0x2400 and c.vmlinux == compact
+    tail = len(_table(300).to_bytes())
+    assert c.payload[len(compact):-tail] == bytes(len(c.payload) - len(compact) - tail)
+    n = c.header.payload_length
+    assert struct.unpack_from("<II", new, len(new) - 20) == (n, len(b.payload))
+    assert bzimage_write.crc32_ok(new)
+    same = bytearray(new)
+    start = b.header.payload_start
+    for lo, hi in ((0x24C, 0x250), (len(old) - 20, len(old) - 16), (len(old) - 4, len(old)),
+                   (start, start + b.header.payload_length)):
+        same[lo:hi] = old[lo:hi]
+    assert same == old
+
+
+def _parse_elf(payload: bytes) -> list[bytes]:
+    """arch/x86/boot/compressed/misc.c's parse_elf(): each PT_LOAD memmove()d, in program
+    header order, to output + p_paddr - LOAD_PHYSICAL_ADDR (the lowest p_paddr here).
+    Returns each segment's bytes where they landed (between them, stale bytes of no use)."""
+    out = bytearray(payload)
+    phoff, = struct.unpack_from("<Q", payload, 0x20)
+    phnum, = struct.unpack_from("<H", payload, 0x38)
+    loads = [struct.unpack_from("<IIQQQQQQ", payload, phoff + 56 * i) for i in range(phnum)]
+    loads = [p for p in loads if p[0] == 1]
+    base = min(p[4] for p in loads)
+    for p in loads:
+        assert p[7] % 0x200000 == 0                         # "Alignment of LOAD segment isn't multiple of 2MB"
+        out[p[4] - base:p[4] - base + p[5]] = out[p[2]:p[2] + p[5]]
+    return [bytes(out[p[4] - base:p[4] - base + p[5]]) for p in loads]
+
+
+@pytest.mark.kernel
+def test_compact_vmlinux_places_what_parse_elf_places(debian_bzimage):
+    """Debian's vmlinux re-laid: parse_elf() builds the same kernel in memory from it, and the
+    room it frees before output_len is the padding between the original's PT_LOADs."""
+    from rewriter.targets.linux_kernel import bzimage_write
+    b = debian_bzimage
+    compact = bzimage_write.compact_elf(b.vmlinux, "vmlinuz")
+    assert _parse_elf(compact) == _parse_elf(b.payload)
+    assert bzimage_write.memory_end(compact) <= len(compact) and b.elf_size - len(compact) > 4_000_000
+    print(f"\nvmlinux {b.elf_size} bytes, re-laid {len(compact)}: room for "
+          f"{(len(b.payload) - len(compact)) // 4 - b.relocs.count - 3} more KASLR relocations")
+
+
+def test_write_refusals(tmp_path):
+    from rewriter.targets.linux_kernel import bzimage_write
+    elf = _kernel_like_elf(noise=False)
+    b = bzimage.parse(_zo_bzimage("gzip", elf + _table(4).to_bytes()), "in")
+    with pytest.raises(KprewriteError) as e:
+        bzimage_write.build(b, elf, _table(2100), "in")
+    assert str(e.value) == ("in: the rewritten vmlinux (9216 bytes) and its relocation table (8424 bytes) exceed "
+                            "the decompressor's output_len (17448 bytes)"), e.value
+    with pytest.raises(KprewriteError, match=r"^in: the rewritten kernel compresses \(gzip\) to \d+ bytes; the "
+                                             r"decompressor has room for \d+ \(the original payload's length\)$"):
+        bzimage_write.build(b, _kernel_like_elf(noise=True), _table(4), "in")
+    lzo = bzimage.BzImage("in", b.header, "lzo", b.payload, b.elf_size, b.relocs, b.raw)
+    with pytest.raises(KprewriteError, match=r"^in: writing a bzImage with a lzo payload is not supported"):
+        bzimage_write.build(lzo, elf, _table(4), "in")
+
+
+INSTRUMENT_BAD = ("unknown-version", "unsupported-compressor", "truncated-stream", "truncated-file")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("case", INSTRUMENT_BAD)
+def test_instrument_bad_vmlinuz(case, debian_kernel, tmp_path):
+    """instrument on a bad bzImage: one line naming the file, exit 1, nothing written."""
+    import os
+    import sys
+    edit, expect = BAD[case]
+    bad = _mutated(debian_kernel.vmlinuz, tmp_path / f"vmlinuz-{case}", edit)
+    spec = tmp_path / "p.toml"
+    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "kernel_clone"\npre_handler = "pre"\n')
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
+                                  "static int pre(struct kprobe *p, struct pt_regs *regs) { return 0; }\n")
+    before = bad.read_bytes()
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "rewriter", "instrument", str(bad), "--spec", str(spec), "-o", str(out)],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 1 and not out.exists() and bad.read_bytes() == before
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kprewrite: {bad}: ") and expect in lines[0], r.stderr

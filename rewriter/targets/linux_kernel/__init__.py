@@ -25,7 +25,8 @@ from ...errors import KprewriteError
 from ...report import META_SECTION
 from ...spec import KprobeSpec
 from ...rules import Rules
-from . import btf, sites as ks
+from . import btf, bzimage_write, kaslr, sites as ks
+from .kaslr import address_c  # noqa: F401  (tables.py: an address in the image, relocated with KASLR)
 from .elfview import ElfView
 from .kallsyms import functions as kallsyms_functions, read_kallsyms
 from .sysmap import read_system_map
@@ -191,9 +192,6 @@ def _symbol(image, name: str) -> int:
 
 
 def plan_layout(image) -> GapLayout:
-    if image.container is not None:
-        raise KprewriteError(f"{image.path}: writing a bzImage is not supported yet; "
-                             "instrument the vmlinux it holds")
     align = lambda a: (a + PAGE - 1) & ~(PAGE - 1)  # noqa: E731
     return GapLayout(align(_symbol(image, "_etext")), _symbol(image, "__start_rodata"),
                      align(_symbol(image, "__end_rodata")), _symbol(image, "_sdata"))
@@ -245,7 +243,8 @@ def tables_c(image, arch, any_int3: bool) -> str:
         f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
         "char *kp_kernel_current(void)\n{\n\tchar *t;\n"
         f'\t__asm__("movq %%gs:{kt.current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
-    return task + (f"const unsigned long kp_kernel_gap_start = {lay.rx_vaddr:#x}UL, kp_kernel_gap_end = {lay.end:#x}UL;\n"
+    return task + (f"const unsigned long kp_kernel_gap_start = {address_c(image, lay.rx_vaddr)}, "
+                   f"kp_kernel_gap_end = {address_c(image, lay.end)};\n"
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
             " + sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0])) * sizeof(unsigned long) + 63) & ~63UL)\n"
             f"unsigned long kp_kernel_pool[{POOL_CPUS} * KP_KERNEL_BLOCK / sizeof(unsigned long)];\n"
@@ -321,6 +320,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     out[off:off + len(code)] = code
     doff = offset_of(blob.data_addr)
     out[doff:doff + len(blob.data)] = blob.data
+    zeroed = [mcount[site.addr].entry for site in plan.sites if site.decision == "ftrace"]
     sections = [NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, code),
                 NewSection(".kprewrite.data", 8 if not blob.data else 1, 3, blob.data_addr, blob.data, blob.data_memsz),
                 NewSection(META_SECTION, 1, 0, 0, metadata, align=1)]
@@ -328,7 +328,12 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     struct.pack_into("<Q", out, 40, shoff)
     struct.pack_into("<H", out, 60, shnum)
     struct.pack_into("<H", out, 62, shstrndx)
-    return bytes(out)
+    if image.container is None:
+        return bytes(out)
+    # A bzImage: the vmlinux back in its decompressor, with its KASLR table (kaslr.py).
+    table = None if image.container.relocs is None else \
+        kaslr.relocation_table(image, arch, layout, rx, patches, blob, plan, zeroed)
+    return bzimage_write.build(image.container, bytes(out), table, image.path)
 
 
 def _extend_first_load(image, out: bytearray, data_vaddr: int, data_end: int):

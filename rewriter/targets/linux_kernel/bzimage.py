@@ -114,8 +114,9 @@ class RelocTable:
 
     @classmethod
     def parse(cls, data: bytes) -> "RelocTable | None":
-        """The table from exactly ``data``, read backwards as handle_relocations() does;
-        None unless its three zero-terminated lists take exactly all of ``data``."""
+        """The table at the end of ``data``, read backwards as handle_relocations() does;
+        None unless its three zero-terminated lists and zeros before them (a rewritten
+        kernel's room to spare) take all of ``data``."""
         if len(data) < 12 or len(data) % 4:
             return None
         words = array("I")
@@ -127,10 +128,10 @@ class RelocTable:
             if words[i] == 0:
                 zeros.append(i)
             i -= 1
-        if len(zeros) != 3 or zeros[2] != 0:
+        if len(zeros) != 3 or any(words[:zeros[2]]):
             return None
-        z32, zneg, _ = zeros
-        return cls(relocs64=words[1:zneg], relocs32neg=words[zneg + 1:z32], relocs32=words[z32 + 1:])
+        z32, zneg, z64 = zeros
+        return cls(relocs64=words[z64 + 1:zneg], relocs32neg=words[zneg + 1:z32], relocs32=words[z32 + 1:])
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class BzImage:
     payload: bytes = field(repr=False)   # decompressed: the ELF vmlinux, then the relocation table
     elf_size: int
     relocs: RelocTable | None
+    raw: bytes = field(repr=False, default=b"")     # the whole file
 
     @property
     def vmlinux(self) -> bytes:
@@ -399,7 +401,7 @@ def parse(data: bytes, path: str = "<bzImage>") -> BzImage:
     name, out = decompress_payload(data[start:start + length], path)
     size = elf_size(out, path)
     relocs = RelocTable.parse(out[size:]) if size < len(out) else None
-    return BzImage(path=path, header=h, compressor=name, payload=out, elf_size=size, relocs=relocs)
+    return BzImage(path=path, header=h, compressor=name, payload=out, elf_size=size, relocs=relocs, raw=data)
 
 
 def read(path: str | Path) -> BzImage:

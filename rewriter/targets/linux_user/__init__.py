@@ -49,6 +49,11 @@ def handler_headers(image) -> dict[str, str]:
     return {}
 
 
+def address_c(image, addr: int) -> str:
+    """An address in the generated tables: a number (the runtime adds a PIE's load bias)."""
+    return f"{addr:#x}UL"
+
+
 def tables_c(image, arch, any_int3: bool) -> str:
     """The target's part of the generated C: the GOT slots sighook takes over."""
     return sighook.table_c(image, arch, any_int3)

@@ -24,6 +24,9 @@ long long ktime_get(void);
 long copy_from_kernel_nofault(void *dst, const void *src, unsigned long size);
 int set_memory_ro(unsigned long addr, int numpages);
 extern unsigned int nr_cpu_ids;
+/* The kernel's first byte: the generated tables write the image's addresses as
+ * _text + offset, relocated with the kernel when KASLR moves it. */
+extern char _text[];
 /* Per-CPU variables: their symbols are offsets from the CPU's %gs base. */
 extern unsigned long this_cpu_off;
 extern int __preempt_count;
