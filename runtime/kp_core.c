@@ -16,7 +16,7 @@
 /* Linked where it runs and never started (a kernel image): ready at the first
  * hit, with nothing to relocate or configure. */
 struct kp_runtime kp_rt = { .state = 2, .armed = 1 };
-volatile int kp_fast = 1;
+volatile int kp_fast;		/* set by kp_thread_table_ready() */
 #else
 struct kp_runtime kp_rt;
 volatile int kp_fast;
@@ -115,17 +115,27 @@ static struct kp_thread *kp_new_thread(unsigned long key)
  * mappings, so their page numbers spread well.
  */
 static struct kp_thread kp_no_thread;
-#ifdef KP_PLATFORM_NO_STARTUP
-struct kp_thread *kp_thread_table[KP_TABLE_SIZE] = { [0 ... KP_TABLE_SIZE - 1] = &kp_no_thread };
-#else
 struct kp_thread *kp_thread_table[KP_TABLE_SIZE];
-#endif
 
 static void kp_thread_table_init(void)
 {
 	for (unsigned long i = 0; i < KP_TABLE_SIZE; i++)
 		kp_thread_table[i] = &kp_no_thread;
 }
+
+#ifdef KP_PLATFORM_NO_STARTUP
+/* Never started (a kernel): the table starts zeroed, not filled with pointers
+ * (each would need a KASLR relocation entry, 8,192 of them), its empty slots
+ * NULL, and kp_fast stays 0 so lookups take the slow path, which takes NULL
+ * for empty too, until the platform calls this once, while only one CPU runs. */
+void kp_thread_table_ready(void)
+{
+	for (unsigned long i = 0; i < KP_TABLE_SIZE; i++)
+		if (!kp_thread_table[i])
+			kp_thread_table[i] = &kp_no_thread;
+	__atomic_store_n(&kp_fast, 1, __ATOMIC_RELEASE);
+}
+#endif
 
 /* Slow path of the thread lookup: claim a slot for a thread seen first. */
 struct kp_thread *kp_thread_slow(unsigned long key)
@@ -140,7 +150,7 @@ struct kp_thread *kp_thread_slow(unsigned long key)
 	for (unsigned long n = 0, i = KP_HASH(key); n < KP_TABLE_SIZE; n++, i = (i + 1) & KP_TABLE_MASK) {
 		struct kp_thread **slot = &kp_thread_table[i];
 		struct kp_thread *cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-		if (cur != &kp_no_thread) {
+		if (cur && cur != &kp_no_thread) {
 			if (cur->key == key)
 				return cur;
 			continue;

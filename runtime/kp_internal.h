@@ -72,6 +72,9 @@ void kp_configure(char **envp);
 void kp_write_profile(void);
 void kp_profile_row(int fd, const char *name, unsigned long hits, unsigned long missed);
 struct kp_thread *kp_thread_slow(unsigned long key);
+#ifdef KP_PLATFORM_NO_STARTUP
+void kp_thread_table_ready(void);
+#endif
 void kp_update_fast(void);
 struct kp_thread *kp_current_thread_slow(void);
 

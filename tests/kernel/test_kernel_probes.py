@@ -35,7 +35,7 @@ COMMANDS = f"""
 echo LOOP-START > /dev/kmsg
 for i in {' '.join(str(i) for i in range(FORKS))}; do /bin/true; done
 echo LOOP-END > /dev/kmsg
-cat {OPEN_FILE} & echo "cat-pid=$!"; wait
+cat {OPEN_FILE} > /dev/null & echo "cat-pid=$!" > /dev/kmsg; wait
 kill -0 {KILL_PID}; echo "kill-status=$?"
 ok=0; for i in $(seq {KILLS}); do kill -0 {KILL_PID} 2>/dev/null && ok=$((ok + 1)); done; echo "kill-ok=$ok"
 dmesg -r | grep -m1 kp-open-entry | sed 's/^/raw: /'
@@ -242,7 +242,7 @@ def test_handlers_read_current_from_the_images_btf(probed_boot):
     """current->comm and current->pid, with struct task_struct from the image's own BTF: the
     task that opened the file is the `cat` /init started, with the pid the shell reported."""
     r = probed_boot
-    pid = re.search(r"^cat-pid=(\d+)$", r.console, re.M)
+    pid = re.search(r"\] cat-pid=(\d+)$", r.console, re.M)     # through /dev/kmsg: a whole log line
     assert pid, r.explain("/init did not report cat's pid")
     for what in ("kp-open-entry", "kp-open-inside"):
         assert re.search(rf"{what}-task: comm=cat pid={pid.group(1)}$", r.console, re.M), \
