@@ -253,4 +253,15 @@ def insns(path: Path, func: str) -> list:
 
 
 # The kernel-image tests' fixtures (tests/kernel/fixtures.py).
-from kernel.fixtures import boot_kernel, debian_kernel, make_initramfs, pytest_terminal_summary  # noqa: E402,F401
+from kernel.fixtures import boot_kernel, debian_kernel, make_initramfs  # noqa: E402,F401
+from kernel.fixtures import pytest_terminal_summary as _kernel_boots_summary  # noqa: E402
+
+
+# One conftest.py for the whole tree: a second one (tests/kernel, tests/fuzz) would be
+# imported as `conftest` too and shadow this module for `from conftest import ...`.
+def pytest_terminal_summary(terminalreporter):
+    _kernel_boots_summary(terminalreporter)
+    harness = sys.modules.get("harness")        # tests/fuzz/harness.py, if the fuzz tests ran
+    if harness is not None and harness.COUNTS:
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(harness.COUNTS.items()))
+        terminalreporter.write_line(f"fuzz: {sum(harness.COUNTS.values())} cases run ({parts})")
