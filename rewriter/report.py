@@ -88,7 +88,10 @@ def check_line(r: dict) -> str:
         parts = [t + (" (int3)" if e["int3"] else "") for t, e in zip(parts, ret["sites"])]
         return f"{head}  returns: {', '.join(parts)}"
     if r["reason"] is not None:
-        head += f"  {r['reason']['message']}"
+        why = r["reason"]
+        # Every refusal names its check and address (an int3 reason's message already does).
+        named = why["message"].startswith(why["check"]) or why["check"] == "unknown"
+        head += f"  {why['message']}" if named else f"  {why['check']} at {why['address']}: {why['message']}"
     return head + (f"  [{r['int3']}]" if r["int3"] else "")
 
 

@@ -122,7 +122,7 @@ def test_rewritten_program_runs(once, tmp_path, build, runner):
     # endbr64 first: the site is after it (arch_adjust_kprobe_addr()), the entry
     # recorded being the function's start; the site's inside is refused.
     (("-fcf-protection", "-fpatchable-function-entry=5"), "work+0x4  k  ftrace",
-     "work+0x5  k  refused  {:#x} is blacklisted: inside an ftrace site (work+0x4)"),
+     "work+0x5  k  refused  blacklist at {0:#x}: {0:#x} is blacklisted: inside an ftrace site (work+0x4)"),
     # Two nops before the symbol, five at the entry: the five are the site.
     (("-fpatchable-function-entry=7,2",), "work+0x0  k  ftrace", "work+0x5  k  optimized"),
     # Four or six one-byte nops: no 5-byte site, ordinary code (optimized).

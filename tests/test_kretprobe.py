@@ -495,7 +495,7 @@ def test_refused_not_entry_and_blacklist(tmp_path):
                                      "handler file (handlers.c)"], r.stderr
     c = kprewrite("check", prog, "--spec", spec, check=False)
     assert c.returncode == 1
-    assert "rec+0x8  r  refused  a kretprobe must be on a function entry" in c.stdout
+    assert "rec+0x8  r  refused  func_entry at " in c.stdout and ": a kretprobe must be on a function entry" in c.stdout
 
 
 # --- the trampoline fallback --------------------------------------------------------
