@@ -189,8 +189,9 @@ def read_metadata(path: str) -> dict:
         return doc
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
-    except (ValueError, KeyError, TypeError, ELFError, struct.error, AssertionError):
-        # pyelftools raises ELFError on a bad header, struct errors or assertions on truncation
+    except (ValueError, KeyError, TypeError, ELFError, struct.error, AssertionError, OverflowError):
+        # pyelftools raises ELFError on a bad header, struct errors or assertions on truncation,
+        # OverflowError when a damaged offset is seeked in memory (a bzImage's vmlinux is read so)
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 

@@ -199,6 +199,19 @@ def test_list_on_a_damaged_elf(tmp_path):
     _one_clean_line(kprewrite("list", f, check=False), f"{f}: malformed .kprewrite")
 
 
+def test_list_on_an_elf_with_shifted_headers(tmp_path, prog):
+    """Seven bytes inserted at the program headers: section names at offsets past any
+    seekable position (was 'internal error: OverflowError' once list read files in memory;
+    found by the fuzzer's random run)."""
+    def shift(d):
+        at = int.from_bytes(d[32:40], "little")
+        d[at:at] = bytes(7)
+    f = _damaged(tmp_path, prog, "shifted_phdrs", shift)
+    r = kprewrite("list", f, check=False)
+    assert r.returncode == 1 and "internal error" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert str(f) in r.stderr, r.stderr
+
+
 def test_pt_load_out_of_reach(tmp_path, prog):
     """A PT_LOAD whose p_memsz reaches past 4 GiB: the detours would be out of rel32 reach
     (was 'internal error: EmitError: jmp back: displacement ... does not fit in 32 bits')."""
