@@ -280,7 +280,7 @@ class Image:
 
     def relative_relocations(self) -> list[tuple[int, int, int]]:
         """(file offset of the Elf64_Rela, r_offset, addend) of every base-relative
-        relocation (the arch's r_relative: R_X86_64_RELATIVE)."""
+        relocation (the arch's r_relative)."""
         r_relative = get_arch(self.machine).r_relative
         out = []
         for tag_rela, tag_sz in ((7, 8),):

@@ -3,8 +3,9 @@
 Compiles the runtime, the user's handlers (C sources or relocatable objects) and
 the generated probe table freestanding, and links them with `ld -pie` at the
 address the new segments will have, so every reference is resolved at rewrite
-time.  What remains are R_X86_64_RELATIVE entries, applied here at link-time
-addresses; the runtime adds the load bias to them at start-up (PIE, shared).
+time.  What remains are the arch's base-relative entries (its r_relative), applied
+here at link-time addresses; the runtime adds the load bias to them at start-up
+(PIE, shared).
 """
 from __future__ import annotations
 
@@ -219,7 +220,7 @@ def _compiler_identity(cc: str) -> tuple[str, str]:
 
 
 def default_arch(cc: str | None = None) -> str:
-    """The arch the compiler builds for (x86_64-linux-gnu -> x86_64): its runtime folder."""
+    """The arch the compiler builds for (its target triple's first part): its runtime folder."""
     target = _compiler_identity(cc or compiler())[1]
     if not target:
         raise KprewriteError(f"{cc or compiler()} -v names no target: cannot tell which runtime/arch/ folder to build")
@@ -545,12 +546,14 @@ def read_blob(raw: bytes, path: Path) -> Blob:
     data_file_hi = max([addr + size for name, typ, flags, addr, size, off in secs
                         if flags & 2 and typ != "SHT_NOBITS" and data_lo <= addr < data_hi] + [data_lo])
     data = vaddr_bytes(data_lo, data_file_hi)
-    # Apply R_X86_64_RELATIVE at link-time addresses; refuse anything else.
+    # Apply the arch's base-relative relocations at link-time addresses; refuse anything else.
     rela = e.get_section_by_name(".rela.dyn")
     if rela is not None:
+        from .arch import MACHINES, get_arch
+        r_relative = get_arch(MACHINES[int.from_bytes(raw[18:20], "little")]).r_relative
         for r in rela.iter_relocations():
             typ = r["r_info_type"]
-            if typ != 8:
+            if typ != r_relative:
                 raise KprewriteError(f"link: handler code needs dynamic relocation type {typ} at {r['r_offset']:#x}; "
                                      "handlers must be position-independent and self-contained")
             off, val = r["r_offset"], r["r_addend"] & (2**64 - 1)
