@@ -11,6 +11,8 @@ answer (targets/*), used by the planner.
   exception-table entry: can_optimize()'s search_exception_tables());
 - ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
+- singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
+  kernel's own kprobes since 5.14) rather than running with the trap flag;
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
   hit counter and the handler call in the detour itself).  Clean calls (no pt_regs for a
   handler that never reads it, through the runtime's shared clean entry) are always allowed.
@@ -31,6 +33,7 @@ class Rules:
     function_refusal: Callable | None = None            # (analysis, func) -> arch Refusal | None
     int3: bool = True
     kretprobes: bool = True
+    singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their

@@ -22,6 +22,7 @@ from ...arch.base import ThreadKey
 from ...blacklist import BlacklistEntry, Index
 from ...elfwrite import NewSection, append_section_headers
 from ...errors import KprewriteError
+from ...planner import INT3
 from ...report import META_SECTION
 from ...spec import KprobeSpec
 from ...rules import Rules
@@ -131,7 +132,10 @@ def rules(image, arch) -> Rules:
             code, target, _ = struct.unpack_from("<iiq", buf, i)
             yield a + i + 4 + target, f"jump label at {a + i + code:#x}"
 
-    return Rules(Index(register), Index(patched), mcount, function_refusal, int3=False, kretprobes=False,
+    # Breakpoint probes need our hook on the kernel's int3 path (INT3_HOOK); single-stepped
+    # copies end with an int3, as the kernel's own since 5.14 (its #DB path is not hooked).
+    return Rules(Index(register), Index(patched), mcount, function_refusal, int3=int3_hook(image) is not None,
+                 kretprobes=False, singlestep_int3=True,
                  fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],
                  # A kernel is built with -fno-jump-tables and jumps through retpoline
                  # thunks; decoding its 46,000 functions again would cost half a minute.
@@ -206,6 +210,31 @@ def thread_key(image) -> ThreadKey:
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
     """No start-up stub: the runtime's tables are ready statically, the boot hooks are probes."""
     return {}, pos
+
+
+# The int3 hook: a `call kp_kernel_int3_entry` on kprobe_int3_handler()'s ftrace site, which
+# do_int3() calls first for every kernel-mode int3 (after text_poke_bp()'s): our breakpoint
+# sites are handled there and it returns 1, any other int3 goes on into the kernel's
+# kprobes, kgdb and notify_die().  Not a probe (runtime/platform/linux_kernel/kp_int3_hook.c
+# says why a call on this NOKPROBE function is safe); its __mcount_loc entry is dropped as an
+# ftrace-site probe's is.  Only written when the image has breakpoint sites.
+INT3_HOOK = ("kprobe_int3_handler", "kp_kernel_int3_entry")
+
+
+def int3_hook(image):
+    """The ftrace site (a __mcount_loc entry) at kprobe_int3_handler()'s entry, or None
+    (no such function or no ftrace site: this image gets no breakpoint probes)."""
+    if not hasattr(image, "_int3_hook"):
+        f = next((f for f in image.functions if f.name == INT3_HOOK[0]), None)
+        image._int3_hook = None if f is None else \
+            next((m for m in ks.mcount_locs(_kernel(image)) if m.site == f.start), None)
+    return image._int3_hook
+
+
+def _int3_hook_patch(image, blob) -> tuple[int, bytes]:
+    m = int3_hook(image)
+    entry = blob.symbols[INT3_HOOK[1]]
+    return m.site, b"\xe8" + struct.pack("<i", entry - (m.site + 5))
 
 
 # The shutdown hooks: kprobe_profile (event, hits, nmissed) in the kernel log before power-off,
@@ -290,10 +319,13 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     our code fills: the __mcount_loc entry of each ftrace site a probe took
     (write() zeroes it, so ftrace neither patches nor checks the site)."""
     taken = {p["addr"]: p["name"] for p in meta["probes"] if p.get("ftrace")}
-    if not taken:
-        return []
-    return [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
-            for m in ks.mcount_locs(_kernel(image)) if m.site in taken]
+    out = [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
+           for m in ks.mcount_locs(_kernel(image)) if m.site in taken] if taken else []
+    hook = int3_hook(image)
+    if hook is not None and any(p.get("int3") for p in meta["probes"]):
+        out += [(image.offset_of(hook.site), 5, f"{INT3_HOOK[0]}'s ftrace site: call {INT3_HOOK[1]} (the int3 hook)"),
+                (hook.entry_offset, 8, f"__mcount_loc entry of the ftrace site {hook.site:#x} dropped (the int3 hook)")]
+    return out
 
 
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
@@ -307,20 +339,22 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
                              f"{(gap.end - gap.rx_vaddr) >> 10} KiB and the rodata/data gap {(gap.data_end - gap.data_vaddr) >> 10} KiB")
     out = bytearray(image.data)
     offset_of = _extend_first_load(image, out, gap.data_vaddr, data_end)
+    hooked = []         # the int3 hook's ftrace site, when there are breakpoint sites
+    if any(site.decision == INT3 for site in plan.sites):
+        patches = list(patches) + [_int3_hook_patch(image, blob)]
+        hooked = [int3_hook(image)]
     for addr, code in patches:
         off = image.offset_of(addr)
         out[off:off + len(code)] = code
     mcount = {m.site: m for m in ks.mcount_locs(k)}
-    for site in plan.sites:
-        if site.decision == "ftrace":      # ftrace neither patches nor checks it any more
-            m = mcount[site.addr]
-            out[m.entry_offset:m.entry_offset + 8] = bytes(8)
+    for m in [mcount[site.addr] for site in plan.sites if site.decision == "ftrace"] + hooked:
+        out[m.entry_offset:m.entry_offset + 8] = bytes(8)     # ftrace neither patches nor checks it any more
     code = bytes(rx) + blob.text
     off = image.offset_of(layout.rx_vaddr)
     out[off:off + len(code)] = code
     doff = offset_of(blob.data_addr)
     out[doff:doff + len(blob.data)] = blob.data
-    zeroed = [mcount[site.addr].entry for site in plan.sites if site.decision == "ftrace"]
+    zeroed = [mcount[site.addr].entry for site in plan.sites if site.decision == "ftrace"] + [m.entry for m in hooked]
     sections = [NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, code),
                 NewSection(".kprewrite.data", 8 if not blob.data else 1, 3, blob.data_addr, blob.data, blob.data_memsz),
                 NewSection(META_SECTION, 1, 0, 0, metadata, align=1)]
