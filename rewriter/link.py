@@ -51,7 +51,7 @@ ASM_OFFSETS_SOURCES = ["kp_asm_offsets.c", "{arch}/kp_asm_offsets.c"]
 # runs), and the image's return-thunk and retpoline conventions.
 KERNEL_RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
                           "kp_kretprobe.c", "kp_fetch.c", "kp_trace.c",
-                          "kp_trap.c", "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c"]
+                          "kp_trap.c", "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
 KERNEL_CFLAGS = [f for f in CFLAGS if f not in ("-fPIC", "-fno-plt")] + [
     "-D__KERNEL__", "-fno-pic", "-fno-pie", "-mcmodel=kernel", "-mno-red-zone", "-mpreferred-stack-boundary=3",
     "-mfunction-return=thunk-extern",

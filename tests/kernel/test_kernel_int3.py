@@ -24,7 +24,7 @@ from pathlib import Path
 import capstone
 import pytest
 
-from kernel_env import assert_boot_ok, init_script
+from kernel_env import assert_boot_ok, init_script, sections
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -38,6 +38,7 @@ OVERRIDES = 20        # more of them, after the first
 CONCURRENT = 300      # kill -0 1 per pinned shell
 TRACED = 25           # kill -0 1 while the kernel's own kprobes are enabled
 TRACING = "/sys/kernel/tracing"
+DEBUGFS = "/sys/kernel/debug/kprewrite"
 
 COMMANDS = f"""
 kill -0 {KILL_PID}; echo "kill-status=$?"
@@ -57,6 +58,21 @@ echo 0 > {TRACING}/events/kprobes/enable
 echo "kpneighbor=$(grep -c ' kpneighbor: ' {TRACING}/trace)"
 echo "kpentry=$(grep -c ' kpentry: ' {TRACING}/trace)"
 sed 's/^/kplist: /' /sys/kernel/debug/kprobes/list
+echo "== debugfs list"; cat {DEBUGFS}/list
+echo "== debugfs enabled"; cat {DEBUGFS}/enabled
+echo 0 > {DEBUGFS}/enabled; echo "enabled-now=$(cat {DEBUGFS}/enabled)"
+kill -0 {KILL_PID} 2>/dev/null; echo "disarmed-kill=$?"
+echo "== debugfs profile"; cat {DEBUGFS}/profile
+echo "== end"
+echo 1 > {DEBUGFS}/enabled; kill -0 {KILL_PID}; echo "armed-kill=$?"
+"""
+# The kernel command line's kprewrite.enabled=0: nothing fires until /init arms the probes.
+DISARMED_COMMANDS = f"""
+echo "enabled-at-boot=$(cat {DEBUGFS}/enabled)"
+kill -0 {KILL_PID} 2>/dev/null; echo "disarmed-kill=$?"
+echo "== debugfs profile"; cat {DEBUGFS}/profile
+echo "== end"
+echo 1 > {DEBUGFS}/enabled; kill -0 {KILL_PID}; echo "armed-kill=$?"
 """
 
 HANDLERS = r"""
@@ -303,10 +319,11 @@ def test_hit_counts_are_exact(booted, probed):
     """kprobe_profile at power-off against the kills /init made."""
     rows = _profile(booted)
     p = {f"{f}+{o:#x}": rows[f"p_{f}_{o}"] for f, o, *_ in probed["probes"]}
-    kills = 1 + OVERRIDES + 2 * CONCURRENT + TRACED
+    # The kill made while disarmed (debugfs enabled = 0) is not counted; the one after, overridden, is.
+    kills = 1 + OVERRIDES + 2 * CONCURRENT + TRACED + 1
     assert p["__x64_sys_kill+0x5"] == (kills, 0), rows
     call = [k for k in p if k.startswith("__x64_sys_kill+") and k != "__x64_sys_kill+0x5"][0]
-    assert p[call] == (kills - 1 - OVERRIDES, 0), rows
+    assert p[call] == (kills - 2 - OVERRIDES, 0), rows
     jmp = [k for k in p if k.startswith("kill_something_info+")][0]
     assert p[jmp] == (2 * CONCURRENT + TRACED, 0), rows
     last = _reports(booted)[-1]
@@ -329,3 +346,47 @@ def test_the_int3_hook_is_a_call_on_kprobe_int3_handlers_ftrace_site(probed, deb
     assert doc["unattributed"] == [], doc["unattributed"]
     assert any("the int3 hook" in c["detail"] and c["address"] == hex(probed["hook"]) for c in doc["changes"]), \
         [c for c in doc["changes"] if c["what"] == "target"]
+
+
+def test_debugfs_views(booted, probed):
+    """kprewrite/list, enabled and profile in debugfs, read and written from /init: writing 0
+    disarms every probe (kill(KILL_PID, 0) fails again, its int3 still runs the instruction), 1
+    arms them again."""
+    r = booted
+    sec = sections(r.console)
+    listed = sec["debugfs list"]
+    want = {"single-step": "SINGLESTEP", "emulate": "EMULATED", "boost": "BOOSTED", None: "FTRACE"}
+    for f, o, _, _, mode in probed["probes"]:
+        assert any(re.fullmatch(rf"[0-9a-f]{{16}}  k  {f}\+{o:#x}    \[{want[mode]}\]", l) for l in listed), (f, listed)
+    assert any(re.fullmatch(r"[0-9a-f]{16}  k  setup_per_cpu_areas\+0x0    \[FTRACE\]", l) for l in listed), listed
+    assert sec["debugfs enabled"][0] == "1", sec["debugfs enabled"]
+    assert re.search(r"^enabled-now=0$", r.console, re.M)
+    assert re.search(r"^disarmed-kill=1$", r.console, re.M), r.explain("a disarmed probe changed the path")
+    assert re.search(r"^armed-kill=0$", r.console, re.M), r.explain("armed again, the probe should change the path")
+    rows = {}
+    for l in sec["debugfs profile"]:
+        m = re.fullmatch(r"  (\S+) +(\d+) +(\d+)", l)
+        assert m, l
+        rows[m.group(1)] = int(m.group(2)), int(m.group(3))
+    assert rows["p___x64_sys_kill_5"] == (1 + OVERRIDES + 2 * CONCURRENT + TRACED + 1, 0), rows
+    assert rows["kprewrite_setup_per_cpu_areas"] == (1, 0), rows
+
+
+def test_kernel_command_line_disarms_every_probe(probed, make_initramfs, boot_kernel):
+    """kprewrite.enabled=0: the boot hooks still keep our pages (W+X check passes), no probe of the
+    spec fires (no copy_process hit in the profile, though the kernel forked), until /init arms them."""
+    initrd = make_initramfs(init_script(DISARMED_COMMANDS))
+    r = boot_kernel("int3-vmlinux-disarmed", probed["out"], initrd, smp=2, timeout=120,
+                    extra_append="kprewrite.enabled=0")
+    assert_boot_ok(r)
+    assert "kprewrite: kprewrite.enabled=0: every probe disarmed" in r.console, r.explain("no disarm line")
+    assert re.search(r"^enabled-at-boot=0$", r.console, re.M), r.explain("enabled should read 0")
+    assert re.search(r"^disarmed-kill=1$", r.console, re.M), r.explain("a disarmed probe changed the path")
+    assert re.search(r"^armed-kill=0$", r.console, re.M), r.explain("armed, the probe should change the path")
+    rows = {}
+    for l in sections(r.console)["debugfs profile"]:
+        m = re.fullmatch(r"  (\S+) +(\d+) +(\d+)", l)
+        rows[m.group(1)] = int(m.group(2)), int(m.group(3))
+    bt = f"p_copy_process_{probed['probes'][0][1]}"
+    assert rows[bt] == (0, 0) and rows["p___x64_sys_kill_5"] == (0, 0), rows   # cat was forked, kill made
+    assert rows["kprewrite_free_kernel_image_pages"][0] >= 2, rows

@@ -167,7 +167,10 @@ PAGE = 0x1000
 # The boot hooks: (function, runtime pre_handler).
 BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),
               ("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),
-              ("free_kernel_image_pages", "kp_kernel_keep_free"))
+              ("free_kernel_image_pages", "kp_kernel_keep_free"),
+              # kprewrite.enabled=0 on the command line, read in setup_arch() (kp_debugfs.c);
+              # the debugfs views, once initcalls are done, before /init (kp_debugfs.c).
+              ("parse_early_param", "kp_kernel_cmdline"), ("console_on_rootfs", "kp_kernel_debugfs"))
 
 
 @dataclass
@@ -272,6 +275,9 @@ def tables_c(image, arch, any_int3: bool) -> str:
         f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
         "char *kp_kernel_current(void)\n{\n\tchar *t;\n"
         f'\t__asm__("movq %%gs:{kt.current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
+    # struct file_operations' size and its llseek, read and write offsets (BTF), for the debugfs files.
+    fops = kt.fops if kt is not None and kt.fops else [-1] * 4
+    task += f"const long kp_kernel_fops[4] = {{ {', '.join(map(str, fops))} }};\n"
     return task + (f"const unsigned long kp_kernel_gap_start = {address_c(image, lay.rx_vaddr)}, "
                    f"kp_kernel_gap_end = {address_c(image, lay.end)};\n"
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
