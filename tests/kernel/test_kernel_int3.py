@@ -1,6 +1,6 @@
 """Breakpoint (INT3) probes in Debian's kernel: `optimize = false` makes every probe that is not
 at an ftrace site an int3, handled through our hook on kprobe_int3_handler()'s ftrace site.  One
-rewrite and one boot (-smp 2) for the module:
+rewrite of Debian's vmlinuz and one boot (-smp 2, KASLR on) for the module:
 
 - each out-of-line mode on kernel code the /init workload runs: an emulated call, jcc and jmp
   (the post_handler sees the branch's result), a boosted push with a pre_handler changing the
@@ -62,9 +62,9 @@ echo "== debugfs list"; cat {DEBUGFS}/list
 echo "== debugfs enabled"; cat {DEBUGFS}/enabled
 echo 0 > {DEBUGFS}/enabled; echo "enabled-now=$(cat {DEBUGFS}/enabled)"
 kill -0 {KILL_PID} 2>/dev/null; echo "disarmed-kill=$?"
+echo 1 > {DEBUGFS}/enabled; kill -0 {KILL_PID}; echo "armed-kill=$?"
 echo "== debugfs profile"; cat {DEBUGFS}/profile
 echo "== end"
-echo 1 > {DEBUGFS}/enabled; kill -0 {KILL_PID}; echo "armed-kill=$?"
 """
 # The kernel command line's kprewrite.enabled=0: nothing fires until /init arms the probes.
 DISARMED_COMMANDS = f"""
@@ -80,7 +80,7 @@ HANDLERS = r"""
 
 extern unsigned long total_forks;
 
-static unsigned long n_ss, bad_ss, n_jcc, bad_jcc, n_call, bad_call, n_jmp, bad_jmp, n_rip, bad_rip;
+static unsigned long n_ss, bad_ss, n_jcc, bad_jcc, n_call, bad_call, n_jmp, bad_jmp, n_rip, bad_rip, n_pc, bad_pc;
 static unsigned long fork_before, cpu_hits[2], both, spins;
 static int inside;
 
@@ -120,6 +120,30 @@ static void rip_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags
 	n_rip++;
 	if (total_forks != fork_before + 1)
 		bad_rip++;
+}
+
+/* copy_process: `incq %gs:process_counts(%rip)`, a per-CPU counter through a RIP-relative
+ * operand (a KASLR inverse relocation), boosted; irqs are off there (tasklist_lock). */
+static unsigned long pc_before;
+
+static inline unsigned long process_count(void)
+{
+	unsigned long v;
+	__asm__ volatile("movq %%gs:process_counts, %0" : "=r"(v));
+	return v;
+}
+
+static int pc_pre(struct kprobe *p, struct pt_regs *regs)
+{
+	pc_before = process_count();
+	return 0;
+}
+
+static void pc_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
+	n_pc++;
+	if (process_count() != pc_before + 1)
+		bad_pc++;
 }
 
 /* __x64_sys_kill+5 (push %r12, boosted): kill(KILL_PID, 0) returns 0 at once. */
@@ -167,8 +191,8 @@ static void jmp_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags
 /* sync(2): the counters so far. */
 static int report(struct kprobe *p, struct pt_regs *regs)
 {
-	pr_info("kp-report: ss=%lu/%lu jcc=%lu/%lu rip=%lu/%lu call=%lu/%lu jmp=%lu/%lu cpu0=%lu cpu1=%lu both=%lu\n",
-		n_ss, bad_ss, n_jcc, bad_jcc, n_rip, bad_rip, n_call, bad_call, n_jmp, bad_jmp,
+	pr_info("kp-report: ss=%lu/%lu jcc=%lu/%lu rip=%lu/%lu pc=%lu/%lu call=%lu/%lu jmp=%lu/%lu cpu0=%lu cpu1=%lu both=%lu\n",
+		n_ss, bad_ss, n_jcc, bad_jcc, n_rip, bad_rip, n_pc, bad_pc, n_call, bad_call, n_jmp, bad_jmp,
 		cpu_hits[0], cpu_hits[1], both);
 	return 0;
 }
@@ -209,6 +233,9 @@ def probed(tmp_path_factory, debian_kernel):
     assert jcc.mnemonic == "jb", jcc
     rip_off, rip = _find(image, "copy_process", lambda i: i.mnemonic == "add" and "rip" in i.op_str and
                          i.address + i.size + int(i.op_str.split("+ ")[1].split("]")[0], 16) == total_forks)
+    process_counts = next(s.addr for s in image.kernel_symbols if s.name == "process_counts")
+    pc_off, _ = _find(image, "copy_process", lambda i: i.mnemonic == "inc" and i.op_str.startswith("qword ptr gs:[rip") and
+                      (i.address + i.size + int(i.op_str.split("+ ")[1].split("]")[0], 16)) % 2**64 == process_counts)
     call_off, call = _find(image, "__x64_sys_kill", lambda i: i.mnemonic == "call" and
                            image.function_at(_target(i)).name == "__task_pid_nr_ns")
     # kill_something_info(sig, info, pid > 0): the jmp to its epilogue after kill_pid_info().
@@ -226,6 +253,7 @@ def probed(tmp_path_factory, debian_kernel):
     probes = [("copy_process", bt_off, None, "bt_post", "single-step"),
               ("copy_process", jcc_off, None, "jcc_post", "emulate"),
               ("copy_process", rip_off, "rip_pre", "rip_post", "boost"),
+              ("copy_process", pc_off, "pc_pre", "pc_post", "boost"),
               ("__x64_sys_kill", 5, "kill_override", None, "boost"),
               ("__x64_sys_kill", call_off, "call_pre", "call_post", "emulate"),
               ("kill_something_info", jmp_off, None, "jmp_post", "emulate"),
@@ -242,8 +270,10 @@ def probed(tmp_path_factory, debian_kernel):
             assert line == f"{f}+{o:#x}  k  ftrace", line
         else:
             assert line.startswith(f"{f}+{o:#x}  k  int3  kprobes_optimization") and line.endswith(f"[{mode}]"), line
-    out = d / "vmlinux.kp"
-    kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
+    # A bzImage, booted with KASLR on: the slots' copies carry their KASLR entries, and the
+    # emulated targets and slots are found with the runtime's bias (the KASLR offset).
+    out = d / "vmlinuz.kp"
+    kprewrite("instrument", debian_kernel.vmlinuz, "--spec", spec, "-o", out)
     return {"dir": d, "spec": spec, "out": out, "neighbor": neighbor, "probes": probes,
             "hook": image.symbols["kprobe_int3_handler"][0]}
 
@@ -251,7 +281,7 @@ def probed(tmp_path_factory, debian_kernel):
 @pytest.fixture(scope="module")
 def booted(probed, make_initramfs, boot_kernel):
     initrd = make_initramfs(init_script(COMMANDS.replace("NEIGHBOR_OFF", f"{probed['neighbor']:#x}")))
-    return boot_kernel("int3-vmlinux-smp2", probed["out"], initrd, smp=2, timeout=240)
+    return boot_kernel("int3-bzimage-smp2", probed["out"], initrd, smp=2, timeout=240)
 
 
 def _reports(r) -> list[dict[str, tuple[int, ...]]]:
@@ -283,10 +313,11 @@ def test_boots_and_every_mode_runs_right(booted):
     # sync before and after the traced window, and poweroff's own
     assert len(reps) == 3, r.explain("three kp-report lines (sync(2) calls)")
     last = reps[-1]
-    for k in ("ss", "jcc", "rip", "call", "jmp"):
+    for k in ("ss", "jcc", "rip", "pc", "call", "jmp"):
         n, bad = last[k]
         assert n > 0 and bad == 0, r.explain(f"{k}: {n} hits, {bad} wrong")
-    assert last["ss"][0] == last["jcc"][0] == last["rip"][0], last   # every fork runs all three
+    # Every fork runs the first three; process_counts counts new thread-group leaders only.
+    assert last["ss"][0] == last["jcc"][0] == last["rip"][0] >= last["pc"][0], last
 
 
 def test_a_pre_handler_changing_the_path(booted):
@@ -339,10 +370,11 @@ def test_list_shows_the_modes(probed):
 
 def test_the_int3_hook_is_a_call_on_kprobe_int3_handlers_ftrace_site(probed, debian_kernel):
     """kprobe_int3_handler()'s ftrace site calls our hook, and `diff` names it (nothing unattributed)."""
-    out = Image(str(probed["out"]))
-    code = out.read(probed["hook"], 5)
+    out = probed["dir"] / "vmlinux.kp"       # diff reads a vmlinux (a bzImage's is re-laid when written)
+    kprewrite("instrument", debian_kernel.vmlinux, "--spec", probed["spec"], "-o", out)
+    code = Image(str(out)).read(probed["hook"], 5)
     assert code[0] == 0xE8, code.hex()
-    doc = json.loads(kprewrite("diff", debian_kernel.vmlinux, probed["out"], "--format", "json").stdout)
+    doc = json.loads(kprewrite("diff", debian_kernel.vmlinux, out, "--format", "json").stdout)
     assert doc["unattributed"] == [], doc["unattributed"]
     assert any("the int3 hook" in c["detail"] and c["address"] == hex(probed["hook"]) for c in doc["changes"]), \
         [c for c in doc["changes"] if c["what"] == "target"]
@@ -376,7 +408,7 @@ def test_kernel_command_line_disarms_every_probe(probed, make_initramfs, boot_ke
     """kprewrite.enabled=0: the boot hooks still keep our pages (W+X check passes), no probe of the
     spec fires (no copy_process hit in the profile, though the kernel forked), until /init arms them."""
     initrd = make_initramfs(init_script(DISARMED_COMMANDS))
-    r = boot_kernel("int3-vmlinux-disarmed", probed["out"], initrd, smp=2, timeout=120,
+    r = boot_kernel("int3-bzimage-disarmed", probed["out"], initrd, smp=2, timeout=180,
                     extra_append="kprewrite.enabled=0")
     assert_boot_ok(r)
     assert "kprewrite: kprewrite.enabled=0: every probe disarmed" in r.console, r.explain("no disarm line")
