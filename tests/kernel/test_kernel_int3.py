@@ -422,3 +422,89 @@ def test_kernel_command_line_disarms_every_probe(probed, make_initramfs, boot_ke
     bt = f"p_copy_process_{probed['probes'][0][1]}"
     assert rows[bt] == (0, 0) and rows["p___x64_sys_kill_5"] == (0, 0), rows   # cat was forked, kill made
     assert rows["kprewrite_free_kernel_image_pages"][0] >= 2, rows
+
+
+# --- a breakpoint on every instruction of real functions, against the kernel's own kprobes ---------
+
+EVERY = ("__x64_sys_kill", "kill_something_info", "__kill_pgrp_info")
+# Only /init makes these calls (kill(2)): kill(1, 0) (kill_pid_info), kill(0, 0) in a new
+# session (__kill_pgrp_info's loop over one process), kill(999, 0) (ESRCH).
+WORKLOAD = """
+for i in $(seq 10); do kill -0 1; done
+setsid sh -c 'for i in $(seq 7); do kill -0 0; done'
+for i in $(seq 3); do kill -0 999 2>/dev/null; done
+"""
+OURS = f"""
+cat {DEBUGFS}/profile > /tmp/before
+{WORKLOAD}
+cat {DEBUGFS}/profile > /tmp/after
+echo "== before"; cat /tmp/before; echo "== after"; cat /tmp/after; echo "== end"
+"""
+
+
+def _profile_rows(lines) -> dict[str, tuple[int, int]]:
+    rows = {}
+    for l in lines:
+        m = re.fullmatch(r"\s*(\S+) +(\d+) +(\d+)", l)
+        if m:
+            rows[m.group(1)] = int(m.group(2)), int(m.group(3))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def every(tmp_path_factory, debian_kernel):
+    """Every instruction of EVERY but the entry (an ftrace site) as an int3 probe; the ones
+    refused (return thunks, paravirt calls: sites patched at boot) left out."""
+    d = tmp_path_factory.mktemp("int3-every")
+    image = Image(str(debian_kernel.vmlinux))
+    linux_kernel.load_symbols(image)
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    probes = []
+    for name in EVERY:
+        f = next(f for f in image.functions if f.name == name)
+        probes += [(name, i.address - f.start) for i in cs.disasm(image.read(f.start, f.end - f.start), f.start)
+                   if i.address > f.start]
+    spec = d / "every.toml"
+
+    def write(ps):
+        spec.write_text("optimize = false\n" + "".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o:#x}\n'
+                                                       for n, o in ps))
+    write(probes)
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, check=False)
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(probes)
+    decision = [l.split("  ")[2].split()[0] for l in lines]
+    assert set(decision) == {"int3", "refused"}, lines
+    probes = [p for p, d in zip(probes, decision) if d == "int3"]
+    write(probes)
+    out = d / "vmlinux.kp"
+    kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
+    return {"out": out, "probes": probes}
+
+
+def test_every_instruction_hit_counts_match_the_kernels_own_kprobes(every, debian_kernel, make_initramfs,
+                                                                     boot_kernel):
+    """The same probes as tracefs kprobe_events on the unmodified kernel, the same /init workload:
+    per-probe hit counts equal (kprobe_profile), and the rewritten kernel behaves the same."""
+    probes = every["probes"]
+    assert len(probes) > 150, len(probes)
+    r = boot_kernel("int3-every-vmlinux", every["out"], make_initramfs(init_script(OURS)), smp=2, timeout=180)
+    assert_boot_ok(r)
+    sec = sections(r.console)
+    before, after = _profile_rows(sec["before"]), _profile_rows(sec["after"])
+    ours = {f"{n}+{o}": after[f"p_{n}_{o}"][0] - before[f"p_{n}_{o}"][0] for n, o in probes}
+    assert all(after[f"p_{n}_{o}"][1] == 0 for n, o in probes), after
+    events = "".join(f"echo 'p:o_{n}_{o} {n}+{o:#x}' >> {TRACING}/kprobe_events\n" for n, o in probes)
+    oracle = (f"{events}echo 1 > {TRACING}/events/kprobes/enable\n{WORKLOAD}"
+              f"echo 0 > {TRACING}/events/kprobes/enable\necho '== oracle'; cat {TRACING}/kprobe_profile\necho '== end'\n")
+    o = boot_kernel("int3-every-oracle", debian_kernel.vmlinux, make_initramfs(init_script(oracle)), smp=2, timeout=180)
+    assert_boot_ok(o)
+    rows = _profile_rows(sections(o.console)["oracle"])
+    theirs = {f"{n}+{o_}": rows[f"o_{n}_{o_}"][0] for n, o_ in probes if f"o_{n}_{o_}" in rows}
+    assert len(theirs) >= 0.9 * len(probes), (len(theirs), len(probes))
+    diff = {k: (ours[k], v) for k, v in theirs.items() if ours[k] != v}
+    assert not diff, diff
+    hit = sum(1 for v in ours.values() if v)
+    assert hit > 100 and max(ours.values()) >= 10, ours
+    print(f"\nevery instruction: {len(probes)} int3 probes, {len(theirs)} compared with the kernel's own, "
+          f"{hit} hit")
