@@ -43,6 +43,7 @@ REGISTER_REASONS = {
     ".entry.text": "in .entry.text (entry code)",
     ".static_call.text": "static call trampoline (static_call_text_reserved)",
     "__cfi_/__pfx_": "CFI/padding symbol",
+    ".head.text": "in .head.text (runs before per-CPU setup, on the early identity mapping)",
     "__jump_table": "jump label site (jump_label_text_reserved)",
     ".static_call_sites": "static call site (static_call_text_reserved)",
     "__bug_table": "BUG/WARN site (find_bug)",
@@ -96,12 +97,13 @@ def rules(image, arch) -> Rules:
         if r.table == "_kprobe_blacklist":
             why = next((REGISTER_REASONS[t] for t, b in whole.items() if b and b[0] <= r.start < b[1]), why)
         if why is not None:
-            sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_") else _symbol_at(image, r.start)
+            sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_", ".head.text") else _symbol_at(image, r.start)
             register.append(BlacklistEntry(r.start, r.end, sym, why))
         if r.table == "__mcount_loc":
             # Inside an ftrace site, not at its start (arch_check_ftrace_location()).
             register.append(BlacklistEntry(r.start + 1, r.end, _symbol_at(image, r.start), "inside an ftrace site"))
-        if r.table not in ("_kprobe_blacklist", ".kprobes.text", ".noinstr.text", ".entry.text", "__cfi_/__pfx_"):
+        if r.table not in ("_kprobe_blacklist", ".kprobes.text", ".noinstr.text", ".entry.text", "__cfi_/__pfx_",
+                           ".head.text"):
             patched.append(BlacklistEntry(r.start, r.end, r.detail or r.table, r.table))
     ex_insns = sorted(e.insn for e in ks.ex_table(k))
     thunks = ks.indirect_thunk_range(k)
