@@ -202,7 +202,18 @@ def plan_layout(image) -> GapLayout:
 def thread_key(image) -> ThreadKey:
     """The runtime's "thread" in a kernel is the CPU (preemption off while handlers
     run, as the kernel's current_kprobe is per-CPU): its per-CPU offset."""
-    return ThreadKey("cpu", _symbol(image, "this_cpu_off"))
+    return ThreadKey("cpu", _symbol(image, "this_cpu_off"), _symbol(image, "__preempt_count"), _resched(image))
+
+
+# What preempt_enable() calls on a pending reschedule: the static call PREEMPT_DYNAMIC
+# patches at boot (preempt= none/voluntary: a return), else the thunk of a PREEMPT kernel;
+# a kernel with neither never preempts kernel code.
+RESCHED = ("__SCT__preempt_schedule", "preempt_schedule_thunk")
+
+
+def _resched(image) -> int | None:
+    syms = link_symbols(image)
+    return next((syms[n] for n in RESCHED if syms.get(n)), None)
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
@@ -245,6 +256,10 @@ def tables_c(image, arch, any_int3: bool) -> str:
         f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
         "char *kp_kernel_current(void)\n{\n\tchar *t;\n"
         f'\t__asm__("movq %%gs:{kt.current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
+    resched = next((n for n in RESCHED if link_symbols(image).get(n)), None)
+    task += ("void kp_kernel_resched(void);\n__asm__(\".pushsection .text\\n.globl kp_kernel_resched\\n"
+             f"kp_kernel_resched:\\n\\tjmp {resched}\\n.popsection\");\n" if resched else
+             "void kp_kernel_resched(void) {}\n")
     return task + (f"const unsigned long kp_kernel_gap_start = {address_c(image, lay.rx_vaddr)}, "
                    f"kp_kernel_gap_end = {address_c(image, lay.end)};\n"
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
@@ -254,11 +269,36 @@ def tables_c(image, arch, any_int3: bool) -> str:
             "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
 
 
+# linux/preempt.h's preempt_count() and preemptible(), as x86 defines them: the per-CPU
+# __preempt_count with PREEMPT_NEED_RESCHED (bit 31, inverted) masked out.
+PREEMPT_H = """#ifndef _KPREWRITE_LINUX_PREEMPT_H
+#define _KPREWRITE_LINUX_PREEMPT_H
+static inline int preempt_count(void)
+{
+	int pc;
+	__asm__ volatile("movl %%gs:__preempt_count, %0" : "=r"(pc));
+	return pc & ~0x80000000;
+}
+static inline int kp_irqs_disabled(void)
+{
+	unsigned long flags;
+	__asm__ volatile("pushfq; popq %0" : "=r"(flags));
+	return !(flags & 0x200);
+}
+#define preemptible() (preempt_count() == 0 && !kp_irqs_disabled())
+#endif
+"""
+
+
 def handler_headers(image) -> dict[str, str]:
     """linux/sched.h from the image's own BTF (btf.py): the kernel's types and `current`,
-    so that handlers read current->comm or a struct file as module code does."""
+    so that handlers read current->comm or a struct file as module code does; and
+    linux/preempt.h (handlers run with preemption disabled, as the kernel's do)."""
     kt = _types(image)
-    return {} if kt is None else {"linux/sched.h": kt.sched_h}    # no BTF: the handler API's own
+    out = {"linux/preempt.h": PREEMPT_H}
+    if kt is not None:              # no BTF: the handler API's own linux/sched.h
+        out["linux/sched.h"] = kt.sched_h
+    return out
 
 
 def _types(image) -> btf.KernelTypes | None:
