@@ -109,6 +109,8 @@ def test_check_kernel_rules(tmp_path, debian_kernel, kimage):
               ("do_sys_openat2", 5, ["optimized"]),
               ("kprobe_int3_handler", 0, ["refused", "NOKPROBE_SYMBOL"]),
               ("do_syscall_64", 0, ["refused", ".noinstr.text"]),
+              # .head.text runs before %gs (the per-CPU base) is set: a detour there would crash.
+              ("secondary_startup_64", 0, ["refused", ".head.text"]),
               *ex.values()]
     spec = write_spec(tmp_path, "".join(f'[[kprobe]]\nsymbol_name = "{s}"\noffset = {o:#x}\n' for s, o, _ in probes)
                       + '[[kretprobe]]\nsymbol_name = "kernel_clone"\n')
@@ -173,6 +175,9 @@ def test_blacklist_lists_every_table(debian_kernel):
         reasons.setdefault(reason, []).append(sym)
     assert "kprobe_int3_handler" in reasons["NOKPROBE_SYMBOL"]
     assert "do_syscall_64" in reasons["in .noinstr.text (noinstr)"]
+    head = reasons["in .head.text (runs before per-CPU setup, on the early identity mapping)"]
+    assert {"startup_64", "secondary_startup_64", "verify_cpu", "pvh_start_xen"} <= set(head)
+    assert "x86_64_start_kernel" not in head and "start_kernel" not in head
     for table in (".altinstructions", ".parainstructions", ".retpoline_sites", ".return_sites", ".smp_locks",
                   "__jump_table", ".static_call_sites", "__mcount_loc", "__ex_table", "__bug_table"):
         assert reasons.get(f"boot-patched site ({table})"), table

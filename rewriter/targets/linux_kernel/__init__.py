@@ -44,6 +44,7 @@ REGISTER_REASONS = {
     ".entry.text": "in .entry.text (entry code)",
     ".static_call.text": "static call trampoline (static_call_text_reserved)",
     "__cfi_/__pfx_": "CFI/padding symbol",
+    ".head.text": "in .head.text (runs before per-CPU setup, on the early identity mapping)",
     "__jump_table": "jump label site (jump_label_text_reserved)",
     ".static_call_sites": "static call site (static_call_text_reserved)",
     "__bug_table": "BUG/WARN site (find_bug)",
@@ -97,12 +98,13 @@ def rules(image, arch) -> Rules:
         if r.table == "_kprobe_blacklist":
             why = next((REGISTER_REASONS[t] for t, b in whole.items() if b and b[0] <= r.start < b[1]), why)
         if why is not None:
-            sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_") else _symbol_at(image, r.start)
+            sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_", ".head.text") else _symbol_at(image, r.start)
             register.append(BlacklistEntry(r.start, r.end, sym, why))
         if r.table == "__mcount_loc":
             # Inside an ftrace site, not at its start (arch_check_ftrace_location()).
             register.append(BlacklistEntry(r.start + 1, r.end, _symbol_at(image, r.start), "inside an ftrace site"))
-        if r.table not in ("_kprobe_blacklist", ".kprobes.text", ".noinstr.text", ".entry.text", "__cfi_/__pfx_"):
+        if r.table not in ("_kprobe_blacklist", ".kprobes.text", ".noinstr.text", ".entry.text", "__cfi_/__pfx_",
+                           ".head.text"):
             patched.append(BlacklistEntry(r.start, r.end, r.detail or r.table, r.table))
     ex_insns = sorted(e.insn for e in ks.ex_table(k))
     thunks = ks.indirect_thunk_range(k)
@@ -207,7 +209,18 @@ def plan_layout(image) -> GapLayout:
 def thread_key(image) -> ThreadKey:
     """The runtime's "thread" in a kernel is the CPU (preemption off while handlers
     run, as the kernel's current_kprobe is per-CPU): its per-CPU offset."""
-    return ThreadKey("cpu", _symbol(image, "this_cpu_off"))
+    return ThreadKey("cpu", _symbol(image, "this_cpu_off"), _symbol(image, "__preempt_count"), _resched(image))
+
+
+# What preempt_enable() calls on a pending reschedule: the static call PREEMPT_DYNAMIC
+# patches at boot (preempt= none/voluntary: a return), else the thunk of a PREEMPT kernel;
+# a kernel with neither never preempts kernel code.
+RESCHED = ("__SCT__preempt_schedule", "preempt_schedule_thunk")
+
+
+def _resched(image) -> int | None:
+    syms = link_symbols(image)
+    return next((syms[n] for n in RESCHED if syms.get(n)), None)
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
@@ -275,6 +288,10 @@ def tables_c(image, arch, any_int3: bool) -> str:
         f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
         "char *kp_kernel_current(void)\n{\n\tchar *t;\n"
         f'\t__asm__("movq %%gs:{kt.current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
+    resched = next((n for n in RESCHED if link_symbols(image).get(n)), None)
+    task += ("void kp_kernel_resched(void);\n__asm__(\".pushsection .text\\n.globl kp_kernel_resched\\n"
+             f"kp_kernel_resched:\\n\\tjmp {resched}\\n.popsection\");\n" if resched else
+             "void kp_kernel_resched(void) {}\n")
     # struct file_operations' size and its llseek, read and write offsets (BTF), for the debugfs files.
     fops = kt.fops if kt is not None and kt.fops else [-1] * 4
     task += f"const long kp_kernel_fops[4] = {{ {', '.join(map(str, fops))} }};\n"
@@ -287,11 +304,36 @@ def tables_c(image, arch, any_int3: bool) -> str:
             "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
 
 
+# linux/preempt.h's preempt_count() and preemptible(), as x86 defines them: the per-CPU
+# __preempt_count with PREEMPT_NEED_RESCHED (bit 31, inverted) masked out.
+PREEMPT_H = """#ifndef _KPREWRITE_LINUX_PREEMPT_H
+#define _KPREWRITE_LINUX_PREEMPT_H
+static inline int preempt_count(void)
+{
+	int pc;
+	__asm__ volatile("movl %%gs:__preempt_count, %0" : "=r"(pc));
+	return pc & ~0x80000000;
+}
+static inline int kp_irqs_disabled(void)
+{
+	unsigned long flags;
+	__asm__ volatile("pushfq; popq %0" : "=r"(flags));
+	return !(flags & 0x200);
+}
+#define preemptible() (preempt_count() == 0 && !kp_irqs_disabled())
+#endif
+"""
+
+
 def handler_headers(image) -> dict[str, str]:
     """linux/sched.h from the image's own BTF (btf.py): the kernel's types and `current`,
-    so that handlers read current->comm or a struct file as module code does."""
+    so that handlers read current->comm or a struct file as module code does; and
+    linux/preempt.h (handlers run with preemption disabled, as the kernel's do)."""
     kt = _types(image)
-    return {} if kt is None else {"linux/sched.h": kt.sched_h}    # no BTF: the handler API's own
+    out = {"linux/preempt.h": PREEMPT_H}
+    if kt is not None:              # no BTF: the handler API's own linux/sched.h
+        out["linux/sched.h"] = kt.sched_h
+    return out
 
 
 def _types(image) -> btf.KernelTypes | None:

@@ -57,9 +57,13 @@ static inline int kp_platform_thread_key_ready(void)
 }
 
 /* optimized_callback()'s preempt_disable()/preempt_enable(): the key is the
- * CPU's, so the dispatch must not move to another CPU.  No reschedule on the
- * way out (preempt_enable_no_resched()): a pending one waits for the next
- * preemption point, and the detour never calls into the scheduler. */
+ * CPU's, so the dispatch must not move to another CPU.  On the way out a
+ * pending reschedule (the count reaching zero: x86 folds an inverted
+ * PREEMPT_NEED_RESCHED into it) is taken as preempt_enable() takes it, through
+ * kp_kernel_resched (the image's preempt_schedule thunk, which keeps every
+ * register; the probe table defines it per image). */
+void kp_kernel_resched(void);
+
 static inline void kp_platform_dispatch_begin(void)
 {
 	__asm__ volatile("incl %%gs:__preempt_count" ::: "memory", "cc");
@@ -67,7 +71,9 @@ static inline void kp_platform_dispatch_begin(void)
 
 static inline void kp_platform_dispatch_end(void)
 {
-	__asm__ volatile("decl %%gs:__preempt_count" ::: "memory", "cc");
+	register unsigned long sp __asm__("rsp");
+	__asm__ volatile("decl %%gs:__preempt_count\n\tjnz 1f\n\tcall kp_kernel_resched\n1:"
+			 : "+r"(sp) :: "memory", "cc");	/* "+r"(sp): ASM_CALL_CONSTRAINT */
 }
 
 /* --- memory, output, time (platform.c) --- */
