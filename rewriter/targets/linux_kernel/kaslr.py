@@ -103,6 +103,15 @@ def relocation_table(image, arch, layout, rx: bytes, patches, blob, plan, zeroed
     for insn, at, copy in copies:
         for lst, e in list(overlapping(insn.addr, insn.addr + len(insn.code))):
             lst.add(_moved(path, insn, at, copy, e, lst is r32neg, 8 if lst is r64 else 4))
+    # An emulated breakpoint site reads its operands from a descriptor linked at the image's
+    # addresses (the runtime adds the KASLR offset to targets, never to an absolute
+    # displacement): an absolute operand KASLR relocates cannot be emulated.
+    for site in plan.sites:
+        x = site.xol
+        if x is not None and x.mode == "emulate" and not x.rip and any(
+                lst is not r32neg for lst, _ in overlapping(x.insn.addr + 1, x.insn.addr + len(x.insn.code))):
+            raise KprewriteError(f"{path}: the breakpoint probe's instruction at {x.insn.addr:#x} has an absolute operand "
+                                 "that KASLR relocates, and is emulated: use a vmlinux, or probe another instruction")
     for z in zeroed:
         r64.discard(z)
     for r in blob.relocations:
