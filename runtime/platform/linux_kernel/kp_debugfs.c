@@ -111,10 +111,19 @@ static const char *kp_placement(const struct kprobe *p)
 		return "[FTRACE]";
 	if (p->flags & KPROBE_FLAG_OPTIMIZED)
 		return "[OPTIMIZED]";
-	for (unsigned int i = 0; i < kp_nint3; i++)
-		if (kp_int3_sites[i].site == p->site)
-			return kp_int3_sites[i].mode == KP_XOL_EMULATE ? "[EMULATED]" :
-			       kp_int3_sites[i].mode == KP_XOL_BOOST ? "[BOOSTED]" : "[SINGLESTEP]";
+	/* The breakpoint sites are sorted by link-time address. */
+	unsigned long a = (unsigned long)p->addr - kp_rt.bias;
+	unsigned int lo = 0, hi = kp_nint3;
+	while (lo < hi) {
+		unsigned int mid = (lo + hi) / 2;
+		const struct kp_int3_site *d = &kp_int3_sites[mid];
+		if (d->addr == a)
+			return d->mode == KP_XOL_EMULATE ? "[EMULATED]" : d->mode == KP_XOL_BOOST ? "[BOOSTED]" : "[SINGLESTEP]";
+		if (d->addr < a)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
 	return "";
 }
 
