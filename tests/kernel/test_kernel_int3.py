@@ -223,19 +223,19 @@ def _target(i) -> int:
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory, debian_kernel):
+    """The instructions found in this kernel's code, the spec, `check`'s modes, the rewritten vmlinuz."""
     d = tmp_path_factory.mktemp("int3")
     image = Image(str(debian_kernel.vmlinux))
     linux_kernel.load_symbols(image)
-    total_forks = image.symbols["total_forks"][0] if "total_forks" in image.symbols else \
-        next(s.addr for s in image.kernel_symbols if s.name == "total_forks")
+    ksym = {s.name: s.addr for s in image.kernel_symbols}       # kallsyms: data and per-CPU symbols too
+    total_forks, process_counts = ksym["total_forks"], ksym["process_counts"]
     bt_off, bt = _find(image, "copy_process", lambda i: i.mnemonic == "bt" and i.op_str.endswith(", 0x20"))
     jcc_off, jcc = _find(image, "copy_process", lambda i: i.address == bt.address + bt.size)
     assert jcc.mnemonic == "jb", jcc
     rip_off, rip = _find(image, "copy_process", lambda i: i.mnemonic == "add" and "rip" in i.op_str and
                          i.address + i.size + int(i.op_str.split("+ ")[1].split("]")[0], 16) == total_forks)
-    process_counts = next(s.addr for s in image.kernel_symbols if s.name == "process_counts")
-    pc_off, _ = _find(image, "copy_process", lambda i: i.mnemonic == "inc" and i.op_str.startswith("qword ptr gs:[rip") and
-                      (i.address + i.size + int(i.op_str.split("+ ")[1].split("]")[0], 16)) % 2**64 == process_counts)
+    pc_off, _ = _find(image, "copy_process", lambda i: i.mnemonic == "inc" and i.op_str.startswith("qword ptr gs:[rip")
+                      and (i.address + i.size + int(i.op_str.split("+ ")[1].split("]")[0], 16)) % 2**64 == process_counts)
     call_off, call = _find(image, "__x64_sys_kill", lambda i: i.mnemonic == "call" and
                            image.function_at(_target(i)).name == "__task_pid_nr_ns")
     # kill_something_info(sig, info, pid > 0): the jmp to its epilogue after kill_pid_info().
