@@ -453,8 +453,8 @@ def _profile_rows(lines) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def every(tmp_path_factory, debian_kernel):
-    """Every instruction of EVERY but the entry (an ftrace site) as an int3 probe; the ones
-    refused (return thunks, paravirt calls: sites patched at boot) left out."""
+    """Every instruction of EVERY but the entry (an ftrace site) as an int3 probe (--no-optimize);
+    the ones refused (return thunks, paravirt calls: sites patched at boot) left out."""
     d = tmp_path_factory.mktemp("int3-every")
     image = Image(str(debian_kernel.vmlinux))
     linux_kernel.load_symbols(image)
@@ -466,11 +466,10 @@ def every(tmp_path_factory, debian_kernel):
                    if i.address > f.start]
     spec = d / "every.toml"
 
-    def write(ps):
-        spec.write_text("optimize = false\n" + "".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o:#x}\n'
-                                                       for n, o in ps))
+    def write(ps):      # no `optimize = false` here: --no-optimize on the command line does the same
+        spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o:#x}\n' for n, o in ps))
     write(probes)
-    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, check=False)
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, "--no-optimize", check=False)
     lines = r.stdout.splitlines()
     assert len(lines) == len(probes)
     decision = [l.split("  ")[2].split()[0] for l in lines]
@@ -478,7 +477,7 @@ def every(tmp_path_factory, debian_kernel):
     probes = [p for p, d in zip(probes, decision) if d == "int3"]
     write(probes)
     out = d / "vmlinux.kp"
-    kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
+    kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "--no-optimize", "-o", out)
     return {"out": out, "probes": probes}
 
 
