@@ -185,7 +185,7 @@ int kp_arch_int3_trap(void *uc)
 	struct kp_int3_site *d = kp_int3_lookup(ip - 1 - bias);
 	struct pt_regs regs;
 	if (d) {
-		struct kp_site *s = &kp_sites[d->site];
+		struct kp_site *s = kp_site(d->site);
 		kp_uc_to_regs(g, &regs);
 		int r = kp_trap_pre(s, &regs);
 		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
@@ -212,7 +212,7 @@ int kp_arch_int3_trap(void *uc)
 	if (kp_nint3_ss && (g[G_EFL] & X86_EFLAGS_TF) && (d = kp_int3_ss_lookup(ip - bias))) {
 		/* resume_singlestep(): the copy was not a branch, so the original
 		 * next instruction follows; RIP-relative operands were relocated. */
-		struct kp_site *s = &kp_sites[d->site];
+		struct kp_site *s = kp_site(d->site);
 		kp_uc_to_regs(g, &regs);
 		regs.flags &= ~X86_EFLAGS_TF;
 		regs.ip = d->addr + bias + d->size;
