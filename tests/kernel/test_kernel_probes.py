@@ -112,6 +112,21 @@ static int openat_seen(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* setup_per_cpu_areas(), whose site the runtime's boot hook that builds the probe
+ * tables shares: it runs before them, from the structures written whole. */
+static int percpu_setup_seen(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kp-percpu-setup: %s %s\n", p->symbol_name, p->name);
+	return 0;
+}
+
+/* setup_arch() runs before the tables are built: its hit runs no handler. */
+static int too_early(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kp-too-early\n");
+	return 0;
+}
+
 /* Inside it, once the arguments sit in the registers the function moved them to. */
 static int open_inside(struct kprobe *p, struct pt_regs *regs)
 {
@@ -168,11 +183,14 @@ def probed(tmp_path_factory, debian_kernel):
                     f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n'
                     '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n'
                     '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n'
-                    '[[kprobe]]\nsymbol_name = "__x64_sys_openat"\npre_handler = "openat_seen"\n')
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_openat"\npre_handler = "openat_seen"\n'
+                    '[[kprobe]]\nsymbol_name = "setup_per_cpu_areas"\npre_handler = "percpu_setup_seen"\n'
+                    '[[kprobe]]\nsymbol_name = "setup_arch"\npre_handler = "too_early"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     assert r.stdout.splitlines() == ["kernel_clone+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace",
                                      f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace",
-                                     "__x64_sys_kill+0x0  k  ftrace", "__x64_sys_openat+0x0  k  ftrace"], r.stdout
+                                     "__x64_sys_kill+0x0  k  ftrace", "__x64_sys_openat+0x0  k  ftrace",
+                                     "setup_per_cpu_areas+0x0  k  ftrace", "setup_arch+0x0  k  ftrace"], r.stdout
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
@@ -319,6 +337,23 @@ def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     assert hits > 0 and missed >= opens, rows
     for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
         assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
+
+
+def test_probe_tables_are_built_at_setup_per_cpu_areas(probed_boot):
+    """The tables are decoded from their records at the setup_per_cpu_areas() hook: names
+    from the running kernel's kallsyms (p->symbol_name, the default event name), a probe
+    sharing the hook's site runs before them, a hit before them runs no handler and is
+    counted; kprobe_profile has every probe by its name."""
+    r = probed_boot
+    m = re.search(r"kprewrite: built the tables of (\d+) probes at setup_per_cpu_areas \((\d+) KiB, "
+                  r"(\d+) names from kallsyms\); (\d+) hits before ran no handler", r.console)
+    assert m, r.explain("no line from the table build")
+    assert int(m.group(1)) == 8 + 7 and int(m.group(3)) >= 8 and int(m.group(4)) >= 1, m.group(0)
+    assert sum("kp-percpu-setup: setup_per_cpu_areas p_setup_per_cpu_areas_0" in l for l in r.lines()) == 1
+    assert "kp-too-early" not in r.console
+    rows = _profile(r)
+    assert rows["p_setup_per_cpu_areas_0"] == (1, 0) and rows["p_setup_arch_0"] == (0, 0), rows
+    assert rows["kprewrite_setup_per_cpu_areas"] == (1, 0), rows
 
 
 def test_preempt_full_reschedules_on_the_way_out(probed, make_initramfs, boot_kernel):

@@ -68,6 +68,7 @@ def load_symbols(image, system_map: str | None = None) -> None:
         syms = read_kallsyms(image.data, image.path).symbols
         source = "kallsyms"
     image.kernel_symbols = syms
+    image.kernel_symbols_source = source
     image.set_functions([(f.start, f.end, f.name) for f in kallsyms_functions(syms, ElfView(image.data, image.path))],
                         source)
 
@@ -297,8 +298,7 @@ def tables_c(image, arch, any_int3: bool) -> str:
     task += f"const long kp_kernel_fops[4] = {{ {', '.join(map(str, fops))} }};\n"
     return task + (f"const unsigned long kp_kernel_gap_start = {address_c(image, lay.rx_vaddr)}, "
                    f"kp_kernel_gap_end = {address_c(image, lay.end)};\n"
-            "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
-            " + sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0])) * sizeof(unsigned long) + 63) & ~63UL)\n"
+            "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + KP_NHITS * sizeof(unsigned long) + 63) & ~63UL)\n"
             f"unsigned long kp_kernel_pool[{POOL_CPUS} * KP_KERNEL_BLOCK / sizeof(unsigned long)];\n"
             "const unsigned long kp_kernel_block = KP_KERNEL_BLOCK;\n"
             "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
@@ -323,6 +323,31 @@ static inline int kp_irqs_disabled(void)
 #define preemptible() (preempt_count() == 0 && !kp_irqs_disabled())
 #endif
 """
+
+
+# The probe tables are built at boot (runtime/platform/linux_kernel/platform.c, at the
+# setup_per_cpu_areas() hook, in memblock memory) from compact records: a probe on every
+# function entry needs some 4 MiB of struct kprobe and struct kp_site, more than either gap.
+TABLES_AT_BOOT = True
+
+
+def table_base(image) -> int:
+    """The link address the records' 32-bit offsets count from: _text (the runtime adds
+    the running _text, so KASLR needs no relocation for them)."""
+    return _symbol(image, "_text")
+
+
+def derived_symbol(image, addr: int) -> str | None:
+    """The name the running kernel's kallsyms_lookup() gives for addr (the first of the
+    symbols there, in kallsyms order), or None when the image's kallsyms are not what
+    the symbols came from (a .symtab or System.map could order aliases differently)."""
+    first = getattr(image, "_kallsyms_first", None)
+    if first is None:
+        first = image._kallsyms_first = {}
+        if getattr(image, "kernel_symbols_source", None) == "kallsyms":
+            for sym in image.kernel_symbols:
+                first.setdefault(sym.addr, sym.name)
+    return first.get(addr)
 
 
 def handler_headers(image) -> dict[str, str]:

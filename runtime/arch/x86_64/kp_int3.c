@@ -186,7 +186,7 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 	unsigned long bias = kp_rt.bias, ip = regs->ip;
 	struct kp_int3_site *d = kp_int3_lookup(ip - 1 - bias);
 	if (d) {
-		struct kp_site *s = &kp_sites[d->site];
+		struct kp_site *s = kp_site(d->site);
 		int r = kp_trap_pre(s, regs);
 		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
 			kp_kretprobe_int3_hook(d->kret, regs);
@@ -213,7 +213,7 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 	    (d = kp_int3_ss_lookup(ip - ss_trap - bias))) {
 		/* resume_singlestep(): the copy was not a branch, so the original
 		 * next instruction follows; RIP-relative operands were relocated. */
-		struct kp_site *s = &kp_sites[d->site];
+		struct kp_site *s = kp_site(d->site);
 		regs->flags &= ~X86_EFLAGS_TF;
 		regs->ip = d->addr + bias + d->size;
 		kp_trap_post(s, regs);

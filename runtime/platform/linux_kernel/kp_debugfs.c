@@ -42,7 +42,7 @@ extern const long kp_kernel_fops[4];
 #define KP_ENOMEM 12
 #define KP_EINVAL 22
 
-static int kp_kernel_disarmed;
+int kp_kernel_disarmed;		/* the probe-table build applies it too */
 
 static int kp_runtime_hook(const struct kprobe *p)
 {
@@ -59,10 +59,16 @@ static void kp_arm_one(struct kprobe *p, int on)
 		__atomic_fetch_or(&p->flags, KPROBE_FLAG_GONE, __ATOMIC_RELAXED);
 }
 
-static void kp_kernel_arm(int on)
+/* Before the tables are built (kprewrite.enabled=0 is read in setup_arch()) only the
+ * early structures exist: kp_kernel_build_tables() disarms the rest as it builds them. */
+void kp_kernel_arm(int on)
 {
-	for (unsigned int i = 0; i < kp_nprobes; i++)
-		kp_arm_one(&kp_probes[i], on);
+	if (__atomic_load_n(&kp_tables_built, __ATOMIC_ACQUIRE))
+		for (unsigned int i = 0; i < kp_nprobes; i++)
+			kp_arm_one(&kp_probes[i], on);
+	else
+		for (unsigned int i = 0; i < kp_nearly_probes; i++)
+			kp_arm_one(&kp_early_probes[i], on);
 	for (unsigned int i = 0; i < kp_nkretprobes; i++)
 		kp_arm_one(&kp_kretprobes[i].kp, on);
 	__atomic_store_n(&kp_kernel_disarmed, !on, __ATOMIC_RELEASE);

@@ -4,9 +4,11 @@
  *
  * The runtime is linked at the address it runs at, inside the kernel image,
  * and calls the kernel's own functions by their kallsyms addresses (resolved
- * at link time by rewriter/link.py).  It is never started: its tables are
- * ready at link time (KP_PLATFORM_NO_STARTUP), so probes fire from the first
- * instruction of boot.  The "thread" of the core is the CPU, as the kernel's
+ * at link time by rewriter/link.py).  It is never started
+ * (KP_PLATFORM_NO_STARTUP): the runtime's own probes (the boot hooks) are ready
+ * from the first instruction of boot, and the probe tables are built from
+ * compact records at the setup_per_cpu_areas() hook (KP_PLATFORM_TABLES_AT_BOOT,
+ * platform.c), from where every probe fires.  The "thread" of the core is the CPU, as the kernel's
  * current_kprobe is per-CPU: its key is the CPU's per-CPU offset, read with
  * preemption disabled around the dispatch, so a hit while a handler runs on
  * the same CPU counts as missed.
@@ -16,6 +18,7 @@
 #pragma GCC visibility push(hidden)
 
 #define KP_PLATFORM_NO_STARTUP 1
+#define KP_PLATFORM_TABLES_AT_BOOT 1
 
 /* --- the kernel's own functions and per-CPU variables (kallsyms) --- */
 
@@ -23,6 +26,8 @@ int _printk(const char *fmt, ...);
 long long ktime_get(void);
 long copy_from_kernel_nofault(void *dst, const void *src, unsigned long size);
 int set_memory_ro(unsigned long addr, int numpages);
+const char *kallsyms_lookup(unsigned long addr, unsigned long *symbolsize, unsigned long *offset,
+			    char **modname, char *namebuf);
 extern unsigned int nr_cpu_ids;
 /* The kernel's first byte: the generated tables write the image's addresses as
  * _text + offset, relocated with the kernel when KASLR moves it. */
