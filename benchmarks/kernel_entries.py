@@ -5,7 +5,8 @@ Run: python3 benchmarks/kernel_entries.py [--count N] [--timeout S]
      (fetches Debian's cloud kernel like tests/kernel do; needs gcc, qemu-system-x86, busybox-static)
 
 `instrument` with an empty pre_handler on the first N function entries that are ftrace sites
-(in address order, names that kallsyms gives one function), and by default on every one.  When
+(in address order; by name, or by address where kallsyms gives the name to several
+functions), and by default on every one.  When
 the probes do not fit in the image's two gaps (text/rodata for code, rodata/data for data),
 `instrument` says what they need; the script then searches (by bisection) the largest N that
 fits.  The output is booted under qemu-system-x86_64 -smp 2 with no boot parameter: reaching
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import platform
 import re
@@ -44,23 +46,26 @@ def kprewrite(*args) -> subprocess.CompletedProcess:
 
 
 def ftrace_entries(vmlinux: Path, d: Path) -> list[str]:
-    """Functions whose entry `check` calls ftrace, named by a unique kallsyms name, in address order."""
+    """Every function entry `check` calls ftrace, in address order, as a spec line: by name
+    where kallsyms names one function so, else (static functions sharing a name) by address."""
     spec = d / "all.toml"
     spec.write_text('[[kprobe]]\nsymbol_name = "*"\n')
-    r = kprewrite("check", vmlinux, "--spec", spec)
+    r = kprewrite("check", vmlinux, "--spec", spec, "--format", "json")
     image = Image(str(vmlinux))
     linux_kernel.load_symbols(image)
     count = collections.Counter(f.name for f in image.functions)
-    names = [l.split("+0x0")[0] for l in r.stdout.splitlines() if l.endswith("  ftrace")]
-    return [n for n in names if count[n] == 1]
+    out = []
+    for p in json.loads(r.stdout)["probes"]:
+        if p["decision"] == "ftrace" and p["offset"] == 0:
+            out.append(f'symbol_name = "{p["symbol"]}"' if count[p["symbol"]] == 1 else f'addr = {p["address"]}')
+    return out
 
 
-def instrument(vmlinux: Path, d: Path, names: list[str]) -> tuple[Path | None, str, float]:
+def instrument(vmlinux: Path, d: Path, entries: list[str]) -> tuple[Path | None, str, float]:
     (d / "h.c").write_text(HANDLER)
     spec = d / "p.toml"
-    spec.write_text('handlers = ["h.c"]\n' + "".join(f'[[kprobe]]\nsymbol_name = "{n}"\npre_handler = "pre"\n'
-                                                       for n in names))
-    out = d / f"vmlinux.{len(names)}"
+    spec.write_text('handlers = ["h.c"]\n' + "".join(f'[[kprobe]]\n{e}\npre_handler = "pre"\n' for e in entries))
+    out = d / f"vmlinux.{len(entries)}"
     t = time.monotonic()
     r = kprewrite("instrument", vmlinux, "--spec", spec, "-o", out)
     return (out if r.returncode == 0 else None), r.stderr.strip(), time.monotonic() - t
@@ -76,7 +81,7 @@ def main() -> int:
         d = Path(tmp)
         names = ftrace_entries(k.vmlinux, d)
         n = min(a.count or len(names), len(names))
-        print(f"kernel {k.release}: {len(names)} ftrace-site function entries with a unique name")
+        print(f"kernel {k.release}: {len(names)} ftrace-site function entries ({sum(e.startswith('addr') for e in names)} by address: names kallsyms gives several functions)")
         out, err, secs = instrument(k.vmlinux, d, names[:n])
         print(f"instrument, {n} probes: {'ok' if out else err} ({secs:.1f} s)")
         if out is None and NEED.search(err):
