@@ -26,6 +26,7 @@ int _printk(const char *fmt, ...);
 long long ktime_get(void);
 long copy_from_kernel_nofault(void *dst, const void *src, unsigned long size);
 int set_memory_ro(unsigned long addr, int numpages);
+int __cond_resched(void);
 const char *kallsyms_lookup(unsigned long addr, unsigned long *symbolsize, unsigned long *offset,
 			    char **modname, char *namebuf);
 extern unsigned int nr_cpu_ids;

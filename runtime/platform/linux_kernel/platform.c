@@ -168,6 +168,8 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 /* Each write is one printk: at the level the handler's text starts with
  * (pr_err(), KERN_CONT...; the kernel's printk reads it from the formatted
  * text), else KERN_INFO, pr_info()'s. */
+static int kp_kernel_may_sleep;	/* set while kp_kernel_profile() writes its rows */
+
 void kp_platform_write(int fd, const char *buf, unsigned long len)
 {
 	(void)fd;
@@ -175,6 +177,8 @@ void kp_platform_write(int fd, const char *buf, unsigned long len)
 		_printk("%.*s", (int)len, buf);
 	else
 		_printk(KP_KERN_INFO "%.*s", (int)len, buf);
+	if (kp_kernel_may_sleep)	/* a long profile (a row per probe): let RCU and others run */
+		__cond_resched();
 }
 
 /* No files in a kernel: every output goes to printk. */
@@ -276,9 +280,25 @@ int kp_kernel_keep_free(struct kprobe *p, struct pt_regs *regs)
  * read. */
 int kp_kernel_profile(struct kprobe *p, struct pt_regs *regs)
 {
-	(void)regs;
 	_printk(KP_KERN_INFO "kprewrite: kprobe_profile at %s:\n", p->symbol_name);
 	kp_rt.profile_path = "-";	/* kp_platform_write(): the kernel log */
+	/* A row per probe through the serial console can take seconds (37,000 probes: some
+	 * 20 s under TCG), too long with preemption off (an RCU stall).  These functions are
+	 * called in process context (reboot(2), the orderly power-off work): when interrupts
+	 * are on, the dump runs preemptible, as a read of kprobe_profile would; a hit on
+	 * this CPU meanwhile counts as missed. */
+	(void)regs;
+	unsigned long flags;
+	__asm__ volatile("pushfq; popq %0" : "=r"(flags));
+	int sleep = (flags & 0x200) != 0;	/* X86_EFLAGS_IF: the detour keeps the caller's */
+	if (sleep) {
+		kp_platform_dispatch_end();
+		kp_kernel_may_sleep = 1;
+	}
 	kp_write_profile();
+	if (sleep) {
+		kp_kernel_may_sleep = 0;
+		kp_platform_dispatch_begin();
+	}
 	return 0;
 }
