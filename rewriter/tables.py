@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import events as ev_mod
 from . import fetch as fetch_mod
-from .emission import Code, pre_handler_symbol
+from .emission import Code, pre_handler_symbol, region_ips
 from .events import trace_key
 from .link import c_string
 from .planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
@@ -48,6 +48,11 @@ def generate(c: Code, target, traces: dict) -> str:
         first += len(site.probes)
     out.append("};")
     out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
+    ips = sorted(pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, site))
+    out.append(f"const struct kp_region_ip kp_region_ips[{max(1, len(ips))}] = {{")
+    out += [f"  {{ {a:#x}UL, {b:#x}UL }}," for a, b in ips]
+    out.append("};")
+    out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     out.append(_kretprobes_c(c, traces, A))
     refs = ", ".join(f"&kp_kretprobes[{p.slot}].kp" if is_entry(p) else f"&kp_probes[{p.slot}]"
                      for site in plan.sites for p in site.probes) or "0"

@@ -30,6 +30,16 @@ extern const unsigned int kp_nprobes;
 extern struct kp_site kp_sites[];
 extern const unsigned int kp_nsites;
 extern struct kprobe *const kp_site_probes[];
+/* Probes sharing one detour (kprewrite's planner._share_regions()): every
+ * instruction under a region's jump but its first, and where it runs in the
+ * detour (a probe's own dispatch, else the instruction's copy); link-time
+ * addresses, sorted.  kp_region_ip() maps a regs->ip a handler set there. */
+struct kp_region_ip {
+	unsigned long from, to;
+};
+extern const struct kp_region_ip kp_region_ips[];
+extern const unsigned int kp_nregion_ips;
+unsigned long kp_region_ip(unsigned long ip);
 /* Link-time address of kp_link_anchor(), patched in by kprewrite after linking. */
 extern unsigned long kp_link_anchor_addr;
 void kp_link_anchor(void);
