@@ -262,7 +262,9 @@ def test_kretprobe_on_jump_table_functions(once, build, runner):
 # head's predecessors); the same with the base clobbered on a path back to the
 # loop (never taken at run time), which must keep the refusal; and an array
 # element checked as `cmpl $N,(%rdi,%rdx,4)` then loaded through `lea 1(%rdx)`
-# with a movsxd between the cmp and its ja (jumptable._lea_folded).
+# with a movsxd between the cmp and its ja (jumptable._lea_folded); an index
+# bounded by `cmp $N,%sil; ja` after a zero extension from a byte, with a cmp for
+# another branch on the way (jumptable._bound_path()'s narrow bound).
 HOISTED = r"""
 #include <stdio.h>
 #define FN(name) ".globl " #name "\n.type " #name ",@function\n" #name ":\n"
@@ -303,20 +305,34 @@ FN(elem)
 ".Ln3:\n  inc %ecx\n  jmp .Ll3\n"
 ".Ld3:\n  ret\n"
 ".size elem,.-elem\n"
+FN(narrow)
+"  movzbl %dil,%esi\n  cmp $9,%esi\n  ja .Lx4\n  cmp $7,%esi\n  je .Lx4\n  cmp $2,%sil\n  ja .Lx4\n"
+"  lea .Lt4(%rip),%rcx\n  movslq (%rcx,%rsi,4),%rax\n  add %rcx,%rax\n  jmp *%rax\n"
+".Lc40:\n  mov $40,%eax\n  ret\n"
+".Lc41:\n  mov $41,%eax\n  ret\n"
+".Lc42:\n  mov $42,%eax\n  ret\n"
+".Lx4:\n  mov $1,%eax\n  ret\n"
+".size narrow,.-narrow\n"
 ".section .rodata\n.p2align 2\n"
+/* three entries, then data that is no table's: read with the wider bound (10),
+   the table would hold non-code entries and stay unbounded */
+".Lt4:\n  .long .Lc40-.Lt4, .Lc41-.Lt4, .Lc42-.Lt4, 0x7fffff00, 0x7fffff00, 0x7fffff00, 0x7fffff00\n"
 ".Lt1:\n  .long .Lc10-.Lt1, .Lc11-.Lt1, .Lc12-.Lt1, .Lc13-.Lt1\n"
 ".Lt2:\n  .long .Lc20-.Lt2, .Lc21-.Lt2, .Lc22-.Lt2, .Lc23-.Lt2\n"
 ".Lt3:\n  .long .Lc30-.Lt3, .Lc31-.Lt3, .Lc32-.Lt3\n"
 ".text\n");
-int hoist(int), hoist_bad(int, long), elem(const int *, int);
+int hoist(int), hoist_bad(int, long), elem(const int *, int), narrow(int);
 int main(void)
 {
     static const int a[] = {0, 1, 2, 2, 1, 0, 2};
-    printf("%d %d %d\n", hoist(13), hoist_bad(13, 0), elem(a, 7));
+    int n = 0;
+    for (int i = 0; i < 300; i++)
+        n += narrow(i);
+    printf("%d %d %d %d\n", hoist(13), hoist_bad(13, 0), elem(a, 7), n);
     return 0;
 }
 """
-HOISTED_FUNCS = ["hoist", "hoist_bad", "elem"]
+HOISTED_FUNCS = ["hoist", "hoist_bad", "elem", "narrow"]
 
 
 def _hoisted(tmp):
@@ -332,13 +348,13 @@ def test_hoisted_table_base_and_checked_element(once, runner):
     by_func: dict[str, list[str]] = {}
     for line in check:
         by_func.setdefault(line.split("+")[0], []).append(line)
-    for f in ("hoist", "elem"):
+    for f in ("hoist", "elem", "narrow"):
         assert not any("indirect_jump" in l for l in by_func[f]), by_func[f]
         assert sum(" optimized" in l for l in by_func[f]) >= 0.75 * len(by_func[f]), by_func[f]
     assert not any(" optimized" in l for l in by_func["hoist_bad"]), by_func["hoist_bad"]
     assert "indirect_jump" in by_func["hoist_bad"][0], by_func["hoist_bad"]
     want = run(prog, runner=runner)
-    assert want.returncode == 0 and want.stdout == "2257 6668 966\n", want.stdout
+    assert want.returncode == 0 and want.stdout == "2257 6668 966 540\n", want.stdout
     got = run(opt, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     ref = run(oracle, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-2000:]

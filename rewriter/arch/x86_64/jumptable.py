@@ -461,6 +461,18 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
     so a `cmp` just before it bounds the index by `jbe`/`jb` instead."""
     def lim(n):
         return n if limit is None else min(n, limit)
+
+    def flags_reader(j):
+        k2 = j + 1            # the jcc reading the cmp's flags (movs and leas may sit between)
+        while fn.insns[k2].mnemonic in ("mov", "lea", "movzx", "movsx", "movsxd", "movabs") and k2 < start:
+            k2 += 1
+        nxt = fn.insns[k2].mnemonic
+        if taken and k2 == start:
+            nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
+        return nxt
+    # `cmp $N,%sil; ja` bounds the low byte only: it bounds the index once the
+    # rest is known zero (a zero extension from a byte, a wider bound <= 256).
+    narrow = None
     for j in fn.back(start, first):
         if j < 0:
             return limit
@@ -480,17 +492,22 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
                 (ops[0].type == X.X86_OP_REG and _reg(ci, ops[0].reg) == index)
                 or (ops[0].type == X.X86_OP_MEM and _memkey(ci, ops[0]) == index)) \
                 and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
-            k2 = j + 1            # the jcc reading the cmp's flags (movs and leas may sit between)
-            while fn.insns[k2].mnemonic in ("mov", "lea", "movzx", "movsx", "movsxd", "movabs") and k2 < start:
-                k2 += 1
-            nxt = fn.insns[k2].mnemonic
-            if taken and k2 == start:
-                nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
-            if nxt == "ja":
-                return lim(ops[1].imm + 1)
-            if nxt == "jae":
-                return lim(ops[1].imm)
-            return limit
+            nxt = flags_reader(j)
+            if nxt not in ("ja", "jae"):
+                continue          # a cmp for another branch (je...): the index is unchanged
+            b = ops[1].imm + 1 if nxt == "ja" else ops[1].imm
+            if narrow is not None and 0 <= b <= 256:
+                b = min(b, narrow)
+            return lim(b)
+        if ci.mnemonic == "cmp" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[0].size == 1 \
+                and not isinstance(index, tuple) and _reg(ci, ops[0].reg) == index \
+                and ci.reg_name(ops[0].reg) not in ("ah", "bh", "ch", "dh") \
+                and ops[1].type == X.X86_OP_IMM and 0 <= ops[1].imm < 255:
+            nxt = flags_reader(j)
+            if nxt in ("ja", "jae"):
+                b = ops[1].imm + 1 if nxt == "ja" else ops[1].imm
+                narrow = b if narrow is None else min(narrow, b)
+            continue
         if not _writes(ci, index):
             continue
         m = ci.mnemonic
@@ -500,6 +517,8 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
             continue
         if m == "movzx" and ops[1].size in (1, 2):
             limit = lim(1 << (8 * ops[1].size))
+            if narrow is not None and ops[1].size == 1:
+                return lim(narrow)
             if ops[1].type != X.X86_OP_REG:
                 return limit
             index, width = _reg(ci, ops[1].reg), ops[1].size
