@@ -103,7 +103,11 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
         if name not in e.probes:
             e.probes.append(name)
 
+    riders = []
     for p in meta["probes"]:
+        if p.get("shared_with") is not None:     # its bytes are under its head's jump
+            riders.append(p)
+            continue
         a, end = p["region"]
         label = f"{p['symbol']}+{p['offset']:#x}"
         if p.get("ftrace"):
@@ -118,6 +122,10 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             add(ra, rend, "return_site", f"return hook of {label} (exit at {exit_:#x}): jump to detour", p["name"])
         for x in p.get("int3_exits") or []:
             add(x, x + 1, "int3_exit", f"return hook of {label} (exit at {x:#x}): int3", p["name"])
+    for p in riders:
+        for e in out.values():
+            if e.address == p["shared_with"] and e.what in ("kprobe", "kretprobe") and p["name"] not in e.probes:
+                e.probes.append(p["name"])
     return list(out.values())
 
 
