@@ -303,7 +303,9 @@ def _share_regions(image, analysis, arch, sites: list[Site], rules) -> None:
     head = None
     for s in sites:
         func = s.probes[0].func
-        if head is not None and (func is not head.probes[0].func or s.addr >= head.region_end):
+        if head is not None and func is not head.probes[0].func:
+            head = None             # a region stays inside its function
+        if head is not None and s.addr >= head.region_end:
             if s.decision in JUMPS or s.addr in rules.ftrace:
                 head = None
             else:

@@ -20,6 +20,8 @@ from conftest import cc, check_lines, function, insns, instrument, meta, probe_s
 from test_int3 import EVERY_FUNCS, EVERYWHERE, TRACER
 
 PROG = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdio.h>
 /* Two-byte instructions, so one 5-byte jump covers three of them. */
 #define FN(name) ".globl " #name "\n.type " #name ",@function\n" #name ":\n"
@@ -51,13 +53,25 @@ FN(s_agg)
 "  inc %eax\n"               /* +4 */
 "  inc %eax\n"
 "  ret\n"
-".size s_agg,.-s_agg\n");
-int s_regs(int), s_skip(int), s_skip2(int), s_agg(int);
+".size s_agg,.-s_agg\n"
+/* A region never runs into the next function: s_next's entry cannot take a jump
+   (its loop starts 2 bytes in), and must not ride on s_prev's region.  Nothing in
+   the program names s_next (it is found by dlsym), so its entry is no known jump
+   target, as an exported function of a library called by no one inside is not. */
+FN(s_prev)
+"  mov %edi,%eax\n  inc %eax\n  inc %eax\n  ret\n"
+".size s_prev,.-s_prev\n"
+FN(s_next)
+"  mov %edi,%eax\n"
+"1: dec %eax\n  jnz 1b\n  ret\n"
+".size s_next,.-s_next\n");
+int s_regs(int), s_skip(int), s_skip2(int), s_agg(int), s_prev(int);
 int main(void)
 {
+    int (*s_next)(int) = (int (*)(int))dlsym(RTLD_DEFAULT, "s_next");
     long t = 0;
     for (int i = 0; i < 10; i++)
-        t += s_regs(i) + s_skip(i) + s_skip2(i) + s_agg(i);
+        t += s_regs(i) + s_skip(i) + s_skip2(i) + s_agg(i) + s_prev(i) + s_next(i + 1);
     printf("%d %d %d %d %ld\n", s_regs(1), s_skip(1), s_skip2(1), s_agg(1), t);
     return 0;
 }
@@ -153,29 +167,37 @@ name = "agg2_skip"
 symbol_name = "s_agg"
 offset = 4
 name = "agg4"
+[[kprobe]]
+symbol_name = "s_prev"
+name = "prev0"
+[[kprobe]]
+symbol_name = "s_next"
+name = "next0"
 """
 
 
 def _build(tmp):
-    prog = cc(tmp, "shared", PROG, "-O1")
+    prog = cc(tmp, "shared", PROG, "-O1", "-rdynamic")
     spec = write_spec(tmp, SPEC, HANDLERS)
     return prog, check_lines(prog, spec), instrument(prog, spec)
 
 
 def test_handlers_see_their_own_instruction(once, runner):
     prog, lines, out = once(_build)
-    assert run(prog).stdout == "4 4 4 4 335\n"
-    # Every probe jump-optimized: the heads at +0, the rest riding on them.
-    assert all("  optimized" in l for l in lines), lines
+    assert run(prog).stdout == "4 4 4 4 400\n"
+    # Every probe jump-optimized: the heads at +0, the rest riding on them; but
+    # s_next's entry, which no region of its own function can cover.
+    assert [l.split("  ")[0] for l in lines if "  optimized" not in l] == ["s_next+0x0"], lines
     m = {p["name"]: p for p in meta(out)["probes"]}
     assert m["regs2"]["region"][0] == m["regs2"]["addr"] and m["regs0"]["region"][1] >= m["regs4"]["addr"] + 2
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     # s_regs: 5 -> 10 -> 110 -> 111 -> 112 whatever its argument; each skip drops one inc.
-    assert r.returncode == 0 and r.stdout == "112 3 3 3 1315\n", r.stderr
+    assert r.returncode == 0 and r.stdout == "112 3 3 3 1380\n", r.stderr
     assert "BAD" not in r.stderr, r.stderr
     prof = {k: v[0] for k, v in profile(r.stderr).items()}
     assert prof == {"regs0": 11, "regs2": 11, "regs4": 11, "regs_ret": 11, "skip0": 11, "skip2": 11, "skip4": 11,
-                    "skip2_0": 11, "skip2_2": 11, "agg0": 11, "agg2_count": 11, "agg2_skip": 11, "agg4": 11}, r.stderr
+                    "skip2_0": 11, "skip2_2": 11, "agg0": 11, "agg2_count": 11, "agg2_skip": 11, "agg4": 11,
+                    "prev0": 10, "next0": 10}, r.stderr
 
 
 @pytest.fixture(scope="module")
