@@ -41,22 +41,19 @@ CXX = r"""
 #include <algorithm>
 #include <iostream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 int main()
 {
     std::vector<std::string> v;
-    for (int i = 0; i < 300000; i++) {
-        std::ostringstream s;
-        s << "item " << (i * 7919 % 100003) << ' ' << i;
-        v.push_back(s.str());
-    }
+    for (long i = 0; i < 300000; i++)
+        v.push_back("item " + std::to_string(i * 7919 % 100003) + " " + std::to_string(i));
     std::sort(v.begin(), v.end());
     std::map<std::string, int> m;
-    for (auto &x : v)
+    for (const std::string &x : v)
         m[x.substr(0, 7)]++;
-    std::cout << v.front() << " | " << v.back() << " | " << m.size() << "\n";
+    std::cout << v.front() << " | " << v.back() << " | " << m.size() << std::endl;
+    return 0;
 }
 """
 
