@@ -2,7 +2,8 @@
 """Kernel benchmark: the cost of a probe hit, ours and the running kernel's own kprobes, side by
 side in the same boot, under qemu-system-x86_64 (issue 10, "Benchmarks", first bullet).
 
-Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR]
+Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR] [--int3]
+     (--int3: ours at +0xe is a breakpoint probe, issue 11, compared with the kernel's INT3 kprobes)
      (fetches Debian's cloud kernel like tests/kernel do; needs gcc, make, qemu-system-x86, busybox-static)
 
 What is measured
@@ -140,13 +141,16 @@ def check_twins(vmlinux: Path) -> None:
         sys.exit(f"kernel_probes: {', '.join(TWINS.values())} are no longer twins in this kernel: {shapes}")
 
 
-def rewrite(k, work: Path) -> Path:
+def rewrite(k, work: Path, int3: bool = False) -> Path:
     spec = work / "probes.toml"
-    spec.write_text(f'handlers = ["{HANDLER_SRC}"]\n'
+    spec.write_text(("optimize = false\n" if int3 else "") + f'handlers = ["{HANDLER_SRC}"]\n'
                     f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\npre_handler = "bench_empty"\n'
                     f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_INSIDE]}"\noffset = {INSIDE:#x}\npre_handler = "bench_empty"\n')
     plan = kprewrite("check", k.vmlinux, "--spec", spec).split("\n")
     want = [f"{TWINS[OURS_ENTRY]}+0x0  k  ftrace", f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  optimized"]
+    if int3:        # --int3: ours at +0xe is a breakpoint probe, its instruction boosted
+        want[1] = plan[1] if plan[1].startswith(f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  int3 ") and \
+            plan[1].endswith("[boost]") else "an int3 [boost] line"
     if plan[:2] != want:
         sys.exit(f"kernel_probes: check says {plan}, expected {want}")
     # The kernel's own would be placed the same way at its twin: same check.
@@ -289,6 +293,9 @@ def med(xs) -> float:
     return statistics.median(xs)
 
 
+INSIDE_KIND = "optimized"       # "int3" with --int3
+
+
 def analyse(main: dict, calib: dict, n: int, reps: int, warmup: int) -> tuple[list, list[str], dict]:
     """Table rows, the checks made on the way, and {phase key or label: cost of a hit}."""
     notes = []
@@ -308,7 +315,7 @@ def analyse(main: dict, calib: dict, n: int, reps: int, warmup: int) -> tuple[li
         rows.append((f"(0) no probe: {lab} (unmodified kernel boot)", "-", med(c0[lab]) / n, None, None, None, None))
     ours, ours_min = {}, {}
     hits, hits_min = ours, ours_min
-    for lab, what, kind in ((OURS_ENTRY, "(1) ours at entry", "ftrace"), (OURS_INSIDE, "(2) ours at +0xe", "optimized")):
+    for lab, what, kind in ((OURS_ENTRY, "(1) ours at entry", "ftrace"), (OURS_INSIDE, "(2) ours at +0xe", INSIDE_KIND)):
         per_call = med([x for ph in main["phases"].values() for x in ph["results"][lab]]) / n
         d = [x for ph in main["phases"].values() for x in diffs(ph["results"], lab)]
         ours[lab] = (med(d) - ref[lab]) / n
@@ -357,7 +364,8 @@ def print_goal(hits: tuple[dict, dict]) -> None:
     Both estimates: from medians, and from each loop's best round."""
     for est, h in zip(("medians", "best rounds"), hits):
         ours = h[OURS_INSIDE]
-        for key, what in (("k-opt-mod", "the kernel's optimized kprobe"), ("k-int3-mod", "its INT3 kprobe"),
+        for key, what in (("k-opt-mod", "the kernel's optimized kprobe"), ("k-int3-mod", "the kernel's INT3 kprobe"),
+                          ("k-int3-bpf", "the kernel's INT3 kprobe + empty BPF prog"),
                           ("k-opt-bpf", "the kernel's optimized kprobe + empty BPF prog")):
             if key in h and h[key] > 0:
                 k = h[key]
@@ -382,7 +390,12 @@ def main():
     ap.add_argument("--reps", type=int, help="rounds per phase (default: icount 3, tcg 60)")
     ap.add_argument("--warmup", type=int, help="untimed calls before each loop (default: icount 20000, tcg 2000)")
     ap.add_argument("--keep", metavar="DIR", help="keep the rewritten kernel, spec and consoles in DIR")
+    ap.add_argument("--int3", action="store_true", help="ours at +0xe as a breakpoint probe (optimize = false), "
+                    "against the kernel's INT3 kprobes only")
     args = ap.parse_args()
+    global INSIDE_KIND
+    if args.int3:
+        INSIDE_KIND = "int3"
     t_start = time.monotonic()
 
     k = kernel_env.obtain_kernel()
@@ -397,10 +410,11 @@ def main():
     check_twins(k.vmlinux)
     loop_bin = work / "syscall_loop"
     sh(["gcc", "-static", "-O2", "-Wall", "-o", str(loop_bin), str(LOOP_SRC)])
-    kp = rewrite(k, work)
+    kp = rewrite(k, work, args.int3)
     ko = build_module(k, work)
     files = {"bench": loop_bin, **({"bench_kprobe.ko": ko} if ko else {})}
-    phases = [ph for ph in PHASES if ko or ph[3] != "module"]
+    phases = [ph for ph in PHASES if (ko or ph[3] != "module") and (not args.int3 or ph[0] in ("none", "k-int3-mod",
+                                                                                              "k-int3-bpf", "k-int3-event"))]
 
     for mode in args.modes.split(","):
         n, reps, warmup = (a if a is not None else d for a, d in zip((args.n, args.reps, args.warmup), DEFAULTS[mode]))

@@ -160,10 +160,11 @@ class Plan:
         return len(self.kprobes) + p.slot if is_entry(p) else p.slot
 
 
-def make_int3(image, arch, s: Site) -> Site:
+def make_int3(image, arch, s: Site, ss_int3: bool = False) -> Site:
     """The INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
-    instruction is emulated, boosted or single-stepped out of line."""
-    s.xol = arch.kprobe_xol.prepare(image, s.addr)
+    instruction is emulated, boosted or single-stepped out of line (ss_int3: the
+    single-stepped copy ends with an int3, Rules.singlestep_int3)."""
+    s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_int3)
     s.dcr = [s.xol.insn]
     s.decision = INT3
     return s
@@ -215,7 +216,18 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
                     fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"),
                          getattr(s.reason, "addr", s.addr))
                 continue
-            make_int3(image, arch, s)
+            # A breakpoint on a site patched at boot (a kernel's paravirt call, lock prefix,
+            # return thunk...) would be overwritten or trip the patcher's checks, and an
+            # instruction with an exception fixup must not fault in an out-of-line copy.
+            e = rules.reserved.overlapping(s.addr, s.addr + 1)
+            if e is not None:
+                why = arch.Refusal(e.reason, e.start, f"the int3 at {s.addr:#x} would sit on " + (
+                    "an instruction with an exception fixup (its out-of-line copy could fault)"
+                    if e.reason == "__ex_table" else f"a site patched at boot ({e.symbol})"))
+                for p in s.probes:
+                    fail(p, REFUSED, str(why), why.check, why.addr)
+                continue
+            make_int3(image, arch, s, rules.singlestep_int3)
         out.sites.append(s)
     out.errors += kret_refused.errors
     out.rejected += kret_refused.rejected

@@ -13,6 +13,8 @@ answer (targets/*), used by the planner.
 - shared_regions: whether probes inside one region share its detour (the
   runtime then maps an ip inside a region to its copy, kp_region_ip());
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
+- singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
+  kernel's own kprobes since 5.14) rather than running with the trap flag;
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
   hit counter and the handler call in the detour itself).  Clean calls (no pt_regs for a
   handler that never reads it, through the runtime's shared clean entry) are always allowed.
@@ -36,6 +38,7 @@ class Rules:
     # Probes on consecutive instructions share one detour (planner._share_regions())
     # instead of the second one being refused inside the first one's region.
     shared_regions: bool = False
+    singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their

@@ -26,37 +26,19 @@ def generate(c: Code, target, traces: dict) -> str:
     out = ['#include "kp_internal.h"']
     for name in sorted(set(link_sym.values())):
         out.append(f"extern char {name}[];")
-    out.append(f"struct kprobe kp_probes[{max(1, len(plan.kprobes))}] = {{")
-    for site, p in plan.kprobes:
-        flags = [DECISION_FLAG.get(site.decision, "0")] + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
-        pre = pre_handler_symbol(c, p)
-        if trace_key(p) in traces:      # trace event: its pre_handler runs the fetch
-            out.insert(1, f"int {pre}(struct kprobe *, struct pt_regs *);")
-        elif pre:
-            pre = f"(kprobe_pre_handler_t){pre}"
-        post = f"(kprobe_post_handler_t){link_sym[p.spec.post_handler]}" if p.spec.post_handler else "0"
-        sym = c_string(p.symbol if (p.spec.symbol_name or p.func) else None)
-        out.append(f"  {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {sym}, .offset = {p.offset}, "
-                   f".pre_handler = {pre or '0'}, .post_handler = {post}, .flags = {'|'.join(flags)}, "
-                   f".name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
-    out.append("};")
-    out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
-    out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] = {{")
-    first = 0
-    for site in plan.sites:
-        out.append(f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, {first}, {len(site.probes)} }},")
-        first += len(site.probes)
-    out.append("};")
-    out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
+    # Hit counters per thread (or CPU): kprobes, then kretprobes.
+    out.append(f"#define KP_NHITS {len(plan.kprobes) + len(plan.kretprobes)}")
+    if getattr(target, "TABLES_AT_BOOT", False):
+        out += _records_c(c, target, traces)
+    else:
+        out += _structs_c(c, target, traces, A)
+    # Shared detours (planner._share_regions()): where an address under a region's jump runs.
     ips = sorted(pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, site))
     out.append(f"const struct kp_region_ip kp_region_ips[{max(1, len(ips))}] = {{")
     out += [f"  {{ {a:#x}UL, {b:#x}UL }}," for a, b in ips]
     out.append("};")
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     out.append(_kretprobes_c(c, traces, A))
-    refs = ", ".join(f"&kp_kretprobes[{p.slot}].kp" if is_entry(p) else f"&kp_probes[{p.slot}]"
-                     for site in plan.sites for p in site.probes) or "0"
-    out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
     out.append(c.arch.kprobe_xol.table_c(plan.sites))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
@@ -68,6 +50,130 @@ def generate(c: Code, target, traces: dict) -> str:
     else:
         out += ev_mod.trace_c({}, {}, []).splitlines()
     return "\n".join(out) + "\n"
+
+
+def _probe_fields(c: Code, site, p, traces: dict, decl: list[str]) -> dict:
+    """One kprobe's struct kprobe fields: handlers as link symbols (decl gets the
+    prototypes a trace event's generated pre_handler needs)."""
+    flags = [DECISION_FLAG.get(site.decision, "0")] + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
+    pre = pre_handler_symbol(c, p)
+    if trace_key(p) in traces:      # trace event: its pre_handler runs the fetch
+        decl.append(f"int {pre}(struct kprobe *, struct pt_regs *);")
+    elif pre:
+        pre = f"(kprobe_pre_handler_t){pre}"
+    post = f"(kprobe_post_handler_t){c.handler_symbol[p.spec.post_handler]}" if p.spec.post_handler else "0"
+    return dict(pre=pre or "0", post=post, flags="|".join(flags),
+                symbol=p.symbol if (p.spec.symbol_name or p.func) else None)
+
+
+def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
+    """kp_probes[], kp_sites[] and kp_site_probes[] as the runtime reads them."""
+    plan = c.plan
+    out, decl = [], []
+    out.append(f"struct kprobe kp_probes[{max(1, len(plan.kprobes))}] = {{")
+    for site, p in plan.kprobes:
+        f = _probe_fields(c, site, p, traces, decl)
+        out.append(f"  {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {c_string(f['symbol'])}, "
+                   f".offset = {p.offset}, .pre_handler = {f['pre']}, .post_handler = {f['post']}, "
+                   f".flags = {f['flags']}, .name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
+    out.append("};")
+    out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
+    out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] = {{")
+    first = 0
+    for site in plan.sites:
+        out.append(f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, {first}, {len(site.probes)} }},")
+        first += len(site.probes)
+    out.append("};")
+    out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
+    refs = ", ".join(f"&kp_kretprobes[{p.slot}].kp" if is_entry(p) else f"&kp_probes[{p.slot}]"
+                     for site in plan.sites for p in site.probes) or "0"
+    out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
+    return decl + out
+
+
+def _sanitized(symbol: str) -> str:
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in symbol)
+
+
+def _records_c(c: Code, target, traces: dict) -> list[str]:
+    """The same tables as compact records, for a target that builds them at boot
+    (TABLES_AT_BOOT: a kernel, whose gaps could not hold every probe's structures):
+    addresses as 32-bit offsets from the target's table base (no relocation: KASLR
+    moves base and all), handlers as an index into a small table of pairs, a symbol
+    name left out where the image's own symbol table gives it at the probed address
+    (target.derived_symbol()), an event name left out where it is the kernel's
+    default p_SYMBOL_OFFSET.  The runtime's own probes (boot hooks) are also written
+    in full: they run before the tables are built."""
+    plan, image = c.plan, c.image
+    base = target.table_base(image)
+    off = lambda a: (a - base) & 0xFFFFFFFF if a else 0  # noqa: E731  (no address: 0)
+    out, decl, strings, string_at, handlers, handler_at = [], [], [], {}, [], {}
+
+    def string(s: str) -> int:
+        if s not in string_at:
+            string_at[s] = 1 + sum(len(x.encode()) + 1 for x in strings)
+            strings.append(s)
+        return string_at[s]
+
+    early, fields = [], {}          # the sites of the runtime's own probes; each kprobe's fields
+    out.append(f"struct kp_probe_rec kp_probe_recs[{max(1, len(plan.kprobes))}] = {{")
+    for site, p in plan.kprobes:
+        f = _probe_fields(c, site, p, traces, decl)
+        pair = (f["pre"], f["post"])
+        if pair not in handler_at:
+            handler_at[pair] = len(handlers)
+            handlers.append(pair)
+        sym = f["symbol"]
+        derived = sym is not None and target.derived_symbol(image, p.addr - p.offset) == sym
+        symbol = "KP_REC_NONE" if sym is None else "KP_REC_DERIVED" if derived else string(sym)
+        name = "KP_REC_DERIVED" if derived and p.event_name == f"p_{_sanitized(sym)}_{p.offset}" else string(p.event_name)
+        out.append(f"  {{ {p.offset}, {symbol}, {name}, {site.index}, {handler_at[pair]}, {f['flags']} }},")
+        fields[id(p)] = f
+        if p.spec.pre_handler in target.RUNTIME_HANDLERS and site.index not in early:
+            early.append(site.index)
+    out.append("};")
+    out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
+    out.append(f"struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}] = {{")
+    for site in plan.sites:
+        out.append(f"  {{ {off(site.addr):#x}, {off(site.resume):#x}, {off(site.resume_post):#x}, "
+                   f"{site.post_ip - site.addr}, {len(site.probes)} }},")
+    out.append("};")
+    out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
+    refs = ", ".join(f"KP_REC_KRET | {p.slot}" if is_entry(p) else str(p.slot)
+                     for site in plan.sites for p in site.probes) or "0"
+    out.append(f"const unsigned int kp_site_probe_recs[] = {{ {refs} }};")
+    out.append(f"const unsigned int kp_nsite_probes = {sum(len(site.probes) for site in plan.sites)};")
+    out.append("const struct kp_handler_rec kp_rec_handlers[] = {"
+               + ", ".join(f"{{ {pre}, {post} }}" for pre, post in handlers) + (" " if handlers else "{ 0, 0 } ") + "};")
+    out.append("const char kp_rec_strings[] = " + (" ".join(c_string(s + "\0") for s in strings) or '""') + ";")
+    # The runtime's own probes, and every kprobe sharing their sites, whole, until the
+    # tables are built (a kretprobe's entry there waits for the tables).
+    by_index = {site.index: site for site in plan.sites}
+    groups = [(by_index[i], [q for q in by_index[i].probes if not is_entry(q)]) for i in early]
+    early = [(site, q, fields[id(q)]) for site, qs in groups for q in qs]
+    out.append(f"struct kprobe kp_early_probes[{max(1, len(early))}] = {{")
+    for site, p, f in early:
+        out.append(f"  {{ .addr = (kprobe_opcode_t *){target.address_c(image, p.addr)}, "
+                   f".symbol_name = {c_string(f['symbol'])}, .offset = {p.offset}, .pre_handler = {f['pre']}, "
+                   f".post_handler = {f['post']}, .flags = {f['flags']}, .name = {c_string(p.event_name)}, "
+                   f".index = {p.slot}, .site = {site.index} }},")
+    out.append("};")
+    out.append(f"struct kprobe *const kp_early_site_probes[{max(1, len(early))}] = {{ "
+               + (", ".join(f"&kp_early_probes[{i}]" for i in range(len(early))) or "0") + " };")
+    A = lambda a: target.address_c(image, a)  # noqa: E731
+    out.append(f"struct kp_site kp_early_sites[{max(1, len(groups))}] = {{")
+    first = 0
+    for site, qs in groups:
+        out.append(f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, "
+                   f"{first}, {len(qs)} }},")
+        first += len(qs)
+    out.append("};")
+    out.append(f"const unsigned int kp_early_site_index[{max(1, len(groups))}] = {{ "
+               + (", ".join(str(site.index) for site, _ in groups) or "0") + " };")
+    out.append(f"const unsigned int kp_nearly_sites = {len(groups)}, kp_nearly_probes = {len(early)};")
+    out.append("struct kprobe *kp_probes;\nstruct kp_site *kp_sites;\n"
+               "struct kprobe *const *kp_site_probes = kp_early_site_probes;\nvolatile int kp_tables_built;")
+    return decl + out
 
 
 def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL") -> str:

@@ -215,7 +215,9 @@ unsigned long kp_region_ip(unsigned long ip)
 static __attribute__((always_inline)) inline long
 kp_pre_dispatch(unsigned long site_index, struct pt_regs *regs)
 {
-	struct kp_site *s = &kp_sites[site_index];
+	struct kp_site *s = kp_site(site_index);
+	if (unlikely(!s))		/* before the tables are built */
+		return KP_RESUME_DETOUR;
 	struct kp_thread *t = kp_current_thread();
 	if (unlikely(!t))
 		return KP_RESUME_DETOUR;
@@ -262,7 +264,9 @@ void kp_optimized_clean_callback(unsigned long site_index)
 static __attribute__((always_inline)) inline long
 kp_post_dispatch(unsigned long site_index, struct pt_regs *regs)
 {
-	struct kp_site *s = &kp_sites[site_index];
+	struct kp_site *s = kp_site(site_index);
+	if (unlikely(!s))
+		return KP_RESUME_DETOUR;
 	struct kp_thread *t = kp_current_thread();
 	if (unlikely(!t || t->active))
 		return KP_RESUME_DETOUR;	/* the pre half already counted the miss */
@@ -351,6 +355,10 @@ void kp_write_profile(void)
 	const char *path = kp_rt.profile_path;
 	if (!path || !*path || kp_rt.state != 2)
 		return;
+#ifdef KP_PLATFORM_TABLES_AT_BOOT
+	if (!kp_tables_built)
+		return;
+#endif
 	int fd = (!strcmp(path, "-") || !strcmp(path, "stderr")) ? 2 : kp_platform_open_append(path);
 	if (fd < 0)
 		return;

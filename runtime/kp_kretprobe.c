@@ -193,7 +193,7 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs);
 
 static int kp_first_kretprobe_of_site(struct kprobe *p)
 {
-	const struct kp_site *s = &kp_sites[p->site];
+	const struct kp_site *s = kp_site(p->site);
 	struct kprobe *const *pp = &kp_site_probes[s->first];
 	for (unsigned int i = 0; i < s->count && pp[i] != p; i++)
 		if (pp[i]->pre_handler == kp_pre_handler_kretprobe && !kprobe_disabled(pp[i]))
@@ -269,7 +269,7 @@ void kp_kretprobe_enter(struct kprobe *p, unsigned long S, struct kp_thread *t, 
  * disarmed, a thread seen for the first time, or a handler running. */
 void kp_kretprobe_enter_clean_slow(unsigned long site_index, unsigned long S)
 {
-	const struct kp_site *s = &kp_sites[site_index];
+	const struct kp_site *s = kp_site(site_index);
 	struct kp_thread *t = kp_current_thread();
 	struct kprobe *p = kp_site_probes[s->first];
 	if (unlikely(!t))

@@ -10,6 +10,8 @@
 /* Before the probed instruction; regs->ip is the address after the int3. */
 int kp_trap_pre(struct kp_site *s, struct pt_regs *regs)
 {
+	if (unlikely(!s))				/* before the tables are built */
+		return KP_TRAP_MISSED;
 	struct kp_thread *t = kp_current_thread();	/* NULL: disarmed */
 	if (unlikely(!t))
 		return KP_TRAP_MISSED;
@@ -30,7 +32,7 @@ int kp_trap_pre(struct kp_site *s, struct pt_regs *regs)
  * A hit counted as missed is still "active" on this thread, so nothing runs. */
 void kp_trap_post(struct kp_site *s, struct pt_regs *regs)
 {
-	struct kp_thread *t = kp_current_thread();
+	struct kp_thread *t = s ? kp_current_thread() : 0;
 	if (unlikely(!t || t->active))
 		return;
 	t->active = 1;

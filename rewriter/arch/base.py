@@ -40,9 +40,15 @@ class ThreadKey:
     platform defines it and the arch reads it: a word at `disp` from the thread
     pointer (base "thread": a user TCB's self pointer at 0) or from the CPU's
     per-CPU base (base "cpu": a kernel's this_cpu_off, the thread being the CPU
-    with preemption off)."""
+    with preemption off).
+    preempt: for base "cpu", the per-CPU offset of the preemption count the templates
+    raise before reading the key and drop after the handlers (optimized_callback()'s
+    preempt_disable()/preempt_enable()); resched: what preempt_enable() calls when the
+    count drops to zero with a reschedule pending (None: the image cannot preempt)."""
     base: str
     disp: int
+    preempt: int | None = None
+    resched: int | None = None
 
 
 @dataclass(frozen=True)

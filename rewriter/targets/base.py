@@ -41,6 +41,15 @@ class Target(Protocol):
     def tables_c(self, image, arch, any_int3: bool) -> str:
         """The target's part of the generated C tables."""
 
+    TABLES_AT_BOOT: bool               # tables.py writes compact records the runtime builds from
+
+    def table_base(self, image) -> int:
+        """With TABLES_AT_BOOT: the link address the records' 32-bit offsets count from."""
+
+    def derived_symbol(self, image, addr: int) -> str | None:
+        """With TABLES_AT_BOOT: the symbol name the running image gives addr itself, so the
+        records leave it out (None: always written)."""
+
     def address_c(self, image, addr: int) -> str:
         """An address of the image as a C constant in the generated tables: a number, or an
         expression the linker relocates (a kernel moved by KASLR)."""

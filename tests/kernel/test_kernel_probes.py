@@ -48,6 +48,7 @@ sleep 1
 OPEN_HANDLERS = r"""
 #include <linux/kprobes.h>
 #include <linux/sched.h>	/* struct task_struct and current, from the image's BTF */
+#include <linux/preempt.h>
 
 /* The kernel's own: a NUL-terminated string from user space, never faults. */
 long strncpy_from_user_nofault(char *dst, const void __user *unsafe_addr, long count);
@@ -97,6 +98,7 @@ static int open_entry(struct kprobe *p, struct pt_regs *regs)
 	ktime_get();
 	__atomic_store_n(&open_frame, 0, __ATOMIC_RELAXED);
 	print_name("kp-open-entry", (int)regs->di, regs->si);
+	pr_info("kp-open-entry-preempt: %d\n", preempt_count());
 	pr_info("kp-ktime-hits: %lu\n", __atomic_load_n(&ktime_hits, __ATOMIC_RELAXED));
 	return 0;
 }
@@ -105,7 +107,23 @@ static int open_entry(struct kprobe *p, struct pt_regs *regs)
  * struct pt_regs built, kp_optprobe_clean_entry). */
 static int openat_seen(struct kprobe *p, struct pt_regs *regs)
 {
-	pr_info("kp-openat-clean: %s\n", p->symbol_name);
+	/* optimized_callback() runs handlers with preemption disabled: so does the template. */
+	pr_info("kp-openat-clean: %s preempt=%d\n", p->symbol_name, preempt_count());
+	return 0;
+}
+
+/* setup_per_cpu_areas(), whose site the runtime's boot hook that builds the probe
+ * tables shares: it runs before them, from the structures written whole. */
+static int percpu_setup_seen(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kp-percpu-setup: %s %s\n", p->symbol_name, p->name);
+	return 0;
+}
+
+/* setup_arch() runs before the tables are built: its hit runs no handler. */
+static int too_early(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kp-too-early\n");
 	return 0;
 }
 
@@ -165,11 +183,14 @@ def probed(tmp_path_factory, debian_kernel):
                     f'[[kprobe]]\nsymbol_name = "do_sys_openat2"\noffset = {off:#x}\npre_handler = "open_inside"\n'
                     '[[kprobe]]\nsymbol_name = "ktime_get"\npre_handler = "ktime_hit"\n'
                     '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\npre_handler = "kill_override"\n'
-                    '[[kprobe]]\nsymbol_name = "__x64_sys_openat"\npre_handler = "openat_seen"\n')
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_openat"\npre_handler = "openat_seen"\n'
+                    '[[kprobe]]\nsymbol_name = "setup_per_cpu_areas"\npre_handler = "percpu_setup_seen"\n'
+                    '[[kprobe]]\nsymbol_name = "setup_arch"\npre_handler = "too_early"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     assert r.stdout.splitlines() == ["kernel_clone+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace",
                                      f"do_sys_openat2+{off:#x}  k  optimized", "ktime_get+0x0  k  ftrace",
-                                     "__x64_sys_kill+0x0  k  ftrace", "__x64_sys_openat+0x0  k  ftrace"], r.stdout
+                                     "__x64_sys_kill+0x0  k  ftrace", "__x64_sys_openat+0x0  k  ftrace",
+                                     "setup_per_cpu_areas+0x0  k  ftrace", "setup_arch+0x0  k  ftrace"], r.stdout
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     lay = linux_kernel.plan_layout(image)
@@ -306,12 +327,48 @@ def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     # The clean call counts and runs its handler as the full one does: every openat(2)
     # reaches do_sys_openat2 (busybox opens files with openat only).
     assert rows["p___x64_sys_openat_0"] == (count("kp-openat-clean: __x64_sys_openat"), 0), rows
+    # Handlers run with preemption disabled, in the clean-call template as in the full one.
+    counts = [int(l.rsplit("=", 1)[1]) for l in probed_boot.lines() if "kp-openat-clean: " in l]
+    counts += [int(l.rsplit(": ", 1)[1]) for l in probed_boot.lines() if "kp-open-entry-preempt: " in l]
+    assert counts and all(c >= 1 for c in counts), counts
     assert rows["p___x64_sys_openat_0"][0] == opens, (rows, opens)
     # Each open_entry() calls ktime_get() while it runs: at least that many misses.
     hits, missed = rows["p_ktime_get_0"]
     assert hits > 0 and missed >= opens, rows
     for fn in ("setup_per_cpu_areas", "set_memory_ro", "set_memory_nx", "free_kernel_image_pages", "kernel_power_off"):
         assert rows[f"kprewrite_{fn}"][0] >= 1, (fn, rows)
+
+
+def test_probe_tables_are_built_at_setup_per_cpu_areas(probed_boot):
+    """The tables are decoded from their records at the setup_per_cpu_areas() hook: names
+    from the running kernel's kallsyms (p->symbol_name, the default event name), a probe
+    sharing the hook's site runs before them, a hit before them runs no handler and is
+    counted; kprobe_profile has every probe by its name."""
+    r = probed_boot
+    m = re.search(r"kprewrite: built the tables of (\d+) probes at setup_per_cpu_areas \((\d+) KiB, "
+                  r"(\d+) names from kallsyms\); (\d+) hits before ran no handler", r.console)
+    assert m, r.explain("no line from the table build")
+    assert int(m.group(1)) == 8 + 7 and int(m.group(3)) >= 8 and int(m.group(4)) >= 1, m.group(0)
+    assert sum("kp-percpu-setup: setup_per_cpu_areas p_setup_per_cpu_areas_0" in l for l in r.lines()) == 1
+    assert "kp-too-early" not in r.console
+    rows = _profile(r)
+    assert rows["p_setup_per_cpu_areas_0"] == (1, 0) and rows["p_setup_arch_0"] == (0, 0), rows
+    assert rows["kprewrite_setup_per_cpu_areas"] == (1, 0), rows
+
+
+def test_preempt_full_reschedules_on_the_way_out(probed, make_initramfs, boot_kernel):
+    """Under preempt=full a reschedule asked for while a handler runs is taken when the
+    dispatch drops the preemption count, through the image's preempt_schedule static call
+    (preempt_enable(), as optimized_callback() ends): the same workload, exact counters."""
+    initrd = make_initramfs(init_script(COMMANDS), {OPEN_FILE: "hello\n"})
+    r = boot_kernel("probed-vmlinux-preempt-full", probed["out"], initrd, smp=2, timeout=120,
+                    extra_append="preempt=full")
+    assert "Dynamic Preempt: full" in r.console
+    assert r.reached() and r.powered_off and not r.problems(), r.problems() or r.console[-3000:]
+    rows = _profile(r)
+    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    assert rows["p_kernel_clone_0"] == (sum("handler_pre: <kernel_clone>" in l for l in log), 0), rows
+    assert rows["p___x64_sys_kill_0"] == (1 + KILLS, 0), rows
 
 
 def _detour_entry(image, addr: int) -> int:

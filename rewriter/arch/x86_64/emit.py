@@ -223,6 +223,25 @@ JB, JAE, JE, JNE, JBE = 0x2, 0x3, 0x4, 0x5, 0x6
 _KEY_SEGMENT = {"thread": b"\x64", "cpu": b"\x65"}
 
 
+def preempt_disable(c: _Code, key):
+    """preempt_disable() where the thread key is the CPU: incl %gs:__preempt_count,
+    before the key is read, so the dispatch stays on this CPU.  Clobbers the flags."""
+    if key.preempt is not None:
+        c.out += _KEY_SEGMENT[key.base] + b"\xff\x04\x25" + struct.pack("<i", key.preempt)
+
+
+def preempt_enable(c: _Code, key):
+    """preempt_enable(): decl %gs:__preempt_count; on zero (x86 folds an inverted
+    PREEMPT_NEED_RESCHED into the count: zero means a reschedule is pending) call the
+    image's preempt_schedule thunk, which keeps every register.  Clobbers the flags."""
+    if key.preempt is None:
+        return
+    c.out += _KEY_SEGMENT[key.base] + b"\xff\x0c\x25" + struct.pack("<i", key.preempt)
+    if key.resched is not None:
+        c.out += b"\x75\x05"                                  # jnz over the call
+        c.call(key.resched)
+
+
 def find_thread(c: _Code, fast: int, table: int, key) -> list[int]:
     """kp_current_thread() inlined: kprobes armed, and the thread's block
     (found by the platform's thread key, arch.base.ThreadKey) in rdx.  Clobbers
@@ -325,6 +344,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         c.a("seto al; lahf; mov word ptr [rsp + 72], ax")
     for reg in fast_saves[1:]:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
+    preempt_disable(c, key)
     to_slow, to_restore = _dispatch_fast_path(c, fast, table, key, probe, probe_index,
                                               "[rsp + 80]" if handler is not None or body else None)
     if body is not None:
@@ -334,6 +354,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         c.call_aligned(handler, aligned, "rcx")
         c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
     restore = c.pc
+    preempt_enable(c, key)
     if flags_live:
         c.a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
     for reg in fast_saves:
@@ -387,6 +408,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     hit_ip = dcr[0].addr + 1                                    # as if the int3 had trapped
     c.rip("lea rax, [rip + {d}]", hit_ip)
     c.a(f"mov qword ptr [rsp + {PT_IP}], rax")
+    preempt_disable(c, key)
     to_slow, to_restore = _dispatch_fast_path(c, fast, table, key, probe, probe_index, f"[rsp + {PT_SIZE}]")
     c.a("mov rbx, rsp")                                         # saved in pt_regs; the callee keeps it
     if not aligned:
@@ -411,12 +433,15 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     c.a(f"mov rax, qword ptr [rsp + {F}]; xor rax, qword ptr [rsp + {PT_SIZE + 8}]; test rax, {~ARITH_FLAGS}")
     to_changed.append(c.jcc(JNE))
     restore = c.pc
+    preempt_enable(c, key)
     restore_pt_regs(c)
     c.a(f"lea rsp, [rsp + {FULL_FRAME:#x}]")
     resume = _dcr_and_back(c, dcr, copy, back)
     changed = c.pc                                              # go on with the DCR, on regs->sp
     c.rip("lea rax, [rip + {d}]", resume)
     c.a(f"mov qword ptr [rsp + {PT_IP}], rax")
+    leave = c.pc                                                # every way to resume_regs
+    preempt_enable(c, key)
     c.fix([c.jcc(-1)], resume_regs)
     slow = c.pc
     c.a(f"mov edi, {site:#x}; mov rsi, rsp; mov rbx, rsp")
@@ -424,10 +449,10 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
         c.a("and rsp, -16")
     c.call(callback)
     c.a("mov rsp, rbx; test eax, eax")
-    c.fix([c.jcc(JNE)], resume_regs)
+    c.fix([c.jcc(JNE)], leave)
     c.fix([c.jcc(-1)], restore)
     c.fix(to_slow, slow)
     c.fix(to_restore, restore)
-    c.fix(to_resume_regs, resume_regs)
+    c.fix(to_resume_regs, leave)
     c.fix(to_changed, changed)
     return bytes(c.out), resume

@@ -14,7 +14,10 @@ of line", in the kernel's order of preference:
   the copy and the jmp back (the kernel does not boost then; we can, for free);
 * single-step -- the rest: the copy, run with the trap flag set; the SIGTRAP
   after it runs the post_handlers and resumes at the next instruction
-  (resume_singlestep()).  A jmp back follows the copy as a safety net.
+  (resume_singlestep()).  A jmp back follows the copy as a safety net.  Where
+  the target says so (Rules.singlestep_int3: a kernel), an int3 follows the
+  copy instead of TF, as the kernel's own kprobes do since 5.14 (the #DB path
+  is not ours to hook); the trap at it is found by the copy's end address.
 
 Every slot lives in the output's own code segment (the kernel's XOL area /
 insn_slot, but allocated at rewrite time).
@@ -66,6 +69,7 @@ class Xol:
     slot: int = 0          # boost / single-step: where the copy is
     ss_end: int = 0        # single-step: address right after the copy
     slot_post: int = 0     # boost with post stub: where the jmp back is
+    ss_int3: bool = False  # single-step: an int3 after the copy rather than TF
 
     @property
     def next_ip(self) -> int:
@@ -130,8 +134,9 @@ def emulates_refused(image, addr: int) -> bool:
     return _memory_indirect(DcrInsn(addr, bytes(code[:info.length]), info)) is not None
 
 
-def prepare(image, addr: int) -> Xol:
-    """arch_prepare_kprobe() for one address (can_probe() has already passed)."""
+def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
+    """arch_prepare_kprobe() for one address (can_probe() has already passed);
+    ss_int3: a single-stepped copy ends with an int3 rather than running with TF."""
     code = image.read(addr, 16)
     info = x86insn.classify(code, addr)
     insn = DcrInsn(addr, bytes(code[:info.length]), info)
@@ -165,7 +170,7 @@ def prepare(image, addr: int) -> Xol:
         # returns through iret and the single-step trap comes one instruction
         # late (after the jmp back).  The kernel never probes a syscall insn.
         return Xol(BOOST, insn)
-    return Xol(SINGLESTEP, insn)
+    return Xol(SINGLESTEP, insn, ss_int3=ss_int3)
 
 
 def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int) -> bytes:
@@ -173,6 +178,8 @@ def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int
     one with a post_handler the probe stub, and the jmp back.  Same size whatever
     post_entry is."""
     out = bytearray(em.relocate(x.insn, at))
+    if x.mode == SINGLESTEP and x.ss_int3:
+        out += b"\xcc"
     if x.mode != SINGLESTEP and with_post:
         out += em.probe_stub(site_index, post_entry, at + len(out))
     pos = at + len(out)

@@ -22,6 +22,7 @@ from ...arch.base import ThreadKey
 from ...blacklist import BlacklistEntry, Index
 from ...elfwrite import NewSection, append_section_headers
 from ...errors import KprewriteError
+from ...planner import INT3
 from ...report import META_SECTION
 from ...spec import KprobeSpec
 from ...rules import Rules
@@ -43,6 +44,7 @@ REGISTER_REASONS = {
     ".entry.text": "in .entry.text (entry code)",
     ".static_call.text": "static call trampoline (static_call_text_reserved)",
     "__cfi_/__pfx_": "CFI/padding symbol",
+    ".head.text": "in .head.text (runs before per-CPU setup, on the early identity mapping)",
     "__jump_table": "jump label site (jump_label_text_reserved)",
     ".static_call_sites": "static call site (static_call_text_reserved)",
     "__bug_table": "BUG/WARN site (find_bug)",
@@ -66,6 +68,7 @@ def load_symbols(image, system_map: str | None = None) -> None:
         syms = read_kallsyms(image.data, image.path).symbols
         source = "kallsyms"
     image.kernel_symbols = syms
+    image.kernel_symbols_source = source
     image.set_functions([(f.start, f.end, f.name) for f in kallsyms_functions(syms, ElfView(image.data, image.path))],
                         source)
 
@@ -96,12 +99,13 @@ def rules(image, arch) -> Rules:
         if r.table == "_kprobe_blacklist":
             why = next((REGISTER_REASONS[t] for t, b in whole.items() if b and b[0] <= r.start < b[1]), why)
         if why is not None:
-            sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_") else _symbol_at(image, r.start)
+            sym = r.detail if r.table in ("_kprobe_blacklist", "__cfi_/__pfx_", ".head.text") else _symbol_at(image, r.start)
             register.append(BlacklistEntry(r.start, r.end, sym, why))
         if r.table == "__mcount_loc":
             # Inside an ftrace site, not at its start (arch_check_ftrace_location()).
             register.append(BlacklistEntry(r.start + 1, r.end, _symbol_at(image, r.start), "inside an ftrace site"))
-        if r.table not in ("_kprobe_blacklist", ".kprobes.text", ".noinstr.text", ".entry.text", "__cfi_/__pfx_"):
+        if r.table not in ("_kprobe_blacklist", ".kprobes.text", ".noinstr.text", ".entry.text", "__cfi_/__pfx_",
+                           ".head.text"):
             patched.append(BlacklistEntry(r.start, r.end, r.detail or r.table, r.table))
     ex_insns = sorted(e.insn for e in ks.ex_table(k))
     thunks = ks.indirect_thunk_range(k)
@@ -131,7 +135,10 @@ def rules(image, arch) -> Rules:
             code, target, _ = struct.unpack_from("<iiq", buf, i)
             yield a + i + 4 + target, f"jump label at {a + i + code:#x}"
 
-    return Rules(Index(register), Index(patched), mcount, function_refusal, int3=False, kretprobes=False,
+    # Breakpoint probes need our hook on the kernel's int3 path (INT3_HOOK); single-stepped
+    # copies end with an int3, as the kernel's own since 5.14 (its #DB path is not hooked).
+    return Rules(Index(register), Index(patched), mcount, function_refusal, int3=int3_hook(image) is not None,
+                 kretprobes=False, singlestep_int3=True,
                  fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],
                  # A kernel is built with -fno-jump-tables and jumps through retpoline
                  # thunks; decoding its 46,000 functions again would cost half a minute.
@@ -163,7 +170,10 @@ PAGE = 0x1000
 # The boot hooks: (function, runtime pre_handler).
 BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),
               ("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),
-              ("free_kernel_image_pages", "kp_kernel_keep_free"))
+              ("free_kernel_image_pages", "kp_kernel_keep_free"),
+              # kprewrite.enabled=0 on the command line, read in setup_arch() (kp_debugfs.c);
+              # the debugfs views, once initcalls are done, before /init (kp_debugfs.c).
+              ("parse_early_param", "kp_kernel_cmdline"), ("console_on_rootfs", "kp_kernel_debugfs"))
 
 
 @dataclass
@@ -200,12 +210,48 @@ def plan_layout(image) -> GapLayout:
 def thread_key(image) -> ThreadKey:
     """The runtime's "thread" in a kernel is the CPU (preemption off while handlers
     run, as the kernel's current_kprobe is per-CPU): its per-CPU offset."""
-    return ThreadKey("cpu", _symbol(image, "this_cpu_off"))
+    return ThreadKey("cpu", _symbol(image, "this_cpu_off"), _symbol(image, "__preempt_count"), _resched(image))
+
+
+# What preempt_enable() calls on a pending reschedule: the static call PREEMPT_DYNAMIC
+# patches at boot (preempt= none/voluntary: a return), else the thunk of a PREEMPT kernel;
+# a kernel with neither never preempts kernel code.
+RESCHED = ("__SCT__preempt_schedule", "preempt_schedule_thunk")
+
+
+def _resched(image) -> int | None:
+    syms = link_symbols(image)
+    return next((syms[n] for n in RESCHED if syms.get(n)), None)
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
     """No start-up stub: the runtime's tables are ready statically, the boot hooks are probes."""
     return {}, pos
+
+
+# The int3 hook: a `call kp_kernel_int3_entry` on kprobe_int3_handler()'s ftrace site, which
+# do_int3() calls first for every kernel-mode int3 (after text_poke_bp()'s): our breakpoint
+# sites are handled there and it returns 1, any other int3 goes on into the kernel's
+# kprobes, kgdb and notify_die().  Not a probe (runtime/platform/linux_kernel/kp_int3_hook.c
+# says why a call on this NOKPROBE function is safe); its __mcount_loc entry is dropped as an
+# ftrace-site probe's is.  Only written when the image has breakpoint sites.
+INT3_HOOK = ("kprobe_int3_handler", "kp_kernel_int3_entry")
+
+
+def int3_hook(image):
+    """The ftrace site (a __mcount_loc entry) at kprobe_int3_handler()'s entry, or None
+    (no such function or no ftrace site: this image gets no breakpoint probes)."""
+    if not hasattr(image, "_int3_hook"):
+        f = next((f for f in image.functions if f.name == INT3_HOOK[0]), None)
+        image._int3_hook = None if f is None else \
+            next((m for m in ks.mcount_locs(_kernel(image)) if m.site == f.start), None)
+    return image._int3_hook
+
+
+def _int3_hook_patch(image, blob) -> tuple[int, bytes]:
+    m = int3_hook(image)
+    entry = blob.symbols[INT3_HOOK[1]]
+    return m.site, b"\xe8" + struct.pack("<i", entry - (m.site + 5))
 
 
 # The shutdown hooks: kprobe_profile (event, hits, nmissed) in the kernel log before power-off,
@@ -243,20 +289,76 @@ def tables_c(image, arch, any_int3: bool) -> str:
         f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
         "char *kp_kernel_current(void)\n{\n\tchar *t;\n"
         f'\t__asm__("movq %%gs:{kt.current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
+    resched = next((n for n in RESCHED if link_symbols(image).get(n)), None)
+    task += ("void kp_kernel_resched(void);\n__asm__(\".pushsection .text\\n.globl kp_kernel_resched\\n"
+             f"kp_kernel_resched:\\n\\tjmp {resched}\\n.popsection\");\n" if resched else
+             "void kp_kernel_resched(void) {}\n")
+    # struct file_operations' size and its llseek, read and write offsets (BTF), for the debugfs files.
+    fops = kt.fops if kt is not None and kt.fops else [-1] * 4
+    task += f"const long kp_kernel_fops[4] = {{ {', '.join(map(str, fops))} }};\n"
     return task + (f"const unsigned long kp_kernel_gap_start = {address_c(image, lay.rx_vaddr)}, "
                    f"kp_kernel_gap_end = {address_c(image, lay.end)};\n"
-            "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + (sizeof(kp_probes) / sizeof(kp_probes[0])"
-            " + sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0])) * sizeof(unsigned long) + 63) & ~63UL)\n"
+            "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + KP_NHITS * sizeof(unsigned long) + 63) & ~63UL)\n"
             f"unsigned long kp_kernel_pool[{POOL_CPUS} * KP_KERNEL_BLOCK / sizeof(unsigned long)];\n"
             "const unsigned long kp_kernel_block = KP_KERNEL_BLOCK;\n"
             "const unsigned long kp_kernel_pool_size = sizeof(kp_kernel_pool);\n")
 
 
+# linux/preempt.h's preempt_count() and preemptible(), as x86 defines them: the per-CPU
+# __preempt_count with PREEMPT_NEED_RESCHED (bit 31, inverted) masked out.
+PREEMPT_H = """#ifndef _KPREWRITE_LINUX_PREEMPT_H
+#define _KPREWRITE_LINUX_PREEMPT_H
+static inline int preempt_count(void)
+{
+	int pc;
+	__asm__ volatile("movl %%gs:__preempt_count, %0" : "=r"(pc));
+	return pc & ~0x80000000;
+}
+static inline int kp_irqs_disabled(void)
+{
+	unsigned long flags;
+	__asm__ volatile("pushfq; popq %0" : "=r"(flags));
+	return !(flags & 0x200);
+}
+#define preemptible() (preempt_count() == 0 && !kp_irqs_disabled())
+#endif
+"""
+
+
+# The probe tables are built at boot (runtime/platform/linux_kernel/platform.c, at the
+# setup_per_cpu_areas() hook, in memblock memory) from compact records: a probe on every
+# function entry needs some 4 MiB of struct kprobe and struct kp_site, more than either gap.
+TABLES_AT_BOOT = True
+
+
+def table_base(image) -> int:
+    """The link address the records' 32-bit offsets count from: _text (the runtime adds
+    the running _text, so KASLR needs no relocation for them)."""
+    return _symbol(image, "_text")
+
+
+def derived_symbol(image, addr: int) -> str | None:
+    """The name the running kernel's kallsyms_lookup() gives for addr (the first of the
+    symbols there, in kallsyms order), or None when the image's kallsyms are not what
+    the symbols came from (a .symtab or System.map could order aliases differently)."""
+    first = getattr(image, "_kallsyms_first", None)
+    if first is None:
+        first = image._kallsyms_first = {}
+        if getattr(image, "kernel_symbols_source", None) == "kallsyms":
+            for sym in image.kernel_symbols:
+                first.setdefault(sym.addr, sym.name)
+    return first.get(addr)
+
+
 def handler_headers(image) -> dict[str, str]:
     """linux/sched.h from the image's own BTF (btf.py): the kernel's types and `current`,
-    so that handlers read current->comm or a struct file as module code does."""
+    so that handlers read current->comm or a struct file as module code does; and
+    linux/preempt.h (handlers run with preemption disabled, as the kernel's do)."""
     kt = _types(image)
-    return {} if kt is None else {"linux/sched.h": kt.sched_h}    # no BTF: the handler API's own
+    out = {"linux/preempt.h": PREEMPT_H}
+    if kt is not None:              # no BTF: the handler API's own linux/sched.h
+        out["linux/sched.h"] = kt.sched_h
+    return out
 
 
 def _types(image) -> btf.KernelTypes | None:
@@ -290,10 +392,13 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     our code fills: the __mcount_loc entry of each ftrace site a probe took
     (write() zeroes it, so ftrace neither patches nor checks the site)."""
     taken = {p["addr"]: p["name"] for p in meta["probes"] if p.get("ftrace")}
-    if not taken:
-        return []
-    return [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
-            for m in ks.mcount_locs(_kernel(image)) if m.site in taken]
+    out = [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
+           for m in ks.mcount_locs(_kernel(image)) if m.site in taken] if taken else []
+    hook = int3_hook(image)
+    if hook is not None and any(p.get("int3") for p in meta["probes"]):
+        out += [(image.offset_of(hook.site), 5, f"{INT3_HOOK[0]}'s ftrace site: call {INT3_HOOK[1]} (the int3 hook)"),
+                (hook.entry_offset, 8, f"__mcount_loc entry of the ftrace site {hook.site:#x} dropped (the int3 hook)")]
+    return out
 
 
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
@@ -307,20 +412,22 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
                              f"{(gap.end - gap.rx_vaddr) >> 10} KiB and the rodata/data gap {(gap.data_end - gap.data_vaddr) >> 10} KiB")
     out = bytearray(image.data)
     offset_of = _extend_first_load(image, out, gap.data_vaddr, data_end)
+    hooked = []         # the int3 hook's ftrace site, when there are breakpoint sites
+    if any(site.decision == INT3 for site in plan.sites):
+        patches = list(patches) + [_int3_hook_patch(image, blob)]
+        hooked = [int3_hook(image)]
     for addr, code in patches:
         off = image.offset_of(addr)
         out[off:off + len(code)] = code
     mcount = {m.site: m for m in ks.mcount_locs(k)}
-    for site in plan.sites:
-        if site.decision == "ftrace":      # ftrace neither patches nor checks it any more
-            m = mcount[site.addr]
-            out[m.entry_offset:m.entry_offset + 8] = bytes(8)
+    for m in [mcount[site.addr] for site in plan.sites if site.decision == "ftrace"] + hooked:
+        out[m.entry_offset:m.entry_offset + 8] = bytes(8)     # ftrace neither patches nor checks it any more
     code = bytes(rx) + blob.text
     off = image.offset_of(layout.rx_vaddr)
     out[off:off + len(code)] = code
     doff = offset_of(blob.data_addr)
     out[doff:doff + len(blob.data)] = blob.data
-    zeroed = [mcount[site.addr].entry for site in plan.sites if site.decision == "ftrace"]
+    zeroed = [mcount[site.addr].entry for site in plan.sites if site.decision == "ftrace"] + [m.entry for m in hooked]
     sections = [NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, code),
                 NewSection(".kprewrite.data", 8 if not blob.data else 1, 3, blob.data_addr, blob.data, blob.data_memsz),
                 NewSection(META_SECTION, 1, 0, 0, metadata, align=1)]

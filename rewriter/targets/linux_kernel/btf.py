@@ -29,7 +29,7 @@ QUALIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
 # pt_regs has the kernel's layout and is reused; the others are renamed.
 OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kretprobe",
             "kretprobe_instance": "kp_btf_kretprobe_instance"}
-GENERATOR = b"kprewrite-btf-sched-h-1"
+GENERATOR = b"kprewrite-btf-sched-h-2"
 
 
 @dataclass
@@ -232,6 +232,9 @@ class KernelTypes:
     current: str              # the per-CPU variable holding the current task (gs-relative)
     comm: int | None          # offsetof(struct task_struct, comm)
     pid: int | None           # offsetof(struct task_struct, pid)
+    # struct file_operations: [sizeof, offsetof llseek, read, write], for the runtime's
+    # debugfs files (runtime/platform/linux_kernel/kp_debugfs.c); None if BTF lacks it.
+    fops: list | None = None
 
 
 def kernel_types(btf: bytes, symbols: dict, where: str) -> KernelTypes:
@@ -241,13 +244,15 @@ def kernel_types(btf: bytes, symbols: dict, where: str) -> KernelTypes:
     hit = cache.get("btf-types", k)
     if hit is not None:
         d = json.loads(hit)
-        return KernelTypes(d["sched_h"], d["current"], d["comm"], d["pid"])
+        return KernelTypes(d["sched_h"], d["current"], d["comm"], d["pid"], d["fops"])
     types = parse(btf, where)
     current = "current_task"
     if hot:                            # Linux 6.2+: struct pcpu_hot { ... current_task ... }
         off = member_offset(types, "pcpu_hot", "current_task")
         current = f"pcpu_hot+{off}" if off is not None else current
+    fops = [next((t.size_or_type for t in types if t is not None and t.kind == STRUCT and t.name == "file_operations"),
+                  None)] + [member_offset(types, "file_operations", m) for m in ("llseek", "read", "write")]
     kt = KernelTypes(_Writer(types).header(current), current, member_offset(types, "task_struct", "comm"),
-                     member_offset(types, "task_struct", "pid"))
+                     member_offset(types, "task_struct", "pid"), None if None in fops else fops)
     cache.put("btf-types", k, json.dumps(kt.__dict__).encode())
     return kt

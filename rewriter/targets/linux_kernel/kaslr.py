@@ -10,8 +10,8 @@ table is the original one
 - without the entries of bytes the rewrite replaced (the jump at an optimized
   probe, the int3 filling the rest of its region, a __mcount_loc entry zeroed for
   an ftrace-site probe: 0 must stay 0, ftrace skips it),
-- with the entries of the instructions copied into detours moved to the copies
-  (a copied `mov $sym, %reg` holds the same absolute address),
+- with the entries of the instructions copied into detours and out-of-line slots
+  moved to the copies (a copied `mov $sym, %reg` holds the same absolute address),
 - plus an entry for every absolute address the linked runtime and handlers hold
   (ld --emit-relocs), by relocs.c's own rules: R_X86_64_64 -> 64-bit list,
   R_X86_64_32/32S -> 32-bit list, a PC-relative reference to a per-CPU symbol ->
@@ -103,6 +103,15 @@ def relocation_table(image, arch, layout, rx: bytes, patches, blob, plan, zeroed
     for insn, at, copy in copies:
         for lst, e in list(overlapping(insn.addr, insn.addr + len(insn.code))):
             lst.add(_moved(path, insn, at, copy, e, lst is r32neg, 8 if lst is r64 else 4))
+    # An emulated breakpoint site reads its operands from a descriptor linked at the image's
+    # addresses (the runtime adds the KASLR offset to targets, never to an absolute
+    # displacement): an absolute operand KASLR relocates cannot be emulated.
+    for site in plan.sites:
+        x = site.xol
+        if x is not None and x.mode == "emulate" and not x.rip and any(
+                lst is not r32neg for lst, _ in overlapping(x.insn.addr + 1, x.insn.addr + len(x.insn.code))):
+            raise KprewriteError(f"{path}: the breakpoint probe's instruction at {x.insn.addr:#x} has an absolute operand "
+                                 "that KASLR relocates, and is emulated: use a vmlinux, or probe another instruction")
     for z in zeroed:
         r64.discard(z)
     for r in blob.relocations:
@@ -159,6 +168,14 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
     out = []
     for site in plan.sites:
         if site.decision == INT3:
+            # A boosted or single-stepped instruction's copy in its out-of-line slot.
+            if site.xol.mode != "emulate":
+                copy = em.relocate(site.xol.insn, site.xol.slot)
+                off = site.xol.slot - layout.rx_vaddr
+                if bytes(rx[off:off + len(copy)]) != copy:
+                    raise KprewriteError(f"{image.path}: internal error: the out-of-line slot at {site.xol.slot:#x} "
+                                         "is not the one whose copy KASLR relocates")
+                out.append((site.xol.insn, site.xol.slot, copy))
             continue
         if site.template or site.ret_hooks:
             raise KprewriteError(f"{image.path}: internal error: KASLR tables for a templated detour at {site.addr:#x}")

@@ -416,6 +416,23 @@ def indirect_thunk_range(k: KernelImage) -> tuple[int, int] | None:
     return (a, b) if a is not None and b is not None and b > a else None
 
 
+def head_text(k: KernelImage) -> list[Reserved]:
+    """.head.text, function by function: head_64.S, head64.c and the SME/SEV identity-mapped
+    code (startup_64, secondary_startup_64, verify_cpu, pvh_start_xen, ...) run before the
+    CPU's per-CPU base (%gs) is set, part of them on the early identity mapping, so no probe
+    can run there (a detour would read its CPU's block through %gs, or jump to a kernel
+    address not yet mapped).  The kernel has no bound for it in kallsyms; it is built without
+    -pg, and .text proper starts with the function of the first __mcount_loc site."""
+    start = k.addr.get("_text")
+    sites = mcount_locs(k)
+    if start is None or not sites:
+        return []
+    first = min(m.site for m in sites)
+    f = k.function_at(first)
+    end = f.start if f is not None else first
+    return [Reserved(f.start, min(f.end, end), ".head.text", f.name) for f in _functions_in(k, start, end)]
+
+
 def cfi_symbols(k: KernelImage) -> list[Reserved]:
     """__cfi_* and __pfx_* symbols (kCFI preambles, 6.1+ clang; function padding, 6.2+)."""
     return [Reserved(f.start, f.end, "__cfi_/__pfx_", f.name) for f in k.functions()
@@ -430,7 +447,7 @@ def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | Non
     .ibt_endbr_seal .smp_locks .static_call_sites __jump_table __mcount_loc
     "__ex_table" (faulting instructions) "__ex_table fixup" (fixup targets, 1 byte: a
     region must not contain one) __bug_table _kprobe_blacklist, and the ranges
-    .noinstr.text .entry.text .kprobes.text .static_call.text __cfi_/__pfx_.
+    .noinstr.text .entry.text .kprobes.text .static_call.text .head.text __cfi_/__pfx_.
     """
     k = image or KernelImage(data, symbols, path, elf)
     out: list[Reserved] = []
@@ -453,6 +470,7 @@ def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | Non
                             f"{b.file}:{b.line}{' warning' if b.flags & 1 else ''}"))
     out += [Reserved(s, e, "_kprobe_blacklist", n) for s, e, n in kprobe_blacklist(k)]
     out += section_ranges(k)
+    out += head_text(k)
     out += cfi_symbols(k)
     out.sort()
     return out

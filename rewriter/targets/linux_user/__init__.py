@@ -49,6 +49,20 @@ def handler_headers(image) -> dict[str, str]:
     return {}
 
 
+# The probe tables are whole C structures in the output's data (tables.py).
+TABLES_AT_BOOT = False
+
+
+def table_base(image) -> int:
+    """Unused: a process's tables are not built at start-up (TABLES_AT_BOOT)."""
+    return 0
+
+
+def derived_symbol(image, addr: int) -> str | None:
+    """Unused (TABLES_AT_BOOT): no symbol name is left out of a process's tables."""
+    return None
+
+
 def address_c(image, addr: int) -> str:
     """An address in the generated tables: a number (the runtime adds a PIE's load bias)."""
     return f"{addr:#x}UL"

@@ -50,6 +50,10 @@ extern const unsigned int kp_nint3_ss;
 
 /* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was. */
 int kp_arch_int3_trap(void *ucontext);
+/* The same on a trap's struct pt_regs (a kernel's #BP frame): ss_trap is 1 where
+ * single-stepped copies end with an int3 rather than trap with TF set. */
+struct pt_regs;
+int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap);
 
 #pragma GCC visibility pop
 #endif

@@ -1,7 +1,8 @@
 /*
  * x86-64 breakpoint probes: kprobe_int3_handler(), the emulation of
  * prepare_emulation()'s branches, and resume_singlestep() of
- * arch/x86/kernel/kprobes/core.c, on a Linux user signal context.
+ * arch/x86/kernel/kprobes/core.c, on struct pt_regs: the kernel's own trap frame
+ * (runtime/platform/linux_kernel/kp_int3_hook.c) or a Linux user signal context.
  *
  * The SIGTRAP's machine context (ucontext_t.uc_mcontext.gregs) is copied into
  * struct pt_regs for the handlers and written back afterwards, so whatever a
@@ -172,6 +173,56 @@ static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsig
 }
 
 /*
+ * kprobe_int3_handler() on the trap's registers: 1 if the trap follows one of
+ * our int3s, or the end of one of our single-stepped copies (`ss_ip`: the
+ * trap's ip there: the copy's end under the trap flag, one byte past it where
+ * an int3 follows the copy, as the kernel's own kprobes do since 5.14), with
+ * regs updated to resume; 0 otherwise (nothing changed).
+ */
+int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
+{
+	if (unlikely(kp_rt.state != 2))
+		kp_relocate();
+	unsigned long bias = kp_rt.bias, ip = regs->ip;
+	struct kp_int3_site *d = kp_int3_lookup(ip - 1 - bias);
+	if (d) {
+		struct kp_site *s = kp_site(d->site);
+		int r = kp_trap_pre(s, regs);
+		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
+			kp_kretprobe_int3_hook(d->kret, regs);
+		if (r != KP_TRAP_CHANGED) {
+			switch (d->mode) {
+			case KP_XOL_EMULATE:
+				kp_emulate(d, regs, bias);
+				if (r == KP_TRAP_RUN)
+					kp_trap_post(s, regs);
+				break;
+			case KP_XOL_BOOST:	/* the slot runs the post stub itself */
+				regs->ip = d->slot + bias;
+				break;
+			default:		/* single-step: trap again after the copy */
+				regs->ip = d->slot + bias;
+				if (!ss_trap)
+					regs->flags |= X86_EFLAGS_TF;
+				break;
+			}
+		}
+		return 1;
+	}
+	if (kp_nint3_ss && (ss_trap || (regs->flags & X86_EFLAGS_TF)) &&
+	    (d = kp_int3_ss_lookup(ip - ss_trap - bias))) {
+		/* resume_singlestep(): the copy was not a branch, so the original
+		 * next instruction follows; RIP-relative operands were relocated. */
+		struct kp_site *s = kp_site(d->site);
+		regs->flags &= ~X86_EFLAGS_TF;
+		regs->ip = d->addr + bias + d->size;
+		kp_trap_post(s, regs);
+		return 1;
+	}
+	return 0;
+}
+
+/*
  * A SIGTRAP raised by the CPU (not sent by kill).  Ours if it follows one of
  * our int3s, or the single-step of one of our copies; 0 otherwise (the platform
  * layer passes it on to whoever else handles SIGTRAP).
@@ -179,46 +230,10 @@ static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsig
 int kp_arch_int3_trap(void *uc)
 {
 	unsigned long *g = (unsigned long *)((char *)uc + KP_UC_GREGS);
-	if (unlikely(kp_rt.state != 2))
-		kp_relocate();
-	unsigned long bias = kp_rt.bias, ip = g[G_RIP];
-	struct kp_int3_site *d = kp_int3_lookup(ip - 1 - bias);
 	struct pt_regs regs;
-	if (d) {
-		struct kp_site *s = &kp_sites[d->site];
-		kp_uc_to_regs(g, &regs);
-		int r = kp_trap_pre(s, &regs);
-		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
-			kp_kretprobe_int3_hook(d->kret, &regs);
-		if (r != KP_TRAP_CHANGED) {
-			switch (d->mode) {
-			case KP_XOL_EMULATE:
-				kp_emulate(d, &regs, bias);
-				if (r == KP_TRAP_RUN)
-					kp_trap_post(s, &regs);
-				break;
-			case KP_XOL_BOOST:	/* the slot runs the post stub itself */
-				regs.ip = d->slot + bias;
-				break;
-			default:		/* single-step: trap again after the copy */
-				regs.ip = d->slot + bias;
-				regs.flags |= X86_EFLAGS_TF;
-				break;
-			}
-		}
-		kp_regs_to_uc(&regs, g);
-		return 1;
-	}
-	if (kp_nint3_ss && (g[G_EFL] & X86_EFLAGS_TF) && (d = kp_int3_ss_lookup(ip - bias))) {
-		/* resume_singlestep(): the copy was not a branch, so the original
-		 * next instruction follows; RIP-relative operands were relocated. */
-		struct kp_site *s = &kp_sites[d->site];
-		kp_uc_to_regs(g, &regs);
-		regs.flags &= ~X86_EFLAGS_TF;
-		regs.ip = d->addr + bias + d->size;
-		kp_trap_post(s, &regs);
-		kp_regs_to_uc(&regs, g);
-		return 1;
-	}
-	return 0;
+	kp_uc_to_regs(g, &regs);
+	if (!kp_arch_int3_regs(&regs, 0))
+		return 0;
+	kp_regs_to_uc(&regs, g);
+	return 1;
 }

@@ -4,9 +4,11 @@
  *
  * The runtime is linked at the address it runs at, inside the kernel image,
  * and calls the kernel's own functions by their kallsyms addresses (resolved
- * at link time by rewriter/link.py).  It is never started: its tables are
- * ready at link time (KP_PLATFORM_NO_STARTUP), so probes fire from the first
- * instruction of boot.  The "thread" of the core is the CPU, as the kernel's
+ * at link time by rewriter/link.py).  It is never started
+ * (KP_PLATFORM_NO_STARTUP): the runtime's own probes (the boot hooks) are ready
+ * from the first instruction of boot, and the probe tables are built from
+ * compact records at the setup_per_cpu_areas() hook (KP_PLATFORM_TABLES_AT_BOOT,
+ * platform.c), from where every probe fires.  The "thread" of the core is the CPU, as the kernel's
  * current_kprobe is per-CPU: its key is the CPU's per-CPU offset, read with
  * preemption disabled around the dispatch, so a hit while a handler runs on
  * the same CPU counts as missed.
@@ -16,6 +18,7 @@
 #pragma GCC visibility push(hidden)
 
 #define KP_PLATFORM_NO_STARTUP 1
+#define KP_PLATFORM_TABLES_AT_BOOT 1
 
 /* --- the kernel's own functions and per-CPU variables (kallsyms) --- */
 
@@ -23,6 +26,8 @@ int _printk(const char *fmt, ...);
 long long ktime_get(void);
 long copy_from_kernel_nofault(void *dst, const void *src, unsigned long size);
 int set_memory_ro(unsigned long addr, int numpages);
+const char *kallsyms_lookup(unsigned long addr, unsigned long *symbolsize, unsigned long *offset,
+			    char **modname, char *namebuf);
 extern unsigned int nr_cpu_ids;
 /* The kernel's first byte: the generated tables write the image's addresses as
  * _text + offset, relocated with the kernel when KASLR moves it. */
@@ -57,9 +62,13 @@ static inline int kp_platform_thread_key_ready(void)
 }
 
 /* optimized_callback()'s preempt_disable()/preempt_enable(): the key is the
- * CPU's, so the dispatch must not move to another CPU.  No reschedule on the
- * way out (preempt_enable_no_resched()): a pending one waits for the next
- * preemption point, and the detour never calls into the scheduler. */
+ * CPU's, so the dispatch must not move to another CPU.  On the way out a
+ * pending reschedule (the count reaching zero: x86 folds an inverted
+ * PREEMPT_NEED_RESCHED into it) is taken as preempt_enable() takes it, through
+ * kp_kernel_resched (the image's preempt_schedule thunk, which keeps every
+ * register; the probe table defines it per image). */
+void kp_kernel_resched(void);
+
 static inline void kp_platform_dispatch_begin(void)
 {
 	__asm__ volatile("incl %%gs:__preempt_count" ::: "memory", "cc");
@@ -67,7 +76,9 @@ static inline void kp_platform_dispatch_begin(void)
 
 static inline void kp_platform_dispatch_end(void)
 {
-	__asm__ volatile("decl %%gs:__preempt_count" ::: "memory", "cc");
+	register unsigned long sp __asm__("rsp");
+	__asm__ volatile("decl %%gs:__preempt_count\n\tjnz 1f\n\tcall kp_kernel_resched\n1:"
+			 : "+r"(sp) :: "memory", "cc");	/* "+r"(sp): ASM_CALL_CONSTRAINT */
 }
 
 /* --- memory, output, time (platform.c) --- */

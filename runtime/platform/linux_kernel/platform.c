@@ -37,6 +37,112 @@ void *kp_platform_alloc(unsigned long size)
 	return (char *)kp_kernel_pool + at;
 }
 
+/* --- the probe tables, built at boot (KP_PLATFORM_TABLES_AT_BOOT) --- */
+
+#define KP_KSYM_NAME_LEN 512	/* KSYM_NAME_LEN */
+unsigned long kp_early_hits;	/* hits before the tables, which ran no handler */
+extern int kp_kernel_disarmed;	/* kp_debugfs.c */
+void kp_kernel_arm(int on);
+
+/* Names the tables own: copied into memblock memory, 64 KiB at a time. */
+static char *kp_names;
+static unsigned long kp_names_left;
+
+static const char *kp_kernel_keep_name(const char *s, unsigned long n)
+{
+	if (n + 1 > kp_names_left) {
+		unsigned long size = n + 1 > 65536 ? n + 1 : 65536;
+		kp_names = memblock_alloc_try_nid(size, 8, 0, 0, -1);
+		if (!kp_names)
+			return 0;
+		kp_names_left = size;
+	}
+	char *out = kp_names;
+	memcpy(out, s, n);
+	out[n] = 0;
+	kp_names += n + 1;
+	kp_names_left -= n + 1;
+	return out;
+}
+
+static const char *kp_rec_string(unsigned int at)
+{
+	return at == KP_REC_NONE ? 0 : kp_rec_strings + at - 1;
+}
+
+/* What register_kprobe() fills in, from the records tables.py wrote: addresses
+ * from _text, the handler pair, a symbol name the kernel's kallsyms gives (the
+ * records leave out those that are the first name at the symbol's address), the
+ * event name p_SYMBOL_OFFSET when it is the default.  Then the pointers are
+ * published; the runtime's own probes keep the counts of their early copies. */
+static void kp_kernel_build_tables(void)
+{
+	unsigned long base = (unsigned long)_text;
+	unsigned long size = kp_nprobes * sizeof(struct kprobe) + kp_nsites * sizeof(struct kp_site)
+			     + kp_nsite_probes * sizeof(struct kprobe *);
+	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);
+	if (!m) {
+		_printk(KP_KERN_ERR "kprewrite: no memory for the tables of %u probes (%lu KiB): "
+			"they stay disarmed\n", kp_nprobes, size >> 10);
+		return;
+	}
+	struct kprobe *probes = (struct kprobe *)m;
+	struct kp_site *sites = (struct kp_site *)(probes + kp_nprobes);
+	struct kprobe **site_probes = (struct kprobe **)(sites + kp_nsites);
+	char name[KP_KSYM_NAME_LEN + 32];
+	unsigned long named = 0;
+	for (unsigned int i = 0; i < kp_nprobes; i++) {
+		const struct kp_probe_rec *r = &kp_probe_recs[i];
+		struct kprobe *p = &probes[i];
+		p->addr = (kprobe_opcode_t *)(base + kp_site_recs[r->site].addr);
+		p->offset = r->offset;
+		p->pre_handler = kp_rec_handlers[r->handlers].pre;
+		p->post_handler = kp_rec_handlers[r->handlers].post;
+		p->flags = r->flags;
+		p->index = i;
+		p->site = r->site;
+		p->symbol_name = kp_rec_string(r->symbol);
+		if (r->symbol == KP_REC_DERIVED) {
+			const char *s = kallsyms_lookup((unsigned long)p->addr - r->offset, 0, 0, 0, name);
+			p->symbol_name = s ? kp_kernel_keep_name(name, strlen(name)) : 0;
+		}
+		p->name = kp_rec_string(r->name);
+		if (r->name == KP_REC_DERIVED && p->symbol_name) {
+			/* trace_kprobe's default event name, the symbol sanitized. */
+			int n = snprintf(name, sizeof(name), "p_%s_%u", p->symbol_name, p->offset);
+			for (int k = 2; k < n; k++)
+				if (!((name[k] >= 'a' && name[k] <= 'z') || (name[k] >= 'A' && name[k] <= 'Z')
+				      || (name[k] >= '0' && name[k] <= '9') || name[k] == '_'))
+					name[k] = '_';
+			p->name = kp_kernel_keep_name(name, n);
+			named++;
+		}
+		if (!p->name)
+			p->name = "?";
+	}
+	for (unsigned int i = 0, first = 0; i < kp_nsites; i++) {
+		const struct kp_site_rec *r = &kp_site_recs[i];
+		sites[i] = (struct kp_site){ base + r->addr, base + r->addr + r->insn_len, base + r->resume,
+					     base + r->resume_post, first, r->count };
+		first += r->count;
+	}
+	for (unsigned int i = 0; i < kp_nsite_probes; i++) {
+		unsigned int k = kp_site_probe_recs[i];
+		site_probes[i] = k & KP_REC_KRET ? &kp_kretprobes[k & ~KP_REC_KRET].kp : &probes[k];
+	}
+	for (unsigned int i = 0; i < kp_nearly_probes; i++)
+		probes[kp_early_probes[i].index].nmissed = kp_early_probes[i].nmissed;
+	kp_probes = probes;
+	kp_sites = sites;
+	kp_site_probes = (struct kprobe *const *)site_probes;
+	__atomic_store_n(&kp_tables_built, 1, __ATOMIC_RELEASE);
+	if (kp_kernel_disarmed)		/* kprewrite.enabled=0, read before the tables existed */
+		kp_kernel_arm(0);
+	_printk(KP_KERN_INFO "kprewrite: built the tables of %u probes at %s (%lu KiB, %lu names from kallsyms); "
+		"%lu hits before ran no handler\n", kp_nprobes, "setup_per_cpu_areas", size >> 10, named,
+		__atomic_load_n(&kp_early_hits, __ATOMIC_RELAXED));
+}
+
 /* setup_per_cpu_areas(): nr_cpu_ids is known and memblock still hands out
  * memory for good, as it does for the per-CPU areas themselves.  Until here
  * only the boot CPU runs, on the static block; its per-CPU offset changes
@@ -45,6 +151,7 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
 	(void)regs;
+	kp_kernel_build_tables();
 	kp_thread_table_ready();	/* lookups take the fast path from here on */
 	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);	/* MEMBLOCK_ALLOC_ACCESSIBLE, NUMA_NO_NODE */

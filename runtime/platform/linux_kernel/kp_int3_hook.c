@@ -1,0 +1,64 @@
+/*
+ * Breakpoint (INT3) probes in a kernel: our way into the kernel's #BP path.
+ *
+ * exc_int3() gives text_poke_bp()'s int3s to poke_int3_handler() first; from
+ * kernel mode it then calls do_int3(), whose first question is
+ * kprobe_int3_handler(regs): "is this int3 a kprobe's?"  The rewriter puts a
+ * `call kp_kernel_int3_entry` on kprobe_int3_handler()'s ftrace site (its
+ * __mcount_loc entry dropped, as for an ftrace-site probe;
+ * rewriter/targets/linux_kernel/__init__.py, INT3_HOOK).  So every kernel-mode
+ * int3 asks us first: one of our sites (or the int3 after one of our
+ * single-stepped copies) is handled here and kprobe_int3_handler() returns 1
+ * ("handled") without running; any other (the kernel's own kprobes, kgdb,
+ * a BUG-free stray int3) goes on into kprobe_int3_handler() and notify_die()
+ * untouched.
+ *
+ * kprobe_int3_handler() is NOKPROBE_SYMBOL: a kprobe on it would trap inside
+ * the trap handler and recurse.  This hook is a plain call, not a probe: it
+ * traps on nothing, takes no lock and runs no dispatch of its own (a probe's
+ * "active" and "armed" checks must not stop it: a disarmed or nested hit of
+ * our int3 still has to run its instruction out of line), so the blacklist's
+ * reason does not apply to it.  A handler that hits another of our int3s
+ * nests one #BP inside another (the kernel allows it: #BP is not on an IST
+ * stack); that hit counts as missed and runs only its instruction.
+ *
+ * The trap's struct pt_regs is the kernel's own frame: handlers see and change
+ * it in place, and exc_int3() resumes from it.  The entry code left a gap above
+ * the frame for an emulated call's push (idtentry's create_gap for X86_TRAP_BP),
+ * as int3_emulate_call() needs.
+ */
+#include "kp_internal.h"
+
+/* kp_kernel_int3_entry's C half: 1 if the int3 was ours (regs updated). */
+int kp_kernel_int3(struct pt_regs *regs)
+{
+	kp_platform_dispatch_begin();
+	int r = kp_arch_int3_regs(regs, 1);
+	kp_platform_dispatch_end();
+	return r;
+}
+
+/*
+ * Called from kprobe_int3_handler()'s first instruction (its ftrace site):
+ * the stack holds do_int3()'s return address, then ours.  Only %rdi (the
+ * regs argument) is live there; callee-saved registers are the C code's to
+ * keep.  Ours: drop our return address and return 1 to do_int3() as
+ * kprobe_int3_handler() would.  User-mode traps are never ours.
+ */
+__asm__(".pushsection .text\n"
+	".globl kp_kernel_int3_entry\n"
+	".type kp_kernel_int3_entry, @function\n"
+	"kp_kernel_int3_entry:\n"
+	"	testb $3, 0x88(%rdi)\n"		/* regs->cs & 3: from user mode */
+	"	jnz 1f\n"
+	"	push %rdi\n"
+	"	call kp_kernel_int3\n"
+	"	pop %rdi\n"
+	"	test %eax, %eax\n"
+	"	jnz 2f\n"
+	"1:	jmp __x86_return_thunk\n"	/* on into kprobe_int3_handler() */
+	"2:	add $8, %rsp\n"
+	"	mov $1, %eax\n"
+	"	jmp __x86_return_thunk\n"	/* to do_int3(): handled */
+	".size kp_kernel_int3_entry, .-kp_kernel_int3_entry\n"
+	".popsection\n");
