@@ -105,9 +105,6 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
 
     riders = []
     for p in meta["probes"]:
-        if p.get("shared_with") is not None:     # its bytes are under its head's jump
-            riders.append(p)
-            continue
         a, end = p["region"]
         label = f"{p['symbol']}+{p['offset']:#x}"
         if p.get("ftrace"):
@@ -117,7 +114,10 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             end = a + 1
         else:
             how = f"jump to detour {p['detour']:#x}"
-        add(a, end, "kprobe" if p["kind"] == "k" else "kretprobe", f"{label}: {how}", p["name"])
+        if p.get("shared_with") is not None:     # its bytes are under its head's jump
+            riders.append(p)
+        else:
+            add(a, end, "kprobe" if p["kind"] == "k" else "kretprobe", f"{label}: {how}", p["name"])
         for ra, rend, exit_ in p.get("return_sites") or []:
             add(ra, rend, "return_site", f"return hook of {label} (exit at {exit_:#x}): jump to detour", p["name"])
         for x in p.get("int3_exits") or []:

@@ -162,6 +162,8 @@ def metadata(plan: Plan, label: str) -> bytes:
                        "int3_exits": [e.addr for e, _ in g.int3_exits]})
         if site.decision == FTRACE:
             probes[-1]["ftrace"] = True
+        if site.head is not None:
+            probes[-1]["shared_with"] = site.head.addr
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
