@@ -103,6 +103,7 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
         if name not in e.probes:
             e.probes.append(name)
 
+    riders = []
     for p in meta["probes"]:
         a, end = p["region"]
         label = f"{p['symbol']}+{p['offset']:#x}"
@@ -113,11 +114,18 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             end = a + 1
         else:
             how = f"jump to detour {p['detour']:#x}"
-        add(a, end, "kprobe" if p["kind"] == "k" else "kretprobe", f"{label}: {how}", p["name"])
+        if p.get("shared_with") is not None:     # its bytes are under its head's jump
+            riders.append(p)
+        else:
+            add(a, end, "kprobe" if p["kind"] == "k" else "kretprobe", f"{label}: {how}", p["name"])
         for ra, rend, exit_ in p.get("return_sites") or []:
             add(ra, rend, "return_site", f"return hook of {label} (exit at {exit_:#x}): jump to detour", p["name"])
         for x in p.get("int3_exits") or []:
             add(x, x + 1, "int3_exit", f"return hook of {label} (exit at {x:#x}): int3", p["name"])
+    for p in riders:
+        for e in out.values():
+            if e.address == p["shared_with"] and e.what in ("kprobe", "kretprobe") and p["name"] not in e.probes:
+                e.probes.append(p["name"])
     return list(out.values())
 
 

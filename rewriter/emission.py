@@ -99,8 +99,8 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
     if not site.template:
         entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
                   ("kp_optprobe_entry", "kp_optprobe_post_entry")
-        return em.detour(site.index, site.dcr, site.with_post, at, sym[entries[0]], sym[entries[1]],
-                         _site_copy(c, site, at, sym))
+        return em.detour(site.index, site.segment, site.with_post, at, sym[entries[0]], sym[entries[1]],
+                         _site_copy(c, site, at, sym), back=site.back or None)
     p = site.probes[0]
     k = c.plan.hit_slot(p)
     if is_entry(p):
@@ -112,20 +112,40 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
         h = pre_handler_symbol(c, p)
         handler = sym[h] if h else None
     common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, probe=probe, probe_index=k,
-                  handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym))
+                  handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym), back=site.back or None)
     if site.clean:
         callback, body = sym["kp_optimized_clean_callback"], None
         if is_entry(p):
             callback = sym["kp_kretprobe_enter_clean_slow"]
             body = _kret_entry_body(c, p, probe, sym, site.aligned, regs=False)
-        code, resume = em.clean_detour(site.index, site.dcr, at, callback=callback, flags_live=site.flags_live,
+        code, resume = em.clean_detour(site.index, site.segment, at, callback=callback, flags_live=site.flags_live,
                                        handler_clobbers=site.clobbers, body=body, **common)
     else:
         # full_detour realigns the stack itself before the body.
         body = _kret_entry_body(c, p, probe, sym, True, regs=True) if is_entry(p) else None
-        code, resume = em.full_detour(site.index, site.dcr, at, callback=sym["kp_optimized_callback"],
+        code, resume = em.full_detour(site.index, site.segment, at, callback=sym["kp_optimized_callback"],
                                       resume_regs=sym["kp_optprobe_resume_regs"], body=body, **common)
     return code, resume, resume
+
+
+def region_ips(c: Code, site: Site) -> list[tuple[int, int]]:
+    """Where the instructions of a shared region that lie under its head's jump
+    run in the detours (the runtime's kp_region_ips[]): a rider's own address
+    maps to its detour (its probes fire, as at a breakpoint), any other
+    instruction to its copy.  Copies are as long wherever they go (rel32 forms),
+    so the layout's resume addresses place them."""
+    if site.head is None and not site.riders:
+        return []
+    out = [(site.addr, site.detour)] if site.head is not None else []
+    copy = _site_copy(c, site, site.detour, Far(site.detour)) or c.arch.emit.relocate
+    pos = site.resume
+    for i, insn in enumerate(site.segment):
+        if i:
+            out.append((insn.addr, pos))
+        pos += len(copy(insn, pos))
+        if i == 0 and site.with_post and not site.template:
+            pos = site.resume_post
+    return out
 
 
 def _kret_entry_body(c: Code, p, rp: int, sym, aligned: bool, regs: bool):
@@ -166,7 +186,8 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             continue
         code, _, _ = site_detour(c, site, site.detour, sym)
         put(site.detour, code, layout.sizes[("site", site.index)])
-        patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
+        if site.head is None:       # a rider's instruction lies under its head's jump
+            patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
     for rs in c.plan.ret_sites:
         put(rs.detour, ret_detour(c, rs, rs.detour, sym), layout.sizes[("ret", rs.addr)])
         patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, rs.detour)))

@@ -54,6 +54,9 @@ def place(c: emission.Code, target) -> Layout:
         site.detour = pos
         sizes[("site", site.index)] = len(code)
         pos += len(code)
+    for site in c.plan.sites:       # a shared region's segments jump one to the next
+        for s, nxt in zip([site] + site.riders, site.riders):
+            s.back = nxt.detour
     for rs in c.plan.ret_sites:
         pos = (pos + 15) & ~15
         rs.detour = pos

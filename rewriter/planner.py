@@ -75,8 +75,14 @@ class Site:
     clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
     aligned: bool = False            # template: the ABI has the stack 16-byte aligned at the site
     flags_live: bool = True          # clean template: the arithmetic flags are live at the site
+    # A region shared by several probes (_share_regions): the head takes the jump and
+    # holds the whole region in dcr; each site copies only seg, its own part of it.
+    head: "Site | None" = None
+    riders: list = field(default_factory=list)
+    seg: list | None = None
     # Addresses (layout):
     detour: int = 0
+    back: int = 0                    # where the copy of seg jumps: the next rider's detour (0: region end)
     resume: int = 0
     resume_post: int = 0
 
@@ -87,6 +93,16 @@ class Site:
     @property
     def post_ip(self) -> int:
         return self.dcr[0].addr + len(self.dcr[0].code) if self.dcr else self.addr
+
+    @property
+    def segment(self) -> list:
+        """The instructions this site's detour copies."""
+        return self.seg if self.seg is not None else self.dcr
+
+    @property
+    def segment_end(self) -> int:
+        seg = self.segment
+        return seg[-1].addr + len(seg[-1].code) if seg else self.addr + 1
 
     @property
     def region_end(self) -> int:
@@ -181,11 +197,13 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     sites = [Site(a, ps) for a, ps in sorted(by_addr.items())]
     for s in sites:
         _optimize(image, analysis, arch, s, optimize, rules)
+    if rules.shared_regions and optimize:
+        _share_regions(image, analysis, arch, sites, rules)
     # Another probe inside the region keeps the site unoptimized (the kernel's
     # pre-optimization check); every site is placed (optimized or int3), so all count.
-    placed = sorted(s.addr for s in sites)
+    placed = sorted(s.addr for s in sites if s.head is None)
     for s in sites:
-        if s.decision not in JUMPS:
+        if s.decision not in JUMPS or s.head is not None:
             continue
         i = bisect.bisect_right(placed, s.addr)
         if i < len(placed) and placed[i] < s.region_end:
@@ -286,6 +304,61 @@ def _optimize(image, analysis, arch, s: Site, optimize: bool, rules) -> None:
     s.decision = OPTIMIZED
 
 
+def _share_regions(image, analysis, arch, sites: list[Site], rules) -> None:
+    """Beyond the kernel, which refuses a second probe inside a region: one
+    detour serves every probe of its region.  A site inside a jump-optimized
+    site's region rides on it (its head); a site that cannot take a jump of its
+    own (too close to a jump target or to the function's end...) extends the
+    region of the head before it, when the longer region passes the same checks.
+    The detour then runs, for each probe in address order, its handlers and its
+    own instructions' copy (Site.seg), each segment jumping to the next."""
+    head = None
+    for s in sites:
+        func = s.probes[0].func
+        if head is not None and func is not head.probes[0].func:
+            head = None             # a region stays inside its function
+        if head is not None and s.addr >= head.region_end:
+            if s.decision in JUMPS or s.addr in rules.ftrace:
+                head = None
+            else:
+                r = arch.optprobe.can_optimize(image, analysis, func, head.addr, min_end=s.addr + 1)
+                if isinstance(r, list) and rules.region_refusal(arch, analysis, func, head.addr,
+                                                                r[-1].addr + len(r[-1].code)) is None:
+                    head.dcr = r
+                else:
+                    head = None
+        if head is not None and s.addr < head.region_end:
+            head.riders.append(s)
+            s.head = head
+            continue
+        head = s if s.decision == OPTIMIZED else None
+    for h in sites:
+        if h.riders:
+            _split_segments(arch, h)
+
+
+def _split_segments(arch, head: Site) -> None:
+    """Each site's part of its head's region: from its address to the next
+    rider's.  A rider that is no instruction boundary of the region, or whose
+    post_handler would follow a branch, sends the whole region to INT3."""
+    starts = {i.addr for i in head.dcr}
+    bad = next((r for r in head.riders if r.addr not in starts
+                or (r.with_post and arch.is_branch(next(i for i in head.dcr if i.addr == r.addr)))), None)
+    if bad is not None:
+        why = arch.Refusal("probe_in_region", bad.addr, f"the probe at {bad.addr:#x} cannot share the region "
+                                                        f"[{head.addr:#x}, {head.region_end:#x})")
+        for s in [head] + head.riders:
+            s.decision, s.dcr, s.reason, s.head = REFUSED, None, why, None
+        head.riders = []
+        return
+    chain = [head] + head.riders
+    for s, nxt in zip(chain, chain[1:] + [None]):
+        end = nxt.addr if nxt else head.region_end
+        s.seg = [i for i in head.dcr if s.addr <= i.addr < end]
+    for r in head.riders:
+        r.dcr, r.decision, r.reason = r.seg, OPTIMIZED, None
+
+
 def _plan_returns(image, analysis, arch, plan: Plan) -> None:
     """Return sites of every function with a placed kretprobe."""
     rp = arch.retprobe
@@ -297,9 +370,10 @@ def _plan_returns(image, analysis, arch, plan: Plan) -> None:
                 g.probes.append(p)
                 p.group = g
     # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
-    taken = sorted((s.addr, s.region_end) for s in plan.sites)
+    # A shared region counts as its segments (they tile it).
+    taken = sorted((s.addr, s.segment_end) for s in plan.sites)
     starts = [a for a, _ in taken]
-    site_at = sorted((s.addr, s.region_end, s) for s in plan.sites if s.dcr)
+    site_at = sorted((s.addr, s.segment_end, s) for s in plan.sites if s.dcr)
     site_starts = [a for a, _, _ in site_at]
 
     def busy(lo, hi, extra):

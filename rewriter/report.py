@@ -144,6 +144,8 @@ def metadata(plan: Plan, label: str) -> bytes:
             d["ftrace"] = True
         if site.decision in JUMPS:
             d.update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
+        if site.head is not None:       # rides on the detour of the probe whose jump covers it
+            d["shared_with"] = site.head.addr
         if site.decision == INT3:
             d.update({"int3": site.xol.mode, "reason": str(site.reason)})
         probes.append(d)
@@ -160,6 +162,8 @@ def metadata(plan: Plan, label: str) -> bytes:
                        "int3_exits": [e.addr for e, _ in g.int3_exits]})
         if site.decision == FTRACE:
             probes[-1]["ftrace"] = True
+        if site.head is not None:
+            probes[-1]["shared_with"] = site.head.addr
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -213,7 +217,8 @@ def list_records(path: str, meta: dict | None = None) -> list[dict]:
                  "address": hexaddr(p["addr"]), "flags": _list_flags(p), "disabled": p["disabled"],
                  "optimized": p["optimized"], "ftrace": bool(p.get("ftrace")), "int3": p.get("int3"),
                  "reason": p.get("reason"), "call": p.get("call"), "detour": hexaddr(p["detour"]) if p.get("detour") else None,
-                 "region": [hexaddr(a) for a in p["region"]], "returns": p.get("returns"), "return_sites": None, "int3_exits": None}
+                 "region": [hexaddr(a) for a in p["region"]], "returns": p.get("returns"), "return_sites": None, "int3_exits": None,
+                 "shared_with": hexaddr(p["shared_with"]) if p.get("shared_with") is not None else None}
             if p["kind"] == "r":
                 r["return_sites"] = [{"address": hexaddr(a), "end": hexaddr(e), "exit": hexaddr(x)} for a, e, x in p["return_sites"]]
                 r["int3_exits"] = [hexaddr(a) for a in p["int3_exits"]]

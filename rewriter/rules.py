@@ -10,6 +10,8 @@ answer (targets/*), used by the planner.
 - function_refusal: what refuses a whole function (a kernel function with an
   exception-table entry: can_optimize()'s search_exception_tables());
 - ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
+- shared_regions: whether probes inside one region share its detour (the
+  runtime then maps an ip inside a region to its copy, kp_region_ip());
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
 - singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
   kernel's own kprobes since 5.14) rather than running with the trap flag;
@@ -33,6 +35,9 @@ class Rules:
     function_refusal: Callable | None = None            # (analysis, func) -> arch Refusal | None
     int3: bool = True
     kretprobes: bool = True
+    # Probes on consecutive instructions share one detour (planner._share_regions())
+    # instead of the second one being refused inside the first one's region.
+    shared_regions: bool = False
     singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import events as ev_mod
 from . import fetch as fetch_mod
-from .emission import Code, pre_handler_symbol
+from .emission import Code, pre_handler_symbol, region_ips
 from .events import trace_key
 from .link import c_string
 from .planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
@@ -32,6 +32,12 @@ def generate(c: Code, target, traces: dict) -> str:
         out += _records_c(c, target, traces)
     else:
         out += _structs_c(c, target, traces, A)
+    # Shared detours (planner._share_regions()): where an address under a region's jump runs.
+    ips = sorted(pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, site))
+    out.append(f"const struct kp_region_ip kp_region_ips[{max(1, len(ips))}] = {{")
+    out += [f"  {{ {a:#x}UL, {b:#x}UL }}," for a, b in ips]
+    out.append("};")
+    out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     out.append(_kretprobes_c(c, traces, A))
     out.append(c.arch.kprobe_xol.table_c(plan.sites))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))

@@ -182,6 +182,24 @@ __attribute__((noinline)) struct kp_thread *kp_current_thread_slow(void)
 	return kp_thread_slow(kp_platform_thread_key());
 }
 
+/* Where to resume at `ip`: an address under a shared region's jump runs in the
+ * detour (kp_region_ips[]); any other address is the program's own code. */
+unsigned long kp_region_ip(unsigned long ip)
+{
+	unsigned long bias = kp_rt.bias, a = ip - bias;
+	unsigned int lo = 0, hi = kp_nregion_ips;
+	while (lo < hi) {
+		unsigned int mid = lo + (hi - lo) / 2;
+		if (kp_region_ips[mid].from < a)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo < kp_nregion_ips && kp_region_ips[lo].from == a)
+		return kp_region_ips[lo].to + bias;
+	return ip;
+}
+
 /* Return values of the callbacks, read by the arch entry code. */
 #define KP_RESUME_DETOUR 0	/* restore and continue in the detour */
 #define KP_RESUME_REGS 1	/* resume at regs->ip with regs->sp and the full regs->flags */

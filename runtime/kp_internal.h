@@ -101,6 +101,17 @@ static inline struct kp_site *kp_site(unsigned long i)
 extern unsigned long kp_link_anchor_addr;
 void kp_link_anchor(void);
 
+/* Probes sharing one detour (kprewrite's planner._share_regions()): every
+ * instruction under a region's jump but its first, and where it runs in the
+ * detour (a probe's own dispatch, else the instruction's copy); link-time
+ * addresses, sorted.  kp_region_ip() maps a regs->ip a handler set there. */
+struct kp_region_ip {
+	unsigned long from, to;
+};
+extern const struct kp_region_ip kp_region_ips[];
+extern const unsigned int kp_nregion_ips;
+unsigned long kp_region_ip(unsigned long ip);
+
 /* Per-thread state: the user-space stand-in for the kernel's per-CPU
  * current_kprobe and per-CPU hit counters of trace kprobes. */
 struct kp_thread {

@@ -131,3 +131,58 @@ def test_relocatable_instructions_in_the_dcr(once, pie, runner):
     assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
     hits = profile(got.stderr)
     assert {k: v[0] for k, v in hits.items()} == {f"p_{f}_0": 7 for f in FUNCS}, hits
+
+
+# A return region may hold what a DCR may: each case of this switch is
+# `movsd C(%rip),%xmm0; ret` (how _PyUnicode_ToNumeric's 400 returns look), whose
+# return hook takes a jump over both, the constant's load re-encoded.
+RET_SSE = r"""
+#include <stdio.h>
+__asm__(
+".section .rodata\n.balign 8\n"
+"k: .double 0.5, 1.25, 2.75, 4.0\n"
+"tab: .long c0-tab, c1-tab, c2-tab, c3-tab\n"
+".text\n"
+".globl pick\n.type pick,@function\npick:\n"
+"  cmp $3,%edi\n  ja c0\n  lea tab(%rip),%rdx\n  movslq (%rdx,%rdi,4),%rax\n  add %rdx,%rax\n  jmp *%rax\n"
+"c0: movsd k(%rip),%xmm0\n  ret\n"
+"c1: movsd k+8(%rip),%xmm0\n  ret\n"
+"c2: movsd k+16(%rip),%xmm0\n  ret\n"
+"c3: movsd k+24(%rip),%xmm0\n  ret\n"
+".size pick,.-pick\n");
+double pick(unsigned);
+int main(void)
+{
+    double t = 0;
+    for (unsigned i = 0; i < 10; i++)
+        t += pick(i % 5);
+    printf("%.2f\n", t);
+    return 0;
+}
+"""
+
+RET_HANDLERS = r"""
+#include <linux/kprobes.h>
+static unsigned long n;
+int on_ret(struct kretprobe_instance *ri, struct pt_regs *regs) { n++; return 0; }
+"""
+
+
+def _ret_sse(tmp):
+    prog = cc(tmp, "retsse", RET_SSE, "-O2")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "pick"\nhandler = "on_ret"\n',
+                      RET_HANDLERS)
+    from conftest import kprewrite
+    import json
+    doc = json.loads(kprewrite("check", prog, "--spec", spec, "--format", "json").stdout)
+    return prog, doc["probes"][0]["returns"], instrument(prog, spec)
+
+
+def test_return_region_with_sse_move(once, runner):
+    prog, returns, out = once(_ret_sse)
+    assert returns["mode"] == "hooks" and len(returns["sites"]) == 4, returns
+    assert not any(s["int3"] for s in returns["sites"]), returns
+    want = run(prog, runner=runner)
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == want.stdout == "18.00\n", r.stderr
+    assert profile(r.stderr)["r_pick_0"][0] == 10, r.stderr

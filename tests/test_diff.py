@@ -42,16 +42,15 @@ def test_diff_executable(tmp_path):
     assert r.stderr == "" and doc["format"] == "kprewrite-diff-1" and doc["unattributed"] == doc["problems"] == []
     sym = symbols(prog)
     by = {c["address"]: c for c in doc["changes"] if c["what"] != "elf_header"}
-    # leaf: two breakpoints, one byte each (probe_in_region keeps both from a jump).
-    assert by[hex(sym["leaf"])]["changed"] == 1 and by[hex(sym["leaf"])]["probes"] == ["p_leaf_0"]
-    assert by[hex(sym["leaf"] + 4)]["detail"] == "leaf+0x4: int3 (emulate)"
+    # leaf: one jump, whose detour serves the probe on its ret too (a shared detour).
+    assert by[hex(sym["leaf"])]["changed"] == 5 and by[hex(sym["leaf"])]["probes"] == ["p_leaf_0", "p_leaf_4"]
     # work: the kretprobe's entry jump, and a jump or int3 on each exit.
     entry = by[hex(sym["work"])]
     assert entry["what"] == "kretprobe" and entry["probes"] == ["r_work_0"] and 5 <= entry["changed"] <= entry["size"]
     lo, hi = function(prog, "work")
     exits = [c for c in doc["changes"] if c["what"] in ("return_site", "int3_exit")]
     assert exits and all(lo <= int(c["address"], 16) < hi and c["probes"] == ["r_work_0"] for c in exits)
-    assert set(by) == {hex(sym["leaf"]), hex(sym["leaf"] + 4), hex(sym["work"])} | {c["address"] for c in exits}
+    assert set(by) == {hex(sym["leaf"]), hex(sym["work"])} | {c["address"] for c in exits}
     header = {c["detail"].split(":")[0] for c in doc["changes"] if c["what"] == "elf_header"}
     assert {"e_entry", "e_phoff", "e_phnum", "e_shoff", "e_shnum"} <= header
     assert doc["moved"] == [{"segment": "PHDR", "from": "0x40", "to": doc["added_segments"][0]["address"]}]
@@ -59,7 +58,7 @@ def test_diff_executable(tmp_path):
     assert [s["name"] for s in doc["added_sections"]][:2] == [".kprewrite.text", ".kprewrite.data"]
     assert doc["added_sections"][-1]["name"] == ".kprewrite.meta"
     text = kprewrite("diff", prog, out).stdout.splitlines()
-    assert f"changed  {hex(sym['leaf'] + 4)}      1 bytes  kprobe  leaf+0x4: int3 (emulate)  [p_leaf_4]" in text
+    assert f"changed  {hex(sym['leaf'])}      5 bytes  kprobe  leaf+0x0: jump to detour " in "\n".join(text) and "[p_leaf_0, p_leaf_4]" in "\n".join(text)
     assert any(line.startswith("added    segment LOAD R-X  ") for line in text)
 
 

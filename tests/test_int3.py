@@ -851,7 +851,8 @@ def test_probe_on_every_instruction(everywhere, once, runner, optimize):
     modes, out = once(_every_rewritten, prog, spec, optimize)
     kinds = {m for m in modes.values()}
     if optimize:
-        assert ("optimized", "") in kinds and ("int3", "boost") in kinds, kinds
+        # Probes on consecutive instructions share their detours (planner._share_regions()).
+        assert ("optimized", "") in kinds, kinds
     else:
         assert kinds == {("int3", "boost"), ("int3", "emulate"), ("int3", "single-step")}, kinds
     r = run(out, "37", runner=runner, env={"KPREWRITE_PROFILE": "-"})

@@ -91,10 +91,12 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
 
 
 def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
-           entry: int, post_entry: int, copy=None) -> tuple[bytes, int, int]:
+           entry: int, post_entry: int, copy=None, back: int | None = None) -> tuple[bytes, int, int]:
     """The detour buffer of one site.  Returns (code, resume, resume_post): where
     the DCR copy starts and where the part after the post_handler starts.
-    copy(insn, at): how to copy one DCR instruction (default: relocate)."""
+    copy(insn, at): how to copy one DCR instruction (default: relocate).
+    back: where the copy jumps (default: the end of dcr in the original code;
+    in a shared region, the next probe's detour)."""
     copy = copy or relocate
     out = bytearray(probe_stub(site, entry, at))
     resume = at + len(out)
@@ -104,7 +106,7 @@ def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
         if i == 0 and with_post:
             out += probe_stub(site, post_entry, at + len(out))
             resume_post = at + len(out)
-    back = dcr[-1].addr + len(dcr[-1].code)
+    back = back or dcr[-1].addr + len(dcr[-1].code)
     pos = at + len(out)
     out += b"\xe9" + _s32(back - (pos + 5), "jmp back")
     return bytes(out), resume, resume_post
@@ -306,19 +308,19 @@ def _dispatch_fast_path(c: _Code, fast: int, table: int, key, probe: int, probe_
     return slow, restore
 
 
-def _dcr_and_back(c: _Code, dcr: list[DcrInsn], copy=None) -> int:
+def _dcr_and_back(c: _Code, dcr: list[DcrInsn], copy=None, back: int | None = None) -> int:
     copy = copy or relocate
     resume = c.pc
     for insn in dcr:
         c.out += copy(insn, c.pc)
-    c.jmp_abs(dcr[-1].addr + len(dcr[-1].code), "jmp back")
+    c.jmp_abs(back or dcr[-1].addr + len(dcr[-1].code), "jmp back")
     return resume
 
 
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
                  probe_index: int, handler: int | None, callback: int,
                  flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None,
-                 copy=None, body=None) -> tuple[bytes, int]:
+                 copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
     common case inlined (_dispatch_fast_path); anything else calls the generic
@@ -358,7 +360,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     for reg in fast_saves:
         c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
     c.a(f"lea rsp, [rsp + {CLEAN_FRAME:#x}]")
-    resume = _dcr_and_back(c, dcr, copy)
+    resume = _dcr_and_back(c, dcr, copy, back)
     slow = c.pc
     for reg in slow_saves:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
@@ -386,7 +388,7 @@ FULL_FRAME = RED_ZONE + PT_SIZE + 16   # red zone, pt_regs, the thread block, th
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
                 probe_index: int, handler: int, callback: int, resume_regs: int,
-                aligned: bool, copy=None, body=None) -> tuple[bytes, int]:
+                aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
     pt_regs: optprobe_template building struct pt_regs inline (as
     kp_optprobe_entry does), with the dispatch of the common case inlined.  A
@@ -434,7 +436,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     preempt_enable(c, key)
     restore_pt_regs(c)
     c.a(f"lea rsp, [rsp + {FULL_FRAME:#x}]")
-    resume = _dcr_and_back(c, dcr, copy)
+    resume = _dcr_and_back(c, dcr, copy, back)
     changed = c.pc                                              # go on with the DCR, on regs->sp
     c.rip("lea rax, [rip + {d}]", resume)
     c.a(f"mov qword ptr [rsp + {PT_IP}], rax")

@@ -45,6 +45,7 @@ class IndirectJump:
     kind: str                     # TABLE, POINTER, COMPUTED or UNBOUNDED
     targets: list[int] = field(default_factory=list)
     why: str = ""                 # for UNBOUNDED: what the slice could not read
+    retry: tuple | None = None    # a PIC table whose base the slice lost: (load index, %index, %base)
 
 
 _PARENT: dict[str, str] = {}
@@ -128,7 +129,10 @@ def resolve(image, an, func) -> list[IndirectJump]:
     if not d.indirect_jumps:
         return []
     fn = _Fn(image, an, func)
-    return [_classify(fn, a) for a in d.indirect_jumps]
+    jumps = [_classify(fn, a) for a in d.indirect_jumps]
+    if any(j.retry is not None for j in jumps):
+        jumps = _retry_hoisted_bases(fn, jumps)
+    return jumps
 
 
 def _classify(fn: _Fn, addr: int) -> IndirectJump:
@@ -281,7 +285,8 @@ def _pic_table(fn: _Fn, k_add: int, addr: int, reg: str, base: str) -> IndirectJ
     k_load, index = load
     table = _lea_value(fn, k_load, base)
     if table is None:
-        return IndirectJump(addr, UNBOUNDED, why=f"the jump table's base %{base} is not a RIP-relative lea")
+        return IndirectJump(addr, UNBOUNDED, why=f"the jump table's base %{base} is not a RIP-relative lea",
+                            retry=(k_load, index, base))
     got = _table(fn, k_load, index, table, 4, relative=True)
     if got is None:
         return IndirectJump(addr, UNBOUNDED, why=f"the index %{index} of the jump table at {table:#x} is not bounded")
@@ -318,6 +323,105 @@ def _lea_value(fn: _Fn, k: int, base: str) -> int | None:
                 return None
             work.extend((p, True) for p, _ in preds)
     return values.pop() if len(values) == 1 else None
+
+
+_ANY = "any"
+
+
+def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
+    """The value of %reg before each instruction, forward over the whole
+    function: a RIP-relative lea's value where every path from the entry sets
+    it with that one lea, else _ANY (None: unreached).  For a table base the
+    compiler keeps in a callee-saved register across a loop whose join points
+    a backward walk cannot enumerate.  Edges: the fall-through, direct
+    branches, and each indirect jump's targets as `jumps` (resolve()'s first
+    pass) read them: a table's entries, for a stored code pointer every stored
+    or computed code address of the function, for an unbounded jump every join
+    point.  hypotheses: jumps being read (by address), with the edges assumed
+    for them.  The entry and landing pads start unknown."""
+    ins = fn.insns
+    n = len(ins)
+    writes = [_writes(ci, reg) for ci in ins]
+    succ: list[list[int]] = [[] for _ in range(n)]
+    joins, stored, pads, indirect = set(), set(), [], []
+    for i, ci in enumerate(ins):
+        jump = capstone.CS_GRP_JUMP in ci.groups
+        if jump and ci.operands and ci.operands[0].type == X.X86_OP_IMM:
+            t = fn.index.get(ci.operands[0].imm)
+            if t is not None:
+                succ[i].append(t)
+                joins.add(t)
+        elif jump:
+            indirect.append(i)
+        if i + 1 < n:
+            if _uncond(ci):
+                joins.add(i + 1)
+            else:
+                succ[i].append(i + 1)
+        if ci.address in fn.an.entered and i:
+            if fn.an.targets.get(ci.address, "").startswith("C++ landing pad"):
+                pads.append(i)
+            else:
+                stored.add(i)
+    by_addr = {j.addr: j for j in jumps}
+    for i in indirect:
+        j = by_addr.get(ins[i].address)
+        if ins[i].address in hypotheses:
+            succ[i] += [fn.index[t] for t in hypotheses[ins[i].address] if t in fn.index]
+        elif j is not None and j.kind in (TABLE, COMPUTED):
+            succ[i] += [fn.index[t] for t in j.targets if t in fn.index]
+        elif j is not None and j.kind == POINTER:
+            succ[i] += sorted(stored)
+        else:
+            succ[i] += sorted(joins | stored)
+
+    def meet(a, b):
+        return b if a is None else a if b is None or a == b else _ANY
+
+    state: list = [None] * n
+    state[0] = _ANY
+    for i in pads:
+        state[i] = _ANY
+    work = [0] + pads
+    while work:
+        i = work.pop()
+        v = state[i]
+        if writes[i]:
+            v = _rip_lea(ins[i]) if ins[i].operands and ins[i].operands[0].size == 8 else None
+            v = _ANY if v is None else v
+        for t in succ[i]:
+            m = meet(state[t], v)
+            if m != state[t]:
+                state[t] = m
+                work.append(t)
+    return state
+
+
+def _retry_hoisted_bases(fn: _Fn, jumps: list) -> list:
+    """PIC jump tables whose base register was set before a loop (_reg_const):
+    the base's value at each table load gives the table and its entries, which
+    become the jump's edges; repeated until the readings no longer change (a
+    reading can only lose values as edges are added, so the last one holds on
+    every path).  A jump whose base or index stays unknown keeps its refusal,
+    with edges to every join point."""
+    pending = {j.addr: j for j in jumps if j.retry is not None}
+    mine: dict[int, list[int]] = {a: [] for a in pending}
+    for _ in range(8):
+        edges = {a: t for a, t in mine.items() if a in pending}
+        read: dict[int, list[int]] = {}
+        for a, j in list(pending.items()):
+            k_load, index, base = j.retry
+            table = _reg_const(fn, base, jumps, edges)[k_load]
+            got = _table(fn, k_load, index, table, 4, relative=True) if isinstance(table, int) else None
+            if got is None:
+                del pending[a]            # stays unbounded: edges everywhere from now on
+                break
+            read[a] = got
+        else:
+            if read == mine:
+                return [IndirectJump(j.addr, TABLE, read[j.addr]) if j.addr in read else j for j in jumps]
+            mine = read
+    return jumps
 
 
 def _rip_lea(ci) -> int | None:
@@ -357,6 +461,18 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
     so a `cmp` just before it bounds the index by `jbe`/`jb` instead."""
     def lim(n):
         return n if limit is None else min(n, limit)
+
+    def flags_reader(j):
+        k2 = j + 1            # the jcc reading the cmp's flags (movs and leas may sit between)
+        while fn.insns[k2].mnemonic in ("mov", "lea", "movzx", "movsx", "movsxd", "movabs") and k2 < start:
+            k2 += 1
+        nxt = fn.insns[k2].mnemonic
+        if taken and k2 == start:
+            nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
+        return nxt
+    # `cmp $N,%sil; ja` bounds the low byte only: it bounds the index once the
+    # rest is known zero (a zero extension from a byte, a wider bound <= 256).
+    narrow = None
     for j in fn.back(start, first):
         if j < 0:
             return limit
@@ -376,17 +492,22 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
                 (ops[0].type == X.X86_OP_REG and _reg(ci, ops[0].reg) == index)
                 or (ops[0].type == X.X86_OP_MEM and _memkey(ci, ops[0]) == index)) \
                 and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
-            k2 = j + 1            # the jcc reading the cmp's flags (movs and leas may sit between)
-            while fn.insns[k2].mnemonic in ("mov", "lea") and k2 < start:
-                k2 += 1
-            nxt = fn.insns[k2].mnemonic
-            if taken and k2 == start:
-                nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
-            if nxt == "ja":
-                return lim(ops[1].imm + 1)
-            if nxt == "jae":
-                return lim(ops[1].imm)
-            return limit
+            nxt = flags_reader(j)
+            if nxt not in ("ja", "jae"):
+                continue          # a cmp for another branch (je...): the index is unchanged
+            b = ops[1].imm + 1 if nxt == "ja" else ops[1].imm
+            if narrow is not None and 0 <= b <= 256:
+                b = min(b, narrow)
+            return lim(b)
+        if ci.mnemonic == "cmp" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[0].size == 1 \
+                and not isinstance(index, tuple) and _reg(ci, ops[0].reg) == index \
+                and ci.reg_name(ops[0].reg) not in ("ah", "bh", "ch", "dh") \
+                and ops[1].type == X.X86_OP_IMM and 0 <= ops[1].imm < 255:
+            nxt = flags_reader(j)
+            if nxt in ("ja", "jae"):
+                b = ops[1].imm + 1 if nxt == "ja" else ops[1].imm
+                narrow = b if narrow is None else min(narrow, b)
+            continue
         if not _writes(ci, index):
             continue
         m = ci.mnemonic
@@ -396,6 +517,8 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
             continue
         if m == "movzx" and ops[1].size in (1, 2):
             limit = lim(1 << (8 * ops[1].size))
+            if narrow is not None and ops[1].size == 1:
+                return lim(narrow)
             if ops[1].type != X.X86_OP_REG:
                 return limit
             index, width = _reg(ci, ops[1].reg), ops[1].size
@@ -404,7 +527,7 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
             return lim(ops[1].imm + 1)
         if m == "mov" and ops[0].type == X.X86_OP_REG and ops[0].size == 4 and ops[1].type == X.X86_OP_MEM \
                 and not ops[1].mem.segment:
-            index, width = _memkey(ci, ops[1]), 4
+            index, width = _lea_folded(fn, j, _memkey(ci, ops[1])), 4
             continue
         return limit
     if fn.join is None:
@@ -423,8 +546,36 @@ def _memkey(ci, op) -> tuple:
     return ("mem", _reg(ci, m.base), _reg(ci, m.index), m.scale, m.disp, op.size)
 
 
+def _lea_folded(fn: _Fn, k: int, key: tuple) -> tuple:
+    """A memory operand at instruction k whose index register was set by
+    `lea d(%r),%index` on the way, written with %r and the displacement folded
+    in (the `cmpl $N,16(%rdx,%rax,4)` ... `lea 4(%rax),%rsi; mov (%rdx,%rsi,4)`
+    of an array element checked, then loaded), so the cmp of the same element is
+    recognised."""
+    kind, base, idx, scale, disp, size = key
+    if idx is None:
+        return key
+    passed = []
+    for j in fn.back(k):
+        if j < 0:
+            break
+        ci = fn.insns[j]
+        if _writes(ci, idx):
+            ops = ci.operands
+            if ci.mnemonic == "lea" and ops[0].size == 8 and not ops[1].mem.index and not ops[1].mem.segment \
+                    and ops[1].mem.base not in (0, X.X86_REG_RIP):
+                r = _reg(ci, ops[1].mem.base)
+                if r != idx and not any(_writes(fn.insns[p], r) for p in passed):
+                    return (kind, base, r, scale, disp + ops[1].mem.disp * scale, size)
+            break
+        passed.append(j)
+    return key
+
+
 def _stores(ci) -> bool:
     """May the instruction write memory?"""
+    if ci.mnemonic in ("movsx", "movsxd", "movzx") and ci.operands[0].type == X.X86_OP_REG:
+        return False                   # (Capstone marks movsxd's source operand written)
     if capstone.CS_GRP_CALL in ci.groups or ci.mnemonic.startswith(("push", "stos", "movs", "rep", "lock")):
         return True
     return any(op.type == X.X86_OP_MEM and op.access & capstone.CS_AC_WRITE for op in ci.operands)

@@ -40,15 +40,19 @@ def can_probe_insn(image, addr: int) -> Refusal | None:
 _UNCOND = ("ret", "ret imm", "jmp rel", "jmp mem", "jmp reg")
 
 
-def copy_region(image, func, addr: int, analysis=None) -> list[DcrInsn] | Refusal:
+def copy_region(image, func, addr: int, analysis=None, min_end: int | None = None) -> list[DcrInsn] | Refusal:
     """The detoured code region (DCR): whole instructions covering the 5-byte jump,
     each one relocatable (copy_optimized_instructions() with can_boost(), plus
     relative jumps and a final call, which we re-encode).  A region may run on
     into the alignment padding after the function (nop, or int3 after an
-    unconditional exit) if nothing names those bytes (_borrow_padding())."""
+    unconditional exit) if nothing names those bytes (_borrow_padding()).
+    min_end: cover at least [addr, min_end) (a region shared by the probes
+    after it, planner._share_regions()); the kernel's MAX_OPTIMIZED_LENGTH,
+    the size of its fixed buffer, does not bound such a region."""
     out: list[DcrInsn] = []
     pos = addr
-    while pos < addr + JMP32_INSN_SIZE:
+    end = max(addr + JMP32_INSN_SIZE, min_end or 0)
+    while pos < end:
         code = image.read(pos, 16)
         try:
             info = x86insn.classify(code, pos)
@@ -64,7 +68,7 @@ def copy_region(image, func, addr: int, analysis=None) -> list[DcrInsn] | Refusa
         if info.emulate in ("jmp rel", "jcc rel", "jmp mem", "jmp reg"):
             pass
         elif info.emulate in ("call rel", "call mem", "call reg"):
-            if pos + info.length < addr + JMP32_INSN_SIZE:
+            if pos + info.length < end:
                 return Refusal("call_in_region", pos, "a call inside the region would return into the jump's bytes")
             why = _indirect_call_relocatable(code, pos) if info.emulate != "call rel" else None
             if why:
@@ -76,7 +80,7 @@ def copy_region(image, func, addr: int, analysis=None) -> list[DcrInsn] | Refusa
                                                  f"nor relocatable ({why})")
         out.append(DcrInsn(pos, code, info))
         pos += info.length
-    if pos - addr > MAX_OPTIMIZED_LENGTH:
+    if pos - addr > MAX_OPTIMIZED_LENGTH and min_end is None:
         return Refusal("region_size", addr, f"region is {pos - addr} bytes, more than {MAX_OPTIMIZED_LENGTH}")
     if pos > func.end and (analysis is None or not _borrow_padding(image, analysis, func, pos)):
         return Refusal("func_size", addr, f"region [{addr:#x}, {pos:#x}) crosses the end of {func.name} at "
@@ -146,9 +150,10 @@ def _borrow_padding(image, analysis, func, end: int) -> bool:
     return _padding(image, analysis, func, func.end, end - func.end)
 
 
-def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
+def can_optimize(image, analysis, func, addr: int, min_end: int | None = None) -> list[DcrInsn] | Refusal:
     """can_optimize() of opt.c: region inside one function, no indirect jump in the
-    function, no jump target in the JTPR, every DCR instruction relocatable."""
+    function, no jump target in the JTPR, every DCR instruction relocatable.
+    min_end: the region must cover [addr, min_end) (copy_region())."""
     if func is None:
         return Refusal("func_size", addr, "no function symbol or FDE covers the address")
     if func.end - addr < JMP32_INSN_SIZE and not _borrow_padding(image, analysis, func, addr + JMP32_INSN_SIZE):
@@ -165,7 +170,7 @@ def can_optimize(image, analysis, func, addr: int) -> list[DcrInsn] | Refusal:
         # not save DF (an int3 probe is safe: the trap entry clears DF and the
         # signal frame restores it).
         return Refusal("direction_flag", decoded.sets_df, f"{func.name} sets the direction flag (std)")
-    dcr = copy_region(image, func, addr, analysis)
+    dcr = copy_region(image, func, addr, analysis, min_end)
     if isinstance(dcr, Refusal):
         return dcr
     end = dcr[-1].addr + len(dcr[-1].code)

@@ -22,6 +22,7 @@ from . import insn as x86insn
 from . import emit as em
 from .emit import _s32, relocate
 from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
+from . import optprobe
 from .optprobe import JMP32_INSN_SIZE
 from . import cs
 
@@ -176,8 +177,12 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         if prev.info.probe_refused:
             return Refusal("can_probe", prev.addr, f"{prev.info.probe_refused} before the exit")
         if prev.info.emulate is not None or not prev.info.boostable:
-            why = prev.info.emulate or prev.info.boost_reason
-            return Refusal("can_boost", prev.addr, f"instruction before the exit cannot be relocated ({why})")
+            # Beyond can_boost(), as a DCR is (optprobe._relocatable()): an SSE move
+            # of the return value (`movsd C(%rip),%xmm0; ret`), a push m64...
+            why = prev.info.emulate or (optprobe._relocatable(prev.code, prev.addr, prev.info)
+                                        and prev.info.boost_reason)
+            if why:
+                return Refusal("can_boost", prev.addr, f"instruction before the exit cannot be relocated ({why})")
         dcr.insert(0, prev)
 
 

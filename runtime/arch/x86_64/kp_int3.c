@@ -49,7 +49,7 @@ static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)
 	g[G_RBP] = r->bp; g[G_RBX] = r->bx; g[G_R11] = r->r11; g[G_R10] = r->r10;
 	g[G_R9] = r->r9; g[G_R8] = r->r8; g[G_RAX] = r->ax; g[G_RCX] = r->cx;
 	g[G_RDX] = r->dx; g[G_RSI] = r->si; g[G_RDI] = r->di;
-	g[G_RIP] = r->ip;
+	g[G_RIP] = kp_region_ip(r->ip);		/* a handler may move ip under a shared region's jump */
 	g[G_EFL] = r->flags;	/* the kernel keeps only the user-changeable bits */
 	g[G_RSP] = r->sp;
 }

@@ -100,6 +100,13 @@
 	.hidden kp_optprobe_resume_regs
 	.type kp_optprobe_resume_regs, @function
 kp_optprobe_resume_regs:
+	/* regs->ip under a shared region's jump: its place in the detour. */
+	mov	PT_IP(%rsp), %rdi
+	mov	%rsp, %rbx
+	and	$-16, %rsp
+	call	kp_region_ip
+	mov	%rbx, %rsp
+	mov	%rax, PT_IP(%rsp)
 	mov	PT_SP(%rsp), %rax		/* T */
 	lea	-136(%rax), %rdx		/* where ip goes */
 	mov	%rsp, %rcx
