@@ -4,13 +4,13 @@ chosen from the image's own tables, so the test holds for another build of the k
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import capstone
 import pytest
+
+from conftest import kprewrite  # the tree's CLI, as every test runs it
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -22,14 +22,6 @@ pytestmark = pytest.mark.kernel
 
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 
-
-def kprewrite(*args, check=True) -> subprocess.CompletedProcess:
-    """This tree's CLI."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "rewriter", *map(str, args)], capture_output=True, text=True, env=env)
-    if check:
-        assert r.returncode == 0, r.stderr
-    return r
 
 
 def write_spec(tmp: Path, text: str) -> Path:

@@ -15,14 +15,14 @@ rewrite of Debian's vmlinuz and one boot (-smp 2, KASLR on) for the module:
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import capstone
 import pytest
+
+from conftest import kprewrite  # the tree's CLI, as every test runs it
 
 from kernel_env import assert_boot_ok, init_script, sections
 
@@ -198,13 +198,6 @@ static int report(struct kprobe *p, struct pt_regs *regs)
 }
 """
 
-
-def kprewrite(*args, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "rewriter", *map(str, args)], capture_output=True, text=True, env=env)
-    if check:
-        assert r.returncode == 0, r.stderr
-    return r
 
 
 def _find(image, func: str, want) -> tuple[int, object]:

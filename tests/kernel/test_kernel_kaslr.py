@@ -12,16 +12,16 @@ says in the same boot.  One rewrite and three boots are shared by the tests of t
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import struct
-import subprocess
 import sys
 import zlib
 from pathlib import Path
 
 import capstone
 import pytest
+
+from conftest import kprewrite  # the tree's CLI, as every test runs it
 
 from kernel_env import DONE_MARKER, assert_boot_ok, init_script
 
@@ -58,13 +58,6 @@ static void lock_post(struct kprobe *p, struct pt_regs *regs, unsigned long flag
 }
 """
 
-
-def kprewrite(*args, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "rewriter", *map(str, args)], capture_output=True, text=True, env=env)
-    if check:
-        assert r.returncode == 0, r.stderr
-    return r
 
 
 def lock_load(image) -> int:

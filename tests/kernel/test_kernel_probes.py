@@ -7,14 +7,14 @@ do_sys_openat2 reading the registers the function copied its arguments to.  One 
 boot are shared by the tests of this module."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import capstone
 import pytest
+
+from conftest import kprewrite  # the tree's CLI, as every test runs it
 
 from kernel_env import DONE_MARKER, WX_PASSED, assert_boot_ok, init_script
 
@@ -139,13 +139,6 @@ static int open_inside(struct kprobe *p, struct pt_regs *regs)
 PT_REGS = {**{f"r{i}": f"r{i}" for i in range(8, 16)}, **{f"r{i}d": f"r{i}" for i in range(8, 16)},
            "rbx": "bx", "ebx": "bx", "rbp": "bp", "ebp": "bp"}
 
-
-def kprewrite(*args, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "rewriter", *map(str, args)], capture_output=True, text=True, env=env)
-    if check:
-        assert r.returncode == 0, r.stderr
-    return r
 
 
 def inside_probe(image) -> tuple[int, str, str]:
