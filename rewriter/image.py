@@ -288,6 +288,9 @@ class Image:
             if not rela or not size:
                 continue
             off = self.offset_of(rela)
+            if off + size > len(self.data):     # a damaged DT_RELASZ: ld.so would read past the file too
+                raise KprewriteError(f"{self.path}: malformed dynamic section: DT_RELA at {rela:#x} with DT_RELASZ "
+                                     f"{size:#x} runs past the end of the file ({len(self.data):#x} bytes)")
             for i in range(size // 24):
                 o = off + i * 24
                 r_offset = int.from_bytes(self.data[o:o + 8], "little")

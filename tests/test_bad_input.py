@@ -310,3 +310,23 @@ def test_entry_point_outside_the_code(tmp_path, prog):
     f = _damaged(tmp_path, prog, "far_entry", lambda d: d.__setitem__(28, 2))     # e_entry + 2**33
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
     assert len(fails(tmp_path, f, spec, f"{f}: entry point 0x2", "(e_entry) is not in the image's code")) == 1
+
+
+def test_dt_relasz_past_the_file(tmp_path, prog):
+    """A DT_RELASZ of 4 GiB + 0x120 (the fuzzer's random run, on the C++ program): the
+    base-relative relocations were read entry by entry, 179 million of them, a hang
+    (`check` still running after two minutes); now one line naming the file."""
+    import time
+    off, size, _ = _section(prog, ".dynamic")
+    data = prog.read_bytes()
+    at = next(off + i + 8 for i in range(0, size, 16) if int.from_bytes(data[off + i:off + i + 8], "little") == 8)
+
+    def edit(d):
+        d[at:at + 8] = (int.from_bytes(d[at:at + 8], "little") + (1 << 32)).to_bytes(8, "little")
+    f = _damaged(tmp_path, prog, "huge_relasz", edit)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    t = time.monotonic()
+    r = kprewrite("check", f, "--spec", spec, check=False)
+    assert time.monotonic() - t < 30
+    assert len(_one_clean_line(r, f"{f}: malformed dynamic section: DT_RELA at 0x", "runs past the end of the file")) == 1
+    assert len(fails(tmp_path, f, spec, f"{f}: malformed dynamic section")) == 1
