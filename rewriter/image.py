@@ -144,9 +144,10 @@ class Image:
                                      f"p_filesz {s.filesz:#x} > p_memsz {s.memsz:#x})")
             if s.type == PT_LOAD and s.offset + s.filesz > size:
                 raise KprewriteError(f"{self.path}: truncated ELF file (a PT_LOAD segment ends at {s.offset + s.filesz:#x}, file is {size:#x} bytes)")
-        for s in self.sections:
+        for i, s in enumerate(self.sections):
             if s.type != 8 and s.type != 0 and s.offset + s.size > size:
-                raise KprewriteError(f"{self.path}: truncated ELF file (section {s.name} ends at {s.offset + s.size:#x}, file is {size:#x} bytes)")
+                name = s.name or f"#{i} (no name)"
+                raise KprewriteError(f"{self.path}: truncated ELF file (section {name} ends at {s.offset + s.size:#x}, file is {size:#x} bytes)")
 
     # -- symbols and functions ---------------------------------------------
     def _load_symbols(self):

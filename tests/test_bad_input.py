@@ -330,3 +330,20 @@ def test_dt_relasz_past_the_file(tmp_path, prog):
     assert time.monotonic() - t < 30
     assert len(_one_clean_line(r, f"{f}: malformed dynamic section: DT_RELA at 0x", "runs past the end of the file")) == 1
     assert len(fails(tmp_path, f, spec, f"{f}: malformed dynamic section")) == 1
+
+
+def test_truncated_nameless_section_is_named_by_index(tmp_path, prog):
+    """A section whose sh_name and sh_size are both damaged: the message said `section  ends
+    at` (an empty name; the fuzzer's messages); it names the section by its index now."""
+    from elftools.elf.elffile import ELFFile
+    with open(prog, "rb") as fh:
+        e = ELFFile(fh)
+        i = next(i for i, s in enumerate(e.iter_sections()) if s.name == ".comment")
+        sh = e["e_shoff"] + i * e["e_shentsize"]
+
+    def edit(d):
+        d[sh:sh + 4] = bytes(4)                                    # sh_name: the empty string
+        d[sh + 32:sh + 40] = (1 << 20).to_bytes(8, "little")       # sh_size: past the file
+    f = _damaged(tmp_path, prog, "nameless", edit)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: truncated ELF file (section #{i} (no name) ends at")) == 1
