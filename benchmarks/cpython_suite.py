@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPython's whole regression suite on a rewritten libpython (issue 13, item 3).
 
-Runs `python -m test -j2` (every test module; nothing excluded; a per-test
+Runs `python -m test -j2` (every test module; only --exclude left out; a per-test
 timeout) with the interpreter that runs this script, against
   - original:  its own libpython3.11.so, unchanged;
   - entry:     libpython rewritten with a kprobe on every function entry
@@ -25,7 +25,7 @@ Not part of CI: the whole suite takes from tens of minutes (original) to hours
 (a kretprobe on every function).  Run it niced:
 
     nice -n 10 python3 benchmarks/cpython_suite.py [--configs original,entry,kretprobe]
-        [--jobs 2] [--timeout 1200] [--budget SECONDS] [--out DIR]
+        [--jobs 2] [--timeout 600] [--exclude T1,T2] [--budget SECONDS] [--stop-at HH:MM] [--out DIR]
 """
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def parse(stdout: str) -> dict:
     return out
 
 
-def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int, budget: float | None) -> dict:
+def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int, budget: float | None,
+              exclude: list[str]) -> dict:
     d = work / config
     d.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -122,6 +123,8 @@ def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int
     if lib is not None:
         env["LD_LIBRARY_PATH"] = str(lib)
     cmd = [sys.executable, "-m", "test", f"-j{jobs}", f"--timeout={timeout}", "--tempdir", str(d / "tmp")]
+    if exclude:
+        cmd += ["-x", *exclude]
     log = d / "regrtest.log"
     t = time.monotonic()
     print(f"cpython_suite: {config}: {' '.join(cmd)}  (log: {log})", flush=True)
@@ -181,19 +184,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="original,entry,kretprobe")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=1200, help="per-test timeout of the suite, seconds")
+    ap.add_argument("--timeout", type=int, default=600, help="per-test timeout of the suite, seconds")
+    ap.add_argument("--exclude", default="", help="comma-separated test names left out of every configuration "
+                    "(only tests the original library cannot run on this machine)")
     ap.add_argument("--budget", type=float, default=None, help="stop a configuration after this many seconds")
     ap.add_argument("--stop-at", default=None, help="HH:MM UTC: stop whatever runs then (a deadline)")
     ap.add_argument("--out", type=Path, default=Path("cpython_suite_results"))
     a = ap.parse_args()
     if LIBPYTHON is None:
         sys.exit(f"cpython_suite: {sys.executable} has no shared libpython")
+    exclude = [x for x in a.exclude.split(",") if x]
     work = a.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
     meta = {"python": f"{sys.executable} {platform.python_version()} ({LIBPYTHON})",
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at start",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": ["python", "-m", "test", f"-j{a.jobs}", f"--timeout={a.timeout}"]}
+            "command": ["python", "-m", "test", f"-j{a.jobs}", f"--timeout={a.timeout}"] + (["-x", *exclude] if exclude else [])}
     out_json = work / "cpython_suite.json"
     results = json.loads(out_json.read_text())["results"] if out_json.exists() else {}
     for config in a.configs.split(","):
@@ -208,7 +214,7 @@ def main():
             now = time.time()
             stop = time.mktime(time.gmtime(now)[:3] + (h, m, 0, 0, 0, 0)) - time.timezone
             budget = min(budget or float("inf"), max(0.0, stop - now))
-        results[config] = run_suite(config, lib, work, a.jobs, a.timeout, budget)
+        results[config] = run_suite(config, lib, work, a.jobs, a.timeout, budget, exclude)
         if config != "original":
             results[config]["rewrite_s"] = round(secs, 1)
         out_json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
