@@ -50,6 +50,8 @@ SPECS = {"entry": '[[kprobe]]\nsymbol_name = "*"\n',
          "kretprobe": '[[kretprobe]]\nsymbol_name = "*"\n'}
 # The suite's summary: "N tests failed:" (or "1 test failed:") then indented names.
 SECTION = re.compile(r"^(\d+) tests? (.+?):$")
+PROGRESS_FAIL = re.compile(r"^\d+:\d\d:\d\d load avg: [\d.]+ \[[ \d/]+\] (\S+) "
+                           r"((?:failed|crashed|worker non-zero exit code|timed out).*?)(?: -- running.*)?$", re.M)
 
 
 def rewrite(config: str, work: Path) -> tuple[Path, float]:
@@ -86,7 +88,9 @@ def check_loaded(lib: Path, work: Path) -> int:
 
 def parse(stdout: str) -> dict:
     """The suite's summary: its result line and each section's test names."""
-    out: dict = {"result": None, "sections": {}, "total_duration": None}
+    out: dict = {"result": None, "sections": {}, "total_duration": None,
+                 # Each test that did not pass, as its progress line says (also for a run stopped early).
+                 "not_passed": {m.group(1): m.group(2).strip() for m in PROGRESS_FAIL.finditer(stdout)}}
     lines = stdout.splitlines()
     i = 0
     while i < len(lines):
@@ -169,11 +173,19 @@ def report(results: dict, work: Path, meta: dict) -> str:
             ("yes" if f == failing(base) else "no")
         slow = (f"{res['wall_s'] / base['wall_s']:.2f}x" if base and base["complete"] and res["complete"] and name != "original"
                 else "—")
+        if not res["complete"]:
+            f = sorted(res.get("not_passed", {}))
+        shown = ", ".join(f) or "none"
+        if not res["complete"]:
+            shown = f"so far: {shown}"
         rows.append(f"| {name} | {'yes' if res['complete'] else 'no (' + str(res.get('modules_done')) + ' modules)'} "
-                    f"| {res['result']} | {', '.join(f) or 'none'} | {eq} | {res['wall_s'] / 60:.1f} | {slow} |")
+                    f"| {res['result'] or 'stopped'} | {shown} | {eq} | {res['wall_s'] / 60:.1f} | {slow} |")
     lines = [f"CPython regression suite (`{' '.join(meta['command'])}`), {meta['python']}, "
              f"{meta['machine']}, {meta['date']}", "", *rows, ""]
     for name, res in results.items():
+        why = res.get("not_passed", {})
+        if why:
+            lines.append(f"- {name}, how each failed: " + "; ".join(f"{t} {w}" for t, w in sorted(why.items())))
         for k, v in sorted(res["sections"].items()):
             if k not in FAILING:
                 lines.append(f"- {name}: {len(v)} {k}")
@@ -190,6 +202,8 @@ def main():
     ap.add_argument("--budget", type=float, default=None, help="stop a configuration after this many seconds")
     ap.add_argument("--stop-at", default=None, help="HH:MM UTC: stop whatever runs then (a deadline)")
     ap.add_argument("--out", type=Path, default=Path("cpython_suite_results"))
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: re-read the configurations' logs in --out and rewrite the report")
     a = ap.parse_args()
     if LIBPYTHON is None:
         sys.exit(f"cpython_suite: {sys.executable} has no shared libpython")
@@ -202,6 +216,28 @@ def main():
             "command": ["python", "-m", "test", f"-j{a.jobs}", f"--timeout={a.timeout}"] + (["-x", *exclude] if exclude else [])}
     out_json = work / "cpython_suite.json"
     results = json.loads(out_json.read_text())["results"] if out_json.exists() else {}
+    if a.report_only:       # re-read every configuration's log (one stopped by hand too) and rewrite the report
+        if out_json.exists():
+            meta = json.loads(out_json.read_text())["meta"]
+        for config in a.configs.split(","):
+            log = work / config / "regrtest.log"
+            if not log.exists():
+                continue
+            res = results.get(config, {"config": config, "wall_s": None, "returncode": None})
+            text = log.read_text(errors="replace")
+            res.update(parse(text))
+            done = re.findall(r"^\s*(\d+):(\d\d):(\d\d)(?: load avg: [\d.]+)? \[\s*(\d+)/(\d+)", text, re.M)
+            res["complete"] = res["result"] is not None
+            if done:
+                res["modules_done"] = f"{done[-1][3]}/{done[-1][4]}"
+                if res.get("wall_s") is None:
+                    h, m_, s_ = map(int, done[-1][:3])
+                    res["wall_s"] = float(h * 3600 + m_ * 60 + s_)
+            results[config] = res
+        out_json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        (work / "cpython_suite.md").write_text(report(results, work, meta))
+        print((work / "cpython_suite.md").read_text())
+        return
     for config in a.configs.split(","):
         lib = None
         if config != "original":
