@@ -347,3 +347,16 @@ def test_truncated_nameless_section_is_named_by_index(tmp_path, prog):
     f = _damaged(tmp_path, prog, "nameless", edit)
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
     assert len(fails(tmp_path, f, spec, f"{f}: truncated ELF file (section #{i} (no name) ends at")) == 1
+
+
+def test_bitfield_numbers_read_as_the_kernel_reads_them(tmp_path, prog):
+    """`b04@8/32` (the fuzzer's random run: 'ValueError: invalid literal for int() with base
+    0: '04'' out of Python's int()): the kernel reads a bitfield's width and offset with
+    simple_strtoul(), so 04 is octal 4 and `b4@08/32` stops at the 8 (Invalid bitfield)."""
+    ok = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\nfetch = "x=%di:b04@010/32"\n', name="ok.toml")
+    r = kprewrite("check", prog, "--spec", ok)
+    assert r.returncode == 0 and "work+0x0  k" in r.stdout, r.stderr
+    bad = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\nfetch = "_x=$stack9:b4@08/32 a=%di:u8"\n', name="bad.toml")
+    lines = _one_clean_line(kprewrite("check", prog, "--spec", bad, check=False),
+                            "bad.toml: [[kprobe]] #1: fetch: column 12: Invalid bitfield")
+    assert lines[1:] and all(l.startswith("kprewrite:  ") for l in lines[1:]), lines
