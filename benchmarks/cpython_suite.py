@@ -139,7 +139,9 @@ def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int
             p.wait(timeout=budget)
         except subprocess.TimeoutExpired:
             killed = True
-            os.killpg(p.pid, signal.SIGTERM)
+            # SIGINT: regrtest stops its workers (each in a session of its own) and prints
+            # what it ran; SIGTERM would leave the workers running.
+            p.send_signal(signal.SIGINT)
             try:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
