@@ -299,16 +299,36 @@ def _parse_arg(arg: str, code: list[Insn], flags: ParseFlags, offs: int) -> None
         raise FetchError(offs, "BAD_FETCH_ARG")
 
 
+def simple_strtoul(s: str) -> tuple[int, str]:
+    """simple_strtoul(s, &tail, 0): the longest number at the start of s (0x hex, 0 octal,
+    else decimal; 0 and all of s when there is none) and the rest."""
+    if len(s) > 2 and s[0] == "0" and s[1] in "xX" and s[2] in "0123456789abcdefABCDEF":
+        digits, base, start = "0123456789abcdefABCDEF", 16, 2
+    elif s[:1] == "0":
+        digits, base, start = "01234567", 8, 0
+    else:
+        digits, base, start = "0123456789", 10, 0
+    end = start
+    while end < len(s) and s[end] in digits:
+        end += 1
+    return (int(s[start:end], base) if end > start else 0), s[end:]
+
+
 def _bitfield(t: str, tcol: int) -> tuple[int, int, int] | None:
-    """b<bit-width>@<bit-offset>/<container-size> -> (width, offset, container bytes)."""
-    m = re.fullmatch(r"b(\d+|0[xX][0-9a-fA-F]+)@(\d+|0[xX][0-9a-fA-F]+)/(.*)", t)
+    """b<bit-width>@<bit-offset>/<container-size> -> (width, offset, container bytes),
+    read as __parse_bitfield_probe_arg() reads it (simple_strtoul: `b04@010/32` is 4 bits
+    at offset 8; `b08@...` stops at the 8)."""
     cont = t.split("/", 1)[1] if "/" in t else None
     if cont is None or kstrtoul(cont) not in (8, 16, 32, 64):
         raise FetchError(tcol, "BAD_TYPE")
-    if not m:
+    bw, tail = simple_strtoul(t[1:])
+    if bw == 0 or not tail.startswith("@"):
         raise FetchError(tcol, "BAD_BITFIELD")
-    bw, bo, bs = int(m.group(1), 0), int(m.group(2), 0), kstrtoul(cont)
-    if bw == 0 or bw + bo > bs:
+    bo, rest = simple_strtoul(tail[1:])
+    if rest == tail[1:] or not rest.startswith("/"):
+        raise FetchError(tcol, "BAD_BITFIELD")
+    bs = kstrtoul(cont)
+    if bw + bo > bs:
         raise FetchError(tcol, "BAD_BITFIELD")
     return bw, bo, bs // 8
 

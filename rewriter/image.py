@@ -144,9 +144,10 @@ class Image:
                                      f"p_filesz {s.filesz:#x} > p_memsz {s.memsz:#x})")
             if s.type == PT_LOAD and s.offset + s.filesz > size:
                 raise KprewriteError(f"{self.path}: truncated ELF file (a PT_LOAD segment ends at {s.offset + s.filesz:#x}, file is {size:#x} bytes)")
-        for s in self.sections:
+        for i, s in enumerate(self.sections):
             if s.type != 8 and s.type != 0 and s.offset + s.size > size:
-                raise KprewriteError(f"{self.path}: truncated ELF file (section {s.name} ends at {s.offset + s.size:#x}, file is {size:#x} bytes)")
+                name = s.name or f"#{i} (no name)"
+                raise KprewriteError(f"{self.path}: truncated ELF file (section {name} ends at {s.offset + s.size:#x}, file is {size:#x} bytes)")
 
     # -- symbols and functions ---------------------------------------------
     def _load_symbols(self):
@@ -288,6 +289,9 @@ class Image:
             if not rela or not size:
                 continue
             off = self.offset_of(rela)
+            if off + size > len(self.data):     # a damaged DT_RELASZ: ld.so would read past the file too
+                raise KprewriteError(f"{self.path}: malformed dynamic section: DT_RELA at {rela:#x} with DT_RELASZ "
+                                     f"{size:#x} runs past the end of the file ({len(self.data):#x} bytes)")
             for i in range(size // 24):
                 o = off + i * 24
                 r_offset = int.from_bytes(self.data[o:o + 8], "little")

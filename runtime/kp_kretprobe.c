@@ -24,10 +24,12 @@
  *   the real return address.
  *
  * Frames left without returning (longjmp, C++ unwinding) leave their instances
- * on the thread's stack with a slot below the current stack pointer: the next
- * entry or return hook on that thread reclaims them (no handler, no count), so
- * no instance leaks and later calls do not miss.  Stacks grow down and threads
- * do not share them, so the slot address identifies a live frame.
+ * on the thread's stack: an entry that takes the slot of one again, or the
+ * return of a frame older than they are, reclaims them (no handler, no count),
+ * so no instance leaks and later calls do not miss.  A slot below the current
+ * stack pointer alone proves nothing: a signal handler on a sigaltstack, or a
+ * coroutine's caller, runs above frames that are alive on another stack
+ * (kp_reclaim()).
  *
  * Fast paths: for a kretprobe whose handlers never read regs (kprewrite reads
  * their code; or with struct pt_regs built in place when they do), kprewrite
@@ -143,23 +145,39 @@ static void kp_drop_orphans(struct kp_kret_thread *kt, struct kretprobe *rp, uns
 	kt->norphans = j;
 }
 
-/* Free the instances of frames that were left without returning: recorded
- * below S (deeper), or at S itself when an entry reuses the slot.  One below S
- * whose slot still holds the trampoline may be a live frame on another stack
- * (a signal handler on a sigaltstack above it, a coroutine's caller): kept
- * aside for the trampoline, which would otherwise lose the return address. */
+/*
+ * Free the instances of frames that were left without returning (longjmp, C++
+ * unwinding), as far as the order of the thread's instances proves it.  The
+ * list is the kernel's per-task one, LIFO in time: a frame entered after
+ * another returns before it, whichever stack it runs on.  Look at the newest
+ * instances recorded at or below S; if one of them was recorded at S itself,
+ * that frame is over (at an entry the slot is a new call's, unless a tail call
+ * chained the two; at a return it is returning), so every newer instance
+ * belongs to a frame entered inside it that never returned: freed, the
+ * instances at S too at an entry.  Without one at S nothing is proven: an
+ * instance below S may be a live frame on another stack (a sigaltstack
+ * handler running above it, a coroutine's caller on the main stack), and is
+ * kept; a dead one is freed later, when its slot is taken again or an older
+ * frame returns.  A freed one whose slot still holds the trampoline is kept
+ * aside for the trampoline (kp_orphan()), in case it lived after all.
+ */
 static void kp_reclaim(struct kp_kret_thread *kt, unsigned long S, int at_entry)
 {
-	while (kt->depth) {
-		struct kretprobe_instance *ri = kt->stack[kt->depth - 1];
-		unsigned long fp = (unsigned long)ri->fp;
-		if (fp > S || (fp == S && (!at_entry || kp_ri_chained(kt, ri, S))))
-			break;
-		kt->depth--;
-		if (unlikely(ri->kp_flags & KP_RI_SWAPPED) && fp < S && *(unsigned long *)fp == TRAMP)
-			kp_orphan(kt, ri);
-		else
-			kp_ri_free(ri);
+	unsigned int i = kt->depth;
+	while (i && (unsigned long)kt->stack[i - 1]->fp < S)
+		i--;
+	if (i && (unsigned long)kt->stack[i - 1]->fp == S) {
+		if (at_entry)
+			while (i && (unsigned long)kt->stack[i - 1]->fp == S && !kp_ri_chained(kt, kt->stack[i - 1], S))
+				i--;
+		while (kt->depth > i) {
+			struct kretprobe_instance *ri = kt->stack[--kt->depth];
+			unsigned long fp = (unsigned long)ri->fp;
+			if (unlikely(ri->kp_flags & KP_RI_SWAPPED) && fp < S && *(unsigned long *)fp == TRAMP)
+				kp_orphan(kt, ri);
+			else
+				kp_ri_free(ri);
+		}
 	}
 	if (unlikely(kt->norphans) && at_entry)
 		kp_drop_orphans(kt, 0, S);	/* the slot is a new call's now */

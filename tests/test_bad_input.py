@@ -310,3 +310,53 @@ def test_entry_point_outside_the_code(tmp_path, prog):
     f = _damaged(tmp_path, prog, "far_entry", lambda d: d.__setitem__(28, 2))     # e_entry + 2**33
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
     assert len(fails(tmp_path, f, spec, f"{f}: entry point 0x2", "(e_entry) is not in the image's code")) == 1
+
+
+def test_dt_relasz_past_the_file(tmp_path, prog):
+    """A DT_RELASZ of 4 GiB + 0x120 (the fuzzer's random run, on the C++ program): the
+    base-relative relocations were read entry by entry, 179 million of them, a hang
+    (`check` still running after two minutes); now one line naming the file."""
+    import time
+    off, size, _ = _section(prog, ".dynamic")
+    data = prog.read_bytes()
+    at = next(off + i + 8 for i in range(0, size, 16) if int.from_bytes(data[off + i:off + i + 8], "little") == 8)
+
+    def edit(d):
+        d[at:at + 8] = (int.from_bytes(d[at:at + 8], "little") + (1 << 32)).to_bytes(8, "little")
+    f = _damaged(tmp_path, prog, "huge_relasz", edit)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    t = time.monotonic()
+    r = kprewrite("check", f, "--spec", spec, check=False)
+    assert time.monotonic() - t < 30
+    assert len(_one_clean_line(r, f"{f}: malformed dynamic section: DT_RELA at 0x", "runs past the end of the file")) == 1
+    assert len(fails(tmp_path, f, spec, f"{f}: malformed dynamic section")) == 1
+
+
+def test_truncated_nameless_section_is_named_by_index(tmp_path, prog):
+    """A section whose sh_name and sh_size are both damaged: the message said `section  ends
+    at` (an empty name; the fuzzer's messages); it names the section by its index now."""
+    from elftools.elf.elffile import ELFFile
+    with open(prog, "rb") as fh:
+        e = ELFFile(fh)
+        i = next(i for i, s in enumerate(e.iter_sections()) if s.name == ".comment")
+        sh = e["e_shoff"] + i * e["e_shentsize"]
+
+    def edit(d):
+        d[sh:sh + 4] = bytes(4)                                    # sh_name: the empty string
+        d[sh + 32:sh + 40] = (1 << 20).to_bytes(8, "little")       # sh_size: past the file
+    f = _damaged(tmp_path, prog, "nameless", edit)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert len(fails(tmp_path, f, spec, f"{f}: truncated ELF file (section #{i} (no name) ends at")) == 1
+
+
+def test_bitfield_numbers_read_as_the_kernel_reads_them(tmp_path, prog):
+    """`b04@8/32` (the fuzzer's random run: 'ValueError: invalid literal for int() with base
+    0: '04'' out of Python's int()): the kernel reads a bitfield's width and offset with
+    simple_strtoul(), so 04 is octal 4 and `b4@08/32` stops at the 8 (Invalid bitfield)."""
+    ok = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\nfetch = "x=%di:b04@010/32"\n', name="ok.toml")
+    r = kprewrite("check", prog, "--spec", ok)
+    assert r.returncode == 0 and "work+0x0  k" in r.stdout, r.stderr
+    bad = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\nfetch = "_x=$stack9:b4@08/32 a=%di:u8"\n', name="bad.toml")
+    lines = _one_clean_line(kprewrite("check", prog, "--spec", bad, check=False),
+                            "bad.toml: [[kprobe]] #1: fetch: column 12: Invalid bitfield")
+    assert lines[1:] and all(l.startswith("kprewrite:  ") for l in lines[1:]), lines

@@ -13,6 +13,8 @@ KPREWRITE_FUZZ_EXAMPLES=N  cases per target (default: each target's own, about a
 KPREWRITE_FUZZ_RANDOM=1    new random cases each run (default: derandomized, the same cases every
                            run, so a CI failure is a regression of the change under test).
 KPREWRITE_FUZZ_PROGRESS=FILE  a long run writes its counts so far to FILE every 100 cases.
+KPREWRITE_FUZZ_MESSAGES=FILE  every error line of every case is appended to FILE (to read what users
+                           would see: each names its input file).
 The number of cases run is printed at the end of the session."""
 from __future__ import annotations
 
@@ -141,6 +143,9 @@ def run_case(args: list, inputs: list[Path], workdir: Path, output: Path | None 
     before = {p: _digest(p) for p in inputs}
     listing = set(os.listdir(workdir))
     r = invoke(args)
+    if os.environ.get("KPREWRITE_FUZZ_MESSAGES") and r.code == 1:
+        with open(os.environ["KPREWRITE_FUZZ_MESSAGES"], "a") as f:
+            f.write(r.err if r.err.endswith("\n") or not r.err else r.err + "\n")
     problems = []
     if r.exc:
         problems.append(f"exception: {r.exc}")

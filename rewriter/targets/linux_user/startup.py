@@ -34,7 +34,7 @@ def slot_hook(image, tag_array: int, tag_single: int):
     if single:
         dyn = image.section_named(".dynamic")
         if dyn is not None:
-            for i in range(dyn.size // 16):
+            for i in range(_dynamic_entries(image, dyn)):
                 o = dyn.offset + i * 16
                 if int.from_bytes(image.data[o:o + 8], "little") == tag_single:
                     return o + 8, single
@@ -58,11 +58,17 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     return out
 
 
+def _dynamic_entries(image, dyn) -> int:
+    """How many Elf64_Dyn entries .dynamic holds in the file (a damaged sh_size, or a
+    section made SHT_NOBITS, may claim far more than the file has)."""
+    return max(0, min(dyn.size, len(image.data) - dyn.offset)) // 16
+
+
 def _dynamic_value_offset(image, tag: int) -> int | None:
     dyn = image.section_named(".dynamic")
     if dyn is None:
         return None
-    for i in range(dyn.size // 16):
+    for i in range(_dynamic_entries(image, dyn)):
         o = dyn.offset + i * 16
         if int.from_bytes(image.data[o:o + 8], "little") == tag:
             return o + 8
