@@ -107,12 +107,15 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
     plan, image = c.plan, c.image
     base = target.table_base(image)
     off = lambda a: (a - base) & 0xFFFFFFFF if a else 0  # noqa: E731  (no address: 0)
-    out, decl, strings, string_at, handlers, handler_at = [], [], [], {}, [], {}
+    out, decl, string_at, handlers, handler_at = [], [], {}, [], {}
+    strings_size = 0
 
     def string(s: str) -> int:
+        """1 + the string's offset in kp_rec_strings (each written once, in first-use order)."""
+        nonlocal strings_size
         if s not in string_at:
-            string_at[s] = 1 + sum(len(x.encode()) + 1 for x in strings)
-            strings.append(s)
+            string_at[s] = 1 + strings_size
+            strings_size += len(s.encode()) + 1
         return string_at[s]
 
     early, fields = [], {}          # the sites of the runtime's own probes; each kprobe's fields
@@ -145,7 +148,7 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
     out.append(f"const unsigned int kp_nsite_probes = {sum(len(site.probes) for site in plan.sites)};")
     out.append("const struct kp_handler_rec kp_rec_handlers[] = {"
                + ", ".join(f"{{ {pre}, {post} }}" for pre, post in handlers) + (" " if handlers else "{ 0, 0 } ") + "};")
-    out.append("const char kp_rec_strings[] = " + (" ".join(c_string(s + "\0") for s in strings) or '""') + ";")
+    out.append("const char kp_rec_strings[] = " + (" ".join(c_string(s + "\0") for s in string_at) or '""') + ";")
     # The runtime's own probes, and every kprobe sharing their sites, whole, until the
     # tables are built (a kretprobe's entry there waits for the tables).
     by_index = {site.index: site for site in plan.sites}
