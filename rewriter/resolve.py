@@ -12,6 +12,12 @@ from .image import Function, Image
 from .spec import KprobeSpec, KretprobeSpec, Spec
 
 
+def event_symbol(symbol: str) -> str:
+    """A symbol as trace_kprobe's default event name spells it: anything but
+    [A-Za-z0-9_] becomes '_' (the runtime does the same with names it derives at boot)."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in symbol)
+
+
 @dataclass
 class Probe:
     """One kprobe to place: what the spec asked for, resolved."""
@@ -36,8 +42,7 @@ class Probe:
         # The kernel names events from what the user wrote, before the ENDBR adjustment.
         if self.spec.addr is not None and not self.spec.symbol_name:
             return f"p_0x{self.spec.addr + self.spec.offset:x}"
-        sym = "".join(c if c.isalnum() or c == "_" else "_" for c in self.symbol)
-        return f"p_{sym}_{self.spec.offset}"
+        return f"p_{event_symbol(self.symbol)}_{self.spec.offset}"
 
 
 @dataclass
@@ -55,8 +60,7 @@ class EntryProbe(Probe):
             return self.kret.name
         if self.kret.addr is not None and not self.kret.symbol_name:
             return f"r_0x{self.kret.addr + self.kret.offset:x}"
-        sym = "".join(c if c.isalnum() or c == "_" else "_" for c in self.symbol)
-        return f"r_{sym}_{self.kret.offset}"
+        return f"r_{event_symbol(self.symbol)}_{self.kret.offset}"
 
 
 def is_entry(p: Probe) -> bool:

@@ -12,7 +12,7 @@ from .emission import Code, pre_handler_symbol, region_ips
 from .events import trace_key
 from .link import c_string
 from .planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
-from .resolve import is_entry
+from .resolve import event_symbol, is_entry
 
 KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAMPOLINE
 DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE"}
@@ -91,10 +91,6 @@ def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
     return decl + out
 
 
-def _sanitized(symbol: str) -> str:
-    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in symbol)
-
-
 def _records_c(c: Code, target, traces: dict) -> list[str]:
     """The same tables as compact records, for a target that builds them at boot
     (TABLES_AT_BOOT: a kernel, whose gaps could not hold every probe's structures):
@@ -119,6 +115,8 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
         return string_at[s]
 
     early, fields = [], {}          # the sites of the runtime's own probes; each kprobe's fields
+    # Not const: the records go with the data, in the rodata/data gap; the code gap
+    # holds the detours.
     out.append(f"struct kp_probe_rec kp_probe_recs[{max(1, len(plan.kprobes))}] = {{")
     for site, p in plan.kprobes:
         f = _probe_fields(c, site, p, traces, decl)
@@ -129,7 +127,7 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
         sym = f["symbol"]
         derived = sym is not None and target.derived_symbol(image, p.addr - p.offset) == sym
         symbol = "KP_REC_NONE" if sym is None else "KP_REC_DERIVED" if derived else string(sym)
-        name = "KP_REC_DERIVED" if derived and p.event_name == f"p_{_sanitized(sym)}_{p.offset}" else string(p.event_name)
+        name = "KP_REC_DERIVED" if derived and p.event_name == f"p_{event_symbol(sym)}_{p.offset}" else string(p.event_name)
         out.append(f"  {{ {p.offset}, {symbol}, {name}, {site.index}, {handler_at[pair]}, {f['flags']} }},")
         fields[id(p)] = f
         if p.spec.pre_handler in target.RUNTIME_HANDLERS and site.index not in early:

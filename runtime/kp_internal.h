@@ -40,9 +40,10 @@ static inline struct kp_site *kp_site(unsigned long i)
 #else
 /*
  * Tables built at boot (a kernel: the structures of every probe would not fit the
- * image's gaps): kprewrite writes compact records, the platform decodes them into
- * memory it allocates (kp_platform_build_tables()) and sets the three pointers.
- * Addresses are 32-bit offsets from the platform's base (kp_platform_table_base()).
+ * image's gaps): kprewrite writes compact records (tables.py, _records_c()), the
+ * platform decodes them into memory it allocates and sets the three pointers
+ * (linux_kernel/platform.c, kp_kernel_build_tables()).  Addresses are 32-bit offsets
+ * from the target's table base (the kernel's _text).
  * Until then only the runtime's own probes (boot hooks) have structures, written
  * whole: every other hit runs no handler and is counted in kp_early_hits.
  */

@@ -84,6 +84,10 @@ static inline void kp_platform_dispatch_end(void)
 
 /* --- memory, output, time (platform.c) --- */
 
+/* kprewrite.enabled (kp_debugfs.c): disarm (0) or arm every probe but the runtime's own. */
+extern int kp_kernel_disarmed;
+void kp_kernel_arm(int on);
+
 void *kp_platform_alloc(unsigned long size);	/* zeroed, from a static pool; NULL when it is used up */
 void kp_platform_write(int fd, const char *buf, unsigned long len);	/* one printk line */
 int kp_platform_open_append(const char *path);

@@ -41,8 +41,6 @@ void *kp_platform_alloc(unsigned long size)
 
 #define KP_KSYM_NAME_LEN 512	/* KSYM_NAME_LEN */
 unsigned long kp_early_hits;	/* hits before the tables, which ran no handler */
-extern int kp_kernel_disarmed;	/* kp_debugfs.c */
-void kp_kernel_arm(int on);
 
 /* Names the tables own: copied into memblock memory, 64 KiB at a time. */
 static char *kp_names;
