@@ -190,6 +190,23 @@ def _extract_boot(deb: Path, dest: Path, release: str) -> dict:
 
 # --- the initramfs ---------------------------------------------------------------------------------
 
+# A pre_handler at the entry of __x64_sys_kill(const struct pt_regs *user) (nothing pushed
+# yet): kill(KILL_PID, 0) returns 0 at once, as the kernel's override_function_with_return()
+# does (a pre_handler changing the path).  KILL_PID is replaced by the test's pid.
+KILL_OVERRIDE_C = r"""
+static int kill_override(struct kprobe *p, struct pt_regs *regs)
+{
+	const struct pt_regs *user = (const struct pt_regs *)regs->di;
+	if ((int)user->di != KILL_PID || user->si != 0)
+		return 0;
+	regs->ax = 0;
+	regs->ip = *(unsigned long *)regs->sp;	/* the return address */
+	regs->sp += 8;
+	return 1;
+}
+"""
+
+
 def init_script(commands: str, marker: str = USERSPACE_MARKER) -> str:
     """An /init that mounts /proc, /sys, /dev, debugfs and tracefs, prints ``marker``, runs
     ``commands`` (busybox sh), prints DONE_MARKER and powers off at once."""

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import kprewrite  # the tree's CLI, as every test runs it
 
-from kernel_env import assert_boot_ok, init_script, sections
+from kernel_env import KILL_OVERRIDE_C, assert_boot_ok, init_script, sections
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -146,18 +146,8 @@ static void pc_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
 		bad_pc++;
 }
 
-/* __x64_sys_kill+5 (push %r12, boosted): kill(KILL_PID, 0) returns 0 at once. */
-static int kill_override(struct kprobe *p, struct pt_regs *regs)
-{
-	const struct pt_regs *user = (const struct pt_regs *)regs->di;
-	if ((int)user->di != KILL_PID || user->si != 0)
-		return 0;
-	regs->ax = 0;
-	regs->ip = *(unsigned long *)regs->sp;	/* nothing pushed yet: the return address */
-	regs->sp += 8;
-	return 1;
-}
-
+/* __x64_sys_kill+5 (push %r12, boosted): kill(KILL_PID, 0) returns 0 at once (kernel_env.KILL_OVERRIDE_C). */
+""" + KILL_OVERRIDE_C + r"""
 /* __x64_sys_kill's call __task_pid_nr_ns, emulated: hit on both CPUs at once. */
 static int call_pre(struct kprobe *p, struct pt_regs *regs)
 {

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import kprewrite  # the tree's CLI, as every test runs it
 
-from kernel_env import DONE_MARKER, WX_PASSED, assert_boot_ok, init_script
+from kernel_env import DONE_MARKER, KILL_OVERRIDE_C, WX_PASSED, assert_boot_ok, init_script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -78,19 +78,9 @@ static int ktime_hit(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
-/* __x64_sys_kill(const struct pt_regs *user): kill(KILL_PID, 0) returns 0 at once, as
+/* __x64_sys_kill(const struct pt_regs *user): kill(KILL_PID, 0) returns 0 at once (kernel_env.KILL_OVERRIDE_C), as
  * the kernel's override_function_with_return() does (a pre_handler changing the path). */
-static int kill_override(struct kprobe *p, struct pt_regs *regs)
-{
-	const struct pt_regs *user = (const struct pt_regs *)regs->di;
-	if ((int)user->di != KILL_PID || user->si != 0)
-		return 0;
-	regs->ax = 0;
-	regs->ip = *(unsigned long *)regs->sp;	/* at the entry: the return address */
-	regs->sp += 8;
-	return 1;
-}
-
+""" + KILL_OVERRIDE_C + r"""
 /* do_sys_openat2(int dfd, const char __user *filename, struct open_how *how), at its entry. */
 static int open_entry(struct kprobe *p, struct pt_regs *regs)
 {
