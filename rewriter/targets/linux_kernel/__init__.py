@@ -69,6 +69,7 @@ def load_symbols(image, system_map: str | None = None) -> None:
         source = "kallsyms"
     image.kernel_symbols = syms
     image.kernel_symbols_source = source
+    image._link_symbols = None          # link_symbols() is made from these
     image.set_functions([(f.start, f.end, f.name) for f in kallsyms_functions(syms, ElfView(image.data, image.path))],
                         source)
 
@@ -210,7 +211,9 @@ def plan_layout(image) -> GapLayout:
 def thread_key(image) -> ThreadKey:
     """The runtime's "thread" in a kernel is the CPU (preemption off while handlers
     run, as the kernel's current_kprobe is per-CPU): its per-CPU offset."""
-    return ThreadKey("cpu", _symbol(image, "this_cpu_off"), _symbol(image, "__preempt_count"), _resched(image))
+    resched = _resched(image)
+    return ThreadKey("cpu", _symbol(image, "this_cpu_off"), _symbol(image, "__preempt_count"),
+                     None if resched is None else link_symbols(image)[resched])
 
 
 # What preempt_enable() calls on a pending reschedule: the static call PREEMPT_DYNAMIC
@@ -219,9 +222,9 @@ def thread_key(image) -> ThreadKey:
 RESCHED = ("__SCT__preempt_schedule", "preempt_schedule_thunk")
 
 
-def _resched(image) -> int | None:
+def _resched(image) -> str | None:
     syms = link_symbols(image)
-    return next((syms[n] for n in RESCHED if syms.get(n)), None)
+    return next((n for n in RESCHED if syms.get(n)), None)
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
@@ -289,7 +292,7 @@ def tables_c(image, arch, any_int3: bool) -> str:
         f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
         "char *kp_kernel_current(void)\n{\n\tchar *t;\n"
         f'\t__asm__("movq %%gs:{kt.current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
-    resched = next((n for n in RESCHED if link_symbols(image).get(n)), None)
+    resched = _resched(image)
     task += ("void kp_kernel_resched(void);\n__asm__(\".pushsection .text\\n.globl kp_kernel_resched\\n"
              f"kp_kernel_resched:\\n\\tjmp {resched}\\n.popsection\");\n" if resched else
              "void kp_kernel_resched(void) {}\n")
@@ -372,18 +375,24 @@ def _types(image) -> btf.KernelTypes | None:
 def link_symbols(image) -> dict[str, int | None]:
     """What the runtime and handlers may call or read in the image: name -> address
     (kallsyms, System.map or .symtab), None for a name that several symbols share
-    (static functions of different files), unless one of them is global."""
+    (static functions of different files), unless one of them is global.  Made once per
+    image (the thread key, the tables, the link and the BTF header all ask)."""
+    cached = getattr(image, "_link_symbols", None)
+    if cached is not None:
+        return cached
     syms = getattr(image, "kernel_symbols", None)
     if syms is None:
-        return dict(image.all_symbols())
-    out: dict[str, int | None] = {}
-    is_global: dict[str, bool] = {}
-    for s in syms:
-        g = s.type.isupper()
-        if s.name not in out or (g and not is_global[s.name]):
-            out[s.name], is_global[s.name] = s.addr, g
-        elif g == is_global[s.name] and out[s.name] != s.addr:
-            out[s.name] = None
+        out = dict(image.all_symbols())
+    else:
+        out: dict[str, int | None] = {}
+        is_global: dict[str, bool] = {}
+        for s in syms:
+            g = s.type.isupper()
+            if s.name not in out or (g and not is_global[s.name]):
+                out[s.name], is_global[s.name] = s.addr, g
+            elif g == is_global[s.name] and out[s.name] != s.addr:
+                out[s.name] = None
+    image._link_symbols = out
     return out
 
 
