@@ -66,6 +66,18 @@ def _probe_fields(c: Code, site, p, traces: dict, decl: list[str]) -> dict:
                 symbol=p.symbol if (p.spec.symbol_name or p.func) else None)
 
 
+def _kprobe_c(site, p, f: dict, A) -> str:
+    """One struct kprobe initializer (f: _probe_fields())."""
+    return (f"  {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {c_string(f['symbol'])}, "
+            f".offset = {p.offset}, .pre_handler = {f['pre']}, .post_handler = {f['post']}, "
+            f".flags = {f['flags']}, .name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
+
+
+def _site_c(site, first: int, count: int, A) -> str:
+    """One struct kp_site initializer: its probes are kp_site_probes[first..first + count)."""
+    return f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, {first}, {count} }},"
+
+
 def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
     """kp_probes[], kp_sites[] and kp_site_probes[] as the runtime reads them."""
     plan = c.plan
@@ -73,15 +85,13 @@ def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
     out.append(f"struct kprobe kp_probes[{max(1, len(plan.kprobes))}] = {{")
     for site, p in plan.kprobes:
         f = _probe_fields(c, site, p, traces, decl)
-        out.append(f"  {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {c_string(f['symbol'])}, "
-                   f".offset = {p.offset}, .pre_handler = {f['pre']}, .post_handler = {f['post']}, "
-                   f".flags = {f['flags']}, .name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
+        out.append(_kprobe_c(site, p, f, A))
     out.append("};")
     out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
     out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] = {{")
     first = 0
     for site in plan.sites:
-        out.append(f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, {first}, {len(site.probes)} }},")
+        out.append(_site_c(site, first, len(site.probes), A))
         first += len(site.probes)
     out.append("};")
     out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
@@ -114,7 +124,7 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
             strings_size += len(s.encode()) + 1
         return string_at[s]
 
-    early, fields = [], {}          # the sites of the runtime's own probes; each kprobe's fields
+    early_sites, fields = [], {}    # the sites of the runtime's own probes; each kprobe's fields
     # Not const: the records go with the data, in the rodata/data gap; the code gap
     # holds the detours.
     out.append(f"struct kp_probe_rec kp_probe_recs[{max(1, len(plan.kprobes))}] = {{")
@@ -130,8 +140,8 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
         name = "KP_REC_DERIVED" if derived and p.event_name == f"p_{event_symbol(sym)}_{p.offset}" else string(p.event_name)
         out.append(f"  {{ {p.offset}, {symbol}, {name}, {site.index}, {handler_at[pair]}, {f['flags']} }},")
         fields[id(p)] = f
-        if p.spec.pre_handler in target.RUNTIME_HANDLERS and site.index not in early:
-            early.append(site.index)
+        if p.spec.pre_handler in target.RUNTIME_HANDLERS and site.index not in early_sites:
+            early_sites.append(site.index)
     out.append("};")
     out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
     out.append(f"struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}] = {{")
@@ -150,23 +160,18 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
     # The runtime's own probes, and every kprobe sharing their sites, whole, until the
     # tables are built (a kretprobe's entry there waits for the tables).
     by_index = {site.index: site for site in plan.sites}
-    groups = [(by_index[i], [q for q in by_index[i].probes if not is_entry(q)]) for i in early]
-    early = [(site, q, fields[id(q)]) for site, qs in groups for q in qs]
+    groups = [(by_index[i], [q for q in by_index[i].probes if not is_entry(q)]) for i in early_sites]
+    early = [(site, q) for site, qs in groups for q in qs]
+    A = lambda a: target.address_c(image, a)  # noqa: E731
     out.append(f"struct kprobe kp_early_probes[{max(1, len(early))}] = {{")
-    for site, p, f in early:
-        out.append(f"  {{ .addr = (kprobe_opcode_t *){target.address_c(image, p.addr)}, "
-                   f".symbol_name = {c_string(f['symbol'])}, .offset = {p.offset}, .pre_handler = {f['pre']}, "
-                   f".post_handler = {f['post']}, .flags = {f['flags']}, .name = {c_string(p.event_name)}, "
-                   f".index = {p.slot}, .site = {site.index} }},")
+    out += [_kprobe_c(site, q, fields[id(q)], A) for site, q in early]
     out.append("};")
     out.append(f"struct kprobe *const kp_early_site_probes[{max(1, len(early))}] = {{ "
                + (", ".join(f"&kp_early_probes[{i}]" for i in range(len(early))) or "0") + " };")
-    A = lambda a: target.address_c(image, a)  # noqa: E731
     out.append(f"struct kp_site kp_early_sites[{max(1, len(groups))}] = {{")
     first = 0
     for site, qs in groups:
-        out.append(f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, "
-                   f"{first}, {len(qs)} }},")
+        out.append(_site_c(site, first, len(qs), A))
         first += len(qs)
     out.append("};")
     out.append(f"const unsigned int kp_early_site_index[{max(1, len(groups))}] = {{ "
