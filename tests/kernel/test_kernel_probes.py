@@ -262,7 +262,8 @@ def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed
     log = [l for l in r.lines() if not l.startswith("raw: ")]
     entry = [l.split("kp-open-entry: ")[1] for l in log if "kp-open-entry: " in l]
     inside = [l.split("kp-open-inside: ")[1] for l in log if "kp-open-inside: " in l]
-    assert entry == inside and len(entry) > 3, r.explain("the entry and the inside probe saw different opens")
+    # The same opens, each as often (two CPUs: concurrent opens' lines may interleave in either order).
+    assert sorted(entry) == sorted(inside) and len(entry) > 3, r.explain("the entry and the inside probe saw different opens")
 
 
 def test_a_hit_inside_a_handler_on_the_same_cpu_is_missed(probed_boot):
