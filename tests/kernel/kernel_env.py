@@ -366,6 +366,19 @@ class BootResult:
         where = f" (full console: {self.log})" if self.log else ""
         return f"{what} [{state}]{where}\n--- console tail ---\n{self.tail()}"
 
+    def profile(self) -> dict[str, tuple[int, int]]:
+        """kprobe_profile's rows the runtime prints at power-off: event -> (hits, nmissed)."""
+        lines = self.lines()
+        i = next((n for n, l in enumerate(lines) if l.endswith("kprewrite: kprobe_profile at kernel_power_off:")), None)
+        assert i is not None, self.explain("no kprobe_profile at power-off")
+        rows = {}
+        for l in lines[i + 1:]:
+            m = re.fullmatch(r"\[ *[\d.]+\]   (\S+) +(\d+) +(\d+)", l)
+            if not m:
+                break
+            rows[m.group(1)] = int(m.group(2)), int(m.group(3))
+        return rows
+
 
 OVMF = Path("/usr/share/OVMF")
 LOADERS = ("qemu", "syslinux", "uefi")

@@ -274,18 +274,6 @@ def _reports(r) -> list[dict[str, tuple[int, ...]]]:
     return out
 
 
-def _profile(r) -> dict[str, tuple[int, int]]:
-    lines = r.lines()
-    i = next((n for n, l in enumerate(lines) if l.endswith("kprewrite: kprobe_profile at kernel_power_off:")), None)
-    assert i is not None, r.explain("no kprobe_profile at power-off")
-    rows = {}
-    for l in lines[i + 1:]:
-        m = re.fullmatch(r"\[ *[\d.]+\]   (\S+) +(\d+) +(\d+)", l)
-        if not m:
-            break
-        rows[m.group(1)] = int(m.group(2)), int(m.group(3))
-    return rows
-
 
 def test_boots_and_every_mode_runs_right(booted):
     """No oops/BUG/WARNING (a wrong emulation or relocation in copy_process or kill would show),
@@ -331,7 +319,7 @@ def test_the_kernels_own_kprobes_fire_next_to_ours(booted, probed):
 
 def test_hit_counts_are_exact(booted, probed):
     """kprobe_profile at power-off against the kills /init made."""
-    rows = _profile(booted)
+    rows = booted.profile()
     p = {f"{f}+{o:#x}": rows[f"p_{f}_{o}"] for f, o, *_ in probed["probes"]}
     # The kill made while disarmed (debugfs enabled = 0) is not counted; the one after, overridden, is.
     kills = 1 + OVERRIDES + 2 * CONCURRENT + TRACED + 1

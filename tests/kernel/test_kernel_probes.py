@@ -284,24 +284,11 @@ def test_a_pre_handler_changing_regs_ip_changes_the_path(probed_boot):
     assert re.search(rf"^kill-ok={KILLS}(?!\d)", r.console, re.M), r.explain(f"{KILLS} kill -0 should have succeeded")
 
 
-def _profile(r) -> dict[str, tuple[int, int]]:
-    """kprobe_profile's rows the runtime prints at power-off: event -> (hits, nmissed)."""
-    lines = r.lines()
-    i = next((n for n, l in enumerate(lines) if l.endswith("kprewrite: kprobe_profile at kernel_power_off:")), None)
-    assert i is not None, r.explain("no kprobe_profile at power-off")
-    rows = {}
-    for l in lines[i + 1:]:
-        m = re.fullmatch(r"\[ *[\d.]+\]   (\S+) +(\d+) +(\d+)", l)
-        if not m:
-            break
-        rows[m.group(1)] = int(m.group(2)), int(m.group(3))
-    return rows
-
 
 def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     """The per-CPU counters summed at power-off (-smp 2) against the handlers' own lines."""
     r = probed_boot
-    rows = _profile(r)
+    rows = r.profile()
     log = [l for l in r.lines() if not l.startswith("raw: ")]
     count = lambda what: sum(what in l for l in log)  # noqa: E731
     assert rows["p_kernel_clone_0"] == (count("handler_pre: <kernel_clone>"), 0), rows
@@ -337,7 +324,7 @@ def test_probe_tables_are_built_at_setup_per_cpu_areas(probed_boot):
     assert int(m.group(1)) == 8 + hooks and int(m.group(3)) >= 8 and int(m.group(4)) >= 1, m.group(0)
     assert sum("kp-percpu-setup: setup_per_cpu_areas p_setup_per_cpu_areas_0" in l for l in r.lines()) == 1
     assert "kp-too-early" not in r.console
-    rows = _profile(r)
+    rows = r.profile()
     assert rows["p_setup_per_cpu_areas_0"] == (1, 0) and rows["p_setup_arch_0"] == (0, 0), rows
     assert rows["kprewrite_setup_per_cpu_areas"] == (1, 0), rows
 
@@ -351,7 +338,7 @@ def test_preempt_full_reschedules_on_the_way_out(probed, make_initramfs, boot_ke
                     extra_append="preempt=full")
     assert "Dynamic Preempt: full" in r.console
     assert r.reached() and r.powered_off and not r.problems(), r.problems() or r.console[-3000:]
-    rows = _profile(r)
+    rows = r.profile()
     log = [l for l in r.lines() if not l.startswith("raw: ")]
     assert rows["p_kernel_clone_0"] == (sum("handler_pre: <kernel_clone>" in l for l in log), 0), rows
     assert rows["p___x64_sys_kill_0"] == (1 + KILLS, 0), rows
