@@ -25,7 +25,7 @@ Not part of CI: the whole suite takes from tens of minutes (original) to hours
 (a kretprobe on every function).  Run it niced:
 
     nice -n 10 python3 benchmarks/cpython_suite.py [--configs original,entry,kretprobe]
-        [--jobs 2] [--timeout 600] [--exclude T1,T2] [--budget SECONDS] [--stop-at HH:MM] [--out DIR]
+        [--jobs 2] [--timeout 600] [--exclude T1,T2] [--budget SECONDS] [--stop-at HH:MM] [--start TEST] [--out DIR]
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def parse(stdout: str) -> dict:
 
 
 def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int, budget: float | None,
-              exclude: list[str]) -> dict:
+              exclude: list[str], start: str | None = None) -> dict:
     d = work / config
     d.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -127,6 +127,8 @@ def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int
     if lib is not None:
         env["LD_LIBRARY_PATH"] = str(lib)
     cmd = [sys.executable, "-m", "test", f"-j{jobs}", f"--timeout={timeout}", "--tempdir", str(d / "tmp")]
+    if start:               # resume a run stopped early: regrtest starts at this module of its order
+        cmd += ["--start", start]
     if exclude:
         cmd += ["-x", *exclude]
     log = d / "regrtest.log"
@@ -152,7 +154,7 @@ def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int
     res = parse(text)
     done = re.findall(r"^\s*\d+:\d\d:\d\d(?: load avg: [\d.]+)? \[\s*(\d+)/(\d+)", text, re.M)
     res.update(config=config, wall_s=round(wall, 1), returncode=p.returncode, complete=not killed and res["result"] is not None,
-               modules_done=f"{done[-1][0]}/{done[-1][1]}" if done else None)
+               modules_done=f"{done[-1][0]}/{done[-1][1]}" if done else None, start=start)
     print(f"cpython_suite: {config}: {wall / 60:.1f} min, result {res['result']}, "
           f"{'complete' if res['complete'] else 'NOT complete'}", flush=True)
     return res
@@ -180,7 +182,10 @@ def report(results: dict, work: Path, meta: dict) -> str:
         shown = ", ".join(f) or "none"
         if not res["complete"]:
             shown = f"so far: {shown}"
-        rows.append(f"| {name} | {'yes' if res['complete'] else 'no (' + str(res.get('modules_done')) + ' modules)'} "
+        done = 'yes' if res['complete'] else 'no (' + str(res.get('modules_done')) + ' modules)'
+        if res.get("start"):
+            done += f", from {res['start']} on"
+        rows.append(f"| {name} | {done} "
                     f"| {res['result'] or 'stopped'} | {shown} | {eq} | {res['wall_s'] / 60:.1f} | {slow} |")
     lines = [f"CPython regression suite (`{' '.join(meta['command'])}`), {meta['python']}, "
              f"{meta['machine']}, {meta['date']}", "", *rows, ""]
@@ -203,6 +208,8 @@ def main():
                     "(only tests the original library cannot run on this machine)")
     ap.add_argument("--budget", type=float, default=None, help="stop a configuration after this many seconds")
     ap.add_argument("--stop-at", default=None, help="HH:MM UTC: stop whatever runs then (a deadline)")
+    ap.add_argument("--start", default=None, help="run the suite from this test module on (regrtest --start): "
+                    "resumes a run stopped early; the report says the run began there")
     ap.add_argument("--out", type=Path, default=Path("cpython_suite_results"))
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: re-read the configurations' logs in --out and rewrite the report")
@@ -252,7 +259,7 @@ def main():
             now = time.time()
             stop = time.mktime(time.gmtime(now)[:3] + (h, m, 0, 0, 0, 0)) - time.timezone
             budget = min(budget or float("inf"), max(0.0, stop - now))
-        results[config] = run_suite(config, lib, work, a.jobs, a.timeout, budget, exclude)
+        results[config] = run_suite(config, lib, work, a.jobs, a.timeout, budget, exclude, a.start)
         if config != "original":
             results[config]["rewrite_s"] = round(secs, 1)
         out_json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
