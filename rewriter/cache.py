@@ -3,15 +3,21 @@ inputs (the jump targets of a whole kernel image, the compiled runtime): keyed b
 a hash of everything it depends on, written atomically, safe to delete.
 
 Where: $KPREWRITE_CACHE, else $XDG_CACHE_HOME/kprewrite, else ~/.cache/kprewrite.
-A cache that cannot be written is simply not used."""
+A cache that cannot be written is simply not used.  Each kind keeps its KEEP most
+recently used entries: an entry is touched when read, and the oldest beyond that
+are deleted when a new one is written (a runtime edited often, or many images
+analysed, would otherwise grow the folder without end)."""
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 VERSION = b"kprewrite-cache-1"
+# Entries kept per kind: a kernel's jump targets are some 8 MB, a compiled runtime 0.3 MB.
+KEEP = 16
 
 
 def cache_dir() -> Path:
@@ -31,8 +37,11 @@ def key(*parts: bytes) -> str:
 
 
 def get(kind: str, k: str) -> bytes | None:
+    f = cache_dir() / kind / k
     try:
-        return (cache_dir() / kind / k).read_bytes()
+        data = f.read_bytes()
+        os.utime(f)             # used now: the last to be evicted
+        return data
     except OSError:
         return None
 
@@ -46,4 +55,23 @@ def put(kind: str, k: str, data: bytes) -> None:
             f.write(data)
         os.replace(tmp, d / k)
     except OSError:
-        pass
+        return
+    prune(d.iterdir())
+
+
+def prune(entries, keep: int = KEEP) -> None:
+    """Delete all but the `keep` most recently used of `entries` (files or folders;
+    names starting with "." are another process's entries being written)."""
+    aged = []
+    for e in entries:
+        if e.name.startswith("."):
+            continue
+        try:
+            aged.append((e.stat().st_mtime, e.name, e))
+        except OSError:
+            pass
+    for _, _, e in sorted(aged, reverse=True)[keep:]:
+        try:
+            shutil.rmtree(e) if e.is_dir() else e.unlink()
+        except OSError:
+            pass

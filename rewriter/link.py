@@ -22,6 +22,7 @@ from pathlib import Path
 
 from elftools.elf.elffile import ELFFile
 
+from . import cache
 from .errors import KprewriteError
 
 RUNTIME_DIR = Path(os.environ.get("KPREWRITE_RUNTIME", Path(__file__).resolve().parent.parent / "runtime"))
@@ -262,13 +263,6 @@ def _runtime_key(cc: str, arch: str, platform: str) -> str:
     return h.hexdigest()[:32]
 
 
-def cache_dir() -> Path:
-    """$KPREWRITE_CACHE, else $XDG_CACHE_HOME/kprewrite, else ~/.cache/kprewrite."""
-    if os.environ.get("KPREWRITE_CACHE"):
-        return Path(os.environ["KPREWRITE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kprewrite"
-
-
 def _build_runtime(cc: str, arch: str, platform: str, out: Path) -> None:
     """Compile the runtime into `out`: asm-offsets.h and the objects."""
     inc = _includes(arch, platform)
@@ -305,8 +299,13 @@ def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
     key = _runtime_key(cc, arch, platform)
     if key in _BUILT:
         return _BUILT[key]
-    entry = cache_dir() / f"runtime-{arch}-{platform}-{key}"
-    if not entry.is_dir():
+    entry = cache.cache_dir() / f"runtime-{arch}-{platform}-{key}"
+    if entry.is_dir():
+        try:
+            os.utime(entry)     # used now: the last to be evicted (cache.prune)
+        except OSError:
+            pass
+    else:
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
@@ -319,6 +318,7 @@ def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
         try:
             _build_runtime(cc, arch, platform, tmp)
             os.rename(tmp, entry)
+            cache.prune(entry.parent.glob(f"runtime-{arch}-{platform}-*"))
         except OSError:
             if not entry.is_dir():      # not another process's entry: a failed rename
                 raise

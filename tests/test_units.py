@@ -307,3 +307,20 @@ def test_every_target_answers_the_declared_interface():
         for n, f in declared.items():
             want = list(inspect.signature(f).parameters)[1:]          # without self
             assert list(inspect.signature(getattr(target, n)).parameters) == want, (target.name, n)
+
+
+def test_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
+    """The cache evicts: each kind keeps its KEEP most recently used entries (a read
+    counts as a use), so rewriting after every runtime edit does not grow it without end."""
+    import os
+    import time
+    from rewriter import cache
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path))
+    t0 = time.time() - 1000
+    for i in range(cache.KEEP):
+        cache.put("analysis", f"k{i}", b"x%d" % i)
+        os.utime(tmp_path / "analysis" / f"k{i}", (t0 + i, t0 + i))
+    assert cache.get("analysis", "k0") == b"x0"         # the oldest, read: now the newest
+    cache.put("analysis", "new", b"y")                  # one over KEEP: the least recently used goes
+    left = sorted(p.name for p in (tmp_path / "analysis").iterdir())
+    assert len(left) == cache.KEEP and "k1" not in left and {"k0", "new", "k2"} <= set(left)
