@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import bisect
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rewriter.errors import KprewriteError
 
@@ -89,16 +89,15 @@ class KallsymsTables:
     absolute_percpu: bool
 
 
-@dataclass
-class Kallsyms:
+class SymbolTable:
+    """Name lookups over `self.symbols` (a list of KSym), shared by the kallsyms tables and
+    System.map: local symbols may repeat a name, so a name has a list of addresses."""
     symbols: list[KSym]
-    tables: KallsymsTables
-    _by_name: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        by = self._by_name
+        self._by_name: dict[str, list[int]] = {}
         for s in self.symbols:
-            by.setdefault(s.name, []).append(s.addr)
+            self._by_name.setdefault(s.name, []).append(s.addr)
 
     def __len__(self) -> int:
         return len(self.symbols)
@@ -114,6 +113,12 @@ class Kallsyms:
 
     def __contains__(self, name: str) -> bool:
         return name in self._by_name
+
+
+@dataclass
+class Kallsyms(SymbolTable):
+    symbols: list[KSym]
+    tables: KallsymsTables
 
 
 def _cstrings(data: bytes, pos: int, count: int, limit: int):

@@ -9,11 +9,11 @@ KprewriteError naming the file and the line.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rewriter.errors import KprewriteError
 
-from .kallsyms import KSym
+from .kallsyms import KSym, SymbolTable
 
 # A real System.map has tens of thousands of lines; fewer than this is a stub.
 STUB_LINES = 16
@@ -22,29 +22,11 @@ _LINE = re.compile(r"([0-9a-fA-F]{1,16})\s+(\S)\s+(\S+)(?:\s+\[\S+\])?\s*")
 
 
 @dataclass
-class SystemMap:
+class SystemMap(SymbolTable):
     path: str
     symbols: list[KSym]
     stub: bool = False
     stub_text: str = ""
-    _by_name: dict[str, list[int]] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self):
-        for s in self.symbols:
-            self._by_name.setdefault(s.name, []).append(s.addr)
-
-    def __len__(self) -> int:
-        return len(self.symbols)
-
-    def addresses(self, name: str) -> list[int]:
-        return self._by_name.get(name, [])
-
-    def address(self, name: str) -> int | None:
-        a = self._by_name.get(name)
-        return a[0] if a else None
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._by_name
 
     def require_symbols(self) -> "SystemMap":
         """self, or a one-line error if this is a stub with no symbol table."""
