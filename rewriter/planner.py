@@ -233,7 +233,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     out.rejected += kret_refused.rejected
     for check, ps in kret_refused.skipped.items():
         out.skipped[check].extend(ps)
-    _plan_returns(image, analysis, arch, out)
+    _plan_returns(image, analysis, arch, out, rules)
     _number(out)
     return out
 
@@ -359,7 +359,7 @@ def _split_segments(arch, head: Site) -> None:
         r.dcr, r.decision, r.reason = r.seg, OPTIMIZED, None
 
 
-def _plan_returns(image, analysis, arch, plan: Plan) -> None:
+def _plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
     """Return sites of every function with a placed kretprobe."""
     rp = arch.retprobe
     groups: dict[int, Group] = {}
@@ -392,6 +392,12 @@ def _plan_returns(image, analysis, arch, plan: Plan) -> None:
     for g in plan.groups:
         ex = rp.find_exits(image, analysis, g.func)
         g.exits = ex.exits
+        if not rules.kretprobe_exits:
+            # The target's kretprobes are the kernel's: the return address is swapped at entry.
+            g.mode, g.reason = TRAMPOLINE, arch.Refusal(
+                "kretprobe_trampoline", g.entry, "the return address is swapped at entry (the kernel's "
+                "kretprobe_trampoline; instances per task)")
+            continue
         if ex.refusal is not None:
             # An exit we cannot even name (a conditional tail call, a jump into
             # another function's middle): only the trampoline catches it.
