@@ -39,6 +39,9 @@ class Rules:
     int3: bool = True
     kretprobes: bool = True
     kretprobe_exits: bool = True
+    # A kretprobe's entry takes the clean call where its entry_handler never reads regs (the
+    # runtime's kp_kretprobe_clean_entry passes the return-address slot instead of pt_regs).
+    kretprobe_clean_entry: bool = False
     # Probes on consecutive instructions share one detour (planner._share_regions())
     # instead of the second one being refused inside the first one's region.
     shared_regions: bool = False

@@ -13,10 +13,12 @@ under qemu-system-x86_64 -smp 2 with no boot parameter, and every assertion read
 - entry/return pairs exact under two CPUs forking at once, and a kprobe on the same function
   counting the same calls;
 - maxactive = 1 on hrtimer_nanosleep() with three tasks sleeping in it at once: exactly two
-  nmissed, one return handler.
+  nmissed, one return handler (its entry_handler reads regs: that entry builds struct pt_regs,
+  while do_nanosleep()'s, inside it, takes the clean call and fires first).
 """
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections import Counter
@@ -110,9 +112,25 @@ static int wait_seen(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* hrtimer_nanosleep(ktime_t rqtp, mode, clockid): an entry_handler that reads regs, so
+ * this entry builds struct pt_regs (the others take the clean call). */
+static int nsleep_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	*(long *)ri->data = (long)regs->di;
+	return 0;
+}
+
+/* do_nanosleep(), inside hrtimer_nanosleep(): a second frame of the same task, at another slot. */
+static int dosleep_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	pr_info("kp-dosleep-ret: pid=%d ret=%ld\n", current->pid, (long)regs_return_value(regs));
+	return 0;
+}
+
 static int nsleep_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
-	pr_info("kp-nsleep-ret: pid=%d ret=%ld\n", current->pid, (long)regs_return_value(regs));
+	pr_info("kp-nsleep-ret: pid=%d ret=%ld ns=%ld\n", current->pid, (long)regs_return_value(regs),
+		*(long *)ri->data);
 	return 0;
 }
 """
@@ -138,7 +156,12 @@ pre_handler = "wait_seen"
 [[kretprobe]]
 symbol_name = "hrtimer_nanosleep"
 handler = "nsleep_ret"
+entry_handler = "nsleep_entry"
+data_size = 8
 maxactive = 1
+[[kretprobe]]
+symbol_name = "do_nanosleep"
+handler = "dosleep_ret"
 """
 TRAMPOLINE = ("returns: trampoline  kretprobe_trampoline at {addr:#x}: the return address is swapped at entry "
               "(the kernel's kretprobe_trampoline; instances per task)")
@@ -155,9 +178,10 @@ def kret(tmp_path_factory, debian_kernel):
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
     listing = kprewrite("list", out).stdout
+    meta = json.loads(kprewrite("list", out, "--format", "json").stdout)
     image = Image(str(debian_kernel.vmlinux))
     linux_kernel.load_symbols(image)
-    return {"check": check, "list": listing, "out": out, "image": image}
+    return {"check": check, "list": listing, "out": out, "image": image, "meta": meta}
 
 
 @pytest.fixture(scope="module")
@@ -185,17 +209,23 @@ def test_check_and_list_show_the_trampoline(kret):
     instances given back)."""
     rows = {l.split("  ")[0] + "  " + l.split("  ")[1]: l for l in kret["check"].splitlines()}
     r_lines = [l for l in kret["check"].splitlines() if "  r  " in l]
-    assert len(r_lines) == 4, kret["check"]
+    assert len(r_lines) == 5, kret["check"]
     for l in r_lines:
         assert re.fullmatch(r"(\w+)\+0x0  r  ftrace  returns: trampoline  kretprobe_trampoline at 0x[0-9a-f]+: "
                             r"the return address is swapped at entry \(the kernel's kretprobe_trampoline; "
                             r"instances per task\)", l), l
     assert "kernel_wait4+0x0  k" in rows, kret["check"]
     listing = kret["list"].splitlines()
-    for fn in ("kernel_clone", "hrtimer_nanosleep"):
+    for fn in ("kernel_clone", "hrtimer_nanosleep", "do_nanosleep"):
         assert any(re.fullmatch(rf"[0-9a-f]{{16}}  r  {fn}\+0x0 \[FTRACE\]", l) for l in listing), kret["list"]
     assert sum(bool(re.fullmatch(r"[0-9a-f]{16}  r  kernel_wait4\+0x0 \[FTRACE\]", l)) for l in listing) == 2
     assert any(re.fullmatch(r"[0-9a-f]{16}  k  free_task\+0x0 \[FTRACE\]", l) for l in listing), kret["list"]
+    # An entry whose handlers never read regs takes the clean call (the slot passed, no struct
+    # pt_regs): do_nanosleep's, which has no entry_handler; hrtimer_nanosleep's entry_handler
+    # reads regs.
+    calls = {(p["symbol"], p["kind"]): p.get("call") for p in kret["meta"]["probes"]}
+    assert calls[("do_nanosleep", "r")] == "clean", calls
+    assert calls[("hrtimer_nanosleep", "r")] == "pt_regs", calls
 
 
 def test_boots_with_kretprobes(kret_boot):
@@ -284,7 +314,16 @@ def test_maxactive_one_with_three_sleepers(kret_boot):
     r = kret_boot
     window = _between(r, "NSLEEP-START", "NSLEEP-END")
     rets = [l for l in window if "kp-nsleep-ret: " in l]
-    assert len(rets) == 1 and rets[0].endswith(" ret=0"), r.explain(f"{rets}")
+    assert len(rets) == 1 and rets[0].endswith(" ret=0 ns=2000000000"), r.explain(f"{rets}")
     hits, missed = r.profile()["r_hrtimer_nanosleep_0"]
     total = sum(1 for l in r.lines() if "kp-nsleep-ret: " in l)
     assert missed == SLEEPERS - 1 and hits == total + missed, (hits, missed, total)
+    # do_nanosleep() (default maxactive, a clean entry) inside it: every sleeper returns from
+    # both, the inner frame first (one task, two slots, LIFO).
+    inner = [l for l in window if "kp-dosleep-ret: " in l]
+    assert len(inner) == SLEEPERS and all(l.endswith(" ret=0") for l in inner), r.explain(f"{inner}")
+    pid = re.search(r"kp-nsleep-ret: pid=(\d+) ", rets[0]).group(1)
+    order = [l for l in window if f"pid={pid} " in l]
+    assert "kp-dosleep-ret" in order[0] and "kp-nsleep-ret" in order[1], order
+    hits, missed = r.profile()["r_do_nanosleep_0"]
+    assert missed == 0 and hits == sum(1 for l in r.lines() if "kp-dosleep-ret: " in l), (hits, missed)

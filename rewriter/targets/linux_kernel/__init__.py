@@ -139,7 +139,8 @@ def rules(image, arch) -> Rules:
     # Breakpoint probes need our hook on the kernel's int3 path (INT3_HOOK); single-stepped
     # copies end with an int3, as the kernel's own since 5.14 (its #DB path is not hooked).
     return Rules(Index(register), Index(patched), mcount, function_refusal, int3=int3_hook(image) is not None,
-                 kretprobes=True, kretprobe_exits=False, singlestep_int3=True,
+                 kretprobes=True, kretprobe_exits=False, kretprobe_clean_entry=True,
+                 singlestep_int3=True,
                  fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],
                  # A kernel is built with -fno-jump-tables and jumps through retpoline
                  # thunks; decoding its 46,000 functions again would cost half a minute.

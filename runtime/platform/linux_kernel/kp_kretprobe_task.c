@@ -154,16 +154,17 @@ static unsigned long kp_real_ret_locked(struct kp_kret_bucket *b, unsigned long 
 	return 0;
 }
 
-/* pre_handler_kretprobe(): the entry half, as the kretprobe's kp.pre_handler (the
- * dispatch runs it with preemption off and this CPU's `active` set). */
-int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
+/* pre_handler_kretprobe() for rp, with S the return-address slot; regs NULL on the
+ * clean path (the entry_handler never reads them).  The dispatch runs it with
+ * preemption off and this CPU's `active` set. */
+static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe *rp, unsigned long S,
+								  struct pt_regs *regs)
 {
-	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
-	unsigned long task = kp_task(), S = regs->sp;
+	unsigned long task = kp_task();
 	struct kp_kri *kri = task ? kp_kri_claim(rp) : 0;
 	if (!kri) {
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
-		return 0;
+		return;
 	}
 	struct kretprobe_instance *ri = &kri->ri;
 	ri->rp = rp;
@@ -172,7 +173,7 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 	kri->task = task;
 	if (rp->entry_handler && rp->entry_handler(ri, regs)) {
 		kp_kri_free(kri);
-		return 0;
+		return;
 	}
 	struct kp_kret_bucket *b = kp_bucket(task);
 	unsigned long flags = kp_bucket_lock(b);
@@ -190,7 +191,46 @@ int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 		kp_kri_free(kri);
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
 	}
+}
+
+/* The kretprobe's kp.pre_handler, from a detour that builds struct pt_regs. */
+int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
+{
+	kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), regs->sp, regs);
 	return 0;
+}
+
+/*
+ * A site with a kretprobe whose handlers (entry_handler, and the pre_handlers of
+ * kprobes at the same address) never read regs: the clean call of
+ * kp_kretprobe_clean_entry (optprobe_entry.S), which saves only the call-clobbered
+ * registers and passes the slot S instead of struct pt_regs.  The dispatch is
+ * kp_optimized_clean_callback()'s, aggr_pre_handler() with the kretprobes' entry
+ * half called directly.
+ */
+void kp_kretprobe_clean_callback(unsigned long site_index, unsigned long S)
+{
+	kp_platform_dispatch_begin();
+	struct kp_site *s = kp_site(site_index);
+	struct kp_thread *t = s ? kp_current_thread() : 0;
+	if (t && t->active) {
+		kp_count_missed(s);
+	} else if (t) {
+		struct kprobe *const *pp = &kp_site_probes[s->first];
+		t->active = 1;
+		for (unsigned int i = 0; i < s->count; i++) {
+			struct kprobe *p = pp[i];
+			if (kprobe_disabled(p))
+				continue;
+			t->hits[p->index]++;
+			if (p->pre_handler == kp_pre_handler_kretprobe)
+				kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), S, 0);
+			else if (p->pre_handler && p->pre_handler(p, 0))
+				break;
+		}
+		t->active = 0;
+	}
+	kp_platform_dispatch_end();
 }
 
 static void kp_kret_fatal(unsigned long task, unsigned long S)
