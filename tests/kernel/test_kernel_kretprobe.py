@@ -52,6 +52,8 @@ wait
 echo NSLEEP-START > /dev/kmsg
 {' '.join(['sleep 2 &'] * SLEEPERS)} wait
 echo NSLEEP-END > /dev/kmsg
+grep '  r  ' /sys/kernel/debug/kprewrite/list | sed 's/^/kp-dbg-list: /'
+grep '^  r_' /sys/kernel/debug/kprewrite/profile | sed 's/^/kp-dbg-profile: /'
 echo {DONE_MARKER}
 sleep 1
 """
@@ -230,6 +232,18 @@ def test_check_and_list_show_the_trampoline(kret):
 
 def test_boots_with_kretprobes(kret_boot):
     assert_boot_ok(kret_boot)
+
+
+def test_debugfs_views_list_the_kretprobes(kret_boot, kret):
+    """/sys/kernel/debug/kprewrite/list shows each kretprobe as `r` at its address, as `list`
+    does from the file; the profile's rows read from /init name them with their counts."""
+    r = kret_boot
+    dbg = [l.split("kp-dbg-list: ", 1)[1].split() for l in r.lines() if l.startswith("kp-dbg-list: ")]
+    listed = [l.split() for l in kret["list"].splitlines() if "  r  " in l]
+    assert len(dbg) == 5 and sorted(d[:3] for d in dbg) == sorted(l[:3] for l in listed), (dbg, listed)
+    rows = {l.split()[1]: l.split()[2:] for l in r.lines() if l.startswith("kp-dbg-profile: ")}
+    assert {"r_kernel_clone_0", "r_kernel_wait4_0", "r_hrtimer_nanosleep_0", "r_do_nanosleep_0"} <= set(rows), rows
+    assert rows["r_hrtimer_nanosleep_0"][1] == str(SLEEPERS - 1), rows
 
 
 def test_kretprobe_example_on_kernel_clone(kret_boot):
