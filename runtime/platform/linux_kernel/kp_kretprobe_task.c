@@ -30,10 +30,10 @@
  * task's `current`: their frames nest inside the task's, LIFO.  Nothing is allocated
  * in probe context: the pools come from memblock at the setup_per_cpu_areas() boot
  * hook (kp_kernel_kretprobes_init(), called by platform.c); a hit before it misses.
- * The table's locks are taken with interrupts off and the CPU's `active` flag set,
- * so nothing on the same CPU (an interrupt, an NMI: their hits count as missed) can
- * wait for a lock it holds; handlers run outside the locks, with preemption
- * disabled, as the kernel runs them.
+ * The table's locks are taken with the CPU's `active` flag set, so nothing on the
+ * same CPU (an interrupt, an NMI: their hits count as missed) can wait for a lock it
+ * holds; handlers run outside the locks, with preemption disabled, as the kernel
+ * runs them.
  *
  * A task that ends inside a return-probed function (do_exit() never returns) has its
  * instances freed when its task_struct is (kp_kernel_kret_flush_task(), a runtime
@@ -65,11 +65,19 @@ static inline struct kp_kret_bucket *kp_bucket(unsigned long task)
 	return &kp_kret_table[((task >> 6) * 0x9e3779b97f4a7c15UL) >> 58];	/* hash_ptr(tsk, 6) */
 }
 
-/* raw_spin_lock_irqsave() on a bucket. */
-static inline unsigned long kp_bucket_lock(struct kp_kret_bucket *b)
+/*
+ * A bucket's lock.  Interrupts stay on: every holder runs with this CPU's `active`
+ * set (the dispatch sets it before a pre_handler, the trampoline handler before its
+ * walk), so an interrupt or NMI arriving meanwhile counts its probe hits as missed
+ * and swaps no return address, and no return of its own can come through the
+ * trampoline: nothing on this CPU waits for the lock it holds.  A CPU without its
+ * block (no `active` flag) takes it with interrupts off (irqsave).
+ */
+static inline unsigned long kp_bucket_lock(struct kp_kret_bucket *b, int irqsave)
 {
-	unsigned long flags;
-	__asm__ volatile("pushfq; popq %0; cli" : "=r"(flags) :: "memory");
+	unsigned long flags = 0;
+	if (irqsave)
+		__asm__ volatile("pushfq; popq %0; cli" : "=r"(flags) :: "memory");
 	while (__atomic_exchange_n(&b->lock, 1, __ATOMIC_ACQUIRE))
 		while (__atomic_load_n(&b->lock, __ATOMIC_RELAXED))
 			__asm__ volatile("pause" ::: "memory");
@@ -79,7 +87,7 @@ static inline unsigned long kp_bucket_lock(struct kp_kret_bucket *b)
 static inline void kp_bucket_unlock(struct kp_kret_bucket *b, unsigned long flags)
 {
 	__atomic_store_n(&b->lock, 0, __ATOMIC_RELEASE);
-	if (flags & 0x200)	/* X86_EFLAGS_IF */
+	if (flags & 0x200)	/* X86_EFLAGS_IF, saved by an irqsave lock */
 		__asm__ volatile("sti" ::: "memory");
 }
 
@@ -176,7 +184,7 @@ static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe
 		return;
 	}
 	struct kp_kret_bucket *b = kp_bucket(task);
-	unsigned long flags = kp_bucket_lock(b);
+	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
 	unsigned long ret = *(unsigned long *)S;
 	if (ret == TRAMP)
 		ret = kp_real_ret_locked(b, task, S);
@@ -254,7 +262,7 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 		t->active = 1;
 	struct kp_kret_bucket *b = kp_bucket(task);
 	struct kp_kri *fire = 0, **tail = &fire, *stale = 0;
-	unsigned long flags = kp_bucket_lock(b);
+	unsigned long flags = kp_bucket_lock(b, !t);
 	struct kp_kri **pp = &b->head;
 	int found = 0;
 	while (*pp) {
@@ -313,7 +321,7 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 	unsigned long task = regs->di;
 	struct kp_kret_bucket *b = kp_bucket(task);
 	struct kp_kri *dead = 0;
-	unsigned long flags = kp_bucket_lock(b);
+	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
 	for (struct kp_kri **pp = &b->head; *pp;) {
 		struct kp_kri *k = *pp;
 		if (k->task == task) {
