@@ -165,9 +165,6 @@ maxactive = 1
 symbol_name = "do_nanosleep"
 handler = "dosleep_ret"
 """
-TRAMPOLINE = ("returns: trampoline  kretprobe_trampoline at {addr:#x}: the return address is swapped at entry "
-              "(the kernel's kretprobe_trampoline; instances per task)")
-
 
 @pytest.fixture(scope="module")
 def kret(tmp_path_factory, debian_kernel):
