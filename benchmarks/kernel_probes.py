@@ -4,6 +4,9 @@ side in the same boot, under qemu-system-x86_64 (issue 10, "Benchmarks", first b
 
 Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR] [--int3]
      (--int3: ours at +0xe is a breakpoint probe, issue 11, compared with the kernel's INT3 kprobes)
+     (--kret: kretprobes, issue 11 rows r and ro: ours on getuid (empty handler) and geteuid (empty
+      entry_handler and handler), the kernel's on getgid: register_kretprobe() in the module, both
+      ways, and the tracefs `r:` event, with and without tracing_on)
      (fetches Debian's cloud kernel like tests/kernel do; needs gcc, make, qemu-system-x86, busybox-static)
 
 What is measured
@@ -102,6 +105,15 @@ PHASES = [
     ("k-int3-off", "kernel kprobe +0xe INT3, tracing_on=0", INSIDE, "event-off", ""),
     ("k-int3-bpf", "kernel kprobe +0xe INT3, empty BPF prog", INSIDE, "bpf", ""),
 ]
+# --kret: kretprobes at the entry (the kernel's at its ftrace site, whatever kprobes-optimization says).
+KRET_PHASES = [
+    ("none", "no kernel probe", None, None, None),
+    ("k-ret-mod", "kernel kretprobe, module, empty handler", 0, "kret-module", "FTRACE"),
+    ("k-reto-mod", "kernel kretprobe, module, empty entry_handler+handler", 0, "kreto-module", "FTRACE"),
+    ("k-ret-event", "kernel kretprobe, tracefs r: event", 0, "kret-event", "FTRACE"),
+    ("k-ret-off", "kernel kretprobe, r: event, tracing_on=0", 0, "kret-event-off", "FTRACE"),
+]
+KRET = False
 MODES = {"icount": ("-icount", "shift=0,sleep=off"), "tcg": ()}
 # (N, rounds, warm-up calls) per mode: icount is deterministic (3 rounds only to show it) but
 # runs ~3x slower.  Wall-clock TCG: short loops (~5 ms), many rounds: the other tenants' load comes
@@ -143,11 +155,20 @@ def check_twins(vmlinux: Path) -> None:
 
 def rewrite(k, work: Path, int3: bool = False) -> Path:
     spec = work / "probes.toml"
-    spec.write_text(("optimize = false\n" if int3 else "") + f'handlers = ["{HANDLER_SRC}"]\n'
-                    f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\npre_handler = "bench_empty"\n'
-                    f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_INSIDE]}"\noffset = {INSIDE:#x}\npre_handler = "bench_empty"\n')
+    if KRET:        # rows r and ro: kretprobes on both, the second with an entry_handler too
+        spec.write_text(f'handlers = ["{HANDLER_SRC}"]\n'
+                        f'[[kretprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\nhandler = "bench_ret_empty"\n'
+                        f'[[kretprobe]]\nsymbol_name = "{TWINS[OURS_INSIDE]}"\nhandler = "bench_ret_empty"\n'
+                        'entry_handler = "bench_ret_empty"\n')
+    else:
+        spec.write_text(("optimize = false\n" if int3 else "") + f'handlers = ["{HANDLER_SRC}"]\n'
+                        f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\npre_handler = "bench_empty"\n'
+                        f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_INSIDE]}"\noffset = {INSIDE:#x}\npre_handler = "bench_empty"\n')
     plan = kprewrite("check", k.vmlinux, "--spec", spec).split("\n")
     want = [f"{TWINS[OURS_ENTRY]}+0x0  k  ftrace", f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  optimized"]
+    if KRET:
+        want = [f"{TWINS[x]}+0x0  r  ftrace  returns: trampoline  " for x in (OURS_ENTRY, OURS_INSIDE)]
+        want = [p if p.startswith(w) else w + "..." for p, w in zip(plan, want)]
     if int3:        # --int3: ours at +0xe is a breakpoint probe, its instruction boosted
         want[1] = plan[1] if plan[1].startswith(f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  int3 ") and \
             plan[1].endswith("[boost]") else "an int3 [boost] line"
@@ -175,14 +196,18 @@ def setup_cmds(where: int | None, how: str | None, int3: bool) -> tuple[str, str
     if how == "bpf":
         return pre, f"-b {KFUNC}+{where:#x}", post
     listing = f"grep {KFUNC} /sys/kernel/debug/kprobes/list | sed 's/^/LIST /'\n"
+    if how in ("kret-module", "kreto-module"):
+        kret = 1 if how == "kret-module" else 2
+        setup = (f"insmod /bench_kprobe.ko symbol={KFUNC} kret={kret} || echo SETUP-FAILED\n" + listing)
+        return setup, "", "rmmod bench_kprobe\n"
     if how == "module":
         setup = (pre + f"insmod /bench_kprobe.ko symbol={KFUNC} offset={where} || echo SETUP-FAILED\n"
                  "sleep 1\n" + listing)   # sleep: the kprobe optimizer is a delayed work
         return setup, "", "rmmod bench_kprobe\n" + post
-    ev = f"p:bench {KFUNC}" + (f"+{where:#x}" if where else "")
+    ev = f"r:bench {KFUNC}" if how.startswith("kret") else f"p:bench {KFUNC}" + (f"+{where:#x}" if where else "")
     setup = (pre + f"echo '{ev}' > {TRACING}/kprobe_events || echo SETUP-FAILED\n"
              f"echo 1 > {TRACING}/events/kprobes/bench/enable || echo SETUP-FAILED\n")
-    if how == "event-off":
+    if how.endswith("event-off"):
         setup += f"echo 0 > {TRACING}/tracing_on\n"
     setup += "sleep 1\n"   # the kprobe optimizer is a delayed work
     setup += listing
@@ -315,36 +340,42 @@ def analyse(main: dict, calib: dict, n: int, reps: int, warmup: int) -> tuple[li
         rows.append((f"(0) no probe: {lab} (unmodified kernel boot)", "-", med(c0[lab]) / n, None, None, None, None))
     ours, ours_min = {}, {}
     hits, hits_min = ours, ours_min
-    for lab, what, kind in ((OURS_ENTRY, "(1) ours at entry", "ftrace"), (OURS_INSIDE, "(2) ours at +0xe", INSIDE_KIND)):
+    ours_rows = ((OURS_ENTRY, "(1) ours at entry", "ftrace"), (OURS_INSIDE, "(2) ours at +0xe", INSIDE_KIND))
+    if KRET:
+        ours_rows = ((OURS_ENTRY, "(r) ours kretprobe", "ftrace"), (OURS_INSIDE, "(ro) ours kretprobe", "ftrace"))
+    for lab, what, kind in ours_rows:
         per_call = med([x for ph in main["phases"].values() for x in ph["results"][lab]]) / n
         d = [x for ph in main["phases"].values() for x in diffs(ph["results"], lab)]
         ours[lab] = (med(d) - ref[lab]) / n
         ours_min[lab] = (min(x for ph in main["phases"].values() for x in ph["results"][lab]) - ref_all
                          - ref_min[lab]) / n
-        rows.append((f"{what}, empty pre_handler", kind, per_call, ours[lab], 1.0, ours_min[lab], 1.0))
-    for key, desc, where, how, kind in PHASES[1:]:
+        handler = ("empty handler" if lab == OURS_ENTRY else "empty entry_handler+handler") if KRET else "empty pre_handler"
+        rows.append((f"{what}, {handler}", kind, per_call, ours[lab], 1.0, ours_min[lab], 1.0))
+    for key, desc, where, how, kind in (KRET_PHASES if KRET else PHASES)[1:]:
         ph = main["phases"].get(key)
         if ph is None:
             continue
         res = ph["results"]
         hit = (med(diffs(res, KERNEL)) - ref[KERNEL]) / n
         hits[key] = hit
-        against = ours[OURS_ENTRY] if where == 0 else ours[OURS_INSIDE]
+        # --kret: the kernel's kretprobe with an entry_handler against ours with one (row ro).
+        inside = where != 0 or key == "k-reto-mod"
+        against = ours[OURS_INSIDE] if inside else ours[OURS_ENTRY]
         hit_min = (min(res[KERNEL]) - min(res[REF]) - ref_min[KERNEL]) / n
         hits_min[key] = hit_min
-        against_min = ours_min[OURS_ENTRY] if where == 0 else ours_min[OURS_INSIDE]
+        against_min = ours_min[OURS_INSIDE] if inside else ours_min[OURS_ENTRY]
         listed = [l for l in ph["lines"] if l.startswith(("LIST ", "BPF-KPROBE ")) and KFUNC in l]
         tag = ("FTRACE" if "[FTRACE]" in " ".join(listed) else "OPTIMIZED" if "[OPTIMIZED]" in " ".join(listed)
                else "int3" if listed else "?")
         if not listed or (kind and f"[{kind}]" not in " ".join(listed)) or (not kind and "[OPTIMIZED]" in " ".join(listed)):
             notes.append(f"{key}: kprobes/list shows {listed!r}, expected {kind or 'neither [FTRACE] nor [OPTIMIZED]'}")
         prof = [l.split() for l in ph["lines"] if l.startswith("PROFILE ")]
-        if how.startswith("event"):
+        if "event" in how:
             want = reps * (n + warmup)
             got = [(int(p[2]), int(p[3])) for p in prof if len(p) >= 4 and p[1] == "bench"]
             if got != [(want, 0)]:
                 notes.append(f"{key}: tracefs kprobe_profile says (hits, missed) {got}, expected [({want}, 0)]")
-        if how == "module":
+        if how.endswith("module"):
             want = reps * (n + warmup)
             got = [tuple(map(int, m.groups())) for l in ph["lines"]
                    for m in [re.search(r"bench_kprobe: \S+ hits (\d+) nmissed (\d+)", l)] if m]
@@ -352,7 +383,8 @@ def analyse(main: dict, calib: dict, n: int, reps: int, warmup: int) -> tuple[li
                 notes.append(f"{key}: the module's (hits, nmissed) {got}, expected [({want}, 0)]")
         if any(l.startswith(("BPF-ERROR", "SETUP-FAILED")) for l in ph["lines"]):
             notes.append(f"{key}: setup failed: " + "; ".join(l for l in ph["lines"] if "ERROR" in l or "FAILED" in l))
-        rows.append((f"({'3' if where == 0 else '5' if key.startswith('k-int3') else '4'}) {desc}", tag,
+        num = ("ro" if inside else "r") if KRET else '3' if where == 0 else '5' if key.startswith('k-int3') else '4'
+        rows.append((f"({num}) {desc}", tag,
                      med(res[KERNEL]) / n, hit, hit / against if against > 0 else float("nan"),
                      hit_min, hit_min / against_min if against_min > 0 else float("nan")))
     return rows, notes, (hits, hits_min)
@@ -363,6 +395,14 @@ def print_goal(hits: tuple[dict, dict]) -> None:
     and far less than its INT3 kprobe (like for like: the module's empty pre_handler).
     Both estimates: from medians, and from each loop's best round."""
     for est, h in zip(("medians", "best rounds"), hits):
+        if KRET:
+            for lab, key, what in ((OURS_ENTRY, "k-ret-mod", "kretprobe, empty handler"),
+                                   (OURS_INSIDE, "k-reto-mod", "kretprobe, empty entry_handler+handler"),
+                                   (OURS_ENTRY, "k-ret-off", "kretprobe r: event, tracing_on=0")):
+                if key in h and h[key] > 0:
+                    print(f"  goal ({est}): ours {h[lab]:.1f} vs the kernel's {what} {h[key]:.1f} per hit: "
+                          f"ours costs {h[lab] / h[key]:.2f}x theirs ({'less' if h[lab] < h[key] else 'MORE'})")
+            continue
         ours = h[OURS_INSIDE]
         for key, what in (("k-opt-mod", "the kernel's optimized kprobe"), ("k-int3-mod", "the kernel's INT3 kprobe"),
                           ("k-int3-bpf", "the kernel's INT3 kprobe + empty BPF prog"),
@@ -392,8 +432,11 @@ def main():
     ap.add_argument("--keep", metavar="DIR", help="keep the rewritten kernel, spec and consoles in DIR")
     ap.add_argument("--int3", action="store_true", help="ours at +0xe as a breakpoint probe (optimize = false), "
                     "against the kernel's INT3 kprobes only")
+    ap.add_argument("--kret", action="store_true", help="kretprobes (rows r and ro): ours against the kernel's "
+                    "register_kretprobe() and tracefs r: event")
     args = ap.parse_args()
-    global INSIDE_KIND
+    global INSIDE_KIND, KRET
+    KRET = args.kret
     if args.int3:
         INSIDE_KIND = "int3"
     t_start = time.monotonic()
@@ -413,7 +456,8 @@ def main():
     kp = rewrite(k, work, args.int3)
     ko = build_module(k, work)
     files = {"bench": loop_bin, **({"bench_kprobe.ko": ko} if ko else {})}
-    phases = [ph for ph in PHASES if (ko or ph[3] != "module") and (not args.int3 or ph[0] in ("none", "k-int3-mod",
+    phases = [ph for ph in KRET_PHASES if ko or not (ph[3] or "").endswith("module")] if KRET else \
+        [ph for ph in PHASES if (ko or ph[3] != "module") and (not args.int3 or ph[0] in ("none", "k-int3-mod",
                                                                                               "k-int3-bpf", "k-int3-event"))]
 
     for mode in args.modes.split(","):
@@ -436,8 +480,8 @@ def main():
         print_goal(hits)
         prof = ours_profile(r)
         calls = len(phases) * reps * (n + warmup)
-        for lab, off in ((OURS_ENTRY, 0), (OURS_INSIDE, INSIDE)):
-            name = f"p_{TWINS[lab]}_{off}"
+        for lab, off in ((OURS_ENTRY, 0), (OURS_INSIDE, 0 if KRET else INSIDE)):
+            name = f"{'r' if KRET else 'p'}_{TWINS[lab]}_{off}"
             hits = prof.get(name)
             ok = hits is not None and hits[0] >= calls and hits[1] == 0
             print(f"  ours {name}: (hits, missed) = {hits} at power-off; loops made {calls} calls"

@@ -99,6 +99,9 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
     if not site.template:
         entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
                   ("kp_optprobe_entry", "kp_optprobe_post_entry")
+        if site.clean and any(is_entry(p) for p in site.probes):
+            # Rules.kretprobe_clean_entry: the runtime's clean entry that passes the return-address slot.
+            entries = ("kp_kretprobe_clean_entry", entries[1])
         return em.detour(site.index, site.segment, site.with_post, at, sym[entries[0]], sym[entries[1]],
                          _site_copy(c, site, at, sym), back=site.back or None)
     p = site.probes[0]

@@ -46,12 +46,13 @@ RUNTIME_SOURCES += ["kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
 # Compiled to assembly for their "->NAME value" lines, never linked (asm_offsets()).
 ASM_OFFSETS_SOURCES = ["kp_asm_offsets.c", "{arch}/kp_asm_offsets.c"]
 
-# A kernel image (runtime/platform/linux_kernel): no signals, no GOT hooks;
+# A kernel image (runtime/platform/linux_kernel): no signals, no GOT hooks; kretprobes
+# the kernel's way, instances per task (kp_kretprobe_task.c, for kp_kretprobe.c);
 # breakpoint sites through a hook on the kernel's kprobe_int3_handler().  Compiled as kernel code is: kernel code model, no red
 # zone (interrupts push below %rsp), not position-independent (linked where it
 # runs), and the image's return-thunk and retpoline conventions.
 KERNEL_RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
-                          "kp_kretprobe.c", "kp_fetch.c", "kp_trace.c",
+                          "{platform}/kp_kretprobe_task.c", "kp_fetch.c", "kp_trace.c",
                           "kp_trap.c", "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
 KERNEL_CFLAGS = [f for f in CFLAGS if f not in ("-fPIC", "-fno-plt")] + [
     "-D__KERNEL__", "-fno-pic", "-fno-pie", "-mcmodel=kernel", "-mno-red-zone", "-mpreferred-stack-boundary=3",

@@ -233,7 +233,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     out.rejected += kret_refused.rejected
     for check, ps in kret_refused.skipped.items():
         out.skipped[check].extend(ps)
-    _plan_returns(image, analysis, arch, out)
+    _plan_returns(image, analysis, arch, out, rules)
     _number(out)
     return out
 
@@ -359,7 +359,7 @@ def _split_segments(arch, head: Site) -> None:
         r.dcr, r.decision, r.reason = r.seg, OPTIMIZED, None
 
 
-def _plan_returns(image, analysis, arch, plan: Plan) -> None:
+def _plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
     """Return sites of every function with a placed kretprobe."""
     rp = arch.retprobe
     groups: dict[int, Group] = {}
@@ -392,6 +392,12 @@ def _plan_returns(image, analysis, arch, plan: Plan) -> None:
     for g in plan.groups:
         ex = rp.find_exits(image, analysis, g.func)
         g.exits = ex.exits
+        if not rules.kretprobe_exits:
+            # The target's kretprobes are the kernel's: the return address is swapped at entry.
+            g.mode, g.reason = TRAMPOLINE, arch.Refusal(
+                "kretprobe_trampoline", g.entry, "the return address is swapped at entry (the kernel's "
+                "kretprobe_trampoline; instances per task)")
+            continue
         if ex.refusal is not None:
             # An exit we cannot even name (a conditional tail call, a jump into
             # another function's middle): only the trampoline catches it.
@@ -473,14 +479,16 @@ class HandlerCode:
 NO_HANDLER = HandlerCode(False, set())
 
 
-def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, fast_forms: bool = True) -> None:
+def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, fast_forms: bool = True,
+                 kret_clean_entry: bool = False) -> None:
     """How each site and each function's returns are emitted.
 
     Sites: a clean call where no handler can read its pt_regs argument; the
     inlined template (dispatch in the detour) where the site has one probe and
     no post_handler.  A kretprobe's entry (pre_handler_kretprobe() reads
     regs->sp) is clean only as the template, which passes the slot itself, when
-    its entry_handler is clean.
+    its entry_handler is clean; or, where the target's runtime has a clean kretprobe entry
+    (kret_clean_entry: it passes the slot), through that when no entry_handler reads regs.
 
     Returns: a function with one kretprobe gets the hook inlined at each ret,
     clean when its handler never reads regs, with pt_regs otherwise; several
@@ -490,7 +498,7 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     for site in plan.sites:
         # Without fast forms, detours call the runtime's shared entries: optimized_callback()
         # with pt_regs, or the clean callback where no handler reads pt_regs.
-        _site_form(site, image, arch, code, traced, trace_key, fast_forms)
+        _site_form(site, image, arch, code, traced, trace_key, fast_forms, kret_clean_entry)
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
@@ -508,12 +516,16 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
 
 
 def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key,
-               templates: bool = True) -> None:
+               templates: bool = True, kret_clean_entry: bool = False) -> None:
     site.clean = True
     site.clobbers = set()
     for p in site.probes:
-        if is_entry(p) or trace_key(p) in traced:   # pre_handler_kretprobe / the trace's pre_handler read pt_regs
-            site.clean = False
+        if (is_entry(p) and not kret_clean_entry) or trace_key(p) in traced:
+            site.clean = False      # pre_handler_kretprobe / the trace's pre_handler read pt_regs
+        if is_entry(p) and kret_clean_entry:
+            eh = p.kret.entry_handler
+            site.clean = site.clean and not (eh and code[eh].reads_regs)
+            site.clobbers = None
         for name in (p.spec.pre_handler, p.spec.post_handler):
             if not name:
                 continue

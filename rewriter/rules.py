@@ -13,6 +13,9 @@ answer (targets/*), used by the planner.
 - shared_regions: whether probes inside one region share its detour (the
   runtime then maps an ip inside a region to its copy, kp_region_ip());
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
+- kretprobe_exits: whether a kretprobe's exits are hooked (the user-space design), or
+  every kretprobe swaps the return address for the trampoline, as the kernel's own do
+  (a kernel: its instances are per task, runtime/platform/linux_kernel/kp_kretprobe_task.c);
 - singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
   kernel's own kprobes since 5.14) rather than running with the trap flag;
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
@@ -35,6 +38,10 @@ class Rules:
     function_refusal: Callable | None = None            # (analysis, func) -> arch Refusal | None
     int3: bool = True
     kretprobes: bool = True
+    kretprobe_exits: bool = True
+    # A kretprobe's entry takes the clean call where its entry_handler never reads regs (the
+    # runtime's kp_kretprobe_clean_entry passes the return-address slot instead of pt_regs).
+    kretprobe_clean_entry: bool = False
     # Probes on consecutive instructions share one detour (planner._share_regions())
     # instead of the second one being refused inside the first one's region.
     shared_regions: bool = False

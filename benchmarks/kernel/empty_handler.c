@@ -7,3 +7,9 @@ static int bench_empty(struct kprobe *p, struct pt_regs *regs)
 {
 	return 0;
 }
+
+/* The kretprobes' (--kret): an empty handler, and an empty entry_handler. */
+static int bench_ret_empty(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	return 0;
+}

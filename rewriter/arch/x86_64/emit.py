@@ -85,7 +85,9 @@ def _rip_moved(insn: DcrInsn, new: int) -> bytes:
 
 
 def probe_stub(site: int, entry: int, at: int) -> bytes:
-    """lea -128(%rsp),%rsp; push $site; call entry; lea 136(%rsp),%rsp"""
+    """lea -128(%rsp),%rsp; push $site; call entry; lea 136(%rsp),%rsp
+    (kp_kretprobe_clean_entry, optprobe_entry.S, finds the stack pointer at the hit
+    above SITE and these RED_ZONE bytes: keep the two in step)."""
     return asm(f"lea rsp, [rsp-{RED_ZONE:#x}]; push {site:#x}; call {entry:#x}; "
                f"lea rsp, [rsp+{RED_ZONE + 8:#x}]", at)
 

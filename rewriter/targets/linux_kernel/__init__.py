@@ -139,7 +139,8 @@ def rules(image, arch) -> Rules:
     # Breakpoint probes need our hook on the kernel's int3 path (INT3_HOOK); single-stepped
     # copies end with an int3, as the kernel's own since 5.14 (its #DB path is not hooked).
     return Rules(Index(register), Index(patched), mcount, function_refusal, int3=int3_hook(image) is not None,
-                 kretprobes=False, singlestep_int3=True,
+                 kretprobes=True, kretprobe_exits=False, kretprobe_clean_entry=True,
+                 singlestep_int3=True,
                  fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],
                  # A kernel is built with -fno-jump-tables and jumps through retpoline
                  # thunks; decoding its 46,000 functions again would cost half a minute.
@@ -263,15 +264,21 @@ SHUTDOWN_HOOKS = (("kernel_power_off", "kp_kernel_profile"), ("kernel_restart", 
                   ("kernel_halt", "kp_kernel_profile"))
 
 
+# kprobe_flush_task(): with kretprobes, a task_struct being freed gives back the
+# instances of frames it never returned from (kp_kretprobe_task.c).
+KRET_HOOKS = (("free_task", "kp_kernel_kret_flush_task"),)
+
+
 def runtime_probes(spec) -> None:
     """The boot and shutdown hooks: probes the runtime needs, added to the spec's kprobes."""
-    for what, hooks in (("boot", BOOT_HOOKS), ("shutdown", SHUTDOWN_HOOKS)):
+    for what, hooks in (("boot", BOOT_HOOKS), ("shutdown", SHUTDOWN_HOOKS),
+                        ("kretprobe", KRET_HOOKS if spec.kretprobes else ())):
         for fn, handler in hooks:
             spec.kprobes.append(KprobeSpec(f"[kprewrite {what} hook {fn}]", fn, None, 0, handler, None, False,
                                            f"kprewrite_{fn}"))
 
 
-RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS + SHUTDOWN_HOOKS)
+RUNTIME_HANDLERS = frozenset(h for _, h in BOOT_HOOKS + SHUTDOWN_HOOKS + KRET_HOOKS)
 
 
 # Per-CPU blocks (struct kp_thread and its hit counters) are taken on each CPU's first

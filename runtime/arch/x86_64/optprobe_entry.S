@@ -62,7 +62,7 @@
  * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
  * 80 return into the stub, 88 SITE.
  */
-.macro OPTPROBE_CLEAN_ENTRY name, callback
+.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -70,6 +70,10 @@
 	lea	-80(%rsp), %rsp
 	CLEAN_SAVE
 	mov	88(%rsp), %edi			/* SITE */
+.if \slot
+	/* The stack pointer at the hit: above SITE and probe_stub()'s 128 bytes. */
+	lea	96+128(%rsp), %rsi
+.endif
 #ifdef KP_STACK_ALIGN8
 	call	\callback
 #else
@@ -88,6 +92,11 @@
 
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_entry, kp_optimized_clean_callback
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback
+#ifdef KP_KRET_CLEAN_ENTRY
+/* A kretprobe's entry as a clean call (Rules.kretprobe_clean_entry): callback(SITE, the
+ * return-address slot), a kernel's (runtime/platform/linux_kernel/kp_kretprobe_task.c). */
+	OPTPROBE_CLEAN_ENTRY kp_kretprobe_clean_entry, kp_kretprobe_clean_callback, 1
+#endif
 
 /*
  * Resume at regs->ip on regs->sp with all of regs, flags by popfq.

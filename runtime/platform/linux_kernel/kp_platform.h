@@ -101,6 +101,9 @@ extern unsigned long kp_kernel_pool[];
 extern const unsigned long kp_kernel_pool_size, kp_kernel_block;
 void *memblock_alloc_try_nid(unsigned long size, unsigned long align, unsigned long min_addr,
 			     unsigned long max_addr, int nid);
+/* kretprobes' instance pools, from memblock at the setup_per_cpu_areas() hook
+ * (kp_kretprobe_task.c). */
+void kp_kernel_kretprobes_init(void);
 /* The text/rodata gap, PFN_ALIGN(_etext) .. __start_rodata, which holds our code and data. */
 extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
 

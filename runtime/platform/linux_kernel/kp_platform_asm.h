@@ -8,4 +8,6 @@
 /* C is compiled as the kernel's own (-mpreferred-stack-boundary=3, no SSE): a
  * call needs the stack 8-byte aligned only, which it always is. */
 #define KP_STACK_ALIGN8 1
+/* kretprobes' entries may take the clean call (kp_kretprobe_task.c). */
+#define KP_KRET_CLEAN_ENTRY 1
 #endif

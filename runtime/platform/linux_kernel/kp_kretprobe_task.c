@@ -1,0 +1,369 @@
+/*
+ * kretprobes in a kernel image: the kernel's own way, instances per task.
+ *
+ * In user space kprewrite hooks every exit of a return-probed function and never
+ * touches the return address (runtime/kp_kretprobe.c).  In a kernel the exits are
+ * `jmp __x86_return_thunk` at .return_sites entries that apply_returns() rewrites at
+ * boot, and a task may sleep inside the function and return on another CPU, so the
+ * kernel's design is mirrored instead (kernel/kprobes.c before 5.11:
+ * pre_handler_kretprobe(), kretprobe_inst_table[] with its per-bucket locks,
+ * kretprobe_trampoline_handler(); arch/x86/kernel/kprobes/core.c's
+ * arch_prepare_kretprobe()):
+ *
+ * - entry (the kretprobe's kp.pre_handler, at the function's entry): claim an
+ *   instance from the kretprobe's pool of maxactive (none free: nmissed), run the
+ *   entry_handler (non-zero: no return handler for this call), record the return
+ *   address and its slot (ri->ret_addr, ri->fp), file the instance under the current
+ *   task in a hash table of tasks, and swap the slot for kp_kretprobe_trampoline;
+ * - the function returns into the trampoline (kretprobe_entry.S), which calls
+ *   kp_kretprobe_trampoline_handler(): the current task's newest instances recorded
+ *   at that slot fire, newest first (several kretprobes on one function, or a tail
+ *   call into another return-probed function, share the slot), with regs->ax the
+ *   return value, regs->ip the real return address and regs->sp the stack pointer
+ *   after the return; then it returns to the real address.  Instances of the task
+ *   filed after the first one of that slot belong to frames entered inside it that
+ *   never returned: freed without a handler.
+ *
+ * The table holds only tasks inside a return-probed function; a task is found by
+ * `current` wherever it runs, so a task switched out inside the function returns on
+ * another CPU with its instances.  Interrupt handlers run with the interrupted
+ * task's `current`: their frames nest inside the task's, LIFO.  Nothing is allocated
+ * in probe context: the pools come from memblock at the setup_per_cpu_areas() boot
+ * hook (kp_kernel_kretprobes_init(), called by platform.c); a hit before it misses.
+ * The table's locks are taken with the CPU's `active` flag set, so nothing on the
+ * same CPU (an interrupt, an NMI: their hits count as missed) can wait for a lock it
+ * holds; handlers run outside the locks, with preemption disabled, as the kernel
+ * runs them.
+ *
+ * A task that ends inside a return-probed function (do_exit() never returns) has its
+ * instances freed when its task_struct is (kp_kernel_kret_flush_task(), a runtime
+ * probe on free_task(): the kernel's kprobe_flush_task()).
+ */
+#include "kp_internal.h"
+
+extern char kp_kretprobe_trampoline[];
+#define TRAMP ((unsigned long)kp_kretprobe_trampoline)
+
+/* An instance with the fields the per-task table needs before the kernel's
+ * struct kretprobe_instance (whose layout the handler API fixes). */
+struct kp_kri {
+	struct kp_kri *next;		/* in its bucket, newest first */
+	unsigned long task;		/* ri->task */
+	struct kretprobe_instance ri;
+};
+#define KRI(ri) ((struct kp_kri *)((char *)(ri) - __builtin_offsetof(struct kp_kri, ri)))
+
+/* kretprobe_inst_table[]: KPROBE_HASH_BITS 6, a lock per bucket. */
+#define KP_KRET_BUCKETS 64
+static struct kp_kret_bucket {
+	struct kp_kri *head;
+	unsigned int lock;
+} kp_kret_table[KP_KRET_BUCKETS];
+
+static inline struct kp_kret_bucket *kp_bucket(unsigned long task)
+{
+	return &kp_kret_table[((task >> 6) * 0x9e3779b97f4a7c15UL) >> 58];	/* hash_ptr(tsk, 6) */
+}
+
+/*
+ * A bucket's lock.  Interrupts stay on: every holder runs with this CPU's `active`
+ * set (the dispatch sets it before a pre_handler, the trampoline handler before its
+ * walk), so an interrupt or NMI arriving meanwhile counts its probe hits as missed
+ * and swaps no return address, and no return of its own can come through the
+ * trampoline: nothing on this CPU waits for the lock it holds.  A CPU without its
+ * block (no `active` flag) takes it with interrupts off (irqsave).
+ */
+static inline unsigned long kp_bucket_lock(struct kp_kret_bucket *b, int irqsave)
+{
+	unsigned long flags = 0;
+	if (irqsave)
+		__asm__ volatile("pushfq; popq %0; cli" : "=r"(flags) :: "memory");
+	while (__atomic_exchange_n(&b->lock, 1, __ATOMIC_ACQUIRE))
+		while (__atomic_load_n(&b->lock, __ATOMIC_RELAXED))
+			__asm__ volatile("pause" ::: "memory");
+	return flags;
+}
+
+static inline void kp_bucket_unlock(struct kp_kret_bucket *b, unsigned long flags)
+{
+	__atomic_store_n(&b->lock, 0, __ATOMIC_RELEASE);
+	if (flags & 0x200)	/* X86_EFLAGS_IF, saved by an irqsave lock */
+		__asm__ volatile("sti" ::: "memory");
+}
+
+static inline unsigned long kp_task(void)
+{
+	return (unsigned long)kp_kernel_current();
+}
+
+/* The pools, from memblock at the setup_per_cpu_areas() hook (maxactive <= 0: the
+ * kernel's default, max(10, 2 * num_possible_cpus())). */
+void kp_kernel_kretprobes_init(void)
+{
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		struct kretprobe *rp = &kp_kretprobes[i];
+		if (rp->maxactive <= 0)
+			rp->maxactive = 2 * (int)nr_cpu_ids > 10 ? 2 * (int)nr_cpu_ids : 10;
+		rp->kp_stride = (sizeof(struct kp_kri) + rp->data_size + 7) & ~7UL;
+		char *pool = memblock_alloc_try_nid((unsigned long)rp->kp_stride * rp->maxactive, 64, 0, 0, -1);
+		if (!pool) {
+			_printk(KP_KERN_ERR "kprewrite: no memory for %s's %d kretprobe instances: every call misses\n",
+				rp->kp.name, rp->maxactive);
+			continue;
+		}
+		__atomic_store_n(&rp->kp_pool, pool, __ATOMIC_RELEASE);
+	}
+}
+
+/* Not called in a kernel (the runtime is never relocated); the pools come from the
+ * boot hook above. */
+void kp_kretprobe_relocate(unsigned long bias)
+{
+	(void)bias;
+}
+
+static inline struct kp_kri *kp_kri_at(struct kretprobe *rp, unsigned int i)
+{
+	return (struct kp_kri *)(rp->kp_pool + (unsigned long)i * rp->kp_stride);
+}
+
+/* Claim a free instance of rp (lock-free, as the kernel's freelist). */
+static struct kp_kri *kp_kri_claim(struct kretprobe *rp)
+{
+	unsigned int n = rp->maxactive, i = rp->kp_hint;
+	if (!__atomic_load_n(&rp->kp_pool, __ATOMIC_ACQUIRE))
+		return 0;
+	for (unsigned int k = 0; k < n; k++, i++) {
+		if (i >= n)
+			i = 0;
+		struct kp_kri *kri = kp_kri_at(rp, i);
+		unsigned int free = 0;
+		if (__atomic_load_n(&kri->ri.kp_state, __ATOMIC_RELAXED) == 0 &&
+		    __atomic_compare_exchange_n(&kri->ri.kp_state, &free, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+			rp->kp_hint = i + 1 < n ? i + 1 : 0;
+			return kri;
+		}
+	}
+	return 0;
+}
+
+static inline void kp_kri_free(struct kp_kri *kri)
+{
+	__atomic_store_n(&kri->ri.kp_state, 0, __ATOMIC_RELEASE);
+}
+
+/* The real return address of the task's slot S, which holds the trampoline
+ * already (a tail call from another return-probed function): its instance's. */
+static unsigned long kp_real_ret_locked(struct kp_kret_bucket *b, unsigned long task, unsigned long S)
+{
+	for (struct kp_kri *k = b->head; k; k = k->next)
+		if (k->task == task && (unsigned long)k->ri.fp == S)
+			return (unsigned long)k->ri.ret_addr;
+	return 0;
+}
+
+/* pre_handler_kretprobe() for rp, with S the return-address slot; regs NULL on the
+ * clean path (the entry_handler never reads them).  The dispatch runs it with
+ * preemption off and this CPU's `active` set. */
+static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe *rp, unsigned long S,
+								  struct pt_regs *regs)
+{
+	unsigned long task = kp_task();
+	struct kp_kri *kri = task ? kp_kri_claim(rp) : 0;
+	if (!kri) {
+		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
+		return;
+	}
+	struct kretprobe_instance *ri = &kri->ri;
+	ri->rp = rp;
+	ri->fp = (void *)S;
+	ri->kp_flags = 0;
+	kri->task = task;
+	if (rp->entry_handler && rp->entry_handler(ri, regs)) {
+		kp_kri_free(kri);
+		return;
+	}
+	struct kp_kret_bucket *b = kp_bucket(task);
+	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
+	unsigned long ret = *(unsigned long *)S;
+	if (ret == TRAMP)
+		ret = kp_real_ret_locked(b, task, S);
+	ri->ret_addr = (kprobe_opcode_t *)ret;
+	if (ret) {
+		kri->next = b->head;
+		b->head = kri;
+		*(unsigned long *)S = TRAMP;	/* arch_prepare_kretprobe() */
+	}
+	kp_bucket_unlock(b, flags);
+	if (!ret) {	/* a trampoline we have no instance for: leave it alone */
+		kp_kri_free(kri);
+		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
+	}
+}
+
+/* The kretprobe's kp.pre_handler, from a detour that builds struct pt_regs. */
+int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
+{
+	kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), regs->sp, regs);
+	return 0;
+}
+
+/*
+ * A site with a kretprobe whose handlers (entry_handler, and the pre_handlers of
+ * kprobes at the same address) never read regs: the clean call of
+ * kp_kretprobe_clean_entry (optprobe_entry.S), which saves only the call-clobbered
+ * registers and passes the slot S instead of struct pt_regs.  The dispatch is
+ * kp_optimized_clean_callback()'s, aggr_pre_handler() with the kretprobes' entry
+ * half called directly.
+ */
+void kp_kretprobe_clean_callback(unsigned long site_index, unsigned long S)
+{
+	kp_platform_dispatch_begin();
+	struct kp_site *s = kp_site(site_index);
+	struct kp_thread *t = s ? kp_current_thread() : 0;
+	if (t && t->active) {
+		kp_count_missed(s);
+	} else if (t) {
+		struct kprobe *const *pp = &kp_site_probes[s->first];
+		t->active = 1;
+		for (unsigned int i = 0; i < s->count; i++) {
+			struct kprobe *p = pp[i];
+			if (kprobe_disabled(p))
+				continue;
+			t->hits[p->index]++;
+			if (p->pre_handler == kp_pre_handler_kretprobe)
+				kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), S, 0);
+			else if (p->pre_handler && p->pre_handler(p, 0))
+				break;
+		}
+		t->active = 0;
+	}
+	kp_platform_dispatch_end();
+}
+
+static void kp_kret_fatal(unsigned long task, unsigned long S)
+{
+	_printk(KP_KERN_ERR "kprewrite: kretprobe trampoline: no instance of task %lx at slot %lx\n", task, S);
+	BUG();
+}
+
+/*
+ * kretprobe_trampoline_handler(): the function returned into the trampoline with
+ * regs->sp just above the slot.  Take the task's instances of that slot off the
+ * table, fire them newest first, and return the real return address.
+ */
+unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
+{
+	unsigned long task = kp_task(), S = regs->sp - 8;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	unsigned int active = t ? t->active : 1;
+	if (t)
+		t->active = 1;
+	struct kp_kret_bucket *b = kp_bucket(task);
+	struct kp_kri *fire = 0, **tail = &fire, *stale = 0;
+	unsigned long flags = kp_bucket_lock(b, !t);
+	struct kp_kri **pp = &b->head;
+	int found = 0;
+	while (*pp) {
+		struct kp_kri *k = *pp;
+		if (k->task != task) {
+			pp = &k->next;
+			continue;
+		}
+		if ((unsigned long)k->ri.fp == S) {
+			found = 1;
+			*pp = k->next;
+			k->next = 0;
+			*tail = k;
+			tail = &k->next;
+			continue;
+		}
+		if (found)
+			break;		/* an older frame of the task */
+		*pp = k->next;		/* entered inside this frame, never returned */
+		k->next = stale;
+		stale = k;
+	}
+	kp_bucket_unlock(b, flags);
+	if (!fire)
+		kp_kret_fatal(task, S);
+	while (stale) {
+		struct kp_kri *k = stale;
+		stale = k->next;
+		kp_kri_free(k);
+	}
+	unsigned long ret = (unsigned long)fire->ri.ret_addr;
+	regs->ip = ret;
+	while (fire) {
+		struct kp_kri *k = fire;
+		fire = k->next;
+		struct kretprobe *rp = k->ri.rp;
+		if (!active && rp->handler)
+			rp->handler(&k->ri, regs);
+		kp_kri_free(k);
+	}
+	if (t)
+		t->active = active;
+	kp_platform_dispatch_end();
+	return ret;
+}
+
+/*
+ * kprobe_flush_task(): a task_struct being freed (free_task(tsk), a runtime probe
+ * added for specs with kretprobes) may still hold instances of frames that never
+ * returned (a task that ended inside a return-probed function): free them, with no
+ * handler, as the kernel recycles them.
+ */
+int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	unsigned long task = regs->di;
+	struct kp_kret_bucket *b = kp_bucket(task);
+	struct kp_kri *dead = 0;
+	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
+	for (struct kp_kri **pp = &b->head; *pp;) {
+		struct kp_kri *k = *pp;
+		if (k->task == task) {
+			*pp = k->next;
+			k->next = dead;
+			dead = k;
+		} else {
+			pp = &k->next;
+		}
+	}
+	kp_bucket_unlock(b, flags);
+	while (dead) {
+		struct kp_kri *k = dead;
+		dead = k->next;
+		kp_kri_free(k);
+	}
+	return 0;
+}
+
+/* kprobe_profile rows of the kretprobes: hits, and kp.nmissed + nmissed as
+ * trace_kprobe reports them for return probes. */
+void kp_kretprobe_profile(int fd)
+{
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		struct kretprobe *rp = &kp_kretprobes[i];
+		unsigned long hits = 0;
+		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
+			hits += t->hits[rp->kp.index];
+		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
+	}
+}
+
+/* The user-space design's exit hooks (kretprobe_entry.S, kp_int3.c): a kernel's
+ * kretprobes never place them (Rules.kretprobe_exits is off). */
+static void kp_no_exit_hooks(void)
+{
+	_printk(KP_KERN_ERR "kprewrite: a kretprobe exit hook in a kernel\n");
+	BUG();
+}
+
+void kp_kretprobe_return(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
+int kp_kretprobe_return_clean(unsigned long S) { (void)S; kp_no_exit_hooks(); return 0; }
+void kp_kretprobe_tail_pending(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
+void kp_kretprobe_tail_swap(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
+void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs) { (void)kind; (void)regs; kp_no_exit_hooks(); }
