@@ -334,7 +334,7 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
         else:
             call = f"return ((kprobe_pre_handler_t){user})(p, regs);" if user else "return 0;"
             out.append(f"int kp_trace_pre_{idx}(struct kprobe *p, struct pt_regs *regs) "
-                       f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs); {call} }}")
+                       f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs, (unsigned long)p->addr); {call} }}")
     syms = symtab if events else []
     names, offs = bytearray(), []
     for _, _, n in syms:

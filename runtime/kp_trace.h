@@ -70,11 +70,12 @@ void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset);
 
 /*
  * kp_trace.c: one hit of a trace event.  A kprobe event calls
- * kp_trace_kprobe() from its generated pre_handler; a kretprobe event calls
+ * kp_trace_kprobe() from its generated pre_handler, with the probe's address
+ * (p->addr, the ip of a kernel's trace entry); a kretprobe event calls
  * kp_trace_kretprobe() from its return handler, with the return address
  * (ri->ret_addr) and the probed function's address (rp->kp.addr).
  */
-void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs);
+void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long addr);
 void kp_trace_kretprobe(const struct kp_trace_event *ev, struct pt_regs *regs,
 			unsigned long ret_addr, unsigned long func_addr);
 void kp_trace_configure(char **envp);
