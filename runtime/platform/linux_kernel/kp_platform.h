@@ -134,10 +134,15 @@ static inline unsigned int kp_platform_cpu(void)
 	return cpu;
 }
 
+/* A trace line written whole (before the ring buffer exists): the ring buffer's
+ * own default clock, trace_clock_local() (sched_clock()), which also runs before
+ * timekeeping_init(), where ktime_get() would read a clocksource not yet set. */
+unsigned long long trace_clock_local(void);
+
 struct kp_timespec { long sec, nsec; };
 static inline void kp_platform_trace_clock(struct kp_timespec *ts)
 {
-	long long ns = ktime_get();
+	long long ns = (long long)trace_clock_local();
 	ts->sec = ns / 1000000000;
 	ts->nsec = ns % 1000000000;
 }
