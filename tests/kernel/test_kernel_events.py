@@ -142,6 +142,10 @@ def test_lines_in_the_ring_buffer_next_to_the_kernels_own_event(trace):
     ours = [l for l in lines if " kp_open: " in l and f"-{pid} " in l]
     assert ours and all(re.match(rf"^\s+opener-{pid}\s+\[\d\d\d\] \S{{5}}\s+\d+\.\d{{6}}: do_sys_openat2: kp_open: "
                                  r"\(do_sys_openat2\+0x0/0x[0-9a-f]+\) dfd=-100 ", l) for l in ours), ours
+    # /init's own lines, before any event of the kernel was enabled: its name saved too
+    # (tracing_record_cmdline()), not "<...>"
+    early = [l for l in lines if " kp_open: " in l and "-1 " in l]
+    assert early and all(l.lstrip().startswith("init-1 ") for l in early), early[:3]
     seq = [(r.event, r.args.get("file", r.args.get("name"))) for r in recs
            if r.pid == pid and r.event in ("kp_open", "kpk", "kp_filp")]
     assert seq == [("kpk", "/opener"), ("kp_filp", "/opener"),       # the shell's execve of /opener

@@ -20,6 +20,7 @@
 #include "kp_internal.h"
 
 int __trace_puts(unsigned long ip, const char *str, int size);
+void tracing_record_cmdline(void *task);
 int sprint_symbol(char *buffer, unsigned long address);
 int sprint_symbol_no_offset(char *buffer, unsigned long address);
 /* kernel/trace/trace.c: 1 until tracer_alloc_buffers() (early_trace_init()) has
@@ -32,7 +33,11 @@ int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long l
 		return 0;
 	/* 0 written also means dropped as the kernel drops trace_printk(): tracing_on
 	 * off, the trace_printk option off, a full buffer in overwrite-off mode. */
-	__trace_puts(ip, body, (int)len);
+	/* The task's name for the trace file's COMM-PID column (else "<...>"): saved now,
+	 * as the kernel's sched_switch probe saves it after an event when cmdline
+	 * recording is on (it is only while some event is enabled). */
+	if (__trace_puts(ip, body, (int)len))
+		tracing_record_cmdline(kp_kernel_current());
 	return 1;
 }
 
