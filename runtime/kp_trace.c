@@ -16,7 +16,11 @@
  */
 #include "kp_trace.h"
 
+#ifdef KP_PLATFORM_TRACE_LINE
+#define KP_TRACE_LINE KP_PLATFORM_TRACE_LINE
+#else
 #define KP_TRACE_LINE 2048
+#endif
 
 static int kp_trace_fd = 2;
 

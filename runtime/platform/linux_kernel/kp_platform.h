@@ -171,6 +171,9 @@ static inline int kp_platform_copy_user_nofault(void *dst, unsigned long addr, u
  * (sprint_symbol(), as %pS), not a table compiled in: every function of a kernel
  * would not fit the gap, and kallsyms knows the KASLR base and modules. */
 #define KP_PLATFORM_KALLSYMS 1
+/* A trace line is built on the stack of the probed function (16 KiB kernel stacks,
+ * deep call chains): 1 KiB, not user space's 2; a longer line ends in "...". */
+#define KP_PLATFORM_TRACE_LINE 1024
 #define KP_PLATFORM_SYM_LEN 768		/* >= KSYM_SYMBOL_LEN */
 int kp_platform_symbol(char *buf, unsigned long addr, int with_offset);
 
