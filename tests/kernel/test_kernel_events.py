@@ -11,7 +11,8 @@ One rewrite of Debian's vmlinuz and one boot (-smp 2, KASLR on) for the module:
 - the trace file read from /init: our lines in the kernel's format, between the lines of the
   kernel's own tracefs kprobe event on getname (which do_sys_openat2 calls between the two probes of ours);
 - an event on trap_init(), before early_trace_init() has made the ring buffer: printk;
-- `kprewrite trace` on the saved trace file: JSON lines and the Chrome/Perfetto timeline.
+- `kprewrite trace` on the saved trace file: JSON lines and the Chrome/Perfetto timeline;
+- where the tree has kernel kretprobes, an `r` line's `$retval` (else that test is skipped).
 """
 from __future__ import annotations
 
@@ -72,12 +73,22 @@ echo "== end"
 """
 
 
+# `$retval` needs kernel kretprobes: the `r` line is kept where the tree places them.
+RETURN_EVENT = '  "r:kp_open_ret do_sys_openat2 ret=$retval:s64",\n'
+
+
 @pytest.fixture(scope="module")
 def rewritten(tmp_path_factory, debian_kernel):
     d = tmp_path_factory.mktemp("events")
     spec = d / "probes.toml"
-    spec.write_text(SPEC)
-    lines = kprewrite("check", debian_kernel.vmlinux, "--spec", spec).stdout.splitlines()
+    spec.write_text(SPEC.replace('  "p:kp_early', RETURN_EVENT + '  "p:kp_early'))
+    r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, check=False)
+    kret = r.returncode == 0
+    if not kret:
+        assert "kretprobes are not supported" in r.stderr, r.stderr
+        spec.write_text(SPEC)
+        r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
+    lines = r.stdout.splitlines()
     assert any(l.startswith("do_sys_openat2+0x0  k  ftrace") for l in lines), lines
     assert any(l.startswith("trap_init+0x0  k  ") for l in lines), lines
     out = d / "vmlinuz.kp"
@@ -85,7 +96,7 @@ def rewritten(tmp_path_factory, debian_kernel):
     src = d / "opener.c"
     src.write_text(OPENER_C.replace("MISSING", MISSING).replace("BAD", hex(BAD)))
     subprocess.run(["gcc", "-static", "-O2", "-o", d / "opener", src], check=True)
-    return {"dir": d, "out": out, "opener": d / "opener"}
+    return {"dir": d, "out": out, "opener": d / "opener", "kret": kret}
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +187,20 @@ def test_kprewrite_trace_reads_the_saved_trace_file(trace, tmp_path):
     assert {"kp_open", "kpk", "kp_filp"} <= names, names
     threads = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert "opener" in threads, threads
+
+
+def test_retval_of_a_return_event(rewritten, trace):
+    """An `r` line: `$retval` of do_sys_openat2 (-ENOENT, then -EFAULT for the bad pointer), the
+    caller as the kernel's kretprobe events print it, and the timeline's slice pairing both."""
+    if not rewritten["kret"]:
+        pytest.skip("kernel kretprobes are not in this tree: `r` lines are refused")
+    lines, recs, pid = trace
+    rets = [r for r in recs if r.pid == pid and r.event == "kp_open_ret"]
+    assert [r.args["ret"] for r in rets] == [-2, -14], rets
+    assert all(re.fullmatch(r"(do_sys_open|__x64_sys_openat)\+0x[0-9a-f]+/0x[0-9a-f]+ <- do_sys_openat2", r.loc)
+               for r in rets), rets
+    from rewriter import tracefmt
+    doc = tracefmt.chrome([r for r in recs if r.event != "kp_banner"])   # one entry event per call
+    slices = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["tid"] == pid]
+    assert [(e["name"], e["args"]["entry.file"], e["args"]["return.ret"]) for e in slices] == [
+        ("do_sys_openat2", MISSING, -2), ("do_sys_openat2", "(fault)", -14)], slices
