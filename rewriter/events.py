@@ -323,8 +323,10 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
         ev = events[idx]
         lines, arr = F.args_c(f"kp_fa_{idx}", ev.args)
         out += lines
+        head = "" if ev.is_return else f"{ev.name}: {ev.where}"
         out.append(f"static const struct kp_trace_event kp_tev_{idx} = {{ {c_string(ev.name)}, "
-                   f"{c_string(ev.where)}, {arr}, {len(ev.args)}, {int(ev.is_return)} }};")
+                   f"{c_string(ev.where)}, {arr}, {len(ev.args)}, {int(ev.is_return)}, "
+                   f"{c_string(head)}, {len(head.encode())} }};")
         user = user_syms.get(idx)
         if ev.is_return:
             call = f"return ((kretprobe_handler_t){user})(ri, regs);" if user else "return 0;"

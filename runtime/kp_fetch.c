@@ -21,6 +21,15 @@ void kp_line_putc(struct kp_line *l, char ch)
 		*l->p++ = ch;
 }
 
+/* n bytes in one copy (a precomputed part of the line). */
+void kp_line_put(struct kp_line *l, const char *s, unsigned long n)
+{
+	if (n > (unsigned long)(l->end - l->p))
+		n = l->end - l->p;
+	memcpy(l->p, s, n);
+	l->p += n;
+}
+
 void kp_line_puts(struct kp_line *l, const char *s)
 {
 	while (*s && l->p < l->end)
@@ -199,7 +208,7 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 		val = regs_return_value(regs);
 		break;
 	case KP_FETCH_COMM:
-		val = (unsigned long)c->comm;
+		val = (unsigned long)kp_fetch_comm(c);
 		break;
 	case KP_FETCH_ARG:
 		/* regs_get_kernel_argument(): the stack part at a function entry. */

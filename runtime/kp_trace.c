@@ -88,20 +88,19 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 	char *body = buf + KP_TRACE_CONTEXT;
 	struct kp_line l = { body, buf + sizeof(buf) - 1 };
 
-	kp_platform_task_comm(comm);
 	int tid = kp_platform_task_pid();
-	kp_line_puts(&l, ev->name);
-	kp_line_puts(&l, ": ");
-	if (ev->is_return) {
+	struct kp_fetch_ctx c = { regs, comm, tid, 0 };
+	if (!ev->is_return) {
+		kp_line_put(&l, ev->head, ev->head_len);
+	} else {
+		kp_line_puts(&l, ev->name);
+		kp_line_puts(&l, ": ");
 		kp_line_putc(&l, '(');
 		kp_line_sym(&l, ret_addr, 1);
 		kp_line_puts(&l, " <- ");
 		kp_line_puts(&l, ev->where);
 		kp_line_putc(&l, ')');
-	} else {
-		kp_line_puts(&l, ev->where);
 	}
-	struct kp_fetch_ctx c = { regs, comm, tid };
 	for (unsigned int i = 0; i < ev->nargs; i++) {
 		kp_line_putc(&l, ' ');
 		kp_line_puts(&l, ev->args[i].name);
@@ -116,7 +115,7 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 		return;
 	char ctx[KP_TRACE_CONTEXT];
 	struct kp_line h = { ctx, ctx + sizeof(ctx) };
-	kp_trace_context(&h, comm, tid);
+	kp_trace_context(&h, kp_fetch_comm(&c), tid);
 	unsigned long n = h.p - ctx;
 	memcpy(body - n, ctx, n);
 	kp_platform_write(kp_trace_fd, body - n, len + n);
