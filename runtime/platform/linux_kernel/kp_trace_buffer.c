@@ -27,17 +27,49 @@ int sprint_symbol_no_offset(char *buffer, unsigned long address);
  * made global_trace's ring buffer, or for good when that failed. */
 extern int tracing_disabled;
 
+/* The task (pointer, pid, name) each CPU saved last, and the lines since: saving costs
+ * some 170 instructions a hit (a third of the line's cost), so the same task with the
+ * same name hitting again on the same CPU is saved again only every KP_COMM_RESAVE
+ * lines (other tasks' names may have pushed it out of saved_cmdlines meanwhile). */
+#define KP_COMM_CPUS 64
+#define KP_COMM_RESAVE 256
+static struct {
+	void *task;
+	unsigned long comm[2];		/* TASK_COMM_LEN bytes */
+	int pid;
+	unsigned int lines;
+} __attribute__((aligned(64))) kp_comm_saved[KP_COMM_CPUS];
+
 int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len)
 {
 	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED))
 		return 0;
 	/* 0 written also means dropped as the kernel drops trace_printk(): tracing_on
 	 * off, the trace_printk option off, a full buffer in overwrite-off mode. */
-	/* The task's name for the trace file's COMM-PID column (else "<...>"): saved now,
-	 * as the kernel's sched_switch probe saves it after an event when cmdline
-	 * recording is on (it is only while some event is enabled). */
-	if (__trace_puts(ip, body, (int)len))
-		tracing_record_cmdline(kp_kernel_current());
+	if (!__trace_puts(ip, body, (int)len))
+		return 1;
+	/* The task's name for the trace file's COMM-PID column (else "<...>"), saved as
+	 * the kernel's sched_switch probe saves it after an event when cmdline recording
+	 * is on (it is only while some event is enabled).  The dispatch runs with
+	 * preemption off, so this CPU's slot is ours. */
+	char *task = kp_kernel_current();
+	unsigned int cpu = kp_platform_cpu();
+	if (cpu < KP_COMM_CPUS && kp_kernel_task_comm >= 0) {
+		int pid = kp_platform_task_pid();
+		unsigned long c0, c1;
+		__builtin_memcpy(&c0, task + kp_kernel_task_comm, 8);
+		__builtin_memcpy(&c1, task + kp_kernel_task_comm + 8, 8);
+		typeof(kp_comm_saved[0]) *saved = &kp_comm_saved[cpu];
+		if (saved->task == task && saved->pid == pid && saved->comm[0] == c0 && saved->comm[1] == c1
+		    && ++saved->lines < KP_COMM_RESAVE)
+			return 1;
+		saved->task = task;
+		saved->pid = pid;
+		saved->comm[0] = c0;
+		saved->comm[1] = c1;
+		saved->lines = 0;
+	}
+	tracing_record_cmdline(task);
 	return 1;
 }
 
