@@ -187,6 +187,10 @@ def test_kprewrite_trace_reads_the_saved_trace_file(trace, tmp_path):
     assert {"kp_open", "kpk", "kp_filp"} <= names, names
     threads = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
     assert "opener" in threads, threads
+    # `kprewrite report`: each event counted as the records were
+    rep = json.loads(kprewrite("report", saved, "--format", "json").stdout)
+    counts = {e["event"]: e["count"] for e in rep["events"]}
+    assert counts["kp_open"] == sum(r["event"] == "kp_open" for r in recs), counts
 
 
 def test_retval_of_a_return_event(rewritten, trace):
