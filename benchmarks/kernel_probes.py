@@ -2,10 +2,8 @@
 """Kernel benchmark: the cost of a probe hit, ours and the running kernel's own kprobes, side by
 side in the same boot, under qemu-system-x86_64 (issue 10, "Benchmarks", first bullet).
 
-Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR] [--int3|--events]
+Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR] [--int3]
      (--int3: ours at +0xe is a breakpoint probe, issue 11, compared with the kernel's INT3 kprobes)
-     (--events: ours are `events` lines with no fetch args, each hit a line in the ftrace ring buffer,
-      issue 11, compared with the kernel's tracefs kprobe events; tracing_on stays 1 throughout)
      (fetches Debian's cloud kernel like tests/kernel do; needs gcc, make, qemu-system-x86, busybox-static)
 
 What is measured
@@ -143,14 +141,11 @@ def check_twins(vmlinux: Path) -> None:
         sys.exit(f"kernel_probes: {', '.join(TWINS.values())} are no longer twins in this kernel: {shapes}")
 
 
-def rewrite(k, work: Path, int3: bool = False, events: bool = False) -> Path:
+def rewrite(k, work: Path, int3: bool = False) -> Path:
     spec = work / "probes.toml"
-    if events:      # default event names: p___do_sys_getuid_0, p___do_sys_geteuid_14, as the profile reads them
-        spec.write_text(f'events = ["p {TWINS[OURS_ENTRY]}", "p {TWINS[OURS_INSIDE]}+{INSIDE:#x}"]\n')
-    else:
-        spec.write_text(("optimize = false\n" if int3 else "") + f'handlers = ["{HANDLER_SRC}"]\n'
-                        f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\npre_handler = "bench_empty"\n'
-                        f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_INSIDE]}"\noffset = {INSIDE:#x}\npre_handler = "bench_empty"\n')
+    spec.write_text(("optimize = false\n" if int3 else "") + f'handlers = ["{HANDLER_SRC}"]\n'
+                    f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\npre_handler = "bench_empty"\n'
+                    f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_INSIDE]}"\noffset = {INSIDE:#x}\npre_handler = "bench_empty"\n')
     plan = kprewrite("check", k.vmlinux, "--spec", spec).split("\n")
     want = [f"{TWINS[OURS_ENTRY]}+0x0  k  ftrace", f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  optimized"]
     if int3:        # --int3: ours at +0xe is a breakpoint probe, its instruction boosted
@@ -299,7 +294,6 @@ def med(xs) -> float:
 
 
 INSIDE_KIND = "optimized"       # "int3" with --int3
-OURS_WHAT = "empty pre_handler"     # "events line, ring buffer" with --events
 
 
 def analyse(main: dict, calib: dict, n: int, reps: int, warmup: int) -> tuple[list, list[str], dict]:
@@ -327,7 +321,7 @@ def analyse(main: dict, calib: dict, n: int, reps: int, warmup: int) -> tuple[li
         ours[lab] = (med(d) - ref[lab]) / n
         ours_min[lab] = (min(x for ph in main["phases"].values() for x in ph["results"][lab]) - ref_all
                          - ref_min[lab]) / n
-        rows.append((f"{what}, {OURS_WHAT}", kind, per_call, ours[lab], 1.0, ours_min[lab], 1.0))
+        rows.append((f"{what}, empty pre_handler", kind, per_call, ours[lab], 1.0, ours_min[lab], 1.0))
     for key, desc, where, how, kind in PHASES[1:]:
         ph = main["phases"].get(key)
         if ph is None:
@@ -398,14 +392,10 @@ def main():
     ap.add_argument("--keep", metavar="DIR", help="keep the rewritten kernel, spec and consoles in DIR")
     ap.add_argument("--int3", action="store_true", help="ours at +0xe as a breakpoint probe (optimize = false), "
                     "against the kernel's INT3 kprobes only")
-    ap.add_argument("--events", action="store_true", help="ours as `events` lines (a trace line into the "
-                    "ftrace ring buffer per hit), against the kernel's tracefs kprobe events only")
     args = ap.parse_args()
-    global INSIDE_KIND, OURS_WHAT
+    global INSIDE_KIND
     if args.int3:
         INSIDE_KIND = "int3"
-    if args.events:
-        OURS_WHAT = "events line, ring buffer"
     t_start = time.monotonic()
 
     k = kernel_env.obtain_kernel()
@@ -420,12 +410,11 @@ def main():
     check_twins(k.vmlinux)
     loop_bin = work / "syscall_loop"
     sh(["gcc", "-static", "-O2", "-Wall", "-o", str(loop_bin), str(LOOP_SRC)])
-    kp = rewrite(k, work, args.int3, args.events)
-    ko = None if args.events else build_module(k, work)
+    kp = rewrite(k, work, args.int3)
+    ko = build_module(k, work)
     files = {"bench": loop_bin, **({"bench_kprobe.ko": ko} if ko else {})}
     phases = [ph for ph in PHASES if (ko or ph[3] != "module") and (not args.int3 or ph[0] in ("none", "k-int3-mod",
-                                                                                              "k-int3-bpf", "k-int3-event"))
-              and (not args.events or ph[0] in ("none", "k-entry-event", "k-opt-event"))]
+                                                                                              "k-int3-bpf", "k-int3-event"))]
 
     for mode in args.modes.split(","):
         n, reps, warmup = (a if a is not None else d for a, d in zip((args.n, args.reps, args.warmup), DEFAULTS[mode]))
