@@ -323,8 +323,10 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
         ev = events[idx]
         lines, arr = F.args_c(f"kp_fa_{idx}", ev.args)
         out += lines
+        head = "" if ev.is_return else f"{ev.name}: {ev.where}"
         out.append(f"static const struct kp_trace_event kp_tev_{idx} = {{ {c_string(ev.name)}, "
-                   f"{c_string(ev.where)}, {arr}, {len(ev.args)}, {int(ev.is_return)} }};")
+                   f"{c_string(ev.where)}, {arr}, {len(ev.args)}, {int(ev.is_return)}, "
+                   f"{c_string(head)}, {len(head.encode())} }};")
         user = user_syms.get(idx)
         if ev.is_return:
             call = f"return ((kretprobe_handler_t){user})(ri, regs);" if user else "return 0;"
@@ -334,7 +336,7 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
         else:
             call = f"return ((kprobe_pre_handler_t){user})(p, regs);" if user else "return 0;"
             out.append(f"int kp_trace_pre_{idx}(struct kprobe *p, struct pt_regs *regs) "
-                       f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs); {call} }}")
+                       f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs, (unsigned long)p->addr); {call} }}")
     syms = symtab if events else []
     names, offs = bytearray(), []
     for _, _, n in syms:

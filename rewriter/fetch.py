@@ -435,11 +435,15 @@ def parse_args(words: list[tuple[str, int]], flags: ParseFlags) -> list[ProbeArg
 # --- resolution and C emission ------------------------------------------------------------------
 
 def data_symbols(image) -> dict[str, list[tuple[int, int]]]:
-    """Every named symbol with an address: name -> [(value, size)] (functions and objects)."""
+    """Every named symbol with an address: name -> [(value, size)] (functions and objects):
+    the ELF's .symtab and .dynsym, then the symbols the target reads from the image
+    beyond them (a kernel's kallsyms or System.map: data and per-CPU symbols too;
+    size 0, and a name several symbols share listed twice, so it is not unique)."""
     cached = getattr(image, "_kp_all_symbols", None)
     if cached is not None:
         return cached
     from .image import text
+    from .targets import for_image
     out: dict[str, list[tuple[int, int]]] = {}
     for syms in (image.binary.symtab_symbols, image.binary.dynamic_symbols):
         for s in syms:
@@ -447,6 +451,9 @@ def data_symbols(image) -> dict[str, list[tuple[int, int]]]:
                 lst = out.setdefault(text(s.name), [])
                 if all(v != s.value for v, _ in lst):
                     lst.append((s.value, s.size))
+    for name, addr in (for_image(image).link_symbols(image) or {}).items():
+        if name not in out:
+            out[name] = [(addr, 0)] if addr is not None else [(0, 0), (1, 0)]
     image._kp_all_symbols = out
     return out
 

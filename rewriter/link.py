@@ -54,6 +54,8 @@ ASM_OFFSETS_SOURCES = ["kp_asm_offsets.c", "{arch}/kp_asm_offsets.c"]
 KERNEL_RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
                           "{platform}/kp_kretprobe_task.c", "kp_fetch.c", "kp_trace.c",
                           "kp_trap.c", "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
+# kprobe_events into the ftrace ring buffer, symbols from kallsyms (issue 11).
+KERNEL_RUNTIME_SOURCES += ["{platform}/kp_trace_buffer.c"]
 KERNEL_CFLAGS = [f for f in CFLAGS if f not in ("-fPIC", "-fno-plt")] + [
     "-D__KERNEL__", "-fno-pic", "-fno-pie", "-mcmodel=kernel", "-mno-red-zone", "-mpreferred-stack-boundary=3",
     "-mfunction-return=thunk-extern",

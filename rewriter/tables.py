@@ -46,7 +46,8 @@ def generate(c: Code, target, traces: dict) -> str:
     if traces:
         users = {trace_key(p): link_sym[p.spec.pre_handler] for _, p in plan.kprobes if p.spec.pre_handler}
         users.update({trace_key(p): link_sym[p.kret.handler] for _, p, _ in plan.kretprobes if p.kret.handler})
-        out += ev_mod.trace_c(traces, users, fetch_mod.symbol_table(c.image)).splitlines()
+        symtab = [] if target.RUNTIME_KALLSYMS else fetch_mod.symbol_table(c.image)
+        out += ev_mod.trace_c(traces, users, symtab).splitlines()
     else:
         out += ev_mod.trace_c({}, {}, []).splitlines()
     return "\n".join(out) + "\n"

@@ -1,7 +1,9 @@
 """Reading trace lines: `kprewrite trace FILE [--format jsonl|chrome]`.
 
 Parses the lines a rewritten program writes (the kernel's tracing/trace
-format, see runtime/kp_trace.c) into JSON lines, or into the Chrome
+format, see runtime/kp_trace.c), or a saved copy of a rewritten kernel's
+tracing/trace (our events, and the kernel's own kprobe events between them;
+its other events are skipped), into JSON lines, or into the Chrome
 trace-event format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
 For the timeline, an entry event (a kprobe on FUNC+0x0, or +0x4 after an
 ENDBR) and the next return event of one thread with `<- FUNC` (a kretprobe)
@@ -16,9 +18,14 @@ from dataclasses import dataclass
 
 from .errors import KprewriteError
 
-# trace_print_context() + print_kprobe_event()/print_kretprobe_event().
-LINE = re.compile(r"^\s*(?P<comm>.*?)-(?P<pid>\d+)\s+\[(?P<cpu>\d+)\]\s+(?P<ts>\d+\.\d+):\s+"
-                  r"(?P<event>[^\s:]+):\s+\((?P<loc>[^()]*)\)(?P<args>.*)$")
+# trace_print_context() + print_kprobe_event()/print_kretprobe_event().  A kernel's
+# tracing/trace adds the irq-info flags column ("d..1.") and, with options/record-tgid,
+# the TGID column ("(  123)"); a kernel writes our events as trace_printk() entries,
+# whose text follows the probe address's symbol ("do_sys_openat2: kp_open: (...)");
+# before the ring buffer exists they go to printk, behind its "[    0.123456] ".
+LINE = re.compile(r"^(?:\[\s*\d+\.\d+\]\s)?\s*(?P<comm>.*?)-(?P<pid>\d+)\s+(?:\(\s*[-\d]+\)\s+)?"
+                  r"\[(?P<cpu>\d+)\]\s+(?:\S{4,5}\s+)?(?P<ts>\d+\.\d+):\s+"
+                  r"(?:(?P<ip>[^\s:()]+):\s+)?(?P<event>[^\s:]+):\s+\((?P<loc>[^()]*)\)(?P<args>.*)$")
 SYM = re.compile(r"^(?P<sym>.+?)\+(?P<off>0x[0-9a-f]+)/(?P<size>0x[0-9a-f]+)$")
 
 
@@ -167,7 +174,8 @@ def read(path: str) -> list[Record]:
             other += 1
     if other and not out:        # text, but not one trace line: the wrong file
         raise KprewriteError(f"{path}: no trace lines in it ({other} other lines); "
-                             "expected the output of KPREWRITE_TRACE or standard error of a rewritten program")
+                             "expected the output of KPREWRITE_TRACE, standard error of a rewritten program, "
+                             "or a kernel's tracing/trace")
     return out
 
 

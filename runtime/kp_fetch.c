@@ -3,9 +3,11 @@
  * (process_fetch_insn() of kernel/trace/trace_kprobe.c and
  * trace_probe_tmpl.h) and prints each value with its type's print function.
  *
- * Memory is read through the platform's fault-reporting copy
- * (kp_platform_copy_nofault(), the kernel's copy_from_kernel_nofault()): a bad
- * pointer prints "(fault)" and never crashes the probed program.
+ * Memory is read through the platform's fault-reporting copies
+ * (kp_platform_copy_nofault(), the kernel's copy_from_kernel_nofault(), and
+ * kp_platform_copy_user_nofault(), its copy_from_user_nofault(), for `ustring`
+ * and the `+u` dereferences): a bad pointer prints "(fault)" and never crashes
+ * the probed program.
  */
 #include "kp_trace.h"
 
@@ -17,6 +19,15 @@ void kp_line_putc(struct kp_line *l, char ch)
 {
 	if (l->p < l->end)
 		*l->p++ = ch;
+}
+
+/* n bytes in one copy (a precomputed part of the line). */
+void kp_line_put(struct kp_line *l, const char *s, unsigned long n)
+{
+	if (n > (unsigned long)(l->end - l->p))
+		n = l->end - l->p;
+	memcpy(l->p, s, n);
+	l->p += n;
 }
 
 void kp_line_puts(struct kp_line *l, const char *s)
@@ -60,9 +71,17 @@ void kp_line_hex(struct kp_line *l, unsigned long v, int width)
 		kp_line_putc(l, tmp[--n]);
 }
 
-/* %pS: "sym+0xoff/0xsize" from the compiled symbol table, else the address. */
+/* %pS: "sym+0xoff/0xsize" from the compiled symbol table (or the platform's
+ * kallsyms), else the address. */
 void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset)
 {
+#ifdef KP_PLATFORM_KALLSYMS
+	char name[KP_PLATFORM_SYM_LEN];
+	name[0] = 0;
+	kp_platform_symbol(name, addr, with_offset);
+	kp_line_puts(l, name);
+	return;
+#endif
 	unsigned long a = addr - kp_rt.bias;
 	unsigned int lo = 0, hi = kp_nsyms;
 	while (lo < hi) {
@@ -88,7 +107,7 @@ void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset)
 }
 
 /* A string argument: "text" (control characters escaped, so a line stays one line), or (fault). */
-static void kp_print_string(struct kp_line *l, unsigned long addr, int tid)
+static void kp_print_string(struct kp_line *l, unsigned long addr, int tid, int user)
 {
 	char buf[KP_STRING_MAX];
 	unsigned long n = 0;
@@ -97,7 +116,8 @@ static void kp_print_string(struct kp_line *l, unsigned long addr, int tid)
 		unsigned long chunk = 4096 - ((addr + n) & 4095);	/* never across a page we did not ask for */
 		if (chunk > sizeof(buf) - n)
 			chunk = sizeof(buf) - n;
-		if (kp_platform_copy_nofault(buf + n, addr + n, chunk, tid)) {
+		if (user ? kp_platform_copy_user_nofault(buf + n, addr + n, chunk, tid)
+			 : kp_platform_copy_nofault(buf + n, addr + n, chunk, tid)) {
 			kp_line_puts(l, "(fault)");
 			return;
 		}
@@ -188,7 +208,7 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 		val = regs_return_value(regs);
 		break;
 	case KP_FETCH_COMM:
-		val = (unsigned long)c->comm;
+		val = (unsigned long)kp_fetch_comm(c);
 		break;
 	case KP_FETCH_ARG:
 		/* regs_get_kernel_argument(): the stack part at a function entry. */
@@ -214,7 +234,8 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 	code++;
 	while (code->op == KP_FETCH_DEREF || code->op == KP_FETCH_UDEREF) {
 		lval = val;
-		if (kp_platform_copy_nofault(&val, val + code->imm, 8, c->tid))
+		if (code->op == KP_FETCH_UDEREF ? kp_platform_copy_user_nofault(&val, val + code->imm, 8, c->tid)
+						: kp_platform_copy_nofault(&val, val + code->imm, 8, c->tid))
 			goto fault;
 		code++;
 	}
@@ -230,16 +251,22 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 			v = val;
 			break;
 		case KP_FETCH_ST_MEM:
-		case KP_FETCH_ST_UMEM:
 			fault = kp_platform_copy_nofault(&v, val + op->imm, op->size, c->tid) != 0;
 			break;
+		case KP_FETCH_ST_UMEM:
+			fault = kp_platform_copy_user_nofault(&v, val + op->imm, op->size, c->tid) != 0;
+			break;
 		case KP_FETCH_ST_STRING:
-		case KP_FETCH_ST_USTRING:
+		case KP_FETCH_ST_USTRING: {
+			int user = op->op == KP_FETCH_ST_USTRING;
+			/* an array of strings: the next pointer read as the kernel's
+			 * probe_mem_read() reads it, ustring or not */
 			if (i && kp_platform_copy_nofault(&val, lval + 8 * i + st[-1].imm, 8, c->tid))
 				kp_line_puts(l, "(fault)");
 			else
-				kp_print_string(l, val + op->imm, c->tid);
+				kp_print_string(l, val + op->imm, c->tid, user);
 			goto next;
+		}
 		}
 		op++;
 		if (op->op == KP_FETCH_MOD_BF) {

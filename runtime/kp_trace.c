@@ -10,11 +10,17 @@
  * (kp_platform_write()), so lines of concurrent threads never interleave.
  * COMM, PID (the thread id), CPU and the time stamp are the platform's
  * (kp_platform.h).  Output goes to standard error, or to the file named by
- * KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error).
+ * KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error);
+ * in a kernel, into the ftrace ring buffer (kp_platform_trace_buffer()), which
+ * prints the context itself.
  */
 #include "kp_trace.h"
 
+#ifdef KP_PLATFORM_TRACE_LINE
+#define KP_TRACE_LINE KP_PLATFORM_TRACE_LINE
+#else
 #define KP_TRACE_LINE 2048
+#endif
 
 static int kp_trace_fd = 2;
 
@@ -43,50 +49,58 @@ void kp_trace_configure(char **envp)
 	kp_platform_write(2, msg, sizeof(msg) - 1);
 }
 
+/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: ", for lines written whole. */
+static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
+{
+	struct kp_timespec ts = { 0, 0 };
+	unsigned int cpu = kp_platform_cpu();
+	kp_platform_trace_clock(&ts);
+	int n = (int)strlen(comm);
+	for (int i = n; i < 16; i++)
+		kp_line_putc(l, ' ');
+	kp_line_puts(l, comm);
+	kp_line_putc(l, '-');
+	kp_line_dec(l, tid, 0, 7, 1);
+	kp_line_puts(l, " [");
+	kp_line_dec(l, cpu / 100 % 10, 0, 0, 0);
+	kp_line_dec(l, cpu / 10 % 10, 0, 0, 0);
+	kp_line_dec(l, cpu % 10, 0, 0, 0);
+	kp_line_puts(l, "] ");
+	kp_line_dec(l, ts.sec, 0, 5, 0);
+	kp_line_putc(l, '.');
+	unsigned long us = ts.nsec / 1000;
+	for (unsigned long d = 100000; d; d /= 10)
+		kp_line_putc(l, '0' + us / d % 10);
+	kp_line_puts(l, ": ");
+}
+
+/* The body (print_kprobe_event(): "EVENT: (SYM+off/size) name=value ...") is
+ * built first, after room for the context; a platform with a trace buffer of
+ * its own (a kernel's ftrace ring buffer, which adds the context itself) takes
+ * the body, else the context is put in front and the whole line written. */
+#define KP_TRACE_CONTEXT 64	/* >= the longest context: 16 + 1 + 7 + 7 + 20 + 1 + 6 + 2 */
+
 static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
-			 unsigned long ret_addr)
+			 unsigned long ip, unsigned long ret_addr)
 {
 	char buf[KP_TRACE_LINE];
 	char comm[KP_TASK_COMM_LEN + 1] = { 0 };
-	struct kp_timespec ts = { 0, 0 };
-	unsigned int cpu = 0;
-	struct kp_line l = { buf, buf + sizeof(buf) - 1 };
+	char *body = buf + KP_TRACE_CONTEXT;
+	struct kp_line l = { body, buf + sizeof(buf) - 1 };
 
-	kp_platform_task_comm(comm);
 	int tid = kp_platform_task_pid();
-	cpu = kp_platform_cpu();
-	kp_platform_trace_clock(&ts);
-
-	/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: " */
-	int n = (int)strlen(comm);
-	for (int i = n; i < 16; i++)
-		kp_line_putc(&l, ' ');
-	kp_line_puts(&l, comm);
-	kp_line_putc(&l, '-');
-	kp_line_dec(&l, tid, 0, 7, 1);
-	kp_line_puts(&l, " [");
-	kp_line_dec(&l, cpu / 100 % 10, 0, 0, 0);
-	kp_line_dec(&l, cpu / 10 % 10, 0, 0, 0);
-	kp_line_dec(&l, cpu % 10, 0, 0, 0);
-	kp_line_puts(&l, "] ");
-	kp_line_dec(&l, ts.sec, 0, 5, 0);
-	kp_line_putc(&l, '.');
-	unsigned long us = ts.nsec / 1000;
-	for (unsigned long d = 100000; d; d /= 10)
-		kp_line_putc(&l, '0' + us / d % 10);
-	kp_line_puts(&l, ": ");
-	kp_line_puts(&l, ev->name);
-	kp_line_puts(&l, ": ");
-	if (ev->is_return) {
+	struct kp_fetch_ctx c = { regs, comm, tid, 0 };
+	if (!ev->is_return) {
+		kp_line_put(&l, ev->head, ev->head_len);
+	} else {
+		kp_line_puts(&l, ev->name);
+		kp_line_puts(&l, ": ");
 		kp_line_putc(&l, '(');
 		kp_line_sym(&l, ret_addr, 1);
 		kp_line_puts(&l, " <- ");
 		kp_line_puts(&l, ev->where);
 		kp_line_putc(&l, ')');
-	} else {
-		kp_line_puts(&l, ev->where);
 	}
-	struct kp_fetch_ctx c = { regs, comm, tid };
 	for (unsigned int i = 0; i < ev->nargs; i++) {
 		kp_line_putc(&l, ' ');
 		kp_line_puts(&l, ev->args[i].name);
@@ -96,12 +110,20 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 	if (l.p >= l.end)	/* truncated: still one line */
 		l.p = l.end - 3, kp_line_puts(&l, "..."), l.p = l.end;
 	*l.p++ = '\n';
-	kp_platform_write(kp_trace_fd, buf, l.p - buf);
+	unsigned long len = l.p - body;
+	if (kp_platform_trace_buffer(ip, body, len))
+		return;
+	char ctx[KP_TRACE_CONTEXT];
+	struct kp_line h = { ctx, ctx + sizeof(ctx) };
+	kp_trace_context(&h, kp_fetch_comm(&c), tid);
+	unsigned long n = h.p - ctx;
+	memcpy(body - n, ctx, n);
+	kp_platform_write(kp_trace_fd, body - n, len + n);
 }
 
-void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs)
+void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long addr)
 {
-	kp_trace_hit(ev, regs, 0);
+	kp_trace_hit(ev, regs, addr, 0);
 }
 
 /*
@@ -113,6 +135,5 @@ void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs)
 void kp_trace_kretprobe(const struct kp_trace_event *ev, struct pt_regs *regs,
 			unsigned long ret_addr, unsigned long func_addr)
 {
-	(void)func_addr;
-	kp_trace_hit(ev, regs, ret_addr);
+	kp_trace_hit(ev, regs, func_addr, ret_addr);
 }

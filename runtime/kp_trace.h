@@ -42,6 +42,8 @@ struct kp_trace_event {
 	const struct kp_probe_arg *args;
 	unsigned int nargs;
 	unsigned int is_return;
+	const char *head;		/* kprobe: "EVENT: (SYM+off/size)", written in one copy */
+	unsigned int head_len;
 };
 
 /* kallsyms for symbol/symstr types and return addresses, link-time addresses. */
@@ -53,9 +55,20 @@ extern const char kp_symnames[];
 /* What the fetch programs can read besides pt_regs. */
 struct kp_fetch_ctx {
 	struct pt_regs *regs;
-	const char *comm;
+	char *comm;			/* KP_TASK_COMM_LEN + 1 bytes, filled at the first use */
 	int tid;
+	int have_comm;
 };
+
+/* The task's name into c->comm, once per hit ($comm, or a line written whole). */
+static inline const char *kp_fetch_comm(struct kp_fetch_ctx *c)
+{
+	if (!c->have_comm) {
+		kp_platform_task_comm(c->comm);
+		c->have_comm = 1;
+	}
+	return c->comm;
+}
 
 /* Output being built: one trace line. */
 struct kp_line { char *p, *end; };
@@ -64,17 +77,19 @@ struct kp_line { char *p, *end; };
 void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fetch_ctx *c);
 void kp_line_puts(struct kp_line *l, const char *s);
 void kp_line_putc(struct kp_line *l, char ch);
+void kp_line_put(struct kp_line *l, const char *s, unsigned long n);
 void kp_line_hex(struct kp_line *l, unsigned long v, int width);
 void kp_line_dec(struct kp_line *l, unsigned long v, int neg, int width, int left);
 void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset);
 
 /*
  * kp_trace.c: one hit of a trace event.  A kprobe event calls
- * kp_trace_kprobe() from its generated pre_handler; a kretprobe event calls
+ * kp_trace_kprobe() from its generated pre_handler, with the probe's address
+ * (p->addr, the ip of a kernel's trace entry); a kretprobe event calls
  * kp_trace_kretprobe() from its return handler, with the return address
  * (ri->ret_addr) and the probed function's address (rp->kp.addr).
  */
-void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs);
+void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long addr);
 void kp_trace_kretprobe(const struct kp_trace_event *ev, struct pt_regs *regs,
 			unsigned long ret_addr, unsigned long func_addr);
 void kp_trace_configure(char **envp);

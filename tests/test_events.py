@@ -577,6 +577,44 @@ def test_trace_command_input(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+# A rewritten kernel's /sys/kernel/tracing/trace (verbatim from a boot of Debian's 6.1 kernel,
+# tests/kernel/test_kernel_events.py): our events as trace_printk() entries (the probe's symbol
+# first), the kernel's own kprobe event and a sched event between them, and a line of ours the
+# kernel log got before the ring buffer existed.
+KERNEL_TRACE = r"""# tracer: nop
+#
+# entries-in-buffer/entries-written: 5/5   #P:2
+#           TASK-PID     CPU#  |||||  TIMESTAMP  FUNCTION
+#              | |         |   |||||     |         |
+          opener-90      [000] ...1.     6.536520: do_sys_openat2: kp_open: (do_sys_openat2+0x0/0x170) dfd=-100 file="/kp-events-missing" comm="opener" caller=__x64_sys_openat+0x6a/0xa0
+          opener-90      [000] .....     6.536686: kpk: (getname+0x0/0x20) name="/kp-events-missing"
+          opener-90      [001] d..2.     6.536690: sched_switch: prev_comm=opener prev_pid=90 prev_prio=120 prev_state=R+ ==> next_comm=swapper/1 next_pid=0 next_prio=120
+          opener-90      [000] ...1.     6.548573: do_sys_openat2: kp_open: (do_sys_openat2+0x0/0x170) dfd=-100 file=(fault) comm="opener" caller=__x64_sys_openat+0x6a/0xa0
+           <...>-91      [000] ...1.     6.611597: do_sys_openat2: kp_open: (do_sys_openat2+0x0/0x170) dfd=-100 file="/sys/kernel/tracing/trace" comm="cat" caller=__x64_sys_openat+0x6a/0xa0
+            init-1     (      1) [001] d..1.  7.000001: p_kill_0: (__x64_sys_kill+0x0/0xb0)
+[    0.104698]          swapper-0       [000]     0.104308: kp_early: (trap_init+0x0/0x1e)
+"""
+
+
+def test_trace_of_a_kernels_trace_file(tmp_path):
+    """`kprewrite trace` on a saved tracing/trace: our lines and the kernel's own kprobe events
+    (with the flags column, the TGID column, trace_printk's ip, printk's time), nothing else."""
+    f = tmp_path / "trace"
+    f.write_text(KERNEL_TRACE)
+    recs = [json.loads(l) for l in kprewrite("trace", f).stdout.splitlines()]
+    assert [(r["comm"], r["pid"], r["cpu"], r["ts_us"], r["event"]) for r in recs] == [
+        ("opener", 90, 0, 6536520, "kp_open"), ("opener", 90, 0, 6536686, "kpk"),
+        ("opener", 90, 0, 6548573, "kp_open"), ("<...>", 91, 0, 6611597, "kp_open"),
+        ("init", 1, 1, 7000001, "p_kill_0"), ("swapper", 0, 0, 104308, "kp_early")]
+    assert recs[0]["args"] == {"dfd": -100, "file": "/kp-events-missing", "comm": "opener",
+                               "caller": "__x64_sys_openat+0x6a/0xa0"}
+    assert recs[0]["func"] == "do_sys_openat2" and recs[1]["func"] == "getname"
+    assert recs[2]["args"]["file"] == "(fault)"
+    doc = json.loads(kprewrite("trace", f, "--format", "chrome").stdout)
+    assert sorted(e["name"] for e in doc["traceEvents"] if e["ph"] == "i") == [
+        "kp_early", "kp_open", "kp_open", "kp_open", "kpk", "p_kill_0"]
+
+
 def test_trace_of_a_file_without_trace_lines(tmp_path, prog):
     """The wrong file (here the program itself) is one clear line, not an empty timeline;
     an empty trace (no hits) is still a valid, empty one."""

@@ -42,6 +42,8 @@ class Target(Protocol):
         """The target's part of the generated C tables."""
 
     TABLES_AT_BOOT: bool               # tables.py writes compact records the runtime builds from
+    RUNTIME_KALLSYMS: bool             # trace events name addresses from the running image's own
+                                       # symbols (a kernel's kallsyms), not a table compiled in
 
     def table_base(self, image) -> int:
         """With TABLES_AT_BOOT: the link address the records' 32-bit offsets count from."""

@@ -339,6 +339,10 @@ static inline int kp_irqs_disabled(void)
 # setup_per_cpu_areas() hook, in memblock memory) from compact records: a probe on every
 # function entry needs some 4 MiB of struct kprobe and struct kp_site, more than either gap.
 TABLES_AT_BOOT = True
+# symbol/symstr and return addresses in trace lines: the running kernel's sprint_symbol()
+# (runtime/platform/linux_kernel/kp_trace_buffer.c); a table of every function would not
+# fit the gap, and kallsyms knows the KASLR base.
+RUNTIME_KALLSYMS = True
 
 
 def table_base(image) -> int:

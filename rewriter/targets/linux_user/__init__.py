@@ -51,6 +51,7 @@ def handler_headers(image) -> dict[str, str]:
 
 # The probe tables are whole C structures in the output's data (tables.py).
 TABLES_AT_BOOT = False
+RUNTIME_KALLSYMS = False        # trace lines name addresses from a table compiled in
 
 
 def table_base(image) -> int:

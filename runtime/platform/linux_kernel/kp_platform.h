@@ -137,10 +137,15 @@ static inline unsigned int kp_platform_cpu(void)
 	return cpu;
 }
 
+/* A trace line written whole (before the ring buffer exists): the ring buffer's
+ * own default clock, trace_clock_local() (sched_clock()), which also runs before
+ * timekeeping_init(), where ktime_get() would read a clocksource not yet set. */
+unsigned long long trace_clock_local(void);
+
 struct kp_timespec { long sec, nsec; };
 static inline void kp_platform_trace_clock(struct kp_timespec *ts)
 {
-	long long ns = ktime_get();
+	long long ns = (long long)trace_clock_local();
 	ts->sec = ns / 1000000000;
 	ts->nsec = ns % 1000000000;
 }
@@ -151,6 +156,35 @@ static inline int kp_platform_copy_nofault(void *dst, unsigned long addr, unsign
 	(void)tid;
 	return len ? (int)copy_from_kernel_nofault(dst, (const void *)addr, len) : 0;
 }
+
+/* --- trace events (kp_trace_buffer.c): kprobe_events' fetch args and output --- */
+
+/* copy_from_user_nofault(): `ustring`, `+u0(...)` and the u-types read user
+ * memory as the kernel's FETCH_OP_UDEREF and FETCH_OP_ST_USTRING do (access_ok(),
+ * page faults disabled: a bad pointer reads as (fault)). */
+long copy_from_user_nofault(void *dst, const void *src, unsigned long size);
+
+static inline int kp_platform_copy_user_nofault(void *dst, unsigned long addr, unsigned long len, int tid)
+{
+	(void)tid;
+	return len ? (int)copy_from_user_nofault(dst, (const void *)addr, len) : 0;
+}
+
+/* symbol/symstr types and return addresses read the running kernel's kallsyms
+ * (sprint_symbol(), as %pS), not a table compiled in: every function of a kernel
+ * would not fit the gap, and kallsyms knows the KASLR base and modules. */
+#define KP_PLATFORM_KALLSYMS 1
+/* A trace line is built on the stack of the probed function (16 KiB kernel stacks,
+ * deep call chains): 1 KiB, not user space's 2; a longer line ends in "...". */
+#define KP_PLATFORM_TRACE_LINE 1024
+#define KP_PLATFORM_SYM_LEN 768		/* >= KSYM_SYMBOL_LEN */
+int kp_platform_symbol(char *buf, unsigned long addr, int with_offset);
+
+/* One trace line's body ("EVENT: (SYM+off/size) name=value ...\n") into the
+ * kernel's ftrace ring buffer: 1 when the buffer took it or tracing is set to
+ * drop it, 0 when there is no buffer yet (early boot) and the caller writes
+ * the whole line to printk. */
+int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len);
 
 #pragma GCC visibility pop
 

@@ -172,6 +172,19 @@ kp_platform_copy_nofault(void *dst, unsigned long addr, unsigned long len, int t
 	return kp_mem_read_pipe(dst, addr, len);
 }
 
+/* The kernel's copy_from_user_nofault(): in a process, the same memory. */
+static inline int kp_platform_copy_user_nofault(void *dst, unsigned long addr, unsigned long len, int tid)
+{
+	return kp_platform_copy_nofault(dst, addr, len, tid);
+}
+
+/* No ring buffer of our own: every trace line is written whole (kp_platform_write()). */
+static inline int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len)
+{
+	(void)ip, (void)body, (void)len;
+	return 0;
+}
+
 #pragma GCC visibility pop
 
 /* KPREWRITE_PROFILE_SIGNAL: kprobe_profile on a signal (profile_signal.c).
