@@ -322,7 +322,39 @@ FN(narrow)
 ".Lc42:\n  mov $42,%eax\n  ret\n"
 ".Lx4:\n  mov $1,%eax\n  ret\n"
 ".size narrow,.-narrow\n"
+/* The base set after a check whose failure calls abort(), and abort's call
+   followed by case code: the call does not return, so the base is set on every
+   path to the jump.  hoist_ret calls getpid() there instead, which returns:
+   the base may be the caller's, and the kernel's refusal stays. */
+FN(hoist_nr)
+"  push %rbx\n  xor %eax,%eax\n  xor %ecx,%ecx\n  test %edi,%edi\n  js .Lf5\n  lea .Lt5(%rip),%rbx\n"
+".Ll5:\n  cmp %edi,%ecx\n  jge .Ld5\n  mov %ecx,%edx\n  and $3,%edx\n  cmp $3,%edx\n  ja .Lx5\n"
+"  movslq (%rbx,%rdx,4),%rdx\n  add %rbx,%rdx\n  jmp *%rdx\n"
+".Ld5:\n  pop %rbx\n  ret\n"
+".Lf5:\n  call abort@PLT\n"
+".Lc50:\n  add $5,%eax\n  jmp .Ln5\n"
+".Lc51:\n  add $50,%eax\n  jmp .Ln5\n"
+".Lc52:\n  add $500,%eax\n  jmp .Ln5\n"
+".Lc53:\n  add $5000,%eax\n  jmp .Ln5\n"
+".Lx5:\n  add $9,%eax\n"
+".Ln5:\n  inc %ecx\n  jmp .Ll5\n"
+".size hoist_nr,.-hoist_nr\n"
+FN(hoist_ret)
+"  push %rbx\n  xor %eax,%eax\n  xor %ecx,%ecx\n  test %edi,%edi\n  js .Lf6\n  lea .Lt6(%rip),%rbx\n"
+".Ll6:\n  cmp %edi,%ecx\n  jge .Ld6\n  mov %ecx,%edx\n  and $3,%edx\n  cmp $3,%edx\n  ja .Lx6\n"
+"  movslq (%rbx,%rdx,4),%rdx\n  add %rbx,%rdx\n  jmp *%rdx\n"
+".Ld6:\n  pop %rbx\n  ret\n"
+".Lf6:\n  call getpid@PLT\n"
+".Lc60:\n  add $6,%eax\n  jmp .Ln6\n"
+".Lc61:\n  add $60,%eax\n  jmp .Ln6\n"
+".Lc62:\n  add $600,%eax\n  jmp .Ln6\n"
+".Lc63:\n  add $6000,%eax\n  jmp .Ln6\n"
+".Lx6:\n  add $9,%eax\n"
+".Ln6:\n  inc %ecx\n  jmp .Ll6\n"
+".size hoist_ret,.-hoist_ret\n"
 ".section .rodata\n.p2align 2\n"
+".Lt5:\n  .long .Lc50-.Lt5, .Lc51-.Lt5, .Lc52-.Lt5, .Lc53-.Lt5\n"
+".Lt6:\n  .long .Lc60-.Lt6, .Lc61-.Lt6, .Lc62-.Lt6, .Lc63-.Lt6\n"
 /* three entries, then data that is no table's: read with the wider bound (10),
    the table would hold non-code entries and stay unbounded */
 ".Lt4:\n  .long .Lc40-.Lt4, .Lc41-.Lt4, .Lc42-.Lt4, 0x7fffff00, 0x7fffff00, 0x7fffff00, 0x7fffff00\n"
@@ -330,7 +362,7 @@ FN(narrow)
 ".Lt2:\n  .long .Lc20-.Lt2, .Lc21-.Lt2, .Lc22-.Lt2, .Lc23-.Lt2\n"
 ".Lt3:\n  .long .Lc30-.Lt3, .Lc31-.Lt3, .Lc32-.Lt3\n"
 ".text\n");
-int hoist(int), hoist_bad(int, long), elem(const int *, int), narrow(int);
+int hoist(int), hoist_bad(int, long), elem(const int *, int), narrow(int), hoist_nr(int), hoist_ret(int);
 int main(void)
 {
     static const int a[] = {0, 1, 2, 2, 1, 0, 2};
@@ -338,10 +370,11 @@ int main(void)
     for (int i = 0; i < 300; i++)
         n += narrow(i);
     printf("%d %d %d %d\n", hoist(13), hoist_bad(13, 0), elem(a, 7), n);
+    printf("%d %d\n", hoist_nr(13), hoist_ret(13));
     return 0;
 }
 """
-HOISTED_FUNCS = ["hoist", "hoist_bad", "elem", "narrow"]
+HOISTED_FUNCS = ["hoist", "hoist_bad", "elem", "narrow", "hoist_nr", "hoist_ret"]
 
 
 def _hoisted(tmp):
@@ -357,13 +390,14 @@ def test_hoisted_table_base_and_checked_element(once, runner):
     by_func: dict[str, list[str]] = {}
     for line in check:
         by_func.setdefault(line.split("+")[0], []).append(line)
-    for f in ("hoist", "elem", "narrow"):
+    for f in ("hoist", "elem", "narrow", "hoist_nr"):
         assert not any("indirect_jump" in l for l in by_func[f]), by_func[f]
         assert sum(" optimized" in l for l in by_func[f]) >= 0.75 * len(by_func[f]), by_func[f]
     assert not any(" optimized" in l for l in by_func["hoist_bad"]), by_func["hoist_bad"]
     assert "indirect_jump" in by_func["hoist_bad"][0], by_func["hoist_bad"]
+    assert "indirect_jump" in by_func["hoist_ret"][0], by_func["hoist_ret"]
     want = run(prog, runner=runner)
-    assert want.returncode == 0 and want.stdout == "2257 6668 966 540\n", want.stdout
+    assert want.returncode == 0 and want.stdout == "2257 6668 966 540\n16670 20004\n", want.stdout
     got = run(opt, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     ref = run(oracle, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-2000:]

@@ -420,7 +420,7 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
         elif jump:
             indirect.append(i)
         if i + 1 < n:
-            if _uncond(ci):
+            if _uncond(ci) or (capstone.CS_GRP_CALL in ci.groups and _calls_noreturn(fn, ci)):
                 joins.add(i + 1)
             else:
                 succ[i].append(i + 1)
@@ -461,6 +461,39 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
                 state[t] = m
                 work.append(t)
     return state
+
+
+# C library functions that never return to their caller (the C standard's and
+# glibc's contracts): code after a call to one is reached only by a jump.
+NORETURN = frozenset(["abort", "exit", "_exit", "_Exit", "quick_exit", "__stack_chk_fail", "__chk_fail",
+                      "__fortify_fail", "__assert_fail", "__assert_perror_fail", "pthread_exit", "longjmp",
+                      "siglongjmp", "_longjmp", "__longjmp_chk", "__cxa_throw", "__cxa_rethrow",
+                      "_Unwind_Resume", "__cxa_bad_cast", "__cxa_throw_bad_array_new_length"])
+_PLT = (".plt", ".plt.sec", ".plt.got")
+
+
+def _calls_noreturn(fn: _Fn, ci) -> bool:
+    """A direct call to a NORETURN function: its symbol, or a PLT stub whose
+    `jmp *slot(%rip)` goes through a slot relocated against one."""
+    if not ci.operands or ci.operands[0].type != X.X86_OP_IMM:
+        return False
+    target = ci.operands[0].imm
+    return fn.an.memo("noreturn", target, lambda: _noreturn_at(fn.image, fn.an, target))
+
+
+def _noreturn_at(image, an, target: int) -> bool:
+    if any(target in image.symbols.get(name, ()) for name in NORETURN):
+        return True
+    sec = image.section_containing(target)
+    if sec is None or sec.name not in _PLT:
+        return False
+    slots = an.memo("noreturn slots", 0, lambda: {r.address for r in image.binary.relocations
+                                                  if r.has_symbol and r.symbol.name in NORETURN})
+    for ci in _cs.disasm(image.read(target, 16), target, 2):
+        if ci.mnemonic.endswith("jmp") and ci.operands and ci.operands[0].type == X.X86_OP_MEM \
+                and ci.operands[0].mem.base == X.X86_REG_RIP:
+            return ci.address + ci.size + ci.operands[0].mem.disp in slots
+    return False
 
 
 def _retry_hoisted_bases(fn: _Fn, jumps: list) -> list:
