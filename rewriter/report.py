@@ -83,7 +83,7 @@ def check_line(r: dict) -> str:
         ret = r["returns"]
         if ret["mode"] == TRAMPOLINE:
             return f"{head}  returns: {TRAMPOLINE}  {ret['reason']['message']}"
-        parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target']} ({e['hook']})"
+        parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target'] or '*pointer'} ({e['hook']})"
                  for e in ret["sites"]]
         parts = [t + (" (int3)" if e["int3"] else "") for t, e in zip(parts, ret["sites"])]
         return f"{head}  returns: {', '.join(parts)}"

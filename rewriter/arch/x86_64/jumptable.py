@@ -48,6 +48,7 @@ class IndirectJump:
     targets: list[int] = field(default_factory=list)
     why: str = ""                 # for UNBOUNDED: what the slice could not read
     retry: tuple | None = None    # a PIC table whose base the slice lost: (load index, %index, %base)
+    via_pointer: bool = False     # some path reaches it with a stored code pointer (a POINTER reading)
 
 
 _PARENT: dict[str, str] = {}
@@ -163,6 +164,7 @@ def fixed_code_pointers(image, an):
         alts.append(b"[" + re.escape(bytes([b2lo])) + b"-" + re.escape(bytes([b2hi])) + b"]"
                     + re.escape(bytes([b3])))
     pat = re.compile(b"(?=..(?:" + b"|".join(alts) + b"))", re.DOTALL)
+    an.fixed_pointers = []
     skip = [(s.offset, s.offset + s.size) for s in image.sections
             if s.name.startswith(_NOT_POINTERS) and s.type != 8]        # SHT_NOBITS holds no bytes
     seen = set()
@@ -181,6 +183,7 @@ def fixed_code_pointers(image, an):
             if f is None or not an.is_boundary(f, v):
                 continue
             seen.add(v)
+            an.fixed_pointers.append(v)
             yield v, f"code address stored at {seg.vaddr + m.start():#x} (an image without relocations)"
     an.fixed_pointers_scanned = True
 
@@ -261,7 +264,8 @@ def _register(fn: _Fn, k: int, addr: int, reg: str | None) -> IndirectJump:
         found.append(got)
     kinds = {j.kind for j in found}
     kind = TABLE if TABLE in kinds else COMPUTED if COMPUTED in kinds else POINTER
-    return IndirectJump(addr, kind, sorted({t for j in found for t in j.targets}))
+    return IndirectJump(addr, kind, sorted({t for j in found for t in j.targets}),
+                        via_pointer=POINTER in kinds or any(j.via_pointer for j in found))
 
 
 def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
