@@ -111,6 +111,7 @@ def measure(name: str, tmp: Path) -> None:
     a, b = [], []
     for _ in range(3):
         ta, oa = timed(cmd, None, stdin)
+        (work / "profile").unlink(missing_ok=True)      # the runtime appends: keep the last run's
         tb, ob = timed(cmd_new, env_new, stdin)
         if oa != ob:
             raise SystemExit(f"{name}: output differs")

@@ -78,6 +78,17 @@ def code_ref_targets(image: Image, an: "Analysis"):
                 yield target, f"code address computed at {src:#x}"
 
 
+def fixed_pointer_targets(image: Image, an: "Analysis"):
+    """In an image linked at a fixed address (no relocations name its stored code
+    addresses): every constant in its bytes that may be one (the arch's
+    fixed_code_pointers())."""
+    if not an.read_indirect_jumps:
+        return
+    scan = getattr(getattr(an.arch, "jumptable", None), "fixed_code_pointers", None)
+    if scan is not None:
+        yield from scan(image, an)
+
+
 def indirect_jump_targets(image: Image, an: "Analysis"):
     """The entries of the jump tables the arch reads (last: its slices stop at the
     targets the other sources found).  Where the target says not to (a kernel),
@@ -99,7 +110,7 @@ def indirect_jump_targets(image: Image, an: "Analysis"):
 
 
 DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets,
-                                       code_ref_targets, indirect_jump_targets]
+                                       code_ref_targets, fixed_pointer_targets, indirect_jump_targets]
 
 
 class Analysis:
@@ -109,6 +120,7 @@ class Analysis:
                  extra_sources: list[TargetSource] = (), read_indirect_jumps: bool = True):
         self.image = image
         self.read_indirect_jumps = read_indirect_jumps
+        self.fixed_pointers_scanned = False
         self.arch = arch
         self._decoded: dict[int, object] = {}
         self._memo: dict[str, dict] = {}

@@ -118,6 +118,9 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             riders.append(p)
         else:
             add(a, end, "kprobe" if p["kind"] == "k" else "kretprobe", f"{label}: {how}", p["name"])
+        if p.get("jump_slot"):      # the short jump's target in the padding: the jump to the detour
+            add(p["jump_slot"], p["jump_slot"] + 5, "kprobe" if p["kind"] == "k" else "kretprobe",
+                f"{label}: jump slot in padding: jump to detour {p['detour']:#x}", p["name"])
         for ra, rend, exit_ in p.get("return_sites") or []:
             add(ra, rend, "return_site", f"return hook of {label} (exit at {exit_:#x}): jump to detour", p["name"])
         for x in p.get("int3_exits") or []:

@@ -189,7 +189,10 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             continue
         code, _, _ = site_detour(c, site, site.detour, sym)
         put(site.detour, code, layout.sizes[("site", site.index)])
-        if site.head is None:       # a rider's instruction lies under its head's jump
+        if site.slot:               # a short jump to the jump in the padding
+            patches.append((site.addr, em.short_jump_patch(site.addr, site.region_end - site.addr, site.slot)))
+            patches.append((site.slot, em.jump_patch(site.slot, c.arch.JUMP_SIZE, site.detour)))
+        elif site.head is None:     # a rider's instruction lies under its head's jump
             patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
     for rs in c.plan.ret_sites:
         put(rs.detour, ret_detour(c, rs, rs.detour, sym), layout.sizes[("ret", rs.addr)])

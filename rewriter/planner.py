@@ -80,6 +80,9 @@ class Site:
     head: "Site | None" = None
     riders: list = field(default_factory=list)
     seg: list | None = None
+    # A region under 5 bytes (_short_jumps()): a short jump at addr to the jump
+    # to the detour, in the dead padding at `slot`.
+    slot: int = 0
     # Addresses (layout):
     detour: int = 0
     back: int = 0                    # where the copy of seg jumps: the next rider's detour (0: region end)
@@ -209,6 +212,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if i < len(placed) and placed[i] < s.region_end:
             s.reason = arch.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
             s.decision, s.dcr = REFUSED, None
+    if rules.short_jumps and optimize:
+        _short_jumps(image, analysis, arch, sites, rules)
     for s in sites:
         if s.decision not in JUMPS:
             if not rules.int3:      # no breakpoint probes in this target (yet): refused
@@ -337,6 +342,50 @@ def _share_regions(image, analysis, arch, sites: list[Site], rules) -> None:
             _split_segments(arch, h)
 
 
+_SHORT_REASONS = ("jump_into_region", "func_size", "probe_in_region")
+
+
+def _short_jumps(image, analysis, arch, sites: list[Site], rules) -> None:
+    """Beyond the kernel: a site whose 5-byte region is refused for want of
+    room (a jump target, the function's end or another probe less than 5 bytes
+    on) takes a 2-byte region instead, when its instructions pass the same
+    checks: a short jump to a 5-byte jump in dead padding within reach
+    (the arch's short_jump_slot(), E9Patch's tactic).  Regions and slots stay
+    disjoint from every other site's bytes."""
+    taken = sorted((s.addr, s.region_end if s.decision in JUMPS else s.addr + 1)
+                   for s in sites if s.head is None)
+    starts = [a for a, _ in taken]
+
+    def busy(lo, hi):
+        i = bisect.bisect_left(starts, hi)
+        return bool(i) and taken[i - 1][1] > lo
+
+    def take(lo, hi):
+        i = bisect.bisect_left(starts, lo)
+        if i < len(starts) and starts[i] == lo:
+            del starts[i], taken[i]
+        starts.insert(i, lo)
+        taken.insert(i, (lo, hi))
+
+    for s in sites:
+        if s.decision in JUMPS or s.head is not None or getattr(s.reason, "check", None) not in _SHORT_REASONS:
+            continue
+        func = s.probes[0].func
+        r = arch.optprobe.can_optimize(image, analysis, func, s.addr, jump_size=arch.optprobe.JMP8_INSN_SIZE)
+        if not isinstance(r, list) or (s.with_post and arch.is_branch(r[0])):
+            continue
+        end = r[-1].addr + len(r[-1].code)
+        if busy(s.addr + 1, end) or rules.region_refusal(arch, analysis, func, s.addr, end) is not None:
+            continue
+        slot = arch.optprobe.short_jump_slot(image, analysis, s.addr,
+                                             lambda lo, hi: busy(lo, hi) or (lo < end and s.addr < hi))
+        if slot is None or rules.region_refusal(arch, analysis, func, slot, slot + arch.JUMP_SIZE) is not None:
+            continue
+        s.dcr, s.decision, s.reason, s.slot = r, OPTIMIZED, None, slot
+        take(s.addr, end)
+        take(slot, slot + arch.JUMP_SIZE)
+
+
 def _split_segments(arch, head: Site) -> None:
     """Each site's part of its head's region: from its address to the next
     rider's.  A rider that is no instruction boundary of the region, or whose
@@ -371,7 +420,8 @@ def _plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
                 p.group = g
     # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
     # A shared region counts as its segments (they tile it).
-    taken = sorted((s.addr, s.segment_end) for s in plan.sites)
+    taken = sorted([(s.addr, s.segment_end) for s in plan.sites]
+                   + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot])
     starts = [a for a, _ in taken]
     site_at = sorted((s.addr, s.segment_end, s) for s in plan.sites if s.dcr)
     site_starts = [a for a, _, _ in site_at]

@@ -83,7 +83,7 @@ def check_line(r: dict) -> str:
         ret = r["returns"]
         if ret["mode"] == TRAMPOLINE:
             return f"{head}  returns: {TRAMPOLINE}  {ret['reason']['message']}"
-        parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target']} ({e['hook']})"
+        parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target'] or '*pointer'} ({e['hook']})"
                  for e in ret["sites"]]
         parts = [t + (" (int3)" if e["int3"] else "") for t, e in zip(parts, ret["sites"])]
         return f"{head}  returns: {', '.join(parts)}"
@@ -146,6 +146,8 @@ def metadata(plan: Plan, label: str) -> bytes:
             d.update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
         if site.head is not None:       # rides on the detour of the probe whose jump covers it
             d["shared_with"] = site.head.addr
+        if site.slot:                   # a short jump to the jump at the slot
+            d["jump_slot"] = site.slot
         if site.decision == INT3:
             d.update({"int3": site.xol.mode, "reason": str(site.reason)})
         probes.append(d)
@@ -164,6 +166,8 @@ def metadata(plan: Plan, label: str) -> bytes:
             probes[-1]["ftrace"] = True
         if site.head is not None:
             probes[-1]["shared_with"] = site.head.addr
+        if site.slot:
+            probes[-1]["jump_slot"] = site.slot
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

@@ -45,6 +45,9 @@ class Rules:
     # Probes on consecutive instructions share one detour (planner._share_regions())
     # instead of the second one being refused inside the first one's region.
     shared_regions: bool = False
+    # A site with no room for a 5-byte jump takes a short jump to one in dead
+    # padding nearby (planner._short_jumps()).
+    short_jumps: bool = False
     singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults

@@ -308,9 +308,18 @@ static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri
 {
 	struct kretprobe *rp = ri->rp;
 	if (rp->handler) {
+		/* The slot swapped for the trampoline by a tail call through a pointer
+		 * (the caller's kretprobe is still pending there): the handler sees
+		 * the real return address, as the kernel's trampoline handler
+		 * reports it (correct_ret_addr). */
+		unsigned long ip = regs ? regs->ip : 0;
+		if (unlikely(ip == TRAMP))
+			regs->ip = (unsigned long)ri->ret_addr;
 		t->active = 1;
 		rp->handler(ri, regs);
 		t->active = 0;
+		if (unlikely(ip == TRAMP) && regs->ip == (unsigned long)ri->ret_addr)
+			regs->ip = TRAMP;
 	}
 	kp_ri_free(ri);
 }

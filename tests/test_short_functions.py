@@ -2,12 +2,14 @@
 them (issue 15; optprobe._borrow_padding()): nop or int3 bytes that no symbol,
 FDE, relocation or jump names.  One function falls through its padding into the
 next, so the padding's copy runs; one has padding a jump lands in, and one has
-none, and those keep the func_size refusal."""
+none: those two cannot borrow (func_size), and take a short jump to a 5-byte
+jump in dead padding nearby instead (planner._short_jumps()), never into the
+padding the jump lands in."""
 from __future__ import annotations
 
 import pytest
 
-from conftest import cc, check_lines, instrument, profile, run, symbols, write_spec
+from conftest import cc, check_lines, instrument, meta, profile, run, symbols, write_spec
 
 PROGRAM = r"""
 __asm__(
@@ -80,13 +82,19 @@ def test_short_functions_borrow_padding(once, pie, runner):
     d = dict(zip(FUNCS, check))
     for f in ["tiny_nop", "tiny_int3", "falls"]:
         assert d[f].split("  ")[2] == "optimized", d[f]
-    assert "func_size" in d["pad_target"] and "int3" in d["pad_target"], d["pad_target"]
-    assert "func_size" in d["no_pad"] and "no padding after it to borrow" in d["no_pad"], d["no_pad"]
+    # No padding to borrow: a short jump to a slot in dead padding (after a ret).
+    slots = {p["symbol"]: p.get("jump_slot") for p in meta(out)["probes"]}
+    s = symbols(prog)
+    for f in ["pad_target", "no_pad"]:
+        assert d[f].split("  ")[2] == "optimized", d[f]
+        assert slots[f] and abs(slots[f] - (s[f] + 2)) <= 127, slots
+    # Not in the padding `jumps_in` lands in, nor in anything reached.
+    assert not s["pad_target"] < slots["pad_target"] < s["jumps_in"], slots
+    assert not s["pad_target"] < slots["no_pad"] < s["jumps_in"], slots
     want = run(prog, 9, runner=runner)
     assert want.returncode == 0
     got = run(out, 9, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
     assert {k: v[0] for k, v in profile(got.stderr).items()} == {f"p_{f}_0": 9 for f in FUNCS}
     # The padding the jump took: the jmp's last bytes lie past the function's end.
-    s = symbols(prog)
     assert s["after"] - s["falls"] >= 5

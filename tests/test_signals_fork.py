@@ -198,9 +198,16 @@ static volatile long acc;
 __attribute__((noinline)) long leaf(long x) { acc += x; return x * 3 + 1; }
 long (*volatile fptr)(long) = leaf;
 __attribute__((noinline)) void on_alt(int s) { acc += leaf(s); }
-/* An indirect tail call: the kretprobe takes the kernel's way, the return address
- * swapped for the trampoline. */
-__attribute__((noinline)) long tramp_fn(long n) { long r = leaf(n); raise(SIGUSR2); return fptr(r); }
+/* A computed goto whose labels are stored code addresses: a jump through a stored
+ * pointer may land inside the function, so its exits cannot all be named and the
+ * kretprobe takes the kernel's way, the return address swapped for the trampoline. */
+__attribute__((noinline)) long tramp_fn(long n) {
+  static void *const k[] = {&&even, &&odd};
+  long r = leaf(n);
+  goto *k[n & 1];
+even: raise(SIGUSR2); return fptr(r);
+odd: raise(SIGUSR2); return fptr(r) + 0 * acc;
+}
 int main(void) {
   char altstack[65536];                    /* above tramp_fn's frame */
   stack_t ss = { .ss_sp = altstack, .ss_size = sizeof altstack };

@@ -11,6 +11,7 @@ import struct
 from keystone import KS_ARCH_X86, KS_MODE_64, Ks
 
 from ... import link
+from ...errors import KprewriteError
 from ..base import DcrInsn
 from . import cs
 
@@ -118,6 +119,15 @@ def jump_patch(addr: int, region_len: int, target: int) -> bytes:
     """The optimized probe itself: jmp rel32 to the detour; the rest of the DCR
     becomes int3 so a stray jump into it traps loudly."""
     return b"\xe9" + _s32(target - (addr + 5), "jmp to detour") + b"\xcc" * (region_len - 5)
+
+
+def short_jump_patch(addr: int, region_len: int, slot: int) -> bytes:
+    """A region too short for jmp rel32: jmp rel8 to the slot holding it
+    (optprobe.short_jump_slot()); the rest of the region becomes int3."""
+    rel = slot - (addr + 2)
+    if not -128 <= rel <= 127:
+        raise KprewriteError(f"internal error: short jump at {addr:#x} cannot reach {slot:#x}")
+    return b"\xeb" + (rel & 0xFF).to_bytes(1, "little") + b"\xcc" * (region_len - 2)
 
 
 def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:

@@ -17,8 +17,10 @@ the jump), recognises what the compiler emits.
   in memory is a relocation's (R_X86_64_RELATIVE or a symbol), and every one the
   code computes is a RIP-relative `lea` (decode.code_refs): those are already
   known jump targets, so such a jump (mostly a tail call) lands on none but them.
-  An image linked at a fixed address stores code addresses with no relocation,
-  so there only jump tables are read;
+  An image linked at a fixed address below 4 GiB stores code addresses with no
+  relocation, as 32- or 64-bit constants in its data and code: every 4-byte
+  window of its loaded bytes whose value is an instruction boundary is taken
+  for one (fixed_code_pointers(), a superset), and then the same argument holds;
 * a jump to a RIP-relative `lea`: its one target.
 
 Anything else (the slice reaches a join point, an index reloaded from the stack,
@@ -46,6 +48,7 @@ class IndirectJump:
     targets: list[int] = field(default_factory=list)
     why: str = ""                 # for UNBOUNDED: what the slice could not read
     retry: tuple | None = None    # a PIC table whose base the slice lost: (load index, %index, %base)
+    via_pointer: bool = False     # some path reaches it with a stored code pointer (a POINTER reading)
 
 
 _PARENT: dict[str, str] = {}
@@ -123,6 +126,68 @@ class _Fn:
         return out
 
 
+def _pointers_known(fn) -> bool:
+    """Every code address the image can store is a known jump target: the
+    relocations of a position-independent image, or fixed_code_pointers()."""
+    return fn.image.is_pic or getattr(fn.an, "fixed_pointers_scanned", False)
+
+
+# Sections whose bytes are never code addresses (encoded PC-relative, or not loaded
+# as data the program reads): a window there would only add false targets.
+_NOT_POINTERS = (".eh_frame", ".eh_frame_hdr", ".gcc_except_table", ".note", ".rela", ".gnu.hash",
+                 ".dynsym", ".dynstr", ".hash", ".gnu.version", ".interp")
+
+
+def fixed_code_pointers(image, an):
+    """An image linked at a fixed address stores a code address as its value:
+    a 64-bit pointer in data (R_X86_64_64 resolved by ld), a 32-bit one, or an
+    immediate in code (`mov $label,%eax`, `movq $label,m`, R_X86_64_32S).  With
+    the code below 4 GiB each one's low four bytes are a little-endian window
+    of the loaded bytes, at any offset (packed structs, immediates at any
+    position in an instruction), whose value is an instruction boundary.  Every
+    such window is yielded: a superset of the stored code addresses (a window
+    that only looks like one adds a jump target, which refuses at most a
+    region), so that a jump through a stored pointer lands on none but known
+    targets, as in a position-independent image.  Sets an.fixed_pointers_scanned;
+    yields nothing (the kernel's rule stays) for code above 4 GiB."""
+    import re
+    if image.is_pic or not image.exec_ranges:
+        return
+    lo, hi = image.exec_ranges[0][0], image.exec_ranges[-1][1]
+    if hi > 1 << 32:
+        return
+    # Bytes 2 and 3 of a value in [lo, hi): one alternative per top byte.
+    alts = []
+    for b3 in range(lo >> 24, ((hi - 1) >> 24) + 1):
+        b2lo = (lo >> 16) & 0xFF if b3 == lo >> 24 else 0
+        b2hi = ((hi - 1) >> 16) & 0xFF if b3 == (hi - 1) >> 24 else 0xFF
+        alts.append(b"[" + re.escape(bytes([b2lo])) + b"-" + re.escape(bytes([b2hi])) + b"]"
+                    + re.escape(bytes([b3])))
+    pat = re.compile(b"(?=..(?:" + b"|".join(alts) + b"))", re.DOTALL)
+    an.fixed_pointers = []
+    skip = [(s.offset, s.offset + s.size) for s in image.sections
+            if s.name.startswith(_NOT_POINTERS) and s.type != 8]        # SHT_NOBITS holds no bytes
+    seen = set()
+    for seg in image.segments:
+        if seg.type != 1 or not seg.filesz:                     # PT_LOAD
+            continue
+        blob = image.data[seg.offset:seg.offset + seg.filesz]
+        for m in pat.finditer(blob):
+            off = seg.offset + m.start()
+            if any(a <= off < b for a, b in skip):
+                continue
+            v = int.from_bytes(blob[m.start():m.start() + 4], "little")
+            if v in seen or not image.is_code(v):
+                continue
+            f = image.function_at(v)
+            if f is None or not an.is_boundary(f, v):
+                continue
+            seen.add(v)
+            an.fixed_pointers.append(v)
+            yield v, f"code address stored at {seg.vaddr + m.start():#x} (an image without relocations)"
+    an.fixed_pointers_scanned = True
+
+
 def resolve(image, an, func) -> list[IndirectJump]:
     """Every indirect jump of func, classified (see the module docstring)."""
     d = an.decoded(func)
@@ -160,7 +225,7 @@ def _through_memory(fn, k, ci, op) -> IndirectJump:
         got = _table(fn, k, _reg(ci, m.index), m.disp & 0xFFFFFFFFFFFFFFFF, 8)
         if got is not None:
             return IndirectJump(jaddr, TABLE, got)
-    if fn.image.is_pic and op.size == 8:
+    if _pointers_known(fn) and op.size == 8:
         return IndirectJump(jaddr, POINTER)
     if m.base == X.X86_REG_RIP and op.size == 8:
         slot = ci.address + ci.size + m.disp
@@ -199,7 +264,8 @@ def _register(fn: _Fn, k: int, addr: int, reg: str | None) -> IndirectJump:
         found.append(got)
     kinds = {j.kind for j in found}
     kind = TABLE if TABLE in kinds else COMPUTED if COMPUTED in kinds else POINTER
-    return IndirectJump(addr, kind, sorted({t for j in found for t in j.targets}))
+    return IndirectJump(addr, kind, sorted({t for j in found for t in j.targets}),
+                        via_pointer=POINTER in kinds or any(j.via_pointer for j in found))
 
 
 def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
@@ -208,7 +274,7 @@ def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
     for j in fn.back(start, first):
         if j < 0:
             # A value the function was called with: a code pointer someone stored or computed.
-            if fn.image.is_pic:
+            if _pointers_known(fn):
                 return IndirectJump(addr, POINTER)
             return IndirectJump(addr, UNBOUNDED, why=f"%{reg} comes from the caller")
         ci = fn.insns[j]
@@ -217,7 +283,7 @@ def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
         m, ops = ci.mnemonic, ci.operands
         if capstone.CS_GRP_CALL in ci.groups:
             # A function's return value: a code pointer it loaded or computed.
-            if fn.image.is_pic and reg == "rax":
+            if _pointers_known(fn) and reg == "rax":
                 return IndirectJump(addr, POINTER)
             return IndirectJump(addr, UNBOUNDED, why=f"%{reg} set by the call at {ci.address:#x}")
         if m.startswith("cmov") and len(ops) == 2 and ops[0].type == X.X86_OP_REG \
@@ -229,7 +295,7 @@ def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
         if m == "mov" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[0].size == 8:
             if ops[1].type == X.X86_OP_REG:
                 if j == 0:
-                    return IndirectJump(addr, POINTER) if fn.image.is_pic else \
+                    return IndirectJump(addr, POINTER) if _pointers_known(fn) else \
                         IndirectJump(addr, UNBOUNDED, why=f"%{reg} comes from the caller")
                 return (j - 1, _reg(ci, ops[1].reg), True) if fn.insns[j].address not in fn.an.targets \
                     else _follow_copy(fn, j, _reg(ci, ops[1].reg), addr)
@@ -239,6 +305,10 @@ def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
                 return r
             if ops[1].type == X.X86_OP_IMM:
                 return _computed(fn, addr, ops[1].imm & 0xFFFFFFFFFFFFFFFF)
+        if m == "mov" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[0].size == 4 \
+                and ops[1].type == X.X86_OP_IMM:
+            # `mov $label,%r32` (zero-extended): a fixed-address image's code address.
+            return _computed(fn, addr, ops[1].imm & 0xFFFFFFFF)
         if m == "lea" and ops[1].mem.base == X.X86_REG_RIP and not ops[1].mem.index:
             return _computed(fn, addr, ci.address + ci.size + ops[1].mem.disp)
         if m == "add" and len(ops) == 2 and ops[0].type == X.X86_OP_REG and ops[1].type == X.X86_OP_REG \
@@ -354,7 +424,7 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
         elif jump:
             indirect.append(i)
         if i + 1 < n:
-            if _uncond(ci):
+            if _uncond(ci) or (capstone.CS_GRP_CALL in ci.groups and _calls_noreturn(fn, ci)):
                 joins.add(i + 1)
             else:
                 succ[i].append(i + 1)
@@ -395,6 +465,39 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
                 state[t] = m
                 work.append(t)
     return state
+
+
+# C library functions that never return to their caller (the C standard's and
+# glibc's contracts): code after a call to one is reached only by a jump.
+NORETURN = frozenset(["abort", "exit", "_exit", "_Exit", "quick_exit", "__stack_chk_fail", "__chk_fail",
+                      "__fortify_fail", "__assert_fail", "__assert_perror_fail", "pthread_exit", "longjmp",
+                      "siglongjmp", "_longjmp", "__longjmp_chk", "__cxa_throw", "__cxa_rethrow",
+                      "_Unwind_Resume", "__cxa_bad_cast", "__cxa_throw_bad_array_new_length"])
+_PLT = (".plt", ".plt.sec", ".plt.got")
+
+
+def _calls_noreturn(fn: _Fn, ci) -> bool:
+    """A direct call to a NORETURN function: its symbol, or a PLT stub whose
+    `jmp *slot(%rip)` goes through a slot relocated against one."""
+    if not ci.operands or ci.operands[0].type != X.X86_OP_IMM:
+        return False
+    target = ci.operands[0].imm
+    return fn.an.memo("noreturn", target, lambda: _noreturn_at(fn.image, fn.an, target))
+
+
+def _noreturn_at(image, an, target: int) -> bool:
+    if any(target in image.symbols.get(name, ()) for name in NORETURN):
+        return True
+    sec = image.section_containing(target)
+    if sec is None or sec.name not in _PLT:
+        return False
+    slots = an.memo("noreturn slots", 0, lambda: {r.address for r in image.binary.relocations
+                                                  if r.has_symbol and r.symbol.name in NORETURN})
+    for ci in _cs.disasm(image.read(target, 16), target, 2):
+        if ci.mnemonic.endswith("jmp") and ci.operands and ci.operands[0].type == X.X86_OP_MEM \
+                and ci.operands[0].mem.base == X.X86_REG_RIP:
+            return ci.address + ci.size + ci.operands[0].mem.disp in slots
+    return False
 
 
 def _retry_hoisted_bases(fn: _Fn, jumps: list) -> list:

@@ -14,6 +14,7 @@ from . import cs
 _cs = cs.DETAIL
 
 JMP32_INSN_SIZE = 5
+JMP8_INSN_SIZE = 2                 # jmp rel8: a short jump to a 5-byte one nearby (short_jump_slot())
 MAX_OPTIMIZED_LENGTH = 15 + 4      # MAX_INSN_SIZE + DISP32_SIZE, as the kernel
 ENDBR64 = b"\xf3\x0f\x1e\xfa"
 
@@ -40,7 +41,8 @@ def can_probe_insn(image, addr: int) -> Refusal | None:
 _UNCOND = ("ret", "ret imm", "jmp rel", "jmp mem", "jmp reg")
 
 
-def copy_region(image, func, addr: int, analysis=None, min_end: int | None = None) -> list[DcrInsn] | Refusal:
+def copy_region(image, func, addr: int, analysis=None, min_end: int | None = None,
+                jump_size: int = JMP32_INSN_SIZE) -> list[DcrInsn] | Refusal:
     """The detoured code region (DCR): whole instructions covering the 5-byte jump,
     each one relocatable (copy_optimized_instructions() with can_boost(), plus
     relative jumps and a final call, which we re-encode).  A region may run on
@@ -48,10 +50,11 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
     unconditional exit) if nothing names those bytes (_borrow_padding()).
     min_end: cover at least [addr, min_end) (a region shared by the probes
     after it, planner._share_regions()); the kernel's MAX_OPTIMIZED_LENGTH,
-    the size of its fixed buffer, does not bound such a region."""
+    the size of its fixed buffer, does not bound such a region.
+    jump_size: the bytes the jump takes (JMP8_INSN_SIZE: short_jump_slot())."""
     out: list[DcrInsn] = []
     pos = addr
-    end = max(addr + JMP32_INSN_SIZE, min_end or 0)
+    end = max(addr + jump_size, min_end or 0)
     while pos < end:
         code = image.read(pos, 16)
         try:
@@ -150,13 +153,15 @@ def _borrow_padding(image, analysis, func, end: int) -> bool:
     return _padding(image, analysis, func, func.end, end - func.end)
 
 
-def can_optimize(image, analysis, func, addr: int, min_end: int | None = None) -> list[DcrInsn] | Refusal:
+def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
+                 jump_size: int = JMP32_INSN_SIZE) -> list[DcrInsn] | Refusal:
     """can_optimize() of opt.c: region inside one function, no indirect jump in the
     function, no jump target in the JTPR, every DCR instruction relocatable.
-    min_end: the region must cover [addr, min_end) (copy_region())."""
+    min_end: the region must cover [addr, min_end) (copy_region()); jump_size:
+    the bytes the jump at addr takes (2 for a short jump, short_jump_slot())."""
     if func is None:
         return Refusal("func_size", addr, "no function symbol or FDE covers the address")
-    if func.end - addr < JMP32_INSN_SIZE and not _borrow_padding(image, analysis, func, addr + JMP32_INSN_SIZE):
+    if func.end - addr < jump_size and not _borrow_padding(image, analysis, func, addr + jump_size):
         return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at "
                                           f"{func.end:#x}, and no padding after it to borrow")
     decoded = analysis.decoded(func)
@@ -170,7 +175,7 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None) -
         # not save DF (an int3 probe is safe: the trap entry clears DF and the
         # signal frame restores it).
         return Refusal("direction_flag", decoded.sets_df, f"{func.name} sets the direction flag (std)")
-    dcr = copy_region(image, func, addr, analysis, min_end)
+    dcr = copy_region(image, func, addr, analysis, min_end, jump_size)
     if isinstance(dcr, Refusal):
         return dcr
     end = dcr[-1].addr + len(dcr[-1].code)
@@ -180,6 +185,40 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None) -
         src = _source_address(why, target)
         return Refusal("jump_into_region", src, f"{why} lands at {target:#x}, inside the region [{addr:#x}, {end:#x})")
     return dcr
+
+
+_UNCOND_MNEMONICS = ("jmp", "ret", "ud2", "hlt", "notrack jmp", "bnd jmp", "repz ret", "bnd ret")
+
+
+def short_jump_slot(image, analysis, addr: int, busy) -> int | None:
+    """Beyond the kernel, E9Patch's tactic for a probe whose region cannot reach
+    5 bytes (a jump target 2-4 bytes on, e.g. glibc's memmove entered by
+    mempcpy 3 bytes in): a 2-byte `jmp rel8` at addr to 5 bytes of dead
+    padding within reach, which take the `jmp rel32` to the detour.  Dead: the
+    padding runs on from an unconditional exit (ret, jmp, ud2, hlt), so nothing
+    falls into it, and from there to the slot's end it is nop/int3 bytes that no
+    known jump target, symbol or other function names (retprobe._padding()), so
+    nothing jumps into it.  busy(lo, hi): another site's bytes overlap [lo, hi).
+    The slot's address, or None."""
+    import bisect
+    from .retprobe import _padding
+    lo, hi = addr + JMP8_INSN_SIZE - 128, addr + JMP8_INSN_SIZE + 127    # where the slot may start
+    starts = [f.start for f in image.functions]
+    i = max(bisect.bisect_right(starts, lo) - 1, 0)
+    for g in image.functions[i:]:
+        if g.start > hi:
+            break
+        code = image.read(g.start, g.end - g.start)
+        for a, size, mnem, _ops in cs.LITE.disasm_lite(code, g.start):
+            p = a + size
+            if p > hi or not mnem.startswith(_UNCOND_MNEMONICS):
+                continue
+            for at in range(max(p, lo), hi + 1):
+                if not _padding(image, analysis, g, p, at + JMP32_INSN_SIZE - p):
+                    break           # a longer run is not padding either
+                if not busy(at, at + JMP32_INSN_SIZE):
+                    return at
+    return None
 
 
 def _source_address(why: str, target: int) -> int:

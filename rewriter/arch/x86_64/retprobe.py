@@ -105,15 +105,45 @@ def _find_exits(image, analysis, func) -> Exits:
                                                  f"jump to {t:#x} leaves {func.name} but not to a function's start")
                 else:
                     exits.append(Exit(ins.addr, TAIL, ins, t))
-    # A jump table whose every entry stays in the function is no exit; any other
-    # indirect jump (a tail call through a pointer) leaves for where we cannot hook.
+    # A jump table whose every entry stays in the function is no exit.  An
+    # indirect jump none of whose targets lies in the function is a tail call
+    # through a pointer: an exit like a tail jmp to a function whose returns
+    # are not hooked (the slot swapped for the trampoline).  A jump that may
+    # land both inside and outside leaves for where we cannot hook.
+    def inside(t):
+        return any(p.start <= t < p.end for p in parts)
     for part in parts:
+        insns = _insns(image, analysis, part)
         for j in analysis.indirect.get(part.start, ()):
-            if j.kind != jumptable.TABLE or not all(any(p.start <= t < p.end for p in parts) for t in j.targets):
+            if j.kind == jumptable.TABLE and all(inside(t) for t in j.targets):
+                continue
+            stays = [t for t in j.targets if inside(t)]
+            if j.kind == jumptable.POINTER or j.via_pointer:
+                code = _stored_code(image, analysis)
+                stays += [t for p in parts for t in code[bisect.bisect_left(code, p.start):
+                                                         bisect.bisect_left(code, p.end)] if t != func.start]
+            elif not j.targets:
+                stays = [j.addr]
+            if j.kind == jumptable.UNBOUNDED or stays:
                 return Exits([], Refusal("indirect_jump", j.addr,
                                          f"{part.name} has an indirect jump that may leave it ({j.kind})"), parts)
+            exits.append(Exit(j.addr, TAIL, insns.at(bisect.bisect_left(insns.addrs, j.addr)), None))
     exits.sort(key=lambda e: e.addr)
     return Exits(exits, refusal, parts)
+
+
+def _stored_code(image, analysis) -> list[int]:
+    """Every code address the image stores or computes, sorted: where a jump
+    through a stored pointer may land (jumptable.py's POINTER reading):
+    relocated addresses, RIP-relative leas, and in an image linked at a fixed
+    address its constants that may be code addresses."""
+    def compute():
+        out = {a for _, _, a in image.relative_relocations() if image.is_code(a)}
+        for f in image.functions:
+            out.update(t for t, _ in analysis.decoded(f).code_refs or ())
+        out.update(getattr(analysis, "fixed_pointers", ()))
+        return sorted(out)
+    return analysis.memo("stored code", 0, compute)
 
 
 def _plt(image, addr: int) -> bool:
@@ -425,7 +455,11 @@ def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int
     c.a(f"mov rax, qword ptr [rsp + {F}]; mov qword ptr [rsp + {em.PT_IP}], rax; "
         f"lea rax, [rsp + {F + 8}]; mov qword ptr [rsp + {em.PT_SP}], rax")
     slow, restore = _ret_fast_path(c, F, fast=fast, table=table, key=key, rp=rp, handler=handler, aligned=aligned,
-                                   ri_slot=RI, t_slot=T, regs_arg="mov rsi, rsp")
+                                   ri_slot=RI, t_slot=T,
+                                   # ip: the instance's return address (the slot may hold the
+                                   # trampoline: a tail call through a pointer swapped it)
+                                   regs_arg=f"mov rax, qword ptr [rcx + {em.RI_RET_ADDR}]; "
+                                            f"mov qword ptr [rsp + {em.PT_IP}], rax; mov rsi, rsp")
     restore_pc = c.pc
     c.fix(restore, restore_pc)
     em.restore_pt_regs(c)

@@ -36,7 +36,8 @@ def rules(image, arch) -> Rules:
     kernel.  The output keeps the sites' tables unchanged (write() does not touch
     them): nothing patches them at run time in a user process."""
     sites = ftrace.sites(image, arch)
-    return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, sites)), ftrace=sites, shared_regions=True)
+    return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, sites)), ftrace=sites, shared_regions=True,
+                 short_jumps=True)
 
 
 def link_symbols(image):
