@@ -78,18 +78,7 @@ def main():
         print(f"\n== QEMU mode: {mode}; calibration boot {t1 - t:.0f} s, benchmark boot {t2 - t1:.0f} s; "
               f"loops of N = {n} calls after {warmup} warm-up calls, {reps} rounds per phase, -smp 1")
         kpb.print_table(rows)
-        prof = kpb.ours_profile(r)
-        calls = len(phases) * reps * (n + warmup)
-        for lab, off in ((kpb.OURS_ENTRY, 0), (kpb.OURS_INSIDE, kpb.INSIDE)):
-            name = f"p_{kpb.TWINS[lab]}_{off}"
-            hits = prof.get(name)
-            ok = hits is not None and hits[0] >= calls and hits[1] == 0
-            print(f"  ours {name}: (hits, missed) = {hits} at power-off; loops made {calls} calls"
-                  + ("" if ok else "   <-- MISMATCH"))
-            if not ok:
-                notes.append(f"{name}: hits {hits}, expected >= {calls}, 0 missed")
-        for note in notes:
-            print(f"  CHECK FAILED: {note}")
+        kpb.check_ours(r, len(phases) * reps * (n + warmup), "p", kpb.INSIDE, notes)
     if not args.keep:
         shutil.rmtree(work)
     print(f"\ntotal {time.monotonic() - t_start:.0f} s")

@@ -423,6 +423,22 @@ def print_table(rows) -> None:
               f" {f(hit_min, 11, 1):>11s} {f(ratio_min, 7, 2):>7s}")
 
 
+
+def check_ours(r, calls: int, kind: str, inside: int, notes: list[str]) -> None:
+    """Our two probes counted every call the loops made, 0 missed (their kprobe_profile rows
+    at power-off); prints them, then every failed check of `notes`."""
+    prof = ours_profile(r)
+    for lab, off in ((OURS_ENTRY, 0), (OURS_INSIDE, inside)):
+        name = f"{kind}_{TWINS[lab]}_{off}"
+        hits = prof.get(name)
+        ok = hits is not None and hits[0] >= calls and hits[1] == 0
+        print(f"  ours {name}: (hits, missed) = {hits} at power-off; loops made {calls} calls"
+              + ("" if ok else "   <-- MISMATCH"))
+        if not ok:
+            notes.append(f"{name}: hits {hits}, expected >= {calls}, 0 missed")
+    for note in notes:
+        print(f"  CHECK FAILED: {note}")
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="icount,tcg", help="comma-separated: icount, tcg (default both)")
@@ -478,18 +494,7 @@ def main():
               + f"; -smp 1, -m 512; loops of N = {n} calls after {warmup} warm-up calls, {reps} rounds per phase")
         print_table(rows)
         print_goal(hits)
-        prof = ours_profile(r)
-        calls = len(phases) * reps * (n + warmup)
-        for lab, off in ((OURS_ENTRY, 0), (OURS_INSIDE, 0 if KRET else INSIDE)):
-            name = f"{'r' if KRET else 'p'}_{TWINS[lab]}_{off}"
-            hits = prof.get(name)
-            ok = hits is not None and hits[0] >= calls and hits[1] == 0
-            print(f"  ours {name}: (hits, missed) = {hits} at power-off; loops made {calls} calls"
-                  + ("" if ok else "   <-- MISMATCH"))
-            if not ok:
-                notes.append(f"{name}: hits {hits}, expected >= {calls}, 0 missed")
-        for note in notes:
-            print(f"  CHECK FAILED: {note}")
+        check_ours(r, len(phases) * reps * (n + warmup), "r" if KRET else "p", 0 if KRET else INSIDE, notes)
     if not args.keep:
         shutil.rmtree(work)
     print(f"\ntotal {time.monotonic() - t_start:.0f} s")
