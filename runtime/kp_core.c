@@ -368,7 +368,14 @@ void kp_write_profile(void)
 			hits += t->hits[i];
 		kp_profile_row(fd, kp_probes[i].name, hits, kp_probes[i].nmissed);
 	}
-	kp_kretprobe_profile(fd);
+	/* The kretprobes' rows: kp.nmissed + nmissed, as trace_kprobe reports return probes. */
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		struct kretprobe *rp = &kp_kretprobes[i];
+		unsigned long hits = 0;
+		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
+			hits += t->hits[rp->kp.index];
+		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
+	}
 	if (fd != 2)
 		kp_platform_close(fd);
 }

@@ -192,7 +192,6 @@ struct kp_kret_thread {
 extern struct kretprobe kp_kretprobes[];
 extern const unsigned int kp_nkretprobes;
 void kp_kretprobe_relocate(unsigned long bias);
-void kp_kretprobe_profile(int fd);
 void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs);
 
 /* kprobes_inc_nmissed_count(): a hit while a handler runs on this thread. */

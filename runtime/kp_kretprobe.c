@@ -513,16 +513,3 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 	}
 	return ret;
 }
-
-/* kprobe_profile rows of the kretprobes: hits, and kp.nmissed + nmissed as
- * trace_kprobe reports them for return probes. */
-void kp_kretprobe_profile(int fd)
-{
-	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
-		struct kretprobe *rp = &kp_kretprobes[i];
-		unsigned long hits = 0;
-		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
-			hits += t->hits[rp->kp.index];
-		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
-	}
-}

@@ -341,19 +341,6 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
-/* kprobe_profile rows of the kretprobes: hits, and kp.nmissed + nmissed as
- * trace_kprobe reports them for return probes. */
-void kp_kretprobe_profile(int fd)
-{
-	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
-		struct kretprobe *rp = &kp_kretprobes[i];
-		unsigned long hits = 0;
-		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
-			hits += t->hits[rp->kp.index];
-		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
-	}
-}
-
 /* The user-space design's exit hooks (kretprobe_entry.S, kp_int3.c): a kernel's
  * kretprobes never place them (Rules.kretprobe_exits is off). */
 static void kp_no_exit_hooks(void)
