@@ -334,6 +334,13 @@ class BootResult:
     def lines(self) -> list[str]:
         return self.console.splitlines()
 
+    def lines_between(self, start: str, end: str) -> list[str]:
+        """Console lines strictly between the first line ending with `start` and the next ending with `end`."""
+        lines = self.lines()
+        i = next(n for n, l in enumerate(lines) if l.endswith(start))
+        j = next(n for n in range(i + 1, len(lines)) if lines[n].endswith(end))
+        return lines[i + 1:j]
+
     def reached(self, marker: str = USERSPACE_MARKER) -> bool:
         return any(l.strip() == marker for l in self.lines())
 

@@ -121,7 +121,7 @@ def trace(booted):
 def test_ustring_from_user_memory_and_fault(booted, trace):
     """The file name read from user memory; the bad pointer reads as (fault), never an oops
     (assert_boot_ok); a kernel `string` on a user pointer is (fault) too, as in the kernel."""
-    assert re.search(rf"^open-bad=-1 errno=14$", booted.console, re.M), booted.explain("openat(0x1000)")
+    assert re.search(r"^open-bad=-1 errno=14$", booted.console, re.M), booted.explain("openat(0x1000)")
     _, recs, pid = trace
     mine = [r for r in recs if r.pid == pid and r.event == "kp_open"]
     assert [r.args["file"] for r in mine] == [MISSING, "(fault)"], mine

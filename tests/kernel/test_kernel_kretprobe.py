@@ -189,13 +189,6 @@ def kret_boot(kret, make_initramfs, boot_kernel):
     return boot_kernel("kretprobe-vmlinux-smp2", kret["out"], initrd, smp=2, timeout=240)
 
 
-def _between(r, start: str, end: str) -> list[str]:
-    lines = r.lines()
-    i = next(n for n, l in enumerate(lines) if l.endswith(start))
-    j = next(n for n in range(i + 1, len(lines)) if lines[n].endswith(end))
-    return lines[i + 1:j]
-
-
 def _kmsg(r, key: str) -> str:
     m = re.search(rf"\] {key}=(\d+)$", r.console, re.M)
     assert m, r.explain(f"/init did not report {key}")
@@ -248,7 +241,7 @@ def test_kretprobe_example_on_kernel_clone(kret_boot):
     time taken from the entry's ri->data; kernel threads are skipped by the entry_handler
     (their calls count as hits, run no return handler); nothing missed."""
     r = kret_boot
-    loop = _between(r, "LOOP-START", "LOOP-END")
+    loop = r.lines_between("LOOP-START", "LOOP-END")
     children = [re.search(r"kp-clone-child=(\d+)$", l).group(1) for l in loop if "kp-clone-child=" in l]
     assert len(children) == FORKS, r.explain("/init did not report its children")
     returned = {}
@@ -323,7 +316,7 @@ def test_maxactive_one_with_three_sleepers(kret_boot):
     takes the only instance, the two others count in nmissed and run no handler (as the
     kernel's kretprobe does); every sleep outside that window has its return handler."""
     r = kret_boot
-    window = _between(r, "NSLEEP-START", "NSLEEP-END")
+    window = r.lines_between("NSLEEP-START", "NSLEEP-END")
     rets = [l for l in window if "kp-nsleep-ret: " in l]
     assert len(rets) == 1 and rets[0].endswith(" ret=0 ns=2000000000"), r.explain(f"{rets}")
     hits, missed = r.profile()["r_hrtimer_nanosleep_0"]

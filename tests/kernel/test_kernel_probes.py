@@ -188,14 +188,6 @@ def probed_boot(probed, make_initramfs, boot_kernel):
     return boot_kernel("probed-vmlinux-smp2", probed["out"], initrd, smp=2, timeout=120)
 
 
-def _lines(r, start: str, end: str) -> list[str]:
-    """Console lines strictly between the first line ending with `start` and the next ending with `end`."""
-    lines = r.lines()
-    i = next(n for n, l in enumerate(lines) if l.endswith(start))
-    j = next(n for n in range(i + 1, len(lines)) if lines[n].endswith(end))
-    return lines[i + 1:j]
-
-
 def test_boots_with_no_boot_parameter(probed_boot, probed):
     """User space after mark_rodata_ro(), /init done, the kernel's W+X check passed, no
     oops/BUG/WARNING (ftrace's included), clean power-off; our pages kept, the rest freed."""
@@ -222,7 +214,7 @@ def test_kprobe_example_on_kernel_clone(probed_boot, probed):
     lines = r.lines()
     wx = next(n for n, l in enumerate(lines) if WX_PASSED in l)
     assert any("handler_pre: <kernel_clone>" in l for l in lines[:wx]), r.explain("no hit before mark_rodata_ro()")
-    loop = _lines(r, "LOOP-START", "LOOP-END")
+    loop = r.lines_between("LOOP-START", "LOOP-END")
     pre = [l for l in loop if "handler_pre: <kernel_clone>" in l]
     post = [l for l in loop if "handler_post: <kernel_clone>" in l]
     assert len(pre) == FORKS and len(post) == FORKS, r.explain(f"{FORKS} forks between the markers")
