@@ -319,14 +319,15 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
     user_syms: key -> link symbol of the user's pre_handler / handler."""
     from .link import c_string
     out = ['#include "kp_trace.h"']
-    for idx in sorted(events, key=str):
+    order = sorted(events, key=str)
+    for n, idx in enumerate(order):
         ev = events[idx]
         lines, arr = F.args_c(f"kp_fa_{idx}", ev.args)
         out += lines
         head = "" if ev.is_return else f"{ev.name}: {ev.where}"
         out.append(f"static const struct kp_trace_event kp_tev_{idx} = {{ {c_string(ev.name)}, "
                    f"{c_string(ev.where)}, {arr}, {len(ev.args)}, {int(ev.is_return)}, "
-                   f"{c_string(head)}, {len(head.encode())} }};")
+                   f"{c_string(head)}, {len(head.encode())}, {n} }};")
         user = user_syms.get(idx)
         if ev.is_return:
             call = f"return ((kretprobe_handler_t){user})(ri, regs);" if user else "return 0;"
@@ -337,6 +338,9 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
             call = f"return ((kprobe_pre_handler_t){user})(p, regs);" if user else "return 0;"
             out.append(f"int kp_trace_pre_{idx}(struct kprobe *p, struct pt_regs *regs) "
                        f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs, (unsigned long)p->addr); {call} }}")
+    out.append(f"const struct kp_trace_event *const kp_trace_events[{max(1, len(order))}] = {{ "
+               + ", ".join(f"&kp_tev_{idx}" for idx in order) + " };")
+    out.append(f"const unsigned int kp_ntrace_events = {len(order)};")
     syms = symtab if events else []
     names, offs = bytearray(), []
     for _, _, n in syms:

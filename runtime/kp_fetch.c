@@ -106,19 +106,49 @@ void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset)
 	kp_line_hex(l, addr, 0);
 }
 
-/* A string argument: "text" (control characters escaped, so a line stays one line), or (fault). */
-static void kp_print_string(struct kp_line *l, unsigned long addr, int tid, int user)
+/* --- the record (kp_trace.h) ---------------------------------------------------------------- */
+
+static int kp_rec_room(struct kp_rec *r, unsigned long n)
 {
-	char buf[KP_STRING_MAX];
+	if (r->full || (unsigned long)(r->end - r->p) < n) {
+		r->full = 1;
+		return 0;
+	}
+	return 1;
+}
+
+static void kp_rec_tag(struct kp_rec *r, unsigned char tag)
+{
+	if (kp_rec_room(r, 1))
+		*r->p++ = tag;
+}
+
+static void kp_rec_val(struct kp_rec *r, unsigned long v, unsigned int size)
+{
+	if (kp_rec_room(r, 1 + size)) {
+		*r->p++ = KP_REC_VAL;
+		memcpy(r->p, &v, size);		/* little-endian: the low bytes */
+		r->p += size;
+	}
+}
+
+/* A string argument, copied into the record as the kernel's fetch_store_string() copies it
+ * (at most KP_STRING_MAX bytes, up to its NUL), or KP_REC_FAULT. */
+static void kp_rec_string(struct kp_rec *r, unsigned long addr, int tid, int user)
+{
+	if (!kp_rec_room(r, 3))
+		return;
+	unsigned long room = r->end - r->p - 3, max = room < KP_STRING_MAX ? room : KP_STRING_MAX;
+	unsigned char *buf = r->p + 3;
 	unsigned long n = 0;
 	int done = 0;
-	while (!done && n < sizeof(buf)) {
+	while (!done && n < max) {
 		unsigned long chunk = 4096 - ((addr + n) & 4095);	/* never across a page we did not ask for */
-		if (chunk > sizeof(buf) - n)
-			chunk = sizeof(buf) - n;
+		if (chunk > max - n)
+			chunk = max - n;
 		if (user ? kp_platform_copy_user_nofault(buf + n, addr + n, chunk, tid)
 			 : kp_platform_copy_nofault(buf + n, addr + n, chunk, tid)) {
-			kp_line_puts(l, "(fault)");
+			*r->p++ = KP_REC_FAULT;
 			return;
 		}
 		for (unsigned long i = n; i < n + chunk; i++)
@@ -129,9 +159,22 @@ static void kp_print_string(struct kp_line *l, unsigned long addr, int tid, int 
 			}
 		n += chunk;
 	}
+	if (!done && max < KP_STRING_MAX) {	/* the record would cut it short */
+		r->full = 1;
+		return;
+	}
+	r->p[0] = KP_REC_STR;
+	r->p[1] = (unsigned char)n;
+	r->p[2] = (unsigned char)(n >> 8);
+	r->p += 3 + n;
+}
+
+/* A string argument's text: "text", control characters escaped, so a line stays one line. */
+static void kp_print_string(struct kp_line *l, const unsigned char *s, unsigned long n)
+{
 	kp_line_putc(l, '"');
 	for (unsigned long i = 0; i < n; i++) {
-		unsigned char ch = buf[i];
+		unsigned char ch = s[i];
 		if (ch == '\\' || ch == '"') {
 			kp_line_putc(l, '\\');
 			kp_line_putc(l, ch);
@@ -186,8 +229,15 @@ static unsigned long kp_stack_nth(struct kp_fetch_ctx *c, unsigned long n, int *
 	return v;
 }
 
-/* One argument: stage 1 (a value), stage 2 (dereferences), stage 3 (store, bitfield, array). */
-void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fetch_ctx *c)
+/* A value's bytes in the record: the type's (1, 2, 4 or 8). */
+static unsigned int kp_val_size(const struct kp_probe_arg *a)
+{
+	return a->size && a->size < 8 ? a->size : 8;
+}
+
+/* One argument into the record: stage 1 (a value), stage 2 (dereferences), stage 3 (store,
+ * bitfield, array), as process_fetch_insn() runs them at the hit. */
+void kp_fetch_arg(struct kp_rec *r, const struct kp_probe_arg *a, struct kp_fetch_ctx *c)
 {
 	const struct kp_fetch_insn *code = a->code, *st;
 	struct pt_regs *regs = c->regs;
@@ -240,8 +290,6 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 		code++;
 	}
 	st = code;
-	if (a->count)
-		kp_line_putc(l, '{');
 	for (unsigned int i = 0;;) {
 		const struct kp_fetch_insn *op = st;
 		unsigned long v = 0;
@@ -262,9 +310,9 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 			/* an array of strings: the next pointer read as the kernel's
 			 * probe_mem_read() reads it, ustring or not */
 			if (i && kp_platform_copy_nofault(&val, lval + 8 * i + st[-1].imm, 8, c->tid))
-				kp_line_puts(l, "(fault)");
+				kp_rec_tag(r, KP_REC_FAULT);
 			else
-				kp_print_string(l, val + op->imm, c->tid, user);
+				kp_rec_string(r, val + op->imm, c->tid, user);
 			goto next;
 		}
 		}
@@ -275,19 +323,70 @@ void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fet
 			v >>= 64 - bits + op->rshift;
 		}
 		if (fault)
-			kp_line_puts(l, "(fault)");
+			kp_rec_tag(r, KP_REC_FAULT);
 		else
-			kp_print_value(l, a, v);
+			kp_rec_val(r, v, kp_val_size(a));
 next:
-		if (++i >= a->count)
+		if (++i >= a->count || r->full)
 			break;
-		kp_line_putc(l, ',');
 		if (op->op != KP_FETCH_ST_STRING && op->op != KP_FETCH_ST_USTRING)
 			val += a->size;
 	}
-	if (a->count)
-		kp_line_putc(l, '}');
 	return;
 fault:
-	kp_line_puts(l, "(fault)");
+	kp_rec_tag(r, KP_REC_ARG_FAULT);
+}
+
+/* One argument's text from the record, as print_probe_args() prints it from the ring
+ * buffer's entry: the value, "(fault)", a string, or {a,b,...} for an array. */
+int kp_print_arg(struct kp_line *l, const struct kp_probe_arg *a, const unsigned char **pp, const unsigned char *end)
+{
+	const unsigned char *p = *pp;
+	if (p >= end)
+		return 0;
+	if (*p == KP_REC_ARG_FAULT) {
+		kp_line_puts(l, "(fault)");
+		*pp = p + 1;
+		return 1;
+	}
+	unsigned int n = a->count ? a->count : 1, size = kp_val_size(a);
+	if (a->count)
+		kp_line_putc(l, '{');
+	for (unsigned int i = 0; i < n; i++) {
+		if (i)
+			kp_line_putc(l, ',');
+		if (p >= end)
+			return 0;
+		switch (*p++) {
+		case KP_REC_VAL: {
+			unsigned long v = 0;
+			if ((unsigned long)(end - p) < size)
+				return 0;
+			memcpy(&v, p, size);
+			p += size;
+			kp_print_value(l, a, v);
+			break;
+		}
+		case KP_REC_FAULT:
+			kp_line_puts(l, "(fault)");
+			break;
+		case KP_REC_STR: {
+			if (end - p < 2)
+				return 0;
+			unsigned long len = p[0] | (unsigned long)p[1] << 8;
+			p += 2;
+			if ((unsigned long)(end - p) < len)
+				return 0;
+			kp_print_string(l, p, len);
+			p += len;
+			break;
+		}
+		default:
+			return 0;
+		}
+	}
+	if (a->count)
+		kp_line_putc(l, '}');
+	*pp = p;
+	return 1;
 }

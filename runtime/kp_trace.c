@@ -21,6 +21,13 @@
 #else
 #define KP_TRACE_LINE 2048
 #endif
+/* A hit's record (kp_trace.h): the values take more bytes than their text at most some
+ * 2.25 times ("a=0 " against a tag and 8 bytes); a line of a longer record ends in "...". */
+#ifdef KP_PLATFORM_TRACE_REC
+#define KP_TRACE_REC KP_PLATFORM_TRACE_REC
+#else
+#define KP_TRACE_REC 2048
+#endif
 
 static int kp_trace_fd = 2;
 
@@ -74,51 +81,81 @@ static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
 	kp_line_puts(l, ": ");
 }
 
+/* The body of a line from a hit's record: print_kprobe_event() or print_kretprobe_event(). */
+unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev, unsigned long ret_addr,
+			      const unsigned char *rec, unsigned long len)
+{
+	char *start = l->p;
+	if (!ev->is_return) {
+		kp_line_put(l, ev->head, ev->head_len);
+	} else {
+		kp_line_puts(l, ev->name);
+		kp_line_puts(l, ": (");
+		kp_line_sym(l, ret_addr, 1);
+		kp_line_puts(l, " <- ");
+		kp_line_puts(l, ev->where);
+		kp_line_putc(l, ')');
+	}
+	const unsigned char *p = rec, *end = rec + len;
+	int cut = 0;
+	for (unsigned int i = 0; i < ev->nargs && !cut; i++) {
+		kp_line_putc(l, ' ');
+		kp_line_puts(l, ev->args[i].name);
+		kp_line_putc(l, '=');
+		cut = !kp_print_arg(l, &ev->args[i], &p, end);
+	}
+	if (cut || l->p >= l->end) {	/* truncated: still one line */
+		if (l->end - start < 3)
+			return 0;
+		if (l->p > l->end - 3)
+			l->p = l->end - 3;
+		kp_line_puts(l, "...");
+		l->p = l->end;
+	}
+	*l->p++ = '\n';		/* l->end is one before the buffer's end */
+	return l->p - start;
+}
+
 /* The body (print_kprobe_event(): "EVENT: (SYM+off/size) name=value ...") is
- * built first, after room for the context; a platform with a trace buffer of
- * its own (a kernel's ftrace ring buffer, which adds the context itself) takes
- * the body, else the context is put in front and the whole line written. */
+ * built after room for the context; the context is put in front and the whole line
+ * written. */
 #define KP_TRACE_CONTEXT 64	/* >= the longest context: 16 + 1 + 7 + 7 + 20 + 1 + 6 + 2 */
 
-static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
-			 unsigned long ip, unsigned long ret_addr)
+static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event *ev, struct kp_fetch_ctx *c,
+						     unsigned long ip, unsigned long ret_addr,
+						     const unsigned char *rec, unsigned long len)
 {
 	char buf[KP_TRACE_LINE];
-	char comm[KP_TASK_COMM_LEN + 1] = { 0 };
 	char *body = buf + KP_TRACE_CONTEXT;
 	struct kp_line l = { body, buf + sizeof(buf) - 1 };
-
-	int tid = kp_platform_task_pid();
-	struct kp_fetch_ctx c = { regs, comm, tid, 0 };
-	if (!ev->is_return) {
-		kp_line_put(&l, ev->head, ev->head_len);
-	} else {
-		kp_line_puts(&l, ev->name);
-		kp_line_puts(&l, ": ");
-		kp_line_putc(&l, '(');
-		kp_line_sym(&l, ret_addr, 1);
-		kp_line_puts(&l, " <- ");
-		kp_line_puts(&l, ev->where);
-		kp_line_putc(&l, ')');
-	}
-	for (unsigned int i = 0; i < ev->nargs; i++) {
-		kp_line_putc(&l, ' ');
-		kp_line_puts(&l, ev->args[i].name);
-		kp_line_putc(&l, '=');
-		kp_fetch_arg(&l, &ev->args[i], &c);
-	}
-	if (l.p >= l.end)	/* truncated: still one line */
-		l.p = l.end - 3, kp_line_puts(&l, "..."), l.p = l.end;
-	*l.p++ = '\n';
-	unsigned long len = l.p - body;
+	len = kp_trace_format(&l, ev, ret_addr, rec, len);
 	if (kp_platform_trace_buffer(ip, body, len))
 		return;
 	char ctx[KP_TRACE_CONTEXT];
 	struct kp_line h = { ctx, ctx + sizeof(ctx) };
-	kp_trace_context(&h, kp_fetch_comm(&c), tid);
+	kp_trace_context(&h, kp_fetch_comm(c), c->tid);
 	unsigned long n = h.p - ctx;
 	memcpy(body - n, ctx, n);
 	kp_platform_write(kp_trace_fd, body - n, len + n);
+}
+
+/* A hit: the args fetched into a record; a platform with a trace buffer of its own (a
+ * kernel's ftrace ring buffer) stores the record and prints it when the trace is read,
+ * else the line is printed now and written whole. */
+static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
+			 unsigned long ip, unsigned long ret_addr)
+{
+	unsigned char rec[KP_TRACE_REC];
+	char comm[KP_TASK_COMM_LEN + 1];
+	struct kp_rec r = { rec, rec + sizeof(rec), 0 };
+	struct kp_fetch_ctx c = { regs, comm, kp_platform_task_pid(), 0 };
+	for (unsigned int i = 0; i < ev->nargs && !r.full; i++)
+		kp_fetch_arg(&r, &ev->args[i], &c);
+#ifdef KP_PLATFORM_TRACE_RECORD
+	if (kp_platform_trace_record(ev, regs, ip, ret_addr, rec, r.p - rec))
+		return;
+#endif
+	kp_trace_write(ev, &c, ip, ret_addr, rec, r.p - rec);
 }
 
 void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long addr)

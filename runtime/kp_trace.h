@@ -44,7 +44,12 @@ struct kp_trace_event {
 	unsigned int is_return;
 	const char *head;		/* kprobe: "EVENT: (SYM+off/size)", written in one copy */
 	unsigned int head_len;
+	unsigned int index;		/* in kp_trace_events[] */
 };
+
+/* Every event of the image (a kernel registers an output type for each at boot). */
+extern const struct kp_trace_event *const kp_trace_events[];
+extern const unsigned int kp_ntrace_events;
 
 /* kallsyms for symbol/symstr types and return addresses, link-time addresses. */
 struct kp_sym { unsigned long addr, size; unsigned int name; };
@@ -73,8 +78,22 @@ static inline const char *kp_fetch_comm(struct kp_fetch_ctx *c)
 /* Output being built: one trace line. */
 struct kp_line { char *p, *end; };
 
+/*
+ * A hit's record: the fetched values in binary, what the kernel's kprobe events store in
+ * the ring buffer (store_trace_args()), printed only when the trace is read
+ * (print_probe_args()).  Per argument, in the order of the event's args, either
+ * KP_REC_ARG_FAULT (the value or a dereference could not be read: "(fault)") or one item
+ * per element (a scalar: 1; an array: its count): KP_REC_VAL and the value's a->size low
+ * bytes, KP_REC_FAULT, or KP_REC_STR, a 16-bit length and the string's bytes (no NUL).
+ * A record that runs out of room ends at an item's boundary; its line ends in "...".
+ */
+enum { KP_REC_VAL = 1, KP_REC_FAULT, KP_REC_STR, KP_REC_ARG_FAULT };
+struct kp_rec { unsigned char *p, *end; int full; };
+
 /* kp_fetch.c */
-void kp_fetch_arg(struct kp_line *l, const struct kp_probe_arg *a, struct kp_fetch_ctx *c);
+void kp_fetch_arg(struct kp_rec *r, const struct kp_probe_arg *a, struct kp_fetch_ctx *c);
+/* One argument's text from the record at *p (advanced); 0 when the record ended first. */
+int kp_print_arg(struct kp_line *l, const struct kp_probe_arg *a, const unsigned char **p, const unsigned char *end);
 void kp_line_puts(struct kp_line *l, const char *s);
 void kp_line_putc(struct kp_line *l, char ch);
 void kp_line_put(struct kp_line *l, const char *s, unsigned long n);
@@ -93,6 +112,10 @@ void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsi
 void kp_trace_kretprobe(const struct kp_trace_event *ev, struct pt_regs *regs,
 			unsigned long ret_addr, unsigned long func_addr);
 void kp_trace_configure(char **envp);
+/* A record's line body, "EVENT: (SYM+off/size) name=value ...\n" (print_kprobe_event()) or
+ * "EVENT: (CALLER+off/size <- FUNC) ...\n" (print_kretprobe_event()), into l; its length. */
+unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev, unsigned long ret_addr,
+			      const unsigned char *rec, unsigned long len);
 
 #pragma GCC visibility pop
 #endif

@@ -146,13 +146,18 @@ def test_kernel_memory_strings_and_data_symbols(booted, trace):
 
 
 def test_lines_in_the_ring_buffer_next_to_the_kernels_own_event(trace):
-    """In the kernel's format (context, irq flags, the probe's symbol as trace_printk's ip), and
-    in order with the kernel's own kprobe event on getname: do_sys_openat2's entry, then
-    getname (which reads the same name, or the same fault), then do_filp_open."""
+    """Entries of our events' own output types, printed as the kernel prints its kprobe
+    events' (context, irq flags, then "EVENT: (SYM+off/size) args": no trace_printk() ip in
+    front), and in order with the kernel's own kprobe event on getname: do_sys_openat2's
+    entry, then getname (which reads the same name, or the same fault), then do_filp_open."""
     lines, recs, pid = trace
     ours = [l for l in lines if " kp_open: " in l and f"-{pid} " in l]
-    assert ours and all(re.match(rf"^\s+opener-{pid}\s+\[\d\d\d\] \S{{5}}\s+\d+\.\d{{6}}: do_sys_openat2: kp_open: "
+    assert ours and all(re.match(rf"^\s+opener-{pid}\s+\[\d\d\d\] \S{{5}}\s+\d+\.\d{{6}}: kp_open: "
                                  r"\(do_sys_openat2\+0x0/0x[0-9a-f]+\) dfd=-100 ", l) for l in ours), ours
+    # the kernel's own event's line has the same shape
+    kpk = [l for l in lines if " kpk: " in l and f"-{pid} " in l]
+    assert kpk and all(re.match(rf"^\s+opener-{pid}\s+\[\d\d\d\] \S{{5}}\s+\d+\.\d{{6}}: kpk: \(getname\+0x0/", l)
+                       for l in kpk), kpk
     # /init's own lines, before any event of the kernel was enabled: its name saved too
     # (tracing_record_cmdline()), not "<...>"
     early = [l for l in lines if " kp_open: " in l and "-1 " in l]

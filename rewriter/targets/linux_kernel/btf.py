@@ -29,7 +29,7 @@ QUALIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
 # pt_regs has the kernel's layout and is reused; the others are renamed.
 OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kretprobe",
             "kretprobe_instance": "kp_btf_kretprobe_instance"}
-GENERATOR = b"kprewrite-btf-sched-h-2"
+GENERATOR = b"kprewrite-btf-sched-h-3"
 
 
 @dataclass
@@ -235,6 +235,24 @@ class KernelTypes:
     # struct file_operations: [sizeof, offsetof llseek, read, write], for the runtime's
     # debugfs files (runtime/platform/linux_kernel/kp_debugfs.c); None if BTF lacks it.
     fops: list | None = None
+    # The tracing structures our trace events' own output types need (runtime/platform/
+    # linux_kernel/kp_trace_buffer.c): [sizeof struct trace_entry, sizeof struct trace_event,
+    # offsetof its type, funcs; offsetof struct trace_iterator's seq, ent, ent_size; offsetof
+    # struct trace_array's array_buffer.buffer]; None if BTF lacks any of them.
+    trace: list | None = None
+
+
+def _sizeof(types, name: str) -> int | None:
+    return next((t.size_or_type for t in types if t is not None and t.kind == STRUCT and t.name == name), None)
+
+
+def _trace_layout(types) -> list | None:
+    buf = [member_offset(types, "trace_array", "array_buffer"), member_offset(types, "array_buffer", "buffer")]
+    out = [_sizeof(types, "trace_entry"), _sizeof(types, "trace_event"),
+           member_offset(types, "trace_event", "type"), member_offset(types, "trace_event", "funcs"),
+           member_offset(types, "trace_iterator", "seq"), member_offset(types, "trace_iterator", "ent"),
+           member_offset(types, "trace_iterator", "ent_size"), None if None in buf else sum(buf)]
+    return None if None in out else out
 
 
 def kernel_types(btf: bytes, symbols: dict, where: str) -> KernelTypes:
@@ -244,15 +262,16 @@ def kernel_types(btf: bytes, symbols: dict, where: str) -> KernelTypes:
     hit = cache.get("btf-types", k)
     if hit is not None:
         d = json.loads(hit)
-        return KernelTypes(d["sched_h"], d["current"], d["comm"], d["pid"], d["fops"])
+        return KernelTypes(d["sched_h"], d["current"], d["comm"], d["pid"], d["fops"], d["trace"])
     types = parse(btf, where)
     current = "current_task"
     if hot:                            # Linux 6.2+: struct pcpu_hot { ... current_task ... }
         off = member_offset(types, "pcpu_hot", "current_task")
         current = f"pcpu_hot+{off}" if off is not None else current
-    fops = [next((t.size_or_type for t in types if t is not None and t.kind == STRUCT and t.name == "file_operations"),
-                  None)] + [member_offset(types, "file_operations", m) for m in ("llseek", "read", "write")]
+    fops = [_sizeof(types, "file_operations")] + [member_offset(types, "file_operations", m)
+                                                  for m in ("llseek", "read", "write")]
     kt = KernelTypes(_Writer(types).header(current), current, member_offset(types, "task_struct", "comm"),
-                     member_offset(types, "task_struct", "pid"), None if None in fops else fops)
+                     member_offset(types, "task_struct", "pid"), None if None in fops else fops,
+                     _trace_layout(types))
     cache.put("btf-types", k, json.dumps(kt.__dict__).encode())
     return kt

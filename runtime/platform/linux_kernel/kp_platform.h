@@ -174,16 +174,30 @@ static inline int kp_platform_copy_user_nofault(void *dst, unsigned long addr, u
  * (sprint_symbol(), as %pS), not a table compiled in: every function of a kernel
  * would not fit the gap, and kallsyms knows the KASLR base and modules. */
 #define KP_PLATFORM_KALLSYMS 1
-/* A trace line is built on the stack of the probed function (16 KiB kernel stacks,
- * deep call chains): 1 KiB, not user space's 2; a longer line ends in "...". */
+/* A hit's record is built on the stack of the probed function (16 KiB kernel stacks,
+ * deep call chains): 1.5 KiB, not user space's 2; a line (printed when the trace is read,
+ * or at the hit before the ring buffer exists) 1 KiB; longer ones end in "...". */
 #define KP_PLATFORM_TRACE_LINE 1024
+#define KP_PLATFORM_TRACE_REC 1536
 #define KP_PLATFORM_SYM_LEN 768		/* >= KSYM_SYMBOL_LEN */
 int kp_platform_symbol(char *buf, unsigned long addr, int with_offset);
 
+/* A hit's record into the kernel's ftrace ring buffer as an entry of the event's own
+ * output type (registered at boot, printed when the trace is read): 1 when the buffer
+ * took it or tracing is set to drop it, 0 when there is no buffer or no type (early boot)
+ * and the caller prints the line now (kp_platform_trace_buffer()). */
+#define KP_PLATFORM_TRACE_RECORD 1
+struct kp_trace_event;
+struct pt_regs;
+int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long ip,
+			     unsigned long ret_addr, const unsigned char *rec, unsigned long len);
+/* The output types, registered at the setup_per_cpu_areas() boot hook. */
+void kp_kernel_trace_init(void);
+
 /* One trace line's body ("EVENT: (SYM+off/size) name=value ...\n") into the
- * kernel's ftrace ring buffer: 1 when the buffer took it or tracing is set to
- * drop it, 0 when there is no buffer yet (early boot) and the caller writes
- * the whole line to printk. */
+ * kernel's ftrace ring buffer as a trace_printk() entry (an event without a type):
+ * 1 when the buffer took it or tracing is set to drop it, 0 when there is no buffer
+ * yet (early boot) and the caller writes the whole line to printk. */
 int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len);
 
 #pragma GCC visibility pop

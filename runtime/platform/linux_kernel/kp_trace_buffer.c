@@ -1,31 +1,66 @@
 /*
- * Trace events in a kernel: lines into the kernel's own ftrace ring buffer,
+ * Trace events in a kernel: entries in the kernel's own ftrace ring buffer,
  * symbols from the running kernel's kallsyms.
  *
- * A kprobe_events event the kernel defines writes a struct kprobe_trace_entry
- * of its own type, printed by print_kprobe_event().  Ours have no registered
- * type, so each hit writes its text as trace_printk() does, through
- * __trace_puts() (a TRACE_PRINT entry: the ip and the string), with the ip the
- * probe's address.  `cat /sys/kernel/tracing/trace` then shows it in the
- * kernel's context format, between the kernel's own events, as
+ * As the kernel's kprobe events (trace_kprobe.c), each event of ours has an
+ * output type of its own (a struct trace_event, register_trace_event() at boot)
+ * whose entries hold a binary record: struct trace_entry, the probe's address
+ * (a kretprobe's: the function's, then the return address), then the fetched
+ * values (kp_trace.h), written at each hit as __kprobe_trace_func() writes its
+ * kprobe_trace_entry_head and store_trace_args() its fields.  The text is made
+ * only when the trace is read, by the type's .trace function, which prints what
+ * print_kprobe_event()/print_kretprobe_event() print.  So
+ * `cat /sys/kernel/tracing/trace` shows the kernel's context and then
  *
- *     init-1  [001] ...1.  5.123456: do_sys_openat2: kp_open: (do_sys_openat2+0x0/0x1a0) file="/etc/passwd"
+ *     init-1  [001] .....  5.123456: kp_open: (do_sys_openat2+0x0/0x1a0) file="/etc/passwd"
  *
- * (trace_print_print(): "%ps: %s"), and trace_pipe, the snapshot and
- * instances' tracing_on apply to it as to trace_printk().  Before
- * early_trace_init() has allocated the buffer (from setup_per_cpu_areas(), when
- * the tables are built, until a little later in start_kernel()), the line goes
- * to printk whole, with the context kp_trace.c prints for user space.
+ * between the kernel's own events, as a tracefs kprobe event's line; trace_pipe,
+ * the snapshot and tracing_on apply to it.  Before early_trace_init() has
+ * allocated the buffer (from setup_per_cpu_areas(), when the tables are built,
+ * until a little later in start_kernel()), the line goes to printk whole, with
+ * the context kp_trace.c prints for user space; an event whose type could not
+ * be registered writes its text as trace_printk() does (__trace_puts(): a
+ * TRACE_PRINT entry behind the probe's symbol).
  */
-#include "kp_internal.h"
+#include "kp_trace.h"
 
 int __trace_puts(unsigned long ip, const char *str, int size);
 void tracing_record_cmdline(void *task);
 int sprint_symbol(char *buffer, unsigned long address);
 int sprint_symbol_no_offset(char *buffer, unsigned long address);
+int register_trace_event(void *event);
+unsigned int tracing_gen_ctx_irq_test(unsigned int irqs_status);
+void *ring_buffer_lock_reserve(void *buffer, unsigned long length);
+void trace_buffer_unlock_commit_regs(void *tr, void *buffer, void *event, unsigned int trace_ctx,
+				     struct pt_regs *regs);
+void trace_seq_putmem(void *s, const void *mem, unsigned int len);
+int trace_handle_return(void *s);
 /* kernel/trace/trace.c: 1 until tracer_alloc_buffers() (early_trace_init()) has
  * made global_trace's ring buffer, or for good when that failed. */
 extern int tracing_disabled;
+/* The top-level trace instance (tracing/trace), whose array_buffer.buffer is the
+ * ring buffer (swapped with the snapshot's: read at every hit, as __trace_puts() does). */
+extern char global_trace[];
+
+/* The layouts BTF gives (rewriter/targets/linux_kernel/btf.py), -1 when unknown. */
+extern const long kp_kernel_trace[8];
+enum { KP_TR_ENTRY_SIZE, KP_TR_EVENT_SIZE, KP_TR_EVENT_TYPE, KP_TR_EVENT_FUNCS, KP_TR_ITER_SEQ,
+       KP_TR_ITER_ENT, KP_TR_ITER_ENT_SIZE, KP_TR_BUFFER };
+
+/* An event's output type: a struct trace_event (its layout from BTF, at most
+ * KP_TRACE_EVENT_MAX bytes), the event, the type number. */
+#define KP_TRACE_EVENT_MAX 64
+struct kp_trace_type {
+	unsigned long event[KP_TRACE_EVENT_MAX / 8];
+	const struct kp_trace_event *ev;
+	unsigned int type;
+};
+static struct kp_trace_type *kp_trace_types;	/* per kp_trace_events[], memblock */
+
+/* The entry after struct trace_entry: the kernel's kprobe_trace_entry_head's ip, or
+ * kretprobe_trace_entry_head's func and ret_ip; the record follows. */
+#define KP_ENTRY_IP 8
+#define KP_ENTRY_HEAD(ev) ((ev)->is_return ? 24 : 16)
 
 /* The task (pointer, pid, name) each CPU saved last, and the lines since: saving costs
  * some 170 instructions a hit (a third of the line's cost), so the same task with the
@@ -40,18 +75,12 @@ static struct {
 	unsigned int lines;
 } __attribute__((aligned(64))) kp_comm_saved[KP_COMM_CPUS];
 
-int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len)
+/* The task's name for the trace file's COMM-PID column (else "<...>"), saved as the
+ * kernel's sched_switch probe saves it after an event when cmdline recording is on (it
+ * is only while some event of the kernel is enabled).  The dispatch runs with
+ * preemption off, so this CPU's slot is ours. */
+static void kp_trace_save_cmdline(void)
 {
-	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED))
-		return 0;
-	/* 0 written also means dropped as the kernel drops trace_printk(): tracing_on
-	 * off, the trace_printk option off, a full buffer in overwrite-off mode. */
-	if (!__trace_puts(ip, body, (int)len))
-		return 1;
-	/* The task's name for the trace file's COMM-PID column (else "<...>"), saved as
-	 * the kernel's sched_switch probe saves it after an event when cmdline recording
-	 * is on (it is only while some event is enabled).  The dispatch runs with
-	 * preemption off, so this CPU's slot is ours. */
 	char *task = kp_kernel_current();
 	unsigned int cpu = kp_platform_cpu();
 	if (cpu < KP_COMM_CPUS && kp_kernel_task_comm >= 0) {
@@ -62,7 +91,7 @@ int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long l
 		typeof(kp_comm_saved[0]) *saved = &kp_comm_saved[cpu];
 		if (saved->task == task && saved->pid == pid && saved->comm[0] == c0 && saved->comm[1] == c1
 		    && ++saved->lines < KP_COMM_RESAVE)
-			return 1;
+			return;
 		saved->task = task;
 		saved->pid = pid;
 		saved->comm[0] = c0;
@@ -70,6 +99,122 @@ int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long l
 		saved->lines = 0;
 	}
 	tracing_record_cmdline(task);
+}
+
+/* struct ring_buffer_event's data (rb_event_data(): the format trace_pipe_raw readers
+ * parse): after a time extend, then after the header word, or after the length word
+ * when the header's type_len is 0. */
+static inline char *kp_rb_event_data(unsigned int *event)
+{
+	if ((event[0] & 31) >= 30)		/* RINGBUF_TYPE_TIME_EXTEND, _TIME_STAMP */
+		event += 2;
+	return (char *)(event + ((event[0] & 31) ? 1 : 2));
+}
+
+int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long ip,
+			     unsigned long ret_addr, const unsigned char *rec, unsigned long len)
+{
+	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED) || !kp_trace_types)
+		return 0;
+	unsigned int type = kp_trace_types[ev->index].type;
+	if (!type)
+		return 0;
+	void *buffer = *(void **)(global_trace + kp_kernel_trace[KP_TR_BUFFER]);
+	unsigned long head = KP_ENTRY_HEAD(ev);
+	/* trace_event_buffer_reserve()'s context: the irq flags and the preempt count the
+	 * probed code ran with (tracing_gen_ctx_dec(): our dispatch's own taken off, as the
+	 * kernel takes off its kprobe handler's). */
+	unsigned long flags;
+	__asm__ volatile("pushfq; popq %0" : "=r"(flags));
+	unsigned int ctx = tracing_gen_ctx_irq_test(flags & 0x200 ? 0 : 1);	/* TRACE_FLAG_IRQS_OFF */
+	if (ctx & 0xf)
+		ctx--;
+	/* NULL: tracing_on is 0, the buffer is full (overwrite off), or a nested reserve on
+	 * this CPU in the same context: dropped, as the kernel drops its own events. */
+	unsigned int *event = ring_buffer_lock_reserve(buffer, head + len);
+	if (!event)
+		return 1;
+	char *entry = kp_rb_event_data(event);
+	/* tracing_generic_entry_update() */
+	*(unsigned short *)entry = (unsigned short)type;
+	entry[2] = (char)(ctx >> 16);
+	entry[3] = (char)ctx;
+	*(int *)(entry + 4) = kp_platform_task_pid();
+	*(unsigned long *)(entry + KP_ENTRY_IP) = ip;
+	if (ev->is_return)
+		*(unsigned long *)(entry + 16) = ret_addr;
+	memcpy(entry + head, rec, len);
+	trace_buffer_unlock_commit_regs(global_trace, buffer, event, ctx, regs);
+	kp_trace_save_cmdline();
+	return 1;
+}
+
+/* trace_print_func: the line of one of our entries, when the trace is read (tracing/trace,
+ * trace_pipe, ftrace_dump()): print_kprobe_event()'s text from the record. */
+static int kp_trace_print(char *iter, int flags, char *event)
+{
+	(void)flags;
+	const struct kp_trace_event *ev = ((struct kp_trace_type *)event)->ev;
+	char *seq = iter + kp_kernel_trace[KP_TR_ITER_SEQ];
+	const unsigned char *entry = *(const unsigned char **)(iter + kp_kernel_trace[KP_TR_ITER_ENT]);
+	long size = *(int *)(iter + kp_kernel_trace[KP_TR_ITER_ENT_SIZE]);
+	long head = KP_ENTRY_HEAD(ev);
+	if (size < head)
+		return trace_handle_return(seq);
+	char buf[KP_PLATFORM_TRACE_LINE];
+	struct kp_line l = { buf, buf + sizeof(buf) - 1 };
+	unsigned long n = kp_trace_format(&l, ev, ev->is_return ? *(const unsigned long *)(entry + 16) : 0,
+					  entry + head, size - head);
+	trace_seq_putmem(seq, buf, n);
+	return trace_handle_return(seq);
+}
+
+/* struct trace_event_functions: .trace ours; register_trace_event() fills the others
+ * with trace_nop_print (so not const). */
+static void *kp_trace_funcs[4] = { kp_trace_print };
+
+/* At the setup_per_cpu_areas() hook: an output type for every event, as
+ * register_kprobe_event() registers each tracefs kprobe event's (its trace_event_call's
+ * event).  register_trace_event() only takes trace_event_sem and links the type into
+ * its hash, which needs no more of the kernel than this: the types are there before
+ * early_trace_init() makes the ring buffer, for the first entry. */
+void kp_kernel_trace_init(void)
+{
+	if (!kp_ntrace_events || kp_kernel_trace[KP_TR_ENTRY_SIZE] != 8
+	    || kp_kernel_trace[KP_TR_EVENT_SIZE] < 0 || kp_kernel_trace[KP_TR_EVENT_SIZE] > KP_TRACE_EVENT_MAX)
+		return;
+	unsigned long size = kp_ntrace_events * sizeof(struct kp_trace_type);
+	struct kp_trace_type *types = memblock_alloc_try_nid(size, 64, 0, 0, -1);
+	if (!types) {
+		_printk(KP_KERN_ERR "kprewrite: no memory for %u trace events' output types: "
+			"they are written as trace_printk() lines\n", kp_ntrace_events);
+		return;
+	}
+	unsigned int failed = 0;
+	for (unsigned int i = 0; i < kp_ntrace_events; i++) {
+		struct kp_trace_type *t = &types[i];
+		char *event = (char *)t->event;
+		t->ev = kp_trace_events[i];
+		*(int *)(event + kp_kernel_trace[KP_TR_EVENT_TYPE]) = 0;	/* a dynamic type */
+		*(void ***)(event + kp_kernel_trace[KP_TR_EVENT_FUNCS]) = kp_trace_funcs;
+		int type = register_trace_event(event);
+		t->type = type > 0 ? (unsigned int)type : 0;
+		failed += !t->type;
+	}
+	if (failed)
+		_printk(KP_KERN_ERR "kprewrite: %u of %u trace events got no output type: "
+			"they are written as trace_printk() lines\n", failed, kp_ntrace_events);
+	__atomic_store_n(&kp_trace_types, types, __ATOMIC_RELEASE);
+}
+
+int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len)
+{
+	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED))
+		return 0;
+	/* 0 written also means dropped as the kernel drops trace_printk(): tracing_on
+	 * off, the trace_printk option off, a full buffer in overwrite-off mode. */
+	if (__trace_puts(ip, body, (int)len))
+		kp_trace_save_cmdline();
 	return 1;
 }
 

@@ -152,6 +152,7 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	kp_kernel_build_tables();
 	kp_thread_table_ready();	/* lookups take the fast path from here on */
 	kp_kernel_kretprobes_init();
+	kp_kernel_trace_init();		/* our trace events' output types */
 	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);	/* MEMBLOCK_ALLOC_ACCESSIBLE, NUMA_NO_NODE */
 	if (!m) {
