@@ -232,6 +232,13 @@ class TraceEvent:
     args: list[F.ProbeArg]
     is_return: bool = False
 
+    @property
+    def reads_regs(self) -> bool:
+        """Whether a hit reads pt_regs: a register, the stack, an argument or $retval
+        ($comm, @SYM and immediates do not), so a kprobe event without any takes the
+        clean call (planner.choose_forms) and its pre_handler passes no regs."""
+        return self.is_return or any(i.op in F.REGS_OPS for a in self.args for i in a.code)
+
 
 def _args_text(k) -> tuple[str, list[tuple[str, int]]]:
     """(text shown in errors, FETCHARGS words with their columns in that text)."""
@@ -336,8 +343,10 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
                        f"(unsigned long)get_kretprobe(ri)->kp.addr); {call} }}")
         else:
             call = f"return ((kprobe_pre_handler_t){user})(p, regs);" if user else "return 0;"
+            # no regs read: the site may be a clean call, whose regs argument is not pt_regs
+            regs = "regs" if ev.reads_regs else "0"
             out.append(f"int kp_trace_pre_{idx}(struct kprobe *p, struct pt_regs *regs) "
-                       f"{{ kp_trace_kprobe(&kp_tev_{idx}, regs, (unsigned long)p->addr); {call} }}")
+                       f"{{ kp_trace_kprobe(&kp_tev_{idx}, {regs}, (unsigned long)p->addr); {call} }}")
     out.append(f"const struct kp_trace_event *const kp_trace_events[{max(1, len(order))}] = {{ "
                + ", ".join(f"&kp_tev_{idx}" for idx in order) + " };")
     out.append(f"const unsigned int kp_ntrace_events = {len(order)};")

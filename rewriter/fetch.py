@@ -106,6 +106,8 @@ OPS = {
     "IMM_LINK": 8, "DATA": 9, "DEREF": 10, "UDEREF": 11, "ST_RAW": 12, "ST_MEM": 13, "ST_UMEM": 14,
     "ST_STRING": 15, "ST_USTRING": 16, "MOD_BF": 17, "LP_ARRAY": 18,
 }
+# The stage-1 ops that read pt_regs (process_fetch_insn()'s regs argument).
+REGS_OPS = frozenset({"REG", "STACK", "STACKP", "RETVAL", "ARG"})
 KINDS = {"u": 0, "s": 1, "x": 2, "char": 3, "symbol": 4, "string": 5, "ustring": 5, "symstr": 6, "bitfield": 0}
 
 

@@ -543,8 +543,8 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     Returns: a function with one kretprobe gets the hook inlined at each ret,
     clean when its handler never reads regs, with pt_regs otherwise; several
     kretprobes share the runtime's hooks, the clean one when no handler reads
-    regs.  traced: keys of probes with a trace event (events.trace_key), whose
-    generated handlers read regs."""
+    regs.  traced: keys of probes with a trace event (events.trace_key) whose
+    generated handlers read regs (TraceEvent.reads_regs)."""
     for site in plan.sites:
         # Without fast forms, detours call the runtime's shared entries: optimized_callback()
         # with pt_regs, or the clean callback where no handler reads pt_regs.

@@ -243,11 +243,17 @@ static const void *kp_fops(int i, void *read, void *write)
 	return f;
 }
 
-/* console_on_rootfs(): initcalls are done and debugfs is up; /init has not started. */
+/* console_on_rootfs(): initcalls are done and debugfs is up; /init has not started.
+ * Our trace events' cmdline recording starts here too (kp_kernel_trace_late()). */
 int kp_kernel_debugfs(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
 	(void)regs;
+	/* the kernel's cmdline recording for our trace events (kp_trace_buffer.c): it
+	 * registers tracepoint probes, which may sleep */
+	kp_platform_dispatch_end();
+	kp_kernel_trace_late();
+	kp_platform_dispatch_begin();
 	if (kp_kernel_fops[0] < 0 || (unsigned long)kp_kernel_fops[0] > sizeof(kp_fops_mem[0])) {
 		_printk(KP_KERN_INFO "kprewrite: no struct file_operations in the image's BTF: no debugfs files\n");
 		return 0;

@@ -191,8 +191,10 @@ struct kp_trace_event;
 struct pt_regs;
 int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long ip,
 			     unsigned long ret_addr, const unsigned char *rec, unsigned long len);
-/* The output types, registered at the setup_per_cpu_areas() boot hook. */
+/* The output types, registered at the setup_per_cpu_areas() boot hook; the kernel's
+ * cmdline recording for them, started at the console_on_rootfs() hook (may sleep). */
 void kp_kernel_trace_init(void);
+void kp_kernel_trace_late(void);
 
 /* One trace line's body ("EVENT: (SYM+off/size) name=value ...\n") into the
  * kernel's ftrace ring buffer as a trace_printk() entry (an event without a type):

@@ -62,6 +62,11 @@ static struct kp_trace_type *kp_trace_types;	/* per kp_trace_events[], memblock 
 #define KP_ENTRY_IP 8
 #define KP_ENTRY_HEAD(ev) ((ev)->is_return ? 24 : 16)
 
+void tracing_start_cmdline_record(void);
+
+/* Set once the kernel's own cmdline recording runs for our events (kp_kernel_trace_late()). */
+static int kp_trace_cmdline_recording;
+
 /* The task (pointer, pid, name) each CPU saved last, and the lines since: saving costs
  * some 170 instructions a hit (a third of the line's cost), so the same task with the
  * same name hitting again on the same CPU is saved again only every KP_COMM_RESAVE
@@ -75,12 +80,14 @@ static struct {
 	unsigned int lines;
 } __attribute__((aligned(64))) kp_comm_saved[KP_COMM_CPUS];
 
-/* The task's name for the trace file's COMM-PID column (else "<...>"), saved as the
- * kernel's sched_switch probe saves it after an event when cmdline recording is on (it
- * is only while some event of the kernel is enabled).  The dispatch runs with
- * preemption off, so this CPU's slot is ours. */
+/* The task's name for the trace file's COMM-PID column (else "<...>"), saved at the hit
+ * until the kernel's own recording runs (kp_kernel_trace_late()), as its sched_switch
+ * probe saves it after an event.  The dispatch runs with preemption off, so this CPU's
+ * slot is ours. */
 static void kp_trace_save_cmdline(void)
 {
+	if (__atomic_load_n(&kp_trace_cmdline_recording, __ATOMIC_RELAXED))
+		return;
 	char *task = kp_kernel_current();
 	unsigned int cpu = kp_platform_cpu();
 	if (cpu < KP_COMM_CPUS && kp_kernel_task_comm >= 0) {
@@ -205,6 +212,23 @@ void kp_kernel_trace_init(void)
 		_printk(KP_KERN_ERR "kprewrite: %u of %u trace events got no output type: "
 			"they are written as trace_printk() lines\n", failed, kp_ntrace_events);
 	__atomic_store_n(&kp_trace_types, types, __ATOMIC_RELEASE);
+}
+
+/*
+ * At the console_on_rootfs() hook (process context, initcalls done, before /init): the
+ * kernel's cmdline recording, as __ftrace_event_enable_disable() starts it for an event
+ * of its own being enabled (tracing_start_cmdline_record(): the sched_switch and
+ * sched_wakeup probes).  Every entry's commit (__buffer_unlock_commit()) sets the CPU's
+ * trace_taskinfo_save, and the next context switch on that CPU saves the tasks' names:
+ * the hits save none themselves from here on.  Our events are always enabled, so it
+ * runs until power-off (the kernel's runs while any of its events is enabled).
+ */
+void kp_kernel_trace_late(void)
+{
+	if (!kp_ntrace_events || __atomic_load_n(&kp_trace_cmdline_recording, __ATOMIC_RELAXED))
+		return;
+	tracing_start_cmdline_record();
+	__atomic_store_n(&kp_trace_cmdline_recording, 1, __ATOMIC_RELEASE);
 }
 
 int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len)
