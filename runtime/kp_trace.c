@@ -6,13 +6,15 @@
  *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (SYM+off/size) name=value ...
  *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (CALLER+off/size <- FUNC) name=value ...
  *
- * The line is built in a buffer on the stack and written in one piece
+ * A hit fetches its args into a binary record (kp_trace.h); the line is printed
+ * from it into a buffer on the stack and written in one piece
  * (kp_platform_write()), so lines of concurrent threads never interleave.
  * COMM, PID (the thread id), CPU and the time stamp are the platform's
  * (kp_platform.h).  Output goes to standard error, or to the file named by
- * KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error);
- * in a kernel, into the ftrace ring buffer (kp_platform_trace_buffer()), which
- * prints the context itself.
+ * KPREWRITE_TRACE (opened for appending at start-up; "-" is standard error).
+ * In a kernel the record itself goes into the ftrace ring buffer
+ * (kp_platform_trace_record()), printed by kp_trace_format() only when the
+ * trace is read, with the kernel's context.
  */
 #include "kp_trace.h"
 
