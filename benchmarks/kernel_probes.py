@@ -4,6 +4,7 @@ side in the same boot, under qemu-system-x86_64 (issue 10, "Benchmarks", first b
 
 Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR] [--int3]
      (--int3: ours at +0xe is a breakpoint probe, issue 11, compared with the kernel's INT3 kprobes)
+     (--singlestep: row k, a breakpoint probe whose instruction is single-stepped: see SINGLESTEP below)
      (--kret: kretprobes, issue 11 rows r and ro: ours on getuid (empty handler) and geteuid (empty
       entry_handler and handler), the kernel's on getgid: register_kretprobe() in the module, both
       ways, and the tracefs `r:` event, with and without tracing_on)
@@ -187,24 +188,25 @@ def rewrite(k, work: Path, int3: bool = False) -> Path:
     return out
 
 
-def setup_cmds(where: int | None, how: str | None, int3: bool) -> tuple[str, str, str]:
-    """(setup, the -b option of syscall_loop, teardown) shell text of a phase."""
+def setup_cmds(where: int | None, how: str | None, int3: bool, func: str = KFUNC) -> tuple[str, str, str]:
+    """(setup, the -b option of syscall_loop, teardown) shell text of a phase (the kernel's
+    probe on func+where)."""
     if how is None:
         return "", "", ""
     pre = f"echo 0 > {OPT_SYSCTL}\n" if int3 else ""
     post = f"echo 1 > {OPT_SYSCTL}\n" if int3 else ""
     if how == "bpf":
-        return pre, f"-b {KFUNC}+{where:#x}", post
-    listing = f"grep {KFUNC} /sys/kernel/debug/kprobes/list | sed 's/^/LIST /'\n"
+        return pre, f"-b {func}+{where:#x}", post
+    listing = f"grep {func} /sys/kernel/debug/kprobes/list | sed 's/^/LIST /'\n"
     if how in ("kret-module", "kreto-module"):
         kret = 1 if how == "kret-module" else 2
-        setup = (f"insmod /bench_kprobe.ko symbol={KFUNC} kret={kret} || echo SETUP-FAILED\n" + listing)
+        setup = (f"insmod /bench_kprobe.ko symbol={func} kret={kret} || echo SETUP-FAILED\n" + listing)
         return setup, "", "rmmod bench_kprobe\n"
     if how == "module":
-        setup = (pre + f"insmod /bench_kprobe.ko symbol={KFUNC} offset={where} || echo SETUP-FAILED\n"
+        setup = (pre + f"insmod /bench_kprobe.ko symbol={func} offset={where} || echo SETUP-FAILED\n"
                  "sleep 1\n" + listing)   # sleep: the kprobe optimizer is a delayed work
         return setup, "", "rmmod bench_kprobe\n" + post
-    ev = f"r:bench {KFUNC}" if how.startswith("kret") else f"p:bench {KFUNC}" + (f"+{where:#x}" if where else "")
+    ev = f"r:bench {func}" if how.startswith("kret") else f"p:bench {func}" + (f"+{where:#x}" if where else "")
     setup = (pre + f"echo '{ev}' > {TRACING}/kprobe_events || echo SETUP-FAILED\n"
              f"echo 1 > {TRACING}/events/kprobes/bench/enable || echo SETUP-FAILED\n")
     if how.endswith("event-off"):
@@ -217,14 +219,14 @@ def setup_cmds(where: int | None, how: str | None, int3: bool) -> tuple[str, str
     return setup, "", teardown
 
 
-def init_commands(phases, n: int, reps: int, warmup: int) -> str:
+def init_commands(phases, n: int, reps: int, warmup: int, labels=None, func: str = KFUNC) -> str:
     out = ["echo '== info'",
            "uname -r", "grep -m1 'model name' /proc/cpuinfo",
            "echo clocksource $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)",
            "grep -H . /sys/devices/system/cpu/vulnerabilities/* | sed 's|.*/||'"]
-    loops = " ".join(f"{l}={l}" for l in LABELS)
+    loops = " ".join(f"{l}={l}" for l in (labels or LABELS))
     for key, _, where, how, _ in phases:
-        setup, bpf, teardown = setup_cmds(where, how, key.startswith("k-int3"))
+        setup, bpf, teardown = setup_cmds(where, how, key.startswith(("k-int3", "k-ss")), func)
         out.append(f"echo '== phase {key}'")
         out.append(setup.rstrip())
         out.append(f"/bench -n {n} -r {reps} -w {warmup} {bpf} {loops}")
@@ -271,8 +273,9 @@ def build_module(k, work: Path) -> Path | None:
     return ko
 
 
-def run_boot(kernel: Path, phases, n, reps, warmup, mode, files: dict, log: Path) -> kernel_env.BootResult:
-    init = kernel_env.init_script(init_commands(phases, n, reps, warmup))
+def run_boot(kernel: Path, phases, n, reps, warmup, mode, files: dict, log: Path, labels=None,
+             func: str = KFUNC) -> kernel_env.BootResult:
+    init = kernel_env.init_script(init_commands(phases, n, reps, warmup, labels, func))
     initrd = kernel_env.build_initramfs(init, files)
     r = kernel_env.boot(kernel, initrd, smp=1, timeout=600, accel="tcg", qemu_args=MODES[mode], log=log)
     if not r.reached(kernel_env.DONE_MARKER) or "== end" not in r.console:
@@ -439,6 +442,160 @@ def check_ours(r, calls: int, kind: str, inside: int, notes: list[str]) -> None:
     for note in notes:
         print(f"  CHECK FAILED: {note}")
 
+# --- row k: a single-stepped breakpoint probe (--singlestep) -------------------------------------
+SINGLESTEP_DOC = """
+SINGLESTEP (row k)
+------------------
+The twins above have no instruction that either the kernel or we single-step: their movs are
+boosted, their call/jmp emulated.  Nor has any pair of identical functions on a cheap system
+call's path in Debian's 6.1 kernel (a scan of every function for one with an instruction that
+can_boost() refuses and prepare_emulation() does not emulate, grouped by shape, finds twins only
+among trace_raw_output_*, page-table, APIC, perf NMI and retpoline-thunk code).  So row k probes
+ONE instruction, the same for ours and the kernel's, in two boots (icount counts are
+deterministic, so boots compare as rounds do):
+
+  task_sched_runtime+0xb2   prefetcht0 0x40(%rax): prefetch_curr_exec_start(), on the path of
+                            clock_gettime(CLOCK_THREAD_CPUTIME_ID) for the calling task (running
+                            and queued: task_rq_lock(), then the prefetches), which the vDSO does
+                            not serve.  0f 18 is not in twobyte_is_boostable[], nor is it emulated:
+                            the kernel's INT3 kprobe copies it into its insn slot and single-steps
+                            it there (an int3 after the copy, since 5.14); ours does the same
+                            (`check` says int3 [single-step]; Rules.singlestep_int3).
+
+  the rewritten kernel      ours, an int3 probe (optimize = false), empty pre_handler;
+                            /init times the cputime loop against getegid (never probed)
+  the unmodified kernel     phase none: the same loops unprobed (ours' and the kernel's
+                            baseline); then the kernel's INT3 kprobes on the same instruction
+                            (kprobes-optimization = 0): the module (empty pre_handler),
+                            an empty BPF program, the tracefs event
+
+The kernel's probes are measured in the unmodified kernel: in the rewritten one every kernel
+int3 trap passes through our int3 hook first (our site lookup, a miss), which would charge the
+kernel's two traps per hit with our lookup.
+"""
+SS_FUNC, SS_OFF, SS_LOOP = "task_sched_runtime", 0xB2, "cputime"
+SS_LABELS = (REF, SS_LOOP)
+SS_PHASES = [
+    ("none", "no probe", None, None, None),
+    ("k-ss-mod", "kernel kprobe INT3 single-step, module, empty pre_handler", SS_OFF, "module", ""),
+    ("k-ss-bpf", "kernel kprobe INT3 single-step, empty BPF prog", SS_OFF, "bpf", ""),
+    ("k-ss-event", "kernel kprobe INT3 single-step, tracefs event", SS_OFF, "event", ""),
+]
+
+
+def singlestep_rewrite(k, work: Path) -> Path:
+    """Ours at SS_FUNC+SS_OFF: an int3 probe whose instruction is single-stepped (check says so)."""
+    import json
+    spec = work / "probes-ss.toml"
+    spec.write_text(f'optimize = false\nhandlers = ["{HANDLER_SRC}"]\n[[kprobe]]\nsymbol_name = "{SS_FUNC}"\n'
+                    f'offset = {SS_OFF:#x}\npre_handler = "bench_empty"\n')
+    plan = json.loads(kprewrite("check", k.vmlinux, "--spec", spec, "--format", "json"))["probes"][0]
+    if (plan["decision"], plan.get("int3")) != ("int3", "single-step"):
+        sys.exit(f"kernel_probes: check says {plan}, expected an int3 probe, single-stepped")
+    text = kprewrite("check", k.vmlinux, "--spec", spec).split("\n")[0]
+    out = work / "vmlinux-ss.kp"
+    t = time.monotonic()
+    kprewrite("instrument", k.vmlinux, "--spec", spec, "-o", out)
+    print(f"kprewrite check: {text}; instrument {time.monotonic() - t:.1f} s")
+    return out
+
+
+def singlestep_check_insn(vmlinux: Path) -> str:
+    """The probed instruction, which both the kernel and we single-step (can_boost(): no;
+    prepare_emulation(): no)."""
+    from rewriter.image import Image
+    from rewriter.targets import linux_kernel
+    from rewriter.arch.x86_64 import insn as x86insn
+    import capstone
+    image = Image(str(vmlinux))
+    linux_kernel.load_symbols(image)
+    f = next(f for f in image.functions if f.name == SS_FUNC)
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    at = {i.address - f.start: i for i in cs.disasm(image.read(f.start, f.end - f.start), f.start)}
+    i = at.get(SS_OFF)
+    info = x86insn.classify(bytes(i.bytes), i.address) if i else None
+    if i is None or info.boostable or info.emulate or i.mnemonic != "prefetcht0":
+        sys.exit(f"kernel_probes: {SS_FUNC}+{SS_OFF:#x} is not the single-stepped prefetcht0 of 6.1: "
+                 f"{i and (i.mnemonic, i.op_str)} {info}")
+    return f"{i.mnemonic} {i.op_str} ({i.bytes.hex()}: {info.boost_reason})"
+
+
+def singlestep_analyse(main: dict, calib: dict, n: int, reps: int, warmup: int):
+    """Row k: (rows, notes).  Per hit = (T(cputime) - T(getegid)) of the probed configuration,
+    minus the same difference unprobed (the unmodified kernel's phase none), over N."""
+    notes = []
+    base_ph = calib["phases"]["none"]["results"]
+    base = med(diffs(base_ph, SS_LOOP))
+    base_min = min(base_ph[SS_LOOP]) - min(base_ph[REF])
+    rows = [("(0) no probe: getegid, the reference", "-", med(base_ph[REF]) / n, None, None, None, None),
+            (f"(0) no probe: {SS_LOOP} (unmodified kernel)", "-", med(base_ph[SS_LOOP]) / n, None, None, None, None)]
+    res = main["phases"]["none"]["results"]
+    ours = (med(diffs(res, SS_LOOP)) - base) / n
+    ours_min = (min(res[SS_LOOP]) - min(res[REF]) - base_min) / n
+    rows.append(("(k) ours int3, single-stepped, empty pre_handler", "int3", med(res[SS_LOOP]) / n,
+                 ours, 1.0, ours_min, 1.0))
+    calls = reps * (n + warmup)
+    for key, desc, where, how, kind in SS_PHASES[1:]:
+        ph = calib["phases"].get(key)
+        if ph is None:
+            continue
+        r = ph["results"]
+        hit = (med(diffs(r, SS_LOOP)) - base) / n
+        hit_min = (min(r[SS_LOOP]) - min(r[REF]) - base_min) / n
+        listed = [l for l in ph["lines"] if l.startswith(("LIST ", "BPF-KPROBE ")) and SS_FUNC in l]
+        if not listed or "[OPTIMIZED]" in " ".join(listed) or "[FTRACE]" in " ".join(listed):
+            notes.append(f"{key}: kprobes/list shows {listed!r}, expected an INT3 kprobe")
+        if how == "module":
+            got = [tuple(map(int, m.groups())) for l in ph["lines"]
+                   for m in [re.search(r"bench_kprobe: \S+ hits (\d+) nmissed (\d+)", l)] if m]
+            if len(got) != 1 or got[0][0] < calls or got[0][1]:
+                notes.append(f"{key}: the module's (hits, nmissed) {got}, expected >= {calls}, 0 missed")
+        if how == "event":
+            prof = [l.split() for l in ph["lines"] if l.startswith("PROFILE ")]
+            got = [(int(p[2]), int(p[3])) for p in prof if len(p) >= 4 and p[1] == "bench"]
+            if len(got) != 1 or got[0][0] < calls or got[0][1]:
+                notes.append(f"{key}: tracefs kprobe_profile (hits, missed) {got}, expected >= {calls}, 0 missed")
+        if any(l.startswith(("BPF-ERROR", "SETUP-FAILED")) for l in ph["lines"]):
+            notes.append(f"{key}: setup failed")
+        rows.append((f"(k) {desc}", "int3", med(r[SS_LOOP]) / n, hit, hit / ours if ours > 0 else float("nan"),
+                     hit_min, hit_min / ours_min if ours_min > 0 else float("nan")))
+    return rows, notes
+
+
+def singlestep_main(args, k, work: Path) -> None:
+    print(f"probed: {SS_FUNC}+{SS_OFF:#x}: {singlestep_check_insn(k.vmlinux)}")
+    loop_bin = work / "syscall_loop"
+    sh(["gcc", "-static", "-O2", "-Wall", "-o", str(loop_bin), str(LOOP_SRC)])
+    kp = singlestep_rewrite(k, work)
+    ko = build_module(k, work)
+    files = {"bench": loop_bin, **({"bench_kprobe.ko": ko} if ko else {})}
+    phases = [ph for ph in SS_PHASES if ko or ph[3] != "module"]
+    for mode in args.modes.split(","):
+        n, reps, warmup = (a if a is not None else d for a, d in zip((args.n, args.reps, args.warmup), DEFAULTS[mode]))
+        t = time.monotonic()
+        calib = run_boot(k.vmlinux, phases, n, reps, warmup, mode, files, work / f"unmodified-ss-{mode}.console.txt",
+                         SS_LABELS, SS_FUNC)
+        t1 = time.monotonic()
+        r = run_boot(kp, SS_PHASES[:1], n, reps, warmup, mode, files, work / f"rewritten-ss-{mode}.console.txt",
+                     SS_LABELS, SS_FUNC)
+        t2 = time.monotonic()
+        rows, notes = singlestep_analyse(parse(r), parse(calib), n, reps, warmup)
+        print(f"\n== QEMU mode: {mode}; unmodified kernel boot {t1 - t:.0f} s, rewritten kernel boot {t2 - t1:.0f} s; "
+              f"loops of N = {n} calls after {warmup} warm-up calls, {reps} rounds per phase, -smp 1")
+        print_table(rows)
+        prof = ours_profile(r)
+        name = f"p_{SS_FUNC}_{SS_OFF}"
+        hits = prof.get(name)
+        calls = reps * (n + warmup)
+        ok = hits is not None and hits[0] >= calls and hits[1] == 0
+        print(f"  ours {name}: (hits, missed) = {hits} at power-off; the loops made {calls} calls"
+              + ("" if ok else "   <-- MISMATCH"))
+        if not ok:
+            notes.append(f"{name}: hits {hits}, expected >= {calls}, 0 missed")
+        for note in notes:
+            print(f"  CHECK FAILED: {note}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default="icount,tcg", help="comma-separated: icount, tcg (default both)")
@@ -450,6 +607,8 @@ def main():
                     "against the kernel's INT3 kprobes only")
     ap.add_argument("--kret", action="store_true", help="kretprobes (rows r and ro): ours against the kernel's "
                     "register_kretprobe() and tracefs r: event")
+    ap.add_argument("--singlestep", action="store_true", help="row k: a breakpoint probe whose instruction is "
+                    "single-stepped, ours against the kernel's INT3 kprobes on the same instruction")
     args = ap.parse_args()
     global INSIDE_KIND, KRET
     KRET = args.kret
@@ -466,6 +625,12 @@ def main():
 
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kp-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.singlestep:
+        singlestep_main(args, k, work)
+        if not args.keep:
+            shutil.rmtree(work)
+        print(f"\ntotal {time.monotonic() - t_start:.0f} s")
+        return
     check_twins(k.vmlinux)
     loop_bin = work / "syscall_loop"
     sh(["gcc", "-static", "-O2", "-Wall", "-o", str(loop_bin), str(LOOP_SRC)])

@@ -38,7 +38,7 @@ PLATFORM = "linux_user"
 # it changes every output.
 RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c"]
 # INT3 fallback probes (issue 3).
-RUNTIME_SOURCES += ["kp_trap.c", "{arch}/kp_int3.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
+RUNTIME_SOURCES += ["{arch}/kp_int3.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
 # kretprobes (issue 4).
 RUNTIME_SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
 # kprobe_events, fetch args, trace lines (issue 5).
@@ -53,7 +53,7 @@ ASM_OFFSETS_SOURCES = ["kp_asm_offsets.c", "{arch}/kp_asm_offsets.c"]
 # runs), and the image's return-thunk and retpoline conventions.
 KERNEL_RUNTIME_SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
                           "{platform}/kp_kretprobe_task.c", "kp_fetch.c", "kp_trace.c",
-                          "kp_trap.c", "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
+                          "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
 # kprobe_events into the ftrace ring buffer, symbols from kallsyms (issue 11).
 KERNEL_RUNTIME_SOURCES += ["{platform}/kp_trace_buffer.c"]
 KERNEL_CFLAGS = [f for f in CFLAGS if f not in ("-fPIC", "-fno-plt")] + [

@@ -9,7 +9,9 @@
  *
  *   RESULT LABEL ROUND NS_TOTAL N
  *
- * SYSCALL is one of getuid, geteuid, getgid, getegid, getpid, getppid, gettid.
+ * SYSCALL is one of getuid, geteuid, getgid, getegid, getpid, getppid, gettid, or cputime:
+ * clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts), which the vDSO does not serve (the calling
+ * task's own sum_exec_runtime: posix_cpu_clock_get(), task_sched_runtime()).
  *
  * -b FUNC[+OFF]: for the duration of the run, a kprobe of the running kernel at FUNC+OFF with an
  * empty handler and no event output: a perf kprobe event (the "kprobe" PMU, as `perf probe`
@@ -30,24 +32,26 @@
 #include <time.h>
 #include <unistd.h>
 
-static const struct { const char *name; long nr; } SYSCALLS[] = {
+static struct timespec cputime_ts;
+static const struct { const char *name; long nr, a1, a2; } SYSCALLS[] = {
 	{"getuid", SYS_getuid}, {"geteuid", SYS_geteuid}, {"getgid", SYS_getgid},
 	{"getegid", SYS_getegid}, {"getpid", SYS_getpid}, {"getppid", SYS_getppid},
 	{"gettid", SYS_gettid},
+	{"cputime", SYS_clock_gettime, CLOCK_THREAD_CPUTIME_ID, (long)&cputime_ts},
 };
 
-static inline long raw_syscall0(long nr)
+static inline long raw_syscall2(long nr, long a1, long a2)
 {
 	long ret;
-	__asm__ volatile ("syscall" : "=a"(ret) : "a"(nr) : "rcx", "r11", "memory");
+	__asm__ volatile ("syscall" : "=a"(ret) : "a"(nr), "D"(a1), "S"(a2) : "rcx", "r11", "memory");
 	return ret;
 }
 
-static long loop(long nr, long n)
+static long loop(int k, long n)
 {
-	long sum = 0;
+	long sum = 0, nr = SYSCALLS[k].nr, a1 = SYSCALLS[k].a1, a2 = SYSCALLS[k].a2;
 	for (long i = 0; i < n; i++)
-		sum += raw_syscall0(nr);
+		sum += raw_syscall2(nr, a1, a2);
 	return sum;
 }
 
@@ -62,7 +66,7 @@ static long lookup(const char *name)
 {
 	for (size_t i = 0; i < sizeof(SYSCALLS) / sizeof(SYSCALLS[0]); i++)
 		if (!strcmp(SYSCALLS[i].name, name))
-			return SYSCALLS[i].nr;
+			return (long)i;
 	fprintf(stderr, "syscall_loop: unknown system call %s\n", name);
 	exit(2);
 }

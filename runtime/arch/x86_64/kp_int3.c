@@ -54,10 +54,13 @@ static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)
 	g[G_RSP] = r->sp;
 }
 
-/* Binary search of the descriptors by link-time address. */
-static struct kp_int3_site *kp_int3_lookup(unsigned long addr)
+/* Binary search of the descriptors by link-time address; an address outside the
+ * sites' span (the int3 after a single-stepped copy, in our slots) fails at once. */
+static inline __attribute__((always_inline)) struct kp_int3_site *kp_int3_lookup(unsigned long addr)
 {
 	unsigned int lo = 0, hi = kp_nint3;
+	if (!hi || addr < kp_int3_sites[0].addr || addr > kp_int3_sites[hi - 1].addr)
+		return 0;
 	while (lo < hi) {
 		unsigned int mid = (lo + hi) / 2;
 		unsigned long a = kp_int3_sites[mid].addr;
@@ -72,9 +75,11 @@ static struct kp_int3_site *kp_int3_lookup(unsigned long addr)
 }
 
 /* The single-step site whose copy ends at `end` (slots are in address order). */
-static struct kp_int3_site *kp_int3_ss_lookup(unsigned long end)
+static inline __attribute__((always_inline)) struct kp_int3_site *kp_int3_ss_lookup(unsigned long end)
 {
 	unsigned int lo = 0, hi = kp_nint3_ss;
+	if (end < kp_int3_sites[kp_int3_ss[0]].ss_end || end > kp_int3_sites[kp_int3_ss[hi - 1]].ss_end)
+		return 0;
 	while (lo < hi) {
 		unsigned int mid = (lo + hi) / 2;
 		struct kp_int3_site *d = &kp_int3_sites[kp_int3_ss[mid]];
@@ -174,15 +179,17 @@ static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsig
 
 /*
  * kprobe_int3_handler() on the trap's registers: 1 if the trap follows one of
- * our int3s, or the end of one of our single-stepped copies (`ss_ip`: the
+ * our int3s, or the end of one of our single-stepped copies (`ss_trap`: the
  * trap's ip there: the copy's end under the trap flag, one byte past it where
  * an int3 follows the copy, as the kernel's own kprobes do since 5.14), with
  * regs updated to resume; 0 otherwise (nothing changed).
  */
 int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 {
+#ifndef KP_PLATFORM_NO_STARTUP	/* a kernel's runtime is linked where it runs */
 	if (unlikely(kp_rt.state != 2))
 		kp_relocate();
+#endif
 	unsigned long bias = kp_rt.bias, ip = regs->ip;
 	struct kp_int3_site *d = kp_int3_lookup(ip - 1 - bias);
 	if (d) {
@@ -213,10 +220,9 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 	    (d = kp_int3_ss_lookup(ip - ss_trap - bias))) {
 		/* resume_singlestep(): the copy was not a branch, so the original
 		 * next instruction follows; RIP-relative operands were relocated. */
-		struct kp_site *s = kp_site(d->site);
 		regs->flags &= ~X86_EFLAGS_TF;
 		regs->ip = d->addr + bias + d->size;
-		kp_trap_post(s, regs);
+		kp_trap_post(kp_site(d->site), regs);
 		return 1;
 	}
 	return 0;

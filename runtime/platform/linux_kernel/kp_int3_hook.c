@@ -29,14 +29,10 @@
  */
 #include "kp_internal.h"
 
-/* kp_kernel_int3_entry's C half: 1 if the int3 was ours (regs updated). */
-int kp_kernel_int3(struct pt_regs *regs)
-{
-	kp_platform_dispatch_begin();
-	int r = kp_arch_int3_regs(regs, 1);
-	kp_platform_dispatch_end();
-	return r;
-}
+/* The C half is kp_arch_int3_regs(regs, 1) (an int3 follows each single-stepped copy):
+ * 1 if the int3 was ours (regs updated).  It needs no dispatch_begin()/end() of its own:
+ * exc_int3() has raised the preempt count (irqentry_nmi_enter()), so the CPU, the
+ * thread key of the hit, cannot change under it. */
 
 /*
  * Called from kprobe_int3_handler()'s first instruction (its ftrace site):
@@ -52,7 +48,8 @@ __asm__(".pushsection .text\n"
 	"	testb $3, 0x88(%rdi)\n"		/* regs->cs & 3: from user mode */
 	"	jnz 1f\n"
 	"	push %rdi\n"
-	"	call kp_kernel_int3\n"
+	"	mov $1, %esi\n"		/* ss_trap: an int3 after the copy */
+	"	call kp_arch_int3_regs\n"
 	"	pop %rdi\n"
 	"	test %eax, %eax\n"
 	"	jnz 2f\n"
