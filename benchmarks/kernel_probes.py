@@ -4,7 +4,7 @@ side in the same boot, under qemu-system-x86_64 (issue 10, "Benchmarks", first b
 
 Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR] [--int3]
      (--int3: ours at +0xe is a breakpoint probe, issue 11, compared with the kernel's INT3 kprobes)
-     (--singlestep: row k, a breakpoint probe whose instruction is single-stepped: see SINGLESTEP below)
+     (--singlestep: row k, a breakpoint probe whose instruction is single-stepped: see SINGLESTEP_DOC below)
      (--kret: kretprobes, issue 11 rows r and ro: ours on getuid (empty handler) and geteuid (empty
       entry_handler and handler), the kernel's on getgid: register_kretprobe() in the module, both
       ways, and the tracefs `r:` event, with and without tracing_on)
