@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import events as ev_mod
 from . import fetch as fetch_mod
-from .emission import Code, pre_handler_symbol, region_ips
+from .emission import Code, light_stride_shift, pre_handler_symbol, region_ips
 from .events import trace_key
 from .link import c_string
 from .planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
@@ -28,6 +28,19 @@ def generate(c: Code, target, traces: dict) -> str:
         out.append(f"extern char {name}[];")
     # Hit counters per thread (or CPU): kprobes, then kretprobes.
     out.append(f"#define KP_NHITS {len(plan.kprobes) + len(plan.kretprobes)}")
+    # The counters of light sites (emit.light_detour): KP_LIGHT_SHARDS shards of
+    # 1 << shift bytes, each counter by hit slot; summed into the profile.  None
+    # (and no pointer to relocate) in an image without light sites: a kernel's.
+    if any(s.light for s in plan.sites):
+        shift = light_stride_shift(plan)
+        out.append(f"unsigned long kp_light_hits[{c.arch.emit.LIGHT_SHARDS} << {shift - 3}] "
+                   "__attribute__((aligned(4096)));")
+        out.append("unsigned long *kp_light_base = kp_light_hits;")
+        out.append(f"const unsigned int kp_nlight_hits = {len(plan.kprobes) + len(plan.kretprobes)};")
+        out.append(f"const unsigned int kp_light_stride = {(1 << shift) // 8};")
+    else:
+        out.append("unsigned long kp_light_hits[1];\nunsigned long *kp_light_base;")
+        out.append("const unsigned int kp_nlight_hits = 0, kp_light_stride = 0;")
     if getattr(target, "TABLES_AT_BOOT", False):
         out += _records_c(c, target, traces)
     else:
