@@ -93,13 +93,6 @@ def pre_handler_symbol(c: Code, p) -> str | None:
     return c.handler_symbol[p.spec.pre_handler] if p.spec.pre_handler else None
 
 
-def light_stride_shift(plan: Plan) -> int:
-    """log2 of the bytes between two shards of the light sites' counters
-    (emit.light_detour): every hit slot's counter, a page at least."""
-    n = 8 * (len(plan.kprobes) + len(plan.kretprobes))
-    return max(12, (n - 1).bit_length())
-
-
 def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
     """An optimized site's detour buffer at `at`: (code, resume, resume_post)."""
     em = c.arch.emit
@@ -115,8 +108,7 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
     k = c.plan.hit_slot(p)
     if site.light:
         code, resume = em.light_detour(site.index, site.segment, at, fast=sym["kp_fast"],
-                                       base=sym["kp_light_base"], key=c.thread_key, counter=8 * k,
-                                       stride_shift=light_stride_shift(c.plan),
+                                       base=sym["kp_light_base"], key=c.thread_key, counter=em.light_counter(k),
                                        slow_entry=sym["kp_optprobe_clean_entry"], flags_live=site.flags_live,
                                        red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
                                        back=site.back or None)

@@ -368,7 +368,7 @@ void kp_write_profile(void)
 			hits += t->hits[i];
 		if (i < kp_nlight_hits)
 			for (unsigned int s = 0; s < KP_LIGHT_SHARDS; s++)
-				hits += __atomic_load_n(&kp_light_hits[s * kp_light_stride + i], __ATOMIC_RELAXED);
+				hits += __atomic_load_n(&kp_light_hits[KP_LIGHT_INDEX(i, s)], __ATOMIC_RELAXED);
 		kp_profile_row(fd, kp_probes[i].name, hits, kp_probes[i].nmissed);
 	}
 	/* The kretprobes' rows: kp.nmissed + nmissed, as trace_kprobe reports return probes. */
