@@ -3,8 +3,10 @@ in an image with no handler at all, a jump-optimized probe only counts its hit,
 in sharded counters bumped with a locked increment, and at a function entry
 keeps its one saved register in the red zone instead of moving %rsp.
 
-The program runs four threads through two probed functions at once (the
-counts must stay exact), a signal handler that calls one of them, and a probe
+The program runs four threads through three probed functions at once (the
+counts must stay exact), a signal handler that calls one of them, a profiling
+timer's signals all along (their frames must not land in the red zone where an
+entry's detour keeps %rax: `rax_in` reads %rax at its entry), and a probe
 inside a function where %rax and the flags are live across the probe (the
 light detour must keep both).  Hit counts are asserted exactly, natively and
 under QEMU; KPREWRITE_ENABLED=0 disarms them; one handler anywhere in the spec
@@ -32,27 +34,51 @@ __asm__(
 "  neg %rax\n"
 "1: ret\n"
 ".size flagsy,.-flagsy\n"
+/* rax_in reads %rax at its entry, where the light detour keeps %rax in the red zone. */
+".globl rax_in\n.type rax_in,@function\nrax_in:\n"
+"  lea 1(%rax),%rax\n"
+"  ret\n"
+".size rax_in,.-rax_in\n"
+".globl call_rax_in\n.type call_rax_in,@function\ncall_rax_in:\n"
+"  mov %rdi,%rax\n"
+"  call rax_in\n"
+"  ret\n"
+".size call_rax_in,.-call_rax_in\n"
 );
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
-long flagsy(long, long);
+#include <string.h>
+#include <time.h>
+long flagsy(long, long), call_rax_in(long);
 __attribute__((noinline)) long work(long x) { __asm__ volatile(""); return x * 3 + 1; }
 static volatile long sig_total;
 static void on_usr1(int sig) { sig_total += work(sig); }
+/* Asynchronous signals all along: each frame is built below the red zone, never in it. */
+static void on_prof(int sig)
+{
+    volatile char scratch[2048];
+    memset((char *)scratch, sig, sizeof scratch);
+}
 static long n;
 static void *thread(void *arg)
 {
     long s = 0, id = (long)arg;
     for (long i = 0; i < n; i++)
-        s += work(i) + flagsy(i % 7, id);
+        s += work(i) + flagsy(i % 7, id) + call_rax_in(i);
     return (void *)s;
 }
 int main(int argc, char **argv)
 {
     n = atol(argv[1]);
     signal(SIGUSR1, on_usr1);
+    signal(SIGPROF, on_prof);
+    struct sigevent ev = { .sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGPROF };
+    timer_t timer;
+    struct itimerspec every = { { 0, 50000 }, { 0, 50000 } };
+    timer_create(CLOCK_MONOTONIC, &ev, &timer);
+    timer_settime(timer, 0, &every, 0);
     pthread_t t[4];
     for (long i = 0; i < 4; i++)
         pthread_create(&t[i], 0, thread, (void *)i);
@@ -62,6 +88,7 @@ int main(int argc, char **argv)
         pthread_join(t[i], &r);
         total += (long)r;
     }
+    timer_delete(timer);
     for (int i = 0; i < 10; i++)
         raise(SIGUSR1);
     printf("%ld %ld\n", total, sig_total);
@@ -71,6 +98,8 @@ int main(int argc, char **argv)
 
 SPEC = """[[kprobe]]
 symbol_name = "work"
+[[kprobe]]
+symbol_name = "rax_in"
 [[kprobe]]
 symbol_name = "flagsy"
 [[kprobe]]
@@ -102,7 +131,7 @@ def _build(tmp, kind):
 def test_light_hits_exact_across_threads(once, runner, kind):
     prog, light, other = once(_build, kind)
     probes = {p["name"]: p for p in meta(light)["probes"]}
-    for name in ("p_work_0", "p_flagsy_0", "flagsy_inside"):
+    for name in ("p_work_0", "p_flagsy_0", "flagsy_inside", "p_rax_in_0"):
         assert probes[name]["optimized"] and probes[name].get("light"), probes[name]
     want = run(prog, N, runner=runner)
     assert want.returncode == 0, want.stderr
@@ -110,7 +139,7 @@ def test_light_hits_exact_across_threads(once, runner, kind):
     assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
     hits = profile(got.stderr)
     assert hits["p_work_0"] == (4 * N + 10, 0) and hits["p_flagsy_0"] == (4 * N, 0), hits
-    assert hits["flagsy_inside"] == (4 * N, 0), hits
+    assert hits["flagsy_inside"] == (4 * N, 0) and hits["p_rax_in_0"] == (4 * N, 0), hits
     off = run(light, N, runner=runner, env={"KPREWRITE_PROFILE": "-", "KPREWRITE_ENABLED": "0"})
     assert off.returncode == 0 and off.stdout == want.stdout, off.stderr[-2000:]
     assert set(profile(off.stderr).values()) == {(0, 0)}, off.stderr

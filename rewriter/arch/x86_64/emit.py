@@ -470,8 +470,6 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     return bytes(c.out), resume
 
 
-
-
 LIGHT_SHARDS = _OFFSETS["LIGHT_SHARDS"]   # KP_LIGHT_SHARDS: counter shards, by the thread pointer's page
 LIGHT_PAGE = 4096 // 8                   # KP_LIGHT_PAGE: counters of one shard in a page
 
