@@ -44,6 +44,16 @@ __asm__(
 "  call rax_in\n"
 "  ret\n"
 ".size call_rax_in,.-call_rax_in\n"
+/* A .cold part is jumped into with its function's frame (and red zone) live. */
+".globl call_cold\n.type call_cold,@function\ncall_cold:\n"
+"  mov %rdi,%rax\n"
+"  call cold_part.cold\n"
+"  ret\n"
+".size call_cold,.-call_cold\n"
+".type cold_part.cold,@function\ncold_part.cold:\n"
+"  lea 2(%rax),%rax\n"
+"  ret\n"
+".size cold_part.cold,.-cold_part.cold\n"
 );
 #include <pthread.h>
 #include <signal.h>
@@ -51,7 +61,7 @@ __asm__(
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-long flagsy(long, long), call_rax_in(long);
+long flagsy(long, long), call_rax_in(long), call_cold(long);
 __attribute__((noinline)) long work(long x) { __asm__ volatile(""); return x * 3 + 1; }
 static volatile long sig_total;
 static void on_usr1(int sig) { sig_total += work(sig); }
@@ -66,7 +76,7 @@ static void *thread(void *arg)
 {
     long s = 0, id = (long)arg;
     for (long i = 0; i < n; i++)
-        s += work(i) + flagsy(i % 7, id) + call_rax_in(i);
+        s += work(i) + flagsy(i % 7, id) + call_rax_in(i) + call_cold(i);
     return (void *)s;
 }
 int main(int argc, char **argv)
@@ -101,6 +111,9 @@ symbol_name = "work"
 [[kprobe]]
 symbol_name = "rax_in"
 [[kprobe]]
+symbol_name = "cold_part.cold"
+name = "cold"
+[[kprobe]]
 symbol_name = "flagsy"
 [[kprobe]]
 symbol_name = "flagsy"
@@ -131,7 +144,7 @@ def _build(tmp, kind):
 def test_light_hits_exact_across_threads(once, runner, kind):
     prog, light, other = once(_build, kind)
     probes = {p["name"]: p for p in meta(light)["probes"]}
-    for name in ("p_work_0", "p_flagsy_0", "flagsy_inside", "p_rax_in_0"):
+    for name in ("p_work_0", "p_flagsy_0", "flagsy_inside", "p_rax_in_0", "cold"):
         assert probes[name]["optimized"] and probes[name].get("light"), probes[name]
     want = run(prog, N, runner=runner)
     assert want.returncode == 0, want.stderr
@@ -139,7 +152,7 @@ def test_light_hits_exact_across_threads(once, runner, kind):
     assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
     hits = profile(got.stderr)
     assert hits["p_work_0"] == (4 * N + 10, 0) and hits["p_flagsy_0"] == (4 * N, 0), hits
-    assert hits["flagsy_inside"] == (4 * N, 0) and hits["p_rax_in_0"] == (4 * N, 0), hits
+    assert hits["flagsy_inside"] == hits["p_rax_in_0"] == hits["cold"] == (4 * N, 0), hits
     off = run(light, N, runner=runner, env={"KPREWRITE_PROFILE": "-", "KPREWRITE_ENABLED": "0"})
     assert off.returncode == 0 and off.stdout == want.stdout, off.stderr[-2000:]
     assert set(profile(off.stderr).values()) == {(0, 0)}, off.stderr
@@ -156,8 +169,8 @@ def test_light_hits_exact_across_threads(once, runner, kind):
 
 def test_light_detour_keeps_the_stack_pointer_at_an_entry(once):
     """At a function entry the detour saves %rax in the red zone: up to the copy
-    of the probed instructions, no instruction writes %rsp; inside a function it
-    steps over the red zone first."""
+    of the probed instructions, no instruction writes %rsp; inside a function,
+    and at the entry of a .cold part, it steps over the red zone first."""
     prog, light, _ = once(_build, "pie")
     md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     md.detail = True
@@ -177,5 +190,6 @@ def test_light_detour_keeps_the_stack_pointer_at_an_entry(once):
     assert (entry[0].mnemonic, entry[0].op_str) == ("mov", "qword ptr [rsp - 8], rax"), entry[0]
     writes_rsp = [i for i in entry if capstone.x86.X86_REG_RSP in i.regs_access()[1]]
     assert not writes_rsp, [(i.mnemonic, i.op_str) for i in writes_rsp]
-    inside = fast_path(probes["flagsy_inside"])
-    assert (inside[0].mnemonic, inside[0].op_str) == ("lea", "rsp, [rsp - 0x90]"), inside[0]
+    for name in ("flagsy_inside", "cold"):
+        inside = fast_path(probes[name])
+        assert (inside[0].mnemonic, inside[0].op_str) == ("lea", "rsp, [rsp - 0x90]"), (name, inside[0])

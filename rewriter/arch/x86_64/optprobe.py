@@ -260,8 +260,10 @@ def red_zone_free_at(image, func, addr: int) -> bool:
     """The System V ABI's red zone, the 128 bytes below %rsp, is the callee's at
     its entry (nothing of the caller's lies below the return address) and a
     signal frame is built below it: a detour may keep data there without moving
-    %rsp.  Anywhere else the function may be using it."""
-    return is_function_entry(image, func, addr)
+    %rsp.  Anywhere else the function may be using it, and so may the function
+    whose `.cold` part (gcc's -freorder-blocks-and-partition) is jumped into
+    with its frame live."""
+    return is_function_entry(image, func, addr) and ".cold" not in func.name
 
 
 def arith_flags_dead(image, func, addr: int, limit: int = 32) -> bool:
