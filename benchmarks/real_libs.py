@@ -2,19 +2,25 @@
 (issue 15's table): how many entries are jump-optimized, and how much slower a
 real workload runs.
 
-    python3 benchmarks/real_libs.py [NAME ...]      (sqlite3 busybox crypto stdcxx)
+    python3 benchmarks/real_libs.py [--runs N] [--compare TREE] [NAME ...]   (sqlite3 busybox crypto stdcxx)
 
 Each workload runs on the original and on the rewritten object (a library
-through LD_LIBRARY_PATH, busybox itself), 3 interleaved runs each, medians; the
-outputs must be equal.  The probes carry no handler (they count hits)."""
+through LD_LIBRARY_PATH, busybox itself), 3 interleaved runs each, medians of
+wall time and of CPU time (user + sys); the outputs must be equal.  The probes
+carry no handler (they count hits).  --compare TREE (repeatable) also rewrites
+the object with the kprewrite of another source tree (another branch's
+checkout) and runs it in the same rounds.  The load average is printed before and after: the
+machine may be shared."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
-import subprocess
 import sys
+import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -65,16 +71,26 @@ def check(obj: Path, spec: Path) -> tuple[int, Counter]:
     return len(ps), Counter(p["decision"] for p in ps)
 
 
-def timed(cmd, env=None, stdin=None) -> tuple[float, bytes]:
-    t = time.monotonic()
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(cmd, env=None, stdin=None) -> tuple[float, float, bytes]:
+    """(wall seconds, user + sys seconds, stdout) of one run."""
+    t, c = time.monotonic(), _cpu()
     r = subprocess.run(cmd, input=stdin, capture_output=True, env={**os.environ, **(env or {})})
-    dt = time.monotonic() - t
+    dt, dc = time.monotonic() - t, _cpu() - c
     if r.returncode:
         raise SystemExit(f"{cmd[0]}: exit {r.returncode}: {r.stderr[-500:]!r}")
-    return dt, r.stdout
+    return dt, dc, r.stdout
 
 
-def measure(name: str, tmp: Path) -> None:
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = ()) -> None:
     spec = tmp / "all.toml"
     spec.write_text('[[kprobe]]\nsymbol_name = "*"\n')
     work = tmp / name
@@ -97,41 +113,67 @@ def measure(name: str, tmp: Path) -> None:
     else:
         raise SystemExit(f"unknown workload {name}")
     n, decisions = check(obj, spec)
-    out = work / obj.name
-    t = time.monotonic()
-    subprocess.run([*KPREWRITE, "instrument", str(obj), "--spec", str(spec), "-o", str(out)],
-                   check=True, env=ENV, capture_output=True)
-    rewrite = time.monotonic() - t
-    env_new: dict = {"KPREWRITE_PROFILE": str(work / "profile")}
-    cmd_new = cmd
-    if name == "busybox":
-        cmd_new = [str(out), *cmd[1:]]
-    else:
-        env_new["LD_LIBRARY_PATH"] = str(work)
-    a, b = [], []
-    for _ in range(3):
-        ta, oa = timed(cmd, None, stdin)
-        (work / "profile").unlink(missing_ok=True)      # the runtime appends: keep the last run's
-        tb, ob = timed(cmd_new, env_new, stdin)
-        if oa != ob:
-            raise SystemExit(f"{name}: output differs")
-        a.append(ta)
-        b.append(tb)
-    hits = sum(int(l.split()[1]) for l in (work / "profile").read_text().splitlines()
-               if len(l.split()) == 3 and l.split()[1].isdigit())
-    ma, mb = statistics.median(a), statistics.median(b)
+    trees = {"this": ROOT, **{f"{i + 1}:{t.name}": t for i, t in enumerate(compare)}}
+    variants = {}                   # label -> (cmd, env, profile)
+    rewrite = 0.0
+    for label, tree in trees.items():
+        d = work / label.replace(":", "-")
+        d.mkdir()
+        out = d / obj.name
+        t = time.monotonic()
+        subprocess.run([*KPREWRITE, "instrument", str(obj), "--spec", str(spec), "-o", str(out)],
+                       check=True, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, cwd=tree)
+        if tree == ROOT:
+            rewrite = time.monotonic() - t
+        env_new: dict = {"KPREWRITE_PROFILE": str(d / "profile")}
+        cmd_new = cmd
+        if name == "busybox":
+            cmd_new = [str(out), *cmd[1:]]
+        else:
+            env_new["LD_LIBRARY_PATH"] = str(d)
+        variants[label] = (cmd_new, env_new, d / "profile")
+    wall = {k: [] for k in ["orig", *variants]}
+    cpu = {k: [] for k in wall}
+    before = load()
+    for _ in range(runs):
+        ta, ca, oa = timed(cmd, None, stdin)
+        wall["orig"].append(ta)
+        cpu["orig"].append(ca)
+        for label, (cmd_new, env_new, profile) in variants.items():
+            profile.unlink(missing_ok=True)      # the runtime appends: keep the last run's
+            tb, cb, ob = timed(cmd_new, env_new, stdin)
+            if oa != ob:
+                raise SystemExit(f"{name}: output differs ({label})")
+            wall[label].append(tb)
+            cpu[label].append(cb)
+    hits = {label: sum(int(l.split()[1]) for l in profile.read_text().splitlines()
+                       if len(l.split()) == 3 and l.split()[1].isdigit())
+            for label, (_, _, profile) in variants.items()}
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    wa, ca = med(wall["orig"]), med(cpu["orig"])
     print(f"{name}: {obj} {n} entries, optimized {decisions['optimized']} "
           f"({100 * decisions['optimized'] / n:.1f}%), int3 {decisions['int3']}, refused {decisions['refused']}; "
-          f"rewrite {rewrite:.1f} s; {' '.join(cmd[:2])}: {ma:.2f} s -> {mb:.2f} s ({mb / ma:.2f}x), "
-          f"{hits} hits in the last run, output equal", flush=True)
+          f"rewrite {rewrite:.1f} s; {' '.join(cmd[:2])}, load {before} -> {load()}, output equal", flush=True)
+    for label in variants:
+        wb, cb = med(wall[label]), med(cpu[label])
+        per_hit = lambda a, b: 1e9 * (b - a) / hits[label] if hits[label] else 0.0  # noqa: E731
+        print(f"  {label:12} wall {wa:.2f} s -> {wb:.2f} s ({wb / wa:.2f}x, {per_hit(wa, wb):.1f} ns/hit); "
+              f"user+sys {ca:.2f} s -> {cb:.2f} s ({cb / ca:.2f}x, {per_hit(ca, cb):.1f} ns/hit); "
+              f"{hits[label]} hits in the last run; best user+sys {min(cpu['orig']):.2f} s -> "
+              f"{min(cpu[label]):.2f} s ({min(cpu[label]) / min(cpu['orig']):.2f}x)", flush=True)
 
 
 def main() -> None:
-    names = sys.argv[1:] or ["sqlite3", "busybox", "crypto", "stdcxx"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", default=["sqlite3", "busybox", "crypto", "stdcxx"])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--compare", type=Path, action="append", default=[],
+                    help="another kprewrite source tree, run in the same rounds (repeatable)")
+    args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kp-real-"))
     try:
-        for name in names:
-            measure(name, tmp)
+        for name in args.names:
+            measure(name, tmp, args.runs, [t.resolve() for t in args.compare])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -5,6 +5,8 @@ Row "o": an optimized kprobe with an empty pre_handler on a trivial function
 called in a tight loop; (rewritten - original) / N, medians of several runs of
 both binaries interleaved in one go.  Row "o+regs": the same with a
 pre_handler that reads a register, so the detour builds struct pt_regs.
+Row "c": the same probe with no handler at all (it only counts hits: a
+light hit, the form of every probe in an image without handlers).
 
 Rows "b" and "k" (breakpoint probes, --no-optimize): "b" on the same function,
 whose first instruction is boosted; "k" on a function whose first instruction
@@ -128,6 +130,7 @@ def main():
         rows = {
             "o": (rewrite(orig, "optimized.toml", tmp / "loop.o"), N, (), "original"),
             "o+regs": (rewrite(orig, "regs.toml", tmp / "loop.regs"), N, (), "original"),
+            "c": (rewrite(orig, "count.toml", tmp / "loop.count"), N, (), "original"),
             "b": (rewrite(orig, "optimized.toml", tmp / "loop.b", "--no-optimize"), N_TRAP, (), "original-trap"),
             "k": (rewrite(orig, "singlestep.toml", tmp / "loop.k", "--no-optimize"), N_TRAP, ("ss",), "original-ss"),
             "r": (rewrite(orig, "return.toml", tmp / "loop.r"), N, (), "original"),
@@ -159,6 +162,7 @@ def main():
         print("|---|---|---|---|---|---|")
         what = {"o": "optimized kprobe, empty pre_handler (clean call, dispatch inlined)",
                 "o+regs": "optimized kprobe, pre_handler reading regs (struct pt_regs built)",
+                "c": "optimized kprobe, no handler (counts only: light hit)",
                 "b": "breakpoint kprobe, boosted, empty pre_handler",
                 "k": "breakpoint kprobe, single-stepped, empty pre_handler",
                 "r": "kretprobe, empty handler",

@@ -106,6 +106,13 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
                          _site_copy(c, site, at, sym), back=site.back or None)
     p = site.probes[0]
     k = c.plan.hit_slot(p)
+    if site.light:
+        code, resume = em.light_detour(site.index, site.segment, at, fast=sym["kp_fast"],
+                                       base=sym["kp_light_base"], key=c.thread_key, counter=em.light_counter(k),
+                                       slow_entry=sym["kp_optprobe_clean_entry"], flags_live=site.flags_live,
+                                       red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
+                                       back=site.back or None)
+        return code, resume, resume
     if is_entry(p):
         # rp->kp of a kretprobe: its pre_handler is pre_handler_kretprobe(), its hit
         # counter follows the kprobes' (struct kretprobe starts with its kprobe).

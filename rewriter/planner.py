@@ -75,6 +75,8 @@ class Site:
     clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
     aligned: bool = False            # template: the ABI has the stack 16-byte aligned at the site
     flags_live: bool = True          # clean template: the arithmetic flags are live at the site
+    light: bool = False              # template of a probe in an image with no handler: count only
+    red_zone: bool = False           # light: the 128 bytes below %rsp are free here (a function entry)
     # A region shared by several probes (_share_regions): the head takes the jump and
     # holds the whole region in dcr; each site copies only seg, its own part of it.
     head: "Site | None" = None
@@ -530,7 +532,8 @@ NO_HANDLER = HandlerCode(False, set())
 
 
 def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, fast_forms: bool = True,
-                 kret_clean_entry: bool = False) -> None:
+                 kret_clean_entry: bool = False, light: bool = False, red_zone: bool = False,
+                 events: bool = False) -> None:
     """How each site and each function's returns are emitted.
 
     Sites: a clean call where no handler can read its pt_regs argument; the
@@ -544,11 +547,25 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     clean when its handler never reads regs, with pt_regs otherwise; several
     kretprobes share the runtime's hooks, the clean one when no handler reads
     regs.  traced: keys of probes with a trace event (events.trace_key) whose
-    generated handlers read regs (TraceEvent.reads_regs)."""
+    generated handlers read regs (TraceEvent.reads_regs); events: whether any probe has one.
+
+    light (Rules.light_hits): in an image with no handler at all (events count as handlers), a
+    template only counts the hit (Site.light, emit.light_detour); red_zone
+    (Rules.red_zone): its registers are then saved below %rsp without moving it
+    where the ABI leaves that room free (a function entry)."""
     for site in plan.sites:
         # Without fast forms, detours call the runtime's shared entries: optimized_callback()
         # with pt_regs, or the clean callback where no handler reads pt_regs.
         _site_form(site, image, arch, code, traced, trace_key, fast_forms, kret_clean_entry)
+    # No handler anywhere in the image: no hit can find one running (nmissed stays 0)
+    # and nothing can enable or disable a probe, so a template only counts the hit
+    # (emit.light_detour).  One handler, even elsewhere, may call a probed function.
+    quiet = light and not events and not plan.kretprobes and not any(p.spec.pre_handler or p.spec.post_handler
+                                                                     for _, p in plan.kprobes)
+    for site in plan.sites:
+        site.light = quiet and site.template and not site.probes[0].spec.disabled
+        site.red_zone = site.light and red_zone and arch.optprobe.red_zone_free_at(image, site.probes[0].func,
+                                                                                     site.addr)
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)

@@ -144,6 +144,8 @@ def metadata(plan: Plan, label: str) -> bytes:
             d["ftrace"] = True
         if site.decision in JUMPS:
             d.update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
+            if site.light:              # counts its hits, nothing else (emit.light_detour)
+                d["light"] = True
         if site.head is not None:       # rides on the detour of the probe whose jump covers it
             d["shared_with"] = site.head.addr
         if site.slot:                   # a short jump to the jump at the slot

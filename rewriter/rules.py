@@ -21,6 +21,8 @@ answer (targets/*), used by the planner.
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
   hit counter and the handler call in the detour itself).  Clean calls (no pt_regs for a
   handler that never reads it, through the runtime's shared clean entry) are always allowed.
+- light_hits / red_zone: in an image where no handler can run, templates only count
+  hits; where the ABI's red zone is free (a user function's entry), without moving %rsp.
 """
 from __future__ import annotations
 
@@ -50,6 +52,11 @@ class Rules:
     short_jumps: bool = False
     singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
+    # In an image with no handler at all, a template only counts the hit (emit.light_detour).
+    light_hits: bool = False
+    # The ABI's red zone (128 bytes below %rsp) is free at a function entry: a detour
+    # may save registers there without moving %rsp (a user ELF; a kernel has none).
+    red_zone: bool = False
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their
     # functions as the kernel does; off where decoding every function costs too much.

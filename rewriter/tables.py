@@ -28,6 +28,18 @@ def generate(c: Code, target, traces: dict) -> str:
         out.append(f"extern char {name}[];")
     # Hit counters per thread (or CPU): kprobes, then kretprobes.
     out.append(f"#define KP_NHITS {len(plan.kprobes) + len(plan.kretprobes)}")
+    # The counters of light sites (emit.light_detour), KP_LIGHT_INDEX(slot, shard);
+    # summed into the profile.  None (and no pointer to relocate) in an image
+    # without light sites: a kernel's.
+    nhits = len(plan.kprobes) + len(plan.kretprobes)
+    if any(s.light for s in plan.sites):
+        out.append(f"unsigned long kp_light_hits[KP_LIGHT_INDEX({nhits - 1}UL, KP_LIGHT_SHARDS - 1) + 1] "
+                   "__attribute__((aligned(4096)));")
+        out.append("unsigned long *kp_light_base = kp_light_hits;")
+        out.append(f"const unsigned int kp_nlight_hits = {nhits};")
+    else:
+        out.append("unsigned long kp_light_hits[1];\nunsigned long *kp_light_base;")
+        out.append("const unsigned int kp_nlight_hits = 0;")
     if getattr(target, "TABLES_AT_BOOT", False):
         out += _records_c(c, target, traces)
     else:
@@ -216,7 +228,8 @@ def _layout_asserts(em) -> list[str]:
         f"sizeof(struct kretprobe) == {em.KRETPROBE_SIZE} && __builtin_offsetof(struct kretprobe, kp) == 0 && "
         f"__builtin_offsetof(struct kp_thread, active) == {em.THREAD_ACTIVE} && "
         f"__builtin_offsetof(struct kp_thread, hits) == {em.THREAD_HITS} && "
-        f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK} && KP_HASH(1UL << 12) == 1 && KP_HASH(0xfffUL) == 0, "
+        f"KP_TABLE_MASK == {em.THREAD_TABLE_MASK} && KP_HASH(1UL << 12) == 1 && KP_HASH(0xfffUL) == 0 && "
+        f"KP_LIGHT_INDEX(1000UL, 5UL) * 8 == {em.light_counter(1000)} + 5 * 4096, "
         f"\"kprewrite's clean-call template is out of date\");",
         f"_Static_assert({off}(struct kp_thread, kret) == {em.THREAD_KRET} && "
         f"{off}(struct kp_kret_thread, depth) == {em.KRET_DEPTH} && "

@@ -17,6 +17,7 @@ void kp_asm_offsets(void)
 	OFFSET(THREAD_HITS, kp_thread, hits);
 	OFFSET(THREAD_KRET, kp_thread, kret);
 	DEFINE(THREAD_TABLE_MASK, KP_TABLE_MASK);
+	DEFINE(LIGHT_SHARDS, KP_LIGHT_SHARDS);
 
 	OFFSET(KRET_DEPTH, kp_kret_thread, depth);
 	OFFSET(KRET_TAIL_SLOT, kp_kret_thread, tail_slot);

@@ -366,6 +366,9 @@ void kp_write_profile(void)
 		unsigned long hits = 0;
 		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
 			hits += t->hits[i];
+		if (i < kp_nlight_hits)
+			for (unsigned int s = 0; s < KP_LIGHT_SHARDS; s++)
+				hits += __atomic_load_n(&kp_light_hits[KP_LIGHT_INDEX(i, s)], __ATOMIC_RELAXED);
 		kp_profile_row(fd, kp_probes[i].name, hits, kp_probes[i].nmissed);
 	}
 	/* The kretprobes' rows: kp.nmissed + nmissed, as trace_kprobe reports return probes. */

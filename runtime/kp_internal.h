@@ -138,6 +138,21 @@ extern struct kp_runtime kp_rt;
  * struct kp_thread and struct kprobe, whose layout it takes from kp_asm_offsets.c). */
 extern volatile int kp_fast;
 
+/* Light sites (kprewrite's emit.light_detour, in an image with no handler at all):
+ * their hits are counted with a locked increment in one of KP_LIGHT_SHARDS shards,
+ * chosen by the thread pointer's page (bits 12-15), instead of in the thread's
+ * block.  The shards of 512 counters are interleaved page by page, so that the
+ * detour adds the thread pointer's bits 12-15 as they are: counter i of shard s is
+ * kp_light_hits[KP_LIGHT_INDEX(i, s)].  kp_light_base points at kp_light_hits[]
+ * (the detour's one load); kp_nlight_hits is 0 when the image has none. */
+#define KP_LIGHT_SHARDS 16
+#define KP_LIGHT_PAGE 512		/* counters in 4 KiB */
+#define KP_LIGHT_INDEX(i, s) \
+	((i) / KP_LIGHT_PAGE * KP_LIGHT_SHARDS * KP_LIGHT_PAGE + (s) * KP_LIGHT_PAGE + (i) % KP_LIGHT_PAGE)
+extern unsigned long kp_light_hits[];
+extern unsigned long *kp_light_base;
+extern const unsigned int kp_nlight_hits;
+
 /* Thread blocks by thread pointer, open-addressed; empty slots point at a block
  * whose key (0) is never a thread pointer. */
 #define KP_TABLE_SIZE 8192UL

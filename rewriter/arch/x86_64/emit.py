@@ -468,3 +468,82 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     c.fix(to_resume_regs, leave)
     c.fix(to_changed, changed)
     return bytes(c.out), resume
+
+
+LIGHT_SHARDS = _OFFSETS["LIGHT_SHARDS"]   # KP_LIGHT_SHARDS: counter shards, by the thread pointer's page
+LIGHT_PAGE = 4096 // 8                   # KP_LIGHT_PAGE: counters of one shard in a page
+
+
+def light_counter(slot: int) -> int:
+    """Where hit slot `slot`'s counter of shard 0 lies in kp_light_hits[], in bytes
+    (the runtime's KP_LIGHT_INDEX): shards interleave page by page, so shard s's
+    is 4096 * s further, and the thread pointer's page bits are the shard offset."""
+    return (slot // LIGHT_PAGE * LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
+
+
+def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key, counter: int,
+                 slow_entry: int, flags_live: bool, red_zone: bool,
+                 copy=None, back: int | None = None) -> tuple[bytes, int]:
+    """The detour of a probe that runs nothing, in an image where no handler can
+    run at all (planner.choose_forms(): Site.light).  What is left of the
+    dispatch (kp_pre_dispatch()) is the kprobes/enabled test and the hit count:
+    with no handler, no hit can find one running (no nmissed) and nothing can
+    disable a probe, so neither is tested, and the thread's block is not looked
+    up.  The count is a locked increment of the probe's counter in one of
+    LIGHT_SHARDS shards, chosen by the thread pointer's page bits 12-15 (the
+    kernel's per-CPU nhit, per thread-ish: glibc's threads' pointers lie a stack
+    apart, so concurrent threads rarely share a shard's line, and the lock keeps
+    the sums exact when they do).  Shard s of the counter is at
+    *kp_light_base + counter + 4096 * s (light_counter()).  One register, rax, is used,
+    saved where the ABI leaves room: at a function entry (red_zone) in the 128
+    bytes below %rsp, which the callee owns and a signal frame skips, so %rsp
+    never moves; elsewhere below the red zone.  The flags are saved only where
+    they are live.  The slow path (disarmed, before start-up, before a static
+    program has its thread pointer) puts everything back and calls the runtime's
+    shared clean entry (probe_stub()), which counts in C, in the thread's block.
+    Returns (code, resume): where the relocated DCR starts."""
+    if key.preempt is not None:
+        raise EmitError("light detours are for a thread key that needs no preempt_disable()")
+    if red_zone:
+        rax, fl = "[rsp - 8]", "[rsp - 16]"
+    else:
+        rax, fl = "[rsp]", "[rsp + 8]"
+
+    def restore(c: _Code):
+        if flags_live:
+            c.a(f"movzx eax, word ptr {fl}; add al, 0x7f; sahf")
+        c.a(f"mov rax, qword ptr {rax}")
+        if not red_zone:
+            c.a(f"lea rsp, [rsp + {RED_ZONE + 16:#x}]")
+
+    def build(short: bool) -> tuple[_Code, int, int]:
+        """The detour, its resume address and how far its je to the slow path jumps."""
+        c = _Code(at)
+        if not red_zone:
+            c.a(f"lea rsp, [rsp - {RED_ZONE + 16:#x}]")
+        c.a(f"mov qword ptr {rax}, rax")
+        if flags_live:
+            c.a(f"seto al; lahf; mov word ptr {fl}, ax")
+        c.rip("cmp dword ptr [rip + {d}], 0", fast)
+        c.out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
+        je = len(c.out)
+        c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x04\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rax
+        c.a(f"and eax, {(LIGHT_SHARDS - 1) << 12:#x}")
+        c.rip("add rax, qword ptr [rip + {d}]", base)
+        c.a(f"lock inc qword ptr [rax + {counter:#x}]")
+        restore(c)
+        resume = _dcr_and_back(c, dcr, copy, back)
+        rel = len(c.out) - je
+        if short:
+            c.out[je - 1] = rel
+        else:
+            c.fix([je], c.pc)
+        restore(c)
+        c.out += probe_stub(site, slow_entry, c.pc)
+        c.jmp_abs(resume, "jmp to the copy")
+        return c, resume, rel
+
+    c, resume, rel = build(False)
+    if rel < 128:           # the copy is short enough for a rel8 je over it (always the same answer)
+        c, resume, _ = build(True)
+    return bytes(c.out), resume

@@ -256,6 +256,16 @@ def stack_aligned_at(image, func, addr: int) -> bool:
     return is_function_entry(image, func, addr)
 
 
+def red_zone_free_at(image, func, addr: int) -> bool:
+    """The System V ABI's red zone, the 128 bytes below %rsp, is the callee's at
+    its entry (nothing of the caller's lies below the return address) and a
+    signal frame is built below it: a detour may keep data there without moving
+    %rsp.  Anywhere else the function may be using it, and so may the function
+    whose `.cold` part (gcc's -freorder-blocks-and-partition) is jumped into
+    with its frame live."""
+    return is_function_entry(image, func, addr) and ".cold" not in func.name
+
+
 def arith_flags_dead(image, func, addr: int, limit: int = 32) -> bool:
     """Whether OF SF ZF AF PF CF are dead at addr: at a function entry (the ABI
     gives them no role across calls), else when straight-line code from addr
