@@ -194,4 +194,18 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
             raise KprewriteError(f"{image.path}: internal error: the detour at {site.detour:#x} is not the one "
                                  "whose copies KASLR relocates")
         out += seen
+    for rs in plan.ret_sites:
+        # A return site's detour: its region's instructions before the exit, copied in
+        # order (the hook call and the exit after them hold no absolute address).
+        pos, seen = rs.detour, []
+        for insn in rs.dcr[:-1]:
+            copy = em.relocate(insn, pos)
+            seen.append((insn, pos, copy))
+            pos += len(copy)
+        off = rs.detour - layout.rx_vaddr
+        if any(bytes(rx[at - layout.rx_vaddr:at - layout.rx_vaddr + len(cp)]) != cp for _, at, cp in seen) \
+                or pos - rs.detour > layout.sizes[("ret", rs.addr)] or off < 0:
+            raise KprewriteError(f"{image.path}: internal error: the return site's detour at {rs.detour:#x} is not "
+                                 "the one whose copies KASLR relocates")
+        out += seen
     return out

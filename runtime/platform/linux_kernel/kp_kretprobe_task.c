@@ -43,6 +43,7 @@
 
 extern char kp_kretprobe_trampoline[];
 #define TRAMP ((unsigned long)kp_kretprobe_trampoline)
+#define KP_KRET_TRAMPOLINE 1	/* rp->kp_mode: the entry swaps the return address */
 
 /* An instance with the fields the per-task table needs before the kernel's
  * struct kretprobe_instance (whose layout the handler API fixes). */
@@ -192,7 +193,9 @@ static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe
 	if (ret) {
 		kri->next = b->head;
 		b->head = kri;
-		*(unsigned long *)S = TRAMP;	/* arch_prepare_kretprobe() */
+		/* arch_prepare_kretprobe(), for a function whose exits are not hooked */
+		if (rp->kp_mode == KP_KRET_TRAMPOLINE)
+			*(unsigned long *)S = TRAMP;
 	}
 	kp_bucket_unlock(b, flags);
 	if (!ret) {	/* a trampoline we have no instance for: leave it alone */
@@ -241,32 +244,39 @@ void kp_kretprobe_clean_callback(unsigned long site_index, unsigned long S)
 	kp_platform_dispatch_end();
 }
 
-static void kp_kret_fatal(unsigned long task, unsigned long S)
-{
-	_printk(KP_KERN_ERR "kprewrite: kretprobe trampoline: no instance of task %lx at slot %lx\n", task, S);
-	BUG();
-}
-
 /*
- * kretprobe_trampoline_handler(): the function returned into the trampoline with
- * regs->sp just above the slot.  Take the task's instances of that slot off the
- * table, fire them newest first, and return the real return address.
+ * Take the task's instances recorded at slot S off the table, newest first, and
+ * return them as a list (NULL: none).  Instances of the task filed after the first
+ * one of S belong to frames entered inside that frame which never returned: freed
+ * without a handler, once an instance of S proves it.  need_clean: leave everything
+ * and return KP_NEED_REGS when one of S's kretprobes has a handler that reads regs
+ * (the clean exit hook then hands over to the full one).
  */
-unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
+#define KP_NEED_REGS ((struct kp_kri *)1)
+
+static struct kp_kri *kp_take_at(unsigned long task, unsigned long S, int irqsave, int need_clean)
 {
-	unsigned long task = kp_task(), S = regs->sp - 8;
-	kp_platform_dispatch_begin();
-	struct kp_thread *t = kp_current_thread();
-	unsigned int active = t ? t->active : 1;
-	if (t)
-		t->active = 1;
 	struct kp_kret_bucket *b = kp_bucket(task);
 	struct kp_kri *fire = 0, **tail = &fire, *stale = 0;
-	unsigned long flags = kp_bucket_lock(b, !t);
-	struct kp_kri **pp = &b->head;
-	int found = 0;
+	unsigned long flags = kp_bucket_lock(b, irqsave);
+	struct kp_kri **pp = &b->head, *k;
+	int any = 0, found = 0;
+	for (k = b->head; k; k = k->next)	/* any instance of S at all? */
+		if (k->task == task && (unsigned long)k->ri.fp == S) {
+			any = 1;
+			if (!need_clean)
+				break;
+			if (!k->ri.rp->kp_ret_clean) {
+				kp_bucket_unlock(b, flags);
+				return KP_NEED_REGS;
+			}
+		}
+	if (!any) {
+		kp_bucket_unlock(b, flags);
+		return 0;
+	}
 	while (*pp) {
-		struct kp_kri *k = *pp;
+		k = *pp;
 		if (k->task != task) {
 			pp = &k->next;
 			continue;
@@ -286,23 +296,53 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 		stale = k;
 	}
 	kp_bucket_unlock(b, flags);
-	if (!fire)
-		kp_kret_fatal(task, S);
 	while (stale) {
-		struct kp_kri *k = stale;
+		k = stale;
 		stale = k->next;
 		kp_kri_free(k);
 	}
-	unsigned long ret = (unsigned long)fire->ri.ret_addr;
-	regs->ip = ret;
+	return fire;
+}
+
+/* Fire a list kp_take_at() returned, newest first (regs NULL: the clean hook, whose
+ * handlers never read them; run = 0: free only, a handler is running on this CPU). */
+static void kp_fire(struct kp_kri *fire, struct pt_regs *regs, int run)
+{
 	while (fire) {
 		struct kp_kri *k = fire;
 		fire = k->next;
 		struct kretprobe *rp = k->ri.rp;
-		if (!active && rp->handler)
+		if (run && rp->handler)
 			rp->handler(&k->ri, regs);
 		kp_kri_free(k);
 	}
+}
+
+static void kp_kret_fatal(unsigned long task, unsigned long S)
+{
+	_printk(KP_KERN_ERR "kprewrite: kretprobe trampoline: no instance of task %lx at slot %lx\n", task, S);
+	BUG();
+}
+
+/*
+ * kretprobe_trampoline_handler(): the function returned into the trampoline with
+ * regs->sp just above the slot.  Take the task's instances of that slot off the
+ * table, fire them newest first, and return the real return address.
+ */
+unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
+{
+	unsigned long task = kp_task(), S = regs->sp - 8;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	unsigned int active = t ? t->active : 1;
+	if (t)
+		t->active = 1;
+	struct kp_kri *fire = kp_take_at(task, S, !t, 0);
+	if (!fire)
+		kp_kret_fatal(task, S);
+	unsigned long ret = (unsigned long)fire->ri.ret_addr;
+	regs->ip = ret;
+	kp_fire(fire, active ? 0 : regs, !active);
 	if (t)
 		t->active = active;
 	kp_platform_dispatch_end();
@@ -341,16 +381,102 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
-/* The user-space design's exit hooks (kretprobe_entry.S, kp_int3.c): a kernel's
- * kretprobes never place them (Rules.kretprobe_exits is off). */
-static void kp_no_exit_hooks(void)
+/*
+ * The exit hooks (the user-space design, kretprobe_entry.S): a function whose exits are
+ * all hooked runs one before each `jmp __x86_return_thunk` (a ret) with the return
+ * address left in place.  The current task's instances recorded at that slot fire,
+ * newest first, wherever the task runs now.  A slot that holds the trampoline (a tail
+ * call from a function whose returns it catches) is left to the trampoline, which
+ * fires every instance of the slot.  On a CPU already running a handler (an interrupt
+ * in one) nothing fires: that frame's entry was missed, and the CPU may hold a lock.
+ */
+static void kp_exit_at(unsigned long S, struct pt_regs *regs)
 {
-	_printk(KP_KERN_ERR "kprewrite: a kretprobe exit hook in a kernel\n");
-	BUG();
+	if (*(unsigned long *)S == TRAMP)
+		return;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	if (!t || !t->active) {
+		if (t)
+			t->active = 1;
+		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, 0);
+		kp_fire(fire, regs, 1);
+		if (t)
+			t->active = 0;
+	}
+	kp_platform_dispatch_end();
 }
 
-void kp_kretprobe_return(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
-int kp_kretprobe_return_clean(unsigned long S) { (void)S; kp_no_exit_hooks(); return 0; }
-void kp_kretprobe_tail_pending(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
-void kp_kretprobe_tail_swap(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
-void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs) { (void)kind; (void)regs; kp_no_exit_hooks(); }
+/* Before a return, from kp_kretprobe_ret_entry: regs->sp is the stack pointer after
+ * the return, regs->ip the return address, as the kernel's trampoline reports them. */
+void kp_kretprobe_return(struct pt_regs *regs)
+{
+	kp_exit_at(regs->sp - 8, regs);
+}
+
+/* The same from the clean hook (no handler of the function's kretprobes reads regs):
+ * 1 when an instance at S needs struct pt_regs after all (a tail-calling caller's
+ * kretprobe), for the full hook to take over. */
+int kp_kretprobe_return_clean(unsigned long S)
+{
+	if (*(unsigned long *)S == TRAMP)
+		return 0;
+	int need = 0;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	if (!t || !t->active) {
+		if (t)
+			t->active = 1;
+		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, 1);
+		if (fire == KP_NEED_REGS)
+			need = 1;
+		else
+			kp_fire(fire, 0, 1);
+		if (t)
+			t->active = 0;
+	}
+	kp_platform_dispatch_end();
+	return need;
+}
+
+/* A tail call to a function whose returns are hooked: nothing to do in a kernel (an
+ * entry never reclaims here); that function's exit hook fires this frame's instances
+ * through the same slot, newest first. */
+void kp_kretprobe_tail_pending(struct pt_regs *regs)
+{
+	(void)regs;
+}
+
+/* A tail call to a function whose returns are not hooked: the slot is swapped for the
+ * trampoline (the kernel's way, for this path only) when the task has instances there;
+ * each holds the real return address already. */
+void kp_kretprobe_tail_swap(struct pt_regs *regs)
+{
+	unsigned long S = regs->sp - 8, task = kp_task();
+	if (*(unsigned long *)S == TRAMP)
+		return;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	if (!t || !t->active) {
+		if (t)
+			t->active = 1;
+		struct kp_kret_bucket *b = kp_bucket(task);
+		unsigned long flags = kp_bucket_lock(b, !t);
+		if (kp_real_ret_locked(b, task, S))
+			*(unsigned long *)S = TRAMP;
+		kp_bucket_unlock(b, flags);
+		if (t)
+			t->active = 0;
+	}
+	kp_platform_dispatch_end();
+}
+
+/* Breakpoint return hooks are not placed in a kernel (Rules.kretprobe_int3_exits is
+ * off: such a function keeps the trampoline). */
+void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
+{
+	(void)kind;
+	(void)regs;
+	_printk(KP_KERN_ERR "kprewrite: a kretprobe breakpoint exit hook in a kernel\n");
+	BUG();
+}
