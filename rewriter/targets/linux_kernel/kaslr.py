@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 from array import array
 
-from ... import link
+from ... import emission, link
 from ...errors import KprewriteError
 from .bzimage import RelocTable
 
@@ -177,13 +177,17 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
                                          "is not the one whose copy KASLR relocates")
                 out.append((site.xol.insn, site.xol.slot, copy))
             continue
-        if site.template or site.ret_hooks:
+        if site.template or (site.ret_hooks and any(g.ret_template for g, _ in site.ret_hooks.values())):
             raise KprewriteError(f"{image.path}: internal error: KASLR tables for a templated detour at {site.addr:#x}")
-        entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
-                  ("kp_optprobe_entry", "kp_optprobe_post_entry")
+        # Exits of a return-probed function in the region call their return hook first
+        # (retprobe.hook_copy()); the hook call and the exit hold no absolute address.
+        hooks = {a: emission.hook_targets(g, kind, blob.symbols) for a, (g, kind) in site.ret_hooks.items()}
+        entries = emission.detour_entries(site)
         seen = []
 
-        def record(insn, at, seen=seen):
+        def record(insn, at, seen=seen, hooks=hooks):
+            if insn.addr in hooks:
+                return arch.retprobe.hook_then_exit(insn, hooks[insn.addr], at)
             copy = em.relocate(insn, at)
             seen.append((insn, at, copy))
             return copy
