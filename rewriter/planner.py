@@ -8,9 +8,11 @@ offending address.  Explicit probes that cannot be placed are errors
 (register_kprobes() is all or nothing); probes from a glob are skipped.
 
 Then the return sites of every function with a kretprobe: every exit (ret,
-tail-call jmp) gets a jump-optimized return hook, or where no jump fits a
-breakpoint return hook (an INT3 site at the exit, aggregated with the sites
-above).  Only a function whose exits cannot all be named falls back to the
+tail-call jmp, a jump the target calls a return: Rules.return_jumps) gets a
+jump-optimized return hook, or where no jump fits a breakpoint return hook (an
+INT3 site at the exit, aggregated with the sites above).  Only a function whose
+exits cannot all be named, or (a target without breakpoint return hooks,
+Rules.kretprobe_int3_exits) one with an exit no jump fits, falls back to the
 kernel's return-address trampoline.  The plan ends with one numbering: site
 indices, kp_probes[] and kp_kretprobes[] slots.
 

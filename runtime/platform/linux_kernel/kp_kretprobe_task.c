@@ -1,28 +1,33 @@
 /*
- * kretprobes in a kernel image: the kernel's own way, instances per task.
- *
- * In user space kprewrite hooks every exit of a return-probed function and never
- * touches the return address (runtime/kp_kretprobe.c).  In a kernel the exits are
- * `jmp __x86_return_thunk` at .return_sites entries that apply_returns() rewrites at
- * boot, and a task may sleep inside the function and return on another CPU, so the
- * kernel's design is mirrored instead (kernel/kprobes.c before 5.11:
- * pre_handler_kretprobe(), kretprobe_inst_table[] with its per-bucket locks,
- * kretprobe_trampoline_handler(); arch/x86/kernel/kprobes/core.c's
- * arch_prepare_kretprobe()):
+ * kretprobes in a kernel image: the user-space design (every exit hooked, the return
+ * address never replaced), with instances per task as the kernel's own.
  *
  * - entry (the kretprobe's kp.pre_handler, at the function's entry): claim an
  *   instance from the kretprobe's pool of maxactive (none free: nmissed), run the
  *   entry_handler (non-zero: no return handler for this call), record the return
- *   address and its slot (ri->ret_addr, ri->fp), file the instance under the current
- *   task in a hash table of tasks, and swap the slot for kp_kretprobe_trampoline;
- * - the function returns into the trampoline (kretprobe_entry.S), which calls
- *   kp_kretprobe_trampoline_handler(): the current task's newest instances recorded
- *   at that slot fire, newest first (several kretprobes on one function, or a tail
- *   call into another return-probed function, share the slot), with regs->ax the
- *   return value, regs->ip the real return address and regs->sp the stack pointer
- *   after the return; then it returns to the real address.  Instances of the task
- *   filed after the first one of that slot belong to frames entered inside it that
- *   never returned: freed without a handler.
+ *   address and its slot (ri->ret_addr, ri->fp) and file the instance under the
+ *   current task in a hash table of tasks (kernel/kprobes.c before 5.11:
+ *   pre_handler_kretprobe(), kretprobe_inst_table[] with its per-bucket locks);
+ * - each exit (a `jmp __x86_return_thunk`, whose .return_sites entry the rewriter
+ *   points at the jump's copy in the detour, so apply_returns() patches the copy)
+ *   calls a return hook first, with %rsp at the slot: the current task's instances
+ *   recorded at that slot fire, newest first (several kretprobes on one function, or
+ *   a tail call into another return-probed function, share the slot), with regs->ax
+ *   the return value, regs->ip the return address and regs->sp the stack pointer
+ *   after the return (kp_kretprobe_return(), kp_kretprobe_return_clean());
+ * - a tail call to a function whose returns are hooked leaves the instances for that
+ *   function's exits (the same slot); a tail call to any other function swaps the
+ *   slot for kp_kretprobe_trampoline (kp_kretprobe_tail_swap()), for that path only;
+ * - a function whose exits cannot all be hooked (an exception-table entry, a jump
+ *   through a retpoline thunk or a static call, an exit region the rules refuse: the
+ *   rewriter says which) takes the kernel's way: its entry swaps the return address
+ *   for the trampoline (arch_prepare_kretprobe(), rp->kp_mode), which calls
+ *   kp_kretprobe_trampoline_handler() and returns to the real address.
+ *
+ * Either way the instances of a slot are taken off the table together (kp_take_at()),
+ * and instances of the task filed after them (frames entered inside that never
+ * returned) are freed without a handler.  An exit hook leaves a slot that holds the
+ * trampoline to the trampoline.
  *
  * The table holds only tasks inside a return-probed function; a task is found by
  * `current` wherever it runs, so a task switched out inside the function returns on
@@ -31,9 +36,9 @@
  * in probe context: the pools come from memblock at the setup_per_cpu_areas() boot
  * hook (kp_kernel_kretprobes_init(), called by platform.c); a hit before it misses.
  * The table's locks are taken with the CPU's `active` flag set, so nothing on the
- * same CPU (an interrupt, an NMI: their hits count as missed) can wait for a lock it
- * holds; handlers run outside the locks, with preemption disabled, as the kernel
- * runs them.
+ * same CPU (an interrupt, an NMI: their hits count as missed, their exit hooks do
+ * nothing) can wait for a lock it holds; handlers run outside the locks, with
+ * preemption disabled, as the kernel runs them.
  *
  * A task that ends inside a return-probed function (do_exit() never returns) has its
  * instances freed when its task_struct is (kp_kernel_kret_flush_task(), a runtime
