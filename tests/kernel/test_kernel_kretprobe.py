@@ -227,7 +227,9 @@ def kret(tmp_path_factory, debian_kernel):
 @pytest.fixture(scope="module")
 def kret_boot(kret, make_initramfs, boot_kernel):
     initrd = make_initramfs(init_script(COMMANDS), {"/bin/waitchild": WAITCHILD})
-    return boot_kernel("kretprobe-vmlinux-smp2", kret["out"], initrd, smp=2, timeout=240)
+    # preempt=full: a task may be preempted anywhere outside our handlers, between an entry and
+    # its exit hook, or between the exit hook and the return it guards.
+    return boot_kernel("kretprobe-vmlinux-smp2", kret["out"], initrd, smp=2, timeout=240, extra_append="preempt=full")
 
 
 def _kmsg(r, key: str) -> str:
@@ -310,7 +312,10 @@ def test_return_sites_point_at_the_copies(kret):
 
 
 def test_boots_with_kretprobes(kret_boot):
+    """No WARN (apply_returns() found a return thunk at every .return_sites entry, our copies
+    included), W+X check passed, clean power-off; fully preemptible."""
     assert_boot_ok(kret_boot)
+    assert "Dynamic Preempt: full" in kret_boot.console, kret_boot.explain("not booted with preempt=full")
 
 
 def test_debugfs_views_list_the_kretprobes(kret_boot, kret):
