@@ -168,6 +168,31 @@ static unsigned long kp_real_ret_locked(struct kp_kret_bucket *b, unsigned long 
 	return 0;
 }
 
+/*
+ * File kri under the task at slot S, with ri->ret_addr the real return address (the
+ * slot's, or when a tail call left the trampoline there, the one its instances hold).
+ * swap: the function's exits are not hooked, so the slot is swapped for the trampoline
+ * (arch_prepare_kretprobe()).  Returns the return address; 0 (not filed): the slot holds
+ * a trampoline the task has no instance for.  With this CPU's `active` set.
+ */
+static inline unsigned long kp_file_at(struct kp_kri *kri, unsigned long task, unsigned long S, int swap)
+{
+	struct kp_kret_bucket *b = kp_bucket(task);
+	unsigned long flags = kp_bucket_lock(b, 0);
+	unsigned long ret = *(unsigned long *)S;
+	if (ret == TRAMP)
+		ret = kp_real_ret_locked(b, task, S);
+	kri->ri.ret_addr = (kprobe_opcode_t *)ret;
+	if (ret) {
+		kri->next = b->head;
+		b->head = kri;
+		if (swap)
+			*(unsigned long *)S = TRAMP;
+	}
+	kp_bucket_unlock(b, flags);
+	return ret;
+}
+
 /* pre_handler_kretprobe() for rp, with S the return-address slot; regs NULL on the
  * clean path (the entry_handler never reads them).  The dispatch runs it with
  * preemption off and this CPU's `active` set. */
@@ -189,22 +214,8 @@ static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe
 		kp_kri_free(kri);
 		return;
 	}
-	struct kp_kret_bucket *b = kp_bucket(task);
-	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
-	unsigned long ret = *(unsigned long *)S;
-	if (ret == TRAMP)
-		ret = kp_real_ret_locked(b, task, S);
-	ri->ret_addr = (kprobe_opcode_t *)ret;
-	if (ret) {
-		kri->next = b->head;
-		b->head = kri;
-		/* arch_prepare_kretprobe(), for a function whose exits are not hooked */
-		if (rp->kp_mode == KP_KRET_TRAMPOLINE)
-			*(unsigned long *)S = TRAMP;
-	}
-	kp_bucket_unlock(b, flags);
-	if (!ret) {	/* a trampoline we have no instance for: leave it alone */
-		kp_kri_free(kri);
+	if (!kp_file_at(kri, task, S, rp->kp_mode == KP_KRET_TRAMPOLINE)) {
+		kp_kri_free(kri);	/* a trampoline we have no instance for: leave it alone */
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
 	}
 }
