@@ -1,5 +1,5 @@
 """kretprobes in a kernel (issue 11): Debian's vmlinux rewritten with return probes, booted once
-under qemu-system-x86_64 -smp 2 with no boot parameter, and every assertion read from that boot.
+under qemu-system-x86_64 -smp 2 with preempt=full, and every assertion read from that boot.
 
 - the kernel's samples/kprobes/kretprobe_example.c handlers, unchanged, on kernel_clone
   (entry_handler, data_size, ri->data, maxactive = 20): each fork /init makes returns the
@@ -8,8 +8,8 @@ under qemu-system-x86_64 -smp 2 with no boot parameter, and every assertion read
   and is moved to the other CPU meanwhile: its instance is the task's, so the return handler
   runs on the other CPU with the entry's ri->data and the child's pid as return value; a
   second kretprobe on the same function fires first (newest instance) and sees the real
-  return address; /proc/PID/stack of the sleeping task (our trampoline on its stack) reads
-  without a problem;
+  return address; /proc/PID/stack of the sleeping task unwinds through kernel_wait4 to its
+  caller (the return address is never replaced);
 - entry/return pairs exact under two CPUs forking at once, and a kprobe on the same function
   counting the same calls;
 - maxactive = 1 on hrtimer_nanosleep() with three tasks sleeping in it at once: exactly two
