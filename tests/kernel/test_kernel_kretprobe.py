@@ -21,7 +21,9 @@ under qemu-system-x86_64 -smp 2 with preempt=full, and every assertion read from
   take a jump (an exception-table entry), keeps the trampoline, and `check` names that check:
   its return handler sees the real return address, in getname_flags.part.0; getname_flags()
   has its exits hooked, and its tail call to getname_flags.part.0 swaps the slot for the
-  trampoline: every call returns once, with the real return address.
+  trampoline: every call returns once, with the real return address;
+- a tail call between two hooked functions (__x64_sys_read() to ksys_read()): both return
+  handlers fire at ksys_read()'s exit, newest first, at the shared slot.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ PER_CPU = 15                # forks each of two pinned shells makes at once
 SLEEPERS = 3                # tasks in hrtimer_nanosleep() at once, maxactive = 1
 # A path /init opens: getname_flags() copies it with strncpy_from_user(), which returns its length.
 FALLBACK_PATH = "/kp-trampoline-fallback-" + "x" * 13
+# A file dd reads in one read(): __x64_sys_read() tail-calls ksys_read(), which returns its size.
+READ_SIZE = 1357
 
 COMMANDS = f"""
 echo LOOP-START > /dev/kmsg
@@ -64,6 +68,7 @@ echo NSLEEP-START > /dev/kmsg
 {' '.join(['sleep 2 &'] * SLEEPERS)} wait
 echo NSLEEP-END > /dev/kmsg
 cat {FALLBACK_PATH} 2> /dev/null
+dd if=/kp-read-marker of=/dev/null bs=4096 count=1 2> /dev/null
 grep '  r  ' /sys/kernel/debug/kprewrite/list | sed 's/^/kp-dbg-list: /'
 grep '^  r_' /sys/kernel/debug/kprewrite/profile | sed 's/^/kp-dbg-profile: /'
 echo {DONE_MARKER}
@@ -167,6 +172,25 @@ static int getname_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
 		(unsigned long)regs_return_value(regs), (unsigned long)ri->ret_addr, regs->ip);
 	return 0;
 }
+
+/* __x64_sys_read() tail-calls ksys_read(), both return-probed with hooked exits: the caller's
+ * instance waits at the shared slot (a pending tail call) and fires at ksys_read()'s exit,
+ * after ksys_read()'s own (newest first). */
+static int kread_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	if (regs_return_value(regs) == READ_SIZE)
+		pr_info("kp-kread-ret: task=%d ret_addr=%lx ip=%lx sp=%lx\n", current->pid,
+			(unsigned long)ri->ret_addr, regs->ip, regs->sp);
+	return 0;
+}
+
+static int xread_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	if (regs_return_value(regs) == READ_SIZE)
+		pr_info("kp-xread-ret: task=%d ret_addr=%lx ip=%lx sp=%lx\n", current->pid,
+			(unsigned long)ri->ret_addr, regs->ip, regs->sp);
+	return 0;
+}
 """
 
 SPEC = """handlers = ["{sample}", "handlers.c"]
@@ -202,16 +226,23 @@ handler = "sfu_ret"
 [[kretprobe]]
 symbol_name = "getname_flags"
 handler = "getname_ret"
+[[kretprobe]]
+symbol_name = "__x64_sys_read"
+handler = "xread_ret"
+[[kretprobe]]
+symbol_name = "ksys_read"
+handler = "kread_ret"
 """
 # The functions whose exits are hooked, and the one that keeps the trampoline.
-HOOKED = ("kernel_clone", "kernel_wait4", "hrtimer_nanosleep", "do_nanosleep", "getname_flags")
+HOOKED = ("kernel_clone", "kernel_wait4", "hrtimer_nanosleep", "do_nanosleep", "getname_flags", "__x64_sys_read",
+          "ksys_read")
 FALLBACK = "strncpy_from_user"
 
 @pytest.fixture(scope="module")
 def kret(tmp_path_factory, debian_kernel):
     """The rewritten vmlinux, its `check` and `list`."""
     d = tmp_path_factory.mktemp("kretprobes")
-    (d / "handlers.c").write_text(f"#define FALLBACK_LEN {len(FALLBACK_PATH)}\n" + HANDLERS)
+    (d / "handlers.c").write_text(f"#define FALLBACK_LEN {len(FALLBACK_PATH)}\n#define READ_SIZE {READ_SIZE}\n" + HANDLERS)
     spec = d / "probes.toml"
     spec.write_text(SPEC.format(sample=ROOT / "samples" / "kretprobe_example" / "handlers.c"))
     check = kprewrite("check", debian_kernel.vmlinux, "--spec", spec).stdout
@@ -226,7 +257,7 @@ def kret(tmp_path_factory, debian_kernel):
 
 @pytest.fixture(scope="module")
 def kret_boot(kret, make_initramfs, boot_kernel):
-    initrd = make_initramfs(init_script(COMMANDS), {"/bin/waitchild": WAITCHILD})
+    initrd = make_initramfs(init_script(COMMANDS), {"/bin/waitchild": WAITCHILD, "/kp-read-marker": "r" * READ_SIZE})
     # preempt=full: a task may be preempted anywhere outside our handlers, between an entry and
     # its exit hook, or between the exit hook and the return it guards.
     return boot_kernel("kretprobe-vmlinux-smp2", kret["out"], initrd, smp=2, timeout=240, extra_append="preempt=full")
@@ -248,7 +279,7 @@ def test_check_and_list_show_hooked_exits(kret):
     returns = {r.start for r in ks.return_sites(linux_kernel._kernel(image))}
     rows = {l.split("  ")[0] + "  " + l.split("  ")[1]: l for l in kret["check"].splitlines()}
     r_lines = [l for l in kret["check"].splitlines() if "  r  " in l]
-    assert len(r_lines) == 7, kret["check"]
+    assert len(r_lines) == 9, kret["check"]
     for l in r_lines:
         fn = l.split("+")[0]
         if fn == FALLBACK:
@@ -263,7 +294,8 @@ def test_check_and_list_show_hooked_exits(kret):
         sites = m.group(1).split(", ")
         rets = [int(s.split()[0], 16) for s in sites if s.endswith(" ret")]
         f = next(f for f in image.functions if f.name == fn)
-        assert rets and all(f.start < a < f.end and a in returns for a in rets), (l, rets)
+        # __x64_sys_read's one exit is its tail call to ksys_read.
+        assert (rets or fn == "__x64_sys_read") and all(f.start < a < f.end and a in returns for a in rets), (l, rets)
         assert all(s.endswith(" ret") or re.fullmatch(r"0x[0-9a-f]+ tail->0x[0-9a-f]+ \((pending|trampoline)\)", s)
                    for s in sites), l
     assert "kernel_wait4+0x0  k" in rows, kret["check"]
@@ -324,7 +356,7 @@ def test_debugfs_views_list_the_kretprobes(kret_boot, kret):
     r = kret_boot
     dbg = [l.split("kp-dbg-list: ", 1)[1].split() for l in r.lines() if l.startswith("kp-dbg-list: ")]
     listed = [l.split() for l in kret["list"].splitlines() if "  r  " in l]
-    assert len(dbg) == 7 and sorted(d[:3] for d in dbg) == sorted(l[:3] for l in listed), (dbg, listed)
+    assert len(dbg) == 9 and sorted(d[:3] for d in dbg) == sorted(l[:3] for l in listed), (dbg, listed)
     rows = {l.split()[1]: l.split()[2:] for l in r.lines() if l.startswith("kp-dbg-profile: ")}
     assert {"r_kernel_clone_0", "r_kernel_wait4_0", "r_hrtimer_nanosleep_0", "r_do_nanosleep_0"} <= set(rows), rows
     assert rows["r_hrtimer_nanosleep_0"][1] == str(SLEEPERS - 1), rows
@@ -456,3 +488,21 @@ def test_trampoline_fallback_returns_to_its_caller(kret_boot, kret):
             (m.group(0), caller)
     hits, missed = r.profile()["r_strncpy_from_user_0"]
     assert missed == 0 and hits >= len(got), (hits, missed)
+
+
+def test_tail_call_between_hooked_functions(kret_boot, kret):
+    """__x64_sys_read() tail-calls ksys_read() (`check`: a pending tail call): one read of
+    READ_SIZE bytes runs ksys_read()'s return handler, then __x64_sys_read()'s, both at the
+    same slot with the same return address (the system call's caller) and stack pointer."""
+    assert re.search(r"^__x64_sys_read\+0x0  r  ftrace  returns: 0x[0-9a-f]+ tail->0x[0-9a-f]+ \(pending\)$",
+                     kret["check"], re.M), kret["check"]
+    r = kret_boot
+    lines = [l for l in r.lines() if "kp-kread-ret: " in l or "kp-xread-ret: " in l]
+    assert len(lines) == 2 and "kp-kread-ret" in lines[0] and "kp-xread-ret" in lines[1], r.explain(f"{lines}")
+    k, x = (re.search(r"task=(\d+) ret_addr=(\S+) ip=(\S+) sp=(\S+)$", l).groups() for l in lines)
+    assert k == x and k[1] == k[2], lines
+    caller = kret["image"].function_at(int(k[1], 16))
+    assert caller is not None and caller.name in ("do_syscall_64", "x64_sys_call"), (lines, caller)
+    prof = r.profile()
+    (kh, km), (xh, xm) = prof["r_ksys_read_0"], prof["r___x64_sys_read_0"]
+    assert km == 0 and xm == 0 and kh >= xh > 0, prof
