@@ -168,8 +168,10 @@ def rewrite(k, work: Path, int3: bool = False) -> Path:
     plan = kprewrite("check", k.vmlinux, "--spec", spec).split("\n")
     want = [f"{TWINS[OURS_ENTRY]}+0x0  k  ftrace", f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  optimized"]
     if KRET:
-        want = [f"{TWINS[x]}+0x0  r  ftrace  returns: trampoline  " for x in (OURS_ENTRY, OURS_INSIDE)]
-        want = [p if p.startswith(w) else w + "..." for p, w in zip(plan, want)]
+        # Every exit hooked (the return address never replaced), each a ret.
+        want = [f"{TWINS[x]}+0x0  r  ftrace  returns: 0x" for x in (OURS_ENTRY, OURS_INSIDE)]
+        want = [p if p.startswith(w) and p.endswith(" ret") and "trampoline" not in p else w + "... ret"
+                for p, w in zip(plan, want)]
     if int3:        # --int3: ours at +0xe is a breakpoint probe, its instruction boosted
         want[1] = plan[1] if plan[1].startswith(f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  int3 ") and \
             plan[1].endswith("[boost]") else "an int3 [boost] line"

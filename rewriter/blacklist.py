@@ -111,6 +111,16 @@ class Index:
                 found = self.entries[i]
         return found
 
+    def all_overlapping(self, lo: int, hi: int) -> list[BlacklistEntry]:
+        """Every entry overlapping [lo, hi), by start."""
+        i = bisect.bisect_left(self._starts, hi)
+        out = []
+        while i > 0 and self._reach[i - 1] > lo:
+            i -= 1
+            if self.entries[i].end > lo:
+                out.append(self.entries[i])
+        return out[::-1]
+
     def lookup(self, addr: int) -> BlacklistEntry | None:
         return self.overlapping(addr, addr + 1)
 

@@ -56,12 +56,17 @@ def hook_symbol(group, kind: str) -> str:
     return HOOK_RET_CLEAN if kind == HOOK_RET and group.ret_clean else name
 
 
+def hook_targets(group, kind: str, sym) -> tuple[int, int | None]:
+    """The shared return hook an exit calls: (call target, jmp target for a plain ret)."""
+    name = hook_symbol(group, kind)
+    jmp = JMP_FORM.get(name)
+    return sym[name], (sym[jmp] if jmp else None)
+
+
 def _hook(c: Code, group, kind: str, sym, at: int):
     """How an exit reaches its return hook: (call target, jmp target for a plain
     ret), or the inlined template (a function with one kretprobe, at a ret)."""
-    name = hook_symbol(group, kind)
-    jmp = JMP_FORM.get(name)
-    hook = sym[name], (sym[jmp] if jmp else None)
+    hook = hook_targets(group, kind, sym)
     tpl = group.ret_template if kind == HOOK_RET else None
     if tpl is None:
         return hook
@@ -93,15 +98,21 @@ def pre_handler_symbol(c: Code, p) -> str | None:
     return c.handler_symbol[p.spec.pre_handler] if p.spec.pre_handler else None
 
 
+def detour_entries(site: Site) -> tuple[str, str]:
+    """The runtime's shared entries a non-template detour calls: (before, after the copy)."""
+    entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
+              ("kp_optprobe_entry", "kp_optprobe_post_entry")
+    if site.clean and any(is_entry(p) for p in site.probes):
+        # Rules.kretprobe_clean_entry: the runtime's clean entry that passes the return-address slot.
+        entries = ("kp_kretprobe_clean_entry", entries[1])
+    return entries
+
+
 def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
     """An optimized site's detour buffer at `at`: (code, resume, resume_post)."""
     em = c.arch.emit
     if not site.template:
-        entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
-                  ("kp_optprobe_entry", "kp_optprobe_post_entry")
-        if site.clean and any(is_entry(p) for p in site.probes):
-            # Rules.kretprobe_clean_entry: the runtime's clean entry that passes the return-address slot.
-            entries = ("kp_kretprobe_clean_entry", entries[1])
+        entries = detour_entries(site)
         return em.detour(site.index, site.segment, site.with_post, at, sym[entries[0]], sym[entries[1]],
                          _site_copy(c, site, at, sym), back=site.back or None)
     p = site.probes[0]

@@ -8,9 +8,11 @@ offending address.  Explicit probes that cannot be placed are errors
 (register_kprobes() is all or nothing); probes from a glob are skipped.
 
 Then the return sites of every function with a kretprobe: every exit (ret,
-tail-call jmp) gets a jump-optimized return hook, or where no jump fits a
-breakpoint return hook (an INT3 site at the exit, aggregated with the sites
-above).  Only a function whose exits cannot all be named falls back to the
+tail-call jmp, a jump the target calls a return: Rules.return_jumps) gets a
+jump-optimized return hook, or where no jump fits a breakpoint return hook (an
+INT3 site at the exit, aggregated with the sites above).  Only a function whose
+exits cannot all be named, or (a target without breakpoint return hooks,
+Rules.kretprobe_int3_exits) one with an exit no jump fits, falls back to the
 kernel's return-address trampoline.  The plan ends with one numbering: site
 indices, kp_probes[] and kp_kretprobes[] slots.
 
@@ -455,15 +457,28 @@ def _plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             # another function's middle): only the trampoline catches it.
             g.mode, g.reason = TRAMPOLINE, ex.refusal
             continue
+        # A jump the target calls a return (a kernel's `jmp __x86_return_thunk`) is a ret.
+        g.exits = [_as_return(e) if e.addr in rules.return_jumps else e for e in ex.exits]
         mine: list[tuple[int, int]] = []
-        for e in ex.exits:
+        for e in g.exits:
             host = host_of(e.addr)
             if host is not None:
+                if e.addr in rules.return_jumps:   # the copy in a kprobe's detour is not ours to name
+                    _exits_refused(g, arch.Refusal("probe_in_region", host.addr, f"the return jump at {e.addr:#x} "
+                                                   f"lies in the region of the probe at {host.addr:#x}"), e)
+                    break
                 g.embedded.append((host, e))
                 continue
             part = next(pt for pt in ex.parts if pt.start <= e.addr < pt.end)
             r = rp.exit_region(image, analysis, part, e, lambda lo, hi: busy(lo, hi, mine))
+            if isinstance(r, tuple):
+                why = rules.exit_region_refusal(arch, analysis, g.func, r[0][0].addr, r[1], e.addr)
+                if why is not None:
+                    r = why
             if not isinstance(r, tuple):
+                if not rules.kretprobe_int3_exits:
+                    _exits_refused(g, r, e)
+                    break
                 # No jump fits: a breakpoint return hook at the exit (the return
                 # address still stays where the caller put it).
                 g.int3_exits.append((e, r))
@@ -471,6 +486,8 @@ def _plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             dcr, end = r
             mine.append((dcr[0].addr, end))
             g.sites.append(RetSite(e, dcr, dcr[0].addr, end, group=g))
+        if g.mode == TRAMPOLINE:
+            continue
         for r in mine:
             i = bisect.bisect_left(starts, r[0])
             starts.insert(i, r[0])
@@ -490,6 +507,20 @@ def _plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
     plan.ret_sites.sort(key=lambda s: s.addr)
     _place_int3_hooks(image, arch, plan)
+
+
+def _as_return(e):
+    """An exit jump that is a return (Rules.return_jumps), as a ret."""
+    return type(e)(e.addr, "ret", e.insn)
+
+
+def _exits_refused(g: Group, why, e) -> None:
+    """An exit no jump can hook where the target has no breakpoint return hooks
+    (Rules.kretprobe_int3_exits off): the function keeps the trampoline, and
+    `check` names the check that refused the exit and where."""
+    g.mode, g.embedded, g.sites, g.int3_exits = TRAMPOLINE, [], [], []
+    g.reason = type(why)(why.check, why.addr, f"the exit at {e.addr:#x} cannot take a jump: {why.detail} "
+                                              "(the return address is swapped at entry)")
 
 
 def _place_int3_hooks(image, arch, plan: Plan) -> None:

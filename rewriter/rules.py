@@ -14,8 +14,13 @@ answer (targets/*), used by the planner.
   runtime then maps an ip inside a region to its copy, kp_region_ip());
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
 - kretprobe_exits: whether a kretprobe's exits are hooked (the user-space design), or
-  every kretprobe swaps the return address for the trampoline, as the kernel's own do
-  (a kernel: its instances are per task, runtime/platform/linux_kernel/kp_kretprobe_task.c);
+  every kretprobe swaps the return address for the trampoline, as the kernel's own do;
+- return_jumps: addresses of `jmp`s that are returns, not tail calls (a kernel's
+  `jmp __x86_return_thunk` at its .return_sites entries); a return region may cover its
+  own return jump although it is reserved: the target points the table entry at the
+  jump's copy in the detour (exit_region_refusal());
+- kretprobe_int3_exits: an exit no jump fits gets a breakpoint return hook; else (a
+  kernel) the function keeps the trampoline, with the check that refused the exit;
 - singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
   kernel's own kprobes since 5.14) rather than running with the trap flag;
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
@@ -41,6 +46,8 @@ class Rules:
     int3: bool = True
     kretprobes: bool = True
     kretprobe_exits: bool = True
+    return_jumps: frozenset = frozenset()
+    kretprobe_int3_exits: bool = True
     # A kretprobe's entry takes the clean call where its entry_handler never reads regs (the
     # runtime's kp_kretprobe_clean_entry passes the return-address slot instead of pt_regs).
     kretprobe_clean_entry: bool = False
@@ -72,6 +79,21 @@ class Rules:
         if e is not None:
             return arch.Refusal(e.reason, e.start, f"the region [{lo:#x}, {hi:#x}) overlaps a site patched at boot "
                                                    f"({e.symbol})")
+        return None
+
+    def exit_region_refusal(self, arch, analysis, func, lo: int, hi: int, exit_addr: int):
+        """Why the return region [lo, hi) ending with the exit at exit_addr cannot be
+        detoured, or None: region_refusal(), except that the exit's own return jump
+        (return_jumps) may lie in it, alone among the reserved sites on its bytes."""
+        if self.function_refusal is not None:
+            r = self.function_refusal(analysis, func)
+            if r is not None:
+                return r
+        for e in self.reserved.all_overlapping(lo, hi):
+            if e.start == exit_addr and exit_addr in self.return_jumps and e.reason == ".return_sites":
+                continue
+            return arch.Refusal(e.reason, e.start, f"the return region [{lo:#x}, {hi:#x}) overlaps a site patched "
+                                                   f"at boot ({e.symbol})")
         return None
 
 

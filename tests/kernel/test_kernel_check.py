@@ -4,6 +4,7 @@ chosen from the image's own tables, so the test holds for another build of the k
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -105,16 +106,22 @@ def test_check_kernel_rules(tmp_path, debian_kernel, kimage):
               ("secondary_startup_64", 0, ["refused", ".head.text"]),
               *ex.values()]
     spec = write_spec(tmp_path, "".join(f'[[kprobe]]\nsymbol_name = "{s}"\noffset = {o:#x}\n' for s, o, _ in probes)
-                      + '[[kretprobe]]\nsymbol_name = "kernel_clone"\n')
+                      + '[[kretprobe]]\nsymbol_name = "kernel_clone"\n'
+                      + '[[kretprobe]]\nsymbol_name = "strncpy_from_user"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec, check=False)
     lines = r.stdout.splitlines()
-    assert len(lines) == len(probes) + 1, r.stdout + r.stderr
+    assert len(lines) == len(probes) + 2, r.stdout + r.stderr
     for (sym, off, words), line in zip(probes, lines):
         assert line.startswith(f"{sym}+{off:#x}  k  "), (line, sym, off)
         for w in words:
             assert w in line, (line, words)
-    # A kernel's kretprobes swap the return address (the kernel's trampoline), instances per task.
-    assert lines[-1].startswith("kernel_clone+0x0  r  ftrace  returns: trampoline  kretprobe_trampoline at "), lines[-1]
+    # A kernel's kretprobes hook every exit, as in user space: kernel_clone's one return is its
+    # `jmp __x86_return_thunk` at a .return_sites entry.  strncpy_from_user()'s exits cannot take
+    # a jump (an exception-table entry): it keeps the trampoline, and the check is named.
+    m = re.fullmatch(r"kernel_clone\+0x0  r  ftrace  returns: (0x[0-9a-f]+) ret", lines[-2])
+    assert m and int(m.group(1), 16) in {r.start for r in ks.return_sites(linux_kernel._kernel(kimage))}, lines[-2]
+    assert re.fullmatch(r"strncpy_from_user\+0x0  r  \w+  returns: trampoline  __ex_table at 0x[0-9a-f]+: the exit at "
+                        r"0x[0-9a-f]+ cannot take a jump: .*\(the return address is swapped at entry\)", lines[-1]), lines[-1]
     # Every refused probe is named on standard error, one line each, and check fails.
     refused = sum("refused" in w for _, _, w in probes)
     assert r.returncode == 1 and len(r.stderr.splitlines()) == refused, r.stderr
@@ -127,8 +134,10 @@ def test_check_kernel_rules(tmp_path, debian_kernel, kimage):
         assert int(p["address"], 16) == kimage.symbols[sym][0] + off and int(p["address"], 16) > 2**53
         if p["decision"] == "refused":
             assert p["reason"]["message"] in line and p["reason"]["check"] and int(p["reason"]["address"], 16)
-    assert doc["probes"][-1]["kind"] == "r" and doc["probes"][-1]["decision"] == "ftrace"
-    assert doc["probes"][-1]["returns"]["mode"] == "trampoline", doc["probes"][-1]
+    kc, sfu = doc["probes"][-2:]
+    assert kc["kind"] == "r" and kc["decision"] == "ftrace" and kc["returns"]["mode"] == "hooks", kc
+    assert [(e["kind"], e["hook"], e["int3"]) for e in kc["returns"]["sites"]] == [("ret", "ret", False)], kc
+    assert sfu["returns"]["mode"] == "trampoline" and sfu["returns"]["reason"]["check"] == "__ex_table", sfu
 
 
 def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_kernel, kimage):

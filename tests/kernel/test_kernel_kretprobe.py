@@ -1,5 +1,5 @@
 """kretprobes in a kernel (issue 11): Debian's vmlinux rewritten with return probes, booted once
-under qemu-system-x86_64 -smp 2 with no boot parameter, and every assertion read from that boot.
+under qemu-system-x86_64 -smp 2 with preempt=full, and every assertion read from that boot.
 
 - the kernel's samples/kprobes/kretprobe_example.c handlers, unchanged, on kernel_clone
   (entry_handler, data_size, ri->data, maxactive = 20): each fork /init makes returns the
@@ -8,18 +8,28 @@ under qemu-system-x86_64 -smp 2 with no boot parameter, and every assertion read
   and is moved to the other CPU meanwhile: its instance is the task's, so the return handler
   runs on the other CPU with the entry's ri->data and the child's pid as return value; a
   second kretprobe on the same function fires first (newest instance) and sees the real
-  return address; /proc/PID/stack of the sleeping task (our trampoline on its stack) reads
-  without a problem;
+  return address; /proc/PID/stack of the sleeping task unwinds through kernel_wait4 to its
+  caller (the return address is never replaced);
 - entry/return pairs exact under two CPUs forking at once, and a kprobe on the same function
   counting the same calls;
 - maxactive = 1 on hrtimer_nanosleep() with three tasks sleeping in it at once: exactly two
   nmissed, one return handler (its entry_handler reads regs: that entry builds struct pt_regs,
-  while do_nanosleep()'s, inside it, takes the clean call and fires first).
+  while do_nanosleep()'s, inside it, takes the clean call and fires first);
+- those functions' exits are hooked (the user-space design: `check` lists their return sites,
+  each `jmp __x86_return_thunk` whose .return_sites entry now points at its copy in the detour,
+  and the boot has no "missing return thunk" WARN); strncpy_from_user(), whose exits cannot
+  take a jump (an exception-table entry), keeps the trampoline, and `check` names that check:
+  its return handler sees the real return address, in getname_flags.part.0; getname_flags()
+  has its exits hooked, and its tail call to getname_flags.part.0 swaps the slot for the
+  trampoline: every call returns once, with the real return address;
+- a tail call between two hooked functions (__x64_sys_read() to ksys_read()): both return
+  handlers fire at ksys_read()'s exit, newest first, at the shared slot.
 """
 from __future__ import annotations
 
 import json
 import re
+import struct
 import sys
 from collections import Counter
 from pathlib import Path
@@ -34,12 +44,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from rewriter.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
+from rewriter.targets.linux_kernel import sites as ks  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
 FORKS = 3                   # /bin/true runs /init reports the pids of
 PER_CPU = 15                # forks each of two pinned shells makes at once
 SLEEPERS = 3                # tasks in hrtimer_nanosleep() at once, maxactive = 1
+# A path /init opens: getname_flags() copies it with strncpy_from_user(), which returns its length.
+FALLBACK_PATH = "/kp-trampoline-fallback-" + "x" * 13
+# A file dd reads in one read(): __x64_sys_read() tail-calls ksys_read(), which returns its size.
+READ_SIZE = 1357
+READ_COUNT = 4093           # dd's bs: ksys_read()'s count
 
 COMMANDS = f"""
 echo LOOP-START > /dev/kmsg
@@ -52,8 +68,10 @@ wait
 echo NSLEEP-START > /dev/kmsg
 {' '.join(['sleep 2 &'] * SLEEPERS)} wait
 echo NSLEEP-END > /dev/kmsg
-grep '  r  ' /sys/kernel/debug/kprewrite/list | sed 's/^/kp-dbg-list: /'
-grep '^  r_' /sys/kernel/debug/kprewrite/profile | sed 's/^/kp-dbg-profile: /'
+cat {FALLBACK_PATH} 2> /dev/null
+dd if=/kp-read-marker of=/dev/null bs={READ_COUNT} count=1 2> /dev/null
+grep '  r  ' /sys/kernel/debug/kprewrite/list | while read -r l; do echo "kp-dbg-list: $l" > /dev/kmsg; done
+grep '^  r_' /sys/kernel/debug/kprewrite/profile | while read -r l; do echo "kp-dbg-profile: $l" > /dev/kmsg; done
 echo {DONE_MARKER}
 sleep 1
 """
@@ -63,7 +81,7 @@ WAITCHILD = """#!/bin/sh
 echo "kp-child=$$" > /dev/kmsg
 sleep 0.5
 taskset -p 2 $PPID > /dev/null
-sed 's/^/kp-stack: /' /proc/$PPID/stack
+while read -r l; do echo "kp-stack: $l" > /dev/kmsg; done < /proc/$PPID/stack
 """
 
 HANDLERS = r"""
@@ -135,6 +153,53 @@ static int nsleep_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
 		*(long *)ri->data);
 	return 0;
 }
+
+/* strncpy_from_user(): its returns only the trampoline catches (an exception-table entry
+ * keeps jumps out of the function); reported for /init's path, by its length. */
+static int sfu_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	if (regs_return_value(regs) == FALLBACK_LEN)
+		pr_info("kp-sfu-ret: task=%d ret=%ld ret_addr=%lx ip=%lx\n", current->pid,
+			(long)regs_return_value(regs), (unsigned long)ri->ret_addr, regs->ip);
+	return 0;
+}
+
+/* getname_flags(): its exits hooked, but without an audit context it tail-calls
+ * getname_flags.part.0 (which calls strncpy_from_user()), and that path swaps the slot for
+ * the trampoline (a tail call to a function whose returns are not hooked). */
+static int getname_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	pr_info("kp-getname-ret: task=%d ret=%lx ret_addr=%lx ip=%lx\n", current->pid,
+		(unsigned long)regs_return_value(regs), (unsigned long)ri->ret_addr, regs->ip);
+	return 0;
+}
+
+/* __x64_sys_read() tail-calls ksys_read(), both return-probed with hooked exits: the caller's
+ * instance waits at the shared slot (a pending tail call) and fires at ksys_read()'s exit,
+ * after ksys_read()'s own (newest first). */
+static int kread_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	*(long *)ri->data = (long)regs->dx;	/* ksys_read(fd, buf, count) */
+	return 0;
+}
+
+/* Never reads regs: ksys_read()'s exits take the clean return hook, which finds
+ * __x64_sys_read()'s instance (whose handler reads regs) at the slot and hands over to
+ * the full hook. */
+static int kread_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	if (*(long *)ri->data == READ_COUNT)
+		pr_info("kp-kread-ret: task=%d ret_addr=%lx\n", current->pid, (unsigned long)ri->ret_addr);
+	return 0;
+}
+
+static int xread_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	if (regs_return_value(regs) == READ_SIZE)
+		pr_info("kp-xread-ret: task=%d ret_addr=%lx ip=%lx sp=%lx\n", current->pid,
+			(unsigned long)ri->ret_addr, regs->ip, regs->sp);
+	return 0;
+}
 """
 
 SPEC = """handlers = ["{sample}", "handlers.c"]
@@ -164,13 +229,32 @@ maxactive = 1
 [[kretprobe]]
 symbol_name = "do_nanosleep"
 handler = "dosleep_ret"
+[[kretprobe]]
+symbol_name = "strncpy_from_user"
+handler = "sfu_ret"
+[[kretprobe]]
+symbol_name = "getname_flags"
+handler = "getname_ret"
+[[kretprobe]]
+symbol_name = "__x64_sys_read"
+handler = "xread_ret"
+[[kretprobe]]
+symbol_name = "ksys_read"
+handler = "kread_ret"
+entry_handler = "kread_entry"
+data_size = 8
 """
+# The functions whose exits are hooked, and the one that keeps the trampoline.
+HOOKED = ("kernel_clone", "kernel_wait4", "hrtimer_nanosleep", "do_nanosleep", "getname_flags", "__x64_sys_read",
+          "ksys_read")
+FALLBACK = "strncpy_from_user"
 
 @pytest.fixture(scope="module")
 def kret(tmp_path_factory, debian_kernel):
     """The rewritten vmlinux, its `check` and `list`."""
     d = tmp_path_factory.mktemp("kretprobes")
-    (d / "handlers.c").write_text(HANDLERS)
+    (d / "handlers.c").write_text(f"#define FALLBACK_LEN {len(FALLBACK_PATH)}\n#define READ_SIZE {READ_SIZE}\n"
+                                 f"#define READ_COUNT {READ_COUNT}\n" + HANDLERS)
     spec = d / "probes.toml"
     spec.write_text(SPEC.format(sample=ROOT / "samples" / "kretprobe_example" / "handlers.c"))
     check = kprewrite("check", debian_kernel.vmlinux, "--spec", spec).stdout
@@ -185,8 +269,10 @@ def kret(tmp_path_factory, debian_kernel):
 
 @pytest.fixture(scope="module")
 def kret_boot(kret, make_initramfs, boot_kernel):
-    initrd = make_initramfs(init_script(COMMANDS), {"/bin/waitchild": WAITCHILD})
-    return boot_kernel("kretprobe-vmlinux-smp2", kret["out"], initrd, smp=2, timeout=240)
+    initrd = make_initramfs(init_script(COMMANDS), {"/bin/waitchild": WAITCHILD, "/kp-read-marker": "r" * READ_SIZE})
+    # preempt=full: a task may be preempted anywhere outside our handlers, between an entry and
+    # its exit hook, or between the exit hook and the return it guards.
+    return boot_kernel("kretprobe-vmlinux-smp2", kret["out"], initrd, smp=2, timeout=240, extra_append="preempt=full")
 
 
 def _kmsg(r, key: str) -> str:
@@ -195,20 +281,38 @@ def _kmsg(r, key: str) -> str:
     return m.group(1)
 
 
-def test_check_and_list_show_the_trampoline(kret):
-    """`check` names each kretprobe's way back (the trampoline, with why), `list` shows them as
-    `r` probes, at their ftrace sites, next to the runtime's hooks (free_task: a dead task's
-    instances given back)."""
+def test_check_and_list_show_hooked_exits(kret):
+    """`check` lists each hooked function's return sites as for a user ELF (every one a
+    `jmp __x86_return_thunk` at a .return_sites entry, a ret; getname_flags() also tail-calls),
+    and for strncpy_from_user() the trampoline with the check that refused its exits and where;
+    `list` shows them as `r` probes at their ftrace sites, next to the runtime's hooks
+    (free_task: a dead task's instances given back)."""
+    image = kret["image"]
+    returns = {r.start for r in ks.return_sites(linux_kernel._kernel(image))}
     rows = {l.split("  ")[0] + "  " + l.split("  ")[1]: l for l in kret["check"].splitlines()}
     r_lines = [l for l in kret["check"].splitlines() if "  r  " in l]
-    assert len(r_lines) == 5, kret["check"]
+    assert len(r_lines) == 9, kret["check"]
     for l in r_lines:
-        assert re.fullmatch(r"(\w+)\+0x0  r  ftrace  returns: trampoline  kretprobe_trampoline at 0x[0-9a-f]+: "
-                            r"the return address is swapped at entry \(the kernel's kretprobe_trampoline; "
-                            r"instances per task\)", l), l
+        fn = l.split("+")[0]
+        if fn == FALLBACK:
+            assert re.fullmatch(r"strncpy_from_user\+0x0  r  (ftrace|optimized)  returns: trampoline  __ex_table at "
+                                r"0x[0-9a-f]+: the exit at 0x[0-9a-f]+ cannot take a jump: strncpy_from_user has an "
+                                r"exception table entry: its fixup may jump back into the function \(the return "
+                                r"address is swapped at entry\)", l), l
+            continue
+        assert fn in HOOKED, l
+        m = re.fullmatch(r"\w+\+0x0  r  ftrace  returns: (.*)", l)
+        assert m and "trampoline  " not in l, l
+        sites = m.group(1).split(", ")
+        rets = [int(s.split()[0], 16) for s in sites if s.endswith(" ret")]
+        f = next(f for f in image.functions if f.name == fn)
+        # __x64_sys_read's one exit is its tail call to ksys_read.
+        assert (rets or fn == "__x64_sys_read") and all(f.start < a < f.end and a in returns for a in rets), (l, rets)
+        assert all(s.endswith(" ret") or re.fullmatch(r"0x[0-9a-f]+ tail->0x[0-9a-f]+ \((pending|trampoline)\)", s)
+                   for s in sites), l
     assert "kernel_wait4+0x0  k" in rows, kret["check"]
     listing = kret["list"].splitlines()
-    for fn in ("kernel_clone", "hrtimer_nanosleep", "do_nanosleep"):
+    for fn in ("kernel_clone", "hrtimer_nanosleep", "do_nanosleep", "getname_flags"):
         assert any(re.fullmatch(rf"[0-9a-f]{{16}}  r  {fn}\+0x0 \[FTRACE\]", l) for l in listing), kret["list"]
     assert sum(bool(re.fullmatch(r"[0-9a-f]{16}  r  kernel_wait4\+0x0 \[FTRACE\]", l)) for l in listing) == 2
     assert any(re.fullmatch(r"[0-9a-f]{16}  k  free_task\+0x0 \[FTRACE\]", l) for l in listing), kret["list"]
@@ -218,20 +322,56 @@ def test_check_and_list_show_the_trampoline(kret):
     calls = {(p["symbol"], p["kind"]): p.get("call") for p in kret["meta"]["probes"]}
     assert calls[("do_nanosleep", "r")] == "clean", calls
     assert calls[("hrtimer_nanosleep", "r")] == "pt_regs", calls
+    # Each hooked ret has a return site (its own detour) in the metadata; the fallback none.
+    ways = {p["symbol"]: (p["returns"], p["return_sites"]) for p in kret["meta"]["probes"] if p["kind"] == "r"}
+    assert ways[FALLBACK] == ("trampoline", []), ways[FALLBACK]
+    assert all(ways[fn][0] == "optimized" and ways[fn][1] for fn in HOOKED), ways
+
+
+def test_return_sites_point_at_the_copies(kret):
+    """Each hooked `jmp __x86_return_thunk`'s .return_sites entry (an s32 relative to itself)
+    points at a `jmp __x86_return_thunk` in our code (the copy apply_returns() patches at
+    boot); the site itself now jumps to the detour holding that copy."""
+    image, out = kret["image"], Image(str(kret["out"]))
+    k = linux_kernel._kernel(image)
+    entries = ks.return_site_entries(k)
+    thunk = linux_kernel._symbol(image, "__x86_return_thunk")
+    lay = linux_kernel.plan_layout(image)
+    n = 0
+    for p in kret["meta"]["probes"]:
+        for rs in p.get("return_sites") or ():
+            start, exit_addr = int(rs["address"], 16), int(rs["exit"], 16)
+            if exit_addr not in entries:
+                continue
+            entry = entries[exit_addr]
+            copy = entry + struct.unpack("<i", out.read(entry, 4))[0]
+            code = out.read(copy, 5)
+            assert lay.rx_vaddr <= copy < lay.end and code[0] == 0xE9, (hex(exit_addr), hex(copy))
+            assert copy + 5 + struct.unpack("<i", code[1:])[0] == thunk, hex(exit_addr)
+            jmp = out.read(start, 5)
+            detour = start + 5 + struct.unpack("<i", jmp[1:])[0]
+            assert jmp[0] == 0xE9 and detour < copy < detour + 64, (hex(start), hex(detour), hex(copy))
+            n += 1
+    assert n >= 6, n
 
 
 def test_boots_with_kretprobes(kret_boot):
+    """No WARN (apply_returns() found a return thunk at every .return_sites entry, our copies
+    included), W+X check passed, clean power-off; fully preemptible."""
     assert_boot_ok(kret_boot)
+    assert "Dynamic Preempt: full" in kret_boot.console, kret_boot.explain("not booted with preempt=full")
 
 
 def test_debugfs_views_list_the_kretprobes(kret_boot, kret):
     """/sys/kernel/debug/kprewrite/list shows each kretprobe as `r` at its address, as `list`
     does from the file; the profile's rows read from /init name them with their counts."""
     r = kret_boot
-    dbg = [l.split("kp-dbg-list: ", 1)[1].split() for l in r.lines() if l.startswith("kp-dbg-list: ")]
+    # Written to /dev/kmsg one line at a time: the handlers' own messages cannot split them.
+    dbg = [l.split("kp-dbg-list: ", 1)[1].split() for l in r.lines() if "] kp-dbg-list: " in l]
     listed = [l.split() for l in kret["list"].splitlines() if "  r  " in l]
-    assert len(dbg) == 5 and sorted(d[:3] for d in dbg) == sorted(l[:3] for l in listed), (dbg, listed)
-    rows = {l.split()[1]: l.split()[2:] for l in r.lines() if l.startswith("kp-dbg-profile: ")}
+    assert len(dbg) == 9 and sorted(d[:3] for d in dbg) == sorted(l[:3] for l in listed), (dbg, listed)
+    rows = {x[0]: x[1:] for x in (l.split("kp-dbg-profile: ", 1)[1].split() for l in r.lines()
+                                  if "] kp-dbg-profile: " in l)}
     assert {"r_kernel_clone_0", "r_kernel_wait4_0", "r_hrtimer_nanosleep_0", "r_do_nanosleep_0"} <= set(rows), rows
     assert rows["r_hrtimer_nanosleep_0"][1] == str(SLEEPERS - 1), rows
 
@@ -276,11 +416,14 @@ def test_task_sleeping_inside_returns_on_the_other_cpu(kret_boot, kret):
     caller = kret["image"].function_at(int(m2.group(1), 16))
     assert m2.group(1) == m2.group(2) and caller is not None and caller.name in (
         "__do_sys_wait4", "__x64_sys_wait4", "__se_sys_wait4"), (lines[i - 1], caller)
-    stack = [l.split("kp-stack: ", 1)[1] for l in lines if "kp-stack: " in l]
-    print(f"\n/proc/{waiter}/stack while it sleeps in kernel_wait4 (our trampoline above it): {stack}")
-    # The ORC unwinder finds no entry for our trampoline (the return address of kernel_wait4's
-    # frame): the trace ends at the probed function, unreliable, as for any code ORC does not know.
-    assert any("do_wait+" in l for l in stack) and stack[-1].split()[-1].startswith("kernel_wait4+"), \
+    stack = [l.split("kp-stack: ", 1)[1] for l in lines if "] kp-stack: " in l]
+    print(f"\n/proc/{waiter}/stack while it sleeps in kernel_wait4 (its return address untouched): {stack}")
+    # Its exits are hooked, so its return address is the caller's own: the ORC unwinder walks
+    # through kernel_wait4 to its caller and on to the system call entry.
+    names = [l.split()[-1].split("+")[0] for l in stack]
+    assert "do_wait" in names and "kernel_wait4" in names and "do_syscall_64" in names and \
+        names.index("kernel_wait4") + 1 < len(names) and names[names.index("kernel_wait4") + 1] in (
+            "__do_sys_wait4", "__x64_sys_wait4", "__se_sys_wait4"), \
         r.explain(f"/proc/{waiter}/stack of the sleeping task: {stack}")
 
 
@@ -331,3 +474,52 @@ def test_maxactive_one_with_three_sleepers(kret_boot):
     assert "kp-dosleep-ret" in order[0] and "kp-nsleep-ret" in order[1], order
     hits, missed = r.profile()["r_do_nanosleep_0"]
     assert missed == 0 and hits == sum(1 for l in r.lines() if "kp-dosleep-ret: " in l), (hits, missed)
+
+
+def test_trampoline_fallback_returns_to_its_caller(kret_boot, kret):
+    """strncpy_from_user() keeps the trampoline (its exits cannot take a jump): copying /init's
+    path it returns the path's length, and its return handler sees the real return address (in
+    getname_flags.part.0) as regs->ip.  getname_flags() is hooked at every exit, and its tail
+    call to getname_flags.part.0 swaps the slot for the trampoline (HOOK_SWAP)."""
+    r = kret_boot
+    got = [re.search(r"kp-sfu-ret: task=(\d+) ret=(\d+) ret_addr=(\S+) ip=(\S+)$", l) for l in r.lines()
+           if "kp-sfu-ret: " in l]
+    assert got and all(m for m in got), r.explain(f"no return of strncpy_from_user for {FALLBACK_PATH}")
+    for m in got:
+        caller = kret["image"].function_at(int(m.group(3), 16))
+        assert int(m.group(2)) == len(FALLBACK_PATH) and m.group(3) == m.group(4), m.group(0)
+        assert caller is not None and caller.name in ("getname_flags", "getname_flags.part.0"), (m.group(0), caller)
+    # getname_flags() returned through the trampoline its tail call swapped in (the hook
+    # before its `jmp getname_flags.part.0`): every call has its return handler, which sees its
+    # caller's real return address as regs->ip.
+    rets = [re.search(r"kp-getname-ret: task=(\d+) ret=(\S+) ret_addr=(\S+) ip=(\S+)$", l) for l in r.lines()
+            if "kp-getname-ret: " in l]
+    ghits, gmissed = r.profile()["r_getname_flags_0"]
+    assert gmissed == 0 and len(rets) == ghits > 10 and all(rets), (ghits, gmissed, len(rets))
+    for m in rets:
+        caller = kret["image"].function_at(int(m.group(3), 16))
+        assert m.group(3) == m.group(4) and caller is not None and not caller.name.startswith("getname"), \
+            (m.group(0), caller)
+    hits, missed = r.profile()["r_strncpy_from_user_0"]
+    assert missed == 0 and hits >= len(got), (hits, missed)
+
+
+def test_tail_call_between_hooked_functions(kret_boot, kret):
+    """__x64_sys_read() tail-calls ksys_read() (`check`: a pending tail call): one read of
+    READ_SIZE bytes runs ksys_read()'s return handler, then __x64_sys_read()'s, both at the
+    same slot with the same return address (the system call's caller).  ksys_read()'s handler
+    never reads regs, so its exits take the clean hook, which hands over to the full one for
+    __x64_sys_read()'s instance."""
+    assert re.search(r"^__x64_sys_read\+0x0  r  ftrace  returns: 0x[0-9a-f]+ tail->0x[0-9a-f]+ \(pending\)$",
+                     kret["check"], re.M), kret["check"]
+    r = kret_boot
+    lines = [l for l in r.lines() if "kp-kread-ret: " in l or "kp-xread-ret: " in l]
+    assert len(lines) == 2 and "kp-kread-ret" in lines[0] and "kp-xread-ret" in lines[1], r.explain(f"{lines}")
+    k = re.search(r"task=(\d+) ret_addr=(\S+)$", lines[0]).groups()
+    x = re.search(r"task=(\d+) ret_addr=(\S+) ip=(\S+) sp=(\S+)$", lines[1]).groups()
+    assert k == x[:2] and x[1] == x[2], lines
+    caller = kret["image"].function_at(int(k[1], 16))
+    assert caller is not None and caller.name in ("do_syscall_64", "x64_sys_call"), (lines, caller)
+    prof = r.profile()
+    (kh, km), (xh, xm) = prof["r_ksys_read_0"], prof["r___x64_sys_read_0"]
+    assert km == 0 and xm == 0 and kh >= xh > 0, prof

@@ -139,7 +139,12 @@ def rules(image, arch) -> Rules:
     # Breakpoint probes need our hook on the kernel's int3 path (INT3_HOOK); single-stepped
     # copies end with an int3, as the kernel's own since 5.14 (its #DB path is not hooked).
     return Rules(Index(register), Index(patched), mcount, function_refusal, int3=int3_hook(image) is not None,
-                 kretprobes=True, kretprobe_exits=False, kretprobe_clean_entry=True,
+                 # kretprobes hook every exit (the user-space design; instances per task): a
+                 # `jmp __x86_return_thunk` is a return, its .return_sites entry pointed at the
+                 # copy in the detour (return_site_patches()); an exit no jump fits keeps the
+                 # trampoline for its function (no breakpoint return hooks in a kernel).
+                 kretprobes=True, kretprobe_exits=True, return_jumps=frozenset(returns),
+                 kretprobe_int3_exits=False, kretprobe_clean_entry=True,
                  singlestep_int3=True,
                  fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],
                  # A kernel is built with -fno-jump-tables and jumps through retpoline
@@ -418,11 +423,69 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     taken = {p["addr"]: p["name"] for p in meta["probes"] if p.get("ftrace")}
     out = [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
            for m in ks.mcount_locs(_kernel(image)) if m.site in taken] if taken else []
+    entries = None
+    for p in meta["probes"]:
+        for _, _, exit_addr in p.get("return_sites") or ():
+            if exit_addr in _return_jumps(image):
+                entries = entries or ks.return_site_entries(_kernel(image))
+                out.append((image.offset_of(entries[exit_addr]), 4, f".return_sites entry of {exit_addr:#x} "
+                            "pointed at its copy in the return site's detour"))
     hook = int3_hook(image)
     if hook is not None and any(p.get("int3") for p in meta["probes"]):
         out += [(image.offset_of(hook.site), 5, f"{INT3_HOOK[0]}'s ftrace site: call {INT3_HOOK[1]} (the int3 hook)"),
                 (hook.entry_offset, 8, f"__mcount_loc entry of the ftrace site {hook.site:#x} dropped (the int3 hook)")]
     return out
+
+
+# apply_returns() (arch/x86/kernel/alternative.c) decodes the instruction each .return_sites
+# entry points at, WARNs "missing return thunk" unless it is `jmp __x86_return_thunk`, and
+# rewrites it with text_poke_early() (a memcpy: the kernel image is still writable then,
+# before mark_rodata_ro()) to the chosen return (`ret; int3...` when X86_FEATURE_RETHUNK is
+# off, a jmp to the chosen thunk when on).  A return region replaces that jump with ours,
+# so its entry is pointed at the jump's copy in the detour: apply_returns() patches the copy
+# the detour runs and never sees our jump.
+JMP32 = 0xE9
+STATIC_CALL_UD = b"\x0f\xb9\xcc"    # __static_call_fixup()'s tramp_ud: after it, a static-call trampoline
+
+
+def return_site_patches(image, layout, rx, plan) -> list[tuple[int, bytes]]:
+    """For each return region over a .return_sites site: (the entry's address, its new s32
+    value, relative to itself, pointing at the `jmp __x86_return_thunk` copied at the end of
+    the region's detour).  The copy lies in the text/rodata gap, mapped with .text's
+    permissions until mark_rodata_ro() (writable when apply_returns() runs at boot); entries
+    and copies are in the image, so KASLR moves both by the same offset and the relative
+    entry needs no relocation."""
+    rets = [rs for rs in plan.ret_sites if rs.exit.addr in _return_jumps(image)]
+    if not rets:
+        return []
+    entries = ks.return_site_entries(_kernel(image))
+    thunk = _symbol(image, "__x86_return_thunk")
+    gap = plan_layout(image)
+    out = []
+    for rs in rets:
+        size = layout.sizes[("ret", rs.addr)]
+        copy = rs.detour + size - 5
+        off = copy - layout.rx_vaddr
+        code = bytes(rx[off:off + 8])
+        entry = entries[rs.exit.addr]
+        if code[0] != JMP32 or copy + 5 + struct.unpack_from("<i", code, 1)[0] != thunk or code[5:8] == STATIC_CALL_UD:
+            raise KprewriteError(f"{image.path}: internal error: the detour of the return site {rs.exit.addr:#x} "
+                                 f"does not end with its `jmp __x86_return_thunk` at {copy:#x}")
+        if not gap.rx_vaddr <= copy < gap.end:
+            raise KprewriteError(f"{image.path}: internal error: the copy of the return site {rs.exit.addr:#x} at "
+                                 f"{copy:#x} is outside the text/rodata gap (not writable by apply_returns())")
+        d = copy - entry
+        if not -(1 << 31) <= d < 1 << 31:
+            raise KprewriteError(f"{image.path}: the .return_sites entry at {entry:#x} cannot reach the copy of "
+                                 f"{rs.exit.addr:#x} at {copy:#x} (s32)")
+        out.append((entry, struct.pack("<i", d)))
+    return out
+
+
+def _return_jumps(image) -> set[int]:
+    if not hasattr(image, "_return_jumps"):
+        image._return_jumps = {r.start for r in ks.return_sites(_kernel(image))}
+    return image._return_jumps
 
 
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
@@ -440,6 +503,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     if any(site.decision == INT3 for site in plan.sites):
         patches = list(patches) + [_int3_hook_patch(image, blob)]
         hooked = [int3_hook(image)]
+    patches = list(patches) + return_site_patches(image, layout, rx, plan)
     for addr, code in patches:
         off = image.offset_of(addr)
         out[off:off + len(code)] = code

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 from array import array
 
-from ... import link
+from ... import emission, link
 from ...errors import KprewriteError
 from .bzimage import RelocTable
 
@@ -177,13 +177,17 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
                                          "is not the one whose copy KASLR relocates")
                 out.append((site.xol.insn, site.xol.slot, copy))
             continue
-        if site.template or site.ret_hooks:
+        if site.template or (site.ret_hooks and any(g.ret_template for g, _ in site.ret_hooks.values())):
             raise KprewriteError(f"{image.path}: internal error: KASLR tables for a templated detour at {site.addr:#x}")
-        entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
-                  ("kp_optprobe_entry", "kp_optprobe_post_entry")
+        # Exits of a return-probed function in the region call their return hook first
+        # (retprobe.hook_copy()); the hook call and the exit hold no absolute address.
+        hooks = {a: emission.hook_targets(g, kind, blob.symbols) for a, (g, kind) in site.ret_hooks.items()}
+        entries = emission.detour_entries(site)
         seen = []
 
-        def record(insn, at, seen=seen):
+        def record(insn, at, seen=seen, hooks=hooks):
+            if insn.addr in hooks:
+                return arch.retprobe.hook_then_exit(insn, hooks[insn.addr], at)
             copy = em.relocate(insn, at)
             seen.append((insn, at, copy))
             return copy
@@ -193,5 +197,19 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
         if bytes(rx[off:off + len(code)]) != code:
             raise KprewriteError(f"{image.path}: internal error: the detour at {site.detour:#x} is not the one "
                                  "whose copies KASLR relocates")
+        out += seen
+    for rs in plan.ret_sites:
+        # A return site's detour: its region's instructions before the exit, copied in
+        # order (the hook call and the exit after them hold no absolute address).
+        pos, seen = rs.detour, []
+        for insn in rs.dcr[:-1]:
+            copy = em.relocate(insn, pos)
+            seen.append((insn, pos, copy))
+            pos += len(copy)
+        off = rs.detour - layout.rx_vaddr
+        if any(bytes(rx[at - layout.rx_vaddr:at - layout.rx_vaddr + len(cp)]) != cp for _, at, cp in seen) \
+                or pos - rs.detour > layout.sizes[("ret", rs.addr)] or off < 0:
+            raise KprewriteError(f"{image.path}: internal error: the return site's detour at {rs.detour:#x} is not "
+                                 "the one whose copies KASLR relocates")
         out += seen
     return out

@@ -266,6 +266,13 @@ def _relative_sites(k: KernelImage, table: str, size_of) -> list[Reserved]:
     return out
 
 
+def return_site_entries(k: KernelImage) -> dict[int, int]:
+    """Each .return_sites site -> the address of its table entry (an s32 relative to the
+    entry's own address, as apply_returns() reads it)."""
+    a, buf = k.table_bytes(".return_sites", 4)
+    return {a + 4 * i + d: a + 4 * i for i, (d,) in enumerate(_rel32(buf, 4)) if d}
+
+
 def retpoline_sites(k: KernelImage) -> list[Reserved]:
     return _relative_sites(k, ".retpoline_sites", lambda s: _insn_len(k.code(s, 16)))
 

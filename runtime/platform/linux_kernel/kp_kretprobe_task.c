@@ -1,28 +1,33 @@
 /*
- * kretprobes in a kernel image: the kernel's own way, instances per task.
- *
- * In user space kprewrite hooks every exit of a return-probed function and never
- * touches the return address (runtime/kp_kretprobe.c).  In a kernel the exits are
- * `jmp __x86_return_thunk` at .return_sites entries that apply_returns() rewrites at
- * boot, and a task may sleep inside the function and return on another CPU, so the
- * kernel's design is mirrored instead (kernel/kprobes.c before 5.11:
- * pre_handler_kretprobe(), kretprobe_inst_table[] with its per-bucket locks,
- * kretprobe_trampoline_handler(); arch/x86/kernel/kprobes/core.c's
- * arch_prepare_kretprobe()):
+ * kretprobes in a kernel image: the user-space design (every exit hooked, the return
+ * address never replaced), with instances per task as the kernel's own.
  *
  * - entry (the kretprobe's kp.pre_handler, at the function's entry): claim an
  *   instance from the kretprobe's pool of maxactive (none free: nmissed), run the
  *   entry_handler (non-zero: no return handler for this call), record the return
- *   address and its slot (ri->ret_addr, ri->fp), file the instance under the current
- *   task in a hash table of tasks, and swap the slot for kp_kretprobe_trampoline;
- * - the function returns into the trampoline (kretprobe_entry.S), which calls
- *   kp_kretprobe_trampoline_handler(): the current task's newest instances recorded
- *   at that slot fire, newest first (several kretprobes on one function, or a tail
- *   call into another return-probed function, share the slot), with regs->ax the
- *   return value, regs->ip the real return address and regs->sp the stack pointer
- *   after the return; then it returns to the real address.  Instances of the task
- *   filed after the first one of that slot belong to frames entered inside it that
- *   never returned: freed without a handler.
+ *   address and its slot (ri->ret_addr, ri->fp) and file the instance under the
+ *   current task in a hash table of tasks (kernel/kprobes.c before 5.11:
+ *   pre_handler_kretprobe(), kretprobe_inst_table[] with its per-bucket locks);
+ * - each exit (a `jmp __x86_return_thunk`, whose .return_sites entry the rewriter
+ *   points at the jump's copy in the detour, so apply_returns() patches the copy)
+ *   calls a return hook first, with %rsp at the slot: the current task's instances
+ *   recorded at that slot fire, newest first (several kretprobes on one function, or
+ *   a tail call into another return-probed function, share the slot), with regs->ax
+ *   the return value, regs->ip the return address and regs->sp the stack pointer
+ *   after the return (kp_kretprobe_return(), kp_kretprobe_return_clean());
+ * - a tail call to a function whose returns are hooked leaves the instances for that
+ *   function's exits (the same slot); a tail call to any other function swaps the
+ *   slot for kp_kretprobe_trampoline (kp_kretprobe_tail_swap()), for that path only;
+ * - a function whose exits cannot all be hooked (an exception-table entry, a jump
+ *   through a retpoline thunk or a static call, an exit region the rules refuse: the
+ *   rewriter says which) takes the kernel's way: its entry swaps the return address
+ *   for the trampoline (arch_prepare_kretprobe(), rp->kp_mode), which calls
+ *   kp_kretprobe_trampoline_handler() and returns to the real address.
+ *
+ * Either way the instances of a slot are taken off the table together (kp_take_at()),
+ * and instances of the task filed after them (frames entered inside that never
+ * returned) are freed without a handler.  An exit hook leaves a slot that holds the
+ * trampoline to the trampoline.
  *
  * The table holds only tasks inside a return-probed function; a task is found by
  * `current` wherever it runs, so a task switched out inside the function returns on
@@ -31,9 +36,9 @@
  * in probe context: the pools come from memblock at the setup_per_cpu_areas() boot
  * hook (kp_kernel_kretprobes_init(), called by platform.c); a hit before it misses.
  * The table's locks are taken with the CPU's `active` flag set, so nothing on the
- * same CPU (an interrupt, an NMI: their hits count as missed) can wait for a lock it
- * holds; handlers run outside the locks, with preemption disabled, as the kernel
- * runs them.
+ * same CPU (an interrupt, an NMI: their hits count as missed, their exit hooks do
+ * nothing) can wait for a lock it holds; handlers run outside the locks, with
+ * preemption disabled, as the kernel runs them.
  *
  * A task that ends inside a return-probed function (do_exit() never returns) has its
  * instances freed when its task_struct is (kp_kernel_kret_flush_task(), a runtime
@@ -43,6 +48,7 @@
 
 extern char kp_kretprobe_trampoline[];
 #define TRAMP ((unsigned long)kp_kretprobe_trampoline)
+#define KP_KRET_TRAMPOLINE 1	/* rp->kp_mode: the entry swaps the return address */
 
 /* An instance with the fields the per-task table needs before the kernel's
  * struct kretprobe_instance (whose layout the handler API fixes). */
@@ -162,6 +168,31 @@ static unsigned long kp_real_ret_locked(struct kp_kret_bucket *b, unsigned long 
 	return 0;
 }
 
+/*
+ * File kri under the task at slot S, with ri->ret_addr the real return address (the
+ * slot's, or when a tail call left the trampoline there, the one its instances hold).
+ * swap: the function's exits are not hooked, so the slot is swapped for the trampoline
+ * (arch_prepare_kretprobe()).  Returns the return address; 0 (not filed): the slot holds
+ * a trampoline the task has no instance for.  With this CPU's `active` set.
+ */
+static inline unsigned long kp_file_at(struct kp_kri *kri, unsigned long task, unsigned long S, int swap)
+{
+	struct kp_kret_bucket *b = kp_bucket(task);
+	unsigned long flags = kp_bucket_lock(b, 0);
+	unsigned long ret = *(unsigned long *)S;
+	if (ret == TRAMP)
+		ret = kp_real_ret_locked(b, task, S);
+	kri->ri.ret_addr = (kprobe_opcode_t *)ret;
+	if (ret) {
+		kri->next = b->head;
+		b->head = kri;
+		if (swap)
+			*(unsigned long *)S = TRAMP;
+	}
+	kp_bucket_unlock(b, flags);
+	return ret;
+}
+
 /* pre_handler_kretprobe() for rp, with S the return-address slot; regs NULL on the
  * clean path (the entry_handler never reads them).  The dispatch runs it with
  * preemption off and this CPU's `active` set. */
@@ -183,20 +214,8 @@ static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe
 		kp_kri_free(kri);
 		return;
 	}
-	struct kp_kret_bucket *b = kp_bucket(task);
-	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
-	unsigned long ret = *(unsigned long *)S;
-	if (ret == TRAMP)
-		ret = kp_real_ret_locked(b, task, S);
-	ri->ret_addr = (kprobe_opcode_t *)ret;
-	if (ret) {
-		kri->next = b->head;
-		b->head = kri;
-		*(unsigned long *)S = TRAMP;	/* arch_prepare_kretprobe() */
-	}
-	kp_bucket_unlock(b, flags);
-	if (!ret) {	/* a trampoline we have no instance for: leave it alone */
-		kp_kri_free(kri);
+	if (!kp_file_at(kri, task, S, rp->kp_mode == KP_KRET_TRAMPOLINE)) {
+		kp_kri_free(kri);	/* a trampoline we have no instance for: leave it alone */
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
 	}
 }
@@ -241,32 +260,39 @@ void kp_kretprobe_clean_callback(unsigned long site_index, unsigned long S)
 	kp_platform_dispatch_end();
 }
 
-static void kp_kret_fatal(unsigned long task, unsigned long S)
-{
-	_printk(KP_KERN_ERR "kprewrite: kretprobe trampoline: no instance of task %lx at slot %lx\n", task, S);
-	BUG();
-}
-
 /*
- * kretprobe_trampoline_handler(): the function returned into the trampoline with
- * regs->sp just above the slot.  Take the task's instances of that slot off the
- * table, fire them newest first, and return the real return address.
+ * Take the task's instances recorded at slot S off the table, newest first, and
+ * return them as a list (NULL: none).  Instances of the task filed after the first
+ * one of S belong to frames entered inside that frame which never returned: freed
+ * without a handler, once an instance of S proves it.  need_clean: leave everything
+ * and return KP_NEED_REGS when one of S's kretprobes has a handler that reads regs
+ * (the clean exit hook then hands over to the full one).
  */
-unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
+#define KP_NEED_REGS ((struct kp_kri *)1)
+
+static struct kp_kri *kp_take_at(unsigned long task, unsigned long S, int irqsave, int need_clean)
 {
-	unsigned long task = kp_task(), S = regs->sp - 8;
-	kp_platform_dispatch_begin();
-	struct kp_thread *t = kp_current_thread();
-	unsigned int active = t ? t->active : 1;
-	if (t)
-		t->active = 1;
 	struct kp_kret_bucket *b = kp_bucket(task);
 	struct kp_kri *fire = 0, **tail = &fire, *stale = 0;
-	unsigned long flags = kp_bucket_lock(b, !t);
-	struct kp_kri **pp = &b->head;
-	int found = 0;
+	unsigned long flags = kp_bucket_lock(b, irqsave);
+	struct kp_kri **pp = &b->head, *k;
+	int any = 0, found = 0;
+	for (k = b->head; k; k = k->next)	/* any instance of S at all? */
+		if (k->task == task && (unsigned long)k->ri.fp == S) {
+			any = 1;
+			if (!need_clean)
+				break;
+			if (!k->ri.rp->kp_ret_clean) {
+				kp_bucket_unlock(b, flags);
+				return KP_NEED_REGS;
+			}
+		}
+	if (!any) {
+		kp_bucket_unlock(b, flags);
+		return 0;
+	}
 	while (*pp) {
-		struct kp_kri *k = *pp;
+		k = *pp;
 		if (k->task != task) {
 			pp = &k->next;
 			continue;
@@ -286,23 +312,53 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 		stale = k;
 	}
 	kp_bucket_unlock(b, flags);
-	if (!fire)
-		kp_kret_fatal(task, S);
 	while (stale) {
-		struct kp_kri *k = stale;
+		k = stale;
 		stale = k->next;
 		kp_kri_free(k);
 	}
-	unsigned long ret = (unsigned long)fire->ri.ret_addr;
-	regs->ip = ret;
+	return fire;
+}
+
+/* Fire a list kp_take_at() returned, newest first (regs NULL: the clean hook, whose
+ * handlers never read them; run = 0: free only, a handler is running on this CPU). */
+static void kp_fire(struct kp_kri *fire, struct pt_regs *regs, int run)
+{
 	while (fire) {
 		struct kp_kri *k = fire;
 		fire = k->next;
 		struct kretprobe *rp = k->ri.rp;
-		if (!active && rp->handler)
+		if (run && rp->handler)
 			rp->handler(&k->ri, regs);
 		kp_kri_free(k);
 	}
+}
+
+static void kp_kret_fatal(unsigned long task, unsigned long S)
+{
+	_printk(KP_KERN_ERR "kprewrite: kretprobe trampoline: no instance of task %lx at slot %lx\n", task, S);
+	BUG();
+}
+
+/*
+ * kretprobe_trampoline_handler(): the function returned into the trampoline with
+ * regs->sp just above the slot.  Take the task's instances of that slot off the
+ * table, fire them newest first, and return the real return address.
+ */
+unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
+{
+	unsigned long task = kp_task(), S = regs->sp - 8;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	unsigned int active = t ? t->active : 1;
+	if (t)
+		t->active = 1;
+	struct kp_kri *fire = kp_take_at(task, S, !t, 0);
+	if (!fire)
+		kp_kret_fatal(task, S);
+	unsigned long ret = (unsigned long)fire->ri.ret_addr;
+	regs->ip = ret;
+	kp_fire(fire, active ? 0 : regs, !active);
 	if (t)
 		t->active = active;
 	kp_platform_dispatch_end();
@@ -341,16 +397,102 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
-/* The user-space design's exit hooks (kretprobe_entry.S, kp_int3.c): a kernel's
- * kretprobes never place them (Rules.kretprobe_exits is off). */
-static void kp_no_exit_hooks(void)
+/*
+ * The exit hooks (the user-space design, kretprobe_entry.S): a function whose exits are
+ * all hooked runs one before each `jmp __x86_return_thunk` (a ret) with the return
+ * address left in place.  The current task's instances recorded at that slot fire,
+ * newest first, wherever the task runs now.  A slot that holds the trampoline (a tail
+ * call from a function whose returns it catches) is left to the trampoline, which
+ * fires every instance of the slot.  On a CPU already running a handler (an interrupt
+ * in one) nothing fires: that frame's entry was missed, and the CPU may hold a lock.
+ */
+static void kp_exit_at(unsigned long S, struct pt_regs *regs)
 {
-	_printk(KP_KERN_ERR "kprewrite: a kretprobe exit hook in a kernel\n");
-	BUG();
+	if (*(unsigned long *)S == TRAMP)
+		return;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	if (!t || !t->active) {
+		if (t)
+			t->active = 1;
+		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, 0);
+		kp_fire(fire, regs, 1);
+		if (t)
+			t->active = 0;
+	}
+	kp_platform_dispatch_end();
 }
 
-void kp_kretprobe_return(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
-int kp_kretprobe_return_clean(unsigned long S) { (void)S; kp_no_exit_hooks(); return 0; }
-void kp_kretprobe_tail_pending(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
-void kp_kretprobe_tail_swap(struct pt_regs *regs) { (void)regs; kp_no_exit_hooks(); }
-void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs) { (void)kind; (void)regs; kp_no_exit_hooks(); }
+/* Before a return, from kp_kretprobe_ret_entry: regs->sp is the stack pointer after
+ * the return, regs->ip the return address, as the kernel's trampoline reports them. */
+void kp_kretprobe_return(struct pt_regs *regs)
+{
+	kp_exit_at(regs->sp - 8, regs);
+}
+
+/* The same from the clean hook (no handler of the function's kretprobes reads regs):
+ * 1 when an instance at S needs struct pt_regs after all (a tail-calling caller's
+ * kretprobe), for the full hook to take over. */
+int kp_kretprobe_return_clean(unsigned long S)
+{
+	if (*(unsigned long *)S == TRAMP)
+		return 0;
+	int need = 0;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	if (!t || !t->active) {
+		if (t)
+			t->active = 1;
+		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, 1);
+		if (fire == KP_NEED_REGS)
+			need = 1;
+		else
+			kp_fire(fire, 0, 1);
+		if (t)
+			t->active = 0;
+	}
+	kp_platform_dispatch_end();
+	return need;
+}
+
+/* A tail call to a function whose returns are hooked: nothing to do in a kernel (an
+ * entry never reclaims here); that function's exit hook fires this frame's instances
+ * through the same slot, newest first. */
+void kp_kretprobe_tail_pending(struct pt_regs *regs)
+{
+	(void)regs;
+}
+
+/* A tail call to a function whose returns are not hooked: the slot is swapped for the
+ * trampoline (the kernel's way, for this path only) when the task has instances there;
+ * each holds the real return address already. */
+void kp_kretprobe_tail_swap(struct pt_regs *regs)
+{
+	unsigned long S = regs->sp - 8, task = kp_task();
+	if (*(unsigned long *)S == TRAMP)
+		return;
+	kp_platform_dispatch_begin();
+	struct kp_thread *t = kp_current_thread();
+	if (!t || !t->active) {
+		if (t)
+			t->active = 1;
+		struct kp_kret_bucket *b = kp_bucket(task);
+		unsigned long flags = kp_bucket_lock(b, !t);
+		if (kp_real_ret_locked(b, task, S))
+			*(unsigned long *)S = TRAMP;
+		kp_bucket_unlock(b, flags);
+		if (t)
+			t->active = 0;
+	}
+	kp_platform_dispatch_end();
+}
+
+/* Breakpoint return hooks are not placed in a kernel (Rules.kretprobe_int3_exits is
+ * off: such a function keeps the trampoline). */
+void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
+{
+	(void)kind;
+	(void)regs;
+	_printk(KP_KERN_ERR "kprewrite: a kretprobe breakpoint exit hook in a kernel\n");
+	BUG();
+}
