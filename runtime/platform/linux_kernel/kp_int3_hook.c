@@ -29,33 +29,31 @@
  */
 #include "kp_internal.h"
 
-/* The C half is kp_arch_int3_regs(regs, 1) (an int3 follows each single-stepped copy):
- * 1 if the int3 was ours (regs updated).  It needs no dispatch_begin()/end() of its own:
- * exc_int3() has raised the preempt count (irqentry_nmi_enter()), so the CPU, the
- * thread key of the hit, cannot change under it. */
-
 /*
- * Called from kprobe_int3_handler()'s first instruction (its ftrace site):
- * the stack holds do_int3()'s return address, then ours.  Only %rdi (the
- * regs argument) is live there; callee-saved registers are the C code's to
- * keep.  Ours: drop our return address and return 1 to do_int3() as
- * kprobe_int3_handler() would.  User-mode traps are never ours.
+ * The C half is kp_arch_int3_bp(regs) (runtime/arch/x86_64/kp_int3.c: kp_arch_int3_regs(regs, 1),
+ * its common cases first; an int3 follows each single-stepped copy).  It needs no
+ * dispatch_begin()/end() of its own: exc_int3() has raised the preempt count
+ * (irqentry_nmi_enter()), so the CPU, the thread key of the hit, cannot change under it.
+ *
+ * Called from kprobe_int3_handler()'s first instruction (its ftrace site, the function's
+ * first byte: int3_hook()): the stack holds do_int3()'s return address, then ours.  The
+ * entry drops ours and jumps to the C half, which so returns straight to do_int3(): 1
+ * for an int3 of ours, as kprobe_int3_handler() would; any other (a user-mode one too,
+ * which kprobe_int3_handler() refuses itself) it tail-calls into the rest of
+ * kprobe_int3_handler(), past the ftrace site (kp_kernel_int3_next), with regs still the
+ * argument and do_int3()'s return address on top, as if the site had been a nop.  No
+ * register is saved here: at a function's entry only %rdi is live.
  */
 __asm__(".pushsection .text\n"
 	".globl kp_kernel_int3_entry\n"
 	".type kp_kernel_int3_entry, @function\n"
 	"kp_kernel_int3_entry:\n"
-	"	testb $3, 0x88(%rdi)\n"		/* regs->cs & 3: from user mode */
-	"	jnz 1f\n"
-	"	push %rdi\n"
-	"	mov $1, %esi\n"		/* ss_trap: an int3 after the copy */
-	"	call kp_arch_int3_regs\n"
-	"	pop %rdi\n"
-	"	test %eax, %eax\n"
-	"	jnz 2f\n"
-	"1:	jmp __x86_return_thunk\n"	/* on into kprobe_int3_handler() */
-	"2:	add $8, %rsp\n"
-	"	mov $1, %eax\n"
-	"	jmp __x86_return_thunk\n"	/* to do_int3(): handled */
+	"	add $8, %rsp\n"			/* our return address: kprobe_int3_handler+5 */
+	"	jmp kp_arch_int3_bp\n"
 	".size kp_kernel_int3_entry, .-kp_kernel_int3_entry\n"
+	".globl kp_kernel_int3_next\n"
+	".type kp_kernel_int3_next, @function\n"
+	"kp_kernel_int3_next:\n"
+	"	jmp kprobe_int3_handler + 5\n"	/* past the 5-byte ftrace site */
+	".size kp_kernel_int3_next, .-kp_kernel_int3_next\n"
 	".popsection\n");
