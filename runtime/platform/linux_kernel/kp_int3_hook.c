@@ -1,17 +1,16 @@
 /*
  * Breakpoint (INT3) probes in a kernel: our way into the kernel's #BP path.
  *
- * exc_int3() gives text_poke_bp()'s int3s to poke_int3_handler() first; from
- * kernel mode it then calls do_int3(), whose first question is
- * kprobe_int3_handler(regs): "is this int3 a kprobe's?"  The rewriter puts a
- * `call kp_kernel_int3_entry` on kprobe_int3_handler()'s ftrace site (its
- * __mcount_loc entry dropped, as for an ftrace-site probe;
- * rewriter/targets/linux_kernel/__init__.py, INT3_HOOK).  So every kernel-mode
- * int3 asks us first: one of our sites (or the int3 after one of our
- * single-stepped copies) is handled here and kprobe_int3_handler() returns 1
- * ("handled") without running; any other (the kernel's own kprobes, kgdb,
- * a BUG-free stray int3) goes on into kprobe_int3_handler() and notify_die()
- * untouched.
+ * exc_int3() gives text_poke_bp()'s int3s to poke_int3_handler() first; it
+ * then calls do_int3(), whose first question is kprobe_int3_handler(regs):
+ * "is this int3 a kprobe's?"  The rewriter puts a `call kp_kernel_int3_entry`
+ * on kprobe_int3_handler()'s ftrace site (its __mcount_loc entry dropped, as
+ * for an ftrace-site probe; rewriter/targets/linux_kernel/__init__.py,
+ * INT3_HOOK).  So every int3 asks us first: one of our sites (or the int3
+ * after one of our single-stepped copies) is handled here, in
+ * kprobe_int3_handler()'s place, and do_int3() gets 1 ("handled"); any other
+ * (from user mode, the kernel's own kprobes, kgdb, a BUG-free stray int3)
+ * goes on into the rest of kprobe_int3_handler() and notify_die() untouched.
  *
  * kprobe_int3_handler() is NOKPROBE_SYMBOL: a kprobe on it would trap inside
  * the trap handler and recurse.  This hook is a plain call, not a probe: it
