@@ -340,7 +340,8 @@ def test_list_shows_the_modes(probed):
 
 
 def test_the_int3_hook_is_a_call_on_kprobe_int3_handlers_ftrace_site(probed, debian_kernel):
-    """kprobe_int3_handler()'s ftrace site calls our hook, and `diff` names it (nothing unattributed)."""
+    """kprobe_int3_handler()'s ftrace site calls our hook, do_int3()'s calls of it call the hook's
+    C half, and `diff` names them (nothing unattributed)."""
     out = probed["dir"] / "vmlinux.kp"       # diff reads a vmlinux (a bzImage's is re-laid when written)
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", probed["spec"], "-o", out)
     code = Image(str(out)).read(probed["hook"], 5)
@@ -349,6 +350,9 @@ def test_the_int3_hook_is_a_call_on_kprobe_int3_handlers_ftrace_site(probed, deb
     assert doc["unattributed"] == [], doc["unattributed"]
     assert any("the int3 hook" in c["detail"] and c["address"] == hex(probed["hook"]) for c in doc["changes"]), \
         [c for c in doc["changes"] if c["what"] == "target"]
+    # do_int3()'s own calls (and its copies inlined into exc_int3()) call the hook's C half directly.
+    direct = [c["detail"] for c in doc["changes"] if "call kp_arch_int3_bp, not kprobe_int3_handler" in c["detail"]]
+    assert any(d.startswith("do_int3+") for d in direct), direct
 
 
 def test_debugfs_views(booted, probed):

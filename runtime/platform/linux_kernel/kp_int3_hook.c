@@ -6,11 +6,15 @@
  * "is this int3 a kprobe's?"  The rewriter puts a `call kp_kernel_int3_entry`
  * on kprobe_int3_handler()'s ftrace site (its __mcount_loc entry dropped, as
  * for an ftrace-site probe; rewriter/targets/linux_kernel/__init__.py,
- * INT3_HOOK).  So every int3 asks us first: one of our sites (or the int3
- * after one of our single-stepped copies) is handled here, in
- * kprobe_int3_handler()'s place, and do_int3() gets 1 ("handled"); any other
- * (from user mode, the kernel's own kprobes, kgdb, a BUG-free stray int3)
- * goes on into the rest of kprobe_int3_handler() and notify_die() untouched.
+ * INT3_HOOK), and do_int3()'s own calls of kprobe_int3_handler() (do_int3()
+ * and its copies inlined into exc_int3(); INT3_CALLERS) call the C half,
+ * kp_arch_int3_bp(), directly: no call from the ftrace site and jump back at
+ * each trap; the ftrace site stays hooked for any caller not found.  So every
+ * int3 asks us first: one of our sites (or the int3 after one of our
+ * single-stepped copies) is handled here, in kprobe_int3_handler()'s place,
+ * and do_int3() gets 1 ("handled"); any other (from user mode, the kernel's
+ * own kprobes, kgdb, a BUG-free stray int3) goes on into the rest of
+ * kprobe_int3_handler() (past its ftrace site) and notify_die() untouched.
  *
  * kprobe_int3_handler() is NOKPROBE_SYMBOL: a kprobe on it would trap inside
  * the trap handler and recurse.  This hook is a plain call, not a probe: it
@@ -34,13 +38,14 @@
  * dispatch_begin()/end() of its own: exc_int3() has raised the preempt count
  * (irqentry_nmi_enter()), so the CPU, the thread key of the hit, cannot change under it.
  *
- * Called from kprobe_int3_handler()'s first instruction (its ftrace site, the function's
- * first byte: int3_hook()): the stack holds do_int3()'s return address, then ours.  The
- * entry drops ours and jumps to the C half, which so returns straight to do_int3(): 1
+ * kp_kernel_int3_entry is called from kprobe_int3_handler()'s first instruction (its ftrace
+ * site, the function's first byte: int3_hook()), by a caller other than do_int3()'s
+ * (rewritten to call the C half): the stack holds that caller's return address, then ours.  The
+ * entry drops ours and jumps to the C half, which so returns straight to the caller: 1
  * for an int3 of ours, as kprobe_int3_handler() would; any other (a user-mode one too,
  * which kprobe_int3_handler() refuses itself) it tail-calls into the rest of
  * kprobe_int3_handler(), past the ftrace site (kp_kernel_int3_next), with regs still the
- * argument and do_int3()'s return address on top, as if the site had been a nop.  No
+ * argument and the caller's return address on top, as if the site had been a nop.  No
  * register is saved here: at a function's entry only %rdi is live.
  */
 __asm__(".pushsection .text\n"
