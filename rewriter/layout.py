@@ -65,6 +65,7 @@ def place(c: emission.Code, target) -> Layout:
         with relocating(c, "return site", rs.addr):
             sizes[("ret", rs.addr)] = n = len(emission.ret_detour(c, rs, pos, emission.Far(pos)))
         pos += n
+    c.arch.kprobe_xol.number_descriptors(c.plan.sites)
     for site in c.plan.sites:
         if site.decision == INT3 and site.xol.mode != "emulate":
             with relocating(c, "probe", site.addr):

@@ -78,7 +78,7 @@ class Arch(Protocol):
     decode_function: Any      # (code, start) -> decoded function (boundaries, branches, indirect jumps, code refs)
     jumptable: Any            # resolve(image, analysis, func) -> each indirect jump's kind, targets (bounded or not)
     optprobe: Any             # adjust_kprobe_addr, can_probe_insn, can_optimize, stack_aligned_at, arith_flags_dead
-    kprobe_xol: Any           # prepare, emulates_refused, slot_code, table_c: breakpoint probes out of line
+    kprobe_xol: Any           # prepare, emulates_refused, number_descriptors, place_slot, slot_code, table_c: breakpoint probes out of line
     retprobe: Any             # find_exits, exit_region, return-hook emitters
     emit: Any                 # detours, templates, jump_patch, start-up stubs
     handler_abi: Any          # what a compiled handler reads and clobbers

@@ -340,7 +340,8 @@ def test_list_shows_the_modes(probed):
 
 
 def test_the_int3_hook_is_a_call_on_kprobe_int3_handlers_ftrace_site(probed, debian_kernel):
-    """kprobe_int3_handler()'s ftrace site calls our hook, and `diff` names it (nothing unattributed)."""
+    """kprobe_int3_handler()'s ftrace site calls our hook, do_int3()'s calls of it call the hook's
+    C half, and `diff` names them (nothing unattributed)."""
     out = probed["dir"] / "vmlinux.kp"       # diff reads a vmlinux (a bzImage's is re-laid when written)
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", probed["spec"], "-o", out)
     code = Image(str(out)).read(probed["hook"], 5)
@@ -349,6 +350,9 @@ def test_the_int3_hook_is_a_call_on_kprobe_int3_handlers_ftrace_site(probed, deb
     assert doc["unattributed"] == [], doc["unattributed"]
     assert any("the int3 hook" in c["detail"] and c["address"] == hex(probed["hook"]) for c in doc["changes"]), \
         [c for c in doc["changes"] if c["what"] == "target"]
+    # do_int3()'s own calls (and its copies inlined into exc_int3()) call the hook's C half directly.
+    direct = [c["detail"] for c in doc["changes"] if "call kp_arch_int3_bp, not kprobe_int3_handler" in c["detail"]]
+    assert any(d.startswith("do_int3+") for d in direct), direct
 
 
 def test_debugfs_views(booted, probed):
@@ -478,3 +482,48 @@ def test_every_instruction_hit_counts_match_the_kernels_own_kprobes(every, debia
     assert hit > 100 and max(ours.values()) >= 10, ours
     print(f"\nevery instruction: {len(probes)} int3 probes, {len(theirs)} compared with the kernel's own, "
           f"{hit} hit")
+
+
+# --- a hit of ours inside a handler of ours: missed (kprobes_inc_nmissed_count()) ------------------
+
+NEST_KILLS = 10
+NEST_HANDLERS = r"""
+#include <linux/kprobes.h>
+
+/* The outer probe's pre_handler calls ktime_get(), where two more int3 probes of ours sit. */
+int nest_outer(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p; (void)regs;
+	return ktime_get() == 0;	/* never: 0, run the instruction */
+}
+"""
+
+
+def test_a_hit_inside_a_handler_counts_as_missed(tmp_path, debian_kernel, make_initramfs, boot_kernel):
+    """An int3 probe's pre_handler (on __x64_sys_kill+5, boosted) calls ktime_get(), which has two
+    int3 probes of ours: each of their hits from inside it counts in nmissed and runs only its
+    instruction (the kernel's kprobe_int3_handler() with kprobe_running()); the kills go on."""
+    (tmp_path / "nest.c").write_text(NEST_HANDLERS)
+    spec = tmp_path / "nest.toml"
+    inner = (0xB, 0x13)       # push %r12, xor %r12d,%r12d: boosted
+    spec.write_text('optimize = false\nhandlers = ["nest.c"]\n'
+                    '[[kprobe]]\nsymbol_name = "__x64_sys_kill"\noffset = 5\npre_handler = "nest_outer"\n'
+                    + "".join(f'[[kprobe]]\nsymbol_name = "ktime_get"\noffset = {o:#x}\n' for o in inner))
+    lines = kprewrite("check", debian_kernel.vmlinux, "--spec", spec).stdout.splitlines()
+    assert all("  k  int3  " in l for l in lines), lines
+    out = tmp_path / "vmlinux.kp"
+    kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)
+    commands = (f"cat {DEBUGFS}/profile > /tmp/before\n"
+                f"for i in $(seq {NEST_KILLS}); do kill -0 1; done; echo \"kill-status=$?\"\n"
+                f"cat {DEBUGFS}/profile > /tmp/after\n"
+                'echo "== before"; cat /tmp/before; echo "== after"; cat /tmp/after; echo "== end"\n')
+    r = boot_kernel("int3-nested-vmlinux", out, make_initramfs(init_script(commands)), smp=2, timeout=180)
+    assert_boot_ok(r)
+    assert re.search(r"^kill-status=0$", r.console, re.M), r.explain("kill -0 1 should succeed")
+    sec = sections(r.console)
+    before, after = _profile_rows(sec["before"]), _profile_rows(sec["after"])
+    delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+    assert delta["p___x64_sys_kill_5"] == (NEST_KILLS, 0), delta
+    for o in inner:
+        hits, missed = delta[f"p_ktime_get_{o}"]
+        assert missed == NEST_KILLS, (o, delta)     # every call from the handler; none counted as a hit

@@ -70,6 +70,7 @@ class Xol:
     ss_end: int = 0        # single-step: address right after the copy
     slot_post: int = 0     # boost with post stub: where the jmp back is
     ss_int3: bool = False  # single-step: an int3 after the copy rather than TF
+    desc: int = 0          # index of the site's descriptor in kp_int3_sites[] (table_c's order)
 
     @property
     def next_ip(self) -> int:
@@ -184,6 +185,10 @@ def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int
         out += em.probe_stub(site_index, post_entry, at + len(out))
     pos = at + len(out)
     out += b"\xe9" + em._s32(x.next_ip - (pos + 5), "jmp back from the out-of-line slot")
+    if x.mode == SINGLESTEP and x.ss_int3:
+        # Data, never run (the jmp is before it): the descriptor's index, so the trap at
+        # the int3 finds its site without a search (kp_int3.c, kp_int3_ss_end()).
+        out += x.desc.to_bytes(4, "little")
     return bytes(out)
 
 
@@ -193,24 +198,66 @@ def place_slot(x: Xol, site_index: int, with_post: bool, at: int) -> int:
     copy = len(em.relocate(x.insn, at))
     x.slot, x.ss_end = at, at + copy if x.mode == SINGLESTEP else 0
     size = len(slot_code(x, site_index, with_post, at, at + 0x1000000))
-    x.slot_post = at + size - 5
+    x.slot_post = at + size - 5 - (SS_INDEX_SIZE if x.mode == SINGLESTEP and x.ss_int3 else 0)
     return size
 
 
+SS_INDEX_SIZE = 4   # the descriptor index after an int3-ended slot's jmp back
+
+
+def number_descriptors(sites) -> None:
+    """x.desc of every breakpoint site: its index in kp_int3_sites[] (table_c()'s order),
+    which an int3-ended single-step slot carries; before place_slot()."""
+    for i, s in enumerate(s for s in sites if s.xol is not None):
+        s.xol.desc = i
+
+
+GOLDEN_RATIO_64 = 0x61C8864680B583EB   # the kernel's hash_64() multiplier (include/linux/hash.h)
+HASH_EMPTY = 0xFFFFFFFF
+
+
+def int3_hash(addrs: list[int]) -> tuple[int, list[int]]:
+    """The descriptors by address, open-addressed (linear probing), at most half full:
+    (bits, slots), slot = hash_64(addr, bits), HASH_EMPTY where none; what get_kprobe()'s
+    kprobe_table[] is to the kernel.  runtime/arch/x86_64/kp_int3.c, kp_int3_lookup(),
+    computes the same hash."""
+    bits = 1
+    while (1 << bits) < 2 * len(addrs):
+        bits += 1
+    size = 1 << bits
+    slots = [HASH_EMPTY] * size
+    for i, a in enumerate(addrs):
+        h = ((a * GOLDEN_RATIO_64) & (2**64 - 1)) >> (64 - bits)
+        while slots[h] != HASH_EMPTY:
+            h = (h + 1) & (size - 1)
+        slots[h] = i
+    return bits, slots
+
+
 def table_c(sites) -> str:
-    """The per-site descriptors, sorted by address, and the single-step slot ends."""
-    rows, ss = [], []
+    """The per-site descriptors, sorted by address, and the single-step slot ends (and the
+    span of the int3-ended ones' ends, which kp_int3_ss_end() checks before reading a slot)."""
+    rows, ss, ends = [], [], []
     for s in sites:
         x = s.xol
         if x is None:
             continue
         if x.mode == SINGLESTEP:
             ss.append(len(rows))
+            if x.ss_int3:
+                assert x.desc == len(rows), "an int3-ended slot carries the wrong descriptor index"
+                ends.append(x.ss_end)
         rows.append(f"  {{ {s.addr:#x}UL, {x.slot:#x}UL, {x.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
                     f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32}, "
-                    f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook} }},")
+                    f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook}, {int(s.with_post)}, "
+                    f"{int(x.mode != EMULATE and not s.kret_hook)} }},")
+    bits, slots = int3_hash([s.addr for s in sites if s.xol is not None])
     out = [f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}] = {{", *rows, "};",
            f"const unsigned int kp_nint3 = {len(rows)};",
+           f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
+           f"const unsigned int kp_int3_hash[{len(slots)}] = {{ {', '.join(map(str, slots))} }};",
            f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
-           f"const unsigned int kp_nint3_ss = {len(ss)};"]
+           f"const unsigned int kp_nint3_ss = {len(ss)};",
+           f"const unsigned long kp_int3_ss_first = {min(ends, default=-1) & (2**64 - 1):#x}UL, "
+           f"kp_int3_ss_last = {max(ends, default=0):#x}UL;"]
     return "\n".join(out) + "\n"

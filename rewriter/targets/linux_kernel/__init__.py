@@ -257,10 +257,33 @@ def int3_hook(image):
     return image._int3_hook
 
 
-def _int3_hook_patch(image, blob) -> tuple[int, bytes]:
+# do_int3()'s own calls of kprobe_int3_handler() (do_int3() and its copies inlined into
+# exc_int3()) call the hook's C half instead, which returns to them itself: the ftrace
+# site's call and the entry's jump saved at each trap.  The ftrace site stays hooked for
+# any other caller; the C half goes on past it for an int3 not ours (kp_int3_hook.c).
+INT3_CALLERS = ("do_int3", "exc_int3")
+INT3_DIRECT = "kp_arch_int3_bp"
+
+
+def int3_callers(image) -> list[int]:
+    """The `call kprobe_int3_handler` instructions in INT3_CALLERS (decoded, not scanned)."""
+    if not hasattr(image, "_int3_callers"):
+        from ...arch import get_arch
+        arch = get_arch(image.machine)
+        f = next((f for f in image.functions if f.name == INT3_HOOK[0]), None)
+        out = []
+        for g in (g for g in image.functions if g.name in INT3_CALLERS) if f is not None else ():
+            d = arch.decode_function(image.read(g.start, g.end - g.start), g.start)
+            out += [src for target, src in d.branches if target == f.start and image.read(src, 1) == b"\xe8"]
+        image._int3_callers = sorted(out)
+    return image._int3_callers
+
+
+def _int3_hook_patches(image, blob) -> list[tuple[int, bytes]]:
     m = int3_hook(image)
-    entry = blob.symbols[INT3_HOOK[1]]
-    return m.site, b"\xe8" + struct.pack("<i", entry - (m.site + 5))
+    entry, direct = blob.symbols[INT3_HOOK[1]], blob.symbols[INT3_DIRECT]
+    return [(m.site, b"\xe8" + struct.pack("<i", entry - (m.site + 5)))] + \
+        [(a, b"\xe8" + struct.pack("<i", direct - (a + 5))) for a in int3_callers(image)]
 
 
 # The shutdown hooks: kprobe_profile (event, hits, nmissed) in the kernel log before power-off,
@@ -434,6 +457,8 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     if hook is not None and any(p.get("int3") for p in meta["probes"]):
         out += [(image.offset_of(hook.site), 5, f"{INT3_HOOK[0]}'s ftrace site: call {INT3_HOOK[1]} (the int3 hook)"),
                 (hook.entry_offset, 8, f"__mcount_loc entry of the ftrace site {hook.site:#x} dropped (the int3 hook)")]
+        out += [(image.offset_of(a), 5, f"{_symbol_at(image, a)}: call {INT3_DIRECT}, not {INT3_HOOK[0]} "
+                 "(the int3 hook)") for a in int3_callers(image)]
     return out
 
 
@@ -501,7 +526,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     offset_of = _extend_first_load(image, out, gap.data_vaddr, data_end)
     hooked = []         # the int3 hook's ftrace site, when there are breakpoint sites
     if any(site.decision == INT3 for site in plan.sites):
-        patches = list(patches) + [_int3_hook_patch(image, blob)]
+        patches = list(patches) + _int3_hook_patches(image, blob)
         hooked = [int3_hook(image)]
     patches = list(patches) + return_site_patches(image, layout, rx, plan)
     for addr, code in patches:

@@ -39,14 +39,26 @@ struct kp_int3_site {
 	unsigned char scale;
 	unsigned char rip;		/* call/jmp through memory: target is the absolute address */
 	unsigned char kret;		/* a kretprobe return hook at this exit: KP_KRET_HOOK_* (0 none) */
+	unsigned char post;		/* a probe of the site has a post_handler */
+	unsigned char plain;		/* boosted or single-stepped, no kretprobe hook (kp_arch_int3_bp()) */
+	unsigned char pad[14];		/* 64 bytes: an index is a shift */
 };
 #define KP_XOL_EMULATE 1
 #define KP_XOL_BOOST 2
 #define KP_XOL_SINGLESTEP 3
 extern struct kp_int3_site kp_int3_sites[];
 extern const unsigned int kp_nint3;
+/* kp_int3_sites[] by address (link-time), open-addressed: kp_int3_hash_mask + 1 entries
+ * (at most half used), each an index or ~0 (none), at hash_64(addr, bits) or after it
+ * (its shift: 64 - bits). */
+extern const unsigned int kp_int3_hash_shift, kp_int3_hash_mask;
+extern const unsigned int kp_int3_hash[];
+#define KP_GOLDEN_RATIO_64 0x61C8864680B583EBUL
 extern const unsigned int kp_int3_ss[];	/* single-step entries, by ss_end */
 extern const unsigned int kp_nint3_ss;
+/* The first and last end of an int3-ended single-step copy (link-time; ~0 and 0: none):
+ * each such slot's jmp back is followed by its descriptor's index. */
+extern const unsigned long kp_int3_ss_first, kp_int3_ss_last;
 
 /* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was. */
 int kp_arch_int3_trap(void *ucontext);
@@ -54,6 +66,8 @@ int kp_arch_int3_trap(void *ucontext);
  * single-stepped copies end with an int3 rather than trap with TF set. */
 struct pt_regs;
 int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap);
+/* The same for a kernel's #BP (ss_trap 1), its common cases first. */
+int kp_arch_int3_bp(struct pt_regs *regs);
 
 #pragma GCC visibility pop
 #endif

@@ -21,6 +21,8 @@
 enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU_RET,
        KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN, KP_EMU_JMP_MEM, KP_EMU_CALL_MEM };
 
+_Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes, indexed by a shift");
+
 /* ucontext_t: uc_flags, uc_link, uc_stack (24 bytes), then mcontext_t's gregs[]. */
 #define KP_UC_GREGS 40
 enum { G_R8, G_R9, G_R10, G_R11, G_R12, G_R13, G_R14, G_R15, G_RDI, G_RSI, G_RBP,
@@ -54,24 +56,19 @@ static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)
 	g[G_RSP] = r->sp;
 }
 
-/* Binary search of the descriptors by link-time address; an address outside the
- * sites' span (the int3 after a single-stepped copy, in our slots) fails at once. */
+/* The descriptor of the int3 at link-time address `addr` (get_kprobe()): its hash
+ * table (kprobe_xol.int3_hash()), where a miss ends at the first empty entry. */
 static inline __attribute__((always_inline)) struct kp_int3_site *kp_int3_lookup(unsigned long addr)
 {
-	unsigned int lo = 0, hi = kp_nint3;
-	if (!hi || addr < kp_int3_sites[0].addr || addr > kp_int3_sites[hi - 1].addr)
-		return 0;
-	while (lo < hi) {
-		unsigned int mid = (lo + hi) / 2;
-		unsigned long a = kp_int3_sites[mid].addr;
-		if (a == addr)
-			return &kp_int3_sites[mid];
-		if (a < addr)
-			lo = mid + 1;
-		else
-			hi = mid;
+	unsigned int h = (addr * KP_GOLDEN_RATIO_64) >> kp_int3_hash_shift;
+	for (;;) {
+		unsigned int i = kp_int3_hash[h];
+		if (i >= kp_nint3)
+			return 0;
+		if (likely(kp_int3_sites[i].addr == addr))
+			return &kp_int3_sites[i];
+		h = (h + 1) & kp_int3_hash_mask;
 	}
-	return 0;
 }
 
 /* The single-step site whose copy ends at `end` (slots are in address order). */
@@ -227,6 +224,96 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 	}
 	return 0;
 }
+
+/*
+ * The trap at the int3 that ends a single-stepped copy (Rules.singlestep_int3): the
+ * kernel's kprobe_is_ss() without a per-CPU record.  The slot carries its descriptor's
+ * index after its jmp back (kprobe_xol.slot_code()), read only once the trap's address
+ * is within the span of such ends; the descriptor confirms it.
+ */
+static inline __attribute__((always_inline)) struct kp_int3_site *
+kp_int3_ss_end(unsigned long ip, unsigned long bias)
+{
+	unsigned long at = ip - 1 - bias;
+	if (at < kp_int3_ss_first || at > kp_int3_ss_last)
+		return 0;
+	unsigned int i = *(const unsigned int *)(ip + 5);
+	if (i >= kp_nint3 || kp_int3_sites[i].ss_end != at)
+		return 0;
+	return &kp_int3_sites[i];
+}
+
+#ifdef KP_PLATFORM_INT3_BP	/* a kernel: its tables are built at boot too */
+/*
+ * kp_arch_int3_regs(regs, 1) for a kernel's #BP, the common cases first, as
+ * kprobe_int3_handler() has them: a site whose instruction is boosted or
+ * single-stepped, with one probe, on a CPU whose block is in the table, and the
+ * trap at the end of a single-stepped copy.  Everything else (emulated branches,
+ * kretprobe exits, aggregated probes, a nested hit counted as missed, tables not
+ * yet built, probes disarmed) takes the general path.  Kept to the few values the
+ * pre_handler's call must preserve: its cost is the trap's, twice per hit.  Entered in
+ * kprobe_int3_handler()'s place (the platform's hook): 1 when the int3 was ours (regs
+ * updated), else what the platform's kp_platform_int3_not_ours() says (the kernel's own
+ * kprobe_int3_handler(), tail-called).
+ */
+/* kprobe_post_process() at a site with a post_handler: out of line, so the common
+ * path saves no registers for it. */
+static __attribute__((noinline)) int kp_int3_bp_post(const struct kp_int3_site *d, struct pt_regs *regs)
+{
+	kp_trap_post(kp_site(d->site), regs);
+	return 1;
+}
+
+/* A hit at one of our int3s (kprobe_int3_handler()'s get_kprobe() found it): out of
+ * line, so the single-step's end saves no registers for the pre_handler's call. */
+static __attribute__((noinline)) int kp_int3_bp_hit(struct kp_int3_site *d, struct pt_regs *regs)
+{
+	if (likely(d->plain && kp_tables_built && kp_fast)) {
+		struct kp_site *s = &kp_sites[d->site];
+		unsigned long key = kp_platform_thread_key_fast();
+		struct kp_thread *t = kp_thread_table[KP_HASH(key)];
+		if (likely(s->count == 1 && t->key == key && !t->active)) {
+			struct kprobe *p = kp_site_probes[s->first];
+			if (likely(!kprobe_disabled(p))) {	/* aggr_pre_handler() */
+				t->hits[p->index]++;
+				if (p->pre_handler) {
+					t->active = 1;
+					int stop = p->pre_handler(p, regs);
+					t->active = 0;
+					/* A path change only when it moved regs->ip (the
+					 * address after the int3), as kp_trap_pre(). */
+					if (unlikely(stop) && regs->ip != d->addr + kp_rt.bias + 1)
+						return 1;
+				}
+			}
+			/* setup_singlestep(): the copy (an int3 after it, or the jmp back) */
+			regs->ip = d->slot + kp_rt.bias;
+			return 1;
+		}
+	}
+	return kp_arch_int3_regs(regs, 1);
+}
+
+int kp_arch_int3_bp(struct pt_regs *regs)
+{
+	if (unlikely(regs->cs & 3))	/* from user mode: never ours */
+		return kp_platform_int3_not_ours(regs);
+	unsigned long bias = kp_rt.bias, ip = regs->ip;
+	/* First the single-step's end: a site's address fails its span check at once. */
+	struct kp_int3_site *d = kp_int3_ss_end(ip, bias);
+	if (d) {
+		/* resume_singlestep(), then kprobe_post_process(): the post_handlers */
+		regs->ip = d->addr + bias + d->size;
+		if (unlikely(d->post))
+			return kp_int3_bp_post(d, regs);
+		return 1;
+	}
+	d = kp_int3_lookup(ip - 1 - bias);
+	if (d)
+		return kp_int3_bp_hit(d, regs);
+	return kp_platform_int3_not_ours(regs);	/* the kernel's kprobes, kgdb, ... */
+}
+#endif
 
 /*
  * A SIGTRAP raised by the CPU (not sent by kill).  Ours if it follows one of

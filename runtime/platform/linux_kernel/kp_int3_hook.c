@@ -1,17 +1,20 @@
 /*
  * Breakpoint (INT3) probes in a kernel: our way into the kernel's #BP path.
  *
- * exc_int3() gives text_poke_bp()'s int3s to poke_int3_handler() first; from
- * kernel mode it then calls do_int3(), whose first question is
- * kprobe_int3_handler(regs): "is this int3 a kprobe's?"  The rewriter puts a
- * `call kp_kernel_int3_entry` on kprobe_int3_handler()'s ftrace site (its
- * __mcount_loc entry dropped, as for an ftrace-site probe;
- * rewriter/targets/linux_kernel/__init__.py, INT3_HOOK).  So every kernel-mode
+ * exc_int3() gives text_poke_bp()'s int3s to poke_int3_handler() first; it
+ * then calls do_int3(), whose first question is kprobe_int3_handler(regs):
+ * "is this int3 a kprobe's?"  The rewriter puts a `call kp_kernel_int3_entry`
+ * on kprobe_int3_handler()'s ftrace site (its __mcount_loc entry dropped, as
+ * for an ftrace-site probe; rewriter/targets/linux_kernel/__init__.py,
+ * INT3_HOOK), and do_int3()'s own calls of kprobe_int3_handler() (do_int3()
+ * and its copies inlined into exc_int3(); INT3_CALLERS) call the C half,
+ * kp_arch_int3_bp(), directly: no call from the ftrace site and jump back at
+ * each trap; the ftrace site stays hooked for any caller not found.  So every
  * int3 asks us first: one of our sites (or the int3 after one of our
- * single-stepped copies) is handled here and kprobe_int3_handler() returns 1
- * ("handled") without running; any other (the kernel's own kprobes, kgdb,
- * a BUG-free stray int3) goes on into kprobe_int3_handler() and notify_die()
- * untouched.
+ * single-stepped copies) is handled here, in kprobe_int3_handler()'s place,
+ * and do_int3() gets 1 ("handled"); any other (from user mode, the kernel's
+ * own kprobes, kgdb, a BUG-free stray int3) goes on into the rest of
+ * kprobe_int3_handler() (past its ftrace site) and notify_die() untouched.
  *
  * kprobe_int3_handler() is NOKPROBE_SYMBOL: a kprobe on it would trap inside
  * the trap handler and recurse.  This hook is a plain call, not a probe: it
@@ -29,33 +32,32 @@
  */
 #include "kp_internal.h"
 
-/* The C half is kp_arch_int3_regs(regs, 1) (an int3 follows each single-stepped copy):
- * 1 if the int3 was ours (regs updated).  It needs no dispatch_begin()/end() of its own:
- * exc_int3() has raised the preempt count (irqentry_nmi_enter()), so the CPU, the
- * thread key of the hit, cannot change under it. */
-
 /*
- * Called from kprobe_int3_handler()'s first instruction (its ftrace site):
- * the stack holds do_int3()'s return address, then ours.  Only %rdi (the
- * regs argument) is live there; callee-saved registers are the C code's to
- * keep.  Ours: drop our return address and return 1 to do_int3() as
- * kprobe_int3_handler() would.  User-mode traps are never ours.
+ * The C half is kp_arch_int3_bp(regs) (runtime/arch/x86_64/kp_int3.c: kp_arch_int3_regs(regs, 1),
+ * its common cases first; an int3 follows each single-stepped copy).  It needs no
+ * dispatch_begin()/end() of its own: exc_int3() has raised the preempt count
+ * (irqentry_nmi_enter()), so the CPU, the thread key of the hit, cannot change under it.
+ *
+ * kp_kernel_int3_entry is called from kprobe_int3_handler()'s first instruction (its ftrace
+ * site, the function's first byte: int3_hook()), by a caller other than do_int3()'s
+ * (rewritten to call the C half): the stack holds that caller's return address, then ours.  The
+ * entry drops ours and jumps to the C half, which so returns straight to the caller: 1
+ * for an int3 of ours, as kprobe_int3_handler() would; any other (a user-mode one too,
+ * which kprobe_int3_handler() refuses itself) it tail-calls into the rest of
+ * kprobe_int3_handler(), past the ftrace site (kp_kernel_int3_next), with regs still the
+ * argument and the caller's return address on top, as if the site had been a nop.  No
+ * register is saved here: at a function's entry only %rdi is live.
  */
 __asm__(".pushsection .text\n"
 	".globl kp_kernel_int3_entry\n"
 	".type kp_kernel_int3_entry, @function\n"
 	"kp_kernel_int3_entry:\n"
-	"	testb $3, 0x88(%rdi)\n"		/* regs->cs & 3: from user mode */
-	"	jnz 1f\n"
-	"	push %rdi\n"
-	"	mov $1, %esi\n"		/* ss_trap: an int3 after the copy */
-	"	call kp_arch_int3_regs\n"
-	"	pop %rdi\n"
-	"	test %eax, %eax\n"
-	"	jnz 2f\n"
-	"1:	jmp __x86_return_thunk\n"	/* on into kprobe_int3_handler() */
-	"2:	add $8, %rsp\n"
-	"	mov $1, %eax\n"
-	"	jmp __x86_return_thunk\n"	/* to do_int3(): handled */
+	"	add $8, %rsp\n"			/* our return address: kprobe_int3_handler+5 */
+	"	jmp kp_arch_int3_bp\n"
 	".size kp_kernel_int3_entry, .-kp_kernel_int3_entry\n"
+	".globl kp_kernel_int3_next\n"
+	".type kp_kernel_int3_next, @function\n"
+	"kp_kernel_int3_next:\n"
+	"	jmp kprobe_int3_handler + 5\n"	/* past the 5-byte ftrace site */
+	".size kp_kernel_int3_next, .-kp_kernel_int3_next\n"
 	".popsection\n");

@@ -38,6 +38,18 @@ extern unsigned long this_cpu_off;
 extern int __preempt_count;
 extern int cpu_number;
 
+/* --- breakpoint probes: the kernel's #BP (kp_int3_hook.c) --- */
+
+/* The arch's kp_arch_int3_bp() is the hook's C half: entered in place of
+ * kprobe_int3_handler(), it goes on into the rest of it when an int3 is not ours. */
+#define KP_PLATFORM_INT3_BP 1
+struct pt_regs;
+int kp_kernel_int3_next(struct pt_regs *regs);	/* kprobe_int3_handler() past its ftrace site */
+static inline int kp_platform_int3_not_ours(struct pt_regs *regs)
+{
+	return kp_kernel_int3_next(regs);
+}
+
 #define KP_KERN_INFO "\001" "6"	/* KERN_INFO */
 #define KP_KERN_ERR "\001" "3"	/* KERN_ERR */
 
