@@ -209,7 +209,7 @@ static int kill_override(struct kprobe *p, struct pt_regs *regs)
 
 def init_script(commands: str, marker: str = USERSPACE_MARKER) -> str:
     """An /init that mounts /proc, /sys, /dev, debugfs and tracefs, prints ``marker``, runs
-    ``commands`` (busybox sh), prints DONE_MARKER and powers off at once."""
+    ``commands`` (busybox sh), prints DONE_MARKER and powers off once the console has it."""
     return ("#!/bin/busybox sh\n"
             "mount -t proc proc /proc\n"
             "mount -t sysfs sysfs /sys\n"
@@ -219,6 +219,10 @@ def init_script(commands: str, marker: str = USERSPACE_MARKER) -> str:
             f"echo {marker}\n"
             f"{commands.rstrip()}\n"
             f"echo {DONE_MARKER}\n"
+            # The tty drains to the serial port after echo returns; without a pause, the
+            # kernel's own "reboot: Power down" (printk, written at once) can land inside
+            # the marker's line under -smp 2.
+            "sleep 0.3\n"
             "poweroff -f\n")
 
 
