@@ -162,6 +162,18 @@ class Analysis:
                 return j.addr, j.why
         return None
 
+    def unbounded_indirect_jumps(self, f: Function):
+        """Every indirect jump of f whose targets are not all known, as (address,
+        why); None when f's indirect jumps were not read at all (then not even
+        their addresses are all known)."""
+        d = self.decoded(f)
+        if d.indirect_jump is None:
+            return []
+        jumps = self.indirect.get(f.start)
+        if jumps is None:
+            return None
+        return [(j.addr, j.why) for j in jumps if j.kind == "unbounded"]
+
     def memo(self, kind: str, key, compute):
         """What an arch back end derives from a decoded function (its exits...),
         computed once per image."""

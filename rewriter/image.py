@@ -110,6 +110,7 @@ class Image:
                                       if s.type == PT_LOAD and s.flags & PF_X)
         self._load_symbols()
         self.fdes = ehframe.read_fdes(self.data, path)
+        self.cfa = ehframe.CfaRules(self.data)        # decoded when first asked
         self._load_functions()
 
     # -- validation ---------------------------------------------------------

@@ -346,7 +346,7 @@ def _share_regions(image, analysis, arch, sites: list[Site], rules) -> None:
             _split_segments(arch, h)
 
 
-_SHORT_REASONS = ("jump_into_region", "func_size", "probe_in_region")
+_SHORT_REASONS = ("jump_into_region", "func_size", "probe_in_region", "indirect_jump")
 
 
 def _short_jumps(image, analysis, arch, sites: list[Site], rules) -> None:
@@ -384,6 +384,10 @@ def _short_jumps(image, analysis, arch, sites: list[Site], rules) -> None:
         slot = arch.optprobe.short_jump_slot(image, analysis, s.addr,
                                              lambda lo, hi: busy(lo, hi) or (lo < end and s.addr < hi))
         if slot is None or rules.region_refusal(arch, analysis, func, slot, slot + arch.JUMP_SIZE) is not None:
+            continue
+        if s.reason.check == "indirect_jump" and func.start < slot + arch.JUMP_SIZE and slot < func.end:
+            # The 2-byte jump leaves a one-instruction region, which no jump lands inside;
+            # but padding inside func could follow a label its unbounded jump targets.
             continue
         s.dcr, s.decision, s.reason, s.slot = r, OPTIMIZED, None, slot
         take(s.addr, end)

@@ -402,7 +402,13 @@ def test_hoisted_table_base_and_checked_element(once, runner):
     for f in ("hoist", "elem", "narrow", "hoist_nr"):
         assert not any("indirect_jump" in l for l in by_func[f]), by_func[f]
         assert sum(" optimized" in l for l in by_func[f]) >= 0.75 * len(by_func[f]), by_func[f]
-    assert not any(" optimized" in l for l in by_func["hoist_bad"]), by_func["hoist_bad"]
+    # hoist_bad's jump stays unbounded, and the hand-written function has no CFI to tell
+    # its targets from a region's instructions: only one-instruction regions (its 5-
+    # and 7-byte instructions), which nothing can land inside, are jump-optimized.
+    sizes = dict(insns(prog, "hoist_bad"))
+    for l in by_func["hoist_bad"]:
+        off = int(l.split("  ")[0].split("+")[1], 16)
+        assert (" optimized" in l) == (sizes[off].size >= 5), l
     assert "indirect_jump" in by_func["hoist_bad"][0], by_func["hoist_bad"]
     assert "indirect_jump" in by_func["hoist_ret"][0], by_func["hoist_ret"]
     want = run(prog, runner=runner)
@@ -412,3 +418,81 @@ def test_hoisted_table_base_and_checked_element(once, runner):
     assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-2000:]
     assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
     assert profile(got.stderr) == profile(ref.stderr) and profile(got.stderr)
+
+
+UNBOUNDED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noipa)) long g(long x) { return x * 3 + 1; }
+
+/* Py_UNREACHABLE()-style switches: no bound check, the index is bounded by the caller,
+   so the tables cannot be read.  rich() starts with a 7-byte instruction; rich2()
+   saves registers first, so its prologue's CFA rules (%rsp+8..+32) differ from the
+   dispatch's, where every case label is (%rsp+32). */
+__attribute__((noipa)) long rich(int op, long a, long b) {
+    switch (op) {
+    case 0: return a < b;
+    case 1: return a <= b + 3;
+    case 2: return a == b;
+    case 3: return a != b * 2;
+    case 4: return a > b;
+    case 5: return a >= b - 5;
+    default: __builtin_unreachable();
+    }
+}
+
+__attribute__((noipa)) long rich2(int op, long a, long b) {
+    long r, s = a ^ b;
+    switch (op) {
+    case 0: r = g(a) < g(b); break;
+    case 1: r = g(a) <= b; break;
+    case 2: r = a == g(b); break;
+    case 3: r = g(a + b) != 7; break;
+    case 4: r = g(a) > g(b + 1); break;
+    case 5: r = a >= g(b - 1); break;
+    default: __builtin_unreachable();
+    }
+    return r + g(r) + s;
+}
+
+int main(int argc, char **argv) {
+    long t = 0;
+    int n = argc > 1 ? atoi(argv[1]) : 3000;
+    for (int i = 0; i < n; i++)
+        t += rich(i % 6, i, n - i) + rich2((i * 7) % 6, i, n - i);
+    printf("%ld\n", t);
+    return 0;
+}
+"""
+
+
+def _unbounded(tmp):
+    prog = cc(tmp, "unbounded", UNBOUNDED, "-O2", "-fpie", "-pie")
+    spec = write_spec(tmp, "".join(f"[[kprobe]]\nsymbol_name = \"{f}\"\noffset = {off}\n"
+                                   for f in ("rich", "rich2") for off, _ in insns(prog, f)))
+    check = kprewrite("check", prog, "--spec", spec).stdout.splitlines()
+    return prog, check, instrument(prog, spec, tmp / "opt"), instrument(prog, spec, tmp / "int3", "--no-optimize")
+
+
+def test_unbounded_jump_table_regions(once, runner):
+    """A jump table that cannot be bounded refuses only the regions it could land
+    inside (optprobe._unbounded_jump_may_land_inside()): a one-instruction region,
+    or one whose inner instructions have CFA rules the jump's cannot share.  With a
+    probe on every instruction, a region run over a case label would be jumped into
+    the middle of, and the program would crash or print something else."""
+    prog, check, opt, oracle = once(_unbounded)
+    by_func: dict[str, list[str]] = {}
+    for line in check:
+        by_func.setdefault(line.split("+")[0], []).append(line)
+    assert by_func["rich"][0].split("  ")[2] == "optimized", by_func["rich"]
+    assert by_func["rich2"][0].split("  ")[2] == "optimized", by_func["rich2"]
+    want = run(prog, runner=runner)
+    assert want.returncode == 0 and want.stdout.strip().lstrip("-").isdigit(), want.stdout
+    got = run(opt, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    ref = run(oracle, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr[-2000:]
+    assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
+    assert profile(got.stderr) == profile(ref.stderr) and profile(got.stderr)
+    # Past the prologue the case labels share the dispatch's CFA: some regions there
+    # must be refused, saying why.
+    assert any("may be a target" in l for l in by_func["rich2"]), by_func["rich2"]

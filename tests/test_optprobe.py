@@ -18,10 +18,11 @@ __asm__(
 "  ret\n"
 ".size jump_into,.-jump_into\n"
 /* An indirect jump to an address computed by arithmetic the jump-table reader
-   does not follow: unbounded, so the kernel's refusal of the function stays. */
+   does not follow: unbounded, and with no CFI to tell its targets from the
+   entry region's second instruction, the kernel's refusal stays. */
 ".globl jump_table\n.type jump_table,@function\njump_table:\n"
-"  lea 1f(%rip),%rax\n"
 "  xor %edx,%edx\n"
+"  lea 1f(%rip),%rax\n"
 "  add %rdx,%rax\n"
 "  jmp *%rax\n"
 "1: mov %edi,%eax\n"

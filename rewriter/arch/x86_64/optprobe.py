@@ -168,8 +168,6 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
     if decoded.undecodable is not None:
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
     ij = analysis.unbounded_indirect_jump(func)
-    if ij is not None:
-        return Refusal("indirect_jump", ij[0], f"{func.name} has an indirect jump whose targets are not bounded ({ij[1]})")
     if decoded.sets_df is not None:
         # The detour calls C code, which the ABI lets assume DF = 0, and does
         # not save DF (an int3 probe is safe: the trap entry clears DF and the
@@ -178,6 +176,11 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
     dcr = copy_region(image, func, addr, analysis, min_end, jump_size)
     if isinstance(dcr, Refusal):
         return dcr
+    if ij is not None:
+        inside = _unbounded_jump_may_land_inside(image, analysis, func, dcr)
+        if inside is not None:
+            return Refusal("indirect_jump", ij[0], f"{func.name} has an indirect jump whose targets are not bounded "
+                                                  f"({ij[1]}){inside}")
     end = dcr[-1].addr + len(dcr[-1].code)
     hits = analysis.targets_in(addr + 1, end)
     if hits:
@@ -185,6 +188,35 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
         src = _source_address(why, target)
         return Refusal("jump_into_region", src, f"{why} lands at {target:#x}, inside the region [{addr:#x}, {end:#x})")
     return dcr
+
+
+RSP_DWARF = 7
+
+
+def _unbounded_jump_may_land_inside(image, analysis, func, dcr) -> str | None:
+    """Beyond the kernel's insn_is_indirect_jump() refusal, which refuses the whole
+    function: an indirect jump whose targets cannot be bounded matters only if it
+    could land on an instruction inside the region (dcr[1:]; a one-instruction
+    region has none).  It cannot where the CFA rules differ: a jump leaves %rsp as
+    it is and the unwind tables give each instruction one CFA rule, so from a jump
+    whose CFA is %rsp+a only an instruction whose CFA is %rsp+a is reachable (a
+    prologue's pushes: the region's instructions are at %rsp+8, +16, ..., the
+    jump tables' dispatch deep in the frame).  None if it cannot land inside, else
+    why it may (appended to the refusal)."""
+    if len(dcr) == 1:
+        return None
+    jumps = analysis.unbounded_indirect_jumps(func)
+    if not jumps:
+        return ""
+    inner = [image.cfa.at(i.addr) for i in dcr[1:]]
+    for src, _ in jumps:
+        at_jump = image.cfa.at(src)
+        if at_jump is None or at_jump[0] != RSP_DWARF:
+            return f"; no %rsp-based CFA rule at {src:#x} to tell its targets from the region's instructions"
+        for i, rule in zip(dcr[1:], inner):
+            if rule is None or rule == at_jump or rule[0] != RSP_DWARF:
+                return f"; {i.addr:#x} in the region has the jump's CFA rule, so it may be a target"
+    return None
 
 
 _UNCOND_MNEMONICS = ("jmp", "ret", "ud2", "hlt", "notrack jmp", "bnd jmp", "repz ret", "bnd ret")
