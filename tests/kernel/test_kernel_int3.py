@@ -10,7 +10,11 @@ rewrite of Debian's vmlinuz and one boot (-smp 2, KASLR on) for the module:
 - an int3 probe hit on both CPUs at the same time (two shells pinned with taskset);
 - the kernel's own tracefs kprobes (an int3 one inside kill_pid_info, kprobes-optimization off,
   and an ftrace one on __x64_sys_kill) firing in the same window as ours, with the same counts;
-- exact hit counts (kprobe_profile at power-off) against the syscalls /init makes.
+- exact hit counts (kprobe_profile at power-off) against the syscalls /init makes;
+- a probe hit before the kernel's #BP handler exists: sched_clock_cpu() (notrace, an int3 site)
+  runs for the first printk()'s timestamp, through the early IDT (our hook on
+  early_idt_handler_common's call of do_early_exception()): the boot goes on, those hits run
+  no handler (counted as "hits before"), and the pre_handler fires once the tables exist.
 """
 from __future__ import annotations
 
@@ -178,12 +182,22 @@ static void jmp_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags
 		__atomic_fetch_add(&bad_jmp, 1, __ATOMIC_RELAXED);
 }
 
+/* sched_clock_cpu+0 (push %rbp, boosted): hit from start_kernel()'s first printk() on, through the
+ * early IDT before idt_setup_early_traps(); this runs only once the tables exist. */
+static unsigned long n_sclock;
+
+static int sclock_pre(struct kprobe *p, struct pt_regs *regs)
+{
+	__atomic_fetch_add(&n_sclock, 1, __ATOMIC_RELAXED);
+	return 0;
+}
+
 /* sync(2): the counters so far. */
 static int report(struct kprobe *p, struct pt_regs *regs)
 {
-	pr_info("kp-report: ss=%lu/%lu jcc=%lu/%lu rip=%lu/%lu pc=%lu/%lu call=%lu/%lu jmp=%lu/%lu cpu0=%lu cpu1=%lu both=%lu\n",
+	pr_info("kp-report: ss=%lu/%lu jcc=%lu/%lu rip=%lu/%lu pc=%lu/%lu call=%lu/%lu jmp=%lu/%lu cpu0=%lu cpu1=%lu both=%lu sclock=%lu\n",
 		n_ss, bad_ss, n_jcc, bad_jcc, n_rip, bad_rip, n_pc, bad_pc, n_call, bad_call, n_jmp, bad_jmp,
-		cpu_hits[0], cpu_hits[1], both);
+		cpu_hits[0], cpu_hits[1], both, __atomic_load_n(&n_sclock, __ATOMIC_RELAXED));
 	return 0;
 }
 """
@@ -240,7 +254,8 @@ def probed(tmp_path_factory, debian_kernel):
               ("__x64_sys_kill", 5, "kill_override", None, "boost"),
               ("__x64_sys_kill", call_off, "call_pre", "call_post", "emulate"),
               ("kill_something_info", jmp_off, None, "jmp_post", "emulate"),
-              ("__x64_sys_sync", 0, "report", None, None)]
+              ("__x64_sys_sync", 0, "report", None, None),
+              ("sched_clock_cpu", 0, "sclock_pre", None, "boost")]
     spec = d / "probes.toml"
     spec.write_text('optimize = false\nhandlers = ["int3_handlers.c"]\n' + "".join(
         f'[[kprobe]]\nsymbol_name = "{f}"\noffset = {o:#x}\n'
@@ -295,6 +310,21 @@ def test_a_pre_handler_changing_the_path(booted):
     r = booted
     assert re.search(r"^kill-status=0$", r.console, re.M), r.explain("kill -0 of no process should succeed")
     assert re.search(rf"^kill-ok={OVERRIDES}$", r.console, re.M), r.explain(f"{OVERRIDES} overridden kills")
+
+
+def test_a_probe_hit_before_the_kernels_int3_handler(booted):
+    """sched_clock_cpu+0, an int3, hit by start_kernel()'s first printk() before
+    idt_setup_early_traps(): the early IDT used to halt there (a hang before the console).
+    Now those hits run the instruction and no handler ("hits before" at setup_per_cpu_areas),
+    and the pre_handler fires on every later hit (the profile counts them)."""
+    r = booted
+    m = re.search(r"kprewrite: built the tables of \d+ probes at setup_per_cpu_areas .*; "
+                  r"(\d+) hits before ran no handler", r.console)
+    assert m and int(m.group(1)) > 0, r.explain("no early hits counted before the tables")
+    last = _reports(r)[-1]
+    assert last["sclock"][0] > 100, last        # the scheduler's clock, on every tick and switch
+    hits, missed = r.profile()["p_sched_clock_cpu_0"]
+    assert hits >= last["sclock"][0], (hits, last)
 
 
 def test_an_int3_probe_hit_on_both_cpus_at_once(booted):
@@ -353,6 +383,9 @@ def test_the_int3_hook_is_a_call_on_kprobe_int3_handlers_ftrace_site(probed, deb
     # do_int3()'s own calls (and its copies inlined into exc_int3()) call the hook's C half directly.
     direct = [c["detail"] for c in doc["changes"] if "call kp_arch_int3_bp, not kprobe_int3_handler" in c["detail"]]
     assert any(d.startswith("do_int3+") for d in direct), direct
+    # early_idt_handler_common's call of do_early_exception() calls our early #BP entry.
+    assert any(c["detail"].startswith("early_idt_handler_common+") and "call kp_kernel_early_exception" in c["detail"]
+               for c in doc["changes"]), [c for c in doc["changes"] if c["what"] == "target"]
 
 
 def test_debugfs_views(booted, probed):

@@ -279,11 +279,37 @@ def int3_callers(image) -> list[int]:
     return image._int3_callers
 
 
+# The early #BP: until setup_arch()'s idt_setup_early_traps(), an int3 goes through the early
+# IDT (head_64.S early_idt_handler_array -> early_idt_handler_common), whose
+# do_early_exception() halts on it: a breakpoint site the kernel runs that early (the first
+# printk()'s timestamp: sched_clock_cpu(), local_clock()) hung the boot.  Its `call
+# do_early_exception` calls kp_kernel_early_exception(regs, trapnr) instead, which runs the
+# probed instruction of an int3 of ours (no handlers: the tables do not exist yet, the hit
+# counts in kp_early_hits) and passes every other exception on (kp_int3_hook.c).
+EARLY_HOOK = ("early_idt_handler_common", "do_early_exception", "kp_kernel_early_exception")
+
+
+def early_int3_callers(image) -> list[int]:
+    """The `call do_early_exception` in early_idt_handler_common (decoded, not scanned)."""
+    if not hasattr(image, "_early_int3_callers"):
+        from ...arch import get_arch
+        arch = get_arch(image.machine)
+        g = next((f for f in image.functions if f.name == EARLY_HOOK[0]), None)
+        target = image.symbols.get(EARLY_HOOK[1])
+        out = []
+        if g is not None and target is not None:
+            d = arch.decode_function(image.read(g.start, g.end - g.start), g.start)
+            out = [src for t, src in d.branches if t == target[0] and image.read(src, 1) == b"\xe8"]
+        image._early_int3_callers = sorted(out)
+    return image._early_int3_callers
+
+
 def _int3_hook_patches(image, blob) -> list[tuple[int, bytes]]:
     m = int3_hook(image)
-    entry, direct = blob.symbols[INT3_HOOK[1]], blob.symbols[INT3_DIRECT]
+    entry, direct, early = blob.symbols[INT3_HOOK[1]], blob.symbols[INT3_DIRECT], blob.symbols[EARLY_HOOK[2]]
     return [(m.site, b"\xe8" + struct.pack("<i", entry - (m.site + 5)))] + \
-        [(a, b"\xe8" + struct.pack("<i", direct - (a + 5))) for a in int3_callers(image)]
+        [(a, b"\xe8" + struct.pack("<i", direct - (a + 5))) for a in int3_callers(image)] + \
+        [(a, b"\xe8" + struct.pack("<i", early - (a + 5))) for a in early_int3_callers(image)]
 
 
 # The shutdown hooks: kprobe_profile (event, hits, nmissed) in the kernel log before power-off,
@@ -459,6 +485,8 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
                 (hook.entry_offset, 8, f"__mcount_loc entry of the ftrace site {hook.site:#x} dropped (the int3 hook)")]
         out += [(image.offset_of(a), 5, f"{_symbol_at(image, a)}: call {INT3_DIRECT}, not {INT3_HOOK[0]} "
                  "(the int3 hook)") for a in int3_callers(image)]
+        out += [(image.offset_of(a), 5, f"{_symbol_at(image, a)}: call {EARLY_HOOK[2]}, not {EARLY_HOOK[1]} "
+                 "(the early int3 hook)") for a in early_int3_callers(image)]
     return out
 
 

@@ -68,6 +68,8 @@ struct pt_regs;
 int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap);
 /* The same for a kernel's #BP (ss_trap 1), its common cases first. */
 int kp_arch_int3_bp(struct pt_regs *regs);
+/* The same for an int3 through a kernel's early IDT (no handlers yet); 0: not ours. */
+int kp_arch_int3_early(struct pt_regs *regs);
 
 #pragma GCC visibility pop
 #endif

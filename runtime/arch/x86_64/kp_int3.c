@@ -313,6 +313,39 @@ int kp_arch_int3_bp(struct pt_regs *regs)
 		return kp_int3_bp_hit(d, regs);
 	return kp_platform_int3_not_ours(regs);	/* the kernel's kprobes, kgdb, ... */
 }
+
+/*
+ * An int3 taken through the kernel's early IDT, before idt_setup_early_traps()
+ * (the platform's early hook): 1 if it was ours (regs updated to run the probed
+ * instruction), 0 otherwise (the kernel's do_early_exception() gets it).  The
+ * tables are not built yet, so no handler runs: the hit counts in kp_early_hits
+ * (kp_site()), as any other before setup_per_cpu_areas(); no per-CPU data is
+ * touched.  The single-step's end (the int3 after the copy) resumes after the
+ * instruction.  One case stays the kernel's: an emulated call whose push would
+ * land inside the early frame's iret words (early_idt_handler_common leaves no
+ * gap above the frame, as idtentry's create_gap does for #BP).
+ */
+int kp_arch_int3_early(struct pt_regs *regs)
+{
+	if (regs->cs & 3)
+		return 0;
+	unsigned long bias = kp_rt.bias, ip = regs->ip;
+	struct kp_int3_site *d = kp_int3_ss_end(ip, bias);
+	if (d) {
+		regs->ip = d->addr + bias + d->size;
+		if (unlikely(d->post && kp_tables_built))
+			kp_int3_bp_post(d, regs);
+		return 1;
+	}
+	d = kp_int3_lookup(ip - 1 - bias);
+	if (!d)
+		return 0;
+	if (d->mode == KP_XOL_EMULATE &&
+	    (d->kind == KP_EMU_CALL || d->kind == KP_EMU_CALL_REG || d->kind == KP_EMU_CALL_MEM) &&
+	    regs->sp - 8 < (unsigned long)(regs + 1))
+		return 0;
+	return kp_arch_int3_regs(regs, 1);
+}
 #endif
 
 /*

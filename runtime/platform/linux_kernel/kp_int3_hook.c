@@ -61,3 +61,28 @@ __asm__(".pushsection .text\n"
 	"	jmp kprobe_int3_handler + 5\n"	/* past the 5-byte ftrace site */
 	".size kp_kernel_int3_next, .-kp_kernel_int3_next\n"
 	".popsection\n");
+
+/*
+ * The early #BP.  Until setup_arch()'s idt_setup_early_traps() installs
+ * exc_int3(), every exception goes through the early IDT: head_64.S's
+ * early_idt_handler_common builds a struct pt_regs and calls
+ * do_early_exception(regs, trapnr), which fixes up page faults and the like
+ * and halts on anything else, an int3 included.  The first printk()s of
+ * start_kernel() run sched_clock_cpu() and local_clock() for their timestamps, so
+ * a breakpoint site there hung the boot before the console came up.  The
+ * rewriter points that call here (rewriter/targets/linux_kernel/__init__.py,
+ * EARLY_HOOK): an int3 of ours (or the one ending a single-stepped copy) runs
+ * its instruction and returns into early_idt_handler_common, which restores the
+ * frame and irets; anything else goes to do_early_exception() as before.  This
+ * runs on the early page tables (our code and data lie inside the kernel image,
+ * which they map whole) and touches no per-CPU data.  Never called once the
+ * early handlers are gone with the rest of .init.text.
+ */
+void do_early_exception(struct pt_regs *regs, int trapnr);
+
+void kp_kernel_early_exception(struct pt_regs *regs, int trapnr)
+{
+	if (trapnr == 3 && kp_arch_int3_early(regs))	/* X86_TRAP_BP */
+		return;
+	do_early_exception(regs, trapnr);
+}
