@@ -406,34 +406,7 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
  * fires every instance of the slot.  On a CPU already running a handler (an interrupt
  * in one) nothing fires: that frame's entry was missed, and the CPU may hold a lock.
  */
-static void kp_exit_at(unsigned long S, struct pt_regs *regs)
-{
-	if (*(unsigned long *)S == TRAMP)
-		return;
-	kp_platform_dispatch_begin();
-	struct kp_thread *t = kp_current_thread();
-	if (!t || !t->active) {
-		if (t)
-			t->active = 1;
-		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, 0);
-		kp_fire(fire, regs, 1);
-		if (t)
-			t->active = 0;
-	}
-	kp_platform_dispatch_end();
-}
-
-/* Before a return, from kp_kretprobe_ret_entry: regs->sp is the stack pointer after
- * the return, regs->ip the return address, as the kernel's trampoline reports them. */
-void kp_kretprobe_return(struct pt_regs *regs)
-{
-	kp_exit_at(regs->sp - 8, regs);
-}
-
-/* The same from the clean hook (no handler of the function's kretprobes reads regs):
- * 1 when an instance at S needs struct pt_regs after all (a tail-calling caller's
- * kretprobe), for the full hook to take over. */
-int kp_kretprobe_return_clean(unsigned long S)
+static int kp_exit_at(unsigned long S, struct pt_regs *regs, int clean)
 {
 	if (*(unsigned long *)S == TRAMP)
 		return 0;
@@ -443,16 +416,31 @@ int kp_kretprobe_return_clean(unsigned long S)
 	if (!t || !t->active) {
 		if (t)
 			t->active = 1;
-		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, 1);
+		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, clean);
 		if (fire == KP_NEED_REGS)
 			need = 1;
 		else
-			kp_fire(fire, 0, 1);
+			kp_fire(fire, regs, 1);
 		if (t)
 			t->active = 0;
 	}
 	kp_platform_dispatch_end();
 	return need;
+}
+
+/* Before a return, from kp_kretprobe_ret_entry: regs->sp is the stack pointer after
+ * the return, regs->ip the return address, as the kernel's trampoline reports them. */
+void kp_kretprobe_return(struct pt_regs *regs)
+{
+	kp_exit_at(regs->sp - 8, regs, 0);
+}
+
+/* The same from the clean hook (no handler of the function's kretprobes reads regs):
+ * 1 when an instance at S needs struct pt_regs after all (a tail-calling caller's
+ * kretprobe), for the full hook to take over. */
+int kp_kretprobe_return_clean(unsigned long S)
+{
+	return kp_exit_at(S, 0, 1);
 }
 
 /* A tail call to a function whose returns are hooked: nothing to do in a kernel (an
