@@ -434,15 +434,19 @@ def check_ours(r, calls: int, kind: str, inside: int, notes: list[str]) -> None:
     at power-off); prints them, then every failed check of `notes`."""
     prof = ours_profile(r)
     for lab, off in ((OURS_ENTRY, 0), (OURS_INSIDE, inside)):
-        name = f"{kind}_{TWINS[lab]}_{off}"
-        hits = prof.get(name)
-        ok = hits is not None and hits[0] >= calls and hits[1] == 0
-        print(f"  ours {name}: (hits, missed) = {hits} at power-off; loops made {calls} calls"
-              + ("" if ok else "   <-- MISMATCH"))
-        if not ok:
-            notes.append(f"{name}: hits {hits}, expected >= {calls}, 0 missed")
+        check_hits(prof, f"{kind}_{TWINS[lab]}_{off}", calls, notes)
     for note in notes:
         print(f"  CHECK FAILED: {note}")
+
+
+def check_hits(prof: dict, name: str, calls: int, notes: list[str]) -> None:
+    """One of our probes counted every call the loops made, 0 missed; a note if not."""
+    hits = prof.get(name)
+    ok = hits is not None and hits[0] >= calls and hits[1] == 0
+    print(f"  ours {name}: (hits, missed) = {hits} at power-off; the loops made {calls} calls"
+          + ("" if ok else "   <-- MISMATCH"))
+    if not ok:
+        notes.append(f"{name}: hits {hits}, expected >= {calls}, 0 missed")
 
 # --- row k: a single-stepped breakpoint probe (--singlestep) -------------------------------------
 SINGLESTEP_DOC = """
@@ -585,15 +589,7 @@ def singlestep_main(args, k, work: Path) -> None:
         print(f"\n== QEMU mode: {mode}; unmodified kernel boot {t1 - t:.0f} s, rewritten kernel boot {t2 - t1:.0f} s; "
               f"loops of N = {n} calls after {warmup} warm-up calls, {reps} rounds per phase, -smp 1")
         print_table(rows)
-        prof = ours_profile(r)
-        name = f"p_{SS_FUNC}_{SS_OFF}"
-        hits = prof.get(name)
-        calls = reps * (n + warmup)
-        ok = hits is not None and hits[0] >= calls and hits[1] == 0
-        print(f"  ours {name}: (hits, missed) = {hits} at power-off; the loops made {calls} calls"
-              + ("" if ok else "   <-- MISMATCH"))
-        if not ok:
-            notes.append(f"{name}: hits {hits}, expected >= {calls}, 0 missed")
+        check_hits(ours_profile(r), f"p_{SS_FUNC}_{SS_OFF}", reps * (n + warmup), notes)
         for note in notes:
             print(f"  CHECK FAILED: {note}")
 
