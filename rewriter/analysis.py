@@ -151,16 +151,10 @@ class Analysis:
         """The first indirect jump of f whose targets are not all known jump targets
         (the kernel's insn_is_indirect_jump() refusal, narrowed to what the arch could
         not read), as (address, why); None if every one is read."""
-        d = self.decoded(f)
-        if d.indirect_jump is None:
-            return None
-        jumps = self.indirect.get(f.start)
+        jumps = self.unbounded_indirect_jumps(f)
         if jumps is None:
-            return d.indirect_jump, "it may have a jump table"
-        for j in jumps:
-            if j.kind == "unbounded":
-                return j.addr, j.why
-        return None
+            return self.decoded(f).indirect_jump, "it may have a jump table"
+        return jumps[0] if jumps else None
 
     def unbounded_indirect_jumps(self, f: Function):
         """Every indirect jump of f whose targets are not all known, as (address,

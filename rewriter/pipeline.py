@@ -100,8 +100,7 @@ def build(s: Session, workdir: Path, progress=None, deps: list | None = None) ->
     objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform,
                                            headers, deps)
     planner.choose_forms(s.plan, s.image, s.arch, code, {k for k, t in s.traces.items() if t.reads_regs},
-                         s.rules.fast_forms, s.rules.kretprobe_clean_entry, s.rules.light_hits, s.rules.red_zone,
-                         events=bool(s.traces))
+                         s.rules, events=bool(s.traces))
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
     lay = layout.place(c, s.target)

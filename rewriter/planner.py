@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from . import blacklist as bl
 from .events import trace_key
 from .resolve import EntryProbe, Probe, is_entry
+from .rules import Rules
 
 OPTIMIZED, FTRACE, INT3, REFUSED = "optimized", "ftrace", "int3", "refused"
 JUMPS = (OPTIMIZED, FTRACE)         # decisions that write a jump to a detour
@@ -566,8 +567,7 @@ class HandlerCode:
 NO_HANDLER = HandlerCode(False, set())
 
 
-def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, fast_forms: bool = True,
-                 kret_clean_entry: bool = False, light: bool = False, red_zone: bool = False,
+def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, rules: Rules,
                  events: bool = False) -> None:
     """How each site and each function's returns are emitted.
 
@@ -576,7 +576,7 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     no post_handler.  A kretprobe's entry (pre_handler_kretprobe() reads
     regs->sp) is clean only as the template, which passes the slot itself, when
     its entry_handler is clean; or, where the target's runtime has a clean kretprobe entry
-    (kret_clean_entry: it passes the slot), through that when no entry_handler reads regs.
+    (Rules.kretprobe_clean_entry: it passes the slot), through that when no entry_handler reads regs.
 
     Returns: a function with one kretprobe gets the hook inlined at each ret,
     clean when its handler never reads regs, with pt_regs otherwise; several
@@ -591,20 +591,20 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     for site in plan.sites:
         # Without fast forms, detours call the runtime's shared entries: optimized_callback()
         # with pt_regs, or the clean callback where no handler reads pt_regs.
-        _site_form(site, image, arch, code, traced, trace_key, fast_forms, kret_clean_entry)
+        _site_form(site, image, arch, code, traced, trace_key, rules.fast_forms, rules.kretprobe_clean_entry)
     # No handler anywhere in the image: no hit can find one running (nmissed stays 0)
     # and nothing can enable or disable a probe, so a template only counts the hit
     # (emit.light_detour).  One handler, even elsewhere, may call a probed function.
-    quiet = light and not events and not plan.kretprobes and not any(p.spec.pre_handler or p.spec.post_handler
+    quiet = rules.light_hits and not events and not plan.kretprobes and not any(p.spec.pre_handler or p.spec.post_handler
                                                                      for _, p in plan.kprobes)
     for site in plan.sites:
         site.light = quiet and site.template and not site.probes[0].spec.disabled
-        site.red_zone = site.light and red_zone and arch.optprobe.red_zone_free_at(image, site.probes[0].func,
+        site.red_zone = site.light and rules.red_zone and arch.optprobe.red_zone_free_at(image, site.probes[0].func,
                                                                                      site.addr)
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
-        if len(g.probes) != 1 or g.mode != OPTIMIZED or not fast_forms:
+        if len(g.probes) != 1 or g.mode != OPTIMIZED or not rules.fast_forms:
             continue
         p = g.probes[0]
         if trace_key(p) in traced:           # the generated trace handler (it calls the user's)
