@@ -35,7 +35,7 @@ class Expected:
     """A range of the original file the rewrite may change, and why."""
     offset: int
     size: int
-    what: str                         # kprobe, kretprobe, return_site, int3_exit, elf_header, program_header,
+    what: str                         # kprobe, kretprobe, return_site, int3_exit, branch, elf_header, program_header,
     #                                   section_names, target, added_section
     detail: str
     address: int | None = None
@@ -129,6 +129,14 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
         for e in out.values():
             if e.address == p["shared_with"] and e.what in ("kprobe", "kretprobe") and p["name"] not in e.probes:
                 e.probes.append(p["name"])
+    # Direct branches to a region's start that enter its detour themselves (their rel32).
+    heads = {}
+    for e in out.values():
+        if e.what in ("kprobe", "kretprobe", "return_site") and e.address is not None:
+            heads.setdefault(e.address, e.probes)
+    for src, size, target in meta.get("branches") or []:
+        for name in heads.get(target) or ["?"]:
+            add(src, src + size, "branch", f"direct branch to {target:#x}: enters its detour", name)
     return list(out.values())
 
 

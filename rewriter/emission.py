@@ -215,4 +215,6 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
     for rs in c.plan.ret_sites:
         put(rs.detour, ret_detour(c, rs, rs.detour, sym), layout.sizes[("ret", rs.addr)])
         patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, rs.detour)))
+    for r in c.plan.retargets:      # direct branches that enter the detour themselves
+        patches.append(em.retarget_patch(r.src, c.image.read(r.src, r.size), r.to.detour))
     return rx, patches

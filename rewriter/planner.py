@@ -152,6 +152,17 @@ class Group:
 
 
 @dataclass
+class Retarget:
+    """A direct branch (call, jmp, jcc rel32) to the start of a detoured region,
+    sent straight to its detour (Rules.retarget_branches): the jump at the region
+    would take it there anyway, one taken jump later."""
+    src: int
+    size: int                        # the branch instruction's length
+    target: int                      # the region it named
+    to: "Site | RetSite"             # whose detour it enters
+
+
+@dataclass
 class Plan:
     sites: list[Site] = field(default_factory=list)          # placed, in address order
     errors: list[str] = field(default_factory=list)
@@ -162,6 +173,7 @@ class Plan:
     ret_sites: list[RetSite] = field(default_factory=list)   # by address
     kprobes: list[tuple[Site, Probe]] = field(default_factory=list)          # kp_probes[], by slot
     kretprobes: list[tuple[Site, EntryProbe, Group]] = field(default_factory=list)   # kp_kretprobes[]
+    retargets: list[Retarget] = field(default_factory=list)   # by source address
 
     def hit_slot(self, p: Probe) -> int:
         """A probe's hit counter: kp_probes[] first, then each kretprobe's rp->kp."""
@@ -244,8 +256,73 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     for check, ps in kret_refused.skipped.items():
         out.skipped[check].extend(ps)
     _plan_returns(image, analysis, arch, out, rules)
+    if rules.retarget_branches:
+        _retarget_branches(image, analysis, arch, out, rules)
     _number(out)
     return out
+
+
+def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
+    """Beyond the kernel: a direct branch to the start of a detoured region (a
+    call of a probed function, a jump to a probed return) names the detour
+    itself, saving the taken jump at the region on every hit through it.  The
+    branch's bytes stay the same length and its return address the same, so the
+    callee cannot tell.  Only branches the decoding can vouch for are rewritten:
+    in a function decoded to its end, in code an FDE describes (no data mistaken
+    for code), and clear of every byte the plan patches or the target reserves
+    (a copied branch in a detour keeps naming the region)."""
+    entries: dict[int, object] = {}
+    for s in plan.sites:
+        if s.decision == OPTIMIZED and s.head is None:
+            entries[s.addr] = s
+    for rs in plan.ret_sites:
+        entries.setdefault(rs.addr, rs)
+    if not entries:
+        return
+    patched = sorted([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
+                      for s in plan.sites if s.head is None]
+                     + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot]
+                     + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
+    starts = [a for a, _ in patched]
+    reach, top = [], 0          # reach[i]: the furthest end of patched[:i + 1]
+    for _, e in patched:
+        top = max(top, e)
+        reach.append(top)
+
+    def busy(lo, hi):
+        i = bisect.bisect_left(starts, hi)
+        return bool(i) and reach[i - 1] > lo
+
+    fdes = sorted((f.start, f.end) for f in image.fdes)
+    fde_starts = [a for a, _ in fdes]
+
+    def described(lo, hi):
+        i = bisect.bisect_right(fde_starts, lo) - 1
+        return i >= 0 and hi <= fdes[i][1]
+
+    funcs = image.functions
+    func_starts = [f.start for f in funcs]
+
+    def decoded_whole(src):
+        i = bisect.bisect_right(func_starts, src) - 1
+        if i < 0 or src >= funcs[i].end:
+            return False
+        return analysis.decoded(funcs[i]).undecodable is None and analysis.is_boundary(funcs[i], src)
+
+    em = arch.emit
+    for target, to in sorted(entries.items()):
+        for src in sorted(set(analysis.branch_sources.get(target, ()))):
+            code = image.read(src, 6)
+            off = em.branch_rel32(code)
+            if off is None:
+                continue
+            size = off + 4
+            if busy(src, src + size) or rules.reserved.overlapping(src, src + size) is not None:
+                continue
+            if not described(src, src + size) or not decoded_whole(src):
+                continue
+            plan.retargets.append(Retarget(src, size, target, to))
+    plan.retargets.sort(key=lambda r: r.src)
 
 
 def _register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None:

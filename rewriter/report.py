@@ -172,6 +172,8 @@ def metadata(plan: Plan, label: str) -> bytes:
             probes[-1]["jump_slot"] = site.slot
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
+    if plan.retargets:      # direct branches sent to a detour (`diff` attributes their bytes)
+        doc["branches"] = [[r.src, r.size, r.target] for r in plan.retargets]
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -21,6 +21,7 @@ answer (targets/*), used by the planner.
   jump's copy in the detour (exit_region_refusal());
 - kretprobe_int3_exits: an exit no jump fits gets a breakpoint return hook; else (a
   kernel) the function keeps the trampoline, with the check that refused the exit;
+- retarget_branches: direct branches to a detoured region's start enter its detour;
 - singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
   kernel's own kprobes since 5.14) rather than running with the trap flag;
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
@@ -57,6 +58,9 @@ class Rules:
     # A site with no room for a 5-byte jump takes a short jump to one in dead
     # padding nearby (planner._short_jumps()).
     short_jumps: bool = False
+    # A direct branch to a detoured region's start names the detour instead
+    # (planner._retarget_branches()).
+    retarget_branches: bool = False
     singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     # In an image with no handler at all, a template only counts the hit (emit.light_detour).

@@ -41,7 +41,7 @@ def test_diff_executable(tmp_path):
     doc, r = _diff(prog, out)
     assert r.stderr == "" and doc["format"] == "kprewrite-diff-1" and doc["unattributed"] == doc["problems"] == []
     sym = symbols(prog)
-    by = {c["address"]: c for c in doc["changes"] if c["what"] != "elf_header"}
+    by = {c["address"]: c for c in doc["changes"] if c["what"] not in ("elf_header", "branch")}
     # leaf: one jump, whose detour serves the probe on its ret too (a shared detour).
     assert by[hex(sym["leaf"])]["changed"] == 5 and by[hex(sym["leaf"])]["probes"] == ["p_leaf_0", "p_leaf_4"]
     # work: the kretprobe's entry jump, and a jump or int3 on each exit.
@@ -51,6 +51,14 @@ def test_diff_executable(tmp_path):
     exits = [c for c in doc["changes"] if c["what"] in ("return_site", "int3_exit")]
     assert exits and all(lo <= int(c["address"], 16) < hi and c["probes"] == ["r_work_0"] for c in exits)
     assert set(by) == {hex(sym["leaf"]), hex(sym["work"])} | {c["address"] for c in exits}
+    # The direct calls of leaf (in work) and of work (in main) enter the detours themselves.
+    branches = {c["address"]: c for c in doc["changes"] if c["what"] == "branch"}
+    lo_main, hi_main = function(prog, "main")
+    assert sorted(c["probes"] for c in branches.values()) == [["p_leaf_0", "p_leaf_4"], ["r_work_0"]], branches
+    assert all((lo <= int(a, 16) < hi) == (c["probes"] == ["p_leaf_0", "p_leaf_4"])
+               and (lo_main <= int(a, 16) < hi_main) == (c["probes"] == ["r_work_0"]) for a, c in branches.items())
+    assert all(c["detail"] == f"direct branch to {hex(sym['leaf'] if c['probes'][0] == 'p_leaf_0' else sym['work'])}: "
+               "enters its detour" and 1 <= c["changed"] <= 4 for c in branches.values())
     header = {c["detail"].split(":")[0] for c in doc["changes"] if c["what"] == "elf_header"}
     assert {"e_entry", "e_phoff", "e_phnum", "e_shoff", "e_shnum"} <= header
     assert doc["moved"] == [{"segment": "PHDR", "from": "0x40", "to": doc["added_segments"][0]["address"]}]

@@ -80,7 +80,7 @@ class Arch(Protocol):
     optprobe: Any             # adjust_kprobe_addr, can_probe_insn, can_optimize, stack_aligned_at, arith_flags_dead
     kprobe_xol: Any           # prepare, emulates_refused, number_descriptors, place_slot, slot_code, table_c: breakpoint probes out of line
     retprobe: Any             # find_exits, exit_region, return-hook emitters
-    emit: Any                 # detours, templates, jump_patch, start-up stubs
+    emit: Any                 # detours, templates, jump_patch, branch_rel32/retarget_patch, start-up stubs
     handler_abi: Any          # what a compiled handler reads and clobbers
     fetch_regs: Any           # register names of FETCHARGS (%ax, $argN ...), see fetch.py
 

@@ -130,6 +130,25 @@ def short_jump_patch(addr: int, region_len: int, slot: int) -> bytes:
     return b"\xeb" + (rel & 0xFF).to_bytes(1, "little") + b"\xcc" * (region_len - 2)
 
 
+def branch_rel32(code: bytes) -> int | None:
+    """Where the rel32 of a direct jmp, call or jcc at the start of `code` lies (its
+    offset; the instruction ends 4 bytes later), or None for any other instruction.
+    Only the plain encodings (E9, E8, 0F 80-8F) a compiler emits; a prefixed one is
+    left alone."""
+    if code[:1] in (b"\xe8", b"\xe9"):
+        return 1
+    if len(code) >= 2 and code[0] == 0x0F and 0x80 <= code[1] <= 0x8F:
+        return 2
+    return None
+
+
+def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
+    """A direct branch at `addr` (its bytes `code`) sent to `target` instead: the
+    (address, bytes) of its new rel32."""
+    off = branch_rel32(code)
+    return addr + off, _s32(target - (addr + off + 4), "branch to detour")
+
+
 def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
     """New e_entry of an executable: call kp_user_start(sp, rdx) before the
     program's entry, pass its result on in %rdx (the ELF ABI's exit function)."""
