@@ -10,6 +10,7 @@ here decides or writes back into the plan.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .errors import KprewriteError
@@ -108,17 +109,27 @@ def detour_entries(site: Site) -> tuple[str, str]:
     return entries
 
 
+def copied(site: Site) -> list:
+    """The instructions a site's detour copies, each direct branch to a detoured
+    region's start sent to that detour (Site.branch_to; before layout, when the
+    detours have no address yet, to the region: the encoding is as long)."""
+    if not site.branch_to:
+        return site.copied
+    return [type(i)(i.addr, i.code, dataclasses.replace(i.info, rel_target=site.branch_to[i.addr].detour))
+            if i.addr in site.branch_to and site.branch_to[i.addr].detour else i for i in site.copied]
+
+
 def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
     """An optimized site's detour buffer at `at`: (code, resume, resume_post)."""
     em = c.arch.emit
     if not site.template:
         entries = detour_entries(site)
-        return em.detour(site.index, site.segment, site.with_post, at, sym[entries[0]], sym[entries[1]],
+        return em.detour(site.index, copied(site), site.with_post, at, sym[entries[0]], sym[entries[1]],
                          _site_copy(c, site, at, sym), back=site.back or None)
     p = site.probes[0]
     k = c.plan.hit_slot(p)
     if site.light:
-        code, resume = em.light_detour(site.index, site.segment, at, fast=sym["kp_fast"],
+        code, resume = em.light_detour(site.index, copied(site), at, fast=sym["kp_fast"],
                                        base=sym["kp_light_base"], key=c.thread_key, counter=em.light_counter(k),
                                        slow_entry=sym["kp_optprobe_clean_entry"], flags_live=site.flags_live,
                                        red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
@@ -139,12 +150,12 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
         if is_entry(p):
             callback = sym["kp_kretprobe_enter_clean_slow"]
             body = _kret_entry_body(c, p, probe, sym, site.aligned, regs=False)
-        code, resume = em.clean_detour(site.index, site.segment, at, callback=callback, flags_live=site.flags_live,
+        code, resume = em.clean_detour(site.index, copied(site), at, callback=callback, flags_live=site.flags_live,
                                        handler_clobbers=site.clobbers, body=body, **common)
     else:
         # full_detour realigns the stack itself before the body.
         body = _kret_entry_body(c, p, probe, sym, True, regs=True) if is_entry(p) else None
-        code, resume = em.full_detour(site.index, site.segment, at, callback=sym["kp_optimized_callback"],
+        code, resume = em.full_detour(site.index, copied(site), at, callback=sym["kp_optimized_callback"],
                                       resume_regs=sym["kp_optprobe_resume_regs"], body=body, **common)
     return code, resume, resume
 

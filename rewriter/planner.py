@@ -88,6 +88,12 @@ class Site:
     # A region under 5 bytes (_short_jumps()): a short jump at addr to the jump
     # to the detour, in the dead padding at `slot`.
     slot: int = 0
+    # The copy runs on past the region to an exit (_run_on()): instructions copied,
+    # not patched.
+    tail: list = field(default_factory=list)
+    # Direct branches among the copied instructions whose target is a detoured
+    # region's start: address -> the Site or RetSite whose detour they enter instead.
+    branch_to: dict = field(default_factory=dict)
     # Addresses (layout):
     detour: int = 0
     back: int = 0                    # where the copy of seg jumps: the next rider's detour (0: region end)
@@ -106,6 +112,11 @@ class Site:
     def segment(self) -> list:
         """The instructions this site's detour copies."""
         return self.seg if self.seg is not None else self.dcr
+
+    @property
+    def copied(self) -> list:
+        """What the detour runs: its segment, then the run-on copy after the region."""
+        return self.segment + self.tail if self.tail else self.segment
 
     @property
     def segment_end(self) -> int:
@@ -256,10 +267,43 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     for check, ps in kret_refused.skipped.items():
         out.skipped[check].extend(ps)
     _plan_returns(image, analysis, arch, out, rules)
+    if rules.run_on:
+        _run_on(image, arch, out)
     if rules.retarget_branches:
         _retarget_branches(image, analysis, arch, out, rules)
     _number(out)
     return out
+
+
+def _patched_ranges(arch, plan: Plan) -> list[tuple[int, int]]:
+    """Every byte range the plan writes in the image's code, sorted: regions,
+    breakpoints, short jumps' slots, return sites."""
+    return sorted([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
+                   for s in plan.sites if s.head is None]
+                  + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot]
+                  + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
+
+
+def _run_on(image, arch, plan: Plan) -> None:
+    """Beyond the kernel: a detour's copy runs on past its region to the
+    function's next exit where the instructions allow (the arch's run_on()), so a
+    hit whose path leaves soon (a leaf function's fast path) takes no jump back.
+    Not where the copy must do more than run the code: a region shared with
+    riders, a post_handler (it runs after the first instruction only), a
+    function with kretprobes (its exits are hooked), an ftrace site; and never
+    over another probe's bytes."""
+    patched = _patched_ranges(arch, plan)
+    starts = [a for a, _ in patched]
+    kret = {g.func.start for g in plan.groups}
+    for s in plan.sites:
+        if s.decision != OPTIMIZED or s.head is not None or s.riders or s.with_post or not s.probes:
+            continue
+        func = s.probes[0].func
+        if func is None or func.start in kret or s.ret_hooks:
+            continue
+        i = bisect.bisect_left(starts, s.region_end)
+        stop = starts[i] if i < len(starts) else func.end
+        s.tail = arch.optprobe.run_on(image, func, s.region_end, stop)
 
 
 def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
@@ -279,10 +323,7 @@ def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
         entries.setdefault(rs.addr, rs)
     if not entries:
         return
-    patched = sorted([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
-                      for s in plan.sites if s.head is None]
-                     + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot]
-                     + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
+    patched = _patched_ranges(arch, plan)
     starts = [a for a, _ in patched]
     reach, top = [], 0          # reach[i]: the furthest end of patched[:i + 1]
     for _, e in patched:
@@ -309,6 +350,14 @@ def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
             return False
         return analysis.decoded(funcs[i]).undecodable is None and analysis.is_boundary(funcs[i], src)
 
+    # The copies in the detours too (not an exit whose copy a return hook makes).
+    for s in plan.sites:
+        if s.decision not in JUMPS:
+            continue
+        for insn in s.copied:
+            if insn.info.emulate in ("call rel", "jmp rel", "jcc rel") and insn.addr not in s.ret_hooks \
+                    and insn.info.rel_target in entries:
+                s.branch_to[insn.addr] = entries[insn.info.rel_target]
     em = arch.emit
     for target, to in sorted(entries.items()):
         for src in sorted(set(analysis.branch_sources.get(target, ()))):
