@@ -118,7 +118,12 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             riders.append(p)
         else:
             add(a, end, "kprobe" if p["kind"] == "k" else "kretprobe", f"{label}: {how}", p["name"])
-        if p.get("jump_slot"):      # the short jump's target in the padding: the jump to the detour
+        if p.get("evicted"):        # the short jump's target in an evicted neighbour: both jumps
+            ea, eend, edetour = p["evicted"]
+            add(ea, eend, "kprobe" if p["kind"] == "k" else "kretprobe",
+                f"{label}: evicted neighbour [{ea:#x}, {eend:#x}): jump to its copy at {edetour:#x}, "
+                f"jump slot at {p['jump_slot']:#x}: jump to detour {p['detour']:#x}", p["name"])
+        elif p.get("jump_slot"):    # the short jump's target in the padding: the jump to the detour
             add(p["jump_slot"], p["jump_slot"] + 5, "kprobe" if p["kind"] == "k" else "kretprobe",
                 f"{label}: jump slot in padding: jump to detour {p['detour']:#x}", p["name"])
         for ra, rend, exit_ in p.get("return_sites") or []:

@@ -188,6 +188,23 @@ def _kret_entry_body(c: Code, p, rp: int, sym, aligned: bool, regs: bool):
         enter_c=sym["kp_kretprobe_enter"], aligned=aligned, inline=p.group.mode == OPTIMIZED, regs=regs)
 
 
+def evicted_detour(c: Code, ev, at: int) -> bytes:
+    """An evicted neighbour's detour at `at` (planner.EvictedRegion): its copy and the jump back."""
+    return c.arch.emit.evicted_detour(ev.dcr, at)
+
+
+def evicted_ips(c: Code, ev) -> list[tuple[int, int]]:
+    """Where the instructions inside an evicted region run (kp_region_ips[], as a
+    shared region's): each to its copy, the region's start aside (its own jump
+    still leads there)."""
+    out, pos = [], ev.detour
+    for i, insn in enumerate(ev.dcr):
+        if i:
+            out.append((insn.addr, pos))
+        pos += len(c.arch.emit.relocate(insn, pos))
+    return out
+
+
 def ret_detour(c: Code, rs, at: int, sym) -> bytes:
     """A return site's detour at `at`: the DCR up to the exit, the hook, the exit."""
     return c.arch.retprobe.ret_detour(rs.dcr, _hook(c, rs.group, rs.hook, sym, at), at)
@@ -218,7 +235,12 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             continue
         code, _, _ = site_detour(c, site, site.detour, sym)
         put(site.detour, code, layout.sizes[("site", site.index)])
-        if site.slot:               # a short jump to the jump in the padding
+        if site.evicted is not None:    # a short jump to the jump in an evicted neighbour
+            ev = site.evicted
+            put(ev.detour, evicted_detour(c, ev, ev.detour), layout.sizes[("evicted", ev.addr)])
+            patches.append((site.addr, em.short_jump_patch(site.addr, site.region_end - site.addr, site.slot)))
+            patches.append((ev.addr, em.evict_patch(ev.addr, ev.region_end - ev.addr, ev.detour, site.detour)))
+        elif site.slot:             # a short jump to the jump in the padding
             patches.append((site.addr, em.short_jump_patch(site.addr, site.region_end - site.addr, site.slot)))
             patches.append((site.slot, em.jump_patch(site.slot, c.arch.JUMP_SIZE, site.detour)))
         elif site.head is None:     # a rider's instruction lies under its head's jump

@@ -56,6 +56,15 @@ def place(c: emission.Code, target) -> Layout:
         site.detour = pos
         sizes[("site", site.index)] = len(code)
         pos += len(code)
+    for site in c.plan.sites:       # evicted neighbours (planner._evict_neighbour()): a copy, no probe
+        ev = site.evicted
+        if ev is None:
+            continue
+        pos = (pos + 15) & ~15
+        ev.detour = pos
+        with relocating(c, "evicted region", ev.addr):
+            sizes[("evicted", ev.addr)] = n = len(emission.evicted_detour(c, ev, pos))
+        pos += n
     for site in c.plan.sites:       # a shared region's segments jump one to the next
         for s, nxt in zip([site] + site.riders, site.riders):
             s.back = nxt.detour

@@ -94,6 +94,9 @@ class Site:
     # Direct branches among the copied instructions whose target is a detoured
     # region's start: address -> the Site or RetSite whose detour they enter instead.
     branch_to: dict = field(default_factory=dict)
+    # No dead padding in reach (_evict_neighbour()): the slot is the second 5 bytes
+    # of a neighbouring region moved to a detour of its own.
+    evicted: "EvictedRegion | None" = None
     # Addresses (layout):
     detour: int = 0
     back: int = 0                    # where the copy of seg jumps: the next rider's detour (0: region end)
@@ -126,6 +129,23 @@ class Site:
     @property
     def region_end(self) -> int:
         return self.dcr[-1].addr + len(self.dcr[-1].code) if self.dcr else self.addr + 1
+
+
+@dataclass
+class EvictedRegion:
+    """Beyond the kernel (E9Patch's neighbour eviction, T3): an optimized region
+    carrying no kprobe.  Its first 5 bytes jump to a detour that runs its
+    relocated copy and jumps back to its end (no handler, no hit count); its
+    next 5 bytes, dead now (the only way into the region is its start), hold
+    the jump of the short-jump probe that needed them (`for_site`)."""
+    addr: int
+    dcr: list
+    for_site: "Site"
+    detour: int = 0                  # layout
+
+    @property
+    def region_end(self) -> int:
+        return self.dcr[-1].addr + len(self.dcr[-1].code)
 
 
 @dataclass
@@ -277,10 +297,12 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
 
 def _patched_ranges(arch, plan: Plan) -> list[tuple[int, int]]:
     """Every byte range the plan writes in the image's code, sorted: regions,
-    breakpoints, short jumps' slots, return sites."""
+    breakpoints, short jumps' slots, evicted neighbours (the slot in them),
+    return sites."""
     return sorted([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
                    for s in plan.sites if s.head is None]
-                  + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot]
+                  + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and s.evicted is None]
+                  + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted is not None]
                   + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
 
 
@@ -508,17 +530,55 @@ def _short_jumps(image, analysis, arch, sites: list[Site], rules) -> None:
         end = r[-1].addr + len(r[-1].code)
         if busy(s.addr + 1, end) or rules.region_refusal(arch, analysis, func, s.addr, end) is not None:
             continue
-        slot = arch.optprobe.short_jump_slot(image, analysis, s.addr,
-                                             lambda lo, hi: busy(lo, hi) or (lo < end and s.addr < hi))
-        if slot is None or rules.region_refusal(arch, analysis, func, slot, slot + arch.JUMP_SIZE) is not None:
+        mine = lambda lo, hi: busy(lo, hi) or (lo < end and s.addr < hi)   # noqa: E731
+        slot = arch.optprobe.short_jump_slot(image, analysis, s.addr, mine)
+        if slot is not None and rules.region_refusal(arch, analysis, func, slot, slot + arch.JUMP_SIZE) is not None:
+            slot = None
+        evicted = None
+        if slot is None and rules.evict_neighbours:
+            evicted = _evict_neighbour(image, analysis, arch, s, mine, rules)
+            if evicted is None:
+                continue
+            slot = evicted.addr + arch.JUMP_SIZE
+        if slot is None:
             continue
         if s.reason.check == "indirect_jump" and func.start < slot + arch.JUMP_SIZE and slot < func.end:
             # The 2-byte jump leaves a one-instruction region, which no jump lands inside;
             # but padding inside func could follow a label its unbounded jump targets.
             continue
-        s.dcr, s.decision, s.reason, s.slot = r, OPTIMIZED, None, slot
+        s.dcr, s.decision, s.reason, s.slot, s.evicted = r, OPTIMIZED, None, slot, evicted
         take(s.addr, end)
-        take(slot, slot + arch.JUMP_SIZE)
+        if evicted is not None:
+            take(evicted.addr, evicted.region_end)
+        else:
+            take(slot, slot + arch.JUMP_SIZE)
+
+
+def _evict_neighbour(image, analysis, arch, s: Site, busy, rules) -> "EvictedRegion | None":
+    """Beyond the kernel, E9Patch's neighbour eviction (T3) where no dead padding
+    is in a short jump's reach: a neighbouring region N of at least two jumps'
+    bytes, within reach, that passes every check a probe's region at its start
+    passes (can_optimize(): relocatable instructions, a call only last, no known
+    jump target inside; inside one function; region_refusal(); clear of every
+    other site's and slot's bytes and of the blacklist), and holds no exit of its
+    function (a kretprobe's return hooks are planned later, and its copy would
+    run without one).  N's start jumps to a detour running N's copy; nothing
+    else enters N, so its next 5 bytes are dead and take the probe's jump.
+    Candidates nearest the probe first, then by address: deterministic."""
+    opt = arch.optprobe
+    for func, n0 in opt.evict_candidates(image, analysis, s.addr):
+        if busy(n0, n0 + 2 * arch.JUMP_SIZE):
+            continue
+        r = opt.can_evict(image, analysis, func, n0)
+        if not isinstance(r, list):
+            continue
+        end = r[-1].addr + len(r[-1].code)
+        if busy(n0, end) or rules.blacklist.overlapping(n0, end) is not None:
+            continue
+        if rules.region_refusal(arch, analysis, func, n0, end) is not None:
+            continue
+        return EvictedRegion(n0, r, s)
+    return None
 
 
 def _split_segments(arch, head: Site) -> None:
@@ -556,7 +616,8 @@ def _plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
     # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
     # A shared region counts as its segments (they tile it).
     taken = sorted([(s.addr, s.segment_end) for s in plan.sites]
-                   + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot])
+                   + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and not s.evicted]
+                   + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted])
     starts = [a for a, _ in taken]
     site_at = sorted((s.addr, s.segment_end, s) for s in plan.sites if s.dcr)
     site_starts = [a for a, _, _ in site_at]

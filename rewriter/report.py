@@ -152,6 +152,8 @@ def metadata(plan: Plan, label: str) -> bytes:
             d["jump_slot"] = site.slot
         if site.tail:                   # the copy runs on past the region (planner._run_on())
             d["run_on"] = [site.region_end, site.tail[-1].addr + len(site.tail[-1].code)]
+        if site.evicted is not None:    # the slot lies in a neighbour moved to a detour of its own
+            d["evicted"] = [site.evicted.addr, site.evicted.region_end, site.evicted.detour]
         if site.decision == INT3:
             d.update({"int3": site.xol.mode, "reason": str(site.reason)})
         probes.append(d)
@@ -172,6 +174,8 @@ def metadata(plan: Plan, label: str) -> bytes:
             probes[-1]["shared_with"] = site.head.addr
         if site.slot:
             probes[-1]["jump_slot"] = site.slot
+        if site.evicted is not None:
+            probes[-1]["evicted"] = [site.evicted.addr, site.evicted.region_end, site.evicted.detour]
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
     if plan.retargets:      # direct branches sent to a detour (`diff` attributes their bytes)

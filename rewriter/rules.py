@@ -21,6 +21,8 @@ answer (targets/*), used by the planner.
   jump's copy in the detour (exit_region_refusal());
 - kretprobe_int3_exits: an exit no jump fits gets a breakpoint return hook; else (a
   kernel) the function keeps the trampoline, with the check that refused the exit;
+- short_jumps / evict_neighbours: a site with no room for a 5-byte jump takes a short
+  jump to one in dead padding, or in a neighbouring region moved out of the way;
 - retarget_branches: direct branches to a detoured region's start enter its detour;
 - run_on: a detour's copy runs on past its region to the function's next exit;
 - singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
@@ -59,6 +61,9 @@ class Rules:
     # A site with no room for a 5-byte jump takes a short jump to one in dead
     # padding nearby (planner._short_jumps()).
     short_jumps: bool = False
+    # With no dead padding in reach, the short jump's slot is made in a neighbouring
+    # region moved to a detour of its own (planner._evict_neighbour(), E9Patch's T3).
+    evict_neighbours: bool = False
     # A direct branch to a detoured region's start names the detour instead
     # (planner._retarget_branches()).
     retarget_branches: bool = False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import events as ev_mod
 from . import fetch as fetch_mod
-from .emission import Code, pre_handler_symbol, region_ips
+from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
 from .events import trace_key
 from .link import c_string
 from .planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
@@ -45,7 +45,8 @@ def generate(c: Code, target, traces: dict) -> str:
     else:
         out += _structs_c(c, target, traces, A)
     # Shared detours (planner._share_regions()): where an address under a region's jump runs.
-    ips = sorted(pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, site))
+    ips = sorted([pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, site)]
+                 + [pair for site in plan.sites if site.evicted is not None for pair in evicted_ips(c, site.evicted)])
     out.append(f"const struct kp_region_ip kp_region_ips[{max(1, len(ips))}] = {{")
     out += [f"  {{ {a:#x}UL, {b:#x}UL }}," for a, b in ips]
     out.append("};")

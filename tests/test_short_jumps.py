@@ -13,8 +13,9 @@ the slot:
 
 Each wrong choice changes the output or crashes; hit counts must equal the
 same probes as breakpoints (--no-optimize), natively and under QEMU.  `far`
-has a jump target 3 bytes in and no dead padding within a short jump's reach,
-so it stays an int3 probe with the kernel's reason."""
+has a jump target 3 bytes in and no dead padding within a short jump's reach:
+the region from that target on is evicted (planner._evict_neighbour()), and
+the slot goes in its dead second half."""
 from __future__ import annotations
 
 import pytest
@@ -127,8 +128,11 @@ def test_short_jump_to_dead_padding(once, build, runner):
     for f, at in slots.items():
         assert at is None or not (s["falls"] <= at + 4 and at < s["falls_next"]), (f, at, s)
         assert at is None or not (s["landing"] + 4 <= at + 4 and at < s["tail"]), (f, at, s)
-    # far: nothing dead within reach, so the kernel's refusal stays.
-    assert "int3" in d["far"] and "jump_into_region" in d["far"], d["far"]
+    # far: nothing dead within reach, so its neighbour from the label on is evicted
+    # (tests/test_eviction.py): the jump there still leads to that region's copy.
+    assert d["far"].split("  ")[2] == "optimized", d["far"]
+    ev = next(p for p in meta(opt)["probes"] if p["symbol"] == "far").get("evicted")
+    assert ev is not None and ev[0] == s["far"] + 3 and slots["far"] == ev[0] + 5, (ev, slots["far"], s["far"])
     want = run(prog, 40, runner=runner)
     assert want.returncode == 0
     got = run(opt, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
@@ -136,4 +140,5 @@ def test_short_jump_to_dead_padding(once, build, runner):
     ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
     hits = profile(got.stderr)
-    assert hits == profile(ref.stderr) and hits["p_move_0"][0] == 40 and hits["p_pcopy_0"][0] == 40
+    assert hits == profile(ref.stderr) and hits["p_move_0"][0] == 40 and hits["p_pcopy_0"][0] == 40 \
+        and hits["p_far_0"][0] == 40

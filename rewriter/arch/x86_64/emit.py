@@ -115,6 +115,26 @@ def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
     return bytes(out), resume, resume_post
 
 
+def evicted_detour(dcr: list[DcrInsn], at: int) -> bytes:
+    """An evicted region's detour (planner.EvictedRegion): its copy, as any
+    detour's (relocate(): a call pushes the original return address, so
+    returns and unwinding see the program's own code), and the jump back to its
+    end.  No probe stub: it carries no kprobe."""
+    out = bytearray()
+    for insn in dcr:
+        out += relocate(insn, at + len(out))
+    back = dcr[-1].addr + len(dcr[-1].code)
+    out += b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back")
+    return bytes(out)
+
+
+def evict_patch(addr: int, region_len: int, detour: int, probe_detour: int) -> bytes:
+    """The evicted region's bytes: a jmp rel32 to its own detour, then the
+    short-jump probe's jmp rel32 to the probe's detour in the dead bytes after
+    it; the rest int3, as jump_patch()."""
+    return jump_patch(addr, 5, detour) + jump_patch(addr + 5, region_len - 5, probe_detour)
+
+
 def jump_patch(addr: int, region_len: int, target: int) -> bytes:
     """The optimized probe itself: jmp rel32 to the detour; the rest of the DCR
     becomes int3 so a stray jump into it traps loudly."""

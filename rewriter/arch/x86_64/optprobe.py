@@ -294,6 +294,52 @@ def short_jump_slot(image, analysis, addr: int, busy) -> int | None:
     return None
 
 
+def evict_candidates(image, analysis, addr: int):
+    """Where a neighbouring region to evict may start for a short jump at addr
+    (planner._evict_neighbour()): instruction boundaries n0 of decodable
+    functions whose n0 + 5, the slot, is in the jmp rel8's reach.  Nearest the
+    probe first, then lower addresses; yields (function, n0)."""
+    import bisect
+    base = addr + JMP8_INSN_SIZE - JMP32_INSN_SIZE
+    lo, hi = base - 128, base + 127
+    starts = [f.start for f in image.functions]
+    i = max(bisect.bisect_right(starts, lo) - 1, 0)
+    out = []
+    for g in image.functions[i:]:
+        if g.start > hi:
+            break
+        if g.end <= lo:
+            continue
+        d = analysis.decoded(g)
+        if d.undecodable is not None:
+            continue
+        for off in d.boundaries:
+            n0 = g.start + off
+            if lo <= n0 <= hi:
+                out.append((abs(n0 - addr), n0, g))
+    for _, n0, g in sorted(out, key=lambda t: (t[0], t[1])):
+        yield g, n0
+
+
+def can_evict(image, analysis, func, n0: int) -> list[DcrInsn] | Refusal:
+    """can_optimize() for a region at n0 long enough for two jumps (its own, and a
+    short-jump probe's in its dead second half), holding no exit of func: no ret,
+    no indirect jmp, no jump out of func (a kretprobe's return hook could not see
+    it run in the copy)."""
+    r = can_optimize(image, analysis, func, n0, min_end=n0 + 2 * JMP32_INSN_SIZE)
+    if not isinstance(r, list):
+        return r
+    end = r[-1].addr + len(r[-1].code)
+    if end - n0 > MAX_OPTIMIZED_LENGTH:
+        return Refusal("region_size", n0, f"region is {end - n0} bytes, more than {MAX_OPTIMIZED_LENGTH}")
+    for i in r:
+        e = i.info.emulate
+        if e in ("ret", "ret imm", "jmp mem", "jmp reg") or \
+                (e in ("jmp rel", "jcc rel") and not func.start <= i.info.rel_target < func.end):
+            return Refusal("evict_exit", i.addr, "the evicted region would hold an exit of its function")
+    return r
+
+
 def _source_address(why: str, target: int) -> int:
     # "jump from 0x401234" -> the jumping instruction is the offender.
     if why.startswith("jump from "):
