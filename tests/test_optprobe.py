@@ -9,18 +9,21 @@ from conftest import cc, check_lines, insns, instrument, kprewrite, probe_spec, 
 ASM = r"""
 __asm__(
 ".text\n"
-/* A loop jumps back to offset 2: inside the region of a probe at 0. */
+/* A loop jumps back to offset 1: inside the region of a probe at 0, even a
+   short jump's (planner._short_jumps(), _evict_neighbour()). */
 ".globl jump_into\n.type jump_into,@function\njump_into:\n"
-"  xor %eax,%eax\n"
-"1: add $1,%eax\n"
-"  cmp %edi,%eax\n"
-"  jl 1b\n"
+"  xchg %eax,%edi\n"
+"1: sub $1,%eax\n"
+"  cmp $3,%eax\n"
+"  jg 1b\n"
 "  ret\n"
 ".size jump_into,.-jump_into\n"
 /* An indirect jump to an address computed by arithmetic the jump-table reader
    does not follow: unbounded, and with no CFI to tell its targets from the
-   entry region's second instruction, the kernel's refusal stays. */
+   entry region's second instruction (a short jump's too: the nop comes first),
+   the kernel's refusal stays. */
 ".globl jump_table\n.type jump_table,@function\njump_table:\n"
+"  nop\n"
 "  xor %edx,%edx\n"
 "  lea 1f(%rip),%rax\n"
 "  add %rdx,%rax\n"
@@ -28,9 +31,8 @@ __asm__(
 "1: mov %edi,%eax\n"
 "  ret\n"
 ".size jump_table,.-jump_table\n"
-/* Three bytes: a 5-byte jump would cross the function's end. */
+/* One byte: a 5-byte jump, even a 2-byte one, would cross the function's end. */
 ".globl tiny\n.type tiny,@function\ntiny:\n"
-"  xor %eax,%eax\n"
 "  ret\n"
 ".size tiny,.-tiny\n"
 /* A RIP-relative load heads the region. */
@@ -71,7 +73,8 @@ PROGRAM = ASM + r"""
 #include <stdio.h>
 #include <stdlib.h>
 int counter;
-int jump_into(int), jump_table(int), tiny(void), rip_rel(int), short_br(int);
+int jump_into(int), jump_table(int), rip_rel(int), short_br(int);
+void tiny(void);
 long redzone(long, long);
 void *calls(void);
 __attribute__((noinline)) void *where_from(void) { return __builtin_return_address(0); }
@@ -79,7 +82,7 @@ int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 5;
     int t = 0;
     for (int i = 0; i < n; i++) t += rip_rel(i);
-    printf("jump_into=%d jump_table=%d tiny=%d\n", jump_into(7), jump_table(9), tiny());
+    printf("jump_into=%d jump_table=%d tiny=%d\n", jump_into(7), jump_table(9), (tiny(), 0));
     printf("rip_rel=%d counter=%d\n", t, counter);
     printf("short_br=%d,%d\n", short_br(0), short_br(1));
     printf("redzone=%ld\n", redzone(40, 2));
@@ -116,8 +119,8 @@ def _refused(tmp, prog, sym):
 
 
 @pytest.mark.parametrize("sym,check,where", [
-    ("jump_into", "jump_into_region", lambda a: a["jump_into"] + 7),      # the jl
-    ("jump_table", "indirect_jump", lambda a: a["jump_table"] + 12),      # the jmp *%rax
+    ("jump_into", "jump_into_region", lambda a: a["jump_into"] + 7),      # the jg
+    ("jump_table", "indirect_jump", lambda a: a["jump_table"] + 13),      # the jmp *%rax
     ("tiny", "func_size", lambda a: a["tiny"]),
 ])
 def test_safety_check_refuses(once, sym, check, where, runner):
