@@ -2,21 +2,34 @@
 (issue 15's table): how many entries are jump-optimized, and how much slower a
 real workload runs.
 
-    python3 benchmarks/real_libs.py [--runs N] [--compare TREE] [NAME ...]   (sqlite3 busybox crypto stdcxx)
+    python3 benchmarks/real_libs.py [--runs N] [--scale K] [--cpu N] [--warmup N] [--verbose]
+                                    [--compare TREE] [NAME ...]   (sqlite3 busybox crypto stdcxx)
 
 Each workload runs on the original and on the rewritten object (a library
-through LD_LIBRARY_PATH, busybox itself), 3 interleaved runs each, medians of
-wall time and of CPU time (user + sys); the outputs must be equal.  The probes
-carry no handler (they count hits).  --compare TREE (repeatable) also rewrites
-the object with the kprewrite of another source tree (another branch's
-checkout) and runs it in the same rounds.  The load average is printed before and after: the
+through LD_LIBRARY_PATH, busybox itself); the outputs must be equal.  The
+probes carry no handler (they count hits).  Every binary first runs --warmup
+times unmeasured (page cache, dynamic loader); then --runs rounds, each the
+original and every variant one after the other, the original first in even
+rounds and last in odd ones.  A run's CPU time is that child's own user + sys
+(os.wait4's rusage), its wall time from spawn to reap.
+
+The headline is paired: each round's variant time divided by the original's of
+the same round (adjacent runs share the machine's momentary state, so its drift
+cancels), reported as the median of those ratios with their interquartile
+range.  The medians of the times (and the best runs) are printed too, as
+before.  --scale K multiplies the workload's length (sqlite3's rows, busybox's
+lines, the C++ program's strings, the hashed file named K times) so that a run lasts
+long enough for the timer and start-up to vanish; --cpu N pins every measured
+run to CPU N (sched_setaffinity in the child), so that two cores in different
+states are not mixed.  --compare TREE (repeatable) also rewrites the object
+with the kprewrite of another source tree (another branch's checkout) and runs
+it in the same rounds.  The load average is printed before and after: the
 machine may be shared."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -33,7 +46,7 @@ LIBDIR = Path("/usr/lib/x86_64-linux-gnu")
 
 SQL = """
 CREATE TABLE t(a INTEGER PRIMARY KEY, b TEXT, c REAL);
-WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 200000)
+WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {rows})
 INSERT INTO t SELECT i, printf('row %d %x', i, i * 7919), i * 0.5 FROM n;
 CREATE INDEX tb ON t(b);
 SELECT count(*), sum(c), max(b) FROM t WHERE b LIKE 'row 1%';
@@ -49,10 +62,13 @@ CXX = r"""
 #include <map>
 #include <string>
 #include <vector>
+#ifndef N
+#define N 300000L
+#endif
 int main()
 {
     std::vector<std::string> v;
-    for (long i = 0; i < 300000; i++)
+    for (long i = 0; i < N; i++)
         v.push_back("item " + std::to_string(i * 7919 % 100003) + " " + std::to_string(i));
     std::sort(v.begin(), v.end());
     std::map<std::string, int> m;
@@ -71,50 +87,70 @@ def check(obj: Path, spec: Path) -> tuple[int, Counter]:
     return len(ps), Counter(p["decision"] for p in ps)
 
 
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+def timed(cmd, env, stdin: Path | None, out: Path, cpu: int | None) -> tuple[float, float, bytes]:
+    """(wall seconds, user + sys seconds, stdout) of one run.
 
-
-def timed(cmd, env=None, stdin=None) -> tuple[float, float, bytes]:
-    """(wall seconds, user + sys seconds, stdout) of one run."""
-    t, c = time.monotonic(), _cpu()
-    r = subprocess.run(cmd, input=stdin, capture_output=True, env={**os.environ, **(env or {})})
-    dt, dc = time.monotonic() - t, _cpu() - c
-    if r.returncode:
-        raise SystemExit(f"{cmd[0]}: exit {r.returncode}: {r.stderr[-500:]!r}")
-    return dt, dc, r.stdout
+    The CPU time is this child's own rusage from wait4(), not a difference of
+    RUSAGE_CHILDREN (which sums every reaped child).  stdin, stdout and stderr
+    are files, so no thread of ours feeds or drains pipes while it runs."""
+    pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    err = out.with_suffix(".err")
+    with open(stdin or os.devnull, "rb") as fi, open(out, "wb") as fo, open(err, "wb") as fe:
+        t = time.monotonic()
+        p = subprocess.Popen(cmd, stdin=fi, stdout=fo, stderr=fe, env={**os.environ, **(env or {})},
+                             preexec_fn=pin)
+        _, status, ru = os.wait4(p.pid, 0)
+        dt = time.monotonic() - t
+    p.returncode = os.waitstatus_to_exitcode(status)     # reaped here, not by Popen
+    if p.returncode:
+        raise SystemExit(f"{cmd[0]}: exit {p.returncode}: {err.read_bytes()[-500:]!r}")
+    return dt, ru.ru_utime + ru.ru_stime, out.read_bytes()
 
 
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = ()) -> None:
+def iqr(xs: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile)."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale: int = 1,
+            cpu: int | None = None, warmup: int = 1, verbose: bool = False) -> None:
     spec = tmp / "all.toml"
     spec.write_text('[[kprobe]]\nsymbol_name = "*"\n')
     work = tmp / name
     work.mkdir()
+    stdin = None
     if name == "sqlite3":
-        obj, cmd, stdin = LIBDIR / "libsqlite3.so.0", ["sqlite3", ":memory:"], SQL.encode()
+        stdin = work / "script.sql"
+        stdin.write_text(SQL.format(rows=200000 * scale))
+        obj, cmd, what = LIBDIR / "libsqlite3.so.0", ["sqlite3", ":memory:"], f"{200000 * scale} rows"
     elif name == "crypto":
         data = work / "data"
         data.write_bytes(os.urandom(1 << 20) * 48)
-        obj, cmd, stdin = LIBDIR / "libcrypto.so.3", ["openssl", "dgst", "-sha256", "-sha1", str(data)], None
+        # --scale hashes the same 48 MiB K times (named K times: K digests), not a K times larger file
+        obj, cmd = LIBDIR / "libcrypto.so.3", ["openssl", "dgst", "-sha256", "-sha1", *[str(data)] * scale]
+        what = f"{48 * scale} MiB"
     elif name == "stdcxx":
         src = work / "w.cc"
         src.write_text(CXX)
-        subprocess.run(["g++", "-O2", "-o", str(work / "w"), str(src)], check=True)
-        obj, cmd, stdin = LIBDIR / "libstdc++.so.6", [str(work / "w")], None
+        subprocess.run(["g++", "-O2", f"-DN={300000 * scale}L", "-o", str(work / "w"), str(src)], check=True)
+        obj, cmd, what = LIBDIR / "libstdc++.so.6", [str(work / "w")], f"{300000 * scale} strings"
     elif name == "busybox":
         lines = work / "lines"
-        lines.write_text("".join(f"{i * 7919 % 100003} line {i:x}\n" for i in range(300000)))
-        obj, cmd, stdin = Path("/bin/busybox"), ["/bin/busybox", "sort", "-n", str(lines)], None
+        lines.write_text("".join(f"{i * 7919 % 100003} line {i:x}\n" for i in range(300000 * scale)))
+        obj, cmd = Path("/bin/busybox"), ["/bin/busybox", "sort", "-n", str(lines)]
+        what = f"{300000 * scale} lines"
     else:
         raise SystemExit(f"unknown workload {name}")
     n, decisions = check(obj, spec)
     trees = {"this": ROOT, **{f"{i + 1}:{t.name}": t for i, t in enumerate(compare)}}
-    variants = {}                   # label -> (cmd, env, profile)
+    variants = {"orig": (cmd, {}, None)}    # label -> (cmd, env, profile)
     rewrite = 0.0
     for label, tree in trees.items():
         d = work / label.replace(":", "-")
@@ -132,48 +168,91 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = ()) -> No
         else:
             env_new["LD_LIBRARY_PATH"] = str(d)
         variants[label] = (cmd_new, env_new, d / "profile")
-    wall = {k: [] for k in ["orig", *variants]}
-    cpu = {k: [] for k in wall}
-    before = load()
-    for _ in range(runs):
-        ta, ca, oa = timed(cmd, None, stdin)
-        wall["orig"].append(ta)
-        cpu["orig"].append(ca)
-        for label, (cmd_new, env_new, profile) in variants.items():
+    labels = list(variants)
+    out_file = work / "stdout"
+
+    def run(label: str) -> tuple[float, float, bytes]:
+        c, e, profile = variants[label]
+        if profile:
             profile.unlink(missing_ok=True)      # the runtime appends: keep the last run's
-            tb, cb, ob = timed(cmd_new, env_new, stdin)
-            if oa != ob:
+        return timed(c, e, stdin, out_file, cpu)
+
+    before, started = load(), time.strftime("%H:%M:%S", time.gmtime())
+    expected = None
+    for _ in range(warmup):                      # page cache, dynamic loader; outputs checked too
+        for label in labels:
+            o = run(label)[2]
+            if expected is None:
+                expected = o
+            elif o != expected:
+                raise SystemExit(f"{name}: output differs ({label}, warm-up)")
+    wall = {k: [] for k in labels}
+    cpus = {k: [] for k in labels}
+    for i in range(runs):
+        order = labels if i % 2 == 0 else labels[::-1]   # the original first, then last
+        for label in order:
+            tw, tc, o = run(label)
+            if expected is None:
+                expected = o
+            elif o != expected:
                 raise SystemExit(f"{name}: output differs ({label})")
-            wall[label].append(tb)
-            cpu[label].append(cb)
+            wall[label].append(tw)
+            cpus[label].append(tc)
+        if verbose:
+            print(f"    round {i + 1:2} ({'orig first' if i % 2 == 0 else 'orig last '}): "
+                  + "; ".join(f"{k} {wall[k][-1]:.3f}/{cpus[k][-1]:.3f} s" for k in labels)
+                  + "  (wall/user+sys)", flush=True)
+    after = load()
     hits = {label: sum(int(l.split()[1]) for l in profile.read_text().splitlines()
                        if len(l.split()) == 3 and l.split()[1].isdigit())
-            for label, (_, _, profile) in variants.items()}
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    wa, ca = med(wall["orig"]), med(cpu["orig"])
+            for label, (_, _, profile) in variants.items() if profile}
+    med = statistics.median
+    wa, ca = med(wall["orig"]), med(cpus["orig"])
     print(f"{name}: {obj} {n} entries, optimized {decisions['optimized']} "
           f"({100 * decisions['optimized'] / n:.1f}%), int3 {decisions['int3']}, refused {decisions['refused']}; "
-          f"rewrite {rewrite:.1f} s; {' '.join(cmd[:2])}, load {before} -> {load()}, output equal", flush=True)
-    for label in variants:
-        wb, cb = med(wall[label]), med(cpu[label])
+          f"rewrite {rewrite:.1f} s; {' '.join(cmd[:2])} ({what}, scale {scale}); {runs} paired rounds "
+          f"after {warmup} warm-up, cpu {'any' if cpu is None else cpu}, {started} UTC, "
+          f"load {before} -> {after}, output equal", flush=True)
+    for label in labels[1:]:
+        rc = [b / a for a, b in zip(cpus["orig"], cpus[label])]
+        rw = [b / a for a, b in zip(wall["orig"], wall[label])]
+        (c1, c2, c3), (w1, w2, w3) = iqr(rc), iqr(rw)
+        print(f"  {label:12} paired: user+sys {c2:.3f}x (IQR {c1:.3f}-{c3:.3f}x), "
+              f"wall {w2:.3f}x (IQR {w1:.3f}-{w3:.3f}x), medians of {runs} pair ratios", flush=True)
+        wb, cb = med(wall[label]), med(cpus[label])
         per_hit = lambda a, b: 1e9 * (b - a) / hits[label] if hits[label] else 0.0  # noqa: E731
-        print(f"  {label:12} wall {wa:.2f} s -> {wb:.2f} s ({wb / wa:.2f}x, {per_hit(wa, wb):.1f} ns/hit); "
+        print(f"  {'':12} medians: wall {wa:.2f} s -> {wb:.2f} s ({wb / wa:.2f}x, {per_hit(wa, wb):.1f} ns/hit); "
               f"user+sys {ca:.2f} s -> {cb:.2f} s ({cb / ca:.2f}x, {per_hit(ca, cb):.1f} ns/hit); "
-              f"{hits[label]} hits in the last run; best user+sys {min(cpu['orig']):.2f} s -> "
-              f"{min(cpu[label]):.2f} s ({min(cpu[label]) / min(cpu['orig']):.2f}x)", flush=True)
+              f"{hits[label]} hits in the last run; best user+sys {min(cpus['orig']):.2f} s -> "
+              f"{min(cpus[label]):.2f} s ({min(cpus[label]) / min(cpus['orig']):.2f}x); "
+              f"original's user+sys {min(cpus['orig']):.2f}-{max(cpus['orig']):.2f} s", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["sqlite3", "busybox", "crypto", "stdcxx"])
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3, help="paired rounds (default 3)")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="multiply the workload's length by K (default 1: 200,000 rows, 300,000 lines...)")
+    ap.add_argument("--cpu", type=int, default=None, help="pin every measured run to this CPU")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured runs of each binary first (default 1)")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print every round's times")
     ap.add_argument("--compare", type=Path, action="append", default=[],
                     help="another kprewrite source tree, run in the same rounds (repeatable)")
     args = ap.parse_args()
+    if args.runs < 1 or args.scale < 1 or args.warmup < 0:
+        raise SystemExit("--runs and --scale must be at least 1, --warmup at least 0")
+    if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
+        raise SystemExit(f"--cpu {args.cpu}: not one of this process's CPUs "
+                         f"{sorted(os.sched_getaffinity(0))}")
+    for name in args.names:
+        if name not in ("sqlite3", "busybox", "crypto", "stdcxx"):
+            raise SystemExit(f"unknown workload {name} (sqlite3 busybox crypto stdcxx)")
     tmp = Path(tempfile.mkdtemp(prefix="kp-real-"))
     try:
         for name in args.names:
-            measure(name, tmp, args.runs, [t.resolve() for t in args.compare])
+            measure(name, tmp, args.runs, [t.resolve() for t in args.compare], args.scale,
+                    args.cpu, args.warmup, args.verbose)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
