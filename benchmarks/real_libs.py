@@ -2,8 +2,8 @@
 (issue 15's table): how many entries are jump-optimized, and how much slower a
 real workload runs.
 
-    python3 benchmarks/real_libs.py [--runs N] [--scale K] [--cpu N] [--warmup N] [--verbose]
-                                    [--compare TREE] [NAME ...]   (sqlite3 busybox crypto stdcxx)
+    python3 benchmarks/real_libs.py [--runs N] [--scale [NAME=]K ...] [--cpu N] [--warmup N]
+                                    [--verbose] [--compare TREE] [NAME ...]   (sqlite3 busybox crypto stdcxx)
 
 Each workload runs on the original and on the rewritten object (a library
 through LD_LIBRARY_PATH, busybox itself); the outputs must be equal.  The
@@ -11,19 +11,22 @@ probes carry no handler (they count hits).  Every binary first runs --warmup
 times unmeasured (page cache, dynamic loader); then --runs rounds, each the
 original and every variant one after the other, the original first in even
 rounds and last in odd ones.  A run's CPU time is that child's own user + sys
-(os.wait4's rusage), its wall time from spawn to reap.
+(os.wait4's rusage), its wall time from spawn to reap; the time the hypervisor
+stole from the VM over the rounds (/proc/stat) is printed with the load.
 
 The headline is paired: each round's variant time divided by the original's of
 the same round (adjacent runs share the machine's momentary state, so its drift
 cancels), reported as the median of those ratios with their interquartile
 range.  The medians of the times (and the best runs) are printed too, as
 before.  --scale K multiplies the workload's length (sqlite3's rows, busybox's
-lines, the C++ program's strings, the hashed file named K times) so that a run lasts
-long enough for the timer and start-up to vanish; --cpu N pins every measured
-run to CPU N (sched_setaffinity in the child), so that two cores in different
-states are not mixed.  --compare TREE (repeatable) also rewrites the object
-with the kprewrite of another source tree (another branch's checkout) and runs
-it in the same rounds.  The load average is printed before and after: the
+lines, the C++ program's strings, the hashed file named K times) so that a run
+lasts long enough for the timer and start-up to vanish; NAME=K scales that
+workload only (about a second each: --scale 4 --scale busybox=3 --scale
+stdcxx=5 --scale crypto=30).  --cpu N pins every measured run to CPU N
+(sched_setaffinity in the child), so that two cores in different states are
+not mixed.  --compare TREE (repeatable) also rewrites the object with the
+kprewrite of another source tree (another branch's checkout) and runs it in the
+same rounds.  The load average is printed before and after: the
 machine may be shared."""
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KPREWRITE = [sys.executable, "-m", "rewriter"]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 LIBDIR = Path("/usr/lib/x86_64-linux-gnu")
+WORKLOADS = ("sqlite3", "busybox", "crypto", "stdcxx")
 
 SQL = """
 CREATE TABLE t(a INTEGER PRIMARY KEY, b TEXT, c REAL);
@@ -109,6 +113,14 @@ def timed(cmd, env, stdin: Path | None, out: Path, cpu: int | None) -> tuple[flo
 
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def steal() -> float:
+    """Seconds the hypervisor has kept this VM's vCPUs from running (/proc/stat's steal
+    column, all CPUs): time a run waits for in wall time, and that noise can explain."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
 def iqr(xs: list[float]) -> tuple[float, float, float]:
@@ -188,7 +200,9 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
                 raise SystemExit(f"{name}: output differs ({label}, warm-up)")
     wall = {k: [] for k in labels}
     cpus = {k: [] for k in labels}
+    stolen = steal()
     for i in range(runs):
+        round_stolen = steal()
         order = labels if i % 2 == 0 else labels[::-1]   # the original first, then last
         for label in order:
             tw, tc, o = run(label)
@@ -201,8 +215,8 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
         if verbose:
             print(f"    round {i + 1:2} ({'orig first' if i % 2 == 0 else 'orig last '}): "
                   + "; ".join(f"{k} {wall[k][-1]:.3f}/{cpus[k][-1]:.3f} s" for k in labels)
-                  + "  (wall/user+sys)", flush=True)
-    after = load()
+                  + f"  (wall/user+sys); steal {steal() - round_stolen:.2f} s", flush=True)
+    after, stolen = load(), steal() - stolen
     hits = {label: sum(int(l.split()[1]) for l in profile.read_text().splitlines()
                        if len(l.split()) == 3 and l.split()[1].isdigit())
             for label, (_, _, profile) in variants.items() if profile}
@@ -212,7 +226,7 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
           f"({100 * decisions['optimized'] / n:.1f}%), int3 {decisions['int3']}, refused {decisions['refused']}; "
           f"rewrite {rewrite:.1f} s; {' '.join(cmd[:2])} ({what}, scale {scale}); {runs} paired rounds "
           f"after {warmup} warm-up, cpu {'any' if cpu is None else cpu}, {started} UTC, "
-          f"load {before} -> {after}, output equal", flush=True)
+          f"load {before} -> {after}, host steal {stolen:.2f} s, output equal", flush=True)
     for label in labels[1:]:
         rc = [b / a for a, b in zip(cpus["orig"], cpus[label])]
         rw = [b / a for a, b in zip(wall["orig"], wall[label])]
@@ -230,28 +244,36 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("names", nargs="*", default=["sqlite3", "busybox", "crypto", "stdcxx"])
+    ap.add_argument("names", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--runs", type=int, default=3, help="paired rounds (default 3)")
-    ap.add_argument("--scale", type=int, default=1,
-                    help="multiply the workload's length by K (default 1: 200,000 rows, 300,000 lines...)")
+    ap.add_argument("--scale", action="append", default=[], metavar="[NAME=]K",
+                    help="multiply the workload's length by K (default 1: 200,000 rows, 300,000 lines...); "
+                         "NAME=K for one workload only (repeatable)")
     ap.add_argument("--cpu", type=int, default=None, help="pin every measured run to this CPU")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured runs of each binary first (default 1)")
     ap.add_argument("--verbose", "-v", action="store_true", help="print every round's times")
     ap.add_argument("--compare", type=Path, action="append", default=[],
                     help="another kprewrite source tree, run in the same rounds (repeatable)")
     args = ap.parse_args()
-    if args.runs < 1 or args.scale < 1 or args.warmup < 0:
-        raise SystemExit("--runs and --scale must be at least 1, --warmup at least 0")
+    scales: dict[str | None, int] = {None: 1}
+    for a in args.scale:
+        name, _, k = a.rpartition("=")
+        if ("=" in a and name not in WORKLOADS) or not k.isdigit() or int(k) < 1:
+            raise SystemExit(f"--scale {a}: expected K or NAME=K, K a positive integer, NAME one of "
+                             f"{' '.join(WORKLOADS)}")
+        scales[name or None] = int(k)
+    if args.runs < 1 or args.warmup < 0:
+        raise SystemExit("--runs must be at least 1, --warmup at least 0")
     if args.cpu is not None and args.cpu not in os.sched_getaffinity(0):
         raise SystemExit(f"--cpu {args.cpu}: not one of this process's CPUs "
                          f"{sorted(os.sched_getaffinity(0))}")
     for name in args.names:
-        if name not in ("sqlite3", "busybox", "crypto", "stdcxx"):
-            raise SystemExit(f"unknown workload {name} (sqlite3 busybox crypto stdcxx)")
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name} ({' '.join(WORKLOADS)})")
     tmp = Path(tempfile.mkdtemp(prefix="kp-real-"))
     try:
         for name in args.names:
-            measure(name, tmp, args.runs, [t.resolve() for t in args.compare], args.scale,
+            measure(name, tmp, args.runs, [t.resolve() for t in args.compare], scales.get(name, scales[None]),
                     args.cpu, args.warmup, args.verbose)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
