@@ -12,7 +12,9 @@ times unmeasured (page cache, dynamic loader); then --runs rounds, each the
 original and every variant one after the other, the original first in even
 rounds and last in odd ones.  A run's CPU time is that child's own user + sys
 (os.wait4's rusage), its wall time from spawn to reap; the time the hypervisor
-stole from the VM over the rounds (/proc/stat) is printed with the load.
+stole from the VM over the rounds (/proc/stat) is printed with the load, and the
+runs' involuntary context switches (rusage nivcsw: how often a run was made to
+wait for its CPU, the sign of a contended round).
 
 The headline is paired: each round's variant time divided by the original's of
 the same round (adjacent runs share the machine's momentary state, so its drift
@@ -91,8 +93,8 @@ def check(obj: Path, spec: Path) -> tuple[int, Counter]:
     return len(ps), Counter(p["decision"] for p in ps)
 
 
-def timed(cmd, env, stdin: Path | None, out: Path, cpu: int | None) -> tuple[float, float, bytes]:
-    """(wall seconds, user + sys seconds, stdout) of one run.
+def timed(cmd, env, stdin: Path | None, out: Path, cpu: int | None) -> tuple[float, float, int, bytes]:
+    """(wall seconds, user + sys seconds, involuntary context switches, stdout) of one run.
 
     The CPU time is this child's own rusage from wait4(), not a difference of
     RUSAGE_CHILDREN (which sums every reaped child).  stdin, stdout and stderr
@@ -108,7 +110,7 @@ def timed(cmd, env, stdin: Path | None, out: Path, cpu: int | None) -> tuple[flo
     p.returncode = os.waitstatus_to_exitcode(status)     # reaped here, not by Popen
     if p.returncode:
         raise SystemExit(f"{cmd[0]}: exit {p.returncode}: {err.read_bytes()[-500:]!r}")
-    return dt, ru.ru_utime + ru.ru_stime, out.read_bytes()
+    return dt, ru.ru_utime + ru.ru_stime, ru.ru_nivcsw, out.read_bytes()
 
 
 def load() -> str:
@@ -183,7 +185,7 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
     labels = list(variants)
     out_file = work / "stdout"
 
-    def run(label: str) -> tuple[float, float, bytes]:
+    def run(label: str) -> tuple[float, float, int, bytes]:
         c, e, profile = variants[label]
         if profile:
             profile.unlink(missing_ok=True)      # the runtime appends: keep the last run's
@@ -193,29 +195,31 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
     expected = None
     for _ in range(warmup):                      # page cache, dynamic loader; outputs checked too
         for label in labels:
-            o = run(label)[2]
+            o = run(label)[3]
             if expected is None:
                 expected = o
             elif o != expected:
                 raise SystemExit(f"{name}: output differs ({label}, warm-up)")
     wall = {k: [] for k in labels}
     cpus = {k: [] for k in labels}
+    preempted = {k: [] for k in labels}      # involuntary context switches: the run was made to wait
     stolen = steal()
     for i in range(runs):
         round_stolen = steal()
         order = labels if i % 2 == 0 else labels[::-1]   # the original first, then last
         for label in order:
-            tw, tc, o = run(label)
+            tw, tc, nivcsw, o = run(label)
             if expected is None:
                 expected = o
             elif o != expected:
                 raise SystemExit(f"{name}: output differs ({label})")
             wall[label].append(tw)
             cpus[label].append(tc)
+            preempted[label].append(nivcsw)
         if verbose:
             print(f"    round {i + 1:2} ({'orig first' if i % 2 == 0 else 'orig last '}): "
-                  + "; ".join(f"{k} {wall[k][-1]:.3f}/{cpus[k][-1]:.3f} s" for k in labels)
-                  + f"  (wall/user+sys); steal {steal() - round_stolen:.2f} s", flush=True)
+                  + "; ".join(f"{k} {wall[k][-1]:.3f}/{cpus[k][-1]:.3f} s/{preempted[k][-1]}" for k in labels)
+                  + f"  (wall/user+sys/preempted); steal {steal() - round_stolen:.2f} s", flush=True)
     after, stolen = load(), steal() - stolen
     hits = {label: sum(int(l.split()[1]) for l in profile.read_text().splitlines()
                        if len(l.split()) == 3 and l.split()[1].isdigit())
@@ -226,7 +230,8 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
           f"({100 * decisions['optimized'] / n:.1f}%), int3 {decisions['int3']}, refused {decisions['refused']}; "
           f"rewrite {rewrite:.1f} s; {' '.join(cmd[:2])} ({what}, scale {scale}); {runs} paired rounds "
           f"after {warmup} warm-up, cpu {'any' if cpu is None else cpu}, {started} UTC, "
-          f"load {before} -> {after}, host steal {stolen:.2f} s, output equal", flush=True)
+          f"load {before} -> {after}, host steal {stolen:.2f} s, involuntary switches a run (median) "
+          + ", ".join(f"{k} {med(preempted[k]):.0f}" for k in labels) + ", output equal", flush=True)
     for label in labels[1:]:
         rc = [b / a for a, b in zip(cpus["orig"], cpus[label])]
         rw = [b / a for a, b in zip(wall["orig"], wall[label])]
