@@ -88,9 +88,6 @@ class Site:
     # A region under 5 bytes (_short_jumps()): a short jump at addr to the jump
     # to the detour, in the dead padding at `slot`.
     slot: int = 0
-    # The copy runs on past the region to an exit (_run_on()): instructions copied,
-    # not patched.
-    tail: list = field(default_factory=list)
     # Direct branches among the copied instructions whose target is a detoured
     # region's start: address -> the Site or RetSite whose detour they enter instead.
     branch_to: dict = field(default_factory=dict)
@@ -118,8 +115,8 @@ class Site:
 
     @property
     def copied(self) -> list:
-        """What the detour runs: its segment, then the run-on copy after the region."""
-        return self.segment + self.tail if self.tail else self.segment
+        """What the detour copies (its segment)."""
+        return self.segment
 
     @property
     def segment_end(self) -> int:
@@ -287,8 +284,6 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     for check, ps in kret_refused.skipped.items():
         out.skipped[check].extend(ps)
     _plan_returns(image, analysis, arch, out, rules)
-    if rules.run_on:
-        _run_on(image, arch, out)
     if rules.retarget_branches:
         _retarget_branches(image, analysis, arch, out, rules)
     _number(out)
@@ -304,28 +299,6 @@ def _patched_ranges(arch, plan: Plan) -> list[tuple[int, int]]:
                   + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and s.evicted is None]
                   + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted is not None]
                   + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
-
-
-def _run_on(image, arch, plan: Plan) -> None:
-    """Beyond the kernel: a detour's copy runs on past its region to the
-    function's next exit where the instructions allow (the arch's run_on()), so a
-    hit whose path leaves soon (a leaf function's fast path) takes no jump back.
-    Not where the copy must do more than run the code: a region shared with
-    riders, a post_handler (it runs after the first instruction only), a
-    function with kretprobes (its exits are hooked), an ftrace site; and never
-    over another probe's bytes."""
-    patched = _patched_ranges(arch, plan)
-    starts = [a for a, _ in patched]
-    kret = {g.func.start for g in plan.groups}
-    for s in plan.sites:
-        if s.decision != OPTIMIZED or s.head is not None or s.riders or s.with_post or not s.probes:
-            continue
-        func = s.probes[0].func
-        if func is None or func.start in kret or s.ret_hooks:
-            continue
-        i = bisect.bisect_left(starts, s.region_end)
-        stop = starts[i] if i < len(starts) else func.end
-        s.tail = arch.optprobe.run_on(image, func, s.region_end, stop)
 
 
 def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:

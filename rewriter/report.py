@@ -150,8 +150,6 @@ def metadata(plan: Plan, label: str) -> bytes:
             d["shared_with"] = site.head.addr
         if site.slot:                   # a short jump to the jump at the slot
             d["jump_slot"] = site.slot
-        if site.tail:                   # the copy runs on past the region (planner._run_on())
-            d["run_on"] = [site.region_end, site.tail[-1].addr + len(site.tail[-1].code)]
         if site.evicted is not None:    # the slot lies in a neighbour moved to a detour of its own
             d["evicted"] = [site.evicted.addr, site.evicted.region_end, site.evicted.detour]
         if site.decision == INT3:

@@ -24,7 +24,6 @@ answer (targets/*), used by the planner.
 - short_jumps / evict_neighbours: a site with no room for a 5-byte jump takes a short
   jump to one in dead padding, or in a neighbouring region moved out of the way;
 - retarget_branches: direct branches to a detoured region's start enter its detour;
-- run_on: a detour's copy runs on past its region to the function's next exit;
 - singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
   kernel's own kprobes since 5.14) rather than running with the trap flag;
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
@@ -67,9 +66,6 @@ class Rules:
     # A direct branch to a detoured region's start names the detour instead
     # (planner._retarget_branches()).
     retarget_branches: bool = False
-    # A detour's copy runs on past its region to the function's next exit
-    # (planner._run_on()).
-    run_on: bool = False
     singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     # In an image with no handler at all, a template only counts the hit (emit.light_detour).

@@ -6,11 +6,10 @@ counts and its kretprobe are the same.  Bytes that only look like such a branch
 (data in .text that no FDE describes) and branches whose bytes another probe
 patches stay as they are.
 
-And a detour's copy that runs on past its region to the function's next exit
-(Rules.run_on, planner._run_on()): a leaf's fast path returns from the detour,
-a branch in the copy back to the probed entry still counts a hit, and the copy
-stops before another probe's bytes, whose hits must all be counted (against
-the same probes as breakpoints)."""
+And a branch copied into a detour (a region ending with a call of a probed
+function: Site.branch_to) enters that function's detour too; a jcc back to its
+own probed entry counts a hit each time; a second probe inside a function keeps
+all its hits (against the same probes as breakpoints)."""
 from __future__ import annotations
 
 import pytest
@@ -165,18 +164,17 @@ def test_no_retarget_without_optimization(program):
     assert run(out, N).stdout == run(prog, N).stdout
 
 
-# --- a detour's copy runs on past its region (Rules.run_on, planner._run_on()) ----------------
+# --- branches copied into detours, branches back to a probed entry ------------------------------
 
-RUN_ON = r"""
+COPIED = r"""
 #include <stdio.h>
 #include <stdlib.h>
-long slow(long *p);
 long fast(long *p);
+long calls_fast(long *p);
 long countdown(long n);
 long probed_inside(long n);
 __asm__(
 ".text\n"
-/* fast: the fast path returns 8 bytes past the region; the slow one tail-calls. */
 ".globl fast\n.type fast,@function\nfast:\n"
 "  .cfi_startproc\n"
 "  mov (%rdi),%rax\n"
@@ -185,10 +183,22 @@ __asm__(
 "  lea 1(%rax,%rax),%rax\n"
 "  ret\n"
 "1:\n"
-"  jmp slow\n"
+"  neg %rax\n"
+"  ret\n"
 "  .cfi_endproc\n"
 ".size fast,.-fast\n"
-/* countdown: the run-on copy branches back to the probed entry: a hit each time. */
+/* calls_fast: its region ends with the call, whose copy enters fast's detour. */
+".globl calls_fast\n.type calls_fast,@function\ncalls_fast:\n"
+"  .cfi_startproc\n"
+"  sub $8,%rsp\n"
+"  .cfi_def_cfa_offset 16\n"
+"  {disp32} call fast\n"
+"  add $8,%rsp\n"
+"  .cfi_def_cfa_offset 8\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size calls_fast,.-calls_fast\n"
+/* countdown: a jg back to the probed entry, sent to its detour: a hit each time. */
 ".globl countdown\n.type countdown,@function\ncountdown:\n"
 "  .cfi_startproc\n"
 "  mov %rdi,%rax\n"
@@ -197,34 +207,33 @@ __asm__(
 "  ret\n"
 "  .cfi_endproc\n"
 ".size countdown,.-countdown\n"
-/* probed_inside: a second probe 7 bytes in, where a run-on copy would skip it. */
+/* probed_inside: a second probe 7 bytes in. */
 ".globl probed_inside\n.type probed_inside,@function\nprobed_inside:\n"
 "  .cfi_startproc\n"
 "  mov %rdi,%rax\n"
 "  add $3,%rax\n"
-"  .globl probed_inside_second\n"
-"probed_inside_second:\n"
 "  add %rax,%rax\n"
 "  ret\n"
 "  .cfi_endproc\n"
 ".size probed_inside,.-probed_inside\n"
 );
-long slow(long *p) { return -*p; }
 int main(int argc, char **argv)
 {
     long n = argc > 1 ? atol(argv[1]) : 10, s = 0;
     for (long i = 0; i < n; i++) {
         long v = i % 3 ? i : -i;
-        s += fast(&v) + countdown(i % 5) + probed_inside(i);
+        s += calls_fast(&v) + countdown(i % 5) + probed_inside(i);
     }
     printf("%ld\n", s);
     return 0;
 }
 """
 
-RUN_ON_SPEC = """
+COPIED_SPEC = """
 [[kprobe]]
 symbol_name = "fast"
+[[kprobe]]
+symbol_name = "calls_fast"
 [[kprobe]]
 symbol_name = "countdown"
 [[kprobe]]
@@ -236,22 +245,27 @@ offset = 7
 
 
 @pytest.mark.parametrize("pie", ["-pie", "-no-pie"])
-def test_run_on_copies(tmp_path, runner, pie):
-    prog = cc(tmp_path, "runon", RUN_ON, "-O2", "-fcf-protection=none", pie)
-    spec = write_spec(tmp_path, RUN_ON_SPEC)
-    out = instrument(prog, spec, tmp_path / "runon.kp")
-    oracle = instrument(prog, spec, tmp_path / "runon.int3", "--no-optimize")
+def test_copied_branches_and_loops(tmp_path, runner, pie):
+    import capstone
+    prog = cc(tmp_path, "copied", COPIED, "-O2", "-fcf-protection=none", pie)
+    spec = write_spec(tmp_path, COPIED_SPEC)
+    out = instrument(prog, spec, tmp_path / "copied.kp")
+    oracle = instrument(prog, spec, tmp_path / "copied.int3", "--no-optimize")
     sym = symbols(prog)
     probes = {p["name"]: p for p in meta(out)["probes"]}
-    # fast's copy runs on to its ret (the region is mov+test, 6 bytes; the ret ends at +14).
-    assert probes["p_fast_0"]["run_on"] == [sym["fast"] + 6, sym["fast"] + 14], probes["p_fast_0"]
-    # countdown's copy runs on through its jg (which names the detour) to its ret.
-    assert probes["p_countdown_0"]["run_on"][1] == sym["countdown"] + 14
-    # probed_inside's copy stops where the second probe sits: no run-on past it.
-    assert "run_on" not in probes["p_probed_inside_0"]
+    assert probes["p_calls_fast_0"]["region"] == [sym["calls_fast"], sym["calls_fast"] + 9]
+    # The copied call jumps to fast's detour (its return address pushed by hand), not to fast.
+    d = probes["p_calls_fast_0"]["detour"]
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    jumps = [int(i.op_str, 16) for i in md.disasm(read_at(out, d, 256), d) if i.mnemonic == "jmp"
+             and i.op_str.startswith("0x")]
+    assert probes["p_fast_0"]["detour"] in jumps and sym["fast"] not in jumps, [hex(j) for j in jumps]
+    # countdown's jg names its own detour.
+    assert [sym["countdown"] + 7, 6, sym["countdown"]] in meta(out)["branches"]
     want = run(prog, N)
     got = run(out, N, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     ref = run(oracle, N, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert got.returncode == 0 and got.stdout == want.stdout == ref.stdout, got.stderr
     hits = profile(got.stderr)
     assert hits == profile(ref.stderr) and hits["p_countdown_0"][0] > N and hits["p_probed_inside_7"] == (N, 0), hits
+    assert hits["p_fast_0"] == (N, 0), hits

@@ -93,47 +93,6 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
     return out
 
 
-# How far past its region a detour's copy may run on (run_on()).
-RUN_ON_LENGTH = 64
-_CALLS = ("call rel", "call mem", "call reg")
-
-
-def run_on(image, func, start: int, stop: int, max_len: int = RUN_ON_LENGTH) -> list[DcrInsn]:
-    """Beyond the kernel: the instructions after a region (from `start`) that
-    the detour's copy may run on through instead of jumping back at once, so a
-    path that leaves the function soon (a leaf's ret, a tail jump) never
-    returns to the original code.  The same checks as the region's own
-    instructions (relocatable), and no call: its copy would push the return
-    address by hand, and the callee's ret, matching no call on the return stack
-    buffer, would be mispredicted on every hit.  The run ends with the first
-    unconditional exit, before `stop` (the next byte another probe patches: its
-    hits must not be skipped) and the function's end, within max_len bytes; []
-    when no exit comes by then (running on would save nothing).  The original
-    bytes stay as they are, so a branch out of the run, or into it from
-    elsewhere, still finds them."""
-    out: list[DcrInsn] = []
-    pos = start
-    end = min(func.end, stop, start + max_len)
-    while pos < end:
-        code = image.read(pos, 16)
-        try:
-            info = x86insn.classify(code, pos)
-        except ValueError:
-            return []
-        code = code[:info.length]
-        if pos + info.length > end or (info.probe_refused and info.emulate not in _INDIRECT) or code == b"\x0f\x0b" \
-                or info.emulate in _CALLS:
-            return []       # (ud2: its SIGILL names its own address)
-        if info.emulate not in ("jmp rel", "jcc rel", "jmp mem", "jmp reg") and not info.boostable \
-                and _relocatable(code, pos, info):
-            return []
-        out.append(DcrInsn(pos, code, info))
-        pos += info.length
-        if info.emulate in _UNCOND:
-            return out
-    return []
-
-
 # Indirect branches through memory: the kernel cannot emulate them
 # (prepare_emulation()'s -EOPNOTSUPP); a detour copies the jmp (its RIP-relative
 # operand re-encoded) and emulates the call (emit.relocate()).

@@ -37,8 +37,7 @@ def rules(image, arch) -> Rules:
     them): nothing patches them at run time in a user process."""
     sites = ftrace.sites(image, arch)
     return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, sites)), ftrace=sites, shared_regions=True,
-                 short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True,
-                 run_on=True)
+                 short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True)
 
 
 def link_symbols(image):
