@@ -19,7 +19,9 @@ one inside the evicted region.
 * `tgt2`'s only neighbour that passes the other checks, `nb2`, has a jump target
   (from `nb2_in`) exactly where the probe's jump would go: evicting it would
   send `nb2_in`'s callers through `tgt2`'s probe and body.  It stays an int3
-  probe with the kernel's reason."""
+  probe with the kernel's reason.
+* `tgt3`'s only candidate, `nb3`, is a loop: it stays an int3 probe, since an
+  evicted loop body would take two jumps on every iteration."""
 from __future__ import annotations
 
 import pytest
@@ -70,16 +72,32 @@ __asm__(
 "6: add $9,%eax\n  xor $0x3c,%eax\n  add %edi,%eax\n  ret\n"
 ".size nb2,.-nb2\n"
 ".globl filler_d\n.type filler_d,@function\nfiller_d:\n@CALLS@.size filler_d,.-filler_d\n"
+/* The third probe: its only neighbour, nb3, is a loop: evicted, every iteration
+   would take two jumps for no probe (planner._in_loop()). */
+".globl tgt3_in\n.type tgt3_in,@function\ntgt3_in:\n"
+"  mov %edi,%eax\n  jmp 8f\n"
+".size tgt3_in,.-tgt3_in\n"
+".globl tgt3\n.type tgt3,@function\ntgt3:\n"
+"  lea 6(%rdi),%eax\n"
+"8: add %eax,%eax\n  add $7,%eax\n  ret\n"
+".size tgt3,.-tgt3\n"
+".globl nb3\n.type nb3,@function\nnb3:\n"
+"  mov %edi,%eax\n"
+"9: add $3,%eax\n  imul $3,%eax,%eax\n  and $0xffff,%eax\n  sub $1,%edi\n  jg 9b\n  ret\n"
+".size nb3,.-nb3\n"
+".globl filler_e\n.type filler_e,@function\nfiller_e:\n@CALLS@.size filler_e,.-filler_e\n"
 );
 #include <stdio.h>
 #include <stdlib.h>
 int bump(int), tgt(int), tgt_in(int), nb(int), tgt2(int), tgt2_in(int), nb2(int), nb2_in(int);
+int tgt3(int), tgt3_in(int), nb3(int);
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 3;
     long t = 0;
     for (int i = 0; i < n; i++) {
         t = t * 3 + tgt(i) + 5 * tgt_in(i) + 7 * nb(i) + 11 * bump(i);
         t = t * 5 + tgt2(i) + 13 * tgt2_in(i) + 17 * nb2(i) + 19 * nb2_in(i);
+        t = t * 7 + tgt3(i) + 23 * tgt3_in(i) + 29 * nb3(i % 9);
         t %= 1000000007;
     }
     printf("t=%ld\n", t);
@@ -87,7 +105,7 @@ int main(int argc, char **argv) {
 }
 """.replace("@CALLS@", CALLS.replace("\n", "\\n"))
 
-PROBED = ["tgt", "bump", "tgt2"]
+PROBED = ["tgt", "bump", "tgt2", "tgt3"]
 BUILDS = {"pie": ["-O2", "-fpie", "-pie"], "nopie": ["-O2", "-fno-pie", "-no-pie"]}
 
 
@@ -116,6 +134,8 @@ def test_evicted_neighbour(once, build, runner):
     # tgt2: its only candidate has a jump target where the jump would go.
     assert "int3" in d["tgt2"] and "jump_into_region" in d["tgt2"], d["tgt2"]
     assert "evicted" not in probes["tgt2"] and "jump_slot" not in probes["tgt2"], probes["tgt2"]
+    # tgt3: its only candidate lies on a loop.
+    assert "int3" in d["tgt3"] and "evicted" not in probes["tgt3"], (d["tgt3"], probes["tgt3"])
     want = run(prog, 40, runner=runner)
     assert want.returncode == 0
     got = run(opt, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
@@ -125,6 +145,7 @@ def test_evicted_neighbour(once, build, runner):
     hits = profile(got.stderr)
     assert hits == profile(ref.stderr), (hits, profile(ref.stderr))
     assert hits["p_tgt_0"][0] == 40 and hits["p_tgt2_0"][0] == 40 and hits["p_bump_0"][0] == 80, hits
+    assert hits["p_tgt3_0"][0] == 40, hits
 
 
 def test_eviction_is_deterministic(once):
