@@ -114,6 +114,15 @@ def check_lines(binary: Path, spec: Path, *extra) -> list[str]:
     return kprewrite("check", binary, "--spec", spec, *extra).stdout.splitlines()
 
 
+def with_oracle(tmp: Path, prog: Path, funcs) -> tuple:
+    """A probe on each of `funcs`' entries: (check lines, the rewrite, the same
+    probes as breakpoints: --no-optimize, the oracle whose hits do not depend on
+    the jump analysis), written in tmp."""
+    spec = write_spec(tmp, "".join(f'[[kprobe]]\nsymbol_name = "{f}"\n' for f in funcs))
+    return (check_lines(prog, spec), instrument(prog, spec, tmp / "opt"),
+            instrument(prog, spec, tmp / "int3", "--no-optimize"))
+
+
 # --- specs -------------------------------------------------------------------------------------
 
 def write_spec(tmp: Path, text: str, handlers: str | None = None, name="probes.toml") -> Path:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cc, check_lines, instrument, meta, profile, run, symbols, write_spec
+from conftest import cc, instrument, meta, profile, run, symbols, with_oracle
 
 CALLS = "  .rept 34\n  call nop_fn\n  .endr\n  ret\n"
 
@@ -111,9 +111,7 @@ BUILDS = {"pie": ["-O2", "-fpie", "-pie"], "nopie": ["-O2", "-fno-pie", "-no-pie
 
 def _build(tmp, build):
     prog = cc(tmp, f"evict_{build}", PROGRAM, *BUILDS[build])
-    spec = write_spec(tmp, "".join(f'[[kprobe]]\nsymbol_name = "{f}"\n' for f in PROBED))
-    return (prog, check_lines(prog, spec), instrument(prog, spec, tmp / "opt"),
-            instrument(prog, spec, tmp / "int3", "--no-optimize"))
+    return (prog, *with_oracle(tmp, prog, PROBED))
 
 
 @pytest.mark.parametrize("build", list(BUILDS))

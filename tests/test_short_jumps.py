@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cc, check_lines, instrument, meta, profile, run, symbols, write_spec
+from conftest import cc, meta, profile, run, symbols, with_oracle
 
 PROGRAM = r"""
 __asm__(
@@ -109,9 +109,7 @@ BUILDS = {"pie": ["-O2", "-fpie", "-pie"], "nopie": ["-O2", "-fno-pie", "-no-pie
 
 def _build(tmp, build):
     prog = cc(tmp, f"short_{build}", PROGRAM, *BUILDS[build], skip_without_static=build == "static")
-    spec = write_spec(tmp, "".join(f'[[kprobe]]\nsymbol_name = "{f}"\n' for f in FUNCS))
-    return (prog, check_lines(prog, spec), instrument(prog, spec, tmp / "opt"),
-            instrument(prog, spec, tmp / "int3", "--no-optimize"))
+    return (prog, *with_oracle(tmp, prog, FUNCS))
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
