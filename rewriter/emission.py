@@ -110,13 +110,14 @@ def detour_entries(site: Site) -> tuple[str, str]:
 
 
 def copied(site: Site) -> list:
-    """The instructions a site's detour copies, each direct branch to a detoured
-    region's start sent to that detour (Site.branch_to; before layout, when the
-    detours have no address yet, to the region: the encoding is as long)."""
+    """The instructions a site's detour copies (its segment), each direct branch
+    to a detoured region's start sent to that detour (Site.branch_to; before
+    layout, when the detours have no address yet, to the region: the encoding is
+    as long)."""
     if not site.branch_to:
-        return site.copied
+        return site.segment
     return [type(i)(i.addr, i.code, dataclasses.replace(i.info, rel_target=site.branch_to[i.addr].detour))
-            if i.addr in site.branch_to and site.branch_to[i.addr].detour else i for i in site.copied]
+            if i.addr in site.branch_to and site.branch_to[i.addr].detour else i for i in site.segment]
 
 
 def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:

@@ -114,11 +114,6 @@ class Site:
         return self.seg if self.seg is not None else self.dcr
 
     @property
-    def copied(self) -> list:
-        """What the detour copies (its segment)."""
-        return self.segment
-
-    @property
     def segment_end(self) -> int:
         seg = self.segment
         return seg[-1].addr + len(seg[-1].code) if seg else self.addr + 1
@@ -349,7 +344,7 @@ def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     for s in plan.sites:
         if s.decision not in JUMPS:
             continue
-        for insn in s.copied:
+        for insn in s.segment:
             if insn.info.emulate in ("call rel", "jmp rel", "jcc rel") and insn.addr not in s.ret_hooks \
                     and insn.info.rel_target in entries:
                 s.branch_to[insn.addr] = entries[insn.info.rel_target]
