@@ -285,15 +285,16 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     return out
 
 
-def _patched_ranges(arch, plan: Plan) -> list[tuple[int, int]]:
-    """Every byte range the plan writes in the image's code, sorted: regions,
+def _patched_ranges(arch, plan: Plan) -> bl.Index:
+    """Every byte range the plan writes in the image's code: regions,
     breakpoints, short jumps' slots, evicted neighbours (the slot in them),
     return sites."""
-    return sorted([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
-                   for s in plan.sites if s.head is None]
-                  + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and s.evicted is None]
-                  + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted is not None]
-                  + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
+    ranges = ([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
+               for s in plan.sites if s.head is None]
+              + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and s.evicted is None]
+              + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted is not None]
+              + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
+    return bl.Index([bl.BlacklistEntry(lo, hi, "", "patched") for lo, hi in ranges])
 
 
 def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
@@ -314,31 +315,12 @@ def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     if not entries:
         return
     patched = _patched_ranges(arch, plan)
-    starts = [a for a, _ in patched]
-    reach, top = [], 0          # reach[i]: the furthest end of patched[:i + 1]
-    for _, e in patched:
-        top = max(top, e)
-        reach.append(top)
+    fdes = bl.Index([bl.BlacklistEntry(f.start, f.end, "", "FDE") for f in image.fdes])
 
-    def busy(lo, hi):
-        i = bisect.bisect_left(starts, hi)
-        return bool(i) and reach[i - 1] > lo
-
-    fdes = sorted((f.start, f.end) for f in image.fdes)
-    fde_starts = [a for a, _ in fdes]
-
-    def described(lo, hi):
-        i = bisect.bisect_right(fde_starts, lo) - 1
-        return i >= 0 and hi <= fdes[i][1]
-
-    funcs = image.functions
-    func_starts = [f.start for f in funcs]
-
-    def decoded_whole(src):
-        i = bisect.bisect_right(func_starts, src) - 1
-        if i < 0 or src >= funcs[i].end:
-            return False
-        return analysis.decoded(funcs[i]).undecodable is None and analysis.is_boundary(funcs[i], src)
+    def vouched(src, size):
+        f = image.function_at(src)
+        return (f is not None and analysis.decoded(f).undecodable is None and analysis.is_boundary(f, src)
+                and any(e.start <= src and src + size <= e.end for e in fdes.all_overlapping(src, src + size)))
 
     # The copies in the detours too (not an exit whose copy a return hook makes).
     for s in plan.sites:
@@ -356,9 +338,8 @@ def _retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
             if off is None:
                 continue
             size = off + 4
-            if busy(src, src + size) or rules.reserved.overlapping(src, src + size) is not None:
-                continue
-            if not described(src, src + size) or not decoded_whole(src):
+            if patched.overlapping(src, src + size) is not None \
+                    or rules.reserved.overlapping(src, src + size) is not None or not vouched(src, size):
                 continue
             plan.retargets.append(Retarget(src, size, target, to))
     plan.retargets.sort(key=lambda r: r.src)
