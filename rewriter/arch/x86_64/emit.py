@@ -120,12 +120,9 @@ def evicted_detour(dcr: list[DcrInsn], at: int) -> bytes:
     detour's (relocate(): a call pushes the original return address, so
     returns and unwinding see the program's own code), and the jump back to its
     end.  No probe stub: it carries no kprobe."""
-    out = bytearray()
-    for insn in dcr:
-        out += relocate(insn, at + len(out))
-    back = dcr[-1].addr + len(dcr[-1].code)
-    out += b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back")
-    return bytes(out)
+    c = _Code(at)
+    _dcr_and_back(c, dcr)
+    return bytes(c.out)
 
 
 def evict_patch(addr: int, region_len: int, detour: int, probe_detour: int) -> bytes:
