@@ -265,17 +265,30 @@ INT3_CALLERS = ("do_int3", "exc_int3")
 INT3_DIRECT = "kp_arch_int3_bp"
 
 
+def _direct_calls(image, callers, callee: int | None) -> list[int]:
+    """The `call callee` instructions in the functions named in `callers`
+    (decoded, not scanned), sorted."""
+    if callee is None:
+        return []
+    from ...arch import get_arch
+    arch = get_arch(image.machine)
+    out = []
+    for g in (g for g in image.functions if g.name in callers):
+        d = arch.decode_function(image.read(g.start, g.end - g.start), g.start)
+        out += [src for target, src in d.branches if target == callee and image.read(src, 1) == b"\xe8"]
+    return sorted(out)
+
+
+def _call_patch(addr: int, target: int) -> tuple[int, bytes]:
+    """A `call rel32` at addr sent to target."""
+    return addr, b"\xe8" + struct.pack("<i", target - (addr + 5))
+
+
 def int3_callers(image) -> list[int]:
-    """The `call kprobe_int3_handler` instructions in INT3_CALLERS (decoded, not scanned)."""
+    """The `call kprobe_int3_handler` instructions in INT3_CALLERS."""
     if not hasattr(image, "_int3_callers"):
-        from ...arch import get_arch
-        arch = get_arch(image.machine)
         f = next((f for f in image.functions if f.name == INT3_HOOK[0]), None)
-        out = []
-        for g in (g for g in image.functions if g.name in INT3_CALLERS) if f is not None else ():
-            d = arch.decode_function(image.read(g.start, g.end - g.start), g.start)
-            out += [src for target, src in d.branches if target == f.start and image.read(src, 1) == b"\xe8"]
-        image._int3_callers = sorted(out)
+        image._int3_callers = _direct_calls(image, INT3_CALLERS, f.start if f is not None else None)
     return image._int3_callers
 
 
@@ -290,26 +303,18 @@ EARLY_HOOK = ("early_idt_handler_common", "do_early_exception", "kp_kernel_early
 
 
 def early_int3_callers(image) -> list[int]:
-    """The `call do_early_exception` in early_idt_handler_common (decoded, not scanned)."""
+    """The `call do_early_exception` in early_idt_handler_common."""
     if not hasattr(image, "_early_int3_callers"):
-        from ...arch import get_arch
-        arch = get_arch(image.machine)
-        g = next((f for f in image.functions if f.name == EARLY_HOOK[0]), None)
         target = image.symbols.get(EARLY_HOOK[1])
-        out = []
-        if g is not None and target is not None:
-            d = arch.decode_function(image.read(g.start, g.end - g.start), g.start)
-            out = [src for t, src in d.branches if t == target[0] and image.read(src, 1) == b"\xe8"]
-        image._early_int3_callers = sorted(out)
+        image._early_int3_callers = _direct_calls(image, (EARLY_HOOK[0],), target[0] if target else None)
     return image._early_int3_callers
 
 
 def _int3_hook_patches(image, blob) -> list[tuple[int, bytes]]:
     m = int3_hook(image)
     entry, direct, early = blob.symbols[INT3_HOOK[1]], blob.symbols[INT3_DIRECT], blob.symbols[EARLY_HOOK[2]]
-    return [(m.site, b"\xe8" + struct.pack("<i", entry - (m.site + 5)))] + \
-        [(a, b"\xe8" + struct.pack("<i", direct - (a + 5))) for a in int3_callers(image)] + \
-        [(a, b"\xe8" + struct.pack("<i", early - (a + 5))) for a in early_int3_callers(image)]
+    return [_call_patch(m.site, entry)] + [_call_patch(a, direct) for a in int3_callers(image)] + \
+        [_call_patch(a, early) for a in early_int3_callers(image)]
 
 
 # The shutdown hooks: kprobe_profile (event, hits, nmissed) in the kernel log before power-off,
