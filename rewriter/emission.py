@@ -10,9 +10,9 @@ here decides or writes back into the plan.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
+from .arch.base import EMULATE
 from .errors import KprewriteError
 from .planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, Plan, Site
 from .events import trace_key
@@ -109,14 +109,14 @@ def detour_entries(site: Site) -> tuple[str, str]:
     return entries
 
 
-def copied(site: Site) -> list:
+def copied(arch, site: Site) -> list:
     """The instructions a site's detour copies (its segment), each direct branch
     to a detoured region's start sent to that detour (Site.branch_to; before
     layout, when the detours have no address yet, to the region: the encoding is
     as long)."""
     if not site.branch_to:
         return site.segment
-    return [type(i)(i.addr, i.code, dataclasses.replace(i.info, rel_target=site.branch_to[i.addr].detour))
+    return [arch.with_branch_target(i, site.branch_to[i.addr].detour)
             if i.addr in site.branch_to and site.branch_to[i.addr].detour else i for i in site.segment]
 
 
@@ -125,12 +125,12 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
     em = c.arch.emit
     if not site.template:
         entries = detour_entries(site)
-        return em.detour(site.index, copied(site), site.with_post, at, sym[entries[0]], sym[entries[1]],
+        return em.detour(site.index, copied(c.arch, site), site.with_post, at, sym[entries[0]], sym[entries[1]],
                          _site_copy(c, site, at, sym), back=site.back or None)
     p = site.probes[0]
     k = c.plan.hit_slot(p)
     if site.light:
-        code, resume = em.light_detour(site.index, copied(site), at, fast=sym["kp_fast"],
+        code, resume = em.light_detour(site.index, copied(c.arch, site), at, fast=sym["kp_fast"],
                                        base=sym["kp_light_base"], key=c.thread_key, counter=em.light_counter(k),
                                        slow_entry=sym["kp_optprobe_clean_entry"], flags_live=site.flags_live,
                                        red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
@@ -151,12 +151,12 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
         if is_entry(p):
             callback = sym["kp_kretprobe_enter_clean_slow"]
             body = _kret_entry_body(c, p, probe, sym, site.aligned, regs=False)
-        code, resume = em.clean_detour(site.index, copied(site), at, callback=callback, flags_live=site.flags_live,
+        code, resume = em.clean_detour(site.index, copied(c.arch, site), at, callback=callback, flags_live=site.flags_live,
                                        handler_clobbers=site.clobbers, body=body, **common)
     else:
         # full_detour realigns the stack itself before the body.
         body = _kret_entry_body(c, p, probe, sym, True, regs=True) if is_entry(p) else None
-        code, resume = em.full_detour(site.index, copied(site), at, callback=sym["kp_optimized_callback"],
+        code, resume = em.full_detour(site.index, copied(c.arch, site), at, callback=sym["kp_optimized_callback"],
                                       resume_regs=sym["kp_optprobe_resume_regs"], body=body, **common)
     return code, resume, resume
 
@@ -230,7 +230,7 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
     em = c.arch.emit
     for site in c.plan.sites:
         if site.decision == INT3:
-            if site.xol.mode != "emulate":
+            if site.xol.mode != EMULATE:
                 put(site.detour, xol_slot(c, site, site.detour, sym), layout.sizes[("xol", site.index)])
             patches.append((site.addr, c.arch.breakpoint))
             continue

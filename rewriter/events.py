@@ -236,7 +236,7 @@ class TraceEvent:
     def reads_regs(self) -> bool:
         """Whether a hit reads pt_regs: a register, the stack, an argument or $retval
         ($comm, @SYM and immediates do not), so a kprobe event without any takes the
-        clean call (planner.choose_forms) and its pre_handler passes no regs."""
+        clean call (planner.forms.choose_forms) and its pre_handler passes no regs."""
         return self.is_return or any(i.op in F.REGS_OPS for a in self.args for i in a.code)
 
 

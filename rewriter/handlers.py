@@ -19,7 +19,7 @@ def resolve(spec, arch, runtime_handlers=frozenset()) -> tuple[dict[str, str], d
     """(handler name -> link symbol, C source -> names it exports, error lines).
     runtime_handlers: names the runtime itself defines (a target's own probes).
     Every handler named must be defined in a handler file; detours save no
-    SSE/AVX/x87 state, so handler code must not touch it: C sources are compiled
+    vector state (the arch's handler_abi.VECTOR_STATE), so handler code must not touch it: C sources are compiled
     with -mgeneral-regs-only, prebuilt objects are read."""
     wanted = names(spec) - runtime_handlers
     own = {n: n for n in names(spec) & runtime_handlers}
@@ -33,7 +33,7 @@ def resolve(spec, arch, runtime_handlers=frozenset()) -> tuple[dict[str, str], d
             for sec in link.executable_sections(h):
                 at = arch.handler_abi.vector_use(sec, 0)
                 if at is not None:
-                    lines.append(f"{spec.path.name}: handlers: {h.name} uses SSE/AVX/x87 registers at "
+                    lines.append(f"{spec.path.name}: handlers: {h.name} uses {arch.handler_abi.VECTOR_STATE} registers at "
                                  f"{at:#x}, which detours do not save; compile it with -mgeneral-regs-only")
                     break
     listed = ", ".join(h.name for h in spec.handlers) or "none listed"

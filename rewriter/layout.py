@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import emission
+from .arch.base import EMULATE
 from .errors import KprewriteError
 from .planner import INT3
 
@@ -56,7 +57,7 @@ def place(c: emission.Code, target) -> Layout:
         site.detour = pos
         sizes[("site", site.index)] = len(code)
         pos += len(code)
-    for site in c.plan.sites:       # evicted neighbours (planner._evict_neighbour()): a copy, no probe
+    for site in c.plan.sites:       # evicted neighbours (planner.short_jumps.evict_neighbour()): a copy, no probe
         ev = site.evicted
         if ev is None:
             continue
@@ -76,7 +77,7 @@ def place(c: emission.Code, target) -> Layout:
         pos += n
     c.arch.kprobe_xol.number_descriptors(c.plan.sites)
     for site in c.plan.sites:
-        if site.decision == INT3 and site.xol.mode != "emulate":
+        if site.decision == INT3 and site.xol.mode != EMULATE:
             with relocating(c, "probe", site.addr):
                 n = c.arch.kprobe_xol.place_slot(site.xol, site.index, site.with_post, pos)
             site.resume, site.resume_post = site.xol.slot, site.xol.slot_post

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from .arch.base import BOOST, EMULATE, SINGLESTEP
 from .errors import KprewriteError
 from .image import Image
 from .planner import FTRACE, HOOK_PENDING, INT3, JUMPS, OPTIMIZED, TRAMPOLINE, Plan
@@ -211,7 +212,7 @@ def read_metadata(path: str) -> dict:
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 
-INT3_FLAGS = {"emulate": "EMULATED", "boost": "BOOSTED", "single-step": "SINGLESTEP"}
+INT3_FLAGS = {EMULATE: "EMULATED", BOOST: "BOOSTED", SINGLESTEP: "SINGLESTEP"}
 
 
 def _list_flags(p: dict) -> list[str]:

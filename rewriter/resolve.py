@@ -51,7 +51,7 @@ class EntryProbe(Probe):
     kret: KretprobeSpec | None = None
     kind: str = "r"
     group: object = None     # its planner.Group (the function's return sites)
-    ret_clean: bool = False  # its return handler never reads regs (planner.choose_forms)
+    ret_clean: bool = False  # its return handler never reads regs (planner.forms.choose_forms)
 
     @property
     def event_name(self) -> str:

@@ -30,7 +30,7 @@ answer (targets/*), used by the planner.
   hit counter and the handler call in the detour itself).  Clean calls (no pt_regs for a
   handler that never reads it, through the runtime's shared clean entry) are always allowed.
 - light_hits / red_zone: in an image where no handler can run, templates only count
-  hits; where the ABI's red zone is free (a user function's entry), without moving %rsp.
+  hits; where the ABI's red zone is free (a user function's entry), without moving the stack pointer.
 """
 from __future__ import annotations
 
@@ -54,24 +54,24 @@ class Rules:
     # A kretprobe's entry takes the clean call where its entry_handler never reads regs (the
     # runtime's kp_kretprobe_clean_entry passes the return-address slot instead of pt_regs).
     kretprobe_clean_entry: bool = False
-    # Probes on consecutive instructions share one detour (planner._share_regions())
+    # Probes on consecutive instructions share one detour (planner.sites.share_regions())
     # instead of the second one being refused inside the first one's region.
     shared_regions: bool = False
     # A site with no room for a 5-byte jump takes a short jump to one in dead
-    # padding nearby (planner._short_jumps()).
+    # padding nearby (planner.short_jumps.short_jumps()).
     short_jumps: bool = False
     # With no dead padding in reach, the short jump's slot is made in a neighbouring
-    # region moved to a detour of its own (planner._evict_neighbour(), E9Patch's T3).
+    # region moved to a detour of its own (planner.short_jumps.evict_neighbour(), E9Patch's T3).
     evict_neighbours: bool = False
     # A direct branch to a detoured region's start names the detour instead
-    # (planner._retarget_branches()).
+    # (planner.retarget.retarget_branches()).
     retarget_branches: bool = False
     singlestep_int3: bool = False
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     # In an image with no handler at all, a template only counts the hit (emit.light_detour).
     light_hits: bool = False
-    # The ABI's red zone (128 bytes below %rsp) is free at a function entry: a detour
-    # may save registers there without moving %rsp (a user ELF; a kernel has none).
+    # The ABI's red zone (below the stack pointer; x86-64: 128 bytes) is free at a function
+    # entry: a detour may save registers there without moving the stack pointer (a user ELF; a kernel has none).
     red_zone: bool = False
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their

@@ -44,7 +44,7 @@ def generate(c: Code, target, traces: dict) -> str:
         out += _records_c(c, target, traces)
     else:
         out += _structs_c(c, target, traces, A)
-    # Shared detours (planner._share_regions()): where an address under a region's jump runs.
+    # Shared detours (planner.sites.share_regions()): where an address under a region's jump runs.
     ips = sorted([pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, site)]
                  + [pair for site in plan.sites if site.evicted is not None for pair in evicted_ips(c, site.evicted)])
     out.append(f"const struct kp_region_ip kp_region_ips[{max(1, len(ips))}] = {{")

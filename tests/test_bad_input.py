@@ -213,7 +213,7 @@ def test_list_on_an_elf_with_shifted_headers(tmp_path, prog):
 
 
 def test_pt_load_out_of_reach(tmp_path, prog):
-    """A PT_LOAD whose p_memsz reaches past 4 GiB: the detours would be out of rel32 reach
+    """A PT_LOAD whose p_memsz reaches past 4 GiB: the detours would be out of jump reach
     (was 'internal error: EmitError: jmp back: displacement ... does not fit in 32 bits')."""
     from elftools.elf.elffile import ELFFile
     with open(prog, "rb") as fh:
@@ -222,7 +222,7 @@ def test_pt_load_out_of_reach(tmp_path, prog):
         ph = e["e_phoff"] + i * e["e_phentsize"]
     f = _damaged(tmp_path, prog, "huge_load", lambda d: d.__setitem__(slice(ph + 40, ph + 48), (1 << 32).to_bytes(8, "little")))
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
-    assert len(fails(tmp_path, f, spec, f"{f}: its PT_LOAD segments end at", "out of rel32 reach")) == 1
+    assert len(fails(tmp_path, f, spec, f"{f}: its PT_LOAD segments end at", "out of jump reach")) == 1
 
 
 def test_no_pt_load(tmp_path, prog):

@@ -1,4 +1,4 @@
-"""Neighbour eviction (issue 15; planner._evict_neighbour(), optprobe.can_evict()):
+"""Neighbour eviction (issue 15; planner.short_jumps.evict_neighbour(), optprobe.can_evict()):
 E9Patch's T3 for a probe whose region cannot reach 5 bytes and which has no
 dead padding within a short jump's reach.  A neighbouring region N is moved to
 a detour of its own (its start jumps there; its copy runs and jumps back to its
@@ -8,7 +8,7 @@ but N's start leads into N.
 The program keeps every other place out of reach or unusable: its code is
 surrounded by runs of calls (no region of 10 bytes holds a call only last) and
 holds no padding at all.  `bump` and `nb` have CFI, so direct branches to
-`bump` are retargeted to its detour (planner._retarget_branches()), except the
+`bump` are retargeted to its detour (planner.retarget.retarget_branches()), except the
 one inside the evicted region.
 
 * `tgt` is entered 3 bytes in by `tgt_in`; `nb`, right after it and called by
@@ -73,7 +73,7 @@ __asm__(
 ".size nb2,.-nb2\n"
 ".globl filler_d\n.type filler_d,@function\nfiller_d:\n@CALLS@.size filler_d,.-filler_d\n"
 /* The third probe: its only neighbour, nb3, is a loop: evicted, every iteration
-   would take two jumps for no probe (planner._in_loop()). */
+   would take two jumps for no probe (planner.short_jumps.in_loop()). */
 ".globl tgt3_in\n.type tgt3_in,@function\ntgt3_in:\n"
 "  mov %edi,%eax\n  jmp 8f\n"
 ".size tgt3_in,.-tgt3_in\n"

@@ -102,7 +102,7 @@ def test_rewritten_program_runs(once, tmp_path, build, runner):
     assert [l.split(None, 2)[2] for l in listing] == [f"work+0x0 {flag}", f"main+0x0 {flag}",
                                                       "work+0x5 [OPTIMIZED]"], listing
     # Untouched: the table, and main past its first five bytes (only the site holds a jump,
-    # and a direct call of a probed function names its detour: planner._retarget_branches()).
+    # and a direct call of a probed function names its detour: planner.retarget.retarget_branches()).
     assert _table(out, TABLE[build]) == _table(prog, TABLE[build])
     start, end = function(prog, "main")
     after, before = bytearray(read_at(out, start + 5, end - start - 5)), bytearray(read_at(prog, start + 5, end - start - 5))

@@ -366,7 +366,7 @@ __asm__(
    this probe a breakpoint, single-stepped: SSE moves are not boostable. */
 ".globl f_step\n.type f_step,@function\nf_step:\n  movups (%rdi),%xmm0\n1: mov $1,%eax\n  ret\n  jmp 1b\n.size f_step,.-f_step\n"
 /* Never called: keeps main out of a short jump's reach, and no region of it can
-   be evicted (planner._evict_neighbour(): a call only last), so f_emul and
+   be evicted (planner.short_jumps.evict_neighbour(): a call only last), so f_emul and
    f_step stay breakpoints. */
 ".globl f_fill\n.type f_fill,@function\nf_fill:\n  .rept 30\n  call f_boost\n  .endr\n  ret\n.size f_fill,.-f_fill\n"
 );
@@ -855,7 +855,7 @@ def test_probe_on_every_instruction(everywhere, once, runner, optimize):
     modes, out = once(_every_rewritten, prog, spec, optimize)
     kinds = {m for m in modes.values()}
     if optimize:
-        # Probes on consecutive instructions share their detours (planner._share_regions()).
+        # Probes on consecutive instructions share their detours (planner.sites.share_regions()).
         assert ("optimized", "") in kinds, kinds
     else:
         assert kinds == {("int3", "boost"), ("int3", "emulate"), ("int3", "single-step")}, kinds

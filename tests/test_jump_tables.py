@@ -217,7 +217,7 @@ def test_jump_tables_read(once, build, runner):
         assert decisions(f).count("optimized") >= (1 if f == "tail_ptr" else 3), by_func[f]
         assert not any("indirect_jump" in l for l in by_func[f]), by_func[f]
     # Some region would have covered a case label: the table's entry refused it,
-    # or (probes sharing detours, planner._share_regions()) ended the region before
+    # or (probes sharing detours, planner.sites.share_regions()) ended the region before
     # it, the label's probe heading a region of its own.  Either way a jump table
     # read wrong leaves a label under a jump, which the runs above would crash on.
     for f in ["sw", "tail_sw", "sw_field", "sw_loop"]:
@@ -232,7 +232,7 @@ def test_jump_tables_read(once, build, runner):
     for f in ["interp", "via_cmov", "resume"]:
         assert "optimized" in decisions(f), by_func[f]
         assert not any("indirect_jump" in l for l in by_func[f]), by_func[f]
-    # (The tiles' regions end before each label, planner._share_regions(): a label
+    # (The tiles' regions end before each label, planner.sites.share_regions(): a label
     # missed would lie under a jump, and the runs above would crash.)
 
 

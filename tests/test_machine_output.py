@@ -19,7 +19,7 @@ int main(int argc, char **argv) { printf("%d\n", work(argc > 1 ? atoi(argv[1]) :
 # leaf is `lea 0x1(%rdi,%rdi,2),%eax; ret` (-O2, no endbr64, functions packed with
 # -falign-functions=1, so no padding follows it to borrow): a probe on its ret has
 # no 5 bytes of its own (func_size) and rides on the detour of the one at its entry
-# (planner._share_regions(); the kernel would refuse it, probe_in_region);
+# (planner.sites.share_regions(); the kernel would refuse it, probe_in_region);
 # tail is `add $1,%edi; jmp leaf`: a kretprobe whose one exit is a tail call.
 SPEC = """
 [[kprobe]]

@@ -10,7 +10,7 @@ ASM = r"""
 __asm__(
 ".text\n"
 /* A loop jumps back to offset 1: inside the region of a probe at 0, even a
-   short jump's (planner._short_jumps(), _evict_neighbour()). */
+   short jump's (planner.short_jumps.short_jumps(), evict_neighbour()). */
 ".globl jump_into\n.type jump_into,@function\njump_into:\n"
 "  xchg %eax,%edi\n"
 "1: sub $1,%eax\n"

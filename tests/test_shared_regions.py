@@ -1,4 +1,4 @@
-"""Probes on consecutive instructions share one detour (planner._share_regions()).
+"""Probes on consecutive instructions share one detour (planner.sites.share_regions()).
 
 The kernel refuses a second kprobe inside an optimized kprobe's region; here the
 region's head takes the jump and every probe inside rides on its detour, its
@@ -188,7 +188,7 @@ def test_handlers_see_their_own_instruction(once, runner):
     # Every probe jump-optimized: the heads at +0, the rest riding on them; but
     # s_next's entry, which no region of its own function can cover, does not ride
     # on s_prev's region: it takes a short jump into an evicted neighbour
-    # (planner._evict_neighbour(), tests/test_eviction.py).
+    # (planner.short_jumps.evict_neighbour(), tests/test_eviction.py).
     assert all("  optimized" in l for l in lines), lines
     m = {p["name"]: p for p in meta(out)["probes"]}
     assert m["next0"].get("shared_with") is None and m["next0"].get("evicted"), m["next0"]

@@ -3,7 +3,7 @@ them (issue 15; optprobe._borrow_padding()): nop or int3 bytes that no symbol,
 FDE, relocation or jump names.  One function falls through its padding into the
 next, so the padding's copy runs; one has padding a jump lands in, and one has
 none: those two cannot borrow (func_size), and take a short jump to a 5-byte
-jump in dead padding nearby instead (planner._short_jumps()), never into the
+jump in dead padding nearby instead (planner.short_jumps.short_jumps()), never into the
 padding the jump lands in."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A short jump to a 5-byte jump in dead padding (issue 15; planner._short_jumps(),
+"""A short jump to a 5-byte jump in dead padding (issue 15; planner.short_jumps.short_jumps(),
 optprobe.short_jump_slot()): E9Patch's tactic for a probe whose region cannot
 reach 5 bytes.  The program is glibc's memmove/mempcpy pattern: `move` is
 entered 3 bytes in by `pcopy`'s tail jump, so its entry's 5-byte region holds a
@@ -14,7 +14,7 @@ the slot:
 Each wrong choice changes the output or crashes; hit counts must equal the
 same probes as breakpoints (--no-optimize), natively and under QEMU.  `far`
 has a jump target 3 bytes in and no dead padding within a short jump's reach:
-the region from that target on is evicted (planner._evict_neighbour()), and
+the region from that target on is evicted (planner.short_jumps.evict_neighbour()), and
 the slot goes in its dead second half."""
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ provides an `Arch` (see x86_64/__init__.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 
 @dataclass(frozen=True)
@@ -67,21 +67,246 @@ class Exits:
     parts: list               # the function and its .cold parts
 
 
+# Breakpoint-probe modes, in the kernel's words (an arch uses the subset it has):
+# emulate -- the trap handler does the instruction's work from a descriptor
+# (x86 prepare_emulation(), arm64 simulate-insn.c); boost -- a copy followed by a
+# jump back, one trap a hit (x86 can_boost()); single-step -- a copy run with a
+# trace trap after it (x86 resume_singlestep(), arm64's XOL slot).
+EMULATE, BOOST, SINGLESTEP = "emulate", "boost", "single-step"
+
+
+class Xol(Protocol):
+    """How one breakpoint site runs its probed instruction (the arch's prepare())."""
+    mode: str                 # EMULATE, BOOST or SINGLESTEP
+    insn: DcrInsn             # the probed instruction
+    slot: int                 # BOOST/SINGLESTEP: where its copy is (0: none yet, or EMULATE)
+    slot_post: int            # BOOST with a post stub: where the jump back is
+
+
+class OptProbe(Protocol):
+    """arch/*/kernel/kprobes/opt.c at rewrite time: which instructions may be
+    probed, which regions jump-optimized, and the facts a detour's form needs."""
+    SHORT_JUMP_SIZE: int | None   # a short jump to a JUMP_SIZE one in reach (E9Patch T1); None: none
+
+    def adjust_kprobe_addr(self, image, sym_addr: int, offset: int) -> int:
+        """arch_adjust_kprobe_addr(): a function's entry past its landing pad."""
+
+    def can_probe_insn(self, image, addr: int) -> Refusal | None:
+        """can_probe(): the instruction at addr may take a breakpoint."""
+
+    def can_optimize(self, image, analysis, func, addr: int, min_end: int | None = None,
+                     jump_size: int = 5) -> list[DcrInsn] | Refusal:
+        """can_optimize(): the detoured code region from addr, or why not."""
+
+    def short_jump_slot(self, image, analysis, addr: int, busy) -> int | None:
+        """Dead padding within a short jump's reach of addr for a JUMP_SIZE jump."""
+
+    def evict_candidates(self, image, analysis, addr: int) -> Iterable[tuple[Any, int]]:
+        """(function, start) of neighbouring regions a short jump at addr reaches."""
+
+    def can_evict(self, image, analysis, func, n0: int) -> list[DcrInsn] | Refusal:
+        """The region at n0 that an evicted neighbour's detour would copy."""
+
+    def stack_aligned_at(self, image, func, addr: int) -> bool:
+        """The stack pointer has the ABI's call alignment at addr (a function entry)."""
+
+    def red_zone_free_at(self, image, func, addr: int) -> bool:
+        """The ABI's red zone below the stack pointer is free at addr."""
+
+    def arith_flags_dead(self, image, func, addr: int, limit: int = 32) -> bool:
+        """No instruction from addr reads the arithmetic flags before writing them."""
+
+
+class KprobeXol(Protocol):
+    """arch_prepare_kprobe() and the out-of-line slots of breakpoint probes."""
+    def prepare(self, image, addr: int, ss_int3: bool = False) -> Xol:
+        """How the instruction at addr runs when its breakpoint hits."""
+
+    def emulates_refused(self, image, addr: int) -> bool:
+        """can_probe() refuses the instruction but the trap handler emulates it."""
+
+    def number_descriptors(self, sites) -> None:
+        """Give each breakpoint site its descriptor's index."""
+
+    def place_slot(self, x: Xol, site_index: int, with_post: bool, at: int) -> int:
+        """Place x's slot at `at`; its size."""
+
+    def slot_code(self, x: Xol, site_index: int, with_post: bool, at: int, post_entry: int) -> bytes:
+        """The slot's bytes (the copy, a post stub, the jump back)."""
+
+    def table_c(self, sites) -> str:
+        """The breakpoint sites' descriptor table, as C."""
+
+
+class RetProbe(Protocol):
+    """The arch half of kretprobes (rethook): exits of a function, return hooks,
+    the entry's return-address handling."""
+    KRET_ENTRY_USES: tuple[str, ...]   # registers the kretprobe entry body clobbers
+
+    def find_exits(self, image, analysis, func) -> Exits:
+        """Every way out of func (and its cold parts)."""
+
+    def exit_region(self, image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
+        """The region a jump at an exit may take, and where it starts."""
+
+    def hook_then_exit(self, exit: DcrInsn, hook, at: int) -> bytes:
+        """A call of the return hook, then the exit itself, at `at`."""
+
+    def ret_detour(self, dcr: list[DcrInsn], hook: tuple[int, int | None], at: int) -> bytes:
+        """A return region's detour: its copy up to the exit, the hook, the exit."""
+
+    def hook_copy(self, hooks: dict[int, tuple[int, int | None]]) -> Callable:
+        """A copy function for a detour whose region holds exits: each exit calls its hook."""
+
+    def kret_entry_body(self, *, rp: int, tramp: int, entry_handler: int | None, enter_c: int,
+                        aligned: bool, inline: bool = True, regs: bool = False) -> bytes:
+        """The code a kretprobe's entry runs (arch_prepare_kretprobe())."""
+
+    def clean_ret_hook(self, exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
+                       handler: int | None, return_c: int, full_hook: tuple[int, int | None],
+                       aligned: bool, handler_clobbers: set[str] | None) -> bytes:
+        """A return hook that saves only what its handler clobbers."""
+
+    def full_ret_hook(self, exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
+                      handler: int | None, return_c: int, aligned: bool) -> bytes:
+        """A return hook that saves a whole pt_regs."""
+
+
+class Emit(Protocol):
+    """arch_prepare_optimized_kprobe() and the code kprewrite writes: detours,
+    templates, patches, start-up stubs; the runtime's struct offsets (asm-offsets)."""
+    EmitError: type
+
+    # Runtime struct sizes and offsets, generated from the C headers (kp_asm_offsets.c).
+    KPROBE_SIZE: int
+    KPROBE_FLAGS: int
+    KRETPROBE_SIZE: int
+    THREAD_ACTIVE: int
+    THREAD_HITS: int
+    THREAD_TABLE_MASK: int
+    THREAD_KRET: int
+    KRET_DEPTH: int
+    KRET_TAIL_SLOT: int
+    KRET_STACK: int
+    RP_MAXACTIVE: int
+    RP_STRIDE: int
+    RP_POOL: int
+    RP_HINT: int
+    RI_RP: int
+    RI_RET_ADDR: int
+    RI_FP: int
+    RI_STATE: int
+    RI_FLAGS: int
+    RI_TRAMP: int
+
+    def relocate(self, insn: DcrInsn, new: int) -> bytes:
+        """The instruction's copy at `new` (PC-relative operands fixed)."""
+
+    def detour(self, site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: int,
+               post_entry: int, copy=None, back: int | None = None) -> tuple[bytes, int, int]:
+        """The optprobe detour buffer through the runtime's common entry."""
+
+    def clean_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
+                     probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,
+                     aligned: bool, handler_clobbers: set[str] | None = None, copy=None, body=None,
+                     back: int | None = None) -> tuple[bytes, int]:
+        """A detour that saves only what its handler clobbers."""
+
+    def full_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
+                    probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
+                    aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
+        """A detour that saves a whole pt_regs in line."""
+
+    def light_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
+                     counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
+                     back: int | None = None) -> tuple[bytes, int]:
+        """A detour that only counts the hit."""
+
+    def light_counter(self, slot: int) -> int:
+        """The byte offset of a light site's hit counter."""
+
+    def evicted_detour(self, dcr: list[DcrInsn], at: int) -> bytes:
+        """An evicted neighbour's detour: its copy and the jump back."""
+
+    def evict_patch(self, addr: int, region_len: int, detour: int, probe_detour: int) -> bytes:
+        """The bytes over an evicted region: its jump, then the probe's."""
+
+    def jump_patch(self, addr: int, region_len: int, target: int) -> bytes:
+        """The optimized probe's jump (JUMP_SIZE bytes), the region's rest filled."""
+
+    def short_jump_patch(self, addr: int, region_len: int, slot: int) -> bytes:
+        """A short jump to a JUMP_SIZE jump at slot."""
+
+    def branch_rel32(self, code: bytes) -> int | None:
+        """The offset of a retargetable direct branch's displacement in code, or None."""
+
+    def retarget_patch(self, addr: int, code: bytes, target: int) -> tuple[int, bytes]:
+        """The direct branch at addr naming target instead."""
+
+    def entry_stub(self, at: int, start_fn: int, orig_entry: int) -> bytes:
+        """A new entry point: the runtime's start, then the original entry."""
+
+    def chain_stub(self, at: int, fn: int, then: int) -> bytes:
+        """A call of fn, then a jump to then (a DT_INIT-style chain)."""
+
+
+class HandlerAbi(Protocol):
+    """What a compiled handler does with the state a detour passes it."""
+    VECTOR_STATE: str         # the register state detours do not save, as users know it
+
+    def may_use_regs(self, code: bytes, start: int, end: int, relocs: dict[int, str] | None = None) -> bool:
+        """The function may read its pt_regs argument."""
+
+    def vector_use(self, code: bytes, start: int) -> int | None:
+        """The first instruction touching VECTOR_STATE registers, or None."""
+
+    def clobbered_scratch(self, code: bytes, start: int) -> set[str] | None:
+        """The call-clobbered registers the function writes (None: unknown)."""
+
+
+class FetchRegs(Protocol):
+    """The register names of kprobe_events fetch args, and pt_regs offsets."""
+    PT_REGS: list[str]
+    REG_OFFSET: dict[str, int]
+    REGS_HINT: str
+    PARAM_MAX_STACK: int
+    DEFAULT_TYPE: str
+
+
 class Arch(Protocol):
-    """An architecture back end (a module or object with these members)."""
+    """An architecture back end: a package under rewriter/arch/ with these members
+    (tests/test_units.py checks every back end against this declaration)."""
     name: str                 # also the runtime's folder: runtime/arch/<name>
     e_machine: int            # ELF e_machine
     r_relative: int           # the ELF relocation type of a base-relative word
-    breakpoint: bytes         # the breakpoint instruction an INT3-style probe writes
+    r_got_slot: tuple[int, ...]   # relocation types of GOT slots (GLOB_DAT, JUMP_SLOT)
+    breakpoint: bytes         # the breakpoint instruction a breakpoint probe writes
+    JUMP_SIZE: int            # the bytes of the jump an optimized probe writes
+    JUMP_REACH: int           # how far that jump reaches, either way
+    FTRACE_NOP: bytes         # the nop an ftrace site holds when not tracing
+    NOP1: bytes | None        # the smallest nop, as -fpatchable-function-entry pads with it
+    USER_THREAD_KEY: ThreadKey    # how a Linux user thread is found (the psABI's thread pointer)
     Refusal: type
 
-    decode_function: Any      # (code, start) -> decoded function (boundaries, branches, indirect jumps, code refs)
-    jumptable: Any            # resolve(image, analysis, func) -> each indirect jump's kind, targets (bounded or not)
-    optprobe: Any             # adjust_kprobe_addr, can_probe_insn, can_optimize, stack_aligned_at, arith_flags_dead
-    kprobe_xol: Any           # prepare, emulates_refused, number_descriptors, place_slot, slot_code, table_c: breakpoint probes out of line
-    retprobe: Any             # find_exits, exit_region, return-hook emitters
-    emit: Any                 # detours, templates, jump_patch, branch_rel32/retarget_patch, start-up stubs
-    handler_abi: Any          # what a compiled handler reads and clobbers
-    fetch_regs: Any           # register names of FETCHARGS (%ax, $argN ...), see fetch.py
+    optprobe: OptProbe
+    kprobe_xol: KprobeXol
+    retprobe: RetProbe
+    emit: Emit
+    handler_abi: HandlerAbi
+    fetch_regs: FetchRegs
+    jumptable: Any            # resolve(image, analysis, func) -> each indirect jump's kind and targets
 
-    def is_branch(self, insn: DcrInsn) -> bool: ...
+    def decode_function(self, code: bytes, start: int) -> Any:
+        """A function's instructions: boundaries, branches, indirect jumps, code references."""
+
+    def is_branch(self, insn: DcrInsn) -> bool:
+        """A branch: its copy goes elsewhere, so no post_handler can follow it."""
+
+    def direct_branch_target(self, insn: DcrInsn) -> int | None:
+        """Where a direct call, jump or conditional jump goes (None: not one)."""
+
+    def with_branch_target(self, insn: DcrInsn, target: int) -> DcrInsn:
+        """insn, a direct branch, naming `target` instead (its copy relocates there)."""
+
+    def ftrace_site_insn(self, addr: int) -> DcrInsn:
+        """The DCR of a probe on an ftrace site: the site as the nop it is when not traced."""

@@ -71,6 +71,9 @@ def _target(ci):
 
 # A jmp to one of these is a return: a kernel built with CONFIG_RETHUNK (and code
 # compiled for it, -mfunction-return=thunk-extern) returns through the thunk.
+# The register state detours do not save (handlers are compiled -mgeneral-regs-only).
+VECTOR_STATE = "SSE/AVX/x87"
+
 RETURN_THUNKS = frozenset({"__x86_return_thunk"})
 
 

@@ -30,10 +30,9 @@ import capstone
 
 from . import emit as em
 from . import insn as x86insn
-from ..base import DcrInsn
+from ..base import BOOST, EMULATE, SINGLESTEP, DcrInsn
 from . import cs
 
-EMULATE, BOOST, SINGLESTEP = "emulate", "boost", "single-step"
 MODE_CODE = {EMULATE: 1, BOOST: 2, SINGLESTEP: 3}
 
 # Emulated kinds (numbers shared with runtime/arch/x86_64/kp_int3.c).

@@ -15,6 +15,7 @@ _cs = cs.DETAIL
 
 JMP32_INSN_SIZE = 5
 JMP8_INSN_SIZE = 2                 # jmp rel8: a short jump to a 5-byte one nearby (short_jump_slot())
+SHORT_JUMP_SIZE = JMP8_INSN_SIZE
 MAX_OPTIMIZED_LENGTH = 15 + 4      # MAX_INSN_SIZE + DISP32_SIZE, as the kernel
 ENDBR64 = b"\xf3\x0f\x1e\xfa"
 
@@ -49,7 +50,7 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
     into the alignment padding after the function (nop, or int3 after an
     unconditional exit) if nothing names those bytes (_borrow_padding()).
     min_end: cover at least [addr, min_end) (a region shared by the probes
-    after it, planner._share_regions()); the kernel's MAX_OPTIMIZED_LENGTH,
+    after it, planner.sites.share_regions()); the kernel's MAX_OPTIMIZED_LENGTH,
     the size of its fixed buffer, does not bound such a region.
     jump_size: the bytes the jump takes (JMP8_INSN_SIZE: short_jump_slot())."""
     out: list[DcrInsn] = []
@@ -255,7 +256,7 @@ def short_jump_slot(image, analysis, addr: int, busy) -> int | None:
 
 def evict_candidates(image, analysis, addr: int):
     """Where a neighbouring region to evict may start for a short jump at addr
-    (planner._evict_neighbour()): instruction boundaries n0 of decodable
+    (planner.short_jumps.evict_neighbour()): instruction boundaries n0 of decodable
     functions whose n0 + 5, the slot, is in the jmp rel8's reach.  Nearest the
     probe first, then lower addresses; yields (function, n0)."""
     import bisect

@@ -31,6 +31,7 @@ import bisect
 from array import array
 
 from ... import emission, link
+from ...arch.base import EMULATE
 from ...errors import KprewriteError
 from .bzimage import RelocTable
 
@@ -169,7 +170,7 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
     for site in plan.sites:
         if site.decision == INT3:
             # A boosted or single-stepped instruction's copy in its out-of-line slot.
-            if site.xol.mode != "emulate":
+            if site.xol.mode != EMULATE:
                 copy = em.relocate(site.xol.insn, site.xol.slot)
                 off = site.xol.slot - layout.rx_vaddr
                 if bytes(rx[off:off + len(copy)]) != copy:

@@ -6,6 +6,7 @@ objects.  New code and data go in two PT_LOAD segments appended to the file
 from __future__ import annotations
 
 from ... import blacklist as bl
+from ...arch import get_arch
 from ...arch.base import ThreadKey
 from ...errors import KprewriteError
 from ...rules import Rules
@@ -17,8 +18,9 @@ name = "linux_user"
 
 
 def thread_key(image) -> ThreadKey:
-    """The thread's identity: the C library's TCB self pointer, at 0 from the thread pointer."""
-    return ThreadKey("thread", 0)
+    """The thread's identity, as the arch's psABI defines the thread pointer (x86-64:
+    the TCB's self pointer, at 0 from it)."""
+    return get_arch(image.machine).USER_THREAD_KEY
 META_SECTION = ".kprewrite.meta"
 
 
@@ -31,12 +33,12 @@ def load_symbols(image, system_map: str | None = None) -> None:
 def rules(image, arch) -> Rules:
     """check_kprobe_address_safe()'s blacklist for a user image (blacklist.compute),
     and the image's ftrace sites (ftrace.py: function entries a -mnop-mcount or
-    -fpatchable-function-entry build left as a 5-byte nop), which a probe takes
+    -fpatchable-function-entry build left as the arch's ftrace nop), which a probe takes
     as KPROBE_FLAG_FTRACE does, the bytes after a site's first refused as in a
     kernel.  The output keeps the sites' tables unchanged (write() does not touch
     them): nothing patches them at run time in a user process."""
     sites = ftrace.sites(image, arch)
-    return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, sites)), ftrace=sites, shared_regions=True,
+    return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, arch, sites)), ftrace=sites, shared_regions=True,
                  short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True)
 
 

@@ -1,22 +1,24 @@
-"""Ftrace sites of a user ELF: function entries the compiler left as a 5-byte nop
+"""Ftrace sites of a user ELF: function entries the compiler left as the arch's
+ftrace nop (arch.FTRACE_NOP, as long as its jump: x86-64's 5-byte nop)
 and recorded in a table, which a probe takes as KPROBE_FLAG_FTRACE does in a
 kernel (the jump replaces the nop; the function's own code is not touched).
 
 Two tables record them, both arrays of 8-byte addresses (in a PIE or a shared
-object each entry also has an R_X86_64_RELATIVE relocation, whose addend is the
+object each entry also has a relative relocation, whose addend is the
 value the loader writes):
 - __mcount_loc (gcc -pg -mfentry -mrecord-mcount): the address of each
-  `call __fentry__`, a 5-byte nop with -mnop-mcount;
+  `call __fentry__`, the ftrace nop with -mnop-mcount;
 - __patchable_function_entries (-fpatchable-function-entry=N[,M]): the first of
-  N one-byte nops, M of them before the function's symbol (gcc puts them after
+  N of the smallest nops (arch.NOP1), M of them before the function's symbol (gcc puts them after
   an endbr64, the entry recorded being then the function's start).
 
 A recorded entry is an ftrace site only where the function's entry (after its
-endbr64, as arch_adjust_kprobe_addr()) holds one 5-byte nop (-mnop-mcount) or
-exactly five one-byte nops (-fpatchable-function-entry=5, or N,M with N-M = 5).
+landing pad, as arch_adjust_kprobe_addr()) holds one ftrace nop (-mnop-mcount) or
+exactly as many of the smallest nops as it has bytes (x86-64: -fpatchable-function-entry=5,
+or N,M with N-M = 5).
 Everything else stays what it was, ordinary code for the optimizer: a real
 `call __fentry__`/`mcount` (plain -pg -mfentry: a user program's profiling
-call, relocated into the detour, never skipped), fewer than five nops (no room
+call, relocated into the detour, never skipped), fewer nops (no room
 for the jump there alone), more than five (the jump would take only part of
 the padding: the nops are then probed as the instructions they are, optimized
 or not as the checks say), and any nops before the entry (never executed on a
@@ -33,8 +35,6 @@ from dataclasses import dataclass
 from ...blacklist import BlacklistEntry
 
 TABLES = ("__mcount_loc", "__patchable_function_entries")
-SITE_SIZE = 5
-ONE_BYTE_NOP = {"x86_64": b"\x90"}
 MAX_PADDING = 64          # nops before a function's entry (-fpatchable-function-entry=N,M: M of them)
 
 
@@ -63,18 +63,19 @@ def table_entries(image, name: str) -> list[tuple[int, int]]:
 
 def _function_entry(image, arch, addr: int, nop1: bytes) -> int | None:
     """The probe address of the function entry that `addr` records: a function's
-    start (or its endbr64's end), or the start that a run of one-byte nops from
+    start (or its landing pad's end), or the start that a run of the smallest nops from
     `addr` reaches (the padding before a symbol); None if neither."""
     f = image.function_at(addr)
     if f is not None and addr in (f.start, arch.optprobe.adjust_kprobe_addr(image, f.start, 0)):
         return arch.optprobe.adjust_kprobe_addr(image, f.start, 0)
     if f is None and image.is_code(addr):
         pad = image.read(addr, MAX_PADDING)
-        for k in range(len(pad)):
-            if pad[k:k + 1] != nop1:
+        n = len(nop1)
+        for k in range(0, len(pad) - n + 1, n):
+            if pad[k:k + n] != nop1:
                 break
-            g = image.function_at(addr + k + 1)
-            if g is not None and g.start == addr + k + 1:
+            g = image.function_at(addr + k + n)
+            if g is not None and g.start == addr + k + n:
                 return arch.optprobe.adjust_kprobe_addr(image, g.start, 0)
     return None
 
@@ -82,19 +83,19 @@ def _function_entry(image, arch, addr: int, nop1: bytes) -> int | None:
 def is_site(image, arch, addr: int, nop1: bytes) -> bool:
     """One 5-byte nop, or exactly five one-byte nops, at addr, inside its function."""
     f = image.function_at(addr)
-    if f is None or addr + SITE_SIZE > f.end:
+    size = len(arch.FTRACE_NOP)
+    if f is None or addr + size > f.end:
         return False
-    code = image.read(addr, SITE_SIZE + 1)
-    if code[:SITE_SIZE] == arch.FTRACE_NOP:
+    code = image.read(addr, size + len(nop1))
+    if code[:size] == arch.FTRACE_NOP:
         return True
-    return code[:SITE_SIZE] == nop1 * SITE_SIZE and code[SITE_SIZE:] != nop1
+    return code[:size] == nop1 * (size // len(nop1)) and code[size:] != nop1
 
 
 def sites(image, arch) -> dict[int, FtraceSite]:
     """Probe address -> its ftrace site, from both tables."""
-    nop1 = ONE_BYTE_NOP.get(arch.name)
-    ftrace_nop = getattr(arch, "FTRACE_NOP", None)
-    if nop1 is None or ftrace_nop is None:
+    nop1 = arch.NOP1
+    if nop1 is None or not arch.FTRACE_NOP:
         return {}
     out: dict[int, FtraceSite] = {}
     for table in TABLES:
@@ -105,12 +106,12 @@ def sites(image, arch) -> dict[int, FtraceSite]:
     return out
 
 
-def inside_sites(image, found: dict[int, FtraceSite]) -> list[BlacklistEntry]:
+def inside_sites(image, arch, found: dict[int, FtraceSite]) -> list[BlacklistEntry]:
     """The bytes after a site's first (arch_check_ftrace_location()): a probe there
     would sit inside the jump that takes the site."""
     out = []
     for s in found.values():
         f = image.function_at(s.site)
         name = f.name if f.start == s.site else f"{f.name}+{s.site - f.start:#x}"
-        out.append(BlacklistEntry(s.site + 1, s.site + SITE_SIZE, name, "inside an ftrace site"))
+        out.append(BlacklistEntry(s.site + 1, s.site + len(arch.FTRACE_NOP), name, "inside an ftrace site"))
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from ...arch import get_arch
 from ...errors import KprewriteError
 from ...elfwrite import NewSection, append_section_headers  # noqa: F401  (NewSection: the target's API)
 from ...image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
@@ -20,7 +21,6 @@ from ...image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
 PAGE = 0x1000
 PHDR_SIZE = 56
 NEW_PHDRS = 2
-REL32_REACH = 1 << 31
 MAX_PADDING = 512 << 20
 
 
@@ -48,12 +48,14 @@ def plan_layout(image: Image) -> Layout:
     skew = first.vaddr - first.offset
     max_end = max(s.vaddr + s.memsz for s in loads)
     v = page_up(max(max_end, len(image.data) + skew)) + PAGE
-    # Detours are reached by rel32 jumps from the code and jump back the same way; a
-    # segment (a damaged p_memsz, a bss of gigabytes) that puts the end of the image out
-    # of that reach leaves no place for them.  256 MiB are kept for the new code itself.
+    # Detours are reached by the arch's jump from the code and jump back the same way
+    # (x86-64: rel32, +-2 GiB); a segment (a damaged p_memsz, a bss of gigabytes) that
+    # puts the end of the image out of that reach leaves no place for them.  An eighth
+    # of the reach is kept for the new code itself (256 MiB of x86-64's).
+    reach = get_arch(image.machine).JUMP_REACH
     lo = min((a for a, _ in image.exec_ranges), default=first.vaddr)
-    if v - lo > REL32_REACH - (256 << 20) or v - skew < 0:
-        raise KprewriteError(f"{image.path}: its PT_LOAD segments end at {max_end:#x}, out of rel32 reach "
+    if v - lo > reach - (reach >> 3) or v - skew < 0:
+        raise KprewriteError(f"{image.path}: its PT_LOAD segments end at {max_end:#x}, out of jump reach "
                              f"of its code at {lo:#x}: no place for detours")
     # The new segments' file offset follows their address (so AT_PHDR finds the moved program
     # headers): whatever a segment's memory reaches past the file becomes zeros in the output.

@@ -1,0 +1,126 @@
+"""Stage 4: plan each probe, kprobes and kretprobes together.
+
+Registration checks first (kernel/kprobes.c: instruction boundary, blacklist,
+can_probe; register_kretprobe()'s own checks for rp->kp), then probes at one
+address aggregate into a site, and each site is either jump-optimized (opt.c's
+can_optimize) or an INT3 probe, with the check that refused the jump and the
+offending address.  Explicit probes that cannot be placed are errors
+(register_kprobes() is all or nothing); probes from a glob are skipped.
+
+Then the return sites of every function with a kretprobe: every exit (ret,
+tail-call jmp, a jump the target calls a return: Rules.return_jumps) gets a
+jump-optimized return hook, or where no jump fits a breakpoint return hook (an
+INT3 site at the exit, aggregated with the sites above).  Only a function whose
+exits cannot all be named, or (a target without breakpoint return hooks,
+Rules.kretprobe_int3_exits) one with an exit no jump fits, falls back to the
+kernel's return-address trampoline.  The plan ends with one numbering: site
+indices, kp_probes[] and kp_kretprobes[] slots.
+
+choose_forms() finishes the plan once the handlers' code is known: the detour
+form of each site (clean call, pt_regs, inlined template) and of each return
+hook.  Nothing after planning decides or renumbers anything.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+from ..resolve import Probe, is_entry
+from .forms import choose_forms
+from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
+                    INT3, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)
+from .register import KRETPROBE_BLACKLIST, kretprobe_refusal, register_refusal
+from .retarget import retarget_branches
+from .returns import plan_returns
+from .short_jumps import short_jumps
+from .sites import make_int3, optimize_site, share_regions
+
+# What the later stages read: the plan's data (model.py) and the two entry points.
+__all__ = ["EvictedRegion", "FTRACE", "Group", "HOOK_KIND", "HOOK_PENDING", "HOOK_RET",
+           "HOOK_SWAP", "HandlerCode", "INT3", "JUMPS", "KRETPROBE_BLACKLIST", "NO_HANDLER",
+           "OPTIMIZED", "Plan", "REFUSED", "RetSite", "Retarget", "Site", "TRAMPOLINE",
+           "choose_forms", "make_int3", "plan"]
+
+
+def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec_name: str) -> Plan:
+    out = Plan()
+    kret_refused = Plan()
+    by_addr: dict[int, list[Probe]] = defaultdict(list)
+
+    def fail(p: Probe, decision: str, reason: str, check: str, addr: int | None = None, into: Plan = out):
+        into.rejected.append((p, decision, reason, check, p.addr if addr is None else addr))
+        if p.from_glob:
+            into.skipped[check].append(p)
+        else:
+            into.errors.append(f"{spec_name}: {p.spec.table} ({p.label}): {reason}")
+
+    for p in probes:
+        if is_entry(p):
+            why = kretprobe_refusal(image, analysis, arch, p, rules)
+            if why is not None:
+                fail(p, REFUSED, *why, into=kret_refused)
+                continue
+        why = register_refusal(image, analysis, arch, p, rules.blacklist)
+        if why is not None:
+            fail(p, REFUSED, *why)
+            continue
+        by_addr[p.addr].append(p)
+
+    sites = [Site(a, ps) for a, ps in sorted(by_addr.items())]
+    for s in sites:
+        optimize_site(image, analysis, arch, s, optimize, rules)
+    if rules.shared_regions and optimize:
+        share_regions(image, analysis, arch, sites, rules)
+    # Another probe inside the region keeps the site unoptimized (the kernel's
+    # pre-optimization check); every site is placed (optimized or int3), so all count.
+    placed = sorted(s.addr for s in sites if s.head is None)
+    for s in sites:
+        if s.decision not in JUMPS or s.head is not None:
+            continue
+        i = bisect.bisect_right(placed, s.addr)
+        if i < len(placed) and placed[i] < s.region_end:
+            s.reason = arch.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
+            s.decision, s.dcr = REFUSED, None
+    if rules.short_jumps and optimize and arch.optprobe.SHORT_JUMP_SIZE:
+        short_jumps(image, analysis, arch, sites, rules)
+    for s in sites:
+        if s.decision not in JUMPS:
+            if not rules.int3:      # no breakpoint probes in this target (yet): refused
+                for p in s.probes:
+                    fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"),
+                         getattr(s.reason, "addr", s.addr))
+                continue
+            # A breakpoint on a site patched at boot (a kernel's paravirt call, lock prefix,
+            # return thunk...) would be overwritten or trip the patcher's checks, and an
+            # instruction with an exception fixup must not fault in an out-of-line copy.
+            e = rules.reserved.overlapping(s.addr, s.addr + 1)
+            if e is not None:
+                why = arch.Refusal(e.reason, e.start, f"the int3 at {s.addr:#x} would sit on " + (
+                    "an instruction with an exception fixup (its out-of-line copy could fault)"
+                    if e.reason == "__ex_table" else f"a site patched at boot ({e.symbol})"))
+                for p in s.probes:
+                    fail(p, REFUSED, str(why), why.check, why.addr)
+                continue
+            make_int3(image, arch, s, rules.singlestep_int3)
+        out.sites.append(s)
+    out.errors += kret_refused.errors
+    out.rejected += kret_refused.rejected
+    for check, ps in kret_refused.skipped.items():
+        out.skipped[check].extend(ps)
+    plan_returns(image, analysis, arch, out, rules)
+    if rules.retarget_branches:
+        retarget_branches(image, analysis, arch, out, rules)
+    _number(out)
+    return out
+
+
+def _number(plan: Plan) -> None:
+    """The one numbering: sites by address, kp_probes[] and kp_kretprobes[] in spec order."""
+    for i, s in enumerate(plan.sites):
+        s.index = i
+    plan.kprobes = sorted(((s, p) for s in plan.sites for p in s.probes if not is_entry(p)), key=lambda sp: sp[1].index)
+    for i, (_, p) in enumerate(plan.kprobes):
+        p.slot = i
+    plan.kretprobes = sorted(((g.site, p, g) for g in plan.groups for p in g.probes), key=lambda t: t[1].index)
+    for j, (_, p, _) in enumerate(plan.kretprobes):
+        p.slot = j

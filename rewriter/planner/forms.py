@@ -1,0 +1,89 @@
+"""The forms, once the handlers' code is known: how each site's detour and each
+function's return hooks are emitted (clean call, pt_regs, inlined template,
+light hit)."""
+from __future__ import annotations
+
+from ..events import trace_key
+from ..resolve import is_entry
+from ..rules import Rules
+from .model import JUMPS, NO_HANDLER, OPTIMIZED, HandlerCode, Plan, Site
+
+def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, rules: Rules,
+                 events: bool = False) -> None:
+    """How each site and each function's returns are emitted.
+
+    Sites: a clean call where no handler can read its pt_regs argument; the
+    inlined template (dispatch in the detour) where the site has one probe and
+    no post_handler.  A kretprobe's entry (pre_handler_kretprobe() reads
+    regs->sp) is clean only as the template, which passes the slot itself, when
+    its entry_handler is clean; or, where the target's runtime has a clean kretprobe entry
+    (Rules.kretprobe_clean_entry: it passes the slot), through that when no entry_handler reads regs.
+
+    Returns: a function with one kretprobe gets the hook inlined at each ret,
+    clean when its handler never reads regs, with pt_regs otherwise; several
+    kretprobes share the runtime's hooks, the clean one when no handler reads
+    regs.  traced: keys of probes with a trace event (events.trace_key) whose
+    generated handlers read regs (TraceEvent.reads_regs); events: whether any probe has one.
+
+    light (Rules.light_hits): in an image with no handler at all (events count as handlers), a
+    template only counts the hit (Site.light, emit.light_detour); red_zone
+    (Rules.red_zone): its registers are then saved below the stack pointer without moving it
+    where the ABI leaves that room free (a function entry)."""
+    for site in plan.sites:
+        # Without fast forms, detours call the runtime's shared entries: optimized_callback()
+        # with pt_regs, or the clean callback where no handler reads pt_regs.
+        _site_form(site, image, arch, code, traced, trace_key, rules.fast_forms, rules.kretprobe_clean_entry)
+    # No handler anywhere in the image: no hit can find one running (nmissed stays 0)
+    # and nothing can enable or disable a probe, so a template only counts the hit
+    # (emit.light_detour).  One handler, even elsewhere, may call a probed function.
+    quiet = rules.light_hits and not events and not plan.kretprobes and not any(p.spec.pre_handler or p.spec.post_handler
+                                                                     for _, p in plan.kprobes)
+    for site in plan.sites:
+        site.light = quiet and site.template and not site.probes[0].spec.disabled
+        site.red_zone = site.light and rules.red_zone and arch.optprobe.red_zone_free_at(image, site.probes[0].func,
+                                                                                     site.addr)
+    for g in plan.groups:
+        for p in g.probes:
+            p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
+        if len(g.probes) != 1 or g.mode != OPTIMIZED or not rules.fast_forms:
+            continue
+        p = g.probes[0]
+        if trace_key(p) in traced:           # the generated trace handler (it calls the user's)
+            sym, clobbers = f"kp_trace_ret_{trace_key(p)}", None
+        elif p.kret.handler:
+            sym, clobbers = code[p.kret.handler].symbol, code[p.kret.handler].clobbers
+        else:
+            sym, clobbers = None, set()
+        g.ret_template = {"slot": p.slot, "handler": sym, "clobbers": clobbers,
+                          "aligned": arch.optprobe.stack_aligned_at(image, g.func, g.func.start)}
+
+
+def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key,
+               templates: bool = True, kret_clean_entry: bool = False) -> None:
+    site.clean = True
+    site.clobbers = set()
+    for p in site.probes:
+        if (is_entry(p) and not kret_clean_entry) or trace_key(p) in traced:
+            site.clean = False      # pre_handler_kretprobe / the trace's pre_handler read pt_regs
+        if is_entry(p) and kret_clean_entry:
+            eh = p.kret.entry_handler
+            site.clean = site.clean and not (eh and code[eh].reads_regs)
+            site.clobbers = None
+        for name in (p.spec.pre_handler, p.spec.post_handler):
+            if not name:
+                continue
+            h = code[name]
+            site.clean = site.clean and not h.reads_regs
+            site.clobbers = None if h.clobbers is None or site.clobbers is None else site.clobbers | h.clobbers
+    site.template = templates and site.decision in JUMPS and len(site.probes) == 1 and not site.with_post
+    if site.template and is_entry(site.probes[0]):
+        eh = site.probes[0].kret.entry_handler
+        h = code[eh] if eh else NO_HANDLER
+        site.clean = not h.reads_regs
+        # The inlined entry (retprobe.kret_entry_body) uses these, and the entry_handler its own.
+        site.clobbers = None if h.clobbers is None else h.clobbers | set(arch.retprobe.KRET_ENTRY_USES)
+    if site.template:
+        p = site.probes[0]
+        site.aligned = arch.optprobe.stack_aligned_at(image, p.func, site.addr)
+        if site.clean:
+            site.flags_live = not arch.optprobe.arith_flags_dead(image, p.func, site.addr)

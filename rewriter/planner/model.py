@@ -1,0 +1,173 @@
+"""The plan's data: decisions, sites, return sites, kretprobe groups and
+branch retargets, as plain dataclasses that every later stage reads (the
+kernel's struct kprobe / optimized_kprobe / kretprobe state, decided ahead of time)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..resolve import EntryProbe, Probe, is_entry
+
+OPTIMIZED, FTRACE, INT3, REFUSED = "optimized", "ftrace", "int3", "refused"
+JUMPS = (OPTIMIZED, FTRACE)         # decisions that write a jump to a detour
+TRAMPOLINE = "trampoline"           # a kretprobe whose returns only the trampoline catches
+# How an exit reaches the kretprobe return path (the runtime's KP_KRET_HOOK_*):
+# a ret; a tail call to a function whose own returns are hooked (the instance
+# stays pending for them); a tail call to anything else (the return address is
+# swapped for the trampoline, as the kernel's kretprobes always do).
+HOOK_RET, HOOK_PENDING, HOOK_SWAP = "ret", "pending", "swap"
+HOOK_KIND = {HOOK_RET: 1, HOOK_PENDING: 2, HOOK_SWAP: 3}
+
+
+@dataclass
+class Site:
+    """One probed address: the kernel's aggregator kprobe, and its optimized_kprobe."""
+    addr: int
+    probes: list[Probe]
+    decision: str = REFUSED
+    reason: object = None            # arch Refusal, or str
+    dcr: list | None = None          # the detoured code region, if optimized
+    index: int = -1
+    xol: object = None               # INT3 fallback: the arch's out-of-line plan
+    kret_hook: int = 0               # a breakpoint return hook at this exit (HOOK_KIND)
+    ret_hooks: dict = field(default_factory=dict)   # exits inside this DCR -> (Group, hook kind)
+    # Forms (choose_forms):
+    clean: bool = False              # clean call: no handler here reads pt_regs
+    template: bool = False           # one probe, no post_handler: dispatch inlined in the detour
+    clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
+    aligned: bool = False            # template: the ABI has the stack 16-byte aligned at the site
+    flags_live: bool = True          # clean template: the arithmetic flags are live at the site
+    light: bool = False              # template of a probe in an image with no handler: count only
+    red_zone: bool = False           # light: the ABI's red zone below the stack pointer is free here (a function entry)
+    # A region shared by several probes (share_regions): the head takes the jump and
+    # holds the whole region in dcr; each site copies only seg, its own part of it.
+    head: "Site | None" = None
+    riders: list = field(default_factory=list)
+    seg: list | None = None
+    # A region under 5 bytes (short_jumps()): a short jump at addr to the jump
+    # to the detour, in the dead padding at `slot`.
+    slot: int = 0
+    # Direct branches among the copied instructions whose target is a detoured
+    # region's start: address -> the Site or RetSite whose detour they enter instead.
+    branch_to: dict = field(default_factory=dict)
+    # No dead padding in reach (evict_neighbour()): the slot is the second 5 bytes
+    # of a neighbouring region moved to a detour of its own.
+    evicted: "EvictedRegion | None" = None
+    # Addresses (layout):
+    detour: int = 0
+    back: int = 0                    # where the copy of seg jumps: the next rider's detour (0: region end)
+    resume: int = 0
+    resume_post: int = 0
+
+    @property
+    def with_post(self) -> bool:
+        return any(p.spec.post_handler for p in self.probes)
+
+    @property
+    def post_ip(self) -> int:
+        return self.dcr[0].addr + len(self.dcr[0].code) if self.dcr else self.addr
+
+    @property
+    def segment(self) -> list:
+        """The instructions this site's detour copies."""
+        return self.seg if self.seg is not None else self.dcr
+
+    @property
+    def segment_end(self) -> int:
+        seg = self.segment
+        return seg[-1].addr + len(seg[-1].code) if seg else self.addr + 1
+
+    @property
+    def region_end(self) -> int:
+        return self.dcr[-1].addr + len(self.dcr[-1].code) if self.dcr else self.addr + 1
+
+
+@dataclass
+class EvictedRegion:
+    """Beyond the kernel (E9Patch's neighbour eviction, T3): an optimized region
+    carrying no kprobe.  Its first 5 bytes jump to a detour that runs its
+    relocated copy and jumps back to its end (no handler, no hit count); its
+    next 5 bytes, dead now (the only way into the region is its start), hold
+    the jump of the short-jump probe that needed them (`for_site`)."""
+    addr: int
+    dcr: list
+    for_site: "Site"
+    detour: int = 0                  # layout
+
+    @property
+    def region_end(self) -> int:
+        return self.dcr[-1].addr + len(self.dcr[-1].code)
+
+
+@dataclass
+class RetSite:
+    """A return site with its own detour: a 5-byte jmp at `addr`."""
+    exit: object                 # arch Exit
+    dcr: list
+    addr: int
+    region_end: int
+    hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP
+    group: object = None
+    detour: int = 0              # layout
+
+
+@dataclass
+class Group:
+    """The kretprobes of one function, and how its returns are caught."""
+    func: object
+    entry: int
+    site: Site                       # the entry's site
+    probes: list[EntryProbe]
+    mode: str = OPTIMIZED
+    reason: object = None
+    exits: list = field(default_factory=list)
+    sites: list[RetSite] = field(default_factory=list)
+    embedded: list = field(default_factory=list)     # (kprobe Site, Exit): exits inside a kprobe's DCR
+    int3_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
+    hooks: dict = field(default_factory=dict)        # exit addr -> HOOK_*
+    ret_template: dict | None = None  # the inlined return hook's parameters (choose_forms)
+
+    @property
+    def ret_clean(self) -> bool:
+        """No handler of its kretprobes reads regs at return."""
+        return all(p.ret_clean for p in self.probes)
+
+
+@dataclass
+class Retarget:
+    """A direct branch (call, jmp, jcc rel32) to the start of a detoured region,
+    sent straight to its detour (Rules.retarget_branches): the jump at the region
+    would take it there anyway, one taken jump later."""
+    src: int
+    size: int                        # the branch instruction's length
+    target: int                      # the region it named
+    to: "Site | RetSite"             # whose detour it enters
+
+
+@dataclass
+class Plan:
+    sites: list[Site] = field(default_factory=list)          # placed, in address order
+    errors: list[str] = field(default_factory=list)
+    skipped: dict[str, list[Probe]] = field(default_factory=lambda: defaultdict(list))
+    # (probe, decision, reason, check name, address of the instruction that made it fail)
+    rejected: list[tuple[Probe, str, str, str, int]] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)        # functions with kretprobes, by entry
+    ret_sites: list[RetSite] = field(default_factory=list)   # by address
+    kprobes: list[tuple[Site, Probe]] = field(default_factory=list)          # kp_probes[], by slot
+    kretprobes: list[tuple[Site, EntryProbe, Group]] = field(default_factory=list)   # kp_kretprobes[]
+    retargets: list[Retarget] = field(default_factory=list)   # by source address
+
+    def hit_slot(self, p: Probe) -> int:
+        """A probe's hit counter: kp_probes[] first, then each kretprobe's rp->kp."""
+        return len(self.kprobes) + p.slot if is_entry(p) else p.slot
+
+
+@dataclass
+class HandlerCode:
+    """What the arch's handler_abi read in a handler's compiled code."""
+    reads_regs: bool                 # may read its pt_regs argument (unknown code may)
+    clobbers: set[str] | None        # call-clobbered registers it writes (None: unknown)
+    symbol: str | None = None        # its link symbol
+
+
+NO_HANDLER = HandlerCode(False, set())

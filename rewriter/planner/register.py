@@ -1,0 +1,67 @@
+"""register_kprobe()'s and register_kretprobe()'s checks, one probe at a time:
+instruction boundary, blacklist, can_probe; a kretprobe's function entry and
+kretprobe_blacklist."""
+from __future__ import annotations
+
+from .. import blacklist as bl
+from ..resolve import EntryProbe, Probe
+
+# kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
+# its caller): functions whose return does not match their call.
+NEVER_RETURNS = "never returns to its caller"
+RETURNS_TWICE = "returns twice (a return handler would fire for a call that never entered)"
+SWITCHES = "does not return to its caller (it switches the stack)"
+KRETPROBE_BLACKLIST = {
+    "__switch_to": SWITCHES,
+    "_start": "the program's entry point has no caller to return to",
+    "__libc_start_main": NEVER_RETURNS, "__libc_start_call_main": NEVER_RETURNS,
+    "exit": NEVER_RETURNS, "_exit": NEVER_RETURNS, "_Exit": NEVER_RETURNS, "abort": NEVER_RETURNS,
+    "pthread_exit": NEVER_RETURNS, "__stack_chk_fail": NEVER_RETURNS, "__assert_fail": NEVER_RETURNS,
+    "__cxa_throw": NEVER_RETURNS, "_Unwind_Resume": NEVER_RETURNS,
+    "setjmp": RETURNS_TWICE, "_setjmp": RETURNS_TWICE, "__sigsetjmp": RETURNS_TWICE, "sigsetjmp": RETURNS_TWICE,
+    "vfork": RETURNS_TWICE, "fork": RETURNS_TWICE, "getcontext": RETURNS_TWICE,
+    "longjmp": SWITCHES, "_longjmp": SWITCHES, "siglongjmp": SWITCHES, "__longjmp_chk": SWITCHES,
+    "setcontext": SWITCHES, "swapcontext": SWITCHES,
+}
+
+
+
+def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None:
+    """register_kprobe()'s checks: (reason, check name[, address]), or None."""
+    if p.func is None:
+        return f"no function symbol or FDE covers {p.addr:#x}, so the instruction boundary cannot be checked", "no_function"
+    if p.spec.symbol_name and not p.from_glob and not (p.func.start <= p.addr < p.func.end and p.addr - p.offset >= p.func.start):
+        return f"offset {p.offset:#x} is beyond the end of {p.symbol}", "offset"
+    if not analysis.is_boundary(p.func, p.addr):
+        return f"{p.addr:#x} is not an instruction boundary of {p.func.name} (decoded from {p.func.start:#x})", "insn_boundary"
+    e = bl.lookup(blacklist, p.addr)
+    if e is not None:
+        return f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist"
+    r = arch.optprobe.can_probe_insn(image, p.addr)
+    if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
+        return str(r), r.check, r.addr
+    return None
+
+
+def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str, str] | None:
+    """register_kretprobe()'s own checks: a function entry (kprobe_on_func_entry),
+    not on the kretprobe blacklist, a function that returns."""
+    if not rules.kretprobes:
+        return f"kretprobes are not supported in {image.label} yet", "kretprobe"
+    f = p.func
+    if f is None:
+        return f"a kretprobe must be on a function entry (kprobe_on_func_entry): no function covers {p.addr:#x}", "func_entry"
+    if p.addr != arch.optprobe.adjust_kprobe_addr(image, f.start, 0):
+        return f"a kretprobe must be on a function entry (kprobe_on_func_entry): {p.label} is not", "func_entry"
+    bad = next((n for n in [f.name] + list(f.aliases) if n in KRETPROBE_BLACKLIST), None)
+    if bad:
+        return f"{bad} is on the kretprobe blacklist: {KRETPROBE_BLACKLIST[bad]}", "kretprobe_blacklist"
+    if ".cold" in f.name:
+        return (f"{f.name} is a cold part of a function, entered by a jump, not a call: "
+                "it has no return address"), "cold_part"
+    d = analysis.decoded(f)
+    if d.undecodable is None and d.indirect_jump is None:
+        ex = arch.retprobe.find_exits(image, analysis, f)
+        if not ex.exits and ex.refusal is None:
+            return f"{f.name} has no ret and no tail call: it never returns", "never_returns"
+    return None

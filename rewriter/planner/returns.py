@@ -1,0 +1,135 @@
+"""The return sites of every function with a placed kretprobe: a jump-optimized
+return hook at each exit, a breakpoint one where no jump fits, or the kernel's
+return-address trampoline."""
+from __future__ import annotations
+
+import bisect
+
+from ..resolve import is_entry
+from .model import HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
+from .sites import make_int3
+
+def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
+    """Return sites of every function with a placed kretprobe."""
+    rp = arch.retprobe
+    groups: dict[int, Group] = {}
+    for site in plan.sites:
+        for p in site.probes:
+            if is_entry(p):
+                g = groups.setdefault(site.addr, Group(p.func, site.addr, site, []))
+                g.probes.append(p)
+                p.group = g
+    # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
+    # A shared region counts as its segments (they tile it).
+    taken = sorted([(s.addr, s.segment_end) for s in plan.sites]
+                   + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and not s.evicted]
+                   + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted])
+    starts = [a for a, _ in taken]
+    site_at = sorted((s.addr, s.segment_end, s) for s in plan.sites if s.dcr)
+    site_starts = [a for a, _, _ in site_at]
+
+    def busy(lo, hi, extra):
+        i = bisect.bisect_left(starts, hi)
+        if i and taken[i - 1][1] > lo:
+            return True
+        return any(a < hi and lo < b for a, b in extra)
+
+    def host_of(addr):
+        i = bisect.bisect_right(site_starts, addr)
+        if i and site_at[i - 1][1] > addr:
+            return site_at[i - 1][2]
+        return None
+
+    plan.groups = sorted(groups.values(), key=lambda g: g.entry)
+    for g in plan.groups:
+        ex = rp.find_exits(image, analysis, g.func)
+        g.exits = ex.exits
+        if not rules.kretprobe_exits:
+            # The target's kretprobes are the kernel's: the return address is swapped at entry.
+            g.mode, g.reason = TRAMPOLINE, arch.Refusal(
+                "kretprobe_trampoline", g.entry, "the return address is swapped at entry (the kernel's "
+                "kretprobe_trampoline; instances per task)")
+            continue
+        if ex.refusal is not None:
+            # An exit we cannot even name (a conditional tail call, a jump into
+            # another function's middle): only the trampoline catches it.
+            g.mode, g.reason = TRAMPOLINE, ex.refusal
+            continue
+        # A jump the target calls a return (a kernel's `jmp __x86_return_thunk`) is a ret.
+        g.exits = [_as_return(e) if e.addr in rules.return_jumps else e for e in ex.exits]
+        mine: list[tuple[int, int]] = []
+        for e in g.exits:
+            host = host_of(e.addr)
+            if host is not None:
+                if e.addr in rules.return_jumps:   # the copy in a kprobe's detour is not ours to name
+                    _exits_refused(g, arch.Refusal("probe_in_region", host.addr, f"the return jump at {e.addr:#x} "
+                                                   f"lies in the region of the probe at {host.addr:#x}"), e)
+                    break
+                g.embedded.append((host, e))
+                continue
+            part = next(pt for pt in ex.parts if pt.start <= e.addr < pt.end)
+            r = rp.exit_region(image, analysis, part, e, lambda lo, hi: busy(lo, hi, mine))
+            if isinstance(r, tuple):
+                why = rules.exit_region_refusal(arch, analysis, g.func, r[0][0].addr, r[1], e.addr)
+                if why is not None:
+                    r = why
+            if not isinstance(r, tuple):
+                if not rules.kretprobe_int3_exits:
+                    _exits_refused(g, r, e)
+                    break
+                # No jump fits: a breakpoint return hook at the exit (the return
+                # address still stays where the caller put it).
+                g.int3_exits.append((e, r))
+                continue
+            dcr, end = r
+            mine.append((dcr[0].addr, end))
+            g.sites.append(RetSite(e, dcr, dcr[0].addr, end, group=g))
+        if g.mode == TRAMPOLINE:
+            continue
+        for r in mine:
+            i = bisect.bisect_left(starts, r[0])
+            starts.insert(i, r[0])
+            taken.insert(i, r)
+    # Tail calls to a function whose returns are all hooked leave the slot alone.
+    hooked = {g.func.start for g in plan.groups if g.mode == OPTIMIZED} | \
+             {g.entry for g in plan.groups if g.mode == OPTIMIZED}
+    for g in plan.groups:
+        for e in g.exits:
+            g.hooks[e.addr] = HOOK_RET if e.kind == "ret" else HOOK_PENDING if e.target in hooked else HOOK_SWAP
+        if g.mode != OPTIMIZED:
+            continue
+        for s in g.sites:
+            s.hook = g.hooks[s.exit.addr]
+            plan.ret_sites.append(s)
+        for host, e in g.embedded:
+            host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
+    plan.ret_sites.sort(key=lambda s: s.addr)
+    _place_int3_hooks(image, arch, plan)
+
+
+def _as_return(e):
+    """An exit jump that is a return (Rules.return_jumps), as a ret."""
+    return type(e)(e.addr, "ret", e.insn)
+
+
+def _exits_refused(g: Group, why, e) -> None:
+    """An exit no jump can hook where the target has no breakpoint return hooks
+    (Rules.kretprobe_int3_exits off): the function keeps the trampoline, and
+    `check` names the check that refused the exit and where."""
+    g.mode, g.embedded, g.sites, g.int3_exits = TRAMPOLINE, [], [], []
+    g.reason = type(why)(why.check, why.addr, f"the exit at {e.addr:#x} cannot take a jump: {why.detail} "
+                                              "(the return address is swapped at entry)")
+
+
+def _place_int3_hooks(image, arch, plan: Plan) -> None:
+    """Breakpoint sites for the exits no jump could hook (arch_prepare_kprobe()
+    on the ret or the tail jmp, emulated out of line), aggregated with a
+    breakpoint kprobe already at that address."""
+    at = {s.addr: s for s in plan.sites}
+    for g in plan.groups:
+        for e, why in g.int3_exits:
+            site = at.get(e.addr)
+            if site is None:
+                site = at[e.addr] = make_int3(image, arch, Site(e.addr, [], reason=why))
+            site.kret_hook = HOOK_KIND[g.hooks[e.addr]]
+    plan.sites = sorted(at.values(), key=lambda s: s.addr)

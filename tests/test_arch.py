@@ -1,0 +1,92 @@
+"""The architecture interface (rewriter/arch/base.py): every back end in
+arch.MACHINES provides every member the generic stages use, with the declared
+parameters, so a second architecture is a folder the stages call the same way."""
+import inspect
+import typing
+
+import pytest
+
+from rewriter.arch import MACHINES, base, get_arch
+
+ARCHES = sorted(set(MACHINES.values()))
+# Arch members that are parts, each declared by its own Protocol.
+PARTS = {"optprobe": base.OptProbe, "kprobe_xol": base.KprobeXol, "retprobe": base.RetProbe,
+         "emit": base.Emit, "handler_abi": base.HandlerAbi, "fetch_regs": base.FetchRegs}
+
+
+def _methods(proto) -> dict:
+    return {n: v for n, v in vars(proto).items() if not n.startswith("_") and inspect.isfunction(v)}
+
+
+def _annotations(proto) -> dict:
+    return typing.get_type_hints(proto, globalns=vars(base))
+
+
+def _check(obj, proto, where: str) -> None:
+    for n, t in _annotations(proto).items():
+        assert hasattr(obj, n), f"{where} has no {n}"
+        v = getattr(obj, n)
+        if t in (int, str, bytes, bool):
+            assert isinstance(v, t) and not (t is int and isinstance(v, bool)), f"{where}.{n} is not {t.__name__}"
+    for n, f in _methods(proto).items():
+        assert hasattr(obj, n), f"{where} has no {n}()"
+        want = list(inspect.signature(f).parameters)[1:]            # without self
+        got = list(inspect.signature(getattr(obj, n)).parameters)
+        assert got == want, f"{where}.{n}{tuple(got)}: declared {tuple(want)}"
+
+
+@pytest.mark.parametrize("name", ARCHES)
+def test_every_arch_answers_the_declared_interface(name):
+    arch = get_arch(name)
+    _check(arch, base.Arch, name)
+    assert MACHINES[arch.e_machine] == name == arch.name
+    assert set(PARTS) <= set(_annotations(base.Arch))
+    for part, proto in PARTS.items():
+        _check(getattr(arch, part), proto, f"{name}.{part}")
+
+
+def test_the_declaration_covers_what_the_stages_use():
+    """A member the generic stages read from an arch but base.Arch does not
+    declare is a hole in the interface a second arch would fall through."""
+    import re
+    from pathlib import Path
+    root = Path(base.__file__).resolve().parents[1]
+    generic = [p for p in root.rglob("*.py") if "arch" not in p.relative_to(root).parts]
+    declared = set(_annotations(base.Arch)) | set(_methods(base.Arch))
+    parts = {n: set(_annotations(p)) | set(_methods(p)) for n, p in PARTS.items()}
+    missing = set()
+    for p in generic:
+        text = p.read_text()
+        for m in re.finditer(r"\barch\.([A-Za-z_][A-Za-z_0-9]*)(?:\.([A-Za-z_][A-Za-z_0-9]*))?", text):
+            top, sub = m.group(1), m.group(2)
+            if top in ("base",):                                   # the module rewriter.arch.base
+                continue
+            if top not in declared:
+                missing.add(f"{p.name}: arch.{top}")
+            elif top in parts and sub and sub not in parts[top]:
+                missing.add(f"{p.name}: arch.{top}.{sub}")
+    assert not missing, sorted(missing)
+
+
+@pytest.mark.parametrize("name", ARCHES)
+def test_direct_branches_are_named_and_retargeted(name, tmp_path):
+    """direct_branch_target() and with_branch_target(): the planner's retargeting
+    reads and rewrites a copied branch only through these two."""
+    arch = get_arch(name)
+    if name != "x86_64":
+        pytest.skip("the encodings below are x86-64's")
+    from rewriter.arch.base import DcrInsn
+    from rewriter.arch.x86_64.insn import classify
+    call = b"\xe8\x10\x00\x00\x00"                  # call .+0x15
+    insn = DcrInsn(0x1000, call, classify(call, 0x1000))
+    assert arch.direct_branch_target(insn) == 0x1015
+    moved = arch.with_branch_target(insn, 0x2000)
+    assert arch.direct_branch_target(moved) == 0x2000 and moved.code == call
+    # relocate() encodes the new target from wherever the copy goes (a call's copy
+    # pushes the original return address, then jumps).
+    import capstone
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    last = list(md.disasm(arch.emit.relocate(moved, 0x5000), 0x5000))[-1]
+    assert last.mnemonic == "jmp" and int(last.op_str, 16) == 0x2000
+    nop = b"\x90"
+    assert arch.direct_branch_target(DcrInsn(0x1000, nop, classify(nop, 0x1000))) is None
