@@ -1,5 +1,11 @@
 """Shared helpers: compile real programs with gcc, rewrite them with the real
-CLI, run them natively and under qemu-x86_64.
+CLI, run them natively and under QEMU user mode (qemu-<arch>).
+
+The architecture under test is the host's, or KPREWRITE_TEST_ARCH (a cross
+compiler <triple>-gcc and qemu-<arch> then build and run everything, and the
+"native" runner is skipped).  A test module that runs on an architecture other
+than x86-64 says so with a module-level `ARCHES = [...]`; the rest are skipped
+there (their programs hold x86-64 assembly or x86-64 facts).
 
 Every test module takes its helpers from here: compiling (`cc`), the CLI
 (`kprewrite`, `instrument`, which also checks with `attributed` that
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import struct
 import subprocess
@@ -27,11 +34,25 @@ sys.path.insert(0, str(ROOT))      # in-process imports of rewriter: this tree t
 # The CLI of this tree, not whatever `kprewrite` comes first on PATH (another checkout).
 KPREWRITE = [sys.executable, "-m", "rewriter"]
 TREE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-QEMU = shutil.which("qemu-x86_64")
+HOST_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+ARCH = os.environ.get("KPREWRITE_TEST_ARCH", HOST_ARCH)
+TRIPLES = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
+CROSS = ARCH != HOST_ARCH
+CC = f"{TRIPLES[ARCH]}-gcc" if CROSS else "gcc"
+CXX = f"{TRIPLES[ARCH]}-g++" if CROSS else "g++"
+QEMU = shutil.which(f"qemu-{ARCH}")
 # The libpython of the interpreter running the tests, if it has one.
 LIBPYTHON = (Path(sysconfig.get_config_var("LIBDIR")) / (sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY"))
              if sysconfig.get_config_var("Py_ENABLE_SHARED") else None)
-RUNNERS = ["native", "qemu"]
+RUNNERS = ["qemu"] if CROSS else ["native", "qemu"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules not written for ARCH (no ARCHES naming it; the default is x86-64 only) are skipped."""
+    for item in items:
+        arches = getattr(item.module, "ARCHES", ["x86_64"]) if item.module is not None else ["x86_64"]
+        if ARCH not in arches:
+            item.add_marker(pytest.mark.skip(reason=f"written for {', '.join(arches)}, not {ARCH}"))
 
 
 # --- building ---------------------------------------------------------------------------------
@@ -42,7 +63,7 @@ def cc(tmp: Path, name: str, source: str, *flags: str, lang: str = "c", skip_wit
     src = tmp / f"{name}.{'cc' if lang == 'c++' else 'c'}"
     src.write_text(source)
     out = tmp / name
-    compiler = "g++" if lang == "c++" else "gcc"
+    compiler = CXX if lang == "c++" else CC
     r = subprocess.run([compiler, str(src), *flags, "-o", str(out)], capture_output=True, text=True)
     if skip_without_static and r.returncode != 0 and "-static" in flags and "cannot find" in r.stderr:
         pytest.skip("no static libc/libstdc++ installed")
@@ -162,12 +183,12 @@ def probe_spec(kind: str, targets, handlers: bool = True, extra: str = "", **key
 
 def run(binary: Path, *args, runner="native", env=None, libdir: Path | None = None,
         timeout=120) -> subprocess.CompletedProcess:
-    """Runs `binary` natively or under qemu-x86_64, with `env` added to the
+    """Runs `binary` natively or under qemu-<ARCH>, with `env` added to the
     environment; `libdir` goes first on the library path (both loaders')."""
     cmd = [str(binary), *map(str, args)]
     if runner == "qemu":
         if not QEMU:
-            pytest.skip("qemu-x86_64 not installed")
+            pytest.skip(f"qemu-{ARCH} not installed")
         cmd = [QEMU, *cmd]
     e = dict(os.environ)
     if libdir is not None:

@@ -8,7 +8,8 @@ import pytest
 
 from rewriter.arch import MACHINES, base, get_arch
 
-ARCHES = sorted(set(MACHINES.values()))
+ARCHES = ["x86_64", "aarch64"]        # conftest: this module runs for either
+BACKENDS = sorted(set(MACHINES.values()))
 # Arch members that are parts, each declared by its own Protocol.
 PARTS = {"optprobe": base.OptProbe, "kprobe_xol": base.KprobeXol, "retprobe": base.RetProbe,
          "emit": base.Emit, "handler_abi": base.HandlerAbi, "fetch_regs": base.FetchRegs}
@@ -35,7 +36,7 @@ def _check(obj, proto, where: str) -> None:
         assert got == want, f"{where}.{n}{tuple(got)}: declared {tuple(want)}"
 
 
-@pytest.mark.parametrize("name", ARCHES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_every_arch_answers_the_declared_interface(name):
     arch = get_arch(name)
     _check(arch, base.Arch, name)
@@ -68,7 +69,7 @@ def test_the_declaration_covers_what_the_stages_use():
     assert not missing, sorted(missing)
 
 
-@pytest.mark.parametrize("name", ARCHES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_direct_branches_are_named_and_retargeted(name, tmp_path):
     """direct_branch_target() and with_branch_target(): the planner's retargeting
     reads and rewrites a copied branch only through these two."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cc, instrument, profile, run, write_spec
+from conftest import QEMU, cc, instrument, profile, run, write_spec
 
 KPROBES = '[[kprobe]]\nsymbol_name = "*"\n'
 KRETPROBES = '[[kretprobe]]\nsymbol_name = "*"\n'
@@ -116,7 +116,7 @@ def _same(orig: Path, new: Path, runner: str, *args, stdin: str | None = None, c
 def _run(binary, runner, args, stdin, cwd, env):
     import os
     import subprocess
-    from conftest import QEMU
+
     cmd = [str(binary), *map(str, args)]
     if runner == "qemu":
         if not QEMU:
@@ -167,7 +167,7 @@ def test_gzip_round_trip(once, runner, variant, tmp_path):
     # The rewritten gzip compresses, the rewritten gzip decompresses, the original checks.
     import subprocess
     gz = tmp_path / "data.gz"
-    prefix = [] if runner == "native" else [shutil.which("qemu-x86_64")]
+    prefix = [] if runner == "native" else [QEMU]
     with open(gz, "wb") as f:
         subprocess.run(prefix + [str(new), "-6", "-c", str(data)], stdout=f, check=True)
     back = subprocess.run(prefix + [str(new), "-d", "-c", str(gz)], capture_output=True, check=True).stdout
