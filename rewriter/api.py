@@ -2,8 +2,8 @@
 
     from rewriter import instrument, check, read_probes, read_blacklist, KprewriteError
 
-Each returns the records that `--format json` prints (README: "Machine-readable
-output"); every failure is a KprewriteError whose `lines` are the CLI's error
+Each returns the records that `--format json` prints (docs/reference/json.md;
+the API: docs/reference/python-api.md); every failure is a KprewriteError whose `lines` are the CLI's error
 lines (str(e) joins them).  Nothing here prints.  The CLI (cli.py) only formats
 what these return.
 """

@@ -1,4 +1,4 @@
-"""The command line (interface.md, and what README adds): instrument, check,
+"""The command line (docs/reference/cli.md, with what it marks as extensions): instrument, check,
 list, blacklist, trace, diff, report.  A thin layer: it formats what api.py returns."""
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def main():
 
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-                      help="json: one JSON document (README: Machine-readable output)")
+                      help="json: one JSON document (docs/reference/json.md)")
 
 
 def _json(doc) -> None:

@@ -1,4 +1,4 @@
-"""The probe spec (interface.md, "The spec (TOML)"): load and validate.
+"""The probe spec (docs/reference/spec.md): load and validate.
 
 `load_spec` reads the TOML file, checks every key of every table, and either
 returns a `Spec` or raises one `KprewriteError` with one line per problem found

@@ -1,5 +1,5 @@
 """The Python API (rewriter.instrument, check, read_probes, read_blacklist,
-KprewriteError): the README's pytest example, run as written, and the API
+KprewriteError): the pytest example of docs/reference/python-api.md, run as written, and the API
 agreeing with the CLI it underlies (same records, same error lines)."""
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ int main(void) { printf("%d\n", work(4)); return 0; }
 
 
 def test_readme_example(tmp_path):
-    """The README's example, extracted and run by pytest as a user would."""
-    text = (ROOT / "README.md").read_text()
+    """docs/reference/python-api.md's example, extracted and run by pytest as a user would."""
+    text = (ROOT / "docs" / "reference" / "python-api.md").read_text()
     m = re.search(r"<!-- api-example -->\n```python\n(.*?)```\n<!-- /api-example -->", text, re.S)
-    assert m, "README lost its API example"
+    assert m, "docs/reference/python-api.md lost its API example"
     (tmp_path / "test_example.py").write_text(m.group(1))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_example.py"],
                        cwd=tmp_path, capture_output=True, text=True, env=TREE_ENV)

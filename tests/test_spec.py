@@ -1,4 +1,4 @@
-"""rewriter.spec: loading and validating the TOML spec (interface.md, "The spec (TOML)")."""
+"""rewriter.spec: loading and validating the TOML spec (docs/reference/spec.md)."""
 from __future__ import annotations
 
 import os

@@ -1,12 +1,12 @@
 """Runs the real CLI in-process on one fuzz case and checks the contract of bad
-input (README "Bad input"): exit 0 or 1, no Python exception other than the
+input (docs/reference/cli.md, "Rules common to every command"): exit 0 or 1, no Python exception other than the
 one-line KprewriteError, no "internal error", no hang, nothing on standard
 error but `kprewrite: ` lines (a Python warning prints a source line; LIEF
 or a C library writing to fd 2 shows up too: both file descriptors are
 captured), every error line naming an input file, no output file left behind
 by a failure, and every input byte-identical afterwards.
 
-The fuzzer's settings (README "Fuzzing"): how many cases each target runs and
+The fuzzer's settings (docs/testing.md, "Fuzzer"): how many cases each target runs and
 whether they are the same every run.
 
 KPREWRITE_FUZZ_EXAMPLES=N  cases per target (default: each target's own, about a minute in all);

@@ -18,7 +18,7 @@ instruction length comes from Capstone (no detail, so it is cheap); ModRM
 presence comes from the opcode tables below, RIP-relative addressing from the
 ModRM byte (mod == 00, rm == 101, as the kernel's insn_rip_relative()).
 
-Where the kernel and the fact sheet (/work/shared/reference/kernel-x86-kprobes.md)
+Where the kernel and common summaries of its rules (which list fewer cases)
 differ, this module follows the kernel; every such place is marked "KERNEL:".
 In short:
 
@@ -32,7 +32,7 @@ In short:
   can_probe(): mov %ss (insn_masking_exception), and prepare_emulation()'s
   -EOPNOTSUPP cases -- far call/jmp (9a, ea, ff /3, ff /5), int3, iret,
   VMX (0f 01 c0-c7), and call/jmp through memory or with an address-size
-  prefix (the fact sheet lists only some of these).
+  prefix (such summaries list only some of these).
 
 Deliberately not ported (the kernel would misbehave, or it does not apply):
 the kernel's emulation of VEX opcodes that look like branches, boosting of
