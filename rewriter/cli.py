@@ -9,6 +9,7 @@ import warnings
 
 import click
 
+from . import __version__
 from .errors import KprewriteError
 
 
@@ -39,7 +40,7 @@ def _guard(fn):
 
 
 @click.group()
-@click.version_option(package_name="kprewrite")
+@click.version_option(__version__, prog_name="kprewrite")
 def main():
     """kprewrite: Linux-style kprobes compiled ahead of time into ELF images."""
 

@@ -24,8 +24,9 @@ from elftools.elf.elffile import ELFFile
 
 from . import cache
 from .errors import KprewriteError
+from .resources import runtime_dir
 
-RUNTIME_DIR = Path(os.environ.get("KPREWRITE_RUNTIME", Path(__file__).resolve().parent.parent / "runtime"))
+RUNTIME_DIR = runtime_dir()
 
 CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
           "-fno-unwind-tables", "-mgeneral-regs-only", "-fvisibility=hidden", "-fno-common",
