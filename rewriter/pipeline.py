@@ -1,10 +1,13 @@
 """The pipeline: load the image -> resolve probes -> analyse functions -> plan
-(sites, return sites, forms) -> lay out -> generate tables -> link handlers and
-runtime -> emit code -> write.  Each stage is its own module; this one only
-passes plain data between them.  The CLI is a thin layer over prepare(),
+(sites, return sites) -> compile the handlers and finish the plan (forms) ->
+lay out -> generate tables -> link handlers and runtime -> emit code -> write.
+Each stage is its own module; this one only passes plain data between them:
+prepare() ends with the plan `check` prints, compile_handlers() completes it,
+build() carries it out and decides nothing.  The CLI is a thin layer over prepare(),
 instrument() and the report module."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -19,7 +22,7 @@ from .output import write_atomically
 from .progress import NoProgress
 from .report import blacklist_lines, check_lines, list_lines, read_metadata, skipped_summary
 
-__all__ = ["Session", "prepare", "prepare_for_check", "build", "instrument",
+__all__ = ["Session", "prepare", "prepare_for_check", "compile_handlers", "build", "instrument",
            "check_lines", "list_lines", "blacklist_lines", "read_metadata", "skipped_summary"]
 from .resolve import Probe, is_entry, resolve
 from .spec import Spec, load_spec
@@ -88,19 +91,29 @@ def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False
         progress.done()
 
 
-def build(s: Session, workdir: Path, progress=None, deps: list | None = None) -> bytes:
-    """The output image's bytes.  deps: gets every file the handlers' compilation read."""
+def compile_handlers(s: Session, workdir: Path, progress=None, deps: list | None = None) -> list[Path]:
+    """The handlers' objects, and the plan finished with them: each site's and
+    return hook's form follows from what the compiled handlers read and clobber
+    (planner.choose_forms).  After this the plan is complete, and build() only
+    carries it out.  deps: gets every file the compilation read."""
     progress = progress or NoProgress()
-    platform = s.target.name             # its runtime/platform/<name> folder
     progress.stage("compiling", f"{len(s.spec.handlers)} handler files")
     headers = workdir / "include"       # headers the target makes from the image (a kernel's types)
     for rel, text in s.target.handler_headers(s.image).items():
         (headers / rel).parent.mkdir(parents=True, exist_ok=True)
         (headers / rel).write_text(text)
-    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir, platform,
-                                           headers, deps)
+    objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir,
+                                           s.target.name, headers, deps)
     planner.choose_forms(s.plan, s.image, s.arch, code, {k for k, t in s.traces.items() if t.reads_regs},
                          s.rules, events=bool(s.traces))
+    return objs
+
+
+def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
+    """The output image's bytes, from the finished plan and the handlers' objects:
+    lay out, generate the tables, link, emit, write."""
+    progress = progress or NoProgress()
+    platform = s.target.name             # its runtime/platform/<name> folder
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
     lay = layout.place(c, s.target)
@@ -130,12 +143,11 @@ def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool =
         s = prepare(input_path, spec_path, no_optimize, system_map=system_map, progress=progress)
         deps += s.spec.handlers
         keep = os.environ.get("KPREWRITE_KEEP")   # debugging: keep the linked runtime (gdb add-symbol-file)
-        if keep:
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            data = build(s, Path(keep), progress, deps)
-        else:
-            with tempfile.TemporaryDirectory(prefix="kprewrite-") as d:
-                data = build(s, Path(d), progress, deps)
+        with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="kprewrite-")) as d:
+            workdir = Path(d)
+            workdir.mkdir(parents=True, exist_ok=True)
+            objs = compile_handlers(s, workdir, progress, deps)
+            data = build(s, objs, workdir, progress)
         deps += link.runtime_sources()
         write_atomically(output, data, input_path)
         if depfile:
