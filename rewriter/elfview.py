@@ -127,8 +127,8 @@ class ElfView:
         """The one-line error about this file (to raise)."""
         return KprewriteError(f"{self.path}: {what}" if self.path is not None else what)
 
-    def _truncated(self, what: str, end: int) -> KprewriteError:
-        return self.error(f"truncated ELF file ({what} ends at {end:#x}, file is {len(self.data):#x} bytes)")
+    def _truncated(self, what_ends: str, end: int) -> KprewriteError:
+        return self.error(f"truncated ELF file ({what_ends} at {end:#x}, file is {len(self.data):#x} bytes)")
 
     # -- tables -----------------------------------------------------------------------
     @cached_property
@@ -142,7 +142,7 @@ class ElfView:
             raise self.error(f"bad ELF program header size {self.phentsize} (needs {PHDR_SIZE})")
         end = self.phoff + self.phnum * self.phentsize
         if end > n:
-            raise self._truncated("program headers", end)
+            raise self._truncated("program headers end", end)
         out = []
         for i in range(self.phnum):
             s = Segment(*_PHDR.unpack_from(self.data, self.phoff + i * self.phentsize))
@@ -151,7 +151,7 @@ class ElfView:
                     raise self.error(f"malformed ELF file (a PT_LOAD segment at {s.vaddr:#x} has "
                                      f"p_filesz {s.filesz:#x} > p_memsz {s.memsz:#x})")
                 if s.offset + s.filesz > n:
-                    raise self._truncated("a PT_LOAD segment", s.offset + s.filesz)
+                    raise self._truncated("a PT_LOAD segment ends", s.offset + s.filesz)
             out.append(s)
         return out
 
@@ -183,7 +183,7 @@ class ElfView:
             raise self.error(f"bad ELF section header size {self.shentsize} (needs {SHDR_SIZE})")
         end = self.shoff + self.shnum * self.shentsize
         if end > n:
-            raise self._truncated("section headers", end)
+            raise self._truncated("section headers end", end)
         raw = [_SHDR.unpack_from(d, self.shoff + i * self.shentsize) for i in range(self.shnum)]
         lo = hi = 0
         if self.shstrndx < len(raw):
@@ -198,7 +198,7 @@ class ElfView:
                 e = d.find(b"\0", a, hi)
                 name = _name(d[a:e if e >= 0 else hi])
             if typ not in (SHT_NULL, SHT_NOBITS) and off + size > n:
-                raise self._truncated(f"section {name or f'#{i} (no name)'}", off + size)
+                raise self._truncated(f"section {name or f'#{i} (no name)'} ends", off + size)
             out.append(Section(name, typ, flags, addr, off, size, link, info, entsize))
         return out
 
