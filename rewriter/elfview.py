@@ -109,7 +109,7 @@ class ElfView:
     caller that adds its own)."""
 
     def __init__(self, data: bytes, path: str | None = None):
-        if not isinstance(data, bytes):
+        if not isinstance(data, (bytes, bytearray)):    # a memoryview: find() and slices need bytes
             data = bytes(data)
         self.data = data
         self.path = path

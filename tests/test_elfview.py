@@ -229,8 +229,11 @@ def test_mutations(files):
 
 
 def test_bytes_of_any_kind(files):
-    """A bytearray or memoryview is read as bytes (the kernel's decompressed vmlinux)."""
+    """A bytearray (a kernel's decompressed vmlinux) is read in place, a memoryview as bytes."""
     data = files["lib.so"].read_bytes()
-    for d in (bytearray(data), memoryview(data)):
+    b = bytearray(data)
+    assert ElfView(b, "lib").data is b
+    for d in (b, memoryview(data)):
         v = ElfView(d, "lib")
-        assert isinstance(v.data, bytes) and v.sections == ElfView(data).sections
+        assert v.sections == ElfView(data).sections and v.read(v.entry, 4) == ElfView(data).read(v.entry, 4)
+        assert ehframe.read_fdes(v) == ehframe.read_fdes(data)
