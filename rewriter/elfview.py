@@ -1,11 +1,12 @@
 """A small, read-only view of an ELF64 little-endian file held in memory.
 
-The ELF header is read when the view is made; the program headers, the section
-headers and a symbol table are read with ``struct`` the first time they are
-asked for, and every later question (which segment holds an address, the file
-offset of a link-time address, the bytes there) is answered from those tables,
-never by parsing anything else.  It works on any bytes object: a file just read,
-or a vmlinux just decompressed from a bzImage, without a temporary file.
+The ELF header is read when the view is made; the program and section headers
+are read with ``struct`` the first time they are asked for (a symbol table or
+the dynamic entries each time they are), and every later question (which
+segment holds an address, the file offset of a link-time address, the bytes
+there) is answered from those tables, never by parsing anything else.  It works
+on bytes or a bytearray in place: a file just read, or a vmlinux just
+decompressed from a bzImage, without a temporary file.
 
 Its readers: image.Image (headers, the mapping of addresses to the file),
 ehframe (where .eh_frame, .eh_frame_hdr, .got and the LSDAs are) and the kernel
