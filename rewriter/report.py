@@ -7,7 +7,6 @@ import json
 
 from .arch.base import BOOST, EMULATE, SINGLESTEP
 from .errors import KprewriteError
-from .image import Image
 from .planner import FTRACE, HOOK_PENDING, INT3, JUMPS, OPTIMIZED, TRAMPOLINE, Plan
 
 META_SECTION = ".kprewrite.meta"
