@@ -138,6 +138,8 @@ def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFO
 
 
 def read_blob(raw: bytes, path: Path) -> Blob:
+    """The linked ELF as a Blob: code and data by address, its symbols, the arch's
+    base-relative relocations applied at link-time addresses (anything else refused)."""
     e = ELFFile(io.BytesIO(raw))
     syms = {}
     for s in e.get_section_by_name(".symtab").iter_symbols():

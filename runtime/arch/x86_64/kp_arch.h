@@ -2,15 +2,14 @@
  * The x86-64 half of the runtime's interface, included by the generic core
  * (kp_internal.h): what the core needs of the CPU, and the breakpoint-site
  * descriptor kprewrite's x86 back end generates (rewriter/arch/x86_64/kprobe_xol.py).
- * struct pt_regs is the handler API's (<kprewrite/kprobes.h>).
+ * struct pt_regs is the handler API's (include/kprewrite/arch/x86_64/ptrace.h).
+ * Linux's ABI on x86-64 is in uapi/, the CPU on each platform in <platform>/.
  */
 #ifndef _KP_ARCH_H
 #define _KP_ARCH_H
 #pragma GCC visibility push(hidden)
 
 #define KP_ARITH_FLAGS 0x8d5UL	/* OF SF ZF AF PF CF: restored without popfq */
-
-struct pt_regs;
 
 /* --- a probe hit on struct pt_regs (kp_core.c, kp_internal.h) --- */
 
