@@ -4,7 +4,7 @@
  */
 #include "kp_signal.h"
 
-/* Set once a thread pointer exists; until then reading %fs:0 would fault
+/* Set once a thread pointer exists; until then reading through it would fault
  * (a static program before __libc_setup_tls). */
 int kp_tls_ready;
 
