@@ -1,9 +1,11 @@
 """`instrument --depfile FILE`: a make/ninja depfile naming every file the rewrite
 read, so a build system re-runs it exactly when one of them changes (gcc -MD's
-convention: `OUTPUT: PREREQ...`)."""
+convention: `OUTPUT: PREREQ...`); and read(), for the depfiles gcc writes of the
+handlers' compilation."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .errors import KprewriteError
 from .output import write_atomically
@@ -33,3 +35,29 @@ def write(path: str, target: str, deps: list, mode_from: str) -> None:
         os.chmod(path, os.stat(path).st_mode & 0o666)
     except OSError as e:
         raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+
+
+def read(path) -> list:
+    """The prerequisites of a make-style depfile gcc wrote (-MD), resolved."""
+    text = Path(path).read_text().replace("\\\n", " ")
+    _, _, rest = text.partition(": ")
+    words, cur, i = [], "", 0
+    while i < len(rest):
+        ch = rest[i]
+        if ch == "\\" and i + 1 < len(rest) and rest[i + 1] in " #":
+            cur += rest[i + 1]
+            i += 2
+            continue
+        if ch.isspace():
+            if cur:
+                words.append(cur)
+            cur = ""
+        elif ch == "$" and rest[i + 1:i + 2] == "$":
+            cur += "$"
+            i += 1
+        else:
+            cur += ch
+        i += 1
+    if cur:
+        words.append(cur)
+    return [Path(w).resolve() for w in words]

@@ -25,7 +25,7 @@ def resolve(spec, arch, runtime_handlers=frozenset()) -> tuple[dict[str, str], d
     own = {n: n for n in names(spec) & runtime_handlers}
     if not wanted:
         return own, {}, []
-    symbols, exports, missing = link.resolve_handlers(link.compiler(), spec.handlers, wanted)
+    symbols, exports, missing = link.resolve_handlers(link.compiler(arch), spec.handlers, wanted)
     symbols.update(own)
     lines = []
     for h in spec.handlers:
@@ -52,7 +52,8 @@ def compile_and_read(spec, arch, symbols: dict[str, str], exports: dict, workdir
     """The handlers' objects (one per spec.handlers entry, in order), compiled for
     the runtime platform (headers: a folder searched first), and every handler's code
     read once.  deps: gets every file the compilation read (link.compile_handlers)."""
-    objs = link.compile_handlers(link.compiler(), workdir, spec.handlers, exports, platform, headers, deps)
+    objs = link.compile_handlers(link.compiler(arch), workdir, spec.handlers, exports, platform, headers, deps,
+                                arch=arch)
     abi = arch.handler_abi
     funcs = link.object_functions(objs)
     code = {}

@@ -118,15 +118,15 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
     lay = layout.place(c, s.target)
     progress.stage("linking")
-    cc = link.compiler()
-    table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces), platform)
+    cc = link.compiler(s.arch)             # the image's arch, not the host's
+    table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces), platform, s.arch)
     runtime = link.compile_runtime(cc, workdir, s.arch, platform)
     # A target whose runtime and handlers call into the image (a kernel's printk...)
     # resolves them from the image's symbols.
     origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
     origin[table] = "probe table"
     blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
-                     s.target.link_symbols(s.image), origin, Path(s.image.path).name, lay.data_addr)
+                     s.target.link_symbols(s.image), origin, Path(s.image.path).name, lay.data_addr, s.arch)
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)

@@ -10,7 +10,7 @@ from . import events as ev_mod
 from . import fetch as fetch_mod
 from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
 from .events import trace_key
-from .link import c_string
+from .cstring import c_string
 from .planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
 from .resolve import event_symbol, is_entry
 

@@ -225,21 +225,21 @@ kp_pre_dispatch(unsigned long site_index, struct pt_regs *regs)
 		kp_count_missed(s);
 		return KP_RESUME_DETOUR;
 	}
-	unsigned long sp = 0, flags = 0, ip = s->addr + 1;	/* as if the int3 had trapped */
+	unsigned long sp = 0, flags = 0, ip = kp_arch_trap_ip(s->addr);	/* as if the int3 had trapped */
 	if (regs) {
-		sp = regs->sp;
-		flags = regs->flags;
-		regs->ip = ip;
+		sp = kernel_stack_pointer(regs);
+		flags = kp_arch_regs_flags(regs);
+		instruction_pointer_set(regs, ip);
 	}
 	t->active = 1;
 	int stop = kp_run_pre_handlers(t, s, regs);
 	t->active = 0;
 	if (!regs)
 		return KP_RESUME_DETOUR;
-	if (unlikely(stop && regs->ip != ip))
+	if (unlikely(stop && instruction_pointer(regs) != ip))
 		return KP_RESUME_REGS;		/* the handler changed the path */
-	if (unlikely(regs->sp != sp || ((regs->flags ^ flags) & ~KP_ARITH_FLAGS))) {
-		regs->ip = s->resume;
+	if (unlikely(kernel_stack_pointer(regs) != sp || kp_arch_flags_changed(flags, kp_arch_regs_flags(regs)))) {
+		instruction_pointer_set(regs, s->resume);
 		return KP_RESUME_REGS;
 	}
 	return KP_RESUME_DETOUR;
@@ -272,19 +272,19 @@ kp_post_dispatch(unsigned long site_index, struct pt_regs *regs)
 		return KP_RESUME_DETOUR;	/* the pre half already counted the miss */
 	unsigned long sp = 0, flags = 0;
 	if (regs) {
-		sp = regs->sp;
-		flags = regs->flags;
-		regs->ip = s->post_ip;
+		sp = kernel_stack_pointer(regs);
+		flags = kp_arch_regs_flags(regs);
+		instruction_pointer_set(regs, s->post_ip);
 	}
 	t->active = 1;
 	kp_run_post_handlers(s, regs);
 	t->active = 0;
 	if (!regs)
 		return KP_RESUME_DETOUR;
-	if (unlikely(regs->sp != sp || ((regs->flags ^ flags) & ~KP_ARITH_FLAGS)
-		     || regs->ip != s->post_ip)) {
-		if (regs->ip == s->post_ip)
-			regs->ip = s->resume_post;
+	if (unlikely(kernel_stack_pointer(regs) != sp || kp_arch_flags_changed(flags, kp_arch_regs_flags(regs))
+		     || instruction_pointer(regs) != s->post_ip)) {
+		if (instruction_pointer(regs) == s->post_ip)
+			instruction_pointer_set(regs, s->resume_post);
 		return KP_RESUME_REGS;
 	}
 	return KP_RESUME_DETOUR;

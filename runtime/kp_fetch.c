@@ -225,7 +225,7 @@ static void kp_print_value(struct kp_line *l, const struct kp_probe_arg *a, unsi
 static unsigned long kp_stack_nth(struct kp_fetch_ctx *c, unsigned long n, int *fault)
 {
 	unsigned long v = 0;
-	*fault = kp_platform_copy_nofault(&v, c->regs->sp + 8 * n, 8, c->tid) != 0;
+	*fault = kp_platform_copy_nofault(&v, kernel_stack_pointer(c->regs) + 8 * n, 8, c->tid) != 0;
 	return v;
 }
 
@@ -252,7 +252,7 @@ void kp_fetch_arg(struct kp_rec *r, const struct kp_probe_arg *a, struct kp_fetc
 		val = kp_stack_nth(c, code->param, &fault);
 		break;
 	case KP_FETCH_STACKP:
-		val = regs->sp;
+		val = kernel_stack_pointer(regs);
 		break;
 	case KP_FETCH_RETVAL:
 		val = regs_return_value(regs);

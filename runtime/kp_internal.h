@@ -277,13 +277,13 @@ static inline __attribute__((always_inline)) int kp_trap_pre(struct kp_site *s, 
 		kp_count_missed(s);
 		return KP_TRAP_MISSED;
 	}
-	unsigned long ip = regs->ip;
+	unsigned long ip = instruction_pointer(regs);
 	t->active = 1;
 	int stop = kp_run_pre_handlers(t, s, regs);
 	t->active = 0;
 	/* A path change only when the handler moved regs->ip, as on the
 	 * optimized path (kp_pre_dispatch()). */
-	return stop && regs->ip != ip ? KP_TRAP_CHANGED : KP_TRAP_RUN;
+	return stop && instruction_pointer(regs) != ip ? KP_TRAP_CHANGED : KP_TRAP_RUN;
 }
 
 /* After the probed instruction ran out of line; regs->ip is where it resumes.

@@ -267,7 +267,7 @@ kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int ag
 int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 {
 	struct kretprobe *rp = (struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp));
-	kp_kret_enter(rp, regs->sp, kp_current_thread(), 1, regs);
+	kp_kret_enter(rp, kp_arch_ret_slot_at_entry(regs), kp_current_thread(), 1, regs);
 	return 0;
 }
 
@@ -312,14 +312,14 @@ static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri
 		 * (the caller's kretprobe is still pending there): the handler sees
 		 * the real return address, as the kernel's trampoline handler
 		 * reports it (correct_ret_addr). */
-		unsigned long ip = regs ? regs->ip : 0;
+		unsigned long ip = regs ? instruction_pointer(regs) : 0;
 		if (unlikely(ip == TRAMP))
-			regs->ip = (unsigned long)ri->ret_addr;
+			instruction_pointer_set(regs, (unsigned long)ri->ret_addr);
 		t->active = 1;
 		rp->handler(ri, regs);
 		t->active = 0;
-		if (unlikely(ip == TRAMP) && regs->ip == (unsigned long)ri->ret_addr)
-			regs->ip = TRAMP;
+		if (unlikely(ip == TRAMP) && instruction_pointer(regs) == (unsigned long)ri->ret_addr)
+			instruction_pointer_set(regs, TRAMP);
 	}
 	kp_ri_free(ri);
 }
@@ -361,7 +361,7 @@ static inline __attribute__((always_inline)) int kp_fire_at(unsigned long S, str
  */
 void kp_kretprobe_return(struct pt_regs *regs)
 {
-	kp_fire_at(regs->sp - 8, regs);
+	kp_fire_at(kp_arch_ret_slot_after_return(regs), regs);
 }
 
 /*
@@ -380,7 +380,7 @@ int kp_kretprobe_return_clean(unsigned long S)
  * fire at that function's ret through the same slot. */
 void kp_kretprobe_tail_pending(struct pt_regs *regs)
 {
-	unsigned long S = regs->sp - 8;
+	unsigned long S = kp_arch_ret_slot_after_return(regs);
 	struct kp_kret_thread *kt = kp_kret_at(kp_current_thread(), S);
 	if (!kt)
 		return;
@@ -397,7 +397,7 @@ void kp_kretprobe_tail_pending(struct pt_regs *regs)
  * (the kernel's way, for this path only). */
 void kp_kretprobe_tail_swap(struct pt_regs *regs)
 {
-	unsigned long S = regs->sp - 8;
+	unsigned long S = kp_arch_ret_slot_after_return(regs);
 	struct kp_kret_thread *kt = kp_kret_at(kp_current_thread(), S);
 	if (!kt)
 		return;
@@ -425,9 +425,8 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
  */
 void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
 {
-	unsigned long ip = regs->ip, sp = regs->sp, flags = regs->flags;
-	regs->ip = *(unsigned long *)sp;
-	regs->sp = sp + 8;
+	unsigned long ip = instruction_pointer(regs), sp = kernel_stack_pointer(regs), flags = kp_arch_regs_flags(regs);
+	kp_arch_regs_returned(regs, sp);
 	if (kind == KP_KRET_HOOK_RET)
 		kp_kretprobe_return(regs);
 	else if (kind == KP_KRET_HOOK_PENDING)
@@ -436,9 +435,7 @@ void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
 		kp_kretprobe_tail_swap(regs);
 	/* The exit still runs from the trap: only general registers and
 	 * arithmetic flags take a handler's writes. */
-	regs->ip = ip;
-	regs->sp = sp;
-	regs->flags = (flags & ~KP_ARITH_FLAGS) | (regs->flags & KP_ARITH_FLAGS);
+	kp_arch_regs_unreturned(regs, ip, sp, flags);
 }
 
 /* The slot's owner on any thread block: only the start-up block of a static
@@ -469,14 +466,14 @@ static void kp_kret_fatal(const char *msg)
  */
 unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 {
-	unsigned long S = regs->sp - 8;
+	unsigned long S = kp_arch_ret_slot_after_return(regs);
 	struct kp_thread *t = kp_current_thread();
 	struct kp_kret_thread *kt = t ? t->kret : 0;
 	if (unlikely(!kt)) {
 		unsigned long ret = kp_real_ret_elsewhere(S);
 		if (!ret)
 			kp_kret_fatal("kprewrite: kretprobe trampoline without instances\n");
-		regs->ip = ret;
+		instruction_pointer_set(regs, ret);
 		return ret;
 	}
 	kp_reclaim(kt, S, 0);
@@ -485,7 +482,7 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 		ret = kp_real_ret_elsewhere(S);	/* claimed before the thread had its own block */
 	if (!ret)
 		kp_kret_fatal("kprewrite: kretprobe trampoline lost the return address\n");
-	regs->ip = ret;
+	instruction_pointer_set(regs, ret);
 	int active = t->active;
 	int fired = 0;
 	while (kt->depth) {

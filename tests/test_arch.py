@@ -12,7 +12,8 @@ ARCHES = ["x86_64", "aarch64"]        # conftest: this module runs for either
 BACKENDS = sorted(set(MACHINES.values()))
 # Arch members that are parts, each declared by its own Protocol.
 PARTS = {"optprobe": base.OptProbe, "kprobe_xol": base.KprobeXol, "retprobe": base.RetProbe,
-         "emit": base.Emit, "handler_abi": base.HandlerAbi, "fetch_regs": base.FetchRegs}
+         "emit": base.Emit, "handler_abi": base.HandlerAbi, "fetch_regs": base.FetchRegs,
+         "toolchain": base.Toolchain}
 
 
 def _methods(proto) -> dict:

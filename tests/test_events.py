@@ -317,7 +317,7 @@ def test_return_event_code_compiles(tmp_path, prog):
     src = E.trace_c({"r0": ev}, {"r0": "kp_handler_user"}, [(0x1000, 0x20, "work")])
     assert "int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs)" in src
     (tmp_path / "t.c").write_text("extern char kp_handler_user[];\n" + src)
-    r = subprocess.run(["gcc", *link.CFLAGS, *link._includes(),
+    r = subprocess.run(["gcc", *link.cflags(), *link._includes(),
                         "-c", str(tmp_path / "t.c"), "-o", str(tmp_path / "t.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

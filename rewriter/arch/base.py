@@ -273,6 +273,12 @@ class FetchRegs(Protocol):
     DEFAULT_TYPE: str
 
 
+class Toolchain(Protocol):
+    """How C is compiled for the arch (link_toolchain.py, link_runtime.py)."""
+    TRIPLE: str                            # the GNU toolchain's prefix: TRIPLE-gcc, TRIPLE-ld
+    CFLAGS: dict[str, tuple[str, ...]]     # by kind of code ("user", "kernel"): the arch's own flags
+
+
 class Arch(Protocol):
     """An architecture back end: a package under rewriter/arch/ with these members
     (tests/test_units.py checks every back end against this declaration)."""
@@ -294,6 +300,7 @@ class Arch(Protocol):
     emit: Emit
     handler_abi: HandlerAbi
     fetch_regs: FetchRegs
+    toolchain: Toolchain
     jumptable: Any            # resolve(image, analysis, func) -> each indirect jump's kind and targets
 
     def decode_function(self, code: bytes, start: int) -> Any:

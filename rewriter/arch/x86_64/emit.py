@@ -10,10 +10,10 @@ import struct
 
 from keystone import KS_ARCH_X86, KS_MODE_64, Ks
 
-from ... import link
 from ...errors import KprewriteError
 from ..base import DcrInsn
 from . import cs
+from . import offsets as O
 
 _ks = Ks(KS_ARCH_X86, KS_MODE_64)
 _cs = cs.DETAIL
@@ -181,21 +181,24 @@ def chain_stub(at: int, fn: int, then: int) -> bytes:
 
 # -- The clean-call optprobe template -------------------------------------------
 #
-# Layouts the template reads directly, from the runtime's C headers
-# (runtime/kp_asm_offsets.c and arch/x86_64/kp_asm_offsets.c, via link.asm_offsets()).
-_OFFSETS = link.asm_offsets(__package__.rpartition(".")[2])
-KPROBE_SIZE = _OFFSETS["KPROBE_SIZE"]            # sizeof(struct kprobe)
-KPROBE_FLAGS = _OFFSETS["KPROBE_FLAGS"]          # offsetof(struct kprobe, flags)
-KRETPROBE_SIZE = _OFFSETS["KRETPROBE_SIZE"]      # sizeof(struct kretprobe), whose kprobe comes first
-THREAD_ACTIVE = _OFFSETS["THREAD_ACTIVE"]        # offsetof(struct kp_thread, active)
-THREAD_HITS = _OFFSETS["THREAD_HITS"]            # offsetof(struct kp_thread, hits)
-THREAD_TABLE_MASK = _OFFSETS["THREAD_TABLE_MASK"]   # KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask
-THREAD_KRET = _OFFSETS["THREAD_KRET"]            # offsetof(struct kp_thread, kret)
-# The kretprobe templates (retprobe.py) also read these:
-KRET_DEPTH, KRET_TAIL_SLOT, KRET_STACK = (_OFFSETS[n] for n in ("KRET_DEPTH", "KRET_TAIL_SLOT", "KRET_STACK"))
-RP_MAXACTIVE, RP_STRIDE, RP_POOL, RP_HINT = (_OFFSETS[n] for n in ("RP_MAXACTIVE", "RP_STRIDE", "RP_POOL", "RP_HINT"))
-RI_RP, RI_RET_ADDR, RI_FP, RI_STATE, RI_FLAGS = (_OFFSETS[n] for n in ("RI_RP", "RI_RET_ADDR", "RI_FP", "RI_STATE", "RI_FLAGS"))
-RI_TRAMP = _OFFSETS["RI_TRAMP"]                  # KP_RI_TRAMP
+# Layouts the template reads directly, from the runtime's C headers (offsets.py:
+# read at first use).  As emit.NAME too (retprobe.py, tables.py, emission.py):
+# KPROBE_SIZE sizeof(struct kprobe), KPROBE_FLAGS offsetof(struct kprobe, flags),
+# KRETPROBE_SIZE sizeof(struct kretprobe) (whose kprobe comes first), THREAD_ACTIVE,
+# THREAD_HITS, THREAD_KRET offsetof(struct kp_thread, ...), THREAD_TABLE_MASK
+# (KP_TABLE_SIZE - 1; KP_HASH(key) = key >> 12 & mask); for the kretprobe templates
+# KRET_DEPTH, KRET_TAIL_SLOT, KRET_STACK, RP_MAXACTIVE, RP_STRIDE, RP_POOL, RP_HINT,
+# RI_RP, RI_RET_ADDR, RI_FP, RI_STATE, RI_FLAGS, RI_TRAMP (KP_RI_TRAMP); PT_REGS,
+# PT_ORIG_AX, PT_IP, PT_CS, PT_FLAGS, PT_SP, PT_SS, PT_SIZE, ARITH_FLAGS, LIGHT_SHARDS.
+
+
+def __getattr__(name: str):
+    """emit.KPROBE_SIZE & co.: offsets.py's, at first use; FULL_FRAME from them."""
+    if name == "FULL_FRAME":
+        return _full_frame()
+    return getattr(O, name)
+
+
 CLEAN_FRAME = RED_ZONE + 88  # red zone + rax rcx rdx rsi rdi r8-r11, flags, the thread block
 _SCRATCH = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 
@@ -298,7 +301,7 @@ def find_thread(c: _Code, fast: int, table: int, key) -> list[int]:
     c.rip("cmp dword ptr [rip + {d}], 0", fast)
     slow = [c.jcc(JE)]
     c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x3c\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rdi
-    c.a(f"mov rax, rdi; shr rax, 12; and eax, {THREAD_TABLE_MASK:#x}")
+    c.a(f"mov rax, rdi; shr rax, 12; and eax, {O.THREAD_TABLE_MASK:#x}")
     c.rip("lea rdx, [rip + {d}]", table)
     c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
     slow.append(c.jcc(JNE))
@@ -317,22 +320,22 @@ def save_pt_regs(c: _Code):
     """struct pt_regs at %rsp as the kernel's optprobe template builds it:
     every register, the flags (arithmetic ones by seto/lahf, IF set), orig_ax,
     cs, ss; the flags word is left in rcx.  ip and sp are the caller's."""
-    c.a(f"mov qword ptr [rsp + {PT_REGS['rax']}], rax; mov qword ptr [rsp + {PT_REGS['rcx']}], rcx")
+    c.a(f"mov qword ptr [rsp + {O.PT_REGS['rax']}], rax; mov qword ptr [rsp + {O.PT_REGS['rcx']}], rcx")
     c.a("seto al; lahf; movzx ecx, ah; movzx eax, al; shl eax, 11; or ecx, eax; or ecx, 0x200")
-    c.a(f"mov qword ptr [rsp + {PT_FLAGS}], rcx")
-    for reg, off in PT_REGS.items():
+    c.a(f"mov qword ptr [rsp + {O.PT_FLAGS}], rcx")
+    for reg, off in O.PT_REGS.items():
         if reg not in ("rax", "rcx"):
             c.a(f"mov qword ptr [rsp + {off}], {reg}")
-    c.a(f"mov qword ptr [rsp + {PT_ORIG_AX}], -1; mov qword ptr [rsp + {PT_CS}], 0x33; "
-        f"mov qword ptr [rsp + {PT_SS}], 0x2b")
+    c.a(f"mov qword ptr [rsp + {O.PT_ORIG_AX}], -1; mov qword ptr [rsp + {O.PT_CS}], 0x33; "
+        f"mov qword ptr [rsp + {O.PT_SS}], 0x2b")
 
 
 def restore_pt_regs(c: _Code):
     """Every register and the arithmetic flags back from pt_regs at %rsp."""
-    F = PT_FLAGS
+    F = O.PT_FLAGS
     c.a(f"movzx eax, byte ptr [rsp + {F}]; shl eax, 8; movzx ecx, byte ptr [rsp + {F + 1}]; shr ecx, 3; "
         "and ecx, 1; or eax, ecx; add al, 0x7f; sahf")
-    for reg, off in PT_REGS.items():
+    for reg, off in O.PT_REGS.items():
         c.a(f"mov {reg}, qword ptr [rsp + {off}]")
 
 
@@ -346,13 +349,13 @@ def _dispatch_fast_path(c: _Code, fast: int, table: int, key, probe: int, probe_
     Clobbers rax rdx rdi.  Returns (jumps to the slow path, jumps to the
     restore: a disabled probe stays silent)."""
     slow = find_thread(c, fast, table, key)
-    c.a(f"cmp dword ptr [rdx + {THREAD_ACTIVE}], 0")
+    c.a(f"cmp dword ptr [rdx + {O.THREAD_ACTIVE}], 0")
     slow.append(c.jcc(JNE))                                    # reentered: nmissed
-    c.rip("test byte ptr [rip + {d}], 3", probe + KPROBE_FLAGS)   # KPROBE_FLAG_GONE|DISABLED
+    c.rip("test byte ptr [rip + {d}], 3", probe + O.KPROBE_FLAGS)   # KPROBE_FLAG_GONE|DISABLED
     restore = [c.jcc(JNE)]
-    c.a(f"inc qword ptr [rdx + {THREAD_HITS + 8 * probe_index}]")
+    c.a(f"inc qword ptr [rdx + {O.THREAD_HITS + 8 * probe_index}]")
     if thread_slot:
-        c.a(f"mov dword ptr [rdx + {THREAD_ACTIVE}], 1; mov qword ptr {thread_slot}, rdx")
+        c.a(f"mov dword ptr [rdx + {O.THREAD_ACTIVE}], 1; mov qword ptr {thread_slot}, rdx")
     return slow, restore
 
 
@@ -400,7 +403,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     elif handler is not None:
         c.rip("lea rdi, [rip + {d}]", probe)        # the handler never reads regs (%rsi)
         c.call_aligned(handler, aligned, "rcx")
-        c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
+        c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {O.THREAD_ACTIVE}], 0")
     restore = c.pc
     preempt_enable(c, key)
     if flags_live:
@@ -424,14 +427,14 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     return bytes(c.out), resume
 
 
-# struct pt_regs (arch/x86/include/asm/ptrace.h), byte offsets, in save order.
-PT_REGS = {reg: _OFFSETS["PT_" + (reg if reg[1].isdigit() else reg[1:]).upper()]     # rbp: PT_BP, r8: PT_R8
-           for reg in ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8",
-                       "rax", "rcx", "rdx", "rsi", "rdi")}
-PT_ORIG_AX, PT_IP, PT_CS, PT_FLAGS, PT_SP, PT_SS, PT_SIZE = (
-    _OFFSETS[n] for n in ("PT_ORIG_AX", "PT_IP", "PT_CS", "PT_FLAGS", "PT_SP", "PT_SS", "PT_SIZE"))
-ARITH_FLAGS = _OFFSETS["ARITH_FLAGS"]   # OF SF ZF AF PF CF: restored without popfq (KP_ARITH_FLAGS)
-FULL_FRAME = RED_ZONE + PT_SIZE + 16   # red zone, pt_regs, the thread block, the flags at the hit
+# struct pt_regs (arch/x86/include/asm/ptrace.h): O.PT_REGS, byte offsets in save
+# order, O.PT_IP & co.; O.ARITH_FLAGS: OF SF ZF AF PF CF, restored without popfq
+# (KP_ARITH_FLAGS).
+
+
+def _full_frame() -> int:
+    """The full template's frame: red zone, pt_regs, the thread block, the flags at the hit."""
+    return RED_ZONE + O.PT_SIZE + 16
 
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
@@ -448,16 +451,17 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     eax: retprobe.kret_entry_body).
     Returns (code, resume): where the relocated DCR starts."""
     c = _Code(at)
-    F = PT_FLAGS
-    c.a(f"lea rsp, [rsp - {FULL_FRAME:#x}]")
+    F = O.PT_FLAGS
+    full_frame = _full_frame()
+    c.a(f"lea rsp, [rsp - {full_frame:#x}]")
     save_pt_regs(c)
-    c.a(f"mov qword ptr [rsp + {PT_SIZE + 8}], rcx")           # the flags at the hit
-    c.a(f"lea rax, [rsp + {FULL_FRAME:#x}]; mov qword ptr [rsp + {PT_SP}], rax")
+    c.a(f"mov qword ptr [rsp + {O.PT_SIZE + 8}], rcx")           # the flags at the hit
+    c.a(f"lea rax, [rsp + {full_frame:#x}]; mov qword ptr [rsp + {O.PT_SP}], rax")
     hit_ip = dcr[0].addr + 1                                    # as if the int3 had trapped
     c.rip("lea rax, [rip + {d}]", hit_ip)
-    c.a(f"mov qword ptr [rsp + {PT_IP}], rax")
+    c.a(f"mov qword ptr [rsp + {O.PT_IP}], rax")
     preempt_disable(c, key)
-    to_slow, to_restore = _dispatch_fast_path(c, fast, table, key, probe, probe_index, f"[rsp + {PT_SIZE}]")
+    to_slow, to_restore = _dispatch_fast_path(c, fast, table, key, probe, probe_index, f"[rsp + {O.PT_SIZE}]")
     c.a("mov rbx, rsp")                                         # saved in pt_regs; the callee keeps it
     if not aligned:
         c.a("and rsp, -16")
@@ -468,26 +472,26 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
         c.a("mov rsi, rbx")
         c.call(handler)
     c.a("mov rsp, rbx")
-    c.a(f"mov rdx, qword ptr [rsp + {PT_SIZE}]; mov dword ptr [rdx + {THREAD_ACTIVE}], 0")
+    c.a(f"mov rdx, qword ptr [rsp + {O.PT_SIZE}]; mov dword ptr [rdx + {O.THREAD_ACTIVE}], 0")
     # What the handler changed: the path, the stack pointer, non-arithmetic flags.
     c.rip("lea rcx, [rip + {d}]", hit_ip)
     c.a("test eax, eax")
     same_path = c.jcc(JE)
-    c.a(f"cmp qword ptr [rsp + {PT_IP}], rcx")
+    c.a(f"cmp qword ptr [rsp + {O.PT_IP}], rcx")
     to_resume_regs = [c.jcc(JNE)]
     c.fix([same_path], c.pc)
-    c.a(f"lea rax, [rsp + {FULL_FRAME:#x}]; cmp qword ptr [rsp + {PT_SP}], rax")
+    c.a(f"lea rax, [rsp + {full_frame:#x}]; cmp qword ptr [rsp + {O.PT_SP}], rax")
     to_changed = [c.jcc(JNE)]
-    c.a(f"mov rax, qword ptr [rsp + {F}]; xor rax, qword ptr [rsp + {PT_SIZE + 8}]; test rax, {~ARITH_FLAGS}")
+    c.a(f"mov rax, qword ptr [rsp + {F}]; xor rax, qword ptr [rsp + {O.PT_SIZE + 8}]; test rax, {~O.ARITH_FLAGS}")
     to_changed.append(c.jcc(JNE))
     restore = c.pc
     preempt_enable(c, key)
     restore_pt_regs(c)
-    c.a(f"lea rsp, [rsp + {FULL_FRAME:#x}]")
+    c.a(f"lea rsp, [rsp + {full_frame:#x}]")
     resume = _dcr_and_back(c, dcr, copy, back)
     changed = c.pc                                              # go on with the DCR, on regs->sp
     c.rip("lea rax, [rip + {d}]", resume)
-    c.a(f"mov qword ptr [rsp + {PT_IP}], rax")
+    c.a(f"mov qword ptr [rsp + {O.PT_IP}], rax")
     leave = c.pc                                                # every way to resume_regs
     preempt_enable(c, key)
     c.fix([c.jcc(-1)], resume_regs)
@@ -506,7 +510,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     return bytes(c.out), resume
 
 
-LIGHT_SHARDS = _OFFSETS["LIGHT_SHARDS"]   # KP_LIGHT_SHARDS: counter shards, by the thread pointer's page
+# O.LIGHT_SHARDS (KP_LIGHT_SHARDS): counter shards, by the thread pointer's page.
 LIGHT_PAGE = 4096 // 8                   # KP_LIGHT_PAGE: counters of one shard in a page
 
 
@@ -514,7 +518,7 @@ def light_counter(slot: int) -> int:
     """Where hit slot `slot`'s counter of shard 0 lies in kp_light_hits[], in bytes
     (the runtime's KP_LIGHT_INDEX): shards interleave page by page, so shard s's
     is 4096 * s further, and the thread pointer's page bits are the shard offset."""
-    return (slot // LIGHT_PAGE * LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
+    return (slot // LIGHT_PAGE * O.LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
 
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key, counter: int,
@@ -526,7 +530,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     with no handler, no hit can find one running (no nmissed) and nothing can
     disable a probe, so neither is tested, and the thread's block is not looked
     up.  The count is a locked increment of the probe's counter in one of
-    LIGHT_SHARDS shards, chosen by the thread pointer's page bits 12-15 (the
+    O.LIGHT_SHARDS shards, chosen by the thread pointer's page bits 12-15 (the
     kernel's per-CPU nhit, per thread-ish: glibc's threads' pointers lie a stack
     apart, so concurrent threads rarely share a shard's line, and the lock keeps
     the sums exact when they do).  Shard s of the counter is at
@@ -564,7 +568,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         c.out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
         je = len(c.out)
         c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x04\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rax
-        c.a(f"and eax, {(LIGHT_SHARDS - 1) << 12:#x}")
+        c.a(f"and eax, {(O.LIGHT_SHARDS - 1) << 12:#x}")
         c.rip("add rax, qword ptr [rip + {d}]", base)
         c.a(f"lock inc qword ptr [rax + {counter:#x}]")
         restore(c)

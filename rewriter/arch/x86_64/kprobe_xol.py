@@ -31,7 +31,7 @@ import capstone
 from . import emit as em
 from . import insn as x86insn
 from ..base import BOOST, EMULATE, SINGLESTEP, DcrInsn
-from . import cs
+from . import cs, offsets
 
 MODE_CODE = {EMULATE: 1, BOOST: 2, SINGLESTEP: 3}
 
@@ -42,10 +42,8 @@ NO_REG = 0xFF
 _KIND = {"jmp rel": K_JMP, "call rel": K_CALL, "jcc rel": K_JCC, "loop": K_LOOP, "jcxz": K_JCXZ,
          "ret": K_RET, "ret imm": K_RET, "jmp reg": K_JMP_REG, "call reg": K_CALL_REG}
 
-# struct pt_regs word index of each x86 register number (rax..r15), from the C header.
-PT_REGS_INDEX = [em.PT_SP // 8 if r == "rsp" else em.PT_REGS[r] // 8
-                 for r in ("rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
-                           "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")]
+# struct pt_regs word index of each x86 register number (rax..r15), from the C
+# header: offsets.PT_REGS_INDEX, read at first use.
 _REG_NUMBER = {n: i for i, n in enumerate(["rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
                                            "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15"])}
 _csd = cs.DETAIL
@@ -118,9 +116,9 @@ def _memory_indirect(insn: DcrInsn) -> Xol | None:
             return None         # 32-bit address registers: refused, as the kernel
     x.target = m.disp & ((1 << 64) - 1)
     if base is not None:
-        x.reg = PT_REGS_INDEX[_REG_NUMBER[base]]
+        x.reg = offsets.PT_REGS_INDEX[_REG_NUMBER[base]]
     if m.index:
-        x.index, x.scale = PT_REGS_INDEX[_REG_NUMBER[_csd.reg_name(m.index)]], m.scale
+        x.index, x.scale = offsets.PT_REGS_INDEX[_REG_NUMBER[_csd.reg_name(m.index)]], m.scale
     return x
 
 
@@ -158,7 +156,7 @@ def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
             x.imm = int.from_bytes(insn.code[i + 1:i + 3], "little")
         elif kind in (K_JMP_REG, K_CALL_REG):
             rm = (insn.code[i + 1] & 7) | (8 if rex & 1 else 0)
-            x.reg = PT_REGS_INDEX[rm]
+            x.reg = offsets.PT_REGS_INDEX[rm]
         return x
     if info.opcode_map == 1 and insn.code[i] == 0xC7 and info.rel_target is not None:
         # xbegin: its abort target is relative, and the trap flag would abort

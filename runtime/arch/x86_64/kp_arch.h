@@ -2,13 +2,65 @@
  * The x86-64 half of the runtime's interface, included by the generic core
  * (kp_internal.h): what the core needs of the CPU, and the breakpoint-site
  * descriptor kprewrite's x86 back end generates (rewriter/arch/x86_64/kprobe_xol.py).
- * struct pt_regs is the handler API's (<kprewrite/kprobes.h>).
+ * struct pt_regs is the handler API's (include/kprewrite/arch/x86_64/ptrace.h).
+ * Linux's ABI on x86-64 is in uapi/, the CPU on each platform in <platform>/.
  */
 #ifndef _KP_ARCH_H
 #define _KP_ARCH_H
 #pragma GCC visibility push(hidden)
 
 #define KP_ARITH_FLAGS 0x8d5UL	/* OF SF ZF AF PF CF: restored without popfq */
+
+/* --- a probe hit on struct pt_regs (kp_core.c, kp_internal.h) --- */
+
+/* regs->ip as a breakpoint at addr leaves it: past the 1-byte int3 (the
+ * kernel's optimized_callback(): p->addr + INT3_INSN_SIZE), which an optimized
+ * probe reports too. */
+#define INT3_INSN_SIZE 1
+#define kp_arch_trap_ip(addr) ((addr) + INT3_INSN_SIZE)
+
+/* The flags word of pt_regs (EFLAGS). */
+#define kp_arch_regs_flags(regs) ((regs)->flags)
+
+/* Whether a handler changed flags the detours do not restore themselves (they
+ * restore the arithmetic ones with add/sahf: any other change resumes through
+ * pt_regs, popfq). */
+#define kp_arch_flags_changed(before, after) (((after) ^ (before)) & ~KP_ARITH_FLAGS)
+
+/* --- kretprobes: where the return address is (the kernel's arch rethook part,
+ * arch/x86/kernel/rethook.c; kp_kretprobe.c) --- */
+
+/* At a function's entry, `call` has just pushed the return address: its slot
+ * (the kernel's "sara", ri->fp) is the stack pointer. */
+static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_at_entry(const struct pt_regs *regs)
+{
+	return regs->sp;
+}
+
+/* Right after the `ret` (regs as the return hooks report them: sp after the
+ * ret, ip the return address), the slot it popped. */
+static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_after_return(const struct pt_regs *regs)
+{
+	return regs->sp - 8;
+}
+
+/* regs at a `ret` (sp at the slot) made as after it: ip the return address,
+ * sp past the slot (a return hook placed as a breakpoint). */
+static __attribute__((always_inline)) inline void kp_arch_regs_returned(struct pt_regs *regs, unsigned long sp)
+{
+	regs->ip = *(unsigned long *)sp;
+	regs->sp = sp + 8;
+}
+
+/* ...and back as the trap left them, keeping what a handler may change there:
+ * the general registers and the arithmetic flags. */
+static __attribute__((always_inline)) inline void
+kp_arch_regs_unreturned(struct pt_regs *regs, unsigned long ip, unsigned long sp, unsigned long flags)
+{
+	regs->ip = ip;
+	regs->sp = sp;
+	regs->flags = (flags & ~KP_ARITH_FLAGS) | (regs->flags & KP_ARITH_FLAGS);
+}
 
 /* A spin-wait iteration (the kernel's cpu_relax()). */
 static inline void cpu_relax(void)

@@ -23,10 +23,9 @@ enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU
 
 _Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes, indexed by a shift");
 
-/* ucontext_t: uc_flags, uc_link, uc_stack (24 bytes), then mcontext_t's gregs[]. */
-#define KP_UC_GREGS 40
-enum { G_R8, G_R9, G_R10, G_R11, G_R12, G_R13, G_R14, G_R15, G_RDI, G_RSI, G_RBP,
-       G_RBX, G_RDX, G_RAX, G_RCX, G_RSP, G_RIP, G_EFL, G_CSGSFS };
+/* A Linux user signal frame: ucontext_t's layout (KP_UC_GREGS, G_*) is Linux's
+ * ABI on x86-64. */
+#include <kp_uapi.h>
 
 /* The restorer our SIGTRAP handler returns through (SA_RESTORER) is
  * kp_arch_sigreturn, in sigreturn.S. */
@@ -42,7 +41,7 @@ static void kp_uc_to_regs(const unsigned long *g, struct pt_regs *r)
 	r->cs = g[G_CSGSFS] & 0xffff;
 	r->flags = g[G_EFL];
 	r->sp = g[G_RSP];
-	r->ss = 0x2b;
+	r->ss = KP_USER_DS;
 }
 
 static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)

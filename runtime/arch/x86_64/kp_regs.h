@@ -3,7 +3,7 @@
  * (optprobe_entry.S, kretprobe_entry.S).
  *
  * struct pt_regs offsets (PT_*, PT_SIZE) come from kp_asm_offsets.h, which
- * rewriter/link.py generates from kp_asm_offsets.c.  Flags: pushfq/popfq cost
+ * rewriter/link_runtime.py generates from kp_asm_offsets.c.  Flags: pushfq/popfq cost
  * 7 ns on the machines we measure, so the arithmetic flags are saved with
  * seto/lahf and restored with add/sahf.
  *
@@ -11,7 +11,7 @@
  * at 72 (al = OF, ah = lahf).
  */
 #include <kp_asm_offsets.h>
-#include <kp_platform_asm.h>	/* KP_PT_CS, KP_PT_SS, KP_PT_REAL_FLAGS, KP_RET */
+#include <kp_platform_asm.h>	/* arch/x86_64/<platform>/: KP_PT_CS, KP_PT_SS, KP_PT_REAL_FLAGS, KP_RET */
 
 /* pt_regs at %rsp: every register, the flags (user code: the arithmetic
  * flags with IF set, as it always runs with it; a kernel: pushfq), orig_ax,

@@ -22,13 +22,14 @@ typedef unsigned char u8;
 typedef long long s64;
 typedef int s32;
 
-/* arch/x86/include/asm/ptrace.h, x86-64 layout (offsets in 8-byte words). */
-struct pt_regs {
-	unsigned long r15, r14, r13, r12, bp, bx;
-	unsigned long r11, r10, r9, r8, ax, cx, dx, si, di;
-	unsigned long orig_ax;
-	unsigned long ip, cs, flags, sp, ss;
-};
+/* The CPU's half: struct pt_regs and its accessors (the kernel's <asm/ptrace.h>),
+ * for the architecture the compiler targets.  A second architecture is one more
+ * header in kprewrite/arch/ and one line here. */
+#if defined(__x86_64__)
+#include <kprewrite/arch/x86_64/ptrace.h>
+#else
+#error "kprewrite: no handler API for this architecture (runtime/include/kprewrite/arch/)"
+#endif
 
 struct kprobe;
 typedef int (*kprobe_pre_handler_t)(struct kprobe *, struct pt_regs *);
@@ -87,43 +88,12 @@ static inline struct kretprobe *get_kretprobe(struct kretprobe_instance *ri)
 	return ri->rp;
 }
 
-static inline unsigned long regs_return_value(struct pt_regs *regs)
-{
-	return regs->ax;
-}
-
 /* Time for handlers (the kernel's ktime_get(): monotonic nanoseconds). */
 typedef s64 ktime_t;
 ktime_t ktime_get(void);
 static inline u64 ktime_get_ns(void) { return ktime_get(); }
 static inline ktime_t ktime_sub(ktime_t a, ktime_t b) { return a - b; }
 static inline s64 ktime_to_ns(ktime_t t) { return t; }
-
-static inline unsigned long instruction_pointer(struct pt_regs *regs)
-{
-	return regs->ip;
-}
-
-static inline unsigned long kernel_stack_pointer(struct pt_regs *regs)
-{
-	return regs->sp;
-}
-
-/* The x86-64 function-call ABI: di, si, dx, cx, r8, r9, then the stack. */
-static inline unsigned long regs_get_kernel_argument(struct pt_regs *regs, unsigned int n)
-{
-	switch (n) {
-	case 0: return regs->di;
-	case 1: return regs->si;
-	case 2: return regs->dx;
-	case 3: return regs->cx;
-	case 4: return regs->r8;
-	case 5: return regs->r9;
-	default:
-		/* At a function entry, sp points at the return address. */
-		return ((unsigned long *)regs->sp)[n - 5];
-	}
-}
 
 int enable_kprobe(struct kprobe *kp);
 int disable_kprobe(struct kprobe *kp);

@@ -223,7 +223,7 @@ static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe
 /* The kretprobe's kp.pre_handler, from a detour that builds struct pt_regs. */
 int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs)
 {
-	kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), regs->sp, regs);
+	kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), kp_arch_ret_slot_at_entry(regs), regs);
 	return 0;
 }
 
@@ -347,7 +347,7 @@ static void kp_kret_fatal(unsigned long task, unsigned long S)
  */
 unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 {
-	unsigned long task = kp_task(), S = regs->sp - 8;
+	unsigned long task = kp_task(), S = kp_arch_ret_slot_after_return(regs);
 	kp_platform_dispatch_begin();
 	struct kp_thread *t = kp_current_thread();
 	unsigned int active = t ? t->active : 1;
@@ -357,7 +357,7 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 	if (!fire)
 		kp_kret_fatal(task, S);
 	unsigned long ret = (unsigned long)fire->ri.ret_addr;
-	regs->ip = ret;
+	instruction_pointer_set(regs, ret);
 	kp_fire(fire, active ? 0 : regs, !active);
 	if (t)
 		t->active = active;
@@ -374,7 +374,7 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
-	unsigned long task = regs->di;
+	unsigned long task = regs_get_kernel_argument(regs, 0);	/* free_task(tsk) */
 	struct kp_kret_bucket *b = kp_bucket(task);
 	struct kp_kri *dead = 0;
 	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
@@ -432,7 +432,7 @@ static int kp_exit_at(unsigned long S, struct pt_regs *regs, int clean)
  * the return, regs->ip the return address, as the kernel's trampoline reports them. */
 void kp_kretprobe_return(struct pt_regs *regs)
 {
-	kp_exit_at(regs->sp - 8, regs, 0);
+	kp_exit_at(kp_arch_ret_slot_after_return(regs), regs, 0);
 }
 
 /* The same from the clean hook (no handler of the function's kretprobes reads regs):
@@ -456,7 +456,7 @@ void kp_kretprobe_tail_pending(struct pt_regs *regs)
  * each holds the real return address already. */
 void kp_kretprobe_tail_swap(struct pt_regs *regs)
 {
-	unsigned long S = regs->sp - 8, task = kp_task();
+	unsigned long S = kp_arch_ret_slot_after_return(regs), task = kp_task();
 	if (*(unsigned long *)S == TRAMP)
 		return;
 	kp_platform_dispatch_begin();

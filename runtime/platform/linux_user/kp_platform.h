@@ -5,11 +5,12 @@
  * copy_from_kernel_nofault(), current->comm, smp_processor_id(), ...).
  *
  * What the probe and trace paths call is defined here, as raw system calls
- * (the arch's kp_uapi.h); the rest is in this folder's .c files.
+ * (the arch's kp_arch_platform.h: runtime/arch/<arch>/linux_user/); the rest is
+ * in this folder's .c files.
  */
 #ifndef _KP_PLATFORM_H
 #define _KP_PLATFORM_H
-#include <kp_uapi.h>
+#include <kp_arch_platform.h>
 #pragma GCC visibility push(hidden)
 
 /* --- thread identity: the thread pointer, once the C library has set one up --- */

@@ -18,13 +18,7 @@
 
 enum { KP_HOOK_SIGACTION = 1, KP_HOOK_SIGNAL, KP_HOOK_SIGPROCMASK, KP_HOOK_PTHREAD_SIGMASK, KP_HOOK_MAX };
 
-/* glibc's (and musl's) struct sigaction on x86-64. */
-struct kp_libc_sigaction {
-	void *handler;
-	unsigned long mask[16];
-	int flags;
-	void (*restorer)(void);
-};
+/* The C library's struct sigaction: the arch's (kp_arch_platform.h). */
 
 static void *kp_real[KP_HOOK_MAX];
 

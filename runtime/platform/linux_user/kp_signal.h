@@ -7,13 +7,7 @@
 #include "kp_internal.h"
 #pragma GCC visibility push(hidden)
 
-/* The kernel's struct sigaction and siginfo head. */
-struct kp_ksigaction {
-	void *handler;
-	unsigned long flags;
-	void (*restorer)(void);
-	unsigned long mask;
-};
+/* The siginfo head (the kernel's struct sigaction is the arch's: kp_uapi.h). */
 struct kp_siginfo { int si_signo, si_errno, si_code; };
 #define KP_SIGTRAP 5
 #define KP_SIGBIT(n) (1UL << ((n) - 1))

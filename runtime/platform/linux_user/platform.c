@@ -4,14 +4,14 @@
  */
 #include "kp_signal.h"
 
-/* Set once a thread pointer exists; until then reading %fs:0 would fault
+/* Set once a thread pointer exists; until then reading through it would fault
  * (a static program before __libc_setup_tls). */
 int kp_tls_ready;
 
 unsigned long kp_platform_thread_key_slow(void)
 {
 	unsigned long fs = 0;
-	kp_syscall3(__NR_arch_prctl, ARCH_GET_FS, &fs, 0);
+	kp_arch_thread_pointer_sys(&fs);
 	if (!fs)
 		return 0;
 	kp_tls_ready = 1;
@@ -41,7 +41,7 @@ void kp_platform_write(int fd, const char *buf, unsigned long len)
 
 int kp_platform_open_append(const char *path)
 {
-	return (int)kp_syscall3(__NR_open, path, 01 | 0100 | 02000 | 02000000 /* WRONLY|CREAT|APPEND|CLOEXEC */, 0644);
+	return (int)kp_sys_open(path, 01 | 0100 | 02000 | 02000000 /* WRONLY|CREAT|APPEND|CLOEXEC */, 0644);
 }
 
 void kp_platform_close(int fd)

@@ -1,10 +1,13 @@
 /*
- * Linux's user ABI on x86-64, for the linux_user platform: raw system calls
- * (the runtime calls nothing in the probed program), their numbers, the
- * thread pointer, the signal frame and the CPU number the vDSO reads.
+ * A Linux user process on x86-64, for the linux_user platform (its
+ * kp_platform.h includes this): raw system calls (the runtime calls nothing in
+ * the probed program), the thread pointer, the CPU number the vDSO reads, the
+ * C library's struct sigaction.  The numbers and layouts are Linux's
+ * (uapi/kp_uapi.h).
  */
-#ifndef _KP_UAPI_H
-#define _KP_UAPI_H
+#ifndef _KP_ARCH_PLATFORM_H
+#define _KP_ARCH_PLATFORM_H
+#include <kp_uapi.h>
 
 static inline long kp_syscall6(long n, long a, long b, long c, long d, long e, long f)
 {
@@ -20,26 +23,8 @@ static inline long kp_syscall6(long n, long a, long b, long c, long d, long e, l
 }
 #define kp_syscall3(n, a, b, c) kp_syscall6(n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
 
-/* The system call numbers the runtime uses. */
-#define __NR_read 0
-#define __NR_write 1
-#define __NR_open 2
-#define __NR_close 3
-#define __NR_mmap 9
-#define __NR_mprotect 10
-#define __NR_rt_sigaction 13
-#define __NR_rt_sigprocmask 14
-#define __NR_getpid 39
-#define __NR_prctl 157
-#define __NR_arch_prctl 158
-#define __NR_gettid 186
-#define __NR_sched_getaffinity 204
-#define __NR_clock_gettime 228
-#define __NR_tgkill 234
-#define __NR_pipe2 293
-#define __NR_getcpu 309
-#define __NR_process_vm_readv 310
-#define ARCH_GET_FS 0x1003
+/* open(2) (x86-64 has it; newer arches only openat). */
+#define kp_sys_open(path, flags, mode) kp_syscall3(__NR_open, path, flags, mode)
 
 /* The thread pointer: %fs:0 is the TCB's self pointer in glibc and musl. */
 static inline unsigned long kp_arch_thread_pointer(void)
@@ -49,8 +34,9 @@ static inline unsigned long kp_arch_thread_pointer(void)
 	return tp;
 }
 
-/* offsetof(ucontext_t, uc_sigmask) */
-#define KP_UC_SIGMASK 296
+/* The thread pointer as the kernel knows it (the %fs base), 0 before the C
+ * library set one up: asking never faults. */
+#define kp_arch_thread_pointer_sys(tp) kp_syscall3(__NR_arch_prctl, ARCH_GET_FS, tp, 0)
 
 /*
  * What the vDSO's vgetcpu reads: the limit of the per-CPU GDT segment Linux
@@ -63,4 +49,12 @@ static inline int kp_arch_vgetcpu(unsigned int *limit)
 	__asm__ volatile("lsl %2, %0; setz %1" : "=r"(*limit), "=qm"(ok) : "r"(0x7bU) : "cc");
 	return ok;
 }
+
+/* glibc's (and musl's) struct sigaction on x86-64. */
+struct kp_libc_sigaction {
+	void *handler;
+	unsigned long mask[16];
+	int flags;
+	void (*restorer)(void);
+};
 #endif

@@ -1,0 +1,19 @@
+"""How C is compiled for x86-64 (link_runtime.py adds these to a target's
+recipe): the toolchain's target triple and the flags only x86-64 has."""
+
+# The GNU toolchain's name prefix: x86_64-linux-gnu-gcc, x86_64-linux-gnu-ld
+# (plain gcc and ld on an x86-64 host without them).
+TRIPLE = "x86_64-linux-gnu"
+
+# By the kind of code a target's recipe builds (its CODE):
+CFLAGS = {
+    # Handlers and the runtime in a user process: the detours save no SSE/AVX/x87
+    # state, so no vector or x87 register is touched; no CET landing pads.
+    "user": ("-mgeneral-regs-only", "-fcf-protection=none"),
+    # In a kernel image, as the kernel's own code: the kernel code model, no red
+    # zone (interrupts push below %rsp), 8-byte stack alignment, and the image's
+    # return-thunk and retpoline conventions.
+    "kernel": ("-mgeneral-regs-only", "-fcf-protection=none", "-mcmodel=kernel", "-mno-red-zone",
+               "-mpreferred-stack-boundary=3", "-mfunction-return=thunk-extern",
+               "-mindirect-branch=thunk-extern", "-mindirect-branch-register"),
+}

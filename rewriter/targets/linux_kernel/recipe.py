@@ -1,0 +1,29 @@
+"""How the runtime is built and linked for a kernel image
+(runtime/platform/linux_kernel; link_runtime.py reads this): no signals, no GOT
+hooks; kretprobes the kernel's way, instances per task (kp_kretprobe_task.c, for
+kp_kretprobe.c); breakpoint sites through a hook on the kernel's
+kprobe_int3_handler().  Compiled as kernel code is (the arch's "kernel" flags),
+not position-independent: linked where it runs."""
+
+# C sources in link order ({arch}: runtime/arch/<arch>/, {platform}:
+# runtime/platform/<platform>/), then the .S files of the arch's folder and of
+# ARCH_FOLDERS.  The order decides where each function lands.
+SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
+           "{platform}/kp_kretprobe_task.c", "kp_fetch.c", "kp_trace.c",
+           "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
+# kprobe_events into the ftrace ring buffer, symbols from kallsyms (issue 11).
+SOURCES += ["{platform}/kp_trace_buffer.c"]
+
+# The arch's folders for this platform (runtime/arch/<arch>/<folder>): Linux's
+# ABI on the arch (the user signal frame the arch's trap code knows), and the
+# arch's half of a kernel image (its segments and return thunk for the .S entries).
+ARCH_FOLDERS = ["uapi", "linux_kernel"]
+
+# Flags for any arch; the arch adds its own for CODE (rewriter/arch/<arch>/toolchain.py).
+CFLAGS = ["-O2", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
+          "-fno-unwind-tables", "-fvisibility=hidden", "-fno-common",
+          "-fno-tree-loop-distribute-patterns",
+          "-std=gnu11", "-w", "-fno-ident", "-D__KERNEL__", "-fno-pic", "-fno-pie"]
+CODE = "kernel"
+
+PIE = False         # linked where it runs (the image's symbols resolved at link time)

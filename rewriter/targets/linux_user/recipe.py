@@ -1,0 +1,30 @@
+"""How the runtime is built and linked for a Linux user process
+(runtime/platform/linux_user; link_runtime.py reads this): position-independent
+and freestanding, linked -pie where the new segments will be, relocated by the
+runtime at start-up."""
+
+# C sources in link order ({arch}: runtime/arch/<arch>/, {platform}:
+# runtime/platform/<platform>/), then the .S files of the arch's folder and of
+# ARCH_FOLDERS.  The order decides where each function lands: changing it
+# changes every output.
+SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c"]
+# INT3 fallback probes (issue 3).
+SOURCES += ["{arch}/kp_int3.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
+# kretprobes (issue 4).
+SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
+# kprobe_events, fetch args, trace lines (issue 5).
+SOURCES += ["kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
+
+# The arch's folders for this platform (runtime/arch/<arch>/<folder>, on the
+# include path, their .S files linked): Linux's ABI on the arch, and the arch's
+# half of a user process (system calls, thread pointer, signal return).
+ARCH_FOLDERS = ["uapi", "linux_user"]
+
+# Flags for any arch; the arch adds its own for CODE (rewriter/arch/<arch>/toolchain.py).
+CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
+          "-fno-unwind-tables", "-fvisibility=hidden", "-fno-common",
+          "-fno-tree-loop-distribute-patterns", "-fno-plt",
+          "-std=gnu11", "-w", "-fno-ident"]
+CODE = "user"
+
+PIE = True          # linked -pie (relocated at run time)
