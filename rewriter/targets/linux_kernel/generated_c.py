@@ -41,7 +41,7 @@ def tables_c(image, arch, any_int3: bool) -> str:
             "char *kp_kernel_current(void) { return 0; }\n") if kt is None else (
         f"const long kp_kernel_task_comm = {kt.comm if kt.comm is not None else -1}, "
         f"kp_kernel_task_pid = {kt.pid if kt.pid is not None else -1};\n"
-        + kern.current_c("kp_kernel_current", kt.current))
+        + kern.current_c("char *kp_kernel_current(void)", "char", kt.current))
     resched = kern.resched(image)
     task += (kern.tail_call_c("kp_kernel_resched", resched) if resched else
              "void kp_kernel_resched(void) {}\n")
@@ -75,5 +75,5 @@ def _types(image) -> btf.KernelTypes | None:
     if not hasattr(image, "_kernel_types"):
         sec = image.section_named(".BTF")
         image._kernel_types = None if sec is None else btf.kernel_types(
-            image.data[sec.offset:sec.offset + sec.size], link_symbols(image), image.path)
+            image.data[sec.offset:sec.offset + sec.size], link_symbols(image), image.path, arch_of(image))
     return image._kernel_types

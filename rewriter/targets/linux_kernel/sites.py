@@ -243,14 +243,14 @@ def kprobe_blacklist(k: KernelImage) -> list[tuple[int, int, str]]:
         b = k.bounds(rng)
         if b is None:
             continue
-        for f in _functions_in(k, *b):
+        for f in functions_in(k, *b):
             if (f.start, f.end) not in seen:
                 seen.add((f.start, f.end))
                 out.append((f.start, f.end, f.name))
     return out
 
 
-def _functions_in(k: KernelImage, lo: int, hi: int) -> list[Function]:
+def functions_in(k: KernelImage, lo: int, hi: int) -> list[Function]:
     """One entry per distinct function start in [lo, hi) (the first name of aliases), with its
     kallsyms bounds (not clipped at hi: the kernel's kprobe_add_area_blacklist does not)."""
     out, last = [], None

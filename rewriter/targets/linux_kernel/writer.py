@@ -29,7 +29,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     offset_of = extend_first_load(image, out, gap.data_vaddr, data_end)
     hooked = []         # the ftrace sites the int3 hooks take, when there are breakpoint sites
     if any(site.decision == INT3 for site in plan.sites):
-        hook_patches, hooked = kern.int3_hook_patches(image, blob)
+        hook_patches, hooked = kern.breakpoint_hook_patches(image, blob)
         patches = list(patches) + hook_patches
     patches = list(patches) + kern.return_site_patches(image, layout, rx, plan)
     for addr, code in patches:

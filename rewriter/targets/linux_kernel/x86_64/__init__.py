@@ -5,18 +5,18 @@ same members:
 
 - sites: the tables (a KernelImage subclass naming x86's, kernel_sites(), ...);
 - REGISTER_REASONS, FUNCTION_RANGES, RETURN_SITES, function_refusal(): the rules' part;
-- int3_hook(), int3_hook_patches(), return_site_patches(), diff_expected(): the patches
+- breakpoint_hook(), breakpoint_hook_patches(), return_site_patches(), diff_expected(): the patches
   the write adds (traps.py, returns.py);
-- thread_key(), resched(), current_c(), tail_call_c(), PREEMPT_H: the per-CPU data
+- thread_key(), resched(), current_tasks(), current_c(), tail_call_c(), PREEMPT_H: the per-CPU data
   the generated code reads (percpu.py);
 - unwrap(), write_container(): the boot image around the vmlinux (bzImage: bzimage.py,
   bzimage_write.py, and its KASLR table, kaslr.py)."""
 from __future__ import annotations
 
 from . import sites  # noqa: F401
-from .percpu import PREEMPT_H, current_c, resched, tail_call_c, thread_key  # noqa: F401
+from .percpu import PREEMPT_H, current_c, current_tasks, resched, tail_call_c, thread_key  # noqa: F401
 from .returns import RETURN_SITES, return_jumps, return_site_diff, return_site_patches  # noqa: F401
-from .traps import int3_diff, int3_hook, int3_hook_patches  # noqa: F401
+from .traps import breakpoint_hook_patches, int3_diff, int3_hook as breakpoint_hook  # noqa: F401
 
 # x86's registration refusals (check_kprobe_address_safe(), arch_prepare_kprobe()), by table.
 REGISTER_REASONS = {

@@ -1,6 +1,6 @@
 """x86-64's per-CPU data as the rewritten kernel's code reads it: the CPU's per-CPU base in
-%gs (this_cpu_off), the preempt count (__preempt_count), interrupts in EFLAGS, and what
-preempt_enable() calls on a pending reschedule."""
+%gs (this_cpu_off), the current task, the preempt count (__preempt_count), interrupts in
+EFLAGS, and what preempt_enable() calls on a pending reschedule."""
 from __future__ import annotations
 
 from ....arch.base import ThreadKey
@@ -26,9 +26,16 @@ def resched(image) -> str | None:
     return next((n for n in RESCHED if syms.get(n)), None)
 
 
-def current_c(name: str, current: str) -> str:
-    """C: `char *name(void)`, the CPU's current task (the per-CPU variable `current`)."""
-    return (f"char *{name}(void)\n{{\n\tchar *t;\n"
+def current_tasks(symbols) -> list[tuple[str, str | None]]:
+    """Where the CPU's current task pointer is, first choice first: (per-CPU variable,
+    its member or None).  Linux 6.2+: struct pcpu_hot's current_task; before: current_task."""
+    return ([("pcpu_hot", "current_task")] if "pcpu_hot" in symbols else []) + [("current_task", None)]
+
+
+def current_c(decl: str, ctype: str, current: str) -> str:
+    """C: the function `decl` returning the CPU's current task (`current`: the per-CPU
+    variable, or variable+offset) as a `ctype *`, as get_current() reads it."""
+    return (f"{decl}\n{{\n\t{ctype} *t;\n"
             f'\t__asm__("movq %%gs:{current}, %0" : "=r"(t));\n\treturn t;\n}}\n')
 
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from .. import sites as _generic
 from ..elfview import ElfView
 from ..sites import (BugEntry, ExEntry, McountLoc, Reserved, bug_table, cfi_symbols, ex_table,  # noqa: F401
-                     kprobe_blacklist, mcount_locs, rel32, relative_sites, section_ranges, _functions_in)
+                     functions_in, kprobe_blacklist, mcount_locs, rel32, relative_sites, section_ranges)
 
 # x86's tables: table name (its section's) -> (start symbol, end symbol), then the generic ones.
 TABLES = {
@@ -233,7 +233,7 @@ def head_text(k: KernelImage) -> list[Reserved]:
     first = min(m.site for m in sites)
     f = k.function_at(first)
     end = f.start if f is not None else first
-    return [Reserved(f.start, min(f.end, end), ".head.text", f.name) for f in _functions_in(k, start, end)]
+    return [Reserved(f.start, min(f.end, end), ".head.text", f.name) for f in functions_in(k, start, end)]
 
 
 def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | None = None,

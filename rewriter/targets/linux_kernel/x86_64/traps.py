@@ -81,7 +81,7 @@ def early_int3_callers(image) -> list[int]:
     return image._early_int3_callers
 
 
-def int3_hook_patches(image, blob):
+def breakpoint_hook_patches(image, blob):
     """The calls the int3 hooks write (the hook's ftrace site, do_int3()'s and the early
     IDT's calls), and the ftrace sites (McountLoc) they take from ftrace."""
     m = int3_hook(image)
