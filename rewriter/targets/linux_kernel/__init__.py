@@ -22,10 +22,9 @@ from __future__ import annotations
 from .gap import GapLayout, plan_layout  # noqa: F401
 from .generated_c import (RUNTIME_KALLSYMS, TABLES_AT_BOOT, handler_headers, tables_c,  # noqa: F401
                           thread_key)
-from .reserved import REGISTER_REASONS, rules  # noqa: F401
+from .reserved import rules  # noqa: F401
 from .startup import BOOT_HOOKS, KRET_HOOKS, RUNTIME_HANDLERS, SHUTDOWN_HOOKS, reserve_stubs, runtime_probes  # noqa: F401
-from .symbols import (KERNEL_HALF, PT_LOAD, address_c, derived_symbol, kernel as _kernel,  # noqa: F401
-                      link_symbols, load_symbols, symbol as _symbol, table_base)
+from .symbols import KERNEL_HALF, PT_LOAD, address_c, derived_symbol, link_symbols, load_symbols, table_base  # noqa: F401
 from .writer import diff_expected, write  # noqa: F401
 
 name = "linux_kernel"
@@ -39,9 +38,8 @@ def detect(image) -> bool:
 def unwrap(data: bytes, path: str):
     """(vmlinux bytes, container) when data is a boot image around a vmlinux (x86's
     bzImage) of an architecture this target knows, else None."""
-    from ...arch import MACHINES
-    from .symbols import arch_named
-    for machine in MACHINES.values():
+    from .symbols import arch_folders, arch_named
+    for machine in arch_folders():
         found = arch_named(machine).unwrap(data, path)
         if found is not None:
             return found

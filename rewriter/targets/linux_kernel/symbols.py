@@ -4,6 +4,8 @@ the generated C writes them (KASLR moves them).  Also which architecture's part 
 the target (x86_64/, ...) an image takes: its arch name's folder here."""
 from __future__ import annotations
 
+import os
+import pkgutil
 from importlib import import_module
 
 from ...errors import KprewriteError
@@ -19,6 +21,11 @@ def arch_of(image):
     """The architecture's part of the kernel target (this folder's <arch>/, named as the
     image's back end in rewriter/arch/)."""
     return arch_named(image.machine)
+
+
+def arch_folders() -> list[str]:
+    """The architectures whose part of the kernel target is here (its subfolders)."""
+    return sorted(m.name for m in pkgutil.iter_modules([os.path.dirname(__file__)]) if m.ispkg)
 
 
 def arch_named(machine: str):
