@@ -23,8 +23,10 @@ from .gap import GapLayout, plan_layout  # noqa: F401
 from .generated_c import (RUNTIME_KALLSYMS, TABLES_AT_BOOT, handler_headers, tables_c,  # noqa: F401
                           thread_key)
 from .reserved import rules  # noqa: F401
-from .startup import BOOT_HOOKS, KRET_HOOKS, RUNTIME_HANDLERS, SHUTDOWN_HOOKS, reserve_stubs, runtime_probes  # noqa: F401
-from .symbols import KERNEL_HALF, PT_LOAD, address_c, derived_symbol, link_symbols, load_symbols, table_base  # noqa: F401
+from .startup import (BOOT_HOOKS, KRET_HOOKS, RUNTIME_HANDLERS, SHUTDOWN_HOOKS, reserve_stubs,  # noqa: F401
+                      runtime_probes)
+from .symbols import (KERNEL_HALF, PT_LOAD, address_c, derived_symbol, link_symbols, load_symbols,  # noqa: F401
+                      table_base)
 from .writer import diff_expected, write  # noqa: F401
 
 name = "linux_kernel"

@@ -270,8 +270,8 @@ def kernel_types(btf: bytes, symbols: dict, where: str, kern) -> KernelTypes:
         if off is not None:
             current = var if member is None else f"{var}+{off}"
             break
-    get_current = kern.current_c("static inline __attribute__((always_inline)) struct task_struct *kp_get_current(void)",
-                                 "struct task_struct", current)
+    get_current = kern.current_c("static inline __attribute__((always_inline)) "
+                                 "struct task_struct *kp_get_current(void)", "struct task_struct", current)
     fops = [_sizeof(types, "file_operations")] + [member_offset(types, "file_operations", m)
                                                   for m in ("llseek", "read", "write")]
     kt = KernelTypes(_Writer(types).header(get_current), current, member_offset(types, "task_struct", "comm"),

@@ -84,7 +84,8 @@ def rules(image, arch) -> Rules:
     # Breakpoint probes need our hook on the kernel's breakpoint path (the architecture's
     # breakpoint_hook()); single-stepped copies end with an int3, as the kernel's own since 5.14
     # (its #DB path is not hooked).
-    return Rules(Index(register), Index(patched), mcount, function_refusal, int3=kern.breakpoint_hook(image) is not None,
+    return Rules(Index(register), Index(patched), mcount, function_refusal,
+                 int3=kern.breakpoint_hook(image) is not None,
                  # kretprobes hook every exit (the user-space design; instances per task): a
                  # return the kernel patches at boot is a return, its table entry pointed at the
                  # copy in the detour (the architecture's return_site_patches()); an exit no jump
