@@ -59,8 +59,8 @@ def rules(image, arch) -> Rules:
         if r.table not in named + tuple(whole):
             patched.append(BlacklistEntry(r.start, r.end, r.detail or r.table, r.table))
     ex_insns = sorted(e.insn for e in ks.ex_table(k))
-    # A return the kernel patches at boot (x86: a `jmp __x86_return_thunk` at a .return_sites
-    # entry, patched to the chosen return sequence), not a jump.
+    # A return the kernel patches at boot (the architecture's RETURN_SITES table: x86's
+    # return thunk jumps, patched to the chosen return sequence), not a jump.
     returns = {r.start for r in reserved if r.table == kern.RETURN_SITES}
     arch_refusal = kern.function_refusal(image, k, arch, returns)
 
