@@ -35,6 +35,6 @@ void kp_asm_offsets(void)
 	OFFSET(RI_FLAGS, kretprobe_instance, kp_flags);
 	DEFINE(RI_TRAMP, KP_RI_TRAMP);
 
-	/* A kernel's KASLR table gets an entry for kp_rt.bias (targets/linux_kernel/kaslr.py). */
+	/* A kernel's KASLR table gets an entry for kp_rt.bias (targets/linux_kernel/x86_64/kaslr.py). */
 	OFFSET(RT_BIAS, kp_runtime, bias);
 }

@@ -309,6 +309,38 @@ def test_every_target_answers_the_declared_interface():
             assert list(inspect.signature(getattr(target, n)).parameters) == want, (target.name, n)
 
 
+
+def test_every_kernel_arch_answers_the_declared_interface():
+    """targets.linux_kernel.archbase.KernelArch: the architecture's part of the kernel
+    target (x86_64/) has every member, functions with the declared parameters."""
+    import inspect
+
+    from rewriter.targets.linux_kernel import archbase, sites, symbols
+    declared = {n: v for n, v in vars(archbase.KernelArch).items() if not n.startswith("_") and callable(v)}
+    assert {"breakpoint_hook", "thread_key", "write_container"} <= set(declared)
+    assert "x86_64" in symbols.arch_folders()
+    for machine in symbols.arch_folders():
+        kern = symbols.arch_named(machine)
+        for n in archbase.KernelArch.__annotations__:
+            assert hasattr(kern, n), (machine, n)
+        for n, f in declared.items():
+            want = list(inspect.signature(f).parameters)[1:]          # without self
+            assert list(inspect.signature(getattr(kern, n)).parameters) == want, (machine, n)
+        assert issubclass(kern.sites.KernelImage, sites.KernelImage), machine
+
+
+def test_the_kernel_targets_generic_modules_name_no_x86_fact():
+    """x86-64's part of the kernel target (opcodes, %gs, relocation types, return thunks,
+    the boot protocol) lives in targets/linux_kernel/x86_64/, not in the generic modules."""
+    import re
+    from pathlib import Path
+
+    import rewriter.targets.linux_kernel as lk
+    x86 = re.compile(r"%%?gs:|pushfq|R_X86_64|\\x(e8|e9|cc|eb)|__x86_|this_cpu_off|CS_ARCH_X86|bzimage|kaslr")
+    for f in sorted(Path(lk.__file__).parent.glob("*.py")):
+        hits = [ln for ln in f.read_text().splitlines() if x86.search(ln)]
+        assert not hits, (f.name, hits)
+
 def test_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
     """The cache evicts: each kind keeps its KEEP most recently used entries (a read
     counts as a use), so rewriting after every runtime edit does not grow it without end."""

@@ -42,8 +42,5 @@ def for_image(image):
 def unwrap(data: bytes, path: str):
     """(ELF bytes, container) when `data` is an image inside a container a target
     knows (a bzImage holds a vmlinux), else None."""
-    from .linux_kernel import bzimage
-    if bzimage.is_bzimage(data):
-        b = bzimage.parse(data, path)
-        return b.vmlinux, b
-    return None
+    from . import linux_kernel
+    return linux_kernel.unwrap(data, path)

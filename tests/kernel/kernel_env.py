@@ -3,7 +3,7 @@
 - obtain_kernel(): the current Debian cloud kernel (``linux-image-<release>-cloud-amd64-unsigned``)
   via apt, extracted into a cache (``$KPREWRITE_KERNEL_CACHE``, else ~/.cache/kprewrite/kernel):
   vmlinuz, config, the System.map stub, and the vmlinux decompressed from the vmlinuz by
-  rewriter.targets.linux_kernel.bzimage (plus its KASLR relocation table).
+  rewriter.targets.linux_kernel.x86_64.bzimage (plus its KASLR relocation table).
 - build_initramfs(): a gzip'd cpio (newc) of Debian's static busybox with a given /init and extra
   files, written in Python (deterministic: fixed inode numbers and times), cached by content.
 - boot(): qemu-system-x86_64 on a kernel and initrd, the serial console captured; KVM when
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rewriter.targets.linux_kernel import bzimage  # noqa: E402
+from rewriter.targets.linux_kernel.x86_64 import bzimage  # noqa: E402
 
 META_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX = Path("/bin/busybox")

@@ -1,4 +1,4 @@
-"""rewriter.targets.linux_kernel.bzimage: Debian's real vmlinuz, every compressor the kernel
+"""rewriter.targets.linux_kernel.x86_64.bzimage: Debian's real vmlinuz, every compressor the kernel
 knows on a small made-up bzImage, and bad input (one line naming the file, nothing else)."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from rewriter.errors import KprewriteError
-from rewriter.targets.linux_kernel import bzimage
+from rewriter.targets.linux_kernel.x86_64 import bzimage
 
 EXPECTED_SECTIONS = {".text", ".rodata", ".data", ".bss", "__ex_table", "__bug_table", ".orc_unwind",
                      ".orc_unwind_ip", ".retpoline_sites", ".return_sites", ".altinstructions",
@@ -304,7 +304,7 @@ def test_write_each_compressor(name, tmp_path):
     """A rewritten ELF and a longer table back in the payload: same file size, same compressor,
     the decompressed payload exactly output_len bytes (ELF re-laid, zeros, the table last),
     input_len, payload_length and the CRC-32 updated, nothing else changed."""
-    from rewriter.targets.linux_kernel import bzimage_write
+    from rewriter.targets.linux_kernel.x86_64 import bzimage_write
     old = _zo_bzimage(name, _kernel_like_elf() + _table(4).to_bytes())
     b = bzimage.parse(old, "in")
     elf = _kernel_like_elf(noise=False)
@@ -348,7 +348,7 @@ def _parse_elf(payload: bytes) -> list[bytes]:
 def test_compact_vmlinux_places_what_parse_elf_places(debian_bzimage):
     """Debian's vmlinux re-laid: parse_elf() builds the same kernel in memory from it, and the
     room it frees before output_len is the padding between the original's PT_LOADs."""
-    from rewriter.targets.linux_kernel import bzimage_write
+    from rewriter.targets.linux_kernel.x86_64 import bzimage_write
     b = debian_bzimage
     compact = bzimage_write.compact_elf(b.vmlinux, "vmlinuz")
     assert _parse_elf(compact) == _parse_elf(b.payload)
@@ -358,7 +358,7 @@ def test_compact_vmlinux_places_what_parse_elf_places(debian_bzimage):
 
 
 def test_write_refusals(tmp_path):
-    from rewriter.targets.linux_kernel import bzimage_write
+    from rewriter.targets.linux_kernel.x86_64 import bzimage_write
     elf = _kernel_like_elf(noise=False)
     b = bzimage.parse(_zo_bzimage("gzip", elf + _table(4).to_bytes()), "in")
     with pytest.raises(KprewriteError) as e:

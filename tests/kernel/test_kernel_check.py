@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from rewriter.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
-from rewriter.targets.linux_kernel import sites as ks  # noqa: E402
+from rewriter.targets.linux_kernel.x86_64 import sites as ks  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -44,7 +44,7 @@ def _boundaries(image, f):
 
 def _examples(image):
     """(symbol, offset, expected words in the check line) for each kernel-only rule."""
-    k = linux_kernel._kernel(image)
+    k = linux_kernel.symbols.kernel(image)
     reserved = ks.kernel_sites(image.data, None, image.path, image=k)
     mcount = {m.site for m in ks.mcount_locs(k)}
     out = {}
@@ -119,7 +119,7 @@ def test_check_kernel_rules(tmp_path, debian_kernel, kimage):
     # `jmp __x86_return_thunk` at a .return_sites entry.  strncpy_from_user()'s exits cannot take
     # a jump (an exception-table entry): it keeps the trampoline, and the check is named.
     m = re.fullmatch(r"kernel_clone\+0x0  r  ftrace  returns: (0x[0-9a-f]+) ret", lines[-2])
-    assert m and int(m.group(1), 16) in {r.start for r in ks.return_sites(linux_kernel._kernel(kimage))}, lines[-2]
+    assert m and int(m.group(1), 16) in {r.start for r in ks.return_sites(linux_kernel.symbols.kernel(kimage))}, lines[-2]
     assert re.fullmatch(r"strncpy_from_user\+0x0  r  \w+  returns: trampoline  __ex_table at 0x[0-9a-f]+: the exit at "
                         r"0x[0-9a-f]+ cannot take a jump: .*\(the return address is swapped at entry\)", lines[-1]), lines[-1]
     # Every refused probe is named on standard error, one line each, and check fails.

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from rewriter import targets  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
-from rewriter.targets.linux_kernel import bzimage  # noqa: E402
+from rewriter.targets.linux_kernel.x86_64 import bzimage  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from rewriter.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
-from rewriter.targets.linux_kernel import sites as ks  # noqa: E402
+from rewriter.targets.linux_kernel.x86_64 import sites as ks  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -288,7 +288,7 @@ def test_check_and_list_show_hooked_exits(kret):
     `list` shows them as `r` probes at their ftrace sites, next to the runtime's hooks
     (free_task: a dead task's instances given back)."""
     image = kret["image"]
-    returns = {r.start for r in ks.return_sites(linux_kernel._kernel(image))}
+    returns = {r.start for r in ks.return_sites(linux_kernel.symbols.kernel(image))}
     rows = {l.split("  ")[0] + "  " + l.split("  ")[1]: l for l in kret["check"].splitlines()}
     r_lines = [l for l in kret["check"].splitlines() if "  r  " in l]
     assert len(r_lines) == 9, kret["check"]
@@ -333,9 +333,9 @@ def test_return_sites_point_at_the_copies(kret):
     points at a `jmp __x86_return_thunk` in our code (the copy apply_returns() patches at
     boot); the site itself now jumps to the detour holding that copy."""
     image, out = kret["image"], Image(str(kret["out"]))
-    k = linux_kernel._kernel(image)
+    k = linux_kernel.symbols.kernel(image)
     entries = ks.return_site_entries(k)
-    thunk = linux_kernel._symbol(image, "__x86_return_thunk")
+    thunk = linux_kernel.symbols.symbol(image, "__x86_return_thunk")
     lay = linux_kernel.plan_layout(image)
     n = 0
     for p in kret["meta"]["probes"]:

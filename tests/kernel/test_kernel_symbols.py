@@ -18,7 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rewriter.errors import KprewriteError  # noqa: E402
-from rewriter.targets.linux_kernel import kallsyms, sites, sysmap  # noqa: E402
+from rewriter.targets.linux_kernel import kallsyms, sysmap  # noqa: E402
+from rewriter.targets.linux_kernel.x86_64 import sites  # noqa: E402
 from rewriter.targets.linux_kernel.elfview import ElfView  # noqa: E402
 
 pytestmark = pytest.mark.kernel

@@ -8,9 +8,9 @@ headers: every named struct and union, each member at its BTF offset (a union of
 packed structs, each a padding array and one member), typedefs and enums
 resolved to the integer they are, and the handler API's own tags (struct kprobe,
 struct pt_regs, ...) either reused (pt_regs: the same layout) or renamed.  The
-result is linux/sched.h for kernel handlers, with `current` read from the CPU's
-per-CPU `current_task` (or `pcpu_hot.current_task`, Linux 6.2+) as the kernel's
-get_current() does.
+result is linux/sched.h for kernel handlers, with `current` read as the kernel's
+get_current() does, which the architecture's part of the target says (x86-64: the
+per-CPU `current_task`, or `pcpu_hot.current_task` in Linux 6.2+; x86_64/percpu.py).
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ class _Writer:
                 else:
                     self.by_value(m)       # an anonymous aggregate, written inline
 
-    def header(self, current: str) -> str:
+    def header(self, get_current: str) -> str:
         for tid in sorted(self.tags):
             self.need(tid)
         fwd = [f"{self.keyword(i)} {n};" for i, n in sorted(self.tags.items()) if self.t[i].name != "pt_regs"]
@@ -201,8 +201,7 @@ class _Writer:
             "#ifndef _KPREWRITE_SCHED_H", "#define _KPREWRITE_SCHED_H", "#include <kprewrite/kprobes.h>",
             *fwd, *self.out,
             "/* get_current(): the CPU's current task, a per-CPU variable. */",
-            "static inline __attribute__((always_inline)) struct task_struct *kp_get_current(void)",
-            "{", "\tstruct task_struct *t;", f'\t__asm__("movq %%gs:{current}, %0" : "=r"(t));', "\treturn t;", "}",
+            get_current.rstrip("\n"),
             "#define current kp_get_current()", "#endif", ""])
 
 
@@ -229,7 +228,7 @@ def member_offset(types: list[BtfType | None], struct_name: str, member: str) ->
 @dataclass(frozen=True)
 class KernelTypes:
     sched_h: str              # linux/sched.h for handlers
-    current: str              # the per-CPU variable holding the current task (gs-relative)
+    current: str              # the per-CPU variable holding the current task (+ offset)
     comm: int | None          # offsetof(struct task_struct, comm)
     pid: int | None           # offsetof(struct task_struct, pid)
     # struct file_operations: [sizeof, offsetof llseek, read, write], for the runtime's
@@ -255,22 +254,27 @@ def _trace_layout(types) -> list | None:
     return None if None in out else out
 
 
-def kernel_types(btf: bytes, symbols: dict, where: str) -> KernelTypes:
-    """The image's types for handlers and the runtime's trace lines, cached by the BTF's contents."""
-    hot = "pcpu_hot" in symbols
-    k = cache.key(GENERATOR, btf, b"pcpu_hot" if hot else b"current_task")
+def kernel_types(btf: bytes, symbols: dict, where: str, kern) -> KernelTypes:
+    """The image's types for handlers and the runtime's trace lines, cached by the BTF's
+    contents.  kern: the architecture's part of the target (where the current task is
+    and how it is read)."""
+    currents = kern.current_tasks(symbols)
+    k = cache.key(GENERATOR, btf, currents[0][0].encode(), kern.__name__.encode())
     hit = cache.get("btf-types", k)
     if hit is not None:
         d = json.loads(hit)
         return KernelTypes(d["sched_h"], d["current"], d["comm"], d["pid"], d["fops"], d["trace"])
     types = parse(btf, where)
-    current = "current_task"
-    if hot:                            # Linux 6.2+: struct pcpu_hot { ... current_task ... }
-        off = member_offset(types, "pcpu_hot", "current_task")
-        current = f"pcpu_hot+{off}" if off is not None else current
+    for var, member in currents:            # the first that BTF has
+        off = 0 if member is None else member_offset(types, var, member)
+        if off is not None:
+            current = var if member is None else f"{var}+{off}"
+            break
+    get_current = kern.current_c("static inline __attribute__((always_inline)) "
+                                 "struct task_struct *kp_get_current(void)", "struct task_struct", current)
     fops = [_sizeof(types, "file_operations")] + [member_offset(types, "file_operations", m)
                                                   for m in ("llseek", "read", "write")]
-    kt = KernelTypes(_Writer(types).header(current), current, member_offset(types, "task_struct", "comm"),
+    kt = KernelTypes(_Writer(types).header(get_current), current, member_offset(types, "task_struct", "comm"),
                      member_offset(types, "task_struct", "pid"), None if None in fops else fops,
                      _trace_layout(types))
     cache.put("btf-types", k, json.dumps(kt.__dict__).encode())

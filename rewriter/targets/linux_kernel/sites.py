@@ -1,43 +1,28 @@
-"""Every site a Linux x86-64 vmlinux patches at boot or reserves from kprobes.
+"""The tables every Linux vmlinux has, whatever its architecture, and the image they are read from.
 
 Read from the image's own tables.  In a final vmlinux many of them are merged into other
-output sections (``__jump_table`` and ``.static_call_sites`` into ``.rodata``'s
-ro-after-init part, ``__mcount_loc`` and ``_kprobe_blacklist`` into ``.init.data``);
-each table is therefore found by the start/stop symbols the linker script defines
-(through kallsyms or a System.map) and, failing those, by its section header.
+output sections (``__jump_table`` into ``.rodata``'s ro-after-init part, ``__mcount_loc``
+and ``_kprobe_blacklist`` into ``.init.data``); each table is therefore found by the
+start/stop symbols the linker script defines (through kallsyms or a System.map) and,
+failing those, by its section header.  An architecture's own tables (x86's alternatives,
+paravirt, retpoline and return sites, ...) and the sizes of the instructions the generic
+tables point at are in its folder (x86_64/sites.py), whose KernelImage subclass names them.
 
-Layouts, as in Linux 6.1 (checked against Debian 12's 6.1 cloud kernel, see
-``verify_sites``):
+Layouts, as in Linux 6.1:
 
 =====================  ============================================================
 table                  entry
 =====================  ============================================================
-.altinstructions       struct alt_instr, 12 bytes, packed: s32 instr_offset,
-                       s32 repl_offset (both relative to the field), u16 cpuid,
-                       u8 instrlen, u8 replacementlen (6.3+ has u32 ft_flags: 14)
-.parainstructions      16 bytes: u8 *instr, u8 type, u8 len (struct
-                       paravirt_patch_site), then the u16 clobber mask 6.1's
-                       _paravirt_alt asm still emits (0x1, 0x1ff seen), padding
-.retpoline_sites       s32 relative to the entry: a call/jmp/jcc to an
-.return_sites          __x86_indirect_thunk_* (5 or 6 bytes, decoded), a
-.call_sites            ``jmp __x86_return_thunk`` (5), a call (5, 6.2+),
-.ibt_endbr_seal        an endbr64 (4, IBT kernels)
-.smp_locks             s32 relative to the entry: a lock prefix (1 byte); 0 = padding
-.static_call_sites     struct static_call_site: s32 addr, s32 key (both relative;
-                       key's low 2 bits are TAIL|INIT flags); the site is 5 bytes
-__jump_table           struct jump_entry: s32 code, s32 target, s64 key (all
-                       relative; key's low 2 bits are flags); 2 or 5 bytes (checked)
-__mcount_loc           u64 absolute address of a 5-byte ``call __fentry__``/nop5
+__mcount_loc           u64 absolute address of an ftrace site
 __ex_table             struct exception_table_entry: s32 insn, s32 fixup, s32 data
                        (12 bytes); insn and fixup relative to their fields
 __bug_table            struct bug_entry (GENERIC_BUG_RELATIVE_POINTERS,
                        DEBUG_BUGVERBOSE): s32 bug_addr_disp, s32 file_disp, u16 line,
-                       u16 flags (12 bytes); the site is a 2-byte ud2
+                       u16 flags (12 bytes)
 _kprobe_blacklist      unsigned long function addresses (NOKPROBE_SYMBOL)
 =====================  ============================================================
 
-Ranges: ``.noinstr.text``, ``.entry.text``, ``.kprobes.text`` and the static-call
-trampolines (``.static_call.text``, rewritten at boot) by their start/end symbols, and
+Ranges: ``.noinstr.text`` and ``.kprobes.text`` by their start/end symbols, and
 ``__cfi_*``/``__pfx_*`` symbols by their kallsyms bounds.
 """
 
@@ -65,7 +50,7 @@ class Reserved:
 
 @dataclass(frozen=True)
 class McountLoc:
-    site: int          # address of the 5-byte ftrace site
+    site: int          # address of the ftrace site (a call of __fentry__ or a nop)
     entry: int         # address of its __mcount_loc entry
     entry_offset: int  # file offset of that entry (zero it to drop the site from ftrace)
 
@@ -74,12 +59,8 @@ class McountLoc:
 class ExEntry:
     insn: int
     fixup: int
-    data: int
+    data: int          # the architecture's (x86: type and imm, EX_DATA_*)
     entry: int
-
-    @property
-    def type(self) -> int:
-        return self.data & 0xFF  # EX_DATA_TYPE_MASK (6.1)
 
 
 @dataclass(frozen=True)
@@ -91,16 +72,8 @@ class BugEntry:
     entry: int
 
 
-# (table name, start symbol, end symbol, section name)
+# table name (its section's) -> (start symbol, end symbol)
 TABLES = {
-    ".altinstructions": ("__alt_instructions", "__alt_instructions_end"),
-    ".parainstructions": ("__parainstructions", "__parainstructions_end"),
-    ".retpoline_sites": ("__retpoline_sites", "__retpoline_sites_end"),
-    ".return_sites": ("__return_sites", "__return_sites_end"),
-    ".call_sites": ("__call_sites", "__call_sites_end"),
-    ".ibt_endbr_seal": ("__ibt_endbr_seal", "__ibt_endbr_seal_end"),
-    ".smp_locks": ("__smp_locks", "__smp_locks_end"),
-    ".static_call_sites": ("__start_static_call_sites", "__stop_static_call_sites"),
     "__jump_table": ("__start___jump_table", "__stop___jump_table"),
     "__mcount_loc": ("__start_mcount_loc", "__stop_mcount_loc"),
     "__ex_table": ("__start___ex_table", "__stop___ex_table"),
@@ -111,18 +84,19 @@ TABLES = {
 # Text ranges reserved whole, by their start/end symbols.
 RANGES = {
     ".noinstr.text": ("__noinstr_text_start", "__noinstr_text_end"),
-    ".entry.text": ("__entry_text_start", "__entry_text_end"),
     ".kprobes.text": ("__kprobes_text_start", "__kprobes_text_end"),
-    ".static_call.text": ("__static_call_text_start", "__static_call_text_end"),
 }
-
-NOP5 = bytes.fromhex("0f1f440000")
-NOP2 = bytes.fromhex("6690")
-ENDBR64 = bytes.fromhex("f30f1efa")
+# The ranges populate_kprobe_blacklist() lists function by function (an architecture's
+# arch_populate_kprobe_blacklist() adds its own).
+BLACKLIST_RANGES = (".kprobes.text", ".noinstr.text")
 
 
 class KernelImage:
-    """A vmlinux's bytes with a symbol lookup: what every reader here works on."""
+    """A vmlinux's bytes with a symbol lookup: what every reader here works on.  An
+    architecture's subclass adds its tables and ranges to these class attributes."""
+    TABLES = TABLES
+    RANGES = RANGES
+    BLACKLIST_RANGES = BLACKLIST_RANGES
 
     def __init__(self, data: bytes, symbols, path: str = "vmlinux", elf: ElfView | None = None):
         self.data = data
@@ -143,7 +117,7 @@ class KernelImage:
 
     def bounds(self, table: str) -> tuple[int, int] | None:
         """[start, end) of a table by its symbols, else its section, else None."""
-        lo, hi = TABLES.get(table) or RANGES[table]
+        lo, hi = self.TABLES.get(table) or self.RANGES[table]
         a, b = self.addr.get(lo), self.addr.get(hi)
         if a is not None and b is not None and b >= a:
             return a, b
@@ -182,142 +156,23 @@ class KernelImage:
         return self.elf.read(addr, n) if self.elf.has(addr, n) else b""
 
 
-def _rel32(buf: bytes, entsize: int, nfields: int = 1):
+def rel32(buf: bytes, entsize: int, nfields: int = 1):
     """Rows of signed 32-bit fields (first nfields of each entsize-byte entry)."""
     fmt = "<" + "i" * nfields
     return [struct.unpack_from(fmt, buf, i) for i in range(0, len(buf), entsize)]
 
 
-def _insn_len(code: bytes) -> int:
-    """Length of a retpoline-site instruction: [cs] call/jmp rel32, jcc rel32, or decoded."""
-    i = 1 if code[:1] == b"\x2e" else 0
-    op = code[i:i + 1]
-    if op in (b"\xe8", b"\xe9"):
-        return i + 5
-    if op == b"\x0f" and 0x80 <= code[i + 1] <= 0x8F:
-        return i + 6
-    if op == b"\xeb" or 0x70 <= code[i] <= 0x7F:
-        return i + 2
-    return _capstone_len(code)
-
-
-_CS = None
-
-
-def _capstone_len(code: bytes) -> int:
-    global _CS
-    if _CS is None:
-        import capstone
-        _CS = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    for insn in _CS.disasm(code, 0, 1):
-        return insn.size
-    return 1
-
-
 # -- individual tables -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AltEntry:
-    site: int          # the original instruction(s)
-    length: int        # instrlen
-    replacement: int   # the replacement's address (in .altinstr_replacement)
-    repl_length: int   # replacementlen (<= instrlen: the original is padded at build time)
-    cpuid: int         # X86_FEATURE_* word*32+bit; bit 15 set: patch when the feature is absent
-    entry: int
-
-
-def alt_entries(k: KernelImage) -> list[AltEntry]:
-    a, buf = k.table_bytes(".altinstructions", 12)
-    out = []
-    for i in range(0, len(buf), 12):
-        instr, repl, cpuid, ilen, rlen = struct.unpack_from("<iiHBB", buf, i)
-        out.append(AltEntry(a + i + instr, ilen, a + i + 4 + repl, rlen, cpuid, a + i))
-    return out
-
-
-def alternatives(k: KernelImage) -> list[Reserved]:
-    out = []
-    for e in alt_entries(k):
-        feat = e.cpuid & 0x7FFF
-        out.append(Reserved(e.site, e.site + max(e.length, 1), ".altinstructions",
-                            f"feature {feat >> 5}*32+{feat & 31}{' (absent)' if e.cpuid & 0x8000 else ''} "
-                            f"replacement {e.replacement:#x} len {e.repl_length}"))
-    return out
-
-
-def paravirt(k: KernelImage) -> list[Reserved]:
-    a, buf = k.table_bytes(".parainstructions", 16)
-    out = []
-    for i in range(0, len(buf), 16):
-        instr, typ, ln = struct.unpack_from("<QBB", buf, i)
-        out.append(Reserved(instr, instr + max(ln, 1), ".parainstructions", f"type {typ}"))
-    return out
-
-
-def _relative_sites(k: KernelImage, table: str, size_of) -> list[Reserved]:
+def relative_sites(k: KernelImage, table: str, size_of) -> list[Reserved]:
     a, buf = k.table_bytes(table, 4)
     out = []
-    for i, (d,) in enumerate(_rel32(buf, 4)):
+    for i, (d,) in enumerate(rel32(buf, 4)):
         if d == 0:
             continue
         site = a + 4 * i + d
         out.append(Reserved(site, site + size_of(site), table))
-    return out
-
-
-def return_site_entries(k: KernelImage) -> dict[int, int]:
-    """Each .return_sites site -> the address of its table entry (an s32 relative to the
-    entry's own address, as apply_returns() reads it)."""
-    a, buf = k.table_bytes(".return_sites", 4)
-    return {a + 4 * i + d: a + 4 * i for i, (d,) in enumerate(_rel32(buf, 4)) if d}
-
-
-def retpoline_sites(k: KernelImage) -> list[Reserved]:
-    return _relative_sites(k, ".retpoline_sites", lambda s: _insn_len(k.code(s, 16)))
-
-
-def return_sites(k: KernelImage) -> list[Reserved]:
-    return _relative_sites(k, ".return_sites", lambda s: _insn_len(k.code(s, 16)))
-
-
-def call_sites(k: KernelImage) -> list[Reserved]:
-    return _relative_sites(k, ".call_sites", lambda s: _insn_len(k.code(s, 16)))
-
-
-def endbr_seal(k: KernelImage) -> list[Reserved]:
-    return _relative_sites(k, ".ibt_endbr_seal", lambda s: 4)
-
-
-def smp_locks(k: KernelImage) -> list[Reserved]:
-    return _relative_sites(k, ".smp_locks", lambda s: 1)
-
-
-def static_calls(k: KernelImage) -> list[Reserved]:
-    a, buf = k.table_bytes(".static_call_sites", 8)
-    out = []
-    for i, (addr, key) in enumerate(_rel32(buf, 8, 2)):
-        e = a + 8 * i
-        site = e + addr
-        raw = e + 4 + key
-        flags = raw & 3
-        out.append(Reserved(site, site + 5, ".static_call_sites",
-                            f"key {raw & ~3:#x}{' tail' if flags & 1 else ''}{' init' if flags & 2 else ''}"))
-    return out
-
-
-def jump_labels(k: KernelImage) -> list[Reserved]:
-    a, buf = k.table_bytes("__jump_table", 16)
-    out = []
-    for i in range(0, len(buf), 16):
-        code, target, key = struct.unpack_from("<iiq", buf, i)
-        e = a + i
-        site = e + code
-        b = k.code(site, 5)
-        size = 2 if b[:1] == b"\xeb" or b[:2] == NOP2 else 5
-        raw = e + 8 + key
-        out.append(Reserved(site, site + size, "__jump_table",
-                            f"target {e + 4 + target:#x} key {(raw & ~3) & (2**64 - 1):#x}"))
     return out
 
 
@@ -369,8 +224,8 @@ def kprobe_blacklist(k: KernelImage) -> list[tuple[int, int, str]]:
 
     As populate_kprobe_blacklist() builds it in 6.1: each NOKPROBE_SYMBOL address
     (``_kprobe_blacklist``) with its kallsyms bounds, then every function of
-    ``.kprobes.text`` and ``.noinstr.text`` and (x86's arch_populate_kprobe_blacklist)
-    ``.entry.text``.  An address with no function around it is listed as 1 byte.
+    ``.kprobes.text`` and ``.noinstr.text`` and the architecture's ranges
+    (k.BLACKLIST_RANGES).  An address with no function around it is listed as 1 byte.
     """
     a, buf = k.table_bytes("_kprobe_blacklist", 8)
     out = []
@@ -384,18 +239,18 @@ def kprobe_blacklist(k: KernelImage) -> list[tuple[int, int, str]]:
             continue
         seen.add(key)
         out.append((key[0], key[1], f.name if f else f"{addr:#x}"))
-    for rng in (".kprobes.text", ".noinstr.text", ".entry.text"):
+    for rng in k.BLACKLIST_RANGES:
         b = k.bounds(rng)
         if b is None:
             continue
-        for f in _functions_in(k, *b):
+        for f in functions_in(k, *b):
             if (f.start, f.end) not in seen:
                 seen.add((f.start, f.end))
                 out.append((f.start, f.end, f.name))
     return out
 
 
-def _functions_in(k: KernelImage, lo: int, hi: int) -> list[Function]:
+def functions_in(k: KernelImage, lo: int, hi: int) -> list[Function]:
     """One entry per distinct function start in [lo, hi) (the first name of aliases), with its
     kallsyms bounds (not clipped at hi: the kernel's kprobe_add_area_blacklist does not)."""
     out, last = [], None
@@ -408,139 +263,14 @@ def _functions_in(k: KernelImage, lo: int, hi: int) -> list[Function]:
 
 def section_ranges(k: KernelImage) -> list[Reserved]:
     out = []
-    for rng in RANGES:
+    for rng in k.RANGES:
         b = k.bounds(rng)
         if b is not None and b[1] > b[0]:
             out.append(Reserved(b[0], b[1], rng))
     return out
 
 
-def indirect_thunk_range(k: KernelImage) -> tuple[int, int] | None:
-    """[__indirect_thunk_start, __indirect_thunk_end): the retpoline thunks (and, in 6.1,
-    __x86_return_thunk).  Not a reserved range: x86's opt.c counts a call/jmp into it as an
-    indirect jump (insn_is_indirect_jump), which refuses optimizing the whole function."""
-    a, b = k.addr.get("__indirect_thunk_start"), k.addr.get("__indirect_thunk_end")
-    return (a, b) if a is not None and b is not None and b > a else None
-
-
-def head_text(k: KernelImage) -> list[Reserved]:
-    """.head.text, function by function: head_64.S, head64.c and the SME/SEV identity-mapped
-    code (startup_64, secondary_startup_64, verify_cpu, pvh_start_xen, ...) run before the
-    CPU's per-CPU base (%gs) is set, part of them on the early identity mapping, so no probe
-    can run there (a detour would read its CPU's block through %gs, or jump to a kernel
-    address not yet mapped).  The kernel has no bound for it in kallsyms; it is built without
-    -pg, and .text proper starts with the function of the first __mcount_loc site."""
-    start = k.addr.get("_text")
-    sites = mcount_locs(k)
-    if start is None or not sites:
-        return []
-    first = min(m.site for m in sites)
-    f = k.function_at(first)
-    end = f.start if f is not None else first
-    return [Reserved(f.start, min(f.end, end), ".head.text", f.name) for f in _functions_in(k, start, end)]
-
-
 def cfi_symbols(k: KernelImage) -> list[Reserved]:
     """__cfi_* and __pfx_* symbols (kCFI preambles, 6.1+ clang; function padding, 6.2+)."""
     return [Reserved(f.start, f.end, "__cfi_/__pfx_", f.name) for f in k.functions()
             if f.name.startswith(("__cfi_", "__pfx_"))]
-
-
-def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | None = None,
-                 image: KernelImage | None = None) -> list[Reserved]:
-    """Every reserved or boot-patched range of the image, sorted by start.
-
-    Tables: .altinstructions .parainstructions .retpoline_sites .return_sites .call_sites
-    .ibt_endbr_seal .smp_locks .static_call_sites __jump_table __mcount_loc
-    "__ex_table" (faulting instructions) "__ex_table fixup" (fixup targets, 1 byte: a
-    region must not contain one) __bug_table _kprobe_blacklist, and the ranges
-    .noinstr.text .entry.text .kprobes.text .static_call.text .head.text __cfi_/__pfx_.
-    """
-    k = image or KernelImage(data, symbols, path, elf)
-    out: list[Reserved] = []
-    out += alternatives(k)
-    out += paravirt(k)
-    out += retpoline_sites(k)
-    out += return_sites(k)
-    out += call_sites(k)
-    out += endbr_seal(k)
-    out += smp_locks(k)
-    out += static_calls(k)
-    out += jump_labels(k)
-    out += [Reserved(m.site, m.site + 5, "__mcount_loc", f"entry {m.entry:#x}") for m in mcount_locs(k)]
-    for e in ex_table(k):
-        n = _capstone_len(k.code(e.insn, 16)) if k.elf.has(e.insn, 16) else 1
-        out.append(Reserved(e.insn, e.insn + n, "__ex_table", f"fixup {e.fixup:#x} type {e.type}"))
-        out.append(Reserved(e.fixup, e.fixup + 1, "__ex_table fixup", f"insn {e.insn:#x}"))
-    for b in bug_table(k):
-        out.append(Reserved(b.addr, b.addr + 2, "__bug_table",
-                            f"{b.file}:{b.line}{' warning' if b.flags & 1 else ''}"))
-    out += [Reserved(s, e, "_kprobe_blacklist", n) for s, e, n in kprobe_blacklist(k)]
-    out += section_ranges(k)
-    out += head_text(k)
-    out += cfi_symbols(k)
-    out.sort()
-    return out
-
-
-def verify_sites(k: KernelImage) -> dict[str, int]:
-    """Check each table's sites against the code; {check: number of failures}.
-
-    - every __mcount_loc site holds ``call __fentry__`` (e8 rel32 to __fentry__) or a nop5;
-    - every .return_sites site holds ``jmp __x86_return_thunk`` (e9) or a ret (c3);
-    - every .smp_locks site holds a lock prefix (f0);
-    - every __jump_table site holds jmp rel8/rel32 or nop2/nop5;
-    - every __bug_table site holds ud2 (0f 0b);
-    - every .altinstructions site and replacement lies in executable code and the
-      replacement is no longer than the original;
-    - every .parainstructions site is a ``call *pv_ops+N(%rip)`` (ff 15);
-    - every .retpoline_sites site is a call/jmp/jcc to an __x86_indirect_thunk_*;
-    - every .static_call_sites site holds a call/jmp rel32 or nop5.
-    """
-    bad = {}
-    fentry = k.addr.get("__fentry__")
-    rthunk = k.addr.get("__x86_return_thunk")
-    thunks = {a for n, a in k.addr.items() if n.startswith("__x86_indirect_thunk_")}
-
-    def count(name, ok):
-        bad[name] = bad.get(name, 0) + (0 if ok else 1)
-
-    def target(site, b, i=0):
-        return site + i + 5 + struct.unpack_from("<i", b, i + 1)[0]
-
-    for m in mcount_locs(k):
-        b = k.code(m.site, 5)
-        count("__mcount_loc", b == NOP5 or (b[:1] == b"\xe8" and target(m.site, b) == fentry))
-    for r in return_sites(k):
-        b = k.code(r.start, 5)
-        count(".return_sites", b[:1] == b"\xc3" or (b[:1] == b"\xe9" and target(r.start, b) == rthunk))
-    for r in smp_locks(k):
-        count(".smp_locks", k.code(r.start, 1) == b"\xf0")
-    for r in jump_labels(k):
-        b = k.code(r.start, 5)
-        count("__jump_table", b[:1] in (b"\xeb", b"\xe9") or b[:2] == NOP2 or b == NOP5)
-    for b in bug_table(k):
-        count("__bug_table", k.code(b.addr, 2) == b"\x0f\x0b")
-    for e in alt_entries(k):
-        sec = k.elf.section_at(e.site)
-        rsec = k.elf.section_at(e.replacement) if e.repl_length else sec
-        count(".altinstructions", sec is not None and sec.executable and e.repl_length <= e.length
-              and rsec is not None and rsec.executable)
-    for r in paravirt(k):
-        sec = k.elf.section_at(r.start)
-        # 6.1 x86-64: every site is PARAVIRT_CALL, `call *pv_ops+N(%rip)` (ff 15 rel32).
-        count(".parainstructions", sec is not None and sec.executable and k.code(r.start, 2) == b"\xff\x15")
-    for r in retpoline_sites(k):
-        b = k.code(r.start, 7)
-        i = 1 if b[:1] == b"\x2e" else 0
-        if b[i:i + 1] in (b"\xe8", b"\xe9"):
-            t = target(r.start, b, i)
-        elif b[i:i + 1] == b"\x0f":
-            t = r.start + i + 6 + struct.unpack_from("<i", b, i + 2)[0]
-        else:
-            t = None
-        count(".retpoline_sites", t in thunks)
-    for r in static_calls(k):
-        b = k.code(r.start, 5)
-        count(".static_call_sites", b[:1] in (b"\xe8", b"\xe9") or b == NOP5)
-    return bad

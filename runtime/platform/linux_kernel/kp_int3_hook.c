@@ -5,7 +5,7 @@
  * then calls do_int3(), whose first question is kprobe_int3_handler(regs):
  * "is this int3 a kprobe's?"  The rewriter puts a `call kp_kernel_int3_entry`
  * on kprobe_int3_handler()'s ftrace site (its __mcount_loc entry dropped, as
- * for an ftrace-site probe; rewriter/targets/linux_kernel/__init__.py,
+ * for an ftrace-site probe; rewriter/targets/linux_kernel/x86_64/traps.py,
  * INT3_HOOK), and do_int3()'s own calls of kprobe_int3_handler() (do_int3()
  * and its copies inlined into exc_int3(); INT3_CALLERS) call the C half,
  * kp_arch_int3_bp(), directly: no call from the ftrace site and jump back at
@@ -70,7 +70,7 @@ __asm__(".pushsection .text\n"
  * and halts on anything else, an int3 included.  The first printk()s of
  * start_kernel() run sched_clock_cpu() and local_clock() for their timestamps, so
  * a breakpoint site there hung the boot before the console came up.  The
- * rewriter points that call here (rewriter/targets/linux_kernel/__init__.py,
+ * rewriter points that call here (rewriter/targets/linux_kernel/x86_64/traps.py,
  * EARLY_HOOK): an int3 of ours (or the one ending a single-stepped copy) runs
  * its instruction and returns into early_idt_handler_common, which restores the
  * frame and irets; anything else goes to do_early_exception() as before.  This

@@ -29,7 +29,7 @@ import lzma
 import struct
 import zlib
 
-from ...errors import KprewriteError
+from ....errors import KprewriteError
 from . import bzimage
 from .bzimage import BzImage, RelocTable
 

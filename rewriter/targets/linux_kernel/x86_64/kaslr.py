@@ -19,7 +19,7 @@ table is the original one
   0) and to plain numbers are not relocated.
 
 Addresses in the generated tables (a struct kprobe's addr) are written as
-`_text + offset` (address_c()) so that the linker relocates them too: a handler
+`_text + offset` (../symbols.address_c()) so that the linker relocates them too: a handler
 printing p->addr prints the randomized address.  The runtime's load bias
 (kp_rt.bias, 0 as linked) gets a 64-bit entry of its own, so the decompressor
 makes it the KASLR offset: what the runtime adds to a fetch arg's @SYM and
@@ -30,38 +30,22 @@ from __future__ import annotations
 import bisect
 from array import array
 
-from ... import emission, link
-from ...arch.base import EMULATE
-from ...errors import KprewriteError
+from .... import emission, link
+from ....arch.base import EMULATE
+from ....errors import KprewriteError
+from ..symbols import KERNEL_HALF, PT_LOAD, kernel_range
 from .bzimage import RelocTable
 
 R_X86_64_64, R_X86_64_PC32, R_X86_64_PLT32, R_X86_64_32, R_X86_64_32S, R_X86_64_PC64 = 1, 2, 4, 10, 11, 24
-KERNEL_HALF = 1 << 63
 HIGH = 0xFFFFFFFF00000000           # a table entry is the address's low 32 bits, sign-extended
-PT_LOAD = 1
 # Re-encoded in a detour (rewriter/arch/x86_64/emit.relocate): their bytes change shape.
 REENCODED = ("jmp rel", "jcc rel", "call rel")
-
-
-def kernel_range(image) -> tuple[int, int]:
-    """[lowest, highest) address of the kernel-half PT_LOADs: what moves with KASLR."""
-    loads = [s for s in image.segments if s.type == PT_LOAD and s.vaddr >= KERNEL_HALF]
-    return min(s.vaddr for s in loads), max(s.vaddr + s.memsz for s in loads)
 
 
 def percpu_range(image) -> tuple[int, int]:
     """The per-CPU segment (linked at 0: its symbols are %gs offsets, never relocated)."""
     loads = [s for s in image.segments if s.type == PT_LOAD and s.vaddr < KERNEL_HALF]
     return (min(s.vaddr for s in loads), max(s.vaddr + s.memsz for s in loads)) if loads else (0, 0)
-
-
-def address_c(image, addr: int) -> str:
-    """An address of the kernel as a C constant expression the linker relocates
-    (`_text` + offset: an R_X86_64_64 in data); anything else as a number."""
-    lo, hi = kernel_range(image)
-    if lo <= addr < hi:
-        return f"((unsigned long)_text + {addr - lo:#x}UL)"
-    return f"{addr:#x}UL"
 
 
 def _entries(lst: array) -> set[int]:
@@ -164,7 +148,7 @@ def _moved(path: str, insn, at: int, copy: bytes, e: int, inverse: bool, width: 
 def _copies(image, arch, plan, rx: bytes, layout, blob):
     """(DCR instruction, address of its copy, the copy) of every detoured site, found by
     emitting each detour again with a recording copy and checking it is the one written."""
-    from ...planner import INT3
+    from ....planner import INT3
     em = arch.emit
     out = []
     for site in plan.sites:

@@ -30,7 +30,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...errors import KprewriteError
+from ....errors import KprewriteError
 
 # Setup header offsets (boot.rst, "The real-mode kernel header").
 OFF_SETUP_SECTS = 0x1F1
