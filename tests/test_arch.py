@@ -92,3 +92,47 @@ def test_direct_branches_are_named_and_retargeted(name, tmp_path):
     assert last.mnemonic == "jmp" and int(last.op_str, 16) == 0x2000
     nop = b"\x90"
     assert arch.direct_branch_target(DcrInsn(0x1000, nop, classify(nop, 0x1000))) is None
+
+
+# x86-64 facts as code names or string literals: registers, instruction classes,
+# encodings, relocation and capstone/keystone constants.
+X86_FACT = r"""\b(rax|rbx|rcx|rdx|rsi|rdi|rsp|rbp|rip|eflags|r(8|9|1[0-5]))\b|%[re]?(ax|bx|cx|dx|si|di|sp|bp|ip)\b|
+    \b(call|jmp|jcc)\ rel\b|rel(8|32)|R_X86_64|(?<!EM_)X86_|x86_64-linux|\\x(0f|90|cc|e8|e9|eb|f3)|endbr|%[fg]s:|pushfq|popfq"""
+
+
+def _code_tokens(path):
+    """(line, text) of every name and string literal of a module's code, its
+    docstrings and comments left out (they may explain with x86 examples)."""
+    import io
+    import tokenize
+    out, prev = [], None
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.STRING and prev in (None, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.NL):
+            prev = tok.type                  # a docstring (an expression statement of its own)
+            continue
+        if tok.type in (tokenize.NAME, tokenize.STRING):
+            out.append((tok.start[0], tok.string))
+        if tok.type not in (tokenize.COMMENT,):
+            prev = tok.type
+    return out
+
+
+def test_generic_code_names_no_x86_fact():
+    """Outside the arch folders (rewriter/arch/<arch>/, rewriter/targets/*/<arch>/) the
+    code names no x86-64 register, instruction class, encoding or relocation: a
+    second architecture is added folders, not edits.  (Comments may give x86
+    examples; code and strings may not.)"""
+    import re
+    from pathlib import Path
+    root = Path(base.__file__).resolve().parents[1]
+    arch_dirs = set(MACHINES.values())
+    fact = re.compile(X86_FACT, re.X)
+    hits = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if rel.parts[0] == "arch" and len(rel.parts) > 2 or arch_dirs & set(rel.parts[:-1]):
+            continue
+        for line, text in _code_tokens(p):
+            if fact.search(text):
+                hits.append(f"{rel}:{line}: {text[:60]}")
+    assert not hits, "\n".join(hits)

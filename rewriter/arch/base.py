@@ -237,7 +237,7 @@ class Emit(Protocol):
     def short_jump_patch(self, addr: int, region_len: int, slot: int) -> bytes:
         """A short jump to a JUMP_SIZE jump at slot."""
 
-    def branch_rel32(self, code: bytes) -> int | None:
+    def branch_disp(self, code: bytes) -> int | None:
         """The offset of a retargetable direct branch's displacement in code, or None."""
 
     def retarget_patch(self, addr: int, code: bytes, target: int) -> tuple[int, bytes]:

@@ -53,7 +53,7 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     for target, to in sorted(entries.items()):
         for src in sorted(set(analysis.branch_sources.get(target, ()))):
             code = image.read(src, 6)
-            off = em.branch_rel32(code)
+            off = em.branch_disp(code)
             if off is None:
                 continue
             size = off + 4

@@ -147,7 +147,7 @@ def short_jump_patch(addr: int, region_len: int, slot: int) -> bytes:
     return b"\xeb" + (rel & 0xFF).to_bytes(1, "little") + b"\xcc" * (region_len - 2)
 
 
-def branch_rel32(code: bytes) -> int | None:
+def branch_disp(code: bytes) -> int | None:
     """Where the rel32 of a direct jmp, call or jcc at the start of `code` lies (its
     offset; the instruction ends 4 bytes later), or None for any other instruction.
     Only the plain encodings (E9, E8, 0F 80-8F) a compiler emits; a prefixed one is
@@ -162,7 +162,7 @@ def branch_rel32(code: bytes) -> int | None:
 def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
     """A direct branch at `addr` (its bytes `code`) sent to `target` instead: the
     (address, bytes) of its new rel32."""
-    off = branch_rel32(code)
+    off = branch_disp(code)
     return addr + off, _s32(target - (addr + off + 4), "branch to detour")
 
 

@@ -156,7 +156,7 @@ class KernelImage:
         return self.elf.read(addr, n) if self.elf.has(addr, n) else b""
 
 
-def rel32(buf: bytes, entsize: int, nfields: int = 1):
+def offsets32(buf: bytes, entsize: int, nfields: int = 1):
     """Rows of signed 32-bit fields (first nfields of each entsize-byte entry)."""
     fmt = "<" + "i" * nfields
     return [struct.unpack_from(fmt, buf, i) for i in range(0, len(buf), entsize)]
@@ -168,7 +168,7 @@ def rel32(buf: bytes, entsize: int, nfields: int = 1):
 def relative_sites(k: KernelImage, table: str, size_of) -> list[Reserved]:
     a, buf = k.table_bytes(table, 4)
     out = []
-    for i, (d,) in enumerate(rel32(buf, 4)):
+    for i, (d,) in enumerate(offsets32(buf, 4)):
         if d == 0:
             continue
         site = a + 4 * i + d

@@ -52,7 +52,7 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
         hook = slot_hook(image, arr, single)
         if hook is not None:
             off, old = hook
-            how = ("the R_X86_64_RELATIVE addend of DT_{0}_ARRAY[0]" if image.dynamic.get(arr) and off != _dynamic_value_offset(image, single)
+            how = ("the relative relocation addend of DT_{0}_ARRAY[0]" if image.dynamic.get(arr) and off != _dynamic_value_offset(image, single)
                    else "DT_{0}").format(name.upper())
             out.append((off, 8, f"{how}: chained through the runtime's {name} stub (was {old:#x})"))
     return out

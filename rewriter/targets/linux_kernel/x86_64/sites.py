@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from .. import sites as _generic
 from ..elfview import ElfView
 from ..sites import (BugEntry, ExEntry, McountLoc, Reserved, bug_table, cfi_symbols, ex_table,  # noqa: F401
-                     functions_in, kprobe_blacklist, mcount_locs, rel32, relative_sites, section_ranges)
+                     functions_in, kprobe_blacklist, mcount_locs, offsets32, relative_sites, section_ranges)
 
 # x86's tables: table name (its section's) -> (start symbol, end symbol), then the generic ones.
 TABLES = {
@@ -160,7 +160,7 @@ def return_site_entries(k: KernelImage) -> dict[int, int]:
     """Each .return_sites site -> the address of its table entry (an s32 relative to the
     entry's own address, as apply_returns() reads it)."""
     a, buf = k.table_bytes(".return_sites", 4)
-    return {a + 4 * i + d: a + 4 * i for i, (d,) in enumerate(rel32(buf, 4)) if d}
+    return {a + 4 * i + d: a + 4 * i for i, (d,) in enumerate(offsets32(buf, 4)) if d}
 
 
 def retpoline_sites(k: KernelImage) -> list[Reserved]:
@@ -186,7 +186,7 @@ def smp_locks(k: KernelImage) -> list[Reserved]:
 def static_calls(k: KernelImage) -> list[Reserved]:
     a, buf = k.table_bytes(".static_call_sites", 8)
     out = []
-    for i, (addr, key) in enumerate(rel32(buf, 8, 2)):
+    for i, (addr, key) in enumerate(offsets32(buf, 8, 2)):
         e = a + 8 * i
         site = e + addr
         raw = e + 4 + key
