@@ -506,7 +506,8 @@ def table_head(args, k, mode: str, n: int, reps: int, warmup: int, commit: str, 
             f"{machine}; guest {k.release}, QEMU TCG `{' '.join(MODES[mode]) or 'wall clock'}`, `-smp 1`; loops of "
             f"{n:,} calls after {warmup:,} warm-up calls, {reps} rounds per phase.  Per hit: the median over "
             f"rounds of the loop's time against the unprobed reference loop, less the same difference unprobed"
-            + (", in guest instructions (deterministic)." if mode == "icount" else ", in ns of the host's clock (noisy)."))
+            + (", in guest instructions (deterministic)" if mode == "icount" else ", in ns of the host's clock (noisy)")
+            + "; × ours: a configuration's cost over ours at the same place (\"less\": ours costs less).")
 
 
 
