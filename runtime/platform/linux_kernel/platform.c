@@ -150,7 +150,10 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	(void)p;
 	(void)regs;
 	kp_kernel_build_tables();
-	kp_thread_table_ready();	/* lookups take the fast path from here on */
+	/* Lookups take the fast path from here on; kp_optimized_clean_callback()'s reads
+	 * the tables once kp_fast is set, so it stays 0 if they could not be built. */
+	if (kp_tables_built)
+		kp_thread_table_ready();
 	kp_kernel_kretprobes_init();
 	kp_kernel_trace_init();		/* our trace events' output types */
 	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
