@@ -4,6 +4,7 @@ kretprobe_blacklist."""
 from __future__ import annotations
 
 from .. import blacklist as bl
+from .. import safety
 from ..resolve import EntryProbe, Probe
 
 # kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
@@ -56,7 +57,7 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
     bad = next((n for n in [f.name] + list(f.aliases) if n in KRETPROBE_BLACKLIST), None)
     if bad:
         return f"{bad} is on the kretprobe blacklist: {KRETPROBE_BLACKLIST[bad]}", "kretprobe_blacklist"
-    if ".cold" in f.name:
+    if ".cold" in f.name and safety.enabled("cold_parts"):
         return (f"{f.name} is a cold part of a function, entered by a jump, not a call: "
                 "it has no return address"), "cold_part"
     d = analysis.decoded(f)
