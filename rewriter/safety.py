@@ -120,8 +120,9 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("probe_in_region",
          "another probe's bytes inside a region keep the region's site unoptimized (the kernel's "
          "pre-optimization check), unless the region is shared",
-         "planner:plan", KERNEL, "test_probe_in_region",
-         "an int3 inside the region is never hit (the detour runs the copy): a handler never runs"),
+         "planner:plan", KERNEL, switch=False,
+         unproven="not switched: a user image shares such regions (shared_regions), so the check is "
+                  "reached only in a kernel, and a kernel boot was not set up for it"),
     Rule("eviction",
          "an evicted neighbour's region holds no exit of its function (no ret, no indirect or "
          "outward jump)",
