@@ -403,7 +403,6 @@ def _prove(built, rule: str, runner: str, handler_line: str | None = None) -> No
     broken = _outcome(off, runner)
     assert broken[:2] != (0, want.stdout) or (handler_line is not None and handler_line not in broken[2]), \
         f"{rule} switched off, the program still runs right:\non:  {check_on}\noff: {check_off}"
-    print(f"\n{rule}: on: {check_on.strip()} | off: {check_off.strip()} | broken: {str(broken)[:200]}")
     return broken
 
 
@@ -444,4 +443,89 @@ def test_lsda_landing_pads(built, runner):
 
 
 def test_direction_flag(built, runner):
+    if runner == "qemu":
+        # qemu-user delivers a signal with DF as the program left it (the kernel clears it):
+        # the int3 probe's handler, run from the runtime's SIGTRAP handler, sees DF = 1 too.
+        pytest.xfail("qemu-user does not clear DF on signal delivery: the int3 fallback's handler runs with DF = 1")
     _prove(built, "direction_flag", runner, handler_line="lo=a hi=z")
+
+
+# --- the registry -------------------------------------------------------------------------------
+
+def _function(where: str):
+    module, _, name = where.partition(":")
+    obj = importlib.import_module(f"rewriter.{module}")
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_switched_rule_has_its_program_and_test():
+    """A rule added with a switch and no program here fails this; a rule with no
+    switch says why it has no program."""
+    tests = {n for n, v in globals().items() if n.startswith("test_") and callable(v)}
+    for r in safety.RULES.values():
+        assert r.origin in (safety.KERNEL, safety.OURS), r.name
+        assert r.description and "\n" not in r.description, r.name
+        _function(r.where)                      # the place it names exists
+        if r.switch:
+            assert r.test in tests, f"rule {r.name}: no test {r.test} in {__name__}"
+            assert r.name in PROGRAMS and r.breaks, f"rule {r.name}: no program, or no word of what breaks"
+            assert not r.unproven, r.name
+        else:
+            assert r.test is None and r.unproven, f"rule {r.name}: no switch, so no test: say why (unproven)"
+
+
+def _enabled_calls():
+    """(file, rule name) of every safety.enabled() call in rewriter/."""
+    out = []
+    for path in sorted((ROOT / "rewriter").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "enabled" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "safety":
+                assert len(node.args) == 1 and isinstance(node.args[0], ast.Constant), \
+                    f"{path}:{node.lineno}: safety.enabled() takes a rule's name as a string literal"
+                out.append((path, node.args[0].value))
+    return out
+
+
+def test_every_check_names_a_registered_rule():
+    """Each safety.enabled("x") in rewriter/ names a registered rule with a switch, and each
+    switched rule is consulted in the function its entry names."""
+    calls = _enabled_calls()
+    for path, name in calls:
+        assert name in safety.RULES and safety.RULES[name].switch, f"{path}: safety.enabled({name!r}): no such rule"
+    import inspect
+    for r in safety.RULES.values():
+        if r.switch:
+            assert f'safety.enabled("{r.name}")' in inspect.getsource(_function(r.where)), \
+                f"rule {r.name}: no safety.enabled() check in {r.where}"
+
+
+def test_switch_refused_outside_the_suite(tmp_path):
+    """KPREWRITE_UNSAFE_OFF without KPREWRITE_TEST_SUITE: a one-line error, a non-zero exit."""
+    env = {k: v for k, v in TREE_ENV.items() if k != safety.SUITE_VAR}
+    env[safety.OFF_VAR] = "cold_parts"
+    spec = write_spec(tmp_path, probe_spec("kprobe", ["main"], handlers=False))
+    r = subprocess.run([*KPREWRITE, "check", "/bin/true", "--spec", spec], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and r.stdout == "", r
+    assert len(r.stderr.splitlines()) == 1 and safety.OFF_VAR in r.stderr, r.stderr
+    # In-process too: the library refuses the same way.
+    from rewriter.errors import KprewriteError
+    old = {k: os.environ.get(k) for k in (safety.OFF_VAR, safety.SUITE_VAR)}
+    try:
+        os.environ.pop(safety.SUITE_VAR, None)
+        os.environ[safety.OFF_VAR] = "cold_parts"
+        with pytest.raises(KprewriteError):
+            safety.enabled("cold_parts")
+        os.environ[safety.SUITE_VAR] = "1"
+        assert not safety.enabled("cold_parts") and safety.enabled("red_zone")
+        os.environ[safety.OFF_VAR] = "no_such_rule"
+        with pytest.raises(KprewriteError):
+            safety.enabled("red_zone")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from .. import safety
 from ..resolve import Probe, is_entry
 from .forms import choose_forms
 from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
@@ -79,7 +78,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if s.decision not in JUMPS or s.head is not None:
             continue
         i = bisect.bisect_right(placed, s.addr)
-        if i < len(placed) and placed[i] < s.region_end and safety.enabled("probe_in_region"):
+        if i < len(placed) and placed[i] < s.region_end:
             s.reason = arch.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
             s.decision, s.dcr = REFUSED, None
     if rules.short_jumps and optimize and arch.optprobe.SHORT_JUMP_SIZE:
