@@ -150,15 +150,14 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
     document `diff --format json` prints); its `unattributed` list is empty when
     every change is explained."""
     from . import targets
-    from .image import Image
-    orig = Image(original)
+    orig = targets.load(original)
     if orig.container is not None:      # the image is re-laid inside its container when written
         raise KprewriteError(f"{original}: diff compares ELF files; a bzImage's vmlinux is re-laid when "
                              "written, so compare the vmlinux it holds and that vmlinux rewritten")
-    target = targets.for_image(orig)
+    target = orig.target
     target.load_symbols(orig, system_map)
     meta = read_metadata(rewritten)
-    new = Image(rewritten)
+    new = targets.load(rewritten)
     a, b = orig.data, new.data
     if len(b) < len(a):
         raise KprewriteError(f"{rewritten}: shorter than {original}: not a rewrite of it")

@@ -438,14 +438,13 @@ def parse_args(words: list[tuple[str, int]], flags: ParseFlags) -> list[ProbeArg
 
 def data_symbols(image) -> dict[str, list[tuple[int, int]]]:
     """Every named symbol with an address: name -> [(value, size)] (functions and objects):
-    the ELF's .symtab and .dynsym, then the symbols the target reads from the image
+    the ELF's .symtab and .dynsym, then the symbols the image's target reads from it
     beyond them (a kernel's kallsyms or System.map: data and per-CPU symbols too;
     size 0, and a name several symbols share listed twice, so it is not unique)."""
     cached = getattr(image, "_kp_all_symbols", None)
     if cached is not None:
         return cached
     from .image import text
-    from .targets import for_image
     out: dict[str, list[tuple[int, int]]] = {}
     for syms in (image.binary.symtab_symbols, image.binary.dynamic_symbols):
         for s in syms:
@@ -453,7 +452,8 @@ def data_symbols(image) -> dict[str, list[tuple[int, int]]]:
                 lst = out.setdefault(text(s.name), [])
                 if all(v != s.value for v, _ in lst):
                     lst.append((s.value, s.size))
-    for name, addr in (for_image(image).link_symbols(image) or {}).items():
+    target = getattr(image, "target", None)     # what targets.load() detected (an Image made directly: none)
+    for name, addr in ((target.link_symbols(image) if target is not None else None) or {}).items():
         if name not in out:
             out[name] = [(addr, 0)] if addr is not None else [(0, 0), (1, 0)]
     image._kp_all_symbols = out

@@ -1,7 +1,9 @@
 """Stage 1: load the image.
 
-Reads an ELF file with LIEF (symbols, sections, segments, dynamic entries) and
-keeps its raw bytes.  Function bounds come from symbol sizes (.symtab, then
+Reads an ELF file's headers, sections and segments through elfview.ElfView, its
+symbols and dynamic entries with LIEF, and keeps its raw bytes.  A container the
+ELF travels in (a kernel's bzImage) is the target's to open: targets.load()
+unwraps it and hands the ELF bytes here.  Function bounds come from symbol sizes (.symtab, then
 .dynsym), else from .eh_frame FDEs, the way the kernel's kallsyms gives
 can_optimize() a function's size.
 """
@@ -16,13 +18,12 @@ import lief
 
 from . import ehframe
 from .arch import MACHINES, get_arch
+from .elfview import (PF_R, PF_W, PF_X, PT_INTERP, PT_LOAD, PT_NOTE, PT_PHDR,  # noqa: F401  (importers' names)
+                      SHF_ALLOC, SHF_EXECINSTR, SHF_WRITE, ElfView, Section, Segment)
 from .errors import KprewriteError
 
 lief.logging.disable()
 
-PT_LOAD, PT_INTERP, PT_PHDR, PT_NOTE = 1, 3, 6, 4
-PF_X, PF_W, PF_R = 1, 2, 4
-SHF_WRITE, SHF_ALLOC, SHF_EXECINSTR = 1, 2, 4
 DF_1_PIE = 0x08000000
 EM_NAMES = {3: "EM_386", 40: "EM_ARM", 62: "EM_X86_64", 183: "EM_AARCH64", 243: "EM_RISCV"}
 
@@ -30,32 +31,6 @@ EM_NAMES = {3: "EM_386", 40: "EM_ARM", 62: "EM_X86_64", 183: "EM_AARCH64", 243: 
 def text(name) -> str:
     """A name as LIEF gives it: str, or bytes when it is not UTF-8 (a damaged string table)."""
     return name if isinstance(name, str) else bytes(name).decode("utf-8", "backslashreplace")
-
-
-@dataclass(frozen=True)
-class Section:
-    name: str
-    type: int
-    flags: int
-    addr: int
-    offset: int
-    size: int
-
-    @property
-    def executable(self) -> bool:
-        return bool(self.flags & SHF_EXECINSTR) and bool(self.flags & SHF_ALLOC)
-
-
-@dataclass(frozen=True)
-class Segment:
-    type: int
-    flags: int
-    offset: int
-    vaddr: int
-    paddr: int
-    filesz: int
-    memsz: int
-    align: int
 
 
 @dataclass
@@ -70,32 +45,31 @@ class Function:
 class Image:
     """A loaded ELF image: raw bytes plus what the pipeline needs to know of it."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, data: bytes | None = None, container=None):
+        """The ELF file at `path`; `data`: its bytes when already read or unwrapped from
+        `container` (what the target's unwrap() found it in; see targets.load())."""
         self.path = path
         self.label = os.path.basename(path)
-        try:
-            with open(path, "rb") as f:
-                self.data = f.read()
-        except OSError as e:
-            raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        if data is None:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        self.data = data
         # A container the image travels in (a kernel's bzImage): its ELF is what we read.
-        self.container = None
-        from .targets import unwrap
-        unwrapped = unwrap(self.data, path)
-        if unwrapped is not None:
-            self.data, self.container = unwrapped
+        self.container = container
+        self.target = None            # the target module, once targets.load() detected it
+        self.elf = ElfView(self.data, path)
         self._check_header()
+        self.segments = self.elf.segments
+        self._check_loads()
         binary = lief.ELF.parse(io.BytesIO(self.data) if self.container else path)
         if binary is None:
             raise KprewriteError(f"{path}: not a valid ELF file")
         self.binary = binary
         self.is_pic = self.e_type == 3
-        self.segments = [Segment(int(s.type), int(s.flags), s.file_offset, s.virtual_address,
-                                 s.physical_address, s.physical_size, s.virtual_size, s.alignment)
-                         for s in binary.segments]
-        self.sections = [Section(text(s.name), int(s.type), int(s.flags), s.virtual_address, s.file_offset, s.size)
-                         for s in binary.sections]
-        self._check_bounds()
+        self.sections = self.elf.sections
         self.has_interp = any(s.type == PT_INTERP for s in self.segments)
         self.dynamic = {int(e.tag): e.value for e in binary.dynamic_entries} if binary.dynamic_entries else {}
         flags_1 = self.dynamic.get(0x6FFFFFFB, 0)
@@ -109,46 +83,28 @@ class Image:
             self.exec_ranges = sorted((s.vaddr, s.vaddr + s.filesz) for s in self.segments
                                       if s.type == PT_LOAD and s.flags & PF_X)
         self._load_symbols()
-        self.fdes = ehframe.read_fdes(self.data, path)
+        self.fdes = ehframe.read_fdes(self.elf)
         self.cfa = ehframe.CfaRules(self.data)        # decoded when first asked
         self._load_functions()
 
-    # -- validation ---------------------------------------------------------
+    # -- validation (the view checks the tables' bounds) --------------------------
     def _check_header(self):
-        d, p = self.data, self.path
-        if len(d) < 4 or d[:4] != b"\x7fELF":
-            raise KprewriteError(f"{p}: not an ELF file")
-        if len(d) < 64:
-            raise KprewriteError(f"{p}: truncated ELF file ({len(d)} bytes, the ELF header alone needs 64)")
-        if d[4] != 2 or d[5] != 1:
-            raise KprewriteError(f"{p}: not a 64-bit little-endian ELF file")
-        self.e_type = int.from_bytes(d[16:18], "little")
-        machine = int.from_bytes(d[18:20], "little")
+        elf, p = self.elf, self.path
+        self.e_type = elf.e_type
+        machine = elf.e_machine
         if machine not in MACHINES:
             known = ", ".join(f"{a.replace('_', '-')} ({EM_NAMES.get(m, m)})" for m, a in sorted(MACHINES.items()))
             raise KprewriteError(f"{p}: ELF machine is {EM_NAMES.get(machine, machine)}; kprewrite supports {known}")
         if self.e_type not in (2, 3):
             raise KprewriteError(f"{p}: ELF type {self.e_type} is neither an executable nor a shared object")
-        phoff = int.from_bytes(d[32:40], "little")
-        phnum = int.from_bytes(d[56:58], "little")
-        if phoff + phnum * 56 > len(d) or phnum == 0:
-            raise KprewriteError(f"{p}: truncated ELF file (program headers end at {phoff + phnum * 56:#x}, file is {len(d):#x} bytes)")
+        if elf.phnum == 0:
+            raise KprewriteError(f"{p}: truncated ELF file (program headers end at {elf.phoff:#x}, "
+                                 f"file is {len(self.data):#x} bytes)")
         self.machine = MACHINES[machine]
 
-    def _check_bounds(self):
-        size = len(self.data)
-        if not any(s.type == PT_LOAD for s in self.segments):
+    def _check_loads(self):
+        if not self.elf.loads:
             raise KprewriteError(f"{self.path}: no PT_LOAD segment: nothing is loaded from this ELF file")
-        for s in self.segments:
-            if s.type == PT_LOAD and s.memsz < s.filesz:
-                raise KprewriteError(f"{self.path}: malformed ELF file (a PT_LOAD segment at {s.vaddr:#x} has "
-                                     f"p_filesz {s.filesz:#x} > p_memsz {s.memsz:#x})")
-            if s.type == PT_LOAD and s.offset + s.filesz > size:
-                raise KprewriteError(f"{self.path}: truncated ELF file (a PT_LOAD segment ends at {s.offset + s.filesz:#x}, file is {size:#x} bytes)")
-        for i, s in enumerate(self.sections):
-            if s.type != 8 and s.type != 0 and s.offset + s.size > size:
-                name = s.name or f"#{i} (no name)"
-                raise KprewriteError(f"{self.path}: truncated ELF file (section {name} ends at {s.offset + s.size:#x}, file is {size:#x} bytes)")
 
     # -- symbols and functions ---------------------------------------------
     def _load_symbols(self):
@@ -265,12 +221,10 @@ class Image:
         return None
 
     def offset_of(self, addr: int) -> int:
-        for s in self.segments:
-            if s.type == PT_LOAD and s.vaddr <= addr < s.vaddr + s.filesz:
-                return s.offset + addr - s.vaddr
-        raise KprewriteError(f"{self.path}: address {addr:#x} is not in the file")
+        return self.elf.offset_of(addr)
 
     def read(self, addr: int, size: int) -> bytes:
+        """The bytes from addr on, at most `size` (fewer at the end of the file)."""
         off = self.offset_of(addr)
         return self.data[off:off + size]
 

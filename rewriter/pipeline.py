@@ -52,10 +52,10 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     progress = progress or NoProgress()
     spec = load_spec(spec_path)
     progress.stage("loading", os.path.basename(input_path))
-    image = Image(input_path)
+    image = targets.load(input_path)   # unwrapped from its container, its target detected
     arch = get_arch(image.machine)
     errors = events.expand(spec, arch)  # kprobe_events lines become probe tables
-    target = targets.for_image(image)
+    target = image.target
     target.load_symbols(image, system_map)
     if strict:
         target.runtime_probes(spec)     # probes the runtime itself needs (a kernel's boot hooks)

@@ -7,7 +7,6 @@ import json
 
 from .arch.base import BOOST, EMULATE, SINGLESTEP
 from .errors import KprewriteError
-from .image import Image
 from .planner import FTRACE, HOOK_PENDING, INT3, JUMPS, OPTIMIZED, TRAMPOLINE, Plan
 
 META_SECTION = ".kprewrite.meta"
@@ -258,8 +257,8 @@ def blacklist_records(path: str, system_map: str | None = None) -> list[dict]:
     patches at boot)."""
     from . import targets
     from .arch import get_arch
-    image = Image(path)
-    target = targets.for_image(image)
+    image = targets.load(path)
+    target = image.target
     target.load_symbols(image, system_map)
     rules = target.rules(image, get_arch(image.machine))
     return ([{"start": hexaddr(e.start), "end": hexaddr(e.end), "symbol": e.symbol, "kind": "blacklist", "reason": e.reason}

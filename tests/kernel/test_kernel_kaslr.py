@@ -27,7 +27,7 @@ from kernel_env import DONE_MARKER, assert_boot_ok, init_script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from rewriter.image import Image  # noqa: E402
+from rewriter import targets  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
 from rewriter.targets.linux_kernel import bzimage  # noqa: E402
 
@@ -76,7 +76,7 @@ def lock_load(image) -> int:
 @pytest.fixture(scope="module")
 def rewritten(tmp_path_factory, debian_kernel):
     d = tmp_path_factory.mktemp("kaslr")
-    image = Image(str(debian_kernel.vmlinuz))
+    image = targets.load(str(debian_kernel.vmlinuz))     # the vmlinux inside the bzImage
     linux_kernel.load_symbols(image)
     off = lock_load(image)
     (d / "lock.c").write_text(LOCK_HANDLERS)

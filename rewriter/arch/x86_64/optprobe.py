@@ -10,6 +10,7 @@ import capstone.x86_const
 from ..base import DcrInsn, Refusal  # noqa: F401  (re-exported: optprobe.Refusal)
 from . import insn as x86insn
 from . import cs
+from .common import dead_padding, relocatable
 from ... import safety
 
 _cs = cs.DETAIL
@@ -79,7 +80,7 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
             if why:
                 return Refusal("can_boost", pos, why)
         elif not info.boostable and safety.enabled("boostable"):
-            why = _relocatable(code, pos, info)
+            why = relocatable(code, pos, info)
             if why:
                 return Refusal("can_boost", pos, f"instruction is not boostable ({info.boost_reason}) "
                                                  f"nor relocatable ({why})")
@@ -99,34 +100,6 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
 # (prepare_emulation()'s -EOPNOTSUPP); a detour copies the jmp (its RIP-relative
 # operand re-encoded) and emulates the call (emit.relocate()).
 _INDIRECT = ("jmp mem", "call mem")
-
-_CONTROL = frozenset([capstone.CS_GRP_JUMP, capstone.CS_GRP_CALL, capstone.CS_GRP_RET, capstone.CS_GRP_INT,
-                      capstone.CS_GRP_IRET, capstone.CS_GRP_PRIVILEGE, capstone.CS_GRP_BRANCH_RELATIVE])
-_NOT_RELOCATABLE = frozenset(["popf", "popfq", "popfd", "xbegin", "xabort", "xend", "enclu", "sysenter",
-                              "sysexit", "sysret", "iretq", "iretd", "iret", "rsm", "hlt"])
-
-
-def _relocatable(code: bytes, addr: int, info) -> str:
-    """Beyond can_boost(): an instruction that behaves the same at another
-    address followed by more code, because it neither transfers control nor
-    touches TF/RTM state, and its only use of its own address is a RIP-relative
-    operand, which relocate() re-encodes (SSE/AVX moves and compares, bt,
-    push m64...).  Returns '' if so, else why not."""
-    if info.emulate:
-        return f"{info.emulate} is emulated"
-    ci = next(_cs.disasm(code, addr, 1), None)
-    if ci is None:
-        return "not decoded"
-    if _CONTROL & set(ci.groups):
-        return "transfers control"
-    if ci.mnemonic in _NOT_RELOCATABLE:
-        return f"{ci.mnemonic} changes TF, RTM or privilege state"
-    for op in ci.operands:
-        if op.type == capstone.x86_const.X86_OP_MEM and op.mem.base == capstone.x86_const.X86_REG_RIP \
-                and not info.rip_relative:
-            return "RIP-relative operand not found by the decoder"
-    return ""
-
 
 def _indirect_call_relocatable(code: bytes, addr: int) -> str:
     """A final call *%reg / *m64 is emulated in the detour (emit.relocate()):
@@ -151,8 +124,7 @@ def _borrow_padding(image, analysis, func, end: int) -> bool:
     """Beyond the kernel (which keeps a region inside its function): may
     [func.end, end) be part of a region?  Only alignment padding (nop, int3)
     that no symbol, FDE, relocation or jump names, in no other function."""
-    from .retprobe import _padding
-    return _padding(image, analysis, func, func.end, end - func.end)
+    return dead_padding(image, analysis, func, func.end, end - func.end)
 
 
 def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
@@ -231,11 +203,10 @@ def short_jump_slot(image, analysis, addr: int, busy) -> int | None:
     padding within reach, which take the `jmp rel32` to the detour.  Dead: the
     padding runs on from an unconditional exit (ret, jmp, ud2, hlt), so nothing
     falls into it, and from there to the slot's end it is nop/int3 bytes that no
-    known jump target, symbol or other function names (retprobe._padding()), so
+    known jump target, symbol or other function names (common.dead_padding()), so
     nothing jumps into it.  busy(lo, hi): another site's bytes overlap [lo, hi).
     The slot's address, or None."""
     import bisect
-    from .retprobe import _padding
     lo, hi = addr + JMP8_INSN_SIZE - 128, addr + JMP8_INSN_SIZE + 127    # where the slot may start
     starts = [f.start for f in image.functions]
     i = max(bisect.bisect_right(starts, lo) - 1, 0)
@@ -248,7 +219,7 @@ def short_jump_slot(image, analysis, addr: int, busy) -> int | None:
             if p > hi or not mnem.startswith(_UNCOND_MNEMONICS):
                 continue
             for at in range(max(p, lo), hi + 1):
-                if not _padding(image, analysis, g, p, at + JMP32_INSN_SIZE - p):
+                if not dead_padding(image, analysis, g, p, at + JMP32_INSN_SIZE - p):
                     break           # a longer run is not padding either
                 if not busy(at, at + JMP32_INSN_SIZE):
                     return at

@@ -22,14 +22,9 @@ from . import insn as x86insn
 from . import emit as em
 from .emit import _s32, relocate
 from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
-from . import optprobe
 from .optprobe import JMP32_INSN_SIZE
-from . import cs
+from .common import dead_padding, relocatable
 from ... import safety
-
-_cs = cs.LITE
-
-PAD_OK = ("nop", "int3")
 
 
 class _Insns:
@@ -152,30 +147,6 @@ def _plt(image, addr: int) -> bool:
     return sec is not None and sec.name in (".plt", ".plt.sec", ".plt.got", ".iplt")
 
 
-def _padding(image, analysis, part, start: int, need: int) -> bool:
-    """May [start, start + need) be overwritten?  It follows an unconditional
-    exit, so only a jump could reach it: it must be alignment padding (nop,
-    int3) that no known jump lands in, inside this function or between
-    functions."""
-    if need <= 0:
-        return True
-    if analysis.targets_in(start, start + need):
-        return False
-    for a in range(start, start + need):
-        f = image.function_at(a)
-        if not image.is_code(a) or (f is not None and f.start != part.start):
-            return False
-    code = image.read(start, need + 15)
-    pos = 0
-    for _a, size, mnem, _ops in _cs.disasm_lite(code, start):
-        if mnem not in PAD_OK:
-            return False
-        pos += size
-        if pos >= need:
-            return True
-    return False
-
-
 def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
     """The smallest region ending with `exit` that can take a 5-byte jump:
     (its instructions, region end).  `busy(lo, hi)` says whether another probe's
@@ -188,7 +159,7 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
     while True:
         b = dcr[0].addr
         need = JMP32_INSN_SIZE - (end_insn - b)
-        if need <= 0 or _padding(image, analysis, part, end_insn, need):
+        if need <= 0 or dead_padding(image, analysis, part, end_insn, need):
             end = max(end_insn, b + JMP32_INSN_SIZE)
             if busy(b, end):
                 last = Refusal("probe_in_region", b, f"another probe overlaps the return region [{b:#x}, {end:#x})")
@@ -208,9 +179,9 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         if prev.info.probe_refused:
             return Refusal("can_probe", prev.addr, f"{prev.info.probe_refused} before the exit")
         if prev.info.emulate is not None or not prev.info.boostable:
-            # Beyond can_boost(), as a DCR is (optprobe._relocatable()): an SSE move
+            # Beyond can_boost(), as a DCR is (common.relocatable()): an SSE move
             # of the return value (`movsd C(%rip),%xmm0; ret`), a push m64...
-            why = prev.info.emulate or (optprobe._relocatable(prev.code, prev.addr, prev.info)
+            why = prev.info.emulate or (relocatable(prev.code, prev.addr, prev.info)
                                         and prev.info.boost_reason)
             if why:
                 return Refusal("can_boost", prev.addr, f"instruction before the exit cannot be relocated ({why})")
