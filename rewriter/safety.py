@@ -130,9 +130,11 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          unproven="not switched yet: the program (a kretprobe'd neighbour whose ret would run in "
                   "the evicted copy, its int3 return hook never hit) was not written"),
     Rule("retargeting",
-         "a direct branch is retargeted to a detour only clear of every byte the plan patches",
-         "planner.retarget:retarget_branches", OURS, switch=False,
-         unproven="not switched yet: no program written in time"),
+         "a direct branch is retargeted to a detour only where the decoding vouches for it: in a "
+         "function decoded to its end, at an instruction boundary, in code an FDE describes",
+         "planner.retarget:retarget_branches", OURS, "test_retargeting",
+         "bytes in .text that only look like a `call` of the probed function (data, no FDE) are "
+         "rewritten: the program prints other bytes"),
     Rule("boot_patched_tables",
          "no region or int3 over a site the kernel patches at boot (alternatives, paravirt, "
          "retpolines, return sites, .smp_locks, ftrace sites)",

@@ -292,6 +292,36 @@ int h(struct kprobe *p, struct pt_regs *regs)
 }
 """
 
+RETARGETING = r"""
+#include <stdio.h>
+long work(long a);
+/* blob: bytes in .text that decode as `call work; ret` but are data (no FDE describes them). */
+__asm__(
+".text\n"
+".globl blob\n.type blob,@function\nblob:\n"
+"  .byte 0xe8\n  .long work - (blob + 5)\n  .byte 0xc3\n"
+".size blob,.-blob\n");
+extern const unsigned char blob[];
+__attribute__((noinline)) long work(long a)
+{
+    long s = 0;
+    for (long i = 0; i < a % 50; i++)
+        s += (i * 7) ^ (s >> 2);
+    return s;
+}
+int main(void)
+{
+    long s = 0;
+    for (long i = 0; i < 10; i++)
+        s += work(i);
+    printf("%ld", s);
+    for (int i = 0; i < 6; i++)
+        printf(" %02x", blob[i]);
+    printf("\n");
+    return 0;
+}
+"""
+
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
@@ -305,6 +335,7 @@ PROGRAMS = {
     "jump_table_bounds": (JUMP_TABLE_BOUNDS, PIE, None, None, "c"),          # the spec: _jtb_spec()
     "return_regions": (RETURN_REGIONS, PIE, probe_spec("kretprobe", ["rr"], handlers=False), None, "c"),
     "lsda_landing_pads": (LSDA, ["-O2"], None, None, "c++"),                 # the spec: _lsda_spec()
+    "retargeting": (RETARGETING, PIE, probe_spec("kprobe", ["work"], handlers=False), None, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -440,6 +471,10 @@ def test_return_regions(built, runner):
 
 def test_lsda_landing_pads(built, runner):
     _prove(built, "lsda_landing_pads", runner)
+
+
+def test_retargeting(built, runner):
+    _prove(built, "retargeting", runner)
 
 
 def test_direction_flag(built, runner):
