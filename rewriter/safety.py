@@ -125,10 +125,10 @@ RULES: dict[str, Rule] = {r.name: r for r in [
                   "reached only in a kernel, and a kernel boot was not set up for it"),
     Rule("eviction",
          "an evicted neighbour's region holds no exit of its function (no ret, no indirect or "
-         "outward jump)",
-         "arch.x86_64.optprobe:can_evict", OURS, switch=False,
-         unproven="not switched yet: the program (a kretprobe'd neighbour whose ret would run in "
-                  "the evicted copy, its int3 return hook never hit) was not written"),
+         "outward jump): a kretprobe's return hook could not see it run in the copy",
+         "arch.x86_64.optprobe:can_evict", OURS, "test_eviction",
+         "a kretprobe'd neighbour's ret runs in the evicted copy (its return hook, an int3 at the "
+         "ret, lies under the probe's jump): the return handler never runs, or SIGSEGV"),
     Rule("retargeting",
          "a direct branch is retargeted to a detour only where the decoding vouches for it: in a "
          "function decoded to its end, at an instruction boundary, in code an FDE describes",

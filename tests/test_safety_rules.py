@@ -322,6 +322,51 @@ int main(void)
 }
 """
 
+CALLS = "  .rept 34\\n  call nop_fn\\n  .endr\\n  ret\\n"
+
+# test_eviction.py's layout: runs of calls around (no other region or padding in reach), a
+# probe at tgt with a jump target 3 bytes in, and the neighbour nb whose second
+# instruction boundary starts the only region that can be evicted: it holds nb's ret.
+EVICTION = r"""
+__asm__(
+".text\n"
+".p2align 6\n"
+".globl filler_a\n.type filler_a,@function\nfiller_a:\n@CALLS@.size filler_a,.-filler_a\n"
+".globl nop_fn\n.type nop_fn,@function\nnop_fn:\n  ret\n.size nop_fn,.-nop_fn\n"
+".globl tgt_in\n.type tgt_in,@function\ntgt_in:\n"
+"  mov %edi,%eax\n  jmp 5f\n"
+".size tgt_in,.-tgt_in\n"
+".globl tgt\n.type tgt,@function\ntgt:\n"
+"  lea 2(%rdi),%eax\n"
+"5: add %eax,%eax\n  add $3,%eax\n  ret\n"
+".size tgt,.-tgt\n"
+".globl nb\n.type nb,@function\nnb:\n"
+"  lea 2(%rdi),%eax\n"
+"  add $3,%eax\n"
+"  add $5,%eax\n"                 /* nb + 6: the region to evict, [nb + 6, nb + 16) */
+"  xor $1,%eax\n"
+"  ret\n"
+"  nop\n  nop\n  nop\n  nop\n"
+".size nb,.-nb\n"
+".globl filler_b\n.type filler_b,@function\nfiller_b:\n@CALLS@.size filler_b,.-filler_b\n"
+);
+#include <stdio.h>
+int tgt(int), tgt_in(int), nb(int);
+int main(void)
+{
+    long t = 0;
+    for (int i = 0; i < 3; i++)
+        t = t * 7 + tgt(i) + 5 * tgt_in(i) + 11 * nb(i);
+    printf("t=%ld\n", t);
+    return 0;
+}
+""".replace("@CALLS@", CALLS)
+
+NB_RETURNS = r"""
+#include <kprewrite/kprobes.h>
+int ret_nb(struct kretprobe_instance *ri, struct pt_regs *regs) { pr_info("nb returned\n"); return 0; }
+"""
+
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
@@ -336,6 +381,8 @@ PROGRAMS = {
     "return_regions": (RETURN_REGIONS, PIE, probe_spec("kretprobe", ["rr"], handlers=False), None, "c"),
     "lsda_landing_pads": (LSDA, ["-O2"], None, None, "c++"),                 # the spec: _lsda_spec()
     "retargeting": (RETARGETING, PIE, probe_spec("kprobe", ["work"], handlers=False), None, "c"),
+    "eviction": (EVICTION, PIE, probe_spec("kprobe", ["tgt"])
+                 + probe_spec("kretprobe", ["nb"], handlers=False, handler="ret_nb"), NB_RETURNS, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -475,6 +522,10 @@ def test_lsda_landing_pads(built, runner):
 
 def test_retargeting(built, runner):
     _prove(built, "retargeting", runner)
+
+
+def test_eviction(built, runner):
+    _prove(built, "eviction", runner, handler_line="nb returned")
 
 
 def test_direction_flag(built, runner):

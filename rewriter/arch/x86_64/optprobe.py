@@ -264,7 +264,7 @@ def can_evict(image, analysis, func, n0: int) -> list[DcrInsn] | Refusal:
     end = r[-1].addr + len(r[-1].code)
     if end - n0 > MAX_OPTIMIZED_LENGTH:
         return Refusal("region_size", n0, f"region is {end - n0} bytes, more than {MAX_OPTIMIZED_LENGTH}")
-    for i in r:
+    for i in r if safety.enabled("eviction") else []:
         e = i.info.emulate
         if e in ("ret", "ret imm", "jmp mem", "jmp reg") or \
                 (e in ("jmp rel", "jcc rel") and not func.start <= i.info.rel_target < func.end):
