@@ -113,10 +113,11 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "arch.x86_64.optprobe:can_optimize", OURS, "test_direction_flag",
          "the handler's `rep stos` runs backwards and tramples the stack: SIGSEGV or wrong output"),
     Rule("shared_regions",
-         "a probe shares a head's region only at one of the region's instruction boundaries",
-         "planner.sites:split_segments", OURS, switch=False,
-         unproven="not switched: registration already refuses a probe off an instruction boundary, "
-                  "so no program reaches this check with a bad rider"),
+         "a probe shares a head's region only at one of its instruction boundaries and, with a "
+         "post_handler, not on a branch (the post_handler would run after the branch, or not at "
+         "all): else the whole region goes to INT3",
+         "planner.sites:split_segments", OURS, "test_shared_regions",
+         "a rider's post_handler on a jcc runs only when the jcc falls through: fewer post lines"),
     Rule("probe_in_region",
          "another probe's bytes inside a region keep the region's site unoptimized (the kernel's "
          "pre-optimization check), unless the region is shared",

@@ -367,6 +367,34 @@ NB_RETURNS = r"""
 int ret_nb(struct kretprobe_instance *ri, struct pt_regs *regs) { pr_info("nb returned\n"); return 0; }
 """
 
+SHARED = r"""
+/* A probe at +0 whose region [0, 6) takes the jz at +4, probed with a post_handler. */
+__asm__(
+".text\n"
+".globl sh\n.type sh,@function\nsh:\n"
+"  mov %edi,%eax\n"
+"  test %eax,%eax\n"
+"  jz 1f\n"                          /* +4: the rider, with a post_handler */
+"  add $5,%eax\n"
+"1: ret\n"
+".size sh,.-sh\n");
+#include <stdio.h>
+int sh(int);
+int main(void)
+{
+    int s = 0;
+    for (int i = 0; i < 4; i++)
+        s = s * 3 + sh(i & 1);
+    printf("sh=%d\n", s);
+    return 0;
+}
+"""
+
+POST = r"""
+#include <kprewrite/kprobes.h>
+void post(struct kprobe *p, struct pt_regs *regs, unsigned long flags) { pr_info("post\n"); }
+"""
+
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
@@ -383,6 +411,8 @@ PROGRAMS = {
     "retargeting": (RETARGETING, PIE, probe_spec("kprobe", ["work"], handlers=False), None, "c"),
     "eviction": (EVICTION, PIE, probe_spec("kprobe", ["tgt"])
                  + probe_spec("kretprobe", ["nb"], handlers=False, handler="ret_nb"), NB_RETURNS, "c"),
+    "shared_regions": (SHARED, PIE, probe_spec("kprobe", ["sh"]) + probe_spec("kprobe", [("sh", 4)], handlers=False,
+                                                                                post_handler="post"), POST, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -470,18 +500,18 @@ def _outcome(binary: Path, runner: str) -> tuple:
 
 
 def _prove(built, rule: str, runner: str, handler_line: str | None = None) -> None:
-    """The original's output with the rule on (and handler_line among the
-    handlers' lines); with it off, a crash, a hang or other output."""
+    """The original's output with the rule on (and handler_line among the handlers'
+    lines); with it off, a crash, a hang, other output or handler_line another number of times."""
     prog, on, off, check_on, check_off = built(rule)
     want = run(prog)
     assert want.returncode == 0, want.stderr
     got = _outcome(on, runner)
     assert got[:2] == (0, want.stdout), (check_on, got)
-    assert handler_line is None or handler_line in got[2], got[2]
+    lines = got[2].splitlines().count(handler_line) if handler_line else 0
+    assert handler_line is None or lines, got[2]
     broken = _outcome(off, runner)
-    assert broken[:2] != (0, want.stdout) or (handler_line is not None and handler_line not in broken[2]), \
+    assert broken[:2] != (0, want.stdout) or (handler_line and broken[2].splitlines().count(handler_line) != lines), \
         f"{rule} switched off, the program still runs right:\non:  {check_on}\noff: {check_off}"
-    return broken
 
 
 def test_cold_parts(built, runner):
@@ -526,6 +556,10 @@ def test_retargeting(built, runner):
 
 def test_eviction(built, runner):
     _prove(built, "eviction", runner, handler_line="nb returned")
+
+
+def test_shared_regions(built, runner):
+    _prove(built, "shared_regions", runner, handler_line="post")
 
 
 def test_direction_flag(built, runner):
