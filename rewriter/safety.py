@@ -63,10 +63,10 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "arch.x86_64.optprobe:copy_region", KERNEL, "test_boostable",
          "a copied `loop rel8` jumps relative to the detour: SIGSEGV or garbage"),
     Rule("can_probe",
-         "no probe on, and no region over, an instruction the kernel cannot probe (int3, ud2, int n...)",
-         "planner.register:register_refusal", KERNEL, switch=False,
-         unproven="not switched: a probe on an int3/ud2 runs the same trap at another address, and "
-                  "a program that tells the two apart (a trap table by address) was not written yet"),
+         "no probe on an instruction the kernel cannot probe (int3, ud2, int n...: can_probe())",
+         "planner.register:register_refusal", KERNEL, "test_can_probe",
+         "a ud2 run out of line traps at another address: the program's trap table (as a kernel's "
+         "BUG table) does not know it"),
     Rule("blacklist",
          "no probe in a blacklisted place (.kprobes.text, noinstr, NOKPROBE_SYMBOL, PLT stubs, the "
          "signal return trampoline, kprewrite's own runtime)",

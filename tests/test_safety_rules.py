@@ -395,6 +395,48 @@ POST = r"""
 void post(struct kprobe *p, struct pt_regs *regs, unsigned long flags) { pr_info("post\n"); }
 """
 
+CAN_PROBE = r"""
+/* A ud2 the program's SIGILL handler knows by its address (as a kernel's BUG table). */
+__asm__(
+".text\n"
+".globl trap\n.type trap,@function\ntrap:\n"
+"  mov %edi,%eax\n"
+".globl bug_at\nbug_at:\n"
+"  ud2\n"                            /* +2: the probe */
+".globl bug_fix\nbug_fix:\n"
+"  add $1,%eax\n"
+"  ret\n"
+".size trap,.-trap\n");
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <ucontext.h>
+#include <unistd.h>
+extern char bug_at[], bug_fix[];
+int trap(int);
+static volatile int bugs;
+static void on_ill(int sig, siginfo_t *si, void *uc_)
+{
+    ucontext_t *uc = uc_;
+    if ((char *)uc->uc_mcontext.gregs[REG_RIP] != bug_at) {
+        write(1, "unknown trap\n", 13);
+        _exit(3);
+    }
+    bugs++;
+    uc->uc_mcontext.gregs[REG_RIP] = (greg_t)bug_fix;
+}
+int main(void)
+{
+    struct sigaction sa = { .sa_sigaction = on_ill, .sa_flags = SA_SIGINFO };
+    sigaction(SIGILL, &sa, 0);
+    int s = 0;
+    for (int i = 0; i < 3; i++)
+        s += trap(i);
+    printf("s=%d bugs=%d\n", s, bugs);
+    return 0;
+}
+"""
+
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
@@ -413,6 +455,7 @@ PROGRAMS = {
                  + probe_spec("kretprobe", ["nb"], handlers=False, handler="ret_nb"), NB_RETURNS, "c"),
     "shared_regions": (SHARED, PIE, probe_spec("kprobe", ["sh"]) + probe_spec("kprobe", [("sh", 4)], handlers=False,
                                                                                 post_handler="post"), POST, "c"),
+    "can_probe": (CAN_PROBE, PIE, probe_spec("kprobe", [("tra?", 2)], handlers=False), None, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -560,6 +603,10 @@ def test_eviction(built, runner):
 
 def test_shared_regions(built, runner):
     _prove(built, "shared_regions", runner, handler_line="post")
+
+
+def test_can_probe(built, runner):
+    _prove(built, "can_probe", runner)
 
 
 def test_direction_flag(built, runner):

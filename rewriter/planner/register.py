@@ -39,7 +39,7 @@ def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None
     if e is not None:
         return f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist"
     r = arch.optprobe.can_probe_insn(image, p.addr)
-    if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
+    if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr) and safety.enabled("can_probe"):
         return str(r), r.check, r.addr
     return None
 
