@@ -46,8 +46,8 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("can_optimize",
          "a detoured region lies inside one function and passes every check below (opt.c can_optimize())",
          "arch.x86_64.optprobe:can_optimize", KERNEL, switch=False,
-         unproven="an umbrella: its parts are the rules jump_into_region, indirect_jump, boostable, "
-                  "direction_flag and rsp_relative_call, each proven on its own"),
+         unproven="an umbrella: its parts are the rules function_bounds, jump_into_region, indirect_jump, "
+                  "boostable, call_in_region, direction_flag and rsp_relative_call, each proven on its own"),
     Rule("jump_into_region",
          "no known jump target (the JTPR) lies inside a region after its first byte",
          "arch.x86_64.optprobe:can_optimize", KERNEL, "test_jump_into_region",
@@ -57,6 +57,18 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "where the jump may land inside the region (insn_is_indirect_jump())",
          "arch.x86_64.optprobe:can_optimize", KERNEL, "test_indirect_jump",
          "a computed jump lands inside the probe's 5-byte jump: SIGSEGV or SIGILL"),
+    Rule("function_bounds",
+         "a region stays inside its function, or runs on only into padding after it that nothing "
+         "names (opt.c: the region inside one function)",
+         "arch.x86_64.optprobe:can_optimize", KERNEL, switch=False,
+         unproven="switched off, it broke nothing: the next function's start is a known jump target "
+                  "(its symbol, its callers, a pointer to it), so jump_into_region refuses the same "
+                  "region; it stands alone only for code nothing names, which no program reaches"),
+    Rule("call_in_region",
+         "a call in a region is its last instruction (the kernel takes none): a call inside would "
+         "return into the jump's bytes",
+         "arch.x86_64.optprobe:copy_region", OURS, "test_call_in_region",
+         "`call *%rax` 2 bytes into the region returns into the middle of the 5-byte jump: SIGSEGV"),
     Rule("boostable",
          "every instruction of a region is boostable (can_boost()) or relocatable: a copy behaves "
          "the same at another address followed by more code",

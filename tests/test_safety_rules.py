@@ -437,6 +437,26 @@ int main(void)
 }
 """
 
+CALL_IN_REGION = r"""
+/* A 2-byte `call *%rax` at the probe: the region runs on past it. */
+__asm__(
+".text\n"
+".globl cir\n.type cir,@function\ncir:\n"
+"  push %rbx\n"
+"  mov %edi,%ebx\n"
+"  mov %rsi,%rax\n"
+"  call *%rax\n"                     /* +6: the probe */
+"  add %ebx,%eax\n"
+"  add $7,%eax\n"
+"  pop %rbx\n"
+"  ret\n"
+".size cir,.-cir\n");
+#include <stdio.h>
+int cir(int, int (*)(void));
+__attribute__((noinline)) int ten(void) { return 10; }
+int main(void) { printf("cir=%d\n", cir(5, ten)); return 0; }
+"""
+
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
@@ -456,6 +476,7 @@ PROGRAMS = {
     "shared_regions": (SHARED, PIE, probe_spec("kprobe", ["sh"]) + probe_spec("kprobe", [("sh", 4)], handlers=False,
                                                                                 post_handler="post"), POST, "c"),
     "can_probe": (CAN_PROBE, PIE, probe_spec("kprobe", [("tra?", 2)], handlers=False), None, "c"),
+    "call_in_region": (CALL_IN_REGION, PIE, probe_spec("kprobe", [("cir", 6)], handlers=False), None, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -607,6 +628,10 @@ def test_shared_regions(built, runner):
 
 def test_can_probe(built, runner):
     _prove(built, "can_probe", runner)
+
+
+def test_call_in_region(built, runner):
+    _prove(built, "call_in_region", runner)
 
 
 def test_direction_flag(built, runner):

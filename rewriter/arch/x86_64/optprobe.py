@@ -74,7 +74,7 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
         if info.emulate in ("jmp rel", "jcc rel", "jmp mem", "jmp reg"):
             pass
         elif info.emulate in ("call rel", "call mem", "call reg"):
-            if pos + info.length < end:
+            if pos + info.length < end and safety.enabled("call_in_region"):
                 return Refusal("call_in_region", pos, "a call inside the region would return into the jump's bytes")
             why = _indirect_call_relocatable(code, pos) if info.emulate != "call rel" else None
             if why:
