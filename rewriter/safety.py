@@ -83,8 +83,10 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "no probe in a blacklisted place (.kprobes.text, noinstr, NOKPROBE_SYMBOL, PLT stubs, the "
          "signal return trampoline, kprewrite's own runtime)",
          "planner.register:register_refusal", KERNEL, switch=False,
-         unproven="not switched: its breakage is recursion inside a handler's own call chain or a "
-                  "kernel's entry code, which no small user program shows yet"),
+         unproven="switched off (tried on a static binary's signal return trampoline, the FDE one byte "
+                  "before __restore_rt), nothing broke: glibc's lea of __restore_rt makes it a known "
+                  "target, so jump_into_region leaves an int3 on a nop never run; the other entries "
+                  "matter for recursion through a handler or a kernel's entry code, not shown yet"),
     Rule("exception_tables",
          "a kernel function with an exception-table entry is not jump-optimized "
          "(can_optimize()'s search_exception_tables())",
