@@ -101,7 +101,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("lsda_landing_pads",
          "C++ landing pads (the LSDA's call-site table) are known jump targets",
          "analysis:landing_pad_targets", OURS, "test_lsda_landing_pads",
-         "the unwinder lands inside the probe's 5-byte jump: the catch never prints, SIGSEGV/SIGILL"),
+         "the unwinder lands inside the probe's 5-byte jump: SIGTRAP"),
     Rule("jump_table_bounds",
          "a jump table's entries are trusted as its jump's only targets only when its index is "
          "bounded on every path to the jump",
