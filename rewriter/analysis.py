@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from array import array
 
-from . import cache, ehframe
+from . import cache, ehframe, safety
 from .image import Function, Image
 
 # A source yields (target address, what makes it a target).
@@ -51,6 +51,8 @@ def branch_targets(image: Image, an: "Analysis"):
 
 
 def landing_pad_targets(image: Image, an: "Analysis"):
+    if not safety.enabled("lsda_landing_pads"):
+        return
     for fde_start, pads in ehframe.landing_pads(image.data, image.fdes, image.path).items():
         for pad in pads:
             yield pad, f"C++ landing pad of the function at {fde_start:#x}"

@@ -43,6 +43,11 @@ def _guard(fn):
 @click.version_option(__version__, prog_name="kprewrite")
 def main():
     """kprewrite: Linux-style kprobes compiled ahead of time into ELF images."""
+    from . import safety
+    try:
+        safety.check_environment()      # KPREWRITE_UNSAFE_OFF: the test suite's only
+    except KprewriteError as e:
+        _fail(e.lines)
 
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,

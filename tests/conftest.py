@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))      # in-process imports of rewriter: this tree too
 # The CLI of this tree, not whatever `kprewrite` comes first on PATH (another checkout).
 KPREWRITE = [sys.executable, "-m", "rewriter"]
+os.environ["KPREWRITE_TEST_SUITE"] = "1"   # honours KPREWRITE_UNSAFE_OFF (rewriter/safety.py): the suite only
 TREE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 HOST_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
 ARCH = os.environ.get("KPREWRITE_TEST_ARCH", HOST_ARCH)

@@ -4,6 +4,7 @@ kretprobe_blacklist."""
 from __future__ import annotations
 
 from .. import blacklist as bl
+from .. import safety
 from ..resolve import EntryProbe, Probe
 
 # kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
@@ -38,7 +39,7 @@ def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None
     if e is not None:
         return f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist"
     r = arch.optprobe.can_probe_insn(image, p.addr)
-    if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr):
+    if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr) and safety.enabled("can_probe"):
         return str(r), r.check, r.addr
     return None
 
@@ -56,7 +57,7 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
     bad = next((n for n in [f.name] + list(f.aliases) if n in KRETPROBE_BLACKLIST), None)
     if bad:
         return f"{bad} is on the kretprobe blacklist: {KRETPROBE_BLACKLIST[bad]}", "kretprobe_blacklist"
-    if ".cold" in f.name:
+    if ".cold" in f.name and safety.enabled("cold_parts"):
         return (f"{f.name} is a cold part of a function, entered by a jump, not a call: "
                 "it has no return address"), "cold_part"
     d = analysis.decoded(f)

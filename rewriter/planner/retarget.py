@@ -3,6 +3,7 @@ detour itself (Rules.retarget_branches)."""
 from __future__ import annotations
 
 from .. import blacklist as bl
+from .. import safety
 from .model import INT3, JUMPS, OPTIMIZED, Plan, Retarget
 
 def patched_ranges(arch, plan: Plan) -> bl.Index:
@@ -39,7 +40,7 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
 
     def vouched(src, size):
         f = image.function_at(src)
-        return (f is not None and analysis.decoded(f).undecodable is None and analysis.is_boundary(f, src)
+        return not safety.enabled("retargeting") or (f is not None and analysis.decoded(f).undecodable is None and analysis.is_boundary(f, src)
                 and any(e.start <= src and src + size <= e.end for e in fdes.all_overlapping(src, src + size)))
 
     # The copies in the detours too (not an exit whose copy a return hook makes).

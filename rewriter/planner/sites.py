@@ -2,6 +2,7 @@
 shared with the probes on the next instructions, or the INT3 fallback."""
 from __future__ import annotations
 
+from .. import safety
 from .model import FTRACE, INT3, JUMPS, OPTIMIZED, REFUSED, Site
 
 def make_int3(image, arch, s: Site, ss_int3: bool = False) -> Site:
@@ -78,7 +79,7 @@ def split_segments(arch, head: Site) -> None:
     post_handler would follow a branch, sends the whole region to INT3."""
     starts = {i.addr for i in head.dcr}
     bad = next((r for r in head.riders if r.addr not in starts
-                or (r.with_post and arch.is_branch(next(i for i in head.dcr if i.addr == r.addr)))), None)
+                or (r.with_post and safety.enabled("shared_regions") and arch.is_branch(next(i for i in head.dcr if i.addr == r.addr)))), None)
     if bad is not None:
         why = arch.Refusal("probe_in_region", bad.addr, f"the probe at {bad.addr:#x} cannot share the region "
                                                         f"[{head.addr:#x}, {head.region_end:#x})")

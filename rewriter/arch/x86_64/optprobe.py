@@ -11,6 +11,7 @@ from ..base import DcrInsn, Refusal  # noqa: F401  (re-exported: optprobe.Refusa
 from . import insn as x86insn
 from . import cs
 from .common import dead_padding, relocatable
+from ... import safety
 
 _cs = cs.DETAIL
 
@@ -73,12 +74,12 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
         if info.emulate in ("jmp rel", "jcc rel", "jmp mem", "jmp reg"):
             pass
         elif info.emulate in ("call rel", "call mem", "call reg"):
-            if pos + info.length < end:
+            if pos + info.length < end and safety.enabled("call_in_region"):
                 return Refusal("call_in_region", pos, "a call inside the region would return into the jump's bytes")
             why = _indirect_call_relocatable(code, pos) if info.emulate != "call rel" else None
             if why:
                 return Refusal("can_boost", pos, why)
-        elif not info.boostable:
+        elif not info.boostable and safety.enabled("boostable"):
             why = relocatable(code, pos, info)
             if why:
                 return Refusal("can_boost", pos, f"instruction is not boostable ({info.boost_reason}) "
@@ -112,7 +113,7 @@ def _indirect_call_relocatable(code: bytes, addr: int) -> str:
     sp = capstone.x86_const.X86_REG_RSP
     if op.type == capstone.x86_const.X86_OP_REG and op.reg == sp:
         return "call through %rsp"
-    if op.type == capstone.x86_const.X86_OP_MEM and sp in (op.mem.base, op.mem.index):
+    if op.type == capstone.x86_const.X86_OP_MEM and sp in (op.mem.base, op.mem.index) and safety.enabled("rsp_relative_call"):
         return "call through an %rsp-relative operand"
     if op.type == capstone.x86_const.X86_OP_MEM and op.mem.segment:
         return "call through a segment-relative operand"
@@ -141,7 +142,7 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
     if decoded.undecodable is not None:
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
     ij = analysis.unbounded_indirect_jump(func)
-    if decoded.sets_df is not None:
+    if decoded.sets_df is not None and safety.enabled("direction_flag"):
         # The detour calls C code, which the ABI lets assume DF = 0, and does
         # not save DF (an int3 probe is safe: the trap entry clears DF and the
         # signal frame restores it).
@@ -149,14 +150,14 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
     dcr = copy_region(image, func, addr, analysis, min_end, jump_size)
     if isinstance(dcr, Refusal):
         return dcr
-    if ij is not None:
+    if ij is not None and safety.enabled("indirect_jump"):
         inside = _unbounded_jump_may_land_inside(image, analysis, func, dcr)
         if inside is not None:
             return Refusal("indirect_jump", ij[0], f"{func.name} has an indirect jump whose targets are not bounded "
                                                   f"({ij[1]}){inside}")
     end = dcr[-1].addr + len(dcr[-1].code)
     hits = analysis.targets_in(addr + 1, end)
-    if hits:
+    if hits and safety.enabled("jump_into_region"):
         target, why = hits[0]
         src = _source_address(why, target)
         return Refusal("jump_into_region", src, f"{why} lands at {target:#x}, inside the region [{addr:#x}, {end:#x})")
@@ -263,7 +264,7 @@ def can_evict(image, analysis, func, n0: int) -> list[DcrInsn] | Refusal:
     end = r[-1].addr + len(r[-1].code)
     if end - n0 > MAX_OPTIMIZED_LENGTH:
         return Refusal("region_size", n0, f"region is {end - n0} bytes, more than {MAX_OPTIMIZED_LENGTH}")
-    for i in r:
+    for i in r if safety.enabled("eviction") else []:
         e = i.info.emulate
         if e in ("ret", "ret imm", "jmp mem", "jmp reg") or \
                 (e in ("jmp rel", "jcc rel") and not func.start <= i.info.rel_target < func.end):
@@ -313,7 +314,7 @@ def red_zone_free_at(image, func, addr: int) -> bool:
     %rsp.  Anywhere else the function may be using it, and so may the function
     whose `.cold` part (gcc's -freorder-blocks-and-partition) is jumped into
     with its frame live."""
-    return is_function_entry(image, func, addr) and ".cold" not in func.name
+    return is_function_entry(image, func, addr) and ".cold" not in func.name or not safety.enabled("red_zone")
 
 
 def arith_flags_dead(image, func, addr: int, limit: int = 32) -> bool:

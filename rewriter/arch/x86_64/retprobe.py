@@ -24,6 +24,7 @@ from .emit import _s32, relocate
 from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
 from .optprobe import JMP32_INSN_SIZE
 from .common import dead_padding, relocatable
+from ... import safety
 
 
 class _Insns:
@@ -169,7 +170,7 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         # Grow backwards by one instruction, if the one we add can be relocated
         # and the current start is not a jump target.
         hits = analysis.targets_in(b, b + 1)
-        if hits:
+        if hits and safety.enabled("return_regions"):
             return Refusal("jump_into_region", b, f"{hits[0][1]} lands at {b:#x}, inside the return region")
         k -= 1
         if k < 0 or allin.ends[k] != b:
