@@ -58,7 +58,8 @@ def test_the_declaration_covers_what_the_stages_use():
     parts = {n: set(_annotations(p)) | set(_methods(p)) for n, p in PARTS.items()}
     missing = set()
     for p in generic:
-        text = p.read_text()
+        # The code's names alone (a string may name a place, "arch.x86_64.optprobe:...").
+        text = "".join(t for _, t in _code_tokens(p, strings=False))
         for m in re.finditer(r"\barch\.([A-Za-z_][A-Za-z_0-9]*)(?:\.([A-Za-z_][A-Za-z_0-9]*))?", text):
             top, sub = m.group(1), m.group(2)
             if top in ("base",):                                   # the module rewriter.arch.base
@@ -100,9 +101,10 @@ X86_FACT = r"""\b(rax|rbx|rcx|rdx|rsi|rdi|rsp|rbp|rip|eflags|r(8|9|1[0-5]))\b|%[
     \b(call|jmp|jcc)\ rel\b|rel(8|32)|R_X86_64|(?<!EM_)X86_|x86_64-linux|\\x(0f|90|cc|e8|e9|eb|f3)|endbr|%[fg]s:|pushfq|popfq"""
 
 
-def _code_tokens(path):
-    """(line, text) of every name and string literal of a module's code, its
-    docstrings and comments left out (they may explain with x86 examples)."""
+def _code_tokens(path, strings: bool = True):
+    """(line, text) of every name, operator and string literal (with strings) of a
+    module's code, its docstrings and comments left out (they may explain with x86
+    examples)."""
     import io
     import tokenize
     out, prev = [], None
@@ -110,8 +112,8 @@ def _code_tokens(path):
         if tok.type == tokenize.STRING and prev in (None, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.NL):
             prev = tok.type                  # a docstring (an expression statement of its own)
             continue
-        if tok.type in (tokenize.NAME, tokenize.STRING):
-            out.append((tok.start[0], tok.string))
+        if tok.type in (tokenize.NAME, tokenize.OP) or (strings and tok.type == tokenize.STRING):
+            out.append((tok.start[0], tok.string if tok.type == tokenize.OP else f" {tok.string} "))
         if tok.type not in (tokenize.COMMENT,):
             prev = tok.type
     return out

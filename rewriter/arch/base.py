@@ -281,7 +281,7 @@ class Toolchain(Protocol):
 
 class Arch(Protocol):
     """An architecture back end: a package under rewriter/arch/ with these members
-    (tests/test_units.py checks every back end against this declaration)."""
+    (tests/test_arch.py checks every back end against this declaration)."""
     name: str                 # also the runtime's folder: runtime/arch/<name>
     e_machine: int            # ELF e_machine
     r_relative: int           # the ELF relocation type of a base-relative word
