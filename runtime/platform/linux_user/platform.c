@@ -41,7 +41,9 @@ void kp_platform_write(int fd, const char *buf, unsigned long len)
 
 int kp_platform_open_append(const char *path)
 {
-	return (int)kp_sys_open(path, 01 | 0100 | 02000 | 02000000 /* WRONLY|CREAT|APPEND|CLOEXEC */, 0644);
+	/* 0600: trace lines and the profile hold the program's data (perf writes
+	 * perf.data so).  Never called in a privileged program (kp_secure_stack()). */
+	return (int)kp_sys_open(path, 01 | 0100 | 02000 | 02000000 /* WRONLY|CREAT|APPEND|CLOEXEC */, 0600);
 }
 
 void kp_platform_close(int fd)
@@ -61,6 +63,66 @@ static void kp_user_fini(void)
 }
 
 /*
+ * Set-user-ID safety, glibc's __libc_enable_secure: a program the kernel marked
+ * AT_SECURE in its auxiliary vector (set-user-ID, set-group-ID, file
+ * capabilities, an LSM's say) ignores every KPREWRITE_* variable, which its
+ * unprivileged caller set: probes stay armed as built, trace lines go to
+ * standard error, no profile file, no profile signal.
+ */
+#define KP_AT_NULL 0
+#define KP_AT_SECURE 23
+#define KP_PR_GET_AUXV 0x41555856	/* Linux 6.4 */
+
+/* AT_SECURE's value in an auxiliary vector of n entries; -1 if it has none. */
+static int kp_auxv_secure(const unsigned long *auxv, unsigned long n)
+{
+	for (unsigned long i = 0; i < n && auxv[2 * i] != KP_AT_NULL; i++)
+		if (auxv[2 * i] == KP_AT_SECURE)
+			return auxv[2 * i + 1] != 0;
+	return -1;
+}
+
+/* Where the initial stack is out of reach (a shared object's init gets the C
+ * library's environ, which setenv() may have moved): the kernel's copy of the
+ * vector, by prctl(PR_GET_AUXV), else /proc/self/auxv; else, as glibc did before
+ * AT_SECURE, whether the real, effective and saved ids differ. */
+static int kp_secure_slow(void)
+{
+	unsigned long auxv[128];
+	long n = kp_syscall6(__NR_prctl, KP_PR_GET_AUXV, (long)auxv, sizeof(auxv), 0, 0, 0);
+	if (n > 0) {
+		int s = kp_auxv_secure(auxv, (unsigned long)n / 16 < 64 ? (unsigned long)n / 16 : 64);
+		if (s >= 0)
+			return s;
+	}
+	long fd = kp_sys_open("/proc/self/auxv", 02000000 /* RDONLY|CLOEXEC */, 0);
+	if (fd >= 0) {
+		long got = 0, r;
+		while (got < (long)sizeof(auxv) &&
+		       ((r = kp_syscall3(__NR_read, fd, (char *)auxv + got, sizeof(auxv) - got)) > 0 || r == -4))
+			if (r > 0)
+				got += r;
+		kp_platform_close((int)fd);
+		int s = kp_auxv_secure(auxv, (unsigned long)got / 16);
+		if (s >= 0)
+			return s;
+	}
+	unsigned int u[3] = { 0, 0, 0 }, g[3] = { 0, 0, 0 };
+	kp_syscall3(__NR_getresuid, &u[0], &u[1], &u[2]);
+	kp_syscall3(__NR_getresgid, &g[0], &g[1], &g[2]);
+	return u[0] != u[1] || u[0] != u[2] || g[0] != g[1] || g[0] != g[2];
+}
+
+/* An executable's initial stack: argc, argv[], NULL, envp[], NULL, auxv[]. */
+static int kp_secure_stack(char **envp)
+{
+	while (*envp)
+		envp++;
+	int s = kp_auxv_secure((const unsigned long *)(envp + 1), ~0UL / 2);
+	return s >= 0 ? s : kp_secure_slow();
+}
+
+/*
  * Executables: called by the entry stub before the program's own entry point,
  * with the initial stack (argc, argv, envp) and rdx.  Returns the rdx to pass
  * on: our fini, which __libc_start_main registers with atexit like rtld_fini.
@@ -70,7 +132,7 @@ void *kp_user_start(unsigned long *sp, void (*rtld_fini)(void))
 	kp_relocate();
 	long argc = (long)sp[0];
 	char **envp = (char **)(sp + 1 + argc + 1);
-	kp_configure(envp);
+	kp_configure(kp_secure_stack(envp) ? 0 : envp);	/* no environment: as built */
 	kp_platform_thread_key();
 	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler */
 	if (!kp_rt.profile_path)
@@ -86,7 +148,7 @@ void kp_user_lib_init(int argc, char **argv, char **envp)
 	(void)argc;
 	(void)argv;
 	kp_relocate();
-	kp_configure(envp);
+	kp_configure(kp_secure_slow() ? 0 : envp);	/* no environment: as built */
 	kp_platform_thread_key();
 	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler */
 }

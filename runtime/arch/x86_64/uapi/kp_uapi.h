@@ -20,6 +20,8 @@
 #define __NR_rt_sigprocmask 14
 #define __NR_rt_sigreturn 15
 #define __NR_getpid 39
+#define __NR_getresuid 118
+#define __NR_getresgid 120
 #define __NR_prctl 157
 #define __NR_arch_prctl 158
 #define __NR_gettid 186
