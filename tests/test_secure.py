@@ -200,3 +200,31 @@ def test_qemu_grants_nothing(program, dirs):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                        env={"PATH": "/usr/bin:/bin", **variables(out, out / "trace")})
     check_honoured(r, out)
+
+
+EXEC_PROGRAM = r"""
+#include <unistd.h>
+__attribute__((noinline)) long work(long x) { __asm__ volatile("" ::: "memory"); return x * 3; }
+int main(void)
+{
+    long s = 0;
+    for (long i = 0; i < 3; i++)
+        s += work(i);
+    execl("/bin/ls", "ls", "-l", "/proc/self/fd", (char *)0);
+    return 1;
+}
+"""
+
+
+def test_files_close_on_exec(tmp_path):
+    """The trace file (opened at start-up) is not inherited by a program the
+    probed one executes; the profile is only opened at exit."""
+    prog = cc(tmp_path, "execprog", EXEC_PROGRAM, "-O2")
+    out = instrument(prog, write_spec(tmp_path, SPEC))
+    trace = tmp_path / "trace"
+    r = subprocess.run([str(out)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "KPREWRITE_TRACE": str(trace)})
+    assert r.returncode == 0, r.stderr
+    assert len(trace.read_text().splitlines()) == 3
+    assert " -> " in r.stdout and str(trace) not in r.stdout, r.stdout
+    assert stat.S_IMODE(trace.stat().st_mode) == 0o600
