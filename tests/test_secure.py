@@ -143,6 +143,18 @@ def test_setuid_ignores_variables(program, dirs):
     check_ignored(as_nobody(program, variables(out, private / "trace")), out, private)
 
 
+def test_static_setuid_ignores_variables(tmp_path, dirs):
+    """A static executable: AT_SECURE from the same initial stack, before the C library runs."""
+    bindir, out, private = dirs
+    prog = cc(tmp_path, "sprog", PROGRAM, "-O2", "-static", skip_without_static=True)
+    dst = bindir / "sprog.kp"
+    shutil.copy(instrument(prog, write_spec(tmp_path, SPEC)), dst)
+    setuid_root(dst, True)
+    check_ignored(as_nobody(dst, variables(out, private / "trace")), out, private)
+    setuid_root(dst, False)
+    check_honoured(as_nobody(dst, variables(out, out / "trace")), out)
+
+
 def test_setgid_ignores_variables(program, dirs):
     """Set-group-ID alone makes the program AT_SECURE too."""
     _, out, private = dirs
