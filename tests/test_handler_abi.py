@@ -191,3 +191,35 @@ def test_handlers_refused(tmp_path):
     _, _, errors = handlers.resolve(_spec(tmp_path, [clean], [KprobeSpec("[[kprobe]] #1", "f", None,
                                                                            pre_handler="pre_vec")]), ARCH)
     assert errors == []
+
+
+CMOV = r"""
+#include <linux/kprobes.h>
+static struct pt_regs fallback;
+static int pre_pick(struct kprobe *p, struct pt_regs *regs)
+{
+	struct pt_regs *r = p->nmissed ? &fallback : regs;   /* gcc -O2: cmovne %rax,%rsi */
+	pr_info("di=%lu\n", r->di);
+	return 0;
+}
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: handler_abi._kills_rsi() takes a conditional move into %rsi "
+                   "(cmovcc: capstone lists %rsi as written, not read) for a kill, so may_use_regs() stops "
+                   "following %rsi although it still holds regs when the condition is false; gcc -O2 emits "
+                   "`cmovne %rax,%rsi` for `r = c ? &x : regs`, the handler is called through the clean call "
+                   "without regs, and the rewritten program dies with SIGSEGV (checked by hand: kprewrite "
+                   "instrument with this handler on work(), exit 139; the same handler reading regs->di "
+                   "directly prints di=40..42)")
+def test_conditional_move_keeps_regs(tmp_path):
+    """`r = cond ? &other : regs; r->di`: on one path %rsi still holds regs after the cmov."""
+    src = tmp_path / "h.c"
+    src.write_text(CMOV)
+    spec = _spec(tmp_path, [src], [KprobeSpec("[[kprobe]] #1", "f", None, pre_handler="pre_pick")])
+    symbols, exports, errors = handlers.resolve(spec, ARCH)
+    assert errors == []
+    _, code = handlers.compile_and_read(spec, ARCH, symbols, exports, tmp_path)
+    fn = link.object_functions([tmp_path / "handler0.o"])["pre_pick"]
+    assert any(i.mnemonic.startswith("cmov") and i.op_str.startswith("rsi") for i in _disasm(fn[1], fn[0]))
+    assert code["pre_pick"].reads_regs
