@@ -36,6 +36,15 @@ def progs(tmp_path_factory):
             "dir": d}
 
 
+@pytest.fixture(scope="module")
+def static(progs):
+    """A static and a static-PIE build (no PT_PHDR / no PT_INTERP: the kernel's AT_PHDR and
+    glibc's static start-up find the moved table on their own)."""
+    d = progs["dir"]
+    return {"static": cc(d, "static", PROG, "-O2", "-static", skip_without_static=True),
+            "static-pie": cc(d, "static-pie", PROG, "-O2", "-static-pie", skip_without_static=True)}
+
+
 def _write(image: Image, patches=(), entry=None, sections=None):
     lay = W.plan_layout(image)
     rx = bytes(lay.phdr_size) + bytes(range(256)) * 3          # the table's room, then "code"
@@ -80,12 +89,12 @@ def test_plan_layout_after_everything(progs):
     assert lay.rx_offset >= len(image.data) and lay.rx_offset % W.PAGE == 0
 
 
-@pytest.mark.parametrize("kind", ["pie", "nopie"])
-def test_written_program_headers(progs, kind):
+@pytest.mark.parametrize("kind", ["pie", "nopie", "static", "static-pie"])
+def test_written_program_headers(progs, static, kind):
     """Old program headers unchanged (PT_PHDR moved into the new code segment), two new
     PT_LOADs right after the last old one, R-X then RW-, page aligned (offset = vaddr mod
     page), in ascending address order, not overlapping anything; the output runs."""
-    image = Image(str(progs[kind]))
+    image = Image(str({**progs, **static}[kind]))
     lay, rx, rw_vaddr, rw, meta, out = _write(image)
     old, new = _segments(image.data), _segments(out)
     assert len(new) == len(old) + 2
@@ -105,7 +114,7 @@ def test_written_program_headers(progs, kind):
     for a, b in zip(loads, loads[1:]):
         assert a[3] + a[6] <= b[3]
     # The moved table: at the start of the new R-X segment, covering every header.
-    if kind == "pie":
+    if any(s[0] == PT_PHDR for s in old):
         phdr = next(s for s in new if s[0] == PT_PHDR)
         assert (phdr[2], phdr[3], phdr[5]) == (lay.rx_offset, lay.rx_vaddr, len(new) * 56)
     assert struct.unpack_from("<Q", out, 32)[0] == lay.rx_offset
