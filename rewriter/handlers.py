@@ -64,5 +64,5 @@ def compile_and_read(spec, arch, symbols: dict[str, str], exports: dict, workdir
         else:
             off, body, relocs = fn
             code[name] = HandlerCode(abi.may_use_regs(body, off, off + len(body), relocs),
-                                     abi.clobbered_scratch(body, off), sym)
+                                     abi.clobbered_scratch(body, off, relocs), sym)
     return objs, code

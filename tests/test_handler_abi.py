@@ -205,13 +205,6 @@ static int pre_pick(struct kprobe *p, struct pt_regs *regs)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: handler_abi._kills_rsi() takes a conditional move into %rsi "
-                   "(cmovcc: capstone lists %rsi as written, not read) for a kill, so may_use_regs() stops "
-                   "following %rsi although it still holds regs when the condition is false; gcc -O2 emits "
-                   "`cmovne %rax,%rsi` for `r = c ? &x : regs`, the handler is called through the clean call "
-                   "without regs, and the rewritten program dies with SIGSEGV (checked by hand: kprewrite "
-                   "instrument with this handler on work(), exit 139; the same handler reading regs->di "
-                   "directly prints di=40..42)")
 def test_conditional_move_keeps_regs(tmp_path):
     """`r = cond ? &other : regs; r->di`: on one path %rsi still holds regs after the cmov."""
     src = tmp_path / "h.c"
@@ -232,10 +225,6 @@ int pre_xrstor(void *p, void *r) { __asm__ volatile("xrstor %0" :: "m"(area), "a
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (minor): vector_use() misses fxrstor/xrstor (and fxsave, xsave, "
-                   "fnstcw, fnstsw): capstone puts them in no SSE/FPU group and lists no vector register, so "
-                   "a prebuilt handler object that reloads the whole x87/SSE state, which detours do not "
-                   "save, is not refused")
 def test_vector_use_state_restore(tmp_path):
     """Instructions that load the whole x87/SSE state count as vector use."""
     funcs = link.object_functions([_compile(tmp_path, "restore", RESTORE)])
@@ -253,13 +242,6 @@ int pre_tail0(void *p, struct regs *regs) { if (__builtin_expect(p != 0, 1)) ret
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: may_use_regs() follows a jmp by its rel32 as the object holds it; "
-                   "in an unlinked object a jmp to another symbol has a relocated, zero rel32, so `jmp other` "
-                   "(a tail call passing regs) is read as a jump to the next instruction, inside the function, "
-                   "and the path goes on as if regs were never passed.  gcc -O2 emits it for "
-                   "`if (likely(c)) return other(p, regs);` (prebuilt .o handlers; kernel handlers, -fno-pic); "
-                   "checked by hand: a prebuilt handler object doing so, kprewrite instrument, the program dies "
-                   "with SIGSEGV (exit 139)")
 def test_relocated_tail_jump_leaves(tmp_path):
     """A jmp whose operand is relocated to another symbol leaves the function, regs live."""
     off, body, relocs = link.object_functions([_compile(tmp_path, "tail", TAIL)])["pre_tail"]
@@ -268,16 +250,10 @@ def test_relocated_tail_jump_leaves(tmp_path):
     assert ABI.may_use_regs(body, off, off + len(body), relocs)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: clobbered_scratch() reads the relocated, zero rel32 of `jmp other` in an "
-                   "unlinked object as a jump inside the function, so a handler that tail-calls another function "
-                   "gets a small clobber set ({rax, rsi}) instead of None, and the clean template saves only those: "
-                   "the callee's clobbers (rcx, rdx, r8...) leak into the probed program.  Checked by hand: prebuilt "
-                   "handler objects `if (likely(p->addr)) return helper6(p, 0);` with helper6 writing rcx/rdx/r8, "
-                   "kprewrite instrument on work4(a, b, c, d): the program loops forever (its counter clobbered)")
 def test_relocated_tail_jump_clobbers_unknown(tmp_path):
     """A leaf that tail-calls out: what it clobbers is the callee's, unknown."""
     funcs = link.object_functions([_compile(tmp_path, "tail", TAIL)])
     off, body, relocs = funcs["pre_tail0"]
     assert "other" in relocs.values()
     assert not ABI.may_use_regs(body, off, off + len(body), relocs)      # right: %esi zeroed first
-    assert ABI.clobbered_scratch(body, off) is None
+    assert ABI.clobbered_scratch(body, off, relocs) is None

@@ -260,7 +260,7 @@ class HandlerAbi(Protocol):
     def vector_use(self, code: bytes, start: int) -> int | None:
         """The first instruction touching VECTOR_STATE registers, or None."""
 
-    def clobbered_scratch(self, code: bytes, start: int) -> set[str] | None:
+    def clobbered_scratch(self, code: bytes, start: int, relocs: dict[int, str] | None = None) -> set[str] | None:
         """The call-clobbered registers the function writes (None: unknown)."""
 
 

@@ -56,11 +56,19 @@ def _zero_idiom(ci) -> bool:
 
 
 def _kills_rsi(ci) -> bool:
+    if ci.mnemonic.startswith("cmov"):
+        return False                             # written only when the condition holds
     try:
         _, written = ci.regs_access()
     except capstone.CsError:
         return False
     return any(r in _RSI_FULL for r in written)
+
+
+def _relocated(ci, relocs: dict[int, str]) -> bool:
+    """A relocation other than the return thunk lies in the instruction's bytes:
+    its operand names another symbol (an unlinked object's call or jump out)."""
+    return any(relocs.get(a) not in (None, *RETURN_THUNKS) for a in range(ci.address + 1, ci.address + ci.size))
 
 
 def _target(ci):
@@ -102,6 +110,8 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
                 break
             if ci.mnemonic == "jmp" and relocs.get(addr + 1) in RETURN_THUNKS:
                 break                            # jmp __x86_return_thunk: a return
+            if capstone.CS_GRP_JUMP in groups and _relocated(ci, relocs):
+                return True                      # a jump to another symbol: a tail call, regs passed on
             if capstone.CS_GRP_CALL in groups:
                 return True                      # the callee may take it as an argument
             if capstone.CS_GRP_INT in groups or capstone.CS_GRP_IRET in groups:
@@ -130,11 +140,16 @@ _VECTOR_GROUPS = {X.X86_GRP_SSE1, X.X86_GRP_SSE2, X.X86_GRP_SSE3, X.X86_GRP_SSSE
 _VECTOR_REG = re.compile(r"^(xmm|ymm|zmm|mm|st)\d*$|^k[0-7]$")
 
 
+# Whole-state saves and restores, and the x87 control/status moves: capstone puts
+# them in no vector group and lists no vector register.
+_VECTOR_STATE_MNEMONICS = re.compile(r"^(fx(save|rstor)|xsave|xrstor|fn?(stcw|stsw|ldcw|stenv|ldenv|save|rstor))")
+
+
 def vector_use(code: bytes, start: int) -> int | None:
     """Address of the first instruction that touches SSE/AVX/AVX-512/x87/MMX
     state in `code` (loaded at `start`), or None."""
     for ci in _cs.disasm(code, start):
-        if _VECTOR_GROUPS & set(ci.groups):
+        if _VECTOR_GROUPS & set(ci.groups) or _VECTOR_STATE_MNEMONICS.match(ci.mnemonic):
             return ci.address
         try:
             read, written = ci.regs_access()
@@ -158,10 +173,14 @@ for _i in (8, 9, 10, 11):
         _PARENT[f"r{_i}{_s}"] = f"r{_i}"
 
 
-def clobbered_scratch(code: bytes, start: int) -> set[str] | None:
+def clobbered_scratch(code: bytes, start: int, relocs: dict[int, str] | None = None) -> set[str] | None:
     """The call-clobbered registers a leaf function writes (code loaded at
     `start`), or None when that cannot be known: it calls, makes a system call,
-    or jumps out of itself.  Lets the clean-call template save only those."""
+    or jumps out of itself (relocs: offset of a relocated field -> the symbol it
+    names; in an unlinked object a jump to another symbol holds a zero, relocated
+    displacement that would read as a jump inside).  Lets the clean-call template
+    save only those."""
+    relocs = relocs or {}
     out: set[str] = set()
     end = start
     for ci in _cs.disasm(code, start):
@@ -172,7 +191,7 @@ def clobbered_scratch(code: bytes, start: int) -> set[str] | None:
             return None
         if capstone.CS_GRP_JUMP in groups:
             t = _target(ci)
-            if t is None or not start <= t < start + len(code):
+            if t is None or not start <= t < start + len(code) or _relocated(ci, relocs):
                 return None
         try:
             _, written = ci.regs_access()
