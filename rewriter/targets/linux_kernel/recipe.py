@@ -10,7 +10,7 @@ not position-independent: linked where it runs."""
 # ARCH_FOLDERS.  The order decides where each function lands.
 SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
            "{platform}/kp_kretprobe_task.c", "kp_fetch.c", "kp_trace.c",
-           "{arch}/kp_int3.c", "{platform}/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
+           "{arch}/kp_int3.c", "{arch}/linux_kernel/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
 # kprobe_events into the ftrace ring buffer, symbols from kallsyms (issue 11).
 SOURCES += ["{platform}/kp_trace_buffer.c"]
 

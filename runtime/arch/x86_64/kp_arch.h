@@ -98,6 +98,9 @@ struct kp_int3_site {
 #define KP_XOL_EMULATE 1
 #define KP_XOL_BOOST 2
 #define KP_XOL_SINGLESTEP 3
+/* A mode's tag in a kernel's kprobes/list (kp_debugfs.c), after the kernel's [OPTIMIZED]. */
+#define kp_arch_xol_tag(mode) \
+	((mode) == KP_XOL_EMULATE ? "[EMULATED]" : (mode) == KP_XOL_BOOST ? "[BOOSTED]" : "[SINGLESTEP]")
 extern struct kp_int3_site kp_int3_sites[];
 extern const unsigned int kp_nint3;
 /* kp_int3_sites[] by address (link-time), open-addressed: kp_int3_hash_mask + 1 entries

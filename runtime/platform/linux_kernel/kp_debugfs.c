@@ -124,7 +124,7 @@ static const char *kp_placement(const struct kprobe *p)
 		unsigned int mid = (lo + hi) / 2;
 		const struct kp_int3_site *d = &kp_int3_sites[mid];
 		if (d->addr == a)
-			return d->mode == KP_XOL_EMULATE ? "[EMULATED]" : d->mode == KP_XOL_BOOST ? "[BOOSTED]" : "[SINGLESTEP]";
+			return kp_arch_xol_tag(d->mode);
 		if (d->addr < a)
 			lo = mid + 1;
 		else

@@ -8,12 +8,12 @@
  *   address and its slot (ri->ret_addr, ri->fp) and file the instance under the
  *   current task in a hash table of tasks (kernel/kprobes.c before 5.11:
  *   pre_handler_kretprobe(), kretprobe_inst_table[] with its per-bucket locks);
- * - each exit (a `jmp __x86_return_thunk`, whose .return_sites entry the rewriter
- *   points at the jump's copy in the detour, so apply_returns() patches the copy)
- *   calls a return hook first, with %rsp at the slot: the current task's instances
- *   recorded at that slot fire, newest first (several kretprobes on one function, or
- *   a tail call into another return-probed function, share the slot), with regs->ax
- *   the return value, regs->ip the return address and regs->sp the stack pointer
+ * - each exit (on x86-64 a `jmp __x86_return_thunk`, whose .return_sites entry the
+ *   rewriter points at the jump's copy in the detour, so apply_returns() patches the
+ *   copy) calls a return hook first, with the stack pointer at the slot: the current
+ *   task's instances recorded at that slot fire, newest first (several kretprobes on one
+ *   function, or a tail call into another return-probed function, share the slot), with
+ *   regs_return_value() the return value, regs->ip the return address and regs->sp the stack pointer
  *   after the return (kp_kretprobe_return(), kp_kretprobe_return_clean());
  * - a tail call to a function whose returns are hooked leaves the instances for that
  *   function's exits (the same slot); a tail call to any other function swaps the
@@ -83,18 +83,17 @@ static inline unsigned long kp_bucket_lock(struct kp_kret_bucket *b, int irqsave
 {
 	unsigned long flags = 0;
 	if (irqsave)
-		__asm__ volatile("pushfq; popq %0; cli" : "=r"(flags) :: "memory");
+		flags = kp_arch_local_irq_save();
 	while (__atomic_exchange_n(&b->lock, 1, __ATOMIC_ACQUIRE))
 		while (__atomic_load_n(&b->lock, __ATOMIC_RELAXED))
-			__asm__ volatile("pause" ::: "memory");
+			kp_arch_spin_relax();
 	return flags;
 }
 
 static inline void kp_bucket_unlock(struct kp_kret_bucket *b, unsigned long flags)
 {
 	__atomic_store_n(&b->lock, 0, __ATOMIC_RELEASE);
-	if (flags & 0x200)	/* X86_EFLAGS_IF, saved by an irqsave lock */
-		__asm__ volatile("sti" ::: "memory");
+	kp_arch_local_irq_restore(flags);	/* 0 (no irqsave): nothing to do */
 }
 
 static inline unsigned long kp_task(void)
@@ -399,7 +398,7 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 
 /*
  * The exit hooks (the user-space design, kretprobe_entry.S): a function whose exits are
- * all hooked runs one before each `jmp __x86_return_thunk` (a ret) with the return
+ * all hooked runs one before each return (x86-64: `jmp __x86_return_thunk`) with the return
  * address left in place.  The current task's instances recorded at that slot fire,
  * newest first, wherever the task runs now.  A slot that holds the trampoline (a tail
  * call from a function whose returns it catches) is left to the trampoline, which

@@ -1,6 +1,8 @@
 /*
  * The platform half of the runtime's interface, included by the generic core
- * (kp_internal.h): a Linux kernel image (x86-64).
+ * (kp_internal.h): a Linux kernel image, whatever the CPU.  The CPU's half
+ * (per-CPU data, the preempt count, interrupt flags, the #BP hook) is the
+ * arch's kp_arch_platform.h (runtime/arch/<arch>/linux_kernel/), included here.
  *
  * The runtime is linked at the address it runs at, inside the kernel image,
  * and calls the kernel's own functions by their kallsyms addresses (resolved
@@ -16,6 +18,8 @@
 #ifndef _KP_PLATFORM_H
 #define _KP_PLATFORM_H
 #pragma GCC visibility push(hidden)
+
+#include <kp_arch_platform.h>
 
 #define KP_PLATFORM_NO_STARTUP 1
 #define KP_PLATFORM_TABLES_AT_BOOT 1
@@ -33,18 +37,16 @@ extern unsigned int nr_cpu_ids;
 /* The kernel's first byte: the generated tables write the image's addresses as
  * _text + offset, relocated with the kernel when KASLR moves it. */
 extern char _text[];
-/* Per-CPU variables: their symbols are offsets from the CPU's %gs base. */
-extern unsigned long this_cpu_off;
-extern int __preempt_count;
-extern int cpu_number;
 
-/* --- breakpoint probes: the kernel's #BP (kp_int3_hook.c) --- */
+/* --- breakpoint probes: the kernel's #BP (the arch's kp_int3_hook.c) --- */
 
-/* The arch's kp_arch_int3_bp() is the hook's C half: entered in place of
- * kprobe_int3_handler(), it goes on into the rest of it when an int3 is not ours. */
+/* The arch's kp_arch_int3_bp() is the hook's C half: entered in place of the
+ * kernel's kprobe breakpoint handler, it goes on into the rest of it when an int3
+ * is not ours (kp_kernel_int3_next, the arch's hook: on x86-64,
+ * kprobe_int3_handler() past its ftrace site). */
 #define KP_PLATFORM_INT3_BP 1
 struct pt_regs;
-int kp_kernel_int3_next(struct pt_regs *regs);	/* kprobe_int3_handler() past its ftrace site */
+int kp_kernel_int3_next(struct pt_regs *regs);
 static inline int kp_platform_int3_not_ours(struct pt_regs *regs)
 {
 	return kp_kernel_int3_next(regs);
@@ -59,9 +61,7 @@ static inline int kp_platform_int3_not_ours(struct pt_regs *regs)
  * boot CPU's early value is __per_cpu_load, not 0 either). */
 static inline unsigned long kp_platform_thread_key_fast(void)
 {
-	unsigned long off;
-	__asm__ volatile("mov %%gs:this_cpu_off, %0" : "=r"(off));
-	return off;
+	return kp_arch_this_cpu_off();
 }
 
 static inline unsigned long kp_platform_thread_key(void)
@@ -76,22 +76,15 @@ static inline int kp_platform_thread_key_ready(void)
 
 /* optimized_callback()'s preempt_disable()/preempt_enable(): the key is the
  * CPU's, so the dispatch must not move to another CPU.  On the way out a
- * pending reschedule (the count reaching zero: x86 folds an inverted
- * PREEMPT_NEED_RESCHED into it) is taken as preempt_enable() takes it, through
- * kp_kernel_resched (the image's preempt_schedule thunk, which keeps every
- * register; the probe table defines it per image). */
-void kp_kernel_resched(void);
-
+ * pending reschedule is taken as preempt_enable() takes it. */
 static inline void kp_platform_dispatch_begin(void)
 {
-	__asm__ volatile("incl %%gs:__preempt_count" ::: "memory", "cc");
+	kp_arch_preempt_disable();
 }
 
 static inline void kp_platform_dispatch_end(void)
 {
-	register unsigned long sp __asm__("rsp");
-	__asm__ volatile("decl %%gs:__preempt_count\n\tjnz 1f\n\tcall kp_kernel_resched\n1:"
-			 : "+r"(sp) :: "memory", "cc");	/* "+r"(sp): ASM_CALL_CONSTRAINT */
+	kp_arch_preempt_enable();
 }
 
 /* --- memory, output, time (platform.c) --- */
@@ -144,9 +137,7 @@ static inline int kp_platform_task_pid(void)
 
 static inline unsigned int kp_platform_cpu(void)
 {
-	int cpu;
-	__asm__ volatile("movl %%gs:cpu_number, %0" : "=r"(cpu));
-	return cpu;
+	return kp_arch_smp_processor_id();
 }
 
 /* A trace line written whole (before the ring buffer exists): the ring buffer's

@@ -131,9 +131,8 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 	/* trace_event_buffer_reserve()'s context: the irq flags and the preempt count the
 	 * probed code ran with (tracing_gen_ctx_dec(): our dispatch's own taken off, as the
 	 * kernel takes off its kprobe handler's). */
-	unsigned long flags;
-	__asm__ volatile("pushfq; popq %0" : "=r"(flags));
-	unsigned int ctx = tracing_gen_ctx_irq_test(flags & 0x200 ? 0 : 1);	/* TRACE_FLAG_IRQS_OFF */
+	unsigned long flags = kp_arch_local_save_flags();
+	unsigned int ctx = tracing_gen_ctx_irq_test(kp_arch_irqs_disabled_flags(flags));	/* TRACE_FLAG_IRQS_OFF */
 	if (ctx & 0xf)
 		ctx--;
 	/* NULL: tracing_on is 0, the buffer is full (overwrite off), or a nested reserve on

@@ -9,8 +9,8 @@
  */
 #include "kp_internal.h"
 
-#define PAGE_SIZE 4096UL
-#define PAGE_SHIFT 12
+#define PAGE_SHIFT KP_ARCH_PAGE_SHIFT
+#define PAGE_SIZE (1UL << PAGE_SHIFT)
 #define PAGE_ALIGN(x) (((x) + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1))
 
 /* The linked blob's layout (rewriter/link.py's linker script): code and
@@ -230,7 +230,7 @@ int kp_kernel_keep_ro(struct kprobe *p, struct pt_regs *regs)
 	(void)p;
 	unsigned long data = (unsigned long)__kp_data_start;
 	unsigned long data_end = PAGE_ALIGN((unsigned long)__kp_data_end);
-	unsigned long lo = regs->di, hi = lo + ((unsigned long)(long)(int)regs->si << PAGE_SHIFT);
+	unsigned long lo = kp_arch_arg0(regs), hi = lo + ((unsigned long)(long)(int)kp_arch_arg1(regs) << PAGE_SHIFT);
 	if (data_end == data || hi <= data || lo >= data_end)
 		return 0;
 	if (hi > data_end) {
@@ -241,7 +241,7 @@ int kp_kernel_keep_ro(struct kprobe *p, struct pt_regs *regs)
 		set_memory_ro(data_end, (int)((hi - data_end) >> PAGE_SHIFT));
 		kp_platform_dispatch_begin();
 	}
-	regs->si = lo < data ? (data - lo) >> PAGE_SHIFT : 0;
+	kp_arch_arg1(regs) = lo < data ? (data - lo) >> PAGE_SHIFT : 0;
 	return 0;
 }
 
@@ -250,11 +250,11 @@ int kp_kernel_keep_nx(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
 	unsigned long code_end = PAGE_ALIGN((unsigned long)__kp_rela_end);
-	if (regs->di != kp_kernel_gap_start)
+	if (kp_arch_arg0(regs) != kp_kernel_gap_start)
 		return 0;
-	long pages = (long)(int)regs->si - (long)((code_end - kp_kernel_gap_start) >> PAGE_SHIFT);
-	regs->di = code_end;
-	regs->si = pages > 0 ? (unsigned long)pages : 0;
+	long pages = (long)(int)kp_arch_arg1(regs) - (long)((code_end - kp_kernel_gap_start) >> PAGE_SHIFT);
+	kp_arch_arg0(regs) = code_end;
+	kp_arch_arg1(regs) = pages > 0 ? (unsigned long)pages : 0;
 	return 0;
 }
 
@@ -266,12 +266,12 @@ int kp_kernel_keep_free(struct kprobe *p, struct pt_regs *regs)
 	unsigned long code_end = PAGE_ALIGN((unsigned long)__kp_rela_end);
 	unsigned long data = (unsigned long)__kp_data_start;
 	unsigned long data_end = PAGE_ALIGN((unsigned long)__kp_data_end);
-	if (regs->si == kp_kernel_gap_start) {
-		regs->si = code_end < regs->dx ? code_end : regs->dx;
+	if (kp_arch_arg1(regs) == kp_kernel_gap_start) {
+		kp_arch_arg1(regs) = code_end < kp_arch_arg2(regs) ? code_end : kp_arch_arg2(regs);
 		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the text/rodata gap: code %lu KiB (read-only)\n",
 			kp_kernel_gap_start, code_end, (code_end - kp_kernel_gap_start) >> 10);
-	} else if (regs->si == data && data_end > data) {
-		regs->si = data_end < regs->dx ? data_end : regs->dx;
+	} else if (kp_arch_arg1(regs) == data && data_end > data) {
+		kp_arch_arg1(regs) = data_end < kp_arch_arg2(regs) ? data_end : kp_arch_arg2(regs);
 		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the rodata/data gap: data %lu KiB (read-write, NX)\n",
 			data, data_end, (data_end - data) >> 10);
 	}
@@ -291,9 +291,8 @@ int kp_kernel_profile(struct kprobe *p, struct pt_regs *regs)
 	 * are on, the dump runs preemptible, as a read of kprobe_profile would; a hit on
 	 * this CPU meanwhile counts as missed. */
 	(void)regs;
-	unsigned long flags;
-	__asm__ volatile("pushfq; popq %0" : "=r"(flags));
-	int sleep = (flags & 0x200) != 0;	/* X86_EFLAGS_IF: the detour keeps the caller's */
+	unsigned long flags = kp_arch_local_save_flags();
+	int sleep = !kp_arch_irqs_disabled_flags(flags);	/* the detour keeps the caller's */
 	if (sleep) {
 		kp_platform_dispatch_end();
 		kp_kernel_may_sleep = 1;
