@@ -1,13 +1,15 @@
 """How the runtime is built and linked for a kernel image
 (runtime/platform/linux_kernel; link_runtime.py reads this): no signals, no GOT
 hooks; kretprobes the kernel's way, instances per task (kp_kretprobe_task.c, for
-kp_kretprobe.c); breakpoint sites through a hook on the kernel's
-kprobe_int3_handler().  Compiled as kernel code is (the arch's "kernel" flags),
-not position-independent: linked where it runs."""
+kp_kretprobe.c); breakpoint sites through a hook on the kernel's kprobe
+breakpoint handler (the arch's linux_kernel/kp_int3_hook.c).  Compiled as kernel
+code is (the arch's "kernel" flags), not position-independent: linked where it
+runs."""
 
 # C sources in link order ({arch}: runtime/arch/<arch>/, {platform}:
 # runtime/platform/<platform>/), then the .S files of the arch's folder and of
-# ARCH_FOLDERS.  The order decides where each function lands.
+# ARCH_FOLDERS.  The order decides where each function lands.  Every arch's
+# linux_kernel/ folder has a kp_int3_hook.c: its way into the kernel's #BP path.
 SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
            "{platform}/kp_kretprobe_task.c", "kp_fetch.c", "kp_trace.c",
            "{arch}/kp_int3.c", "{arch}/linux_kernel/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
@@ -16,7 +18,8 @@ SOURCES += ["{platform}/kp_trace_buffer.c"]
 
 # The arch's folders for this platform (runtime/arch/<arch>/<folder>): Linux's
 # ABI on the arch (the user signal frame the arch's trap code knows), and the
-# arch's half of a kernel image (its segments and return thunk for the .S entries).
+# arch's half of a kernel image (kp_arch_platform.h: per-CPU data, preemption,
+# interrupt flags; its segments and return thunk for the .S entries; the #BP hook).
 ARCH_FOLDERS = ["uapi", "linux_kernel"]
 
 # Flags for any arch; the arch adds its own for CODE (rewriter/arch/<arch>/toolchain.py).

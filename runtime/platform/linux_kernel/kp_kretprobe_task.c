@@ -13,8 +13,8 @@
  *   copy) calls a return hook first, with the stack pointer at the slot: the current
  *   task's instances recorded at that slot fire, newest first (several kretprobes on one
  *   function, or a tail call into another return-probed function, share the slot), with
- *   regs_return_value() the return value, regs->ip the return address and regs->sp the stack pointer
- *   after the return (kp_kretprobe_return(), kp_kretprobe_return_clean());
+ *   regs_return_value() the return value, regs->ip the return address and regs->sp the
+ *   stack pointer after the return (kp_kretprobe_return(), kp_kretprobe_return_clean());
  * - a tail call to a function whose returns are hooked leaves the instances for that
  *   function's exits (the same slot); a tail call to any other function swaps the
  *   slot for kp_kretprobe_trampoline (kp_kretprobe_tail_swap()), for that path only;

@@ -1,6 +1,6 @@
 """x86's int3 (#BP) paths hooked for breakpoint probes: the ftrace site of
 kprobe_int3_handler() and the direct calls of it in do_int3()/exc_int3(), and the early
-IDT's call of do_early_exception() (runtime/platform/linux_kernel/kp_int3_hook.c)."""
+IDT's call of do_early_exception() (runtime/arch/x86_64/linux_kernel/kp_int3_hook.c)."""
 from __future__ import annotations
 
 import struct
@@ -12,7 +12,7 @@ from ..symbols import kernel, symbol_at
 # The int3 hook: a `call kp_kernel_int3_entry` on kprobe_int3_handler()'s ftrace site, which
 # do_int3() calls first for every kernel-mode int3 (after text_poke_bp()'s): our breakpoint
 # sites are handled there and it returns 1, any other int3 goes on into the kernel's
-# kprobes, kgdb and notify_die().  Not a probe (runtime/platform/linux_kernel/kp_int3_hook.c
+# kprobes, kgdb and notify_die().  Not a probe (runtime/arch/x86_64/linux_kernel/kp_int3_hook.c
 # says why a call on this NOKPROBE function is safe); its __mcount_loc entry is dropped as an
 # ftrace-site probe's is.  Only written when the image has breakpoint sites.
 INT3_HOOK = ("kprobe_int3_handler", "kp_kernel_int3_entry")
