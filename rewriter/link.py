@@ -49,6 +49,7 @@ SECTIONS
   .rela.dyn : {{ __kp_rela_start = .; *(.rela.dyn) *(.rela.*) __kp_rela_end = .; }}
   {data}
   __kp_data_start = .;
+  {relro}
   .data : {{ *(.data .data.*) *(.data.rel.ro .data.rel.ro.*) *(.got) *(.got.plt) }}
   .bss : {{ *(.bss .bss.*) *(COMMON) }}
   __kp_data_end = .;
@@ -57,8 +58,14 @@ SECTIONS
   /DISCARD/ : {{ *(.note.*) *(.comment) *(.eh_frame*) *(_kprobe_blacklist) *(.interp) }}
 }}
 """
+# A PIE blob's data constant once the runtime has relocated itself (the probe sites,
+# their probe lists, the handler tables; .data..ro_after_init as the kernel names it),
+# first in the data and padded to a page: kp_relocate() makes it read-only.
+RELRO = ("  .data.rel.ro : {{ __kp_ro_start = .; *(.data..ro_after_init) *(.data.rel.ro .data.rel.ro.*) "
+         ". = ALIGN(0x1000); __kp_ro_end = .; }}")
 # Symbols the linker script defines.
-SCRIPT_SYMBOLS = frozenset({"__kp_rela_start", "__kp_rela_end", "__kp_data_start", "__kp_data_end"})
+SCRIPT_SYMBOLS = frozenset({"__kp_rela_start", "__kp_rela_end", "__kp_data_start", "__kp_data_end",
+                            "__kp_ro_start", "__kp_ro_end"})
 
 
 @dataclass
@@ -109,7 +116,8 @@ def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFO
     page after the code)."""
     ld = linker(arch or _arch_of(objs))
     script = workdir / "kp.ld"
-    text = LINKER_SCRIPT.format(text=text_addr, data=". = ALIGN(0x1000);" if data_addr is None else f". = {data_addr:#x};")
+    text = LINKER_SCRIPT.format(text=text_addr, data=". = ALIGN(0x1000);" if data_addr is None else f". = {data_addr:#x};",
+                                relro=RELRO.format() if pie(platform) else "")
     out = workdir / "blob.elf"
     if pie(platform):
         script.write_text(text)

@@ -51,8 +51,9 @@ def generate(c: Code, target, traces: dict) -> str:
     out += [f"  {{ {a:#x}UL, {b:#x}UL }}," for a, b in ips]
     out.append("};")
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
-    out.append(_kretprobes_c(c, traces, A))
-    out.append(c.arch.kprobe_xol.table_c(plan.sites))
+    relro = not getattr(target, "TABLES_AT_BOOT", False)     # read-only once relocated (link.RELRO)
+    out.append(_kretprobes_c(c, traces, A, relro))
+    out.append(c.arch.kprobe_xol.table_c(plan.sites, relro))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     out += _layout_asserts(c.arch.emit)
@@ -95,14 +96,15 @@ def _site_c(site, first: int, count: int, A) -> str:
 def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
     """kp_probes[], kp_sites[] and kp_site_probes[] as the runtime reads them."""
     plan = c.plan
-    out, decl = [], []
+    out, decl, fields = [], [], {}
     out.append(f"struct kprobe kp_probes[{max(1, len(plan.kprobes))}] = {{")
     for site, p in plan.kprobes:
-        f = _probe_fields(c, site, p, traces, decl)
+        f = fields[id(p)] = _probe_fields(c, site, p, traces, decl)
         out.append(_kprobe_c(site, p, f, A))
     out.append("};")
     out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
-    out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] = {{")
+    # Written only by the runtime's relocation, then read-only (link.RELRO).
+    out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] __attribute__((section(\".data..ro_after_init\"))) = {{")
     first = 0
     for site in plan.sites:
         out.append(_site_c(site, first, len(site.probes), A))
@@ -112,6 +114,13 @@ def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
     refs = ", ".join(f"&kp_kretprobes[{p.slot}].kp" if is_entry(p) else f"&kp_probes[{p.slot}]"
                      for site in plan.sites for p in site.probes) or "0"
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
+    # The handlers the dispatch calls, beside kp_site_probes[] (read-only once relocated:
+    # the struct kprobe fields are writable, and not called).
+    recs = ", ".join("{ kp_pre_handler_kretprobe, 0 }" if is_entry(p) else
+                     f"{{ {fields[id(p)]['pre']}, {fields[id(p)]['post']} }}"
+                     for site in plan.sites for p in site.probes) or "{ 0, 0 }"
+    out.append("int kp_pre_handler_kretprobe(struct kprobe *, struct pt_regs *);")
+    out.append(f"const struct kp_handler_rec kp_site_handlers[] = {{ {recs} }};")
     return decl + out
 
 
@@ -196,11 +205,14 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
     return decl + out
 
 
-def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL") -> str:
-    """struct kretprobe per placed kretprobe; rp->kp's hit slot follows the kprobes'."""
+def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL", ro_handlers: bool = False) -> str:
+    """struct kretprobe per placed kretprobe; rp->kp's hit slot follows the kprobes'.
+    ro_handlers: and kp_kret_handlers[], the {handler, entry_handler} the runtime calls
+    (read-only once relocated), by position."""
     link_sym, nk = c.handler_symbol, len(c.plan.kprobes)
     out = ["int kp_pre_handler_kretprobe(struct kprobe *, struct pt_regs *);",
            f"struct kretprobe kp_kretprobes[{max(1, len(c.plan.kretprobes))}] = {{"]
+    recs = []
     for site, p, g in c.plan.kretprobes:
         k = p.kret
         flags = ["KPROBE_FLAG_OPTIMIZED"] + (["KPROBE_FLAG_DISABLED"] if k.disabled else [])
@@ -209,6 +221,7 @@ def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL") -> str:
             h = f"kp_trace_ret_{trace_key(p)}"
             out.insert(0, f"int {h}(struct kretprobe_instance *, struct pt_regs *);")
         eh = f"(kretprobe_handler_t){link_sym[k.entry_handler]}" if k.entry_handler else "0"
+        recs.append(f"{{ {h}, {eh} }}")
         sym = c_string(p.symbol if (k.symbol_name or p.func) else None)
         out.append(f"  {{ .kp = {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {sym}, .offset = {p.offset}, "
                    f".pre_handler = kp_pre_handler_kretprobe, .flags = {'|'.join(flags)}, "
@@ -217,6 +230,8 @@ def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL") -> str:
                    f".kp_mode = {KRET_MODE[g.mode]}, .kp_ret_clean = {int(p.ret_clean)} }},")
     out.append("};")
     out.append(f"const unsigned int kp_nkretprobes = {len(c.plan.kretprobes)};")
+    if ro_handlers:
+        out.append(f"const struct kp_kret_handler_rec kp_kret_handlers[] = {{ {', '.join(recs) or '{ 0, 0 }'} }};")
     return "\n".join(out) + "\n"
 
 

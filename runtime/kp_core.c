@@ -39,6 +39,9 @@ static void kp_thread_table_init(void);
 
 struct kp_rela { unsigned long offset, info; long addend; };
 extern const struct kp_rela __kp_rela_start[], __kp_rela_end[];
+#ifndef KP_PLATFORM_NO_STARTUP
+extern char __kp_ro_start[], __kp_ro_end[];	/* the linker script's, page-aligned */
+#endif
 
 void kp_relocate(void)
 {
@@ -67,6 +70,11 @@ void kp_relocate(void)
 	}
 	kp_thread_table_init();
 	kp_kretprobe_relocate(bias);
+#ifndef KP_PLATFORM_NO_STARTUP
+	/* Sites, their probe lists and the handlers the dispatch calls: read-only from
+	 * now on (kp_internal.h, kp_site_handlers[]). */
+	kp_platform_protect_tables(__kp_ro_start, __kp_ro_end);
+#endif
 	kp_rt.armed = 1;
 	__atomic_store_n(&kp_rt.state, 2, __ATOMIC_RELEASE);
 	kp_update_fast();

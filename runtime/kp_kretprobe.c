@@ -214,7 +214,7 @@ static int kp_first_kretprobe_of_site(struct kprobe *p)
 	const struct kp_site *s = kp_site(p->site);
 	struct kprobe *const *pp = &kp_site_probes[s->first];
 	for (unsigned int i = 0; i < s->count && pp[i] != p; i++)
-		if (pp[i]->pre_handler == kp_pre_handler_kretprobe && !kprobe_disabled(pp[i]))
+		if (KP_PRE_HANDLER(s, pp, i) == kp_pre_handler_kretprobe && !kprobe_disabled(pp[i]))
 			return 0;
 	return 1;
 }
@@ -253,7 +253,7 @@ kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int ag
 	ri->ret_addr = (kprobe_opcode_t *)ret;
 	ri->kp_flags = rp->kp_mode == KP_KRET_TRAMPOLINE ? KP_RI_TRAMP : 0;
 	kt->stack[kt->depth++] = ri;
-	if (rp->entry_handler && rp->entry_handler(ri, regs)) {
+	if (KP_KRET_ENTRY_HANDLER(rp) && KP_KRET_ENTRY_HANDLER(rp)(ri, regs)) {
 		kt->depth--;
 		kp_ri_free(ri);
 		return;
@@ -307,7 +307,7 @@ void kp_kretprobe_enter_clean_slow(unsigned long site_index, unsigned long S)
 static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri, struct pt_regs *regs)
 {
 	struct kretprobe *rp = ri->rp;
-	if (rp->handler) {
+	if (KP_KRET_HANDLER(rp)) {
 		/* The slot swapped for the trampoline by a tail call through a pointer
 		 * (the caller's kretprobe is still pending there): the handler sees
 		 * the real return address, as the kernel's trampoline handler
@@ -316,7 +316,7 @@ static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri
 		if (unlikely(ip == TRAMP))
 			instruction_pointer_set(regs, (unsigned long)ri->ret_addr);
 		t->active = 1;
-		rp->handler(ri, regs);
+		KP_KRET_HANDLER(rp)(ri, regs);
 		t->active = 0;
 		if (unlikely(ip == TRAMP) && instruction_pointer(regs) == (unsigned long)ri->ret_addr)
 			instruction_pointer_set(regs, TRAMP);

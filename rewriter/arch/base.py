@@ -134,8 +134,9 @@ class KprobeXol(Protocol):
     def slot_code(self, x: Xol, site_index: int, with_post: bool, at: int, post_entry: int) -> bytes:
         """The slot's bytes (the copy, a post stub, the jump back)."""
 
-    def table_c(self, sites) -> str:
-        """The breakpoint sites' descriptor table, as C."""
+    def table_c(self, sites, ro_after_init: bool = False) -> str:
+        """The breakpoint sites' descriptor table, as C (ro_after_init: in the section the
+        runtime makes read-only once relocated, link.RELRO)."""
 
 
 class RetProbe(Protocol):

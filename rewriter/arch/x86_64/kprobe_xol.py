@@ -231,9 +231,11 @@ def int3_hash(addrs: list[int]) -> tuple[int, list[int]]:
     return bits, slots
 
 
-def table_c(sites) -> str:
+def table_c(sites, ro_after_init: bool = False) -> str:
     """The per-site descriptors, sorted by address, and the single-step slot ends (and the
-    span of the int3-ended ones' ends, which kp_int3_ss_end() checks before reading a slot)."""
+    span of the int3-ended ones' ends, which kp_int3_ss_end() checks before reading a slot).
+    ro_after_init: the descriptors (never written at run time) in the section the runtime
+    makes read-only once relocated (link.RELRO)."""
     rows, ss, ends = [], [], []
     for s in sites:
         x = s.xol
@@ -249,7 +251,8 @@ def table_c(sites) -> str:
                     f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook}, {int(s.with_post)}, "
                     f"{int(x.mode != EMULATE and not s.kret_hook)} }},")
     bits, slots = int3_hash([s.addr for s in sites if s.xol is not None])
-    out = [f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}] = {{", *rows, "};",
+    section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""
+    out = [f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
            f"const unsigned int kp_nint3 = {len(rows)};",
            f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
            f"const unsigned int kp_int3_hash[{len(slots)}] = {{ {', '.join(map(str, slots))} }};",

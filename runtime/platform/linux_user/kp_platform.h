@@ -60,6 +60,15 @@ extern const unsigned int kp_ngot_hooks;
 extern const unsigned long kp_relro_start, kp_relro_end;
 extern const unsigned long kp_plt_start, kp_plt_end;	/* link-time .plt/.plt.sec */
 
+/* The runtime's tables that are constant once it has relocated itself (the
+ * linker script's page-aligned [__kp_ro_start, __kp_ro_end)) made read-only,
+ * at the end of kp_relocate(): RELRO for the probe tables. */
+static inline void kp_platform_protect_tables(void *start, void *end)
+{
+	if (end > start)
+		kp_syscall3(__NR_mprotect, start, (char *)end - (char *)start, 1 /* PROT_READ */);
+}
+
 /* --- the current task, for trace lines --- */
 
 #define KP_TASK_COMM_LEN 16
