@@ -8,8 +8,14 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+from .errors import KprewriteError
 from .image import Function, Image
 from .spec import KprobeSpec, KretprobeSpec, Spec
+
+# At most this many probes (kprobes and kretprobes) in one output: far above every function of a
+# kernel probed twice (a distribution kernel has about 120,000), it refuses a spec whose globs would
+# expand to millions of probes on a crafted symbol table before any of them is planned.
+MAX_PROBES = 1_000_000
 
 
 def event_symbol(symbol: str) -> str:
@@ -79,17 +85,18 @@ def resolve(image: Image, spec: Spec, arch) -> tuple[list[Probe], list[str]]:
     probes: list[Probe] = []
     errors: list[str] = []
     for kp in spec.kprobes:
-        for args in _resolve_one(image, spec, arch, kp, errors):
+        for args in _resolve_one(image, spec, arch, kp, errors, len(probes)):
             probes.append(Probe(kp, len(probes), *args))
     for k in spec.kretprobes:
         kp = _entry_spec(k)
-        for args in _resolve_one(image, spec, arch, kp, errors):
+        for args in _resolve_one(image, spec, arch, kp, errors, len(probes)):
             probes.append(EntryProbe(kp, len(probes), *args, kret=k))
     return probes, errors
 
 
-def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[str]):
-    """(addr, function, symbol, offset, from_glob) of each probe one table asks for."""
+def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[str], before: int = 0):
+    """(addr, function, symbol, offset, from_glob) of each probe one table asks for;
+    `before` probes are already resolved (a glob bringing the total past MAX_PROBES is refused)."""
     where = f"{spec.path.name}: {kp.table}"
     if kp.is_glob:
         matched = []
@@ -99,6 +106,10 @@ def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[st
             if any(fnmatch.fnmatchcase(n, kp.symbol_name) for n in names) and f.start not in seen:
                 seen.add(f.start)
                 matched.append(f)
+        if before + len(matched) > MAX_PROBES:
+            raise KprewriteError(f"{where}: symbol_name '{kp.symbol_name}' matches {len(matched)} functions of "
+                                 f"{image.label}, which makes {before + len(matched)} probes, more than the "
+                                 f"{MAX_PROBES} kprewrite places in one output")
         if not matched:
             errors.append(f"{where}: symbol_name '{kp.symbol_name}' matches no function in {image.label}")
         for f in matched:
