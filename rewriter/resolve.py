@@ -84,32 +84,56 @@ def resolve(image: Image, spec: Spec, arch) -> tuple[list[Probe], list[str]]:
     the error lines (all of them, so every failing probe is named)."""
     probes: list[Probe] = []
     errors: list[str] = []
+    globs: dict[str, list[Function]] = {}
+    _count(image, spec, globs)
     for kp in spec.kprobes:
-        for args in _resolve_one(image, spec, arch, kp, errors, len(probes)):
+        for args in _resolve_one(image, spec, arch, kp, errors, globs):
             probes.append(Probe(kp, len(probes), *args))
     for k in spec.kretprobes:
         kp = _entry_spec(k)
-        for args in _resolve_one(image, spec, arch, kp, errors, len(probes)):
+        for args in _resolve_one(image, spec, arch, kp, errors, globs):
             probes.append(EntryProbe(kp, len(probes), *args, kret=k))
     return probes, errors
 
 
-def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[str], before: int = 0):
-    """(addr, function, symbol, offset, from_glob) of each probe one table asks for;
-    `before` probes are already resolved (a glob bringing the total past MAX_PROBES is refused)."""
-    where = f"{spec.path.name}: {kp.table}"
-    if kp.is_glob:
+def _glob(image: Image, pattern: str, globs: dict[str, list[Function]]) -> list[Function]:
+    """The functions a glob matches (one per address), cached in `globs`."""
+    matched = globs.get(pattern)
+    if matched is None:
         matched = []
         seen = set()
         for f in image.functions:
             names = [f.name] + f.aliases
-            if any(fnmatch.fnmatchcase(n, kp.symbol_name) for n in names) and f.start not in seen:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names) and f.start not in seen:
                 seen.add(f.start)
                 matched.append(f)
-        if before + len(matched) > MAX_PROBES:
-            raise KprewriteError(f"{where}: symbol_name '{kp.symbol_name}' matches {len(matched)} functions of "
-                                 f"{image.label}, which makes {before + len(matched)} probes, more than the "
+        globs[pattern] = matched
+    return matched
+
+
+def _count(image: Image, spec: Spec, globs: dict[str, list[Function]]) -> None:
+    """Refuse, before any probe is made, a spec asking for more than MAX_PROBES probes."""
+    total = 0
+    for kp in list(spec.kprobes) + list(spec.kretprobes):
+        if not kp.is_glob:
+            total += 1
+            continue
+        n = len(_glob(image, kp.symbol_name, globs))
+        total += n
+        if total > MAX_PROBES:
+            where = f"{spec.path.name}: {kp.table}"
+            raise KprewriteError(f"{where}: symbol_name '{kp.symbol_name}' matches {n} functions of "
+                                 f"{image.label}, which makes {total} probes, more than the "
                                  f"{MAX_PROBES} kprewrite places in one output")
+
+
+def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[str],
+                 globs: dict[str, list[Function]] | None = None):
+    """(addr, function, symbol, offset, from_glob) of each probe one table asks for
+    (a glob's matches cached in `globs`)."""
+    where = f"{spec.path.name}: {kp.table}"
+    if kp.is_glob:
+        matched = _glob(image, kp.symbol_name, {} if globs is None else globs)
         if not matched:
             errors.append(f"{where}: symbol_name '{kp.symbol_name}' matches no function in {image.label}")
         for f in matched:
