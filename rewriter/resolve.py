@@ -8,8 +8,14 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+from .errors import KprewriteError
 from .image import Function, Image
 from .spec import KprobeSpec, KretprobeSpec, Spec
+
+# At most this many probes (kprobes and kretprobes) in one output: far above every function of a
+# kernel probed twice (a distribution kernel has about 120,000), it refuses a spec whose globs would
+# expand to millions of probes on a crafted symbol table before any of them is planned.
+MAX_PROBES = 1_000_000
 
 
 def event_symbol(symbol: str) -> str:
@@ -78,27 +84,56 @@ def resolve(image: Image, spec: Spec, arch) -> tuple[list[Probe], list[str]]:
     the error lines (all of them, so every failing probe is named)."""
     probes: list[Probe] = []
     errors: list[str] = []
+    globs: dict[str, list[Function]] = {}
+    _count(image, spec, globs)
     for kp in spec.kprobes:
-        for args in _resolve_one(image, spec, arch, kp, errors):
+        for args in _resolve_one(image, spec, arch, kp, errors, globs):
             probes.append(Probe(kp, len(probes), *args))
     for k in spec.kretprobes:
         kp = _entry_spec(k)
-        for args in _resolve_one(image, spec, arch, kp, errors):
+        for args in _resolve_one(image, spec, arch, kp, errors, globs):
             probes.append(EntryProbe(kp, len(probes), *args, kret=k))
     return probes, errors
 
 
-def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[str]):
-    """(addr, function, symbol, offset, from_glob) of each probe one table asks for."""
-    where = f"{spec.path.name}: {kp.table}"
-    if kp.is_glob:
+def _glob(image: Image, pattern: str, globs: dict[str, list[Function]]) -> list[Function]:
+    """The functions a glob matches (one per address), cached in `globs`."""
+    matched = globs.get(pattern)
+    if matched is None:
         matched = []
         seen = set()
         for f in image.functions:
             names = [f.name] + f.aliases
-            if any(fnmatch.fnmatchcase(n, kp.symbol_name) for n in names) and f.start not in seen:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names) and f.start not in seen:
                 seen.add(f.start)
                 matched.append(f)
+        globs[pattern] = matched
+    return matched
+
+
+def _count(image: Image, spec: Spec, globs: dict[str, list[Function]]) -> None:
+    """Refuse, before any probe is made, a spec asking for more than MAX_PROBES probes."""
+    total = 0
+    for kp in list(spec.kprobes) + list(spec.kretprobes):
+        if not kp.is_glob:
+            total += 1
+            continue
+        n = len(_glob(image, kp.symbol_name, globs))
+        total += n
+        if total > MAX_PROBES:
+            where = f"{spec.path.name}: {kp.table}"
+            raise KprewriteError(f"{where}: symbol_name '{kp.symbol_name}' matches {n} functions of "
+                                 f"{image.label}, which makes {total} probes, more than the "
+                                 f"{MAX_PROBES} kprewrite places in one output")
+
+
+def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[str],
+                 globs: dict[str, list[Function]] | None = None):
+    """(addr, function, symbol, offset, from_glob) of each probe one table asks for
+    (a glob's matches cached in `globs`)."""
+    where = f"{spec.path.name}: {kp.table}"
+    if kp.is_glob:
+        matched = _glob(image, kp.symbol_name, {} if globs is None else globs)
         if not matched:
             errors.append(f"{where}: symbol_name '{kp.symbol_name}' matches no function in {image.label}")
         for f in matched:

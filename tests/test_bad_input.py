@@ -360,3 +360,31 @@ def test_bitfield_numbers_read_as_the_kernel_reads_them(tmp_path, prog):
     lines = _one_clean_line(kprewrite("check", prog, "--spec", bad, check=False),
                             "bad.toml: [[kprobe]] #1: fetch: column 12: Invalid bitfield")
     assert lines[1:] and all(l.startswith("kprewrite:  ") for l in lines[1:]), lines
+
+
+def test_lzo_bomb_leaves_no_open_pipe(tmp_path):
+    """Found by the fuzzer (tests/fuzz/test_fuzz_hostile.py): an LZO bzImage decompressing past
+    its trailer's size killed lzop but left its stderr pipe open (a ResourceWarning line on
+    standard error under -W default)."""
+    import shutil
+    import struct
+    import subprocess
+    import sys
+    if not shutil.which("lzop"):
+        pytest.skip("lzop not installed (Debian package lzop)")
+    stream = subprocess.run(["lzop", "-1", "-c", "-q"], input=bytes(4 << 20), capture_output=True, check=True).stdout
+    payload = stream + struct.pack("<I", 4096)
+    setup = bytearray(1024)
+    setup[0x1F1] = 1
+    setup[0x1FE:0x200] = b"\x55\xaa"
+    setup[0x202:0x206] = b"HdrS"
+    struct.pack_into("<H", setup, 0x206, 0x020F)
+    struct.pack_into("<II", setup, 0x248, 0x40, len(payload))
+    img = tmp_path / "bzImage"
+    img.write_bytes(bytes(setup) + b"\x90" * 0x40 + payload + bytes(16))
+    from conftest import KPREWRITE, TREE_ENV
+    r = subprocess.run([sys.executable, "-W", "default", *KPREWRITE[1:], "list", str(img)], capture_output=True,
+                       text=True, env=TREE_ENV)
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [f"kprewrite: {img}: truncated or corrupt lzo payload: it decompresses to more "
+                                     "than 4096 bytes, its trailer says 4096 (a decompression bomb, or a wrong trailer)"]

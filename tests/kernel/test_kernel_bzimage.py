@@ -222,7 +222,7 @@ def test_wrong_size_trailer(tmp_path):
     compressed[-4:] = struct.pack("<I", 12345)
     path = tmp_path / "bzImage"
     path.write_bytes(make_bzimage(bytes(compressed)))
-    with pytest.raises(KprewriteError, match=r"decompresses to \d+ bytes, its trailer says 12345$"):
+    with pytest.raises(KprewriteError, match=r"decompresses to (more than )?\d+ bytes, its trailer says 12345"):
         bzimage.read(path)
 
 

@@ -53,6 +53,17 @@ from .elfview import ElfView, SHF_ALLOC, SHF_EXECINSTR, SHT_NOBITS
 _DIGITS = b"0\x001\x002\x003\x004\x005\x006\x007\x008\x009\x00"
 TEXT_TYPES = frozenset("tTwW")
 
+# Bounds on the search, so that a crafted image costs seconds, not hours (a real kernel's tables
+# are found at the first candidate: one token table, one symbol count, one parse of its names):
+MAX_SYMS = 4_000_000            # a kallsyms_num_syms above this is not one
+MAX_TOKEN_CANDIDATES = 4096     # "0\0 1\0 ... 9\0" anchors tried, per section
+MAX_NAMES_SPAN = 64 << 20       # bytes before the token table searched for kallsyms_num_syms
+MAX_NAMES_PARSED = MAX_SYMS       # name entries parsed in all, over every candidate symbol count
+
+
+class _Budget(Exception):
+    """The search for the tables passed one of the bounds above."""
+
 
 @dataclass(frozen=True)
 class KSym:
@@ -137,7 +148,11 @@ def _cstrings(data: bytes, pos: int, count: int, limit: int):
 def _find_tokens(data: bytes, lo: int, hi: int):
     """(token_table offset, token_index offset, tokens) in data[lo:hi], or None."""
     p = data.find(_DIGITS, lo, hi)
+    tried = 0
     while p >= 0:
+        tried += 1
+        if tried > MAX_TOKEN_CANDIDATES:
+            raise _Budget(f"more than {MAX_TOKEN_CANDIDATES} candidate kallsyms token tables")
         rest, e = _cstrings(data, p, 256 - 0x30, hi)
         if rest is not None:
             for t in range(e, min(e + 16, hi - 512)):
@@ -158,8 +173,9 @@ def _find_tokens(data: bytes, lo: int, hi: int):
     return None
 
 
-def _parse_names(data: bytes, pos: int, count: int, limit: int):
-    """(entry list of (offset, length), marker offsets, end) or None if it overruns."""
+def _parse_names(data: bytes, pos: int, count: int, limit: int, budget: list[int]):
+    """(entry list of (offset, length), marker offsets, end) or None if it overruns;
+    `budget` is a one-item list of names left to parse (raises _Budget past it)."""
     entries = []
     markers = []
     start = pos
@@ -167,6 +183,9 @@ def _parse_names(data: bytes, pos: int, count: int, limit: int):
     for i in range(count):
         if not i & 0xFF:
             markers.append(pos - start)
+            budget[0] -= 256
+            if budget[0] < 0:
+                raise _Budget(f"more than {MAX_NAMES_PARSED} kallsyms names parsed in candidate tables")
         if pos >= limit:
             return None
         n = data[pos]
@@ -193,15 +212,18 @@ def _plausible_type(tokens, data, pos) -> bool:
 
 
 def _find_names(data: bytes, tokens, lo: int, table: int):
-    """Locate num_syms/names/markers before the token table (offset `table`)."""
+    """Locate num_syms/names/markers before the token table (offset `table`), at most
+    MAX_NAMES_SPAN bytes before it, parsing at most MAX_NAMES_PARSED names in all."""
     top = table - 8 - 512  # at least a little room for names
     x = (top // 8) * 8
+    lo = max(lo, table - MAX_NAMES_SPAN)
+    budget = [MAX_NAMES_PARSED]
     while x >= lo:
         v, pad = struct.unpack_from("<II", data, x)
-        if pad == 0 and 256 <= v <= 4_000_000 and x + 8 + 2 * v <= table:
+        if pad == 0 and 256 <= v <= MAX_SYMS and x + 8 + 2 * v <= table:
             n = x + 8
             if _plausible_type(tokens, data, n + (2 if data[n] & 0x80 else 1)):
-                parsed = _parse_names(data, n, v, table)
+                parsed = _parse_names(data, n, v, table, budget)
                 if parsed is not None:
                     entries, marks, end = parsed
                     for a in (8, 4):
@@ -240,11 +262,15 @@ def read_kallsyms(data: bytes, path: str = "vmlinux", elf: ElfView | None = None
     found = None
     for sec in regions:
         lo, hi = sec.offset, sec.offset + sec.size
-        tok = _find_tokens(data, lo, hi)
-        if tok is None:
-            continue
-        table, index, tokens = tok
-        nm = _find_names(data, tokens, lo, table)
+        try:
+            tok = _find_tokens(data, lo, hi)
+            if tok is None:
+                continue
+            table, index, tokens = tok
+            nm = _find_names(data, tokens, lo, table)
+        except _Budget as e:
+            raise KprewriteError(f"{path}: no kallsyms tables found in {sec.name or 'a section'}: {e} "
+                                 f"(a crafted image?); give its symbols with --system-map")
         if nm is None:
             continue
         found = (sec, table, index, tokens, nm)

@@ -223,98 +223,149 @@ def detect_compressor(payload: bytes) -> str | None:
 
 
 # --- decompressors: each returns (output, input bytes consumed) or raises _Corrupt -----------------
+#
+# Bounded: each is given `limit`, the size the payload's trailer claims (itself at most
+# MAX_DECOMPRESSED), and stops as soon as its output passes it (raising _TooBig), so a
+# decompression bomb costs at most `limit` bytes of memory and the time to make them.
+
+MAX_DECOMPRESSED = 512 << 20   # a decompressed kernel (vmlinux + relocs) larger than this is refused
+_ZSTD_FEED = 1024              # zstd input fed per call: at most 1 KiB * 32768 (RLE blocks) of output past limit
+
 
 class _Corrupt(Exception):
     pass
 
 
-def _gzip(p: bytes) -> tuple[bytes, int]:
-    d = zlib.decompressobj(wbits=31)
+class _TooBig(Exception):
+    pass
+
+
+def _bounded(d, p: bytes, limit: int, what: str, errors) -> tuple[bytes, int]:
+    """A zlib/lzma/bz2 decompressor object's output for p, at most limit bytes."""
     try:
-        out = d.decompress(p)
-    except zlib.error as e:
+        out = d.decompress(p, limit + 1)
+    except errors as e:
         raise _Corrupt(str(e))
+    if len(out) > limit:
+        raise _TooBig()
     if not d.eof:
-        raise _Corrupt("the gzip stream ends early")
+        raise _Corrupt(f"the {what} ends early")
     return out, len(p) - len(d.unused_data)
+
+
+def _gzip(p: bytes, limit: int) -> tuple[bytes, int]:
+    return _bounded(zlib.decompressobj(wbits=31), p, limit, "gzip stream", zlib.error)
 
 
 def _lzma_family(fmt: int):
-    def dec(p: bytes) -> tuple[bytes, int]:
-        d = lzma.LZMADecompressor(format=fmt)
-        try:
-            out = d.decompress(p)
-        except lzma.LZMAError as e:
-            raise _Corrupt(str(e))
-        if not d.eof:
-            raise _Corrupt("the stream ends early")
-        return out, len(p) - len(d.unused_data)
+    def dec(p: bytes, limit: int) -> tuple[bytes, int]:
+        return _bounded(lzma.LZMADecompressor(format=fmt), p, limit, "stream", lzma.LZMAError)
     return dec
 
 
-def _bzip2(p: bytes) -> tuple[bytes, int]:
-    d = bz2.BZ2Decompressor()
-    try:
-        out = d.decompress(p)
-    except (OSError, ValueError) as e:
-        raise _Corrupt(str(e))
-    if not d.eof:
-        raise _Corrupt("the bzip2 stream ends early")
-    return out, len(p) - len(d.unused_data)
+def _bzip2(p: bytes, limit: int) -> tuple[bytes, int]:
+    return _bounded(bz2.BZ2Decompressor(), p, limit, "bzip2 stream", (OSError, ValueError))
 
 
-def _zstd(p: bytes) -> tuple[bytes, int]:
+def _zstd(p: bytes, limit: int) -> tuple[bytes, int]:
     zstandard = _need("zstandard", "a zstd", "zstandard")
     d = zstandard.ZstdDecompressor().decompressobj()
+    out = bytearray()
+    pos = 0
     try:
-        out = d.decompress(p)
+        while pos < len(p) and not d.eof:       # fed in small pieces: its decompress() has no max_length
+            out += d.decompress(p[pos:pos + _ZSTD_FEED])
+            pos += _ZSTD_FEED
+            if len(out) > limit:
+                raise _TooBig()
     except zstandard.ZstdError as e:
         raise _Corrupt(str(e))
     if not d.eof:
         raise _Corrupt("the zstd frame ends early")
-    return out, len(p) - len(d.unused_data)
+    return bytes(out), min(pos, len(p)) - len(d.unused_data)
 
 
-def _lz4_legacy(p: bytes) -> tuple[bytes, int]:
+def _lz4_legacy(p: bytes, limit: int) -> tuple[bytes, int]:
     """The LZ4 legacy frame (``lz4 -l``), as lib/decompress_unlz4.c reads it: the magic, then
     blocks, each a 4-byte little-endian compressed size and an LZ4 block of at most 8 MiB;
     another magic may start a new frame.  Ends where no whole block follows (the kernel's
     appended size, or the end)."""
     lz4_block = _need("lz4.block", "an LZ4", "lz4")
-    out = []
+    out = bytearray()
+    blocks = 0
     pos = 4
     while pos + 4 <= len(p):
         size = struct.unpack_from("<I", p, pos)[0]
         if size == LZ4_LEGACY_MAGIC:
             pos += 4
             continue
-        if out and pos == len(p) - 4:
+        if blocks and pos == len(p) - 4:
             break                               # the 4-byte uncompressed size after the last block
         if size > LZ4_BOUND:
             raise _Corrupt(f"LZ4 block at payload offset {pos} claims {size} bytes (at most {LZ4_BOUND})")
         if pos + 4 + size > len(p):
             raise _Corrupt(f"LZ4 block at payload offset {pos} needs {size} bytes, {len(p) - pos - 4} remain")
         try:
-            out.append(lz4_block.decompress(p[pos + 4:pos + 4 + size], uncompressed_size=LZ4_LEGACY_BLOCK))
+            out += lz4_block.decompress(p[pos + 4:pos + 4 + size], uncompressed_size=LZ4_LEGACY_BLOCK)
         except lz4_block.LZ4BlockError as e:
             raise _Corrupt(f"LZ4 block at payload offset {pos}: {e}")
+        blocks += 1
+        if len(out) > limit:
+            raise _TooBig()
         pos += 4 + size
-    if not out:
+    if not blocks:
         raise _Corrupt("no LZ4 block")
-    return b"".join(out), pos
+    return bytes(out), pos
 
 
-def _lzo(p: bytes) -> tuple[bytes, int]:
+def _lzo(p: bytes, limit: int) -> tuple[bytes, int]:
     """lzop's file format, through the lzop program (LZO kernels are rare; no maintained
-    Python binding ships wheels)."""
+    Python binding ships wheels); its output read as it comes, and the program killed
+    once it passes limit."""
+    import threading
     lzop = shutil.which("lzop")
     if not lzop:
         raise _Missing("an LZO payload needs the lzop program (Debian package lzop)")
-    r = subprocess.run([lzop, "-d", "-c", "-q"], input=p[:-4], capture_output=True)
-    if r.returncode != 0:
-        msg = r.stderr.decode(errors="replace").strip().splitlines()
-        raise _Corrupt(f"lzop: {msg[-1] if msg else 'exit ' + str(r.returncode)}")
-    return r.stdout, len(p) - 4
+    proc = subprocess.Popen([lzop, "-d", "-c", "-q"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+    def feed():
+        try:
+            proc.stdin.write(p[:-4])
+        except OSError:                         # lzop stopped reading (an error, or killed)
+            pass
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+    errs = []
+    threads = [threading.Thread(target=feed, daemon=True),
+               threading.Thread(target=lambda: errs.append(proc.stderr.read()), daemon=True)]
+    for t in threads:
+        t.start()
+    out = bytearray()
+    too_big = False
+    while True:
+        chunk = proc.stdout.read1(1 << 20)
+        if not chunk:
+            break
+        out += chunk
+        if len(out) > limit:
+            too_big = True
+            proc.kill()
+            break
+    proc.stdout.close()
+    code = proc.wait()
+    for t in threads:
+        t.join()
+    proc.stderr.close()
+    if too_big:
+        raise _TooBig()
+    if code != 0:
+        msg = b"".join(errs).decode(errors="replace").strip().splitlines()
+        raise _Corrupt(f"lzop: {msg[-1] if msg else 'exit ' + str(code)}")
+    return bytes(out), len(p) - 4
 
 
 class _Missing(Exception):
@@ -341,21 +392,28 @@ DECOMPRESSORS = {
 
 
 def decompress_payload(payload: bytes, path: str = "<bzImage>") -> tuple[str, bytes]:
-    """(compressor, decompressed bytes) of a kernel payload; checks the size it ends with."""
+    """(compressor, decompressed bytes) of a kernel payload; checks the size it ends with,
+    and decompresses no further than that size (at most MAX_DECOMPRESSED)."""
     name = detect_compressor(payload)
     if name is None:
         raise KprewriteError(f"{path}: unsupported payload compressor (magic {payload[:4].hex(' ')}; "
                              f"known: {', '.join(COMPRESSORS)})")
     if len(payload) < 8:
         raise KprewriteError(f"{path}: truncated {name} payload ({len(payload)} bytes)")
+    expect = struct.unpack_from("<I", payload, len(payload) - 4)[0]
+    if expect > MAX_DECOMPRESSED:
+        raise KprewriteError(f"{path}: truncated or corrupt {name} payload: its trailer says it decompresses to {expect} bytes, more than "
+                             f"the {MAX_DECOMPRESSED >> 20} MiB kprewrite reads (a decompression bomb, or not a kernel)")
     try:
-        out, used = DECOMPRESSORS[name](payload)
+        out, used = DECOMPRESSORS[name](payload, expect)
     except _Missing as e:
         raise KprewriteError(f"{path}: {e}")
     except _Corrupt as e:
         raise KprewriteError(f"{path}: truncated or corrupt {name} payload: {e}")
-    expect = struct.unpack_from("<I", payload, len(payload) - 4)[0]
-    if len(out) & 0xFFFFFFFF != expect:
+    except _TooBig:
+        raise KprewriteError(f"{path}: truncated or corrupt {name} payload: it decompresses to more than {expect} "
+                             f"bytes, its trailer says {expect} (a decompression bomb, or a wrong trailer)")
+    if len(out) != expect:
         raise KprewriteError(f"{path}: truncated or corrupt {name} payload: it decompresses to {len(out)} bytes, "
                              f"its trailer says {expect}")
     return name, out
