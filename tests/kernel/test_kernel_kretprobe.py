@@ -72,6 +72,7 @@ cat {FALLBACK_PATH} 2> /dev/null
 dd if=/kp-read-marker of=/dev/null bs={READ_COUNT} count=1 2> /dev/null
 grep '  r  ' /sys/kernel/debug/kprewrite/list | while read -r l; do echo "kp-dbg-list: $l" > /dev/kmsg; done
 grep '^  r_' /sys/kernel/debug/kprewrite/profile | while read -r l; do echo "kp-dbg-profile: $l" > /dev/kmsg; done
+for f in /sys/kernel/debug/kprewrite/*; do echo "kp-dbg-mode: $(stat -c '%n %a' $f)" > /dev/kmsg; done
 echo {DONE_MARKER}
 sleep 1
 """
@@ -374,6 +375,11 @@ def test_debugfs_views_list_the_kretprobes(kret_boot, kret):
                                   if "] kp-dbg-profile: " in l)}
     assert {"r_kernel_clone_0", "r_kernel_wait4_0", "r_hrtimer_nanosleep_0", "r_do_nanosleep_0"} <= set(rows), rows
     assert rows["r_hrtimer_nanosleep_0"][1] == str(SLEEPERS - 1), rows
+    # The kernel's own modes (kernel/kprobes.c, tracefs' kprobe_profile): list 0400, enabled 0600,
+    # profile 0440.
+    modes = dict(l.split("kp-dbg-mode: ", 1)[1].split() for l in r.lines() if "] kp-dbg-mode: " in l)
+    assert modes == {"/sys/kernel/debug/kprewrite/list": "400", "/sys/kernel/debug/kprewrite/enabled": "600",
+                     "/sys/kernel/debug/kprewrite/profile": "440"}, modes
 
 
 def test_kretprobe_example_on_kernel_clone(kret_boot):

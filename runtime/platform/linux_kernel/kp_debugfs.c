@@ -262,9 +262,11 @@ int kp_kernel_debugfs(struct kprobe *p, struct pt_regs *regs)
 	 * calls, as the caller can (a nested hit on this CPU counts as missed). */
 	kp_platform_dispatch_end();
 	struct dentry *d = debugfs_create_dir("kprewrite", 0);
-	debugfs_create_file("list", 0444, d, 0, kp_fops(0, (void *)kp_list_read, 0));
+	/* The kernel's modes: kprobes/list 0400 and enabled 0600 (kernel/kprobes.c: the
+	 * list shows kernel addresses), kprobe_profile TRACE_MODE_READ (0440). */
+	debugfs_create_file("list", 0400, d, 0, kp_fops(0, (void *)kp_list_read, 0));
 	debugfs_create_file("enabled", 0600, d, 0, kp_fops(1, (void *)kp_enabled_read, (void *)kp_enabled_write));
-	debugfs_create_file("profile", 0444, d, 0, kp_fops(2, (void *)kp_profile_read, 0));
+	debugfs_create_file("profile", 0440, d, 0, kp_fops(2, (void *)kp_profile_read, 0));
 	kp_platform_dispatch_begin();
 	return 0;
 }
