@@ -78,6 +78,7 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 
 static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
 {
+	kp_arch_signal_entry();
 	/* si_code > 0: raised by the CPU (SI_KERNEL for int3, TRAP_TRACE or,
 	 * under QEMU, TRAP_BRKPT for the single-step); <= 0: sent by a process. */
 	if (info->si_code > 0 && kp_arch_int3_trap(uc))

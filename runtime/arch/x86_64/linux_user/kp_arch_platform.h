@@ -27,6 +27,11 @@ static inline long kp_syscall6(long n, long a, long b, long c, long d, long e, l
 #define kp_sys_open(path, flags, mode) kp_syscall3(__NR_open, path, flags, mode)
 
 /* The thread pointer: %fs:0 is the TCB's self pointer in glibc and musl. */
+/* On entry to a signal handler: the state the ABI promises C code.  Linux clears DF
+ * when it delivers a signal; qemu-user does not, and a breakpoint probe hit between a
+ * program's `std` and `cld` would run the handlers' string instructions backwards. */
+#define kp_arch_signal_entry() __asm__ volatile("cld" ::: "memory")
+
 static inline unsigned long kp_arch_thread_pointer(void)
 {
 	unsigned long tp;
