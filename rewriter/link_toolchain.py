@@ -1,7 +1,6 @@
 """The C compiler and linker for an image's arch: the GNU toolchain named by the
-arch's target triple (rewriter/arch/<arch>/toolchain.py: x86_64-linux-gnu-gcc,
-x86_64-linux-gnu-ld) when installed, else plain gcc and ld when the host is that
-arch; $CC overrides the compiler.  Handlers, tables and the runtime are compiled
+arch's target triple (rewriter/arch/<arch>/toolchain.py: TRIPLE-gcc, TRIPLE-ld)
+when installed, else plain gcc and ld when the host is that arch; $CC overrides the compiler.  Handlers, tables and the runtime are compiled
 for the image, never for the host."""
 from __future__ import annotations
 

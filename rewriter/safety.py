@@ -1,5 +1,5 @@
 """The safety rules: every check that keeps a rewritten program correct, the
-kernel's (kernel/kprobes.c, arch/x86/kernel/kprobes/) and kprewrite's own, with
+kernel's (kernel/kprobes.c and its arch/*/kernel/kprobes/) and kprewrite's own, with
 where each lives and the test whose program breaks without it.
 
 Each rule with a switch is consulted at its check as `safety.enabled("name")`.
@@ -33,7 +33,8 @@ KERNEL, OURS = "kernel", "ours"
 class Rule:
     name: str
     description: str          # one line
-    where: str                # "module:function" (module under rewriter/) holding the check
+    where: str                # "module:function" holding the check: a module under rewriter/, or
+                              # "<arch>.module" under each back end, rewriter/arch/<arch>/
     origin: str               # KERNEL (the kernel's own rule) or OURS (kprewrite's, beyond the kernel)
     test: str | None = None   # tests/test_safety_rules.py's test whose program breaks with the rule off
     breaks: str = ""          # what that program does with the rule off
@@ -45,34 +46,34 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     # --- the kernel's -------------------------------------------------------------------------
     Rule("can_optimize",
          "a detoured region lies inside one function and passes every check below (opt.c can_optimize())",
-         "arch.x86_64.optprobe:can_optimize", KERNEL, switch=False,
+         "<arch>.optprobe:can_optimize", KERNEL, switch=False,
          unproven="an umbrella: its parts are the rules function_bounds, jump_into_region, indirect_jump, "
                   "boostable, call_in_region, direction_flag and rsp_relative_call, each proven on its own"),
     Rule("jump_into_region",
          "no known jump target (the JTPR) lies inside a region after its first byte",
-         "arch.x86_64.optprobe:can_optimize", KERNEL, "test_jump_into_region",
+         "<arch>.optprobe:can_optimize", KERNEL, "test_jump_into_region",
          "a loop's backward branch lands inside the probe's 5-byte jump: SIGSEGV or SIGILL"),
     Rule("indirect_jump",
          "a function with an indirect jump whose targets are not all known is not jump-optimized "
          "where the jump may land inside the region (insn_is_indirect_jump())",
-         "arch.x86_64.optprobe:can_optimize", KERNEL, "test_indirect_jump",
+         "<arch>.optprobe:can_optimize", KERNEL, "test_indirect_jump",
          "a computed jump lands inside the probe's 5-byte jump: SIGSEGV or SIGILL"),
     Rule("function_bounds",
          "a region stays inside its function, or runs on only into padding after it that nothing "
          "names (opt.c: the region inside one function)",
-         "arch.x86_64.optprobe:can_optimize", KERNEL, switch=False,
+         "<arch>.optprobe:can_optimize", KERNEL, switch=False,
          unproven="switched off, it broke nothing: the next function's start is a known jump target "
                   "(its symbol, its callers, a pointer to it), so jump_into_region refuses the same "
                   "region; it stands alone only for code nothing names, which no program reaches"),
     Rule("call_in_region",
          "a call in a region is its last instruction (the kernel takes none): a call inside would "
          "return into the jump's bytes",
-         "arch.x86_64.optprobe:copy_region", OURS, "test_call_in_region",
+         "<arch>.optprobe:copy_region", OURS, "test_call_in_region",
          "`call *%rax` 2 bytes into the region returns into the middle of the 5-byte jump: SIGSEGV"),
     Rule("boostable",
          "every instruction of a region is boostable (can_boost()) or relocatable: a copy behaves "
          "the same at another address followed by more code",
-         "arch.x86_64.optprobe:copy_region", KERNEL, "test_boostable",
+         "<arch>.optprobe:copy_region", KERNEL, "test_boostable",
          "a copied `loop rel8` jumps relative to the detour: SIGSEGV or garbage"),
     Rule("can_probe",
          "no probe on an instruction the kernel cannot probe (int3, ud2, int n...: can_probe())",
@@ -96,7 +97,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("red_zone",
          "a light detour keeps registers in the red zone below %rsp only at a function's entry, "
          "never in its middle nor in a .cold part, where the function may be using it",
-         "arch.x86_64.optprobe:red_zone_free_at", OURS, "test_red_zone",
+         "<arch>.optprobe:red_zone_free_at", OURS, "test_red_zone",
          "a leaf keeping data at -8(%rsp) across the probe reads the detour's saved %rax: wrong sum"),
     Rule("lsda_landing_pads",
          "C++ landing pads (the LSDA's call-site table) are known jump targets",
@@ -105,11 +106,11 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("jump_table_bounds",
          "a jump table's entries are trusted as its jump's only targets only when its index is "
          "bounded on every path to the jump",
-         "arch.x86_64.jumptable:_bound", OURS, "test_jump_table_bounds",
+         "<arch>.jumptable:_bound", OURS, "test_jump_table_bounds",
          "an entry past the bound of one path is no known target, and a region covers it: SIGSEGV"),
     Rule("return_regions",
          "a return hook's region (grown backwards from a ret) holds no jump target but at its start",
-         "arch.x86_64.retprobe:exit_region", OURS, "test_return_regions",
+         "<arch>.retprobe:exit_region", OURS, "test_return_regions",
          "a branch to the ret lands inside the return hook's 5-byte jump: SIGSEGV or SIGILL"),
     Rule("cold_parts",
          "no kretprobe on a .cold part: it is entered by a jump with its parent's frame live, "
@@ -119,12 +120,12 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("rsp_relative_call",
          "a region does not end with a call through %rsp or an %rsp-relative operand (the detour "
          "pushes the return address before the emulated call reads it)",
-         "arch.x86_64.optprobe:_indirect_call_relocatable", OURS, "test_rsp_relative_call",
+         "<arch>.optprobe:_indirect_call_relocatable", OURS, "test_rsp_relative_call",
          "the copied `call *8(%rsp)` reads one slot off: SIGSEGV"),
     Rule("direction_flag",
          "a function that sets DF (std) is not jump-optimized: the detour runs C code, which the ABI "
          "lets assume DF = 0",
-         "arch.x86_64.optprobe:can_optimize", OURS, "test_direction_flag",
+         "<arch>.optprobe:can_optimize", OURS, "test_direction_flag",
          "the handler's `rep stos` runs backwards and tramples the stack: SIGSEGV or wrong output"),
     Rule("shared_regions",
          "a probe shares a head's region only at one of its instruction boundaries and, with a "
@@ -141,7 +142,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("eviction",
          "an evicted neighbour's region holds no exit of its function (no ret, no indirect or "
          "outward jump): a kretprobe's return hook could not see it run in the copy",
-         "arch.x86_64.optprobe:can_evict", OURS, "test_eviction",
+         "<arch>.optprobe:can_evict", OURS, "test_eviction",
          "a kretprobe'd neighbour's ret runs in the evicted copy (its return hook, an int3 at the "
          "ret, lies under the probe's jump): the return handler never runs, or SIGSEGV"),
     Rule("retargeting",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KPREWRITE, ROOT, TREE_ENV, attributed, cc, instrument, probe_spec, run, symbols, write_spec
+from conftest import ARCH, KPREWRITE, ROOT, TREE_ENV, attributed, cc, instrument, probe_spec, run, symbols, write_spec
 
 from rewriter import safety
 
@@ -644,8 +644,9 @@ def test_direction_flag(built, runner):
 # --- the registry -------------------------------------------------------------------------------
 
 def _function(where: str):
+    """The function a rule's `where` names ("<arch>." stands for the back end under test)."""
     module, _, name = where.partition(":")
-    obj = importlib.import_module(f"rewriter.{module}")
+    obj = importlib.import_module("rewriter." + module.replace("<arch>", f"arch.{ARCH}"))
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
