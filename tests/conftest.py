@@ -180,6 +180,20 @@ def probe_spec(kind: str, targets, handlers: bool = True, extra: str = "", **key
     return "\n".join(out) + "\n" + extra
 
 
+# --- inputs for the bzImage readers ---------------------------------------------------------------
+
+def make_bzimage(payload: bytes) -> bytes:
+    """A minimal bzImage (tests/test_hostile_input.py, tests/fuzz): a boot sector with a 2.15 setup header, one setup sector, then the payload."""
+    setup = bytearray(2 * 512)
+    setup[0x1F1] = 1
+    setup[0x1FE:0x200] = b"\x55\xaa"
+    setup[0x202:0x206] = b"HdrS"
+    struct.pack_into("<H", setup, 0x206, 0x020F)
+    setup[0x211] = 0x01
+    struct.pack_into("<II", setup, 0x248, 0x40, len(payload))
+    return bytes(setup) + b"\x90" * 0x40 + payload + b"\0" * 16
+
+
 # --- running -------------------------------------------------------------------------------------
 
 def run(binary: Path, *args, runner="native", env=None, libdir: Path | None = None,

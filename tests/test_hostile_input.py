@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TREE_ENV, cc
+from conftest import TREE_ENV, cc, make_bzimage
 
 from rewriter.resolve import MAX_PROBES
 from rewriter.targets.linux_kernel.x86_64 import bzimage
@@ -118,18 +118,6 @@ STREAMS = {     # each compressor's stream of BOMB zero bytes, without the kerne
     "bzip2": lambda _: _stream(bz2.BZ2Compressor(9)),
     "lzo": _lzo,
 }
-
-
-def make_bzimage(payload: bytes) -> bytes:
-    """The setup header bzimage.py reads (boot protocol 2.15), one setup sector, the payload."""
-    setup = bytearray(2 * 512)
-    setup[0x1F1] = 1
-    setup[0x1FE:0x200] = b"\x55\xaa"
-    setup[0x202:0x206] = b"HdrS"
-    struct.pack_into("<H", setup, 0x206, 0x020F)
-    setup[0x211] = 0x01
-    struct.pack_into("<II", setup, 0x248, 0x40, len(payload))
-    return bytes(setup) + b"\x90" * 0x40 + payload + b"\0" * 16
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
+from conftest import make_bzimage
 from harness import count, fuzz_settings, run_case
 
 from rewriter.targets.linux_kernel.x86_64 import bzimage
@@ -52,18 +53,6 @@ COMPRESS = {     # the stream alone; the case appends its trailer (the kernel's 
     "bzip2": lambda d: bz2.compress(d, 9),
     "lzo": _lzo,
 }
-
-
-def make_bzimage(payload: bytes) -> bytes:
-    """A boot sector with a 2.15 setup header, one setup sector, then the payload."""
-    setup = bytearray(2 * 512)
-    setup[0x1F1] = 1
-    setup[0x1FE:0x200] = b"\x55\xaa"
-    setup[0x202:0x206] = b"HdrS"
-    struct.pack_into("<H", setup, 0x206, 0x020F)
-    setup[0x211] = 0x01
-    struct.pack_into("<II", setup, 0x248, 0x40, len(payload))
-    return bytes(setup) + b"\x90" * 0x40 + payload + b"\0" * 16
 
 
 @pytest.fixture(scope="module")
