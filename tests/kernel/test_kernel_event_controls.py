@@ -13,7 +13,9 @@ trigger, format, hist and id.  One rewrite of Debian's vmlinuz and one boot (-sm
   __data_loc `comm` field with a numeric condition;
 - an instance (instances/kp): the event enabled there only writes there;
 - `trigger`: `hist:keys=off` counts 3 and 9, and its total equals kprobe_profile's hits of the
-  probe over the same calls (debugfs kprewrite/profile, read before and after).
+  probe over the same calls (debugfs kprewrite/profile, read before and after);
+- not a dynamic event: kprobe_events does not list it, and a tracefs kprobe event of the same
+  name is refused.
 """
 from __future__ import annotations
 
@@ -97,6 +99,8 @@ echo 'hist:keys=off' > {E}/trigger
 /fadv 9 101
 echo "== profile_after"; cat {PROFILE}
 echo "== hist"; cat {E}/hist
+echo "== kprobe_events"; cat {T}/kprobe_events
+echo "== same_name"; echo 'p:kp_fadv vfs_fadvise' >> {T}/kprobe_events && echo accepted || echo refused
 echo "== end"
 """
 
@@ -211,6 +215,12 @@ def test_instance(out):
     """Enabled only in instances/kp: written to its buffer, not the top instance's."""
     assert _offs(out["trace_instance"]) == [77], out["trace_instance"]
     assert _offs(out["trace_top"]) == [], out["trace_top"]
+
+
+def test_not_a_dynamic_event(out):
+    """kprobe_events does not list ours, and refuses a tracefs kprobe event of the same name."""
+    assert not any("kp_fadv" in l for l in out["kprobe_events"]), out["kprobe_events"]
+    assert out["same_name"][-1] == "refused", out["same_name"]
 
 
 def _profile_hits(lines: list[str], event: str) -> int:
