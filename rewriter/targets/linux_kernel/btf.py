@@ -29,7 +29,7 @@ QUALIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
 # pt_regs has the kernel's layout and is reused; the others are renamed.
 OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kretprobe",
             "kretprobe_instance": "kp_btf_kretprobe_instance"}
-GENERATOR = b"kprewrite-btf-sched-h-4"
+GENERATOR = b"kprewrite-btf-sched-h-4-event-calls"
 
 
 @dataclass
