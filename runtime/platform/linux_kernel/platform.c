@@ -5,7 +5,8 @@
  * in probe context);
  * the boot hooks keep our pages of the text/rodata gap through
  * mark_rodata_ro(), with the kernel's own W^X rules: code read-only and
- * executable like .text, data read-write and NX.
+ * executable like .text, data NX (read-only where it is ro_after_init,
+ * read-write after), and make the probe tables read-only then.
  */
 #include "kp_internal.h"
 
