@@ -117,19 +117,19 @@ def _inline_call(site: int, at: int, callback: int, resume_regs: int | None) -> 
     f = _frame()
     out = bytearray(E.sub_imm(31, 31, f))
     for r in range(0, 30, 2):
-        out += E.stp(r, r + 1, 31, O.S_X0 + 8 * r)
-    out += E._word(0xF9000000 | (((O.S_X0 + 240) // 8) << 10) | (31 << 5) | 30)          # str x30
-    out += E.add_imm(0, 31, f) + E._word(0xF9000000 | ((O.S_SP // 8) << 10) | (31 << 5) | 0)
-    out += MRS_X0_NZCV + E._word(0xF9000000 | ((O.S_PSTATE // 8) << 10) | (31 << 5) | 0)
+        out += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    out += E._word(0xF9000000 | (((O.PT_X0 + 240) // 8) << 10) | (31 << 5) | 30)          # str x30
+    out += E.add_imm(0, 31, f) + E._word(0xF9000000 | ((O.PT_SP // 8) << 10) | (31 << 5) | 0)
+    out += MRS_X0_NZCV + E._word(0xF9000000 | ((O.PT_PSTATE // 8) << 10) | (31 << 5) | 0)
     out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
     out += _e(E.b, at + len(out), callback, True)
     cbnz_at = len(out)
     if resume_regs is not None:
         out += b"\0\0\0\0"              # cbnz x0, slow (below)
-    out += E._word(0xF9400000 | ((O.S_PSTATE // 8) << 10) | (31 << 5) | 0) + MSR_NZCV_X0
+    out += E._word(0xF9400000 | ((O.PT_PSTATE // 8) << 10) | (31 << 5) | 0) + MSR_NZCV_X0
     for r in range(0, 30, 2):
-        out += E.ldp(r, r + 1, 31, O.S_X0 + 8 * r)
-    out += E.ldr_x(30, 31, O.S_X0 + 240) + E.add_imm(31, 31, f)
+        out += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    out += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, f)
     if resume_regs is None:
         return bytes(out)
     skip_at = len(out)

@@ -10,8 +10,8 @@ PT_REGS = [f"x{i}" for i in range(31)] + ["sp", "pc", "pstate"]
 
 def _offset(name: str) -> int:
     if name[0] == "x":
-        return offsets.S_X0 + 8 * int(name[1:])
-    return getattr(offsets, "S_" + name.upper())
+        return offsets.PT_X0 + 8 * int(name[1:])
+    return getattr(offsets, "PT_" + name.upper())
 
 
 def __getattr__(name: str):

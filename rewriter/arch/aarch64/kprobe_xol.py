@@ -111,7 +111,7 @@ def brk_hash(addrs: list[int]) -> tuple[int, list[int]]:
 
 
 def table_c(sites, ro_after_init: bool = False) -> str:
-    """The per-site descriptors (struct kp_int3_site, runtime/arch/aarch64/kp_brk.h),
+    """The per-site descriptors (struct kp_int3_site, runtime/arch/aarch64/kp_arch.h),
     their hash by address, and the single-step entries sorted by slot end."""
     rows, ss = [], []
     for s in sites:
@@ -121,8 +121,8 @@ def table_c(sites, ro_after_init: bool = False) -> str:
         if x.mode == SINGLESTEP:
             ss.append((x.ss_end, len(rows)))
         rows.append(f"  {{ {s.addr:#x}UL, {x.slot:#x}UL, {x.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
-                    f"{MODE_CODE[x.mode]}, {x.kind}, {x.rt}, {x.cond}, {x.sf}, {x.bit}, {s.kret_hook}, "
-                    f"{int(s.with_post)} }},")
+                    f"{int.from_bytes(x.insn.code, 'little'):#x}, {MODE_CODE[x.mode]}, {x.kind}, {x.cond}, {x.rt}, "
+                    f"{x.bit}, {x.sf}, {s.kret_hook}, {int(s.with_post)}, {int(x.mode != EMULATE and not s.kret_hook)} }},")
     bits, slots = brk_hash([s.addr for s in sites if s.xol is not None])
     ss = [i for _, i in sorted(ss)]
     section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""

@@ -12,8 +12,6 @@
 #include "kp_internal.h"
 #include "kp_brk.h"
 
-_Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes");
-
 /* Linux's struct ucontext on arm64: uc_mcontext (struct sigcontext) at 176,
  * after uc_flags, uc_link, uc_stack and the 128-byte uc_sigmask, 16-aligned;
  * in it fault_address, regs[31], sp, pc, pstate. */
@@ -124,36 +122,36 @@ static void kp_simulate(const struct kp_int3_site *d, struct pt_regs *regs, unsi
 		regs->pc = target;
 		return;
 	case KP_SIM_BCOND:
-		regs->pc = kp_cond(regs->pstate, d->cond) ? target : next;
+		regs->pc = kp_cond(regs->pstate, d->cc) ? target : next;
 		return;
 	case KP_SIM_CBZ:
-		v = kp_reg(regs, d->rt);
+		v = kp_reg(regs, d->reg);
 		if (!d->sf)
 			v = (unsigned int)v;
-		taken = (v == 0) != d->cond;
+		taken = (v == 0) != d->cc;
 		regs->pc = taken ? target : next;
 		return;
 	case KP_SIM_TBZ:
-		taken = ((kp_reg(regs, d->rt) >> d->bit) & 1) == d->cond;
+		taken = ((kp_reg(regs, d->reg) >> d->bit) & 1) == d->cc;
 		regs->pc = taken ? target : next;
 		return;
 	case KP_SIM_ADR:
-		kp_set_reg(regs, d->rt, target);
+		kp_set_reg(regs, d->reg, target);
 		break;
 	case KP_SIM_LDR_LIT:
-		kp_set_reg(regs, d->rt, d->sf ? *(unsigned long *)target : *(unsigned int *)target);
+		kp_set_reg(regs, d->reg, d->sf ? *(unsigned long *)target : *(unsigned int *)target);
 		break;
 	case KP_SIM_LDRSW_LIT:
-		kp_set_reg(regs, d->rt, (unsigned long)(long)*(int *)target);
+		kp_set_reg(regs, d->reg, (unsigned long)(long)*(int *)target);
 		break;
 	case KP_SIM_BLR:
-		v = kp_reg(regs, d->rt);
+		v = kp_reg(regs, d->reg);
 		regs->regs[30] = next;
 		regs->pc = v;
 		return;
 	case KP_SIM_BR:
 	case KP_SIM_RET:
-		regs->pc = kp_reg(regs, d->rt);
+		regs->pc = kp_reg(regs, d->reg);
 		return;
 	}
 	regs->pc = next;
@@ -176,7 +174,7 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
 			kp_kretprobe_int3_hook(d->kret, regs);
 		if (r != KP_TRAP_CHANGED) {
-			if (d->mode == KP_XOL_EMULATE) {
+			if (d->mode == KP_XOL_SIMULATE) {
 				kp_simulate(d, regs, bias);
 				if (r == KP_TRAP_RUN)
 					kp_trap_post(s, regs);
