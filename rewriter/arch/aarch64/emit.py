@@ -180,8 +180,15 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     return code, resume
 
 
+LIGHT_PAGE = 512           # counters per 4 KiB page
+
+
 def light_counter(slot: int) -> int:
-    return slot * 8
+    """Where hit slot `slot`'s counter of shard 0 lies in kp_light_hits[], in
+    bytes (the runtime's KP_LIGHT_INDEX: shards interleave page by page).  The
+    light detours here count through the runtime's entry instead; the table's
+    layout check still reads this."""
+    return (slot // LIGHT_PAGE * O.LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
 
 
 def evicted_detour(dcr: list[DcrInsn], at: int) -> bytes:

@@ -125,10 +125,17 @@ def table_c(sites, ro_after_init: bool = False) -> str:
                     f"{x.bit}, {x.sf}, {s.kret_hook}, {int(s.with_post)}, {int(x.mode != EMULATE and not s.kret_hook)} }},")
     bits, slots = brk_hash([s.addr for s in sites if s.xol is not None])
     ss = [i for _, i in sorted(ss)]
+    n = len(rows)
+    if not rows:
+        # No brk site: one descriptor no address matches (kp_nint3 1), so the
+        # SIGTRAP handler is still installed for a detour's slow resume
+        # (optprobe_entry.S's kp_optprobe_resume_regs traps).
+        rows.append("  { ~0UL, 0, 0, 0, 0, 0, 0 },")
+        n = 1
     section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""
     out = ["#include <kp_brk.h>",
            f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
-           f"const unsigned int kp_nint3 = {len(rows)};",
+           f"const unsigned int kp_nint3 = {n};",
            f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
            f"const unsigned int kp_int3_hash[{len(slots)}] = {{ {', '.join(map(str, slots))} }};",
            f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",

@@ -12,6 +12,8 @@
 #include "kp_internal.h"
 #include "kp_brk.h"
 
+extern char kp_optprobe_resume_brk[];	/* optprobe_entry.S */
+
 /* Linux's struct ucontext on arm64: uc_mcontext (struct sigcontext) at 176,
  * after uc_flags, uc_link, uc_stack and the 128-byte uc_sigmask, 16-aligned;
  * in it fault_address, regs[31], sp, pc, pstate. */
@@ -167,6 +169,16 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 	if (unlikely(kp_rt.state != 2))
 		kp_relocate();
 	unsigned long bias = kp_rt.bias, pc = regs->pc;
+	if (unlikely(pc == (unsigned long)kp_optprobe_resume_brk)) {
+		/* A detour's slow resume (optprobe_entry.S): all of the pt_regs at sp. */
+		const struct pt_regs *saved = (const struct pt_regs *)regs->sp;
+		for (int i = 0; i < 31; i++)
+			regs->regs[i] = saved->regs[i];
+		regs->sp = saved->sp;
+		regs->pc = saved->pc;
+		regs->pstate = (regs->pstate & ~KP_ARITH_FLAGS) | (saved->pstate & KP_ARITH_FLAGS);
+		return 1;
+	}
 	struct kp_int3_site *d = kp_brk_lookup(pc - bias);
 	if (d) {
 		struct kp_site *s = kp_site(d->site);
