@@ -1,0 +1,203 @@
+"""AArch64 probes on real cross-compiled programs, run under qemu-aarch64
+(KPREWRITE_TEST_ARCH=aarch64): breakpoint probes (brk #0x004; PC-relative
+instructions simulated, the rest single-stepped out of line) and optimized
+probes (one B to a detour; PC-relative displaced instructions relocated) on
+every instruction of functions full of PC-relative instructions, in a non-PIE
+and a PIE executable; the program's output must not change, every hit must be
+counted, and each pre_handler must see pc at the probed address.  And the
+kernel's refusals (exclusive sequences, svc, msr, autiasp) with their reasons."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import cc, check_lines, function, instrument, kprewrite, profile, run, write_spec
+
+ARCHES = ["aarch64"]
+
+# adr, adrp + add, ldr/ldrsw literal (x and w), cbz, tbnz, b.cond, bl, b (a tail
+# call), br/blr through a register and ret: every class simulate-insn.c has.
+PROGRAM = r"""
+#include <stdio.h>
+long helper(long x);
+long pcrel(long x);
+long table_sum(long n);
+__asm__(
+".section .rodata\n"
+".p2align 3\n"
+"lit: .quad 1000\n"
+"litw: .word -7\n"
+".text\n"
+".globl helper\n.type helper,%function\nhelper:\n"
+"  add x0, x0, #100\n"
+"  ret\n"
+".size helper,.-helper\n"
+".globl pcrel\n.type pcrel,%function\npcrel:\n"
+"  stp x29, x30, [sp, #-16]!\n"
+"  mov x29, sp\n"
+"  adr x1, lit\n"
+"  ldr x2, lit\n"
+"  ldrsw x3, litw\n"
+"  ldr w4, litw\n"
+"  adrp x6, lit\n"
+"  add x6, x6, :lo12:lit\n"
+"  cbz x0, 1f\n"
+"  add x2, x2, #1\n"
+"1: tbnz x0, #1, 2f\n"
+"  add x2, x2, #2\n"
+"2: cmp x0, #2\n"
+"  b.ge 3f\n"
+"  add x2, x2, #4\n"
+"3: bl helper\n"
+"  add x0, x0, x2\n"
+"  add x0, x0, x3\n"
+"  add x0, x0, x4\n"
+"  ldr x5, [x1]\n"
+"  add x0, x0, x5\n"
+"  ldr x5, [x6]\n"
+"  add x0, x0, x5\n"
+"  adr x7, helper\n"
+"  blr x7\n"
+"  ldp x29, x30, [sp], #16\n"
+"  ret\n"
+".size pcrel,.-pcrel\n"
+".globl tail\n.type tail,%function\ntail:\n"
+"  add x0, x0, #1\n"
+"  b helper\n"
+".size tail,.-tail\n");
+long tail(long x);
+static int table[4] = {3, 5, 7, 11};
+__attribute__((noinline)) long table_sum(long n) {
+    long s = 0;
+    for (long i = 0; i < n; i++) s += table[i & 3] * i;
+    return s;
+}
+int main(void) {
+    long t = 0;
+    for (long i = 0; i < 4; i++) {
+        long v = pcrel(i);
+        printf("pcrel(%ld) = %ld\n", i, v);
+        t += v + tail(i);
+    }
+    printf("table_sum %ld\n", table_sum(10));
+    printf("total %ld\n", t);
+    return 0;
+}
+"""
+
+HANDLERS = r"""
+#include <linux/kprobes.h>
+int pre(struct kprobe *p, struct pt_regs *regs)
+{
+    if (regs->pc != (unsigned long)p->addr)
+        pr_err("BAD pre pc %s+%u\n", p->symbol_name, p->offset);
+    return 0;
+}
+"""
+
+FUNCS = ("pcrel", "tail", "helper", "table_sum")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The programs (non-PIE, PIE) with their expected output, and a spec with a
+    probe on every instruction of FUNCS."""
+    tmp = tmp_path_factory.mktemp("aarch64")
+    progs = {"nopie": cc(tmp, "nopie", PROGRAM, "-O2", "-no-pie"), "pie": cc(tmp, "pie", PROGRAM, "-O2", "-pie", "-fPIE")}
+    expected = {k: run(p, runner="qemu") for k, p in progs.items()}
+    for r in expected.values():
+        assert r.returncode == 0 and "total" in r.stdout, r.stdout + r.stderr
+    lines = ['handlers = ["handlers.c"]']
+    counts = {}
+    for f in FUNCS:
+        start, end = function(progs["nopie"], f)
+        for off in range(0, end - start, 4):
+            lines += ["[[kprobe]]", f'symbol_name = "{f}"', f"offset = {off}", 'pre_handler = "pre"']
+            counts[(f, off)] = None
+    spec = write_spec(tmp, "\n".join(lines) + "\n", HANDLERS)
+    return tmp, progs, expected, spec
+
+
+@pytest.mark.parametrize("mode", ["brk", "optimized"])
+@pytest.mark.parametrize("kind", ["nopie", "pie"])
+def test_every_instruction_probed(built, kind, mode):
+    tmp, progs, expected, spec = built
+    extra = ("--no-optimize",) if mode == "brk" else ()
+    decisions = [l.split("  ")[2] for l in check_lines(progs[kind], spec, *extra)]
+    assert set(decisions) == ({"int3"} if mode == "brk" else {"optimized"}), decisions
+    out = instrument(progs[kind], spec, tmp / f"{kind}-{mode}", *extra)
+    r = run(out, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout == expected[kind].stdout
+    assert "BAD" not in r.stderr, r.stderr
+    prof = profile(r.stderr)
+    # pcrel runs 4 times; its first instruction, helper's (4 direct + 4 by blr
+    # + 4 by tail's b) and table_sum's entry counted exactly.
+    assert prof["p_pcrel_0"][0] == 4 and prof["p_tail_0"][0] == 4
+    assert prof["p_helper_0"][0] == 12 and prof["p_table_sum_0"][0] == 1
+    # The branches' both ways: the add after cbz runs for x != 0 (3 times), after
+    # tbnz for x & 2 == 0 (2 times), after b.ge for x < 2 (2 times).
+    start, _ = function(progs[kind], "pcrel")
+    assert sorted(v[0] for k, v in prof.items() if k.startswith("p_pcrel_")).count(3) >= 1
+
+
+REFUSED = r"""
+#include <stdio.h>
+long counter;
+long bump(void);
+long sys_getpid(void);
+__asm__(
+".text\n"
+".globl bump\n.type bump,%function\nbump:\n"
+"  adrp x1, counter\n"
+"  add x1, x1, :lo12:counter\n"
+"1: ldxr x0, [x1]\n"
+"  add x0, x0, #1\n"
+"  stxr w2, x0, [x1]\n"
+"  cbnz w2, 1b\n"
+"  ret\n"
+".size bump,.-bump\n"
+".globl sys_getpid\n.type sys_getpid,%function\nsys_getpid:\n"
+"  hint #25\n"              /* paciasp */
+"  mov x8, #172\n"
+"  svc #0\n"
+"  msr nzcv, x8\n"
+"  hint #29\n"              /* autiasp */
+"  ret\n"
+".size sys_getpid,.-sys_getpid\n");
+int main(void) { bump(); printf("%ld %d\n", counter, sys_getpid() > 0); return 0; }
+"""
+
+
+def test_refusals_name_the_check_and_address(tmp_path):
+    prog = cc(tmp_path, "refused", REFUSED, "-O2")
+    lines = ['handlers = ["handlers.c"]']
+    for f, n in (("bump", 7), ("sys_getpid", 6)):
+        for i in range(n):
+            lines += ["[[kprobe]]", f'symbol_name = "{f}"', f"offset = {4 * i}", 'pre_handler = "pre"']
+    spec = write_spec(tmp_path, "\n".join(lines) + "\n", HANDLERS)
+    # Explicit probes the kernel refuses are errors (register_kprobe()), one line each.
+    r = kprewrite("check", prog, "--spec", spec, check=False)
+    assert r.returncode != 0
+    got = {line.split("(")[1].split(")")[0]: line for line in r.stderr.splitlines() if "[[kprobe]]" in line}
+    bump, _ = function(prog, "bump")
+    sysc, _ = function(prog, "sys_getpid")
+    assert set(got) == {"bump+0x8", "bump+0xc", "bump+0x10", "sys_getpid+0x8", "sys_getpid+0xc",
+                        "sys_getpid+0x10"}, r.stderr
+    assert f"can_probe at {bump + 8:#x}" in got["bump+0x8"] and "exclusive load/store" in got["bump+0x8"]
+    assert f"can_probe at {bump + 12:#x}" in got["bump+0xc"] and f"the ldxr at {bump + 8:#x}" in got["bump+0xc"]
+    assert "exclusive load/store" in got["bump+0x10"]
+    assert f"can_probe at {sysc + 8:#x}" in got["sys_getpid+0x8"] and "svc" in got["sys_getpid+0x8"]
+    assert "msr" in got["sys_getpid+0xc"] and "autiasp" in got["sys_getpid+0x10"]
+    # The rest (paciasp, the cbnz after the stxr, ret...) are jump-optimized.
+    ok = write_spec(tmp_path, "\n".join(l for l in _spec_lines(((f, o) for f, o in
+                    [("bump", 0), ("bump", 4), ("bump", 20), ("bump", 24), ("sys_getpid", 0), ("sys_getpid", 4),
+                     ("sys_getpid", 20)]))) + "\n", HANDLERS, name="ok.toml")
+    assert {l.split("  ")[2] for l in check_lines(prog, ok)} == {"optimized"}
+    out = instrument(prog, ok, tmp_path / "ok")
+    assert run(out, runner="qemu").stdout == run(prog, runner="qemu").stdout == "1 1\n"
+
+
+def _spec_lines(targets):
+    yield 'handlers = ["handlers.c"]'
+    for f, off in targets:
+        yield from ("[[kprobe]]", f'symbol_name = "{f}"', f"offset = {off}", 'pre_handler = "pre"')
