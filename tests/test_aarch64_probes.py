@@ -201,3 +201,25 @@ def _spec_lines(targets):
     yield 'handlers = ["handlers.c"]'
     for f, off in targets:
         yield from ("[[kprobe]]", f'symbol_name = "{f}"', f"offset = {off}", 'pre_handler = "pre"')
+
+
+@pytest.mark.parametrize("mode", ["brk", "optimized"])
+def test_events_fetch_arm64_registers(built, mode):
+    """kprobe_events lines with arm64 names: %x0, $arg1 (x0 at an entry), %sp;
+    an x86 name is refused with the arm64 hint."""
+    tmp, progs, expected, _ = built
+    spec = write_spec(tmp, 'events = [\n  "p:pe pcrel x=%x0:s64 a=$arg1:s64 sp=%sp:x64",\n'
+                           '  "p:pt tail+4 y=%x0:s64",\n]\n', name=f"events-{mode}.toml")
+    extra = ("--no-optimize",) if mode == "brk" else ()
+    out = instrument(progs["pie"], spec, tmp / f"events-{mode}", *extra)
+    r = run(out, runner="qemu", env={"KPREWRITE_TRACE": "-"})
+    assert r.returncode == 0 and expected["pie"].stdout in r.stdout, r.stdout + r.stderr
+    lines = (r.stdout + r.stderr).splitlines()
+    pe = [l.split("(pcrel+0x0/")[1] for l in lines if " pe: " in l]
+    assert [l.split(") ")[1].split(" sp=")[0] for l in pe] == [f"x={i} a={i}" for i in range(4)], r.stdout
+    assert all(" sp=0x" in l for l in pe)
+    pt = [l.split(") ")[1] for l in lines if " pt: " in l]
+    assert pt == [f"y={i + 1}" for i in range(4)], r.stdout
+    bad = write_spec(tmp, 'events = ["p:pb pcrel x=%di"]\n', name="bad.toml")
+    r = kprewrite("check", progs["pie"], "--spec", bad, check=False)
+    assert r.returncode != 0 and "x0-x30" in r.stderr, r.stderr
