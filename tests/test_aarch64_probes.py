@@ -2,8 +2,8 @@
 (KPREWRITE_TEST_ARCH=aarch64): breakpoint probes (brk #0x004; PC-relative
 instructions simulated, the rest single-stepped out of line) and optimized
 probes (one B to a detour; PC-relative displaced instructions relocated) on
-every instruction of functions full of PC-relative instructions, in a non-PIE
-and a PIE executable; the program's output must not change, every hit must be
+every instruction of functions full of PC-relative instructions, in non-PIE,
+PIE, static and static-PIE executables and a shared object; the program's output must not change, every hit must be
 counted, and each pre_handler must see pc at the probed address.  And the
 kernel's refusals (exclusive sequences, svc, msr, autiasp) with their reasons."""
 from __future__ import annotations
@@ -102,7 +102,9 @@ def built(tmp_path_factory):
     """The programs (non-PIE, PIE) with their expected output, and a spec with a
     probe on every instruction of FUNCS."""
     tmp = tmp_path_factory.mktemp("aarch64")
-    progs = {"nopie": cc(tmp, "nopie", PROGRAM, "-O2", "-no-pie"), "pie": cc(tmp, "pie", PROGRAM, "-O2", "-pie", "-fPIE")}
+    progs = {"nopie": cc(tmp, "nopie", PROGRAM, "-O2", "-no-pie"), "pie": cc(tmp, "pie", PROGRAM, "-O2", "-pie", "-fPIE"),
+             "static": cc(tmp, "static", PROGRAM, "-O2", "-static", skip_without_static=True),
+             "static-pie": cc(tmp, "static-pie", PROGRAM, "-O2", "-static-pie", skip_without_static=True)}
     expected = {k: run(p, runner="qemu") for k, p in progs.items()}
     for r in expected.values():
         assert r.returncode == 0 and "total" in r.stdout, r.stdout + r.stderr
@@ -118,7 +120,7 @@ def built(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["brk", "optimized"])
-@pytest.mark.parametrize("kind", ["nopie", "pie"])
+@pytest.mark.parametrize("kind", ["nopie", "pie", "static", "static-pie"])
 def test_every_instruction_probed(built, kind, mode):
     tmp, progs, expected, spec = built
     extra = ("--no-optimize",) if mode == "brk" else ()
@@ -223,3 +225,36 @@ def test_events_fetch_arm64_registers(built, mode):
     bad = write_spec(tmp, 'events = ["p:pb pcrel x=%di"]\n', name="bad.toml")
     r = kprewrite("check", progs["pie"], "--spec", bad, check=False)
     assert r.returncode != 0 and "x0-x30" in r.stderr, r.stderr
+
+
+LIBRARY = r"""
+static int tab[3] = {2, 4, 6};
+__attribute__((noinline)) int libwork(int n) { int s = 0; for (int i = 0; i < n; i++) s += tab[i % 3]; return s; }
+"""
+LIB_MAIN = r"""
+#include <stdio.h>
+int libwork(int);
+int main(void) { int t = 0; for (int i = 0; i < 5; i++) t += libwork(i); printf("lib total %d\n", t); return 0; }
+"""
+
+
+@pytest.mark.parametrize("mode", ["brk", "optimized"])
+def test_shared_object(tmp_path, mode):
+    """Every instruction of a shared object's function probed; the runtime starts
+    from the library's init array (chain_stub)."""
+    lib = cc(tmp_path, "libw.so", LIBRARY, "-O2", "-shared", "-fPIC")
+    main = cc(tmp_path, "main", LIB_MAIN, "-O2", f"-L{tmp_path}", "-lw")
+    start, end = function(lib, "libwork")
+    spec = write_spec(tmp_path, "\n".join(_spec_lines(("libwork", o) for o in range(0, end - start, 4))) + "\n",
+                      HANDLERS)
+    extra = ("--no-optimize",) if mode == "brk" else ()
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    instrument(lib, spec, out_dir / "libw.so", *extra)
+    want = run(main, runner="qemu", env={"LD_LIBRARY_PATH": str(tmp_path)})
+    assert want.stdout == "lib total 34\n", want.stdout + want.stderr
+    r = run(main, runner="qemu", env={"LD_LIBRARY_PATH": str(out_dir), "KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == want.stdout, r.stdout + r.stderr
+    assert "BAD" not in r.stderr
+    prof = profile(r.stderr)
+    assert prof["p_libwork_0"][0] == 5 and len(prof) == (end - start) // 4
