@@ -109,24 +109,31 @@ def _frame() -> int:
     return (O.PT_SIZE + 15) & ~15
 
 
-def _inline_call(site: int, at: int, callback: int, resume_regs: int | None) -> bytes:
-    """struct pt_regs on the stack, callback(SITE, regs), every register back
-    (NZCV by msr); with resume_regs, a non-zero result resumes through it with sp
-    at the frame (optprobe_entry.S); without, the callback's result is not read
-    (the clean callbacks return nothing)."""
+def regs_call(at: int, fn: int, site: int | None, resume_regs: int | None, pc_is_lr: bool = False) -> bytes:
+    """struct pt_regs on the stack, fn(SITE, regs) (fn(regs) when site is None),
+    every register back (NZCV by msr).  With resume_regs, a non-zero result
+    resumes through it with sp at the frame (optprobe_entry.S); without, the
+    result is not read (the clean callbacks return nothing).  pc_is_lr: regs
+    as after a `ret` (pc the return address in x30; a return hook)."""
     f = _frame()
     out = bytearray(E.sub_imm(31, 31, f))
     for r in range(0, 30, 2):
         out += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
-    out += E._word(0xF9000000 | (((O.PT_X0 + 240) // 8) << 10) | (31 << 5) | 30)          # str x30
-    out += E.add_imm(0, 31, f) + E._word(0xF9000000 | ((O.PT_SP // 8) << 10) | (31 << 5) | 0)
-    out += MRS_X0_NZCV + E._word(0xF9000000 | ((O.PT_PSTATE // 8) << 10) | (31 << 5) | 0)
-    out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
-    out += _e(E.b, at + len(out), callback, True)
+    out += E.str_x(30, 31, O.PT_X0 + 240)
+    out += E.add_imm(0, 31, f) + E.str_x(0, 31, O.PT_SP)
+    if pc_is_lr:
+        out += E.str_x(30, 31, O.PT_PC)
+    out += MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
+    out += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)    # orig_x0 0, syscallno -1
+    if site is None:
+        out += E.add_imm(0, 31, 0)
+    else:
+        out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
+    out += _e(E.b, at + len(out), fn, True)
     cbnz_at = len(out)
     if resume_regs is not None:
         out += b"\0\0\0\0"              # cbnz x0, slow (below)
-    out += E._word(0xF9400000 | ((O.PT_PSTATE // 8) << 10) | (31 << 5) | 0) + MSR_NZCV_X0
+    out += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
     for r in range(0, 30, 2):
         out += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
     out += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, f)
@@ -141,13 +148,25 @@ def _inline_call(site: int, at: int, callback: int, resume_regs: int | None) -> 
     return bytes(out)
 
 
+# A kretprobe entry's body (retprobe.kret_entry_body()) is not code here but the
+# runtime's kretprobe trampoline address, packed: the entry detour calls the
+# generic dispatch placed at a fixed offset after it (kretprobe_entry.S), which
+# runs pre_handler_kretprobe() as any pre_handler (hit counted, nmissed, disabled).
+KRET_DISPATCH_OFFSET = 256
+
+
+def _kret_entry(site: int, body: bytes, at: int) -> bytes:
+    tramp = int.from_bytes(body[:8], "little")
+    return probe_stub(site, tramp + KRET_DISPATCH_OFFSET, at)
+
+
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                 probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
                 aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
     """A detour that saves a whole pt_regs in line and calls optimized_callback()."""
     if body is not None:
-        raise EmitError("kretprobes are not supported on aarch64 yet")
-    return _after(_inline_call(site, at, callback, resume_regs), dcr, at, copy, back)
+        return _after(_kret_entry(site, body, at), dcr, at, copy, back)
+    return _after(regs_call(at, callback, site, resume_regs), dcr, at, copy, back)
 
 
 def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
@@ -167,8 +186,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     """A detour whose handlers never read regs: on aarch64 still the whole pt_regs
     (handler_abi does not read handlers yet), through the clean callback."""
     if body is not None:
-        raise EmitError("kretprobes are not supported on aarch64 yet")
-    return _after(_inline_call(site, at, callback, None), dcr, at, copy, back)
+        return _after(_kret_entry(site, body, at), dcr, at, copy, back)
+    return _after(regs_call(at, callback, site, None), dcr, at, copy, back)
 
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,

@@ -133,6 +133,16 @@ def ldr_x(rt: int, rn: int, off: int = 0) -> bytes:
     return _word(0xF9400000 | ((off // 8) << 10) | (rn << 5) | rt)
 
 
+def str_x(rt: int, rn: int, off: int = 0) -> bytes:
+    """STR Xt, [Xn, #off] (unsigned, 8-aligned)."""
+    return _word(0xF9000000 | ((off // 8) << 10) | (rn << 5) | rt)
+
+
+def movn_w(rd: int, imm16: int) -> bytes:
+    """MOVN Wd, #imm16 (~imm16 in 32 bits, the upper half zeroed)."""
+    return _word(0x12800000 | ((imm16 & 0xFFFF) << 5) | rd)
+
+
 def ldr_w(rt: int, rn: int, off: int = 0) -> bytes:
     return _word(0xB9400000 | ((off // 4) << 10) | (rn << 5) | rt)
 
