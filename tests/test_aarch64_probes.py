@@ -258,3 +258,74 @@ def test_shared_object(tmp_path, mode):
     assert "BAD" not in r.stderr
     prof = profile(r.stderr)
     assert prof["p_libwork_0"][0] == 5 and len(prof) == (end - start) // 4
+
+
+KRET_PROGRAM = r"""
+#include <stdio.h>
+__attribute__((noinline)) int leaf(int a) { return a * 3; }
+__attribute__((noinline)) int tailer(int a) { return leaf(a + 1); }
+__attribute__((noinline)) int unhooked(int a) { return a - 5; }
+__attribute__((noinline)) int tail_out(int a) { return unhooked(a * 2); }
+__attribute__((noinline)) int cg(int x) {
+    static void *t[] = {&&a, &&b, &&c};
+    goto *t[x % 3];
+a: return x + 100;
+b: return x + 200;
+c: return x + 300;
+}
+int main(void) {
+    long t = 0;
+    for (int i = 0; i < 6; i++) t += tailer(i) + tail_out(i) + cg(i);
+    printf("t %ld\n", t);
+    return 0;
+}
+"""
+
+KRET_HANDLERS = r"""
+#include <linux/kprobes.h>
+int entry(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+    *(long *)ri->data = (long)regs->regs[0];
+    return 0;
+}
+int ret_handler(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+    pr_info("ret %s(%ld) = %ld\n", ri->rp->kp.symbol_name, *(long *)ri->data, (long)(int)regs_return_value(regs));
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("mode", ["exits", "kprobes_on_exits"])
+def test_kretprobes(tmp_path, mode):
+    """Every exit hooked: ret (leaf), a tail call to a hooked function (pending:
+    tailer's fires at leaf's ret), a tail call to an unhooked one (x30 swapped
+    for the trampoline on that path), and the trampoline for a function whose
+    br leaves its exits unknown; entry_handler and ri->data, $retval in x0.
+    kprobes_on_exits: a kprobe's detour holds leaf's ret and tailer's tail b,
+    whose copies call the return hooks (retprobe.hook_copy())."""
+    prog = cc(tmp_path, "kret", KRET_PROGRAM, "-O2")
+    want = run(prog, runner="qemu")
+    lines = ['handlers = ["handlers.c"]']
+    for f in ("leaf", "tailer", "tail_out", "cg"):
+        lines += ["[[kretprobe]]", f'symbol_name = "{f}"', 'handler = "ret_handler"', 'entry_handler = "entry"',
+                  "data_size = 8"]
+    if mode == "kprobes_on_exits":
+        lines += ["[[kprobe]]", 'symbol_name = "leaf"', "offset = 4", "[[kprobe]]", 'symbol_name = "tailer"', "offset = 4"]
+    spec = write_spec(tmp_path, "\n".join(lines) + "\n", KRET_HANDLERS)
+    extra = ()
+    plan = {l.split("  ")[0].split("+")[0]: l for l in check_lines(prog, spec, *extra) if " r " in l}
+    assert "(pending)" in plan["tailer"] and "(trampoline)" in plan["tail_out"], plan
+    assert "returns: trampoline" in plan["cg"] and "indirect_jump" in plan["cg"], plan
+    out = instrument(prog, spec, tmp_path / "out", *extra)
+    r = run(out, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == want.stdout, r.stdout + r.stderr
+    got = [l for l in r.stderr.splitlines() if l.startswith("ret ")]
+    expect = []
+    for i in range(6):
+        expect += [f"ret leaf({i + 1}) = {3 * (i + 1)}", f"ret tailer({i}) = {3 * (i + 1)}",
+                   f"ret tail_out({i}) = {2 * i - 5}", f"ret cg({i}) = {i + 100 * (i % 3 + 1)}"]
+    assert got == expect, r.stderr
+    if mode == "kprobes_on_exits":
+        prof = profile(r.stderr)
+        assert prof["p_leaf_4"][0] == prof["p_tailer_4"][0] == 6, r.stderr
