@@ -13,7 +13,5 @@ CFLAGS = {
     # __aarch64_* helpers, and nothing links libgcc); `bti c` at every function
     # entry, so that a program whose pages are BTI-guarded may reach runtime
     # and handler functions through a register (a hint, a NOP elsewhere).
-    # Every declaration hidden, extern ones too (runtime/arch/aarch64/kp_hidden.h):
-    # no GOT load in the self-relocating blob.
-    "user": ("-mgeneral-regs-only", "-mno-outline-atomics", "-mbranch-protection=bti", "-include", "kp_hidden.h"),
+    "user": ("-mgeneral-regs-only", "-mno-outline-atomics", "-mbranch-protection=bti"),
 }

@@ -151,4 +151,15 @@ extern const unsigned int kp_nint3;
 int kp_arch_int3_trap(void *ucontext);
 
 #pragma GCC visibility pop
+
+/*
+ * Everything the runtime's and the tables' C declares after this header is
+ * hidden, extern declarations too (no matching pop: the rest of the file).  The
+ * blob is linked -pie and relocates itself (kp_relocate()); GNU ld for AArch64
+ * does not turn a GOT load of a symbol it finds local into adrp + add as ld for
+ * x86-64 relaxes GOTPCRELX, so an extern with default visibility (the linker
+ * script's __kp_rela_start...) would be read from a GOT slot kp_relocate() has
+ * not relocated yet.
+ */
+#pragma GCC visibility push(hidden)
 #endif
