@@ -117,9 +117,9 @@ def test_sample_handlers_compile_for_aarch64(tmp_path):
     if not shutil.which(CC):
         pytest.skip(f"{CC} not installed")
     src = ROOT / "samples/kprobe_example/handlers.c"
-    _cc(*lr.cflags(ARCH, PLATFORM), f"-I{RUNTIME / 'include'}", "-Werror=implicit-function-declaration",
-        "-c", src, "-o", tmp_path / "h.o", what=src)
-    r = _cc(*lr.cflags(ARCH, PLATFORM), f"-I{RUNTIME / 'include'}", "-E", src, what=src)
+    flags = (*lr.cflags(ARCH, PLATFORM), *lr._includes(ARCH, PLATFORM))    # as link_handlers.py compiles them
+    _cc(*flags, "-Werror=implicit-function-declaration", "-c", src, "-o", tmp_path / "h.o", what=src)
+    r = _cc(*flags, "-E", src, what=src)
     assert "regs->pstate" in r.stdout and "regs->ip" not in r.stdout
 
 
