@@ -117,9 +117,9 @@ def test_sample_handlers_compile_for_aarch64(tmp_path):
     if not shutil.which(CC):
         pytest.skip(f"{CC} not installed")
     src = ROOT / "samples/kprobe_example/handlers.c"
-    _cc(*lr.cflags(ARCH, PLATFORM), f"-I{RUNTIME / 'include'}", "-Werror=implicit-function-declaration",
-        "-c", src, "-o", tmp_path / "h.o", what=src)
-    r = _cc(*lr.cflags(ARCH, PLATFORM), f"-I{RUNTIME / 'include'}", "-E", src, what=src)
+    flags = (*lr.cflags(ARCH, PLATFORM), *lr._includes(ARCH, PLATFORM))    # as link_handlers.py compiles them
+    _cc(*flags, "-Werror=implicit-function-declaration", "-c", src, "-o", tmp_path / "h.o", what=src)
+    r = _cc(*flags, "-E", src, what=src)
     assert "regs->pstate" in r.stdout and "regs->ip" not in r.stdout
 
 
@@ -172,3 +172,14 @@ def test_unhandled_sigtrap_kills_as_the_default(probe_program):
     r, out = _run(probe_program, "die")
     assert out["brk:"].startswith("calls 1 pc-at-brk 1"), r.stdout
     assert "forwarded:" not in out and r.returncode == -5, (r.returncode, r.stdout, r.stderr)
+
+
+def test_qemu_runs_a_dynamic_program_from_the_sysroot(tmp_path):
+    """conftest's runner for aarch64: -L at the cross sysroot finds ld-linux-aarch64.so.1 and libc."""
+    if not shutil.which(CC):
+        pytest.skip(f"{CC} not installed")
+    src = tmp_path / "hello.c"
+    src.write_text('#include <stdio.h>\nint main(int c, char **v) { printf("hello %s %d\\n", v[1], c); return 3; }\n')
+    _cc(src, "-o", tmp_path / "hello", what="hello.c")
+    r = subprocess.run([*qemu_command(ARCH), str(tmp_path / "hello"), "arm64"], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (3, "hello arm64 2\n"), r.stdout + r.stderr

@@ -84,7 +84,9 @@ static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_afte
 #define kp_arch_ret_slot_holds(S, v) 0
 
 /* regs at a `ret` made as after it: pc the return address (x30), sp unchanged
- * (a return hook placed as a breakpoint). */
+ * (a return hook placed as a breakpoint).  x30 is as the hook finds it: at the
+ * `ret` of `autiasp; ret` it is authenticated (plain); before the autiasp it
+ * would still carry its PAC signature. */
 static __attribute__((always_inline)) inline void kp_arch_regs_returned(struct pt_regs *regs, unsigned long sp)
 {
 	regs->pc = regs->regs[30];
