@@ -14,39 +14,35 @@
 
 extern char kp_optprobe_resume_brk[];	/* optprobe_entry.S */
 
-/* Linux's struct ucontext on arm64: uc_mcontext (struct sigcontext) at 176,
- * after uc_flags, uc_link, uc_stack and the 128-byte uc_sigmask, 16-aligned;
- * in it fault_address, regs[31], sp, pc, pstate. */
-#define KP_UC_MCONTEXT	176
-#define KP_SC_REGS	8
-#define KP_SC_SP	(KP_SC_REGS + 31 * 8)
-#define KP_SC_PC	(KP_SC_SP + 8)
-#define KP_SC_PSTATE	(KP_SC_PC + 8)
+/* Linux's struct ucontext on arm64 (uapi/kp_uapi.h: KP_UC_REGS, KP_UC_SP...). */
+#include <kp_uapi.h>
 
 #define PSR_N 0x80000000UL
 #define PSR_Z 0x40000000UL
 #define PSR_C 0x20000000UL
 #define PSR_V 0x10000000UL
 
-static void kp_uc_to_regs(const char *sc, struct pt_regs *r)
+static void kp_uc_to_regs(const char *uc, struct pt_regs *r)
 {
-	const unsigned long *g = (const unsigned long *)(sc + KP_SC_REGS);
+	const unsigned long *g = (const unsigned long *)(uc + KP_UC_REGS);
 	for (int i = 0; i < 31; i++)
 		r->regs[i] = g[i];
-	r->sp = *(const unsigned long *)(sc + KP_SC_SP);
-	r->pc = *(const unsigned long *)(sc + KP_SC_PC);
-	r->pstate = *(const unsigned long *)(sc + KP_SC_PSTATE);
+	r->sp = *(const unsigned long *)(uc + KP_UC_SP);
+	r->pc = *(const unsigned long *)(uc + KP_UC_PC);
+	r->pstate = *(const unsigned long *)(uc + KP_UC_PSTATE);
+	r->orig_x0 = 0;
+	r->syscallno = -1;
 }
 
-static void kp_regs_to_uc(const struct pt_regs *r, char *sc)
+static void kp_regs_to_uc(const struct pt_regs *r, char *uc)
 {
-	unsigned long *g = (unsigned long *)(sc + KP_SC_REGS);
+	unsigned long *g = (unsigned long *)(uc + KP_UC_REGS);
 	for (int i = 0; i < 31; i++)
 		g[i] = r->regs[i];
-	*(unsigned long *)(sc + KP_SC_SP) = r->sp;
-	*(unsigned long *)(sc + KP_SC_PC) = kp_region_ip(r->pc);
+	*(unsigned long *)(uc + KP_UC_SP) = r->sp;
+	*(unsigned long *)(uc + KP_UC_PC) = kp_region_ip(r->pc);
 	/* The kernel keeps only the user-changeable bits (NZCV...). */
-	*(unsigned long *)(sc + KP_SC_PSTATE) = r->pstate;
+	*(unsigned long *)(uc + KP_UC_PSTATE) = r->pstate;
 }
 
 /* get_kprobe(): the descriptor of the brk at link-time address `addr`. */
@@ -213,11 +209,10 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
  */
 int kp_arch_int3_trap(void *uc)
 {
-	char *sc = (char *)uc + KP_UC_MCONTEXT;
 	struct pt_regs regs;
-	kp_uc_to_regs(sc, &regs);
+	kp_uc_to_regs(uc, &regs);
 	if (!kp_arch_int3_regs(&regs, 1))
 		return 0;
-	kp_regs_to_uc(&regs, sc);
+	kp_regs_to_uc(&regs, uc);
 	return 1;
 }
