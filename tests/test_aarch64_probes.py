@@ -329,3 +329,36 @@ def test_kretprobes(tmp_path, mode):
     if mode == "kprobes_on_exits":
         prof = profile(r.stderr)
         assert prof["p_leaf_4"][0] == prof["p_tailer_4"][0] == 6, r.stderr
+
+
+SKIP_HANDLERS = r"""
+#include <linux/kprobes.h>
+int skip(struct kprobe *p, struct pt_regs *regs)
+{
+    regs->regs[0] = 42;                 /* the return value */
+    regs->pc = regs->regs[30];          /* return at once: the path changes */
+    return 1;
+}
+int twice(struct kprobe *p, struct pt_regs *regs)
+{
+    regs->regs[0] *= 2;                 /* a register write the probed code sees */
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("mode", ["brk", "optimized"])
+def test_handler_changes_registers_and_path(tmp_path, mode):
+    """A pre_handler that returns from leaf() at once (pc = x30: the detour's slow
+    resume, a brk the SIGTRAP handler turns into the whole register state), and
+    one that doubles tail_out()'s argument (the fast path restores x0 from pt_regs)."""
+    prog = cc(tmp_path, "kret", KRET_PROGRAM, "-O2")
+    spec = write_spec(tmp_path, "\n".join(_spec_lines([])) + "\n"
+                      + '[[kprobe]]\nsymbol_name = "leaf"\npre_handler = "skip"\n'
+                      + '[[kprobe]]\nsymbol_name = "tail_out"\npre_handler = "twice"\n', SKIP_HANDLERS)
+    extra = ("--no-optimize",) if mode == "brk" else ()
+    out = instrument(prog, spec, tmp_path / "out", *extra)
+    r = run(out, runner="qemu")
+    # tailer(i) = leaf(i + 1) = 42; tail_out(i) = 2 * (2 * i) - 5; cg(i) = i + 100 * (i % 3 + 1).
+    want = sum(42 + (4 * i - 5) + i + 100 * (i % 3 + 1) for i in range(6))
+    assert r.returncode == 0 and r.stdout == f"t {want}\n", r.stdout + r.stderr
