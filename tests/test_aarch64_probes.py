@@ -362,3 +362,38 @@ def test_handler_changes_registers_and_path(tmp_path, mode):
     # tailer(i) = leaf(i + 1) = 42; tail_out(i) = 2 * (2 * i) - 5; cg(i) = i + 100 * (i % 3 + 1).
     want = sum(42 + (4 * i - 5) + i + 100 * (i % 3 + 1) for i in range(6))
     assert r.returncode == 0 and r.stdout == f"t {want}\n", r.stdout + r.stderr
+
+
+POST_HANDLERS = r"""
+#include <linux/kprobes.h>
+void post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
+    pr_info("post %s+%u d=%ld x0=%ld\n", p->symbol_name, p->offset,
+            (long)(regs->pc - (unsigned long)p->addr), (long)regs->regs[0]);
+}
+"""
+
+
+@pytest.mark.parametrize("mode", ["brk", "optimized"])
+def test_post_handlers(tmp_path, mode):
+    """post_handlers after a single-stepped (or detoured) add and after a
+    simulated tail b: regs->pc is where execution resumes, x0 the add's result.
+    A post_handler after a branch keeps the site a breakpoint, with the reason."""
+    prog = cc(tmp_path, "kret", KRET_PROGRAM, "-O2")
+    tailer, _ = function(prog, "tailer")
+    leaf, _ = function(prog, "leaf")
+    spec = write_spec(tmp_path, "\n".join(_spec_lines([])) + "\n"
+                      + '[[kprobe]]\nsymbol_name = "tailer"\npost_handler = "post"\n'
+                      + '[[kprobe]]\nsymbol_name = "tailer"\noffset = 4\npost_handler = "post"\n', POST_HANDLERS)
+    extra = ("--no-optimize",) if mode == "brk" else ()
+    plan = check_lines(prog, spec, *extra)
+    if mode == "optimized":
+        assert "optimized" in plan[0] and f"post_handler at {tailer + 4:#x}" in plan[1], plan
+    out = instrument(prog, spec, tmp_path / "out", *extra)
+    r = run(out, runner="qemu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    posts = [l for l in r.stderr.splitlines() if l.startswith("post ")]
+    want = []
+    for i in range(6):
+        want += [f"post tailer+0 d=4 x0={i + 1}", f"post tailer+4 d={leaf - tailer - 4} x0={i + 1}"]
+    assert posts == want, r.stderr
