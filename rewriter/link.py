@@ -124,7 +124,7 @@ def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFO
         script.write_text(text)
         run([ld, "-pie", "--no-dynamic-linker", "-z", "norelro", "-z", "noexecstack", "--hash-style=gnu",
              "--build-id=none", "-nostdlib", "-T", str(script), "-o", str(out), *map(str, objs)], "link")
-        return read_blob(out.read_bytes(), out)
+        return _at(read_blob(out.read_bytes(), out), text_addr)
     externs, origin = externs or {}, origin or {}
     errors, assigns = [], []
     for name, obj in sorted(undefined_symbols(objs, SCRIPT_SYMBOLS).items()):
@@ -143,7 +143,17 @@ def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFO
     # is relocated at boot (a kernel's KASLR table needs every absolute address).
     run([ld, "-static", "-q", "-z", "noexecstack", "--build-id=none", "-nostdlib", "-T", str(script),
          "-o", str(out), *map(str, objs)], "link")
-    return read_blob(out.read_bytes(), out)
+    return _at(read_blob(out.read_bytes(), out), text_addr)
+
+
+def _at(blob: Blob, text_addr: int) -> Blob:
+    """The blob, if ld put its code where the layout said: a section aligned past the
+    layout's alignment moves `.text` up, and every address the layout gave out
+    (detours' calls into the runtime) would then be wrong without an error."""
+    if blob.text_addr != text_addr:
+        raise KprewriteError(f"link: the code was linked at {blob.text_addr:#x}, not at {text_addr:#x} where the "
+                             "layout placed it (a runtime or handler section aligned to more than the layout allows)")
+    return blob
 
 
 def read_blob(raw: bytes, path: Path) -> Blob:

@@ -118,3 +118,18 @@ def test_import_compiles_nothing(tmp_path):
             "rewriter.targets.linux_kernel, rewriter.cli")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
     assert not list((tmp_path / "cache").glob("runtime-*"))
+
+
+@pytest.mark.parametrize("text_addr, moved", [(0x10040, True), (0x10100, False)])
+def test_code_linked_where_the_layout_put_it(tmp_path, text_addr, moved):
+    """A section aligned past the layout's alignment would move the linked code off the
+    address every detour calls into: refused in one line, not written wrong."""
+    src = tmp_path / "aligned.s"
+    src.write_text(".text\n.p2align 8\n.globl f\nf:\n ret\n")
+    obj = tmp_path / "aligned.o"
+    subprocess.run(["as", str(src), "-o", str(obj)], check=True)
+    if moved:
+        with pytest.raises(KprewriteError, match=rf"linked at 0x10100, not at {text_addr:#x}"):
+            link.link(tmp_path, [obj], text_addr, "linux_user")
+    else:
+        assert link.link(tmp_path, [obj], text_addr, "linux_user").text_addr == text_addr
