@@ -60,6 +60,8 @@ class Spec:
     kprobes: list[KprobeSpec] = field(default_factory=list)
     kretprobes: list[KretprobeSpec] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    probes: list[str] = field(default_factory=list)      # perf probe definitions (rewriter/perfprobe)
+    compiled: list[tuple[str, str]] = field(default_factory=list)  # (probes[N], kprobe_events line) each became
 
 
 HANDLER_SUFFIXES = (".c", ".o")
@@ -119,7 +121,7 @@ _COMMON = {
 KPROBE_KEYS = {**_COMMON, "pre_handler": _name, "post_handler": _name}
 KRETPROBE_KEYS = {**_COMMON, "handler": _name, "entry_handler": _name,
                   "maxactive": _sint(*_S32), "data_size": _uint(_S32[1])}
-TOP_KEYS = ("handlers", "optimize", "kprobe", "kretprobe", "events")
+TOP_KEYS = ("handlers", "optimize", "kprobe", "kretprobe", "events", "probes")
 PROBE_TABLES = {"kprobe": (KPROBE_KEYS, KprobeSpec), "kretprobe": (KRETPROBE_KEYS, KretprobeSpec)}
 
 
@@ -271,6 +273,7 @@ def load_spec(path: str | Path) -> Spec:
     handlers: list[Path] = []
     optimize = True
     events: list[str] = []
+    perf_probes: list[str] = []
     probes: dict[str, list] = {"kprobe": [], "kretprobe": []}
 
     for key, value in doc.items():                   # file order
@@ -286,6 +289,11 @@ def load_spec(path: str | Path) -> Spec:
                 events = list(value)
             else:
                 errors.append(f"{label}: 'events' must be a list of strings")
+        elif key == "probes":
+            if isinstance(value, list) and all(isinstance(e, str) for e in value):
+                perf_probes = list(value)
+            else:
+                errors.append(f"{label}: 'probes' must be a list of strings")
         elif key in PROBE_TABLES:
             if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
                 errors.append(f"{label}: {_q(key)} must be an array of tables ([[{key}]]), got {_show(value)}")
@@ -301,4 +309,4 @@ def load_spec(path: str | Path) -> Spec:
     if errors:
         raise KprewriteError(*errors)
     return Spec(path=path, handlers=handlers, optimize=optimize,
-                kprobes=probes["kprobe"], kretprobes=probes["kretprobe"], events=events)
+                kprobes=probes["kprobe"], kretprobes=probes["kretprobe"], events=events, probes=perf_probes)
