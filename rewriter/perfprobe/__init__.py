@@ -99,3 +99,22 @@ def expand(spec, image, arch) -> list[str]:
             else:
                 spec.kprobes.append(E.EventKprobeSpec(**common))
     return errors
+
+
+def _load(path: str):
+    from .. import targets
+    from ..arch import get_arch
+    image = targets.load(path)
+    return image, get_arch(image.machine)
+
+
+def list_vars(path: str, point: str) -> list[str]:
+    """`probe-vars`: the variables at each address of a probe point."""
+    from .listing import vars_lines
+    return vars_lines(*_load(path), point)
+
+
+def list_lines(path: str, function: str) -> list[str]:
+    """`probe-lines`: a function's probe-able lines."""
+    from .listing import lines_lines
+    return lines_lines(*_load(path), function)
