@@ -51,9 +51,11 @@ def where(image, addr: int) -> str:
     return f"{f.name}+{addr - f.start:#x}" if f is not None else f"{addr:#x}"
 
 
-def sites(dbg: D.DebugInfo, image, p: Point) -> list[Site]:
+def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Site]:
     """The addresses a probe point names (several for a line with several blocks
-    or a function inlined in several places), in address order."""
+    or a function inlined in several places), in address order.  reads_vars: the
+    probe reads variables, so a function probe in unoptimized code goes after the
+    prologue (as perf does; without variables perf probes the entry itself)."""
     out: dict[int, D.Instance] = {}
     if p.function is not None:
         insts = dbg.instances(p.function)
@@ -83,7 +85,7 @@ def sites(dbg: D.DebugInfo, image, p: Point) -> list[Site]:
                     if r.line == want and r.file == inst.decl_file and inst.contains(r.addr):
                         out.setdefault(r.addr, inst)
             else:
-                out[_after_prologue(dbg, inst)] = inst
+                out[_after_prologue(dbg, inst) if reads_vars else inst.entry] = inst
         if not out:
             raise ProbeError(f"line {p.line} of '{p.function}' (line {insts[0].decl_line + p.line} of "
                              f"{os.path.basename(insts[0].decl_file or '?')}) has no code")
@@ -378,7 +380,8 @@ def compile_def(dbg: D.DebugInfo, image, d: ProbeDef, taken: set[tuple[str, str]
     """Every kprobe_events line of one definition; `taken` collects the event names used."""
     out = []
     group = d.group or default_group(image)
-    for i, site in enumerate(sites(dbg, image, d.point)):
+    reads_vars = any(not a.raw and a.var != "$retval" for a in d.args)
+    for i, site in enumerate(sites(dbg, image, d.point, reads_vars)):
         base = d.event or default_event(d, site.inst)
         ev, n = base, 1
         while (group, ev) in taken:
