@@ -253,3 +253,25 @@ def test_no_debug_info(tmp_path):
     prog = cc(tmp_path, "nodebug", "int main(void) { return 0; }\n", "-O2")
     r = kprewrite("check", prog, "--spec", write_spec(tmp_path, 'probes = ["main"]\n'), check=False)
     assert r.returncode == 1 and "has no DWARF debug information" in r.stderr, r.stderr
+
+
+def test_debug_info_elsewhere(built, tmp_path):
+    """The DWARF compressed in the image (gcc -gz), or in a separate file named by
+    .gnu_debuglink (objcopy --only-keep-debug): the same compiled lines."""
+    opt, (prog, out, check) = built
+    spec = write_spec(tmp_path, 'probes = ["e=parse_line:4 sum b=buf:string", "f=parse_line r->pt->x"]\n')
+
+    def compiled(binary):
+        return [l.split(" ", 1)[1].split(" ", 1)[1] for l in kprewrite("check", binary, "--spec", spec).stdout.splitlines()
+                if l.startswith("probes[")]
+    want = compiled(prog)
+    assert len(want) == 2
+    z = cc(tmp_path, "progz", PROGRAM, f"-O{opt}", "-g", "-gz")
+    assert want == compiled(z)
+    dbg, stripped = tmp_path / "prog.debug", tmp_path / "stripped"
+    subprocess.run(["objcopy", "--only-keep-debug", str(prog), str(dbg)], check=True)
+    subprocess.run(["objcopy", "--strip-debug", f"--add-gnu-debuglink={dbg}", str(prog), str(stripped)], check=True)
+    assert want == compiled(stripped)
+    dbg.unlink()
+    r = kprewrite("check", stripped, "--spec", spec, check=False)
+    assert r.returncode == 1 and "no separate debug file was found" in r.stderr, r.stderr
