@@ -175,8 +175,19 @@ def _show(v) -> str:
     return s if len(s) <= _SHOW_MAX else s[:_SHOW_MAX - 3] + "..."
 
 
+def _closest(key: str, known) -> list[str]:
+    """difflib.get_close_matches(key, known, n=1), a tie going to the key listed first
+    ('kprobes' is as close to 'probes' as to 'kprobe')."""
+    best, score = [], 0.0
+    for k in known:
+        r = difflib.SequenceMatcher(None, key, k).ratio()
+        if r >= 0.6 and r > score:
+            best, score = [k], r
+    return best
+
+
 def _unknown(key: str, known, extra: str = "") -> str:
-    close = difflib.get_close_matches(key, list(known), n=1)
+    close = _closest(key, known)
     hints = ([f"did you mean {_q(close[0])}?"] if close else []) + ([extra] if extra else [])
     return f"unknown key {_q(key)}" + (f" ({'; '.join(hints)})" if hints else "")
 
