@@ -87,7 +87,7 @@ def expand(spec, image, arch) -> list[str]:
             try:
                 ev = E.parse_line(c.line, 0, arch.fetch_regs)
             except (E.LineError, E.F.FetchError) as e:
-                errors += E.caret_lines(where + f": compiled to", c.line, e.column, e.message)
+                errors += E.caret_lines(where + ": compiled to", c.line, e.column, e.message)
                 continue
             ev = ProbeEventDef(**{k: getattr(ev, k) for k in ev.__dataclass_fields__}, source=i)
             spec.compiled.append((f"probes[{i}]", c.line))

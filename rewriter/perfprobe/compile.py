@@ -102,17 +102,15 @@ def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Si
 
 def _after_prologue(dbg: D.DebugInfo, inst: D.Instance) -> int:
     """A function's probe address: its entry, or in code compiled without
-    optimization the end of its prologue (the second line of the line table), where
-    the parameters are in their stack slots, as perf and gdb choose."""
+    optimization the end of its prologue (the line table's second row in the
+    function, which is where the body starts even when it is on the same line),
+    where the parameters are in their stack slots, as perf and gdb choose."""
     if inst.inlined or inst.optimized:
         return inst.entry
-    rows = sorted((r for r in dbg.lines(inst.cu) if inst.contains(r.addr)), key=lambda r: r.addr)
+    rows = sorted((r for r in dbg.statement_rows(inst.cu) if inst.contains(r.addr)), key=lambda r: r.addr)
     if not rows or rows[0].addr != inst.entry:
         return inst.entry
-    for r in rows[1:]:
-        if r.addr > inst.entry and r.line != rows[0].line:
-            return r.addr
-    return inst.entry
+    return next((r.addr for r in rows[1:] if r.addr > inst.entry), inst.entry)
 
 
 # --- arguments ---------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from elftools.dwarf.dwarf_expr import DWARFExprParser
 from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, LocationExpr, LocationParser
@@ -134,13 +134,8 @@ def die_name(die) -> str | None:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
-def die_type(die):
-    a = _attr(die, "DW_AT_type")
-    return die.get_DIE_from_attribute("DW_AT_type") if a is not None and "DW_AT_type" in die.attributes else \
-        (_origin_type(die) if a is not None else None)
-
-
 def _origin_type(die):
+    """The DW_AT_type DIE of a DIE or of its abstract origin / specification."""
     for _ in range(8):
         if "DW_AT_type" in die.attributes:
             return die.get_DIE_from_attribute("DW_AT_type")
@@ -183,6 +178,7 @@ class DebugInfo:
         self._all: list[Instance] = []
         self._globals: dict[str, object] = {}
         self._lines: dict[int, list[LineRow]] = {}
+        self._raw_lines: dict[int, list[LineRow]] = {}
         self.cus = list(self.dwarf.iter_CUs())
 
     # --- CFA (the frame base of DW_OP_call_frame_cfa) --------------------------------------------
@@ -348,7 +344,7 @@ class DebugInfo:
         rows = self._lines.get(cu.cu_offset)
         if rows is not None:
             return rows
-        rows = []
+        rows, raw = [], []
         lp = self.dwarf.line_program_for_CU(cu)
         names: dict[int, str | None] = {}
         prev = None
@@ -360,14 +356,23 @@ class DebugInfo:
                 prev = None
                 continue
             key = (st.file, st.line)
-            if st.is_stmt and st.line and key != prev:
+            if st.is_stmt and st.line:
                 if st.file not in names:
                     names[st.file] = self._file_name(cu, st.file)
                 if names[st.file] is not None:
-                    rows.append(LineRow(st.address, names[st.file], st.line))
+                    row = LineRow(st.address, names[st.file], st.line)
+                    raw.append(row)
+                    if key != prev:
+                        rows.append(row)
             prev = key
         self._lines[cu.cu_offset] = rows
+        self._raw_lines[cu.cu_offset] = raw
         return rows
+
+    def statement_rows(self, cu) -> list[LineRow]:
+        """Every statement row of the line table (a line's later rows too)."""
+        self.lines(cu)
+        return self._raw_lines[cu.cu_offset]
 
     def all_line_rows(self):
         for cu in self.cus:
@@ -571,7 +576,6 @@ def encoding(t) -> str | None:
         return encoding(u) if u is not None else "DW_ATE_unsigned"
     if t.tag != "DW_TAG_base_type":
         return None
-    from elftools.dwarf.descriptions import describe_attr_value  # noqa: F401  (pyelftools' names)
     from elftools.dwarf.enums import ENUM_DW_ATE
     v = t.attributes["DW_AT_encoding"].value if "DW_AT_encoding" in t.attributes else None
     for k, n in ENUM_DW_ATE.items():
