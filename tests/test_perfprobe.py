@@ -40,6 +40,13 @@ __attribute__((noinline)) long clobbered(long n)
     sink(7);
     return 5;
 }
+static inline int scale(int v, int k)
+{
+    int w = v * k;
+    sink(w);
+    return w + v;
+}
+__attribute__((noinline)) int twice(int a, int b) { return scale(a, 3) + scale(b, 5); }
 int main(int argc, char **argv)
 {
     struct point p = { 7, 99, "pt" };
@@ -47,6 +54,7 @@ int main(int argc, char **argv)
     const char *s = argc > 1 ? argv[1] : "hello";
     int v = parse_line(s, (int)strlen(s), &r);
     clobbered(argc > 2 ? atol(argv[2]) : 21);
+    sink(twice(argc + 2, v));
     printf("%d %ld\n", v, counter);
     return 0;
 }
@@ -61,6 +69,8 @@ PROBES = {
     "loop": ("e_loop=parse_line:4 sum=sum b=buf:string", [("sum", "sum", "d"), ("b", "buf", "s")]),
     "after": ("e_after=parse_line:7 sum=sum c=counter v1=r->vals[1]",
               [("sum", "sum", "d"), ("c", "counter", "d"), ("v1", "r->vals[1]", "d")]),
+    # inlined at -O2 (probed in twice, at each inlined copy whose line 3 has code), a function at -O0
+    "inl": ("e_inl=scale:3 v=v k=k w=w", [("v", "v", "d"), ("k", "k", "d"), ("w", "w", "d")]),
 }
 
 
@@ -126,27 +136,35 @@ def _compiled(check: list[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _key(event: str) -> str:
+    """The PROBES key of an event: e_KEY, or e_KEY_N for a definition's later addresses."""
+    return re.fullmatch(r"e_([a-z]+)(_\d+)?", event).group(1)
+
+
 def test_values_match_gdb(built, runner):
     opt, (prog, out, check) = built
     compiled = _compiled(check)
-    assert {"e_entry", "e_loop", "e_after", "clobbered__return"} <= set(compiled), check
-    names = list(PROBES)
-    where = [compiled["e_" + n][0] for n in names]
-    oracle = gdb_values(prog, where, [PROBES[n][1] for n in names], "abcd")
+    assert {"e_entry", "e_loop", "e_after", "e_inl", "clobbered__return"} <= set(compiled), check
+    events = sorted(e for e in compiled if e.startswith("e_"))
+    where = [compiled[e][0] for e in events]
+    oracle = gdb_values(prog, where, [PROBES[_key(e)][1] for e in events], "abcd")
     r = run(out, "abcd", runner=runner)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{sum(ord(c) * (i + 1) for i, c in enumerate('abcd')) + 7} " \
                        f"{40 + sum(ord(c) * (i + 1) for i, c in enumerate('abcd'))}\n"
     recs = [x for x in map(tracefmt.parse_line, r.stderr.splitlines()) if x is not None]
-    ours = [(names.index(x.event[2:]), x.args) for x in recs if x.event.startswith("e_")]
+    ours = [(events.index(x.event), x.args) for x in recs if x.event.startswith("e_")]
     assert [i for i, _ in ours] == [i for i, _ in oracle], (ours, oracle)
-    assert len([i for i, _ in ours if names[i] == "loop"]) == 4            # once per iteration
+    assert len([i for i, _ in ours if events[i] == "e_loop"]) == 4            # once per iteration
+    assert any(_key(events[i]) == "inl" for i, _ in ours)
     for (i, args), (_, want) in zip(ours, oracle):
-        kinds = {k: kind for k, _, kind in PROBES[names[i]][1]}
-        assert _ours(args, kinds) == want, (names[i], args, want)
+        kinds = {k: kind for k, _, kind in PROBES[_key(events[i])][1]}
+        assert _ours(args, kinds) == want, (events[i], args, want)
     # %return: the value gdb's `finish` reports.
     ret = [x for x in recs if x.event == "clobbered__return"]
     assert len(ret) == 1 and ret[0].args["rv"] == 5
+    # -O2 inlines scale() into twice(): the probe is at the inlined copy
+    assert compiled["e_inl"][0].startswith("scale" if opt == "0" else "twice+"), compiled["e_inl"]
 
 
 def test_locations(built):
