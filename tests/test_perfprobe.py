@@ -211,6 +211,7 @@ def test_retval_matches_gdb_finish(built):
 PERF_SPECS = ["parse_line buf len", "parse_line%return $retval", "clobbered"]
 
 
+@pytest.mark.parametrize("built", ["0", "2"], indirect=True)   # the same code at -O2 with a frame pointer
 def test_perf_agrees(built, tmp_path):
     """perf probe -D: the same addresses (and, at -O0, the same fetch args)."""
     opt, (prog, out, check) = built
@@ -236,6 +237,7 @@ def test_perf_agrees(built, tmp_path):
                 assert t.split()[2:] == m.split()[2:], (t, m)
 
 
+@pytest.mark.parametrize("built", ["0", "2"], indirect=True)   # the same code at -O2 with a frame pointer
 def test_listing(built):
     opt, (prog, out, check) = built
     lines = kprewrite("probe-lines", prog, "parse_line").stdout.splitlines()
@@ -259,6 +261,7 @@ ERRORS = [
 ]
 
 
+@pytest.mark.parametrize("built", ["0", "2"], indirect=True)   # the same code at -O2 with a frame pointer
 def test_errors(built, tmp_path):
     """Each bad definition: one line naming it (all of them reported at once), no traceback."""
     opt, (prog, out, check) = built
@@ -277,6 +280,7 @@ def test_no_debug_info(tmp_path):
     assert r.returncode == 1 and "has no DWARF debug information" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("built", ["0", "2"], indirect=True)   # the same code at -O2 with a frame pointer
 def test_debug_info_elsewhere(built, tmp_path):
     """The DWARF compressed in the image (gcc -gz), or in a separate file named by
     .gnu_debuglink (objcopy --only-keep-debug): the same compiled lines."""
