@@ -257,7 +257,7 @@ ERRORS = [
     ("nowhere", "function 'nowhere' not found in the debug information"),
     ("parse_line:400", "line 400 of 'parse_line'"),
     ("parse_line r->vals[9]", "index 9 is past the end"),
-    ("parse_line;sum", "lazy patterns (;PTN) are not supported"),
+    ("parse_line;nomatch*", "no line of 'parse_line' with code matches ';nomatch*'"),
 ]
 
 
@@ -301,3 +301,13 @@ def test_debug_info_elsewhere(built, tmp_path):
     dbg.unlink()
     r = kprewrite("check", stripped, "--spec", spec, check=False)
     assert r.returncode == 1 and "no separate debug file was found" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("built", ["0", "2"], indirect=True)
+def test_lazy_pattern(built, tmp_path):
+    """FUNC;PTN and SRC;PTN: the lines whose source matches the glob, blanks ignored."""
+    opt, (prog, out, check) = built
+    spec = write_spec(tmp_path, 'probes = ["a=parse_line;sum+=* sum", "b=parse_line:4 sum", '
+                                f'"c=prog{opt}.c;r->vals*=sum;", "d=parse_line:7"]\n')
+    got = _compiled(kprewrite("check", prog, "--spec", spec).stdout.splitlines())
+    assert got["a"] == got["b"] and got["c"][0] == got["d"][0], got

@@ -10,6 +10,7 @@ handlers and reports are the ones kprobe_events lines get.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Si
                     raise ProbeError(f"offset {p.offset:#x} is outside '{p.function}' "
                                      f"({inst.ranges[0][1] - inst.ranges[0][0]:#x} bytes)")
                 out[a] = inst
+            elif p.lazy is not None:
+                for r in dbg.lines(inst.cu):
+                    if r.file == inst.decl_file and inst.contains(r.addr) and _lazy_match(dbg, r, p.lazy):
+                        out.setdefault(r.addr, inst)
             elif p.line:
                 want = inst.decl_line + p.line
                 for r in dbg.lines(inst.cu):
@@ -86,18 +91,33 @@ def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Si
                         out.setdefault(r.addr, inst)
             else:
                 out[_after_prologue(dbg, inst) if reads_vars else inst.entry] = inst
+        if not out and p.lazy is not None:
+            raise ProbeError(f"no line of '{p.function}' with code matches ';{p.lazy}'")
         if not out:
             raise ProbeError(f"line {p.line} of '{p.function}' (line {insts[0].decl_line + p.line} of "
                              f"{os.path.basename(insts[0].decl_file or '?')}) has no code")
     else:
         for cu, r in dbg.all_line_rows():
-            if r.line == p.line and _file_match(r.file, p.file):
+            if not _file_match(r.file, p.file):
+                continue
+            if (r.line == p.line) if p.lazy is None else _lazy_match(dbg, r, p.lazy):
                 inst = dbg.innermost(r.addr)
                 if inst is not None:
                     out.setdefault(r.addr, inst)
+        if not out and p.lazy is not None:
+            raise ProbeError(f"no line of '{p.file}' with code matches ';{p.lazy}' in {image.label}")
         if not out:
             raise ProbeError(f"line {p.line} of '{p.file}' has no code in {image.label}")
     return [Site(a, out[a]) for a in sorted(out)]
+
+
+def _lazy_match(dbg: D.DebugInfo, row: D.LineRow, pattern: str) -> bool:
+    """strlazymatch(): the source line against a glob, blanks ignored in both."""
+    text = dbg.source_line(row.file, row.line)
+    if text is None:
+        return False
+    strip = str.maketrans("", "", " \t")
+    return fnmatch.fnmatchcase(text.translate(strip), pattern.translate(strip))
 
 
 def _after_prologue(dbg: D.DebugInfo, inst: D.Instance) -> int:

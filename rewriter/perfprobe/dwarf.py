@@ -179,6 +179,7 @@ class DebugInfo:
         self._globals: dict[str, object] = {}
         self._lines: dict[int, list[LineRow]] = {}
         self._raw_lines: dict[int, list[LineRow]] = {}
+        self._sources: dict[str, list[str] | None] = {}
         self.cus = list(self.dwarf.iter_CUs())
 
     # --- CFA (the frame base of DW_OP_call_frame_cfa) --------------------------------------------
@@ -373,6 +374,17 @@ class DebugInfo:
         """Every statement row of the line table (a line's later rows too)."""
         self.lines(cu)
         return self._raw_lines[cu.cu_offset]
+
+    def source_line(self, path: str, line: int) -> str | None:
+        """Line `line` of a source file, as the line table names it (None if unreadable)."""
+        if path not in self._sources:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    self._sources[path] = f.read().split("\n")
+            except OSError:
+                self._sources[path] = None
+        text = self._sources[path]
+        return text[line - 1] if text is not None and 0 < line <= len(text) else None
 
     def all_line_rows(self):
         for cu in self.cus:

@@ -2,8 +2,9 @@
 
 Mirrors tools/perf/util/probe-event.c's parse_perf_probe_command():
 
-    [[GROUP:]EVENT=]FUNC[@SRC][:RLN|+OFFS|%return] [ARG ...]
+    [[GROUP:]EVENT=]FUNC[@SRC][:RLN|+OFFS|%return|;PTN] [ARG ...]
     [[GROUP:]EVENT=]SRC:ALN [ARG ...]
+    [[GROUP:]EVENT=]SRC;PTN [ARG ...]
 
     ARG: [NAME=]VAR[->FIELD|.FIELD|[N]]...[:TYPE]    a variable by name
          [NAME=]$vars | $params | $retval             perf's special variables
@@ -37,6 +38,7 @@ class Point:
     line: int = 0                 # relative to the function (with function) or absolute (with file only)
     offset: int = 0
     retprobe: bool = False
+    lazy: str | None = None       # ;PTN: the source lines matching the pattern
     column: int = 0               # where the point starts, for errors
 
 
@@ -81,9 +83,13 @@ def _int(s: str, col: int, what: str) -> int:
 
 
 def parse_point(s: str, col: int) -> Point:
-    """parse_perf_probe_point(): FUNC[@SRC][:RLN|+OFFS|%return] or SRC:ALN."""
-    if ";" in s:
-        raise ProbeSyntaxError(col + s.index(";"), "lazy patterns (;PTN) are not supported; name a line")
+    """parse_perf_probe_point(): FUNC[@SRC][:RLN|+OFFS|%return|;PTN], SRC:ALN or SRC;PTN."""
+    lazy = None
+    if ";" in s:                  # the pattern is the rest of the point, whatever it holds
+        semi = s.index(";")
+        s, lazy = s[:semi], s[semi + 1:]
+        if not lazy:
+            raise ProbeSyntaxError(col + semi + 1, "nothing after ';'")
     pos = next((i for i, c in enumerate(s) if c in _SEPARATORS), len(s))
     head, p = s[:pos], Point(column=col)
     if not head:
@@ -115,11 +121,14 @@ def parse_point(s: str, col: int) -> Point:
                 raise ProbeSyntaxError(col + pos, f"unknown suffix '%{val}' (only %return)")
             p.retprobe = True
         pos = end
+    p.lazy = lazy
+    if lazy is not None and (p.line or p.offset or p.retprobe):
+        raise ProbeSyntaxError(col, "only one of :RLN, +OFFS, %return and ;PTN")
     if p.function is None:
         if p.offset or p.retprobe:
             raise ProbeSyntaxError(col, "+OFFS and %return need a function, not a source file")
-        if not p.line:
-            raise ProbeSyntaxError(col, f"'{p.file}' is not a function name; a source file needs :LINE")
+        if not p.line and lazy is None:
+            raise ProbeSyntaxError(col, f"'{p.file}' is not a function name; a source file needs :LINE or ;PTN")
     if sum(bool(x) for x in (p.line and p.function, p.offset, p.retprobe)) > 1:
         raise ProbeSyntaxError(col, "only one of :RLN, +OFFS and %return")
     return p
@@ -181,7 +190,10 @@ def parse(text: str) -> ProbeDef:
         raise ProbeSyntaxError(0, "empty probe definition")
     head, hcol = words[0]
     group = event = None
-    eq = head.find("=")
+    # EVENT= only when '=' comes before ';', '@', '+' and '%' (perf's strpbrk(arg, ";=@+%")):
+    # a lazy pattern may hold '='
+    first = next((i for i, c in enumerate(head) if c in ";=@+%"), -1)
+    eq = first if first >= 0 and head[first] == "=" else -1
     if eq >= 0:
         ev = head[:eq]
         if ":" in ev:
