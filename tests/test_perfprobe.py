@@ -4,6 +4,7 @@ address, in a program compiled at -O0 and at -O2, natively and under QEMU; the
 addresses and fetch args with `perf probe -D`'s where perf is installed."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -311,3 +312,37 @@ def test_lazy_pattern(built, tmp_path):
                                 f'"c=prog{opt}.c;r->vals*=sum;", "d=parse_line:7"]\n')
     got = _compiled(kprewrite("check", prog, "--spec", spec).stdout.splitlines())
     assert got["a"] == got["b"] and got["c"][0] == got["d"][0], got
+    # check --format json: the same lines, as `compiled` records
+    doc = json.loads(kprewrite("check", prog, "--spec", spec, "--format", "json").stdout)
+    assert [c["table"] for c in doc["compiled"]] == ["probes[1]", "probes[2]", "probes[3]", "probes[4]"]
+    assert _compiled([f"{c['table']}: {c['event']}" for c in doc["compiled"]]) == got
+
+
+@pytest.mark.parametrize("built", ["2"], indirect=True)
+def test_build_id_debug_file(built, tmp_path, monkeypatch):
+    """A stripped image whose DWARF is in DEBUG_ROOT/.build-id/xx/yyyy.debug (where Debian's
+    -dbgsym packages put it): found by its build-id, the same locations as the image's own."""
+    from elftools.elf.elffile import ELFFile
+    from rewriter.perfprobe import dwarf as D
+    opt, (prog, out, check) = built
+    with open(prog, "rb") as f:
+        note = next(n for n in ELFFile(f).get_section_by_name(".note.gnu.build-id").iter_notes())
+        bid = note["n_desc"]
+    dbg = tmp_path / ".build-id" / bid[:2] / (bid[2:] + ".debug")
+    dbg.parent.mkdir(parents=True)
+    stripped = tmp_path / "stripped"
+    subprocess.run(["objcopy", "--only-keep-debug", str(prog), str(dbg)], check=True)
+    subprocess.run(["objcopy", "--strip-debug", str(prog), str(stripped)], check=True)
+    monkeypatch.setattr(D, "DEBUG_ROOT", str(tmp_path))
+    regs = {0: "ax", 1: "dx", 2: "cx", 3: "bx", 4: "si", 5: "di", 6: "bp", 7: "sp"}
+
+    def locs(path):
+        info = D.DebugInfo(str(path), path.read_bytes(), regs)
+        inst = info.instances("parse_line")[0]
+        return info.source, [(v.name, info.location(v.die, inst, inst.entry).value()) for v in info.scope(inst, inst.entry)
+                             if v.param]
+    src, mine = locs(stripped)
+    assert src == str(dbg) and mine == locs(prog)[1] and [n for n, _ in mine] == ["buf", "len", "r"]
+    dbg.unlink()
+    with pytest.raises(D.NoDebugInfo):
+        locs(stripped)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elftools.common.exceptions import DWARFError, ELFError, ELFParseError
+
 from .. import events as E
 from ..errors import KprewriteError
 from . import compile as C
@@ -36,6 +38,9 @@ def debug_info(image, arch) -> D.DebugInfo:
     cached = getattr(image, "_kp_debug_info", None)
     if cached is not None:
         return cached
+    if not getattr(getattr(image, "target", None), "PROBES_BY_NAME", False):
+        raise KprewriteError(f"{image.label}: probes by name (`probes`) are read from a user "
+                             f"program's or library's DWARF; this image's target does not have them")
     regs = getattr(arch.fetch_regs, "DWARF_REGS", None)
     if regs is None:
         raise KprewriteError(f"{image.label}: probes by name are not supported on {arch.name} "
@@ -46,6 +51,9 @@ def debug_info(image, arch) -> D.DebugInfo:
         dbg = D.DebugInfo(image.path, data, regs)
     except D.NoDebugInfo as e:
         raise KprewriteError(str(e)) from None
+    except Exception as e:          # pyelftools on a damaged file: one line, not a traceback
+        raise KprewriteError(f"{image.label}: cannot read its debug information: "
+                             f"{type(e).__name__}: {' '.join(str(e).split())}") from None
     image._kp_debug_info = dbg
     return dbg
 
@@ -80,6 +88,10 @@ def expand(spec, image, arch) -> list[str]:
         except C.ProbeError as e:
             errors.append(f"{where}: {e}")
             continue
+        except (ELFError, DWARFError, ELFParseError) as e:      # damaged debug information
+            errors.append(f"{where}: cannot read the debug information of {image.label}: "
+                          f"{' '.join(str(e).split())}")
+            break
         except KprewriteError as e:
             errors += [f"{where}: {line}" for line in e.lines]
             break
