@@ -23,6 +23,7 @@ class CheckResult:
     skipped: dict[str, int] = field(default_factory=dict)   # glob probes skipped, by check name
     errors: list[str] = field(default_factory=list)          # what makes `instrument` refuse the spec
     format: str = "kprewrite-check-1"
+    compiled: list[dict] = field(default_factory=list)       # the spec's `probes` as kprobe_events lines
 
     @property
     def ok(self) -> bool:
@@ -30,12 +31,15 @@ class CheckResult:
         return not self.errors
 
     def as_dict(self) -> dict:
-        return {"format": self.format, "input": self.input, "probes": self.probes,
-                "skipped": self.skipped, "errors": self.errors}
+        d = {"format": self.format, "input": self.input, "probes": self.probes,
+             "skipped": self.skipped, "errors": self.errors}
+        if self.compiled:
+            d["compiled"] = self.compiled
+        return d
 
     def lines(self) -> list[str]:
         from .report import check_line
-        return [check_line(r) for r in self.probes]
+        return [check_line(r) for r in self.probes] + [f"{c['table']}: {c['event']}" for c in self.compiled]
 
 
 @dataclass
@@ -61,7 +65,8 @@ def check(input_path, spec, *, optimize: bool = True, system_map=None, progress:
     s = pipeline.prepare_for_check(str(input_path), str(spec), not optimize, str(system_map) if system_map else None,
                                    _progress(progress))
     d = report.check_doc(s.plan, s.image.label)
-    return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"])
+    return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"],
+                       compiled=[{"table": t, "event": line} for t, line in s.spec.compiled])
 
 
 def instrument(input_path, spec, output, *, optimize: bool = True, system_map=None,

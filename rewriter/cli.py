@@ -142,6 +142,28 @@ def blacklist(input_path, system_map, fmt):
         click.echo(line)
 
 
+@main.command(name="probe-vars")
+@click.argument("input_path", metavar="INPUT")
+@click.argument("point", metavar="POINT")
+@_guard
+def probe_vars(input_path, point):
+    """Variables at a probe point (FUNC[:RLN|+OFFS], SRC:ALN) and their fetch args, like perf probe -V."""
+    from . import perfprobe
+    for line in perfprobe.list_vars(input_path, point):
+        click.echo(line)
+
+
+@main.command(name="probe-lines")
+@click.argument("input_path", metavar="INPUT")
+@click.argument("function", metavar="FUNC[@SRC]")
+@_guard
+def probe_lines(input_path, function):
+    """A function's source lines that can be probed as FUNC:RLN, like perf probe -L."""
+    from . import perfprobe
+    for line in perfprobe.list_lines(input_path, function):
+        click.echo(line)
+
+
 @main.command()
 @click.argument("original", metavar="ORIGINAL")
 @click.argument("rewritten", metavar="REWRITTEN")

@@ -60,6 +60,8 @@ class Spec:
     kprobes: list[KprobeSpec] = field(default_factory=list)
     kretprobes: list[KretprobeSpec] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    probes: list[str] = field(default_factory=list)      # perf probe definitions (rewriter/perfprobe)
+    compiled: list[tuple[str, str]] = field(default_factory=list)  # (probes[N], kprobe_events line) each became
 
 
 HANDLER_SUFFIXES = (".c", ".o")
@@ -119,7 +121,7 @@ _COMMON = {
 KPROBE_KEYS = {**_COMMON, "pre_handler": _name, "post_handler": _name}
 KRETPROBE_KEYS = {**_COMMON, "handler": _name, "entry_handler": _name,
                   "maxactive": _sint(*_S32), "data_size": _uint(_S32[1])}
-TOP_KEYS = ("handlers", "optimize", "kprobe", "kretprobe", "events")
+TOP_KEYS = ("handlers", "optimize", "kprobe", "kretprobe", "events", "probes")
 PROBE_TABLES = {"kprobe": (KPROBE_KEYS, KprobeSpec), "kretprobe": (KRETPROBE_KEYS, KretprobeSpec)}
 
 
@@ -173,8 +175,19 @@ def _show(v) -> str:
     return s if len(s) <= _SHOW_MAX else s[:_SHOW_MAX - 3] + "..."
 
 
+def _closest(key: str, known) -> list[str]:
+    """difflib.get_close_matches(key, known, n=1), a tie going to the key listed first
+    ('kprobes' is as close to 'probes' as to 'kprobe')."""
+    best, score = [], 0.0
+    for k in known:
+        r = difflib.SequenceMatcher(None, key, k).ratio()
+        if r >= 0.6 and r > score:
+            best, score = [k], r
+    return best
+
+
 def _unknown(key: str, known, extra: str = "") -> str:
-    close = difflib.get_close_matches(key, list(known), n=1)
+    close = _closest(key, known)
     hints = ([f"did you mean {_q(close[0])}?"] if close else []) + ([extra] if extra else [])
     return f"unknown key {_q(key)}" + (f" ({'; '.join(hints)})" if hints else "")
 
@@ -271,6 +284,7 @@ def load_spec(path: str | Path) -> Spec:
     handlers: list[Path] = []
     optimize = True
     events: list[str] = []
+    perf_probes: list[str] = []
     probes: dict[str, list] = {"kprobe": [], "kretprobe": []}
 
     for key, value in doc.items():                   # file order
@@ -286,6 +300,11 @@ def load_spec(path: str | Path) -> Spec:
                 events = list(value)
             else:
                 errors.append(f"{label}: 'events' must be a list of strings")
+        elif key == "probes":
+            if isinstance(value, list) and all(isinstance(e, str) for e in value):
+                perf_probes = list(value)
+            else:
+                errors.append(f"{label}: 'probes' must be a list of strings")
         elif key in PROBE_TABLES:
             if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
                 errors.append(f"{label}: {_q(key)} must be an array of tables ([[{key}]]), got {_show(value)}")
@@ -301,4 +320,4 @@ def load_spec(path: str | Path) -> Spec:
     if errors:
         raise KprewriteError(*errors)
     return Spec(path=path, handlers=handlers, optimize=optimize,
-                kprobes=probes["kprobe"], kretprobes=probes["kretprobe"], events=events)
+                kprobes=probes["kprobe"], kretprobes=probes["kretprobe"], events=events, probes=perf_probes)

@@ -16,3 +16,6 @@ def __getattr__(name: str):
 REGS_HINT = "x86-64 names: ax bx cx dx si di bp sp r8-r15 ip flags cs ss orig_ax"
 PARAM_MAX_STACK = 16384 // 8       # THREAD_SIZE / sizeof(long)
 DEFAULT_TYPE = "x64"               # BITS_PER_LONG
+# DWARF register numbers (the psABI's) -> these names, for probes by variable name (perfprobe)
+DWARF_REGS = {0: "ax", 1: "dx", 2: "cx", 3: "bx", 4: "si", 5: "di", 6: "bp", 7: "sp",
+              **{n: f"r{n}" for n in range(8, 16)}}

@@ -15,6 +15,8 @@ from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"
+# The spec's `probes` (rewriter/perfprobe): names resolved from the image's own DWARF.
+PROBES_BY_NAME = True
 
 
 def thread_key(image) -> ThreadKey:

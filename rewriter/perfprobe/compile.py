@@ -1,0 +1,416 @@
+"""From a parsed perf probe definition to kprobe_events lines: where (addresses,
+from the debug information) and what (each variable's location at that address,
+as a fetch arg with a type).
+
+Mirrors tools/perf/util/probe-finder.c: find_probe_point_by_func() /
+find_probe_point_by_line() for the addresses, and convert_variable() /
+convert_variable_fields() / convert_variable_type() for the arguments.  The result
+is ordinary `p`/`r` lines (events.parse_line() reads them), so the trace events,
+handlers and reports are the ones kprobe_events lines get.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass
+
+from . import dwarf as D
+from .syntax import Arg, Point, ProbeDef
+
+MAX_ARGSTR_LEN = 63          # fetch.MAX_ARGSTR_LEN: what the kernel accepts for one argument
+
+
+class ProbeError(Exception):
+    """One line: what could not be compiled, and where."""
+
+
+@dataclass
+class Site:
+    addr: int
+    inst: D.Instance
+
+
+@dataclass
+class Compiled:
+    """One kprobe_events line from a probe definition."""
+    line: str
+    addr: int
+    is_return: bool
+
+
+def _file_match(path: str | None, want: str) -> bool:
+    """strtailcmp(): SRC names the file by a tail of its path."""
+    if path is None:
+        return False
+    want = os.path.normpath(want)
+    return path == want or path.endswith("/" + want.lstrip("/")) or os.path.basename(path) == want
+
+
+def where(image, addr: int) -> str:
+    f = image.function_at(addr)
+    return f"{f.name}+{addr - f.start:#x}" if f is not None else f"{addr:#x}"
+
+
+def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Site]:
+    """The addresses a probe point names (several for a line with several blocks
+    or a function inlined in several places), in address order.  reads_vars: the
+    probe reads variables, so a function probe in unoptimized code goes after the
+    prologue (as perf does; without variables perf probes the entry itself)."""
+    out: dict[int, D.Instance] = {}
+    if p.function is not None:
+        insts = dbg.instances(p.function)
+        if p.file is not None:
+            insts = [i for i in insts if _file_match(i.decl_file, p.file)]
+        if not insts:
+            at = f" in {p.file}" if p.file else ""
+            raise ProbeError(f"function '{p.function}'{at} not found in the debug information of {image.label}")
+        if p.retprobe or p.offset:
+            outs = [i for i in insts if not i.inlined]
+            if not outs:
+                raise ProbeError(f"'{p.function}' is only inlined: it has no entry for "
+                                 f"{'%return' if p.retprobe else '+OFFS'}")
+            insts = outs
+        for inst in insts:
+            if p.retprobe:
+                out[inst.entry] = inst
+            elif p.offset:
+                a = inst.entry + p.offset
+                if not inst.contains(a):
+                    raise ProbeError(f"offset {p.offset:#x} is outside '{p.function}' "
+                                     f"({inst.ranges[0][1] - inst.ranges[0][0]:#x} bytes)")
+                out[a] = inst
+            elif p.lazy is not None:
+                for r in dbg.lines(inst.cu):
+                    if r.file == inst.decl_file and inst.contains(r.addr) and _lazy_match(dbg, r, p.lazy):
+                        out.setdefault(r.addr, inst)
+            elif p.line:
+                want = inst.decl_line + p.line
+                for r in dbg.lines(inst.cu):
+                    if r.line == want and r.file == inst.decl_file and inst.contains(r.addr):
+                        out.setdefault(r.addr, inst)
+            else:
+                out[_after_prologue(dbg, inst) if reads_vars else inst.entry] = inst
+        if not out and p.lazy is not None:
+            raise ProbeError(f"no line of '{p.function}' with code matches ';{p.lazy}'")
+        if not out:
+            raise ProbeError(f"line {p.line} of '{p.function}' (line {insts[0].decl_line + p.line} of "
+                             f"{os.path.basename(insts[0].decl_file or '?')}) has no code")
+    else:
+        for cu, r in dbg.all_line_rows():
+            if not _file_match(r.file, p.file):
+                continue
+            if (r.line == p.line) if p.lazy is None else _lazy_match(dbg, r, p.lazy):
+                inst = dbg.innermost(r.addr)
+                if inst is not None:
+                    out.setdefault(r.addr, inst)
+        if not out and p.lazy is not None:
+            raise ProbeError(f"no line of '{p.file}' with code matches ';{p.lazy}' in {image.label}")
+        if not out:
+            raise ProbeError(f"line {p.line} of '{p.file}' has no code in {image.label}")
+    return [Site(a, out[a]) for a in sorted(out)]
+
+
+def _lazy_match(dbg: D.DebugInfo, row: D.LineRow, pattern: str) -> bool:
+    """strlazymatch(): the source line against a glob, blanks ignored in both."""
+    text = dbg.source_line(row.file, row.line)
+    if text is None:
+        return False
+    strip = str.maketrans("", "", " \t")
+    return fnmatch.fnmatchcase(text.translate(strip), pattern.translate(strip))
+
+
+def _after_prologue(dbg: D.DebugInfo, inst: D.Instance) -> int:
+    """A function's probe address: its entry, or in code compiled without
+    optimization the end of its prologue (the line table's second row in the
+    function, which is where the body starts even when it is on the same line),
+    where the parameters are in their stack slots, as perf and gdb choose."""
+    if inst.inlined or inst.optimized:
+        return inst.entry
+    rows = sorted((r for r in dbg.statement_rows(inst.cu) if inst.contains(r.addr)), key=lambda r: r.addr)
+    if not rows or rows[0].addr != inst.entry:
+        return inst.entry
+    return next((r.addr for r in rows[1:] if r.addr > inst.entry), inst.entry)
+
+
+# --- arguments ---------------------------------------------------------------------------------------
+
+_SCALAR_TYPES = {1: "8", 2: "16", 4: "32", 8: "64"}
+_AGGREGATES = ("DW_TAG_structure_type", "DW_TAG_union_type", "DW_TAG_class_type")
+
+
+def _char_like(t) -> bool:
+    t = D.strip(t)
+    return t is not None and t.tag == "DW_TAG_base_type" and D.byte_size(t) == 1 and \
+        D.encoding(t) in ("DW_ATE_signed_char", "DW_ATE_unsigned_char", "DW_ATE_signed", "DW_ATE_unsigned",
+                          "DW_ATE_UTF")
+
+
+def _default_type(t, label: str) -> str:
+    """convert_variable_type(): the fetch type of a scalar's DWARF type: signed
+    integers as sN, others (unsigned, pointers, enums, bool) as xN."""
+    s = D.strip(t)
+    if s is None:
+        raise ProbeError(f"{label} has no type (void)")
+    if s.tag in ("DW_TAG_pointer_type", "DW_TAG_reference_type", "DW_TAG_rvalue_reference_type"):
+        return "x64"
+    if s.tag in ("DW_TAG_base_type", "DW_TAG_enumeration_type"):
+        enc = D.encoding(s)
+        if enc == "DW_ATE_float" or enc == "DW_ATE_complex_float":
+            raise ProbeError(f"{label} is floating-point, which fetch args cannot read")
+        size = D.byte_size(s)
+        if size not in _SCALAR_TYPES:
+            raise ProbeError(f"{label} is {size} bytes, wider than a fetch arg")
+        sign = "s" if enc in ("DW_ATE_signed", "DW_ATE_signed_char") else "x"
+        if enc == "DW_ATE_boolean":
+            sign = "u"
+        return sign + _SCALAR_TYPES[size]
+    kind = {"DW_TAG_structure_type": "a struct", "DW_TAG_union_type": "a union", "DW_TAG_class_type": "a class",
+            "DW_TAG_array_type": "an array"}.get(s.tag, s.tag[7:])
+    raise ProbeError(f"{label} is {kind} ({D.type_name(t)}): name a member (->, ., [N]) or cast it")
+
+
+def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]:
+    """convert_variable_fields(): walk ->, . and [N]; (location, type, member DIE of the last field)."""
+    last_member = None
+    shown = arg.var
+    for f in arg.fields:
+        s = D.strip(t)
+        if f.index is not None:
+            shown += f"[{f.index}]"
+            if s is not None and s.tag == "DW_TAG_array_type":
+                elem = D.target(s)
+                size = D.byte_size(elem)
+                n = D.array_count(s)
+                if n is not None and f.index >= n:
+                    raise ProbeError(f"{label}: index {f.index} is past the end of {shown[:shown.rfind('[')]} "
+                                     f"({D.type_name(t)})")
+                if loc.kind != "mem" or size is None:
+                    raise ProbeError(f"{label}: {shown[:shown.rfind('[')]} is not in memory here")
+                loc, t = D.Loc("mem", base=loc.base, off=loc.off + f.index * size), elem
+            elif s is not None and s.tag == "DW_TAG_pointer_type":
+                elem = D.target(s)
+                size = D.byte_size(elem)
+                if size is None:
+                    raise ProbeError(f"{label}: {shown} points to a type of unknown size")
+                loc, t = D.Loc("mem", base=loc.value(), off=f.index * size), elem
+            else:
+                raise ProbeError(f"{label}: {shown[:shown.rfind('[')]} is not an array or a pointer")
+            last_member = None
+            continue
+        sep = "->" if f.ref else "."
+        if f.ref:
+            if s is None or s.tag != "DW_TAG_pointer_type":
+                raise ProbeError(f"{label}: {shown} is not a pointer; use '.{f.name}'")
+            rec = D.strip(D.target(s))
+            if rec is None or rec.tag not in _AGGREGATES:
+                raise ProbeError(f"{label}: {shown} does not point to a struct or union")
+            base, off = loc.value(), 0
+        else:
+            if s is not None and s.tag == "DW_TAG_pointer_type":
+                raise ProbeError(f"{label}: {shown} is a pointer; use '->{f.name}'")
+            rec = s
+            if rec is None or rec.tag not in _AGGREGATES:
+                raise ProbeError(f"{label}: {shown} is not a struct or union")
+            if loc.kind != "mem":
+                raise ProbeError(f"{label}: {shown} is not in memory here (in a register)")
+            base, off = loc.base, loc.off
+        found = D.member(rec, f.name)
+        if found is None:
+            raise ProbeError(f"{label}: {D.type_name(rec)} has no member '{f.name}'")
+        m, moff = found
+        shown += sep + f.name
+        loc, t, last_member = D.Loc("mem", base=base, off=off + moff), D._origin_type(m), m
+    return loc, t, last_member
+
+
+def _bitfield(m, t, loc: D.Loc) -> tuple[D.Loc, str] | None:
+    """A bitfield member as the container it is read from and a bN@O/C type."""
+    if m is None or "DW_AT_bit_size" not in m.attributes:
+        return None
+    width = m.attributes["DW_AT_bit_size"].value
+    csize = D.byte_size(t) or 4
+    if "DW_AT_data_bit_offset" in m.attributes:       # DWARF 4/5: bits from the struct's start
+        bit = m.attributes["DW_AT_data_bit_offset"].value
+    elif "DW_AT_bit_offset" in m.attributes:          # DWARF 2/3: from the container's most significant bit
+        moff = D._member_offset(m)
+        bit = moff * 8 + csize * 8 - m.attributes["DW_AT_bit_offset"].value - width
+        loc = D.Loc("mem", base=loc.base, off=loc.off - moff)
+    else:
+        return None
+    start = (bit // (csize * 8)) * csize
+    shift = bit - start * 8
+    if shift + width > csize * 8:
+        raise ProbeError(f"a bitfield of {width} bits at bit {bit} straddles its {csize}-byte container")
+    return D.Loc("mem", base=loc.base, off=loc.off + start), f"b{width}@{shift}/{csize * 8}"
+
+
+def _arg_name(arg: Arg) -> str:
+    if arg.name:
+        return arg.name
+    if arg.var == "$retval":
+        return "retval"
+    base = next((f.name for f in reversed(arg.fields) if f.name), arg.var)
+    if arg.type in ("string", "ustring"):
+        base += "_" + arg.type
+    return base
+
+
+def _string(loc: D.Loc, t, label: str, user: bool) -> str:
+    s = D.strip(t)
+    kind = "ustring" if user else "string"
+    if s is not None and s.tag == "DW_TAG_pointer_type" and (D.target(s) is None or _char_like(D.target(s))):
+        return f"+0({loc.value()}):{kind}"
+    if s is not None and s.tag == "DW_TAG_array_type" and _char_like(D.target(s)):
+        if loc.kind != "mem":
+            raise ProbeError(f"{label} is not in memory here")
+        return f"{loc.value()}:{kind}"
+    raise ProbeError(f"{label} is {D.type_name(t)}, not a char pointer or array: it cannot be read as a string")
+
+
+def compile_var(dbg: D.DebugInfo, image, site: Site, arg: Arg, var: D.Var | None, gvar=None) -> str:
+    """One argument: NAME=FETCHARG:TYPE."""
+    at = where(image, site.addr)
+    die = var.die if var is not None else gvar
+    label = f"'{arg.var}'"
+    try:
+        loc = dbg.location(die, site.inst, site.addr)
+    except D.Unavailable as e:
+        raise ProbeError(f"{label} is not available at {at} ({e})") from None
+    t = D._origin_type(die)
+    flabel = f"'{arg.text.split(':')[0]}' at {at}"
+    loc, t, m = _fields(loc, t, arg, flabel)
+    body = None
+    if arg.type in ("string", "ustring"):
+        body = _string(loc, t, flabel, arg.type == "ustring")
+    elif arg.type is not None:
+        body = f"{loc.value()}:{arg.type}"
+    else:
+        bf = _bitfield(m, t, loc)
+        if bf is not None:
+            body = f"{bf[0].value()}:{bf[1]}"
+        else:
+            s = D.strip(t)
+            if s is not None and s.tag == "DW_TAG_array_type" and _char_like(D.target(s)):
+                body = _string(loc, t, flabel, False)
+            else:
+                body = f"{loc.value()}:{_default_type(t, flabel)}"
+    if len(body) > MAX_ARGSTR_LEN:
+        raise ProbeError(f"{flabel}: the fetch arg '{body}' is longer than {MAX_ARGSTR_LEN} characters")
+    return body
+
+
+def _scalar(t) -> bool:
+    s = D.strip(t)
+    if s is None:
+        return False
+    if s.tag in ("DW_TAG_pointer_type",):
+        return True
+    if s.tag in ("DW_TAG_base_type", "DW_TAG_enumeration_type"):
+        return D.encoding(s) not in ("DW_ATE_float", "DW_ATE_complex_float") and D.byte_size(s) in _SCALAR_TYPES
+    return False
+
+
+def compile_args(dbg: D.DebugInfo, image, site: Site, d: ProbeDef) -> list[str]:
+    """Every argument of one site: a list of NAME=FETCHARG words."""
+    out: list[tuple[str, str]] = []
+    used: set[str] = set()
+
+    def add(name: str, body: str):
+        n, i = name, 1
+        while n in used:
+            n, i = f"{name}_{i}", i + 1
+        used.add(n)
+        out.append((n, body))
+
+    scope = None
+    for arg in d.args:
+        if arg.raw:
+            add(arg.name or f"arg{len(out) + 1}", arg.var)
+            continue
+        if arg.var == "$retval":
+            ftype = arg.type
+            if ftype is None:
+                rt = D._origin_type(site.inst.die)
+                ftype = _default_type(rt, f"the return value of '{site.inst.name}'") if _scalar(rt) else "x64"
+            body = f"+0($retval):{ftype}" if ftype in ("string", "ustring") else f"$retval:{ftype}"
+            add(_arg_name(arg), body)
+            continue
+        if scope is None:
+            scope = dbg.scope(site.inst, site.addr)
+        if arg.var in ("$vars", "$params"):
+            for v in scope:
+                if arg.var == "$params" and not v.param:
+                    continue
+                if not _scalar(v.type):
+                    continue
+                try:
+                    body = compile_var(dbg, image, site, Arg(v.name, arg.column, None, v.name), v)
+                except ProbeError:
+                    continue          # perf's $vars: what is not available here is left out
+                add(v.name, body)
+            continue
+        var = next((v for v in scope if v.name == arg.var), None)
+        gvar = dbg.global_var(arg.var) if var is None else None
+        if var is None and gvar is None:
+            raise ProbeError(f"no variable '{arg.var}' at {where(image, site.addr)} "
+                             f"(in '{site.inst.name}': {', '.join(v.name for v in scope) or 'none'})")
+        add(_arg_name(arg), compile_var(dbg, image, site, arg, var, gvar))
+    return [f"{n}={b}" for n, b in out]
+
+
+# --- event names and lines ----------------------------------------------------------------------------
+
+def _sanitize(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+
+
+def default_group(image) -> str:
+    """perf's group for a probe in an executable: probe_<file name>."""
+    return _sanitize("probe_" + os.path.basename(image.path))[:64]
+
+
+def default_event(d: ProbeDef, inst: D.Instance) -> str:
+    """perf's event names: FUNC, FUNC_L<RLN>, FUNC_<OFFS>, FUNC__return; for SRC:ALN
+    the function the line is in."""
+    p = d.point
+    if p.function is None:
+        return _sanitize(inst.name)
+    if p.retprobe:
+        return _sanitize(p.function + "__return")
+    if p.line:
+        return _sanitize(f"{p.function}_L{p.line}")
+    if p.offset:
+        return _sanitize(f"{p.function}_{p.offset}")
+    return _sanitize(p.function)
+
+
+def location_text(image, addr: int) -> str:
+    """The probe address as a kprobe_events line names it: SYMBOL+OFFS when the
+    function's symbol is unique, else the address."""
+    f = image.function_at(addr)
+    if f is not None and len(set(image.symbols.get(f.name, []))) == 1:
+        return f"{f.name}+{addr - f.start:#x}" if addr != f.start else f.name
+    return f"{addr:#x}"
+
+
+def compile_def(dbg: D.DebugInfo, image, d: ProbeDef, taken: set[tuple[str, str]]) -> list[Compiled]:
+    """Every kprobe_events line of one definition; `taken` collects the event names used."""
+    out = []
+    group = d.group or default_group(image)
+    reads_vars = any(not a.raw and a.var != "$retval" for a in d.args)
+    for i, site in enumerate(sites(dbg, image, d.point, reads_vars)):
+        base = d.event or default_event(d, site.inst)
+        ev, n = base, 1
+        while (group, ev) in taken:
+            ev, n = f"{base}_{n}", n + 1
+        taken.add((group, ev))
+        args = compile_args(dbg, image, site, d)
+        if d.point.retprobe:
+            f = image.function_at(site.addr)
+            loc = f.name if f is not None and f.start == site.addr else location_text(image, site.addr)
+            head = f"r:{group}/{ev} {loc}"
+        else:
+            head = f"p:{group}/{ev} {location_text(image, site.addr)}"
+        out.append(Compiled(" ".join([head, *args]), site.addr, d.point.retprobe))
+    return out

@@ -1,0 +1,659 @@
+"""Debug information for probe points by name: functions, lines, variables and
+their locations, read from DWARF 4 and 5 with pyelftools.
+
+What tools/perf/util/probe-finder.c and dwarf-aux.c do with libdw, ahead of time:
+find the instances of a function (its out-of-line copy and its inlined sites),
+the addresses of a source line, the variables in scope at an address, and where
+each one is there (convert_variable_location(): a register, the frame base or a
+register plus an offset, a static address, a constant; a location list's entry
+covering the address).  The frame base DW_OP_call_frame_cfa is the CFA rule of
+.eh_frame at the address (rewriter/ehframe/cfa.py).
+
+The debug information is the image's own `.debug_*` sections (compressed or
+not: pyelftools decompresses SHF_COMPRESSED and .zdebug sections), or a separate
+file found as perf and gdb find it: by build-id under /usr/lib/debug/.build-id/,
+or by .gnu_debuglink next to the image, in its .debug/ folder or under
+/usr/lib/debug.
+"""
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+
+from elftools.dwarf.dwarf_expr import DWARFExprParser
+from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, LocationExpr, LocationParser
+from elftools.dwarf.ranges import BaseAddressEntry as RangeBase, RangeEntry
+from elftools.elf.elffile import ELFFile
+
+DEBUG_ROOT = "/usr/lib/debug"
+
+
+class NoDebugInfo(Exception):
+    pass
+
+
+class Unavailable(Exception):
+    """A variable has no location that a fetch arg can read at the address (the reason)."""
+
+
+@dataclass
+class Loc:
+    """Where a value is at an address: `reg` (a fetch register name), `mem` (at the
+    address `base` + `off`, base a fetch expression of an address, None for a static
+    address), or `imm` (a constant)."""
+    kind: str
+    reg: str | None = None
+    base: str | None = None
+    off: int = 0
+    imm: int = 0
+
+    def value(self) -> str:
+        """The fetch arg that reads the value itself."""
+        if self.kind == "reg":
+            return f"%{self.reg}"
+        if self.kind == "imm":
+            return f"\\{self.imm}"
+        if self.base is None:
+            return f"@{self.off & (1 << 64) - 1:#x}"
+        return f"{self.off:+d}({self.base})"
+
+
+@dataclass
+class Instance:
+    """One copy of a function's code: its out-of-line body or an inlined site."""
+    name: str
+    die: object
+    cu: object
+    ranges: list[tuple[int, int]]
+    entry: int
+    decl_file: str | None
+    decl_line: int
+    frame: object                 # the concrete DW_TAG_subprogram, whose DW_AT_frame_base applies
+    inlined: bool
+    optimized: bool               # the CU was compiled with optimization (no prologue skip)
+
+    def contains(self, addr: int) -> bool:
+        return any(lo <= addr < hi for lo, hi in self.ranges)
+
+
+@dataclass
+class Var:
+    name: str
+    die: object
+    type: object                  # the DW_AT_type DIE, or None
+    param: bool
+
+
+@dataclass
+class LineRow:
+    addr: int
+    file: str
+    line: int
+
+
+def _debuglink_candidates(path: str, elf) -> list[str]:
+    out = []
+    notes = elf.get_section_by_name(".note.gnu.build-id")
+    if notes is not None:
+        for n in notes.iter_notes():
+            if n["n_type"] == "NT_GNU_BUILD_ID":
+                bid = n["n_desc"]
+                out.append(os.path.join(DEBUG_ROOT, ".build-id", bid[:2], bid[2:] + ".debug"))
+    link = elf.get_section_by_name(".gnu_debuglink")
+    if link is not None:
+        name = link.data().split(b"\0", 1)[0].decode("utf-8", "replace")
+        d = os.path.dirname(os.path.abspath(path))
+        out += [os.path.join(d, name), os.path.join(d, ".debug", name), DEBUG_ROOT + os.path.join(d, name)]
+    return out
+
+
+def _attr(die, name, follow=True):
+    """An attribute of the DIE, or of its abstract origin / specification."""
+    seen = 0
+    while die is not None and seen < 8:
+        a = die.attributes.get(name)
+        if a is not None:
+            return a
+        if not follow:
+            return None
+        nxt = None
+        for ref in ("DW_AT_abstract_origin", "DW_AT_specification"):
+            if ref in die.attributes:
+                nxt = die.get_DIE_from_attribute(ref)
+                break
+        die, seen = nxt, seen + 1
+    return None
+
+
+def die_name(die) -> str | None:
+    a = _attr(die, "DW_AT_name")
+    if a is None:
+        return None
+    v = a.value
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+def _origin_type(die):
+    """The DW_AT_type DIE of a DIE or of its abstract origin / specification."""
+    for _ in range(8):
+        if "DW_AT_type" in die.attributes:
+            return die.get_DIE_from_attribute("DW_AT_type")
+        for ref in ("DW_AT_abstract_origin", "DW_AT_specification"):
+            if ref in die.attributes:
+                die = die.get_DIE_from_attribute(ref)
+                break
+        else:
+            return None
+    return None
+
+
+class DebugInfo:
+    """The DWARF of one image (or of its separate debug file)."""
+
+    def __init__(self, path: str, data: bytes, regs: dict[int, str]):
+        self.path, self.regs = path, regs
+        self._data = data
+        elf = ELFFile(io.BytesIO(data))
+        self.source = path
+        if not elf.has_dwarf_info() or elf.get_section_by_name(".debug_info") is None and \
+                elf.get_section_by_name(".zdebug_info") is None:
+            for cand in _debuglink_candidates(path, elf):
+                if os.path.isfile(cand):
+                    with open(cand, "rb") as f:
+                        other = ELFFile(io.BytesIO(f.read()))
+                    if other.has_dwarf_info():
+                        elf, self.source = other, cand
+                        break
+            else:
+                raise NoDebugInfo(f"{os.path.basename(path)} has no DWARF debug information "
+                                  f"(.debug_info), and no separate debug file was found "
+                                  f"(build-id or .gnu_debuglink under {DEBUG_ROOT}); compile with -g")
+        self.elf = elf
+        self.dwarf = elf.get_dwarf_info()
+        self.loc = LocationParser(self.dwarf.location_lists())
+        self.expr = DWARFExprParser(self.dwarf.structs)
+        self._cfa = None
+        self._instances: dict[str, list[Instance]] | None = None
+        self._all: list[Instance] = []
+        self._globals: dict[str, object] = {}
+        self._lines: dict[int, list[LineRow]] = {}
+        self._raw_lines: dict[int, list[LineRow]] = {}
+        self._sources: dict[str, list[str] | None] = {}
+        self.cus = list(self.dwarf.iter_CUs())
+
+    # --- CFA (the frame base of DW_OP_call_frame_cfa) --------------------------------------------
+
+    def cfa(self, addr: int):
+        if self._cfa is None:
+            from ..ehframe.cfa import CfaRules
+            self._cfa = CfaRules(self._data)
+        return self._cfa.at(addr)
+
+    # --- functions ---------------------------------------------------------------------------------
+
+    def _cu_base(self, cu) -> int:
+        top = cu.get_top_DIE()
+        a = top.attributes.get("DW_AT_low_pc")
+        return self._addr_value(cu, a) if a is not None else 0
+
+    def _addr_value(self, cu, a) -> int:
+        if a.form in ("DW_FORM_addrx", "DW_FORM_addrx1", "DW_FORM_addrx2", "DW_FORM_addrx3",
+                      "DW_FORM_addrx4", "DW_FORM_GNU_addr_index"):
+            return self.dwarf.get_addr(cu, a.value)
+        return a.value
+
+    def ranges(self, die) -> list[tuple[int, int]]:
+        at = die.attributes
+        cu = die.cu
+        if "DW_AT_low_pc" in at and "DW_AT_high_pc" in at:
+            lo = self._addr_value(cu, at["DW_AT_low_pc"])
+            hi = at["DW_AT_high_pc"]
+            hv = self._addr_value(cu, hi) if hi.form.startswith("DW_FORM_addr") else lo + hi.value
+            return [(lo, hv)] if hv > lo else []
+        if "DW_AT_ranges" in at:
+            rl = self.dwarf.range_lists()
+            if rl is None:
+                return []
+            base, out = self._cu_base(cu), []
+            for e in rl.get_range_list_at_offset(at["DW_AT_ranges"].value, cu=cu):
+                if isinstance(e, RangeBase):
+                    base = e.base_address
+                elif isinstance(e, RangeEntry):
+                    lo, hi = (e.begin_offset, e.end_offset) if e.is_absolute else \
+                        (base + e.begin_offset, base + e.end_offset)
+                    if hi > lo:
+                        out.append((lo, hi))
+            return sorted(out)
+        return []
+
+    def _file_name(self, cu, index: int) -> str | None:
+        lp = self.dwarf.line_program_for_CU(cu)
+        if lp is None:
+            return None
+        files, dirs = lp["file_entry"], lp["include_directory"]
+        v5 = lp.header["version"] >= 5
+        i = index if v5 else index - 1
+        if not 0 <= i < len(files):
+            return None
+        fe = files[i]
+        name = fe.name.decode("utf-8", "replace") if isinstance(fe.name, bytes) else fe.name
+        di = fe.dir_index if v5 else fe.dir_index - 1
+        if di >= 0 and di < len(dirs) and not os.path.isabs(name):
+            d = dirs[di]
+            d = d.decode("utf-8", "replace") if isinstance(d, bytes) else d
+            name = os.path.join(d, name)
+        if not os.path.isabs(name):
+            comp = cu.get_top_DIE().attributes.get("DW_AT_comp_dir")
+            if comp is not None:
+                c = comp.value.decode("utf-8", "replace") if isinstance(comp.value, bytes) else comp.value
+                name = os.path.join(c, name)
+        return os.path.normpath(name)
+
+    def _optimized(self, cu) -> bool:
+        """Whether the CU was compiled with optimization: gcc records its switches in
+        DW_AT_producer; without them, a CU using location lists or entry values is."""
+        prod = cu.get_top_DIE().attributes.get("DW_AT_producer")
+        if prod is not None:
+            p = prod.value.decode("utf-8", "replace") if isinstance(prod.value, bytes) else str(prod.value)
+            opts = [w for w in p.split() if w.startswith("-O")]
+            if opts:
+                return opts[-1] not in ("-O0",)
+            if " -g" in p or "GNU" in p:
+                return False
+        return True
+
+    def _index(self) -> None:
+        if self._instances is not None:
+            return
+        self._instances = {}
+        for cu in self.cus:
+            top = cu.get_top_DIE()
+            opt = self._optimized(cu)
+            self._walk(top, cu, None, opt)
+
+    def _walk(self, die, cu, frame, opt) -> None:
+        for child in die.iter_children():
+            tag = child.tag
+            if tag == "DW_TAG_subprogram":
+                rng = self.ranges(child)
+                if rng:
+                    self._add(child, cu, rng, child, False, opt)
+                    self._walk(child, cu, child, opt)
+                elif die.tag in ("DW_TAG_compile_unit", "DW_TAG_partial_unit", "DW_TAG_namespace",
+                                 "DW_TAG_structure_type", "DW_TAG_class_type"):
+                    self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_inlined_subroutine" and frame is not None:
+                rng = self.ranges(child)
+                if rng:
+                    self._add(child, cu, rng, frame, True, opt)
+                self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_lexical_block" and frame is not None:
+                self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_namespace":
+                self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_variable" and frame is None:
+                name = die_name(child)
+                if name and "DW_AT_location" in child.attributes and name not in self._globals:
+                    self._globals[name] = child
+
+    def _add(self, die, cu, rng, frame, inlined, opt) -> None:
+        name = die_name(die)
+        if not name:
+            return
+        entry = rng[0][0]
+        ep = die.attributes.get("DW_AT_entry_pc")
+        if ep is not None:
+            entry = self._addr_value(cu, ep) if ep.form.startswith("DW_FORM_addr") else self._cu_base(cu) + ep.value
+        elif "DW_AT_low_pc" in die.attributes:
+            entry = self._addr_value(cu, die.attributes["DW_AT_low_pc"])
+        f = _attr(die, "DW_AT_decl_file")
+        origin = die
+        if "DW_AT_abstract_origin" in die.attributes:
+            origin = die.get_DIE_from_attribute("DW_AT_abstract_origin")
+        fcu = origin.cu if f is not None and "DW_AT_decl_file" not in die.attributes else cu
+        decl_file = self._file_name(fcu, f.value) if f is not None else None
+        ln = _attr(die, "DW_AT_decl_line")
+        inst = Instance(name, die, cu, rng, entry, decl_file, ln.value if ln is not None else 0,
+                        frame, inlined, opt)
+        self._instances.setdefault(name, []).append(inst)
+        self._all.append(inst)
+
+    def instances(self, name: str) -> list[Instance]:
+        self._index()
+        return sorted(self._instances.get(name, []), key=lambda i: i.entry)
+
+    def function_names(self) -> list[str]:
+        self._index()
+        return sorted(self._instances)
+
+    def innermost(self, addr: int) -> Instance | None:
+        """The innermost instance (an inlined site rather than its caller) at addr."""
+        self._index()
+        best = None
+        for inst in self._all:
+            if inst.contains(addr):
+                if best is None or _size(inst) < _size(best):
+                    best = inst
+        return best
+
+    # --- lines ---------------------------------------------------------------------------------------
+
+    def lines(self, cu) -> list[LineRow]:
+        """The line table's statement rows that start a line: the first row of each
+        run of rows of one line, as debuggers set a breakpoint on a line."""
+        rows = self._lines.get(cu.cu_offset)
+        if rows is not None:
+            return rows
+        rows, raw = [], []
+        lp = self.dwarf.line_program_for_CU(cu)
+        names: dict[int, str | None] = {}
+        prev = None
+        for e in (lp.get_entries() if lp is not None else []):
+            st = e.state
+            if st is None:
+                continue
+            if st.end_sequence:
+                prev = None
+                continue
+            key = (st.file, st.line)
+            if st.is_stmt and st.line:
+                if st.file not in names:
+                    names[st.file] = self._file_name(cu, st.file)
+                if names[st.file] is not None:
+                    row = LineRow(st.address, names[st.file], st.line)
+                    raw.append(row)
+                    if key != prev:
+                        rows.append(row)
+            prev = key
+        self._lines[cu.cu_offset] = rows
+        self._raw_lines[cu.cu_offset] = raw
+        return rows
+
+    def statement_rows(self, cu) -> list[LineRow]:
+        """Every statement row of the line table (a line's later rows too)."""
+        self.lines(cu)
+        return self._raw_lines[cu.cu_offset]
+
+    def source_line(self, path: str, line: int) -> str | None:
+        """Line `line` of a source file, as the line table names it (None if unreadable)."""
+        if path not in self._sources:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    self._sources[path] = f.read().split("\n")
+            except OSError:
+                self._sources[path] = None
+        text = self._sources[path]
+        return text[line - 1] if text is not None and 0 < line <= len(text) else None
+
+    def all_line_rows(self):
+        for cu in self.cus:
+            for r in self.lines(cu):
+                yield cu, r
+
+    # --- variables --------------------------------------------------------------------------------
+
+    def scope(self, inst: Instance, addr: int) -> list[Var]:
+        """Parameters and locals of inst visible at addr, outermost first (an inner
+        block's variable shadows an outer one of the same name)."""
+        out: list[Var] = []
+
+        def walk(die, top):
+            for c in die.iter_children():
+                if c.tag in ("DW_TAG_formal_parameter", "DW_TAG_variable"):
+                    name = die_name(c)
+                    if name:
+                        out.append(Var(name, c, _origin_type(c), c.tag == "DW_TAG_formal_parameter" and top))
+                elif c.tag == "DW_TAG_lexical_block":
+                    rng = self.ranges(c)
+                    if not rng or any(lo <= addr < hi for lo, hi in rng):
+                        walk(c, False)
+        walk(inst.die, True)
+        seen: dict[str, Var] = {}
+        for v in out:
+            seen.pop(v.name, None)
+            seen[v.name] = v
+        return list(seen.values())
+
+    def global_var(self, name: str):
+        self._index()
+        return self._globals.get(name)
+
+    def location(self, var_die, inst: Instance | None, addr: int) -> Loc:
+        """Where the variable is at addr; Unavailable if nowhere a fetch arg can read."""
+        at = var_die.attributes
+        if "DW_AT_const_value" in at:
+            v = at["DW_AT_const_value"].value
+            if isinstance(v, int):
+                return Loc("imm", imm=v)
+            raise Unavailable("a constant that is not an integer")
+        a = at.get("DW_AT_location")
+        if a is None:
+            raise Unavailable("optimized out")
+        expr = self._expr_at(a, var_die, addr)
+        if expr is None:
+            raise Unavailable("optimized out")
+        return self._eval(expr, inst, addr, var_die.cu)
+
+    def _expr_at(self, a, die, addr):
+        try:
+            parsed = self.loc.parse_from_attribute(a, die.cu["version"], die)
+        except ValueError:
+            return None
+        if isinstance(parsed, LocationExpr):
+            return parsed.loc_expr
+        base = self._cu_base(die.cu)
+        for e in parsed:
+            if isinstance(e, BaseAddressEntry):
+                base = e.base_address
+            elif isinstance(e, LocationEntry):
+                lo, hi = (e.begin_offset, e.end_offset) if e.is_absolute else \
+                    (base + e.begin_offset, base + e.end_offset)
+                if lo <= addr < hi:
+                    return e.loc_expr
+        return None
+
+    def _reg(self, n: int) -> str:
+        r = self.regs.get(n)
+        if r is None:
+            raise Unavailable(f"in DWARF register {n}, which fetch args cannot read")
+        return r
+
+    def _frame_base(self, inst: Instance | None, addr: int) -> tuple[str, int]:
+        fb = _attr(inst.frame, "DW_AT_frame_base") if inst is not None else None
+        if fb is None:
+            raise Unavailable("relative to a frame base the function does not have")
+        expr = self._expr_at(fb, inst.frame, addr)
+        if expr is None:
+            raise Unavailable("its frame base is not known at this address")
+        ops = self.expr.parse_expr(expr)
+        if len(ops) == 1 and ops[0].op_name == "DW_OP_call_frame_cfa":
+            rule = self.cfa(addr)
+            if rule is None:
+                raise Unavailable("the CFA is not known at this address (no .eh_frame rule)")
+            return self._reg(rule[0]), rule[1]
+        if len(ops) == 1 and ops[0].op_name.startswith("DW_OP_breg"):
+            return self._reg(_regno(ops[0])), ops[0].args[-1]
+        raise Unavailable(f"its frame base is {_show(ops)}")
+
+    def _eval(self, expr, inst, addr, cu) -> Loc:
+        """convert_variable_location(): one DWARF expression to a Loc."""
+        ops = self.expr.parse_expr(expr)
+        names = [o.op_name for o in ops]
+        if any("entry_value" in n for n in names):
+            raise Unavailable("optimized out: only its value at the function's entry is known (DW_OP_entry_value)")
+        if any(n in ("DW_OP_piece", "DW_OP_bit_piece") for n in names):
+            raise Unavailable("split into pieces (DW_OP_piece)")
+        if any("implicit_pointer" in n for n in names):
+            raise Unavailable("optimized out: an implicit pointer")
+        if any("tls_address" in n for n in names):
+            raise Unavailable("thread-local")
+        stack = names[-1] == "DW_OP_stack_value"
+        core = ops[:-1] if stack else ops
+        if len(core) != 1:
+            raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
+        op = core[0]
+        n = op.op_name
+        if stack:
+            if n.startswith("DW_OP_lit"):
+                return Loc("imm", imm=int(n[9:]))
+            if n.startswith("DW_OP_const"):
+                return Loc("imm", imm=op.args[0])
+            if n.startswith("DW_OP_breg") and op.args[-1] == 0:
+                return Loc("reg", reg=self._reg(_regno(op)))
+            raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
+        if n.startswith("DW_OP_reg"):
+            return Loc("reg", reg=self._reg(_regno(op)))
+        if n.startswith("DW_OP_breg"):
+            return Loc("mem", base=f"%{self._reg(_regno(op))}", off=op.args[-1])
+        if n == "DW_OP_fbreg":
+            reg, k = self._frame_base(inst, addr)
+            return Loc("mem", base=f"%{reg}", off=k + op.args[0])
+        if n == "DW_OP_addr":
+            return Loc("mem", base=None, off=op.args[0])
+        if n in ("DW_OP_addrx", "DW_OP_GNU_addr_index"):
+            return Loc("mem", base=None, off=self.dwarf.get_addr(cu, op.args[0]))
+        raise Unavailable(f"at {_show(ops)}, which fetch args cannot express")
+
+
+def _regno(op) -> int:
+    n = op.op_name
+    if n in ("DW_OP_regx", "DW_OP_bregx"):
+        return op.args[0]
+    return int(n[9:] if n.startswith("DW_OP_reg") else n[10:])
+
+
+def _show(ops) -> str:
+    return "; ".join(o.op_name + (" " + " ".join(str(a) for a in o.args) if o.args else "") for o in ops)
+
+
+def _size(inst: Instance) -> int:
+    return sum(hi - lo for lo, hi in inst.ranges)
+
+
+# --- types -------------------------------------------------------------------------------------------
+
+_QUALIFIERS = ("DW_TAG_typedef", "DW_TAG_const_type", "DW_TAG_volatile_type", "DW_TAG_restrict_type",
+               "DW_TAG_atomic_type")
+
+
+def strip(t):
+    """The type under typedefs and qualifiers."""
+    for _ in range(32):
+        if t is None or t.tag not in _QUALIFIERS:
+            return t
+        t = t.get_DIE_from_attribute("DW_AT_type") if "DW_AT_type" in t.attributes else None
+    return t
+
+
+def target(t):
+    return t.get_DIE_from_attribute("DW_AT_type") if t is not None and "DW_AT_type" in t.attributes else None
+
+
+def byte_size(t) -> int | None:
+    t = strip(t)
+    if t is None:
+        return None
+    a = t.attributes.get("DW_AT_byte_size")
+    if a is not None:
+        return a.value
+    if t.tag == "DW_TAG_pointer_type" or t.tag in ("DW_TAG_reference_type", "DW_TAG_rvalue_reference_type"):
+        return 8
+    if t.tag == "DW_TAG_array_type":
+        n, e = array_count(t), byte_size(target(t))
+        return n * e if n is not None and e is not None else None
+    if t.tag == "DW_TAG_enumeration_type":
+        return byte_size(target(t))
+    return None
+
+
+def array_count(t) -> int | None:
+    for c in t.iter_children():
+        if c.tag == "DW_TAG_subrange_type":
+            if "DW_AT_count" in c.attributes and isinstance(c.attributes["DW_AT_count"].value, int):
+                return c.attributes["DW_AT_count"].value
+            if "DW_AT_upper_bound" in c.attributes and isinstance(c.attributes["DW_AT_upper_bound"].value, int):
+                return c.attributes["DW_AT_upper_bound"].value + 1
+            return None
+    return None
+
+
+def encoding(t) -> str | None:
+    """DW_ATE_* name of a base type (an enum: its underlying type's, else unsigned)."""
+    t = strip(t)
+    if t is None:
+        return None
+    if t.tag == "DW_TAG_enumeration_type":
+        u = target(t)
+        return encoding(u) if u is not None else "DW_ATE_unsigned"
+    if t.tag != "DW_TAG_base_type":
+        return None
+    from elftools.dwarf.enums import ENUM_DW_ATE
+    v = t.attributes["DW_AT_encoding"].value if "DW_AT_encoding" in t.attributes else None
+    for k, n in ENUM_DW_ATE.items():
+        if n == v:
+            return k
+    return None
+
+
+def member(t, name: str):
+    """(member DIE, byte offset) of a field of a struct/union, looking through
+    anonymous members."""
+    for c in t.iter_children():
+        if c.tag != "DW_TAG_member":
+            continue
+        off = _member_offset(c)
+        cname = die_name(c)
+        if cname == name:
+            return c, off
+        if cname is None:
+            sub = strip(target(c))
+            if sub is not None and sub.tag in ("DW_TAG_structure_type", "DW_TAG_union_type", "DW_TAG_class_type"):
+                found = member(sub, name)
+                if found is not None:
+                    return found[0], off + found[1]
+    return None
+
+
+def _member_offset(m) -> int:
+    a = m.attributes.get("DW_AT_data_member_location")
+    if a is None:
+        return 0
+    if isinstance(a.value, int):
+        return a.value
+    if isinstance(a.value, list) and len(a.value) >= 2 and a.value[0] == 0x23:   # DW_OP_plus_uconst
+        v, shift = 0, 0
+        for b in a.value[1:]:
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        return v
+    return 0
+
+
+def type_name(t) -> str:
+    """A C spelling of a type, for listings."""
+    if t is None:
+        return "void"
+    tag = t.tag
+    n = die_name(t)
+    if tag == "DW_TAG_base_type" or tag == "DW_TAG_typedef":
+        return n or "?"
+    if tag == "DW_TAG_pointer_type":
+        return type_name(target(t)) + "*"
+    if tag in ("DW_TAG_const_type", "DW_TAG_volatile_type", "DW_TAG_restrict_type", "DW_TAG_atomic_type"):
+        q = tag[7:-5]
+        return f"{q} {type_name(target(t))}"
+    if tag == "DW_TAG_structure_type":
+        return f"struct {n or '(anon)'}"
+    if tag == "DW_TAG_union_type":
+        return f"union {n or '(anon)'}"
+    if tag == "DW_TAG_enumeration_type":
+        return f"enum {n or '(anon)'}"
+    if tag == "DW_TAG_array_type":
+        c = array_count(t)
+        return f"{type_name(target(t))}[{'' if c is None else c}]"
+    if tag == "DW_TAG_subroutine_type":
+        return "func"
+    return n or tag[7:]
