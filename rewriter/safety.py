@@ -9,6 +9,14 @@ KPREWRITE_TEST_SUITE is set too (tests/conftest.py sets it); in any other run
 setting KPREWRITE_UNSAFE_OFF is refused (the CLI exits with a one-line error
 before doing anything, and the library raises the same KprewriteError).
 
+can_optimize() (opt.c's, and <arch>.optprobe's) is not a rule of its own but the place
+where the jump optimizer's rules are checked: function_bounds, decode, direction_flag,
+indirect_jump and jump_into_region in its body, boostable, call_in_region and
+rsp_relative_call in copy_region().  Its one remaining check, MAX_OPTIMIZED_LENGTH
+(region_size), bounds the kernel's fixed buffer, not correctness: a longer region is copied
+as faithfully.  So it has no entry: switching the umbrella off would only switch off
+rules that are proven one by one.
+
 tests/test_safety_rules.py holds, for each rule with a switch, a small program
 that the rewrite with the rule on leaves printing what the original prints and
 that crashes, hangs or prints something else with the rule off; and it checks
@@ -44,11 +52,13 @@ class Rule:
 
 RULES: dict[str, Rule] = {r.name: r for r in [
     # --- the kernel's -------------------------------------------------------------------------
-    Rule("can_optimize",
-         "a detoured region lies inside one function and passes every check below (opt.c can_optimize())",
+    Rule("decode",
+         "a function is decoded from its start to its end before a region in it is jump-optimized: "
+         "the instruction boundaries and jump targets the other rules read come from that decoding",
          "<arch>.optprobe:can_optimize", KERNEL, switch=False,
-         unproven="an umbrella: its parts are the rules function_bounds, jump_into_region, indirect_jump, "
-                  "boostable, call_in_region, direction_flag and rsp_relative_call, each proven on its own"),
+         unproven="not switched yet: a function that does not decode to its end (data or an "
+                  "instruction the decoder does not know, in its middle) leaves the targets after "
+                  "that point unread, and no program shows that alone yet"),
     Rule("jump_into_region",
          "no known jump target (the JTPR) lies inside a region after its first byte",
          "<arch>.optprobe:can_optimize", KERNEL, "test_jump_into_region",
@@ -61,10 +71,10 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("function_bounds",
          "a region stays inside its function, or runs on only into padding after it that nothing "
          "names (opt.c: the region inside one function)",
-         "<arch>.optprobe:can_optimize", KERNEL, switch=False,
-         unproven="switched off, it broke nothing: the next function's start is a known jump target "
-                  "(its symbol, its callers, a pointer to it), so jump_into_region refuses the same "
-                  "region; it stands alone only for code nothing names, which no program reaches"),
+         "<arch>.optprobe:can_optimize", KERNEL, "test_function_bounds",
+         "a 4-byte function's region runs on into the nameless code after it, which the program "
+         "calls through a pointer computed at run time: the call lands inside the 5-byte jump, "
+         "SIGSEGV or SIGILL"),
     Rule("call_in_region",
          "a call in a region is its last instruction (the kernel takes none): a call inside would "
          "return into the jump's bytes",
@@ -82,12 +92,11 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "BUG table) does not know it"),
     Rule("blacklist",
          "no probe in a blacklisted place (.kprobes.text, noinstr, NOKPROBE_SYMBOL, PLT stubs, the "
-         "signal return trampoline, kprewrite's own runtime)",
-         "planner.register:register_refusal", KERNEL, switch=False,
-         unproven="switched off (tried on a static binary's signal return trampoline, the FDE one byte "
-                  "before __restore_rt), nothing broke: glibc's lea of __restore_rt makes it a known "
-                  "target, so jump_into_region leaves an int3 on a nop never run; the other entries "
-                  "matter for recursion through a handler or a kernel's entry code, not shown yet"),
+         "signal return trampoline, kprewrite's own runtime, the inside of an ftrace site)",
+         "planner.register:register_refusal", KERNEL, "test_blacklist",
+         "a NOKPROBE_SYMBOL function running on a stack with no room below its return address "
+         "(as a kernel's entry code before the stack switch) is probed: the detour's first "
+         "write below %rsp faults in the guard page, SIGSEGV"),
     Rule("exception_tables",
          "a kernel function with an exception-table entry is not jump-optimized "
          "(can_optimize()'s search_exception_tables())",

@@ -457,6 +457,73 @@ __attribute__((noinline)) int ten(void) { return 10; }
 int main(void) { printf("cir=%d\n", cir(5, ten)); return 0; }
 """
 
+FUNCTION_BOUNDS = r"""
+/* fb's 4 bytes (`lea; ret`) are too few for the probe's 5-byte jump, and the code after
+   fb's end is no padding: more code, which no symbol, FDE or relocation names; main
+   reaches it at fb + 4 through a pointer computed at run time. */
+__asm__(
+".text\n"
+".globl fb\n.type fb,@function\nfb:\n"
+"  lea 1(%rdi),%eax\n"                /* +0: the probe */
+"  ret\n"
+".size fb,.-fb\n"
+"  lea 100(%rdi),%eax\n"              /* +4: nameless code */
+"  ret\n");
+#include <stdio.h>
+extern char fb[];
+int main(void)
+{
+    long off = 4;
+    __asm__("" : "+r"(off));          /* no `lea fb+4(%rip)` for the analysis to read */
+    int (*f)(int) = (int (*)(int))fb, (*g)(int) = (int (*)(int))(fb + off);
+    int s = 0;
+    for (int i = 0; i < 3; i++)
+        s = s * 7 + f(i) + g(i);
+    printf("fb=%d\n", s);
+    return 0;
+}
+"""
+
+BLACKLIST = r"""
+/* tiny is NOKPROBE_SYMBOL (the kernel's macro: its address in _kprobe_blacklist): it runs on
+   a stack with no room below the return address (as a kernel's entry code before it switches
+   stacks), where a detour's (or a signal frame's) first push faults in the guard page. */
+__asm__(
+".text\n"
+".globl tiny\n.type tiny,@function\ntiny:\n"
+"  lea 3(%rdi),%eax\n"                /* +0: the probe */
+"  imul $5,%eax,%eax\n"
+"  ret\n"
+".size tiny,.-tiny\n"
+/* on_stack(x, top): tiny(x) with %rsp = top */
+".globl on_stack\n.type on_stack,@function\non_stack:\n"
+"  push %rbx\n"
+"  mov %rsp,%rbx\n"
+"  mov %rsi,%rsp\n"
+"  call tiny\n"
+"  mov %rbx,%rsp\n"
+"  pop %rbx\n"
+"  ret\n"
+".size on_stack,.-on_stack\n");
+#include <stdio.h>
+#include <sys/mman.h>
+int tiny(int), on_stack(long, char *);
+#define NOKPROBE_SYMBOL(fname) \
+    static unsigned long __attribute__((used, section("_kprobe_blacklist"))) _kbl_addr_##fname = (unsigned long)fname
+NOKPROBE_SYMBOL(tiny);
+int main(void)
+{
+    char *m = mmap(0, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED || mprotect(m, 4096, PROT_NONE))
+        return 2;
+    int s = 0;
+    for (int i = 0; i < 3; i++)
+        s = s * 7 + on_stack(i, m + 4096 + 8);      /* tiny's %rsp: the guard page's end */
+    printf("tiny=%d\n", s);
+    return 0;
+}
+"""
+
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
@@ -477,6 +544,8 @@ PROGRAMS = {
                                                                                 post_handler="post"), POST, "c"),
     "can_probe": (CAN_PROBE, PIE, probe_spec("kprobe", [("tra?", 2)], handlers=False), None, "c"),
     "call_in_region": (CALL_IN_REGION, PIE, probe_spec("kprobe", [("cir", 6)], handlers=False), None, "c"),
+    "function_bounds": (FUNCTION_BOUNDS, PIE, probe_spec("kprobe", ["fb"], handlers=False), None, "c"),
+    "blacklist": (BLACKLIST, PIE, probe_spec("kprobe", ["tin?"], handlers=False), None, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -632,6 +701,14 @@ def test_can_probe(built, runner):
 
 def test_call_in_region(built, runner):
     _prove(built, "call_in_region", runner)
+
+
+def test_function_bounds(built, runner):
+    _prove(built, "function_bounds", runner)
+
+
+def test_blacklist(built, runner):
+    _prove(built, "blacklist", runner)
 
 
 def test_direction_flag(built, runner):
