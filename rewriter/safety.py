@@ -48,6 +48,7 @@ class Rule:
     breaks: str = ""          # what that program does with the rule off
     unproven: str = ""        # no program yet (test None): why
     switch: bool = True       # consulted as safety.enabled(name) at `where`
+    kernel: bool = False      # proven by a kernel boot: `test` is in tests/kernel/test_kernel_safety_rules.py
 
 
 RULES: dict[str, Rule] = {r.name: r for r in [
@@ -98,10 +99,13 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "(as a kernel's entry code before the stack switch) is probed: the detour's first "
          "write below %rsp faults in the guard page, SIGSEGV"),
     Rule("exception_tables",
-         "a kernel function with an exception-table entry is not jump-optimized "
-         "(can_optimize()'s search_exception_tables())",
-         "rules:Rules.region_refusal", KERNEL, switch=False,
-         unproven="kernel only: a boot that faults in a copied instruction; no kernel-boot program yet"),
+         "no region or int3 over a kernel instruction with an exception-table entry (its copy "
+         "would fault where no entry names it), and, as can_optimize()'s "
+         "search_exception_tables(), no jump-optimized probe in a function with one",
+         "targets.linux_kernel.reserved:rules", KERNEL, "test_exception_tables",
+         "kernel: a jump-optimized probe on strncpy_from_user's word load; a handler reads user "
+         "address 16 with strncpy_from_user_nofault(): the load faults in the detour's copy, "
+         "which no fixup names, and the kernel oopses", kernel=True),
     # --- ours ---------------------------------------------------------------------------------
     Rule("red_zone",
          "a light detour keeps registers in the red zone below %rsp only at a function's entry, "
@@ -145,9 +149,10 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("probe_in_region",
          "another probe's bytes inside a region keep the region's site unoptimized (the kernel's "
          "pre-optimization check), unless the region is shared",
-         "planner:plan", KERNEL, switch=False,
-         unproven="not switched: a user image shares such regions (shared_regions), so the check is "
-                  "reached only in a kernel, and a kernel boot was not set up for it"),
+         "planner:plan", KERNEL, "test_probe_in_region",
+         "kernel (where regions are not shared): probes at do_sys_openat2+0x5 and +0x7 both get "
+         "5-byte jumps, the second written over the first's: the first open jumps to garbage, "
+         "and the kernel oopses", kernel=True),
     Rule("eviction",
          "an evicted neighbour's region holds no exit of its function (no ret, no indirect or "
          "outward jump): a kretprobe's return hook could not see it run in the copy",
@@ -162,9 +167,11 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "rewritten: the program prints other bytes"),
     Rule("boot_patched_tables",
          "no region or int3 over a site the kernel patches at boot (alternatives, paravirt, "
-         "retpolines, return sites, .smp_locks, ftrace sites)",
-         "rules:Rules.region_refusal", KERNEL, switch=False,
-         unproven="kernel only: needs a kernel boot to show the patcher overwriting a jump"),
+         "retpolines, return sites, static calls, .smp_locks)",
+         "rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",
+         "kernel: a jump-optimized probe at do_exit+0x2d, over the paravirt call the "
+         "alternatives patch at boot: apply_alternatives() writes over the jump, and the first "
+         "exit jumps to garbage", kernel=True),
 ]}
 
 

@@ -729,15 +729,35 @@ def _function(where: str):
     return obj
 
 
+KERNEL_MODULE = ROOT / "tests" / "kernel" / "test_kernel_safety_rules.py"
+
+
+def _kernel_module():
+    """(test functions, rules with an OFF entry) of the kernel rules' module, read without
+    importing it (it needs the kernel's fixtures)."""
+    tree = ast.parse(KERNEL_MODULE.read_text())
+    tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    off = next(n.value for n in tree.body if isinstance(n, ast.Assign) and
+               any(isinstance(t, ast.Name) and t.id == "OFF" for t in n.targets))
+    return tests, {k.value for k in off.keys}
+
+
 def test_every_switched_rule_has_its_program_and_test():
-    """A rule added with a switch and no program here fails this; a rule with no
-    switch says why it has no program."""
+    """A rule added with a switch and no program here (or, for a kernel's rule, in
+    tests/kernel/test_kernel_safety_rules.py) fails this; a rule with no switch says why
+    it has no program."""
     tests = {n for n, v in globals().items() if n.startswith("test_") and callable(v)}
+    kernel_tests, kernel_programs = _kernel_module()
     for r in safety.RULES.values():
         assert r.origin in (safety.KERNEL, safety.OURS), r.name
         assert r.description and "\n" not in r.description, r.name
         _function(r.where)                      # the place it names exists
-        if r.switch:
+        if r.switch and r.kernel:
+            assert r.test in kernel_tests, f"rule {r.name}: no test {r.test} in {KERNEL_MODULE.name}"
+            assert r.name in kernel_programs and r.breaks, f"rule {r.name}: no OFF entry in {KERNEL_MODULE.name}, " \
+                                                           "or no word of what breaks"
+            assert not r.unproven, r.name
+        elif r.switch:
             assert r.test in tests, f"rule {r.name}: no test {r.test} in {__name__}"
             assert r.name in PROGRAMS and r.breaks, f"rule {r.name}: no program, or no word of what breaks"
             assert not r.unproven, r.name
