@@ -21,7 +21,10 @@ tests/test_safety_rules.py holds, for each rule with a switch, a small program
 that the rewrite with the rule on leaves printing what the original prints and
 that crashes, hangs or prints something else with the rule off; and it checks
 that this registry, the `safety.enabled()` calls in rewriter/ and its own test
-functions agree.  A rule with no such program says why in `unproven`.
+functions agree.  A kernel's rule (`kernel=True`) is proven instead by
+tests/kernel/test_kernel_safety_rules.py: a clean boot with every rule on, an oops with
+the rule off.  A rule with no such program says why in `unproven`.  docs/safety.md
+tabulates them.
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ class Rule:
     where: str                # "module:function" holding the check: a module under rewriter/, or
                               # "<arch>.module" under each back end, rewriter/arch/<arch>/
     origin: str               # KERNEL (the kernel's own rule) or OURS (kprewrite's, beyond the kernel)
-    test: str | None = None   # tests/test_safety_rules.py's test whose program breaks with the rule off
+    test: str | None = None   # the test whose program breaks with the rule off: in tests/test_safety_rules.py,
+                              # or (kernel) in tests/kernel/test_kernel_safety_rules.py
     breaks: str = ""          # what that program does with the rule off
     unproven: str = ""        # no program yet (test None): why
     switch: bool = True       # consulted as safety.enabled(name) at `where`

@@ -1,6 +1,7 @@
 """Every safety rule proven by a program that breaks without it (issue 31).
 
-For each rule of rewriter/safety.py with a switch, a small program: rewritten
+For each rule of rewriter/safety.py with a switch (but the kernel's own, proven by
+boots in tests/kernel/test_kernel_safety_rules.py), a small program: rewritten
 with the rule on it prints what the original prints; rewritten with the rule
 switched off (KPREWRITE_UNSAFE_OFF=<rule>, honoured because conftest sets
 KPREWRITE_TEST_SUITE) it crashes, hangs under a timeout or prints something
@@ -9,9 +10,11 @@ that its program exercises it.  Each program and its two rewrites are built
 once for the module.
 
 The last tests keep the registry honest: every rule with a switch names a test
-here and is consulted as safety.enabled("name") in the function its entry
-names; every safety.enabled() call in rewriter/ names a registered rule; a rule
-with no program says why; and a normal run refuses KPREWRITE_UNSAFE_OFF."""
+here (a kernel's rule: in the kernel module, with an OFF entry there) and is
+consulted as safety.enabled("name") in the function its entry names; every
+safety.enabled() call in rewriter/ names a registered rule; a rule with no
+program says why; docs/safety.md's table lists every rule; and a normal run
+refuses KPREWRITE_UNSAFE_OFF."""
 from __future__ import annotations
 
 import ast
@@ -763,6 +766,13 @@ def test_every_switched_rule_has_its_program_and_test():
             assert not r.unproven, r.name
         else:
             assert r.test is None and r.unproven, f"rule {r.name}: no switch, so no test: say why (unproven)"
+
+
+def test_docs_table_lists_every_rule():
+    """docs/safety.md's table has one row per registered rule, and no other."""
+    import re
+    rows = re.findall(r"^\| `(\w+)` \| (kernel|ours) \|", (ROOT / "docs" / "safety.md").read_text(), re.M)
+    assert sorted(rows) == sorted((r.name, r.origin) for r in safety.RULES.values())
 
 
 def _enabled_calls():
