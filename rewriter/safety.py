@@ -170,8 +170,9 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "bytes in .text that only look like a `call` of the probed function (data, no FDE) are "
          "rewritten: the program prints other bytes"),
     Rule("boot_patched_tables",
-         "no region or int3 over a site the kernel patches at boot (alternatives, paravirt, "
-         "retpolines, return sites, static calls, .smp_locks)",
+         "no region or int3 over a site the kernel patches at boot or looks up by its address "
+         "(alternatives, paravirt, retpolines, return sites, static calls, jump labels, "
+         ".smp_locks, ftrace sites, BUG sites)",
          "rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",
          "kernel: a jump-optimized probe at do_exit+0x2d, over the paravirt call the "
          "alternatives patch at boot: apply_alternatives() writes over the jump, and the first "
