@@ -97,9 +97,10 @@ class Rules:
 
     def reserved_sites(self, lo: int, hi: int) -> list[BlacklistEntry]:
         """The reserved entries overlapping [lo, hi), by start: sites the kernel patches at
-        boot (alternatives, paravirt, retpolines, return sites, static calls, .smp_locks...)
-        and instructions with an exception-table entry, each kept only while its safety
-        rule (boot_patched_tables, exception_tables) is on."""
+        boot or looks up by address (alternatives, paravirt, retpolines, return sites, static
+        calls, jump labels, .smp_locks, ftrace and BUG sites) and instructions with an
+        exception-table entry, each kept only while its safety rule (boot_patched_tables,
+        exception_tables) is on."""
         return [e for e in self.reserved.all_overlapping(lo, hi)
                 if (safety.enabled("exception_tables") if e.reason in EX_TABLE
                     else safety.enabled("boot_patched_tables"))]

@@ -78,8 +78,8 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "names (opt.c: the region inside one function)",
          "<arch>.optprobe:can_optimize", KERNEL, "test_function_bounds",
          "a 4-byte function's region runs on into the nameless code after it, which the program "
-         "calls through a pointer computed at run time: the call lands inside the 5-byte jump, "
-         "SIGSEGV or SIGILL"),
+         "calls through a pointer computed at run time: the call lands inside the 5-byte jump "
+         "and crashes (SIGTRAP)"),
     Rule("call_in_region",
          "a call in a region is its last instruction (the kernel takes none): a call inside would "
          "return into the jump's bytes",
