@@ -460,6 +460,25 @@ __attribute__((noinline)) int ten(void) { return 10; }
 int main(void) { printf("cir=%d\n", cir(5, ten)); return 0; }
 """
 
+DECODE = r"""
+/* A byte that is no instruction (0x06: push %es, invalid in 64-bit mode), jumped over, stops
+   dec's decoding: the loop's branch back to +2, inside the probe's jump, lies after it. */
+__asm__(
+".text\n"
+".globl dec\n.type dec,@function\ndec:\n"
+"  xor %eax,%eax\n"                   /* +0: the probe */
+"1: add %edi,%eax\n"
+"  jmp 2f\n"
+"  .byte 0x06\n"
+"2: dec %edi\n"
+"  jnz 1b\n"
+"  ret\n"
+".size dec,.-dec\n");
+#include <stdio.h>
+int dec(int);
+int main(void) { printf("dec=%d\n", dec(10)); return 0; }
+"""
+
 FUNCTION_BOUNDS = r"""
 /* fb's 4 bytes (`lea; ret`) are too few for the probe's 5-byte jump, and the code after
    fb's end is no padding: more code, which no symbol, FDE or relocation names; main
@@ -547,6 +566,7 @@ PROGRAMS = {
                                                                                 post_handler="post"), POST, "c"),
     "can_probe": (CAN_PROBE, PIE, probe_spec("kprobe", [("tra?", 2)], handlers=False), None, "c"),
     "call_in_region": (CALL_IN_REGION, PIE, probe_spec("kprobe", [("cir", 6)], handlers=False), None, "c"),
+    "decode": (DECODE, PIE, probe_spec("kprobe", ["dec"], handlers=False), None, "c"),
     "function_bounds": (FUNCTION_BOUNDS, PIE, probe_spec("kprobe", ["fb"], handlers=False), None, "c"),
     "blacklist": (BLACKLIST, PIE, probe_spec("kprobe", ["tin?"], handlers=False), None, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
@@ -704,6 +724,10 @@ def test_can_probe(built, runner):
 
 def test_call_in_region(built, runner):
     _prove(built, "call_in_region", runner)
+
+
+def test_decode(built, runner):
+    _prove(built, "decode", runner)
 
 
 def test_function_bounds(built, runner):

@@ -141,7 +141,7 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
         return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at "
                                           f"{func.end:#x}, and no padding after it to borrow")
     decoded = analysis.decoded(func)
-    if decoded.undecodable is not None:
+    if decoded.undecodable is not None and safety.enabled("decode"):
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
     ij = analysis.unbounded_indirect_jump(func)
     if decoded.sets_df is not None and safety.enabled("direction_flag"):
