@@ -137,9 +137,9 @@ def boots(rewrites, make_initramfs, boot_kernel):
 
     def get(rule):
         if rule not in cache:
-            # A broken kernel may hang after its oops: 45 s is five times a good boot.
+            # A broken kernel may hang after its oops (a good boot takes about ten seconds).
             cache[rule] = boot_kernel(f"safety-{rule or 'on'}", rewrites(rule), initrd, smp=2,
-                                      timeout=120 if rule is None else 45)
+                                      timeout=120 if rule is None else 30)
         return cache[rule]
     return get
 
