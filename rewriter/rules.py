@@ -37,7 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import safety
 from .blacklist import BlacklistEntry, Index
+
+# The reserved entries of an exception table (the faulting instruction, its fixup): not
+# patched at boot, but an instruction copied to a detour faults where no entry names it.
+EX_TABLE = ("__ex_table", "__ex_table fixup")
 
 
 @dataclass
@@ -84,11 +89,21 @@ class Rules:
             r = self.function_refusal(analysis, func)
             if r is not None:
                 return r
-        e = self.reserved.overlapping(lo, hi)
+        e = next(iter(self.reserved_sites(lo, hi)), None)
         if e is not None:
             return arch.Refusal(e.reason, e.start, f"the region [{lo:#x}, {hi:#x}) overlaps a site patched at boot "
                                                    f"({e.symbol})")
         return None
+
+    def reserved_sites(self, lo: int, hi: int) -> list[BlacklistEntry]:
+        """The reserved entries overlapping [lo, hi), by start: sites the kernel patches at
+        boot or looks up by address (alternatives, paravirt, retpolines, return sites, static
+        calls, jump labels, .smp_locks, ftrace and BUG sites) and instructions with an
+        exception-table entry, each kept only while its safety rule (boot_patched_tables,
+        exception_tables) is on."""
+        return [e for e in self.reserved.all_overlapping(lo, hi)
+                if (safety.enabled("exception_tables") if e.reason in EX_TABLE
+                    else safety.enabled("boot_patched_tables"))]
 
     def exit_region_refusal(self, arch, analysis, func, lo: int, hi: int, exit_addr: int):
         """Why the return region [lo, hi) ending with the exit at exit_addr cannot be
@@ -98,7 +113,7 @@ class Rules:
             r = self.function_refusal(analysis, func)
             if r is not None:
                 return r
-        for e in self.reserved.all_overlapping(lo, hi):
+        for e in self.reserved_sites(lo, hi):
             if e.start == exit_addr and exit_addr in self.return_jumps and e.reason == ".return_sites":
                 continue
             return arch.Refusal(e.reason, e.start, f"the return region [{lo:#x}, {hi:#x}) overlaps a site patched "

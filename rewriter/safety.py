@@ -9,11 +9,22 @@ KPREWRITE_TEST_SUITE is set too (tests/conftest.py sets it); in any other run
 setting KPREWRITE_UNSAFE_OFF is refused (the CLI exits with a one-line error
 before doing anything, and the library raises the same KprewriteError).
 
+can_optimize() (opt.c's, and <arch>.optprobe's) is not a rule of its own but the place
+where the jump optimizer's rules are checked: function_bounds, decode, direction_flag,
+indirect_jump and jump_into_region in its body, boostable, call_in_region and
+rsp_relative_call in copy_region().  Its one remaining check, MAX_OPTIMIZED_LENGTH
+(region_size), bounds the kernel's fixed buffer, not correctness: a longer region is copied
+as faithfully.  So it has no entry: switching the umbrella off would only switch off
+rules that are proven one by one.
+
 tests/test_safety_rules.py holds, for each rule with a switch, a small program
 that the rewrite with the rule on leaves printing what the original prints and
 that crashes, hangs or prints something else with the rule off; and it checks
 that this registry, the `safety.enabled()` calls in rewriter/ and its own test
-functions agree.  A rule with no such program says why in `unproven`.
+functions agree.  A kernel's rule (`kernel=True`) is proven instead by
+tests/kernel/test_kernel_safety_rules.py: a clean boot with every rule on, an oops with
+the rule off.  A rule with no such program says why in `unproven`.  docs/safety.md
+tabulates them.
 """
 from __future__ import annotations
 
@@ -36,19 +47,22 @@ class Rule:
     where: str                # "module:function" holding the check: a module under rewriter/, or
                               # "<arch>.module" under each back end, rewriter/arch/<arch>/
     origin: str               # KERNEL (the kernel's own rule) or OURS (kprewrite's, beyond the kernel)
-    test: str | None = None   # tests/test_safety_rules.py's test whose program breaks with the rule off
+    test: str | None = None   # the test whose program breaks with the rule off: in tests/test_safety_rules.py,
+                              # or (kernel) in tests/kernel/test_kernel_safety_rules.py
     breaks: str = ""          # what that program does with the rule off
     unproven: str = ""        # no program yet (test None): why
     switch: bool = True       # consulted as safety.enabled(name) at `where`
+    kernel: bool = False      # proven by a kernel boot: `test` is in tests/kernel/test_kernel_safety_rules.py
 
 
 RULES: dict[str, Rule] = {r.name: r for r in [
     # --- the kernel's -------------------------------------------------------------------------
-    Rule("can_optimize",
-         "a detoured region lies inside one function and passes every check below (opt.c can_optimize())",
-         "<arch>.optprobe:can_optimize", KERNEL, switch=False,
-         unproven="an umbrella: its parts are the rules function_bounds, jump_into_region, indirect_jump, "
-                  "boostable, call_in_region, direction_flag and rsp_relative_call, each proven on its own"),
+    Rule("decode",
+         "a function is decoded from its start to its end before a region in it is jump-optimized: "
+         "the instruction boundaries and jump targets the other rules read come from that decoding",
+         "<arch>.optprobe:can_optimize", KERNEL, "test_decode",
+         "a byte that is no instruction, jumped over, stops the decoding: the loop branch after "
+         "it, back inside the probe's 5-byte jump, is never read, and lands there: SIGSEGV"),
     Rule("jump_into_region",
          "no known jump target (the JTPR) lies inside a region after its first byte",
          "<arch>.optprobe:can_optimize", KERNEL, "test_jump_into_region",
@@ -61,10 +75,10 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("function_bounds",
          "a region stays inside its function, or runs on only into padding after it that nothing "
          "names (opt.c: the region inside one function)",
-         "<arch>.optprobe:can_optimize", KERNEL, switch=False,
-         unproven="switched off, it broke nothing: the next function's start is a known jump target "
-                  "(its symbol, its callers, a pointer to it), so jump_into_region refuses the same "
-                  "region; it stands alone only for code nothing names, which no program reaches"),
+         "<arch>.optprobe:can_optimize", KERNEL, "test_function_bounds",
+         "a 4-byte function's region runs on into the nameless code after it, which the program "
+         "calls through a pointer computed at run time: the call lands inside the 5-byte jump "
+         "and crashes (SIGTRAP)"),
     Rule("call_in_region",
          "a call in a region is its last instruction (the kernel takes none): a call inside would "
          "return into the jump's bytes",
@@ -82,17 +96,19 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "BUG table) does not know it"),
     Rule("blacklist",
          "no probe in a blacklisted place (.kprobes.text, noinstr, NOKPROBE_SYMBOL, PLT stubs, the "
-         "signal return trampoline, kprewrite's own runtime)",
-         "planner.register:register_refusal", KERNEL, switch=False,
-         unproven="switched off (tried on a static binary's signal return trampoline, the FDE one byte "
-                  "before __restore_rt), nothing broke: glibc's lea of __restore_rt makes it a known "
-                  "target, so jump_into_region leaves an int3 on a nop never run; the other entries "
-                  "matter for recursion through a handler or a kernel's entry code, not shown yet"),
+         "signal return trampoline, kprewrite's own runtime, the inside of an ftrace site)",
+         "planner.register:register_refusal", KERNEL, "test_blacklist",
+         "a NOKPROBE_SYMBOL function running on a stack with no room below its return address "
+         "(as a kernel's entry code before the stack switch) is probed: the detour's first "
+         "write below %rsp faults in the guard page, SIGSEGV"),
     Rule("exception_tables",
-         "a kernel function with an exception-table entry is not jump-optimized "
-         "(can_optimize()'s search_exception_tables())",
-         "rules:Rules.region_refusal", KERNEL, switch=False,
-         unproven="kernel only: a boot that faults in a copied instruction; no kernel-boot program yet"),
+         "no region or int3 over a kernel instruction with an exception-table entry (its copy "
+         "would fault where no entry names it), and, as can_optimize()'s "
+         "search_exception_tables(), no jump-optimized probe in a function with one",
+         "targets.linux_kernel.reserved:rules", KERNEL, "test_exception_tables",
+         "kernel: a jump-optimized probe on strncpy_from_user's word load; a handler reads user "
+         "address 16 with strncpy_from_user_nofault(): the load faults in the detour's copy, "
+         "which no fixup names, and the kernel oopses", kernel=True),
     # --- ours ---------------------------------------------------------------------------------
     Rule("red_zone",
          "a light detour keeps registers in the red zone below %rsp only at a function's entry, "
@@ -136,9 +152,10 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("probe_in_region",
          "another probe's bytes inside a region keep the region's site unoptimized (the kernel's "
          "pre-optimization check), unless the region is shared",
-         "planner:plan", KERNEL, switch=False,
-         unproven="not switched: a user image shares such regions (shared_regions), so the check is "
-                  "reached only in a kernel, and a kernel boot was not set up for it"),
+         "planner:plan", KERNEL, "test_probe_in_region",
+         "kernel (where regions are not shared): probes at do_sys_openat2+0x5 and +0x7 both get "
+         "5-byte jumps, the second written over the first's: the first open jumps to garbage, "
+         "and the kernel oopses", kernel=True),
     Rule("eviction",
          "an evicted neighbour's region holds no exit of its function (no ret, no indirect or "
          "outward jump): a kretprobe's return hook could not see it run in the copy",
@@ -152,10 +169,13 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "bytes in .text that only look like a `call` of the probed function (data, no FDE) are "
          "rewritten: the program prints other bytes"),
     Rule("boot_patched_tables",
-         "no region or int3 over a site the kernel patches at boot (alternatives, paravirt, "
-         "retpolines, return sites, .smp_locks, ftrace sites)",
-         "rules:Rules.region_refusal", KERNEL, switch=False,
-         unproven="kernel only: needs a kernel boot to show the patcher overwriting a jump"),
+         "no region or int3 over a site the kernel patches at boot or looks up by its address "
+         "(alternatives, paravirt, retpolines, return sites, static calls, jump labels, "
+         ".smp_locks, ftrace sites, BUG sites)",
+         "rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",
+         "kernel: a jump-optimized probe at do_exit+0x2d, over the paravirt call the "
+         "alternatives patch at boot: apply_alternatives() writes over the jump, and the first "
+         "exit jumps to garbage", kernel=True),
 ]}
 
 

@@ -1,6 +1,7 @@
 """Every safety rule proven by a program that breaks without it (issue 31).
 
-For each rule of rewriter/safety.py with a switch, a small program: rewritten
+For each rule of rewriter/safety.py with a switch (but the kernel's own, proven by
+boots in tests/kernel/test_kernel_safety_rules.py), a small program: rewritten
 with the rule on it prints what the original prints; rewritten with the rule
 switched off (KPREWRITE_UNSAFE_OFF=<rule>, honoured because conftest sets
 KPREWRITE_TEST_SUITE) it crashes, hangs under a timeout or prints something
@@ -9,9 +10,11 @@ that its program exercises it.  Each program and its two rewrites are built
 once for the module.
 
 The last tests keep the registry honest: every rule with a switch names a test
-here and is consulted as safety.enabled("name") in the function its entry
-names; every safety.enabled() call in rewriter/ names a registered rule; a rule
-with no program says why; and a normal run refuses KPREWRITE_UNSAFE_OFF."""
+here (a kernel's rule: in the kernel module, with an OFF entry there) and is
+consulted as safety.enabled("name") in the function its entry names; every
+safety.enabled() call in rewriter/ names a registered rule; a rule with no
+program says why; docs/safety.md's table lists every rule; and a normal run
+refuses KPREWRITE_UNSAFE_OFF."""
 from __future__ import annotations
 
 import ast
@@ -457,6 +460,92 @@ __attribute__((noinline)) int ten(void) { return 10; }
 int main(void) { printf("cir=%d\n", cir(5, ten)); return 0; }
 """
 
+DECODE = r"""
+/* A byte that is no instruction (0x06: push %es, invalid in 64-bit mode), jumped over, stops
+   dec's decoding: the loop's branch back to +2, inside the probe's jump, lies after it. */
+__asm__(
+".text\n"
+".globl dec\n.type dec,@function\ndec:\n"
+"  xor %eax,%eax\n"                   /* +0: the probe */
+"1: add %edi,%eax\n"
+"  jmp 2f\n"
+"  .byte 0x06\n"
+"2: dec %edi\n"
+"  jnz 1b\n"
+"  ret\n"
+".size dec,.-dec\n");
+#include <stdio.h>
+int dec(int);
+int main(void) { printf("dec=%d\n", dec(10)); return 0; }
+"""
+
+FUNCTION_BOUNDS = r"""
+/* fb's 4 bytes (`lea; ret`) are too few for the probe's 5-byte jump, and the code after
+   fb's end is no padding: more code, which no symbol, FDE or relocation names; main
+   reaches it at fb + 4 through a pointer computed at run time. */
+__asm__(
+".text\n"
+".globl fb\n.type fb,@function\nfb:\n"
+"  lea 1(%rdi),%eax\n"                /* +0: the probe */
+"  ret\n"
+".size fb,.-fb\n"
+"  lea 100(%rdi),%eax\n"              /* +4: nameless code */
+"  ret\n");
+#include <stdio.h>
+extern char fb[];
+int main(void)
+{
+    long off = 4;
+    __asm__("" : "+r"(off));          /* no `lea fb+4(%rip)` for the analysis to read */
+    int (*f)(int) = (int (*)(int))fb, (*g)(int) = (int (*)(int))(fb + off);
+    int s = 0;
+    for (int i = 0; i < 3; i++)
+        s = s * 7 + f(i) + g(i);
+    printf("fb=%d\n", s);
+    return 0;
+}
+"""
+
+BLACKLIST = r"""
+/* tiny is NOKPROBE_SYMBOL (the kernel's macro: its address in _kprobe_blacklist): it runs on
+   a stack with no room below the return address (as a kernel's entry code before it switches
+   stacks), where a detour's (or a signal frame's) first push faults in the guard page. */
+__asm__(
+".text\n"
+".globl tiny\n.type tiny,@function\ntiny:\n"
+"  lea 3(%rdi),%eax\n"                /* +0: the probe */
+"  imul $5,%eax,%eax\n"
+"  ret\n"
+".size tiny,.-tiny\n"
+/* on_stack(x, top): tiny(x) with %rsp = top */
+".globl on_stack\n.type on_stack,@function\non_stack:\n"
+"  push %rbx\n"
+"  mov %rsp,%rbx\n"
+"  mov %rsi,%rsp\n"
+"  call tiny\n"
+"  mov %rbx,%rsp\n"
+"  pop %rbx\n"
+"  ret\n"
+".size on_stack,.-on_stack\n");
+#include <stdio.h>
+#include <sys/mman.h>
+int tiny(int), on_stack(long, char *);
+#define NOKPROBE_SYMBOL(fname) \
+    static unsigned long __attribute__((used, section("_kprobe_blacklist"))) _kbl_addr_##fname = (unsigned long)fname
+NOKPROBE_SYMBOL(tiny);
+int main(void)
+{
+    char *m = mmap(0, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED || mprotect(m, 4096, PROT_NONE))
+        return 2;
+    int s = 0;
+    for (int i = 0; i < 3; i++)
+        s = s * 7 + on_stack(i, m + 4096 + 8);      /* tiny's %rsp: the guard page's end */
+    printf("tiny=%d\n", s);
+    return 0;
+}
+"""
+
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
@@ -477,6 +566,9 @@ PROGRAMS = {
                                                                                 post_handler="post"), POST, "c"),
     "can_probe": (CAN_PROBE, PIE, probe_spec("kprobe", [("tra?", 2)], handlers=False), None, "c"),
     "call_in_region": (CALL_IN_REGION, PIE, probe_spec("kprobe", [("cir", 6)], handlers=False), None, "c"),
+    "decode": (DECODE, PIE, probe_spec("kprobe", ["dec"], handlers=False), None, "c"),
+    "function_bounds": (FUNCTION_BOUNDS, PIE, probe_spec("kprobe", ["fb"], handlers=False), None, "c"),
+    "blacklist": (BLACKLIST, PIE, probe_spec("kprobe", ["tin?"], handlers=False), None, "c"),
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -634,6 +726,18 @@ def test_call_in_region(built, runner):
     _prove(built, "call_in_region", runner)
 
 
+def test_decode(built, runner):
+    _prove(built, "decode", runner)
+
+
+def test_function_bounds(built, runner):
+    _prove(built, "function_bounds", runner)
+
+
+def test_blacklist(built, runner):
+    _prove(built, "blacklist", runner)
+
+
 def test_direction_flag(built, runner):
     # Under qemu-user, which delivers a signal with DF as the program left it (Linux
     # clears it), the int3 fallback runs its handler with DF = 1 unless the runtime's
@@ -652,20 +756,47 @@ def _function(where: str):
     return obj
 
 
+KERNEL_MODULE = ROOT / "tests" / "kernel" / "test_kernel_safety_rules.py"
+
+
+def _kernel_module():
+    """(test functions, rules with an OFF entry) of the kernel rules' module, read without
+    importing it (it needs the kernel's fixtures)."""
+    tree = ast.parse(KERNEL_MODULE.read_text())
+    tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    off = next(n.value for n in tree.body if isinstance(n, ast.Assign) and
+               any(isinstance(t, ast.Name) and t.id == "OFF" for t in n.targets))
+    return tests, {k.value for k in off.keys}
+
+
 def test_every_switched_rule_has_its_program_and_test():
-    """A rule added with a switch and no program here fails this; a rule with no
-    switch says why it has no program."""
+    """A rule added with a switch and no program here (or, for a kernel's rule, in
+    tests/kernel/test_kernel_safety_rules.py) fails this; a rule with no switch says why
+    it has no program."""
     tests = {n for n, v in globals().items() if n.startswith("test_") and callable(v)}
+    kernel_tests, kernel_programs = _kernel_module()
     for r in safety.RULES.values():
         assert r.origin in (safety.KERNEL, safety.OURS), r.name
         assert r.description and "\n" not in r.description, r.name
         _function(r.where)                      # the place it names exists
-        if r.switch:
+        if r.switch and r.kernel:
+            assert r.test in kernel_tests, f"rule {r.name}: no test {r.test} in {KERNEL_MODULE.name}"
+            assert r.name in kernel_programs and r.breaks, f"rule {r.name}: no OFF entry in {KERNEL_MODULE.name}, " \
+                                                           "or no word of what breaks"
+            assert not r.unproven, r.name
+        elif r.switch:
             assert r.test in tests, f"rule {r.name}: no test {r.test} in {__name__}"
             assert r.name in PROGRAMS and r.breaks, f"rule {r.name}: no program, or no word of what breaks"
             assert not r.unproven, r.name
         else:
             assert r.test is None and r.unproven, f"rule {r.name}: no switch, so no test: say why (unproven)"
+
+
+def test_docs_table_lists_every_rule():
+    """docs/safety.md's table has one row per registered rule, and no other."""
+    import re
+    rows = re.findall(r"^\| `(\w+)` \| (kernel|ours) \|", (ROOT / "docs" / "safety.md").read_text(), re.M)
+    assert sorted(rows) == sorted((r.name, r.origin) for r in safety.RULES.values())
 
 
 def _enabled_calls():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
+from .. import safety
 from ..resolve import Probe, is_entry
 from .forms import choose_forms
 from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
@@ -78,7 +79,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if s.decision not in JUMPS or s.head is not None:
             continue
         i = bisect.bisect_right(placed, s.addr)
-        if i < len(placed) and placed[i] < s.region_end:
+        if i < len(placed) and placed[i] < s.region_end and safety.enabled("probe_in_region"):
             s.reason = arch.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
             s.decision, s.dcr = REFUSED, None
     if rules.short_jumps and optimize and arch.optprobe.SHORT_JUMP_SIZE:
@@ -93,7 +94,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
             # A breakpoint on a site patched at boot (a kernel's paravirt call, lock prefix,
             # return thunk...) would be overwritten or trip the patcher's checks, and an
             # instruction with an exception fixup must not fault in an out-of-line copy.
-            e = rules.reserved.overlapping(s.addr, s.addr + 1)
+            e = next(iter(rules.reserved_sites(s.addr, s.addr + 1)), None)
             if e is not None:
                 why = arch.Refusal(e.reason, e.start, f"the int3 at {s.addr:#x} would sit on " + (
                     "an instruction with an exception fixup (its out-of-line copy could fault)"

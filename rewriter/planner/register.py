@@ -36,7 +36,7 @@ def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None
     if not analysis.is_boundary(p.func, p.addr):
         return f"{p.addr:#x} is not an instruction boundary of {p.func.name} (decoded from {p.func.start:#x})", "insn_boundary"
     e = bl.lookup(blacklist, p.addr)
-    if e is not None:
+    if e is not None and safety.enabled("blacklist"):
         return f"{p.addr:#x} is blacklisted: {e.reason} ({e.symbol})", "blacklist"
     r = arch.optprobe.can_probe_insn(image, p.addr)
     if r is not None and not arch.kprobe_xol.emulates_refused(image, p.addr) and safety.enabled("can_probe"):

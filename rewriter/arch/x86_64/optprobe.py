@@ -88,7 +88,8 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
         pos += info.length
     if pos - addr > MAX_OPTIMIZED_LENGTH and min_end is None:
         return Refusal("region_size", addr, f"region is {pos - addr} bytes, more than {MAX_OPTIMIZED_LENGTH}")
-    if pos > func.end and (analysis is None or not _borrow_padding(image, analysis, func, pos)):
+    if pos > func.end and (analysis is None or not _borrow_padding(image, analysis, func, pos)) \
+            and safety.enabled("function_bounds"):
         return Refusal("func_size", addr, f"region [{addr:#x}, {pos:#x}) crosses the end of {func.name} at "
                                           f"{func.end:#x}, and the bytes after it are not padding to borrow")
     # An unconditional jump ends the flow; what follows in the DCR is dead in the copy
@@ -135,11 +136,12 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
     the bytes the jump at addr takes (2 for a short jump, short_jump_slot())."""
     if func is None:
         return Refusal("func_size", addr, "no function symbol or FDE covers the address")
-    if func.end - addr < jump_size and not _borrow_padding(image, analysis, func, addr + jump_size):
+    if func.end - addr < jump_size and not _borrow_padding(image, analysis, func, addr + jump_size) \
+            and safety.enabled("function_bounds"):
         return Refusal("func_size", addr, f"fewer than 5 bytes from the probe to the end of {func.name} at "
                                           f"{func.end:#x}, and no padding after it to borrow")
     decoded = analysis.decoded(func)
-    if decoded.undecodable is not None:
+    if decoded.undecodable is not None and safety.enabled("decode"):
         return Refusal("decode", decoded.undecodable, f"{func.name} cannot be decoded from its start")
     ij = analysis.unbounded_indirect_jump(func)
     if decoded.sets_df is not None and safety.enabled("direction_flag"):

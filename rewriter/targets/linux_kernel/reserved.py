@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import struct
 
+from ... import safety
 from ...blacklist import BlacklistEntry, Index
 from ...rules import Rules
 from . import sites as ks
@@ -66,7 +67,7 @@ def rules(image, arch) -> Rules:
 
     def function_refusal(analysis, func):
         i = bisect.bisect_left(ex_insns, func.start)
-        if i < len(ex_insns) and ex_insns[i] < func.end:
+        if i < len(ex_insns) and ex_insns[i] < func.end and safety.enabled("exception_tables"):
             return arch.Refusal("__ex_table", ex_insns[i], f"{func.name} has an exception table entry: "
                                 "its fixup may jump back into the function")
         return arch_refusal(analysis, func)
