@@ -167,8 +167,8 @@ def region_ips(c: Code, lay, site: Site) -> list[tuple[int, int]]:
     """Where the instructions of a shared region that lie under its head's jump
     run in the detours (the runtime's kp_region_ips[]): a rider's own address
     maps to its detour (its probes fire, as at a breakpoint), any other
-    instruction to its copy.  Copies are as long wherever they go (rel32 forms),
-    so the layout's resume addresses place them."""
+    instruction to its copy.  Copies are as long wherever they go (the arch's long
+    forms: x86-64's rel32), so the layout's resume addresses place them."""
     if site.head is None and not site.riders:
         return []
     a = lay.site(site)

@@ -23,9 +23,9 @@ from .planner import INT3, EvictedRegion, RetSite, Site
 
 @contextmanager
 def relocating(c: emission.Code, what: str, addr: int):
-    """The arch cannot move an instruction near `addr` to where its copy goes (a rel32
-    branch or rip-relative target out of reach of the new code: only damaged code has
-    one): one line naming the file and the site, as __copy_instruction()'s failure
+    """The arch cannot move an instruction near `addr` to where its copy goes (its
+    branch or PC-relative target out of reach of the new code, e.g. x86-64's rel32:
+    only damaged code has one): one line naming the file and the site, as __copy_instruction()'s failure
     makes register_kprobe() refuse the probe."""
     try:
         yield

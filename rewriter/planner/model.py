@@ -131,7 +131,7 @@ class Group:
 
 @dataclass
 class Retarget:
-    """A direct branch (call, jmp, jcc rel32) to the start of a detoured region,
+    """A direct branch (x86-64: call, jmp, jcc rel32) to the start of a detoured region,
     sent straight to its detour (Rules.retarget_branches): the jump at the region
     would take it there anyway, one taken jump later."""
     src: int
