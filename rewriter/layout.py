@@ -25,8 +25,8 @@ from .planner import INT3, EvictedRegion, RetSite, Site
 def relocating(c: emission.Code, what: str, addr: int):
     """The arch cannot move an instruction near `addr` to where its copy goes (its
     branch or PC-relative target out of reach of the new code, e.g. x86-64's rel32:
-    only damaged code has one): one line naming the file and the site, as __copy_instruction()'s failure
-    makes register_kprobe() refuse the probe."""
+    only damaged code has one): one line naming the file and the site, as
+    __copy_instruction()'s failure makes register_kprobe() refuse the probe."""
     try:
         yield
     except c.arch.emit.EmitError as e:
@@ -105,7 +105,7 @@ def place(c: emission.Code, target) -> Layout:
         pos += n
     for site in c.plan.sites:       # a shared region's segments jump one to the next
         for s, nxt in zip([site] + site.riders, site.riders):
-            sites[s.index] = replace(sites[s.index], back=sites[nxt.index].detour)
+            sites[s.index] = replace(so_far.site(s), back=so_far.site(nxt).detour)
     for rs in c.plan.ret_sites:
         pos = (pos + 15) & ~15
         returns[rs.addr] = pos
