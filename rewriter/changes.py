@@ -17,6 +17,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 
+from .arch import get_arch
 from .errors import KprewriteError
 from .image import PT_LOAD, PT_PHDR
 from .report import hexaddr, read_metadata
@@ -104,6 +105,7 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             e.probes.append(name)
 
     riders = []
+    brk = len(get_arch(orig.machine).breakpoint)     # what a breakpoint writes (x86 int3: 1 byte)
     for p in meta["probes"]:
         a, end = p["region"]
         label = f"{p['symbol']}+{p['offset']:#x}"
@@ -111,7 +113,7 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             how = f"ftrace site: jump to detour {p['detour']:#x}"
         elif p.get("int3"):
             how = f"int3 ({p['int3']})"
-            end = a + 1
+            end = a + brk
         else:
             how = f"jump to detour {p['detour']:#x}"
         if p.get("shared_with") is not None:     # its bytes are under its head's jump
@@ -129,7 +131,7 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
         for ra, rend, exit_ in p.get("return_sites") or []:
             add(ra, rend, "return_site", f"return hook of {label} (exit at {exit_:#x}): jump to detour", p["name"])
         for x in p.get("int3_exits") or []:
-            add(x, x + 1, "int3_exit", f"return hook of {label} (exit at {x:#x}): int3", p["name"])
+            add(x, x + brk, "int3_exit", f"return hook of {label} (exit at {x:#x}): int3", p["name"])
     for p in riders:
         for e in out.values():
             if e.address == p["shared_with"] and e.what in ("kprobe", "kretprobe") and p["name"] not in e.probes:

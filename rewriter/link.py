@@ -58,9 +58,10 @@ SECTIONS
   /DISCARD/ : {{ *(.note.*) *(.comment) *(.eh_frame*) *(_kprobe_blacklist) *(.interp) }}
 }}
 """
-# A PIE blob's data constant once the runtime has relocated itself (the probe sites,
-# their probe lists, the handler tables; .data..ro_after_init as the kernel names it),
-# first in the data and padded to a page: kp_relocate() makes it read-only.
+# The blob's data constant once the runtime runs (the probe sites, their probe lists,
+# the handler tables; .data..ro_after_init as the kernel names it), first in the data
+# and padded to a page: a PIE blob's kp_relocate() makes it read-only once relocated; in
+# a kernel, mark_rodata_ro()'s own set_memory_ro() does (linux_kernel/platform.c).
 RELRO = ("  .data.rel.ro : {{ __kp_ro_start = .; *(.data..ro_after_init) *(.data.rel.ro .data.rel.ro.*) "
          ". = ALIGN(0x1000); __kp_ro_end = .; }}")
 # Symbols the linker script defines.
@@ -117,7 +118,7 @@ def link(workdir: Path, objs: list[Path], text_addr: int, platform: str = PLATFO
     ld = linker(arch or _arch_of(objs))
     script = workdir / "kp.ld"
     text = LINKER_SCRIPT.format(text=text_addr, data=". = ALIGN(0x1000);" if data_addr is None else f". = {data_addr:#x};",
-                                relro=RELRO.format() if pie(platform) else "")
+                                relro=RELRO.format())
     out = workdir / "blob.elf"
     if pie(platform):
         script.write_text(text)

@@ -53,9 +53,9 @@ def generate(c: Code, lay, target, traces: dict) -> str:
     out += [f"  {{ {a:#x}UL, {b:#x}UL }}," for a, b in ips]
     out.append("};")
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
-    relro = not getattr(target, "TABLES_AT_BOOT", False)     # read-only once relocated (link.RELRO)
-    out.append(_kretprobes_c(c, traces, A, relro))
-    out.append(c.arch.kprobe_xol.table_c(plan.sites, lay.xol, relro))
+    # Read-only once the runtime runs (link.RELRO: once relocated; a kernel: from mark_rodata_ro()).
+    out.append(_kretprobes_c(c, traces, A, True))
+    out.append(c.arch.kprobe_xol.table_c(plan.sites, lay.xol, True))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     out += _layout_asserts(c.arch.emit)
@@ -151,9 +151,9 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
         return string_at[s]
 
     early_sites, fields = [], {}    # the sites of the runtime's own probes; each kprobe's fields
-    # Not const: the records go with the data, in the rodata/data gap; the code gap
-    # holds the detours.
-    out.append(f"struct kp_probe_rec kp_probe_recs[{max(1, len(plan.kprobes))}] = {{")
+    # Not const: the records go with the data, in the rodata/data gap (the code gap
+    # holds the detours), read-only from mark_rodata_ro() on (RO_AFTER_INIT, link.RELRO).
+    out.append(f"struct kp_probe_rec kp_probe_recs[{max(1, len(plan.kprobes))}]{RO_AFTER_INIT} = {{")
     for site, p in plan.kprobes:
         f = _probe_fields(c, site, p, traces, decl)
         pair = (f["pre"], f["post"])
@@ -170,7 +170,7 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
             early_sites.append(site.index)
     out.append("};")
     out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
-    out.append(f"struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}] = {{")
+    out.append(f"struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}]{RO_AFTER_INIT} = {{")
     for site in plan.sites:
         a = lay.site(site)
         out.append(f"  {{ {off(site.addr):#x}, {off(a.resume):#x}, {off(a.resume_post):#x}, "
@@ -195,7 +195,10 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
     out.append("};")
     out.append(f"struct kprobe *const kp_early_site_probes[{max(1, len(early))}] = {{ "
                + (", ".join(f"&kp_early_probes[{i}]" for i in range(len(early))) or "0") + " };")
-    out.append(f"struct kp_site kp_early_sites[{max(1, len(groups))}] = {{")
+    out.append(f"const struct kp_handler_rec kp_early_site_handlers[{max(1, len(early))}] = {{ "
+               + (", ".join(f"{{ {fields[id(q)]['pre']}, {fields[id(q)]['post']} }}" for _, q in early) or "{ 0, 0 }")
+               + " };")
+    out.append(f"struct kp_site kp_early_sites[{max(1, len(groups))}]{RO_AFTER_INIT} = {{")
     first = 0
     for site, qs in groups:
         out.append(_site_c(site, lay.site(site), first, len(qs), A))
@@ -204,9 +207,14 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
     out.append(f"const unsigned int kp_early_site_index[{max(1, len(groups))}] = {{ "
                + (", ".join(str(site.index) for site, _ in groups) or "0") + " };")
     out.append(f"const unsigned int kp_nearly_sites = {len(groups)}, kp_nearly_probes = {len(early)};")
-    out.append("struct kprobe *kp_probes;\nstruct kp_site *kp_sites;\n"
-               "struct kprobe *const *kp_site_probes = kp_early_site_probes;\nvolatile int kp_tables_built;")
+    out.append(f"struct kprobe *kp_probes{RO_AFTER_INIT};\nstruct kp_site *kp_sites{RO_AFTER_INIT};\n"
+               f"struct kprobe *const *kp_site_probes{RO_AFTER_INIT} = kp_early_site_probes;\n"
+               f"const struct kp_handler_rec *kp_site_handlers{RO_AFTER_INIT} = kp_early_site_handlers;\n"
+               f"volatile int kp_tables_built{RO_AFTER_INIT};")
     return decl + out
+
+
+RO_AFTER_INIT = ' __attribute__((section(".data..ro_after_init")))'
 
 
 def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL", ro_handlers: bool = False) -> str:

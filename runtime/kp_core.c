@@ -299,8 +299,8 @@ void kp_optimized_clean_callback(unsigned long site_index)
 			if (!kprobe_disabled(p)) {
 				t->active = 1;
 				t->hits[p->index]++;
-				if (p->pre_handler)
-					p->pre_handler(p, 0);
+				if (kp_site_handlers[s->first].pre)
+					kp_site_handlers[s->first].pre(p, 0);
 				t->active = 0;
 			}
 			kp_platform_dispatch_end();

@@ -262,10 +262,10 @@ void kp_fetch_arg(struct kp_rec *r, const struct kp_probe_arg *a, struct kp_fetc
 		break;
 	case KP_FETCH_ARG:
 		/* regs_get_kernel_argument(): the stack part at a function entry. */
-		if (code->param < 6)
+		if (code->param < KP_ARCH_REG_ARGS)
 			val = regs_get_kernel_argument(regs, code->param);
 		else
-			val = kp_stack_nth(c, code->param - 5, &fault);
+			val = kp_stack_nth(c, kp_arch_stack_arg(code->param), &fault);
 		break;
 	case KP_FETCH_IMM:
 		val = code->imm;

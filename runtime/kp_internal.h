@@ -31,6 +31,21 @@ struct kp_handler_rec {
 	kprobe_pre_handler_t pre;
 	kprobe_post_handler_t post;
 };
+struct kp_kret_handler_rec {
+	kretprobe_handler_t handler, entry_handler;
+};
+/*
+ * The handlers the dispatch calls, read-only once the runtime runs: the
+ * pre_handler and post_handler of kp_site_probes[i] in kp_site_handlers[i], and
+ * a kretprobe's {handler, entry_handler} in kp_kret_handlers[] by its position in
+ * kp_kretprobes[].  The handler fields of struct kprobe and struct kretprobe,
+ * beside the counters and flags that stay writable, are not called: a
+ * memory-corruption bug cannot point a probe at other code.
+ */
+extern const struct kp_kret_handler_rec kp_kret_handlers[];
+/* The handlers of a site's probe i, pp[i] (pp: the site's kp_site_probes[]). */
+#define KP_PRE_HANDLER(s, pp, i) (kp_site_handlers[(s)->first + (i)].pre)
+#define KP_POST_HANDLER(s, pp, i) (kp_site_handlers[(s)->first + (i)].post)
 #ifndef KP_PLATFORM_TABLES_AT_BOOT
 extern struct kprobe kp_probes[];
 extern struct kp_site kp_sites[];
@@ -38,21 +53,9 @@ extern struct kprobe *const kp_site_probes[];
 /*
  * Read-only once the runtime has relocated itself (kp_relocate() makes
  * [__kp_ro_start, __kp_ro_end) read-only): kp_sites[], kp_site_probes[], the
- * arch's breakpoint descriptors and the handlers the dispatch calls:
- * kp_site_handlers[] (beside kp_site_probes[]: the pre_handler and post_handler
- * of kp_site_probes[i]) and kp_kret_handlers[] (by position in kp_kretprobes[]).
- * The handler fields of struct kprobe and struct kretprobe, beside the counters
- * and flags that stay writable, are not called: a memory-corruption bug in the
- * probed program cannot point a probe at other code.
+ * arch's breakpoint descriptors and the handler tables.
  */
 extern const struct kp_handler_rec kp_site_handlers[];
-struct kp_kret_handler_rec {
-	kretprobe_handler_t handler, entry_handler;
-};
-extern const struct kp_kret_handler_rec kp_kret_handlers[];
-/* The handlers of a site's probe i, pp[i] (pp: the site's kp_site_probes[]). */
-#define KP_PRE_HANDLER(s, pp, i) (kp_site_handlers[(s)->first + (i)].pre)
-#define KP_POST_HANDLER(s, pp, i) (kp_site_handlers[(s)->first + (i)].post)
 
 /* The aggregation site a detour or breakpoint names. */
 static inline struct kp_site *kp_site(unsigned long i)
@@ -100,7 +103,18 @@ extern const unsigned int kp_nearly_sites, kp_nearly_probes;
 extern struct kprobe *kp_probes;
 extern struct kp_site *kp_sites;
 extern struct kprobe *const *kp_site_probes;
+extern const struct kp_handler_rec *kp_site_handlers;	/* beside kp_site_probes */
 extern volatile int kp_tables_built;
+/*
+ * Read-only from mark_rodata_ro() on (linux_kernel/platform.c): these pointers,
+ * the records and the arch's breakpoint descriptors (.data..ro_after_init, first
+ * in the rodata/data gap, which the set_memory_ro() boot hook leaves to the
+ * kernel's own set_memory_ro()), the sites, probe lists and handler pairs built
+ * at boot (their memblock pages, set_memory_ro() at that hook) and the const
+ * tables (kp_rec_handlers[], kp_kret_handlers[]: rodata in the text/rodata gap).
+ * The struct kprobe array stays writable (nmissed, flags), as do the per-CPU
+ * blocks and kretprobe instances.
+ */
 extern unsigned long kp_early_hits;
 
 /* The aggregation site a detour or breakpoint names; NULL before the tables are
@@ -115,9 +129,6 @@ static inline struct kp_site *kp_site(unsigned long i)
 	__atomic_fetch_add(&kp_early_hits, 1, __ATOMIC_RELAXED);
 	return 0;
 }
-/* The handlers of a site's probe i, pp[i]: its struct kprobe's (not yet read-only here). */
-#define KP_PRE_HANDLER(s, pp, i) ((pp)[i]->pre_handler)
-#define KP_POST_HANDLER(s, pp, i) ((pp)[i]->post_handler)
 #endif
 /* Link-time address of kp_link_anchor(), patched in by kprewrite after linking. */
 extern unsigned long kp_link_anchor_addr;
@@ -224,16 +235,11 @@ struct kp_kret_thread {
 extern struct kretprobe kp_kretprobes[];
 extern const unsigned int kp_nkretprobes;
 /* rp's return and entry handlers: from the read-only kp_kret_handlers[] by rp's
- * position (none for a pointer outside kp_kretprobes[]), else its own fields. */
-#ifndef KP_PLATFORM_TABLES_AT_BOOT
+ * position (none for a pointer outside kp_kretprobes[]). */
 #define KP_KRET_HANDLER_REC(rp, f) \
 	((unsigned long)((rp) - kp_kretprobes) < kp_nkretprobes ? kp_kret_handlers[(rp) - kp_kretprobes].f : 0)
 #define KP_KRET_HANDLER(rp) KP_KRET_HANDLER_REC(rp, handler)
 #define KP_KRET_ENTRY_HANDLER(rp) KP_KRET_HANDLER_REC(rp, entry_handler)
-#else
-#define KP_KRET_HANDLER(rp) ((rp)->handler)
-#define KP_KRET_ENTRY_HANDLER(rp) ((rp)->entry_handler)
-#endif
 void kp_kretprobe_relocate(unsigned long bias);
 void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs);
 

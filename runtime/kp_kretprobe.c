@@ -116,7 +116,7 @@ static inline int kp_ri_chained(struct kp_kret_thread *kt, struct kretprobe_inst
 {
 	if (ri->kp_flags & KP_RI_PENDING)
 		return kt->tail_slot == S;
-	return (ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S == TRAMP;
+	return (ri->kp_flags & KP_RI_TRAMP) && kp_arch_ret_slot_holds(S, TRAMP);
 }
 
 /* Keep ri, whose frame may be alive on another stack, for the trampoline; the
@@ -173,7 +173,7 @@ static void kp_reclaim(struct kp_kret_thread *kt, unsigned long S, int at_entry)
 		while (kt->depth > i) {
 			struct kretprobe_instance *ri = kt->stack[--kt->depth];
 			unsigned long fp = (unsigned long)ri->fp;
-			if (unlikely(ri->kp_flags & KP_RI_SWAPPED) && fp < S && *(unsigned long *)fp == TRAMP)
+			if (unlikely(ri->kp_flags & KP_RI_SWAPPED) && fp < S && kp_arch_ret_slot_holds(fp, TRAMP))
 				kp_orphan(kt, ri);
 			else
 				kp_ri_free(ri);
@@ -245,7 +245,7 @@ kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int ag
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
 		return;
 	}
-	unsigned long ret = *(unsigned long *)S;
+	unsigned long ret = kp_arch_ret_addr(regs, S);
 	if (unlikely(ret == TRAMP))
 		ret = kp_real_ret(kt, S);
 	ri->rp = rp;
@@ -258,9 +258,9 @@ kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int ag
 		kp_ri_free(ri);
 		return;
 	}
-	if (unlikely(ri->kp_flags & KP_RI_TRAMP) && *(unsigned long *)S != TRAMP) {
+	if (unlikely(ri->kp_flags & KP_RI_TRAMP) && kp_arch_ret_addr(regs, S) != TRAMP) {
 		ri->kp_flags |= KP_RI_SWAPPED;
-		*(unsigned long *)S = TRAMP;
+		kp_arch_ret_addr_set(regs, S, TRAMP);
 	}
 }
 
@@ -410,10 +410,10 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
 			top = ri;
 		ri->kp_flags |= KP_RI_TRAMP;
 	}
-	if (top && *(unsigned long *)S != TRAMP) {
-		top->ret_addr = (kprobe_opcode_t *)*(unsigned long *)S;
+	if (top && kp_arch_ret_addr(regs, S) != TRAMP) {
+		top->ret_addr = (kprobe_opcode_t *)kp_arch_ret_addr(regs, S);
 		top->kp_flags |= KP_RI_SWAPPED;
-		*(unsigned long *)S = TRAMP;
+		kp_arch_ret_addr_set(regs, S, TRAMP);
 	}
 }
 

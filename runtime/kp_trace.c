@@ -147,6 +147,10 @@ static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event
 static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 			 unsigned long ip, unsigned long ret_addr)
 {
+#ifdef KP_PLATFORM_TRACE_WANTED
+	if (!kp_platform_trace_wanted(ev))	/* a kernel's event disabled in every instance */
+		return;
+#endif
 	unsigned char rec[KP_TRACE_REC];
 	char comm[KP_TASK_COMM_LEN + 1];
 	struct kp_rec r = { rec, rec + sizeof(rec), 0 };

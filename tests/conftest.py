@@ -42,6 +42,20 @@ CROSS = ARCH != HOST_ARCH
 CC = f"{TRIPLES[ARCH]}-gcc" if CROSS else "gcc"
 CXX = f"{TRIPLES[ARCH]}-g++" if CROSS else "g++"
 QEMU = shutil.which(f"qemu-{ARCH}")
+
+
+def qemu_command(arch: str = ARCH) -> list[str]:
+    """qemu-<arch> (first word of a command line running a program of `arch`), with
+    -L at the cross sysroot (Debian's libc6-dev-<arch>-cross: /usr/<triple>) when
+    `arch` is not the host's: there it finds the program's dynamic loader and libraries.
+    Note: qemu-user prints its own load errors on standard output."""
+    qemu = shutil.which(f"qemu-{arch}")
+    if not qemu:
+        pytest.skip(f"qemu-{arch} not installed")
+    sysroot = Path("/usr") / TRIPLES[arch]
+    return [qemu, "-L", str(sysroot)] if arch != HOST_ARCH and sysroot.is_dir() else [qemu]
+
+
 # The libpython of the interpreter running the tests, if it has one.
 LIBPYTHON = (Path(sysconfig.get_config_var("LIBDIR")) / (sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY"))
              if sysconfig.get_config_var("Py_ENABLE_SHARED") else None)
@@ -202,9 +216,7 @@ def run(binary: Path, *args, runner="native", env=None, libdir: Path | None = No
     environment; `libdir` goes first on the library path (both loaders')."""
     cmd = [str(binary), *map(str, args)]
     if runner == "qemu":
-        if not QEMU:
-            pytest.skip(f"qemu-{ARCH} not installed")
-        cmd = [QEMU, *cmd]
+        cmd = [*qemu_command(), *cmd]
     e = dict(os.environ)
     if libdir is not None:
         e["LD_LIBRARY_PATH"] = str(libdir)
@@ -288,7 +300,8 @@ def read_at(path: Path, va: int, size: int) -> bytes:
     return data[off:off + size]
 
 
-_md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_md = (capstone.Cs(capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM) if ARCH == "aarch64"
+       else capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64))
 
 
 def insns(path: Path, func: str) -> list:

@@ -4,7 +4,7 @@ import platform
 from importlib import import_module
 
 # ELF e_machine -> back end folder.
-MACHINES = {62: "x86_64"}
+MACHINES = {62: "x86_64", 183: "aarch64"}
 
 
 def get_arch(machine: str):

@@ -29,7 +29,7 @@ QUALIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
 # pt_regs has the kernel's layout and is reused; the others are renamed.
 OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kretprobe",
             "kretprobe_instance": "kp_btf_kretprobe_instance"}
-GENERATOR = b"kprewrite-btf-sched-h-3"
+GENERATOR = b"kprewrite-btf-sched-h-4-event-calls"
 
 
 @dataclass
@@ -41,6 +41,7 @@ class BtfType:
     members: list          # STRUCT/UNION: (name, type, bit offset, bitfield size)
     array: tuple = ()      # ARRAY: (element type, nelems)
     nr_bits: int = 0       # INT
+    values: tuple = ()     # ENUM: (name, value) of each enumerator
 
 
 def parse(data: bytes, where: str) -> list[BtfType | None]:
@@ -81,6 +82,9 @@ def parse(data: bytes, where: str) -> list[BtfType | None]:
                     t.members.append((name(m_name), m_type, m_off & 0xFFFFFF if kflag else m_off, bits))
                 p += 12 * vlen
             elif kind == ENUM:
+                t.values = tuple((name(struct.unpack_from("<I", data, p + 8 * i)[0]),
+                                  struct.unpack_from("<i" if kflag else "<I", data, p + 8 * i + 4)[0])
+                                 for i in range(vlen))
                 p += 8 * vlen
             elif kind == ENUM64:
                 p += 12 * vlen
@@ -237,12 +241,43 @@ class KernelTypes:
     # The tracing structures our trace events' own output types need (runtime/platform/
     # linux_kernel/kp_trace_buffer.c): [sizeof struct trace_entry, sizeof struct trace_event,
     # offsetof its type, funcs; offsetof struct trace_iterator's seq, ent, ent_size; offsetof
-    # struct trace_array's array_buffer.buffer]; None if BTF lacks any of them.
+    # struct trace_array's array_buffer.buffer]; None if BTF lacks any of them.  Then what
+    # their trace_event_call (events/kprobes/<EVENT>/) needs (_CALL_LAYOUT), -1 for each if
+    # BTF lacks any of it.
     trace: list | None = None
 
 
 def _sizeof(types, name: str) -> int | None:
     return next((t.size_or_type for t in types if t is not None and t.kind == STRUCT and t.name == name), None)
+
+
+def enum_value(types, name: str) -> int | None:
+    """An enumerator's value (anonymous enums included)."""
+    for t in types:
+        if t is not None and t.kind == ENUM:
+            for n, v in t.values:
+                if n == name:
+                    return v
+    return None
+
+
+# What register_kprobe_event() fills in and __kprobe_trace_func() uses, for our events'
+# trace_event_call (runtime/platform/linux_kernel/kp_trace_buffer.c, KP_TR_CALL_SIZE on):
+# ("struct", member) an offset, ("struct", None) a size, (None, "NAME") an enumerator.
+_CALL_LAYOUT = (
+    ("trace_event_call", None), ("trace_event_call", "class"), ("trace_event_call", "name"),
+    ("trace_event_call", "event"), ("trace_event_call", "print_fmt"),
+    ("trace_event_class", None), ("trace_event_class", "system"), ("trace_event_class", "reg"),
+    ("trace_event_class", "fields_array"), ("trace_event_class", "fields"),
+    ("trace_event_fields", None), ("trace_event_fields", "define_fields"),
+    ("trace_event_buffer", None), ("trace_event_buffer", "entry"), ("trace_event_buffer", "regs"),
+    ("trace_event_file", "flags"),
+    (None, "EVENT_FILE_FL_TRIGGER_MODE_BIT"), (None, "EVENT_FILE_FL_SOFT_DISABLED_BIT"),
+    (None, "EVENT_FILE_FL_PID_FILTER_BIT"), (None, "TRACE_REG_REGISTER"), (None, "TRACE_REG_UNREGISTER"),
+    (None, "FILTER_OTHER"),
+)
+
+TRACE_LAYOUT_LEN = 8 + len(_CALL_LAYOUT)
 
 
 def _trace_layout(types) -> list | None:
@@ -251,7 +286,11 @@ def _trace_layout(types) -> list | None:
            member_offset(types, "trace_event", "type"), member_offset(types, "trace_event", "funcs"),
            member_offset(types, "trace_iterator", "seq"), member_offset(types, "trace_iterator", "ent"),
            member_offset(types, "trace_iterator", "ent_size"), None if None in buf else sum(buf)]
-    return None if None in out else out
+    if None in out:
+        return None
+    call = [enum_value(types, m) if s is None else _sizeof(types, s) if m is None else member_offset(types, s, m)
+            for s, m in _CALL_LAYOUT]
+    return out + ([-1] * len(call) if None in call else call)
 
 
 def kernel_types(btf: bytes, symbols: dict, where: str, kern) -> KernelTypes:

@@ -5,9 +5,10 @@ the first PT_LOAD: loaded, mapped and executable from boot, zero-filled in the f
 mark_rodata_ro() would make it read-only and NX, then free it; three boot hooks (runtime
 handlers on set_memory_ro(), set_memory_nx() and free_kernel_image_pages(), placed as any
 probe; runtime/platform/linux_kernel/platform.c, startup.py) keep the pages we use: code
-read-only and executable like .text, data read-write (never made read-only: every hit
-writes it) and NX.  A fourth, on setup_per_cpu_areas(), allocates every possible CPU's
-counters from memblock.  The runtime's data (the probe tables, written at every hit) goes
+read-only and executable like .text, data NX, read-only from mark_rodata_ro() on where
+it is .data..ro_after_init (first, page-aligned: link.RELRO), read-write after it (hits
+write it).  A fourth, on setup_per_cpu_areas(), allocates every possible CPU's
+counters from memblock.  The runtime's data goes
 in the rodata/data gap (PFN_ALIGN(__end_rodata) .. _sdata), which mark_rodata_ro() frees
 the same way; the first PT_LOAD is extended over it (extend_first_load()), so that it is
 loaded (its file bytes are the padding before the second PT_LOAD's 2 MiB-aligned offset).

@@ -48,9 +48,10 @@ def tables_c(image, arch, any_int3: bool) -> str:
     # struct file_operations' size and its llseek, read and write offsets (BTF), for the debugfs files.
     fops = kt.fops if kt is not None and kt.fops else [-1] * 4
     task += f"const long kp_kernel_fops[4] = {{ {', '.join(map(str, fops))} }};\n"
-    # struct trace_event, trace_iterator and trace_array (BTF), for our events' output types.
-    trace = kt.trace if kt is not None and kt.trace else [-1] * 8
-    task += f"const long kp_kernel_trace[8] = {{ {', '.join(map(str, trace))} }};\n"
+    # struct trace_event, trace_iterator and trace_array (BTF), for our events' output types,
+    # then their trace_event_call's structures (btf._CALL_LAYOUT).
+    trace = kt.trace if kt is not None and kt.trace else [-1] * btf.TRACE_LAYOUT_LEN
+    task += f"const long kp_kernel_trace[{len(trace)}] = {{ {', '.join(map(str, trace))} }};\n"
     return task + (f"const unsigned long kp_kernel_gap_start = {address_c(image, lay.rx_vaddr)}, "
                    f"kp_kernel_gap_end = {address_c(image, lay.end)};\n"
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + KP_NHITS * sizeof(unsigned long) + 63) & ~63UL)\n"

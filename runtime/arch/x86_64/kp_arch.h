@@ -27,6 +27,13 @@
  * pt_regs, popfq). */
 #define kp_arch_flags_changed(before, after) (((after) ^ (before)) & ~KP_ARITH_FLAGS)
 
+/* --- fetch args (kp_fetch.c): $argN past the registers --- */
+
+/* di si dx cx r8 r9; at a function's entry the 7th argument is the word above
+ * the return address. */
+#define KP_ARCH_REG_ARGS 6
+#define kp_arch_stack_arg(n) ((n) - 5)
+
 /* --- kretprobes: where the return address is (the kernel's arch rethook part,
  * arch/x86/kernel/rethook.c; kp_kretprobe.c) --- */
 
@@ -43,6 +50,14 @@ static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_afte
 {
 	return regs->sp - 8;
 }
+
+/* The return address of the frame whose slot is S (regs: at its entry or exit,
+ * NULL on the clean paths): on x86-64 the slot itself. */
+#define kp_arch_ret_addr(regs, S) (*(unsigned long *)(S))
+/* ...replaced (the kernel's way: by the trampoline). */
+#define kp_arch_ret_addr_set(regs, S, v) (*(unsigned long *)(S) = (v))
+/* Whether slot S of a frame that is not running now still returns to v. */
+#define kp_arch_ret_slot_holds(S, v) (*(unsigned long *)(S) == (v))
 
 /* regs at a `ret` (sp at the slot) made as after it: ip the return address,
  * sp past the slot (a return hook placed as a breakpoint). */

@@ -240,9 +240,10 @@ static __attribute__((noinline)) int kp_int3_bp_hit(struct kp_int3_site *d, stru
 			struct kprobe *p = kp_site_probes[s->first];
 			if (likely(!kprobe_disabled(p))) {	/* aggr_pre_handler() */
 				t->hits[p->index]++;
-				if (p->pre_handler) {
+				kprobe_pre_handler_t pre = kp_site_handlers[s->first].pre;
+				if (pre) {
 					t->active = 1;
-					int stop = p->pre_handler(p, regs);
+					int stop = pre(p, regs);
 					t->active = 0;
 					/* A path change only when it moved regs->ip (the
 					 * address after the int3), as kp_trap_pre(). */

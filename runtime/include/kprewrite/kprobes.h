@@ -27,6 +27,8 @@ typedef int s32;
  * header in kprewrite/arch/ and one line here. */
 #if defined(__x86_64__)
 #include <kprewrite/arch/x86_64/ptrace.h>
+#elif defined(__aarch64__)
+#include <kprewrite/arch/aarch64/ptrace.h>
 #else
 #error "kprewrite: no handler API for this architecture (runtime/include/kprewrite/arch/)"
 #endif

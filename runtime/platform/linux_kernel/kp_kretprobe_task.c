@@ -209,7 +209,7 @@ static inline __attribute__((always_inline)) void kp_kret_enter(struct kretprobe
 	ri->fp = (void *)S;
 	ri->kp_flags = 0;
 	kri->task = task;
-	if (rp->entry_handler && rp->entry_handler(ri, regs)) {
+	if (KP_KRET_ENTRY_HANDLER(rp) && KP_KRET_ENTRY_HANDLER(rp)(ri, regs)) {
 		kp_kri_free(kri);
 		return;
 	}
@@ -249,9 +249,10 @@ void kp_kretprobe_clean_callback(unsigned long site_index, unsigned long S)
 			if (kprobe_disabled(p))
 				continue;
 			t->hits[p->index]++;
-			if (p->pre_handler == kp_pre_handler_kretprobe)
+			kprobe_pre_handler_t pre = KP_PRE_HANDLER(s, pp, i);
+			if (pre == kp_pre_handler_kretprobe)
 				kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), S, 0);
-			else if (p->pre_handler && p->pre_handler(p, 0))
+			else if (pre && pre(p, 0))
 				break;
 		}
 		t->active = 0;
@@ -327,8 +328,8 @@ static void kp_fire(struct kp_kri *fire, struct pt_regs *regs, int run)
 		struct kp_kri *k = fire;
 		fire = k->next;
 		struct kretprobe *rp = k->ri.rp;
-		if (run && rp->handler)
-			rp->handler(&k->ri, regs);
+		if (run && KP_KRET_HANDLER(rp))
+			KP_KRET_HANDLER(rp)(&k->ri, regs);
 		kp_kri_free(k);
 	}
 }

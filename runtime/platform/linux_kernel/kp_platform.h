@@ -194,8 +194,13 @@ struct kp_trace_event;
 struct pt_regs;
 int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long ip,
 			     unsigned long ret_addr, const unsigned char *rec, unsigned long len);
-/* The output types, registered at the setup_per_cpu_areas() boot hook; the kernel's
- * cmdline recording for them, started at the console_on_rootfs() hook (may sleep). */
+/* 0 when no instance has the event enabled (its tracefs `enable`): the hit fetches
+ * nothing, as kprobe_dispatcher() tests TP_FLAG_TRACE first. */
+#define KP_PLATFORM_TRACE_WANTED 1
+int kp_platform_trace_wanted(const struct kp_trace_event *ev);
+/* The output types, registered at the setup_per_cpu_areas() boot hook; the events'
+ * trace_event_calls (events/kprobes/<EVENT>/, enabled) at the console_on_rootfs() hook
+ * (may sleep), with the kernel's cmdline recording for them. */
 void kp_kernel_trace_init(void);
 void kp_kernel_trace_late(void);
 

@@ -21,6 +21,24 @@
  * the context kp_trace.c prints for user space; an event whose type could not
  * be registered writes its text as trace_printk() does (__trace_puts(): a
  * TRACE_PRINT entry behind the probe's symbol).
+ *
+ * Each event is also a trace_event_call, as register_kprobe_event() makes one
+ * (trace_probe_register_event_call(): register_trace_event() at boot, then
+ * trace_add_event_call() at the console_on_rootfs() hook, when tracefs is up):
+ * /sys/kernel/tracing/events/kprobes/<EVENT>/ with enable, filter, trigger,
+ * format, hist and id, in every instance.  Its fields are the kernel's kprobe
+ * event's (kprobe_event_define_fields(), traceprobe_define_arg_fields()):
+ * __probe_ip (a kretprobe's __probe_func and __probe_ret_ip), then each fetch
+ * arg at its offset, packed, with the fetch type's size and name (u8..u64,
+ * s8..s64, `__data_loc char[]` for strings, TYPE[N] for arrays), so an entry
+ * holds them where the kernel's would: the filter, the triggers and the hist
+ * trigger read them.  The record follows them (for our .trace function), then
+ * the strings the __data_loc fields point at.  The events are enabled in the
+ * top instance when they are registered (as `trace_event=kprobes:<EVENT>` on
+ * the command line would): until then every hit goes into the top instance's
+ * buffer; from then on a hit is written for each instance whose `enable` is
+ * set, through trace_event_buffer_reserve()/trace_event_buffer_commit() as
+ * __kprobe_trace_func() writes it (soft-disable, pid filter, filter, triggers).
  */
 #include "kp_trace.h"
 
@@ -42,23 +60,61 @@ extern int tracing_disabled;
  * ring buffer (swapped with the snapshot's: read at every hit, as __trace_puts() does). */
 extern char global_trace[];
 
-/* The layouts BTF gives (rewriter/targets/linux_kernel/btf.py), -1 when unknown. */
-extern const long kp_kernel_trace[8];
-enum { KP_TR_ENTRY_SIZE, KP_TR_EVENT_SIZE, KP_TR_EVENT_TYPE, KP_TR_EVENT_FUNCS, KP_TR_ITER_SEQ,
-       KP_TR_ITER_ENT, KP_TR_ITER_ENT_SIZE, KP_TR_BUFFER };
+/* The trace_event_call's side (kernel/trace/trace_events.c, trace_events_filter.c). */
+int trace_add_event_call(void *call);
+int trace_define_field(void *call, const char *type, const char *name, int offset, int size, int is_signed,
+		       int filter_type);
+int trace_set_clr_event(const char *system, const char *event, int set);
+void *trace_event_buffer_reserve(void *fbuffer, void *file, unsigned long len);
+void trace_event_buffer_commit(void *fbuffer);
+int event_triggers_call(void *file, void *buffer, void *rec, void *event);
+_Bool trace_event_ignore_this_pid(void *file);
+void synchronize_rcu(void);
+void mutex_lock(void *lock);
+void mutex_unlock(void *lock);
+extern char event_mutex[];
+void *vmalloc(unsigned long size);
 
-/* An event's output type: a struct trace_event (its layout from BTF, at most
- * KP_TRACE_EVENT_MAX bytes), the event, the type number. */
-#define KP_TRACE_EVENT_MAX 64
+/* The layouts BTF gives (rewriter/targets/linux_kernel/btf.py: _trace_layout()), -1 when
+ * unknown: the output type's first, then the trace_event_call's (all known or all -1). */
+enum { KP_TR_ENTRY_SIZE, KP_TR_EVENT_SIZE, KP_TR_EVENT_TYPE, KP_TR_EVENT_FUNCS, KP_TR_ITER_SEQ,
+       KP_TR_ITER_ENT, KP_TR_ITER_ENT_SIZE, KP_TR_BUFFER,
+       KP_TR_CALL_SIZE, KP_TR_CALL_CLASS, KP_TR_CALL_NAME, KP_TR_CALL_EVENT, KP_TR_CALL_PRINT_FMT,
+       KP_TR_CLASS_SIZE, KP_TR_CLASS_SYSTEM, KP_TR_CLASS_REG, KP_TR_CLASS_FIELDS_ARRAY, KP_TR_CLASS_FIELDS,
+       KP_TR_FIELDS_SIZE, KP_TR_FIELDS_DEFINE, KP_TR_FBUF_SIZE, KP_TR_FBUF_ENTRY, KP_TR_FBUF_REGS,
+       KP_TR_FILE_FLAGS, KP_TR_FL_TRIGGER_MODE, KP_TR_FL_SOFT_DISABLED, KP_TR_FL_PID_FILTER,
+       KP_TR_REG_REGISTER, KP_TR_REG_UNREGISTER, KP_TR_FILTER_OTHER, KP_TR_N };
+extern const long kp_kernel_trace[KP_TR_N];
+
+/* An event's trace_event_call (its struct trace_event inside: the output type), its
+ * trace_event_class and fields_array (our define_fields, then the end), at most these
+ * sizes (BTF's, checked at boot); the trace_event_files whose `enable` is set, as the
+ * kernel's tp->event->files; the event; the type number; the fields' bytes after the
+ * entry's head; whether trace_add_event_call() took it. */
+#define KP_CALL_MAX 256
+#define KP_CLASS_MAX 128
+#define KP_FIELDS_MAX 64
+#define KP_FBUF_MAX 64
+#define KP_EVENT_FILES 8	/* instances with the event enabled at once */
+#define KP_TRACE_EVENT_MAX 64	/* struct trace_event alone (no trace_event_call in BTF) */
 struct kp_trace_type {
-	unsigned long event[KP_TRACE_EVENT_MAX / 8];
+	unsigned long call[KP_CALL_MAX / 8];		/* first: a call's address is its type's */
+	unsigned long class[KP_CLASS_MAX / 8];
+	unsigned long fields[2][KP_FIELDS_MAX / 8];
+	void *files[KP_EVENT_FILES];
+	const char **types;				/* the array args' "TYPE[N]", else 0 */
 	const struct kp_trace_event *ev;
 	unsigned int type;
+	unsigned int fixed;
+	int live;
 };
 static struct kp_trace_type *kp_trace_types;	/* per kp_trace_events[], memblock */
+/* Where the struct trace_event is in ours: in the trace_event_call, or at 0 without one. */
+static long kp_trace_event_at;
+static int kp_trace_calls;			/* BTF gave the trace_event_call's layout */
 
 /* The entry after struct trace_entry: the kernel's kprobe_trace_entry_head's ip, or
- * kretprobe_trace_entry_head's func and ret_ip; the record follows. */
+ * kretprobe_trace_entry_head's func and ret_ip; the fields follow. */
 #define KP_ENTRY_IP 8
 #define KP_ENTRY_HEAD(ev) ((ev)->is_return ? 24 : 16)
 
@@ -118,16 +174,170 @@ static inline char *kp_rb_event_data(unsigned int *event)
 	return (char *)(event + ((event[0] & 31) ? 1 : 2));
 }
 
+/* --- an entry: head, the fields (the kernel's layout), the record, the strings --- */
+
+static int kp_arg_is_string(const struct kp_probe_arg *a)
+{
+	return a->print == KP_PRINT_STRING;
+}
+
+/* One element's bytes in the record (kp_fetch.c's kp_val_size()) and in the fields (a
+ * string's: its u32 __data_loc, as the kernel's string fetch type's size). */
+static unsigned int kp_arg_val_size(const struct kp_probe_arg *a)
+{
+	return a->size && a->size < 8 ? a->size : 8;
+}
+
+static unsigned int kp_arg_field_size(const struct kp_probe_arg *a)
+{
+	return kp_arg_is_string(a) ? 4 : kp_arg_val_size(a);
+}
+
+/*
+ * The fields from a hit's record, as store_trace_args() stores them: each value at its
+ * offset (0 for a fault, as the kernel leaves one unset), each string NUL-terminated after
+ * the record behind a __data_loc word (length << 16 | offset from the entry's start; a
+ * fault's length 0).  With entry 0, only the entry's size.
+ */
+static unsigned long kp_entry_put(const struct kp_trace_type *t, char *entry, const unsigned char *rec,
+				  unsigned long len)
+{
+	const struct kp_trace_event *ev = t->ev;
+	unsigned long off = KP_ENTRY_HEAD(ev), dyn = off + t->fixed + 4 + len;
+	const unsigned char *p = rec, *end = rec + len;
+	for (unsigned int i = 0; i < ev->nargs; i++) {
+		const struct kp_probe_arg *a = &ev->args[i];
+		unsigned int n = a->count ? a->count : 1, fsize = kp_arg_field_size(a), vsize = kp_arg_val_size(a);
+		int none = p >= end || *p == KP_REC_ARG_FAULT;
+		if (p < end && *p == KP_REC_ARG_FAULT)
+			p++;
+		for (unsigned int k = 0; k < n; k++, off += fsize) {
+			unsigned long v = 0, slen = 0;
+			const unsigned char *str = 0;
+			if (!none && p < end) {
+				switch (*p++) {
+				case KP_REC_VAL:
+					if ((unsigned long)(end - p) >= vsize)
+						memcpy(&v, p, vsize);
+					p += vsize;
+					break;
+				case KP_REC_FAULT:
+					break;
+				case KP_REC_STR:
+					if (end - p >= 2)
+						slen = p[0] | (unsigned long)p[1] << 8;
+					if ((unsigned long)(end - p) < 2 + slen) {
+						p = end;
+						break;
+					}
+					str = p + 2;
+					p += 2 + slen;
+					break;
+				default:
+					p = end;
+				}
+			}
+			if (!kp_arg_is_string(a)) {
+				if (entry)
+					memcpy(entry + off, &v, fsize);
+				continue;
+			}
+			unsigned int loc = (unsigned int)(str ? (slen + 1) << 16 : 0) | (unsigned int)(dyn & 0xffff);
+			if (entry) {
+				memcpy(entry + off, &loc, 4);
+				if (str) {
+					memcpy(entry + dyn, str, slen);
+					entry[dyn + slen] = 0;
+				}
+			}
+			if (str)
+				dyn += slen + 1;
+		}
+	}
+	if (entry) {
+		unsigned int n = (unsigned int)len;
+		memcpy(entry + off, &n, 4);
+		memcpy(entry + off + 4, rec, len);
+	}
+	return dyn;
+}
+
+/* The entry after struct trace_entry: kprobe_trace_entry_head's ip, or
+ * kretprobe_trace_entry_head's func and ret_ip; then the fields, the record, the strings. */
+static void kp_entry_fill(const struct kp_trace_type *t, char *entry, unsigned long ip, unsigned long ret_addr,
+			  const unsigned char *rec, unsigned long len)
+{
+	*(unsigned long *)(entry + KP_ENTRY_IP) = ip;
+	if (t->ev->is_return)
+		*(unsigned long *)(entry + 16) = ret_addr;
+	kp_entry_put(t, entry, rec, len);
+}
+
+/* __kprobe_trace_func(): one instance's entry, through the event's trace_event_file. */
+static void kp_trace_file(const struct kp_trace_type *t, void *file, struct pt_regs *regs, unsigned long ip,
+			  unsigned long ret_addr, const unsigned char *rec, unsigned long len, unsigned long size)
+{
+	/* trace_trigger_soft_disabled() */
+	unsigned long flags = *(volatile unsigned long *)((char *)file + kp_kernel_trace[KP_TR_FILE_FLAGS]);
+	unsigned long trigger = 1UL << kp_kernel_trace[KP_TR_FL_TRIGGER_MODE];
+	unsigned long soft = 1UL << kp_kernel_trace[KP_TR_FL_SOFT_DISABLED];
+	unsigned long pid = 1UL << kp_kernel_trace[KP_TR_FL_PID_FILTER];
+	if (flags & (trigger | soft | pid)) {
+		if (flags & trigger)
+			event_triggers_call(file, 0, 0, 0);
+		if (flags & soft)
+			return;
+		if ((flags & pid) && trace_event_ignore_this_pid(file))
+			return;
+	}
+	unsigned long fbuffer[KP_FBUF_MAX / 8];
+	/* NULL: tracing_on is 0, the buffer is full (overwrite off), the pid filter, a nested
+	 * reserve on this CPU in the same context: dropped, as the kernel drops its own. */
+	char *entry = trace_event_buffer_reserve(fbuffer, file, size);
+	if (!entry)
+		return;
+	*(struct pt_regs **)((char *)fbuffer + kp_kernel_trace[KP_TR_FBUF_REGS]) = regs;
+	kp_entry_fill(t, entry, ip, ret_addr, rec, len);
+	/* the filter (discarded if it does not match), the triggers, the commit */
+	trace_event_buffer_commit(fbuffer);
+}
+
+int kp_platform_trace_wanted(const struct kp_trace_event *ev)
+{
+	struct kp_trace_type *types = __atomic_load_n(&kp_trace_types, __ATOMIC_ACQUIRE);
+	if (!types)
+		return 1;
+	struct kp_trace_type *t = &types[ev->index];
+	if (!__atomic_load_n(&t->live, __ATOMIC_ACQUIRE))
+		return 1;
+	for (unsigned int i = 0; i < KP_EVENT_FILES; i++)
+		if (__atomic_load_n(&t->files[i], __ATOMIC_RELAXED))
+			return 1;
+	return 0;
+}
+
 int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long ip,
 			     unsigned long ret_addr, const unsigned char *rec, unsigned long len)
 {
-	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED) || !kp_trace_types)
+	struct kp_trace_type *types = __atomic_load_n(&kp_trace_types, __ATOMIC_ACQUIRE);
+	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED) || !types)
 		return 0;
-	unsigned int type = kp_trace_types[ev->index].type;
+	struct kp_trace_type *t = &types[ev->index];
+	unsigned int type = t->type;
 	if (!type)
 		return 0;
+	unsigned long size = kp_entry_put(t, 0, rec, len);
+	if (__atomic_load_n(&t->live, __ATOMIC_ACQUIRE)) {
+		/* kprobe_trace_func(): each instance with the event enabled */
+		for (unsigned int i = 0; i < KP_EVENT_FILES; i++) {
+			void *file = __atomic_load_n(&t->files[i], __ATOMIC_ACQUIRE);
+			if (file)
+				kp_trace_file(t, file, regs, ip, ret_addr, rec, len, size);
+		}
+		return 1;
+	}
+	/* Before the trace_event_call is registered: the top instance's buffer. */
 	void *buffer = *(void **)(global_trace + kp_kernel_trace[KP_TR_BUFFER]);
-	unsigned long head = KP_ENTRY_HEAD(ev);
 	/* trace_event_buffer_reserve()'s context: the irq flags and the preempt count the
 	 * probed code ran with (tracing_gen_ctx_dec(): our dispatch's own taken off, as the
 	 * kernel takes off its kprobe handler's). */
@@ -137,7 +347,7 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 		ctx--;
 	/* NULL: tracing_on is 0, the buffer is full (overwrite off), or a nested reserve on
 	 * this CPU in the same context: dropped, as the kernel drops its own events. */
-	unsigned int *event = ring_buffer_lock_reserve(buffer, head + len);
+	unsigned int *event = ring_buffer_lock_reserve(buffer, size);
 	if (!event)
 		return 1;
 	char *entry = kp_rb_event_data(event);
@@ -146,10 +356,7 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 	entry[2] = (char)(ctx >> 16);
 	entry[3] = (char)ctx;
 	*(int *)(entry + 4) = kp_platform_task_pid();
-	*(unsigned long *)(entry + KP_ENTRY_IP) = ip;
-	if (ev->is_return)
-		*(unsigned long *)(entry + 16) = ret_addr;
-	memcpy(entry + head, rec, len);
+	kp_entry_fill(t, entry, ip, ret_addr, rec, len);
 	trace_buffer_unlock_commit_regs(global_trace, buffer, event, ctx, regs);
 	kp_trace_save_cmdline();
 	return 1;
@@ -160,17 +367,22 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 static int kp_trace_print(char *iter, int flags, char *event)
 {
 	(void)flags;
-	const struct kp_trace_event *ev = ((struct kp_trace_type *)event)->ev;
+	const struct kp_trace_type *t = (const struct kp_trace_type *)(event - kp_trace_event_at);
+	const struct kp_trace_event *ev = t->ev;
 	char *seq = iter + kp_kernel_trace[KP_TR_ITER_SEQ];
 	const unsigned char *entry = *(const unsigned char **)(iter + kp_kernel_trace[KP_TR_ITER_ENT]);
 	long size = *(int *)(iter + kp_kernel_trace[KP_TR_ITER_ENT_SIZE]);
-	long head = KP_ENTRY_HEAD(ev);
-	if (size < head)
+	long at = KP_ENTRY_HEAD(ev) + t->fixed;
+	if (size < at + 4)
 		return trace_handle_return(seq);
+	unsigned int len;
+	memcpy(&len, entry + at, 4);
+	if ((long)len > size - at - 4)
+		len = (unsigned int)(size - at - 4);
 	char buf[KP_PLATFORM_TRACE_LINE];
 	struct kp_line l = { buf, buf + sizeof(buf) - 1 };
 	unsigned long n = kp_trace_format(&l, ev, ev->is_return ? *(const unsigned long *)(entry + 16) : 0,
-					  entry + head, size - head);
+					  entry + at + 4, len);
 	trace_seq_putmem(seq, buf, n);
 	return trace_handle_return(seq);
 }
@@ -179,16 +391,214 @@ static int kp_trace_print(char *iter, int flags, char *event)
  * with trace_nop_print (so not const). */
 static void *kp_trace_funcs[4] = { kp_trace_print };
 
+/* --- the trace_event_call: class->reg, the fields, print_fmt --- */
+
+#define KP_ENOSPC 28
+#define KP_EOPNOTSUPP 95
+#define KP_TRACE_FUNCTION_TYPE ((const char *)~0UL)
+
+/* kprobe_register(): TRACE_REG_REGISTER/UNREGISTER add and remove an instance's
+ * trace_event_file (enable_trace_kprobe(), disable_trace_kprobe(): the hits in flight
+ * on other CPUs, which run with preemption off, are waited for before its file may go);
+ * perf's are refused: `perf record -e kprobes:<EVENT>` says so. */
+static int kp_trace_reg(void *call, int type, void *data)
+{
+	struct kp_trace_type *t = call;
+	if (type == kp_kernel_trace[KP_TR_REG_REGISTER]) {
+		for (unsigned int i = 0; i < KP_EVENT_FILES; i++)
+			if (t->files[i] == data)
+				return 0;
+		for (unsigned int i = 0; i < KP_EVENT_FILES; i++)
+			if (!t->files[i]) {
+				__atomic_store_n(&t->files[i], data, __ATOMIC_RELEASE);
+				return 0;
+			}
+		return -KP_ENOSPC;
+	}
+	if (type == kp_kernel_trace[KP_TR_REG_UNREGISTER]) {
+		for (unsigned int i = 0; i < KP_EVENT_FILES; i++)
+			if (t->files[i] == data)
+				__atomic_store_n(&t->files[i], 0, __ATOMIC_RELEASE);
+		synchronize_rcu();
+		return 0;
+	}
+	return -KP_EOPNOTSUPP;
+}
+
+/* The fetch type's name in `format` (trace_probe.c's probe_fetch_types[] fmttype: x and
+ * char types show as the u type of their size; symbol as u64, its address). */
+static const char *kp_arg_type(const struct kp_probe_arg *a, int *is_signed)
+{
+	static const char *const u[] = { "u8", "u16", "u32", "u64" }, *const s[] = { "s8", "s16", "s32", "s64" };
+	unsigned int size = kp_arg_val_size(a), k = size == 1 ? 0 : size == 2 ? 1 : size == 4 ? 2 : 3;
+	*is_signed = a->print == KP_PRINT_S || kp_arg_is_string(a);
+	if (kp_arg_is_string(a))
+		return "__data_loc char[]";
+	return a->print == KP_PRINT_S ? s[k] : u[k];
+}
+
+/* The fetch type's print format (PRINT_TYPE_FMT_NAME()), for print_fmt. */
+static const char *kp_arg_fmt(const struct kp_probe_arg *a)
+{
+	int wide = kp_arg_val_size(a) == 8;
+	switch (a->print) {
+	case KP_PRINT_S:
+		return wide ? "%Ld" : "%d";
+	case KP_PRINT_X:
+		return wide ? "0x%Lx" : "0x%x";
+	case KP_PRINT_CHAR:
+		return "'%c'";
+	case KP_PRINT_SYMBOL:
+	case KP_PRINT_SYMSTR:
+		return "%pS";
+	case KP_PRINT_STRING:
+		return "\\\"%s\\\"";
+	default:
+		return wide ? "%Lu" : "%u";
+	}
+}
+
+/* kprobe_event_define_fields() / kretprobe_event_define_fields(): the entry head's
+ * fields, then traceprobe_define_arg_fields()'s (types of arrays from kp_trace_names()). */
+
+static int kp_trace_define_fields(void *call)
+{
+	struct kp_trace_type *t = call;
+	const struct kp_trace_event *ev = t->ev;
+	int other = (int)kp_kernel_trace[KP_TR_FILTER_OTHER], ret;
+	if (!ev->is_return) {
+		ret = trace_define_field(call, "unsigned long", "__probe_ip", 8, 8, 0, other);
+	} else {
+		ret = trace_define_field(call, "unsigned long", "__probe_func", 8, 8, 0, other);
+		if (!ret)
+			ret = trace_define_field(call, "unsigned long", "__probe_ret_ip", 16, 8, 0, other);
+	}
+	const char *const *types = t->types;
+	int off = KP_ENTRY_HEAD(ev);
+	for (unsigned int i = 0; i < ev->nargs && !ret; i++) {
+		const struct kp_probe_arg *a = &ev->args[i];
+		int is_signed, size = (int)(kp_arg_field_size(a) * (a->count ? a->count : 1));
+		const char *type = kp_arg_type(a, &is_signed);
+		if (a->count && types && types[i])
+			type = types[i];
+		ret = trace_define_field(call, type, a->name, off, size, is_signed, other);
+		off += size;
+	}
+	return ret;
+}
+
+/* __set_print_fmt(): "\"(%lx) a=%u s=\\\"%s\\\"\", REC->__probe_ip, REC->a, __get_str(s)";
+ * and the array fields' types "TYPE[N]" (traceprobe_parse_probe_arg_body()), after it. */
+static unsigned long kp_trace_names_bound(const struct kp_trace_event *ev)
+{
+	unsigned long total = 128;
+	for (unsigned int i = 0; i < ev->nargs; i++) {
+		unsigned long n = strlen(ev->args[i].name), count = ev->args[i].count;
+		total += 48 + n + (count ? count : 1) * (n + 48);
+	}
+	return total;
+}
+
+static void kp_trace_names(const struct kp_trace_event *ev, char *buf, unsigned long cap, const char **types)
+{
+	struct kp_line l = { buf, buf + cap - 1 };
+	kp_line_puts(&l, ev->is_return ? "\"(%lx <- %lx)" : "\"(%lx)");
+	for (unsigned int i = 0; i < ev->nargs; i++) {
+		const struct kp_probe_arg *a = &ev->args[i];
+		kp_line_putc(&l, ' ');
+		kp_line_puts(&l, a->name);
+		kp_line_putc(&l, '=');
+		if (a->count)
+			kp_line_putc(&l, '{');
+		for (unsigned int k = 0; k < (a->count ? a->count : 1); k++) {
+			if (k)
+				kp_line_putc(&l, ',');
+			kp_line_puts(&l, kp_arg_fmt(a));
+		}
+		if (a->count)
+			kp_line_putc(&l, '}');
+	}
+	kp_line_puts(&l, ev->is_return ? "\", REC->__probe_func, REC->__probe_ret_ip" : "\", REC->__probe_ip");
+	for (unsigned int i = 0; i < ev->nargs; i++) {
+		const struct kp_probe_arg *a = &ev->args[i];
+		for (unsigned int k = 0; k < (a->count ? a->count : 1); k++) {
+			kp_line_puts(&l, kp_arg_is_string(a) ? ", __get_str(" : ", REC->");
+			kp_line_puts(&l, a->name);
+			if (a->count) {
+				kp_line_putc(&l, '[');
+				kp_line_dec(&l, k, 0, 0, 0);
+				kp_line_putc(&l, ']');
+			}
+			if (kp_arg_is_string(a))
+				kp_line_putc(&l, ')');
+		}
+	}
+	*l.p++ = 0;		/* l.end is one before the buffer's end */
+	for (unsigned int i = 0; i < ev->nargs; i++) {
+		const struct kp_probe_arg *a = &ev->args[i];
+		if (!a->count || l.p >= l.end)
+			continue;
+		int is_signed;
+		types[i] = l.p;
+		kp_line_puts(&l, kp_arg_type(a, &is_signed));
+		kp_line_putc(&l, '[');
+		kp_line_dec(&l, a->count, 0, 0, 0);
+		kp_line_putc(&l, ']');
+		*l.p++ = 0;
+	}
+}
+
+/* trace_probe_register_event_call()'s second half, trace_add_event_call(), and the event
+ * enabled in the top instance; process context, tracefs up.  0 when it did not take. */
+static int kp_trace_register(struct kp_trace_type *t)
+{
+	const struct kp_trace_event *ev = t->ev;
+	char *call = (char *)t->call;
+	/* print_fmt, the array types: their size is bounded first, then they are written */
+	unsigned long cap = kp_trace_names_bound(ev);
+	char *mem = vmalloc(cap + (ev->nargs + 1) * sizeof(char *));
+	if (!mem)
+		return 0;
+	const char **types = (const char **)mem;
+	char *text = mem + (ev->nargs + 1) * sizeof(char *);
+	for (unsigned int i = 0; i < ev->nargs; i++)
+		types[i] = 0;
+	kp_trace_names(ev, text, cap, types);
+	t->types = types;
+	*(char **)(call + kp_kernel_trace[KP_TR_CALL_PRINT_FMT]) = text;
+	mutex_lock(event_mutex);
+	int ret = trace_add_event_call(call);
+	mutex_unlock(event_mutex);
+	if (ret) {
+		_printk(KP_KERN_ERR "kprewrite: trace event %s: trace_add_event_call() says %d: "
+			"no events/kprobes/%s/, written to the top instance only\n", ev->name, ret, ev->name);
+		return 0;
+	}
+	ret = trace_set_clr_event("kprobes", ev->name, 1);
+	if (ret)
+		_printk(KP_KERN_ERR "kprewrite: trace event %s: not enabled (%d)\n", ev->name, ret);
+	__atomic_store_n(&t->live, 1, __ATOMIC_RELEASE);
+	return 1;
+}
+
 /* At the setup_per_cpu_areas() hook: an output type for every event, as
  * register_kprobe_event() registers each tracefs kprobe event's (its trace_event_call's
- * event).  register_trace_event() only takes trace_event_sem and links the type into
- * its hash, which needs no more of the kernel than this: the types are there before
- * early_trace_init() makes the ring buffer, for the first entry. */
+ * event), and the rest of the trace_event_call filled in for later.  register_trace_event()
+ * only takes trace_event_sem and links the type into its hash, which needs no more of the
+ * kernel than this: the types are there before early_trace_init() makes the ring buffer,
+ * for the first entry. */
 void kp_kernel_trace_init(void)
 {
 	if (!kp_ntrace_events || kp_kernel_trace[KP_TR_ENTRY_SIZE] != 8
 	    || kp_kernel_trace[KP_TR_EVENT_SIZE] < 0 || kp_kernel_trace[KP_TR_EVENT_SIZE] > KP_TRACE_EVENT_MAX)
 		return;
+	kp_trace_calls = kp_kernel_trace[KP_TR_CALL_SIZE] > 0 && kp_kernel_trace[KP_TR_CALL_SIZE] <= KP_CALL_MAX
+			 && kp_kernel_trace[KP_TR_CLASS_SIZE] <= KP_CLASS_MAX
+			 && kp_kernel_trace[KP_TR_FIELDS_SIZE] <= KP_FIELDS_MAX
+			 && kp_kernel_trace[KP_TR_FIELDS_SIZE] >= 16
+			 && kp_kernel_trace[KP_TR_FBUF_SIZE] <= KP_FBUF_MAX
+			 && kp_kernel_trace[KP_TR_CALL_EVENT] + kp_kernel_trace[KP_TR_EVENT_SIZE] <= KP_CALL_MAX;
+	kp_trace_event_at = kp_trace_calls ? kp_kernel_trace[KP_TR_CALL_EVENT] : 0;
 	unsigned long size = kp_ntrace_events * sizeof(struct kp_trace_type);
 	struct kp_trace_type *types = memblock_alloc_try_nid(size, 64, 0, 0, -1);
 	if (!types) {
@@ -199,10 +609,32 @@ void kp_kernel_trace_init(void)
 	unsigned int failed = 0;
 	for (unsigned int i = 0; i < kp_ntrace_events; i++) {
 		struct kp_trace_type *t = &types[i];
-		char *event = (char *)t->event;
+		char *call = (char *)t->call;
+		char *event = call + kp_trace_event_at;
 		t->ev = kp_trace_events[i];
 		*(int *)(event + kp_kernel_trace[KP_TR_EVENT_TYPE]) = 0;	/* a dynamic type */
 		*(void ***)(event + kp_kernel_trace[KP_TR_EVENT_FUNCS]) = kp_trace_funcs;
+		unsigned int fixed = 0;
+		for (unsigned int k = 0; k < t->ev->nargs; k++) {
+			const struct kp_probe_arg *a = &t->ev->args[k];
+			fixed += kp_arg_field_size(a) * (a->count ? a->count : 1);
+		}
+		t->fixed = fixed;
+		if (kp_trace_calls) {
+			/* trace_probe_init(), init_trace_event_call(): the class (system "kprobes",
+			 * its reg, the fields_array with our define_fields), the call's name */
+			char *class = (char *)t->class, *fields = (char *)t->fields[0];
+			*(const char **)(class + kp_kernel_trace[KP_TR_CLASS_SYSTEM]) = "kprobes";
+			*(void **)(class + kp_kernel_trace[KP_TR_CLASS_REG]) = (void *)kp_trace_reg;
+			*(void **)(class + kp_kernel_trace[KP_TR_CLASS_FIELDS_ARRAY]) = fields;
+			char *head = class + kp_kernel_trace[KP_TR_CLASS_FIELDS];	/* INIT_LIST_HEAD() */
+			((void **)head)[0] = head;
+			((void **)head)[1] = head;
+			*(const char **)fields = KP_TRACE_FUNCTION_TYPE;
+			*(void **)(fields + kp_kernel_trace[KP_TR_FIELDS_DEFINE]) = (void *)kp_trace_define_fields;
+			*(char **)(call + kp_kernel_trace[KP_TR_CALL_CLASS]) = class;
+			*(const char **)(call + kp_kernel_trace[KP_TR_CALL_NAME]) = t->ev->name;
+		}
 		int type = register_trace_event(event);
 		t->type = type > 0 ? (unsigned int)type : 0;
 		failed += !t->type;
@@ -214,19 +646,27 @@ void kp_kernel_trace_init(void)
 }
 
 /*
- * At the console_on_rootfs() hook (process context, initcalls done, before /init): the
- * kernel's cmdline recording, as __ftrace_event_enable_disable() starts it for an event
- * of its own being enabled (tracing_start_cmdline_record(): the sched_switch and
- * sched_wakeup probes).  Every entry's commit (__buffer_unlock_commit()) sets the CPU's
- * trace_taskinfo_save, and the next context switch on that CPU saves the tasks' names:
- * the hits save none themselves from here on.  Our events are always enabled, so it
- * runs until power-off (the kernel's runs while any of its events is enabled).
+ * At the console_on_rootfs() hook (process context, initcalls done, tracefs up, before
+ * /init): each event's trace_event_call registered and enabled in the top instance
+ * (kp_trace_register()).  Enabling starts the kernel's cmdline recording for it, as for
+ * any event (__ftrace_event_enable_disable(): tracing_start_cmdline_record(), the
+ * sched_switch and sched_wakeup probes: every entry's commit sets the CPU's
+ * trace_taskinfo_save, and the next context switch saves the tasks' names).  Events
+ * without a trace_event_call stay always enabled: the recording is started for them here
+ * and runs until power-off; the hits save none themselves from here on.
  */
 void kp_kernel_trace_late(void)
 {
 	if (!kp_ntrace_events || __atomic_load_n(&kp_trace_cmdline_recording, __ATOMIC_RELAXED))
 		return;
-	tracing_start_cmdline_record();
+	unsigned int live = 0;
+	struct kp_trace_type *types = __atomic_load_n(&kp_trace_types, __ATOMIC_ACQUIRE);
+	if (types && kp_trace_calls)
+		for (unsigned int i = 0; i < kp_ntrace_events; i++)
+			if (types[i].type)
+				live += (unsigned int)kp_trace_register(&types[i]);
+	if (live < kp_ntrace_events)
+		tracing_start_cmdline_record();
 	__atomic_store_n(&kp_trace_cmdline_recording, 1, __ATOMIC_RELEASE);
 }
 

@@ -5,7 +5,8 @@
  * in probe context);
  * the boot hooks keep our pages of the text/rodata gap through
  * mark_rodata_ro(), with the kernel's own W^X rules: code read-only and
- * executable like .text, data read-write and NX.
+ * executable like .text, data NX (read-only where it is ro_after_init,
+ * read-write after), and make the probe tables read-only then.
  */
 #include "kp_internal.h"
 
@@ -17,6 +18,11 @@
  * rodata from the text/rodata gap's start up to __kp_rela_end, data from
  * __kp_data_start, the start of the rodata/data gap. */
 extern char __kp_rela_end[], __kp_data_start[], __kp_data_end[];
+/* The data that is constant once the tables are built (.data..ro_after_init: the
+ * records, the tables' pointers, the arch's breakpoint descriptors), first in the
+ * data and page-aligned: the kernel's own set_memory_ro() of mark_rodata_ro() makes
+ * it read-only, as it does the kernel's __ro_after_init. */
+extern char __kp_ro_start[], __kp_ro_end[];
 
 static unsigned long kp_kernel_pool_used;
 /* Every possible CPU's block, allocated by the setup_per_cpu_areas() boot hook. */
@@ -63,29 +69,42 @@ static const char *kp_kernel_keep_name(const char *s, unsigned long n)
 	return out;
 }
 
+int kp_pre_handler_kretprobe(struct kprobe *p, struct pt_regs *regs);	/* kp_kretprobe_task.c */
+
 static const char *kp_rec_string(unsigned int at)
 {
 	return at == KP_REC_NONE ? 0 : kp_rec_strings + at - 1;
 }
 
+/* The built tables that never change (sites, probe lists, handler pairs): whole
+ * pages of their own, made read-only at mark_rodata_ro() (kp_kernel_keep_ro()). */
+static unsigned long kp_kernel_ro_tables, kp_kernel_ro_size;
+
 /* What register_kprobe() fills in, from the records tables.py wrote: addresses
  * from _text, the handler pair, a symbol name the kernel's kallsyms gives (the
  * records leave out those that are the first name at the symbol's address), the
  * event name p_SYMBOL_OFFSET when it is the default.  Then the pointers are
- * published; the runtime's own probes keep the counts of their early copies. */
+ * published; the runtime's own probes keep the counts of their early copies.
+ * struct kprobe (nmissed, flags) stays writable; what the dispatch follows to
+ * code -- kp_site (its resume addresses), the probe lists, the handler pairs it
+ * calls -- goes in separate pages, read-only from mark_rodata_ro() on. */
 static void kp_kernel_build_tables(void)
 {
 	unsigned long base = (unsigned long)_text;
-	unsigned long size = kp_nprobes * sizeof(struct kprobe) + kp_nsites * sizeof(struct kp_site)
-			     + kp_nsite_probes * sizeof(struct kprobe *);
+	unsigned long size = kp_nprobes * sizeof(struct kprobe);
+	unsigned long ro_size = PAGE_ALIGN(kp_nsites * sizeof(struct kp_site) + kp_nsite_probes
+					   * (sizeof(struct kprobe *) + sizeof(struct kp_handler_rec)));
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);
-	if (!m) {
+	char *ro = memblock_alloc_try_nid(ro_size, PAGE_SIZE, 0, 0, -1);
+	size += ro_size;
+	if (!m || !ro) {
 		_printk(KP_KERN_ERR "kprewrite: no memory for the tables of %u probes (%lu KiB): "
 			"they stay disarmed\n", kp_nprobes, size >> 10);
 		return;
 	}
 	struct kprobe *probes = (struct kprobe *)m;
-	struct kp_site *sites = (struct kp_site *)(probes + kp_nprobes);
+	struct kp_handler_rec *handlers = (struct kp_handler_rec *)ro;
+	struct kp_site *sites = (struct kp_site *)(handlers + kp_nsite_probes);
 	struct kprobe **site_probes = (struct kprobe **)(sites + kp_nsites);
 	char name[KP_KSYM_NAME_LEN + 32];
 	unsigned long named = 0;
@@ -127,12 +146,17 @@ static void kp_kernel_build_tables(void)
 	for (unsigned int i = 0; i < kp_nsite_probes; i++) {
 		unsigned int k = kp_site_probe_recs[i];
 		site_probes[i] = k & KP_REC_KRET ? &kp_kretprobes[k & ~KP_REC_KRET].kp : &probes[k];
+		handlers[i] = k & KP_REC_KRET ? (struct kp_handler_rec){ kp_pre_handler_kretprobe, 0 }
+					      : kp_rec_handlers[kp_probe_recs[k].handlers];
 	}
 	for (unsigned int i = 0; i < kp_nearly_probes; i++)
 		probes[kp_early_probes[i].index].nmissed = kp_early_probes[i].nmissed;
 	kp_probes = probes;
 	kp_sites = sites;
 	kp_site_probes = (struct kprobe *const *)site_probes;
+	kp_site_handlers = handlers;
+	kp_kernel_ro_tables = (unsigned long)ro;
+	kp_kernel_ro_size = ro_size;
 	__atomic_store_n(&kp_tables_built, 1, __ATOMIC_RELEASE);
 	if (kp_kernel_disarmed)		/* kprewrite.enabled=0, read before the tables existed */
 		kp_kernel_arm(0);
@@ -218,19 +242,40 @@ void kp_profile_signal_configure(const char *value)
  * ftrace sites).  mark_rodata_ro() calls set_memory_ro(_text, ...) up to the
  * end of the rodata/data gap, set_memory_nx(PFN_ALIGN(_etext), ...), then
  * free_kernel_image_pages(what, PFN_ALIGN(_etext), __start_rodata) and the
- * same for the rodata/data gap.  Our data pages are kept out of the first
- * (every probe hit writes them, the hooks' own included, so they must never
- * be read-only), our code pages out of the second, both out of the frees.
- * Only the arguments' meanings are relied on, not the code of mark_rodata_ro().
+ * same for the rodata/data gap.  Our writable data pages are kept out of the
+ * first (every probe hit writes them, the hooks' own included, so they must
+ * never be read-only; the ro_after_init pages before them are left in, as the
+ * kernel's own __ro_after_init), our code pages out of the second, both out
+ * of the frees.  Only the arguments' meanings are relied on, not the code of
+ * mark_rodata_ro().
  */
 
-/* set_memory_ro(addr, numpages) over our data pages: everything but them. */
+/* The set_memory_ro() over our data is mark_rodata_ro()'s: the built tables'
+ * read-only pages go read-only with the kernel's rodata (once). */
+static void kp_kernel_tables_ro(void)
+{
+	unsigned long at = kp_kernel_ro_tables, size = kp_kernel_ro_size;
+	if (!at)
+		return;
+	kp_kernel_ro_tables = 0;
+	/* May sleep, as the caller may: see below. */
+	kp_platform_dispatch_end();
+	int err = set_memory_ro(at, (int)(size >> PAGE_SHIFT));
+	kp_platform_dispatch_begin();
+	_printk(KP_KERN_INFO "kprewrite: probe tables read-only: %lu KiB of sites, probe lists and handlers%s; "
+		"%lu KiB of records and descriptors (ro_after_init)\n", size >> 10, err ? " FAILED" : "",
+		(unsigned long)(__kp_ro_end - __kp_ro_start) >> 10);
+}
+
+/* set_memory_ro(addr, numpages) over our data pages: everything but the writable ones. */
 int kp_kernel_keep_ro(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
-	unsigned long data = (unsigned long)__kp_data_start;
+	unsigned long data = (unsigned long)__kp_ro_end;	/* page-aligned: the writable data */
 	unsigned long data_end = PAGE_ALIGN((unsigned long)__kp_data_end);
 	unsigned long lo = kp_arch_arg0(regs), hi = lo + ((unsigned long)(long)(int)kp_arch_arg1(regs) << PAGE_SHIFT);
+	if (lo <= (unsigned long)__kp_data_start && (unsigned long)__kp_data_start < hi)
+		kp_kernel_tables_ro();
 	if (data_end == data || hi <= data || lo >= data_end)
 		return 0;
 	if (hi > data_end) {
@@ -272,8 +317,9 @@ int kp_kernel_keep_free(struct kprobe *p, struct pt_regs *regs)
 			kp_kernel_gap_start, code_end, (code_end - kp_kernel_gap_start) >> 10);
 	} else if (kp_arch_arg1(regs) == data && data_end > data) {
 		kp_arch_arg1(regs) = data_end < kp_arch_arg2(regs) ? data_end : kp_arch_arg2(regs);
-		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the rodata/data gap: data %lu KiB (read-write, NX)\n",
-			data, data_end, (data_end - data) >> 10);
+		_printk(KP_KERN_INFO "kprewrite: kept %lx..%lx of the rodata/data gap: data %lu KiB (NX; "
+			"read-only from %lx, read-write from %lx)\n", data, data_end, (data_end - data) >> 10,
+			data, (unsigned long)__kp_ro_end);
 	}
 	return 0;
 }

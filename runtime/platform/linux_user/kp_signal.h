@@ -13,11 +13,7 @@ struct kp_siginfo { int si_signo, si_errno, si_code; };
 #define KP_SIGBIT(n) (1UL << ((n) - 1))
 #define KP_SIG_DFL ((void *)0)
 #define KP_SIG_IGN ((void *)1)
-#define KP_SA_SIGINFO 0x4UL
-#define KP_SA_RESTORER 0x04000000UL
-#define KP_SA_RESTART 0x10000000UL
-#define KP_SA_NODEFER 0x40000000UL
-#define KP_SA_RESETHAND 0x80000000UL
+/* KP_SA_* (sa_flags) are the arch's: kp_uapi.h. */
 
 /* Install the SIGTRAP handler, only when there are breakpoint sites (kp_signal.c). */
 void kp_trap_install(void);

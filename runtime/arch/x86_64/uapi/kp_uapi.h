@@ -33,6 +33,13 @@
 #define __NR_process_vm_readv 310
 #define ARCH_GET_FS 0x1003
 
+/* sa_flags (arch/x86/include/uapi/asm/signal.h). */
+#define KP_SA_SIGINFO 0x4UL
+#define KP_SA_RESTORER 0x04000000UL
+#define KP_SA_RESTART 0x10000000UL
+#define KP_SA_NODEFER 0x40000000UL
+#define KP_SA_RESETHAND 0x80000000UL
+
 /* The user segment selectors (arch/x86/include/asm/segment.h). */
 #define KP_USER_CS 0x33		/* __USER_CS */
 #define KP_USER_DS 0x2b		/* __USER_DS */

@@ -6,6 +6,15 @@
 #ifndef _KPREWRITE_ARCH_X86_64_PTRACE_H
 #define _KPREWRITE_ARCH_X86_64_PTRACE_H
 
+/* The kernel's Kconfig symbols for this arch, which its samples test
+ * (samples/kprobes/kprobe_example.c: #ifdef CONFIG_X86). */
+#ifndef CONFIG_X86
+#define CONFIG_X86 1
+#endif
+#ifndef CONFIG_X86_64
+#define CONFIG_X86_64 1
+#endif
+
 /* arch/x86/include/asm/ptrace.h, x86-64 layout (offsets in 8-byte words). */
 struct pt_regs {
 	unsigned long r15, r14, r13, r12, bp, bx;

@@ -1,0 +1,263 @@
+"""Code emission for AArch64: detour buffers, the `B` at the probe, start-up stubs.
+
+A detour is reached by one 4-byte `B` (+-128 MiB; writer.py places the new
+segment within the reach) and returns with a direct `B`, so BTI never checks
+either.  PC-relative displaced instructions are relocated as Frida's
+gumarm64relocator.c does (adr/adrp -> adrp [+ add] of the same address, literal
+loads -> the address, then a load through it, conditional branches -> the
+inverted condition over a `B`, bl -> x30 set to the original return address,
+then `B`); every PC-relative instruction is encoded by encode.py and checked
+by decoding it."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..base import DcrInsn
+from . import encode as E
+from . import insn as I
+from . import offsets as O
+
+
+class EmitError(Exception):
+    pass
+
+
+def _e(fn, *args):
+    try:
+        return fn(*args)
+    except E.EncodeError as e:
+        raise EmitError(str(e)) from None
+
+
+MRS_X0_NZCV = 0xD53B4200.to_bytes(4, "little")
+MSR_NZCV_X0 = 0xD51B4200.to_bytes(4, "little")
+NOP = I.NOP.to_bytes(4, "little")
+UDF = b"\0\0\0\0"            # what the rest of a region longer than the jump holds: traps loudly
+
+
+def relocate(insn: DcrInsn, new: int) -> bytes:
+    """One DCR instruction copied to `new` (gumarm64relocator.c's forms)."""
+    info = insn.info
+    k = info.kind
+    nxt = insn.addr + 4
+    if k == I.B:
+        return _e(E.b, new, info.target)
+    if k == I.BL:
+        # x30 is the original return address: returns, unwinding and
+        # __builtin_return_address() see the program's own code.
+        return _e(E.adrp, new, 30, nxt) + E.add_imm(30, 30, nxt & 0xFFF) + _e(E.b, new + 8, info.target)
+    if k == I.BCOND:
+        if info.cond >= 14:          # al, nv: always
+            return _e(E.b, new, info.target)
+        return _e(E.b_cond, new, info.cond ^ 1, new + 8) + _e(E.b, new + 4, info.target)
+    if k == I.CBZ:
+        return _e(E.cbz, new, info.rt, info.sf, info.cond ^ 1, new + 8) + _e(E.b, new + 4, info.target)
+    if k == I.TBZ:
+        return _e(E.tbz, new, info.rt, info.bit, info.cond ^ 1, new + 8) + _e(E.b, new + 4, info.target)
+    if k in (I.ADR, I.ADRP):
+        if info.rt == 31:            # the zero register: no effect
+            return NOP
+        if k == I.ADRP:
+            return _e(E.adrp, new, info.rt, info.target)
+        return _e(E.adrp, new, info.rt, info.target) + E.add_imm(info.rt, info.rt, info.target & 0xFFF)
+    if k in (I.LDR_LIT, I.LDRSW_LIT):
+        if info.rt == 31:
+            return NOP
+        rt = info.rt
+        load = E.ldrsw(rt, rt) if k == I.LDRSW_LIT else (E.ldr_x(rt, rt) if info.sf else E.ldr_w(rt, rt))
+        return _e(E.adrp, new, rt, info.target) + E.add_imm(rt, rt, info.target & 0xFFF) + load
+    return insn.code
+
+
+def with_target(insn: DcrInsn, target: int) -> DcrInsn:
+    return DcrInsn(insn.addr, insn.code, dataclasses.replace(insn.info, target=target))
+
+
+def _site_imm(site: int) -> bytes:
+    """x16 = site (movz + movk: the same size whatever the index)."""
+    return E.movz(16, site & 0xFFFF) + E.movk(16, (site >> 16) & 0xFFFF, 16)
+
+
+def probe_stub(site: int, entry: int, at: int) -> bytes:
+    """stp x16, x30, [sp, #-16]!; x16 = SITE; bl entry; ldp x16, x30, [sp], #16.
+    The runtime's entry (optprobe_entry.S) finds the probed code's x16 and x30 at
+    the top of its frame and writes a handler's changes to them back there."""
+    out = E.stp_pre(16, 30, 31, -16) + _site_imm(site)
+    out += _e(E.b, at + len(out), entry, True)
+    return out + E.ldp_post(16, 30, 31, 16)
+
+
+def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
+           entry: int, post_entry: int, copy=None, back: int | None = None) -> tuple[bytes, int, int]:
+    """The detour buffer of one site: the stub into the runtime's entry, the
+    copy (after its first instruction the post stub), the `B` back.  Returns
+    (code, resume, resume_post)."""
+    copy = copy or relocate
+    out = bytearray(probe_stub(site, entry, at))
+    resume = resume_post = at + len(out)
+    for i, insn in enumerate(dcr):
+        out += copy(insn, at + len(out))
+        if i == 0 and with_post:
+            out += probe_stub(site, post_entry, at + len(out))
+            resume_post = at + len(out)
+    back = back or dcr[-1].addr + len(dcr[-1].code)
+    out += _e(E.b, at + len(out), back)
+    return bytes(out), resume, resume_post
+
+
+def _frame() -> int:
+    return (O.PT_SIZE + 15) & ~15
+
+
+def regs_call(at: int, fn: int, site: int | None, resume_regs: int | None, pc_is_lr: bool = False) -> bytes:
+    """struct pt_regs on the stack, fn(SITE, regs) (fn(regs) when site is None),
+    every register back (NZCV by msr).  With resume_regs, a non-zero result
+    resumes through it with sp at the frame (optprobe_entry.S); without, the
+    result is not read (the clean callbacks return nothing).  pc_is_lr: regs
+    as after a `ret` (pc the return address in x30; a return hook)."""
+    f = _frame()
+    out = bytearray(E.sub_imm(31, 31, f))
+    for r in range(0, 30, 2):
+        out += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    out += E.str_x(30, 31, O.PT_X0 + 240)
+    out += E.add_imm(0, 31, f) + E.str_x(0, 31, O.PT_SP)
+    if pc_is_lr:
+        out += E.str_x(30, 31, O.PT_PC)
+    out += MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
+    out += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)    # orig_x0 0, syscallno -1
+    if site is None:
+        out += E.add_imm(0, 31, 0)
+    else:
+        out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
+    out += _e(E.b, at + len(out), fn, True)
+    cbnz_at = len(out)
+    if resume_regs is not None:
+        out += b"\0\0\0\0"              # cbnz x0, slow (below)
+    out += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
+    for r in range(0, 30, 2):
+        out += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    out += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, f)
+    if resume_regs is None:
+        return bytes(out)
+    skip_at = len(out)
+    out += b"\0\0\0\0"                  # b over the slow path
+    slow = len(out)
+    out += _e(E.b, at + slow, resume_regs)
+    out[cbnz_at:cbnz_at + 4] = _e(E.cbz, at + cbnz_at, 0, 1, 1, at + slow)
+    out[skip_at:skip_at + 4] = _e(E.b, at + skip_at, at + len(out))
+    return bytes(out)
+
+
+# A kretprobe entry's body (retprobe.kret_entry_body()) is not code here but the
+# runtime's kretprobe trampoline address, packed: the entry detour calls the
+# generic dispatch placed at a fixed offset after it (kretprobe_entry.S), which
+# runs pre_handler_kretprobe() as any pre_handler (hit counted, nmissed, disabled).
+KRET_DISPATCH_OFFSET = 256
+
+
+def _kret_entry(site: int, body: bytes, at: int) -> bytes:
+    tramp = int.from_bytes(body[:8], "little")
+    return probe_stub(site, tramp + KRET_DISPATCH_OFFSET, at)
+
+
+def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
+                probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
+                aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
+    """A detour that saves a whole pt_regs in line and calls optimized_callback()."""
+    if body is not None:
+        return _after(_kret_entry(site, body, at), dcr, at, copy, back)
+    return _after(regs_call(at, callback, site, resume_regs), dcr, at, copy, back)
+
+
+def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
+    copy = copy or relocate
+    out = bytearray(head)
+    resume = at + len(out)
+    for insn in dcr:
+        out += copy(insn, at + len(out))
+    out += _e(E.b, at + len(out), back or dcr[-1].addr + len(dcr[-1].code))
+    return bytes(out), resume
+
+
+def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
+                 probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,
+                 aligned: bool, handler_clobbers: set[str] | None = None, copy=None, body=None,
+                 back: int | None = None) -> tuple[bytes, int]:
+    """A detour whose handlers never read regs: on aarch64 still the whole pt_regs
+    (handler_abi does not read handlers yet), through the clean callback."""
+    if body is not None:
+        return _after(_kret_entry(site, body, at), dcr, at, copy, back)
+    return _after(regs_call(at, callback, site, None), dcr, at, copy, back)
+
+
+def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
+                 counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
+                 back: int | None = None) -> tuple[bytes, int]:
+    """A detour that only counts the hit: on aarch64 through the runtime's clean
+    entry (the hit counts in the thread's block)."""
+    code, resume, _ = detour(site, dcr, False, at, slow_entry, slow_entry, copy, back)
+    return code, resume
+
+
+LIGHT_PAGE = 512           # counters per 4 KiB page
+
+
+def light_counter(slot: int) -> int:
+    """Where hit slot `slot`'s counter of shard 0 lies in kp_light_hits[], in
+    bytes (the runtime's KP_LIGHT_INDEX: shards interleave page by page).  The
+    light detours here count through the runtime's entry instead; the table's
+    layout check still reads this."""
+    return (slot // LIGHT_PAGE * O.LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
+
+
+def evicted_detour(dcr: list[DcrInsn], at: int) -> bytes:
+    """An evicted neighbour's detour: never made on aarch64 (every region is one instruction)."""
+    return _after(b"", dcr, at, None, None)[0]
+
+
+def evict_patch(addr: int, region_len: int, detour: int, probe_detour: int) -> bytes:
+    raise EmitError("no evicted regions on aarch64")
+
+
+def jump_patch(addr: int, region_len: int, target: int) -> bytes:
+    """The optimized probe itself: B to the detour (the rest of a longer region udf)."""
+    return _e(E.b, addr, target) + UDF * ((region_len - 4) // 4)
+
+
+def short_jump_patch(addr: int, region_len: int, slot: int) -> bytes:
+    raise EmitError("no short jumps on aarch64")
+
+
+def branch_disp(code: bytes) -> int | None:
+    """0 for a B or BL (retarget_patch() rewrites the whole word), None otherwise."""
+    if len(code) >= 4 and (int.from_bytes(code[:4], "little") & 0x7C000000) == 0x14000000:
+        return 0
+    return None
+
+
+def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
+    """The B/BL at addr naming target instead."""
+    link = bool(int.from_bytes(code[:4], "little") >> 31)
+    return addr, _e(E.b, addr, target, link)
+
+
+def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
+    """New e_entry of an executable: x0 = kp_user_start(sp, x0) (x0: the ELF
+    ABI's exit function, passed on), then the program's entry; sp untouched."""
+    out = (0xAA0003E1).to_bytes(4, "little") + E.add_imm(0, 31, 0)      # mov x1, x0; mov x0, sp
+    out += _e(E.b, at + 8, start_fn, True)
+    return out + _e(E.b, at + 12, orig_entry)
+
+
+def chain_stub(at: int, fn: int, then: int) -> bytes:
+    """An init/fini function for a shared object: fn(argc, argv, envp), then the
+    function the slot held before, with the same arguments."""
+    out = E.stp_pre(29, 30, 31, -48) + E.stp(0, 1, 31, 16) + E.stp(2, 3, 31, 32)
+    out += _e(E.b, at + len(out), fn, True)
+    out += E.ldp(0, 1, 31, 16) + E.ldp(2, 3, 31, 32) + E.ldp_post(29, 30, 31, 48)
+    return out + _e(E.b, at + len(out), then)
+
+
+def __getattr__(name: str):
+    """emit.KPROBE_SIZE & co.: offsets.py's, at first use."""
+    return getattr(O, name)

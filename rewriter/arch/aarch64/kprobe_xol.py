@@ -1,0 +1,143 @@
+"""Breakpoint probes for AArch64: arch/arm64/kernel/probes/kprobes.c's
+arch_prepare_kprobe(), done at rewrite time.
+
+A breakpoint probe writes `brk #0x004` (KPROBES_BRK_IMM) over the probed
+instruction.  The runtime's SIGTRAP handler (runtime/arch/aarch64/kp_int3.c)
+runs the pre_handlers, then the instruction, as decode-insn.c sorts it:
+
+* simulate -- simulate-insn.c: b, bl, b.cond, cbz/cbnz, tbz/tbnz, adr, adrp,
+  ldr/ldrsw literal, br, blr, ret are done by the trap handler from a small
+  per-site descriptor (kind, target, register, condition); no slot;
+* single-step -- the rest: the copy in an out-of-line slot followed by
+  `brk #0x006` (KPROBES_BRK_SS_IMM); the trap there runs the post_handlers and
+  resumes at the next instruction (kprobes_post_process_ss()).
+
+There is no boost (the kernel has none on arm64 either).  The slots live in the
+output's own code segment (the kernel's XOL area, allocated at rewrite time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..base import EMULATE, SINGLESTEP, DcrInsn, XolSlot
+from . import encode as E
+from . import insn as I
+
+MODE_CODE = {EMULATE: 1, SINGLESTEP: 3}
+KPROBES_BRK_IMM, KPROBES_BRK_SS_IMM = 0x004, 0x006
+BRK = E.brk(KPROBES_BRK_IMM)
+BRK_SS = E.brk(KPROBES_BRK_SS_IMM)
+
+# Simulated kinds (numbers shared with runtime/arch/aarch64/kp_brk.h).
+KIND = {I.B: 1, I.BL: 2, I.BCOND: 3, I.CBZ: 4, I.TBZ: 5, I.ADR: 6, I.ADRP: 6, I.LDR_LIT: 7,
+        I.LDRSW_LIT: 8, I.BR: 9, I.BLR: 10, I.RET: 11}
+
+
+@dataclass
+class Xol:
+    """How one breakpoint site runs its probed instruction (plan data: where its slot
+    goes is the layout's XolSlot, from place_slot())."""
+    mode: str
+    insn: DcrInsn
+    kind: int = 0          # simulate: KIND
+    target: int = 0        # simulate: the PC-relative address (link-time)
+    rt: int = 0            # simulate: the register (destination, tested, or branched through)
+    cond: int = 0          # b.cond condition; cbnz/tbnz: 1
+    sf: int = 0            # cbz: 64-bit; ldr literal: 8 bytes
+    bit: int = 0           # tbz: the tested bit
+
+    @property
+    def next_ip(self) -> int:
+        return self.insn.addr + 4
+
+
+def emulates_refused(image, addr: int) -> bool:
+    """Whether we simulate an instruction can_probe() refuses: none (the kernel's list)."""
+    return False
+
+
+def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
+    """arch_prepare_kprobe() for one address (can_probe() has already passed).
+    Single-stepped copies always end with a brk (ss_int3 is what arm64 does anyway)."""
+    code = bytes(image.read(addr, 4))
+    info = I.classify(code, addr)
+    insn = DcrInsn(addr, code, info)
+    if info.kind:
+        return Xol(EMULATE, insn, kind=KIND[info.kind], target=info.target or 0, rt=info.rt, cond=info.cond,
+                   sf=info.sf, bit=info.bit)
+    return Xol(SINGLESTEP, insn)
+
+
+def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int, desc: int = 0) -> bytes:
+    """The slot of a single-stepped site at `at`: the copy (a non-PC-relative
+    instruction runs the same anywhere), then brk #0x006."""
+    return x.insn.code + BRK_SS
+
+
+def place_slot(x: Xol, site_index: int, with_post: bool, at: int, desc: int = 0) -> XolSlot:
+    """The slot laid out at `at` (get_insn_slot()): the copy, and the brk #0x006 after it
+    (its single-step end)."""
+    return XolSlot(at, len(slot_code(x, site_index, with_post, at, 0, desc)), at + 4, at + 4, desc)
+
+
+NO_SLOT = XolSlot(0, 0, 0)      # a simulated site's: the trap handler does its work
+
+
+def number_descriptors(sites) -> dict[int, int]:
+    """Every breakpoint site's index in kp_int3_sites[] (table_c()'s order), by Site.index."""
+    return {s.index: i for i, s in enumerate(s for s in sites if s.xol is not None)}
+
+
+GOLDEN_RATIO_64 = 0x61C8864680B583EB   # the kernel's hash_64() multiplier (include/linux/hash.h)
+HASH_EMPTY = 0xFFFFFFFF
+
+
+def brk_hash(addrs: list[int]) -> tuple[int, list[int]]:
+    """The descriptors by address, open-addressed (linear probing), at most half
+    full: get_kprobe()'s kprobe_table[] (kp_int3.c's kp_brk_lookup() hashes the same)."""
+    bits = 1
+    while (1 << bits) < 2 * len(addrs):
+        bits += 1
+    size = 1 << bits
+    slots = [HASH_EMPTY] * size
+    for i, a in enumerate(addrs):
+        h = ((a * GOLDEN_RATIO_64) & (2**64 - 1)) >> (64 - bits)
+        while slots[h] != HASH_EMPTY:
+            h = (h + 1) & (size - 1)
+        slots[h] = i
+    return bits, slots
+
+
+def table_c(sites, slots: dict, ro_after_init: bool = False) -> str:
+    """The per-site descriptors (struct kp_int3_site, runtime/arch/aarch64/kp_arch.h),
+    their hash by address, and the single-step entries sorted by slot end (slots: the
+    layout's XolSlot by Site.index)."""
+    rows, ss = [], []
+    for s in sites:
+        x = s.xol
+        if x is None:
+            continue
+        slot = slots.get(s.index, NO_SLOT)
+        if x.mode == SINGLESTEP:
+            ss.append((slot.ss_end, len(rows)))
+        rows.append(f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
+                    f"{int.from_bytes(x.insn.code, 'little'):#x}, {MODE_CODE[x.mode]}, {x.kind}, {x.cond}, {x.rt}, "
+                    f"{x.bit}, {x.sf}, {s.kret_hook}, {int(s.with_post)}, {int(x.mode != EMULATE and not s.kret_hook)} }},")
+    bits, hashed = brk_hash([s.addr for s in sites if s.xol is not None])
+    ss = [i for _, i in sorted(ss)]
+    n = len(rows)
+    if not rows:
+        # No brk site: one descriptor no address matches (kp_nint3 1), so the
+        # SIGTRAP handler is still installed for a detour's slow resume
+        # (optprobe_entry.S's kp_optprobe_resume_regs traps).
+        rows.append("  { ~0UL, 0, 0, 0, 0, 0, 0 },")
+        n = 1
+    section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""
+    out = ["#include <kp_brk.h>",
+           f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
+           f"const unsigned int kp_nint3 = {n};",
+           f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
+           f"const unsigned int kp_int3_hash[{len(hashed)}] = {{ {', '.join(map(str, hashed))} }};",
+           f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
+           f"const unsigned int kp_nint3_ss = {len(ss)};"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,93 @@
+"""Which AArch64 instructions may be probed and which jump-optimized: the
+kernel's arch_prepare_kprobe() checks (decode-insn.c's arm_kprobe_decode_insn()
+and is_probed_address_atomic()), and the checks of a detour reached by one `B`.
+
+Every instruction is 4 bytes and so is the `B`: the detoured code region is the
+probed instruction alone.  No other instruction lies under the jump, so no jump
+can land inside the region (x86's jump target prohibition region is empty
+here), and nothing is left for a short jump or an evicted neighbour."""
+from __future__ import annotations
+
+from ..base import DcrInsn, Refusal
+from . import insn as I
+
+SHORT_JUMP_SIZE = None          # the B is as small as an instruction
+
+
+def _word(image, addr: int) -> int:
+    return int.from_bytes(image.read(addr, 4), "little")
+
+
+def adjust_kprobe_addr(image, sym_addr: int, offset: int) -> int:
+    """arch_adjust_kprobe_addr(): a function entry past its BTI landing pad
+    (`bti c`/`bti jc`), which an indirect call must find there under BTI."""
+    if offset == 0:
+        try:
+            w = _word(image, sym_addr)
+        except (ValueError, IndexError):
+            return sym_addr
+        if w in (0xD503245F, 0xD50324DF):          # bti c, bti jc
+            return sym_addr + 4
+    return sym_addr + offset
+
+
+def can_probe_insn(image, addr: int) -> Refusal | None:
+    """arm_kprobe_decode_insn() refusals, and is_probed_address_atomic()."""
+    if addr & 3:
+        return Refusal("can_probe", addr, "not 4-byte aligned (AArch64 instructions are)")
+    try:
+        w = _word(image, addr)
+    except (ValueError, IndexError):
+        return Refusal("can_probe", addr, "not readable")
+    info = I.classify(w, addr)
+    if info.refused:
+        return Refusal("can_probe", addr, f"the kernel does not probe {info.refused}")
+    f = image.function_at(addr)
+    if f is not None:
+        at = I.atomic_sequence(lambda a: _word(image, a), addr, f.start)
+        if at is not None:
+            return Refusal("can_probe", addr, f"inside an exclusive sequence (the ldxr at {at:#x}): "
+                                              "a trap or detour would clear the exclusive monitor")
+    return None
+
+
+def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
+                 jump_size: int = 4) -> list[DcrInsn] | Refusal:
+    """The detoured code region at addr: its one instruction, relocated by emit.relocate()."""
+    if min_end is not None and min_end > addr + 4:
+        return Refusal("func_size", addr, "a region is one instruction on aarch64")
+    if addr + 4 > func.end:
+        return Refusal("func_size", addr, f"the jump at {addr:#x} would cross the end of {func.name}")
+    r = can_probe_insn(image, addr)
+    if r is not None:
+        return r
+    w = image.read(addr, 4)
+    return [DcrInsn(addr, bytes(w), I.classify(w, addr))]
+
+
+def short_jump_slot(image, analysis, addr: int, busy) -> int | None:
+    return None
+
+
+def evict_candidates(image, analysis, addr: int):
+    return []
+
+
+def can_evict(image, analysis, func, n0: int) -> list[DcrInsn] | Refusal:
+    return Refusal("evict", n0, "no eviction on aarch64 (a region is one instruction)")
+
+
+def stack_aligned_at(image, func, addr: int) -> bool:
+    """AAPCS64: sp is 16-byte aligned at every instruction that uses it (Linux
+    checks it for user code), so always."""
+    return True
+
+
+def red_zone_free_at(image, func, addr: int) -> bool:
+    """AAPCS64 has no red zone: nothing may live below sp."""
+    return False
+
+
+def arith_flags_dead(image, func, addr: int, limit: int = 32) -> bool:
+    """Not read yet: NZCV is taken as live (the detours restore it with msr)."""
+    return False

@@ -1,0 +1,136 @@
+"""Return sites of a function and their return hooks (AArch64).
+
+As on x86-64 (x86_64/retprobe.py), every exit of a probed function is hooked
+instead of swapping the return address: each `ret` (after `autiasp`, so x30
+already holds the authenticated return address) and each tail-call `b` to
+another function's start.  x30 is never replaced at entry; only a tail call to
+a function whose returns are not hooked swaps it for the trampoline (the
+kernel's way, for that path only: kp_kretprobe_tail_swap()), and a function
+whose exits cannot all be named (a conditional branch or a `br` leaving it)
+falls back to the trampoline.
+
+An exit is one instruction, as long as the `B` that takes it: the return
+region is the exit alone.  Its detour calls the runtime's hook
+(kretprobe_entry.S: pt_regs as after the ret, pc the return address in x30, sp
+unchanged), then runs the exit itself (a `ret`, or the relocated `b`)."""
+from __future__ import annotations
+
+import struct
+
+from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
+from . import emit as em
+from . import encode as E
+from . import insn as I
+
+# What kret_entry_body's form writes besides the entry_handler's own (it saves everything).
+KRET_ENTRY_USES: tuple[str, ...] = ()
+
+
+def _plt(image, addr: int) -> bool:
+    sec = image.section_containing(addr)
+    return sec is not None and sec.name in (".plt", ".plt.sec", ".plt.got", ".iplt")
+
+
+def find_exits(image, analysis, func) -> Exits:
+    """Every ret and tail b of `func` (and of the `.cold` parts it jumps to)."""
+    return analysis.memo("retprobe.exits", func.start, lambda: _find_exits(image, analysis, func))
+
+
+def _find_exits(image, analysis, func) -> Exits:
+    parts, seen = [func], {func.start}
+    exits: list[Exit] = []
+    refusal = None
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        i += 1
+        d = analysis.decoded(part)
+        if d.undecodable is not None:
+            return Exits([], Refusal("decode", d.undecodable, f"{part.name} cannot be decoded"), parts)
+        if d.indirect_jump is not None:
+            return Exits([], Refusal("indirect_jump", d.indirect_jump,
+                                     f"{part.name} has an indirect branch (br): its exits are unknown"), parts)
+        for a in d.exits or ():
+            code = bytes(image.read(a, 4))
+            info = I.classify(code, a)
+            ins = DcrInsn(a, code, info)
+            if info.kind == I.RET:
+                if info.rt != 30:
+                    refusal = refusal or Refusal("ret_register", a, f"ret through x{info.rt}, not x30")
+                    continue
+                exits.append(Exit(a, RET, ins))
+                continue
+            t = info.target
+            if t is None or any(p.start <= t < p.end for p in parts):
+                continue
+            tf = image.function_at(t)
+            if tf is not None and ".cold" in tf.name and tf.start not in seen:
+                seen.add(tf.start)
+                parts.append(tf)
+                continue
+            if tf is not None and tf.start in seen:
+                continue
+            if info.kind != I.B:
+                refusal = refusal or Refusal("conditional_tail_call", a, f"conditional branch to {t:#x} leaves {func.name}")
+            elif (tf is None or tf.start != t) and not _plt(image, t):
+                refusal = refusal or Refusal("jump_out", a, f"branch to {t:#x} leaves {func.name} but not to a function's start")
+            else:
+                exits.append(Exit(a, TAIL, ins, t))
+    return Exits(exits, refusal, parts)
+
+
+def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
+    """The exit alone (a B is as long): (its instruction, region end)."""
+    end = exit.addr + 4
+    if busy(exit.addr, end):
+        return Refusal("probe_in_region", exit.addr, f"another probe overlaps the return region [{exit.addr:#x}, {end:#x})")
+    return [exit.insn], end
+
+
+def hook_then_exit(exit: DcrInsn, hook, at: int) -> bytes:
+    """The return hook (the runtime's, through the same stub as an optprobe's:
+    x16 and x30 kept on the stack), then the exit itself.  hook = (hook entry,
+    unused jmp form), or a function (exit, at) -> code (full_ret_hook)."""
+    if callable(hook):
+        return hook(exit, at)
+    out = em.probe_stub(0, hook[0], at)
+    return out + em.relocate(exit, at + len(out))
+
+
+def ret_detour(dcr: list[DcrInsn], hook, at: int) -> bytes:
+    """Detour of a return site: the DCR up to the exit (nothing here), the hook, the exit."""
+    out = bytearray()
+    for insn in dcr[:-1]:
+        out += em.relocate(insn, at + len(out))
+    out += hook_then_exit(dcr[-1], hook, at + len(out))
+    return bytes(out)
+
+
+def hook_copy(hooks):
+    """How a kprobe's detour copies an exit of a return-probed function (a kprobe
+    on a ret): the exit calls its return hook first."""
+    def copy(insn, pos):
+        if insn.addr in hooks:
+            return hook_then_exit(insn, hooks[insn.addr], pos)
+        return em.relocate(insn, pos)
+    return copy
+
+
+def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: int,
+                    aligned: bool, inline: bool = True, regs: bool = False) -> bytes:
+    """Not inlined on aarch64 yet: the trampoline's address, which tells the entry
+    detour where the runtime's generic kretprobe entry dispatch is (emit._kret_entry())."""
+    return struct.pack("<Q", tramp)
+
+
+def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
+                   handler: int | None, return_c: int, full_hook, aligned: bool, handler_clobbers) -> bytes:
+    """Not inlined on aarch64 yet: the shared hook with pt_regs."""
+    return hook_then_exit(exit, full_hook, at)
+
+
+def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
+                  handler: int | None, return_c: int, aligned: bool) -> bytes:
+    """pt_regs as after the ret, kp_kretprobe_return(regs) in line, then the exit."""
+    out = em.regs_call(at, return_c, None, None, pc_is_lr=True)
+    return out + em.relocate(exit, at + len(out))

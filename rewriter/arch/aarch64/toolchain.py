@@ -1,0 +1,17 @@
+"""How C is compiled for AArch64 (link_runtime.py adds these to a target's
+recipe): the toolchain's target triple and the flags only AArch64 has."""
+
+# The GNU toolchain's name prefix: aarch64-linux-gnu-gcc, aarch64-linux-gnu-ld
+# (Debian's gcc-aarch64-linux-gnu; plain gcc and ld on an AArch64 host without them).
+TRIPLE = "aarch64-linux-gnu"
+
+# By the kind of code a target's recipe builds (its CODE):
+CFLAGS = {
+    # Handlers and the runtime in a user process: the detours save no FP/SIMD
+    # state (q0..q31, FPCR/FPSR), so none is touched (the kernel's own flag);
+    # atomics inline (GCC's default -moutline-atomics calls libgcc's
+    # __aarch64_* helpers, and nothing links libgcc); `bti c` at every function
+    # entry, so that a program whose pages are BTI-guarded may reach runtime
+    # and handler functions through a register (a hint, a NOP elsewhere).
+    "user": ("-mgeneral-regs-only", "-mno-outline-atomics", "-mbranch-protection=bti"),
+}

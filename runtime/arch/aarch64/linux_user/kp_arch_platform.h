@@ -1,0 +1,70 @@
+/*
+ * A Linux user process on AArch64, for the linux_user platform (its
+ * kp_platform.h includes this): raw system calls (`svc #0`, the number in x8),
+ * the thread pointer (tpidr_el0), the C library's struct sigaction.  The
+ * numbers and layouts are Linux's (uapi/kp_uapi.h).
+ */
+#ifndef _KP_ARCH_PLATFORM_H
+#define _KP_ARCH_PLATFORM_H
+#include <kp_uapi.h>
+
+/* Arguments in x0..x5, the result in x0 (a negative errno on failure); the
+ * kernel preserves every other register. */
+static inline long kp_syscall6(long n, long a, long b, long c, long d, long e, long f)
+{
+	register long x8 __asm__("x8") = n;
+	register long x0 __asm__("x0") = a;
+	register long x1 __asm__("x1") = b;
+	register long x2 __asm__("x2") = c;
+	register long x3 __asm__("x3") = d;
+	register long x4 __asm__("x4") = e;
+	register long x5 __asm__("x5") = f;
+	__asm__ volatile("svc #0"
+			 : "+r"(x0)
+			 : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4), "r"(x5)
+			 : "memory");
+	return x0;
+}
+#define kp_syscall3(n, a, b, c) kp_syscall6(n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
+
+/* open(2): the generic table has only openat(2). */
+#define kp_sys_open(path, flags, mode) \
+	kp_syscall6(__NR_openat, KP_AT_FDCWD, (long)(path), (long)(flags), (long)(mode), 0, 0)
+
+/* On entry to a signal handler: nothing to set up (no direction flag; the
+ * kernel and qemu-user deliver signals with PSTATE as the ABI wants it). */
+#define kp_arch_signal_entry() do { } while (0)
+
+/* The thread pointer: tpidr_el0, the TCB glibc and musl point it at. */
+static inline unsigned long kp_arch_thread_pointer(void)
+{
+	unsigned long tp;
+	__asm__("mrs %0, tpidr_el0" : "=r"(tp));
+	return tp;
+}
+
+/* The thread pointer as the kernel knows it, 0 before the C library set one
+ * up: on AArch64 the register itself, which reading never faults (x86-64 asks
+ * arch_prctl(2) there, as %fs:0 would fault). */
+#define kp_arch_thread_pointer_sys(tp) (*(tp) = kp_arch_thread_pointer(), 0L)
+
+/* No per-CPU value the vDSO reads at EL0 (arm64's vDSO has no getcpu): 0, and
+ * the platform asks getcpu(2). */
+static inline int kp_arch_vgetcpu(unsigned int *limit)
+{
+	*limit = 0;
+	return 0;
+}
+
+/* glibc's (and musl's) struct sigaction on AArch64: the generic layout, as on x86-64. */
+struct kp_libc_sigaction {
+	void *handler;
+	unsigned long mask[16];
+	int flags;
+	void (*restorer)(void);
+};
+
+/* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was
+ * (kp_int3_signal.c). */
+__attribute__((visibility("hidden"))) int kp_arch_int3_trap(void *ucontext);
+#endif
