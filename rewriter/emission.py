@@ -1,12 +1,12 @@
-"""Stage 6: emit code.  Reads the finished plan (forms chosen, addresses laid
-out) and the linked runtime's symbols, and produces the bytes: each optimized
+"""Stage 6: emit code.  Reads the finished plan (forms chosen), the layout's
+addresses (layout.Layout) and the linked runtime's symbols, and produces the bytes: each optimized
 site's detour buffer and the jump that replaces its region (the kernel's
 arch_prepare_optimized_kprobe() and arch_optimize_kprobes()), each return
 site's detour, each breakpoint site's out-of-line slot and breakpoint
 (arch_prepare_kprobe(), arch_arm_kprobe()).  The code of one site is the same
 function whether `sym` holds the runtime's real addresses or, during layout,
 placeholders (Far): only its size and internal offsets matter then.  Nothing
-here decides or writes back into the plan.
+here decides or writes into the plan or the layout.
 """
 from __future__ import annotations
 
@@ -109,32 +109,34 @@ def detour_entries(site: Site) -> tuple[str, str]:
     return entries
 
 
-def copied(arch, site: Site) -> list:
+def copied(arch, lay, site: Site) -> list:
     """The instructions a site's detour copies (its segment), each direct branch
-    to a detoured region's start sent to that detour (Site.branch_to; before
-    layout, when the detours have no address yet, to the region: the encoding is
-    as long)."""
+    to a detoured region's start sent to that detour (Site.branch_to; while laying
+    out, to a detour that has no address yet, to the region: the encoding is as
+    long)."""
     if not site.branch_to:
         return site.segment
-    return [arch.with_branch_target(i, site.branch_to[i.addr].detour)
-            if i.addr in site.branch_to and site.branch_to[i.addr].detour else i for i in site.segment]
+    return [arch.with_branch_target(i, lay.detour(site.branch_to[i.addr]))
+            if i.addr in site.branch_to and lay.detour(site.branch_to[i.addr]) else i for i in site.segment]
 
 
-def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
-    """An optimized site's detour buffer at `at`: (code, resume, resume_post)."""
+def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int]:
+    """An optimized site's detour buffer at `at`: (code, resume, resume_post).
+    lay: the layout (so far, while laying out) that names the other detours."""
     em = c.arch.emit
+    back = lay.site(site).back or None
     if not site.template:
         entries = detour_entries(site)
-        return em.detour(site.index, copied(c.arch, site), site.with_post, at, sym[entries[0]], sym[entries[1]],
-                         _site_copy(c, site, at, sym), back=site.back or None)
+        return em.detour(site.index, copied(c.arch, lay, site), site.with_post, at, sym[entries[0]], sym[entries[1]],
+                         _site_copy(c, site, at, sym), back=back)
     p = site.probes[0]
     k = c.plan.hit_slot(p)
     if site.light:
-        code, resume = em.light_detour(site.index, copied(c.arch, site), at, fast=sym["kp_fast"],
+        code, resume = em.light_detour(site.index, copied(c.arch, lay, site), at, fast=sym["kp_fast"],
                                        base=sym["kp_light_base"], key=c.thread_key, counter=em.light_counter(k),
                                        slow_entry=sym["kp_optprobe_clean_entry"], flags_live=site.flags_live,
                                        red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
-                                       back=site.back or None)
+                                       back=back)
         return code, resume, resume
     if is_entry(p):
         # rp->kp of a kretprobe: its pre_handler is pre_handler_kretprobe(), its hit
@@ -145,39 +147,40 @@ def site_detour(c: Code, site: Site, at: int, sym) -> tuple[bytes, int, int]:
         h = pre_handler_symbol(c, p)
         handler = sym[h] if h else None
     common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, probe=probe, probe_index=k,
-                  handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym), back=site.back or None)
+                  handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym), back=back)
     if site.clean:
         callback, body = sym["kp_optimized_clean_callback"], None
         if is_entry(p):
             callback = sym["kp_kretprobe_enter_clean_slow"]
             body = _kret_entry_body(c, p, probe, sym, site.aligned, regs=False)
-        code, resume = em.clean_detour(site.index, copied(c.arch, site), at, callback=callback, flags_live=site.flags_live,
+        code, resume = em.clean_detour(site.index, copied(c.arch, lay, site), at, callback=callback, flags_live=site.flags_live,
                                        handler_clobbers=site.clobbers, body=body, **common)
     else:
         # full_detour realigns the stack itself before the body.
         body = _kret_entry_body(c, p, probe, sym, True, regs=True) if is_entry(p) else None
-        code, resume = em.full_detour(site.index, copied(c.arch, site), at, callback=sym["kp_optimized_callback"],
+        code, resume = em.full_detour(site.index, copied(c.arch, lay, site), at, callback=sym["kp_optimized_callback"],
                                       resume_regs=sym["kp_optprobe_resume_regs"], body=body, **common)
     return code, resume, resume
 
 
-def region_ips(c: Code, site: Site) -> list[tuple[int, int]]:
+def region_ips(c: Code, lay, site: Site) -> list[tuple[int, int]]:
     """Where the instructions of a shared region that lie under its head's jump
     run in the detours (the runtime's kp_region_ips[]): a rider's own address
     maps to its detour (its probes fire, as at a breakpoint), any other
-    instruction to its copy.  Copies are as long wherever they go (rel32 forms),
-    so the layout's resume addresses place them."""
+    instruction to its copy.  Copies are as long wherever they go (the arch's long
+    forms: x86-64's rel32), so the layout's resume addresses place them."""
     if site.head is None and not site.riders:
         return []
-    out = [(site.addr, site.detour)] if site.head is not None else []
-    copy = _site_copy(c, site, site.detour, Far(site.detour)) or c.arch.emit.relocate
-    pos = site.resume
+    a = lay.site(site)
+    out = [(site.addr, a.detour)] if site.head is not None else []
+    copy = _site_copy(c, site, a.detour, Far(a.detour)) or c.arch.emit.relocate
+    pos = a.resume
     for i, insn in enumerate(site.segment):
         if i:
             out.append((insn.addr, pos))
         pos += len(copy(insn, pos))
         if i == 0 and site.with_post and not site.template:
-            pos = site.resume_post
+            pos = a.resume_post
     return out
 
 
@@ -194,11 +197,11 @@ def evicted_detour(c: Code, ev, at: int) -> bytes:
     return c.arch.emit.evicted_detour(ev.dcr, at)
 
 
-def evicted_ips(c: Code, ev) -> list[tuple[int, int]]:
+def evicted_ips(c: Code, lay, ev) -> list[tuple[int, int]]:
     """Where the instructions inside an evicted region run (kp_region_ips[], as a
     shared region's): each to its copy, the region's start aside (its own jump
     still leads there)."""
-    out, pos = [], ev.detour
+    out, pos = [], lay.detour(ev)
     for i, insn in enumerate(ev.dcr):
         if i:
             out.append((insn.addr, pos))
@@ -211,14 +214,17 @@ def ret_detour(c: Code, rs, at: int, sym) -> bytes:
     return c.arch.retprobe.ret_detour(rs.dcr, _hook(c, rs.group, rs.hook, sym, at), at)
 
 
-def xol_slot(c: Code, site: Site, at: int, sym) -> bytes:
-    """A boosted or single-stepped breakpoint site's out-of-line slot at `at`."""
-    return c.arch.kprobe_xol.slot_code(site.xol, site.index, site.with_post, at, sym["kp_optprobe_post_entry"])
+def xol_slot(c: Code, lay, site: Site, sym) -> bytes:
+    """A boosted or single-stepped breakpoint site's out-of-line slot, where the layout put it."""
+    slot = lay.xol[site.index]
+    return c.arch.kprobe_xol.slot_code(site.xol, site.index, site.with_post, slot.addr,
+                                       sym["kp_optprobe_post_entry"], slot.desc)
 
 
 def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[int, bytes]]]:
     """The new code below the runtime (stubs excluded), and the patches to the
-    image's own code: (rx bytes from layout.rx_vaddr, [(addr, bytes)])."""
+    image's own code, where layout (layout.Layout) put each piece: (rx bytes from
+    layout.rx_vaddr, [(addr, bytes)])."""
     rx = bytearray(layout.text_addr - layout.rx_vaddr)
 
     def put(addr, code, size):
@@ -231,24 +237,26 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
     for site in c.plan.sites:
         if site.decision == INT3:
             if site.xol.mode != EMULATE:
-                put(site.detour, xol_slot(c, site, site.detour, sym), layout.sizes[("xol", site.index)])
+                put(layout.xol[site.index].addr, xol_slot(c, layout, site, sym), layout.sizes[("xol", site.index)])
             patches.append((site.addr, c.arch.breakpoint))
             continue
-        code, _, _ = site_detour(c, site, site.detour, sym)
-        put(site.detour, code, layout.sizes[("site", site.index)])
+        detour = layout.detour(site)
+        code, _, _ = site_detour(c, layout, site, detour, sym)
+        put(detour, code, layout.sizes[("site", site.index)])
         if site.evicted is not None:    # a short jump to the jump in an evicted neighbour
             ev = site.evicted
-            put(ev.detour, evicted_detour(c, ev, ev.detour), layout.sizes[("evicted", ev.addr)])
+            put(layout.detour(ev), evicted_detour(c, ev, layout.detour(ev)), layout.sizes[("evicted", ev.addr)])
             patches.append((site.addr, em.short_jump_patch(site.addr, site.region_end - site.addr, site.slot)))
-            patches.append((ev.addr, em.evict_patch(ev.addr, ev.region_end - ev.addr, ev.detour, site.detour)))
+            patches.append((ev.addr, em.evict_patch(ev.addr, ev.region_end - ev.addr, layout.detour(ev), detour)))
         elif site.slot:             # a short jump to the jump in the padding
             patches.append((site.addr, em.short_jump_patch(site.addr, site.region_end - site.addr, site.slot)))
-            patches.append((site.slot, em.jump_patch(site.slot, c.arch.JUMP_SIZE, site.detour)))
+            patches.append((site.slot, em.jump_patch(site.slot, c.arch.JUMP_SIZE, detour)))
         elif site.head is None:     # a rider's instruction lies under its head's jump
-            patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, site.detour)))
+            patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, detour)))
     for rs in c.plan.ret_sites:
-        put(rs.detour, ret_detour(c, rs, rs.detour, sym), layout.sizes[("ret", rs.addr)])
-        patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, rs.detour)))
+        detour = layout.detour(rs)
+        put(detour, ret_detour(c, rs, detour, sym), layout.sizes[("ret", rs.addr)])
+        patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, detour)))
     for r in c.plan.retargets:      # direct branches that enter the detour themselves
-        patches.append(em.retarget_patch(r.src, c.image.read(r.src, r.size), r.to.detour))
+        patches.append(em.retarget_patch(r.src, c.image.read(r.src, r.size), layout.detour(r.to)))
     return rx, patches

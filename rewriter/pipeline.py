@@ -112,7 +112,8 @@ def compile_handlers(s: Session, workdir: Path, progress=None, deps: list | None
 
 def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     """The output image's bytes, from the finished plan and the handlers' objects:
-    lay out, generate the tables, link, emit, write."""
+    lay out (a layout.Layout beside the plan, which stays as it is), generate the
+    tables, link, emit, write; each from (plan, layout)."""
     progress = progress or NoProgress()
     platform = s.target.name             # its runtime/platform/<name> folder
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
@@ -120,7 +121,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     lay = layout.place(c, s.target)
     progress.stage("linking")
     cc = link.compiler(s.arch)             # the image's arch, not the host's
-    table = link.compile_table(cc, workdir, tables.generate(c, s.target, s.traces), platform, s.arch)
+    table = link.compile_table(cc, workdir, tables.generate(c, lay, s.target, s.traces), platform, s.arch)
     runtime = link.compile_runtime(cc, workdir, s.arch, platform)
     # A target whose runtime and handlers call into the image (a kernel's printk...)
     # resolves them from the image's symbols.
@@ -130,7 +131,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
                      s.target.link_symbols(s.image), origin, Path(s.image.path).name, lay.data_addr, s.arch)
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
-    return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, s.image.label), s.plan)
+    return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, lay, s.image.label), s.plan)
 
 
 def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,

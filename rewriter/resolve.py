@@ -45,7 +45,8 @@ class Probe:
         # The kernel's default kprobe event name: p_SYMBOL_OFFSET.
         if self.spec.name:
             return self.spec.name
-        # The kernel names events from what the user wrote, before the ENDBR adjustment.
+        # The kernel names events from what the user wrote, before arch_adjust_kprobe_addr()
+        # (e.g. x86-64's step over an ENDBR).
         if self.spec.addr is not None and not self.spec.symbol_name:
             return f"p_0x{self.spec.addr + self.spec.offset:x}"
         return f"p_{event_symbol(self.symbol)}_{self.spec.offset}"

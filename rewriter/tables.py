@@ -1,4 +1,4 @@
-"""The generated C tables, from the finished plan alone: struct kprobe per
+"""The generated C tables, from the finished plan and its layout: struct kprobe per
 kprobe (kp_probes[]), struct kretprobe per kretprobe (kp_kretprobes[]), one
 kp_site per address with its probes (the aggregator's list), the arch's
 breakpoint-site descriptors, the target's own tables, the trace events' fetch
@@ -18,7 +18,9 @@ KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAM
 DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE"}
 
 
-def generate(c: Code, target, traces: dict) -> str:
+def generate(c: Code, lay, target, traces: dict) -> str:
+    """The probe table's C source: what the plan placed, at the addresses lay
+    (layout.Layout) gave it."""
     plan, link_sym = c.plan, c.handler_symbol
     # An address in the image, as C: a number, or for a target whose image moves at
     # boot (a kernel's KASLR) an expression the linker relocates.
@@ -41,19 +43,19 @@ def generate(c: Code, target, traces: dict) -> str:
         out.append("unsigned long kp_light_hits[1];\nunsigned long *kp_light_base;")
         out.append("const unsigned int kp_nlight_hits = 0;")
     if getattr(target, "TABLES_AT_BOOT", False):
-        out += _records_c(c, target, traces)
+        out += _records_c(c, lay, target, traces)
     else:
-        out += _structs_c(c, target, traces, A)
+        out += _structs_c(c, lay, target, traces, A)
     # Shared detours (planner.sites.share_regions()): where an address under a region's jump runs.
-    ips = sorted([pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, site)]
-                 + [pair for site in plan.sites if site.evicted is not None for pair in evicted_ips(c, site.evicted)])
+    ips = sorted([pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, lay, site)]
+                 + [pair for site in plan.sites if site.evicted is not None for pair in evicted_ips(c, lay, site.evicted)])
     out.append(f"const struct kp_region_ip kp_region_ips[{max(1, len(ips))}] = {{")
     out += [f"  {{ {a:#x}UL, {b:#x}UL }}," for a, b in ips]
     out.append("};")
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     # Read-only once the runtime runs (link.RELRO: once relocated; a kernel: from mark_rodata_ro()).
     out.append(_kretprobes_c(c, traces, A, True))
-    out.append(c.arch.kprobe_xol.table_c(plan.sites, True))
+    out.append(c.arch.kprobe_xol.table_c(plan.sites, lay.xol, True))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     out += _layout_asserts(c.arch.emit)
@@ -88,12 +90,13 @@ def _kprobe_c(site, p, f: dict, A) -> str:
             f".flags = {f['flags']}, .name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
 
 
-def _site_c(site, first: int, count: int, A) -> str:
-    """One struct kp_site initializer: its probes are kp_site_probes[first..first + count)."""
-    return f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(site.resume)}, {A(site.resume_post)}, {first}, {count} }},"
+def _site_c(site, a, first: int, count: int, A) -> str:
+    """One struct kp_site initializer (a: its layout.SiteAddrs): its probes are
+    kp_site_probes[first..first + count)."""
+    return f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(a.resume)}, {A(a.resume_post)}, {first}, {count} }},"
 
 
-def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
+def _structs_c(c: Code, lay, target, traces: dict, A) -> list[str]:
     """kp_probes[], kp_sites[] and kp_site_probes[] as the runtime reads them."""
     plan = c.plan
     out, decl, fields = [], [], {}
@@ -107,7 +110,7 @@ def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
     out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] __attribute__((section(\".data..ro_after_init\"))) = {{")
     first = 0
     for site in plan.sites:
-        out.append(_site_c(site, first, len(site.probes), A))
+        out.append(_site_c(site, lay.site(site), first, len(site.probes), A))
         first += len(site.probes)
     out.append("};")
     out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
@@ -124,7 +127,7 @@ def _structs_c(c: Code, target, traces: dict, A) -> list[str]:
     return decl + out
 
 
-def _records_c(c: Code, target, traces: dict) -> list[str]:
+def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
     """The same tables as compact records, for a target that builds them at boot
     (TABLES_AT_BOOT: a kernel, whose gaps could not hold every probe's structures):
     addresses as 32-bit offsets from the target's table base (no relocation: KASLR
@@ -169,7 +172,8 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
     out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
     out.append(f"struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}]{RO_AFTER_INIT} = {{")
     for site in plan.sites:
-        out.append(f"  {{ {off(site.addr):#x}, {off(site.resume):#x}, {off(site.resume_post):#x}, "
+        a = lay.site(site)
+        out.append(f"  {{ {off(site.addr):#x}, {off(a.resume):#x}, {off(a.resume_post):#x}, "
                    f"{site.post_ip - site.addr}, {len(site.probes)} }},")
     out.append("};")
     out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
@@ -197,7 +201,7 @@ def _records_c(c: Code, target, traces: dict) -> list[str]:
     out.append(f"struct kp_site kp_early_sites[{max(1, len(groups))}]{RO_AFTER_INIT} = {{")
     first = 0
     for site, qs in groups:
-        out.append(_site_c(site, first, len(qs), A))
+        out.append(_site_c(site, lay.site(site), first, len(qs), A))
         first += len(qs)
     out.append("};")
     out.append(f"const unsigned int kp_early_site_index[{max(1, len(groups))}] = {{ "

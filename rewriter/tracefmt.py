@@ -5,8 +5,8 @@ format, see runtime/kp_trace.c), or a saved copy of a rewritten kernel's
 tracing/trace (our events, and the kernel's own kprobe events between them;
 its other events are skipped), into JSON lines, or into the Chrome
 trace-event format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
-For the timeline, an entry event (a kprobe on FUNC+0x0, or +0x4 after an
-ENDBR) and the next return event of one thread with `<- FUNC` (a kretprobe)
+For the timeline, an entry event (a kprobe on FUNC+0x0, or past the landing
+pad the arch skips: x86-64's 4-byte ENDBR) and the next return event of one thread with `<- FUNC` (a kretprobe)
 become one duration slice ("ph": "X"); any other event is an instant on its
 thread.
 """

@@ -30,8 +30,8 @@ static struct kp_thread *kp_early_thread;
 void kp_link_anchor(void) { }
 
 /*
- * Self-relocation: the runtime's own R_X86_64_RELATIVE entries were applied by
- * kprewrite at link-time addresses; a PIE or shared object loaded elsewhere adds
+ * Self-relocation: the runtime's own relative relocations (the arch's *_RELATIVE)
+ * were applied by kprewrite at link-time addresses; a PIE or shared object loaded elsewhere adds
  * the load bias here.  Runs once, from start-up or from the first hit if a probe
  * fires earlier (a shared object's code can run before its init_array).
  */

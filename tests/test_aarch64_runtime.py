@@ -53,8 +53,9 @@ def built(tmp_path_factory):
     objs = {}
     for src in c_srcs + asm_srcs:
         if not (RUNTIME / src).exists():
-            # The brk trap code (arch/aarch64/kp_int3.c) is the back end's; compiled once it is there.
-            assert src == "arch/aarch64/kp_int3.c", src
+            # The brk trap code (arch/aarch64/linux_user/kp_int3_signal.c, with kp_int3.c) is
+            # the back end's; compiled once it is there.
+            assert src == "arch/aarch64/linux_user/kp_int3_signal.c", src
             continue
         o = out / (src.replace("/", "_") + ".o")
         _cc(*(flags if src.endswith(".c") else ()), *inc, f"-I{out / 'include'}", "-c", RUNTIME / src, "-o", o, what=src)

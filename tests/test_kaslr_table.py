@@ -18,6 +18,7 @@ from rewriter import link
 from rewriter.arch import get_arch
 from rewriter.errors import KprewriteError
 from rewriter.image import Image
+from rewriter.layout import Layout
 from rewriter.link import Blob, LinkReloc
 from rewriter.planner import Plan, Site, make_int3
 from rewriter.targets.linux_kernel.x86_64 import kaslr
@@ -103,17 +104,18 @@ def _original(sym) -> RelocTable:
                       array("I", [(sym[s] + 3) & 0xFFFFFFFF for s in ("f", "h", "k")]))
 
 
-def _layout():
-    return SimpleNamespace(rx_vaddr=GAP, target=SimpleNamespace(end=GAP + 0x1000), sizes={})
+def _layout(xol=None):
+    """The layout's result (layout.Layout): the gap's start, its end, where slots went."""
+    return Layout(GAP, {}, GAP + 0x400, SimpleNamespace(end=GAP + 0x1000), xol=xol or {})
 
 
 def _blob(relocations=()) -> Blob:
     return Blob(GAP + 0x400, b"", GAP + 0x800, b"", 0, {"kp_rt": GAP + 0x800}, [], list(relocations))
 
 
-def _table(image, sym, relocations=(), sites=(), patches=(), zeroed=(), rx=b""):
+def _table(image, sym, relocations=(), sites=(), patches=(), zeroed=(), rx=b"", xol=None):
     image.container = SimpleNamespace(relocs=_original(sym))
-    return kaslr.relocation_table(image, ARCH, _layout(), rx, list(patches), _blob(relocations),
+    return kaslr.relocation_table(image, ARCH, _layout(xol), rx, list(patches), _blob(relocations),
                                   Plan(sites=list(sites)), list(zeroed))
 
 
@@ -153,16 +155,17 @@ def test_copied_instruction_moves_its_entry(kernel):
     image, sym = kernel
     site = make_int3(image, ARCH, Site(sym["f"], []))
     assert site.xol.mode == "boost"
+    site.index = 0
     slot = GAP + 0x10
-    ARCH.kprobe_xol.place_slot(site.xol, 0, False, slot)
+    placed = {0: ARCH.kprobe_xol.place_slot(site.xol, 0, False, slot)}
     rx = bytearray(0x400)
     code = ARCH.kprobe_xol.slot_code(site.xol, 0, False, slot, 0)
     rx[0x10:0x10 + len(code)] = code
-    t = _table(image, sym, sites=[site], patches=[(sym["f"], b"\xcc")], rx=bytes(rx))
+    t = _table(image, sym, sites=[site], patches=[(sym["f"], b"\xcc")], rx=bytes(rx), xol=placed)
     assert _set(t.relocs32) == {sym["f"] + 3, sym["h"] + 3, sym["k"] + 3, slot + 3}
     # The slot not holding that copy: an internal error, never a wrong table.
     with pytest.raises(KprewriteError, match="out-of-line slot"):
-        _table(image, sym, sites=[site], rx=bytes(0x400))
+        _table(image, sym, sites=[site], rx=bytes(0x400), xol=placed)
 
 
 def test_emulated_absolute_operand_refused(kernel):

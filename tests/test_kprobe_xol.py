@@ -83,7 +83,7 @@ def test_emulated_branches(image):
     for label, (kind, target) in want.items():
         x = K.prepare(img, L[label])
         assert (x.mode, x.kind, x.target) == (EMULATE, kind, target), label
-        assert x.slot == 0 and x.insn.addr == L[label]
+        assert x.insn.addr == L[label]
         assert x.next_ip == L[label] + len(x.insn.code)
     assert K.prepare(img, L["L_je"]).cc == 0x4 and K.prepare(img, L["L_jne"]).cc == 0x5
     assert K.prepare(img, L["L_loop"]).cc == 2                      # e2: loop (e0 loopne, e1 loope)
@@ -138,12 +138,12 @@ def test_slot_code_round_trip(image, label, with_post, ss_int3):
     finds its jmp back and the copy's end."""
     img, L = image
     x = K.prepare(img, L[label], ss_int3=ss_int3)
-    x.desc = 3
     at = L["f"] + 0x200000                       # far from the original: displacements change
-    size = K.place_slot(x, 7, with_post, at)
-    code = K.slot_code(x, 7, with_post, at, at + 0x5000)
-    assert len(code) == size == len(K.slot_code(x, 7, with_post, at, at + 0x123456))
-    assert x.slot == at
+    slot = K.place_slot(x, 7, with_post, at, desc=3)
+    size = slot.size
+    code = K.slot_code(x, 7, with_post, at, at + 0x5000, slot.desc)
+    assert len(code) == size == len(K.slot_code(x, 7, with_post, at, at + 0x123456, 3))
+    assert slot.addr == at and slot.desc == 3
     insns = _decode(code, at)
     orig = _decode(x.insn.code, x.insn.addr)[0]
     copy = insns[0]
@@ -156,7 +156,7 @@ def test_slot_code_round_trip(image, label, with_post, ss_int3):
         assert copy.bytes == orig.bytes
     rest = insns[1:]
     if x.mode == SINGLESTEP:
-        assert x.ss_end == at + copy.size
+        assert slot.ss_end == at + copy.size
     if ss_int3:
         assert rest[0].mnemonic == "int3"
         rest = rest[1:]
@@ -167,7 +167,7 @@ def test_slot_code_round_trip(image, label, with_post, ss_int3):
         rest = rest[4:]
     back = rest[0]
     assert back.mnemonic == "jmp" and int(back.op_str, 16) == x.next_ip
-    assert back.address == x.slot_post
+    assert back.address == slot.post
     assert back.address + back.size == at + size - (K.SS_INDEX_SIZE if ss_int3 else 0)
 
 

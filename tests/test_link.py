@@ -39,7 +39,12 @@ def test_runtime_files_by_folder():
     """The .S files are the arch's, then those of the platform's arch folders: a user
     process links the signal return, a kernel image has no such file to exclude."""
     c, asm, offsets = link_runtime._runtime_files("x86_64", "linux_user")
-    assert c[0] == "kp_core.c" and "arch/x86_64/kp_int3.c" in c
+    # The SIGTRAP's ucontext is a user process's: its file holds the arch's trap code
+    # (one unit); a kernel links the trap code alone.
+    assert c[0] == "kp_core.c" and "arch/x86_64/linux_user/kp_int3_signal.c" in c
+    assert "#include <kp_int3.c>" in (RUNTIME / "arch/x86_64/linux_user/kp_int3_signal.c").read_text()
+    kc, _, _ = link_runtime._runtime_files("x86_64", "linux_kernel")
+    assert "arch/x86_64/kp_int3.c" in kc and not any("kp_int3_signal" in f for f in kc)
     assert asm == ["arch/x86_64/kretprobe_entry.S", "arch/x86_64/optprobe_entry.S",
                    "arch/x86_64/linux_user/sigreturn.S"]
     assert offsets == ["kp_asm_offsets.c", "arch/x86_64/kp_asm_offsets.c"]
@@ -47,7 +52,7 @@ def test_runtime_files_by_folder():
     assert kasm == ["arch/x86_64/kretprobe_entry.S", "arch/x86_64/optprobe_entry.S"]
     inc = link._includes("x86_64", "linux_kernel")
     assert inc == [f"-I{RUNTIME / p}" if p else f"-I{RUNTIME}" for p in
-                   ("include", "", "arch/x86_64", "arch/x86_64/uapi", "arch/x86_64/linux_kernel",
+                   ("include", "", "arch/x86_64", "arch/x86_64/linux_kernel",
                     "platform/linux_kernel")]
 
 

@@ -1,8 +1,9 @@
 """The "how" stages from a plan made by hand, without the planner: layout
-places what a plan asks for, emission writes exactly that, the tables name it.
-The plan is plain data (planner/model.py), so a plan built here from a real
-gcc-compiled program's instructions drives the stages as the planner's would
-(E9Patch's split: what to patch, then how)."""
+places what a plan asks for (its own Layout, the plan untouched), emission
+writes exactly that, the tables name it.  The plan is plain data
+(planner/model.py), so a plan built here from a real gcc-compiled program's
+instructions drives the stages as the planner's would (E9Patch's split: what
+to patch, then how)."""
 from __future__ import annotations
 
 import capstone
@@ -65,10 +66,20 @@ def staged(prog):
     plan = _plan(image, arch, analysis)
     choose_forms(plan, image, arch, {}, set(), rules)
     c = emission.Code(image, arch, plan, {}, set(), target.thread_key(image))
+    before = _snapshot(plan)
     lay = layout.place(c, target)
+    assert _snapshot(plan) == before, "layout wrote into the plan"
     sym = emission.Far(lay.text_addr)          # the runtime's symbols, placed past the new code
     rx, patches = emission.emit(c, lay, sym)
+    tables.generate(c, lay, target, {})
+    assert _snapshot(plan) == before, "emission or the tables wrote into the plan"
     return image, arch, target, plan, c, lay, rx, dict(patches)
+
+
+def _snapshot(plan) -> str:
+    """Everything the plan holds, as text (dataclass reprs recurse into sites, regions,
+    breakpoint descriptors): equal before and after a stage that leaves it alone."""
+    return repr(plan)
 
 
 def _disasm(code: bytes, at: int):
@@ -80,7 +91,7 @@ def test_layout_places_each_piece_apart_and_aligned(staged):
     """Every detour and slot the plan needs gets its own bytes below the runtime,
     16-byte aligned (64 for a light hit: its hot part takes one cache line)."""
     image, arch, target, plan, c, lay, rx, patches = staged
-    pieces = sorted((s.detour, lay.sizes[("site" if s.decision != INT3 else "xol", s.index)], s)
+    pieces = sorted((lay.detour(s), lay.sizes[("site" if s.decision != INT3 else "xol", s.index)], s)
                     for s in plan.sites if s.decision != INT3 or s.xol.mode != "emulate")
     assert pieces, "nothing laid out"
     for (a, n, s), nxt in zip(pieces, pieces[1:] + [None]):
@@ -99,7 +110,7 @@ def test_emission_patches_what_the_plan_says(staged):
     sg = next(s for s in plan.sites if s.decision == INT3)
     assert set(patches) == {sf.addr, sg.addr}
     jmp = _disasm(patches[sf.addr], sf.addr)[0]
-    assert jmp.mnemonic == "jmp" and int(jmp.op_str, 16) == sf.detour
+    assert jmp.mnemonic == "jmp" and int(jmp.op_str, 16) == lay.detour(sf)
     assert len(patches[sf.addr]) == sf.region_end - sf.addr      # the region's rest filled
     assert patches[sg.addr] == arch.breakpoint
 
@@ -110,8 +121,9 @@ def test_the_detour_copies_the_region_and_jumps_back(staged):
     image, arch, target, plan, c, lay, rx, patches = staged
     sf = next(s for s in plan.sites if s.decision == OPTIMIZED)
     n = lay.sizes[("site", sf.index)]
-    code = bytes(rx[sf.detour - lay.rx_vaddr:sf.detour - lay.rx_vaddr + n])
-    insns = _disasm(code, sf.detour)
+    detour = lay.detour(sf)
+    code = bytes(rx[detour - lay.rx_vaddr:detour - lay.rx_vaddr + n])
+    insns = _disasm(code, detour)
     assert sum(i.size for i in insns) == n, "the detour does not decode to its end"
     backs = [i for i in insns if i.mnemonic == "jmp" and i.op_str.startswith("0x")
              and int(i.op_str, 16) == sf.region_end]
@@ -123,10 +135,10 @@ def test_the_detour_copies_the_region_and_jumps_back(staged):
 
 
 def test_tables_name_every_probe_of_the_plan(staged):
-    """tables.generate() reads the plan alone: one struct kprobe per planned kprobe,
-    the breakpoint site's descriptor, no kretprobe."""
+    """tables.generate() reads the plan and its layout: one struct kprobe per planned
+    kprobe, the breakpoint site's descriptor, no kretprobe."""
     image, arch, target, plan, c, lay, rx, patches = staged
-    text = tables.generate(c, target, {})
+    text = tables.generate(c, lay, target, {})
     assert "#define KP_NHITS 2" in text
     assert "struct kprobe kp_probes[2] = {" in text
     for s in plan.sites:                       # each probe at its planned address

@@ -76,11 +76,21 @@ EMULATE, BOOST, SINGLESTEP = "emulate", "boost", "single-step"
 
 
 class Xol(Protocol):
-    """How one breakpoint site runs its probed instruction (the arch's prepare())."""
+    """How one breakpoint site runs its probed instruction (the arch's prepare()):
+    plan data, no address (where its slot goes is the layout's XolSlot)."""
     mode: str                 # EMULATE, BOOST or SINGLESTEP
     insn: DcrInsn             # the probed instruction
-    slot: int                 # BOOST/SINGLESTEP: where its copy is (0: none yet, or EMULATE)
-    slot_post: int            # BOOST with a post stub: where the jump back is
+
+
+@dataclass(frozen=True)
+class XolSlot:
+    """Where the layout put a boosted or single-stepped site's out-of-line slot (the
+    insn slot get_insn_slot() gives the kernel), as the arch's place_slot() found it."""
+    addr: int                 # where the copy is
+    size: int
+    post: int                 # where the jump back is (after a boosted site's post stub)
+    ss_end: int = 0           # single-step: the address right after the copy
+    desc: int = 0             # the site's descriptor index (number_descriptors())
 
 
 class OptProbe(Protocol):
@@ -125,18 +135,20 @@ class KprobeXol(Protocol):
     def emulates_refused(self, image, addr: int) -> bool:
         """can_probe() refuses the instruction but the trap handler emulates it."""
 
-    def number_descriptors(self, sites) -> None:
-        """Give each breakpoint site its descriptor's index."""
+    def number_descriptors(self, sites) -> dict[int, int]:
+        """Each breakpoint site's descriptor index, by Site.index."""
 
-    def place_slot(self, x: Xol, site_index: int, with_post: bool, at: int) -> int:
-        """Place x's slot at `at`; its size."""
+    def place_slot(self, x: Xol, site_index: int, with_post: bool, at: int, desc: int = 0) -> XolSlot:
+        """x's slot placed at `at` (desc: the site's descriptor index)."""
 
-    def slot_code(self, x: Xol, site_index: int, with_post: bool, at: int, post_entry: int) -> bytes:
-        """The slot's bytes (the copy, a post stub, the jump back)."""
+    def slot_code(self, x: Xol, site_index: int, with_post: bool, at: int, post_entry: int,
+                  desc: int = 0) -> bytes:
+        """The slot's bytes at `at` (the copy, a post stub, the jump back)."""
 
-    def table_c(self, sites, ro_after_init: bool = False) -> str:
-        """The breakpoint sites' descriptor table, as C (ro_after_init: in the section the
-        runtime makes read-only once relocated, link.RELRO)."""
+    def table_c(self, sites, slots: dict, ro_after_init: bool = False) -> str:
+        """The breakpoint sites' descriptor table, as C (slots: the layout's XolSlot by
+        Site.index; ro_after_init: in the section the runtime makes read-only once
+        relocated, link.RELRO)."""
 
 
 class RetProbe(Protocol):

@@ -12,9 +12,9 @@ class CfaRules:
 
     What it is for: a jump does not move the stack pointer, and a compiler's
     asynchronous unwind tables give every instruction one CFA rule, so a jump
-    from an instruction whose CFA is ``%rsp + a`` can only land on one whose CFA
-    is ``%rsp + a`` too (optprobe.can_optimize(): targets of an indirect jump
-    that cannot be bounded)."""
+    from an instruction whose CFA is the stack pointer + a (x86-64: ``%rsp + a``)
+    can only land on one whose CFA is the stack pointer + a too
+    (optprobe.can_optimize(): targets of an indirect jump that cannot be bounded)."""
 
     def __init__(self, data: bytes):
         self.data = data

@@ -1,6 +1,8 @@
 """The plan's data: decisions, sites, return sites, kretprobe groups and
 branch retargets, as plain dataclasses that every later stage reads (the
-kernel's struct kprobe / optimized_kprobe / kretprobe state, decided ahead of time)."""
+kernel's struct kprobe / optimized_kprobe / kretprobe state, decided ahead of time).
+What the plan says is what to patch; where the new code goes is the layout's own
+result (layout.Layout), so nothing after planner.choose_forms() writes here."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -53,11 +55,7 @@ class Site:
     # No dead padding in reach (evict_neighbour()): the slot is the second 5 bytes
     # of a neighbouring region moved to a detour of its own.
     evicted: "EvictedRegion | None" = None
-    # Addresses (layout):
-    detour: int = 0
-    back: int = 0                    # where the copy of seg jumps: the next rider's detour (0: region end)
-    resume: int = 0
-    resume_post: int = 0
+    # No addresses of new code: those are the layout's (layout.Layout, by index).
 
     @property
     def with_post(self) -> bool:
@@ -92,7 +90,6 @@ class EvictedRegion:
     addr: int
     dcr: list
     for_site: "Site"
-    detour: int = 0                  # layout
 
     @property
     def region_end(self) -> int:
@@ -108,7 +105,6 @@ class RetSite:
     region_end: int
     hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP
     group: object = None
-    detour: int = 0              # layout
 
 
 @dataclass
@@ -135,7 +131,7 @@ class Group:
 
 @dataclass
 class Retarget:
-    """A direct branch (call, jmp, jcc rel32) to the start of a detoured region,
+    """A direct branch (x86-64: call, jmp, jcc rel32) to the start of a detoured region,
     sent straight to its detour (Rules.retarget_branches): the jump at the region
     would take it there anyway, one taken jump later."""
     src: int

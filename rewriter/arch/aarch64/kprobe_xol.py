@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import EMULATE, SINGLESTEP, DcrInsn
+from ..base import EMULATE, SINGLESTEP, DcrInsn, XolSlot
 from . import encode as E
 from . import insn as I
 
@@ -35,7 +35,8 @@ KIND = {I.B: 1, I.BL: 2, I.BCOND: 3, I.CBZ: 4, I.TBZ: 5, I.ADR: 6, I.ADRP: 6, I.
 
 @dataclass
 class Xol:
-    """How one breakpoint site runs its probed instruction."""
+    """How one breakpoint site runs its probed instruction (plan data: where its slot
+    goes is the layout's XolSlot, from place_slot())."""
     mode: str
     insn: DcrInsn
     kind: int = 0          # simulate: KIND
@@ -44,10 +45,6 @@ class Xol:
     cond: int = 0          # b.cond condition; cbnz/tbnz: 1
     sf: int = 0            # cbz: 64-bit; ldr literal: 8 bytes
     bit: int = 0           # tbz: the tested bit
-    slot: int = 0          # single-step: where the copy is
-    ss_end: int = 0        # single-step: the brk #0x006 after the copy
-    slot_post: int = 0
-    desc: int = 0
 
     @property
     def next_ip(self) -> int:
@@ -71,23 +68,24 @@ def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
     return Xol(SINGLESTEP, insn)
 
 
-def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int) -> bytes:
+def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int, desc: int = 0) -> bytes:
     """The slot of a single-stepped site at `at`: the copy (a non-PC-relative
     instruction runs the same anywhere), then brk #0x006."""
     return x.insn.code + BRK_SS
 
 
-def place_slot(x: Xol, site_index: int, with_post: bool, at: int) -> int:
-    """Lay the slot out at `at` (get_insn_slot()): fills x.slot and x.ss_end; its size."""
-    x.slot, x.ss_end = at, at + 4
-    x.slot_post = x.ss_end
-    return len(slot_code(x, site_index, with_post, at, 0))
+def place_slot(x: Xol, site_index: int, with_post: bool, at: int, desc: int = 0) -> XolSlot:
+    """The slot laid out at `at` (get_insn_slot()): the copy, and the brk #0x006 after it
+    (its single-step end)."""
+    return XolSlot(at, len(slot_code(x, site_index, with_post, at, 0, desc)), at + 4, at + 4, desc)
 
 
-def number_descriptors(sites) -> None:
-    """x.desc of every breakpoint site: its index in kp_int3_sites[] (table_c()'s order)."""
-    for i, s in enumerate(s for s in sites if s.xol is not None):
-        s.xol.desc = i
+NO_SLOT = XolSlot(0, 0, 0)      # a simulated site's: the trap handler does its work
+
+
+def number_descriptors(sites) -> dict[int, int]:
+    """Every breakpoint site's index in kp_int3_sites[] (table_c()'s order), by Site.index."""
+    return {s.index: i for i, s in enumerate(s for s in sites if s.xol is not None)}
 
 
 GOLDEN_RATIO_64 = 0x61C8864680B583EB   # the kernel's hash_64() multiplier (include/linux/hash.h)
@@ -110,20 +108,22 @@ def brk_hash(addrs: list[int]) -> tuple[int, list[int]]:
     return bits, slots
 
 
-def table_c(sites, ro_after_init: bool = False) -> str:
+def table_c(sites, slots: dict, ro_after_init: bool = False) -> str:
     """The per-site descriptors (struct kp_int3_site, runtime/arch/aarch64/kp_arch.h),
-    their hash by address, and the single-step entries sorted by slot end."""
+    their hash by address, and the single-step entries sorted by slot end (slots: the
+    layout's XolSlot by Site.index)."""
     rows, ss = [], []
     for s in sites:
         x = s.xol
         if x is None:
             continue
+        slot = slots.get(s.index, NO_SLOT)
         if x.mode == SINGLESTEP:
-            ss.append((x.ss_end, len(rows)))
-        rows.append(f"  {{ {s.addr:#x}UL, {x.slot:#x}UL, {x.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
+            ss.append((slot.ss_end, len(rows)))
+        rows.append(f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
                     f"{int.from_bytes(x.insn.code, 'little'):#x}, {MODE_CODE[x.mode]}, {x.kind}, {x.cond}, {x.rt}, "
                     f"{x.bit}, {x.sf}, {s.kret_hook}, {int(s.with_post)}, {int(x.mode != EMULATE and not s.kret_hook)} }},")
-    bits, slots = brk_hash([s.addr for s in sites if s.xol is not None])
+    bits, hashed = brk_hash([s.addr for s in sites if s.xol is not None])
     ss = [i for _, i in sorted(ss)]
     n = len(rows)
     if not rows:
@@ -137,7 +137,7 @@ def table_c(sites, ro_after_init: bool = False) -> str:
            f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
            f"const unsigned int kp_nint3 = {n};",
            f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
-           f"const unsigned int kp_int3_hash[{len(slots)}] = {{ {', '.join(map(str, slots))} }};",
+           f"const unsigned int kp_int3_hash[{len(hashed)}] = {{ {', '.join(map(str, hashed))} }};",
            f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
            f"const unsigned int kp_nint3_ss = {len(ss)};"]
     return "\n".join(out) + "\n"

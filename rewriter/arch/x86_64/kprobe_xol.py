@@ -30,7 +30,7 @@ import capstone
 
 from . import emit as em
 from . import insn as x86insn
-from ..base import BOOST, EMULATE, SINGLESTEP, DcrInsn
+from ..base import BOOST, EMULATE, SINGLESTEP, DcrInsn, XolSlot
 from . import cs, offsets
 
 MODE_CODE = {EMULATE: 1, BOOST: 2, SINGLESTEP: 3}
@@ -51,7 +51,8 @@ _csd = cs.DETAIL
 
 @dataclass
 class Xol:
-    """How one breakpoint site runs its probed instruction."""
+    """How one breakpoint site runs its probed instruction (plan data: where its slot
+    goes is the layout's XolSlot, from place_slot())."""
     mode: str
     insn: DcrInsn
     kind: int = 0          # emulate: K_*
@@ -63,11 +64,7 @@ class Xol:
     index: int = NO_REG    # emulate, through memory: index register (pt_regs word index)
     scale: int = 0         # emulate, through memory: index scale
     rip: int = 0           # emulate, through memory: target holds the absolute (link-time) address
-    slot: int = 0          # boost / single-step: where the copy is
-    ss_end: int = 0        # single-step: address right after the copy
-    slot_post: int = 0     # boost with post stub: where the jmp back is
     ss_int3: bool = False  # single-step: an int3 after the copy rather than TF
-    desc: int = 0          # index of the site's descriptor in kp_int3_sites[] (table_c's order)
 
     @property
     def next_ip(self) -> int:
@@ -171,10 +168,10 @@ def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
     return Xol(SINGLESTEP, insn, ss_int3=ss_int3)
 
 
-def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int) -> bytes:
+def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int, desc: int = 0) -> bytes:
     """The slot of a boosted or single-stepped site at `at`: the copy, for a boosted
-    one with a post_handler the probe stub, and the jmp back.  Same size whatever
-    post_entry is."""
+    one with a post_handler the probe stub, and the jmp back (an int3-ended single-step
+    one's then carries desc, its descriptor's index).  Same size whatever post_entry is."""
     out = bytearray(em.relocate(x.insn, at))
     if x.mode == SINGLESTEP and x.ss_int3:
         out += b"\xcc"
@@ -185,28 +182,27 @@ def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int
     if x.mode == SINGLESTEP and x.ss_int3:
         # Data, never run (the jmp is before it): the descriptor's index, so the trap at
         # the int3 finds its site without a search (kp_int3.c, kp_int3_ss_end()).
-        out += x.desc.to_bytes(4, "little")
+        out += desc.to_bytes(4, "little")
     return bytes(out)
 
 
-def place_slot(x: Xol, site_index: int, with_post: bool, at: int) -> int:
-    """Lay the slot out at `at` (the insn slot's address, as get_insn_slot() gives
-    it): fills x.slot, x.ss_end and x.slot_post; returns its size."""
+def place_slot(x: Xol, site_index: int, with_post: bool, at: int, desc: int = 0) -> XolSlot:
+    """The slot laid out at `at` (the insn slot's address, as get_insn_slot() gives
+    it): its size, where the jmp back is, where a single-stepped copy ends."""
     copy = len(em.relocate(x.insn, at))
-    x.slot, x.ss_end = at, at + copy if x.mode == SINGLESTEP else 0
-    size = len(slot_code(x, site_index, with_post, at, at + 0x1000000))
-    x.slot_post = at + size - 5 - (SS_INDEX_SIZE if x.mode == SINGLESTEP and x.ss_int3 else 0)
-    return size
+    size = len(slot_code(x, site_index, with_post, at, at + 0x1000000, desc))
+    post = at + size - 5 - (SS_INDEX_SIZE if x.mode == SINGLESTEP and x.ss_int3 else 0)
+    return XolSlot(at, size, post, at + copy if x.mode == SINGLESTEP else 0, desc)
 
 
 SS_INDEX_SIZE = 4   # the descriptor index after an int3-ended slot's jmp back
+NO_SLOT = XolSlot(0, 0, 0)      # an emulated site's: the trap handler does its work
 
 
-def number_descriptors(sites) -> None:
-    """x.desc of every breakpoint site: its index in kp_int3_sites[] (table_c()'s order),
-    which an int3-ended single-step slot carries; before place_slot()."""
-    for i, s in enumerate(s for s in sites if s.xol is not None):
-        s.xol.desc = i
+def number_descriptors(sites) -> dict[int, int]:
+    """Every breakpoint site's index in kp_int3_sites[] (table_c()'s order), by Site.index:
+    what an int3-ended single-step slot carries (place_slot()'s desc)."""
+    return {s.index: i for i, s in enumerate(s for s in sites if s.xol is not None)}
 
 
 GOLDEN_RATIO_64 = 0x61C8864680B583EB   # the kernel's hash_64() multiplier (include/linux/hash.h)
@@ -231,9 +227,10 @@ def int3_hash(addrs: list[int]) -> tuple[int, list[int]]:
     return bits, slots
 
 
-def table_c(sites, ro_after_init: bool = False) -> str:
+def table_c(sites, slots: dict, ro_after_init: bool = False) -> str:
     """The per-site descriptors, sorted by address, and the single-step slot ends (and the
     span of the int3-ended ones' ends, which kp_int3_ss_end() checks before reading a slot).
+    slots: the layout's XolSlot by Site.index (none for an emulated site).
     ro_after_init: the descriptors (never written at run time) in the section the runtime
     makes read-only once relocated (link.RELRO)."""
     rows, ss, ends = [], [], []
@@ -241,21 +238,22 @@ def table_c(sites, ro_after_init: bool = False) -> str:
         x = s.xol
         if x is None:
             continue
+        slot = slots.get(s.index, NO_SLOT)
         if x.mode == SINGLESTEP:
             ss.append(len(rows))
             if x.ss_int3:
-                assert x.desc == len(rows), "an int3-ended slot carries the wrong descriptor index"
-                ends.append(x.ss_end)
-        rows.append(f"  {{ {s.addr:#x}UL, {x.slot:#x}UL, {x.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
+                assert slot.desc == len(rows), "an int3-ended slot carries the wrong descriptor index"
+                ends.append(slot.ss_end)
+        rows.append(f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
                     f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32}, "
                     f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook}, {int(s.with_post)}, "
                     f"{int(x.mode != EMULATE and not s.kret_hook)} }},")
-    bits, slots = int3_hash([s.addr for s in sites if s.xol is not None])
+    bits, hashed = int3_hash([s.addr for s in sites if s.xol is not None])
     section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""
     out = [f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
            f"const unsigned int kp_nint3 = {len(rows)};",
            f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
-           f"const unsigned int kp_int3_hash[{len(slots)}] = {{ {', '.join(map(str, slots))} }};",
+           f"const unsigned int kp_int3_hash[{len(hashed)}] = {{ {', '.join(map(str, hashed))} }};",
            f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
            f"const unsigned int kp_nint3_ss = {len(ss)};",
            f"const unsigned long kp_int3_ss_first = {min(ends, default=-1) & (2**64 - 1):#x}UL, "

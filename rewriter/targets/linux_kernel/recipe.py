@@ -16,11 +16,11 @@ SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
 # kprobe_events into the ftrace ring buffer, symbols from kallsyms (issue 11).
 SOURCES += ["{platform}/kp_trace_buffer.c"]
 
-# The arch's folders for this platform (runtime/arch/<arch>/<folder>): Linux's
-# ABI on the arch (the user signal frame the arch's trap code knows), and the
-# arch's half of a kernel image (kp_arch_platform.h: per-CPU data, preemption,
-# interrupt flags; its segments and return thunk for the .S entries; the #BP hook).
-ARCH_FOLDERS = ["uapi", "linux_kernel"]
+# The arch's folders for this platform (runtime/arch/<arch>/<folder>): the arch's
+# half of a kernel image (kp_arch_platform.h: per-CPU data, preemption, interrupt
+# flags; its segments and return thunk for the .S entries; the #BP hook).  Not uapi/:
+# a user process's ABI (its signal frame is linux_user/'s).
+ARCH_FOLDERS = ["linux_kernel"]
 
 # Flags for any arch; the arch adds its own for CODE (rewriter/arch/<arch>/toolchain.py).
 CFLAGS = ["-O2", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",

@@ -9,7 +9,9 @@ runtime at start-up."""
 # changes every output.
 SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c"]
 # INT3 fallback probes (issue 3).
-SOURCES += ["{arch}/kp_int3.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
+# The arch's trap code with the SIGTRAP's context (linux_user/kp_int3_signal.c
+# includes the arch's kp_int3.c: one unit).
+SOURCES += ["{arch}/linux_user/kp_int3_signal.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
 # kretprobes (issue 4).
 SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
 # kprobe_events, fetch args, trace lines (issue 5).

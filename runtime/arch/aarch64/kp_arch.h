@@ -149,9 +149,6 @@ _Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes");
 extern struct kp_int3_site kp_int3_sites[];
 extern const unsigned int kp_nint3;
 
-/* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was. */
-int kp_arch_int3_trap(void *ucontext);
-
 #pragma GCC visibility pop
 
 /*

@@ -1,49 +1,21 @@
 /*
- * AArch64 breakpoint probes in a Linux user process: the kernel's
- * kprobe_breakpoint_handler() and kprobe_breakpoint_ss_handler()
- * (arch/arm64/kernel/probes/kprobes.c) and the simulation of PC-relative
- * instructions (simulate-insn.c), on struct pt_regs made from the SIGTRAP's
- * machine context (struct sigcontext: regs[31], sp, pc, pstate), written back
- * afterwards so a handler's changes take effect at rt_sigreturn.
+ * AArch64 breakpoint probes: the kernel's kprobe_breakpoint_handler() and
+ * kprobe_breakpoint_ss_handler() (arch/arm64/kernel/probes/kprobes.c) and the
+ * simulation of PC-relative instructions (simulate-insn.c), on struct pt_regs;
+ * in a Linux user process made from the SIGTRAP's machine context
+ * (linux_user/kp_int3_signal.c, which includes this file).
  *
- * (Named kp_int3.c as the x86-64 file it mirrors: the linux_user recipe lists
- * {arch}/kp_int3.c.)
+ * (Named kp_int3.c as the x86-64 file it mirrors.)
  */
 #include "kp_internal.h"
 #include "kp_brk.h"
 
 extern char kp_optprobe_resume_brk[];	/* optprobe_entry.S */
 
-/* Linux's struct ucontext on arm64 (uapi/kp_uapi.h: KP_UC_REGS, KP_UC_SP...). */
-#include <kp_uapi.h>
-
 #define PSR_N 0x80000000UL
 #define PSR_Z 0x40000000UL
 #define PSR_C 0x20000000UL
 #define PSR_V 0x10000000UL
-
-static void kp_uc_to_regs(const char *uc, struct pt_regs *r)
-{
-	const unsigned long *g = (const unsigned long *)(uc + KP_UC_REGS);
-	for (int i = 0; i < 31; i++)
-		r->regs[i] = g[i];
-	r->sp = *(const unsigned long *)(uc + KP_UC_SP);
-	r->pc = *(const unsigned long *)(uc + KP_UC_PC);
-	r->pstate = *(const unsigned long *)(uc + KP_UC_PSTATE);
-	r->orig_x0 = 0;
-	r->syscallno = -1;
-}
-
-static void kp_regs_to_uc(const struct pt_regs *r, char *uc)
-{
-	unsigned long *g = (unsigned long *)(uc + KP_UC_REGS);
-	for (int i = 0; i < 31; i++)
-		g[i] = r->regs[i];
-	*(unsigned long *)(uc + KP_UC_SP) = r->sp;
-	*(unsigned long *)(uc + KP_UC_PC) = kp_region_ip(r->pc);
-	/* The kernel keeps only the user-changeable bits (NZCV...). */
-	*(unsigned long *)(uc + KP_UC_PSTATE) = r->pstate;
-}
 
 /* get_kprobe(): the descriptor of the brk at link-time address `addr`. */
 static inline __attribute__((always_inline)) struct kp_int3_site *kp_brk_lookup(unsigned long addr)
@@ -201,18 +173,4 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 		return 1;
 	}
 	return 0;
-}
-
-/*
- * A SIGTRAP raised by the CPU (not sent by kill): ours if it is one of our
- * brks; 0 otherwise (the platform layer passes it on).
- */
-int kp_arch_int3_trap(void *uc)
-{
-	struct pt_regs regs;
-	kp_uc_to_regs(uc, &regs);
-	if (!kp_arch_int3_regs(&regs, 1))
-		return 0;
-	kp_regs_to_uc(&regs, uc);
-	return 1;
 }

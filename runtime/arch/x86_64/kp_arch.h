@@ -130,10 +130,10 @@ extern const unsigned int kp_nint3_ss;
  * each such slot's jmp back is followed by its descriptor's index. */
 extern const unsigned long kp_int3_ss_first, kp_int3_ss_last;
 
-/* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was. */
-int kp_arch_int3_trap(void *ucontext);
-/* The same on a trap's struct pt_regs (a kernel's #BP frame): ss_trap is 1 where
- * single-stepped copies end with an int3 rather than trap with TF set. */
+/* Handle a trap's struct pt_regs if it follows one of our int3s or single-stepped
+ * copies; 1 if it did (a user SIGTRAP's context converted, linux_user's
+ * kp_arch_int3_trap(); a kernel's #BP frame): ss_trap is 1 where single-stepped
+ * copies end with an int3 rather than trap with TF set. */
 struct pt_regs;
 int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap);
 /* The same for a kernel's #BP (ss_trap 1), its common cases first. */

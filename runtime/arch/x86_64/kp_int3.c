@@ -2,11 +2,8 @@
  * x86-64 breakpoint probes: kprobe_int3_handler(), the emulation of
  * prepare_emulation()'s branches, and resume_singlestep() of
  * arch/x86/kernel/kprobes/core.c, on struct pt_regs: the kernel's own trap frame
- * (runtime/platform/linux_kernel/kp_int3_hook.c) or a Linux user signal context.
- *
- * The SIGTRAP's machine context (ucontext_t.uc_mcontext.gregs) is copied into
- * struct pt_regs for the handlers and written back afterwards, so whatever a
- * handler changes takes effect when the kernel's rt_sigreturn restores it.
+ * (linux_kernel/kp_int3_hook.c) or a Linux user signal context converted to one
+ * (linux_user/kp_int3_signal.c).
  */
 #include "kp_internal.h"
 
@@ -22,38 +19,6 @@ enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU
        KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN, KP_EMU_JMP_MEM, KP_EMU_CALL_MEM };
 
 _Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes, indexed by a shift");
-
-/* A Linux user signal frame: ucontext_t's layout (KP_UC_GREGS, G_*) is Linux's
- * ABI on x86-64. */
-#include <kp_uapi.h>
-
-/* The restorer our SIGTRAP handler returns through (SA_RESTORER) is
- * kp_arch_sigreturn, in sigreturn.S. */
-
-static void kp_uc_to_regs(const unsigned long *g, struct pt_regs *r)
-{
-	r->r15 = g[G_R15]; r->r14 = g[G_R14]; r->r13 = g[G_R13]; r->r12 = g[G_R12];
-	r->bp = g[G_RBP]; r->bx = g[G_RBX]; r->r11 = g[G_R11]; r->r10 = g[G_R10];
-	r->r9 = g[G_R9]; r->r8 = g[G_R8]; r->ax = g[G_RAX]; r->cx = g[G_RCX];
-	r->dx = g[G_RDX]; r->si = g[G_RSI]; r->di = g[G_RDI];
-	r->orig_ax = -1UL;
-	r->ip = g[G_RIP];
-	r->cs = g[G_CSGSFS] & 0xffff;
-	r->flags = g[G_EFL];
-	r->sp = g[G_RSP];
-	r->ss = KP_USER_DS;
-}
-
-static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)
-{
-	g[G_R15] = r->r15; g[G_R14] = r->r14; g[G_R13] = r->r13; g[G_R12] = r->r12;
-	g[G_RBP] = r->bp; g[G_RBX] = r->bx; g[G_R11] = r->r11; g[G_R10] = r->r10;
-	g[G_R9] = r->r9; g[G_R8] = r->r8; g[G_RAX] = r->ax; g[G_RCX] = r->cx;
-	g[G_RDX] = r->dx; g[G_RSI] = r->si; g[G_RDI] = r->di;
-	g[G_RIP] = kp_region_ip(r->ip);		/* a handler may move ip under a shared region's jump */
-	g[G_EFL] = r->flags;	/* the kernel keeps only the user-changeable bits */
-	g[G_RSP] = r->sp;
-}
 
 /* The descriptor of the int3 at link-time address `addr` (get_kprobe()): its hash
  * table (kprobe_xol.int3_hash()), where a miss ends at the first empty entry. */
@@ -347,19 +312,3 @@ int kp_arch_int3_early(struct pt_regs *regs)
 	return kp_arch_int3_regs(regs, 1);
 }
 #endif
-
-/*
- * A SIGTRAP raised by the CPU (not sent by kill).  Ours if it follows one of
- * our int3s, or the single-step of one of our copies; 0 otherwise (the platform
- * layer passes it on to whoever else handles SIGTRAP).
- */
-int kp_arch_int3_trap(void *uc)
-{
-	unsigned long *g = (unsigned long *)((char *)uc + KP_UC_GREGS);
-	struct pt_regs regs;
-	kp_uc_to_regs(g, &regs);
-	if (!kp_arch_int3_regs(&regs, 0))
-		return 0;
-	kp_regs_to_uc(&regs, g);
-	return 1;
-}

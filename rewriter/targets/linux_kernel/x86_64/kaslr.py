@@ -155,12 +155,13 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
         if site.decision == INT3:
             # A boosted or single-stepped instruction's copy in its out-of-line slot.
             if site.xol.mode != EMULATE:
-                copy = em.relocate(site.xol.insn, site.xol.slot)
-                off = site.xol.slot - layout.rx_vaddr
+                slot = layout.xol[site.index].addr
+                copy = em.relocate(site.xol.insn, slot)
+                off = slot - layout.rx_vaddr
                 if bytes(rx[off:off + len(copy)]) != copy:
-                    raise KprewriteError(f"{image.path}: internal error: the out-of-line slot at {site.xol.slot:#x} "
+                    raise KprewriteError(f"{image.path}: internal error: the out-of-line slot at {slot:#x} "
                                          "is not the one whose copy KASLR relocates")
-                out.append((site.xol.insn, site.xol.slot, copy))
+                out.append((site.xol.insn, slot, copy))
             continue
         if site.template or (site.ret_hooks and any(g.ret_template for g, _ in site.ret_hooks.values())):
             raise KprewriteError(f"{image.path}: internal error: KASLR tables for a templated detour at {site.addr:#x}")
@@ -176,25 +177,27 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
             copy = em.relocate(insn, at)
             seen.append((insn, at, copy))
             return copy
-        code, _, _ = em.detour(site.index, site.dcr, site.with_post, site.detour, blob.symbols[entries[0]],
+        detour = layout.detour(site)
+        code, _, _ = em.detour(site.index, site.dcr, site.with_post, detour, blob.symbols[entries[0]],
                                blob.symbols[entries[1]], record)
-        off = site.detour - layout.rx_vaddr
+        off = detour - layout.rx_vaddr
         if bytes(rx[off:off + len(code)]) != code:
-            raise KprewriteError(f"{image.path}: internal error: the detour at {site.detour:#x} is not the one "
+            raise KprewriteError(f"{image.path}: internal error: the detour at {detour:#x} is not the one "
                                  "whose copies KASLR relocates")
         out += seen
     for rs in plan.ret_sites:
         # A return site's detour: its region's instructions before the exit, copied in
         # order (the hook call and the exit after them hold no absolute address).
-        pos, seen = rs.detour, []
+        detour = layout.detour(rs)
+        pos, seen = detour, []
         for insn in rs.dcr[:-1]:
             copy = em.relocate(insn, pos)
             seen.append((insn, pos, copy))
             pos += len(copy)
-        off = rs.detour - layout.rx_vaddr
+        off = detour - layout.rx_vaddr
         if any(bytes(rx[at - layout.rx_vaddr:at - layout.rx_vaddr + len(cp)]) != cp for _, at, cp in seen) \
-                or pos - rs.detour > layout.sizes[("ret", rs.addr)] or off < 0:
-            raise KprewriteError(f"{image.path}: internal error: the return site's detour at {rs.detour:#x} is not "
+                or pos - detour > layout.sizes[("ret", rs.addr)] or off < 0:
+            raise KprewriteError(f"{image.path}: internal error: the return site's detour at {detour:#x} is not "
                                  "the one whose copies KASLR relocates")
         out += seen
     return out

@@ -39,7 +39,7 @@ def return_site_patches(image, layout, rx, plan) -> list[tuple[int, bytes]]:
     out = []
     for rs in rets:
         size = layout.sizes[("ret", rs.addr)]
-        copy = rs.detour + size - 5
+        copy = layout.detour(rs) + size - 5
         off = copy - layout.rx_vaddr
         code = bytes(rx[off:off + 8])
         entry = entries[rs.exit.addr]

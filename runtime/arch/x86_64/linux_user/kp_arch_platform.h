@@ -62,4 +62,9 @@ struct kp_libc_sigaction {
 	int flags;
 	void (*restorer)(void);
 };
+
+/* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was
+ * (kp_int3_signal.c).  Hidden, as kp_arch.h's are: a direct call. */
+__attribute__((visibility("hidden"))) int kp_arch_int3_trap(void *ucontext);
+
 #endif
