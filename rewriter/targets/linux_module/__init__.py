@@ -10,14 +10,15 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
   .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
   .retpoline_sites, .smp_locks), plus the module's own: .init.text and
   .exit.text (freed or discarded by the loader);
-- writing a rewritten module is not done yet: `instrument` refuses a module with
-  one line (docs/limitations.md).
+- writer.py: the rewritten module, linked with `ld -r` (entry probes at ftrace
+  sites with C handlers; the rest is refused with one line, docs/limitations.md).
 """
 from __future__ import annotations
 
 from ...errors import KprewriteError
 from ...rules import Rules
 from ..linux_kernel import reserved as _kernel_reserved
+from .writer import build  # noqa: F401
 from .relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
 
 name = "linux_module"
@@ -79,5 +80,16 @@ def _not_yet(*_a, **_k):
                          "read it (docs/limitations.md)")
 
 
-plan_layout = reserve_stubs = thread_key = handler_headers = link_symbols = tables_c = _not_yet
+def handler_headers(image) -> dict[str, str]:
+    """None: handlers see the handler API (runtime/include), not the kernel's types."""
+    return {}
+
+
+def thread_key(image):
+    return None
+
+
+# The pipeline's layout, tables, link and write are the in-place image's; a module is
+# linked by `ld -r` instead (writer.build()).
+plan_layout = reserve_stubs = link_symbols = tables_c = _not_yet
 table_base = derived_symbol = address_c = write = diff_expected = _not_yet

@@ -1,0 +1,269 @@
+"""Writing a rewritten module: the probes, their detours and the handlers linked into
+the .ko itself, for the module loader to relocate (load_module(): simplify_symbols(),
+apply_relocations()), as kbuild links any module: `ld -r`.
+
+What is written, for each probe at a function's ftrace site (the `call __fentry__`
+the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
+
+- the call's relocation points at the probe's detour instead of __fentry__, and its
+  __mcount_loc entry is dropped (its relocation made R_X86_64_NONE: the entry stays 0,
+  which ftrace_process_locs() skips), so ftrace never sees the site;
+- the detour (kp_module.S) builds a struct pt_regs as kprobe_ftrace_handler() does
+  (ip the probed address + 1), calls the probe's dispatch, restores the registers and
+  returns to the function through __x86_return_thunk;
+- the dispatch (kp_module.c) counts the hit and calls the pre- and post-handlers
+  directly (no indirect call), while the probes are armed;
+- `struct module`'s init and exit (the relocations of .gnu.linkonce.this_module against
+  init_module and cleanup_module) are redirected to kp_module_init, which arms the
+  probes and chains to the module's own init, and kp_module_exit, which chains to the
+  module's exit, disarms and prints each probe's hits.  The code goes with the module
+  at rmmod, and the probes with it.
+
+Only entry probes at ftrace sites are written; anything else is refused with one line.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+from pathlib import Path
+
+from ...errors import KprewriteError
+from ...planner.model import FTRACE
+from .relocatable import SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
+
+R_X86_64_NONE = 0
+META_SECTION = ".kprewrite.meta"
+
+DETOUR_S = r"""
+	.section .text.kprewrite,"ax",@progbits
+	.globl kp_detour_{i}
+	.type kp_detour_{i},@function
+kp_detour_{i}:
+	sub $0x28, %rsp			/* ip, cs, flags, sp, ss */
+	pushq $-1			/* orig_ax */
+	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
+	push %r8; push %r9; push %r10; push %r11
+	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
+	mov 0xa8(%rsp), %rax		/* the return address: the probed address + 5 */
+	sub $4, %rax			/* ip: after the (virtual) int3, as the kernel's ftrace kprobes */
+	mov %rax, 0x80(%rsp)
+	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
+	pushfq
+	pop %rax
+	mov %rax, 0x90(%rsp)
+	lea 0xb0(%rsp), %rax		/* sp at the probed address */
+	mov %rax, 0x98(%rsp)
+	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
+	mov %rsp, %rdi
+	call kp_dispatch_{i}
+	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
+	pop %r11; pop %r10; pop %r9; pop %r8
+	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
+	add $0x30, %rsp
+	jmp __x86_return_thunk
+	.size kp_detour_{i}, .-kp_detour_{i}
+"""
+
+RUNTIME_C = r"""
+#include <kprewrite/kprobes.h>
+#pragma GCC visibility push(hidden)
+
+/* The kernel's, exported: the module loader resolves them. */
+struct va_format { const char *fmt; va_list *va; };
+extern int _printk(const char *fmt, ...);
+extern int init_module(void);
+extern void cleanup_module(void);
+
+static volatile int kp_armed;
+
+/* printk for handlers: the kernel's, the level kept in front (%pV prints the rest). */
+int printk(const char *fmt, ...)
+{
+	struct va_format vaf;
+	va_list ap;
+	int r;
+	char level[3] = "";
+	if (fmt[0] == '\001' && fmt[1]) {
+		level[0] = fmt[0];
+		level[1] = fmt[1];
+		fmt += 2;
+	}
+	va_start(ap, fmt);
+	vaf.fmt = fmt;
+	vaf.va = &ap;
+	r = level[0] ? _printk("%c%c%pV", level[0], level[1], &vaf) : _printk("%pV", &vaf);
+	va_end(ap);
+	return r;
+}
+"""
+
+
+def _c_string(s: str) -> str:
+    return json.dumps(s)
+
+
+def runtime_c(plan, handler_symbols: dict[str, str], module: str) -> str:
+    out = [RUNTIME_C]
+    sites = [(site, p) for site, p in plan.kprobes]
+    declared = set()
+    for _, p in sites:
+        for h, proto in ((p.spec.pre_handler, "int {}(struct kprobe *, struct pt_regs *)"),
+                         (p.spec.post_handler, "void {}(struct kprobe *, struct pt_regs *, unsigned long)")):
+            if h and handler_symbols[h] not in declared:
+                declared.add(handler_symbols[h])
+                out.append(f"extern {proto.format(handler_symbols[h])};")
+    out.append(f"static struct kprobe kp_probes[{max(len(sites), 1)}] = {{")
+    for i, (site, p) in enumerate(sites):
+        out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
+                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
+    out.append("};")
+    out.append(f"static unsigned long kp_hits[{max(len(sites), 1)}];")
+    for i, (site, p) in enumerate(sites):
+        pre = handler_symbols.get(p.spec.pre_handler) if p.spec.pre_handler else None
+        post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
+        out.append(f"""
+void kp_dispatch_{i}(struct pt_regs *regs)
+{{
+	struct kprobe *p = &kp_probes[{i}];
+	if (!kp_armed || (p->flags & KPROBE_FLAG_DISABLED))
+		return;
+	__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
+	if (!p->addr)
+		p->addr = (kprobe_opcode_t *)(regs->ip - 1);
+	{f"if ({pre}(p, regs)) return;" if pre else ""}
+	regs->ip = (unsigned long)p->addr + 5;
+	{f"{post}(p, regs, 0);" if post else ""}
+}}""")
+    out.append(f"""
+int kp_module_init(void)
+{{
+	int r;
+	kp_armed = 1;
+	r = init_module();
+	if (r)
+		kp_armed = 0;
+	return r;
+}}
+
+void kp_module_exit(void)
+{{
+	unsigned int i;
+	cleanup_module();
+	kp_armed = 0;
+	for (i = 0; i < {len(sites)}; i++)
+		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu\\n", kp_probes[i].name,
+			kp_probes[i].symbol_name, kp_probes[i].offset, kp_hits[i]);
+}}
+""")
+    return "\n".join(out)
+
+
+def refuse_unsupported(s) -> None:
+    lines = []
+    for site, p in s.plan.kprobes:
+        if site.decision != FTRACE:
+            lines.append(f"{s.spec.path.name}: {p.spec.table} ({p.label}): a module's probes are written "
+                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
+    for _, p, _ in s.plan.kretprobes:
+        lines.append(f"{s.spec.path.name}: {p.spec.table} ({p.label}): kretprobes in a module are not written yet")
+    if s.traces:
+        lines.append(f"{s.spec.path.name}: trace events in a module are not written yet")
+    if lines:
+        raise KprewriteError(*lines)
+
+
+def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
+    """The rewritten module's bytes (see the module docstring)."""
+    from ...link import compiler
+    from ...link_runtime import _includes, cflags
+    from ...report import metadata
+    refuse_unsupported(s)
+    mod = s.image.container
+    if "cleanup_module" not in s.image.symbols:
+        raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")
+    cc = compiler(s.arch)
+    name = Path(s.image.path).name.split(".")[0]
+    src = workdir / "kp_module.c"
+    src.write_text(runtime_c(s.plan, s.handler_symbols, name))
+    asm = workdir / "kp_detours.S"
+    asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(s.plan.kprobes))))
+    obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
+    flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
+    _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
+    _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
+    orig = workdir / "orig.ko"
+    orig.write_bytes(mod.data)
+    linked = workdir / "linked.ko"
+    _run(["ld", "-r", "-o", str(linked), str(orig), str(obj_c), str(obj_s), *map(str, objs)], "ld -r")
+    data = bytearray(linked.read_bytes())
+    sites = []
+    for i, (site, p) in enumerate(s.plan.kprobes):
+        placed = mod.place(p.addr)
+        sites.append((i, placed[0].name, placed[1]))
+    _redirect(data, str(linked), sites)
+    meta = workdir / "meta.json"
+    meta.write_bytes(metadata(s.plan, s.image.label))
+    out = workdir / "out.ko"
+    linked.write_bytes(data)
+    _run(["objcopy", "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
+          f"{META_SECTION}=readonly", str(linked), str(out)], "objcopy")
+    return out.read_bytes()
+
+
+def _run(cmd, what):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise KprewriteError(f"{what} failed: {(r.stderr or r.stdout).strip().splitlines()[:3]}")
+
+
+_RELA = struct.Struct("<QQq")
+
+
+def _redirect(data: bytearray, path: str, sites) -> None:
+    """In the linked module: each site's `call __fentry__` relocation to its detour, its
+    __mcount_loc entry's relocation to R_X86_64_NONE, struct module's init and exit to ours."""
+    secs = read_sections(bytes(data), path)
+    symtab, syms = symbols(bytes(data), secs)
+    strtab = secs[symtab.link]
+
+    def sym_name(i):
+        n = syms[i][0]
+        end = data.index(b"\0", strtab.offset + n)
+        return data[strtab.offset + n:end].decode()
+    index = {}
+    for i in range(len(syms)):
+        index.setdefault(sym_name(i), i)
+    by_name = {sc.name: sc for sc in secs}
+
+    def target(sym, addend):
+        """(section index, offset) a relocation's S + A names."""
+        _, _, _, shndx, value, _ = syms[sym]
+        return (shndx, value + addend) if 0 < shndx < SHN_LORESERVE else None
+
+    def relas(sec_name):
+        r = next((sc for sc in secs if sc.type == SHT_RELA and secs[sc.info].name == sec_name), None)
+        if r is None:
+            return []
+        return [(r.offset + j * _RELA.size, *_RELA.unpack_from(data, r.offset + j * _RELA.size))
+                for j in range(r.size // _RELA.size)]
+
+    def set_rela(at, off, sym, typ, addend):
+        _RELA.pack_into(data, at, off, (sym << 32) | typ, addend)
+    for i, sec, off in sites:
+        shndx = by_name[sec].index
+        done = False
+        for at, r_off, info, addend in relas(sec):
+            if r_off == off + 1 and sym_name(info >> 32) == "__fentry__":
+                set_rela(at, r_off, index[f"kp_detour_{i}"], info & 0xFFFFFFFF, addend)
+                done = True
+        if not done:
+            raise KprewriteError(f"{path}: {sec}+{off:#x} has no `call __fentry__` relocation")
+        for at, r_off, info, addend in relas("__mcount_loc"):
+            if target(info >> 32, addend) == (shndx, off):
+                set_rela(at, r_off, 0, R_X86_64_NONE, 0)
+    for at, r_off, info, addend in relas(THIS_MODULE):
+        n = sym_name(info >> 32)
+        if n in ("init_module", "cleanup_module"):
+            set_rela(at, r_off, index["kp_module_init" if n == "init_module" else "kp_module_exit"],
+                     info & 0xFFFFFFFF, addend)
