@@ -8,9 +8,11 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
 - the call's relocation points at the probe's detour instead of __fentry__, and its
   __mcount_loc entry is dropped (its relocation made R_X86_64_NONE: the entry stays 0,
   which ftrace_process_locs() skips), so ftrace never sees the site;
-- the detour (kp_module.S) builds a struct pt_regs as kprobe_ftrace_handler() does
-  (ip the probed address + 1), calls the probe's dispatch, restores the registers and
-  returns to the function through __x86_return_thunk;
+- the detour (kp_detours.S) builds a struct pt_regs as kprobe_ftrace_handler() does
+  (ip the probed address + 1), calls the probe's dispatch, restores the registers (a
+  handler's changes to them included) and returns to the function through
+  __x86_return_thunk, or, when the pre_handler returned 1, to the regs->ip it set (a
+  change of regs->sp is not applied);
 - the dispatch (kp_module.c) counts the hit and calls the pre- and post-handlers
   directly (no indirect call), while the probes are armed;
 - `struct module`'s init and exit (the relocations of .gnu.linkonce.this_module against
@@ -57,7 +59,10 @@ kp_detour_{i}:
 	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
 	mov %rsp, %rdi
 	call kp_dispatch_{i}
-	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
+	test %rax, %rax			/* a pre_handler that returned 1 chose where to resume */
+	jz 1f
+	mov %rax, 0xa8(%rsp)
+1:	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
 	pop %r11; pop %r10; pop %r9; pop %r8
 	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
 	add $0x30, %rsp
@@ -123,17 +128,18 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str) -> str:
         pre = handler_symbols.get(p.spec.pre_handler) if p.spec.pre_handler else None
         post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
         out.append(f"""
-void kp_dispatch_{i}(struct pt_regs *regs)
+unsigned long kp_dispatch_{i}(struct pt_regs *regs)
 {{
 	struct kprobe *p = &kp_probes[{i}];
 	if (!kp_armed || (p->flags & KPROBE_FLAG_DISABLED))
-		return;
+		return 0;
 	__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
 	if (!p->addr)
 		p->addr = (kprobe_opcode_t *)(regs->ip - 1);
-	{f"if ({pre}(p, regs)) return;" if pre else ""}
+	{f"if ({pre}(p, regs)) return regs->ip;" if pre else ""}
 	regs->ip = (unsigned long)p->addr + 5;
 	{f"{post}(p, regs, 0);" if post else ""}
+	return 0;
 }}""")
     out.append(f"""
 int kp_module_init(void)
