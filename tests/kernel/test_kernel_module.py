@@ -236,3 +236,20 @@ def test_truncated_module_is_one_line(romfs, tmp_path):
     r = kprewrite("blacklist", bad, check=False)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"kprewrite: {bad}")
+
+
+def test_oversized_module_is_refused(romfs, tmp_path):
+    """A .bss of 1 TiB (a crafted header): refused in one line before anything is laid out."""
+    import struct
+    from rewriter.targets.linux_module import relocatable
+    data = bytearray(romfs.read_bytes())
+    bss = next(s for s in relocatable.read_sections(bytes(data), "romfs.ko") if s.name == ".bss")
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    struct.pack_into("<Q", data, shoff + bss.index * 64 + 32, 1 << 40)
+    bad = tmp_path / "big.ko"
+    bad.write_bytes(data)
+    r = kprewrite("blacklist", bad, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"kprewrite: {bad}: the module's sections take 0x1000000")
+    assert lines[0].endswith("(more than 256 MiB): not a module the loader would take")

@@ -32,6 +32,8 @@ MODULE_BASE = 0xFFFFFFFFC0000000      # MODULES_VADDR on x86-64 (no KASLR)
 # (a tail call, `jmp __x86_return_thunk`) leaves the function as it does once loaded.
 KERNEL_STAND_IN = 0xFFFFFFFF81000000
 STAND_IN_SECTION = ".kprewrite.kernel_symbols"
+# Bound on the laid-out size (.bss included; the biggest Debian modules are tens of MiB).
+MAX_MODULE = 256 << 20
 ET_REL, ET_EXEC = 1, 2
 SHT_SYMTAB, SHT_RELA, SHT_NOBITS = 2, 4, 8
 SHF_WRITE, SHF_ALLOC, SHF_EXECINSTR = 1, 2, 4
@@ -149,6 +151,9 @@ def view(data: bytes, path: str) -> tuple[bytes, ModuleObject]:
     nph = 1 if alloc else 0
     body = (_EHDR.size + (nph + 1) * _PHDR.size + 0xFFF) & ~0xFFF
     end = max((addr[s.index] + s.size for s in alloc), default=MODULE_BASE)
+    if end - MODULE_BASE > MAX_MODULE:
+        raise KprewriteError(f"{path}: the module's sections take {end - MODULE_BASE:#x} bytes laid out "
+                             f"(more than {MAX_MODULE >> 20} MiB): not a module the loader would take")
     out = bytearray(body + (end - MODULE_BASE))
     offsets = {}
     for s in alloc:
@@ -205,7 +210,7 @@ def view(data: bytes, path: str) -> tuple[bytes, ModuleObject]:
         for j in range(r.size // _RELA.size):
             off, info, addend = _RELA.unpack_from(data, r.offset + j * _RELA.size)
             sym, typ = info >> 32, info & 0xFFFFFFFF
-            if sym >= len(syms) or off + 4 > secs[r.info].size:
+            if sym >= len(syms) or off + (8 if typ in (R_X86_64_64, R_X86_64_PC64) else 4) > secs[r.info].size:
                 raise KprewriteError(f"{path}: relocation {j} of {r.name} is out of range")
             s = value(sym)
             if s is None:
