@@ -68,6 +68,8 @@ def rules(image, arch) -> Rules:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
     # No breakpoint hook in a module (yet): no int3 sites.
     r.int3 = False
+    # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
+    r.kretprobe_exits = False
     return r
 
 

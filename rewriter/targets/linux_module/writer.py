@@ -108,37 +108,134 @@ def _c_string(s: str) -> str:
     return json.dumps(s)
 
 
+def _sites(plan) -> list:
+    """The probed sites in address order, each once (its kprobes and kretprobes share one detour,
+    as an aggregator kprobe does): (site, [kprobe indices], [kretprobe indices])."""
+    by = {}
+    for i, (site, _) in enumerate(plan.kprobes):
+        by.setdefault(site.addr, (site, [], []))[1].append(i)
+    for j, (site, _, _) in enumerate(plan.kretprobes):
+        by.setdefault(site.addr, (site, [], []))[2].append(j)
+    return [by[a] for a in sorted(by)]
+
+
 def runtime_c(plan, handler_symbols: dict[str, str], module: str) -> str:
     out = [RUNTIME_C]
-    sites = [(site, p) for site, p in plan.kprobes]
+    kps = [p for _, p in plan.kprobes]
+    krs = [ep for _, ep, _ in plan.kretprobes]
     declared = set()
-    for _, p in sites:
-        for h, proto in ((p.spec.pre_handler, "int {}(struct kprobe *, struct pt_regs *)"),
-                         (p.spec.post_handler, "void {}(struct kprobe *, struct pt_regs *, unsigned long)")):
-            if h and handler_symbols[h] not in declared:
-                declared.add(handler_symbols[h])
-                out.append(f"extern {proto.format(handler_symbols[h])};")
-    out.append(f"static struct kprobe kp_probes[{max(len(sites), 1)}] = {{")
-    for i, (site, p) in enumerate(sites):
+
+    def declare(h, proto):
+        if h and handler_symbols[h] not in declared:
+            declared.add(handler_symbols[h])
+            out.append(f"extern {proto.format(handler_symbols[h])};")
+    for p in kps:
+        declare(p.spec.pre_handler, "int {}(struct kprobe *, struct pt_regs *)")
+        declare(p.spec.post_handler, "void {}(struct kprobe *, struct pt_regs *, unsigned long)")
+    for ep in krs:
+        declare(ep.kret.handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
+        declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
+    out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
+    for p in kps:
         out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
                    f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
     out.append("};")
-    out.append(f"static unsigned long kp_hits[{max(len(sites), 1)}];")
-    for i, (site, p) in enumerate(sites):
-        pre = handler_symbols.get(p.spec.pre_handler) if p.spec.pre_handler else None
-        post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
+    out.append(f"static unsigned long kp_hits[{max(len(kps), 1)}];")
+    # kretprobes: a pool of maxactive instances each, claimed atomically; an instance is found
+    # again at return by its return-address slot (ri->fp), unique while the call lives.
+    out.append(f"static struct kretprobe kp_kretprobes[{max(len(krs), 1)}] = {{")
+    for ep in krs:
+        out.append(f"\t{{ .kp = {{ .symbol_name = {_c_string(ep.symbol)}, .offset = {ep.offset}, "
+                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(ep.event_name)}, .index = {ep.index} }}, "
+                   f".maxactive = {ep.kret.maxactive or 16}, .data_size = {ep.kret.data_size} }},")
+    out.append("};")
+    out.append(f"static unsigned long kp_kret_hits[{max(len(krs), 1)}], kp_kret_returns[{max(len(krs), 1)}];")
+    for j, ep in enumerate(krs):
+        stride = (32 + ep.kret.data_size + 7) // 8 * 8
+        out.append(f"static char kp_pool_{j}[{(ep.kret.maxactive or 16) * stride}] __attribute__((aligned(8)));")
+    out.append(f"static const unsigned int kp_stride[{max(len(krs), 1)}] = "
+               f"{{ {', '.join(str((32 + ep.kret.data_size + 7) // 8 * 8) for ep in krs) or '0'} }};")
+    out.append(f"static char *const kp_pools[{max(len(krs), 1)}] = "
+               f"{{ {', '.join(f'kp_pool_{j}' for j in range(len(krs))) or '0'} }};")
+    out.append(KRET_C)
+    for j, ep in enumerate(krs):
+        h = handler_symbols.get(ep.kret.handler) if ep.kret.handler else None
+        eh = handler_symbols.get(ep.kret.entry_handler) if ep.kret.entry_handler else None
         out.append(f"""
-unsigned long kp_dispatch_{i}(struct pt_regs *regs)
+static void kp_kret_entry_{j}(struct pt_regs *regs)
 {{
-	struct kprobe *p = &kp_probes[{i}];
-	if (!kp_armed || (p->flags & KPROBE_FLAG_DISABLED))
+	struct kretprobe *rp = &kp_kretprobes[{j}];
+	struct kretprobe_instance *ri = kp_claim({j});
+	unsigned long *slot = (unsigned long *)regs->sp;
+	__atomic_fetch_add(&kp_kret_hits[{j}], 1, __ATOMIC_RELAXED);
+	if (!ri) {{
+		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
+		return;
+	}}
+	if (!rp->kp.addr)
+		rp->kp.addr = (kprobe_opcode_t *)(regs->ip - 1);
+	ri->fp = slot;
+	ri->ret_addr = (kprobe_opcode_t *)*slot;
+	{f"if ({eh}(ri, regs)) {{ __atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE); return; }}" if eh else ""}
+	*slot = (unsigned long)kp_kret_trampoline;
+}}
+
+static void kp_kret_handler_{j}(struct kretprobe_instance *ri, struct pt_regs *regs)
+{{
+	__atomic_fetch_add(&kp_kret_returns[{j}], 1, __ATOMIC_RELAXED);
+	{f"{h}(ri, regs);" if h else ""}
+}}""")
+    out.append("""
+unsigned long kp_kret_return(struct pt_regs *regs)
+{
+	void *slot = (void *)(regs->sp - 8);
+	unsigned int j, i;
+	for (j = 0; j < sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0]); j++) {
+		struct kretprobe *rp = &kp_kretprobes[j];
+		for (i = 0; i < (unsigned int)rp->maxactive && kp_stride[j]; i++) {
+			struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
+			unsigned long ret;
+			if (__atomic_load_n(&ri->kp_state, __ATOMIC_ACQUIRE) != 1 || ri->fp != slot)
+				continue;
+			ret = (unsigned long)ri->ret_addr;
+			regs->ip = ret;
+			switch (j) {""")
+    for j in range(len(krs)):
+        out.append(f"\t\t\tcase {j}: kp_kret_handler_{j}(ri, regs); break;")
+    out.append("""			}
+			__atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE);
+			return ret;
+		}
+	}
+	_printk("\\0010kprewrite: a return through the trampoline without an instance\\n");
+	return 0;
+}""")
+    for n, (site, ks, rs) in enumerate(_sites(plan)):
+        body = []
+        for i in ks:
+            p = kps[i]
+            pre = handler_symbols.get(p.spec.pre_handler) if p.spec.pre_handler else None
+            post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
+            body.append(f"""	{{
+		struct kprobe *p = &kp_probes[{i}];
+		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
+			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
+			if (!p->addr)
+				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
+			{f"if ({pre}(p, regs)) return regs->ip;" if pre else ""}
+			regs->ip = (unsigned long)p->addr + 5;
+			{f"{post}(p, regs, 0);" if post else ""}
+			regs->ip = (unsigned long)p->addr + 1;
+		}}
+	}}""")
+        for j in rs:
+            body.append(f"\tif (!(kp_kretprobes[{j}].kp.flags & KPROBE_FLAG_DISABLED))\n\t\tkp_kret_entry_{j}(regs);")
+        out.append(f"""
+unsigned long kp_dispatch_{n}(struct pt_regs *regs)
+{{
+	if (!kp_armed)
 		return 0;
-	__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
-	if (!p->addr)
-		p->addr = (kprobe_opcode_t *)(regs->ip - 1);
-	{f"if ({pre}(p, regs)) return regs->ip;" if pre else ""}
-	regs->ip = (unsigned long)p->addr + 5;
-	{f"{post}(p, regs, 0);" if post else ""}
+{chr(10).join(body)}
 	return 0;
 }}""")
     out.append(f"""
@@ -157,12 +254,66 @@ void kp_module_exit(void)
 	unsigned int i;
 	cleanup_module();
 	kp_armed = 0;
-	for (i = 0; i < {len(sites)}; i++)
+	for (i = 0; i < {len(kps)}; i++)
 		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu\\n", kp_probes[i].name,
 			kp_probes[i].symbol_name, kp_probes[i].offset, kp_hits[i]);
+	for (i = 0; i < {len(krs)}; i++)
+		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu returns %lu nmissed %d\\n",
+			kp_kretprobes[i].kp.name, kp_kretprobes[i].kp.symbol_name, kp_kretprobes[i].kp.offset,
+			kp_kret_hits[i], kp_kret_returns[i], kp_kretprobes[i].nmissed);
 }}
 """)
     return "\n".join(out)
+
+
+KRET_C = r"""
+extern char kp_kret_trampoline[];
+
+static struct kretprobe_instance *kp_claim(unsigned int j)
+{
+	unsigned int i;
+	for (i = 0; i < (unsigned int)kp_kretprobes[j].maxactive; i++) {
+		struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
+		unsigned int free = 0;
+		if (__atomic_compare_exchange_n(&ri->kp_state, &free, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+			ri->rp = &kp_kretprobes[j];
+			return ri;
+		}
+	}
+	return 0;
+}
+"""
+
+TRAMPOLINE_S = r"""
+	.section .text.kprewrite,"ax",@progbits
+	.globl kp_kret_trampoline
+	.type kp_kret_trampoline,@function
+kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 */
+	pushq $0			/* the slot again: the real return address goes here */
+	sub $0x28, %rsp
+	pushq $-1
+	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
+	push %r8; push %r9; push %r10; push %r11
+	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
+	leaq kp_kret_trampoline(%rip), %rax
+	mov %rax, 0x80(%rsp)
+	movq $0x10, 0x88(%rsp)
+	pushfq
+	pop %rax
+	mov %rax, 0x90(%rsp)
+	lea 0xb0(%rsp), %rax		/* sp after the return */
+	mov %rax, 0x98(%rsp)
+	movq $0x18, 0xa0(%rsp)
+	mov %rsp, %rdi
+	call kp_kret_return
+	mov %rax, 0xa8(%rsp)
+	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
+	pop %r11; pop %r10; pop %r9; pop %r8
+	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
+	add $0x30, %rsp
+	jmp __x86_return_thunk
+	.size kp_kret_trampoline, .-kp_kret_trampoline
+"""
 
 
 def refuse_unsupported(s) -> None:
@@ -171,8 +322,10 @@ def refuse_unsupported(s) -> None:
         if site.decision != FTRACE:
             lines.append(f"{s.spec.path.name}: {p.spec.table} ({p.label}): a module's probes are written "
                          f"at ftrace sites (function entries) only for now; this one is {site.decision}")
-    for _, p, _ in s.plan.kretprobes:
-        lines.append(f"{s.spec.path.name}: {p.spec.table} ({p.label}): kretprobes in a module are not written yet")
+    for site, p, _ in s.plan.kretprobes:
+        if site.decision != FTRACE:
+            lines.append(f"{s.spec.path.name}: {p.kret.table} ({p.label}): a module's kretprobes are written "
+                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
     if s.traces:
         lines.append(f"{s.spec.path.name}: trace events in a module are not written yet")
     if lines:
@@ -193,7 +346,9 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     src = workdir / "kp_module.c"
     src.write_text(runtime_c(s.plan, s.handler_symbols, name))
     asm = workdir / "kp_detours.S"
-    asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(s.plan.kprobes))))
+    sites_ = _sites(s.plan)
+    asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(sites_)))
+                   + (TRAMPOLINE_S if s.plan.kretprobes else ""))
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
     _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
@@ -204,8 +359,8 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     _run(["ld", "-r", "-o", str(linked), str(orig), str(obj_c), str(obj_s), *map(str, objs)], "ld -r")
     data = bytearray(linked.read_bytes())
     sites = []
-    for i, (site, p) in enumerate(s.plan.kprobes):
-        placed = mod.place(p.addr)
+    for i, (site, _, _) in enumerate(sites_):
+        placed = mod.place(site.addr)
         sites.append((i, placed[0].name, placed[1]))
     _redirect(data, str(linked), sites)
     meta = workdir / "meta.json"
