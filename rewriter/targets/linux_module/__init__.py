@@ -10,8 +10,8 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
   .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
   .retpoline_sites, .smp_locks), plus the module's own: .init.text and
   .exit.text (freed or discarded by the loader);
-- writer.py: the rewritten module, linked with `ld -r` (entry probes at ftrace
-  sites with C handlers; the rest is refused with one line, docs/limitations.md).
+- writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
+  ftrace sites with C handlers; the rest is refused with one line, docs/limitations.md).
 """
 from __future__ import annotations
 

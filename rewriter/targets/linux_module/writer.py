@@ -21,7 +21,10 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
   module's exit, disarms and prints each probe's hits.  The code goes with the module
   at rmmod, and the probes with it.
 
-Only entry probes at ftrace sites are written; anything else is refused with one line.
+A kretprobe at such a site is the kernel's kind: the return address swapped at entry for
+kp_kret_trampoline, its instance from a pool claimed atomically and found again at return
+by its return-address slot.  Only ftrace sites are written; anything else is refused with
+one line.
 """
 from __future__ import annotations
 
