@@ -257,3 +257,26 @@ def test_oversized_module_is_refused(romfs, tmp_path):
     assert r.returncode != 0 and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"kprewrite: {bad}: the module's sections take 0x1000000")
     assert lines[0].endswith("(more than 256 MiB): not a module the loader would take")
+
+
+def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_romfs, make_initramfs, boot_kernel,
+                                                       tmp_path):
+    """The rewritten romfs.ko in a rewritten kernel: each image's runtime counts its own probes
+    (the module's is its own, with hidden symbols; the kernel's prints its kprobe_profile at power-off)."""
+    spec = tmp_path / "k.toml"
+    spec.write_text('[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
+    vmlinux = tmp_path / "vmlinux"
+    kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", vmlinux)
+    initrd = make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs})
+    r = boot_kernel("module-romfs-rewritten-kernel", vmlinux, initrd, smp=2, timeout=180)
+    kernel_env.assert_boot_ok(r)
+    out = r.between()
+    for line in ("insmod1=0", "rmmod1=0", "insmod2=0", "rmmod2=0"):
+        assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")
+    hits = re.findall(r"kprewrite: romfs: (\S+) \S+ hits (\d+)", out)
+    assert hits == [("p_romfs_get_tree_0", "3"), ("p_romfs_init_fs_context_0", "3"), ("r_romfs_get_tree_0", "3"),
+                    ("p_romfs_get_tree_0", "1"), ("p_romfs_init_fs_context_0", "1"), ("r_romfs_get_tree_0", "1")], out
+    profile = r.profile()
+    # The kernel's profile: its probe (and its own boot hooks), none of the module's.
+    assert profile["p_do_sys_openat2_0"][0] > 0, profile
+    assert not [e for e in profile if "romfs" in e], profile
