@@ -1,9 +1,10 @@
 """Kernel modules (.ko): Debian's own romfs.ko (the cloud kernel builds romfs as a module and
 does not load it at boot) read as the module loader lays it out: the target detected, the
 kernel's rules read from the module's own tables, `check` and `blacklist` on it; rewritten with
-a C-handler probe, a counting probe and a kretprobe at ftrace sites, `list` on it, and in one boot of the
-unmodified Debian kernel: insmod, mount(2) exercising the probes, rmmod printing the hits,
-loaded and counted again.  What a module does not take yet is refused with one line.
+a C-handler probe, a counting probe and a kretprobe at ftrace sites, `list` on it, and in one
+boot of the unmodified Debian kernel: insmod, mount(2) exercising the probes, rmmod printing the
+hits, loaded and counted again; then the same in a rewritten kernel image (each counts its own).
+What a module does not take yet is refused with one line.
 
 What the rules must find is counted independently, from the .ko's relocation sections (each
 entry of __mcount_loc, .return_sites, .retpoline_sites is one relocation against the text):
