@@ -31,18 +31,21 @@ from rewriter.targets.linux_module.relocatable import KERNEL_STAND_IN, MODULE_BA
 
 pytestmark = pytest.mark.kernel
 
-MODULE = "kernel/fs/romfs/romfs.ko"
+# romfs: small, not loaded at boot, exercised by mount(2); kvm-amd: .noinstr.text,
+# .altinstructions and __ex_table, which romfs lacks (read only, never loaded).
+MODULES = {"romfs": "kernel/fs/romfs/romfs.ko", "kvm-amd": "kernel/arch/x86/kvm/kvm-amd.ko"}
 
 
-def obtain_module(k: kernel_env.DebianKernel, rel: str) -> Path:
-    """lib/modules/<release>/<rel> of the kernel's package, extracted once into its cache folder
-    (the package fetched again with apt-get download: the kernel cache keeps only boot/)."""
-    dest = k.dir / "modules" / rel
-    if dest.exists():
-        return dest
+def obtain_modules(k: kernel_env.DebianKernel, rels: list[str]) -> list[Path]:
+    """lib/modules/<release>/<rel> of the kernel's package for each rel, extracted once into its
+    cache folder (the package fetched again with apt-get download: the kernel cache keeps only boot/)."""
+    dests = [k.dir / "modules" / rel for rel in rels]
+    if all(d.exists() for d in dests):
+        return dests
     with kernel_env._locked(k.dir / ".modules.lock"):
-        if dest.exists():
-            return dest
+        missing = [(rel, d) for rel, d in zip(rels, dests) if not d.exists()]
+        if not missing:
+            return dests
         work = k.dir / ".modules-dl"
         work.mkdir(exist_ok=True)
         r = subprocess.run(["apt-get", "download", "-q", f"{k.package}={k.version}"], cwd=work,
@@ -51,23 +54,29 @@ def obtain_module(k: kernel_env.DebianKernel, rel: str) -> Path:
         if r.returncode != 0 or len(debs) != 1:
             pytest.fail(f"kernel test environment: apt-get download {k.package}={k.version} failed: "
                         f"{r.stderr.strip()[-300:]}", pytrace=False)
-        member = f"./lib/modules/{k.release}/{rel}"
-        tar = subprocess.run(f"dpkg-deb --fsys-tarfile {debs[0]} | tar -xO {member}", shell=True,
-                             capture_output=True)
-        if tar.returncode != 0 or not tar.stdout.startswith(b"\x7fELF"):
-            pytest.fail(f"kernel test environment: {debs[0].name} has no {member}", pytrace=False)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_suffix(".tmp")
-        tmp.write_bytes(tar.stdout)
-        tmp.rename(dest)
+        for rel, dest in missing:
+            member = f"./lib/modules/{k.release}/{rel}"
+            tar = subprocess.run(f"dpkg-deb --fsys-tarfile {debs[0]} | tar -xO {member}", shell=True,
+                                 capture_output=True)
+            if tar.returncode != 0 or not tar.stdout.startswith(b"\x7fELF"):
+                pytest.fail(f"kernel test environment: {debs[0].name} has no {member}", pytrace=False)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_suffix(".tmp")
+            tmp.write_bytes(tar.stdout)
+            tmp.rename(dest)
         for d in debs:
             d.unlink()
-    return dest
+    return dests
 
 
 @pytest.fixture(scope="module")
-def romfs(debian_kernel) -> Path:
-    return obtain_module(debian_kernel, MODULE)
+def modules(debian_kernel) -> dict[str, Path]:
+    return dict(zip(MODULES, obtain_modules(debian_kernel, list(MODULES.values()))))
+
+
+@pytest.fixture(scope="module")
+def romfs(modules) -> Path:
+    return modules["romfs"]
 
 
 def _relocations(ko: Path, section: str) -> int:
@@ -281,3 +290,29 @@ def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_
     # The kernel's profile: its probe (and its own boot hooks), none of the module's.
     assert profile["p_do_sys_openat2_0"][0] > 0, profile
     assert not [e for e in profile if "romfs" in e], profile
+
+
+def test_module_noinstr_alternatives_ex_table(modules, tmp_path):
+    """kvm-amd.ko's .noinstr.text functions refused one by one, its .altinstructions sites reserved
+    (one per entry: two relocations each), a probe inside a function with an __ex_table entry refused
+    (the function holding its first entry's instruction, read from readelf's relocations)."""
+    ko = modules["kvm-amd"]
+    lines = kprewrite("blacklist", ko).stdout.splitlines()
+    noinstr = {n for n, (sec, _, _) in _func_syms(ko).items() if sec == ".noinstr.text"}
+    listed = {m.group(1) for line in lines if (m := re.search(r"  (\S+)  in \.noinstr\.text \(noinstr\)$", line))}
+    assert noinstr and listed == noinstr, (listed, noinstr)
+    assert sum(line.endswith("alternatives site (alternatives_text_reserved)") for line in lines) \
+        == _relocations(ko, ".altinstructions") // 2 > 0
+    out = subprocess.run(["readelf", "-W", "-r", str(ko)], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"R_X86_64_PC32\s+\S+\s+\.text \+ ([0-9a-f]+)", out[out.index(".rela__ex_table'"):])
+    insn = int(m.group(1), 16)
+    func, start = next((n, v) for n, (sec, v, size) in _func_syms(ko).items()
+                       if sec == ".text" and v + 5 < insn < v + size)
+    spec = tmp_path / "probes.toml"
+    # Right after the ftrace site (an instruction boundary), so the region check comes first.
+    spec.write_text(f'[[kprobe]]\nsymbol_name = "{func}"\noffset = 5\n'
+                    f'[[kprobe]]\nsymbol_name = "{sorted(noinstr)[0]}"\n')
+    r = kprewrite("check", ko, "--spec", spec, check=False)
+    assert re.search(rf"^{func}\+0x5  k  refused  __ex_table at 0x\S+: {func} has an exception "
+                     "table entry", r.stdout, re.M), r.stdout
+    assert re.search(rf"^{sorted(noinstr)[0]}\+0x0  k  refused  blacklist at .* in \.noinstr\.text", r.stdout, re.M), r.stdout

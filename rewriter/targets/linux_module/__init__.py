@@ -53,6 +53,7 @@ def rules(image, arch) -> Rules:
     """The kernel's rules read from the module's own tables (linux_kernel/reserved.py),
     plus its init sections."""
     from ...blacklist import BlacklistEntry, Index
+    _tables(image)
     r = _kernel_reserved.rules(image, arch)
     extra = []
     for s in image.container.sections:
@@ -71,6 +72,23 @@ def rules(image, arch) -> Rules:
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r
+
+
+def _tables(image) -> None:
+    """The kernel readers' view of the module (linux_kernel.symbols.kernel() takes it from
+    here): its functions as text symbols, as the module's kallsyms gives them (so the
+    functions of .noinstr.text and .kprobes.text are listed one by one), its other symbols
+    as bounds; not the kernel's stand-ins."""
+    from ..linux_kernel.kallsyms import KSym
+    from ..linux_kernel.symbols import arch_of
+    lo, hi = image.container.stand_in
+    syms = []
+    for f in image.functions:
+        if not lo <= f.start < hi:
+            syms += [KSym(f.start, "t", n) for n in [f.name, *f.aliases]]
+    named = {s.name for s in syms}
+    syms += [KSym(a, "d", n) for n, a in image.all_symbols().items() if n not in named and not lo <= a < hi]
+    image._kernel_tables = arch_of(image).sites.KernelImage(image.data, syms, image.path)
 
 
 def runtime_probes(spec) -> None:
