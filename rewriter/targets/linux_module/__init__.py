@@ -95,9 +95,14 @@ def runtime_probes(spec) -> None:
     """None yet (a module's runtime would start from the module's own init)."""
 
 
+# `kprewrite diff` on a module (changes.py says so).
+DIFF_REFUSAL = ("a kernel module is relinked (ld -r) when written, so its sections move; "
+                "`kprewrite list` shows the rewritten module's probes")
+
+
 def _not_yet(*_a, **_k):
-    raise KprewriteError("rewriting a kernel module (.ko) is not supported yet: `check` and `blacklist` "
-                         "read it (docs/limitations.md)")
+    raise KprewriteError("kernel modules (.ko) are written by their own linker (writer.build()), "
+                         "not laid out in place")
 
 
 def handler_headers(image) -> dict[str, str]:

@@ -338,6 +338,7 @@ def refuse_unsupported(s) -> None:
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     """The rewritten module's bytes (see the module docstring)."""
     from ...link import compiler
+    from ...link_toolchain import linker
     from ...link_runtime import _includes, cflags
     from ...report import metadata
     refuse_unsupported(s)
@@ -345,7 +346,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     if "cleanup_module" not in s.image.symbols:
         raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")
     cc = compiler(s.arch)
-    name = Path(s.image.path).name.split(".")[0]
+    name = module_name(mod)
     src = workdir / "kp_module.c"
     src.write_text(runtime_c(s.plan, s.handler_symbols, name))
     asm = workdir / "kp_detours.S"
@@ -359,7 +360,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     orig = workdir / "orig.ko"
     orig.write_bytes(mod.data)
     linked = workdir / "linked.ko"
-    _run(["ld", "-r", "-o", str(linked), str(orig), str(obj_c), str(obj_s), *map(str, objs)], "ld -r")
+    _run([linker(s.arch), "-r", "-o", str(linked), str(orig), str(obj_c), str(obj_s), *map(str, objs)], "ld -r")
     data = bytearray(linked.read_bytes())
     sites = []
     for i, (site, _, _) in enumerate(sites_):
@@ -373,6 +374,17 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     _run(["objcopy", "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
           f"{META_SECTION}=readonly", str(linked), str(out)], "objcopy")
     return out.read_bytes()
+
+
+def module_name(mod) -> str:
+    """The module's name as the kernel gives it (its .modinfo `name=`, as modpost writes it),
+    else the file's."""
+    info = mod.section_named(".modinfo")
+    if info is not None:
+        for entry in mod.data[info.offset:info.offset + info.size].split(b"\0"):
+            if entry.startswith(b"name=") and entry[5:].replace(b"_", b"").replace(b"-", b"").isalnum():
+                return entry[5:].decode()
+    return Path(mod.path).name.split(".")[0]
 
 
 def _run(cmd, what):
