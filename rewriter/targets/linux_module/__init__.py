@@ -8,8 +8,8 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
 - the rules are the kernel's (linux_kernel/reserved.py on the view: the module's
   __mcount_loc, __ex_table, __jump_table, __bug_table, _kprobe_blacklist,
   .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
-  .retpoline_sites, .smp_locks), plus the module's own: .init.text and
-  .exit.text (freed or discarded by the loader);
+  .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
+  init) and the kernel's symbols the module refers to (stand-ins in the view);
 - writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
   ftrace sites with C handlers; the rest is refused with one line, docs/limitations.md).
 """
