@@ -154,8 +154,9 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
     from . import targets
     orig = targets.load(original)
     if orig.container is not None:      # the image is re-laid inside its container when written
-        raise KprewriteError(f"{original}: diff compares ELF files; a bzImage's vmlinux is re-laid when "
-                             "written, so compare the vmlinux it holds and that vmlinux rewritten")
+        why = getattr(orig.target, "DIFF_REFUSAL", None) or ("a bzImage's vmlinux is re-laid when written, so "
+                                                             "compare the vmlinux it holds and that vmlinux rewritten")
+        raise KprewriteError(f"{original}: diff compares ELF files; {why}")
     target = orig.target
     target.load_symbols(orig, system_map)
     meta = read_metadata(rewritten)

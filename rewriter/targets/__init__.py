@@ -35,12 +35,15 @@ def for_image(image):
     the image, never flagged)."""
     if getattr(image, "target", None) is not None:
         return image.target
-    from . import linux_kernel, linux_user
+    from . import linux_kernel, linux_module, linux_user
+    if linux_module.detect(image):
+        return linux_module
     return linux_kernel if linux_kernel.detect(image) else linux_user
 
 
 def unwrap(data: bytes, path: str):
     """(ELF bytes, container) when `data` is an image inside a container a target
-    knows (a bzImage holds a vmlinux), else None."""
-    from . import linux_kernel
-    return linux_kernel.unwrap(data, path)
+    knows (a bzImage holds a vmlinux; a .ko's view is unwrapped from it), else None."""
+    from . import linux_kernel, linux_module
+    found = linux_module.unwrap(data, path)
+    return found if found is not None else linux_kernel.unwrap(data, path)

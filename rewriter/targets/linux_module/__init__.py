@@ -1,0 +1,120 @@
+"""Linux kernel modules (.ko): relocatable kernel objects (ET_REL) the module
+loader lays out and relocates at insmod.  A third target beside linux_user/ and
+linux_kernel/, reusing the kernel target's readers of the kernel's tables:
+
+- relocatable.py: the module seen at addresses (its allocated sections laid out
+  from the module area, its own relocations applied), as an ET_EXEC view the
+  pipeline reads like any image; the ModuleObject keeps the .ko itself;
+- the rules are the kernel's (linux_kernel/reserved.py on the view: the module's
+  __mcount_loc, __ex_table, __jump_table, __bug_table, _kprobe_blacklist,
+  .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
+  .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
+  init) and the kernel's symbols the module refers to (stand-ins in the view);
+- writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
+  ftrace sites with C handlers; the rest is refused with one line, docs/limitations.md).
+"""
+from __future__ import annotations
+
+from ...errors import KprewriteError
+from ...rules import Rules
+from ..linux_kernel import reserved as _kernel_reserved
+from .writer import build  # noqa: F401
+from .relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
+
+name = "linux_module"
+RUNTIME_HANDLERS = frozenset()
+TABLES_AT_BOOT = False
+RUNTIME_KALLSYMS = True
+
+# Sections the module loader frees after init or drops (CONFIG_MODULE_UNLOAD keeps
+# .exit.text): a probe there could outlive the code.
+INIT_SECTIONS = {".init.text": "in .init.text (freed after the module's init; kprobes: "
+                 "within_module_init() probes are removed then)"}
+
+
+def detect(image) -> bool:
+    """A module: an image unwrapped from a .ko (relocatable.view())."""
+    return isinstance(getattr(image, "container", None), ModuleObject)
+
+
+def unwrap(data: bytes, path: str):
+    """(the view's bytes, ModuleObject) when data is a kernel module, else None."""
+    if not is_module(data):
+        return None
+    return view(data, path)
+
+
+def load_symbols(image, system_map: str | None = None) -> None:
+    """A module's functions are its .symtab's (a module keeps its symbol table: the
+    loader's kallsyms for it is made from it)."""
+
+
+def rules(image, arch) -> Rules:
+    """The kernel's rules read from the module's own tables (linux_kernel/reserved.py),
+    plus its init sections."""
+    from ...blacklist import BlacklistEntry, Index
+    _tables(image)
+    r = _kernel_reserved.rules(image, arch)
+    extra = []
+    for s in image.container.sections:
+        why = INIT_SECTIONS.get(s.name)
+        a = image.container.addr.get(s.index)
+        if why and a is not None and s.size:
+            extra += [BlacklistEntry(f.start, f.end, f.name, why)
+                      for f in image.functions if a <= f.start < a + s.size]
+    lo, hi = image.container.stand_in
+    extra += [BlacklistEntry(f.start, f.end, f.name, "a kernel symbol the module refers to, not the module's "
+                             "code (probe it in the kernel image)") for f in image.functions if lo <= f.start < hi]
+    if extra:
+        r.blacklist = Index(list(r.blacklist.entries) + extra)
+    # No breakpoint hook in a module (yet): no int3 sites.
+    r.int3 = False
+    # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
+    r.kretprobe_exits = False
+    return r
+
+
+def _tables(image) -> None:
+    """The kernel readers' view of the module (linux_kernel.symbols.kernel() takes it from
+    here): its functions as text symbols, as the module's kallsyms gives them (so the
+    functions of .noinstr.text and .kprobes.text are listed one by one), its other symbols
+    as bounds; not the kernel's stand-ins."""
+    from ..linux_kernel.kallsyms import KSym
+    from ..linux_kernel.symbols import arch_of
+    lo, hi = image.container.stand_in
+    syms = []
+    for f in image.functions:
+        if not lo <= f.start < hi:
+            syms += [KSym(f.start, "t", n) for n in [f.name, *f.aliases]]
+    named = {s.name for s in syms}
+    syms += [KSym(a, "d", n) for n, a in image.all_symbols().items() if n not in named and not lo <= a < hi]
+    image._kernel_tables = arch_of(image).sites.KernelImage(image.data, syms, image.path)
+
+
+def runtime_probes(spec) -> None:
+    """None yet (a module's runtime would start from the module's own init)."""
+
+
+# `kprewrite diff` on a module (changes.py says so).
+DIFF_REFUSAL = ("a kernel module is relinked (ld -r) when written, so its sections move; "
+                "`kprewrite list` shows the rewritten module's probes")
+
+
+def _not_yet(*_a, **_k):
+    raise KprewriteError("kernel modules (.ko) are written by their own linker (writer.build()), "
+                         "not laid out in place")
+
+
+def handler_headers(image) -> dict[str, str]:
+    """None: handlers see the handler API (runtime/include), not the kernel's types."""
+    return {}
+
+
+def thread_key(image):
+    return None
+
+
+# The pipeline's layout, tables, link and write are the in-place image's; a module is
+# linked by `ld -r` instead (writer.build()).
+plan_layout = reserve_stubs = link_symbols = tables_c = _not_yet
+table_base = derived_symbol = address_c = write = diff_expected = _not_yet

@@ -1,0 +1,445 @@
+"""Writing a rewritten module: the probes, their detours and the handlers linked into
+the .ko itself, for the module loader to relocate (load_module(): simplify_symbols(),
+apply_relocations()), as kbuild links any module: `ld -r`.
+
+What is written, for each probe at a function's ftrace site (the `call __fentry__`
+the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
+
+- the call's relocation points at the probe's detour instead of __fentry__, and its
+  __mcount_loc entry is dropped (its relocation made R_X86_64_NONE: the entry stays 0,
+  which ftrace_process_locs() skips), so ftrace never sees the site;
+- the detour (kp_detours.S) builds a struct pt_regs as kprobe_ftrace_handler() does
+  (ip the probed address + 1), calls the probe's dispatch, restores the registers (a
+  handler's changes to them included) and returns to the function through
+  __x86_return_thunk, or, when the pre_handler returned 1, to the regs->ip it set (a
+  change of regs->sp is not applied);
+- the dispatch (kp_module.c) counts the hit and calls the pre- and post-handlers
+  directly (no indirect call), while the probes are armed;
+- `struct module`'s init and exit (the relocations of .gnu.linkonce.this_module against
+  init_module and cleanup_module) are redirected to kp_module_init, which arms the
+  probes and chains to the module's own init, and kp_module_exit, which chains to the
+  module's exit, disarms and prints each probe's hits.  The code goes with the module
+  at rmmod, and the probes with it.
+
+A kretprobe at such a site is the kernel's kind: the return address swapped at entry for
+kp_kret_trampoline, its instance from a pool claimed atomically and found again at return
+by its return-address slot.  Only ftrace sites are written; anything else is refused with
+one line.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+from pathlib import Path
+
+from ...errors import KprewriteError
+from ...planner.model import FTRACE
+from .relocatable import SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
+
+R_X86_64_NONE = 0
+META_SECTION = ".kprewrite.meta"
+
+DETOUR_S = r"""
+	.section .text.kprewrite,"ax",@progbits
+	.globl kp_detour_{i}
+	.type kp_detour_{i},@function
+kp_detour_{i}:
+	sub $0x28, %rsp			/* ip, cs, flags, sp, ss */
+	pushq $-1			/* orig_ax */
+	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
+	push %r8; push %r9; push %r10; push %r11
+	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
+	mov 0xa8(%rsp), %rax		/* the return address: the probed address + 5 */
+	sub $4, %rax			/* ip: after the (virtual) int3, as the kernel's ftrace kprobes */
+	mov %rax, 0x80(%rsp)
+	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
+	pushfq
+	pop %rax
+	mov %rax, 0x90(%rsp)
+	lea 0xb0(%rsp), %rax		/* sp at the probed address */
+	mov %rax, 0x98(%rsp)
+	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
+	mov %rsp, %rdi
+	call kp_dispatch_{i}
+	test %rax, %rax			/* a pre_handler that returned 1 chose where to resume */
+	jz 1f
+	mov %rax, 0xa8(%rsp)
+1:	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
+	pop %r11; pop %r10; pop %r9; pop %r8
+	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
+	add $0x30, %rsp
+	jmp __x86_return_thunk
+	.size kp_detour_{i}, .-kp_detour_{i}
+"""
+
+RUNTIME_C = r"""
+#include <kprewrite/kprobes.h>
+#pragma GCC visibility push(hidden)
+
+/* The kernel's, exported: the module loader resolves them. */
+struct va_format { const char *fmt; va_list *va; };
+extern int _printk(const char *fmt, ...);
+extern int init_module(void);
+extern void cleanup_module(void);
+
+static volatile int kp_armed;
+
+/* printk for handlers: the kernel's, the level kept in front (%pV prints the rest). */
+int printk(const char *fmt, ...)
+{
+	struct va_format vaf;
+	va_list ap;
+	int r;
+	char level[3] = "";
+	if (fmt[0] == '\001' && fmt[1]) {
+		level[0] = fmt[0];
+		level[1] = fmt[1];
+		fmt += 2;
+	}
+	va_start(ap, fmt);
+	vaf.fmt = fmt;
+	vaf.va = &ap;
+	r = level[0] ? _printk("%c%c%pV", level[0], level[1], &vaf) : _printk("%pV", &vaf);
+	va_end(ap);
+	return r;
+}
+"""
+
+
+def _c_string(s: str) -> str:
+    return json.dumps(s)
+
+
+def _sites(plan) -> list:
+    """The probed sites in address order, each once (its kprobes and kretprobes share one detour,
+    as an aggregator kprobe does): (site, [kprobe indices], [kretprobe indices])."""
+    by = {}
+    for i, (site, _) in enumerate(plan.kprobes):
+        by.setdefault(site.addr, (site, [], []))[1].append(i)
+    for j, (site, _, _) in enumerate(plan.kretprobes):
+        by.setdefault(site.addr, (site, [], []))[2].append(j)
+    return [by[a] for a in sorted(by)]
+
+
+def runtime_c(plan, handler_symbols: dict[str, str], module: str) -> str:
+    out = [RUNTIME_C]
+    kps = [p for _, p in plan.kprobes]
+    krs = [ep for _, ep, _ in plan.kretprobes]
+    declared = set()
+
+    def declare(h, proto):
+        if h and handler_symbols[h] not in declared:
+            declared.add(handler_symbols[h])
+            out.append(f"extern {proto.format(handler_symbols[h])};")
+    for p in kps:
+        declare(p.spec.pre_handler, "int {}(struct kprobe *, struct pt_regs *)")
+        declare(p.spec.post_handler, "void {}(struct kprobe *, struct pt_regs *, unsigned long)")
+    for ep in krs:
+        declare(ep.kret.handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
+        declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
+    out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
+    for p in kps:
+        out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
+                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
+    out.append("};")
+    out.append(f"static unsigned long kp_hits[{max(len(kps), 1)}];")
+    # kretprobes: a pool of maxactive instances each, claimed atomically; an instance is found
+    # again at return by its return-address slot (ri->fp), unique while the call lives.
+    out.append(f"static struct kretprobe kp_kretprobes[{max(len(krs), 1)}] = {{")
+    for ep in krs:
+        out.append(f"\t{{ .kp = {{ .symbol_name = {_c_string(ep.symbol)}, .offset = {ep.offset}, "
+                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(ep.event_name)}, .index = {ep.index} }}, "
+                   f".maxactive = {ep.kret.maxactive or 16}, .data_size = {ep.kret.data_size} }},")
+    out.append("};")
+    out.append(f"static unsigned long kp_kret_hits[{max(len(krs), 1)}], kp_kret_returns[{max(len(krs), 1)}];")
+    for j, ep in enumerate(krs):
+        stride = (32 + ep.kret.data_size + 7) // 8 * 8
+        out.append(f"static char kp_pool_{j}[{(ep.kret.maxactive or 16) * stride}] __attribute__((aligned(8)));")
+    out.append(f"static const unsigned int kp_stride[{max(len(krs), 1)}] = "
+               f"{{ {', '.join(str((32 + ep.kret.data_size + 7) // 8 * 8) for ep in krs) or '0'} }};")
+    out.append(f"static char *const kp_pools[{max(len(krs), 1)}] = "
+               f"{{ {', '.join(f'kp_pool_{j}' for j in range(len(krs))) or '0'} }};")
+    out.append(KRET_C)
+    for j, ep in enumerate(krs):
+        h = handler_symbols.get(ep.kret.handler) if ep.kret.handler else None
+        eh = handler_symbols.get(ep.kret.entry_handler) if ep.kret.entry_handler else None
+        out.append(f"""
+static void kp_kret_entry_{j}(struct pt_regs *regs)
+{{
+	struct kretprobe *rp = &kp_kretprobes[{j}];
+	struct kretprobe_instance *ri = kp_claim({j});
+	unsigned long *slot = (unsigned long *)regs->sp;
+	__atomic_fetch_add(&kp_kret_hits[{j}], 1, __ATOMIC_RELAXED);
+	if (!ri) {{
+		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
+		return;
+	}}
+	if (!rp->kp.addr)
+		rp->kp.addr = (kprobe_opcode_t *)(regs->ip - 1);
+	ri->fp = slot;
+	ri->ret_addr = (kprobe_opcode_t *)*slot;
+	{f"if ({eh}(ri, regs)) {{ __atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE); return; }}" if eh else ""}
+	*slot = (unsigned long)kp_kret_trampoline;
+}}
+
+static void kp_kret_handler_{j}(struct kretprobe_instance *ri, struct pt_regs *regs)
+{{
+	__atomic_fetch_add(&kp_kret_returns[{j}], 1, __ATOMIC_RELAXED);
+	{f"{h}(ri, regs);" if h else ""}
+}}""")
+    out.append("""
+unsigned long kp_kret_return(struct pt_regs *regs)
+{
+	void *slot = (void *)(regs->sp - 8);
+	unsigned int j, i;
+	for (j = 0; j < sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0]); j++) {
+		struct kretprobe *rp = &kp_kretprobes[j];
+		for (i = 0; i < (unsigned int)rp->maxactive && kp_stride[j]; i++) {
+			struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
+			unsigned long ret;
+			if (__atomic_load_n(&ri->kp_state, __ATOMIC_ACQUIRE) != 1 || ri->fp != slot)
+				continue;
+			ret = (unsigned long)ri->ret_addr;
+			regs->ip = ret;
+			switch (j) {""")
+    for j in range(len(krs)):
+        out.append(f"\t\t\tcase {j}: kp_kret_handler_{j}(ri, regs); break;")
+    out.append("""			}
+			__atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE);
+			return ret;
+		}
+	}
+	_printk("\\0010kprewrite: a return through the trampoline without an instance\\n");
+	return 0;
+}""")
+    for n, (site, ks, rs) in enumerate(_sites(plan)):
+        body = []
+        for i in ks:
+            p = kps[i]
+            pre = handler_symbols.get(p.spec.pre_handler) if p.spec.pre_handler else None
+            post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
+            body.append(f"""	{{
+		struct kprobe *p = &kp_probes[{i}];
+		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
+			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
+			if (!p->addr)
+				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
+			{f"if ({pre}(p, regs)) return regs->ip;" if pre else ""}
+			regs->ip = (unsigned long)p->addr + 5;
+			{f"{post}(p, regs, 0);" if post else ""}
+			regs->ip = (unsigned long)p->addr + 1;
+		}}
+	}}""")
+        for j in rs:
+            body.append(f"\tif (!(kp_kretprobes[{j}].kp.flags & KPROBE_FLAG_DISABLED))\n\t\tkp_kret_entry_{j}(regs);")
+        out.append(f"""
+unsigned long kp_dispatch_{n}(struct pt_regs *regs)
+{{
+	if (!kp_armed)
+		return 0;
+{chr(10).join(body)}
+	return 0;
+}}""")
+    out.append(f"""
+int kp_module_init(void)
+{{
+	int r;
+	kp_armed = 1;
+	r = init_module();
+	if (r)
+		kp_armed = 0;
+	return r;
+}}
+
+void kp_module_exit(void)
+{{
+	unsigned int i;
+	cleanup_module();
+	kp_armed = 0;
+	for (i = 0; i < {len(kps)}; i++)
+		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu\\n", kp_probes[i].name,
+			kp_probes[i].symbol_name, kp_probes[i].offset, kp_hits[i]);
+	for (i = 0; i < {len(krs)}; i++)
+		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu returns %lu nmissed %d\\n",
+			kp_kretprobes[i].kp.name, kp_kretprobes[i].kp.symbol_name, kp_kretprobes[i].kp.offset,
+			kp_kret_hits[i], kp_kret_returns[i], kp_kretprobes[i].nmissed);
+}}
+""")
+    return "\n".join(out)
+
+
+KRET_C = r"""
+extern char kp_kret_trampoline[];
+
+static struct kretprobe_instance *kp_claim(unsigned int j)
+{
+	unsigned int i;
+	for (i = 0; i < (unsigned int)kp_kretprobes[j].maxactive; i++) {
+		struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
+		unsigned int free = 0;
+		if (__atomic_compare_exchange_n(&ri->kp_state, &free, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+			ri->rp = &kp_kretprobes[j];
+			return ri;
+		}
+	}
+	return 0;
+}
+"""
+
+TRAMPOLINE_S = r"""
+	.section .text.kprewrite,"ax",@progbits
+	.globl kp_kret_trampoline
+	.type kp_kret_trampoline,@function
+kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 */
+	pushq $0			/* the slot again: the real return address goes here */
+	sub $0x28, %rsp
+	pushq $-1
+	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
+	push %r8; push %r9; push %r10; push %r11
+	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
+	leaq kp_kret_trampoline(%rip), %rax
+	mov %rax, 0x80(%rsp)
+	movq $0x10, 0x88(%rsp)
+	pushfq
+	pop %rax
+	mov %rax, 0x90(%rsp)
+	lea 0xb0(%rsp), %rax		/* sp after the return */
+	mov %rax, 0x98(%rsp)
+	movq $0x18, 0xa0(%rsp)
+	mov %rsp, %rdi
+	call kp_kret_return
+	mov %rax, 0xa8(%rsp)
+	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
+	pop %r11; pop %r10; pop %r9; pop %r8
+	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
+	add $0x30, %rsp
+	jmp __x86_return_thunk
+	.size kp_kret_trampoline, .-kp_kret_trampoline
+"""
+
+
+def refuse_unsupported(s) -> None:
+    lines = []
+    for site, p in s.plan.kprobes:
+        if site.decision != FTRACE:
+            lines.append(f"{s.spec.path.name}: {p.spec.table} ({p.label}): a module's probes are written "
+                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
+    for site, p, _ in s.plan.kretprobes:
+        if site.decision != FTRACE:
+            lines.append(f"{s.spec.path.name}: {p.kret.table} ({p.label}): a module's kretprobes are written "
+                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
+    if s.traces:
+        lines.append(f"{s.spec.path.name}: trace events in a module are not written yet")
+    if lines:
+        raise KprewriteError(*lines)
+
+
+def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
+    """The rewritten module's bytes (see the module docstring)."""
+    from ...link import compiler
+    from ...link_toolchain import linker
+    from ...link_runtime import _includes, cflags
+    from ...report import metadata
+    refuse_unsupported(s)
+    mod = s.image.container
+    if "cleanup_module" not in s.image.symbols:
+        raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")
+    cc = compiler(s.arch)
+    name = module_name(mod)
+    src = workdir / "kp_module.c"
+    src.write_text(runtime_c(s.plan, s.handler_symbols, name))
+    asm = workdir / "kp_detours.S"
+    sites_ = _sites(s.plan)
+    asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(sites_)))
+                   + (TRAMPOLINE_S if s.plan.kretprobes else ""))
+    obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
+    flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
+    _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
+    _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
+    orig = workdir / "orig.ko"
+    orig.write_bytes(mod.data)
+    linked = workdir / "linked.ko"
+    _run([linker(s.arch), "-r", "-o", str(linked), str(orig), str(obj_c), str(obj_s), *map(str, objs)], "ld -r")
+    data = bytearray(linked.read_bytes())
+    sites = []
+    for i, (site, _, _) in enumerate(sites_):
+        placed = mod.place(site.addr)
+        sites.append((i, placed[0].name, placed[1]))
+    _redirect(data, str(linked), sites)
+    meta = workdir / "meta.json"
+    meta.write_bytes(metadata(s.plan, s.image.label))
+    out = workdir / "out.ko"
+    linked.write_bytes(data)
+    _run(["objcopy", "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
+          f"{META_SECTION}=readonly", str(linked), str(out)], "objcopy")
+    return out.read_bytes()
+
+
+def module_name(mod) -> str:
+    """The module's name as the kernel gives it (its .modinfo `name=`, as modpost writes it),
+    else the file's."""
+    info = mod.section_named(".modinfo")
+    if info is not None:
+        for entry in mod.data[info.offset:info.offset + info.size].split(b"\0"):
+            if entry.startswith(b"name=") and entry[5:].replace(b"_", b"").replace(b"-", b"").isalnum():
+                return entry[5:].decode()
+    return Path(mod.path).name.split(".")[0]
+
+
+def _run(cmd, what):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise KprewriteError(f"{what} failed: {(r.stderr or r.stdout).strip().splitlines()[:3]}")
+
+
+_RELA = struct.Struct("<QQq")
+
+
+def _redirect(data: bytearray, path: str, sites) -> None:
+    """In the linked module: each site's `call __fentry__` relocation to its detour, its
+    __mcount_loc entry's relocation to R_X86_64_NONE, struct module's init and exit to ours."""
+    secs = read_sections(bytes(data), path)
+    symtab, syms = symbols(bytes(data), secs)
+    strtab = secs[symtab.link]
+
+    def sym_name(i):
+        n = syms[i][0]
+        end = data.index(b"\0", strtab.offset + n)
+        return data[strtab.offset + n:end].decode()
+    index = {}
+    for i in range(len(syms)):
+        index.setdefault(sym_name(i), i)
+    by_name = {sc.name: sc for sc in secs}
+
+    def target(sym, addend):
+        """(section index, offset) a relocation's S + A names."""
+        _, _, _, shndx, value, _ = syms[sym]
+        return (shndx, value + addend) if 0 < shndx < SHN_LORESERVE else None
+
+    def relas(sec_name):
+        r = next((sc for sc in secs if sc.type == SHT_RELA and secs[sc.info].name == sec_name), None)
+        if r is None:
+            return []
+        return [(r.offset + j * _RELA.size, *_RELA.unpack_from(data, r.offset + j * _RELA.size))
+                for j in range(r.size // _RELA.size)]
+
+    def set_rela(at, off, sym, typ, addend):
+        _RELA.pack_into(data, at, off, (sym << 32) | typ, addend)
+    for i, sec, off in sites:
+        shndx = by_name[sec].index
+        done = False
+        for at, r_off, info, addend in relas(sec):
+            if r_off == off + 1 and sym_name(info >> 32) == "__fentry__":
+                set_rela(at, r_off, index[f"kp_detour_{i}"], info & 0xFFFFFFFF, addend)
+                done = True
+        if not done:
+            raise KprewriteError(f"{path}: {sec}+{off:#x} has no `call __fentry__` relocation")
+        for at, r_off, info, addend in relas("__mcount_loc"):
+            if target(info >> 32, addend) == (shndx, off):
+                set_rela(at, r_off, 0, R_X86_64_NONE, 0)
+    for at, r_off, info, addend in relas(THIS_MODULE):
+        n = sym_name(info >> 32)
+        if n in ("init_module", "cleanup_module"):
+            set_rela(at, r_off, index["kp_module_init" if n == "init_module" else "kp_module_exit"],
+                     info & 0xFFFFFFFF, addend)
