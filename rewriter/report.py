@@ -135,12 +135,14 @@ def skipped_text(counts: dict[str, int], placed: int) -> list[str]:
 
 def metadata(plan: Plan, lay, label: str) -> bytes:
     """What `list` reads back: every placed probe, its decision and where its code went
-    (lay: the layout.Layout)."""
+    (lay: the layout.Layout; None for a target that places its own code, a module
+    linked by `ld -r`, whose detours have no address before the module loader's)."""
+    detour = lay.detour if lay is not None else (lambda x: 0)
     probes = []
     for site, p in plan.kprobes:
         d = {"index": p.index, "addr": p.addr, "kind": "k", "symbol": p.symbol, "offset": p.offset,
              "name": p.event_name, "optimized": site.decision == OPTIMIZED, "disabled": p.spec.disabled,
-             "detour": lay.detour(site), "region": [site.addr, site.region_end]}
+             "detour": detour(site), "region": [site.addr, site.region_end]}
         if site.decision == FTRACE:
             d["ftrace"] = True
         if site.decision in JUMPS:
@@ -152,14 +154,14 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
         if site.slot:                   # a short jump to the jump at the slot
             d["jump_slot"] = site.slot
         if site.evicted is not None:    # the slot lies in a neighbour moved to a detour of its own
-            d["evicted"] = [site.evicted.addr, site.evicted.region_end, lay.detour(site.evicted)]
+            d["evicted"] = [site.evicted.addr, site.evicted.region_end, detour(site.evicted)]
         if site.decision == INT3:
             d.update({"int3": site.xol.mode, "reason": str(site.reason)})
         probes.append(d)
     for site, p, g in plan.kretprobes:
         probes.append({"index": p.index, "addr": p.addr, "kind": "r", "symbol": p.symbol, "offset": p.offset,
                        "name": p.event_name, "optimized": site.decision != FTRACE, "disabled": p.kret.disabled,
-                       "detour": lay.detour(site), "region": [site.addr, site.region_end], "returns": g.mode,
+                       "detour": detour(site), "region": [site.addr, site.region_end], "returns": g.mode,
                        "call": "clean" if site.clean else "pt_regs",
                        "inline_dispatch": site.template,
                        "return_hook": ("inline " if g.ret_template and any(e.kind == "ret" for e in g.exits) else "")
@@ -174,7 +176,7 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
         if site.slot:
             probes[-1]["jump_slot"] = site.slot
         if site.evicted is not None:
-            probes[-1]["evicted"] = [site.evicted.addr, site.evicted.region_end, lay.detour(site.evicted)]
+            probes[-1]["evicted"] = [site.evicted.addr, site.evicted.region_end, detour(site.evicted)]
     probes.sort(key=lambda d: d["index"])
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
     if plan.retargets:      # direct branches sent to a detour (`diff` attributes their bytes)

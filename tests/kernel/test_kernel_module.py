@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from rewriter import targets  # noqa: E402
 from rewriter.targets import linux_module  # noqa: E402
-from rewriter.targets.linux_module.relocatable import KERNEL_STAND_IN, MODULE_BASE  # noqa: E402
+from rewriter.targets.linux_module.x86_64.relocatable import KERNEL_STAND_IN, MODULE_BASE  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -257,7 +257,7 @@ def test_truncated_module_is_one_line(romfs, tmp_path):
 def test_oversized_module_is_refused(romfs, tmp_path):
     """A .bss of 1 TiB (a crafted header): refused in one line before anything is laid out."""
     import struct
-    from rewriter.targets.linux_module import relocatable
+    from rewriter.targets.linux_module.x86_64 import relocatable
     data = bytearray(romfs.read_bytes())
     bss = next(s for s in relocatable.read_sections(bytes(data), "romfs.ko") if s.name == ".bss")
     shoff = struct.unpack_from("<Q", data, 0x28)[0]

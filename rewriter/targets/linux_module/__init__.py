@@ -2,7 +2,7 @@
 loader lays out and relocates at insmod.  A third target beside linux_user/ and
 linux_kernel/, reusing the kernel target's readers of the kernel's tables:
 
-- relocatable.py: the module seen at addresses (its allocated sections laid out
+- x86_64/relocatable.py: the module seen at addresses (its allocated sections laid out
   from the module area, its own relocations applied), as an ET_EXEC view the
   pipeline reads like any image; the ModuleObject keeps the .ko itself;
 - the rules are the kernel's (linux_kernel/reserved.py on the view: the module's
@@ -10,7 +10,7 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
   .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
   .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
   init) and the kernel's symbols the module refers to (stand-ins in the view);
-- writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
+- x86_64/writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
   ftrace sites with C handlers; the rest is refused with one line, docs/limitations.md).
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 from ...errors import KprewriteError
 from ...rules import Rules
 from ..linux_kernel import reserved as _kernel_reserved
-from .writer import build  # noqa: F401
-from .relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
+from .x86_64.writer import build  # noqa: F401
+from .x86_64.relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
 
 name = "linux_module"
 RUNTIME_HANDLERS = frozenset()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from ...errors import KprewriteError
+from ....errors import KprewriteError
 
 MODULE_BASE = 0xFFFFFFFFC0000000      # MODULES_VADDR on x86-64 (no KASLR)
 # Where the view puts the kernel's symbols a module refers to (undefined in the .ko):

@@ -33,8 +33,8 @@ import struct
 import subprocess
 from pathlib import Path
 
-from ...errors import KprewriteError
-from ...planner.model import FTRACE
+from ....errors import KprewriteError
+from ....planner.model import FTRACE
 from .relocatable import SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
 
 R_X86_64_NONE = 0
@@ -337,10 +337,10 @@ def refuse_unsupported(s) -> None:
 
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     """The rewritten module's bytes (see the module docstring)."""
-    from ...link import compiler
-    from ...link_toolchain import linker
-    from ...link_runtime import _includes, cflags
-    from ...report import metadata
+    from ....link import compiler
+    from ....link_toolchain import linker
+    from ....link_runtime import _includes, cflags
+    from ....report import metadata
     refuse_unsupported(s)
     mod = s.image.container
     if "cleanup_module" not in s.image.symbols:
@@ -368,7 +368,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
         sites.append((i, placed[0].name, placed[1]))
     _redirect(data, str(linked), sites)
     meta = workdir / "meta.json"
-    meta.write_bytes(metadata(s.plan, s.image.label))
+    meta.write_bytes(metadata(s.plan, None, s.image.label))
     out = workdir / "out.ko"
     linked.write_bytes(data)
     _run(["objcopy", "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",

@@ -1,0 +1,3 @@
+"""The x86-64 half of the module target: a .ko's relocations applied at the loader's
+addresses (relocatable.py) and the rewritten module, its detours and start-up
+assembled and linked with `ld -r` (writer.py)."""
