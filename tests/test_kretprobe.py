@@ -6,7 +6,7 @@ import re
 import subprocess
 
 
-from conftest import ROOT, cc, check_lines, instrument, kprewrite, meta, probe_spec, profile, run, write_spec
+from conftest import ROOT, cc, check_lines, insns, instrument, kprewrite, meta, probe_spec, profile, run, write_spec
 
 # Handlers shared by most tests: the entry handler keeps the first argument in
 # ri->data, the return handler prints it with the return value and checks that
@@ -770,3 +770,45 @@ def test_two_kretprobes_on_one_function(once, runner):
     assert "a=19800 b=19800" in r.stderr, r.stderr
     prof = profile(r.stderr)
     assert prof["a"] == (201, 0) and prof["b"] == (201, 0), prof
+
+
+# --- a breakpoint kprobe on a hooked exit keeps the return hook ------------------
+
+EXIT_PROBED = r"""
+#include <stdio.h>
+__attribute__((noinline)) int f(int x) { return x * 3 + 1; }
+int main(int argc, char **argv)
+{
+	int s = 0;
+	for (int i = 0; i < 5; i++)
+		s += f(i + argc);
+	printf("%d\n", s);
+	return 0;
+}
+"""
+EXIT_PROBED_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+int ret_h(struct kretprobe_instance *ri, struct pt_regs *regs) { pr_info("R %ld\n", (long)regs_return_value(regs)); return 0; }
+int pre_h(struct kprobe *p, struct pt_regs *regs) { pr_info("P\n"); return 0; }
+"""
+
+
+def _exit_probed(tmp):
+    prog = cc(tmp, "prog", EXIT_PROBED, "-O2")
+    ret = next(off for off, i in insns(prog, "f") if i.mnemonic == "ret")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\noptimize = false\n'
+                      '[[kretprobe]]\nsymbol_name = "f"\nhandler = "ret_h"\n'
+                      f'[[kprobe]]\nsymbol_name = "f"\noffset = {ret}\n'
+                      'pre_handler = "pre_h"\n', EXIT_PROBED_HANDLERS)
+    return instrument(prog, spec)
+
+
+def test_breakpoint_kprobe_on_a_hooked_exit_keeps_the_return_hook(once, runner):
+    """A breakpoint kprobe at a ret that a kretprobe hooks (aggregation at the exit:
+    the breakpoint site carries the return hook, as it would without the kprobe):
+    every return still reaches the return handler, after the kprobe's pre_handler."""
+    out = once(_exit_probed)
+    r = run(out, runner=runner)
+    assert r.returncode == 0 and r.stdout == "50\n", r.stderr
+    got = [l for l in r.stderr.splitlines() if l[:1] in "PR"]
+    assert got == [x for v in (4, 7, 10, 13, 16) for x in ("P", f"R {v}")], got

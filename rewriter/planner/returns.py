@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 
 from ..resolve import is_entry
-from .model import HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
+from .model import HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
 from .sites import make_int3
 
 def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
@@ -102,7 +102,12 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             s.hook = g.hooks[s.exit.addr]
             plan.ret_sites.append(s)
         for host, e in g.embedded:
-            host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
+            if host.decision == INT3:
+                # A breakpoint kprobe at the exit: its site takes the hook (aggregation), as
+                # _place_int3_hooks() does; ret_hooks is read only by a detour's emitter.
+                host.kret_hook = HOOK_KIND[g.hooks[e.addr]]
+            else:
+                host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
     plan.ret_sites.sort(key=lambda s: s.addr)
     _place_int3_hooks(image, arch, plan)
 
