@@ -55,9 +55,43 @@ def _insns(image, analysis, func) -> _Insns:
     return analysis.memo("retprobe.insns", func.start, lambda: _Insns(image, analysis, func))
 
 
+DWARF_RSP = 7          # the x86-64 psABI's DWARF register number of %rsp
+_DWARF_NAMES = {6: "%rbp", 7: "%rsp"}
+
+
+def entry_frame_refusal(image, addr: int) -> Refusal | None:
+    """Beyond the kernel, which cannot tell: is `addr` a place a call lands,
+    the return address on top of the stack?  The FDE's rule there must be
+    CFA = %rsp + 8 with the return address at CFA - 8.  A block of a larger
+    function that has an FDE of its own (GCC's hot/cold splitting, stripped
+    of its `.cold` name) starts mid-frame: its CFA is %rsp + 8 + the parent's
+    frame, and a return-address swap at its "entry" would overwrite a word of
+    the parent's frame.  Where no FDE covers addr (or the rule is an
+    expression) nothing is known and nothing is refused."""
+    rule = image.cfa.at(addr)
+    ra = image.cfa.return_address(addr)
+    if rule is None:
+        return None
+    if rule == (DWARF_RSP, 8) and ra in (-8, None):
+        return None
+    reg, off = rule
+    where = f"{_DWARF_NAMES.get(reg, f'r{reg}')}{off:+d}"
+    ra_at = f", the return address at CFA{ra:+d}" if ra is not None else ""
+    return Refusal("entry_frame", addr, f"the CFA at {addr:#x} is {where}{ra_at} (its FDE), not %rsp+8 with "
+                                        "the return address at CFA-8: entered mid-frame (as a cold part of a "
+                                        "larger function is), it has no return address on top of the stack")
+
+
 def find_exits(image, analysis, func) -> Exits:
-    """Every ret and tail jmp of `func`, following jumps into its `.cold` parts."""
+    """Every ret and tail jmp of `func`, following jumps into its `.cold` parts
+    (named so, or in a stripped image an FDE's block that starts mid-frame)."""
     return analysis.memo("retprobe.exits", func.start, lambda: _find_exits(image, analysis, func))
+
+
+def _mid_frame(image, func) -> bool:
+    """A block with an FDE of its own that starts mid-frame: a stripped `.cold`
+    part (not a PLT, whose FDE starts after PLT0's push)."""
+    return not _plt(image, func.start) and entry_frame_refusal(image, func.start) is not None
 
 
 def _find_exits(image, analysis, func) -> Exits:
@@ -87,7 +121,7 @@ def _find_exits(image, analysis, func) -> Exits:
                 if any(p.start <= t < p.end for p in parts):
                     continue
                 tf = image.function_at(t)
-                if tf is not None and ".cold" in tf.name and tf.start not in seen:
+                if tf is not None and tf.start not in seen and (".cold" in tf.name or _mid_frame(image, tf)):
                     seen.add(tf.start)
                     parts.append(tf)
                     continue
