@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import bisect
 
+import capstone
+import capstone.x86_const
 
+from . import cs
 from . import jumptable
 from . import insn as x86insn
 from . import emit as em
@@ -55,7 +58,8 @@ def _insns(image, analysis, func) -> _Insns:
     return analysis.memo("retprobe.insns", func.start, lambda: _Insns(image, analysis, func))
 
 
-DWARF_RSP = 7          # the x86-64 psABI's DWARF register number of %rsp
+DWARF_RBP, DWARF_RSP = 6, 7     # the x86-64 psABI's DWARF register numbers
+_X86_RBP, _X86_RSP = capstone.x86_const.X86_REG_RBP, capstone.x86_const.X86_REG_RSP
 _DWARF_NAMES = {6: "%rbp", 7: "%rsp"}
 
 
@@ -212,7 +216,9 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         prev = allin.at(k)
         if prev.info.probe_refused:
             return Refusal("can_probe", prev.addr, f"{prev.info.probe_refused} before the exit")
-        if prev.info.emulate is not None or not prev.info.boostable:
+        if prev.info.emulate in _REENCODED:
+            pass                # re-encoded as rel32 in the detour (emit.relocate()), as in a DCR
+        elif prev.info.emulate is not None or not prev.info.boostable:
             # Beyond can_boost(), as a DCR is (common.relocatable()): an SSE move
             # of the return value (`movsd C(%rip),%xmm0; ret`), a push m64...
             why = prev.info.emulate or (relocatable(prev.code, prev.addr, prev.info)
@@ -220,6 +226,63 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
             if why:
                 return Refusal("can_boost", prev.addr, f"instruction before the exit cannot be relocated ({why})")
         dcr.insert(0, prev)
+
+
+# Relative jumps before an exit: copied to the detour re-encoded (their targets lie
+# outside the region: a target inside it was refused as a jump into the region).
+_REENCODED = ("jcc rel", "jmp rel")
+
+EXCEPTION_SYMBOLS = ("__gxx_personality_v0", "__cxa_throw", "_Unwind_RaiseException", "_Unwind_Resume",
+                     "__gcc_personality_v0")
+
+
+def _unwinds_exceptions(image, analysis) -> str:
+    """Whether an exception may be unwound through this image's frames: an FDE
+    with an LSDA (C++, or C with -fexceptions and cleanups), or a symbol of the
+    unwinder's or the C++ runtime's.  Returns what says so, or ''."""
+    def compute():
+        lsda = next((f for f in image.fdes if f.lsda), None)
+        if lsda is not None:
+            return f"the FDE at {lsda.start:#x} has an LSDA"
+        names = image.all_symbols().keys() | {str(s.name) for s in image.binary.dynamic_symbols}
+        return next((f"it names {n}" for n in EXCEPTION_SYMBOLS if n in names), "")
+    return analysis.memo("retprobe.unwinds", 0, compute)
+
+
+def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
+    """Where the return-address trampoline (the kernel's rethook) would be wrong
+    for `func`, though cheaper than breakpoint return hooks: the function reads
+    or takes the address of its own return-address slot (the FDE's CFA rule at
+    each instruction says where the slot is; with no rule, nothing is proven),
+    or it calls out and the image unwinds exceptions (an exception through its
+    frame would meet the trampoline, which has no FDE).  None: safe."""
+    calls = None
+    for part in parts:
+        insns = _insns(image, analysis, part)
+        for k, a in enumerate(insns.addrs):
+            rule = image.cfa.at(a)
+            if rule is None or rule[0] not in (DWARF_RSP, DWARF_RBP):
+                return Refusal("trampoline_unsafe", a, f"no CFA rule at {a:#x} says where the return address "
+                                                       "is, so whether the function reads it is unknown")
+            off = a - insns.start
+            ci = next(cs.DETAIL.disasm(insns.code[off:off + 16], a, 1), None)
+            if ci is None:
+                return Refusal("trampoline_unsafe", a, f"{a:#x} cannot be decoded")
+            base = _X86_RSP if rule[0] == DWARF_RSP else _X86_RBP
+            for op in ci.operands:
+                if op.type == capstone.x86_const.X86_OP_MEM and op.mem.base == base \
+                        and op.mem.index == 0 and op.mem.disp == rule[1] - 8:
+                    return Refusal("trampoline_unsafe", a, f"{ci.mnemonic} {ci.op_str} at {a:#x} addresses the "
+                                                           "return-address slot: it would see the trampoline")
+            if calls is None and capstone.CS_GRP_CALL in ci.groups:
+                calls = a
+    out = calls if calls is not None else next((e.addr for e in exits if e.kind != RET), None)
+    if out is not None:
+        why = _unwinds_exceptions(image, analysis)
+        if why:
+            return Refusal("trampoline_unsafe", out, f"{func.name} calls out at {out:#x} and an exception may "
+                                                     f"unwind through its frame ({why}): the trampoline has no FDE")
+    return None
 
 
 def hook_call(at: int, hook: int) -> bytes:
