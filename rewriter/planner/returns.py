@@ -1,6 +1,7 @@
 """The return sites of every function with a placed kretprobe: a jump-optimized
-return hook at each exit, a breakpoint one where no jump fits, or the kernel's
-return-address trampoline."""
+return hook at each exit (or in the entry's region, for a short function), else
+the kernel's return-address trampoline, or a breakpoint return hook where the
+trampoline is unsafe."""
 from __future__ import annotations
 
 import bisect

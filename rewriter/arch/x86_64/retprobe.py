@@ -9,8 +9,10 @@ the relocated DCR up to the exit, calls the hook, then executes the exit
 itself.  A region may start at an earlier instruction boundary (`pop %rbx;
 pop %rbp; ret`), and may run on into the alignment padding after the
 function's end (nops or int3 that nothing executes).  The region's checks are
-can_optimize()'s: every instruction relocatable, no jump target inside but at
-its start, inside the function (or its padding).
+can_optimize()'s: every instruction relocatable (a relative jump re-encoded), no
+jump target inside but at its start, inside the function (or its padding).
+Where no region fits, trampoline_refusal() says whether the kernel's
+return-address trampoline is safe for the function instead.
 """
 from __future__ import annotations
 
