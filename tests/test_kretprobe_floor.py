@@ -110,8 +110,9 @@ def test_stripped_cold_parts_refused_by_their_cfa_rule(once, runner):
 # Exits that no region of their own can take: a `ret` reached only through a
 # shared epilogue (`pop %rbx; ret`, the pop a jump target), a `ret` three jumps
 # land on, both with code right after them (no padding): the trampoline; the same
-# with no CFI (where the return address lives is unknown): the breakpoint; and a
-# 6-byte function at the end of .text whose entry region grows to take its `ret`.
+# with no CFI (where the return address lives is unknown): the breakpoint; a
+# region that takes a `js` before the `ret`; and a 6-byte function at the end of
+# .text whose entry region grows to take its `ret`.
 # The oracle: breakpoint kprobes (--no-optimize) on each function's `ret`, whose
 # handler reads %rax there.
 
@@ -170,6 +171,17 @@ __asm__(
 "  xor %eax,%eax\n"
 "  ret\n"
 ".size filler,.-filler\n"
+/* A region that takes a conditional jump before the ret (re-encoded in the detour). */
+".globl jcc_ret\n.type jcc_ret,@function\njcc_ret:\n"
+"  .cfi_startproc\n"
+"  mov %edi,%eax\n"
+"  test %edi,%edi\n"
+"  js 5f\n"
+"  ret\n"
+"5:lea 3(%rdi,%rdi,2),%eax\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size jcc_ret,.-jcc_ret\n"
 /* Last in .text: a section of its own, after this file's .text (helper()) and libc's crt code. */
 ".pushsection .text.zzz_last,\"ax\",@progbits\n"
 ".globl tiny6\n.type tiny6,@function\ntiny6:\n"
@@ -182,20 +194,20 @@ __asm__(
 );
 #include <stdio.h>
 #include <stdlib.h>
-int shared_epi(int), three_way(int), no_cfi(int);
+int shared_epi(int), three_way(int), no_cfi(int), jcc_ret(int);
 long tiny6(long);
 __attribute__((noinline)) int helper(int x) { __asm__ volatile(""); return x * 2; }
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 30;
     long t = 0;
     for (int i = -5; i < n; i++)
-        t = t * 3 + shared_epi(i) + three_way(i) + tiny6(i) + no_cfi(i + 1);
+        t = t * 3 + shared_epi(i) + three_way(i) + tiny6(i) + no_cfi(i + 1) + jcc_ret(i - 7);
     printf("t=%ld\n", t);
     return 0;
 }
 """
 
-FLOOR_FUNCS = ["shared_epi", "three_way", "no_cfi", "tiny6"]
+FLOOR_FUNCS = ["shared_epi", "three_way", "no_cfi", "jcc_ret", "tiny6"]
 
 RET_HANDLER = r"""
 #include <kprewrite/kprobes.h>
@@ -231,12 +243,14 @@ def test_exits_without_a_region_take_no_breakpoint(once, runner):
     prog, rets, check, kret, oracle = once(_build_floor)
     kret_spec = kret.parent / "kret.toml"
     lines = {l.split("+")[0]: l for l in check}
-    assert len(rets) == 4, rets
+    assert len(rets) == 6, rets
     # The 6-byte function ends .text; its entry's region takes the ret.
     text = next(x for x in ELFFile(open(prog, "rb")).iter_sections() if x.name == ".text")
     assert symbols(prog)["tiny6"] + 6 == text["sh_addr"] + text["sh_size"]
     assert "returns: 0x" in lines["tiny6"] and "int3" not in lines["tiny6"] \
         and "trampoline" not in lines["tiny6"], lines["tiny6"]
+    # `test; js; ret`: the js goes with the region, re-encoded.
+    assert re.search(r"returns: 0x[0-9a-f]+ ret, 0x[0-9a-f]+ ret$", lines["jcc_ret"]), lines["jcc_ret"]
     # No region fits the other two rets: the trampoline (no call out that an exception could
     # unwind through here), with the check that refused the region, not a breakpoint.
     for f in ("shared_epi", "three_way"):
@@ -254,6 +268,6 @@ def test_exits_without_a_region_take_no_breakpoint(once, runner):
     ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
-    assert sum(mine.values()) == 4 * 45 and mine == theirs, (mine - theirs, theirs - mine)
+    assert sum(mine.values()) == 5 * 45 and mine == theirs, (mine - theirs, theirs - mine)
     hits = {k: v[0] for k, v in profile(got.stderr).items()}
     assert hits == {f"r_{f}_0": 45 for f in FLOOR_FUNCS}, hits
