@@ -94,12 +94,12 @@ int main()
 """
 
 
-def check(obj: Path, spec: Path, env: dict = ENV) -> tuple[int, Counter, Counter]:
+def check(obj: Path, spec: Path, tree: Path = ROOT) -> tuple[int, Counter, Counter]:
     """(probes, their decisions, the return sites by hook kind: `ret`/`tail` jump-hooked,
     `int3` breakpoint return hooks, `trampoline function` for functions whose returns
     the trampoline catches)."""
     r = subprocess.run([*KPREWRITE, "check", str(obj), "--spec", str(spec), "--format", "json"],
-                       capture_output=True, text=True, env=env)
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tree)
     ps = json.loads(r.stdout)["probes"]
     hooks = Counter()
     for p in ps:
@@ -186,7 +186,7 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
     trees = {"this": ROOT, **{f"{i + 1}:{t.name}": t for i, t in enumerate(compare)}}
     if kind == "kretprobe":
         for label, tree in trees.items():
-            h = hooks if tree == ROOT else check(obj, spec, dict(os.environ, PYTHONPATH=str(tree)))[2]
+            h = hooks if tree == ROOT else check(obj, spec, tree)[2]
             print(f"{name}: return sites of {label}: " + ", ".join(f"{k} {v}" for k, v in sorted(h.items())),
                   flush=True)
     variants = {"orig": (cmd, {}, None)}    # label -> (cmd, env, profile)
