@@ -1,9 +1,11 @@
 """Real libraries from Debian's packages with a probe on every function entry
-(issue 15's table): how many entries are jump-optimized, and how much slower a
-real workload runs.
+(issue 15's table), or with --kretprobe a kretprobe on every function (issue
+27's): how many entries are jump-optimized (and, for kretprobes, how each
+return site is hooked), and how much slower a real workload runs.
 
     python3 benchmarks/real_libs.py [--runs N] [--scale [NAME=]K ...] [--cpu N] [--warmup N]
-                                    [--verbose] [--compare TREE] [NAME ...]   (sqlite3 busybox crypto stdcxx)
+                                    [--verbose] [--compare TREE] [--kretprobe] [NAME ...]
+                                    (sqlite3 busybox crypto stdcxx)
 
 Each workload runs on the original and on the rewritten object (a library
 through LD_LIBRARY_PATH, busybox itself); the outputs must be equal.  The
@@ -92,11 +94,23 @@ int main()
 """
 
 
-def check(obj: Path, spec: Path) -> tuple[int, Counter]:
+def check(obj: Path, spec: Path, tree: Path = ROOT) -> tuple[int, Counter, Counter]:
+    """(probes, their decisions, the return sites by hook kind: `ret`/`tail` jump-hooked,
+    `int3` breakpoint return hooks, `trampoline function` for functions whose returns
+    the trampoline catches)."""
     r = subprocess.run([*KPREWRITE, "check", str(obj), "--spec", str(spec), "--format", "json"],
-                       capture_output=True, text=True, env=ENV)
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tree)
     ps = json.loads(r.stdout)["probes"]
-    return len(ps), Counter(p["decision"] for p in ps)
+    hooks = Counter()
+    for p in ps:
+        ret = p.get("returns")
+        if not ret:
+            continue
+        if ret["mode"] == "trampoline":
+            hooks["trampoline function"] += 1
+        for site in ret["sites"]:
+            hooks["int3" if site["int3"] else site["kind"]] += 1
+    return len(ps), Counter(p["decision"] for p in ps), hooks
 
 
 def timed(cmd, env, stdin: Path | None, out: Path, cpu: int | None) -> tuple[float, float, int, bytes]:
@@ -140,9 +154,9 @@ def iqr(xs: list[float]) -> tuple[float, float, float]:
 
 
 def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale: int = 1,
-            cpu: int | None = None, warmup: int = 1, verbose: bool = False) -> None:
+            cpu: int | None = None, warmup: int = 1, verbose: bool = False, kind: str = "kprobe") -> None:
     spec = tmp / "all.toml"
-    spec.write_text('[[kprobe]]\nsymbol_name = "*"\n')
+    spec.write_text(f'[[{kind}]]\nsymbol_name = "*"\n')
     work = tmp / name
     work.mkdir()
     stdin = None
@@ -168,8 +182,13 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
         what = f"{300000 * scale} lines"
     else:
         raise SystemExit(f"unknown workload {name}")
-    n, decisions = check(obj, spec)
+    n, decisions, hooks = check(obj, spec)
     trees = {"this": ROOT, **{f"{i + 1}:{t.name}": t for i, t in enumerate(compare)}}
+    if kind == "kretprobe":
+        for label, tree in trees.items():
+            h = hooks if tree == ROOT else check(obj, spec, tree)[2]
+            print(f"{name}: return sites of {label}: " + ", ".join(f"{k} {v}" for k, v in sorted(h.items())),
+                  flush=True)
     variants = {"orig": (cmd, {}, None)}    # label -> (cmd, env, profile)
     rewrite = 0.0
     for label, tree in trees.items():
@@ -232,7 +251,7 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
             for label, (_, _, profile) in variants.items() if profile}
     med = statistics.median
     wa, ca = med(wall["orig"]), med(cpus["orig"])
-    print(f"{name}: {obj} {n} entries, optimized {decisions['optimized']} "
+    print(f"{name}: {obj} {n} {kind}s, optimized {decisions['optimized']} "
           f"({100 * decisions['optimized'] / n:.1f}%), int3 {decisions['int3']}, refused {decisions['refused']}; "
           f"rewrite {rewrite:.1f} s; {' '.join(cmd[:2])} ({what}, scale {scale}); {runs} paired rounds "
           f"after {warmup} warm-up, cpu {'any' if cpu is None else cpu}, {started} UTC, "
@@ -278,6 +297,8 @@ def main() -> None:
     ap.add_argument("--verbose", "-v", action="store_true", help="print every round's times")
     ap.add_argument("--compare", type=Path, action="append", default=[],
                     help="another kprewrite source tree, run in the same rounds (repeatable)")
+    ap.add_argument("--kretprobe", action="store_true",
+                    help="a kretprobe on every function (no handlers) instead of a kprobe")
     args = ap.parse_args()
     scales: dict[str | None, int] = {None: 1}
     for a in args.scale:
@@ -298,7 +319,7 @@ def main() -> None:
     try:
         for name in args.names:
             measure(name, tmp, args.runs, [t.resolve() for t in args.compare], scales.get(name, scales[None]),
-                    args.cpu, args.warmup, args.verbose)
+                    args.cpu, args.warmup, args.verbose, "kretprobe" if args.kretprobe else "kprobe")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

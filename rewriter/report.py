@@ -86,7 +86,9 @@ def check_line(r: dict) -> str:
         parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target'] or '*pointer'} ({e['hook']})"
                  for e in ret["sites"]]
         parts = [t + (" (int3)" if e["int3"] else "") for t, e in zip(parts, ret["sites"])]
-        return f"{head}  returns: {', '.join(parts)}"
+        # Why each breakpoint return hook: no jump fits, and the trampoline is unsafe.
+        why = [e["int3_reason"]["message"] for e in ret["sites"] if e["int3"] and e["int3_reason"]]
+        return f"{head}  returns: {', '.join(parts)}" + (f"  {' | '.join(why)}" if why else "")
     if r["reason"] is not None:
         why = r["reason"]
         # Every refusal names its check and address (an int3 reason's message already does).

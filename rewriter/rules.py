@@ -19,8 +19,9 @@ answer (targets/*), used by the planner.
   `jmp __x86_return_thunk` at its .return_sites entries); a return region may cover its
   own return jump although it is reserved: the target points the table entry at the
   jump's copy in the detour (exit_region_refusal());
-- kretprobe_int3_exits: an exit no jump fits gets a breakpoint return hook; else (a
-  kernel) the function keeps the trampoline, with the check that refused the exit;
+- kretprobe_int3_exits: an exit no jump fits gets a breakpoint return hook where the
+  trampoline is unsafe for its function (else the function takes the trampoline); without
+  (a kernel) the function always keeps the trampoline, with the check that refused the exit;
 - short_jumps / evict_neighbours: a site with no room for a 5-byte jump takes a short
   jump to one in dead padding, or in a neighbouring region moved out of the way;
 - retarget_branches: direct branches to a detoured region's start enter its detour;

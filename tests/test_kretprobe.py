@@ -508,17 +508,22 @@ __asm__(
 "  ret\n"
 ".size helper,.-helper\n"
 /* The ret follows a call by 4 bytes and the next function starts right after:
- * no 5-byte region ends with it, so its return hook is a breakpoint.  The
- * return address it sees in its slot is recorded in seen_ra. */
+ * no 5-byte region ends with it.  The return address it sees in its slot is
+ * recorded in seen_ra: its CFI says where that slot is, so the trampoline is
+ * refused for it (it would see the trampoline), and its return hook is a breakpoint. */
 ".globl cramped\n.type cramped,@function\ncramped:\n"
+"  .cfi_startproc\n"
 "  push %rbx\n"
+"  .cfi_def_cfa_offset 16\n"
 "  mov %rdi,%rbx\n"
 "  mov 8(%rsp),%rcx\n"
 "  mov %rcx,seen_ra(%rip)\n"
 "  call helper\n"
 "  add %ebx,%eax\n"
 "  pop %rbx\n"
+"  .cfi_def_cfa_offset 8\n"
 "  ret\n"
+"  .cfi_endproc\n"
 ".size cramped,.-cramped\n"
 ".globl after\n.type after,@function\nafter:\n"
 "  mov %rdi,%rax\n"
@@ -555,11 +560,14 @@ def _fallback(tmp):
 
 
 def test_int3_return_hook_fallback_is_reported_and_works(once, runner):
-    """An exit no jump can hook gets a breakpoint return hook: the return
-    address is still never replaced, and the handler sees what a jump hook's
+    """An exit no jump can hook, in a function that reads its return-address
+    slot, gets a breakpoint return hook (the trampoline would be read): the return
+    address is not replaced, and the handler sees what a jump hook's
     does (regs->ip the return address, the return value)."""
     lines, out, out_plus = once(_fallback)
-    assert re.fullmatch(r"cramped\+0x0  r  optimized  returns: 0x[0-9a-f]+ ret \(int3\)", lines[0]), lines
+    assert re.fullmatch(r"cramped\+0x0  r  optimized  returns: 0x[0-9a-f]+ ret \(int3\)  \S+ at 0x[0-9a-f]+: .*; "
+                        r"no trampoline: trampoline_unsafe at 0x[0-9a-f]+: mov rcx, qword ptr \[rsp \+ 8\] at "
+                        r"0x[0-9a-f]+ addresses the return-address slot: it would see the trampoline", lines[0]), lines
     kret = [p for p in meta(out)["probes"] if p["kind"] == "r"][0]
     assert len(kret["int3_exits"]) == 1 and kret["return_sites"] == [], kret
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})

@@ -46,19 +46,41 @@ class CfaRules:
         i = bisect.bisect_right(self._starts, addr) - 1
         if i < 0 or addr >= self._fdes[i][1]:
             return None
+        row = self._row(i, addr)
+        rule = row[1] if row else None
+        if rule is None or rule.expr is not None or rule.reg is None:
+            return None
+        return rule.reg, rule.offset
+
+    def return_address(self, addr: int) -> int | None:
+        """Where the return address is at addr: its offset from the CFA (the
+        FDE's rule for the CIE's return-address column, DW_CFA_offset), None
+        where no FDE covers addr or the rule is not an offset from the CFA."""
+        if self._fdes is None:
+            self._load()
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0 or addr >= self._fdes[i][1]:
+            return None
+        row = self._row(i, addr)
+        rule = row[2] if row else None
+        if rule is None or rule.type != "OFFSET":
+            return None
+        return rule.arg
+
+    def _row(self, i: int, addr: int):
+        """(pc, CFA rule, return-address rule) of the row in force at addr, of the i-th FDE."""
         lo, _, fde = self._fdes[i]
         rows = self._rows.get(lo)
         if rows is None:
             try:
-                rows = [(r["pc"], r["cfa"]) for r in fde.get_decoded().table]
+                ra = fde.cie.header["return_address_register"]
+                rows = [(r["pc"], r["cfa"], r.get(ra)) for r in fde.get_decoded().table]
             except Exception:
                 rows = []
             self._rows[lo] = rows
-        rule = None
-        for pc, cfa in rows:
-            if pc > addr:
+        found = None
+        for row in rows:
+            if row[0] > addr:
                 break
-            rule = cfa
-        if rule is None or rule.expr is not None or rule.reg is None:
-            return None
-        return rule.reg, rule.offset
+            found = row
+        return found

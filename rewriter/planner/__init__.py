@@ -9,11 +9,13 @@ offending address.  Explicit probes that cannot be placed are errors
 
 Then the return sites of every function with a kretprobe: every exit (ret,
 tail-call jmp, a jump the target calls a return: Rules.return_jumps) gets a
-jump-optimized return hook, or where no jump fits a breakpoint return hook (an
-INT3 site at the exit, aggregated with the sites above).  Only a function whose
-exits cannot all be named, or (a target without breakpoint return hooks,
-Rules.kretprobe_int3_exits) one with an exit no jump fits, falls back to the
-kernel's return-address trampoline.  The plan ends with one numbering: site
+jump-optimized return hook (a short function's exit may ride in the entry's
+region).  A function whose exits cannot all be named, or with an exit no jump
+fits, falls back to the kernel's return-address trampoline; where the
+trampoline is unsafe for it (arch.retprobe.trampoline_refusal()) and the target
+has breakpoint return hooks (Rules.kretprobe_int3_exits), such an exit gets a
+breakpoint return hook instead (an INT3 site at the exit, aggregated with the
+sites above).  The plan ends with one numbering: site
 indices, kp_probes[] and kp_kretprobes[] slots.
 
 choose_forms() finishes the plan once the handlers' code is known: the detour

@@ -46,7 +46,8 @@ def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None
 
 def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str, str] | None:
     """register_kretprobe()'s own checks: a function entry (kprobe_on_func_entry),
-    not on the kretprobe blacklist, a function that returns."""
+    not on the kretprobe blacklist, a function that returns; beyond the kernel,
+    an entry where a call lands (its CFA rule: arch.retprobe.entry_frame_refusal())."""
     if not rules.kretprobes:
         return f"kretprobes are not supported in {image.label} yet", "kretprobe"
     f = p.func
@@ -60,6 +61,10 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
     if ".cold" in f.name and safety.enabled("cold_parts"):
         return (f"{f.name} is a cold part of a function, entered by a jump, not a call: "
                 "it has no return address"), "cold_part"
+    # Blacklisted places (a PLT's FDE, say) keep the blacklist's reason.
+    why = arch.retprobe.entry_frame_refusal(image, p.addr) if bl.lookup(rules.blacklist, p.addr) is None else None
+    if why is not None:
+        return why.detail, why.check, why.addr
     d = analysis.decoded(f)
     if d.undecodable is None and d.indirect_jump is None:
         ex = arch.retprobe.find_exits(image, analysis, f)

@@ -1,6 +1,7 @@
 """The return sites of every function with a placed kretprobe: a jump-optimized
-return hook at each exit, a breakpoint one where no jump fits, or the kernel's
-return-address trampoline."""
+return hook at each exit (or in the entry's region, for a short function), else
+the kernel's return-address trampoline, or a breakpoint return hook where the
+trampoline is unsafe."""
 from __future__ import annotations
 
 import bisect
@@ -73,17 +74,32 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
                 why = rules.exit_region_refusal(arch, analysis, g.func, r[0][0].addr, r[1], e.addr)
                 if why is not None:
                     r = why
+            if not isinstance(r, tuple) and _entry_covers(image, analysis, arch, g, e, rules, taken, starts,
+                                                          site_at, site_starts, lambda lo, hi: busy(lo, hi, mine)):
+                # A short function: the entry's region grows to take the exit (its hook in that detour).
+                g.embedded.append((g.site, e))
+                continue
             if not isinstance(r, tuple):
                 if not rules.kretprobe_int3_exits:
                     _exits_refused(g, r, e)
                     break
                 # No jump fits: a breakpoint return hook at the exit (the return
-                # address still stays where the caller put it).
+                # address still stays where the caller put it), unless the
+                # trampoline is safe for this function (below).
                 g.int3_exits.append((e, r))
                 continue
             dcr, end = r
             mine.append((dcr[0].addr, end))
             g.sites.append(RetSite(e, dcr, dcr[0].addr, end, group=g))
+        if g.int3_exits and g.mode != TRAMPOLINE:
+            # A trap costs microseconds, the kernel's trampoline nanoseconds: it
+            # takes the whole function wherever it is safe (arch.retprobe.trampoline_refusal()).
+            why = rp.trampoline_refusal(image, analysis, g.func, ex.parts, g.exits)
+            if why is None:
+                _exits_refused(g, g.int3_exits[0][1], g.int3_exits[0][0])
+            else:
+                g.int3_exits = [(e, type(r)(r.check, r.addr, f"{r.detail}; no trampoline: {why}"))
+                                for e, r in g.int3_exits]
         if g.mode == TRAMPOLINE:
             continue
         for r in mine:
@@ -110,6 +126,32 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
                 host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
     plan.ret_sites.sort(key=lambda s: s.addr)
     _place_int3_hooks(image, arch, plan)
+
+
+def _entry_covers(image, analysis, arch, g: Group, e, rules, taken, starts, site_at, site_starts, busy) -> bool:
+    """An exit no region of its own can take, a few bytes after the function's
+    jump-optimized entry (a 6-byte `lea 0x1(%rdi,%rdi,1),%rax; ret` with no
+    padding after it): the entry's region grows to end with the exit, if the
+    longer region passes can_optimize() and the target's checks, and nothing
+    else lies in the bytes it adds.  The lists of taken regions follow."""
+    s = g.site
+    end = e.addr + len(e.insn.code)
+    if (s.decision != OPTIMIZED or s.head is not None or s.riders or s.slot or s.evicted is not None
+            or not s.region_end <= e.addr < g.func.end or end - s.addr > arch.optprobe.MAX_OPTIMIZED_LENGTH
+            or any(s.region_end <= x.addr < end for x, _ in g.int3_exits) or busy(s.region_end, end)):
+        return False
+    r = arch.optprobe.can_optimize(image, analysis, g.func, s.addr, min_end=end)
+    if not isinstance(r, list) or r[-1].addr + len(r[-1].code) != end \
+            or rules.region_refusal(arch, analysis, g.func, s.addr, end) is not None:
+        return False
+    s.dcr = r
+    i = bisect.bisect_left(starts, s.addr)
+    while taken[i][0] != s.addr:
+        i += 1
+    taken[i] = (s.addr, end)
+    i = bisect.bisect_left(site_starts, s.addr)
+    site_at[i] = (s.addr, end, s)
+    return True
 
 
 def _as_return(e):

@@ -9,14 +9,19 @@ the relocated DCR up to the exit, calls the hook, then executes the exit
 itself.  A region may start at an earlier instruction boundary (`pop %rbx;
 pop %rbp; ret`), and may run on into the alignment padding after the
 function's end (nops or int3 that nothing executes).  The region's checks are
-can_optimize()'s: every instruction relocatable, no jump target inside but at
-its start, inside the function (or its padding).
+can_optimize()'s: every instruction relocatable (a relative jump re-encoded), no
+jump target inside but at its start, inside the function (or its padding).
+Where no region fits, trampoline_refusal() says whether the kernel's
+return-address trampoline is safe for the function instead.
 """
 from __future__ import annotations
 
 import bisect
 
+import capstone
+import capstone.x86_const
 
+from . import cs
 from . import jumptable
 from . import insn as x86insn
 from . import emit as em
@@ -55,9 +60,44 @@ def _insns(image, analysis, func) -> _Insns:
     return analysis.memo("retprobe.insns", func.start, lambda: _Insns(image, analysis, func))
 
 
+DWARF_RBP, DWARF_RSP = 6, 7     # the x86-64 psABI's DWARF register numbers
+_X86_RBP, _X86_RSP = capstone.x86_const.X86_REG_RBP, capstone.x86_const.X86_REG_RSP
+_DWARF_NAMES = {6: "%rbp", 7: "%rsp"}
+
+
+def entry_frame_refusal(image, addr: int) -> Refusal | None:
+    """Beyond the kernel, which cannot tell: is `addr` a place a call lands,
+    the return address on top of the stack?  The FDE's rule there must be
+    CFA = %rsp + 8 with the return address at CFA - 8.  A block of a larger
+    function that has an FDE of its own (GCC's hot/cold splitting, stripped
+    of its `.cold` name) starts mid-frame: its CFA is %rsp + 8 + the parent's
+    frame, and a return-address swap at its "entry" would overwrite a word of
+    the parent's frame.  Where no FDE covers addr (or the rule is an
+    expression) nothing is known and nothing is refused."""
+    rule = image.cfa.at(addr)
+    ra = image.cfa.return_address(addr)
+    if rule is None:
+        return None
+    if rule == (DWARF_RSP, 8) and ra in (-8, None):
+        return None
+    reg, off = rule
+    where = f"{_DWARF_NAMES.get(reg, f'r{reg}')}{off:+d}"
+    ra_at = f", the return address at CFA{ra:+d}" if ra is not None else ""
+    return Refusal("entry_frame", addr, f"the CFA at {addr:#x} is {where}{ra_at} (its FDE), not %rsp+8 with "
+                                        "the return address at CFA-8: entered mid-frame (as a cold part of a "
+                                        "larger function is), it has no return address on top of the stack")
+
+
 def find_exits(image, analysis, func) -> Exits:
-    """Every ret and tail jmp of `func`, following jumps into its `.cold` parts."""
+    """Every ret and tail jmp of `func`, following jumps into its `.cold` parts
+    (named so, or in a stripped image an FDE's block that starts mid-frame)."""
     return analysis.memo("retprobe.exits", func.start, lambda: _find_exits(image, analysis, func))
+
+
+def _mid_frame(image, func) -> bool:
+    """A block with an FDE of its own that starts mid-frame: a stripped `.cold`
+    part (not a PLT, whose FDE starts after PLT0's push)."""
+    return not _plt(image, func.start) and entry_frame_refusal(image, func.start) is not None
 
 
 def _find_exits(image, analysis, func) -> Exits:
@@ -87,7 +127,7 @@ def _find_exits(image, analysis, func) -> Exits:
                 if any(p.start <= t < p.end for p in parts):
                     continue
                 tf = image.function_at(t)
-                if tf is not None and ".cold" in tf.name and tf.start not in seen:
+                if tf is not None and tf.start not in seen and (".cold" in tf.name or _mid_frame(image, tf)):
                     seen.add(tf.start)
                     parts.append(tf)
                     continue
@@ -178,7 +218,9 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         prev = allin.at(k)
         if prev.info.probe_refused:
             return Refusal("can_probe", prev.addr, f"{prev.info.probe_refused} before the exit")
-        if prev.info.emulate is not None or not prev.info.boostable:
+        if prev.info.emulate in _REENCODED:
+            pass                # re-encoded as rel32 in the detour (emit.relocate()), as in a DCR
+        elif prev.info.emulate is not None or not prev.info.boostable:
             # Beyond can_boost(), as a DCR is (common.relocatable()): an SSE move
             # of the return value (`movsd C(%rip),%xmm0; ret`), a push m64...
             why = prev.info.emulate or (relocatable(prev.code, prev.addr, prev.info)
@@ -186,6 +228,63 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
             if why:
                 return Refusal("can_boost", prev.addr, f"instruction before the exit cannot be relocated ({why})")
         dcr.insert(0, prev)
+
+
+# Relative jumps before an exit: copied to the detour re-encoded (their targets lie
+# outside the region: a target inside it was refused as a jump into the region).
+_REENCODED = ("jcc rel", "jmp rel")
+
+EXCEPTION_SYMBOLS = ("__gxx_personality_v0", "__cxa_throw", "_Unwind_RaiseException", "_Unwind_Resume",
+                     "__gcc_personality_v0")
+
+
+def _unwinds_exceptions(image, analysis) -> str:
+    """Whether an exception may be unwound through this image's frames: an FDE
+    with an LSDA (C++, or C with -fexceptions and cleanups), or a symbol of the
+    unwinder's or the C++ runtime's.  Returns what says so, or ''."""
+    def compute():
+        lsda = next((f for f in image.fdes if f.lsda), None)
+        if lsda is not None:
+            return f"the FDE at {lsda.start:#x} has an LSDA"
+        names = image.all_symbols().keys() | {str(s.name) for s in image.binary.dynamic_symbols}
+        return next((f"it names {n}" for n in EXCEPTION_SYMBOLS if n in names), "")
+    return analysis.memo("retprobe.unwinds", 0, compute)
+
+
+def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
+    """Where the return-address trampoline (the kernel's rethook) would be wrong
+    for `func`, though cheaper than breakpoint return hooks: the function reads
+    or takes the address of its own return-address slot (the FDE's CFA rule at
+    each instruction says where the slot is; with no rule, nothing is proven),
+    or it calls out and the image unwinds exceptions (an exception through its
+    frame would meet the trampoline, which has no FDE).  None: safe."""
+    calls = None
+    for part in parts:
+        insns = _insns(image, analysis, part)
+        for k, a in enumerate(insns.addrs):
+            rule = image.cfa.at(a)
+            if rule is None or rule[0] not in (DWARF_RSP, DWARF_RBP):
+                return Refusal("trampoline_unsafe", a, f"no CFA rule at {a:#x} says where the return address "
+                                                       "is, so whether the function reads it is unknown")
+            off = a - insns.start
+            ci = next(cs.DETAIL.disasm(insns.code[off:off + 16], a, 1), None)
+            if ci is None:
+                return Refusal("trampoline_unsafe", a, f"{a:#x} cannot be decoded")
+            base = _X86_RSP if rule[0] == DWARF_RSP else _X86_RBP
+            for op in ci.operands:
+                if op.type == capstone.x86_const.X86_OP_MEM and op.mem.base == base \
+                        and op.mem.index == 0 and op.mem.disp == rule[1] - 8:
+                    return Refusal("trampoline_unsafe", a, f"{ci.mnemonic} {ci.op_str} at {a:#x} addresses the "
+                                                           "return-address slot: it would see the trampoline")
+            if calls is None and capstone.CS_GRP_CALL in ci.groups:
+                calls = a
+    out = calls if calls is not None else next((e.addr for e in exits if e.kind != RET), None)
+    if out is not None:
+        why = _unwinds_exceptions(image, analysis)
+        if why:
+            return Refusal("trampoline_unsafe", out, f"{func.name} calls out at {out:#x} and an exception may "
+                                                     f"unwind through its frame ({why}): the trampoline has no FDE")
+    return None
 
 
 def hook_call(at: int, hook: int) -> bytes:

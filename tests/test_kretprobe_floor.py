@@ -1,0 +1,274 @@
+"""Kretprobes on every function at their floor (issue 27).
+
+A stripped library's hot/cold split functions: the cold blocks have FDEs of
+their own that start mid-frame (CFA %rsp+N, N > 8) and no `.cold` name; a
+kretprobe there is refused by its CFA rule (entry_frame), and the hot part's
+exits include its cold block's, as for a named `.cold` part.  Exits no jump
+fits take the entry's region or the trampoline, a breakpoint only where the
+trampoline is unsafe."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+from elftools.elf.elffile import ELFFile
+
+from conftest import CC, cc, check_lines, instrument, kprewrite, profile, run, symbols, write_spec
+
+LIB = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+__attribute__((noinline, cold)) void lib_warn(const char *what, long v) { fprintf(stderr, "warn %s %ld\n", what, v); }
+long lib_sum(const int *a, int n) {
+    long s = 0;
+    for (int i = 0; i < n; i++) {
+        if (__builtin_expect(a[i] < 0, 0)) {
+            lib_warn("negative", a[i]);
+            s -= a[i] * 2;
+            continue;
+        }
+        s += a[i];
+    }
+    return s;
+}
+char *lib_join(const char *x, const char *y) {
+    size_t n = strlen(x), m = strlen(y);
+    char *r = malloc(n + m + 2);
+    if (__builtin_expect(r == NULL, 0)) {
+        lib_warn("oom", (long)(n + m));
+        abort();
+    }
+    memcpy(r, x, n); r[n] = '/'; memcpy(r + n + 1, y, m + 1);
+    return r;
+}
+int lib_classify(int v) {
+    if (__builtin_expect(v > 1000000, 0)) {
+        lib_warn("huge", v);
+        return v % 7 + lib_classify(v / 1000);
+    }
+    return v & 3;
+}
+"""
+
+MAIN = r"""
+#include <stdio.h>
+#include <stdlib.h>
+long lib_sum(const int *a, int n); char *lib_join(const char *x, const char *y); int lib_classify(int v);
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 100;
+    int *a = malloc(n * sizeof *a);
+    for (int i = 0; i < n; i++) a[i] = (i % 37 == 5) ? -i : i;
+    long t = lib_sum(a, n);
+    for (int i = 0; i < n; i++) t += lib_classify(i * 40503);
+    char *j = lib_join("abc", "defg");
+    printf("t=%ld j=%s\n", t, j);
+    free(j); free(a);
+    return 0;
+}
+"""
+
+
+def _build_split(tmp):
+    (tmp / "lib.c").write_text(LIB)
+    lib = tmp / "libhc.so"
+    subprocess.run([CC, "-O2", "-fPIC", "-shared", "-freorder-blocks-and-partition", str(tmp / "lib.c"),
+                    "-o", str(lib)], check=True)
+    subprocess.run(["strip", str(lib)], check=True)
+    prog = cc(tmp, "main", MAIN, "-O2", f"-L{tmp}", "-lhc")
+    spec = write_spec(tmp, '[[kretprobe]]\nsymbol_name = "*"\n')
+    outs = {}
+    for name, extra in (("opt", ()), ("int3", ("--no-optimize",))):
+        (tmp / name).mkdir()
+        outs[name] = instrument(lib, spec, tmp / name / "libhc.so", *extra)
+    return prog, lib, check_lines(lib, spec), outs
+
+
+def test_stripped_cold_parts_refused_by_their_cfa_rule(once, runner):
+    prog, lib, check, outs = once(_build_split)
+    cold = [l for l in check if re.match(r"sub_[0-9a-f]+\+0x0  r  refused  entry_frame at ", l)]
+    # Three cold blocks (one per function with an unlikely path), each refused by its CFA rule.
+    assert len(cold) == 3, "\n".join(check)
+    assert all("is %rsp+" in l and "not %rsp+8" in l for l in cold), cold
+    # The hot parts follow their cold blocks as .cold parts: every exit hooked, no trampoline.
+    for f in ("lib_sum", "lib_join", "lib_classify"):
+        line = next(l for l in check if l.startswith(f + "+0x0"))
+        assert "  optimized  returns: 0x" in line and "trampoline" not in line and "int3" not in line, line
+    want = run(prog, 200, runner=runner, libdir=lib.parent)
+    assert want.returncode == 0 and "warn huge" in want.stderr, want.stderr
+    counts = {}
+    for name, out in outs.items():
+        got = run(prog, 200, runner=runner, libdir=out.parent, env={"KPREWRITE_PROFILE": "-"})
+        assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
+        counts[name] = profile(got.stderr)
+    assert counts["opt"] == counts["int3"] and counts["opt"]["r_lib_classify_0"][0] >= 200, counts
+
+
+# --- No breakpoint where something cheaper is correct -------------------------------------
+#
+# Exits that no region of their own can take: a `ret` reached only through a
+# shared epilogue (`pop %rbx; ret`, the pop a jump target), a `ret` three jumps
+# land on, both with code right after them (no padding): the trampoline; the same
+# with no CFI (where the return address lives is unknown): the breakpoint; a
+# region that takes a `js` before the `ret`; and a 6-byte function at the end of
+# .text whose entry region grows to take its `ret`.
+# The oracle: breakpoint kprobes (--no-optimize) on each function's `ret`, whose
+# handler reads %rax there.
+
+FLOOR = r"""
+__asm__(
+".text\n"
+".globl shared_epi\n.type shared_epi,@function\nshared_epi:\n"
+"  .cfi_startproc\n"
+"  push %rbx\n"
+"  .cfi_def_cfa_offset 16\n"
+"  .cfi_offset %rbx, -16\n"
+"  mov %edi,%ebx\n"
+"  test %edi,%edi\n"
+"  js 1f\n"
+"  call helper\n"
+"  add %ebx,%eax\n"
+"  jmp 2f\n"
+"1:lea 7(%rdi),%eax\n"
+"  jmp 2f\n"
+"2:pop %rbx\n"
+"  .cfi_def_cfa_offset 8\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size shared_epi,.-shared_epi\n"
+/* The same with no CFI: where its return address lives is unknown, so no trampoline. */
+".globl no_cfi\n.type no_cfi,@function\nno_cfi:\n"
+"  mov %edi,%eax\n"
+"  cmp $10,%edi\n"
+"  jl 4f\n"
+"  sub $3,%eax\n"
+"  cmp $20,%edi\n"
+"  jl 4f\n"
+"  add %eax,%eax\n"
+"  test $1,%edi\n"
+"  jne 4f\n"
+"  add $5,%eax\n"
+"4:ret\n"
+".size no_cfi,.-no_cfi\n"
+".globl three_way\n.type three_way,@function\nthree_way:\n"
+"  .cfi_startproc\n"
+"  mov %edi,%eax\n"
+"  cmp $10,%edi\n"
+"  jl 3f\n"
+"  sub $3,%eax\n"
+"  cmp $20,%edi\n"
+"  jl 3f\n"
+"  add %eax,%eax\n"
+"  test $1,%edi\n"
+"  jne 3f\n"
+"  add $5,%eax\n"
+"3:ret\n"
+"  .cfi_endproc\n"
+".size three_way,.-three_way\n"
+/* Code right after three_way's ret: no padding to borrow. */
+".globl filler\n.type filler,@function\nfiller:\n"
+"  xor %eax,%eax\n"
+"  ret\n"
+".size filler,.-filler\n"
+/* A region that takes a conditional jump before the ret (re-encoded in the detour). */
+".globl jcc_ret\n.type jcc_ret,@function\njcc_ret:\n"
+"  .cfi_startproc\n"
+"  mov %edi,%eax\n"
+"  test %edi,%edi\n"
+"  js 5f\n"
+"  ret\n"
+"5:lea 3(%rdi,%rdi,2),%eax\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size jcc_ret,.-jcc_ret\n"
+/* Last in .text: a section of its own, after this file's .text (helper()) and libc's crt code. */
+".pushsection .text.zzz_last,\"ax\",@progbits\n"
+".globl tiny6\n.type tiny6,@function\ntiny6:\n"
+"  .cfi_startproc\n"
+"  lea 0x1(%rdi,%rdi,1),%rax\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size tiny6,.-tiny6\n"
+".popsection\n"
+);
+#include <stdio.h>
+#include <stdlib.h>
+int shared_epi(int), three_way(int), no_cfi(int), jcc_ret(int);
+long tiny6(long);
+__attribute__((noinline)) int helper(int x) { __asm__ volatile(""); return x * 2; }
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 30;
+    long t = 0;
+    for (int i = -5; i < n; i++)
+        t = t * 3 + shared_epi(i) + three_way(i) + tiny6(i) + no_cfi(i + 1) + jcc_ret(i - 7);
+    printf("t=%ld\n", t);
+    return 0;
+}
+"""
+
+FLOOR_FUNCS = ["shared_epi", "three_way", "no_cfi", "jcc_ret", "tiny6"]
+
+RET_HANDLER = r"""
+#include <kprewrite/kprobes.h>
+int on_return(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	pr_info("R %s %ld\n", ri->rp->kp.symbol_name, (long)regs_return_value(regs));
+	return 0;
+}
+int at_ret(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("R %s %ld\n", p->symbol_name, (long)regs->ax);
+	return 0;
+}
+"""
+
+
+def _build_floor(tmp):
+    from conftest import insns, probe_spec
+    prog = cc(tmp, "floor", FLOOR, "-O2", "-Wl,-z,norelro")
+    kret = write_spec(tmp, probe_spec("kretprobe", FLOOR_FUNCS, handler="on_return"), RET_HANDLER, "kret.toml")
+    rets = [(f, off) for f in FLOOR_FUNCS for off, i in insns(prog, f) if i.mnemonic == "ret"]
+    oracle = write_spec(tmp, probe_spec("kprobe", rets, pre_handler="at_ret"), RET_HANDLER, "oracle.toml")
+    return (prog, rets, check_lines(prog, kret), instrument(prog, kret, tmp / "kret"),
+            instrument(prog, oracle, tmp / "oracle", "--no-optimize"))
+
+
+def _returns(stderr: str):
+    from collections import Counter
+    return Counter(l for l in stderr.splitlines() if l.startswith("R "))
+
+
+def test_exits_without_a_region_take_no_breakpoint(once, runner):
+    prog, rets, check, kret, oracle = once(_build_floor)
+    kret_spec = kret.parent / "kret.toml"
+    lines = {l.split("+")[0]: l for l in check}
+    assert len(rets) == 6, rets
+    # The 6-byte function ends .text; its entry's region takes the ret.
+    text = next(x for x in ELFFile(open(prog, "rb")).iter_sections() if x.name == ".text")
+    assert symbols(prog)["tiny6"] + 6 == text["sh_addr"] + text["sh_size"]
+    assert "returns: 0x" in lines["tiny6"] and "int3" not in lines["tiny6"] \
+        and "trampoline" not in lines["tiny6"], lines["tiny6"]
+    # `test; js; ret`: the js goes with the region, re-encoded.
+    assert re.search(r"returns: 0x[0-9a-f]+ ret, 0x[0-9a-f]+ ret$", lines["jcc_ret"]), lines["jcc_ret"]
+    # No region fits the other two rets: the trampoline (no call out that an exception could
+    # unwind through here), with the check that refused the region, not a breakpoint.
+    for f in ("shared_epi", "three_way"):
+        assert "returns: trampoline  jump_into_region at " in lines[f] and "int3" not in lines[f], lines[f]
+    # Where the trampoline is unsafe (no CFI says where the return address is), the breakpoint,
+    # with both reasons in `check`.
+    assert " ret (int3)  jump_into_region at " in lines["no_cfi"] \
+        and "; no trampoline: trampoline_unsafe at " in lines["no_cfi"], lines["no_cfi"]
+    why = next(p["returns"]["sites"][0]["int3_reason"] for p in json.loads(
+        kprewrite("check", prog, "--spec", kret_spec, "--format", "json").stdout)["probes"] if p["symbol"] == "no_cfi")
+    assert why["check"] == "jump_into_region" and "no trampoline: trampoline_unsafe at " in why["message"], why
+    want = run(prog, 40, runner=runner)
+    assert want.returncode == 0
+    got = run(kret, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
+    ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
+    mine, theirs = _returns(got.stderr), _returns(ref.stderr)
+    assert sum(mine.values()) == 5 * 45 and mine == theirs, (mine - theirs, theirs - mine)
+    hits = {k: v[0] for k, v in profile(got.stderr).items()}
+    assert hits == {f"r_{f}_0": 45 for f in FLOOR_FUNCS}, hits
