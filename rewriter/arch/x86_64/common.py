@@ -1,6 +1,7 @@
 """Helpers the optimized probes (optprobe.py) and the return hooks (retprobe.py)
-both use: whether an instruction can run from a detour, and whether bytes after an
-exit are dead padding a region may take."""
+both use: whether an instruction can run from a detour, whether bytes after an
+exit are dead padding a region may take, and whether an address is entered by a
+call (its unwind rule)."""
 from __future__ import annotations
 
 import capstone
@@ -9,6 +10,7 @@ import capstone.x86_const
 from . import cs
 
 PAD_OK = ("nop", "int3")
+DWARF_RBP, DWARF_RSP = 6, 7     # the x86-64 psABI's DWARF register numbers
 
 _CONTROL = frozenset([capstone.CS_GRP_JUMP, capstone.CS_GRP_CALL, capstone.CS_GRP_RET, capstone.CS_GRP_INT,
                       capstone.CS_GRP_IRET, capstone.CS_GRP_PRIVILEGE, capstone.CS_GRP_BRANCH_RELATIVE])
@@ -60,3 +62,16 @@ def dead_padding(image, analysis, part, start: int, need: int) -> bool:
         if pos >= need:
             return True
     return False
+
+
+def mid_frame(image, addr: int):
+    """None if a call may land at `addr` as far as the unwind information says (no FDE
+    covers it, or its rule is CFA = %rsp + 8 with the return address at CFA - 8),
+    else (the CFA rule, the return address's offset): a block of a larger function
+    with an FDE of its own (GCC's hot/cold splitting, stripped of its `.cold` name)
+    starts mid-frame, the parent's frame and red zone live."""
+    rule = image.cfa.at(addr)
+    ra = image.cfa.return_address(addr)
+    if rule is None or rule == (DWARF_RSP, 8) and ra in (-8, None):
+        return None
+    return rule, ra

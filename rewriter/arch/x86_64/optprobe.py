@@ -10,7 +10,7 @@ import capstone.x86_const
 from ..base import DcrInsn, Refusal  # noqa: F401  (re-exported: optprobe.Refusal)
 from . import insn as x86insn
 from . import cs
-from .common import dead_padding, relocatable
+from .common import dead_padding, mid_frame, relocatable
 from ... import safety
 
 _cs = cs.DETAIL
@@ -305,8 +305,9 @@ def is_function_entry(image, func, addr: int) -> bool:
 
 
 def stack_aligned_at(image, func, addr: int) -> bool:
-    """The System V ABI fixes %rsp = 8 (mod 16) at a function's entry."""
-    return is_function_entry(image, func, addr)
+    """The System V ABI fixes %rsp = 8 (mod 16) at a function's entry, if a call
+    lands there (not a stripped cold block entered mid-frame: mid_frame())."""
+    return is_function_entry(image, func, addr) and mid_frame(image, addr) is None
 
 
 def red_zone_free_at(image, func, addr: int) -> bool:
@@ -315,8 +316,9 @@ def red_zone_free_at(image, func, addr: int) -> bool:
     signal frame is built below it: a detour may keep data there without moving
     %rsp.  Anywhere else the function may be using it, and so may the function
     whose `.cold` part (gcc's -freorder-blocks-and-partition) is jumped into
-    with its frame live."""
-    return is_function_entry(image, func, addr) and ".cold" not in func.name or not safety.enabled("red_zone")
+    with its frame live (named so, or stripped and told by its FDE: mid_frame())."""
+    return is_function_entry(image, func, addr) and ".cold" not in func.name and mid_frame(image, addr) is None \
+        or not safety.enabled("red_zone")
 
 
 def arith_flags_dead(image, func, addr: int, limit: int = 32) -> bool:

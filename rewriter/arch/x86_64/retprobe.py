@@ -28,7 +28,7 @@ from . import emit as em
 from .emit import _s32, relocate
 from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
 from .optprobe import JMP32_INSN_SIZE
-from .common import dead_padding, relocatable
+from .common import DWARF_RBP, DWARF_RSP, dead_padding, mid_frame, relocatable
 from ... import safety
 
 
@@ -60,7 +60,6 @@ def _insns(image, analysis, func) -> _Insns:
     return analysis.memo("retprobe.insns", func.start, lambda: _Insns(image, analysis, func))
 
 
-DWARF_RBP, DWARF_RSP = 6, 7     # the x86-64 psABI's DWARF register numbers
 _X86_RBP, _X86_RSP = capstone.x86_const.X86_REG_RBP, capstone.x86_const.X86_REG_RSP
 _DWARF_NAMES = {6: "%rbp", 7: "%rsp"}
 
@@ -74,13 +73,10 @@ def entry_frame_refusal(image, addr: int) -> Refusal | None:
     frame, and a return-address swap at its "entry" would overwrite a word of
     the parent's frame.  Where no FDE covers addr (or the rule is an
     expression) nothing is known and nothing is refused."""
-    rule = image.cfa.at(addr)
-    ra = image.cfa.return_address(addr)
-    if rule is None:
+    mid = mid_frame(image, addr)
+    if mid is None:
         return None
-    if rule == (DWARF_RSP, 8) and ra in (-8, None):
-        return None
-    reg, off = rule
+    (reg, off), ra = mid
     where = f"{_DWARF_NAMES.get(reg, f'r{reg}')}{off:+d}"
     ra_at = f", the return address at CFA{ra:+d}" if ra is not None else ""
     return Refusal("entry_frame", addr, f"the CFA at {addr:#x} is {where}{ra_at} (its FDE), not %rsp+8 with "
