@@ -9,6 +9,7 @@ here), and nothing is left for a short jump or an evicted neighbour."""
 from __future__ import annotations
 
 from ..base import DcrInsn, Refusal
+from . import bti
 from . import insn as I
 
 SHORT_JUMP_SIZE = None          # the B is as small as an instruction
@@ -62,6 +63,11 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
     if r is not None:
         return r
     w = image.read(addr, 4)
+    pad = bti.landing_pad(int.from_bytes(w, "little"))
+    if pad is not None and bti.guarded(image):
+        # Under BTI an indirect branch must find the pad here; a B would not be one.
+        return Refusal("landing_pad", addr, f"a BTI landing pad ({pad}) in a BTI-guarded image: "
+                                            "an indirect branch to it would fault on a B")
     return [DcrInsn(addr, bytes(w), I.classify(w, addr))]
 
 
