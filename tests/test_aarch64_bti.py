@@ -39,7 +39,8 @@ __attribute__((noinline)) void putnum(const char *tag, long v) {
 __attribute__((noinline)) int leaf(int a) { return a * 3; }
 /* Signs x30 (paciasp, its landing pad: called through fp) and authenticates it. */
 __attribute__((noinline)) int mid(int a) { int r = leaf(a) + 1; putnum("mid ", r); return r; }
-/* A br (exits unknown: the kretprobe trampoline) in a function that signs x30. */
+/* A br (exits unknown: the kretprobe trampoline); GCC shrink-wraps its paciasp
+   after the entry, so the trampoline address in x30 is signed and authenticated. */
 __attribute__((noinline)) int cg(int x) {
     static void *t[] = {&&a, &&b, &&c};
     goto *t[x % 3];
