@@ -215,9 +215,13 @@ void kp_trace_configure(char **envp);
  * instance stack (the kernel's per-task kretprobe_instances list), which
  * kprewrite's inlined kretprobe templates read too. */
 #define KP_KRET_ORPHANS 8
+#ifndef KP_ARCH_KRET_THREAD_FIELDS
+#define KP_ARCH_KRET_THREAD_FIELDS	/* what an arch keeps of the running entry (kp_arch.h) */
+#endif
 struct kp_kret_thread {
 	unsigned int depth, norphans;
 	unsigned long tail_slot;	/* set by a pending tail call, taken by the next entry */
+	KP_ARCH_KRET_THREAD_FIELDS
 	/* Instances whose slot holds the trampoline, taken off the stack by a probe on a
 	 * stack above them (a sigaltstack handler, a coroutine's caller): their frame may be
 	 * alive on another stack, and the trampoline finds its return address here. */

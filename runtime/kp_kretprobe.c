@@ -112,11 +112,19 @@ static struct kp_kret_thread *kp_kret_thread_of(struct kp_thread *t)
 /* Is the instance at the top, recorded at slot S, still live at an entry at S?
  * Only if a tail call chained this entry to its frame: the pending tail hook
  * said so just before its jmp, or the slot still holds the trampoline. */
+/* Whether the slot of the call being entered (S) holds v: where the slot is
+ * memory, kp_arch_ret_slot_holds(); an arch whose return address is in a
+ * register reads it from the entry's regs (kp_arch_note_entry()). */
+#ifndef kp_arch_entry_slot_holds
+#define kp_arch_entry_slot_holds(kt, S, v) kp_arch_ret_slot_holds(S, v)
+#define kp_arch_note_entry(kt, regs, S) ((void)0)
+#endif
+
 static inline int kp_ri_chained(struct kp_kret_thread *kt, struct kretprobe_instance *ri, unsigned long S)
 {
 	if (ri->kp_flags & KP_RI_PENDING)
 		return kt->tail_slot == S;
-	return (ri->kp_flags & KP_RI_TRAMP) && kp_arch_ret_slot_holds(S, TRAMP);
+	return (ri->kp_flags & KP_RI_TRAMP) && kp_arch_entry_slot_holds(kt, S, TRAMP);
 }
 
 /* Keep ri, whose frame may be alive on another stack, for the trampoline; the
@@ -233,8 +241,10 @@ kp_kret_enter(struct kretprobe *rp, unsigned long S, struct kp_thread *t, int ag
 	}
 	/* Whether this is the first kretprobe of an aggregated site is asked
 	 * only when there is something to reclaim. */
-	if (kt->depth && (unsigned long)kt->stack[kt->depth - 1]->fp <= S)
+	if (kt->depth && (unsigned long)kt->stack[kt->depth - 1]->fp <= S) {
+		kp_arch_note_entry(kt, regs, S);
 		kp_reclaim(kt, S, !aggregated || kp_first_kretprobe_of_site(&rp->kp));
+	}
 	kt->tail_slot = 0;
 	struct kretprobe_instance *ri = kp_ri_claim(rp);
 	if (unlikely(!ri) && kt->norphans) {

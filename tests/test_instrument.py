@@ -1,4 +1,6 @@
-"""End to end: every kind of x86-64 input, rewritten and run natively and under QEMU."""
+"""End to end: every kind of x86-64 input, rewritten and run natively and under QEMU;
+the same for aarch64 under qemu-aarch64 (KPREWRITE_TEST_ARCH=aarch64), with
+-mbranch-protection where x86-64 has -fcf-protection."""
 from __future__ import annotations
 
 import hashlib
@@ -6,7 +8,13 @@ import subprocess
 
 import pytest
 
-from conftest import cc, instrument, kprewrite, profile, run, symbols, write_spec
+from conftest import ARCH, CROSS, TRIPLES, cc, instrument, kprewrite, profile, run, symbols, write_spec
+
+ARCHES = ["x86_64", "aarch64"]
+# The control-flow protection flag of the arch (its landing pads at function entries).
+CF = "-fcf-protection" if ARCH == "x86_64" else "-mbranch-protection=standard"
+STRIP = f"{TRIPLES[ARCH]}-strip" if CROSS else "strip"
+LOCAL = "qemu" if CROSS else "native"       # the runner of the tests that run once
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -26,8 +34,9 @@ HANDLERS = r"""
 static long calls;
 int on_work(struct kprobe *p, struct pt_regs *regs)
 {
-    if (regs->di == 3)
-        pr_info("work(%ld) ip=%lx addr=%p\n", (long)regs->di, regs->ip, p->addr);
+    if (regs_get_kernel_argument(regs, 0) == 3)
+        pr_info("work(%ld) ip=%lx addr=%p\n", (long)regs_get_kernel_argument(regs, 0),
+                instruction_pointer(regs), p->addr);
     calls++;
     return 0;
 }
@@ -64,7 +73,7 @@ def _kind(tmp, kind, opt, cf):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("opt", ["-O0", "-O2"])
-@pytest.mark.parametrize("cf", ["", "-fcf-protection"])
+@pytest.mark.parametrize("cf", ["", CF])
 def test_kinds(once, kind, opt, cf, runner):
     out = once(_kind, kind, opt, cf)
     s, rc = expected(25)
@@ -81,6 +90,7 @@ def test_kinds(once, kind, opt, cf, runner):
     assert profile(r.stderr)["p_work_0"] == (0, 0)
 
 
+@pytest.mark.skipif(ARCH != "x86_64", reason="ENDBR64 (aarch64's bti c: tests/test_aarch64_bti.py)")
 def test_cf_protection_entry_lands_after_endbr(tmp_path):
     prog = cc(tmp_path, "prog", PROGRAM, "-O2", "-fcf-protection")
     spec = write_spec(tmp_path, SPEC, HANDLERS)
@@ -99,7 +109,7 @@ def _stripped(tmp, opt):
     prog = cc(tmp, "prog", PROGRAM, opt)
     addr = symbols(prog)["work"]
     stripped = tmp / "stripped"
-    subprocess.run(["strip", "-o", str(stripped), str(prog)], check=True)
+    subprocess.run([STRIP, "-o", str(stripped), str(prog)], check=True)
     spec = write_spec(tmp, f'handlers = ["handlers.c"]\n[[kprobe]]\naddr = {addr:#x}\npre_handler = "on_work"\n', HANDLERS)
     return instrument(stripped, spec)
 
@@ -128,7 +138,7 @@ def _shared_object(tmp, opt):
     lib = cc(tmp, "libw.so", LIB, opt, "-shared", "-fPIC")
     prog = cc(tmp, "main", LIB_MAIN, opt, f"-L{tmp}", "-lw")
     spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "lib_work"\npre_handler = "h"\n',
-                      '#include <kprewrite/kprobes.h>\nint h(struct kprobe *p, struct pt_regs *r) { pr_info("lib_work(%lu)\\n", r->di); return 0; }\n')
+                      '#include <kprewrite/kprobes.h>\nint h(struct kprobe *p, struct pt_regs *r) { pr_info("lib_work(%lu)\\n", regs_get_kernel_argument(r, 0)); return 0; }\n')
     outdir = tmp / "out"
     outdir.mkdir()
     instrument(lib, spec, outdir / "libw.so")
@@ -169,6 +179,6 @@ def test_check_and_list(tmp_path):
     addr = symbols(prog)["work"]
     assert int(lines[0].split()[0], 16) == addr
     # The disabled probe aggregates with the enabled one and stays silent.
-    r = run(out, 6, env={"KPREWRITE_PROFILE": "-"})
+    r = run(out, 6, runner=LOCAL, env={"KPREWRITE_PROFILE": "-"})
     prof = profile(r.stderr)
     assert prof["p_work_0"] == (6, 0) and prof["other_entry"] == (6, 0) and prof["work_off"] == (0, 0)

@@ -1,12 +1,21 @@
 """kretprobes that keep the program's stack honest: real programs, rewritten
-with the CLI, run natively and under qemu-x86_64."""
+with the CLI, run natively and under qemu-x86_64; and cross-built for aarch64,
+under qemu-aarch64 (KPREWRITE_TEST_ARCH=aarch64), the tests not marked
+x86_only (their handlers name registers through the kernel's arch-neutral
+accessors: regs_get_kernel_argument(), instruction_pointer(),
+regs_return_value())."""
 from __future__ import annotations
 
 import re
 import subprocess
 
+import pytest
 
-from conftest import ROOT, cc, check_lines, insns, instrument, kprewrite, meta, probe_spec, profile, run, write_spec
+from conftest import ARCH, CC, ROOT, cc, check_lines, insns, instrument, kprewrite, meta, probe_spec, profile, run, write_spec
+
+ARCHES = ["x86_64", "aarch64"]
+# A test that depends on x86-64 facts (its assembly, objdump's x86 syntax, regs->ax).
+x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="depends on x86-64 code or registers")
 
 # Handlers shared by most tests: the entry handler keeps the first argument in
 # ri->data, the return handler prints it with the return value and checks that
@@ -16,14 +25,14 @@ HANDLERS = r"""
 struct my_data { long arg; };
 int on_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
-	((struct my_data *)ri->data)->arg = regs->di;
-	pr_info("E %s %ld\n", ri->rp->kp.symbol_name, (long)regs->di);
+	((struct my_data *)ri->data)->arg = regs_get_kernel_argument(regs, 0);
+	pr_info("E %s %ld\n", ri->rp->kp.symbol_name, (long)regs_get_kernel_argument(regs, 0));
 	return 0;
 }
 int on_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
 	pr_info("R %s %ld = %ld%s\n", ri->rp->kp.symbol_name, ((struct my_data *)ri->data)->arg,
-		(long)regs_return_value(regs), regs->ip == (unsigned long)ri->ret_addr ? "" : " BAD-IP");
+		(long)regs_return_value(regs), instruction_pointer(regs) == (unsigned long)ri->ret_addr ? "" : " BAD-IP");
 	return 0;
 }
 """
@@ -192,7 +201,7 @@ int count_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 		bad++;
 	return 0;
 }
-int keep_arg(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = regs->di; return 0; }
+int keep_arg(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = regs_get_kernel_argument(regs, 0); return 0; }
 int report(struct kprobe *p, struct pt_regs *regs) { pr_info("returns=%ld bad=%ld\n", returns, bad); return 0; }
 """
 
@@ -303,6 +312,7 @@ def _tails(tmp):
     return dis, check_lines(prog, spec), instrument(prog, spec)
 
 
+@x86_only
 def test_tail_calls_and_several_ret_sites(once, runner):
     dis, lines, out = once(_tails)
     for f, target in (("tail_probed", "leaf_probed"), ("tail_plain", "leaf_plain"), ("tail_libc", "strtol")):
@@ -377,7 +387,7 @@ int count_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 		__atomic_fetch_add(&bad, 1, __ATOMIC_RELAXED);
 	return 0;
 }
-int keep_arg(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = regs->di; return 0; }
+int keep_arg(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = regs_get_kernel_argument(regs, 0); return 0; }
 int report(struct kprobe *p, struct pt_regs *regs) { pr_info("returns=%ld bad=%ld\n", returns, bad); return 0; }
 """
 
@@ -413,7 +423,7 @@ def check_threads_run(out, runner):
 def _kprobe_and_kretprobe(tmp):
     prog = cc(tmp, "prog", RECURSION, "-O2")
     handlers = HANDLERS + r"""
-int on_pre(struct kprobe *p, struct pt_regs *regs) { pr_info("P %ld\n", (long)regs->di); return 0; }
+int on_pre(struct kprobe *p, struct pt_regs *regs) { pr_info("P %ld\n", (long)regs_get_kernel_argument(regs, 0)); return 0; }
 """
     spec = write_spec(tmp, probe_spec("kretprobe", ["rec"], **KRET,
                                       extra='[[kprobe]]\nsymbol_name = "rec"\npre_handler = "on_pre"\n'), handlers)
@@ -442,7 +452,7 @@ def test_kprobe_and_kretprobe_on_the_same_function(once, runner):
 SEMANTICS_HANDLERS = r"""
 #include <kprewrite/kprobes.h>
 static int returns;
-int odd_only(struct kretprobe_instance *ri, struct pt_regs *regs) { return !(regs->di & 1); }
+int odd_only(struct kretprobe_instance *ri, struct pt_regs *regs) { return !(regs_get_kernel_argument(regs, 0) & 1); }
 int ret_then_disable(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
 	pr_info("R %ld\n", (long)regs_return_value(regs));
@@ -473,6 +483,7 @@ def test_entry_handler_nonzero_and_disable_from_handler(once, runner):
 
 # --- refusals -----------------------------------------------------------------------
 
+@x86_only
 def test_refused_not_entry_and_blacklist(tmp_path):
     prog = cc(tmp_path, "prog", RECURSION, "-O2")
     spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
@@ -559,6 +570,7 @@ def _fallback(tmp):
     return lines, out, instrument(prog, plus, tmp / "prog.plus.kp")
 
 
+@x86_only
 def test_int3_return_hook_fallback_is_reported_and_works(once, runner):
     """An exit no jump can hook, in a function that reads its return-address
     slot, gets a breakpoint return hook (the trampoline would be read): the return
@@ -593,7 +605,7 @@ def test_glob_every_function(once, runner):
     prog, out = once(_glob)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
-    assert r.stdout == subprocess.run([str(prog)], capture_output=True, text=True).stdout
+    assert r.stdout == run(prog, runner=runner).stdout
     prof = profile(r.stderr)
     assert prof["r_multi_0"] == (4, 0) and prof["r_main_0"] == (1, 0), prof
 
@@ -643,6 +655,7 @@ def _override(tmp):
     return instrument(prog, spec)
 
 
+@x86_only
 def test_return_handler_changes_the_return_value(once, runner):
     # As with the kernel's trampoline, registers are restored from pt_regs.
     out = once(_override)
@@ -705,7 +718,7 @@ def test_tail_call_abandoned_by_longjmp_fires_nothing_later(once, runner):
 def _sample(tmp):
     sample = ROOT / "samples" / "kretprobe_example"
     prog = tmp / "program"
-    subprocess.run(["gcc", "-O2", "-pthread", str(sample / "program.c"), "-o", str(prog)], check=True)
+    subprocess.run([CC, "-O2", "-pthread", str(sample / "program.c"), "-o", str(prog)], check=True)
     return check_lines(prog, sample / "probes.toml"), instrument(prog, sample / "probes.toml")
 
 

@@ -13,6 +13,7 @@ r_got_slot = (1025, 1026)       # R_AARCH64_GLOB_DAT, R_AARCH64_JUMP_SLOT
 breakpoint = kprobe_xol.BRK          # brk #0x004 (KPROBES_BRK_IMM)
 JUMP_SIZE = 4                   # B imm26: what an optimized probe writes
 JUMP_REACH = 1 << 27            # +-128 MiB
+FAR_FALLBACK = True             # a site out of reach is a brk (reach.py), not a stop
 NOP1 = _insn.NOP.to_bytes(4, "little")     # what -fpatchable-function-entry pads with
 FTRACE_NOP = NOP1               # an ftrace site is one nop, as long as the B that takes it
 # The thread pointer (TPIDR_EL0) is the running thread's own: the key is the

@@ -32,6 +32,7 @@ def _e(fn, *args):
 MRS_X0_NZCV = 0xD53B4200.to_bytes(4, "little")
 MSR_NZCV_X0 = 0xD51B4200.to_bytes(4, "little")
 NOP = I.NOP.to_bytes(4, "little")
+BTI_C = 0xD503245F.to_bytes(4, "little")
 UDF = b"\0\0\0\0"            # what the rest of a region longer than the jump holds: traps loudly
 
 
@@ -246,16 +247,27 @@ def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
     ABI's exit function, passed on), then the program's entry; sp untouched."""
     out = (0xAA0003E1).to_bytes(4, "little") + E.add_imm(0, 31, 0)      # mov x1, x0; mov x0, sp
     out += _e(E.b, at + 8, start_fn, True)
-    return out + _e(E.b, at + 12, orig_entry)
+    return out + _far_b(at + 12, orig_entry)
 
 
 def chain_stub(at: int, fn: int, then: int) -> bytes:
     """An init/fini function for a shared object: fn(argc, argv, envp), then the
-    function the slot held before, with the same arguments."""
-    out = E.stp_pre(29, 30, 31, -48) + E.stp(0, 1, 31, 16) + E.stp(2, 3, 31, 32)
+    function the slot held before, with the same arguments.  ld.so calls it
+    with a `blr`: `bti c` first, its landing pad when the pages are BTI-guarded
+    (a hint, a nop elsewhere)."""
+    out = BTI_C + E.stp_pre(29, 30, 31, -48) + E.stp(0, 1, 31, 16) + E.stp(2, 3, 31, 32)
     out += _e(E.b, at + len(out), fn, True)
     out += E.ldp(0, 1, 31, 16) + E.ldp(2, 3, 31, 32) + E.ldp_post(29, 30, 31, 48)
-    return out + _e(E.b, at + len(out), then)
+    return out + _far_b(at + len(out), then)
+
+
+def _far_b(at: int, target: int) -> bytes:
+    """A tail branch from a start-up stub to the program's code: B when in reach,
+    else adrp + add + br x16 (a linker's veneer: x16 is IP0, free between
+    calls; a br through x16 lands on `bti c` too, under BTI)."""
+    if -(1 << 27) <= target - at < (1 << 27):
+        return _e(E.b, at, target)
+    return _e(E.adrp, at, 16, target) + E.add_imm(16, 16, target & 0xFFF) + E.br(16)
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ here), and nothing is left for a short jump or an evicted neighbour."""
 from __future__ import annotations
 
 from ..base import DcrInsn, Refusal
+from . import bti, reach
 from . import insn as I
 
 SHORT_JUMP_SIZE = None          # the B is as small as an instruction
@@ -58,10 +59,15 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
         return Refusal("func_size", addr, "a region is one instruction on aarch64")
     if addr + 4 > func.end:
         return Refusal("func_size", addr, f"the jump at {addr:#x} would cross the end of {func.name}")
-    r = can_probe_insn(image, addr)
+    r = can_probe_insn(image, addr) or reach.refusal(image, addr)
     if r is not None:
         return r
     w = image.read(addr, 4)
+    pad = bti.landing_pad(int.from_bytes(w, "little"))
+    if pad is not None and bti.guarded(image):
+        # Under BTI an indirect branch must find the pad here; a B would not be one.
+        return Refusal("landing_pad", addr, f"a BTI landing pad ({pad}) in a BTI-guarded image: "
+                                            "an indirect branch to it would fault on a B")
     return [DcrInsn(addr, bytes(w), I.classify(w, addr))]
 
 

@@ -21,6 +21,7 @@ from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
 from . import emit as em
 from . import encode as E
 from . import insn as I
+from . import reach
 
 # What kret_entry_body's form writes besides the entry_handler's own (it saves everything).
 KRET_ENTRY_USES: tuple[str, ...] = ()
@@ -38,6 +39,9 @@ def find_exits(image, analysis, func) -> Exits:
 
 def _find_exits(image, analysis, func) -> Exits:
     parts, seen = [func], {func.start}
+    far = reach.refusal(image, func.start, "a B to a return hook")
+    if far is not None:             # the trampoline: x30 brings the return, not a B
+        return Exits([], far, parts)
     exits: list[Exit] = []
     refusal = None
     i = 0

@@ -52,9 +52,13 @@ def plan_layout(image: Image) -> Layout:
     # (x86-64: rel32, +-2 GiB); a segment (a damaged p_memsz, a bss of gigabytes) that
     # puts the end of the image out of that reach leaves no place for them.  An eighth
     # of the reach is kept for the new code itself (256 MiB of x86-64's).
-    reach = get_arch(image.machine).JUMP_REACH
+    # An arch whose probes fall back one by one (FAR_FALLBACK: aarch64's B reaches
+    # only +-128 MiB; optprobe refuses the sites out of reach) needs no such place.
+    arch = get_arch(image.machine)
+    reach = arch.JUMP_REACH
     lo = min((a for a, _ in image.exec_ranges), default=first.vaddr)
-    if v - lo > reach - (reach >> 3) or v - skew < 0:
+    far = v - lo > reach - (reach >> 3) and not getattr(arch, "FAR_FALLBACK", False)
+    if far or v - skew < 0:
         raise KprewriteError(f"{image.path}: its PT_LOAD segments end at {max_end:#x}, out of jump reach "
                              f"of its code at {lo:#x}: no place for detours")
     # The new segments' file offset follows their address (so AT_PHDR finds the moved program

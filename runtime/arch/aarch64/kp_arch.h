@@ -82,6 +82,13 @@ static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_afte
 /* Whether slot S of a frame that is not running now still returns to v: unknown
  * on AArch64 (x30 was spilled wherever that frame's prologue chose), so no. */
 #define kp_arch_ret_slot_holds(S, v) 0
+/* ...but the call being entered has its return address in x30, in its regs:
+ * an entry notes it, so that an instance of the same slot whose tail call
+ * swapped x30 for the trampoline is seen chained, not dead (kp_ri_chained()). */
+#define KP_ARCH_KRET_THREAD_FIELDS unsigned long entry_slot, entry_x30;
+#define kp_arch_note_entry(kt, regs, S) \
+	((kt)->entry_slot = (S), (kt)->entry_x30 = (regs) ? (regs)->regs[30] : 0)
+#define kp_arch_entry_slot_holds(kt, S, v) ((kt)->entry_slot == (S) && (kt)->entry_x30 == (v))
 
 /* regs at a `ret` made as after it: pc the return address (x30), sp unchanged
  * (a return hook placed as a breakpoint).  x30 is as the hook finds it: at the

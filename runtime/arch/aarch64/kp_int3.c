@@ -16,6 +16,7 @@ extern char kp_optprobe_resume_brk[];	/* optprobe_entry.S */
 #define PSR_Z 0x40000000UL
 #define PSR_C 0x20000000UL
 #define PSR_V 0x10000000UL
+#define PSR_BTYPE_MASK 0xC00UL
 
 /* get_kprobe(): the descriptor of the brk at link-time address `addr`. */
 static inline __attribute__((always_inline)) struct kp_int3_site *kp_brk_lookup(unsigned long addr)

@@ -32,7 +32,12 @@ static void kp_regs_to_uc(const struct pt_regs *r, char *uc)
 	*(unsigned long *)(uc + KP_UC_SP) = r->sp;
 	*(unsigned long *)(uc + KP_UC_PC) = kp_region_ip(r->pc);
 	/* The kernel keeps only the user-changeable bits (NZCV...). */
-	*(unsigned long *)(uc + KP_UC_PSTATE) = r->pstate;
+	/* The kernel keeps only the user-changeable bits (NZCV...).  BTYPE is
+	 * cleared: the brk took the landing-pad check (BRK is compatible with
+	 * every BTYPE) and the probed instruction runs elsewhere (simulated or in
+	 * its slot), so the branch that set BTYPE is spent, as when the kernel
+	 * skips an emulated instruction (arm64_skip_faulting_instruction()). */
+	*(unsigned long *)(uc + KP_UC_PSTATE) = r->pstate & ~PSR_BTYPE_MASK;
 }
 
 /*
