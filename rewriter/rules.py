@@ -46,6 +46,11 @@ from .blacklist import BlacklistEntry, Index
 EX_TABLE = ("__ex_table", "__ex_table fixup")
 
 
+NEVER_RETURNS = "never returns to its caller"
+RETURNS_TWICE = "returns twice (a return handler would fire for a call that never entered)"
+SWITCHES = "does not return to its caller (it switches the stack)"
+
+
 @dataclass
 class Rules:
     blacklist: Index
@@ -79,6 +84,9 @@ class Rules:
     # The ABI's red zone (below the stack pointer; x86-64: 128 bytes) is free at a function
     # entry: a detour may save registers there without moving the stack pointer (a user ELF; a kernel has none).
     red_zone: bool = False
+    # kretprobe_blacklist (the kernel's holds __switch_to): the target's functions whose
+    # return does not match their call, name -> why (NEVER_RETURNS, RETURNS_TWICE, SWITCHES).
+    kretprobe_blacklist: dict = field(default_factory=dict)
     jump_target_sources: list = field(default_factory=list)   # analysis.TargetSource, beyond the defaults
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their
     # functions as the kernel does; off where decoding every function costs too much.

@@ -32,7 +32,7 @@ from ..resolve import Probe, is_entry
 from .forms import choose_forms
 from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
                     INT3, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)
-from .register import KRETPROBE_BLACKLIST, kretprobe_refusal, register_refusal
+from .register import kretprobe_refusal, register_refusal
 from .retarget import retarget_branches
 from .returns import plan_returns
 from .short_jumps import short_jumps
@@ -40,7 +40,7 @@ from .sites import make_int3, optimize_site, share_regions
 
 # What the later stages read: the plan's data (model.py) and the two entry points.
 __all__ = ["EvictedRegion", "FTRACE", "Group", "HOOK_KIND", "HOOK_PENDING", "HOOK_RET",
-           "HOOK_SWAP", "HandlerCode", "INT3", "JUMPS", "KRETPROBE_BLACKLIST", "NO_HANDLER",
+           "HOOK_SWAP", "HandlerCode", "INT3", "JUMPS", "NO_HANDLER",
            "OPTIMIZED", "Plan", "REFUSED", "RetSite", "Retarget", "Site", "TRAMPOLINE",
            "choose_forms", "make_int3", "plan"]
 

@@ -7,26 +7,6 @@ from .. import blacklist as bl
 from .. import safety
 from ..resolve import EntryProbe, Probe
 
-# kretprobe_blacklist (the kernel's holds __switch_to, which does not return to
-# its caller): functions whose return does not match their call.
-NEVER_RETURNS = "never returns to its caller"
-RETURNS_TWICE = "returns twice (a return handler would fire for a call that never entered)"
-SWITCHES = "does not return to its caller (it switches the stack)"
-KRETPROBE_BLACKLIST = {
-    "__switch_to": SWITCHES,
-    "_start": "the program's entry point has no caller to return to",
-    "__libc_start_main": NEVER_RETURNS, "__libc_start_call_main": NEVER_RETURNS,
-    "exit": NEVER_RETURNS, "_exit": NEVER_RETURNS, "_Exit": NEVER_RETURNS, "abort": NEVER_RETURNS,
-    "pthread_exit": NEVER_RETURNS, "__stack_chk_fail": NEVER_RETURNS, "__assert_fail": NEVER_RETURNS,
-    "__cxa_throw": NEVER_RETURNS, "_Unwind_Resume": NEVER_RETURNS,
-    "setjmp": RETURNS_TWICE, "_setjmp": RETURNS_TWICE, "__sigsetjmp": RETURNS_TWICE, "sigsetjmp": RETURNS_TWICE,
-    "vfork": RETURNS_TWICE, "fork": RETURNS_TWICE, "getcontext": RETURNS_TWICE,
-    "longjmp": SWITCHES, "_longjmp": SWITCHES, "siglongjmp": SWITCHES, "__longjmp_chk": SWITCHES,
-    "setcontext": SWITCHES, "swapcontext": SWITCHES,
-}
-
-
-
 def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None:
     """register_kprobe()'s checks: (reason, check name[, address]), or None."""
     if p.func is None:
@@ -55,9 +35,9 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
         return f"a kretprobe must be on a function entry (kprobe_on_func_entry): no function covers {p.addr:#x}", "func_entry"
     if p.addr != arch.optprobe.adjust_kprobe_addr(image, f.start, 0):
         return f"a kretprobe must be on a function entry (kprobe_on_func_entry): {p.label} is not", "func_entry"
-    bad = next((n for n in [f.name] + list(f.aliases) if n in KRETPROBE_BLACKLIST), None)
+    bad = next((n for n in [f.name] + list(f.aliases) if n in rules.kretprobe_blacklist), None)
     if bad:
-        return f"{bad} is on the kretprobe blacklist: {KRETPROBE_BLACKLIST[bad]}", "kretprobe_blacklist"
+        return f"{bad} is on the kretprobe blacklist: {rules.kretprobe_blacklist[bad]}", "kretprobe_blacklist"
     if ".cold" in f.name and safety.enabled("cold_parts"):
         return (f"{f.name} is a cold part of a function, entered by a jump, not a call: "
                 "it has no return address"), "cold_part"

@@ -15,7 +15,7 @@ import struct
 
 from ... import safety
 from ...blacklist import BlacklistEntry, Index
-from ...rules import Rules
+from ...rules import SWITCHES, Rules
 from . import sites as ks
 from .symbols import arch_of, kernel, symbol_at
 
@@ -92,6 +92,7 @@ def rules(image, arch) -> Rules:
                  # copy in the detour (the architecture's return_site_patches()); an exit no jump
                  # fits keeps the trampoline for its function (no breakpoint return hooks in a kernel).
                  kretprobes=True, kretprobe_exits=True, return_jumps=frozenset(returns),
+                 kretprobe_blacklist={"__switch_to": SWITCHES},   # the kernel's kretprobe_blacklist[]
                  kretprobe_int3_exits=False, kretprobe_clean_entry=True,
                  singlestep_int3=True,
                  fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],

@@ -9,7 +9,7 @@ from ... import blacklist as bl
 from ...arch import get_arch
 from ...arch.base import ThreadKey
 from ...errors import KprewriteError
-from ...rules import Rules
+from ...rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
 from . import ftrace, sighook, writer
 from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
@@ -41,7 +41,23 @@ def rules(image, arch) -> Rules:
     them): nothing patches them at run time in a user process."""
     sites = ftrace.sites(image, arch)
     return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, arch, sites)), ftrace=sites, shared_regions=True,
-                 short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True)
+                 short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True,
+                 kretprobe_blacklist=KRETPROBE_BLACKLIST)
+
+
+# kretprobe_blacklist for a process: the C library's (glibc's, and the names other C
+# libraries share) functions whose return does not match their call.
+KRETPROBE_BLACKLIST = {
+    "_start": "the program's entry point has no caller to return to",
+    "__libc_start_main": NEVER_RETURNS, "__libc_start_call_main": NEVER_RETURNS,
+    "exit": NEVER_RETURNS, "_exit": NEVER_RETURNS, "_Exit": NEVER_RETURNS, "abort": NEVER_RETURNS,
+    "pthread_exit": NEVER_RETURNS, "__stack_chk_fail": NEVER_RETURNS, "__assert_fail": NEVER_RETURNS,
+    "__cxa_throw": NEVER_RETURNS, "_Unwind_Resume": NEVER_RETURNS,
+    "setjmp": RETURNS_TWICE, "_setjmp": RETURNS_TWICE, "__sigsetjmp": RETURNS_TWICE, "sigsetjmp": RETURNS_TWICE,
+    "vfork": RETURNS_TWICE, "fork": RETURNS_TWICE, "getcontext": RETURNS_TWICE,
+    "longjmp": SWITCHES, "_longjmp": SWITCHES, "siglongjmp": SWITCHES, "__longjmp_chk": SWITCHES,
+    "setcontext": SWITCHES, "swapcontext": SWITCHES,
+}
 
 
 def link_symbols(image):
