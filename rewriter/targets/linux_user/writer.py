@@ -100,12 +100,14 @@ def write_image(image: Image, layout: Layout, patches: list[tuple[int, bytes]], 
         u_off = page_up(rw_off + len(rw)) + (u_vaddr & (PAGE - 1))
         new_loads.append(struct.pack("<IIQQQQQQ", PT_LOAD, PF_R, u_off, u_vaddr, u_vaddr, len(u_bytes), len(u_bytes),
                                      PAGE))
+    elif layout.unwind:             # planned, none given: the loaders skip a PT_NULL
+        new_loads.append(bytes(PHDR_SIZE))
     phdrs = []
     last_load = max(i for i, p in enumerate(old) if struct.unpack_from("<I", p)[0] == PT_LOAD)
     for i, p in enumerate(old):
         typ = struct.unpack_from("<I", p)[0]
         if typ == PT_PHDR:
-            size = (e_phnum + NEW_PHDRS) * PHDR_SIZE
+            size = layout.phdr_size
             p = struct.pack("<IIQQQQQQ", PT_PHDR, PF_R, rx_off, layout.rx_vaddr, layout.rx_vaddr, size, size, 8)
         elif typ == PT_GNU_EH_FRAME and unwind is not None:
             h_off = u_off + hdr_vaddr - u_vaddr
