@@ -16,6 +16,7 @@ UDATA4 = 0x03
 
 
 def _uleb(v: int) -> bytes:
+    assert v >= 0, v
     out = bytearray()
     while True:
         b, v = v & 0x7F, v >> 7

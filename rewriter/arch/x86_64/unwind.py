@@ -168,6 +168,7 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
 
 
 def _uleb(v: int) -> bytes:
+    assert v >= 0, v
     out = bytearray()
     while True:
         b, v = v & 0x7F, v >> 7
@@ -193,17 +194,20 @@ def _expr(ops: bytes) -> bytes:
 def rule_insns(rule) -> bytes:
     """The DW_CFA_* instructions that set one row's rule in full."""
     kind, base, d, saved, k = rule
-    if kind is None:
+    if kind is None or (kind != "mem" and d < 0 and d % -DATA_ALIGN):
         return bytes([0x07, RA_COLUMN])                         # DW_CFA_undefined: the unwinder stops
-    if kind == "rsp":
-        out = bytes([0x0C, DWARF["rsp"]]) + _uleb(d)            # DW_CFA_def_cfa
-    elif kind == "reg":
-        out = bytes([0x0C, DWARF[base]]) + _uleb(d)
+    if kind in ("rsp", "reg"):
+        reg = DWARF["rsp" if kind == "rsp" else base]
+        if d >= 0:
+            out = bytes([0x0C, reg]) + _uleb(d)                 # DW_CFA_def_cfa
+        else:                                                   # above the stack pointer (a copied pop)
+            out = bytes([0x12, reg]) + _sleb(d // DATA_ALIGN)   # DW_CFA_def_cfa_sf, factored
     else:                                                       # DW_CFA_def_cfa_expression
         e = bytes([0x77]) + _sleb(base) + b"\x06" + b"\x11" + _sleb(d) + b"\x22"
         out = b"\x0f" + _expr(e)
     for reg, off in saved:                                      # DW_CFA_offset_extended_sf
-        out += bytes([0x11, DWARF[reg]]) + _sleb(off // DATA_ALIGN)
+        if off % DATA_ALIGN == 0:
+            out += bytes([0x11, DWARF[reg]]) + _sleb(off // DATA_ALIGN)
     # DW_CFA_val_expression RA: [the caller's %rsp - 8] + k (DW_OP_breg7 -8, deref, consts k, plus)
     ra = bytes([0x77]) + _sleb(-8) + b"\x06" + b"\x11" + _sleb(k) + b"\x22"
     return out + bytes([0x16, RA_COLUMN]) + _expr(ra)

@@ -1,6 +1,6 @@
 """Linux user processes: executables (static or dynamic, PIE or not) and shared
 objects.  New code and data go in two PT_LOAD segments appended to the file
-(writer.py); the runtime starts from a new entry point or the init arrays
+(writer.py), unwind tables in a third (unwind.py); the runtime starts from a new entry point or the init arrays
 (startup.py); breakpoint probes keep their SIGTRAP handler through the GOT
 (sighook.py); the runtime's platform layer is runtime/platform/linux_user."""
 from __future__ import annotations

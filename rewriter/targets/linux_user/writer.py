@@ -2,7 +2,8 @@
 
 Minimal surgery on the input's bytes, so everything the program had stays
 where it was: the probe jumps are patched in place, and the new code and data
-are appended as two new PT_LOAD segments.  The program header table moves into
+are appended as two new PT_LOAD segments (a third, read-only, for the unwind
+tables of unwind.py).  The program header table moves into
 the first of them, whose vaddr - offset equals the first segment's, so both
 the kernel's and QEMU's AT_PHDR computations find it.  (LIEF reads the input;
 its builder is not used to write, because adding segments with it shifts the
@@ -85,7 +86,7 @@ def write_image(image: Image, layout: Layout, patches: list[tuple[int, bytes]], 
         out[off:off + len(code)] = code
     for off, raw in file_patches:
         out[off:off + len(raw)] = raw
-    # Program headers: the old ones, PT_PHDR moved, the two new PT_LOADs after the last old one.
+    # Program headers: the old ones, PT_PHDR moved, the new PT_LOADs after the last old one.
     e_phoff = int.from_bytes(out[32:40], "little")
     e_phnum = int.from_bytes(out[56:58], "little")
     old = [bytes(out[e_phoff + i * PHDR_SIZE:e_phoff + (i + 1) * PHDR_SIZE]) for i in range(e_phnum)]
