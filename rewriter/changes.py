@@ -22,6 +22,8 @@ from .errors import KprewriteError
 from .image import PT_LOAD, PT_PHDR
 from .report import hexaddr, read_metadata
 
+PT_GNU_EH_FRAME = 0x6474E550
+
 DIFF_FORMAT = "kprewrite-diff-1"
 BLOCK = 1 << 16
 # The ELF header fields a rewrite may change (Elf64_Ehdr offsets).
@@ -181,6 +183,11 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
             q = next(q for q in remaining if q[0] == PT_PHDR)
             remaining.remove(q)
             moved.append({"segment": "PHDR", "from": hexaddr(ph[3]), "to": hexaddr(q[3])})
+        elif ph[0] == PT_GNU_EH_FRAME and any(q[0] == PT_GNU_EH_FRAME for q in remaining):
+            # A user ELF's unwind table, rewritten to cover the new code too (targets/linux_user/unwind.py).
+            q = next(q for q in remaining if q[0] == PT_GNU_EH_FRAME)
+            remaining.remove(q)
+            moved.append({"segment": "GNU_EH_FRAME", "from": hexaddr(ph[3]), "to": hexaddr(q[3])})
         elif bigger is not None:
             remaining.remove(bigger)
             grown.append({"segment": "LOAD", "address": hexaddr(ph[3]), "filesz": [ph[5], bigger[5]],

@@ -46,6 +46,7 @@ SECTIONS
   . = {text:#x};
   .text : {{ *(.text .text.*) *(.kprobes.text) }}
   .rodata : {{ *(.rodata .rodata.*) }}
+  .eh_frame : {{ KEEP(*(.eh_frame)) }}
   .rela.dyn : {{ __kp_rela_start = .; *(.rela.dyn) *(.rela.*) __kp_rela_end = .; }}
   {data}
   __kp_data_start = .;

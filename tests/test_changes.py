@@ -111,7 +111,8 @@ def test_every_change_attributed(prog):
     header = {c["detail"].split(":")[0] for c in _by(doc, "elf_header")}
     assert header == {"e_phoff", "e_phnum", "e_shoff", "e_shnum"}     # e_entry, e_shstrndx kept
     assert doc["moved"] == [{"segment": "PHDR", "from": "0x40", "to": hex(W.plan_layout(image).rx_vaddr)}]
-    assert [(s["type"], s["flags"]) for s in doc["added_segments"]] == [("LOAD", "R-X"), ("LOAD", "RW-")]
+    # (the writer called without unwind tables: a PT_NULL where their segment would be)
+    assert [(s["type"], s["flags"]) for s in doc["added_segments"]] == [("LOAD", "R-X"), ("LOAD", "RW-"), ("NULL", "---")]
     assert [s["name"] for s in doc["added_sections"]] == [".kprewrite.text", ".kprewrite.data", ".kprewrite.meta"]
     lines = changes.diff_lines(doc)
     assert any(line.startswith(f"changed  {a['leaf']:#x}      1 bytes  kprobe  leaf+0x0: int3 (boost)  [p_leaf]")

@@ -61,8 +61,11 @@ def test_diff_executable(tmp_path):
                "enters its detour" and 1 <= c["changed"] <= 4 for c in branches.values())
     header = {c["detail"].split(":")[0] for c in doc["changes"] if c["what"] == "elf_header"}
     assert {"e_entry", "e_phoff", "e_phnum", "e_shoff", "e_shnum"} <= header
-    assert doc["moved"] == [{"segment": "PHDR", "from": "0x40", "to": doc["added_segments"][0]["address"]}]
-    assert [(s["type"], s["flags"]) for s in doc["added_segments"]] == [("LOAD", "R-X"), ("LOAD", "RW-")]
+    # PT_GNU_EH_FRAME: the unwind table rewritten in a read-only segment of its own.
+    assert doc["moved"] == [{"segment": "PHDR", "from": "0x40", "to": doc["added_segments"][0]["address"]},
+                            {"segment": "GNU_EH_FRAME", "from": doc["moved"][1]["from"],
+                             "to": doc["moved"][1]["to"]}]
+    assert [(s["type"], s["flags"]) for s in doc["added_segments"]] == [("LOAD", "R-X"), ("LOAD", "RW-"), ("LOAD", "R--")]
     assert [s["name"] for s in doc["added_sections"]][:2] == [".kprewrite.text", ".kprewrite.data"]
     assert doc["added_sections"][-1]["name"] == ".kprewrite.meta"
     text = kprewrite("diff", prog, out).stdout.splitlines()

@@ -79,7 +79,8 @@ def test_plan_layout_after_everything(progs):
         assert lay.rx_vaddr % W.PAGE == 0 and lay.rx_vaddr - lay.rx_offset == lay.skew
         assert lay.rx_vaddr >= max(s[3] + s[6] for s in loads) + W.PAGE
         assert lay.rx_offset >= len(image.data)
-        assert lay.phdr_size == (len(_segments(image.data)) + 2) * 56
+        # (and one for the unwind tables' segment: targets/linux_user/unwind.py)
+        assert lay.phdr_size == (len(_segments(image.data)) + 2 + lay.unwind) * 56
         assert lay.after_phdrs % 64 == 0 and lay.after_phdrs >= lay.rx_vaddr + lay.phdr_size
     # A file longer than its segments reach (debug info, notes at its end): past the file too.
     long = progs["dir"] / "long"
@@ -97,10 +98,10 @@ def test_written_program_headers(progs, static, kind):
     image = Image(str({**progs, **static}[kind]))
     lay, rx, rw_vaddr, rw, meta, out = _write(image)
     old, new = _segments(image.data), _segments(out)
-    assert len(new) == len(old) + 2
+    assert len(new) == len(old) + 2 + lay.unwind       # a PT_NULL where no unwind tables are given
     last = max(i for i, s in enumerate(old) if s[0] == PT_LOAD)
     added = new[last + 1:last + 3]
-    assert new[:last + 1] + new[last + 3:] == [s if s[0] != PT_PHDR else new[[q[0] for q in new].index(PT_PHDR)]
+    assert new[:last + 1] + new[last + 3 + lay.unwind:] == [s if s[0] != PT_PHDR else new[[q[0] for q in new].index(PT_PHDR)]
                                                 for s in old]
     (rxs, rws) = added
     assert (rxs[0], rxs[1], rws[0], rws[1]) == (PT_LOAD, PF_R | PF_X, PT_LOAD, PF_R | PF_W)

@@ -330,3 +330,12 @@ class Arch(Protocol):
 
     def ftrace_site_insn(self, addr: int) -> DcrInsn:
         """The DCR of a probe on an ftrace site: the site as the nop it is when not traced."""
+
+
+def unwind_info(arch):
+    """The arch's unwind module, an optional member (`unwind`): how its detours
+    look to an unwinder (CIE_INSNS, RA_COLUMN, CODE_ALIGN, DATA_ALIGN and
+    fde_program(code, at, hit), the call frame program of a detour at `at` whose
+    hit is at `hit`).  None: the arch has none yet, and a target writes no unwind
+    tables for new code (a backtrace in a handler stops at the detour)."""
+    return getattr(arch, "unwind", None)

@@ -3,7 +3,7 @@ The package is the arch.base.Arch of x86-64."""
 import dataclasses
 
 from ..base import DcrInsn, Refusal, ThreadKey  # noqa: F401
-from . import emit, handler_abi, jumptable, kprobe_xol, optprobe, retprobe, toolchain  # noqa: F401
+from . import emit, handler_abi, jumptable, kprobe_xol, optprobe, retprobe, toolchain, unwind  # noqa: F401
 from . import fetchregs as fetch_regs  # noqa: F401
 from .decode import decode_function  # noqa: F401
 

@@ -1,6 +1,6 @@
 """Linux user processes: executables (static or dynamic, PIE or not) and shared
 objects.  New code and data go in two PT_LOAD segments appended to the file
-(writer.py); the runtime starts from a new entry point or the init arrays
+(writer.py), unwind tables in a third (unwind.py); the runtime starts from a new entry point or the init arrays
 (startup.py); breakpoint probes keep their SIGTRAP handler through the GOT
 (sighook.py); the runtime's platform layer is runtime/platform/linux_user."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from ...arch import get_arch
 from ...arch.base import ThreadKey
 from ...errors import KprewriteError
 from ...rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
-from . import ftrace, sighook, writer
+from . import ftrace, sighook, unwind, writer
 from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
@@ -120,6 +120,13 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     if blob.data_memsz > len(blob.data):
         sections.append(writer.NewSection(".kprewrite.bss", 8, 3, blob.data_addr + len(blob.data), b"",
                                           blob.data_memsz - len(blob.data)))
+    tables = None
+    if layout.target.unwind:      # unwind.py: FDEs for the new code, PT_GNU_EH_FRAME repointed
+        u_vaddr = writer.page_up(blob.data_addr + blob.data_memsz)
+        u_bytes, hdr, hdr_size = unwind.build(image, arch, layout, rx, blob, plan, u_vaddr)
+        tables = (u_vaddr, u_bytes, hdr, hdr_size)
+        sections.append(writer.NewSection(".kprewrite.eh_frame", 1, 2, u_vaddr, u_bytes[:hdr - u_vaddr], align=8))
+        sections.append(writer.NewSection(".kprewrite.eh_frame_hdr", 1, 2, hdr, u_bytes[hdr - u_vaddr:], align=4))
     sections.append(writer.NewSection(META_SECTION, 1, 0, 0, metadata, align=1))
     return writer.write_image(image, layout.target, patches, rx, blob.data_addr, blob.data, blob.data_memsz,
-                              sections, entry, file_patches)
+                              sections, entry, file_patches, tables)

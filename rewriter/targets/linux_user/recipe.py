@@ -23,8 +23,10 @@ SOURCES += ["kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
 ARCH_FOLDERS = ["uapi", "linux_user"]
 
 # Flags for any arch; the arch adds its own for CODE (rewriter/arch/<arch>/toolchain.py).
-CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
-          "-fno-unwind-tables", "-fvisibility=hidden", "-fno-common",
+CFLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector",
+          # unwind tables, linked into the runtime's .eh_frame: a backtrace in a handler
+          # (targets/linux_user/unwind.py); they change no code
+          "-fasynchronous-unwind-tables", "-fvisibility=hidden", "-fno-common",
           "-fno-tree-loop-distribute-patterns", "-fno-plt",
           "-std=gnu11", "-w", "-fno-ident"]
 CODE = "user"

@@ -12,6 +12,9 @@
  */
 #include <kp_asm_offsets.h>
 #include <kp_platform_asm.h>	/* arch/x86_64/<platform>/: KP_PT_CS, KP_PT_SS, KP_PT_REAL_FLAGS, KP_RET */
+#ifndef KP_CFI
+#define KP_CFI(...)		/* a platform with no unwind tables for its entries */
+#endif
 
 /* pt_regs at %rsp: every register, the flags (user code: the arithmetic
  * flags with IF set, as it always runs with it; a kernel: pushfq), orig_ax,

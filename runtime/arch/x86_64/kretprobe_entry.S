@@ -30,20 +30,29 @@
 	.hidden \name
 	.type \name, @function
 \name:
+	/* CFA = %rsp + 8 either way: reached by jmp (slot 0), the hook's frame is the
+	 * function's own, leaving, its return address the slot, as at a ret. */
+	KP_CFI(.cfi_startproc)
 	lea	-PT_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset PT_SIZE)
 	PT_REGS_SAVE
+	KP_CFI(.cfi_rel_offset %rbx, PT_BX)
 	mov	PT_SIZE+\slot(%rsp), %rax	/* the return address */
 	mov	%rax, PT_IP(%rsp)
 	lea	PT_SIZE+\slot+8(%rsp), %rax	/* sp after the ret */
 	mov	%rax, PT_SP(%rsp)
 	mov	%rsp, %rdi
 	mov	%rsp, %rbx
+	KP_CFI(.cfi_def_cfa_register %rbx)
 	and	$-16, %rsp
 	call	\callback
 	mov	%rbx, %rsp
+	KP_CFI(.cfi_def_cfa_register %rsp)
 	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset -PT_SIZE)
 	KP_RET
+	KP_CFI(.cfi_endproc)
 	.size \name, .-\name
 .endm
 
@@ -74,23 +83,32 @@
 	.hidden \name
 	.type \name, @function
 \name:
+	KP_CFI(.cfi_startproc)
 	lea	-CLEAN_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset CLEAN_SIZE)
 	CLEAN_SAVE
 	lea	CLEAN_SIZE+\slot(%rsp), %rdi	/* the return-address slot */
 	mov	%rsp, %rcx
 	and	$-16, %rsp
 	sub	$16, %rsp
 	mov	%rcx, 8(%rsp)
+	/* CFA = [%rsp + 8] + CLEAN_SIZE + 8 (DW_OP_breg7 8, deref, plus_uconst). */
+	KP_CFI(.cfi_escape 0x0f, 0x05, 0x77, 0x08, 0x06, 0x23, CLEAN_SIZE+8)
 	call	kp_kretprobe_return_clean
 	mov	8(%rsp), %rsp
+	KP_CFI(.cfi_def_cfa %rsp, CLEAN_SIZE+8)
 	test	%eax, %eax
 	jne	1f
 	CLEAN_RESTORE
 	lea	CLEAN_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset -CLEAN_SIZE)
 	KP_RET
-1:	CLEAN_RESTORE
+1:	KP_CFI(.cfi_adjust_cfa_offset CLEAN_SIZE)
+	CLEAN_RESTORE
 	lea	CLEAN_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset -CLEAN_SIZE)
 	jmp	\full
+	KP_CFI(.cfi_endproc)
 	.size \name, .-\name
 .endm
 

@@ -28,8 +28,11 @@
 	.hidden \name
 	.type \name, @function
 \name:
+	KP_CFI(.cfi_startproc)
 	lea	-PT_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset PT_SIZE)
 	PT_REGS_SAVE
+	KP_CFI(.cfi_rel_offset %rbx, PT_BX)
 	lea	PT_SIZE+144(%rsp), %rax
 	mov	%rax, PT_SP(%rsp)		/* sp before the detour */
 	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
@@ -38,16 +41,20 @@
 	call	\callback
 #else
 	mov	%rsp, %rbx
+	KP_CFI(.cfi_def_cfa_register %rbx)
 	and	$-16, %rsp
 	call	\callback
 	mov	%rbx, %rsp
+	KP_CFI(.cfi_def_cfa_register %rsp)
 #endif
 	test	%eax, %eax
 	jnz	kp_optprobe_resume_regs
 	/* Fast path: arithmetic flags back with add/sahf, then the registers. */
 	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset -PT_SIZE)
 	KP_RET
+	KP_CFI(.cfi_endproc)
 	.size \name, .-\name
 .endm
 
@@ -67,7 +74,9 @@
 	.hidden \name
 	.type \name, @function
 \name:
+	KP_CFI(.cfi_startproc)
 	lea	-80(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset 80)
 	CLEAN_SAVE
 	mov	88(%rsp), %edi			/* SITE */
 .if \slot
@@ -81,12 +90,17 @@
 	and	$-16, %rsp
 	push	%rcx
 	push	%rcx
+	/* CFA = [%rsp] + 88: the old %rsp stored (DW_OP_breg7 0, deref, plus_uconst 88). */
+	KP_CFI(.cfi_escape 0x0f, 0x05, 0x77, 0x00, 0x06, 0x23, 88)
 	call	\callback
 	mov	(%rsp), %rsp
+	KP_CFI(.cfi_def_cfa %rsp, 88)
 #endif
 	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset -80)
 	KP_RET
+	KP_CFI(.cfi_endproc)
 	.size \name, .-\name
 .endm
 

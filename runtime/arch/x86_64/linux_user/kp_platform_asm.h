@@ -5,5 +5,8 @@
 #define KP_PT_CS KP_USER_CS
 #define KP_PT_SS KP_USER_DS
 #define KP_RET ret
+/* Call frame information for the entries (.eh_frame: a backtrace in a handler goes
+ * on into the detour and the probed function; rewriter/targets/linux_user/unwind.py). */
+#define KP_CFI(...) __VA_ARGS__
 /* KP_STACK_ALIGN8 unset: the SysV ABI wants %rsp 16-byte aligned at a call. */
 #endif

@@ -6,7 +6,10 @@
 	.hidden kp_arch_sigreturn
 	.type kp_arch_sigreturn, @function
 kp_arch_sigreturn:
-	mov $__NR_rt_sigreturn, %eax
+	/* mov $15, %rax; syscall: the bytes libgcc's unwinder recognises as a signal
+	 * return (MD_FALLBACK_FRAME_STATE_FOR), so a backtrace in a breakpoint probe's
+	 * handler goes on into the interrupted code. */
+	mov $__NR_rt_sigreturn, %rax
 	syscall
 	hlt
 	.size kp_arch_sigreturn, . - kp_arch_sigreturn
