@@ -47,10 +47,10 @@ def pieces(plan, layout, rx: bytes, arch) -> list[tuple[int, int, bytes]]:
 
     for site in plan.sites:
         key = ("xol", site.index) if site.decision == INT3 else ("site", site.index)
-        if key in layout.sizes and site.detour:
-            add(site.detour, layout.sizes[key], site.addr)
+        if key in layout.sizes and layout.detour(site):
+            add(layout.detour(site), layout.sizes[key], site.addr)
     for rs in plan.ret_sites:
-        add(rs.detour, layout.sizes[("ret", rs.addr)], rs.addr)
+        add(layout.detour(rs), layout.sizes[("ret", rs.addr)], rs.addr)
     return sorted(out)
 
 
