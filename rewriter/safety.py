@@ -136,19 +136,15 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("entry_frame",
          "a kretprobe's entry is where a call lands: the FDE's rule there is CFA = %rsp+8 with the "
          "return address at CFA-8 (a stripped cold part's FDE starts mid-frame)",
-         "<arch>.retprobe:entry_frame_refusal", OURS, switch=False,
-         unproven="no switch yet: tests/test_kretprobe_floor.py rewrites a stripped hot/cold split "
-                  "library with a kretprobe on every function and checks the output; before the rule, "
-                  "the return-address swap at a cold block's \"entry\" overwrote its parent's frame "
-                  "and the program looped"),
+         "<arch>.retprobe:entry_frame_refusal", OURS, "test_entry_frame",
+         "the return-address swap at the unnamed cold block's entry overwrites its parent's saved "
+         "%rbx: it loops (timeout) or prints another sum"),
     Rule("trampoline_unsafe",
          "an exit no jump fits takes the return-address trampoline (instead of a breakpoint return "
          "hook) only where the function's CFA rules prove no instruction addresses its return-address "
          "slot, and where it calls nothing if the image unwinds exceptions (the trampoline has no FDE)",
-         "<arch>.retprobe:trampoline_refusal", OURS, switch=False,
-         unproven="no switch yet: tests/test_kretprobe_floor.py shows both sides (a function with no "
-                  "CFI keeps its breakpoint, with the reason; those with CFI take the trampoline and "
-                  "return what the breakpoint oracle sees); no program yet breaks with it off"),
+         "<arch>.retprobe:trampoline_refusal", OURS, "test_trampoline_unsafe",
+         "the function reads its return-address slot and sees the trampoline: prints ra_ok=0"),
     Rule("rsp_relative_call",
          "a region does not end with a call through %rsp or an %rsp-relative operand (the detour "
          "pushes the return address before the emulated call reads it)",

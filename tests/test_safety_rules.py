@@ -77,6 +77,105 @@ long drive(void);
 int main(void) { printf("drive=%ld\n", drive()); return 0; }
 """
 
+ENTRY_FRAME = r"""
+/* COLD_PARTS with unwind information and no .cold name (a stripped library's
+   hot/cold split): only workpart's FDE, CFA = %rsp+16 at its first byte, says it
+   is entered mid-frame, the caller's %rbx where a return address would be. */
+__asm__(
+".text\n"
+".globl work\n.type work,@function\nwork:\n"
+"  .cfi_startproc\n"
+"  push %rbx\n"
+"  .cfi_def_cfa_offset 16\n"
+"  .cfi_offset rbx,-16\n"
+"  mov %rdi,%rbx\n"
+"  test %rdi,%rdi\n"
+"  js workpart\n"
+"1: lea 1(%rbx),%rax\n"
+"  pop %rbx\n"
+"  .cfi_def_cfa_offset 8\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size work,.-work\n"
+".type workpart,@function\nworkpart:\n"
+"  .cfi_startproc\n"
+"  .cfi_def_cfa_offset 16\n"
+"  .cfi_offset rbx,-16\n"
+"  neg %rbx\n"
+"  jmp 1b\n"
+"  .cfi_endproc\n"
+".size workpart,.-workpart\n"
+".globl drive\n.type drive,@function\ndrive:\n"
+"  push %rbx\n"
+"  push %r12\n"
+"  push %rbp\n"
+"  xor %r12d,%r12d\n"
+"  mov $3,%ebx\n"
+"2: mov %rbx,%rdi\n"
+"  neg %rdi\n"
+"  call work\n"
+"  add %rax,%r12\n"
+"  dec %rbx\n"
+"  jnz 2b\n"
+"  mov %r12,%rax\n"
+"  pop %rbp\n"
+"  pop %r12\n"
+"  pop %rbx\n"
+"  ret\n"
+".size drive,.-drive\n");
+#include <stdio.h>
+long drive(void);
+int main(void) { printf("drive=%ld\n", drive()); return 0; }
+"""
+
+TRAMPOLINE_UNSAFE = r"""
+/* tests/test_kretprobe.py's FALLBACK: cramped's ret follows a call by 4 bytes with the
+   next function right after (no jump fits), and cramped reads its return-address slot. */
+__asm__(
+".text\n"
+".globl helper\n.type helper,@function\nhelper:\n"
+"  lea 7(%rdi),%rax\n"
+"  ret\n"
+".size helper,.-helper\n"
+/* The ret follows a call by 4 bytes and the next function starts right after:
+ * no 5-byte region ends with it.  The return address it sees in its slot is
+ * recorded in seen_ra: its CFI says where that slot is, so the trampoline is
+ * refused for it (it would see the trampoline), and its return hook is a breakpoint. */
+".globl cramped\n.type cramped,@function\ncramped:\n"
+"  .cfi_startproc\n"
+"  push %rbx\n"
+"  .cfi_def_cfa_offset 16\n"
+"  mov %rdi,%rbx\n"
+"  mov 8(%rsp),%rcx\n"
+"  mov %rcx,seen_ra(%rip)\n"
+"  call helper\n"
+"  add %ebx,%eax\n"
+"  pop %rbx\n"
+"  .cfi_def_cfa_offset 8\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size cramped,.-cramped\n"
+".globl after\n.type after,@function\nafter:\n"
+"  mov %rdi,%rax\n"
+"  ret\n"
+".size after,.-after\n"
+);
+#include <stdio.h>
+long cramped(long), after(long);
+void *seen_ra;
+int main(void)
+{
+	long s = 0;
+	int ra_ok = 1;
+	for (long i = 0; i < 3; i++) {
+		s += cramped(i) + after(i);
+		ra_ok &= (char *)seen_ra > (char *)main && (char *)seen_ra < (char *)main + 400;
+	}
+	printf("s=%ld ra_ok=%d\n", s, ra_ok);
+	return 0;
+}
+"""
+
 RSP_CALL = r"""
 /* The region at the probe ends with `call *16(%rsp)`: the detour pushes the
    return address before the emulated call reads its operand. */
@@ -551,6 +650,9 @@ PIE = ["-O2", "-fpie", "-pie"]
 PROGRAMS = {
     # rule: (source, flags, spec text, handlers, lang); a glob where the rule refuses the probe (skipped, not an error)
     "cold_parts": (COLD_PARTS, PIE, probe_spec("kretprobe", ["work.col?"], handlers=False), None, "c"),
+    "entry_frame": (ENTRY_FRAME, PIE, probe_spec("kretprobe", ["workpar?"], handlers=False), None, "c"),
+    "trampoline_unsafe": (TRAMPOLINE_UNSAFE, ["-O2"], probe_spec("kretprobe", ["cramped"], handlers=False),
+                          None, "c"),
     "rsp_relative_call": (RSP_CALL, PIE, probe_spec("kprobe", [("callsp", 7)], handlers=False), None, "c"),
     "red_zone": (RED_ZONE, PIE, probe_spec("kprobe", [("rz", 15)], handlers=False), None, "c"),
     "jump_into_region": (JUMP_INTO_REGION, PIE, probe_spec("kprobe", ["jir"], handlers=False), None, "c"),
@@ -672,6 +774,14 @@ def _prove(built, rule: str, runner: str, handler_line: str | None = None) -> No
 
 def test_cold_parts(built, runner):
     _prove(built, "cold_parts", runner)
+
+
+def test_entry_frame(built, runner):
+    _prove(built, "entry_frame", runner)
+
+
+def test_trampoline_unsafe(built, runner):
+    _prove(built, "trampoline_unsafe", runner)
 
 
 def test_rsp_relative_call(built, runner):

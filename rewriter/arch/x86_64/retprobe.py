@@ -74,7 +74,7 @@ def entry_frame_refusal(image, addr: int) -> Refusal | None:
     the parent's frame.  Where no FDE covers addr (or the rule is an
     expression) nothing is known and nothing is refused."""
     mid = mid_frame(image, addr)
-    if mid is None:
+    if mid is None or not safety.enabled("entry_frame"):
         return None
     (reg, off), ra = mid
     where = f"{_DWARF_NAMES.get(reg, f'r{reg}')}{off:+d}"
@@ -254,6 +254,8 @@ def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
     each instruction says where the slot is; with no rule, nothing is proven),
     or it calls out and the image unwinds exceptions (an exception through its
     frame would meet the trampoline, which has no FDE).  None: safe."""
+    if not safety.enabled("trampoline_unsafe"):
+        return None
     calls = None
     for part in parts:
         insns = _insns(image, analysis, part)
