@@ -22,6 +22,11 @@ from . import emit as em
 from . import encode as E
 from . import insn as I
 from . import reach
+from ... import safety
+
+# DWARF register 31 is sp: where a call (bl/blr) lands the CFA is sp itself, the
+# return address in x30, nothing pushed yet.
+_DWARF_SP = 31
 
 # What kret_entry_body's form writes besides the entry_handler's own (it saves everything).
 KRET_ENTRY_USES: tuple[str, ...] = ()
@@ -30,6 +35,28 @@ KRET_ENTRY_USES: tuple[str, ...] = ()
 def _plt(image, addr: int) -> bool:
     sec = image.section_containing(addr)
     return sec is not None and sec.name in (".plt", ".plt.sec", ".plt.got", ".iplt")
+
+
+def entry_frame_refusal(image, addr: int) -> Refusal | None:
+    """As on x86-64 (x86_64/retprobe.py), beyond the kernel: is `addr` a place a
+    call lands?  There the FDE's rule is CFA = sp + 0 (bl pushes nothing).  A
+    block with an FDE of its own that starts mid-frame (a stripped cold part) has
+    no return address in x30 of its own.  Where no FDE covers addr (or the rule
+    is an expression) nothing is known and nothing is refused."""
+    rule = image.cfa.at(addr)
+    if rule is None or rule == (_DWARF_SP, 0) or not safety.enabled("entry_frame"):
+        return None
+    reg, off = rule
+    where = f"{'sp' if reg == _DWARF_SP else f'x{reg}'}{off:+d}"
+    return Refusal("entry_frame", addr, f"the CFA at {addr:#x} is {where} (its FDE), not sp+0: entered "
+                                        "mid-frame (as a cold part of a larger function is), x30 is not its return address")
+
+
+def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
+    """Where the return-address trampoline would be wrong for `func` (x86_64/
+    retprobe.py reads the CFA rules for it).  Not analysed here yet: None, the
+    trampoline, as AArch64 kretprobes took it before the check existed."""
+    return None
 
 
 def find_exits(image, analysis, func) -> Exits:
