@@ -1,0 +1,147 @@
+"""Real AArch64 software no one here wrote (issue 25): Debian's arm64 static
+busybox (busybox-static) and libsqlite3 (libsqlite3-0, loaded by the arm64
+sqlite3 shell), each rewritten two ways, a kprobe on every function and a
+kretprobe on every function, run under qemu-aarch64: output, errors and exit
+code must equal the original's, and the probes must have fired.
+
+The packages are fetched with `apt-get download` (the arm64 architecture must be
+added: `dpkg --add-architecture arm64 && apt-get update`, which .ci/run does)
+and extracted with `dpkg-deb -x` into a cache (``$KPREWRITE_ARM64_CACHE``, else
+~/.cache/kprewrite/debian-arm64), once.  Without apt lists for arm64 the tests skip."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import instrument, profile, qemu_command, write_spec
+
+ARCHES = ["aarch64"]
+
+KPROBES = '[[kprobe]]\nsymbol_name = "*"\n'
+KRETPROBES = '[[kretprobe]]\nsymbol_name = "*"\n'
+VARIANTS = ["kprobe", "kretprobe"]
+# sqlite3's shell needs libreadline (and its libtinfo) and libz besides libsqlite3;
+# libc and libm come from the cross sysroot (/usr/aarch64-linux-gnu, qemu -L).
+PACKAGES = ["busybox-static", "sqlite3", "libsqlite3-0", "libreadline8", "libtinfo6", "zlib1g"]
+CACHE = Path(os.environ.get("KPREWRITE_ARM64_CACHE", Path.home() / ".cache" / "kprewrite" / "debian-arm64"))
+
+SQL = """
+CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);
+WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 300)
+INSERT INTO t(name, v) SELECT printf('n%05d', x), x * 1.5 FROM c;
+CREATE INDEX t_name ON t(name);
+SELECT count(*), sum(v), min(name), max(name) FROM t;
+SELECT name, v FROM t WHERE name LIKE 'n0012%' ORDER BY v DESC LIMIT 3;
+UPDATE t SET v = v * 2 WHERE id % 7 = 0;
+DELETE FROM t WHERE id % 11 = 0;
+SELECT count(*), round(avg(v), 3), group_concat(id, ',') FILTER (WHERE id < 30) FROM t;
+SELECT upper(substr(name, 2)), length(name), hex(zeroblob(2)) FROM t ORDER BY id LIMIT 2;
+SELECT no_such_function(1);
+"""
+
+BUSYBOX = [
+    ("sort", ["-n", "-r"], "10\n2\n33\n4\n-5\n100\n"),
+    ("wc", ["-l", "-w", "-c"], "a b c\nd e\n\nlast line\n"),
+    ("md5sum", [], "the quick brown fox\n" * 200),
+    ("sed", ["-e", "s/o/0/g; /^q/d; 2,3p"], "one\nquit\ntwo\nthree\nfour\n"),
+    ("awk", ["{ s += $2; n[$1]++ } END { for (k in n) c++; printf \"%d %d\\n\", s, c }"], "a 1\nb 2\na 3\nc 4\n"),
+    ("tr", ["a-z", "A-Z"], "mixed Case text\n"),
+]
+
+
+def _sysroot() -> Path:
+    """The downloaded packages, extracted (once) into CACHE/root; a lock keeps
+    pytest-xdist's workers from fetching into the same cache at once."""
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    with open(CACHE.parent / f"{CACHE.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch()
+
+
+def _fetch() -> Path:
+    root, done = CACHE / "root", CACHE / "packages"
+    if done.is_file() and done.read_text().split() == PACKAGES:
+        return root
+    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
+        pytest.skip("apt-get and dpkg-deb needed to fetch Debian's arm64 packages")
+    debs = CACHE / "debs"
+    shutil.rmtree(CACHE, ignore_errors=True)
+    debs.mkdir(parents=True)
+    r = subprocess.run(["apt-get", "download", "-q", *(f"{p}:arm64" for p in PACKAGES)], cwd=debs,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.skip(f"apt-get download of arm64 packages failed (dpkg --add-architecture arm64 && "
+                    f"apt-get update: .ci/run): {r.stderr.strip()[-300:]}")
+    for deb in sorted(debs.glob("*.deb")):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    done.write_text("\n".join(PACKAGES))
+    return root
+
+
+def _libdirs(root: Path) -> str:
+    return f"{root}/usr/lib/aarch64-linux-gnu:{root}/lib/aarch64-linux-gnu"
+
+
+def _rewrites(tmp: Path, binary: Path) -> dict[str, Path]:
+    return {"kprobe": instrument(binary, write_spec(tmp, KPROBES, name="k.toml"), tmp / f"{binary.name}.k"),
+            "kretprobe": instrument(binary, write_spec(tmp, KRETPROBES, name="r.toml"), tmp / f"{binary.name}.r")}
+
+
+def _busybox(tmp):
+    return _rewrites(tmp, _sysroot() / "bin" / "busybox")
+
+
+def _libsqlite3(tmp):
+    lib = _sysroot() / "usr" / "lib" / "aarch64-linux-gnu" / "libsqlite3.so.0"
+    out = _rewrites(tmp, lib.resolve())
+    # Each rewrite in a directory of its own under the soname, first on the library path.
+    for variant, path in out.items():
+        d = tmp / variant
+        d.mkdir()
+        shutil.copy(path, d / "libsqlite3.so.0")
+        out[variant] = d
+    return out
+
+
+def _run(cmd, stdin: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([*qemu_command(), *map(str, cmd)], input=stdin, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def _same(cmd, stdin: str, env_orig: dict, env_new: dict, prof: Path) -> subprocess.CompletedProcess:
+    """Runs the original and the rewrite; asserts equal stdout, stderr and exit code,
+    and that the probes fired (the profile, KPREWRITE_PROFILE, in a file)."""
+    prof.unlink(missing_ok=True)
+    a = _run(cmd["orig"], stdin, env_orig)
+    b = _run(cmd["new"], stdin, {**env_new, "KPREWRITE_PROFILE": str(prof)})
+    assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
+    p = profile("\n".join("  " + line.strip() for line in prof.read_text().splitlines()))
+    assert sum(h for h, _ in p.values()) > 0, prof.read_text()[:500]
+    return a
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_busybox_applets(once, variant, tmp_path):
+    new = once(_busybox)[variant]
+    orig = _sysroot() / "bin" / "busybox"
+    for applet, args, stdin in BUSYBOX:
+        r = _same({"orig": [orig, applet, *args], "new": [new, applet, *args]}, stdin, {}, {},
+                  tmp_path / f"profile.{applet}")
+        assert r.returncode == 0 and r.stdout, (applet, r.stderr)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_libsqlite3(once, variant, tmp_path):
+    libdir = once(_libsqlite3)[variant]
+    root = _sysroot()
+    shell = [root / "usr" / "bin" / "sqlite3", ":memory:"]
+    # qemu's -E sets the guest's environment: the guest loader reads LD_LIBRARY_PATH there.
+    env = lambda first: {"QEMU_SET_ENV": f"LD_LIBRARY_PATH={first}{_libdirs(root)}"}
+    r = _same({"orig": shell, "new": shell}, SQL, env(""), env(f"{libdir}:"), tmp_path / "profile")
+    assert "300|67725.0|n00001|n00300" in r.stdout, r.stdout + r.stderr
+    assert "no such function: no_such_function" in r.stderr, r.stderr
