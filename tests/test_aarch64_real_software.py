@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import cc, instrument, profile, qemu_command, write_spec
+from conftest import CC, TRIPLES, cc, check_lines, instrument, profile, qemu_command, run, write_spec
 
 ARCHES = ["aarch64"]
 
@@ -192,3 +193,31 @@ def test_libpython(once, variant, tmp_path):
     assert r.returncode == 0 and r.stdout == ('[["a", 3], ["b", 2], ["c", 1]]\n2664667000 [1, 2, 3] 3.500\n'
                                               'caught x\n'), r.stdout + r.stderr
     assert r.stderr == "to stderr\n", r.stderr
+
+
+# --- entry_frame on AArch64 (the check the kretprobe runs above needed) ----------------------
+
+def _split(tmp):
+    """test_kretprobe_floor.py's hot/cold library, cross-compiled and stripped: its
+    cold blocks have FDEs of their own that start mid-frame (CFA sp+N, N > 0)."""
+    from test_kretprobe_floor import LIB, MAIN
+    (tmp / "lib.c").write_text(LIB)
+    lib = tmp / "libhc.so"
+    subprocess.run([CC, "-O2", "-fPIC", "-shared", "-freorder-blocks-and-partition", str(tmp / "lib.c"),
+                    "-o", str(lib)], check=True)
+    subprocess.run([f"{TRIPLES['aarch64']}-strip", str(lib)], check=True)
+    prog = cc(tmp, "main", MAIN, "-O2", f"-L{tmp}", "-lhc")
+    spec = write_spec(tmp, KRETPROBES)
+    (tmp / "opt").mkdir()
+    return prog, lib, check_lines(lib, spec), instrument(lib, spec, tmp / "opt" / "libhc.so")
+
+
+def test_stripped_cold_parts_refused_by_entry_frame(once):
+    prog, lib, check, new = once(_split)
+    cold = [l for l in check if re.match(r"sub_[0-9a-f]+\+0x0  r  refused  entry_frame at ", l)]
+    assert len(cold) == 3 and all("not sp+0" in l for l in cold), "\n".join(check)
+    want = run(prog, 200, runner="qemu", libdir=lib.parent)
+    got = run(prog, 200, runner="qemu", libdir=new.parent, env={"KPREWRITE_PROFILE": "-"})
+    assert want.returncode == 0 and "warn huge" in want.stderr, want.stderr
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
+    assert profile(got.stderr)["r_lib_classify_0"][0] == 200, got.stderr[-2000:]
