@@ -5,10 +5,13 @@ return site is hooked), and how much slower a real workload runs.
 
     python3 benchmarks/real_libs.py [--runs N] [--scale [NAME=]K ...] [--cpu N] [--warmup N]
                                     [--verbose] [--compare TREE] [--kretprobe] [NAME ...]
-                                    (sqlite3 busybox crypto stdcxx)
+                                    (sqlite3 busybox crypto stdcxx lua python)
 
 Each workload runs on the original and on the rewritten object (a library
-through LD_LIBRARY_PATH, busybox itself); the outputs must be equal.  The
+through LD_LIBRARY_PATH, an executable itself: busybox, lua5.4); the outputs must
+be equal.  Two are interpreters: Debian's lua5.4 (its VM is in the executable)
+and the running Python's shared libpython (pyenv's), each sorting numbers with a
+comparator or key written in the language.  The
 probes carry no handler (they count hits).  Every binary first runs --warmup
 times unmeasured (page cache, dynamic loader); then --runs rounds, each the
 original and every variant one after the other, the original first in even
@@ -28,7 +31,8 @@ of their side's best).  This VM has slow spells of a second or more that no
 in-guest counter shows (no steal, no preemption); they only add time, so when
 the original's slowest run is over 10% above its best ("noisy round") the low
 end is the steadier figure.  --scale K multiplies the workload's length (sqlite3's rows, busybox's
-lines, the C++ program's strings, the hashed file named K times) so that a run
+lines, the C++ program's strings, the hashed file named K times, the numbers the Lua
+and Python scripts sort) so that a run
 lasts long enough for the timer and start-up to vanish; NAME=K scales that
 workload only (about a second each: --scale 4 --scale busybox=3 --scale
 stdcxx=5 --scale crypto=30).  --cpu N pins every measured run to CPU N
@@ -46,6 +50,7 @@ import shutil
 import statistics
 import sys
 import subprocess
+import sysconfig
 import tempfile
 import time
 from collections import Counter
@@ -55,7 +60,26 @@ ROOT = Path(__file__).resolve().parent.parent
 KPREWRITE = [sys.executable, "-m", "rewriter"]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 LIBDIR = Path("/usr/lib/x86_64-linux-gnu")
-WORKLOADS = ("sqlite3", "busybox", "crypto", "stdcxx")
+WORKLOADS = ("sqlite3", "busybox", "crypto", "stdcxx", "lua", "python")
+LUA = """local n = tonumber(arg[1])
+local t = {}
+math.randomseed(42)
+for r = 1, 3 do
+  for i = 1, n do t[i] = math.random(1, 1000000) end
+  table.sort(t)
+  table.sort(t, function(a, b) return a > b end)
+end
+print(t[1], t[n])
+"""
+PY = """import random, sys
+n = int(sys.argv[1])
+random.seed(42)
+for r in range(3):
+    t = [random.randint(1, 1000000) for i in range(n)]
+    t.sort(key=lambda a: (a % 1000, a))
+    t.sort(key=lambda a: -a)
+print(t[0], t[-1])
+"""
 QUIET = 1.10        # a run within 10% of its side's best counts as undisturbed
 
 SQL = """
@@ -180,6 +204,24 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
         lines.write_text("".join(f"{i * 7919 % 100003} line {i:x}\n" for i in range(300000 * scale)))
         obj, cmd = Path("/bin/busybox"), ["/bin/busybox", "sort", "-n", str(lines)]
         what = f"{300000 * scale} lines"
+    elif name == "lua":
+        # An interpreter (Debian's lua5.4, its VM linked into the executable): table.sort with
+        # a Lua comparator calls small C functions (lua_geti, lua_pushvalue...) ~300 M times.
+        script = work / "sort.lua"
+        script.write_text(LUA)
+        obj, cmd = Path("/usr/bin/lua5.4"), ["/usr/bin/lua5.4", str(script), str(200000 * scale)]
+        what = f"3 x 2 sorts of {200000 * scale} numbers"
+    elif name == "python":
+        # The interpreter running this script, when its libpython is shared (pyenv's is): the same
+        # sorts as lua's, in Python, through LD_LIBRARY_PATH (a RUNPATH yields to it).
+        so = sysconfig.get_config_var("INSTSONAME")
+        if not sysconfig.get_config_var("Py_ENABLE_SHARED") or not so:
+            print(f"python: skipped, {sys.executable}'s libpython is not a shared library", flush=True)
+            return
+        script = work / "sort.py"
+        script.write_text(PY)
+        obj = Path(sysconfig.get_config_var("LIBDIR")) / so
+        cmd, what = [sys.executable, str(script), str(200000 * scale)], f"3 x 2 sorts of {200000 * scale} numbers"
     else:
         raise SystemExit(f"unknown workload {name}")
     n, decisions, hooks = check(obj, spec)
@@ -202,7 +244,7 @@ def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale
             rewrite = time.monotonic() - t
         env_new: dict = {"KPREWRITE_PROFILE": str(d / "profile")}
         cmd_new = cmd
-        if name == "busybox":
+        if cmd[0] == str(obj):                  # an executable (busybox, lua5.4): run the rewrite
             cmd_new = [str(out), *cmd[1:]]
         else:
             env_new["LD_LIBRARY_PATH"] = str(d)
