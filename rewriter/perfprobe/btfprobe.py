@@ -10,6 +10,7 @@ result is the same `p`/`r` kprobe_events lines compile.py makes from DWARF.
 """
 from __future__ import annotations
 
+from ..errors import KprewriteError
 from ..targets.linux_kernel import btf as B
 from .compile import Compiled, ProbeError, _arg_name, _sanitize, default_event
 from .syntax import Arg, ProbeDef
@@ -280,3 +281,25 @@ def compile_def(ty: Types, image, d: ProbeDef, taken: set[tuple[str, str]], fetc
     taken.add((group, ev))
     head = f"{'r' if p.retprobe else 'p'}:{group}/{ev} {func}"
     return [Compiled(" ".join([head, *(f"{k}={v}" for k, v in seen.items())]), 0, p.retprobe)]
+
+
+def vars_lines(ty: Types, fetch_regs, p) -> list[str]:
+    """perf probe -V from BTF: the function's parameters at its entry and their fetch args
+    (at %return: the return value's type)."""
+    if p.function is None or p.file is not None or p.line or p.lazy is not None or p.offset:
+        raise KprewriteError(f"{ty.label}: a kernel's BTF has no line table or locations; "
+                             f"name a function (FUNC or FUNC%return)")
+    fid = ty.funcs.get(p.function)
+    if fid is None:
+        raise KprewriteError(f"function '{p.function}' not found in the BTF of {ty.label}")
+    proto = ty.t[ty.t[fid].size_or_type]
+    out = [f"@<{p.function}+0>" + (" (return)" if p.retprobe else "")]
+    if p.retprobe:
+        return out + [f"\t{ty.name(proto.size_or_type)}\t$retval"]
+    for i, (n, t) in enumerate(proto.params):
+        try:
+            what = f"{_param_loc(ty, proto, i, fetch_regs, p.function).value()}:{_default_type(ty, t, n)}"
+        except ProbeError as e:
+            what = f"({e})"
+        out.append(f"\tparam\t{ty.name(t)}\t{n}\t{what}")
+    return out

@@ -136,8 +136,8 @@ def test_btf_event_equals_the_register_event(booted):
     theirs = [r.args for r in recs if r.pid == pid and r.event == "kp_reg"]
     assert len(ours) == 2 and ours == theirs, (ours, theirs)
     # and they are the values the program passed (open() adds O_LARGEFILE on 64-bit)
-    creat = ours[0]
+    creat = {**ours[0], **{k: int(v, 16) for k, v in ours[0].items() if isinstance(v, str) and v.startswith("0x")}}
     assert creat["dfd"] == -100 and creat["file"] == FILE, creat
     assert creat["flags"] & 0o1101 == 0o1101 and creat["mode"] == 0o640 and creat["resolve"] == 0, creat
-    o2 = ours[1]
+    o2 = {**ours[1], **{k: int(v, 16) for k, v in ours[1].items() if isinstance(v, str) and v.startswith("0x")}}
     assert o2["file"] == FILE and o2["flags"] & 0o2000000 and o2["mode"] == 0 and o2["resolve"] == 0x04, o2
