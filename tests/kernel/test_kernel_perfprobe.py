@@ -3,10 +3,10 @@
 - no boot: `do_sys_openat2 dfd filename:string how->flags` compiles to the line written by hand
   with the x86-64 argument registers and struct open_how's offsets read from BTF here; `%return`
   gets `$retval` typed from the prototype (long: s64); what BTF cannot give is a one-line error;
-- one boot of the rewritten vmlinuz: a static program opens a file with open() and openat2(),
+- a boot of the rewritten vmlinuz: a static program opens a file with open() and openat2(),
   and the values our BTF-compiled event traced (int, user string, open_how's three members
   through the pointer) equal those of the kernel's own tracefs kprobe event written with
-  register fetch args on the same function, in the same boot.
+  register fetch args on the same function, in a boot of the unmodified vmlinuz.
 """
 from __future__ import annotations
 
@@ -99,8 +99,22 @@ REGISTER_EVENT = ("p:kp_reg do_sys_openat2 dfd=%di:s32 file=+0(%si):ustring flag
                   "mode=+MODE(%dx):x64 resolve=+RESOLVE(%dx):x64")
 
 
+def _boot(boot_kernel, make_initramfs, name, kernel, opener, commands):
+    initrd = make_initramfs(init_script(commands), {"opener": opener})
+    r = boot_kernel(name, kernel, initrd, smp=2, timeout=240)
+    assert_boot_ok(r)
+    m = re.search(r"^open=1 pid=(\d+)$", r.console, re.M)
+    assert m and re.search(r"^openat2=1$", r.console, re.M), r.explain("the opener did not run")
+    from rewriter import tracefmt
+    recs = [x for x in (tracefmt.parse_line(l) for l in sections(r.console)["trace"]) if x is not None]
+    return [x for x in recs if x.pid == int(m.group(1))]
+
+
 @pytest.fixture(scope="module")
-def booted(tmp_path_factory, debian_kernel, make_initramfs, boot_kernel):
+def traced(tmp_path_factory, debian_kernel, make_initramfs, boot_kernel):
+    """The opener's records: (the rewritten kernel's BTF-compiled event's, the unmodified
+    kernel's own tracefs event's).  Two boots: the kernel refuses its own kprobe on a
+    function whose ftrace site a rewrite has taken ("Could not probe notrace function")."""
     d = tmp_path_factory.mktemp("perfprobe")
     spec = d / "probes.toml"
     spec.write_text('probes = ["kp_btf=do_sys_openat2 dfd file=filename:ustring how->flags how->mode how->resolve"]\n')
@@ -112,28 +126,20 @@ def booted(tmp_path_factory, debian_kernel, make_initramfs, boot_kernel):
     off = _open_how(debian_kernel.vmlinux)
     reg = REGISTER_EVENT.replace("FLAGS", str(off["flags"])).replace("MODE", str(off["mode"])) \
         .replace("RESOLVE", str(off["resolve"]))
+    show = f'echo "== trace"; cat {TRACING}/trace\necho "== end"\n'
+    ours = _boot(boot_kernel, make_initramfs, "perfprobe-btf", out, d / "opener", "/opener\n" + show)
     commands = f"""
 echo '{reg}' > {TRACING}/kprobe_events
 echo 1 > {TRACING}/events/kprobes/kp_reg/enable
 /opener
 echo 0 > {TRACING}/events/kprobes/kp_reg/enable
-echo "== trace"; cat {TRACING}/trace
-echo "== end"
-"""
-    initrd = make_initramfs(init_script(commands), {"opener": d / "opener"})
-    r = boot_kernel("perfprobe-btf", out, initrd, smp=2, timeout=240)
-    assert_boot_ok(r)
-    return r
+""" + show
+    theirs = _boot(boot_kernel, make_initramfs, "perfprobe-tracefs", debian_kernel.vmlinuz, d / "opener", commands)
+    return [r.args for r in ours if r.event == "kp_btf"], [r.args for r in theirs if r.event == "kp_reg"]
 
 
-def test_btf_event_equals_the_register_event(booted):
-    from rewriter import tracefmt
-    m = re.search(r"^open=1 pid=(\d+)$", booted.console, re.M)
-    assert m and re.search(r"^openat2=1$", booted.console, re.M), booted.explain("the opener did not run")
-    pid = int(m.group(1))
-    recs = [r for r in (tracefmt.parse_line(l) for l in sections(booted.console)["trace"]) if r is not None]
-    ours = [r.args for r in recs if r.pid == pid and r.event == "kp_btf"]
-    theirs = [r.args for r in recs if r.pid == pid and r.event == "kp_reg"]
+def test_btf_event_equals_the_register_event(traced):
+    ours, theirs = traced
     assert len(ours) == 2 and ours == theirs, (ours, theirs)
     # and they are the values the program passed (open() adds O_LARGEFILE on 64-bit)
     creat = {**ours[0], **{k: int(v, 16) for k, v in ours[0].items() if isinstance(v, str) and v.startswith("0x")}}
