@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import KprewriteError
 from ..targets.linux_kernel import btf as B
-from .compile import Compiled, ProbeError, _arg_name, _sanitize, default_event
+from .compile import Compiled, ProbeError, _arg_name, default_event
 from .syntax import Arg, ProbeDef
 
 # perf's group for kernel probes (PERFPROBE_GROUP)
@@ -211,7 +211,7 @@ def _param_loc(ty: Types, proto, index: int, fetch_regs, func: str) -> Loc:
 
 def _compile_arg(ty: Types, proto, func: str, arg: Arg, fetch_regs) -> list[tuple[str, str]]:
     if arg.raw:
-        return [(arg.name or _sanitize(arg.var)[:32], arg.text)]
+        return [(arg.name or "", arg.var)]      # named arg<N> where it lands (compile_args())
     if arg.var == "$retval":
         ftype = arg.type
         if ftype in ("string", "ustring"):
@@ -269,9 +269,11 @@ def compile_def(ty: Types, image, d: ProbeDef, taken: set[tuple[str, str]], fetc
     proto = ty.t[ty.t[fid].size_or_type]
     seen: dict[str, str] = {}
     for a in d.args:
-        for n, body in _compile_arg(ty, proto, func, a, fetch_regs):
-            if n in seen:
-                raise ProbeError(f"two arguments named '{n}' (name one NAME=...)")
+        for name, body in _compile_arg(ty, proto, func, a, fetch_regs):
+            name = name or f"arg{len(seen) + 1}"
+            n, i = name, 1
+            while n in seen:            # as compile_args(): a name used twice gets _1, _2
+                n, i = f"{name}_{i}", i + 1
             seen[n] = body
     group = d.group or KERNEL_GROUP
     base = d.event or default_event(d, None)

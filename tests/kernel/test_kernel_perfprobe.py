@@ -46,13 +46,17 @@ def test_compiled_line_equals_the_register_line(tmp_path, debian_kernel):
     spec = tmp_path / "probes.toml"
     spec.write_text('probes = ["do_sys_openat2 dfd filename:string how->flags",\n'
                     '          "do_sys_openat2%return $retval",\n'
-                    '          "kp_g:kp_m=do_sys_openat2 how->mode f=filename:ustring"]\n')
+                    '          "kp_g:kp_m=do_sys_openat2 how->mode f=filename:ustring",\n'
+                    '          "do_sys_openat2 dfd %di dfd $comm"]\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     got = _compiled(r.stdout)
     assert got["probes[1]"] == (f"p:probe/do_sys_openat2 do_sys_openat2 dfd=%di:s32 "
                                 f"filename_string=+0(%si):string flags=+{off['flags']}(%dx):x64"), got
     assert got["probes[2]"] == "r:probe/do_sys_openat2__return do_sys_openat2 retval=$retval:s64", got
     assert got["probes[3]"] == f"p:kp_g/kp_m do_sys_openat2 mode=+{off['mode']}(%dx):x64 f=+0(%si):ustring", got
+    # raw fetch args passed on, named as in user programs; a name used twice gets _1
+    assert got["probes[4]"] == ("p:probe/do_sys_openat2_1 do_sys_openat2 dfd=%di:s32 arg2=%di dfd_1=%di:s32 "
+                                "arg4=$comm"), got
 
 
 @pytest.mark.parametrize("definition, message", [
