@@ -5,6 +5,8 @@ resolved ahead of time from the image's DWARF (docs/reference/spec.md#probes).
     dwarf.py    functions, lines, variables and their locations (probe-finder.c's part)
     compile.py  the addresses and fetch args: kprobe_events lines
     listing.py  what `probe-vars` and `probe-lines` print (perf probe -V / -L)
+    btfprobe.py a kernel image's definitions from its BTF instead: parameters at the
+                entry, members, $retval (the target's PROBES_BY_NAME = "btf")
 
 The spec's `probes` strings become `p`/`r` lines, parsed by events.parse_line()
 into the same kprobe and kretprobe tables as `events` lines: the trace events,
@@ -33,8 +35,11 @@ class ProbeEventDef(E.EventDef):
         return f"probes[{self.source}]"
 
 
-def debug_info(image, arch) -> D.DebugInfo:
-    """The image's DWARF; KprewriteError if it has none."""
+def debug_info(image, arch):
+    """The image's DWARF (D.DebugInfo), or for a target that names them from BTF (a
+    kernel) its types (btfprobe.Types); KprewriteError if it has none."""
+    if getattr(getattr(image, "target", None), "PROBES_BY_NAME", False) == "btf":
+        return btf_types(image)
     cached = getattr(image, "_kp_debug_info", None)
     if cached is not None:
         return cached
@@ -56,6 +61,26 @@ def debug_info(image, arch) -> D.DebugInfo:
                              f"{type(e).__name__}: {' '.join(str(e).split())}") from None
     image._kp_debug_info = dbg
     return dbg
+
+
+def btf_types(image):
+    """A kernel image's own BTF, for probes by parameter name (btfprobe.py)."""
+    from .btfprobe import Types
+    cached = getattr(image, "_kp_probe_btf", None)
+    if cached is None:
+        types = image.target.probe_btf(image)
+        if types is None:
+            raise KprewriteError(f"{image.label}: probes by name need the kernel's BTF (.BTF, "
+                                 f"CONFIG_DEBUG_INFO_BTF), which this image does not have")
+        cached = image._kp_probe_btf = Types(types, image.label)
+    return cached
+
+
+def _compile(dbg, image, d, taken, arch):
+    from .btfprobe import Types, compile_def
+    if isinstance(dbg, Types):
+        return compile_def(dbg, image, d, taken, arch.fetch_regs)
+    return C.compile_def(dbg, image, d, taken)
 
 
 def expand(spec, image, arch) -> list[str]:
@@ -84,7 +109,7 @@ def expand(spec, image, arch) -> list[str]:
         try:
             if dbg is None:
                 dbg = debug_info(image, arch)
-            compiled = C.compile_def(dbg, image, d, taken)
+            compiled = _compile(dbg, image, d, taken, arch)
         except C.ProbeError as e:
             errors.append(f"{where}: {e}")
             continue

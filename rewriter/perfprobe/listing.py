@@ -26,7 +26,10 @@ def vars_lines(image, arch, text: str) -> list[str]:
     """perf probe -V: at each address of the point, every variable in scope and the
     fetch arg it compiles to there (or why it is not available)."""
     from . import debug_info
+    from .btfprobe import Types, vars_lines as btf_vars_lines
     dbg = debug_info(image, arch)
+    if isinstance(dbg, Types):
+        return btf_vars_lines(dbg, arch.fetch_regs, _point(text))
     p, sites = _sites(dbg, image, text)
     out = []
     for s in sites:
@@ -51,7 +54,10 @@ def lines_lines(image, arch, text: str) -> list[str]:
     """perf probe -L: a function's source with the line numbers (relative to the
     function's declaration) that have code and can be probed as FUNC:RLN."""
     from . import debug_info
+    from .btfprobe import Types
     dbg = debug_info(image, arch)
+    if isinstance(dbg, Types):
+        raise KprewriteError(f"{image.label}: a kernel's BTF has no line table: probe-lines needs DWARF")
     p = _point(text)
     if p.function is None:
         raise KprewriteError(f"'{text}': name a function (FUNC or FUNC@SRC)")

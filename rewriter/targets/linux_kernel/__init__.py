@@ -30,6 +30,15 @@ from .symbols import (KERNEL_HALF, PT_LOAD, address_c, derived_symbol, link_symb
 from .writer import diff_expected, write  # noqa: F401
 
 name = "linux_kernel"
+# The spec's `probes` (rewriter/perfprobe/btfprobe.py): parameters by name from the image's BTF.
+PROBES_BY_NAME = "btf"
+
+
+def probe_btf(image):
+    """The image's BTF types by id (btf.parse()), or None without .BTF."""
+    from .btf import parse
+    sec = image.section_named(".BTF")
+    return None if sec is None else parse(image.data[sec.offset:sec.offset + sec.size], image.path)
 
 
 def detect(image) -> bool:

@@ -42,6 +42,8 @@ class BtfType:
     array: tuple = ()      # ARRAY: (element type, nelems)
     nr_bits: int = 0       # INT
     values: tuple = ()     # ENUM: (name, value) of each enumerator
+    encoding: int = 0      # INT: BTF_INT_SIGNED (1), BTF_INT_CHAR (2), BTF_INT_BOOL (4)
+    params: tuple = ()     # FUNC_PROTO: (name, type) of each parameter (perfprobe reads them)
 
 
 def parse(data: bytes, where: str) -> list[BtfType | None]:
@@ -69,7 +71,8 @@ def parse(data: bytes, where: str) -> list[BtfType | None]:
             kind, vlen, kflag = (info >> 24) & 0x1F, info & 0xFFFF, bool(info >> 31)
             t = BtfType(kind, name(name_off), st, kflag, [])
             if kind == INT:
-                t.nr_bits = struct.unpack_from("<I", data, p)[0] & 0xFF
+                word = struct.unpack_from("<I", data, p)[0]
+                t.nr_bits, t.encoding = word & 0xFF, (word >> 24) & 0x0F
                 p += 4
             elif kind == ARRAY:
                 elem, _index, nelems = struct.unpack_from("<III", data, p)
@@ -89,6 +92,8 @@ def parse(data: bytes, where: str) -> list[BtfType | None]:
             elif kind == ENUM64:
                 p += 12 * vlen
             elif kind == FUNC_PROTO:
+                t.params = tuple((name(struct.unpack_from("<I", data, p + 8 * i)[0]),
+                                  struct.unpack_from("<I", data, p + 8 * i + 4)[0]) for i in range(vlen))
                 p += 8 * vlen
             elif kind == VAR:
                 p += 4
