@@ -28,6 +28,7 @@ import pytest
 from conftest import ARCH, KPREWRITE, ROOT, TREE_ENV, attributed, cc, instrument, probe_spec, run, symbols, write_spec
 
 from rewriter import safety
+from test_kretprobe import FALLBACK
 
 HANG = 15       # seconds a rule-off run may take before it counts as hung
 
@@ -35,24 +36,8 @@ HANG = 15       # seconds a rule-off run may take before it counts as hung
 # --- the programs ---------------------------------------------------------------------------------
 # Each: C source (with the asm it needs), gcc flags, the spec, handlers (or None), the language.
 
-COLD_PARTS = r"""
-/* work pushes %rbx and jumps to work.cold with its frame live: the slot at
-   work.cold's %rsp holds the caller's %rbx, not a return address. */
-__asm__(
-".text\n"
-".globl work\n.type work,@function\nwork:\n"
-"  push %rbx\n"
-"  mov %rdi,%rbx\n"
-"  test %rdi,%rdi\n"
-"  js work.cold\n"
-"1: lea 1(%rbx),%rax\n"
-"  pop %rbx\n"
-"  ret\n"
-".size work,.-work\n"
-".type work.cold,@function\nwork.cold:\n"
-"  neg %rbx\n"
-"  jmp 1b\n"
-".size work.cold,.-work.cold\n"
+# The driver both split-part programs share: drive() keeps its count in %rbx across calls to work.
+SPLIT_DRIVER = r"""
 /* The caller counts in %rbx (callee-saved: work must give it back). */
 ".globl drive\n.type drive,@function\ndrive:\n"
 "  push %rbx\n"
@@ -76,6 +61,26 @@ __asm__(
 long drive(void);
 int main(void) { printf("drive=%ld\n", drive()); return 0; }
 """
+
+COLD_PARTS = r"""
+/* work pushes %rbx and jumps to work.cold with its frame live: the slot at
+   work.cold's %rsp holds the caller's %rbx, not a return address. */
+__asm__(
+".text\n"
+".globl work\n.type work,@function\nwork:\n"
+"  push %rbx\n"
+"  mov %rdi,%rbx\n"
+"  test %rdi,%rdi\n"
+"  js work.cold\n"
+"1: lea 1(%rbx),%rax\n"
+"  pop %rbx\n"
+"  ret\n"
+".size work,.-work\n"
+".type work.cold,@function\nwork.cold:\n"
+"  neg %rbx\n"
+"  jmp 1b\n"
+".size work.cold,.-work.cold\n"
+""" + SPLIT_DRIVER
 
 ENTRY_FRAME = r"""
 /* COLD_PARTS with unwind information and no .cold name (a stripped library's
@@ -105,76 +110,11 @@ __asm__(
 "  jmp 1b\n"
 "  .cfi_endproc\n"
 ".size workpart,.-workpart\n"
-".globl drive\n.type drive,@function\ndrive:\n"
-"  push %rbx\n"
-"  push %r12\n"
-"  push %rbp\n"
-"  xor %r12d,%r12d\n"
-"  mov $3,%ebx\n"
-"2: mov %rbx,%rdi\n"
-"  neg %rdi\n"
-"  call work\n"
-"  add %rax,%r12\n"
-"  dec %rbx\n"
-"  jnz 2b\n"
-"  mov %r12,%rax\n"
-"  pop %rbp\n"
-"  pop %r12\n"
-"  pop %rbx\n"
-"  ret\n"
-".size drive,.-drive\n");
-#include <stdio.h>
-long drive(void);
-int main(void) { printf("drive=%ld\n", drive()); return 0; }
-"""
+""" + SPLIT_DRIVER
 
-TRAMPOLINE_UNSAFE = r"""
-/* tests/test_kretprobe.py's FALLBACK: cramped's ret follows a call by 4 bytes with the
-   next function right after (no jump fits), and cramped reads its return-address slot. */
-__asm__(
-".text\n"
-".globl helper\n.type helper,@function\nhelper:\n"
-"  lea 7(%rdi),%rax\n"
-"  ret\n"
-".size helper,.-helper\n"
-/* The ret follows a call by 4 bytes and the next function starts right after:
- * no 5-byte region ends with it.  The return address it sees in its slot is
- * recorded in seen_ra: its CFI says where that slot is, so the trampoline is
- * refused for it (it would see the trampoline), and its return hook is a breakpoint. */
-".globl cramped\n.type cramped,@function\ncramped:\n"
-"  .cfi_startproc\n"
-"  push %rbx\n"
-"  .cfi_def_cfa_offset 16\n"
-"  mov %rdi,%rbx\n"
-"  mov 8(%rsp),%rcx\n"
-"  mov %rcx,seen_ra(%rip)\n"
-"  call helper\n"
-"  add %ebx,%eax\n"
-"  pop %rbx\n"
-"  .cfi_def_cfa_offset 8\n"
-"  ret\n"
-"  .cfi_endproc\n"
-".size cramped,.-cramped\n"
-".globl after\n.type after,@function\nafter:\n"
-"  mov %rdi,%rax\n"
-"  ret\n"
-".size after,.-after\n"
-);
-#include <stdio.h>
-long cramped(long), after(long);
-void *seen_ra;
-int main(void)
-{
-	long s = 0;
-	int ra_ok = 1;
-	for (long i = 0; i < 3; i++) {
-		s += cramped(i) + after(i);
-		ra_ok &= (char *)seen_ra > (char *)main && (char *)seen_ra < (char *)main + 400;
-	}
-	printf("s=%ld ra_ok=%d\n", s, ra_ok);
-	return 0;
-}
-"""
+# tests/test_kretprobe.py's FALLBACK: cramped's ret follows a call by 4 bytes with the next
+# function right after (no jump fits), and cramped reads its return-address slot.
+TRAMPOLINE_UNSAFE = FALLBACK
 
 RSP_CALL = r"""
 /* The region at the probe ends with `call *16(%rsp)`: the detour pushes the
