@@ -15,7 +15,8 @@ DATAREL_SDATA4 = 0x3B      # the hdr table's encoding (ld's)
 UDATA4 = 0x03
 
 
-def _uleb(v: int) -> bytes:
+def uleb(v: int) -> bytes:
+    """DWARF's unsigned LEB128."""
     assert v >= 0, v
     out = bytearray()
     while True:
@@ -25,7 +26,8 @@ def _uleb(v: int) -> bytes:
             return bytes(out)
 
 
-def _sleb(v: int) -> bytes:
+def sleb(v: int) -> bytes:
+    """DWARF's signed LEB128."""
     out = bytearray()
     while True:
         b, v = v & 0x7F, v >> 7
@@ -57,15 +59,15 @@ def eh_frame(addr: int, pieces: list[tuple[int, int, bytes]], arch_unwind) -> tu
     """An .eh_frame at `addr` for pieces (start, size, call frame program): its
     bytes and the (start, FDE address) of each piece, for the hdr's table."""
     u = arch_unwind
-    cie = bytearray(struct.pack("<I", 0) + b"\x01zR\0" + _uleb(u.CODE_ALIGN) + _sleb(u.DATA_ALIGN)
-                    + bytes([u.RA_COLUMN]) + _uleb(1) + bytes([PCREL_SDATA4]) + u.CIE_INSNS)
+    cie = bytearray(struct.pack("<I", 0) + b"\x01zR\0" + uleb(u.CODE_ALIGN) + sleb(u.DATA_ALIGN)
+                    + bytes([u.RA_COLUMN]) + uleb(1) + bytes([PCREL_SDATA4]) + u.CIE_INSNS)
     out = bytearray(_pad(cie))
     index = []
     for start, size, program in pieces:
         at = addr + len(out)
         rec = bytearray(struct.pack("<I", at + 4 - addr))                 # CIE pointer: back to offset 0
         rec += struct.pack("<i", start - (at + 8))                        # pc_begin, pcrel
-        rec += struct.pack("<I", size) + _uleb(0) + program
+        rec += struct.pack("<I", size) + uleb(0) + program
         out += _pad(rec)
         index.append((start, at))
     out += b"\0" * 4                                                      # terminator
@@ -112,7 +114,7 @@ def read_fde_starts(data: bytes, addr: int) -> list[tuple[int, int]]:
             q += len(aug) + 1
             _, q = _read_uleb(data, q)
             _, q = _read_uleb(data, q)                   # (sleb: only skipped)
-            q += 1 if data[p + 8] == 1 else len(_uleb(_read_uleb(data, q)[0]))
+            q += 1 if data[p + 8] == 1 else len(uleb(_read_uleb(data, q)[0]))
             r = None
             if aug.startswith("z"):
                 _, q = _read_uleb(data, q)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 
 from . import cs
+from ...ehframe.write import sleb as _sleb, uleb as _uleb
 
 # DWARF register numbers (the x86-64 psABI's).
 DWARF = {"rax": 0, "rdx": 1, "rcx": 2, "rbx": 3, "rsi": 4, "rdi": 5, "rbp": 6, "rsp": 7,
@@ -165,26 +166,6 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
             out.append((a, rule))
             last = rule
     return out
-
-
-def _uleb(v: int) -> bytes:
-    assert v >= 0, v
-    out = bytearray()
-    while True:
-        b, v = v & 0x7F, v >> 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def _sleb(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, v = v & 0x7F, v >> 7
-        if (v == 0 and not b & 0x40) or (v == -1 and b & 0x40):
-            out.append(b)
-            return bytes(out)
-        out.append(b | 0x80)
 
 
 def _expr(ops: bytes) -> bytes:
