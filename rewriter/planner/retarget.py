@@ -59,7 +59,7 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
                 continue
             size = off + 4
             if patched.overlapping(src, src + size) is not None \
-                    or rules.reserved.overlapping(src, src + size) is not None or not vouched(src, size):
+                    or rules.reserved_sites(src, src + size) or not vouched(src, size):
                 continue
             plan.retargets.append(Retarget(src, size, target, to))
     plan.retargets.sort(key=lambda r: r.src)
