@@ -21,11 +21,9 @@ from pathlib import Path
 import pytest
 
 from conftest import CC, TRIPLES, cc, check_lines, instrument, profile, qemu_command, run, write_spec
+from realsoft import KPROBES, KRETPROBES, assert_same_run
 
 ARCHES = ["aarch64"]
-
-KPROBES = '[[kprobe]]\nsymbol_name = "*"\n'
-KRETPROBES = '[[kretprobe]]\nsymbol_name = "*"\n'
 VARIANTS = ["kprobe", "kretprobe"]
 # sqlite3's shell needs libreadline (and its libtinfo) and libz besides libsqlite3;
 # libc and libm come from the cross sysroot (/usr/aarch64-linux-gnu, qemu -L).
@@ -154,9 +152,7 @@ def _same(cmd, stdin: str, env_orig: dict, env_new: dict, prof: Path) -> subproc
     prof.unlink(missing_ok=True)
     a = _run(cmd["orig"], stdin, env_orig)
     b = _run(cmd["new"], stdin, {**env_new, "KPREWRITE_PROFILE": str(prof)})
-    assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
-    p = profile("\n".join("  " + line.strip() for line in prof.read_text().splitlines()))
-    assert sum(h for h, _ in p.values()) > 0, prof.read_text()[:500]
+    assert_same_run(a, b, prof)
     return a
 
 

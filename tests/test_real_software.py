@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QEMU, cc, instrument, profile, run, write_spec
-
-KPROBES = '[[kprobe]]\nsymbol_name = "*"\n'
-KRETPROBES = '[[kretprobe]]\nsymbol_name = "*"\n'
+from conftest import QEMU, cc, instrument, run, write_spec
+from realsoft import KPROBES, KRETPROBES, assert_same_run
 VARIANTS = ["kprobe", "no-optimize", "kretprobe"]
 
 SQL = """
@@ -105,11 +103,7 @@ def _same(orig: Path, new: Path, runner: str, *args, stdin: str | None = None, c
     prof.unlink(missing_ok=True)
     a = _run(orig, runner, args, stdin, cwd, env)
     b = _run(new, runner, args, stdin, cwd, {**(env or {}), "KPREWRITE_PROFILE": str(prof)})
-    assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
-    if not profiled:
-        return a
-    p = profile("\n".join("  " + l.strip() for l in prof.read_text().splitlines()))
-    assert sum(h for h, _ in p.values()) > 0, prof.read_text()[:500]
+    assert_same_run(a, b, prof if profiled else None)
     return a
 
 
