@@ -46,7 +46,11 @@ def unwrap(data: bytes, path: str):
 
 def load_symbols(image, system_map: str | None = None) -> None:
     """A module's functions are its .symtab's (a module keeps its symbol table: the
-    loader's kallsyms for it is made from it)."""
+    loader's kallsyms for it is made from it).  `--system-map` names the kernel's
+    Module.symvers for a module: the CRCs of the kernel symbols its runtime adds
+    (symvers.py; else kbuild's /lib/modules/<release>/build/Module.symvers)."""
+    from . import symvers
+    image.container.symvers, image.container.symvers_path = symvers.load(image.container, system_map)
 
 
 def rules(image, arch) -> Rules:
@@ -110,11 +114,17 @@ def handler_headers(image) -> dict[str, str]:
     return {}
 
 
+def link_symbols(image) -> dict:
+    """None beyond the module's .symtab (fetch.data_symbols() reads it): the kernel's are
+    resolved by the module loader, not at rewrite time."""
+    return {}
+
+
 def thread_key(image):
     return None
 
 
 # The pipeline's layout, tables, link and write are the in-place image's; a module is
 # linked by `ld -r` instead (writer.build()).
-plan_layout = reserve_stubs = link_symbols = tables_c = _not_yet
+plan_layout = reserve_stubs = tables_c = _not_yet
 table_base = derived_symbol = address_c = write = diff_expected = _not_yet

@@ -73,6 +73,8 @@ class ModuleObject:
     sections: list[Shdr]
     addr: dict[int, int] = field(default_factory=dict)     # section index -> its address in the view
     stand_in: tuple[int, int] = (0, 0)     # [start, end) of the kernel symbols' stand-ins
+    symvers: dict | None = None            # the kernel's symbol CRCs (symvers.py), when found
+    symvers_path: str | None = None
 
     def section_named(self, name: str) -> Shdr | None:
         return next((s for s in self.sections if s.name == name), None)

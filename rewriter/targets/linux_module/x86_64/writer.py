@@ -122,11 +122,24 @@ def _sites(plan) -> list:
     return [by[a] for a in sorted(by)]
 
 
-def runtime_c(plan, handler_symbols: dict[str, str], module: str) -> str:
+def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
+              debugfs: bool = False) -> str:
+    """The module's runtime: probe structures, the dispatch of each site, the kretprobe
+    entry and return, init and exit.  traces: the trace events (events.trace_key ->
+    TraceEvent) whose kp_trace_pre_<key>/kp_trace_ret_<key> (events.trace_c(), in
+    kp_events.c) run in place of the user's handler and call it; debugfs: each probe's
+    counters as files while the module is loaded."""
+    from ....events import trace_key
+    traces = traces or {}
     out = [RUNTIME_C]
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
     declared = set()
+    for key in sorted(traces, key=str):
+        if traces[key].is_return:
+            out.append(f"extern int kp_trace_ret_{key}(struct kretprobe_instance *, struct pt_regs *);")
+        else:
+            out.append(f"extern int kp_trace_pre_{key}(struct kprobe *, struct pt_regs *);")
 
     def declare(h, proto):
         if h and handler_symbols[h] not in declared:
@@ -160,9 +173,13 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str) -> str:
                f"{{ {', '.join(str((32 + ep.kret.data_size + 7) // 8 * 8) for ep in krs) or '0'} }};")
     out.append(f"static char *const kp_pools[{max(len(krs), 1)}] = "
                f"{{ {', '.join(f'kp_pool_{j}' for j in range(len(krs))) or '0'} }};")
+    # The instances one return can find: at most one per kretprobe (a recursive call has a slot of its own).
+    out.append(f"#define KP_KRET_FRAME {max(len(krs), 1)}")
     out.append(KRET_C)
     for j, ep in enumerate(krs):
         h = handler_symbols.get(ep.kret.handler) if ep.kret.handler else None
+        if trace_key(ep) in traces:         # the event's return handler, which calls the user's
+            h = f"kp_trace_ret_{trace_key(ep)}"
         eh = handler_symbols.get(ep.kret.entry_handler) if ep.kret.entry_handler else None
         out.append(f"""
 static void kp_kret_entry_{j}(struct pt_regs *regs)
@@ -188,36 +205,51 @@ static void kp_kret_handler_{j}(struct kretprobe_instance *ri, struct pt_regs *r
 	__atomic_fetch_add(&kp_kret_returns[{j}], 1, __ATOMIC_RELAXED);
 	{f"{h}(ri, regs);" if h else ""}
 }}""")
+    # At return: every instance of this frame (one per kretprobe on the function, as rethook
+    # keeps one per kretprobe), the real return address the one that is not the trampoline
+    # (the others were taken after the first swap).
     out.append("""
 unsigned long kp_kret_return(struct pt_regs *regs)
 {
 	void *slot = (void *)(regs->sp - 8);
-	unsigned int j, i;
+	struct kretprobe_instance *found[KP_KRET_FRAME];
+	unsigned int kind[KP_KRET_FRAME];
+	unsigned int j, i, n = 0;
+	unsigned long ret = 0;
 	for (j = 0; j < sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0]); j++) {
 		struct kretprobe *rp = &kp_kretprobes[j];
-		for (i = 0; i < (unsigned int)rp->maxactive && kp_stride[j]; i++) {
+		for (i = 0; i < (unsigned int)rp->maxactive && kp_stride[j] && n < KP_KRET_FRAME; i++) {
 			struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
-			unsigned long ret;
 			if (__atomic_load_n(&ri->kp_state, __ATOMIC_ACQUIRE) != 1 || ri->fp != slot)
 				continue;
-			ret = (unsigned long)ri->ret_addr;
-			regs->ip = ret;
-			switch (j) {""")
-    for j in range(len(krs)):
-        out.append(f"\t\t\tcase {j}: kp_kret_handler_{j}(ri, regs); break;")
-    out.append("""			}
-			__atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE);
-			return ret;
+			if ((unsigned long)ri->ret_addr != (unsigned long)kp_kret_trampoline)
+				ret = (unsigned long)ri->ret_addr;
+			found[n] = ri;
+			kind[n++] = j;
 		}
 	}
-	_printk("\\0010kprewrite: a return through the trampoline without an instance\\n");
-	return 0;
+	if (!ret) {
+		_printk("\\0010kprewrite: a return through the trampoline without an instance\\n");
+		return 0;
+	}
+	regs->ip = ret;
+	for (i = 0; i < n; i++) {
+		found[i]->ret_addr = (kprobe_opcode_t *)ret;
+		switch (kind[i]) {""")
+    for j in range(len(krs)):
+        out.append(f"\t\tcase {j}: kp_kret_handler_{j}(found[i], regs); break;")
+    out.append("""		}
+		__atomic_store_n(&found[i]->kp_state, 0, __ATOMIC_RELEASE);
+	}
+	return ret;
 }""")
     for n, (site, ks, rs) in enumerate(_sites(plan)):
         body = []
         for i in ks:
             p = kps[i]
             pre = handler_symbols.get(p.spec.pre_handler) if p.spec.pre_handler else None
+            if trace_key(p) in traces:      # the event's pre_handler, which calls the user's
+                pre = f"kp_trace_pre_{trace_key(p)}"
             post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
             body.append(f"""	{{
 		struct kprobe *p = &kp_probes[{i}];
@@ -241,14 +273,61 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 {chr(10).join(body)}
 	return 0;
 }}""")
-    out.append(f"""
+    out.append(_init_exit_c(module, len(kps), len(krs), debugfs))
+    return "\n".join(out)
+
+
+def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool) -> str:
+    """kp_module_init/kp_module_exit: arm, chain to the module's own init and exit, disarm and
+    print each probe's counts; with debugfs, /sys/kernel/debug/kprewrite-<module>/<EVENT>/
+    {hits,nmissed} (and a kretprobe's `returns`) while the module is loaded, made with
+    debugfs_create_ulong() (no struct file_operations of ours: its layout is the kernel's)."""
+    mk = rm = ""
+    if debugfs:
+        mk = f"""
+	kp_debugfs = debugfs_create_dir("kprewrite-{module}", 0);
+	if (kp_debugfs_ok(kp_debugfs)) {{
+		for (i = 0; i < {nk}; i++) {{
+			void *d = debugfs_create_dir(kp_probes[i].name, kp_debugfs);
+			debugfs_create_ulong("hits", 0400, d, &kp_hits[i]);
+			debugfs_create_ulong("nmissed", 0400, d, &kp_probes[i].nmissed);
+		}}
+		for (i = 0; i < {nr}; i++) {{
+			void *d = debugfs_create_dir(kp_kretprobes[i].kp.name, kp_debugfs);
+			debugfs_create_ulong("hits", 0400, d, &kp_kret_hits[i]);
+			debugfs_create_ulong("returns", 0400, d, &kp_kret_returns[i]);
+			debugfs_create_u32("nmissed", 0400, d, (unsigned int *)&kp_kretprobes[i].nmissed);
+		}}
+	}}"""
+        rm = """
+	if (kp_debugfs_ok(kp_debugfs))
+		debugfs_remove(kp_debugfs);"""
+    decl = ""
+    if debugfs:
+        decl = """
+/* debugfs (exported to modules): the counters as files, read-only. */
+extern void *debugfs_create_dir(const char *name, void *parent);
+extern void debugfs_create_ulong(const char *name, unsigned short mode, void *parent, unsigned long *value);
+extern void debugfs_create_u32(const char *name, unsigned short mode, void *parent, unsigned int *value);
+extern void debugfs_remove(void *dentry);
+static void *kp_debugfs;
+/* IS_ERR_OR_NULL(): debugfs returns an error pointer when it is off or the name is taken. */
+static int kp_debugfs_ok(void *d)
+{
+	return d && (unsigned long)d < (unsigned long)-4095;
+}
+"""
+    return f"""{decl}
 int kp_module_init(void)
 {{
+	unsigned int i = 0;
 	int r;
+	(void)i;{mk}
 	kp_armed = 1;
 	r = init_module();
-	if (r)
-		kp_armed = 0;
+	if (r) {{
+		kp_armed = 0;{rm}
+	}}
 	return r;
 }}
 
@@ -256,17 +335,16 @@ void kp_module_exit(void)
 {{
 	unsigned int i;
 	cleanup_module();
-	kp_armed = 0;
-	for (i = 0; i < {len(kps)}; i++)
-		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu\\n", kp_probes[i].name,
-			kp_probes[i].symbol_name, kp_probes[i].offset, kp_hits[i]);
-	for (i = 0; i < {len(krs)}; i++)
+	kp_armed = 0;{rm}
+	for (i = 0; i < {nk}; i++)
+		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu nmissed %lu\\n", kp_probes[i].name,
+			kp_probes[i].symbol_name, kp_probes[i].offset, kp_hits[i], kp_probes[i].nmissed);
+	for (i = 0; i < {nr}; i++)
 		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu returns %lu nmissed %d\\n",
 			kp_kretprobes[i].kp.name, kp_kretprobes[i].kp.symbol_name, kp_kretprobes[i].kp.offset,
 			kp_kret_hits[i], kp_kret_returns[i], kp_kretprobes[i].nmissed);
 }}
-""")
-    return "\n".join(out)
+"""
 
 
 KRET_C = r"""
@@ -329,17 +407,25 @@ def refuse_unsupported(s) -> None:
         if site.decision != FTRACE:
             lines.append(f"{s.spec.path.name}: {p.kret.table} ({p.label}): a module's kretprobes are written "
                          f"at ftrace sites (function entries) only for now; this one is {site.decision}")
-    if s.traces:
-        lines.append(f"{s.spec.path.name}: trace events in a module are not written yet")
+    for key, ev in sorted(s.traces.items(), key=lambda kv: str(kv[0])):
+        if any(i.op == "IMM_LINK" for a in ev.args for i in a.code):
+            lines.append(f"{s.spec.path.name}: event {ev.name}: @SYM in a module's event is not written yet "
+                         f"(the module's addresses are the loader's)")
     if lines:
         raise KprewriteError(*lines)
 
 
+# The runtime's generic pieces a module's trace events use (runtime/; the platform's in
+# runtime/platform/linux_module), compiled with the module's flags.
+EVENT_SOURCES = ["kp_lib.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
+
+
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     """The rewritten module's bytes (see the module docstring)."""
+    from ....events import trace_c, trace_key
     from ....link import compiler
     from ....link_toolchain import linker
-    from ....link_runtime import _includes, cflags
+    from ....link_runtime import RUNTIME_DIR, _includes, cflags
     from ....report import metadata
     refuse_unsupported(s)
     mod = s.image.container
@@ -347,8 +433,9 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
         raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")
     cc = compiler(s.arch)
     name = module_name(mod)
+    debugfs = mod.symvers is not None
     src = workdir / "kp_module.c"
-    src.write_text(runtime_c(s.plan, s.handler_symbols, name))
+    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
     asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(sites_)))
@@ -357,10 +444,29 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
     _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
     _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
+    ours = [obj_c, obj_s]
+    if s.traces:
+        users = {trace_key(p): s.handler_symbols[p.spec.pre_handler] for _, p in s.plan.kprobes if p.spec.pre_handler}
+        users.update({trace_key(p): s.handler_symbols[p.kret.handler] for _, p, _ in s.plan.kretprobes
+                      if p.kret.handler})
+        ev = workdir / "kp_events.c"
+        ev.write_text("".join(f"extern char {u}[];\n" for u in sorted(set(users.values())))
+                      + trace_c(s.traces, users, []))
+        for i, c in enumerate([ev, *(RUNTIME_DIR / f for f in EVENT_SOURCES)]):
+            o = workdir / f"kp_rt{i}.o"
+            _run([cc, *flags, "-c", str(c), "-o", str(o)], f"the module's runtime ({c.name})")
+            ours.append(o)
+    # Our code first linked alone, its hidden symbols made local: the module's own references
+    # (its memcmp, a handler's name) never bind to ours, nor ours to the module's.
+    rt = workdir / "kp_runtime.o"
+    _run([linker(s.arch), "-r", "-o", str(rt), *map(str, ours), *map(str, objs)], "ld -r (the runtime)")
+    _run(["objcopy", "--localize-hidden", str(rt)], "objcopy --localize-hidden")
     orig = workdir / "orig.ko"
     orig.write_bytes(mod.data)
+    versions = _versions(mod, rt, workdir, cc)
     linked = workdir / "linked.ko"
-    _run([linker(s.arch), "-r", "-o", str(linked), str(orig), str(obj_c), str(obj_s), *map(str, objs)], "ld -r")
+    _run([linker(s.arch), "-r", "-o", str(linked), str(orig), str(rt), *([str(versions)] if versions else [])],
+         "ld -r")
     data = bytearray(linked.read_bytes())
     sites = []
     for i, (site, _, _) in enumerate(sites_):
@@ -374,6 +480,71 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     _run(["objcopy", "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
           f"{META_SECTION}=readonly", str(linked), str(out)], "objcopy")
     return out.read_bytes()
+
+
+def _names(path: Path) -> tuple[set[str], set[str]]:
+    """(undefined, defined global) symbol names of an ELF relocatable object."""
+    data = path.read_bytes()
+    secs = read_sections(data, str(path))
+    symtab, syms = symbols(data, secs)
+    if symtab is None:
+        return set(), set()
+    strtab = secs[symtab.link]
+    undef, defined = set(), set()
+    for name, info, _, shndx, _, _ in syms[1:]:
+        if not name:
+            continue
+        n = data[strtab.offset + name:data.index(b"\0", strtab.offset + name)].decode()
+        if shndx == 0:
+            undef.add(n)
+        elif info >> 4 != 0:            # not STB_LOCAL
+            defined.add(n)
+    return undef, defined
+
+
+def _imported(mod) -> set[str] | None:
+    """The names in the module's __versions (None: a module built without CONFIG_MODVERSIONS)."""
+    v = mod.section_named("__versions")
+    if v is None:
+        return None
+    raw = mod.data[v.offset:v.offset + v.size]
+    return {raw[i + 8:i + 64].split(b"\0")[0].decode() for i in range(0, len(raw) - 63, 64)}
+
+
+def _versions(mod, rt: Path, workdir: Path, cc: str) -> Path | None:
+    """An object whose __versions entries (struct modversion_info: the CRC, the name in 56
+    bytes) are those of the kernel symbols our code calls that the module did not, from the
+    kernel's Module.symvers; ld -r appends them to the module's own table."""
+    have = _imported(mod)
+    if have is None:
+        return None
+    undef, _ = _names(rt)
+    orig = workdir / "orig.ko"
+    _, defined = _names(orig)
+    new = sorted(undef - defined - have)
+    if not new:
+        return None
+    if mod.symvers is None:
+        from .. import symvers
+        rel = symvers.release(mod)
+        raise KprewriteError(f"{mod.path}: the module's runtime calls kernel symbols the module does not "
+                             f"import ({', '.join(new)}): their CRCs (__versions) come from the kernel's "
+                             f"Module.symvers: give it with --system-map FILE (not found at /lib/modules/"
+                             f"{rel or '<release>'}/build/Module.symvers)")
+    missing = [n for n in new if n not in mod.symvers]
+    if missing:
+        raise KprewriteError(f"{mod.symvers_path}: no CRC for {', '.join(missing)} (the module's runtime calls "
+                             f"them; this kernel does not export them to modules)")
+    asm = workdir / "kp_versions.S"
+    lines = ['\t.section __versions,"a"', "\t.balign 32"]
+    for n in new:
+        if len(n) > 55:
+            raise KprewriteError(f"{mod.path}: kernel symbol {n} is longer than __versions takes (55 bytes)")
+        lines += [f"\t.quad {mod.symvers[n]:#x}", f'\t.ascii "{n}"', f"\t.zero {56 - len(n)}"]
+    asm.write_text("\n".join(lines) + "\n")
+    obj = workdir / "kp_versions.o"
+    _run([cc, "-c", str(asm), "-o", str(obj)], "the module's __versions")
+    return obj
 
 
 def module_name(mod) -> str:

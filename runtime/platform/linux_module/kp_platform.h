@@ -1,0 +1,101 @@
+/*
+ * The platform half of the runtime for a kernel module (.ko), the part a module's
+ * trace events need (kp_fetch.c, kp_trace.c): the module is linked with `ld -r`
+ * (rewriter/targets/linux_module/x86_64/writer.py) and relocated by the module
+ * loader, so the kernel is reached through its exported symbols only (each with
+ * the CRC the kernel's Module.symvers gives it, added to the module's __versions).
+ * The probes, detours and dispatch are generated per module (writer.py), not
+ * kp_core.c's: nothing of the thread tables below is used.
+ */
+#ifndef _KP_PLATFORM_H
+#define _KP_PLATFORM_H
+#pragma GCC visibility push(hidden)
+
+#define KP_PLATFORM_NO_STARTUP 1
+
+/* --- the kernel's own functions, exported to modules --- */
+
+int _printk(const char *fmt, ...);
+long copy_from_kernel_nofault(void *dst, const void *src, unsigned long size);
+long copy_from_user_nofault(void *dst, const void *src, unsigned long size);
+int sprint_symbol(char *buffer, unsigned long address);
+int sprint_symbol_no_offset(char *buffer, unsigned long address);
+int __trace_puts(unsigned long ip, const char *str, int size);
+char *__get_task_comm(char *to, unsigned long len, void *tsk);
+
+#define KP_KERN_INFO "\001" "6"
+#define KP_KERN_ERR "\001" "3"
+
+/* --- thread identity: unused (the module's dispatch is generated) --- */
+
+static inline unsigned long kp_platform_thread_key_fast(void) { return 0; }
+static inline unsigned long kp_platform_thread_key(void) { return 0; }
+static inline int kp_platform_thread_key_ready(void) { return 1; }
+
+/* --- output, for lines written whole: never (the ring buffer exists once modules load) --- */
+
+void kp_platform_write(int fd, const char *buf, unsigned long len);
+int kp_platform_open_append(const char *path);
+
+/* --- the current task --- */
+
+#define KP_TASK_COMM_LEN 16
+
+/* x86-64's `current` before 6.2: the per-CPU current_task (exported per CPU). */
+extern void *current_task;
+static inline void *kp_module_current(void)
+{
+	void *t;
+	__asm__ volatile("movq %%gs:current_task, %0" : "=r"(t));
+	return t;
+}
+
+static inline void kp_platform_task_comm(char *comm)
+{
+	__get_task_comm(comm, KP_TASK_COMM_LEN, kp_module_current());
+}
+
+/* The pid is the ring buffer's (trace_print_context()): not read here. */
+static inline int kp_platform_task_pid(void)
+{
+	return 0;
+}
+
+static inline unsigned int kp_platform_cpu(void)
+{
+	return 0;
+}
+
+struct kp_timespec { long sec, nsec; };
+static inline void kp_platform_trace_clock(struct kp_timespec *ts)
+{
+	ts->sec = ts->nsec = 0;
+}
+
+static inline int kp_platform_copy_nofault(void *dst, unsigned long addr, unsigned long len, int tid)
+{
+	(void)tid;
+	return len ? (int)copy_from_kernel_nofault(dst, (const void *)addr, len) : 0;
+}
+
+static inline int kp_platform_copy_user_nofault(void *dst, unsigned long addr, unsigned long len, int tid)
+{
+	(void)tid;
+	return len ? (int)copy_from_user_nofault(dst, (const void *)addr, len) : 0;
+}
+
+/* As in a kernel image: symbols from the running kernel's kallsyms (modules included). */
+#define KP_PLATFORM_KALLSYMS 1
+#define KP_PLATFORM_TRACE_LINE 1024
+#define KP_PLATFORM_TRACE_REC 1536
+#define KP_PLATFORM_SYM_LEN 768		/* >= KSYM_SYMBOL_LEN */
+int kp_platform_symbol(char *buf, unsigned long addr, int with_offset);
+
+/* A line's body into the ftrace ring buffer as trace_printk() writes it (__trace_puts():
+ * a TRACE_PRINT entry behind the probed address): always 1. */
+int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len);
+
+#pragma GCC visibility pop
+
+void kp_profile_signal_configure(const char *value);
+#endif
