@@ -107,6 +107,54 @@ int printk(const char *fmt, ...)
 """
 
 
+# With the kernel's CRCs at hand (Module.symvers), handlers run as the kernel's kprobe handlers
+# do (kprobe_ftrace_handler()): preemption disabled, and a hit while a handler of this module
+# runs on the CPU (kprobe_running()) is missed: nmissed counted, no handler run.
+PREEMPT_C = r"""
+extern int __preempt_count;		/* per CPU */
+extern int cpu_number;			/* per CPU */
+/* Whether a handler runs on a CPU; CPUs past the array are not checked. */
+#define KP_NR_ACTIVE 1024
+static unsigned char kp_active[KP_NR_ACTIVE];
+
+/* preempt_disable(), then kprobe_running() on this CPU: 0 when a handler of ours runs. */
+static inline int kp_enter(void)
+{
+	int cpu;
+	__asm__ volatile("incl %%gs:__preempt_count" ::: "memory", "cc");
+	__asm__ volatile("movl %%gs:cpu_number, %0" : "=r"(cpu));
+	if ((unsigned int)cpu >= KP_NR_ACTIVE)
+		return 1;
+	if (kp_active[cpu]) {
+		__asm__ volatile("decl %%gs:__preempt_count" ::: "memory", "cc");
+		return 0;
+	}
+	kp_active[cpu] = 1;
+	return 1;
+}
+
+/* preempt_enable(): a pending reschedule taken through the preempt_schedule static call
+ * (its target keeps every register), as the kernel's __preempt_schedule() takes it. */
+static inline void kp_leave(void)
+{
+	int cpu;
+	register unsigned long sp __asm__("rsp");
+	__asm__ volatile("movl %%gs:cpu_number, %0" : "=r"(cpu));
+	if ((unsigned int)cpu < KP_NR_ACTIVE)
+		kp_active[cpu] = 0;
+	__asm__ volatile("decl %%gs:__preempt_count\n\tjnz 1f\n\tcall __SCT__preempt_schedule\n1:"
+			 : "+r"(sp) :: "memory", "cc");
+}
+"""
+
+# Without them (no Module.symvers): only what the module imports already; handlers run as the
+# detour enters them, preemptible, and no hit is missed.
+NO_PREEMPT_C = r"""
+static inline int kp_enter(void) { return 1; }
+static inline void kp_leave(void) { }
+"""
+
+
 def _c_string(s: str) -> str:
     return json.dumps(s)
 
@@ -131,7 +179,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     counters as files while the module is loaded."""
     from ....events import trace_key
     traces = traces or {}
-    out = [RUNTIME_C]
+    out = [RUNTIME_C, PREEMPT_C if debugfs else NO_PREEMPT_C]
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
     declared = set()
@@ -216,6 +264,7 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 	unsigned int kind[KP_KRET_FRAME];
 	unsigned int j, i, n = 0;
 	unsigned long ret = 0;
+	int entered;
 	for (j = 0; j < sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0]); j++) {
 		struct kretprobe *rp = &kp_kretprobes[j];
 		for (i = 0; i < (unsigned int)rp->maxactive && kp_stride[j] && n < KP_KRET_FRAME; i++) {
@@ -233,14 +282,19 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 		return 0;
 	}
 	regs->ip = ret;
+	entered = kp_enter();		/* 0: a handler of ours runs on this CPU: missed */
 	for (i = 0; i < n; i++) {
 		found[i]->ret_addr = (kprobe_opcode_t *)ret;
-		switch (kind[i]) {""")
+		if (!entered)
+			__atomic_fetch_add(&kp_kretprobes[kind[i]].nmissed, 1, __ATOMIC_RELAXED);
+		else switch (kind[i]) {""")
     for j in range(len(krs)):
         out.append(f"\t\tcase {j}: kp_kret_handler_{j}(found[i], regs); break;")
     out.append("""		}
 		__atomic_store_n(&found[i]->kp_state, 0, __ATOMIC_RELEASE);
 	}
+	if (entered)
+		kp_leave();
 	return ret;
 }""")
     for n, (site, ks, rs) in enumerate(_sites(plan)):
@@ -257,7 +311,7 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
 			if (!p->addr)
 				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
-			{f"if ({pre}(p, regs)) return regs->ip;" if pre else ""}
+			{f"if ({pre}(p, regs)) {{ r = regs->ip; goto out; }}" if pre else ""}
 			regs->ip = (unsigned long)p->addr + 5;
 			{f"{post}(p, regs, 0);" if post else ""}
 			regs->ip = (unsigned long)p->addr + 1;
@@ -265,13 +319,24 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 	}}""")
         for j in rs:
             body.append(f"\tif (!(kp_kretprobes[{j}].kp.flags & KPROBE_FLAG_DISABLED))\n\t\tkp_kret_entry_{j}(regs);")
+        missed = [f"\tif (!(kp_probes[{i}].flags & KPROBE_FLAG_DISABLED))\n"
+                  f"\t\t__atomic_fetch_add(&kp_probes[{i}].nmissed, 1, __ATOMIC_RELAXED);" for i in ks]
+        missed += [f"\tif (!(kp_kretprobes[{j}].kp.flags & KPROBE_FLAG_DISABLED))\n"
+                   f"\t\t__atomic_fetch_add(&kp_kretprobes[{j}].nmissed, 1, __ATOMIC_RELAXED);" for j in rs]
         out.append(f"""
 unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 {{
+	unsigned long r = 0;
 	if (!kp_armed)
 		return 0;
+	if (!kp_enter()) {{
+{chr(10).join(missed)}
+		return 0;
+	}}
 {chr(10).join(body)}
-	return 0;
+out:
+	kp_leave();
+	return r;
 }}""")
     out.append(_init_exit_c(module, len(kps), len(krs), debugfs))
     return "\n".join(out)
