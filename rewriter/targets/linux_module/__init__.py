@@ -11,7 +11,10 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
   .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
   init) and the kernel's symbols the module refers to (stand-ins in the view);
 - x86_64/writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
-  ftrace sites with C handlers; the rest is refused with one line, docs/limitations.md).
+  ftrace sites with C handlers and trace events; the rest is refused with one line,
+  docs/limitations.md);
+- symvers.py: the kernel's Module.symvers, the CRCs of the kernel symbols the module's
+  runtime adds to its imports (its __versions).
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """How handlers are compiled for a kernel module (link_runtime.py reads this): as the
 module's own code, with the kernel's flags (the kernel code model, no red zone,
 return thunks and retpolines through the kernel's exported thunks).  The module's
-runtime is generated per module (writer.py), not built from runtime/."""
+runtime is generated per module (writer.py); for trace events it compiles the runtime's
+fetch and trace code on runtime/platform/linux_module (writer.EVENT_SOURCES), whose CPU
+half is runtime/arch/<arch>/linux_module/."""
 from ..linux_kernel.recipe import CFLAGS  # noqa: F401
 
 SOURCES: list[str] = []
-ARCH_FOLDERS = ["uapi", "linux_kernel"]
+ARCH_FOLDERS = ["uapi", "linux_kernel", "linux_module"]
 CODE = "kernel"
 PIE = False

@@ -11,6 +11,8 @@
 #define _KP_PLATFORM_H
 #pragma GCC visibility push(hidden)
 
+#include <kp_arch_module.h>	/* the CPU's half: runtime/arch/<arch>/linux_module/ */
+
 #define KP_PLATFORM_NO_STARTUP 1
 
 /* --- the kernel's own functions, exported to modules --- */
@@ -41,18 +43,9 @@ int kp_platform_open_append(const char *path);
 
 #define KP_TASK_COMM_LEN 16
 
-/* x86-64's `current` before 6.2: the per-CPU current_task (exported per CPU). */
-extern void *current_task;
-static inline void *kp_module_current(void)
-{
-	void *t;
-	__asm__ volatile("movq %%gs:current_task, %0" : "=r"(t));
-	return t;
-}
-
 static inline void kp_platform_task_comm(char *comm)
 {
-	__get_task_comm(comm, KP_TASK_COMM_LEN, kp_module_current());
+	__get_task_comm(comm, KP_TASK_COMM_LEN, kp_arch_module_current());
 }
 
 /* The pid is the ring buffer's (trace_print_context()): not read here. */

@@ -25,6 +25,13 @@ A kretprobe at such a site is the kernel's kind: the return address swapped at e
 kp_kret_trampoline, its instance from a pool claimed atomically and found again at return
 by its return-address slot.  Only ftrace sites are written; anything else is refused with
 one line.
+
+Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
+kp_trace.c on runtime/platform/linux_module), their lines written to the ftrace ring buffer
+as trace_printk() writes them.  The kernel symbols our code calls that the module did not
+get their CRCs from the kernel's Module.symvers (symvers.py) in extra __versions entries;
+with them, handlers run with preemption disabled and a hit during one of ours is missed
+(nmissed), and the counters are in debugfs while the module is loaded.
 """
 from __future__ import annotations
 

@@ -1,0 +1,20 @@
+/*
+ * A kernel module on x86-64, for the linux_module platform (its kp_platform.h
+ * includes this): what the module's trace events read of the CPU, through the
+ * kernel's exported per-CPU symbols (their CRCs from the kernel's Module.symvers).
+ */
+#ifndef _KP_ARCH_MODULE_H
+#define _KP_ARCH_MODULE_H
+
+/* `current` as x86-64 reads it before 6.2: the per-CPU current_task (exported per CPU;
+ * 6.2 moved it into pcpu_hot). */
+extern void *current_task;
+
+static inline __attribute__((always_inline)) void *kp_arch_module_current(void)
+{
+	void *t;
+	__asm__ volatile("movq %%gs:current_task, %0" : "=r"(t));
+	return t;
+}
+
+#endif
