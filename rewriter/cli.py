@@ -64,7 +64,8 @@ def _json(doc) -> None:
 @click.option("--spec", "spec_path", required=True, metavar="SPEC.toml", help="probe spec")
 @click.option("-o", "output", required=True, metavar="OUTPUT", help="rewritten image")
 @click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
-@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map "
+              "(a kernel module: the kernel's Module.symvers)")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: the summary as JSON lines on standard output")
 @click.option("--depfile", metavar="FILE",
