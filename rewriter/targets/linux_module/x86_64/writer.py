@@ -140,8 +140,9 @@ static inline int kp_enter(void)
 	return 1;
 }
 
-/* preempt_enable(): a pending reschedule taken through the preempt_schedule static call
- * (its target keeps every register), as the kernel's __preempt_schedule() takes it. */
+/* preempt_enable(): a pending reschedule taken as the kernel's __preempt_schedule() takes it
+ * (KP_RESCHED: the preempt_schedule static call, or preempt_schedule_thunk; either keeps
+ * every register; none without CONFIG_PREEMPTION). */
 static inline void kp_leave(void)
 {
 	int cpu;
@@ -149,8 +150,12 @@ static inline void kp_leave(void)
 	__asm__ volatile("movl %%gs:cpu_number, %0" : "=r"(cpu));
 	if ((unsigned int)cpu < KP_NR_ACTIVE)
 		kp_active[cpu] = 0;
-	__asm__ volatile("decl %%gs:__preempt_count\n\tjnz 1f\n\tcall __SCT__preempt_schedule\n1:"
+#ifdef KP_RESCHED
+	__asm__ volatile("decl %%gs:__preempt_count\n\tjnz 1f\n\tcall " KP_RESCHED "\n1:"
 			 : "+r"(sp) :: "memory", "cc");
+#else
+	__asm__ volatile("decl %%gs:__preempt_count" ::: "memory", "cc");
+#endif
 }
 """
 
@@ -177,8 +182,15 @@ def _sites(plan) -> list:
     return [by[a] for a in sorted(by)]
 
 
+def _preempt_c(symvers: dict | None) -> str:
+    """PREEMPT_C with the kernel's way to reschedule: its PREEMPT_DYNAMIC static call, else its
+    thunk, else none (a kernel without CONFIG_PREEMPTION exports neither)."""
+    resched = next((n for n in ("__SCT__preempt_schedule", "preempt_schedule_thunk") if n in (symvers or {})), None)
+    return (f'#define KP_RESCHED "{resched}"\n' if resched else "") + PREEMPT_C
+
+
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
-              debugfs: bool = False) -> str:
+              debugfs: bool = False, symvers: dict | None = None) -> str:
     """The module's runtime: probe structures, the dispatch of each site, the kretprobe
     entry and return, init and exit.  traces: the trace events (events.trace_key ->
     TraceEvent) whose kp_trace_pre_<key>/kp_trace_ret_<key> (events.trace_c(), in
@@ -186,7 +198,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     counters as files while the module is loaded."""
     from ....events import trace_key
     traces = traces or {}
-    out = [RUNTIME_C, PREEMPT_C if debugfs else NO_PREEMPT_C]
+    out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
     declared = set()
@@ -507,7 +519,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     name = module_name(mod)
     debugfs = mod.symvers is not None
     src = workdir / "kp_module.c"
-    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs))
+    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
     asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(sites_)))
