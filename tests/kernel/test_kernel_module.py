@@ -300,22 +300,24 @@ def test_new_imports_get_their_crcs(romfs, rewritten_romfs, symvers):
     assert undefined <= set(after), undefined - set(after)
 
 
-def test_events_without_symvers_are_one_line(romfs, tmp_path):
-    """Events on a module need the kernel's CRCs: without Module.symvers, one line naming what and
-    where to find it, no output; @SYM in a module's event is not written yet: one line."""
+def test_events_without_symvers_are_one_line(romfs, debian_kernel, tmp_path):
+    """@SYM in a module's event is not written yet: one line.  Events on a module need the
+    kernel's CRCs: without Module.symvers, one line naming what and where to find it, no output."""
     spec = tmp_path / "probes.toml"
-    spec.write_text('events = ["r:kp_ret romfs_get_tree ret=$retval"]\n')
     out = tmp_path / "romfs.ko"
-    r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and not out.exists() and len(lines) == 1, r.stderr
-    assert "the module's runtime calls kernel symbols the module does not import (" in lines[0]
-    assert "__trace_puts" in lines[0] and "Module.symvers: give it with --system-map FILE" in lines[0]
     spec.write_text('events = ["p:kp_at romfs_get_tree v=@romfs_fs_type:u64"]\n')
     r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
     assert r.returncode != 0 and not out.exists()
     assert r.stderr.strip().splitlines() == ["kprewrite: probes.toml: event kp_at: @SYM in a module's event is "
                                              "not written yet (the module's addresses are the loader's)"], r.stderr
+    if Path(f"/lib/modules/{debian_kernel.release}/build/Module.symvers").exists():
+        pytest.skip("this machine has the kernel's Module.symvers where kbuild finds it")
+    spec.write_text('events = ["r:kp_ret romfs_get_tree ret=$retval"]\n')
+    r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and not out.exists() and len(lines) == 1, r.stderr
+    assert "the module's runtime calls kernel symbols the module does not import (" in lines[0]
+    assert "__trace_puts" in lines[0] and "Module.symvers: give it with --system-map FILE" in lines[0]
 
 
 def test_list_on_rewritten_module(romfs, rewritten_romfs):
