@@ -264,6 +264,8 @@ static void kp_kret_entry_{j}(struct pt_regs *regs)
 	ri->fp = slot;
 	ri->ret_addr = (kprobe_opcode_t *)*slot;
 	{f"if ({eh}(ri, regs)) {{ __atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE); return; }}" if eh else ""}
+	/* Found at return only once filled: a return elsewhere never meets a stale fp. */
+	__atomic_store_n(&ri->kp_state, 1, __ATOMIC_RELEASE);
 	*slot = (unsigned long)kp_kret_trampoline;
 }}
 
@@ -440,7 +442,8 @@ static struct kretprobe_instance *kp_claim(unsigned int j)
 	for (i = 0; i < (unsigned int)kp_kretprobes[j].maxactive; i++) {
 		struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
 		unsigned int free = 0;
-		if (__atomic_compare_exchange_n(&ri->kp_state, &free, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+		/* 2: claimed, being filled; 1 once its fp and ret_addr are set (kp_kret_entry_N) */
+		if (__atomic_compare_exchange_n(&ri->kp_state, &free, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
 			ri->rp = &kp_kretprobes[j];
 			return ri;
 		}
