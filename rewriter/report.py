@@ -41,6 +41,14 @@ def _probe_record(p, kind: str, decision: str) -> dict:
             "reason": None, "int3": None, "returns": None}
 
 
+def _site_record(p, kind: str, site) -> dict:
+    """A placed probe's record: its site's decision, and for a breakpoint why and how it runs."""
+    r = _probe_record(p, kind, site.decision)
+    if site.decision == INT3:
+        r["reason"], r["int3"] = refusal(site.reason, site.addr), site.xol.mode
+    return r
+
+
 def returns_record(g) -> dict:
     """How a kretprobe's returns are caught: every exit hooked, or the trampoline."""
     if g.mode == TRAMPOLINE:
@@ -60,12 +68,9 @@ def check_records(plan: Plan) -> list[dict]:
     """`check`'s lines as records, in spec order (the `probes` of `check --format json`)."""
     rows = []
     for site, p in plan.kprobes:
-        r = _probe_record(p, "k", site.decision)
-        if site.decision == INT3:
-            r["reason"], r["int3"] = refusal(site.reason, site.addr), site.xol.mode
-        rows.append(r)
+        rows.append(_site_record(p, "k", site))
     for site, p, g in plan.kretprobes:
-        r = _probe_record(p, "r", FTRACE if site.decision == FTRACE else OPTIMIZED)
+        r = _site_record(p, "r", site)     # the entry's form: a kretprobe's entry is a kprobe
         r["returns"] = returns_record(g)
         rows.append(r)
     for p, decision, reason, check, addr in plan.rejected:
@@ -79,6 +84,12 @@ def check_line(r: dict) -> str:
     """One line of `check`: SYMBOL+0xOFF  k|r  DECISION  [why] ...; for a kretprobe,
     how its returns are caught."""
     head = f"{r['symbol']}+{r['offset']:#x}  {r['kind']}  {r['decision']}"
+    if r["reason"] is not None:         # a refusal, or why a (kretprobe's entry) probe is a breakpoint
+        why = r["reason"]
+        # Every refusal names its check and address (an int3 reason's message already does).
+        named = why["message"].startswith(why["check"]) or why["check"] == "unknown"
+        head += f"  {why['message']}" if named else f"  {why['check']} at {why['address']}: {why['message']}"
+    head += f"  [{r['int3']}]" if r["int3"] else ""
     if r["returns"] is not None:
         ret = r["returns"]
         if ret["mode"] == TRAMPOLINE:
@@ -89,12 +100,7 @@ def check_line(r: dict) -> str:
         # Why each breakpoint return hook: no jump fits, and the trampoline is unsafe.
         why = [e["int3_reason"]["message"] for e in ret["sites"] if e["int3"] and e["int3_reason"]]
         return f"{head}  returns: {', '.join(parts)}" + (f"  {' | '.join(why)}" if why else "")
-    if r["reason"] is not None:
-        why = r["reason"]
-        # Every refusal names its check and address (an int3 reason's message already does).
-        named = why["message"].startswith(why["check"]) or why["check"] == "unknown"
-        head += f"  {why['message']}" if named else f"  {why['check']} at {why['address']}: {why['message']}"
-    return head + (f"  [{r['int3']}]" if r["int3"] else "")
+    return head
 
 
 def check_lines(plan: Plan) -> list[str]:
@@ -162,7 +168,7 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
         probes.append(d)
     for site, p, g in plan.kretprobes:
         probes.append({"index": p.index, "addr": p.addr, "kind": "r", "symbol": p.symbol, "offset": p.offset,
-                       "name": p.event_name, "optimized": site.decision != FTRACE, "disabled": p.kret.disabled,
+                       "name": p.event_name, "optimized": site.decision == OPTIMIZED, "disabled": p.kret.disabled,
                        "detour": detour(site), "region": [site.addr, site.region_end], "returns": g.mode,
                        "call": "clean" if site.clean else "pt_regs",
                        "inline_dispatch": site.template,
@@ -173,6 +179,8 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
                        "int3_exits": [e.addr for e, _ in g.int3_exits]})
         if site.decision == FTRACE:
             probes[-1]["ftrace"] = True
+        if site.decision == INT3:       # the entry is a breakpoint (list: [BOOSTED]..., not [OPTIMIZED])
+            probes[-1].update({"int3": site.xol.mode, "reason": str(site.reason)})
         if site.head is not None:
             probes[-1]["shared_with"] = site.head.addr
         if site.slot:

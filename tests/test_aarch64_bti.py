@@ -148,6 +148,8 @@ def test_entry_and_return_probes(progs, prot, mode):
         if prot == "bti+pac":
             # mid's paciasp is its landing pad: no B over it while the pages are guarded.
             assert f"int3  landing_pad at {mid:#x}" in plan["mid+0x0k"], plan
+            # mid's kretprobe has the same entry: a breakpoint, and `check` says so.
+            assert plan["mid+0x0r"].startswith(f"mid+0x0  r  int3  landing_pad at {mid:#x}"), plan
         else:
             assert "optimized" in plan["mid+0x0k"], plan
         # leaf's probe past its bti c (BTI builds; arch_adjust_kprobe_addr()).

@@ -1,6 +1,8 @@
 """kprobe_events lines end to end: probes from `events` only, aggregation with
 [[kprobe]] tables, the trace file, kprobe_profile, many threads tracing at
-once, and the timeline export (`kprewrite trace`), natively and under QEMU."""
+once, and the timeline export (`kprewrite trace`), natively and under QEMU;
+and cross-built for aarch64, under qemu-aarch64 (KPREWRITE_TEST_ARCH=aarch64),
+the tests not marked x86_only, with the kernel's arm64 register names (regs())."""
 from __future__ import annotations
 
 import json
@@ -11,8 +13,25 @@ import subprocess
 
 import pytest
 
-from conftest import KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, rewritten, run, symbols, write_spec
+from conftest import (ARCH, CC, KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, qemu_command, rewritten,
+                      run, symbols, write_spec)
 from rewriter import tracefmt
+
+ARCHES = ["x86_64", "aarch64"]
+x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="depends on x86-64 code or registers")
+
+# The first argument registers in the kernel's names of the arch (x86-64 pt_regs' di si dx
+# cx; arm64's x0..x3), and a function entry's return address: the stack's top on x86-64,
+# the link register x30 on arm64.
+ARM64_REGS = {"%di": "%x0", "%si": "%x1", "%dx": "%x2", "%cx": "%x3"}
+RETADDR = "$stack0" if ARCH == "x86_64" else "%x30"
+
+
+def regs(text: str) -> str:
+    """`text` (written with x86-64's register names) with the names of ARCH."""
+    if ARCH == "x86_64":
+        return text
+    return re.sub(r"%(di|si|dx|cx)\b", lambda m: ARM64_REGS[m.group()], text)
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -62,13 +81,13 @@ int main(int argc, char **argv)
 }
 """
 
-EVENTS_ONLY = """
+EVENTS_ONLY = regs("""
 events = [
   "p:myprobe work x=%di:s64 s=+0(%si):string",
   "p:grp/fact_entry fact n=%di:s64",
   "p other %di",
 ]
-"""
+""")
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +146,19 @@ def test_trace_file_env(tmp_path, once, prog, runner):
 def _aggregates(tmp, prog):
     handlers = r"""
 #include <kprewrite/kprobes.h>
-int on_work(struct kprobe *p, struct pt_regs *regs) { pr_info("handler %s x=%ld\n", p->name, (long)regs->di); return 0; }
+int on_work(struct kprobe *p, struct pt_regs *regs)
+{
+    pr_info("handler %s x=%ld\n", p->name, (long)regs_get_kernel_argument(regs, 0));
+    return 0;
+}
 """
-    spec = write_spec(tmp, """
+    spec = write_spec(tmp, regs("""
 handlers = ["handlers.c"]
 events = ["p:ev_work work x=%di:s64"]
 [[kprobe]]
 symbol_name = "work"
 pre_handler = "on_work"
-""", handlers)
+"""), handlers)
     out = instrument(prog, spec, tmp / "prog.kp")
     return out, kprewrite("list", out).stdout.splitlines()
 
@@ -154,7 +177,7 @@ def test_aggregates_with_kprobe_table(once, prog, runner):
 
 def test_many_threads(tmp_path, once, prog, runner):
     """Many threads tracing at once: every line well formed, none lost, none mixed."""
-    out = once(rewritten, prog, 'events = ["p:w work x=%di:s64 s=+0(%si):string c=$comm"]\n')
+    out = once(rewritten, prog, regs('events = ["p:w work x=%di:s64 s=+0(%si):string c=$comm"]\n'))
     tf = tmp_path / "trace.txt"
     nthreads, iters = 8, 150
     r = run(out, iters, nthreads, runner=runner, env={"KPREWRITE_TRACE": str(tf), "KPREWRITE_PROFILE": "-"})
@@ -274,13 +297,13 @@ def kretprobes(prog, tmp_path_factory):
 
 
 def test_retval(tmp_path, once, prog, runner, kretprobes):
-    out = once(rewritten, prog, """events = [
+    out = once(rewritten, prog, regs("""events = [
   "p:work_entry work x=%di:s64",
   "r:work_exit work ret=$retval:s64",
   "r5:grp/ work",
   "p:fact_entry fact n=%di:s64",
   "r:fact_exit fact $retval:u64",
-]""")
+]"""))
     tf = tmp_path / "trace.txt"
     r = run(out, 3, runner=runner, env={"KPREWRITE_TRACE": str(tf), "KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
@@ -304,12 +327,13 @@ def test_return_event_code_compiles(tmp_path, prog):
     """The kretprobe side of the generated C (the integration point for kretprobes):
     an `r` line's handler compiles against the runtime and calls kp_trace_kretprobe()."""
     from rewriter import events as E, link
+    from rewriter.arch import get_arch
     from rewriter.image import Image
     from rewriter.spec import Spec
     image = Image(str(prog))
     spec = Spec(path=tmp_path / "probes.toml", handlers=[], optimize=True,
-                events=["r:work_exit work ret=$retval:s64 s=+0(%si):string", "p:bad work $retval"])
-    errors = E.expand(spec)
+                events=[regs("r:work_exit work ret=$retval:s64 s=+0(%si):string"), "p:bad work $retval"])
+    errors = E.expand(spec, get_arch(image.machine))
     assert errors[0].startswith("probes.toml: events[2]: column 12: $retval is not available on probe")
     k = spec.kretprobes[0]
     ev, err = E.compile_return(image, k, image.function_named("work"), "probes.toml")
@@ -317,7 +341,7 @@ def test_return_event_code_compiles(tmp_path, prog):
     src = E.trace_c({"r0": ev}, {"r0": "kp_handler_user"}, [(0x1000, 0x20, "work")])
     assert "int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs)" in src
     (tmp_path / "t.c").write_text("extern char kp_handler_user[];\n" + src)
-    r = subprocess.run(["gcc", *link.cflags(), *link._includes(),
+    r = subprocess.run([CC, *link.cflags(ARCH), *link._includes(ARCH),
                         "-c", str(tmp_path / "t.c"), "-o", str(tmp_path / "t.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -331,6 +355,7 @@ def _sample(tmp):
     return instrument(prog, SAMPLE / "probes.toml", tmp / "program.kp")
 
 
+@x86_only                       # the sample's lines name x86-64 registers
 def test_sample_events_example(once, runner):
     """samples/events_example runs as its README shows."""
     d = SAMPLE
@@ -358,7 +383,7 @@ long (*fnptr)(long) = other;
 __attribute__((noinline)) long work(long x, const char *s) { __asm__ volatile("" ::: "memory"); counter++; return x + s[0]; }
 int main(void) { long s = 0; for (int i = 0; i < 2; i++) s += work(i, "kind") + fnptr(i); printf("s=%ld\n", s); return 0; }
 """
-KIND_SPEC = 'events = ["p:w work x=%di:s64 s=+0(%si):string c=@counter:s64 f=@fnptr:symbol r=$stack0:symbol"]\n'
+KIND_SPEC = regs(f'events = ["p:w work x=%di:s64 s=+0(%si):string c=@counter:s64 f=@fnptr:symbol r={RETADDR}:symbol"]\n')
 
 
 def _input_kind(tmp, kind):
@@ -390,8 +415,8 @@ long lib_api(long x) { lib_count++; return lib_work(x, "lib") * 2; }
 long lib_api(long);
 int main(void) { long s = 0; for (int i = 0; i < 3; i++) s += lib_api(i); printf("s=%ld\n", s); return 0; }
 """, "-O2", f"-L{tmp}", "-lw")
-    spec = write_spec(tmp, 'events = ["p:lw lib_work x=%di:s64 tag=+0(%si):string n=@lib_count:s64 '
-                           'from=$stack0:symbol"]\n')
+    spec = write_spec(tmp, regs('events = ["p:lw lib_work x=%di:s64 tag=+0(%si):string n=@lib_count:s64 '
+                                f'from={RETADDR}:symbol"]\n'))
     outdir = tmp / "out"
     outdir.mkdir()
     instrument(lib, spec, outdir / "libw.so")
@@ -462,12 +487,12 @@ int main(void)
     static struct kretprobe rp = { .kp = { .addr = (kprobe_opcode_t *)0x2000 } };
     static struct kretprobe_instance ri = { .rp = &rp, .ret_addr = (kprobe_opcode_t *)0x1013 };
     struct pt_regs regs = { 0 };
-    regs.ax = (unsigned long)-5;
-    regs.si = (unsigned long)text;
+    regs.REG_RETVAL = (unsigned long)-5;
+    regs.REG_ARG2 = (unsigned long)text;
     kp_trace_ret_r0(&ri, &regs);
     ri.ret_addr = (kprobe_opcode_t *)0x9999;
-    regs.ax = 7;
-    regs.si = 16;
+    regs.REG_RETVAL = 7;
+    regs.REG_ARG2 = 16;
     kp_trace_ret_r0(&ri, &regs);
     return 0;
 }
@@ -478,24 +503,28 @@ def test_return_line_format(tmp_path, prog):
     """The runtime's kretprobe line, driven directly (until kretprobes exist):
     (CALLER+off/size <- FUNC) and $retval, as print_kretprobe_event() prints them."""
     from rewriter import events as E, link
+    from rewriter.arch import get_arch
     from rewriter.image import Image
     from rewriter.spec import Spec
     spec = Spec(path=tmp_path / "probes.toml", handlers=[], optimize=True,
-                events=["r:work_exit work ret=$retval:s64 s=+0(%si):string x=$retval"])
-    assert E.expand(spec) == []
+                events=[regs("r:work_exit work ret=$retval:s64 s=+0(%si):string x=$retval")])
     image = Image(str(prog))
+    assert E.expand(spec, get_arch(image.machine)) == []
     ev, err = E.compile_return(image, spec.kretprobes[0], image.function_named("work"), "probes.toml")
     assert not err
     (tmp_path / "gen.c").write_text(E.trace_c({"r0": ev}, {}, [(0x1000, 0x40, "caller_fn")]))
     (tmp_path / "main.c").write_text(RET_HARNESS)
     rt = link.RUNTIME_DIR
     exe = tmp_path / "harness"
-    r = subprocess.run(["gcc", "-O1", "-w", *link._includes(), str(tmp_path / "main.c"),
+    # pt_regs' return value and second argument registers (the handler API's ptrace.h).
+    fields = {"x86_64": ["-DREG_RETVAL=ax", "-DREG_ARG2=si"],
+              "aarch64": ["-DREG_RETVAL=regs[0]", "-DREG_ARG2=regs[1]"]}[ARCH]
+    r = subprocess.run([CC, "-O1", "-w", *fields, *link._includes(ARCH), str(tmp_path / "main.c"),
                         str(tmp_path / "gen.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
                         "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    out = subprocess.run([str(exe)], capture_output=True, text=True).stdout.splitlines()
+    out = run(exe, runner="native" if ARCH == "x86_64" else "qemu").stdout.splitlines()
     assert len(out) == 2
     a, b = map(tracefmt.parse_line, out)
     assert a.event == "work_exit" and a.loc == "caller_fn+0x13/0x40 <- work" and a.is_return
@@ -522,7 +551,7 @@ int main(void)
     return 0;
 }
 """, "-O2")
-    return instrument(prog, write_spec(tmp, 'events = ["p:w work x=%di:s64 who=+0(%si):string"]\n'))
+    return instrument(prog, write_spec(tmp, regs('events = ["p:w work x=%di:s64 who=+0(%si):string"]\n')))
 
 
 def test_fork_and_exec(tmp_path, once, runner):
@@ -541,7 +570,7 @@ def test_fork_and_exec(tmp_path, once, runner):
 def test_memaddr_event(once, prog, runner):
     """p MEMADDR: an address as linked (the symbol table), the kernel's default name p_0xADDR."""
     addr = symbols(prog)["work"]
-    out = once(rewritten, prog, f'events = ["p {addr:#x} x=%di:s64"]\n')
+    out = once(rewritten, prog, regs(f'events = ["p {addr:#x} x=%di:s64"]\n'))
     r = run(out, 2, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     recs = trace_lines(r.stderr)
     assert [(x.event, x.args["x"]) for x in recs] == [(f"p_0x{addr:x}", 0), (f"p_0x{addr:x}", 1)]
@@ -562,7 +591,7 @@ def test_parse_values():
 def test_cpu_column(once, prog, runner):
     out = once(rewritten, prog, 'events = ["p work"]\n')
     for cpu in sorted(os.sched_getaffinity(0))[:2]:
-        cmd = ["taskset", "-c", str(cpu)] + (["qemu-x86_64"] if runner == "qemu" else []) + [str(out), "2"]
+        cmd = ["taskset", "-c", str(cpu)] + (qemu_command() if runner == "qemu" else []) + [str(out), "2"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0
         assert [x.cpu for x in trace_lines(r.stderr)] == [cpu, cpu]

@@ -1,14 +1,19 @@
 """FETCHARGS: every form and type against known values in a real program,
-natively and under QEMU; a faulting dereference; parse errors with carets."""
+natively and under QEMU; a faulting dereference; parse errors with carets.
+Cross-built for aarch64 too, under qemu-aarch64 (KPREWRITE_TEST_ARCH=aarch64),
+with the kernel's arm64 register names (test_events.regs())."""
 from __future__ import annotations
 
 import re
 
 import pytest
 
-from conftest import cc, kprewrite, rewritten, run, toml_value, write_spec
+from conftest import ARCH, CROSS, cc, kprewrite, rewritten, run, toml_value, write_spec
 from rewriter import events as E
 from rewriter import fetch as F
+from test_events import RETADDR, regs
+
+ARCHES = ["x86_64", "aarch64"]
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -35,10 +40,11 @@ char gbuf[] = "0123456789abcdef";
 char *gmid = gbuf + 8;
 __attribute__((noinline)) long other(long x) { return x ^ 0x55; }
 long (*fnptr)(long) = other;
-__attribute__((noinline)) long work(struct item *it, long x, const char *s, long a4, long a5, long a6, long a7, long a8)
+__attribute__((noinline)) long work(struct item *it, long x, const char *s, long a4, long a5, long a6, long a7, long a8,
+                                    long a9)
 {
     __asm__ volatile("" ::: "memory");
-    return ((unsigned long)it > 4096 ? it->id : 0) + x + (long)strlen(s) + a4 + a5 + a6 + a7 + a8;
+    return ((unsigned long)it > 4096 ? it->id : 0) + x + (long)strlen(s) + a4 + a5 + a6 + a7 + a8 + a9;
 }
 static struct item it = { 3, -7, 0x10, "local", "lbl", 0x5a, {10, 20, -30, 40}, {"n0", "n1"}, &it, -3,
                           0xfedcba9876543210ULL };
@@ -56,8 +62,8 @@ int main(int argc, char **argv)
     prctl(PR_GET_NAME, comm);
     printf("comm=%s it=%p\n", comm, (void *)&it);
     fflush(stdout);
-    long sum = work(&it, -1, "hello world", 4, 5, 6, 7, 8);
-    sum += work((struct item *)16, 5, "bad", 0, 0, 0, 0, 0);
+    long sum = work(&it, -1, "hello world", 4, 5, 6, 7, 8, 9);
+    sum += work((struct item *)16, 5, "bad", 0, 0, 0, 0, 0, 0);
     sum += other(1);
     printf("sum=%ld\n", sum);
     return 0;
@@ -98,6 +104,7 @@ CASES = {
     "a4": ("$arg4:u32", "4"),
     "a7": ("$arg7:s64", "7"),
     "a8": ("$arg8:s64", "8"),
+    "a9": ("$arg9:s64", "9"),          # on the stack on both arches (x86-64: from the 7th, arm64: the 9th)
     "g": ("@glob:s32", "7"),
     "gneg": ("@glob+{neg}:s16", "-5"),
     "gc": ("@counter:u64", "42"),
@@ -105,9 +112,12 @@ CASES = {
     "gname": ("@glob+{name}:string", '"globname"'),
     "sym": ("@fnptr:symbol", re.compile(r"other\+0x0/0x[0-9a-f]+")),
     "symstr": ("@fnptr:symstr", re.compile(r'"other\+0x0/0x[0-9a-f]+"')),
-    "ret": ("$stack0:symbol", re.compile(r"main\+0x[0-9a-f]+/0x[0-9a-f]+")),
+    "ret": (f"{RETADDR}:symbol", re.compile(r"main\+0x[0-9a-f]+/0x[0-9a-f]+")),
     "stk": ("$stack", re.compile(r"0x[0-9a-f]{6,}")),
-    "stk0": ("+0($stack):symbol", re.compile(r"main\+0x[0-9a-f]+/0x[0-9a-f]+")),
+    "stk0": ("+0($stack)", re.compile(r"0x[0-9a-f]+")),
+    "s0": ("$stack0", re.compile(r"0x[0-9a-f]+")),
+    "s1": ("$stack1", re.compile(r"0x[0-9a-f]+")),
+    "stk1": ("+8($stack)", re.compile(r"0x[0-9a-f]+")),
     "imm": ("\\-5:s8", "-5"),
     "immx": ("\\0x1f", "0x1f"),
     "immu": ("\\300:u16", "300"),
@@ -115,13 +125,15 @@ CASES = {
     "comm": ("$comm", None),                 # the program's own PR_GET_NAME
     "comm2": ("$comm:string", None),
 }
+if ARCH == "x86_64":        # the return address is the stack's top at an entry
+    CASES["stk0s"] = ("+0($stack):symbol", re.compile(r"main\+0x[0-9a-f]+/0x[0-9a-f]+"))
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """PROGRAM, and the offsets of its struct fields it prints."""
     prog = cc(tmp_path_factory.mktemp("fetch"), "prog", PROGRAM, "-O2", "-fno-inline")
-    offs = dict(kv.split("=") for kv in run(prog, "offsets").stdout.split())
+    offs = dict(kv.split("=") for kv in run(prog, "offsets", runner="qemu" if CROSS else "native").stdout.split())
     return prog, offs
 
 
@@ -138,7 +150,7 @@ def parse_trace(stderr: str, event: str) -> list[dict[str, str]]:
 
 def test_every_form_and_type(once, built, runner):
     prog, offs = built
-    args = " ".join(f"{n}={a.format(**offs)}" for n, (a, _) in CASES.items())
+    args = " ".join(f"{n}={regs(a).format(**offs)}" for n, (a, _) in CASES.items())
     out = once(rewritten, prog, f"events = [{toml_value('p:work_entry work ' + args)}]\n")
     r = run(out, runner=runner)
     assert r.returncode == 0, r.stderr
@@ -154,7 +166,9 @@ def test_every_form_and_type(once, built, runner):
             assert got == want, (name, got, want)
         else:
             assert want.fullmatch(got), (name, got)
-    assert first["stk0"] == first["ret"]
+    # $stackN is the Nth long at sp; at an x86-64 entry the first is the return address.
+    assert first["stk0"] == first["s0"] and first["stk1"] == first["s1"]
+    assert ARCH != "x86_64" or first["stk0s"] == first["ret"]
     # The first hit's line starts like the kernel's: COMM-PID [CPU] SEC.USEC: EVENT: (SYM+off/size)
     line = [l for l in r.stderr.splitlines() if "work_entry" in l][0]
     assert re.match(r"^\s*\S.*-\d+\s+\[\d{3}\] +\d+\.\d{6}: work_entry: \(work\+0x[04]/0x[0-9a-f]+\) ", line), line
@@ -173,9 +187,13 @@ def test_kprobe_table_fetch_with_handler(once, built, runner):
     prog, offs = built
     handlers = r"""
 #include <kprewrite/kprobes.h>
-int on_work(struct kprobe *p, struct pt_regs *regs) { pr_info("handler x=%ld\n", (long)regs->si); return 0; }
+int on_work(struct kprobe *p, struct pt_regs *regs)
+{
+    pr_info("handler x=%ld\n", (long)regs_get_kernel_argument(regs, 1));
+    return 0;
+}
 """
-    out = once(rewritten, prog, f"""
+    out = once(rewritten, prog, regs(f"""
 handlers = ["handlers.c"]
 [[kprobe]]
 symbol_name = "work"
@@ -185,7 +203,7 @@ fetch = "x=%si:s64 id=+{offs['id']}(%di):s32"
 [[kprobe]]
 symbol_name = "other"
 fetch = ""
-""", handlers)
+"""), handlers)
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
@@ -288,6 +306,7 @@ def small(built):
 
 @pytest.mark.parametrize("line,at,msg", ERRORS, ids=[e[2][:30] + f"-{i}" for i, e in enumerate(ERRORS)])
 def test_error_caret(tmp_path, small, line, at, msg):
+    line, at = regs(line), regs(at)         # the same columns: arm64's x0..x3 are as long as di si dx cx
     spec = write_spec(tmp_path, f'events = ["p:fine work", {toml_value(line)}]\n')
     r = kprewrite("instrument", small, "--spec", spec, "-o", tmp_path / "out", check=False)
     assert r.returncode != 0 and not (tmp_path / "out").exists()
@@ -308,13 +327,13 @@ def test_error_caret(tmp_path, small, line, at, msg):
 
 
 def test_fetch_string_error_names_the_table(tmp_path, small):
-    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\nfetch = "a=%di b=+8(%si:u8"\n')
+    spec = write_spec(tmp_path, regs('[[kprobe]]\nsymbol_name = "work"\nfetch = "a=%di b=+8(%si:u8"\n'))
     r = kprewrite("check", small, "--spec", spec, check=False)
     assert r.returncode != 0
     head, cmd, caret = r.stderr.splitlines()
     # As in the kernel, the type is split off first: the brace is missing after "%si".
     assert head == "kprewrite: probes.toml: [[kprobe]] #1: fetch: column 15: Dereference brace is not closed"
-    assert cmd == "kprewrite:   Command: a=%di b=+8(%si:u8"
+    assert cmd == regs("kprewrite:   Command: a=%di b=+8(%si:u8")
     assert caret.index("^") == len("kprewrite:   Command: ") + 14
 
 

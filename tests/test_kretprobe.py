@@ -6,6 +6,7 @@ accessors: regs_get_kernel_argument(), instruction_pointer(),
 regs_return_value())."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -445,6 +446,35 @@ def test_kprobe_and_kretprobe_on_the_same_function(once, runner):
     one = ["P 2", "E rec 2", "P 1", "E rec 1", "P 0", "E rec 0", "R rec 0 = 0", "R rec 1 = 1", "R rec 2 = 3"]
     assert got == one * 2
     assert profile(r.stderr) == {"p_rec_0": (6, 0), "r_rec_0": (6, 0)}
+
+
+# --- a kretprobe whose entry is a breakpoint: check, JSON and list say so ----------
+
+INT3_FLAGS = {"boost": "BOOSTED", "emulate": "EMULATED", "single-step": "SINGLESTEP"}
+
+
+def _int3_entry(tmp):
+    prog = cc(tmp, "prog", RECURSION, "-O2")
+    spec = write_spec(tmp, "optimize = false\n" + probe_spec("kretprobe", ["rec"], **KRET), HANDLERS)
+    doc = json.loads(kprewrite("check", prog, "--spec", spec, "--format", "json").stdout)
+    out = instrument(prog, spec)
+    return check_lines(prog, spec), doc, out, kprewrite("list", out).stdout.splitlines()
+
+
+def test_breakpoint_entry_is_reported_as_int3(once, runner):
+    """A kretprobe's entry is a kprobe: where it is a breakpoint (here: optimize =
+    false) check, its JSON and list give the breakpoint and why, not `optimized`."""
+    lines, doc, out, listing = once(_int3_entry)
+    rec = doc["probes"][0]
+    assert rec["kind"] == "r" and rec["decision"] == "int3", rec
+    assert rec["reason"]["check"] == "kprobes_optimization" and rec["int3"] in INT3_FLAGS, rec
+    assert lines[0].startswith(f"rec+0x0  r  int3  {rec['reason']['message']}  [{rec['int3']}]  returns: "), lines
+    assert [l.split(None, 1)[1] for l in listing] == [f"r  rec+0x0 [{INT3_FLAGS[rec['int3']]}]"], listing
+    r = run(out, 3, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == "s=12\n", r.stderr
+    one = [f"E rec {d}" for d in (3, 2, 1, 0)] + [f"R rec {d} = {sum(range(d + 1))}" for d in (0, 1, 2, 3)]
+    assert events(r.stderr) == one * 2
+    assert profile(r.stderr) == {"r_rec_0": (8, 0)}
 
 
 # --- semantics: entry_handler != 0, disable_kretprobe, maxactive default ---------

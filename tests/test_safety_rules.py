@@ -819,9 +819,20 @@ def _kernel_module():
     return tests, {k.value for k in off.keys}
 
 
+def _arch_module(arch: str):
+    """(test functions, PROGRAMS keys) of tests/test_<arch>_safety_rules.py, read without
+    importing it (it builds for its arch only)."""
+    tree = ast.parse((ROOT / "tests" / f"test_{arch}_safety_rules.py").read_text())
+    tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    programs = next(n.value for n in tree.body if isinstance(n, ast.Assign) and
+                    any(isinstance(t, ast.Name) and t.id == "PROGRAMS" for t in n.targets))
+    return tests, {k.value for k in programs.keys}
+
+
 def test_every_switched_rule_has_its_program_and_test():
     """A rule added with a switch and no program here (or, for a kernel's rule, in
-    tests/kernel/test_kernel_safety_rules.py) fails this; a rule with no switch says why
+    tests/kernel/test_kernel_safety_rules.py; for a back end's own rule, in
+    tests/test_<arch>_safety_rules.py) fails this; a rule with no switch says why
     it has no program."""
     tests = {n for n, v in globals().items() if n.startswith("test_") and callable(v)}
     kernel_tests, kernel_programs = _kernel_module()
@@ -829,7 +840,13 @@ def test_every_switched_rule_has_its_program_and_test():
         assert r.origin in (safety.KERNEL, safety.OURS), r.name
         assert r.description and "\n" not in r.description, r.name
         _function(r.where)                      # the place it names exists
-        if r.switch and r.kernel:
+        if r.switch and r.arch:
+            arch_tests, arch_programs = _arch_module(r.arch)
+            assert r.where.startswith(f"arch.{r.arch}."), f"rule {r.name}: not in rewriter/arch/{r.arch}"
+            assert r.test in arch_tests and r.name in arch_programs and r.breaks, \
+                f"rule {r.name}: no test {r.test} or program in tests/test_{r.arch}_safety_rules.py"
+            assert not r.unproven and not r.kernel, r.name
+        elif r.switch and r.kernel:
             assert r.test in kernel_tests, f"rule {r.name}: no test {r.test} in {KERNEL_MODULE.name}"
             assert r.name in kernel_programs and r.breaks, f"rule {r.name}: no OFF entry in {KERNEL_MODULE.name}, " \
                                                            "or no word of what breaks"

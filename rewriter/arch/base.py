@@ -32,6 +32,7 @@ class DcrInsn:
 
 
 RET, TAIL = "ret", "tail"
+COND = "cond"                 # a conditional direct jump (RetProbe.exit_kind(); not an Exit's kind)
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,24 @@ class RetProbe(Protocol):
     """The arch half of kretprobes (rethook): exits of a function, return hooks,
     the entry's return-address handling."""
     KRET_ENTRY_USES: tuple[str, ...]   # registers the kretprobe entry body clobbers
+    JUMP_WORD: str                     # what the arch calls a jump, in refusals ("jump", "branch")
 
-    def find_exits(self, image, analysis, func) -> Exits:
-        """Every way out of func (and its cold parts)."""
+    # The generic exit walk (planner/exits.py: find_exits()) asks these.
+    def exits_refusal(self, image, func) -> Refusal | None:
+        """Why no exit of func can take a return hook at all (the trampoline then), or None."""
+
+    def unknown_exits(self, image, analysis, part) -> Refusal | None:
+        """An indirect jump of `part` (func or a cold part) that leaves its exits unknown, or None."""
+
+    def exit_insn(self, image, analysis, part, addr: int) -> DcrInsn:
+        """The instruction at addr in `part`: an exit candidate Analysis decoded, or an indirect jump."""
+
+    def exit_kind(self, insn: DcrInsn) -> tuple[str, int | None] | Refusal | None:
+        """What an exit candidate is: (RET, None) a return, (TAIL, target) a direct jump,
+        (COND, target) a conditional one; a Refusal: an exit no hook can take; None: no exit."""
+
+    def mid_frame_part(self, image, func) -> bool:
+        """func (not a PLT) is a block of another function entered mid-frame (a stripped cold part)."""
 
     def exit_region(self, image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
         """The region a jump at an exit may take, and where it starts."""

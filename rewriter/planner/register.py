@@ -6,6 +6,7 @@ from __future__ import annotations
 from .. import blacklist as bl
 from .. import safety
 from ..resolve import EntryProbe, Probe
+from .exits import find_exits
 
 def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None:
     """register_kprobe()'s checks: (reason, check name[, address]), or None."""
@@ -47,7 +48,7 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
         return why.detail, why.check, why.addr
     d = analysis.decoded(f)
     if d.undecodable is None and d.indirect_jump is None:
-        ex = arch.retprobe.find_exits(image, analysis, f)
+        ex = find_exits(image, analysis, arch, f)
         if not ex.exits and ex.refusal is None:
             return f"{f.name} has no ret and no tail call: it never returns", "never_returns"
     return None

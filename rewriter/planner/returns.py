@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 
 from ..resolve import is_entry
+from .exits import find_exits
 from .model import HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
 from .sites import make_int3
 
@@ -43,7 +44,7 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
 
     plan.groups = sorted(groups.values(), key=lambda g: g.entry)
     for g in plan.groups:
-        ex = rp.find_exits(image, analysis, g.func)
+        ex = find_exits(image, analysis, arch, g.func)
         g.exits = ex.exits
         if not rules.kretprobe_exits:
             # The target's kretprobes are the kernel's: the return address is swapped at entry.

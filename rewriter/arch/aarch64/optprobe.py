@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..base import DcrInsn, Refusal
 from . import bti, reach
 from . import insn as I
+from ... import safety
 
 SHORT_JUMP_SIZE = None          # the B is as small as an instruction
 
@@ -46,7 +47,7 @@ def can_probe_insn(image, addr: int) -> Refusal | None:
     f = image.function_at(addr)
     if f is not None:
         at = I.atomic_sequence(lambda a: _word(image, a), addr, f.start)
-        if at is not None:
+        if at is not None and safety.enabled("exclusive_monitor"):
             return Refusal("can_probe", addr, f"inside an exclusive sequence (the ldxr at {at:#x}): "
                                               "a trap or detour would clear the exclusive monitor")
     return None
@@ -64,7 +65,7 @@ def can_optimize(image, analysis, func, addr: int, min_end: int | None = None,
         return r
     w = image.read(addr, 4)
     pad = bti.landing_pad(int.from_bytes(w, "little"))
-    if pad is not None and bti.guarded(image):
+    if pad is not None and bti.guarded(image) and safety.enabled("landing_pad"):
         # Under BTI an indirect branch must find the pad here; a B would not be one.
         return Refusal("landing_pad", addr, f"a BTI landing pad ({pad}) in a BTI-guarded image: "
                                             "an indirect branch to it would fault on a B")

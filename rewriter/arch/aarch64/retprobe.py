@@ -1,6 +1,7 @@
 """Return sites of a function and their return hooks (AArch64).
 
-As on x86-64 (x86_64/retprobe.py), every exit of a probed function is hooked
+As on x86-64 (x86_64/retprobe.py; the walk is planner/exits.py's, for
+both), every exit of a probed function is hooked
 instead of swapping the return address: each `ret` (after `autiasp`, so x30
 already holds the authenticated return address) and each tail-call `b` to
 another function's start.  x30 is never replaced at entry; only a tail call to
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import struct
 
-from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
+from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal
 from . import emit as em
 from . import encode as E
 from . import insn as I
@@ -30,11 +31,6 @@ _DWARF_SP = 31
 
 # What kret_entry_body's form writes besides the entry_handler's own (it saves everything).
 KRET_ENTRY_USES: tuple[str, ...] = ()
-
-
-def _plt(image, addr: int) -> bool:
-    sec = image.section_containing(addr)
-    return sec is not None and sec.name in (".plt", ".plt.sec", ".plt.got", ".iplt")
 
 
 def entry_frame_refusal(image, addr: int) -> Refusal | None:
@@ -59,55 +55,47 @@ def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
     return None
 
 
-def find_exits(image, analysis, func) -> Exits:
-    """Every ret and tail b of `func` (and of the `.cold` parts it jumps to)."""
-    return analysis.memo("retprobe.exits", func.start, lambda: _find_exits(image, analysis, func))
+# --- the generic exit walk's questions (planner/exits.py) ---------------------------------
+
+JUMP_WORD = "branch"
 
 
-def _find_exits(image, analysis, func) -> Exits:
-    parts, seen = [func], {func.start}
-    far = reach.refusal(image, func.start, "a B to a return hook")
-    if far is not None:             # the trampoline: x30 brings the return, not a B
-        return Exits([], far, parts)
-    exits: list[Exit] = []
-    refusal = None
-    i = 0
-    while i < len(parts):
-        part = parts[i]
-        i += 1
-        d = analysis.decoded(part)
-        if d.undecodable is not None:
-            return Exits([], Refusal("decode", d.undecodable, f"{part.name} cannot be decoded"), parts)
-        if d.indirect_jump is not None:
-            return Exits([], Refusal("indirect_jump", d.indirect_jump,
-                                     f"{part.name} has an indirect branch (br): its exits are unknown"), parts)
-        for a in d.exits or ():
-            code = bytes(image.read(a, 4))
-            info = I.classify(code, a)
-            ins = DcrInsn(a, code, info)
-            if info.kind == I.RET:
-                if info.rt != 30:
-                    refusal = refusal or Refusal("ret_register", a, f"ret through x{info.rt}, not x30")
-                    continue
-                exits.append(Exit(a, RET, ins))
-                continue
-            t = info.target
-            if t is None or any(p.start <= t < p.end for p in parts):
-                continue
-            tf = image.function_at(t)
-            if tf is not None and ".cold" in tf.name and tf.start not in seen:
-                seen.add(tf.start)
-                parts.append(tf)
-                continue
-            if tf is not None and tf.start in seen:
-                continue
-            if info.kind != I.B:
-                refusal = refusal or Refusal("conditional_tail_call", a, f"conditional branch to {t:#x} leaves {func.name}")
-            elif (tf is None or tf.start != t) and not _plt(image, t):
-                refusal = refusal or Refusal("jump_out", a, f"branch to {t:#x} leaves {func.name} but not to a function's start")
-            else:
-                exits.append(Exit(a, TAIL, ins, t))
-    return Exits(exits, refusal, parts)
+def exits_refusal(image, func) -> Refusal | None:
+    """A function out of a `B`'s reach of the new code (reach.py): no exit can branch
+    to a hook; the trampoline, as x30 brings the return, not a `B`."""
+    return reach.refusal(image, func.start, "a B to a return hook")
+
+
+def unknown_exits(image, analysis, part) -> Refusal | None:
+    """A `br` (jump tables are not read on AArch64: arch.jumptable is None): the exits are unknown."""
+    d = analysis.decoded(part)
+    if d.indirect_jump is None:
+        return None
+    return Refusal("indirect_jump", d.indirect_jump, f"{part.name} has an indirect branch (br): its exits are unknown")
+
+
+def exit_insn(image, analysis, part, addr: int) -> DcrInsn:
+    code = bytes(image.read(addr, 4))
+    return DcrInsn(addr, code, I.classify(code, addr))
+
+
+def exit_kind(insn: DcrInsn):
+    """`ret` (through x30; another register is refused with `ret_register`): a return;
+    `b`: a tail call's branch; `b.cond`, `cbz`/`cbnz`, `tbz`/`tbnz`: conditional."""
+    info = insn.info
+    if info.kind == I.RET:
+        if info.rt != 30:
+            return Refusal("ret_register", insn.addr, f"ret through x{info.rt}, not x30")
+        return RET, None
+    if info.target is None:
+        return None
+    return (TAIL if info.kind == I.B else COND), info.target
+
+
+def mid_frame_part(image, func) -> bool:
+    """Not followed on AArch64: a `B` to a stripped cold part's start is taken as a
+    tail call (its x30 swap catches the part's `ret`); a `B` into its middle is `jump_out`."""
+    return False
 
 
 def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:

@@ -2,7 +2,8 @@
 
 The kernel catches a return by swapping the return address for a trampoline
 (arch/x86/kernel/rethook.c).  A static rewriter sees every exit of the
-function instead: each `ret`, and each tail-call `jmp` to another function.
+function instead: each `ret`, and each tail-call `jmp` to another function
+(the generic walk, planner/exits.py, asks this module what an exit is).
 Each exit gets a return hook placed like an optimized probe: a 5-byte jmp at
 the start of a region that ends with the exit (the DCR), to a detour that runs
 the relocated DCR up to the exit, calls the hook, then executes the exit
@@ -22,11 +23,10 @@ import capstone
 import capstone.x86_const
 
 from . import cs
-from . import jumptable
 from . import insn as x86insn
 from . import emit as em
 from .emit import _s32, relocate
-from ..base import RET, TAIL, DcrInsn, Exit, Exits, Refusal
+from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal
 from .optprobe import JMP32_INSN_SIZE
 from .common import DWARF_RBP, DWARF_RSP, dead_padding, mid_frame, relocatable
 from ... import safety
@@ -84,103 +84,44 @@ def entry_frame_refusal(image, addr: int) -> Refusal | None:
                                         "larger function is), it has no return address on top of the stack")
 
 
-def find_exits(image, analysis, func) -> Exits:
-    """Every ret and tail jmp of `func`, following jumps into its `.cold` parts
-    (named so, or in a stripped image an FDE's block that starts mid-frame)."""
-    return analysis.memo("retprobe.exits", func.start, lambda: _find_exits(image, analysis, func))
+# --- the generic exit walk's questions (planner/exits.py) ---------------------------------
+
+JUMP_WORD = "jump"
 
 
-def _mid_frame(image, func) -> bool:
-    """A block with an FDE of its own that starts mid-frame: a stripped `.cold`
-    part (not a PLT, whose FDE starts after PLT0's push)."""
-    return not _plt(image, func.start) and entry_frame_refusal(image, func.start) is not None
+def exits_refusal(image, func) -> Refusal | None:
+    """Every exit can take a jump to its hook: the new code is in a jmp rel32's reach of the image."""
+    return None
 
 
-def _find_exits(image, analysis, func) -> Exits:
-    parts = [func]
-    seen = {func.start}
-    exits: list[Exit] = []
-    refusal = None
-    i = 0
-    while i < len(parts):
-        part = parts[i]
-        i += 1
-        d = analysis.decoded(part)
-        if d.undecodable is not None:
-            return Exits([], Refusal("decode", d.undecodable, f"{part.name} cannot be decoded"), parts)
-        ij = analysis.unbounded_indirect_jump(part)
-        if ij is not None:
-            return Exits([], Refusal("indirect_jump", ij[0],
-                                     f"{part.name} has an indirect jump: its exits are unknown ({ij[1]})"), parts)
-        insns = _insns(image, analysis, part)
-        for a in insns.exits:
-            ins = insns.at(bisect.bisect_left(insns.addrs, a))
-            em, info = ins.info.emulate, ins.info
-            if em in ("ret", "ret imm"):
-                exits.append(Exit(ins.addr, RET, ins))
-            elif em in ("jmp rel", "jcc rel", "loop", "jcxz"):
-                t = info.rel_target
-                if any(p.start <= t < p.end for p in parts):
-                    continue
-                tf = image.function_at(t)
-                if tf is not None and tf.start not in seen and (".cold" in tf.name or _mid_frame(image, tf)):
-                    seen.add(tf.start)
-                    parts.append(tf)
-                    continue
-                if tf is not None and tf.start in seen:
-                    continue
-                if em != "jmp rel":
-                    refusal = refusal or Refusal("conditional_tail_call", ins.addr,
-                                                 f"conditional jump to {t:#x} leaves {func.name}")
-                elif (tf is None or tf.start != t) and not _plt(image, t):
-                    refusal = refusal or Refusal("jump_out", ins.addr,
-                                                 f"jump to {t:#x} leaves {func.name} but not to a function's start")
-                else:
-                    exits.append(Exit(ins.addr, TAIL, ins, t))
-    # A jump table whose every entry stays in the function is no exit.  An
-    # indirect jump none of whose targets lies in the function is a tail call
-    # through a pointer: an exit like a tail jmp to a function whose returns
-    # are not hooked (the slot swapped for the trampoline).  A jump that may
-    # land both inside and outside leaves for where we cannot hook.
-    def inside(t):
-        return any(p.start <= t < p.end for p in parts)
-    for part in parts:
-        insns = _insns(image, analysis, part)
-        for j in analysis.indirect.get(part.start, ()):
-            if j.kind == jumptable.TABLE and all(inside(t) for t in j.targets):
-                continue
-            stays = [t for t in j.targets if inside(t)]
-            if j.kind == jumptable.POINTER or j.via_pointer:
-                code = _stored_code(image, analysis)
-                stays += [t for p in parts for t in code[bisect.bisect_left(code, p.start):
-                                                         bisect.bisect_left(code, p.end)] if t != func.start]
-            elif not j.targets:
-                stays = [j.addr]
-            if j.kind == jumptable.UNBOUNDED or stays:
-                return Exits([], Refusal("indirect_jump", j.addr,
-                                         f"{part.name} has an indirect jump that may leave it ({j.kind})"), parts)
-            exits.append(Exit(j.addr, TAIL, insns.at(bisect.bisect_left(insns.addrs, j.addr)), None))
-    exits.sort(key=lambda e: e.addr)
-    return Exits(exits, refusal, parts)
+def unknown_exits(image, analysis, part) -> Refusal | None:
+    """An indirect jump of `part` whose targets are not all read (jumptable.py): its exits are unknown."""
+    ij = analysis.unbounded_indirect_jump(part)
+    if ij is None:
+        return None
+    return Refusal("indirect_jump", ij[0], f"{part.name} has an indirect jump: its exits are unknown ({ij[1]})")
 
 
-def _stored_code(image, analysis) -> list[int]:
-    """Every code address the image stores or computes, sorted: where a jump
-    through a stored pointer may land (jumptable.py's POINTER reading):
-    relocated addresses, RIP-relative leas, and in an image linked at a fixed
-    address its constants that may be code addresses."""
-    def compute():
-        out = {a for _, _, a in image.relative_relocations() if image.is_code(a)}
-        for f in image.functions:
-            out.update(t for t, _ in analysis.decoded(f).code_refs or ())
-        out.update(getattr(analysis, "fixed_pointers", ()))
-        return sorted(out)
-    return analysis.memo("stored code", 0, compute)
+def exit_insn(image, analysis, part, addr: int) -> DcrInsn:
+    insns = _insns(image, analysis, part)
+    return insns.at(bisect.bisect_left(insns.addrs, addr))
 
 
-def _plt(image, addr: int) -> bool:
-    sec = image.section_containing(addr)
-    return sec is not None and sec.name in (".plt", ".plt.sec", ".plt.got", ".iplt")
+def exit_kind(insn: DcrInsn):
+    """`ret` (`ret imm`): a return; `jmp rel`: a tail call's jump; `jcc`, `loop`, `jcxz`: conditional."""
+    em = insn.info.emulate
+    if em in ("ret", "ret imm"):
+        return RET, None
+    if em == "jmp rel":
+        return TAIL, insn.info.rel_target
+    if em in ("jcc rel", "loop", "jcxz"):
+        return COND, insn.info.rel_target
+    return None
+
+
+def mid_frame_part(image, func) -> bool:
+    """A block with an FDE of its own that starts mid-frame: a stripped `.cold` part."""
+    return entry_frame_refusal(image, func.start) is not None
 
 
 def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
