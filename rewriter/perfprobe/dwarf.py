@@ -13,7 +13,9 @@ The debug information is the image's own `.debug_*` sections (compressed or
 not: pyelftools decompresses SHF_COMPRESSED and .zdebug sections), or a separate
 file found as perf and gdb find it: by build-id under /usr/lib/debug/.build-id/,
 or by .gnu_debuglink next to the image, in its .debug/ folder or under
-/usr/lib/debug.
+/usr/lib/debug.  KPREWRITE_DEBUG_FILE_DIRECTORY (colon-separated, gdb's
+`set debug-file-directory`) names other roots instead of /usr/lib/debug: a -dbgsym
+package extracted with dpkg-deb -x rather than installed.
 """
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ from elftools.dwarf.ranges import BaseAddressEntry as RangeBase, RangeEntry
 from elftools.elf.elffile import ELFFile
 
 DEBUG_ROOT = "/usr/lib/debug"
+DEBUG_DIR_ENV = "KPREWRITE_DEBUG_FILE_DIRECTORY"
+
+
+def debug_roots() -> list[str]:
+    """The folders searched for separate debug files: $KPREWRITE_DEBUG_FILE_DIRECTORY's
+    (colon-separated, as gdb's debug-file-directory), else DEBUG_ROOT."""
+    env = os.environ.get(DEBUG_DIR_ENV)
+    roots = [d for d in env.split(":") if d] if env else []
+    return roots or [DEBUG_ROOT]
 
 
 class NoDebugInfo(Exception):
@@ -94,17 +105,19 @@ class LineRow:
 
 def _debuglink_candidates(path: str, elf) -> list[str]:
     out = []
+    roots = debug_roots()
     notes = elf.get_section_by_name(".note.gnu.build-id")
     if notes is not None:
         for n in notes.iter_notes():
             if n["n_type"] == "NT_GNU_BUILD_ID":
                 bid = n["n_desc"]
-                out.append(os.path.join(DEBUG_ROOT, ".build-id", bid[:2], bid[2:] + ".debug"))
+                out += [os.path.join(r, ".build-id", bid[:2], bid[2:] + ".debug") for r in roots]
     link = elf.get_section_by_name(".gnu_debuglink")
     if link is not None:
         name = link.data().split(b"\0", 1)[0].decode("utf-8", "replace")
         d = os.path.dirname(os.path.abspath(path))
-        out += [os.path.join(d, name), os.path.join(d, ".debug", name), DEBUG_ROOT + os.path.join(d, name)]
+        out += [os.path.join(d, name), os.path.join(d, ".debug", name)]
+        out += [r + os.path.join(d, name) for r in roots]
     return out
 
 
@@ -168,7 +181,7 @@ class DebugInfo:
             else:
                 raise NoDebugInfo(f"{os.path.basename(path)} has no DWARF debug information "
                                   f"(.debug_info), and no separate debug file was found "
-                                  f"(build-id or .gnu_debuglink under {DEBUG_ROOT}); compile with -g")
+                                  f"(build-id or .gnu_debuglink under {':'.join(debug_roots())}); compile with -g")
         self.elf = elf
         self.dwarf = elf.get_dwarf_info()
         self.loc = LocationParser(self.dwarf.location_lists())
