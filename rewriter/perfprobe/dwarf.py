@@ -52,15 +52,25 @@ class Unavailable(Exception):
 class Loc:
     """Where a value is at an address: `reg` (a fetch register name), `mem` (at the
     address `base` + `off`, base a fetch expression of an address, None for a static
-    address), or `imm` (a constant)."""
+    address), `imm` (a constant), or `pieces` (DW_OP_piece: the value's bytes in
+    several places, `pieces` [(byte offset, byte size, Loc or the reason that part is
+    not available)]: a small struct passed in two registers).  A `reg` may hold only
+    `width` bits of the value, from bit `shift` (a member of a struct in a register;
+    width 0: the whole register)."""
     kind: str
     reg: str | None = None
     base: str | None = None
     off: int = 0
     imm: int = 0
+    pieces: list | None = None
+    shift: int = 0
+    width: int = 0
 
     def value(self) -> str:
-        """The fetch arg that reads the value itself."""
+        """The fetch arg that reads the value itself (for a part of a register, the
+        whole register: the part is read with a bN@S/64 type)."""
+        if self.kind == "pieces":
+            raise Unavailable("split into pieces (DW_OP_piece)")
         if self.kind == "reg":
             return f"%{self.reg}"
         if self.kind == "imm":
@@ -164,8 +174,9 @@ def _origin_type(die):
 class DebugInfo:
     """The DWARF of one image (or of its separate debug file)."""
 
-    def __init__(self, path: str, data: bytes, regs: dict[int, str]):
-        self.path, self.regs = path, regs
+    def __init__(self, path: str, data: bytes, regs: dict[int, str], reg_names: dict[int, str] | None = None):
+        # regs: DWARF register numbers fetch args read; reg_names: others, named in errors
+        self.path, self.regs, self.reg_names = path, regs, reg_names or {}
         self._data = data
         elf = ELFFile(io.BytesIO(data))
         self.source = path
@@ -469,6 +480,10 @@ class DebugInfo:
     def _reg(self, n: int) -> str:
         r = self.regs.get(n)
         if r is None:
+            name = self.reg_names.get(n)
+            if name is not None:     # perf 6.1: "Mapping for the register number 17 missing"
+                raise Unavailable(f"in %{name} (DWARF register {n}), a floating-point or vector register, "
+                                  f"which fetch args cannot read")
             raise Unavailable(f"in DWARF register {n}, which fetch args cannot read")
         return r
 
@@ -490,13 +505,39 @@ class DebugInfo:
         raise Unavailable(f"its frame base is {_show(ops)}")
 
     def _eval(self, expr, inst, addr, cu) -> Loc:
-        """convert_variable_location(): one DWARF expression to a Loc."""
+        """convert_variable_location(): one DWARF expression to a Loc; a composite
+        location (DW_OP_piece) to a `pieces` Loc of each piece's, whose members
+        compile.py reads one by one (perf 6.1 refuses these: "Structure on a register
+        is not supported yet")."""
         ops = self.expr.parse_expr(expr)
+        names = [o.op_name for o in ops]
+        if "DW_OP_bit_piece" in names:
+            raise Unavailable("split into bit pieces (DW_OP_bit_piece)")
+        if "DW_OP_piece" not in names:
+            return self._eval_ops(ops, inst, addr, cu)
+        pieces, cur, off = [], [], 0
+        for o in ops:
+            if o.op_name != "DW_OP_piece":
+                cur.append(o)
+                continue
+            if not cur:
+                part = "optimized out"          # an empty piece: that part has no location
+            else:
+                try:
+                    part = self._eval_ops(cur, inst, addr, cu)
+                except Unavailable as e:
+                    part = str(e)
+            pieces.append((off, o.args[0], part))
+            off, cur = off + o.args[0], []
+        if cur:
+            raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
+        return Loc("pieces", pieces=pieces)
+
+    def _eval_ops(self, ops, inst, addr, cu) -> Loc:
+        """One simple location (no pieces) to a Loc."""
         names = [o.op_name for o in ops]
         if any("entry_value" in n for n in names):
             raise Unavailable("optimized out: only its value at the function's entry is known (DW_OP_entry_value)")
-        if any(n in ("DW_OP_piece", "DW_OP_bit_piece") for n in names):
-            raise Unavailable("split into pieces (DW_OP_piece)")
         if any("implicit_pointer" in n for n in names):
             raise Unavailable("optimized out: an implicit pointer")
         if any("tls_address" in n for n in names):
