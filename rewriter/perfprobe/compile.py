@@ -388,8 +388,14 @@ def compile_args(dbg: D.DebugInfo, image, site: Site, d: ProbeDef) -> list[str]:
             continue
         if arg.var == "$retval":
             ftype = arg.type
+            rt = D._origin_type(site.inst.die)
+            if D.encoding(rt) in ("DW_ATE_float", "DW_ATE_complex_float"):
+                # $retval is the integer return register: for a double it is not the value
+                # (perf 6.1 reads it anyway)
+                raise ProbeError(f"'$retval' at {site.inst.name}%return: the return value is floating-point "
+                                 f"({D.type_name(rt)}), returned in a floating-point register, which fetch args "
+                                 f"cannot read")
             if ftype is None:
-                rt = D._origin_type(site.inst.die)
                 ftype = _default_type(rt, f"the return value of '{site.inst.name}'") if _scalar(rt) else "x64"
             body = f"+0($retval):{ftype}" if ftype in ("string", "ustring") else f"$retval:{ftype}"
             add(_arg_name(arg), body)
