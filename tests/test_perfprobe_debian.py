@@ -16,7 +16,9 @@ KPREWRITE_DEBUG_FILE_DIRECTORY, gdb through `set debug-file-directory`.
 
 The probe lines are chosen from the debug information (the library is built by
 Debian, its line numbers are not ours to fix): lines of the function where at
-least one local integer is available at every address of the line.  Pointers are
+least one local integer has a value at every address of the line (a location
+list's entry there, a constant or a static: not a stack slot that may not be set
+yet, whose garbage differs between two runs).  Pointers are
 left out: the rewritten library is a bigger file, so the addresses the program
 maps after it differ from the run under gdb.  Each probe reads its line's
 available integers by name (`FUNC:RLN a b c`), and every hit is compared with
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+import conftest
 from conftest import cc, instrument, run, write_spec
 from rewriter import tracefmt
 
@@ -120,7 +123,10 @@ def _text_addr(path: str) -> int:
 def choose_probes(lib: str, function: str, most: int = 6) -> list[tuple[str, list[int], list[str]]]:
     """Probe definitions `e<N>=FUNC:RLN v...` for lines of `function` where at least one
     local (not only parameters) that is an integer can be read at every address of the
-    line: (definition, its addresses, the variables), at most `most`, in line order."""
+    line: (definition, its addresses, the variables), at most `most`, in line order, no
+    two at the same addresses (the declarations at the top of an -O2 function share its
+    entry).  The lines with the most locals that are not constants (in registers or
+    memory: values the code computed) are taken."""
     from rewriter import targets
     from rewriter.arch import get_arch
     from rewriter.perfprobe import compile as C
@@ -129,17 +135,20 @@ def choose_probes(lib: str, function: str, most: int = 6) -> list[tuple[str, lis
     from rewriter.perfprobe.syntax import parse
     image = targets.load(lib)
     dbg = debug_info(image, get_arch(image.machine))
+    assert dbg.source.startswith(os.environ["KPREWRITE_DEBUG_FILE_DIRECTORY"]), dbg.source
     insts = dbg.instances(function)
     assert insts, f"{function} is not in the debug information of {lib}"
     rels = sorted({r.line - i.decl_line for i in insts for r in dbg.lines(i.cu)
                    if r.file == i.decl_file and i.contains(r.addr) and r.line > i.decl_line})
-    out = []
+    found, seen = [], set()
     for rel in rels:
         try:
             sites = C.sites(dbg, image, parse(f"{function}:{rel} x").point)
         except C.ProbeError:
             continue
-        common = None
+        if tuple(s.addr for s in sites) in seen:
+            continue
+        common, computed = None, set()
         for site in sites:
             ok = set()
             for v in dbg.scope(site.inst, site.addr):
@@ -151,14 +160,33 @@ def choose_probes(lib: str, function: str, most: int = 6) -> list[tuple[str, lis
                     C.compile_var(dbg, image, site, parse(f"{function} {v.name}").args[0], v)
                 except C.ProbeError:
                     continue
+                if not v.param and not _set(dbg, v, site):
+                    continue
                 ok.add((v.name, v.param))
+                if not v.param and dbg.location(v.die, site.inst, site.addr).kind != "imm":
+                    computed.add(v.name)
             common = ok if common is None else common & ok
         if common and any(not param for _, param in common):
+            seen.add(tuple(s.addr for s in sites))
             names = sorted(n for n, _ in common)
-            out.append((f"e{len(out)}={function}:{rel} " + " ".join(names), [s.addr for s in sites], names))
-            if len(out) == most:
-                break
-    return out
+            score = len(computed & set(names))
+            found.append((-score, rel, [s.addr for s in sites], names))
+    chosen = sorted(sorted(found)[:most], key=lambda f: f[1])
+    return [(f"e{i}={function}:{rel} " + " ".join(names), addrs, names)
+            for i, (_, rel, addrs, names) in enumerate(chosen)]
+
+
+def _set(dbg, v, site) -> bool:
+    """Whether a local has a value at the site, not only a place: a location list's entry
+    (in optimized code, gcc's var-tracking starts one where the variable is assigned), a
+    constant or a static variable.  A single location for the whole scope (a stack slot
+    of a variable whose address is taken) holds garbage until the code sets it, and that
+    garbage differs between the run under gdb and ours."""
+    a = v.die.attributes.get("DW_AT_location")
+    if a is None or a.form in ("DW_FORM_sec_offset", "DW_FORM_loclistx", "DW_FORM_data4", "DW_FORM_data8"):
+        return True
+    loc = dbg.location(v.die, site.inst, site.addr)
+    return loc.kind == "imm" or (loc.kind == "mem" and loc.base is None)
 
 
 GDB_SCRIPT = r"""
@@ -230,7 +258,9 @@ def test_dbgsym_values_match_gdb(case, tmp_path, monkeypatch):
     debug_file = dbgdir / ".build-id" / bid[:2] / f"{bid[2:]}.debug"
     assert debug_file.is_file(), f"{debug_package} has no {debug_file.relative_to(dbgdir)} for {lib}: " \
                                  f"is it the installed {package}'s version?"
-    monkeypatch.setenv("KPREWRITE_DEBUG_FILE_DIRECTORY", str(dbgdir))   # for choose_probes and the CLI
+    # for choose_probes and the CLI: only there (not /usr/lib/debug, where libc6-dbg may be installed)
+    monkeypatch.setenv("KPREWRITE_DEBUG_FILE_DIRECTORY", str(dbgdir))
+    monkeypatch.setitem(conftest.TREE_ENV, "KPREWRITE_DEBUG_FILE_DIRECTORY", str(dbgdir))
     probes = choose_probes(lib, function)
     assert probes, f"no line of {function} has a local integer that can be read"
     spec = write_spec(tmp_path, "probes = [\n" + "".join(f'  "{d}",\n' for d, _, _ in probes) + "]\n")
