@@ -346,3 +346,40 @@ def test_build_id_debug_file(built, tmp_path, monkeypatch):
     dbg.unlink()
     with pytest.raises(D.NoDebugInfo):
         locs(stripped)
+
+
+@pytest.mark.parametrize("built", ["2"], indirect=True)
+def test_debug_file_directory(built, tmp_path):
+    """KPREWRITE_DEBUG_FILE_DIRECTORY (gdb's debug-file-directory): a build-id tree in a folder
+    of one's own, as `dpkg-deb -x` of a -dbgsym package leaves it, found through the CLI;
+    without it, the error names the folders searched."""
+    import os
+    from conftest import KPREWRITE, TREE_ENV
+    from elftools.elf.elffile import ELFFile
+    opt, (prog, out, check) = built
+    with open(prog, "rb") as f:
+        bid = next(n for n in ELFFile(f).get_section_by_name(".note.gnu.build-id").iter_notes())["n_desc"]
+    root = tmp_path / "usr" / "lib" / "debug"
+    dbg = root / ".build-id" / bid[:2] / (bid[2:] + ".debug")
+    dbg.parent.mkdir(parents=True)
+    stripped = tmp_path / "stripped"
+    subprocess.run(["objcopy", "--only-keep-debug", str(prog), str(dbg)], check=True)
+    subprocess.run(["objcopy", "--strip-debug", str(prog), str(stripped)], check=True)
+    spec = write_spec(tmp_path, 'probes = ["e=parse_line:4 sum b=buf:string"]\n')
+
+    def check_with(dirs):
+        env = {k: v for k, v in TREE_ENV.items() if k != "KPREWRITE_DEBUG_FILE_DIRECTORY"}
+        if dirs is not None:
+            env["KPREWRITE_DEBUG_FILE_DIRECTORY"] = dirs
+        return subprocess.run([*KPREWRITE, "check", str(stripped), "--spec", str(spec)], capture_output=True,
+                              text=True, env=env)
+    def compiled(stdout):        # the location and fetch args (the group is named after the file)
+        return [l.split(" ", 2)[2] for l in stdout.splitlines() if l.startswith("probes[")]
+    want = compiled(kprewrite("check", prog, "--spec", spec).stdout)
+    r = check_with(f"{tmp_path / 'nothing'}:{root}")
+    assert r.returncode == 0 and compiled(r.stdout) == want and len(want) == 1, r.stderr
+    r = check_with(None)
+    assert r.returncode == 1 and "no separate debug file was found (build-id or .gnu_debuglink under " \
+                                 "/usr/lib/debug)" in r.stderr, r.stderr
+    r = check_with(str(tmp_path / "nothing"))
+    assert r.returncode == 1 and f"under {tmp_path / 'nothing'})" in r.stderr and os.path.isfile(dbg), r.stderr

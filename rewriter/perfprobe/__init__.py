@@ -53,7 +53,7 @@ def debug_info(image, arch):
     with open(image.path, "rb") as f:
         data = f.read()
     try:
-        dbg = D.DebugInfo(image.path, data, regs)
+        dbg = D.DebugInfo(image.path, data, regs, getattr(arch.fetch_regs, "DWARF_REG_NAMES", None))
     except D.NoDebugInfo as e:
         raise KprewriteError(str(e)) from None
     except Exception as e:          # pyelftools on a damaged file: one line, not a traceback

@@ -157,7 +157,9 @@ def _default_type(t, label: str) -> str:
     if s.tag in ("DW_TAG_base_type", "DW_TAG_enumeration_type"):
         enc = D.encoding(s)
         if enc == "DW_ATE_float" or enc == "DW_ATE_complex_float":
-            raise ProbeError(f"{label} is floating-point, which fetch args cannot read")
+            raise ProbeError(f"{label} is floating-point, which fetch args cannot read "
+                             f"(a cast to x{8 * (D.byte_size(s) or 8)} reads its bits, where it is not in a "
+                             f"floating-point register)")
         size = D.byte_size(s)
         if size not in _SCALAR_TYPES:
             raise ProbeError(f"{label} is {size} bytes, wider than a fetch arg")
@@ -170,12 +172,38 @@ def _default_type(t, label: str) -> str:
     raise ProbeError(f"{label} is {kind} ({D.type_name(t)}): name a member (->, ., [N]) or cast it")
 
 
+def _part(loc: D.Loc, off: int, size: int, what: str, label: str) -> D.Loc:
+    """The `size` bytes at byte `off` of a value that is not in memory as a whole: one
+    piece of a composite location (DW_OP_piece), or a part of a register (read with a
+    bN@S/64 type) or of a constant."""
+    if loc.kind == "pieces":
+        for poff, psize, p in loc.pieces:
+            if poff <= off and off + size <= poff + psize:
+                if isinstance(p, str):
+                    raise ProbeError(f"{label}: {what} is not available here ({p}: its piece of the "
+                                     f"variable's location, DW_OP_piece)")
+                return _part(p, off - poff, size, what, label) if (off, size) != (poff, psize) or \
+                    p.kind != "mem" else p
+        raise ProbeError(f"{label}: {what} is not within one piece of the variable's location "
+                         f"(DW_OP_piece {', '.join(str(s) for _, s, _ in loc.pieces)})")
+    if loc.kind == "mem":
+        return D.Loc("mem", base=loc.base, off=loc.off + off)
+    if loc.kind == "imm":
+        return D.Loc("imm", imm=(loc.imm >> (8 * off)) & ((1 << 8 * size) - 1))
+    width = loc.width or 64
+    if loc.shift + 8 * (off + size) > loc.shift + width:
+        raise ProbeError(f"{label}: {what} is past the end of the register %{loc.reg} that holds it")
+    return D.Loc("reg", reg=loc.reg, shift=loc.shift + 8 * off, width=8 * size)
+
+
 def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]:
     """convert_variable_fields(): walk ->, . and [N]; (location, type, member DIE of the last field)."""
     last_member = None
     shown = arg.var
     for f in arg.fields:
         s = D.strip(t)
+        if loc.kind == "pieces" and s is not None and s.tag == "DW_TAG_pointer_type":
+            loc = _part(loc, 0, D.byte_size(s), shown, label)     # a pointer in pieces: its one piece
         if f.index is not None:
             shown += f"[{f.index}]"
             if s is not None and s.tag == "DW_TAG_array_type":
@@ -185,9 +213,9 @@ def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]
                 if n is not None and f.index >= n:
                     raise ProbeError(f"{label}: index {f.index} is past the end of {shown[:shown.rfind('[')]} "
                                      f"({D.type_name(t)})")
-                if loc.kind != "mem" or size is None:
-                    raise ProbeError(f"{label}: {shown[:shown.rfind('[')]} is not in memory here")
-                loc, t = D.Loc("mem", base=loc.base, off=loc.off + f.index * size), elem
+                if size is None:
+                    raise ProbeError(f"{label}: {shown[:shown.rfind('[')]} has elements of unknown size")
+                loc, t = _part(loc, f.index * size, size, shown, label), elem
             elif s is not None and s.tag == "DW_TAG_pointer_type":
                 elem = D.target(s)
                 size = D.byte_size(elem)
@@ -212,15 +240,24 @@ def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]
             rec = s
             if rec is None or rec.tag not in _AGGREGATES:
                 raise ProbeError(f"{label}: {shown} is not a struct or union")
-            if loc.kind != "mem":
-                raise ProbeError(f"{label}: {shown} is not in memory here (in a register)")
             base, off = loc.base, loc.off
         found = D.member(rec, f.name)
         if found is None:
             raise ProbeError(f"{label}: {D.type_name(rec)} has no member '{f.name}'")
         m, moff = found
         shown += sep + f.name
-        loc, t, last_member = D.Loc("mem", base=base, off=off + moff), D._origin_type(m), m
+        mt = D._origin_type(m)
+        if not f.ref and loc.kind != "mem":
+            # a struct in registers (DW_OP_piece, or a small one in one register)
+            if "DW_AT_bit_size" in m.attributes:
+                raise ProbeError(f"{label}: {shown} is a bitfield of a struct in a register, "
+                                 f"which fetch args cannot read")
+            size = D.byte_size(mt)
+            if size is None:
+                raise ProbeError(f"{label}: {shown} has a type of unknown size")
+            loc, t, last_member = _part(loc, moff, size, shown, label), mt, m
+            continue
+        loc, t, last_member = D.Loc("mem", base=base, off=off + moff), mt, m
     return loc, t, last_member
 
 
@@ -280,6 +317,27 @@ def compile_var(dbg: D.DebugInfo, image, site: Site, arg: Arg, var: D.Var | None
     t = D._origin_type(die)
     flabel = f"'{arg.text.split(':')[0]}' at {at}"
     loc, t, m = _fields(loc, t, arg, flabel)
+    if loc.kind == "pieces":
+        size = D.byte_size(t)
+        s = D.strip(t)
+        if size is None or s is None or s.tag in _AGGREGATES or s.tag == "DW_TAG_array_type":
+            where_ = ", ".join(f"{o}..{o + n - 1}: " + (p if isinstance(p, str) else p.value())
+                               for o, n, p in loc.pieces)
+            raise ProbeError(f"{flabel} is {D.type_name(t)}, split into pieces (DW_OP_piece; bytes {where_}): "
+                             f"name a member (.F, [N])")
+        loc = _part(loc, 0, size, f"'{arg.var}'", flabel)
+    if loc.kind == "reg" and loc.shift:
+        # a member in the upper bits of a register: those bits, unsigned (fetch args
+        # have no signed bitfield)
+        if arg.type is not None and not re.fullmatch(r"b\d+@\d+/\d+", arg.type):
+            raise ProbeError(f"{flabel} is in bits {loc.shift}..{loc.shift + loc.width - 1} of %{loc.reg}: "
+                             f"it can be read only as those bits (b{loc.width}@{loc.shift}/64), not as "
+                             f"'{arg.type}'")
+        _default_type(t, flabel) if arg.type is None else None    # a float or a struct: refused as elsewhere
+        body = f"%{loc.reg}:{arg.type or f'b{loc.width}@{loc.shift}/64'}"
+        if len(body) > MAX_ARGSTR_LEN:
+            raise ProbeError(f"{flabel}: the fetch arg '{body}' is longer than {MAX_ARGSTR_LEN} characters")
+        return body
     body = None
     if arg.type in ("string", "ustring"):
         body = _string(loc, t, flabel, arg.type == "ustring")
@@ -330,8 +388,14 @@ def compile_args(dbg: D.DebugInfo, image, site: Site, d: ProbeDef) -> list[str]:
             continue
         if arg.var == "$retval":
             ftype = arg.type
+            rt = D._origin_type(site.inst.die)
+            if D.encoding(rt) in ("DW_ATE_float", "DW_ATE_complex_float"):
+                # $retval is the integer return register: for a double it is not the value
+                # (perf 6.1 reads it anyway)
+                raise ProbeError(f"'$retval' at {site.inst.name}%return: the return value is floating-point "
+                                 f"({D.type_name(rt)}), returned in a floating-point register, which fetch args "
+                                 f"cannot read")
             if ftype is None:
-                rt = D._origin_type(site.inst.die)
                 ftype = _default_type(rt, f"the return value of '{site.inst.name}'") if _scalar(rt) else "x64"
             body = f"+0($retval):{ftype}" if ftype in ("string", "ustring") else f"$retval:{ftype}"
             add(_arg_name(arg), body)

@@ -13,7 +13,9 @@ The debug information is the image's own `.debug_*` sections (compressed or
 not: pyelftools decompresses SHF_COMPRESSED and .zdebug sections), or a separate
 file found as perf and gdb find it: by build-id under /usr/lib/debug/.build-id/,
 or by .gnu_debuglink next to the image, in its .debug/ folder or under
-/usr/lib/debug.
+/usr/lib/debug.  KPREWRITE_DEBUG_FILE_DIRECTORY (colon-separated, gdb's
+`set debug-file-directory`) names other roots instead of /usr/lib/debug: a -dbgsym
+package extracted with dpkg-deb -x rather than installed.
 """
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ from elftools.dwarf.ranges import BaseAddressEntry as RangeBase, RangeEntry
 from elftools.elf.elffile import ELFFile
 
 DEBUG_ROOT = "/usr/lib/debug"
+DEBUG_DIR_ENV = "KPREWRITE_DEBUG_FILE_DIRECTORY"
+
+
+def debug_roots() -> list[str]:
+    """The folders searched for separate debug files: $KPREWRITE_DEBUG_FILE_DIRECTORY's
+    (colon-separated, as gdb's debug-file-directory), else DEBUG_ROOT."""
+    env = os.environ.get(DEBUG_DIR_ENV)
+    roots = [d for d in env.split(":") if d] if env else []
+    return roots or [DEBUG_ROOT]
 
 
 class NoDebugInfo(Exception):
@@ -41,15 +52,25 @@ class Unavailable(Exception):
 class Loc:
     """Where a value is at an address: `reg` (a fetch register name), `mem` (at the
     address `base` + `off`, base a fetch expression of an address, None for a static
-    address), or `imm` (a constant)."""
+    address), `imm` (a constant), or `pieces` (DW_OP_piece: the value's bytes in
+    several places, `pieces` [(byte offset, byte size, Loc or the reason that part is
+    not available)]: a small struct passed in two registers).  A `reg` may hold only
+    `width` bits of the value, from bit `shift` (a member of a struct in a register;
+    width 0: the whole register)."""
     kind: str
     reg: str | None = None
     base: str | None = None
     off: int = 0
     imm: int = 0
+    pieces: list | None = None
+    shift: int = 0
+    width: int = 0
 
     def value(self) -> str:
-        """The fetch arg that reads the value itself."""
+        """The fetch arg that reads the value itself (for a part of a register, the
+        whole register: the part is read with a bN@S/64 type)."""
+        if self.kind == "pieces":
+            raise Unavailable("split into pieces (DW_OP_piece)")
         if self.kind == "reg":
             return f"%{self.reg}"
         if self.kind == "imm":
@@ -94,17 +115,19 @@ class LineRow:
 
 def _debuglink_candidates(path: str, elf) -> list[str]:
     out = []
+    roots = debug_roots()
     notes = elf.get_section_by_name(".note.gnu.build-id")
     if notes is not None:
         for n in notes.iter_notes():
             if n["n_type"] == "NT_GNU_BUILD_ID":
                 bid = n["n_desc"]
-                out.append(os.path.join(DEBUG_ROOT, ".build-id", bid[:2], bid[2:] + ".debug"))
+                out += [os.path.join(r, ".build-id", bid[:2], bid[2:] + ".debug") for r in roots]
     link = elf.get_section_by_name(".gnu_debuglink")
     if link is not None:
         name = link.data().split(b"\0", 1)[0].decode("utf-8", "replace")
         d = os.path.dirname(os.path.abspath(path))
-        out += [os.path.join(d, name), os.path.join(d, ".debug", name), DEBUG_ROOT + os.path.join(d, name)]
+        out += [os.path.join(d, name), os.path.join(d, ".debug", name)]
+        out += [r + os.path.join(d, name) for r in roots]
     return out
 
 
@@ -151,8 +174,9 @@ def _origin_type(die):
 class DebugInfo:
     """The DWARF of one image (or of its separate debug file)."""
 
-    def __init__(self, path: str, data: bytes, regs: dict[int, str]):
-        self.path, self.regs = path, regs
+    def __init__(self, path: str, data: bytes, regs: dict[int, str], reg_names: dict[int, str] | None = None):
+        # regs: DWARF register numbers fetch args read; reg_names: others, named in errors
+        self.path, self.regs, self.reg_names = path, regs, reg_names or {}
         self._data = data
         elf = ELFFile(io.BytesIO(data))
         self.source = path
@@ -168,7 +192,7 @@ class DebugInfo:
             else:
                 raise NoDebugInfo(f"{os.path.basename(path)} has no DWARF debug information "
                                   f"(.debug_info), and no separate debug file was found "
-                                  f"(build-id or .gnu_debuglink under {DEBUG_ROOT}); compile with -g")
+                                  f"(build-id or .gnu_debuglink under {':'.join(debug_roots())}); compile with -g")
         self.elf = elf
         self.dwarf = elf.get_dwarf_info()
         self.loc = LocationParser(self.dwarf.location_lists())
@@ -456,6 +480,10 @@ class DebugInfo:
     def _reg(self, n: int) -> str:
         r = self.regs.get(n)
         if r is None:
+            name = self.reg_names.get(n)
+            if name is not None:     # perf 6.1: "Mapping for the register number 17 missing"
+                raise Unavailable(f"in %{name} (DWARF register {n}), a floating-point or vector register, "
+                                  f"which fetch args cannot read")
             raise Unavailable(f"in DWARF register {n}, which fetch args cannot read")
         return r
 
@@ -477,13 +505,39 @@ class DebugInfo:
         raise Unavailable(f"its frame base is {_show(ops)}")
 
     def _eval(self, expr, inst, addr, cu) -> Loc:
-        """convert_variable_location(): one DWARF expression to a Loc."""
+        """convert_variable_location(): one DWARF expression to a Loc; a composite
+        location (DW_OP_piece) to a `pieces` Loc of each piece's, whose members
+        compile.py reads one by one (perf 6.1 refuses these: "Structure on a register
+        is not supported yet")."""
         ops = self.expr.parse_expr(expr)
+        names = [o.op_name for o in ops]
+        if "DW_OP_bit_piece" in names:
+            raise Unavailable("split into bit pieces (DW_OP_bit_piece)")
+        if "DW_OP_piece" not in names:
+            return self._eval_ops(ops, inst, addr, cu)
+        pieces, cur, off = [], [], 0
+        for o in ops:
+            if o.op_name != "DW_OP_piece":
+                cur.append(o)
+                continue
+            if not cur:
+                part = "optimized out"          # an empty piece: that part has no location
+            else:
+                try:
+                    part = self._eval_ops(cur, inst, addr, cu)
+                except Unavailable as e:
+                    part = str(e)
+            pieces.append((off, o.args[0], part))
+            off, cur = off + o.args[0], []
+        if cur:
+            raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
+        return Loc("pieces", pieces=pieces)
+
+    def _eval_ops(self, ops, inst, addr, cu) -> Loc:
+        """One simple location (no pieces) to a Loc."""
         names = [o.op_name for o in ops]
         if any("entry_value" in n for n in names):
             raise Unavailable("optimized out: only its value at the function's entry is known (DW_OP_entry_value)")
-        if any(n in ("DW_OP_piece", "DW_OP_bit_piece") for n in names):
-            raise Unavailable("split into pieces (DW_OP_piece)")
         if any("implicit_pointer" in n for n in names):
             raise Unavailable("optimized out: an implicit pointer")
         if any("tls_address" in n for n in names):

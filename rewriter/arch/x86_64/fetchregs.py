@@ -19,6 +19,8 @@ DEFAULT_TYPE = "x64"               # BITS_PER_LONG
 # DWARF register numbers (the psABI's) -> these names, for probes by variable name (perfprobe)
 DWARF_REGS = {0: "ax", 1: "dx", 2: "cx", 3: "bx", 4: "si", 5: "di", 6: "bp", 7: "sp",
               **{n: f"r{n}" for n in range(8, 16)}}
+# DWARF registers fetch args cannot read, named in errors ("'x' is not available ... in %xmm0")
+DWARF_REG_NAMES = {**{17 + n: f"xmm{n}" for n in range(16)}, **{33 + n: f"st{n}" for n in range(8)}}
 # The first six integer or pointer arguments at a function's entry (the psABI's, and the
 # kernel's: regs_get_kernel_argument()), for kernel probes by parameter name (perfprobe/btfprobe.py)
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
