@@ -105,8 +105,7 @@ def compile_handlers(s: Session, workdir: Path, progress=None, deps: list | None
         (headers / rel).write_text(text)
     objs, code = handlers.compile_and_read(s.spec, s.arch, s.handler_symbols, s.handler_exports, workdir,
                                            s.target.name, headers, deps)
-    planner.choose_forms(s.plan, s.image, s.arch, code, {k for k, t in s.traces.items() if t.reads_regs},
-                         s.rules, events=bool(s.traces))
+    planner.choose_forms(s.plan, s.image, s.arch, code, {k: t.reads_regs for k, t in s.traces.items()}, s.rules)
     return objs
 
 

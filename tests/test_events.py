@@ -652,3 +652,37 @@ def test_trace_of_a_file_without_trace_lines(tmp_path, prog):
     assert len(r.stderr.strip().splitlines()) == 1 and "no trace lines in it" in r.stderr
     (tmp_path / "empty.txt").write_text("")
     assert kprewrite("trace", tmp_path / "empty.txt").stdout == ""
+
+
+CLOBBER = r"""
+#include <stdio.h>
+/* Every argument register is live at the entry and used after it: an event's generated
+   handler is C calling the runtime, which may clobber any caller-saved register. */
+__attribute__((noinline)) long f(long a, long *p, long b, long c, long d, long e)
+{
+    p[0] = a;
+    p[1] = b + c + d + e;
+    return a;
+}
+int main(void)
+{
+    long v[2];
+    for (long i = 1; i <= 3; i++) {
+        f(i, v, i + 1, i + 2, i + 3, i + 4);
+        printf("%ld %ld\n", v[0], v[1]);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("line", ["p:g/e f", "p:g/e f n=\\\\7 who=$comm"])
+def test_event_reading_no_register_keeps_the_registers(tmp_path, runner, line):
+    """An event whose fetch args read no register (none, immediates, $comm) still runs C at
+    every hit: its detour saves the caller-saved registers as for any handler."""
+    prog = cc(tmp_path, "clobber", CLOBBER, "-O2")
+    out = instrument(prog, write_spec(tmp_path, f'events = ["{line}"]\n'), tmp_path / "clobber.kp")
+    assert kprewrite("check", prog, "--spec", tmp_path / "probes.toml").stdout.startswith("f+0x0  k  optimized")
+    r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert (r.returncode, r.stdout) == (0, "1 14\n2 18\n3 22\n"), r.stderr[-2000:]
+    assert profile(r.stderr)["e"] == (3, 0)

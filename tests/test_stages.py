@@ -64,7 +64,7 @@ def staged(prog):
     analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources,
                         read_indirect_jumps=rules.read_indirect_jumps)
     plan = _plan(image, arch, analysis)
-    choose_forms(plan, image, arch, {}, set(), rules)
+    choose_forms(plan, image, arch, {}, {}, rules)
     c = emission.Code(image, arch, plan, {}, set(), target.thread_key(image))
     before = _snapshot(plan)
     lay = layout.place(c, target)

@@ -8,8 +8,7 @@ from ..resolve import is_entry
 from ..rules import Rules
 from .model import JUMPS, NO_HANDLER, OPTIMIZED, HandlerCode, Plan, Site
 
-def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: set, rules: Rules,
-                 events: bool = False) -> None:
+def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: dict, rules: Rules) -> None:
     """How each site and each function's returns are emitted.
 
     Sites: a clean call where no handler can read its pt_regs argument; the
@@ -22,17 +21,20 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
     Returns: a function with one kretprobe gets the hook inlined at each ret,
     clean when its handler never reads regs, with pt_regs otherwise; several
     kretprobes share the runtime's hooks, the clean one when no handler reads
-    regs.  traced: keys of probes with a trace event (events.trace_key) whose
-    generated handlers read regs (TraceEvent.reads_regs); events: whether any probe has one.
+    regs.  traces: the keys of probes with a trace event (events.trace_key), each to
+    whether its generated handler reads regs (TraceEvent.reads_regs).  Either way that
+    handler is C calling the runtime: it may clobber any caller-saved register.
 
     light (Rules.light_hits): in an image with no handler at all (events count as handlers), a
     template only counts the hit (Site.light, emit.light_detour); red_zone
     (Rules.red_zone): its registers are then saved below the stack pointer without moving it
     where the ABI leaves that room free (a function entry)."""
+    traced = {k for k, reads_regs in traces.items() if reads_regs}
+    events = bool(traces)
     for site in plan.sites:
         # Without fast forms, detours call the runtime's shared entries: optimized_callback()
         # with pt_regs, or the clean callback where no handler reads pt_regs.
-        _site_form(site, image, arch, code, traced, trace_key, rules.fast_forms, rules.kretprobe_clean_entry)
+        _site_form(site, image, arch, code, traces, traced, trace_key, rules.fast_forms, rules.kretprobe_clean_entry)
     # No handler anywhere in the image: no hit can find one running (nmissed stays 0)
     # and nothing can enable or disable a probe, so a template only counts the hit
     # (emit.light_detour).  One handler, even elsewhere, may call a probed function.
@@ -58,11 +60,13 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traced: 
                           "aligned": arch.optprobe.stack_aligned_at(image, g.func, g.func.start)}
 
 
-def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traced: set, trace_key,
+def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traces: dict, traced: set, trace_key,
                templates: bool = True, kret_clean_entry: bool = False) -> None:
     site.clean = True
     site.clobbers = set()
     for p in site.probes:
+        if trace_key(p) in traces:
+            site.clobbers = None    # the generated trace handler: C that calls the runtime
         if (is_entry(p) and not kret_clean_entry) or trace_key(p) in traced:
             site.clean = False      # pre_handler_kretprobe / the trace's pre_handler read pt_regs
         if is_entry(p) and kret_clean_entry:
