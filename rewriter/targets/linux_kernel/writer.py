@@ -28,7 +28,12 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     out = bytearray(image.data)
     offset_of = extend_first_load(image, out, gap.data_vaddr, data_end)
     hooked = []         # the ftrace sites the int3 hooks take, when there are breakpoint sites
-    if any(site.decision == INT3 for site in plan.sites):
+    # A breakpoint site keeps its instruction in the image: the runtime writes the int3 at
+    # the setup_per_cpu_areas() hook (kp_kernel_arm_int3(), as arch_arm_kprobe() at
+    # registration), so none can trap before the kernel has its #BP handler.
+    unarmed = {site.addr for site in plan.sites if site.decision == INT3}
+    patches = [(addr, code) for addr, code in patches if addr not in unarmed]
+    if unarmed:
         hook_patches, hooked = kern.breakpoint_hook_patches(image, blob)
         patches = list(patches) + hook_patches
     patches = list(patches) + kern.return_site_patches(image, layout, rx, plan)

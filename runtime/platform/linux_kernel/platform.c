@@ -168,7 +168,8 @@ static void kp_kernel_build_tables(void)
 /* setup_per_cpu_areas(): nr_cpu_ids is known and memblock still hands out
  * memory for good, as it does for the per-CPU areas themselves.  Until here
  * only the boot CPU runs, on the static block; its per-CPU offset changes
- * now, so its next hit takes a block of this memory, as every other CPU's. */
+ * now, so its next hit takes a block of this memory, as every other CPU's.
+ * The breakpoint sites are armed here too (kp_kernel_arm_int3()). */
 int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
@@ -178,6 +179,7 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	 * the tables once kp_fast is set, so it stays 0 if they could not be built. */
 	if (kp_tables_built)
 		kp_thread_table_ready();
+	kp_kernel_arm_int3();
 	kp_kernel_kretprobes_init();
 	kp_kernel_trace_init();		/* our trace events' output types */
 	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;

@@ -86,3 +86,25 @@ void kp_kernel_early_exception(struct pt_regs *regs, int trapnr)
 		return;
 	do_early_exception(regs, trapnr);
 }
+
+/*
+ * Arming the breakpoint sites (arch_arm_kprobe(): text_poke(addr, INT3)), at the
+ * setup_per_cpu_areas() boot hook (platform.c): the image holds each site's own
+ * instruction until then, so no int3 of ours can trap before the kernel has an IDT
+ * (Xen PVH's entry runs xen_prepare_pvh() and the library code it calls, memcmp()
+ * included, before startup_64 loads one) or where the early one halts; probes run
+ * their handlers from this hook on anyway (the tables are built here).  Only the boot
+ * CPU runs, and the kernel's text is still writable, as alternatives'
+ * text_poke_early() finds it later in boot: a plain store, then a serializing cpuid
+ * (sync_core()).
+ */
+void kp_kernel_arm_int3(void)
+{
+	unsigned long bias = kp_rt.bias;
+	for (unsigned int i = 0; i < kp_nint3; i++)
+		*(volatile unsigned char *)(kp_int3_sites[i].addr + bias) = 0xcc;
+	if (kp_nint3) {
+		unsigned int a = 1, b, c = 0, d;
+		__asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d) : : "memory");
+	}
+}
