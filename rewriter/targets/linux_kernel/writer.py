@@ -29,8 +29,8 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     offset_of = extend_first_load(image, out, gap.data_vaddr, data_end)
     hooked = []         # the ftrace sites the int3 hooks take, when there are breakpoint sites
     # A breakpoint site keeps its instruction in the image: the runtime writes the int3 at
-    # the setup_per_cpu_areas() hook (kp_kernel_arm_int3(), as arch_arm_kprobe() at
-    # registration), so none can trap before the kernel has its #BP handler.
+    # the sched_init_smp() boot hook (kp_kernel_arm_int3(), as arch_arm_kprobe() at
+    # registration), once every CPU is up, so none traps on a CPU with no IDT yet.
     unarmed = {site.addr for site in plan.sites if site.decision == INT3}
     patches = [(addr, code) for addr, code in patches if addr not in unarmed]
     if unarmed:

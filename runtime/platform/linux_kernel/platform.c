@@ -168,8 +168,7 @@ static void kp_kernel_build_tables(void)
 /* setup_per_cpu_areas(): nr_cpu_ids is known and memblock still hands out
  * memory for good, as it does for the per-CPU areas themselves.  Until here
  * only the boot CPU runs, on the static block; its per-CPU offset changes
- * now, so its next hit takes a block of this memory, as every other CPU's.
- * The breakpoint sites are armed here too (kp_kernel_arm_int3()). */
+ * now, so its next hit takes a block of this memory, as every other CPU's. */
 int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
@@ -179,7 +178,6 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	 * the tables once kp_fast is set, so it stays 0 if they could not be built. */
 	if (kp_tables_built)
 		kp_thread_table_ready();
-	kp_kernel_arm_int3();
 	kp_kernel_kretprobes_init();
 	kp_kernel_trace_init();		/* our trace events' output types */
 	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
@@ -191,6 +189,18 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	}
 	kp_kernel_cpus_size = size;
 	__atomic_store_n(&kp_kernel_cpus, m, __ATOMIC_RELEASE);
+	return 0;
+}
+
+/* sched_init_smp(), right after smp_init() has brought every CPU up: the breakpoint
+ * sites' int3s (kp_kernel_arm_int3()).  Not earlier: a CPU coming up runs cr4_init(),
+ * cpu_init() and the like before it loads the IDT, where an int3 is a triple fault
+ * (as the boot CPU does before setup_arch(): Xen PVH's entry calls memcmp()). */
+int kp_kernel_arm_breakpoints(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	(void)regs;
+	kp_kernel_arm_int3();
 	return 0;
 }
 

@@ -89,14 +89,18 @@ void kp_kernel_early_exception(struct pt_regs *regs, int trapnr)
 
 /*
  * Arming the breakpoint sites (arch_arm_kprobe(): text_poke(addr, INT3)), at the
- * setup_per_cpu_areas() boot hook (platform.c): the image holds each site's own
- * instruction until then, so no int3 of ours can trap before the kernel has an IDT
- * (Xen PVH's entry runs xen_prepare_pvh() and the library code it calls, memcmp()
- * included, before startup_64 loads one) or where the early one halts; probes run
- * their handlers from this hook on anyway (the tables are built here).  Only the boot
- * CPU runs, and the kernel's text is still writable, as alternatives'
- * text_poke_early() finds it later in boot: a plain store, then a serializing cpuid
- * (sync_core()).
+ * sched_init_smp() boot hook (platform.c), once smp_init() has brought every CPU up:
+ * the image holds each site's own instruction until then, so no int3 of ours traps
+ * where the CPU has no IDT yet -- Xen PVH's entry runs xen_prepare_pvh() and the
+ * library code it calls (memcmp()) before startup_64 loads one, and each CPU coming
+ * up runs cr4_init(), cpu_init() and the like before load_current_idt() -- nor
+ * where only the early one halts on it.  The kernel's text is still writable (it is
+ * until mark_rodata_ro()).  The other CPUs run meanwhile: each store is one byte at
+ * an instruction's first byte, text_poke_bp()'s first step, so a CPU runs either the
+ * old instruction or the int3, never a mix; one that has not seen the store yet
+ * runs the old instruction a moment longer (no hit).  A serializing cpuid for this
+ * CPU (sync_core()).  A CPU brought up later (hotplug) would meet the armed sites on
+ * that path, as with the kernel's own kprobes.
  */
 void kp_kernel_arm_int3(void)
 {
