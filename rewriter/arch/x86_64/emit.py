@@ -98,7 +98,8 @@ def short_stub(site: int, entry: int, at: int) -> bytes:
     built with -mno-red-zone), for the runtime's short entries (optprobe_entry.S,
     KP_SHORT_STUBS), which find the stack pointer at the hit right above SITE and
     return over it.  10 bytes (7 for a site below 128) against probe_stub()'s 23."""
-    return asm(f"push {site:#x}", at) + b"\xe8" + _s32(entry - (at + (2 if site < 0x80 else 5) + 5), "call")
+    push = bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site)   # push imm8 / imm32
+    return push + b"\xe8" + _s32(entry - (at + len(push) + 5), "call")
 
 
 def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
