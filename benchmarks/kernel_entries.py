@@ -79,7 +79,9 @@ def instrument(vmlinux: Path, d: Path, entries: list[str]) -> tuple[Path | None,
 
 def gap_use(vmlinux: Path, out: Path) -> str:
     """The space our sections take of each gap (the output's .kprewrite.text and .kprewrite.data)."""
-    gap = linux_kernel.plan_layout(Image(str(vmlinux)))
+    image = Image(str(vmlinux))
+    linux_kernel.load_symbols(image)
+    gap = linux_kernel.plan_layout(image)
     img = Image(str(out))
     text, data = img.section_named(".kprewrite.text"), img.section_named(".kprewrite.data")
     return (f"{text.size >> 10:,} of the {(gap.end - gap.rx_vaddr) >> 10:,} KiB text/rodata gap, "
