@@ -194,7 +194,7 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 
 /* sched_init_smp(), right after smp_init() has brought every CPU up: the int3s of the
  * breakpoint sites that came from globs (kp_kernel_arm_int3()).  Not earlier: a CPU
- * coming up runs cr4_init(), cpu_init() and the like before it loads the IDT, where an
+ * coming up runs cr4_init() (native_write_cr4()) before it loads the IDT, where an
  * int3 is a triple fault (as the boot CPU does before setup_arch(): Xen PVH's entry
  * calls memcmp()). */
 int kp_kernel_arm_breakpoints(struct kprobe *p, struct pt_regs *regs)

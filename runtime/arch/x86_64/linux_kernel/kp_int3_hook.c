@@ -95,7 +95,7 @@ void kp_kernel_early_exception(struct pt_regs *regs, int trapnr)
  * globs holds its own instruction until then (rewriter/targets/linux_kernel/writer.py),
  * so no int3 of ours traps where the CPU has no IDT yet: Xen PVH's entry runs
  * xen_prepare_pvh() and the library code it calls (memcmp()) before startup_64 loads
- * one, and each CPU coming up runs cr4_init(), cpu_init() and the like before
+ * one, and each CPU coming up runs cr4_init() (native_write_cr4()) before
  * load_current_idt().  The kernel's text is still writable (it is
  * until mark_rodata_ro()).  The other CPUs run meanwhile: each store is one byte at
  * an instruction's first byte, text_poke_bp()'s first step, so a CPU runs either the
