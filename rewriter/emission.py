@@ -99,13 +99,16 @@ def pre_handler_symbol(c: Code, p) -> str | None:
     return c.handler_symbol[p.spec.pre_handler] if p.spec.pre_handler else None
 
 
-def detour_entries(site: Site) -> tuple[str, str]:
-    """The runtime's shared entries a non-template detour calls: (before, after the copy)."""
+def detour_entries(site: Site, short: bool = False) -> tuple[str, str]:
+    """The runtime's shared entries a non-template detour calls: (before, after the copy);
+    short: those of the short stubs (a thread key without a red zone: a kernel's)."""
     entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
               ("kp_optprobe_entry", "kp_optprobe_post_entry")
     if site.clean and any(is_entry(p) for p in site.probes):
         # Rules.kretprobe_clean_entry: the runtime's clean entry that passes the return-address slot.
         entries = ("kp_kretprobe_clean_entry", entries[1])
+    if short:
+        entries = tuple(e.replace("probe_", "probe_short_", 1) for e in entries)
     return entries
 
 
@@ -126,9 +129,10 @@ def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int
     em = c.arch.emit
     back = lay.site(site).back or None
     if not site.template:
-        entries = detour_entries(site)
+        short = c.thread_key is not None and not c.thread_key.red_zone
+        entries = detour_entries(site, short)
         return em.detour(site.index, copied(c.arch, lay, site), site.with_post, at, sym[entries[0]], sym[entries[1]],
-                         _site_copy(c, site, at, sym), back=back)
+                         _site_copy(c, site, at, sym), back=back, **({"short": True} if short else {}))
     p = site.probes[0]
     k = c.plan.hit_slot(p)
     if site.light:

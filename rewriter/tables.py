@@ -151,7 +151,7 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
         return string_at[s]
 
     early_sites, fields = [], {}    # the sites of the runtime's own probes; each kprobe's fields
-    # Not const: the records go with the data, in the rodata/data gap (the code gap
+    # Not const: the probe records go with the data, in the rodata/data gap (the code gap
     # holds the detours), read-only from mark_rodata_ro() on (RO_AFTER_INIT, link.RELRO).
     out.append(f"struct kp_probe_rec kp_probe_recs[{max(1, len(plan.kprobes))}]{RO_AFTER_INIT} = {{")
     for site, p in plan.kprobes:
@@ -170,7 +170,8 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
             early_sites.append(site.index)
     out.append("};")
     out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
-    out.append(f"struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}]{RO_AFTER_INIT} = {{")
+    # Const: rodata, in the code gap (short stubs left room there: the data gap could not hold both).
+    out.append(f"const struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}] = {{")
     for site in plan.sites:
         a = lay.site(site)
         out.append(f"  {{ {off(site.addr):#x}, {off(a.resume):#x}, {off(a.resume_post):#x}, "

@@ -90,7 +90,7 @@ struct kp_site_rec {			/* its probes follow the previous site's */
 #define KP_REC_NONE 0xffffffffu
 #define KP_REC_KRET 0x80000000u		/* kp_site_probe_recs[]: kp_kretprobes[n].kp */
 extern struct kp_probe_rec kp_probe_recs[];
-extern struct kp_site_rec kp_site_recs[];
+extern const struct kp_site_rec kp_site_recs[];	/* rodata: in the text/rodata gap */
 extern const unsigned int kp_site_probe_recs[];
 extern const unsigned int kp_nsite_probes;
 extern const struct kp_handler_rec kp_rec_handlers[];
@@ -107,11 +107,12 @@ extern const struct kp_handler_rec *kp_site_handlers;	/* beside kp_site_probes *
 extern volatile int kp_tables_built;
 /*
  * Read-only from mark_rodata_ro() on (linux_kernel/platform.c): these pointers,
- * the records and the arch's breakpoint descriptors (.data..ro_after_init, first
+ * the probe records and the arch's breakpoint descriptors (.data..ro_after_init, first
  * in the rodata/data gap, which the set_memory_ro() boot hook leaves to the
  * kernel's own set_memory_ro()), the sites, probe lists and handler pairs built
  * at boot (their memblock pages, set_memory_ro() at that hook) and the const
- * tables (kp_rec_handlers[], kp_kret_handlers[]: rodata in the text/rodata gap).
+ * tables (the site records, kp_rec_handlers[], kp_kret_handlers[]: rodata in the
+ * text/rodata gap).
  * The struct kprobe array stays writable (nmissed, flags), as do the per-CPU
  * blocks and kretprobe instances.
  */

@@ -45,11 +45,15 @@ class ThreadKey:
     preempt: for base "cpu", the per-CPU offset of the preemption count the templates
     raise before reading the key and drop after the handlers (optimized_callback()'s
     preempt_disable()/preempt_enable()); resched: what preempt_enable() calls when the
-    count drops to zero with a reschedule pending (None: the image cannot preempt)."""
+    count drops to zero with a reschedule pending (None: the image cannot preempt).
+    red_zone: whether the platform's code may keep data below the stack pointer (the
+    psABI's red zone; not a kernel, built without one), which a detour's call into the
+    runtime must step over (x86-64: emit.probe_stub(); without, emit.short_stub())."""
     base: str
     disp: int
     preempt: int | None = None
     resched: int | None = None
+    red_zone: bool = True
 
 
 @dataclass(frozen=True)

@@ -356,6 +356,25 @@ def test_clean_handler_gets_a_clean_call(probed):
     assert len(full) == 1 and clean not in full, (full, clean)
 
 
+def test_ftrace_site_detours_are_a_push_a_call_and_the_jump_back(probed):
+    """A kernel has no red zone: a detour's stub is `push $SITE; call` the runtime's short
+    entry (which returns over SITE), and an ftrace site's nop is not copied, so the detour
+    of an ftrace-site probe is 15 bytes (docs/kernel.md, "Where the code goes"); with a
+    post_handler, a second push and call after the (empty) copy."""
+    out = Image(str(probed["out"]))
+    linux_kernel.load_symbols(out)
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    for name, calls in (("__x64_sys_openat", 1), ("do_sys_openat2", 1), ("kernel_clone", 2)):
+        site = out.symbols[name][0]
+        code = out.read(site, 5)
+        assert code[0] == 0xE9, (name, code.hex())
+        detour = site + 5 + int.from_bytes(code[1:], "little", signed=True)
+        insns = list(cs.disasm(out.read(detour, 15 * calls), detour))[:2 * calls + 1]
+        assert [i.mnemonic for i in insns] == ["push", "call"] * calls + ["jmp"], (name, insns)
+        assert int(insns[-1].op_str, 16) == site + 5, (name, insns[-1])
+        assert insns[-1].address + insns[-1].size - detour <= 15 * calls, (name, insns)
+
+
 def test_list_reads_the_probes_back(probed, debian_kernel):
     r = kprewrite("list", probed["out"])
     lines = r.stdout.splitlines()

@@ -93,21 +93,38 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
                f"lea rsp, [rsp+{RED_ZONE + 8:#x}]", at)
 
 
+def short_stub(site: int, entry: int, at: int) -> bytes:
+    """push $site; call entry: a probe stub where nothing lives below %rsp (a kernel,
+    built with -mno-red-zone), for the runtime's short entries (optprobe_entry.S,
+    KP_SHORT_STUBS), which find the stack pointer at the hit right above SITE and
+    return over it.  10 bytes (7 for a site below 128) against probe_stub()'s 23."""
+    push = bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site)   # push imm8 / imm32
+    return push + b"\xe8" + _s32(entry - (at + len(push) + 5), "call")
+
+
 def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
-           entry: int, post_entry: int, copy=None, back: int | None = None) -> tuple[bytes, int, int]:
+           entry: int, post_entry: int, copy=None, back: int | None = None,
+           short: bool = False) -> tuple[bytes, int, int]:
     """The detour buffer of one site.  Returns (code, resume, resume_post): where
     the DCR copy starts and where the part after the post_handler starts.
     copy(insn, at): how to copy one DCR instruction (default: relocate).
     back: where the copy jumps (default: the end of dcr in the original code;
-    in a shared region, the next probe's detour)."""
+    in a shared region, the next probe's detour).
+    short: short_stub()s to the runtime's short entries (a kernel); an ftrace site's
+    nop is then not copied (the copy is the jump back), so its detour is 15 bytes
+    and fills one 16-byte slot."""
+    from . import FTRACE_NOP        # an ftrace site's DCR (ftrace_site_insn())
     copy = copy or relocate
-    out = bytearray(probe_stub(site, entry, at))
+    stub = short_stub if short else probe_stub
+    if short and len(dcr) == 1 and dcr[0].code == FTRACE_NOP:
+        copy = lambda insn, at: b""  # noqa: E731
+    out = bytearray(stub(site, entry, at))
     resume = at + len(out)
     resume_post = resume
     for i, insn in enumerate(dcr):
         out += copy(insn, at + len(out))
         if i == 0 and with_post:
-            out += probe_stub(site, post_entry, at + len(out))
+            out += stub(site, post_entry, at + len(out))
             resume_post = at + len(out)
     back = back or dcr[-1].addr + len(dcr[-1].code)
     pos = at + len(out)

@@ -28,6 +28,14 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     out = bytearray(image.data)
     offset_of = extend_first_load(image, out, gap.data_vaddr, data_end)
     hooked = []         # the ftrace sites the int3 hooks take, when there are breakpoint sites
+    # A breakpoint site whose probes all come from globs keeps its instruction in the image:
+    # the runtime writes the int3 at the sched_init_smp() boot hook (kp_kernel_arm_int3(), as
+    # arch_arm_kprobe() at registration), once every CPU is up.  A glob reaches code no one
+    # chose, some of it run where a CPU has no IDT yet (Xen PVH's entry, a CPU coming up);
+    # a probe named exactly is armed in the image, from the first instruction on.
+    unarmed = {site.addr for site in plan.sites
+               if site.decision == INT3 and all(p.from_glob for p in site.probes)}
+    patches = [(addr, code) for addr, code in patches if addr not in unarmed]
     if any(site.decision == INT3 for site in plan.sites):
         hook_patches, hooked = kern.breakpoint_hook_patches(image, blob)
         patches = list(patches) + hook_patches

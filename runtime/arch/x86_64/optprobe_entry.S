@@ -17,13 +17,33 @@
  *
  * pt_regs offsets are kp_asm_offsets.h's PT_* (kp_regs.h).  At entry: 0(%rsp)
  * return into the stub, 8(%rsp) SITE, and the probed code's %rsp was 144(%rsp).
+ *
+ * A platform with no red zone (a kernel, built with -mno-red-zone: interrupts
+ * push on the stack it runs on, so nothing lives below %rsp) also has the short
+ * stubs (KP_SHORT_STUBS; emit.short_stub()), 10 bytes instead of 23:
+ *	push $SITE
+ *	call kp_optprobe_short_entry	(or ..._short_post_entry, ..._short_clean_entry...)
+ *	<relocated DCR>; jmp back
+ * Their entries are the same bodies with no red zone between SITE and the probed
+ * code's %rsp (16(%rsp) at entry), and return over SITE: `popq (%rsp)` moves the
+ * return address onto SITE's slot (pop with an %rsp-based destination writes
+ * after the increment) without a register or the flags.
  */
 #include "kp_regs.h"
 
 	.text
 	.p2align 5
 
-.macro OPTPROBE_ENTRY name, callback
+/* Back into the stub; pop: over SITE too (a short stub's entries). */
+.macro RET_OVER_SITE pop
+.if \pop
+	popq	(%rsp)
+	KP_CFI(.cfi_adjust_cfa_offset -8)
+.endif
+	KP_RET
+.endm
+
+.macro OPTPROBE_ENTRY name, callback, rz=128, pop=0
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -33,7 +53,7 @@
 	KP_CFI(.cfi_adjust_cfa_offset PT_SIZE)
 	PT_REGS_SAVE
 	KP_CFI(.cfi_rel_offset %rbx, PT_BX)
-	lea	PT_SIZE+144(%rsp), %rax
+	lea	PT_SIZE+16+\rz(%rsp), %rax
 	mov	%rax, PT_SP(%rsp)		/* sp before the detour */
 	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
 	mov	%rsp, %rsi
@@ -53,13 +73,17 @@
 	PT_REGS_RESTORE
 	lea	PT_SIZE(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -PT_SIZE)
-	KP_RET
+	RET_OVER_SITE \pop
 	KP_CFI(.cfi_endproc)
 	.size \name, .-\name
 .endm
 
 	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback
 	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback
+#ifdef KP_SHORT_STUBS
+	OPTPROBE_ENTRY kp_optprobe_short_entry, kp_optimized_callback, 0, 1
+	OPTPROBE_ENTRY kp_optprobe_short_post_entry, kp_post_callback, 0, 1
+#endif
 
 /*
  * The clean call: for sites whose handlers kprewrite proved never read their
@@ -69,7 +93,7 @@
  * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
  * 80 return into the stub, 88 SITE.
  */
-.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0
+.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, rz=128, pop=0
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -80,8 +104,8 @@
 	CLEAN_SAVE
 	mov	88(%rsp), %edi			/* SITE */
 .if \slot
-	/* The stack pointer at the hit: above SITE and probe_stub()'s 128 bytes. */
-	lea	96+128(%rsp), %rsi
+	/* The stack pointer at the hit: above SITE and probe_stub()'s 128 bytes (none: a short stub). */
+	lea	96+\rz(%rsp), %rsi
 .endif
 #ifdef KP_STACK_ALIGN8
 	call	\callback
@@ -99,7 +123,7 @@
 	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -80)
-	KP_RET
+	RET_OVER_SITE \pop
 	KP_CFI(.cfi_endproc)
 	.size \name, .-\name
 .endm
@@ -110,6 +134,13 @@
 /* A kretprobe's entry as a clean call (Rules.kretprobe_clean_entry): callback(SITE, the
  * return-address slot), a kernel's (runtime/platform/linux_kernel/kp_kretprobe_task.c). */
 	OPTPROBE_CLEAN_ENTRY kp_kretprobe_clean_entry, kp_kretprobe_clean_callback, 1
+#endif
+#ifdef KP_SHORT_STUBS
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_entry, kp_optimized_clean_callback, 0, 0, 1
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_post_entry, kp_post_clean_callback, 0, 0, 1
+#ifdef KP_KRET_CLEAN_ENTRY
+	OPTPROBE_CLEAN_ENTRY kp_kretprobe_short_clean_entry, kp_kretprobe_clean_callback, 1, 0, 1
+#endif
 #endif
 
 /*

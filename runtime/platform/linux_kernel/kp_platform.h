@@ -109,6 +109,8 @@ void *memblock_alloc_try_nid(unsigned long size, unsigned long align, unsigned l
 /* kretprobes' instance pools, from memblock at the setup_per_cpu_areas() hook
  * (kp_kretprobe_task.c). */
 void kp_kernel_kretprobes_init(void);
+/* The breakpoint sites' int3s, written at the sched_init_smp() hook (the arch's kp_int3_hook.c). */
+void kp_kernel_arm_int3(void);
 /* The text/rodata gap, PFN_ALIGN(_etext) .. __start_rodata, which holds our code and data. */
 extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
 

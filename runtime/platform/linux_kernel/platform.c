@@ -192,6 +192,19 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* sched_init_smp(), right after smp_init() has brought every CPU up: the int3s of the
+ * breakpoint sites that came from globs (kp_kernel_arm_int3()).  Not earlier: a CPU
+ * coming up runs cr4_init() (native_write_cr4()) before it loads the IDT, where an
+ * int3 is a triple fault (as the boot CPU does before setup_arch(): Xen PVH's entry
+ * calls memcmp()). */
+int kp_kernel_arm_breakpoints(struct kprobe *p, struct pt_regs *regs)
+{
+	(void)p;
+	(void)regs;
+	kp_kernel_arm_int3();
+	return 0;
+}
+
 /* Each write is one printk: at the level the handler's text starts with
  * (pr_err(), KERN_CONT...; the kernel's printk reads it from the formatted
  * text), else KERN_INFO, pr_info()'s. */

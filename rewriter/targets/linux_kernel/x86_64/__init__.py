@@ -25,9 +25,11 @@ REGISTER_REASONS = {
     ".head.text": "in .head.text (runs before per-CPU setup, on the early identity mapping)",
     ".static_call_sites": "static call site (static_call_text_reserved)",
     ".altinstructions": "alternatives site (alternatives_text_reserved)",
+    "__x86_thunks": "retpoline/return thunk (every return and indirect branch runs it, the probe's own)",
+    "__x86_no_percpu_base": "runs with GS base 0 (load_percpu_segment()): a probe reads per-CPU data",
 }
 # Refused function by function, with the function's name (never patched at boot).
-FUNCTION_RANGES = (".head.text",)
+FUNCTION_RANGES = (".head.text", "__x86_thunks", "__x86_no_percpu_base")
 
 
 def function_refusal(image, k, arch, returns):

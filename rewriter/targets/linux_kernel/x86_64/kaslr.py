@@ -149,7 +149,9 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
     """(DCR instruction, address of its copy, the copy) of every detoured site, found by
     emitting each detour again with a recording copy and checking it is the one written."""
     from ....planner import INT3
+    from .percpu import thread_key
     em = arch.emit
+    short = not thread_key(image).red_zone         # the short stubs (emission.site_detour())
     out = []
     for site in plan.sites:
         if site.decision == INT3:
@@ -168,7 +170,7 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
         # Exits of a return-probed function in the region call their return hook first
         # (retprobe.hook_copy()); the hook call and the exit hold no absolute address.
         hooks = {a: emission.hook_targets(g, kind, blob.symbols) for a, (g, kind) in site.ret_hooks.items()}
-        entries = emission.detour_entries(site)
+        entries = emission.detour_entries(site, short)
         seen = []
 
         def record(insn, at, seen=seen, hooks=hooks):
@@ -179,7 +181,7 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
             return copy
         detour = layout.detour(site)
         code, _, _ = em.detour(site.index, site.dcr, site.with_post, detour, blob.symbols[entries[0]],
-                               blob.symbols[entries[1]], record)
+                               blob.symbols[entries[1]], record, short=short)
         off = detour - layout.rx_vaddr
         if bytes(rx[off:off + len(code)]) != code:
             raise KprewriteError(f"{image.path}: internal error: the detour at {detour:#x} is not the one "

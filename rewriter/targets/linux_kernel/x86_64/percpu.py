@@ -9,10 +9,12 @@ from ..symbols import link_symbols, symbol
 
 def thread_key(image) -> ThreadKey:
     """The runtime's "thread" in a kernel is the CPU (preemption off while handlers
-    run, as the kernel's current_kprobe is per-CPU): its per-CPU offset."""
+    run, as the kernel's current_kprobe is per-CPU): its per-CPU offset.  No red zone
+    (the kernel is built with -mno-red-zone: an interrupt pushes on the stack it
+    interrupts), so detours take the short stubs."""
     r = resched(image)
     return ThreadKey("cpu", symbol(image, "this_cpu_off"), symbol(image, "__preempt_count"),
-                     None if r is None else link_symbols(image)[r])
+                     None if r is None else link_symbols(image)[r], red_zone=False)
 
 
 # What preempt_enable() calls on a pending reschedule: the static call PREEMPT_DYNAMIC

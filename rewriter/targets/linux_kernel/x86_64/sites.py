@@ -236,6 +236,36 @@ def head_text(k: KernelImage) -> list[Reserved]:
     return [Reserved(f.start, min(f.end, end), ".head.text", f.name) for f in functions_in(k, start, end)]
 
 
+def thunks(k: KernelImage) -> list[Reserved]:
+    """The retpoline and return thunks (indirect_thunk_range(): __x86_indirect_thunk_*,
+    the ITS thunks, __x86_return_thunk and the retbleed/SRSO ones), function by function.
+    Every return and indirect branch of the kernel runs one, from the first instruction of
+    startup_64 on (before the breakpoint handler exists), and so does the probe's own path
+    (the runtime returns through __x86_return_thunk, as the kernel's code does): a probe
+    there would hit itself.  Beyond the kernel's own list."""
+    r = indirect_thunk_range(k)
+    return [] if r is None else [Reserved(f.start, min(f.end, r[1]), "__x86_thunks", f.name)
+                                 for f in functions_in(k, *r)]
+
+
+# Functions that run where the CPU has no per-CPU base (GS base 0 in kernel mode), which
+# every probe's path reads (the preempt count, the CPU's block; the #BP entry's
+# irqentry_nmi_enter() too): load_percpu_segment() calls wrmsrl(MSR_GS_BASE) right after
+# loadsegment(gs, 0), through pv_ops (PARAVIRT_XXL) to native_write_msr(), on the boot CPU
+# at setup_per_cpu_areas() and on each CPU brought up.  Beyond the kernel's own list (its
+# kprobes, registered after boot, still meet it at CPU hotplug).
+NO_PERCPU_BASE = ("native_write_msr",)
+
+
+def no_percpu_base(k: KernelImage) -> list[Reserved]:
+    """NO_PERCPU_BASE's functions, each whole."""
+    out = []
+    for f in k.functions():
+        if f.name in NO_PERCPU_BASE:
+            out.append(Reserved(f.start, f.end, "__x86_no_percpu_base", f.name))
+    return out
+
+
 def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | None = None,
                  image: KernelImage | None = None) -> list[Reserved]:
     """Every reserved or boot-patched range of the image, sorted by start (the image: a
@@ -245,7 +275,8 @@ def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | Non
     .ibt_endbr_seal .smp_locks .static_call_sites __jump_table __mcount_loc
     "__ex_table" (faulting instructions) "__ex_table fixup" (fixup targets, 1 byte: a
     region must not contain one) __bug_table _kprobe_blacklist, and the ranges
-    .noinstr.text .entry.text .kprobes.text .static_call.text .head.text __cfi_/__pfx_.
+    .noinstr.text .entry.text .kprobes.text .static_call.text .head.text __cfi_/__pfx_
+    __x86_thunks __x86_no_percpu_base.
     """
     k = image or KernelImage(data, symbols, path, elf)
     out: list[Reserved] = []
@@ -269,6 +300,8 @@ def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | Non
     out += [Reserved(s, e, "_kprobe_blacklist", n) for s, e, n in kprobe_blacklist(k)]
     out += section_ranges(k)
     out += head_text(k)
+    out += thunks(k)
+    out += no_percpu_base(k)
     out += cfi_symbols(k)
     out.sort()
     return out

@@ -86,3 +86,31 @@ void kp_kernel_early_exception(struct pt_regs *regs, int trapnr)
 		return;
 	do_early_exception(regs, trapnr);
 }
+
+/*
+ * Arming the breakpoint sites (arch_arm_kprobe(): text_poke(addr, INT3)), at the
+ * sched_init_smp() boot hook (platform.c), once smp_init() has brought every CPU up.
+ * The image holds the int3 of a site named exactly in the spec (armed from the first
+ * instruction on; a store of the same byte here); a site whose probes all come from
+ * globs holds its own instruction until then (rewriter/targets/linux_kernel/writer.py),
+ * so no int3 of ours traps where the CPU has no IDT yet: Xen PVH's entry runs
+ * xen_prepare_pvh() and the library code it calls (memcmp()) before startup_64 loads
+ * one, and each CPU coming up runs cr4_init() (native_write_cr4()) before
+ * load_current_idt().  The kernel's text is still writable (it is
+ * until mark_rodata_ro()).  The other CPUs run meanwhile: each store is one byte at
+ * an instruction's first byte, text_poke_bp()'s first step, so a CPU runs either the
+ * old instruction or the int3, never a mix; one that has not seen the store yet
+ * runs the old instruction a moment longer (no hit).  A serializing cpuid for this
+ * CPU (sync_core()).  A CPU brought up later (hotplug) would meet the armed sites on
+ * that path, as with the kernel's own kprobes.
+ */
+void kp_kernel_arm_int3(void)
+{
+	unsigned long bias = kp_rt.bias;
+	for (unsigned int i = 0; i < kp_nint3; i++)
+		*(volatile unsigned char *)(kp_int3_sites[i].addr + bias) = 0xcc;
+	if (kp_nint3) {
+		unsigned int a = 1, b, c = 0, d;
+		__asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d) : : "memory");
+	}
+}

@@ -10,4 +10,6 @@
 #define KP_STACK_ALIGN8 1
 /* kretprobes' entries may take the clean call (kp_kretprobe_task.c). */
 #define KP_KRET_CLEAN_ENTRY 1
+/* No red zone (-mno-red-zone): detours take the short stubs (optprobe_entry.S). */
+#define KP_SHORT_STUBS 1
 #endif
