@@ -132,7 +132,7 @@ def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int
         short = c.thread_key is not None and not c.thread_key.red_zone
         entries = detour_entries(site, short)
         return em.detour(site.index, copied(c.arch, lay, site), site.with_post, at, sym[entries[0]], sym[entries[1]],
-                         _site_copy(c, site, at, sym), back=back, **({"short": True} if short else {}))
+                         _site_copy(c, site, at, sym), back=back, short=short)
     p = site.probes[0]
     k = c.plan.hit_slot(p)
     if site.light:

@@ -236,8 +236,9 @@ class Emit(Protocol):
         """The instruction's copy at `new` (PC-relative operands fixed)."""
 
     def detour(self, site: int, dcr: list[DcrInsn], with_post: bool, at: int, entry: int,
-               post_entry: int, copy=None, back: int | None = None) -> tuple[bytes, int, int]:
-        """The optprobe detour buffer through the runtime's common entry."""
+               post_entry: int, copy=None, back: int | None = None, short: bool = False) -> tuple[bytes, int, int]:
+        """The optprobe detour buffer through the runtime's common entry (short: through
+        its short entries, where the thread key has no red zone: a kernel's)."""
 
     def clean_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                      probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,

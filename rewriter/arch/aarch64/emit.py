@@ -92,10 +92,13 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
 
 
 def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
-           entry: int, post_entry: int, copy=None, back: int | None = None) -> tuple[bytes, int, int]:
+           entry: int, post_entry: int, copy=None, back: int | None = None,
+           short: bool = False) -> tuple[bytes, int, int]:
     """The detour buffer of one site: the stub into the runtime's entry, the
     copy (after its first instruction the post stub), the `B` back.  Returns
-    (code, resume, resume_post)."""
+    (code, resume, resume_post).  short (x86-64's kernel stubs): no arm64 target
+    asks for it yet (user programs keep the stub as it is)."""
+    assert not short, "no short stubs on arm64"
     copy = copy or relocate
     out = bytearray(probe_stub(site, entry, at))
     resume = resume_post = at + len(out)
