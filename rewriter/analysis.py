@@ -31,7 +31,7 @@ BIG_IMAGE = 1 << 24
 
 # Longer than any instruction (x86-64's longest is 15 bytes): decoding a function's
 # first bytes up to addr + PREFIX finds every instruction that starts before addr + 1.
-PREFIX = 32
+PREFIX = 16
 
 
 def branch_targets(image: Image, an: "Analysis"):
