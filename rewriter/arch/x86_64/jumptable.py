@@ -125,6 +125,7 @@ class _Fn:
         self.join = None
         self.cfg = None                       # _reg_const's edges that no register changes
         self.writes: dict[str, list] = {}     # register -> whether each instruction writes it
+        self.written = None                   # each instruction: (a call, the registers it writes)
 
     def back(self, k: int, first: bool = False):
         """Indices before k on straight-line code (k itself first if `first`): stops
@@ -449,7 +450,11 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
     n = len(ins)
     writes = fn.writes.get(reg)
     if writes is None:
-        writes = fn.writes[reg] = [_writes(ci, reg) for ci in ins]
+        if fn.written is None:      # _writes()'s reading of each instruction, once for every register
+            fn.written = [(capstone.CS_GRP_CALL in ci.groups, {_reg(ci, r) for r in ci.regs_access()[1]})
+                          for ci in ins]
+        clobbered = reg in _CALL_CLOBBERS
+        writes = fn.writes[reg] = [(call and clobbered) or reg in w for call, w in fn.written]
     if fn.cfg is None:
         fn.cfg = _cfg(fn, ins)
     base, joins, stored, pads, indirect = fn.cfg
