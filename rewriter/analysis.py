@@ -29,7 +29,19 @@ TargetSource = Callable[[Image, "Analysis"], Iterable[tuple[int, str]]]
 BIG_IMAGE = 1 << 24
 
 
+# Longer than any instruction (x86-64's longest is 15 bytes): decoding a function's
+# first bytes up to addr + PREFIX finds every instruction that starts before addr + 1.
+PREFIX = 16
+
+
 def branch_targets(image: Image, an: "Analysis"):
+    for target, src in _branch_pairs(image, an):
+        yield target, f"jump from {src:#x}"
+
+
+def _branch_pairs(image: Image, an: "Analysis"):
+    """(target, address of the branch) of every direct branch (branch_targets(),
+    as numbers: Analysis reads them so, not through the strings)."""
     k = None
     if len(image.data) >= BIG_IMAGE:
         bounds = array("Q", [x for f in image.functions for x in (f.start, f.end)]).tobytes()
@@ -38,14 +50,14 @@ def branch_targets(image: Image, an: "Analysis"):
         if got is not None:
             pairs = array("Q")
             pairs.frombytes(got)
-            for i in range(0, len(pairs), 2):
-                yield pairs[i], f"jump from {pairs[i + 1]:#x}"
+            it = iter(pairs)
+            yield from zip(it, it)
             return
     pairs = array("Q")
     for f in image.functions:
         for target, src in an.decoded(f).branches:
             pairs.extend((target & 0xFFFFFFFFFFFFFFFF, src))
-            yield target, f"jump from {src:#x}"
+            yield target, src
     if k is not None:
         cache.put("analysis", k, pairs.tobytes())
 
@@ -134,6 +146,17 @@ class Analysis:
         self.entered: set[int] = set()
         self.branch_sources: dict[int, list[int]] = {}     # target -> every direct branch to it
         for source in [*(sources if sources is not None else DEFAULT_SOURCES), *extra_sources]:
+            if source is branch_targets:        # the same, without a string to format and parse a branch
+                targets, sources_of = self.targets, self.branch_sources
+                for target, src in _branch_pairs(image, self):
+                    if target not in targets:
+                        targets[target] = f"jump from {src:#x}"
+                    got = sources_of.get(target)
+                    if got is None:
+                        sources_of[target] = [src]
+                    else:
+                        got.append(src)
+                continue
             for target, why in source(image, self):
                 self.targets.setdefault(target, why)
                 if source is not branch_targets:
@@ -179,7 +202,14 @@ class Analysis:
         return table[key]
 
     def is_boundary(self, f: Function, addr: int) -> bool:
-        b = self.decoded(f).boundaries
+        d = self._decoded.get(f.start)
+        if d is None and f.start <= addr < f.start + PREFIX:
+            # Near the start (a probe on an entry) the bytes up to addr + PREFIX give the
+            # same boundaries up to addr as the whole function: a kernel's 37,000 entry
+            # probes need no whole-function decoding (the targets came from the cache).
+            end = min(f.end, addr + PREFIX)
+            d = self.arch.decode_function(self.image.read(f.start, end - f.start), f.start)
+        b = (d or self.decoded(f)).boundaries
         off = addr - f.start
         i = bisect.bisect_left(b, off)
         return i < len(b) and b[i] == off

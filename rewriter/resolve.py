@@ -6,6 +6,7 @@ arch_adjust_kprobe_addr()'s part.  A kretprobe resolves to its entry half, rp->k
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 
 from .errors import KprewriteError
@@ -21,7 +22,12 @@ MAX_PROBES = 1_000_000
 def event_symbol(symbol: str) -> str:
     """A symbol as trace_kprobe's default event name spells it: anything but
     [A-Za-z0-9_] becomes '_' (the runtime does the same with names it derives at boot)."""
+    if symbol.isascii():         # str.isalnum() is [A-Za-z0-9] there
+        return _NOT_WORD.sub("_", symbol)
     return "".join(c if c.isalnum() or c == "_" else "_" for c in symbol)
+
+
+_NOT_WORD = re.compile(r"[^A-Za-z0-9_]")
 
 
 @dataclass

@@ -7,6 +7,7 @@ the pointer encodings gcc never emits on x86-64 (LEB128, 2-byte, datarel,
 aligned, indirect LSDA, 64-bit lengths)."""
 from __future__ import annotations
 
+import bisect
 import re
 import shutil
 import struct
@@ -274,6 +275,70 @@ def test_libpython():
     assert len(fdes) > 5000
     check_fde_list(fdes)
     assert isinstance(landing_pads(data, fdes), dict)
+
+
+# --- (4b) CFA rules: cfa.py's own reader against pyelftools' ----------------------------
+def pyelftools_rows(data: bytes) -> list:
+    """[(start, end, rows)] of every FDE as pyelftools (cfa.py's fallback) reads and decodes it."""
+    import io
+    from rewriter.ehframe import cfa
+    dwarf = ELFFile(io.BytesIO(data)).get_dwarf_info()
+    out = []
+    for lo, hi, fde in sorted(cfa._read_slow(dwarf, dwarf.eh_frame_sec if dwarf.has_EH_CFI() else None),
+                              key=lambda t: t[0]):
+        try:
+            rows = cfa._slow_rows(fde)
+        except Exception:
+            rows = []
+        out.append((lo, hi, rows))
+    return out
+
+
+def check_cfa_rules(data: bytes, fast: bool = True):
+    """CfaRules gives every FDE the rows pyelftools gives it (and so the same at() and
+    return_address() everywhere); fast: through its own reader, not the fallback."""
+    from rewriter.ehframe import cfa
+    rules = ehframe.CfaRules(data)
+    rules._load()
+    want = pyelftools_rows(data)
+    assert [f[:2] for f in rules._fdes] == [w[:2] for w in want]
+    if fast:
+        assert want and all(isinstance(f[2], cfa._FastFde) for f in rules._fdes)
+    for i, (lo, hi, rows) in enumerate(want):
+        rules._row(i, lo)
+        assert rules._rows[lo] == rows, f"FDE at {lo:#x}"
+    starts = [w[0] for w in want]
+    for pc in sorted({r[0] for w in want for r in w[2]}):
+        i = bisect.bisect_right(starts, pc) - 1      # the FDE at() looks in, its last row at pc or before
+        lo, hi, rows = want[i] if i >= 0 else (0, 0, [])
+        row = [r for r in rows if r[0] <= pc][-1:] if lo <= pc < hi else []
+        _, c, ra = row[0] if row else (0, None, None)
+        assert rules.at(pc) == (None if c is None or c[2] is not None or c[0] is None else (c[0], c[1]))
+        assert rules.return_address(pc) == (ra[1] if ra and ra[0] == "OFFSET" else None)
+
+
+@pytest.mark.parametrize("kind", list(CXX_BUILDS))
+def test_cfa_rules_match_pyelftools(tmp_path, kind):
+    flags, enc = CXX_BUILDS[kind]
+    exe = cc(tmp_path, f"cxx_{kind}", CXX_SOURCE, "-O2", *flags, lang="c++", skip_without_static=True)
+    # A "zPL" CIE has no FDE encoding ('R'), which pyelftools requires: it reads no FDE at all,
+    # and cfa.py's reader leaves such a section to it, so that the rules stay the same.
+    check_cfa_rules(exe.read_bytes(), fast=enc is not None)
+
+
+@pytest.mark.skipif(LIBPYTHON is None, reason="this Python has no shared libpython")
+def test_cfa_rules_of_libpython():
+    check_cfa_rules(LIBPYTHON.read_bytes())
+
+
+def test_cfa_rules_fallback(cxx_exe):
+    """A CIE augmentation the fast reader does not take ('X'): pyelftools reads the section
+    (and fails on it, so no rule is known), and CfaRules says what it says."""
+    data = bytearray(cxx_exe.read_bytes())
+    addr, off, size = _section(cxx_exe, ".eh_frame")
+    z = data.index(b"zR\0", off, off + size)
+    data[z + 1] = ord("X")
+    check_cfa_rules(bytes(data), fast=False)
 
 
 # --- (5) malformed input ---------------------------------------------------------------

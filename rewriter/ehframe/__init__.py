@@ -1,12 +1,14 @@
 """Call-frame information: .eh_frame FDEs and C++ LSDA landing pads.
 
 One module per job: fde.py (finding .eh_frame, CIEs, FDEs), lsda.py (landing
-pads), cfa.py (CFA rules, through pyelftools), encoding.py (pointer encodings
-and LEB128); the ELF headers are read through rewriter.elfview.
+pads), cfa.py (CFA rules: the call frame programs, read as pyelftools reads
+them), encoding.py (pointer encodings and LEB128); the ELF headers are read
+through rewriter.elfview.
 
-Only the CIE/FDE headers are parsed (never the CFA programs), straight from
-the file bytes with `struct`, so the whole .eh_frame of a large library (the
-23 MB libpython3.11, ~5,400 FDEs) reads in about 15 ms.
+fde.py parses only the CIE/FDE headers (the CFA programs are cfa.py's, read
+when first asked), straight from the file bytes with `struct`, so the whole
+.eh_frame of a large library (the 23 MB libpython3.11, ~5,400 FDEs) reads in
+about 15 ms.
 
 Finding .eh_frame: by section name; without section headers (sstrip), through
 PT_GNU_EH_FRAME -> .eh_frame_hdr's eh_frame_ptr, the walk ending at the last

@@ -38,9 +38,13 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     patched = patched_ranges(arch, plan)
     fdes = bl.Index([bl.BlacklistEntry(f.start, f.end, "", "FDE") for f in image.fdes])
 
+    on = []                     # safety.enabled("retargeting"), asked once (52,000 branches in libpython)
+
     def vouched(src, size):
+        if not on:
+            on.append(safety.enabled("retargeting"))
         f = image.function_at(src)
-        return not safety.enabled("retargeting") or (f is not None and analysis.decoded(f).undecodable is None and analysis.is_boundary(f, src)
+        return not on[0] or (f is not None and analysis.decoded(f).undecodable is None and analysis.is_boundary(f, src)
                 and any(e.start <= src and src + size <= e.end for e in fdes.all_overlapping(src, src + size)))
 
     # The copies in the detours too (not an exit whose copy a return hook makes).

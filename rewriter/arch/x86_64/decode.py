@@ -36,21 +36,47 @@ class DecodedFunction:
     code_refs: list[tuple[int, int]] | None = None   # (address, lea) of every RIP-relative lea: addresses the code computes
 
 
+# What decode_function() does with a mnemonic, worked out once per mnemonic:
+# bit 1 an exit, bit 2 a direct or indirect jump/call (_JUMPS), bit 4 ljmp,
+# bit 8 lea, bit 16 std.  Most instructions are none of these.
+_KINDS: dict[str, int] = {}
+
+
+def _kind(mnem: str) -> int:
+    k = (1 if mnem.startswith(_EXIT_MNEMONICS) else 0)
+    if mnem in _JUMPS:
+        k |= 2
+    elif mnem == "ljmp":
+        k |= 4
+    elif mnem == "lea":
+        k |= 8
+    elif mnem == "std":
+        k |= 16
+    return k
+
+
 def decode_function(code: bytes, start: int) -> DecodedFunction:
     bounds = array("I")
+    append = bounds.append
     branches: list[tuple[int, int]] = []
     indirect = None
     std = None
     exits: list[int] = []
     indirects: list[int] = []
     refs: list[tuple[int, int]] = []
+    kinds = _KINDS
     end = start
+    addr = size = None
     for addr, size, mnem, ops in _cs.disasm_lite(code, start):
-        bounds.append(addr - start)
-        end = addr + size
-        if mnem.startswith(_EXIT_MNEMONICS):
+        append(addr - start)
+        k = kinds.get(mnem)
+        if k is None:
+            k = kinds[mnem] = _kind(mnem)
+        if not k:
+            continue
+        if k & 1:
             exits.append(addr)
-        if mnem in _JUMPS:
+        if k & 2:
             if ops.startswith("0x") or ops[:1].isdigit():
                 try:
                     branches.append((int(ops, 0), addr))
@@ -60,16 +86,19 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
                 indirects.append(addr)
                 if indirect is None:
                     indirect = addr
-        elif mnem == "ljmp":
+        elif k & 4:
             indirects.append(addr)
             if indirect is None:
                 indirect = addr
-        elif mnem == "lea" and "[rip " in ops:
-            # `lea X(%rip)`: a code address a register may hold, then jump to.
-            m = _RIP.search(ops)
-            if m:
-                refs.append((addr + size + int(m.group(1) + m.group(2), 16), addr))
-        elif mnem == "std" and std is None:
+        elif k & 8:
+            if "[rip " in ops:
+                # `lea X(%rip)`: a code address a register may hold, then jump to.
+                m = _RIP.search(ops)
+                if m:
+                    refs.append((addr + size + int(m.group(1) + m.group(2), 16), addr))
+        elif k & 16 and std is None:
             std = addr
+    if addr is not None:
+        end = addr + size
     undecodable = end if end < start + len(code) else None
     return DecodedFunction(bounds, indirect, undecodable, branches, std, exits, indirects, refs)

@@ -49,20 +49,20 @@ def relocate(insn: DcrInsn, new: int) -> bytes:
         # A call pushes the original return address, so returns, unwinding and
         # __builtin_return_address() see the program's own code, not the detour.
         ret = insn.addr + len(insn.code)
-        head = asm("lea rsp, [rsp-8]; push rax", new)
+        head = _asm_pi("lea rsp, [rsp-8]; push rax")
         lea_at = new + len(head)
         lea = b"\x48\x8d\x05" + _s32(ret - (lea_at + 7), "call")
-        tail = asm("mov [rsp+8], rax; pop rax", lea_at + 7)
+        tail = _asm_pi("mov [rsp+8], rax; pop rax")
         jmp_at = lea_at + 7 + len(tail)
         return head + lea + tail + b"\xe9" + _s32(info.rel_target - (jmp_at + 5), "call")
     if info.emulate in ("call mem", "call reg"):
         # As a call rel: the original return address, then the same operand as a jmp
         # (ff /2 -> ff /4: ModRM reg field 010 -> 100; optprobe refused %rsp in it).
         ret = insn.addr + len(insn.code)
-        head = asm("lea rsp, [rsp-8]; push rax", new)
+        head = _asm_pi("lea rsp, [rsp-8]; push rax")
         lea_at = new + len(head)
         lea = b"\x48\x8d\x05" + _s32(ret - (lea_at + 7), "call")
-        tail = asm("mov [rsp+8], rax; pop rax", lea_at + 7)
+        tail = _asm_pi("mov [rsp+8], rax; pop rax")
         jmp_at = lea_at + 7 + len(tail)
         code = bytearray(insn.code)
         i = 0
@@ -89,6 +89,12 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
     """lea -128(%rsp),%rsp; push $site; call entry; lea 136(%rsp),%rsp
     (kp_kretprobe_clean_entry, optprobe_entry.S, finds the stack pointer at the hit
     above SITE and these RED_ZONE bytes: keep the two in step)."""
+    if 0 <= site < 0x80000000:      # Keystone's own bytes, but the push and the call: one per site
+        head = _asm_pi(f"lea rsp, [rsp-{RED_ZONE:#x}]") + (
+            bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site))   # push imm8 / imm32
+        rel = entry - (at + len(head) + 5)
+        if -(1 << 31) <= rel < (1 << 31):
+            return head + b"\xe8" + struct.pack("<i", rel) + _asm_pi(f"lea rsp, [rsp+{RED_ZONE + 8:#x}]")
     return asm(f"lea rsp, [rsp-{RED_ZONE:#x}]; push {site:#x}; call {entry:#x}; "
                f"lea rsp, [rsp+{RED_ZONE + 8:#x}]", at)
 
@@ -233,6 +239,15 @@ _DISP_MARK = struct.pack("<i", 0x12345678)
 def _rip_template(text: str) -> tuple[bytes, int]:
     code = _asm_pi(text.format(d=0x12345678))
     return code, code.index(_DISP_MARK)
+
+
+def _asm_disp(text: str, v: int) -> bytes:
+    """Position-independent instructions with one displacement {d} = v, assembled once
+    per text: a disp32 (v beyond a signed byte) is patched into the template's."""
+    if -0x80 <= v < 0x80 or not -(1 << 31) <= v < (1 << 31):
+        return _asm_pi(text.format(d=f"{v:#x}"))
+    code, off = _rip_template(text)
+    return code[:off] + struct.pack("<i", v) + code[off + 4:]
 
 
 def _rip(text: str, at: int, target: int) -> bytes:
@@ -587,7 +602,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x04\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rax
         c.a(f"and eax, {(O.LIGHT_SHARDS - 1) << 12:#x}")
         c.rip("add rax, qword ptr [rip + {d}]", base)
-        c.a(f"lock inc qword ptr [rax + {counter:#x}]")
+        c.out += _asm_disp("lock inc qword ptr [rax + {d}]", counter)
         restore(c)
         resume = _dcr_and_back(c, dcr, copy, back)
         rel = len(c.out) - je

@@ -84,12 +84,48 @@ def _uncond(ci) -> bool:
     return m.startswith(("jmp", "ret", "notrack jmp", "bnd jmp", "repz ret", "bnd ret", "ud2", "hlt"))
 
 
+class _Insns:
+    """A function's instructions decoded with details, as a list indexed like the
+    analysis' boundaries, each decoded when first read: a backward slice reads a
+    few dozen of a function's thousands (_reg_const reads them all, in one pass)."""
+
+    def __init__(self, code: bytes, start: int, bounds):
+        self.code, self.start, self.bounds = code, start, bounds
+        self.got: dict[int, object] = {}
+        self.full = None
+
+    def __len__(self):
+        return len(self.bounds)
+
+    def __getitem__(self, k: int):
+        if self.full is not None:
+            return self.full[k]
+        if k < 0:
+            k += len(self.bounds)
+        ci = self.got.get(k)
+        if ci is None:
+            if not 0 <= k < len(self.bounds):
+                raise IndexError(k)
+            off = self.bounds[k]
+            ci = self.got[k] = next(_cs.disasm(self.code[off:off + 16], self.start + off, 1))
+        return ci
+
+    def all(self) -> list:
+        if self.full is None:
+            self.full = list(_cs.disasm(self.code, self.start))
+        return self.full
+
+
 class _Fn:
     def __init__(self, image, an, func):
         self.image, self.an, self.func = image, an, func
-        self.insns = list(_cs.disasm(image.read(func.start, func.end - func.start), func.start))
-        self.index = {ci.address: k for k, ci in enumerate(self.insns)}
+        bounds = an.decoded(func).boundaries
+        self.insns = _Insns(image.read(func.start, func.end - func.start), func.start, bounds)
+        self.index = {func.start + b: k for k, b in enumerate(bounds)}
         self.join = None
+        self.cfg = None                       # _reg_const's edges that no register changes
+        self.writes: dict[str, list] = {}     # register -> whether each instruction writes it
+        self.written = None                   # each instruction: (a call, the registers it writes)
 
     def back(self, k: int, first: bool = False):
         """Indices before k on straight-line code (k itself first if `first`): stops
@@ -410,41 +446,30 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
     or computed code address of the function, for an unbounded jump every join
     point.  hypotheses: jumps being read (by address), with the edges assumed
     for them.  The entry and landing pads start unknown."""
-    ins = fn.insns
+    ins = fn.insns.all()
     n = len(ins)
-    writes = [_writes(ci, reg) for ci in ins]
-    succ: list[list[int]] = [[] for _ in range(n)]
-    joins, stored, pads, indirect = set(), set(), [], []
-    for i, ci in enumerate(ins):
-        jump = capstone.CS_GRP_JUMP in ci.groups
-        if jump and ci.operands and ci.operands[0].type == X.X86_OP_IMM:
-            t = fn.index.get(ci.operands[0].imm)
-            if t is not None:
-                succ[i].append(t)
-                joins.add(t)
-        elif jump:
-            indirect.append(i)
-        if i + 1 < n:
-            if _uncond(ci) or (capstone.CS_GRP_CALL in ci.groups and _calls_noreturn(fn, ci)):
-                joins.add(i + 1)
-            else:
-                succ[i].append(i + 1)
-        if ci.address in fn.an.entered and i:
-            if fn.an.targets.get(ci.address, "").startswith("C++ landing pad"):
-                pads.append(i)
-            else:
-                stored.add(i)
+    writes = fn.writes.get(reg)
+    if writes is None:
+        if fn.written is None:      # _writes()'s reading of each instruction, once for every register
+            fn.written = [(capstone.CS_GRP_CALL in ci.groups, {_reg(ci, r) for r in ci.regs_access()[1]})
+                          for ci in ins]
+        clobbered = reg in _CALL_CLOBBERS
+        writes = fn.writes[reg] = [(call and clobbered) or reg in w for call, w in fn.written]
+    if fn.cfg is None:
+        fn.cfg = _cfg(fn, ins)
+    base, joins, stored, pads, indirect = fn.cfg
+    succ = list(base)
     by_addr = {j.addr: j for j in jumps}
     for i in indirect:
         j = by_addr.get(ins[i].address)
         if ins[i].address in hypotheses:
-            succ[i] += [fn.index[t] for t in hypotheses[ins[i].address] if t in fn.index]
+            succ[i] = base[i] + [fn.index[t] for t in hypotheses[ins[i].address] if t in fn.index]
         elif j is not None and j.kind in (TABLE, COMPUTED):
-            succ[i] += [fn.index[t] for t in j.targets if t in fn.index]
+            succ[i] = base[i] + [fn.index[t] for t in j.targets if t in fn.index]
         elif j is not None and j.kind == POINTER:
-            succ[i] += sorted(stored)
+            succ[i] = base[i] + sorted(stored)
         else:
-            succ[i] += sorted(joins | stored)
+            succ[i] = base[i] + sorted(joins | stored)
 
     def meet(a, b):
         return b if a is None else a if b is None or a == b else _ANY
@@ -466,6 +491,34 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
                 state[t] = m
                 work.append(t)
     return state
+
+
+def _cfg(fn: _Fn, ins: list) -> tuple:
+    """_reg_const's edges but the indirect jumps': (successors of each instruction,
+    join points, stored-address entries, landing pads, the indirect jumps)."""
+    n = len(ins)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    joins, stored, pads, indirect = set(), set(), [], []
+    for i, ci in enumerate(ins):
+        jump = capstone.CS_GRP_JUMP in ci.groups
+        if jump and ci.operands and ci.operands[0].type == X.X86_OP_IMM:
+            t = fn.index.get(ci.operands[0].imm)
+            if t is not None:
+                succ[i].append(t)
+                joins.add(t)
+        elif jump:
+            indirect.append(i)
+        if i + 1 < n:
+            if _uncond(ci) or (capstone.CS_GRP_CALL in ci.groups and _calls_noreturn(fn, ci)):
+                joins.add(i + 1)
+            else:
+                succ[i].append(i + 1)
+        if ci.address in fn.an.entered and i:
+            if fn.an.targets.get(ci.address, "").startswith("C++ landing pad"):
+                pads.append(i)
+            else:
+                stored.add(i)
+    return succ, joins, stored, pads, indirect
 
 
 # C library functions that never return to their caller (the C standard's and

@@ -21,6 +21,7 @@ call site, where an unwinder needs it (a handler, the runtime's entries); at
 any other instruction only the CFA is exact."""
 from __future__ import annotations
 
+import functools
 import re
 
 from . import cs
@@ -126,6 +127,8 @@ def k_write(mn: str) -> bool:
 
 
 _ENDS = ("jmp", "ret", "ud2", "hlt", "retq")
+# _step() of (state, mnemonic, operands): detours of one template repeat the same steps.
+_STEPS: dict[tuple, tuple] = {}
 
 
 def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
@@ -142,13 +145,16 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
         if a not in insns:
             continue
         _, n, mn, ops_s = insns[a]
-        ops = [o.strip() for o in ops_s.split(",")] if ops_s else []
-        out = _step(state_at[a], mn, ops)
+        state = state_at[a]
+        out = _STEPS.get((state, mn, ops_s))
+        if out is None:
+            out = _STEPS[state, mn, ops_s] = _step(state, mn, [o.strip() for o in ops_s.split(",")] if ops_s else [])
         succ = []
         if mn not in _ENDS:
             succ.append(a + n)
-        if (mn.startswith("j") or mn == "call") and ops and re.fullmatch(r"0x[0-9a-f]+", ops[0]):
-            t = _num(ops[0])
+        op0 = ops_s.split(",", 1)[0].strip() if (mn.startswith("j") or mn == "call") and ops_s else None
+        if op0 is not None and re.fullmatch(r"0x[0-9a-f]+", op0):
+            t = _num(op0)
             if at <= t < end and mn != "call":
                 succ.append(t)
         for s in succ:
@@ -172,6 +178,7 @@ def _expr(ops: bytes) -> bytes:
     return _uleb(len(ops)) + ops
 
 
+@functools.lru_cache(maxsize=None)
 def rule_insns(rule) -> bytes:
     """The DW_CFA_* instructions that set one row's rule in full."""
     kind, base, d, saved, k = rule
