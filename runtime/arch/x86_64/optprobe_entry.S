@@ -23,7 +23,7 @@
 	.text
 	.p2align 5
 
-.macro OPTPROBE_ENTRY name, callback
+.macro OPTPROBE_ENTRY name, callback, unwind
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -35,6 +35,7 @@
 	KP_CFI(.cfi_rel_offset %rbx, PT_BX)
 	lea	PT_SIZE+144(%rsp), %rax
 	mov	%rax, PT_SP(%rsp)		/* sp before the detour */
+	KP_UNWIND_FRAME PT_SIZE+144, PT_SIZE+8(%rsp), \unwind
 	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
 	mov	%rsp, %rsi
 #ifdef KP_STACK_ALIGN8
@@ -58,8 +59,8 @@
 	.size \name, .-\name
 .endm
 
-	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback
-	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback
+	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback, kp_unwind_site_ip
+	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback, kp_unwind_post_ip
 
 /*
  * The clean call: for sites whose handlers kprewrite proved never read their
@@ -69,7 +70,7 @@
  * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
  * 80 return into the stub, 88 SITE.
  */
-.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0
+.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=kp_unwind_site_ip
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -78,6 +79,7 @@
 	lea	-80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset 80)
 	CLEAN_SAVE
+	KP_UNWIND_FRAME 96+128, 88(%rsp), \unwind
 	mov	88(%rsp), %edi			/* SITE */
 .if \slot
 	/* The stack pointer at the hit: above SITE and probe_stub()'s 128 bytes. */
@@ -96,6 +98,7 @@
 	mov	(%rsp), %rsp
 	KP_CFI(.cfi_def_cfa %rsp, 88)
 #endif
+	KP_UNWIND_FRAME_END
 	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -80)
@@ -105,7 +108,7 @@
 .endm
 
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_entry, kp_optimized_clean_callback
-	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback, 0, kp_unwind_post_ip
 #ifdef KP_KRET_CLEAN_ENTRY
 /* A kretprobe's entry as a clean call (Rules.kretprobe_clean_entry): callback(SITE, the
  * return-address slot), a kernel's (runtime/platform/linux_kernel/kp_kretprobe_task.c). */

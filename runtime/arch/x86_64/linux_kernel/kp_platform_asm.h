@@ -10,4 +10,33 @@
 #define KP_STACK_ALIGN8 1
 /* kretprobes' entries may take the clean call (kp_kretprobe_task.c). */
 #define KP_KRET_CLEAN_ENTRY 1
+
+/*
+ * Stacks through a probe (the kernel's ORC unwinder; docs/kernel.md, "Stacks"):
+ * our code has no ORC entry, so the unwinder takes it as generated code with a
+ * frame pointer (orc_fp_entry: CFA = %rbp + 16, the return address at %rbp + 8,
+ * the caller's %rbp at %rbp).  The runtime and handlers keep %rbp chains
+ * (-fno-omit-frame-pointer); an entry points %rbp at a frame record at the
+ * stack pointer of the hit S, S - 16: [S - 16] the probed code's %rbp, [S - 8]
+ * the hit + 1 (kp_unwind_site_ip() or kp_unwind_post_ip(), in C: the site's
+ * address), as a call there would have pushed.  From it the unwinder goes on
+ * by the probed function's own ORC entry at the hit, with %rsp = S.  The two
+ * words are below the hit's stack pointer, in the 128 bytes the stub steps
+ * over (a kernel has no red zone: nothing lives there).
+ * s: S's offset from %rsp; site: where SITE is; fn: the C lookup.  Every
+ * call-clobbered register is saved when it runs.
+ */
+#define KP_UNWIND_FRAME_RECORD 1
+.macro KP_UNWIND_FRAME s, site, fn
+	mov	%rbp, \s-16(%rsp)
+	lea	\s-16(%rsp), %rbp
+	mov	\site, %edi
+	call	\fn
+	mov	%rax, 8(%rbp)
+.endm
+/* After the C call: the probed code's %rbp back (the full entries reload it
+ * from pt_regs anyway). */
+.macro KP_UNWIND_FRAME_END
+	mov	(%rbp), %rbp
+.endm
 #endif

@@ -1,0 +1,72 @@
+/*
+ * Stacks through probes in a kernel (docs/kernel.md, "Stacks through probes").
+ *
+ * The kernel's ORC unwinder finds no entry for an address in the text/rodata
+ * gap (orc_find(): the fast table covers _stext.._etext, then .init.text,
+ * modules and ftrace trampolines), so it takes our code as generated code with a
+ * frame pointer, as it does BPF's (orc_fp_entry).  Two things make that hold:
+ *
+ * - every frame of ours keeps an %rbp chain: the runtime and handlers are
+ *   compiled with -fno-omit-frame-pointer (recipe.py), and the asm entries point
+ *   %rbp at a frame record below the hit's stack pointer whose return address is
+ *   the hit + 1 (KP_UNWIND_FRAME, the arch's kp_platform_asm.h), looked up here;
+ *   the probed function's own ORC entry takes over from there;
+ * - our code counts as kernel text: the stack printer (show_trace_log_lvl())
+ *   steps the unwinder only at a stack word that __kernel_text_address() accepts,
+ *   and stack_trace_save() stops at the first address it refuses.  The code is
+ *   registered as the kernel registers a BPF image (bpf_ksym_add(), a struct
+ *   bpf_ksym named "kprewrite": is_bpf_text_address(), /proc/kallsyms lists it).
+ */
+#include "kp_internal.h"
+
+extern char __kp_rela_end[];
+void bpf_ksym_add(void *ksym);
+/* struct bpf_ksym (BTF, rewriter/targets/linux_kernel/unwind.py): [offsetof lnode, sizeof],
+ * -1 when the image's BTF lacks it (then no registration). */
+extern const long kp_kernel_bpf_ksym[2];
+
+/* The site's struct kp_site without counting a hit (kp_site() counts early ones). */
+static const struct kp_site *kp_unwind_site(unsigned long i)
+{
+	if (__builtin_expect(kp_tables_built, 1))
+		return &kp_sites[i];
+	for (unsigned int k = 0; k < kp_nearly_sites; k++)
+		if (kp_early_site_index[k] == i)
+			return &kp_early_sites[k];
+	return 0;
+}
+
+/* The frame record's return address at a pre_handler: the hit + 1, where the
+ * unwinder looks up the probed instruction's entry (return address - 1) and finds
+ * the function's frame at the hit; 0 (the unwind stops) before the tables. */
+unsigned long kp_unwind_site_ip(unsigned long site_index)
+{
+	const struct kp_site *s = kp_unwind_site(site_index);
+	return s ? kp_arch_trap_ip(s->addr) : 0;
+}
+
+/* At a post_handler the probed instruction has run (in the detour): the frame
+ * is the function's at the next one, post_ip, looked up as post_ip + 1 - 1. */
+unsigned long kp_unwind_post_ip(unsigned long site_index)
+{
+	const struct kp_site *s = kp_unwind_site(site_index);
+	return s ? s->post_ip + 1 : 0;
+}
+
+static unsigned long kp_kernel_ksym[1024 / sizeof(unsigned long)];	/* struct bpf_ksym */
+
+/* At the setup_per_cpu_areas() boot hook (platform.c), when the probes start firing. */
+void kp_kernel_unwind_init(void)
+{
+	long lnode = kp_kernel_bpf_ksym[0];
+	if (lnode < 0 || kp_kernel_bpf_ksym[1] > (long)sizeof(kp_kernel_ksym))
+		return;
+	char *k = (char *)kp_kernel_ksym;
+	kp_kernel_ksym[0] = kp_kernel_gap_start;		/* start */
+	kp_kernel_ksym[1] = (unsigned long)__kp_rela_end;	/* end */
+	__builtin_memcpy(k + 16, "kprewrite", 10);		/* name[KSYM_NAME_LEN] */
+	void **head = (void **)(k + lnode);			/* INIT_LIST_HEAD(&lnode) */
+	head[0] = head;
+	head[1] = head;
+	bpf_ksym_add(k);
+}
