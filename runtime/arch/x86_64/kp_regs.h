@@ -23,6 +23,13 @@
 .macro KP_UNWIND_FRAME_END
 .endm
 #endif
+#ifndef KP_KRET_GAP
+#define KP_KRET_GAP 0
+.macro KP_UNWIND_EXIT_FRAME s, slot
+.endm
+.macro KP_UNWIND_EXIT_FRAME_END s, slot, reg
+.endm
+#endif
 
 /* pt_regs at %rsp: every register, the flags (user code: the arithmetic
  * flags with IF set, as it always runs with it; a kernel: pushfq), orig_ax,

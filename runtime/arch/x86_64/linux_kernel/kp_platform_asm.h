@@ -39,4 +39,31 @@
 .macro KP_UNWIND_FRAME_END
 	mov	(%rbp), %rbp
 .endm
+/*
+ * The same at a kretprobe's return hook (kretprobe_entry.S), whose frame is the
+ * function's at its exit: the record at S' - 16, S' the return-address slot (s its
+ * offset from %rsp), its return address written by kp_kretprobe_task.c when an
+ * instance fires (0 until then: the unwind stops there).  Called (slot 8), the hook's
+ * own return into the detour is at S' - 8: kept at S' - 24 meanwhile, in the
+ * KP_KRET_GAP bytes the hooks leave above their frame.  The trampoline's record is
+ * below its slot, which holds the real return address while the handlers run.
+ */
+#define KP_KRET_GAP 16
+.macro KP_UNWIND_EXIT_FRAME s, slot
+.if \slot
+	mov	\s-8(%rsp), %rax
+	mov	%rax, \s-24(%rsp)
+.endif
+	movq	$0, \s-8(%rsp)
+	mov	%rbp, \s-16(%rsp)
+	lea	\s-16(%rsp), %rbp
+.endm
+/* After the call (reg: a scratch register the hook restores next). */
+.macro KP_UNWIND_EXIT_FRAME_END s, slot, reg
+	mov	(%rbp), %rbp
+.if \slot
+	mov	\s-24(%rsp), \reg
+	mov	\reg, \s-8(%rsp)
+.endif
+.endm
 #endif
