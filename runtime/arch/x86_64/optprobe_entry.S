@@ -35,7 +35,7 @@
 	KP_CFI(.cfi_rel_offset %rbx, PT_BX)
 	lea	PT_SIZE+144(%rsp), %rax
 	mov	%rax, PT_SP(%rsp)		/* sp before the detour */
-	KP_UNWIND_FRAME PT_SIZE+144, PT_SIZE+8(%rsp), \unwind
+	KP_UNWIND_FRAME PT_SIZE+144, PT_SIZE+8, \unwind
 	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
 	mov	%rsp, %rsi
 #ifdef KP_STACK_ALIGN8
@@ -79,7 +79,7 @@
 	lea	-80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset 80)
 	CLEAN_SAVE
-	KP_UNWIND_FRAME 96+128, 88(%rsp), \unwind
+	KP_UNWIND_FRAME 96+128, 88, \unwind
 	mov	88(%rsp), %edi			/* SITE */
 .if \slot
 	/* The stack pointer at the hit: above SITE and probe_stub()'s 128 bytes. */

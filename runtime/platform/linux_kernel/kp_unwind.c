@@ -53,20 +53,34 @@ unsigned long kp_unwind_post_ip(unsigned long site_index)
 	return s ? s->post_ip + 1 : 0;
 }
 
-static unsigned long kp_kernel_ksym[1024 / sizeof(unsigned long)];	/* struct bpf_ksym */
+/* Two struct bpf_ksym: the code before the kretprobe trampoline's first byte and
+ * the code after it.  That address is what a swapped return-address slot holds while
+ * the function runs; left out, it is no kernel text, so a stack trace of a task
+ * inside such a function ends there as it did (the kernel's unwinder recovers only
+ * its own trampoline's real return address), instead of stepping through it by a
+ * frame pointer the function never set.  The trampoline's call is after it: a
+ * handler's stack goes on through the record it keeps (kretprobe_entry.S). */
+extern char kp_kretprobe_trampoline[];
+static unsigned long kp_kernel_ksyms[2][1024 / sizeof(unsigned long)];
+
+static void kp_kernel_ksym_add(unsigned long *ksym, unsigned long start, unsigned long end)
+{
+	char *k = (char *)ksym;
+	ksym[0] = start;
+	ksym[1] = end;
+	__builtin_memcpy(k + 16, "kprewrite", 10);		/* name[KSYM_NAME_LEN] */
+	void **head = (void **)(k + kp_kernel_bpf_ksym[0]);	/* INIT_LIST_HEAD(&lnode) */
+	head[0] = head;
+	head[1] = head;
+	bpf_ksym_add(k);
+}
 
 /* At the setup_per_cpu_areas() boot hook (platform.c), when the probes start firing. */
 void kp_kernel_unwind_init(void)
 {
-	long lnode = kp_kernel_bpf_ksym[0];
-	if (lnode < 0 || kp_kernel_bpf_ksym[1] > (long)sizeof(kp_kernel_ksym))
+	if (kp_kernel_bpf_ksym[0] < 0 || kp_kernel_bpf_ksym[1] > (long)sizeof(kp_kernel_ksyms[0]))
 		return;
-	char *k = (char *)kp_kernel_ksym;
-	kp_kernel_ksym[0] = kp_kernel_gap_start;		/* start */
-	kp_kernel_ksym[1] = (unsigned long)__kp_rela_end;	/* end */
-	__builtin_memcpy(k + 16, "kprewrite", 10);		/* name[KSYM_NAME_LEN] */
-	void **head = (void **)(k + lnode);			/* INIT_LIST_HEAD(&lnode) */
-	head[0] = head;
-	head[1] = head;
-	bpf_ksym_add(k);
+	unsigned long tramp = (unsigned long)kp_kretprobe_trampoline;
+	kp_kernel_ksym_add(kp_kernel_ksyms[0], kp_kernel_gap_start, tramp);
+	kp_kernel_ksym_add(kp_kernel_ksyms[1], tramp + 1, (unsigned long)__kp_rela_end);
 }

@@ -23,14 +23,19 @@
  * by the probed function's own ORC entry at the hit, with %rsp = S.  The two
  * words are below the hit's stack pointer, in the 128 bytes the stub steps
  * over (a kernel has no red zone: nothing lives there).
- * s: S's offset from %rsp; site: where SITE is; fn: the C lookup.  Every
- * call-clobbered register is saved when it runs.
+ * s: S's offset from %rsp; site: SITE's (the stub's words end there: the
+ * record must be above them, or a stub without those 128 bytes would lose its
+ * return address); fn: the C lookup.  Every call-clobbered register is saved
+ * when it runs.
  */
 #define KP_UNWIND_FRAME_RECORD 1
 .macro KP_UNWIND_FRAME s, site, fn
+.if \s - 16 < \site + 8
+	.error "KP_UNWIND_FRAME: the frame record would overwrite the stub's words"
+.endif
 	mov	%rbp, \s-16(%rsp)
 	lea	\s-16(%rsp), %rbp
-	mov	\site, %edi
+	mov	\site(%rsp), %edi
 	call	\fn
 	mov	%rax, 8(%rbp)
 .endm
