@@ -28,8 +28,9 @@ ARCH_FOLDERS = ["linux_kernel"]
 # Flags for any arch; the arch adds its own for CODE (rewriter/arch/<arch>/toolchain.py).
 CFLAGS = ["-O2", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
           "-fno-unwind-tables", "-fvisibility=hidden", "-fno-common",
-          # %rbp chains: the kernel's unwinder takes our code as frame-pointer code (unwind.py)
-          "-fno-omit-frame-pointer",
+          # frame pointer chains: the kernel's unwinder takes our code as frame-pointer
+          # code (unwind.py); a leaf calls nothing, so no stack goes through its frame
+          "-fno-omit-frame-pointer", "-momit-leaf-frame-pointer",
           "-fno-tree-loop-distribute-patterns",
           "-std=gnu11", "-w", "-fno-ident", "-D__KERNEL__", "-fno-pic", "-fno-pie"]
 CODE = "kernel"

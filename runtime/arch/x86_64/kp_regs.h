@@ -18,7 +18,7 @@
 #ifndef KP_UNWIND_FRAME_RECORD
 /* A platform whose unwinder reads the entries' CFI (KP_CFI) needs no frame
  * record (the kernel's does: linux_kernel/kp_platform_asm.h). */
-.macro KP_UNWIND_FRAME s, site, fn
+.macro KP_UNWIND_FRAME s, site, field
 .endm
 .macro KP_UNWIND_FRAME_END
 .endm

@@ -24,6 +24,8 @@
 	.p2align 5
 
 .macro OPTPROBE_ENTRY name, callback, unwind
+/* unwind: the struct kp_site member the frame record's return address comes from
+ * (KP_UNWIND_FRAME: addr, or post_ip after the probed instruction). */
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -59,8 +61,8 @@
 	.size \name, .-\name
 .endm
 
-	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback, kp_unwind_site_ip
-	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback, kp_unwind_post_ip
+	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback, 0
+	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback, 8
 
 /*
  * The clean call: for sites whose handlers kprewrite proved never read their
@@ -70,7 +72,7 @@
  * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
  * 80 return into the stub, 88 SITE.
  */
-.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=kp_unwind_site_ip
+.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=0
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -108,7 +110,7 @@
 .endm
 
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_entry, kp_optimized_clean_callback
-	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback, 0, kp_unwind_post_ip
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback, 0, 8
 #ifdef KP_KRET_CLEAN_ENTRY
 /* A kretprobe's entry as a clean call (Rules.kretprobe_clean_entry): callback(SITE, the
  * return-address slot), a kernel's (runtime/platform/linux_kernel/kp_kretprobe_task.c). */

@@ -9,7 +9,7 @@
  * - every frame of ours keeps an %rbp chain: the runtime and handlers are
  *   compiled with -fno-omit-frame-pointer (recipe.py), and the asm entries point
  *   %rbp at a frame record below the hit's stack pointer whose return address is
- *   the hit + 1 (KP_UNWIND_FRAME, the arch's kp_platform_asm.h), looked up here;
+ *   the hit + 1 (KP_UNWIND_FRAME, the arch's kp_platform_asm.h, reads it from kp_sites[]);
  *   the probed function's own ORC entry takes over from there;
  * - our code counts as kernel text: the stack printer (show_trace_log_lvl())
  *   steps the unwinder only at a stack word that __kernel_text_address() accepts,
@@ -25,33 +25,10 @@ void bpf_ksym_add(void *ksym);
  * -1 when the image's BTF lacks it (then no registration). */
 extern const long kp_kernel_bpf_ksym[2];
 
-/* The site's struct kp_site without counting a hit (kp_site() counts early ones). */
-static const struct kp_site *kp_unwind_site(unsigned long i)
-{
-	if (__builtin_expect(kp_tables_built, 1))
-		return &kp_sites[i];
-	for (unsigned int k = 0; k < kp_nearly_sites; k++)
-		if (kp_early_site_index[k] == i)
-			return &kp_early_sites[k];
-	return 0;
-}
-
-/* The frame record's return address at a pre_handler: the hit + 1, where the
- * unwinder looks up the probed instruction's entry (return address - 1) and finds
- * the function's frame at the hit; 0 (the unwind stops) before the tables. */
-unsigned long kp_unwind_site_ip(unsigned long site_index)
-{
-	const struct kp_site *s = kp_unwind_site(site_index);
-	return s ? kp_arch_trap_ip(s->addr) : 0;
-}
-
-/* At a post_handler the probed instruction has run (in the detour): the frame
- * is the function's at the next one, post_ip, looked up as post_ip + 1 - 1. */
-unsigned long kp_unwind_post_ip(unsigned long site_index)
-{
-	const struct kp_site *s = kp_unwind_site(site_index);
-	return s ? s->post_ip + 1 : 0;
-}
+/* The entries' frame records read kp_sites[SITE].addr and .post_ip (the arch's
+ * KP_UNWIND_FRAME, linux_kernel/kp_platform_asm.h: KP_SITE_SIZE). */
+_Static_assert(sizeof(struct kp_site) == 40 && __builtin_offsetof(struct kp_site, addr) == 0
+	       && __builtin_offsetof(struct kp_site, post_ip) == 8, "KP_UNWIND_FRAME's kp_sites[] layout");
 
 /* Two struct bpf_ksym: the code before the kretprobe trampoline's first byte and
  * the code after it.  That address is what a swapped return-address slot holds while

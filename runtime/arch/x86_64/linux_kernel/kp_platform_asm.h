@@ -12,31 +12,39 @@
 #define KP_KRET_CLEAN_ENTRY 1
 
 /*
- * Stacks through a probe (the kernel's ORC unwinder; docs/kernel.md, "Stacks"):
- * our code has no ORC entry, so the unwinder takes it as generated code with a
- * frame pointer (orc_fp_entry: CFA = %rbp + 16, the return address at %rbp + 8,
- * the caller's %rbp at %rbp).  The runtime and handlers keep %rbp chains
- * (-fno-omit-frame-pointer); an entry points %rbp at a frame record at the
- * stack pointer of the hit S, S - 16: [S - 16] the probed code's %rbp, [S - 8]
- * the hit + 1 (kp_unwind_site_ip() or kp_unwind_post_ip(), in C: the site's
- * address), as a call there would have pushed.  From it the unwinder goes on
- * by the probed function's own ORC entry at the hit, with %rsp = S.  The two
- * words are below the hit's stack pointer, in the 128 bytes the stub steps
- * over (a kernel has no red zone: nothing lives there).
- * s: S's offset from %rsp; site: SITE's (the stub's words end there: the
- * record must be above them, or a stub without those 128 bytes would lose its
- * return address); fn: the C lookup.  Every call-clobbered register is saved
- * when it runs.
+ * Stacks through a probe (the kernel's ORC unwinder; docs/kernel.md, "Stacks
+ * through probes"): our code has no ORC entry, so the unwinder takes it as
+ * generated code with a frame pointer (orc_fp_entry: CFA = %rbp + 16, the return
+ * address at %rbp + 8, the caller's %rbp at %rbp).  The runtime and handlers keep
+ * %rbp chains (-fno-omit-frame-pointer); an entry points %rbp at a frame record
+ * below the stack pointer of the hit S, at S - 16: [S - 16] the probed code's
+ * %rbp, [S - 8] the hit + 1 (kp_sites[SITE].addr + 1; .post_ip + 1 after the
+ * probed instruction, for a post_handler; 0 before the tables are built: the
+ * unwind stops there), as a call at the hit would have pushed.  From it the
+ * unwinder goes on by the probed function's own ORC entry at the hit, with
+ * %rsp = S.  The two words are below the hit's stack pointer, in the 128 bytes
+ * the stub steps over (a kernel has no red zone: nothing lives there).
+ * s: S's offset from %rsp; site: SITE's (the stub's words end there: the record
+ * must be above them, or a stub without those 128 bytes would lose its return
+ * address); field: the struct kp_site member's offset (kp_unwind.c checks the
+ * layout).  %rax and %rdi are free (saved) where it runs.
  */
 #define KP_UNWIND_FRAME_RECORD 1
-.macro KP_UNWIND_FRAME s, site, fn
+#define KP_SITE_SIZE 40			/* sizeof(struct kp_site) */
+.macro KP_UNWIND_FRAME s, site, field
 .if \s - 16 < \site + 8
 	.error "KP_UNWIND_FRAME: the frame record would overwrite the stub's words"
 .endif
 	mov	%rbp, \s-16(%rsp)
 	lea	\s-16(%rsp), %rbp
+	mov	kp_sites(%rip), %rax
+	test	%rax, %rax
+	jz	.Lkp_unwind_frame_\@
 	mov	\site(%rsp), %edi
-	call	\fn
+	imul	$KP_SITE_SIZE, %rdi, %rdi
+	mov	\field(%rax,%rdi), %rax
+	inc	%rax
+.Lkp_unwind_frame_\@:
 	mov	%rax, 8(%rbp)
 .endm
 /* After the C call: the probed code's %rbp back (the full entries reload it
