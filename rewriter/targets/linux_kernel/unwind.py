@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ... import cache
 from . import btf
+from .symbols import link_symbols
 
 LAYOUT = b"kprewrite-bpf-ksym-1"
 
@@ -39,6 +40,12 @@ def bpf_ksym_layout(image) -> tuple[int, int]:
 
 
 def unwind_c(image) -> str:
-    """C for runtime/platform/linux_kernel/kp_unwind.c: struct bpf_ksym's layout."""
+    """C for runtime/platform/linux_kernel/kp_unwind.c: struct bpf_ksym's layout and
+    bpf_ksym_add(), or none (a kernel built without BPF: its stacks stop at our first
+    frame, as they did, and the image still links)."""
     lnode, size = bpf_ksym_layout(image)
-    return f"const long kp_kernel_bpf_ksym[2] = {{ {lnode}, {size} }};\n"
+    if lnode < 0 or link_symbols(image).get("bpf_ksym_add") is None:
+        return ("const long kp_kernel_bpf_ksym[2] = { -1, -1 };\n"
+                "void (*const kp_kernel_bpf_ksym_add)(void *) = 0;\n")
+    return (f"const long kp_kernel_bpf_ksym[2] = {{ {lnode}, {size} }};\n"
+            "void bpf_ksym_add(void *);\nvoid (*const kp_kernel_bpf_ksym_add)(void *) = bpf_ksym_add;\n")

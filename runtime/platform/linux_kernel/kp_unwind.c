@@ -20,10 +20,11 @@
 #include "kp_internal.h"
 
 extern char __kp_rela_end[];
-void bpf_ksym_add(void *ksym);
 /* struct bpf_ksym (BTF, rewriter/targets/linux_kernel/unwind.py): [offsetof lnode, sizeof],
- * -1 when the image's BTF lacks it (then no registration). */
+ * and the kernel's bpf_ksym_add(); -1 and NULL when the image lacks them (then no
+ * registration: stacks stop at our first frame). */
 extern const long kp_kernel_bpf_ksym[2];
+extern void (*const kp_kernel_bpf_ksym_add)(void *);
 
 /* The entries' frame records read kp_sites[SITE].addr and .post_ip (the arch's
  * KP_UNWIND_FRAME, linux_kernel/kp_platform_asm.h: KP_SITE_SIZE). */
@@ -49,13 +50,14 @@ static void kp_kernel_ksym_add(unsigned long *ksym, unsigned long start, unsigne
 	void **head = (void **)(k + kp_kernel_bpf_ksym[0]);	/* INIT_LIST_HEAD(&lnode) */
 	head[0] = head;
 	head[1] = head;
-	bpf_ksym_add(k);
+	kp_kernel_bpf_ksym_add(k);
 }
 
 /* At the setup_per_cpu_areas() boot hook (platform.c), when the probes start firing. */
 void kp_kernel_unwind_init(void)
 {
-	if (kp_kernel_bpf_ksym[0] < 0 || kp_kernel_bpf_ksym[1] > (long)sizeof(kp_kernel_ksyms[0]))
+	if (!kp_kernel_bpf_ksym_add || kp_kernel_bpf_ksym[0] < 0
+	    || kp_kernel_bpf_ksym[1] > (long)sizeof(kp_kernel_ksyms[0]))
 		return;
 	unsigned long tramp = (unsigned long)kp_kretprobe_trampoline;
 	kp_kernel_ksym_add(kp_kernel_ksyms[0], kp_kernel_gap_start, tramp);
