@@ -9,6 +9,8 @@ image (x86's bzImage).  The target, assembled from its parts, one job each:
   tables): the kprobe blacklist, sites patched at boot, ftrace sites, refusals;
 - gap.py: where new code and data go (the text/rodata and rodata/data gaps);
 - startup.py: how the runtime starts (boot, shutdown and task hooks: probes);
+- unwind.py: stacks through probes (the kernel's unwinder takes our code as frame-pointer
+  code registered as a BPF image's: struct bpf_ksym's layout for the runtime);
 - generated_c.py: the target's part of the generated C tables and handler headers
   (btf.py: the image's types);
 - writer.py: the output image and what `kprewrite diff` may find changed.

@@ -4,7 +4,7 @@ the current task, the gap's bounds, the per-CPU pool) and the headers handlers i
 count are read, how a reschedule is called) is its folder's percpu.py."""
 from __future__ import annotations
 
-from . import btf
+from . import btf, unwind
 from .gap import plan_layout
 from .symbols import address_c, arch_of, link_symbols
 
@@ -52,6 +52,7 @@ def tables_c(image, arch, any_int3: bool) -> str:
     # then their trace_event_call's structures (btf._CALL_LAYOUT).
     trace = kt.trace if kt is not None and kt.trace else [-1] * btf.TRACE_LAYOUT_LEN
     task += f"const long kp_kernel_trace[{len(trace)}] = {{ {', '.join(map(str, trace))} }};\n"
+    task += unwind.unwind_c(image)      # stacks through probes (unwind.py)
     return task + (f"const unsigned long kp_kernel_gap_start = {address_c(image, lay.rx_vaddr)}, "
                    f"kp_kernel_gap_end = {address_c(image, lay.end)};\n"
             "#define KP_KERNEL_BLOCK ((sizeof(struct kp_thread) + KP_NHITS * sizeof(unsigned long) + 63) & ~63UL)\n"

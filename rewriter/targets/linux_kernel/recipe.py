@@ -15,6 +15,9 @@ SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
            "{arch}/kp_int3.c", "{arch}/linux_kernel/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
 # kprobe_events into the ftrace ring buffer, symbols from kallsyms (issue 11).
 SOURCES += ["{platform}/kp_trace_buffer.c"]
+# Stacks through probes (unwind.py): the frame records' return addresses, the code
+# registered as kernel text.
+SOURCES += ["{platform}/kp_unwind.c"]
 
 # The arch's folders for this platform (runtime/arch/<arch>/<folder>): the arch's
 # half of a kernel image (kp_arch_platform.h: per-CPU data, preemption, interrupt
@@ -25,6 +28,9 @@ ARCH_FOLDERS = ["linux_kernel"]
 # Flags for any arch; the arch adds its own for CODE (rewriter/arch/<arch>/toolchain.py).
 CFLAGS = ["-O2", "-ffreestanding", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
           "-fno-unwind-tables", "-fvisibility=hidden", "-fno-common",
+          # frame pointer chains: the kernel's unwinder takes our code as frame-pointer
+          # code (unwind.py); a leaf calls nothing, so no stack goes through its frame
+          "-fno-omit-frame-pointer", "-momit-leaf-frame-pointer",
           "-fno-tree-loop-distribute-patterns",
           "-std=gnu11", "-w", "-fno-ident", "-D__KERNEL__", "-fno-pic", "-fno-pie"]
 CODE = "kernel"

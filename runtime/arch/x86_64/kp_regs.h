@@ -15,6 +15,21 @@
 #ifndef KP_CFI
 #define KP_CFI(...)		/* a platform with no unwind tables for its entries */
 #endif
+#ifndef KP_UNWIND_FRAME_RECORD
+/* A platform whose unwinder reads the entries' CFI (KP_CFI) needs no frame
+ * record (the kernel's does: linux_kernel/kp_platform_asm.h). */
+.macro KP_UNWIND_FRAME s, ret, field
+.endm
+.macro KP_UNWIND_FRAME_END
+.endm
+#endif
+#ifndef KP_KRET_GAP
+#define KP_KRET_GAP 0
+.macro KP_UNWIND_EXIT_FRAME s, slot
+.endm
+.macro KP_UNWIND_EXIT_FRAME_END s, slot, reg
+.endm
+#endif
 
 /* pt_regs at %rsp: every register, the flags (user code: the arithmetic
  * flags with IF set, as it always runs with it; a kernel: pushfq), orig_ax,

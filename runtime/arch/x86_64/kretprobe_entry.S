@@ -33,14 +33,15 @@
 	/* CFA = %rsp + 8 either way: reached by jmp (slot 0), the hook's frame is the
 	 * function's own, leaving, its return address the slot, as at a ret. */
 	KP_CFI(.cfi_startproc)
-	lea	-PT_SIZE(%rsp), %rsp
+	lea	-PT_SIZE-KP_KRET_GAP(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset PT_SIZE)
 	PT_REGS_SAVE
 	KP_CFI(.cfi_rel_offset %rbx, PT_BX)
-	mov	PT_SIZE+\slot(%rsp), %rax	/* the return address */
+	mov	PT_SIZE+KP_KRET_GAP+\slot(%rsp), %rax	/* the return address */
 	mov	%rax, PT_IP(%rsp)
-	lea	PT_SIZE+\slot+8(%rsp), %rax	/* sp after the ret */
+	lea	PT_SIZE+KP_KRET_GAP+\slot+8(%rsp), %rax	/* sp after the ret */
 	mov	%rax, PT_SP(%rsp)
+	KP_UNWIND_EXIT_FRAME PT_SIZE+KP_KRET_GAP+\slot, \slot
 	mov	%rsp, %rdi
 	mov	%rsp, %rbx
 	KP_CFI(.cfi_def_cfa_register %rbx)
@@ -48,8 +49,9 @@
 	call	\callback
 	mov	%rbx, %rsp
 	KP_CFI(.cfi_def_cfa_register %rsp)
+	KP_UNWIND_EXIT_FRAME_END PT_SIZE+KP_KRET_GAP+\slot, \slot, %rax
 	PT_REGS_RESTORE
-	lea	PT_SIZE(%rsp), %rsp
+	lea	PT_SIZE+KP_KRET_GAP(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -PT_SIZE)
 	KP_RET
 	KP_CFI(.cfi_endproc)
@@ -84,10 +86,11 @@
 	.type \name, @function
 \name:
 	KP_CFI(.cfi_startproc)
-	lea	-CLEAN_SIZE(%rsp), %rsp
+	lea	-CLEAN_SIZE-KP_KRET_GAP(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset CLEAN_SIZE)
 	CLEAN_SAVE
-	lea	CLEAN_SIZE+\slot(%rsp), %rdi	/* the return-address slot */
+	KP_UNWIND_EXIT_FRAME CLEAN_SIZE+KP_KRET_GAP+\slot, \slot
+	lea	CLEAN_SIZE+KP_KRET_GAP+\slot(%rsp), %rdi	/* the return-address slot */
 	mov	%rsp, %rcx
 	and	$-16, %rsp
 	sub	$16, %rsp
@@ -97,15 +100,16 @@
 	call	kp_kretprobe_return_clean
 	mov	8(%rsp), %rsp
 	KP_CFI(.cfi_def_cfa %rsp, CLEAN_SIZE+8)
+	KP_UNWIND_EXIT_FRAME_END CLEAN_SIZE+KP_KRET_GAP+\slot, \slot, %rcx
 	test	%eax, %eax
 	jne	1f
 	CLEAN_RESTORE
-	lea	CLEAN_SIZE(%rsp), %rsp
+	lea	CLEAN_SIZE+KP_KRET_GAP(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -CLEAN_SIZE)
 	KP_RET
 1:	KP_CFI(.cfi_adjust_cfa_offset CLEAN_SIZE)
 	CLEAN_RESTORE
-	lea	CLEAN_SIZE(%rsp), %rsp
+	lea	CLEAN_SIZE+KP_KRET_GAP(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -CLEAN_SIZE)
 	jmp	\full
 	KP_CFI(.cfi_endproc)
@@ -128,19 +132,22 @@
 	nop					/* unwinders look up (return address - 1) */
 kp_kretprobe_trampoline:
 	push	$0
-	lea	-PT_SIZE(%rsp), %rsp
+	lea	-PT_SIZE-KP_KRET_GAP(%rsp), %rsp
 	PT_REGS_SAVE
 	movq	$0, PT_IP(%rsp)
-	lea	PT_SIZE+8(%rsp), %rax
+	lea	PT_SIZE+KP_KRET_GAP+8(%rsp), %rax
 	mov	%rax, PT_SP(%rsp)
+	/* The record below the slot (kp_kretprobe_trampoline_handler() stores the real
+	 * return address in it while the handlers run): the caller's frame is next. */
+	KP_UNWIND_EXIT_FRAME PT_SIZE+KP_KRET_GAP+8, 0
 	mov	%rsp, %rdi
 	mov	%rsp, %rbx
 	and	$-16, %rsp
 	call	kp_kretprobe_trampoline_handler
 	mov	%rbx, %rsp
-	mov	%rax, PT_SIZE(%rsp)
+	mov	%rax, PT_SIZE+KP_KRET_GAP(%rsp)
 	PT_REGS_RESTORE
-	lea	PT_SIZE(%rsp), %rsp
+	lea	PT_SIZE+KP_KRET_GAP(%rsp), %rsp
 	KP_RET
 	.size kp_kretprobe_trampoline, .-kp_kretprobe_trampoline
 

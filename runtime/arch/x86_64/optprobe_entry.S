@@ -28,34 +28,75 @@
  * code's %rsp (16(%rsp) at entry), and return over SITE: `popq (%rsp)` moves the
  * return address onto SITE's slot (pop with an %rsp-based destination writes
  * after the increment) without a register or the flags.
+ *
+ * A platform whose unwinder follows frame records (KP_UNWIND_FRAME_RECORD, a
+ * kernel's: linux_kernel/kp_platform_asm.h) wants the record right below the
+ * probed code's %rsp, S, which is where a short stub's two words are (SITE at
+ * S - 8, the return into the stub at S - 16).  So there the short entries first
+ * copy the return address one word lower (`push (%rsp)`, no register), read SITE,
+ * and then build the record over the two words; on the way out `popq 8(%rsp)`
+ * puts the return address back at S - 8 (over the record's) and `lea 8(%rsp)`
+ * steps onto it.  The long stub's entries build it in the 128 bytes the stub
+ * steps over.  Layouts, from the return into the stub (the entry's frame above):
+ *	long stub:			ret, SITE, 128 bytes, S
+ *	short stub:			ret, SITE, S
+ *	short stub, frame record:	ret (copy), ret -> %rbp, SITE -> hit + 1, S
  */
 #include "kp_regs.h"
 
 	.text
 	.p2align 5
 
-/* Back into the stub; pop: over SITE too (a short stub's entries). */
+/* The short entries' layouts: SITE's and S's offsets from the return into the
+ * stub, and what is popped on the way out (0: nothing, 1: SITE, 2: the copy of
+ * the return address and the record). */
+#ifdef KP_UNWIND_FRAME_RECORD
+#define SHORT_LAYOUT 16, 24, 2
+#else
+#define SHORT_LAYOUT 8, 16, 1
+#endif
+
+/* Before the frame: the return address copied below the record's words. */
+.macro COPY_RET pop
+.if \pop == 2
+	push	(%rsp)
+	KP_CFI(.cfi_adjust_cfa_offset 8)
+.endif
+.endm
+
+/* Back into the stub; pop 1: over SITE too (a short stub's entries); pop 2: the
+ * copy of the return address back at S - 8, over the record's. */
 .macro RET_OVER_SITE pop
-.if \pop
+.if \pop == 1
 	popq	(%rsp)
 	KP_CFI(.cfi_adjust_cfa_offset -8)
+.endif
+.if \pop == 2
+	popq	8(%rsp)
+	lea	8(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset -16)
 .endif
 	KP_RET
 .endm
 
-.macro OPTPROBE_ENTRY name, callback, rz=128, pop=0
+/* unwind: the struct kp_site member the frame record's return address comes from
+ * (KP_UNWIND_FRAME: addr, or post_ip after the probed instruction); site, sp: SITE's
+ * and S's offsets from the return into the stub; pop: RET_OVER_SITE's. */
+.macro OPTPROBE_ENTRY name, callback, unwind, site=8, sp=144, pop=0
 	.globl \name
 	.hidden \name
 	.type \name, @function
 \name:
 	KP_CFI(.cfi_startproc)
+	COPY_RET \pop
 	lea	-PT_SIZE(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset PT_SIZE)
 	PT_REGS_SAVE
 	KP_CFI(.cfi_rel_offset %rbx, PT_BX)
-	lea	PT_SIZE+16+\rz(%rsp), %rax
+	lea	PT_SIZE+\sp(%rsp), %rax
 	mov	%rax, PT_SP(%rsp)		/* sp before the detour */
-	mov	PT_SIZE+8(%rsp), %edi		/* SITE */
+	mov	PT_SIZE+\site(%rsp), %edi	/* SITE */
+	KP_UNWIND_FRAME PT_SIZE+\sp, PT_SIZE, \unwind
 	mov	%rsp, %rsi
 #ifdef KP_STACK_ALIGN8
 	call	\callback
@@ -78,11 +119,11 @@
 	.size \name, .-\name
 .endm
 
-	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback
-	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback
+	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback, 0
+	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback, 8
 #ifdef KP_SHORT_STUBS
-	OPTPROBE_ENTRY kp_optprobe_short_entry, kp_optimized_callback, 0, 1
-	OPTPROBE_ENTRY kp_optprobe_short_post_entry, kp_post_callback, 0, 1
+	OPTPROBE_ENTRY kp_optprobe_short_entry, kp_optimized_callback, 0, SHORT_LAYOUT
+	OPTPROBE_ENTRY kp_optprobe_short_post_entry, kp_post_callback, 8, SHORT_LAYOUT
 #endif
 
 /*
@@ -91,21 +132,23 @@
  * r8-r11) and the arithmetic flags, calls callback(SITE) on a 16-byte aligned
  * stack and restores them; the callee-saved registers are the callee's to keep.
  * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
- * 80 return into the stub, 88 SITE.
+ * 80 return into the stub, then SITE and S as OPTPROBE_ENTRY's (site, sp).
  */
-.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, rz=128, pop=0
+.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=0, site=8, sp=144, pop=0
 	.globl \name
 	.hidden \name
 	.type \name, @function
 \name:
 	KP_CFI(.cfi_startproc)
+	COPY_RET \pop
 	lea	-80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset 80)
 	CLEAN_SAVE
-	mov	88(%rsp), %edi			/* SITE */
+	mov	80+\site(%rsp), %edi		/* SITE */
+	KP_UNWIND_FRAME 80+\sp, 80, \unwind
 .if \slot
 	/* The stack pointer at the hit: above SITE and probe_stub()'s 128 bytes (none: a short stub). */
-	lea	96+\rz(%rsp), %rsi
+	lea	80+\sp(%rsp), %rsi
 .endif
 #ifdef KP_STACK_ALIGN8
 	call	\callback
@@ -120,6 +163,7 @@
 	mov	(%rsp), %rsp
 	KP_CFI(.cfi_def_cfa %rsp, 88)
 #endif
+	KP_UNWIND_FRAME_END
 	CLEAN_RESTORE
 	lea	80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -80)
@@ -129,17 +173,17 @@
 .endm
 
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_entry, kp_optimized_clean_callback
-	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback, 0, 8
 #ifdef KP_KRET_CLEAN_ENTRY
 /* A kretprobe's entry as a clean call (Rules.kretprobe_clean_entry): callback(SITE, the
  * return-address slot), a kernel's (runtime/platform/linux_kernel/kp_kretprobe_task.c). */
 	OPTPROBE_CLEAN_ENTRY kp_kretprobe_clean_entry, kp_kretprobe_clean_callback, 1
 #endif
 #ifdef KP_SHORT_STUBS
-	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_entry, kp_optimized_clean_callback, 0, 0, 1
-	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_post_entry, kp_post_clean_callback, 0, 0, 1
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_entry, kp_optimized_clean_callback, 0, 0, SHORT_LAYOUT
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_post_entry, kp_post_clean_callback, 0, 8, SHORT_LAYOUT
 #ifdef KP_KRET_CLEAN_ENTRY
-	OPTPROBE_CLEAN_ENTRY kp_kretprobe_short_clean_entry, kp_kretprobe_clean_callback, 1, 0, 1
+	OPTPROBE_CLEAN_ENTRY kp_kretprobe_short_clean_entry, kp_kretprobe_clean_callback, 1, 0, SHORT_LAYOUT
 #endif
 #endif
 

@@ -358,6 +358,7 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 		kp_kret_fatal(task, S);
 	unsigned long ret = (unsigned long)fire->ri.ret_addr;
 	instruction_pointer_set(regs, ret);
+	kp_arch_unwind_trampoline_ip(S, ret);	/* the frame record's return address (kp_unwind.c) */
 	kp_fire(fire, active ? 0 : regs, !active);
 	if (t)
 		t->active = active;
@@ -417,10 +418,15 @@ static int kp_exit_at(unsigned long S, struct pt_regs *regs, int clean)
 		if (t)
 			t->active = 1;
 		struct kp_kri *fire = kp_take_at(kp_task(), S, !t, clean);
-		if (fire == KP_NEED_REGS)
+		if (fire == KP_NEED_REGS) {
 			need = 1;
-		else
+		} else {
+			/* The hook's frame record (kp_unwind.c): the function at its exit has
+			 * the frame it had at its entry, the return address alone. */
+			if (fire)
+				kp_arch_unwind_exit_ip(S, kp_arch_trap_ip((unsigned long)fire->ri.rp->kp.addr));
 			kp_fire(fire, regs, 1);
+		}
 		if (t)
 			t->active = 0;
 	}

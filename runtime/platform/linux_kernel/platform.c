@@ -169,6 +169,7 @@ static void kp_kernel_build_tables(void)
  * memory for good, as it does for the per-CPU areas themselves.  Until here
  * only the boot CPU runs, on the static block; its per-CPU offset changes
  * now, so its next hit takes a block of this memory, as every other CPU's. */
+void kp_kernel_unwind_init(void);	/* kp_unwind.c */
 int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
@@ -180,6 +181,7 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 		kp_thread_table_ready();
 	kp_kernel_kretprobes_init();
 	kp_kernel_trace_init();		/* our trace events' output types */
+	kp_kernel_unwind_init();	/* our code as kernel text for the unwinder (kp_unwind.c) */
 	unsigned long size = (unsigned long)nr_cpu_ids * kp_kernel_block;
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);	/* MEMBLOCK_ALLOC_ACCESSIBLE, NUMA_NO_NODE */
 	if (!m) {

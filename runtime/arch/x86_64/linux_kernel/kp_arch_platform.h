@@ -101,4 +101,17 @@ KP_ARCH_INLINE void kp_arch_spin_relax(void)
 #define kp_arch_arg1(regs) ((regs)->si)
 #define kp_arch_arg2(regs) ((regs)->dx)
 
+/* Stacks through probes (kp_platform_asm.h, KP_UNWIND_EXIT_FRAME): the return address
+ * of the frame record a kretprobe's exit hook keeps below the return-address slot S,
+ * and of the trampoline's, which is the slot itself (the real return address). */
+static inline void kp_arch_unwind_exit_ip(unsigned long S, unsigned long ip)
+{
+	((unsigned long *)S)[-1] = ip;
+}
+
+static inline void kp_arch_unwind_trampoline_ip(unsigned long S, unsigned long ip)
+{
+	*(unsigned long *)S = ip;
+}
+
 #endif

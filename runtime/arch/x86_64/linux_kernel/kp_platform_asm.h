@@ -12,4 +12,75 @@
 #define KP_KRET_CLEAN_ENTRY 1
 /* No red zone (-mno-red-zone): detours take the short stubs (optprobe_entry.S). */
 #define KP_SHORT_STUBS 1
+
+/*
+ * Stacks through a probe (the kernel's ORC unwinder; docs/kernel.md, "Stacks
+ * through probes"): our code has no ORC entry, so the unwinder takes it as
+ * generated code with a frame pointer (orc_fp_entry: CFA = %rbp + 16, the return
+ * address at %rbp + 8, the caller's %rbp at %rbp).  The runtime and handlers keep
+ * %rbp chains (-fno-omit-frame-pointer); an entry points %rbp at a frame record
+ * below the stack pointer of the hit S, at S - 16: [S - 16] the probed code's
+ * %rbp, [S - 8] the hit + 1 (kp_sites[SITE].addr + 1; .post_ip + 1 after the
+ * probed instruction, for a post_handler; 0 before the tables are built: the
+ * unwind stops there), as a call at the hit would have pushed.  From it the
+ * unwinder goes on by the probed function's own ORC entry at the hit, with
+ * %rsp = S.  The two words are below the hit's stack pointer (a kernel has no
+ * red zone: nothing lives there): in the 128 bytes a long stub steps over, or
+ * over a short stub's SITE and return address, which its entries first copy
+ * one word lower (optprobe_entry.S: COPY_RET, RET_OVER_SITE; SHORT_LAYOUT).
+ * s: S's offset from %rsp; ret: the offset of the return address the entry
+ * returns by (the record must be above it); field: the struct kp_site member's
+ * offset (kp_unwind.c checks the layout).  SITE is in %edi already (read before
+ * the record may cover it; the callback's first argument); %rax and %rdx are
+ * free (saved) where it runs.
+ */
+#define KP_UNWIND_FRAME_RECORD 1
+#define KP_SITE_SIZE 40			/* sizeof(struct kp_site) */
+.macro KP_UNWIND_FRAME s, ret, field
+.if \s - 16 < \ret + 8
+	.error "KP_UNWIND_FRAME: the frame record would overwrite the entry's return address"
+.endif
+	mov	%rbp, \s-16(%rsp)
+	lea	\s-16(%rsp), %rbp
+	mov	kp_sites(%rip), %rax
+	test	%rax, %rax
+	jz	.Lkp_unwind_frame_\@
+	imul	$KP_SITE_SIZE, %rdi, %rdx
+	mov	\field(%rax,%rdx), %rax
+	inc	%rax
+.Lkp_unwind_frame_\@:
+	mov	%rax, 8(%rbp)
+.endm
+/* After the C call: the probed code's %rbp back (the full entries reload it
+ * from pt_regs anyway). */
+.macro KP_UNWIND_FRAME_END
+	mov	(%rbp), %rbp
+.endm
+/*
+ * The same at a kretprobe's return hook (kretprobe_entry.S), whose frame is the
+ * function's at its exit: the record at S' - 16, S' the return-address slot (s its
+ * offset from %rsp), its return address written by kp_kretprobe_task.c when an
+ * instance fires (0 until then: the unwind stops there).  Called (slot 8), the hook's
+ * own return into the detour is at S' - 8: kept at S' - 24 meanwhile, in the
+ * KP_KRET_GAP bytes the hooks leave above their frame.  The trampoline's record is
+ * below its slot, which holds the real return address while the handlers run.
+ */
+#define KP_KRET_GAP 16
+.macro KP_UNWIND_EXIT_FRAME s, slot
+.if \slot
+	mov	\s-8(%rsp), %rax
+	mov	%rax, \s-24(%rsp)
+.endif
+	movq	$0, \s-8(%rsp)
+	mov	%rbp, \s-16(%rsp)
+	lea	\s-16(%rsp), %rbp
+.endm
+/* After the call (reg: a scratch register the hook restores next). */
+.macro KP_UNWIND_EXIT_FRAME_END s, slot, reg
+	mov	(%rbp), %rbp
+.if \slot
+	mov	\s-24(%rsp), \reg
+	mov	\reg, \s-8(%rsp)
+.endif
+.endm
 #endif
