@@ -151,7 +151,9 @@ def _copies(image, arch, plan, rx: bytes, layout, blob):
     from ....planner import INT3
     from .percpu import thread_key
     em = arch.emit
-    short = not thread_key(image).red_zone         # the short stubs (emission.site_detour())
+    # The short stubs (emission.site_detour()), as the thread key says; asked only where a
+    # detour exists (an image with none need not have the per-CPU symbols).
+    short = any(s.decision != INT3 for s in plan.sites) and not thread_key(image).red_zone
     out = []
     for site in plan.sites:
         if site.decision == INT3:
