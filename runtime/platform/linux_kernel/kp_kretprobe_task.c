@@ -132,8 +132,9 @@ static inline struct kp_kri *kp_kri_at(struct kretprobe *rp, unsigned int i)
 	return (struct kp_kri *)(rp->kp_pool + (unsigned long)i * rp->kp_stride);
 }
 
-/* Claim a free instance of rp (lock-free, as the kernel's freelist). */
-static struct kp_kri *kp_kri_claim(struct kretprobe *rp)
+/* Claim a free instance of rp (lock-free, as the kernel's freelist); inlined in the
+ * entry's dispatch (a kretprobe hit's hot path). */
+static inline __attribute__((always_inline)) struct kp_kri *kp_kri_claim(struct kretprobe *rp)
 {
 	unsigned int n = rp->maxactive, i = rp->kp_hint;
 	if (!__atomic_load_n(&rp->kp_pool, __ATOMIC_ACQUIRE))
@@ -270,13 +271,25 @@ void kp_kretprobe_clean_callback(unsigned long site_index, unsigned long S)
  */
 #define KP_NEED_REGS ((struct kp_kri *)1)
 
-static struct kp_kri *kp_take_at(unsigned long task, unsigned long S, int irqsave, int need_clean)
+static inline __attribute__((always_inline)) struct kp_kri *kp_take_at(unsigned long task, unsigned long S,
+									  int irqsave, int need_clean)
 {
 	struct kp_kret_bucket *b = kp_bucket(task);
 	struct kp_kri *fire = 0, **tail = &fire, *stale = 0;
 	unsigned long flags = kp_bucket_lock(b, irqsave);
-	struct kp_kri **pp = &b->head, *k;
+	struct kp_kri **pp = &b->head, *k = b->head;
 	int any = 0, found = 0;
+	/* The common case: the bucket holds this one instance alone (what the walks
+	 * below find then: it fires, nothing is stale), taken without walking. */
+	if (k && !k->next && k->task == task && (unsigned long)k->ri.fp == S) {
+		if (need_clean && !k->ri.rp->kp_ret_clean) {
+			kp_bucket_unlock(b, flags);
+			return KP_NEED_REGS;
+		}
+		b->head = 0;
+		kp_bucket_unlock(b, flags);
+		return k;
+	}
 	for (k = b->head; k; k = k->next)	/* any instance of S at all? */
 		if (k->task == task && (unsigned long)k->ri.fp == S) {
 			any = 1;
@@ -322,7 +335,7 @@ static struct kp_kri *kp_take_at(unsigned long task, unsigned long S, int irqsav
 
 /* Fire a list kp_take_at() returned, newest first (regs NULL: the clean hook, whose
  * handlers never read them; run = 0: free only, a handler is running on this CPU). */
-static void kp_fire(struct kp_kri *fire, struct pt_regs *regs, int run)
+static inline __attribute__((always_inline)) void kp_fire(struct kp_kri *fire, struct pt_regs *regs, int run)
 {
 	while (fire) {
 		struct kp_kri *k = fire;
