@@ -43,12 +43,16 @@
 	mov	%rax, PT_SP(%rsp)
 	KP_UNWIND_EXIT_FRAME PT_SIZE+KP_KRET_GAP+\slot, \slot
 	mov	%rsp, %rdi
+#ifdef KP_STACK_ALIGN8
+	call	\callback			/* 8-byte alignment is all C needs here */
+#else
 	mov	%rsp, %rbx
 	KP_CFI(.cfi_def_cfa_register %rbx)
 	and	$-16, %rsp
 	call	\callback
 	mov	%rbx, %rsp
 	KP_CFI(.cfi_def_cfa_register %rsp)
+#endif
 	KP_UNWIND_EXIT_FRAME_END PT_SIZE+KP_KRET_GAP+\slot, \slot, %rax
 	PT_REGS_RESTORE
 	lea	PT_SIZE+KP_KRET_GAP(%rsp), %rsp
@@ -91,6 +95,9 @@
 	CLEAN_SAVE
 	KP_UNWIND_EXIT_FRAME CLEAN_SIZE+KP_KRET_GAP+\slot, \slot
 	lea	CLEAN_SIZE+KP_KRET_GAP+\slot(%rsp), %rdi	/* the return-address slot */
+#ifdef KP_STACK_ALIGN8
+	call	kp_kretprobe_return_clean	/* 8-byte alignment is all C needs here */
+#else
 	mov	%rsp, %rcx
 	and	$-16, %rsp
 	sub	$16, %rsp
@@ -100,6 +107,7 @@
 	call	kp_kretprobe_return_clean
 	mov	8(%rsp), %rsp
 	KP_CFI(.cfi_def_cfa %rsp, CLEAN_SIZE+8)
+#endif
 	KP_UNWIND_EXIT_FRAME_END CLEAN_SIZE+KP_KRET_GAP+\slot, \slot, %rcx
 	test	%eax, %eax
 	jne	1f
@@ -141,10 +149,14 @@ kp_kretprobe_trampoline:
 	 * return address in it while the handlers run): the caller's frame is next. */
 	KP_UNWIND_EXIT_FRAME PT_SIZE+KP_KRET_GAP+8, 0
 	mov	%rsp, %rdi
+#ifdef KP_STACK_ALIGN8
+	call	kp_kretprobe_trampoline_handler
+#else
 	mov	%rsp, %rbx
 	and	$-16, %rsp
 	call	kp_kretprobe_trampoline_handler
 	mov	%rbx, %rsp
+#endif
 	mov	%rax, PT_SIZE+KP_KRET_GAP(%rsp)
 	PT_REGS_RESTORE
 	lea	PT_SIZE+KP_KRET_GAP(%rsp), %rsp
