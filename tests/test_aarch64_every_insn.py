@@ -140,6 +140,9 @@ int pre(struct kprobe *p, struct pt_regs *regs)
 
 # -no-pie: the functions sit at their link-time addresses, which QEMU's -dfilter names.
 FLAGS = ("-march=armv8-a", "-mno-outline-atomics", "-no-pie")
+# The variants: -O2, -O0, and -O2 with the large code model's literal pools, where gcc
+# itself loads every global's address with an ldr literal (from the pool after each function).
+LEVELS = {"O2": ("-O2",), "O0": ("-O0",), "O2-large": ("-O2", "-mcmodel=large", "-fno-PIC", "-mpc-relative-literal-loads")}
 
 
 def executed(prog, lo: int, hi: int, rc: int) -> collections.Counter:
@@ -158,14 +161,14 @@ def executed(prog, lo: int, hi: int, rc: int) -> collections.Counter:
     return counts
 
 
-@pytest.fixture(scope="module", params=["O2", "O0"])
+@pytest.fixture(scope="module", params=list(LEVELS))
 def built(request, tmp_path_factory):
-    """The program at -O2 or -O0, its output, QEMU's count of each instruction of
+    """The program built with LEVELS[level], its output, QEMU's count of each instruction of
     FUNCS, `check --format json` of a probe on every instruction, and the spec
     of the probes check accepts."""
     level = request.param
     tmp = tmp_path_factory.mktemp(f"every-insn-{level}")
-    prog = cc(tmp, f"prog{level}", PROGRAM, f"-{level}", *FLAGS)
+    prog = cc(tmp, f"prog{level}", PROGRAM, *LEVELS[level], *FLAGS)
     want = run(prog, runner="qemu")
     assert "poly " in want.stdout, want.stdout + want.stderr
     sites = []                                  # (function, offset, address)
@@ -207,7 +210,7 @@ def test_check_decisions(built):
     probes = doc["probes"]
     assert len(probes) == len(sites)
     tally = collections.Counter(p["decision"] for p in probes)
-    print(f"-{level}: {len(probes)} probes: {tally['optimized']} optimized, {tally['int3']} brk, "
+    print(f"{' '.join(LEVELS[level])}: {len(probes)} probes: {tally['optimized']} optimized, {tally['int3']} brk, "
           f"{tally['refused']} refused")
     ranges = exclusive_ranges(prog)
     assert len(ranges) >= 2, ranges              # fetch_add and compare_exchange
@@ -219,6 +222,19 @@ def test_check_decisions(built):
         assert reason["message"].startswith(f"can_probe at {addr}: ") and "exclusive" in reason["message"], reason
     # The rest: no instruction here stops a jump (no other probe lies under a one-instruction region).
     assert tally["optimized"] == len(probes) - len(refused) and not tally["int3"], tally
+    # The oracle's plan: the same refusals, every other probe a brk, simulated (emulate:
+    # the PC-relative and branch classes of simulate-insn.c) or stepped out of line.
+    oracle = json.loads(kprewrite("check", prog, "--spec", spec, "--no-optimize", "--format", "json").stdout)["probes"]
+    assert {p["decision"] for p in oracle} == {"int3"} and len(oracle) == len(probes) - len(refused)
+    how = collections.Counter(p["int3"] for p in oracle)
+    print(f"  --no-optimize: {len(oracle)} brk ({', '.join(f'{n} {k}' for k, n in sorted(how.items()))})")
+    kinds = {p["address"]: p["int3"] for p in oracle}
+    for f in FUNCS:
+        for off, i in insns(prog, f):
+            literal = i.mnemonic in ("ldr", "ldrsw") and "[" not in i.op_str and i.op_str[0] in "xw"
+            branch = i.mnemonic in ("b", "bl", "br", "blr", "ret", "cbz", "cbnz", "tbz", "tbnz") or i.mnemonic.startswith("b.")
+            if f"{i.address:#x}" not in refused and (literal or branch or i.mnemonic in ("adr", "adrp")):
+                assert kinds[f"{i.address:#x}"] == "emulate", (f, off, i.mnemonic, kinds[f"{i.address:#x}"])
 
 
 @pytest.mark.parametrize("mode", ["optimized", "brk"])
@@ -233,6 +249,8 @@ def test_every_instruction_counted(built, mode):
         assert not any("OPTIMIZED" in f for f in flags.values()), flags
     r = run(out, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
     assert (r.returncode, r.stdout) == (want.returncode, want.stdout), r.stdout + r.stderr
+    if level == "O2-large":     # the pool's loads were probed (and counted) too
+        assert sum(1 for _, i in insns(prog, "classify") if i.mnemonic == "ldr" and i.op_str.startswith("x") and "[" not in i.op_str) >= 2
     assert "BAD" not in r.stderr, r.stderr
     prof = profile(r.stderr)
     refused = {p["address"] for p in doc["probes"] if p["decision"] == "refused"}
