@@ -136,6 +136,11 @@ int pre(struct kprobe *p, struct pt_regs *regs)
         pr_err("BAD pre pc %s+%u\n", p->symbol_name, p->offset);
     return 0;
 }
+void post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
+    if (regs->pc == (unsigned long)p->addr)     /* pc is where execution resumes */
+        pr_err("BAD post pc %s+%u\n", p->symbol_name, p->offset);
+}
 """
 
 # -no-pie: the functions sit at their link-time addresses, which QEMU's -dfilter names.
@@ -143,6 +148,12 @@ FLAGS = ("-march=armv8-a", "-mno-outline-atomics", "-no-pie")
 # The variants: -O2, -O0, and -O2 with the large code model's literal pools, where gcc
 # itself loads every global's address with an ldr literal (from the pool after each function).
 LEVELS = {"O2": ("-O2",), "O0": ("-O0",), "O2-large": ("-O2", "-mcmodel=large", "-fno-PIC", "-mpc-relative-literal-loads")}
+# The default run builds -O2 only (about 30 s under qemu); the others are marked slow.
+SLOW = {"O0", "O2-large"}
+
+
+def _levels(*modes):
+    return [pytest.param(level, *modes, marks=[pytest.mark.slow] if level in SLOW else []) for level in LEVELS]
 
 
 def executed(prog, lo: int, hi: int, rc: int) -> collections.Counter:
@@ -161,7 +172,7 @@ def executed(prog, lo: int, hi: int, rc: int) -> collections.Counter:
     return counts
 
 
-@pytest.fixture(scope="module", params=list(LEVELS))
+@pytest.fixture(scope="module")
 def built(request, tmp_path_factory):
     """The program built with LEVELS[level], its output, QEMU's count of each instruction of
     FUNCS, `check --format json` of a probe on every instruction, and the spec
@@ -186,7 +197,9 @@ def built(request, tmp_path_factory):
     assert (r.returncode != 0) == bool(refused) and len(doc["errors"]) == len(refused), r.stderr
     spec = write_spec(tmp, 'handlers = ["handlers.c"]\n' + "".join(table(s) for s in sites if f"{s[2]:#x}" not in refused),
                       name="ok.toml")
-    return level, tmp, prog, want, sites, counts, doc, spec
+    post = write_spec(tmp, spec.read_text().replace('pre_handler = "pre"\n', 'pre_handler = "pre"\npost_handler = "post"\n'),
+                      name="post.toml")
+    return level, tmp, prog, want, sites, counts, doc, {"optimized": spec, "brk": spec, "post": post}
 
 
 def exclusive_ranges(prog) -> list[tuple[int, int]]:
@@ -202,11 +215,16 @@ def exclusive_ranges(prog) -> list[tuple[int, int]]:
     return out
 
 
+def _branch(i) -> bool:
+    return i.mnemonic in ("b", "bl", "br", "blr", "ret", "cbz", "cbnz", "tbz", "tbnz") or i.mnemonic.startswith("b.")
+
+
+@pytest.mark.parametrize("built", _levels(), indirect=True)
 def test_check_decisions(built):
     """Every probe is jump-optimized (one instruction under each B) except those the
     kernel refuses: every instruction from an ldxr to its stxr, with can_probe and
     the address.  The counts go to the test's output (-rP shows them)."""
-    level, tmp, prog, want, sites, counts, doc, spec = built
+    level, tmp, prog, want, sites, counts, doc, specs = built
     probes = doc["probes"]
     assert len(probes) == len(sites)
     tally = collections.Counter(p["decision"] for p in probes)
@@ -224,7 +242,7 @@ def test_check_decisions(built):
     assert tally["optimized"] == len(probes) - len(refused) and not tally["int3"], tally
     # The oracle's plan: the same refusals, every other probe a brk, simulated (emulate:
     # the PC-relative and branch classes of simulate-insn.c) or stepped out of line.
-    oracle = json.loads(kprewrite("check", prog, "--spec", spec, "--no-optimize", "--format", "json").stdout)["probes"]
+    oracle = json.loads(kprewrite("check", prog, "--spec", specs["brk"], "--no-optimize", "--format", "json").stdout)["probes"]
     assert {p["decision"] for p in oracle} == {"int3"} and len(oracle) == len(probes) - len(refused)
     how = collections.Counter(p["int3"] for p in oracle)
     print(f"  --no-optimize: {len(oracle)} brk ({', '.join(f'{n} {k}' for k, n in sorted(how.items()))})")
@@ -232,18 +250,28 @@ def test_check_decisions(built):
     for f in FUNCS:
         for off, i in insns(prog, f):
             literal = i.mnemonic in ("ldr", "ldrsw") and "[" not in i.op_str and i.op_str[0] in "xw"
-            branch = i.mnemonic in ("b", "bl", "br", "blr", "ret", "cbz", "cbnz", "tbz", "tbnz") or i.mnemonic.startswith("b.")
-            if f"{i.address:#x}" not in refused and (literal or branch or i.mnemonic in ("adr", "adrp")):
+            if f"{i.address:#x}" not in refused and (literal or _branch(i) or i.mnemonic in ("adr", "adrp")):
                 assert kinds[f"{i.address:#x}"] == "emulate", (f, off, i.mnemonic, kinds[f"{i.address:#x}"])
+    # With post_handlers, the branches stay breakpoints (no post_handler after a branch in a
+    # detour, as the kernel's optprobes); the rest are optimized.
+    mixed = json.loads(kprewrite("check", prog, "--spec", specs["post"], "--format", "json").stdout)["probes"]
+    tally = collections.Counter(p["decision"] for p in mixed)
+    print(f"  with post_handlers: {tally['optimized']} optimized, {tally['int3']} brk")
+    branches = {f"{i.address:#x}" for f in FUNCS for _, i in insns(prog, f) if _branch(i)} - set(refused)
+    assert {p["address"] for p in mixed if p["decision"] == "int3"} == branches
+    assert all(p["reason"]["check"] == "post_handler" for p in mixed if p["decision"] == "int3")
 
 
-@pytest.mark.parametrize("mode", ["optimized", "brk"])
+# post_handlers at -O2 only (the suite's time): they change which probes trap, not what a detour relocates.
+@pytest.mark.parametrize("built, mode", [p for mode in ("optimized", "brk") for p in _levels(mode)] + [("O2", "post")],
+                         indirect=["built"])
 def test_every_instruction_counted(built, mode):
     """The rewritten program prints and returns what the original does; every probe's
-    hits are the times QEMU executed its instruction in the original."""
-    level, tmp, prog, want, sites, counts, doc, spec = built
+    hits are the times QEMU executed its instruction in the original.  post: with
+    post_handlers too (the branches breakpoints, the rest detours)."""
+    level, tmp, prog, want, sites, counts, doc, specs = built
     extra = ("--no-optimize",) if mode == "brk" else ()
-    out = instrument(prog, spec, tmp / f"prog{level}-{mode}", *extra)
+    out = instrument(prog, specs[mode], tmp / f"prog{level}-{mode}", *extra)
     if mode == "brk":
         flags = {p["name"]: p["flags"] for p in json.loads(kprewrite("list", out, "--format", "json").stdout)["probes"]}
         assert not any("OPTIMIZED" in f for f in flags.values()), flags
