@@ -55,12 +55,46 @@ int main(void)
 }
 """
 
+# cramped saves x30 in its frame record and reads it back from the slot into seen_ra.
+# far_fn lies 256 MiB above it, and the new code after far_fn (test_aarch64_reach.py's layout), so
+# cramped's ret, out of a `B`'s reach of a return hook, is hooked by a brk there
+# (the return address stays where bl put it), where the x30 trampoline, swapped at
+# entry, would be what cramped reads: ra_ok=0.
+TRAMPOLINE_UNSAFE = r"""
+#include <stdio.h>
+__asm__(".text\n.globl cramped\n.type cramped,%function\ncramped:\n"
+        " .cfi_startproc\n"
+        " stp x29, x30, [sp, #-16]!\n .cfi_def_cfa_offset 16\n .cfi_offset 29, -16\n .cfi_offset 30, -8\n"
+        " mov x29, sp\n"
+        " ldr x1, [x29, #8]\n"
+        " adrp x2, seen_ra\n str x1, [x2, :lo12:seen_ra]\n"
+        " add x0, x0, #7\n"
+        " ldp x29, x30, [sp], #16\n .cfi_restore 30\n .cfi_restore 29\n .cfi_def_cfa_offset 0\n"
+        " ret\n .cfi_endproc\n.size cramped, .-cramped\n");
+long cramped(long);
+void *seen_ra;
+__attribute__((noinline, used, section(".fartext"))) long far_fn(long a) { return a + 1; }
+int main(void)
+{
+    long s = 0;
+    int ra_ok = 1;
+    for (long i = 0; i < 3; i++) {
+        s += cramped(i);
+        ra_ok &= (char *)seen_ra > (char *)main && (char *)seen_ra < (char *)main + 400;
+    }
+    printf("s=%ld ra_ok=%d\n", s, ra_ok);
+    return 0;
+}
+"""
+
 # rule -> (source, gcc flags, spec, handlers, run under -cpu max (BTI enforced))
 PROGRAMS = {
     # A glob: with the rule on the probe is refused and skipped, not an error.
     "exclusive_monitor": (EXCLUSIVE, ["-O2"], "optimize = false\n" + probe_spec("kprobe", [("in?", 4)], handlers=False),
                           None, False),
     "pc_relative": (PC_RELATIVE, ["-O2"], probe_spec("kprobe", ["get"], handlers=False), None, False),
+    "trampoline_unsafe": (TRAMPOLINE_UNSAFE, ["-O2", "-no-pie", "-Wl,--section-start=.fartext=0x10000000"],
+                          probe_spec("kretprobe", ["cramped"], handlers=False), None, False),
     # mid starts with paciasp, the landing pad of main's call through fp.
     "landing_pad": (BTI_PROGRAM, ["-O2", "-static", "-nostdlib", *PROTECTION["bti+pac"]],
                     probe_spec("kprobe", ["mid"], pre_handler="pre"), BTI_HANDLERS, True),
@@ -126,3 +160,11 @@ def test_landing_pad(built):
     on, off = _prove(built, "landing_pad")
     assert on[0].startswith("mid+0x0  k  int3  landing_pad at "), on
     assert off.startswith("mid+0x0  k  optimized"), off
+
+
+def test_trampoline_unsafe(built):
+    on, off = _prove(built, "trampoline_unsafe")
+    kret = next(l for l in on if l.startswith("cramped+0x0  r  "))
+    assert "returns: 0x" in kret and "(int3)" in kret and "no trampoline: trampoline_unsafe at " in kret \
+        and "ldr x1, [x29, #8]" in kret and "addresses x30's slot" in kret, on
+    assert "cramped+0x0  r  " in off and "returns: trampoline" in off, off
