@@ -8,7 +8,9 @@ another function's start.  x30 is never replaced at entry; only a tail call to
 a function whose returns are not hooked swaps it for the trampoline (the
 kernel's way, for that path only: kp_kretprobe_tail_swap()), and a function
 whose exits cannot all be named (a conditional branch or a `br` leaving it)
-falls back to the trampoline.
+falls back to the trampoline.  An exit no `B` can hook (out of reach of the new
+code) takes the trampoline where trampoline_refusal() finds it safe, else a brk
+return hook.  A stripped cold part is followed by its FDE (mid_frame_part()).
 
 An exit is one instruction, as long as the `B` that takes it: the return
 region is the exit alone.  Its detour calls the runtime's hook
