@@ -168,3 +168,41 @@ def test_trampoline_unsafe(built):
     assert "returns: 0x" in kret and "(int3)" in kret and "no trampoline: trampoline_unsafe at " in kret \
         and "ldr x1, [x29, #8]" in kret and "addresses x30's slot" in kret, on
     assert "cramped+0x0  r  " in off and "returns: trampoline" in off, off
+
+
+# GCC's own code for __builtin_return_address(0) in a leaf: stp x29, x30 (a frame
+# record), xpaclri, then `str x30, [x1, #:lo12:seen]` while x30 still holds the
+# return address.  Out of reach as cramped is: a brk return hook, not the trampoline.
+LEAF = r"""
+#include <stdio.h>
+void *seen;
+__attribute__((noinline)) long leaf(long x) { seen = __builtin_return_address(0); return x + 1; }
+__attribute__((noinline, used, section(".fartext"))) long far_fn(long a) { return a + 1; }
+int main(void)
+{
+    long s = 0;
+    int ra_ok = 1;
+    for (long i = 0; i < 3; i++) {
+        s += leaf(i);
+        ra_ok &= (char *)seen > (char *)main && (char *)seen < (char *)main + 400;
+    }
+    printf("s=%ld ra_ok=%d\n", s, ra_ok);
+    return 0;
+}
+"""
+
+
+def test_trampoline_unsafe_reads_x30(tmp_path):
+    prog = cc(tmp_path, "leaf", LEAF, "-O2", "-no-pie", "-Wl,--section-start=.fartext=0x10000000")
+    spec = write_spec(tmp_path, probe_spec("kretprobe", ["leaf"], handlers=False))
+    line = check_lines(prog, spec)[0]
+    assert "(int3)" in line and "no trampoline: trampoline_unsafe at " in line and "reads x30 while it holds the " \
+        "return address" in line, line
+    want = _run(prog, False)
+    assert want == (0, "s=6 ra_ok=1\n"), want
+    assert _run(instrument(prog, spec, tmp_path / "leaf.on"), False) == want
+    off = tmp_path / "leaf.off"
+    r = subprocess.run([*KPREWRITE, "instrument", prog, "--spec", spec, "-o", off], capture_output=True, text=True,
+                       env={**TREE_ENV, safety.OFF_VAR: "trampoline_unsafe"})
+    assert r.returncode == 0, r.stderr
+    assert _run(off, False) == (0, "s=6 ra_ok=0\n")

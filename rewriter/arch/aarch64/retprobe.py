@@ -128,48 +128,64 @@ def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
     calls = None
     for part in parts:
         code = bytes(image.read(part.start, part.end - part.start))
+        end = part.start
+        # Whether x30 may hold the return address here (linear order: a bl/blr
+        # replaces it, a load into x30, the epilogue's reload, brings it back).
+        live = True
         for ci in _cs.disasm(code, part.start):
+            end = ci.address + 4
             a = ci.address
             rule = image.cfa.at(a)
             if rule is None or rule[0] not in (_DWARF_SP, _DWARF_FP):
                 return Refusal("trampoline_unsafe", a, f"no CFA rule at {a:#x} says where x30 is saved, so "
                                                        "whether the function reads it is unknown")
-            if ci.group(capstone.CS_GRP_CALL) or ci.mnemonic in ("bl", "blr"):
-                calls = a if calls is None else calls
+            m = ci.mnemonic
+            what = f"{m} {ci.op_str}".strip()
+            reads, writes = ci.regs_access()
             ra = image.cfa.return_address(a)
-            what = f"{ci.mnemonic} {ci.op_str}".strip()
-            if ra is None:
-                # x30 still (or again) holds the return address: only its save, the
-                # ret and the PAC hints may read it.
-                reads = ci.regs_access()[0]
-                if _A.ARM64_REG_X30 in reads and not ci.mnemonic.startswith(("st", "ret", "pac", "aut", "hint")):
-                    return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} reads x30 before it is saved: "
-                                                           "it would see the trampoline")
-                continue
-            # The slot, from each base register the function may address it by.
+            store = m.startswith("st") and _A.ARM64_REG_X30 in reads
             slots = {}
-            if rule[0] == _DWARF_SP:
-                slots[_A.ARM64_REG_SP] = rule[1] + ra
-                if fp is not None:
-                    slots[_A.ARM64_REG_X29] = fp + ra
-            else:
-                slots[_A.ARM64_REG_X29] = rule[1] + ra
+            if ra is not None:
+                # The slot, from each base register the function may address it by.
+                if rule[0] == _DWARF_SP:
+                    slots[_A.ARM64_REG_SP] = rule[1] + ra
+                    if fp is not None:
+                        slots[_A.ARM64_REG_X29] = fp + ra
+                else:
+                    slots[_A.ARM64_REG_X29] = rule[1] + ra
             ops = list(ci.operands)
             regs = [op.reg for op in ops if op.type == _A.ARM64_OP_REG]
+            saved_at_slot = False
             for op in ops:
                 if op.type == _A.ARM64_OP_MEM and op.mem.base in slots and op.mem.index == 0:
                     slot, lo = slots[op.mem.base], op.mem.disp
                     for r in regs or [0]:
                         n = _reg_size(ci, r) if r else 8
-                        if lo < slot + 8 and slot < lo + n and not (r == _A.ARM64_REG_X30 and lo == slot):
-                            return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} addresses x30's slot: "
-                                                                   "it would see the trampoline")
+                        if lo < slot + 8 and slot < lo + n:
+                            if not (r == _A.ARM64_REG_X30 and lo == slot):
+                                return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} addresses x30's slot: "
+                                                                       "it would see the trampoline")
+                            saved_at_slot = True
                         lo += n
-            if ci.mnemonic in ("add", "sub") and len(ops) == 3 and ops[1].type == _A.ARM64_OP_REG \
+            if m in ("add", "sub") and len(ops) == 3 and ops[1].type == _A.ARM64_OP_REG \
                     and ops[1].reg in slots and ops[2].type == _A.ARM64_OP_IMM \
-                    and (ops[2].imm if ci.mnemonic == "add" else -ops[2].imm) == slots[ops[1].reg]:
+                    and (ops[2].imm if m == "add" else -ops[2].imm) == slots[ops[1].reg]:
                 return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} takes the address of x30's slot: "
                                                        "it would see the trampoline")
+            if live and _A.ARM64_REG_X30 in reads and not m.startswith(("ret", "pac", "aut", "xpac", "hint")):
+                # Only the save may read it: a store to the slot, or one after which
+                # the rules say x30 is saved (the prologue's, before its CFI row).
+                save = store and (saved_at_slot or ra is None and image.cfa.return_address(a + 4) is not None)
+                if not save:
+                    return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} reads x30 while it holds the "
+                                                           "return address: it would see the trampoline")
+            if m in ("bl", "blr") or ci.group(capstone.CS_GRP_CALL):
+                calls = a if calls is None else calls
+                live = False
+            elif _A.ARM64_REG_X30 in writes and not m.startswith(("pac", "aut", "xpac", "hint")):
+                live = m.startswith("ld")
+        if end < part.start + len(code) // 4 * 4:
+            return Refusal("trampoline_unsafe", end, f"{end:#x} cannot be decoded")
     out = calls if calls is not None else next((e.addr for e in exits if e.kind != RET), None)
     if out is not None:
         why = _unwinds_exceptions(image, analysis)
