@@ -115,8 +115,9 @@ def _fp_delta(image, parts) -> int | None:
 def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
     """Where the return-address trampoline (the kernel's rethook, x30 swapped at
     entry) would be wrong for `func`, though cheaper than breakpoint return
-    hooks, in arm64's terms: the function reads x30 while it still holds the
-    return address (`mov x1, x30`: __builtin_return_address in a leaf), or
+    hooks, in arm64's terms: the function reads x30 while it may hold the
+    return address (until a bl/blr, again after a load into x30: GCC's
+    __builtin_return_address(0) in a leaf), other than to save it, or
     addresses the slot x30 is saved to (the FDE's rules at each instruction say
     where: CFA = sp or x29 + N, x30 at CFA - M) other than to save or reload x30
     there; with no rule, nothing is proven.  Or it calls out and the image
