@@ -55,12 +55,46 @@ int main(void)
 }
 """
 
+# cramped saves x30 in its frame record and reads it back from the slot into seen_ra.
+# far_fn lies 256 MiB above it, and the new code after far_fn (test_aarch64_reach.py's layout), so
+# cramped's ret, out of a `B`'s reach of a return hook, is hooked by a brk there
+# (the return address stays where bl put it), where the x30 trampoline, swapped at
+# entry, would be what cramped reads: ra_ok=0.
+TRAMPOLINE_UNSAFE = r"""
+#include <stdio.h>
+__asm__(".text\n.globl cramped\n.type cramped,%function\ncramped:\n"
+        " .cfi_startproc\n"
+        " stp x29, x30, [sp, #-16]!\n .cfi_def_cfa_offset 16\n .cfi_offset 29, -16\n .cfi_offset 30, -8\n"
+        " mov x29, sp\n"
+        " ldr x1, [x29, #8]\n"
+        " adrp x2, seen_ra\n str x1, [x2, :lo12:seen_ra]\n"
+        " add x0, x0, #7\n"
+        " ldp x29, x30, [sp], #16\n .cfi_restore 30\n .cfi_restore 29\n .cfi_def_cfa_offset 0\n"
+        " ret\n .cfi_endproc\n.size cramped, .-cramped\n");
+long cramped(long);
+void *seen_ra;
+__attribute__((noinline, used, section(".fartext"))) long far_fn(long a) { return a + 1; }
+int main(void)
+{
+    long s = 0;
+    int ra_ok = 1;
+    for (long i = 0; i < 3; i++) {
+        s += cramped(i);
+        ra_ok &= (char *)seen_ra > (char *)main && (char *)seen_ra < (char *)main + 400;
+    }
+    printf("s=%ld ra_ok=%d\n", s, ra_ok);
+    return 0;
+}
+"""
+
 # rule -> (source, gcc flags, spec, handlers, run under -cpu max (BTI enforced))
 PROGRAMS = {
     # A glob: with the rule on the probe is refused and skipped, not an error.
     "exclusive_monitor": (EXCLUSIVE, ["-O2"], "optimize = false\n" + probe_spec("kprobe", [("in?", 4)], handlers=False),
                           None, False),
     "pc_relative": (PC_RELATIVE, ["-O2"], probe_spec("kprobe", ["get"], handlers=False), None, False),
+    "trampoline_unsafe": (TRAMPOLINE_UNSAFE, ["-O2", "-no-pie", "-Wl,--section-start=.fartext=0x10000000"],
+                          probe_spec("kretprobe", ["cramped"], handlers=False), None, False),
     # mid starts with paciasp, the landing pad of main's call through fp.
     "landing_pad": (BTI_PROGRAM, ["-O2", "-static", "-nostdlib", *PROTECTION["bti+pac"]],
                     probe_spec("kprobe", ["mid"], pre_handler="pre"), BTI_HANDLERS, True),
@@ -126,3 +160,49 @@ def test_landing_pad(built):
     on, off = _prove(built, "landing_pad")
     assert on[0].startswith("mid+0x0  k  int3  landing_pad at "), on
     assert off.startswith("mid+0x0  k  optimized"), off
+
+
+def test_trampoline_unsafe(built):
+    on, off = _prove(built, "trampoline_unsafe")
+    kret = next(l for l in on if l.startswith("cramped+0x0  r  "))
+    assert "returns: 0x" in kret and "(int3)" in kret and "no trampoline: trampoline_unsafe at " in kret \
+        and "ldr x1, [x29, #8]" in kret and "addresses x30's slot" in kret, on
+    assert "cramped+0x0  r  " in off and "returns: trampoline" in off, off
+
+
+# GCC's own code for __builtin_return_address(0) in a leaf: stp x29, x30 (a frame
+# record), xpaclri, then `str x30, [x1, #:lo12:seen]` while x30 still holds the
+# return address.  Out of reach as cramped is: a brk return hook, not the trampoline.
+LEAF = r"""
+#include <stdio.h>
+void *seen;
+__attribute__((noinline)) long leaf(long x) { seen = __builtin_return_address(0); return x + 1; }
+__attribute__((noinline, used, section(".fartext"))) long far_fn(long a) { return a + 1; }
+int main(void)
+{
+    long s = 0;
+    int ra_ok = 1;
+    for (long i = 0; i < 3; i++) {
+        s += leaf(i);
+        ra_ok &= (char *)seen > (char *)main && (char *)seen < (char *)main + 400;
+    }
+    printf("s=%ld ra_ok=%d\n", s, ra_ok);
+    return 0;
+}
+"""
+
+
+def test_trampoline_unsafe_reads_x30(tmp_path):
+    prog = cc(tmp_path, "leaf", LEAF, "-O2", "-no-pie", "-Wl,--section-start=.fartext=0x10000000")
+    spec = write_spec(tmp_path, probe_spec("kretprobe", ["leaf"], handlers=False))
+    line = check_lines(prog, spec)[0]
+    assert "(int3)" in line and "no trampoline: trampoline_unsafe at " in line and "reads x30 while it holds the " \
+        "return address" in line, line
+    want = _run(prog, False)
+    assert want == (0, "s=6 ra_ok=1\n"), want
+    assert _run(instrument(prog, spec, tmp_path / "leaf.on"), False) == want
+    off = tmp_path / "leaf.off"
+    r = subprocess.run([*KPREWRITE, "instrument", prog, "--spec", spec, "-o", off], capture_output=True, text=True,
+                       env={**TREE_ENV, safety.OFF_VAR: "trampoline_unsafe"})
+    assert r.returncode == 0, r.stderr
+    assert _run(off, False) == (0, "s=6 ra_ok=0\n")

@@ -863,3 +863,81 @@ def test_breakpoint_kprobe_on_a_hooked_exit_keeps_the_return_hook(once, runner):
     assert r.returncode == 0 and r.stdout == "50\n", r.stderr
     got = [l for l in r.stderr.splitlines() if l[:1] in "PR"]
     assert got == [x for v in (4, 7, 10, 13, 16) for x in ("P", f"R {v}")], got
+
+
+# --- AArch64: a stripped cold part that reloads x30 and leaves ----------------------
+
+aarch64_only = pytest.mark.skipif(ARCH != "aarch64", reason="arm64's hot/cold code (x86-64: test_kretprobe_floor.py)")
+
+# lib_scan's unlikely path (the call of a cold function) is split by GCC -O2 into
+# lib_scan.cold, which `strip` leaves unnamed: an FDE of its own whose CIE/FDE rules
+# start mid-frame (CFA sp+32, x30 saved at CFA-24).  The part reloads x30 from the
+# frame (ldp x29, x30, [sp], #32) and tail-calls lib_fix.  Taken for a tail call,
+# the `b` to it would swap x30 for the trampoline, the part would reload the real
+# return address over it, and lib_scan's return through lib_fix would be missed.
+COLD = r"""
+#include <stdio.h>
+__attribute__((noinline, cold)) void lib_warn(const char *what, long v) { fprintf(stderr, "warn %s %ld\n", what, v); }
+__attribute__((noinline)) long lib_fix(long v) { __asm__ volatile(""); return v * 2 + 1; }
+long lib_scan(const long *a, long n)
+{
+    long s = 0;
+    for (long i = 0; i < n; i++) {
+        if (__builtin_expect(a[i] < 0, 0)) {
+            lib_warn("negative", a[i]);
+            return lib_fix(s + i);
+        }
+        s += a[i] * 3;
+    }
+    return s;
+}
+"""
+COLD_MAIN = r"""
+#include <stdio.h>
+long lib_scan(const long *a, long n);
+int main(void)
+{
+    long a[] = { 1, 2, 3, 4 }, b[] = { 5, 6, -7, 8 };
+    printf("%ld %ld\n", lib_scan(a, 4), lib_scan(b, 4));
+    return 0;
+}
+"""
+COLD_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+int on_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	pr_info("R %s = %ld\n", ri->rp->kp.symbol_name, (long)regs_return_value(regs));
+	return 0;
+}
+"""
+
+
+def _stripped_cold(tmp):
+    lib = cc(tmp, "libcs.so", COLD, "-O2", "-fPIC", "-shared", "-freorder-blocks-and-partition")
+    syms = subprocess.run([CC.replace("gcc", "nm"), str(lib)], capture_output=True, text=True, check=True).stdout
+    assert "lib_scan.cold" in syms, syms      # GCC split the unlikely path
+    subprocess.run([CC.replace("gcc", "strip"), str(lib)], check=True)
+    prog = cc(tmp, "main", COLD_MAIN, "-O2", f"-L{tmp}", "-lcs")
+    spec = write_spec(tmp, 'handlers = ["handlers.c"]\n[[kretprobe]]\nsymbol_name = "*"\nhandler = "on_ret"\n',
+                      COLD_HANDLERS)
+    outdir = tmp / "out"
+    outdir.mkdir()
+    return prog, lib, check_lines(lib, spec), instrument(lib, spec, outdir / "libcs.so")
+
+
+@aarch64_only
+def test_stripped_cold_part_reloading_x30_keeps_its_return(once, runner):
+    prog, lib, check, out = once(_stripped_cold)
+    cold = [l for l in check if re.match(r"sub_[0-9a-f]+\+0x0  r  refused  entry_frame at ", l)]
+    assert len(cold) == 1 and "is sp+32, x30 saved at CFA-24" in cold[0], "\n".join(check)
+    line = next(l for l in check if l.startswith("lib_scan+0x0  r  "))
+    # Followed by its FDE: the part's tail `b` to lib_fix@plt is an exit of lib_scan, every exit hooked.
+    start = int(cold[0].split("+")[0][4:], 16)
+    tails = [int(a, 16) for a in re.findall(r"(0x[0-9a-f]+) tail->", line)]
+    assert hooked(line) and any(start <= a < start + 0x40 for a in tails), line
+    want = run(prog, runner=runner, libdir=lib.parent)
+    assert want.returncode == 0 and want.stdout == "30 71\n" and "warn negative -7" in want.stderr, want
+    r = run(prog, runner=runner, libdir=out.parent)
+    assert r.returncode == 0 and r.stdout == want.stdout, r.stderr
+    got = [l for l in r.stderr.splitlines() if l.startswith("R lib_")]
+    assert got == ["R lib_scan = 30", "R lib_warn = 17", "R lib_fix = 71", "R lib_scan = 71"], r.stderr

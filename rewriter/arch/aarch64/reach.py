@@ -4,7 +4,8 @@ code, placed after the image's last segment, is within it of an address.
 A program whose code lies further than that from its end (a large text, a
 function placed far away) keeps its probes there as breakpoints (the brk's
 out-of-line slot is reached by the SIGTRAP handler, and leaves by a brk), its
-kretprobes on the trampoline (x30, not a `B`, brings the return), with the
+kretprobes' exits on the trampoline (x30, not a `B`, brings the return) or, where
+that is unsafe (retprobe.trampoline_refusal()), on brk return hooks, with the
 reason in `check` (x86-64's rel32 reaches +-2 GiB, which no ordinary program's
 code exceeds)."""
 from __future__ import annotations

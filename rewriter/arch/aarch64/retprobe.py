@@ -8,7 +8,9 @@ another function's start.  x30 is never replaced at entry; only a tail call to
 a function whose returns are not hooked swaps it for the trampoline (the
 kernel's way, for that path only: kp_kretprobe_tail_swap()), and a function
 whose exits cannot all be named (a conditional branch or a `br` leaving it)
-falls back to the trampoline.
+falls back to the trampoline.  An exit no `B` can hook (out of reach of the new
+code) takes the trampoline where trampoline_refusal() finds it safe, else a brk
+return hook.  A stripped cold part is followed by its FDE (mid_frame_part()).
 
 An exit is one instruction, as long as the `B` that takes it: the return
 region is the exit alone.  Its detour calls the runtime's hook
@@ -17,6 +19,9 @@ unchanged), then runs the exit itself (a `ret`, or the relocated `b`)."""
 from __future__ import annotations
 
 import struct
+
+import capstone
+import capstone.arm64_const
 
 from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal
 from . import emit as em
@@ -28,30 +33,166 @@ from ... import safety
 # DWARF register 31 is sp: where a call (bl/blr) lands the CFA is sp itself, the
 # return address in x30, nothing pushed yet.
 _DWARF_SP = 31
+_DWARF_FP = 29
 
 # What kret_entry_body's form writes besides the entry_handler's own (it saves everything).
 KRET_ENTRY_USES: tuple[str, ...] = ()
 
 
-def entry_frame_refusal(image, addr: int) -> Refusal | None:
-    """As on x86-64 (x86_64/retprobe.py), beyond the kernel: is `addr` a place a
-    call lands?  There the FDE's rule is CFA = sp + 0 (bl pushes nothing).  A
-    block with an FDE of its own that starts mid-frame (a stripped cold part) has
-    no return address in x30 of its own.  Where no FDE covers addr (or the rule
-    is an expression) nothing is known and nothing is refused."""
+def _mid_frame(image, addr: int) -> str | None:
+    """None if a call may land at `addr` as far as the unwind information says (no
+    FDE covers it, or its rule is CFA = sp + 0 with x30 not saved), else what its
+    rules say instead: a block of a larger function with an FDE of its own (GCC's
+    hot/cold splitting, stripped of its `.cold` name) starts mid-frame, its CIE's
+    initial instructions and FDE giving the parent's frame (CFA sp + N, x30 saved
+    at CFA - M)."""
     rule = image.cfa.at(addr)
-    if rule is None or rule == (_DWARF_SP, 0) or not safety.enabled("entry_frame"):
+    if rule is None:
+        return None
+    ra = image.cfa.return_address(addr)
+    if rule == (_DWARF_SP, 0) and ra is None:
         return None
     reg, off = rule
-    where = f"{'sp' if reg == _DWARF_SP else f'x{reg}'}{off:+d}"
-    return Refusal("entry_frame", addr, f"the CFA at {addr:#x} is {where} (its FDE), not sp+0: entered "
-                                        "mid-frame (as a cold part of a larger function is), x30 is not its return address")
+    where = f"the CFA at {addr:#x} is {'sp' if reg == _DWARF_SP else f'x{reg}'}{off:+d}"
+    return where + (f", x30 saved at CFA{ra:+d}" if ra is not None else "")
+
+
+def entry_frame_refusal(image, addr: int) -> Refusal | None:
+    """As on x86-64 (x86_64/retprobe.py), beyond the kernel: is `addr` a place a
+    call lands?  There the FDE's rule is CFA = sp + 0 (bl pushes nothing), x30
+    not saved.  A block with an FDE of its own that starts mid-frame (a stripped
+    cold part) has no return address in x30 of its own.  Where no FDE covers addr
+    (or the rule is an expression) nothing is known and nothing is refused."""
+    mid = _mid_frame(image, addr)
+    if mid is None or not safety.enabled("entry_frame"):
+        return None
+    return Refusal("entry_frame", addr, f"{mid} (its FDE), not sp+0 with x30 unsaved: entered mid-frame "
+                                        "(as a cold part of a larger function is), x30 is not its return address")
+
+
+# Symbols of an image that unwinds exceptions through its frames (as x86_64/retprobe.py's).
+EXCEPTION_SYMBOLS = ("__gxx_personality_v0", "__cxa_throw", "_Unwind_RaiseException", "_Unwind_Resume",
+                     "__gcc_personality_v0")
+
+_cs = capstone.Cs(capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)
+_cs.detail = True
+_A = capstone.arm64_const
+_SIZE = {"x": 8, "w": 4, "q": 16, "d": 8, "s": 4, "h": 2, "b": 1}
+
+
+def _reg_size(ci, reg: int) -> int:
+    name = ci.reg_name(reg)
+    return 8 if name in ("fp", "lr", "sp", "xzr") else _SIZE.get(name[0], 8)
+
+
+def _unwinds_exceptions(image, analysis) -> str:
+    """Whether an exception may unwind through a frame: an FDE with an LSDA, or a
+    symbol of the unwinder's or the C++ runtime's.  What says so, or ''."""
+    def compute():
+        lsda = next((f for f in image.fdes if f.lsda), None)
+        if lsda is not None:
+            return f"the FDE at {lsda.start:#x} has an LSDA"
+        names = image.all_symbols().keys() | {str(s.name) for s in image.binary.dynamic_symbols}
+        return next((f"it names {n}" for n in EXCEPTION_SYMBOLS if n in names), "")
+    return analysis.memo("retprobe.unwinds", 0, compute)
+
+
+def _fp_delta(image, parts) -> int | None:
+    """CFA - x29 once the function has set its frame record's pointer (`mov x29, sp`,
+    `add x29, sp, #k`; a cold part runs with its parent's), or None."""
+    for part in parts:
+        code = bytes(image.read(part.start, part.end - part.start))
+        for a, _, m, o in _cs.disasm_lite(code, part.start):
+            if m in ("mov", "add") and o.replace(" ", "").startswith("x29,sp"):
+                rule = image.cfa.at(a)
+                if rule is None or rule[0] != _DWARF_SP:
+                    return None
+                k = int(o.split("#")[1], 0) if "#" in o else 0
+                return rule[1] - k
+    return None
 
 
 def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
-    """Where the return-address trampoline would be wrong for `func` (x86_64/
-    retprobe.py reads the CFA rules for it).  Not analysed here yet: None, the
-    trampoline, as AArch64 kretprobes took it before the check existed."""
+    """Where the return-address trampoline (the kernel's rethook, x30 swapped at
+    entry) would be wrong for `func`, though cheaper than breakpoint return
+    hooks, in arm64's terms: the function reads x30 while it may hold the
+    return address (until a bl/blr, again after a load into x30: GCC's
+    __builtin_return_address(0) in a leaf), other than to save it, or
+    addresses the slot x30 is saved to (the FDE's rules at each instruction say
+    where: CFA = sp or x29 + N, x30 at CFA - M) other than to save or reload x30
+    there; with no rule, nothing is proven.  Or it calls out and the image
+    unwinds exceptions (the unwinder would meet the trampoline, which has no
+    FDE).  None: safe."""
+    if not safety.enabled("trampoline_unsafe"):
+        return None
+    fp = _fp_delta(image, parts)
+    calls = None
+    for part in parts:
+        code = bytes(image.read(part.start, part.end - part.start))
+        end = part.start
+        # Whether x30 may hold the return address here (linear order: a bl/blr
+        # replaces it, a load into x30, the epilogue's reload, brings it back).
+        live = True
+        for ci in _cs.disasm(code, part.start):
+            end = ci.address + 4
+            a = ci.address
+            rule = image.cfa.at(a)
+            if rule is None or rule[0] not in (_DWARF_SP, _DWARF_FP):
+                return Refusal("trampoline_unsafe", a, f"no CFA rule at {a:#x} says where x30 is saved, so "
+                                                       "whether the function reads it is unknown")
+            m = ci.mnemonic
+            what = f"{m} {ci.op_str}".strip()
+            reads, writes = ci.regs_access()
+            ra = image.cfa.return_address(a)
+            store = m.startswith("st") and _A.ARM64_REG_X30 in reads
+            slots = {}
+            if ra is not None:
+                # The slot, from each base register the function may address it by.
+                if rule[0] == _DWARF_SP:
+                    slots[_A.ARM64_REG_SP] = rule[1] + ra
+                    if fp is not None:
+                        slots[_A.ARM64_REG_X29] = fp + ra
+                else:
+                    slots[_A.ARM64_REG_X29] = rule[1] + ra
+            ops = list(ci.operands)
+            regs = [op.reg for op in ops if op.type == _A.ARM64_OP_REG]
+            saved_at_slot = False
+            for op in ops:
+                if op.type == _A.ARM64_OP_MEM and op.mem.base in slots and op.mem.index == 0:
+                    slot, lo = slots[op.mem.base], op.mem.disp
+                    for r in regs or [0]:
+                        n = _reg_size(ci, r) if r else 8
+                        if lo < slot + 8 and slot < lo + n:
+                            if not (r == _A.ARM64_REG_X30 and lo == slot):
+                                return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} addresses x30's slot: "
+                                                                       "it would see the trampoline")
+                            saved_at_slot = True
+                        lo += n
+            if m in ("add", "sub") and len(ops) == 3 and ops[1].type == _A.ARM64_OP_REG \
+                    and ops[1].reg in slots and ops[2].type == _A.ARM64_OP_IMM \
+                    and (ops[2].imm if m == "add" else -ops[2].imm) == slots[ops[1].reg]:
+                return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} takes the address of x30's slot: "
+                                                       "it would see the trampoline")
+            if live and _A.ARM64_REG_X30 in reads and not m.startswith(("ret", "pac", "aut", "xpac", "hint")):
+                # Only the save may read it: a store to the slot, or one after which
+                # the rules say x30 is saved (the prologue's, before its CFI row).
+                save = store and (saved_at_slot or ra is None and image.cfa.return_address(a + 4) is not None)
+                if not save:
+                    return Refusal("trampoline_unsafe", a, f"{what} at {a:#x} reads x30 while it holds the "
+                                                           "return address: it would see the trampoline")
+            if m in ("bl", "blr") or ci.group(capstone.CS_GRP_CALL):
+                calls = a if calls is None else calls
+                live = False
+            elif _A.ARM64_REG_X30 in writes and not m.startswith(("pac", "aut", "xpac", "hint")):
+                live = m.startswith("ld")
+        if end < part.start + len(code) // 4 * 4:
+            return Refusal("trampoline_unsafe", end, f"{end:#x} cannot be decoded")
+    out = calls if calls is not None else next((e.addr for e in exits if e.kind != RET), None)
+    if out is not None:
+        why = _unwinds_exceptions(image, analysis)
+        if why:
+            return Refusal("trampoline_unsafe", out, f"{func.name} calls out at {out:#x} and an exception may "
+                                                     f"unwind through its frame ({why}): the trampoline has no FDE")
     return None
 
 
@@ -61,9 +202,10 @@ JUMP_WORD = "branch"
 
 
 def exits_refusal(image, func) -> Refusal | None:
-    """A function out of a `B`'s reach of the new code (reach.py): no exit can branch
-    to a hook; the trampoline, as x30 brings the return, not a `B`."""
-    return reach.refusal(image, func.start, "a B to a return hook")
+    """Every exit is named, even out of a `B`'s reach of the new code: there
+    exit_region() refuses it (jump_reach), and the function takes the trampoline
+    where trampoline_refusal() allows, else a brk return hook at each exit."""
+    return None
 
 
 def unknown_exits(image, analysis, part) -> Refusal | None:
@@ -93,13 +235,18 @@ def exit_kind(insn: DcrInsn):
 
 
 def mid_frame_part(image, func) -> bool:
-    """Not followed on AArch64: a `B` to a stripped cold part's start is taken as a
-    tail call (its x30 swap catches the part's `ret`); a `B` into its middle is `jump_out`."""
-    return False
+    """A block with an FDE of its own that starts mid-frame (CFA not sp + 0, or x30
+    saved, by its CIE's and FDE's rules): a stripped `.cold` part, followed as one
+    (its `ret` after reloading x30 is an exit of the function)."""
+    return _mid_frame(image, func.start) is not None
 
 
 def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
-    """The exit alone (a B is as long): (its instruction, region end)."""
+    """The exit alone (a B is as long): (its instruction, region end); refused out of
+    a B's reach of the new code (reach.py)."""
+    far = reach.refusal(image, exit.addr, "a B to a return hook")
+    if far is not None:
+        return far
     end = exit.addr + 4
     if busy(exit.addr, end):
         return Refusal("probe_in_region", exit.addr, f"another probe overlaps the return region [{exit.addr:#x}, {end:#x})")
