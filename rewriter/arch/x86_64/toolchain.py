@@ -12,8 +12,9 @@ CFLAGS = {
     "user": ("-mgeneral-regs-only", "-fcf-protection=none"),
     # In a kernel image, as the kernel's own code: the kernel code model, no red
     # zone (interrupts push below %rsp), 8-byte stack alignment, and the image's
-    # return-thunk and retpoline conventions.
+    # return-thunk and retpoline conventions; no frame pointer in a leaf (the recipe keeps
+    # them elsewhere, for the kernel's unwinder).
     "kernel": ("-mgeneral-regs-only", "-fcf-protection=none", "-mcmodel=kernel", "-mno-red-zone",
                "-mpreferred-stack-boundary=3", "-mfunction-return=thunk-extern",
-               "-mindirect-branch=thunk-extern", "-mindirect-branch-register"),
+               "-mindirect-branch=thunk-extern", "-mindirect-branch-register", "-momit-leaf-frame-pointer"),
 }
