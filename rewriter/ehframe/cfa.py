@@ -5,7 +5,7 @@ import bisect
 import io
 import struct
 
-from .encoding import _Malformed, _sleb, _uleb
+from .encoding import _Malformed, _raw, _sleb, _uleb
 
 UNDEFINED, SAME_VALUE, OFFSET, VAL_OFFSET, REGISTER, EXPRESSION, VAL_EXPRESSION = (
     "UNDEFINED", "SAME_VALUE", "OFFSET", "VAL_OFFSET", "REGISTER", "EXPRESSION", "VAL_EXPRESSION")
@@ -136,20 +136,9 @@ def _slow_rows(fde) -> list:
 
 # --- the fast reader ---------------------------------------------------------------
 _U8, _U16, _U32, _U64 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
-_S16, _S32, _S64 = struct.Struct("<h"), struct.Struct("<i"), struct.Struct("<q")
-_FIXED = {0x00: _U64, 0x02: _U16, 0x03: _U32, 0x04: _U64, 0x0A: _S16, 0x0B: _S32, 0x0C: _S64}
-
-
-def _enc(d: bytes, p: int, basic: int) -> tuple[int, int]:
-    """A value in basic encoding (pyelftools' _eh_encoding_to_field); absptr is 8 bytes."""
-    s = _FIXED.get(basic)
-    if s is not None:
-        return s.unpack_from(d, p)[0], p + s.size
-    if basic == 0x01:
-        return _uleb(d, p)
-    if basic == 0x09:
-        return _sleb(d, p)
-    raise _Unsupported(f"encoding {basic:#x}")
+# A value in a pointer encoding's basic format: encoding._raw() (absptr is 8 bytes; an
+# unknown format raises _Malformed, which sends the section to pyelftools, as any other).
+_enc = _raw
 
 
 class _Cie:
