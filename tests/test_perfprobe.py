@@ -85,6 +85,12 @@ def gdb_values(binary, where: list[str], exprs: list[list[tuple[str, str, str]]]
             script.append(f'printf "V {name}=%s\\n", {e}' if kind == "s" else f'printf "V {name}=%ld\\n", (long)({e})')
         script += ["continue", "end"]
     script.append("run " + " ".join(map(str, args)))
+    return gdb_hits(binary, script)
+
+
+def gdb_hits(binary, script: list[str]) -> list[tuple[int, dict]]:
+    """Runs binary under `gdb -batch` with script, whose breakpoints print `HIT i` and then
+    `V name=value` lines: (i, {name: value}) in hit order."""
     path = binary.with_suffix(".gdb")
     path.write_text("\n".join(script) + "\n")
     r = subprocess.run(["gdb", "-nx", "-batch", "-x", str(path), str(binary)], capture_output=True, text=True,

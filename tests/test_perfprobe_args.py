@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from conftest import cc, kprewrite, run, write_spec
+from test_perfprobe import gdb_hits
 from rewriter import tracefmt
 
 ARCHES = ["x86_64"]
@@ -118,19 +119,7 @@ def gdb_values(binary, events: list[tuple[str, list[tuple[str, str]]]]) -> list[
             script += [f'printf "V {n}=%ld\\n", {e}' for n, e in events[i][1]]
         script += ["continue", "end"]
     script.append("run")
-    path = binary.with_suffix(".gdb")
-    path.write_text("\n".join(script) + "\n")
-    r = subprocess.run(["gdb", "-nx", "-batch", "-x", str(path), str(binary)], capture_output=True, text=True,
-                       timeout=120)
-    hits: list[tuple[int, dict]] = []
-    for line in r.stdout.splitlines():
-        if line.startswith("HIT "):
-            hits.append((int(line[4:]), {}))
-        elif line.startswith("V ") and hits:
-            k, _, v = line[2:].partition("=")
-            hits[-1][1][k] = v
-    assert hits, r.stdout + r.stderr
-    return hits
+    return gdb_hits(binary, script)
 
 
 def _bits(fetch: str) -> int:
