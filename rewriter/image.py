@@ -95,6 +95,9 @@ class Image:
         if machine not in MACHINES:
             known = ", ".join(f"{a.replace('_', '-')} ({EM_NAMES.get(m, m)})" for m, a in sorted(MACHINES.items()))
             raise KprewriteError(f"{p}: ELF machine is {EM_NAMES.get(machine, machine)}; kprewrite supports {known}")
+        if self.e_type == 1:    # a module target would have unwrapped a .ko (.gnu.linkonce.this_module)
+            raise KprewriteError(f"{p}: a relocatable object that is not a readable kernel module (no "
+                                 ".gnu.linkonce.this_module section in its section headers: truncated, or not a .ko)")
         if self.e_type not in (2, 3):
             raise KprewriteError(f"{p}: ELF type {self.e_type} is neither an executable nor a shared object")
         if elf.phnum == 0:

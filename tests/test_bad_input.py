@@ -3,6 +3,7 @@ Run for aarch64 too (KPREWRITE_TEST_ARCH=aarch64), but for the tests marked x86_
 from __future__ import annotations
 
 import hashlib
+import subprocess
 
 import pytest
 
@@ -57,6 +58,19 @@ def test_truncated(tmp_path, prog):
     t.write_bytes(prog.read_bytes()[:3000])
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
     assert len(fails(tmp_path, t, spec, "truncated ELF file")) == 1
+
+
+@x86_only
+def test_relocatable_object_that_is_not_a_module(tmp_path):
+    """An object file, or a .ko cut short before its section headers: one line saying what it
+    is not, rather than the ELF type number."""
+    obj = tmp_path / "obj.o"
+    subprocess.run(["gcc", "-c", "-o", obj, "-x", "c", "-"], input="int work(int x) { return x + 1; }\n",
+                   text=True, check=True)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert fails(tmp_path, obj, spec, "not a readable kernel module") == [
+        f"kprewrite: {obj}: a relocatable object that is not a readable kernel module (no .gnu.linkonce.this_module "
+        "section in its section headers: truncated, or not a .ko)"]
 
 
 def test_wrong_machine(tmp_path, prog):
