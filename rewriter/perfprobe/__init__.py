@@ -14,6 +14,7 @@ handlers and reports are theirs.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from elftools.common.exceptions import DWARFError, ELFError, ELFParseError
@@ -37,24 +38,36 @@ class ProbeEventDef(E.EventDef):
 
 def debug_info(image, arch):
     """The image's DWARF (D.DebugInfo), or for a target that names them from BTF (a
-    kernel) its types (btfprobe.Types); KprewriteError if it has none."""
-    if getattr(getattr(image, "target", None), "PROBES_BY_NAME", False) == "btf":
-        return btf_types(image)
+    kernel) its types (btfprobe.Types) when no DWARF of it is found; KprewriteError if
+    it has neither."""
     cached = getattr(image, "_kp_debug_info", None)
     if cached is not None:
         return cached
-    if not getattr(getattr(image, "target", None), "PROBES_BY_NAME", False):
+    target = getattr(image, "target", None)
+    mode = getattr(target, "PROBES_BY_NAME", False)
+    if not mode:
         raise KprewriteError(f"{image.label}: probes by name (`probes`) are read from a user "
                              f"program's or library's DWARF; this image's target does not have them")
     regs = getattr(arch.fetch_regs, "DWARF_REGS", None)
     if regs is None:
+        if mode == "btf":
+            return btf_types(image)
         raise KprewriteError(f"{image.label}: probes by name are not supported on {arch.name} "
                              f"(no DWARF register map)")
-    with open(image.path, "rb") as f:
-        data = f.read()
+    if mode == "btf":
+        from .btfprobe import KERNEL_GROUP
+        data, kw = image.data, dict(names=target.debug_file_names(image), by_address=True,
+                                    group=KERNEL_GROUP)
+    else:
+        with open(image.path, "rb") as f:
+            data = f.read()
+        kw = {}
     try:
-        dbg = D.DebugInfo(image.path, data, regs, getattr(arch.fetch_regs, "DWARF_REG_NAMES", None))
+        dbg = D.DebugInfo(image.path, data, regs, getattr(arch.fetch_regs, "DWARF_REG_NAMES", None), **kw)
     except D.NoDebugInfo as e:
+        if mode == "btf" and not os.environ.get(D.DEBUG_FILE_ENV):
+            image._kp_debug_info = btf_types(image)    # no vmlinux with DWARF: the parameters, from BTF
+            return image._kp_debug_info
         raise KprewriteError(str(e)) from None
     except Exception as e:          # pyelftools on a damaged file: one line, not a traceback
         raise KprewriteError(f"{image.label}: cannot read its debug information: "

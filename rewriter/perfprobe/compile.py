@@ -47,9 +47,21 @@ def _file_match(path: str | None, want: str) -> bool:
     return path == want or path.endswith("/" + want.lstrip("/")) or os.path.basename(path) == want
 
 
-def where(image, addr: int) -> str:
+def _function_at(image, addr: int):
+    """(name, start, unique) of the function symbol at addr: the image's, or for an
+    image whose symbols are read later (a kernel's kallsyms) its debug file's."""
+    dbg = getattr(image, "_kp_debug_info", None)
+    if isinstance(dbg, D.DebugInfo) and dbg.by_address:
+        return dbg.symbol_at(addr)
     f = image.function_at(addr)
-    return f"{f.name}+{addr - f.start:#x}" if f is not None else f"{addr:#x}"
+    if f is None:
+        return None
+    return f.name, f.start, len(set(image.symbols.get(f.name, []))) == 1
+
+
+def where(image, addr: int) -> str:
+    f = _function_at(image, addr)
+    return f"{f[0]}+{addr - f[1]:#x}" if f is not None else f"{addr:#x}"
 
 
 def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Site]:
@@ -59,7 +71,7 @@ def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Si
     prologue (as perf does; without variables perf probes the entry itself)."""
     out: dict[int, D.Instance] = {}
     if p.function is not None:
-        insts = dbg.instances(p.function)
+        insts = dbg.instances(p.function, p.file)
         if p.file is not None:
             insts = [i for i in insts if _file_match(i.decl_file, p.file)]
         if not insts:
@@ -97,7 +109,11 @@ def sites(dbg: D.DebugInfo, image, p: Point, reads_vars: bool = True) -> list[Si
             raise ProbeError(f"line {p.line} of '{p.function}' (line {insts[0].decl_line + p.line} of "
                              f"{os.path.basename(insts[0].decl_file or '?')}) has no code")
     else:
-        for cu, r in dbg.all_line_rows():
+        try:
+            rows = list(dbg.line_rows(p.file))
+        except D.NoDebugInfo as e:
+            raise ProbeError(str(e)) from None
+        for cu, r in rows:
             if not _file_match(r.file, p.file):
                 continue
             if (r.line == p.line) if p.lazy is None else _lazy_match(dbg, r, p.lazy):
@@ -115,6 +131,8 @@ def _lazy_match(dbg: D.DebugInfo, row: D.LineRow, pattern: str) -> bool:
     """strlazymatch(): the source line against a glob, blanks ignored in both."""
     text = dbg.source_line(row.file, row.line)
     if text is None:
+        if dbg.source_line(row.file, 1) is None:
+            raise ProbeError(f"';{pattern}' is matched against the source, and {row.file} cannot be read")
         return False
     strip = str.maketrans("", "", " \t")
     return fnmatch.fnmatchcase(text.translate(strip), pattern.translate(strip))
@@ -283,13 +301,18 @@ def _bitfield(m, t, loc: D.Loc) -> tuple[D.Loc, str] | None:
 
 
 def _arg_name(arg: Arg) -> str:
+    """perf's argument names: the last member's name (parse_perf_probe_arg()), else the
+    variable and its type (convert_variable(): 'filename:string' is filename_string)."""
     if arg.name:
         return arg.name
     if arg.var == "$retval":
         return "retval"
-    base = next((f.name for f in reversed(arg.fields) if f.name), arg.var)
-    if arg.type in ("string", "ustring"):
-        base += "_" + arg.type
+    base = next((f.name for f in reversed(arg.fields) if f.name), None)
+    if base is not None:
+        return base
+    base = arg.var
+    if arg.type is not None:
+        base += "_" + re.sub(r"[^A-Za-z0-9_]", "_", arg.type)
     return base
 
 
@@ -452,16 +475,16 @@ def default_event(d: ProbeDef, inst: D.Instance) -> str:
 def location_text(image, addr: int) -> str:
     """The probe address as a kprobe_events line names it: SYMBOL+OFFS when the
     function's symbol is unique, else the address."""
-    f = image.function_at(addr)
-    if f is not None and len(set(image.symbols.get(f.name, []))) == 1:
-        return f"{f.name}+{addr - f.start:#x}" if addr != f.start else f.name
+    f = _function_at(image, addr)
+    if f is not None and f[2]:
+        return f"{f[0]}+{addr - f[1]:#x}" if addr != f[1] else f[0]
     return f"{addr:#x}"
 
 
 def compile_def(dbg: D.DebugInfo, image, d: ProbeDef, taken: set[tuple[str, str]]) -> list[Compiled]:
     """Every kprobe_events line of one definition; `taken` collects the event names used."""
     out = []
-    group = d.group or default_group(image)
+    group = d.group or dbg.group or default_group(image)
     reads_vars = any(not a.raw and a.var != "$retval" for a in d.args)
     for i, site in enumerate(sites(dbg, image, d.point, reads_vars)):
         base = d.event or default_event(d, site.inst)
@@ -471,8 +494,8 @@ def compile_def(dbg: D.DebugInfo, image, d: ProbeDef, taken: set[tuple[str, str]
         taken.add((group, ev))
         args = compile_args(dbg, image, site, d)
         if d.point.retprobe:
-            f = image.function_at(site.addr)
-            loc = f.name if f is not None and f.start == site.addr else location_text(image, site.addr)
+            f = _function_at(image, site.addr)
+            loc = f[0] if f is not None and f[1] == site.addr else location_text(image, site.addr)
             head = f"r:{group}/{ev} {loc}"
         else:
             head = f"p:{group}/{ev} {location_text(image, site.addr)}"

@@ -15,12 +15,28 @@ file found as perf and gdb find it: by build-id under /usr/lib/debug/.build-id/,
 or by .gnu_debuglink next to the image, in its .debug/ folder or under
 /usr/lib/debug.  KPREWRITE_DEBUG_FILE_DIRECTORY (colon-separated, gdb's
 `set debug-file-directory`) names other roots instead of /usr/lib/debug: a -dbgsym
-package extracted with dpkg-deb -x rather than installed.
+package extracted with dpkg-deb -x rather than installed.  A target may name more
+files under those roots (a kernel: boot/vmlinux-RELEASE, where Debian's
+linux-image-*-dbg puts it, as perf's vmlinux_path does); KPREWRITE_DEBUG_FILE names
+the file itself.  A separate file whose build-id differs from the image's is not
+used (gdb and perf check it too).
+
+A kernel's DWARF is large (Debian's 6.1 vmlinux: 164 MB of .debug_info in 2,172
+compilation units), too large to index whole with pyelftools.  There DebugInfo
+reads it by address (`by_address`): a function's symbol gives its address (the
+debug file's .symtab), .debug_aranges the compilation unit that holds it, and only
+that unit's DIEs and line program are read; a source file named as SRC:ALN is the
+unit whose DW_AT_name it is (an index of the units' names, cached).  Copies of a
+function inlined into other units are therefore not found there, nor globals
+defined in other units.
 """
 from __future__ import annotations
 
+import bisect
 import io
+import json
 import os
+import struct
 from dataclasses import dataclass
 
 from elftools.dwarf.dwarf_expr import DWARFExprParser
@@ -30,6 +46,7 @@ from elftools.elf.elffile import ELFFile
 
 DEBUG_ROOT = "/usr/lib/debug"
 DEBUG_DIR_ENV = "KPREWRITE_DEBUG_FILE_DIRECTORY"
+DEBUG_FILE_ENV = "KPREWRITE_DEBUG_FILE"
 
 
 def debug_roots() -> list[str]:
@@ -113,22 +130,62 @@ class LineRow:
     line: int
 
 
-def _debuglink_candidates(path: str, elf) -> list[str]:
+def build_id(elf) -> str | None:
+    """The GNU build-id note's hex (a kernel keeps it among its other notes, in .notes)."""
+    notes = elf.get_section_by_name(".note.gnu.build-id")
+    secs = [notes] if notes is not None else [s for s in elf.iter_sections() if s["sh_type"] == "SHT_NOTE"]
+    for sec in secs:
+        for n in sec.iter_notes():
+            if n["n_type"] == "NT_GNU_BUILD_ID" and n["n_name"] == "GNU" and isinstance(n["n_desc"], str):
+                return n["n_desc"]
+    return None
+
+
+def _debuglink_candidates(path: str, elf, names=()) -> list[str]:
     out = []
     roots = debug_roots()
-    notes = elf.get_section_by_name(".note.gnu.build-id")
-    if notes is not None:
-        for n in notes.iter_notes():
-            if n["n_type"] == "NT_GNU_BUILD_ID":
-                bid = n["n_desc"]
-                out += [os.path.join(r, ".build-id", bid[:2], bid[2:] + ".debug") for r in roots]
+    explicit = os.environ.get(DEBUG_FILE_ENV)
+    if explicit:
+        out.append(explicit)
+    bid = build_id(elf)
+    if bid:
+        out += [os.path.join(r, ".build-id", bid[:2], bid[2:] + ".debug") for r in roots]
     link = elf.get_section_by_name(".gnu_debuglink")
     if link is not None:
         name = link.data().split(b"\0", 1)[0].decode("utf-8", "replace")
         d = os.path.dirname(os.path.abspath(path))
         out += [os.path.join(d, name), os.path.join(d, ".debug", name)]
         out += [r + os.path.join(d, name) for r in roots]
+    out += [os.path.join(r, n) for n in names for r in roots]
     return out
+
+
+def find_debug_file(path: str, elf, names=()):
+    """(ELFFile, path) of the separate debug file of the image, or None; a candidate
+    whose build-id is not the image's is skipped, KPREWRITE_DEBUG_FILE's is an error."""
+    want = build_id(elf)
+    explicit = os.environ.get(DEBUG_FILE_ENV)
+    for cand in _debuglink_candidates(path, elf, names):
+        if not os.path.isfile(cand):
+            if cand == explicit:
+                raise NoDebugInfo(f"{DEBUG_FILE_ENV}={cand}: no such file")
+            continue
+        fh = open(cand, "rb")
+        try:
+            other = ELFFile(fh)
+            ok = other.has_dwarf_info() and (other.get_section_by_name(".debug_info") is not None or
+                                            other.get_section_by_name(".zdebug_info") is not None)
+            theirs = build_id(other) if ok else None
+        except Exception:
+            ok, theirs = False, None
+        if ok and (want is None or theirs is None or theirs == want):
+            return other, cand
+        fh.close()
+        if cand == explicit:
+            why = "no DWARF debug information" if not ok else \
+                f"the build-id {theirs}, not the image's {want}"
+            raise NoDebugInfo(f"{DEBUG_FILE_ENV}={cand} has {why}")
+    return None
 
 
 def _attr(die, name, follow=True):
@@ -172,29 +229,31 @@ def _origin_type(die):
 
 
 class DebugInfo:
-    """The DWARF of one image (or of its separate debug file)."""
+    """The DWARF of one image (or of its separate debug file).  by_address: read it
+    one compilation unit at a time, found by address (a kernel's; see the module's
+    docstring); names: more debug file names under the debug roots (the target's)."""
 
-    def __init__(self, path: str, data: bytes, regs: dict[int, str], reg_names: dict[int, str] | None = None):
+    def __init__(self, path: str, data: bytes, regs: dict[int, str], reg_names: dict[int, str] | None = None,
+                 *, names=(), by_address: bool = False, group: str | None = None):
         # regs: DWARF register numbers fetch args read; reg_names: others, named in errors
         self.path, self.regs, self.reg_names = path, regs, reg_names or {}
         self._data = data
+        self.by_address = by_address
+        self.group = group            # the default event group (a kernel's: perf's "probe")
         elf = ELFFile(io.BytesIO(data))
         self.source = path
+        self.image_has_eh_frame = elf.get_section_by_name(".eh_frame") is not None
         if not elf.has_dwarf_info() or elf.get_section_by_name(".debug_info") is None and \
                 elf.get_section_by_name(".zdebug_info") is None:
-            for cand in _debuglink_candidates(path, elf):
-                if os.path.isfile(cand):
-                    with open(cand, "rb") as f:
-                        other = ELFFile(io.BytesIO(f.read()))
-                    if other.has_dwarf_info():
-                        elf, self.source = other, cand
-                        break
-            else:
+            found = find_debug_file(path, elf, names)
+            if found is None:
                 raise NoDebugInfo(f"{os.path.basename(path)} has no DWARF debug information "
                                   f"(.debug_info), and no separate debug file was found "
                                   f"(build-id or .gnu_debuglink under {':'.join(debug_roots())}); compile with -g")
+            elf, self.source = found
         self.elf = elf
-        self.dwarf = elf.get_dwarf_info()
+        # A linked file's .rela.debug_* (ld --emit-relocs, a kernel's) are already applied
+        self.dwarf = elf.get_dwarf_info(relocate_dwarf_sections=elf["e_type"] == "ET_REL")
         self.loc = LocationParser(self.dwarf.location_lists())
         self.expr = DWARFExprParser(self.dwarf.structs)
         self._cfa = None
@@ -204,15 +263,99 @@ class DebugInfo:
         self._lines: dict[int, list[LineRow]] = {}
         self._raw_lines: dict[int, list[LineRow]] = {}
         self._sources: dict[str, list[str] | None] = {}
-        self.cus = list(self.dwarf.iter_CUs())
+        self._loaded: dict[int, object] = {}       # by_address: the units read, by offset
+        self._aranges = None
+        self._symtab = None
+        self._cu_names = None
+        self.cus = [] if by_address else list(self.dwarf.iter_CUs())
 
     # --- CFA (the frame base of DW_OP_call_frame_cfa) --------------------------------------------
 
     def cfa(self, addr: int):
         if self._cfa is None:
-            from ..ehframe.cfa import CfaRules
-            self._cfa = CfaRules(self._data)
+            if self.image_has_eh_frame or self.dwarf.debug_frame_sec is None:
+                from ..ehframe.cfa import CfaRules
+                self._cfa = CfaRules(self._data)
+            else:                      # a kernel: no .eh_frame, the debug file's .debug_frame
+                self._cfa = DebugFrame(self.dwarf)
         return self._cfa.at(addr)
+
+    # --- by address: symbols, .debug_aranges, units read one at a time -----------------------------
+
+    def symbols(self) -> tuple[dict[str, list[int]], list[tuple[int, int, str]]]:
+        """The debug file's function symbols: name -> addresses, and (start, size, name) sorted."""
+        if self._symtab is None:
+            self._symtab = _func_symbols(self.elf)
+        return self._symtab
+
+    def symbol_at(self, addr: int) -> tuple[str, int, bool] | None:
+        """(function symbol, its start, whether its name is unique) covering addr."""
+        by_name, spans = self.symbols()
+        i = bisect.bisect_right(spans, (addr, 1 << 64, "")) - 1
+        if i < 0:
+            return None
+        start = spans[i][0]
+        j = i
+        while j > 0 and spans[j - 1][0] == start:
+            j -= 1
+        cands = [(n, sz) for st, sz, n in spans[j:i + 1] if addr < start + max(sz, 1)]
+        if not cands:
+            return None
+        name = min(cands, key=lambda c: (len(by_name.get(c[0], ())) != 1, c[0]))[0]
+        return name, start, len(by_name.get(name, ())) == 1
+
+    def _load_cu(self, cu) -> None:
+        if cu.cu_offset in self._loaded:
+            return
+        self._loaded[cu.cu_offset] = cu
+        self.cus.append(cu)
+        if self._instances is None:
+            self._instances = {}
+        self._walk(cu.get_top_DIE(), cu, None, self._optimized(cu))
+
+    def _load_at(self, addr: int) -> bool:
+        """Read the unit whose code holds addr (.debug_aranges); False if none does."""
+        if self._aranges is None:
+            self._aranges = self.dwarf.get_aranges() or False
+        off = self._aranges.cu_offset_at_addr(addr) if self._aranges else None
+        if off is None:
+            return False
+        self._load_cu(self.dwarf.get_CU_at(off))
+        return True
+
+    def units_named(self, src: str) -> list:
+        """The units whose own source file (DW_AT_name) SRC names, read (by_address)."""
+        names = self._unit_names()
+        offs = [o for n, os_ in names.items() if _tail_match(n, src) for o in os_]
+        for o in offs:
+            self._load_cu(self.dwarf.get_CU_at(o))
+        return [self._loaded[o] for o in offs]
+
+    def _unit_names(self) -> dict[str, list[int]]:
+        """DW_AT_name -> unit offsets, made once per debug file (some 20 s for a kernel's
+        2,000 units) and kept in kprewrite's cache."""
+        if self._cu_names is not None:
+            return self._cu_names
+        from .. import cache
+        st = os.stat(self.source)
+        k = cache.key(b"perfprobe-unit-names-1", os.path.abspath(self.source).encode(),
+                      str((st.st_size, st.st_mtime_ns)).encode(), (build_id(self.elf) or "").encode())
+        raw = cache.get("perfprobe-units", k)
+        if raw is not None:
+            try:
+                self._cu_names = json.loads(raw)
+                return self._cu_names
+            except ValueError:
+                pass
+        out: dict[str, list[int]] = {}
+        for cu in self.dwarf.iter_CUs():
+            a = cu.get_top_DIE().attributes.get("DW_AT_name")
+            if a is not None:
+                n = a.value.decode("utf-8", "replace") if isinstance(a.value, bytes) else str(a.value)
+                out.setdefault(os.path.normpath(n), []).append(cu.cu_offset)
+        cache.put("perfprobe-units", k, json.dumps(out, sort_keys=True).encode())
+        self._cu_names = out
+        return out
 
     # --- functions ---------------------------------------------------------------------------------
 
@@ -291,6 +434,8 @@ class DebugInfo:
         if self._instances is not None:
             return
         self._instances = {}
+        if self.by_address:
+            return                     # units are read as addresses name them (_load_at)
         for cu in self.cus:
             top = cu.get_top_DIE()
             opt = self._optimized(cu)
@@ -343,8 +488,17 @@ class DebugInfo:
         self._instances.setdefault(name, []).append(inst)
         self._all.append(inst)
 
-    def instances(self, name: str) -> list[Instance]:
+    def instances(self, name: str, src: str | None = None) -> list[Instance]:
+        """The function's instances; by_address, those of the units holding its symbols
+        (and its clones', NAME.part.N, NAME.isra.N), or with no symbol, of SRC's unit."""
         self._index()
+        if self.by_address:
+            by_name, _ = self.symbols()
+            addrs = [a for n, v in by_name.items() if n == name or n.startswith(name + ".") for a in v]
+            for a in addrs:
+                self._load_at(a)
+            if not addrs and src is not None:
+                self.units_named(src)
         return sorted(self._instances.get(name, []), key=lambda i: i.entry)
 
     def function_names(self) -> list[str]:
@@ -354,6 +508,8 @@ class DebugInfo:
     def innermost(self, addr: int) -> Instance | None:
         """The innermost instance (an inlined site rather than its caller) at addr."""
         self._index()
+        if self.by_address:
+            self._load_at(addr)
         best = None
         for inst in self._all:
             if inst.contains(addr):
@@ -410,8 +566,17 @@ class DebugInfo:
         text = self._sources[path]
         return text[line - 1] if text is not None and 0 < line <= len(text) else None
 
-    def all_line_rows(self):
-        for cu in self.cus:
+    def line_rows(self, src: str):
+        """The line rows of the units that may hold lines of SRC (by_address: SRC's own
+        unit, a header's lines are in every unit that includes it)."""
+        cus = self.cus
+        if self.by_address:
+            cus = self.units_named(src)
+            if not cus:
+                raise NoDebugInfo(f"no compilation unit of {os.path.basename(self.source)} is '{src}': in a "
+                                  f"kernel, SRC:ALN names a unit's own source file (a .c file); a header's "
+                                  f"lines are probed as FUNC@SRC:RLN or FUNC:RLN")
+        for cu in cus:
             for r in self.lines(cu):
                 yield cu, r
 
@@ -568,6 +733,107 @@ class DebugInfo:
         if n in ("DW_OP_addrx", "DW_OP_GNU_addr_index"):
             return Loc("mem", base=None, off=self.dwarf.get_addr(cu, op.args[0]))
         raise Unavailable(f"at {_show(ops)}, which fetch args cannot express")
+
+
+def _tail_match(path: str, want: str) -> bool:
+    """strtailcmp(): SRC names a file by a tail of its path."""
+    want = os.path.normpath(want)
+    return path == want or path.endswith("/" + want.lstrip("/")) or want.endswith("/" + path.lstrip("/")) \
+        or os.path.basename(path) == want
+
+
+def _func_symbols(elf):
+    """The function symbols of an ELF's .symtab, read with struct (a kernel's 150,000
+    symbols: pyelftools' symbol objects take seconds): name -> addresses, and the
+    (start, size, name) list sorted by start."""
+    sec = elf.get_section_by_name(".symtab")
+    if sec is None or elf.elfclass != 64 or not elf.little_endian:
+        by_name: dict[str, list[int]] = {}
+        spans = []
+        if sec is not None:
+            for sym in sec.iter_symbols():
+                if sym["st_info"]["type"] == "STT_FUNC" and sym["st_shndx"] != "SHN_UNDEF" and sym.name:
+                    by_name.setdefault(sym.name, []).append(sym["st_value"])
+                    spans.append((sym["st_value"], sym["st_size"], sym.name))
+        return by_name, sorted(spans)
+    strtab = elf.get_section(sec["sh_link"]).data()
+    data = sec.data()
+    by_name, spans = {}, []
+    for name_off, info, _other, shndx, value, size in struct.iter_unpack("<IBBHQQ", data):
+        if info & 0xF != 2 or shndx == 0 or not name_off:      # STT_FUNC, defined
+            continue
+        end = strtab.index(b"\0", name_off)
+        name = strtab[name_off:end].decode("utf-8", "replace")
+        v = by_name.setdefault(name, [])
+        if value not in v:
+            v.append(value)
+        spans.append((value, size, name))
+    return by_name, sorted(spans)
+
+
+class DebugFrame:
+    """CFA rules from .debug_frame (a kernel has no .eh_frame): the records' address
+    ranges are indexed with struct, and only the FDE covering an address is decoded,
+    by pyelftools (the whole section of a kernel is 50,000 FDEs)."""
+
+    def __init__(self, dwarf):
+        self.dwarf = dwarf
+        self.sec = dwarf.debug_frame_sec
+        self._index = None
+        self._rows: dict[int, list] = {}
+
+    def _scan(self):
+        d = self.sec.stream.getvalue()[:self.sec.size]
+        out, p, n = [], 0, len(d)
+        while p + 4 <= n:
+            length, = struct.unpack_from("<I", d, p)
+            if length == 0xFFFFFFFF:                  # 64-bit DWARF
+                length, = struct.unpack_from("<Q", d, p + 4)
+                hdr, cie, idw = 12, 0xFFFFFFFFFFFFFFFF, "<Q"
+            else:
+                hdr, cie, idw = 4, 0xFFFFFFFF, "<I"
+            if length == 0:
+                p += hdr
+                continue
+            body = p + hdr
+            ident, = struct.unpack_from(idw, d, body)
+            if ident != cie:
+                at = body + struct.calcsize(idw)
+                lo, size = struct.unpack_from("<QQ", d, at)
+                if size:
+                    out.append((lo, lo + size, p))
+            p = body + length
+        out.sort()
+        self._index = out
+        self._starts = [o[0] for o in out]
+
+    def at(self, addr: int) -> tuple[int, int] | None:
+        """(register, offset) of the CFA rule at addr, None where no FDE covers it or the
+        rule is an expression (as CfaRules.at())."""
+        if self._index is None:
+            self._scan()
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0 or addr >= self._index[i][1]:
+            return None
+        lo, _, off = self._index[i]
+        rows = self._rows.get(off)
+        if rows is None:
+            from elftools.dwarf.callframe import CallFrameInfo
+            cfi = CallFrameInfo(self.sec.stream, self.sec.size, self.sec.address, self.dwarf.structs,
+                                for_eh_frame=False)
+            try:
+                rows = [(r["pc"], r.get("cfa")) for r in cfi._parse_entry_at(off).get_decoded().table]
+            except Exception:          # a program pyelftools cannot decode: no rule known
+                rows = []
+            self._rows[off] = rows
+        rule = None
+        for pc, cfa in rows:
+            if pc > addr:
+                break
+            rule = cfa
+        if rule is None or rule.expr is not None or rule.reg is None:
+            return None
+        return rule.reg, rule.offset
 
 
 def _regno(op) -> int:

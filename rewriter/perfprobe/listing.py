@@ -61,7 +61,7 @@ def lines_lines(image, arch, text: str) -> list[str]:
     p = _point(text)
     if p.function is None:
         raise KprewriteError(f"'{text}': name a function (FUNC or FUNC@SRC)")
-    insts = [i for i in dbg.instances(p.function) if p.file is None or C._file_match(i.decl_file, p.file)]
+    insts = [i for i in dbg.instances(p.function, p.file) if p.file is None or C._file_match(i.decl_file, p.file)]
     if not insts:
         raise KprewriteError(f"function '{p.function}' not found in the debug information of {image.label}")
     inst = next((i for i in insts if not i.inlined), insts[0])

@@ -32,8 +32,21 @@ from .symbols import (KERNEL_HALF, PT_LOAD, address_c, derived_symbol, link_symb
 from .writer import diff_expected, write  # noqa: F401
 
 name = "linux_kernel"
-# The spec's `probes` (rewriter/perfprobe/btfprobe.py): parameters by name from the image's BTF.
+# The spec's `probes` (rewriter/perfprobe): lines and locals from the kernel's DWARF where its
+# debug file is found (debug_file_names()), else parameters by name from the image's BTF
+# (btfprobe.py).
 PROBES_BY_NAME = "btf"
+
+
+def debug_file_names(image) -> list[str]:
+    """Where the kernel's DWARF is under a debug root (perf's vmlinux_path; Debian's
+    linux-image-*-dbg installs boot/vmlinux-RELEASE), the release read from linux_banner."""
+    import re
+    m = re.search(rb"Linux version (\d+\.\d+[^\s%\x00]*) \(", image.data)
+    if m is None:
+        return []
+    rel = m.group(1).decode("ascii", "replace")
+    return [f"boot/vmlinux-{rel}", f"lib/modules/{rel}/vmlinux"]
 
 
 def probe_btf(image):
