@@ -52,7 +52,9 @@ def vars_lines(image, arch, text: str) -> list[str]:
 
 def lines_lines(image, arch, text: str) -> list[str]:
     """perf probe -L: a function's source with the line numbers (relative to the
-    function's declaration) that have code and can be probed as FUNC:RLN."""
+    function's declaration) that have code and can be probed as FUNC:RLN: the
+    declaration's line at the entry, and each line that is the first statement row at
+    one of its addresses (show_line_range()'s, through die_walk_lines())."""
     from . import debug_info
     from .btfprobe import Types
     dbg = debug_info(image, arch)
@@ -69,8 +71,17 @@ def lines_lines(image, arch, text: str) -> list[str]:
     for i in insts:
         if i.decl_file != inst.decl_file:
             continue
+        first_at: dict[int, int] = {}    # cu_getsrc_die(): the first statement row's line at an address
+        for r in dbg.statement_rows(i.cu):
+            first_at.setdefault(r.addr, r.line if r.file == inst.decl_file else -1)
+        if not i.inlined:                # cu_find_lineinfo(): at the entry, the declaration's line
+            first_at[i.entry] = i.decl_line
+            code.setdefault(i.decl_line, []).append(i.entry)
         for r in dbg.lines(i.cu):
-            if r.file == inst.decl_file and i.contains(r.addr):
+            # perf -L lists a line only where it is the line of its address (a line sharing
+            # its address with an earlier one is not probed as that line: "This line is
+            # sharing the address with other lines")
+            if r.file == inst.decl_file and i.contains(r.addr) and first_at.get(r.addr) == r.line:
                 code.setdefault(r.line, []).append(r.addr)
     if not code:
         raise KprewriteError(f"'{p.function}' has no line information")
