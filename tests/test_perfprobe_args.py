@@ -3,7 +3,9 @@
 value in two registers (a composite DWARF location, DW_OP_piece), and a double in
 %xmm0.  The values traced are gdb's at the same addresses, at -O0 and -O2,
 natively and under QEMU; what fetch args cannot read is a one-line error naming
-the variable, the address and the register."""
+the variable, the address and the register.  Bitfields of a struct in registers, and
+a struct copy gcc splits into DW_OP_bit_pieces, read as their bits (bW@S/C), equal
+gdb's at -O0, -O1 and -O2."""
 from __future__ import annotations
 
 import re
@@ -224,3 +226,122 @@ def test_not_readable(built, tmp_path):
     g = subprocess.run(["gdb", "-nx", "-batch", "-ex", f"break *{m.group(1)}", "-ex", "run", "-ex", "info address x",
                         "-ex", "print x", str(prog)], capture_output=True, text=True, timeout=120)
     assert "a variable in $xmm0" in g.stdout and "= 1.5" in g.stdout, g.stdout
+
+
+# --- bitfields of a struct in registers, and DW_OP_bit_piece -------------------------------------------
+
+BITS_PROGRAM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+struct bits { unsigned a:3; int b:5; unsigned c:12; _Bool f:1; long d; };
+__attribute__((noinline)) void sink(long x) { __asm__ volatile("" :: "r"(x) : "memory"); }
+__attribute__((noinline)) long bitf(struct bits s, int k)
+{
+    sink(s.c);
+    struct bits t = s;
+    t.b = k;
+    t.a = k + 1;
+    sink(t.a + t.b);
+    sink(t.c);
+    return s.a + s.b * k + s.c + t.a + t.b + s.d + s.f;
+}
+int main(int argc, char **argv)
+{
+    int base = argc > 1 ? atoi(argv[1]) : 3;
+    struct bits s = { base + 2, -base - 4, base * 100 + 5, 1, base * 1000 };
+    long r = bitf(s, base);
+    r += bitf(s, -base - 5);
+    printf("%ld\n", r);
+    return 0;
+}
+"""
+
+# the struct passed by value (at -O1/-O2 in %di and %si: DW_OP_piece), its bitfields
+# (the signed one read as its bits), and the copy t, at -O1/-O2 split into DW_OP_bit_pieces
+# (t.b: the low 5 bits of a register; at -O1 t.c: 12 bits at a frame slot)
+BITS_PROBES = {
+    "bents": ("bents=bitf sa=s.a sb=s.b sc=s.c sf=s.f sd=s.d k",
+              [("sa", "s.a"), ("sb", "s.b"), ("sc", "s.c"), ("sf", "s.f"), ("sd", "s.d"), ("k", "k")]),
+    "btb": ("btb=bitf:6 tb=t.b", [("tb", "t.b")]),
+}
+BITS_TC = ("btc=bitf:6 tc=t.c", [("tc", "t.c")])          # -O0 and -O1; -O2: optimized out
+BITS_FLAGS = {"0": ["-O0"], "1": ["-O1"], "2": ["-O2"]}
+
+
+def _bits_probes(opt):
+    return {**BITS_PROBES, **({"btc": BITS_TC} if opt != "2" else {})}
+
+
+@pytest.fixture(scope="module", params=list(BITS_FLAGS))
+def bits_built(request, tmp_path_factory):
+    if not shutil.which("gdb"):
+        pytest.skip("gdb not installed")
+    opt, tmp = request.param, tmp_path_factory.mktemp(f"perfprobebits{request.param}")
+    prog = cc(tmp, f"bits{opt}", BITS_PROGRAM, *BITS_FLAGS[opt], "-g")
+    spec = write_spec(tmp, "probes = [\n" + "".join(f'  "{d}",\n' for d, _ in _bits_probes(opt).values()) + "]\n")
+    check = kprewrite("check", prog, "--spec", spec).stdout.splitlines()
+    out = tmp / f"bits{opt}.kp"
+    kprewrite("instrument", prog, "--spec", spec, "-o", out)
+    return opt, prog, out, check
+
+
+def test_bitfields_in_registers_match_gdb(bits_built, runner):
+    opt, prog, out, check = bits_built
+    probes = _bits_probes(opt)
+    compiled = _compiled(check)
+    assert set(compiled) == set(probes), check
+    ents = compiled["bents"][1]
+    if opt == "0":             # in the frame: the container and its bits
+        assert re.fullmatch(r"-\d+\(%bp\):b12@8/32", ents["sc"]), ents
+    else:                      # in %di: the register's bits
+        assert ents == {"sa": "%di:b3@0/64", "sb": "%di:b5@3/64", "sc": "%di:b12@8/64", "sf": "%di:b1@20/64",
+                        "sd": "%si:s64", "k": "%dx:s32"}, ents
+        assert re.fullmatch(r"%r\w+:b5@0/64", compiled["btb"][1]["tb"]), compiled["btb"]
+    if opt == "1":             # a DW_OP_bit_piece in the frame: the bytes that hold it
+        assert re.fullmatch(r"\+\d+\(%sp\):b12@0/16", compiled["btc"][1]["tc"]), compiled["btc"]
+    events = sorted(probes)
+    oracle = gdb_values(prog, [(compiled[ev][0], probes[ev][1]) for ev in events])
+    r = run(out, runner=runner)
+    assert r.returncode == 0 and r.stdout == "6657\n", (r.stdout, r.stderr)
+    recs = [x for x in map(tracefmt.parse_line, r.stderr.splitlines()) if x is not None]
+    ours = []
+    run_: list = []
+    for x in recs + [None]:
+        if run_ and (x is None or x.loc != run_[-1].loc):
+            ours += sorted((events.index(y.event), y.args) for y in run_)
+            run_ = []
+        if x is not None:
+            run_.append(x)
+    assert [i for i, _ in ours] == [i for i, _ in oracle] and len(ours) == 2 * len(events), (ours, oracle)
+    for (i, args), (_, want) in zip(ours, oracle):
+        fetch = compiled[events[i]][1]
+        assert set(args) == set(want), (events[i], args, want)
+        for name, v in args.items():
+            mine = int(v, 0) if isinstance(v, str) else v
+            # equal in the field's width: a signed bitfield is read as its bits, gdb prints the int
+            assert (mine - int(want[name])) % (1 << _bits(fetch[name])) == 0, (events[i], name, args, want)
+    # the signed bitfields are negative: s.b = -7, and t.b = k = -8 on the second call
+    sb = [a["sb"] for i, a in ours if events[i] == "bents"]
+    tb = [a["tb"] for i, a in ours if events[i] == "btb"]
+    assert [int(v, 0) if isinstance(v, str) else v for v in sb] == [32 - 7] * 2, sb
+    assert [int(v, 0) if isinstance(v, str) else v for v in tb] == [3, 32 - 8], tb
+
+
+def test_bit_pieces_not_readable(bits_built, tmp_path):
+    """What a DW_OP_bit_piece location leaves out: one line each, naming the pieces."""
+    opt, prog, out, check = bits_built
+    if opt != "2":
+        pytest.skip("the -O2 build's locations")
+    defs = ["bitf:6 t", "bitf:6 tc=t.c", "bitf:6 ta=t.a", "bitf:6 tb=t.b:s32"]
+    r = kprewrite("check", prog, "--spec", write_spec(tmp_path, "probes = [" + ", ".join(f'"{d}"' for d in defs) + "]\n"),
+                  check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    err = {int(m.group(1)): m.group(2) for m in re.finditer(r"kprewrite: probes\.toml: probes\[(\d)\]: (.*)", r.stderr)}
+    assert re.fullmatch(r"'t' at bitf\+0x[0-9a-f]+ is struct bits, split into pieces \(DW_OP_bit_piece; bits "
+                        r"0\.\.2: computed \(DW_OP_breg\d+ 1; DW_OP_stack_value\), which fetch args cannot express, "
+                        r"3\.\.7: bits 0\.\.4 of %\w+, 8\.\.127: optimized out\): name a member \(\.F, \[N\]\)", err[1]), err
+    assert re.fullmatch(r"'t\.c' at bitf\+0x[0-9a-f]+: t\.c is not available here \(optimized out: its piece of the "
+                        r"variable's location, DW_OP_bit_piece\)", err[2]), err
+    assert "t.a is not available here (computed (DW_OP_breg" in err[3], err
+    assert re.fullmatch(r"'t\.b' at bitf\+0x[0-9a-f]+ is in bits 0\.\.4 of %\w+: it can be read only as those bits "
+                        r"\(b5@0/64\), not as 's32'", err[4]), err

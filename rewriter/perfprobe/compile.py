@@ -194,24 +194,42 @@ def _part(loc: D.Loc, off: int, size: int, what: str, label: str) -> D.Loc:
     """The `size` bytes at byte `off` of a value that is not in memory as a whole: one
     piece of a composite location (DW_OP_piece), or a part of a register (read with a
     bN@S/64 type) or of a constant."""
+    return _part_bits(loc, 8 * off, 8 * size, what, label)
+
+
+def _piece_kind(loc: D.Loc) -> str:
+    return "DW_OP_bit_piece" if any(b % 8 or n % 8 for b, n, _ in loc.pieces) else "DW_OP_piece"
+
+
+def _part_bits(loc: D.Loc, bit: int, nbits: int, what: str, label: str, bitfield: bool = False) -> D.Loc:
+    """The `nbits` bits from bit `bit` of a value not in memory as a whole (_part()); a
+    bitfield's bits (bitfield): a register's are read as bW@S/64, memory's from the byte
+    that holds its first bit (the caller's container)."""
     if loc.kind == "pieces":
-        for poff, psize, p in loc.pieces:
-            if poff <= off and off + size <= poff + psize:
+        for pbit, pbits, p in loc.pieces:
+            if pbit <= bit and bit + nbits <= pbit + pbits:
                 if isinstance(p, str):
                     raise ProbeError(f"{label}: {what} is not available here ({p}: its piece of the "
-                                     f"variable's location, DW_OP_piece)")
-                return _part(p, off - poff, size, what, label) if (off, size) != (poff, psize) or \
-                    p.kind != "mem" else p
+                                     f"variable's location, {_piece_kind(loc)})")
+                if (bit, nbits) == (pbit, pbits) and p.kind == "mem" and not bitfield and not p.bitfield:
+                    return p
+                return _part_bits(p, bit - pbit, nbits, what, label, bitfield)
+        sizes = ", ".join(str(n // 8) if _piece_kind(loc) == "DW_OP_piece" else f"{n}b" for _, n, _ in loc.pieces)
         raise ProbeError(f"{label}: {what} is not within one piece of the variable's location "
-                         f"(DW_OP_piece {', '.join(str(s) for _, s, _ in loc.pieces)})")
+                         f"({_piece_kind(loc)} {sizes})")
     if loc.kind == "mem":
-        return D.Loc("mem", base=loc.base, off=loc.off + off)
+        b = loc.shift + bit
+        if (b % 8 or nbits % 8) and not (bitfield or loc.bitfield):
+            raise ProbeError(f"{label}: {what} is not whole bytes of memory")
+        if not (bitfield or loc.bitfield):
+            return D.Loc("mem", base=loc.base, off=loc.off + b // 8)
+        return D.Loc("mem", base=loc.base, off=loc.off + b // 8, shift=b % 8, width=nbits, bitfield=True)
     if loc.kind == "imm":
-        return D.Loc("imm", imm=(loc.imm >> (8 * off)) & ((1 << 8 * size) - 1))
+        return D.Loc("imm", imm=(loc.imm >> bit) & ((1 << nbits) - 1))
     width = loc.width or 64
-    if loc.shift + 8 * (off + size) > loc.shift + width:
+    if bit + nbits > width:
         raise ProbeError(f"{label}: {what} is past the end of the register %{loc.reg} that holds it")
-    return D.Loc("reg", reg=loc.reg, shift=loc.shift + 8 * off, width=8 * size)
+    return D.Loc("reg", reg=loc.reg, shift=loc.shift + bit, width=nbits, bitfield=bitfield or loc.bitfield)
 
 
 def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]:
@@ -266,10 +284,11 @@ def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]
         shown += sep + f.name
         mt = D._origin_type(m)
         if not f.ref and loc.kind != "mem":
-            # a struct in registers (DW_OP_piece, or a small one in one register)
+            # a struct in registers (DW_OP_piece, DW_OP_bit_piece, or a small one in one register)
             if "DW_AT_bit_size" in m.attributes:
-                raise ProbeError(f"{label}: {shown} is a bitfield of a struct in a register, "
-                                 f"which fetch args cannot read")
+                bit, width = _member_bits(m, mt)
+                loc, t, last_member = _part_bits(loc, bit, width, shown, label, bitfield=True), mt, None
+                continue
             size = D.byte_size(mt)
             if size is None:
                 raise ProbeError(f"{label}: {shown} has a type of unknown size")
@@ -277,6 +296,24 @@ def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]
             continue
         loc, t, last_member = D.Loc("mem", base=base, off=off + moff), mt, m
     return loc, t, last_member
+
+
+def _member_bits(m, t) -> tuple[int, int]:
+    """(bit offset from the struct's start, width) of a bitfield member."""
+    width = m.attributes["DW_AT_bit_size"].value
+    if "DW_AT_data_bit_offset" in m.attributes:
+        return m.attributes["DW_AT_data_bit_offset"].value, width
+    csize = D.byte_size(t) or 4          # DWARF 2/3: from the container's most significant bit
+    bo = m.attributes["DW_AT_bit_offset"].value if "DW_AT_bit_offset" in m.attributes else csize * 8 - width
+    return D._member_offset(m) * 8 + csize * 8 - bo - width, width
+
+
+def _show_part(p: D.Loc) -> str:
+    if p.kind == "reg" and (p.shift or p.bitfield):
+        return f"bits {p.shift}..{p.shift + p.width - 1} of %{p.reg}"
+    if p.kind == "mem" and p.bitfield:
+        return f"bits {p.shift}..{p.shift + p.width - 1} at {D.Loc('mem', base=p.base, off=p.off).value()}"
+    return p.value()
 
 
 def _bitfield(m, t, loc: D.Loc) -> tuple[D.Loc, str] | None:
@@ -344,14 +381,24 @@ def compile_var(dbg: D.DebugInfo, image, site: Site, arg: Arg, var: D.Var | None
         size = D.byte_size(t)
         s = D.strip(t)
         if size is None or s is None or s.tag in _AGGREGATES or s.tag == "DW_TAG_array_type":
-            where_ = ", ".join(f"{o}..{o + n - 1}: " + (p if isinstance(p, str) else p.value())
+            kind = _piece_kind(loc)
+            k = 8 if kind == "DW_OP_piece" else 1
+            where_ = ", ".join(f"{o // k}..{(o + n) // k - 1}: " + (p if isinstance(p, str) else _show_part(p))
                                for o, n, p in loc.pieces)
-            raise ProbeError(f"{flabel} is {D.type_name(t)}, split into pieces (DW_OP_piece; bytes {where_}): "
-                             f"name a member (.F, [N])")
+            raise ProbeError(f"{flabel} is {D.type_name(t)}, split into pieces ({kind}; "
+                             f"{'bytes' if k == 8 else 'bits'} {where_}): name a member (.F, [N])")
         loc = _part(loc, 0, size, f"'{arg.var}'", flabel)
-    if loc.kind == "reg" and loc.shift:
-        # a member in the upper bits of a register: those bits, unsigned (fetch args
-        # have no signed bitfield)
+    if loc.kind == "mem" and loc.bitfield:
+        # a bitfield of a struct whose piece is in memory: the bytes that hold it
+        csize = next((c for c in (1, 2, 4, 8) if loc.shift + loc.width <= 8 * c), None)
+        if csize is None:
+            raise ProbeError(f"{flabel} is {loc.width} bits from bit {loc.shift} of memory: wider than a fetch arg")
+        if arg.type is not None:
+            raise ProbeError(f"{flabel} is a bitfield: it takes its own bN@O/C type, not ':{arg.type}'")
+        return f"{D.Loc('mem', base=loc.base, off=loc.off).value()}:b{loc.width}@{loc.shift}/{8 * csize}"
+    if loc.kind == "reg" and (loc.shift or loc.bitfield):
+        # a member in the upper bits of a register, or a bitfield: those bits, unsigned
+        # (fetch args have no signed bitfield)
         if arg.type is not None and not re.fullmatch(r"b\d+@\d+/\d+", arg.type):
             raise ProbeError(f"{flabel} is in bits {loc.shift}..{loc.shift + loc.width - 1} of %{loc.reg}: "
                              f"it can be read only as those bits (b{loc.width}@{loc.shift}/64), not as "

@@ -69,8 +69,8 @@ class Unavailable(Exception):
 class Loc:
     """Where a value is at an address: `reg` (a fetch register name), `mem` (at the
     address `base` + `off`, base a fetch expression of an address, None for a static
-    address), `imm` (a constant), or `pieces` (DW_OP_piece: the value's bytes in
-    several places, `pieces` [(byte offset, byte size, Loc or the reason that part is
+    address), `imm` (a constant), or `pieces` (DW_OP_piece, DW_OP_bit_piece: the value's
+    bits in several places, `pieces` [(bit offset, bit size, Loc or the reason that part is
     not available)]: a small struct passed in two registers).  A `reg` may hold only
     `width` bits of the value, from bit `shift` (a member of a struct in a register;
     width 0: the whole register)."""
@@ -82,6 +82,7 @@ class Loc:
     pieces: list | None = None
     shift: int = 0
     width: int = 0
+    bitfield: bool = False        # a `reg` part read as its bits (bW@S/64) whatever its offset
 
     def value(self) -> str:
         """The fetch arg that reads the value itself (for a part of a register, the
@@ -676,24 +677,24 @@ class DebugInfo:
         is not supported yet")."""
         ops = self.expr.parse_expr(expr)
         names = [o.op_name for o in ops]
-        if "DW_OP_bit_piece" in names:
-            raise Unavailable("split into bit pieces (DW_OP_bit_piece)")
-        if "DW_OP_piece" not in names:
+        if "DW_OP_piece" not in names and "DW_OP_bit_piece" not in names:
             return self._eval_ops(ops, inst, addr, cu)
-        pieces, cur, off = [], [], 0
+        pieces, cur, bit = [], [], 0
         for o in ops:
-            if o.op_name != "DW_OP_piece":
+            if o.op_name not in ("DW_OP_piece", "DW_OP_bit_piece"):
                 cur.append(o)
                 continue
+            # DW_OP_piece N: N bytes; DW_OP_bit_piece N, O: N bits, from bit O of the location
+            nbits, at = (8 * o.args[0], 0) if o.op_name == "DW_OP_piece" else (o.args[0], o.args[1])
             if not cur:
                 part = "optimized out"          # an empty piece: that part has no location
             else:
                 try:
-                    part = self._eval_ops(cur, inst, addr, cu)
+                    part = _bits_of(self._eval_ops(cur, inst, addr, cu), at, nbits)
                 except Unavailable as e:
                     part = str(e)
-            pieces.append((off, o.args[0], part))
-            off, cur = off + o.args[0], []
+            pieces.append((bit, nbits, part))
+            bit, cur = bit + nbits, []
         if cur:
             raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
         return Loc("pieces", pieces=pieces)
@@ -834,6 +835,20 @@ class DebugFrame:
         if rule is None or rule.expr is not None or rule.reg is None:
             return None
         return rule.reg, rule.offset
+
+
+def _bits_of(loc: Loc, at: int, nbits: int) -> Loc:
+    """The nbits bits from bit `at` of a simple location: DW_OP_bit_piece's offset (a
+    register's bits from the least significant, memory's from its first byte)."""
+    if at == 0 and nbits % 8 == 0:
+        return loc
+    if loc.kind == "reg":
+        return Loc("reg", reg=loc.reg, shift=loc.shift + at, width=nbits, bitfield=nbits % 8 != 0)
+    if loc.kind == "imm":
+        return Loc("imm", imm=(loc.imm >> at) & ((1 << nbits) - 1))
+    if loc.kind == "mem":
+        return Loc("mem", base=loc.base, off=loc.off + at // 8, shift=at % 8, width=nbits, bitfield=True)
+    raise Unavailable(f"bits {at}..{at + nbits - 1} of a location fetch args cannot split")
 
 
 def _regno(op) -> int:
