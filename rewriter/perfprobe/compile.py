@@ -174,11 +174,15 @@ def _default_type(t, label: str) -> str:
         return "x64"
     if s.tag in ("DW_TAG_base_type", "DW_TAG_enumeration_type"):
         enc = D.encoding(s)
-        if enc == "DW_ATE_float" or enc == "DW_ATE_complex_float":
-            raise ProbeError(f"{label} is floating-point, which fetch args cannot read "
-                             f"(a cast to x{8 * (D.byte_size(s) or 8)} reads its bits, where it is not in a "
-                             f"floating-point register)")
         size = D.byte_size(s)
+        if enc == "DW_ATE_float" and size in (4, 8):
+            # fetch args have no floating-point type: its IEEE 754 bits, as perf reads it
+            # (convert_variable_type(): not signed, so xN); one in an xmm register is refused
+            # where its location is read (dwarf.py)
+            return f"x{8 * size}"
+        if enc == "DW_ATE_float" or enc == "DW_ATE_complex_float":
+            raise ProbeError(f"{label} is a {size}-byte {'complex ' if 'complex' in enc else ''}floating-point "
+                             f"value, wider than a fetch arg (perf reads its first 8 bytes)")
         if size not in _SCALAR_TYPES:
             raise ProbeError(f"{label} is {size} bytes, wider than a fetch arg")
         sign = "s" if enc in ("DW_ATE_signed", "DW_ATE_signed_char") else "x"
@@ -435,7 +439,8 @@ def _scalar(t) -> bool:
     if s.tag in ("DW_TAG_pointer_type",):
         return True
     if s.tag in ("DW_TAG_base_type", "DW_TAG_enumeration_type"):
-        return D.encoding(s) not in ("DW_ATE_float", "DW_ATE_complex_float") and D.byte_size(s) in _SCALAR_TYPES
+        return D.encoding(s) != "DW_ATE_complex_float" and D.byte_size(s) in _SCALAR_TYPES and \
+            (D.encoding(s) != "DW_ATE_float" or D.byte_size(s) in (4, 8))
     return False
 
 
