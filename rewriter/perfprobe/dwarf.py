@@ -502,6 +502,19 @@ class DebugInfo:
                 self.units_named(src)
         return sorted(self._instances.get(name, []), key=lambda i: i.entry)
 
+    def cu_instances(self, cu) -> list[Instance]:
+        """Every instance (out-of-line and inlined) of the unit's functions."""
+        self._index()
+        return [x for x in self._all if x.cu.cu_offset == cu.cu_offset]
+
+    def call_site(self, inst: Instance) -> tuple[str, int] | None:
+        """(file, line) an inlined instance was called from (DW_AT_call_file/_line)."""
+        at = inst.die.attributes
+        if "DW_AT_call_file" not in at or "DW_AT_call_line" not in at:
+            return None
+        f = self._file_name(inst.cu, at["DW_AT_call_file"].value)
+        return (f, at["DW_AT_call_line"].value) if f is not None else None
+
     def function_names(self) -> list[str]:
         self._index()
         return sorted(self._instances)

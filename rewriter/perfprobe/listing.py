@@ -52,9 +52,8 @@ def vars_lines(image, arch, text: str) -> list[str]:
 
 def lines_lines(image, arch, text: str) -> list[str]:
     """perf probe -L: a function's source with the line numbers (relative to the
-    function's declaration) that have code and can be probed as FUNC:RLN: the
-    declaration's line at the entry, and each line that is the first statement row at
-    one of its addresses (show_line_range()'s, through die_walk_lines())."""
+    function's declaration) that have code and can be probed as FUNC:RLN, those perf
+    lists (_probeable_lines())."""
     from . import debug_info
     from .btfprobe import Types
     dbg = debug_info(image, arch)
@@ -71,18 +70,8 @@ def lines_lines(image, arch, text: str) -> list[str]:
     for i in insts:
         if i.decl_file != inst.decl_file:
             continue
-        first_at: dict[int, int] = {}    # cu_getsrc_die(): the first statement row's line at an address
-        for r in dbg.statement_rows(i.cu):
-            first_at.setdefault(r.addr, r.line if r.file == inst.decl_file else -1)
-        if not i.inlined:                # cu_find_lineinfo(): at the entry, the declaration's line
-            first_at[i.entry] = i.decl_line
-            code.setdefault(i.decl_line, []).append(i.entry)
-        for r in dbg.lines(i.cu):
-            # perf -L lists a line only where it is the line of its address (a line sharing
-            # its address with an earlier one is not probed as that line: "This line is
-            # sharing the address with other lines")
-            if r.file == inst.decl_file and i.contains(r.addr) and first_at.get(r.addr) == r.line:
-                code.setdefault(r.line, []).append(r.addr)
+        for line, addr in _probeable_lines(dbg, i, inst.decl_file):
+            code.setdefault(line, []).append(addr)
     if not code:
         raise KprewriteError(f"'{p.function}' has no line information")
     first, last = inst.decl_line, max(code)
@@ -100,3 +89,35 @@ def lines_lines(image, arch, text: str) -> list[str]:
         elif n in code:
             out.append(f"{rel:>7}  (line {n}: {', '.join(hex(a) for a in sorted(set(code[n])))})")
     return out
+
+
+def _probeable_lines(dbg, i, path: str) -> list[tuple[int, int]]:
+    """(line, address) of an instance's lines as perf -L finds them: die_walk_lines() on
+    the instance (its statement rows outside the functions inlined into it, its
+    declaration's line at its entry, the call lines of what is inlined into it), each
+    kept only if the line is the one of its address (line_range_walk_cb()'s reverse
+    check, cu_find_lineinfo(): at a function's entry its declaration's line, elsewhere
+    the first statement row at the address): a line sharing its address with another is
+    not probed as that line ("This line is sharing the address with other lines")."""
+    first_at: dict[int, tuple] = {}
+    for r in dbg.statement_rows(i.cu):
+        first_at.setdefault(r.addr, (r.file, r.line))
+    for o in dbg.cu_instances(i.cu):
+        if not o.inlined:
+            first_at[o.entry] = (o.decl_file, o.decl_line)
+    inner = [o for o in dbg.cu_instances(i.cu) if o.inlined and o is not i and _nested(o, i)]
+    cands = [(r.line, r.addr) for r in dbg.statement_rows(i.cu)
+             if r.file == path and i.contains(r.addr) and not any(o.contains(r.addr) for o in inner)]
+    cands.append((i.decl_line, i.entry))
+    for o in inner:
+        call = dbg.call_site(o)
+        if call is not None and call[0] == path and not any(x is not o and x.contains(o.entry) and _nested(o, x)
+                                                             for x in inner):
+            cands.append((call[1], o.entry))
+    return [(ln, a) for ln, a in cands if first_at.get(a) == (path, ln)]
+
+
+def _nested(o, i) -> bool:
+    """Whether instance o lies within instance i (an inlined site in its code)."""
+    return o.frame is i.frame and all(any(lo <= a and b <= hi for lo, hi in i.ranges) for a, b in o.ranges) and \
+        sum(b - a for a, b in o.ranges) < sum(b - a for a, b in i.ranges)

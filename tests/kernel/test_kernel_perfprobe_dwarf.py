@@ -159,16 +159,21 @@ def test_vars_and_lines_equal_perfs(tmp_path, debian_kernel, kernel_dbg):
     assert p.returncode == 0, p.stderr
     theirs = {l.split()[-1] for l in p.stdout.splitlines()[2:]}
     assert readable | structs == theirs == {"fd", "f", "tmp", "op"}, (lines, p.stdout)
-    # probe-lines: the lines perf -L lists (its -s source folder: a stand-in fs/open.c of
-    # numbered lines, the kernel's source is not needed to number them)
-    (tmp_path / "src" / "fs").mkdir(parents=True)
-    (tmp_path / "src" / "fs" / "open.c").write_text("".join(f"L{n}\n" for n in range(1, 3000)))
-    r = run("probe-lines", debian_kernel.vmlinuz, "do_sys_openat2", env=env)
-    ours = [int(l.split()[0]) for l in r.stdout.splitlines()[1:] if l.strip() and l.split()[0].isdigit()]
-    p = perf(dbgv, "-s", tmp_path / "src", "-L", "do_sys_openat2")
-    assert p.returncode == 0, p.stderr
-    theirs = [int(l.split()[0]) for l in p.stdout.splitlines()[1:] if re.match(r"\s+\d+\s+L\d+$", l)]
-    assert ours == theirs and {0, 5, 15, 17} <= set(ours), (ours, theirs)
+    # probe-lines: the lines perf -L lists (its -s source folder: stand-ins of fs/open.c and
+    # fs/namei.c of numbered lines, the kernel's source is not needed to number them), for
+    # functions with inlined calls, clones (getname_flags.part.0) and lines sharing addresses
+    for name in ("open.c", "namei.c"):
+        (tmp_path / "src" / "fs").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / "fs" / name).write_text("".join(f"L{n}\n" for n in range(1, 6000)))
+    for func in ("do_sys_openat2", "do_filp_open", "path_openat", "getname_flags"):
+        r = run("probe-lines", debian_kernel.vmlinuz, func, env=env)
+        ours = [int(l.split()[0]) for l in r.stdout.splitlines()[1:] if l.strip() and l.split()[0].isdigit()]
+        p = perf(dbgv, "-s", tmp_path / "src", "-L", func)
+        assert p.returncode == 0, p.stderr
+        theirs = [int(l.split()[0]) for l in p.stdout.splitlines()[1:] if re.match(r"\s+\d+\s+L\d+$", l)]
+        assert ours == theirs and len(ours) > 5, (func, ours, theirs)
+        if func == "do_sys_openat2":
+            assert {0, 5, 15, 17} <= set(ours) and not {2, 7} & set(ours), ours
 
 
 def test_debug_file_found_by_build_id_or_named(tmp_path, debian_kernel, kernel_dbg):
@@ -199,6 +204,21 @@ def test_debug_file_found_by_build_id_or_named(tmp_path, debian_kernel, kernel_d
     r = run("probe-vars", debian_kernel.vmlinuz, "do_sys_openat2:17", env={"KPREWRITE_DEBUG_FILE_DIRECTORY": tmp_path},
             check=False)
     assert r.returncode != 0 and "BTF has no line table" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("definition, message", [
+    ("include/linux/fs.h:100", "no compilation unit of vmlinux-"),
+    ("do_sys_openat2;fd*", "';fd*' is matched against the source, and "),
+    ("kp_no_such_function", "function 'kp_no_such_function' not found in the debug information of"),
+    ("do_sys_openat2:17 op", "'op' at do_sys_openat2+0xb2 is a struct (struct open_flags): name a member"),
+])
+def test_what_the_dwarf_cannot_give_is_one_line(tmp_path, debian_kernel, kernel_dbg, definition, message):
+    spec = tmp_path / "probes.toml"
+    spec.write_text(f'probes = ["{definition}"]\n')
+    r = run("check", debian_kernel.vmlinuz, "--spec", spec, env={"KPREWRITE_DEBUG_FILE_DIRECTORY": kernel_dbg},
+            check=False)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and message in lines[0], r.stderr
 
 
 OPENER_C = r"""
