@@ -43,7 +43,8 @@ def kernel_dbg(debian_kernel):
     if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
         pytest.skip("apt-get and dpkg-deb are needed to fetch the kernel's -dbg package")
     package = f"linux-image-{debian_kernel.release}-dbg"
-    root = kernel_env.cache_dir() / f"{package}_{debian_kernel.version}"
+    # not named linux-image*: tools that look for the kernel in the cache glob that
+    root = kernel_env.cache_dir() / f"debug-{package}_{debian_kernel.version}"
     member = f"usr/lib/debug/boot/vmlinux-{debian_kernel.release}"
     with open(kernel_env.cache_dir() / f".{package}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
