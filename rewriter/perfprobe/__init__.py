@@ -5,8 +5,10 @@ resolved ahead of time from the image's DWARF (docs/reference/spec.md#probes).
     dwarf.py    functions, lines, variables and their locations (probe-finder.c's part)
     compile.py  the addresses and fetch args: kprobe_events lines
     listing.py  what `probe-vars` and `probe-lines` print (perf probe -V / -L)
-    btfprobe.py a kernel image's definitions from its BTF instead: parameters at the
-                entry, members, $retval (the target's PROBES_BY_NAME = "btf")
+    btfprobe.py a kernel image's definitions from its BTF instead, where its debug
+                vmlinux is not found: parameters at the entry, members, $retval (the
+                target's PROBES_BY_NAME = "btf"; with the debug vmlinux, dwarf.py reads
+                it one compilation unit at a time)
 
 The spec's `probes` strings become `p`/`r` lines, parsed by events.parse_line()
 into the same kprobe and kretprobe tables as `events` lines: the trace events,
