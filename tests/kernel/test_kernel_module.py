@@ -200,17 +200,37 @@ def test_check_on_module(romfs, tmp_path):
 
 
 def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
-    """A probe inside a function (not at its ftrace site): one line, no output."""
+    """A post_handler on a probe inside a function (an optimized probe, which the kernel never
+    gives one; a module has no breakpoint probes): one line naming the check and the address,
+    no output.  A region over a return thunk's jump is refused by `check` (.return_sites)."""
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
+                                  "static void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
     spec = tmp_path / "probes.toml"
-    spec.write_text('[[kprobe]]\nsymbol_name = "romfs_get_tree"\n'
-                    '[[kprobe]]\nsymbol_name = "romfs_readdir"\noffset = 5\n')
+    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "romfs_get_tree"\n'
+                    '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npost_handler = "post"\n')
     out = tmp_path / "romfs.ko"
     before = romfs.read_bytes()
     r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
     assert r.returncode != 0 and not out.exists() and romfs.read_bytes() == before
-    assert r.stderr.strip().splitlines() == [
-        "kprewrite: probes.toml: [[kprobe]] #2 (romfs_readdir+0x5): a module's probes are written at ftrace "
-        "sites (function entries) only for now; this one is optimized"]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"kprewrite: probes\.toml: \[\[kprobe\]\] #2 \(romfs_get_tree\+0x5\): post_handler at 0x[0-9a-f]+: a module's "
+        r"probe away from an ftrace site is an optimized one, which runs no post_handler .*", lines[0]), lines
+    spec.write_text('[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\n')
+    r = kprewrite("check", romfs, "--spec", spec, check=False)
+    assert re.search(r"^romfs_init_fs_context\+0xc  k  refused  \.return_sites at 0x\S+: the region .* overlaps a "
+                     r"site patched at boot", r.stdout, re.M), r.stdout
+
+
+def _relas(ko: Path) -> dict[str, list[tuple[int, str, str]]]:
+    """section -> [(offset, type, symbol + addend as readelf prints them)] of a module's relocations."""
+    out = subprocess.run(["readelf", "-W", "-r", str(ko)], capture_output=True, text=True, check=True).stdout
+    secs = {}
+    for part in re.split(r"^Relocation section '\.rela", out, flags=re.M)[1:]:
+        name = part.split("'", 1)[0]
+        secs[name] = [(int(m.group(1), 16), m.group(2), m.group(3).replace(" ", ""))
+                      for m in re.finditer(r"^([0-9a-f]+)\s+[0-9a-f]+\s+(R_X86_64_\w+)\s+[0-9a-f]*\s*(.*)$", part, re.M)]
+    return secs
 
 
 HANDLER_C = r"""
@@ -218,6 +238,11 @@ HANDLER_C = r"""
 static int handler_pre(struct kprobe *p, struct pt_regs *regs)
 {
 	printk(KERN_INFO "kp-module: %s pre ip=%lx di=%lx\n", p->symbol_name, regs->ip, regs->di);
+	return 0;
+}
+static int handler_mid(struct kprobe *p, struct pt_regs *regs)
+{
+	printk(KERN_INFO "kp-module: %s+%#x mid ip=%lx\n", p->symbol_name, p->offset, regs->ip);
 	return 0;
 }
 static int ret_handler(struct kretprobe_instance *ri, struct pt_regs *regs)
@@ -232,7 +257,7 @@ mkdir -p /mnt
 T=/sys/kernel/tracing
 D=/sys/kernel/debug/kprewrite-romfs
 insmod /romfs.ko; echo insmod1=$?
-grep -E ' (romfs_get_tree|romfs_init_fs_context)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
+grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
 grep -c '^romfs_' $T/available_filter_functions | sed 's/^/ftrace-romfs: /'
 grep -E '^romfs_(get_tree|init_fs_context)[[:space:]]' $T/available_filter_functions | sed 's/^/ftrace-probed: /'
 for i in 1 2 3; do mount -t romfs /dev/null /mnt 2>/dev/null; done
@@ -243,6 +268,7 @@ grep -c romfs /proc/modules | sed 's/^/loaded: /'
 ls $D 2>/dev/null | wc -l | sed 's/^/debugfs-left: /'
 echo > $T/trace
 insmod /romfs.ko; echo insmod2=$?
+grep -E ' (romfs_get_tree|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym2: /'
 mount -t romfs /dev/null /mnt 2>/dev/null
 grep -v '^#' $T/trace | sed 's/^/trace2: /'
 for f in $D/*/*; do echo "counter2: ${f#$D/} $(cat $f)"; done
@@ -251,7 +277,10 @@ rmmod romfs; echo rmmod2=$?
 
 # Each probe's name, in the exit lines' order (kprobes, then kretprobes, in spec order: the
 # tables', then the events').
-PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "kp_ctx", "r_romfs_get_tree_0", "kp_get_tree_ret"]
+PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5", "p_romfs_init_fs_context_5",
+          "kp_ctx", "kp_mid", "r_romfs_get_tree_0", "kp_get_tree_ret"]
+SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
+         "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_get_tree+0x0", "romfs_get_tree+0x0"]
 
 
 @pytest.fixture(scope="module")
@@ -262,10 +291,15 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
     (d / "probes.toml").write_text(
         'handlers = ["h.c"]\n'
         f'events = ["p:kp_ctx romfs_init_fs_context fstype=+0(+0(+{fs_type}(%di))):string comm=$comm",\n'
+        '          "p:kp_mid romfs_get_tree+0xc fill=%si:x64",\n'
         '          "r:kp_get_tree_ret romfs_get_tree ret=$retval:s32"]\n'
         '[[kprobe]]\nsymbol_name = "romfs_get_tree"\npre_handler = "handler_pre"\n'
         f'fetch = "fc=$arg1:x64 source=+0(+{source}(%di)):string"\n'
         '[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\n'
+        # Inside the functions: optimized (jump) probes whose regions' copies carry the module's
+        # relocations (R_X86_64_32S to .text and to .rodata, R_X86_64_PLT32 to a kernel function).
+        '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npre_handler = "handler_mid"\n'
+        '[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 5\n'
         '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n')
     out = d / "romfs.ko"
     kprewrite("instrument", romfs, "--spec", d / "probes.toml", "--system-map", symvers, "-o", out)
@@ -326,9 +360,39 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
     lines = kprewrite("list", rewritten_romfs).stdout.splitlines()
     assert [line.split("  ", 1)[1] for line in lines] == ["k  romfs_get_tree+0x0 [FTRACE]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
+                                                          "k  romfs_get_tree+0x5 [OPTIMIZED]",
+                                                          "k  romfs_init_fs_context+0x5 [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
+                                                          "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]"]
+
+
+def test_optimized_probe_relocations(romfs, rewritten_romfs):
+    """The optimized probes' relocations, as binutils' readelf reads them: at each probed address
+    a `jmp` (e9) whose R_X86_64_PC32 names a detour, the original relocation under it made
+    R_X86_64_NONE; in the detours, the original's R_X86_64_32S (romfs_fill_super's address,
+    &romfs_context_ops in .rodata) and a PC32 back to the region's end."""
+    syms = _func_syms(romfs)
+    before, after = _relas(romfs)[".text"], _relas(rewritten_romfs)
+    text = {o: (t, v) for o, t, v in after[".text"]}
+    detours = after[".text.kprewrite"]
+    data = subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", str(rewritten_romfs), "/dev/stdout"],
+                          capture_output=True, check=True).stdout
+    for func in ("romfs_get_tree", "romfs_init_fs_context"):
+        at = syms[func][1] + 5        # a 7-byte mov/movq of an R_X86_64_32S immediate at +0x8
+        assert data[at:at + 5] == bytes.fromhex("e900000000")
+        assert text[at + 1][0] == "R_X86_64_PC32" and re.fullmatch(r"kp_detour_\d+-4", text[at + 1][1]), text[at + 1]
+        orig = next((t, v) for o, t, v in before if o == at + 3)
+        assert orig[0] == "R_X86_64_32S" and text[at + 3][0] == "R_X86_64_NONE"
+        assert ("R_X86_64_32S", orig[1]) in [(t, v) for _, t, v in detours], (orig, detours)
+        end = at + 7
+        assert ("R_X86_64_PC32", f".text+{end - 4:x}") in [(t, v) for _, t, v in detours], detours
+    assert ("R_X86_64_32S", f".text+{syms['romfs_fill_super'][1]:x}") in [(t, v) for _, t, v in detours]
+    # kp_mid at romfs_get_tree+0xc: the tail call to the kernel's get_tree_bdev carried to its copy.
+    assert ("R_X86_64_PLT32", "get_tree_bdev-4") in [(t, v) for _, t, v in detours], detours
+    # The placeholders the writer linked with are gone.
+    assert "kp_ph_" not in subprocess.run(["nm", str(rewritten_romfs)], capture_output=True, text=True).stdout
 
 
 def _exit_lines(out: str) -> list[tuple]:
@@ -351,13 +415,18 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     assert "romfs: module verification failed: signature and/or required key missing - tainting kernel" in out
     assert "disagrees about version" not in out and "no symbol version" not in out
     ksym = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"^ksym: ([0-9a-f]+) t (\S+)", out, re.M)}
-    assert set(ksym) == {"romfs_get_tree", "romfs_init_fs_context"}, r.explain("no kallsyms lines")
+    assert set(ksym) == {"romfs_get_tree", "romfs_init_fs_context", "romfs_fill_super"}, r.explain("no kallsyms")
     # ftrace no longer owns the probed entries (their __mcount_loc entries dropped), the others it does.
     assert not re.search(r"^ftrace-probed:", out, re.M), r.explain("a probed site is still ftrace's")
     assert int(re.search(r"^ftrace-romfs: (\d+)", out, re.M).group(1)) > 5
     # The C handler ran on each hit, with regs->ip the probed address + 1 (as an ftrace kprobe's).
     pre = re.findall(r"kp-module: romfs_get_tree pre ip=([0-9a-f]+) di=([0-9a-f]+)", out)
     assert len(pre) == 4 and {int(ip, 16) for ip, _ in pre[:3]} == {ksym["romfs_get_tree"] + 1}, out
+    # The optimized probe inside it: regs->ip the probed address + 1, as optimized_callback() sets it.
+    # (The module may load elsewhere the second time: its addresses then are ksym2.)
+    ksym2 = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"^ksym2: ([0-9a-f]+) t (\S+)", out, re.M)}
+    mid = re.findall(r"kp-module: romfs_get_tree\+0x5 mid ip=([0-9a-f]+)", out)
+    assert [int(ip, 16) for ip in mid] == [ksym["romfs_get_tree"] + 6] * 3 + [ksym2["romfs_get_tree"] + 6], out
     # The kretprobe on the same entry (one detour for both): romfs_get_tree() fails with -ENOTBLK.
     assert re.findall(r"kp-module: romfs_get_tree returned (-?\d+)", out) == ["-15"] * 4, out
     # The events, as trace_printk() lines behind the probed function (named while the module is
@@ -365,7 +434,9 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     # name), the C-handler probe's fetch (its fc the handler's %di, the mount's source string),
     # the `r` event with the return value and the caller.
     size = {f: _func_syms(romfs)[f][2] for f in ("romfs_get_tree", "romfs_init_fs_context")}
-    for n, mounts in (("1", pre[:3]), ("2", pre[3:])):
+    # kp_mid's %si, set by `mov $romfs_fill_super, %rsi` run from +0x5's detour (its R_X86_64_32S
+    # carried to the copy): romfs_fill_super's address once loaded.
+    for n, mounts, k in (("1", pre[:3], ksym), ("2", pre[3:], ksym2)):
         lines = re.findall(rf"^trace{n}: +\S+ +\[\d+\] \S+ +[\d.]+: (.*)$", out, re.M)
         lines = [re.sub(r"\(vfs_get_tree\+0x[0-9a-f]+/0x[0-9a-f]+ <- ", "(vfs_get_tree+X <- ", line) for line in lines]
         want = []
@@ -374,6 +445,8 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
                      "fstype=\"romfs\" comm=\"mount\"",
                      f"romfs_get_tree: p_romfs_get_tree_0: (romfs_get_tree+0x0/{size['romfs_get_tree']:#x}) "
                      f"fc=0x{di} source=\"/dev/null\"",
+                     f"romfs_get_tree: kp_mid: (romfs_get_tree+0xc/{size['romfs_get_tree']:#x}) "
+                     f"fill=0x{k['romfs_fill_super']:x}",
                      "romfs_get_tree: kp_get_tree_ret: (vfs_get_tree+X <- romfs_get_tree) ret=-15"]
         assert lines == want, r.explain(f"trace{n}: {lines}")
     # The counters in debugfs while loaded: 3 mounts, then 1 after the reload (from zero).
@@ -383,10 +456,8 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
                 for c in ("hits", "nmissed") + (("returns",) if p.startswith(("r_", "kp_get")) else ())}
         assert counters == want, r.explain(f"counter{n}: {counters}")
     assert _exit_lines(out) == [
-        *[(p, s, h, " nmissed 0" if p.startswith(("p_", "kp_ctx")) else f" returns {h} nmissed 0")
-          for h in ("3", "1")
-          for p, s in zip(PROBES, ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_init_fs_context+0x0",
-                                   "romfs_get_tree+0x0", "romfs_get_tree+0x0"])]], out
+        *[(p, s, h, " nmissed 0" if p.startswith(("p_", "kp_ctx", "kp_mid")) else f" returns {h} nmissed 0")
+          for h in ("3", "1") for p, s in zip(PROBES, SITES)]], out
 
 
 def test_truncated_module_is_one_line(romfs, tmp_path):

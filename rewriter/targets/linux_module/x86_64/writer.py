@@ -41,8 +41,9 @@ import subprocess
 from pathlib import Path
 
 from ....errors import KprewriteError
-from ....planner.model import FTRACE
-from .relocatable import SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
+from ....planner.model import FTRACE, OPTIMIZED
+from .optprobe import CopyRefused, FIELD_SIZE, covered, relocations
+from .relocatable import R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
 
 R_X86_64_NONE = 0
 META_SECTION = ".kprewrite.meta"
@@ -79,6 +80,48 @@ kp_detour_{i}:
 	jmp __x86_return_thunk
 	.size kp_detour_{i}, .-kp_detour_{i}
 """
+
+# An optimized (jump) probe's detour, entered by the `jmp` at the probed address (no
+# return address on the stack; the probed code's flags live): arch/x86/kernel/kprobes/
+# opt.c's optprobe_template: pt_regs built with ip the probed address + 1 (as
+# optimized_callback() sets it) and the flags saved first, the dispatch called, every
+# register restored (a handler's changes to them kept, as the kernel's; a pre_handler's
+# return value ignored, as opt_pre_handler() does), then the region's copy and the jump
+# back to the region's end.  {site} and {back} are placeholder references (optprobe.py).
+OPT_DETOUR_HEAD = r"""
+	.section .text.kprewrite,"ax",@progbits
+	.globl kp_detour_{i}
+	.type kp_detour_{i},@function
+kp_detour_{i}:
+	lea -0x10(%rsp), %rsp		/* ss, sp: no flags changed before they are saved */
+	pushfq
+	lea -0x10(%rsp), %rsp		/* cs, ip */
+	pushq $-1			/* orig_ax */
+	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
+	push %r8; push %r9; push %r10; push %r11
+	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
+	.byte 0x48, 0x8d, 0x05		/* lea <the probed address + 1>(%rip), %rax */
+	.long {site} - .
+	mov %rax, 0x80(%rsp)
+	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
+	lea 0xa8(%rsp), %rax		/* sp at the probed address */
+	mov %rax, 0x98(%rsp)
+	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
+	mov %rsp, %rdi
+	call kp_dispatch_{i}
+	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
+	pop %r11; pop %r10; pop %r9; pop %r8
+	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
+	lea 0x18(%rsp), %rsp		/* orig_ax, ip, cs */
+	popfq
+	lea 0x10(%rsp), %rsp		/* sp, ss */
+"""
+OPT_DETOUR_TAIL = r"""	.byte 0xe9			/* jmp <the region's end> */
+	.long {back} - .
+	.size kp_detour_{i}, .-kp_detour_{i}
+"""
+PLACEHOLDER = "kp_ph_"
+
 
 RUNTIME_C = r"""
 #include <kprewrite/kprobes.h>
@@ -167,6 +210,33 @@ static inline void kp_leave(void) { }
 """
 
 
+def opt_detour(i: int, site, mod, relocs, placeholders: dict) -> str:
+    """The optimized detour of site i (OPT_DETOUR_HEAD, the region's copies, OPT_DETOUR_TAIL),
+    each relocated field a reference to a new placeholder: placeholders[name] = Field
+    (optprobe.Field: what _redirect() points its relocation at)."""
+    from .optprobe import Field, region
+
+    def ph(field) -> str:
+        name = f"{PLACEHOLDER}{len(placeholders)}"
+        placeholders[name] = field
+        return name
+    sec, off = mod.place(site.addr)
+    end_sec, end = mod.place(site.region_end - 1)
+    out = [OPT_DETOUR_HEAD.replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))]
+    for code, fields in region(mod, relocs, site):
+        pos = 0
+        for fl in fields:
+            if fl.at > pos:
+                out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:fl.at]) + "\n")
+            out.append(f"\t.{'long' if fl.size == 4 else 'quad'} {ph(fl)}{' - .' if fl.carry is None else ''}\n")
+            pos = fl.at + fl.size
+        if pos < len(code):
+            out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:]) + "\n")
+    out.append(OPT_DETOUR_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
+                                                                                   addend=end + 1 - 4))))
+    return "".join(out)
+
+
 def _c_string(s: str) -> str:
     return json.dumps(s)
 
@@ -219,9 +289,10 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
         declare(ep.kret.handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
         declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
     out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
-    for p in kps:
+    for site, p in plan.kprobes:
+        flag = "KPROBE_FLAG_FTRACE" if site.decision == FTRACE else "KPROBE_FLAG_OPTIMIZED"
         out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
-                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
+                   f".flags = {flag}, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
     out.append("};")
     out.append(f"static unsigned long kp_hits[{max(len(kps), 1)}];")
     # kretprobes: a pool of maxactive instances each, claimed atomically; an instance is found
@@ -326,6 +397,17 @@ unsigned long kp_kret_return(struct pt_regs *regs)
             if trace_key(p) in traces:      # the event's pre_handler, which calls the user's
                 pre = f"kp_trace_pre_{trace_key(p)}"
             post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
+            if site.decision == OPTIMIZED:      # opt_pre_handler(): its return value ignored
+                body.append(f"""	{{
+		struct kprobe *p = &kp_probes[{i}];
+		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
+			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
+			if (!p->addr)
+				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
+			{f"{pre}(p, regs);" if pre else ""}
+		}}
+	}}""")
+                continue
             body.append(f"""	{{
 		struct kprobe *p = &kp_probes[{i}];
 		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
@@ -485,11 +567,29 @@ kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 
 
 
 def refuse_unsupported(s) -> None:
+    """One line per probe the module cannot take: an optimized probe with a post_handler
+    (the kernel never optimizes one; a module has no breakpoint probes), an optimized
+    region whose copy cannot carry its relocations (optprobe.py), a kretprobe away from
+    an ftrace site."""
+    from ....resolve import is_entry
+    from .optprobe import region
     lines = []
-    for site, p in s.plan.kprobes:
-        if site.decision != FTRACE:
-            lines.append(f"{s.spec.path.name}: {p.spec.table} ({p.label}): a module's probes are written "
-                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
+    relocs = None
+    for site in s.plan.sites:
+        if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
+            continue
+        label = lambda p: f"{s.spec.path.name}: {p.spec.table} ({p.label})"  # noqa: E731
+        for p in site.probes:
+            if not is_entry(p) and p.spec.post_handler:
+                lines.append(f"{label(p)}: post_handler at {site.addr:#x}: a module's probe away from an ftrace "
+                             f"site is an optimized one, which runs no post_handler (the kernel optimizes "
+                             f"no kprobe with one), and a module has no breakpoint probes")
+        relocs = relocs if relocs is not None else relocations(s.image.container)
+        try:
+            region(s.image.container, relocs, site)
+        except CopyRefused as e:
+            check, addr, why = e.args
+            lines += [f"{label(p)}: {check} at {addr:#x}: {why}" for p in site.probes if not is_entry(p)]
     for site, p, _ in s.plan.kretprobes:
         if site.decision != FTRACE:
             lines.append(f"{s.spec.path.name}: {p.kret.table} ({p.label}): a module's kretprobes are written "
@@ -525,7 +625,11 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
-    asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(sites_)))
+    relocs = relocations(mod)
+    placeholders: dict = {}
+    detours = [DETOUR_S.replace("{i}", str(i)) if site.decision == FTRACE
+               else opt_detour(i, site, mod, relocs, placeholders) for i, (site, _, _) in enumerate(sites_)]
+    asm.write_text("".join(f"\t.weak {n}\n" for n in placeholders) + "".join(detours)
                    + (TRAMPOLINE_S if s.plan.kretprobes else ""))
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
@@ -558,13 +662,18 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     sites = []
     for i, (site, _, _) in enumerate(sites_):
         placed = mod.place(site.addr)
-        sites.append((i, placed[0].name, placed[1]))
-    _redirect(data, str(linked), sites)
+        sites.append((i, placed[0].name, placed[1], site.decision))
+    data = _redirect(data, str(linked), sites, placeholders)
     meta = workdir / "meta.json"
     meta.write_bytes(metadata(s.plan, None, s.image.label))
     out = workdir / "out.ko"
     linked.write_bytes(data)
-    _run(["objcopy", "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
+    strip = []
+    if placeholders:                # no relocation names them any more
+        names = workdir / "kp_placeholders.txt"
+        names.write_text("".join(f"{n}\n" for n in placeholders))
+        strip = [f"--strip-symbols={names}"]
+    _run(["objcopy", *strip, "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
           f"{META_SECTION}=readonly", str(linked), str(out)], "objcopy")
     return out.read_bytes()
 
@@ -608,7 +717,7 @@ def _versions(mod, rt: Path, workdir: Path, cc: str) -> Path | None:
     undef, _ = _names(rt)
     orig = workdir / "orig.ko"
     _, defined = _names(orig)
-    new = sorted(undef - defined - have)
+    new = sorted(n for n in undef - defined - have if not n.startswith(PLACEHOLDER))   # placeholders go
     if not new:
         return None
     if mod.symvers is None:
@@ -654,9 +763,12 @@ def _run(cmd, what):
 _RELA = struct.Struct("<QQq")
 
 
-def _redirect(data: bytearray, path: str, sites) -> None:
-    """In the linked module: each site's `call __fentry__` relocation to its detour, its
-    __mcount_loc entry's relocation to R_X86_64_NONE, struct module's init and exit to ours."""
+def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = None) -> bytearray:
+    """In the linked module: each ftrace site's `call __fentry__` relocation to its detour, its
+    __mcount_loc entry's relocation to R_X86_64_NONE; each optimized site's first five bytes a
+    `jmp` to its detour (a relocation added, the ones its bytes cover made R_X86_64_NONE), its
+    copy's placeholder relocations pointed at what optprobe.py says; struct module's init and
+    exit to ours.  The module's bytes (a relocation section that grows moves to the end)."""
     secs = read_sections(bytes(data), path)
     symtab, syms = symbols(bytes(data), secs)
     strtab = secs[symtab.link]
@@ -684,7 +796,32 @@ def _redirect(data: bytearray, path: str, sites) -> None:
 
     def set_rela(at, off, sym, typ, addend):
         _RELA.pack_into(data, at, off, (sym << 32) | typ, addend)
-    for i, sec, off in sites:
+
+    def section_symbol(name):
+        shndx = by_name[name].index
+        return next(i for i, (_, info, _, sh, _, _) in enumerate(syms) if info & 0xF == 3 and sh == shndx)
+    # The copies' fields first: a carried relocation is read before a jump's bytes drop it.
+    for at, r_off, info, addend in relas(".text.kprewrite") if placeholders else []:
+        fl = placeholders.get(sym_name(info >> 32))
+        if fl is None:
+            continue
+        if fl.carry is not None:
+            orig = next(((i2 >> 32, i2 & 0xFFFFFFFF, a2) for _, o2, i2, a2 in relas(fl.section) if o2 == fl.carry), None)
+            if orig is None:
+                raise KprewriteError(f"{path}: {fl.section}+{fl.carry:#x} has no relocation to carry")
+            set_rela(at, r_off, *orig)
+        else:
+            set_rela(at, r_off, section_symbol(fl.section), R_X86_64_PC32, fl.addend)
+    extra: dict[str, list] = {}
+    for i, sec, off, decision in sites:
+        if decision == OPTIMIZED:
+            toff = by_name[sec].offset + off
+            data[toff:toff + 5] = b"\xe9\0\0\0\0"
+            for at, r_off, info, addend in relas(sec):
+                if r_off < off + 5 and r_off + FIELD_SIZE.get(info & 0xFFFFFFFF, 4) > off:
+                    set_rela(at, r_off, 0, R_X86_64_NONE, 0)
+            extra.setdefault(sec, []).append((off + 1, index[f"kp_detour_{i}"], R_X86_64_PC32, -4))
+            continue
         shndx = by_name[sec].index
         done = False
         for at, r_off, info, addend in relas(sec):
@@ -701,3 +838,21 @@ def _redirect(data: bytearray, path: str, sites) -> None:
         if n in ("init_module", "cleanup_module"):
             set_rela(at, r_off, index["kp_module_init" if n == "init_module" else "kp_module_exit"],
                      info & 0xFFFFFFFF, addend)
+    return _append_relas(data, path, secs, extra)
+
+
+def _append_relas(data: bytearray, path: str, secs, extra: dict) -> bytearray:
+    """Each section's relocation section with the entries of extra[section] added: its
+    table copied to the end of the file with them (a relocatable object's sections may
+    lie anywhere), its header pointed there."""
+    shoff, shentsize = struct.unpack_from("<Q", data, 0x28)[0], struct.unpack_from("<H", data, 0x3A)[0]
+    for name in sorted(extra):
+        r = next((sc for sc in secs if sc.type == SHT_RELA and secs[sc.info].name == name), None)
+        if r is None:
+            raise KprewriteError(f"{path}: {name} has no relocation section for the probes' jumps")
+        table = bytes(data[r.offset:r.offset + r.size]) + b"".join(
+            _RELA.pack(off, (sym << 32) | typ, addend) for off, sym, typ, addend in extra[name])
+        data += bytes(-len(data) % 8)
+        struct.pack_into("<QQ", data, shoff + r.index * shentsize + 24, len(data), len(table))
+        data += table
+    return data
