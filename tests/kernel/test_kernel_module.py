@@ -525,11 +525,20 @@ def test_module_noinstr_alternatives_ex_table(modules, tmp_path):
     insn = int(m.group(1), 16)
     func, start = next((n, v) for n, (sec, v, size) in _func_syms(ko).items()
                        if sec == ".text" and v + 5 < insn < v + size)
+    # A function with a `jmp` through a retpoline thunk (objdump: a jmp whose relocation names
+    # __x86_indirect_thunk_*): an indirect jump, which refuses optimizing it (insn_is_indirect_jump()).
+    dis = subprocess.run(["objdump", "-dr", "--no-show-raw-insn", str(ko)], capture_output=True, text=True,
+                         check=True).stdout
+    thunk_jumper = re.search(r"^[0-9a-f]+ <(\w+)>:$(?:\n(?!\n).*)*?\n\s+[0-9a-f]+:\s+jmp\s.*\n\s+[0-9a-f]+: "
+                             r"R_X86_64_PLT32\s+__x86_indirect_thunk_", dis, re.M).group(1)
     spec = tmp_path / "probes.toml"
     # Right after the ftrace site (an instruction boundary), so the region check comes first.
     spec.write_text(f'[[kprobe]]\nsymbol_name = "{func}"\noffset = 5\n'
-                    f'[[kprobe]]\nsymbol_name = "{sorted(noinstr)[0]}"\n')
+                    f'[[kprobe]]\nsymbol_name = "{sorted(noinstr)[0]}"\n'
+                    f'[[kprobe]]\nsymbol_name = "{thunk_jumper}"\noffset = 5\n')
     r = kprewrite("check", ko, "--spec", spec, check=False)
+    assert re.search(rf"^{thunk_jumper}\+0x5  k  refused  indirect_jump at 0x\S+: {thunk_jumper} jumps through a "
+                     "retpoline thunk", r.stdout, re.M), r.stdout
     assert re.search(rf"^{func}\+0x5  k  refused  __ex_table at 0x\S+: {func} has an exception "
                      "table entry", r.stdout, re.M), r.stdout
     assert re.search(rf"^{sorted(noinstr)[0]}\+0x0  k  refused  blacklist at .* in \.noinstr\.text", r.stdout, re.M), r.stdout

@@ -74,11 +74,37 @@ def rules(image, arch) -> Rules:
                              "code (probe it in the kernel image)") for f in image.functions if lo <= f.start < hi]
     if extra:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
+    r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
     # No breakpoint hook in a module (yet): no int3 sites.
     r.int3 = False
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r
+
+
+# The kernel's retpoline thunks, which a module calls or jumps to by name (the kernel
+# image's [__indirect_thunk_start, __indirect_thunk_end) is not the module's to read).
+THUNKS = ("__x86_indirect_thunk_", "__x86_indirect_jump_thunk_")
+
+
+def _thunk_jumps(image, arch, inner):
+    """can_optimize()'s insn_is_indirect_jump() for a module: a `jmp` (not a call) to a
+    retpoline thunk is an indirect jump, which refuses optimizing the whole function (its
+    targets are unknown: one may be inside a region).  The kernel image's function_refusal
+    (exception tables) first."""
+    lo, hi = image.container.stand_in
+    thunks = {a for n, a in image.all_symbols().items() if n.startswith(THUNKS) and lo <= a < hi}
+
+    def refusal(analysis, func):
+        why = inner(analysis, func) if inner is not None else None
+        if why is not None or not thunks:
+            return why
+        for target, src in analysis.decoded(func).branches:
+            if target in thunks and image.read(src, 1) != b"\xe8":
+                return arch.Refusal("indirect_jump", src, f"{func.name} jumps through a retpoline thunk "
+                                                          "(an indirect jump)")
+        return None
+    return refusal
 
 
 def _tables(image) -> None:
