@@ -437,7 +437,7 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 		return 0;
 	}}
 {chr(10).join(body)}
-out:
+{"out:" if "goto out" in "".join(body) else ""}
 	kp_leave();
 	return r;
 }}""")
