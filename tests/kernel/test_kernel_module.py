@@ -36,7 +36,9 @@ pytestmark = pytest.mark.kernel
 
 # romfs: small, not loaded at boot, exercised by mount(2); kvm-amd: .noinstr.text,
 # .altinstructions and __ex_table, which romfs lacks (read only, never loaded).
-MODULES = {"romfs": "kernel/fs/romfs/romfs.ko", "kvm-amd": "kernel/arch/x86/kvm/kvm-amd.ko"}
+MODULES = {"romfs": "kernel/fs/romfs/romfs.ko", "kvm-amd": "kernel/arch/x86/kvm/kvm-amd.ko",
+           "loop": "kernel/drivers/block/loop.ko"}
+# loop.ko (unmodified, no dependencies) gives a block device for a real romfs mount.
 
 
 def obtain_modules(k: kernel_env.DebianKernel, rels: list[str]) -> list[Path]:
@@ -273,14 +275,59 @@ mount -t romfs /dev/null /mnt 2>/dev/null
 grep -v '^#' $T/trace | sed 's/^/trace2: /'
 for f in $D/*/*; do echo "counter2: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod2=$?
+insmod /loop.ko; echo loop=$?
+insmod /romfs.ko; echo insmod3=$?
+grep -E ' (romfs_get_tree|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym3: /'
+losetup /dev/loop0 /romfs.img; echo losetup=$?
+mount -t romfs -o ro /dev/loop0 /mnt; echo mount3=$?
+cat /mnt/hello | sed 's/^/file: /'
+umount /mnt
+rmmod romfs; echo rmmod3=$?
 """
 
 # Each probe's name, in the exit lines' order (kprobes, then kretprobes, in spec order: the
 # tables', then the events').
 PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5", "p_romfs_init_fs_context_5",
+          "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119",
           "kp_ctx", "kp_mid", "r_romfs_get_tree_0", "kp_get_tree_ret"]
 SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
+         "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77",
          "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_get_tree+0x0", "romfs_get_tree+0x0"]
+# Each load's mounts: 3 that fail (/dev/null), 1 that fails, 1 of a romfs image on a loop device,
+# the only one that reaches romfs_fill_super().
+MOUNTS = (3, 1, 1)
+
+
+def hits(probe: str, load: int) -> int:
+    return int(load == 2) if "fill_super" in probe else MOUNTS[load]
+
+
+def romfs_image(name: bytes, data: bytes) -> bytes:
+    """A romfs image (the kernel's Documentation/filesystems/romfs.rst) whose root directory
+    holds "." and one file: the superblock ("-rom1fs-", the size, a checksum making the first
+    512 bytes' big-endian words sum to 0, the volume name), then each file header (next with
+    the type in its low bits, spec.info, size, checksum, name), each 16-byte aligned."""
+    import struct
+
+    def pad(b: bytes) -> bytes:
+        return b + bytes(-len(b) % 16)
+
+    def header(nxt: int, typ: int, spec: int, size: int, fname: bytes) -> bytes:
+        h = bytearray(struct.pack(">IIII", nxt | typ, spec, size, 0) + pad(fname + b"\0"))
+        struct.pack_into(">I", h, 12, -sum(struct.unpack(f">{len(h) // 4}I", h)) & 0xFFFFFFFF)
+        return bytes(h)
+    vol = pad(b"kprewrite\0")
+    root = 16 + len(vol)
+    file_at = root + 32                 # "." takes a 16-byte header and a 16-byte name
+    img = bytearray(b"-rom1fs-" + bytes(8) + vol + header(file_at, 1, root, 0, b".")
+                    + header(0, 2, 0, len(data), name) + pad(data))
+    img += bytes(-len(img) % 4096)
+    struct.pack_into(">I", img, 8, len(img))
+    struct.pack_into(">I", img, 12, -sum(struct.unpack(">128I", img[:512])) & 0xFFFFFFFF)
+    return bytes(img)
+
+
+ROMFS_FILE = b"hello from a romfs image\n"
 
 
 @pytest.fixture(scope="module")
@@ -300,6 +347,12 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
         # relocations (R_X86_64_32S to .text and to .rodata, R_X86_64_PLT32 to a kernel function).
         '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npre_handler = "handler_mid"\n'
         '[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 5\n'
+        # Run by the real mount only: a `je` re-encoded (R_X86_64_PC32 to .text made for it), a
+        # load of kmalloc_caches (its R_X86_64_PC32 to the kernel carried), a call to the
+        # kernel's kmalloc_trace() emulated in the copy (its R_X86_64_PLT32 carried).
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x1d\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x52\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x77\n'
         '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n')
     out = d / "romfs.ko"
     kprewrite("instrument", romfs, "--spec", d / "probes.toml", "--system-map", symvers, "-o", out)
@@ -362,6 +415,9 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0x5 [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0x5 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0x1d [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0x52 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0x77 [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]",
@@ -399,19 +455,33 @@ def _exit_lines(out: str) -> list[tuple]:
     return re.findall(r"kprewrite: romfs: (\S+) (\S+) hits (\d+)(.*)", out)
 
 
-def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritten_romfs, make_initramfs,
+def _initrd(make_initramfs, rewritten_romfs, modules):
+    return make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs, "loop.ko": modules["loop"],
+                                                             "romfs.img": romfs_image(b"hello", ROMFS_FILE)})
+
+
+def _expected_exits() -> list[tuple]:
+    """Each load's exit lines: every probe's hits (a kretprobe's returns), nmissed 0."""
+    return [(p, s, str(hits(p, n)), " nmissed 0" if p.startswith(("p_", "kp_ctx", "kp_mid"))
+             else f" returns {hits(p, n)} nmissed 0") for n in range(len(MOUNTS)) for p, s in zip(PROBES, SITES)]
+
+
+def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritten_romfs, modules, make_initramfs,
                                                    boot_kernel):
     """The unmodified Debian kernel insmods the rewritten romfs.ko (tainted: unsigned), the probes fire
     from mount(2) (romfs_init_fs_context and romfs_get_tree run, then the mount fails: /dev/null is no
     block device), the events' lines are in the trace and the counters in debugfs while it is loaded,
     rmmod prints each probe's hits and removes the counters, and the module loads, traces and counts
-    again."""
-    initrd = make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs})
-    r = boot_kernel("module-romfs", debian_kernel.vmlinux, initrd, smp=2, timeout=180)
+    again; loaded a third time, it mounts a romfs image through a loop device (romfs_fill_super() runs,
+    through three optimized probes' copies) and the file reads back."""
+    r = boot_kernel("module-romfs", debian_kernel.vmlinux, _initrd(make_initramfs, rewritten_romfs, modules),
+                    smp=2, timeout=180)
     kernel_env.assert_boot_ok(r)
     out = r.between()
-    for line in ("insmod1=0", "rmmod1=0", "loaded: 0", "debugfs-left: 0", "insmod2=0", "rmmod2=0"):
+    for line in ("insmod1=0", "rmmod1=0", "loaded: 0", "debugfs-left: 0", "insmod2=0", "rmmod2=0",
+                 "loop=0", "insmod3=0", "losetup=0", "mount3=0", "rmmod3=0"):
         assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")
+    assert re.findall(r"^file: (.*)$", out, re.M) == [ROMFS_FILE.decode().strip()], r.explain("no file read")
     assert "romfs: module verification failed: signature and/or required key missing - tainting kernel" in out
     assert "disagrees about version" not in out and "no symbol version" not in out
     ksym = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"^ksym: ([0-9a-f]+) t (\S+)", out, re.M)}
@@ -419,16 +489,20 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     # ftrace no longer owns the probed entries (their __mcount_loc entries dropped), the others it does.
     assert not re.search(r"^ftrace-probed:", out, re.M), r.explain("a probed site is still ftrace's")
     assert int(re.search(r"^ftrace-romfs: (\d+)", out, re.M).group(1)) > 5
+    # The module may load elsewhere each time: its addresses are ksym, ksym2, ksym3.
+    ksym2, ksym3 = ({m.group(2): int(m.group(1), 16) for m in re.finditer(rf"^ksym{n}: ([0-9a-f]+) t (\S+)", out, re.M)}
+                    for n in (2, 3))
     # The C handler ran on each hit, with regs->ip the probed address + 1 (as an ftrace kprobe's).
     pre = re.findall(r"kp-module: romfs_get_tree pre ip=([0-9a-f]+) di=([0-9a-f]+)", out)
-    assert len(pre) == 4 and {int(ip, 16) for ip, _ in pre[:3]} == {ksym["romfs_get_tree"] + 1}, out
+    assert [int(ip, 16) for ip, _ in pre] == [ksym["romfs_get_tree"] + 1] * 3 + [
+        ksym2["romfs_get_tree"] + 1, ksym3["romfs_get_tree"] + 1], out
     # The optimized probe inside it: regs->ip the probed address + 1, as optimized_callback() sets it.
-    # (The module may load elsewhere the second time: its addresses then are ksym2.)
-    ksym2 = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"^ksym2: ([0-9a-f]+) t (\S+)", out, re.M)}
     mid = re.findall(r"kp-module: romfs_get_tree\+0x5 mid ip=([0-9a-f]+)", out)
-    assert [int(ip, 16) for ip in mid] == [ksym["romfs_get_tree"] + 6] * 3 + [ksym2["romfs_get_tree"] + 6], out
-    # The kretprobe on the same entry (one detour for both): romfs_get_tree() fails with -ENOTBLK.
-    assert re.findall(r"kp-module: romfs_get_tree returned (-?\d+)", out) == ["-15"] * 4, out
+    assert [int(ip, 16) for ip in mid] == [ksym["romfs_get_tree"] + 6] * 3 + [
+        ksym2["romfs_get_tree"] + 6, ksym3["romfs_get_tree"] + 6], out
+    # The kretprobe on the same entry (one detour for both): romfs_get_tree() fails with -ENOTBLK,
+    # then succeeds on the loop device.
+    assert re.findall(r"kp-module: romfs_get_tree returned (-?\d+)", out) == ["-15"] * 4 + ["0"], out
     # The events, as trace_printk() lines behind the probed function (named while the module is
     # loaded): per mount, the `p` event (the file system's name through fc->fs_type, the task's
     # name), the C-handler probe's fetch (its fc the handler's %di, the mount's source string),
@@ -436,7 +510,7 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     size = {f: _func_syms(romfs)[f][2] for f in ("romfs_get_tree", "romfs_init_fs_context")}
     # kp_mid's %si, set by `mov $romfs_fill_super, %rsi` run from +0x5's detour (its R_X86_64_32S
     # carried to the copy): romfs_fill_super's address once loaded.
-    for n, mounts, k in (("1", pre[:3], ksym), ("2", pre[3:], ksym2)):
+    for n, mounts, k in (("1", pre[:3], ksym), ("2", pre[3:4], ksym2)):
         lines = re.findall(rf"^trace{n}: +\S+ +\[\d+\] \S+ +[\d.]+: (.*)$", out, re.M)
         lines = [re.sub(r"\(vfs_get_tree\+0x[0-9a-f]+/0x[0-9a-f]+ <- ", "(vfs_get_tree+X <- ", line) for line in lines]
         want = []
@@ -450,14 +524,12 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
                      "romfs_get_tree: kp_get_tree_ret: (vfs_get_tree+X <- romfs_get_tree) ret=-15"]
         assert lines == want, r.explain(f"trace{n}: {lines}")
     # The counters in debugfs while loaded: 3 mounts, then 1 after the reload (from zero).
-    for n, hits in (("1", "3"), ("2", "1")):
-        counters = dict(re.findall(rf"^counter{n}: (\S+) (\d+)$", out, re.M))
-        want = {f"{p}/{c}": ("0" if c == "nmissed" else hits) for p in PROBES
+    for n in (0, 1):
+        counters = dict(re.findall(rf"^counter{n + 1}: (\S+) (\d+)$", out, re.M))
+        want = {f"{p}/{c}": str(0 if c == "nmissed" else hits(p, n)) for p in PROBES
                 for c in ("hits", "nmissed") + (("returns",) if p.startswith(("r_", "kp_get")) else ())}
-        assert counters == want, r.explain(f"counter{n}: {counters}")
-    assert _exit_lines(out) == [
-        *[(p, s, h, " nmissed 0" if p.startswith(("p_", "kp_ctx", "kp_mid")) else f" returns {h} nmissed 0")
-          for h in ("3", "1") for p, s in zip(PROBES, SITES)]], out
+        assert counters == want, r.explain(f"counter{n + 1}: {counters}")
+    assert _exit_lines(out) == _expected_exits(), out
 
 
 def test_truncated_module_is_one_line(romfs, tmp_path):
@@ -486,22 +558,21 @@ def test_oversized_module_is_refused(romfs, tmp_path):
     assert lines[0].endswith("(more than 256 MiB): not a module the loader would take")
 
 
-def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_romfs, make_initramfs, boot_kernel,
-                                                       tmp_path):
+def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_romfs, modules, make_initramfs,
+                                                       boot_kernel, tmp_path):
     """The rewritten romfs.ko in a rewritten kernel: each image's runtime counts its own probes
     (the module's is its own, with hidden symbols; the kernel's prints its kprobe_profile at power-off)."""
     spec = tmp_path / "k.toml"
     spec.write_text('[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
     vmlinux = tmp_path / "vmlinux"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", vmlinux)
-    initrd = make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs})
-    r = boot_kernel("module-romfs-rewritten-kernel", vmlinux, initrd, smp=2, timeout=180)
+    r = boot_kernel("module-romfs-rewritten-kernel", vmlinux, _initrd(make_initramfs, rewritten_romfs, modules),
+                    smp=2, timeout=180)
     kernel_env.assert_boot_ok(r)
     out = r.between()
-    for line in ("insmod1=0", "rmmod1=0", "insmod2=0", "rmmod2=0"):
+    for line in ("insmod1=0", "rmmod1=0", "insmod2=0", "rmmod2=0", "mount3=0", "rmmod3=0"):
         assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")
-    hits = [(p, h) for p, _, h, _ in _exit_lines(out)]
-    assert hits == [(p, h) for h in ("3", "1") for p in PROBES], out
+    assert _exit_lines(out) == _expected_exits(), out
     assert len(re.findall(r"^trace2: .* kp_get_tree_ret: .* ret=-15$", out, re.M)) == 1, out
     profile = r.profile()
     # The kernel's profile: its probe (and its own boot hooks), none of the module's.
