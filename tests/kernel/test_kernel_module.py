@@ -2,12 +2,13 @@
 does not load it at boot) read as the module loader lays it out: the target detected, the
 kernel's rules read from the module's own tables, `check` and `blacklist` on it; rewritten with
 a C-handler probe with a `fetch`, a counting probe, a kretprobe and two `events` lines (a `p`
-and an `r`) at ftrace sites, with the kernel's Module.symvers for the CRCs of what the module's
-runtime calls, `list` on it, and in one boot of the unmodified Debian kernel: insmod, mount(2)
+and an `r`) at ftrace sites, and optimized probes inside functions (a C handler, an event, counting
+probes), with the kernel's Module.symvers for the CRCs of what the module's runtime calls, `list`
+and readelf's relocations on it, and in one boot of the unmodified Debian kernel: insmod, mount(2)
 exercising the probes, the events' lines in the ftrace ring buffer and each probe's counters in
-debugfs while loaded, rmmod printing the hits, loaded, traced and counted again; then the same
-in a rewritten kernel image (each counts its own).  What a module does not take yet is refused
-with one line.
+debugfs while loaded, rmmod printing the hits, loaded, traced and counted again, loaded a third
+time to mount a romfs image on a loop device; then the same in a rewritten kernel image (each
+counts its own).  What a module does not take yet is refused with one line.
 
 What the rules must find is counted independently, from the .ko's relocation sections (each
 entry of __mcount_loc, .return_sites, .retpoline_sites is one relocation against the text):
