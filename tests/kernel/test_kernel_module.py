@@ -263,11 +263,21 @@ insmod /romfs.ko; echo insmod1=$?
 grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
 grep -c '^romfs_' $T/available_filter_functions | sed 's/^/ftrace-romfs: /'
 grep -E '^romfs_(get_tree|init_fs_context)[[:space:]]' $T/available_filter_functions | sed 's/^/ftrace-probed: /'
+E=$T/events/kprobes
+ls $E | sed 's/^/event: /'
+grep -E '^[[:space:]]+field:' $E/kp_mid/format | sed 's/^/format: /'
+A=$(grep -E ' romfs_fill_super([[:space:]]|$)' /proc/kallsyms | cut -d' ' -f1)
+echo "fill == 0x$A" > $E/kp_mid/filter; echo filter-mid=$?
+echo 'fstype == "ext4"' > $E/kp_ctx/filter; echo filter-ctx=$?
+echo 0 > $E/kp_get_tree_ret/enable; echo disable-ret=$?
+echo 'hist:keys=common_pid' > $E/p_romfs_get_tree_0/trigger; echo hist=$?
 for i in 1 2 3; do mount -t romfs /dev/null /mnt 2>/dev/null; done
+grep -E '^Totals:|Hits:' $E/p_romfs_get_tree_0/hist | sed 's/^/hist: /'
 grep -v '^#' $T/trace | sed 's/^/trace1: /'
 for f in $D/*/*; do echo "counter1: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod1=$?
 grep -c romfs /proc/modules | sed 's/^/loaded: /'
+ls $E 2>/dev/null | grep -c -E '^(kp_|p_|r_)' | sed 's/^/events-left: /'
 ls $D 2>/dev/null | wc -l | sed 's/^/debugfs-left: /'
 echo > $T/trace
 insmod /romfs.ko; echo insmod2=$?
@@ -480,7 +490,8 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     kernel_env.assert_boot_ok(r)
     out = r.between()
     for line in ("insmod1=0", "rmmod1=0", "loaded: 0", "debugfs-left: 0", "insmod2=0", "rmmod2=0",
-                 "loop=0", "insmod3=0", "losetup=0", "mount3=0", "rmmod3=0"):
+                 "loop=0", "insmod3=0", "losetup=0", "mount3=0", "rmmod3=0",
+                 "filter-mid=0", "filter-ctx=0", "disable-ret=0", "hist=0", "events-left: 0"):
         assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")
     assert re.findall(r"^file: (.*)$", out, re.M) == [ROMFS_FILE.decode().strip()], r.explain("no file read")
     assert "romfs: module verification failed: signature and/or required key missing - tainting kernel" in out
@@ -504,10 +515,21 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     # The kretprobe on the same entry (one detour for both): romfs_get_tree() fails with -ENOTBLK,
     # then succeeds on the loop device.
     assert re.findall(r"kp-module: romfs_get_tree returned (-?\d+)", out) == ["-15"] * 4 + ["0"], out
-    # The events, as trace_printk() lines behind the probed function (named while the module is
-    # loaded): per mount, the `p` event (the file system's name through fc->fs_type, the task's
-    # name), the C-handler probe's fetch (its fc the handler's %di, the mount's source string),
-    # the `r` event with the return value and the caller.
+    # Each event is the kernel's own event call (the kernel's BTF beside Module.symvers), registered
+    # by the module loader with the module and removed with it: events/kprobes/<EVENT>/ with the
+    # fields of a kprobe event (its format), a filter on a number (kp_mid's fill, equal to
+    # romfs_fill_super's address: kept) and on a string (kp_ctx's fstype, not "ext4": dropped), an
+    # event disabled (kp_get_tree_ret), a hist trigger counting as many hits as the probe's counter.
+    events = set(re.findall(r"^event: (\S+)$", out, re.M))
+    assert {"kp_ctx", "kp_mid", "kp_get_tree_ret", "p_romfs_get_tree_0", "enable", "filter"} <= events, events
+    fmt = [" ".join(line.split()) for line in re.findall(r"^format: (.*)$", out, re.M)]
+    assert "field:unsigned long __probe_ip; offset:8; size:8; signed:0;" in fmt, fmt
+    assert "field:u64 fill; offset:16; size:8; signed:0;" in fmt, fmt
+    assert re.search(r"^hist: +Hits: 3$", out, re.M), r.explain("no hist Hits: 3")
+    # The lines, as the kernel prints a kprobe event's (our output type's .trace): per mount, the
+    # `p` event (the file system's name through fc->fs_type, the task's name), the C-handler
+    # probe's fetch (its fc the handler's %di, the mount's source string), the event inside the
+    # function, the `r` event with the return value and the caller; the first load's filtered.
     size = {f: _func_syms(romfs)[f][2] for f in ("romfs_get_tree", "romfs_init_fs_context")}
     # kp_mid's %si, set by `mov $romfs_fill_super, %rsi` run from +0x5's detour (its R_X86_64_32S
     # carried to the copy): romfs_fill_super's address once loaded.
@@ -516,13 +538,12 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
         lines = [re.sub(r"\(vfs_get_tree\+0x[0-9a-f]+/0x[0-9a-f]+ <- ", "(vfs_get_tree+X <- ", line) for line in lines]
         want = []
         for _, di in mounts:
-            want += [f"romfs_init_fs_context: kp_ctx: (romfs_init_fs_context+0x0/{size['romfs_init_fs_context']:#x}) "
-                     "fstype=\"romfs\" comm=\"mount\"",
-                     f"romfs_get_tree: p_romfs_get_tree_0: (romfs_get_tree+0x0/{size['romfs_get_tree']:#x}) "
+            want += [f"kp_ctx: (romfs_init_fs_context+0x0/{size['romfs_init_fs_context']:#x}) "
+                     "fstype=\"romfs\" comm=\"mount\""] * (n == "2")
+            want += [f"p_romfs_get_tree_0: (romfs_get_tree+0x0/{size['romfs_get_tree']:#x}) "
                      f"fc=0x{di} source=\"/dev/null\"",
-                     f"romfs_get_tree: kp_mid: (romfs_get_tree+0xc/{size['romfs_get_tree']:#x}) "
-                     f"fill=0x{k['romfs_fill_super']:x}",
-                     "romfs_get_tree: kp_get_tree_ret: (vfs_get_tree+X <- romfs_get_tree) ret=-15"]
+                     f"kp_mid: (romfs_get_tree+0xc/{size['romfs_get_tree']:#x}) fill=0x{k['romfs_fill_super']:x}"]
+            want += ["kp_get_tree_ret: (vfs_get_tree+X <- romfs_get_tree) ret=-15"] * (n == "2")
         assert lines == want, r.explain(f"trace{n}: {lines}")
     # The counters in debugfs while loaded: 3 mounts, then 1 after the reload (from zero).
     for n in (0, 1):

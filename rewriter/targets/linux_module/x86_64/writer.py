@@ -260,7 +260,7 @@ def _preempt_c(symvers: dict | None) -> str:
 
 
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
-              debugfs: bool = False, symvers: dict | None = None) -> str:
+              debugfs: bool = False, symvers: dict | None = None, event_calls: bool = False) -> str:
     """The module's runtime: probe structures, the dispatch of each site, the kretprobe
     entry and return, init and exit.  traces: the trace events (events.trace_key ->
     TraceEvent) whose kp_trace_pre_<key>/kp_trace_ret_<key> (events.trace_c(), in
@@ -441,11 +441,11 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 	kp_leave();
 	return r;
 }}""")
-    out.append(_init_exit_c(module, len(kps), len(krs), debugfs))
+    out.append(_init_exit_c(module, len(kps), len(krs), debugfs, event_calls))
     return "\n".join(out)
 
 
-def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool) -> str:
+def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool, event_calls: bool = False) -> str:
     """kp_module_init/kp_module_exit: arm, chain to the module's own init and exit, disarm and
     print each probe's counts; with debugfs, /sys/kernel/debug/kprewrite-<module>/<EVENT>/
     {hits,nmissed} (and a kretprobe's `returns`) while the module is loaded, made with
@@ -485,12 +485,15 @@ static int kp_debugfs_ok(void *d)
 	return d && (unsigned long)d < (unsigned long)-4095;
 }
 """
+    if event_calls:
+        decl += "\nvoid kp_module_trace_init(void);\n"
     return f"""{decl}
 int kp_module_init(void)
 {{
 	unsigned int i = 0;
 	int r;
 	(void)i;{mk}
+{"	kp_module_trace_init();	/* the events' calls, registered before init (event_calls_c()) */" if event_calls else ""}
 	kp_armed = 1;
 	r = init_module();
 	if (r) {{
@@ -602,6 +605,125 @@ def refuse_unsupported(s) -> None:
         raise KprewriteError(*lines)
 
 
+def _names_bound(ev) -> int:
+    """kp_trace_buffer.c's kp_trace_names_bound(): the bytes of an event's print_fmt and its
+    array fields' "TYPE[N]" names."""
+    total = 128
+    for a in ev.args:
+        n = len(a.name.encode())
+        total += 48 + n + (a.count or 1) * (n + 48)
+    return total
+
+
+def event_calls_c(traces: dict, layout: list) -> str:
+    """Each trace event as the kernel's own event call (events/kprobes/<EVENT>/): the image's
+    runtime (runtime/platform/linux_kernel/kp_trace_buffer.c, built with KP_MODULE_EVENTS:
+    its entries, fields, print_fmt, reg and .trace function) with each event's
+    trace_event_call, class and fields_array laid out here from the kernel's BTF (layout:
+    kernel_btf.layout()) and listed in the module's `_ftrace_events` section, from which
+    the module loader's trace notifier registers them before the module's init
+    (trace_module_add_events(): raw_init, the output type, the tracefs files) and removes
+    them after its exit (trace_module_remove_events()), as for a module's TRACE_EVENT()s.
+    raw_init fills in what the names need (print_fmt, array types) first."""
+    from ....link_runtime import RUNTIME_DIR
+    from ..kernel_btf import EXTRA
+    trace_n = len(layout) - len(EXTRA)
+    (raw_init,) = layout[trace_n:]
+    order = sorted(traces, key=str)
+    out = ["#define KP_MODULE_EVENTS 1",
+           f'#include "{RUNTIME_DIR / "platform" / "linux_kernel" / "kp_trace_buffer.c"}"',
+           f"const long kp_kernel_trace[KP_TR_N] = {{ {', '.join(map(str, layout[:trace_n]))} }};",
+           f"_Static_assert(KP_TR_N == {trace_n}, \"kp_kernel_trace[]: the kernel platform's layout\");",
+           "int trace_event_raw_init(void *call);",
+           "static int kp_module_raw_init(void *call);",
+           f"#define KP_NCALLS {len(order)}"]
+    L = dict(zip(("entry", "ev_size", "ev_type", "ev_funcs", "seq", "ent", "ent_size", "buffer", "call_size",
+                  "call_class", "call_name", "call_event", "print_fmt", "class_size", "system", "reg",
+                  "fields_array", "fields", "fields_size", "define"), layout))
+    for k, v in [*L.items(), ("raw_init", raw_init)]:
+        if k not in ("ev_type", "seq", "ent", "ent_size", "buffer", "call_size", "class_size", "fields_size",
+                     "entry", "ev_size") and v % 8:
+            raise KprewriteError(f"the kernel's BTF puts {k} at {v}, not a pointer's place")
+    for i, k in enumerate(order):
+        ev = traces[k]
+        out.append(f"static char kp_module_names_{i}[{_names_bound(ev)}];")
+        out.append(f"static const char *kp_module_types_{i}[{len(ev.args) + 1}];")
+    out.append("static struct kp_trace_type kp_module_types[KP_NCALLS] = {")
+    for i, k in enumerate(order):
+        t = f"kp_module_types[{i}]"
+        fl = L["fields"] // 8
+        out.append(f"\t{{ .call = {{ [{L['call_class'] // 8}] = (unsigned long){t}.class, "
+                   f"[{L['call_name'] // 8}] = (unsigned long){json.dumps(traces[k].name)}, "
+                   f"[{(L['call_event'] + L['ev_funcs']) // 8}] = (unsigned long)kp_trace_funcs }},\n"
+                   f"\t  .class = {{ [{L['system'] // 8}] = (unsigned long)\"kprobes\", "
+                   f"[{L['reg'] // 8}] = (unsigned long)kp_trace_reg, "
+                   f"[{raw_init // 8}] = (unsigned long)kp_module_raw_init, "
+                   f"[{L['fields_array'] // 8}] = (unsigned long){t}.fields, "
+                   f"[{fl}] = (unsigned long)&{t}.class[{fl}], [{fl + 1}] = (unsigned long)&{t}.class[{fl}] }},\n"
+                   f"\t  .fields = {{ {{ [0] = ~0UL, [{L['define'] // 8}] = (unsigned long)kp_trace_define_fields }} }} }},")
+    out.append("};")
+    out.append("static void *const kp_module_ftrace_events[KP_NCALLS] __attribute__((section(\"_ftrace_events\"), "
+               "used, aligned(8))) = { " + ", ".join(f"kp_module_types[{i}].call" for i in range(len(order))) + " };")
+    out.append("static char *const kp_module_names[KP_NCALLS] = { "
+               + ", ".join(f"kp_module_names_{i}" for i in range(len(order))) + " };")
+    out.append("static const char **const kp_module_arrays[KP_NCALLS] = { "
+               + ", ".join(f"kp_module_types_{i}" for i in range(len(order))) + " };")
+    out.append(f"static const unsigned long kp_module_names_size[KP_NCALLS] = {{ "
+               + ", ".join(str(_names_bound(traces[k])) for k in order) + " };")
+    out.append(MODULE_EVENTS_C)
+    return "\n".join(out) + "\n"
+
+
+# The module's side of its event calls (event_calls_c()).
+MODULE_EVENTS_C = r"""
+/* The trace_event_class's raw_init, from the module loader's trace notifier (process
+ * context, before the module's init): the event, its fields' total, print_fmt and the
+ * array fields' types (before define_fields reads them), then the output type
+ * (trace_event_raw_init(): register_trace_event()). */
+static int kp_module_raw_init(void *call)
+{
+	struct kp_trace_type *t = call;
+	unsigned int i = (unsigned int)(t - kp_module_types);
+	if (i >= KP_NCALLS || i >= kp_ntrace_events)
+		return -22;
+	const struct kp_trace_event *ev = kp_trace_events[i];
+	unsigned int fixed = 0;
+	for (unsigned int k = 0; k < ev->nargs; k++) {
+		const struct kp_probe_arg *a = &ev->args[k];
+		fixed += kp_arg_field_size(a) * (a->count ? a->count : 1);
+	}
+	t->fixed = fixed;
+	kp_trace_names(ev, kp_module_names[i], kp_module_names_size[i], kp_module_arrays[i]);
+	t->types = kp_module_arrays[i];
+	*(char **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PRINT_FMT]) = kp_module_names[i];
+	t->ev = ev;
+	return trace_event_raw_init(call);
+}
+
+/* From the module's init, the calls registered: each event with an output type written
+ * through its trace_event_files from now on, and enabled in the top instance (as a kernel
+ * image's events are); an event the notifier did not register (a module with a bad taint)
+ * writes trace_printk() lines. */
+void kp_module_trace_init(void)
+{
+	kp_trace_event_at = kp_kernel_trace[KP_TR_CALL_EVENT];
+	kp_trace_calls = 1;
+	for (unsigned int i = 0; i < KP_NCALLS; i++) {
+		struct kp_trace_type *t = &kp_module_types[i];
+		int type = *(int *)((char *)t->call + kp_kernel_trace[KP_TR_CALL_EVENT] + kp_kernel_trace[KP_TR_EVENT_TYPE]);
+		if (type <= 0 || !t->ev)
+			continue;
+		t->type = (unsigned int)type;
+		__atomic_store_n(&t->live, 1, __ATOMIC_RELEASE);
+		int ret = trace_set_clr_event("kprobes", t->ev->name, 1);
+		if (ret)
+			_printk(KP_KERN_ERR "kprewrite: trace event %s: not enabled (%d)\n", t->ev->name, ret);
+	}
+	__atomic_store_n(&kp_trace_types, kp_module_types, __ATOMIC_RELEASE);
+}
+"""
+
+
 # The runtime's generic pieces a module's trace events use (runtime/; the platform's in
 # runtime/platform/linux_module), compiled with the module's flags.
 EVENT_SOURCES = ["kp_lib.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
@@ -622,7 +744,14 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     name = module_name(mod)
     debugfs = mod.symvers is not None
     src = workdir / "kp_module.c"
-    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers))
+    # The events as the kernel's own event calls when the kernel's BTF gives their layouts
+    # (kernel_btf.py; with the CRCs, which their functions need), else trace_printk() lines.
+    calls = None
+    if s.traces and debugfs:
+        from .. import kernel_btf, symvers as _symvers
+        found = kernel_btf.find(mod.symvers_path, _symvers.release(mod))
+        calls = kernel_btf.layout(*found) if found else None
+    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
     relocs = relocations(mod)
@@ -633,6 +762,8 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
                    + (TRAMPOLINE_S if s.plan.kretprobes else ""))
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
+    if calls is not None:
+        flags.append("-DKP_MODULE_EVENTS")
     _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
     _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
     ours = [obj_c, obj_s]
@@ -643,7 +774,12 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
         ev = workdir / "kp_events.c"
         ev.write_text("".join(f"extern char {u}[];\n" for u in sorted(set(users.values())))
                       + trace_c(s.traces, users, []))
-        for i, c in enumerate([ev, *(RUNTIME_DIR / f for f in EVENT_SOURCES)]):
+        extra = []
+        if calls is not None:
+            ec = workdir / "kp_event_calls.c"
+            ec.write_text(event_calls_c(s.traces, calls))
+            extra = [ec]
+        for i, c in enumerate([ev, *extra, *(RUNTIME_DIR / f for f in EVENT_SOURCES)]):
             o = workdir / f"kp_rt{i}.o"
             _run([cc, *flags, "-c", str(c), "-o", str(o)], f"the module's runtime ({c.name})")
             ours.append(o)
