@@ -60,10 +60,19 @@ def find(symvers_path: str | None, release: str | None) -> tuple[bytes, str] | N
 
 
 def layout(data: bytes, where: str) -> list | None:
-    """kp_kernel_trace[] (btf._trace_layout()) plus EXTRA, or None when the BTF lacks any of it."""
+    """kp_kernel_trace[] (btf._trace_layout()) plus EXTRA, or None when the BTF lacks any of it;
+    cached by the BTF's contents (parsing a kernel's BTF takes seconds)."""
+    import json
+    from ... import cache
+    k = cache.key(b"module-trace-layout-1", repr(EXTRA).encode(), data)
+    hit = cache.get("module-trace-layout", k)
+    if hit is not None:
+        return json.loads(hit)
     types = btf.parse(data, where)
     trace = btf._trace_layout(types)
-    if trace is None or -1 in trace:
-        return None
-    extra = [btf.member_offset(types, s, m) for s, m in EXTRA]
-    return None if None in extra else trace + extra
+    out = None
+    if trace is not None and -1 not in trace:
+        extra = [btf.member_offset(types, s, m) for s, m in EXTRA]
+        out = None if None in extra else trace + extra
+    cache.put("module-trace-layout", k, json.dumps(out).encode())
+    return out
