@@ -23,11 +23,14 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
 
 A kretprobe at such a site is the kernel's kind: the return address swapped at entry for
 kp_kret_trampoline, its instance from a pool claimed atomically and found again at return
-by its return-address slot.  Only ftrace sites are written; anything else is refused with
-one line.
+by its return-address slot.  A kprobe inside a function is an optimized (jump) probe: a
+`jmp` to a detour built as opt.c's template, then the region's copy with the module's
+relocations carried (optprobe.py; opt_detour(), _redirect()).  What cannot be placed so is
+refused with one line.
 
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
-kp_trace.c on runtime/platform/linux_module), their lines written to the ftrace ring buffer
+kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
+own event call (event_calls_c()), else their lines are written to the ftrace ring buffer
 as trace_printk() writes them.  The kernel symbols our code calls that the module did not
 get their CRCs from the kernel's Module.symvers (symvers.py) in extra __versions entries;
 with them, handlers run with preemption disabled and a hit during one of ours is missed
