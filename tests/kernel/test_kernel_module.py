@@ -398,6 +398,29 @@ def test_new_imports_get_their_crcs(romfs, rewritten_romfs, symvers):
     assert undefined <= set(after), undefined - set(after)
 
 
+def _section_size(ko: Path, name: str) -> int | None:
+    out = subprocess.run(["readelf", "-W", "-S", str(ko)], capture_output=True, text=True, check=True).stdout
+    m = re.search(rf"\]\s+{re.escape(name)}\s+\S+\s+[0-9a-f]+\s+[0-9a-f]+\s+([0-9a-f]+)", out)
+    return int(m.group(1), 16) if m else None
+
+
+def test_event_calls_need_the_kernel_btf(romfs, rewritten_romfs, symvers, tmp_path):
+    """With the kernel's vmlinux beside the Module.symvers given, the events are event calls: one
+    pointer each in _ftrace_events (the module loader registers them), trace_event_raw_init
+    imported; with a Module.symvers alone, no _ftrace_events: lines as trace_printk() writes them."""
+    assert (symvers.parent / "vmlinux").is_file()
+    assert _section_size(rewritten_romfs, "_ftrace_events") == 8 * 4       # kp_ctx, kp_mid, kp_get_tree_ret, the fetch
+    assert "trace_event_raw_init" in _versions(rewritten_romfs)
+    alone = tmp_path / "Module.symvers"
+    alone.write_bytes(symvers.read_bytes())
+    spec = tmp_path / "probes.toml"
+    spec.write_text('events = ["p:kp_mid romfs_get_tree+0xc fill=%si:x64"]\n')
+    out = tmp_path / "romfs.ko"
+    kprewrite("instrument", romfs, "--spec", spec, "--system-map", alone, "-o", out)
+    assert _section_size(out, "_ftrace_events") is None
+    assert "__trace_puts" in _versions(out) and "trace_event_raw_init" not in _versions(out)
+
+
 def test_events_without_symvers_are_one_line(romfs, debian_kernel, tmp_path):
     """@SYM in a module's event is not written yet: one line.  Events on a module need the
     kernel's CRCs: without Module.symvers, one line naming what and where to find it, no output."""
