@@ -149,8 +149,3 @@ def region(mod, relocs, site) -> list[tuple[bytes, list[Field]]]:
     """The copies of a site's region, in order."""
     return [copy(mod, relocs, i) for i in site.dcr]
 
-
-def covered(relocs, sec: str, off: int, size: int = 5) -> list[int]:
-    """Offsets of the original relocations whose fields the jump's bytes [off, off + size) cover."""
-    return [k for k, (_, typ, _) in relocs.get(sec, {}).items()
-            if k < off + size and k + FIELD_SIZE.get(typ, 4) > off]

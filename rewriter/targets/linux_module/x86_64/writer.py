@@ -45,7 +45,7 @@ from pathlib import Path
 
 from ....errors import KprewriteError
 from ....planner.model import FTRACE, OPTIMIZED
-from .optprobe import CopyRefused, FIELD_SIZE, covered, relocations
+from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
 
 R_X86_64_NONE = 0
@@ -671,7 +671,7 @@ def event_calls_c(traces: dict, layout: list) -> str:
                + ", ".join(f"kp_module_names_{i}" for i in range(len(order))) + " };")
     out.append("static const char **const kp_module_arrays[KP_NCALLS] = { "
                + ", ".join(f"kp_module_types_{i}" for i in range(len(order))) + " };")
-    out.append(f"static const unsigned long kp_module_names_size[KP_NCALLS] = {{ "
+    out.append("static const unsigned long kp_module_names_size[KP_NCALLS] = { "
                + ", ".join(str(_names_bound(traces[k])) for k in order) + " };")
     out.append(MODULE_EVENTS_C)
     return "\n".join(out) + "\n"
