@@ -39,6 +39,11 @@
  * buffer; from then on a hit is written for each instance whose `enable` is
  * set, through trace_event_buffer_reserve()/trace_event_buffer_commit() as
  * __kprobe_trace_func() writes it (soft-disable, pid filter, filter, triggers).
+ *
+ * Built with KP_MODULE_EVENTS, the same code is a kernel module's event calls
+ * (rewriter/targets/linux_module/x86_64/writer.py: event_calls_c() lays the calls out
+ * and the module loader registers them); what only an image does is left out there:
+ * the boot-hook registration, the top instance's buffer before it, the names' recording.
  */
 #include "kp_trace.h"
 
