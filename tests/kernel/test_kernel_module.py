@@ -299,10 +299,12 @@ rmmod romfs; echo rmmod3=$?
 # Each probe's name, in the exit lines' order (kprobes, then kretprobes, in spec order: the
 # tables', then the events').
 PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5", "p_romfs_init_fs_context_5",
-          "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119",
+          "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119", "p_romfs_fill_super_168",
+          "p_romfs_fill_super_186",
           "kp_ctx", "kp_mid", "r_romfs_get_tree_0", "kp_get_tree_ret"]
 SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
-         "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77",
+         "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77", "romfs_fill_super+0xa8",
+         "romfs_fill_super+0xba",
          "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_get_tree+0x0", "romfs_get_tree+0x0"]
 # Each load's mounts: 3 that fail (/dev/null), 1 that fails, 1 of a romfs image on a loop device,
 # the only one that reaches romfs_fill_super().
@@ -364,6 +366,10 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
         '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x1d\n'
         '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x52\n'
         '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x77\n'
+        # `test %eax,%eax; js` and `test %rcx,%rcx; je` (taken: no MTD): rel8 jumps re-encoded
+        # with rel32 in the copy (R_X86_64_PC32 to .text made for them).
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0xa8\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0xba\n'
         '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n')
     out = d / "romfs.ko"
     kprewrite("instrument", romfs, "--spec", d / "probes.toml", "--system-map", symvers, "-o", out)
@@ -452,6 +458,8 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
                                                           "k  romfs_fill_super+0x1d [OPTIMIZED]",
                                                           "k  romfs_fill_super+0x52 [OPTIMIZED]",
                                                           "k  romfs_fill_super+0x77 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0xa8 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0xba [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]",
@@ -507,7 +515,7 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     block device), the events' lines are in the trace and the counters in debugfs while it is loaded,
     rmmod prints each probe's hits and removes the counters, and the module loads, traces and counts
     again; loaded a third time, it mounts a romfs image through a loop device (romfs_fill_super() runs,
-    through three optimized probes' copies) and the file reads back."""
+    through five optimized probes' copies) and the file reads back."""
     r = boot_kernel("module-romfs", debian_kernel.vmlinux, _initrd(make_initramfs, rewritten_romfs, modules),
                     smp=2, timeout=180)
     kernel_env.assert_boot_ok(r)

@@ -78,13 +78,16 @@ def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
     return out
 
 
-def _pc_fields(code: bytes, at: int):
+def _pc_fields(code: bytes, at: int, copy: bool = True):
     """The PC-relative fields of code decoded at `at`: (offset, end of its instruction,
-    absolute target).  CopyRefused for a relative branch with a 1-byte displacement
-    (loop, jrcxz: emit.relocate() copies them as they are)."""
+    absolute target).  In a copy (copy), CopyRefused for a relative branch left with a
+    1-byte displacement (loop, jrcxz: emit.relocate() copies them as they are); in an
+    original, such a branch has no field a relocation fills, and is skipped."""
     for ci in cs.DETAIL.disasm(code, at):
         o = ci.address - at
         if capstone.CS_GRP_BRANCH_RELATIVE in ci.groups:
+            if ci.imm_size != 4 and not copy:
+                continue
             if ci.imm_size != 4:
                 raise CopyRefused("module_relocation", at, f"{ci.mnemonic} has a {ci.imm_size}-byte displacement")
             yield o + ci.imm_offset, o + ci.size, ci.operands[0].imm & _MASK
@@ -115,7 +118,7 @@ def copy(mod, relocs, insn) -> tuple[bytes, list[Field]]:
     try:
         pcs = list(_pc_fields(bytes(out), COPY_AT))
         # The original's operands: which relocation filled the one with each target.
-        by_target = {t: (k, end - k) for k, end, t in _pc_fields(insn.code, insn.addr)
+        by_target = {t: (k, end - k) for k, end, t in _pc_fields(insn.code, insn.addr, copy=False)
                      if k in orig and orig[k][1] in PC_RELATIVE}
     except CopyRefused as e:
         raise CopyRefused(e.args[0], insn.addr, e.args[2])

@@ -940,25 +940,38 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
         shndx = by_name[name].index
         return next(i for i, (_, info, _, sh, _, _) in enumerate(syms) if info & 0xF == 3 and sh == shndx)
     # The copies' fields first: a carried relocation is read before a jump's bytes drop it.
+    table: dict[str, dict] = {}         # section -> {offset: (symbol, type, addend)}, read once
+
+    def rela_at(sec_name, off):
+        if sec_name not in table:
+            table[sec_name] = {o2: (i2 >> 32, i2 & 0xFFFFFFFF, a2) for _, o2, i2, a2 in relas(sec_name)}
+        return table[sec_name].get(off)
     for at, r_off, info, addend in relas(".text.kprewrite") if placeholders else []:
         fl = placeholders.get(sym_name(info >> 32))
         if fl is None:
             continue
         if fl.carry is not None:
-            orig = next(((i2 >> 32, i2 & 0xFFFFFFFF, a2) for _, o2, i2, a2 in relas(fl.section) if o2 == fl.carry), None)
+            orig = rela_at(fl.section, fl.carry)
             if orig is None:
                 raise KprewriteError(f"{path}: {fl.section}+{fl.carry:#x} has no relocation to carry")
             set_rela(at, r_off, *orig)
         else:
             set_rela(at, r_off, section_symbol(fl.section), R_X86_64_PC32, fl.addend)
     extra: dict[str, list] = {}
+    by_offset: dict[str, dict] = {}     # section -> {offset: [where its relocations are]}
     for i, sec, off, decision in sites:
         if decision == OPTIMIZED:
             toff = by_name[sec].offset + off
             data[toff:toff + 5] = b"\xe9\0\0\0\0"
-            for at, r_off, info, addend in relas(sec):
-                if r_off < off + 5 and r_off + FIELD_SIZE.get(info & 0xFFFFFFFF, 4) > off:
-                    set_rela(at, r_off, 0, R_X86_64_NONE, 0)
+            if sec not in by_offset:
+                by_offset[sec] = {}
+                for at, r_off, info, _ in relas(sec):
+                    by_offset[sec].setdefault(r_off, []).append((at, FIELD_SIZE.get(info & 0xFFFFFFFF, 4)))
+            # the fields the jump's bytes cover (one starting up to 7 bytes before: a quad)
+            for r_off in range(off - 7, off + 5):
+                for at, size in by_offset[sec].get(r_off, []):
+                    if r_off + size > off:
+                        set_rela(at, r_off, 0, R_X86_64_NONE, 0)
             extra.setdefault(sec, []).append((off + 1, index[f"kp_detour_{i}"], R_X86_64_PC32, -4))
             continue
         shndx = by_name[sec].index
