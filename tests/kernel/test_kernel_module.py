@@ -493,6 +493,47 @@ def test_optimized_probe_relocations(romfs, rewritten_romfs):
     assert "kp_ph_" not in subprocess.run(["nm", str(rewritten_romfs)], capture_output=True, text=True).stdout
 
 
+def test_optimized_probes_across_a_module(modules, symvers, tmp_path):
+    """Probes every 72 bytes or so (an instruction boundary, regions never overlapping) through
+    kvm-amd.ko's .text (decoded by objdump): each one `check` optimizes is written, at each a `jmp`
+    (e9, zero displacement) whose R_X86_64_PC32 names a detour; no placeholder left; the others are
+    refused with a check and an address."""
+    ko = modules["kvm-amd"]
+    syms = _func_syms(ko)
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text", str(ko)], capture_output=True,
+                         text=True, check=True).stdout
+    starts = {v: n for n, (sec, v, size) in syms.items() if sec == ".text" and size >= 30}
+    sites, func, nxt = [], None, 0
+    for m in re.finditer(r"^(?:([0-9a-f]+) <(\S+)>:|\s+([0-9a-f]+):)", dis, re.M):
+        if m.group(1):
+            a = int(m.group(1), 16)
+            func = (starts.get(a), a)
+            nxt = a + 5
+        elif func and func[0]:
+            a = int(m.group(3), 16)
+            if a >= nxt:
+                sites.append((func[0], a - func[1]))
+                nxt = a + 24
+    sites = sites[::3]                  # some 700 of them: time bounded, every part of the text
+    spec = tmp_path / "all.toml"
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o}\n' for n, o in sites))
+    out = kprewrite("check", ko, "--spec", spec, check=False).stdout
+    placed = [(m.group(1), int(m.group(2), 16)) for m in re.finditer(r"^(\S+)\+(0x[0-9a-f]+)  k  optimized$", out, re.M)]
+    refused = re.findall(r"^\S+  k  refused  (\S+) at 0x[0-9a-f]+: ", out, re.M)
+    assert len(placed) + len(refused) == len(sites) and len(placed) > len(sites) // 2, (len(placed), len(sites))
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o}\n' for n, o in placed))
+    new = tmp_path / "kvm-amd.ko"
+    kprewrite("instrument", ko, "--spec", spec, "--system-map", symvers, "-o", new)
+    text = {o: (t, v) for o, t, v in _relas(new)[".text"]}
+    data = subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", str(new), "/dev/stdout"],
+                          capture_output=True, check=True).stdout
+    for n, o in placed:
+        at = syms[n][1] + o
+        assert data[at:at + 5] == bytes.fromhex("e900000000"), (n, o)
+        assert text[at + 1][0] == "R_X86_64_PC32" and re.fullmatch(r"kp_detour_\d+-4", text[at + 1][1]), (n, o)
+    assert "kp_ph_" not in subprocess.run(["nm", str(new)], capture_output=True, text=True).stdout
+
+
 def _exit_lines(out: str) -> list[tuple]:
     return re.findall(r"kprewrite: romfs: (\S+) (\S+) hits (\d+)(.*)", out)
 
