@@ -78,6 +78,7 @@ def rules(image, arch) -> Rules:
     if extra:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
     r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
+    r.region_refusal = _carried(image, r.region_refusal)
     # No breakpoint hook in a module (yet): no int3 sites.
     r.int3 = False
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
@@ -106,6 +107,36 @@ def _thunk_jumps(image, arch, inner):
             if target in thunks and image.read(src, 1) != b"\xe8":
                 return arch.Refusal("indirect_jump", src, f"{func.name} jumps through a retpoline thunk "
                                                           "(an indirect jump)")
+        return None
+    return refusal
+
+
+def _carried(image, inner):
+    """Rules.region_refusal() for a module: the kernel's checks (inner), then whether the
+    region's copy can carry its relocations (x86_64/optprobe.py; `module_relocation`), so
+    that `check` names what `instrument` would refuse."""
+    from ...arch.base import DcrInsn
+    from ...arch.x86_64 import insn as x86insn
+    from .x86_64 import optprobe
+
+    def refusal(arch, analysis, func, lo, hi):
+        why = inner(arch, analysis, func, lo, hi)
+        if why is not None:
+            return why
+        mod = image.container
+        if mod.relocs is None:
+            mod.relocs = optprobe.relocations(mod)
+        pos = lo
+        while pos < hi:
+            code = image.read(pos, 16)
+            try:
+                info = x86insn.classify(code, pos)
+                optprobe.copy(mod, mod.relocs, DcrInsn(pos, code[:info.length], info))
+            except ValueError:
+                return None             # the planner's own decode check says so
+            except optprobe.CopyRefused as e:
+                return arch.Refusal(*e.args)
+            pos += info.length
         return None
     return refusal
 

@@ -757,7 +757,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
-    relocs = relocations(mod)
+    relocs = mod.relocs if mod.relocs is not None else relocations(mod)
     placeholders: dict = {}
     detours = [DETOUR_S.replace("{i}", str(i)) if site.decision == FTRACE
                else opt_detour(i, site, mod, relocs, placeholders) for i, (site, _, _) in enumerate(sites_)]
