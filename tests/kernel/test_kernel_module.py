@@ -2,12 +2,13 @@
 does not load it at boot) read as the module loader lays it out: the target detected, the
 kernel's rules read from the module's own tables, `check` and `blacklist` on it; rewritten with
 a C-handler probe with a `fetch`, a counting probe, a kretprobe and two `events` lines (a `p`
-and an `r`) at ftrace sites, with the kernel's Module.symvers for the CRCs of what the module's
-runtime calls, `list` on it, and in one boot of the unmodified Debian kernel: insmod, mount(2)
+and an `r`) at ftrace sites, and optimized probes inside functions (a C handler, an event, counting
+probes), with the kernel's Module.symvers for the CRCs of what the module's runtime calls, `list`
+and readelf's relocations on it, and in one boot of the unmodified Debian kernel: insmod, mount(2)
 exercising the probes, the events' lines in the ftrace ring buffer and each probe's counters in
-debugfs while loaded, rmmod printing the hits, loaded, traced and counted again; then the same
-in a rewritten kernel image (each counts its own).  What a module does not take yet is refused
-with one line.
+debugfs while loaded, rmmod printing the hits, loaded, traced and counted again, loaded a third
+time to mount a romfs image on a loop device; then the same in a rewritten kernel image (each
+counts its own).  What a module does not take yet is refused with one line.
 
 What the rules must find is counted independently, from the .ko's relocation sections (each
 entry of __mcount_loc, .return_sites, .retpoline_sites is one relocation against the text):
@@ -36,7 +37,9 @@ pytestmark = pytest.mark.kernel
 
 # romfs: small, not loaded at boot, exercised by mount(2); kvm-amd: .noinstr.text,
 # .altinstructions and __ex_table, which romfs lacks (read only, never loaded).
-MODULES = {"romfs": "kernel/fs/romfs/romfs.ko", "kvm-amd": "kernel/arch/x86/kvm/kvm-amd.ko"}
+MODULES = {"romfs": "kernel/fs/romfs/romfs.ko", "kvm-amd": "kernel/arch/x86/kvm/kvm-amd.ko",
+           "loop": "kernel/drivers/block/loop.ko"}
+# loop.ko (unmodified, no dependencies) gives a block device for a real romfs mount.
 
 
 def obtain_modules(k: kernel_env.DebianKernel, rels: list[str]) -> list[Path]:
@@ -200,17 +203,37 @@ def test_check_on_module(romfs, tmp_path):
 
 
 def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
-    """A probe inside a function (not at its ftrace site): one line, no output."""
+    """A post_handler on a probe inside a function (an optimized probe, which the kernel never
+    gives one; a module has no breakpoint probes): one line naming the check and the address,
+    no output.  A region over a return thunk's jump is refused by `check` (.return_sites)."""
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
+                                  "static void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
     spec = tmp_path / "probes.toml"
-    spec.write_text('[[kprobe]]\nsymbol_name = "romfs_get_tree"\n'
-                    '[[kprobe]]\nsymbol_name = "romfs_readdir"\noffset = 5\n')
+    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "romfs_get_tree"\n'
+                    '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npost_handler = "post"\n')
     out = tmp_path / "romfs.ko"
     before = romfs.read_bytes()
     r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
     assert r.returncode != 0 and not out.exists() and romfs.read_bytes() == before
-    assert r.stderr.strip().splitlines() == [
-        "kprewrite: probes.toml: [[kprobe]] #2 (romfs_readdir+0x5): a module's probes are written at ftrace "
-        "sites (function entries) only for now; this one is optimized"]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"kprewrite: probes\.toml: \[\[kprobe\]\] #2 \(romfs_get_tree\+0x5\): post_handler at 0x[0-9a-f]+: a module's "
+        r"probe away from an ftrace site is an optimized one, which runs no post_handler .*", lines[0]), lines
+    spec.write_text('[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\n')
+    r = kprewrite("check", romfs, "--spec", spec, check=False)
+    assert re.search(r"^romfs_init_fs_context\+0xc  k  refused  \.return_sites at 0x\S+: the region .* overlaps a "
+                     r"site patched at boot", r.stdout, re.M), r.stdout
+
+
+def _relas(ko: Path) -> dict[str, list[tuple[int, str, str]]]:
+    """section -> [(offset, type, symbol + addend as readelf prints them)] of a module's relocations."""
+    out = subprocess.run(["readelf", "-W", "-r", str(ko)], capture_output=True, text=True, check=True).stdout
+    secs = {}
+    for part in re.split(r"^Relocation section '\.rela", out, flags=re.M)[1:]:
+        name = part.split("'", 1)[0]
+        secs[name] = [(int(m.group(1), 16), m.group(2), m.group(3).replace(" ", ""))
+                      for m in re.finditer(r"^([0-9a-f]+)\s+[0-9a-f]+\s+(R_X86_64_\w+)\s+[0-9a-f]*\s*(.*)$", part, re.M)]
+    return secs
 
 
 HANDLER_C = r"""
@@ -218,6 +241,11 @@ HANDLER_C = r"""
 static int handler_pre(struct kprobe *p, struct pt_regs *regs)
 {
 	printk(KERN_INFO "kp-module: %s pre ip=%lx di=%lx\n", p->symbol_name, regs->ip, regs->di);
+	return 0;
+}
+static int handler_mid(struct kprobe *p, struct pt_regs *regs)
+{
+	printk(KERN_INFO "kp-module: %s+%#x mid ip=%lx\n", p->symbol_name, p->offset, regs->ip);
 	return 0;
 }
 static int ret_handler(struct kretprobe_instance *ri, struct pt_regs *regs)
@@ -232,26 +260,87 @@ mkdir -p /mnt
 T=/sys/kernel/tracing
 D=/sys/kernel/debug/kprewrite-romfs
 insmod /romfs.ko; echo insmod1=$?
-grep -E ' (romfs_get_tree|romfs_init_fs_context)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
+grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
 grep -c '^romfs_' $T/available_filter_functions | sed 's/^/ftrace-romfs: /'
 grep -E '^romfs_(get_tree|init_fs_context)[[:space:]]' $T/available_filter_functions | sed 's/^/ftrace-probed: /'
+E=$T/events/kprobes
+ls $E | sed 's/^/event: /'
+grep -E '^[[:space:]]+field:' $E/kp_mid/format | sed 's/^/format: /'
+A=$(grep -E ' romfs_fill_super([[:space:]]|$)' /proc/kallsyms | cut -d' ' -f1)
+echo "fill == 0x$A" > $E/kp_mid/filter; echo filter-mid=$?
+echo 'fstype == "ext4"' > $E/kp_ctx/filter; echo filter-ctx=$?
+echo 0 > $E/kp_get_tree_ret/enable; echo disable-ret=$?
+echo 'hist:keys=common_pid' > $E/p_romfs_get_tree_0/trigger; echo hist=$?
 for i in 1 2 3; do mount -t romfs /dev/null /mnt 2>/dev/null; done
+grep -E '^Totals:|Hits:' $E/p_romfs_get_tree_0/hist | sed 's/^/hist: /'
 grep -v '^#' $T/trace | sed 's/^/trace1: /'
 for f in $D/*/*; do echo "counter1: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod1=$?
 grep -c romfs /proc/modules | sed 's/^/loaded: /'
+ls $E 2>/dev/null | grep -c -E '^(kp_|p_|r_)' | sed 's/^/events-left: /'
 ls $D 2>/dev/null | wc -l | sed 's/^/debugfs-left: /'
 echo > $T/trace
 insmod /romfs.ko; echo insmod2=$?
+grep -E ' (romfs_get_tree|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym2: /'
 mount -t romfs /dev/null /mnt 2>/dev/null
 grep -v '^#' $T/trace | sed 's/^/trace2: /'
 for f in $D/*/*; do echo "counter2: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod2=$?
+insmod /loop.ko; echo loop=$?
+insmod /romfs.ko; echo insmod3=$?
+grep -E ' (romfs_get_tree|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym3: /'
+losetup /dev/loop0 /romfs.img; echo losetup=$?
+mount -t romfs -o ro /dev/loop0 /mnt; echo mount3=$?
+cat /mnt/hello | sed 's/^/file: /'
+umount /mnt
+rmmod romfs; echo rmmod3=$?
 """
 
 # Each probe's name, in the exit lines' order (kprobes, then kretprobes, in spec order: the
 # tables', then the events').
-PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "kp_ctx", "r_romfs_get_tree_0", "kp_get_tree_ret"]
+PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5", "p_romfs_init_fs_context_5",
+          "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119", "p_romfs_fill_super_168",
+          "p_romfs_fill_super_186",
+          "kp_ctx", "kp_mid", "r_romfs_get_tree_0", "kp_get_tree_ret"]
+SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
+         "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77", "romfs_fill_super+0xa8",
+         "romfs_fill_super+0xba",
+         "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_get_tree+0x0", "romfs_get_tree+0x0"]
+# Each load's mounts: 3 that fail (/dev/null), 1 that fails, 1 of a romfs image on a loop device,
+# the only one that reaches romfs_fill_super().
+MOUNTS = (3, 1, 1)
+
+
+def hits(probe: str, load: int) -> int:
+    return int(load == 2) if "fill_super" in probe else MOUNTS[load]
+
+
+def romfs_image(name: bytes, data: bytes) -> bytes:
+    """A romfs image (the kernel's Documentation/filesystems/romfs.rst) whose root directory
+    holds "." and one file: the superblock ("-rom1fs-", the size, a checksum making the first
+    512 bytes' big-endian words sum to 0, the volume name), then each file header (next with
+    the type in its low bits, spec.info, size, checksum, name), each 16-byte aligned."""
+    import struct
+
+    def pad(b: bytes) -> bytes:
+        return b + bytes(-len(b) % 16)
+
+    def header(nxt: int, typ: int, spec: int, size: int, fname: bytes) -> bytes:
+        h = bytearray(struct.pack(">IIII", nxt | typ, spec, size, 0) + pad(fname + b"\0"))
+        struct.pack_into(">I", h, 12, -sum(struct.unpack(f">{len(h) // 4}I", h)) & 0xFFFFFFFF)
+        return bytes(h)
+    vol = pad(b"kprewrite\0")
+    root = 16 + len(vol)
+    file_at = root + 32                 # "." takes a 16-byte header and a 16-byte name
+    img = bytearray(b"-rom1fs-" + bytes(8) + vol + header(file_at, 1, root, 0, b".")
+                    + header(0, 2, 0, len(data), name) + pad(data))
+    img += bytes(-len(img) % 4096)
+    struct.pack_into(">I", img, 8, len(img))
+    struct.pack_into(">I", img, 12, -sum(struct.unpack(">128I", img[:512])) & 0xFFFFFFFF)
+    return bytes(img)
+
+
+ROMFS_FILE = b"hello from a romfs image\n"
 
 
 @pytest.fixture(scope="module")
@@ -262,10 +351,25 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
     (d / "probes.toml").write_text(
         'handlers = ["h.c"]\n'
         f'events = ["p:kp_ctx romfs_init_fs_context fstype=+0(+0(+{fs_type}(%di))):string comm=$comm",\n'
+        '          "p:kp_mid romfs_get_tree+0xc fill=%si:x64",\n'
         '          "r:kp_get_tree_ret romfs_get_tree ret=$retval:s32"]\n'
         '[[kprobe]]\nsymbol_name = "romfs_get_tree"\npre_handler = "handler_pre"\n'
         f'fetch = "fc=$arg1:x64 source=+0(+{source}(%di)):string"\n'
         '[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\n'
+        # Inside the functions: optimized (jump) probes whose regions' copies carry the module's
+        # relocations (R_X86_64_32S to .text and to .rodata, R_X86_64_PLT32 to a kernel function).
+        '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npre_handler = "handler_mid"\n'
+        '[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 5\n'
+        # Run by the real mount only: a `je` re-encoded (R_X86_64_PC32 to .text made for it), a
+        # load of kmalloc_caches (its R_X86_64_PC32 to the kernel carried), a call to the
+        # kernel's kmalloc_trace() emulated in the copy (its R_X86_64_PLT32 carried).
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x1d\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x52\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x77\n'
+        # `test %eax,%eax; js` and `test %rcx,%rcx; je` (taken: no MTD): rel8 jumps re-encoded
+        # with rel32 in the copy (R_X86_64_PC32 to .text made for them).
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0xa8\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0xba\n'
         '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n')
     out = d / "romfs.ko"
     kprewrite("instrument", romfs, "--spec", d / "probes.toml", "--system-map", symvers, "-o", out)
@@ -300,6 +404,29 @@ def test_new_imports_get_their_crcs(romfs, rewritten_romfs, symvers):
     assert undefined <= set(after), undefined - set(after)
 
 
+def _section_size(ko: Path, name: str) -> int | None:
+    out = subprocess.run(["readelf", "-W", "-S", str(ko)], capture_output=True, text=True, check=True).stdout
+    m = re.search(rf"\]\s+{re.escape(name)}\s+\S+\s+[0-9a-f]+\s+[0-9a-f]+\s+([0-9a-f]+)", out)
+    return int(m.group(1), 16) if m else None
+
+
+def test_event_calls_need_the_kernel_btf(romfs, rewritten_romfs, symvers, tmp_path):
+    """With the kernel's vmlinux beside the Module.symvers given, the events are event calls: one
+    pointer each in _ftrace_events (the module loader registers them), trace_event_raw_init
+    imported; with a Module.symvers alone, no _ftrace_events: lines as trace_printk() writes them."""
+    assert (symvers.parent / "vmlinux").is_file()
+    assert _section_size(rewritten_romfs, "_ftrace_events") == 8 * 4       # kp_ctx, kp_mid, kp_get_tree_ret, the fetch
+    assert "trace_event_raw_init" in _versions(rewritten_romfs)
+    alone = tmp_path / "Module.symvers"
+    alone.write_bytes(symvers.read_bytes())
+    spec = tmp_path / "probes.toml"
+    spec.write_text('events = ["p:kp_mid romfs_get_tree+0xc fill=%si:x64"]\n')
+    out = tmp_path / "romfs.ko"
+    kprewrite("instrument", romfs, "--spec", spec, "--system-map", alone, "-o", out)
+    assert _section_size(out, "_ftrace_events") is None
+    assert "__trace_puts" in _versions(out) and "trace_event_raw_init" not in _versions(out)
+
+
 def test_events_without_symvers_are_one_line(romfs, debian_kernel, tmp_path):
     """@SYM in a module's event is not written yet: one line.  Events on a module need the
     kernel's CRCs: without Module.symvers, one line naming what and where to find it, no output."""
@@ -326,67 +453,177 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
     lines = kprewrite("list", rewritten_romfs).stdout.splitlines()
     assert [line.split("  ", 1)[1] for line in lines] == ["k  romfs_get_tree+0x0 [FTRACE]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
+                                                          "k  romfs_get_tree+0x5 [OPTIMIZED]",
+                                                          "k  romfs_init_fs_context+0x5 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0x1d [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0x52 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0x77 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0xa8 [OPTIMIZED]",
+                                                          "k  romfs_fill_super+0xba [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
+                                                          "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]"]
+
+
+def test_optimized_probe_relocations(romfs, rewritten_romfs):
+    """The optimized probes' relocations, as binutils' readelf reads them: at each probed address
+    a `jmp` (e9) whose R_X86_64_PC32 names a detour, the original relocation under it made
+    R_X86_64_NONE; in the detours, the original's R_X86_64_32S (romfs_fill_super's address,
+    &romfs_context_ops in .rodata) and a PC32 back to the region's end."""
+    syms = _func_syms(romfs)
+    before, after = _relas(romfs)[".text"], _relas(rewritten_romfs)
+    text = {o: (t, v) for o, t, v in after[".text"]}
+    detours = after[".text.kprewrite"]
+    data = subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", str(rewritten_romfs), "/dev/stdout"],
+                          capture_output=True, check=True).stdout
+    for func in ("romfs_get_tree", "romfs_init_fs_context"):
+        at = syms[func][1] + 5        # a 7-byte mov/movq of an R_X86_64_32S immediate at +0x8
+        assert data[at:at + 5] == bytes.fromhex("e900000000")
+        assert text[at + 1][0] == "R_X86_64_PC32" and re.fullmatch(r"kp_detour_\d+-4", text[at + 1][1]), text[at + 1]
+        orig = next((t, v) for o, t, v in before if o == at + 3)
+        assert orig[0] == "R_X86_64_32S" and text[at + 3][0] == "R_X86_64_NONE"
+        assert ("R_X86_64_32S", orig[1]) in [(t, v) for _, t, v in detours], (orig, detours)
+        end = at + 7
+        assert ("R_X86_64_PC32", f".text+{end - 4:x}") in [(t, v) for _, t, v in detours], detours
+    assert ("R_X86_64_32S", f".text+{syms['romfs_fill_super'][1]:x}") in [(t, v) for _, t, v in detours]
+    # kp_mid at romfs_get_tree+0xc: the tail call to the kernel's get_tree_bdev carried to its copy.
+    assert ("R_X86_64_PLT32", "get_tree_bdev-4") in [(t, v) for _, t, v in detours], detours
+    # The placeholders the writer linked with are gone.
+    assert "kp_ph_" not in subprocess.run(["nm", str(rewritten_romfs)], capture_output=True, text=True).stdout
+
+
+def test_optimized_probes_across_a_module(modules, symvers, tmp_path):
+    """Probes every 72 bytes or so (an instruction boundary, regions never overlapping) through
+    kvm-amd.ko's .text (decoded by objdump): each one `check` optimizes is written, at each a `jmp`
+    (e9, zero displacement) whose R_X86_64_PC32 names a detour; no placeholder left; the others are
+    refused with a check and an address."""
+    ko = modules["kvm-amd"]
+    syms = _func_syms(ko)
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text", str(ko)], capture_output=True,
+                         text=True, check=True).stdout
+    starts = {v: n for n, (sec, v, size) in syms.items() if sec == ".text" and size >= 30}
+    sites, func, nxt = [], None, 0
+    for m in re.finditer(r"^(?:([0-9a-f]+) <(\S+)>:|\s+([0-9a-f]+):)", dis, re.M):
+        if m.group(1):
+            a = int(m.group(1), 16)
+            func = (starts.get(a), a)
+            nxt = a + 5
+        elif func and func[0]:
+            a = int(m.group(3), 16)
+            if a >= nxt:
+                sites.append((func[0], a - func[1]))
+                nxt = a + 24
+    sites = sites[::3]                  # some 700 of them: time bounded, every part of the text
+    spec = tmp_path / "all.toml"
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o}\n' for n, o in sites))
+    out = kprewrite("check", ko, "--spec", spec, check=False).stdout
+    placed = [(m.group(1), int(m.group(2), 16)) for m in re.finditer(r"^(\S+)\+(0x[0-9a-f]+)  k  optimized$", out, re.M)]
+    refused = re.findall(r"^\S+  k  refused  (\S+) at 0x[0-9a-f]+: ", out, re.M)
+    assert len(placed) + len(refused) == len(sites) and len(placed) > len(sites) // 2, (len(placed), len(sites))
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o}\n' for n, o in placed))
+    new = tmp_path / "kvm-amd.ko"
+    kprewrite("instrument", ko, "--spec", spec, "--system-map", symvers, "-o", new)
+    text = {o: (t, v) for o, t, v in _relas(new)[".text"]}
+    data = subprocess.run(["objcopy", "-O", "binary", "--only-section=.text", str(new), "/dev/stdout"],
+                          capture_output=True, check=True).stdout
+    for n, o in placed:
+        at = syms[n][1] + o
+        assert data[at:at + 5] == bytes.fromhex("e900000000"), (n, o)
+        assert text[at + 1][0] == "R_X86_64_PC32" and re.fullmatch(r"kp_detour_\d+-4", text[at + 1][1]), (n, o)
+    assert "kp_ph_" not in subprocess.run(["nm", str(new)], capture_output=True, text=True).stdout
 
 
 def _exit_lines(out: str) -> list[tuple]:
     return re.findall(r"kprewrite: romfs: (\S+) (\S+) hits (\d+)(.*)", out)
 
 
-def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritten_romfs, make_initramfs,
+def _initrd(make_initramfs, rewritten_romfs, modules):
+    return make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs, "loop.ko": modules["loop"],
+                                                             "romfs.img": romfs_image(b"hello", ROMFS_FILE)})
+
+
+def _expected_exits() -> list[tuple]:
+    """Each load's exit lines: every probe's hits (a kretprobe's returns), nmissed 0."""
+    return [(p, s, str(hits(p, n)), " nmissed 0" if p.startswith(("p_", "kp_ctx", "kp_mid"))
+             else f" returns {hits(p, n)} nmissed 0") for n in range(len(MOUNTS)) for p, s in zip(PROBES, SITES)]
+
+
+def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritten_romfs, modules, make_initramfs,
                                                    boot_kernel):
     """The unmodified Debian kernel insmods the rewritten romfs.ko (tainted: unsigned), the probes fire
     from mount(2) (romfs_init_fs_context and romfs_get_tree run, then the mount fails: /dev/null is no
     block device), the events' lines are in the trace and the counters in debugfs while it is loaded,
     rmmod prints each probe's hits and removes the counters, and the module loads, traces and counts
-    again."""
-    initrd = make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs})
-    r = boot_kernel("module-romfs", debian_kernel.vmlinux, initrd, smp=2, timeout=180)
+    again; loaded a third time, it mounts a romfs image through a loop device (romfs_fill_super() runs,
+    through five optimized probes' copies) and the file reads back."""
+    r = boot_kernel("module-romfs", debian_kernel.vmlinux, _initrd(make_initramfs, rewritten_romfs, modules),
+                    smp=2, timeout=180)
     kernel_env.assert_boot_ok(r)
     out = r.between()
-    for line in ("insmod1=0", "rmmod1=0", "loaded: 0", "debugfs-left: 0", "insmod2=0", "rmmod2=0"):
+    for line in ("insmod1=0", "rmmod1=0", "loaded: 0", "debugfs-left: 0", "insmod2=0", "rmmod2=0",
+                 "loop=0", "insmod3=0", "losetup=0", "mount3=0", "rmmod3=0",
+                 "filter-mid=0", "filter-ctx=0", "disable-ret=0", "hist=0", "events-left: 0"):
         assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")
+    assert re.findall(r"^file: (.*)$", out, re.M) == [ROMFS_FILE.decode().strip()], r.explain("no file read")
     assert "romfs: module verification failed: signature and/or required key missing - tainting kernel" in out
     assert "disagrees about version" not in out and "no symbol version" not in out
     ksym = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"^ksym: ([0-9a-f]+) t (\S+)", out, re.M)}
-    assert set(ksym) == {"romfs_get_tree", "romfs_init_fs_context"}, r.explain("no kallsyms lines")
+    assert set(ksym) == {"romfs_get_tree", "romfs_init_fs_context", "romfs_fill_super"}, r.explain("no kallsyms")
     # ftrace no longer owns the probed entries (their __mcount_loc entries dropped), the others it does.
     assert not re.search(r"^ftrace-probed:", out, re.M), r.explain("a probed site is still ftrace's")
     assert int(re.search(r"^ftrace-romfs: (\d+)", out, re.M).group(1)) > 5
+    # The module may load elsewhere each time: its addresses are ksym, ksym2, ksym3.
+    ksym2, ksym3 = ({m.group(2): int(m.group(1), 16) for m in re.finditer(rf"^ksym{n}: ([0-9a-f]+) t (\S+)", out, re.M)}
+                    for n in (2, 3))
     # The C handler ran on each hit, with regs->ip the probed address + 1 (as an ftrace kprobe's).
     pre = re.findall(r"kp-module: romfs_get_tree pre ip=([0-9a-f]+) di=([0-9a-f]+)", out)
-    assert len(pre) == 4 and {int(ip, 16) for ip, _ in pre[:3]} == {ksym["romfs_get_tree"] + 1}, out
-    # The kretprobe on the same entry (one detour for both): romfs_get_tree() fails with -ENOTBLK.
-    assert re.findall(r"kp-module: romfs_get_tree returned (-?\d+)", out) == ["-15"] * 4, out
-    # The events, as trace_printk() lines behind the probed function (named while the module is
-    # loaded): per mount, the `p` event (the file system's name through fc->fs_type, the task's
-    # name), the C-handler probe's fetch (its fc the handler's %di, the mount's source string),
-    # the `r` event with the return value and the caller.
+    assert [int(ip, 16) for ip, _ in pre] == [ksym["romfs_get_tree"] + 1] * 3 + [
+        ksym2["romfs_get_tree"] + 1, ksym3["romfs_get_tree"] + 1], out
+    # The optimized probe inside it: regs->ip the probed address + 1, as optimized_callback() sets it.
+    mid = re.findall(r"kp-module: romfs_get_tree\+0x5 mid ip=([0-9a-f]+)", out)
+    assert [int(ip, 16) for ip in mid] == [ksym["romfs_get_tree"] + 6] * 3 + [
+        ksym2["romfs_get_tree"] + 6, ksym3["romfs_get_tree"] + 6], out
+    # The kretprobe on the same entry (one detour for both): romfs_get_tree() fails with -ENOTBLK,
+    # then succeeds on the loop device.
+    assert re.findall(r"kp-module: romfs_get_tree returned (-?\d+)", out) == ["-15"] * 4 + ["0"], out
+    # Each event is the kernel's own event call (the kernel's BTF beside Module.symvers), registered
+    # by the module loader with the module and removed with it: events/kprobes/<EVENT>/ with the
+    # fields of a kprobe event (its format), a filter on a number (kp_mid's fill, equal to
+    # romfs_fill_super's address: kept) and on a string (kp_ctx's fstype, not "ext4": dropped), an
+    # event disabled (kp_get_tree_ret), a hist trigger counting as many hits as the probe's counter.
+    events = set(re.findall(r"^event: (\S+)$", out, re.M))
+    assert {"kp_ctx", "kp_mid", "kp_get_tree_ret", "p_romfs_get_tree_0", "enable", "filter"} <= events, events
+    fmt = [" ".join(line.split()) for line in re.findall(r"^format: (.*)$", out, re.M)]
+    assert "field:unsigned long __probe_ip; offset:8; size:8; signed:0;" in fmt, fmt
+    assert "field:u64 fill; offset:16; size:8; signed:0;" in fmt, fmt
+    assert re.search(r"^hist: +Hits: 3$", out, re.M), r.explain("no hist Hits: 3")
+    # The lines, as the kernel prints a kprobe event's (our output type's .trace): per mount, the
+    # `p` event (the file system's name through fc->fs_type, the task's name), the C-handler
+    # probe's fetch (its fc the handler's %di, the mount's source string), the event inside the
+    # function, the `r` event with the return value and the caller; the first load's filtered.
     size = {f: _func_syms(romfs)[f][2] for f in ("romfs_get_tree", "romfs_init_fs_context")}
-    for n, mounts in (("1", pre[:3]), ("2", pre[3:])):
+    # kp_mid's %si, set by `mov $romfs_fill_super, %rsi` run from +0x5's detour (its R_X86_64_32S
+    # carried to the copy): romfs_fill_super's address once loaded.
+    for n, mounts, k in (("1", pre[:3], ksym), ("2", pre[3:4], ksym2)):
         lines = re.findall(rf"^trace{n}: +\S+ +\[\d+\] \S+ +[\d.]+: (.*)$", out, re.M)
         lines = [re.sub(r"\(vfs_get_tree\+0x[0-9a-f]+/0x[0-9a-f]+ <- ", "(vfs_get_tree+X <- ", line) for line in lines]
         want = []
         for _, di in mounts:
-            want += [f"romfs_init_fs_context: kp_ctx: (romfs_init_fs_context+0x0/{size['romfs_init_fs_context']:#x}) "
-                     "fstype=\"romfs\" comm=\"mount\"",
-                     f"romfs_get_tree: p_romfs_get_tree_0: (romfs_get_tree+0x0/{size['romfs_get_tree']:#x}) "
+            want += [f"kp_ctx: (romfs_init_fs_context+0x0/{size['romfs_init_fs_context']:#x}) "
+                     "fstype=\"romfs\" comm=\"mount\""] * (n == "2")
+            want += [f"p_romfs_get_tree_0: (romfs_get_tree+0x0/{size['romfs_get_tree']:#x}) "
                      f"fc=0x{di} source=\"/dev/null\"",
-                     "romfs_get_tree: kp_get_tree_ret: (vfs_get_tree+X <- romfs_get_tree) ret=-15"]
+                     f"kp_mid: (romfs_get_tree+0xc/{size['romfs_get_tree']:#x}) fill=0x{k['romfs_fill_super']:x}"]
+            want += ["kp_get_tree_ret: (vfs_get_tree+X <- romfs_get_tree) ret=-15"] * (n == "2")
         assert lines == want, r.explain(f"trace{n}: {lines}")
     # The counters in debugfs while loaded: 3 mounts, then 1 after the reload (from zero).
-    for n, hits in (("1", "3"), ("2", "1")):
-        counters = dict(re.findall(rf"^counter{n}: (\S+) (\d+)$", out, re.M))
-        want = {f"{p}/{c}": ("0" if c == "nmissed" else hits) for p in PROBES
+    for n in (0, 1):
+        counters = dict(re.findall(rf"^counter{n + 1}: (\S+) (\d+)$", out, re.M))
+        want = {f"{p}/{c}": str(0 if c == "nmissed" else hits(p, n)) for p in PROBES
                 for c in ("hits", "nmissed") + (("returns",) if p.startswith(("r_", "kp_get")) else ())}
-        assert counters == want, r.explain(f"counter{n}: {counters}")
-    assert _exit_lines(out) == [
-        *[(p, s, h, " nmissed 0" if p.startswith(("p_", "kp_ctx")) else f" returns {h} nmissed 0")
-          for h in ("3", "1")
-          for p, s in zip(PROBES, ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_init_fs_context+0x0",
-                                   "romfs_get_tree+0x0", "romfs_get_tree+0x0"])]], out
+        assert counters == want, r.explain(f"counter{n + 1}: {counters}")
+    assert _exit_lines(out) == _expected_exits(), out
 
 
 def test_truncated_module_is_one_line(romfs, tmp_path):
@@ -415,22 +652,21 @@ def test_oversized_module_is_refused(romfs, tmp_path):
     assert lines[0].endswith("(more than 256 MiB): not a module the loader would take")
 
 
-def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_romfs, make_initramfs, boot_kernel,
-                                                       tmp_path):
+def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_romfs, modules, make_initramfs,
+                                                       boot_kernel, tmp_path):
     """The rewritten romfs.ko in a rewritten kernel: each image's runtime counts its own probes
     (the module's is its own, with hidden symbols; the kernel's prints its kprobe_profile at power-off)."""
     spec = tmp_path / "k.toml"
     spec.write_text('[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
     vmlinux = tmp_path / "vmlinux"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", vmlinux)
-    initrd = make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs})
-    r = boot_kernel("module-romfs-rewritten-kernel", vmlinux, initrd, smp=2, timeout=180)
+    r = boot_kernel("module-romfs-rewritten-kernel", vmlinux, _initrd(make_initramfs, rewritten_romfs, modules),
+                    smp=2, timeout=180)
     kernel_env.assert_boot_ok(r)
     out = r.between()
-    for line in ("insmod1=0", "rmmod1=0", "insmod2=0", "rmmod2=0"):
+    for line in ("insmod1=0", "rmmod1=0", "insmod2=0", "rmmod2=0", "mount3=0", "rmmod3=0"):
         assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")
-    hits = [(p, h) for p, _, h, _ in _exit_lines(out)]
-    assert hits == [(p, h) for h in ("3", "1") for p in PROBES], out
+    assert _exit_lines(out) == _expected_exits(), out
     assert len(re.findall(r"^trace2: .* kp_get_tree_ret: .* ret=-15$", out, re.M)) == 1, out
     profile = r.profile()
     # The kernel's profile: its probe (and its own boot hooks), none of the module's.
@@ -454,11 +690,20 @@ def test_module_noinstr_alternatives_ex_table(modules, tmp_path):
     insn = int(m.group(1), 16)
     func, start = next((n, v) for n, (sec, v, size) in _func_syms(ko).items()
                        if sec == ".text" and v + 5 < insn < v + size)
+    # A function with a `jmp` through a retpoline thunk (objdump: a jmp whose relocation names
+    # __x86_indirect_thunk_*): an indirect jump, which refuses optimizing it (insn_is_indirect_jump()).
+    dis = subprocess.run(["objdump", "-dr", "--no-show-raw-insn", str(ko)], capture_output=True, text=True,
+                         check=True).stdout
+    thunk_jumper = re.search(r"^[0-9a-f]+ <(\w+)>:$(?:\n(?!\n).*)*?\n\s+[0-9a-f]+:\s+jmp\s.*\n\s+[0-9a-f]+: "
+                             r"R_X86_64_PLT32\s+__x86_indirect_thunk_", dis, re.M).group(1)
     spec = tmp_path / "probes.toml"
     # Right after the ftrace site (an instruction boundary), so the region check comes first.
     spec.write_text(f'[[kprobe]]\nsymbol_name = "{func}"\noffset = 5\n'
-                    f'[[kprobe]]\nsymbol_name = "{sorted(noinstr)[0]}"\n')
+                    f'[[kprobe]]\nsymbol_name = "{sorted(noinstr)[0]}"\n'
+                    f'[[kprobe]]\nsymbol_name = "{thunk_jumper}"\noffset = 5\n')
     r = kprewrite("check", ko, "--spec", spec, check=False)
+    assert re.search(rf"^{thunk_jumper}\+0x5  k  refused  indirect_jump at 0x\S+: {thunk_jumper} jumps through a "
+                     "retpoline thunk", r.stdout, re.M), r.stdout
     assert re.search(rf"^{func}\+0x5  k  refused  __ex_table at 0x\S+: {func} has an exception "
                      "table entry", r.stdout, re.M), r.stdout
     assert re.search(rf"^{sorted(noinstr)[0]}\+0x0  k  refused  blacklist at .* in \.noinstr\.text", r.stdout, re.M), r.stdout

@@ -11,10 +11,13 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
   .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
   init) and the kernel's symbols the module refers to (stand-ins in the view);
 - x86_64/writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
-  ftrace sites with C handlers and trace events; the rest is refused with one line,
-  docs/limitations.md);
+  ftrace sites, kprobes inside functions as optimized probes (x86_64/optprobe.py: the
+  region's copy carrying the module's relocations), C handlers and trace events; the rest
+  is refused with one line, docs/limitations.md);
 - symvers.py: the kernel's Module.symvers, the CRCs of the kernel symbols the module's
-  runtime adds to its imports (its __versions).
+  runtime adds to its imports (its __versions);
+- kernel_btf.py: the kernel's BTF (beside Module.symvers, or /sys/kernel/btf/vmlinux), the
+  layouts the module's trace events need to be the kernel's own event calls.
 """
 from __future__ import annotations
 
@@ -74,11 +77,68 @@ def rules(image, arch) -> Rules:
                              "code (probe it in the kernel image)") for f in image.functions if lo <= f.start < hi]
     if extra:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
+    r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
+    r.region_refusal = _carried(image, r.region_refusal)
     # No breakpoint hook in a module (yet): no int3 sites.
     r.int3 = False
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r
+
+
+# The kernel's retpoline thunks, which a module calls or jumps to by name (the kernel
+# image's [__indirect_thunk_start, __indirect_thunk_end) is not the module's to read).
+THUNKS = ("__x86_indirect_thunk_", "__x86_indirect_jump_thunk_")
+
+
+def _thunk_jumps(image, arch, inner):
+    """can_optimize()'s insn_is_indirect_jump() for a module: a `jmp` (not a call) to a
+    retpoline thunk is an indirect jump, which refuses optimizing the whole function (its
+    targets are unknown: one may be inside a region).  The kernel image's function_refusal
+    (exception tables) first."""
+    lo, hi = image.container.stand_in
+    thunks = {a for n, a in image.all_symbols().items() if n.startswith(THUNKS) and lo <= a < hi}
+
+    def refusal(analysis, func):
+        why = inner(analysis, func) if inner is not None else None
+        if why is not None or not thunks:
+            return why
+        for target, src in analysis.decoded(func).branches:
+            if target in thunks and image.read(src, 1) != b"\xe8":
+                return arch.Refusal("indirect_jump", src, f"{func.name} jumps through a retpoline thunk "
+                                                          "(an indirect jump)")
+        return None
+    return refusal
+
+
+def _carried(image, inner):
+    """Rules.region_refusal() for a module: the kernel's checks (inner), then whether the
+    region's copy can carry its relocations (x86_64/optprobe.py; `module_relocation`), so
+    that `check` names what `instrument` would refuse."""
+    from ...arch.base import DcrInsn
+    from ...arch.x86_64 import insn as x86insn
+    from .x86_64 import optprobe
+
+    def refusal(arch, analysis, func, lo, hi):
+        why = inner(arch, analysis, func, lo, hi)
+        if why is not None:
+            return why
+        mod = image.container
+        if mod.relocs is None:
+            mod.relocs = optprobe.relocations(mod)
+        pos = lo
+        while pos < hi:
+            code = image.read(pos, 16)
+            try:
+                info = x86insn.classify(code, pos)
+                optprobe.copy(mod, mod.relocs, DcrInsn(pos, code[:info.length], info))
+            except ValueError:
+                return None             # the planner's own decode check says so
+            except optprobe.CopyRefused as e:
+                return arch.Refusal(*e.args)
+            pos += info.length
+        return None
+    return refusal
 
 
 def _tables(image) -> None:

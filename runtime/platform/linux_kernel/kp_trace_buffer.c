@@ -39,6 +39,11 @@
  * buffer; from then on a hit is written for each instance whose `enable` is
  * set, through trace_event_buffer_reserve()/trace_event_buffer_commit() as
  * __kprobe_trace_func() writes it (soft-disable, pid filter, filter, triggers).
+ *
+ * Built with KP_MODULE_EVENTS, the same code is a kernel module's event calls
+ * (rewriter/targets/linux_module/x86_64/writer.py: event_calls_c() lays the calls out
+ * and the module loader registers them); what only an image does is left out there:
+ * the boot-hook registration, the top instance's buffer before it, the names' recording.
  */
 #include "kp_trace.h"
 
@@ -118,6 +123,7 @@ static int kp_trace_calls;			/* BTF gave the trace_event_call's layout */
 #define KP_ENTRY_IP 8
 #define KP_ENTRY_HEAD(ev) ((ev)->is_return ? 24 : 16)
 
+#ifndef KP_MODULE_EVENTS	/* a module's events (linux_module's writer.py): the kernel records names */
 void tracing_start_cmdline_record(void);
 
 /* Set once the kernel's own cmdline recording runs for our events (kp_kernel_trace_late()). */
@@ -163,6 +169,7 @@ static void kp_trace_save_cmdline(void)
 	}
 	tracing_record_cmdline(task);
 }
+#endif
 
 /* struct ring_buffer_event's data (rb_event_data(): the format trace_pipe_raw readers
  * parse): after a time extend, then after the header word, or after the length word
@@ -320,8 +327,13 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 			     unsigned long ret_addr, const unsigned char *rec, unsigned long len)
 {
 	struct kp_trace_type *types = __atomic_load_n(&kp_trace_types, __ATOMIC_ACQUIRE);
+#ifndef KP_MODULE_EVENTS
 	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED) || !types)
 		return 0;
+#else
+	if (!types)
+		return 0;
+#endif
 	struct kp_trace_type *t = &types[ev->index];
 	unsigned int type = t->type;
 	if (!type)
@@ -336,6 +348,9 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 		}
 		return 1;
 	}
+#ifdef KP_MODULE_EVENTS
+	return 0;	/* no call: the line is written (trace_printk()) */
+#else
 	/* Before the trace_event_call is registered: the top instance's buffer. */
 	void *buffer = *(void **)(global_trace + kp_kernel_trace[KP_TR_BUFFER]);
 	/* trace_event_buffer_reserve()'s context: the irq flags and the preempt count the
@@ -360,6 +375,7 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 	trace_buffer_unlock_commit_regs(global_trace, buffer, event, ctx, regs);
 	kp_trace_save_cmdline();
 	return 1;
+#endif
 }
 
 /* trace_print_func: the line of one of our entries, when the trace is read (tracing/trace,
@@ -548,6 +564,7 @@ static void kp_trace_names(const struct kp_trace_event *ev, char *buf, unsigned 
 	}
 }
 
+#ifndef KP_MODULE_EVENTS	/* a module's calls are registered by the module loader */
 /* trace_probe_register_event_call()'s second half, trace_add_event_call(), and the event
  * enabled in the top instance; process context, tracefs up.  0 when it did not take. */
 static int kp_trace_register(struct kp_trace_type *t)
@@ -686,3 +703,4 @@ int kp_platform_symbol(char *buf, unsigned long addr, int with_offset)
 {
 	return with_offset ? sprint_symbol(buf, addr) : sprint_symbol_no_offset(buf, addr);
 }
+#endif

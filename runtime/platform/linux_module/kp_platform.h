@@ -1,6 +1,7 @@
 /*
  * The platform half of the runtime for a kernel module (.ko), the part a module's
- * trace events need (kp_fetch.c, kp_trace.c): the module is linked with `ld -r`
+ * trace events need (kp_fetch.c, kp_trace.c, and with the kernel's BTF the image's
+ * kp_trace_buffer.c for its event calls): the module is linked with `ld -r`
  * (rewriter/targets/linux_module/x86_64/writer.py) and relocated by the module
  * loader, so the kernel is reached through its exported symbols only (each with
  * the CRC the kernel's Module.symvers gives it, added to the module's __versions).
@@ -87,6 +88,22 @@ int kp_platform_symbol(char *buf, unsigned long addr, int with_offset);
 /* A line's body into the ftrace ring buffer as trace_printk() writes it (__trace_puts():
  * a TRACE_PRINT entry behind the probed address): always 1. */
 int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len);
+
+#ifdef KP_MODULE_EVENTS
+/* With the kernel's BTF (rewriter/targets/linux_module/kernel_btf.py): each event is the
+ * kernel's own event call, registered from the module's _ftrace_events by the module
+ * loader (writer.py's event_calls_c(), on the kernel image's kp_trace_buffer.c): a hit's
+ * record goes into each instance that has the event enabled, 1 when it was taken or
+ * dropped as the kernel drops its own, 0 when the event has no call (then the line is
+ * written as above); nothing is fetched while every instance has it disabled. */
+#define KP_PLATFORM_TRACE_RECORD 1
+struct kp_trace_event;
+struct pt_regs;
+int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long ip,
+			     unsigned long ret_addr, const unsigned char *rec, unsigned long len);
+#define KP_PLATFORM_TRACE_WANTED 1
+int kp_platform_trace_wanted(const struct kp_trace_event *ev);
+#endif
 
 #pragma GCC visibility pop
 

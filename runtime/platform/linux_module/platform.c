@@ -1,8 +1,9 @@
 /*
  * A kernel module's platform functions for its trace events (kp_platform.h): a
- * hit's line goes to the ftrace ring buffer as trace_printk() writes it.  The
- * module has no trace_event_call of its own: its layout is the kernel's (BTF of
- * the kernel image), which a module rewrite does not read.
+ * hit's line goes to the ftrace ring buffer as trace_printk() writes it, when the
+ * event has no trace_event_call of its own (without the kernel's BTF, whose layouts
+ * it needs; with it, the event calls are the kernel image's kp_trace_buffer.c,
+ * built for the module by writer.py's event_calls_c()).
  */
 #include "kp_internal.h"
 

@@ -75,6 +75,7 @@ class ModuleObject:
     stand_in: tuple[int, int] = (0, 0)     # [start, end) of the kernel symbols' stand-ins
     symvers: dict | None = None            # the kernel's symbol CRCs (symvers.py), when found
     symvers_path: str | None = None
+    relocs: dict | None = None             # the .ko's relocations by section (optprobe.relocations()), once read
 
     def section_named(self, name: str) -> Shdr | None:
         return next((s for s in self.sections if s.name == name), None)

@@ -23,11 +23,14 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
 
 A kretprobe at such a site is the kernel's kind: the return address swapped at entry for
 kp_kret_trampoline, its instance from a pool claimed atomically and found again at return
-by its return-address slot.  Only ftrace sites are written; anything else is refused with
-one line.
+by its return-address slot.  A kprobe inside a function is an optimized (jump) probe: a
+`jmp` to a detour built as opt.c's template, then the region's copy with the module's
+relocations carried (optprobe.py; opt_detour(), _redirect()).  What cannot be placed so is
+refused with one line.
 
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
-kp_trace.c on runtime/platform/linux_module), their lines written to the ftrace ring buffer
+kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
+own event call (event_calls_c()), else their lines are written to the ftrace ring buffer
 as trace_printk() writes them.  The kernel symbols our code calls that the module did not
 get their CRCs from the kernel's Module.symvers (symvers.py) in extra __versions entries;
 with them, handlers run with preemption disabled and a hit during one of ours is missed
@@ -41,8 +44,9 @@ import subprocess
 from pathlib import Path
 
 from ....errors import KprewriteError
-from ....planner.model import FTRACE
-from .relocatable import SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
+from ....planner.model import FTRACE, OPTIMIZED
+from .optprobe import CopyRefused, FIELD_SIZE, relocations
+from .relocatable import R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
 
 R_X86_64_NONE = 0
 META_SECTION = ".kprewrite.meta"
@@ -79,6 +83,48 @@ kp_detour_{i}:
 	jmp __x86_return_thunk
 	.size kp_detour_{i}, .-kp_detour_{i}
 """
+
+# An optimized (jump) probe's detour, entered by the `jmp` at the probed address (no
+# return address on the stack; the probed code's flags live): arch/x86/kernel/kprobes/
+# opt.c's optprobe_template: pt_regs built with ip the probed address + 1 (as
+# optimized_callback() sets it) and the flags saved first, the dispatch called, every
+# register restored (a handler's changes to them kept, as the kernel's; a pre_handler's
+# return value ignored, as opt_pre_handler() does), then the region's copy and the jump
+# back to the region's end.  {site} and {back} are placeholder references (optprobe.py).
+OPT_DETOUR_HEAD = r"""
+	.section .text.kprewrite,"ax",@progbits
+	.globl kp_detour_{i}
+	.type kp_detour_{i},@function
+kp_detour_{i}:
+	lea -0x10(%rsp), %rsp		/* ss, sp: no flags changed before they are saved */
+	pushfq
+	lea -0x10(%rsp), %rsp		/* cs, ip */
+	pushq $-1			/* orig_ax */
+	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
+	push %r8; push %r9; push %r10; push %r11
+	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
+	.byte 0x48, 0x8d, 0x05		/* lea <the probed address + 1>(%rip), %rax */
+	.long {site} - .
+	mov %rax, 0x80(%rsp)
+	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
+	lea 0xa8(%rsp), %rax		/* sp at the probed address */
+	mov %rax, 0x98(%rsp)
+	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
+	mov %rsp, %rdi
+	call kp_dispatch_{i}
+	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
+	pop %r11; pop %r10; pop %r9; pop %r8
+	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
+	lea 0x18(%rsp), %rsp		/* orig_ax, ip, cs */
+	popfq
+	lea 0x10(%rsp), %rsp		/* sp, ss */
+"""
+OPT_DETOUR_TAIL = r"""	.byte 0xe9			/* jmp <the region's end> */
+	.long {back} - .
+	.size kp_detour_{i}, .-kp_detour_{i}
+"""
+PLACEHOLDER = "kp_ph_"
+
 
 RUNTIME_C = r"""
 #include <kprewrite/kprobes.h>
@@ -167,6 +213,33 @@ static inline void kp_leave(void) { }
 """
 
 
+def opt_detour(i: int, site, mod, relocs, placeholders: dict) -> str:
+    """The optimized detour of site i (OPT_DETOUR_HEAD, the region's copies, OPT_DETOUR_TAIL),
+    each relocated field a reference to a new placeholder: placeholders[name] = Field
+    (optprobe.Field: what _redirect() points its relocation at)."""
+    from .optprobe import Field, region
+
+    def ph(field) -> str:
+        name = f"{PLACEHOLDER}{len(placeholders)}"
+        placeholders[name] = field
+        return name
+    sec, off = mod.place(site.addr)
+    end_sec, end = mod.place(site.region_end - 1)
+    out = [OPT_DETOUR_HEAD.replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))]
+    for code, fields in region(mod, relocs, site):
+        pos = 0
+        for fl in fields:
+            if fl.at > pos:
+                out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:fl.at]) + "\n")
+            out.append(f"\t.{'long' if fl.size == 4 else 'quad'} {ph(fl)}{' - .' if fl.carry is None else ''}\n")
+            pos = fl.at + fl.size
+        if pos < len(code):
+            out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:]) + "\n")
+    out.append(OPT_DETOUR_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
+                                                                                   addend=end + 1 - 4))))
+    return "".join(out)
+
+
 def _c_string(s: str) -> str:
     return json.dumps(s)
 
@@ -190,7 +263,7 @@ def _preempt_c(symvers: dict | None) -> str:
 
 
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
-              debugfs: bool = False, symvers: dict | None = None) -> str:
+              debugfs: bool = False, symvers: dict | None = None, event_calls: bool = False) -> str:
     """The module's runtime: probe structures, the dispatch of each site, the kretprobe
     entry and return, init and exit.  traces: the trace events (events.trace_key ->
     TraceEvent) whose kp_trace_pre_<key>/kp_trace_ret_<key> (events.trace_c(), in
@@ -219,9 +292,10 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
         declare(ep.kret.handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
         declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
     out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
-    for p in kps:
+    for site, p in plan.kprobes:
+        flag = "KPROBE_FLAG_FTRACE" if site.decision == FTRACE else "KPROBE_FLAG_OPTIMIZED"
         out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
-                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
+                   f".flags = {flag}, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
     out.append("};")
     out.append(f"static unsigned long kp_hits[{max(len(kps), 1)}];")
     # kretprobes: a pool of maxactive instances each, claimed atomically; an instance is found
@@ -326,6 +400,17 @@ unsigned long kp_kret_return(struct pt_regs *regs)
             if trace_key(p) in traces:      # the event's pre_handler, which calls the user's
                 pre = f"kp_trace_pre_{trace_key(p)}"
             post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
+            if site.decision == OPTIMIZED:      # opt_pre_handler(): its return value ignored
+                body.append(f"""	{{
+		struct kprobe *p = &kp_probes[{i}];
+		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
+			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
+			if (!p->addr)
+				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
+			{f"{pre}(p, regs);" if pre else ""}
+		}}
+	}}""")
+                continue
             body.append(f"""	{{
 		struct kprobe *p = &kp_probes[{i}];
 		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
@@ -355,15 +440,15 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 		return 0;
 	}}
 {chr(10).join(body)}
-out:
+{"out:" if "goto out" in "".join(body) else ""}
 	kp_leave();
 	return r;
 }}""")
-    out.append(_init_exit_c(module, len(kps), len(krs), debugfs))
+    out.append(_init_exit_c(module, len(kps), len(krs), debugfs, event_calls))
     return "\n".join(out)
 
 
-def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool) -> str:
+def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool, event_calls: bool = False) -> str:
     """kp_module_init/kp_module_exit: arm, chain to the module's own init and exit, disarm and
     print each probe's counts; with debugfs, /sys/kernel/debug/kprewrite-<module>/<EVENT>/
     {hits,nmissed} (and a kretprobe's `returns`) while the module is loaded, made with
@@ -403,12 +488,15 @@ static int kp_debugfs_ok(void *d)
 	return d && (unsigned long)d < (unsigned long)-4095;
 }
 """
+    if event_calls:
+        decl += "\nvoid kp_module_trace_init(void);\n"
     return f"""{decl}
 int kp_module_init(void)
 {{
 	unsigned int i = 0;
 	int r;
 	(void)i;{mk}
+{"	kp_module_trace_init();	/* the events' calls, registered before init (event_calls_c()) */" if event_calls else ""}
 	kp_armed = 1;
 	r = init_module();
 	if (r) {{
@@ -485,11 +573,29 @@ kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 
 
 
 def refuse_unsupported(s) -> None:
+    """One line per probe the module cannot take: an optimized probe with a post_handler
+    (the kernel never optimizes one; a module has no breakpoint probes), an optimized
+    region whose copy cannot carry its relocations (optprobe.py), a kretprobe away from
+    an ftrace site."""
+    from ....resolve import is_entry
+    from .optprobe import region
     lines = []
-    for site, p in s.plan.kprobes:
-        if site.decision != FTRACE:
-            lines.append(f"{s.spec.path.name}: {p.spec.table} ({p.label}): a module's probes are written "
-                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
+    relocs = None
+    for site in s.plan.sites:
+        if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
+            continue
+        label = lambda p: f"{s.spec.path.name}: {p.spec.table} ({p.label})"  # noqa: E731
+        for p in site.probes:
+            if not is_entry(p) and p.spec.post_handler:
+                lines.append(f"{label(p)}: post_handler at {site.addr:#x}: a module's probe away from an ftrace "
+                             f"site is an optimized one, which runs no post_handler (the kernel optimizes "
+                             f"no kprobe with one), and a module has no breakpoint probes")
+        relocs = relocs if relocs is not None else relocations(s.image.container)
+        try:
+            region(s.image.container, relocs, site)
+        except CopyRefused as e:
+            check, addr, why = e.args
+            lines += [f"{label(p)}: {check} at {addr:#x}: {why}" for p in site.probes if not is_entry(p)]
     for site, p, _ in s.plan.kretprobes:
         if site.decision != FTRACE:
             lines.append(f"{s.spec.path.name}: {p.kret.table} ({p.label}): a module's kretprobes are written "
@@ -500,6 +606,125 @@ def refuse_unsupported(s) -> None:
                          f"(the module's addresses are the loader's)")
     if lines:
         raise KprewriteError(*lines)
+
+
+def _names_bound(ev) -> int:
+    """kp_trace_buffer.c's kp_trace_names_bound(): the bytes of an event's print_fmt and its
+    array fields' "TYPE[N]" names."""
+    total = 128
+    for a in ev.args:
+        n = len(a.name.encode())
+        total += 48 + n + (a.count or 1) * (n + 48)
+    return total
+
+
+def event_calls_c(traces: dict, layout: list) -> str:
+    """Each trace event as the kernel's own event call (events/kprobes/<EVENT>/): the image's
+    runtime (runtime/platform/linux_kernel/kp_trace_buffer.c, built with KP_MODULE_EVENTS:
+    its entries, fields, print_fmt, reg and .trace function) with each event's
+    trace_event_call, class and fields_array laid out here from the kernel's BTF (layout:
+    kernel_btf.layout()) and listed in the module's `_ftrace_events` section, from which
+    the module loader's trace notifier registers them before the module's init
+    (trace_module_add_events(): raw_init, the output type, the tracefs files) and removes
+    them after its exit (trace_module_remove_events()), as for a module's TRACE_EVENT()s.
+    raw_init fills in what the names need (print_fmt, array types) first."""
+    from ....link_runtime import RUNTIME_DIR
+    from ..kernel_btf import EXTRA
+    trace_n = len(layout) - len(EXTRA)
+    (raw_init,) = layout[trace_n:]
+    order = sorted(traces, key=str)
+    out = ["#define KP_MODULE_EVENTS 1",
+           f'#include "{RUNTIME_DIR / "platform" / "linux_kernel" / "kp_trace_buffer.c"}"',
+           f"const long kp_kernel_trace[KP_TR_N] = {{ {', '.join(map(str, layout[:trace_n]))} }};",
+           f"_Static_assert(KP_TR_N == {trace_n}, \"kp_kernel_trace[]: the kernel platform's layout\");",
+           "int trace_event_raw_init(void *call);",
+           "static int kp_module_raw_init(void *call);",
+           f"#define KP_NCALLS {len(order)}"]
+    L = dict(zip(("entry", "ev_size", "ev_type", "ev_funcs", "seq", "ent", "ent_size", "buffer", "call_size",
+                  "call_class", "call_name", "call_event", "print_fmt", "class_size", "system", "reg",
+                  "fields_array", "fields", "fields_size", "define"), layout))
+    for k, v in [*L.items(), ("raw_init", raw_init)]:
+        if k not in ("ev_type", "seq", "ent", "ent_size", "buffer", "call_size", "class_size", "fields_size",
+                     "entry", "ev_size") and v % 8:
+            raise KprewriteError(f"the kernel's BTF puts {k} at {v}, not a pointer's place")
+    for i, k in enumerate(order):
+        ev = traces[k]
+        out.append(f"static char kp_module_names_{i}[{_names_bound(ev)}];")
+        out.append(f"static const char *kp_module_types_{i}[{len(ev.args) + 1}];")
+    out.append("static struct kp_trace_type kp_module_types[KP_NCALLS] = {")
+    for i, k in enumerate(order):
+        t = f"kp_module_types[{i}]"
+        fl = L["fields"] // 8
+        out.append(f"\t{{ .call = {{ [{L['call_class'] // 8}] = (unsigned long){t}.class, "
+                   f"[{L['call_name'] // 8}] = (unsigned long){json.dumps(traces[k].name)}, "
+                   f"[{(L['call_event'] + L['ev_funcs']) // 8}] = (unsigned long)kp_trace_funcs }},\n"
+                   f"\t  .class = {{ [{L['system'] // 8}] = (unsigned long)\"kprobes\", "
+                   f"[{L['reg'] // 8}] = (unsigned long)kp_trace_reg, "
+                   f"[{raw_init // 8}] = (unsigned long)kp_module_raw_init, "
+                   f"[{L['fields_array'] // 8}] = (unsigned long){t}.fields, "
+                   f"[{fl}] = (unsigned long)&{t}.class[{fl}], [{fl + 1}] = (unsigned long)&{t}.class[{fl}] }},\n"
+                   f"\t  .fields = {{ {{ [0] = ~0UL, [{L['define'] // 8}] = (unsigned long)kp_trace_define_fields }} }} }},")
+    out.append("};")
+    out.append("static void *const kp_module_ftrace_events[KP_NCALLS] __attribute__((section(\"_ftrace_events\"), "
+               "used, aligned(8))) = { " + ", ".join(f"kp_module_types[{i}].call" for i in range(len(order))) + " };")
+    out.append("static char *const kp_module_names[KP_NCALLS] = { "
+               + ", ".join(f"kp_module_names_{i}" for i in range(len(order))) + " };")
+    out.append("static const char **const kp_module_arrays[KP_NCALLS] = { "
+               + ", ".join(f"kp_module_types_{i}" for i in range(len(order))) + " };")
+    out.append("static const unsigned long kp_module_names_size[KP_NCALLS] = { "
+               + ", ".join(str(_names_bound(traces[k])) for k in order) + " };")
+    out.append(MODULE_EVENTS_C)
+    return "\n".join(out) + "\n"
+
+
+# The module's side of its event calls (event_calls_c()).
+MODULE_EVENTS_C = r"""
+/* The trace_event_class's raw_init, from the module loader's trace notifier (process
+ * context, before the module's init): the event, its fields' total, print_fmt and the
+ * array fields' types (before define_fields reads them), then the output type
+ * (trace_event_raw_init(): register_trace_event()). */
+static int kp_module_raw_init(void *call)
+{
+	struct kp_trace_type *t = call;
+	unsigned int i = (unsigned int)(t - kp_module_types);
+	if (i >= KP_NCALLS || i >= kp_ntrace_events)
+		return -22;
+	const struct kp_trace_event *ev = kp_trace_events[i];
+	unsigned int fixed = 0;
+	for (unsigned int k = 0; k < ev->nargs; k++) {
+		const struct kp_probe_arg *a = &ev->args[k];
+		fixed += kp_arg_field_size(a) * (a->count ? a->count : 1);
+	}
+	t->fixed = fixed;
+	kp_trace_names(ev, kp_module_names[i], kp_module_names_size[i], kp_module_arrays[i]);
+	t->types = kp_module_arrays[i];
+	*(char **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PRINT_FMT]) = kp_module_names[i];
+	t->ev = ev;
+	return trace_event_raw_init(call);
+}
+
+/* From the module's init, the calls registered: each event with an output type written
+ * through its trace_event_files from now on, and enabled in the top instance (as a kernel
+ * image's events are); an event the notifier did not register (a module with a bad taint)
+ * writes trace_printk() lines. */
+void kp_module_trace_init(void)
+{
+	kp_trace_event_at = kp_kernel_trace[KP_TR_CALL_EVENT];
+	kp_trace_calls = 1;
+	for (unsigned int i = 0; i < KP_NCALLS; i++) {
+		struct kp_trace_type *t = &kp_module_types[i];
+		int type = *(int *)((char *)t->call + kp_kernel_trace[KP_TR_CALL_EVENT] + kp_kernel_trace[KP_TR_EVENT_TYPE]);
+		if (type <= 0 || !t->ev)
+			continue;
+		t->type = (unsigned int)type;
+		__atomic_store_n(&t->live, 1, __ATOMIC_RELEASE);
+		int ret = trace_set_clr_event("kprobes", t->ev->name, 1);
+		if (ret)
+			_printk(KP_KERN_ERR "kprewrite: trace event %s: not enabled (%d)\n", t->ev->name, ret);
+	}
+	__atomic_store_n(&kp_trace_types, kp_module_types, __ATOMIC_RELEASE);
+}
+"""
 
 
 # The runtime's generic pieces a module's trace events use (runtime/; the platform's in
@@ -522,13 +747,26 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     name = module_name(mod)
     debugfs = mod.symvers is not None
     src = workdir / "kp_module.c"
-    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers))
+    # The events as the kernel's own event calls when the kernel's BTF gives their layouts
+    # (kernel_btf.py; with the CRCs, which their functions need), else trace_printk() lines.
+    calls = None
+    if s.traces and debugfs:
+        from .. import kernel_btf, symvers as _symvers
+        found = kernel_btf.find(mod.symvers_path, _symvers.release(mod))
+        calls = kernel_btf.layout(*found) if found else None
+    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
-    asm.write_text("".join(DETOUR_S.replace("{i}", str(i)) for i in range(len(sites_)))
+    relocs = mod.relocs if mod.relocs is not None else relocations(mod)
+    placeholders: dict = {}
+    detours = [DETOUR_S.replace("{i}", str(i)) if site.decision == FTRACE
+               else opt_detour(i, site, mod, relocs, placeholders) for i, (site, _, _) in enumerate(sites_)]
+    asm.write_text("".join(f"\t.weak {n}\n" for n in placeholders) + "".join(detours)
                    + (TRAMPOLINE_S if s.plan.kretprobes else ""))
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
+    if calls is not None:
+        flags.append("-DKP_MODULE_EVENTS")
     _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
     _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
     ours = [obj_c, obj_s]
@@ -539,7 +777,12 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
         ev = workdir / "kp_events.c"
         ev.write_text("".join(f"extern char {u}[];\n" for u in sorted(set(users.values())))
                       + trace_c(s.traces, users, []))
-        for i, c in enumerate([ev, *(RUNTIME_DIR / f for f in EVENT_SOURCES)]):
+        extra = []
+        if calls is not None:
+            ec = workdir / "kp_event_calls.c"
+            ec.write_text(event_calls_c(s.traces, calls))
+            extra = [ec]
+        for i, c in enumerate([ev, *extra, *(RUNTIME_DIR / f for f in EVENT_SOURCES)]):
             o = workdir / f"kp_rt{i}.o"
             _run([cc, *flags, "-c", str(c), "-o", str(o)], f"the module's runtime ({c.name})")
             ours.append(o)
@@ -558,13 +801,18 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     sites = []
     for i, (site, _, _) in enumerate(sites_):
         placed = mod.place(site.addr)
-        sites.append((i, placed[0].name, placed[1]))
-    _redirect(data, str(linked), sites)
+        sites.append((i, placed[0].name, placed[1], site.decision))
+    data = _redirect(data, str(linked), sites, placeholders)
     meta = workdir / "meta.json"
     meta.write_bytes(metadata(s.plan, None, s.image.label))
     out = workdir / "out.ko"
     linked.write_bytes(data)
-    _run(["objcopy", "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
+    strip = []
+    if placeholders:                # no relocation names them any more
+        names = workdir / "kp_placeholders.txt"
+        names.write_text("".join(f"{n}\n" for n in placeholders))
+        strip = [f"--strip-symbols={names}"]
+    _run(["objcopy", *strip, "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
           f"{META_SECTION}=readonly", str(linked), str(out)], "objcopy")
     return out.read_bytes()
 
@@ -608,7 +856,7 @@ def _versions(mod, rt: Path, workdir: Path, cc: str) -> Path | None:
     undef, _ = _names(rt)
     orig = workdir / "orig.ko"
     _, defined = _names(orig)
-    new = sorted(undef - defined - have)
+    new = sorted(n for n in undef - defined - have if not n.startswith(PLACEHOLDER))   # placeholders go
     if not new:
         return None
     if mod.symvers is None:
@@ -654,9 +902,12 @@ def _run(cmd, what):
 _RELA = struct.Struct("<QQq")
 
 
-def _redirect(data: bytearray, path: str, sites) -> None:
-    """In the linked module: each site's `call __fentry__` relocation to its detour, its
-    __mcount_loc entry's relocation to R_X86_64_NONE, struct module's init and exit to ours."""
+def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = None) -> bytearray:
+    """In the linked module: each ftrace site's `call __fentry__` relocation to its detour, its
+    __mcount_loc entry's relocation to R_X86_64_NONE; each optimized site's first five bytes a
+    `jmp` to its detour (a relocation added, the ones its bytes cover made R_X86_64_NONE), its
+    copy's placeholder relocations pointed at what optprobe.py says; struct module's init and
+    exit to ours.  The module's bytes (a relocation section that grows moves to the end)."""
     secs = read_sections(bytes(data), path)
     symtab, syms = symbols(bytes(data), secs)
     strtab = secs[symtab.link]
@@ -684,7 +935,45 @@ def _redirect(data: bytearray, path: str, sites) -> None:
 
     def set_rela(at, off, sym, typ, addend):
         _RELA.pack_into(data, at, off, (sym << 32) | typ, addend)
-    for i, sec, off in sites:
+
+    def section_symbol(name):
+        shndx = by_name[name].index
+        return next(i for i, (_, info, _, sh, _, _) in enumerate(syms) if info & 0xF == 3 and sh == shndx)
+    # The copies' fields first: a carried relocation is read before a jump's bytes drop it.
+    table: dict[str, dict] = {}         # section -> {offset: (symbol, type, addend)}, read once
+
+    def rela_at(sec_name, off):
+        if sec_name not in table:
+            table[sec_name] = {o2: (i2 >> 32, i2 & 0xFFFFFFFF, a2) for _, o2, i2, a2 in relas(sec_name)}
+        return table[sec_name].get(off)
+    for at, r_off, info, addend in relas(".text.kprewrite") if placeholders else []:
+        fl = placeholders.get(sym_name(info >> 32))
+        if fl is None:
+            continue
+        if fl.carry is not None:
+            orig = rela_at(fl.section, fl.carry)
+            if orig is None:
+                raise KprewriteError(f"{path}: {fl.section}+{fl.carry:#x} has no relocation to carry")
+            set_rela(at, r_off, *orig)
+        else:
+            set_rela(at, r_off, section_symbol(fl.section), R_X86_64_PC32, fl.addend)
+    extra: dict[str, list] = {}
+    by_offset: dict[str, dict] = {}     # section -> {offset: [where its relocations are]}
+    for i, sec, off, decision in sites:
+        if decision == OPTIMIZED:
+            toff = by_name[sec].offset + off
+            data[toff:toff + 5] = b"\xe9\0\0\0\0"
+            if sec not in by_offset:
+                by_offset[sec] = {}
+                for at, r_off, info, _ in relas(sec):
+                    by_offset[sec].setdefault(r_off, []).append((at, FIELD_SIZE.get(info & 0xFFFFFFFF, 4)))
+            # the fields the jump's bytes cover (one starting up to 7 bytes before: a quad)
+            for r_off in range(off - 7, off + 5):
+                for at, size in by_offset[sec].get(r_off, []):
+                    if r_off + size > off:
+                        set_rela(at, r_off, 0, R_X86_64_NONE, 0)
+            extra.setdefault(sec, []).append((off + 1, index[f"kp_detour_{i}"], R_X86_64_PC32, -4))
+            continue
         shndx = by_name[sec].index
         done = False
         for at, r_off, info, addend in relas(sec):
@@ -701,3 +990,21 @@ def _redirect(data: bytearray, path: str, sites) -> None:
         if n in ("init_module", "cleanup_module"):
             set_rela(at, r_off, index["kp_module_init" if n == "init_module" else "kp_module_exit"],
                      info & 0xFFFFFFFF, addend)
+    return _append_relas(data, path, secs, extra)
+
+
+def _append_relas(data: bytearray, path: str, secs, extra: dict) -> bytearray:
+    """Each section's relocation section with the entries of extra[section] added: its
+    table copied to the end of the file with them (a relocatable object's sections may
+    lie anywhere), its header pointed there."""
+    shoff, shentsize = struct.unpack_from("<Q", data, 0x28)[0], struct.unpack_from("<H", data, 0x3A)[0]
+    for name in sorted(extra):
+        r = next((sc for sc in secs if sc.type == SHT_RELA and secs[sc.info].name == name), None)
+        if r is None:
+            raise KprewriteError(f"{path}: {name} has no relocation section for the probes' jumps")
+        table = bytes(data[r.offset:r.offset + r.size]) + b"".join(
+            _RELA.pack(off, (sym << 32) | typ, addend) for off, sym, typ, addend in extra[name])
+        data += bytes(-len(data) % 8)
+        struct.pack_into("<QQ", data, shoff + r.index * shentsize + 24, len(data), len(table))
+        data += table
+    return data
