@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import emission, events, handlers, layout, link, perfprobe, planner, report, tables, targets
+from . import emission, events, handlers, layout, link, planner, report, tables, targets
 from .analysis import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
@@ -54,7 +54,10 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     progress.stage("loading", os.path.basename(input_path))
     image = targets.load(input_path)   # unwrapped from its container, its target detected
     arch = get_arch(image.machine)
-    errors = perfprobe.expand(spec, image, arch)   # perf probe definitions become kprobe_events lines
+    errors = []
+    if spec.probes:                   # perf probe definitions become kprobe_events lines (DWARF: pyelftools)
+        from . import perfprobe
+        errors += perfprobe.expand(spec, image, arch)
     errors += events.expand(spec, arch)  # kprobe_events lines become probe tables
     target = image.target
     target.load_symbols(image, system_map)
