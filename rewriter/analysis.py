@@ -83,7 +83,11 @@ CHUNKS = 16
 
 def jobs() -> int:
     """How many processes decode an image's functions: $KPREWRITE_JOBS, else one per CPU
-    this process may run on."""
+    this process may run on; one in a process running other threads (forking it could
+    copy a lock another thread holds: the library called from a threaded program)."""
+    import threading
+    if threading.active_count() > 1:
+        return 1
     v = os.environ.get("KPREWRITE_JOBS", "")
     if v.isdigit() and int(v) > 0:
         return int(v)

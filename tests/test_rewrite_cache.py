@@ -44,7 +44,7 @@ def test_analysis_from_the_cache_and_from_workers(tmp_path, monkeypatch):
     cached = A.Analysis(image, arch)
     assert _state(cached) == _state(fresh)
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
-    monkeypatch.setenv("KPREWRITE_JOBS", "2")
+    monkeypatch.setattr(A, "jobs", lambda: 2)        # even in a test runner's threaded process
     monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
     parallel = A.Analysis(image, arch)
     assert _state(parallel) == _state(fresh)
