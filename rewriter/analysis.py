@@ -8,6 +8,11 @@ image (a function's .cold part jumps back into it), C++ landing pads (LSDA),
 code addresses taken by relocations, and code symbols.  A kernel image adds
 __ex_table, alternatives, jump labels, static calls and ftrace sites as more
 sources.
+
+What the sources find depends on the image alone, so it is kept in kprewrite's
+cache (cache.py, kind analysis-state) and a second analysis of the same image reads
+it back.  Without it, a large image's functions are decoded by forked worker
+processes, a slice each, joined in the functions' order.
 """
 from __future__ import annotations
 
