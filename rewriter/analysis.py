@@ -8,10 +8,17 @@ image (a function's .cold part jumps back into it), C++ landing pads (LSDA),
 code addresses taken by relocations, and code symbols.  A kernel image adds
 __ex_table, alternatives, jump labels, static calls and ftrace sites as more
 sources.
+
+What the sources find depends on the image alone, so it is kept in kprewrite's
+cache (cache.py, kind analysis-state) and a second analysis of the same image reads
+it back.  Without it, a large image's functions are decoded by forked worker
+processes, a slice each, joined in the functions' order.
 """
 from __future__ import annotations
 
 import bisect
+import os
+import pickle
 from typing import Callable, Iterable
 
 from array import array
@@ -54,12 +61,83 @@ def _branch_pairs(image: Image, an: "Analysis"):
             yield from zip(it, it)
             return
     pairs = array("Q")
+    if k is not None and not an.read_indirect_jumps and jobs() > 1:
+        # A kernel: only the branches are needed here (its probes decode their own
+        # functions' first bytes), so the workers send back the pairs alone.
+        for chunk in _in_workers(image, an.arch, _pairs_of):
+            pairs.frombytes(chunk)
+        it = iter(pairs)
+        yield from zip(it, it)
+        cache.put("analysis", k, pairs.tobytes())
+        return
+    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS:
+        an.decode_all()
     for f in image.functions:
         for target, src in an.decoded(f).branches:
             pairs.extend((target & 0xFFFFFFFFFFFFFFFF, src))
             yield target, src
     if k is not None:
         cache.put("analysis", k, pairs.tobytes())
+
+
+# Decoding is split over worker processes (one per CPU, KPREWRITE_JOBS to choose) when
+# an image has this many functions: below it, starting them costs more than it saves.
+PARALLEL_FUNCTIONS = 2000
+CHUNKS = 16
+
+
+def jobs() -> int:
+    """How many processes decode an image's functions: $KPREWRITE_JOBS, else one per CPU
+    this process may run on; one in a process running other threads (forking it could
+    copy a lock another thread holds: the library called from a threaded program)."""
+    import threading
+    if threading.active_count() > 1:
+        return 1
+    v = os.environ.get("KPREWRITE_JOBS", "")
+    if v.isdigit() and int(v) > 0:
+        return int(v)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_WORK = None        # (image, arch) in the forked workers: shared with the parent, not sent
+
+
+def _pairs_of(lo: int, hi: int) -> bytes:
+    image, arch = _WORK
+    pairs = array("Q")
+    for f in image.functions[lo:hi]:
+        for target, src in arch.decode_function(image.read(f.start, f.end - f.start), f.start).branches:
+            pairs.extend((target & 0xFFFFFFFFFFFFFFFF, src))
+    return pairs.tobytes()
+
+
+def _decoded_of(lo: int, hi: int) -> list:
+    image, arch = _WORK
+    return [arch.decode_function(image.read(f.start, f.end - f.start), f.start) for f in image.functions[lo:hi]]
+
+
+def _call(args):
+    fn, lo, hi = args
+    return fn(lo, hi)
+
+
+def _in_workers(image: Image, arch, fn):
+    """fn(lo, hi) over image.functions in CHUNKS slices, in forked worker processes,
+    the results in the functions' order (so the output is the same bytes as decoding
+    in one process)."""
+    import multiprocessing
+    global _WORK
+    n = len(image.functions)
+    slices = [(fn, n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
+    _WORK = (image, arch)
+    try:
+        with multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS)) as pool:
+            yield from pool.imap(_call, slices)
+    finally:
+        _WORK = None
 
 
 def landing_pad_targets(image: Image, an: "Analysis"):
@@ -127,6 +205,21 @@ DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relo
                                        code_ref_targets, fixed_pointer_targets, indirect_jump_targets]
 
 
+def _state_key(image: Image, arch, sources, read_indirect_jumps: bool) -> str | None:
+    """The analysis cache's key: the image's bytes, function bounds and symbols, the
+    arch, the sources, and kprewrite's code; None (no caching) when a safety rule is
+    switched off (the test suite's rule-off runs) or a source has no lasting name."""
+    if os.environ.get(safety.OFF_VAR):
+        return None
+    if any("<" in getattr(s, "__qualname__", "<") for s in sources):
+        return None             # a lambda or a local function: its name does not say what it does
+    bounds = array("Q", [x for f in image.functions for x in (f.start, f.end)]).tobytes()
+    syms = repr((sorted(image.symbols.items()), image.code_symbols)).encode()
+    names = ",".join(f"{s.__module__}.{s.__qualname__}" for s in sources).encode()
+    return cache.key(b"analysis-state", cache.code_version(), arch.name.encode(), image.data, bounds, syms,
+                     names, bytes([bool(read_indirect_jumps)]))
+
+
 class Analysis:
     """Decoded functions and known jump targets of one image."""
 
@@ -145,7 +238,11 @@ class Analysis:
         # function's middle from what a backward slice cannot follow).
         self.entered: set[int] = set()
         self.branch_sources: dict[int, list[int]] = {}     # target -> every direct branch to it
-        for source in [*(sources if sources is not None else DEFAULT_SOURCES), *extra_sources]:
+        sources = [*(sources if sources is not None else DEFAULT_SOURCES), *extra_sources]
+        k = _state_key(image, arch, sources, read_indirect_jumps)
+        if k is not None and self._load_state(k):
+            return
+        for source in sources:
             if source is branch_targets:        # the same, without a string to format and parse a branch
                 targets, sources_of = self.targets, self.branch_sources
                 for target, src in _branch_pairs(image, self):
@@ -164,6 +261,55 @@ class Analysis:
                 elif why.startswith("jump from "):
                     self.branch_sources.setdefault(target, []).append(int(why[10:], 16))
         self._sorted_targets = sorted(self.targets)
+        if k is not None:
+            self._save_state(k)
+
+    # What the sources found depends only on the image (its bytes, functions and
+    # symbols), the sources and this code: a second rewrite of the same image (another
+    # spec, the same spec again) reads it from kprewrite's cache instead of decoding
+    # every function.  An image's decoded functions go with it when it is small
+    # enough that reading them back is cheaper than decoding them again.
+    _STATE = ("targets", "entered", "branch_sources", "indirect", "fixed_pointers_scanned", "fixed_pointers")
+
+    def _save_state(self, k: str) -> None:
+        state = {n: getattr(self, n) for n in self._STATE if hasattr(self, n)}
+        memo = {}
+        for kind, table in self._memo.items():
+            try:
+                pickle.dumps(table)
+            except Exception:       # an arch's derived object that does not pickle: derived again
+                continue
+            memo[kind] = table
+        state["_memo"] = memo
+        if len(self.image.data) < BIG_IMAGE:
+            state["_decoded"] = self._decoded
+        try:
+            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return
+        cache.put("analysis-state", k, data)
+
+    def _load_state(self, k: str) -> bool:
+        data = cache.get("analysis-state", k)
+        if data is None:
+            return False
+        try:
+            state = pickle.loads(data)
+        except Exception:
+            return False
+        for n, v in state.items():
+            setattr(self, n, v)
+        self._sorted_targets = sorted(self.targets)
+        return True
+
+    def decode_all(self) -> None:
+        """Every function decoded, in worker processes (see _in_workers)."""
+        funcs = self.image.functions
+        i = 0
+        for chunk in _in_workers(self.image, self.arch, _decoded_of):
+            for d in chunk:
+                self._decoded.setdefault(funcs[i].start, d)
+                i += 1
 
     def decoded(self, f: Function):
         d = self._decoded.get(f.start)

@@ -28,6 +28,25 @@ def cache_dir() -> Path:
     return Path(base) / "kprewrite"
 
 
+_CODE = None
+
+
+def code_version() -> bytes:
+    """A hash of kprewrite's own Python sources: an entry derived by this code (an
+    image's analysis) is keyed by it, so that an edited rewriter never reads what
+    another version derived."""
+    global _CODE
+    if _CODE is None:
+        root = Path(__file__).resolve().parent
+        h = hashlib.sha256()
+        for f in sorted(root.rglob("*.py")):
+            rel = f.relative_to(root).as_posix().encode()
+            data = f.read_bytes()
+            h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
+        _CODE = h.digest()
+    return _CODE
+
+
 def key(*parts: bytes) -> str:
     h = hashlib.sha256(VERSION)
     for p in parts:

@@ -287,6 +287,10 @@ class ElfView:
         sec = self.section(table)
         if sec is None or sec.type == SHT_NOBITS:
             return
+        yield from self.symbols_of(sec)
+
+    def symbols_of(self, sec: Section) -> Iterator[Symbol]:
+        """The entries of the symbol table section `sec`, as symbols() reads them."""
         d = self.data
         secs = self.sections
         lo = hi = 0

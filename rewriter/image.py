@@ -1,7 +1,10 @@
 """Stage 1: load the image.
 
-Reads an ELF file's headers, sections and segments through elfview.ElfView, its
-symbols and dynamic entries with LIEF, and keeps its raw bytes.  A container the
+Reads an ELF file's headers, sections, segments, symbols and dynamic entries
+through elfview.ElfView, and keeps its raw bytes.  LIEF (image.binary: its
+relocations, and the symbols of an image whose tables ElfView does not read as
+LIEF would) is imported and parses the file only when first asked: importing it
+is a third of a rewrite's start-up.  A container the
 ELF travels in (a kernel's bzImage) is the target's to open: targets.load()
 unwraps it and hands the ELF bytes here.  Function bounds come from symbol sizes (.symtab, then
 .dynsym), else from .eh_frame FDEs, the way the kernel's kallsyms gives
@@ -14,15 +17,15 @@ import io
 import os
 from dataclasses import dataclass, field
 
-import lief
-
 from . import ehframe
 from .arch import MACHINES, get_arch
-from .elfview import (PF_R, PF_W, PF_X, PT_INTERP, PT_LOAD, PT_NOTE, PT_PHDR,  # noqa: F401  (importers' names)
-                      SHF_ALLOC, SHF_EXECINSTR, SHF_WRITE, ElfView, Section, Segment)
+from .elfview import (PF_R, PF_W, PF_X, PT_DYNAMIC, PT_INTERP, PT_LOAD, PT_NOTE, PT_PHDR,  # noqa: F401
+                      SHF_ALLOC, SHF_EXECINSTR, SHF_WRITE, SHT_DYNSYM, SHT_SYMTAB, ElfView, Section, Segment)
 from .errors import KprewriteError
 
-lief.logging.disable()
+STT_NOTYPE, STT_OBJECT, STT_FUNC, STT_GNU_IFUNC = 0, 1, 2, 10
+SHT_DYNAMIC = 6
+DT_SYMTAB, DT_SYMENT = 6, 11
 
 DF_1_PIE = 0x08000000
 EM_NAMES = {3: "EM_386", 40: "EM_ARM", 62: "EM_X86_64", 183: "EM_AARCH64", 243: "EM_RISCV"}
@@ -31,6 +34,53 @@ EM_NAMES = {3: "EM_386", 40: "EM_ARM", 62: "EM_X86_64", 183: "EM_AARCH64", 243: 
 def text(name) -> str:
     """A name as LIEF gives it: str, or bytes when it is not UTF-8 (a damaged string table)."""
     return name if isinstance(name, str) else bytes(name).decode("utf-8", "backslashreplace")
+
+
+@dataclass(frozen=True)
+class _Sym:
+    name: str
+    value: int
+    size: int
+    type: int             # STT_*
+    shndx: int
+
+
+def _own_tables(elf: ElfView):
+    """(.symtab's symbols, .dynsym's, the dynamic entries as {tag: value}) read by
+    ElfView, as LIEF reads them; None when the image is not plain enough to be sure
+    of that (no section headers, a table without its section or a section without its
+    table, odd entry sizes, anything unreadable): then LIEF reads them."""
+    try:
+        secs = elf.sections
+        if not secs:
+            return None
+        symtabs = [s for s in secs if s.type == SHT_SYMTAB]
+        dynsyms = [s for s in secs if s.type == SHT_DYNSYM]
+        if len(symtabs) > 1 or len(dynsyms) > 1 or any(s.entsize != 24 or s.size % 24 for s in symtabs + dynsyms):
+            return None
+        dyn_seg = elf.segment(PT_DYNAMIC)
+        if dyn_seg is None and any(s.type == SHT_DYNAMIC for s in secs):
+            return None
+        entries = elf.dynamic()
+        if dyn_seg is not None and dyn_seg.offset + dyn_seg.filesz > len(elf.data):
+            return None
+        dynamic = {}
+        for tag, val in entries:
+            dynamic[tag] = val
+        if dyn_seg is not None:     # LIEF keeps the DT_NULL that ends the table as an entry
+            end = dyn_seg.offset + 16 * len(entries)
+            if end + 16 <= dyn_seg.offset + dyn_seg.filesz and elf.data[end:end + 8] == bytes(8):
+                dynamic[0] = int.from_bytes(elf.data[end + 8:end + 16], "little")
+        if (DT_SYMTAB in dynamic) != bool(dynsyms):
+            return None
+        if dynsyms and (dynsyms[0].addr != dynamic[DT_SYMTAB] or dynamic.get(DT_SYMENT, 24) != 24):
+            return None
+        tables = []
+        for t in (symtabs, dynsyms):
+            tables.append([_Sym(s.name, s.value, s.size, s.type, s.shndx) for s in elf.symbols_of(t[0])] if t else [])
+        return tables[0], tables[1], dynamic
+    except Exception:       # malformed: LIEF's reading (and its errors) as before
+        return None
 
 
 @dataclass
@@ -64,14 +114,20 @@ class Image:
         self._check_header()
         self.segments = self.elf.segments
         self._check_loads()
-        binary = lief.ELF.parse(io.BytesIO(self.data) if self.container else path)
-        if binary is None:
-            raise KprewriteError(f"{path}: not a valid ELF file")
-        self.binary = binary
+        self._binary = None
+        own = self._own = _own_tables(self.elf)
+        if own is None:            # LIEF reads what ElfView does not read as it would
+            binary = self.binary
+            symtabs = ([_Sym(text(s.name), s.value, s.size, int(s.type), s.shndx) for s in syms]
+                       for syms in (binary.symtab_symbols, binary.dynamic_symbols))
+            self._symtab, self._dynsym = symtabs
+            dynamic = {int(e.tag): e.value for e in binary.dynamic_entries} if binary.dynamic_entries else {}
+        else:
+            self._symtab, self._dynsym, dynamic = own
         self.is_pic = self.e_type == 3
         self.sections = self.elf.sections
         self.has_interp = any(s.type == PT_INTERP for s in self.segments)
-        self.dynamic = {int(e.tag): e.value for e in binary.dynamic_entries} if binary.dynamic_entries else {}
+        self.dynamic = dynamic
         flags_1 = self.dynamic.get(0x6FFFFFFB, 0)
         self.is_executable = self.e_type == 2 or self.has_interp or bool(flags_1 & DF_1_PIE)
         self.is_shared = not self.is_executable
@@ -86,6 +142,18 @@ class Image:
         self.fdes = ehframe.read_fdes(self.elf)
         self.cfa = ehframe.CfaRules(self.data)        # decoded when first asked
         self._load_functions()
+
+    @property
+    def binary(self):
+        """The image parsed by LIEF, on first use."""
+        if self._binary is None:
+            import lief
+            lief.logging.disable()
+            binary = lief.ELF.parse(io.BytesIO(self.data) if self.container else self.path)
+            if binary is None:
+                raise KprewriteError(f"{self.path}: not a valid ELF file")
+            self._binary = binary
+        return self._binary
 
     # -- validation (the view checks the tables' bounds) --------------------------
     def _check_header(self):
@@ -114,22 +182,22 @@ class Image:
         self.symbols: dict[str, list[int]] = {}    # name -> addresses
         self.func_syms: list[tuple[int, int, str, str]] = []   # (start, size, name, source)
         self.code_symbols: list[int] = []
-        for source, syms in (("symtab", self.binary.symtab_symbols), ("dynsym", self.binary.dynamic_symbols)):
+        for source, syms in (("symtab", self._symtab), ("dynsym", self._dynsym)):
             for s in syms:
-                name = text(s.name)
-                if not name or s.shndx == 0 or s.value == 0 and s.type != lief.ELF.Symbol.TYPE.FUNC:
+                name = s.name
+                if not name or s.shndx == 0 or s.value == 0 and s.type != STT_FUNC:
                     continue
                 t = s.type
-                if t in (lief.ELF.Symbol.TYPE.FUNC, lief.ELF.Symbol.TYPE.GNU_IFUNC):
+                if t in (STT_FUNC, STT_GNU_IFUNC):
                     if s.value and self.is_code(s.value):
                         self.func_syms.append((s.value, s.size, name, source))
                         self.symbols.setdefault(name, [])
                         if s.value not in self.symbols[name]:
                             self.symbols[name].append(s.value)
-                elif t in (lief.ELF.Symbol.TYPE.NOTYPE, lief.ELF.Symbol.TYPE.OBJECT):
+                elif t in (STT_NOTYPE, STT_OBJECT):
                     if self.is_code(s.value):
                         self.code_symbols.append(s.value)
-                        if t == lief.ELF.Symbol.TYPE.NOTYPE:
+                        if t == STT_NOTYPE:
                             self.symbols.setdefault(name, []).append(s.value)
 
     def _load_functions(self):
@@ -191,10 +259,10 @@ class Image:
     def all_symbols(self) -> dict[str, int]:
         """Every named, defined symbol of .symtab and .dynsym: name -> its first address."""
         out: dict[str, int] = {}
-        for syms in (self.binary.symtab_symbols, self.binary.dynamic_symbols):
+        for syms in (self._symtab, self._dynsym):
             for s in syms:
                 if s.name and s.shndx != 0:
-                    out.setdefault(text(s.name), s.value)
+                    out.setdefault(s.name, s.value)
         return out
 
     # -- queries -----------------------------------------------------------
@@ -236,6 +304,30 @@ class Image:
             if s.flags & SHF_ALLOC and s.addr <= addr < s.addr + s.size:
                 return s
         return None
+
+    def symbol_relocations(self) -> list[tuple[int, int, str]] | None:
+        """(r_offset, type (r_info's low 32 bits), symbol name, "" for none) of every
+        entry of the DT_RELA and DT_JMPREL tables, the symbols .dynsym's; None for an
+        image whose tables LIEF reads (see _own_tables), or whose tables are not RELA."""
+        if self._own is None or self.dynamic.get(20, 7) != 7:       # DT_PLTREL: DT_RELA
+            return None
+        syms = self._dynsym
+        out = []
+        for tag_at, tag_sz in ((7, 8), (23, 2)):          # DT_RELA/DT_RELASZ, DT_JMPREL/DT_PLTRELSZ
+            at, size = self.dynamic.get(tag_at), self.dynamic.get(tag_sz)
+            if not at or not size:
+                continue
+            off = self.elf.offset(at, size)
+            if off is None:
+                return None
+            for o in range(off, off + size - 23, 24):
+                r_offset = int.from_bytes(self.data[o:o + 8], "little")
+                info = int.from_bytes(self.data[o + 8:o + 16], "little")
+                i = info >> 32
+                if i >= len(syms):
+                    return None
+                out.append((r_offset, info & 0xFFFFFFFF, syms[i].name))
+        return out
 
     def relative_relocations(self) -> list[tuple[int, int, int]]:
         """(file offset of the Elf64_Rela, r_offset, addend) of every base-relative

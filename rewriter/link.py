@@ -23,7 +23,6 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elftools.elf.elffile import ELFFile
 
 from .cstring import c_string
 from .depfile import read as read_depfile
@@ -160,6 +159,7 @@ def _at(blob: Blob, text_addr: int) -> Blob:
 def read_blob(raw: bytes, path: Path) -> Blob:
     """The linked ELF as a Blob: code and data by address, its symbols, the arch's
     base-relative relocations applied at link-time addresses (anything else refused)."""
+    from elftools.elf.elffile import ELFFile   # imported when an object is read
     e = ELFFile(io.BytesIO(raw))
     syms = {}
     for s in e.get_section_by_name(".symtab").iter_symbols():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from elftools.elf.elffile import ELFFile
 
 from . import depfile
 from .link_runtime import PLATFORM, RUNTIME_DIR, _includes, cflags
@@ -27,6 +26,7 @@ def defines_function(cc: str, src: Path, name: str) -> bool:
 
 def object_defines(obj: Path, name: str) -> bool:
     with open(obj, "rb") as f:
+        from elftools.elf.elffile import ELFFile   # imported when an object is read
         e = ELFFile(f)
         st = e.get_section_by_name(".symtab")
         for s in st.iter_symbols() if st else []:

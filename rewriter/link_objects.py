@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elftools.elf.elffile import ELFFile
 
 
 def executable_sections(obj: Path) -> list[bytes]:
     """The bytes of each executable section of a relocatable object."""
     try:
         with open(obj, "rb") as f:
+            from elftools.elf.elffile import ELFFile   # imported when an object is read
             e = ELFFile(f)
             return [sec.data() for sec in e.iter_sections()
                     if sec["sh_type"] == "SHT_PROGBITS" and sec["sh_flags"] & 4]
@@ -26,6 +26,7 @@ def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes, dict[int, 
     out: dict[str, tuple[int, bytes, dict[int, str]]] = {}
     for obj in objs:
         with open(obj, "rb") as f:
+            from elftools.elf.elffile import ELFFile   # imported when an object is read
             e = ELFFile(f)
             st = e.get_section_by_name(".symtab")
             if st is None:
@@ -63,6 +64,7 @@ def undefined_symbols(objs: list[Path], defined_elsewhere=frozenset()) -> dict[s
     defined, wanted = set(defined_elsewhere), {}
     for obj in objs:
         with open(obj, "rb") as f:
+            from elftools.elf.elffile import ELFFile   # imported when an object is read
             st = ELFFile(f).get_section_by_name(".symtab")
             for sym in st.iter_symbols() if st else []:
                 if not sym.name or sym["st_info"]["bind"] not in ("STB_GLOBAL", "STB_WEAK"):

@@ -75,6 +75,17 @@ def compiler_identity(cc: str) -> tuple[str, str]:
     return f"{os.path.realpath(path)}\n{r.stderr}", target.group(1) if target else ""
 
 
+@functools.lru_cache(maxsize=None)
+def tool_identity(tool: str) -> str:
+    """A tool (ld) as a cache key names it: its resolved path, size and modification time."""
+    path = os.path.realpath(shutil.which(tool) or tool)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return f"{path} {st.st_size} {st.st_mtime_ns}"
+
+
 def default_arch(cc: str | None = None) -> str:
     """The arch the compiler builds for (its target triple's first part): its runtime folder."""
     target = compiler_identity(cc or compiler())[1]

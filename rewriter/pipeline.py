@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import emission, events, handlers, layout, link, perfprobe, planner, report, tables, targets
+from . import emission, events, handlers, layout, link, planner, report, tables, targets
 from .analysis import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
@@ -54,7 +54,10 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     progress.stage("loading", os.path.basename(input_path))
     image = targets.load(input_path)   # unwrapped from its container, its target detected
     arch = get_arch(image.machine)
-    errors = perfprobe.expand(spec, image, arch)   # perf probe definitions become kprobe_events lines
+    errors = []
+    if spec.probes:                   # perf probe definitions become kprobe_events lines (DWARF: pyelftools)
+        from . import perfprobe
+        errors += perfprobe.expand(spec, image, arch)
     errors += events.expand(spec, arch)  # kprobe_events lines become probe tables
     target = image.target
     target.load_symbols(image, system_map)
@@ -123,17 +126,59 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     lay = layout.place(c, s.target)
     progress.stage("linking")
     cc = link.compiler(s.arch)             # the image's arch, not the host's
-    table = link.compile_table(cc, workdir, tables.generate(c, lay, s.target, s.traces), platform, s.arch)
+    table_c = tables.generate(c, lay, s.target, s.traces)
     runtime = link.compile_runtime(cc, workdir, s.arch, platform)
-    # A target whose runtime and handlers call into the image (a kernel's printk...)
-    # resolves them from the image's symbols.
-    origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
-    origin[table] = "probe table"
-    blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
-                     s.target.link_symbols(s.image), origin, Path(s.image.path).name, lay.data_addr, s.arch)
+    externs = s.target.link_symbols(s.image)
+    k = _blob_key(cc, s.arch, platform, table_c, runtime, objs, lay, externs)
+    blob = _cached_blob(k, workdir)
+    if blob is None:
+        table = link.compile_table(cc, workdir, table_c, platform, s.arch)
+        # A target whose runtime and handlers call into the image (a kernel's printk...)
+        # resolves them from the image's symbols.
+        origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
+        origin[table] = "probe table"
+        blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
+                         externs, origin, Path(s.image.path).name, lay.data_addr, s.arch)
+        _cache_blob(k, workdir, blob)
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, lay, s.image.label), s.plan)
+
+
+# The linked blob (the probe table compiled, linked with the runtime and the handlers'
+# objects) is the same for the same inputs: kprewrite's cache keeps it, keyed by
+# everything the compile and the link read, so a second rewrite of an image with the
+# same spec runs neither gcc nor ld.  workdir/blob.elf is written either way
+# (KPREWRITE_KEEP keeps it for gdb).
+def _blob_key(cc, arch, platform, table_c: str, runtime: list[Path], objs: list[Path], lay, externs) -> str:
+    from . import cache
+    from .link_runtime import runtime_key
+    from .link_toolchain import compiler_identity, tool_identity
+    parts = [b"blob", cache.code_version(), arch.name.encode(), platform.encode(), *map(str.encode, compiler_identity(cc)),
+             tool_identity(link.linker(arch)).encode(), runtime_key(cc, arch.name, platform).encode(), table_c.encode(),
+             f"{lay.text_addr:#x} {lay.data_addr!r}".encode(), repr(sorted(externs.items()) if externs else externs).encode()]
+    parts += [p.read_bytes() for p in runtime + objs]
+    return cache.key(*parts)
+
+
+def _cached_blob(k: str, workdir: Path):
+    import pickle
+    from . import cache
+    got = cache.get("blob", k)
+    if got is None:
+        return None
+    try:
+        blob, elf = pickle.loads(got)
+    except Exception:
+        return None
+    (workdir / "blob.elf").write_bytes(elf)
+    return blob
+
+
+def _cache_blob(k: str, workdir: Path, blob) -> None:
+    import pickle
+    from . import cache
+    cache.put("blob", k, pickle.dumps((blob, (workdir / "blob.elf").read_bytes()), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,

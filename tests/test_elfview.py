@@ -237,3 +237,59 @@ def test_bytes_of_any_kind(files):
         v = ElfView(d, "lib")
         assert v.sections == ElfView(data).sections and v.read(v.entry, 4) == ElfView(data).read(v.entry, 4)
         assert ehframe.read_fdes(v) == ehframe.read_fdes(data)
+
+
+def _lief_tables(path: Path):
+    import lief
+    b = lief.ELF.parse(str(path))
+    from rewriter.image import _Sym, text
+    syms = [[_Sym(text(s.name), s.value, s.size, int(s.type), s.shndx) for s in t]
+            for t in (b.symtab_symbols, b.dynamic_symbols)]
+    return syms[0], syms[1], {int(e.tag): e.value for e in b.dynamic_entries} if b.dynamic_entries else {}
+
+
+@pytest.mark.parametrize("name", ["pie", "nopie", "lib.so", "static"])
+def test_symbols_read_as_lief_reads_them(files, tmp_path, name):
+    """image.py reads .symtab, .dynsym and the dynamic entries with ElfView (LIEF is
+    not imported for them): the same symbols, in the same order, and the same entries
+    (DT_NULL's included) as LIEF gives; the GOT slots sighook hooks likewise."""
+    from rewriter.arch import get_arch
+    from rewriter.image import _own_tables
+    from rewriter.targets.linux_user import sighook
+    path = files.get(name) or cc(tmp_path, "static", PROGRAM + "#include <signal.h>\nvoid (*h)(int) = 0;\n"
+                                 "int sig(void) { return signal(SIGUSR1, h) != 0; }\n", "-O2", "-static",
+                                 skip_without_static=True)
+    own = _own_tables(ElfView(path.read_bytes(), str(path)))
+    assert own is not None
+    assert own == _lief_tables(path)
+    image = Image(str(path))
+    arch = get_arch(image.machine)
+    assert image._binary is None                    # not parsed by LIEF to load it
+    slots = sighook.got_slots(image, arch)
+    rels = image.binary.relocations
+    ref = sorted({(r.address, sighook.HOOKS[r.symbol.name]) for r in rels
+                  if int(r.type) & 0xFF in arch.r_got_slot and r.has_symbol and r.symbol.name in sighook.HOOKS})
+    assert slots == ref
+
+
+def test_symbols_of_a_library_with_signal_hooks():
+    """A real library's GOT slots of signal functions (Debian's libpython imports
+    sigaction and signal): read without LIEF, equal to LIEF's."""
+    lib = Path("/usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0")
+    if not lib.exists():
+        pytest.skip("no Debian libpython3.11")
+    from rewriter.arch import get_arch
+    from rewriter.targets.linux_user import sighook
+    image = Image(str(lib))
+    arch = get_arch(image.machine)
+    slots = sighook.got_slots(image, arch)
+    assert image._binary is None and slots
+    ref = sorted({(r.address, sighook.HOOKS[r.symbol.name]) for r in image.binary.relocations
+                  if int(r.type) & 0xFF in arch.r_got_slot and r.has_symbol and r.symbol.name in sighook.HOOKS})
+    assert slots == ref
+    assert _own_tables_equal(lib)
+
+
+def _own_tables_equal(path: Path) -> bool:
+    from rewriter.image import _own_tables
+    return _own_tables(ElfView(path.read_bytes(), str(path))) == _lief_tables(path)

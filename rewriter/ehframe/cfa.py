@@ -43,6 +43,17 @@ class CfaRules:
         self._rows: dict[int, list] = {}
 
     def _load(self):
+        plain = _plain_eh_frame(self.data)
+        if plain is not None:     # the common case, read without importing pyelftools
+            try:
+                fdes = _read(*plain)
+            except (_Unsupported, _Malformed, struct.error, IndexError):
+                fdes = None
+            if fdes is not None:
+                fdes.sort(key=lambda t: t[0])
+                self._fdes = fdes
+                self._starts = [f[0] for f in fdes]
+                return
         from elftools.elf.elffile import ELFFile
         try:
             dwarf = ELFFile(io.BytesIO(self.data)).get_dwarf_info()
@@ -110,6 +121,25 @@ class CfaRules:
 
 
 # --- pyelftools: anything the fast reader does not take -----------------------------
+def _plain_eh_frame(data: bytes):
+    """(.eh_frame's bytes, its address) where pyelftools would find the same and no
+    more (section headers read cleanly, an uncompressed .eh_frame, no DWARF
+    section whose reading could fail first); else None, and pyelftools reads it."""
+    from ..elfview import SHT_NOBITS, ElfView
+    try:
+        view = ElfView(data)
+        secs = view.sections
+    except Exception:
+        return None
+    if any(s.name.startswith((".debug", ".zdebug")) for s in secs):
+        return None
+    found = [s for s in secs if s.name == ".eh_frame"]
+    sec = found[0] if len(found) == 1 else None     # pyelftools takes the last of several
+    if sec is None or sec.type == SHT_NOBITS or sec.flags & 0x800:          # SHF_COMPRESSED
+        return None
+    return data[sec.offset:sec.offset + sec.size], sec.addr
+
+
 def _read_slow(dwarf, sec) -> list:
     from elftools.dwarf.callframe import FDE
     try:

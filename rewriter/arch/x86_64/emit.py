@@ -8,14 +8,12 @@ from __future__ import annotations
 import functools
 import struct
 
-from keystone import KS_ARCH_X86, KS_MODE_64, Ks
-
 from ...errors import KprewriteError
 from ..base import DcrInsn
 from . import cs
 from . import offsets as O
 
-_ks = Ks(KS_ARCH_X86, KS_MODE_64)
+_ks = None          # Keystone, made when first used (imported only by a run that assembles)
 _cs = cs.DETAIL
 
 RED_ZONE = 128
@@ -26,6 +24,10 @@ class EmitError(Exception):
 
 
 def asm(text: str, addr: int) -> bytes:
+    global _ks
+    if _ks is None:
+        from keystone import KS_ARCH_X86, KS_MODE_64, Ks
+        _ks = Ks(KS_ARCH_X86, KS_MODE_64)
     enc, _ = _ks.asm(text, addr)
     return bytes(enc or b"")
 

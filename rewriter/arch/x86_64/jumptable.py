@@ -545,13 +545,21 @@ def _noreturn_at(image, an, target: int) -> bool:
     sec = image.section_containing(target)
     if sec is None or sec.name not in _PLT:
         return False
-    slots = an.memo("noreturn slots", 0, lambda: {r.address for r in image.binary.relocations
-                                                  if r.has_symbol and r.symbol.name in NORETURN})
+    slots = an.memo("noreturn slots", 0, lambda: _noreturn_slots(image))
     for ci in _cs.disasm(image.read(target, 16), target, 2):
         if ci.mnemonic.endswith("jmp") and ci.operands and ci.operands[0].type == X.X86_OP_MEM \
                 and ci.operands[0].mem.base == X.X86_REG_RIP:
             return ci.address + ci.size + ci.operands[0].mem.disp in slots
     return False
+
+
+def _noreturn_slots(image) -> set[int]:
+    """The addresses relocated against a NORETURN function: read without LIEF where the
+    image's dynamic tables allow (image.symbol_relocations())."""
+    rels = image.symbol_relocations()
+    if rels is not None:
+        return {addr for addr, _, name in rels if name in NORETURN}
+    return {r.address for r in image.binary.relocations if r.has_symbol and r.symbol.name in NORETURN}
 
 
 def _retry_hoisted_bases(fn: _Fn, jumps: list) -> list:

@@ -21,6 +21,13 @@ PT_GNU_RELRO = 0x6474E552
 def got_slots(image, arch) -> list[tuple[int, int]]:
     """(GOT slot link-time address, hook kind) of the hooked functions."""
     out = set()
+    rels = image.symbol_relocations()       # read without LIEF where the image allows
+    if rels is not None:
+        for addr, typ, name in rels:
+            kind = HOOKS.get(name)
+            if kind and typ & 0xFF in arch.r_got_slot:
+                out.add((addr, kind))
+        return sorted(out)
     for r in image.binary.relocations:
         if int(r.type) & 0xFF not in arch.r_got_slot or not r.has_symbol:
             continue
@@ -36,8 +43,7 @@ def table_c(image, arch, enabled: bool) -> str:
     lo, hi = relro[0] if relro else (0, 0)
     rows = "".join(f"  {{ {a:#x}UL, {k} }},\n" for a, k in slots) or "  { 0, 0 },\n"
     # A slot still holding its PLT stub (lazy binding) is resolved at start-up.
-    plt = [(s.virtual_address, s.virtual_address + s.size) for s in image.binary.sections
-           if s.name in (".plt", ".plt.sec")]
+    plt = [(s.addr, s.addr + s.size) for s in image.sections if s.name in (".plt", ".plt.sec")]
     plo, phi = (min(a for a, _ in plt), max(b for _, b in plt)) if plt else (0, 0)
     return (f"struct kp_got_hook kp_got_hooks[] = {{\n{rows}}};\n"
             f"const unsigned int kp_ngot_hooks = {len(slots)};\n"

@@ -1,0 +1,78 @@
+"""kprewrite's cache of what a rewrite derives from its inputs alone (an image's
+analysis, the linked probe table) and the decoding split over worker processes:
+each gives the same analysis and the same output bytes as the work done afresh in
+one process.  Fast: one small compile, three rewrites."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import TREE_ENV, cc, write_spec
+
+from rewriter import analysis as A
+from rewriter.arch import get_arch
+from rewriter.image import Image
+
+PROGRAM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noinline)) int pick(int x) {
+    switch (x) { case 0: return 11; case 1: return 23; case 2: return 37; case 3: return 41;
+                 case 4: return 53; case 5: return 67; case 6: return 71; default: return -1; }
+}
+__attribute__((noinline)) int twice(int x) { return pick(x) * 2; }
+int main(int argc, char **argv) { printf("%d %d\n", pick(argc), twice(atoi(argc > 1 ? argv[1] : "3"))); return 0; }
+"""
+
+
+def _state(an):
+    return (dict(an.targets), sorted(an.entered), dict(an.branch_sources),
+            {k: [(j.addr, j.kind, j.targets, j.why) for j in v] for k, v in an.indirect.items()},
+            {f: (d.boundaries.tobytes(), d.branches, d.exits, d.indirect_jumps) for f, d in an._decoded.items()})
+
+
+def test_analysis_from_the_cache_and_from_workers(tmp_path, monkeypatch):
+    """An image's analysis read back from the cache, and one decoded by two worker
+    processes, equal the analysis done in one process with no cache."""
+    prog = cc(tmp_path, "prog", PROGRAM, "-O2")
+    image = Image(str(prog))
+    arch = get_arch(image.machine)
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KPREWRITE_JOBS", "1")
+    fresh = A.Analysis(image, arch)
+    assert fresh.indirect and list((tmp_path / "cache" / "analysis-state").iterdir())
+    cached = A.Analysis(image, arch)
+    assert _state(cached) == _state(fresh)
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setattr(A, "jobs", lambda: 2)        # even in a test runner's threaded process
+    monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
+    parallel = A.Analysis(image, arch)
+    assert _state(parallel) == _state(fresh)
+    pairs = b"".join(A._in_workers(image, arch, A._pairs_of))
+    monkeypatch.setattr(A, "_WORK", (image, arch))
+    assert pairs == A._pairs_of(0, len(image.functions)) and pairs
+
+
+def test_second_rewrite_reads_the_cache_and_writes_the_same_bytes(tmp_path):
+    """The first rewrite fills the cache (the analysis, the linked blob); the second
+    reads them (it runs no gcc for the table: its blob entry is not rewritten) and
+    writes the same bytes, as does a rewrite from an empty cache."""
+    prog = cc(tmp_path, "prog", PROGRAM, "-O2")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "*"\n')
+    cache = tmp_path / "cache"
+    env = {**TREE_ENV, "KPREWRITE_CACHE": str(cache)}
+
+    def rewrite(out):
+        subprocess.run([sys.executable, "-m", "rewriter", "instrument", str(prog), "--spec", str(spec), "-o", str(out)],
+                       check=True, env=env, cwd=tmp_path, capture_output=True)
+        return out.read_bytes()
+
+    first = rewrite(tmp_path / "a")
+    blobs = list((cache / "blob").iterdir())
+    assert len(blobs) == 1 and list((cache / "analysis-state").iterdir())
+    inode = blobs[0].stat().st_ino
+    second = rewrite(tmp_path / "b")
+    assert second == first
+    assert blobs[0].stat().st_ino == inode          # read, not written again (a put replaces the file)
+    env["KPREWRITE_CACHE"] = str(tmp_path / "empty")
+    assert rewrite(tmp_path / "c") == first
