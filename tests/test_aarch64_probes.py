@@ -397,3 +397,51 @@ def test_post_handlers(tmp_path, mode):
     for i in range(6):
         want += [f"post tailer+0 d=4 x0={i + 1}", f"post tailer+4 d={leaf - tailer - 4} x0={i + 1}"]
     assert posts == want, r.stderr
+
+
+SIGTRAP_PROGRAM = r"""
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+static volatile int mine;
+__attribute__((noinline)) int work(int x) { return x * 3 + 1; }
+static void on_trap(int sig, siginfo_t *si, void *uc) { mine += si->si_signo == SIGTRAP; }
+int main(void)
+{
+    int t = work(1);
+    struct sigaction sa, old;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_trap;
+    sa.sa_flags = SA_SIGINFO;
+    sigfillset(&sa.sa_mask);                 /* would block SIGTRAP during the handler */
+    sigaction(SIGTRAP, &sa, &old);
+    t += work(2);
+    raise(SIGTRAP);                          /* sent: goes to the program */
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, 0);         /* blocks SIGTRAP too */
+    t += work(3);
+    sigprocmask(SIG_UNBLOCK, &all, 0);
+    sigaction(SIGTRAP, 0, &old);
+    printf("reads back its own handler: %d\n", old.sa_sigaction == on_trap);
+    printf("t=%d mine=%d\n", t, mine);
+    return 0;
+}
+"""
+
+
+def test_program_with_its_own_sigtrap_handler(tmp_path):
+    """A program that installs its own SIGTRAP handler and blocks SIGTRAP, with a
+    brk probe on work(): the runtime's hooks of its GOT slots (R_AARCH64_GLOB_DAT,
+    R_AARCH64_JUMP_SLOT) keep our handler, so every hit is counted, and the
+    program's raise() still reaches its own handler."""
+    prog = cc(tmp_path, "trap", SIGTRAP_PROGRAM, "-O2")
+    want = run(prog, runner="qemu")
+    assert want.returncode == 0 and want.stdout.endswith("t=21 mine=1\n"), want
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    out = instrument(prog, spec, tmp_path / "out", "--no-optimize")
+    r = run(out, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0 and r.stdout == want.stdout, r.stdout + r.stderr
+    assert "reads back its own handler: 1" in r.stdout
+    assert [v[0] for v in profile(r.stderr).values()] == [3], r.stderr

@@ -25,11 +25,12 @@ def got_slots(image, arch) -> list[tuple[int, int]]:
     if rels is not None:
         for addr, typ, name in rels:
             kind = HOOKS.get(name)
-            if kind and typ & 0xFF in arch.r_got_slot:
+            if kind and typ in arch.r_got_slot:
                 out.add((addr, kind))
         return sorted(out)
     for r in image.binary.relocations:
-        if int(r.type) & 0xFF not in arch.r_got_slot or not r.has_symbol:
+        # LIEF tags its type with the arch in the bits above 27: the ELF r_type is below.
+        if int(r.type) & 0x7FFFFFF not in arch.r_got_slot or not r.has_symbol:
             continue
         kind = HOOKS.get(r.symbol.name)
         if kind:

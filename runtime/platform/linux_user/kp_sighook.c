@@ -1,6 +1,6 @@
 /*
  * Keeping our SIGTRAP handler installed in a program that manages signals
- * itself (see rewriter/sighook.py).  At start-up, the GOT slots of sigaction,
+ * itself (see rewriter/targets/linux_user/sighook.py).  At start-up, the GOT slots of sigaction,
  * signal, sigprocmask and pthread_sigmask in the rewritten object are pointed
  * at the hooks below:
  *  - sigaction/signal on SIGTRAP never reach the kernel: the program's handler
@@ -61,6 +61,21 @@ static void kp_resolve_lazy(unsigned long kind, unsigned long *slot)
 		return;
 	unsigned long old[16];
 	struct kp_libc_sigaction sa;
+#ifdef KP_ARCH_CALL_LAZY_SLOT
+	/* The slot's value is no callable stub on this arch (kp_arch_platform.h). */
+	switch (kind) {
+	case KP_HOOK_SIGACTION:
+		kp_arch_call_lazy_slot(v, slot, KP_SIGTRAP, 0, (long)&sa);
+		break;
+	case KP_HOOK_SIGNAL:
+		kp_arch_call_lazy_slot(v, slot, 9, (long)KP_SIG_DFL, 0);
+		break;
+	default:
+		kp_arch_call_lazy_slot(v, slot, 0, 0, (long)old);
+		break;
+	}
+	return;
+#endif
 	switch (kind) {
 	case KP_HOOK_SIGACTION:		/* a query */
 		((int (*)(int, void *, void *))v)(KP_SIGTRAP, 0, &sa);

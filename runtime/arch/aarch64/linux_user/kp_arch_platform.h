@@ -64,6 +64,28 @@ struct kp_libc_sigaction {
 	void (*restorer)(void);
 };
 
+/* A call through a lazily bound GOT slot's initial value, which on AArch64 is
+ * PLT0 itself: the PLT entry would have set x16 to the slot's address (which
+ * _dl_runtime_resolve reads to find the relocation) and x17 to PLT0.  So
+ * x16 and x17 are set as the entry sets them; the callee is an ordinary
+ * AAPCS64 function once resolved (x0-x18, x30 and the flags clobbered; the
+ * runtime uses no SIMD registers: -mgeneral-regs-only). */
+static inline long kp_arch_call_lazy_slot(unsigned long fn, unsigned long *slot, long a, long b, long c)
+{
+	register long x0 __asm__("x0") = a;
+	register long x1 __asm__("x1") = b;
+	register long x2 __asm__("x2") = c;
+	register unsigned long x16 __asm__("x16") = (unsigned long)slot;
+	register unsigned long x17 __asm__("x17") = fn;
+	__asm__ volatile("blr x17"
+			 : "+r"(x0), "+r"(x1), "+r"(x2), "+r"(x16), "+r"(x17)
+			 :
+			 : "x3", "x4", "x5", "x6", "x7", "x8", "x9", "x10", "x11", "x12", "x13", "x14",
+			   "x15", "x18", "x30", "memory", "cc");
+	return x0;
+}
+#define KP_ARCH_CALL_LAZY_SLOT 1
+
 /* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was
  * (kp_int3_signal.c). */
 __attribute__((visibility("hidden"))) int kp_arch_int3_trap(void *ucontext);
