@@ -75,13 +75,18 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: 
     # No handler anywhere in the image: no hit can find one running (nmissed stays 0)
     # and nothing can enable or disable a probe, so a template only counts the hit
     # (emit.light_detour).  One handler, even elsewhere, may call a probed function.
-    # Kretprobes with nothing to run at their returns keep that (light_kretprobes()): a light
-    # one's entry is such a template, any other's (an int3 entry, an aggregated site) takes
-    # its instance as before.
+    # Kretprobes with nothing to run at their returns keep that (light_kretprobes()).  A light
+    # one's entry is such a template whatever else the image holds: plan_returns() hooked none
+    # of its exits (Group.light), so its entry must claim no instance.  Any other kretprobe's
+    # (an int3 entry, an aggregated site) takes its instance as before.
     quiet = not events and light_kretprobes([p for s in plan.sites for p in s.probes], rules)
     for site in plan.sites:
-        site.light = quiet and site.template and not site.probes[0].spec.disabled \
-            and (not is_entry(site.probes[0]) or site.probes[0].group.light)
+        p0 = site.probes[0] if site.probes else None
+        if p0 is not None and is_entry(p0) and p0.group is not None and p0.group.light:
+            site.light = True          # light_group() asked what site.template asks
+        else:
+            site.light = quiet and site.template and not (p0 is not None and is_entry(p0)) \
+                and not site.probes[0].spec.disabled
         site.red_zone = site.light and rules.red_zone and arch.optprobe.red_zone_free_at(image, site.probes[0].func,
                                                                                      site.addr)
     for g in plan.groups:
