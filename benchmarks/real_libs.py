@@ -121,7 +121,8 @@ int main()
 def check(obj: Path, spec: Path, tree: Path = ROOT) -> tuple[int, Counter, Counter]:
     """(probes, their decisions, the return sites by hook kind: `ret`/`tail` jump-hooked,
     `int3` breakpoint return hooks, `trampoline function` for functions whose returns
-    the trampoline catches)."""
+    the trampoline catches, `light function` for light kretprobes, whose exits (`light
+    ret`/`light tail`) are left as they are)."""
     r = subprocess.run([*KPREWRITE, "check", str(obj), "--spec", str(spec), "--format", "json"],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tree)
     ps = json.loads(r.stdout)["probes"]
@@ -132,8 +133,11 @@ def check(obj: Path, spec: Path, tree: Path = ROOT) -> tuple[int, Counter, Count
             continue
         if ret["mode"] == "trampoline":
             hooks["trampoline function"] += 1
+        if ret["mode"] == "light":
+            hooks["light function"] += 1
         for site in ret["sites"]:
-            hooks["int3" if site["int3"] else site["kind"]] += 1
+            # a light kretprobe's exits are left as they are: `light ret` / `light tail`
+            hooks["int3" if site["int3"] else f"light {site['kind']}" if ret["mode"] == "light" else site["kind"]] += 1
     return len(ps), Counter(p["decision"] for p in ps), hooks
 
 

@@ -53,6 +53,11 @@ def returns_record(g) -> dict:
     """How a kretprobe's returns are caught: every exit hooked, or the trampoline."""
     if g.mode == TRAMPOLINE:
         return {"mode": TRAMPOLINE, "reason": refusal(g.reason, g.entry), "sites": []}
+    if g.light:     # nothing runs at its returns: each exit is left as it is (planner.forms.light_kretprobes)
+        return {"mode": "light", "reason": None, "sites": [
+            {"address": hexaddr(e.addr), "kind": "ret" if e.kind == "ret" else "tail",
+             "target": hexaddr(e.target) if e.kind != "ret" else None, "hook": "light", "int3": False,
+             "int3_reason": None} for e in g.exits]}
     int3 = {e.addr: why for e, why in g.int3_exits}
     sites = []
     for e in g.exits:
@@ -94,6 +99,10 @@ def check_line(r: dict) -> str:
         ret = r["returns"]
         if ret["mode"] == TRAMPOLINE:
             return f"{head}  returns: {TRAMPOLINE}  {ret['reason']['message']}"
+        if ret["mode"] == "light":
+            exits = ", ".join(f"{e['address']} {e['kind']}" for e in ret["sites"])
+            return (f"{head}  returns: light ({exits or 'no exit'} left as they are: no handler, "
+                    "no instance, the hit counted at the entry)")
         parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target'] or '*pointer'} ({e['hook']})"
                  for e in ret["sites"]]
         parts = [t + (" (int3)" if e["int3"] else "") for t, e in zip(parts, ret["sites"])]
@@ -177,6 +186,8 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
                        "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]
                        + [[h.addr, h.region_end, e.addr] for h, e in g.embedded],
                        "int3_exits": [e.addr for e, _ in g.int3_exits]})
+        if g.light:                     # nothing runs at its returns (planner.forms.light_kretprobes)
+            probes[-1].update({"light": True, "returns": "light"})
         if site.decision == FTRACE:
             probes[-1]["ftrace"] = True
         if site.decision == INT3:       # the entry is a breakpoint (list: [BOOSTED]..., not [OPTIMIZED])

@@ -119,7 +119,9 @@ def _structs_c(c: Code, lay, target, traces: dict, A) -> list[str]:
     out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
     # The handlers the dispatch calls, beside kp_site_probes[] (read-only once relocated:
     # the struct kprobe fields are writable, and not called).
-    recs = ", ".join("{ kp_pre_handler_kretprobe, 0 }" if is_entry(p) else
+    # A light kretprobe's entry (planner.forms.light_kretprobes()) only counts, on its
+    # detour's slow path too (kp_optimized_clean_callback(): no pre_handler, no instance).
+    recs = ", ".join(("{ 0, 0 }" if p.group.light else "{ kp_pre_handler_kretprobe, 0 }") if is_entry(p) else
                      f"{{ {fields[id(p)]['pre']}, {fields[id(p)]['post']} }}"
                      for site in plan.sites for p in site.probes) or "{ 0, 0 }"
     out.append("int kp_pre_handler_kretprobe(struct kprobe *, struct pt_regs *);")

@@ -428,6 +428,9 @@ void kp_write_profile(void)
 		unsigned long hits = 0;
 		for (struct kp_thread *t = kp_rt.threads; t; t = t->next)
 			hits += t->hits[rp->kp.index];
+		if (rp->kp.index < kp_nlight_hits)	/* a light kretprobe's entry counts there */
+			for (unsigned int s = 0; s < KP_LIGHT_SHARDS; s++)
+				hits += __atomic_load_n(&kp_light_hits[KP_LIGHT_INDEX(rp->kp.index, s)], __ATOMIC_RELAXED);
 		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
 	}
 	if (fd != 2)

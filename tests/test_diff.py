@@ -23,6 +23,7 @@ symbol_name = "leaf"
 offset = 4
 [[kretprobe]]
 symbol_name = "work"
+maxactive = 20
 """
 LIB = r"""
 __attribute__((noinline)) long lib_work(long x) { long s = 0; for (long i = 0; i < x; i++) s += i * x; return s; }

@@ -77,7 +77,8 @@ def _build_split(tmp):
                     "-o", str(lib)], check=True)
     subprocess.run(["strip", str(lib)], check=True)
     prog = cc(tmp, "main", MAIN, "-O2", f"-L{tmp}", "-lhc")
-    spec = write_spec(tmp, '[[kretprobe]]\nsymbol_name = "*"\n')
+    # maxactive: instances and hooked exits (without it, nothing to run at the returns: light)
+    spec = write_spec(tmp, '[[kretprobe]]\nsymbol_name = "*"\nmaxactive = 20\n')
     outs = {}
     for name, extra in (("opt", ()), ("int3", ("--no-optimize",))):
         (tmp / name).mkdir()
@@ -182,6 +183,24 @@ __asm__(
 "  ret\n"
 "  .cfi_endproc\n"
 ".size jcc_ret,.-jcc_ret\n"
+/* `std`: no jump into this function (its detours do not keep DF), the entry is a
+ * breakpoint (its kretprobe keeps the instance); its exit is a tail call to tiny6. */
+".globl heavy_tail\n.type heavy_tail,@function\nheavy_tail:\n"
+"  .cfi_startproc\n"
+"  std\n"
+"  cld\n"
+"  lea 1(%rdi),%eax\n"
+"  mov %eax,%edi\n"
+"  jmp tiny6\n"
+"  .cfi_endproc\n"
+".size heavy_tail,.-heavy_tail\n"
+/* A tail call into heavy_tail, from the same return-address slot. */
+".globl light_tail\n.type light_tail,@function\nlight_tail:\n"
+"  .cfi_startproc\n"
+"  add $1,%edi\n"
+"  jmp heavy_tail\n"
+"  .cfi_endproc\n"
+".size light_tail,.-light_tail\n"
 /* Last in .text: a section of its own, after this file's .text (helper()) and libc's crt code. */
 ".pushsection .text.zzz_last,\"ax\",@progbits\n"
 ".globl tiny6\n.type tiny6,@function\ntiny6:\n"
@@ -195,13 +214,20 @@ __asm__(
 #include <stdio.h>
 #include <stdlib.h>
 int shared_epi(int), three_way(int), no_cfi(int), jcc_ret(int);
-long tiny6(long);
+long tiny6(long), light_tail(long);
 __attribute__((noinline)) int helper(int x) { __asm__ volatile(""); return x * 2; }
+/* Recursion deeper than the default maxactive (10): the instance pool runs dry. */
+__attribute__((noinline)) int deep(int n) {
+    if (n <= 0) return 1;
+    int r = deep(n - 1);    /* no accumulator: gcc cannot turn it into a loop */
+    return r ^ (r >> 1) ^ n;
+}
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 30;
     long t = 0;
     for (int i = -5; i < n; i++)
-        t = t * 3 + shared_epi(i) + three_way(i) + tiny6(i) + no_cfi(i + 1) + jcc_ret(i - 7);
+        t = t * 3 + shared_epi(i) + three_way(i) + tiny6(i) + no_cfi(i + 1) + jcc_ret(i - 7) + deep(i & 15)
+            + light_tail(i);
     printf("t=%ld\n", t);
     return 0;
 }
@@ -269,6 +295,67 @@ def test_exits_without_a_region_take_no_breakpoint(once, runner):
     ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
-    assert sum(mine.values()) == 5 * 45 and mine == theirs, (mine - theirs, theirs - mine)
+    # tiny6 is also tail-called from heavy_tail (through light_tail): 45 more returns.
+    assert sum(mine.values()) == 6 * 45 and mine == theirs, (mine - theirs, theirs - mine)
     hits = {k: v[0] for k, v in profile(got.stderr).items()}
-    assert hits == {f"r_{f}_0": 45 for f in FLOOR_FUNCS}, hits
+    assert hits == {f"r_{f}_0": 90 if f == "tiny6" else 45 for f in FLOOR_FUNCS}, hits
+
+
+# --- Light kretprobes: nothing to run at the returns --------------------------------------
+#
+# With no handler, entry_handler, data_size, fetch or maxactive (and no handler in the
+# image), a kretprobe's entry only counts the hit and nothing runs at its exits: no
+# instance, no hook, no trampoline, no breakpoint -- whatever form its exits would have
+# needed (a shared epilogue, a ret three jumps land on, a 6-byte function ending .text,
+# a function without CFI).  The oracle is the same spec as breakpoints (--no-optimize:
+# pre_handler_kretprobe() at a breakpoint entry, instances, breakpoint return hooks):
+# the hits are equal, and so is nmissed where the pool never runs dry.  Where it does
+# (deep(), 16 frames deep against the default maxactive of 10), the instance form counts
+# the calls it could not give an instance; a light kretprobe needs none and misses none.
+# A kretprobe whose entry is a breakpoint (heavy_tail: `std`) keeps its instance in the
+# same image: a light function tail-calls it, and its tail call into the light tiny6
+# (whose returns are not hooked) swaps the return address for the trampoline.
+
+LIGHT_FUNCS = FLOOR_FUNCS + ["helper", "deep", "light_tail"]
+
+
+def _build_light(tmp):
+    prog = cc(tmp, "floor", FLOOR, "-O2", "-Wl,-z,norelro")
+    spec = write_spec(tmp, "".join(f'[[kretprobe]]\nsymbol_name = "{f}"\n' for f in LIGHT_FUNCS + ["heavy_tail"]),
+                      name="light.toml")
+    return (prog, check_lines(prog, spec), instrument(prog, spec, tmp / "light"),
+            instrument(prog, spec, tmp / "int3", "--no-optimize"))
+
+
+def test_light_kretprobes_count_as_the_breakpoint_oracle(once, runner):
+    from conftest import meta
+    prog, check, light, oracle = once(_build_light)
+    lines = {l.split("+")[0]: l for l in check}
+    for f in LIGHT_FUNCS:
+        assert re.search(r"  r  optimized  returns: light \(0x[0-9a-f]+ (ret|tail)(, 0x[0-9a-f]+ \w+)* left as they are: "
+                         r"no handler, no instance", lines[f]), lines[f]
+    # A breakpoint entry keeps its instance and its hooked exit: the tail call into the light
+    # tiny6, whose returns are not hooked, swaps the return address (the trampoline fires it).
+    assert re.search(r"  r  int3  direction_flag at .*returns: 0x[0-9a-f]+ tail->0x[0-9a-f]+ \(trampoline\)",
+                     lines["heavy_tail"]), lines["heavy_tail"]
+    # No return hook of any kind: no breakpoint at no_cfi's ret, no trampoline, no return site.
+    rows = {p["symbol"]: p for p in meta(light)["probes"]}
+    assert all(rows[f]["light"] and rows[f]["returns"] == "light" and not rows[f]["return_sites"]
+               and not rows[f]["int3_exits"] for f in LIGHT_FUNCS), rows
+    want = run(prog, 40, runner=runner)
+    assert want.returncode == 0
+    got = run(light, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
+    ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
+    mine, theirs = profile(got.stderr), profile(ref.stderr)
+    assert {k: v[0] for k, v in mine.items()} == {k: v[0] for k, v in theirs.items()}, (mine, theirs)
+    # tiny6: 45 calls, and 45 tail calls from heavy_tail (light_tail -> heavy_tail -> tiny6).
+    assert mine["r_shared_epi_0"][0] == mine["r_heavy_tail_0"][0] == mine["r_light_tail_0"][0] == 45, mine
+    assert mine["r_tiny6_0"][0] == 90 and mine["r_deep_0"][0] == 378, mine
+    assert all(v[1] == 0 for v in mine.values()), mine
+    assert all(theirs[k][1] == 0 for k in theirs if k != "r_deep_0") and theirs["r_deep_0"][1] > 0, theirs
+    # KPREWRITE_ENABLED=0: the light entries' slow path (no pre_handler, no instance) counts nothing.
+    off = run(light, 40, runner=runner, env={"KPREWRITE_PROFILE": "-", "KPREWRITE_ENABLED": "0"})
+    assert off.returncode == 0 and off.stdout == want.stdout, off.stderr[-2000:]
+    assert profile(off.stderr) == {f"r_{f}_0": (0, 0) for f in LIGHT_FUNCS + ["heavy_tail"]}, off.stderr[-2000:]

@@ -29,6 +29,7 @@ symbol_name = "leaf"
 offset = 4
 [[kretprobe]]
 symbol_name = "tail"
+maxactive = 20
 [[kprobe]]
 symbol_name = "work"
 [[kretprobe]]

@@ -6,7 +6,43 @@ from __future__ import annotations
 from ..events import trace_key
 from ..resolve import is_entry
 from ..rules import Rules
-from .model import JUMPS, NO_HANDLER, OPTIMIZED, HandlerCode, Plan, Site
+from .model import JUMPS, NO_HANDLER, OPTIMIZED, Group, HandlerCode, Plan, Site
+
+
+def light_kretprobes(probes, rules: Rules) -> bool:
+    """Whether the image's placed probes leave nothing to run at any return: light hits
+    (Rules.light_hits: no handler anywhere, so no hit can find one running and nothing
+    can enable or disable a probe), and every kretprobe without handler, entry_handler,
+    data_size, fetch (a trace event) or maxactive.
+
+    Such a kretprobe is light (light_group()): its entry counts the hit, as a light kprobe
+    does, and nothing runs at its exits -- no instance is claimed, so none is freed.  What
+    the kernel's kretprobe shows of a call without handlers is its hit and nmissed; the
+    hit is counted at the entry, as for every kretprobe here, and nmissed counts the
+    calls whose return could not be caught for want of a free instance (the pool of
+    maxactive, which exists to remember the return address): a light kretprobe remembers
+    nothing and misses no return, so nmissed stays 0, as the kernel's with a pool deep
+    enough.  An explicit maxactive asks for that bound, so it keeps the instances."""
+    if not rules.light_hits:
+        return False
+    for p in probes:
+        if is_entry(p):
+            k = p.kret
+            if k.handler or k.entry_handler or k.data_size or k.maxactive > 0 or k.fetch is not None:
+                return False
+        elif p.spec.pre_handler or p.spec.post_handler or p.spec.fetch is not None:
+            return False
+    return True
+
+
+def light_group(g: Group, rules: Rules, image_light: bool) -> bool:
+    """A function whose one kretprobe is light (light_kretprobes() of the whole image):
+    its entry must be a light template (jump-optimized, alone at its site, no
+    post_handler, enabled); an entry that is a breakpoint (or shares its site) runs
+    pre_handler_kretprobe() and keeps the instance and the hooked exits."""
+    s = g.site
+    return (image_light and rules.fast_forms and len(g.probes) == 1 and len(s.probes) == 1
+            and s.decision in JUMPS and not s.with_post and not g.probes[0].kret.disabled)
 
 def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: dict, rules: Rules) -> None:
     """How each site and each function's returns are emitted.
@@ -26,7 +62,8 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: 
     handler is C calling the runtime: it may clobber any caller-saved register.
 
     light (Rules.light_hits): in an image with no handler at all (events count as handlers), a
-    template only counts the hit (Site.light, emit.light_detour); red_zone
+    template only counts the hit (Site.light, emit.light_detour); so does a light kretprobe's
+    entry (Group.light, light_kretprobes()), whose returns run nothing; red_zone
     (Rules.red_zone): its registers are then saved below the stack pointer without moving it
     where the ABI leaves that room free (a function entry)."""
     traced = {k for k, reads_regs in traces.items() if reads_regs}
@@ -38,16 +75,24 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: 
     # No handler anywhere in the image: no hit can find one running (nmissed stays 0)
     # and nothing can enable or disable a probe, so a template only counts the hit
     # (emit.light_detour).  One handler, even elsewhere, may call a probed function.
-    quiet = rules.light_hits and not events and not plan.kretprobes and not any(p.spec.pre_handler or p.spec.post_handler
-                                                                     for _, p in plan.kprobes)
+    # Kretprobes with nothing to run at their returns keep that (light_kretprobes()).  A light
+    # one's entry is such a template whatever else the image holds: plan_returns() hooked none
+    # of its exits (Group.light), so its entry must claim no instance.  Any other kretprobe's
+    # (an int3 entry, an aggregated site) takes its instance as before.
+    quiet = not events and light_kretprobes([p for s in plan.sites for p in s.probes], rules)
     for site in plan.sites:
-        site.light = quiet and site.template and not site.probes[0].spec.disabled
+        p0 = site.probes[0] if site.probes else None
+        if p0 is not None and is_entry(p0) and p0.group is not None and p0.group.light:
+            site.light = True          # light_group() asked what site.template asks
+        else:
+            site.light = quiet and site.template and not (p0 is not None and is_entry(p0)) \
+                and not site.probes[0].spec.disabled
         site.red_zone = site.light and rules.red_zone and arch.optprobe.red_zone_free_at(image, site.probes[0].func,
                                                                                      site.addr)
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)
-        if len(g.probes) != 1 or g.mode != OPTIMIZED or not rules.fast_forms:
+        if len(g.probes) != 1 or g.mode != OPTIMIZED or not rules.fast_forms or g.light:
             continue
         p = g.probes[0]
         if trace_key(p) in traced:           # the generated trace handler (it calls the user's)

@@ -18,6 +18,7 @@ TRAMPOLINE = "trampoline"           # a kretprobe whose returns only the trampol
 # stays pending for them); a tail call to anything else (the return address is
 # swapped for the trampoline, as the kernel's kretprobes always do).
 HOOK_RET, HOOK_PENDING, HOOK_SWAP = "ret", "pending", "swap"
+HOOK_LIGHT = "light"                # a light kretprobe's exit: nothing runs there (Group.light)
 HOOK_KIND = {HOOK_RET: 1, HOOK_PENDING: 2, HOOK_SWAP: 3}
 
 
@@ -122,6 +123,9 @@ class Group:
     int3_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
     hooks: dict = field(default_factory=dict)        # exit addr -> HOOK_*
     ret_template: dict | None = None  # the inlined return hook's parameters (choose_forms)
+    # A light kretprobe (planner.forms.light_kretprobes()): nothing runs at its returns,
+    # no instance is taken; its entry only counts the hit.  Exits are listed, not hooked.
+    light: bool = False
 
     @property
     def ret_clean(self) -> bool:

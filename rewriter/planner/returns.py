@@ -1,14 +1,16 @@
 """The return sites of every function with a placed kretprobe: a jump-optimized
 return hook at each exit (or in the entry's region, for a short function), else
 the kernel's return-address trampoline, or a breakpoint return hook where the
-trampoline is unsafe."""
+trampoline is unsafe; none at all for a light kretprobe (forms.light_kretprobes():
+nothing to run at its returns)."""
 from __future__ import annotations
 
 import bisect
 
 from ..resolve import is_entry
 from .exits import find_exits
-from .model import HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
+from .forms import light_group, light_kretprobes
+from .model import HOOK_KIND, HOOK_LIGHT, HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
 from .sites import make_int3
 
 def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
@@ -43,9 +45,16 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
         return None
 
     plan.groups = sorted(groups.values(), key=lambda g: g.entry)
+    image_light = light_kretprobes([p for s in plan.sites for p in s.probes], rules)
     for g in plan.groups:
         ex = find_exits(image, analysis, arch, g.func)
         g.exits = ex.exits
+        g.light = rules.kretprobe_exits and light_group(g, rules, image_light)
+        if g.light:
+            # Nothing runs at its returns (no handler, no instance): the exits are listed
+            # for `check`, and left as they are -- no hook, no trampoline, no breakpoint.
+            g.exits = [_as_return(e) if e.addr in rules.return_jumps else e for e in ex.exits]
+            continue
         if not rules.kretprobe_exits:
             # The target's kretprobes are the kernel's: the return address is swapped at entry.
             g.mode, g.reason = TRAMPOLINE, arch.Refusal(
@@ -108,9 +117,13 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             starts.insert(i, r[0])
             taken.insert(i, r)
     # Tail calls to a function whose returns are all hooked leave the slot alone.
-    hooked = {g.func.start for g in plan.groups if g.mode == OPTIMIZED} | \
-             {g.entry for g in plan.groups if g.mode == OPTIMIZED}
+    # A light function's returns are not (an instance left pending for them would never fire).
+    hooked = {g.func.start for g in plan.groups if g.mode == OPTIMIZED and not g.light} | \
+             {g.entry for g in plan.groups if g.mode == OPTIMIZED and not g.light}
     for g in plan.groups:
+        if g.light:
+            g.hooks = {e.addr: HOOK_LIGHT for e in g.exits}
+            continue
         for e in g.exits:
             g.hooks[e.addr] = HOOK_RET if e.kind == "ret" else HOOK_PENDING if e.target in hooked else HOOK_SWAP
         if g.mode != OPTIMIZED:
