@@ -3,8 +3,8 @@
  * kernel's tracing/trace file (kernel/trace/trace_output.c and
  * print_kprobe_event()/print_kretprobe_event() of trace_kprobe.c):
  *
- *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (SYM+off/size) name=value ...
- *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (CALLER+off/size <- FUNC) name=value ...
+ *     COMM-PID [CPU] SECONDS.FRACTION: EVENT: (SYM+off/size) name=value ...
+ *     COMM-PID [CPU] SECONDS.FRACTION: EVENT: (CALLER+off/size <- FUNC) name=value ...
  *
  * A hit fetches its args into a binary record (kp_trace.h); the line is printed
  * from it into a buffer on the stack and written in one piece
@@ -15,6 +15,12 @@
  * In a kernel the record itself goes into the ftrace ring buffer
  * (kp_platform_trace_record()), printed by kp_trace_format() only when the
  * trace is read, with the kernel's context.
+ *
+ * FRACTION is the kernel's six digits (microseconds), or nine (nanoseconds, as
+ * `trace-cmd report -t` and `perf script --ns` print the same clock) where the
+ * platform says KP_PLATFORM_TRACE_NS: a user program, whose lines are read back
+ * by `kprewrite trace`/`report`, where a call graph of functions that run for
+ * less than a microsecond needs the clock's full resolution.
  */
 #include "kp_trace.h"
 
@@ -58,7 +64,8 @@ void kp_trace_configure(char **envp)
 	kp_platform_write(2, msg, sizeof(msg) - 1);
 }
 
-/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: ", for lines written whole. */
+/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: " (or %09lu: KP_PLATFORM_TRACE_NS),
+ * for lines written whole. */
 static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
 {
 	struct kp_timespec ts = { 0, 0 };
@@ -77,9 +84,13 @@ static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
 	kp_line_puts(l, "] ");
 	kp_line_dec(l, ts.sec, 0, 5, 0);
 	kp_line_putc(l, '.');
-	unsigned long us = ts.nsec / 1000;
-	for (unsigned long d = 100000; d; d /= 10)
-		kp_line_putc(l, '0' + us / d % 10);
+#ifdef KP_PLATFORM_TRACE_NS
+	unsigned long frac = ts.nsec, top = 100000000;
+#else
+	unsigned long frac = ts.nsec / 1000, top = 100000;
+#endif
+	for (unsigned long d = top; d; d /= 10)
+		kp_line_putc(l, '0' + frac / d % 10);
 	kp_line_puts(l, ": ");
 }
 
@@ -121,7 +132,7 @@ unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev
 /* The body (print_kprobe_event(): "EVENT: (SYM+off/size) name=value ...") is
  * built after room for the context; the context is put in front and the whole line
  * written. */
-#define KP_TRACE_CONTEXT 64	/* >= the longest context: 16 + 1 + 7 + 7 + 20 + 1 + 6 + 2 */
+#define KP_TRACE_CONTEXT 64	/* >= the longest context: 16 + 1 + 7 + 7 + 20 + 1 + 9 + 2 */
 
 static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event *ev, struct kp_fetch_ctx *c,
 						     unsigned long ip, unsigned long ret_addr,
