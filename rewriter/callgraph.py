@@ -187,13 +187,15 @@ def _mark(ns: int) -> str:
 
 # --- function_graph's layout --------------------------------------------------------------------
 
-DUR_W = 13          # "+ 12345.678 us" fits the column; longer ones push the bar right
+DUR_W = 14          # " + 1234.567 us" fits the column; longer ones push the bar right
 
 
 def _dur_col(ns: int | None) -> str:
+    """The duration column; its first character is a space, so that a mark ('#' over
+    1 ms) never starts a line and reads as a comment, as the header lines do."""
     if ns is None:
         return " " * DUR_W
-    return f"{_mark(ns)} {duration_text(ns):>{DUR_W - 2}}"
+    return f" {_mark(ns)} {duration_text(ns):>{DUR_W - 3}}"
 
 
 def _event_text(r: Record) -> str:
@@ -210,18 +212,17 @@ def graph_text(g: Graph) -> str:
         if out:
             out.append("")
         out.append(f"# thread {tid} ({th.comm})")
-        out.append(f"# {'DURATION':>{DUR_W - 2}}    FUNCTION CALLS")
-        out.append(f"# {'|   |':>{DUR_W - 2}}     |   |   |   |")
+        out.append(f"# {'DURATION':>{DUR_W - 3}}  | FUNCTION CALLS")
+        out.append(f"# {'|   |':>{DUR_W - 4}}   | |   |   |   |")
         # (item, depth, closing?) on an explicit stack: no recursion limit on deep traces.
         stack = [(i, 0, False) for i in reversed(th.items)]
         while stack:
             item, depth, closing = stack.pop()
             pad = "  " * depth
             if closing:
-                note = " no return in the trace;" if item.unfinished else ""
+                note = ": no return in the trace" if item.unfinished else ""
                 dur = None if item.unfinished else item.duration
-                out.append(f"{_dur_col(dur)} | {pad}}} /* {item.func}{note} */" if note
-                           else f"{_dur_col(dur)} | {pad}}} /* {item.func} */")
+                out.append(f"{_dur_col(dur)} | {pad}}} /* {item.func}{note} */")
             elif isinstance(item, Call):
                 if not item.items:
                     tail = " /* no return in the trace */" if item.unfinished else ""
