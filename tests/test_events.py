@@ -530,7 +530,7 @@ def test_return_line_format(tmp_path, prog):
     assert a.event == "work_exit" and a.loc == "caller_fn+0x13/0x40 <- work" and a.is_return
     assert a.args == {"ret": -5, "s": "retstring", "x": "0xfffffffffffffffb"}
     assert b.loc == "0x9999 <- work" and b.args == {"ret": 7, "s": "(fault)", "x": "0x7"}
-    assert re.match(r"^ {0,15}\S+-\d+ +\[\d{3}\] +\d+\.\d{6}: work_exit: \(caller_fn\+0x13/0x40 <- work\) ret=-5 ", out[0])
+    assert re.match(r"^ {0,15}\S+-\d+ +\[\d{3}\] +\d+\.\d{9}: work_exit: \(caller_fn\+0x13/0x40 <- work\) ret=-5 ", out[0])
 
 
 def _fork(tmp):
