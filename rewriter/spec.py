@@ -124,7 +124,11 @@ KRETPROBE_KEYS = {**_COMMON, "handler": _name, "entry_handler": _name,
 # [[function_graph]] (an extension): ftrace's function_graph tracer as probes, a kprobe and
 # a kretprobe with a trace line and no arguments on each function it names, whose lines
 # `kprewrite trace --format graph` and `report` pair into calls (rewriter/callgraph.py).
-GRAPH_KEYS = {"symbol_name": _name, "addr": _uint(_U64), "disabled": _bool}
+# Its kretprobes' maxactive defaults to GRAPH_MAXACTIVE, not the kernel's max(10, 2 * CPUs): a
+# recursion deeper than maxactive misses returns (nmissed), which a graph shows as calls with
+# no return; function_graph's own return stack is 50 deep per task, uftrace's 1024.
+GRAPH_MAXACTIVE = 64
+GRAPH_KEYS = {"symbol_name": _name, "addr": _uint(_U64), "disabled": _bool, "maxactive": _sint(*_S32)}
 TOP_KEYS = ("handlers", "optimize", "kprobe", "kretprobe", "function_graph", "events", "probes")
 PROBE_TABLES = {"kprobe": (KPROBE_KEYS, KprobeSpec), "kretprobe": (KRETPROBE_KEYS, KretprobeSpec),
                 "function_graph": (GRAPH_KEYS, None)}
@@ -256,8 +260,10 @@ def _probe(kind: str, table: str, where: str, raw: dict, errors: list[str]):
     addr = values.pop("addr", None)
     glob = sym is not None and any(c in sym for c in GLOB_CHARS)
     if cls is None:         # [[function_graph]]: the entry and the return event of each function
+        maxactive = values.pop("maxactive", GRAPH_MAXACTIVE)
         return (KprobeSpec(table=table, symbol_name=sym, addr=addr, fetch="", **values, is_glob=glob),
-                KretprobeSpec(table=table, symbol_name=sym, addr=addr, fetch="", **values, is_glob=glob))
+                KretprobeSpec(table=table, symbol_name=sym, addr=addr, fetch="", **values, is_glob=glob,
+                              maxactive=maxactive))
     return cls(table=table, symbol_name=sym, addr=addr, **values, is_glob=glob)
 
 

@@ -279,7 +279,10 @@ def test_function_graph_spec(tmp_path):
     """[[function_graph]] is a kprobe and a kretprobe with an argument-less trace line each."""
     s = load_spec(write_spec(tmp_path, SPEC))
     assert [(k.symbol_name, k.fetch, k.is_glob) for k in s.kprobes] == [("cg_*", "", True), ("main", "", False)]
-    assert [(k.symbol_name, k.fetch, k.is_glob) for k in s.kretprobes] == [("cg_*", "", True), ("main", "", False)]
+    assert [(k.symbol_name, k.fetch, k.is_glob, k.maxactive) for k in s.kretprobes] == [
+        ("cg_*", "", True, 64), ("main", "", False, 64)]
+    s = load_spec(write_spec(tmp_path, '[[function_graph]]\nsymbol_name = "f"\nmaxactive = 5\n', name="m.toml"))
+    assert (s.kretprobes[0].maxactive, s.kprobes[0].symbol_name) == (5, "f")
     r = kprewrite("check", "/bin/true", "--spec",
                   write_spec(tmp_path, '[[function_graph]]\nsymbol_name = "*"\nhandler = "h"\n', name="bad.toml"),
                   check=False)
