@@ -48,6 +48,11 @@ static const char *kp_trace_getenv(char **envp, const char *name)
 	return 0;
 }
 
+
+#ifdef KP_PLATFORM_TRACE_FAST
+static int kp_tb_on, kp_tb_owner;	/* lines to a file gathered (below); by this process */
+#endif
+
 /* Start-up: where trace lines go; kprobe_profile on a signal. */
 void kp_trace_configure(char **envp)
 {
@@ -58,6 +63,10 @@ void kp_trace_configure(char **envp)
 	int fd = kp_platform_open_append(path);
 	if (fd >= 0) {
 		kp_trace_fd = fd;
+#ifdef KP_PLATFORM_TRACE_FAST
+		kp_tb_owner = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
+		kp_tb_on = 1;		/* a file: lines are gathered (kp_tb_put()) */
+#endif
 		return;
 	}
 	static const char msg[] = "kprewrite: KPREWRITE_TRACE: cannot open the file; tracing to standard error\n";
@@ -66,11 +75,8 @@ void kp_trace_configure(char **envp)
 
 /* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: " (or %09lu: KP_PLATFORM_TRACE_NS),
  * for lines written whole. */
-static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
+static void kp_trace_context_who(struct kp_line *l, const char *comm, int tid, unsigned int cpu)
 {
-	struct kp_timespec ts = { 0, 0 };
-	unsigned int cpu = kp_platform_cpu();
-	kp_platform_trace_clock(&ts);
 	int n = (int)strlen(comm);
 	for (int i = n; i < 16; i++)
 		kp_line_putc(l, ' ');
@@ -82,6 +88,12 @@ static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
 	kp_line_dec(l, cpu / 10 % 10, 0, 0, 0);
 	kp_line_dec(l, cpu % 10, 0, 0, 0);
 	kp_line_puts(l, "] ");
+}
+
+static void kp_trace_context_at(struct kp_line *l, const char *comm, int tid, unsigned int cpu,
+				struct kp_timespec ts)
+{
+	kp_trace_context_who(l, comm, tid, cpu);
 	kp_line_dec(l, ts.sec, 0, 5, 0);
 	kp_line_putc(l, '.');
 #ifdef KP_PLATFORM_TRACE_NS
@@ -93,6 +105,227 @@ static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
 		kp_line_putc(l, '0' + frac / d % 10);
 	kp_line_puts(l, ": ");
 }
+
+static __attribute__((unused)) void kp_trace_context(struct kp_line *l, const char *comm, int tid)
+{
+	struct kp_timespec ts = { 0, 0 };
+	unsigned int cpu = kp_platform_cpu();
+	kp_platform_trace_clock(&ts);
+	kp_trace_context_at(l, comm, tid, cpu, ts);
+}
+
+#ifdef KP_PLATFORM_TRACE_FAST
+/*
+ * A user program's hot path (KP_PLATFORM_TRACE_FAST): a line's context without a
+ * system call in the common case.  A trace line used to cost four (prctl for the
+ * name, gettid, clock_gettime, write), some microseconds on a virtual machine:
+ * too much for a call graph of every function ([[function_graph]]).
+ *
+ * - The thread's name, id and process id, and (where vgetcpu cannot be read) its
+ *   CPU, are kept per thread pointer (kp_tc[]) and read again, with the clock
+ *   (clock_gettime(2)), whenever the thread's previous line is more than
+ *   KP_TC_GAP_NS old or its clock reading more than KP_TC_ANCHOR_NS: a thread
+ *   that exited and one created later on the same thread pointer (a C library
+ *   reuses them), a forked child, a renamed thread, all run for longer than that
+ *   between two lines, and at most one set of system calls per KP_TC_GAP_NS of a
+ *   thread's time is what this costs.
+ * - Between two readings the time is the clock's at the last reading plus the
+ *   CPU's counter (kp_arch_counter(): x86-64's TSC, arm64's virtual count) since,
+ *   scaled by the rate measured against clock_gettime from the first reading on
+ *   (kp_tc_mult, refined at each reading); a thread's times never go backwards.
+ *   Until the rate is known (the first millisecond) every line reads the clock.
+ * - Tracing to a file (KPREWRITE_TRACE=FILE), whole lines are gathered in
+ *   kp_tb[] under a lock and written KP_TB_SIZE at a time, or when the oldest is
+ *   KP_TB_AGE_NS old, and at exit (kp_trace_flush(), from the platform's fini).
+ *   A forked child writes its own lines directly and never the parent's it
+ *   inherited (kp_tb_owner).  Standard error is never gathered: its lines keep
+ *   their place among the program's own output.
+ */
+#define KP_TC_SLOTS 1024
+#define KP_TC_PROBES 8
+#define KP_TC_GAP_NS 5000LL
+#define KP_TC_ANCHOR_NS 1000000LL
+#define KP_TC_CALIBRATE_NS 1000000LL
+#define KP_TC_SHIFT 24
+#define KP_TB_SIZE 65536
+#define KP_TB_AGE_NS 100000000LL
+
+struct kp_tc {
+	unsigned long key;		/* thread pointer; 0: free */
+	int tid, pid;
+	unsigned int cpu;
+	int fresh;			/* read again at its next line */
+	unsigned long anchor_c, last_c;	/* counter at the last clock reading, at the last line */
+	long long anchor_ns, last_ns;
+	char comm[KP_TASK_COMM_LEN + 1];
+	unsigned int prefix_len;
+	char prefix[48];		/* the context up to the time: "%16s-%-7d [%03d] " */
+};
+static struct kp_tc kp_tc[KP_TC_SLOTS];
+static volatile int kp_tc_t0_state;	/* 0 none, 1 being set, 2 set */
+static unsigned long kp_tc_c0;
+static long long kp_tc_t0;
+static volatile unsigned long kp_tc_mult;	/* ns per count << KP_TC_SHIFT; 0: not measured yet */
+static volatile unsigned long kp_tc_gap_c, kp_tc_anchor_c;	/* the two limits in counts */
+
+static volatile int kp_tb_lock;
+static unsigned long kp_tb_len;
+static long long kp_tb_first_ns;
+static char kp_tb[KP_TB_SIZE];
+
+/* memcpy() a word at a time: the lines are copied twice each, and the
+ * runtime's own memcpy() goes a byte at a time. */
+static inline void kp_tc_copy(char *dst, const char *src, unsigned long n)
+{
+	for (; n >= 8; n -= 8, dst += 8, src += 8) {
+		unsigned long w;
+		__builtin_memcpy(&w, src, 8);
+		__builtin_memcpy(dst, &w, 8);
+	}
+	while (n--)
+		*dst++ = *src++;
+}
+
+static long long kp_tc_clock(void)
+{
+	struct kp_timespec ts = { 0, 0 };
+	kp_platform_trace_clock(&ts);
+	return ts.sec * 1000000000LL + ts.nsec;
+}
+
+/* The thread's slot (claimed at its first line), or 0: no thread pointer yet, or
+ * the table full around its hash (the line is then made as before). */
+static struct kp_tc *kp_tc_slot(void)
+{
+	unsigned long key = kp_platform_thread_key();
+	if (!key)
+		return 0;
+	unsigned long h = (key >> 12 ^ key >> 22) & (KP_TC_SLOTS - 1);
+	for (unsigned int i = 0; i < KP_TC_PROBES; i++) {
+		struct kp_tc *t = &kp_tc[(h + i) & (KP_TC_SLOTS - 1)];
+		unsigned long k = __atomic_load_n(&t->key, __ATOMIC_ACQUIRE);
+		if (k == key)
+			return t;
+		if (!k && __atomic_compare_exchange_n(&t->key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+			t->fresh = 1;
+			return t;
+		}
+		if (k == key)		/* lost the race to ourselves: cannot happen, but harmless */
+			return t;
+	}
+	return 0;
+}
+
+/* Read the thread's identity and the clock again; refine the counter's rate. */
+static void kp_tc_read(struct kp_tc *t)
+{
+	t->tid = kp_platform_task_pid();
+	t->pid = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
+	t->cpu = kp_platform_cpu();
+	kp_platform_task_comm(t->comm);
+	t->comm[KP_TASK_COMM_LEN] = 0;
+	struct kp_line l = { t->prefix, t->prefix + sizeof(t->prefix) };
+	kp_trace_context_who(&l, t->comm, t->tid, t->cpu);
+	t->prefix_len = l.p - t->prefix;
+	long long ns = kp_tc_clock();
+	unsigned long c = kp_arch_counter();
+	t->anchor_ns = ns;
+	t->anchor_c = c;
+	t->fresh = 0;
+	int state = __atomic_load_n(&kp_tc_t0_state, __ATOMIC_ACQUIRE);
+	if (state == 0) {
+		if (__atomic_compare_exchange_n(&kp_tc_t0_state, &state, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+			kp_tc_t0 = ns;
+			kp_tc_c0 = c;
+			__atomic_store_n(&kp_tc_t0_state, 2, __ATOMIC_RELEASE);
+		}
+	} else if (state == 2) {
+		long long dt = ns - kp_tc_t0;
+		unsigned long dc = c - kp_tc_c0;
+		/* dt << 24 fits 64 bits below 2^39 ns (some nine minutes): the rate is
+		 * measured well enough by then. */
+		if (dt >= KP_TC_CALIBRATE_NS && dt < (1LL << 39) && dc && (long)dc > 0) {
+			unsigned long mult = ((unsigned long)dt << KP_TC_SHIFT) / dc;
+			if (mult) {
+				kp_tc_gap_c = ((unsigned long)KP_TC_GAP_NS << KP_TC_SHIFT) / mult;
+				kp_tc_anchor_c = ((unsigned long)KP_TC_ANCHOR_NS << KP_TC_SHIFT) / mult;
+				__atomic_store_n(&kp_tc_mult, mult, __ATOMIC_RELEASE);
+			}
+		}
+	}
+}
+
+/* The line's time (ns) and the thread's identity in t. */
+static long long kp_tc_now(struct kp_tc *t)
+{
+	unsigned long mult = __atomic_load_n(&kp_tc_mult, __ATOMIC_ACQUIRE);
+	unsigned long c = kp_arch_counter();
+	long long ns;
+	if (!t->fresh && mult && c - t->last_c < kp_tc_gap_c && c - t->anchor_c < kp_tc_anchor_c) {
+		ns = t->anchor_ns + (long long)((c - t->anchor_c) * mult >> KP_TC_SHIFT);
+	} else {
+		kp_tc_read(t);
+		ns = t->anchor_ns;
+		c = t->anchor_c;
+	}
+	if (ns < t->last_ns)
+		ns = t->last_ns;
+	t->last_ns = ns;
+	t->last_c = c;
+	return ns;
+}
+
+static void kp_tb_write_locked(void)
+{
+	if (kp_tb_len)
+		kp_platform_write(kp_trace_fd, kp_tb, kp_tb_len);
+	kp_tb_len = 0;
+}
+
+/* A whole line into the buffer (written when full or old), or to the file
+ * directly where the buffer is not ours (a forked child) or is off. */
+static void kp_tb_put(const struct kp_tc *t, const char *line, unsigned long n, long long ns)
+{
+	if (!kp_tb_on || t->pid != kp_tb_owner || n > KP_TB_SIZE) {
+		kp_platform_write(kp_trace_fd, line, n);
+		return;
+	}
+	while (__atomic_exchange_n(&kp_tb_lock, 1, __ATOMIC_ACQUIRE))
+		cpu_relax();
+	if (!kp_tb_on) {		/* flushed for exit meanwhile */
+		__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
+		kp_platform_write(kp_trace_fd, line, n);
+		return;
+	}
+	if (kp_tb_len + n > KP_TB_SIZE)
+		kp_tb_write_locked();
+	if (!kp_tb_len)
+		kp_tb_first_ns = ns;
+	kp_tc_copy(kp_tb + kp_tb_len, line, n);
+	kp_tb_len += n;
+	if (ns - kp_tb_first_ns > KP_TB_AGE_NS)
+		kp_tb_write_locked();
+	__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
+}
+
+int kp_trace_buffered(void)
+{
+	return kp_tb_on;
+}
+
+/* At exit (the platform's fini): the gathered lines written, and every later line
+ * written directly.  Only by the process that gathered them. */
+void kp_trace_flush(void)
+{
+	if (!kp_tb_on || (int)kp_syscall3(__NR_getpid, 0, 0, 0) != kp_tb_owner)
+		return;
+	while (__atomic_exchange_n(&kp_tb_lock, 1, __ATOMIC_ACQUIRE))
+		cpu_relax();
+	kp_tb_write_locked();
+	kp_tb_on = 0;
+	__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
+}
+#endif
 
 /* The body of a line from a hit's record: print_kprobe_event() or print_kretprobe_event(). */
 unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev, unsigned long ret_addr,
@@ -134,9 +367,12 @@ unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev
  * written. */
 #define KP_TRACE_CONTEXT 64	/* >= the longest context: 16 + 1 + 7 + 7 + 20 + 1 + 9 + 2 */
 
+struct kp_tc;
+
 static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event *ev, struct kp_fetch_ctx *c,
 						     unsigned long ip, unsigned long ret_addr,
-						     const unsigned char *rec, unsigned long len)
+						     const unsigned char *rec, unsigned long len,
+						     struct kp_tc *t, long long ns)
 {
 	char buf[KP_TRACE_LINE];
 	char *body = buf + KP_TRACE_CONTEXT;
@@ -146,6 +382,35 @@ static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event
 		return;
 	char ctx[KP_TRACE_CONTEXT];
 	struct kp_line h = { ctx, ctx + sizeof(ctx) };
+#ifdef KP_PLATFORM_TRACE_FAST
+	if (t) {
+		/* "%5lu.%09lu: " after the thread's cached context: the time's digits
+		 * right to left into tsb, then both in front of the body. */
+		char tsb[32];
+		char *q = tsb + sizeof(tsb);
+		unsigned long sec = (unsigned long)ns / 1000000000UL, frac = (unsigned long)ns % 1000000000UL;
+		*--q = ' ';
+		*--q = ':';
+		for (int i = 0; i < 9; i++, frac /= 10)
+			*--q = '0' + frac % 10;
+		*--q = '.';
+		int d = 0;
+		do {
+			*--q = '0' + sec % 10;
+			sec /= 10;
+			d++;
+		} while (sec);
+		for (; d < 5; d++)
+			*--q = ' ';
+		unsigned long tn = tsb + sizeof(tsb) - q, n = t->prefix_len + tn;
+		kp_tc_copy(body - n, t->prefix, t->prefix_len);
+		kp_tc_copy(body - tn, q, tn);
+		kp_tb_put(t, body - n, len + n, ns);
+		return;
+	}
+#endif
+	(void)t;
+	(void)ns;
 	kp_trace_context(&h, kp_fetch_comm(c), c->tid);
 	unsigned long n = h.p - ctx;
 	memcpy(body - n, ctx, n);
@@ -165,14 +430,28 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 	unsigned char rec[KP_TRACE_REC];
 	char comm[KP_TASK_COMM_LEN + 1];
 	struct kp_rec r = { rec, rec + sizeof(rec), 0 };
-	struct kp_fetch_ctx c = { regs, comm, kp_platform_task_pid(), 0 };
+	struct kp_tc *t = 0;
+	long long ns = 0;
+#ifdef KP_PLATFORM_TRACE_FAST
+	/* The thread's id from its slot; the time taken here, before the args are
+	 * fetched, as the line's (the record's place in the kernel's ring buffer). */
+	t = kp_tc_slot();
+	if (t)
+		ns = kp_tc_now(t);
+#endif
+#ifdef KP_PLATFORM_TRACE_FAST
+	int tid = t ? t->tid : kp_platform_task_pid();
+#else
+	int tid = kp_platform_task_pid();
+#endif
+	struct kp_fetch_ctx c = { regs, comm, tid, 0 };
 	for (unsigned int i = 0; i < ev->nargs && !r.full; i++)
 		kp_fetch_arg(&r, &ev->args[i], &c);
 #ifdef KP_PLATFORM_TRACE_RECORD
 	if (kp_platform_trace_record(ev, regs, ip, ret_addr, rec, r.p - rec))
 		return;
 #endif
-	kp_trace_write(ev, &c, ip, ret_addr, rec, r.p - rec);
+	kp_trace_write(ev, &c, ip, ret_addr, rec, r.p - rec, t, ns);
 }
 
 void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long addr)
