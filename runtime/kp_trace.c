@@ -39,6 +39,19 @@
 
 static int kp_trace_fd = 2;
 
+/* kp_line_put()/kp_line_puts() a word at a time (the runtime's memcpy() and
+ * kp_line_puts() go a byte at a time): every trace line is made of them. */
+static inline void kp_trace_copy(char *dst, const char *src, unsigned long n)
+{
+	for (; n >= 8; n -= 8, dst += 8, src += 8) {
+		unsigned long w;
+		__builtin_memcpy(&w, src, 8);
+		__builtin_memcpy(dst, &w, 8);
+	}
+	while (n--)
+		*dst++ = *src++;
+}
+
 static const char *kp_trace_getenv(char **envp, const char *name)
 {
 	size_t n = strlen(name);
@@ -160,7 +173,15 @@ struct kp_tc {
 	char comm[KP_TASK_COMM_LEN + 1];
 	unsigned int prefix_len;
 	char prefix[48];		/* the context up to the time: "%16s-%-7d [%03d] " */
+	unsigned long sec;		/* the seconds of sec_text ("%5lu"); ~0: none */
+	unsigned int sec_len;
+	char sec_text[24];
 };
+
+static const char kp_tc_pairs[] =
+	"00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+	"40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+	"8081828384858687888990919293949596979899";
 static struct kp_tc kp_tc[KP_TC_SLOTS];
 static volatile int kp_tc_t0_state;	/* 0 none, 1 being set, 2 set */
 static unsigned long kp_tc_c0;
@@ -172,19 +193,6 @@ static volatile int kp_tb_lock;
 static unsigned long kp_tb_len;
 static long long kp_tb_first_ns;
 static char kp_tb[KP_TB_SIZE];
-
-/* memcpy() a word at a time: the lines are copied twice each, and the
- * runtime's own memcpy() goes a byte at a time. */
-static inline void kp_tc_copy(char *dst, const char *src, unsigned long n)
-{
-	for (; n >= 8; n -= 8, dst += 8, src += 8) {
-		unsigned long w;
-		__builtin_memcpy(&w, src, 8);
-		__builtin_memcpy(dst, &w, 8);
-	}
-	while (n--)
-		*dst++ = *src++;
-}
 
 static long long kp_tc_clock(void)
 {
@@ -208,6 +216,7 @@ static struct kp_tc *kp_tc_slot(void)
 			return t;
 		if (!k && __atomic_compare_exchange_n(&t->key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
 			t->fresh = 1;
+			t->sec = ~0UL;
 			return t;
 		}
 		if (k == key)		/* lost the race to ourselves: cannot happen, but harmless */
@@ -301,7 +310,7 @@ static void kp_tb_put(const struct kp_tc *t, const char *line, unsigned long n, 
 		kp_tb_write_locked();
 	if (!kp_tb_len)
 		kp_tb_first_ns = ns;
-	kp_tc_copy(kp_tb + kp_tb_len, line, n);
+	kp_trace_copy(kp_tb + kp_tb_len, line, n);
 	kp_tb_len += n;
 	if (ns - kp_tb_first_ns > KP_TB_AGE_NS)
 		kp_tb_write_locked();
@@ -327,19 +336,32 @@ void kp_trace_flush(void)
 }
 #endif
 
+static inline void kp_trace_put(struct kp_line *l, const char *s, unsigned long n)
+{
+	if (n > (unsigned long)(l->end - l->p))
+		n = l->end - l->p;
+	kp_trace_copy(l->p, s, n);
+	l->p += n;
+}
+
+static inline void kp_trace_puts(struct kp_line *l, const char *s)
+{
+	kp_trace_put(l, s, strlen(s));
+}
+
 /* The body of a line from a hit's record: print_kprobe_event() or print_kretprobe_event(). */
 unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev, unsigned long ret_addr,
 			      const unsigned char *rec, unsigned long len)
 {
 	char *start = l->p;
 	if (!ev->is_return) {
-		kp_line_put(l, ev->head, ev->head_len);
+		kp_trace_put(l, ev->head, ev->head_len);
 	} else {
-		kp_line_puts(l, ev->name);
-		kp_line_puts(l, ": (");
+		kp_trace_puts(l, ev->name);
+		kp_trace_put(l, ": (", 3);
 		kp_line_sym(l, ret_addr, 1);
-		kp_line_puts(l, " <- ");
-		kp_line_puts(l, ev->where);
+		kp_trace_put(l, " <- ", 4);
+		kp_trace_puts(l, ev->where);
 		kp_line_putc(l, ')');
 	}
 	const unsigned char *p = rec, *end = rec + len;
@@ -386,25 +408,36 @@ static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event
 	if (t) {
 		/* "%5lu.%09lu: " after the thread's cached context: the time's digits
 		 * right to left into tsb, then both in front of the body. */
-		char tsb[32];
+		char tsb[40];
 		char *q = tsb + sizeof(tsb);
-		unsigned long sec = (unsigned long)ns / 1000000000UL, frac = (unsigned long)ns % 1000000000UL;
+		unsigned long sec = (unsigned long)ns / 1000000000UL;
+		unsigned int frac = (unsigned int)((unsigned long)ns % 1000000000UL);
 		*--q = ' ';
 		*--q = ':';
-		for (int i = 0; i < 9; i++, frac /= 10)
-			*--q = '0' + frac % 10;
+		for (int i = 0; i < 4; i++, frac /= 100) {
+			q -= 2;
+			__builtin_memcpy(q, kp_tc_pairs + 2 * (frac % 100), 2);
+		}
+		*--q = '0' + frac;
 		*--q = '.';
-		int d = 0;
-		do {
-			*--q = '0' + sec % 10;
-			sec /= 10;
-			d++;
-		} while (sec);
-		for (; d < 5; d++)
-			*--q = ' ';
+		if (sec != t->sec) {		/* the seconds' digits, once a second */
+			char tmp[24], *e = tmp + sizeof(tmp), *b = e;
+			unsigned long v = sec;
+			do {
+				*--b = '0' + v % 10;
+				v /= 10;
+			} while (v);
+			while (e - b < 5)
+				*--b = ' ';
+			t->sec_len = e - b;
+			t->sec = sec;
+			kp_trace_copy(t->sec_text, b, t->sec_len);
+		}
+		q -= t->sec_len;
+		kp_trace_copy(q, t->sec_text, t->sec_len);
 		unsigned long tn = tsb + sizeof(tsb) - q, n = t->prefix_len + tn;
-		kp_tc_copy(body - n, t->prefix, t->prefix_len);
-		kp_tc_copy(body - tn, q, tn);
+		kp_trace_copy(body - n, t->prefix, t->prefix_len);
+		kp_trace_copy(body - tn, q, tn);
 		kp_tb_put(t, body - n, len + n, ns);
 		return;
 	}
