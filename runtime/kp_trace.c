@@ -148,11 +148,14 @@ static __attribute__((unused)) void kp_trace_context(struct kp_line *l, const ch
  *   (kp_tc_mult, refined at each reading); a thread's times never go backwards.
  *   Until the rate is known (the first millisecond) every line reads the clock.
  * - Tracing to a file (KPREWRITE_TRACE=FILE), whole lines are gathered in
- *   kp_tb[] under a lock and written KP_TB_SIZE at a time, or when the oldest is
- *   KP_TB_AGE_NS old, and at exit (kp_trace_flush(), from the platform's fini).
- *   A forked child writes its own lines directly and never the parent's it
- *   inherited (kp_tb_owner).  Standard error is never gathered: its lines keep
- *   their place among the program's own output.
+ *   kp_tb[] under a lock while they come in a burst, and written KP_TB_SIZE at a
+ *   time, when the oldest is KP_TB_AGE_NS old, with a line that comes after a
+ *   pause (so sparse lines are written as they come), and at exit
+ *   (kp_trace_flush(), from the platform's fini).  What a process that leaves
+ *   without exit() (execve, _exit, a fatal signal) had gathered is lost: at most
+ *   the end of its last burst.  A forked child writes its own lines directly and
+ *   never the parent's it inherited (kp_tb_owner).  Standard error is never
+ *   gathered: its lines keep their place among the program's own output.
  */
 #define KP_TC_SLOTS 1024
 #define KP_TC_PROBES 8
@@ -161,13 +164,14 @@ static __attribute__((unused)) void kp_trace_context(struct kp_line *l, const ch
 #define KP_TC_CALIBRATE_NS 1000000LL
 #define KP_TC_SHIFT 24
 #define KP_TB_SIZE 65536
-#define KP_TB_AGE_NS 100000000LL
+#define KP_TB_AGE_NS 10000000LL
 
 struct kp_tc {
 	unsigned long key;		/* thread pointer; 0: free */
 	int tid, pid;
 	unsigned int cpu;
 	int fresh;			/* read again at its next line */
+	int gap;			/* this line came after a pause: write the gathered lines */
 	unsigned long anchor_c, last_c;	/* counter at the last clock reading, at the last line */
 	long long anchor_ns, last_ns;
 	char comm[KP_TASK_COMM_LEN + 1];
@@ -270,7 +274,8 @@ static long long kp_tc_now(struct kp_tc *t)
 	unsigned long mult = __atomic_load_n(&kp_tc_mult, __ATOMIC_ACQUIRE);
 	unsigned long c = kp_arch_counter();
 	long long ns;
-	if (!t->fresh && mult && c - t->last_c < kp_tc_gap_c && c - t->anchor_c < kp_tc_anchor_c) {
+	t->gap = t->fresh || !mult || c - t->last_c >= kp_tc_gap_c;
+	if (!t->gap && c - t->anchor_c < kp_tc_anchor_c) {
 		ns = t->anchor_ns + (long long)((c - t->anchor_c) * mult >> KP_TC_SHIFT);
 	} else {
 		kp_tc_read(t);
@@ -312,7 +317,7 @@ static void kp_tb_put(const struct kp_tc *t, const char *line, unsigned long n, 
 		kp_tb_first_ns = ns;
 	kp_trace_copy(kp_tb + kp_tb_len, line, n);
 	kp_tb_len += n;
-	if (ns - kp_tb_first_ns > KP_TB_AGE_NS)
+	if (t->gap || ns - kp_tb_first_ns > KP_TB_AGE_NS)
 		kp_tb_write_locked();
 	__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
 }
