@@ -12,6 +12,35 @@ import re
 import pytest
 
 from conftest import cc, instrument, kprewrite, run, write_spec
+
+FORK_PROG = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/wait.h>
+volatile long sink;
+__attribute__((noinline)) long fk_leaf(long x) { sink = x; return x & 7; }
+__attribute__((noinline)) long fk_mid(long x) { long r = fk_leaf(x) + fk_leaf(x + 1); sink = r; return r; }
+int main(int argc, char **argv)
+{
+    long n = atol(argv[1]), s = 0;
+    for (long i = 0; i < n; i++)
+        s += fk_mid(i);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        long c = 0;
+        for (long i = 0; i < 10; i++)
+            c += fk_mid(i);
+        exit(c == 0 ? 1 : 0);
+    }
+    int status;
+    waitpid(pid, &status, 0);
+    s += fk_mid(n);
+    printf("%ld %d\n", s, WEXITSTATUS(status));
+    return 0;
+}
+"""
 from rewriter import callgraph, tracefmt
 from rewriter.spec import load_spec
 
@@ -287,3 +316,28 @@ def test_function_graph_spec(tmp_path):
                   write_spec(tmp_path, '[[function_graph]]\nsymbol_name = "*"\nhandler = "h"\n', name="bad.toml"),
                   check=False)
     assert r.returncode == 1 and r.stderr == "kprewrite: bad.toml: [[function_graph]] #1: unknown key 'handler'\n"
+
+
+def test_many_calls_and_a_fork(tmp_path, runner):
+    """Thousands of calls to a file (the runtime gathers the lines and writes them in
+    blocks), then a forked child that makes its own: every call once, none twice (the
+    child never writes the lines it inherited), each process's calls on its own thread."""
+    prog = cc(tmp_path, "fork", FORK_PROG, *FLAGS)
+    out = instrument(prog, write_spec(tmp_path, '[[function_graph]]\nsymbol_name = "fk_*"\n'))
+    n = 4000
+    tf = tmp_path / "trace.txt"
+    r = run(out, n, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{sum((i & 7) + ((i + 1) & 7) for i in range(n + 1))} 0\n"
+    lines = tf.read_text().splitlines()
+    assert len(lines) == 2 * 3 * (n + 1 + 10) and len(set(lines)) == len(lines)
+    g = callgraph.build(tracefmt.read(str(tf)))
+    per = {tid: [shape([c]) for c in t.items] for tid, t in g.threads.items()}
+    assert sorted(len(v) for v in per.values()) == [10, n + 1]
+    mid = [("fk_mid", [("fk_leaf", []), ("fk_leaf", [])])]
+    assert all(v == [mid] * len(v) for v in per.values())
+    assert all(c.duration >= 0 for c in g.calls())
+    # Time stamps of a thread never go backwards.
+    for tid in per:
+        ts = [tracefmt.parse_line(l).ts_ns for l in lines if f"-{tid} " in l]
+        assert ts == sorted(ts)
