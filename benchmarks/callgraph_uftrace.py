@@ -102,7 +102,7 @@ def uftrace_calls(d: Path) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=7, help="rounds (default 7)")
-    ap.add_argument("--n", type=int, default=20, help="fib(N) (default 20: some 211,000 calls)")
+    ap.add_argument("--n", type=int, default=24, help="fib(N) (default 24: some 680,000 calls)")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     if not shutil.which("uftrace"):

@@ -63,7 +63,9 @@ static const char *kp_trace_getenv(char **envp, const char *name)
 
 
 #ifdef KP_PLATFORM_TRACE_FAST
+#define KP_TB_SIZE (1UL << 20)
 static int kp_tb_on, kp_tb_owner;	/* lines to a file gathered (below); by this process */
+static char *kp_tb;			/* KP_TB_SIZE bytes, mapped when tracing to a file */
 #endif
 
 /* Start-up: where trace lines go; kprobe_profile on a signal. */
@@ -78,7 +80,8 @@ void kp_trace_configure(char **envp)
 		kp_trace_fd = fd;
 #ifdef KP_PLATFORM_TRACE_FAST
 		kp_tb_owner = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
-		kp_tb_on = 1;		/* a file: lines are gathered (kp_tb_put()) */
+		kp_tb = kp_platform_alloc(KP_TB_SIZE);
+		kp_tb_on = kp_tb != 0;	/* a file: lines are gathered (kp_tb_put()) */
 #endif
 		return;
 	}
@@ -163,7 +166,6 @@ static __attribute__((unused)) void kp_trace_context(struct kp_line *l, const ch
 #define KP_TC_ANCHOR_NS 1000000LL
 #define KP_TC_CALIBRATE_NS 1000000LL
 #define KP_TC_SHIFT 24
-#define KP_TB_SIZE 65536
 #define KP_TB_AGE_NS 10000000LL
 
 struct kp_tc {
@@ -196,7 +198,6 @@ static volatile unsigned long kp_tc_gap_c, kp_tc_anchor_c;	/* the two limits in 
 static volatile int kp_tb_lock;
 static unsigned long kp_tb_len;
 static long long kp_tb_first_ns;
-static char kp_tb[KP_TB_SIZE];
 
 static long long kp_tc_clock(void)
 {

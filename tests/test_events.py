@@ -482,6 +482,7 @@ int kp_platform_open_append(const char *path) { (void)path; return 1; }
 void kp_platform_close(int fd) { (void)fd; }
 int kp_tls_ready;                                        /* no thread pointer: the lines' context */
 unsigned long kp_platform_thread_key_slow(void) { return 0; }   /* is read the plain way */
+void *kp_platform_alloc(unsigned long size) { (void)size; return 0; }
 int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs);
 static const char text[] = "retstring";
 int main(void)
