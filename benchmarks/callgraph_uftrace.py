@@ -74,10 +74,10 @@ def sh(cmd, **kw):
     return r
 
 
-def timed(cmd, env=None) -> tuple[float, float, str]:
+def timed(cmd, env=None, cwd=None) -> tuple[float, float, str]:
     """(wall s, CPU s of the child and its reaped children, stdout)."""
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     out = p.stdout.read()
     _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t
@@ -124,7 +124,7 @@ def main() -> None:
         sh([str(ours), str(a.n)], env=env)
         rep = json.loads(sh([*KPREWRITE, "report", str(trace), "--format", "json"], env=ENV).stdout)["calls"]
         ours_calls = {f["function"]: f["calls"] for f in rep["functions"]}
-        sh(["uftrace", "record", "-d", str(udir), str(pg), str(a.n)])
+        sh(["uftrace", "record", "-d", str(udir), str(pg), str(a.n)], cwd=tmp)   # -pg's gmon.out goes there
         uf_calls = uftrace_calls(udir)
         calls = rep["count"]
         lines = len(trace.read_text().splitlines())
@@ -153,7 +153,7 @@ def main() -> None:
             for name, cmd, e, prep in variants[k:] + variants[:k]:
                 if prep:
                     prep()
-                wall, cpu, out = timed(cmd, e)
+                wall, cpu, out = timed(cmd, e, cwd=tmp)
                 if want is None:
                     want = out
                 if out != want:
