@@ -191,17 +191,21 @@ def diff(original, rewritten, system_map, fmt):
 
 @main.command()
 @click.argument("trace_file", metavar="FILE")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "chrome"]), default="jsonl", show_default=True,
-              help="jsonl: one JSON object per trace line; chrome: trace-event JSON for Perfetto / chrome://tracing")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "chrome", "graph"]), default="jsonl", show_default=True,
+              help="jsonl: one JSON object per trace line; chrome: trace-event JSON for Perfetto / chrome://tracing; "
+                   "graph: nested calls with durations, as ftrace's function_graph prints them")
 @click.option("-o", "output", metavar="OUT", help="write here instead of standard output")
 @_guard
 def trace(trace_file, fmt, output):
-    """Convert trace lines (KPREWRITE_TRACE output) to JSON lines or a Chrome/Perfetto timeline."""
+    """Convert trace lines (KPREWRITE_TRACE output) to JSON lines, a Chrome/Perfetto timeline or a call graph."""
     import json
     from . import tracefmt
     records = tracefmt.read(trace_file)
     if fmt == "jsonl":
         text = tracefmt.jsonl(records)
+    elif fmt == "graph":
+        from . import callgraph
+        text = callgraph.graph_text(callgraph.build(records))
     else:
         text = json.dumps(tracefmt.chrome(records, os.path.basename(trace_file)), sort_keys=True) + "\n"
     if output:
@@ -220,7 +224,7 @@ def trace(trace_file, fmt, output):
 @FORMAT
 @_guard
 def report(trace_file, plot, fmt):
-    """Per-event counts and log2 histograms (kretprobe durations, numeric fields) of trace lines."""
+    """Per-event counts, calls (total/self time per function, the slowest) and log2 histograms of trace lines."""
     from . import tracefmt, tracereport
     from .output import write_atomically
     if plot and not plot.lower().endswith(".svg"):
@@ -236,6 +240,7 @@ def report(trace_file, plot, fmt):
         os.chmod(plot, 0o644)
     if fmt == "json":
         _json({"format": "kprewrite-report-1", "events": [{"event": e, "count": n} for e, n in s["events"]],
+               "calls": s["calls"],
                "histograms": [{"name": h["name"], "count": h["count"],
                                "buckets": [{"bucket": b, "count": n} for b, n in h["buckets"]]}
                               for h in s["histograms"]]})

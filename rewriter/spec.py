@@ -121,8 +121,17 @@ _COMMON = {
 KPROBE_KEYS = {**_COMMON, "pre_handler": _name, "post_handler": _name}
 KRETPROBE_KEYS = {**_COMMON, "handler": _name, "entry_handler": _name,
                   "maxactive": _sint(*_S32), "data_size": _uint(_S32[1])}
-TOP_KEYS = ("handlers", "optimize", "kprobe", "kretprobe", "events", "probes")
-PROBE_TABLES = {"kprobe": (KPROBE_KEYS, KprobeSpec), "kretprobe": (KRETPROBE_KEYS, KretprobeSpec)}
+# [[function_graph]] (an extension): ftrace's function_graph tracer as probes, a kprobe and
+# a kretprobe with a trace line and no arguments on each function it names, whose lines
+# `kprewrite trace --format graph` and `report` pair into calls (rewriter/callgraph.py).
+# Its kretprobes' maxactive defaults to GRAPH_MAXACTIVE, not the kernel's max(10, 2 * CPUs): a
+# recursion deeper than maxactive misses returns (nmissed), which a graph shows as calls with
+# no return; function_graph's own return stack is 50 deep per task, uftrace's 1024.
+GRAPH_MAXACTIVE = 64
+GRAPH_KEYS = {"symbol_name": _name, "addr": _uint(_U64), "disabled": _bool, "maxactive": _sint(*_S32)}
+TOP_KEYS = ("handlers", "optimize", "kprobe", "kretprobe", "function_graph", "events", "probes")
+PROBE_TABLES = {"kprobe": (KPROBE_KEYS, KprobeSpec), "kretprobe": (KRETPROBE_KEYS, KretprobeSpec),
+                "function_graph": (GRAPH_KEYS, None)}
 
 
 # --- rendering values and names on one line ----------------------------------------------------
@@ -249,8 +258,13 @@ def _probe(kind: str, table: str, where: str, raw: dict, errors: list[str]):
     values = {k: raw[k] for k in keys if k in raw}
     sym = values.pop("symbol_name", None)
     addr = values.pop("addr", None)
-    return cls(table=table, symbol_name=sym, addr=addr, **values,
-               is_glob=sym is not None and any(c in sym for c in GLOB_CHARS))
+    glob = sym is not None and any(c in sym for c in GLOB_CHARS)
+    if cls is None:         # [[function_graph]]: the entry and the return event of each function
+        maxactive = values.pop("maxactive", GRAPH_MAXACTIVE)
+        return (KprobeSpec(table=table, symbol_name=sym, addr=addr, fetch="", **values, is_glob=glob),
+                KretprobeSpec(table=table, symbol_name=sym, addr=addr, fetch="", **values, is_glob=glob,
+                              maxactive=maxactive))
+    return cls(table=table, symbol_name=sym, addr=addr, **values, is_glob=glob)
 
 
 def _handlers(value, base: Path, label: str, errors: list[str]) -> list[Path]:
@@ -285,7 +299,7 @@ def load_spec(path: str | Path) -> Spec:
     optimize = True
     events: list[str] = []
     perf_probes: list[str] = []
-    probes: dict[str, list] = {"kprobe": [], "kretprobe": []}
+    probes: dict[str, list] = {"kprobe": [], "kretprobe": [], "function_graph": []}
 
     for key, value in doc.items():                   # file order
         if key == "handlers":
@@ -312,7 +326,10 @@ def load_spec(path: str | Path) -> Spec:
             for i, raw in enumerate(value, 1):
                 table = f"[[{key}]] #{i}"
                 p = _probe(key, table, f"{label}: {table}", raw, errors)
-                if p is not None:
+                if isinstance(p, tuple):
+                    probes["kprobe"].append(p[0])
+                    probes["kretprobe"].append(p[1])
+                elif p is not None:
                     probes[key].append(p)
         else:
             errors.append(f"{label}: {_unknown(key, TOP_KEYS)}")

@@ -1,14 +1,15 @@
-"""Reading trace lines: `kprewrite trace FILE [--format jsonl|chrome]`.
+"""Reading trace lines: `kprewrite trace FILE [--format jsonl|chrome|graph]`.
 
 Parses the lines a rewritten program writes (the kernel's tracing/trace
 format, see runtime/kp_trace.c), or a saved copy of a rewritten kernel's
 tracing/trace (our events, and the kernel's own kprobe events between them;
-its other events are skipped), into JSON lines, or into the Chrome
-trace-event format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
-For the timeline, an entry event (a kprobe on FUNC+0x0, or past the landing
-pad the arch skips: x86-64's 4-byte ENDBR) and the next return event of one thread with `<- FUNC` (a kretprobe)
-become one duration slice ("ph": "X"); any other event is an instant on its
-thread.
+its other events are skipped), into JSON lines, into the Chrome trace-event
+format that Perfetto (ui.perfetto.dev) and chrome://tracing open, or into
+function_graph's nested text.  Entry events (a kprobe on FUNC+0x0, or past the
+landing pad the arch skips: x86-64's 4-byte ENDBR) and return events (`<- FUNC`,
+a kretprobe) of one thread are paired into calls by rewriter/callgraph.py; a call
+is one duration slice ("ph": "X") of the timeline, any other event an instant on
+its thread.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class Record:
     comm: str
     pid: int
     cpu: int
-    ts: str                  # seconds.microseconds, as printed
+    ts: str                  # seconds.fraction, as printed: 9 digits (ns) from a user
+                             # program, 6 (us) from a kernel's tracing/trace
     event: str
     loc: str
     args: dict
@@ -43,6 +45,11 @@ class Record:
     def ts_us(self) -> int:
         sec, us = self.ts.split(".")
         return int(sec) * 1_000_000 + int(us.ljust(6, "0")[:6])
+
+    @property
+    def ts_ns(self) -> int:
+        sec, frac = self.ts.split(".")
+        return int(sec) * 1_000_000_000 + int(frac.ljust(9, "0")[:9])
 
     @property
     def is_return(self) -> bool:
@@ -63,6 +70,7 @@ class Record:
 
     def to_json(self) -> dict:
         d = {"comm": self.comm, "pid": self.pid, "cpu": self.cpu, "ts": float(self.ts), "ts_us": self.ts_us,
+             "ts_ns": self.ts_ns,
              "event": self.event}
         if self.is_return:
             caller, func = self.loc.split(" <- ", 1)
@@ -185,43 +193,5 @@ def jsonl(records: list[Record]) -> str:
 
 def chrome(records: list[Record], process: str = "kprewrite") -> dict:
     """Chrome trace-event JSON (the JSON Object Format): ts and dur in microseconds."""
-    PID = 1
-    events = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": process}}]
-    names: dict[int, str] = {}
-    stacks: dict[int, list[Record]] = {}
-    out: list[dict] = []
-
-    def instant(r: Record):
-        out.append({"name": r.event, "cat": "kprobe", "ph": "i", "s": "t", "ts": r.ts_us, "pid": PID,
-                    "tid": r.pid, "args": dict(r.args, ip=r.loc)})
-
-    for r in sorted(records, key=lambda r: r.ts_us):     # stable: equal times keep file order
-        names.setdefault(r.pid, r.comm)
-        st = stacks.setdefault(r.pid, [])
-        if r.is_entry:
-            st.append(r)
-        elif r.is_return:
-            for i in range(len(st) - 1, -1, -1):
-                if st[i].func == r.func:
-                    e = st[i]
-                    for inner in st[i + 1:]:         # entries left open inside: no return seen
-                        instant(inner)
-                    del st[i:]
-                    args = {f"entry.{k}": v for k, v in e.args.items()}
-                    args.update({f"return.{k}": v for k, v in r.args.items()})
-                    args.update(entry=e.event, ret=r.event, caller=r.loc.split(" <- ")[0])
-                    out.append({"name": r.func, "cat": "kprobe", "ph": "X", "ts": e.ts_us,
-                                "dur": r.ts_us - e.ts_us, "pid": PID, "tid": r.pid, "args": args})
-                    break
-            else:
-                instant(r)
-        else:
-            instant(r)
-    for st in stacks.values():
-        for r in st:
-            instant(r)
-    for tid, comm in sorted(names.items()):
-        events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": comm}})
-    out.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-    return {"traceEvents": events + out, "displayTimeUnit": "ms",
-            "otherData": {"source": "kprewrite trace"}}
+    from . import callgraph
+    return callgraph.chrome(records, process)

@@ -1,10 +1,12 @@
 """`kprewrite report TRACE [--plot FILE.svg]`: trace lines summed up.
 
-Per-event counts, and log2 histograms in the form of bpftrace's hist() (and of
-ftrace's hist triggers with .log2): of kretprobe durations (an entry event of a
-function and the next return event of that function on the same thread, as the
-timeline of `kprewrite trace --format chrome` pairs them; microseconds, the trace
-clock's resolution), and of every numeric field of every event.  --plot writes
+Per-event counts; where entry and return events pair into calls (rewriter/callgraph.py,
+as the timeline of `kprewrite trace --format chrome` pairs them), uftrace report's
+per-function table (calls, total and self time) and the slowest calls; and log2
+histograms in the form of bpftrace's hist() (and of ftrace's hist triggers with
+.log2): of each function's call durations (nanoseconds; a kernel's trace has
+microsecond time stamps, so its durations are multiples of 1000), and of every
+numeric field of every event.  --plot writes
 the same histograms as one SVG file, written here directly: a handful of
 rectangles and labels need no plotting library, and the output stays
 byte-for-byte deterministic.
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from xml.sax.saxutils import escape
 
+from . import callgraph
 from .tracefmt import Record
 
 BAR = 52                # bpftrace's bar width
@@ -50,24 +53,6 @@ def histogram(values: list[int]) -> list[tuple[str, int]]:
     return [(bucket_label(b), counts.get(b, 0)) for b in range(lo, hi + 1)]
 
 
-def durations(records: list[Record]) -> dict[str, list[int]]:
-    """function -> the durations (us) of its calls: an entry event and the next
-    return event of the same function on the same thread (innermost first)."""
-    out: dict[str, list[int]] = defaultdict(list)
-    stacks: dict[int, list[Record]] = defaultdict(list)
-    for r in sorted(records, key=lambda r: r.ts_us):
-        st = stacks[r.pid]
-        if r.is_entry:
-            st.append(r)
-        elif r.is_return:
-            for i in range(len(st) - 1, -1, -1):
-                if st[i].func == r.func:
-                    out[r.func].append(r.ts_us - st[i].ts_us)
-                    del st[i:]
-                    break
-    return dict(out)
-
-
 def fields(records: list[Record]) -> dict[str, list[int]]:
     """"event.field" -> its values, for every field whose every value is an integer."""
     vals: dict[str, list] = defaultdict(list)
@@ -77,21 +62,54 @@ def fields(records: list[Record]) -> dict[str, list[int]]:
     return {k: v for k, v in vals.items() if all(isinstance(x, int) and not isinstance(x, bool) for x in v)}
 
 
+SLOWEST = 10
+
+
 def summary(records: list[Record]) -> dict:
-    """What `report` prints: counts, and the histograms (JSON-ready)."""
+    """What `report` prints: counts, the calls (per function, slowest) and the histograms (JSON-ready)."""
     counts = Counter(r.event for r in records)
+    g = callgraph.build(records)
+    funcs = callgraph.functions(g)
     hists = []
-    for func, ds in sorted(durations(records).items()):
-        hists.append({"name": f"{func}: duration (us)", "count": len(ds), "buckets": histogram(ds)})
+    per: dict[str, list[int]] = defaultdict(list)
+    for c in g.calls():
+        if not c.unfinished:
+            per[c.func].append(c.duration)
+    for func, ds in sorted(per.items()):
+        hists.append({"name": f"{func}: duration (ns)", "count": len(ds), "buckets": histogram(ds)})
     for name, vs in sorted(fields(records).items()):
         hists.append({"name": name, "count": len(vs), "buckets": histogram(vs)})
-    return {"events": sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])), "histograms": hists}
+    return {"events": sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])),
+            "calls": {"count": sum(f["calls"] for f in funcs), "threads": len({c.tid for c in g.calls()}),
+                      "unfinished": sum(f["unfinished"] for f in funcs), "unmatched_returns": g.unmatched,
+                      "functions": funcs, "slowest": callgraph.slowest(g, SLOWEST)},
+            "histograms": hists}
+
+
+def _calls_text(c: dict) -> list[str]:
+    if not c["count"]:
+        return []
+    dt = callgraph.duration_text
+    lines = ["", f"CALLS: {c['count']} on {c['threads']} thread{'s' if c['threads'] != 1 else ''} "
+             f"(entry and return events paired; {c['unfinished']} with no return, "
+             f"{c['unmatched_returns']} returns with no entry)",
+             "", f"  {'Total time':>10}  {'Self time':>10}  {'Calls':>10}  Function",
+             f"  {'=' * 10}  {'=' * 10}  {'=' * 10}  {'=' * 20}"]
+    lines += [f"  {dt(f['total_ns']):>10}  {dt(f['self_ns']):>10}  {f['calls']:>10}  {f['function']}"
+              for f in c["functions"]]
+    lines += ["", f"SLOWEST CALLS (the {len(c['slowest'])} longest that returned)",
+              "", f"  {'Duration':>10}  {'TID':>8}  {'Start':<20}  Function (caller)",
+              f"  {'=' * 10}  {'=' * 8}  {'=' * 20}  {'=' * 20}"]
+    lines += [f"  {dt(s['duration_ns']):>10}  {s['tid']:>8}  {s['start']:<20}  {s['function']}"
+              + (f" (from {s['parent']})" if s["parent"] else "") for s in c["slowest"]]
+    return lines
 
 
 def text(s: dict) -> str:
     width = max([len(e) for e, _ in s["events"]] + [5])
     lines = [f"{'EVENT':<{width}}  {'COUNT':>10}"]
     lines += [f"{e:<{width}}  {n:>10}" for e, n in s["events"]]
+    lines += _calls_text(s["calls"])
     for h in s["histograms"]:
         lines += ["", f"@{h['name']}:"]
         top = max(n for _, n in h["buckets"]) or 1

@@ -3,8 +3,8 @@
  * kernel's tracing/trace file (kernel/trace/trace_output.c and
  * print_kprobe_event()/print_kretprobe_event() of trace_kprobe.c):
  *
- *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (SYM+off/size) name=value ...
- *     COMM-PID [CPU] SECONDS.MICROS: EVENT: (CALLER+off/size <- FUNC) name=value ...
+ *     COMM-PID [CPU] SECONDS.FRACTION: EVENT: (SYM+off/size) name=value ...
+ *     COMM-PID [CPU] SECONDS.FRACTION: EVENT: (CALLER+off/size <- FUNC) name=value ...
  *
  * A hit fetches its args into a binary record (kp_trace.h); the line is printed
  * from it into a buffer on the stack and written in one piece
@@ -15,6 +15,12 @@
  * In a kernel the record itself goes into the ftrace ring buffer
  * (kp_platform_trace_record()), printed by kp_trace_format() only when the
  * trace is read, with the kernel's context.
+ *
+ * FRACTION is the kernel's six digits (microseconds), or nine (nanoseconds, as
+ * `trace-cmd report -t` and `perf script --ns` print the same clock) where the
+ * platform says KP_PLATFORM_TRACE_NS: a user program, whose lines are read back
+ * by `kprewrite trace`/`report`, where a call graph of functions that run for
+ * less than a microsecond needs the clock's full resolution.
  */
 #include "kp_trace.h"
 
@@ -33,6 +39,19 @@
 
 static int kp_trace_fd = 2;
 
+/* kp_line_put()/kp_line_puts() a word at a time (the runtime's memcpy() and
+ * kp_line_puts() go a byte at a time): every trace line is made of them. */
+static inline void kp_trace_copy(char *dst, const char *src, unsigned long n)
+{
+	for (; n >= 8; n -= 8, dst += 8, src += 8) {
+		unsigned long w;
+		__builtin_memcpy(&w, src, 8);
+		__builtin_memcpy(dst, &w, 8);
+	}
+	while (n--)
+		*dst++ = *src++;
+}
+
 static const char *kp_trace_getenv(char **envp, const char *name)
 {
 	size_t n = strlen(name);
@@ -41,6 +60,13 @@ static const char *kp_trace_getenv(char **envp, const char *name)
 			return *envp + n + 1;
 	return 0;
 }
+
+
+#ifdef KP_PLATFORM_TRACE_FAST
+#define KP_TB_SIZE (1UL << 20)
+static int kp_tb_on, kp_tb_owner;	/* lines to a file gathered (below); by this process */
+static char *kp_tb;			/* KP_TB_SIZE bytes, mapped when tracing to a file */
+#endif
 
 /* Start-up: where trace lines go; kprobe_profile on a signal. */
 void kp_trace_configure(char **envp)
@@ -52,18 +78,21 @@ void kp_trace_configure(char **envp)
 	int fd = kp_platform_open_append(path);
 	if (fd >= 0) {
 		kp_trace_fd = fd;
+#ifdef KP_PLATFORM_TRACE_FAST
+		kp_tb_owner = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
+		kp_tb = kp_platform_alloc(KP_TB_SIZE);
+		kp_tb_on = kp_tb != 0;	/* a file: lines are gathered (kp_tb_put()) */
+#endif
 		return;
 	}
 	static const char msg[] = "kprewrite: KPREWRITE_TRACE: cannot open the file; tracing to standard error\n";
 	kp_platform_write(2, msg, sizeof(msg) - 1);
 }
 
-/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: ", for lines written whole. */
-static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
+/* trace_print_context(): "%16s-%-7d [%03d] %5lu.%06lu: " (or %09lu: KP_PLATFORM_TRACE_NS),
+ * for lines written whole. */
+static void kp_trace_context_who(struct kp_line *l, const char *comm, int tid, unsigned int cpu)
 {
-	struct kp_timespec ts = { 0, 0 };
-	unsigned int cpu = kp_platform_cpu();
-	kp_platform_trace_clock(&ts);
 	int n = (int)strlen(comm);
 	for (int i = n; i < 16; i++)
 		kp_line_putc(l, ' ');
@@ -75,12 +104,255 @@ static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
 	kp_line_dec(l, cpu / 10 % 10, 0, 0, 0);
 	kp_line_dec(l, cpu % 10, 0, 0, 0);
 	kp_line_puts(l, "] ");
+}
+
+static void kp_trace_context_at(struct kp_line *l, const char *comm, int tid, unsigned int cpu,
+				struct kp_timespec ts)
+{
+	kp_trace_context_who(l, comm, tid, cpu);
 	kp_line_dec(l, ts.sec, 0, 5, 0);
 	kp_line_putc(l, '.');
-	unsigned long us = ts.nsec / 1000;
-	for (unsigned long d = 100000; d; d /= 10)
-		kp_line_putc(l, '0' + us / d % 10);
+#ifdef KP_PLATFORM_TRACE_NS
+	unsigned long frac = ts.nsec, top = 100000000;
+#else
+	unsigned long frac = ts.nsec / 1000, top = 100000;
+#endif
+	for (unsigned long d = top; d; d /= 10)
+		kp_line_putc(l, '0' + frac / d % 10);
 	kp_line_puts(l, ": ");
+}
+
+static __attribute__((unused)) void kp_trace_context(struct kp_line *l, const char *comm, int tid)
+{
+	struct kp_timespec ts = { 0, 0 };
+	unsigned int cpu = kp_platform_cpu();
+	kp_platform_trace_clock(&ts);
+	kp_trace_context_at(l, comm, tid, cpu, ts);
+}
+
+#ifdef KP_PLATFORM_TRACE_FAST
+/*
+ * A user program's hot path (KP_PLATFORM_TRACE_FAST): a line's context without a
+ * system call in the common case.  A trace line used to cost four (prctl for the
+ * name, gettid, clock_gettime, write), some microseconds on a virtual machine:
+ * too much for a call graph of every function ([[function_graph]]).
+ *
+ * - The thread's name, id and process id, and (where vgetcpu cannot be read) its
+ *   CPU, are kept per thread pointer (kp_tc[]) and read again, with the clock
+ *   (clock_gettime(2)), whenever the thread's previous line is more than
+ *   KP_TC_GAP_NS old or its clock reading more than KP_TC_ANCHOR_NS: a thread
+ *   that exited and one created later on the same thread pointer (a C library
+ *   reuses them), a forked child, a renamed thread, all run for longer than that
+ *   between two lines, and at most one set of system calls per KP_TC_GAP_NS of a
+ *   thread's time is what this costs.
+ * - Between two readings the time is the clock's at the last reading plus the
+ *   CPU's counter (kp_arch_counter(): x86-64's TSC, arm64's virtual count) since,
+ *   scaled by the rate measured against clock_gettime from the first reading on
+ *   (kp_tc_mult, refined at each reading); a thread's times never go backwards.
+ *   Until the rate is known (the first millisecond) every line reads the clock.
+ * - Tracing to a file (KPREWRITE_TRACE=FILE), whole lines are gathered in
+ *   kp_tb[] under a lock while they come in a burst, and written KP_TB_SIZE at a
+ *   time, when the oldest is KP_TB_AGE_NS old, with a line that comes after a
+ *   pause (so sparse lines are written as they come), and at exit
+ *   (kp_trace_flush(), from the platform's fini).  What a process that leaves
+ *   without exit() (execve, _exit, a fatal signal) had gathered is lost: at most
+ *   the end of its last burst.  A forked child writes its own lines directly and
+ *   never the parent's it inherited (kp_tb_owner).  Standard error is never
+ *   gathered: its lines keep their place among the program's own output.
+ */
+#define KP_TC_SLOTS 1024
+#define KP_TC_PROBES 8
+#define KP_TC_GAP_NS 5000LL
+#define KP_TC_ANCHOR_NS 1000000LL
+#define KP_TC_CALIBRATE_NS 1000000LL
+#define KP_TC_SHIFT 24
+#define KP_TB_AGE_NS 10000000LL
+
+struct kp_tc {
+	unsigned long key;		/* thread pointer; 0: free */
+	int tid, pid;
+	unsigned int cpu;
+	int fresh;			/* read again at its next line */
+	int gap;			/* this line came after a pause: write the gathered lines */
+	unsigned long anchor_c, last_c;	/* counter at the last clock reading, at the last line */
+	long long anchor_ns, last_ns;
+	char comm[KP_TASK_COMM_LEN + 1];
+	unsigned int prefix_len;
+	char prefix[48];		/* the context up to the time: "%16s-%-7d [%03d] " */
+	unsigned long sec;		/* the seconds of sec_text ("%5lu"); ~0: none */
+	unsigned int sec_len;
+	char sec_text[24];
+};
+
+static const char kp_tc_pairs[] =
+	"00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+	"40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+	"8081828384858687888990919293949596979899";
+static struct kp_tc kp_tc[KP_TC_SLOTS];
+static volatile int kp_tc_t0_state;	/* 0 none, 1 being set, 2 set */
+static unsigned long kp_tc_c0;
+static long long kp_tc_t0;
+static volatile unsigned long kp_tc_mult;	/* ns per count << KP_TC_SHIFT; 0: not measured yet */
+static volatile unsigned long kp_tc_gap_c, kp_tc_anchor_c;	/* the two limits in counts */
+
+static volatile int kp_tb_lock;
+static unsigned long kp_tb_len;
+static long long kp_tb_first_ns;
+
+static long long kp_tc_clock(void)
+{
+	struct kp_timespec ts = { 0, 0 };
+	kp_platform_trace_clock(&ts);
+	return ts.sec * 1000000000LL + ts.nsec;
+}
+
+/* The thread's slot (claimed at its first line), or 0: no thread pointer yet, or
+ * the table full around its hash (the line is then made as before). */
+static struct kp_tc *kp_tc_slot(void)
+{
+	unsigned long key = kp_platform_thread_key();
+	if (!key)
+		return 0;
+	unsigned long h = (key >> 12 ^ key >> 22) & (KP_TC_SLOTS - 1);
+	for (unsigned int i = 0; i < KP_TC_PROBES; i++) {
+		struct kp_tc *t = &kp_tc[(h + i) & (KP_TC_SLOTS - 1)];
+		unsigned long k = __atomic_load_n(&t->key, __ATOMIC_ACQUIRE);
+		if (k == key)
+			return t;
+		if (!k && __atomic_compare_exchange_n(&t->key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+			t->fresh = 1;
+			t->sec = ~0UL;
+			return t;
+		}
+		if (k == key)		/* lost the race to ourselves: cannot happen, but harmless */
+			return t;
+	}
+	return 0;
+}
+
+/* Read the thread's identity and the clock again; refine the counter's rate. */
+static void kp_tc_read(struct kp_tc *t)
+{
+	t->tid = kp_platform_task_pid();
+	t->pid = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
+	t->cpu = kp_platform_cpu();
+	kp_platform_task_comm(t->comm);
+	t->comm[KP_TASK_COMM_LEN] = 0;
+	struct kp_line l = { t->prefix, t->prefix + sizeof(t->prefix) };
+	kp_trace_context_who(&l, t->comm, t->tid, t->cpu);
+	t->prefix_len = l.p - t->prefix;
+	long long ns = kp_tc_clock();
+	unsigned long c = kp_arch_counter();
+	t->anchor_ns = ns;
+	t->anchor_c = c;
+	t->fresh = 0;
+	int state = __atomic_load_n(&kp_tc_t0_state, __ATOMIC_ACQUIRE);
+	if (state == 0) {
+		if (__atomic_compare_exchange_n(&kp_tc_t0_state, &state, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+			kp_tc_t0 = ns;
+			kp_tc_c0 = c;
+			__atomic_store_n(&kp_tc_t0_state, 2, __ATOMIC_RELEASE);
+		}
+	} else if (state == 2) {
+		long long dt = ns - kp_tc_t0;
+		unsigned long dc = c - kp_tc_c0;
+		/* dt << 24 fits 64 bits below 2^39 ns (some nine minutes): the rate is
+		 * measured well enough by then. */
+		if (dt >= KP_TC_CALIBRATE_NS && dt < (1LL << 39) && dc && (long)dc > 0) {
+			unsigned long mult = ((unsigned long)dt << KP_TC_SHIFT) / dc;
+			if (mult) {
+				kp_tc_gap_c = ((unsigned long)KP_TC_GAP_NS << KP_TC_SHIFT) / mult;
+				kp_tc_anchor_c = ((unsigned long)KP_TC_ANCHOR_NS << KP_TC_SHIFT) / mult;
+				__atomic_store_n(&kp_tc_mult, mult, __ATOMIC_RELEASE);
+			}
+		}
+	}
+}
+
+/* The line's time (ns) and the thread's identity in t. */
+static long long kp_tc_now(struct kp_tc *t)
+{
+	unsigned long mult = __atomic_load_n(&kp_tc_mult, __ATOMIC_ACQUIRE);
+	unsigned long c = kp_arch_counter();
+	long long ns;
+	t->gap = t->fresh || !mult || c - t->last_c >= kp_tc_gap_c;
+	if (!t->gap && c - t->anchor_c < kp_tc_anchor_c) {
+		ns = t->anchor_ns + (long long)((c - t->anchor_c) * mult >> KP_TC_SHIFT);
+	} else {
+		kp_tc_read(t);
+		ns = t->anchor_ns;
+		c = t->anchor_c;
+	}
+	if (ns < t->last_ns)
+		ns = t->last_ns;
+	t->last_ns = ns;
+	t->last_c = c;
+	return ns;
+}
+
+static void kp_tb_write_locked(void)
+{
+	if (kp_tb_len)
+		kp_platform_write(kp_trace_fd, kp_tb, kp_tb_len);
+	kp_tb_len = 0;
+}
+
+/* A whole line into the buffer (written when full or old), or to the file
+ * directly where the buffer is not ours (a forked child) or is off. */
+static void kp_tb_put(const struct kp_tc *t, const char *line, unsigned long n, long long ns)
+{
+	if (!kp_tb_on || t->pid != kp_tb_owner || n > KP_TB_SIZE) {
+		kp_platform_write(kp_trace_fd, line, n);
+		return;
+	}
+	while (__atomic_exchange_n(&kp_tb_lock, 1, __ATOMIC_ACQUIRE))
+		cpu_relax();
+	if (!kp_tb_on) {		/* flushed for exit meanwhile */
+		__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
+		kp_platform_write(kp_trace_fd, line, n);
+		return;
+	}
+	if (kp_tb_len + n > KP_TB_SIZE)
+		kp_tb_write_locked();
+	if (!kp_tb_len)
+		kp_tb_first_ns = ns;
+	kp_trace_copy(kp_tb + kp_tb_len, line, n);
+	kp_tb_len += n;
+	if (t->gap || ns - kp_tb_first_ns > KP_TB_AGE_NS)
+		kp_tb_write_locked();
+	__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
+}
+
+int kp_trace_buffered(void)
+{
+	return kp_tb_on;
+}
+
+/* At exit (the platform's fini): the gathered lines written, and every later line
+ * written directly.  Only by the process that gathered them. */
+void kp_trace_flush(void)
+{
+	if (!kp_tb_on || (int)kp_syscall3(__NR_getpid, 0, 0, 0) != kp_tb_owner)
+		return;
+	while (__atomic_exchange_n(&kp_tb_lock, 1, __ATOMIC_ACQUIRE))
+		cpu_relax();
+	kp_tb_write_locked();
+	kp_tb_on = 0;
+	__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
+}
+#endif
+
+static inline void kp_trace_put(struct kp_line *l, const char *s, unsigned long n)
+{
+	if (n > (unsigned long)(l->end - l->p))
+		n = l->end - l->p;
+	kp_trace_copy(l->p, s, n);
+	l->p += n;
+}
+
+static inline void kp_trace_puts(struct kp_line *l, const char *s)
+{
+	kp_trace_put(l, s, strlen(s));
 }
 
 /* The body of a line from a hit's record: print_kprobe_event() or print_kretprobe_event(). */
@@ -89,13 +361,13 @@ unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev
 {
 	char *start = l->p;
 	if (!ev->is_return) {
-		kp_line_put(l, ev->head, ev->head_len);
+		kp_trace_put(l, ev->head, ev->head_len);
 	} else {
-		kp_line_puts(l, ev->name);
-		kp_line_puts(l, ": (");
+		kp_trace_puts(l, ev->name);
+		kp_trace_put(l, ": (", 3);
 		kp_line_sym(l, ret_addr, 1);
-		kp_line_puts(l, " <- ");
-		kp_line_puts(l, ev->where);
+		kp_trace_put(l, " <- ", 4);
+		kp_trace_puts(l, ev->where);
 		kp_line_putc(l, ')');
 	}
 	const unsigned char *p = rec, *end = rec + len;
@@ -121,11 +393,14 @@ unsigned long kp_trace_format(struct kp_line *l, const struct kp_trace_event *ev
 /* The body (print_kprobe_event(): "EVENT: (SYM+off/size) name=value ...") is
  * built after room for the context; the context is put in front and the whole line
  * written. */
-#define KP_TRACE_CONTEXT 64	/* >= the longest context: 16 + 1 + 7 + 7 + 20 + 1 + 6 + 2 */
+#define KP_TRACE_CONTEXT 64	/* >= the longest context: 16 + 1 + 7 + 7 + 20 + 1 + 9 + 2 */
+
+struct kp_tc;
 
 static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event *ev, struct kp_fetch_ctx *c,
 						     unsigned long ip, unsigned long ret_addr,
-						     const unsigned char *rec, unsigned long len)
+						     const unsigned char *rec, unsigned long len,
+						     struct kp_tc *t, long long ns)
 {
 	char buf[KP_TRACE_LINE];
 	char *body = buf + KP_TRACE_CONTEXT;
@@ -135,6 +410,46 @@ static __attribute__((noinline)) void kp_trace_write(const struct kp_trace_event
 		return;
 	char ctx[KP_TRACE_CONTEXT];
 	struct kp_line h = { ctx, ctx + sizeof(ctx) };
+#ifdef KP_PLATFORM_TRACE_FAST
+	if (t) {
+		/* "%5lu.%09lu: " after the thread's cached context: the time's digits
+		 * right to left into tsb, then both in front of the body. */
+		char tsb[40];
+		char *q = tsb + sizeof(tsb);
+		unsigned long sec = (unsigned long)ns / 1000000000UL;
+		unsigned int frac = (unsigned int)((unsigned long)ns % 1000000000UL);
+		*--q = ' ';
+		*--q = ':';
+		for (int i = 0; i < 4; i++, frac /= 100) {
+			q -= 2;
+			__builtin_memcpy(q, kp_tc_pairs + 2 * (frac % 100), 2);
+		}
+		*--q = '0' + frac;
+		*--q = '.';
+		if (sec != t->sec) {		/* the seconds' digits, once a second */
+			char tmp[24], *e = tmp + sizeof(tmp), *b = e;
+			unsigned long v = sec;
+			do {
+				*--b = '0' + v % 10;
+				v /= 10;
+			} while (v);
+			while (e - b < 5)
+				*--b = ' ';
+			t->sec_len = e - b;
+			t->sec = sec;
+			kp_trace_copy(t->sec_text, b, t->sec_len);
+		}
+		q -= t->sec_len;
+		kp_trace_copy(q, t->sec_text, t->sec_len);
+		unsigned long tn = tsb + sizeof(tsb) - q, n = t->prefix_len + tn;
+		kp_trace_copy(body - n, t->prefix, t->prefix_len);
+		kp_trace_copy(body - tn, q, tn);
+		kp_tb_put(t, body - n, len + n, ns);
+		return;
+	}
+#endif
+	(void)t;
+	(void)ns;
 	kp_trace_context(&h, kp_fetch_comm(c), c->tid);
 	unsigned long n = h.p - ctx;
 	memcpy(body - n, ctx, n);
@@ -154,14 +469,28 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 	unsigned char rec[KP_TRACE_REC];
 	char comm[KP_TASK_COMM_LEN + 1];
 	struct kp_rec r = { rec, rec + sizeof(rec), 0 };
-	struct kp_fetch_ctx c = { regs, comm, kp_platform_task_pid(), 0 };
+	struct kp_tc *t = 0;
+	long long ns = 0;
+#ifdef KP_PLATFORM_TRACE_FAST
+	/* The thread's id from its slot; the time taken here, before the args are
+	 * fetched, as the line's (the record's place in the kernel's ring buffer). */
+	t = kp_tc_slot();
+	if (t)
+		ns = kp_tc_now(t);
+#endif
+#ifdef KP_PLATFORM_TRACE_FAST
+	int tid = t ? t->tid : kp_platform_task_pid();
+#else
+	int tid = kp_platform_task_pid();
+#endif
+	struct kp_fetch_ctx c = { regs, comm, tid, 0 };
 	for (unsigned int i = 0; i < ev->nargs && !r.full; i++)
 		kp_fetch_arg(&r, &ev->args[i], &c);
 #ifdef KP_PLATFORM_TRACE_RECORD
 	if (kp_platform_trace_record(ev, regs, ip, ret_addr, rec, r.p - rec))
 		return;
 #endif
-	kp_trace_write(ev, &c, ip, ret_addr, rec, r.p - rec);
+	kp_trace_write(ev, &c, ip, ret_addr, rec, r.p - rec, t, ns);
 }
 
 void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long addr)

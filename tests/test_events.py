@@ -480,6 +480,9 @@ void kp_write_profile(void) { }
 void kp_platform_write(int fd, const char *buf, unsigned long len) { fwrite(buf, 1, len, stdout); }
 int kp_platform_open_append(const char *path) { (void)path; return 1; }
 void kp_platform_close(int fd) { (void)fd; }
+int kp_tls_ready;                                        /* no thread pointer: the lines' context */
+unsigned long kp_platform_thread_key_slow(void) { return 0; }   /* is read the plain way */
+void *kp_platform_alloc(unsigned long size) { (void)size; return 0; }
 int kp_trace_ret_r0(struct kretprobe_instance *ri, struct pt_regs *regs);
 static const char text[] = "retstring";
 int main(void)
@@ -530,7 +533,7 @@ def test_return_line_format(tmp_path, prog):
     assert a.event == "work_exit" and a.loc == "caller_fn+0x13/0x40 <- work" and a.is_return
     assert a.args == {"ret": -5, "s": "retstring", "x": "0xfffffffffffffffb"}
     assert b.loc == "0x9999 <- work" and b.args == {"ret": 7, "s": "(fault)", "x": "0x7"}
-    assert re.match(r"^ {0,15}\S+-\d+ +\[\d{3}\] +\d+\.\d{6}: work_exit: \(caller_fn\+0x13/0x40 <- work\) ret=-5 ", out[0])
+    assert re.match(r"^ {0,15}\S+-\d+ +\[\d{3}\] +\d+\.\d{9}: work_exit: \(caller_fn\+0x13/0x40 <- work\) ret=-5 ", out[0])
 
 
 def _fork(tmp):

@@ -171,7 +171,7 @@ def test_every_form_and_type(once, built, runner):
     assert ARCH != "x86_64" or first["stk0s"] == first["ret"]
     # The first hit's line starts like the kernel's: COMM-PID [CPU] SEC.USEC: EVENT: (SYM+off/size)
     line = [l for l in r.stderr.splitlines() if "work_entry" in l][0]
-    assert re.match(r"^\s*\S.*-\d+\s+\[\d{3}\] +\d+\.\d{6}: work_entry: \(work\+0x[04]/0x[0-9a-f]+\) ", line), line
+    assert re.match(r"^\s*\S.*-\d+\s+\[\d{3}\] +\d+\.\d{9}: work_entry: \(work\+0x[04]/0x[0-9a-f]+\) ", line), line
     assert line.startswith(" " * (16 - len(comm)) + comm + "-")
     # Second call: it = 16, a bad pointer.  Every dereference of it prints (fault); nothing crashes.
     for name in ("id", "neg", "name", "label", "deep", "udr", "c", "bits"):

@@ -54,8 +54,8 @@ def test_report_counts_and_histograms(tmp_path):
     assert doc["format"] == "kprewrite-report-1"
     assert doc["events"] == [{"event": "leaf_entry", "count": n}, {"event": "leaf_ret", "count": n}]
     hists = {h["name"]: h for h in doc["histograms"]}
-    assert set(hists) == {"leaf: duration (us)", "leaf_entry.x", "leaf_ret.ret"}
-    assert hists["leaf: duration (us)"]["count"] == n
+    assert set(hists) == {"leaf: duration (ns)", "leaf_entry.x", "leaf_ret.ret"}
+    assert hists["leaf: duration (ns)"]["count"] == n
     for name, values in (("leaf_entry.x", range(n)), ("leaf_ret.ret", [i * 1000 - 3000 for i in range(n)])):
         got = {b["bucket"]: b["count"] for b in hists[name]["buckets"] if b["count"]}
         want = {}

@@ -95,8 +95,19 @@ static inline unsigned int kp_platform_cpu(void)
 	return cpu;
 }
 
-/* A trace line's time stamp: the monotonic clock. */
+/* A trace line's time stamp: the monotonic clock, read with the raw system call
+ * (the vDSO is not ours to call from a detour: it may use SSE state the detour does
+ * not save), printed to the nanosecond: a call graph (`kprewrite trace --format
+ * graph`) times functions shorter than the kernel's microsecond. */
+#define KP_PLATFORM_TRACE_NS 1
 struct kp_timespec { long sec, nsec; };
+
+/* kp_trace.c's user-program path: a line's context from a per-thread cache and the
+ * CPU's counter, lines to a file gathered and written in blocks; the gathered
+ * lines are written at exit by the fini (platform.c). */
+#define KP_PLATFORM_TRACE_FAST 1
+int kp_trace_buffered(void);
+void kp_trace_flush(void);
 static inline void kp_platform_trace_clock(struct kp_timespec *ts)
 {
 	kp_syscall3(__NR_clock_gettime, 1 /* CLOCK_MONOTONIC */, ts, 0);

@@ -57,6 +57,7 @@ static void (*kp_saved_fini)(void);
 
 static void kp_user_fini(void)
 {
+	kp_trace_flush();	/* the trace lines gathered (kp_trace.c) */
 	kp_write_profile();
 	if (kp_saved_fini)
 		kp_saved_fini();
@@ -135,7 +136,7 @@ void *kp_user_start(unsigned long *sp, void (*rtld_fini)(void))
 	kp_configure(kp_secure_stack(envp) ? 0 : envp);	/* no environment: as built */
 	kp_platform_thread_key();
 	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler */
-	if (!kp_rt.profile_path)
+	if (!kp_rt.profile_path && !kp_trace_buffered())
 		return rtld_fini;
 	kp_saved_fini = rtld_fini;
 	return kp_user_fini;
@@ -156,5 +157,6 @@ void kp_user_lib_init(int argc, char **argv, char **envp)
 /* Shared objects: called from the first DT_FINI_ARRAY entry. */
 void kp_user_lib_fini(void)
 {
+	kp_trace_flush();
 	kp_write_profile();
 }

@@ -56,6 +56,16 @@ static inline int kp_arch_vgetcpu(unsigned int *limit)
 	return 0;
 }
 
+/* A free-running counter for trace time stamps between clock_gettime(2) readings
+ * (kp_trace.c scales it): the generic timer's virtual count, readable at EL0 (the
+ * vDSO's own clock source). */
+static inline unsigned long kp_arch_counter(void)
+{
+	unsigned long v;
+	__asm__ volatile("isb; mrs %0, cntvct_el0" : "=r"(v) :: "memory");
+	return v;
+}
+
 /* glibc's (and musl's) struct sigaction on AArch64: the generic layout, as on x86-64. */
 struct kp_libc_sigaction {
 	void *handler;

@@ -55,6 +55,16 @@ static inline int kp_arch_vgetcpu(unsigned int *limit)
 	return ok;
 }
 
+/* A free-running counter for trace time stamps between clock_gettime(2) readings
+ * (kp_trace.c scales it): the TSC, invariant and synchronized on the CPUs that
+ * Linux runs its own TSC clocksource on. */
+static inline unsigned long kp_arch_counter(void)
+{
+	unsigned int lo, hi;
+	__asm__ volatile("rdtsc" : "=a"(lo), "=d"(hi));
+	return (unsigned long)hi << 32 | lo;
+}
+
 /* glibc's (and musl's) struct sigaction on x86-64. */
 struct kp_libc_sigaction {
 	void *handler;
