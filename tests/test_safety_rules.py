@@ -588,10 +588,12 @@ int main(void)
 PIE = ["-O2", "-fpie", "-pie"]
 
 PROGRAMS = {
-    # rule: (source, flags, spec text, handlers, lang); a glob where the rule refuses the probe (skipped, not an error)
-    "cold_parts": (COLD_PARTS, PIE, probe_spec("kretprobe", ["work.col?"], handlers=False), None, "c"),
-    "entry_frame": (ENTRY_FRAME, PIE, probe_spec("kretprobe", ["workpar?"], handlers=False), None, "c"),
-    "trampoline_unsafe": (TRAMPOLINE_UNSAFE, ["-O2"], probe_spec("kretprobe", ["cramped"], handlers=False),
+    # rule: (source, flags, spec text, handlers, lang); a glob where the rule refuses the probe (skipped, not an error).
+    # maxactive keeps a handler-less kretprobe in the instance form (a light one hooks no return).
+    "cold_parts": (COLD_PARTS, PIE, probe_spec("kretprobe", ["work.col?"], handlers=False, maxactive=20), None, "c"),
+    "entry_frame": (ENTRY_FRAME, PIE, probe_spec("kretprobe", ["workpar?"], handlers=False, maxactive=20), None, "c"),
+    "trampoline_unsafe": (TRAMPOLINE_UNSAFE, ["-O2"], probe_spec("kretprobe", ["cramped"], handlers=False,
+                                                                   maxactive=20),
                           None, "c"),
     "rsp_relative_call": (RSP_CALL, PIE, probe_spec("kprobe", [("callsp", 7)], handlers=False), None, "c"),
     "red_zone": (RED_ZONE, PIE, probe_spec("kprobe", [("rz", 15)], handlers=False), None, "c"),
@@ -599,7 +601,7 @@ PROGRAMS = {
     "indirect_jump": (INDIRECT_JUMP, PIE, probe_spec("kprobe", ["ij"], handlers=False), None, "c"),
     "boostable": (BOOSTABLE, PIE, probe_spec("kprobe", [("lp", 7)], handlers=False), None, "c"),
     "jump_table_bounds": (JUMP_TABLE_BOUNDS, PIE, None, None, "c"),          # the spec: _jtb_spec()
-    "return_regions": (RETURN_REGIONS, PIE, probe_spec("kretprobe", ["rr"], handlers=False), None, "c"),
+    "return_regions": (RETURN_REGIONS, PIE, probe_spec("kretprobe", ["rr"], handlers=False, maxactive=20), None, "c"),
     "lsda_landing_pads": (LSDA, ["-O2"], None, None, "c++"),                 # the spec: _lsda_spec()
     "retargeting": (RETARGETING, PIE, probe_spec("kprobe", ["work"], handlers=False), None, "c"),
     "eviction": (EVICTION, PIE, probe_spec("kprobe", ["tgt"])
