@@ -4,12 +4,13 @@
 
 One CPU-bound C program (recursive fib over a small mixing function, and a loop
 calling the same function), built twice with gcc -O2: plainly, and with -pg for
-uftrace.  Four variants run in each round, in an order that rotates from round
+uftrace.  Five variants run in each round, in an order that rotates from round
 to round: the plain build (the baseline), the -pg build alone (what -pg's mcount
 calls cost by themselves), `uftrace record` of the -pg build (Debian's uftrace),
 and the plain build rewritten by kprewrite with `[[function_graph]] symbol_name =
 "*"` (a kprobe and a kretprobe with a trace line on every function), tracing to
-a file (KPREWRITE_TRACE).  Every run's output must equal the baseline's.
+a file (KPREWRITE_TRACE), one write(2) a line and, the fifth, with lines gathered
+(KPREWRITE_TRACE_BUFFER=1).  Every run's output must equal the baseline's.
 
 A run's time is its wall time from spawn to reap, and its CPU time (user + sys
 of the child and the children it reaped, os.wait4's rusage: uftrace's recorder
@@ -145,6 +146,8 @@ def main() -> None:
             ("-pg alone", [str(pg), str(a.n)], None, None),
             ("uftrace record (-pg)", ["uftrace", "record", "-d", str(udir), str(pg), str(a.n)], None, prep_uftrace),
             ("kprewrite [[function_graph]]", [str(ours), str(a.n)], env, prep_ours),
+            ("  with KPREWRITE_TRACE_BUFFER=1", [str(ours), str(a.n)], {**env, "KPREWRITE_TRACE_BUFFER": "1"},
+             prep_ours),
         ]
         want = None
         res = {name: [] for name, *_ in variants}

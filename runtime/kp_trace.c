@@ -79,9 +79,14 @@ void kp_trace_configure(char **envp)
 	if (fd >= 0) {
 		kp_trace_fd = fd;
 #ifdef KP_PLATFORM_TRACE_FAST
-		kp_tb_owner = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
-		kp_tb = kp_platform_alloc(KP_TB_SIZE);
-		kp_tb_on = kp_tb != 0;	/* a file: lines are gathered (kp_tb_put()) */
+		/* Gathering is asked for: a process that dies or hangs in a burst
+		 * would keep the burst's end, the lines that tell why. */
+		const char *gather = kp_trace_getenv(envp, "KPREWRITE_TRACE_BUFFER");
+		if (gather && *gather && strcmp(gather, "0")) {
+			kp_tb_owner = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
+			kp_tb = kp_platform_alloc(KP_TB_SIZE);
+			kp_tb_on = kp_tb != 0;	/* lines are gathered (kp_tb_put()) */
+		}
 #endif
 		return;
 	}
@@ -150,7 +155,8 @@ static __attribute__((unused)) void kp_trace_context(struct kp_line *l, const ch
  *   scaled by the rate measured against clock_gettime from the first reading on
  *   (kp_tc_mult, refined at each reading); a thread's times never go backwards.
  *   Until the rate is known (the first millisecond) every line reads the clock.
- * - Tracing to a file (KPREWRITE_TRACE=FILE), whole lines are gathered in
+ * - Tracing to a file (KPREWRITE_TRACE=FILE) with KPREWRITE_TRACE_BUFFER=1
+ *   (otherwise each line is one write), whole lines are gathered in
  *   kp_tb[] under a lock while they come in a burst, and written KP_TB_SIZE at a
  *   time, when the oldest is KP_TB_AGE_NS old, with a line that comes after a
  *   pause (so sparse lines are written as they come), and at exit
