@@ -276,7 +276,7 @@ def chrome(records: list[Record], process: str = "kprewrite") -> dict:
                 args["unfinished"] = ("no return: closed at an outer call's return" if item.unfinished == "parent"
                                       else "no return: still running at the end of the trace")
             out.append({"name": item.func, "cat": "kprobe", "ph": "X", "ts": _us(item.start),
-                        "dur": _us(item.end) - _us(item.start), "pid": PID, "tid": tid, "args": args})
+                        "dur": _us(item.end - item.start), "pid": PID, "tid": tid, "args": args})
             stack.extend(reversed(item.items))
     return {"traceEvents": events + out, "displayTimeUnit": "ns",
             "otherData": {"source": "kprewrite trace"}}

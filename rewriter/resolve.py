@@ -100,7 +100,8 @@ def resolve(image: Image, spec: Spec, arch) -> tuple[list[Probe], list[str]]:
         kp = _entry_spec(k)
         for args in _resolve_one(image, spec, arch, kp, errors, globs):
             probes.append(EntryProbe(kp, len(probes), *args, kret=k))
-    return probes, errors
+    # A [[function_graph]] table is a kprobe and a kretprobe of one label: its error once.
+    return probes, list(dict.fromkeys(errors))
 
 
 def _glob(image: Image, pattern: str, globs: dict[str, list[Function]]) -> list[Function]:

@@ -215,6 +215,7 @@ def test_chrome_slices_nest(traces, runner, tmp_path):
     kprewrite("trace", traces(runner), "--format", "chrome", "-o", tmp_path / "t.json")
     doc = json.loads((tmp_path / "t.json").read_text())
     xs = check_nested(doc)
+    assert all(len(repr(e["dur"]).partition(".")[2]) <= 3 for e in xs), xs      # ns as 3 decimals, no float noise
     assert sorted(e["name"] for e in xs) == ["cg_a", "cg_b", "cg_b", "cg_b", "cg_b", "cg_b", "cg_c", "cg_t", "main"]
     assert all("unfinished" not in e["args"] and e["args"]["ret"].startswith("r_") for e in xs)
     assert not [e for e in doc["traceEvents"] if e["ph"] == "i"]
@@ -316,6 +317,10 @@ def test_function_graph_spec(tmp_path):
                   write_spec(tmp_path, '[[function_graph]]\nsymbol_name = "*"\nhandler = "h"\n', name="bad.toml"),
                   check=False)
     assert r.returncode == 1 and r.stderr == "kprewrite: bad.toml: [[function_graph]] #1: unknown key 'handler'\n"
+    r = kprewrite("check", "/bin/true", "--spec",
+                  write_spec(tmp_path, '[[function_graph]]\nsymbol_name = "nomatch"\n', name="none.toml"), check=False)
+    assert r.returncode == 1 and r.stderr == "kprewrite: none.toml: [[function_graph]] #1: symbol 'nomatch' not found " \
+        "in true\n", r.stderr     # once, not once for the kprobe and once for the kretprobe
 
 
 def test_many_calls_and_a_fork(tmp_path, runner):

@@ -41,6 +41,7 @@ BUSYBOX = Path("/bin/busybox")
 QEMU_SYSTEM = "qemu-system-x86_64"
 
 USERSPACE_MARKER = "KPREWRITE-USERSPACE-REACHED"
+KMSG = re.compile(r"\[\s*\d+\.\d{6}\] [^\n]*\n")     # a kernel message, printk's time in front
 DONE_MARKER = "KPREWRITE-INIT-DONE"
 WX_PASSED = "x86/mm: Checked W+X mappings: passed"
 POWER_DOWN = "reboot: Power down"
@@ -347,8 +348,13 @@ class BootResult:
 
     def reached(self, marker: str = USERSPACE_MARKER) -> bool:
         # With two CPUs, a kernel message can land on the same console line as the
-        # marker /init writes (seen under load): the marker starts or ends a line.
-        return any(l.strip().startswith(marker) or l.strip().endswith(marker) for l in self.lines())
+        # marker /init writes (seen under load): the marker starts or ends a line; or
+        # inside it ("KPREWRITE-USERSP[    3.020073] LOOP-START\nACE-REACHED"): the
+        # kernel's whole messages taken out, it is whole again.
+        for text in (self.console, KMSG.sub("", self.console)):
+            if any(l.strip().startswith(marker) or l.strip().endswith(marker) for l in text.splitlines()):
+                return True
+        return False
 
     @property
     def powered_off(self) -> bool:
