@@ -204,21 +204,33 @@ def test_check_on_module(romfs, tmp_path):
 
 def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
     """A post_handler on a probe inside a function (an optimized probe, which the kernel never
-    gives one; a module has no breakpoint probes): one line naming the check and the address,
-    no output.  A region over a return thunk's jump is refused by `check` (.return_sites)."""
+    gives one; a module has no breakpoint probes) and a kretprobe on a function with no ftrace
+    site (exit_romfs_fs, in .exit.text): the module's rules refuse them, so `check` names the
+    check and the address, and `instrument` refuses with the same reasons, one line each, no
+    output.  A region over a return thunk's jump is refused by `check` (.return_sites)."""
     (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
                                   "static void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
     spec = tmp_path / "probes.toml"
     spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "romfs_get_tree"\n'
-                    '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npost_handler = "post"\n')
+                    '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npost_handler = "post"\n'
+                    '[[kretprobe]]\nsymbol_name = "exit_romfs_fs"\n')
+    post = (r"post_handler at 0x[0-9a-f]+: the kernel optimizes no kprobe with a post_handler "
+            r"\(optimize_kprobe\(\)\)")
+    kret = (r"a kretprobe is written at an ftrace site \(a `call __fentry__` entry\) only, for now: "
+            r"exit_romfs_fs has none")
+    r = kprewrite("check", romfs, "--spec", spec, check=False)
+    assert re.search(r"^romfs_get_tree\+0x0  k  ftrace$", r.stdout, re.M), r.stdout
+    assert re.search(rf"^romfs_get_tree\+0x5  k  refused  {post}$", r.stdout, re.M), r.stdout
+    assert re.search(rf"^exit_romfs_fs\+0x0  r  refused  kretprobe_ftrace at 0x[0-9a-f]+: {kret}$", r.stdout,
+                     re.M), r.stdout
     out = tmp_path / "romfs.ko"
     before = romfs.read_bytes()
     r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
     assert r.returncode != 0 and not out.exists() and romfs.read_bytes() == before
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.fullmatch(
-        r"kprewrite: probes\.toml: \[\[kprobe\]\] #2 \(romfs_get_tree\+0x5\): post_handler at 0x[0-9a-f]+: a module's "
-        r"probe away from an ftrace site is an optimized one, which runs no post_handler .*", lines[0]), lines
+    assert len(lines) == 2, lines
+    assert re.fullmatch(rf"kprewrite: probes\.toml: \[\[kprobe\]\] #2 \(romfs_get_tree\+0x5\): {post}", lines[0]), lines
+    assert re.fullmatch(rf"kprewrite: probes\.toml: \[\[kretprobe\]\] #1 \(exit_romfs_fs\+0x0\): {kret}", lines[1]), lines
     spec.write_text('[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\n')
     r = kprewrite("check", romfs, "--spec", spec, check=False)
     assert re.search(r"^romfs_init_fs_context\+0xc  k  refused  \.return_sites at 0x\S+: the region .* overlaps a "

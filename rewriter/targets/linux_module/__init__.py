@@ -80,8 +80,12 @@ def rules(image, arch) -> Rules:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
     r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
     r.region_refusal = _carried(image, r.region_refusal)
-    # No breakpoint hook in a module (yet): no int3 sites.
+    # No breakpoint hook in a module (yet): no int3 sites, so a post_handler (the kernel's
+    # optimize_kprobe() optimizes no kprobe with one) and a kretprobe away from an ftrace
+    # site (writer.py writes a kretprobe's entry at an ftrace site) are refused.
     r.int3 = False
+    r.optimized_post_handler = False
+    r.kretprobe_ftrace_only = True
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r

@@ -573,10 +573,10 @@ kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 
 
 
 def refuse_unsupported(s) -> None:
-    """One line per probe the module cannot take: an optimized probe with a post_handler
-    (the kernel never optimizes one; a module has no breakpoint probes), an optimized
-    region whose copy cannot carry its relocations (optprobe.py), a kretprobe away from
-    an ftrace site."""
+    """One line per probe the module cannot take: an optimized region whose copy cannot
+    carry its relocations (optprobe.py; the module's rules refuse it first, so `check`
+    names it too), an @SYM in an event.  A post_handler away from an ftrace site and a
+    kretprobe away from one are the module's rules' refusals (linux_module.rules())."""
     from ....resolve import is_entry
     from .optprobe import region
     lines = []
@@ -585,21 +585,12 @@ def refuse_unsupported(s) -> None:
         if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
             continue
         label = lambda p: f"{s.spec.path.name}: {p.spec.table} ({p.label})"  # noqa: E731
-        for p in site.probes:
-            if not is_entry(p) and p.spec.post_handler:
-                lines.append(f"{label(p)}: post_handler at {site.addr:#x}: a module's probe away from an ftrace "
-                             f"site is an optimized one, which runs no post_handler (the kernel optimizes "
-                             f"no kprobe with one), and a module has no breakpoint probes")
         relocs = relocs if relocs is not None else relocations(s.image.container)
         try:
             region(s.image.container, relocs, site)
         except CopyRefused as e:
             check, addr, why = e.args
             lines += [f"{label(p)}: {check} at {addr:#x}: {why}" for p in site.probes if not is_entry(p)]
-    for site, p, _ in s.plan.kretprobes:
-        if site.decision != FTRACE:
-            lines.append(f"{s.spec.path.name}: {p.kret.table} ({p.label}): a module's kretprobes are written "
-                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
     for key, ev in sorted(s.traces.items(), key=lambda kv: str(kv[0])):
         if any(i.op == "IMM_LINK" for a in ev.args for i in a.code):
             lines.append(f"{s.spec.path.name}: event {ev.name}: @SYM in a module's event is not written yet "
