@@ -113,6 +113,8 @@ def check(input_path, spec_path, no_optimize, system_map, fmt):
     else:
         for line in r.lines():
             click.echo(line)
+        for line in r.notes:
+            click.echo(f"kprewrite: {line}", err=True)
         for line in report.skipped_text(r.skipped, sum(1 for p in r.probes if p["decision"] != "refused")):
             click.echo(f"kprewrite: {line}", err=True)
     if r.errors:

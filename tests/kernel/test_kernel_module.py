@@ -439,6 +439,39 @@ def test_event_calls_need_the_kernel_btf(romfs, rewritten_romfs, symvers, tmp_pa
     assert "__trace_puts" in _versions(out) and "trace_event_raw_init" not in _versions(out)
 
 
+@pytest.mark.parametrize("vmlinux", ["junk", "damaged", "other_release", "no_btf"])
+def test_kernel_btf_that_cannot_be_read(romfs, symvers, tmp_path, vmlinux):
+    """A vmlinux beside the Module.symvers that is not an ELF, a damaged ELF, or another release's
+    (its `Linux version` banner against the module's vermagic): one line naming it, `check` and
+    `instrument` alike, nothing written.  An ELF without .BTF (a kernel built without BTF): the
+    trace_printk() lines, and one line on standard error saying so."""
+    (tmp_path / "Module.symvers").write_bytes(symvers.read_bytes())
+    elf = Path("/bin/true").read_bytes()
+    v = tmp_path / "vmlinux"
+    v.write_bytes({"junk": b"not a kernel\n", "damaged": elf[:100],
+                   "other_release": elf + b"Linux version 9.9.9-other (a@b) #1\0", "no_btf": elf}[vmlinux])
+    spec = tmp_path / "probes.toml"
+    spec.write_text('events = ["p:kp_mid romfs_get_tree+0xc fill=%si:x64"]\n')
+    out = tmp_path / "romfs.ko"
+    r = kprewrite("check", romfs, "--spec", spec, "--system-map", tmp_path / "Module.symvers", check=False)
+    w = kprewrite("instrument", romfs, "--spec", spec, "--system-map", tmp_path / "Module.symvers", "-o", out,
+                  check=False)
+    if vmlinux == "no_btf":
+        note = [f"kprewrite: {v} has no .BTF (a kernel built without CONFIG_DEBUG_INFO_BTF): the module's events "
+                f"are written as trace_printk() lines (no events/kprobes/<EVENT>/)"]
+        assert r.returncode == 0 and r.stderr.strip().splitlines() == note, r.stderr
+        assert w.returncode == 0 and w.stderr.strip().splitlines() == note, w.stderr
+        assert _section_size(out, "_ftrace_events") is None and "__trace_puts" in _versions(out)
+        return
+    expect = {"junk": "not an ELF file", "damaged": "damaged ELF file",
+              "other_release": "the vmlinux of release 9.9.9-other, the module's vermagic says "}[vmlinux]
+    for x in (r, w):
+        lines = x.stderr.strip().splitlines()
+        assert x.returncode != 0 and not x.stdout and len(lines) == 1, x.stderr
+        assert lines[0].startswith(f"kprewrite: {v}: {expect}"), lines
+    assert not out.exists()
+
+
 def test_events_without_symvers_are_one_line(romfs, debian_kernel, tmp_path):
     """@SYM in a module's event is not written yet: one line.  Events on a module need the
     kernel's CRCs: without Module.symvers, one line naming what and where to find it, no output."""

@@ -133,6 +133,13 @@ def link_symbols(image) -> dict:
     return {}
 
 
+def notes(image, traces) -> list[str]:
+    """One line when the module's events are trace_printk() lines for want of the kernel's
+    BTF (kernel_btf.notes()); KprewriteError for a vmlinux that is there but unreadable."""
+    from . import kernel_btf
+    return kernel_btf.notes(image, traces)
+
+
 def thread_key(image):
     return None
 

@@ -85,6 +85,7 @@ class ModuleObject:
     symvers: dict | None = None            # the kernel's symbol CRCs (symvers.py), when found
     symvers_path: str | None = None
     relocs: dict | None = None             # the .ko's relocations by section (optprobe.relocations()), once read
+    event_layout: tuple | None = None      # kernel_btf.event_layout(), once read
 
     def section_named(self, name: str) -> Shdr | None:
         return next((s for s in self.sections if s.name == name), None)

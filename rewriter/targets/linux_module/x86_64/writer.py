@@ -742,9 +742,8 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     # (kernel_btf.py; with the CRCs, which their functions need), else trace_printk() lines.
     calls = None
     if s.traces and debugfs:
-        from .. import kernel_btf, symvers as _symvers
-        found = kernel_btf.find(mod.symvers_path, _symvers.release(mod))
-        calls = kernel_btf.layout(*found) if found else None
+        from .. import kernel_btf
+        calls = kernel_btf.event_layout(mod)[0]
     src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
