@@ -94,7 +94,10 @@ def jobs() -> int:
     if threading.active_count() > 1:
         return 1
     v = os.environ.get("KPREWRITE_JOBS", "")
-    if v.isdigit() and int(v) > 0:
+    if v:       # a mistyped count is a bad input, not the default in silence
+        from .errors import KprewriteError
+        if not (v.isdigit() and int(v) > 0):
+            raise KprewriteError(f"KPREWRITE_JOBS={v!r}: not a count of processes (a whole number >= 1)")
         return int(v)
     try:
         return len(os.sched_getaffinity(0))

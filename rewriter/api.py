@@ -24,6 +24,7 @@ class CheckResult:
     errors: list[str] = field(default_factory=list)          # what makes `instrument` refuse the spec
     format: str = "kprewrite-check-1"
     compiled: list[dict] = field(default_factory=list)       # the spec's `probes` as kprobe_events lines
+    notes: list[str] = field(default_factory=list)           # what the target says of the output (standard error)
 
     @property
     def ok(self) -> bool:
@@ -35,6 +36,8 @@ class CheckResult:
              "skipped": self.skipped, "errors": self.errors}
         if self.compiled:
             d["compiled"] = self.compiled
+        if self.notes:
+            d["notes"] = self.notes
         return d
 
     def lines(self) -> list[str]:
@@ -66,7 +69,7 @@ def check(input_path, spec, *, optimize: bool = True, system_map=None, progress:
                                    _progress(progress))
     d = report.check_doc(s.plan, s.image.label)
     return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"],
-                       compiled=[{"table": t, "event": line} for t, line in s.spec.compiled])
+                       compiled=[{"table": t, "event": line} for t, line in s.spec.compiled], notes=_notes(s))
 
 
 def instrument(input_path, spec, output, *, optimize: bool = True, system_map=None,
@@ -83,7 +86,14 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
                             str(system_map) if system_map else None, _progress(progress),
                             str(depfile) if depfile else None)
     return InstrumentResult(output, report.check_records(s.plan), report.skipped_counts(s.plan),
-                            report.instrument_summary(s.plan, output), report.skipped_summary(s.plan))
+                            report.instrument_summary(s.plan, output), _notes(s) + report.skipped_summary(s.plan))
+
+
+def _notes(s) -> list[str]:
+    """A target's one-line notes on what it writes (a module's events without the kernel's
+    BTF: linux_module.notes()); an optional answer of a target."""
+    notes = getattr(s.target, "notes", None)
+    return notes(s.image, s.traces) if notes is not None else []
 
 
 def read_probes(binary) -> list[dict]:

@@ -51,6 +51,9 @@ def main():
     gc.set_threshold(100_000, 20, 100)
     try:
         safety.check_environment()      # KPREWRITE_UNSAFE_OFF: the test suite's only
+        if os.environ.get("KPREWRITE_JOBS"):    # named at once, not only when no cached result skips decoding
+            from .analysis import jobs
+            jobs()
     except KprewriteError as e:
         _fail(e.lines)
 
@@ -113,6 +116,8 @@ def check(input_path, spec_path, no_optimize, system_map, fmt):
     else:
         for line in r.lines():
             click.echo(line)
+        for line in r.notes:
+            click.echo(f"kprewrite: {line}", err=True)
         for line in report.skipped_text(r.skipped, sum(1 for p in r.probes if p["decision"] != "refused")):
             click.echo(f"kprewrite: {line}", err=True)
     if r.errors:

@@ -305,10 +305,19 @@ class Image:
                 return s
         return None
 
-    def symbol_relocations(self) -> list[tuple[int, int, str]] | None:
-        """(r_offset, type (r_info's low 32 bits), symbol name, "" for none) of every
-        entry of the DT_RELA and DT_JMPREL tables, the symbols .dynsym's; None for an
-        image whose tables LIEF reads (see _own_tables), or whose tables are not RELA."""
+    def symbol_relocations(self) -> list[tuple[int, int, str]]:
+        """(r_offset, type (the ELF r_type: r_info's low 32 bits), symbol name, "" for none)
+        of every relocation: the DT_RELA and DT_JMPREL tables' entries, read here with
+        .dynsym's names where the image allows; else LIEF's list of the image's relocations
+        (an image whose tables LIEF reads, see _own_tables, or whose tables are not RELA)."""
+        out = self._own_symbol_relocations()
+        if out is not None:
+            return out
+        # LIEF tags its type with the arch in the bits above 27: the ELF r_type is below.
+        return [(r.address, int(r.type) & 0x7FFFFFF, r.symbol.name if r.has_symbol else "")
+                for r in self.binary.relocations]
+
+    def _own_symbol_relocations(self) -> list[tuple[int, int, str]] | None:
         if self._own is None or self.dynamic.get(20, 7) != 7:       # DT_PLTREL: DT_RELA
             return None
         syms = self._dynsym

@@ -413,3 +413,13 @@ def test_lzo_bomb_leaves_no_open_pipe(tmp_path):
     assert r.returncode == 1
     assert r.stderr.splitlines() == [f"kprewrite: {img}: truncated or corrupt lzo payload: it decompresses to more "
                                      "than 4096 bytes, its trailer says 4096 (a decompression bomb, or a wrong trailer)"]
+
+
+@pytest.mark.parametrize("jobs", ["abc", "0"])
+def test_kprewrite_jobs_not_a_count(tmp_path, prog, jobs, monkeypatch):
+    """KPREWRITE_JOBS that is not a count is named, not ignored in silence."""
+    import conftest
+    monkeypatch.setitem(conftest.TREE_ENV, "KPREWRITE_JOBS", jobs)
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert fails(tmp_path, prog, spec, "KPREWRITE_JOBS") == [
+        f"kprewrite: KPREWRITE_JOBS='{jobs}': not a count of processes (a whole number >= 1)"]

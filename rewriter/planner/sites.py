@@ -32,6 +32,10 @@ def optimize_site(image, analysis, arch, s: Site, optimize: bool, rules) -> None
     if s.with_post and arch.is_branch(r[0]):
         s.reason = arch.Refusal("post_handler", s.addr, "a post_handler cannot run after a branch in a detour")
         return
+    if s.with_post and not rules.optimized_post_handler:
+        s.reason = arch.Refusal("post_handler", s.addr, "the kernel optimizes no kprobe with a post_handler "
+                                "(optimize_kprobe())")
+        return
     why = rules.region_refusal(arch, analysis, s.probes[0].func, s.addr, r[-1].addr + len(r[-1].code))
     if why is not None:
         s.reason = why

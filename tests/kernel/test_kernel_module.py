@@ -204,21 +204,33 @@ def test_check_on_module(romfs, tmp_path):
 
 def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
     """A post_handler on a probe inside a function (an optimized probe, which the kernel never
-    gives one; a module has no breakpoint probes): one line naming the check and the address,
-    no output.  A region over a return thunk's jump is refused by `check` (.return_sites)."""
+    gives one; a module has no breakpoint probes) and a kretprobe on a function with no ftrace
+    site (exit_romfs_fs, in .exit.text): the module's rules refuse them, so `check` names the
+    check and the address, and `instrument` refuses with the same reasons, one line each, no
+    output.  A region over a return thunk's jump is refused by `check` (.return_sites)."""
     (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
                                   "static void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
     spec = tmp_path / "probes.toml"
     spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "romfs_get_tree"\n'
-                    '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npost_handler = "post"\n')
+                    '[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 5\npost_handler = "post"\n'
+                    '[[kretprobe]]\nsymbol_name = "exit_romfs_fs"\n')
+    post = (r"post_handler at 0x[0-9a-f]+: the kernel optimizes no kprobe with a post_handler "
+            r"\(optimize_kprobe\(\)\)")
+    kret = (r"a kretprobe is written at an ftrace site \(a `call __fentry__` entry\) only, for now: "
+            r"exit_romfs_fs has none")
+    r = kprewrite("check", romfs, "--spec", spec, check=False)
+    assert re.search(r"^romfs_get_tree\+0x0  k  ftrace$", r.stdout, re.M), r.stdout
+    assert re.search(rf"^romfs_get_tree\+0x5  k  refused  {post}$", r.stdout, re.M), r.stdout
+    assert re.search(rf"^exit_romfs_fs\+0x0  r  refused  kretprobe_ftrace at 0x[0-9a-f]+: {kret}$", r.stdout,
+                     re.M), r.stdout
     out = tmp_path / "romfs.ko"
     before = romfs.read_bytes()
     r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
     assert r.returncode != 0 and not out.exists() and romfs.read_bytes() == before
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.fullmatch(
-        r"kprewrite: probes\.toml: \[\[kprobe\]\] #2 \(romfs_get_tree\+0x5\): post_handler at 0x[0-9a-f]+: a module's "
-        r"probe away from an ftrace site is an optimized one, which runs no post_handler .*", lines[0]), lines
+    assert len(lines) == 2, lines
+    assert re.fullmatch(rf"kprewrite: probes\.toml: \[\[kprobe\]\] #2 \(romfs_get_tree\+0x5\): {post}", lines[0]), lines
+    assert re.fullmatch(rf"kprewrite: probes\.toml: \[\[kretprobe\]\] #1 \(exit_romfs_fs\+0x0\): {kret}", lines[1]), lines
     spec.write_text('[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\n')
     r = kprewrite("check", romfs, "--spec", spec, check=False)
     assert re.search(r"^romfs_init_fs_context\+0xc  k  refused  \.return_sites at 0x\S+: the region .* overlaps a "
@@ -425,6 +437,39 @@ def test_event_calls_need_the_kernel_btf(romfs, rewritten_romfs, symvers, tmp_pa
     kprewrite("instrument", romfs, "--spec", spec, "--system-map", alone, "-o", out)
     assert _section_size(out, "_ftrace_events") is None
     assert "__trace_puts" in _versions(out) and "trace_event_raw_init" not in _versions(out)
+
+
+@pytest.mark.parametrize("vmlinux", ["junk", "damaged", "other_release", "no_btf"])
+def test_kernel_btf_that_cannot_be_read(romfs, symvers, tmp_path, vmlinux):
+    """A vmlinux beside the Module.symvers that is not an ELF, a damaged ELF, or another release's
+    (its `Linux version` banner against the module's vermagic): one line naming it, `check` and
+    `instrument` alike, nothing written.  An ELF without .BTF (a kernel built without BTF): the
+    trace_printk() lines, and one line on standard error saying so."""
+    (tmp_path / "Module.symvers").write_bytes(symvers.read_bytes())
+    elf = Path("/bin/true").read_bytes()
+    v = tmp_path / "vmlinux"
+    v.write_bytes({"junk": b"not a kernel\n", "damaged": elf[:100],
+                   "other_release": elf + b"Linux version 9.9.9-other (a@b) #1\0", "no_btf": elf}[vmlinux])
+    spec = tmp_path / "probes.toml"
+    spec.write_text('events = ["p:kp_mid romfs_get_tree+0xc fill=%si:x64"]\n')
+    out = tmp_path / "romfs.ko"
+    r = kprewrite("check", romfs, "--spec", spec, "--system-map", tmp_path / "Module.symvers", check=False)
+    w = kprewrite("instrument", romfs, "--spec", spec, "--system-map", tmp_path / "Module.symvers", "-o", out,
+                  check=False)
+    if vmlinux == "no_btf":
+        note = [f"kprewrite: {v} has no .BTF (a kernel built without CONFIG_DEBUG_INFO_BTF): the module's events "
+                f"are written as trace_printk() lines (no events/kprobes/<EVENT>/)"]
+        assert r.returncode == 0 and r.stderr.strip().splitlines() == note, r.stderr
+        assert w.returncode == 0 and w.stderr.strip().splitlines() == note, w.stderr
+        assert _section_size(out, "_ftrace_events") is None and "__trace_puts" in _versions(out)
+        return
+    expect = {"junk": "not an ELF file", "damaged": "damaged ELF file",
+              "other_release": "the vmlinux of release 9.9.9-other, the module's vermagic says "}[vmlinux]
+    for x in (r, w):
+        lines = x.stderr.strip().splitlines()
+        assert x.returncode != 0 and not x.stdout and len(lines) == 1, x.stderr
+        assert lines[0].startswith(f"kprewrite: {v}: {expect}"), lines
+    assert not out.exists()
 
 
 def test_events_without_symvers_are_one_line(romfs, debian_kernel, tmp_path):

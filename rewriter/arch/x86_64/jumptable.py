@@ -556,10 +556,7 @@ def _noreturn_at(image, an, target: int) -> bool:
 def _noreturn_slots(image) -> set[int]:
     """The addresses relocated against a NORETURN function: read without LIEF where the
     image's dynamic tables allow (image.symbol_relocations())."""
-    rels = image.symbol_relocations()
-    if rels is not None:
-        return {addr for addr, _, name in rels if name in NORETURN}
-    return {r.address for r in image.binary.relocations if r.has_symbol and r.symbol.name in NORETURN}
+    return {addr for addr, _, name in image.symbol_relocations() if name in NORETURN}
 
 
 def _retry_hoisted_bases(fn: _Fn, jumps: list) -> list:

@@ -80,8 +80,12 @@ def rules(image, arch) -> Rules:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
     r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
     r.region_refusal = _carried(image, r.region_refusal)
-    # No breakpoint hook in a module (yet): no int3 sites.
+    # No breakpoint hook in a module (yet): no int3 sites, so a post_handler (the kernel's
+    # optimize_kprobe() optimizes no kprobe with one) and a kretprobe away from an ftrace
+    # site (writer.py writes a kretprobe's entry at an ftrace site) are refused.
     r.int3 = False
+    r.optimized_post_handler = False
+    r.kretprobe_ftrace_only = True
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r
@@ -127,6 +131,13 @@ def link_symbols(image) -> dict:
     """None beyond the module's .symtab (fetch.data_symbols() reads it): the kernel's are
     resolved by the module loader, not at rewrite time."""
     return {}
+
+
+def notes(image, traces) -> list[str]:
+    """One line when the module's events are trace_printk() lines for want of the kernel's
+    BTF (kernel_btf.notes()); KprewriteError for a vmlinux that is there but unreadable."""
+    from . import kernel_btf
+    return kernel_btf.notes(image, traces)
 
 
 def thread_key(image):

@@ -11,6 +11,13 @@ build tree, beside its Module.symvers) or as the running kernel gives it:
 - /sys/kernel/btf/vmlinux, when the running kernel's release is the module's
   (raw BTF).
 
+A `vmlinux` that is there but cannot be read, is neither an ELF file nor raw BTF,
+is a damaged ELF, or whose `Linux version` banner names another release than the
+module's vermagic is a bad input: one line naming it, nothing written.  An ELF
+without `.BTF` (a kernel built without CONFIG_DEBUG_INFO_BTF), a BTF without the
+layouts, or no kernel BTF found at all: the events are written as trace_printk()
+lines, and `check` and `instrument` say so in one line on standard error (notes()).
+
 The layouts are those of runtime/platform/linux_kernel/kp_trace_buffer.c (btf.py's
 _trace_layout(), as for a kernel image), plus `trace_event_class.raw_init`, which
 the module's event calls set (they are registered by the module loader's trace
@@ -19,44 +26,85 @@ notifier from the module's `_ftrace_events` section, which calls raw_init first)
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
+from ...errors import KprewriteError
 from ..linux_kernel import btf
 
 # Appended to btf._trace_layout()'s list (KP_TR_CLASS_RAW_INIT in the module's generated C).
 EXTRA = (("trace_event_class", "raw_init"),)
 
 
-def _from_file(path: Path) -> bytes | None:
-    """The .BTF of an ELF file, or the raw BTF of a file that is one; None if neither."""
+def _from_file(path: Path, release: str | None) -> tuple[bytes | None, str | None]:
+    """(the .BTF of an ELF file or the raw BTF of a file that is one, None) or (None, why
+    the file has none: an ELF without .BTF); KprewriteError for a file that is there but
+    unreadable, junk, a damaged ELF, or the vmlinux of another release than `release`."""
     try:
         data = path.read_bytes()
-    except OSError:
-        return None
-    if data[:4] == b"\x7fELF":
-        from elftools.elf.elffile import ELFFile
-        import io
-        try:
-            sec = ELFFile(io.BytesIO(data)).get_section_by_name(".BTF")
-        except Exception:           # not an ELF pyelftools reads: no BTF to take
-            return None
-        return sec.data() if sec is not None else None
-    return data if data[:2] == btf.BTF_MAGIC.to_bytes(2, "little") else None
+    except OSError as e:
+        raise KprewriteError(f"{path}: cannot read the kernel's vmlinux (for its BTF): {e.strerror}")
+    if data[:2] == btf.BTF_MAGIC.to_bytes(2, "little"):
+        return data, None
+    if data[:4] != b"\x7fELF":
+        raise KprewriteError(f"{path}: not an ELF file (read as the kernel's vmlinux, for its BTF)")
+    m = re.search(rb"Linux version (\d+\.\d+[^\s%\x00]*) \(", data)
+    if release and m and m.group(1).decode("ascii", "replace") != release:
+        raise KprewriteError(f"{path}: the vmlinux of release {m.group(1).decode('ascii', 'replace')}, "
+                             f"the module's vermagic says {release}")
+    from elftools.elf.elffile import ELFFile
+    import io
+    try:
+        sec = ELFFile(io.BytesIO(data)).get_section_by_name(".BTF")
+        btf_data = sec.data() if sec is not None else None
+    except Exception as e:          # pyelftools' own errors: a damaged file
+        raise KprewriteError(f"{path}: damaged ELF file (read as the kernel's vmlinux, for its BTF): "
+                             f"{(str(e).splitlines() or [type(e).__name__])[0]}")
+    if btf_data is None:
+        return None, f"{path} has no .BTF (a kernel built without CONFIG_DEBUG_INFO_BTF)"
+    return btf_data, None
 
 
-def find(symvers_path: str | None, release: str | None) -> tuple[bytes, str] | None:
-    """(the kernel's BTF, where it was read) or None."""
+def find(symvers_path: str | None, release: str | None) -> tuple[bytes | None, str]:
+    """(the kernel's BTF, where it was read), or (None, why there is none)."""
     places = []
     if symvers_path:
         places.append(Path(symvers_path).parent / "vmlinux")
     if release and os.uname().release == release:
         places.append(Path("/sys/kernel/btf/vmlinux"))
+    why = None
     for p in places:
         if p.is_file():
-            data = _from_file(p)
+            data, why_not = _from_file(p, release)
             if data:
                 return data, str(p)
-    return None
+            why = why or why_not
+    return None, why or (f"no kernel BTF found (a vmlinux beside {symvers_path or 'the Module.symvers'}"
+                         + (f", or /sys/kernel/btf/vmlinux of {release}" if release else "") + ")")
+
+
+def event_layout(mod) -> tuple[list | None, str | None]:
+    """(layout() of the kernel's BTF, None), or (None, the one line saying why the module's
+    events are trace_printk() lines); read once per module (check and instrument ask)."""
+    got = mod.event_layout
+    if got is None:
+        from . import symvers
+        data, where = find(mod.symvers_path, symvers.release(mod))
+        calls = layout(data, where) if data is not None else None
+        if data is not None and calls is None:
+            where = f"{where}: its BTF lacks the layout of struct trace_event_call and its kin"
+        got = mod.event_layout = (calls, None if calls is not None else (
+            f"{where}: the module's events are written as trace_printk() lines "
+            f"(no events/kprobes/<EVENT>/)"))
+    return got
+
+
+def notes(image, traces) -> list[str]:
+    """What `check` and `instrument` say of a module's events (one line, or none)."""
+    mod = image.container
+    if not traces or mod.symvers is None:
+        return []
+    return [n for n in event_layout(mod)[1:] if n]
 
 
 def layout(data: bytes, where: str) -> list | None:

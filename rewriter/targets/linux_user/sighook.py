@@ -20,22 +20,8 @@ PT_GNU_RELRO = 0x6474E552
 
 def got_slots(image, arch) -> list[tuple[int, int]]:
     """(GOT slot link-time address, hook kind) of the hooked functions."""
-    out = set()
-    rels = image.symbol_relocations()       # read without LIEF where the image allows
-    if rels is not None:
-        for addr, typ, name in rels:
-            kind = HOOKS.get(name)
-            if kind and typ in arch.r_got_slot:
-                out.add((addr, kind))
-        return sorted(out)
-    for r in image.binary.relocations:
-        # LIEF tags its type with the arch in the bits above 27: the ELF r_type is below.
-        if int(r.type) & 0x7FFFFFF not in arch.r_got_slot or not r.has_symbol:
-            continue
-        kind = HOOKS.get(r.symbol.name)
-        if kind:
-            out.add((r.address, kind))
-    return sorted(out)
+    return sorted({(addr, HOOKS[name]) for addr, typ, name in image.symbol_relocations()
+                   if name in HOOKS and typ in arch.r_got_slot})
 
 
 def table_c(image, arch, enabled: bool) -> str:

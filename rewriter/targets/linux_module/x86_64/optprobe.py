@@ -27,7 +27,6 @@ check and the address.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import capstone
@@ -36,9 +35,8 @@ import capstone.x86_const
 from ....arch.x86_64 import cs
 from ....arch.x86_64.emit import EmitError, relocate
 from .relocatable import (R_X86_64_32, R_X86_64_32S, R_X86_64_64, R_X86_64_PC32, R_X86_64_PC64,
-                          R_X86_64_PLT32, SHT_RELA, read_sections)
+                          R_X86_64_PLT32, SHT_RELA, read_sections, relas)
 
-_RELA = struct.Struct("<QQq")
 FIELD_SIZE = {R_X86_64_64: 8, R_X86_64_PC64: 8, R_X86_64_PC32: 4, R_X86_64_PLT32: 4, R_X86_64_32: 4,
               R_X86_64_32S: 4}
 PC_RELATIVE = (R_X86_64_PC32, R_X86_64_PLT32)
@@ -72,9 +70,8 @@ def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
         if r.type != SHT_RELA or not r.info:
             continue
         t = out.setdefault(secs[r.info].name, {})
-        for j in range(r.size // _RELA.size):
-            off, info, addend = _RELA.unpack_from(mod.data, r.offset + j * _RELA.size)
-            t[off] = (info >> 32, info & 0xFFFFFFFF, addend)
+        for _, off, sym, typ, addend in relas(mod.data, r):
+            t[off] = (sym, typ, addend)
     return out
 
 

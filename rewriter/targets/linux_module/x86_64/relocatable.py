@@ -44,10 +44,19 @@ _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
 _PHDR = struct.Struct("<IIQQQQQQ")
 _SYM = struct.Struct("<IBBHQQ")
-_RELA = struct.Struct("<QQq")
+RELA = struct.Struct("<QQq")     # Elf64_Rela
 
 # x86-64 relocation types the module loader applies (arch/x86/kernel/module.c)
 R_X86_64_64, R_X86_64_PC32, R_X86_64_32, R_X86_64_32S, R_X86_64_PLT32, R_X86_64_PC64 = 1, 2, 10, 11, 4, 24
+
+
+def relas(data, r):
+    """Each Elf64_Rela of the SHT_RELA section r: (its file offset, r_offset, symbol
+    index, type, addend), as ELF64_R_SYM/ELF64_R_TYPE split r_info."""
+    for j in range(r.size // RELA.size):
+        at = r.offset + j * RELA.size
+        off, info, addend = RELA.unpack_from(data, at)
+        yield at, off, info >> 32, info & 0xFFFFFFFF, addend
 
 
 @dataclass
@@ -76,6 +85,7 @@ class ModuleObject:
     symvers: dict | None = None            # the kernel's symbol CRCs (symvers.py), when found
     symvers_path: str | None = None
     relocs: dict | None = None             # the .ko's relocations by section (optprobe.relocations()), once read
+    event_layout: tuple | None = None      # kernel_btf.event_layout(), once read
 
     def section_named(self, name: str) -> Shdr | None:
         return next((s for s in self.sections if s.name == name), None)
@@ -210,9 +220,7 @@ def view(data: bytes, path: str) -> tuple[bytes, ModuleObject]:
         if r.type != SHT_RELA or r.info not in addr or secs[r.info].type == SHT_NOBITS:
             continue
         base, toff = addr[r.info], offsets[r.info]
-        for j in range(r.size // _RELA.size):
-            off, info, addend = _RELA.unpack_from(data, r.offset + j * _RELA.size)
-            sym, typ = info >> 32, info & 0xFFFFFFFF
+        for j, (_, off, sym, typ, addend) in enumerate(relas(data, r)):
             if sym >= len(syms) or off + (8 if typ in (R_X86_64_64, R_X86_64_PC64) else 4) > secs[r.info].size:
                 raise KprewriteError(f"{path}: relocation {j} of {r.name} is out of range")
             s = value(sym)

@@ -46,7 +46,7 @@ from pathlib import Path
 from ....errors import KprewriteError
 from ....planner.model import FTRACE, OPTIMIZED
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
-from .relocatable import R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, symbols
+from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
 R_X86_64_NONE = 0
 META_SECTION = ".kprewrite.meta"
@@ -573,10 +573,10 @@ kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 
 
 
 def refuse_unsupported(s) -> None:
-    """One line per probe the module cannot take: an optimized probe with a post_handler
-    (the kernel never optimizes one; a module has no breakpoint probes), an optimized
-    region whose copy cannot carry its relocations (optprobe.py), a kretprobe away from
-    an ftrace site."""
+    """One line per probe the module cannot take: an optimized region whose copy cannot
+    carry its relocations (optprobe.py; the module's rules refuse it first, so `check`
+    names it too), an @SYM in an event.  A post_handler away from an ftrace site and a
+    kretprobe away from one are the module's rules' refusals (linux_module.rules())."""
     from ....resolve import is_entry
     from .optprobe import region
     lines = []
@@ -585,21 +585,12 @@ def refuse_unsupported(s) -> None:
         if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
             continue
         label = lambda p: f"{s.spec.path.name}: {p.spec.table} ({p.label})"  # noqa: E731
-        for p in site.probes:
-            if not is_entry(p) and p.spec.post_handler:
-                lines.append(f"{label(p)}: post_handler at {site.addr:#x}: a module's probe away from an ftrace "
-                             f"site is an optimized one, which runs no post_handler (the kernel optimizes "
-                             f"no kprobe with one), and a module has no breakpoint probes")
         relocs = relocs if relocs is not None else relocations(s.image.container)
         try:
             region(s.image.container, relocs, site)
         except CopyRefused as e:
             check, addr, why = e.args
             lines += [f"{label(p)}: {check} at {addr:#x}: {why}" for p in site.probes if not is_entry(p)]
-    for site, p, _ in s.plan.kretprobes:
-        if site.decision != FTRACE:
-            lines.append(f"{s.spec.path.name}: {p.kret.table} ({p.label}): a module's kretprobes are written "
-                         f"at ftrace sites (function entries) only for now; this one is {site.decision}")
     for key, ev in sorted(s.traces.items(), key=lambda kv: str(kv[0])):
         if any(i.op == "IMM_LINK" for a in ev.args for i in a.code):
             lines.append(f"{s.spec.path.name}: event {ev.name}: @SYM in a module's event is not written yet "
@@ -751,9 +742,8 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     # (kernel_btf.py; with the CRCs, which their functions need), else trace_printk() lines.
     calls = None
     if s.traces and debugfs:
-        from .. import kernel_btf, symvers as _symvers
-        found = kernel_btf.find(mod.symvers_path, _symvers.release(mod))
-        calls = kernel_btf.layout(*found) if found else None
+        from .. import kernel_btf
+        calls = kernel_btf.event_layout(mod)[0]
     src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
@@ -899,9 +889,6 @@ def _run(cmd, what):
         raise KprewriteError(f"{what} failed: {(r.stderr or r.stdout).strip().splitlines()[:3]}")
 
 
-_RELA = struct.Struct("<QQq")
-
-
 def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = None) -> bytearray:
     """In the linked module: each ftrace site's `call __fentry__` relocation to its detour, its
     __mcount_loc entry's relocation to R_X86_64_NONE; each optimized site's first five bytes a
@@ -926,15 +913,12 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
         _, _, _, shndx, value, _ = syms[sym]
         return (shndx, value + addend) if 0 < shndx < SHN_LORESERVE else None
 
-    def relas(sec_name):
+    def relas_of(sec_name):
         r = next((sc for sc in secs if sc.type == SHT_RELA and secs[sc.info].name == sec_name), None)
-        if r is None:
-            return []
-        return [(r.offset + j * _RELA.size, *_RELA.unpack_from(data, r.offset + j * _RELA.size))
-                for j in range(r.size // _RELA.size)]
+        return [] if r is None else list(relas(data, r))
 
     def set_rela(at, off, sym, typ, addend):
-        _RELA.pack_into(data, at, off, (sym << 32) | typ, addend)
+        RELA.pack_into(data, at, off, (sym << 32) | typ, addend)
 
     def section_symbol(name):
         shndx = by_name[name].index
@@ -944,10 +928,10 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
 
     def rela_at(sec_name, off):
         if sec_name not in table:
-            table[sec_name] = {o2: (i2 >> 32, i2 & 0xFFFFFFFF, a2) for _, o2, i2, a2 in relas(sec_name)}
+            table[sec_name] = {o2: (s2, t2, a2) for _, o2, s2, t2, a2 in relas_of(sec_name)}
         return table[sec_name].get(off)
-    for at, r_off, info, addend in relas(".text.kprewrite") if placeholders else []:
-        fl = placeholders.get(sym_name(info >> 32))
+    for at, r_off, sym, _, _ in relas_of(".text.kprewrite") if placeholders else []:
+        fl = placeholders.get(sym_name(sym))
         if fl is None:
             continue
         if fl.carry is not None:
@@ -965,8 +949,8 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
             data[toff:toff + 5] = b"\xe9\0\0\0\0"
             if sec not in by_offset:
                 by_offset[sec] = {}
-                for at, r_off, info, _ in relas(sec):
-                    by_offset[sec].setdefault(r_off, []).append((at, FIELD_SIZE.get(info & 0xFFFFFFFF, 4)))
+                for at, r_off, _, typ, _ in relas_of(sec):
+                    by_offset[sec].setdefault(r_off, []).append((at, FIELD_SIZE.get(typ, 4)))
             # the fields the jump's bytes cover (one starting up to 7 bytes before: a quad)
             for r_off in range(off - 7, off + 5):
                 for at, size in by_offset[sec].get(r_off, []):
@@ -976,20 +960,20 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
             continue
         shndx = by_name[sec].index
         done = False
-        for at, r_off, info, addend in relas(sec):
-            if r_off == off + 1 and sym_name(info >> 32) == "__fentry__":
-                set_rela(at, r_off, index[f"kp_detour_{i}"], info & 0xFFFFFFFF, addend)
+        for at, r_off, sym, typ, addend in relas_of(sec):
+            if r_off == off + 1 and sym_name(sym) == "__fentry__":
+                set_rela(at, r_off, index[f"kp_detour_{i}"], typ, addend)
                 done = True
         if not done:
             raise KprewriteError(f"{path}: {sec}+{off:#x} has no `call __fentry__` relocation")
-        for at, r_off, info, addend in relas("__mcount_loc"):
-            if target(info >> 32, addend) == (shndx, off):
+        for at, r_off, sym, _, addend in relas_of("__mcount_loc"):
+            if target(sym, addend) == (shndx, off):
                 set_rela(at, r_off, 0, R_X86_64_NONE, 0)
-    for at, r_off, info, addend in relas(THIS_MODULE):
-        n = sym_name(info >> 32)
+    for at, r_off, sym, typ, addend in relas_of(THIS_MODULE):
+        n = sym_name(sym)
         if n in ("init_module", "cleanup_module"):
             set_rela(at, r_off, index["kp_module_init" if n == "init_module" else "kp_module_exit"],
-                     info & 0xFFFFFFFF, addend)
+                     typ, addend)
     return _append_relas(data, path, secs, extra)
 
 
@@ -1003,7 +987,7 @@ def _append_relas(data: bytearray, path: str, secs, extra: dict) -> bytearray:
         if r is None:
             raise KprewriteError(f"{path}: {name} has no relocation section for the probes' jumps")
         table = bytes(data[r.offset:r.offset + r.size]) + b"".join(
-            _RELA.pack(off, (sym << 32) | typ, addend) for off, sym, typ, addend in extra[name])
+            RELA.pack(off, (sym << 32) | typ, addend) for off, sym, typ, addend in extra[name])
         data += bytes(-len(data) % 8)
         struct.pack_into("<QQ", data, shoff + r.index * shentsize + 24, len(data), len(table))
         data += table
