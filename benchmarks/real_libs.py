@@ -4,7 +4,8 @@
 return site is hooked), and how much slower a real workload runs.
 
     python3 benchmarks/real_libs.py [--runs N] [--scale [NAME=]K ...] [--cpu N] [--warmup N]
-                                    [--verbose] [--compare TREE] [--kretprobe] [NAME ...]
+                                    [--verbose] [--compare TREE] [--kretprobe [--maxactive N]]
+                                    [NAME ...]
                                     (sqlite3 busybox crypto stdcxx lua python)
 
 Each workload runs on the original and on the rewritten object (a library
@@ -39,7 +40,11 @@ stdcxx=5 --scale crypto=30).  --cpu N pins every measured run to CPU N
 (sched_setaffinity in the child), so that two cores in different states are
 not mixed.  --compare TREE (repeatable) also rewrites the object with the
 kprewrite of another source tree (another branch's checkout) and runs it in the
-same rounds.  The load average is printed before and after: the
+same rounds.  --kretprobe alone gives light kretprobes (no handler: no instance
+is claimed, docs/kretprobes.md); --kretprobe --maxactive N gives each one a
+pool of N instances, which is the instance form (claimed at each entry, freed
+at each return hook; calls nested deeper than N in one function count in
+nmissed).  The load average is printed before and after: the
 machine may be shared."""
 from __future__ import annotations
 
@@ -182,9 +187,10 @@ def iqr(xs: list[float]) -> tuple[float, float, float]:
 
 
 def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale: int = 1,
-            cpu: int | None = None, warmup: int = 1, verbose: bool = False, kind: str = "kprobe") -> None:
+            cpu: int | None = None, warmup: int = 1, verbose: bool = False, kind: str = "kprobe",
+            maxactive: int | None = None) -> None:
     spec = tmp / "all.toml"
-    spec.write_text(f'[[{kind}]]\nsymbol_name = "*"\n')
+    spec.write_text(f'[[{kind}]]\nsymbol_name = "*"\n' + (f"maxactive = {maxactive}\n" if maxactive else ""))
     work = tmp / name
     work.mkdir()
     stdin = None
@@ -345,7 +351,11 @@ def main() -> None:
                     help="another kprewrite source tree, run in the same rounds (repeatable)")
     ap.add_argument("--kretprobe", action="store_true",
                     help="a kretprobe on every function (no handlers) instead of a kprobe")
+    ap.add_argument("--maxactive", type=int, default=None, metavar="N",
+                    help="with --kretprobe: maxactive = N for each, the instance form (without: light)")
     args = ap.parse_args()
+    if args.maxactive is not None and (not args.kretprobe or args.maxactive < 1):
+        raise SystemExit("--maxactive N needs --kretprobe and N >= 1")
     scales: dict[str | None, int] = {None: 1}
     for a in args.scale:
         name, _, k = a.rpartition("=")
@@ -365,7 +375,8 @@ def main() -> None:
     try:
         for name in args.names:
             measure(name, tmp, args.runs, [t.resolve() for t in args.compare], scales.get(name, scales[None]),
-                    args.cpu, args.warmup, args.verbose, "kretprobe" if args.kretprobe else "kprobe")
+                    args.cpu, args.warmup, args.verbose, "kretprobe" if args.kretprobe else "kprobe",
+                    args.maxactive)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
