@@ -45,7 +45,7 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
             on.append(safety.enabled("retargeting"))
         f = image.function_at(src)
         return not on[0] or (f is not None and analysis.decoded(f).undecodable is None and analysis.is_boundary(f, src)
-                and any(e.start <= src and src + size <= e.end for e in fdes.all_overlapping(src, src + size)))
+                and fdes.covers(src, src + size))
 
     # The copies in the detours too (not an exit whose copy a return hook makes).
     for s in plan.sites:
