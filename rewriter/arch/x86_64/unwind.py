@@ -130,7 +130,8 @@ def k_write(mn: str) -> bool:
 _ENDS = ("jmp", "ret", "ud2", "hlt", "retq")
 # _step() of (state, mnemonic, operands): detours of one template repeat the same steps.
 _STEPS: dict[tuple, tuple] = {}
-# (mnemonic, operands) -> (falls through, the branch's literal target or None): likewise.
+# (mnemonic, operands) -> (falls through, the branch's literal target or None), of a
+# branch, call or end (any other instruction falls through and names no target).
 _FLOW: dict[tuple, tuple] = {}
 _START = ("rsp", (), 0, ())
 
@@ -165,16 +166,22 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
         i = work.pop()
         a, n, mn, ops_s = insns[i]
         state = states[i]
-        out = steps.get((state, mn, ops_s))
-        if out is None:
-            out = steps[state, mn, ops_s] = _step(state, mn, [o.strip() for o in ops_s.split(",")] if ops_s else [])
-        f = flows.get((mn, ops_s))
-        if f is None:
-            f = flows[mn, ops_s] = _flow(mn, ops_s)
-        if f[0] and i + 1 < count and states[i + 1] is None:
+        if mn[0] == "j" or mn == "call" or mn in _ENDS:
+            f = flows.get((mn, ops_s))
+            if f is None:
+                f = flows[mn, ops_s] = _flow(mn, ops_s)
+            falls, t = f
+        else:
+            falls, t = True, None
+        if t is not None:
+            out = state         # a direct branch or call: _step keeps the state
+        else:
+            out = steps.get((state, mn, ops_s))
+            if out is None:
+                out = steps[state, mn, ops_s] = _step(state, mn, [o.strip() for o in ops_s.split(",")] if ops_s else [])
+        if falls and i + 1 < count and states[i + 1] is None:
             states[i + 1] = out
             work.append(i + 1)
-        t = f[1]
         if t is not None and at <= t < end and mn != "call":
             if addrs is None:
                 addrs = [x[0] for x in insns]
@@ -184,7 +191,11 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
                 work.append(j)
     out, last = [], None
     unknown = (None, None, 0, ())
+    prev = out                  # no state: the first instruction is always read
     for (a, n, mn, _), st in zip(insns, states):
+        if st == prev and mn != "call":
+            continue            # its rule's CFA is the last row's: no row (and k is the last's)
+        prev = st
         kind, base, d, saved = st or unknown
         if kind == "rsp":
             base = None
@@ -200,12 +211,22 @@ def _expr(ops: bytes) -> bytes:
     return _uleb(len(ops)) + ops
 
 
-@functools.lru_cache(maxsize=None)
 def rule_insns(rule) -> bytes:
     """The DW_CFA_* instructions that set one row's rule in full."""
     kind, base, d, saved, k = rule
+    cfa = _cfa_insns(kind, base, d, saved)
+    return cfa if cfa == _UNDEFINED else cfa + _ra_insns(k)
+
+
+_UNDEFINED = bytes([0x07, RA_COLUMN])                          # DW_CFA_undefined: the unwinder stops
+
+
+@functools.lru_cache(maxsize=None)
+def _cfa_insns(kind, base, d, saved) -> bytes:
+    """A rule's CFA and saved registers (shared by the detours of one template),
+    or _UNDEFINED."""
     if kind is None or (kind != "mem" and d < 0 and d % -DATA_ALIGN):
-        return bytes([0x07, RA_COLUMN])                         # DW_CFA_undefined: the unwinder stops
+        return _UNDEFINED
     if kind in ("rsp", "reg"):
         reg = DWARF["rsp" if kind == "rsp" else base]
         if d >= 0:
@@ -218,9 +239,13 @@ def rule_insns(rule) -> bytes:
     for reg, off in saved:                                      # DW_CFA_offset_extended_sf
         if off % DATA_ALIGN == 0:
             out += bytes([0x11, DWARF[reg]]) + _sleb(off // DATA_ALIGN)
-    # DW_CFA_val_expression RA: [the caller's %rsp - 8] + k (DW_OP_breg7 -8, deref, consts k, plus)
-    ra = bytes([0x77]) + _sleb(-8) + b"\x06" + b"\x11" + _sleb(k) + b"\x22"
-    return out + bytes([0x16, RA_COLUMN]) + _expr(ra)
+    return out
+
+
+def _ra_insns(k: int) -> bytes:
+    """DW_CFA_val_expression RA: [the caller's %rsp - 8] + k (DW_OP_breg7 -8, deref, consts k, plus)."""
+    ra = b"\x77\x78\x06\x11" + _sleb(k) + b"\x22"
+    return bytes([0x16, RA_COLUMN]) + _expr(ra)
 
 
 def fde_program(code: bytes, at: int, hit: int) -> bytes:
