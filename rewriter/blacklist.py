@@ -124,6 +124,12 @@ class Index:
     def lookup(self, addr: int) -> BlacklistEntry | None:
         return self.overlapping(addr, addr + 1)
 
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether one entry holds all of [lo, hi): the furthest end among the
+        entries starting at or before lo reaches hi."""
+        i = bisect.bisect_right(self._starts, lo) - 1
+        return i >= 0 and self._reach[i] >= hi
+
 
 def lookup(entries, addr: int) -> BlacklistEntry | None:
     if isinstance(entries, Index):

@@ -40,12 +40,21 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
 
     on = []                     # safety.enabled("retargeting"), asked once (52,000 branches in libpython)
 
+    function_at, decoded, is_boundary, covers = image.function_at, analysis.decoded, analysis.is_boundary, fdes.covers
+    decodable: dict[int, bool] = {}     # by function start
+
     def vouched(src, size):
         if not on:
             on.append(safety.enabled("retargeting"))
-        f = image.function_at(src)
-        return not on[0] or (f is not None and analysis.decoded(f).undecodable is None and analysis.is_boundary(f, src)
-                and any(e.start <= src and src + size <= e.end for e in fdes.all_overlapping(src, src + size)))
+        if not on[0]:
+            return True
+        f = function_at(src)
+        if f is None:
+            return False
+        ok = decodable.get(f.start)
+        if ok is None:
+            ok = decodable[f.start] = decoded(f).undecodable is None
+        return ok and is_boundary(f, src) and covers(src, src + size)
 
     # The copies in the detours too (not an exit whose copy a return hook makes).
     for s in plan.sites:
@@ -54,16 +63,15 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
         for insn in s.segment:
             if insn.addr not in s.ret_hooks and arch.direct_branch_target(insn) in entries:
                 s.branch_to[insn.addr] = entries[arch.direct_branch_target(insn)]
-    em = arch.emit
+    branch_disp, read, overlapping, reserved = arch.emit.branch_disp, image.read, patched.overlapping, rules.reserved_sites
+    retargets, sources = plan.retargets, analysis.branch_sources
     for target, to in sorted(entries.items()):
-        for src in sorted(set(analysis.branch_sources.get(target, ()))):
-            code = image.read(src, 6)
-            off = em.branch_disp(code)
+        for src in sorted(set(sources.get(target, ()))):
+            off = branch_disp(read(src, 6))
             if off is None:
                 continue
             size = off + 4
-            if patched.overlapping(src, src + size) is not None \
-                    or rules.reserved_sites(src, src + size) or not vouched(src, size):
+            if overlapping(src, src + size) is not None or reserved(src, src + size) or not vouched(src, size):
                 continue
-            plan.retargets.append(Retarget(src, size, target, to))
+            retargets.append(Retarget(src, size, target, to))
     plan.retargets.sort(key=lambda r: r.src)

@@ -609,6 +609,8 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         resume = _dcr_and_back(c, dcr, copy, back)
         rel = len(c.out) - je
         if short:
+            if rel >= 128:
+                return c, resume, rel       # too far for a rel8 je: built again with a rel32 one
             c.out[je - 1] = rel
         else:
             c.fix([je], c.pc)
@@ -617,7 +619,9 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         c.jmp_abs(resume, "jmp to the copy")
         return c, resume, rel
 
-    c, resume, rel = build(False)
-    if rel < 128:           # the copy is short enough for a rel8 je over it (always the same answer)
-        c, resume, _ = build(True)
+    # The code the je jumps over is as long with either je (copies are as long
+    # wherever they go), so the rel8 form is tried first: one build for most sites.
+    c, resume, rel = build(True)
+    if rel >= 128:
+        c, resume, _ = build(False)
     return bytes(c.out), resume

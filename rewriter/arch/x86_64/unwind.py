@@ -21,6 +21,7 @@ call site, where an unwinder needs it (a handler, the runtime's entries); at
 any other instruction only the CFA is exact."""
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 
@@ -129,6 +130,19 @@ def k_write(mn: str) -> bool:
 _ENDS = ("jmp", "ret", "ud2", "hlt", "retq")
 # _step() of (state, mnemonic, operands): detours of one template repeat the same steps.
 _STEPS: dict[tuple, tuple] = {}
+# (mnemonic, operands) -> (falls through, the branch's literal target or None), of a
+# branch, call or end (any other instruction falls through and names no target).
+_FLOW: dict[tuple, tuple] = {}
+_START = ("rsp", (), 0, ())
+
+
+def _flow(mn: str, ops_s: str) -> tuple[bool, int | None]:
+    t = None
+    if (mn.startswith("j") or mn == "call") and ops_s:
+        op0 = ops_s.split(",", 1)[0].strip()
+        if re.fullmatch(r"0x[0-9a-f]+", op0):
+            t = _num(op0)
+    return mn not in _ENDS, t
 
 
 def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
@@ -136,36 +150,55 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
     whose hit is at `hit`.  A rule is (kind, base, d, saved, k): the CFA (see
     _step; kind None: unknown, the return address undefined there), and k, what
     to add to the address a call here pushed to get hit + 1."""
-    insns = {a: (a, n, mn, ops) for a, n, mn, ops in cs.LITE.disasm_lite(code, at)}
+    # In address order, each instruction right after the one before (Capstone
+    # decodes forwards and stops at bytes it cannot read).
+    insns = list(cs.LITE.disasm_lite(code, at))
+    count = len(insns)
+    if not count:
+        return []
     end = at + len(code)
-    state_at = {at: ("rsp", (), 0, ())}
-    work = [at]
+    states = [None] * count
+    states[0] = _START
+    addrs = None                # the instructions' addresses, for the branches' targets
+    work = [0]
+    steps, flows = _STEPS, _FLOW
     while work:
-        a = work.pop()
-        if a not in insns:
-            continue
-        _, n, mn, ops_s = insns[a]
-        state = state_at[a]
-        out = _STEPS.get((state, mn, ops_s))
-        if out is None:
-            out = _STEPS[state, mn, ops_s] = _step(state, mn, [o.strip() for o in ops_s.split(",")] if ops_s else [])
-        succ = []
-        if mn not in _ENDS:
-            succ.append(a + n)
-        op0 = ops_s.split(",", 1)[0].strip() if (mn.startswith("j") or mn == "call") and ops_s else None
-        if op0 is not None and re.fullmatch(r"0x[0-9a-f]+", op0):
-            t = _num(op0)
-            if at <= t < end and mn != "call":
-                succ.append(t)
-        for s in succ:
-            if s < end and s not in state_at:
-                state_at[s] = out
-                work.append(s)
+        i = work.pop()
+        a, n, mn, ops_s = insns[i]
+        state = states[i]
+        if mn[0] == "j" or mn == "call" or mn in _ENDS:
+            f = flows.get((mn, ops_s))
+            if f is None:
+                f = flows[mn, ops_s] = _flow(mn, ops_s)
+            falls, t = f
+        else:
+            falls, t = True, None
+        if t is not None:
+            out = state         # a direct branch or call: _step keeps the state
+        else:
+            out = steps.get((state, mn, ops_s))
+            if out is None:
+                out = steps[state, mn, ops_s] = _step(state, mn, [o.strip() for o in ops_s.split(",")] if ops_s else [])
+        if falls and i + 1 < count and states[i + 1] is None:
+            states[i + 1] = out
+            work.append(i + 1)
+        if t is not None and at <= t < end and mn != "call":
+            if addrs is None:
+                addrs = [x[0] for x in insns]
+            j = bisect.bisect_left(addrs, t)
+            if j < count and addrs[j] == t and states[j] is None:    # else not an instruction's start
+                states[j] = out
+                work.append(j)
     out, last = [], None
-    for a in sorted(insns):
-        kind, base, d, saved = state_at.get(a, (None, None, 0, ()))
-        _, n, mn, _ = insns[a]
-        base = None if kind == "rsp" else base
+    unknown = (None, None, 0, ())
+    prev = out                  # no state: the first instruction is always read
+    for (a, n, mn, _), st in zip(insns, states):
+        if st == prev and mn != "call":
+            continue            # its rule's CFA is the last row's: no row (and k is the last's)
+        prev = st
+        kind, base, d, saved = st or unknown
+        if kind == "rsp":
+            base = None
         k = hit + 1 - (a + n) if mn == "call" else (last[4] if last else hit + 1 - a)
         rule = (kind, base, d, saved if kind else (), k if kind else 0)
         if rule != last and (mn == "call" or last is None or rule[:4] != last[:4]):
@@ -178,12 +211,22 @@ def _expr(ops: bytes) -> bytes:
     return _uleb(len(ops)) + ops
 
 
-@functools.lru_cache(maxsize=None)
 def rule_insns(rule) -> bytes:
     """The DW_CFA_* instructions that set one row's rule in full."""
     kind, base, d, saved, k = rule
+    cfa = _cfa_insns(kind, base, d, saved)
+    return cfa if cfa == _UNDEFINED else cfa + _ra_insns(k)
+
+
+_UNDEFINED = bytes([0x07, RA_COLUMN])                          # DW_CFA_undefined: the unwinder stops
+
+
+@functools.lru_cache(maxsize=None)
+def _cfa_insns(kind, base, d, saved) -> bytes:
+    """A rule's CFA and saved registers (shared by the detours of one template),
+    or _UNDEFINED."""
     if kind is None or (kind != "mem" and d < 0 and d % -DATA_ALIGN):
-        return bytes([0x07, RA_COLUMN])                         # DW_CFA_undefined: the unwinder stops
+        return _UNDEFINED
     if kind in ("rsp", "reg"):
         reg = DWARF["rsp" if kind == "rsp" else base]
         if d >= 0:
@@ -196,9 +239,13 @@ def rule_insns(rule) -> bytes:
     for reg, off in saved:                                      # DW_CFA_offset_extended_sf
         if off % DATA_ALIGN == 0:
             out += bytes([0x11, DWARF[reg]]) + _sleb(off // DATA_ALIGN)
-    # DW_CFA_val_expression RA: [the caller's %rsp - 8] + k (DW_OP_breg7 -8, deref, consts k, plus)
-    ra = bytes([0x77]) + _sleb(-8) + b"\x06" + b"\x11" + _sleb(k) + b"\x22"
-    return out + bytes([0x16, RA_COLUMN]) + _expr(ra)
+    return out
+
+
+def _ra_insns(k: int) -> bytes:
+    """DW_CFA_val_expression RA: [the caller's %rsp - 8] + k (DW_OP_breg7 -8, deref, consts k, plus)."""
+    ra = b"\x77\x78\x06\x11" + _sleb(k) + b"\x22"
+    return bytes([0x16, RA_COLUMN]) + _expr(ra)
 
 
 def fde_program(code: bytes, at: int, hit: int) -> bytes:

@@ -9,6 +9,9 @@ so glibc's backtrace() in a handler goes on through the detour into the probed
 function and its callers, as a kernel handler's stack does."""
 from __future__ import annotations
 
+from array import array
+
+from ... import cache
 from ...arch.base import unwind_info
 from ...ehframe import write as ehw
 from ...planner import INT3
@@ -36,14 +39,17 @@ def old_table(image, arch):
 
 def pieces(plan, layout, rx: bytes, arch) -> list[tuple[int, int, bytes]]:
     """(start, size, call frame program) of each piece of new code a handler can
-    be called from: detours, return-site detours, out-of-line slots."""
+    be called from: detours, return-site detours, out-of-line slots.  The programs
+    are a function of the pieces' bytes, addresses and hits alone, so they are
+    cached (kind detour-cfi) by those and kprewrite's code: a second rewrite of
+    an image with the same spec does not decode its detours again."""
     u = unwind_info(arch)
-    out = []
+    todo = []
 
     def add(at, size, hit):
         if size:
             off = at - layout.rx_vaddr
-            out.append((at, size, u.fde_program(bytes(rx[off:off + size]), at, hit)))
+            todo.append((at, size, hit, bytes(rx[off:off + size])))
 
     for site in plan.sites:
         key = ("xol", site.index) if site.decision == INT3 else ("site", site.index)
@@ -51,7 +57,40 @@ def pieces(plan, layout, rx: bytes, arch) -> list[tuple[int, int, bytes]]:
             add(layout.detour(site), layout.sizes[key], site.addr)
     for rs in plan.ret_sites:
         add(layout.detour(rs), layout.sizes[("ret", rs.addr)], rs.addr)
-    return sorted(out)
+    programs = None
+    k = None
+    if len(todo) >= CACHED_PIECES:
+        k = cache.key(b"detour-cfi", cache.code_version(), arch.name.encode(),
+                      repr([(at, size, hit) for at, size, hit, _ in todo]).encode(), b"".join(t[3] for t in todo))
+        programs = _unpack(cache.get("detour-cfi", k), len(todo))
+    if programs is None:
+        programs = [u.fde_program(code, at, hit) for at, _, hit, code in todo]
+        if k is not None:
+            cache.put("detour-cfi", k, _pack(programs))
+    return sorted((at, size, prog) for (at, size, _, _), prog in zip(todo, programs))
+
+
+# Below this many pieces, computing the programs costs less than keying them.
+CACHED_PIECES = 500
+
+
+def _pack(programs: list[bytes]) -> bytes:
+    return array("I", [len(programs), *map(len, programs)]).tobytes() + b"".join(programs)
+
+
+def _unpack(data: bytes | None, count: int) -> list[bytes] | None:
+    """The programs _pack() stored, or None (nothing stored, or not `count` of them)."""
+    if data is None or len(data) < 4:
+        return None
+    n = array("I", data[:4])[0]
+    if n != count or len(data) < 4 * (n + 1):
+        return None
+    sizes = array("I", data[4:4 * (n + 1)])
+    out, p = [], 4 * (n + 1)
+    for size in sizes:
+        out.append(data[p:p + size])
+        p += size
+    return out if p == len(data) else None
 
 
 def build(image, arch, layout, rx: bytes, blob, plan, addr: int) -> tuple[bytes, int, int]:
