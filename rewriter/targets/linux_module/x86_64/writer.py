@@ -401,26 +401,19 @@ unsigned long kp_kret_return(struct pt_regs *regs)
                 pre = f"kp_trace_pre_{trace_key(p)}"
             post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
             if site.decision == OPTIMIZED:      # opt_pre_handler(): its return value ignored
-                body.append(f"""	{{
-		struct kprobe *p = &kp_probes[{i}];
-		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
-			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
-			if (!p->addr)
-				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
-			{f"{pre}(p, regs);" if pre else ""}
-		}}
-	}}""")
-                continue
+                run = f"{pre}(p, regs);" if pre else ""
+            else:
+                run = (f"{f'if ({pre}(p, regs)) {{ r = regs->ip; goto out; }}' if pre else ''}\n"
+                       f"\t\t\tregs->ip = (unsigned long)p->addr + 5;\n"
+                       f"\t\t\t{f'{post}(p, regs, 0);' if post else ''}\n"
+                       f"\t\t\tregs->ip = (unsigned long)p->addr + 1;")
             body.append(f"""	{{
 		struct kprobe *p = &kp_probes[{i}];
 		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
 			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
 			if (!p->addr)
 				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
-			{f"if ({pre}(p, regs)) {{ r = regs->ip; goto out; }}" if pre else ""}
-			regs->ip = (unsigned long)p->addr + 5;
-			{f"{post}(p, regs, 0);" if post else ""}
-			regs->ip = (unsigned long)p->addr + 1;
+			{run}
 		}}
 	}}""")
         for j in rs:
