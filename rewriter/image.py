@@ -265,6 +265,11 @@ class Image:
                     out.setdefault(s.name, s.value)
         return out
 
+    def symbol_names(self) -> set[str]:
+        """Every symbol name of .symtab and .dynsym, defined or not (an import names
+        what the image calls)."""
+        return {s.name for syms in (self._symtab, self._dynsym) for s in syms if s.name}
+
     # -- queries -----------------------------------------------------------
     def is_code(self, addr: int) -> bool:
         for lo, hi in self.exec_ranges:

@@ -360,3 +360,22 @@ def unwind_info(arch):
     hit is at `hit`).  None: the arch has none yet, and a target writes no unwind
     tables for new code (a backtrace in a handler stops at the detour)."""
     return getattr(arch, "unwind", None)
+
+
+# The C++ runtime's and the unwinder's: an image that names one unwinds exceptions.
+EXCEPTION_SYMBOLS = ("__gxx_personality_v0", "__cxa_throw", "_Unwind_RaiseException", "_Unwind_Resume",
+                     "__gcc_personality_v0")
+
+
+def unwinds_exceptions(image, analysis) -> str:
+    """Whether an exception may be unwound through this image's frames (which would
+    meet a return-address trampoline, which has no FDE): an FDE with an LSDA (C++, or
+    C with -fexceptions and cleanups), or a symbol of the unwinder's or the C++
+    runtime's.  Returns what says so, or ''.  The same on every arch."""
+    def compute():
+        lsda = next((f for f in image.fdes if f.lsda), None)
+        if lsda is not None:
+            return f"the FDE at {lsda.start:#x} has an LSDA"
+        names = image.symbol_names()
+        return next((f"it names {n}" for n in EXCEPTION_SYMBOLS if n in names), "")
+    return analysis.memo("retprobe.unwinds", 0, compute)

@@ -23,7 +23,7 @@ import struct
 import capstone
 import capstone.arm64_const
 
-from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal
+from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal, unwinds_exceptions
 from . import emit as em
 from . import encode as E
 from . import insn as I
@@ -71,9 +71,6 @@ def entry_frame_refusal(image, addr: int) -> Refusal | None:
 
 
 # Symbols of an image that unwinds exceptions through its frames (as x86_64/retprobe.py's).
-EXCEPTION_SYMBOLS = ("__gxx_personality_v0", "__cxa_throw", "_Unwind_RaiseException", "_Unwind_Resume",
-                     "__gcc_personality_v0")
-
 _cs = capstone.Cs(capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)
 _cs.detail = True
 _A = capstone.arm64_const
@@ -83,18 +80,6 @@ _SIZE = {"x": 8, "w": 4, "q": 16, "d": 8, "s": 4, "h": 2, "b": 1}
 def _reg_size(ci, reg: int) -> int:
     name = ci.reg_name(reg)
     return 8 if name in ("fp", "lr", "sp", "xzr") else _SIZE.get(name[0], 8)
-
-
-def _unwinds_exceptions(image, analysis) -> str:
-    """Whether an exception may unwind through a frame: an FDE with an LSDA, or a
-    symbol of the unwinder's or the C++ runtime's.  What says so, or ''."""
-    def compute():
-        lsda = next((f for f in image.fdes if f.lsda), None)
-        if lsda is not None:
-            return f"the FDE at {lsda.start:#x} has an LSDA"
-        names = image.all_symbols().keys() | {str(s.name) for s in image.binary.dynamic_symbols}
-        return next((f"it names {n}" for n in EXCEPTION_SYMBOLS if n in names), "")
-    return analysis.memo("retprobe.unwinds", 0, compute)
 
 
 def _fp_delta(image, parts) -> int | None:
@@ -189,7 +174,7 @@ def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
             return Refusal("trampoline_unsafe", end, f"{end:#x} cannot be decoded")
     out = calls if calls is not None else next((e.addr for e in exits if e.kind != RET), None)
     if out is not None:
-        why = _unwinds_exceptions(image, analysis)
+        why = unwinds_exceptions(image, analysis)
         if why:
             return Refusal("trampoline_unsafe", out, f"{func.name} calls out at {out:#x} and an exception may "
                                                      f"unwind through its frame ({why}): the trampoline has no FDE")

@@ -26,7 +26,7 @@ from . import cs
 from . import insn as x86insn
 from . import emit as em
 from .emit import _s32, relocate
-from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal
+from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal, unwinds_exceptions
 from .optprobe import JMP32_INSN_SIZE
 from .common import DWARF_RBP, DWARF_RSP, dead_padding, mid_frame, relocatable
 from ... import safety
@@ -171,22 +171,6 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
 # outside the region: a target inside it was refused as a jump into the region).
 _REENCODED = ("jcc rel", "jmp rel")
 
-EXCEPTION_SYMBOLS = ("__gxx_personality_v0", "__cxa_throw", "_Unwind_RaiseException", "_Unwind_Resume",
-                     "__gcc_personality_v0")
-
-
-def _unwinds_exceptions(image, analysis) -> str:
-    """Whether an exception may be unwound through this image's frames: an FDE
-    with an LSDA (C++, or C with -fexceptions and cleanups), or a symbol of the
-    unwinder's or the C++ runtime's.  Returns what says so, or ''."""
-    def compute():
-        lsda = next((f for f in image.fdes if f.lsda), None)
-        if lsda is not None:
-            return f"the FDE at {lsda.start:#x} has an LSDA"
-        names = image.all_symbols().keys() | {str(s.name) for s in image.binary.dynamic_symbols}
-        return next((f"it names {n}" for n in EXCEPTION_SYMBOLS if n in names), "")
-    return analysis.memo("retprobe.unwinds", 0, compute)
-
 
 def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
     """Where the return-address trampoline (the kernel's rethook) would be wrong
@@ -219,7 +203,7 @@ def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
                 calls = a
     out = calls if calls is not None else next((e.addr for e in exits if e.kind != RET), None)
     if out is not None:
-        why = _unwinds_exceptions(image, analysis)
+        why = unwinds_exceptions(image, analysis)
         if why:
             return Refusal("trampoline_unsafe", out, f"{func.name} calls out at {out:#x} and an exception may "
                                                      f"unwind through its frame ({why}): the trampoline has no FDE")
