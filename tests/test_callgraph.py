@@ -12,6 +12,7 @@ import re
 import pytest
 
 from conftest import cc, instrument, kprewrite, run, write_spec
+from test_events import check_chrome
 
 FORK_PROG = r"""
 #include <stdio.h>
@@ -194,21 +195,10 @@ def test_report_total_and_self(traces, runner):
 
 
 def check_nested(doc: dict) -> list[dict]:
-    """The complete slices of each thread nest (none overlaps another partly); returns them."""
-    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    per: dict[int, list] = {}
-    for e in xs:
-        assert e["dur"] >= 0 and e["ts"] >= 0
-        per.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
-    for spans in per.values():
-        spans.sort(key=lambda s: (s[0], -s[1]))
-        stack = []
-        for a, b in spans:
-            while stack and stack[-1] <= a:
-                stack.pop()
-            assert not stack or b <= stack[-1], spans
-            stack.append(b)
-    return xs
+    """The Chrome format's rules, and the complete slices of each thread nest (none
+    overlaps another partly: test_events.check_chrome()); returns the slices."""
+    check_chrome(doc)
+    return [e for e in doc["traceEvents"] if e["ph"] == "X"]
 
 
 def test_chrome_slices_nest(traces, runner, tmp_path):

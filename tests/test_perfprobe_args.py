@@ -184,12 +184,10 @@ def test_locations(built):
                           "mz": "%cx:s64", "k": "%r8:s32"}, pieces
 
 
-@pytest.mark.parametrize("built", ["0", "2"], indirect=True)
-def test_perf_agrees_on_stack_arguments(built, tmp_path):
-    """perf probe -D: the same fetch args for the stack arguments."""
-    opt, (prog, out, check) = built
+def perf_agrees(prog, spec: str, tmp_path) -> list[str]:
+    """`perf probe -x PROG -D SPEC` and our `check` of the same definition: one line each,
+    the same fetch args (skipped where perf cannot run); ours returned."""
     perf = shutil.which("perf")
-    spec = "many g h i j"
     r = subprocess.run([perf, "probe", "-x", str(prog), "-D", spec], capture_output=True, text=True) if perf else None
     if r is None or r.returncode:
         pytest.skip("perf probe -D does not work here")
@@ -197,6 +195,14 @@ def test_perf_agrees_on_stack_arguments(built, tmp_path):
     mine = [l.split(": ", 1)[1] for l in kprewrite("check", prog, "--spec", write_spec(tmp_path, f'probes = ["{spec}"]\n'))
             .stdout.splitlines() if l.startswith("probes[")]
     assert len(theirs) == len(mine) == 1 and theirs[0].split()[2:] == mine[0].split()[2:], (theirs, mine)
+    return mine
+
+
+@pytest.mark.parametrize("built", ["0", "2"], indirect=True)
+def test_perf_agrees_on_stack_arguments(built, tmp_path):
+    """perf probe -D: the same fetch args for the stack arguments."""
+    opt, (prog, out, check) = built
+    perf_agrees(prog, "many g h i j", tmp_path)
 
 
 @pytest.mark.parametrize("built", ["0"], indirect=True)
@@ -205,15 +211,7 @@ def test_perf_agrees_on_doubles_in_memory(built, tmp_path):
     their bits (x64, x32): the same fetch args as ours (a long double, which perf cuts to 64
     bits, is refused)."""
     opt, (prog, out, check) = built
-    perf = shutil.which("perf")
-    spec = "fp x n"
-    r = subprocess.run([perf, "probe", "-x", str(prog), "-D", spec], capture_output=True, text=True) if perf else None
-    if r is None or r.returncode:
-        pytest.skip("perf probe -D does not work here")
-    theirs = [l for l in r.stdout.splitlines() if l.startswith("p:")]
-    mine = [l.split(": ", 1)[1] for l in kprewrite("check", prog, "--spec", write_spec(tmp_path, f'probes = ["{spec}"]\n'))
-            .stdout.splitlines() if l.startswith("probes[")]
-    assert len(theirs) == len(mine) == 1 and theirs[0].split()[2:] == mine[0].split()[2:], (theirs, mine)
+    mine = perf_agrees(prog, "fp x n", tmp_path)
     assert re.fullmatch(r"x=-\d+\(%bp\):x64", mine[0].split()[2]), mine
 
 
