@@ -444,14 +444,12 @@ def data_symbols(image) -> dict[str, list[tuple[int, int]]]:
     cached = getattr(image, "_kp_all_symbols", None)
     if cached is not None:
         return cached
-    from .image import text
     out: dict[str, list[tuple[int, int]]] = {}
-    for syms in (image.binary.symtab_symbols, image.binary.dynamic_symbols):
-        for s in syms:
-            if s.name and s.shndx != 0 and s.value:
-                lst = out.setdefault(text(s.name), [])
-                if all(v != s.value for v, _ in lst):
-                    lst.append((s.value, s.size))
+    for s in image.elf_symbols():           # read without LIEF (Image's own tables)
+        if s.name and s.shndx != 0 and s.value:
+            lst = out.setdefault(s.name, [])
+            if all(v != s.value for v, _ in lst):
+                lst.append((s.value, s.size))
     target = getattr(image, "target", None)     # what targets.load() detected (an Image made directly: none)
     for name, addr in ((target.link_symbols(image) if target is not None else None) or {}).items():
         if name not in out:

@@ -265,10 +265,14 @@ class Image:
                     out.setdefault(s.name, s.value)
         return out
 
+    def elf_symbols(self):
+        """Every symbol of .symtab, then of .dynsym (name, value, size, type, shndx)."""
+        return (s for syms in (self._symtab, self._dynsym) for s in syms)
+
     def symbol_names(self) -> set[str]:
         """Every symbol name of .symtab and .dynsym, defined or not (an import names
         what the image calls)."""
-        return {s.name for syms in (self._symtab, self._dynsym) for s in syms if s.name}
+        return {s.name for s in self.elf_symbols() if s.name}
 
     # -- queries -----------------------------------------------------------
     def is_code(self, addr: int) -> bool:
