@@ -61,30 +61,17 @@ static void kp_resolve_lazy(unsigned long kind, unsigned long *slot)
 		return;
 	unsigned long old[16];
 	struct kp_libc_sigaction sa;
-#ifdef KP_ARCH_CALL_LAZY_SLOT
-	/* The slot's value is no callable stub on this arch (kp_arch_platform.h). */
-	switch (kind) {
-	case KP_HOOK_SIGACTION:
-		kp_arch_call_lazy_slot(v, slot, KP_SIGTRAP, 0, (long)&sa);
-		break;
-	case KP_HOOK_SIGNAL:
-		kp_arch_call_lazy_slot(v, slot, 9, (long)KP_SIG_DFL, 0);
-		break;
-	default:
-		kp_arch_call_lazy_slot(v, slot, 0, 0, (long)old);
-		break;
-	}
-	return;
-#endif
+	/* Through the arch, which enters the slot's value as the PLT entry would
+	 * (kp_arch_platform.h: on AArch64 it is PLT0 itself). */
 	switch (kind) {
 	case KP_HOOK_SIGACTION:		/* a query */
-		((int (*)(int, void *, void *))v)(KP_SIGTRAP, 0, &sa);
+		kp_arch_call_lazy_slot(v, slot, KP_SIGTRAP, 0, (long)&sa);
 		break;
 	case KP_HOOK_SIGNAL:		/* SIGKILL cannot be caught: EINVAL, nothing changes */
-		((void *(*)(int, void *))v)(9, KP_SIG_DFL);
+		kp_arch_call_lazy_slot(v, slot, 9, (long)KP_SIG_DFL, 0);
 		break;
 	default:			/* SIG_BLOCK with no set: a query */
-		((int (*)(int, const void *, void *))v)(0, 0, old);
+		kp_arch_call_lazy_slot(v, slot, 0, 0, (long)old);
 		break;
 	}
 }

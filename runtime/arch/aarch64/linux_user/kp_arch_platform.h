@@ -94,7 +94,6 @@ static inline long kp_arch_call_lazy_slot(unsigned long fn, unsigned long *slot,
 			   "x15", "x18", "x30", "memory", "cc");
 	return x0;
 }
-#define KP_ARCH_CALL_LAZY_SLOT 1
 
 /* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was
  * (kp_int3_signal.c). */

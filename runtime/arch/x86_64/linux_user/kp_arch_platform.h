@@ -77,4 +77,11 @@ struct kp_libc_sigaction {
  * (kp_int3_signal.c).  Hidden, as kp_arch.h's are: a direct call. */
 __attribute__((visibility("hidden"))) int kp_arch_int3_trap(void *ucontext);
 
+/* A call through a lazily bound GOT slot's initial value: on x86-64 the PLT
+ * entry's second half (push the relocation's index; jmp PLT0), callable as is. */
+static inline long kp_arch_call_lazy_slot(unsigned long fn, unsigned long *slot, long a, long b, long c)
+{
+	(void)slot;
+	return ((long (*)(long, long, long))fn)(a, b, c);
+}
 #endif
