@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -133,6 +134,9 @@ def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int
         cmd += ["-x", *exclude]
     log = d / "regrtest.log"
     t = time.monotonic()
+    # CPU time of the suite and its workers (each waited for by regrtest, so counted here once
+    # regrtest is): less at the mercy of the machine's other tenants than the wall time.
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(f"cpython_suite: {config}: {' '.join(cmd)}  (log: {log})", flush=True)
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=d, start_new_session=True)
@@ -150,10 +154,12 @@ def run_suite(config: str, lib: Path | None, work: Path, jobs: int, timeout: int
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     wall = time.monotonic() - t
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     text = log.read_text(errors="replace")
     res = parse(text)
     done = re.findall(r"^\s*\d+:\d\d:\d\d(?: load avg: [\d.]+)? \[\s*(\d+)/(\d+)", text, re.M)
-    res.update(config=config, wall_s=round(wall, 1), returncode=p.returncode, complete=not killed and res["result"] is not None,
+    res.update(config=config, wall_s=round(wall, 1), cpu_s=round(cpu, 1), returncode=p.returncode, complete=not killed and res["result"] is not None,
                modules_done=f"{done[-1][0]}/{done[-1][1]}" if done else None, start=start)
     print(f"cpython_suite: {config}: {wall / 60:.1f} min, result {res['result']}, "
           f"{'complete' if res['complete'] else 'NOT complete'}", flush=True)
@@ -169,14 +175,18 @@ def failing(res: dict) -> list[str]:
 
 def report(results: dict, work: Path, meta: dict) -> str:
     base = results.get("original")
-    rows = ["| configuration | complete | result | failing tests | equal to original | wall (min) | slowdown |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| configuration | complete | result | failing tests | equal to original | wall (min) | slowdown "
+            "| CPU, user + sys (min) | CPU slowdown |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, res in results.items():
         f = failing(res)
         eq = "—" if name == "original" or not base or not base["complete"] or not res["complete"] else \
             ("yes" if f == failing(base) else "no")
         slow = (f"{res['wall_s'] / base['wall_s']:.2f}x" if base and base["complete"] and res["complete"] and name != "original"
                 else "—")
+        cpu_slow = (f"{res['cpu_s'] / base['cpu_s']:.2f}x" if base and base["complete"] and res["complete"]
+                    and name != "original" and base.get("cpu_s") and res.get("cpu_s") else "—")
+        cpu = f"{res['cpu_s'] / 60:.1f}" if res.get("cpu_s") is not None else "—"
         if not res["complete"]:
             f = sorted(res.get("not_passed", {}))
         shown = ", ".join(f) or "none"
@@ -186,7 +196,7 @@ def report(results: dict, work: Path, meta: dict) -> str:
         if res.get("start"):
             done += f", from {res['start']} on"
         rows.append(f"| {name} | {done} "
-                    f"| {res['result'] or 'stopped'} | {shown} | {eq} | {res['wall_s'] / 60:.1f} | {slow} |")
+                    f"| {res['result'] or 'stopped'} | {shown} | {eq} | {res['wall_s'] / 60:.1f} | {slow} | {cpu} | {cpu_slow} |")
     lines = [f"CPython regression suite (`{' '.join(meta['command'])}`), {meta['python']}, "
              f"{meta['machine']}, {meta['date']}", "", *rows, ""]
     for name, res in results.items():
