@@ -196,18 +196,23 @@ def diff(original, rewritten, system_map, fmt):
 
 @main.command()
 @click.argument("trace_file", metavar="FILE")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "chrome", "graph"]), default="jsonl", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "chrome", "graph", "text"]), default="jsonl",
+              show_default=True,
               help="jsonl: one JSON object per trace line; chrome: trace-event JSON for Perfetto / chrome://tracing; "
-                   "graph: nested calls with durations, as ftrace's function_graph prints them")
+                   "graph: nested calls with durations, as ftrace's function_graph prints them; "
+                   "text: the trace lines (a binary trace's formatted as the kernel's trace lines)")
 @click.option("-o", "output", metavar="OUT", help="write here instead of standard output")
 @_guard
 def trace(trace_file, fmt, output):
-    """Convert trace lines (KPREWRITE_TRACE output) to JSON lines, a Chrome/Perfetto timeline or a call graph."""
+    """Convert trace lines or a binary trace (KPREWRITE_TRACE output) to JSON lines, a Chrome/Perfetto timeline,
+    a call graph or text lines."""
     import json
     from . import tracefmt
     records = tracefmt.read(trace_file)
     if fmt == "jsonl":
         text = tracefmt.jsonl(records)
+    elif fmt == "text":
+        text = tracefmt.text(records)
     elif fmt == "graph":
         from . import callgraph
         text = callgraph.graph_text(callgraph.build(records))

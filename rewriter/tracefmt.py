@@ -1,7 +1,8 @@
-"""Reading trace lines: `kprewrite trace FILE [--format jsonl|chrome|graph]`.
+"""Reading trace lines: `kprewrite trace FILE [--format jsonl|chrome|graph|text]`.
 
 Parses the lines a rewritten program writes (the kernel's tracing/trace
-format, see runtime/kp_trace.c), or a saved copy of a rewritten kernel's
+format, see runtime/kp_trace.c; or its binary records, KPREWRITE_TRACE_FORMAT=binary,
+formatted into the same lines by rewriter/tracebin.py), or a saved copy of a rewritten kernel's
 tracing/trace (our events, and the kernel's own kprobe events between them;
 its other events are skipped), into JSON lines, into the Chrome trace-event
 format that Perfetto (ui.perfetto.dev) and chrome://tracing open, or into
@@ -40,6 +41,7 @@ class Record:
     event: str
     loc: str
     args: dict
+    line: str = ""           # the trace line, as written (or formatted from a binary record)
 
     @property
     def ts_us(self) -> int:
@@ -157,20 +159,27 @@ def parse_line(line: str) -> Record | None:
     if args is None:
         return None
     return Record(m.group("comm"), int(m.group("pid")), int(m.group("cpu")), m.group("ts"),
-                  m.group("event"), m.group("loc"), args)
+                  m.group("event"), m.group("loc"), args, line.rstrip("\n"))
 
 
 def read(path: str) -> list[Record]:
-    """Trace records of a file ("-": standard input); other lines are skipped."""
+    """Trace records of a file ("-": standard input); other lines are skipped.  A binary
+    trace (KPREWRITE_TRACE_FORMAT=binary, recognized by its magic) is formatted into the
+    lines the program would have written as text (rewriter/tracebin.py)."""
     import sys
+    from . import tracebin
     try:
         if path == "-":
-            lines = sys.stdin.read().splitlines()
+            data = sys.stdin.buffer.read()
         else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.readlines()
+            with open(path, "rb") as f:
+                data = f.read()
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+    if tracebin.is_binary(data):
+        lines = tracebin.lines(data, path)
+    else:
+        lines = data.decode("utf-8", errors="replace").splitlines()
     out, other = [], 0
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):
@@ -185,6 +194,11 @@ def read(path: str) -> list[Record]:
                              "expected the output of KPREWRITE_TRACE, standard error of a rewritten program, "
                              "or a kernel's tracing/trace")
     return out
+
+
+def text(records: list[Record]) -> str:
+    """The trace lines themselves (a binary trace's formatted as the runtime writes text)."""
+    return "".join(r.line + "\n" for r in records)
 
 
 def jsonl(records: list[Record]) -> str:

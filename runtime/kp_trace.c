@@ -68,12 +68,32 @@ static int kp_tb_on, kp_tb_owner;	/* lines to a file gathered (below); by this p
 static char *kp_tb;			/* KP_TB_SIZE bytes, mapped when tracing to a file */
 #endif
 
+#ifdef KP_PLATFORM_TRACE_BINARY
+static int kp_bt_open(const char *path);
+#endif
+
 /* Start-up: where trace lines go; kprobe_profile on a signal. */
 void kp_trace_configure(char **envp)
 {
 	kp_profile_signal_configure(kp_trace_getenv(envp, "KPREWRITE_PROFILE_SIGNAL"));
 	const char *path = kp_trace_getenv(envp, "KPREWRITE_TRACE");
-	if (!path || !*path || !strcmp(path, "-") || !strcmp(path, "stderr"))
+	const char *format = kp_trace_getenv(envp, "KPREWRITE_TRACE_FORMAT");
+	int to_file = path && *path && strcmp(path, "-") && strcmp(path, "stderr");
+	if (format && *format && strcmp(format, "text")) {
+		static const char unknown[] = "kprewrite: KPREWRITE_TRACE_FORMAT: not text or binary; text lines\n";
+		static const char nofile[] = "kprewrite: KPREWRITE_TRACE_FORMAT=binary needs KPREWRITE_TRACE=FILE; text lines\n";
+		if (strcmp(format, "binary")) {
+			kp_platform_write(2, unknown, sizeof(unknown) - 1);
+		} else if (!to_file) {
+			kp_platform_write(2, nofile, sizeof(nofile) - 1);
+		} else {
+#ifdef KP_PLATFORM_TRACE_BINARY
+			kp_bt_open(path);	/* or it said why: text lines to standard error */
+			return;
+#endif
+		}
+	}
+	if (!to_file)
 		return;
 	int fd = kp_platform_open_append(path);
 	if (fd >= 0) {
@@ -180,6 +200,7 @@ struct kp_tc {
 	unsigned int cpu;
 	int fresh;			/* read again at its next line */
 	int gap;			/* this line came after a pause: write the gathered lines */
+	int changed;			/* identity read again and different: a binary context record */
 	unsigned long anchor_c, last_c;	/* counter at the last clock reading, at the last line */
 	long long anchor_ns, last_ns;
 	char comm[KP_TASK_COMM_LEN + 1];
@@ -239,11 +260,17 @@ static struct kp_tc *kp_tc_slot(void)
 /* Read the thread's identity and the clock again; refine the counter's rate. */
 static void kp_tc_read(struct kp_tc *t)
 {
+	int tid = t->tid, pid = t->pid;
+	unsigned int cpu = t->cpu;
+	char comm[KP_TASK_COMM_LEN + 1];
+	__builtin_memcpy(comm, t->comm, sizeof(comm));
 	t->tid = kp_platform_task_pid();
 	t->pid = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
 	t->cpu = kp_platform_cpu();
 	kp_platform_task_comm(t->comm);
 	t->comm[KP_TASK_COMM_LEN] = 0;
+	if (tid != t->tid || pid != t->pid || cpu != t->cpu || memcmp(comm, t->comm, sizeof(comm)))
+		t->changed = 1;
 	struct kp_line l = { t->prefix, t->prefix + sizeof(t->prefix) };
 	kp_trace_context_who(&l, t->comm, t->tid, t->cpu);
 	t->prefix_len = l.p - t->prefix;
@@ -345,6 +372,297 @@ void kp_trace_flush(void)
 	kp_tb_write_locked();
 	kp_tb_on = 0;
 	__atomic_store_n(&kp_tb_lock, 0, __ATOMIC_RELEASE);
+}
+
+/*
+ * Binary records (KPREWRITE_TRACE_FORMAT=binary with KPREWRITE_TRACE=FILE): the kernel's
+ * shape, where a hit puts its record into the ftrace ring buffer and kp_trace_format()
+ * prints it only when the trace is read.  Here the buffer is FILE itself, mapped shared:
+ * what was recorded is in the page cache as soon as it is stored, and outlives a process
+ * that crashes or hangs; `kprewrite trace`/`report` format it (rewriter/tracebin.py).
+ *
+ * FILE is a sequence of KP_BT_CHUNK-byte chunks.  Chunk 0 is the file's header
+ * (struct kp_bt_file: the magic, the sizes, `next`, the next chunk to claim).  An image
+ * (a process's rewritten program or library) claims consecutive chunks for its
+ * descriptor at start-up (KP_BT_IMAGE: its events with their fetch-arg layouts, its
+ * symbols, the load bias, the time base), written with pwrite(2).  Each thread claims a
+ * KP_BT_RECORDS chunk of its own with one atomic add on `next` (in the shared header, so
+ * the processes that write one file, forked or not, never claim the same chunk) and fills
+ * it without a lock; the file is grown (fallocate(2), which never shrinks it) and mapped
+ * KP_BT_WINDOW bytes at a time as claims reach the next window.
+ *
+ * A records chunk is 8-byte words: a record's first word is (ns << 16 | id): ns since the
+ * image's time base (48 bits: 78 hours), id the event's index + 1, or KP_BT_CTX for a
+ * context record (tid | pid << 32, cpu, comm[16]: who writes the records that follow; at
+ * the start of a chunk and whenever the thread's identity was read again and differs).  A
+ * return event adds the address returned to (the caller of `<- FUNC`); an event with
+ * fetch args the record's length in bytes and the record (kp_trace.h), padded to a word.
+ * The first word is stored last, so a record is there whole or not at all; a zero word
+ * ends the chunk.  A forked child finds its per-thread state zero (MADV_WIPEONFORK) and
+ * claims chunks of its own.
+ */
+#define KP_BT_CHUNK (64UL << 10)
+#define KP_BT_WINDOW (4UL << 20)
+#define KP_BT_CPW (KP_BT_WINDOW / KP_BT_CHUNK)
+#define KP_BT_WINDOWS 16384		/* 64 GiB of records */
+#define KP_BT_CTX 0xffffUL
+#define KP_BT_VERSION 1
+enum { KP_BT_IMAGE = 1, KP_BT_RECORDS = 2 };
+
+static const char kp_bt_magic[8] = "KPTRACEB";
+
+struct kp_bt_file {
+	char magic[8];
+	unsigned int version;
+	unsigned int state;		/* 0 new, 1 being set up, 2 ready */
+	unsigned int chunk, window;	/* KP_BT_CHUNK, KP_BT_WINDOW */
+	unsigned int endian;		/* 0x01020304 as the writer stores it */
+	unsigned int reserved;
+	unsigned long next;		/* the next chunk to claim */
+};
+
+struct kp_bt_chunk {
+	unsigned int kind;		/* KP_BT_IMAGE, KP_BT_RECORDS; 0: not (yet) written */
+	unsigned int image;		/* the chunk of the image's descriptor */
+	unsigned long len;		/* KP_BT_IMAGE: bytes of the descriptor after this header */
+};
+
+struct kp_bt_slot { unsigned long *p, *end; long pid; };
+
+struct kp_bt_state {			/* zero in a forked child (kp_platform_alloc_wipeonfork()) */
+	struct kp_bt_slot slots[KP_TC_SLOTS];
+	struct kp_bt_slot slow;		/* hits with no kp_tc slot, under kp_bt_lock */
+	char *win[KP_BT_WINDOWS];
+};
+
+static int kp_bt_on, kp_bt_fd = -1;
+static struct kp_bt_file *kp_bt_hdr;
+static struct kp_bt_state *kp_bt;
+static unsigned int kp_bt_image;
+static long long kp_bt_base;
+static volatile int kp_bt_lock;
+static struct kp_tc kp_bt_slow_tc;
+
+/* The descriptor of this image (out == 0: its length). */
+static unsigned long kp_bt_put_bytes(unsigned char *out, unsigned long n, const void *v, unsigned long len)
+{
+	if (out)
+		memcpy(out + n, v, len);
+	return n + len;
+}
+
+static unsigned long kp_bt_put_str(unsigned char *out, unsigned long n, const char *str)
+{
+	unsigned short len = str ? (unsigned short)strlen(str) : 0;
+	n = kp_bt_put_bytes(out, n, &len, 2);
+	return kp_bt_put_bytes(out, n, str, len);
+}
+
+static unsigned long kp_bt_descriptor(unsigned char *out, int pid)
+{
+	unsigned long symnames = 0;
+	for (unsigned int i = 0; i < kp_nsyms; i++) {
+		unsigned long end = kp_syms[i].name + strlen(kp_symnames + kp_syms[i].name) + 1;
+		if (end > symnames)
+			symnames = end;
+	}
+	unsigned long head[2] = { (unsigned long)kp_bt_base, kp_rt.bias };
+	unsigned int counts[4] = { (unsigned int)pid, kp_ntrace_events, kp_nsyms, (unsigned int)symnames };
+	unsigned long n = kp_bt_put_bytes(out, 0, head, sizeof(head));
+	n = kp_bt_put_bytes(out, n, counts, sizeof(counts));
+	for (unsigned int i = 0; i < kp_ntrace_events; i++) {
+		const struct kp_trace_event *ev = kp_trace_events[i];
+		unsigned short h[2] = { (unsigned short)ev->is_return, (unsigned short)ev->nargs };
+		n = kp_bt_put_bytes(out, n, h, sizeof(h));
+		n = kp_bt_put_str(out, n, ev->name);
+		n = kp_bt_put_str(out, n, ev->where);
+		for (unsigned int j = 0; j < ev->nargs; j++) {
+			const struct kp_probe_arg *a = &ev->args[j];
+			unsigned char ps[2] = { a->print, a->size };
+			n = kp_bt_put_str(out, n, a->name);
+			n = kp_bt_put_bytes(out, n, ps, 2);
+			n = kp_bt_put_bytes(out, n, &a->count, 2);
+		}
+	}
+	for (unsigned int i = 0; i < kp_nsyms; i++) {
+		unsigned long as[2] = { kp_syms[i].addr, kp_syms[i].size };
+		n = kp_bt_put_bytes(out, n, as, sizeof(as));
+		n = kp_bt_put_bytes(out, n, &kp_syms[i].name, 4);
+	}
+	return kp_bt_put_bytes(out, n, kp_symnames, symnames);
+}
+
+/* Window w of the file, mapped (and the file grown to hold it) at its first use. */
+static char *kp_bt_window(unsigned long w)
+{
+	if (w >= KP_BT_WINDOWS)
+		return 0;
+	char *m = __atomic_load_n(&kp_bt->win[w], __ATOMIC_ACQUIRE);
+	if (m)
+		return m;
+	if (kp_platform_file_grow(kp_bt_fd, (w + 1) * KP_BT_WINDOW))
+		return 0;
+	m = kp_platform_map_shared(kp_bt_fd, w * KP_BT_WINDOW, KP_BT_WINDOW);
+	if (!m)
+		return 0;
+	char *none = 0;
+	if (!__atomic_compare_exchange_n(&kp_bt->win[w], &none, m, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		kp_platform_unmap(m, KP_BT_WINDOW);	/* another thread mapped it first */
+		m = none;
+	}
+	return m;
+}
+
+/* A records chunk of the thread's own; 0 when the file cannot grow (the hit is lost). */
+static int kp_bt_claim(struct kp_bt_slot *s, long pid)
+{
+	unsigned long idx = __atomic_fetch_add(&kp_bt_hdr->next, 1, __ATOMIC_RELAXED);
+	char *w = kp_bt_window(idx / KP_BT_CPW);
+	s->p = s->end = 0;
+	if (!w)
+		return 0;
+	struct kp_bt_chunk *c = (struct kp_bt_chunk *)(w + idx % KP_BT_CPW * KP_BT_CHUNK);
+	c->image = kp_bt_image;
+	c->len = 0;
+	__atomic_store_n(&c->kind, KP_BT_RECORDS, __ATOMIC_RELEASE);
+	s->p = (unsigned long *)(c + 1);
+	s->end = (unsigned long *)((char *)c + KP_BT_CHUNK);
+	s->pid = pid;
+	return 1;
+}
+
+#define KP_BT_CTX_WORDS 5
+
+/* A hit's record into the thread's chunk (a new chunk when it is full or was claimed by
+ * another process). */
+static void kp_bt_put(struct kp_tc *t, struct kp_bt_slot *s, const struct kp_trace_event *ev, long long ns,
+		      unsigned long ret_addr, const unsigned char *rec, unsigned long len)
+{
+	unsigned long words = 1 + (ev->is_return != 0) + (ev->nargs ? 1 + (len + 7) / 8 : 0);
+	int ctx = t->changed;
+	if (!s->p || (ctx && s->pid != t->pid) ||
+	    (unsigned long)(s->end - s->p) < words + (ctx ? KP_BT_CTX_WORDS : 0)) {
+		if (!kp_bt_claim(s, t->pid))
+			return;
+		ctx = 1;
+	}
+	unsigned long rel = ((unsigned long)(ns - kp_bt_base) & ((1UL << 48) - 1)) << 16;
+	unsigned long *q = s->p;
+	if (ctx) {
+		q[1] = (unsigned int)t->tid | (unsigned long)(unsigned int)t->pid << 32;
+		q[2] = t->cpu;
+		__builtin_memcpy(q + 3, t->comm, 16);
+		__atomic_store_n(q, rel | KP_BT_CTX, __ATOMIC_RELEASE);
+		q += KP_BT_CTX_WORDS;
+		t->changed = 0;
+	}
+	unsigned long *r = q++;
+	if (ev->is_return)
+		*q++ = ret_addr;
+	if (ev->nargs) {
+		*q++ = len;
+		q[len / 8] = 0;		/* the pad of the last word */
+		kp_trace_copy((char *)q, (const char *)rec, len);
+		q += (len + 7) / 8;
+	}
+	__atomic_store_n(r, rel | (ev->index + 1), __ATOMIC_RELEASE);
+	s->p = q;
+}
+
+/* A hit's record: from the thread's slot, or (no thread pointer yet, the table full)
+ * under a lock, with its context read for it. */
+static void kp_bt_hit(struct kp_tc *t, const struct kp_trace_event *ev, long long ns,
+		      unsigned long ret_addr, const unsigned char *rec, unsigned long len)
+{
+	if (t) {
+		kp_bt_put(t, &kp_bt->slots[t - kp_tc], ev, ns, ret_addr, rec, len);
+		return;
+	}
+	while (__atomic_exchange_n(&kp_bt_lock, 1, __ATOMIC_ACQUIRE))
+		cpu_relax();
+	kp_tc_read(&kp_bt_slow_tc);
+	kp_bt_slow_tc.changed = 1;
+	kp_bt_put(&kp_bt_slow_tc, &kp_bt->slow, ev, kp_bt_slow_tc.anchor_ns, ret_addr, rec, len);
+	__atomic_store_n(&kp_bt_lock, 0, __ATOMIC_RELEASE);
+}
+
+/* Start-up: FILE opened (created) and joined, this image's descriptor written.  A message
+ * and 0 when it cannot be (the caller traces text to standard error). */
+static int kp_bt_open(const char *path)
+{
+	static const char bad[] = "kprewrite: KPREWRITE_TRACE: cannot use the file for binary records; tracing to standard error\n";
+	static const char foreign[] = "kprewrite: KPREWRITE_TRACE: the file is not a binary trace (KPREWRITE_TRACE_FORMAT=binary); tracing to standard error\n";
+	if (kp_ntrace_events >= KP_BT_CTX - 1)
+		goto fail;
+	int fd = kp_platform_open_rw(path);
+	if (fd < 0)
+		goto fail;
+	long size = kp_platform_file_size(fd);
+	if (size > 0) {		/* ours (or being set up: zero), never text lines or another file */
+		char head[64];
+		long n = kp_platform_file_read(fd, head, sizeof(head));
+		int zero = 1;
+		for (long i = 0; i < n; i++)
+			zero &= !head[i];
+		if (!zero && (n < 8 || memcmp(head, kp_bt_magic, 8))) {
+			kp_platform_close(fd);
+			kp_platform_write(2, foreign, sizeof(foreign) - 1);
+			return 0;
+		}
+	}
+	struct kp_bt_file *h;
+	if (kp_platform_file_grow(fd, KP_BT_WINDOW) || !(h = kp_platform_map_shared(fd, 0, KP_BT_WINDOW)))
+		goto fail_fd;
+	unsigned int state = 0;
+	if (__atomic_compare_exchange_n(&h->state, &state, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		h->version = KP_BT_VERSION;
+		h->chunk = KP_BT_CHUNK;
+		h->window = KP_BT_WINDOW;
+		h->endian = 0x01020304;
+		h->next = 1;
+		__builtin_memcpy(h->magic, kp_bt_magic, 8);
+		__atomic_store_n(&h->state, 2, __ATOMIC_RELEASE);
+	} else {
+		for (unsigned long spin = 0; __atomic_load_n(&h->state, __ATOMIC_ACQUIRE) != 2; spin++)
+			if (spin > 100000000UL)
+				goto fail_map;
+	}
+	if (memcmp(h->magic, kp_bt_magic, 8) || h->version != KP_BT_VERSION || h->chunk != KP_BT_CHUNK ||
+	    h->window != KP_BT_WINDOW || h->endian != 0x01020304)
+		goto fail_map;
+	kp_bt = kp_platform_alloc_wipeonfork(sizeof(*kp_bt));
+	if (!kp_bt)
+		goto fail_map;
+	kp_bt->win[0] = (char *)h;
+	kp_bt_fd = fd;
+	kp_bt_hdr = h;
+	kp_bt_base = kp_tc_clock();
+	int pid = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
+	unsigned long len = kp_bt_descriptor(0, pid);
+	unsigned long nchunks = (sizeof(struct kp_bt_chunk) + len + KP_BT_CHUNK - 1) / KP_BT_CHUNK;
+	unsigned char *d = kp_platform_alloc(sizeof(struct kp_bt_chunk) + len);
+	if (!d)
+		goto fail_map;
+	unsigned long idx = __atomic_fetch_add(&h->next, nchunks, __ATOMIC_RELAXED);
+	struct kp_bt_chunk c = { KP_BT_IMAGE, (unsigned int)idx, len };
+	kp_bt_descriptor(d + sizeof(c), pid);
+	/* the descriptor first, its header (kind) after: a reader never sees half of one */
+	if (kp_platform_file_grow(fd, (idx + nchunks) * KP_BT_CHUNK) ||
+	    kp_platform_pwrite(fd, d + sizeof(c), len, idx * KP_BT_CHUNK + sizeof(c)) ||
+	    kp_platform_pwrite(fd, &c, sizeof(c), idx * KP_BT_CHUNK))
+		goto fail_map;
+	kp_platform_unmap(d, sizeof(struct kp_bt_chunk) + len);
+	kp_bt_image = (unsigned int)idx;
+	kp_bt_on = 1;
+	return 1;
+fail_map:
+	kp_platform_unmap(h, KP_BT_WINDOW);
+fail_fd:
+	kp_platform_close(fd);
+fail:
+	kp_bt_fd = -1;
+	kp_platform_write(2, bad, sizeof(bad) - 1);
+	return 0;
 }
 #endif
 
@@ -481,8 +799,14 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 	/* The thread's id from its slot; the time taken here, before the args are
 	 * fetched, as the line's (the record's place in the kernel's ring buffer). */
 	t = kp_tc_slot();
-	if (t)
+	if (t) {
+#ifdef KP_PLATFORM_TRACE_BINARY
+		/* no chunk yet, or a forked child's first hit: who we are, read again */
+		if (kp_bt_on && !kp_bt->slots[t - kp_tc].p)
+			t->fresh = 1;
+#endif
 		ns = kp_tc_now(t);
+	}
 #endif
 #ifdef KP_PLATFORM_TRACE_FAST
 	int tid = t ? t->tid : kp_platform_task_pid();
@@ -495,6 +819,12 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 #ifdef KP_PLATFORM_TRACE_RECORD
 	if (kp_platform_trace_record(ev, regs, ip, ret_addr, rec, r.p - rec))
 		return;
+#endif
+#ifdef KP_PLATFORM_TRACE_BINARY
+	if (kp_bt_on) {
+		kp_bt_hit(t, ev, ns, ret_addr, rec, r.p - rec);
+		return;
+	}
 #endif
 	kp_trace_write(ev, &c, ip, ret_addr, rec, r.p - rec, t, ns);
 }

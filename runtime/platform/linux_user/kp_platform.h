@@ -108,6 +108,18 @@ struct kp_timespec { long sec, nsec; };
 #define KP_PLATFORM_TRACE_FAST 1
 int kp_trace_buffered(void);
 void kp_trace_flush(void);
+
+/* Binary records (KPREWRITE_TRACE_FORMAT=binary, kp_trace.c): a file mapped shared, in
+ * windows, grown as chunks are claimed; what was written outlives the process. */
+#define KP_PLATFORM_TRACE_BINARY 1
+int kp_platform_open_rw(const char *path);		/* O_RDWR|O_CREAT, 0600 */
+long kp_platform_file_read(int fd, void *buf, unsigned long len);	/* from where fd is; bytes read */
+long kp_platform_file_size(int fd);
+int kp_platform_file_grow(int fd, unsigned long size);	/* to at least size, never smaller; 0 or -errno */
+void *kp_platform_map_shared(int fd, unsigned long off, unsigned long len);	/* NULL on failure */
+void kp_platform_unmap(void *p, unsigned long len);
+int kp_platform_pwrite(int fd, const void *buf, unsigned long len, unsigned long off);	/* 0 or -1 */
+void *kp_platform_alloc_wipeonfork(unsigned long size);	/* kp_platform_alloc(), zero in a forked child */
 static inline void kp_platform_trace_clock(struct kp_timespec *ts)
 {
 	kp_syscall3(__NR_clock_gettime, 1 /* CLOCK_MONOTONIC */, ts, 0);

@@ -51,6 +51,84 @@ void kp_platform_close(int fd)
 	kp_syscall3(__NR_close, fd, 0, 0);
 }
 
+/* --- the binary trace file (kp_trace.c): raw calls, as the rest of the runtime --- */
+
+int kp_platform_open_rw(const char *path)
+{
+	return (int)kp_sys_open(path, 02 | 0100 | 02000000 /* RDWR|CREAT|CLOEXEC */, 0600);
+}
+
+long kp_platform_file_read(int fd, void *buf, unsigned long len)
+{
+	long got = 0;
+	while ((unsigned long)got < len) {
+		long r = kp_syscall3(__NR_read, fd, (char *)buf + got, len - got);
+		if (r == -4)
+			continue;
+		if (r <= 0)
+			break;
+		got += r;
+	}
+	return got;
+}
+
+long kp_platform_file_size(int fd)
+{
+	return kp_syscall3(__NR_lseek, fd, 0, 2 /* SEEK_END */);
+}
+
+/* fallocate(2) never makes a file smaller, so threads and processes that grow it at once
+ * need no lock; where the file system has no fallocate (EOPNOTSUPP), ftruncate(2) when the
+ * file is shorter. */
+int kp_platform_file_grow(int fd, unsigned long size)
+{
+	long r = kp_syscall6(__NR_fallocate, fd, 0, 0, (long)size, 0, 0);
+	if (r == -4)
+		r = kp_syscall6(__NR_fallocate, fd, 0, 0, (long)size, 0, 0);
+	if (r != -95 /* EOPNOTSUPP */ && r != -38 /* ENOSYS */)
+		return (int)r;
+	if (kp_platform_file_size(fd) >= (long)size)
+		return 0;
+	return (int)kp_syscall3(__NR_ftruncate, fd, size, 0);
+}
+
+void *kp_platform_map_shared(int fd, unsigned long off, unsigned long len)
+{
+	long p = kp_syscall6(__NR_mmap, 0, len, 3 /* RW */, 0x01 /* SHARED */, fd, (long)off);
+	return p < 0 && p > -4096 ? 0 : (void *)p;
+}
+
+void kp_platform_unmap(void *p, unsigned long len)
+{
+	kp_syscall3(__NR_munmap, p, len, 0);
+}
+
+int kp_platform_pwrite(int fd, const void *buf, unsigned long len, unsigned long off)
+{
+	while (len) {
+		long n = kp_syscall6(__NR_pwrite64, fd, (long)buf, (long)len, (long)off, 0, 0);
+		if (n == -4)
+			continue;
+		if (n <= 0)
+			return -1;
+		buf = (const char *)buf + n;
+		len -= n;
+		off += n;
+	}
+	return 0;
+}
+
+/* MADV_WIPEONFORK (Linux 4.14): a forked child finds the per-thread state zero, so it
+ * claims chunks of its own and never writes into its parent's.  qemu-user ignores the
+ * advice; the trace path then notices the child by its process id (kp_tc_read()). */
+void *kp_platform_alloc_wipeonfork(unsigned long size)
+{
+	void *p = kp_platform_alloc(size);
+	if (p)
+		kp_syscall3(__NR_madvise, p, (size + 4095) & ~4095UL, 18 /* MADV_WIPEONFORK */);
+	return p;
+}
+
 /* What the program's start-up would have passed on: the ELF ABI's rdx at entry
  * (a function to run at exit), or a shared object's first fini function. */
 static void (*kp_saved_fini)(void);

@@ -14,11 +14,15 @@
  * (asm-generic/unistd.h), which has no open(2) (openat with AT_FDCWD) and no
  * arch_prctl(2) (the thread pointer is tpidr_el0, readable at EL0). */
 #define __NR_getcpu 168
+#define __NR_ftruncate 46
+#define __NR_fallocate 47
 #define __NR_openat 56
 #define __NR_close 57
 #define __NR_pipe2 59
 #define __NR_read 63
 #define __NR_write 64
+#define __NR_lseek 62
+#define __NR_pwrite64 68
 #define __NR_clock_gettime 113
 #define __NR_sched_getaffinity 123
 #define __NR_tgkill 131
@@ -30,8 +34,10 @@
 #define __NR_prctl 167
 #define __NR_getpid 172
 #define __NR_gettid 178
+#define __NR_munmap 215
 #define __NR_mmap 222
 #define __NR_mprotect 226
+#define __NR_madvise 233
 #define __NR_process_vm_readv 270
 #define KP_AT_FDCWD (-100)
 

@@ -14,12 +14,17 @@
 #define __NR_write 1
 #define __NR_open 2
 #define __NR_close 3
+#define __NR_lseek 8
 #define __NR_mmap 9
 #define __NR_mprotect 10
+#define __NR_munmap 11
 #define __NR_rt_sigaction 13
 #define __NR_rt_sigprocmask 14
 #define __NR_rt_sigreturn 15
+#define __NR_pwrite64 18
+#define __NR_madvise 28
 #define __NR_getpid 39
+#define __NR_ftruncate 77
 #define __NR_getresuid 118
 #define __NR_getresgid 120
 #define __NR_prctl 157
@@ -28,6 +33,7 @@
 #define __NR_sched_getaffinity 204
 #define __NR_clock_gettime 228
 #define __NR_tgkill 234
+#define __NR_fallocate 285
 #define __NR_pipe2 293
 #define __NR_getcpu 309
 #define __NR_process_vm_readv 310
