@@ -118,18 +118,25 @@ def main() -> None:
         sh(["gcc", "-O2", "-pg", str(tmp / "prog.c"), "-o", str(pg)])
         (tmp / "graph.toml").write_text(SPEC)
         sh([*KPREWRITE, "instrument", str(plain), "--spec", str(tmp / "graph.toml"), "-o", str(ours), "-q"], env=ENV)
-        trace, udir = tmp / "trace.txt", tmp / "uftrace.data"
+        trace, btrace, udir = tmp / "trace.txt", tmp / "trace.bin", tmp / "uftrace.data"
 
         # The two graphs, once: calls per function.
         env = {**os.environ, "KPREWRITE_TRACE": str(trace)}
+        benv = {**os.environ, "KPREWRITE_TRACE": str(btrace), "KPREWRITE_TRACE_FORMAT": "binary"}
         sh([str(ours), str(a.n)], env=env)
+        sh([str(ours), str(a.n)], env=benv)
         rep = json.loads(sh([*KPREWRITE, "report", str(trace), "--format", "json"], env=ENV).stdout)["calls"]
+        brep = json.loads(sh([*KPREWRITE, "report", str(btrace), "--format", "json"], env=ENV).stdout)["calls"]
+        if [(f["function"], f["calls"]) for f in brep["functions"]] != [(f["function"], f["calls"]) for f in rep["functions"]]:
+            sys.exit("the binary trace's calls differ from the text trace's")
         ours_calls = {f["function"]: f["calls"] for f in rep["functions"]}
         sh(["uftrace", "record", "-d", str(udir), str(pg), str(a.n)], cwd=tmp)   # -pg's gmon.out goes there
         uf_calls = uftrace_calls(udir)
         calls = rep["count"]
         lines = len(trace.read_text().splitlines())
-        print(f"calls traced: kprewrite {calls} ({lines} trace lines, {trace.stat().st_size / 1e6:.1f} MB), "
+        bsize = btrace.stat().st_blocks * 512      # allocated: the file is grown a window at a time
+        print(f"calls traced: kprewrite {calls} ({lines} trace lines, {trace.stat().st_size / 1e6:.1f} MB; "
+              f"binary {bsize / 1e6:.1f} MB allocated), "
               f"unfinished {rep['unfinished']}, returns with no entry {rep['unmatched_returns']}")
         print("calls per function (kprewrite / uftrace):",
               ", ".join(f"{f} {ours_calls.get(f, 0)}/{uf_calls.get(f, 0)}"
@@ -137,6 +144,9 @@ def main() -> None:
 
         def prep_ours():
             trace.unlink(missing_ok=True)
+
+        def prep_ours_bin():
+            btrace.unlink(missing_ok=True)
 
         def prep_uftrace():
             shutil.rmtree(udir, ignore_errors=True)
@@ -148,6 +158,8 @@ def main() -> None:
             ("kprewrite [[function_graph]]", [str(ours), str(a.n)], env, prep_ours),
             ("  with KPREWRITE_TRACE_BUFFER=1", [str(ours), str(a.n)], {**env, "KPREWRITE_TRACE_BUFFER": "1"},
              prep_ours),
+            ("  KPREWRITE_TRACE_FORMAT=binary", [str(ours), str(a.n)], {**benv, "KPREWRITE_TRACE_FORMAT": "binary"},
+             prep_ours_bin),
         ]
         want = None
         res = {name: [] for name, *_ in variants}

@@ -597,10 +597,9 @@ static int kp_bt_open(const char *path)
 	int fd = kp_platform_open_rw(path);
 	if (fd < 0)
 		goto fail;
-	long size = kp_platform_file_size(fd);
-	if (size > 0) {		/* ours (or being set up: zero), never text lines or another file */
-		char head[64];
-		long n = kp_platform_file_read(fd, head, sizeof(head));
+	char head[64];
+	long n = kp_platform_file_read(fd, head, sizeof(head));	/* before anything moves the offset */
+	if (n > 0) {		/* ours (or being set up: zero), never text lines or another file */
 		int zero = 1;
 		for (long i = 0; i < n; i++)
 			zero &= !head[i];

@@ -112,24 +112,46 @@ MAIN_TREE = [("main", [("cg_a", [B, B, B]), ("cg_c", [B])])]
 THREAD_TREE = [("cg_t", [B])]
 
 
+# A trace in the kernel's text lines (the default), or in binary records
+# (KPREWRITE_TRACE_FORMAT=binary: a file mapped shared, formatted when read).
+FORMATS = ["text", "binary"]
+
+
+def trace_env(tf, fmt: str) -> dict:
+    return {"KPREWRITE_TRACE": str(tf), **({"KPREWRITE_TRACE_FORMAT": "binary"} if fmt == "binary" else {})}
+
+
+def trace_text(tf, fmt: str) -> str:
+    """The trace lines of a run: the file itself, or a binary trace's formatted by `kprewrite trace`."""
+    if fmt == "binary":
+        assert tf.read_bytes()[:8] == b"KPTRACEB"
+        return kprewrite("trace", tf, "--format", "text").stdout
+    return tf.read_text()
+
+
+@pytest.fixture(params=FORMATS)
+def fmt(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def traces(graph_prog, tmp_path_factory):
-    """runner -> the trace file of one run (each runner runs once per module)."""
+    """(runner, format) -> the trace file of one run (each runs once per module)."""
     out = {}
-    def get(runner):
-        if runner not in out:
-            tf = tmp_path_factory.mktemp(f"trace-{runner}") / "trace.txt"
-            r = run(graph_prog, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
+    def get(runner, fmt="text"):
+        if (runner, fmt) not in out:
+            tf = tmp_path_factory.mktemp(f"trace-{runner}-{fmt}") / "trace.txt"
+            r = run(graph_prog, runner=runner, env=trace_env(tf, fmt))
             assert r.returncode == 0, r.stderr
-            assert r.stdout == expected_output()
-            out[runner] = tf
-        return out[runner]
+            assert r.stdout == expected_output() and r.stderr == ""
+            out[runner, fmt] = tf
+        return out[runner, fmt]
     return get
 
 
-def test_tree_of_a_known_program(traces, runner):
-    tf = traces(runner)
-    text = tf.read_text()
+def test_tree_of_a_known_program(traces, runner, fmt):
+    tf = traces(runner, fmt)
+    text = trace_text(tf, fmt)
     # The user runtime's time stamps are nanoseconds: nine digits.
     assert all(re.search(r"\] +\d+\.\d{9}: ", l) for l in text.splitlines()), text[:300]
     g = callgraph.build(tracefmt.read(str(tf)))
@@ -146,8 +168,8 @@ def test_tree_of_a_known_program(traces, runner):
     assert g.unmatched == 0
 
 
-def test_graph_text(traces, runner):
-    out = kprewrite("trace", traces(runner), "--format", "graph").stdout.splitlines()
+def test_graph_text(traces, runner, fmt):
+    out = kprewrite("trace", traces(runner, fmt), "--format", "graph").stdout.splitlines()
     sections = [i for i, l in enumerate(out) if l.startswith("# thread ")]
     assert len(sections) == 2
     body = [l for l in out if not l.startswith("#") and l.strip()]
@@ -167,8 +189,8 @@ def test_graph_text(traces, runner):
     assert calls in (main + thread, thread + main), "\n".join(out)
 
 
-def test_report_total_and_self(traces, runner):
-    tf = traces(runner)
+def test_report_total_and_self(traces, runner, fmt):
+    tf = traces(runner, fmt)
     doc = json.loads(kprewrite("report", tf, "--format", "json").stdout)
     c = doc["calls"]
     assert (c["count"], c["threads"], c["unfinished"], c["unmatched_returns"]) == (9, 2, 0, 0)
@@ -201,8 +223,8 @@ def check_nested(doc: dict) -> list[dict]:
     return [e for e in doc["traceEvents"] if e["ph"] == "X"]
 
 
-def test_chrome_slices_nest(traces, runner, tmp_path):
-    kprewrite("trace", traces(runner), "--format", "chrome", "-o", tmp_path / "t.json")
+def test_chrome_slices_nest(traces, runner, fmt, tmp_path):
+    kprewrite("trace", traces(runner, fmt), "--format", "chrome", "-o", tmp_path / "t.json")
     doc = json.loads((tmp_path / "t.json").read_text())
     xs = check_nested(doc)
     assert all(len(repr(e["dur"]).partition(".")[2]) <= 3 for e in xs), xs      # ns as 3 decimals, no float noise
@@ -313,19 +335,22 @@ def test_function_graph_spec(tmp_path):
         "in true\n", r.stderr     # once, not once for the kprobe and once for the kretprobe
 
 
-def test_many_calls_and_a_fork(tmp_path, runner):
-    """Thousands of calls to a file (the runtime gathers the lines and writes them in
-    blocks), then a forked child that makes its own: every call once, none twice (the
-    child never writes the lines it inherited), each process's calls on its own thread."""
+def test_many_calls_and_a_fork(tmp_path, runner, fmt):
+    """Thousands of calls to a file (text lines, or binary records in the thread's chunks
+    of a file mapped shared), then a forked child that makes its own: every call once,
+    none twice (the child never writes the lines it inherited, nor into its parent's
+    chunk), each process's calls on its own thread."""
     prog = cc(tmp_path, "fork", FORK_PROG, *FLAGS)
     out = instrument(prog, write_spec(tmp_path, '[[function_graph]]\nsymbol_name = "fk_*"\n'))
     n = 4000
     tf = tmp_path / "trace.txt"
-    r = run(out, n, runner=runner, env={"KPREWRITE_TRACE": str(tf)})
+    r = run(out, n, runner=runner, env=trace_env(tf, fmt))
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{sum((i & 7) + ((i + 1) & 7) for i in range(n + 1))} 0\n"
-    lines = tf.read_text().splitlines()
-    assert len(lines) == 2 * 3 * (n + 1 + 10) and len(set(lines)) == len(lines)
+    lines = trace_text(tf, fmt).splitlines()
+    assert len(lines) == 2 * 3 * (n + 1 + 10)
+    if fmt == "text":       # (binary records come faster: under QEMU, some share a time stamp)
+        assert len(set(lines)) == len(lines)
     g = callgraph.build(tracefmt.read(str(tf)))
     per = {tid: [shape([c]) for c in t.items] for tid, t in g.threads.items()}
     assert sorted(len(v) for v in per.values()) == [10, n + 1]
@@ -336,3 +361,164 @@ def test_many_calls_and_a_fork(tmp_path, runner):
     for tid in per:
         ts = [tracefmt.parse_line(l).ts_ns for l in lines if f"-{tid} " in l]
         assert ts == sorted(ts)
+
+
+# --- binary records (KPREWRITE_TRACE_FORMAT=binary) --------------------------------------------------
+
+ARGS_PROG = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <signal.h>
+#include <unistd.h>
+volatile long sink;
+unsigned char big[256];
+__attribute__((noinline)) long bv(long x, const char *s, void *fn, const unsigned char *b)
+{
+    sink = x + s[0] + (long)fn + b[0];
+    return x * 3 - 7;
+}
+__attribute__((noinline)) long bw(long x) { sink = x; return x + 1; }
+int main(int argc, char **argv)
+{
+    long n = atol(argv[1]), s = 0;
+    for (int i = 0; i < 256; i++)
+        big[i] = (unsigned char)(i * 7);
+    static const char *words[] = { "plain", "tab\there \"quoted\" back\\slash\n", "", "\x01\x7f\xc3\xa9" };
+    for (long i = 0; i < n; i++)
+        s += bv(i - 2, words[i % 4], (void *)main, big) + bw(i);
+    printf("%ld\n", s);
+    fflush(stdout);
+    if (argc > 2 && argv[2][0] == 'k')
+        kill(getpid(), SIGKILL);        /* no exit: nothing the runtime gathered would be written */
+    if (argc > 2 && argv[2][0] == 'h') {
+        puts("ready");
+        fflush(stdout);
+        pause();                        /* hangs until killed */
+    }
+    return 0;
+}
+"""
+# Every print type and record item: signed, unsigned, hex, char, strings (escapes, empty),
+# arrays, a fault, symbol and symstr, $comm, $retval; and a line longer than the
+# runtime's line buffer (KP_TRACE_LINE), which ends in "...".
+ARGS_SPEC = """
+events = [
+  "p:bv_in bv x=%di:s64 u=%di:u8 h=%di:x16 s=+0(%si):string c=+0(%si):char a=+0(%si):u8[3] bad=+8(%di):u64 f=%dx:symbol fs=%dx:symstr cm=$comm",
+  "r:bv_out bv r=$retval:s32 rx=$retval:x64",
+  "p:bv_long bv b1=+0(%cx):x16[64] b2=+128(%cx):x16[64] b3=+0(%cx):x16[64] b4=+128(%cx):x16[64] b5=+0(%cx):x16[64] b6=+128(%cx):x16[64] b7=+0(%cx):x16[64]",
+]
+
+[[function_graph]]
+symbol_name = "bw"
+"""
+
+
+@pytest.fixture(scope="module")
+def args_prog(tmp_path_factory):
+    from test_events import regs
+    tmp = tmp_path_factory.mktemp("binargs")
+    prog = cc(tmp, "prog", ARGS_PROG, *FLAGS)
+    return instrument(prog, write_spec(tmp, regs(ARGS_SPEC)))
+
+
+def _untimed(line: str) -> str:
+    """A trace line without what differs between two runs: the thread id, CPU and time."""
+    return re.sub(r"^(\s*\S+)-\d+\s+\[\d+\]\s+\d+\.\d+: ", r"\1: ", line)
+
+
+def test_binary_same_lines_as_text(args_prog, runner, tmp_path):
+    """The same program traced both ways gives the same lines apart from thread ids, CPUs
+    and times, and the same JSON lines, call graph and report."""
+    n = 6
+    got = {}
+    for fmt in FORMATS:
+        tf = tmp_path / f"trace.{fmt}"
+        r = run(args_prog, n, runner=runner, env=trace_env(tf, fmt))
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        got[fmt] = trace_text(tf, fmt).splitlines()
+    text, binary = got["text"], got["binary"]
+    assert len(text) == n * 5 and [_untimed(l) for l in binary] == [_untimed(l) for l in text]
+    recs = trace_lines_of(text)
+    first = next(r for r in recs if r.event == "bv_in")
+    assert first.args["x"] == -2 and first.args["u"] == 254 and first.args["h"] == "0xfffe"
+    assert first.args["bad"] == "(fault)" and re.fullmatch(r"main\+0x0/0x[0-9a-f]+", first.args["f"])
+    assert any(r.event == "bv_out" and r.args["r"] == -13 for r in recs)
+    longs = [l for l in text if "bv_long" in l]
+    assert longs and all(l.endswith("...") for l in longs)
+    assert any('s="tab\\there \\"quoted\\" back\\\\slash\\n"' in l for l in binary)
+    jl = {}
+    for fmt in FORMATS:
+        rows = [json.loads(l) for l in kprewrite("trace", tmp_path / f"trace.{fmt}").stdout.splitlines()]
+        jl[fmt] = [{k: v for k, v in d.items() if k not in ("ts", "ts_us", "ts_ns", "pid", "cpu")} for d in rows]
+    assert jl["binary"] == jl["text"]
+    graphs = [re.sub(r"^ [ +!#*@$] +\d+\.\d{3} (us|ms|  s)", " DUR", kprewrite("trace", tmp_path / f"trace.{fmt}",
+              "--format", "graph").stdout, flags=re.M) for fmt in FORMATS]
+    assert re.sub(r"# thread \d+", "", graphs[0]) == re.sub(r"# thread \d+", "", graphs[1])
+    reps = [json.loads(kprewrite("report", tmp_path / f"trace.{fmt}", "--format", "json").stdout) for fmt in FORMATS]
+    assert [(e["event"], e["count"]) for e in reps[0]["events"]] == [(e["event"], e["count"]) for e in reps[1]["events"]]
+    # bv's two entry events (bv_in, bv_long) each open a call its one return closes
+    assert {f["function"]: f["calls"] for f in reps[0]["calls"]["functions"]} == \
+        {f["function"]: f["calls"] for f in reps[1]["calls"]["functions"]} == {"bv": 2 * n, "bw": n}
+
+
+def trace_lines_of(lines: list[str]) -> list[tracefmt.Record]:
+    return [r for r in map(tracefmt.parse_line, lines) if r is not None]
+
+
+def test_binary_survives_a_kill_and_a_hang(args_prog, runner, tmp_path):
+    """Records are in the file as soon as they are stored: a process killed with SIGKILL
+    (no exit, no flush) keeps every one, and a hung process's trace is read while it hangs."""
+    import signal
+    import subprocess
+    from conftest import qemu_command
+    n = 50
+    tf = tmp_path / "killed.bin"
+    r = run(args_prog, n, "k", runner=runner, env=trace_env(tf, "binary"))
+    assert r.returncode == -signal.SIGKILL
+    assert len(trace_text(tf, "binary").splitlines()) == n * 5
+    tf = tmp_path / "hung.bin"
+    cmd = [str(args_prog), str(n), "h"]
+    if runner == "qemu":
+        cmd = [*qemu_command(), *cmd]
+    import os
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **trace_env(tf, "binary")})
+    try:
+        assert p.stdout.readline() and p.stdout.readline() == "ready\n"
+        lines = trace_text(tf, "binary").splitlines()
+        assert len(lines) == n * 5
+        rep = json.loads(kprewrite("report", tf, "--format", "json").stdout)["calls"]
+        assert rep["count"] == 3 * n         # bw's calls, and bv's two entries a call
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_binary_file_shared_and_refused(args_prog, runner, tmp_path):
+    """Runs that trace into one binary file add to it (each process its own image and
+    chunks, as text lines are appended); a file that is not a binary trace, or no file,
+    is refused with one line and the lines go to standard error; a damaged file is an error."""
+    tf = tmp_path / "t.bin"
+    for i in range(2):
+        r = run(args_prog, 3, runner=runner, env=trace_env(tf, "binary"))
+        assert r.returncode == 0 and r.stderr == ""
+    recs = tracefmt.read(str(tf))
+    assert len(recs) == 2 * 3 * 5 and len({r.pid for r in recs}) == 2
+    txt = tmp_path / "t.txt"
+    txt.write_text("some text\n")
+    r = run(args_prog, 1, runner=runner, env=trace_env(txt, "binary"))
+    assert r.returncode == 0 and txt.read_text() == "some text\n"
+    assert r.stderr.splitlines()[0] == ("kprewrite: KPREWRITE_TRACE: the file is not a binary trace "
+                                        "(KPREWRITE_TRACE_FORMAT=binary); tracing to standard error")
+    assert len(trace_lines_of(r.stderr.splitlines())) == 5
+    r = run(args_prog, 1, runner=runner, env={"KPREWRITE_TRACE_FORMAT": "binary"})
+    assert r.stderr.splitlines()[0] == "kprewrite: KPREWRITE_TRACE_FORMAT=binary needs KPREWRITE_TRACE=FILE; text lines"
+    assert len(trace_lines_of(r.stderr.splitlines())) == 5
+    r = run(args_prog, 1, runner=runner, env={"KPREWRITE_TRACE_FORMAT": "bin"})
+    assert r.stderr.splitlines()[0] == "kprewrite: KPREWRITE_TRACE_FORMAT: not text or binary; text lines"
+    bad = tmp_path / "bad.bin"
+    data = bytearray(tf.read_bytes())
+    data[8:12] = (7).to_bytes(4, "little")
+    bad.write_bytes(bytes(data))
+    r = kprewrite("trace", bad, check=False)
+    assert r.returncode == 1 and r.stdout == "" and \
+        r.stderr == f"kprewrite: {bad}: binary trace version 7; this kprewrite reads version 1\n"

@@ -114,7 +114,6 @@ void kp_trace_flush(void);
 #define KP_PLATFORM_TRACE_BINARY 1
 int kp_platform_open_rw(const char *path);		/* O_RDWR|O_CREAT, 0600 */
 long kp_platform_file_read(int fd, void *buf, unsigned long len);	/* from where fd is; bytes read */
-long kp_platform_file_size(int fd);
 int kp_platform_file_grow(int fd, unsigned long size);	/* to at least size, never smaller; 0 or -errno */
 void *kp_platform_map_shared(int fd, unsigned long off, unsigned long len);	/* NULL on failure */
 void kp_platform_unmap(void *p, unsigned long len);

@@ -72,7 +72,7 @@ long kp_platform_file_read(int fd, void *buf, unsigned long len)
 	return got;
 }
 
-long kp_platform_file_size(int fd)
+static long kp_platform_file_size(int fd)
 {
 	return kp_syscall3(__NR_lseek, fd, 0, 2 /* SEEK_END */);
 }
