@@ -4,13 +4,15 @@
 
 One CPU-bound C program (recursive fib over a small mixing function, and a loop
 calling the same function), built twice with gcc -O2: plainly, and with -pg for
-uftrace.  Five variants run in each round, in an order that rotates from round
+uftrace.  Six variants run in each round, in an order that rotates from round
 to round: the plain build (the baseline), the -pg build alone (what -pg's mcount
 calls cost by themselves), `uftrace record` of the -pg build (Debian's uftrace),
 and the plain build rewritten by kprewrite with `[[function_graph]] symbol_name =
 "*"` (a kprobe and a kretprobe with a trace line on every function), tracing to
-a file (KPREWRITE_TRACE), one write(2) a line and, the fifth, with lines gathered
-(KPREWRITE_TRACE_BUFFER=1).  Every run's output must equal the baseline's.
+a file (KPREWRITE_TRACE): one write(2) a line, with lines gathered
+(KPREWRITE_TRACE_BUFFER=1), and binary records into the file mapped shared
+(KPREWRITE_TRACE_FORMAT=binary), formatted only when read, as uftrace's are.
+Every run's output must equal the baseline's.
 
 A run's time is its wall time from spawn to reap, and its CPU time (user + sys
 of the child and the children it reaped, os.wait4's rusage: uftrace's recorder
@@ -18,8 +20,9 @@ threads included).  The headline is paired: each round's variant time over the
 baseline's of the same round, the median of those ratios (with the range), and
 the cost per call: (variant - baseline) / calls, the calls counted from
 kprewrite's trace (its entry and return lines paired by rewriter/callgraph.py).
-Before the rounds, both graphs are compared: the calls per function of `uftrace
-report` against `kprewrite report`'s.  The load average is printed before and
+Before the rounds, the graphs are compared: the calls per function of `uftrace
+report` against `kprewrite report`'s (of the text trace; the binary trace's must
+be the same).  The load average is printed before and
 after: the machine may be shared."""
 from __future__ import annotations
 
@@ -138,6 +141,8 @@ def main() -> None:
         print(f"calls traced: kprewrite {calls} ({lines} trace lines, {trace.stat().st_size / 1e6:.1f} MB; "
               f"binary {bsize / 1e6:.1f} MB allocated), "
               f"unfinished {rep['unfinished']}, returns with no entry {rep['unmatched_returns']}")
+        usize = sum(f.stat().st_size for f in udir.glob("*.dat"))
+        print(f"uftrace's records: {usize / 1e6:.1f} MB")
         print("calls per function (kprewrite / uftrace):",
               ", ".join(f"{f} {ours_calls.get(f, 0)}/{uf_calls.get(f, 0)}"
                         for f in sorted(set(ours_calls) | set(uf_calls))))

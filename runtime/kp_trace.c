@@ -77,6 +77,7 @@ void kp_trace_configure(char **envp)
 {
 	kp_profile_signal_configure(kp_trace_getenv(envp, "KPREWRITE_PROFILE_SIGNAL"));
 	const char *path = kp_trace_getenv(envp, "KPREWRITE_TRACE");
+#ifdef KP_PLATFORM_TRACE_BINARY
 	const char *format = kp_trace_getenv(envp, "KPREWRITE_TRACE_FORMAT");
 	int to_file = path && *path && strcmp(path, "-") && strcmp(path, "stderr");
 	if (format && *format && strcmp(format, "text")) {
@@ -87,13 +88,12 @@ void kp_trace_configure(char **envp)
 		} else if (!to_file) {
 			kp_platform_write(2, nofile, sizeof(nofile) - 1);
 		} else {
-#ifdef KP_PLATFORM_TRACE_BINARY
 			kp_bt_open(path);	/* or it said why: text lines to standard error */
 			return;
-#endif
 		}
 	}
-	if (!to_file)
+#endif
+	if (!path || !*path || !strcmp(path, "-") || !strcmp(path, "stderr"))
 		return;
 	int fd = kp_platform_open_append(path);
 	if (fd >= 0) {
