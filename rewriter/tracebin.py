@@ -213,8 +213,12 @@ def body(img: Image, ev: Event, ret_addr: int, rec: bytes) -> bytes:
     return bytes(out)
 
 
-def lines(data: bytes, where: str) -> list[str]:
-    """The trace lines of a binary trace, in time order (a thread's in the order written)."""
+def records(data: bytes, where: str) -> list:
+    """The records of a binary trace as tracefmt.Records of the lines the program would
+    have written as text, in time order (a thread's in the order written).  A line is
+    parsed by tracefmt.parse_line() as a text line is, except where it is known to parse
+    as its parts (a context, an event without args: checked once, then cached)."""
+    from .tracefmt import LINE, Record, parse_line
     if len(data) < 64 or not is_binary(data):
         raise KprewriteError(f"{where}: not a binary trace")
     version, state, chunk, window, endian = struct.unpack_from("<IIIII", data, 8)
@@ -225,10 +229,8 @@ def lines(data: bytes, where: str) -> list[str]:
     if chunk < 4096 or chunk % 8:
         raise KprewriteError(f"{where}: binary trace header damaged (chunk size {chunk})")
     images: dict[int, Image] = {}
-    out: list[tuple[int, int, str]] = []
-    nchunks = len(data) // chunk
-    i = 1
     pending = []
+    nchunks, i = len(data) // chunk, 1
     while i < nchunks:
         at = i * chunk
         kind, image, length = struct.unpack_from("<IIQ", data, at)
@@ -239,6 +241,8 @@ def lines(data: bytes, where: str) -> list[str]:
         if kind == KIND_RECORDS:
             pending.append((i, image))
         i += 1
+    out: list = []
+    bodies: dict = {}           # (image, event, return address) -> (body, event, loc) or None: parse the line
     seq = 0
     for i, image in pending:
         img = images.get(image)
@@ -247,19 +251,21 @@ def lines(data: bytes, where: str) -> list[str]:
         at, end = i * chunk + 16, (i + 1) * chunk
         words = memoryview(data)[at:end].cast("Q")
         k, n = 0, len(words)
-        prefix = None
+        ctx = None                      # (prefix, comm, pid, cpu); comm None: parse each line
         while k < n:
             w0 = words[k]
             if not w0:
                 break
             ident, rel = w0 & 0xFFFF, w0 >> 16
-            ns = img.base + rel
             if ident == CTX:
                 if k + 5 > n:
                     break
-                tid, pid, cpu = words[k + 1] & 0xFFFFFFFF, words[k + 1] >> 32, words[k + 2]
+                tid, cpu = words[k + 1] & 0xFFFFFFFF, words[k + 2]
                 comm = bytes(data[at + 8 * (k + 3):at + 8 * (k + 5)]).split(b"\0", 1)[0]
-                prefix = comm.rjust(16) + b"-" + str(tid).encode().ljust(7) + f" [{cpu % 1000:03d}] ".encode()
+                prefix = (comm.rjust(16) + b"-" + str(tid).encode().ljust(7) +
+                          f" [{cpu % 1000:03d}] ".encode()).decode("utf-8", errors="replace")
+                m = LINE.match(prefix + "0.000000000: e: (x)")
+                ctx = (prefix, m.group("comm"), int(m.group("pid")), int(m.group("cpu"))) if m else (prefix, None, 0, 0)
                 k += 5
                 continue
             if ident - 1 >= len(img.events):
@@ -276,11 +282,33 @@ def lines(data: bytes, where: str) -> list[str]:
                 k += 1
                 rec = bytes(data[at + 8 * k:at + 8 * k + ln])
                 k += (ln + 7) // 8
-            if prefix is None:
+            if ctx is None:
                 continue
+            ns = img.base + rel
             sec, frac = divmod(ns, 1_000_000_000)
-            line = prefix + f"{sec:5d}.{frac:09d}: ".encode() + body(img, ev, ret, rec)
-            out.append((ns, seq, line.decode("utf-8", errors="replace")))
-            seq += 1
-    out.sort()
-    return [line for _, _, line in out]
+            ts = f"{sec}.{frac:09d}"
+            line_head = f"{ctx[0]}{sec:5d}.{frac:09d}: "
+            if ev.args or ctx[1] is None:
+                r = parse_line(line_head + body(img, ev, ret, rec).decode("utf-8", errors="replace"))
+            else:
+                key = (image, ident, ret)
+                b = bodies.get(key, 0)
+                if b == 0:
+                    text = body(img, ev, ret, rec).decode("utf-8", errors="replace")
+                    m = LINE.match("x-1 [000] 0.0: " + text)
+                    b = bodies[key] = ((text, m.group("event"), m.group("loc"))
+                                       if m and not m.group("ip") and not m.group("args") else None)
+                if b is None:
+                    r = parse_line(line_head + body(img, ev, ret, rec).decode("utf-8", errors="replace"))
+                else:
+                    r = Record(ctx[1], ctx[2], ctx[3], ts, b[1], b[2], {}, line_head + b[0])
+            if r is not None:
+                out.append((ns, seq, r))
+                seq += 1
+    out.sort(key=lambda t: (t[0], t[1]))
+    return [r for _, _, r in out]
+
+
+def lines(data: bytes, where: str) -> list[str]:
+    """The trace lines of a binary trace, in time order."""
+    return [r.line for r in records(data, where)]

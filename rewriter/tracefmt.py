@@ -177,9 +177,8 @@ def read(path: str) -> list[Record]:
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
     if tracebin.is_binary(data):
-        lines = tracebin.lines(data, path)
-    else:
-        lines = data.decode("utf-8", errors="replace").splitlines()
+        return tracebin.records(data, path)
+    lines = data.decode("utf-8", errors="replace").splitlines()
     out, other = [], 0
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):

@@ -561,7 +561,8 @@ static void kp_bt_put(struct kp_tc *t, struct kp_bt_slot *s, const struct kp_tra
 		*q++ = ret_addr;
 	if (ev->nargs) {
 		*q++ = len;
-		q[len / 8] = 0;		/* the pad of the last word */
+		if (len & 7)
+			q[len / 8] = 0;	/* the pad of the last word */
 		kp_trace_copy((char *)q, (const char *)rec, len);
 		q += (len + 7) / 8;
 	}
