@@ -522,3 +522,19 @@ def test_binary_file_shared_and_refused(args_prog, runner, tmp_path):
     r = kprewrite("trace", bad, check=False)
     assert r.returncode == 1 and r.stdout == "" and \
         r.stderr == f"kprewrite: {bad}: binary trace version 7; this kprewrite reads version 1\n"
+
+
+@pytest.mark.slow
+def test_binary_grows_past_a_window(args_prog, runner, tmp_path):
+    """Records past the first 4 MiB window of the file (and many 64 KiB chunks of one
+    thread): the file grows, the next window is mapped, and no record is lost or reordered.
+    (Slow: reading 15,000 lines of 2 KB; test_many_calls_and_a_fork fills several chunks.)"""
+    n = 3000                    # a call's records: some 1.5 KB (bv_long's arrays)
+    tf = tmp_path / "big.bin"
+    r = run(args_prog, n, runner=runner, env=trace_env(tf, "binary"))
+    assert r.returncode == 0 and r.stderr == ""
+    assert tf.stat().st_size >= 2 * (4 << 20)
+    recs = tracefmt.read(str(tf))
+    assert len(recs) == 5 * n
+    assert [r.args["x"] for r in recs if r.event == "bv_in"] == [i - 2 for i in range(n)]
+    assert all(r.line.endswith("...") for r in recs if r.event == "bv_long")
