@@ -307,8 +307,3 @@ def records(data: bytes, where: str) -> list:
                 seq += 1
     out.sort(key=lambda t: (t[0], t[1]))
     return [r for _, _, r in out]
-
-
-def lines(data: bytes, where: str) -> list[str]:
-    """The trace lines of a binary trace, in time order."""
-    return [r.line for r in records(data, where)]
