@@ -348,9 +348,9 @@ def test_many_calls_and_a_fork(tmp_path, runner, fmt):
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{sum((i & 7) + ((i + 1) & 7) for i in range(n + 1))} 0\n"
     lines = trace_text(tf, fmt).splitlines()
+    # The exact count also catches a line written twice (a child writing its parent's gathered
+    # lines); lines themselves may repeat: under QEMU two calls can share a (clamped) time stamp.
     assert len(lines) == 2 * 3 * (n + 1 + 10)
-    if fmt == "text":       # (binary records come faster: under QEMU, some share a time stamp)
-        assert len(set(lines)) == len(lines)
     g = callgraph.build(tracefmt.read(str(tf)))
     per = {tid: [shape([c]) for c in t.items] for tid, t in g.threads.items()}
     assert sorted(len(v) for v in per.values()) == [10, n + 1]
