@@ -26,7 +26,7 @@ from ...rules import Rules
 from ..linux_kernel import reserved as _kernel_reserved
 from .x86_64.writer import build  # noqa: F401
 from .x86_64.relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
-from .x86_64.rules import carried as _carried, thunk_jumps as _thunk_jumps
+from .x86_64.rules import carried as _carried, int3_copy as _int3_copy, thunk_jumps as _thunk_jumps
 
 name = "linux_module"
 RUNTIME_HANDLERS = frozenset()
@@ -80,10 +80,13 @@ def rules(image, arch) -> Rules:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
     r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
     r.region_refusal = _carried(image, r.region_refusal)
-    # No breakpoint hook in a module (yet): no int3 sites, so a post_handler (the kernel's
-    # optimize_kprobe() optimizes no kprobe with one) and a kretprobe away from an ftrace
-    # site (writer.py writes a kretprobe's entry at an ftrace site) are refused.
-    r.int3 = False
+    # Breakpoint probes: the module's own die notifier takes their traps (writer.py), each
+    # instruction run from a slot in the module's code (a copy carrying its relocations:
+    # int3_copy()), a single-stepped one's ending with an int3, as the kernel's own since
+    # 5.14.  A post_handler makes a kprobe a breakpoint one, as the kernel's optimize_kprobe().
+    r.int3 = True
+    r.singlestep_int3 = True
+    r.int3_refusal = _int3_copy(image)
     r.optimized_post_handler = False
     r.kretprobe_ftrace_only = True
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
