@@ -205,10 +205,11 @@ def test_check_on_module(romfs, tmp_path):
 def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
     """A post_handler on a probe inside a function is a breakpoint probe (the kernel optimizes no
     kprobe with one), single-stepped (an int3 after the copy); on a branch (the tail call of
-    romfs_get_tree+0xc, whose copy never comes back) it is refused, and so is a kretprobe on a
-    function with no ftrace site (exit_romfs_fs, in .exit.text): `check` names the check and the
-    address, and `instrument` refuses with the same reasons, one line each, no output.  A region
-    over a return thunk's jump makes a breakpoint probe (.return_sites), the jump itself is refused."""
+    romfs_get_tree+0xc, whose copy never comes back) it is refused: `check` names the check and
+    the address, and `instrument` refuses with the same reason in one line, no output.  A kretprobe
+    on a function with no ftrace site (exit_romfs_fs, in .exit.text) takes its entry as a kprobe
+    would (here a jump).  A region over a return thunk's jump makes a breakpoint probe
+    (.return_sites), the jump itself is refused."""
     (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
                                   "static void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
     spec = tmp_path / "probes.toml"
@@ -220,22 +221,19 @@ def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
             r"\(optimize_kprobe\(\)\)")
     branch = (r"post_handler at 0x[0-9a-f]+: a post_handler after a branch at a module's breakpoint is not "
               r"written yet \(the branch runs from its copy\)")
-    kret = (r"a kretprobe is written at an ftrace site \(a `call __fentry__` entry\) only, for now: "
-            r"exit_romfs_fs has none")
     r = kprewrite("check", romfs, "--spec", spec, check=False)
     assert re.search(r"^romfs_get_tree\+0x0  k  ftrace$", r.stdout, re.M), r.stdout
     assert re.search(rf"^romfs_get_tree\+0x5  k  int3  {post}  \[single-step\]$", r.stdout, re.M), r.stdout
     assert re.search(rf"^romfs_get_tree\+0xc  k  refused  {branch}$", r.stdout, re.M), r.stdout
-    assert re.search(rf"^exit_romfs_fs\+0x0  r  refused  kretprobe_ftrace at 0x[0-9a-f]+: {kret}$", r.stdout,
-                     re.M), r.stdout
+    assert re.search(r"^exit_romfs_fs\+0x0  r  optimized  returns: trampoline  kretprobe_trampoline at 0x[0-9a-f]+: ",
+                     r.stdout, re.M), r.stdout
     out = tmp_path / "romfs.ko"
     before = romfs.read_bytes()
     r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
     assert r.returncode != 0 and not out.exists() and romfs.read_bytes() == before
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 2, lines
+    assert len(lines) == 1, lines
     assert re.fullmatch(rf"kprewrite: probes\.toml: \[\[kprobe\]\] #3 \(romfs_get_tree\+0xc\): {branch}", lines[0]), lines
-    assert re.fullmatch(rf"kprewrite: probes\.toml: \[\[kretprobe\]\] #1 \(exit_romfs_fs\+0x0\): {kret}", lines[1]), lines
     spec.write_text('[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\n')
     r = kprewrite("check", romfs, "--spec", spec, check=False)
     assert re.search(r"^romfs_init_fs_context\+0xc  k  int3  \.return_sites at 0x\S+: the region .* overlaps a "
@@ -339,18 +337,23 @@ rmmod romfs; echo rmmod4=$?
 # tables', then the events').
 PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5", "p_romfs_init_fs_context_5",
           "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119", "p_romfs_fill_super_168",
-          "p_romfs_fill_super_186", "p_romfs_init_fs_context_12",
-          "kp_ctx", "kp_mid", "r_romfs_get_tree_0", "kp_get_tree_ret"]
+          "p_romfs_fill_super_186", "p_romfs_init_fs_context_12", "p_exit_romfs_fs_0",
+          "kp_ctx", "kp_mid", "r_romfs_get_tree_0", "r_exit_romfs_fs_0", "kp_get_tree_ret"]
 SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
          "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77", "romfs_fill_super+0xa8",
-         "romfs_fill_super+0xba", "romfs_init_fs_context+0xc",
-         "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_get_tree+0x0", "romfs_get_tree+0x0"]
+         "romfs_fill_super+0xba", "romfs_init_fs_context+0xc", "exit_romfs_fs+0x0",
+         "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_get_tree+0x0", "exit_romfs_fs+0x0",
+         "romfs_get_tree+0x0"]
 # Each load's mounts: 3 that fail (/dev/null), 1 that fails, 1 of a romfs image on a loop device,
 # the only one that reaches romfs_fill_super().
 MOUNTS = (3, 1, 1)
 
 
-def hits(probe: str, load: int) -> int:
+def hits(probe: str, load: int, exited: bool = True) -> int:
+    """A probe's hits in a load: per mount, romfs_fill_super()'s on the real one only, the module
+    exit's once, at rmmod (exited: counted by then)."""
+    if "exit_romfs_fs" in probe:
+        return int(exited)
     return int(load == 2) if "fill_super" in probe else MOUNTS[load]
 
 
@@ -413,7 +416,11 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
         # (.return_sites); its pre_handler and post_handler (the copy single-stepped: an int3 after it).
         '[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\npre_handler = "handler_int3"\n'
         'post_handler = "handler_post"\n'
-        '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n')
+        # The module's exit (exit_romfs_fs, no ftrace site: .exit.text), run by rmmod: a breakpoint
+        # (single-stepped: a post_handler) taking a kretprobe's entry too.
+        '[[kprobe]]\nsymbol_name = "exit_romfs_fs"\npost_handler = "handler_post"\n'
+        '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n'
+        '[[kretprobe]]\nsymbol_name = "exit_romfs_fs"\n')
     out = d / "romfs.ko"
     kprewrite("instrument", romfs, "--spec", d / "probes.toml", "--system-map", symvers, "-o", out)
     again = d / "again.ko"
@@ -562,9 +569,11 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
                                                           "k  romfs_fill_super+0xa8 [OPTIMIZED]",
                                                           "k  romfs_fill_super+0xba [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0xc [SINGLESTEP]",
+                                                          "k  exit_romfs_fs+0x0 [SINGLESTEP]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]",
+                                                          "r  exit_romfs_fs+0x0 [SINGLESTEP]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]"]
 
 
@@ -736,7 +745,7 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     # The counters in debugfs while loaded: 3 mounts, then 1 after the reload (from zero).
     for n in (0, 1):
         counters = dict(re.findall(rf"^counter{n + 1}: (\S+) (\d+)$", out, re.M))
-        want = {f"{p}/{c}": str(0 if c == "nmissed" else hits(p, n)) for p in PROBES
+        want = {f"{p}/{c}": str(0 if c == "nmissed" else hits(p, n, exited=False)) for p in PROBES
                 for c in ("hits", "nmissed") + (("returns",) if p.startswith(("r_", "kp_get")) else ())}
         assert counters == want, r.explain(f"counter{n + 1}: {counters}")
     exits = _exit_lines(out)
@@ -751,6 +760,10 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     assert all(int(f, 16) & 0x200 and not int(now, 16) & 0x200 for _, f, now in int3), int3
     post = re.findall(r"kp-module: romfs_init_fs_context\+0xc post ip=([0-9a-f]+) ax=([0-9a-f]+)", out)
     assert [(int(ip, 16), ax) for ip, ax in post] == [(k["romfs_init_fs_context"] + 0xe, "0") for k in loads], out
+    # The module's exit, at each rmmod: the breakpoint's post_handler after its copy (`mov $romfs_fs_type,
+    # %rdi`, 7 bytes, its R_X86_64_32S carried: rdi the same address each time it is loaded at one).
+    exit_post = re.findall(r"kp-module: exit_romfs_fs\+0x0 post ip=([0-9a-f]+)", out)
+    assert len(exit_post) == len(MOUNTS), out
     # Every instruction of romfs_fill_super() probed (the fourth load): one mount, each probe's line,
     # nothing missed; the function's first instructions (up to its first branch, +0x1d) hit once, and
     # so is the breakpoint at +0x128 (a boosted copy: a jump lands inside its region); the inlined

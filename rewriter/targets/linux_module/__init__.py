@@ -84,11 +84,11 @@ def rules(image, arch) -> Rules:
     # instruction run from a slot in the module's code (a copy carrying its relocations:
     # int3_copy()), a single-stepped one's ending with an int3, as the kernel's own since
     # 5.14.  A post_handler makes a kprobe a breakpoint one, as the kernel's optimize_kprobe().
+    # A kretprobe's entry is any of the three (an ftrace site, a jump, a breakpoint).
     r.int3 = True
     r.singlestep_int3 = True
     r.int3_refusal = _int3_copy(image)
     r.optimized_post_handler = False
-    r.kretprobe_ftrace_only = True
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r

@@ -342,6 +342,8 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
+    kr_flags = [{FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}.get(site.decision, "0")
+                for site, _, _ in plan.kretprobes]
     declared = set()
     for key in sorted(traces, key=str):
         if traces[key].is_return:
@@ -369,9 +371,9 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     # kretprobes: a pool of maxactive instances each, claimed atomically; an instance is found
     # again at return by its return-address slot (ri->fp), unique while the call lives.
     out.append(f"static struct kretprobe kp_kretprobes[{max(len(krs), 1)}] = {{")
-    for ep in krs:
+    for ep, flag in zip(krs, kr_flags):
         out.append(f"\t{{ .kp = {{ .symbol_name = {_c_string(ep.symbol)}, .offset = {ep.offset}, "
-                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(ep.event_name)}, .index = {ep.index} }}, "
+                   f".flags = {flag}, .name = {_c_string(ep.event_name)}, .index = {ep.index} }}, "
                    f".maxactive = {ep.kret.maxactive or 16}, .data_size = {ep.kret.data_size} }},")
     out.append("};")
     out.append(f"static unsigned long kp_kret_hits[{max(len(krs), 1)}], kp_kret_returns[{max(len(krs), 1)}];")
