@@ -245,6 +245,20 @@ def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
                      r"on a site patched at boot \(\.return_sites\)$", r.stdout, re.M), r.stdout
 
 
+def test_int3_refused_where_the_kernel_calls_before_init(modules, tmp_path):
+    """loop.ko's max_loop parameter has its own kernel_param_ops (max_loop_param_set_int), which the
+    kernel calls at insmod (parse_args()) before the module's init registers our die notifier: no
+    breakpoint there (`xor %eax,%eax` before the return thunk's jump, which a jump cannot take,
+    elsewhere a breakpoint probe: romfs_init_fs_context+0xc)."""
+    spec = tmp_path / "probes.toml"
+    spec.write_text('[[kprobe]]\nsymbol_name = "max_loop_param_set_int"\noffset = 0x15\n')
+    r = kprewrite("check", modules["loop"], "--spec", spec, check=False)
+    assert re.search(r"^max_loop_param_set_int\+0x15  k  refused  module_int3 at 0x[0-9a-f]+: max_loop_param_set_int "
+                     r"is a module parameter's set \(kernel_param_ops\), which the kernel may call at insmod "
+                     r"\(parse_args\(\), the parameter's sysfs file\), before the module's init registers the die "
+                     r"notifier that takes its breakpoints$", r.stdout, re.M), r.stdout
+
+
 def _relas(ko: Path) -> dict[str, list[tuple[int, str, str]]]:
     """section -> [(offset, type, symbol + addend as readelf prints them)] of a module's relocations."""
     out = subprocess.run(["readelf", "-W", "-r", str(ko)], capture_output=True, text=True, check=True).stdout

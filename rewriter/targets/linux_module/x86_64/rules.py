@@ -71,8 +71,18 @@ def int3_copy(image):
     from ....arch.x86_64.kprobe_xol import K_XBEGIN
     from . import optprobe
 
+    early = None
+
     def refusal(arch, site):
+        nonlocal early
         x = site.xol
+        if early is None:
+            early = before_init(image)
+        func = site.probes[0].func
+        why = early.get(func.start) if func is not None else None
+        if why is not None:
+            return arch.Refusal("module_int3", site.addr, f"{func.name} {why}, before the module's init "
+                                                          "registers the die notifier that takes its breakpoints")
         if x.mode == EMULATE and x.kind == K_XBEGIN:
             return arch.Refusal("module_int3", site.addr, "xbegin's copy in a module's breakpoint slot is not "
                                                           "written (its abort target would not move)")
@@ -91,3 +101,36 @@ def int3_copy(image):
             return arch.Refusal(*e.args)
         return None
     return refusal
+
+
+# struct kernel_param (include/linux/moduleparam.h): name, mod, ops, perm/level/flags, arg.
+KERNEL_PARAM_SIZE, KERNEL_PARAM_OPS = 40, 16
+# struct kernel_param_ops: flags, then set, get and free.
+PARAM_OPS_FUNCS = ((8, "set"), (16, "get"), (24, "free"))
+
+
+def before_init(image) -> dict[int, str]:
+    """The module's functions the kernel may call before the module's init: a module parameter's
+    own kernel_param_ops (load_module() runs parse_args(), which calls its `set`, and makes
+    /sys/module/<module>/parameters/, whose reads call its `get`, after the text is live and
+    before do_init_module()), by their start: why.  A breakpoint there would trap with no
+    notifier of ours registered yet (an oops), so int3_copy() refuses it; the functions they
+    call are not followed."""
+    mod = image.container
+    sec = mod.section_named("__param")
+    a = mod.addr.get(sec.index) if sec is not None else None
+    lo, hi = mod.stand_in
+    out = {}
+    if a is None:
+        return out
+    for at in range(a, a + sec.size - KERNEL_PARAM_SIZE + 1, KERNEL_PARAM_SIZE):
+        ops = int.from_bytes(image.read(at + KERNEL_PARAM_OPS, 8), "little")
+        if mod.place(ops) is None:      # the kernel's param_ops_*: not the module's code
+            continue
+        for off, name in PARAM_OPS_FUNCS:
+            fn = int.from_bytes(image.read(ops + off, 8), "little")
+            f = image.function_at(fn) if fn else None
+            if f is not None and f.start == fn and not lo <= fn < hi:
+                out.setdefault(f.start, f"is a module parameter's {name} (kernel_param_ops), which the kernel "
+                                        f"may call at insmod (parse_args(), the parameter's sysfs file)")
+    return out
