@@ -12,8 +12,9 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
   init) and the kernel's symbols the module refers to (stand-ins in the view);
 - x86_64/writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
   ftrace sites, kprobes inside functions as optimized probes (x86_64/optprobe.py: the
-  region's copy carrying the module's relocations), C handlers and trace events; the rest
-  is refused with one line, docs/limitations.md);
+  region's copy carrying the module's relocations), else as breakpoint probes taken by the
+  module's own die notifier (each instruction run from a slot copied the same way), C
+  handlers and trace events; the rest is refused with one line, docs/limitations.md);
 - symvers.py: the kernel's Module.symvers, the CRCs of the kernel symbols the module's
   runtime adds to its imports (its __versions);
 - kernel_btf.py: the kernel's BTF (beside Module.symvers, or /sys/kernel/btf/vmlinux), the

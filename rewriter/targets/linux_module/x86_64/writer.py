@@ -21,12 +21,17 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
   module's exit, disarms and prints each probe's hits.  The code goes with the module
   at rmmod, and the probes with it.
 
-A kretprobe at such a site is the kernel's kind: the return address swapped at entry for
+A kretprobe is the kernel's kind: the return address swapped at entry for
 kp_kret_trampoline, its instance from a pool claimed atomically and found again at return
 by its return-address slot.  A kprobe inside a function is an optimized (jump) probe: a
 `jmp` to a detour built as opt.c's template, then the region's copy with the module's
-relocations carried (optprobe.py; opt_detour(), _redirect()).  What cannot be placed so is
-refused with one line.
+relocations carried (optprobe.py; opt_detour(), _redirect()).  Where no jump can go (or
+with a post_handler, which the kernel never optimizes), a breakpoint probe: an int3 at the
+site, taken by the module's own die notifier (DIE_INT3, registered first thing in
+kp_module_init(); _int3_c()), the instruction run from a slot in the module's code
+(int3_slot(): its copy carrying its relocations, then a jump back, or an int3 where the
+kernel would single-step).  A kretprobe's entry may be any of these.  What cannot be placed
+is refused with one line.
 
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
 kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
@@ -748,8 +753,8 @@ kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 
 def refuse_unsupported(s) -> None:
     """One line per probe the module cannot take: an optimized region whose copy cannot
     carry its relocations (optprobe.py; the module's rules refuse it first, so `check`
-    names it too), an @SYM in an event.  A post_handler away from an ftrace site and a
-    kretprobe away from one are the module's rules' refusals (linux_module.rules())."""
+    names it too), an @SYM in an event.  What a breakpoint site cannot take is the module's
+    rules' refusal (x86_64/rules.py's int3_copy())."""
     from ....resolve import is_entry
     from .optprobe import region
     lines = []
