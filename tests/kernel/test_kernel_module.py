@@ -352,11 +352,12 @@ rmmod romfs; echo rmmod4=$?
 PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5", "p_romfs_init_fs_context_5",
           "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119", "p_romfs_fill_super_168",
           "p_romfs_fill_super_186", "p_romfs_init_fs_context_12", "p_exit_romfs_fs_0",
-          "kp_ctx", "kp_mid", "r_romfs_get_tree_0", "r_exit_romfs_fs_0", "kp_get_tree_ret"]
+          "kp_ctx", "kp_mid", "kp_int3", "r_romfs_get_tree_0", "r_exit_romfs_fs_0", "kp_get_tree_ret"]
 SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
          "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77", "romfs_fill_super+0xa8",
          "romfs_fill_super+0xba", "romfs_init_fs_context+0xc", "exit_romfs_fs+0x0",
-         "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_get_tree+0x0", "exit_romfs_fs+0x0",
+         "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_init_fs_context+0xc", "romfs_get_tree+0x0",
+         "exit_romfs_fs+0x0",
          "romfs_get_tree+0x0"]
 # Each load's mounts: 3 that fail (/dev/null), 1 that fails, 1 of a romfs image on a loop device,
 # the only one that reaches romfs_fill_super().
@@ -408,6 +409,7 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
         'handlers = ["h.c"]\n'
         f'events = ["p:kp_ctx romfs_init_fs_context fstype=+0(+0(+{fs_type}(%di))):string comm=$comm",\n'
         '          "p:kp_mid romfs_get_tree+0xc fill=%si:x64",\n'
+        '          "p:kp_int3 romfs_init_fs_context+0xc fc=%di:x64",\n'
         '          "r:kp_get_tree_ret romfs_get_tree ret=$retval:s32"]\n'
         '[[kprobe]]\nsymbol_name = "romfs_get_tree"\npre_handler = "handler_pre"\n'
         f'fetch = "fc=$arg1:x64 source=+0(+{source}(%di)):string"\n'
@@ -504,7 +506,7 @@ def test_event_calls_need_the_kernel_btf(romfs, rewritten_romfs, symvers, tmp_pa
     pointer each in _ftrace_events (the module loader registers them), trace_event_raw_init
     imported; with a Module.symvers alone, no _ftrace_events: lines as trace_printk() writes them."""
     assert (symvers.parent / "vmlinux").is_file()
-    assert _section_size(rewritten_romfs, "_ftrace_events") == 8 * 4       # kp_ctx, kp_mid, kp_get_tree_ret, the fetch
+    assert _section_size(rewritten_romfs, "_ftrace_events") == 8 * 5       # kp_ctx, kp_mid, kp_int3, kp_get_tree_ret, the fetch
     assert "trace_event_raw_init" in _versions(rewritten_romfs)
     alone = tmp_path / "Module.symvers"
     alone.write_bytes(symvers.read_bytes())
@@ -586,6 +588,7 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
                                                           "k  exit_romfs_fs+0x0 [SINGLESTEP]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0xc [OPTIMIZED]",
+                                                          "k  romfs_init_fs_context+0xc [SINGLESTEP]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]",
                                                           "r  exit_romfs_fs+0x0 [SINGLESTEP]",
                                                           "r  romfs_get_tree+0x0 [FTRACE]"]
@@ -681,7 +684,7 @@ def _initrd(make_initramfs, rewritten_romfs, modules, every_insn):
 
 def _expected_exits() -> list[tuple]:
     """Each load's exit lines: every probe's hits (a kretprobe's returns), nmissed 0."""
-    return [(p, s, str(hits(p, n)), " nmissed 0" if p.startswith(("p_", "kp_ctx", "kp_mid"))
+    return [(p, s, str(hits(p, n)), " nmissed 0" if p.startswith(("p_", "kp_ctx", "kp_mid", "kp_int3"))
              else f" returns {hits(p, n)} nmissed 0") for n in range(len(MOUNTS)) for p, s in zip(PROBES, SITES)]
 
 
@@ -751,6 +754,8 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
         for _, di in mounts:
             want += [f"kp_ctx: (romfs_init_fs_context+0x0/{size['romfs_init_fs_context']:#x}) "
                      "fstype=\"romfs\" comm=\"mount\""] * (n == "2")
+            # The event at the breakpoint (with the C handlers there): the same fs_context.
+            want += [f"kp_int3: (romfs_init_fs_context+0xc/{size['romfs_init_fs_context']:#x}) fc=0x{di}"]
             want += [f"p_romfs_get_tree_0: (romfs_get_tree+0x0/{size['romfs_get_tree']:#x}) "
                      f"fc=0x{di} source=\"/dev/null\"",
                      f"kp_mid: (romfs_get_tree+0xc/{size['romfs_get_tree']:#x}) fill=0x{k['romfs_fill_super']:x}"]
