@@ -308,6 +308,7 @@ D=/sys/kernel/debug/kprewrite-romfs
 insmod /romfs.ko; echo insmod1=$?
 grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
 grep -c '^romfs_' $T/available_filter_functions | sed 's/^/ftrace-romfs: /'
+grep -E '[[:space:]]kp_(int3_notify|dispatch_[0-9]+|post_[0-9]+)( |$)' /sys/kernel/debug/kprobes/blacklist | sed 's/^/kbl: /'
 grep -E '^romfs_(get_tree|init_fs_context)[[:space:]]' $T/available_filter_functions | sed 's/^/ftrace-probed: /'
 E=$T/events/kprobes
 ls $E | sed 's/^/event: /'
@@ -714,6 +715,10 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     assert set(ksym) == {"romfs_get_tree", "romfs_init_fs_context", "romfs_fill_super"}, r.explain("no kallsyms")
     # ftrace no longer owns the probed entries (their __mcount_loc entries dropped), the others it does.
     assert not re.search(r"^ftrace-probed:", out, re.M), r.explain("a probed site is still ftrace's")
+    # The breakpoints' trap path is on the kernel's kprobe blacklist (NOKPROBE_SYMBOL()): the notifier,
+    # the breakpoint sites' dispatch (romfs_init_fs_context+0xc and exit_romfs_fs) and post-handler calls.
+    kbl = sorted(re.sub(r"_\d+$", "_N", n) for n in re.findall(r"^kbl: 0x[0-9a-f]+-0x[0-9a-f]+\s+(\S+) \[romfs\]$", out, re.M))
+    assert kbl == ["kp_dispatch_N"] * 2 + ["kp_int3_notify"] + ["kp_post_N"] * 2, r.explain(f"kprobe blacklist: {kbl}")
     assert int(re.search(r"^ftrace-romfs: (\d+)", out, re.M).group(1)) > 5
     # The module may load elsewhere each time: its addresses are ksym, ksym2, ksym3.
     ksym2, ksym3 = ({m.group(2): int(m.group(1), 16) for m in re.finditer(rf"^ksym{n}: ([0-9a-f]+) t (\S+)", out, re.M)}

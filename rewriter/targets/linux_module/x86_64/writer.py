@@ -610,6 +610,13 @@ static int kp_int3_notify(struct kp_notifier_block *nb, unsigned long val, void 
 
 /* First on the chain: the traps at our sites are ours whoever else listens. */
 static struct kp_notifier_block kp_int3_nb = {{ .notifier_call = kp_int3_notify, .priority = 0x7fffffff }};""")
+    # NOKPROBE_SYMBOL(): the trap's path is no place for a kprobe of the kernel's (a breakpoint
+    # there would trap again inside ours); the module loader hands the section's entries to
+    # the kprobes blacklist (add_module_kprobe_blacklist()).
+    nokprobe = ["kp_int3_notify"] + [f"kp_dispatch_{n}" for n, _, _ in int3] + [
+        f"kp_post_{n}" for n, _, ks in int3 if any(kps[i].spec.post_handler for i in ks)]
+    out.append("static unsigned long kp_nokprobe[] __attribute__((section(\"_kprobe_blacklist\"), used, aligned(8))) = "
+               "{ " + ", ".join(f"(unsigned long){f}" for f in nokprobe) + " };")
     return "\n".join(out)
 
 
