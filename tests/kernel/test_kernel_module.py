@@ -553,8 +553,9 @@ def test_kernel_btf_that_cannot_be_read(romfs, symvers, tmp_path, vmlinux):
 
 
 def test_events_without_symvers_are_one_line(romfs, debian_kernel, tmp_path):
-    """@SYM in a module's event is not written yet: one line.  Events on a module need the
-    kernel's CRCs: without Module.symvers, one line naming what and where to find it, no output."""
+    """@SYM in a module's event is not written yet: one line.  Events and breakpoint probes on a
+    module need the kernel's CRCs: without Module.symvers, one line naming what and where to find
+    it, no output."""
     spec = tmp_path / "probes.toml"
     out = tmp_path / "romfs.ko"
     spec.write_text('events = ["p:kp_at romfs_get_tree v=@romfs_fs_type:u64"]\n')
@@ -570,6 +571,12 @@ def test_events_without_symvers_are_one_line(romfs, debian_kernel, tmp_path):
     assert r.returncode != 0 and not out.exists() and len(lines) == 1, r.stderr
     assert "the module's runtime calls kernel symbols the module does not import (" in lines[0]
     assert "__trace_puts" in lines[0] and "Module.symvers: give it with --system-map FILE" in lines[0]
+    # A breakpoint probe needs them too (the die notifier's registration).
+    spec.write_text('[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\n')
+    r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and not out.exists() and len(lines) == 1, r.stderr
+    assert "does not import (register_die_notifier, unregister_die_notifier)" in lines[0], lines
 
 
 def test_list_on_rewritten_module(romfs, rewritten_romfs):

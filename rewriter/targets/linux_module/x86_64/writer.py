@@ -276,9 +276,10 @@ def _placeholder(placeholders: dict):
 
 
 def traps_after(site) -> bool:
-    """Whether a breakpoint site's slot ends with an int3 (the kernel's single-step since 5.14:
-    a copy that is not boosted, or a kprobe with a post_handler, which runs at that trap)."""
-    return site.xol.mode == SINGLESTEP or site.with_post
+    """Whether a breakpoint site's slot ends with an int3: the kernel's single-step since 5.14
+    (an instruction it does not boost, or a kprobe with a post_handler, which runs at that
+    trap: the module's rules single-step those, x86_64/rules.py's int3_copy())."""
+    return site.xol.mode == SINGLESTEP
 
 
 def int3_slot(i: int, site, mod, relocs, placeholders: dict) -> str:
