@@ -451,7 +451,7 @@ def romfs_every_insn(romfs, symvers, tmp_path_factory) -> tuple[Path, dict[int, 
     """romfs.ko with a counting probe at every instruction of romfs_fill_super() (objdump's) that
     `check` places: jump-optimized ones and breakpoint ones (a region over a jump target, over a
     return thunk's jump, over the next probe: boosted copies, branches and calls run from their
-    slots).  (the module, {offset: `check`'s decision and int3 mode})."""
+    slots), and a kretprobe on its exit.  (the module, {offset: `check`'s decision and int3 mode})."""
     d = tmp_path_factory.mktemp("module-all")
     _, start, size = _func_syms(romfs)["romfs_fill_super"]
     dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text", f"--start-address={start}",
@@ -464,7 +464,11 @@ def romfs_every_insn(romfs, symvers, tmp_path_factory) -> tuple[Path, dict[int, 
     placed = {int(m.group(1), 16): m.group(2) + (m.group(3) or "")
               for m in re.finditer(r"^romfs_fill_super\+(0x[0-9a-f]+)  k  (optimized|int3)(?:  .*(  \[\S+\]))?$",
                                    out, re.M)}
-    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = {o}\n' for o in sorted(placed)))
+    # and a kretprobe on the module's exit (no ftrace site: its entry a jump here).
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = {o}\n' for o in sorted(placed))
+                    + '[[kretprobe]]\nsymbol_name = "exit_romfs_fs"\n')
+    assert re.search(r"^exit_romfs_fs\+0x0  r  optimized  returns: trampoline",
+                     kprewrite("check", romfs, "--spec", spec).stdout, re.M)
     ko = d / "romfs.ko"
     kprewrite("instrument", romfs, "--spec", spec, "--system-map", symvers, "-o", ko)
     return ko, placed
@@ -796,11 +800,13 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     exit_post = re.findall(r"kp-module: exit_romfs_fs\+0x0 post ip=([0-9a-f]+)", out)
     assert len(exit_post) == len(MOUNTS), out
     # Every instruction of romfs_fill_super() probed (the fourth load): one mount, each probe's line,
-    # nothing missed; the function's first instructions (up to its first branch, +0x1d) hit once, and
+    # nothing missed (the kretprobe on the exit, entered by a jump: one call, one return); the function's first instructions (up to its first branch, +0x1d) hit once, and
     # so is the breakpoint at +0x128 (a boosted copy: a jump lands inside its region); the inlined
     # romfs_checksum() loop over the superblock's 512 bytes (+0x12b to its `jb` back, emulated from
     # its slot at +0x138) 128 times, each of its instructions.
     every = exits[len(_expected_exits()):]
+    assert every[-1:] == [("r_exit_romfs_fs_0", "exit_romfs_fs+0x0", "1", " returns 1 nmissed 0")], every[-1:]
+    every = every[:-1]
     _, placed = romfs_every_insn
     assert [int(site.split("+")[1], 16) for _, site, _, _ in every] == sorted(placed), every
     assert all(rest == " nmissed 0" for _, _, _, rest in every), every
