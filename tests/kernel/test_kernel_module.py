@@ -202,14 +202,12 @@ def test_check_on_module(romfs, tmp_path):
     assert syms["romfs_fill_super"][0] == ".text"
 
 
-def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
-    """A post_handler on a probe inside a function is a breakpoint probe (the kernel optimizes no
-    kprobe with one), single-stepped (an int3 after the copy); on a branch (the tail call of
-    romfs_get_tree+0xc, whose copy never comes back) it is refused: `check` names the check and
-    the address, and `instrument` refuses with the same reason in one line, no output.  A kretprobe
-    on a function with no ftrace site (exit_romfs_fs, in .exit.text) takes its entry as a kprobe
-    would (here a jump).  A region over a return thunk's jump makes a breakpoint probe
-    (.return_sites), the jump itself is refused."""
+def test_check_breakpoints_and_kretprobes_in_a_module(romfs, tmp_path):
+    """A post_handler on a probe inside a function makes a breakpoint probe (the kernel optimizes
+    no kprobe with one), single-stepped (an int3 after the copy), or on a branch (the tail call of
+    romfs_get_tree+0xc) emulated in the trap; a kretprobe on a function with no ftrace site
+    (exit_romfs_fs, in .exit.text) takes its entry as a kprobe would (here a jump).  A region over
+    a return thunk's jump makes a breakpoint probe (.return_sites), the jump itself is refused."""
     (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
                                   "static void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
     spec = tmp_path / "probes.toml"
@@ -219,21 +217,13 @@ def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
                     '[[kretprobe]]\nsymbol_name = "exit_romfs_fs"\n')
     post = (r"post_handler at 0x[0-9a-f]+: the kernel optimizes no kprobe with a post_handler "
             r"\(optimize_kprobe\(\)\)")
-    branch = (r"post_handler at 0x[0-9a-f]+: a post_handler after a branch at a module's breakpoint is not "
-              r"written yet \(the branch runs from its copy\)")
     r = kprewrite("check", romfs, "--spec", spec, check=False)
     assert re.search(r"^romfs_get_tree\+0x0  k  ftrace$", r.stdout, re.M), r.stdout
     assert re.search(rf"^romfs_get_tree\+0x5  k  int3  {post}  \[single-step\]$", r.stdout, re.M), r.stdout
-    assert re.search(rf"^romfs_get_tree\+0xc  k  refused  {branch}$", r.stdout, re.M), r.stdout
+    assert re.search(r"^romfs_get_tree\+0xc  k  int3  post_handler at 0x[0-9a-f]+: a post_handler cannot run after a "
+                     r"branch in a detour  \[emulate\]$", r.stdout, re.M), r.stdout
     assert re.search(r"^exit_romfs_fs\+0x0  r  optimized  returns: trampoline  kretprobe_trampoline at 0x[0-9a-f]+: ",
                      r.stdout, re.M), r.stdout
-    out = tmp_path / "romfs.ko"
-    before = romfs.read_bytes()
-    r = kprewrite("instrument", romfs, "--spec", spec, "-o", out, check=False)
-    assert r.returncode != 0 and not out.exists() and romfs.read_bytes() == before
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert re.fullmatch(rf"kprewrite: probes\.toml: \[\[kprobe\]\] #3 \(romfs_get_tree\+0xc\): {branch}", lines[0]), lines
     spec.write_text('[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xc\n')
     r = kprewrite("check", romfs, "--spec", spec, check=False)
     assert re.search(r"^romfs_init_fs_context\+0xc  k  int3  \.return_sites at 0x\S+: the region .* overlaps a "
@@ -248,7 +238,7 @@ def test_instrument_refuses_what_a_module_does_not_take_yet(romfs, tmp_path):
 def test_int3_refused_where_the_kernel_calls_before_init(modules, tmp_path):
     """loop.ko's max_loop parameter has its own kernel_param_ops (max_loop_param_set_int), which the
     kernel calls at insmod (parse_args()) before the module's init registers our die notifier: no
-    breakpoint there (`xor %eax,%eax` before the return thunk's jump, which a jump cannot take,
+    breakpoint there (`check` and `instrument`, one line, no output) (`xor %eax,%eax` before the return thunk's jump, which a jump cannot take,
     elsewhere a breakpoint probe: romfs_init_fs_context+0xc)."""
     spec = tmp_path / "probes.toml"
     spec.write_text('[[kprobe]]\nsymbol_name = "max_loop_param_set_int"\noffset = 0x15\n')
@@ -257,6 +247,13 @@ def test_int3_refused_where_the_kernel_calls_before_init(modules, tmp_path):
                      r"is a module parameter's set \(kernel_param_ops\), which the kernel may call at insmod "
                      r"\(parse_args\(\), the parameter's sysfs file\), before the module's init registers the die "
                      r"notifier that takes its breakpoints$", r.stdout, re.M), r.stdout
+    out = tmp_path / "loop.ko"
+    before = modules["loop"].read_bytes()
+    r = kprewrite("instrument", modules["loop"], "--spec", spec, "-o", out, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and not out.exists() and modules["loop"].read_bytes() == before and len(lines) == 1, lines
+    assert re.fullmatch(r"kprewrite: probes\.toml: \[\[kprobe\]\] #1 \(max_loop_param_set_int\+0x15\): module_int3 at "
+                        r"0x[0-9a-f]+: max_loop_param_set_int is a module parameter's set .*", lines[0]), lines
 
 
 def _relas(ko: Path) -> dict[str, list[tuple[int, str, str]]]:
@@ -293,6 +290,15 @@ static int handler_int3(struct kprobe *p, struct pt_regs *regs)
 static void handler_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
 {
 	printk(KERN_INFO "kp-module: %s+%#x post ip=%lx ax=%lx\n", p->symbol_name, p->offset, regs->ip, regs->ax);
+}
+static void handler_call(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
+	printk(KERN_INFO "kp-module: %s+%#x called ip=%lx ret=%lx\n", p->symbol_name, p->offset, regs->ip,
+	       *(unsigned long *)regs->sp);
+}
+static void handler_branch(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
+	printk(KERN_INFO "kp-module: %s+%#x went ip=%lx\n", p->symbol_name, p->offset, regs->ip);
 }
 static int ret_handler(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
@@ -335,7 +341,7 @@ for f in $D/*/*; do echo "counter2: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod2=$?
 insmod /loop.ko; echo loop=$?
 insmod /romfs.ko; echo insmod3=$?
-grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym3: /'
+grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super|romfs_iget|d_make_root)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym3: /'
 losetup /dev/loop0 /romfs.img; echo losetup=$?
 mount -t romfs -o ro /dev/loop0 /mnt; echo mount3=$?
 cat /mnt/hello | sed 's/^/file: /'
@@ -353,10 +359,12 @@ rmmod romfs; echo rmmod4=$?
 PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5", "p_romfs_init_fs_context_5",
           "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119", "p_romfs_fill_super_168",
           "p_romfs_fill_super_186", "p_romfs_init_fs_context_12", "p_exit_romfs_fs_0",
+          "p_romfs_fill_super_409", "p_romfs_fill_super_432", "p_romfs_fill_super_316", "p_romfs_fill_super_449",
           "kp_ctx", "kp_mid", "kp_int3", "r_romfs_get_tree_0", "r_exit_romfs_fs_0", "kp_get_tree_ret"]
 SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
          "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77", "romfs_fill_super+0xa8",
          "romfs_fill_super+0xba", "romfs_init_fs_context+0xc", "exit_romfs_fs+0x0",
+         "romfs_fill_super+0x199", "romfs_fill_super+0x1b0", "romfs_fill_super+0x13c", "romfs_fill_super+0x1c1",
          "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_init_fs_context+0xc", "romfs_get_tree+0x0",
          "exit_romfs_fs+0x0",
          "romfs_get_tree+0x0"]
@@ -436,6 +444,13 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
         # The module's exit (exit_romfs_fs, no ftrace site: .exit.text), run by rmmod: a breakpoint
         # (single-stepped: a post_handler) taking a kretprobe's entry too.
         '[[kprobe]]\nsymbol_name = "exit_romfs_fs"\npost_handler = "handler_post"\n'
+        # Calls at breakpoints with a post_handler, emulated in the trap (the return address pushed,
+        # regs->ip the callee): to romfs_iget() in the module, to the kernel's d_make_root().
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x199\npost_handler = "handler_call"\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x1b0\npost_handler = "handler_call"\n'
+        # A `jne` (not taken: the superblock's checksum is 0) and a `jmp` back into the function.
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x13c\npost_handler = "handler_branch"\n'
+        '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x1c1\npost_handler = "handler_branch"\n'
         '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n'
         '[[kretprobe]]\nsymbol_name = "exit_romfs_fs"\n')
     out = d / "romfs.ko"
@@ -598,6 +613,10 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
                                                           "k  romfs_fill_super+0xba [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0xc [SINGLESTEP]",
                                                           "k  exit_romfs_fs+0x0 [SINGLESTEP]",
+                                                          "k  romfs_fill_super+0x199 [EMULATED]",
+                                                          "k  romfs_fill_super+0x1b0 [EMULATED]",
+                                                          "k  romfs_fill_super+0x13c [EMULATED]",
+                                                          "k  romfs_fill_super+0x1c1 [EMULATED]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0xc [SINGLESTEP]",
@@ -727,12 +746,13 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     # ftrace no longer owns the probed entries (their __mcount_loc entries dropped), the others it does.
     assert not re.search(r"^ftrace-probed:", out, re.M), r.explain("a probed site is still ftrace's")
     # The breakpoints' trap path is on the kernel's kprobe blacklist (NOKPROBE_SYMBOL()): the notifier,
-    # the breakpoint sites' dispatch (romfs_init_fs_context+0xc and exit_romfs_fs) and post-handler calls.
+    # the dispatch and post-handler calls of the six breakpoint sites (romfs_init_fs_context+0xc,
+    # exit_romfs_fs, romfs_fill_super+0x199, +0x1b0, +0x13c and +0x1c1).
     kbl = sorted(re.sub(r"_\d+$", "_N", n) for n in re.findall(r"^kbl: 0x[0-9a-f]+-0x[0-9a-f]+\s+(\S+) \[romfs\]$", out, re.M))
-    assert kbl == ["kp_dispatch_N"] * 2 + ["kp_int3_notify"] + ["kp_post_N"] * 2, r.explain(f"kprobe blacklist: {kbl}")
+    assert kbl == ["kp_dispatch_N"] * 6 + ["kp_int3_notify"] + ["kp_post_N"] * 6, r.explain(f"kprobe blacklist: {kbl}")
     assert int(re.search(r"^ftrace-romfs: (\d+)", out, re.M).group(1)) > 5
     # The module may load elsewhere each time: its addresses are ksym, ksym2, ksym3.
-    ksym2, ksym3 = ({m.group(2): int(m.group(1), 16) for m in re.finditer(rf"^ksym{n}: ([0-9a-f]+) t (\S+)", out, re.M)}
+    ksym2, ksym3 = ({m.group(2): int(m.group(1), 16) for m in re.finditer(rf"^ksym{n}: ([0-9a-f]+) [tT] (\S+)", out, re.M)}
                     for n in (2, 3))
     # The C handler ran on each hit, with regs->ip the probed address + 1 (as an ftrace kprobe's).
     pre = re.findall(r"kp-module: romfs_get_tree pre ip=([0-9a-f]+) di=([0-9a-f]+)", out)
@@ -795,6 +815,14 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     assert all(int(f, 16) & 0x200 and not int(now, 16) & 0x200 for _, f, now in int3), int3
     post = re.findall(r"kp-module: romfs_init_fs_context\+0xc post ip=([0-9a-f]+) ax=([0-9a-f]+)", out)
     assert [(int(ip, 16), ax) for ip, ax in post] == [(k["romfs_init_fs_context"] + 0xe, "0") for k in loads], out
+    # The calls at breakpoints (the real mount, third load): emulated in the trap, the post_handler
+    # sees regs->ip the callee, the return address (the next instruction) pushed on the stack.
+    called = re.findall(r"kp-module: romfs_fill_super\+(0x[0-9a-f]+) called ip=([0-9a-f]+) ret=([0-9a-f]+)", out)
+    fs = ksym3["romfs_fill_super"]
+    assert [(int(o, 16), int(ip, 16), int(ret, 16)) for o, ip, ret in called] == [
+        (0x199, ksym3["romfs_iget"], fs + 0x19e), (0x1b0, ksym3["d_make_root"], fs + 0x1b5)], out
+    went = re.findall(r"kp-module: romfs_fill_super\+(0x[0-9a-f]+) went ip=([0-9a-f]+)", out)
+    assert [(int(o, 16), int(ip, 16)) for o, ip in went] == [(0x13c, fs + 0x142), (0x1c1, fs + 0xf1)], out
     # The module's exit, at each rmmod: the breakpoint's post_handler after its copy (`mov $romfs_fs_type,
     # %rdi`, 7 bytes, its R_X86_64_32S carried: rdi the same address each time it is loaded at one).
     exit_post = re.findall(r"kp-module: exit_romfs_fs\+0x0 post ip=([0-9a-f]+)", out)

@@ -61,14 +61,15 @@ def carried(image, inner):
 def int3_copy(image):
     """Rules.int3_refusal() for a module: a breakpoint site's out-of-line copy lives in the
     module's own code (writer.py's int3_slot()), so it must carry the instruction's
-    relocations (optprobe.copy(), `module_relocation`); an emulated instruction is run
-    from its copy too (a relative branch re-encoded, a call pushing the original return
-    address), so xbegin (whose abort target the copy would not move) and a post_handler
-    after a branch (which the copy never comes back from) are refused, with the reason.
+    relocations (optprobe.copy(), `module_relocation`); an instruction the kernel emulates
+    is run from its copy too (a relative branch re-encoded, a call pushing the original
+    return address), so xbegin (whose abort target the copy would not move) is refused; under
+    a post_handler a relative jmp, jcc or call is emulated in the trap (its target carried as
+    a relocation, optprobe.branch_target()), any other branch refused, with the reason.
     A boostable instruction under a post_handler is single-stepped, as setup_singlestep()
     boosts only a kprobe without one (the copy ends with an int3)."""
     from ....arch.base import BOOST, EMULATE, SINGLESTEP
-    from ....arch.x86_64.kprobe_xol import K_XBEGIN
+    from ....arch.x86_64.kprobe_xol import K_CALL, K_JCC, K_JMP, K_XBEGIN
     from . import optprobe
 
     early = None
@@ -86,9 +87,10 @@ def int3_copy(image):
         if x.mode == EMULATE and x.kind == K_XBEGIN:
             return arch.Refusal("module_int3", site.addr, "xbegin's copy in a module's breakpoint slot is not "
                                                           "written (its abort target would not move)")
-        if x.mode == EMULATE and site.with_post:
-            return arch.Refusal("post_handler", site.addr, "a post_handler after a branch at a module's breakpoint "
-                                                           "is not written yet (the branch runs from its copy)")
+        if x.mode == EMULATE and site.with_post and x.kind not in (K_JMP, K_JCC, K_CALL):
+            return arch.Refusal("post_handler", site.addr, "a post_handler after this branch at a module's "
+                                                           "breakpoint is not written yet (only a relative jmp, jcc "
+                                                           "or call is emulated; the others run from their copy)")
         if x.mode == BOOST and site.with_post:
             # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the copy.
             x.mode, x.ss_int3 = SINGLESTEP, True
@@ -97,6 +99,8 @@ def int3_copy(image):
             mod.relocs = optprobe.relocations(mod)
         try:
             optprobe.copy(mod, mod.relocs, x.insn)
+            if x.mode == EMULATE and site.with_post:    # emulated in the trap (writer.py's _emulate_c())
+                optprobe.branch_target(mod, mod.relocs, x.insn)
         except optprobe.CopyRefused as e:
             return arch.Refusal(*e.args)
         return None

@@ -300,18 +300,30 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict) -> str:
     return "".join(out)
 
 
-def int3_table(int3: list, mod, placeholders: dict) -> str:
+def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
     """kp_int3_at[]: each breakpoint site's address, as a 32-bit distance from its entry (an
-    R_X86_64_PC32 to the site's section, applied by the module loader): read-only data in the
-    module's code, as the kernel's kprobe_table is its data."""
-    from .optprobe import Field
+    R_X86_64_PC32 to the site's section, applied by the module loader), as the kernel's
+    kprobe_table is its data; and kp_int3_target_<i>, an emulated branch's target, the same way
+    (optprobe.branch_target())."""
+    from .optprobe import Field, branch_target
     ph = _placeholder(placeholders)
     out = ['\t.section .rodata.kprewrite,"a",@progbits', "\t.balign 4", "\t.globl kp_int3_at",
            "\t.hidden kp_int3_at", "kp_int3_at:"]
     for _, site in int3:
         sec, off = mod.place(site.addr)
         out.append(f"\t.long {ph(Field(0, 4, sec.name, addend=off))} - .")
+    for i, site in int3:
+        if emulated(site):              # the branch's target, for its emulation in the trap
+            out += [f"\t.globl kp_int3_target_{i}", f"\t.hidden kp_int3_target_{i}", f"kp_int3_target_{i}:",
+                    f"\t.long {ph(branch_target(mod, relocs, site.xol.insn))} - ."]
     return "\n".join(out) + "\n"
+
+
+def emulated(site) -> bool:
+    """A breakpoint site whose branch the trap emulates (kprobe_emulate_jmp/jcc/call()) so a
+    post_handler runs after it; without one the branch runs from its slot's copy."""
+    from ....arch.base import EMULATE
+    return site.xol.mode == EMULATE and site.with_post
 
 
 def _c_string(s: str) -> str:
@@ -546,6 +558,28 @@ static inline unsigned long kp_int3_addr(unsigned int k)
 {
 	return (unsigned long)&kp_int3_at[k] + (long)kp_int3_at[k];
 }
+static inline unsigned long kp_int3_target(const int *t)
+{
+	return (unsigned long)t + (long)*t;
+}
+
+/* A jcc's condition on the trap's flags (kprobe_emulate_jcc(); runtime/arch/x86_64/kp_int3.c's
+ * kp_cond()): cc>>1 picks the test, bit 0 negates. */
+static inline int kp_cond(unsigned long f, unsigned int cc)
+{
+	int r;
+	switch (cc >> 1) {
+	case 0: r = !!(f & 0x800); break;		/* OF */
+	case 1: r = !!(f & 0x1); break;			/* CF */
+	case 2: r = !!(f & 0x40); break;		/* ZF */
+	case 3: r = !!(f & 0x41); break;		/* CF | ZF */
+	case 4: r = !!(f & 0x80); break;		/* SF */
+	case 5: r = !!(f & 0x4); break;			/* PF */
+	case 6: r = !(f & 0x80) != !(f & 0x800); break;	/* SF != OF */
+	default: r = (f & 0x40) || (!(f & 0x80) != !(f & 0x800)); break;
+	}
+	return (cc & 1) ? !r : r;
+}
 """
 
 
@@ -585,6 +619,19 @@ static void kp_post_{n}(struct pt_regs *regs)
     body = []
     for k, (n, site, ks) in enumerate(int3):
         has_post = any(kps[i].spec.post_handler for i in ks)
+        if emulated(site):
+            out.append(f"extern const int kp_int3_target_{n};")
+            body.append(f"""	if (at == kp_int3_addr({k})) {{
+		unsigned long r = kp_dispatch_{n}(regs);
+		if (r) {{
+			regs->ip = r;
+			return KP_NOTIFY_STOP;
+		}}
+		{_emulate_c(site, k, n)}
+		kp_post_{n}(regs);	/* kprobe_post_process(): regs->ip where the branch went */
+		return KP_NOTIFY_STOP;
+	}}""")
+            continue
         body.append(f"""	if (at == kp_int3_addr({k})) {{
 		unsigned long r = kp_dispatch_{n}(regs);
 		regs->ip = r ? r : (unsigned long)kp_slot_{n};
@@ -619,6 +666,24 @@ static struct kp_notifier_block kp_int3_nb = {{ .notifier_call = kp_int3_notify,
     out.append("static unsigned long kp_nokprobe[] __attribute__((section(\"_kprobe_blacklist\"), used, aligned(8))) = "
                "{ " + ", ".join(f"(unsigned long){f}" for f in nokprobe) + " };")
     return "\n".join(out)
+
+
+def _emulate_c(site, k: int, n: int) -> str:
+    """prepare_emulation()'s branch done in the trap for breakpoint site n (the k-th): a jmp, a
+    jcc on the trap's flags, a call pushing the next instruction's address onto the probed
+    code's stack (int3_emulate_push(): the #BP entry leaves a gap below its frame for it)."""
+    from ....arch.x86_64.kprobe_xol import K_CALL, K_JCC, K_JMP
+    x = site.xol
+    target = f"kp_int3_target(&kp_int3_target_{n})"
+    nxt = f"kp_int3_addr({k}) + {len(x.insn.code)}"
+    if x.kind == K_JMP:
+        return f"regs->ip = {target};"
+    if x.kind == K_JCC:
+        return f"regs->ip = kp_cond(regs->flags, {x.cc}) ? {target} : {nxt};"
+    if x.kind == K_CALL:
+        return (f"regs->sp -= 8;\n\t\t*(unsigned long *)regs->sp = {nxt};\n"
+                f"\t\tregs->ip = {target};")
+    raise KprewriteError(f"{site.addr:#x}: no emulation of kind {x.kind} in a module (its rules refuse it)")
 
 
 def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool, event_calls: bool = False,
@@ -940,7 +1005,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
                else opt_detour(i, site, mod, relocs, placeholders) for i, (site, _, _) in enumerate(sites_)]
     int3 = [(i, site) for i, (site, _, _) in enumerate(sites_) if site.decision == INT3]
     if int3:
-        detours.append(int3_table(int3, mod, placeholders))
+        detours.append(int3_table(int3, mod, relocs, placeholders))
     asm.write_text("".join(f"\t.weak {n}\n" for n in placeholders) + "".join(detours)
                    + (TRAMPOLINE_S if s.plan.kretprobes else ""))
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
@@ -1129,7 +1194,7 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
             orig = rela_at(fl.section, fl.carry)
             if orig is None:
                 raise KprewriteError(f"{path}: {fl.section}+{fl.carry:#x} has no relocation to carry")
-            set_rela(at, r_off, *orig)
+            set_rela(at, r_off, orig[0], orig[1], orig[2] + fl.addend)
         else:
             set_rela(at, r_off, section_symbol(fl.section), R_X86_64_PC32, fl.addend)
     extra: dict[str, list] = {}
