@@ -830,7 +830,7 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     # Every instruction of romfs_fill_super() probed (the fourth load): one mount, each probe's line,
     # nothing missed (the kretprobe on the exit, entered by a jump: one call, one return); the function's first instructions (up to its first branch, +0x1d) hit once, and
     # so is the breakpoint at +0x128 (a boosted copy: a jump lands inside its region); the inlined
-    # romfs_checksum() loop over the superblock's 512 bytes (+0x12b to its `jb` back, emulated from
+    # romfs_checksum() loop over the superblock's 512 bytes (+0x12b to its `jne` back, run from
     # its slot at +0x138) 128 times, each of its instructions.
     every = exits[len(_expected_exits()):]
     assert every[-1:] == [("r_exit_romfs_fs_0", "exit_romfs_fs+0x0", "1", " returns 1 nmissed 0")], every[-1:]
