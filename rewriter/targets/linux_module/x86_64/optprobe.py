@@ -150,7 +150,6 @@ def region(mod, relocs, site) -> list[tuple[bytes, list[Field]]]:
     return [copy(mod, relocs, i) for i in site.dcr]
 
 
-
 def branch_target(mod, relocs, insn) -> Field:
     """A relative branch's target as a PC-relative field (its value the target minus the
     field's own address): the original's relocation carried, its addend moved by the field's

@@ -600,7 +600,8 @@ def _int3_c(int3: list, kps: list, handler_symbols: dict) -> str:
     per breakpoint site."""
     out = [INT3_C]
     for n, site, ks in int3:
-        out.append(f"extern char kp_slot_{n}[];")
+        if not emulated(site):
+            out.append(f"extern char kp_slot_{n}[];")
         if traps_after(site):
             out.append(f"extern char kp_ss_{n}[];")
         posts = [(i, handler_symbols[kps[i].spec.post_handler]) for i in ks if kps[i].spec.post_handler]
@@ -1001,6 +1002,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     relocs = mod.relocs if mod.relocs is not None else relocations(mod)
     placeholders: dict = {}
     detours = [DETOUR_S.replace("{i}", str(i)) if site.decision == FTRACE
+               else "" if site.decision == INT3 and emulated(site)     # run in the trap: no slot
                else int3_slot(i, site, mod, relocs, placeholders) if site.decision == INT3
                else opt_detour(i, site, mod, relocs, placeholders) for i, (site, _, _) in enumerate(sites_)]
     int3 = [(i, site) for i, (site, _, _) in enumerate(sites_) if site.decision == INT3]
