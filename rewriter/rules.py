@@ -27,6 +27,8 @@ answer (targets/*), used by the planner.
 - retarget_branches: direct branches to a detoured region's start enter its detour;
 - singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
   kernel's own kprobes since 5.14) rather than running with the trap flag;
+- int3_refusal: the target's own refusal of a breakpoint site (a module's, whose
+  out-of-line copy must carry the module's relocations);
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
   hit counter and the handler call in the detour itself).  Clean calls (no pt_regs for a
   handler that never reads it, through the runtime's shared clean entry) are always allowed.
@@ -83,6 +85,9 @@ class Rules:
     # (planner.retarget.retarget_branches()).
     retarget_branches: bool = False
     singlestep_int3: bool = False
+    # (arch, Site) -> arch Refusal | None: why a breakpoint site the target cannot write is
+    # refused (a module's out-of-line copy that cannot carry its relocations), so `check` says so.
+    int3_refusal: Callable | None = None
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     # In an image with no handler at all, a template only counts the hit (emit.light_detour).
     light_hits: bool = False

@@ -105,6 +105,12 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
                     fail(p, REFUSED, str(why), why.check, why.addr)
                 continue
             make_int3(image, arch, s, rules.singlestep_int3)
+            why = rules.int3_refusal(arch, s) if rules.int3_refusal is not None else None
+            if why is not None:         # the target cannot write this breakpoint's copy
+                for p in s.probes:
+                    fail(p, REFUSED, str(why), why.check, why.addr)
+                s.decision, s.xol, s.dcr = REFUSED, None, None
+                continue
         out.sites.append(s)
     out.errors += kret_refused.errors
     out.rejected += kret_refused.rejected

@@ -12,8 +12,9 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
   init) and the kernel's symbols the module refers to (stand-ins in the view);
 - x86_64/writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
   ftrace sites, kprobes inside functions as optimized probes (x86_64/optprobe.py: the
-  region's copy carrying the module's relocations), C handlers and trace events; the rest
-  is refused with one line, docs/limitations.md);
+  region's copy carrying the module's relocations), else as breakpoint probes taken by the
+  module's own die notifier (each instruction run from a slot copied the same way), C
+  handlers and trace events; the rest is refused with one line, docs/limitations.md);
 - symvers.py: the kernel's Module.symvers, the CRCs of the kernel symbols the module's
   runtime adds to its imports (its __versions);
 - kernel_btf.py: the kernel's BTF (beside Module.symvers, or /sys/kernel/btf/vmlinux), the
@@ -26,7 +27,7 @@ from ...rules import Rules
 from ..linux_kernel import reserved as _kernel_reserved
 from .x86_64.writer import build  # noqa: F401
 from .x86_64.relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
-from .x86_64.rules import carried as _carried, thunk_jumps as _thunk_jumps
+from .x86_64.rules import carried as _carried, int3_copy as _int3_copy, thunk_jumps as _thunk_jumps
 
 name = "linux_module"
 RUNTIME_HANDLERS = frozenset()
@@ -80,12 +81,15 @@ def rules(image, arch) -> Rules:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
     r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
     r.region_refusal = _carried(image, r.region_refusal)
-    # No breakpoint hook in a module (yet): no int3 sites, so a post_handler (the kernel's
-    # optimize_kprobe() optimizes no kprobe with one) and a kretprobe away from an ftrace
-    # site (writer.py writes a kretprobe's entry at an ftrace site) are refused.
-    r.int3 = False
+    # Breakpoint probes: the module's own die notifier takes their traps (writer.py), each
+    # instruction run from a slot in the module's code (a copy carrying its relocations:
+    # int3_copy()), a single-stepped one's ending with an int3, as the kernel's own since
+    # 5.14.  A post_handler makes a kprobe a breakpoint one, as the kernel's optimize_kprobe().
+    # A kretprobe's entry is any of the three (an ftrace site, a jump, a breakpoint).
+    r.int3 = True
+    r.singlestep_int3 = True
+    r.int3_refusal = _int3_copy(image)
     r.optimized_post_handler = False
-    r.kretprobe_ftrace_only = True
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r

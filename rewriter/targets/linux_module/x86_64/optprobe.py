@@ -49,8 +49,8 @@ _MASK = (1 << 64) - 1
 @dataclass(frozen=True)
 class Field:
     """A relocated field of the copy: at `at` in it, `size` bytes.  Either the original
-    relocation of (section, offset) carried (`carry`), or R_X86_64_PC32 against the
-    section `section` with `addend`."""
+    relocation of (section, offset) carried (`carry`, its addend plus `addend`), or
+    R_X86_64_PC32 against the section `section` with `addend`."""
     at: int
     size: int
     section: str
@@ -149,3 +149,21 @@ def region(mod, relocs, site) -> list[tuple[bytes, list[Field]]]:
     """The copies of a site's region, in order."""
     return [copy(mod, relocs, i) for i in site.dcr]
 
+
+def branch_target(mod, relocs, insn) -> Field:
+    """A relative branch's target as a PC-relative field (its value the target minus the
+    field's own address): the original's relocation carried, its addend moved by the field's
+    distance to the instruction's end (a call or jump to the kernel, to another section), else
+    R_X86_64_PC32 to the target's section (a branch the assembler resolved).  CopyRefused when
+    the target can be named neither way."""
+    placed = mod.place(insn.addr)
+    sec, off = placed[0].name, placed[1]
+    end = len(insn.code)
+    for k in range(1, end - 3):
+        r = relocs.get(sec, {}).get(off + k)
+        if r is not None and r[1] in PC_RELATIVE and k + 4 == end:
+            return Field(0, 4, sec, carry=off + k, addend=end - k)
+    where = mod.place(insn.info.rel_target)
+    if where is None:
+        raise CopyRefused("module_relocation", insn.addr, "the branch's target has no relocation to carry")
+    return Field(0, 4, where[0].name, addend=where[1])

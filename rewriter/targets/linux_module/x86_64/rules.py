@@ -56,3 +56,85 @@ def carried(image, inner):
             pos += info.length
         return None
     return refusal
+
+
+def int3_copy(image):
+    """Rules.int3_refusal() for a module: a breakpoint site's out-of-line copy lives in the
+    module's own code (writer.py's int3_slot()), so it must carry the instruction's
+    relocations (optprobe.copy(), `module_relocation`); an instruction the kernel emulates
+    is run from its copy too (a relative branch re-encoded, a call pushing the original
+    return address), so xbegin (whose abort target the copy would not move) is refused; under
+    a post_handler a relative jmp, jcc or call is emulated in the trap (its target carried as
+    a relocation, optprobe.branch_target()), any other branch refused, with the reason.
+    A boostable instruction under a post_handler is single-stepped, as setup_singlestep()
+    boosts only a kprobe without one (the copy ends with an int3)."""
+    from ....arch.base import BOOST, EMULATE, SINGLESTEP
+    from ....arch.x86_64.kprobe_xol import K_CALL, K_JCC, K_JMP, K_XBEGIN
+    from . import optprobe
+
+    early = None
+
+    def refusal(arch, site):
+        nonlocal early
+        x = site.xol
+        if early is None:
+            early = before_init(image)
+        func = site.probes[0].func
+        why = early.get(func.start) if func is not None else None
+        if why is not None:
+            return arch.Refusal("module_int3", site.addr, f"{func.name} {why}, before the module's init "
+                                                          "registers the die notifier that takes its breakpoints")
+        if x.mode == EMULATE and x.kind == K_XBEGIN:
+            return arch.Refusal("module_int3", site.addr, "xbegin's copy in a module's breakpoint slot is not "
+                                                          "written (its abort target would not move)")
+        if x.mode == EMULATE and site.with_post and x.kind not in (K_JMP, K_JCC, K_CALL):
+            return arch.Refusal("post_handler", site.addr, "a post_handler after this branch at a module's "
+                                                           "breakpoint is not written yet (only a relative jmp, jcc "
+                                                           "or call is emulated; the others run from their copy)")
+        if x.mode == BOOST and site.with_post:
+            # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the copy.
+            x.mode, x.ss_int3 = SINGLESTEP, True
+        mod = image.container
+        if mod.relocs is None:
+            mod.relocs = optprobe.relocations(mod)
+        try:
+            optprobe.copy(mod, mod.relocs, x.insn)
+            if x.mode == EMULATE and site.with_post:    # emulated in the trap (writer.py's _emulate_c())
+                optprobe.branch_target(mod, mod.relocs, x.insn)
+        except optprobe.CopyRefused as e:
+            return arch.Refusal(*e.args)
+        return None
+    return refusal
+
+
+# struct kernel_param (include/linux/moduleparam.h): name, mod, ops, perm/level/flags, arg.
+KERNEL_PARAM_SIZE, KERNEL_PARAM_OPS = 40, 16
+# struct kernel_param_ops: flags, then set, get and free.
+PARAM_OPS_FUNCS = ((8, "set"), (16, "get"), (24, "free"))
+
+
+def before_init(image) -> dict[int, str]:
+    """The module's functions the kernel may call before the module's init: a module parameter's
+    own kernel_param_ops (load_module() runs parse_args(), which calls its `set`, and makes
+    /sys/module/<module>/parameters/, whose reads call its `get`, after the text is live and
+    before do_init_module()), by their start: why.  A breakpoint there would trap with no
+    notifier of ours registered yet (an oops), so int3_copy() refuses it; the functions they
+    call are not followed."""
+    mod = image.container
+    sec = mod.section_named("__param")
+    a = mod.addr.get(sec.index) if sec is not None else None
+    lo, hi = mod.stand_in
+    out = {}
+    if a is None:
+        return out
+    for at in range(a, a + sec.size - KERNEL_PARAM_SIZE + 1, KERNEL_PARAM_SIZE):
+        ops = int.from_bytes(image.read(at + KERNEL_PARAM_OPS, 8), "little")
+        if mod.place(ops) is None:      # the kernel's param_ops_*: not the module's code
+            continue
+        for off, name in PARAM_OPS_FUNCS:
+            fn = int.from_bytes(image.read(ops + off, 8), "little")
+            f = image.function_at(fn) if fn else None
+            if f is not None and f.start == fn and not lo <= fn < hi:
+                out.setdefault(f.start, f"is a module parameter's {name} (kernel_param_ops), which the kernel "
+                                        f"may call at insmod (parse_args(), the parameter's sysfs file)")
+    return out

@@ -21,12 +21,17 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
   module's exit, disarms and prints each probe's hits.  The code goes with the module
   at rmmod, and the probes with it.
 
-A kretprobe at such a site is the kernel's kind: the return address swapped at entry for
+A kretprobe is the kernel's kind: the return address swapped at entry for
 kp_kret_trampoline, its instance from a pool claimed atomically and found again at return
 by its return-address slot.  A kprobe inside a function is an optimized (jump) probe: a
 `jmp` to a detour built as opt.c's template, then the region's copy with the module's
-relocations carried (optprobe.py; opt_detour(), _redirect()).  What cannot be placed so is
-refused with one line.
+relocations carried (optprobe.py; opt_detour(), _redirect()).  Where no jump can go (or
+with a post_handler, which the kernel never optimizes), a breakpoint probe: an int3 at the
+site, taken by the module's own die notifier (DIE_INT3, registered first thing in
+kp_module_init(); _int3_c()), the instruction run from a slot in the module's code
+(int3_slot(): its copy carrying its relocations, then a jump back, or an int3 where the
+kernel would single-step).  A kretprobe's entry may be any of these.  What cannot be placed
+is refused with one line.
 
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
 kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
@@ -44,7 +49,8 @@ import subprocess
 from pathlib import Path
 
 from ....errors import KprewriteError
-from ....planner.model import FTRACE, OPTIMIZED
+from ....arch.base import SINGLESTEP
+from ....planner.model import FTRACE, INT3, OPTIMIZED
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
@@ -124,6 +130,24 @@ OPT_DETOUR_TAIL = r"""	.byte 0xe9			/* jmp <the region's end> */
 	.size kp_detour_{i}, .-kp_detour_{i}
 """
 PLACEHOLDER = "kp_ph_"
+
+# A breakpoint site's slot (int3_slot()): the copy, [an int3,] the jump back.
+INT3_SLOT_HEAD = r"""
+	.section .text.kprewrite,"ax",@progbits
+	.globl kp_slot_{i}
+	.hidden kp_slot_{i}
+	.type kp_slot_{i},@function
+kp_slot_{i}:
+"""
+INT3_SS_END = r"""	.globl kp_ss_{i}
+	.hidden kp_ss_{i}
+kp_ss_{i}:
+	int3				/* the single-step's end: kp_int3_notify() resumes after the original */
+"""
+INT3_SLOT_TAIL = r"""	.byte 0xe9			/* jmp <the next instruction> */
+	.long {back} - .
+	.size kp_slot_{i}, .-kp_slot_{i}
+"""
 
 
 RUNTIME_C = r"""
@@ -218,26 +242,88 @@ def opt_detour(i: int, site, mod, relocs, placeholders: dict) -> str:
     each relocated field a reference to a new placeholder: placeholders[name] = Field
     (optprobe.Field: what _redirect() points its relocation at)."""
     from .optprobe import Field, region
-
-    def ph(field) -> str:
-        name = f"{PLACEHOLDER}{len(placeholders)}"
-        placeholders[name] = field
-        return name
+    ph = _placeholder(placeholders)
     sec, off = mod.place(site.addr)
     end_sec, end = mod.place(site.region_end - 1)
     out = [OPT_DETOUR_HEAD.replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))]
     for code, fields in region(mod, relocs, site):
-        pos = 0
-        for fl in fields:
-            if fl.at > pos:
-                out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:fl.at]) + "\n")
-            out.append(f"\t.{'long' if fl.size == 4 else 'quad'} {ph(fl)}{' - .' if fl.carry is None else ''}\n")
-            pos = fl.at + fl.size
-        if pos < len(code):
-            out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:]) + "\n")
+        out.append(_copy_s(code, fields, ph))
     out.append(OPT_DETOUR_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
                                                                                    addend=end + 1 - 4))))
     return "".join(out)
+
+
+def _copy_s(code: bytes, fields: list, ph) -> str:
+    """An instruction's copy as assembler lines, each relocated field a reference to a new
+    placeholder (ph(field) names it)."""
+    out, pos = [], 0
+    for fl in fields:
+        if fl.at > pos:
+            out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:fl.at]) + "\n")
+        out.append(f"\t.{'long' if fl.size == 4 else 'quad'} {ph(fl)}{' - .' if fl.carry is None else ''}\n")
+        pos = fl.at + fl.size
+    if pos < len(code):
+        out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:]) + "\n")
+    return "".join(out)
+
+
+def _placeholder(placeholders: dict):
+    def ph(field) -> str:
+        name = f"{PLACEHOLDER}{len(placeholders)}"
+        placeholders[name] = field
+        return name
+    return ph
+
+
+def traps_after(site) -> bool:
+    """Whether a breakpoint site's slot ends with an int3: the kernel's single-step since 5.14
+    (an instruction it does not boost, or a kprobe with a post_handler, which runs at that
+    trap: the module's rules single-step those, x86_64/rules.py's int3_copy())."""
+    return site.xol.mode == SINGLESTEP
+
+
+def int3_slot(i: int, site, mod, relocs, placeholders: dict) -> str:
+    """The out-of-line slot of breakpoint site i (the kernel's insn slot, in the module's own
+    code): the instruction's copy (optprobe.copy(): its relocations carried; a relative branch
+    re-encoded, a call pushing the original return address), then an int3 where the kernel
+    would single-step (kp_ss_<i>: its trap resumes after the original instruction and runs the
+    post_handlers), then the jump back to the next instruction (a boosted copy's way back)."""
+    from .optprobe import Field, copy
+    ph = _placeholder(placeholders)
+    code, fields = copy(mod, relocs, site.xol.insn)
+    end_sec, end = mod.place(site.addr + len(site.xol.insn.code) - 1)
+    out = [INT3_SLOT_HEAD.replace("{i}", str(i)), _copy_s(code, fields, ph)]
+    if traps_after(site):
+        out.append(INT3_SS_END.replace("{i}", str(i)))
+    out.append(INT3_SLOT_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
+                                                                                 addend=end + 1 - 4))))
+    return "".join(out)
+
+
+def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
+    """kp_int3_at[]: each breakpoint site's address, as a 32-bit distance from its entry (an
+    R_X86_64_PC32 to the site's section, applied by the module loader), as the kernel's
+    kprobe_table is its data; and kp_int3_target_<i>, an emulated branch's target, the same way
+    (optprobe.branch_target())."""
+    from .optprobe import Field, branch_target
+    ph = _placeholder(placeholders)
+    out = ['\t.section .rodata.kprewrite,"a",@progbits', "\t.balign 4", "\t.globl kp_int3_at",
+           "\t.hidden kp_int3_at", "kp_int3_at:"]
+    for _, site in int3:
+        sec, off = mod.place(site.addr)
+        out.append(f"\t.long {ph(Field(0, 4, sec.name, addend=off))} - .")
+    for i, site in int3:
+        if emulated(site):              # the branch's target, for its emulation in the trap
+            out += [f"\t.globl kp_int3_target_{i}", f"\t.hidden kp_int3_target_{i}", f"kp_int3_target_{i}:",
+                    f"\t.long {ph(branch_target(mod, relocs, site.xol.insn))} - ."]
+    return "\n".join(out) + "\n"
+
+
+def emulated(site) -> bool:
+    """A breakpoint site whose branch the trap emulates (kprobe_emulate_jmp/jcc/call()) so a
+    post_handler runs after it; without one the branch runs from its slot's copy."""
+    from ....arch.base import EMULATE
+    return site.xol.mode == EMULATE and site.with_post
 
 
 def _c_string(s: str) -> str:
@@ -274,6 +360,8 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
+    kr_flags = [{FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}.get(site.decision, "0")
+                for site, _, _ in plan.kretprobes]
     declared = set()
     for key in sorted(traces, key=str):
         if traces[key].is_return:
@@ -293,7 +381,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
         declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
     out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
     for site, p in plan.kprobes:
-        flag = "KPROBE_FLAG_FTRACE" if site.decision == FTRACE else "KPROBE_FLAG_OPTIMIZED"
+        flag = {FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}.get(site.decision, "0")
         out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
                    f".flags = {flag}, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
     out.append("};")
@@ -301,9 +389,9 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     # kretprobes: a pool of maxactive instances each, claimed atomically; an instance is found
     # again at return by its return-address slot (ri->fp), unique while the call lives.
     out.append(f"static struct kretprobe kp_kretprobes[{max(len(krs), 1)}] = {{")
-    for ep in krs:
+    for ep, flag in zip(krs, kr_flags):
         out.append(f"\t{{ .kp = {{ .symbol_name = {_c_string(ep.symbol)}, .offset = {ep.offset}, "
-                   f".flags = KPROBE_FLAG_FTRACE, .name = {_c_string(ep.event_name)}, .index = {ep.index} }}, "
+                   f".flags = {flag}, .name = {_c_string(ep.event_name)}, .index = {ep.index} }}, "
                    f".maxactive = {ep.kret.maxactive or 16}, .data_size = {ep.kret.data_size} }},")
     out.append("};")
     out.append(f"static unsigned long kp_kret_hits[{max(len(krs), 1)}], kp_kret_returns[{max(len(krs), 1)}];")
@@ -402,6 +490,12 @@ unsigned long kp_kret_return(struct pt_regs *regs)
             post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
             if site.decision == OPTIMIZED:      # opt_pre_handler(): its return value ignored
                 run = f"{pre}(p, regs);" if pre else ""
+            elif site.decision == INT3:
+                # kprobe_int3_handler(): a pre_handler that returned 1 and moved regs->ip resumes
+                # there (no copy, no post_handler); else the slot runs the instruction, and a
+                # post_handler runs at the trap after it (kp_post_N()).
+                run = (f"if ({pre}(p, regs) && regs->ip != (unsigned long)p->addr + 1) {{ r = regs->ip; goto out; }}"
+                       if pre else "")
             else:
                 run = (f"{f'if ({pre}(p, regs)) {{ r = regs->ip; goto out; }}' if pre else ''}\n"
                        f"\t\t\tregs->ip = (unsigned long)p->addr + 5;\n"
@@ -437,11 +531,164 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 	kp_leave();
 	return r;
 }}""")
-    out.append(_init_exit_c(module, len(kps), len(krs), debugfs, event_calls))
+    int3 = [(n, site, ks) for n, (site, ks, _) in enumerate(_sites(plan)) if site.decision == INT3]
+    if int3:
+        out.append(_int3_c(int3, kps, handler_symbols))
+    out.append(_init_exit_c(module, len(kps), len(krs), debugfs, event_calls, bool(int3)))
     return "\n".join(out)
 
 
-def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool, event_calls: bool = False) -> str:
+# The die notifier's side (kp_int3_notify()): the kernel's types as their layouts, not headers.
+INT3_C = r"""
+/* arch/x86/include/asm/kdebug.h, include/linux/notifier.h */
+#define KP_DIE_INT3 2
+#define KP_NOTIFY_DONE 0
+#define KP_NOTIFY_STOP 0x8001		/* NOTIFY_OK | NOTIFY_STOP_MASK */
+struct kp_die_args { struct pt_regs *regs; const char *str; long err; int trapnr; int signr; };
+struct kp_notifier_block {
+	int (*notifier_call)(struct kp_notifier_block *, unsigned long, void *);
+	struct kp_notifier_block *next;
+	int priority;
+};
+extern int register_die_notifier(struct kp_notifier_block *nb);
+extern int unregister_die_notifier(struct kp_notifier_block *nb);
+/* Each breakpoint site's address (kp_detours.S): a distance from its entry, relocated at insmod. */
+extern const int kp_int3_at[];
+static inline unsigned long kp_int3_addr(unsigned int k)
+{
+	return (unsigned long)&kp_int3_at[k] + (long)kp_int3_at[k];
+}
+static inline unsigned long kp_int3_target(const int *t)
+{
+	return (unsigned long)t + (long)*t;
+}
+
+/* A jcc's condition on the trap's flags (kprobe_emulate_jcc(); runtime/arch/x86_64/kp_int3.c's
+ * kp_cond()): cc>>1 picks the test, bit 0 negates. */
+static inline int kp_cond(unsigned long f, unsigned int cc)
+{
+	int r;
+	switch (cc >> 1) {
+	case 0: r = !!(f & 0x800); break;		/* OF */
+	case 1: r = !!(f & 0x1); break;			/* CF */
+	case 2: r = !!(f & 0x40); break;		/* ZF */
+	case 3: r = !!(f & 0x41); break;		/* CF | ZF */
+	case 4: r = !!(f & 0x80); break;		/* SF */
+	case 5: r = !!(f & 0x4); break;			/* PF */
+	case 6: r = !(f & 0x80) != !(f & 0x800); break;	/* SF != OF */
+	default: r = (f & 0x40) || (!(f & 0x80) != !(f & 0x800)); break;
+	}
+	return (cc & 1) ? !r : r;
+}
+"""
+
+
+def _int3_c(int3: list, kps: list, handler_symbols: dict) -> str:
+    """The breakpoint sites' trap handling, as an out-of-tree module takes an int3: a die
+    notifier (do_int3() calls notify_die(DIE_INT3) once kprobe_int3_handler() has found no
+    kprobe of the kernel's there), which claims (NOTIFY_STOP) the traps at our sites only:
+
+    - at a site (regs->ip its address + 1): the site's dispatch (the pre_handlers, as
+      kprobe_int3_handler() runs them), then regs->ip to the slot, where the copy runs
+      (setup_singlestep()), unless a pre_handler moved regs->ip;
+    - at a slot's closing int3 (kp_ss_N): regs->ip to the instruction after the original
+      (resume_singlestep()), then the post_handlers (kprobe_post_process()).
+
+    The trap comes with interrupts off and in NMI-like context (exc_int3()'s
+    irqentry_nmi_enter()), preemption off; a hit inside a handler of ours is missed, its
+    instruction still run from the slot.  The site is found by comparing addresses, one
+    per breakpoint site."""
+    out = [INT3_C]
+    for n, site, ks in int3:
+        if not emulated(site):
+            out.append(f"extern char kp_slot_{n}[];")
+        if traps_after(site):
+            out.append(f"extern char kp_ss_{n}[];")
+        posts = [(i, handler_symbols[kps[i].spec.post_handler]) for i in ks if kps[i].spec.post_handler]
+        if posts:
+            calls = "\n".join(f"\tif (!(kp_probes[{i}].flags & KPROBE_FLAG_DISABLED))\n"
+                              f"\t\t{h}(&kp_probes[{i}], regs, 0);" for i, h in posts)
+            out.append(f"""
+/* kprobe_post_process(): after the copy ran, regs->ip at the next instruction. */
+static void kp_post_{n}(struct pt_regs *regs)
+{{
+	if (!kp_armed || !kp_enter())
+		return;
+{calls}
+	kp_leave();
+}}""")
+    body = []
+    for k, (n, site, ks) in enumerate(int3):
+        has_post = any(kps[i].spec.post_handler for i in ks)
+        if emulated(site):
+            out.append(f"extern const int kp_int3_target_{n};")
+            body.append(f"""	if (at == kp_int3_addr({k})) {{
+		unsigned long r = kp_dispatch_{n}(regs);
+		if (r) {{
+			regs->ip = r;
+			return KP_NOTIFY_STOP;
+		}}
+		{_emulate_c(site, k, n)}
+		kp_post_{n}(regs);	/* kprobe_post_process(): regs->ip where the branch went */
+		return KP_NOTIFY_STOP;
+	}}""")
+            continue
+        body.append(f"""	if (at == kp_int3_addr({k})) {{
+		unsigned long r = kp_dispatch_{n}(regs);
+		regs->ip = r ? r : (unsigned long)kp_slot_{n};
+		return KP_NOTIFY_STOP;
+	}}""")
+        if traps_after(site):
+            body.append(f"""	if (at == (unsigned long)kp_ss_{n}) {{
+		regs->ip = kp_int3_addr({k}) + {len(site.xol.insn.code)};
+		{f"kp_post_{n}(regs);" if has_post else ""}
+		return KP_NOTIFY_STOP;
+	}}""")
+    out.append(f"""
+static int kp_int3_notify(struct kp_notifier_block *nb, unsigned long val, void *data)
+{{
+	struct pt_regs *regs = ((struct kp_die_args *)data)->regs;
+	unsigned long at;
+	(void)nb;
+	if (val != KP_DIE_INT3 || (regs->cs & 3))	/* from user mode: never ours */
+		return KP_NOTIFY_DONE;
+	at = regs->ip - 1;
+{chr(10).join(body)}
+	return KP_NOTIFY_DONE;
+}}
+
+/* First on the chain: the traps at our sites are ours whoever else listens. */
+static struct kp_notifier_block kp_int3_nb = {{ .notifier_call = kp_int3_notify, .priority = 0x7fffffff }};""")
+    # NOKPROBE_SYMBOL(): the trap's path is no place for a kprobe of the kernel's (a breakpoint
+    # there would trap again inside ours); the module loader hands the section's entries to
+    # the kprobes blacklist (add_module_kprobe_blacklist()).
+    nokprobe = ["kp_int3_notify"] + [f"kp_dispatch_{n}" for n, _, _ in int3] + [
+        f"kp_post_{n}" for n, _, ks in int3 if any(kps[i].spec.post_handler for i in ks)]
+    out.append("static unsigned long kp_nokprobe[] __attribute__((section(\"_kprobe_blacklist\"), used, aligned(8))) = "
+               "{ " + ", ".join(f"(unsigned long){f}" for f in nokprobe) + " };")
+    return "\n".join(out)
+
+
+def _emulate_c(site, k: int, n: int) -> str:
+    """prepare_emulation()'s branch done in the trap for breakpoint site n (the k-th): a jmp, a
+    jcc on the trap's flags, a call pushing the next instruction's address onto the probed
+    code's stack (int3_emulate_push(): the #BP entry leaves a gap below its frame for it)."""
+    from ....arch.x86_64.kprobe_xol import K_CALL, K_JCC, K_JMP
+    x = site.xol
+    target = f"kp_int3_target(&kp_int3_target_{n})"
+    nxt = f"kp_int3_addr({k}) + {len(x.insn.code)}"
+    if x.kind == K_JMP:
+        return f"regs->ip = {target};"
+    if x.kind == K_JCC:
+        return f"regs->ip = kp_cond(regs->flags, {x.cc}) ? {target} : {nxt};"
+    if x.kind == K_CALL:
+        return (f"regs->sp -= 8;\n\t\t*(unsigned long *)regs->sp = {nxt};\n"
+                f"\t\tregs->ip = {target};")
+    raise KprewriteError(f"{site.addr:#x}: no emulation of kind {x.kind} in a module (its rules refuse it)")
+
+
+def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool, event_calls: bool = False,
+                 int3: bool = False) -> str:
     """kp_module_init/kp_module_exit: arm, chain to the module's own init and exit, disarm and
     print each probe's counts; with debugfs, /sys/kernel/debug/kprewrite-<module>/<EVENT>/
     {hits,nmissed} (and a kretprobe's `returns`) while the module is loaded, made with
@@ -483,17 +730,29 @@ static int kp_debugfs_ok(void *d)
 """
     if event_calls:
         decl += "\nvoid kp_module_trace_init(void);\n"
+    reg = unreg = ""
+    if int3:
+        # The breakpoints are in the module's text from load: the notifier comes first, before
+        # anything of the module's own init runs (nothing else enters the module before it:
+        # the loader gives no other module its symbols while it is COMING), and goes last,
+        # after its exit (unregister_die_notifier() waits for a trap being handled to end).
+        reg = """
+	r = register_die_notifier(&kp_int3_nb);
+	if (r)
+		return r;"""
+        unreg = """
+	unregister_die_notifier(&kp_int3_nb);"""
     return f"""{decl}
 int kp_module_init(void)
 {{
 	unsigned int i = 0;
 	int r;
-	(void)i;{mk}
+	(void)i;{reg}{mk}
 {"	kp_module_trace_init();	/* the events' calls, registered before init (event_calls_c()) */" if event_calls else ""}
 	kp_armed = 1;
 	r = init_module();
 	if (r) {{
-		kp_armed = 0;{rm}
+		kp_armed = 0;{rm}{unreg}
 	}}
 	return r;
 }}
@@ -502,7 +761,7 @@ void kp_module_exit(void)
 {{
 	unsigned int i;
 	cleanup_module();
-	kp_armed = 0;{rm}
+	kp_armed = 0;{rm}{unreg}
 	for (i = 0; i < {nk}; i++)
 		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu nmissed %lu\\n", kp_probes[i].name,
 			kp_probes[i].symbol_name, kp_probes[i].offset, kp_hits[i], kp_probes[i].nmissed);
@@ -568,8 +827,8 @@ kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 
 def refuse_unsupported(s) -> None:
     """One line per probe the module cannot take: an optimized region whose copy cannot
     carry its relocations (optprobe.py; the module's rules refuse it first, so `check`
-    names it too), an @SYM in an event.  A post_handler away from an ftrace site and a
-    kretprobe away from one are the module's rules' refusals (linux_module.rules())."""
+    names it too), an @SYM in an event.  What a breakpoint site cannot take is the module's
+    rules' refusal (x86_64/rules.py's int3_copy())."""
     from ....resolve import is_entry
     from .optprobe import region
     lines = []
@@ -743,7 +1002,12 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     relocs = mod.relocs if mod.relocs is not None else relocations(mod)
     placeholders: dict = {}
     detours = [DETOUR_S.replace("{i}", str(i)) if site.decision == FTRACE
+               else "" if site.decision == INT3 and emulated(site)     # run in the trap: no slot
+               else int3_slot(i, site, mod, relocs, placeholders) if site.decision == INT3
                else opt_detour(i, site, mod, relocs, placeholders) for i, (site, _, _) in enumerate(sites_)]
+    int3 = [(i, site) for i, (site, _, _) in enumerate(sites_) if site.decision == INT3]
+    if int3:
+        detours.append(int3_table(int3, mod, relocs, placeholders))
     asm.write_text("".join(f"\t.weak {n}\n" for n in placeholders) + "".join(detours)
                    + (TRAMPOLINE_S if s.plan.kretprobes else ""))
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
@@ -923,7 +1187,8 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
         if sec_name not in table:
             table[sec_name] = {o2: (s2, t2, a2) for _, o2, s2, t2, a2 in relas_of(sec_name)}
         return table[sec_name].get(off)
-    for at, r_off, sym, _, _ in relas_of(".text.kprewrite") if placeholders else []:
+    ours = [r for sec_name in (".text.kprewrite", ".rodata.kprewrite") for r in relas_of(sec_name)]
+    for at, r_off, sym, _, _ in ours if placeholders else []:
         fl = placeholders.get(sym_name(sym))
         if fl is None:
             continue
@@ -931,12 +1196,15 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
             orig = rela_at(fl.section, fl.carry)
             if orig is None:
                 raise KprewriteError(f"{path}: {fl.section}+{fl.carry:#x} has no relocation to carry")
-            set_rela(at, r_off, *orig)
+            set_rela(at, r_off, orig[0], orig[1], orig[2] + fl.addend)
         else:
             set_rela(at, r_off, section_symbol(fl.section), R_X86_64_PC32, fl.addend)
     extra: dict[str, list] = {}
     by_offset: dict[str, dict] = {}     # section -> {offset: [where its relocations are]}
     for i, sec, off, decision in sites:
+        if decision == INT3:            # the breakpoint, in place from load (kp_module_init())
+            data[by_name[sec].offset + off] = 0xCC
+            continue
         if decision == OPTIMIZED:
             toff = by_name[sec].offset + off
             data[toff:toff + 5] = b"\xe9\0\0\0\0"
