@@ -46,9 +46,6 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
     why = arch.retprobe.entry_frame_refusal(image, p.addr) if bl.lookup(rules.blacklist, p.addr) is None else None
     if why is not None:
         return why.detail, why.check, why.addr
-    if rules.kretprobe_ftrace_only and p.addr not in rules.ftrace and bl.lookup(rules.blacklist, p.addr) is None:
-        return (f"a kretprobe is written at an ftrace site (a `call __fentry__` entry) only, for now: "
-                f"{f.name} has none"), "kretprobe_ftrace", p.addr
     d = analysis.decoded(f)
     if d.undecodable is None and d.indirect_jump is None:
         ex = find_exits(image, analysis, arch, f)
