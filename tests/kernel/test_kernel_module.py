@@ -660,6 +660,8 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
                                                           "k  romfs_fill_super+0x1b0 [EMULATED]",
                                                           "k  romfs_fill_super+0x13c [EMULATED]",
                                                           "k  romfs_fill_super+0x1c1 [EMULATED]",
+                                                          "k  romfs_iget+0x5 [OPTIMIZED]",
+                                                          "k  romfs_iget+0x15 [SINGLESTEP]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0xc [SINGLESTEP]",
