@@ -6,7 +6,7 @@ and an `r`) at ftrace sites, and optimized probes inside functions (a C handler,
 probes), with the kernel's Module.symvers for the CRCs of what the module's runtime calls, `list`
 and readelf's relocations on it, and in one boot of the unmodified Debian kernel: insmod, mount(2)
 exercising the probes, the events' lines in the ftrace ring buffer and each probe's counters in
-debugfs while loaded, rmmod printing the hits, loaded, traced and counted again, loaded a third
+debugfs while loaded, handlers' dump_stack() through the probes (the module's ORC entries), rmmod printing the hits, loaded, traced and counted again, loaded a third
 time to mount a romfs image on a loop device; then the same in a rewritten kernel image (each
 counts its own).  What a module does not take yet is refused with one line.
 
@@ -808,8 +808,10 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     rmmod prints each probe's hits and removes the counters, and the module loads, traces and counts
     again; loaded a third time, it mounts a romfs image through a loop device (romfs_fill_super() runs,
     through five optimized probes' copies) and the file reads back.  A breakpoint probe (the module's
-    die notifier) runs its pre_handler and its post_handler on each hit.  Then romfs.ko probed at
-    every instruction of romfs_fill_super() `check` places (breakpoints among them) mounts it again."""
+    die notifier) runs its pre_handler and its post_handler on each hit.  Handlers' dump_stack() at an
+    ftrace site, an optimized probe, a breakpoint and a kretprobe's return show the probed function and
+    its callers (_assert_stacks(): the module's ORC entries).  Then romfs.ko probed at every instruction
+    of romfs_fill_super() `check` places (breakpoints among them) mounts it again."""
     r = boot_kernel("module-romfs", debian_kernel.vmlinux,
                     _initrd(make_initramfs, rewritten_romfs, modules, romfs_every_insn), smp=2, timeout=180)
     kernel_env.assert_boot_ok(r, allow=("Call Trace",))        # the handlers' dump_stack()

@@ -33,6 +33,11 @@ kp_module_init(); _int3_c()), the instruction run from a slot in the module's co
 kernel would single-step).  A kretprobe's entry may be any of these.  What cannot be placed
 is refused with one line.
 
+Our code gets entries in the module's own ORC tables (orc.py), so a handler's stack unwinds
+through the runtime and the detour into the probed function and its callers: the runtime's and
+handlers' code (renamed .text.kprewrite_c) by the frame-pointer rule, each detour, slot and the
+trampoline per instruction.
+
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
 kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
 own event call (event_calls_c()), else their lines are written to the ftrace ring buffer
