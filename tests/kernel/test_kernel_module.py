@@ -6,9 +6,9 @@ and an `r`) at ftrace sites, and optimized probes inside functions (a C handler,
 probes), with the kernel's Module.symvers for the CRCs of what the module's runtime calls, `list`
 and readelf's relocations on it, and in one boot of the unmodified Debian kernel: insmod, mount(2)
 exercising the probes, the events' lines in the ftrace ring buffer and each probe's counters in
-debugfs while loaded, handlers' dump_stack() through the probes (the module's ORC entries), rmmod printing the hits, loaded, traced and counted again, loaded a third
-time to mount a romfs image on a loop device; then the same in a rewritten kernel image (each
-counts its own).  What a module does not take yet is refused with one line.
+debugfs while loaded, rmmod printing the hits, loaded, traced and counted again, loaded a third
+time to mount a romfs image on a loop device (handlers' dump_stack() through the probes: the
+module's ORC entries); then the same in a rewritten kernel image (each counts its own).  What a module does not take yet is refused with one line.
 
 What the rules must find is counted independently, from the .ko's relocation sections (each
 entry of __mcount_loc, .return_sites, .retpoline_sites is one relocation against the text):

@@ -1053,8 +1053,9 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
         # pt_regs at it (regs->ip the real return address once kp_kret_return() set it), the
         # slot's return address after.
         called = []
+        pad = "kp_kret_swapped:\n\tint3\t\t\t\t/* never run */\nkp_kret_trampoline:"
         trampoline = unwind[0].annotate(
-            trampoline.replace("kp_kret_trampoline:", "kp_kret_swapped:\n\tint3\t\t\t\t/* pad */\nkp_kret_trampoline:", 1),
+            trampoline.replace("kp_kret_trampoline:", pad, 1),
             lambda cfa: orc.entry(fmt, orc.ORC_REG_SP, cfa) if called else orc.UNDEFINED,
             regs_calls=("kp_kret_return",), on_call=lambda: called.append(1))
     if unwind:
@@ -1095,8 +1096,8 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     if unwind:
         # The runtime's and handlers' code (frame-pointer code) in a section of its own, framed by
         # an object with the frame-pointer entry at its start and one with a terminator at its end.
-        code = [sc.name for sc in read_sections(rt.read_bytes(), str(rt))
-                if sc.flags & 0x6 == 0x6 and sc.name != ".text.kprewrite" and not sc.name.startswith((".init", ".exit"))]
+        code = [sc.name for sc in read_sections(rt.read_bytes(), str(rt)) if sc.flags & 0x6 == 0x6   # SHF_ALLOC|EXEC
+                and sc.name != ".text.kprewrite" and not sc.name.startswith((".init", ".exit"))]
         if code:
             _run(["objcopy", *(f"--rename-section={n}={orc.C_SECTION}" for n in code), str(rt)],
                  "objcopy --rename-section")
