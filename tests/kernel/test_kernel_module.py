@@ -7,8 +7,8 @@ probes), with the kernel's Module.symvers for the CRCs of what the module's runt
 and readelf's relocations on it, and in one boot of the unmodified Debian kernel: insmod, mount(2)
 exercising the probes, the events' lines in the ftrace ring buffer and each probe's counters in
 debugfs while loaded, rmmod printing the hits, loaded, traced and counted again, loaded a third
-time to mount a romfs image on a loop device; then the same in a rewritten kernel image (each
-counts its own).  What a module does not take yet is refused with one line.
+time to mount a romfs image on a loop device (handlers' dump_stack() through the probes: the
+module's ORC entries); then the same in a rewritten kernel image (each counts its own).  What a module does not take yet is refused with one line.
 
 What the rules must find is counted independently, from the .ko's relocation sections (each
 entry of __mcount_loc, .return_sites, .retpoline_sites is one relocation against the text):
@@ -270,10 +270,39 @@ def _relas(ko: Path) -> dict[str, list[tuple[int, str, str]]]:
 
 HANDLER_C = r"""
 #include <linux/kprobes.h>
+void dump_stack(void);
+/* The stacks through the probes (docs/kernel.md): each dumped once a boot, on the real mount
+ * (the loop device's, the only one to reach romfs_fill_super()), between two marker lines. */
+static void stack(const char *kind)
+{
+	printk(KERN_INFO "kp-stack-begin %s\n", kind);
+	dump_stack();
+	printk(KERN_INFO "kp-stack-end %s\n", kind);
+}
 static int handler_pre(struct kprobe *p, struct pt_regs *regs)
 {
+	const char *source = *(const char **)(regs->di + FC_SOURCE);	/* fc->source */
 	printk(KERN_INFO "kp-module: %s pre ip=%lx di=%lx\n", p->symbol_name, regs->ip, regs->di);
+	if (source && source[0] == '/' && source[5] == 'l')		/* "/dev/loop0" */
+		stack("ftrace");
 	return 0;
+}
+static int stack_opt(struct kprobe *p, struct pt_regs *regs)
+{
+	static int done;
+	if (!done++)
+		stack("optimized");
+	return 0;
+}
+static int stack_int3(struct kprobe *p, struct pt_regs *regs)
+{
+	static int done;
+	if (!done++)
+		stack("int3");
+	return 0;
+}
+static void post_quiet(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
 }
 static int handler_mid(struct kprobe *p, struct pt_regs *regs)
 {
@@ -304,6 +333,8 @@ static void handler_branch(struct kprobe *p, struct pt_regs *regs, unsigned long
 static int ret_handler(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
 	printk(KERN_INFO "kp-module: %s returned %d\n", ri->rp->kp.symbol_name, (int)regs_return_value(regs));
+	if (regs_return_value(regs) == 0)		/* the real mount */
+		stack("kretprobe");
 	return 0;
 }
 """
@@ -361,11 +392,13 @@ PROBES = ["p_romfs_get_tree_0", "p_romfs_init_fs_context_0", "p_romfs_get_tree_5
           "p_romfs_fill_super_29", "p_romfs_fill_super_82", "p_romfs_fill_super_119", "p_romfs_fill_super_168",
           "p_romfs_fill_super_186", "p_romfs_init_fs_context_12", "p_exit_romfs_fs_0",
           "p_romfs_fill_super_409", "p_romfs_fill_super_432", "p_romfs_fill_super_316", "p_romfs_fill_super_449",
+          "p_romfs_iget_5", "p_romfs_iget_21",
           "kp_ctx", "kp_mid", "kp_int3", "r_romfs_get_tree_0", "r_exit_romfs_fs_0", "kp_get_tree_ret"]
 SITES = ["romfs_get_tree+0x0", "romfs_init_fs_context+0x0", "romfs_get_tree+0x5", "romfs_init_fs_context+0x5",
          "romfs_fill_super+0x1d", "romfs_fill_super+0x52", "romfs_fill_super+0x77", "romfs_fill_super+0xa8",
          "romfs_fill_super+0xba", "romfs_init_fs_context+0xc", "exit_romfs_fs+0x0",
          "romfs_fill_super+0x199", "romfs_fill_super+0x1b0", "romfs_fill_super+0x13c", "romfs_fill_super+0x1c1",
+         "romfs_iget+0x5", "romfs_iget+0x15",
          "romfs_init_fs_context+0x0", "romfs_get_tree+0xc", "romfs_init_fs_context+0xc", "romfs_get_tree+0x0",
          "exit_romfs_fs+0x0",
          "romfs_get_tree+0x0"]
@@ -379,6 +412,8 @@ def hits(probe: str, load: int, exited: bool = True) -> int:
     exit's once, at rmmod (exited: counted by then)."""
     if "exit_romfs_fs" in probe:
         return int(exited)
+    if "romfs_iget" in probe:           # the root's inode, and the file's (cat's lookup)
+        return 2 * int(load == 2)
     return int(load == 2) if "fill_super" in probe else MOUNTS[load]
 
 
@@ -413,8 +448,8 @@ ROMFS_FILE = b"hello from a romfs image\n"
 @pytest.fixture(scope="module")
 def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
     d = tmp_path_factory.mktemp("module")
-    (d / "h.c").write_text(HANDLER_C)
     fs_type, source = fs_context["fs_type"], fs_context["source"]
+    (d / "h.c").write_text(f"#define FC_SOURCE {source}\n" + HANDLER_C)
     (d / "probes.toml").write_text(
         'handlers = ["h.c"]\n'
         f'events = ["p:kp_ctx romfs_init_fs_context fstype=+0(+0(+{fs_type}(%di))):string comm=$comm",\n'
@@ -452,6 +487,12 @@ def rewritten_romfs(romfs, symvers, fs_context, tmp_path_factory):
         # A `jne` (not taken: the superblock's checksum is 0) and a `jmp` back into the function.
         '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x13c\npost_handler = "handler_branch"\n'
         '[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x1c1\npost_handler = "handler_branch"\n'
+        # The stacks (STACKS): in romfs_iget(), which romfs_fill_super() calls, not under the
+        # kretprobe's swapped return address (romfs_get_tree() tail-calls get_tree_bdev()): an
+        # optimized probe (`push %r15`...) and a breakpoint (`sub $0x18,%rsp`, single-stepped).
+        '[[kprobe]]\nsymbol_name = "romfs_iget"\noffset = 5\npre_handler = "stack_opt"\n'
+        '[[kprobe]]\nsymbol_name = "romfs_iget"\noffset = 0x15\npre_handler = "stack_int3"\n'
+        'post_handler = "post_quiet"\n'
         '[[kretprobe]]\nsymbol_name = "romfs_get_tree"\nhandler = "ret_handler"\n'
         '[[kretprobe]]\nsymbol_name = "exit_romfs_fs"\n')
     out = d / "romfs.ko"
@@ -619,6 +660,8 @@ def test_list_on_rewritten_module(romfs, rewritten_romfs):
                                                           "k  romfs_fill_super+0x1b0 [EMULATED]",
                                                           "k  romfs_fill_super+0x13c [EMULATED]",
                                                           "k  romfs_fill_super+0x1c1 [EMULATED]",
+                                                          "k  romfs_iget+0x5 [OPTIMIZED]",
+                                                          "k  romfs_iget+0x15 [SINGLESTEP]",
                                                           "k  romfs_init_fs_context+0x0 [FTRACE]",
                                                           "k  romfs_get_tree+0xc [OPTIMIZED]",
                                                           "k  romfs_init_fs_context+0xc [SINGLESTEP]",
@@ -722,6 +765,41 @@ def _expected_exits() -> list[tuple]:
              else f" returns {hits(p, n)} nmissed 0") for n in range(len(MOUNTS)) for p, s in zip(PROBES, SITES)]
 
 
+# A frame dump_stack() prints ("? ": not one the unwinder stepped to) and the pt_regs line of a
+# frame the unwinder entered through pt_regs (a trap's, a detour's): the function at regs->ip.
+STACK_FRAME = re.compile(r"^\[ *[\d.]+\]  (\? )?([\w.]+)\+0x[0-9a-f]+/0x[0-9a-f]+(?: \[\w+\])?$")
+STACK_RIP = re.compile(r"^\[ *[\d.]+\] RIP: 0010:([\w.]+)\+0x[0-9a-f]+/0x[0-9a-f]+")
+# Each handler's stack on the real mount, after the handler's own frames: the probed function and
+# its callers (the mount's path: path_mount() calls vfs_get_tree(), which calls romfs_get_tree(),
+# which tail-calls get_tree_bdev(), which calls romfs_fill_super(), which calls romfs_iget()).  The
+# stack ends at get_tree_bdev(): its return address is the kretprobe's trampoline while
+# romfs_get_tree() runs.  The return handler's: the caller the function returned to.
+STACKS = {"ftrace": ["romfs_get_tree", "vfs_get_tree", "path_mount"],
+          "optimized": ["romfs_iget", "romfs_fill_super", "get_tree_bdev"],
+          "int3": ["romfs_iget", "romfs_fill_super", "get_tree_bdev"],
+          "kretprobe": ["vfs_get_tree", "path_mount", "__x64_sys_mount"]}
+
+
+def _assert_stacks(r) -> None:
+    """dump_stack() from the module's handlers (docs/kernel.md, stacks through probes): at an ftrace
+    site, an optimized probe, a breakpoint and a kretprobe's return, the frames the unwinder stepped
+    to (no "? ") go through the probed function and two of its callers, and no line of the boot
+    says WARNING or speaks of unwinding (the ORC unwinder's complaints)."""
+    for kind, want in STACKS.items():
+        lines = r.lines_between(f"kp-stack-begin {kind}", f"kp-stack-end {kind}")
+        assert any(line.endswith("Call Trace:") for line in lines), r.explain(f"no dump_stack() from {kind}")
+        names = []
+        for line in lines:
+            m, rip = STACK_FRAME.match(line), STACK_RIP.match(line)
+            if rip or (m and not m.group(1)):
+                names.append(rip.group(1) if rip else m.group(2))
+        at = names.index(want[0]) if want[0] in names else -1
+        assert at >= 0 and names[at:at + len(want)] == want, \
+            r.explain(f"{kind}: the unwound frames {names} do not go {' -> '.join(want)}")
+    bad = [line for line in r.lines() if "WARNING" in line or "unwind" in line.lower()]
+    assert not bad, r.explain(f"unwinder lines: {bad}")
+
+
 def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritten_romfs, modules, make_initramfs,
                                                    boot_kernel, romfs_every_insn):
     """The unmodified Debian kernel insmods the rewritten romfs.ko (tainted: unsigned), the probes fire
@@ -730,11 +808,14 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     rmmod prints each probe's hits and removes the counters, and the module loads, traces and counts
     again; loaded a third time, it mounts a romfs image through a loop device (romfs_fill_super() runs,
     through five optimized probes' copies) and the file reads back.  A breakpoint probe (the module's
-    die notifier) runs its pre_handler and its post_handler on each hit.  Then romfs.ko probed at
-    every instruction of romfs_fill_super() `check` places (breakpoints among them) mounts it again."""
+    die notifier) runs its pre_handler and its post_handler on each hit.  Handlers' dump_stack() at an
+    ftrace site, an optimized probe, a breakpoint and a kretprobe's return show the probed function and
+    its callers (_assert_stacks(): the module's ORC entries).  Then romfs.ko probed at every instruction
+    of romfs_fill_super() `check` places (breakpoints among them) mounts it again."""
     r = boot_kernel("module-romfs", debian_kernel.vmlinux,
                     _initrd(make_initramfs, rewritten_romfs, modules, romfs_every_insn), smp=2, timeout=180)
-    kernel_env.assert_boot_ok(r)
+    kernel_env.assert_boot_ok(r, allow=("Call Trace",))        # the handlers' dump_stack()
+    _assert_stacks(r)
     out = r.between()
     for line in ("insmod1=0", "rmmod1=0", "loaded: 0", "debugfs-left: 0", "insmod2=0", "rmmod2=0",
                  "loop=0", "insmod3=0", "losetup=0", "mount3=0", "rmmod3=0", "insmod4=0", "mount4=0", "rmmod4=0",
@@ -749,11 +830,11 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     # ftrace no longer owns the probed entries (their __mcount_loc entries dropped), the others it does.
     assert not re.search(r"^ftrace-probed:", out, re.M), r.explain("a probed site is still ftrace's")
     # The breakpoints' trap path is on the kernel's kprobe blacklist (NOKPROBE_SYMBOL()): the notifier,
-    # the dispatch and post-handler calls of the six breakpoint sites (romfs_init_fs_context+0xc,
-    # exit_romfs_fs, romfs_fill_super+0x199, +0x1b0, +0x13c and +0x1c1).
+    # the dispatch and post-handler calls of the seven breakpoint sites (romfs_init_fs_context+0xc,
+    # exit_romfs_fs, romfs_fill_super+0x199, +0x1b0, +0x13c and +0x1c1, romfs_iget+0x15).
     kbl = sorted(re.sub(r"_\d+$", "_N", n)
                  for n in re.findall(r"^kbl: 0x[0-9a-f]+-0x[0-9a-f]+\s+(\S+) \[romfs\]$", out, re.M))
-    assert kbl == ["kp_dispatch_N"] * 6 + ["kp_int3_notify"] + ["kp_post_N"] * 6, r.explain(f"kprobe blacklist: {kbl}")
+    assert kbl == ["kp_dispatch_N"] * 7 + ["kp_int3_notify"] + ["kp_post_N"] * 7, r.explain(f"kprobe blacklist: {kbl}")
     assert int(re.search(r"^ftrace-romfs: (\d+)", out, re.M).group(1)) > 5
     # The module may load elsewhere each time: its addresses are ksym, ksym2, ksym3.
     ksym2, ksym3 = ({m.group(2): int(m.group(1), 16)
@@ -889,7 +970,8 @@ def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", vmlinux)
     r = boot_kernel("module-romfs-rewritten-kernel", vmlinux,
                     _initrd(make_initramfs, rewritten_romfs, modules, romfs_every_insn), smp=2, timeout=180)
-    kernel_env.assert_boot_ok(r)
+    kernel_env.assert_boot_ok(r, allow=("Call Trace",))        # the handlers' dump_stack()
+    _assert_stacks(r)
     out = r.between()
     for line in ("insmod1=0", "rmmod1=0", "insmod2=0", "rmmod2=0", "mount3=0", "rmmod3=0", "mount4=0", "rmmod4=0"):
         assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")

@@ -33,6 +33,11 @@ kp_module_init(); _int3_c()), the instruction run from a slot in the module's co
 kernel would single-step).  A kretprobe's entry may be any of these.  What cannot be placed
 is refused with one line.
 
+Our code gets entries in the module's own ORC tables (orc.py), so a handler's stack unwinds
+through the runtime and the detour into the probed function and its callers: the runtime's and
+handlers' code (renamed .text.kprewrite_c) by the frame-pointer rule, each detour, slot and the
+trampoline per instruction.
+
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
 kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
 own event call (event_calls_c()), else their lines are written to the ftrace ring buffer
@@ -237,17 +242,31 @@ static inline void kp_leave(void) { }
 """
 
 
-def opt_detour(i: int, site, mod, relocs, placeholders: dict) -> str:
+def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str:
     """The optimized detour of site i (OPT_DETOUR_HEAD, the region's copies, OPT_DETOUR_TAIL),
     each relocated field a reference to a new placeholder: placeholders[name] = Field
-    (optprobe.Field: what _redirect() points its relocation at)."""
+    (optprobe.Field: what _redirect() points its relocation at).  unwind: (orc.Entries, the
+    module's entries) to give the detour ORC entries (orc.py): the probed function's entry at
+    the hit moved by what the head pushed, a pt_regs entry at the dispatch's call, each copied
+    instruction's own, the region end's at the jump back."""
     from .optprobe import Field, region
     ph = _placeholder(placeholders)
     sec, off = mod.place(site.addr)
     end_sec, end = mod.place(site.region_end - 1)
-    out = [OPT_DETOUR_HEAD.replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))]
-    for code, fields in region(mod, relocs, site):
+    head = OPT_DETOUR_HEAD.replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))
+    if unwind:
+        from . import orc
+        entries, table = unwind
+        at_hit = orc.entry_at(table, sec.name, off)
+        head = entries.annotate(head, lambda cfa: orc.adjust(at_hit, cfa), regs_calls=("kp_dispatch_",))
+    out = [head]
+    for insn, (code, fields) in zip(site.dcr, region(mod, relocs, site)):
+        if unwind:
+            where = mod.place(insn.addr)
+            out.append(entries.copy(code, orc.entry_at(table, where[0].name, where[1])))
         out.append(_copy_s(code, fields, ph))
+    if unwind:
+        out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
     out.append(OPT_DETOUR_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
                                                                                    addend=end + 1 - 4))))
     return "".join(out)
@@ -282,17 +301,27 @@ def traps_after(site) -> bool:
     return site.xol.mode == SINGLESTEP
 
 
-def int3_slot(i: int, site, mod, relocs, placeholders: dict) -> str:
+def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str:
     """The out-of-line slot of breakpoint site i (the kernel's insn slot, in the module's own
     code): the instruction's copy (optprobe.copy(): its relocations carried; a relative branch
     re-encoded, a call pushing the original return address), then an int3 where the kernel
     would single-step (kp_ss_<i>: its trap resumes after the original instruction and runs the
-    post_handlers), then the jump back to the next instruction (a boosted copy's way back)."""
+    post_handlers), then the jump back to the next instruction (a boosted copy's way back).
+    unwind: (orc.Entries, the module's entries) to give the slot ORC entries: the probed
+    instruction's own at its copy, the next instruction's at the int3 and the jump back."""
     from .optprobe import Field, copy
     ph = _placeholder(placeholders)
     code, fields = copy(mod, relocs, site.xol.insn)
     end_sec, end = mod.place(site.addr + len(site.xol.insn.code) - 1)
-    out = [INT3_SLOT_HEAD.replace("{i}", str(i)), _copy_s(code, fields, ph)]
+    out = [INT3_SLOT_HEAD.replace("{i}", str(i))]
+    if unwind:
+        from . import orc
+        entries, table = unwind
+        sec, off = mod.place(site.addr)
+        out.append(entries.copy(code, orc.entry_at(table, sec.name, off)))
+    out.append(_copy_s(code, fields, ph))
+    if unwind:
+        out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
     if traps_after(site):
         out.append(INT3_SS_END.replace("{i}", str(i)))
     out.append(INT3_SLOT_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
@@ -1001,15 +1030,40 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     sites_ = _sites(s.plan)
     relocs = mod.relocs if mod.relocs is not None else relocations(mod)
     placeholders: dict = {}
-    detours = [DETOUR_S.replace("{i}", str(i)) if site.decision == FTRACE
+    # The module's own ORC tables take entries for our code (orc.py), when it has them.
+    from . import orc
+    fmt = orc.orc_format(mod)
+    unwind = (orc.Entries(fmt), orc.module_entries(mod)) if fmt else None
+
+    def ftrace_detour(i):
+        text = DETOUR_S.replace("{i}", str(i))
+        if not unwind:
+            return text
+        # the return address into the probed function right above the CFA all along
+        return unwind[0].annotate(text, lambda cfa: orc.entry(fmt, orc.ORC_REG_SP, cfa), start=8)
+    detours = [ftrace_detour(i) if site.decision == FTRACE
                else "" if site.decision == INT3 and emulated(site)     # run in the trap: no slot
-               else int3_slot(i, site, mod, relocs, placeholders) if site.decision == INT3
-               else opt_detour(i, site, mod, relocs, placeholders) for i, (site, _, _) in enumerate(sites_)]
+               else int3_slot(i, site, mod, relocs, placeholders, unwind) if site.decision == INT3
+               else opt_detour(i, site, mod, relocs, placeholders, unwind) for i, (site, _, _) in enumerate(sites_)]
     int3 = [(i, site) for i, (site, _, _) in enumerate(sites_) if site.decision == INT3]
+    trampoline = TRAMPOLINE_S if s.plan.kretprobes else ""
+    if unwind and trampoline:
+        # Its return address is a kretprobe's, the real one in the instance: no rule before the
+        # dispatch's call (a pad byte's terminator for a return address there, looked up at - 1),
+        # pt_regs at it (regs->ip the real return address once kp_kret_return() set it), the
+        # slot's return address after.
+        called = []
+        pad = "kp_kret_swapped:\n\tint3\t\t\t\t/* never run */\nkp_kret_trampoline:"
+        trampoline = unwind[0].annotate(
+            trampoline.replace("kp_kret_trampoline:", pad, 1),
+            lambda cfa: orc.entry(fmt, orc.ORC_REG_SP, cfa) if called else orc.UNDEFINED,
+            regs_calls=("kp_kret_return",), on_call=lambda: called.append(1))
+    if unwind:
+        trampoline += '\t.section .text.kprewrite,"ax",@progbits\n' + unwind[0].at(orc.UNDEFINED)
     if int3:
         detours.append(int3_table(int3, mod, relocs, placeholders))
-    asm.write_text("".join(f"\t.weak {n}\n" for n in placeholders) + "".join(detours)
-                   + (TRAMPOLINE_S if s.plan.kretprobes else ""))
+    asm.write_text((orc.ENTRY_MACRO_S if unwind else "") + "".join(f"\t.weak {n}\n" for n in placeholders)
+                   + "".join(detours) + trampoline)
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
     if calls is not None:
@@ -1038,12 +1092,26 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     rt = workdir / "kp_runtime.o"
     _run([linker(s.arch), "-r", "-o", str(rt), *map(str, ours), *map(str, objs)], "ld -r (the runtime)")
     _run(["objcopy", "--localize-hidden", str(rt)], "objcopy --localize-hidden")
+    around = ([], [])
+    if unwind:
+        # The runtime's and handlers' code (frame-pointer code) in a section of its own, framed by
+        # an object with the frame-pointer entry at its start and one with a terminator at its end.
+        code = [sc.name for sc in read_sections(rt.read_bytes(), str(rt)) if sc.flags & 0x6 == 0x6   # SHF_ALLOC|EXEC
+                and sc.name != ".text.kprewrite" and not sc.name.startswith((".init", ".exit"))]
+        if code:
+            _run(["objcopy", *(f"--rename-section={n}={orc.C_SECTION}" for n in code), str(rt)],
+                 "objcopy --rename-section")
+        for k, text in enumerate((orc.c_begin_s(fmt), orc.c_end_s(fmt))):
+            src_s, obj = workdir / f"kp_orc_{k}.S", workdir / f"kp_orc_{k}.o"
+            src_s.write_text(text)
+            _run([cc, "-c", str(src_s), "-o", str(obj)], "the module's ORC entries")
+            around[k].append(str(obj))
     orig = workdir / "orig.ko"
     orig.write_bytes(mod.data)
     versions = _versions(mod, rt, workdir, cc)
     linked = workdir / "linked.ko"
-    _run([linker(s.arch), "-r", "-o", str(linked), str(orig), str(rt), *([str(versions)] if versions else [])],
-         "ld -r")
+    _run([linker(s.arch), "-r", "-o", str(linked), str(orig), *around[0], str(rt), *around[1],
+          *([str(versions)] if versions else [])], "ld -r")
     data = bytearray(linked.read_bytes())
     sites = []
     for i, (site, _, _) in enumerate(sites_):
