@@ -522,6 +522,33 @@ def test_binary_file_shared_and_refused(args_prog, runner, tmp_path):
     r = kprewrite("trace", bad, check=False)
     assert r.returncode == 1 and r.stdout == "" and \
         r.stderr == f"kprewrite: {bad}: binary trace version 7; this kprewrite reads version 1\n"
+    # Cut short or damaged: one line naming the file and what is wrong (where), no traceback.
+    good = tf.read_bytes()
+    bad.write_bytes(good[:-8])
+    r = kprewrite("report", bad, check=False)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr == (
+        f"kprewrite: {bad}: a binary trace truncated ({len(good) - 8} bytes: not a whole number of 65536-byte "
+        "chunks of at least one 4194304-byte window)\n")
+    import struct
+    chunk = 1 << 16
+    rec = next(i * chunk + 16 for i in range(1, len(good) // chunk)
+               if struct.unpack_from("<I", good, i * chunk)[0] == 2)      # a thread's records chunk
+    assert good[rec:rec + 2] == b"\xff\xff"        # its context record first, then a record
+    for at, value, what in [(rec + 40, 0xfffe, "a record of event 65534, of 5 in its image"),
+                            (rec, 1, "a record before its chunk's context record")]:
+        data = bytearray(good)
+        data[at:at + 2] = value.to_bytes(2, "little")
+        bad.write_bytes(bytes(data))
+        r = kprewrite("trace", bad, check=False)
+        assert r.returncode == 1 and r.stdout == "" and \
+            r.stderr == f"kprewrite: {bad}: damaged binary trace: {what} at offset {at:#x}\n"
+    data = bytearray(good)
+    desc = next(i * chunk for i in range(1, len(good) // chunk) if struct.unpack_from("<I", good, i * chunk)[0] == 1)
+    data[desc + 8:desc + 16] = (struct.unpack_from("<Q", good, desc + 8)[0] - 1).to_bytes(8, "little")
+    bad.write_bytes(bytes(data))
+    r = kprewrite("trace", bad, check=False)
+    assert r.returncode == 1 and r.stdout == "" and \
+        r.stderr == f"kprewrite: {bad}: damaged binary trace: the image descriptor at offset {desc:#x} does not parse\n"
 
 
 @pytest.mark.slow
