@@ -510,6 +510,12 @@ def test_binary_file_shared_and_refused(args_prog, runner, tmp_path):
     assert r.stderr.splitlines()[0] == ("kprewrite: KPREWRITE_TRACE: the file is not a binary trace "
                                         "(KPREWRITE_TRACE_FORMAT=binary); tracing to standard error")
     assert len(trace_lines_of(r.stderr.splitlines())) == 5
+    zeros = tmp_path / "zeros.img"     # not empty, no header: another file (a disk image, say), untouched
+    zeros.write_bytes(bytes(100))
+    r = run(args_prog, 1, runner=runner, env=trace_env(zeros, "binary"))
+    assert r.returncode == 0 and zeros.read_bytes() == bytes(100)
+    assert r.stderr.splitlines()[0] == ("kprewrite: KPREWRITE_TRACE: the file is not a binary trace "
+                                        "(KPREWRITE_TRACE_FORMAT=binary); tracing to standard error")
     r = run(args_prog, 1, runner=runner, env={"KPREWRITE_TRACE_FORMAT": "binary"})
     assert r.stderr.splitlines()[0] == "kprewrite: KPREWRITE_TRACE_FORMAT=binary needs KPREWRITE_TRACE=FILE; text lines"
     assert len(trace_lines_of(r.stderr.splitlines())) == 5
