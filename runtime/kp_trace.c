@@ -820,8 +820,9 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 	t = kp_tc_slot();
 	if (t) {
 #ifdef KP_PLATFORM_TRACE_BINARY
-		/* no chunk yet, or a forked child's first hit: who we are, read again */
-		if (kp_bt_on && !kp_bt->slots[t - kp_tc].p)
+		/* no chunk yet, or a forked child's first hit: who we are, read again (not
+		 * when no chunk can be had: that would be system calls at every hit) */
+		if (kp_bt_on && !kp_bt->slots[t - kp_tc].p && !__atomic_load_n(&kp_bt_full, __ATOMIC_RELAXED))
 			t->fresh = 1;
 #endif
 		ns = kp_tc_now(t);

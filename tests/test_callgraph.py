@@ -571,3 +571,27 @@ def test_binary_grows_past_a_window(args_prog, runner, tmp_path):
     assert len(recs) == 5 * n
     assert [r.args["x"] for r in recs if r.event == "bv_in"] == [i - 2 for i in range(n)]
     assert all(r.line.endswith("...") for r in recs if r.event == "bv_long")
+
+
+@pytest.mark.slow
+def test_binary_file_that_cannot_grow(args_prog, tmp_path):
+    """A file that cannot grow past its first window (RLIMIT_FSIZE, as a full file system):
+    the program runs on, the records of the first window are read whole, the later ones are
+    lost (the process stops claiming chunks).  (Slow: some 13,000 lines of 2 KB.)"""
+    import os
+    import resource
+    import signal
+    import subprocess
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # fallocate past the limit: EFBIG, not a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+    n = 3000
+    tf = tmp_path / "small.bin"
+    r = subprocess.run([str(args_prog), str(n)], capture_output=True, text=True, preexec_fn=limit,
+                       env={**os.environ, **trace_env(tf, "binary")})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert tf.stat().st_size == 4 << 20
+    recs = tracefmt.read(str(tf))
+    xs = [r.args["x"] for r in recs if r.event == "bv_in"]
+    assert 100 < len(xs) < n and xs == [i - 2 for i in range(len(xs))]
