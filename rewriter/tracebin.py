@@ -71,14 +71,26 @@ class Image:
     def __init__(self, data: bytes, at: int, length: int, where: str):
         end = at + length
         if end > len(data):
-            raise KprewriteError(f"{where}: an image descriptor runs past the end of the file")
+            raise KprewriteError(f"{where}: damaged binary trace: the image descriptor at offset 0x{at - 16:x} "
+                                 f"runs past the end of the file")
+        try:
+            self._parse(data, at, end)
+        except (struct.error, IndexError, ValueError):
+            raise KprewriteError(f"{where}: damaged binary trace: the image descriptor at offset 0x{at - 16:x} "
+                                 f"does not parse") from None
+
+    def _parse(self, data: bytes, at: int, end: int) -> None:
+        # Bounded by the descriptor's own length: a damaged count never reads another chunk.
+        data = memoryview(data)[:end]
         self.base, self.bias, self.pid, nev, nsyms, nnames = struct.unpack_from("<QQIIII", data, at)
         p = at + 32
 
         def string():
             nonlocal p
             (n,) = struct.unpack_from("<H", data, p)
-            s = data[p + 2:p + 2 + n]
+            if p + 2 + n > end:
+                raise ValueError
+            s = bytes(data[p + 2:p + 2 + n])
             p += 2 + n
             return s
         self.events = []
@@ -90,16 +102,21 @@ class Image:
             for _ in range(nargs):
                 an = string()
                 pr, size, count = struct.unpack_from("<BBH", data, p)
+                if pr > P_SYMSTR:
+                    raise ValueError
                 p += 4
                 args.append(Arg(an, pr, size, count))
             self.events.append(Event(name, loc, bool(is_ret), args))
+        if p + 20 * nsyms + nnames != end:
+            raise ValueError
         syms = [struct.unpack_from("<QQI", data, p + 20 * i) for i in range(nsyms)]
         p += 20 * nsyms
-        names = data[p:p + nnames]
-        if p + nnames > end:
-            raise KprewriteError(f"{where}: an image descriptor is shorter than its tables")
+        names = bytes(data[p:p + nnames])
         self.addrs = [a for a, _, _ in syms]
-        self.syms = [(a, s, names[n:names.index(b"\0", n)] if b"\0" in names[n:] else names[n:]) for a, s, n in syms]
+        self.syms = []
+        for a, s, n in syms:
+            e = names.find(b"\0", n)
+            self.syms.append((a, s, names[n:e if e >= 0 else len(names)]))
 
     def sym(self, addr: int, with_offset: bool = True) -> bytes:
         """kp_line_sym(): "sym+0xoff/0xsize" of the image's symbols, else the address."""
@@ -219,15 +236,25 @@ def records(data: bytes, where: str) -> list:
     parsed by tracefmt.parse_line() as a text line is, except where it is known to parse
     as its parts (a context, an event without args: checked once, then cached)."""
     from .tracefmt import LINE, Record, parse_line
-    if len(data) < 64 or not is_binary(data):
+    if not is_binary(data):
         raise KprewriteError(f"{where}: not a binary trace")
+    if len(data) < 64:
+        raise KprewriteError(f"{where}: a binary trace truncated ({len(data)} bytes: its header is 64)")
     version, state, chunk, window, endian = struct.unpack_from("<IIIII", data, 8)
     if endian != 0x01020304:
         raise KprewriteError(f"{where}: a binary trace of a big-endian CPU (not supported)")
     if version != VERSION:
         raise KprewriteError(f"{where}: binary trace version {version}; this kprewrite reads version {VERSION}")
-    if chunk < 4096 or chunk % 8:
-        raise KprewriteError(f"{where}: binary trace header damaged (chunk size {chunk})")
+    if chunk < 4096 or chunk & (chunk - 1) or window < chunk or window % chunk:
+        raise KprewriteError(f"{where}: binary trace header damaged (chunk size {chunk}, window {window})")
+    # The runtime grows the file a window at a time from its first (an image's descriptor
+    # by whole chunks): any other size is a file cut short.
+    if len(data) < window or len(data) % chunk:
+        raise KprewriteError(f"{where}: a binary trace truncated ({len(data)} bytes: not a whole number of "
+                             f"{chunk}-byte chunks of at least one {window}-byte window)")
+
+    def damaged(i: int, k: int, what: str) -> KprewriteError:
+        return KprewriteError(f"{where}: damaged binary trace: {what} at offset 0x{i * chunk + 16 + 8 * k:x}")
     images: dict[int, Image] = {}
     pending = []
     nchunks, i = len(data) // chunk, 1
@@ -238,6 +265,8 @@ def records(data: bytes, where: str) -> list:
             images[i] = Image(data, at + 16, length, where)
             i += max(1, (16 + length + chunk - 1) // chunk)
             continue
+        # Any other kind is not claimed yet, or the continuation of a descriptor whose
+        # header was never written (a process killed between its two pwrite()s).
         if kind == KIND_RECORDS:
             pending.append((i, image))
         i += 1
@@ -246,8 +275,8 @@ def records(data: bytes, where: str) -> list:
     seq = 0
     for i, image in pending:
         img = images.get(image)
-        if img is None:                 # an image that never finished its descriptor
-            continue
+        if img is None:                 # written after its image's descriptor, always
+            raise damaged(i, -2, f"a records chunk of image {image}, which is not an image descriptor")
         at, end = i * chunk + 16, (i + 1) * chunk
         words = memoryview(data)[at:end].cast("Q")
         k, n = 0, len(words)
@@ -259,7 +288,7 @@ def records(data: bytes, where: str) -> list:
             ident, rel = w0 & 0xFFFF, w0 >> 16
             if ident == CTX:
                 if k + 5 > n:
-                    break
+                    raise damaged(i, k, "a context record past the end of its chunk")
                 tid, cpu = words[k + 1] & 0xFFFFFFFF, words[k + 2]
                 comm = bytes(data[at + 8 * (k + 3):at + 8 * (k + 5)]).split(b"\0", 1)[0]
                 prefix = (comm.rjust(16) + b"-" + str(tid).encode().ljust(7) +
@@ -269,21 +298,24 @@ def records(data: bytes, where: str) -> list:
                 k += 5
                 continue
             if ident - 1 >= len(img.events):
-                break                   # damaged: the rest of this chunk is not trusted
+                raise damaged(i, k, f"a record of event {ident}, of {len(img.events)} in its image")
+            if ctx is None:             # a chunk starts with one, always
+                raise damaged(i, k, "a record before its chunk's context record")
             ev = img.events[ident - 1]
+            k0 = k
             k += 1
             ret = 0
             if ev.is_return:
-                ret = words[k]
+                ret = words[k] if k < n else 0
                 k += 1
             rec = b""
             if ev.args:
-                ln = words[k]
+                ln = words[k] if k < n else 0
                 k += 1
                 rec = bytes(data[at + 8 * k:at + 8 * k + ln])
                 k += (ln + 7) // 8
-            if ctx is None:
-                continue
+            if k > n:
+                raise damaged(i, k0, "a record past the end of its chunk")
             ns = img.base + rel
             sec, frac = divmod(ns, 1_000_000_000)
             ts = f"{sec}.{frac:09d}"

@@ -436,6 +436,7 @@ struct kp_bt_state {			/* zero in a forked child (kp_platform_alloc_wipeonfork()
 };
 
 static int kp_bt_on, kp_bt_fd = -1;
+static int kp_bt_full;			/* the file could not grow: no more claims (and system calls) */
 static struct kp_bt_file *kp_bt_hdr;
 static struct kp_bt_state *kp_bt;
 static unsigned int kp_bt_image;
@@ -513,14 +514,20 @@ static char *kp_bt_window(unsigned long w)
 	return m;
 }
 
-/* A records chunk of the thread's own; 0 when the file cannot grow (the hit is lost). */
+/* A records chunk of the thread's own; 0 when the file cannot grow (the hit is lost, and
+ * every later one: a hit that tried again would make a system call and use up a chunk
+ * index each time, and a window grown later would allocate all those before it). */
 static int kp_bt_claim(struct kp_bt_slot *s, long pid)
 {
+	s->p = s->end = 0;
+	if (__atomic_load_n(&kp_bt_full, __ATOMIC_RELAXED))
+		return 0;
 	unsigned long idx = __atomic_fetch_add(&kp_bt_hdr->next, 1, __ATOMIC_RELAXED);
 	char *w = kp_bt_window(idx / KP_BT_CPW);
-	s->p = s->end = 0;
-	if (!w)
+	if (!w) {
+		__atomic_store_n(&kp_bt_full, 1, __ATOMIC_RELAXED);
 		return 0;
+	}
 	struct kp_bt_chunk *c = (struct kp_bt_chunk *)(w + idx % KP_BT_CPW * KP_BT_CHUNK);
 	c->image = kp_bt_image;
 	c->len = 0;
@@ -546,7 +553,8 @@ static void kp_bt_put(struct kp_tc *t, struct kp_bt_slot *s, const struct kp_tra
 			return;
 		ctx = 1;
 	}
-	unsigned long rel = ((unsigned long)(ns - kp_bt_base) & ((1UL << 48) - 1)) << 16;
+	/* ns before the time base: a thread's clock anchored before start-up, extrapolated */
+	unsigned long rel = ns > kp_bt_base ? ((unsigned long)(ns - kp_bt_base) & ((1UL << 48) - 1)) << 16 : 0;
 	unsigned long *q = s->p;
 	if (ctx) {
 		q[1] = (unsigned int)t->tid | (unsigned long)(unsigned int)t->pid << 32;
@@ -600,21 +608,25 @@ static int kp_bt_open(const char *path)
 		goto fail;
 	char head[64];
 	long n = kp_platform_file_read(fd, head, sizeof(head));	/* before anything moves the offset */
-	if (n > 0) {		/* ours (or being set up: zero), never text lines or another file */
+	/* Found empty: this process may set the header up (as may another that found it so).
+	 * Found not empty: ours, or being set up by another process (its head zero but for
+	 * `state`, and the file already one window long), never text lines or another file;
+	 * such a file is neither grown nor set up here, and is refused if its header is not
+	 * ready soon (a file of zeros). */
+	int joining = n > 0;
+	if (joining) {
 		int zero = 1;
 		for (long i = 0; i < n; i++)
-			zero &= !head[i];
-		if (!zero && (n < 8 || memcmp(head, kp_bt_magic, 8))) {
-			kp_platform_close(fd);
-			kp_platform_write(2, foreign, sizeof(foreign) - 1);
-			return 0;
-		}
+			zero &= !head[i] || (i >= 12 && i < 16);
+		if ((!zero && (n < 8 || memcmp(head, kp_bt_magic, 8))) ||
+		    kp_platform_file_size(fd) < (long)KP_BT_WINDOW)
+			goto foreign_fd;
 	}
 	struct kp_bt_file *h;
-	if (kp_platform_file_grow(fd, KP_BT_WINDOW) || !(h = kp_platform_map_shared(fd, 0, KP_BT_WINDOW)))
+	if ((!joining && kp_platform_file_grow(fd, KP_BT_WINDOW)) || !(h = kp_platform_map_shared(fd, 0, KP_BT_WINDOW)))
 		goto fail_fd;
 	unsigned int state = 0;
-	if (__atomic_compare_exchange_n(&h->state, &state, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+	if (!joining && __atomic_compare_exchange_n(&h->state, &state, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
 		h->version = KP_BT_VERSION;
 		h->chunk = KP_BT_CHUNK;
 		h->window = KP_BT_WINDOW;
@@ -624,8 +636,10 @@ static int kp_bt_open(const char *path)
 		__atomic_store_n(&h->state, 2, __ATOMIC_RELEASE);
 	} else {
 		for (unsigned long spin = 0; __atomic_load_n(&h->state, __ATOMIC_ACQUIRE) != 2; spin++)
-			if (spin > 100000000UL)
-				goto fail_map;
+			if (spin > 100000000UL) {
+				kp_platform_unmap(h, KP_BT_WINDOW);
+				goto foreign_fd;
+			}
 	}
 	if (memcmp(h->magic, kp_bt_magic, 8) || h->version != KP_BT_VERSION || h->chunk != KP_BT_CHUNK ||
 	    h->window != KP_BT_WINDOW || h->endian != 0x01020304)
@@ -657,6 +671,11 @@ static int kp_bt_open(const char *path)
 	return 1;
 fail_map:
 	kp_platform_unmap(h, KP_BT_WINDOW);
+	goto fail_fd;
+foreign_fd:
+	kp_platform_close(fd);
+	kp_platform_write(2, foreign, sizeof(foreign) - 1);
+	return 0;
 fail_fd:
 	kp_platform_close(fd);
 fail:
@@ -801,8 +820,9 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 	t = kp_tc_slot();
 	if (t) {
 #ifdef KP_PLATFORM_TRACE_BINARY
-		/* no chunk yet, or a forked child's first hit: who we are, read again */
-		if (kp_bt_on && !kp_bt->slots[t - kp_tc].p)
+		/* no chunk yet, or a forked child's first hit: who we are, read again (not
+		 * when no chunk can be had: that would be system calls at every hit) */
+		if (kp_bt_on && !kp_bt->slots[t - kp_tc].p && !__atomic_load_n(&kp_bt_full, __ATOMIC_RELAXED))
 			t->fresh = 1;
 #endif
 		ns = kp_tc_now(t);

@@ -510,6 +510,12 @@ def test_binary_file_shared_and_refused(args_prog, runner, tmp_path):
     assert r.stderr.splitlines()[0] == ("kprewrite: KPREWRITE_TRACE: the file is not a binary trace "
                                         "(KPREWRITE_TRACE_FORMAT=binary); tracing to standard error")
     assert len(trace_lines_of(r.stderr.splitlines())) == 5
+    zeros = tmp_path / "zeros.img"     # not empty, no header: another file (a disk image, say), untouched
+    zeros.write_bytes(bytes(100))
+    r = run(args_prog, 1, runner=runner, env=trace_env(zeros, "binary"))
+    assert r.returncode == 0 and zeros.read_bytes() == bytes(100)
+    assert r.stderr.splitlines()[0] == ("kprewrite: KPREWRITE_TRACE: the file is not a binary trace "
+                                        "(KPREWRITE_TRACE_FORMAT=binary); tracing to standard error")
     r = run(args_prog, 1, runner=runner, env={"KPREWRITE_TRACE_FORMAT": "binary"})
     assert r.stderr.splitlines()[0] == "kprewrite: KPREWRITE_TRACE_FORMAT=binary needs KPREWRITE_TRACE=FILE; text lines"
     assert len(trace_lines_of(r.stderr.splitlines())) == 5
@@ -522,6 +528,33 @@ def test_binary_file_shared_and_refused(args_prog, runner, tmp_path):
     r = kprewrite("trace", bad, check=False)
     assert r.returncode == 1 and r.stdout == "" and \
         r.stderr == f"kprewrite: {bad}: binary trace version 7; this kprewrite reads version 1\n"
+    # Cut short or damaged: one line naming the file and what is wrong (where), no traceback.
+    good = tf.read_bytes()
+    bad.write_bytes(good[:-8])
+    r = kprewrite("report", bad, check=False)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr == (
+        f"kprewrite: {bad}: a binary trace truncated ({len(good) - 8} bytes: not a whole number of 65536-byte "
+        "chunks of at least one 4194304-byte window)\n")
+    import struct
+    chunk = 1 << 16
+    rec = next(i * chunk + 16 for i in range(1, len(good) // chunk)
+               if struct.unpack_from("<I", good, i * chunk)[0] == 2)      # a thread's records chunk
+    assert good[rec:rec + 2] == b"\xff\xff"        # its context record first, then a record
+    for at, value, what in [(rec + 40, 0xfffe, "a record of event 65534, of 5 in its image"),
+                            (rec, 1, "a record before its chunk's context record")]:
+        data = bytearray(good)
+        data[at:at + 2] = value.to_bytes(2, "little")
+        bad.write_bytes(bytes(data))
+        r = kprewrite("trace", bad, check=False)
+        assert r.returncode == 1 and r.stdout == "" and \
+            r.stderr == f"kprewrite: {bad}: damaged binary trace: {what} at offset {at:#x}\n"
+    data = bytearray(good)
+    desc = next(i * chunk for i in range(1, len(good) // chunk) if struct.unpack_from("<I", good, i * chunk)[0] == 1)
+    data[desc + 8:desc + 16] = (struct.unpack_from("<Q", good, desc + 8)[0] - 1).to_bytes(8, "little")
+    bad.write_bytes(bytes(data))
+    r = kprewrite("trace", bad, check=False)
+    assert r.returncode == 1 and r.stdout == "" and \
+        r.stderr == f"kprewrite: {bad}: damaged binary trace: the image descriptor at offset {desc:#x} does not parse\n"
 
 
 @pytest.mark.slow
@@ -538,3 +571,27 @@ def test_binary_grows_past_a_window(args_prog, runner, tmp_path):
     assert len(recs) == 5 * n
     assert [r.args["x"] for r in recs if r.event == "bv_in"] == [i - 2 for i in range(n)]
     assert all(r.line.endswith("...") for r in recs if r.event == "bv_long")
+
+
+@pytest.mark.slow
+def test_binary_file_that_cannot_grow(args_prog, tmp_path):
+    """A file that cannot grow past its first window (RLIMIT_FSIZE, as a full file system):
+    the program runs on, the records of the first window are read whole, the later ones are
+    lost (the process stops claiming chunks).  (Slow: some 13,000 lines of 2 KB.)"""
+    import os
+    import resource
+    import signal
+    import subprocess
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # fallocate past the limit: EFBIG, not a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+    n = 3000
+    tf = tmp_path / "small.bin"
+    r = subprocess.run([str(args_prog), str(n)], capture_output=True, text=True, preexec_fn=limit,
+                       env={**os.environ, **trace_env(tf, "binary")})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert tf.stat().st_size == 4 << 20
+    recs = tracefmt.read(str(tf))
+    xs = [r.args["x"] for r in recs if r.event == "bv_in"]
+    assert 100 < len(xs) < n and xs == [i - 2 for i in range(len(xs))]

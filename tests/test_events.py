@@ -492,6 +492,7 @@ void *kp_platform_alloc(unsigned long size) { (void)size; return 0; }
 int kp_platform_open_rw(const char *path) { (void)path; return -1; }
 long kp_platform_file_read(int fd, void *buf, unsigned long len) { (void)fd, (void)buf, (void)len; return 0; }
 int kp_platform_file_grow(int fd, unsigned long size) { (void)fd, (void)size; return -1; }
+long kp_platform_file_size(int fd) { (void)fd; return -1; }
 void *kp_platform_map_shared(int fd, unsigned long off, unsigned long len) { (void)fd, (void)off, (void)len; return 0; }
 void kp_platform_unmap(void *p, unsigned long len) { (void)p, (void)len; }
 int kp_platform_pwrite(int fd, const void *buf, unsigned long len, unsigned long off) { (void)fd, (void)buf, (void)len, (void)off; return -1; }

@@ -115,6 +115,7 @@ void kp_trace_flush(void);
 int kp_platform_open_rw(const char *path);		/* O_RDWR|O_CREAT, 0600 */
 long kp_platform_file_read(int fd, void *buf, unsigned long len);	/* from where fd is; bytes read */
 int kp_platform_file_grow(int fd, unsigned long size);	/* to at least size, never smaller; 0 or -errno */
+long kp_platform_file_size(int fd);			/* or -errno */
 void *kp_platform_map_shared(int fd, unsigned long off, unsigned long len);	/* NULL on failure */
 void kp_platform_unmap(void *p, unsigned long len);
 int kp_platform_pwrite(int fd, const void *buf, unsigned long len, unsigned long off);	/* 0 or -1 */

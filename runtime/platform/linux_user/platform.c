@@ -72,24 +72,31 @@ long kp_platform_file_read(int fd, void *buf, unsigned long len)
 	return got;
 }
 
-static long kp_platform_file_size(int fd)
+long kp_platform_file_size(int fd)
 {
 	return kp_syscall3(__NR_lseek, fd, 0, 2 /* SEEK_END */);
 }
 
 /* fallocate(2) never makes a file smaller, so threads and processes that grow it at once
  * need no lock; where the file system has no fallocate (EOPNOTSUPP), ftruncate(2) when the
- * file is shorter. */
+ * file is shorter, the size read and set under a lock: two threads that each read the old
+ * size must not let the smaller ftruncate() come last (it would cut the other's window
+ * off, and its next store be a SIGBUS).  Processes that share the file can still race so. */
 int kp_platform_file_grow(int fd, unsigned long size)
 {
+	static volatile int lock;
 	long r = kp_syscall6(__NR_fallocate, fd, 0, 0, (long)size, 0, 0);
 	if (r == -4)
 		r = kp_syscall6(__NR_fallocate, fd, 0, 0, (long)size, 0, 0);
 	if (r != -95 /* EOPNOTSUPP */ && r != -38 /* ENOSYS */)
 		return (int)r;
-	if (kp_platform_file_size(fd) >= (long)size)
-		return 0;
-	return (int)kp_syscall3(__NR_ftruncate, fd, size, 0);
+	while (__atomic_exchange_n(&lock, 1, __ATOMIC_ACQUIRE))
+		cpu_relax();
+	r = 0;
+	if (kp_platform_file_size(fd) < (long)size)
+		r = kp_syscall3(__NR_ftruncate, fd, size, 0);
+	__atomic_store_n(&lock, 0, __ATOMIC_RELEASE);
+	return (int)r;
 }
 
 void *kp_platform_map_shared(int fd, unsigned long off, unsigned long len)
