@@ -67,6 +67,9 @@ class Rules:
     # A detour runs a post_handler after the copied instruction (beyond the kernel); off: the
     # kernel's optimize_kprobe() rule, no kprobe with a post_handler is optimized.
     optimized_post_handler: bool = True
+    # A boosted breakpoint copy runs a post_handler through a probe stub after it (beyond the
+    # kernel); off: setup_singlestep()'s rule, a kprobe with a post_handler is single-stepped.
+    boost_post_handler: bool = True
     # A kretprobe's entry takes the clean call where its entry_handler never reads regs (the
     # runtime's kp_kretprobe_clean_entry passes the return-address slot instead of pt_regs).
     kretprobe_clean_entry: bool = False

@@ -104,7 +104,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
                 for p in s.probes:
                     fail(p, REFUSED, str(why), why.check, why.addr)
                 continue
-            make_int3(image, arch, s, rules.singlestep_int3)
+            make_int3(image, arch, s, rules.singlestep_int3, rules.boost_post_handler)
             why = rules.int3_refusal(arch, s) if rules.int3_refusal is not None else None
             if why is not None:         # the target cannot write this breakpoint's copy
                 for p in s.probes:

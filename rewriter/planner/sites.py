@@ -5,11 +5,12 @@ from __future__ import annotations
 from .. import safety
 from .model import FTRACE, INT3, JUMPS, OPTIMIZED, REFUSED, Site
 
-def make_int3(image, arch, s: Site, ss_int3: bool = False) -> Site:
+def make_int3(image, arch, s: Site, ss_int3: bool = False, boost_post_handler: bool = True) -> Site:
     """The INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
     instruction is emulated, boosted or single-stepped out of line (ss_int3: the
-    single-stepped copy ends with an int3, Rules.singlestep_int3)."""
-    s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_int3)
+    single-stepped copy ends with an int3, Rules.singlestep_int3; boost_post_handler
+    False: a site with a post_handler is not boosted, Rules.boost_post_handler)."""
+    s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_int3, boost=boost_post_handler or not s.with_post)
     s.dcr = [s.xol.insn]
     s.decision = INT3
     return s

@@ -56,9 +56,10 @@ def emulates_refused(image, addr: int) -> bool:
     return False
 
 
-def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
+def prepare(image, addr: int, ss_int3: bool = False, boost: bool = True) -> Xol:
     """arch_prepare_kprobe() for one address (can_probe() has already passed).
-    Single-stepped copies always end with a brk (ss_int3 is what arm64 does anyway)."""
+    Single-stepped copies always end with a brk (ss_int3 is what arm64 does anyway);
+    arm64 boosts nothing, so `boost` changes nothing."""
     code = bytes(image.read(addr, 4))
     info = I.classify(code, addr)
     insn = DcrInsn(addr, code, info)

@@ -129,9 +129,11 @@ def emulates_refused(image, addr: int) -> bool:
     return _memory_indirect(DcrInsn(addr, bytes(code[:info.length]), info)) is not None
 
 
-def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
+def prepare(image, addr: int, ss_int3: bool = False, boost: bool = True) -> Xol:
     """arch_prepare_kprobe() for one address (can_probe() has already passed);
-    ss_int3: a single-stepped copy ends with an int3 rather than running with TF."""
+    ss_int3: a single-stepped copy ends with an int3 rather than running with TF;
+    boost False: a boostable instruction single-stepped too (setup_singlestep() boosts
+    no kprobe with a post_handler)."""
     code = image.read(addr, 16)
     info = x86insn.classify(code, addr)
     insn = DcrInsn(addr, bytes(code[:info.length]), info)
@@ -160,7 +162,7 @@ def prepare(image, addr: int, ss_int3: bool = False) -> Xol:
         # the transaction anyway.  Emulated as an immediate abort (EAX = 0, go
         # to the fallback path), which the architecture allows at any time.
         return Xol(EMULATE, insn, kind=K_XBEGIN, target=info.rel_target)
-    if info.boostable or (info.opcode_map == 2 and info.opcode == 0x05):
+    if boost and (info.boostable or (info.opcode_map == 2 and info.opcode == 0x05)):
         # syscall is boosted in user space: with the trap flag set the kernel
         # returns through iret and the single-step trap comes one instruction
         # late (after the jmp back).  The kernel never probes a syscall insn.

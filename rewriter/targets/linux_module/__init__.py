@@ -90,6 +90,9 @@ def rules(image, arch) -> Rules:
     r.singlestep_int3 = True
     r.int3_refusal = _int3_copy(image)
     r.optimized_post_handler = False
+    # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the
+    # copy (the module's trap code has no probe stub to run it from a boosted copy).
+    r.boost_post_handler = False
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
     return r

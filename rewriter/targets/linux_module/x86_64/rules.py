@@ -66,9 +66,9 @@ def int3_copy(image):
     return address), so xbegin (whose abort target the copy would not move) is refused; under
     a post_handler a relative jmp, jcc or call is emulated in the trap (its target carried as
     a relocation, optprobe.branch_target()), any other branch refused, with the reason.
-    A boostable instruction under a post_handler is single-stepped, as setup_singlestep()
-    boosts only a kprobe without one (the copy ends with an int3)."""
-    from ....arch.base import BOOST, EMULATE, SINGLESTEP
+    (A boostable instruction under a post_handler comes here single-stepped already:
+    Rules.boost_post_handler is off for modules.)"""
+    from ....arch.base import EMULATE
     from ....arch.x86_64.kprobe_xol import K_CALL, K_JCC, K_JMP, K_XBEGIN
     from . import optprobe
 
@@ -91,9 +91,6 @@ def int3_copy(image):
             return arch.Refusal("post_handler", site.addr, "a post_handler after this branch at a module's "
                                                            "breakpoint is not written yet (only a relative jmp, jcc "
                                                            "or call is emulated; the others run from their copy)")
-        if x.mode == BOOST and site.with_post:
-            # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the copy.
-            x.mode, x.ss_int3 = SINGLESTEP, True
         mod = image.container
         if mod.relocs is None:
             mod.relocs = optprobe.relocations(mod)
