@@ -49,6 +49,13 @@ def branch_targets(image: Image, an: "Analysis"):
 def _branch_pairs(image: Image, an: "Analysis"):
     """(target, address of the branch) of every direct branch (branch_targets(),
     as numbers: Analysis reads them so, not through the strings)."""
+    for pairs in _branch_lists(image, an):
+        yield from pairs
+
+
+def _branch_lists(image: Image, an: "Analysis"):
+    """_branch_pairs() a list (or an iterator) at a time: each function's, or a
+    kernel's from the cache or a worker."""
     k = None
     if len(image.data) >= BIG_IMAGE:
         bounds = array("Q", [x for f in image.functions for x in (f.start, f.end)]).tobytes()
@@ -58,7 +65,7 @@ def _branch_pairs(image: Image, an: "Analysis"):
             pairs = array("Q")
             pairs.frombytes(got)
             it = iter(pairs)
-            yield from zip(it, it)
+            yield zip(it, it)
             return
     pairs = array("Q")
     if k is not None and not an.read_indirect_jumps and jobs() > 1:
@@ -67,17 +74,22 @@ def _branch_pairs(image: Image, an: "Analysis"):
         for chunk in _in_workers(image, an.arch, _pairs_of):
             pairs.frombytes(chunk)
         it = iter(pairs)
-        yield from zip(it, it)
+        yield zip(it, it)
         cache.put("analysis", k, pairs.tobytes())
         return
     if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS:
         an.decode_all()
+    decoded = an.decoded
+    if k is None:
+        for f in image.functions:
+            yield decoded(f).branches
+        return
     for f in image.functions:
-        for target, src in an.decoded(f).branches:
+        branches = decoded(f).branches
+        for target, src in branches:
             pairs.extend((target & 0xFFFFFFFFFFFFFFFF, src))
-            yield target, src
-    if k is not None:
-        cache.put("analysis", k, pairs.tobytes())
+        yield branches
+    cache.put("analysis", k, pairs.tobytes())
 
 
 # Decoding is split over worker processes (one per CPU, KPREWRITE_JOBS to choose) when
@@ -127,14 +139,16 @@ def _call(args):
     return fn(lo, hi)
 
 
-def _in_workers(image: Image, arch, fn):
-    """fn(lo, hi) over image.functions in CHUNKS slices, in forked worker processes,
-    the results in the functions' order (so the output is the same bytes as decoding
-    in one process)."""
+def _in_workers(image: Image, arch, fn, slices=None):
+    """fn(lo, hi) over image.functions in CHUNKS slices (or over the (lo, hi) of
+    `slices`, of another list fn reads), in forked worker processes, the results in
+    the slices' order (so the output is the same bytes as the work in one process)."""
     import multiprocessing
     global _WORK
     n = len(image.functions)
-    slices = [(fn, n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
+    if slices is None:
+        slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
+    slices = [(fn, lo, hi) for lo, hi in slices]
     _WORK = (image, arch)
     try:
         with multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS)) as pool:
@@ -193,15 +207,53 @@ def indirect_jump_targets(image: Image, an: "Analysis"):
     resolve = getattr(an.arch, "jumptable", None)
     if resolve is None:
         return
-    for f in image.functions:
-        if not an.decoded(f).indirect_jumps:
-            continue
-        jumps = resolve.resolve(image, an, f)
+    todo = [f for f in image.functions if an.decoded(f).indirect_jumps]
+    read = {}
+    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and len(todo) > 1:
+        read = _read_in_workers(image, an, todo)
+    added: list[int] = []       # the targets yielded so far, sorted
+    for f in todo:
+        jumps = read.get(f.start)
+        i = bisect.bisect_left(added, f.start)
+        if jumps is None or (i < len(added) and added[i] < f.end):
+            # A worker read f before an earlier function's readings named an address
+            # of f (they are known targets by now): read it again, as one process does.
+            jumps = resolve.resolve(image, an, f)
         an.indirect[f.start] = jumps
         for j in jumps:
             for t in j.targets:
+                bisect.insort(added, t)
                 yield t, (f"jump table entry of the jump at {j.addr:#x}" if j.kind == "jump table"
                           else f"target of the indirect jump at {j.addr:#x}")
+
+
+def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict[int, list]:
+    """jumptable.resolve() of each function of `todo`, in forked workers (_in_workers),
+    with the targets every other source found.  One process reads the functions in
+    order, each with the targets the earlier ones' readings added too; but a reading
+    asks the analysis about the function's own addresses only (the arch's resolve()
+    promises it), so a worker's reading is that one unless an earlier reading
+    named an address of the function (indirect_jump_targets() then reads it again)."""
+    global _READ
+    n = len(todo)
+    chunks = min(n, 4 * CHUNKS)       # a few large functions cost most: small slices balance them
+    _READ = (image, an, todo)
+    try:
+        out = {}
+        for got in _in_workers(image, an.arch, _resolved_of, [(n * i // chunks, n * (i + 1) // chunks)
+                                                              for i in range(chunks)]):
+            out.update(got)
+        return out
+    finally:
+        _READ = None
+
+
+_READ = None        # (image, analysis, functions) in the forked workers of _read_in_workers()
+
+
+def _resolved_of(lo: int, hi: int) -> list:
+    image, an, todo = _READ
+    return [(f.start, an.arch.jumptable.resolve(image, an, f)) for f in todo[lo:hi]]
 
 
 DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets,
@@ -221,6 +273,60 @@ def _state_key(image: Image, arch, sources, read_indirect_jumps: bool) -> str | 
     names = ",".join(f"{s.__module__}.{s.__qualname__}" for s in sources).encode()
     return cache.key(b"analysis-state", cache.code_version(), arch.name.encode(), image.data, bounds, syms,
                      names, bytes([bool(read_indirect_jumps)]))
+
+
+# Pickling an image's analysis and writing it to the cache (0.2 s for libpython) is
+# done by a forked child while the rewrite goes on, where this process may fork (as
+# jobs() decides, and no other thread runs): the child pickles the state as it was at
+# the fork.  The children are waited for before this process reads the cache's
+# analyses and when it exits, so the entry is there once the command is done.
+_WRITERS: list[int] = []
+
+
+def _write_state(k: str, state: dict) -> None:
+    import threading
+    if jobs() > 1 and threading.active_count() == 1 and hasattr(os, "fork"):
+        if not _WRITERS:
+            import atexit
+            atexit.register(_wait_writers)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _put_state(k, state)
+            finally:
+                os._exit(0)
+        _WRITERS.append(pid)
+        return
+    _put_state(k, state)
+
+
+def _put_state(k: str, state: dict) -> None:
+    try:
+        data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        # An arch's derived object that does not pickle: its memo is derived again.
+        memo = {}
+        for kind, table in state["_memo"].items():
+            try:
+                pickle.dumps(table)
+            except Exception:
+                continue
+            memo[kind] = table
+        state = {**state, "_memo": memo}
+        try:
+            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return
+    cache.put("analysis-state", k, data)
+
+
+def _wait_writers() -> None:
+    while _WRITERS:
+        pid = _WRITERS.pop()
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
 
 
 class Analysis:
@@ -248,14 +354,15 @@ class Analysis:
         for source in sources:
             if source is branch_targets:        # the same, without a string to format and parse a branch
                 targets, sources_of = self.targets, self.branch_sources
-                for target, src in _branch_pairs(image, self):
-                    if target not in targets:
-                        targets[target] = f"jump from {src:#x}"
-                    got = sources_of.get(target)
-                    if got is None:
-                        sources_of[target] = [src]
-                    else:
-                        got.append(src)
+                for branches in _branch_lists(image, self):
+                    for target, src in branches:
+                        got = sources_of.get(target)
+                        if got is None:
+                            sources_of[target] = [src]
+                            if target not in targets:
+                                targets[target] = f"jump from {src:#x}"
+                        else:
+                            got.append(src)
                 continue
             for target, why in source(image, self):
                 self.targets.setdefault(target, why)
@@ -276,23 +383,13 @@ class Analysis:
 
     def _save_state(self, k: str) -> None:
         state = {n: getattr(self, n) for n in self._STATE if hasattr(self, n)}
-        memo = {}
-        for kind, table in self._memo.items():
-            try:
-                pickle.dumps(table)
-            except Exception:       # an arch's derived object that does not pickle: derived again
-                continue
-            memo[kind] = table
-        state["_memo"] = memo
+        state["_memo"] = dict(self._memo)
         if len(self.image.data) < BIG_IMAGE:
             state["_decoded"] = self._decoded
-        try:
-            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:
-            return
-        cache.put("analysis-state", k, data)
+        _write_state(k, state)
 
     def _load_state(self, k: str) -> bool:
+        _wait_writers()            # this process's own entry, if one is being written
         data = cache.get("analysis-state", k)
         if data is None:
             return False
