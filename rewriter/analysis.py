@@ -77,7 +77,7 @@ def _branch_lists(image: Image, an: "Analysis"):
         yield zip(it, it)
         cache.put("analysis", k, pairs.tobytes())
         return
-    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS:
+    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and not an.all_decoded:
         an.decode_all()
     decoded = an.decoded
     if k is None:
@@ -143,17 +143,37 @@ def _in_workers(image: Image, arch, fn, slices=None):
     """fn(lo, hi) over image.functions in CHUNKS slices (or over the (lo, hi) of
     `slices`, of another list fn reads), in forked worker processes, the results in
     the slices' order (so the output is the same bytes as the work in one process)."""
-    import multiprocessing
-    global _WORK
-    n = len(image.functions)
-    if slices is None:
-        slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
-    slices = [(fn, lo, hi) for lo, hi in slices]
-    _WORK = (image, arch)
+    job = _Workers(image, arch, fn, slices)
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS)) as pool:
-            yield from pool.imap(_call, slices)
+        yield from job.results()
     finally:
+        job.close()
+
+
+class _Workers:
+    """_in_workers() started at once: the workers run while this process does
+    something else, until results() is read."""
+
+    def __init__(self, image: Image, arch, fn, slices=None):
+        import multiprocessing
+        global _WORK
+        n = len(image.functions)
+        if slices is None:
+            slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
+        _WORK = (image, arch)
+        try:
+            self.pool = multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS))
+        except BaseException:
+            _WORK = None
+            raise
+        self.it = self.pool.imap(_call, [(fn, lo, hi) for lo, hi in slices])
+
+    def results(self):
+        yield from self.it
+
+    def close(self) -> None:
+        global _WORK
+        self.pool.terminate()
         _WORK = None
 
 
@@ -256,6 +276,9 @@ def _resolved_of(lo: int, hi: int) -> list:
     return [(f.start, an.arch.jumptable.resolve(image, an, f)) for f in todo[lo:hi]]
 
 
+# Sources that read the image alone (not the decoded functions, not other sources' targets).
+_IMAGE_ONLY = (landing_pad_targets, relocation_targets, symbol_targets)
+
 DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets,
                                        code_ref_targets, fixed_pointer_targets, indirect_jump_targets]
 
@@ -339,6 +362,7 @@ class Analysis:
         self.fixed_pointers_scanned = False
         self.arch = arch
         self._decoded: dict[int, object] = {}
+        self.all_decoded = False        # by decode_all()
         self._memo: dict[str, dict] = {}
         self.targets: dict[int, str] = {}
         # func.start -> the arch's reading of each of its indirect jumps (jumptable.resolve)
@@ -351,6 +375,19 @@ class Analysis:
         k = _state_key(image, arch, sources, read_indirect_jumps)
         if k is not None and self._load_state(k):
             return
+        early = {}
+        if branch_targets in sources and len(image.data) < BIG_IMAGE and jobs() > 1 \
+                and len(image.functions) >= PARALLEL_FUNCTIONS:
+            # The workers decode (branch_targets' decode_all()) while this process
+            # reads the targets that depend on the image alone.
+            job = _Workers(image, arch, _decoded_of)
+            try:
+                for source in sources:
+                    if source in _IMAGE_ONLY:
+                        early[source] = list(source(image, self))
+                self._take_decoded(job.results())
+            finally:
+                job.close()
         for source in sources:
             if source is branch_targets:        # the same, without a string to format and parse a branch
                 targets, sources_of = self.targets, self.branch_sources
@@ -364,7 +401,7 @@ class Analysis:
                         else:
                             got.append(src)
                 continue
-            for target, why in source(image, self):
+            for target, why in (early[source] if source in early else source(image, self)):
                 self.targets.setdefault(target, why)
                 if source is not branch_targets:
                     self.entered.add(target)
@@ -404,12 +441,16 @@ class Analysis:
 
     def decode_all(self) -> None:
         """Every function decoded, in worker processes (see _in_workers)."""
+        self._take_decoded(_in_workers(self.image, self.arch, _decoded_of))
+
+    def _take_decoded(self, chunks) -> None:
         funcs = self.image.functions
         i = 0
-        for chunk in _in_workers(self.image, self.arch, _decoded_of):
+        for chunk in chunks:
             for d in chunk:
                 self._decoded.setdefault(funcs[i].start, d)
                 i += 1
+        self.all_decoded = True
 
     def decoded(self, f: Function):
         d = self._decoded.get(f.start)
