@@ -60,6 +60,8 @@ def _kind(mnem: str) -> int:
 # ljmp, lea, bnd *, notrack *, call, std, xbegin): the instructions decode_function()
 # reads a mnemonic of.  The rest (some two thirds) make a boundary and nothing else.
 _MAYBE = re.compile(rb"[rjlbncsx]")
+# Code this short (a probe's first bytes: Analysis.is_boundary) costs less through disasm_lite().
+SHORT = 128
 _KINDS_B: dict[bytes, int] = {}
 
 
@@ -68,7 +70,7 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
     does not decode, from LITE's cs_disasm() records (cs.records()): the sizes of
     all give the boundaries in one pass, and only an instruction whose mnemonic may
     matter (_MAYBE) has its mnemonic read."""
-    if cs.LAYOUT is None:
+    if cs.LAYOUT is None or len(code) <= SHORT:
         return _decode_lite(code, start)
     rec, o_size, o_mn, n_mn, o_ops, n_ops = cs.LAYOUT
     n, buf = cs.records(code, start)
