@@ -255,13 +255,20 @@ def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict
     promises it), so a worker's reading is that one unless an earlier reading
     named an address of the function (indirect_jump_targets() then reads it again)."""
     global _READ
-    n = len(todo)
-    chunks = min(n, 4 * CHUNKS)       # a few large functions cost most: small slices balance them
-    _READ = (image, an, todo)
+    # A few large functions cost most (libpython: 16 of 446 half the time): the largest
+    # first, each slice about a 64th of the bytes, so that the workers end together.
+    order = sorted(todo, key=lambda f: f.start - f.end)
+    share = sum(f.end - f.start for f in order) / (4 * CHUNKS)
+    slices, lo, got = [], 0, 0
+    for i, f in enumerate(order):
+        got += f.end - f.start
+        if got >= share or i == len(order) - 1:
+            slices.append((lo, i + 1))
+            lo, got = i + 1, 0
+    _READ = (image, an, order)
     try:
         out = {}
-        for got in _in_workers(image, an.arch, _resolved_of, [(n * i // chunks, n * (i + 1) // chunks)
-                                                              for i in range(chunks)]):
+        for got in _in_workers(image, an.arch, _resolved_of, slices):
             out.update(got)
         return out
     finally:
