@@ -12,7 +12,9 @@ sources.
 What the sources find depends on the image alone, so it is kept in kprewrite's
 cache (cache.py, kind analysis-state) and a second analysis of the same image reads
 it back.  Without it, a large image's functions are decoded by forked worker
-processes, a slice each, joined in the functions' order.
+processes, a slice each, joined in the functions' order, then its indirect jumps
+read by workers too (indirect_jump_targets()), and the analysis is written to the
+cache by a forked child while the rewrite goes on.
 """
 from __future__ import annotations
 
