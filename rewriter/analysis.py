@@ -313,15 +313,22 @@ def _state_key(image: Image, arch, sources, read_indirect_jumps: bool) -> str | 
 # the fork.  The children are waited for before this process reads the cache's
 # analyses and when it exits, so the entry is there once the command is done.
 _WRITERS: list[int] = []
+_AT_EXIT = False
 
 
 def _write_state(k: str, state: dict) -> None:
     import threading
     if jobs() > 1 and threading.active_count() == 1 and hasattr(os, "fork"):
-        if not _WRITERS:
+        global _AT_EXIT
+        if not _AT_EXIT:
             import atexit
             atexit.register(_wait_writers)
-        pid = os.fork()
+            _AT_EXIT = True
+        try:
+            pid = os.fork()
+        except OSError:         # no process to spare: written here
+            _put_state(k, state)
+            return
         if pid == 0:
             try:
                 _put_state(k, state)
