@@ -392,37 +392,32 @@ class Analysis:
         if k is not None and self._load_state(k):
             return
         early = {}
+        branched = False
         if branch_targets in sources and len(image.data) < BIG_IMAGE and jobs() > 1 \
                 and len(image.functions) >= PARALLEL_FUNCTIONS:
             # The workers decode (branch_targets' decode_all()) while this process
-            # reads the targets that depend on the image alone.
+            # reads the targets that depend on the image alone, then makes the
+            # branches into targets a slice at a time, as the workers send them.
             job = _Workers(image, arch, _decoded_of)
             try:
                 for source in sources:
                     if source in _IMAGE_ONLY:
                         early[source] = list(source(image, self))
-                self._take_decoded(job.results())
+                if sources[0] is branch_targets:
+                    self._add_branches(self._decoded_branches(job.results()))
+                    branched = True
+                else:
+                    self._take_decoded(job.results())
             finally:
                 job.close()
         for source in sources:
             if source is branch_targets:        # the same, without a string to format and parse a branch
-                targets, sources_of = self.targets, self.branch_sources
-                for branches in _branch_lists(image, self):
-                    for target, src in branches:
-                        got = sources_of.get(target)
-                        if got is None:
-                            sources_of[target] = [src]
-                            if target not in targets:
-                                targets[target] = f"jump from {src:#x}"
-                        else:
-                            got.append(src)
+                if not branched:
+                    self._add_branches(_branch_lists(image, self))
                 continue
             for target, why in (early[source] if source in early else source(image, self)):
                 self.targets.setdefault(target, why)
-                if source is not branch_targets:
-                    self.entered.add(target)
-                elif why.startswith("jump from "):
-                    self.branch_sources.setdefault(target, []).append(int(why[10:], 16))
+                self.entered.add(target)
         self._sorted_targets = sorted(self.targets)
         if k is not None:
             self._save_state(k)
@@ -458,6 +453,33 @@ class Analysis:
     def decode_all(self) -> None:
         """Every function decoded, in worker processes (see _in_workers)."""
         self._take_decoded(_in_workers(self.image, self.arch, _decoded_of))
+
+    def _add_branches(self, lists) -> None:
+        """branch_targets()' targets, and every branch to each (branch_sources)."""
+        targets, sources_of = self.targets, self.branch_sources
+        for branches in lists:
+            for target, src in branches:
+                got = sources_of.get(target)
+                if got is None:
+                    sources_of[target] = [src]
+                    if target not in targets:
+                        targets[target] = f"jump from {src:#x}"
+                else:
+                    got.append(src)
+
+    def _decoded_branches(self, chunks):
+        """_take_decoded(), yielding each function's branches (as _branch_lists() does
+        after decode_all()) once its slice has come."""
+        funcs, decoded = self.image.functions, self._decoded
+        i = 0
+        for chunk in chunks:
+            lo = i
+            for d in chunk:
+                decoded.setdefault(funcs[i].start, d)
+                i += 1
+            for f in funcs[lo:i]:
+                yield decoded[f.start].branches
+        self.all_decoded = True
 
     def _take_decoded(self, chunks) -> None:
         funcs = self.image.functions
