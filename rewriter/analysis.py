@@ -12,7 +12,9 @@ sources.
 What the sources find depends on the image alone, so it is kept in kprewrite's
 cache (cache.py, kind analysis-state) and a second analysis of the same image reads
 it back.  Without it, a large image's functions are decoded by forked worker
-processes, a slice each, joined in the functions' order.
+processes, a slice each, joined in the functions' order, then its indirect jumps
+read by workers too (indirect_jump_targets()), and the analysis is written to the
+cache by a forked child while the rewrite goes on.
 """
 from __future__ import annotations
 
@@ -49,6 +51,13 @@ def branch_targets(image: Image, an: "Analysis"):
 def _branch_pairs(image: Image, an: "Analysis"):
     """(target, address of the branch) of every direct branch (branch_targets(),
     as numbers: Analysis reads them so, not through the strings)."""
+    for pairs in _branch_lists(image, an):
+        yield from pairs
+
+
+def _branch_lists(image: Image, an: "Analysis"):
+    """_branch_pairs() a list (or an iterator) at a time: each function's, or a
+    kernel's from the cache or a worker."""
     k = None
     if len(image.data) >= BIG_IMAGE:
         bounds = array("Q", [x for f in image.functions for x in (f.start, f.end)]).tobytes()
@@ -58,7 +67,7 @@ def _branch_pairs(image: Image, an: "Analysis"):
             pairs = array("Q")
             pairs.frombytes(got)
             it = iter(pairs)
-            yield from zip(it, it)
+            yield zip(it, it)
             return
     pairs = array("Q")
     if k is not None and not an.read_indirect_jumps and jobs() > 1:
@@ -67,17 +76,22 @@ def _branch_pairs(image: Image, an: "Analysis"):
         for chunk in _in_workers(image, an.arch, _pairs_of):
             pairs.frombytes(chunk)
         it = iter(pairs)
-        yield from zip(it, it)
+        yield zip(it, it)
         cache.put("analysis", k, pairs.tobytes())
         return
-    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS:
+    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and not an.all_decoded:
         an.decode_all()
+    decoded = an.decoded
+    if k is None:
+        for f in image.functions:
+            yield decoded(f).branches
+        return
     for f in image.functions:
-        for target, src in an.decoded(f).branches:
+        branches = decoded(f).branches
+        for target, src in branches:
             pairs.extend((target & 0xFFFFFFFFFFFFFFFF, src))
-            yield target, src
-    if k is not None:
-        cache.put("analysis", k, pairs.tobytes())
+        yield branches
+    cache.put("analysis", k, pairs.tobytes())
 
 
 # Decoding is split over worker processes (one per CPU, KPREWRITE_JOBS to choose) when
@@ -127,19 +141,41 @@ def _call(args):
     return fn(lo, hi)
 
 
-def _in_workers(image: Image, arch, fn):
-    """fn(lo, hi) over image.functions in CHUNKS slices, in forked worker processes,
-    the results in the functions' order (so the output is the same bytes as decoding
-    in one process)."""
-    import multiprocessing
-    global _WORK
-    n = len(image.functions)
-    slices = [(fn, n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
-    _WORK = (image, arch)
+def _in_workers(image: Image, arch, fn, slices=None):
+    """fn(lo, hi) over image.functions in CHUNKS slices (or over the (lo, hi) of
+    `slices`, of another list fn reads), in forked worker processes, the results in
+    the slices' order (so the output is the same bytes as the work in one process)."""
+    job = _Workers(image, arch, fn, slices)
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS)) as pool:
-            yield from pool.imap(_call, slices)
+        yield from job.results()
     finally:
+        job.close()
+
+
+class _Workers:
+    """_in_workers() started at once: the workers run while this process does
+    something else, until results() is read."""
+
+    def __init__(self, image: Image, arch, fn, slices=None):
+        import multiprocessing
+        global _WORK
+        n = len(image.functions)
+        if slices is None:
+            slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
+        _WORK = (image, arch)
+        try:
+            self.pool = multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS))
+        except BaseException:
+            _WORK = None
+            raise
+        self.it = self.pool.imap(_call, [(fn, lo, hi) for lo, hi in slices])
+
+    def results(self):
+        yield from self.it
+
+    def close(self) -> None:
+        global _WORK
+        self.pool.terminate()
         _WORK = None
 
 
@@ -193,16 +229,64 @@ def indirect_jump_targets(image: Image, an: "Analysis"):
     resolve = getattr(an.arch, "jumptable", None)
     if resolve is None:
         return
-    for f in image.functions:
-        if not an.decoded(f).indirect_jumps:
-            continue
-        jumps = resolve.resolve(image, an, f)
+    todo = [f for f in image.functions if an.decoded(f).indirect_jumps]
+    read = {}
+    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and len(todo) > 1:
+        read = _read_in_workers(image, an, todo)
+    added: list[int] = []       # the targets yielded so far, sorted
+    for f in todo:
+        jumps = read.get(f.start)
+        i = bisect.bisect_left(added, f.start)
+        if jumps is None or (i < len(added) and added[i] < f.end):
+            # A worker read f before an earlier function's readings named an address
+            # of f (they are known targets by now): read it again, as one process does.
+            jumps = resolve.resolve(image, an, f)
         an.indirect[f.start] = jumps
         for j in jumps:
             for t in j.targets:
+                bisect.insort(added, t)
                 yield t, (f"jump table entry of the jump at {j.addr:#x}" if j.kind == "jump table"
                           else f"target of the indirect jump at {j.addr:#x}")
 
+
+def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict[int, list]:
+    """jumptable.resolve() of each function of `todo`, in forked workers (_in_workers),
+    with the targets every other source found.  One process reads the functions in
+    order, each with the targets the earlier ones' readings added too; but a reading
+    asks the analysis about the function's own addresses only (the arch's resolve()
+    promises it), so a worker's reading is that one unless an earlier reading
+    named an address of the function (indirect_jump_targets() then reads it again)."""
+    global _READ
+    # A few large functions cost most (libpython: 16 of 446 half the time): the largest
+    # first, each slice about a 64th of the bytes, so that the workers end together.
+    order = sorted(todo, key=lambda f: f.start - f.end)
+    share = sum(f.end - f.start for f in order) / (4 * CHUNKS)
+    slices, lo, got = [], 0, 0
+    for i, f in enumerate(order):
+        got += f.end - f.start
+        if got >= share or i == len(order) - 1:
+            slices.append((lo, i + 1))
+            lo, got = i + 1, 0
+    _READ = (image, an, order)
+    try:
+        out = {}
+        for got in _in_workers(image, an.arch, _resolved_of, slices):
+            out.update(got)
+        return out
+    finally:
+        _READ = None
+
+
+_READ = None        # (image, analysis, functions) in the forked workers of _read_in_workers()
+
+
+def _resolved_of(lo: int, hi: int) -> list:
+    image, an, todo = _READ
+    return [(f.start, an.arch.jumptable.resolve(image, an, f)) for f in todo[lo:hi]]
+
+
+# Sources that read the image alone (not the decoded functions, not other sources' targets).
+_IMAGE_ONLY = (landing_pad_targets, relocation_targets, symbol_targets)
 
 DEFAULT_SOURCES: list[TargetSource] = [branch_targets, landing_pad_targets, relocation_targets, symbol_targets,
                                        code_ref_targets, fixed_pointer_targets, indirect_jump_targets]
@@ -223,6 +307,67 @@ def _state_key(image: Image, arch, sources, read_indirect_jumps: bool) -> str | 
                      names, bytes([bool(read_indirect_jumps)]))
 
 
+# Pickling an image's analysis and writing it to the cache (0.2 s for libpython) is
+# done by a forked child while the rewrite goes on, where this process may fork (as
+# jobs() decides, and no other thread runs): the child pickles the state as it was at
+# the fork.  The children are waited for before this process reads the cache's
+# analyses and when it exits, so the entry is there once the command is done.
+_WRITERS: list[int] = []
+_AT_EXIT = False
+
+
+def _write_state(k: str, state: dict) -> None:
+    import threading
+    if jobs() > 1 and threading.active_count() == 1 and hasattr(os, "fork"):
+        global _AT_EXIT
+        if not _AT_EXIT:
+            import atexit
+            atexit.register(_wait_writers)
+            _AT_EXIT = True
+        try:
+            pid = os.fork()
+        except OSError:         # no process to spare: written here
+            _put_state(k, state)
+            return
+        if pid == 0:
+            try:
+                _put_state(k, state)
+            finally:
+                os._exit(0)
+        _WRITERS.append(pid)
+        return
+    _put_state(k, state)
+
+
+def _put_state(k: str, state: dict) -> None:
+    try:
+        data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        # An arch's derived object that does not pickle: its memo is derived again.
+        memo = {}
+        for kind, table in state["_memo"].items():
+            try:
+                pickle.dumps(table)
+            except Exception:
+                continue
+            memo[kind] = table
+        state = {**state, "_memo": memo}
+        try:
+            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            return
+    cache.put("analysis-state", k, data)
+
+
+def _wait_writers() -> None:
+    while _WRITERS:
+        pid = _WRITERS.pop()
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
 class Analysis:
     """Decoded functions and known jump targets of one image."""
 
@@ -233,6 +378,7 @@ class Analysis:
         self.fixed_pointers_scanned = False
         self.arch = arch
         self._decoded: dict[int, object] = {}
+        self.all_decoded = False        # by decode_all()
         self._memo: dict[str, dict] = {}
         self.targets: dict[int, str] = {}
         # func.start -> the arch's reading of each of its indirect jumps (jumptable.resolve)
@@ -245,24 +391,33 @@ class Analysis:
         k = _state_key(image, arch, sources, read_indirect_jumps)
         if k is not None and self._load_state(k):
             return
+        early = {}
+        branched = False
+        if branch_targets in sources and len(image.data) < BIG_IMAGE and jobs() > 1 \
+                and len(image.functions) >= PARALLEL_FUNCTIONS:
+            # The workers decode (branch_targets' decode_all()) while this process
+            # reads the targets that depend on the image alone, then makes the
+            # branches into targets a slice at a time, as the workers send them.
+            job = _Workers(image, arch, _decoded_of)
+            try:
+                for source in sources:
+                    if source in _IMAGE_ONLY:
+                        early[source] = list(source(image, self))
+                if sources[0] is branch_targets:
+                    self._add_branches(self._decoded_branches(job.results()))
+                    branched = True
+                else:
+                    self._take_decoded(job.results())
+            finally:
+                job.close()
         for source in sources:
             if source is branch_targets:        # the same, without a string to format and parse a branch
-                targets, sources_of = self.targets, self.branch_sources
-                for target, src in _branch_pairs(image, self):
-                    if target not in targets:
-                        targets[target] = f"jump from {src:#x}"
-                    got = sources_of.get(target)
-                    if got is None:
-                        sources_of[target] = [src]
-                    else:
-                        got.append(src)
+                if not branched:
+                    self._add_branches(_branch_lists(image, self))
                 continue
-            for target, why in source(image, self):
+            for target, why in (early[source] if source in early else source(image, self)):
                 self.targets.setdefault(target, why)
-                if source is not branch_targets:
-                    self.entered.add(target)
-                elif why.startswith("jump from "):
-                    self.branch_sources.setdefault(target, []).append(int(why[10:], 16))
+                self.entered.add(target)
         self._sorted_targets = sorted(self.targets)
         if k is not None:
             self._save_state(k)
@@ -276,23 +431,13 @@ class Analysis:
 
     def _save_state(self, k: str) -> None:
         state = {n: getattr(self, n) for n in self._STATE if hasattr(self, n)}
-        memo = {}
-        for kind, table in self._memo.items():
-            try:
-                pickle.dumps(table)
-            except Exception:       # an arch's derived object that does not pickle: derived again
-                continue
-            memo[kind] = table
-        state["_memo"] = memo
+        state["_memo"] = dict(self._memo)
         if len(self.image.data) < BIG_IMAGE:
             state["_decoded"] = self._decoded
-        try:
-            data = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:
-            return
-        cache.put("analysis-state", k, data)
+        _write_state(k, state)
 
     def _load_state(self, k: str) -> bool:
+        _wait_writers()            # this process's own entry, if one is being written
         data = cache.get("analysis-state", k)
         if data is None:
             return False
@@ -307,12 +452,43 @@ class Analysis:
 
     def decode_all(self) -> None:
         """Every function decoded, in worker processes (see _in_workers)."""
+        self._take_decoded(_in_workers(self.image, self.arch, _decoded_of))
+
+    def _add_branches(self, lists) -> None:
+        """branch_targets()' targets, and every branch to each (branch_sources)."""
+        targets, sources_of = self.targets, self.branch_sources
+        for branches in lists:
+            for target, src in branches:
+                got = sources_of.get(target)
+                if got is None:
+                    sources_of[target] = [src]
+                    if target not in targets:
+                        targets[target] = f"jump from {src:#x}"
+                else:
+                    got.append(src)
+
+    def _decoded_branches(self, chunks):
+        """_take_decoded(), yielding each function's branches (as _branch_lists() does
+        after decode_all()) once its slice has come."""
+        funcs, decoded = self.image.functions, self._decoded
+        i = 0
+        for chunk in chunks:
+            lo = i
+            for d in chunk:
+                decoded.setdefault(funcs[i].start, d)
+                i += 1
+            for f in funcs[lo:i]:
+                yield decoded[f.start].branches
+        self.all_decoded = True
+
+    def _take_decoded(self, chunks) -> None:
         funcs = self.image.functions
         i = 0
-        for chunk in _in_workers(self.image, self.arch, _decoded_of):
+        for chunk in chunks:
             for d in chunk:
                 self._decoded.setdefault(funcs[i].start, d)
                 i += 1
+        self.all_decoded = True
 
     def decoded(self, f: Function):
         d = self._decoded.get(f.start)

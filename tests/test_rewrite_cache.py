@@ -76,3 +76,66 @@ def test_second_rewrite_reads_the_cache_and_writes_the_same_bytes(tmp_path):
     assert blobs[0].stat().st_ino == inode          # read, not written again (a put replaces the file)
     env["KPREWRITE_CACHE"] = str(tmp_path / "empty")
     assert rewrite(tmp_path / "c") == first
+
+
+# crossing's jump table lands inside target, a function after it that has an indirect
+# jump of its own: read with the other sources' targets only (a worker), target's jump
+# would miss the three entries that one process has found by the time it reads target.
+CROSSING = r"""
+__asm__(
+"    .text\n"
+"    .globl crossing\n    .type crossing, @function\n"
+"crossing:\n"
+"    cmpl $2, %edi\n"
+"    ja 1f\n"
+"    leaq table(%rip), %rdx\n"
+"    movslq (%rdx,%rdi,4), %rax\n"
+"    addq %rdx, %rax\n"
+"    jmp *%rax\n"
+"1:  xorl %eax, %eax\n"
+"    ret\n"
+"    .size crossing, .-crossing\n"
+"    .globl target\n    .type target, @function\n"
+"target:\n"
+"    movl $1, %eax\n"
+"entry0: addl $1, %eax\n"
+"entry1: addl $2, %eax\n"
+"entry2: movq %rsi, %rcx\n"
+"    jmp *%rcx\n"
+"    .size target, .-target\n"
+"    .section .rodata\n"
+"    .p2align 2\n"
+"table: .long entry0-table, entry1-table, entry2-table\n"
+"    .text\n");
+int crossing(int, void *);
+int main(int argc, char **argv) { return argc > 5 ? crossing(argc, argv[0]) : 0; }
+"""
+
+
+def test_jump_tables_read_by_workers_again_where_an_earlier_table_lands(tmp_path, monkeypatch):
+    """The workers read every function's indirect jumps with the targets the other
+    sources found; a function an earlier function's jump table lands in is read
+    again in order, as one process reads it, so the analysis is the same."""
+    prog = cc(tmp_path, "prog", CROSSING, "-O2")
+    image = Image(str(prog))
+    arch = get_arch(image.machine)
+    target = image.function_named("target")
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KPREWRITE_JOBS", "1")
+    fresh = A.Analysis(image, arch)
+    assert [j.kind for j in fresh.indirect[image.function_named("crossing").start]] == ["jump table"]
+    assert fresh.indirect[target.start]
+    again = []
+    resolve = arch.jumptable.resolve
+
+    def counted(image, an, f):          # called in this process only for a reading done again
+        again.append(f.start)
+        return resolve(image, an, f)
+
+    monkeypatch.setattr(arch.jumptable, "resolve", counted)
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setattr(A, "jobs", lambda: 2)
+    monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
+    parallel = A.Analysis(image, arch)
+    assert again == [target.start]
+    assert _state(parallel) == _state(fresh)

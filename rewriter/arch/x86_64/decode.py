@@ -8,6 +8,7 @@ import re
 
 from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
 from . import cs
 
@@ -55,7 +56,79 @@ def _kind(mnem: str) -> int:
     return k
 
 
+# The first letter of every mnemonic _kind() does not give 0 (ret, repz ret, j*, loop*,
+# ljmp, lea, bnd *, notrack *, call, std, xbegin): the instructions decode_function()
+# reads a mnemonic of.  The rest (some two thirds) make a boundary and nothing else.
+_MAYBE = re.compile(rb"[rjlbncsx]")
+# Code this short (a probe's first bytes: Analysis.is_boundary) costs less through disasm_lite().
+SHORT = 128
+_KINDS_B: dict[bytes, int] = {}
+
+
 def decode_function(code: bytes, start: int) -> DecodedFunction:
+    """Every instruction from `start` to the end of `code` or the first byte that
+    does not decode, from LITE's cs_disasm() records (cs.records()): the sizes of
+    all give the boundaries in one pass, and only an instruction whose mnemonic may
+    matter (_MAYBE) has its mnemonic read."""
+    if cs.LAYOUT is None or len(code) <= SHORT:
+        return _decode_lite(code, start)
+    rec, o_size, o_mn, n_mn, o_ops, n_ops = cs.LAYOUT
+    n, buf = cs.records(code, start)
+    sizes = memoryview(buf).cast("H")[o_size // 2::rec // 2]
+    bounds = array("I", accumulate(sizes, initial=0))
+    length = bounds.pop()
+    branches: list[tuple[int, int]] = []
+    indirect = None
+    std = None
+    exits: list[int] = []
+    indirects: list[int] = []
+    refs: list[tuple[int, int]] = []
+    kinds = _KINDS_B
+    index = buf.index
+    for m in _MAYBE.finditer(buf[o_mn::rec]):
+        i = m.start()
+        o = i * rec
+        mb = buf[o + o_mn:index(0, o + o_mn, o + o_mn + n_mn)]
+        k = kinds.get(mb)
+        if k is None:
+            k = kinds[mb] = _kind(mb.decode("ascii"))
+        if not k:
+            continue
+        addr = start + bounds[i]
+        if k & 1:
+            exits.append(addr)
+        if k & 2:
+            ops = buf[o + o_ops:index(0, o + o_ops, o + o_ops + n_ops)].decode("ascii")
+            if ops.startswith("0x") or ops[:1].isdigit():
+                try:
+                    branches.append((int(ops, 0), addr))
+                except ValueError:
+                    pass
+            elif b"jmp" in mb:
+                indirects.append(addr)
+                if indirect is None:
+                    indirect = addr
+        elif k & 4:
+            indirects.append(addr)
+            if indirect is None:
+                indirect = addr
+        elif k & 8:
+            ops = buf[o + o_ops:index(0, o + o_ops, o + o_ops + n_ops)].decode("ascii")
+            if "[rip " in ops:
+                # `lea X(%rip)`: a code address a register may hold, then jump to.
+                r = _RIP.search(ops)
+                if r:
+                    refs.append((addr + sizes[i] + int(r.group(1) + r.group(2), 16), addr))
+        elif k & 16 and std is None:
+            std = addr
+    end = start + length
+    undecodable = end if end < start + len(code) else None
+    return DecodedFunction(bounds, indirect, undecodable, branches, std, exits, indirects, refs)
+
+
+def _decode_lite(code: bytes, start: int) -> DecodedFunction:
+    """decode_function() through disasm_lite(): a Capstone binding without capstone 5's
+    cs_insn layout."""
     bounds = array("I")
     append = bounds.append
     branches: list[tuple[int, int]] = []

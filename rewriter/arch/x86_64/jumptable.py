@@ -64,19 +64,38 @@ for _i in range(8, 16):
         _PARENT[n] = f"r{_i}"
 
 
+_PARENT_OF: dict[int, str | None] = {}       # Capstone's register id -> _PARENT's name
+
+
 def _reg(ci, r) -> str | None:
-    return _PARENT.get(ci.reg_name(r)) if r else None
+    if not r:
+        return None
+    p = _PARENT_OF.get(r, _reg)
+    if p is _reg:
+        p = _PARENT_OF[r] = _PARENT.get(ci.reg_name(r))
+    return p
 
 
 # What a call leaves undefined (the System V ABI's caller-saved registers).
 _CALL_CLOBBERS = frozenset(["rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"])
 
 
+def _info(ci) -> tuple:
+    """(its groups, whether it is a call, the _PARENT names of the registers it writes)
+    of a decoded instruction, read from Capstone once: the slices and _reg_const ask
+    again and again."""
+    d = ci.__dict__
+    got = d.get("_kp_info")
+    if got is None:
+        groups = ci.groups
+        got = d["_kp_info"] = (groups, capstone.CS_GRP_CALL in groups,
+                               frozenset([_reg(ci, r) for r in ci.regs_access()[1]]))
+    return got
+
+
 def _writes(ci, reg: str) -> bool:
-    if capstone.CS_GRP_CALL in ci.groups and reg in _CALL_CLOBBERS:
-        return True
-    _, w = ci.regs_access()
-    return any(_reg(ci, r) == reg for r in w)
+    _, call, w = _info(ci)
+    return (call and reg in _CALL_CLOBBERS) or reg in w
 
 
 def _uncond(ci) -> bool:
@@ -318,7 +337,7 @@ def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
         if not _writes(ci, reg):
             continue
         m, ops = ci.mnemonic, ci.operands
-        if capstone.CS_GRP_CALL in ci.groups:
+        if _info(ci)[1]:
             # A function's return value: a code pointer it loaded or computed.
             if _pointers_known(fn) and reg == "rax":
                 return IndirectJump(addr, POINTER)
@@ -451,10 +470,9 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
     writes = fn.writes.get(reg)
     if writes is None:
         if fn.written is None:      # _writes()'s reading of each instruction, once for every register
-            fn.written = [(capstone.CS_GRP_CALL in ci.groups, {_reg(ci, r) for r in ci.regs_access()[1]})
-                          for ci in ins]
+            fn.written = [_info(ci) for ci in ins]
         clobbered = reg in _CALL_CLOBBERS
-        writes = fn.writes[reg] = [(call and clobbered) or reg in w for call, w in fn.written]
+        writes = fn.writes[reg] = [(call and clobbered) or reg in w for _, call, w in fn.written]
     if fn.cfg is None:
         fn.cfg = _cfg(fn, ins)
     base, joins, stored, pads, indirect = fn.cfg
@@ -500,7 +518,8 @@ def _cfg(fn: _Fn, ins: list) -> tuple:
     succ: list[list[int]] = [[] for _ in range(n)]
     joins, stored, pads, indirect = set(), set(), [], []
     for i, ci in enumerate(ins):
-        jump = capstone.CS_GRP_JUMP in ci.groups
+        groups, call, _ = _info(ci)
+        jump = capstone.CS_GRP_JUMP in groups
         if jump and ci.operands and ci.operands[0].type == X.X86_OP_IMM:
             t = fn.index.get(ci.operands[0].imm)
             if t is not None:
@@ -509,7 +528,7 @@ def _cfg(fn: _Fn, ins: list) -> tuple:
         elif jump:
             indirect.append(i)
         if i + 1 < n:
-            if _uncond(ci) or (capstone.CS_GRP_CALL in ci.groups and _calls_noreturn(fn, ci)):
+            if _uncond(ci) or (call and _calls_noreturn(fn, ci)):
                 joins.add(i + 1)
             else:
                 succ[i].append(i + 1)
@@ -740,7 +759,7 @@ def _stores(ci) -> bool:
     """May the instruction write memory?"""
     if ci.mnemonic in ("movsx", "movsxd", "movzx") and ci.operands[0].type == X.X86_OP_REG:
         return False                   # (Capstone marks movsxd's source operand written)
-    if capstone.CS_GRP_CALL in ci.groups or ci.mnemonic.startswith(("push", "stos", "movs", "rep", "lock")):
+    if _info(ci)[1] or ci.mnemonic.startswith(("push", "stos", "movs", "rep", "lock")):
         return True
     return any(op.type == X.X86_OP_MEM and op.access & capstone.CS_AC_WRITE for op in ci.operands)
 

@@ -242,6 +242,7 @@ def _cfa_insns(kind, base, d, saved) -> bytes:
     return out
 
 
+@functools.lru_cache(maxsize=4096)      # k is a distance within a detour: few of them repeat for all
 def _ra_insns(k: int) -> bytes:
     """DW_CFA_val_expression RA: [the caller's %rsp - 8] + k (DW_OP_breg7 -8, deref, consts k, plus)."""
     ra = b"\x77\x78\x06\x11" + _sleb(k) + b"\x22"
