@@ -6,7 +6,13 @@ Where: $KPREWRITE_CACHE, else $XDG_CACHE_HOME/kprewrite, else ~/.cache/kprewrite
 A cache that cannot be written is simply not used.  Each kind keeps its KEEP most
 recently used entries: an entry is touched when read, and the oldest beyond that
 are deleted when a new one is written (a runtime edited often, or many images
-analysed, would otherwise grow the folder without end)."""
+analysed, would otherwise grow the folder without end).
+
+A folder that is not this user's, or that others may write to, is not used at all
+(trusted()): entries are unpickled and the compiled runtime is linked into every
+output, so whoever may write there could choose code that kprewrite runs or writes
+into an image (ssh refuses a ~/.ssh others can write for the same reason).  New
+folders are made private (0700)."""
 from __future__ import annotations
 
 import hashlib
@@ -28,17 +34,41 @@ def cache_dir() -> Path:
     return Path(base) / "kprewrite"
 
 
+def _private(p: Path) -> bool:
+    """p is a folder of this user's that no one else may write to."""
+    try:
+        st = os.stat(p)
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def trusted(kind: str | None = None) -> bool:
+    """The cache folder (and the kind's folder in it) may be read and written: this user's
+    and private (made so when missing)."""
+    root = cache_dir()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if kind:
+            (root / kind).mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return False
+    return _private(root) and (not kind or _private(root / kind))
+
+
 _CODE = None
 
 
 def code_version() -> bytes:
-    """A hash of kprewrite's own Python sources: an entry derived by this code (an
-    image's analysis) is keyed by it, so that an edited rewriter never reads what
-    another version derived."""
+    """A hash of kprewrite's own Python sources and of the version of Capstone, whose
+    decoded functions an image's analysis holds: an entry derived by this code is keyed
+    by it, so that an edited rewriter (or another Capstone) never reads what another
+    version derived."""
     global _CODE
     if _CODE is None:
+        import capstone         # (imported already by every arch's decoder)
         root = Path(__file__).resolve().parent
-        h = hashlib.sha256()
+        h = hashlib.sha256(f"capstone {capstone.__version__}\0".encode())
         for f in sorted(root.rglob("*.py")):
             rel = f.relative_to(root).as_posix().encode()
             data = f.read_bytes()
@@ -56,6 +86,8 @@ def key(*parts: bytes) -> str:
 
 
 def get(kind: str, k: str) -> bytes | None:
+    if not trusted(kind):
+        return None
     f = cache_dir() / kind / k
     try:
         data = f.read_bytes()
@@ -67,8 +99,9 @@ def get(kind: str, k: str) -> bytes | None:
 
 def put(kind: str, k: str, data: bytes) -> None:
     d = cache_dir() / kind
+    if not trusted(kind):
+        return
     try:
-        d.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
         with os.fdopen(fd, "wb") as f:
             f.write(data)

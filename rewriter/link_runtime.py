@@ -146,14 +146,16 @@ def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
     if key in _BUILT:
         return _BUILT[key]
     entry = cache.cache_dir() / f"runtime-{arch}-{platform}-{key}"
-    if entry.is_dir():
+    private = cache.trusted()   # else built in a temporary folder (below), as when it cannot be written
+    if private and entry.is_dir():
         try:
             os.utime(entry)     # used now: the last to be evicted (cache.prune)
         except OSError:
             pass
     else:
         try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
+            if not private:
+                raise OSError("the cache folder is not private")
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         except OSError:
             entry = Path(tempfile.mkdtemp(prefix="kprewrite-runtime-"))

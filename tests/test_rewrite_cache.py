@@ -78,6 +78,35 @@ def test_second_rewrite_reads_the_cache_and_writes_the_same_bytes(tmp_path):
     assert rewrite(tmp_path / "c") == first
 
 
+def test_a_cache_folder_others_may_write_is_not_used(tmp_path):
+    """A cache folder others may write to is neither read nor written: its entries are
+    unpickled and its compiled runtime is linked into the output.  Every entry of a
+    filled cache is spoiled, then the folder opened to everyone: the rewrite still
+    writes the same bytes (it read nothing there) and adds nothing; made private again,
+    the spoiled entries are read, and the rewrite fails."""
+    prog = cc(tmp_path, "prog", PROGRAM, "-O2")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "*"\n')
+    cache = tmp_path / "cache"
+    env = {**TREE_ENV, "KPREWRITE_CACHE": str(cache)}
+
+    def rewrite(out, check=True):
+        r = subprocess.run([sys.executable, "-m", "rewriter", "instrument", str(prog), "--spec", str(spec), "-o", str(out)],
+                           env=env, cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0 or not check, r.stderr
+        return out.read_bytes() if r.returncode == 0 else None
+
+    first = rewrite(tmp_path / "a")
+    assert (cache.stat().st_mode & 0o777) == 0o700          # made private
+    entries = sorted(f for f in cache.rglob("*") if f.is_file())
+    assert any(f.suffix == ".o" for f in entries) and list((cache / "blob").iterdir())
+    for f in entries:
+        f.write_bytes(b"spoiled")
+    cache.chmod(0o777)
+    assert rewrite(tmp_path / "b") == first
+    assert sorted(f for f in cache.rglob("*") if f.is_file()) == entries
+    cache.chmod(0o755)
+    assert rewrite(tmp_path / "c", check=False) != first    # the spoiled entries, read
+
 # crossing's jump table lands inside target, a function after it that has an indirect
 # jump of its own: read with the other sources' targets only (a worker), target's jump
 # would miss the three entries that one process has found by the time it reads target.
