@@ -324,15 +324,21 @@ def _write_state(k: str, state: dict) -> None:
             import atexit
             atexit.register(_wait_writers)
             _AT_EXIT = True
+        parent = os.getpid()
         try:
             pid = os.fork()
-        except OSError:         # no process to spare: written here
-            _put_state(k, state)
-            return
-        if pid == 0:
-            try:
+            if pid == 0:
                 _put_state(k, state)
-            finally:
+        except OSError:
+            if os.getpid() != parent:
+                raise
+            _put_state(k, state)        # no process to spare: written here
+            return
+        finally:
+            # The child never returns into the caller, whatever is raised in it (a signal
+            # delivered as it starts: KeyboardInterrupt before any handler of its own),
+            # nor runs the parent's exit handlers or flushes its buffered output.
+            if os.getpid() != parent:
                 os._exit(0)
         _WRITERS.append(pid)
         return

@@ -4,8 +4,12 @@ each gives the same analysis and the same output bytes as the work done afresh i
 one process.  Fast: one small compile, three rewrites."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+
+import pytest
 
 from conftest import TREE_ENV, cc, write_spec
 
@@ -51,6 +55,47 @@ def test_analysis_from_the_cache_and_from_workers(tmp_path, monkeypatch):
     pairs = b"".join(A._in_workers(image, arch, A._pairs_of))
     monkeypatch.setattr(A, "_WORK", (image, arch))
     assert pairs == A._pairs_of(0, len(image.functions)) and pairs
+
+
+def test_analysis_written_by_a_forked_child_that_never_runs_on_in_the_caller(tmp_path, monkeypatch):
+    """Where workers may run, the analysis is written to the cache by a forked child: the
+    entry is there once the child is waited for, and reads back as the same analysis.  The
+    child exits whatever is raised in it, even as it starts (a signal delivered then): it
+    never returns into the caller's code (here: the test, in a second process)."""
+    if threading.active_count() > 1:
+        pytest.skip("a process running other threads writes the analysis in place")
+    prog = cc(tmp_path, "prog", PROGRAM, "-O2")
+    image = Image(str(prog))
+    arch = get_arch(image.machine)
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(A, "jobs", lambda: 2)
+    fresh = A.Analysis(image, arch)
+    assert A._WRITERS                               # a child writes it
+    A._wait_writers()
+    assert list((tmp_path / "cache" / "analysis-state").iterdir())
+    assert _state(A.Analysis(image, arch)) == _state(fresh)
+
+    parent, escaped = os.getpid(), tmp_path / "escaped"
+    fork = os.fork
+
+    def interrupted_fork():
+        pid = fork()
+        if pid == 0:
+            raise KeyboardInterrupt                 # SIGINT as the child starts
+        return pid
+
+    monkeypatch.setattr(os, "fork", interrupted_fork)
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
+    try:
+        again = A.Analysis(image, arch)
+    except BaseException:
+        if os.getpid() != parent:
+            escaped.write_text("the writer ran on in the caller")
+            os._exit(3)
+        raise
+    A._wait_writers()
+    assert not escaped.exists()
+    assert _state(again) == _state(fresh)
 
 
 def test_second_rewrite_reads_the_cache_and_writes_the_same_bytes(tmp_path):
