@@ -38,6 +38,8 @@ def records(code: bytes, start: int) -> tuple[int, bytes]:
     """(count, the raw cs_insn records) of LITE decoding `code` at `start` until the
     first byte it cannot decode: what disasm_lite() yields, as one bytes object read
     with LAYOUT's offsets (copied before cs_free())."""
+    if not isinstance(code, bytes):     # the binding's argument type takes bytes only
+        code = bytes(code)              # (disasm_lite() takes a bytearray, a memoryview too)
     p = ctypes.POINTER(capstone._cs_insn)()
     n = capstone._cs.cs_disasm(LITE.csh, code, len(code), start, 0, ctypes.byref(p))
     if n <= 0:

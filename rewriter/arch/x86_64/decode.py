@@ -58,7 +58,8 @@ def _kind(mnem: str) -> int:
 
 # The first letter of every mnemonic _kind() does not give 0 (ret, repz ret, j*, loop*,
 # ljmp, lea, bnd *, notrack *, call, std, xbegin): the instructions decode_function()
-# reads a mnemonic of.  The rest (some two thirds) make a boundary and nothing else.
+# reads a mnemonic of (about half of libpython's instructions start with one); the rest
+# make a boundary and nothing else.
 _MAYBE = re.compile(rb"[rjlbncsx]")
 # Code this short (a probe's first bytes: Analysis.is_boundary) costs less through disasm_lite().
 SHORT = 128
