@@ -163,15 +163,34 @@ class _Workers:
         if slices is None:
             slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
         _WORK = (image, arch)
+        before = {p.pid for p in multiprocessing.active_children()}
         try:
             self.pool = multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS))
         except BaseException:
             _WORK = None
             raise
+        self.pids = {p.pid for p in multiprocessing.active_children()} - before
+        self.path = image.path
         self.it = self.pool.imap(_call, [(fn, lo, hi) for lo, hi in slices])
 
     def results(self):
-        yield from self.it
+        """The slices' results in order.  A worker that ends before the work is done (the
+        out-of-memory killer) loses its slice: the pool starts another worker but never
+        sends the result, so the wait is a second at a time, and an error once one of
+        the workers is gone."""
+        import multiprocessing
+        while True:
+            try:
+                got = self.it.next(timeout=1.0)
+            except StopIteration:
+                return
+            except multiprocessing.TimeoutError:
+                if self.pids - {p.pid for p in multiprocessing.active_children()}:
+                    from .errors import KprewriteError
+                    raise KprewriteError(f"{self.path}: a worker process of its analysis was killed before it was "
+                                         "done (out of memory?); KPREWRITE_JOBS=1 does the work in this process")
+                continue
+            yield got
 
     def close(self) -> None:
         global _WORK

@@ -5,6 +5,7 @@ one process.  Fast: one small compile, three rewrites."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from conftest import TREE_ENV, cc, write_spec
 
 from rewriter import analysis as A
 from rewriter.arch import get_arch
+from rewriter.errors import KprewriteError
 from rewriter.image import Image
 
 PROGRAM = r"""
@@ -96,6 +98,28 @@ def test_analysis_written_by_a_forked_child_that_never_runs_on_in_the_caller(tmp
     A._wait_writers()
     assert not escaped.exists()
     assert _state(again) == _state(fresh)
+
+
+def _killed(lo: int, hi: int):
+    """A slice whose worker is killed (the out-of-memory killer) before it sends its result."""
+    if lo == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return hi - lo
+
+
+def test_a_worker_killed_is_an_error_not_a_wait_forever(tmp_path, monkeypatch):
+    """multiprocessing's pool replaces a worker that dies but never sends its slice's
+    result: the analysis raises a one-line error instead of waiting for it forever."""
+    image = Image(str(cc(tmp_path, "prog", PROGRAM, "-O2")))
+    monkeypatch.setattr(A, "jobs", lambda: 2)
+    with pytest.raises(KprewriteError, match="worker process .* killed .* KPREWRITE_JOBS=1"):
+        list(A._in_workers(image, get_arch(image.machine), _killed))
+    assert A._WORK is None
+    assert sum(A._in_workers(image, get_arch(image.machine), len_of_slice)) == len(image.functions)
+
+
+def len_of_slice(lo: int, hi: int) -> int:
+    return hi - lo
 
 
 def test_second_rewrite_reads_the_cache_and_writes_the_same_bytes(tmp_path):
