@@ -17,10 +17,12 @@ DETAIL.detail = True
 def _layout():
     """(record size, offset of size, mnemonic, op_str) of the binding's cs_insn, or
     None when the binding does not expose it as capstone 5's does (then records() is
-    unavailable and decode.py iterates disasm_lite())."""
+    unavailable and decode.py iterates disasm_lite()).  None too for a diet engine: its
+    records hold no mnemonic (read as none, every branch and exit would be missed), and
+    disasm_lite() says so (CS_ERR_DIET)."""
     try:
         insn = capstone._cs_insn
-        if not (hasattr(capstone, "_cs") and hasattr(LITE, "csh")):
+        if not (hasattr(capstone, "_cs") and hasattr(LITE, "csh")) or getattr(LITE, "diet", True):
             return None
         size, mnem, ops = insn.size, insn.mnemonic, insn.op_str
         rec = ctypes.sizeof(insn)
