@@ -101,12 +101,18 @@ def put(kind: str, k: str, data: bytes) -> None:
     d = cache_dir() / kind
     if not trusted(kind):
         return
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, d / k)
-    except OSError:
+    except OSError:             # a full disk: no half entry left behind (prune() skips dot-files)
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         return
     prune(d.iterdir())
 

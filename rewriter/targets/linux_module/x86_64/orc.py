@@ -79,9 +79,10 @@ def fp_entry(fmt: str) -> tuple[int, int, int]:
 
 def adjust(e: tuple[int, int, int], extra: int) -> tuple[int, int, int]:
     """Entry e with `extra` more bytes pushed below the stack pointer it describes: a CFA
-    relative to %rsp moves, one relative to %rbp does not; any other rule cannot follow."""
+    relative to %rsp moves, one relative to %rbp (or none: the end of the stack) does not;
+    any other rule cannot follow."""
     sp_offset, bp_offset, bits = e
-    if not extra or e == UNDEFINED or bits & 0xF == ORC_REG_BP:
+    if not extra or e == UNDEFINED or bits & 0xF in (ORC_REG_BP, ORC_REG_UNDEFINED):
         return e
     if bits & 0xF != ORC_REG_SP:
         return UNDEFINED
