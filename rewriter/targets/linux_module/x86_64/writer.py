@@ -49,6 +49,7 @@ with them, handlers run with preemption disabled and a hit during one of ours is
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 from pathlib import Path
@@ -772,16 +773,48 @@ static int kp_int3_notify(struct kp_notifier_block *nb, unsigned long val, void 
 
 /* First on the chain: the traps at our sites are ours whoever else listens. */
 static struct kp_notifier_block kp_int3_nb = {{ .notifier_call = kp_int3_notify, .priority = 0x7fffffff }};""")
-    # NOKPROBE_SYMBOL(): the trap's path is no place for a kprobe of the kernel's (a breakpoint
-    # there would trap again inside ours); the module loader hands the section's entries to
-    # the kprobes blacklist (add_module_kprobe_blacklist()).  What runs in the trap: the
-    # notifier, each site's dispatch and post-handler calls, and what the dispatch calls of
-    # ours: a kretprobe's entry (and its pool's claim), an event's pre_handler.
-    nokprobe = ["kp_int3_notify"] + [f"kp_dispatch_{n}" for n, _, _ in int3] + [
-        f"kp_post_{n}" for n, _, ks in int3 if any(kps[i].spec.post_handler for i in ks)]
-    out.append("static unsigned long kp_nokprobe[] __attribute__((section(\"_kprobe_blacklist\"), used, aligned(8))) = "
-               "{ " + ", ".join(f"(unsigned long){f}" for f in nokprobe) + " };")
     return "\n".join(out)
+
+
+def trap_path(plan, traces: dict | None = None) -> tuple[set[str], list[str]]:
+    """The functions of ours that run inside a breakpoint's trap, or on a kretprobe's way back
+    through the trampoline (the kernel's NOKPROBE_SYMBOL()s: kprobe_int3_handler(), its
+    kprobe_post_process(), the kretprobe trampoline's handler): (those of kp_module.c, by name,
+    gcc's clones of them included by nokprobe_s(); those defined elsewhere: an event's
+    pre_handler at a breakpoint (kp_events.c), the trampoline (kp_detours.S))."""
+    from ....events import trace_key
+    traces = traces or {}
+    local, other = set(), []
+    sites = _sites(plan)
+    kps = [p for _, p in plan.kprobes]
+    for n, (site, ks, rs) in enumerate(sites):
+        if site.decision != INT3:
+            continue
+        local |= {"kp_int3_notify", f"kp_dispatch_{n}"}
+        if any(kps[i].spec.post_handler for i in ks):
+            local.add(f"kp_post_{n}")
+        if rs:
+            local |= {"kp_claim", *(f"kp_kret_entry_{j}" for j in rs)}
+        other += [f"kp_trace_pre_{trace_key(kps[i])}" for i in ks if trace_key(kps[i]) in traces]
+    if plan.kretprobes:
+        local.add("kp_kret_return")
+        other.append("kp_kret_trampoline")
+    return local, sorted(set(other))
+
+
+def nokprobe_s(asm: str, names: tuple[set[str], list[str]]) -> str:
+    """The module's _kprobe_blacklist entries (NOKPROBE_SYMBOL(): the module loader hands them to
+    the kprobes blacklist, add_module_kprobe_blacklist()), as lines to append to kp_module.c's
+    assembly: each function of trap_path() that gcc emitted (one inlined everywhere is its
+    callers' code), with its clones (`.part.N`, `.isra.N`, `.constprop.N`, `.cold`), which
+    a list made in C could not name; and those defined in our other objects."""
+    local, other = names
+    funcs = [m.group(1) for m in re.finditer(r"^\s*\.type\s+([^\s,]+),\s*@function", asm, re.M)]
+    found = [f for f in funcs if f.split(".")[0] in local]
+    if not found and not other:
+        return ""
+    return ('\t.section _kprobe_blacklist,"aw"\n\t.balign 8\n'
+            + "".join(f"\t.quad {f}\n" for f in found + other))
 
 
 def _emulate_c(site, k: int, n: int) -> str:
@@ -1155,7 +1188,13 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
     if calls is not None:
         flags.append("-DKP_MODULE_EVENTS")
-    _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
+    # Compiled to assembly first: the trap's functions, as gcc emitted them (clones included),
+    # are named in the module's _kprobe_blacklist there (nokprobe_s()).
+    src_s = workdir / "kp_module.s"
+    _run([cc, *flags, "-S", str(src), "-o", str(src_s)], "the module's runtime")
+    asm_c = src_s.read_text()
+    src_s.write_text(asm_c + nokprobe_s(asm_c, trap_path(s.plan, s.traces)))
+    _run([cc, *flags, "-c", str(src_s), "-o", str(obj_c)], "the module's runtime")
     _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
     ours = [obj_c, obj_s]
     if s.traces:
