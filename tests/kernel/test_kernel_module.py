@@ -364,7 +364,7 @@ D=/sys/kernel/debug/kprewrite-romfs
 insmod /romfs.ko; echo insmod1=$?
 grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
 grep -c '^romfs_' $T/available_filter_functions | sed 's/^/ftrace-romfs: /'
-grep -E '[[:space:]]kp_[^[:space:]]+ \[romfs\]$' /sys/kernel/debug/kprobes/blacklist | sed 's/^/kbl: /'
+grep -E '[[:space:]]kp_[^[:space:]]+ [[]romfs[]]$' /sys/kernel/debug/kprobes/blacklist | sed 's/^/kbl: /'
 grep -E '^romfs_(get_tree|init_fs_context)[[:space:]]' $T/available_filter_functions | sed 's/^/ftrace-probed: /'
 E=$T/events/kprobes
 ls $E | sed 's/^/event: /'

@@ -311,7 +311,8 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
     A single-stepped copy runs with interrupts off (setup_singlestep()); it has two slots,
     kp_slot_<i> for a trap that came with interrupts on (its closing trap turns them back on,
     resume_singlestep()'s kprobe_saved_flags) and kp_slot_<i>_irqoff for one that came with
-    them off: the saved IF is the slot taken, no state kept between the two traps.
+    them off: the saved IF is the slot taken, no state kept between the two traps (one slot,
+    IF untouched, for an instruction that changes or reads it: ss_slots()).
     unwind: (orc.Entries, the module's entries) to give the slot ORC entries: the probed
     instruction's own at its copy, the next instruction's at the int3 and the jump back."""
     from .optprobe import Field, copy
@@ -319,7 +320,7 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
     code, fields = copy(mod, relocs, site.xol.insn)
     end_sec, end = mod.place(site.addr + len(site.xol.insn.code) - 1)
     out = []
-    for name in ss_slots(i) if traps_after(site) else (str(i),):
+    for name in ss_slots(i, site) or (str(i),):
         out.append(INT3_SLOT_HEAD.replace("{i}", name))
         if unwind:
             from . import orc
@@ -336,10 +337,21 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
     return "".join(out)
 
 
-def ss_slots(i: int) -> tuple[str, str]:
-    """The two slots of single-stepped breakpoint site i, by the interrupt flag the site's trap
-    came with: on (restored at the closing trap), off (left off)."""
+def ss_slots(i: int, site) -> tuple[str, ...]:
+    """The slots of single-stepped breakpoint site i: two, by the interrupt flag the site's trap
+    came with, on (set again at the closing trap) and off (left off); one, run with the flag
+    as the probed code has it, for an instruction that changes or reads it (cli, sti, pushf,
+    popf: the kernel emulates those, kprobe_emulate_ifmodifiers(), rather than single-step them
+    with interrupts off, which would undo a cli or push a wrong IF); none if not single-stepped."""
+    if not traps_after(site):
+        return ()
+    if site.xol.insn.info.emulate in IF_MODIFIERS:
+        return (str(i),)
     return str(i), f"{i}_irqoff"
+
+
+# prepare_emulation()'s IF modifiers (x86_64/insn.py's names).
+IF_MODIFIERS = ("cli", "sti", "pushf", "popf")
 
 
 def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
@@ -356,8 +368,7 @@ def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
         sec, off = mod.place(site.addr)
         out.append(f"\t.long {ph(Field(0, 4, sec.name, addend=off))} - .")
     for i, site in int3:
-        if traps_after(site):
-            out += [f"\t.long kp_ss_{name} - ." for name in ss_slots(i)]
+        out += [f"\t.long kp_ss_{name} - ." for name in ss_slots(i, site)]
     for i, site in int3:
         if emulated(site):              # the branch's target, for its emulation in the trap
             out += [f"\t.globl kp_int3_target_{i}", f"\t.hidden kp_int3_target_{i}", f"kp_int3_target_{i}:",
@@ -697,7 +708,7 @@ def _int3_c(int3: list, kps: list, handler_symbols: dict, sections: list[str], t
     for n, site, ks in int3:
         if not emulated(site):
             out.append(f"extern char kp_slot_{n}[];")
-        if traps_after(site):
+        if len(ss_slots(n, site)) == 2:
             out.append(f"extern char kp_slot_{n}_irqoff[];")
         posts = [(i, handler_symbols[kps[i].spec.post_handler]) for i in ks if kps[i].spec.post_handler]
         if posts:
@@ -712,7 +723,7 @@ static void kp_post_{n}(struct pt_regs *regs)
 {calls}
 	kp_leave();
 }}""")
-    body, ss = [], []
+    body, e = [], len(int3)
     for k, (n, site, ks) in enumerate(int3):
         has_post = any(kps[i].spec.post_handler for i in ks)
         if emulated(site):
@@ -728,12 +739,19 @@ static void kp_post_{n}(struct pt_regs *regs)
 		return KP_NOTIFY_STOP;
 	}}""")
             continue
-        if not traps_after(site):       # boosted: the copy runs as the probed code would, IF untouched
+        after = f"""
+		regs->ip = kp_int3_addr({k}) + {len(site.xol.insn.code)};
+		{f"kp_post_{n}(regs);" if has_post else ""}
+		return KP_NOTIFY_STOP;"""
+        if len(ss_slots(n, site)) < 2:  # boosted, or an IF modifier: the copy runs with IF untouched
             body.append(f"""	case {k}: {{
 		unsigned long r = kp_dispatch_{n}(regs);
 		regs->ip = r ? r : (unsigned long)kp_slot_{n};
 		return KP_NOTIFY_STOP;
 	}}""")
+            if traps_after(site):
+                body.append(f"""	case {e}:		/* resume_singlestep() */{after}""")
+                e += 1
             continue
         body.append(f"""	case {k}: {{
 		unsigned long r = kp_dispatch_{n}(regs);
@@ -746,16 +764,12 @@ static void kp_post_{n}(struct pt_regs *regs)
 			regs->ip = (unsigned long)kp_slot_{n}_irqoff;
 		return KP_NOTIFY_STOP;
 	}}""")
-        e = len(int3) + 2 * len(ss)
-        ss.append(n)
         body.append(f"""	case {e}:		/* resume_singlestep(): kprobe_saved_flags, the slot kp_slot_{n} */
 		regs->flags |= KP_X86_EFLAGS_IF;
 		__attribute__((fallthrough));
-	case {e + 1}:
-		regs->ip = kp_int3_addr({k}) + {len(site.xol.insn.code)};
-		{f"kp_post_{n}(regs);" if has_post else ""}
-		return KP_NOTIFY_STOP;""")
-    runs = int3_runs(sections, 2 * len(ss))
+	case {e + 1}:{after}""")
+        e += 2
+    runs = int3_runs(sections, e - len(int3))
     out.append(f"""
 static const unsigned int kp_int3_runs[{len(runs)}] = {{ {", ".join(map(str, runs))} }};
 
