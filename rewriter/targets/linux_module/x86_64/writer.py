@@ -609,7 +609,7 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
     int3 = [(n, site, ks) for n, (site, ks, _) in enumerate(_sites(plan)) if site.decision == INT3]
     if int3:
         sections = [place(site.addr) if place else "" for _, site, _ in int3]
-        out.append(_int3_c(int3, kps, handler_symbols, sections, traces))
+        out.append(_int3_c(int3, kps, handler_symbols, sections))
     out.append(_init_exit_c(module, len(kps), len(krs), debugfs, event_calls, bool(int3)))
     return "\n".join(out)
 
@@ -684,7 +684,7 @@ static inline int kp_cond(unsigned long f, unsigned int cc)
 """
 
 
-def _int3_c(int3: list, kps: list, handler_symbols: dict, sections: list[str], traces: dict | None = None) -> str:
+def _int3_c(int3: list, kps: list, handler_symbols: dict, sections: list[str]) -> str:
     """The breakpoint sites' trap handling, as an out-of-tree module takes an int3: a die
     notifier (do_int3() calls notify_die(DIE_INT3) once kprobe_int3_handler() has found no
     kprobe of the kernel's there), which claims (NOTIFY_STOP) the traps at our sites only:
@@ -702,8 +702,6 @@ def _int3_c(int3: list, kps: list, handler_symbols: dict, sections: list[str], t
     instruction still run from the slot.  The address is looked up by halves in kp_int3_at[]
     (kp_int3_find(), int3_runs()), its entry's index a case of a switch.  sections: each
     site's section, in int3's order."""
-    from ....events import trace_key
-    traces = traces or {}
     out = [INT3_C]
     for n, site, ks in int3:
         if not emulated(site):
