@@ -257,6 +257,21 @@ def test_int3_refused_where_the_kernel_calls_before_init(modules, tmp_path):
                         r"0x[0-9a-f]+: max_loop_param_set_int is a module parameter's set .*", lines[0]), lines
 
 
+def _nokprobe(ko: Path) -> list[str]:
+    """The functions a module's _kprobe_blacklist names (NOKPROBE_SYMBOL()), sorted: each entry's
+    symbol, or the function at its section + addend."""
+    syms = subprocess.run(["readelf", "-W", "-s", str(ko)], capture_output=True, text=True, check=True).stdout
+    secs = subprocess.run(["readelf", "-W", "-S", str(ko)], capture_output=True, text=True, check=True).stdout
+    index = {m.group(2): m.group(1) for m in re.finditer(r"^\s*\[\s*(\d+)\] (\S+)", secs, re.M)}
+    funcs = {(m.group(3), int(m.group(1), 16)): m.group(4)
+             for m in re.finditer(r"^\s*\d+: ([0-9a-f]+)\s+(\d+) FUNC\s+\w+\s+\w+\s+(\d+) (\S+)$", syms, re.M)}
+    names = []
+    for _, _, target in _relas(ko)["_kprobe_blacklist"]:
+        sym, _, add = target.partition("+")
+        names.append(funcs[(index[sym], int(add, 16))] if sym in index else sym)
+    return sorted(names)
+
+
 def _relas(ko: Path) -> dict[str, list[tuple[int, str, str]]]:
     """section -> [(offset, type, symbol + addend as readelf prints them)] of a module's relocations."""
     out = subprocess.run(["readelf", "-W", "-r", str(ko)], capture_output=True, text=True, check=True).stdout
@@ -319,7 +334,10 @@ static int handler_int3(struct kprobe *p, struct pt_regs *regs)
 }
 static void handler_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
 {
-	printk(KERN_INFO "kp-module: %s+%#x post ip=%lx ax=%lx\n", p->symbol_name, p->offset, regs->ip, regs->ax);
+	unsigned long now;
+	__asm__ volatile("pushf; pop %0" : "=r"(now));
+	printk(KERN_INFO "kp-module: %s+%#x post ip=%lx ax=%lx flags=%lx now=%lx\n", p->symbol_name, p->offset,
+	       regs->ip, regs->ax, regs->flags, now);
 }
 static void handler_call(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
 {
@@ -346,7 +364,7 @@ D=/sys/kernel/debug/kprewrite-romfs
 insmod /romfs.ko; echo insmod1=$?
 grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym: /'
 grep -c '^romfs_' $T/available_filter_functions | sed 's/^/ftrace-romfs: /'
-grep -E '[[:space:]]kp_(int3_notify|dispatch_[0-9]+|post_[0-9]+)( |$)' /sys/kernel/debug/kprobes/blacklist | sed 's/^/kbl: /'
+grep -E '[[:space:]]kp_[^[:space:]]+ [[]romfs[]]$' /sys/kernel/debug/kprobes/blacklist | sed 's/^/kbl: /'
 grep -E '^romfs_(get_tree|init_fs_context)[[:space:]]' $T/available_filter_functions | sed 's/^/ftrace-probed: /'
 E=$T/events/kprobes
 ls $E | sed 's/^/event: /'
@@ -829,12 +847,18 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     assert set(ksym) == {"romfs_get_tree", "romfs_init_fs_context", "romfs_fill_super"}, r.explain("no kallsyms")
     # ftrace no longer owns the probed entries (their __mcount_loc entries dropped), the others it does.
     assert not re.search(r"^ftrace-probed:", out, re.M), r.explain("a probed site is still ftrace's")
-    # The breakpoints' trap path is on the kernel's kprobe blacklist (NOKPROBE_SYMBOL()): the notifier,
-    # the dispatch and post-handler calls of the seven breakpoint sites (romfs_init_fs_context+0xc,
-    # exit_romfs_fs, romfs_fill_super+0x199, +0x1b0, +0x13c and +0x1c1, romfs_iget+0x15).
-    kbl = sorted(re.sub(r"_\d+$", "_N", n)
-                 for n in re.findall(r"^kbl: 0x[0-9a-f]+-0x[0-9a-f]+\s+(\S+) \[romfs\]$", out, re.M))
-    assert kbl == ["kp_dispatch_N"] * 7 + ["kp_int3_notify"] + ["kp_post_N"] * 7, r.explain(f"kprobe blacklist: {kbl}")
+    # The breakpoints' trap path is on the kernel's kprobe blacklist (NOKPROBE_SYMBOL()): every
+    # function of ours the module's _kprobe_blacklist names (gcc's clones included), each once: the
+    # notifier, the dispatch of the seven breakpoint sites (romfs_init_fs_context+0xc, exit_romfs_fs,
+    # romfs_fill_super+0x199, +0x1b0, +0x13c and +0x1c1, romfs_iget+0x15), their post-handler calls
+    # and kretprobe entry where gcc did not inline them, the kp_int3 event's pre_handler (at
+    # romfs_init_fs_context+0xc), the kretprobe trampoline and its C.
+    kbl = sorted(re.findall(r"^kbl: 0x[0-9a-f]+-0x[0-9a-f]+\s+(\S+) \[romfs\]$", out, re.M))
+    listed = _nokprobe(rewritten_romfs)
+    assert kbl == listed, r.explain(f"kprobe blacklist: {kbl}, the module's: {listed}")
+    generic = [re.sub(r"_\d+$", "_N", n) for n in kbl if "." not in n]
+    assert generic.count("kp_dispatch_N") == 7 and generic.count("kp_trace_pre_N") == 1, kbl
+    assert {"kp_int3_notify", "kp_kret_return", "kp_kret_trampoline"} <= set(kbl), kbl
     assert int(re.search(r"^ftrace-romfs: (\d+)", out, re.M).group(1)) > 5
     # The module may load elsewhere each time: its addresses are ksym, ksym2, ksym3.
     ksym2, ksym3 = ({m.group(2): int(m.group(1), 16)
@@ -899,8 +923,13 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
                       out)
     assert [int(ip, 16) for ip, _, _ in int3] == [k["romfs_init_fs_context"] + 0xd for k in loads], out
     assert all(int(f, 16) & 0x200 and not int(now, 16) & 0x200 for _, f, now in int3), int3
-    post = re.findall(r"kp-module: romfs_init_fs_context\+0xc post ip=([0-9a-f]+) ax=([0-9a-f]+)", out)
-    assert [(int(ip, 16), ax) for ip, ax in post] == [(k["romfs_init_fs_context"] + 0xe, "0") for k in loads], out
+    post = re.findall(r"kp-module: romfs_init_fs_context\+0xc post ip=([0-9a-f]+) ax=([0-9a-f]+) flags=([0-9a-f]+) "
+                      r"now=([0-9a-f]+)", out)
+    assert [(int(ip, 16), ax) for ip, ax, _, _ in post] == [(k["romfs_init_fs_context"] + 0xe, "0") for k in loads], out
+    # The single-stepped copy ran with interrupts off (setup_singlestep()), and its closing trap set
+    # them back as the probed code had them (resume_singlestep()): the post_handler's regs show IF on,
+    # as the pre_handler's did, while it runs with them off.
+    assert all(int(f, 16) & 0x200 and not int(now, 16) & 0x200 for _, _, f, now in post), post
     # The calls at breakpoints (the real mount, third load): emulated in the trap, the post_handler
     # sees regs->ip the callee, the return address (the next instruction) pushed on the stack.
     called = re.findall(r"kp-module: romfs_fill_super\+(0x[0-9a-f]+) called ip=([0-9a-f]+) ret=([0-9a-f]+)", out)

@@ -49,6 +49,7 @@ with them, handlers run with preemption disabled and a hit during one of ours is
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 from pathlib import Path
@@ -307,33 +308,58 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
     re-encoded, a call pushing the original return address), then an int3 where the kernel
     would single-step (kp_ss_<i>: its trap resumes after the original instruction and runs the
     post_handlers), then the jump back to the next instruction (a boosted copy's way back).
+    A single-stepped copy runs with interrupts off (setup_singlestep()); it has two slots,
+    kp_slot_<i> for a trap that came with interrupts on (its closing trap turns them back on,
+    resume_singlestep()'s kprobe_saved_flags) and kp_slot_<i>_irqoff for one that came with
+    them off: the saved IF is the slot taken, no state kept between the two traps (one slot,
+    IF untouched, for an instruction that changes or reads it: ss_slots()).
     unwind: (orc.Entries, the module's entries) to give the slot ORC entries: the probed
     instruction's own at its copy, the next instruction's at the int3 and the jump back."""
     from .optprobe import Field, copy
     ph = _placeholder(placeholders)
     code, fields = copy(mod, relocs, site.xol.insn)
     end_sec, end = mod.place(site.addr + len(site.xol.insn.code) - 1)
-    out = [INT3_SLOT_HEAD.replace("{i}", str(i))]
-    if unwind:
-        from . import orc
-        entries, table = unwind
-        sec, off = mod.place(site.addr)
-        out.append(entries.copy(code, orc.entry_at(table, sec.name, off)))
-    out.append(_copy_s(code, fields, ph))
-    if unwind:
-        out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
-    if traps_after(site):
-        out.append(INT3_SS_END.replace("{i}", str(i)))
-    out.append(INT3_SLOT_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
-                                                                                 addend=end + 1 - 4))))
+    out = []
+    for name in ss_slots(i, site) or (str(i),):
+        out.append(INT3_SLOT_HEAD.replace("{i}", name))
+        if unwind:
+            from . import orc
+            entries, table = unwind
+            sec, off = mod.place(site.addr)
+            out.append(entries.copy(code, orc.entry_at(table, sec.name, off)))
+        out.append(_copy_s(code, fields, ph))
+        if unwind:
+            out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
+        if traps_after(site):
+            out.append(INT3_SS_END.replace("{i}", name))
+        out.append(INT3_SLOT_TAIL.replace("{i}", name).replace("{back}", ph(Field(0, 4, end_sec.name,
+                                                                                  addend=end + 1 - 4))))
     return "".join(out)
+
+
+def ss_slots(i: int, site) -> tuple[str, ...]:
+    """The slots of single-stepped breakpoint site i: two, by the interrupt flag the site's trap
+    came with, on (set again at the closing trap) and off (left off); one, run with the flag
+    as the probed code has it, for an instruction that changes or reads it (cli, sti, pushf,
+    popf: the kernel emulates those, kprobe_emulate_ifmodifiers(), rather than single-step them
+    with interrupts off, which would undo a cli or push a wrong IF); none if not single-stepped."""
+    if not traps_after(site):
+        return ()
+    if site.xol.insn.info.emulate in IF_MODIFIERS:
+        return (str(i),)
+    return str(i), f"{i}_irqoff"
+
+
+# prepare_emulation()'s IF modifiers (x86_64/insn.py's names).
+IF_MODIFIERS = ("cli", "sti", "pushf", "popf")
 
 
 def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
     """kp_int3_at[]: each breakpoint site's address, as a 32-bit distance from its entry (an
     R_X86_64_PC32 to the site's section, applied by the module loader), as the kernel's
-    kprobe_table is its data; and kp_int3_target_<i>, an emulated branch's target, the same way
-    (optprobe.branch_target())."""
+    kprobe_table is its data, then each single-stepped slot's closing int3 (kp_ss_<i>, both
+    slots'), in the order int3_runs() gives the notifier's binary search; and
+    kp_int3_target_<i>, an emulated branch's target, the same way (optprobe.branch_target())."""
     from .optprobe import Field, branch_target
     ph = _placeholder(placeholders)
     out = ['\t.section .rodata.kprewrite,"a",@progbits', "\t.balign 4", "\t.globl kp_int3_at",
@@ -342,10 +368,28 @@ def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
         sec, off = mod.place(site.addr)
         out.append(f"\t.long {ph(Field(0, 4, sec.name, addend=off))} - .")
     for i, site in int3:
+        out += [f"\t.long kp_ss_{name} - ." for name in ss_slots(i, site)]
+    for i, site in int3:
         if emulated(site):              # the branch's target, for its emulation in the trap
             out += [f"\t.globl kp_int3_target_{i}", f"\t.hidden kp_int3_target_{i}", f"kp_int3_target_{i}:",
                     f"\t.long {ph(branch_target(mod, relocs, site.xol.insn))} - ."]
     return "\n".join(out) + "\n"
+
+
+def int3_runs(sections: list[str], n_ss: int) -> list[int]:
+    """The bounds of kp_int3_at[]'s runs, each sorted by address once loaded: the sites (in
+    address order, _sites()) cut where their section changes (the loader places each section
+    where it will: only the order inside one is known here), then the closing int3s (in
+    .text.kprewrite, in slot order).  kp_int3_find() searches each run by halves."""
+    runs = [0]
+    for k in range(1, len(sections)):
+        if sections[k] != sections[k - 1]:
+            runs.append(k)
+    if sections:
+        runs.append(len(sections))
+    if n_ss:
+        runs.append(len(sections) + n_ss)
+    return runs
 
 
 def emulated(site) -> bool:
@@ -378,12 +422,14 @@ def _preempt_c(symvers: dict | None) -> str:
 
 
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
-              debugfs: bool = False, symvers: dict | None = None, event_calls: bool = False) -> str:
+              debugfs: bool = False, symvers: dict | None = None, event_calls: bool = False,
+              place=None) -> str:
     """The module's runtime: probe structures, the dispatch of each site, the kretprobe
     entry and return, init and exit.  traces: the trace events (events.trace_key ->
     TraceEvent) whose kp_trace_pre_<key>/kp_trace_ret_<key> (events.trace_c(), in
     kp_events.c) run in place of the user's handler and call it; debugfs: each probe's
-    counters as files while the module is loaded."""
+    counters as files while the module is loaded; place: an address's section name (the
+    breakpoint sites' runs, int3_runs())."""
     from ....events import trace_key
     traces = traces or {}
     out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
@@ -562,7 +608,8 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 }}""")
     int3 = [(n, site, ks) for n, (site, ks, _) in enumerate(_sites(plan)) if site.decision == INT3]
     if int3:
-        out.append(_int3_c(int3, kps, handler_symbols))
+        sections = [place(site.addr) if place else "" for _, site, _ in int3]
+        out.append(_int3_c(int3, kps, handler_symbols, sections))
     out.append(_init_exit_c(module, len(kps), len(krs), debugfs, event_calls, bool(int3)))
     return "\n".join(out)
 
@@ -587,6 +634,31 @@ static inline unsigned long kp_int3_addr(unsigned int k)
 {
 	return (unsigned long)&kp_int3_at[k] + (long)kp_int3_at[k];
 }
+/* The runs of kp_int3_at[], each sorted by address (writer.py's int3_runs()): an entry's index
+ * by halves in each, -1 for an address of no breakpoint of ours. */
+static __attribute__((always_inline)) inline int kp_int3_find(const unsigned int *runs, unsigned int n,
+								unsigned long at)
+{
+	unsigned int g;
+	for (g = 0; g + 1 < n; g++) {
+		unsigned int lo = runs[g], hi = runs[g + 1];
+		if (at < kp_int3_addr(lo) || at > kp_int3_addr(hi - 1))
+			continue;
+		while (lo < hi) {
+			unsigned int mid = lo + (hi - lo) / 2;
+			unsigned long a = kp_int3_addr(mid);
+			if (a == at)
+				return (int)mid;
+			if (a < at)
+				lo = mid + 1;
+			else
+				hi = mid;
+		}
+	}
+	return -1;
+}
+/* arch/x86/include/uapi/asm/processor-flags.h */
+#define KP_X86_EFLAGS_IF 0x200
 static inline unsigned long kp_int3_target(const int *t)
 {
 	return (unsigned long)t + (long)*t;
@@ -612,27 +684,30 @@ static inline int kp_cond(unsigned long f, unsigned int cc)
 """
 
 
-def _int3_c(int3: list, kps: list, handler_symbols: dict) -> str:
+def _int3_c(int3: list, kps: list, handler_symbols: dict, sections: list[str]) -> str:
     """The breakpoint sites' trap handling, as an out-of-tree module takes an int3: a die
     notifier (do_int3() calls notify_die(DIE_INT3) once kprobe_int3_handler() has found no
     kprobe of the kernel's there), which claims (NOTIFY_STOP) the traps at our sites only:
 
     - at a site (regs->ip its address + 1): the site's dispatch (the pre_handlers, as
       kprobe_int3_handler() runs them), then regs->ip to the slot, where the copy runs
-      (setup_singlestep()), unless a pre_handler moved regs->ip;
-    - at a slot's closing int3 (kp_ss_N): regs->ip to the instruction after the original
-      (resume_singlestep()), then the post_handlers (kprobe_post_process()).
+      (setup_singlestep()), unless a pre_handler moved regs->ip; a single-stepped copy with
+      interrupts off (IF cleared in regs->flags), from the slot that says whether they were on;
+    - at a slot's closing int3 (kp_ss_N): IF set again if the site's trap came with it
+      (resume_singlestep()), regs->ip to the instruction after the original, then the
+      post_handlers (kprobe_post_process()).
 
     The trap comes with interrupts off and in NMI-like context (exc_int3()'s
     irqentry_nmi_enter()), preemption off; a hit inside a handler of ours is missed, its
-    instruction still run from the slot.  The site is found by comparing addresses, one
-    per breakpoint site."""
+    instruction still run from the slot.  The address is looked up by halves in kp_int3_at[]
+    (kp_int3_find(), int3_runs()), its entry's index a case of a switch.  sections: each
+    site's section, in int3's order."""
     out = [INT3_C]
     for n, site, ks in int3:
         if not emulated(site):
             out.append(f"extern char kp_slot_{n}[];")
-        if traps_after(site):
-            out.append(f"extern char kp_ss_{n}[];")
+        if len(ss_slots(n, site)) == 2:
+            out.append(f"extern char kp_slot_{n}_irqoff[];")
         posts = [(i, handler_symbols[kps[i].spec.post_handler]) for i in ks if kps[i].spec.post_handler]
         if posts:
             calls = "\n".join(f"\tif (!(kp_probes[{i}].flags & KPROBE_FLAG_DISABLED))\n"
@@ -646,12 +721,12 @@ static void kp_post_{n}(struct pt_regs *regs)
 {calls}
 	kp_leave();
 }}""")
-    body = []
+    body, e = [], len(int3)
     for k, (n, site, ks) in enumerate(int3):
         has_post = any(kps[i].spec.post_handler for i in ks)
         if emulated(site):
             out.append(f"extern const int kp_int3_target_{n};")
-            body.append(f"""	if (at == kp_int3_addr({k})) {{
+            body.append(f"""	case {k}: {{
 		unsigned long r = kp_dispatch_{n}(regs);
 		if (r) {{
 			regs->ip = r;
@@ -662,40 +737,96 @@ static void kp_post_{n}(struct pt_regs *regs)
 		return KP_NOTIFY_STOP;
 	}}""")
             continue
-        body.append(f"""	if (at == kp_int3_addr({k})) {{
+        after = f"""
+		regs->ip = kp_int3_addr({k}) + {len(site.xol.insn.code)};
+		{f"kp_post_{n}(regs);" if has_post else ""}
+		return KP_NOTIFY_STOP;"""
+        if len(ss_slots(n, site)) < 2:  # boosted, or an IF modifier: the copy runs with IF untouched
+            body.append(f"""	case {k}: {{
 		unsigned long r = kp_dispatch_{n}(regs);
 		regs->ip = r ? r : (unsigned long)kp_slot_{n};
 		return KP_NOTIFY_STOP;
 	}}""")
-        if traps_after(site):
-            body.append(f"""	if (at == (unsigned long)kp_ss_{n}) {{
-		regs->ip = kp_int3_addr({k}) + {len(site.xol.insn.code)};
-		{f"kp_post_{n}(regs);" if has_post else ""}
+            if traps_after(site):
+                body.append(f"""	case {e}:		/* resume_singlestep() */{after}""")
+                e += 1
+            continue
+        body.append(f"""	case {k}: {{
+		unsigned long r = kp_dispatch_{n}(regs);
+		if (r)
+			regs->ip = r;
+		else if (regs->flags & KP_X86_EFLAGS_IF) {{	/* setup_singlestep(): nothing preempts the slot */
+			regs->flags &= ~KP_X86_EFLAGS_IF;
+			regs->ip = (unsigned long)kp_slot_{n};
+		}} else
+			regs->ip = (unsigned long)kp_slot_{n}_irqoff;
 		return KP_NOTIFY_STOP;
 	}}""")
+        body.append(f"""	case {e}:		/* resume_singlestep(): kprobe_saved_flags, the slot kp_slot_{n} */
+		regs->flags |= KP_X86_EFLAGS_IF;
+		__attribute__((fallthrough));
+	case {e + 1}:{after}""")
+        e += 2
+    runs = int3_runs(sections, e - len(int3))
     out.append(f"""
+static const unsigned int kp_int3_runs[{len(runs)}] = {{ {", ".join(map(str, runs))} }};
+
 static int kp_int3_notify(struct kp_notifier_block *nb, unsigned long val, void *data)
 {{
 	struct pt_regs *regs = ((struct kp_die_args *)data)->regs;
-	unsigned long at;
 	(void)nb;
 	if (val != KP_DIE_INT3 || (regs->cs & 3))	/* from user mode: never ours */
 		return KP_NOTIFY_DONE;
-	at = regs->ip - 1;
+	switch (kp_int3_find(kp_int3_runs, {len(runs)}, regs->ip - 1)) {{
 {chr(10).join(body)}
+	}}
 	return KP_NOTIFY_DONE;
 }}
 
 /* First on the chain: the traps at our sites are ours whoever else listens. */
 static struct kp_notifier_block kp_int3_nb = {{ .notifier_call = kp_int3_notify, .priority = 0x7fffffff }};""")
-    # NOKPROBE_SYMBOL(): the trap's path is no place for a kprobe of the kernel's (a breakpoint
-    # there would trap again inside ours); the module loader hands the section's entries to
-    # the kprobes blacklist (add_module_kprobe_blacklist()).
-    nokprobe = ["kp_int3_notify"] + [f"kp_dispatch_{n}" for n, _, _ in int3] + [
-        f"kp_post_{n}" for n, _, ks in int3 if any(kps[i].spec.post_handler for i in ks)]
-    out.append("static unsigned long kp_nokprobe[] __attribute__((section(\"_kprobe_blacklist\"), used, aligned(8))) = "
-               "{ " + ", ".join(f"(unsigned long){f}" for f in nokprobe) + " };")
     return "\n".join(out)
+
+
+def trap_path(plan, traces: dict | None = None) -> tuple[set[str], list[str]]:
+    """The functions of ours that run inside a breakpoint's trap, or on a kretprobe's way back
+    through the trampoline (the kernel's NOKPROBE_SYMBOL()s: kprobe_int3_handler(), its
+    kprobe_post_process(), the kretprobe trampoline's handler): (those of kp_module.c, by name,
+    gcc's clones of them included by nokprobe_s(); those defined elsewhere: an event's
+    pre_handler at a breakpoint (kp_events.c), the trampoline (kp_detours.S))."""
+    from ....events import trace_key
+    traces = traces or {}
+    local, other = set(), []
+    sites = _sites(plan)
+    kps = [p for _, p in plan.kprobes]
+    for n, (site, ks, rs) in enumerate(sites):
+        if site.decision != INT3:
+            continue
+        local |= {"kp_int3_notify", f"kp_dispatch_{n}"}
+        if any(kps[i].spec.post_handler for i in ks):
+            local.add(f"kp_post_{n}")
+        if rs:
+            local |= {"kp_claim", *(f"kp_kret_entry_{j}" for j in rs)}
+        other += [f"kp_trace_pre_{trace_key(kps[i])}" for i in ks if trace_key(kps[i]) in traces]
+    if plan.kretprobes:
+        local.add("kp_kret_return")
+        other.append("kp_kret_trampoline")
+    return local, sorted(set(other))
+
+
+def nokprobe_s(asm: str, names: tuple[set[str], list[str]]) -> str:
+    """The module's _kprobe_blacklist entries (NOKPROBE_SYMBOL(): the module loader hands them to
+    the kprobes blacklist, add_module_kprobe_blacklist()), as lines to append to kp_module.c's
+    assembly: each function of trap_path() that gcc emitted (one inlined everywhere is its
+    callers' code), with its clones (`.part.N`, `.isra.N`, `.constprop.N`, `.cold`), which
+    a list made in C could not name; and those defined in our other objects."""
+    local, other = names
+    funcs = [m.group(1) for m in re.finditer(r"^\s*\.type\s+([^\s,]+),\s*@function", asm, re.M)]
+    found = [f for f in funcs if f.split(".")[0] in local]
+    if not found and not other:
+        return ""
+    return ('\t.section _kprobe_blacklist,"aw"\n\t.balign 8\n'
+            + "".join(f"\t.quad {f}\n" for f in found + other))
 
 
 def _emulate_c(site, k: int, n: int) -> str:
@@ -1025,7 +1156,8 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     if s.traces and debugfs:
         from .. import kernel_btf
         calls = kernel_btf.event_layout(mod)[0]
-    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None))
+    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None,
+                             place=lambda a: mod.place(a)[0].name))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
     relocs = mod.relocs if mod.relocs is not None else relocations(mod)
@@ -1068,7 +1200,13 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
     if calls is not None:
         flags.append("-DKP_MODULE_EVENTS")
-    _run([cc, *flags, "-c", str(src), "-o", str(obj_c)], "the module's runtime")
+    # Compiled to assembly first: the trap's functions, as gcc emitted them (clones included),
+    # are named in the module's _kprobe_blacklist there (nokprobe_s()).
+    src_s = workdir / "kp_module.s"
+    _run([cc, *flags, "-S", str(src), "-o", str(src_s)], "the module's runtime")
+    asm_c = src_s.read_text()
+    src_s.write_text(asm_c + nokprobe_s(asm_c, trap_path(s.plan, s.traces)))
+    _run([cc, *flags, "-c", str(src_s), "-o", str(obj_c)], "the module's runtime")
     _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
     ours = [obj_c, obj_s]
     if s.traces:
