@@ -89,16 +89,18 @@ def adjust(e: tuple[int, int, int], extra: int) -> tuple[int, int, int]:
     return sp_offset + extra, bp_offset, bits
 
 
-def module_entries(mod) -> dict[str, list[tuple[int, tuple[int, int, int]]]]:
+def module_entries(mod) -> dict[str, list[tuple[int, tuple[int, int, int]]]] | None:
     """The module's own entries: section name -> [(offset, entry)] sorted (each .orc_unwind_ip
-    slot's R_X86_64_PC32 names the section and offset, as objtool writes them)."""
+    slot's R_X86_64_PC32 names the section and offset, as objtool writes them); None when
+    .orc_unwind_ip has no relocations to read them by (then the module gets no entries of
+    ours either, rather than a terminator for every copied instruction)."""
     data = mod.data
     secs = read_sections(data, mod.path)
     ip = next(s for s in secs if s.name == ".orc_unwind_ip")
     orc = next(s for s in secs if s.name == ".orc_unwind")
     rela = next((s for s in secs if s.type == SHT_RELA and s.info == ip.index), None)
     if rela is None:
-        return {}
+        return None
     _, syms = symbols(data, secs)
     out: dict[str, list] = {}
     for _, off, sym, typ, addend in relas(data, rela):
