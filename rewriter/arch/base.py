@@ -134,8 +134,9 @@ class OptProbe(Protocol):
 
 class KprobeXol(Protocol):
     """arch_prepare_kprobe() and the out-of-line slots of breakpoint probes."""
-    def prepare(self, image, addr: int, ss_int3: bool = False) -> Xol:
-        """How the instruction at addr runs when its breakpoint hits."""
+    def prepare(self, image, addr: int, ss_int3: bool = False, boost: bool = True) -> Xol:
+        """How the instruction at addr runs when its breakpoint hits (ss_int3: a single-stepped
+        copy ends with a breakpoint; boost False: nothing boosted, Rules.boost_post_handler)."""
 
     def emulates_refused(self, image, addr: int) -> bool:
         """can_probe() refuses the instruction but the trap handler emulates it."""
