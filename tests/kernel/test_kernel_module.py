@@ -715,6 +715,30 @@ def test_optimized_probe_relocations(romfs, rewritten_romfs):
     assert "kp_ph_" not in subprocess.run(["nm", str(rewritten_romfs)], capture_output=True, text=True).stdout
 
 
+
+def test_orc_entries_of_the_rewritten_module(romfs, rewritten_romfs):
+    """The module's ORC tables (without a boot): its layout read from its own entries (6.1's:
+    a function start's call type is 0), as its release says; the rewritten module's
+    .orc_unwind holds one 6-byte entry per .orc_unwind_ip slot, each slot an R_X86_64_PC32,
+    the module's own entries all kept and ours added for the detours, slots and runtime."""
+    from rewriter.targets.linux_module.x86_64 import orc
+
+    def sizes(ko):
+        out = subprocess.run(["readelf", "-W", "-S", str(ko)], capture_output=True, text=True, check=True).stdout
+        return {m.group(1): int(m.group(2), 16)
+                for m in re.finditer(r"\]\s+(\.orc_unwind(?:_ip)?)\s+\S+\s+\S+\s+\S+\s+([0-9a-f]+)", out)}
+    _, mod = linux_module.view(romfs.read_bytes(), str(romfs))
+    assert orc.orc_format(mod) == "6.1"
+    before, after = sizes(romfs), sizes(rewritten_romfs)
+    assert before[".orc_unwind"] == 6 * (before[".orc_unwind_ip"] // 4) == 6 * 179
+    assert after[".orc_unwind"] == 6 * (after[".orc_unwind_ip"] // 4)
+    n = after[".orc_unwind_ip"] // 4
+    assert n > 179 + 20, n                  # ours: the detours', the slots', the runtime's
+    ips = _relas(rewritten_romfs)[".orc_unwind_ip"]
+    assert len(ips) == n and {t for _, t, _ in ips} == {"R_X86_64_PC32"}
+    assert sorted(o for o, _, _ in ips) == list(range(0, 4 * n, 4))
+    assert sum(v.startswith(".text.kprewrite") for _, _, v in ips) > 20, ips[-10:]
+
 def test_optimized_probes_across_a_module(modules, symvers, tmp_path):
     """Probes every 72 bytes or so (an instruction boundary, regions never overlapping) through
     kvm-amd.ko's .text (decoded by objdump): each one `check` optimizes is written, at each a `jmp`

@@ -56,10 +56,23 @@ ENTRY_MACRO_S = r"""
 
 def orc_format(mod) -> str | None:
     """The layout of the module's ORC entries ("6.1", "6.4"), None when it has no ORC tables
-    (a kernel built without CONFIG_UNWINDER_ORC) or no release in its vermagic to tell."""
+    (a kernel built without CONFIG_UNWINDER_ORC) or nothing tells.  Read from the entries
+    themselves first: a function's first instruction has the call type with CFA = %rsp + 8,
+    whose type bits are 0 in 6.1's layout and 2 from 6.4's (where UNDEFINED and END_OF_STACK
+    became types), so a distribution kernel that took objtool's layout into another release
+    is read right; else from the release in the module's vermagic."""
+    from collections import Counter
     from ..symvers import release
-    if mod.section_named(".orc_unwind_ip") is None or mod.section_named(".orc_unwind") is None:
+    ip, orc = mod.section_named(".orc_unwind_ip"), mod.section_named(".orc_unwind")
+    if ip is None or orc is None:
         return None
+    raw = mod.data[orc.offset:orc.offset + orc.size - orc.size % 6]
+    votes = Counter((bits >> 8) & 7 for sp_offset, _, bits in struct.iter_unpack("<hhH", raw)
+                    if bits & 0xF == ORC_REG_SP and sp_offset == 8)
+    if votes:
+        typ = votes.most_common(1)[0][0]
+        if typ in (TYPES["6.1"][CALL], TYPES["6.4"][CALL]):
+            return "6.1" if typ == TYPES["6.1"][CALL] else "6.4"
     m = re.match(r"(\d+)\.(\d+)", release(mod) or "")
     if m is None:
         return None
