@@ -162,7 +162,9 @@ class ElfView:
         return [s for s in self.segments if s.type == PT_LOAD]
 
     @cached_property
-    def _load_spans(self) -> list[tuple[int, int, int]]:
+    def load_spans(self) -> list[tuple[int, int, int]]:
+        """(vaddr, vaddr + filesz, file offset) of each PT_LOAD segment, in file order: what
+        an address's file offset is looked up in (offset(); Image.read())."""
         return [(s.vaddr, s.vaddr + s.filesz, s.offset) for s in self.loads]
 
     def segment(self, type: int) -> Segment | None:
@@ -231,7 +233,7 @@ class ElfView:
         """File offset of [addr, addr + size) when one PT_LOAD segment's file bytes hold
         it all (the first such segment), else None."""
         end = addr + size
-        for lo, hi, off in self._load_spans:
+        for lo, hi, off in self.load_spans:
             if lo <= addr and end <= hi:
                 return off + addr - lo
         return None
@@ -249,7 +251,7 @@ class ElfView:
 
     def segment_end(self, addr: int) -> int | None:
         """File offset just past the file bytes of the PT_LOAD segment holding addr."""
-        for lo, hi, off in self._load_spans:
+        for lo, hi, off in self.load_spans:
             if lo <= addr < hi:
                 return off + hi - lo
         return None

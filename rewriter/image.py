@@ -306,7 +306,7 @@ class Image:
     def read(self, addr: int, size: int) -> bytes:
         """The bytes from addr on, at most `size` (fewer at the end of the file)."""
         # elf.offset() inline (a rewrite of libpython reads 130,000 times).
-        for lo, hi, off in self.elf._load_spans:
+        for lo, hi, off in self.elf.load_spans:
             if lo <= addr < hi:
                 off += addr - lo
                 return self.data[off:off + size]
