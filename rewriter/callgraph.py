@@ -65,14 +65,21 @@ class Graph:
     threads: dict[int, Thread]
     end: int                                     # the trace's last time stamp (ns)
 
-    def calls(self):
-        """Every call, each thread's in pre-order (a parent before its children)."""
+    def walk(self):
+        """Every call with the functions of the calls enclosing it (outermost first), each
+        thread's in pre-order (a parent before its children); an explicit stack, so no
+        recursion limit on deep traces."""
         for tid in sorted(self.threads):
-            stack = [i for i in reversed(self.threads[tid].items) if isinstance(i, Call)]
+            stack = [(i, ()) for i in reversed(self.threads[tid].items) if isinstance(i, Call)]
             while stack:
-                c = stack.pop()
-                yield c
-                stack.extend(i for i in reversed(c.items) if isinstance(i, Call))
+                c, outer = stack.pop()
+                yield c, outer
+                inner = outer + (c.func,)
+                stack.extend((i, inner) for i in reversed(c.items) if isinstance(i, Call))
+
+    def calls(self):
+        """Every call, in walk()'s order."""
+        return (c for c, _ in self.walk())
 
     @property
     def unmatched(self) -> int:
@@ -125,36 +132,23 @@ def functions(g: Graph) -> list[dict]:
     children's.  Unfinished calls count with the time up to where they were closed.
     Sorted by total time, largest first."""
     rows: dict[str, dict] = {}
-    for tid in sorted(g.threads):
-        # Walk with the set of functions open above each call (recursion check).
-        stack = [(i, ()) for i in reversed(g.threads[tid].items) if isinstance(i, Call)]
-        while stack:
-            c, outer = stack.pop()
-            row = rows.setdefault(c.func, {"function": c.func, "calls": 0, "total_ns": 0, "self_ns": 0,
-                                           "max_ns": 0, "unfinished": 0})
-            row["calls"] += 1
-            if c.func not in outer:
-                row["total_ns"] += c.duration
-            row["self_ns"] += c.self_time
-            if c.unfinished:
-                row["unfinished"] += 1
-            elif c.duration > row["max_ns"]:
-                row["max_ns"] = c.duration
-            inner = outer + (c.func,)
-            stack.extend((i, inner) for i in reversed(c.items) if isinstance(i, Call))
+    for c, outer in g.walk():
+        row = rows.setdefault(c.func, {"function": c.func, "calls": 0, "total_ns": 0, "self_ns": 0,
+                                       "max_ns": 0, "unfinished": 0})
+        row["calls"] += 1
+        if c.func not in outer:
+            row["total_ns"] += c.duration
+        row["self_ns"] += c.self_time
+        if c.unfinished:
+            row["unfinished"] += 1
+        elif c.duration > row["max_ns"]:
+            row["max_ns"] = c.duration
     return sorted(rows.values(), key=lambda r: (-r["total_ns"], r["function"]))
 
 
 def slowest(g: Graph, n: int = 10) -> list[dict]:
     """The n longest calls that returned (ties: earlier first), with their caller."""
-    out = []
-    for tid in sorted(g.threads):
-        stack = [(i, None) for i in reversed(g.threads[tid].items) if isinstance(i, Call)]
-        while stack:
-            c, parent = stack.pop()
-            if not c.unfinished:
-                out.append((c, parent))
-            stack.extend((i, c.func) for i in reversed(c.items) if isinstance(i, Call))
+    out = [(c, outer[-1] if outer else None) for c, outer in g.walk() if not c.unfinished]
     out.sort(key=lambda cp: (-cp[0].duration, cp[0].start, cp[0].tid))
     return [{"function": c.func, "tid": c.tid, "start": _ts(c.start), "duration_ns": c.duration,
              "parent": p} for c, p in out[:n]]

@@ -271,7 +271,7 @@ def records(data: bytes, where: str) -> list:
             pending.append((i, image))
         i += 1
     out: list = []
-    bodies: dict = {}           # (image, event, return address) -> (body, event, loc) or None: parse the line
+    bodies: dict = {}           # (image, event, return address) -> (body, (event, loc) or None: parse the line)
     seq = 0
     for i, image in pending:
         img = images.get(image)
@@ -321,19 +321,19 @@ def records(data: bytes, where: str) -> list:
             ts = f"{sec}.{frac:09d}"
             line_head = f"{ctx[0]}{sec:5d}.{frac:09d}: "
             if ev.args or ctx[1] is None:
-                r = parse_line(line_head + body(img, ev, ret, rec).decode("utf-8", errors="replace"))
+                text, parts = body(img, ev, ret, rec).decode("utf-8", errors="replace"), None
             else:
                 key = (image, ident, ret)
-                b = bodies.get(key, 0)
-                if b == 0:
-                    text = body(img, ev, ret, rec).decode("utf-8", errors="replace")
-                    m = LINE.match("x-1 [000] 0.0: " + text)
-                    b = bodies[key] = ((text, m.group("event"), m.group("loc"))
-                                       if m and not m.group("ip") and not m.group("args") else None)
-                if b is None:
-                    r = parse_line(line_head + body(img, ev, ret, rec).decode("utf-8", errors="replace"))
-                else:
-                    r = Record(ctx[1], ctx[2], ctx[3], ts, b[1], b[2], {}, line_head + b[0])
+                if key not in bodies:
+                    t = body(img, ev, ret, rec).decode("utf-8", errors="replace")
+                    m = LINE.match("x-1 [000] 0.0: " + t)
+                    bodies[key] = (t, (m.group("event"), m.group("loc"))
+                                   if m and not m.group("ip") and not m.group("args") else None)
+                text, parts = bodies[key]
+            if parts is None:
+                r = parse_line(line_head + text)
+            else:
+                r = Record(ctx[1], ctx[2], ctx[3], ts, parts[0], parts[1], {}, line_head + text)
             if r is not None:
                 out.append((ns, seq, r))
                 seq += 1

@@ -45,8 +45,7 @@ class Record:
 
     @property
     def ts_us(self) -> int:
-        sec, us = self.ts.split(".")
-        return int(sec) * 1_000_000 + int(us.ljust(6, "0")[:6])
+        return self.ts_ns // 1000
 
     @property
     def ts_ns(self) -> int:

@@ -71,8 +71,9 @@ def summary(records: list[Record]) -> dict:
     g = callgraph.build(records)
     funcs = callgraph.functions(g)
     hists = []
+    calls = list(g.calls())
     per: dict[str, list[int]] = defaultdict(list)
-    for c in g.calls():
+    for c in calls:
         if not c.unfinished:
             per[c.func].append(c.duration)
     for func, ds in sorted(per.items()):
@@ -80,7 +81,7 @@ def summary(records: list[Record]) -> dict:
     for name, vs in sorted(fields(records).items()):
         hists.append({"name": name, "count": len(vs), "buckets": histogram(vs)})
     return {"events": sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])),
-            "calls": {"count": sum(f["calls"] for f in funcs), "threads": len({c.tid for c in g.calls()}),
+            "calls": {"count": sum(f["calls"] for f in funcs), "threads": len({c.tid for c in calls}),
                       "unfinished": sum(f["unfinished"] for f in funcs), "unmatched_returns": g.unmatched,
                       "functions": funcs, "slowest": callgraph.slowest(g, SLOWEST)},
             "histograms": hists}

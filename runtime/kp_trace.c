@@ -147,7 +147,7 @@ static void kp_trace_context_at(struct kp_line *l, const char *comm, int tid, un
 	kp_line_puts(l, ": ");
 }
 
-static __attribute__((unused)) void kp_trace_context(struct kp_line *l, const char *comm, int tid)
+static void kp_trace_context(struct kp_line *l, const char *comm, int tid)
 {
 	struct kp_timespec ts = { 0, 0 };
 	unsigned int cpu = kp_platform_cpu();
@@ -444,7 +444,6 @@ static long long kp_bt_base;
 static volatile int kp_bt_lock;
 static struct kp_tc kp_bt_slow_tc;
 
-/* The descriptor of this image (out == 0: its length). */
 static unsigned long kp_bt_put_bytes(unsigned char *out, unsigned long n, const void *v, unsigned long len)
 {
 	if (out)
@@ -459,6 +458,7 @@ static unsigned long kp_bt_put_str(unsigned char *out, unsigned long n, const ch
 	return kp_bt_put_bytes(out, n, str, len);
 }
 
+/* The descriptor of this image (out == 0: its length). */
 static unsigned long kp_bt_descriptor(unsigned char *out, int pid)
 {
 	unsigned long symnames = 0;
@@ -827,8 +827,6 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 #endif
 		ns = kp_tc_now(t);
 	}
-#endif
-#ifdef KP_PLATFORM_TRACE_FAST
 	int tid = t ? t->tid : kp_platform_task_pid();
 #else
 	int tid = kp_platform_task_pid();
