@@ -80,15 +80,6 @@ void kp_relocate(void)
 	kp_update_fast();
 }
 
-static const char *kp_getenv(char **envp, const char *name)
-{
-	size_t n = strlen(name);
-	for (; envp && *envp; envp++)
-		if (!strncmp(*envp, name, n) && (*envp)[n] == '=')
-			return *envp + n + 1;
-	return 0;
-}
-
 /* Start-up configuration from the environment (after kp_relocate). */
 void kp_configure(char **envp)
 {

@@ -61,3 +61,13 @@ int strcmp(const char *a, const char *b)
 {
 	return strncmp(a, b, (size_t)-1);
 }
+
+/* NAME's value in a NULL-ended environment, or 0 (start-up: kp_configure(), kp_trace_configure()). */
+const char *kp_getenv(char **envp, const char *name)
+{
+	size_t n = strlen(name);
+	for (; envp && *envp; envp++)
+		if (!strncmp(*envp, name, n) && (*envp)[n] == '=')
+			return *envp + n + 1;
+	return 0;
+}

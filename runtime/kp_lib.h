@@ -14,6 +14,7 @@ int memcmp(const void *a, const void *b, size_t n);
 size_t strlen(const char *s);
 int strcmp(const char *a, const char *b);
 int strncmp(const char *a, const char *b, size_t n);
+const char *kp_getenv(char **envp, const char *name);
 
 #pragma GCC visibility pop
 #endif

@@ -52,16 +52,6 @@ static inline void kp_trace_copy(char *dst, const char *src, unsigned long n)
 		*dst++ = *src++;
 }
 
-static const char *kp_trace_getenv(char **envp, const char *name)
-{
-	size_t n = strlen(name);
-	for (; envp && *envp; envp++)
-		if (!strncmp(*envp, name, n) && (*envp)[n] == '=')
-			return *envp + n + 1;
-	return 0;
-}
-
-
 #ifdef KP_PLATFORM_TRACE_FAST
 #define KP_TB_SIZE (1UL << 20)
 static int kp_tb_on, kp_tb_owner;	/* lines to a file gathered (below); by this process */
@@ -75,10 +65,10 @@ static int kp_bt_open(const char *path);
 /* Start-up: where trace lines go; kprobe_profile on a signal. */
 void kp_trace_configure(char **envp)
 {
-	kp_profile_signal_configure(kp_trace_getenv(envp, "KPREWRITE_PROFILE_SIGNAL"));
-	const char *path = kp_trace_getenv(envp, "KPREWRITE_TRACE");
+	kp_profile_signal_configure(kp_getenv(envp, "KPREWRITE_PROFILE_SIGNAL"));
+	const char *path = kp_getenv(envp, "KPREWRITE_TRACE");
 #ifdef KP_PLATFORM_TRACE_BINARY
-	const char *format = kp_trace_getenv(envp, "KPREWRITE_TRACE_FORMAT");
+	const char *format = kp_getenv(envp, "KPREWRITE_TRACE_FORMAT");
 	int to_file = path && *path && strcmp(path, "-") && strcmp(path, "stderr");
 	if (format && *format && strcmp(format, "text")) {
 		static const char unknown[] = "kprewrite: KPREWRITE_TRACE_FORMAT: not text or binary; text lines\n";
@@ -101,7 +91,7 @@ void kp_trace_configure(char **envp)
 #ifdef KP_PLATFORM_TRACE_FAST
 		/* Gathering is asked for: a process that dies or hangs in a burst
 		 * would keep the burst's end, the lines that tell why. */
-		const char *gather = kp_trace_getenv(envp, "KPREWRITE_TRACE_BUFFER");
+		const char *gather = kp_getenv(envp, "KPREWRITE_TRACE_BUFFER");
 		if (gather && *gather && strcmp(gather, "0")) {
 			kp_tb_owner = (int)kp_syscall3(__NR_getpid, 0, 0, 0);
 			kp_tb = kp_platform_alloc(KP_TB_SIZE);
