@@ -1165,7 +1165,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     # The module's own ORC tables take entries for our code (orc.py), when it has them.
     from . import orc
     fmt = orc.orc_format(mod)
-    own = orc.module_entries(mod) if fmt else None
+    own = orc.module_entries(mod, relocs) if fmt else None
     unwind = (orc.Entries(fmt), own) if own is not None else None
 
     def ftrace_detour(i):
