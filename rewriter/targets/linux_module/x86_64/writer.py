@@ -1160,7 +1160,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
                              place=lambda a: mod.place(a)[0].name))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
-    relocs = mod.relocs if mod.relocs is not None else relocations(mod)
+    relocs = relocations(mod)
     placeholders: dict = {}
     # The module's own ORC tables take entries for our code (orc.py), when it has them.
     from . import orc
