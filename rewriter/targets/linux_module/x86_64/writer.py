@@ -421,6 +421,10 @@ def _preempt_c(symvers: dict | None) -> str:
     return (f'#define KP_RESCHED "{resched}"\n' if resched else "") + PREEMPT_C
 
 
+# struct kprobe's flags by the site's decision (a breakpoint's: none).
+_KPROBE_FLAGS = {FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}
+
+
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
               debugfs: bool = False, symvers: dict | None = None, event_calls: bool = False,
               place=None) -> str:
@@ -435,8 +439,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
-    kr_flags = [{FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}.get(site.decision, "0")
-                for site, _, _ in plan.kretprobes]
+    kr_flags = [_KPROBE_FLAGS.get(site.decision, "0") for site, _, _ in plan.kretprobes]
     declared = set()
     for key in sorted(traces, key=str):
         if traces[key].is_return:
@@ -456,7 +459,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
         declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
     out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
     for site, p in plan.kprobes:
-        flag = {FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}.get(site.decision, "0")
+        flag = _KPROBE_FLAGS.get(site.decision, "0")
         out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
                    f".flags = {flag}, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
     out.append("};")
