@@ -1411,6 +1411,7 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
             set_rela(at, r_off, section_symbol(fl.section), R_X86_64_PC32, fl.addend)
     extra: dict[str, list] = {}
     by_offset: dict[str, dict] = {}     # section -> {offset: [where its relocations are]}
+    mcount = None                       # __mcount_loc's entries by the place each names
     for i, sec, off, decision in sites:
         if decision == INT3:            # the breakpoint, in place from load (kp_module_init())
             data[by_name[sec].offset + off] = 0xCC
@@ -1437,9 +1438,12 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
                 done = True
         if not done:
             raise KprewriteError(f"{path}: {sec}+{off:#x} has no `call __fentry__` relocation")
-        for at, r_off, sym, _, addend in relas_of("__mcount_loc"):
-            if target(sym, addend) == (shndx, off):
-                set_rela(at, r_off, 0, R_X86_64_NONE, 0)
+        if mcount is None:              # read once: only this loop changes __mcount_loc's entries
+            mcount = {}
+            for at, r_off, sym, _, addend in relas_of("__mcount_loc"):
+                mcount.setdefault(target(sym, addend), []).append((at, r_off))
+        for at, r_off in mcount.get((shndx, off), []):
+            set_rela(at, r_off, 0, R_X86_64_NONE, 0)
     for at, r_off, sym, typ, addend in relas_of(THIS_MODULE):
         n = sym_name(sym)
         if n in ("init_module", "cleanup_module"):
