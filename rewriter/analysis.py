@@ -119,7 +119,7 @@ def jobs() -> int:
         return os.cpu_count() or 1
 
 
-_WORK = None        # (image, arch) in the forked workers: shared with the parent, not sent
+_WORK = None        # in the forked workers, what they read (_Workers' `work`): shared with the parent, not sent
 
 
 def _pairs_of(lo: int, hi: int) -> bytes:
@@ -141,11 +141,12 @@ def _call(args):
     return fn(lo, hi)
 
 
-def _in_workers(image: Image, arch, fn, slices=None):
+def _in_workers(image: Image, arch, fn, slices=None, work=None):
     """fn(lo, hi) over image.functions in CHUNKS slices (or over the (lo, hi) of
     `slices`, of another list fn reads), in forked worker processes, the results in
-    the slices' order (so the output is the same bytes as the work in one process)."""
-    job = _Workers(image, arch, fn, slices)
+    the slices' order (so the output is the same bytes as the work in one process).
+    fn reads `work` (by default (image, arch)) from _WORK."""
+    job = _Workers(image, arch, fn, slices, work)
     try:
         yield from job.results()
     finally:
@@ -156,13 +157,13 @@ class _Workers:
     """_in_workers() started at once: the workers run while this process does
     something else, until results() is read."""
 
-    def __init__(self, image: Image, arch, fn, slices=None):
+    def __init__(self, image: Image, arch, fn, slices=None, work=None):
         import multiprocessing
         global _WORK
         n = len(image.functions)
         if slices is None:
             slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
-        _WORK = (image, arch)
+        _WORK = (image, arch) if work is None else work
         before = {p.pid for p in multiprocessing.active_children()}
         try:
             self.pool = multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS))
@@ -275,7 +276,6 @@ def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict
     asks the analysis about the function's own addresses only (the arch's resolve()
     promises it), so a worker's reading is that one unless an earlier reading
     named an address of the function (indirect_jump_targets() then reads it again)."""
-    global _READ
     # A few large functions cost most (libpython: 16 of 446 half the time): the largest
     # first, each slice about a 64th of the bytes, so that the workers end together.
     order = sorted(todo, key=lambda f: f.start - f.end)
@@ -286,21 +286,14 @@ def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict
         if got >= share or i == len(order) - 1:
             slices.append((lo, i + 1))
             lo, got = i + 1, 0
-    _READ = (image, an, order)
-    try:
-        out = {}
-        for got in _in_workers(image, an.arch, _resolved_of, slices):
-            out.update(got)
-        return out
-    finally:
-        _READ = None
-
-
-_READ = None        # (image, analysis, functions) in the forked workers of _read_in_workers()
+    out = {}
+    for got in _in_workers(image, an.arch, _resolved_of, slices, work=(image, an, order)):
+        out.update(got)
+    return out
 
 
 def _resolved_of(lo: int, hi: int) -> list:
-    image, an, todo = _READ
+    image, an, todo = _WORK
     return [(f.start, an.arch.jumptable.resolve(image, an, f)) for f in todo[lo:hi]]
 
 

@@ -308,3 +308,15 @@ class ElfView:
                 e = d.find(b"\0", a, hi)
                 name = _name(d[a:e if e >= 0 else hi])
             yield Symbol(name, value, size, info & 0xF, info >> 4, shndx)
+
+
+_RELA = struct.Struct("<QQq")
+
+
+def relas(data: bytes, offset: int, size: int) -> list[tuple[int, int, int, int]]:
+    """(r_offset, symbol index, type, r_addend) of each whole little-endian Elf64_Rela in
+    data[offset:offset + size], as ELF64_R_SYM/ELF64_R_TYPE split r_info (a trailing
+    partial entry, or one past the end of data, is not read)."""
+    end = offset + min(size, len(data) - offset) // 24 * 24
+    return [(off, info >> 32, info & 0xFFFFFFFF, addend)
+            for off, info, addend in _RELA.iter_unpack(data[offset:end])]

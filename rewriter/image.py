@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from . import ehframe
 from .arch import MACHINES, get_arch
 from .elfview import (PF_R, PF_W, PF_X, PT_DYNAMIC, PT_INTERP, PT_LOAD, PT_NOTE, PT_PHDR,  # noqa: F401
-                      SHF_ALLOC, SHF_EXECINSTR, SHF_WRITE, SHT_DYNSYM, SHT_SYMTAB, ElfView, Section, Segment)
+                      SHF_ALLOC, SHF_EXECINSTR, SHF_WRITE, SHT_DYNSYM, SHT_SYMTAB, ElfView, Section, Segment,
+                      relas)
 from .errors import KprewriteError
 
 STT_NOTYPE, STT_OBJECT, STT_FUNC, STT_GNU_IFUNC = 0, 1, 2, 10
@@ -343,13 +344,10 @@ class Image:
             off = self.elf.offset(at, size)
             if off is None:
                 return None
-            for o in range(off, off + size - 23, 24):
-                r_offset = int.from_bytes(self.data[o:o + 8], "little")
-                info = int.from_bytes(self.data[o + 8:o + 16], "little")
-                i = info >> 32
+            for r_offset, i, typ, _ in relas(self.data, off, size):
                 if i >= len(syms):
                     return None
-                out.append((r_offset, info & 0xFFFFFFFF, syms[i].name))
+                out.append((r_offset, typ, syms[i].name))
         return out
 
     def relative_relocations(self) -> list[tuple[int, int, int]]:

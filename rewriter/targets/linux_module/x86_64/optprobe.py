@@ -63,9 +63,12 @@ class CopyRefused(Exception):
 
 
 def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
-    """section name -> {offset: (symbol index, type, addend)} of the .ko's own relocations."""
+    """section name -> {offset: (symbol index, type, addend)} of the .ko's own relocations,
+    read once (kept in mod.relocs for the rules' checks and the writer)."""
+    if mod.relocs is not None:
+        return mod.relocs
     secs = read_sections(mod.data, mod.path)
-    out = {}
+    out = mod.relocs = {}
     for r in secs:
         if r.type != SHT_RELA or not r.info:
             continue

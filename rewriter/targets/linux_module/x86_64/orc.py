@@ -34,7 +34,7 @@ import bisect
 import re
 import struct
 
-from .relocatable import R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, read_sections, relas, symbols
+from .relocatable import R_X86_64_PC32, SHN_LORESERVE, symbols
 
 ORC_REG_UNDEFINED, ORC_REG_PREV_SP, ORC_REG_BP, ORC_REG_SP = 0, 1, 4, 5
 CALL, REGS = "call", "regs"
@@ -102,21 +102,20 @@ def adjust(e: tuple[int, int, int], extra: int) -> tuple[int, int, int]:
     return sp_offset + extra, bp_offset, bits
 
 
-def module_entries(mod) -> dict[str, list[tuple[int, tuple[int, int, int]]]] | None:
+def module_entries(mod, relocs: dict) -> dict[str, list[tuple[int, tuple[int, int, int]]]] | None:
     """The module's own entries: section name -> [(offset, entry)] sorted (each .orc_unwind_ip
-    slot's R_X86_64_PC32 names the section and offset, as objtool writes them); None when
+    slot's R_X86_64_PC32 names the section and offset, as objtool writes them; relocs: the
+    .ko's relocations as optprobe.relocations() reads them once for the writer); None when
     .orc_unwind_ip has no relocations to read them by (then the module gets no entries of
     ours either, rather than a terminator for every copied instruction)."""
-    data = mod.data
-    secs = read_sections(data, mod.path)
-    ip = next(s for s in secs if s.name == ".orc_unwind_ip")
-    orc = next(s for s in secs if s.name == ".orc_unwind")
-    rela = next((s for s in secs if s.type == SHT_RELA and s.info == ip.index), None)
-    if rela is None:
+    data, secs = mod.data, mod.sections
+    orc = mod.section_named(".orc_unwind")
+    rela = relocs.get(".orc_unwind_ip")
+    if not rela:
         return None
     _, syms = symbols(data, secs)
     out: dict[str, list] = {}
-    for _, off, sym, typ, addend in relas(data, rela):
+    for off, (sym, typ, addend) in rela.items():
         shndx, value = syms[sym][3], syms[sym][4]
         if typ != R_X86_64_PC32 or not 0 < shndx < SHN_LORESERVE or off % 4:
             continue

@@ -41,14 +41,13 @@ def carried(image, inner):
         if why is not None:
             return why
         mod = image.container
-        if mod.relocs is None:
-            mod.relocs = optprobe.relocations(mod)
+        relocs = optprobe.relocations(mod)
         pos = lo
         while pos < hi:
             code = image.read(pos, 16)
             try:
                 info = x86insn.classify(code, pos)
-                optprobe.copy(mod, mod.relocs, DcrInsn(pos, code[:info.length], info))
+                optprobe.copy(mod, relocs, DcrInsn(pos, code[:info.length], info))
             except ValueError:
                 return None             # the planner's own decode check says so
             except optprobe.CopyRefused as e:
@@ -92,12 +91,11 @@ def int3_copy(image):
                                                            "breakpoint is not written yet (only a relative jmp, jcc "
                                                            "or call is emulated; the others run from their copy)")
         mod = image.container
-        if mod.relocs is None:
-            mod.relocs = optprobe.relocations(mod)
+        relocs = optprobe.relocations(mod)
         try:
-            optprobe.copy(mod, mod.relocs, x.insn)
+            optprobe.copy(mod, relocs, x.insn)
             if x.mode == EMULATE and site.with_post:    # emulated in the trap (writer.py's _emulate_c())
-                optprobe.branch_target(mod, mod.relocs, x.insn)
+                optprobe.branch_target(mod, relocs, x.insn)
         except optprobe.CopyRefused as e:
             return arch.Refusal(*e.args)
         return None

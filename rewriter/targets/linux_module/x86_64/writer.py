@@ -421,6 +421,10 @@ def _preempt_c(symvers: dict | None) -> str:
     return (f'#define KP_RESCHED "{resched}"\n' if resched else "") + PREEMPT_C
 
 
+# struct kprobe's flags by the site's decision (a breakpoint's: none).
+_KPROBE_FLAGS = {FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}
+
+
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
               debugfs: bool = False, symvers: dict | None = None, event_calls: bool = False,
               place=None) -> str:
@@ -435,8 +439,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
-    kr_flags = [{FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}.get(site.decision, "0")
-                for site, _, _ in plan.kretprobes]
+    kr_flags = [_KPROBE_FLAGS.get(site.decision, "0") for site, _, _ in plan.kretprobes]
     declared = set()
     for key in sorted(traces, key=str):
         if traces[key].is_return:
@@ -456,7 +459,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
         declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
     out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
     for site, p in plan.kprobes:
-        flag = {FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}.get(site.decision, "0")
+        flag = _KPROBE_FLAGS.get(site.decision, "0")
         out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
                    f".flags = {flag}, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
     out.append("};")
@@ -1160,12 +1163,12 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
                              place=lambda a: mod.place(a)[0].name))
     asm = workdir / "kp_detours.S"
     sites_ = _sites(s.plan)
-    relocs = mod.relocs if mod.relocs is not None else relocations(mod)
+    relocs = relocations(mod)
     placeholders: dict = {}
     # The module's own ORC tables take entries for our code (orc.py), when it has them.
     from . import orc
     fmt = orc.orc_format(mod)
-    own = orc.module_entries(mod) if fmt else None
+    own = orc.module_entries(mod, relocs) if fmt else None
     unwind = (orc.Entries(fmt), own) if own is not None else None
 
     def ftrace_detour(i):
@@ -1408,6 +1411,7 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
             set_rela(at, r_off, section_symbol(fl.section), R_X86_64_PC32, fl.addend)
     extra: dict[str, list] = {}
     by_offset: dict[str, dict] = {}     # section -> {offset: [where its relocations are]}
+    mcount = None                       # __mcount_loc's entries by the place each names
     for i, sec, off, decision in sites:
         if decision == INT3:            # the breakpoint, in place from load (kp_module_init())
             data[by_name[sec].offset + off] = 0xCC
@@ -1434,9 +1438,12 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
                 done = True
         if not done:
             raise KprewriteError(f"{path}: {sec}+{off:#x} has no `call __fentry__` relocation")
-        for at, r_off, sym, _, addend in relas_of("__mcount_loc"):
-            if target(sym, addend) == (shndx, off):
-                set_rela(at, r_off, 0, R_X86_64_NONE, 0)
+        if mcount is None:              # read once: only this loop changes __mcount_loc's entries
+            mcount = {}
+            for at, r_off, sym, _, addend in relas_of("__mcount_loc"):
+                mcount.setdefault(target(sym, addend), []).append((at, r_off))
+        for at, r_off in mcount.get((shndx, off), []):
+            set_rela(at, r_off, 0, R_X86_64_NONE, 0)
     for at, r_off, sym, typ, addend in relas_of(THIS_MODULE):
         n = sym_name(sym)
         if n in ("init_module", "cleanup_module"):
