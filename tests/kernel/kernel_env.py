@@ -208,6 +208,64 @@ static int kill_override(struct kprobe *p, struct pt_regs *regs)
 """
 
 
+# /perfcount ID FILTER CMD...: a perf counter on the tracepoint-type event ID (an event's
+# events/<system>/<EVENT>/id), with FILTER (none if empty) set by PERF_EVENT_IOC_SET_FILTER,
+# counting in CMD (run as a child, inherited); prints "perf count=N" once CMD has exited.
+PERFCOUNT_C = r"""
+#include <errno.h>
+#include <linux/perf_event.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+int main(int argc, char **argv)
+{
+	struct perf_event_attr a;
+	memset(&a, 0, sizeof(a));
+	a.type = PERF_TYPE_TRACEPOINT;
+	a.size = sizeof(a);
+	a.config = strtoull(argv[1], 0, 0);
+	a.disabled = 1;
+	a.inherit = 1;
+	int fd = (int)syscall(SYS_perf_event_open, &a, 0, -1, -1, 0);
+	if (fd < 0) {
+		printf("perf open errno=%d\n", errno);
+		return 1;
+	}
+	if (argv[2][0] && ioctl(fd, PERF_EVENT_IOC_SET_FILTER, argv[2])) {
+		printf("perf filter errno=%d\n", errno);
+		return 1;
+	}
+	ioctl(fd, PERF_EVENT_IOC_ENABLE, 0);
+	pid_t pid = fork();
+	if (pid == 0) {
+		execvp(argv[3], argv + 3);
+		_exit(127);
+	}
+	int status;
+	waitpid(pid, &status, 0);
+	ioctl(fd, PERF_EVENT_IOC_DISABLE, 0);
+	unsigned long long n = 0;
+	if (read(fd, &n, sizeof(n)) != sizeof(n))
+		printf("perf read errno=%d\n", errno);
+	printf("perf count=%llu\n", n);
+	return 0;
+}
+"""
+
+
+def perfcount_program(d: Path) -> Path:
+    """PERFCOUNT_C built static in folder d (for an initramfs)."""
+    src, exe = d / "perfcount.c", d / "perfcount"
+    src.write_text(PERFCOUNT_C)
+    subprocess.run(["gcc", "-static", "-O2", "-o", exe, src], check=True)
+    return exe
+
+
 def init_script(commands: str, marker: str = USERSPACE_MARKER) -> str:
     """An /init that mounts /proc, /sys, /dev, debugfs and tracefs, prints ``marker``, runs
     ``commands`` (busybox sh), prints DONE_MARKER and powers off once the console has it."""

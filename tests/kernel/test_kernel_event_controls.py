@@ -15,7 +15,10 @@ trigger, format, hist and id.  One rewrite of Debian's vmlinuz and one boot (-sm
 - `trigger`: `hist:keys=off` counts 3 and 9, and its total equals kprobe_profile's hits of the
   probe over the same calls (debugfs kprewrite/profile, read before and after);
 - not a dynamic event: kprobe_events does not list it, and a tracefs kprobe event of the same
-  name is refused.
+  name is refused;
+- perf: a counter opened on the event's id (PERF_TYPE_TRACEPOINT, as `perf stat -e
+  kprobes:kp_fadv` opens one) counts the calls of the process it follows, with a filter on a
+  field set through perf (PERF_EVENT_IOC_SET_FILTER) and on the `r` event's retval.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import pytest
 
 from conftest import kprewrite  # the tree's CLI, as every test runs it
 
-from kernel_env import assert_boot_ok, init_script, sections
+from kernel_env import assert_boot_ok, init_script, perfcount_program, sections
 
 pytestmark = pytest.mark.kernel
 
@@ -101,6 +104,11 @@ echo "== profile_after"; cat {PROFILE}
 echo "== hist"; cat {E}/hist
 echo "== kprobe_events"; cat {T}/kprobe_events
 echo "== same_name"; echo 'p:kp_fadv vfs_fadvise' >> {T}/kprobe_events && echo accepted || echo refused
+echo "== perf"
+/perfcount $(cat {E}/id) "" /fadv 4 200
+/perfcount $(cat {E}/id) "off == 200" /fadv 6 201
+/perfcount $(cat {E}/id) "off == 200" /fadv 3 200
+[ -d {T}/events/kprobes/kp_fadv_ret ] && /perfcount $(cat {T}/events/kprobes/kp_fadv_ret/id) "ret == 0" /fadv 5 202
 echo "== end"
 """
 
@@ -121,7 +129,7 @@ def booted(tmp_path_factory, debian_kernel, make_initramfs, boot_kernel):
     src = d / "fadv.c"
     src.write_text(FADV_C)
     subprocess.run(["gcc", "-static", "-O2", "-o", d / "fadv", src], check=True)
-    initrd = make_initramfs(init_script(COMMANDS), {"fadv": d / "fadv"})
+    initrd = make_initramfs(init_script(COMMANDS), {"fadv": d / "fadv", "perfcount": perfcount_program(d)})
     b = boot_kernel("event-controls-bzimage-smp2", out, initrd, smp=2, timeout=240)
     assert_boot_ok(b)
     return b
@@ -241,4 +249,15 @@ def test_hist_trigger_counts(booted, out):
     delta = _profile_hits(out["profile_after"], "kp_fadv") - _profile_hits(out["profile_before"], "kp_fadv")
     assert total == delta == 12, (total, delta, hist)
     # the probe fires whether or not its event is enabled (kprobe_profile counts every hit)
-    assert booted.profile()["kp_fadv"][0] == 2 + 5 + 4 + 6 + 2 + 3 + 1 + 3 + 9, booted.profile()
+    assert booted.profile()["kp_fadv"][0] == 2 + 5 + 4 + 6 + 2 + 3 + 1 + 3 + 9 + (4 + 6 + 3 + 5), booted.profile()
+
+
+def test_perf_counts_the_event_with_a_filter(out):
+    """perf on our events (kprobe_register()'s TRACE_REG_PERF_* cases, kprobe_perf_func()): a
+    counter on kp_fadv's id counts the 4 calls of the /fadv it follows (the top instance's enable
+    and hist trigger do not matter to perf); with the filter `off == 200` set through perf, 0 of 6
+    calls with 201 and 3 of 3 with 200; on kp_fadv_ret with `ret == 0`, its 5 returns.  Each
+    counter is opened and closed in turn (TRACE_REG_PERF_REGISTER, then UNREGISTER)."""
+    want = [4, 0, 3] + ([5] if any(l == "name: kp_fadv_ret" for l in out["format_ret"]) else [])
+    got = [int(m.group(1)) for l in out["perf"] for m in [re.fullmatch(r"perf count=(\d+)", l)] if m]
+    assert got == want, out["perf"]

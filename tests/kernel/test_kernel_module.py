@@ -385,7 +385,7 @@ ls $D 2>/dev/null | wc -l | sed 's/^/debugfs-left: /'
 echo > $T/trace
 insmod /romfs.ko; echo insmod2=$?
 grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym2: /'
-mount -t romfs /dev/null /mnt 2>/dev/null
+/perfcount $(cat $E/kp_ctx/id) 'fstype == "romfs"' /bin/mount -t romfs /dev/null /mnt 2>/dev/null
 grep -v '^#' $T/trace | sed 's/^/trace2: /'
 for f in $D/*/*; do echo "counter2: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod2=$?
@@ -795,10 +795,17 @@ def _exit_lines(out: str) -> list[tuple]:
     return re.findall(r"kprewrite: romfs: (\S+) (\S+) hits (\d+)(.*)", out)
 
 
-def _initrd(make_initramfs, rewritten_romfs, modules, every_insn):
+def _initrd(make_initramfs, rewritten_romfs, modules, every_insn, perfcount):
     return make_initramfs(kernel_env.init_script(COMMANDS), {"romfs.ko": rewritten_romfs, "loop.ko": modules["loop"],
                                                              "romfs.img": romfs_image(b"hello", ROMFS_FILE),
-                                                             "romfs-all.ko": every_insn[0]})
+                                                             "romfs-all.ko": every_insn[0],
+                                                             "perfcount": perfcount})
+
+
+@pytest.fixture(scope="module")
+def perfcount(tmp_path_factory) -> Path:
+    """kernel_env.PERFCOUNT_C, for the initramfs."""
+    return kernel_env.perfcount_program(tmp_path_factory.mktemp("perfcount"))
 
 
 def _expected_exits() -> list[tuple]:
@@ -843,7 +850,7 @@ def _assert_stacks(r) -> None:
 
 
 def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritten_romfs, modules, make_initramfs,
-                                                   boot_kernel, romfs_every_insn):
+                                                   boot_kernel, romfs_every_insn, perfcount):
     """The unmodified Debian kernel insmods the rewritten romfs.ko (tainted: unsigned), the probes fire
     from mount(2) (romfs_init_fs_context and romfs_get_tree run, then the mount fails: /dev/null is no
     block device), the events' lines are in the trace and the counters in debugfs while it is loaded,
@@ -855,7 +862,7 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     its callers (_assert_stacks(): the module's ORC entries).  Then romfs.ko probed at every instruction
     of romfs_fill_super() `check` places (breakpoints among them) mounts it again."""
     r = boot_kernel("module-romfs", debian_kernel.vmlinux,
-                    _initrd(make_initramfs, rewritten_romfs, modules, romfs_every_insn), smp=2, timeout=180)
+                    _initrd(make_initramfs, rewritten_romfs, modules, romfs_every_insn, perfcount), smp=2, timeout=180)
     kernel_env.assert_boot_ok(r, allow=("Call Trace",))        # the handlers' dump_stack()
     _assert_stacks(r)
     out = r.between()
@@ -910,6 +917,9 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     assert "field:unsigned long __probe_ip; offset:8; size:8; signed:0;" in fmt, fmt
     assert "field:u64 fill; offset:16; size:8; signed:0;" in fmt, fmt
     assert re.search(r"^hist: +Hits: 3$", out, re.M), r.explain("no hist Hits: 3")
+    # perf on a module's event (its call's reg takes TRACE_REG_PERF_*): a counter on kp_ctx's id,
+    # with a filter on its string field set through perf, counts the one mount of the second load.
+    assert re.findall(r"^perf count=(\d+)$", out, re.M) == ["1"], r.explain("perf did not count kp_ctx once")
     # The lines, as the kernel prints a kprobe event's (our output type's .trace): per mount, the
     # `p` event (the file system's name through fc->fs_type, the task's name), the C-handler
     # probe's fetch (its fc the handler's %di, the mount's source string), the event inside the
@@ -1014,7 +1024,7 @@ def test_oversized_module_is_refused(romfs, tmp_path):
 
 
 def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_romfs, modules, make_initramfs,
-                                                       boot_kernel, tmp_path, romfs_every_insn):
+                                                       boot_kernel, tmp_path, romfs_every_insn, perfcount):
     """The rewritten romfs.ko in a rewritten kernel: each image's runtime counts its own probes
     (the module's is its own, with hidden symbols; the kernel's prints its kprobe_profile at power-off)."""
     spec = tmp_path / "k.toml"
@@ -1022,7 +1032,7 @@ def test_module_and_kernel_image_rewritten_in_one_boot(debian_kernel, rewritten_
     vmlinux = tmp_path / "vmlinux"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", vmlinux)
     r = boot_kernel("module-romfs-rewritten-kernel", vmlinux,
-                    _initrd(make_initramfs, rewritten_romfs, modules, romfs_every_insn), smp=2, timeout=180)
+                    _initrd(make_initramfs, rewritten_romfs, modules, romfs_every_insn, perfcount), smp=2, timeout=180)
     kernel_env.assert_boot_ok(r, allow=("Call Trace",))        # the handlers' dump_stack()
     _assert_stacks(r)
     out = r.between()

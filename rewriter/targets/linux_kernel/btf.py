@@ -29,7 +29,7 @@ QUALIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
 # pt_regs has the kernel's layout and is reused; the others are renamed.
 OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kretprobe",
             "kretprobe_instance": "kp_btf_kretprobe_instance"}
-GENERATOR = b"kprewrite-btf-sched-h-4-event-calls"
+GENERATOR = b"kprewrite-btf-sched-h-5-perf"
 
 
 @dataclass
@@ -282,7 +282,23 @@ _CALL_LAYOUT = (
     (None, "FILTER_OTHER"),
 )
 
-TRACE_LAYOUT_LEN = 8 + len(_CALL_LAYOUT)
+# What perf's side of the events needs (kprobe_register()'s TRACE_REG_PERF_* cases,
+# kprobe_perf_func()'s call->perf_events), after the call's: each -1 on its own when BTF
+# lacks it (a kernel without CONFIG_PERF_EVENTS: perf stays refused, the rest works).
+_PERF_LAYOUT = (
+    ("trace_event_call", "perf_events"), (None, "TRACE_REG_PERF_REGISTER"), (None, "TRACE_REG_PERF_UNREGISTER"),
+    (None, "TRACE_REG_PERF_OPEN"), (None, "TRACE_REG_PERF_CLOSE"), (None, "TRACE_REG_PERF_ADD"),
+    (None, "TRACE_REG_PERF_DEL"),
+)
+
+# The entries every event call needs; the perf ones follow.
+TRACE_CALL_LEN = 8 + len(_CALL_LAYOUT)
+TRACE_LAYOUT_LEN = TRACE_CALL_LEN + len(_PERF_LAYOUT)
+
+
+def _layout_values(types, layout) -> list:
+    return [enum_value(types, m) if s is None else _sizeof(types, s) if m is None else member_offset(types, s, m)
+            for s, m in layout]
 
 
 def _trace_layout(types) -> list | None:
@@ -293,9 +309,11 @@ def _trace_layout(types) -> list | None:
            member_offset(types, "trace_iterator", "ent_size"), None if None in buf else sum(buf)]
     if None in out:
         return None
-    call = [enum_value(types, m) if s is None else _sizeof(types, s) if m is None else member_offset(types, s, m)
-            for s, m in _CALL_LAYOUT]
-    return out + ([-1] * len(call) if None in call else call)
+    call = _layout_values(types, _CALL_LAYOUT)
+    perf = _layout_values(types, _PERF_LAYOUT)
+    if None in call:
+        call, perf = [-1] * len(call), [None] * len(perf)
+    return out + call + [-1 if v is None else v for v in perf]
 
 
 def kernel_types(btf: bytes, symbols: dict, where: str, kern) -> KernelTypes:

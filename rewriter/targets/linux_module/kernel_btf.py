@@ -112,14 +112,14 @@ def layout(data: bytes, where: str) -> list | None:
     cached by the BTF's contents (parsing a kernel's BTF takes seconds)."""
     import json
     from ... import cache
-    k = cache.key(b"module-trace-layout-1", repr(EXTRA).encode(), data)
+    k = cache.key(b"module-trace-layout-2-perf", repr(EXTRA).encode(), data)
     hit = cache.get("module-trace-layout", k)
     if hit is not None:
         return json.loads(hit)
     types = btf.parse(data, where)
     trace = btf._trace_layout(types)
     out = None
-    if trace is not None and -1 not in trace:
+    if trace is not None and -1 not in trace[:btf.TRACE_CALL_LEN]:     # perf's may be -1
         extra = [btf.member_offset(types, s, m) for s, m in EXTRA]
         out = None if None in extra else trace + extra
     cache.put("module-trace-layout", k, json.dumps(out).encode())

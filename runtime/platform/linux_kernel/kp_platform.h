@@ -69,6 +69,12 @@ static inline unsigned long kp_platform_thread_key(void)
 	return kp_platform_thread_key_fast();
 }
 
+/* this_cpu_ptr()'s offset, for the kernel's per-CPU data (perf's lists). */
+static inline unsigned long kp_platform_this_cpu_off(void)
+{
+	return kp_arch_this_cpu_off();
+}
+
 static inline int kp_platform_thread_key_ready(void)
 {
 	return 1;

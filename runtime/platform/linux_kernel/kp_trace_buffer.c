@@ -80,6 +80,13 @@ void mutex_unlock(void *lock);
 extern char event_mutex[];
 void *vmalloc(unsigned long size);
 
+/* perf's side (kernel/trace/trace_event_perf.c, kernel/events/core.c): a record in the
+ * CPU's perf trace buffer, handed to the perf events on the call's per-CPU list. */
+void *perf_trace_buf_alloc(int size, struct pt_regs **regs, int *rctxp);
+void perf_tp_event(unsigned short event_type, unsigned long long count, void *record, int entry_size,
+		   struct pt_regs *regs, void *head, int rctx, void *task);
+#define KP_PERF_MAX_TRACE_SIZE 8192	/* PERF_MAX_TRACE_SIZE: perf_trace_buf_alloc() warns past it */
+
 /* The layouts BTF gives (rewriter/targets/linux_kernel/btf.py: _trace_layout()), -1 when
  * unknown: the output type's first, then the trace_event_call's (all known or all -1). */
 enum { KP_TR_ENTRY_SIZE, KP_TR_EVENT_SIZE, KP_TR_EVENT_TYPE, KP_TR_EVENT_FUNCS, KP_TR_ITER_SEQ,
@@ -88,7 +95,10 @@ enum { KP_TR_ENTRY_SIZE, KP_TR_EVENT_SIZE, KP_TR_EVENT_TYPE, KP_TR_EVENT_FUNCS, 
        KP_TR_CLASS_SIZE, KP_TR_CLASS_SYSTEM, KP_TR_CLASS_REG, KP_TR_CLASS_FIELDS_ARRAY, KP_TR_CLASS_FIELDS,
        KP_TR_FIELDS_SIZE, KP_TR_FIELDS_DEFINE, KP_TR_FBUF_SIZE, KP_TR_FBUF_ENTRY, KP_TR_FBUF_REGS,
        KP_TR_FILE_FLAGS, KP_TR_FL_TRIGGER_MODE, KP_TR_FL_SOFT_DISABLED, KP_TR_FL_PID_FILTER,
-       KP_TR_REG_REGISTER, KP_TR_REG_UNREGISTER, KP_TR_FILTER_OTHER, KP_TR_N };
+       KP_TR_REG_REGISTER, KP_TR_REG_UNREGISTER, KP_TR_FILTER_OTHER,
+       /* perf's (btf.py: _PERF_LAYOUT), each -1 on its own when unknown: perf refused */
+       KP_TR_CALL_PERF_EVENTS, KP_TR_REG_PERF_REGISTER, KP_TR_REG_PERF_UNREGISTER, KP_TR_REG_PERF_OPEN,
+       KP_TR_REG_PERF_CLOSE, KP_TR_REG_PERF_ADD, KP_TR_REG_PERF_DEL, KP_TR_N };
 extern const long kp_kernel_trace[KP_TR_N];
 
 /* An event's trace_event_call (its struct trace_event inside: the output type), its
@@ -112,6 +122,7 @@ struct kp_trace_type {
 	unsigned int type;
 	unsigned int fixed;
 	int live;
+	int perf;					/* perf's registrations (TRACE_REG_PERF_REGISTER) */
 };
 static struct kp_trace_type *kp_trace_types;	/* per kp_trace_events[], memblock */
 /* Where the struct trace_event is in ours: in the trace_event_call, or at 0 without one. */
@@ -309,6 +320,32 @@ static void kp_trace_file(const struct kp_trace_type *t, void *file, struct pt_r
 	trace_event_buffer_commit(fbuffer);
 }
 
+/* kprobe_perf_func(): the entry for the perf events on this CPU's list of the call's
+ * (perf_trace_event_reg() made call->perf_events before TRACE_REG_PERF_REGISTER), in
+ * perf's per-CPU buffer; perf_tp_event() fills in struct trace_entry, applies each
+ * event's filter and counts or samples it with the probed context's registers. */
+static void kp_trace_perf(const struct kp_trace_type *t, struct pt_regs *regs, unsigned long ip,
+			  unsigned long ret_addr, const unsigned char *rec, unsigned long len, unsigned long size)
+{
+	void *pcpu = __atomic_load_n((void **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PERF_EVENTS]),
+				     __ATOMIC_ACQUIRE);
+	if (!pcpu)
+		return;
+	void **head = (void **)((char *)pcpu + kp_platform_this_cpu_off());
+	if (!__atomic_load_n(head, __ATOMIC_RELAXED))		/* hlist_empty() */
+		return;
+	/* perf puts a u32 size before the record: the two end 8-aligned */
+	unsigned long psize = ((size + 4 + 7) & ~7UL) - 4;
+	if (psize > KP_PERF_MAX_TRACE_SIZE)
+		return;
+	int rctx;
+	char *entry = perf_trace_buf_alloc((int)psize, 0, &rctx);
+	if (!entry)		/* perf's recursion in this context */
+		return;
+	kp_entry_fill(t, entry, ip, ret_addr, rec, len);
+	perf_tp_event((unsigned short)t->type, 1, entry, (int)psize, regs, head, rctx, 0);
+}
+
 int kp_platform_trace_wanted(const struct kp_trace_event *ev)
 {
 	struct kp_trace_type *types = __atomic_load_n(&kp_trace_types, __ATOMIC_ACQUIRE);
@@ -320,7 +357,7 @@ int kp_platform_trace_wanted(const struct kp_trace_event *ev)
 	for (unsigned int i = 0; i < KP_EVENT_FILES; i++)
 		if (__atomic_load_n(&t->files[i], __ATOMIC_RELAXED))
 			return 1;
-	return 0;
+	return __atomic_load_n(&t->perf, __ATOMIC_RELAXED) != 0;
 }
 
 int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long ip,
@@ -346,6 +383,8 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 			if (file)
 				kp_trace_file(t, file, regs, ip, ret_addr, rec, len, size);
 		}
+		if (__atomic_load_n(&t->perf, __ATOMIC_ACQUIRE))
+			kp_trace_perf(t, regs, ip, ret_addr, rec, len, size);
 		return 1;
 	}
 #ifdef KP_MODULE_EVENTS
@@ -416,7 +455,10 @@ static void *kp_trace_funcs[4] = { kp_trace_print };
 /* kprobe_register(): TRACE_REG_REGISTER/UNREGISTER add and remove an instance's
  * trace_event_file (enable_trace_kprobe(), disable_trace_kprobe(): the hits in flight
  * on other CPUs, which run with preemption off, are waited for before its file may go);
- * perf's are refused: `perf record -e kprobes:<EVENT>` says so. */
+ * TRACE_REG_PERF_REGISTER/UNREGISTER count perf's users (enable_trace_kprobe(event,
+ * NULL)), the other perf cases take nothing.  Where BTF did not give perf's side, perf
+ * is refused: `perf record -e kprobes:<EVENT>` says so.  BPF programs are not
+ * attached to these events (the kernel takes them on a kprobe event's call only). */
 static int kp_trace_reg(void *call, int type, void *data)
 {
 	struct kp_trace_type *t = call;
@@ -438,6 +480,20 @@ static int kp_trace_reg(void *call, int type, void *data)
 		synchronize_rcu();
 		return 0;
 	}
+	if (kp_kernel_trace[KP_TR_CALL_PERF_EVENTS] < 0)
+		return -KP_EOPNOTSUPP;
+	if (type == kp_kernel_trace[KP_TR_REG_PERF_REGISTER]) {
+		__atomic_add_fetch(&t->perf, 1, __ATOMIC_RELEASE);
+		return 0;
+	}
+	if (type == kp_kernel_trace[KP_TR_REG_PERF_UNREGISTER]) {
+		__atomic_sub_fetch(&t->perf, 1, __ATOMIC_RELEASE);
+		synchronize_rcu();	/* perf frees the per-CPU lists after this */
+		return 0;
+	}
+	if (type == kp_kernel_trace[KP_TR_REG_PERF_OPEN] || type == kp_kernel_trace[KP_TR_REG_PERF_CLOSE]
+	    || type == kp_kernel_trace[KP_TR_REG_PERF_ADD] || type == kp_kernel_trace[KP_TR_REG_PERF_DEL])
+		return 0;
 	return -KP_EOPNOTSUPP;
 }
 

@@ -60,6 +60,12 @@ static inline unsigned int kp_platform_cpu(void)
 	return 0;
 }
 
+/* this_cpu_ptr()'s offset, for the kernel's per-CPU data (perf's lists). */
+static inline unsigned long kp_platform_this_cpu_off(void)
+{
+	return kp_arch_module_this_cpu_off();
+}
+
 struct kp_timespec { long sec, nsec; };
 static inline void kp_platform_trace_clock(struct kp_timespec *ts)
 {

@@ -17,4 +17,14 @@ static inline __attribute__((always_inline)) void *kp_arch_module_current(void)
 	return t;
 }
 
+/* this_cpu_read(this_cpu_off): the running CPU's per-CPU offset (exported per CPU). */
+extern unsigned long this_cpu_off;
+
+static inline __attribute__((always_inline)) unsigned long kp_arch_module_this_cpu_off(void)
+{
+	unsigned long off;
+	__asm__ volatile("movq %%gs:this_cpu_off, %0" : "=r"(off));
+	return off;
+}
+
 #endif
