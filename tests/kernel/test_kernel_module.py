@@ -393,7 +393,12 @@ insmod /loop.ko; echo loop=$?
 insmod /romfs.ko; echo insmod3=$?
 grep -E ' (romfs_get_tree|romfs_init_fs_context|romfs_fill_super|romfs_iget|d_make_root)([[:space:]]|$)' /proc/kallsyms | sed 's/^/ksym3: /'
 losetup /dev/loop0 /romfs.img; echo losetup=$?
+for o in 0x199 0x1e; do (echo "p:kk_no romfs:romfs_fill_super+$o" >> $T/kprobe_events) 2>&1 | sed "s/^/kk-$o: /"; done
+echo 'p:kk_jmp romfs:romfs_fill_super+0x1d' >> $T/kprobe_events; echo kk-jmp=$?
+mkdir $T/instances/kk; echo 1 > $T/instances/kk/events/kprobes/kk_jmp/enable; echo kk-enable=$?
 mount -t romfs -o ro /dev/loop0 /mnt; echo mount3=$?
+grep -E '^ *kk_jmp ' $T/kprobe_profile | sed 's/^ */kk-profile: /'
+echo 0 > $T/instances/kk/events/kprobes/kk_jmp/enable; rmdir $T/instances/kk; echo '-:kk_jmp' >> $T/kprobe_events; echo kk-removed=$?
 cat /mnt/hello | sed 's/^/file: /'
 umount /mnt
 rmmod romfs; echo rmmod3=$?
@@ -917,6 +922,14 @@ def test_rewritten_module_loads_counts_and_unloads(debian_kernel, romfs, rewritt
     assert "field:unsigned long __probe_ip; offset:8; size:8; signed:0;" in fmt, fmt
     assert "field:u64 fill; offset:16; size:8; signed:0;" in fmt, fmt
     assert re.search(r"^hist: +Hits: 3$", out, re.M), r.explain("no hist Hits: 3")
+    # The kernel's own kprobes on our sites (docs/kernel.md): on an optimized probe's jump it takes
+    # one (the jump is its probed instruction) and both fire, on the third load's mount; at a
+    # breakpoint of ours it refuses one with EINVAL (__copy_instruction(): "another subsystem puts a
+    # breakpoint"), inside our jump with EILSEQ (can_probe(): not an instruction's start).
+    for line in ("kk-jmp=0", "kk-enable=0", "kk-removed=0", r"kk-profile: kk_jmp\s+1\s+0",
+                 "kk-0x199: sh: write error: Invalid argument",
+                 "kk-0x1e: sh: write error: Invalid or incomplete multibyte or wide character"):
+        assert re.search(rf"^{line}$", out, re.M), r.explain(f"no {line}")
     # perf on a module's event (its call's reg takes TRACE_REG_PERF_*): a counter on kp_ctx's id,
     # with a filter on its string field set through perf, counts the one mount of the second load.
     assert re.findall(r"^perf count=(\d+)$", out, re.M) == ["1"], r.explain("perf did not count kp_ctx once")
