@@ -21,13 +21,14 @@ def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
     return stubs, pos
 
 
-def slot_hook(image, tag_array: int, tag_single: int):
+def slot_hook(image, tag_array: int, tag_single: int, relocs=None):
     """Where to hook a shared object's init (or fini): the first DT_*_ARRAY
     slot's base-relative relocation addend, else DT_INIT/DT_FINI itself.
-    Returns (file offset of the 8 bytes to rewrite, the function it held)."""
+    Returns (file offset of the 8 bytes to rewrite, the function it held).
+    relocs: image.relative_relocations(), if read already."""
     arr = image.dynamic.get(tag_array)
     if arr:
-        for rel_off, r_offset, addend in image.relative_relocations():
+        for rel_off, r_offset, addend in image.relative_relocations() if relocs is None else relocs:
             if r_offset == arr:
                 return rel_off + 16, addend
     single = image.dynamic.get(tag_single)
@@ -86,9 +87,12 @@ def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> 
         put(stubs["entry"], em.entry_stub(stubs["entry"], sym["kp_user_start"], orig), STUB_ROOM)
         return stubs["entry"], []
     file_patches = []
+    relocs = None                   # read once for both hooks
     for name, arr, single, fn in (("init", DT_INIT_ARRAY, DT_INIT, "kp_user_lib_init"),
                                   ("fini", DT_FINI_ARRAY, DT_FINI, "kp_user_lib_fini")):
-        hook = slot_hook(image, arr, single)
+        if relocs is None and image.dynamic.get(arr):
+            relocs = image.relative_relocations()
+        hook = slot_hook(image, arr, single, relocs)
         if hook is None:
             if name == "init":
                 raise KprewriteError(f"{image.path}: shared object has neither DT_INIT_ARRAY nor DT_INIT to start the runtime from")
