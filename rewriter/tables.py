@@ -6,6 +6,8 @@ programs.  What the kernel builds at register_kprobe() time, built at rewrite
 time and linked with the runtime."""
 from __future__ import annotations
 
+import functools
+
 from . import events as ev_mod
 from . import fetch as fetch_mod
 from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
@@ -24,7 +26,7 @@ def generate(c: Code, lay, target, traces: dict) -> str:
     plan, link_sym = c.plan, c.handler_symbol
     # An address in the image, as C: a number, or for a target whose image moves at
     # boot (a kernel's KASLR) an expression the linker relocates.
-    A = lambda a: target.address_c(c.image, a)  # noqa: E731
+    A = functools.partial(target.address_c, c.image)
     out = ['#include "kp_internal.h"']
     for name in sorted(set(link_sym.values())):
         out.append(f"extern char {name}[];")
@@ -201,7 +203,7 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
     by_index = {site.index: site for site in plan.sites}
     groups = [(by_index[i], [q for q in by_index[i].probes if not is_entry(q)]) for i in early_sites]
     early = [(site, q) for site, qs in groups for q in qs]
-    A = lambda a: target.address_c(image, a)  # noqa: E731
+    A = functools.partial(target.address_c, image)
     out.append(f"struct kprobe kp_early_probes[{max(1, len(early))}] = {{")
     out += [_kprobe_c(site, q, fields[id(q)], A) for site, q in early]
     out.append("};")

@@ -66,11 +66,15 @@ def programs(plan, layout, arch, rx: bytes | None = None) -> list[tuple[int, int
             code = bytes(rx[off:off + layout.sizes[key]])
         todo.append((at, len(code), hit, code))
 
-    for site in plan.sites:
+    sites, ret_sites, code = plan.sites, plan.ret_sites, layout.code
+    if rx is not None and code:         # the layout's own pieces were done early: only the others
+        sites = [site for site in sites if ("site", site.index) not in code]
+        ret_sites = [rs for rs in ret_sites if ("ret", rs.addr) not in code]
+    for site in sites:
         key = ("xol", site.index) if site.decision == INT3 else ("site", site.index)
         if key in layout.sizes and layout.detour(site):
             add(key, layout.detour(site), site.addr)
-    for rs in plan.ret_sites:
+    for rs in ret_sites:
         add(("ret", rs.addr), layout.detour(rs), rs.addr)
     progs = None
     k = None
