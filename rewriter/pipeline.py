@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,15 +135,28 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     # The compiler and the linker run in a thread (waiting on them, it holds the
     # interpreter's lock little) while this one does what needs no linked blob:
     # the metadata, and what the target computes before (its unwind rows).
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        linking = None if blob is not None else pool.submit(_link, s, lay, objs, workdir, cc, table_c, runtime,
-                                                             platform, externs)
+    linked: dict = {}
+    linking = None
+    if blob is None:
+        def run():
+            try:
+                linked["blob"] = _link(s, lay, objs, workdir, cc, table_c, runtime, platform, externs)
+            except BaseException as e:      # raised here, below
+                linked["error"] = e
+        linking = threading.Thread(target=run, name="kprewrite-link")
+        linking.start()
+    try:
         metadata = report.metadata(s.plan, lay, s.image.label)
         before = getattr(s.target, "before_link", None)
         early = before(s.image, s.arch, lay, s.plan) if before else None
+    finally:
         if linking is not None:
-            blob = linking.result()
-            _cache_blob(k, workdir, blob)
+            linking.join()
+    if linking is not None:
+        if "error" in linked:
+            raise linked["error"]
+        blob = linked["blob"]
+        _cache_blob(k, workdir, blob)
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan,
