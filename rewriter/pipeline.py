@@ -141,6 +141,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
         def run():
             try:
                 linked["blob"] = _link(s, lay, objs, workdir, cc, table_c, runtime, platform, externs)
+                _cache_blob(k, workdir, linked["blob"])
             except BaseException as e:      # raised here, below
                 linked["error"] = e
         linking = threading.Thread(target=run, name="kprewrite-link")
@@ -156,7 +157,6 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
         if "error" in linked:
             raise linked["error"]
         blob = linked["blob"]
-        _cache_blob(k, workdir, blob)
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan,

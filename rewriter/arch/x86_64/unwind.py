@@ -135,6 +135,8 @@ _STEPS: dict[tuple, tuple] = {}
 _FLOW: dict[tuple, tuple] = {}
 _START = ("rsp", (), 0, ())
 _DIRECT = re.compile(r"0x[0-9a-f]+")
+# What moves %rsp without naming it (_step()).
+_STACK_MNS = frozenset({"push", "pop", "pushfq", "popfq"})
 
 
 def _flow(mn: str, ops_s: str) -> tuple[bool, int | None]:
@@ -162,7 +164,7 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
     states[0] = _START
     addrs = None                # the instructions' addresses, for the branches' targets
     work = [0]
-    steps, flows, ends, direct = _STEPS, _FLOW, _ENDS, _DIRECT.fullmatch
+    steps, flows, ends, direct, stack_mns = _STEPS, _FLOW, _ENDS, _DIRECT.fullmatch, _STACK_MNS
     while work:
         i = work.pop()
         a, n, mn, ops_s = insns[i]
@@ -178,6 +180,9 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
                 t = f[1]
         if t is not None:
             out = state         # a direct branch or call: _step keeps the state
+        elif state[0] is None or ((state[0] == "mem" or (state[0] == "rsp" and not state[1]))
+                                  and mn not in stack_mns and "rsp" not in ops_s):
+            out = state         # so does an unknown CFA, and an instruction that names no %rsp (nor an alias)
         else:
             out = steps.get((state, mn, ops_s))
             if out is None:
