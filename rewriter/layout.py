@@ -63,6 +63,10 @@ class Layout:
     evicted: Mapping[int, int] = field(default_factory=dict)       # EvictedRegion.addr -> its detour
     returns: Mapping[int, int] = field(default_factory=dict)       # RetSite.addr -> its detour
     xol: Mapping[int, XolSlot] = field(default_factory=dict)       # Site.index -> its out-of-line slot
+    # The code each detour was sized with ("site"|"ret", key as in sizes): placeholder runtime
+    # addresses, but its final size, instructions and internal branches; what needs no more
+    # than those (a user target's unwind rows) is computed from it while the linker runs.
+    code: Mapping = field(default_factory=dict)
 
     def site(self, site: Site) -> SiteAddrs:
         return self.sites.get(site.index, NOWHERE)
@@ -80,7 +84,7 @@ def place(c: emission.Code, target) -> Layout:
     detour names a detour laid out already, or its region: the encoding is as long)."""
     tl = target.plan_layout(c.image)
     stubs, pos = target.reserve_stubs(c.image, tl.after_phdrs)
-    sizes, sites, evicted, returns, xol = {}, {}, {}, {}, {}
+    sizes, sites, evicted, returns, xol, codes = {}, {}, {}, {}, {}, {}
     # What is laid out so far: the same mappings, filled in as pieces are placed.
     so_far = Layout(tl.rx_vaddr, stubs, 0, tl, tl.data_vaddr, sizes, sites, evicted, returns, xol)
     for site in c.plan.sites:
@@ -93,6 +97,7 @@ def place(c: emission.Code, target) -> Layout:
             code, resume, resume_post = emission.site_detour(c, so_far, site, pos, emission.Far(pos))
         sites[site.index] = SiteAddrs(pos, resume, resume_post)
         sizes[("site", site.index)] = len(code)
+        codes[("site", site.index)] = code
         pos += len(code)
     for site in c.plan.sites:       # evicted neighbours (planner.short_jumps.evict_neighbour()): a copy, no probe
         ev = site.evicted
@@ -110,7 +115,8 @@ def place(c: emission.Code, target) -> Layout:
         pos = (pos + 15) & ~15
         returns[rs.addr] = pos
         with relocating(c, "return site", rs.addr):
-            sizes[("ret", rs.addr)] = n = len(emission.ret_detour(c, rs, pos, emission.Far(pos)))
+            code = codes[("ret", rs.addr)] = emission.ret_detour(c, rs, pos, emission.Far(pos))
+            sizes[("ret", rs.addr)] = n = len(code)
         pos += n
     desc = c.arch.kprobe_xol.number_descriptors(c.plan.sites)
     for site in c.plan.sites:
@@ -123,4 +129,4 @@ def place(c: emission.Code, target) -> Layout:
             pos += slot.size
     frozen = lambda d: MappingProxyType(dict(d))  # noqa: E731
     return Layout(tl.rx_vaddr, stubs, (pos + 63) & ~63, tl, tl.data_vaddr, frozen(sizes), frozen(sites),
-                  frozen(evicted), frozen(returns), frozen(xol))
+                  frozen(evicted), frozen(returns), frozen(xol), frozen(codes))

@@ -98,6 +98,8 @@ def compile_table(cc: str, workdir: Path, table_c: str, platform: str = PLATFORM
     table = workdir / "kp_table.c"
     table.write_text(table_c)
     o = workdir / "kp_table.o"
-    run([cc, *cflags(arch, platform), *_includes(arch, platform), "-c", str(table), "-o", str(o)],
+    # -pipe: the assembler reads the compiler's output as it comes (the same object; a
+    # large table's assembly is some 2 MB).
+    run([cc, *cflags(arch, platform), *_includes(arch, platform), "-pipe", "-c", str(table), "-o", str(o)],
         "probe table")
     return o

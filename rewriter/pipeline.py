@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,18 +132,47 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     externs = s.target.link_symbols(s.image)
     k = _blob_key(cc, s.arch, platform, table_c, runtime, objs, lay, externs)
     blob = _cached_blob(k, workdir)
+    # The compiler and the linker run in a thread (waiting on them, it holds the
+    # interpreter's lock little) while this one does what needs no linked blob:
+    # the metadata, and what the target computes before (its unwind rows).
+    linked: dict = {}
+    linking = None
     if blob is None:
-        table = link.compile_table(cc, workdir, table_c, platform, s.arch)
-        # A target whose runtime and handlers call into the image (a kernel's printk...)
-        # resolves them from the image's symbols.
-        origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
-        origin[table] = "probe table"
-        blob = link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
-                         externs, origin, Path(s.image.path).name, lay.data_addr, s.arch)
-        _cache_blob(k, workdir, blob)
+        def run():
+            try:
+                linked["blob"] = _link(s, lay, objs, workdir, cc, table_c, runtime, platform, externs)
+                _cache_blob(k, workdir, linked["blob"])
+            except BaseException as e:      # raised here, below
+                linked["error"] = e
+        linking = threading.Thread(target=run, name="kprewrite-link")
+        linking.start()
+    try:
+        metadata = report.metadata(s.plan, lay, s.image.label)
+        before = getattr(s.target, "before_link", None)
+        early = before(s.image, s.arch, lay, s.plan) if before else None
+    finally:
+        if linking is not None:
+            linking.join()
+    if linking is not None:
+        if "error" in linked:
+            raise linked["error"]
+        blob = linked["blob"]
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
-    return s.target.write(s.image, s.arch, lay, rx, patches, blob, report.metadata(s.plan, lay, s.image.label), s.plan)
+    return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan,
+                          **({"early": early} if before else {}))
+
+
+def _link(s: Session, lay, objs: list[Path], workdir: Path, cc: str, table_c: str, runtime: list[Path],
+          platform: str, externs):
+    """The probe table compiled and linked with the runtime and the handlers' objects."""
+    table = link.compile_table(cc, workdir, table_c, platform, s.arch)
+    # A target whose runtime and handlers call into the image (a kernel's printk...)
+    # resolves them from the image's symbols.
+    origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
+    origin[table] = "probe table"
+    return link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
+                     externs, origin, Path(s.image.path).name, lay.data_addr, s.arch)
 
 
 # The linked blob (the probe table compiled, linked with the runtime and the handlers'

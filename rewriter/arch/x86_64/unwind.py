@@ -134,6 +134,9 @@ _STEPS: dict[tuple, tuple] = {}
 # branch, call or end (any other instruction falls through and names no target).
 _FLOW: dict[tuple, tuple] = {}
 _START = ("rsp", (), 0, ())
+_DIRECT = re.compile(r"0x[0-9a-f]+")
+# What moves %rsp without naming it (_step()).
+_STACK_MNS = frozenset({"push", "pop", "pushfq", "popfq"})
 
 
 def _flow(mn: str, ops_s: str) -> tuple[bool, int | None]:
@@ -161,25 +164,30 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
     states[0] = _START
     addrs = None                # the instructions' addresses, for the branches' targets
     work = [0]
-    steps, flows = _STEPS, _FLOW
+    steps, flows, ends, direct, stack_mns = _STEPS, _FLOW, _ENDS, _DIRECT.fullmatch, _STACK_MNS
     while work:
         i = work.pop()
         a, n, mn, ops_s = insns[i]
         state = states[i]
-        if mn[0] == "j" or mn == "call" or mn in _ENDS:
-            f = flows.get((mn, ops_s))
-            if f is None:
-                f = flows[mn, ops_s] = _flow(mn, ops_s)
-            falls, t = f
-        else:
-            falls, t = True, None
+        t = None
+        if mn[0] == "j" or mn == "call":
+            if "," not in ops_s and direct(ops_s):    # the usual direct branch: its target (_flow())
+                t = int(ops_s, 16)
+            else:
+                f = flows.get((mn, ops_s))
+                if f is None:
+                    f = flows[mn, ops_s] = _flow(mn, ops_s)
+                t = f[1]
         if t is not None:
             out = state         # a direct branch or call: _step keeps the state
+        elif state[0] is None or ((state[0] == "mem" or (state[0] == "rsp" and not state[1]))
+                                  and mn not in stack_mns and "rsp" not in ops_s):
+            out = state         # so does an unknown CFA, and an instruction that names no %rsp (nor an alias)
         else:
             out = steps.get((state, mn, ops_s))
             if out is None:
                 out = steps[state, mn, ops_s] = _step(state, mn, [o.strip() for o in ops_s.split(",")] if ops_s else [])
-        if falls and i + 1 < count and states[i + 1] is None:
+        if mn not in ends and i + 1 < count and states[i + 1] is None:
             states[i + 1] = out
             work.append(i + 1)
         if t is not None and at <= t < end and mn != "call":

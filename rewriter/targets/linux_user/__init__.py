@@ -102,10 +102,16 @@ def runtime_probes(spec) -> None:
     """Probes the runtime itself needs: none in a user process."""
 
 
-def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
+def before_link(image, arch, layout, plan):
+    """What write() needs that the linked runtime does not change, computed while
+    the compiler and linker run (pipeline.build): the detours' unwind programs."""
+    return unwind.programs(plan, layout, arch) if layout.target.unwind else None
+
+
+def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan, early=None) -> bytes:
     """The output file: rx (stubs and detours) and the linked runtime in a new
     RX segment, the runtime's data in a new RW one, the probes' patches, the
-    metadata section."""
+    metadata section.  early: before_link()'s."""
     def put(addr, code, room):
         if len(code) > room:
             raise KprewriteError(f"internal error: stub at {addr:#x} is {len(code)} bytes")
@@ -123,7 +129,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     tables = None
     if layout.target.unwind:      # unwind.py: FDEs for the new code, PT_GNU_EH_FRAME repointed
         u_vaddr = writer.page_up(blob.data_addr + blob.data_memsz)
-        u_bytes, hdr, hdr_size = unwind.build(image, arch, layout, rx, blob, plan, u_vaddr)
+        u_bytes, hdr, hdr_size = unwind.build(image, arch, layout, rx, blob, plan, u_vaddr, early)
         tables = (u_vaddr, u_bytes, hdr, hdr_size)
         sections.append(writer.NewSection(".kprewrite.eh_frame", 1, 2, u_vaddr, u_bytes[:hdr - u_vaddr], align=8))
         sections.append(writer.NewSection(".kprewrite.eh_frame_hdr", 1, 2, hdr, u_bytes[hdr - u_vaddr:], align=4))

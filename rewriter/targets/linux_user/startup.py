@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import struct
 
+from ...arch import get_arch
 from ...errors import KprewriteError
 
 STUB_ROOM = 64
 DT_INIT, DT_FINI, DT_INIT_ARRAY, DT_FINI_ARRAY = 12, 13, 25, 26
+DT_RELA, DT_RELASZ = 7, 8
 
 
 def reserve_stubs(image, pos: int) -> tuple[dict[str, int], int]:
@@ -27,9 +29,9 @@ def slot_hook(image, tag_array: int, tag_single: int):
     Returns (file offset of the 8 bytes to rewrite, the function it held)."""
     arr = image.dynamic.get(tag_array)
     if arr:
-        for rel_off, r_offset, addend in image.relative_relocations():
-            if r_offset == arr:
-                return rel_off + 16, addend
+        found = _relative_at(image, arr)
+        if found is not None:
+            return found
     single = image.dynamic.get(tag_single)
     if single:
         dyn = image.section_named(".dynamic")
@@ -38,6 +40,28 @@ def slot_hook(image, tag_array: int, tag_single: int):
                 o = dyn.offset + i * 16
                 if int.from_bytes(image.data[o:o + 8], "little") == tag_single:
                     return o + 8, single
+    return None
+
+
+def _relative_at(image, addr: int):
+    """(file offset of the addend, the addend) of the first base-relative relocation
+    of addr, as a scan of image.relative_relocations() finds it: the table searched
+    for the address's bytes instead (libpython's holds some 40,000 entries)."""
+    rela, size = image.dynamic.get(DT_RELA), image.dynamic.get(DT_RELASZ)
+    if not rela or not size:
+        return None
+    data = image.data
+    off = image.offset_of(rela)
+    if off + size > len(data):
+        image.relative_relocations()            # its error: a damaged DT_RELASZ
+    end = off + size // 24 * 24
+    r_relative = get_arch(image.machine).r_relative
+    needle = addr.to_bytes(8, "little")
+    p = data.find(needle, off, end)
+    while p != -1:
+        if (p - off) % 24 == 0 and int.from_bytes(data[p + 8:p + 12], "little") == r_relative:
+            return p + 16, int.from_bytes(data[p + 16:p + 24], "little", signed=True)
+        p = data.find(needle, p + 1, end)
     return None
 
 

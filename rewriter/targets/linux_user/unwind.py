@@ -37,37 +37,56 @@ def old_table(image, arch):
         return None
 
 
-def pieces(plan, layout, rx: bytes, arch) -> list[tuple[int, int, bytes]]:
+def programs(plan, layout, arch, rx: bytes | None = None) -> list[tuple[int, int, bytes]]:
     """(start, size, call frame program) of each piece of new code a handler can
-    be called from: detours, return-site detours, out-of-line slots.  The programs
-    are a function of the pieces' bytes, addresses and hits alone, so they are
-    cached (kind detour-cfi) by those and kprewrite's code: a second rewrite of
-    an image with the same spec does not decode its detours again."""
+    be called from: detours, return-site detours, out-of-line slots.  rx None:
+    those whose code the layout kept (layout.Layout.code: the detours as sized,
+    with placeholder runtime addresses), computed while the compiler and linker
+    run (pipeline.build), as a program follows only the pieces' instructions,
+    their branches inside the piece and the hits, which the placeholders leave
+    as they will be; rx (the new code, from layout.rx_vaddr): the others (the
+    out-of-line slots), or all when the layout kept none.  The programs are a
+    function of the pieces' bytes, addresses and hits alone, so they are cached
+    (kind detour-cfi) by those and kprewrite's code: a second rewrite of an
+    image with the same spec does not decode its detours again."""
     u = unwind_info(arch)
     todo = []
 
-    def add(at, size, hit):
-        if size:
+    def add(key, at, hit):
+        code = layout.code.get(key)
+        if not layout.sizes[key]:
+            return
+        if rx is None:
+            if code is None:        # an out-of-line slot: from the final code
+                return
+        elif code is not None:      # done early
+            return
+        else:
             off = at - layout.rx_vaddr
-            todo.append((at, size, hit, bytes(rx[off:off + size])))
+            code = bytes(rx[off:off + layout.sizes[key]])
+        todo.append((at, len(code), hit, code))
 
-    for site in plan.sites:
+    sites, ret_sites, code = plan.sites, plan.ret_sites, layout.code
+    if rx is not None and code:         # the layout's own pieces were done early: only the others
+        sites = [site for site in sites if ("site", site.index) not in code]
+        ret_sites = [rs for rs in ret_sites if ("ret", rs.addr) not in code]
+    for site in sites:
         key = ("xol", site.index) if site.decision == INT3 else ("site", site.index)
         if key in layout.sizes and layout.detour(site):
-            add(layout.detour(site), layout.sizes[key], site.addr)
-    for rs in plan.ret_sites:
-        add(layout.detour(rs), layout.sizes[("ret", rs.addr)], rs.addr)
-    programs = None
+            add(key, layout.detour(site), site.addr)
+    for rs in ret_sites:
+        add(("ret", rs.addr), layout.detour(rs), rs.addr)
+    progs = None
     k = None
     if len(todo) >= CACHED_PIECES:
         k = cache.key(b"detour-cfi", cache.code_version(), arch.name.encode(),
                       repr([(at, size, hit) for at, size, hit, _ in todo]).encode(), b"".join(t[3] for t in todo))
-        programs = _unpack(cache.get("detour-cfi", k), len(todo))
-    if programs is None:
-        programs = [u.fde_program(code, at, hit) for at, _, hit, code in todo]
+        progs = _unpack(cache.get("detour-cfi", k), len(todo))
+    if progs is None:
+        progs = [u.fde_program(code, at, hit) for at, _, hit, code in todo]
         if k is not None:
-            cache.put("detour-cfi", k, _pack(programs))
-    return sorted((at, size, prog) for (at, size, _, _), prog in zip(todo, programs))
+            cache.put("detour-cfi", k, _pack(progs))
+    return [(at, size, prog) for (at, size, _, _), prog in zip(todo, progs)]
 
 
 # Below this many pieces, computing the programs costs less than keying them.
@@ -93,15 +112,18 @@ def _unpack(data: bytes | None, count: int) -> list[bytes] | None:
     return out if p == len(data) else None
 
 
-def build(image, arch, layout, rx: bytes, blob, plan, addr: int) -> tuple[bytes, int, int]:
-    """The unwind tables at `addr`: (bytes, the hdr's address, its size)."""
+def build(image, arch, layout, rx: bytes, blob, plan, addr: int, early=None) -> tuple[bytes, int, int]:
+    """The unwind tables at `addr`: (bytes, the hdr's address, its size).  early:
+    programs(plan, layout, arch), if computed already."""
     eh_old, table = old_table(image, arch)
     table = list(table)
     for name, typ, flags, a, size in blob.sections:     # the runtime's and handlers' FDEs
         if name == ".eh_frame":
             off = a - blob.text_addr
             table += ehw.read_fde_starts(blob.text[off:off + size], a)
-    eh, index = ehw.eh_frame(addr, pieces(plan, layout, rx, arch), unwind_info(arch))
+    if early is None:
+        early = programs(plan, layout, arch)
+    eh, index = ehw.eh_frame(addr, sorted(early + programs(plan, layout, arch, rx)), unwind_info(arch))
     table += index
     hdr_addr = addr + ((len(eh) + 7) & ~7)
     hdr = ehw.eh_frame_hdr(hdr_addr, eh_old, table)

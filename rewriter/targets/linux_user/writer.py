@@ -85,8 +85,14 @@ def write_image(image: Image, layout: Layout, patches: list[tuple[int, bytes]], 
     unwind: (vaddr, bytes, hdr vaddr, hdr size) of a read-only segment after the
     data (unwind.build()), PT_GNU_EH_FRAME repointed at its hdr."""
     out = bytearray(image.data)
-    for addr, code in patches:
-        off = image.offset_of(addr)
+    spans = image.elf.load_spans
+    for addr, code in patches:      # tens of thousands (retargeted branches): offset_of() inline
+        for lo, hi, off in spans:
+            if lo <= addr < hi:
+                off += addr - lo
+                break
+        else:
+            off = image.offset_of(addr)
         out[off:off + len(code)] = code
     for off, raw in file_patches:
         out[off:off + len(raw)] = raw
