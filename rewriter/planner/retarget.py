@@ -2,6 +2,8 @@
 detour itself (Rules.retarget_branches)."""
 from __future__ import annotations
 
+import bisect
+
 from .. import blacklist as bl
 from .. import safety
 from .model import INT3, JUMPS, OPTIMIZED, Plan, Retarget
@@ -38,40 +40,64 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     patched = patched_ranges(arch, plan)
     fdes = bl.Index([bl.BlacklistEntry(f.start, f.end, "", "FDE") for f in image.fdes])
 
-    on = []                     # safety.enabled("retargeting"), asked once (52,000 branches in libpython)
-
-    function_at, decoded, is_boundary, covers = image.function_at, analysis.decoded, analysis.is_boundary, fdes.covers
-    decodable: dict[int, bool] = {}     # by function start
-
-    def vouched(src, size):
-        if not on:
-            on.append(safety.enabled("retargeting"))
-        if not on[0]:
-            return True
-        f = function_at(src)
-        if f is None:
-            return False
-        ok = decodable.get(f.start)
-        if ok is None:
-            ok = decodable[f.start] = decoded(f).undecodable is None
-        return ok and is_boundary(f, src) and covers(src, src + size)
-
     # The copies in the detours too (not an exit whose copy a return hook makes).
+    direct_target = arch.direct_branch_target
     for s in plan.sites:
         if s.decision not in JUMPS:
             continue
         for insn in s.segment:
-            if insn.addr not in s.ret_hooks and arch.direct_branch_target(insn) in entries:
-                s.branch_to[insn.addr] = entries[arch.direct_branch_target(insn)]
-    branch_disp, read, overlapping, reserved = arch.emit.branch_disp, image.read, patched.overlapping, rules.reserved_sites
-    retargets, sources = plan.retargets, analysis.branch_sources
-    for target, to in sorted(entries.items()):
-        for src in sorted(set(sources.get(target, ()))):
+            to = direct_target(insn)
+            if to in entries and insn.addr not in s.ret_hooks:
+                s.branch_to[insn.addr] = entries[to]
+
+    # Every branch to a region's start, by source address (libpython: 52,000), so that
+    # consecutive sources share their function's checks (function_at, decoded()).
+    sources = analysis.branch_sources
+    target_of = {src: target for target in entries for src in sources.get(target, ())}   # one target a branch
+    branches = sorted(target_of)
+    if not branches:
+        return
+    vouch = safety.enabled("retargeting")
+    branch_disp, read, overlapping, covers = arch.emit.branch_disp, image.read, patched.overlapping, fdes.covers
+    # The target's reserved sites (none in a user image): asked per branch only where
+    # some lie among the branches at all.
+    reserved = rules.reserved_sites if rules.reserved_sites(branches[0], branches[-1] + 16) else None
+    function_span, decoded = image.function_span, analysis.decoded
+    f_lo = f_hi = 0                 # the branch before's function_at() holds for [f_lo, f_hi)
+    f_ok, f_start, bounds = False, 0, ()
+    out = []
+    data, s_lo, s_hi, s_off = image.data, 0, 0, 0       # the load segment of the branch before
+    for src in branches:
+        if not s_lo <= src < s_hi:
+            s_lo, s_hi, s_off = image.file_span(src) or (0, 0, 0)
+        if s_lo <= src < s_hi:
+            at = s_off + src - s_lo
+            off = branch_disp(data[at:at + 6])
+        else:
             off = branch_disp(read(src, 6))
-            if off is None:
+        if off is None:
+            continue
+        size = off + 4
+        if overlapping(src, src + size) is not None or (reserved is not None and reserved(src, src + size)):
+            continue
+        if vouch:
+            # Only branches the decoding vouches for: an instruction boundary of a function
+            # decoded to its end, in code an FDE covers.
+            if not f_lo <= src < f_hi:
+                f, f_hi = function_span(src)
+                f_lo = src
+                if f is None:
+                    f_ok = False
+                else:
+                    d = decoded(f)
+                    f_ok, f_start, bounds = d.undecodable is None, f.start, d.boundaries
+            if not f_ok:
                 continue
-            size = off + 4
-            if overlapping(src, src + size) is not None or reserved(src, src + size) or not vouched(src, size):
+            i = bisect.bisect_left(bounds, src - f_start)
+            if i == len(bounds) or bounds[i] != src - f_start or not covers(src, src + size):
                 continue
-            retargets.append(Retarget(src, size, target, to))
-    plan.retargets.sort(key=lambda r: r.src)
+        target = target_of[src]
+        out.append(Retarget(src, size, target, entries[target]))
+    plan.retargets += out           # by source address
+    if len(plan.retargets) > len(out):
+        plan.retargets.sort(key=lambda r: r.src)
