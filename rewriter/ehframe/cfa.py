@@ -197,8 +197,7 @@ class _FastFde:
     def rows(self) -> list:
         cie = self.cie
         ra = cie.ra
-        return [(line[0], line[1], line[2].get(ra)) for line in
-                _decode(cie, cie.d, self.ins, self.end, self.start, cie.last_line(), False)]
+        return _decode(cie, cie.d, self.ins, self.end, self.start, cie.last_line(), False, ra)
 
 
 def _read(d: bytes, address: int) -> list:
@@ -327,27 +326,55 @@ def _args(d: bytes, q: int, shape: str) -> tuple[list, int]:
     return out, q
 
 
+def _skip_leb(d: bytes, q: int) -> int:
+    """Past the LEB128 at d[q], failing where encoding._uleb()/_sleb() fail (IndexError
+    past the data, _Malformed after 11 bytes that all continue)."""
+    for p in range(q, q + 11):
+        if d[p] < 0x80:
+            return p + 1
+    raise _Malformed("over-long LEB128")
+
+
+# _ARGS with each fixed size as its byte count.
+_SKIP = {op: tuple(_FIX[k].size if k in _FIX else k for k in shape) for op, shape in _ARGS.items()}
+
+
 def _check(d: bytes, q: int, end: int) -> None:
     """Parse a call frame program as pyelftools does (an unknown opcode fails the
-    whole section there): _Unsupported where it would fail."""
+    whole section there): _Unsupported where it would fail.  Every program of the
+    section is parsed before any is decoded, so this only skips operands (_args()'s
+    reading, without the values)."""
+    size = len(d)
     while q < end:
         op = d[q]
         q += 1
-        hi = op & 0xC0
-        if hi == 0x80:
-            _, q = _uleb(d, q)
-        elif not hi:
-            shape = _ARGS.get(op)
-            if shape is None:
-                raise _Unsupported(f"opcode {op:#x}")
-            _, q = _args(d, q, shape)
+        if op & 0xC0:
+            if op & 0xC0 == 0x80:        # offset: a uleb128
+                q = q + 1 if d[q] < 0x80 else _skip_leb(d, q)
+            continue
+        shape = _SKIP.get(op)
+        if shape is None:
+            raise _Unsupported(f"opcode {op:#x}")
+        for k in shape:
+            if k == "b":
+                n, q = _uleb(d, q)
+                q += n
+                if q > size:
+                    raise IndexError("block")
+            elif k.__class__ is int:
+                q += k
+                if q > size:
+                    raise IndexError("fixed-size operand")
+            else:
+                q = q + 1 if d[q] < 0x80 else _skip_leb(d, q)
     if q > end:                      # pyelftools reads an instruction's operands past the record
         raise _Unsupported("program past its record")
 
 
-def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) -> list:
+def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool, ra: int | None = None) -> list:
     """pyelftools' _decode_CFI_table: lines (pc, CFA rule, {register: rule}); the
-    CIE's last line starts an FDE's.  _Undecodable where it raises."""
+    CIE's last line starts an FDE's.  _Undecodable where it raises.  With ra, a
+    line holds that register's rule alone, not a copy of them all (what rows() keeps)."""
     if last is not None:
         cfa, regs = last[1], dict(last[2])
     else:
@@ -360,7 +387,7 @@ def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) 
         q += 1
         hi = op & 0xC0
         if hi == 0x40:               # advance_loc
-            table.append((pc, cfa, dict(regs)))
+            table.append((pc, cfa, dict(regs) if ra is None else regs.get(ra)))
             pc += (op & 0x3F) * caf
             continue
         if hi == 0x80:               # offset
@@ -372,10 +399,10 @@ def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) 
             continue
         a, q = _args(d, q, _ARGS[op])
         if op == 0x01:
-            table.append((pc, cfa, dict(regs)))
+            table.append((pc, cfa, dict(regs) if ra is None else regs.get(ra)))
             pc = a[0]
         elif op in (0x02, 0x03, 0x04):
-            table.append((pc, cfa, dict(regs)))
+            table.append((pc, cfa, dict(regs) if ra is None else regs.get(ra)))
             pc += a[0] * caf
         elif op == 0x0C:
             cfa = (a[0], a[1], None)
@@ -416,7 +443,7 @@ def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) 
         else:                        # GNU_args_size: parsed, not decoded
             raise _Undecodable(f"opcode {op:#x}")
     if cfa[0] is not None or regs:
-        table.append((pc, cfa, regs))
+        table.append((pc, cfa, regs if ra is None else regs.get(ra)))
     return table
 
 
