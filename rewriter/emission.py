@@ -261,6 +261,11 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
         detour = layout.detour(rs)
         put(detour, ret_detour(c, rs, detour, sym), layout.sizes[("ret", rs.addr)])
         patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, detour)))
+    detours = {}                    # id(Site or RetSite) -> its detour: libpython has 52,000 retargets, to 6,000
+    read, retarget_patch = c.image.read, em.retarget_patch
     for r in c.plan.retargets:      # direct branches that enter the detour themselves
-        patches.append(em.retarget_patch(r.src, c.image.read(r.src, r.size), layout.detour(r.to)))
+        to = detours.get(id(r.to))
+        if to is None:
+            to = detours[id(r.to)] = layout.detour(r.to)
+        patches.append(retarget_patch(r.src, read(r.src, r.size), to))
     return rx, patches

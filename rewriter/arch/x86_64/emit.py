@@ -78,10 +78,16 @@ def relocate(insn: DcrInsn, new: int) -> bytes:
     return insn.code
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _disp_offset(code: bytes, addr: int) -> int:
+    """Where an instruction's displacement lies in its bytes (Capstone's detail: each
+    copy is laid out, then emitted, with the same bytes)."""
+    return next(_cs.disasm(code, addr, 1)).disp_offset
+
+
 def _rip_moved(insn: DcrInsn, new: int) -> bytes:
     """The instruction with its RIP-relative displacement re-encoded for `new`."""
-    ci = next(_cs.disasm(insn.code, insn.addr, 1))
-    off = ci.disp_offset
+    off = _disp_offset(insn.code, insn.addr)
     disp = struct.unpack_from("<i", insn.code, off)[0]
     new_disp = disp + insn.addr - new
     return insn.code[:off] + _s32(new_disp, f"RIP-relative operand at {insn.addr:#x}") + insn.code[off + 4:]
@@ -555,6 +561,26 @@ def light_counter(slot: int) -> int:
     return (slot // LIGHT_PAGE * O.LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
 
 
+@functools.lru_cache(maxsize=None)
+def _light_parts(red_zone: bool, flags_live: bool) -> tuple[bytes, bytes]:
+    """light_detour()'s fixed parts: (saving rax and the live flags, restoring them).
+    One register, rax, is used, saved where the ABI leaves room: at a function entry
+    (red_zone) in the 128 bytes below %rsp, elsewhere below the red zone."""
+    if red_zone:
+        rax, fl = "[rsp - 8]", "[rsp - 16]"
+    else:
+        rax, fl = "[rsp]", "[rsp + 8]"
+    head = b"" if red_zone else _asm_pi(f"lea rsp, [rsp - {RED_ZONE + 16:#x}]")
+    head += _asm_pi(f"mov qword ptr {rax}, rax")
+    if flags_live:
+        head += _asm_pi(f"seto al; lahf; mov word ptr {fl}, ax")
+    undo = _asm_pi(f"movzx eax, word ptr {fl}; add al, 0x7f; sahf") if flags_live else b""
+    undo += _asm_pi(f"mov rax, qword ptr {rax}")
+    if not red_zone:
+        undo += _asm_pi(f"lea rsp, [rsp + {RED_ZONE + 16:#x}]")
+    return head, undo
+
+
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key, counter: int,
                  slow_entry: int, flags_live: bool, red_zone: bool,
                  copy=None, back: int | None = None) -> tuple[bytes, int]:
@@ -578,34 +604,21 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     Returns (code, resume): where the relocated DCR starts."""
     if key.preempt is not None:
         raise EmitError("light detours are for a thread key that needs no preempt_disable()")
-    if red_zone:
-        rax, fl = "[rsp - 8]", "[rsp - 16]"
-    else:
-        rax, fl = "[rsp]", "[rsp + 8]"
-
-    def restore(c: _Code):
-        if flags_live:
-            c.a(f"movzx eax, word ptr {fl}; add al, 0x7f; sahf")
-        c.a(f"mov rax, qword ptr {rax}")
-        if not red_zone:
-            c.a(f"lea rsp, [rsp + {RED_ZONE + 16:#x}]")
+    head, undo = _light_parts(red_zone, flags_live)
+    key_load = _KEY_SEGMENT[key.base] + b"\x48\x8b\x04\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rax
 
     def build(short: bool) -> tuple[_Code, int, int]:
         """The detour, its resume address and how far its je to the slow path jumps."""
         c = _Code(at)
-        if not red_zone:
-            c.a(f"lea rsp, [rsp - {RED_ZONE + 16:#x}]")
-        c.a(f"mov qword ptr {rax}, rax")
-        if flags_live:
-            c.a(f"seto al; lahf; mov word ptr {fl}, ax")
+        c.out += head
         c.rip("cmp dword ptr [rip + {d}], 0", fast)
         c.out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
         je = len(c.out)
-        c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x04\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rax
+        c.out += key_load
         c.a(f"and eax, {(O.LIGHT_SHARDS - 1) << 12:#x}")
         c.rip("add rax, qword ptr [rip + {d}]", base)
         c.out += _asm_disp("lock inc qword ptr [rax + {d}]", counter)
-        restore(c)
+        c.out += undo
         resume = _dcr_and_back(c, dcr, copy, back)
         rel = len(c.out) - je
         if short:
@@ -614,7 +627,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
             c.out[je - 1] = rel
         else:
             c.fix([je], c.pc)
-        restore(c)
+        c.out += undo
         c.out += probe_stub(site, slow_entry, c.pc)
         c.jmp_abs(resume, "jmp to the copy")
         return c, resume, rel
