@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import bisect
 
-from .. import blacklist as bl
 from .. import safety
 from .model import INT3, JUMPS, OPTIMIZED, Plan, Retarget
 
-def patched_ranges(arch, plan: Plan) -> bl.Index:
+def patched_ranges(arch, plan: Plan) -> list[tuple[int, int]]:
     """Every byte range the plan writes in the image's code: regions,
     breakpoints, short jumps' slots, evicted neighbours (the slot in them),
     return sites."""
-    ranges = ([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
-               for s in plan.sites if s.head is None]
-              + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and s.evicted is None]
-              + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted is not None]
-              + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
-    return bl.Index([bl.BlacklistEntry(lo, hi, "", "patched") for lo, hi in ranges])
+    return ([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
+             for s in plan.sites if s.head is None]
+            + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and s.evicted is None]
+            + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted is not None]
+            + [(rs.addr, rs.region_end) for rs in plan.ret_sites])
+
+
+def _reach(ranges: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(starts, reach) of ranges sorted by start, reach[i] the furthest end among the
+    first i + 1 (blacklist.Index's bisection, asked inline for 52,000 branches): some
+    range overlaps [lo, hi) iff, i = bisect_left(starts, hi), i and reach[i - 1] > lo;
+    one holds [lo, hi) iff, i = bisect_right(starts, lo) - 1, i >= 0 and reach[i] >= hi."""
+    starts, reach, hi = [], [], 0
+    for lo, end in sorted(ranges):
+        hi = max(hi, end)
+        starts.append(lo)
+        reach.append(hi)
+    return starts, reach
 
 
 def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
@@ -37,8 +48,8 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
         entries.setdefault(rs.addr, rs)
     if not entries:
         return
-    patched = patched_ranges(arch, plan)
-    fdes = bl.Index([bl.BlacklistEntry(f.start, f.end, "", "FDE") for f in image.fdes])
+    p_starts, p_reach = _reach(patched_ranges(arch, plan))
+    f_starts, f_reach = _reach([(f.start, f.end) for f in image.fdes])
 
     # The copies in the detours too (not an exit whose copy a return hook makes).
     direct_target = arch.direct_branch_target
@@ -58,7 +69,7 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     if not branches:
         return
     vouch = safety.enabled("retargeting")
-    branch_disp, read, overlapping, covers = arch.emit.branch_disp, image.read, patched.overlapping, fdes.covers
+    branch_disp, read, bisect_left, bisect_right = arch.emit.branch_disp, image.read, bisect.bisect_left, bisect.bisect_right
     # The target's reserved sites (none in a user image): asked per branch only where
     # some lie among the branches at all.
     reserved = rules.reserved_sites if rules.reserved_sites(branches[0], branches[-1] + 16) else None
@@ -78,7 +89,8 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
         if off is None:
             continue
         size = off + 4
-        if overlapping(src, src + size) is not None or (reserved is not None and reserved(src, src + size)):
+        i = bisect_left(p_starts, src + size)          # clear of every patched byte
+        if i and p_reach[i - 1] > src or (reserved is not None and reserved(src, src + size)):
             continue
         if vouch:
             # Only branches the decoding vouches for: an instruction boundary of a function
@@ -93,8 +105,11 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
                     f_ok, f_start, bounds = d.undecodable is None, f.start, d.boundaries
             if not f_ok:
                 continue
-            i = bisect.bisect_left(bounds, src - f_start)
-            if i == len(bounds) or bounds[i] != src - f_start or not covers(src, src + size):
+            i = bisect_left(bounds, src - f_start)
+            if i == len(bounds) or bounds[i] != src - f_start:
+                continue
+            i = bisect_right(f_starts, src) - 1         # inside one FDE
+            if i < 0 or f_reach[i] < src + size:
                 continue
         target = target_of[src]
         out.append(Retarget(src, size, target, entries[target]))
