@@ -32,6 +32,9 @@ def asm(text: str, addr: int) -> bytes:
     return bytes(enc or b"")
 
 
+_pack_i32 = struct.Struct("<i").pack
+
+
 def _s32(v: int, what: str) -> bytes:
     if not -(1 << 31) <= v < (1 << 31):
         raise EmitError(f"{what}: displacement {v:#x} does not fit in 32 bits")
@@ -98,13 +101,19 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
     (kp_kretprobe_clean_entry, optprobe_entry.S, finds the stack pointer at the hit
     above SITE and these RED_ZONE bytes: keep the two in step)."""
     if 0 <= site < 0x80000000:      # Keystone's own bytes, but the push and the call: one per site
-        head = _asm_pi(f"lea rsp, [rsp-{RED_ZONE:#x}]") + (
-            bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site))   # push imm8 / imm32
+        down, up = _stub_leas()
+        head = down + (bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site))   # push imm8 / imm32
         rel = entry - (at + len(head) + 5)
         if -(1 << 31) <= rel < (1 << 31):
-            return head + b"\xe8" + struct.pack("<i", rel) + _asm_pi(f"lea rsp, [rsp+{RED_ZONE + 8:#x}]")
+            return head + b"\xe8" + _pack_i32(rel) + up
     return asm(f"lea rsp, [rsp-{RED_ZONE:#x}]; push {site:#x}; call {entry:#x}; "
                f"lea rsp, [rsp+{RED_ZONE + 8:#x}]", at)
+
+
+@functools.lru_cache(maxsize=None)
+def _stub_leas() -> tuple[bytes, bytes]:
+    """probe_stub()'s lea over the red zone, and back over it and SITE."""
+    return _asm_pi(f"lea rsp, [rsp-{RED_ZONE:#x}]"), _asm_pi(f"lea rsp, [rsp+{RED_ZONE + 8:#x}]")
 
 
 def short_stub(site: int, entry: int, at: int) -> bytes:
@@ -194,7 +203,10 @@ def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
     """A direct branch at `addr` (its bytes `code`) sent to `target` instead: the
     (address, bytes) of its new rel32."""
     off = branch_disp(code)
-    return addr + off, _s32(target - (addr + off + 4), "branch to detour")
+    v = target - (addr + off + 4)
+    if not -0x80000000 <= v < 0x80000000:
+        return addr + off, _s32(v, "branch to detour")      # raises
+    return addr + off, _pack_i32(v)
 
 
 def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
@@ -562,8 +574,9 @@ def light_counter(slot: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _light_parts(red_zone: bool, flags_live: bool) -> tuple[bytes, bytes]:
-    """light_detour()'s fixed parts: (saving rax and the live flags, restoring them).
+def _light_parts(red_zone: bool, flags_live: bool) -> tuple[bytes, bytes, bytes]:
+    """light_detour()'s fixed parts: (saving rax and the live flags, restoring them,
+    the shard's page bits of the thread pointer in eax).
     One register, rax, is used, saved where the ABI leaves room: at a function entry
     (red_zone) in the 128 bytes below %rsp, elsewhere below the red zone."""
     if red_zone:
@@ -578,7 +591,7 @@ def _light_parts(red_zone: bool, flags_live: bool) -> tuple[bytes, bytes]:
     undo += _asm_pi(f"mov rax, qword ptr {rax}")
     if not red_zone:
         undo += _asm_pi(f"lea rsp, [rsp + {RED_ZONE + 16:#x}]")
-    return head, undo
+    return head, undo, _asm_pi(f"and eax, {(O.LIGHT_SHARDS - 1) << 12:#x}")
 
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key, counter: int,
@@ -604,7 +617,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     Returns (code, resume): where the relocated DCR starts."""
     if key.preempt is not None:
         raise EmitError("light detours are for a thread key that needs no preempt_disable()")
-    head, undo = _light_parts(red_zone, flags_live)
+    head, undo, shard = _light_parts(red_zone, flags_live)
     key_load = _KEY_SEGMENT[key.base] + b"\x48\x8b\x04\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rax
 
     def build(short: bool) -> tuple[_Code, int, int]:
@@ -614,8 +627,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         c.rip("cmp dword ptr [rip + {d}], 0", fast)
         c.out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
         je = len(c.out)
-        c.out += key_load
-        c.a(f"and eax, {(O.LIGHT_SHARDS - 1) << 12:#x}")
+        c.out += key_load + shard
         c.rip("add rax, qword ptr [rip + {d}]", base)
         c.out += _asm_disp("lock inc qword ptr [rax + {d}]", counter)
         c.out += undo
