@@ -75,7 +75,7 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     reserved = rules.reserved_sites if rules.reserved_sites(branches[0], branches[-1] + 16) else None
     function_span, decoded = image.function_span, analysis.decoded
     f_lo = f_hi = 0                 # the branch before's function_at() holds for [f_lo, f_hi)
-    f_ok, f_start, bounds = False, 0, ()
+    f_ok, f_start, bounds, f_fde = False, 0, (), False
     out = []
     data, s_lo, s_hi, s_off = image.data, 0, 0, 0       # the load segment of the branch before
     for src in branches:
@@ -103,14 +103,19 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
                 else:
                     d = decoded(f)
                     f_ok, f_start, bounds = d.undecodable is None, f.start, d.boundaries
+                    # One FDE holds the whole function (the common case): so it holds each of
+                    # its instructions (decoded from its bytes alone, none runs past its end).
+                    i = bisect_right(f_starts, f.start) - 1
+                    f_fde = i >= 0 and f_reach[i] >= f.end
             if not f_ok:
                 continue
             i = bisect_left(bounds, src - f_start)
             if i == len(bounds) or bounds[i] != src - f_start:
                 continue
-            i = bisect_right(f_starts, src) - 1         # inside one FDE
-            if i < 0 or f_reach[i] < src + size:
-                continue
+            if not f_fde:
+                i = bisect_right(f_starts, src) - 1     # inside one FDE
+                if i < 0 or f_reach[i] < src + size:
+                    continue
         target = target_of[src]
         out.append(Retarget(src, size, target, entries[target]))
     plan.retargets += out           # by source address
