@@ -42,8 +42,6 @@ kCFI / kgdb checks of can_probe().
 """
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass
 
 from . import cs
@@ -264,16 +262,29 @@ def _can_boost(omap: int, op: int, reg: int, prefixes: list[int]) -> str:
     return why
 
 
-def classify(code: bytes, address: int) -> InsnInfo:
+_MEMO: dict[tuple[bytes, int], InsnInfo] = {}
+_MEMO_SIZE = 1 << 16
+
+
+def classify(code: bytes, address: int, length: int | None = None) -> InsnInfo:
     """Classify the single instruction at the start of `code`, located at
     `address` (x86-64).  Raise ValueError if it cannot be decoded.  Memoized:
-    registration, the optimizer and the int3 plan ask about the same sites."""
-    return _classify(bytes(code[:15]), address)
+    registration, the optimizer and the int3 plan ask about the same sites.
+    length: the instruction's length where the caller has it from Capstone already
+    (a decoded function's boundaries), which then is not decoded again."""
+    code = bytes(code[:15])
+    key = (code, address)
+    info = _MEMO.get(key)
+    if info is None:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.clear()
+        info = _MEMO[key] = _classify(code, address, length)
+    return info
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _classify(code: bytes, address: int) -> InsnInfo:
-    n = _length(code, address)
+def _classify(code: bytes, address: int, n: int | None = None) -> InsnInfo:
+    if n is None:
+        n = _length(code, address)
     ncode = len(code)
 
     # Prefixes, as insn_get_prefixes(): legacy prefixes, then REX (a REX
