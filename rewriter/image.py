@@ -293,9 +293,9 @@ class Image:
         every address from addr up to that one (a sweep over sorted addresses asks once
         per function, not once per address)."""
         i = bisect.bisect_right(self._starts, addr) - 1
-        nxt = self._starts[i + 1] if i + 1 < len(self._starts) else addr + 1
         if i >= 0 and self.functions[i].start <= addr < self.functions[i].end:
-            return self.functions[i], min(self.functions[i].end, nxt)
+            f = self.functions[i]
+            return f, f.end if i + 1 == len(self._starts) else min(f.end, self._starts[i + 1])
         return None, addr + 1
 
     def function_named(self, name: str) -> Function | None:
