@@ -75,17 +75,19 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     reserved = rules.reserved_sites if rules.reserved_sites(branches[0], branches[-1] + 16) else None
     function_span, decoded = image.function_span, analysis.decoded
     f_lo = f_hi = 0                 # the branch before's function_at() holds for [f_lo, f_hi)
-    f_ok, f_start, bounds, f_fde = False, 0, (), False
+    f_ok, f_start, bounds, n_bounds, f_fde = False, 0, (), 0, False
     out = []
-    data, s_lo, s_hi, s_off = image.data, 0, 0, 0       # the load segment of the branch before
+    data, s_lo, s_hi, delta = image.data, 0, 0, 0       # the load segment of the branch before
     for src in branches:
-        if not s_lo <= src < s_hi:
-            s_lo, s_hi, s_off = image.file_span(src) or (0, 0, 0)
-        if s_lo <= src < s_hi:
-            at = s_off + src - s_lo
-            off = branch_disp(data[at:at + 6])
+        if s_lo <= src < s_hi:          # its bytes at src + delta in the file
+            off = branch_disp(data[src + delta:src + delta + 6])
         else:
-            off = branch_disp(read(src, 6))
+            span = image.file_span(src)
+            if span is not None:
+                s_lo, s_hi, delta = span[0], span[1], span[2] - span[0]
+                off = branch_disp(data[src + delta:src + delta + 6])
+            else:
+                off = branch_disp(read(src, 6))
         if off is None:
             continue
         size = off + 4
@@ -103,14 +105,16 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
                 else:
                     d = decoded(f)
                     f_ok, f_start, bounds = d.undecodable is None, f.start, d.boundaries
+                    n_bounds = len(bounds)
                     # One FDE holds the whole function (the common case): so it holds each of
                     # its instructions (decoded from its bytes alone, none runs past its end).
                     i = bisect_right(f_starts, f.start) - 1
                     f_fde = i >= 0 and f_reach[i] >= f.end
             if not f_ok:
                 continue
-            i = bisect_left(bounds, src - f_start)
-            if i == len(bounds) or bounds[i] != src - f_start:
+            o = src - f_start
+            i = bisect_left(bounds, o)
+            if i == n_bounds or bounds[i] != o:
                 continue
             if not f_fde:
                 i = bisect_right(f_starts, src) - 1     # inside one FDE
