@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 from . import cs
 
-# Length decoding only: detail off.  disasm_lite() is about twice as fast as a
-# detailed disasm() and all we take from Capstone is the size.
+# Length decoding only: detail off (LITE), all we take from Capstone is the size
+# (_length(): one instruction at a time, into one cs_insn).
 _cs = cs.LITE
 _disasm_lite = _cs.disasm_lite
 
