@@ -261,6 +261,22 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
         detour = layout.detour(rs)
         put(detour, ret_detour(c, rs, detour, sym), layout.sizes[("ret", rs.addr)])
         patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, detour)))
-    for r in c.plan.retargets:      # direct branches that enter the detour themselves
-        patches.append(em.retarget_patch(r.src, c.image.read(r.src, r.size), layout.detour(r.to)))
+    # Direct branches that enter the detour themselves (libpython: 52,000, to 6,000 detours):
+    # each detour looked up once, each branch's bytes sliced from its load segment's.
+    detours = {}                    # id(Site or RetSite) -> its detour
+    read, retarget_patch, data = c.image.read, em.retarget_patch, c.image.data
+    s_lo = s_hi = s_off = 0
+    for r in c.plan.retargets:
+        to = detours.get(id(r.to))
+        if to is None:
+            to = detours[id(r.to)] = layout.detour(r.to)
+        src = r.src
+        if not s_lo <= src < s_hi:
+            s_lo, s_hi, s_off = c.image.file_span(src) or (0, 0, 0)
+        if s_lo <= src < s_hi:
+            at = s_off + src - s_lo
+            code = data[at:at + r.size]
+        else:
+            code = read(src, r.size)
+        patches.append(retarget_patch(src, code, to))
     return rx, patches

@@ -288,6 +288,16 @@ class Image:
             return self.functions[i]
         return None
 
+    def function_span(self, addr: int) -> tuple[Function | None, int]:
+        """function_at(addr), and where its answer next may change: it is the same for
+        every address from addr up to that one (a sweep over sorted addresses asks once
+        per function, not once per address)."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and self.functions[i].start <= addr < self.functions[i].end:
+            f = self.functions[i]
+            return f, f.end if i + 1 == len(self._starts) else min(f.end, self._starts[i + 1])
+        return None, addr + 1
+
     def function_named(self, name: str) -> Function | None:
         for a in self.symbols.get(name, []):
             f = self.function_at(a)
@@ -313,6 +323,14 @@ class Image:
                 return self.data[off:off + size]
         off = self.offset_of(addr)
         return self.data[off:off + size]
+
+    def file_span(self, addr: int) -> tuple[int, int, int] | None:
+        """(lo, hi, file offset of lo): the PT_LOAD file bytes read() takes addr's from
+        (a sweep over many addresses slices self.data itself), None if none holds it."""
+        for span in self.elf.load_spans:
+            if span[0] <= addr < span[1]:
+                return span
+        return None
 
     def section_containing(self, addr: int) -> Section | None:
         for s in self.sections:

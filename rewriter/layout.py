@@ -11,7 +11,6 @@ report and the targets read (plan, layout).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -21,17 +20,25 @@ from .errors import KprewriteError
 from .planner import INT3, EvictedRegion, RetSite, Site
 
 
-@contextmanager
-def relocating(c: emission.Code, what: str, addr: int):
+class relocating:
     """The arch cannot move an instruction near `addr` to where its copy goes (its
     branch or PC-relative target out of reach of the new code, e.g. x86-64's rel32:
     only damaged code has one): one line naming the file and the site, as
-    __copy_instruction()'s failure makes register_kprobe() refuse the probe."""
-    try:
-        yield
-    except c.arch.emit.EmitError as e:
-        raise KprewriteError(f"{c.image.path}: {what} at {addr:#x}: an instruction cannot be relocated "
-                             f"to the new code ({e})") from None
+    __copy_instruction()'s failure makes register_kprobe() refuse the probe.
+    (A class, not a generator's context manager: one is entered per site.)"""
+    __slots__ = ("c", "what", "addr")
+
+    def __init__(self, c: emission.Code, what: str, addr: int):
+        self.c, self.what, self.addr = c, what, addr
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, typ, e, tb):
+        if typ is not None and issubclass(typ, self.c.arch.emit.EmitError):
+            raise KprewriteError(f"{self.c.image.path}: {self.what} at {self.addr:#x}: an instruction cannot be "
+                                 f"relocated to the new code ({e})") from None
+        return False
 
 
 @dataclass(frozen=True)

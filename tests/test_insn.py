@@ -340,3 +340,29 @@ def test_bin_ls_text_decodes_linearly():
     assert pos == len(data)
     assert count > 1000
     assert {1, 2} <= maps
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/ls"), reason="no /bin/ls")
+def test_length_decoder_matches_disasm_lite():
+    """classify()'s lengths (insn._length: cs_disasm_iter() into one cs_insn) are
+    disasm_lite()'s, and 0 where it decodes nothing, at every offset of the first
+    40 KB of /bin/ls's .text (instruction starts or not), and at the end of the bytes."""
+    data, base = _text_section("/bin/ls")
+    lite = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    for pos in range(min(len(data), 40_000)):
+        chunk = data[pos:pos + 15]
+        want = next((size for _a, size, _m, _o in lite.disasm_lite(chunk, base + pos, 1)), 0)
+        assert x86insn._length(chunk, base + pos) == want, hex(base + pos)
+    for tail in (b"", b"\x0f", b"\xe8\x00", b"\x90"):
+        assert x86insn._length(tail, A) == next((s for _a, s, _m, _o in lite.disasm_lite(tail, A, 1)), 0)
+
+
+def test_length_hint_changes_nothing():
+    """A length the caller already has (a decoded function's boundaries: copy_region())
+    gives the classification Capstone's own length gives."""
+    for name, hexcode, _ in CASES:
+        code = bytes.fromhex(hexcode) + bytes(15)
+        x86insn._MEMO.clear()
+        want = classify(code, A)
+        x86insn._MEMO.clear()
+        assert classify(code, A, want.length) == want, name

@@ -41,6 +41,7 @@ class CfaRules:
         self.data = data
         self._fdes = None      # sorted [(start, end, FDE)]: a _FastFde, or pyelftools' FDE
         self._rows: dict[int, list] = {}
+        self._found: dict[int, tuple | None] = {}     # addr -> _row()
 
     def _load(self):
         plain = _plain_eh_frame(self.data)
@@ -103,9 +104,20 @@ class CfaRules:
 
     def _row(self, i: int, addr: int):
         """(pc, CFA rule, return-address rule) of the row in force at addr, of the i-th FDE.
-        A CFA rule is (register, offset, expression), a register rule (type, argument)."""
+        A CFA rule is (register, offset, expression), a register rule (type, argument).
+        Each address's answer is kept (the planner and the emitter ask about each
+        probe's several times); a plain FDE not decoded whole yet is decoded only up
+        to addr (_FastFde.rows(upto))."""
+        found = self._found.get(addr, self)
+        if found is not self:
+            return found
         lo, _, fde = self._fdes[i]
         rows = self._rows.get(lo)
+        if rows is None and isinstance(fde, _FastFde) and fde.plain:
+            try:
+                rows = fde.rows(addr)
+            except Exception:
+                rows = None
         if rows is None:
             try:
                 rows = fde.rows() if isinstance(fde, _FastFde) else _slow_rows(fde)
@@ -117,6 +129,7 @@ class CfaRules:
             if row[0] > addr:
                 break
             found = row
+        self._found[addr] = found
         return found
 
 
@@ -189,16 +202,19 @@ class _Cie:
 
 
 class _FastFde:
-    __slots__ = ("cie", "start", "ins", "end")
+    __slots__ = ("cie", "start", "ins", "end", "plain")
 
-    def __init__(self, cie, start, ins, end):
+    def __init__(self, cie, start, ins, end, plain=False):
         self.cie, self.start, self.ins, self.end = cie, start, ins, end
+        self.plain = plain           # _check(): its decoding cannot fail
 
-    def rows(self) -> list:
+    def rows(self, upto: int | None = None) -> list:
+        """Its rows; with upto, of a plain program, only those up to the first row
+        past upto (CfaRules._row() stops there: the rows a function's entry needs
+        are the first few)."""
         cie = self.cie
-        ra = cie.ra
-        return [(line[0], line[1], line[2].get(ra)) for line in
-                _decode(cie, cie.d, self.ins, self.end, self.start, cie.last_line(), False)]
+        return _decode(cie, cie.d, self.ins, self.end, self.start, cie.last_line(), False, cie.ra,
+                       upto if self.plain else None)
 
 
 def _read(d: bytes, address: int) -> list:
@@ -250,8 +266,8 @@ def _read(d: bytes, address: int) -> list:
             q += alen
             if q > end:
                 raise _Unsupported("FDE past its length")
-            _check(d, q, end)
-            out.append((lo, lo + rng, _FastFde(cie, lo, q, end)))
+            plain = _check(d, q, end)
+            out.append((lo, lo + rng, _FastFde(cie, lo, q, end, plain)))
         p = end
     return out
 
@@ -327,27 +343,69 @@ def _args(d: bytes, q: int, shape: str) -> tuple[list, int]:
     return out, q
 
 
-def _check(d: bytes, q: int, end: int) -> None:
+def _skip_leb(d: bytes, q: int) -> int:
+    """Past the LEB128 at d[q], failing where encoding._uleb()/_sleb() fail (IndexError
+    past the data, _Malformed after 11 bytes that all continue)."""
+    for p in range(q, q + 11):
+        if d[p] < 0x80:
+            return p + 1
+    raise _Malformed("over-long LEB128")
+
+
+# _ARGS with each fixed size as its byte count.
+_SKIP = {op: tuple(_FIX[k].size if k in _FIX else k for k in shape) for op, shape in _ARGS.items()}
+
+
+def _check(d: bytes, q: int, end: int) -> bool:
     """Parse a call frame program as pyelftools does (an unknown opcode fails the
-    whole section there): _Unsupported where it would fail."""
+    whole section there): _Unsupported where it would fail.  Every program of the
+    section is parsed before any is decoded, so this only skips operands (_args()'s
+    reading, without the values).  Returns whether _decode() cannot fail on it
+    (no restore, no GNU_args_size, no restore_state without a remembered state):
+    then its rows up to an address are those of the whole program (_FastFde.rows())."""
+    size = len(d)
+    plain, depth = True, 0
     while q < end:
         op = d[q]
         q += 1
-        hi = op & 0xC0
-        if hi == 0x80:
-            _, q = _uleb(d, q)
-        elif not hi:
-            shape = _ARGS.get(op)
-            if shape is None:
-                raise _Unsupported(f"opcode {op:#x}")
-            _, q = _args(d, q, shape)
+        if op & 0xC0:
+            if op & 0xC0 == 0x80:        # offset: a uleb128
+                q = q + 1 if d[q] < 0x80 else _skip_leb(d, q)
+            elif op & 0xC0 == 0xC0:      # restore
+                plain = False
+            continue
+        shape = _SKIP.get(op)
+        if shape is None:
+            raise _Unsupported(f"opcode {op:#x}")
+        if op == 0x0A:
+            depth += 1
+        elif op == 0x0B:
+            plain, depth = plain and depth > 0, depth - 1
+        elif op in (0x06, 0x2E):
+            plain = False
+        for k in shape:
+            if k == "b":
+                n, q = _uleb(d, q)
+                q += n
+                if q > size:
+                    raise IndexError("block")
+            elif k.__class__ is int:
+                q += k
+                if q > size:
+                    raise IndexError("fixed-size operand")
+            else:
+                q = q + 1 if d[q] < 0x80 else _skip_leb(d, q)
     if q > end:                      # pyelftools reads an instruction's operands past the record
         raise _Unsupported("program past its record")
+    return plain
 
 
-def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) -> list:
+def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool, ra: int | None = None,
+            upto: int | None = None) -> list:
     """pyelftools' _decode_CFI_table: lines (pc, CFA rule, {register: rule}); the
-    CIE's last line starts an FDE's.  _Undecodable where it raises."""
+    CIE's last line starts an FDE's.  _Undecodable where it raises.  With ra, a
+    line holds that register's rule alone, not a copy of them all (what rows() keeps);
+    with upto, the lines end with the first one past upto."""
     if last is not None:
         cfa, regs = last[1], dict(last[2])
     else:
@@ -360,7 +418,9 @@ def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) 
         q += 1
         hi = op & 0xC0
         if hi == 0x40:               # advance_loc
-            table.append((pc, cfa, dict(regs)))
+            table.append((pc, cfa, dict(regs) if ra is None else regs.get(ra)))
+            if upto is not None and pc > upto:
+                return table
             pc += (op & 0x3F) * caf
             continue
         if hi == 0x80:               # offset
@@ -371,12 +431,11 @@ def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) 
             _restore(regs, op & 0x3F, last, is_cie)
             continue
         a, q = _args(d, q, _ARGS[op])
-        if op == 0x01:
-            table.append((pc, cfa, dict(regs)))
-            pc = a[0]
-        elif op in (0x02, 0x03, 0x04):
-            table.append((pc, cfa, dict(regs)))
-            pc += a[0] * caf
+        if op in (0x01, 0x02, 0x03, 0x04):  # set_loc, advance_loc1/2/4
+            table.append((pc, cfa, dict(regs) if ra is None else regs.get(ra)))
+            if upto is not None and pc > upto:
+                return table
+            pc = a[0] if op == 0x01 else pc + a[0] * caf
         elif op == 0x0C:
             cfa = (a[0], a[1], None)
         elif op == 0x12:             # def_cfa_sf: pyelftools scales by the code alignment factor
@@ -416,7 +475,7 @@ def _decode(cie: _Cie, d: bytes, q: int, end: int, pc: int, last, is_cie: bool) 
         else:                        # GNU_args_size: parsed, not decoded
             raise _Undecodable(f"opcode {op:#x}")
     if cfa[0] is not None or regs:
-        table.append((pc, cfa, regs))
+        table.append((pc, cfa, regs if ra is None else regs.get(ra)))
     return table
 
 

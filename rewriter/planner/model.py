@@ -133,7 +133,7 @@ class Group:
         return all(p.ret_clean for p in self.probes)
 
 
-@dataclass
+@dataclass(slots=True)             # 52,000 of them in libpython
 class Retarget:
     """A direct branch (x86-64: call, jmp, jcc rel32) to the start of a detoured region,
     sent straight to its detour (Rules.retarget_branches): the jump at the region

@@ -30,10 +30,11 @@ def optimize_site(image, analysis, arch, s: Site, optimize: bool, rules) -> None
     if not isinstance(r, list):
         s.reason = r
         return
-    if s.with_post and arch.is_branch(r[0]):
+    with_post = s.with_post
+    if with_post and arch.is_branch(r[0]):
         s.reason = arch.Refusal("post_handler", s.addr, "a post_handler cannot run after a branch in a detour")
         return
-    if s.with_post and not rules.optimized_post_handler:
+    if with_post and not rules.optimized_post_handler:
         s.reason = arch.Refusal("post_handler", s.addr, "the kernel optimizes no kprobe with a post_handler "
                                 "(optimize_kprobe())")
         return

@@ -32,6 +32,9 @@ def asm(text: str, addr: int) -> bytes:
     return bytes(enc or b"")
 
 
+_pack_i32 = struct.Struct("<i").pack
+
+
 def _s32(v: int, what: str) -> bytes:
     if not -(1 << 31) <= v < (1 << 31):
         raise EmitError(f"{what}: displacement {v:#x} does not fit in 32 bits")
@@ -78,10 +81,16 @@ def relocate(insn: DcrInsn, new: int) -> bytes:
     return insn.code
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _disp_offset(code: bytes, addr: int) -> int:
+    """Where an instruction's displacement lies in its bytes (Capstone's detail: each
+    copy is laid out, then emitted, with the same bytes)."""
+    return next(_cs.disasm(code, addr, 1)).disp_offset
+
+
 def _rip_moved(insn: DcrInsn, new: int) -> bytes:
     """The instruction with its RIP-relative displacement re-encoded for `new`."""
-    ci = next(_cs.disasm(insn.code, insn.addr, 1))
-    off = ci.disp_offset
+    off = _disp_offset(insn.code, insn.addr)
     disp = struct.unpack_from("<i", insn.code, off)[0]
     new_disp = disp + insn.addr - new
     return insn.code[:off] + _s32(new_disp, f"RIP-relative operand at {insn.addr:#x}") + insn.code[off + 4:]
@@ -92,13 +101,19 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
     (kp_kretprobe_clean_entry, optprobe_entry.S, finds the stack pointer at the hit
     above SITE and these RED_ZONE bytes: keep the two in step)."""
     if 0 <= site < 0x80000000:      # Keystone's own bytes, but the push and the call: one per site
-        head = _asm_pi(f"lea rsp, [rsp-{RED_ZONE:#x}]") + (
-            bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site))   # push imm8 / imm32
+        down, up = _stub_leas()
+        head = down + (bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site))   # push imm8 / imm32
         rel = entry - (at + len(head) + 5)
         if -(1 << 31) <= rel < (1 << 31):
-            return head + b"\xe8" + struct.pack("<i", rel) + _asm_pi(f"lea rsp, [rsp+{RED_ZONE + 8:#x}]")
+            return head + b"\xe8" + _pack_i32(rel) + up
     return asm(f"lea rsp, [rsp-{RED_ZONE:#x}]; push {site:#x}; call {entry:#x}; "
                f"lea rsp, [rsp+{RED_ZONE + 8:#x}]", at)
+
+
+@functools.lru_cache(maxsize=None)
+def _stub_leas() -> tuple[bytes, bytes]:
+    """probe_stub()'s lea over the red zone, and back over it and SITE."""
+    return _asm_pi(f"lea rsp, [rsp-{RED_ZONE:#x}]"), _asm_pi(f"lea rsp, [rsp+{RED_ZONE + 8:#x}]")
 
 
 def short_stub(site: int, entry: int, at: int) -> bytes:
@@ -188,7 +203,10 @@ def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
     """A direct branch at `addr` (its bytes `code`) sent to `target` instead: the
     (address, bytes) of its new rel32."""
     off = branch_disp(code)
-    return addr + off, _s32(target - (addr + off + 4), "branch to detour")
+    v = target - (addr + off + 4)
+    if not -0x80000000 <= v < 0x80000000:
+        return addr + off, _s32(v, "branch to detour")      # raises
+    return addr + off, _pack_i32(v)
 
 
 def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
@@ -555,6 +573,33 @@ def light_counter(slot: int) -> int:
     return (slot // LIGHT_PAGE * O.LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
 
 
+@functools.lru_cache(maxsize=None)
+def _key_load(seg: str, disp: int) -> bytes:
+    """mov %seg:disp, %rax: the thread pointer, from the thread key's segment."""
+    return _KEY_SEGMENT[seg] + b"\x48\x8b\x04\x25" + struct.pack("<i", disp)
+
+
+@functools.lru_cache(maxsize=None)
+def _light_parts(red_zone: bool, flags_live: bool) -> tuple[bytes, bytes, bytes]:
+    """light_detour()'s fixed parts: (saving rax and the live flags, restoring them,
+    the shard's page bits of the thread pointer in eax).
+    One register, rax, is used, saved where the ABI leaves room: at a function entry
+    (red_zone) in the 128 bytes below %rsp, elsewhere below the red zone."""
+    if red_zone:
+        rax, fl = "[rsp - 8]", "[rsp - 16]"
+    else:
+        rax, fl = "[rsp]", "[rsp + 8]"
+    head = b"" if red_zone else _asm_pi(f"lea rsp, [rsp - {RED_ZONE + 16:#x}]")
+    head += _asm_pi(f"mov qword ptr {rax}, rax")
+    if flags_live:
+        head += _asm_pi(f"seto al; lahf; mov word ptr {fl}, ax")
+    undo = _asm_pi(f"movzx eax, word ptr {fl}; add al, 0x7f; sahf") if flags_live else b""
+    undo += _asm_pi(f"mov rax, qword ptr {rax}")
+    if not red_zone:
+        undo += _asm_pi(f"lea rsp, [rsp + {RED_ZONE + 16:#x}]")
+    return head, undo, _asm_pi(f"and eax, {(O.LIGHT_SHARDS - 1) << 12:#x}")
+
+
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key, counter: int,
                  slow_entry: int, flags_live: bool, red_zone: bool,
                  copy=None, back: int | None = None) -> tuple[bytes, int]:
@@ -578,50 +623,45 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     Returns (code, resume): where the relocated DCR starts."""
     if key.preempt is not None:
         raise EmitError("light detours are for a thread key that needs no preempt_disable()")
-    if red_zone:
-        rax, fl = "[rsp - 8]", "[rsp - 16]"
-    else:
-        rax, fl = "[rsp]", "[rsp + 8]"
+    head, undo, shard = _light_parts(red_zone, flags_live)
+    key_load = _key_load(key.base, key.disp)
+    cmp, cmp_at = _rip_template("cmp dword ptr [rip + {d}], 0")
+    add, add_at = _rip_template("add rax, qword ptr [rip + {d}]")
+    inc = _asm_disp("lock inc qword ptr [rax + {d}]", counter)
+    copy = copy or relocate
+    back = back or dcr[-1].addr + len(dcr[-1].code)
 
-    def restore(c: _Code):
-        if flags_live:
-            c.a(f"movzx eax, word ptr {fl}; add al, 0x7f; sahf")
-        c.a(f"mov rax, qword ptr {rax}")
-        if not red_zone:
-            c.a(f"lea rsp, [rsp + {RED_ZONE + 16:#x}]")
-
-    def build(short: bool) -> tuple[_Code, int, int]:
-        """The detour, its resume address and how far its je to the slow path jumps."""
-        c = _Code(at)
-        if not red_zone:
-            c.a(f"lea rsp, [rsp - {RED_ZONE + 16:#x}]")
-        c.a(f"mov qword ptr {rax}, rax")
-        if flags_live:
-            c.a(f"seto al; lahf; mov word ptr {fl}, ax")
-        c.rip("cmp dword ptr [rip + {d}], 0", fast)
-        c.out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
-        je = len(c.out)
-        c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x04\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rax
-        c.a(f"and eax, {(O.LIGHT_SHARDS - 1) << 12:#x}")
-        c.rip("add rax, qword ptr [rip + {d}]", base)
-        c.out += _asm_disp("lock inc qword ptr [rax + {d}]", counter)
-        restore(c)
-        resume = _dcr_and_back(c, dcr, copy, back)
-        rel = len(c.out) - je
+    def build(short: bool) -> tuple[bytearray, int, int]:
+        """The detour, its resume address and how far its je to the slow path jumps.
+        (_Code's steps written out: a rewrite builds 12,000 of these.)"""
+        out = bytearray(head)
+        pc = at + len(out) + len(cmp)                              # cmp [rip + fast], 0
+        out += cmp[:cmp_at] + _s32(fast - pc, "RIP-relative operand") + cmp[cmp_at + 4:]
+        out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
+        je = len(out)
+        out += key_load + shard                                    # the shard's page bits of the thread pointer
+        pc = at + len(out) + len(add)                              # add rax, [rip + base]
+        out += add[:add_at] + _s32(base - pc, "RIP-relative operand") + add[add_at + 4:]
+        out += inc + undo
+        resume = at + len(out)                                     # the relocated DCR, then the jump back
+        for insn in dcr:
+            out += copy(insn, at + len(out))
+        out += b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back")
+        rel = len(out) - je
         if short:
             if rel >= 128:
-                return c, resume, rel       # too far for a rel8 je: built again with a rel32 one
-            c.out[je - 1] = rel
+                return out, resume, rel     # too far for a rel8 je: built again with a rel32 one
+            out[je - 1] = rel
         else:
-            c.fix([je], c.pc)
-        restore(c)
-        c.out += probe_stub(site, slow_entry, c.pc)
-        c.jmp_abs(resume, "jmp to the copy")
-        return c, resume, rel
+            out[je - 4:je] = _s32(rel, "jump in a detour")
+        out += undo                                                # slow: the probe stub, then the copy
+        out += probe_stub(site, slow_entry, at + len(out))
+        out += b"\xe9" + _s32(resume - (at + len(out) + 5), "jmp to the copy")
+        return out, resume, rel
 
     # The code the je jumps over is as long with either je (copies are as long
     # wherever they go), so the rel8 form is tried first: one build for most sites.
-    c, resume, rel = build(True)
+    out, resume, rel = build(True)
     if rel >= 128:
-        c, resume, _ = build(False)
-    return bytes(c.out), resume
+        out, resume, _ = build(False)
+    return bytes(out), resume

@@ -42,16 +42,60 @@ kCFI / kgdb checks of can_probe().
 """
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass
 
 from . import cs
 
-# Length decoding only: detail off.  disasm_lite() is about twice as fast as a
-# detailed disasm() and all we take from Capstone is the size.
+# Length decoding only: detail off (LITE), all we take from Capstone is the size
+# (_length(): one instruction at a time, into one cs_insn).
 _cs = cs.LITE
 _disasm_lite = _cs.disasm_lite
+
+
+def _length_decoder():
+    """The length of the instruction at the start of code, decoded at address (0 if
+    none), through Capstone's cs_disasm_iter() into one cs_insn allocated once: what
+    disasm_lite(code, address, 1) yields first, without its allocation, generator and
+    strings per call (a rewrite classifies some 15,000 instructions).  disasm_lite()
+    itself where the binding does not offer it as capstone 5 does."""
+    import ctypes
+    import capstone
+
+    def lite(code: bytes, address: int) -> int:
+        for _addr, n, _mn, _ops in _disasm_lite(code, address, 1):
+            return n
+        return 0
+    try:
+        lib, insn_t = capstone._cs, capstone._cs_insn
+        if getattr(_cs, "diet", True) or not hasattr(_cs, "csh"):
+            return lite
+        malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(("cs_malloc", lib))
+        step = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
+                                ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint64),
+                                ctypes.c_void_p)(("cs_disasm_iter", lib))
+        errno = lib.cs_errno
+        handle = _cs.csh
+        buf = malloc(handle)
+        if not buf:
+            return lite
+        insn = ctypes.cast(buf, ctypes.POINTER(insn_t)).contents
+    except (AttributeError, TypeError, ValueError, OSError):
+        return lite
+    ptr, size, addr = ctypes.c_char_p(), ctypes.c_size_t(), ctypes.c_uint64()
+    args = (handle, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(addr), buf)
+
+    def length(code: bytes, address: int) -> int:
+        ptr.value, size.value, addr.value = code, len(code), address
+        if step(*args):
+            return insn.size
+        status = errno(handle)
+        if status != capstone.CS_ERR_OK:       # as disasm_lite() raises
+            raise capstone.CsError(status)
+        return 0
+    return length
+
+
+_length = _length_decoder()
 
 _MASK64 = (1 << 64) - 1
 
@@ -218,18 +262,29 @@ def _can_boost(omap: int, op: int, reg: int, prefixes: list[int]) -> str:
     return why
 
 
-def classify(code: bytes, address: int) -> InsnInfo:
+_MEMO: dict[tuple[bytes, int], InsnInfo] = {}
+_MEMO_SIZE = 1 << 16
+
+
+def classify(code: bytes, address: int, length: int | None = None) -> InsnInfo:
     """Classify the single instruction at the start of `code`, located at
     `address` (x86-64).  Raise ValueError if it cannot be decoded.  Memoized:
-    registration, the optimizer and the int3 plan ask about the same sites."""
-    return _classify(bytes(code[:15]), address)
+    registration, the optimizer and the int3 plan ask about the same sites.
+    length: the instruction's length where the caller has it from Capstone already
+    (a decoded function's boundaries), which then is not decoded again."""
+    code = bytes(code[:15])
+    key = (code, address)
+    info = _MEMO.get(key)
+    if info is None:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.clear()
+        info = _MEMO[key] = _classify(code, address, length)
+    return info
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _classify(code: bytes, address: int) -> InsnInfo:
-    n = 0
-    for _addr, n, _mn, _ops in _disasm_lite(code, address, 1):
-        break
+def _classify(code: bytes, address: int, n: int | None = None) -> InsnInfo:
+    if n is None:
+        n = _length(code, address)
     ncode = len(code)
 
     # Prefixes, as insn_get_prefixes(): legacy prefixes, then REX (a REX

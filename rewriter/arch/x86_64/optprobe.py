@@ -3,6 +3,7 @@ can_optimize() and copy_optimized_instructions(), extended where a static
 rewriter can do better (relative branches in the region are re-encoded)."""
 from __future__ import annotations
 
+import bisect
 
 import capstone
 import capstone.x86_const
@@ -58,10 +59,15 @@ def copy_region(image, func, addr: int, analysis=None, min_end: int | None = Non
     out: list[DcrInsn] = []
     pos = addr
     end = max(addr + jump_size, min_end or 0)
+    # The function's decoding has each instruction's length (Capstone's, as classify()'s).
+    bounds = analysis.decoded(func).boundaries if analysis is not None else ()
     while pos < end:
         code = image.read(pos, 16)
+        n, i = None, bisect.bisect_left(bounds, pos - func.start)
+        if i + 1 < len(bounds) and bounds[i] == pos - func.start:
+            n = bounds[i + 1] - bounds[i]
         try:
-            info = x86insn.classify(code, pos)
+            info = x86insn.classify(code, pos, n)
         except ValueError:
             return Refusal("decode", pos, "instruction in the region cannot be decoded")
         code = code[:info.length]
