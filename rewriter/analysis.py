@@ -207,9 +207,28 @@ def landing_pad_targets(image: Image, an: "Analysis"):
             yield pad, f"C++ landing pad of the function at {fde_start:#x}"
 
 
+def _code_test(image: Image) -> Callable[[int], bool]:
+    """image.is_code() for many addresses (a relocation's, a lea's: libpython has
+    45,000): its ranges merged where they meet, then one bisect an address."""
+    lows, highs = [], []
+    for lo, hi in sorted(image.exec_ranges):
+        if lows and lo <= highs[-1]:
+            highs[-1] = max(highs[-1], hi)
+        else:
+            lows.append(lo)
+            highs.append(hi)
+    find = bisect.bisect_right
+
+    def is_code(addr: int) -> bool:
+        i = find(lows, addr) - 1
+        return i >= 0 and addr < highs[i]
+    return is_code
+
+
 def relocation_targets(image: Image, an: "Analysis"):
+    is_code = _code_test(image)
     for _, r_offset, addend in image.relative_relocations():
-        if image.is_code(addend):
+        if is_code(addend):
             yield addend, f"code address taken by the relocation at {r_offset:#x}"
 
 
@@ -223,9 +242,10 @@ def code_ref_targets(image: Image, an: "Analysis"):
     hold one and jump to it."""
     if not an.read_indirect_jumps:
         return
+    is_code = _code_test(image)
     for f in image.functions:
         for target, src in an.decoded(f).code_refs or ():
-            if image.is_code(target):
+            if is_code(target):
                 yield target, f"code address computed at {src:#x}"
 
 
@@ -421,6 +441,10 @@ class Analysis:
                 for source in sources:
                     if source in _IMAGE_ONLY:
                         early[source] = list(source(image, self))
+                if indirect_jump_targets in sources and read_indirect_jumps:
+                    prepare = getattr(getattr(arch, "jumptable", None), "prepare", None)
+                    if prepare is not None:
+                        prepare(image, self)        # once here, not in each jump-table reader
                 if sources[0] is branch_targets:
                     self._add_branches(self._decoded_branches(job.results()))
                     branched = True

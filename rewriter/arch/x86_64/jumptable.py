@@ -328,6 +328,12 @@ def fixed_code_pointers(image, an):
     an.fixed_pointers_scanned = True
 
 
+def prepare(image, an) -> None:
+    """What resolve() reads of the image alone, read once before the analysis'
+    workers fork (each would read it again): the PLT slots of the NORETURN functions."""
+    an.memo("noreturn slots", 0, lambda: _noreturn_slots(image))
+
+
 def resolve(image, an, func) -> list[IndirectJump]:
     """Every indirect jump of func, classified (see the module docstring)."""
     d = an.decoded(func)
