@@ -97,7 +97,24 @@ def _branch_lists(image: Image, an: "Analysis"):
 # Decoding is split over worker processes (one per CPU, KPREWRITE_JOBS to choose) when
 # an image has this many functions: below it, starting them costs more than it saves.
 PARALLEL_FUNCTIONS = 2000
-CHUNKS = 16
+# Slices of about the same bytes each (decoding costs by the byte: libpython's 16
+# slices of as many functions each held 93 to 423 KB), small enough that the workers
+# end together and that this process joins the last one soon after.
+CHUNKS = 32
+# A jump-table reading's slices (_read_in_workers).
+READ_SLICES = 64
+
+
+def _slices(funcs: list[Function], count: int) -> list[tuple[int, int]]:
+    """(lo, hi) of at most `count` consecutive slices of funcs, about as many bytes each."""
+    total = sum(f.end - f.start for f in funcs) or 1
+    out, lo, got = [], 0, 0
+    for i, f in enumerate(funcs):
+        got += f.end - f.start
+        if got * count >= total * (len(out) + 1) or i == len(funcs) - 1:
+            out.append((lo, i + 1))
+            lo = i + 1
+    return out
 
 
 def jobs() -> int:
@@ -142,7 +159,7 @@ def _call(args):
 
 
 def _in_workers(image: Image, arch, fn, slices=None, work=None):
-    """fn(lo, hi) over image.functions in CHUNKS slices (or over the (lo, hi) of
+    """fn(lo, hi) over image.functions in CHUNKS slices (_slices(); or over the (lo, hi) of
     `slices`, of another list fn reads), in forked worker processes, the results in
     the slices' order (so the output is the same bytes as the work in one process).
     fn reads `work` (by default (image, arch)) from _WORK."""
@@ -160,9 +177,8 @@ class _Workers:
     def __init__(self, image: Image, arch, fn, slices=None, work=None):
         import multiprocessing
         global _WORK
-        n = len(image.functions)
         if slices is None:
-            slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
+            slices = _slices(image.functions, CHUNKS)
         _WORK = (image, arch) if work is None else work
         before = {p.pid for p in multiprocessing.active_children()}
         try:
@@ -299,7 +315,7 @@ def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict
     # A few large functions cost most (libpython: 16 of 446 half the time): the largest
     # first, each slice about a 64th of the bytes, so that the workers end together.
     order = sorted(todo, key=lambda f: f.start - f.end)
-    share = sum(f.end - f.start for f in order) / (4 * CHUNKS)
+    share = sum(f.end - f.start for f in order) / READ_SLICES
     slices, lo, got = [], 0, 0
     for i, f in enumerate(order):
         got += f.end - f.start
