@@ -108,8 +108,8 @@ def _killed(lo: int, hi: int):
 
 
 def test_a_worker_killed_is_an_error_not_a_wait_forever(tmp_path, monkeypatch):
-    """multiprocessing's pool replaces a worker that dies but never sends its slice's
-    result: the analysis raises a one-line error instead of waiting for it forever."""
+    """A worker that dies before it sends its slice's result: the analysis raises a
+    one-line error instead of waiting for it forever."""
     image = Image(str(cc(tmp_path, "prog", PROGRAM, "-O2")))
     monkeypatch.setattr(A, "jobs", lambda: 2)
     with pytest.raises(KprewriteError, match="worker process .* killed .* KPREWRITE_JOBS=1"):
