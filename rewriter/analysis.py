@@ -229,6 +229,9 @@ class _Workers:
         from multiprocessing.connection import wait
         got, want, live = {}, 0, dict(self.conns)
         while want < self.count:
+            if want not in got and not live:
+                from .errors import KprewriteError
+                raise KprewriteError(f"{self.path}: the analysis' worker processes ended without a slice's result")
             # What has come, read at once: a child's pipe full would stop it.
             for conn in wait(list(live.values()), timeout=None if want not in got else 0):
                 pid = next(p for p, c in live.items() if c is conn)
@@ -250,9 +253,6 @@ class _Workers:
             if want in got:
                 yield got.pop(want)
                 want += 1
-            elif not live:
-                from .errors import KprewriteError
-                raise KprewriteError(f"{self.path}: the analysis' worker processes ended without a slice's result")
 
     def close(self) -> None:
         global _WORK
