@@ -243,8 +243,8 @@ class _Workers:
                     del live[pid]
                     if data is None:
                         from .errors import KprewriteError
-                        raise KprewriteError(f"{self.path}: a worker process of its analysis was killed before it "
-                                             "was done (out of memory?); KPREWRITE_JOBS=1 does the work in this process")
+                        raise KprewriteError(f"{self.path}: a worker process of its analysis was killed before it was "
+                                             "done (out of memory?); KPREWRITE_JOBS=1 does the work in this process")
                     continue
                 i, ok, result = pickle.loads(data)
                 if not ok:
