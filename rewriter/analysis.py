@@ -97,7 +97,24 @@ def _branch_lists(image: Image, an: "Analysis"):
 # Decoding is split over worker processes (one per CPU, KPREWRITE_JOBS to choose) when
 # an image has this many functions: below it, starting them costs more than it saves.
 PARALLEL_FUNCTIONS = 2000
-CHUNKS = 16
+# Slices of about the same bytes each (decoding costs by the byte: libpython's 16
+# slices of as many functions each held 93 to 423 KB), small enough that the workers
+# end together and that this process joins the last one soon after.
+CHUNKS = 32
+# A jump-table reading's slices (_read_in_workers).
+READ_SLICES = 64
+
+
+def _slices(funcs: list[Function], count: int) -> list[tuple[int, int]]:
+    """(lo, hi) of at most `count` consecutive slices of funcs, about as many bytes each."""
+    total = sum(f.end - f.start for f in funcs) or 1
+    out, lo, got = [], 0, 0
+    for i, f in enumerate(funcs):
+        got += f.end - f.start
+        if got * count >= total * (len(out) + 1) or i == len(funcs) - 1:
+            out.append((lo, i + 1))
+            lo = i + 1
+    return out
 
 
 def jobs() -> int:
@@ -136,13 +153,8 @@ def _decoded_of(lo: int, hi: int) -> list:
     return [arch.decode_function(image.read(f.start, f.end - f.start), f.start) for f in image.functions[lo:hi]]
 
 
-def _call(args):
-    fn, lo, hi = args
-    return fn(lo, hi)
-
-
 def _in_workers(image: Image, arch, fn, slices=None, work=None):
-    """fn(lo, hi) over image.functions in CHUNKS slices (or over the (lo, hi) of
+    """fn(lo, hi) over image.functions in CHUNKS slices (_slices(); or over the (lo, hi) of
     `slices`, of another list fn reads), in forked worker processes, the results in
     the slices' order (so the output is the same bytes as the work in one process).
     fn reads `work` (by default (image, arch)) from _WORK."""
@@ -155,48 +167,130 @@ def _in_workers(image: Image, arch, fn, slices=None, work=None):
 
 class _Workers:
     """_in_workers() started at once: the workers run while this process does
-    something else, until results() is read."""
+    something else, until results() is read.
+
+    jobs() forked children take the slices' numbers in turn from one pipe (a read of
+    4 bytes takes one whole), and send each slice's result, pickled, through a pipe
+    of their own; this process reads the results as they come and gives them in the
+    slices' order.  Not multiprocessing.Pool: its two threads here, which take the
+    results while this process merges them, cost it as much again as unpickling them
+    (libpython: 0.06 s more)."""
 
     def __init__(self, image: Image, arch, fn, slices=None, work=None):
-        import multiprocessing
         global _WORK
-        n = len(image.functions)
         if slices is None:
-            slices = [(n * i // CHUNKS, n * (i + 1) // CHUNKS) for i in range(CHUNKS)]
-        _WORK = (image, arch) if work is None else work
-        before = {p.pid for p in multiprocessing.active_children()}
-        try:
-            self.pool = multiprocessing.get_context("fork").Pool(min(jobs(), CHUNKS))
-        except BaseException:
-            _WORK = None
-            raise
-        self.pids = {p.pid for p in multiprocessing.active_children()} - before
+            slices = _slices(image.functions, CHUNKS)
         self.path = image.path
-        self.it = self.pool.imap(_call, [(fn, lo, hi) for lo, hi in slices])
+        self.count = len(slices)
+        self.conns: dict[int, object] = {}        # child's pid -> the pipe it sends its results through
+        _WORK = (image, arch) if work is None else work
+        tasks, feed = os.pipe()
+        try:
+            for _ in range(min(jobs(), self.count)):
+                self._fork(tasks, feed, fn, slices)
+            with open(feed, "wb", closefd=False) as f:
+                f.write(b"".join(i.to_bytes(4, "little") for i in range(self.count)))
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(tasks)
+            os.close(feed)
+
+    def _fork(self, tasks: int, feed: int, fn, slices) -> None:
+        from multiprocessing.connection import Connection
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
+        if pid == 0:
+            try:
+                os.close(feed)
+                os.close(r)
+                _serve(tasks, Connection(w, readable=False), fn, slices)
+            finally:
+                # The child never returns into the caller, whatever is raised in it, nor
+                # runs the parent's exit handlers or flushes its buffered output.
+                os._exit(0)
+        os.close(w)
+        self.conns[pid] = Connection(r, writable=False)
+        try:
+            import fcntl             # room for a few slices' results (Linux): a child goes on
+            fcntl.fcntl(r, fcntl.F_SETPIPE_SZ, 1 << 20)     # while this process merges
+        except (ImportError, AttributeError, OSError):
+            pass
 
     def results(self):
-        """The slices' results in order.  A worker that ends before the work is done (the
-        out-of-memory killer) loses its slice: the pool starts another worker but never
-        sends the result, so the wait is a second at a time, and an error once one of
-        the workers is gone."""
-        import multiprocessing
-        while True:
-            try:
-                got = self.it.next(timeout=1.0)
-            except StopIteration:
-                return
-            except multiprocessing.TimeoutError:
-                if self.pids - {p.pid for p in multiprocessing.active_children()}:
-                    from .errors import KprewriteError
-                    raise KprewriteError(f"{self.path}: a worker process of its analysis was killed before it was "
-                                         "done (out of memory?); KPREWRITE_JOBS=1 does the work in this process")
-                continue
-            yield got
+        """The slices' results in order.  A child that ends before it is done (the
+        out-of-memory killer) is an error: its slice would never come."""
+        from multiprocessing.connection import wait
+        got, want, live = {}, 0, dict(self.conns)
+        while want < self.count:
+            if want not in got and not live:
+                from .errors import KprewriteError
+                raise KprewriteError(f"{self.path}: the analysis' worker processes ended without a slice's result")
+            # What has come, read at once: a child's pipe full would stop it.
+            for conn in wait(list(live.values()), timeout=None if want not in got else 0):
+                pid = next(p for p, c in live.items() if c is conn)
+                try:
+                    data = conn.recv_bytes()
+                except (EOFError, OSError):
+                    data = None
+                if not data:
+                    del live[pid]
+                    if data is None:
+                        from .errors import KprewriteError
+                        raise KprewriteError(f"{self.path}: a worker process of its analysis was killed before it was "
+                                             "done (out of memory?); KPREWRITE_JOBS=1 does the work in this process")
+                    continue
+                i, ok, result = pickle.loads(data)
+                if not ok:
+                    raise result
+                got[i] = result
+            if want in got:
+                yield got.pop(want)
+                want += 1
 
     def close(self) -> None:
         global _WORK
-        self.pool.terminate()
+        import signal
+        for pid, conn in self.conns.items():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            conn.close()
+        for pid in self.conns:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self.conns = {}
         _WORK = None
+
+
+def _serve(tasks: int, out, fn, slices) -> None:
+    """A worker child: fn over each slice whose number it reads from `tasks`, each
+    result sent (its number, whether fn returned, what it returned or raised), then
+    an empty message once there is no slice left."""
+    while True:
+        b = os.read(tasks, 4)
+        if len(b) < 4:
+            break
+        i = int.from_bytes(b, "little")
+        try:
+            msg = (i, True, fn(*slices[i]))
+        except Exception as e:
+            msg = (i, False, e)
+        try:
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            data = pickle.dumps((i, False, RuntimeError(f"{e!r} (a result of the analysis' worker)")))
+        out.send_bytes(data)
+    out.send_bytes(b"")
 
 
 def landing_pad_targets(image: Image, an: "Analysis"):
@@ -207,9 +301,28 @@ def landing_pad_targets(image: Image, an: "Analysis"):
             yield pad, f"C++ landing pad of the function at {fde_start:#x}"
 
 
+def _code_test(image: Image) -> Callable[[int], bool]:
+    """image.is_code() for many addresses (a relocation's, a lea's: libpython has
+    45,000): its ranges merged where they meet, then one bisect an address."""
+    lows, highs = [], []
+    for lo, hi in sorted(image.exec_ranges):
+        if lows and lo <= highs[-1]:
+            highs[-1] = max(highs[-1], hi)
+        else:
+            lows.append(lo)
+            highs.append(hi)
+    find = bisect.bisect_right
+
+    def is_code(addr: int) -> bool:
+        i = find(lows, addr) - 1
+        return i >= 0 and addr < highs[i]
+    return is_code
+
+
 def relocation_targets(image: Image, an: "Analysis"):
+    is_code = _code_test(image)
     for _, r_offset, addend in image.relative_relocations():
-        if image.is_code(addend):
+        if is_code(addend):
             yield addend, f"code address taken by the relocation at {r_offset:#x}"
 
 
@@ -223,9 +336,10 @@ def code_ref_targets(image: Image, an: "Analysis"):
     hold one and jump to it."""
     if not an.read_indirect_jumps:
         return
+    is_code = _code_test(image)
     for f in image.functions:
         for target, src in an.decoded(f).code_refs or ():
-            if image.is_code(target):
+            if is_code(target):
                 yield target, f"code address computed at {src:#x}"
 
 
@@ -279,7 +393,7 @@ def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict
     # A few large functions cost most (libpython: 16 of 446 half the time): the largest
     # first, each slice about a 64th of the bytes, so that the workers end together.
     order = sorted(todo, key=lambda f: f.start - f.end)
-    share = sum(f.end - f.start for f in order) / (4 * CHUNKS)
+    share = sum(f.end - f.start for f in order) / READ_SLICES
     slices, lo, got = [], 0, 0
     for i, f in enumerate(order):
         got += f.end - f.start
@@ -421,6 +535,10 @@ class Analysis:
                 for source in sources:
                     if source in _IMAGE_ONLY:
                         early[source] = list(source(image, self))
+                if indirect_jump_targets in sources and read_indirect_jumps:
+                    prepare = getattr(getattr(arch, "jumptable", None), "prepare", None)
+                    if prepare is not None:
+                        prepare(image, self)        # once here, not in each jump-table reader
                 if sources[0] is branch_targets:
                     self._add_branches(self._decoded_branches(job.results()))
                     branched = True

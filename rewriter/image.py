@@ -381,10 +381,7 @@ class Image:
             if off + size > len(self.data):     # a damaged DT_RELASZ: ld.so would read past the file too
                 raise KprewriteError(f"{self.path}: malformed dynamic section: DT_RELA at {rela:#x} with DT_RELASZ "
                                      f"{size:#x} runs past the end of the file ({len(self.data):#x} bytes)")
-            for i in range(size // 24):
-                o = off + i * 24
-                r_offset = int.from_bytes(self.data[o:o + 8], "little")
-                info = int.from_bytes(self.data[o + 8:o + 16], "little")
-                if info & 0xFFFFFFFF == r_relative:
-                    out.append((o, r_offset, int.from_bytes(self.data[o + 16:o + 24], "little", signed=True)))
+            for i, (r_offset, _, typ, addend) in enumerate(relas(self.data, off, size)):
+                if typ == r_relative:
+                    out.append((off + i * 24, r_offset, addend))
         return out

@@ -108,8 +108,8 @@ def _killed(lo: int, hi: int):
 
 
 def test_a_worker_killed_is_an_error_not_a_wait_forever(tmp_path, monkeypatch):
-    """multiprocessing's pool replaces a worker that dies but never sends its slice's
-    result: the analysis raises a one-line error instead of waiting for it forever."""
+    """A worker that dies before it sends its slice's result: the analysis raises a
+    one-line error instead of waiting for it forever."""
     image = Image(str(cc(tmp_path, "prog", PROGRAM, "-O2")))
     monkeypatch.setattr(A, "jobs", lambda: 2)
     with pytest.raises(KprewriteError, match="worker process .* killed .* KPREWRITE_JOBS=1"):
@@ -120,6 +120,31 @@ def test_a_worker_killed_is_an_error_not_a_wait_forever(tmp_path, monkeypatch):
 
 def len_of_slice(lo: int, hi: int) -> int:
     return hi - lo
+
+
+def _raising(lo: int, hi: int):
+    if lo:
+        raise ValueError(f"slice at {lo}")
+    return hi - lo
+
+
+def test_what_a_worker_raises_is_raised_here_and_no_worker_is_left(tmp_path, monkeypatch):
+    """An error in a worker's slice is raised in the analysis, as in one process, and
+    the workers are ended and waited for (none left running, none a zombie)."""
+    image = Image(str(cc(tmp_path, "prog", PROGRAM, "-O2")))
+    monkeypatch.setattr(A, "jobs", lambda: 2)
+    job = A._Workers(image, get_arch(image.machine), _raising)
+    pids = list(job.conns)
+    assert len(pids) == 2
+    try:
+        with pytest.raises(ValueError, match="slice at"):
+            list(job.results())
+    finally:
+        job.close()
+    assert A._WORK is None
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def test_second_rewrite_reads_the_cache_and_writes_the_same_bytes(tmp_path):

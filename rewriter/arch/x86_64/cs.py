@@ -53,3 +53,60 @@ def records(code: bytes, start: int) -> tuple[int, bytes]:
         return n, ctypes.string_at(p, n * LAYOUT[0])
     finally:
         capstone._cs.cs_free(p, n)
+
+
+def _detail_layout():
+    """(cs_insn's offset of its detail pointer, how many bytes of a cs_detail hold
+    its x86 part up to the last operand, and the offsets detail_records()' readers
+    use) of the binding, or None where records() is unavailable."""
+    if LAYOUT is None:
+        return None
+    try:
+        from capstone import x86
+        insn, det, cx, op, mem = capstone._cs_insn, capstone._cs_detail, x86.CsX86, x86.X86Op, x86.X86OpMem
+        arch = det.arch.offset
+        ops = arch + cx.operands.offset
+        n_ops = cx.operands.size // ctypes.sizeof(op)
+        size = ops + n_ops * ctypes.sizeof(op)
+        value = op.value.offset
+        offs = dict(address=insn.address.offset, detail=insn.detail.offset, regs_write=det.regs_write.offset,
+                    regs_write_count=det.regs_write_count.offset, groups=det.groups.offset,
+                    groups_count=det.groups_count.offset, op_count=arch + cx.op_count.offset, ops=ops,
+                    op_size=ctypes.sizeof(op), op_type=op.type.offset, op_value=value, op_opsize=op.size.offset,
+                    op_access=op.access.offset, mem_base=value + mem.base.offset,
+                    mem_index=value + mem.index.offset, mem_disp=value + mem.disp.offset)
+        ok = (insn.address.size == 8 and insn.detail.size == 8 and det.regs_write.size // 2 >= 1
+              and op.type.size == 4 and op.size.size == 1 and op.access.size == 1 and mem.base.size == 4
+              and mem.index.size == 4 and mem.disp.size == 8 and LAYOUT[0] % 8 == 0 and size % 8 == 0
+              and offs["detail"] % 8 == 0)
+        return (size, offs) if ok else None
+    except (AttributeError, TypeError, ImportError):
+        return None
+
+
+DETAIL_LAYOUT = _detail_layout()
+
+
+def detail_records(code: bytes, start: int) -> tuple[int, bytes, bytes]:
+    """(count, the raw cs_insn records, and each one's cs_detail up to its last x86
+    operand, DETAIL_LAYOUT[0] bytes a record) of DETAIL decoding `code` at `start`
+    until the first byte it cannot decode: what DETAIL.disasm() yields, without the
+    CsInsn (and its copy of the whole detail) that the binding makes of each."""
+    if not isinstance(code, bytes):
+        code = bytes(code)
+    p = ctypes.POINTER(capstone._cs_insn)()
+    n = capstone._cs.cs_disasm(DETAIL.csh, code, len(code), start, 0, ctypes.byref(p))
+    if n <= 0:
+        status = capstone._cs.cs_errno(DETAIL.csh)
+        if status != capstone.CS_ERR_OK:
+            raise capstone.CsError(status)
+        return 0, b"", b""
+    try:
+        rec = LAYOUT[0]
+        buf = ctypes.string_at(p, n * rec)
+        size, offs = DETAIL_LAYOUT
+        ptrs = memoryview(buf).cast("Q")[offs["detail"] // 8::rec // 8]
+        string_at = ctypes.string_at
+        return n, buf, b"".join([string_at(d, size) for d in ptrs])
+    finally:
+        capstone._cs.cs_free(p, n)

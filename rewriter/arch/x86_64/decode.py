@@ -21,6 +21,7 @@ _JUMPS = frozenset(["jmp", "je", "jne", "ja", "jae", "jb", "jbe", "jg", "jge", "
 
 
 _RIP = re.compile(r"\[rip ([+-]) (0x[0-9a-f]+)\]")
+_RIP_B = re.compile(_RIP.pattern.encode())
 
 _EXIT_MNEMONICS = ("ret", "j", "loop", "repz ret", "bnd ret", "bnd j", "notrack j")
 
@@ -86,6 +87,7 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
     refs: list[tuple[int, int]] = []
     kinds = _KINDS_B
     index = buf.index
+    rip = _RIP_B.search
     for m in _MAYBE.finditer(buf[o_mn::rec]):
         i = m.start()
         o = i * rec
@@ -99,10 +101,10 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
         if k & 1:
             exits.append(addr)
         if k & 2:
-            ops = buf[o + o_ops:index(0, o + o_ops, o + o_ops + n_ops)].decode("ascii")
-            if ops.startswith("0x") or ops[:1].isdigit():
+            o += o_ops
+            if 48 <= buf[o] <= 57:          # a digit: an address (the op_str's bytes, as int() reads them)
                 try:
-                    branches.append((int(ops, 0), addr))
+                    branches.append((int(buf[o:index(0, o, o + n_ops)], 0), addr))
                 except ValueError:
                     pass
             elif b"jmp" in mb:
@@ -114,12 +116,11 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
             if indirect is None:
                 indirect = addr
         elif k & 8:
-            ops = buf[o + o_ops:index(0, o + o_ops, o + o_ops + n_ops)].decode("ascii")
-            if "[rip " in ops:
-                # `lea X(%rip)`: a code address a register may hold, then jump to.
-                r = _RIP.search(ops)
-                if r:
-                    refs.append((addr + sizes[i] + int(r.group(1) + r.group(2), 16), addr))
+            o += o_ops
+            # `lea X(%rip)`: a code address a register may hold, then jump to.
+            r = rip(buf, o, index(0, o, o + n_ops))
+            if r:
+                refs.append((addr + sizes[i] + int(r.group(1) + r.group(2), 16), addr))
         elif k & 16 and std is None:
             std = addr
     end = start + length

@@ -98,9 +98,11 @@ def _writes(ci, reg: str) -> bool:
     return (call and reg in _CALL_CLOBBERS) or reg in w
 
 
+_UNCOND = ("jmp", "ret", "notrack jmp", "bnd jmp", "repz ret", "bnd ret", "ud2", "hlt")
+
+
 def _uncond(ci) -> bool:
-    m = ci.mnemonic
-    return m.startswith(("jmp", "ret", "notrack jmp", "bnd jmp", "repz ret", "bnd ret", "ud2", "hlt"))
+    return ci.mnemonic.startswith(_UNCOND)
 
 
 class _Insns:
@@ -135,6 +137,88 @@ class _Insns:
         return self.full
 
 
+class _Whole:
+    """Every instruction of a function (_reg_const() reads them all, where a
+    backward slice reads a few dozen), as the facts _cfg() and _reg_const() read:
+    its address, whether it is a call or a jump (Capstone's groups), its first
+    operand's immediate (None: not one), whether it is an unconditional jump
+    (_uncond()), the registers it writes (_info()), and the value of a RIP-relative
+    lea into a 64-bit register (_rip_lea(); None otherwise).  Read from
+    Capstone's raw records (cs.detail_records()) where the binding allows: a
+    CsInsn of each costs four times as much (libpython's largest jump-table
+    functions, 5,000 instructions each, are read so)."""
+
+    def __init__(self, code: bytes, start: int):
+        self.addr, self.call, self.jump, self.imm, self.uncond, self.written, self.lea = ([] for _ in range(7))
+        if cs.DETAIL_LAYOUT is None:
+            for ci in _cs.disasm(code, start):
+                self._add_insn(ci)
+        else:
+            self._read_records(code, start)
+
+    def __len__(self):
+        return len(self.addr)
+
+    def _add_insn(self, ci) -> None:
+        groups, call, written = _info(ci)
+        ops = ci.operands
+        self.addr.append(ci.address)
+        self.call.append(call)
+        self.jump.append(capstone.CS_GRP_JUMP in groups)
+        self.imm.append(ops[0].imm if ops and ops[0].type == X.X86_OP_IMM else None)
+        self.uncond.append(_uncond(ci))
+        self.written.append(written)
+        self.lea.append(_rip_lea(ci) if ops and ops[0].size == 8 else None)
+
+    def _read_records(self, code: bytes, start: int) -> None:
+        n, recs, det = cs.detail_records(code, start)
+        rec, o_size, o_mn, n_mn = cs.LAYOUT[:4]
+        size, o = cs.DETAIL_LAYOUT
+        self.addr = addrs = memoryview(recs).cast("Q")[o["address"] // 8::rec // 8].tolist()
+        sizes = memoryview(recs).cast("H")[o_size // 2::rec // 2]
+        h, w, q = memoryview(det).cast("H"), memoryview(det).cast("I"), memoryview(det).cast("q")
+        o_w, o_wc, o_g, o_gc, o_opc, o_ops, o_sz = (o["regs_write"], o["regs_write_count"], o["groups"],
+                                                    o["groups_count"], o["op_count"], o["ops"], o["op_size"])
+        o_type, o_val, o_opsz, o_acc = o["op_type"], o["op_value"], o["op_opsize"], o["op_access"]
+        o_base, o_index, o_disp = o["mem_base"], o["mem_index"], o["mem_disp"]
+        reg_op, imm_op, write, rip = X.X86_OP_REG, X.X86_OP_IMM, capstone.CS_AC_WRITE, X.X86_REG_RIP
+        grp_call, grp_jump = capstone.CS_GRP_CALL, capstone.CS_GRP_JUMP
+        mnems: dict[bytes, tuple] = {}
+        parents: dict[tuple, frozenset] = {}
+        call, jump, imm, uncond, written, lea = self.call, self.jump, self.imm, self.uncond, self.written, self.lea
+        index = recs.index
+        for i in range(n):
+            r, b = i * rec, i * size
+            mb = recs[r + o_mn:index(0, r + o_mn, r + o_mn + n_mn)]
+            got = mnems.get(mb)
+            if got is None:
+                m = mb.decode("ascii")
+                got = mnems[mb] = (m.startswith(_UNCOND), m == "lea")
+            groups = det[b + o_g:b + o_g + det[b + o_gc]]
+            call.append(grp_call in groups)
+            jump.append(grp_jump in groups)
+            uncond.append(got[0])
+            # cs_regs_access()'s writes: the implicit ones, and each register operand written
+            regs = tuple(h[(b + o_w) // 2:(b + o_w) // 2 + det[b + o_wc]])
+            opc = det[b + o_opc]
+            for k in range(opc):
+                ob = b + o_ops + k * o_sz
+                if w[(ob + o_type) // 4] == reg_op and det[ob + o_acc] & write:
+                    regs += (w[(ob + o_val) // 4],)
+            names = parents.get(regs)
+            if names is None:
+                names = parents[regs] = frozenset([_reg(_cs, r) for r in regs])
+            written.append(names)
+            ob = b + o_ops
+            imm.append(q[(ob + o_val) // 8] if opc and w[(ob + o_type) // 4] == imm_op else None)
+            v = None
+            if got[1] and opc > 1 and det[ob + o_opsz] == 8:
+                ob += o_sz
+                if w[(ob + o_base) // 4] == rip and not w[(ob + o_index) // 4]:
+                    v = addrs[i] + sizes[i] + q[(ob + o_disp) // 8]
+            lea.append(v)
+
+
 class _Fn:
     def __init__(self, image, an, func):
         self.image, self.an, self.func = image, an, func
@@ -144,7 +228,7 @@ class _Fn:
         self.join = None
         self.cfg = None                       # _reg_const's edges that no register changes
         self.writes: dict[str, list] = {}     # register -> whether each instruction writes it
-        self.written = None                   # each instruction: (a call, the registers it writes)
+        self.whole = None                     # _reg_const's _Whole of the function
 
     def back(self, k: int, first: bool = False):
         """Indices before k on straight-line code (k itself first if `first`): stops
@@ -242,6 +326,12 @@ def fixed_code_pointers(image, an):
             an.fixed_pointers.append(v)
             yield v, f"code address stored at {seg.vaddr + m.start():#x} (an image without relocations)"
     an.fixed_pointers_scanned = True
+
+
+def prepare(image, an) -> None:
+    """What resolve() reads of the image alone, read once before the analysis'
+    workers fork (each would read it again): the PLT slots of the NORETURN functions."""
+    an.memo("noreturn slots", 0, lambda: _noreturn_slots(image))
 
 
 def resolve(image, an, func) -> list[IndirectJump]:
@@ -465,23 +555,23 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
     or computed code address of the function, for an unbounded jump every join
     point.  hypotheses: jumps being read (by address), with the edges assumed
     for them.  The entry and landing pads start unknown."""
-    ins = fn.insns.all()
+    if fn.whole is None:
+        fn.whole = _Whole(fn.insns.code, fn.insns.start)
+    ins = fn.whole
     n = len(ins)
     writes = fn.writes.get(reg)
     if writes is None:
-        if fn.written is None:      # _writes()'s reading of each instruction, once for every register
-            fn.written = [_info(ci) for ci in ins]
         clobbered = reg in _CALL_CLOBBERS
-        writes = fn.writes[reg] = [(call and clobbered) or reg in w for _, call, w in fn.written]
+        writes = fn.writes[reg] = [(call and clobbered) or reg in w for call, w in zip(ins.call, ins.written)]
     if fn.cfg is None:
         fn.cfg = _cfg(fn, ins)
     base, joins, stored, pads, indirect = fn.cfg
     succ = list(base)
     by_addr = {j.addr: j for j in jumps}
     for i in indirect:
-        j = by_addr.get(ins[i].address)
-        if ins[i].address in hypotheses:
-            succ[i] = base[i] + [fn.index[t] for t in hypotheses[ins[i].address] if t in fn.index]
+        j = by_addr.get(ins.addr[i])
+        if ins.addr[i] in hypotheses:
+            succ[i] = base[i] + [fn.index[t] for t in hypotheses[ins.addr[i]] if t in fn.index]
         elif j is not None and j.kind in (TABLE, COMPUTED):
             succ[i] = base[i] + [fn.index[t] for t in j.targets if t in fn.index]
         elif j is not None and j.kind == POINTER:
@@ -501,7 +591,7 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
         i = work.pop()
         v = state[i]
         if writes[i]:
-            v = _rip_lea(ins[i]) if ins[i].operands and ins[i].operands[0].size == 8 else None
+            v = ins.lea[i]
             v = _ANY if v is None else v
         for t in succ[i]:
             m = meet(state[t], v)
@@ -511,29 +601,28 @@ def _reg_const(fn: _Fn, reg: str, jumps: list, hypotheses: dict) -> list:
     return state
 
 
-def _cfg(fn: _Fn, ins: list) -> tuple:
+def _cfg(fn: _Fn, ins: _Whole) -> tuple:
     """_reg_const's edges but the indirect jumps': (successors of each instruction,
     join points, stored-address entries, landing pads, the indirect jumps)."""
     n = len(ins)
     succ: list[list[int]] = [[] for _ in range(n)]
     joins, stored, pads, indirect = set(), set(), [], []
-    for i, ci in enumerate(ins):
-        groups, call, _ = _info(ci)
-        jump = capstone.CS_GRP_JUMP in groups
-        if jump and ci.operands and ci.operands[0].type == X.X86_OP_IMM:
-            t = fn.index.get(ci.operands[0].imm)
+    entered, targets, index = fn.an.entered, fn.an.targets, fn.index
+    for i, (addr, call, jump, imm, uncond) in enumerate(zip(ins.addr, ins.call, ins.jump, ins.imm, ins.uncond)):
+        if jump and imm is not None:
+            t = index.get(imm)
             if t is not None:
                 succ[i].append(t)
                 joins.add(t)
         elif jump:
             indirect.append(i)
         if i + 1 < n:
-            if _uncond(ci) or (call and _calls_noreturn(fn, ci)):
+            if uncond or (call and imm is not None and _noreturn_call(fn, imm)):
                 joins.add(i + 1)
             else:
                 succ[i].append(i + 1)
-        if ci.address in fn.an.entered and i:
-            if fn.an.targets.get(ci.address, "").startswith("C++ landing pad"):
+        if addr in entered and i:
+            if targets.get(addr, "").startswith("C++ landing pad"):
                 pads.append(i)
             else:
                 stored.add(i)
@@ -549,12 +638,9 @@ NORETURN = frozenset(["abort", "exit", "_exit", "_Exit", "quick_exit", "__stack_
 _PLT = (".plt", ".plt.sec", ".plt.got")
 
 
-def _calls_noreturn(fn: _Fn, ci) -> bool:
-    """A direct call to a NORETURN function: its symbol, or a PLT stub whose
-    `jmp *slot(%rip)` goes through a slot relocated against one."""
-    if not ci.operands or ci.operands[0].type != X.X86_OP_IMM:
-        return False
-    target = ci.operands[0].imm
+def _noreturn_call(fn: _Fn, target: int) -> bool:
+    """A direct call to `target` calls a NORETURN function: its symbol, or a PLT
+    stub whose `jmp *slot(%rip)` goes through a slot relocated against one."""
     return fn.an.memo("noreturn", target, lambda: _noreturn_at(fn.image, fn.an, target))
 
 
