@@ -148,8 +148,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
         linking.start()
     try:
         metadata = report.metadata(s.plan, lay, s.image.label)
-        before = getattr(s.target, "before_link", None)
-        early = before(s.image, s.arch, lay, s.plan) if before else None
+        early = s.target.before_link(s.image, s.arch, lay, s.plan)
     finally:
         if linking is not None:
             linking.join()
@@ -159,8 +158,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
         blob = linked["blob"]
     rx, patches = emission.emit(c, lay, blob.symbols)
     progress.stage("writing")
-    return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan,
-                          **({"early": early} if before else {}))
+    return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan, early)
 
 
 def _link(s: Session, lay, objs: list[Path], workdir: Path, cc: str, table_c: str, runtime: list[Path],

@@ -57,8 +57,14 @@ class Target(Protocol):
         expression the linker relocates (a kernel moved by KASLR)."""
 
     # --- the output ---
-    def write(self, image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
-        """The output image's bytes."""
+    def before_link(self, image, arch, layout, plan) -> Any:
+        """What write() needs that the linked runtime does not change, computed while the
+        compiler and linker run (pipeline.build): a user image's detour unwind programs;
+        None when there is nothing."""
+
+    def write(self, image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan,
+              early=None) -> bytes:
+        """The output image's bytes (early: before_link()'s)."""
 
     def diff_expected(self, image, meta: dict) -> list[tuple[int, int, str]]:
         """Changes `kprewrite diff` may find besides the probe sites: (start, end, why)."""

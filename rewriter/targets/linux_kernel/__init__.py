@@ -29,7 +29,7 @@ from .startup import (BOOT_HOOKS, KRET_HOOKS, RUNTIME_HANDLERS, SHUTDOWN_HOOKS, 
                       runtime_probes)
 from .symbols import (KERNEL_HALF, PT_LOAD, address_c, derived_symbol, link_symbols, load_symbols,  # noqa: F401
                       table_base)
-from .writer import diff_expected, write  # noqa: F401
+from .writer import before_link, diff_expected, write  # noqa: F401
 
 name = "linux_kernel"
 # The spec's `probes` (rewriter/perfprobe): lines and locals from the kernel's DWARF where its

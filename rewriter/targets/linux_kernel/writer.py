@@ -15,7 +15,12 @@ from .gap import extend_first_load
 from .symbols import arch_of, kernel
 
 
-def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan) -> bytes:
+def before_link(image, arch, layout, plan) -> None:
+    """Nothing: what a kernel's write() adds is made from the linked runtime."""
+    return None
+
+
+def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan, early=None) -> bytes:
     """The vmlinux with the probes' jumps, the dropped __mcount_loc entries of the ftrace
     sites we took, our code and data in the gap, and the metadata section."""
     kern = arch_of(image)
