@@ -546,10 +546,21 @@ class Analysis:
         k = _state_key(image, arch, sources, read_indirect_jumps)
         if k is not None and self._load_state(k):
             return
+        # In workers (a small image): what the analysis makes lives as long as it does,
+        # and is kept out of the cyclic collector (_unscanned()).
+        parallel = branch_targets in sources and len(image.data) < BIG_IMAGE and jobs() > 1 \
+            and len(image.functions) >= PARALLEL_FUNCTIONS
+        with _unscanned() if parallel else contextlib.nullcontext():
+            self._find(image, arch, sources, read_indirect_jumps, parallel)
+        self._sorted_targets = sorted(self.targets)
+        if k is not None:
+            self._save_state(k)
+
+    def _find(self, image: Image, arch, sources, read_indirect_jumps: bool, parallel: bool) -> None:
+        """Every source's targets, the decoded functions (in workers when parallel)."""
         early = {}
         branched = False
-        if branch_targets in sources and len(image.data) < BIG_IMAGE and jobs() > 1 \
-                and len(image.functions) >= PARALLEL_FUNCTIONS:
+        if parallel:
             # The workers decode (branch_targets' decode_all()) while this process
             # reads the targets that depend on the image alone, then makes the
             # branches into targets a slice at a time, as the workers send them.
@@ -562,12 +573,11 @@ class Analysis:
                     prepare = getattr(getattr(arch, "jumptable", None), "prepare", None)
                     if prepare is not None:
                         prepare(image, self)        # once here, not in each jump-table reader
-                with _unscanned():
-                    if sources[0] is branch_targets:
-                        self._add_branches(self._decoded_branches(job.results()))
-                        branched = True
-                    else:
-                        self._take_decoded(job.results())
+                if sources[0] is branch_targets:
+                    self._add_branches(self._decoded_branches(job.results()))
+                    branched = True
+                else:
+                    self._take_decoded(job.results())
             finally:
                 job.close()
         for source in sources:
@@ -578,9 +588,6 @@ class Analysis:
             for target, why in (early[source] if source in early else source(image, self)):
                 self.targets.setdefault(target, why)
                 self.entered.add(target)
-        self._sorted_targets = sorted(self.targets)
-        if k is not None:
-            self._save_state(k)
 
     # What the sources found depends only on the image (its bytes, functions and
     # symbols), the sources and this code: a second rewrite of the same image (another
