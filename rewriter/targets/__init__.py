@@ -35,15 +35,27 @@ def for_image(image):
     the image, never flagged)."""
     if getattr(image, "target", None) is not None:
         return image.target
-    from . import linux_kernel, linux_module, linux_user
-    if linux_module.detect(image):
-        return linux_module
-    return linux_kernel if linux_kernel.detect(image) else linux_user
+    if getattr(image, "container", None) is not None:     # unwrapped: a .ko, a bzImage's vmlinux
+        from . import linux_module
+        if linux_module.detect(image):
+            return linux_module
+    # A kernel is linked in the upper half of the address space (linux_kernel.detect()
+    # decides): a user image does not import the kernel targets (some 40 ms).
+    if any(s.vaddr >= 1 << 63 for s in image.segments):
+        from . import linux_kernel
+        if linux_kernel.detect(image):
+            return linux_kernel
+    from . import linux_user
+    return linux_user
 
 
 def unwrap(data: bytes, path: str):
     """(ELF bytes, container) when `data` is an image inside a container a target
     knows (a bzImage holds a vmlinux; a .ko's view is unwrapped from it), else None."""
+    # A module is an ELF relocatable object, and the containers the kernel target opens
+    # (a bzImage) are not ELF files: an ELF executable or shared object imports neither.
+    if data[:4] == b"\x7fELF" and data[16:18] not in (b"\x01\x00", b"\x00\x01"):   # e_type ET_REL
+        return None
     from . import linux_kernel, linux_module
     found = linux_module.unwrap(data, path)
     return found if found is not None else linux_kernel.unwrap(data, path)
