@@ -23,6 +23,9 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
                 g = groups.setdefault(site.addr, Group(p.func, site.addr, site, []))
                 g.probes.append(p)
                 p.group = g
+    plan.groups = sorted(groups.values(), key=lambda g: g.entry)
+    if not groups:                  # no kretprobe placed: no exit to find, no hook to place
+        return
     # Regions taken by probes, disjoint, sorted by start: overlap checks by bisection.
     # A shared region counts as its segments (they tile it).
     taken = sorted([(s.addr, s.segment_end) for s in plan.sites]
@@ -44,7 +47,6 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             return site_at[i - 1][2]
         return None
 
-    plan.groups = sorted(groups.values(), key=lambda g: g.entry)
     image_light = light_kretprobes([p for s in plan.sites for p in s.probes], rules)
     for g in plan.groups:
         ex = find_exits(image, analysis, arch, g.func)
