@@ -133,6 +133,26 @@ class _Insns:
         return self.full
 
 
+def _record_offsets() -> tuple | None:
+    """cs.LAYOUT and cs.DETAIL_LAYOUT as the flat tuple _Whole._read_records() unpacks
+    (it runs for every few instructions a slice walks: _Fn.fact())."""
+    if cs.DETAIL_LAYOUT is None:
+        return None
+    rec, o_size, o_mn, n_mn = cs.LAYOUT[:4]
+    size, o = cs.DETAIL_LAYOUT
+    return (rec, o_size, o_mn, n_mn, size, o["address"] // 8, o["regs_write"], o["regs_write_count"], o["groups"],
+            o["groups_count"], o["op_count"], o["ops"], o["op_size"], o["op_type"], o["op_value"], o["op_opsize"],
+            o["op_access"], o["mem_base"], o["mem_index"], o["mem_disp"])
+
+
+_RECORD = _record_offsets()
+# What _read_records() derives of a mnemonic's bytes ((unconditional, lea, the
+# mnemonic)) and of a tuple of written register ids (their _PARENT names), for
+# every function.
+_MNEMS: dict[bytes, tuple] = {}
+_WRITTEN: dict[tuple, frozenset] = {}
+
+
 class _Whole:
     """Every instruction of a function (_reg_const() reads them all, where a
     backward slice reads a few dozen), as the facts _cfg() and _reg_const() read:
@@ -171,19 +191,14 @@ class _Whole:
 
     def _read_records(self, code: bytes, start: int) -> None:
         n, recs, det = cs.detail_records(code, start)
-        rec, o_size, o_mn, n_mn = cs.LAYOUT[:4]
-        size, o = cs.DETAIL_LAYOUT
-        self.addr = addrs = memoryview(recs).cast("Q")[o["address"] // 8::rec // 8].tolist()
+        (rec, o_size, o_mn, n_mn, size, o_addr, o_w, o_wc, o_g, o_gc, o_opc, o_ops, o_sz, o_type, o_val, o_opsz,
+         o_acc, o_base, o_index, o_disp) = _RECORD
+        self.addr = addrs = memoryview(recs).cast("Q")[o_addr::rec // 8].tolist()
         sizes = memoryview(recs).cast("H")[o_size // 2::rec // 2]
         h, w, q = memoryview(det).cast("H"), memoryview(det).cast("I"), memoryview(det).cast("q")
-        o_w, o_wc, o_g, o_gc, o_opc, o_ops, o_sz = (o["regs_write"], o["regs_write_count"], o["groups"],
-                                                    o["groups_count"], o["op_count"], o["ops"], o["op_size"])
-        o_type, o_val, o_opsz, o_acc = o["op_type"], o["op_value"], o["op_opsize"], o["op_access"]
-        o_base, o_index, o_disp = o["mem_base"], o["mem_index"], o["mem_disp"]
         reg_op, imm_op, write, rip = X.X86_OP_REG, X.X86_OP_IMM, capstone.CS_AC_WRITE, X.X86_REG_RIP
         grp_call, grp_jump = capstone.CS_GRP_CALL, capstone.CS_GRP_JUMP
-        mnems: dict[bytes, tuple] = {}
-        parents: dict[tuple, frozenset] = {}
+        mnems, parents = _MNEMS, _WRITTEN
         call, jump, imm, uncond, written, lea = self.call, self.jump, self.imm, self.uncond, self.written, self.lea
         mnem = self.mnem
         index = recs.index
