@@ -26,7 +26,7 @@ def _layout():
             return None
         size, mnem, ops = insn.size, insn.mnemonic, insn.op_str
         rec = ctypes.sizeof(insn)
-        if size.size != 2 or size.offset % 2 or rec % 2 or mnem.size < 2 or ops.size < 2:
+        if size.size != 2 or size.offset % 2 or rec % 2 or mnem.size < 3 or ops.size < 2:
             return None
         return rec, size.offset, mnem.offset, mnem.size, ops.offset, ops.size
     except (AttributeError, TypeError):

@@ -57,11 +57,29 @@ def _kind(mnem: str) -> int:
     return k
 
 
-# The first letter of every mnemonic _kind() does not give 0 (ret, repz ret, j*, loop*,
-# ljmp, lea, bnd *, notrack *, call, std, xbegin): the instructions decode_function()
-# reads a mnemonic of (about half of libpython's instructions start with one); the rest
-# make a boundary and nothing else.
-_MAYBE = re.compile(rb"[rjlbncsx]")
+# The first three letters of every mnemonic _kind() does not give 0 (ret, repz ret,
+# j*, loop*, ljmp, lea, bnd *, notrack *, call, std, xbegin), as three tables of bit
+# masks, one bit per first letter: an instruction whose three letters' masks share a
+# bit is one decode_function() reads the mnemonic of (a third of libpython's
+# instructions, mostly jumps, calls and leas; not a cmp, a nop, a xor or a sub); the
+# rest make a boundary and nothing else.  A superset (a leave, a rep stos): the
+# mnemonic read decides.
+_FIRST3 = {"j": ("", ""), "r": ("e", "tp"), "l": ("eoj", "aom"), "b": ("n", "d"), "n": ("o", "t"),
+           "c": ("a", "l"), "s": ("t", "d"), "x": ("b", "e")}
+
+
+def _letter_masks() -> tuple[bytes, bytes, bytes]:
+    t1, t2, t3 = bytearray(256), bytearray(256), bytearray(256)
+    for bit, (first, (second, third)) in enumerate(_FIRST3.items()):
+        t1[ord(first)] |= 1 << bit
+        for t, allowed in ((t2, second), (t3, third)):
+            for c in (range(256) if not allowed else map(ord, allowed)):     # "": any letter
+                t[c] |= 1 << bit
+    return bytes(t1), bytes(t2), bytes(t3)
+
+
+_MASKS = _letter_masks()
+_NONZERO = re.compile(rb"[^\0]")
 # Code this short (a probe's first bytes: Analysis.is_boundary) costs less through disasm_lite().
 SHORT = 128
 _KINDS_B: dict[bytes, int] = {}
@@ -71,7 +89,7 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
     """Every instruction from `start` to the end of `code` or the first byte that
     does not decode, from LITE's cs_disasm() records (cs.records()): the sizes of
     all give the boundaries in one pass, and only an instruction whose mnemonic may
-    matter (_MAYBE) has its mnemonic read."""
+    matter (_MASKS) has its mnemonic read."""
     if cs.LAYOUT is None or len(code) <= SHORT:
         return _decode_lite(code, start)
     rec, o_size, o_mn, n_mn, o_ops, n_ops = cs.LAYOUT
@@ -88,7 +106,13 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
     kinds = _KINDS_B
     index = buf.index
     rip = _RIP_B.search
-    for m in _MAYBE.finditer(buf[o_mn::rec]):
+    t1, t2, t3 = _MASKS
+    frm = int.from_bytes
+    # One byte an instruction, not 0 where its three letters' masks share a bit: the
+    # columns' masks ANDed as whole numbers, not a Python step an instruction.
+    maybe = (frm(buf[o_mn::rec].translate(t1), "little") & frm(buf[o_mn + 1::rec].translate(t2), "little")
+             & frm(buf[o_mn + 2::rec].translate(t3), "little")).to_bytes(n, "little")
+    for m in _NONZERO.finditer(maybe):
         i = m.start()
         o = i * rec
         mb = buf[o + o_mn:index(0, o + o_mn, o + o_mn + n_mn)]

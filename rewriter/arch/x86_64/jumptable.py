@@ -37,6 +37,7 @@ from ... import safety
 
 _cs = cs.DETAIL
 SLICE = 24            # instructions walked back from a jump
+FACT_RUN = 8          # instructions _Fn.fact() reads at once
 MAX_ENTRIES = 4096
 
 TABLE, POINTER, COMPUTED, UNBOUNDED = "jump table", "stored code pointer", "computed address", "unbounded"
@@ -93,11 +94,6 @@ def _info(ci) -> tuple:
     return got
 
 
-def _writes(ci, reg: str) -> bool:
-    _, call, w = _info(ci)
-    return (call and reg in _CALL_CLOBBERS) or reg in w
-
-
 _UNCOND = ("jmp", "ret", "notrack jmp", "bnd jmp", "repz ret", "bnd ret", "ud2", "hlt")
 
 
@@ -137,19 +133,41 @@ class _Insns:
         return self.full
 
 
+def _record_offsets() -> tuple | None:
+    """cs.LAYOUT and cs.DETAIL_LAYOUT as the flat tuple _Whole._read_records() unpacks
+    (it runs for every few instructions a slice walks: _Fn.fact())."""
+    if cs.DETAIL_LAYOUT is None:
+        return None
+    rec, o_size, o_mn, n_mn = cs.LAYOUT[:4]
+    size, o = cs.DETAIL_LAYOUT
+    return (rec, o_size, o_mn, n_mn, size, o["address"] // 8, o["regs_write"], o["regs_write_count"], o["groups"],
+            o["groups_count"], o["op_count"], o["ops"], o["op_size"], o["op_type"], o["op_value"], o["op_opsize"],
+            o["op_access"], o["mem_base"], o["mem_index"], o["mem_disp"])
+
+
+_RECORD = _record_offsets()
+# What _read_records() derives of a mnemonic's bytes ((unconditional, lea, the
+# mnemonic)) and of a tuple of written register ids (their _PARENT names), for
+# every function.
+_MNEMS: dict[bytes, tuple] = {}
+_WRITTEN: dict[tuple, frozenset] = {}
+
+
 class _Whole:
     """Every instruction of a function (_reg_const() reads them all, where a
     backward slice reads a few dozen), as the facts _cfg() and _reg_const() read:
     its address, whether it is a call or a jump (Capstone's groups), its first
     operand's immediate (None: not one), whether it is an unconditional jump
     (_uncond()), the registers it writes (_info()), and the value of a RIP-relative
-    lea into a 64-bit register (_rip_lea(); None otherwise).  Read from
+    lea into a 64-bit register (_rip_lea(); None otherwise), and its mnemonic
+    (_Fn.fact() reads a few instructions so too).  Read from
     Capstone's raw records (cs.detail_records()) where the binding allows: a
     CsInsn of each costs four times as much (libpython's largest jump-table
     functions, 5,000 instructions each, are read so)."""
 
     def __init__(self, code: bytes, start: int):
-        self.addr, self.call, self.jump, self.imm, self.uncond, self.written, self.lea = ([] for _ in range(7))
+        self.addr, self.call, self.jump, self.imm, self.uncond, self.written, self.lea, self.mnem = \
+            ([] for _ in range(8))
         if cs.DETAIL_LAYOUT is None:
             for ci in _cs.disasm(code, start):
                 self._add_insn(ci)
@@ -169,23 +187,20 @@ class _Whole:
         self.uncond.append(_uncond(ci))
         self.written.append(written)
         self.lea.append(_rip_lea(ci) if ops and ops[0].size == 8 else None)
+        self.mnem.append(ci.mnemonic)
 
     def _read_records(self, code: bytes, start: int) -> None:
         n, recs, det = cs.detail_records(code, start)
-        rec, o_size, o_mn, n_mn = cs.LAYOUT[:4]
-        size, o = cs.DETAIL_LAYOUT
-        self.addr = addrs = memoryview(recs).cast("Q")[o["address"] // 8::rec // 8].tolist()
+        (rec, o_size, o_mn, n_mn, size, o_addr, o_w, o_wc, o_g, o_gc, o_opc, o_ops, o_sz, o_type, o_val, o_opsz,
+         o_acc, o_base, o_index, o_disp) = _RECORD
+        self.addr = addrs = memoryview(recs).cast("Q")[o_addr::rec // 8].tolist()
         sizes = memoryview(recs).cast("H")[o_size // 2::rec // 2]
         h, w, q = memoryview(det).cast("H"), memoryview(det).cast("I"), memoryview(det).cast("q")
-        o_w, o_wc, o_g, o_gc, o_opc, o_ops, o_sz = (o["regs_write"], o["regs_write_count"], o["groups"],
-                                                    o["groups_count"], o["op_count"], o["ops"], o["op_size"])
-        o_type, o_val, o_opsz, o_acc = o["op_type"], o["op_value"], o["op_opsize"], o["op_access"]
-        o_base, o_index, o_disp = o["mem_base"], o["mem_index"], o["mem_disp"]
         reg_op, imm_op, write, rip = X.X86_OP_REG, X.X86_OP_IMM, capstone.CS_AC_WRITE, X.X86_REG_RIP
         grp_call, grp_jump = capstone.CS_GRP_CALL, capstone.CS_GRP_JUMP
-        mnems: dict[bytes, tuple] = {}
-        parents: dict[tuple, frozenset] = {}
+        mnems, parents = _MNEMS, _WRITTEN
         call, jump, imm, uncond, written, lea = self.call, self.jump, self.imm, self.uncond, self.written, self.lea
+        mnem = self.mnem
         index = recs.index
         for i in range(n):
             r, b = i * rec, i * size
@@ -193,11 +208,12 @@ class _Whole:
             got = mnems.get(mb)
             if got is None:
                 m = mb.decode("ascii")
-                got = mnems[mb] = (m.startswith(_UNCOND), m == "lea")
+                got = mnems[mb] = (m.startswith(_UNCOND), m == "lea", m)
             groups = det[b + o_g:b + o_g + det[b + o_gc]]
             call.append(grp_call in groups)
             jump.append(grp_jump in groups)
             uncond.append(got[0])
+            mnem.append(got[2])
             # cs_regs_access()'s writes: the implicit ones, and each register operand written
             regs = tuple(h[(b + o_w) // 2:(b + o_w) // 2 + det[b + o_wc]])
             opc = det[b + o_opc]
@@ -229,6 +245,46 @@ class _Fn:
         self.cfg = None                       # _reg_const's edges that no register changes
         self.writes: dict[str, list] = {}     # register -> whether each instruction writes it
         self.whole = None                     # _reg_const's _Whole of the function
+        self.facts: dict[int, tuple] = {}     # index -> (mnemonic, is a call, registers written, unconditional)
+
+    def fact(self, k: int) -> tuple:
+        """(mnemonic, whether it is a call, the _PARENT names of the registers it
+        writes, whether it is an unconditional jump) of insns[k]: what a backward
+        slice asks of most instructions it walks, read with the FACT_RUN
+        instructions before k (the way a slice goes) from Capstone's raw records
+        (_Whole), not from a CsInsn of each (insns[k]: the one whose operands a
+        slice reads)."""
+        got = self.facts.get(k)
+        if got is not None:
+            return got
+        whole = self.whole
+        if whole is None and cs.DETAIL_LAYOUT is not None:
+            ins = self.insns
+            lo = max(0, k - FACT_RUN + 1)
+            while lo < k and lo in self.facts:
+                lo += 1
+            off, end = ins.bounds[lo], ins.bounds[k + 1] if k + 1 < len(ins.bounds) else len(ins.code)
+            run = _Whole(ins.code[off:end], ins.start + off)
+            # The same instructions as insns[] decodes one by one (each is its own bytes),
+            # unless Capstone stopped early: then a CsInsn of k.
+            if len(run) >= k - lo + 1 and run.addr[k - lo] == ins.start + ins.bounds[k]:
+                facts = self.facts
+                for i in range(k - lo + 1):
+                    facts[lo + i] = (run.mnem[i], run.call[i], run.written[i], run.uncond[i])
+                return facts[k]
+        elif whole is not None and k < len(whole):
+            got = self.facts[k] = (whole.mnem[k], whole.call[k], whole.written[k], whole.uncond[k])
+            return got
+        ci = self.insns[k]
+        _, call, written = _info(ci)
+        got = self.facts[k] = (ci.mnemonic, call, written, _uncond(ci))
+        return got
+
+    def changes(self, k: int, reg: str) -> bool:
+        """insns[k] may change %reg: it writes it, or it is a call and %reg a register
+        a call clobbers."""
+        _, call, written, _ = self.fact(k)
+        return (call and reg in _CALL_CLOBBERS) or reg in written
 
     def back(self, k: int, first: bool = False):
         """Indices before k on straight-line code (k itself first if `first`): stops
@@ -243,7 +299,7 @@ class _Fn:
             if j == 0:
                 yield -1
                 return
-            if self.insns[j].address in self.an.targets or _uncond(self.insns[j - 1]):
+            if self.insns.start + self.insns.bounds[j] in self.an.targets or self.fact(j - 1)[3]:
                 self.join = j
                 return
             j -= 1
@@ -254,14 +310,14 @@ class _Fn:
         (index, taken): the direct branches to it (taken) and the fall-through;
         None if something else names it (a symbol, a relocation, a landing pad,
         a branch from another function)."""
-        a = self.insns[j].address
+        a = self.insns.start + self.insns.bounds[j]
         if a in self.an.entered:
             return None
         srcs = self.an.branch_sources.get(a, [])
         if any(s not in self.index for s in srcs):
             return None
         out = [(self.index[s], True) for s in srcs]
-        if j > 0 and not _uncond(self.insns[j - 1]):
+        if j > 0 and not self.fact(j - 1)[3]:
             out.append((j - 1, False))
         return out
 
@@ -423,9 +479,9 @@ def _definition(fn: _Fn, start: int, reg: str, first: bool, addr: int):
             if _pointers_known(fn):
                 return IndirectJump(addr, POINTER)
             return IndirectJump(addr, UNBOUNDED, why=f"%{reg} comes from the caller")
-        ci = fn.insns[j]
-        if not _writes(ci, reg):
+        if not fn.changes(j, reg):
             continue
+        ci = fn.insns[j]
         m, ops = ci.mnemonic, ci.operands
         if _info(ci)[1]:
             # A function's return value: a code pointer it loaded or computed.
@@ -486,10 +542,10 @@ def _pic_table(fn: _Fn, k_add: int, addr: int, reg: str, base: str) -> IndirectJ
     for j in fn.back(k_add):
         if j < 0:
             break
-        ci = fn.insns[j]
-        if _writes(ci, base) and load is None:
+        if fn.changes(j, base) and load is None:
             break              # the base changes between the load and the add
-        if _writes(ci, reg):
+        if fn.changes(j, reg):
+            ci = fn.insns[j]
             ops = ci.operands
             if ci.mnemonic == "movsxd" and ops[1].type == X.X86_OP_MEM and ops[1].size == 4:
                 mm = ops[1].mem
@@ -524,9 +580,8 @@ def _lea_value(fn: _Fn, k: int, base: str) -> int | None:
         for j in fn.back(*item):
             if j < 0:
                 return None
-            ci = fn.insns[j]
-            if _writes(ci, base):
-                v = _rip_lea(ci)
+            if fn.changes(j, base):
+                v = _rip_lea(fn.insns[j])
                 if v is None:
                     return None
                 values.add(v)
@@ -733,9 +788,9 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
 
     def flags_reader(j):
         k2 = j + 1            # the jcc reading the cmp's flags (movs and leas may sit between)
-        while fn.insns[k2].mnemonic in ("mov", "lea", "movzx", "movsx", "movsxd", "movabs") and k2 < start:
+        while fn.fact(k2)[0] in ("mov", "lea", "movzx", "movsx", "movsxd", "movabs") and k2 < start:
             k2 += 1
-        nxt = fn.insns[k2].mnemonic
+        nxt = fn.fact(k2)[0]
         if taken and k2 == start:
             nxt = {"jbe": "ja", "jb": "jae"}.get(nxt, "")
         return nxt
@@ -745,6 +800,8 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
     for j in fn.back(start, first):
         if j < 0:
             return limit
+        if not isinstance(index, tuple) and fn.fact(j)[0] != "cmp" and not fn.changes(j, index):
+            continue          # (what the checks below conclude, without a CsInsn)
         ci = fn.insns[j]
         ops = ci.operands
         if isinstance(index, tuple):
@@ -753,7 +810,7 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
             if ci.mnemonic == "cmp" and len(ops) == 2 and ops[0].type == X.X86_OP_MEM \
                     and _memkey(ci, ops[0]) == index and ops[1].type == X.X86_OP_IMM and ops[0].size >= width:
                 pass
-            elif _stores(ci) or any(r and _writes(ci, r) for r in index[1:3]):
+            elif _stores(ci) or any(r and fn.changes(j, r) for r in index[1:3]):
                 return limit
             else:
                 continue
@@ -777,7 +834,7 @@ def _bound_path(fn: _Fn, start: int, first: bool, taken: bool, index: str, width
                 b = ops[1].imm + 1 if nxt == "ja" else ops[1].imm
                 narrow = b if narrow is None else min(narrow, b)
             continue
-        if not _writes(ci, index):
+        if not fn.changes(j, index):
             continue
         m = ci.mnemonic
         if m == "mov" and ops[0].type == X.X86_OP_REG and ops[1].type == X.X86_OP_REG \
@@ -828,13 +885,13 @@ def _lea_folded(fn: _Fn, k: int, key: tuple) -> tuple:
     for j in fn.back(k):
         if j < 0:
             break
-        ci = fn.insns[j]
-        if _writes(ci, idx):
+        if fn.changes(j, idx):
+            ci = fn.insns[j]
             ops = ci.operands
             if ci.mnemonic == "lea" and ops[0].size == 8 and not ops[1].mem.index and not ops[1].mem.segment \
                     and ops[1].mem.base not in (0, X.X86_REG_RIP):
                 r = _reg(ci, ops[1].mem.base)
-                if r != idx and not any(_writes(fn.insns[p], r) for p in passed):
+                if r != idx and not any(fn.changes(p, r) for p in passed):
                     return (kind, base, r, scale, disp + ops[1].mem.disp * scale, size)
             break
         passed.append(j)
