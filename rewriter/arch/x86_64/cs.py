@@ -36,18 +36,27 @@ def _layout():
 LAYOUT = _layout()
 
 
+def _disasm(cs, code, start: int):
+    """(count, the cs_insn array to cs_free()) of cs_disasm() with handle `cs` over
+    `code` at `start`; (0, None) when nothing decodes; CsError for Capstone's errors."""
+    if not isinstance(code, bytes):     # the binding's argument type takes bytes only
+        code = bytes(code)              # (disasm_lite() takes a bytearray, a memoryview too)
+    p = ctypes.POINTER(capstone._cs_insn)()
+    n = capstone._cs.cs_disasm(cs.csh, code, len(code), start, 0, ctypes.byref(p))
+    if n <= 0:
+        status = capstone._cs.cs_errno(cs.csh)
+        if status != capstone.CS_ERR_OK:
+            raise capstone.CsError(status)
+        return 0, None
+    return n, p
+
+
 def records(code: bytes, start: int) -> tuple[int, bytes]:
     """(count, the raw cs_insn records) of LITE decoding `code` at `start` until the
     first byte it cannot decode: what disasm_lite() yields, as one bytes object read
     with LAYOUT's offsets (copied before cs_free())."""
-    if not isinstance(code, bytes):     # the binding's argument type takes bytes only
-        code = bytes(code)              # (disasm_lite() takes a bytearray, a memoryview too)
-    p = ctypes.POINTER(capstone._cs_insn)()
-    n = capstone._cs.cs_disasm(LITE.csh, code, len(code), start, 0, ctypes.byref(p))
-    if n <= 0:
-        status = capstone._cs.cs_errno(LITE.csh)
-        if status != capstone.CS_ERR_OK:
-            raise capstone.CsError(status)
+    n, p = _disasm(LITE, code, start)
+    if n == 0:
         return 0, b""
     try:
         return n, ctypes.string_at(p, n * LAYOUT[0])
@@ -92,14 +101,8 @@ def detail_records(code: bytes, start: int) -> tuple[int, bytes, bytes]:
     operand, DETAIL_LAYOUT[0] bytes a record) of DETAIL decoding `code` at `start`
     until the first byte it cannot decode: what DETAIL.disasm() yields, without the
     CsInsn (and its copy of the whole detail) that the binding makes of each."""
-    if not isinstance(code, bytes):
-        code = bytes(code)
-    p = ctypes.POINTER(capstone._cs_insn)()
-    n = capstone._cs.cs_disasm(DETAIL.csh, code, len(code), start, 0, ctypes.byref(p))
-    if n <= 0:
-        status = capstone._cs.cs_errno(DETAIL.csh)
-        if status != capstone.CS_ERR_OK:
-            raise capstone.CsError(status)
+    n, p = _disasm(DETAIL, code, start)
+    if n == 0:
         return 0, b"", b""
     try:
         rec = LAYOUT[0]
