@@ -5,14 +5,18 @@ arch_prepare_optimized_kprobe() and arch_optimize_kprobes()), each return
 site's detour, each breakpoint site's out-of-line slot and breakpoint
 (arch_prepare_kprobe(), arch_arm_kprobe()).  The code of one site is the same
 function whether `sym` holds the runtime's real addresses or, during layout,
-placeholders (Far): only its size and internal offsets matter then.  Nothing
+placeholders (Far): only its size and internal offsets matter then.  Where the
+arch logs the fields that reach the runtime (arch.base.LinkSym), the layout keeps
+each detour's code and its links, and emit() patches those for the linked runtime,
+as a linker applies relocations, rather than building every detour again.  Nothing
 here decides or writes into the plan or the layout.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
-from .arch.base import EMULATE
+from .arch.base import EMULATE, LinkSym
 from .errors import KprewriteError
 from .planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, Plan, Site
 from .events import trace_key
@@ -29,15 +33,21 @@ HOOK_RET_CLEAN, HOOK_RET_JMP, HOOK_RET_CLEAN_JMP = \
 JMP_FORM = {HOOK_SYMBOL[HOOK_RET]: HOOK_RET_JMP, HOOK_RET_CLEAN: HOOK_RET_CLEAN_JMP}
 
 
+FAR = 0x1000000
+
+
 class Far:
     """Placeholder addresses of runtime symbols, before linking: far enough from
-    `at` that every reference takes its long form, as the real ones will."""
+    `at` that every reference takes its long form, as the real ones will.  Each is
+    a LinkSym: the code built with them logs in `links` (address, symbol) where
+    it reaches one (an arch whose Emit.LOGS_LINKS is true)."""
 
     def __init__(self, at: int):
         self.at = at
+        self.links: list[tuple[int, str]] = []
 
     def __getitem__(self, name: str) -> int:
-        return self.at + 0x1000000
+        return LinkSym(self.at + FAR, name, self.links)
 
 
 @dataclass
@@ -236,6 +246,19 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             raise KprewriteError(f"internal error: code at {addr:#x} is {len(code)} bytes, laid out for {size}")
         rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
 
+    def put_linked(at, key):
+        """The code the layout built for `key` at `at`, each rel32 it logged reaching a
+        runtime symbol moved from the placeholder (Far(at)) to the symbol: the same
+        bytes as building it again with `sym`."""
+        code, o = layout.code[key], at - layout.rx_vaddr
+        rx[o:o + len(code)] = code
+        for field, name in layout.links[key]:
+            v = unpack(rx, o + field)[0] + sym[name] - (at + FAR)
+            if not -0x80000000 <= v < 0x80000000:
+                raise KprewriteError(f"internal error: the rel32 at {at + field:#x} cannot reach {name}")
+            pack(rx, o + field, v)
+
+    unpack, pack = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
     patches = []
     em = c.arch.emit
     for site in c.plan.sites:
@@ -245,8 +268,11 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             patches.append((site.addr, c.arch.breakpoint))
             continue
         detour = layout.detour(site)
-        code, _, _ = site_detour(c, layout, site, detour, sym)
-        put(detour, code, layout.sizes[("site", site.index)])
+        if ("site", site.index) in layout.links:
+            put_linked(detour, ("site", site.index))
+        else:
+            code, _, _ = site_detour(c, layout, site, detour, sym)
+            put(detour, code, layout.sizes[("site", site.index)])
         if site.evicted is not None:    # a short jump to the jump in an evicted neighbour
             ev = site.evicted
             put(layout.detour(ev), evicted_detour(c, ev, layout.detour(ev)), layout.sizes[("evicted", ev.addr)])
@@ -259,7 +285,10 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, detour)))
     for rs in c.plan.ret_sites:
         detour = layout.detour(rs)
-        put(detour, ret_detour(c, rs, detour, sym), layout.sizes[("ret", rs.addr)])
+        if ("ret", rs.addr) in layout.links:
+            put_linked(detour, ("ret", rs.addr))
+        else:
+            put(detour, ret_detour(c, rs, detour, sym), layout.sizes[("ret", rs.addr)])
         patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, detour)))
     # Direct branches that enter the detour themselves (libpython: 52,000, to 6,000 detours):
     # each detour looked up once, each branch's bytes sliced from its load segment's.

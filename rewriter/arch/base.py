@@ -31,6 +31,26 @@ class DcrInsn:
     info: Any
 
 
+class LinkSym(int):
+    """A runtime symbol's placeholder address while the layout sizes the detours
+    (emission.Far): an int that remembers the symbol's name and the list of links
+    of the detour being built.  An arch whose Emit.LOGS_LINKS is true logs there
+    each field of the code that reaches the symbol (x86-64: every rel32), so
+    emission patches the layout's code for the linked runtime (the linker's
+    relocations, in small) rather than building each detour again.  An offset
+    added keeps the name (a probe is kp_probes + its slot's offset)."""
+
+    def __new__(cls, value: int, name: str, links: list):
+        self = super().__new__(cls, value)
+        self.name, self.links = name, links
+        return self
+
+    def __add__(self, offset: int) -> "LinkSym":
+        return LinkSym(int(self) + offset, self.name, self.links)
+
+    __radd__ = __add__
+
+
 RET, TAIL = "ret", "tail"
 COND = "cond"                 # a conditional direct jump (RetProbe.exit_kind(); not an Exit's kind)
 
@@ -210,6 +230,9 @@ class Emit(Protocol):
     """arch_prepare_optimized_kprobe() and the code kprewrite writes: detours,
     templates, patches, start-up stubs; the runtime's struct offsets (asm-offsets)."""
     EmitError: type
+    # True: every field of the emitted code that reaches a runtime symbol given as a
+    # LinkSym is logged in its links (the layout's placeholders): emission patches those.
+    LOGS_LINKS: bool
 
     # Runtime struct sizes and offsets, generated from the C headers (kp_asm_offsets.c).
     KPROBE_SIZE: int

@@ -19,6 +19,11 @@ from . import offsets as O
 from ... import safety
 
 
+# Its references to runtime symbols are not logged (Emit.LOGS_LINKS): emission builds
+# each detour again with the linked runtime's addresses.
+LOGS_LINKS = False
+
+
 class EmitError(Exception):
     pass
 
