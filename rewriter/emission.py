@@ -13,7 +13,6 @@ here decides or writes into the plan or the layout.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 from .arch.base import EMULATE, LinkSym
@@ -40,7 +39,7 @@ class Far:
     """Placeholder addresses of runtime symbols, before linking: far enough from
     `at` that every reference takes its long form, as the real ones will.  Each is
     a LinkSym: the code built with them logs in `links` (address, symbol) where
-    it reaches one (an arch whose Emit.LOGS_LINKS is true)."""
+    it reaches one (an arch with an Emit.relink)."""
 
     def __init__(self, at: int):
         self.at = at
@@ -247,18 +246,13 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
         rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
 
     def put_linked(at, key):
-        """The code the layout built for `key` at `at`, each rel32 it logged reaching a
+        """The code the layout built for `key` at `at`, each field it logged reaching a
         runtime symbol moved from the placeholder (Far(at)) to the symbol: the same
         bytes as building it again with `sym`."""
         code, o = layout.code[key], at - layout.rx_vaddr
         rx[o:o + len(code)] = code
-        for field, name in layout.links[key]:
-            v = unpack(rx, o + field)[0] + sym[name] - (at + FAR)
-            if not -0x80000000 <= v < 0x80000000:
-                raise KprewriteError(f"internal error: the rel32 at {at + field:#x} cannot reach {name}")
-            pack(rx, o + field, v)
+        em.relink(rx, o, layout.links[key], sym, at + FAR)
 
-    unpack, pack = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
     patches = []
     em = c.arch.emit
     for site in c.plan.sites:

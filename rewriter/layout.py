@@ -77,8 +77,8 @@ class Layout:
     # than those (a user target's unwind rows) is computed from it while the linker runs.
     code: Mapping = field(default_factory=dict)
     # Of the code above, that which is final but for its references to the runtime:
-    # ("site"|"ret", key) -> ((offset, symbol), ...) where each rel32 reaching a symbol lies,
-    # which emission patches (an arch that logs them, Emit.LOGS_LINKS).  A site whose copy
+    # ("site"|"ret", key) -> ((offset, symbol), ...) where each field reaching a symbol lies,
+    # which emission patches (an arch that logs them: Emit.relink).  A site whose copy
     # names a detour not laid out yet, or a rider's next detour, is built again instead.
     links: Mapping = field(default_factory=dict)
 
@@ -99,7 +99,7 @@ def place(c: emission.Code, target) -> Layout:
     tl = target.plan_layout(c.image)
     stubs, pos = target.reserve_stubs(c.image, tl.after_phdrs)
     sizes, sites, evicted, returns, xol, codes, links = {}, {}, {}, {}, {}, {}, {}
-    logs = c.arch.emit.LOGS_LINKS
+    logs = c.arch.emit.relink is not None
 
     def linked(key, far: emission.Far):
         links[key] = tuple((a - far.at, name) for a, name in far.links)

@@ -34,7 +34,7 @@ class DcrInsn:
 class LinkSym(int):
     """A runtime symbol's placeholder address while the layout sizes the detours
     (emission.Far): an int that remembers the symbol's name and the list of links
-    of the detour being built.  An arch whose Emit.LOGS_LINKS is true logs there
+    of the detour being built.  An arch with an Emit.relink logs there
     each field of the code that reaches the symbol (x86-64: every rel32), so
     emission patches the layout's code for the linked runtime (the linker's
     relocations, in small) rather than building each detour again.  An offset
@@ -230,9 +230,11 @@ class Emit(Protocol):
     """arch_prepare_optimized_kprobe() and the code kprewrite writes: detours,
     templates, patches, start-up stubs; the runtime's struct offsets (asm-offsets)."""
     EmitError: type
-    # True: every field of the emitted code that reaches a runtime symbol given as a
-    # LinkSym is logged in its links (the layout's placeholders): emission patches those.
-    LOGS_LINKS: bool
+    # relink(buf, off, links, sym, placeholder): the code at buf[off:], built with every
+    # runtime symbol at `placeholder` (emission.Far's LinkSyms, each field of the code that
+    # reaches one logged in `links` as (offset, symbol)), moved to sym's addresses: the
+    # bytes a build with sym gives.  None: the arch logs no links (each detour is built again).
+    relink: Callable | None
 
     # Runtime struct sizes and offsets, generated from the C headers (kp_asm_offsets.c).
     KPROBE_SIZE: int

@@ -19,9 +19,9 @@ from . import offsets as O
 from ... import safety
 
 
-# Its references to runtime symbols are not logged (Emit.LOGS_LINKS): emission builds
+# Its references to runtime symbols are not logged (Emit.relink): emission builds
 # each detour again with the linked runtime's addresses.
-LOGS_LINKS = False
+relink = None
 
 
 class EmitError(Exception):

@@ -23,17 +23,26 @@ class EmitError(Exception):
     pass
 
 
-# Every reference to a runtime symbol is a rel32 (a call, a jmp, a RIP-relative
-# operand), logged by _link() when the layout's placeholders (base.LinkSym) are given:
-# emission then patches the layout's code for the linked runtime.
-LOGS_LINKS = True
-
-
 def _link(target: int, field: int):
     """Log the rel32 at address `field` as reaching `target`, if target is a runtime
-    symbol's placeholder (base.LinkSym: the layout's sizing build)."""
+    symbol's placeholder (base.LinkSym: the layout's sizing build).  Every reference
+    to a runtime symbol is such a rel32 (a call, a jmp, a RIP-relative operand)."""
     if type(target) is LinkSym:
         target.links.append((field, target.name))
+
+
+_unpack_i32, _pack_i32_into = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
+
+
+def relink(buf: bytearray, off: int, links, sym, placeholder: int):
+    """The code at buf[off:], built with every runtime symbol at `placeholder`, each
+    logged rel32 (links: (offset, symbol)) moved to the symbol's address in sym (an
+    R_X86_64_PC32 applied again): the bytes a build with sym gives."""
+    for field, name in links:
+        v = _unpack_i32(buf, off + field)[0] + sym[name] - placeholder
+        if not -0x80000000 <= v < 0x80000000:
+            raise KprewriteError(f"internal error: a rel32 of the new code cannot reach {name}")
+        _pack_i32_into(buf, off + field, v)
 
 
 def asm(text: str, addr: int) -> bytes:
