@@ -22,7 +22,13 @@ __attribute__((noinline)) int c(int x) { sink += x; return x * 3 + sink; }
 __attribute__((noinline)) int b(int x) { int r = c(x + 1); sink += r; return r + 1; }
 __attribute__((noinline)) int a(int x) { int r = b(x + 1); sink += r; return r + 2; }
 __attribute__((noinline)) int tail(int x) { sink++; return c(x); }
-int main(void) { printf("%d %d %d\n", a(1), loop(5), tail(2)); return 0; }
+/* Two-byte instructions: probes at +0, +2 and +4 share one region; a tail jump. */
+__asm__(".text\n.globl s_two\n.type s_two,@function\ns_two:\n"
+        "  mov %edi,%eax\n  add %eax,%eax\n  inc %eax\n  inc %eax\n  ret\n.size s_two,.-s_two\n"
+        ".globl tailj\n.type tailj,@function\ntailj:\n"
+        "  add $1,%edi\n  add $2,%edi\n  jmp c\n.size tailj,.-tailj\n");
+int s_two(int), tailj(int);
+int main(void) { printf("%d %d %d %d %d\n", a(1), loop(5), tail(2), s_two(3), tailj(4)); return 0; }
 """
 
 HANDLERS = r"""
@@ -45,7 +51,11 @@ SPECS = {
                 '[[kprobe]]\nsymbol_name = "loop"\npre_handler = "count"\npost_handler = "post"\n'
                 '[[kretprobe]]\nsymbol_name = "leaf"\nhandler = "ret"\n'              # its ret in the region
                 '[[kretprobe]]\nsymbol_name = "tail"\nhandler = "fullret"\nentry_handler = "enter"\n'
-                '[[kretprobe]]\nsymbol_name = "main"\nhandler = "ret"\nentry_handler = "enter"\n',
+                '[[kretprobe]]\nsymbol_name = "main"\nhandler = "ret"\nentry_handler = "enter"\n'
+                '[[kretprobe]]\nsymbol_name = "tailj"\nhandler = "ret"\n'                # a tail jump's hook
+                '[[kprobe]]\nsymbol_name = "s_two"\npre_handler = "count"\n'          # a shared region
+                '[[kprobe]]\nsymbol_name = "s_two"\noffset = 2\npre_handler = "count"\n'
+                '[[kprobe]]\nsymbol_name = "s_two"\noffset = 4\npre_handler = "full"\n',
     "light": '[[kprobe]]\nsymbol_name = "*"\n',
     "every": 'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "*"\n'
              '[[kretprobe]]\nsymbol_name = "*"\nhandler = "ret"\n',
@@ -85,3 +95,5 @@ def test_patched_detours_are_the_detours_built_again(prog, tmp_path, monkeypatch
     assert len(forms) >= (3 if kind == "handlers" else 1), forms
     if kind != "light":
         assert any(k[0] == "ret" for k in lay.links), "no return site linked"
+    if kind == "handlers":      # a region's head and riders jump one to the next: built again
+        assert any(st.riders for st in s.plan.sites)
