@@ -46,7 +46,9 @@ class Far:
         self.links: list[tuple[int, str]] = []
 
     def __getitem__(self, name: str) -> int:
-        return LinkSym(self.at + FAR, name, self.links)
+        s = LinkSym(self.at + FAR)      # (LinkSym.of() written out: one per reference laid out)
+        s.name, s.links = name, self.links
+        return s
 
 
 @dataclass
@@ -251,7 +253,7 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
         bytes as building it again with `sym`."""
         code, o = layout.code[key], at - layout.rx_vaddr
         rx[o:o + len(code)] = code
-        em.relink(rx, o, layout.links[key], sym, at + FAR)
+        em.relink(rx, o - at, layout.links[key], sym, at + FAR)
 
     patches = []
     em = c.arch.emit

@@ -77,7 +77,7 @@ class Layout:
     # than those (a user target's unwind rows) is computed from it while the linker runs.
     code: Mapping = field(default_factory=dict)
     # Of the code above, that which is final but for its references to the runtime:
-    # ("site"|"ret", key) -> ((offset, symbol), ...) where each field reaching a symbol lies,
+    # ("site"|"ret", key) -> ((address, symbol), ...) where each field reaching a symbol lies,
     # which emission patches (an arch that logs them: Emit.relink).  A site whose copy
     # names a detour not laid out yet, or a rider's next detour, is built again instead.
     links: Mapping = field(default_factory=dict)
@@ -100,9 +100,6 @@ def place(c: emission.Code, target) -> Layout:
     stubs, pos = target.reserve_stubs(c.image, tl.after_phdrs)
     sizes, sites, evicted, returns, xol, codes, links = {}, {}, {}, {}, {}, {}, {}
     logs = c.arch.emit.relink is not None
-
-    def linked(key, far: emission.Far):
-        links[key] = tuple((a - far.at, name) for a, name in far.links)
     # What is laid out so far: the same mappings, filled in as pieces are placed.
     so_far = Layout(tl.rx_vaddr, stubs, 0, tl, tl.data_vaddr, sizes, sites, evicted, returns, xol)
     for site in c.plan.sites:
@@ -112,7 +109,7 @@ def place(c: emission.Code, target) -> Layout:
         # starts a cache line, which then holds all of it: one line fetched a hit.
         pos = (pos + 63) & ~63 if site.light else (pos + 15) & ~15
         # Final but for its links unless a branch it copies names a detour to come (its own too).
-        final = logs and all(so_far.detour(to) for to in site.branch_to.values())
+        final = logs and (not site.branch_to or all(so_far.detour(to) for to in site.branch_to.values()))
         far = emission.Far(pos)
         with relocating(c, "probe", site.addr):
             code, resume, resume_post = emission.site_detour(c, so_far, site, pos, far)
@@ -120,7 +117,7 @@ def place(c: emission.Code, target) -> Layout:
         sizes[("site", site.index)] = len(code)
         codes[("site", site.index)] = code
         if final:
-            linked(("site", site.index), far)
+            links[("site", site.index)] = tuple(far.links)
         pos += len(code)
     for site in c.plan.sites:       # evicted neighbours (planner.short_jumps.evict_neighbour()): a copy, no probe
         ev = site.evicted
@@ -143,7 +140,7 @@ def place(c: emission.Code, target) -> Layout:
             code = codes[("ret", rs.addr)] = emission.ret_detour(c, rs, pos, far)
             sizes[("ret", rs.addr)] = n = len(code)
         if logs:
-            linked(("ret", rs.addr), far)
+            links[("ret", rs.addr)] = tuple(far.links)
         pos += n
     desc = c.arch.kprobe_xol.number_descriptors(c.plan.sites)
     for site in c.plan.sites:

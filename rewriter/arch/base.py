@@ -39,14 +39,17 @@ class LinkSym(int):
     emission patches the layout's code for the linked runtime (the linker's
     relocations, in small) rather than building each detour again.  An offset
     added keeps the name (a probe is kp_probes + its slot's offset)."""
+    name: str
+    links: list       # (address of a field, name), as the arch logs them
 
-    def __new__(cls, value: int, name: str, links: list):
-        self = super().__new__(cls, value)
-        self.name, self.links = name, links
-        return self
+    @staticmethod
+    def of(value: int, name: str, links: list) -> "LinkSym":
+        s = LinkSym(value)      # (no __new__ of its own: one is made per reference laid out)
+        s.name, s.links = name, links
+        return s
 
     def __add__(self, offset: int) -> "LinkSym":
-        return LinkSym(int(self) + offset, self.name, self.links)
+        return LinkSym.of(int(self) + offset, self.name, self.links)
 
     __radd__ = __add__
 
@@ -230,10 +233,11 @@ class Emit(Protocol):
     """arch_prepare_optimized_kprobe() and the code kprewrite writes: detours,
     templates, patches, start-up stubs; the runtime's struct offsets (asm-offsets)."""
     EmitError: type
-    # relink(buf, off, links, sym, placeholder): the code at buf[off:], built with every
-    # runtime symbol at `placeholder` (emission.Far's LinkSyms, each field of the code that
-    # reaches one logged in `links` as (offset, symbol)), moved to sym's addresses: the
-    # bytes a build with sym gives.  None: the arch logs no links (each detour is built again).
+    # relink(buf, base, links, sym, placeholder): the code in buf (address a at buf[base + a]),
+    # built with every runtime symbol at `placeholder` (emission.Far's LinkSyms, each field
+    # of the code that reaches one logged in `links` as (address, symbol)), moved to sym's
+    # addresses: the bytes a build with sym gives.  None: the arch logs no links (each
+    # detour is built again).
     relink: Callable | None
 
     # Runtime struct sizes and offsets, generated from the C headers (kp_asm_offsets.c).

@@ -34,15 +34,16 @@ def _link(target: int, field: int):
 _unpack_i32, _pack_i32_into = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
 
 
-def relink(buf: bytearray, off: int, links, sym, placeholder: int):
-    """The code at buf[off:], built with every runtime symbol at `placeholder`, each
-    logged rel32 (links: (offset, symbol)) moved to the symbol's address in sym (an
-    R_X86_64_PC32 applied again): the bytes a build with sym gives."""
+def relink(buf: bytearray, base: int, links, sym, placeholder: int):
+    """The code in buf (address a at buf[base + a]), built with every runtime symbol
+    at `placeholder`, each logged rel32 (links: (address, symbol)) moved to the
+    symbol's address in sym (an R_X86_64_PC32 applied again): the bytes a build
+    with sym gives."""
     for field, name in links:
-        v = _unpack_i32(buf, off + field)[0] + sym[name] - placeholder
+        v = _unpack_i32(buf, base + field)[0] + sym[name] - placeholder
         if not -0x80000000 <= v < 0x80000000:
-            raise KprewriteError(f"internal error: a rel32 of the new code cannot reach {name}")
-        _pack_i32_into(buf, off + field, v)
+            raise KprewriteError(f"internal error: the rel32 at {field:#x} cannot reach {name}")
+        _pack_i32_into(buf, base + field, v)
 
 
 def asm(text: str, addr: int) -> bytes:
