@@ -227,13 +227,14 @@ def branch_disp(code: bytes) -> int | None:
 
 
 def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
-    """A direct branch at `addr` (its bytes `code`) sent to `target` instead: the
-    (address, bytes) of its new rel32."""
-    off = branch_disp(code)
-    v = target - (addr + off + 4)
+    """A direct branch at `addr` (its bytes `code`, as long as branch_disp() says:
+    the rel32 is their last 4) sent to `target` instead: the (address, bytes) of its
+    new rel32."""
+    end = addr + len(code)
+    v = target - end
     if not -0x80000000 <= v < 0x80000000:
-        return addr + off, _s32(v, "branch to detour")      # raises
-    return addr + off, _pack_i32(v)
+        return end - 4, _s32(v, "branch to detour")      # raises
+    return end - 4, _pack_i32(v)
 
 
 def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
