@@ -38,12 +38,12 @@ FAR = 0x1000000
 class Far:
     """Placeholder addresses of runtime symbols, before linking: far enough from
     `at` that every reference takes its long form, as the real ones will.  Each is
-    a LinkSym: the code built with them logs in `links` (address, symbol) where
-    it reaches one (an arch with an Emit.relink)."""
+    a LinkSym: the code built with them logs in `links` (address, symbol, ...)
+    where it reaches one (an arch with an Emit.relink)."""
 
     def __init__(self, at: int):
         self.at = at
-        self.links: list[tuple[int, str]] = []
+        self.links: list = []
 
     def __getitem__(self, name: str) -> int:
         s = LinkSym(self.at + FAR)      # (LinkSym.of() written out: one per reference laid out)

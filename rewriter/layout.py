@@ -77,7 +77,7 @@ class Layout:
     # than those (a user target's unwind rows) is computed from it while the linker runs.
     code: Mapping = field(default_factory=dict)
     # Of the code above, that which is final but for its references to the runtime:
-    # ("site"|"ret", key) -> ((address, symbol), ...) where each field reaching a symbol lies,
+    # ("site"|"ret", key) -> (address, symbol, ...): where each field reaching a symbol lies,
     # which emission patches (an arch that logs them: Emit.relink).  A site whose copy
     # names a detour not laid out yet, or a rider's next detour, is built again instead.
     links: Mapping = field(default_factory=dict)
@@ -114,10 +114,10 @@ def place(c: emission.Code, target) -> Layout:
         with relocating(c, "probe", site.addr):
             code, resume, resume_post = emission.site_detour(c, so_far, site, pos, far)
         sites[site.index] = SiteAddrs(pos, resume, resume_post)
-        sizes[("site", site.index)] = len(code)
-        codes[("site", site.index)] = code
+        key = ("site", site.index)      # one key object for the three (12,000 sites: the collector counts them)
+        sizes[key], codes[key] = len(code), code
         if final:
-            links[("site", site.index)] = tuple(far.links)
+            links[key] = tuple(far.links)
         pos += len(code)
     for site in c.plan.sites:       # evicted neighbours (planner.short_jumps.evict_neighbour()): a copy, no probe
         ev = site.evicted
@@ -136,11 +136,12 @@ def place(c: emission.Code, target) -> Layout:
         pos = (pos + 15) & ~15
         returns[rs.addr] = pos
         far = emission.Far(pos)
+        key = ("ret", rs.addr)
         with relocating(c, "return site", rs.addr):
-            code = codes[("ret", rs.addr)] = emission.ret_detour(c, rs, pos, far)
-            sizes[("ret", rs.addr)] = n = len(code)
+            code = codes[key] = emission.ret_detour(c, rs, pos, far)
+            sizes[key] = n = len(code)
         if logs:
-            links[("ret", rs.addr)] = tuple(far.links)
+            links[key] = tuple(far.links)
         pos += n
     desc = c.arch.kprobe_xol.number_descriptors(c.plan.sites)
     for site in c.plan.sites:

@@ -40,7 +40,8 @@ class LinkSym(int):
     relocations, in small) rather than building each detour again.  An offset
     added keeps the name (a probe is kp_probes + its slot's offset)."""
     name: str
-    links: list       # (address of a field, name), as the arch logs them
+    links: list       # address of a field, its symbol's name, ...: as the arch logs them (flat:
+                      # a layout keeps one tuple of them a detour, not one a field, for the collector)
 
     @staticmethod
     def of(value: int, name: str, links: list) -> "LinkSym":
@@ -235,7 +236,7 @@ class Emit(Protocol):
     EmitError: type
     # relink(buf, base, links, sym, placeholder): the code in buf (address a at buf[base + a]),
     # built with every runtime symbol at `placeholder` (emission.Far's LinkSyms, each field
-    # of the code that reaches one logged in `links` as (address, symbol)), moved to sym's
+    # of the code that reaches one logged in `links` as address, symbol...), moved to sym's
     # addresses: the bytes a build with sym gives.  None: the arch logs no links (each
     # detour is built again).
     relink: Callable | None

@@ -28,7 +28,7 @@ def _link(target: int, field: int):
     symbol's placeholder (base.LinkSym: the layout's sizing build).  Every reference
     to a runtime symbol is such a rel32 (a call, a jmp, a RIP-relative operand)."""
     if type(target) is LinkSym:
-        target.links.append((field, target.name))
+        target.links += field, target.name
 
 
 _unpack_i32, _pack_i32_into = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
@@ -36,10 +36,11 @@ _unpack_i32, _pack_i32_into = struct.Struct("<i").unpack_from, struct.Struct("<i
 
 def relink(buf: bytearray, base: int, links, sym, placeholder: int):
     """The code in buf (address a at buf[base + a]), built with every runtime symbol
-    at `placeholder`, each logged rel32 (links: (address, symbol)) moved to the
-    symbol's address in sym (an R_X86_64_PC32 applied again): the bytes a build
-    with sym gives."""
-    for field, name in links:
+    at `placeholder`, each logged rel32 (links: address, symbol, address, symbol...)
+    moved to the symbol's address in sym (an R_X86_64_PC32 applied again): the bytes
+    a build with sym gives."""
+    it = iter(links)
+    for field, name in zip(it, it):
         v = _unpack_i32(buf, base + field)[0] + sym[name] - placeholder
         if not -0x80000000 <= v < 0x80000000:
             raise KprewriteError(f"internal error: the rel32 at {field:#x} cannot reach {name}")
