@@ -150,7 +150,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     try:
         metadata = report.metadata(s.plan, lay, s.image.label)
         early = s.target.before_link(s.image, s.arch, lay, s.plan)
-        code = emission.unlinked(c, lay)
+        unlinked = emission.unlinked(c, lay)
     finally:
         if linking is not None:
             linking.join()
@@ -158,7 +158,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
         if "error" in linked:
             raise linked["error"]
         blob = linked["blob"]
-    rx, patches = emission.emit(c, lay, blob.symbols, code)
+    rx, patches = emission.emit(c, lay, blob.symbols, unlinked)
     progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan, early)
 
