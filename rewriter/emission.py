@@ -40,6 +40,7 @@ class Far:
     `at` that every reference takes its long form, as the real ones will.  Each is
     a LinkSym: the code built with them logs in `links` (address, symbol, ...)
     where it reaches one (an arch with an Emit.relink)."""
+    __slots__ = ("at", "links")
 
     def __init__(self, at: int):
         self.at = at

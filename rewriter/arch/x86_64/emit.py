@@ -28,7 +28,7 @@ def _link(target: int, field: int):
     symbol's placeholder (base.LinkSym: the layout's sizing build).  Every reference
     to a runtime symbol is such a rel32 (a call, a jmp, a RIP-relative operand)."""
     if type(target) is LinkSym:
-        target.links += field, target.name
+        target.links.extend((field, target.name))
 
 
 _unpack_i32, _pack_i32_into = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
