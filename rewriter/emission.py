@@ -5,14 +5,17 @@ arch_prepare_optimized_kprobe() and arch_optimize_kprobes()), each return
 site's detour, each breakpoint site's out-of-line slot and breakpoint
 (arch_prepare_kprobe(), arch_arm_kprobe()).  The code of one site is the same
 function whether `sym` holds the runtime's real addresses or, during layout,
-placeholders (Far): only its size and internal offsets matter then.  Nothing
+placeholders (Far): only its size and internal offsets matter then.  Where the
+arch logs the fields that reach the runtime (arch.base.LinkSym), the layout keeps
+each detour's code and its links, and emit() patches those for the linked runtime,
+as a linker applies relocations, rather than building every detour again.  Nothing
 here decides or writes into the plan or the layout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch.base import EMULATE
+from .arch.base import EMULATE, LinkSym
 from .errors import KprewriteError
 from .planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, Plan, Site
 from .events import trace_key
@@ -29,15 +32,24 @@ HOOK_RET_CLEAN, HOOK_RET_JMP, HOOK_RET_CLEAN_JMP = \
 JMP_FORM = {HOOK_SYMBOL[HOOK_RET]: HOOK_RET_JMP, HOOK_RET_CLEAN: HOOK_RET_CLEAN_JMP}
 
 
+FAR = 0x1000000
+
+
 class Far:
     """Placeholder addresses of runtime symbols, before linking: far enough from
-    `at` that every reference takes its long form, as the real ones will."""
+    `at` that every reference takes its long form, as the real ones will.  Each is
+    a LinkSym: the code built with them logs in `links` (address, symbol, ...)
+    where it reaches one (an arch with an Emit.relink)."""
+    __slots__ = ("at", "links")
 
     def __init__(self, at: int):
         self.at = at
+        self.links: list = []
 
     def __getitem__(self, name: str) -> int:
-        return self.at + 0x1000000
+        s = LinkSym(self.at + FAR)      # (LinkSym.of() written out: one per reference laid out)
+        s.name, s.links = name, self.links
+        return s
 
 
 @dataclass
@@ -225,31 +237,26 @@ def xol_slot(c: Code, lay, site: Site, sym) -> bytes:
                                        sym["kp_optprobe_post_entry"], slot.desc)
 
 
-def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[int, bytes]]]:
-    """The new code below the runtime (stubs excluded), and the patches to the
-    image's own code, where layout (layout.Layout) put each piece: (rx bytes from
-    layout.rx_vaddr, [(addr, bytes)])."""
+def unlinked(c: Code, layout) -> tuple[bytearray, list[tuple[int, bytes]]]:
+    """What emit() makes that needs no linked runtime, so that it is made while the
+    compiler and the linker run (pipeline.build): the new code with the layout's
+    code of each detour it logged the links of (those still at the placeholders),
+    the evicted regions' detours, and every patch to the image's own code (the
+    jumps to the detours, the breakpoints, the branches sent to a detour)."""
     rx = bytearray(layout.text_addr - layout.rx_vaddr)
-
-    def put(addr, code, size):
-        if len(code) != size:
-            raise KprewriteError(f"internal error: code at {addr:#x} is {len(code)} bytes, laid out for {size}")
-        rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
-
     patches = []
-    em = c.arch.emit
+    em, base, links, code = c.arch.emit, layout.rx_vaddr, layout.links, layout.code
     for site in c.plan.sites:
         if site.decision == INT3:
-            if site.xol.mode != EMULATE:
-                put(layout.xol[site.index].addr, xol_slot(c, layout, site, sym), layout.sizes[("xol", site.index)])
             patches.append((site.addr, c.arch.breakpoint))
             continue
         detour = layout.detour(site)
-        code, _, _ = site_detour(c, layout, site, detour, sym)
-        put(detour, code, layout.sizes[("site", site.index)])
+        key = ("site", site.index)
+        if key in links:
+            rx[detour - base:detour - base + len(code[key])] = code[key]
         if site.evicted is not None:    # a short jump to the jump in an evicted neighbour
             ev = site.evicted
-            put(layout.detour(ev), evicted_detour(c, ev, layout.detour(ev)), layout.sizes[("evicted", ev.addr)])
+            _put(rx, layout, layout.detour(ev), evicted_detour(c, ev, layout.detour(ev)), ("evicted", ev.addr))
             patches.append((site.addr, em.short_jump_patch(site.addr, site.region_end - site.addr, site.slot)))
             patches.append((ev.addr, em.evict_patch(ev.addr, ev.region_end - ev.addr, layout.detour(ev), detour)))
         elif site.slot:             # a short jump to the jump in the padding
@@ -259,7 +266,9 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, detour)))
     for rs in c.plan.ret_sites:
         detour = layout.detour(rs)
-        put(detour, ret_detour(c, rs, detour, sym), layout.sizes[("ret", rs.addr)])
+        key = ("ret", rs.addr)
+        if key in links:
+            rx[detour - base:detour - base + len(code[key])] = code[key]
         patches.append((rs.addr, em.jump_patch(rs.addr, rs.region_end - rs.addr, detour)))
     # Direct branches that enter the detour themselves (libpython: 52,000, to 6,000 detours):
     # each detour looked up once, each branch's bytes sliced from its load segment's.
@@ -275,8 +284,44 @@ def emit(c: Code, layout, sym: dict[str, int]) -> tuple[bytearray, list[tuple[in
             s_lo, s_hi, s_off = c.image.file_span(src) or (0, 0, 0)
         if s_lo <= src < s_hi:
             at = s_off + src - s_lo
-            code = data[at:at + r.size]
+            b = data[at:at + r.size]
         else:
-            code = read(src, r.size)
-        patches.append(retarget_patch(src, code, to))
+            b = read(src, r.size)
+        patches.append(retarget_patch(src, b, to))
+    return rx, patches
+
+
+def _put(rx: bytearray, layout, addr: int, code: bytes, key):
+    if len(code) != layout.sizes[key]:
+        raise KprewriteError(f"internal error: code at {addr:#x} is {len(code)} bytes, laid out for {layout.sizes[key]}")
+    rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
+
+
+def emit(c: Code, layout, sym: dict[str, int], early=None) -> tuple[bytearray, list[tuple[int, bytes]]]:
+    """The new code below the runtime (stubs excluded), and the patches to the
+    image's own code, where layout (layout.Layout) put each piece: (rx bytes from
+    layout.rx_vaddr, [(addr, bytes)]).  early: unlinked()'s result, made before
+    the runtime was linked (None: made here).  Each detour whose links the layout
+    logged has them moved to `sym`'s addresses (the arch's relink: the bytes a build
+    with sym gives); any other is built with sym."""
+    rx, patches = early if early is not None else unlinked(c, layout)
+    em, base, links = c.arch.emit, layout.rx_vaddr, layout.links
+    for site in c.plan.sites:
+        if site.decision == INT3:
+            if site.xol.mode != EMULATE:
+                _put(rx, layout, layout.xol[site.index].addr, xol_slot(c, layout, site, sym), ("xol", site.index))
+            continue
+        detour = layout.detour(site)
+        key = ("site", site.index)
+        if key in links:
+            em.relink(rx, -base, links[key], sym, detour + FAR)
+        else:
+            _put(rx, layout, detour, site_detour(c, layout, site, detour, sym)[0], key)
+    for rs in c.plan.ret_sites:
+        detour = layout.detour(rs)
+        key = ("ret", rs.addr)
+        if key in links:
+            em.relink(rx, -base, links[key], sym, detour + FAR)
+        else:
+            _put(rx, layout, detour, ret_detour(c, rs, detour, sym), key)
     return rx, patches

@@ -4,9 +4,11 @@ each optimized site's detour buffer (the kernel's optinsn slot), each return
 site's detour, each breakpoint site's out-of-line slot (its insn slot), and
 where the linked runtime and handlers start.  Sizes come from emitting each
 piece once with placeholder runtime addresses (emission.Far): no piece's size
-depends on where the runtime lands.  The result is a Layout of its own, plain data
-beside the plan: the plan is never written here, and emission, the tables, the
-report and the targets read (plan, layout).
+depends on where the runtime lands, and the code differs from the final one only
+in the fields that reach the runtime, which the arch logs and emission patches
+(Layout.links).  The result is a Layout of its own, plain data beside the plan:
+the plan is never written here, and emission, the tables, the report and the
+targets read (plan, layout).
 """
 from __future__ import annotations
 
@@ -74,6 +76,11 @@ class Layout:
     # addresses, but its final size, instructions and internal branches; what needs no more
     # than those (a user target's unwind rows) is computed from it while the linker runs.
     code: Mapping = field(default_factory=dict)
+    # Of the code above, that which is final but for its references to the runtime:
+    # ("site"|"ret", key) -> (address, symbol, ...): where each field reaching a symbol lies,
+    # which emission patches (an arch that logs them: Emit.relink).  A site whose copy
+    # names a detour not laid out yet, or a rider's next detour, is built again instead.
+    links: Mapping = field(default_factory=dict)
 
     def site(self, site: Site) -> SiteAddrs:
         return self.sites.get(site.index, NOWHERE)
@@ -91,7 +98,8 @@ def place(c: emission.Code, target) -> Layout:
     detour names a detour laid out already, or its region: the encoding is as long)."""
     tl = target.plan_layout(c.image)
     stubs, pos = target.reserve_stubs(c.image, tl.after_phdrs)
-    sizes, sites, evicted, returns, xol, codes = {}, {}, {}, {}, {}, {}
+    sizes, sites, evicted, returns, xol, codes, links = {}, {}, {}, {}, {}, {}, {}
+    logs = c.arch.emit.relink is not None
     # What is laid out so far: the same mappings, filled in as pieces are placed.
     so_far = Layout(tl.rx_vaddr, stubs, 0, tl, tl.data_vaddr, sizes, sites, evicted, returns, xol)
     for site in c.plan.sites:
@@ -100,11 +108,16 @@ def place(c: emission.Code, target) -> Layout:
         # A light hit's hot part (emit.light_detour: up to the jump back, some 55 bytes)
         # starts a cache line, which then holds all of it: one line fetched a hit.
         pos = (pos + 63) & ~63 if site.light else (pos + 15) & ~15
+        # Final but for its links unless a branch it copies names a detour to come (its own too).
+        final = logs and (not site.branch_to or all(so_far.detour(to) for to in site.branch_to.values()))
+        far = emission.Far(pos)
         with relocating(c, "probe", site.addr):
-            code, resume, resume_post = emission.site_detour(c, so_far, site, pos, emission.Far(pos))
+            code, resume, resume_post = emission.site_detour(c, so_far, site, pos, far)
         sites[site.index] = SiteAddrs(pos, resume, resume_post)
-        sizes[("site", site.index)] = len(code)
-        codes[("site", site.index)] = code
+        key = ("site", site.index)      # one key object for the three (12,000 sites: the collector counts them)
+        sizes[key], codes[key] = len(code), code
+        if final:
+            links[key] = tuple(far.links)
         pos += len(code)
     for site in c.plan.sites:       # evicted neighbours (planner.short_jumps.evict_neighbour()): a copy, no probe
         ev = site.evicted
@@ -118,12 +131,17 @@ def place(c: emission.Code, target) -> Layout:
     for site in c.plan.sites:       # a shared region's segments jump one to the next
         for s, nxt in zip([site] + site.riders, site.riders):
             sites[s.index] = replace(so_far.site(s), back=so_far.site(nxt).detour)
+            links.pop(("site", s.index), None)      # its copy jumps there, not as laid out
     for rs in c.plan.ret_sites:
         pos = (pos + 15) & ~15
         returns[rs.addr] = pos
+        far = emission.Far(pos)
+        key = ("ret", rs.addr)
         with relocating(c, "return site", rs.addr):
-            code = codes[("ret", rs.addr)] = emission.ret_detour(c, rs, pos, emission.Far(pos))
-            sizes[("ret", rs.addr)] = n = len(code)
+            code = codes[key] = emission.ret_detour(c, rs, pos, far)
+            sizes[key] = n = len(code)
+        if logs:
+            links[key] = tuple(far.links)
         pos += n
     desc = c.arch.kprobe_xol.number_descriptors(c.plan.sites)
     for site in c.plan.sites:
@@ -136,4 +154,4 @@ def place(c: emission.Code, target) -> Layout:
             pos += slot.size
     frozen = lambda d: MappingProxyType(dict(d))  # noqa: E731
     return Layout(tl.rx_vaddr, stubs, (pos + 63) & ~63, tl, tl.data_vaddr, frozen(sizes), frozen(sites),
-                  frozen(evicted), frozen(returns), frozen(xol), frozen(codes))
+                  frozen(evicted), frozen(returns), frozen(xol), frozen(codes), frozen(links))

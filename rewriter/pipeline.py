@@ -134,7 +134,8 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     blob = _cached_blob(k, workdir)
     # The compiler and the linker run in a thread (waiting on them, it holds the
     # interpreter's lock little) while this one does what needs no linked blob:
-    # the metadata, and what the target computes before (its unwind rows).
+    # the metadata, what the target computes before (its unwind rows), and the
+    # code and patches that do not reach the runtime (emission.unlinked).
     linked: dict = {}
     linking = None
     if blob is None:
@@ -149,6 +150,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     try:
         metadata = report.metadata(s.plan, lay, s.image.label)
         early = s.target.before_link(s.image, s.arch, lay, s.plan)
+        unlinked = emission.unlinked(c, lay)
     finally:
         if linking is not None:
             linking.join()
@@ -156,7 +158,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
         if "error" in linked:
             raise linked["error"]
         blob = linked["blob"]
-    rx, patches = emission.emit(c, lay, blob.symbols)
+    rx, patches = emission.emit(c, lay, blob.symbols, unlinked)
     progress.stage("writing")
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan, early)
 

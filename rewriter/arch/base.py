@@ -31,6 +31,30 @@ class DcrInsn:
     info: Any
 
 
+class LinkSym(int):
+    """A runtime symbol's placeholder address while the layout sizes the detours
+    (emission.Far): an int that remembers the symbol's name and the list of links
+    of the detour being built.  An arch with an Emit.relink logs there
+    each field of the code that reaches the symbol (x86-64: every rel32), so
+    emission patches the layout's code for the linked runtime (the linker's
+    relocations, in small) rather than building each detour again.  An offset
+    added keeps the name (a probe is kp_probes + its slot's offset)."""
+    name: str
+    links: list       # address of a field, its symbol's name, ...: as the arch logs them (flat:
+                      # a layout keeps one tuple of them a detour, not one a field, for the collector)
+
+    @staticmethod
+    def of(value: int, name: str, links: list) -> "LinkSym":
+        s = LinkSym(value)      # (no __new__ of its own: one is made per reference laid out)
+        s.name, s.links = name, links
+        return s
+
+    def __add__(self, offset: int) -> "LinkSym":
+        return LinkSym.of(int(self) + offset, self.name, self.links)
+
+    __radd__ = __add__
+
+
 RET, TAIL = "ret", "tail"
 COND = "cond"                 # a conditional direct jump (RetProbe.exit_kind(); not an Exit's kind)
 
@@ -210,6 +234,12 @@ class Emit(Protocol):
     """arch_prepare_optimized_kprobe() and the code kprewrite writes: detours,
     templates, patches, start-up stubs; the runtime's struct offsets (asm-offsets)."""
     EmitError: type
+    # relink(buf, base, links, sym, placeholder): the code in buf (address a at buf[base + a]),
+    # built with every runtime symbol at `placeholder` (emission.Far's LinkSyms, each field
+    # of the code that reaches one logged in `links` as address, symbol...), moved to sym's
+    # addresses: the bytes a build with sym gives.  None: the arch logs no links (each
+    # detour is built again).
+    relink: Callable | None
 
     # Runtime struct sizes and offsets, generated from the C headers (kp_asm_offsets.c).
     KPROBE_SIZE: int

@@ -19,6 +19,11 @@ from . import offsets as O
 from ... import safety
 
 
+# Its references to runtime symbols are not logged (Emit.relink): emission builds
+# each detour again with the linked runtime's addresses.
+relink = None
+
+
 class EmitError(Exception):
     pass
 

@@ -9,7 +9,7 @@ import functools
 import struct
 
 from ...errors import KprewriteError
-from ..base import DcrInsn
+from ..base import DcrInsn, LinkSym
 from . import cs
 from . import offsets as O
 
@@ -21,6 +21,30 @@ RED_ZONE = 128
 
 class EmitError(Exception):
     pass
+
+
+def _link(target: int, field: int):
+    """Log the rel32 at address `field` as reaching `target`, if target is a runtime
+    symbol's placeholder (base.LinkSym: the layout's sizing build).  Every reference
+    to a runtime symbol is such a rel32 (a call, a jmp, a RIP-relative operand)."""
+    if type(target) is LinkSym:
+        target.links.extend((field, target.name))
+
+
+_unpack_i32, _pack_i32_into = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
+
+
+def relink(buf: bytearray, base: int, links, sym, placeholder: int):
+    """The code in buf (address a at buf[base + a]), built with every runtime symbol
+    at `placeholder`, each logged rel32 (links: address, symbol, address, symbol...)
+    moved to the symbol's address in sym (an R_X86_64_PC32 applied again): the bytes
+    a build with sym gives."""
+    it = iter(links)
+    for field, name in zip(it, it):
+        v = _unpack_i32(buf, base + field)[0] + sym[name] - placeholder
+        if not -0x80000000 <= v < 0x80000000:
+            raise KprewriteError(f"internal error: the rel32 at {field:#x} cannot reach {name}")
+        _pack_i32_into(buf, base + field, v)
 
 
 def asm(text: str, addr: int) -> bytes:
@@ -105,9 +129,12 @@ def probe_stub(site: int, entry: int, at: int) -> bytes:
         head = down + (bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site))   # push imm8 / imm32
         rel = entry - (at + len(head) + 5)
         if -(1 << 31) <= rel < (1 << 31):
+            _link(entry, at + len(head) + 1)
             return head + b"\xe8" + _pack_i32(rel) + up
-    return asm(f"lea rsp, [rsp-{RED_ZONE:#x}]; push {site:#x}; call {entry:#x}; "
+    code = asm(f"lea rsp, [rsp-{RED_ZONE:#x}]; push {site:#x}; call {entry:#x}; "
                f"lea rsp, [rsp+{RED_ZONE + 8:#x}]", at)
+    _link(entry, at + len(code) - len(_stub_leas()[1]) - 4)   # the call's rel32, before the last lea
+    return code
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,6 +149,7 @@ def short_stub(site: int, entry: int, at: int) -> bytes:
     KP_SHORT_STUBS), which find the stack pointer at the hit right above SITE and
     return over it.  10 bytes (7 for a site below 128) against probe_stub()'s 23."""
     push = bytes([0x6A, site]) if site < 0x80 else b"\x68" + struct.pack("<I", site)   # push imm8 / imm32
+    _link(entry, at + len(push) + 1)
     return push + b"\xe8" + _s32(entry - (at + len(push) + 5), "call")
 
 
@@ -200,13 +228,14 @@ def branch_disp(code: bytes) -> int | None:
 
 
 def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
-    """A direct branch at `addr` (its bytes `code`) sent to `target` instead: the
-    (address, bytes) of its new rel32."""
-    off = branch_disp(code)
-    v = target - (addr + off + 4)
+    """A direct branch at `addr` (its bytes `code`, as long as branch_disp() says:
+    the rel32 is their last 4) sent to `target` instead: the (address, bytes) of its
+    new rel32."""
+    end = addr + len(code)
+    v = target - end
     if not -0x80000000 <= v < 0x80000000:
-        return addr + off, _s32(v, "branch to detour")      # raises
-    return addr + off, _pack_i32(v)
+        return end - 4, _s32(v, "branch to detour")      # raises
+    return end - 4, _pack_i32(v)
 
 
 def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
@@ -273,6 +302,7 @@ def _asm_disp(text: str, v: int) -> bytes:
 def _rip(text: str, at: int, target: int) -> bytes:
     """One instruction with a [rip + X] operand reaching `target` (text holds {d})."""
     code, off = _rip_template(text)
+    _link(target, at + off)
     return code[:off] + _s32(target - (at + len(code)), "RIP-relative operand") + code[off + 4:]
 
 
@@ -291,6 +321,7 @@ class _Code:
         self.out += _asm_pi(text)
 
     def call(self, target: int):
+        _link(target, self.pc + 1)
         self.out += b"\xe8" + _s32(target - (self.pc + 5), "call")
 
     def rip(self, text: str, target: int):
@@ -303,6 +334,7 @@ class _Code:
 
     def fix(self, ends: list[int], target: int):
         for end in ends:
+            _link(target, self.at + end - 4)
             self.out[end - 4:end] = _s32(target - (self.at + end), "jump in a detour")
 
     def call_aligned(self, target: int, aligned: bool, scratch: str = "rax"):
@@ -315,6 +347,7 @@ class _Code:
             self.a("mov rsp, qword ptr [rsp + 8]")
 
     def jmp_abs(self, target: int, what: str):
+        _link(target, self.pc + 1)
         self.out += b"\xe9" + _s32(target - (self.pc + 5), what)
 
 
@@ -635,11 +668,13 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         """The detour, its resume address and how far its je to the slow path jumps.
         (_Code's steps written out: a rewrite builds 12,000 of these.)"""
         out = bytearray(head)
+        _link(fast, at + len(out) + cmp_at)
         pc = at + len(out) + len(cmp)                              # cmp [rip + fast], 0
         out += cmp[:cmp_at] + _s32(fast - pc, "RIP-relative operand") + cmp[cmp_at + 4:]
         out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
         je = len(out)
         out += key_load + shard                                    # the shard's page bits of the thread pointer
+        _link(base, at + len(out) + add_at)
         pc = at + len(out) + len(add)                              # add rax, [rip + base]
         out += add[:add_at] + _s32(base - pc, "RIP-relative operand") + add[add_at + 4:]
         out += inc + undo
@@ -661,7 +696,10 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
 
     # The code the je jumps over is as long with either je (copies are as long
     # wherever they go), so the rel8 form is tried first: one build for most sites.
+    logged = len(fast.links) if type(fast) is LinkSym else 0
     out, resume, rel = build(True)
     if rel >= 128:
+        if type(fast) is LinkSym:       # the first build's links are not the code's
+            del fast.links[logged:]
         out, resume, _ = build(False)
     return bytes(out), resume

@@ -25,7 +25,7 @@ import capstone.x86_const
 from . import cs
 from . import insn as x86insn
 from . import emit as em
-from .emit import _s32, relocate
+from .emit import _link, _s32, relocate
 from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal, unwinds_exceptions
 from .optprobe import JMP32_INSN_SIZE
 from .common import DWARF_RBP, DWARF_RSP, dead_padding, mid_frame, relocatable
@@ -211,6 +211,7 @@ def trampoline_refusal(image, analysis, func, parts, exits) -> Refusal | None:
 
 
 def hook_call(at: int, hook: int) -> bytes:
+    _link(hook, at + 1)
     return b"\xe8" + _s32(hook - (at + 5), "call return hook")
 
 
@@ -231,6 +232,7 @@ def hook_then_exit(exit: DcrInsn, hook, at: int) -> bytes:
         return hook(exit, at)
     call_hook, jmp_hook = hook
     if jmp_hook is not None and exit.code in PLAIN_RETS:
+        _link(jmp_hook, at + 1)
         return b"\xe9" + _s32(jmp_hook - (at + 5), "jmp return hook")
     return hook_call(at, call_hook) + exit_code(exit, at + 5)
 
