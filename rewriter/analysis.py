@@ -186,10 +186,17 @@ class _Workers:
         self.count = len(slices)
         self.conns: dict[int, object] = {}        # child's pid -> the pipe it sends its results through
         _WORK = (image, arch) if work is None else work
+        self.local = None                         # (fn, slices) when no child could be started
         tasks, feed = os.pipe()
         try:
             for _ in range(min(jobs(), self.count)):
-                self._fork(tasks, feed, fn, slices)
+                try:
+                    self._fork(tasks, feed, fn, slices)
+                except OSError:     # no process to spare (EAGAIN, ENOMEM): those started take every slice
+                    break
+            if not self.conns:      # none: this process does the work, in results()
+                self.local = (fn, slices)
+                return
             with open(feed, "wb", closefd=False) as f:
                 f.write(b"".join(i.to_bytes(4, "little") for i in range(self.count)))
         except BaseException:
@@ -228,6 +235,11 @@ class _Workers:
     def results(self):
         """The slices' results in order.  A child that ends before it is done (the
         out-of-memory killer) is an error: its slice would never come."""
+        if self.local is not None:
+            fn, slices = self.local
+            for lo, hi in slices:
+                yield fn(lo, hi)
+            return
         from multiprocessing.connection import wait
         got, want, live = {}, 0, dict(self.conns)
         while want < self.count:

@@ -147,6 +147,35 @@ def test_what_a_worker_raises_is_raised_here_and_no_worker_is_left(tmp_path, mon
             os.waitpid(pid, os.WNOHANG)
 
 
+@pytest.mark.parametrize("forks", [0, 1])
+def test_no_process_to_spare_the_work_is_done_anyway(tmp_path, monkeypatch, forks):
+    """fork() failing (EAGAIN: a process limit) before any worker, or after the first:
+    the slices are done by the workers started, or by this process, and the analysis
+    equals the one done in one process."""
+    image = Image(str(cc(tmp_path, "prog", PROGRAM, "-O2")))
+    arch = get_arch(image.machine)
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KPREWRITE_JOBS", "1")
+    fresh = A.Analysis(image, arch)
+    monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setattr(A, "jobs", lambda: 2)
+    monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
+    fork, started = os.fork, []
+
+    def limited_fork():
+        if len(started) >= forks and os.getpid() == parent:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        pid = fork()
+        if pid:
+            started.append(pid)
+        return pid
+    parent = os.getpid()
+    monkeypatch.setattr(os, "fork", limited_fork)
+    assert sum(A._in_workers(image, arch, len_of_slice)) == len(image.functions)
+    assert len(started) == forks
+    assert _state(A.Analysis(image, arch)) == _state(fresh)
+
+
 def test_second_rewrite_reads_the_cache_and_writes_the_same_bytes(tmp_path):
     """The first rewrite fills the cache (the analysis, the linked blob); the second
     reads them (it runs no gcc for the table: its blob entry is not rewritten) and
