@@ -29,7 +29,7 @@ _EXIT_MNEMONICS = ("ret", "j", "loop", "repz ret", "bnd ret", "bnd j", "notrack 
 @dataclass
 class DecodedFunction:
     boundaries: array            # offsets of instruction starts, from the function start
-    indirect_jump: int | None    # address of the first indirect jump (ff /4, ff /5, ea)
+    indirect_jump: int | None    # address of the first indirect jump (ff /4, ff /5, ea): indirect_jumps[0]
     undecodable: int | None      # address where decoding failed, if it did
     branches: list[tuple[int, int]]   # (target, address of the branch) of direct jumps/calls
     sets_df: int | None = None   # address of the first `std`: DF may be set inside the function
@@ -98,7 +98,6 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
     bounds = array("I", accumulate(sizes, initial=0))
     length = bounds.pop()
     branches: list[tuple[int, int]] = []
-    indirect = None
     std = None
     exits: list[int] = []
     indirects: list[int] = []
@@ -133,12 +132,8 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
                     pass
             elif b"jmp" in mb:
                 indirects.append(addr)
-                if indirect is None:
-                    indirect = addr
         elif k & 4:
             indirects.append(addr)
-            if indirect is None:
-                indirect = addr
         elif k & 8:
             o += o_ops
             # `lea X(%rip)`: a code address a register may hold, then jump to.
@@ -149,7 +144,8 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
             std = addr
     end = start + length
     undecodable = end if end < start + len(code) else None
-    return DecodedFunction(bounds, indirect, undecodable, branches, std, exits, indirects, refs)
+    return DecodedFunction(bounds, indirects[0] if indirects else None, undecodable, branches, std, exits,
+                           indirects, refs)
 
 
 def _decode_lite(code: bytes, start: int) -> DecodedFunction:
@@ -158,7 +154,6 @@ def _decode_lite(code: bytes, start: int) -> DecodedFunction:
     bounds = array("I")
     append = bounds.append
     branches: list[tuple[int, int]] = []
-    indirect = None
     std = None
     exits: list[int] = []
     indirects: list[int] = []
@@ -183,12 +178,8 @@ def _decode_lite(code: bytes, start: int) -> DecodedFunction:
                     pass
             elif "jmp" in mnem:
                 indirects.append(addr)
-                if indirect is None:
-                    indirect = addr
         elif k & 4:
             indirects.append(addr)
-            if indirect is None:
-                indirect = addr
         elif k & 8:
             if "[rip " in ops:
                 # `lea X(%rip)`: a code address a register may hold, then jump to.
@@ -200,4 +191,5 @@ def _decode_lite(code: bytes, start: int) -> DecodedFunction:
     if addr is not None:
         end = addr + size
     undecodable = end if end < start + len(code) else None
-    return DecodedFunction(bounds, indirect, undecodable, branches, std, exits, indirects, refs)
+    return DecodedFunction(bounds, indirects[0] if indirects else None, undecodable, branches, std, exits,
+                           indirects, refs)
