@@ -159,6 +159,19 @@ def with_oracle(tmp: Path, prog: Path, funcs) -> tuple:
             instrument(prog, spec, tmp / "int3", "--no-optimize"))
 
 
+def oracle_runs(prog: Path, rewritten: Path, oracle: Path, runner, *args) -> tuple:
+    """The original, the rewrite and its breakpoint oracle (with_oracle()'s) run with `args`
+    on `runner`: (want, got, ref), each exiting 0 with the original's output, the last two
+    with their profiles (KPREWRITE_PROFILE) on standard error."""
+    want = run(prog, *args, runner=runner)
+    assert want.returncode == 0
+    got = run(rewritten, *args, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
+    ref = run(oracle, *args, runner=runner, env={"KPREWRITE_PROFILE": "-"})
+    assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
+    return want, got, ref
+
+
 # --- specs -------------------------------------------------------------------------------------
 
 def write_spec(tmp: Path, text: str, handlers: str | None = None, name="probes.toml") -> Path:

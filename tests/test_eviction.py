@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cc, instrument, meta, profile, run, symbols, with_oracle
+from conftest import cc, instrument, meta, oracle_runs, profile, symbols, with_oracle
 
 CALLS = "  .rept 34\n  call nop_fn\n  .endr\n  ret\n"
 
@@ -134,12 +134,7 @@ def test_evicted_neighbour(once, build, runner):
     assert "evicted" not in probes["tgt2"] and "jump_slot" not in probes["tgt2"], probes["tgt2"]
     # tgt3: its only candidate lies on a loop.
     assert "int3" in d["tgt3"] and "evicted" not in probes["tgt3"], (d["tgt3"], probes["tgt3"])
-    want = run(prog, 40, runner=runner)
-    assert want.returncode == 0
-    got = run(opt, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
-    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
-    ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
-    assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
+    want, got, ref = oracle_runs(prog, opt, oracle, runner, 40)
     hits = profile(got.stderr)
     assert hits == profile(ref.stderr), (hits, profile(ref.stderr))
     assert hits["p_tgt_0"][0] == 40 and hits["p_tgt2_0"][0] == 40 and hits["p_bump_0"][0] == 80, hits

@@ -14,7 +14,7 @@ import subprocess
 
 from elftools.elf.elffile import ELFFile
 
-from conftest import CC, cc, check_lines, instrument, kprewrite, profile, run, symbols, write_spec
+from conftest import CC, cc, check_lines, instrument, kprewrite, oracle_runs, profile, run, symbols, write_spec
 
 LIB = r"""
 #include <stdio.h>
@@ -265,18 +265,6 @@ def _returns(stderr: str):
     return Counter(l for l in stderr.splitlines() if l.startswith("R "))
 
 
-def _runs(prog, rewritten, oracle, runner):
-    """The original, the rewrite and its breakpoint oracle run on the same input: (want, got,
-    ref), the last two with their profiles on standard error and the original's output."""
-    want = run(prog, 40, runner=runner)
-    assert want.returncode == 0
-    got = run(rewritten, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
-    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
-    ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
-    assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
-    return want, got, ref
-
-
 def test_exits_without_a_region_take_no_breakpoint(once, runner):
     prog, rets, check, kret, oracle = once(_build_floor)
     kret_spec = kret.parent / "kret.toml"
@@ -300,7 +288,7 @@ def test_exits_without_a_region_take_no_breakpoint(once, runner):
     why = next(p["returns"]["sites"][0]["int3_reason"] for p in json.loads(
         kprewrite("check", prog, "--spec", kret_spec, "--format", "json").stdout)["probes"] if p["symbol"] == "no_cfi")
     assert why["check"] == "jump_into_region" and "no trampoline: trampoline_unsafe at " in why["message"], why
-    want, got, ref = _runs(prog, kret, oracle, runner)
+    want, got, ref = oracle_runs(prog, kret, oracle, runner, 40)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
     # tiny6 is also tail-called from heavy_tail (through light_tail): 45 more returns.
     assert sum(mine.values()) == 6 * 45 and mine == theirs, (mine - theirs, theirs - mine)
@@ -349,7 +337,7 @@ def test_light_kretprobes_count_as_the_breakpoint_oracle(once, runner):
     rows = {p["symbol"]: p for p in meta(light)["probes"]}
     assert all(rows[f]["light"] and rows[f]["returns"] == "light" and not rows[f]["return_sites"]
                and not rows[f]["int3_exits"] for f in LIGHT_FUNCS), rows
-    want, got, ref = _runs(prog, light, oracle, runner)
+    want, got, ref = oracle_runs(prog, light, oracle, runner, 40)
     mine, theirs = profile(got.stderr), profile(ref.stderr)
     assert {k: v[0] for k, v in mine.items()} == {k: v[0] for k, v in theirs.items()}, (mine, theirs)
     # tiny6: 45 calls, and 45 tail calls from heavy_tail (light_tail -> heavy_tail -> tiny6).

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cc, meta, profile, run, symbols, with_oracle
+from conftest import cc, meta, oracle_runs, profile, symbols, with_oracle
 
 PROGRAM = r"""
 __asm__(
@@ -131,12 +131,7 @@ def test_short_jump_to_dead_padding(once, build, runner):
     assert d["far"].split("  ")[2] == "optimized", d["far"]
     ev = next(p for p in meta(opt)["probes"] if p["symbol"] == "far").get("evicted")
     assert ev is not None and ev[0] == s["far"] + 3 and slots["far"] == ev[0] + 5, (ev, slots["far"], s["far"])
-    want = run(prog, 40, runner=runner)
-    assert want.returncode == 0
-    got = run(opt, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
-    assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
-    ref = run(oracle, 40, runner=runner, env={"KPREWRITE_PROFILE": "-"})
-    assert ref.returncode == 0 and ref.stdout == want.stdout, ref.stderr[-2000:]
+    want, got, ref = oracle_runs(prog, opt, oracle, runner, 40)
     hits = profile(got.stderr)
     assert hits == profile(ref.stderr) and hits["p_move_0"][0] == 40 and hits["p_pcopy_0"][0] == 40 \
         and hits["p_far_0"][0] == 40
