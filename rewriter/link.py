@@ -19,7 +19,6 @@ the stage's names for its callers:
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,19 +157,18 @@ def _at(blob: Blob, text_addr: int) -> Blob:
 
 def read_blob(raw: bytes, path: Path) -> Blob:
     """The linked ELF as a Blob: code and data by address, its symbols, the arch's
-    base-relative relocations applied at link-time addresses (anything else refused)."""
-    from elftools.elf.elffile import ELFFile   # imported when an object is read
-    e = ELFFile(io.BytesIO(raw))
-    syms = {}
-    for s in e.get_section_by_name(".symtab").iter_symbols():
-        if s.name and s["st_shndx"] != "SHN_UNDEF":
-            syms[s.name] = s["st_value"]
-    secs = [(s.name, s["sh_type"], s["sh_flags"], s["sh_addr"], s["sh_size"], s["sh_offset"]) for s in e.iter_sections()]
+    base-relative relocations applied at link-time addresses (anything else refused).
+    Read with elfview (not pyelftools, whose import and first parse cost a cold
+    rewrite 0.1 s, in the thread that links beside the main one: pipeline.build)."""
+    from .elfview import SHF_ALLOC, SHT_NOBITS, ElfView, relas
+    e = ElfView(raw, str(path))
+    syms = {s.name: s.value for s in e.symbols() if s.name and s.shndx != SHN_UNDEF}
+    secs = [(s.name, s.type, s.flags, s.addr, s.size, s.offset) for s in e.sections]
 
     def vaddr_bytes(lo, hi):
         buf = bytearray(hi - lo)
         for name, typ, flags, addr, size, off in secs:
-            if flags & 2 and typ != "SHT_NOBITS" and addr < hi and addr + size > lo:
+            if flags & SHF_ALLOC and typ != SHT_NOBITS and addr < hi and addr + size > lo:
                 a, b = max(lo, addr), min(hi, addr + size)
                 buf[a - lo:b - lo] = raw[off + a - addr:off + b - addr]
         return buf
@@ -180,14 +178,14 @@ def read_blob(raw: bytes, path: Path) -> Blob:
     data_lo, data_hi = syms["__kp_data_start"], syms["__kp_data_end"]
     text = vaddr_bytes(text_addr, text_end)
     data_file_hi = max([addr + size for name, typ, flags, addr, size, off in secs
-                        if flags & 2 and typ != "SHT_NOBITS" and data_lo <= addr < data_hi] + [data_lo])
+                        if flags & SHF_ALLOC and typ != SHT_NOBITS and data_lo <= addr < data_hi] + [data_lo])
     data = vaddr_bytes(data_lo, data_file_hi)
     # Apply the arch's base-relative relocations at link-time addresses; refuse anything else.
-    rela = e.get_section_by_name(".rela.dyn")
+    rela = e.section(".rela.dyn")
     if rela is not None:
         from .arch import MACHINES, get_arch
-        r_relative = get_arch(MACHINES[int.from_bytes(raw[18:20], "little")]).r_relative
-        for off, typ, addend in _rela_entries(e, rela, raw):
+        r_relative = get_arch(MACHINES[e.e_machine]).r_relative
+        for off, _, typ, addend in relas(raw, rela.offset, rela.size):
             if typ != r_relative:
                 raise KprewriteError(f"link: handler code needs dynamic relocation type {typ} at {off:#x}; "
                                      "handlers must be position-independent and self-contained")
@@ -198,35 +196,29 @@ def read_blob(raw: bytes, path: Path) -> Blob:
                 text[off - text_addr:off - text_addr + 8] = val.to_bytes(8, "little")
             else:
                 raise KprewriteError(f"link: relocation at {off:#x} outside the linked sections")
-    sections = [(n, t, f, a, s) for n, t, f, a, s, o in secs if f & 2 and s and n not in (".dynamic",)]
+    sections = [(n, t, f, a, s) for n, t, f, a, s, o in secs if f & SHF_ALLOC and s and n not in (".dynamic",)]
     return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections, _emitted_relocs(e))
 
 
-def _rela_entries(e, sec, raw: bytes):
-    """(r_offset, type, r_addend) of each entry of a SHT_RELA section: a little-endian
-    ELF64's read by elfview.relas() (a table of 6,000 probes links with 18,000 of them,
-    which pyelftools parses one by one in 0.2 s), another's through pyelftools."""
-    size, entsize, at = sec["sh_size"], sec["sh_entsize"], sec["sh_offset"]
-    if (e.elfclass == 64 and e.little_endian and sec["sh_type"] == "SHT_RELA" and entsize == 24
-            and size % 24 == 0 and at + size <= len(raw)):
-        from .elfview import relas
-        return [(off, typ, addend) for off, _, typ, addend in relas(raw, at, size)]
-    return [(r["r_offset"], r["r_info_type"], r["r_addend"]) for r in sec.iter_relocations()]
+SHN_UNDEF, SHN_ABS, SHT_RELA = 0, 0xFFF1, 4
 
 
 def _emitted_relocs(e) -> list[LinkReloc]:
     """The relocations ld -q kept (SHT_RELA sections of a static link) that apply to
-    loaded sections."""
+    loaded sections (e: the blob's elfview.ElfView)."""
+    from .elfview import SHF_ALLOC, SHT_NOBITS, relas
     out = []
-    symtab = e.get_section_by_name(".symtab")
-    for sec in e.iter_sections():
-        if sec["sh_type"] != "SHT_RELA" or sec.name == ".rela.dyn" or not sec["sh_info"]:
+    secs = e.sections
+    symbols = None
+    for sec in secs:
+        if sec.type != SHT_RELA or sec.name == ".rela.dyn" or not sec.info or sec.info >= len(secs):
             continue
-        target = e.get_section(sec["sh_info"])
-        if not target["sh_flags"] & 2 or target["sh_type"] == "SHT_NOBITS":
+        target = secs[sec.info]
+        if not target.flags & SHF_ALLOC or target.type == SHT_NOBITS:
             continue
-        for r in sec.iter_relocations():
-            s = symtab.get_symbol(r["r_info_sym"])
-            out.append(LinkReloc(r["r_offset"], r["r_info_type"], s["st_value"], s["st_shndx"] == "SHN_ABS",
-                                 s.name, r["r_addend"]))
+        if symbols is None:
+            symbols = list(e.symbols_of(secs[sec.link])) if sec.link < len(secs) else []
+        for off, sym, typ, addend in relas(e.data, sec.offset, sec.size):
+            s = symbols[sym]
+            out.append(LinkReloc(off, typ, s.value, s.shndx == SHN_ABS, s.name, addend))
     return sorted(out, key=lambda r: r.offset)
