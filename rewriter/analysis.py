@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 from array import array
 
-from . import cache, ehframe, safety
+from . import cache, ehframe, safety, workers
 from .image import Function, Image
 
 # A source yields (target address, what makes it a target).
@@ -72,7 +72,7 @@ def _branch_lists(image: Image, an: "Analysis"):
             yield zip(it, it)
             return
     pairs = array("Q")
-    if k is not None and not an.read_indirect_jumps and jobs() > 1:
+    if k is not None and not an.read_indirect_jumps and workers.jobs() > 1:
         # A kernel: only the branches are needed here (its probes decode their own
         # functions' first bytes), so the workers send back the pairs alone.
         for chunk in _in_workers(image, an.arch, _pairs_of):
@@ -81,7 +81,7 @@ def _branch_lists(image: Image, an: "Analysis"):
         yield zip(it, it)
         cache.put("analysis", k, pairs.tobytes())
         return
-    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and not an.all_decoded:
+    if workers.jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and not an.all_decoded:
         an.decode_all()
     decoded = an.decoded
     if k is None:
@@ -119,30 +119,8 @@ def _slices(funcs: list[Function], count: int) -> list[tuple[int, int]]:
     return out
 
 
-def jobs() -> int:
-    """How many processes decode an image's functions: $KPREWRITE_JOBS, else one per CPU
-    this process may run on; one in a process running other threads (forking it could
-    copy a lock another thread holds: the library called from a threaded program)."""
-    import threading
-    if threading.active_count() > 1:
-        return 1
-    v = os.environ.get("KPREWRITE_JOBS", "")
-    if v:       # a mistyped count is a bad input, not the default in silence
-        from .errors import KprewriteError
-        if not (v.isdigit() and int(v) > 0):
-            raise KprewriteError(f"KPREWRITE_JOBS={v!r}: not a count of processes (a whole number >= 1)")
-        return int(v)
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-_WORK = None        # in the forked workers, what they read (_Workers' `work`): shared with the parent, not sent
-
-
 def _pairs_of(lo: int, hi: int) -> bytes:
-    image, arch = _WORK
+    image, arch = workers.shared()
     pairs = array("Q")
     for f in image.functions[lo:hi]:
         for target, src in arch.decode_function(image.read(f.start, f.end - f.start), f.start).branches:
@@ -151,162 +129,16 @@ def _pairs_of(lo: int, hi: int) -> bytes:
 
 
 def _decoded_of(lo: int, hi: int) -> list:
-    image, arch = _WORK
+    image, arch = workers.shared()
     return [arch.decode_function(image.read(f.start, f.end - f.start), f.start) for f in image.functions[lo:hi]]
 
 
 def _in_workers(image: Image, arch, fn, slices=None, work=None):
-    """fn(lo, hi) over image.functions in CHUNKS slices (_slices(); or over the (lo, hi) of
-    `slices`, of another list fn reads), in forked worker processes, the results in
-    the slices' order (so the output is the same bytes as the work in one process).
-    fn reads `work` (by default (image, arch)) from _WORK."""
-    job = _Workers(image, arch, fn, slices, work)
-    try:
-        yield from job.results()
-    finally:
-        job.close()
-
-
-class _Workers:
-    """_in_workers() started at once: the workers run while this process does
-    something else, until results() is read.
-
-    jobs() forked children take the slices' numbers in turn from one pipe (a read of
-    4 bytes takes one whole), and send each slice's result, pickled, through a pipe
-    of their own; this process reads the results as they come and gives them in the
-    slices' order.  Not multiprocessing.Pool: its two threads here, which take the
-    results while this process merges them, cost it as much again as unpickling them
-    (libpython: 0.06 s more)."""
-
-    def __init__(self, image: Image, arch, fn, slices=None, work=None):
-        global _WORK
-        if slices is None:
-            slices = _slices(image.functions, CHUNKS)
-        self.path = image.path
-        self.count = len(slices)
-        self.conns: dict[int, object] = {}        # child's pid -> the pipe it sends its results through
-        _WORK = (image, arch) if work is None else work
-        self.local = None                         # (fn, slices) when no child could be started
-        tasks, feed = os.pipe()
-        try:
-            for _ in range(min(jobs(), self.count)):
-                try:
-                    self._fork(tasks, feed, fn, slices)
-                except OSError:     # no process to spare (EAGAIN, ENOMEM): those started take every slice
-                    break
-            if not self.conns:      # none: this process does the work, in results()
-                self.local = (fn, slices)
-                return
-            with open(feed, "wb", closefd=False) as f:
-                f.write(b"".join(i.to_bytes(4, "little") for i in range(self.count)))
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            os.close(tasks)
-            os.close(feed)
-
-    def _fork(self, tasks: int, feed: int, fn, slices) -> None:
-        from multiprocessing.connection import Connection
-        r, w = os.pipe()
-        try:
-            pid = os.fork()
-        except BaseException:
-            os.close(r)
-            os.close(w)
-            raise
-        if pid == 0:
-            try:
-                os.close(feed)
-                os.close(r)
-                _serve(tasks, Connection(w, readable=False), fn, slices)
-            finally:
-                # The child never returns into the caller, whatever is raised in it, nor
-                # runs the parent's exit handlers or flushes its buffered output.
-                os._exit(0)
-        os.close(w)
-        self.conns[pid] = Connection(r, writable=False)
-        try:
-            import fcntl             # room for a few slices' results (Linux): a child goes on
-            fcntl.fcntl(r, fcntl.F_SETPIPE_SZ, 1 << 20)     # while this process merges
-        except (ImportError, AttributeError, OSError):
-            pass
-
-    def results(self):
-        """The slices' results in order.  A child that ends before it is done (the
-        out-of-memory killer) is an error: its slice would never come."""
-        if self.local is not None:
-            fn, slices = self.local
-            for lo, hi in slices:
-                yield fn(lo, hi)
-            return
-        from multiprocessing.connection import wait
-        got, want, live = {}, 0, dict(self.conns)
-        while want < self.count:
-            if want not in got and not live:
-                from .errors import KprewriteError
-                raise KprewriteError(f"{self.path}: the analysis' worker processes ended without a slice's result")
-            # What has come, read at once: a child's pipe full would stop it.
-            for conn in wait(list(live.values()), timeout=None if want not in got else 0):
-                pid = next(p for p, c in live.items() if c is conn)
-                try:
-                    data = conn.recv_bytes()
-                except (EOFError, OSError):
-                    data = None
-                if not data:
-                    del live[pid]
-                    if data is None:
-                        from .errors import KprewriteError
-                        raise KprewriteError(f"{self.path}: a worker process of its analysis was killed before it was "
-                                             "done (out of memory?); KPREWRITE_JOBS=1 does the work in this process")
-                    continue
-                i, ok, result = pickle.loads(data)
-                if not ok:
-                    raise result
-                got[i] = result
-            if want in got:
-                yield got.pop(want)
-                want += 1
-
-    def close(self) -> None:
-        global _WORK
-        import signal
-        for pid, conn in self.conns.items():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-            conn.close()
-        for pid in self.conns:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
-        self.conns = {}
-        _WORK = None
-
-
-def _serve(tasks: int, out, fn, slices) -> None:
-    """A worker child: fn over each slice whose number it reads from `tasks`, each
-    result sent (its number, whether fn returned, what it returned or raised), then
-    an empty message once there is no slice left.  The cyclic collector is off: the
-    child exits once the work is done, and would only rescan what it decodes."""
-    gc.disable()
-    while True:
-        b = os.read(tasks, 4)
-        if len(b) < 4:
-            break
-        i = int.from_bytes(b, "little")
-        try:
-            msg = (i, True, fn(*slices[i]))
-        except Exception as e:
-            msg = (i, False, e)
-        try:
-            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            data = pickle.dumps((i, False, RuntimeError(f"{e!r} (a result of the analysis' worker)")))
-        out.send_bytes(data)
-    out.send_bytes(b"")
+    """workers.in_workers() of fn over image.functions in CHUNKS slices (_slices(); or
+    over the (lo, hi) of `slices`, of another list fn reads); fn reads `work` (by
+    default (image, arch)) as workers.shared()."""
+    return workers.in_workers(fn, _slices(image.functions, CHUNKS) if slices is None else slices,
+                              (image, arch) if work is None else work, image.path, "its analysis")
 
 
 def landing_pad_targets(image: Image, an: "Analysis"):
@@ -381,7 +213,7 @@ def indirect_jump_targets(image: Image, an: "Analysis"):
         return
     todo = [f for f in image.functions if an.decoded(f).indirect_jumps]
     read = {}
-    if jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and len(todo) > 1:
+    if workers.jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS and len(todo) > 1:
         read = _read_in_workers(image, an, todo)
     added: list[int] = []       # the targets yielded so far, sorted
     for f in todo:
@@ -423,7 +255,7 @@ def _read_in_workers(image: Image, an: "Analysis", todo: list[Function]) -> dict
 
 
 def _resolved_of(lo: int, hi: int) -> list:
-    image, an, todo = _WORK
+    image, an, todo = workers.shared()
     return [(f.start, an.arch.jumptable.resolve(image, an, f)) for f in todo[lo:hi]]
 
 
@@ -451,7 +283,7 @@ def _state_key(image: Image, arch, sources, read_indirect_jumps: bool) -> str | 
 
 # Pickling an image's analysis and writing it to the cache (0.2 s for libpython) is
 # done by a forked child while the rewrite goes on, where this process may fork (as
-# jobs() decides, and no other thread runs): the child pickles the state as it was at
+# workers.jobs() decides, and no other thread runs): the child pickles the state as it was at
 # the fork.  The children are waited for before this process reads the cache's
 # analyses and when it exits, so the entry is there once the command is done.
 _WRITERS: list[int] = []
@@ -460,7 +292,7 @@ _AT_EXIT = False
 
 def _write_state(k: str, state: dict) -> None:
     import threading
-    if jobs() > 1 and threading.active_count() == 1 and hasattr(os, "fork"):
+    if workers.jobs() > 1 and threading.active_count() == 1 and hasattr(os, "fork"):
         global _AT_EXIT
         if not _AT_EXIT:
             import atexit
@@ -560,7 +392,7 @@ class Analysis:
             return
         # In workers (a small image): what the analysis makes lives as long as it does,
         # and is kept out of the cyclic collector (_unscanned()).
-        parallel = branch_targets in sources and len(image.data) < BIG_IMAGE and jobs() > 1 \
+        parallel = branch_targets in sources and len(image.data) < BIG_IMAGE and workers.jobs() > 1 \
             and len(image.functions) >= PARALLEL_FUNCTIONS
         with _unscanned() if parallel else contextlib.nullcontext():
             self._find(image, arch, sources, read_indirect_jumps, parallel)
@@ -576,7 +408,7 @@ class Analysis:
             # The workers decode (branch_targets' decode_all()) while this process
             # reads the targets that depend on the image alone, then makes the
             # branches into targets a slice at a time, as the workers send them.
-            job = _Workers(image, arch, _decoded_of)
+            job = workers.Workers(_decoded_of, _slices(image.functions, CHUNKS), (image, arch), image.path, "its analysis")
             try:
                 for source in sources:
                     if source in _IMAGE_ONLY:

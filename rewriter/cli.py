@@ -52,7 +52,7 @@ def main():
     try:
         safety.check_environment()      # KPREWRITE_UNSAFE_OFF: the test suite's only
         if os.environ.get("KPREWRITE_JOBS"):    # named at once, not only when no cached result skips decoding
-            from .analysis import jobs
+            from .workers import jobs
             jobs()
     except KprewriteError as e:
         _fail(e.lines)

@@ -92,14 +92,18 @@ def compile_handlers(cc: str, workdir: Path, handlers: list[Path], exports: dict
     return objs
 
 
-def compile_table(cc: str, workdir: Path, table_c: str, platform: str = PLATFORM, arch=None) -> Path:
-    """The generated probe table's object, for `arch` (default: the compiler's)."""
+def compile_table(cc: str, workdir: Path, table, platform: str = PLATFORM, arch=None) -> list[Path]:
+    """The generated probe table's objects (table: tables.TableSource), for `arch`
+    (default: the compiler's): its C, and its assembly when it has any."""
     arch = arch or default_arch(cc)
-    table = workdir / "kp_table.c"
-    table.write_text(table_c)
-    o = workdir / "kp_table.o"
-    # -pipe: the assembler reads the compiler's output as it comes (the same object; a
-    # large table's assembly is some 2 MB).
-    run([cc, *cflags(arch, platform), *_includes(arch, platform), "-pipe", "-c", str(table), "-o", str(o)],
+    src = workdir / "kp_table.c"
+    src.write_text(table.c)
+    objs = [workdir / "kp_table.o"]
+    run([cc, *cflags(arch, platform), *_includes(arch, platform), "-c", str(src), "-o", str(objs[0])],
         "probe table")
-    return o
+    if table.asm:
+        data = workdir / "kp_table_data.s"
+        data.write_text(table.asm)
+        objs.append(workdir / "kp_table_data.o")
+        run([cc, *cflags(arch, platform), "-c", str(data), "-o", str(objs[1])], "probe table")
+    return objs

@@ -127,31 +127,35 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     lay = layout.place(c, s.target)
     progress.stage("linking")
     cc = link.compiler(s.arch)             # the image's arch, not the host's
-    table_c = tables.generate(c, lay, s.target, s.traces)
+    table = tables.generate(c, lay, s.target, s.traces)
     runtime = link.compile_runtime(cc, workdir, s.arch, platform)
     externs = s.target.link_symbols(s.image)
-    k = _blob_key(cc, s.arch, platform, table_c, runtime, objs, lay, externs)
+    k = _blob_key(cc, s.arch, platform, table, runtime, objs, lay, externs)
     blob = _cached_blob(k, workdir)
     # The compiler and the linker run in a thread (waiting on them, it holds the
-    # interpreter's lock little) while this one does what needs no linked blob:
-    # the metadata, what the target computes before (its unwind rows), and the
-    # code and patches that do not reach the runtime (emission.unlinked).
+    # interpreter's lock little) while this one does what needs no linked blob: the
+    # metadata, what the target computes before (its unwind programs, in worker
+    # processes started first: no other thread runs when they fork), and the code and
+    # patches that do not reach the runtime (emission.unlinked).
     linked: dict = {}
     linking = None
-    if blob is None:
-        def run():
-            try:
-                linked["blob"] = _link(s, lay, objs, workdir, cc, table_c, runtime, platform, externs)
-                _cache_blob(k, workdir, linked["blob"])
-            except BaseException as e:      # raised here, below
-                linked["error"] = e
-        linking = threading.Thread(target=run, name="kprewrite-link")
-        linking.start()
+    pending = s.target.before_link(s.image, s.arch, lay, s.plan)
     try:
+        if blob is None:
+            def run():
+                try:
+                    linked["blob"] = _link(s, lay, objs, workdir, cc, table, runtime, platform, externs)
+                    _cache_blob(k, workdir, linked["blob"])
+                except BaseException as e:      # raised here, below
+                    linked["error"] = e
+            linking = threading.Thread(target=run, name="kprewrite-link")
+            linking.start()
         metadata = report.metadata(s.plan, lay, s.image.label)
-        early = s.target.before_link(s.image, s.arch, lay, s.plan)
         unlinked = emission.unlinked(c, lay)
+        early = pending.result() if pending is not None else None
     finally:
+        if pending is not None:
+            pending.close()
         if linking is not None:
             linking.join()
     if linking is not None:
@@ -163,15 +167,15 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan, early)
 
 
-def _link(s: Session, lay, objs: list[Path], workdir: Path, cc: str, table_c: str, runtime: list[Path],
+def _link(s: Session, lay, objs: list[Path], workdir: Path, cc: str, table, runtime: list[Path],
           platform: str, externs):
     """The probe table compiled and linked with the runtime and the handlers' objects."""
-    table = link.compile_table(cc, workdir, table_c, platform, s.arch)
+    table_objs = link.compile_table(cc, workdir, table, platform, s.arch)
     # A target whose runtime and handlers call into the image (a kernel's printk...)
     # resolves them from the image's symbols.
     origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
-    origin[table] = "probe table"
-    return link.link(workdir, runtime + objs + [table], lay.text_addr, platform,
+    origin.update((o, "probe table") for o in table_objs)
+    return link.link(workdir, runtime + objs + table_objs, lay.text_addr, platform,
                      externs, origin, Path(s.image.path).name, lay.data_addr, s.arch)
 
 
@@ -180,12 +184,12 @@ def _link(s: Session, lay, objs: list[Path], workdir: Path, cc: str, table_c: st
 # everything the compile and the link read, so a second rewrite of an image with the
 # same spec runs neither gcc nor ld.  workdir/blob.elf is written either way
 # (KPREWRITE_KEEP keeps it for gdb).
-def _blob_key(cc, arch, platform, table_c: str, runtime: list[Path], objs: list[Path], lay, externs) -> str:
+def _blob_key(cc, arch, platform, table, runtime: list[Path], objs: list[Path], lay, externs) -> str:
     from . import cache
     from .link_runtime import runtime_key
     from .link_toolchain import compiler_identity, tool_identity
     parts = [b"blob", cache.code_version(), arch.name.encode(), platform.encode(), *map(str.encode, compiler_identity(cc)),
-             tool_identity(link.linker(arch)).encode(), runtime_key(cc, arch.name, platform).encode(), table_c.encode(),
+             tool_identity(link.linker(arch)).encode(), runtime_key(cc, arch.name, platform).encode(), table.c.encode(), table.asm.encode(),
              f"{lay.text_addr:#x} {lay.data_addr!r}".encode(), repr(sorted(externs.items()) if externs else externs).encode()]
     parts += [p.read_bytes() for p in runtime + objs]
     return cache.key(*parts)

@@ -7,9 +7,11 @@ time and linked with the runtime."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from . import events as ev_mod
 from . import fetch as fetch_mod
+from . import tables_data
 from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
 from .events import trace_key
 from .cstring import c_string
@@ -20,8 +22,16 @@ KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAM
 DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE"}
 
 
-def generate(c: Code, lay, target, traces: dict) -> str:
-    """The probe table's C source: what the plan placed, at the addresses lay
+@dataclass(frozen=True)
+class TableSource:
+    """The probe table's sources: C, and the per-probe arrays as assembly
+    (tables_data.py; "" for a target whose tables are records built at boot)."""
+    c: str
+    asm: str
+
+
+def generate(c: Code, lay, target, traces: dict) -> TableSource:
+    """The probe table's sources: what the plan placed, at the addresses lay
     (layout.Layout) gave it."""
     plan, link_sym = c.plan, c.handler_symbol
     # An address in the image, as C: a number, or for a target whose image moves at
@@ -44,10 +54,12 @@ def generate(c: Code, lay, target, traces: dict) -> str:
     else:
         out.append("unsigned long kp_light_hits[1];\nunsigned long *kp_light_base;")
         out.append("const unsigned int kp_nlight_hits = 0;")
+    data = ""
     if getattr(target, "TABLES_AT_BOOT", False):
         out += _records_c(c, lay, target, traces)
     else:
-        out += _structs_c(c, lay, target, traces, A)
+        structs, data = _structs(c, lay, target, traces)
+        out += structs
     # Shared detours (planner.sites.share_regions()): where an address under a region's jump runs.
     ips = sorted([pair for site in plan.sites if site.decision == OPTIMIZED for pair in region_ips(c, lay, site)]
                  + [pair for site in plan.sites if site.evicted is not None for pair in evicted_ips(c, lay, site.evicted)])
@@ -68,37 +80,36 @@ def generate(c: Code, lay, target, traces: dict) -> str:
         out += ev_mod.trace_c(traces, users, symtab).splitlines()
     else:
         out += ev_mod.trace_c({}, {}, []).splitlines()
-    return "\n".join(out) + "\n"
+    return TableSource("\n".join(out) + "\n", data)
 
 
 def _probe_fields(c: Code, site, p, traces: dict, decl: list[str]) -> dict:
-    """One kprobe's struct kprobe fields: handlers as link symbols (decl gets the
-    prototypes a trace event's generated pre_handler needs)."""
-    flags = [DECISION_FLAG.get(site.decision, "0")] + (["KPROBE_FLAG_DISABLED"] if p.spec.disabled else [])
+    """One kprobe's struct kprobe fields: pre and post as link symbols (None: no
+    handler), flags as KPROBE_FLAG_* names, symbol (decl gets the prototypes a trace
+    event's generated pre_handler needs in C)."""
+    flags = [DECISION_FLAG[site.decision]] if site.decision in DECISION_FLAG else []
+    if p.spec.disabled:
+        flags.append("KPROBE_FLAG_DISABLED")
     pre = pre_handler_symbol(c, p)
     if trace_key(p) in traces:      # trace event: its pre_handler runs the fetch
         decl.append(f"int {pre}(struct kprobe *, struct pt_regs *);")
-    elif pre:
-        pre = f"(kprobe_pre_handler_t){pre}"
-    post = f"(kprobe_post_handler_t){c.handler_symbol[p.spec.post_handler]}" if p.spec.post_handler else "0"
-    return dict(pre=pre or "0", post=post, flags="|".join(flags),
-                symbol=p.symbol if (p.spec.symbol_name or p.func) else None)
+    post = c.handler_symbol[p.spec.post_handler] if p.spec.post_handler else None
+    return dict(pre=pre, post=post, flags=flags, symbol=p.symbol if (p.spec.symbol_name or p.func) else None)
+
+
+def _handlers_c(f: dict) -> tuple[str, str]:
+    """A kprobe's (pre_handler, post_handler) as C initializers (f: _probe_fields())."""
+    return (f"(kprobe_pre_handler_t){f['pre']}" if f["pre"] else "0",
+            f"(kprobe_post_handler_t){f['post']}" if f["post"] else "0")
 
 
 def _kprobe_c(site, p, f: dict, A) -> str:
     """One struct kprobe initializer (f: _probe_fields()), its fields in declaration
-    order (KPROBE_FIELDS): positional, as a table of thousands of probes compiles a
-    quarter faster than with designators."""
-    return (f"  {{ (kprobe_opcode_t *){A(p.addr)}, {c_string(f['symbol'])}, {p.offset}, {f['pre']}, {f['post']}, 0, "
-            f"{f['flags']}, {c_string(p.event_name)}, {p.slot}, {site.index} }},")
-
-
-# struct kprobe's fields as _kprobe_c() writes them: (name, offset) in order (LP64), and
-# its size; the compiler checks them (_layout_asserts()), so a field added or moved in
-# kprobes.h fails the build rather than shifting the values.
-KPROBE_FIELDS = (("addr", 0), ("symbol_name", 8), ("offset", 16), ("pre_handler", 24), ("post_handler", 32),
-                 ("nmissed", 40), ("flags", 48), ("name", 56), ("index", 64), ("site", 68))
-KPROBE_SIZE = 72
+    order (tables_data.KPROBE_FIELDS, which the compiler checks): positional, as a
+    table of thousands of probes compiles a quarter faster than with designators."""
+    pre, post = _handlers_c(f)
+    return (f"  {{ (kprobe_opcode_t *){A(p.addr)}, {c_string(f['symbol'])}, {p.offset}, {pre}, {post}, 0, "
+            f"{'|'.join(f['flags']) or '0'}, {c_string(p.event_name)}, {p.slot}, {site.index} }},")
 
 
 def _site_c(site, a, first: int, count: int, A) -> str:
@@ -107,37 +118,17 @@ def _site_c(site, a, first: int, count: int, A) -> str:
     return f"  {{ {A(site.addr)}, {A(site.post_ip)}, {A(a.resume)}, {A(a.resume_post)}, {first}, {count} }},"
 
 
-def _structs_c(c: Code, lay, target, traces: dict, A) -> list[str]:
-    """kp_probes[], kp_sites[] and kp_site_probes[] as the runtime reads them."""
+def _structs(c: Code, lay, target, traces: dict) -> tuple[list[str], str]:
+    """kp_probes[], kp_sites[], kp_site_probes[] and kp_site_handlers[] as the runtime
+    reads them: (the C part: their counts and the prototypes the data names, the
+    arrays' assembly: tables_data.structs())."""
     plan = c.plan
-    out, decl, fields = [], [], {}
-    out.append(f"struct kprobe kp_probes[{max(1, len(plan.kprobes))}] = {{")
+    decl, fields = [], {}
     for site, p in plan.kprobes:
-        f = fields[id(p)] = _probe_fields(c, site, p, traces, decl)
-        out.append(_kprobe_c(site, p, f, A))
-    out.append("};")
-    out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
-    # Written only by the runtime's relocation, then read-only (link.RELRO).
-    out.append(f"struct kp_site kp_sites[{max(1, len(plan.sites))}] __attribute__((section(\".data..ro_after_init\"))) = {{")
-    first = 0
-    for site in plan.sites:
-        out.append(_site_c(site, lay.site(site), first, len(site.probes), A))
-        first += len(site.probes)
-    out.append("};")
-    out.append(f"const unsigned int kp_nsites = {len(plan.sites)};")
-    refs = ", ".join(f"&kp_kretprobes[{p.slot}].kp" if is_entry(p) else f"&kp_probes[{p.slot}]"
-                     for site in plan.sites for p in site.probes) or "0"
-    out.append(f"struct kprobe *const kp_site_probes[] = {{ {refs} }};")
-    # The handlers the dispatch calls, beside kp_site_probes[] (read-only once relocated:
-    # the struct kprobe fields are writable, and not called).
-    # A light kretprobe's entry (planner.forms.light_kretprobes()) only counts, on its
-    # detour's slow path too (kp_optimized_clean_callback(): no pre_handler, no instance).
-    recs = ", ".join(("{ 0, 0 }" if p.group.light else "{ kp_pre_handler_kretprobe, 0 }") if is_entry(p) else
-                     f"{{ {fields[id(p)]['pre']}, {fields[id(p)]['post']} }}"
-                     for site in plan.sites for p in site.probes) or "{ 0, 0 }"
-    out.append("int kp_pre_handler_kretprobe(struct kprobe *, struct pt_regs *);")
-    out.append(f"const struct kp_handler_rec kp_site_handlers[] = {{ {recs} }};")
-    return decl + out
+        fields[id(p)] = _probe_fields(c, site, p, traces, decl)
+    out = [f"const unsigned int kp_nprobes = {len(plan.kprobes)};",
+           f"const unsigned int kp_nsites = {len(plan.sites)};"]
+    return decl + out + tables_data.asserts(), tables_data.structs(plan, lay, fields, c.arch.emit.KRETPROBE_SIZE)
 
 
 def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
@@ -169,7 +160,7 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
     out.append(f"struct kp_probe_rec kp_probe_recs[{max(1, len(plan.kprobes))}]{RO_AFTER_INIT} = {{")
     for site, p in plan.kprobes:
         f = _probe_fields(c, site, p, traces, decl)
-        pair = (f["pre"], f["post"])
+        pair = _handlers_c(f)
         if pair not in handler_at:
             handler_at[pair] = len(handlers)
             handlers.append(pair)
@@ -177,7 +168,7 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
         derived = sym is not None and target.derived_symbol(image, p.addr - p.offset) == sym
         symbol = "KP_REC_NONE" if sym is None else "KP_REC_DERIVED" if derived else string(sym)
         name = "KP_REC_DERIVED" if derived and p.event_name == f"p_{event_symbol(sym)}_{p.offset}" else string(p.event_name)
-        out.append(f"  {{ {p.offset}, {symbol}, {name}, {site.index}, {handler_at[pair]}, {f['flags']} }},")
+        out.append(f"  {{ {p.offset}, {symbol}, {name}, {site.index}, {handler_at[pair]}, {'|'.join(f['flags']) or '0'} }},")
         fields[id(p)] = f
         if p.spec.pre_handler in target.RUNTIME_HANDLERS and site.index not in early_sites:
             early_sites.append(site.index)
@@ -210,7 +201,7 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
     out.append(f"struct kprobe *const kp_early_site_probes[{max(1, len(early))}] = {{ "
                + (", ".join(f"&kp_early_probes[{i}]" for i in range(len(early))) or "0") + " };")
     out.append(f"const struct kp_handler_rec kp_early_site_handlers[{max(1, len(early))}] = {{ "
-               + (", ".join(f"{{ {fields[id(q)]['pre']}, {fields[id(q)]['post']} }}" for _, q in early) or "{ 0, 0 }")
+               + (", ".join("{{ {}, {} }}".format(*_handlers_c(fields[id(q)])) for _, q in early) or "{ 0, 0 }")
                + " };")
     out.append(f"struct kp_site kp_early_sites[{max(1, len(groups))}]{RO_AFTER_INIT} = {{")
     first = 0
@@ -283,6 +274,4 @@ def _layout_asserts(em) -> list[str]:
         f"{off}(struct kretprobe_instance, fp) == {em.RI_FP} && {off}(struct kretprobe_instance, kp_state) == {em.RI_STATE} && "
         f"{off}(struct kretprobe_instance, kp_flags) == {em.RI_FLAGS} && KP_RI_TRAMP == {em.RI_TRAMP}, "
         f"\"kprewrite's kretprobe templates are out of date\");",
-        "_Static_assert(" + " && ".join(f"{off}(struct kprobe, {name}) == {at}" for name, at in KPROBE_FIELDS)
-        + f" && sizeof(struct kprobe) == {KPROBE_SIZE}, \"tables.KPROBE_FIELDS is not struct kprobe\");",
-    ]
+    ] + tables_data.asserts()

@@ -15,6 +15,7 @@ import pytest
 from conftest import TREE_ENV, cc, write_spec
 
 from rewriter import analysis as A
+from rewriter import workers as W
 from rewriter.arch import get_arch
 from rewriter.errors import KprewriteError
 from rewriter.image import Image
@@ -50,12 +51,12 @@ def test_analysis_from_the_cache_and_from_workers(tmp_path, monkeypatch):
     cached = A.Analysis(image, arch)
     assert _state(cached) == _state(fresh)
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
-    monkeypatch.setattr(A, "jobs", lambda: 2)        # even in a test runner's threaded process
+    monkeypatch.setattr(W, "jobs", lambda: 2)        # even in a test runner's threaded process
     monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
     parallel = A.Analysis(image, arch)
     assert _state(parallel) == _state(fresh)
     pairs = b"".join(A._in_workers(image, arch, A._pairs_of))
-    monkeypatch.setattr(A, "_WORK", (image, arch))
+    monkeypatch.setattr(W, "_WORK", (image, arch))
     assert pairs == A._pairs_of(0, len(image.functions)) and pairs
 
 
@@ -70,7 +71,7 @@ def test_analysis_written_by_a_forked_child_that_never_runs_on_in_the_caller(tmp
     image = Image(str(prog))
     arch = get_arch(image.machine)
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(A, "jobs", lambda: 2)
+    monkeypatch.setattr(W, "jobs", lambda: 2)
     fresh = A.Analysis(image, arch)
     assert A._WRITERS                               # a child writes it
     A._wait_writers()
@@ -111,10 +112,10 @@ def test_a_worker_killed_is_an_error_not_a_wait_forever(tmp_path, monkeypatch):
     """A worker that dies before it sends its slice's result: the analysis raises a
     one-line error instead of waiting for it forever."""
     image = Image(str(cc(tmp_path, "prog", PROGRAM, "-O2")))
-    monkeypatch.setattr(A, "jobs", lambda: 2)
+    monkeypatch.setattr(W, "jobs", lambda: 2)
     with pytest.raises(KprewriteError, match="worker process .* killed .* KPREWRITE_JOBS=1"):
         list(A._in_workers(image, get_arch(image.machine), _killed))
-    assert A._WORK is None
+    assert W.shared() is None
     assert sum(A._in_workers(image, get_arch(image.machine), len_of_slice)) == len(image.functions)
 
 
@@ -132,8 +133,8 @@ def test_what_a_worker_raises_is_raised_here_and_no_worker_is_left(tmp_path, mon
     """An error in a worker's slice is raised in the analysis, as in one process, and
     the workers are ended and waited for (none left running, none a zombie)."""
     image = Image(str(cc(tmp_path, "prog", PROGRAM, "-O2")))
-    monkeypatch.setattr(A, "jobs", lambda: 2)
-    job = A._Workers(image, get_arch(image.machine), _raising)
+    monkeypatch.setattr(W, "jobs", lambda: 2)
+    job = W.Workers(_raising, A._slices(image.functions, A.CHUNKS), (image, get_arch(image.machine)), image.path, "its analysis")
     pids = list(job.conns)
     assert len(pids) == 2
     try:
@@ -141,7 +142,7 @@ def test_what_a_worker_raises_is_raised_here_and_no_worker_is_left(tmp_path, mon
             list(job.results())
     finally:
         job.close()
-    assert A._WORK is None
+    assert W.shared() is None
     for pid in pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -158,7 +159,7 @@ def test_no_process_to_spare_the_work_is_done_anyway(tmp_path, monkeypatch, fork
     monkeypatch.setenv("KPREWRITE_JOBS", "1")
     fresh = A.Analysis(image, arch)
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
-    monkeypatch.setattr(A, "jobs", lambda: 2)
+    monkeypatch.setattr(W, "jobs", lambda: 2)
     monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
     fork, started = os.fork, []
 
@@ -286,7 +287,7 @@ def test_jump_tables_read_by_workers_again_where_an_earlier_table_lands(tmp_path
 
     monkeypatch.setattr(arch.jumptable, "resolve", counted)
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache2"))
-    monkeypatch.setattr(A, "jobs", lambda: 2)
+    monkeypatch.setattr(W, "jobs", lambda: 2)
     monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
     parallel = A.Analysis(image, arch)
     assert again == [target.start]

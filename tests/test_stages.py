@@ -138,12 +138,13 @@ def test_tables_name_every_probe_of_the_plan(staged):
     """tables.generate() reads the plan and its layout: one struct kprobe per planned
     kprobe, the breakpoint site's descriptor, no kretprobe."""
     image, arch, target, plan, c, lay, rx, patches = staged
-    text = tables.generate(c, lay, target, {})
-    assert "#define KP_NHITS 2" in text
-    assert "struct kprobe kp_probes[2] = {" in text
+    table = tables.generate(c, lay, target, {})
+    assert "#define KP_NHITS 2" in table.c and "const unsigned int kp_nprobes = 2;" in table.c
+    data = table.asm
+    assert "kp_probes:" in data and f".size kp_probes, {2 * 72}" in data
     for s in plan.sites:                       # each probe at its planned address (.addr, then .symbol_name)
-        assert f"{{ (kprobe_opcode_t *){s.addr:#x}UL, " in text, s.addr
-    assert 'UL, "f", ' in text and 'UL, "g", ' in text
+        assert f"\t.quad {s.addr:#x}, .Lkp_str" in data, s.addr
+    assert '.string "f"' in data and '.string "g"' in data
 
 
 def test_forms_without_handlers_are_light(staged):

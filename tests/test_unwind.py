@@ -12,6 +12,7 @@ input had it), the same backtrace stops at the handler: the new table is what
 makes the difference."""
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -160,3 +161,16 @@ def test_unwind_programs_from_the_layout_are_those_of_the_final_code(prog, tmp_p
     rx, _ = emission.emit(c, lay, blob.symbols)
     final = unwind.programs(s.plan, dataclasses.replace(lay, code={}), s.arch, rx)     # all from rx
     assert sorted(early) == sorted(final)
+
+    # Computed by worker processes (a large image's: unwind.PARALLEL_PIECES), the same,
+    # in the same order; and no worker is left once they are read.
+    from rewriter import workers
+    monkeypatch.setattr(unwind, "PARALLEL_PIECES", 1)
+    monkeypatch.setattr(workers, "jobs", lambda: 2)
+    started = unwind.Programs(s.plan, lay, s.arch)
+    assert started.job is not None and len(started.job.conns) == 2
+    pids = list(started.job.conns)
+    assert started.result() == early and started.job is None
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)

@@ -58,9 +58,11 @@ class Target(Protocol):
 
     # --- the output ---
     def before_link(self, image, arch, layout, plan) -> Any:
-        """What write() needs that the linked runtime does not change, computed while the
-        compiler and linker run (pipeline.build): a user image's detour unwind programs;
-        None when there is nothing."""
+        """What write() needs that the linked runtime does not change, started before the
+        compiler and linker run (pipeline.build): an object whose result() is read while
+        they do (write() gets it as `early`) and whose close() ends what it started (a
+        user image's detour unwind programs, in worker processes); None when there is
+        nothing."""
 
     def write(self, image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan,
               early=None) -> bytes:

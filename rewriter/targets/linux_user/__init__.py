@@ -103,9 +103,10 @@ def runtime_probes(spec) -> None:
 
 
 def before_link(image, arch, layout, plan):
-    """What write() needs that the linked runtime does not change, computed while
-    the compiler and linker run (pipeline.build): the detours' unwind programs."""
-    return unwind.programs(plan, layout, arch) if layout.target.unwind else None
+    """What write() needs that the linked runtime does not change, started before
+    the compiler and linker run (pipeline.build) and read while they do: the
+    detours' unwind programs (unwind.Programs: in worker processes)."""
+    return unwind.Programs(plan, layout, arch, path=image.path) if layout.target.unwind else None
 
 
 def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan, early=None) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 
-from ... import cache
+from ... import cache, workers
 from ...arch.base import unwind_info
 from ...ehframe import write as ehw
 from ...planner import INT3
@@ -42,14 +42,63 @@ def programs(plan, layout, arch, rx: bytes | None = None) -> list[tuple[int, int
     be called from: detours, return-site detours, out-of-line slots.  rx None:
     those whose code the layout kept (layout.Layout.code: the detours as sized,
     with placeholder runtime addresses), computed while the compiler and linker
-    run (pipeline.build), as a program follows only the pieces' instructions,
-    their branches inside the piece and the hits, which the placeholders leave
-    as they will be; rx (the new code, from layout.rx_vaddr): the others (the
-    out-of-line slots), or all when the layout kept none.  The programs are a
-    function of the pieces' bytes, addresses and hits alone, so they are cached
-    (kind detour-cfi) by those and kprewrite's code: a second rewrite of an
+    run (Programs, started by pipeline.build), as a program follows only the
+    pieces' instructions, their branches inside the piece and the hits, which
+    the placeholders leave as they will be; rx (the new code, from
+    layout.rx_vaddr): the others (the out-of-line slots), or all when the layout
+    kept none."""
+    return Programs(plan, layout, arch, rx).result()
+
+
+class Programs:
+    """programs() started: with enough pieces, in worker processes (workers.Workers)
+    that run beside the compiler and linker, until result() is read.  The programs
+    are a function of the pieces' bytes, addresses and hits alone, so they are
+    cached (kind detour-cfi) by those and kprewrite's code: a second rewrite of an
     image with the same spec does not decode its detours again."""
-    u = unwind_info(arch)
+
+    def __init__(self, plan, layout, arch, rx: bytes | None = None, path: str = "the image"):
+        self.u = unwind_info(arch)
+        self.todo = todo = _pieces(plan, layout, rx)
+        self.progs = self.key = self.job = None
+        if len(todo) >= CACHED_PIECES:
+            self.key = cache.key(b"detour-cfi", cache.code_version(), arch.name.encode(),
+                                 repr([(at, size, hit) for at, size, hit, _ in todo]).encode(),
+                                 b"".join(t[3] for t in todo))
+            self.progs = _unpack(cache.get("detour-cfi", self.key), len(todo))
+        if self.progs is None and len(todo) >= PARALLEL_PIECES and workers.jobs() > 1:
+            step = -(-len(todo) // SLICES)
+            self.job = workers.Workers(_programs_of, [(lo, min(lo + step, len(todo))) for lo in range(0, len(todo), step)],
+                                       (self.u, todo), path, "its detours' unwind programs")
+
+    def result(self) -> list[tuple[int, int, bytes]]:
+        if self.progs is None:
+            if self.job is not None:
+                try:
+                    self.progs = [prog for got in self.job.results() for prog in got]
+                finally:
+                    self.close()
+            else:
+                self.progs = [self.u.fde_program(code, at, hit) for at, _, hit, code in self.todo]
+            if self.key is not None:
+                cache.put("detour-cfi", self.key, _pack(self.progs))
+        return [(at, size, prog) for (at, size, _, _), prog in zip(self.todo, self.progs)]
+
+    def close(self) -> None:
+        """The workers ended (result() read, or the rewrite failed first)."""
+        if self.job is not None:
+            self.job.close()
+            self.job = None
+
+
+def _programs_of(lo: int, hi: int) -> list[bytes]:
+    """A worker's slice of Programs' pieces."""
+    u, todo = workers.shared()
+    return [u.fde_program(code, at, hit) for at, _, hit, code in todo[lo:hi]]
+
+
+def _pieces(plan, layout, rx: bytes | None) -> list[tuple[int, int, int, bytes]]:
+    """(start, size, hit, code) of programs()' pieces."""
     todo = []
 
     def add(key, at, hit):
@@ -76,21 +125,15 @@ def programs(plan, layout, arch, rx: bytes | None = None) -> list[tuple[int, int
             add(key, layout.detour(site), site.addr)
     for rs in ret_sites:
         add(("ret", rs.addr), layout.detour(rs), rs.addr)
-    progs = None
-    k = None
-    if len(todo) >= CACHED_PIECES:
-        k = cache.key(b"detour-cfi", cache.code_version(), arch.name.encode(),
-                      repr([(at, size, hit) for at, size, hit, _ in todo]).encode(), b"".join(t[3] for t in todo))
-        progs = _unpack(cache.get("detour-cfi", k), len(todo))
-    if progs is None:
-        progs = [u.fde_program(code, at, hit) for at, _, hit, code in todo]
-        if k is not None:
-            cache.put("detour-cfi", k, _pack(progs))
-    return [(at, size, prog) for (at, size, _, _), prog in zip(todo, progs)]
+    return todo
 
 
 # Below this many pieces, computing the programs costs less than keying them.
 CACHED_PIECES = 500
+# From this many, worker processes compute them (starting them costs some 10 ms), in
+# this many slices, so that the workers end together.
+PARALLEL_PIECES = 1000
+SLICES = 16
 
 
 def _pack(programs: list[bytes]) -> bytes:
