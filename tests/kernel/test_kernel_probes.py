@@ -251,7 +251,7 @@ def test_optimized_probe_inside_the_function_reads_registers(probed_boot, probed
     r = probed_boot
     assert re.search(rf"kp-open-inside: dfd=-100 name={re.escape(OPEN_FILE)}$", r.console, re.M), \
         r.explain(f"no kp-open-inside line for {OPEN_FILE} (regs {probed['regs']})")
-    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    log = r.kernel_lines()
     entry = [l.split("kp-open-entry: ")[1] for l in log if "kp-open-entry: " in l]
     inside = [l.split("kp-open-inside: ")[1] for l in log if "kp-open-inside: " in l]
     # The same opens, each as often (two CPUs: concurrent opens' lines may interleave in either order).
@@ -281,7 +281,7 @@ def test_hit_and_missed_counters_are_exact(probed_boot, probed):
     """The per-CPU counters summed at power-off (-smp 2) against the handlers' own lines."""
     r = probed_boot
     rows = r.profile()
-    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    log = r.kernel_lines()
     count = lambda what: sum(what in l for l in log)  # noqa: E731
     assert rows["p_kernel_clone_0"] == (count("handler_pre: <kernel_clone>"), 0), rows
     assert count("handler_post: <kernel_clone>") == count("handler_pre: <kernel_clone>")
@@ -331,7 +331,7 @@ def test_preempt_full_reschedules_on_the_way_out(probed, make_initramfs, boot_ke
     assert "Dynamic Preempt: full" in r.console
     assert r.reached() and r.powered_off and not r.problems(), r.problems() or r.console[-3000:]
     rows = r.profile()
-    log = [l for l in r.lines() if not l.startswith("raw: ")]
+    log = r.kernel_lines()
     assert rows["p_kernel_clone_0"] == (sum("handler_pre: <kernel_clone>" in l for l in log), 0), rows
     assert rows["p___x64_sys_kill_0"] == (1 + KILLS, 0), rows
 
