@@ -40,25 +40,12 @@ def asserts() -> list[str]:
     ]
 
 
-class _Strings:
-    """The strings the arrays point at, each once, as local labels in a mergeable
-    string section (as the compiler puts C string literals)."""
-
-    def __init__(self):
-        self.label: dict[str, str] = {}
-
-    def __call__(self, s: str | None) -> str:
-        if s is None:
-            return "0"
-        got = self.label.get(s)
-        if got is None:
-            got = self.label[s] = f".Lkp_str{len(self.label)}"
-        return got
-
-    def asm(self) -> list[str]:
-        # c_string()'s escapes (\" \\ \ooo) are the assembler's too.
-        return ['\t.section .rodata.str1.1,"aMS",%progbits,1'] + [f"{label}:\n\t.string {c_string(s)}"
-                                                                   for s, label in self.label.items()]
+def _strings_asm(label: dict[str, str]) -> list[str]:
+    """The strings the arrays point at (label: string -> its local label, in first-use
+    order), each once, in a mergeable string section (as the compiler puts C string
+    literals); c_string()'s escapes (\\" \\\\ \\ooo) are the assembler's too."""
+    return ['\t.section .rodata.str1.1,"aMS",%progbits,1'] + [f"{name}:\n\t.string {c_string(s)}"
+                                                               for s, name in label.items()]
 
 
 def _array(name: str, section: str, align: int, size: int, body: list[str]) -> list[str]:
@@ -72,32 +59,42 @@ def structs(plan, lay, fields: dict, kretprobe_size: int) -> str:
     """The arrays' assembly.  fields: each kprobe's fields by id (tables._probe_fields():
     pre and post as link symbols or None, flags as KPROBE_FLAGS names, symbol);
     kretprobe_size: sizeof(struct kretprobe), for kp_site_probes[]' pointers into
-    kp_kretprobes[] (defined in the C part)."""
-    string = _Strings()
+    kp_kretprobes[] (defined in the C part).  Numbers in decimal, each string's label
+    looked up inline: this runs before the assembler can start."""
+    label: dict[str, str] = {}
+
+    def string(s: str | None) -> str:
+        if s is None:
+            return "0"
+        got = label.get(s)
+        if got is None:
+            got = label[s] = f".Lkp_str{len(label)}"
+        return got
+
     probes = []
     for site, p in plan.kprobes:
         f = fields[id(p)]
-        flags = sum(KPROBE_FLAGS[n] for n in f["flags"])
-        probes.append(f"\t.quad {p.addr:#x}, {string(f['symbol'])}\n\t.long {p.offset}, 0\n"
-                      f"\t.quad {f['pre'] or 0}, {f['post'] or 0}, 0\n\t.long {flags}, 0\n"
-                      f"\t.quad {string(p.event_name)}\n\t.long {p.slot}, {site.index}")
+        flags = sum(map(KPROBE_FLAGS.__getitem__, f["flags"]))
+        probes.append(f"\t.quad {p.addr},{string(f['symbol'])}\n\t.long {p.offset},0\n"
+                      f"\t.quad {f['pre'] or 0},{f['post'] or 0},0\n\t.long {flags},0\n"
+                      f"\t.quad {string(p.event_name)}\n\t.long {p.slot},{site.index}")
     sites, first = [], 0
     for site in plan.sites:
         a = lay.site(site)
-        sites.append(f"\t.quad {site.addr:#x}, {site.post_ip:#x}, {a.resume:#x}, {a.resume_post:#x}\n"
-                     f"\t.long {first}, {len(site.probes)}")
-        first += len(site.probes)
+        n = len(site.probes)
+        sites.append(f"\t.quad {site.addr},{site.post_ip},{a.resume},{a.resume_post}\n\t.long {first},{n}")
+        first += n
     refs, handlers = [], []
     for site in plan.sites:
         for p in site.probes:
             if is_entry(p):         # a kretprobe's entry probe: its struct kretprobe's kp
-                refs.append(f"\t.quad kp_kretprobes + {p.slot * kretprobe_size}")
+                refs.append(f"\t.quad kp_kretprobes+{p.slot * kretprobe_size}")
                 # A light kretprobe's entry only counts (planner.forms.light_kretprobes()).
-                handlers.append("\t.quad 0, 0" if p.group.light else "\t.quad kp_pre_handler_kretprobe, 0")
+                handlers.append("\t.quad 0,0" if p.group.light else "\t.quad kp_pre_handler_kretprobe,0")
             else:
-                refs.append(f"\t.quad kp_probes + {p.slot * KPROBE_SIZE}")
+                refs.append(f"\t.quad kp_probes+{p.slot * KPROBE_SIZE}")
                 f = fields[id(p)]
-                handlers.append(f"\t.quad {f['pre'] or 0}, {f['post'] or 0}")
+                handlers.append(f"\t.quad {f['pre'] or 0},{f['post'] or 0}")
     nk, ns, nr = len(probes), len(sites), len(refs)
     out = [*_array("kp_probes", '.data.rel.local,"aw"', 32, max(1, nk) * KPROBE_SIZE,
                    probes or [f"\t.zero {KPROBE_SIZE}"]),
@@ -107,7 +104,7 @@ def structs(plan, lay, fields: dict, kretprobe_size: int) -> str:
                    sites or [f"\t.zero {KP_SITE_SIZE}"]),
            *_array("kp_site_probes", '.data.rel.ro.local,"aw"', 32, max(1, nr) * 8, refs or ["\t.quad 0"]),
            *_array("kp_site_handlers", '.data.rel.ro.local,"aw"', 32, max(1, nr) * KP_HANDLER_REC_SIZE,
-                   handlers or ["\t.quad 0, 0"]),
-           *string.asm(),
+                   handlers or ["\t.quad 0,0"]),
+           *_strings_asm(label),
            '\t.section .note.GNU-stack,"",%progbits']
     return "\n".join(out) + "\n"
