@@ -126,21 +126,22 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
     lay = layout.place(c, s.target)
     progress.stage("linking")
-    cc = link.compiler(s.arch)             # the image's arch, not the host's
-    table = tables.generate(c, lay, s.target, s.traces)
-    runtime = link.compile_runtime(cc, workdir, s.arch, platform)
-    externs = s.target.link_symbols(s.image)
-    k = _blob_key(cc, s.arch, platform, table, runtime, objs, lay, externs)
-    blob = _cached_blob(k, workdir)
-    # The compiler and the linker run in a thread (waiting on them, it holds the
-    # interpreter's lock little) while this one does what needs no linked blob: the
-    # metadata, what the target computes before (its unwind programs, in worker
-    # processes started first: no other thread runs when they fork), and the code and
-    # patches that do not reach the runtime (emission.unlinked).
+    # What the target computes from the layout alone (a user image's unwind programs)
+    # starts first, in worker processes forked while no other thread runs: they work
+    # beside the table's generation, then beside the compiler and the linker, which run
+    # in a thread (waiting on them, it holds the interpreter's lock little) while this
+    # one makes the metadata and the code and patches that do not reach the runtime
+    # (emission.unlinked).
+    pending = s.target.before_link(s.image, s.arch, lay, s.plan)
     linked: dict = {}
     linking = None
-    pending = s.target.before_link(s.image, s.arch, lay, s.plan)
     try:
+        cc = link.compiler(s.arch)             # the image's arch, not the host's
+        table = tables.generate(c, lay, s.target, s.traces)
+        runtime = link.compile_runtime(cc, workdir, s.arch, platform)
+        externs = s.target.link_symbols(s.image)
+        k = _blob_key(cc, s.arch, platform, table, runtime, objs, lay, externs)
+        blob = _cached_blob(k, workdir)
         if blob is None:
             def run():
                 try:
