@@ -1,9 +1,11 @@
-"""The generated C tables, from the finished plan and its layout: struct kprobe per
+"""The generated tables, from the finished plan and its layout: struct kprobe per
 kprobe (kp_probes[]), struct kretprobe per kretprobe (kp_kretprobes[]), one
 kp_site per address with its probes (the aggregator's list), the arch's
 breakpoint-site descriptors, the target's own tables, the trace events' fetch
 programs.  What the kernel builds at register_kprobe() time, built at rewrite
-time and linked with the runtime."""
+time and linked with the runtime: C, but for a process's per-probe arrays,
+which tables_data.py writes as assembler data (a kernel's are records its
+runtime builds the structs from at boot)."""
 from __future__ import annotations
 
 import functools
