@@ -62,9 +62,13 @@ class Workers:
     results while this process merges them, cost it as much again as unpickling them
     (libpython: 0.06 s more)."""
 
-    def __init__(self, fn, slices: list[tuple[int, int]], work, path: str, task: str):
+    def __init__(self, fn, slices: list[tuple[int, int]], work, path: str, task: str, keep_raw: bool = False):
+        """keep_raw: each slice's result is kept as it came, pickled, in raw[i] (a
+        caller that stores the results keeps their bytes rather than pickle them
+        again); none when no child could be started."""
         global _WORK
         self.path, self.task = path, task
+        self.raw: dict[int, bytes] | None = {} if keep_raw else None
         self.count = len(slices)
         self.conns: dict[int, object] = {}        # child's pid -> the pipe it sends its results through
         _WORK = work
@@ -78,6 +82,7 @@ class Workers:
                     break
             if not self.conns:      # none: this process does the work, in results()
                 self.local = (fn, slices)
+                self.raw = None
                 return
             with open(feed, "wb", closefd=False) as f:
                 f.write(b"".join(i.to_bytes(4, "little") for i in range(self.count)))
@@ -146,6 +151,8 @@ class Workers:
                 if not ok:
                     raise result
                 got[i] = result
+                if self.raw is not None:
+                    self.raw[i] = data
             if want in got:
                 yield got.pop(want)
                 want += 1
@@ -166,6 +173,11 @@ class Workers:
                 pass
         self.conns = {}
         _WORK = None
+
+
+def result_of(raw: bytes):
+    """A slice's result from the bytes Workers.raw kept."""
+    return pickle.loads(raw)[2]
 
 
 def _serve(tasks: int, out, fn, slices) -> None:

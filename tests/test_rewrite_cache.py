@@ -55,6 +55,9 @@ def test_analysis_from_the_cache_and_from_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(A, "PARALLEL_FUNCTIONS", 1)
     parallel = A.Analysis(image, arch)
     assert _state(parallel) == _state(fresh)
+    # Its entry keeps the workers' slices as they came (not pickled again): read back, the same.
+    A._wait_writers()
+    assert _state(A.Analysis(image, arch)) == _state(fresh)
     pairs = b"".join(A._in_workers(image, arch, A._pairs_of))
     monkeypatch.setattr(W, "_WORK", (image, arch))
     assert pairs == A._pairs_of(0, len(image.functions)) and pairs
