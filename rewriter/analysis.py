@@ -398,13 +398,15 @@ class Analysis:
         parallel = branch_targets in sources and len(image.data) < BIG_IMAGE and workers.jobs() > 1 \
             and len(image.functions) >= PARALLEL_FUNCTIONS
         with _unscanned() if parallel else contextlib.nullcontext():
-            self._find(image, arch, sources, read_indirect_jumps, parallel)
+            self._find(image, arch, sources, read_indirect_jumps, parallel, keep_raw=k is not None)
         self._sorted_targets = sorted(self.targets)
         if k is not None:
             self._save_state(k)
 
-    def _find(self, image: Image, arch, sources, read_indirect_jumps: bool, parallel: bool) -> None:
-        """Every source's targets, the decoded functions (in workers when parallel)."""
+    def _find(self, image: Image, arch, sources, read_indirect_jumps: bool, parallel: bool,
+              keep_raw: bool = False) -> None:
+        """Every source's targets, the decoded functions (in workers when parallel;
+        keep_raw: their slices kept as they came too, for _save_state())."""
         early = {}
         branched = False
         if parallel:
@@ -412,7 +414,7 @@ class Analysis:
             # reads the targets that depend on the image alone, then makes the
             # branches into targets a slice at a time, as the workers send them.
             job = workers.Workers(_decoded_of, _slices(image.functions, CHUNKS), (image, arch), image.path,
-                                  "its analysis", keep_raw=True)
+                                  "its analysis", keep_raw=keep_raw)
             try:
                 for source in sources:
                     if source in _IMAGE_ONLY:

@@ -219,6 +219,8 @@ def _emitted_relocs(e) -> list[LinkReloc]:
         if symbols is None:
             symbols = list(e.symbols_of(secs[sec.link])) if sec.link < len(secs) else []
         for off, sym, typ, addend in relas(e.data, sec.offset, sec.size):
+            if sym >= len(symbols):
+                raise e.error(f"link: a relocation at {off:#x} names symbol #{sym}, not in the symbol table")
             s = symbols[sym]
             out.append(LinkReloc(off, typ, s.value, s.shndx == SHN_ABS, s.name, addend))
     return sorted(out, key=lambda r: r.offset)

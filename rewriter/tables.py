@@ -130,7 +130,7 @@ def _structs(c: Code, lay, target, traces: dict) -> tuple[list[str], str]:
         fields[id(p)] = _probe_fields(c, site, p, traces, decl)
     out = [f"const unsigned int kp_nprobes = {len(plan.kprobes)};",
            f"const unsigned int kp_nsites = {len(plan.sites)};"]
-    return decl + out + tables_data.asserts(), tables_data.structs(plan, lay, fields, c.arch.emit.KRETPROBE_SIZE)
+    return decl + out, tables_data.structs(plan, lay, fields, c.arch.emit.KRETPROBE_SIZE)
 
 
 def _records_c(c: Code, lay, target, traces: dict) -> list[str]:

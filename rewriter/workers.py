@@ -67,7 +67,7 @@ class Workers:
         caller that stores the results keeps their bytes rather than pickle them
         again); none when no child could be started."""
         global _WORK
-        self.path, self.task = path, task
+        self.path, self.task, self.work = path, task, work
         self.raw: dict[int, bytes] | None = {} if keep_raw else None
         self.count = len(slices)
         self.conns: dict[int, object] = {}        # child's pid -> the pipe it sends its results through
@@ -96,21 +96,25 @@ class Workers:
     def _fork(self, tasks: int, feed: int, fn, slices) -> None:
         from multiprocessing.connection import Connection
         r, w = os.pipe()
+        parent = os.getpid()
         try:
             pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(feed)
+                    os.close(r)
+                    _serve(tasks, Connection(w, readable=False), fn, slices)
+                finally:
+                    os._exit(0)
         except BaseException:
+            # The child never returns into the caller, whatever is raised in it (a signal
+            # delivered as it starts: KeyboardInterrupt before the try above), nor runs
+            # the parent's exit handlers or flushes its buffered output.
+            if os.getpid() != parent:
+                os._exit(1)
             os.close(r)
             os.close(w)
             raise
-        if pid == 0:
-            try:
-                os.close(feed)
-                os.close(r)
-                _serve(tasks, Connection(w, readable=False), fn, slices)
-            finally:
-                # The child never returns into the caller, whatever is raised in it, nor
-                # runs the parent's exit handlers or flushes its buffered output.
-                os._exit(0)
         os.close(w)
         self.conns[pid] = Connection(r, writable=False)
         try:
@@ -122,9 +126,11 @@ class Workers:
     def results(self):
         """The slices' results in order.  A child that ends before it is done (the
         out-of-memory killer) is an error: its slice would never come."""
+        global _WORK
         if self.local is not None:
             fn, slices = self.local
             for lo, hi in slices:
+                _WORK = self.work       # this pool's, whatever another opened since
                 yield fn(lo, hi)
             return
         from multiprocessing.connection import wait
@@ -172,7 +178,8 @@ class Workers:
             except ChildProcessError:
                 pass
         self.conns = {}
-        _WORK = None
+        if _WORK is self.work:      # not another pool's, opened since
+            _WORK = None
 
 
 def result_of(raw: bytes):

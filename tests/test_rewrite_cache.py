@@ -57,6 +57,10 @@ def test_analysis_from_the_cache_and_from_workers(tmp_path, monkeypatch):
     assert _state(parallel) == _state(fresh)
     # Its entry keeps the workers' slices as they came (not pickled again): read back, the same.
     A._wait_writers()
+    from rewriter import cache
+    import pickle
+    (entry,) = (tmp_path / "cache2" / "analysis-state").iterdir()
+    assert "_decoded_slices" in pickle.loads(cache.get("analysis-state", entry.name))
     assert _state(A.Analysis(image, arch)) == _state(fresh)
     pairs = b"".join(A._in_workers(image, arch, A._pairs_of))
     monkeypatch.setattr(W, "_WORK", (image, arch))
@@ -295,3 +299,30 @@ def test_jump_tables_read_by_workers_again_where_an_earlier_table_lands(tmp_path
     parallel = A.Analysis(image, arch)
     assert again == [target.start]
     assert _state(parallel) == _state(fresh)
+
+
+def _slice_of_work(lo: int, hi: int):
+    return W.shared()[lo:hi]
+
+
+def test_a_pool_doing_its_work_here_keeps_it_while_another_opens_and_closes(monkeypatch):
+    """A pool whose fork failed does its slices in this process when its results are
+    read: another pool opened and closed meanwhile does not take its work away."""
+    monkeypatch.setattr(W, "jobs", lambda: 2)
+    fork = os.fork
+
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(os, "fork", no_fork)
+    a = W.Workers(_slice_of_work, [(0, 2), (2, 3)], ["a", "b", "c"], "a", "task a")
+    monkeypatch.setattr(os, "fork", fork)
+    b = W.Workers(_slice_of_work, [(0, 1)], ["x"], "b", "task b")
+    try:
+        assert list(b.results()) == [["x"]]
+    finally:
+        b.close()
+    try:
+        assert list(a.results()) == [["a", "b"], ["c"]]
+    finally:
+        a.close()
+    assert W.shared() is None

@@ -42,7 +42,6 @@ QEMU_SYSTEM = "qemu-system-x86_64"
 
 USERSPACE_MARKER = "KPREWRITE-USERSPACE-REACHED"
 KMSG = re.compile(r"\[\s*\d+\.\d{6}\] [^\n]*\n")     # a kernel message, printk's time in front
-_RUN_IN = re.compile(r"(?<!>)\[\s*\d+\.\d{6}\] ")       # one run into another line (BootResult.kernel_lines)
 DONE_MARKER = "KPREWRITE-INIT-DONE"
 WX_PASSED = "x86/mm: Checked W+X mappings: passed"
 POWER_DOWN = "reboot: Power down"
@@ -397,21 +396,6 @@ class BootResult:
 
     def lines(self) -> list[str]:
         return self.console.splitlines()
-
-    def kernel_lines(self) -> list[str]:
-        """The console's lines but what /init echoes from /dev/kmsg ("raw: <6>[...] ..."):
-        with two CPUs a kernel message can run into such a line under load
-        ("raw: <6>[ 2.35] kp-open-entry: ...[ 2.76] handler_pre: ..."), and is kept, from
-        its printk time on (a time not right after the raw record's "<N>")."""
-        out = []
-        for line in self.console.splitlines():
-            if line.startswith("raw: "):
-                m = _RUN_IN.search(line)
-                if m:
-                    out.append(line[m.start():])
-                continue
-            out.append(line)
-        return out
 
     def lines_between(self, start: str, end: str) -> list[str]:
         """Console lines strictly between the first line ending with `start` and the next ending with `end`."""
