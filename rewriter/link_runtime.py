@@ -131,6 +131,26 @@ def _build_runtime(cc: str, arch: str, platform: str, out: Path) -> None:
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         for f in [pool.submit(run, cmd, what) for cmd, what in jobs]:
             f.result()
+    (out / MANIFEST).write_text(_manifest(out))
+
+
+# The digest of every file a built runtime holds, written last: a cached entry whose
+# files no longer match it (damaged on disk, cut short by a full one, edited) is built
+# again rather than handed to the linker ("file format not recognized").
+MANIFEST = "MANIFEST"
+
+
+def _manifest(out: Path) -> str:
+    return "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(out)}\n"
+                   for p in sorted(out.rglob("*")) if p.is_file() and p.name != MANIFEST)
+
+
+def _intact(entry: Path) -> bool:
+    """The cached runtime's files are those its manifest lists, as they were built."""
+    try:
+        return (entry / MANIFEST).read_text() == _manifest(entry)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 _BUILT: dict[str, Path] = {}
@@ -147,6 +167,14 @@ def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
         return _BUILT[key]
     entry = cache.cache_dir() / f"runtime-{arch}-{platform}-{key}"
     private = cache.trusted()   # else built in a temporary folder (below), as when it cannot be written
+    if private and entry.is_dir() and not _intact(entry):
+        # Damaged: set aside (another process may be reading it) and built again below.
+        try:
+            os.rename(entry, tempfile.mkdtemp(prefix=f".{entry.name}.damaged.", dir=entry.parent))
+        except OSError:
+            pass
+        for old in entry.parent.glob(f".{entry.name}.damaged.*"):
+            shutil.rmtree(old, ignore_errors=True)
     if private and entry.is_dir():
         try:
             os.utime(entry)     # used now: the last to be evicted (cache.prune)

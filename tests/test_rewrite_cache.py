@@ -214,7 +214,9 @@ def test_a_cache_folder_others_may_write_is_not_used(tmp_path):
     unpickled and its compiled runtime is linked into the output.  Every entry of a
     filled cache is spoiled, then the folder opened to everyone: the rewrite still
     writes the same bytes (it read nothing there) and adds nothing; made private again,
-    the spoiled entries are read, and the rewrite fails."""
+    the spoiled entries are read, found damaged and made again (the compiled runtime's
+    against its manifest, the others as they fail to unpickle or to check): the same
+    bytes, and the cache's runtime whole again."""
     prog = cc(tmp_path, "prog", PROGRAM, "-O2")
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "*"\n')
     cache = tmp_path / "cache"
@@ -236,7 +238,35 @@ def test_a_cache_folder_others_may_write_is_not_used(tmp_path):
     assert rewrite(tmp_path / "b") == first
     assert sorted(f for f in cache.rglob("*") if f.is_file()) == entries
     cache.chmod(0o755)
-    assert rewrite(tmp_path / "c", check=False) != first    # the spoiled entries, read
+    assert rewrite(tmp_path / "c") == first                 # the spoiled entries, read and made again
+    objs = [f for f in cache.rglob("runtime-*/*.o")]
+    assert objs and all(f.read_bytes() != b"spoiled" for f in objs)
+
+
+def test_a_damaged_runtime_in_the_cache_is_built_again(tmp_path):
+    """A compiled runtime object cut short in the cache (a full disk, a damaged file):
+    the next rewrite finds it unlike its entry's manifest, builds the runtime again and
+    writes the same bytes, rather than failing in the linker."""
+    prog = cc(tmp_path, "prog", PROGRAM, "-O2")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "*"\n')
+    cache = tmp_path / "cache"
+    env = {**TREE_ENV, "KPREWRITE_CACHE": str(cache)}
+
+    def rewrite(out):
+        r = subprocess.run([sys.executable, "-m", "rewriter", "instrument", str(prog), "--spec", str(spec), "-o", str(out)],
+                           env=env, cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return out.read_bytes()
+
+    first = rewrite(tmp_path / "a")
+    (entry,) = cache.glob("runtime-*")
+    core = next(entry.glob("rt_kp_core*.o"))
+    whole = core.read_bytes()
+    core.write_bytes(whole[:100])
+    assert rewrite(tmp_path / "b") == first
+    (again,) = cache.glob("runtime-*")
+    assert again.name == entry.name and (again / core.name).read_bytes() == whole
+    assert not list(cache.glob(".runtime-*"))              # the damaged one set aside, then deleted
 
 # crossing's jump table lands inside target, a function after it that has an indirect
 # jump of its own: read with the other sources' targets only (a worker), target's jump
