@@ -473,17 +473,13 @@ class Analysis:
         except Exception:
             return False
         slices = state.pop("_decoded_slices", None)
-        if slices is not None:          # _save_state()'s workers' slices: _take_decoded()'s merge
-            funcs, decoded, i = self.image.functions, {}, 0
+        if slices is not None:          # _save_state()'s workers' slices, merged as they came
             try:
                 with _unscanned():
-                    for raw in slices:
-                        for d in workers.result_of(raw):
-                            decoded.setdefault(funcs[i].start, d)
-                            i += 1
+                    self._take_decoded(workers.result_of(raw) for raw in slices)
             except Exception:
+                self._decoded, self.all_decoded = {}, False
                 return False
-            state["_decoded"] = decoded
         for n, v in state.items():
             setattr(self, n, v)
         self._sorted_targets = sorted(self.targets)
@@ -506,9 +502,10 @@ class Analysis:
                 else:
                     got.append(src)
 
-    def _decoded_branches(self, chunks):
-        """_take_decoded(), yielding each function's branches (as _branch_lists() does
-        after decode_all()) once its slice has come."""
+    def _merged(self, chunks):
+        """Each slice's decoded functions (image.functions in order, a slice at a
+        time) into _decoded, the first of a start kept; yields each slice's (lo, hi)
+        once it is in."""
         funcs, decoded = self.image.functions, self._decoded
         i = 0
         for chunk in chunks:
@@ -516,18 +513,20 @@ class Analysis:
             for d in chunk:
                 decoded.setdefault(funcs[i].start, d)
                 i += 1
-            for f in funcs[lo:i]:
-                yield decoded[f.start].branches
+            yield lo, i
         self.all_decoded = True
 
+    def _decoded_branches(self, chunks):
+        """_take_decoded(), yielding each function's branches (as _branch_lists() does
+        after decode_all()) once its slice has come."""
+        funcs, decoded = self.image.functions, self._decoded
+        for lo, hi in self._merged(chunks):
+            for f in funcs[lo:hi]:
+                yield decoded[f.start].branches
+
     def _take_decoded(self, chunks) -> None:
-        funcs = self.image.functions
-        i = 0
-        for chunk in chunks:
-            for d in chunk:
-                self._decoded.setdefault(funcs[i].start, d)
-                i += 1
-        self.all_decoded = True
+        for _ in self._merged(chunks):
+            pass
 
     def decoded(self, f: Function):
         d = self._decoded.get(f.start)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .cstring import c_string
 from .depfile import read as read_depfile
+from .elfview import SHF_ALLOC, SHN_ABS, SHN_UNDEF, SHT_NOBITS, SHT_RELA, ElfView, relas
 from .errors import KprewriteError
 from .link_handlers import compile_handlers, compile_table, defines_function, object_defines, resolve_handlers
 from .link_objects import executable_sections, machine, object_functions, undefined_symbols
@@ -160,7 +161,6 @@ def read_blob(raw: bytes, path: Path) -> Blob:
     base-relative relocations applied at link-time addresses (anything else refused).
     Read with elfview (not pyelftools, whose import and first parse cost a cold
     rewrite 0.1 s, in the thread that links beside the main one: pipeline.build)."""
-    from .elfview import SHF_ALLOC, SHT_NOBITS, ElfView, relas
     e = ElfView(raw, str(path))
     syms = {s.name: s.value for s in e.symbols() if s.name and s.shndx != SHN_UNDEF}
     secs = [(s.name, s.type, s.flags, s.addr, s.size, s.offset) for s in e.sections]
@@ -200,13 +200,9 @@ def read_blob(raw: bytes, path: Path) -> Blob:
     return Blob(text_addr, bytes(text), data_lo, bytes(data), data_hi - data_lo, syms, sections, _emitted_relocs(e))
 
 
-SHN_UNDEF, SHN_ABS, SHT_RELA = 0, 0xFFF1, 4
-
-
 def _emitted_relocs(e) -> list[LinkReloc]:
     """The relocations ld -q kept (SHT_RELA sections of a static link) that apply to
     loaded sections (e: the blob's elfview.ElfView)."""
-    from .elfview import SHF_ALLOC, SHT_NOBITS, relas
     out = []
     secs = e.sections
     symbols = None
