@@ -31,7 +31,8 @@ def _link(target: int, field: int):
         target.links.extend((field, target.name))
 
 
-_unpack_i32, _pack_i32_into = struct.Struct("<i").unpack_from, struct.Struct("<i").pack_into
+_I32 = struct.Struct("<i")                  # a rel32 or disp32
+_unpack_i32, _pack_i32_into, _pack_i32 = _I32.unpack_from, _I32.pack_into, _I32.pack
 
 
 def relink(buf: bytearray, base: int, links, sym, placeholder: int):
@@ -56,13 +57,10 @@ def asm(text: str, addr: int) -> bytes:
     return bytes(enc or b"")
 
 
-_pack_i32 = struct.Struct("<i").pack
-
-
 def _s32(v: int, what: str) -> bytes:
     if not -(1 << 31) <= v < (1 << 31):
         raise EmitError(f"{what}: displacement {v:#x} does not fit in 32 bits")
-    return struct.pack("<i", v)
+    return _pack_i32(v)
 
 
 def relocate(insn: DcrInsn, new: int) -> bytes:
@@ -232,10 +230,7 @@ def retarget_patch(addr: int, code: bytes, target: int) -> tuple[int, bytes]:
     the rel32 is their last 4) sent to `target` instead: the (address, bytes) of its
     new rel32."""
     end = addr + len(code)
-    v = target - end
-    if not -0x80000000 <= v < 0x80000000:
-        return end - 4, _s32(v, "branch to detour")      # raises
-    return end - 4, _pack_i32(v)
+    return end - 4, _s32(target - end, "branch to detour")
 
 
 def entry_stub(at: int, start_fn: int, orig_entry: int) -> bytes:
@@ -281,7 +276,7 @@ def _asm_pi(text: str) -> bytes:
     return asm(text, 0)
 
 
-_DISP_MARK = struct.pack("<i", 0x12345678)
+_DISP_MARK = _pack_i32(0x12345678)
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,7 +291,7 @@ def _asm_disp(text: str, v: int) -> bytes:
     if -0x80 <= v < 0x80 or not -(1 << 31) <= v < (1 << 31):
         return _asm_pi(text.format(d=f"{v:#x}"))
     code, off = _rip_template(text)
-    return code[:off] + struct.pack("<i", v) + code[off + 4:]
+    return code[:off] + _pack_i32(v) + code[off + 4:]
 
 
 def _rip(text: str, at: int, target: int) -> bytes:
@@ -363,7 +358,7 @@ def preempt_disable(c: _Code, key):
     """preempt_disable() where the thread key is the CPU: incl %gs:__preempt_count,
     before the key is read, so the dispatch stays on this CPU.  Clobbers the flags."""
     if key.preempt is not None:
-        c.out += _KEY_SEGMENT[key.base] + b"\xff\x04\x25" + struct.pack("<i", key.preempt)
+        c.out += _KEY_SEGMENT[key.base] + b"\xff\x04\x25" + _pack_i32(key.preempt)
 
 
 def preempt_enable(c: _Code, key):
@@ -372,7 +367,7 @@ def preempt_enable(c: _Code, key):
     image's preempt_schedule thunk, which keeps every register.  Clobbers the flags."""
     if key.preempt is None:
         return
-    c.out += _KEY_SEGMENT[key.base] + b"\xff\x0c\x25" + struct.pack("<i", key.preempt)
+    c.out += _KEY_SEGMENT[key.base] + b"\xff\x0c\x25" + _pack_i32(key.preempt)
     if key.resched is not None:
         c.out += b"\x75\x05"                                  # jnz over the call
         c.call(key.resched)
@@ -385,7 +380,7 @@ def find_thread(c: _Code, fast: int, table: int, key) -> list[int]:
     for the first time)."""
     c.rip("cmp dword ptr [rip + {d}], 0", fast)
     slow = [c.jcc(JE)]
-    c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x3c\x25" + struct.pack("<i", key.disp)   # mov %seg:disp,%rdi
+    c.out += _KEY_SEGMENT[key.base] + b"\x48\x8b\x3c\x25" + _pack_i32(key.disp)   # mov %seg:disp,%rdi
     c.a(f"mov rax, rdi; shr rax, 12; and eax, {O.THREAD_TABLE_MASK:#x}")
     c.rip("lea rdx, [rip + {d}]", table)
     c.a("mov rdx, qword ptr [rdx + rax*8]; cmp rdi, qword ptr [rdx]")
@@ -609,7 +604,7 @@ def light_counter(slot: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _key_load(seg: str, disp: int) -> bytes:
     """mov %seg:disp, %rax: the thread pointer, from the thread key's segment."""
-    return _KEY_SEGMENT[seg] + b"\x48\x8b\x04\x25" + struct.pack("<i", disp)
+    return _KEY_SEGMENT[seg] + b"\x48\x8b\x04\x25" + _pack_i32(disp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -658,8 +653,6 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         raise EmitError("light detours are for a thread key that needs no preempt_disable()")
     head, undo, shard = _light_parts(red_zone, flags_live)
     key_load = _key_load(key.base, key.disp)
-    cmp, cmp_at = _rip_template("cmp dword ptr [rip + {d}], 0")
-    add, add_at = _rip_template("add rax, qword ptr [rip + {d}]")
     inc = _asm_disp("lock inc qword ptr [rax + {d}]", counter)
     copy = copy or relocate
     back = back or dcr[-1].addr + len(dcr[-1].code)
@@ -668,15 +661,11 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         """The detour, its resume address and how far its je to the slow path jumps.
         (_Code's steps written out: a rewrite builds 12,000 of these.)"""
         out = bytearray(head)
-        _link(fast, at + len(out) + cmp_at)
-        pc = at + len(out) + len(cmp)                              # cmp [rip + fast], 0
-        out += cmp[:cmp_at] + _s32(fast - pc, "RIP-relative operand") + cmp[cmp_at + 4:]
+        out += _rip("cmp dword ptr [rip + {d}], 0", at + len(out), fast)
         out += b"\x74\x00" if short else b"\x0f\x84\x00\x00\x00\x00"       # je slow
         je = len(out)
         out += key_load + shard                                    # the shard's page bits of the thread pointer
-        _link(base, at + len(out) + add_at)
-        pc = at + len(out) + len(add)                              # add rax, [rip + base]
-        out += add[:add_at] + _s32(base - pc, "RIP-relative operand") + add[add_at + 4:]
+        out += _rip("add rax, qword ptr [rip + {d}]", at + len(out), base)    # the shard's counters
         out += inc + undo
         resume = at + len(out)                                     # the relocated DCR, then the jump back
         for insn in dcr:
