@@ -130,22 +130,18 @@ def k_write(mn: str) -> bool:
 _ENDS = ("jmp", "ret", "ud2", "hlt", "retq")
 # _step() of (state, mnemonic, operands): detours of one template repeat the same steps.
 _STEPS: dict[tuple, tuple] = {}
-# (mnemonic, operands) -> (falls through, the branch's literal target or None), of a
-# branch, call or end (any other instruction falls through and names no target).
-_FLOW: dict[tuple, tuple] = {}
+# The operands of a branch or call -> its literal target, or None (_target()).
+_FLOW: dict[str, int | None] = {}
 _START = ("rsp", (), 0, ())
 _DIRECT = re.compile(r"0x[0-9a-f]+")
 # What moves %rsp without naming it (_step()).
 _STACK_MNS = frozenset({"push", "pop", "pushfq", "popfq"})
 
 
-def _flow(mn: str, ops_s: str) -> tuple[bool, int | None]:
-    t = None
-    if (mn.startswith("j") or mn == "call") and ops_s:
-        op0 = ops_s.split(",", 1)[0].strip()
-        if re.fullmatch(r"0x[0-9a-f]+", op0):
-            t = _num(op0)
-    return mn not in _ENDS, t
+def _target(ops_s: str) -> int | None:
+    """The literal target in a branch's or call's operands, None for an indirect one."""
+    op0 = ops_s.split(",", 1)[0].strip()
+    return int(op0, 16) if _DIRECT.fullmatch(op0) else None
 
 
 def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
@@ -171,13 +167,12 @@ def rows(code: bytes, at: int, hit: int) -> list[tuple[int, tuple]]:
         state = states[i]
         t = None
         if mn[0] == "j" or mn == "call":
-            if "," not in ops_s and direct(ops_s):    # the usual direct branch: its target (_flow())
+            if "," not in ops_s and direct(ops_s):    # the usual direct branch: its target
                 t = int(ops_s, 16)
+            elif ops_s in flows:
+                t = flows[ops_s]
             else:
-                f = flows.get((mn, ops_s))
-                if f is None:
-                    f = flows[mn, ops_s] = _flow(mn, ops_s)
-                t = f[1]
+                t = flows[ops_s] = _target(ops_s)
         if t is not None:
             out = state         # a direct branch or call: _step keeps the state
         elif state[0] is None or ((state[0] == "mem" or (state[0] == "rsp" and not state[1]))
