@@ -18,13 +18,17 @@ _cs.detail = False
 @dataclass
 class DecodedFunction:
     boundaries: array            # offsets of instruction starts, from the function start
-    indirect_jump: int | None    # address of the first indirect jump (br)
     undecodable: int | None      # address of the first word Capstone does not decode
     branches: list[tuple[int, int]]   # (target, address of the branch) of direct branches
     sets_df: int | None = None   # x86's direction flag: none here
     exits: list[int] | None = None    # every ret, b, b.cond, cbz, tbz, br: where a function may leave
     indirect_jumps: list[int] | None = None
     code_refs: list[tuple[int, int]] | None = None   # (address, adr/adrp) of code addresses computed
+
+    @property
+    def indirect_jump(self) -> int | None:
+        """The address of the first indirect jump, if any (derived, not kept beside the list)."""
+        return self.indirect_jumps[0] if self.indirect_jumps else None
 
 
 def decode_function(code: bytes, start: int) -> DecodedFunction:
@@ -58,5 +62,5 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
             # add xd, xd, #lo12 right after: the full address.
             if (nxt & 0xFFC00000) == 0x91000000 and (nxt & 31) == info.rt and ((nxt >> 5) & 31) == info.rt:
                 refs.append((info.target + ((nxt >> 10) & 0xFFF), addr))
-    return DecodedFunction(bounds, indirects[0] if indirects else None, undecodable, branches, None, exits,
+    return DecodedFunction(bounds, undecodable, branches, None, exits,
                            indirects, refs)

@@ -29,13 +29,17 @@ _EXIT_MNEMONICS = ("ret", "j", "loop", "repz ret", "bnd ret", "bnd j", "notrack 
 @dataclass
 class DecodedFunction:
     boundaries: array            # offsets of instruction starts, from the function start
-    indirect_jump: int | None    # address of the first indirect jump (ff /4, ff /5, ea): indirect_jumps[0]
     undecodable: int | None      # address where decoding failed, if it did
     branches: list[tuple[int, int]]   # (target, address of the branch) of direct jumps/calls
     sets_df: int | None = None   # address of the first `std`: DF may be set inside the function
     exits: list[int] | None = None   # addresses of every ret, jmp, jcc, loop: where a function may leave
     indirect_jumps: list[int] | None = None   # every indirect jump (jumptable.py decides which are bounded)
     code_refs: list[tuple[int, int]] | None = None   # (address, lea) of every RIP-relative lea: addresses the code computes
+
+    @property
+    def indirect_jump(self) -> int | None:
+        """The address of the first indirect jump, if any (derived, not kept beside the list)."""
+        return self.indirect_jumps[0] if self.indirect_jumps else None
 
 
 # What decode_function() does with a mnemonic, worked out once per mnemonic:
@@ -144,7 +148,7 @@ def decode_function(code: bytes, start: int) -> DecodedFunction:
             std = addr
     end = start + length
     undecodable = end if end < start + len(code) else None
-    return DecodedFunction(bounds, indirects[0] if indirects else None, undecodable, branches, std, exits,
+    return DecodedFunction(bounds, undecodable, branches, std, exits,
                            indirects, refs)
 
 
@@ -191,5 +195,5 @@ def _decode_lite(code: bytes, start: int) -> DecodedFunction:
     if addr is not None:
         end = addr + size
     undecodable = end if end < start + len(code) else None
-    return DecodedFunction(bounds, indirects[0] if indirects else None, undecodable, branches, std, exits,
+    return DecodedFunction(bounds, undecodable, branches, std, exits,
                            indirects, refs)
