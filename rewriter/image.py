@@ -370,7 +370,14 @@ class Image:
 
     def relative_relocations(self) -> list[tuple[int, int, int]]:
         """(file offset of the Elf64_Rela, r_offset, addend) of every base-relative
-        relocation (the arch's r_relative)."""
+        relocation (the arch's r_relative), read once: the analysis, the blacklist, the
+        return probes' exits and the ftrace sites each ask (libpython: 40,000)."""
+        got = self.__dict__.get("_relative_relocations")
+        if got is None:
+            got = self._relative_relocations = self._read_relative_relocations()
+        return got
+
+    def _read_relative_relocations(self) -> list[tuple[int, int, int]]:
         r_relative = get_arch(self.machine).r_relative
         out = []
         for tag_rela, tag_sz in ((7, 8),):
