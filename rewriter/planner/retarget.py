@@ -77,17 +77,8 @@ def retarget_branches(image, analysis, arch, plan: Plan, rules) -> None:
     f_lo = f_hi = 0                 # the branch before's function_at() holds for [f_lo, f_hi)
     f_ok, f_start, bounds, n_bounds, f_fde = False, 0, (), 0, False
     out = []
-    data, s_lo, s_hi, delta = image.data, 0, 0, 0       # the load segment of the branch before
     for src in branches:
-        if s_lo <= src < s_hi:          # its bytes at src + delta in the file
-            off = branch_disp(data[src + delta:src + delta + 6])
-        else:
-            span = image.file_span(src)
-            if span is not None:
-                s_lo, s_hi, delta = span[0], span[1], span[2] - span[0]
-                off = branch_disp(data[src + delta:src + delta + 6])
-            else:
-                off = branch_disp(read(src, 6))
+        off = branch_disp(read(src, 6))
         if off is None:
             continue
         size = off + 4
