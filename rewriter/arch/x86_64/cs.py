@@ -1,7 +1,8 @@
 """The x86-64 Capstone decoders, one of each kind for the whole back end:
 LITE for boundaries and mnemonics (disasm_lite), DETAIL for operands and
 register/flag access.  records() is LITE's cs_disasm() without a Python tuple
-per instruction, for decode.py's sweep over whole images."""
+per instruction, for decode.py's sweep over whole images; length() one
+instruction's size, for insn.py's classification.  The raw Capstone calls are here."""
 import ctypes
 
 import capstone
@@ -113,3 +114,47 @@ def detail_records(code: bytes, start: int) -> tuple[int, bytes, bytes]:
         return n, buf, b"".join([string_at(d, size) for d in ptrs])
     finally:
         capstone._cs.cs_free(p, n)
+
+
+def _length_decoder():
+    """The length of the instruction at the start of code, decoded at address (0 if
+    none), through Capstone's cs_disasm_iter() into one cs_insn allocated once: what
+    disasm_lite(code, address, 1) yields first, without its allocation, generator and
+    strings per call (a rewrite classifies some 15,000 instructions).  disasm_lite()
+    itself where the binding does not offer it as capstone 5 does."""
+    def lite(code: bytes, address: int) -> int:
+        for _addr, n, _mn, _ops in LITE.disasm_lite(code, address, 1):
+            return n
+        return 0
+    try:
+        lib, insn_t = capstone._cs, capstone._cs_insn
+        if getattr(LITE, "diet", True) or not hasattr(LITE, "csh"):
+            return lite
+        malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(("cs_malloc", lib))
+        step = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
+                                ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint64),
+                                ctypes.c_void_p)(("cs_disasm_iter", lib))
+        errno = lib.cs_errno
+        handle = LITE.csh
+        buf = malloc(handle)
+        if not buf:
+            return lite
+        insn = ctypes.cast(buf, ctypes.POINTER(insn_t)).contents
+    except (AttributeError, TypeError, ValueError, OSError):
+        return lite
+    ptr, size, addr = ctypes.c_char_p(), ctypes.c_size_t(), ctypes.c_uint64()
+    args = (handle, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(addr), buf)
+
+    def length(code: bytes, address: int) -> int:
+        ptr.value, size.value, addr.value = code, len(code), address
+        if step(*args):
+            return insn.size
+        status = errno(handle)
+        if status != capstone.CS_ERR_OK:       # as disasm_lite() raises
+            raise capstone.CsError(status)
+        return 0
+    return length
+
+
+# The length of the instruction at the start of code (0 if none): LITE's, one at a time.
+length = _length_decoder()

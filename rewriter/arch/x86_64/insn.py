@@ -47,55 +47,9 @@ from dataclasses import dataclass
 from . import cs
 
 # Length decoding only: detail off (LITE), all we take from Capstone is the size
-# (_length(): one instruction at a time, into one cs_insn).
-_cs = cs.LITE
-_disasm_lite = _cs.disasm_lite
-
-
-def _length_decoder():
-    """The length of the instruction at the start of code, decoded at address (0 if
-    none), through Capstone's cs_disasm_iter() into one cs_insn allocated once: what
-    disasm_lite(code, address, 1) yields first, without its allocation, generator and
-    strings per call (a rewrite classifies some 15,000 instructions).  disasm_lite()
-    itself where the binding does not offer it as capstone 5 does."""
-    import ctypes
-    import capstone
-
-    def lite(code: bytes, address: int) -> int:
-        for _addr, n, _mn, _ops in _disasm_lite(code, address, 1):
-            return n
-        return 0
-    try:
-        lib, insn_t = capstone._cs, capstone._cs_insn
-        if getattr(_cs, "diet", True) or not hasattr(_cs, "csh"):
-            return lite
-        malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(("cs_malloc", lib))
-        step = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
-                                ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint64),
-                                ctypes.c_void_p)(("cs_disasm_iter", lib))
-        errno = lib.cs_errno
-        handle = _cs.csh
-        buf = malloc(handle)
-        if not buf:
-            return lite
-        insn = ctypes.cast(buf, ctypes.POINTER(insn_t)).contents
-    except (AttributeError, TypeError, ValueError, OSError):
-        return lite
-    ptr, size, addr = ctypes.c_char_p(), ctypes.c_size_t(), ctypes.c_uint64()
-    args = (handle, ctypes.byref(ptr), ctypes.byref(size), ctypes.byref(addr), buf)
-
-    def length(code: bytes, address: int) -> int:
-        ptr.value, size.value, addr.value = code, len(code), address
-        if step(*args):
-            return insn.size
-        status = errno(handle)
-        if status != capstone.CS_ERR_OK:       # as disasm_lite() raises
-            raise capstone.CsError(status)
-        return 0
-    return length
-
-
-_length = _length_decoder()
+# (cs.length(): one instruction at a time, into one cs_insn).
+_disasm_lite = cs.LITE.disasm_lite
+_length = cs.length
 
 _MASK64 = (1 << 64) - 1
 
