@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 
-from ...elfwrite import NewSection, append_section_headers
+from ...elf.write import NewSection, append_section_headers
 from ...errors import KprewriteError
 from ...planner import INT3
 from ...report import META_SECTION
