@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .build import emission, layout, tables
+from .build import emission, layout, meta, tables
 from .probes import events
 from .link import handlers
-from . import link, planner, report, targets
+from . import link, planner, targets
 from .analysis.functions import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
@@ -154,7 +154,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
                     linked["error"] = e
             linking = threading.Thread(target=run, name="kprewrite-link")
             linking.start()
-        metadata = report.metadata(s.plan, lay, s.image.label)
+        metadata = meta.metadata(s.plan, lay, s.image.label)
         unlinked = emission.unlinked(c, lay)
         early = pending.result() if pending is not None else None
     finally:

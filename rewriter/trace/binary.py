@@ -29,6 +29,7 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import KprewriteError
+from .record import LINE, Record, parse_line
 
 MAGIC = b"KPTRACEB"
 VERSION = 1
@@ -231,11 +232,10 @@ def body(img: Image, ev: Event, ret_addr: int, rec: bytes) -> bytes:
 
 
 def records(data: bytes, where: str) -> list:
-    """The records of a binary trace as tracefmt.Records of the lines the program would
+    """The records of a binary trace as Records of the lines the program would
     have written as text, in time order (a thread's in the order written).  A line is
     parsed by tracefmt.parse_line() as a text line is, except where it is known to parse
     as its parts (a context, an event without args: checked once, then cached)."""
-    from .formats import LINE, Record, parse_line
     if not is_binary(data):
         raise KprewriteError(f"{where}: not a binary trace")
     if len(data) < 64:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .formats import Record
+from .record import Record
 
 
 @dataclass(eq=False)

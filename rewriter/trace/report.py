@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from xml.sax.saxutils import escape
 
 from . import callgraph
-from .formats import Record
+from .record import Record
 
 BAR = 52                # bpftrace's bar width
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ...analysis import blacklist as bl
 from ...arch import get_arch
 from ...arch.base import ThreadKey
+from ...build.meta import META_SECTION
 from ...errors import KprewriteError
 from ...analysis.rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
 from . import ftrace, sighook, unwind, writer
@@ -23,7 +24,6 @@ def thread_key(image) -> ThreadKey:
     """The thread's identity, as the arch's psABI defines the thread pointer (x86-64:
     the TCB's self pointer, at 0 from it)."""
     return get_arch(image.machine).USER_THREAD_KEY
-META_SECTION = ".kprewrite.meta"
 
 
 def load_symbols(image, system_map: str | None = None) -> None:

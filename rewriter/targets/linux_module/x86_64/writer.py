@@ -56,12 +56,12 @@ from pathlib import Path
 
 from ....errors import KprewriteError
 from ....arch.base import SINGLESTEP
+from ....build.meta import META_SECTION
 from ....planner.model import FTRACE, INT3, OPTIMIZED
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
 R_X86_64_NONE = 0
-META_SECTION = ".kprewrite.meta"
 
 DETOUR_S = r"""
 	.section .text.kprewrite,"ax",@progbits
@@ -1141,10 +1141,10 @@ EVENT_SOURCES = ["kp_lib.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     """The rewritten module's bytes (see the module docstring)."""
     from ....probes.events import trace_c, trace_key
-    from ....link.ld import compiler
+    from ....link.toolchain import compiler
     from ....link.toolchain import linker
     from ....link.runtime import RUNTIME_DIR, _includes, cflags
-    from ....report import metadata
+    from ....build.meta import metadata
     refuse_unsupported(s)
     mod = s.image.container
     if "cleanup_module" not in s.image.symbols:
