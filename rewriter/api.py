@@ -91,9 +91,8 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
 
 def _notes(s) -> list[str]:
     """A target's one-line notes on what it writes (a module's events without the kernel's
-    BTF: linux_module.notes()); an optional answer of a target."""
-    notes = getattr(s.target, "notes", None)
-    return notes(s.image, s.traces) if notes is not None else []
+    BTF: linux_module.notes())."""
+    return s.target.notes(s.image, s.traces)
 
 
 def read_probes(binary) -> list[dict]:

@@ -121,7 +121,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     lay out (a layout.Layout beside the plan, which stays as it is), generate the
     tables, link, emit, write; each from (plan, layout)."""
     progress = progress or NoProgress()
-    if hasattr(s.target, "build"):       # a target linked by its own linker (a kernel module: ld -r)
+    if s.target.build is not None:       # a target linked by its own linker (a kernel module: ld -r)
         progress.stage("linking")
         return s.target.build(s, objs, workdir, progress)
     platform = s.target.name             # its runtime/platform/<name> folder

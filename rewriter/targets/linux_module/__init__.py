@@ -22,7 +22,7 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
 """
 from __future__ import annotations
 
-from ...errors import KprewriteError
+from .. import base
 from ...analysis.rules import Rules
 from ..linux_kernel import reserved as _kernel_reserved
 from .x86_64.writer import build  # noqa: F401
@@ -124,16 +124,6 @@ DIFF_REFUSAL = ("a kernel module is relinked (ld -r) when written, so its sectio
                 "`kprewrite list` shows the rewritten module's probes")
 
 
-def _not_yet(*_a, **_k):
-    raise KprewriteError("kernel modules (.ko) are written by their own linker (writer.build()), "
-                         "not laid out in place")
-
-
-def handler_headers(image) -> dict[str, str]:
-    """None: handlers see the handler API (runtime/include), not the kernel's types."""
-    return {}
-
-
 def link_symbols(image) -> dict:
     """None beyond the module's .symtab (fetch.data_symbols() reads it): the kernel's are
     resolved by the module loader, not at rewrite time."""
@@ -147,11 +137,4 @@ def notes(image, traces) -> list[str]:
     return kernel_btf.notes(image, traces)
 
 
-def thread_key(image):
-    return None
-
-
-# The pipeline's layout, tables, link and write are the in-place image's; a module is
-# linked by `ld -r` instead (writer.build()).
-plan_layout = reserve_stubs = tables_c = _not_yet
-table_base = derived_symbol = address_c = write = diff_expected = _not_yet
+base.declare(globals())
