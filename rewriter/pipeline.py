@@ -81,6 +81,7 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     traces, trace_errors = events.compile_all(image, arch, [p for p in probes if not is_entry(p)],
                                               [p for _, p, _ in plan.kretprobes], spec.path.name, errors)
     errors += trace_errors
+    errors += target.refusals(image, plan, traces, spec.path.name)
     symbols, exports = {}, {}
     if strict:
         symbols, exports, handler_errors = handlers.resolve(spec, arch, target.RUNTIME_HANDLERS)

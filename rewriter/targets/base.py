@@ -58,6 +58,11 @@ class Target:
         """The image's BTF for perf-probe definitions (PROBES_BY_NAME = "btf"), or None."""
         return None
 
+    def refusals(self, image, plan, traces, spec_name: str) -> list[str]:
+        """One line per probe the target cannot write beyond the rules' refusals (asked after
+        planning, by `check` and `instrument` alike, so they agree)."""
+        return []
+
     def notes(self, image, traces) -> list[str]:
         """Lines `instrument` prints about the output beside the plan's."""
         return []

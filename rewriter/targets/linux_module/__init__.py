@@ -25,7 +25,7 @@ from __future__ import annotations
 from .. import base
 from ...analysis.rules import Rules
 from ..linux_kernel import reserved as _kernel_reserved
-from .x86_64.writer import build  # noqa: F401
+from .x86_64.writer import build, refusals  # noqa: F401
 from .x86_64.relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
 from .x86_64.rules import carried as _carried, int3_copy as _int3_copy, thunk_jumps as _thunk_jumps
 
