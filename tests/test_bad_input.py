@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from conftest import ARCH, ROOT, cc, kprewrite, run, write_spec
+from conftest import ALL_ARCHES, ARCH, ROOT, cc, kprewrite, run, write_spec
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 # A test of x86-64 code, its register names, its EM_ or its reach (rel32: a PT_LOAD 2 GiB away stops the
 # rewrite; aarch64 falls back site by site instead, tests/test_aarch64_reach.py).
 x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="depends on x86-64 code")

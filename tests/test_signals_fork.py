@@ -21,9 +21,9 @@ import re
 
 import pytest
 
-from conftest import cc, instrument, profile, run, write_spec
+from conftest import ALL_ARCHES, cc, instrument, profile, run, write_spec
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 CRT_EXIT = {"__do_global_dtors_aux", "deregister_tm_clones"}
 
 PROGRAM = r"""
