@@ -734,7 +734,7 @@ def test_orc_entries_of_the_rewritten_module(romfs, rewritten_romfs):
         out = subprocess.run(["readelf", "-W", "-S", str(ko)], capture_output=True, text=True, check=True).stdout
         return {m.group(1): int(m.group(2), 16)
                 for m in re.finditer(r"\]\s+(\.orc_unwind(?:_ip)?)\s+\S+\s+\S+\s+\S+\s+([0-9a-f]+)", out)}
-    _, mod = linux_module.view(romfs.read_bytes(), str(romfs))
+    _, mod = linux_module.unwrap(romfs.read_bytes(), str(romfs))
     assert orc.orc_format(mod) == "6.1"
     before, after = sizes(romfs), sizes(rewritten_romfs)
     assert before[".orc_unwind"] == 6 * (before[".orc_unwind_ip"] // 4) == 6 * 179
