@@ -536,7 +536,7 @@ def test_return_line_format(tmp_path, prog):
     fields = {"x86_64": ["-DREG_RETVAL=ax", "-DREG_ARG2=si"],
               "aarch64": ["-DREG_RETVAL=regs[0]", "-DREG_ARG2=regs[1]"]}[ARCH]
     r = subprocess.run([CC, "-O1", "-w", *fields, *link._includes(ARCH), str(tmp_path / "main.c"),
-                        str(tmp_path / "gen.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
+                        str(tmp_path / "gen.c"), str(rt / "kp_line.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
                         "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

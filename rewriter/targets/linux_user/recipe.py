@@ -15,7 +15,7 @@ SOURCES += ["{arch}/linux_user/kp_int3_signal.c", "{platform}/kp_signal.c", "{pl
 # kretprobes (issue 4).
 SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
 # kprobe_events, fetch args, trace lines (issue 5).
-SOURCES += ["kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
+SOURCES += ["kp_line.c", "kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
 
 # The arch's folders for this platform (runtime/arch/<arch>/<folder>, on the
 # include path, their .S files linked): Linux's ABI on the arch, and the arch's

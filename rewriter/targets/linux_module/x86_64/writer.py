@@ -1135,7 +1135,7 @@ void kp_module_trace_init(void)
 
 # The runtime's generic pieces a module's trace events use (runtime/; the platform's in
 # runtime/platform/linux_module), compiled with the module's flags.
-EVENT_SOURCES = ["kp_lib.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
+EVENT_SOURCES = ["kp_lib.c", "kp_line.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
 
 
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
