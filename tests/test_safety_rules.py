@@ -1,4 +1,4 @@
-"""Every safety rule proven by a program that breaks without it (issue 31).
+"""Every safety rule proven by a program that breaks without it.
 
 For each rule of rewriter/safety.py with a switch (but the kernel's own, proven by
 boots in tests/kernel/test_kernel_safety_rules.py), a small program: rewritten

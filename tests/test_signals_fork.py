@@ -1,5 +1,5 @@
 """Signals, fork, vfork+exec, sigaltstack, coroutines and threads in a program with a
-kretprobe (and, separately, an INT3 kprobe) on every function (issue 13, item 4):
+kretprobe (and, separately, an INT3 kprobe) on every function:
 the output equals the original's, and each function's return handler ran exactly as
 often as it returned, per process.
 

@@ -1,4 +1,4 @@
-"""Packaging (issue 24): `python -m build` makes an sdist and, from it, a wheel that
+"""Packaging: `python -m build` makes an sdist and, from it, a wheel that
 carries the C runtime as package data (rewriter/_runtime); the wheel, installed in a
 fresh venv, runs the README's quick start from a folder outside the tree with its own
 `kprewrite` (not this tree's, not the editable install of another checkout), and
