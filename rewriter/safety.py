@@ -119,7 +119,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "a leaf keeping data at -8(%rsp) across the probe reads the detour's saved %rax: wrong sum"),
     Rule("lsda_landing_pads",
          "C++ landing pads (the LSDA's call-site table) are known jump targets",
-         "analysis:landing_pad_targets", OURS, "test_lsda_landing_pads",
+         "analysis.functions:landing_pad_targets", OURS, "test_lsda_landing_pads",
          "the unwinder lands inside the probe's 5-byte jump: SIGTRAP"),
     Rule("jump_table_bounds",
          "a jump table's entries are trusted as its jump's only targets only when its index is "
@@ -186,7 +186,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "no region or int3 over a site the kernel patches at boot or looks up by its address "
          "(alternatives, paravirt, retpolines, return sites, static calls, jump labels, "
          ".smp_locks, ftrace sites, BUG sites)",
-         "rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",
+         "analysis.rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",
          "kernel: a jump-optimized probe at do_exit+0x2d, over the paravirt call the "
          "alternatives patch at boot: apply_alternatives() writes over the jump, and the first "
          "exit jumps to garbage", kernel=True),
