@@ -173,9 +173,10 @@ def _func(event: str) -> str:
     return event[2:].rsplit("_", 1)[0]
 
 
-def _counts(path: Path) -> dict[str, tuple[int, int]]:
-    """The profile file's rows by function: (hits, nmissed)."""
-    return {_func(e): v for e, v in profile(path.read_text()).items()}
+def _counts(path: Path, prefix: str = "p_") -> dict[str, tuple[int, int]]:
+    """The profile file's rows of one kind (p_: kprobes, r_: kretprobes) by function:
+    (hits, nmissed)."""
+    return {_func(e): v for e, v in profile(path.read_text()).items() if e.startswith(prefix)}
 
 
 @pytest.fixture(scope="module")
@@ -278,10 +279,13 @@ def test_server_under_load(server, once_a_request, variant, record_property):
     sets, gets = got["stats"]["cmd_set"], got["stats"]["cmd_get"]
     assert (sets, gets, got["stats"]["get_hits"]) == (CLIENTS * ROUNDS, CLIENTS * ROUNDS * GETS,
                                                       CLIENTS * ROUNDS * GETS)
-    counts = _counts(d / "profile")
-    assert sum(m for _, m in counts.values()) == 0, {f: c for f, c in counts.items() if c[1]}
-    for funcs, want in ((per_get, gets), (per_set, sets)):
-        assert {f: counts[f][0] for f in funcs} == {f: want for f in funcs}
+    kinds = {"kprobe": ["p_"], "function_graph": ["p_", "r_"]}.get(variant, ["r_"])
+    for kind in kinds:
+        counts = _counts(d / "profile", kind)
+        assert counts and sum(m for _, m in counts.values()) == 0, {f: c for f, c in counts.items() if c[1]}
+        for funcs, want in ((per_get, gets), (per_set, sets)):
+            assert {f: counts[f][0] for f in funcs} == {f: want for f in funcs}, kind
+    counts = _counts(d / "profile", kinds[0])
     if variant == "function_graph":
         threads = trace_calls(d / "trace")
         entries, returns = Counter(), Counter()
@@ -295,7 +299,9 @@ def test_server_under_load(server, once_a_request, variant, record_property):
         for funcs, want in ((per_get, gets), (per_set, sets)):
             assert {f: (entries[f], returns[f]) for f in funcs} == {f: (want, want) for f in funcs}
             assert not any(f in s for s in left.values() for f in funcs)
-        assert sum(entries.values()) == sum(c for c, _ in counts.values())   # every hit has its record
+        # Every hit has its record (a kretprobe's hits are its entries).
+        assert sum(entries.values()) == sum(c for c, _ in counts.values())
+        assert sum(returns.values()) == sum(entries.values()) - sum(len(s) for s in left.values())
     ratio = base["seconds"] / got["seconds"]
     record_property("throughput_ratio", round(ratio, 3))
     record_property("server_cpu_ratio", round(got["cpu"] / max(base["cpu"], 0.01), 3))
