@@ -622,9 +622,11 @@ PROGRAMS = {
     "function_bounds": (FUNCTION_BOUNDS, PIE, probe_spec("kprobe", ["fb"], handlers=False), None, "c"),
     "blacklist": (BLACKLIST, PIE, probe_spec("kprobe", ["tin?"], handlers=False), None, "c"),
     # The same linked by gold and by lld: lld leaves _kprobe_blacklist's slot 0 in a PIE and only
-    # the R_X86_64_RELATIVE relocation's addend holds tiny's address (GNU ld and gold fill both).
-    **{f"blacklist@{ld}": (BLACKLIST, PIE + [f"-fuse-ld={ld}"], probe_spec("kprobe", ["tin?"], handlers=False),
-                           None, "c") for ld in ("gold", "lld")},
+    # the R_X86_64_RELATIVE relocation's addend holds tiny's address (GNU ld and gold fill both);
+    # and by GNU ld with DT_RELR, whose relocations have no addend: only the slot holds it.
+    **{f"blacklist@{ld}": (BLACKLIST, PIE + flags, probe_spec("kprobe", ["tin?"], handlers=False), None, "c")
+       for ld, flags in (("gold", ["-fuse-ld=gold"]), ("lld", ["-fuse-ld=lld"]),
+                         ("bfd-relr", ["-Wl,-z,pack-relative-relocs"]))},
     "direction_flag": (DIRECTION_FLAG, PIE, probe_spec("kprobe", [("back_copy", 9)], pre_handler="h"),
                        DF_HANDLER, "c"),
 }
@@ -804,10 +806,11 @@ def test_function_bounds(built, runner):
     _prove(built, "function_bounds", runner)
 
 
-@pytest.mark.parametrize("linker", ["bfd", "gold", "lld"])
+@pytest.mark.parametrize("linker", ["bfd", "bfd-relr", "gold", "lld"])
 def test_blacklist(built, runner, linker):
-    """NOKPROBE_SYMBOL(tiny) read from each linker's PIE: from the slot (GNU ld, gold) or from
-    its R_X86_64_RELATIVE relocation only (lld writes 0 in the slot).  lld is installed by
+    """NOKPROBE_SYMBOL(tiny) read from each linker's PIE: from the slot (GNU ld, gold; GNU ld's
+    DT_RELR, with no addend in a relocation) or from its R_X86_64_RELATIVE relocation only (lld
+    writes 0 in the slot).  lld is installed by
     .ci/run; gold comes with Debian 12's binutils (later ones split it out)."""
     if linker == "gold" and not shutil.which("ld.gold"):
         pytest.skip("no ld.gold")
