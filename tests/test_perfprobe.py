@@ -339,7 +339,8 @@ def test_build_id_debug_file(built, tmp_path, monkeypatch):
     stripped = tmp_path / "stripped"
     subprocess.run(["objcopy", "--only-keep-debug", str(prog), str(dbg)], check=True)
     subprocess.run(["objcopy", "--strip-debug", str(prog), str(stripped)], check=True)
-    monkeypatch.setattr(D, "DEBUG_ROOT", str(tmp_path))
+    from rewriter.probes.perfprobe import debugfile
+    monkeypatch.setattr(debugfile, "DEBUG_ROOT", str(tmp_path))
     regs = {0: "ax", 1: "dx", 2: "cx", 3: "bx", 4: "si", 5: "di", 6: "bp", 7: "sp"}
 
     def locs(path):
