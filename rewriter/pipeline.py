@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .build import emission, layout, meta, tables
+from .emit import emission, layout, meta, tables
 from .probes import events
 from .link import handlers
 from . import link, planner, targets

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from .arch.base import BOOST, EMULATE, SINGLESTEP
-from .build.meta import META_SECTION
+from .emit.meta import META_SECTION
 from .errors import KprewriteError
 from .planner import FTRACE, HOOK_PENDING, INT3, OPTIMIZED, TRAMPOLINE, Plan
 

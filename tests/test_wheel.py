@@ -35,7 +35,7 @@ def test_wheel_quick_start(tmp_path):
     # Build from a copy: no build/ or *.egg-info left in the tree, no stale build/ taken in.
     src, dist = tmp_path / "src", tmp_path / "dist"
     patterns = shutil.ignore_patterns(".git", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.o")
-    # The top-level build/ only: rewriter/build/ is a package of the tree.
+    # The top-level build/ only (a package of the tree may be named so).
     shutil.copytree(ROOT, src, ignore=lambda d, names: set(patterns(d, names)) | ({"build"} if Path(d) == ROOT else set()))
     sh([sys.executable, "-m", "build", "--outdir", dist, src])   # sdist, then the wheel from the sdist
     sdist, = dist.glob("kprewrite-*.tar.gz")

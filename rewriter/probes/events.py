@@ -324,7 +324,7 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
     pre_handler; a kretprobe event gets `int kp_trace_ret_<key>(struct
     kretprobe_instance *, struct pt_regs *)`, to be its return handler.
     user_syms: key -> link symbol of the user's pre_handler / handler."""
-    from ..build.cstring import c_string
+    from ..emit.cstring import c_string
     out = ['#include "kp_trace.h"']
     order = sorted(events, key=str)
     for n, idx in enumerate(order):

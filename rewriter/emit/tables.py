@@ -4,7 +4,7 @@ kp_site per address with its probes (the aggregator's list), the arch's
 breakpoint-site descriptors, the target's own tables, the trace events' fetch
 programs.  What the kernel builds at register_kprobe() time, built at rewrite
 time and linked with the runtime: C, but for a process's per-probe arrays,
-which build/tables_data.py writes as assembler data (a kernel's are records its
+which emit/tables_data.py writes as assembler data (a kernel's are records its
 runtime builds the structs from at boot)."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE
 @dataclass(frozen=True)
 class TableSource:
     """The probe table's sources: C, and the per-probe arrays as assembly
-    (build/tables_data.py; "" for a target whose tables are records built at boot)."""
+    (emit/tables_data.py; "" for a target whose tables are records built at boot)."""
     c: str
     asm: str
 
