@@ -60,3 +60,28 @@ def test_the_table_is_written_between_the_markers(tmp_path):
     assert kpb.print_verdicts(rows) == 1
     with pytest.raises(SystemExit):
         kpb.write_table(readme, "kernel_probes-kret", "x")
+
+
+def test_the_guard_compares_ours_with_the_committed_table(tmp_path, capsys):
+    """--check fails when a row of ours costs more than 2% over the table committed in
+    benchmarks/README.md, not only when it passes the kernel's own (the committed figures are
+    read from the table's bold rows)."""
+    sys.path.insert(0, str(BENCH.parent))
+    import kernel_probes as kpb
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- kernel_probes:begin -->\n| configuration | probe | instructions per call | per hit |"
+                      " × ours | ours against it |\n|---|---|---|---|---|---|\n"
+                      "| **(2) ours at +0xe, empty pre_handler** | optimized | 371.3 | **82.0** | 1 | |\n"
+                      "| (4) kernel kprobe +0xe optimized, module, empty pre_handler | OPTIMIZED | 395.1 | 102.0 | 1.24 "
+                      "| less |\n<!-- kernel_probes:end -->\n")
+    committed = kpb.committed_hits(readme, "kernel_probes")
+    assert committed == {"(2) ours at +0xe, empty pre_handler": 82.0}
+    row = lambda hit: [("(2) ours at +0xe, empty pre_handler", "optimized", 371.3, hit, 1.0, hit, 1.0)]  # noqa: E731
+    notes = []
+    kpb.guard(row(83.6), committed, notes)           # +1.95%: kept
+    assert notes == []
+    kpb.guard(row(98.0), committed, notes)           # the creep the guard is for: +19.5%
+    assert len(notes) == 1 and "+19.5% over the committed 82.0" in notes[0]
+    assert "REGRESSION" in capsys.readouterr().out
+    # The tables in the tree are read: ours' rows of the optimized and kretprobe tables.
+    assert kpb.committed_hits(kpb.README, "kernel_probes") and kpb.committed_hits(kpb.README, "kernel_probes-kret")
