@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..probes import events as ev_mod
 from ..probes import fetch as fetch_mod
-from . import tables_data
+from . import breakpoints, tables_data
 from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
 from ..probes.events import trace_key
 from .cstring import c_string
@@ -71,7 +71,7 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     # Read-only once the runtime runs (link.RELRO: once relocated; a kernel: from mark_rodata_ro()).
     out.append(_kretprobes_c(c, traces, A, True))
-    out.append(c.arch.kprobe_xol.table_c(plan.sites, lay.xol, True))
+    out.append(breakpoints.table_c(plan.sites, lay.xol, c.arch.kprobe_xol, True))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     out += _layout_asserts(c.arch.emit)
