@@ -40,7 +40,7 @@ def _guard(fn):
     return run
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kprewrite")
 def main():
     """kprewrite: Linux-style kprobes compiled ahead of time into ELF images."""
@@ -62,6 +62,32 @@ FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), de
                       help="json: one JSON document (docs/reference/json.md)")
 
 
+def probe_options(fn):
+    """--spec and the probes given on the command line, which add to the spec file's."""
+    for opt in reversed([
+        click.option("--spec", "spec_path", metavar="SPEC.toml", help="probe spec (optional with probe options)"),
+        click.option("--kprobe", "kprobes", multiple=True, metavar="SYM",
+                     help="a kprobe: 'SYM[+OFFS] [KEY=VALUE]...', SYM a symbol, glob or address, KEY a "
+                          "[[kprobe]] key (pre_handler=NAME, fetch=ARGS...)"),
+        click.option("--kretprobe", "kretprobes", multiple=True, metavar="SYM",
+                     help="a kretprobe: 'SYM [KEY=VALUE]...' (handler=NAME, maxactive=N...)"),
+        click.option("--event", "events", multiple=True, metavar="LINE", help="a kprobe_events line"),
+        click.option("--probe", "probes", multiple=True, metavar="DEF",
+                     help="a perf probe definition (FUNC:RLN VAR..., from DWARF)"),
+        click.option("--graph", "graphs", multiple=True, metavar="GLOB",
+                     help="trace entries and returns of the matching functions ([[function_graph]])"),
+        click.option("--handlers", "handlers", multiple=True, metavar="FILE",
+                     help="a C source or object file with handlers"),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _probes(kw: dict) -> dict:
+    """The probe options' values, for api.check() and api.instrument()."""
+    return {k: kw.pop(k) for k in ("events", "probes", "kprobes", "kretprobes", "graphs", "handlers")}
+
+
 def _json(doc) -> None:
     import json
     click.echo(json.dumps(doc, sort_keys=True))
@@ -69,7 +95,7 @@ def _json(doc) -> None:
 
 @main.command()
 @click.argument("input_path", metavar="INPUT")
-@click.option("--spec", "spec_path", required=True, metavar="SPEC.toml", help="probe spec")
+@probe_options
 @click.option("-o", "output", required=True, metavar="OUTPUT", help="rewritten image")
 @click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map "
@@ -81,12 +107,12 @@ def _json(doc) -> None:
 @click.option("-q", "--quiet", is_flag=True,
               help="print nothing on success, not even progress (errors still go to standard error)")
 @_guard
-def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depfile, quiet):
+def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depfile, quiet, **kw):
     """Write OUTPUT: INPUT with the spec's probes compiled in."""
     from . import api
     t = time.monotonic()
     r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
-                       progress=not quiet, depfile=depfile)
+                       progress=not quiet, depfile=depfile, **_probes(kw))
     if quiet:
         return
     if fmt == "json":
@@ -102,15 +128,16 @@ def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depf
 
 @main.command()
 @click.argument("input_path", metavar="INPUT")
-@click.option("--spec", "spec_path", required=True, metavar="SPEC.toml")
-@click.option("--no-optimize", is_flag=True)
+@probe_options
+@click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
 @FORMAT
 @_guard
-def check(input_path, spec_path, no_optimize, system_map, fmt):
+def check(input_path, spec_path, no_optimize, system_map, fmt, **kw):
     """Print the plan: each probe's decision and, if not optimized, why."""
     from . import api, report
-    r = api.check(input_path, spec_path, optimize=not no_optimize, system_map=system_map, progress=True)
+    r = api.check(input_path, spec_path, optimize=not no_optimize, system_map=system_map, progress=True,
+                  **_probes(kw))
     if fmt == "json":
         _json(r.as_dict())
     else:

@@ -57,6 +57,7 @@ from pathlib import Path
 from ....errors import KprewriteError
 from ....arch.base import SINGLESTEP
 from ....planner.model import FTRACE, INT3, OPTIMIZED
+from ....spec import where
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
@@ -999,7 +1000,7 @@ def refuse_unsupported(s) -> None:
     for site in s.plan.sites:
         if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
             continue
-        label = lambda p: f"{s.spec.path.name}: {p.spec.table} ({p.label})"  # noqa: E731
+        label = lambda p: f"{where(s.spec.name, p.spec.table)} ({p.label})"  # noqa: E731
         relocs = relocs if relocs is not None else relocations(s.image.container)
         try:
             region(s.image.container, relocs, site)
@@ -1008,7 +1009,7 @@ def refuse_unsupported(s) -> None:
             lines += [f"{label(p)}: {check} at {addr:#x}: {why}" for p in site.probes if not is_entry(p)]
     for key, ev in sorted(s.traces.items(), key=lambda kv: str(kv[0])):
         if any(i.op == "IMM_LINK" for a in ev.args for i in a.code):
-            lines.append(f"{s.spec.path.name}: event {ev.name}: @SYM in a module's event is not written yet "
+            lines.append(f"{s.spec.name}: event {ev.name}: @SYM in a module's event is not written yet "
                          f"(the module's addresses are the loader's)")
     if lines:
         raise KprewriteError(*lines)
