@@ -180,6 +180,25 @@ def blacklist(input_path, system_map, fmt):
         click.echo(line)
 
 
+@main.command()
+@click.argument("input_path", metavar="IMAGE")
+@click.argument("pattern", metavar="[GLOB]", default="*")
+@click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@FORMAT
+@_guard
+def funcs(input_path, pattern, no_optimize, system_map, fmt):
+    """What a kprobe on each function's entry would be (optimized, ftrace, int3, refused and why),
+    as check prints it, like perf probe -F; GLOB (fnmatch, default *) picks the functions."""
+    from . import funcs as F
+    kw = dict(optimize=not no_optimize, system_map=system_map)
+    if fmt == "json":
+        _json(F.doc(input_path, pattern, **kw))
+        return
+    for line in F.lines(input_path, pattern, **kw):
+        click.echo(line)
+
+
 @main.command(name="probe-vars")
 @click.argument("input_path", metavar="INPUT")
 @click.argument("point", metavar="POINT")
