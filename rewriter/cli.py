@@ -202,10 +202,14 @@ def funcs(input_path, pattern, no_optimize, system_map, fmt):
 @main.command(name="probe-vars")
 @click.argument("input_path", metavar="INPUT")
 @click.argument("point", metavar="POINT")
+@FORMAT
 @_guard
-def probe_vars(input_path, point):
+def probe_vars(input_path, point, fmt):
     """Variables at a probe point (FUNC[:RLN|+OFFS], SRC:ALN) and their fetch args, like perf probe -V."""
     from . import perfprobe
+    if fmt == "json":
+        _json(perfprobe.vars_doc(input_path, point))
+        return
     for line in perfprobe.list_vars(input_path, point):
         click.echo(line)
 
@@ -213,10 +217,14 @@ def probe_vars(input_path, point):
 @main.command(name="probe-lines")
 @click.argument("input_path", metavar="INPUT")
 @click.argument("function", metavar="FUNC[@SRC]")
+@FORMAT
 @_guard
-def probe_lines(input_path, function):
+def probe_lines(input_path, function, fmt):
     """A function's source lines that can be probed as FUNC:RLN, like perf probe -L."""
     from . import perfprobe
+    if fmt == "json":
+        _json(perfprobe.lines_doc(input_path, function))
+        return
     for line in perfprobe.list_lines(input_path, function):
         click.echo(line)
 

@@ -172,3 +172,16 @@ def list_lines(path: str, function: str) -> list[str]:
     """`probe-lines`: a function's probe-able lines."""
     from .listing import lines_lines
     return lines_lines(*_load(path), function)
+
+
+def vars_doc(path: str, point: str) -> dict:
+    """`probe-vars --format json`."""
+    from .listing import vars_doc as records
+    return {"format": "kprewrite-probe-vars-1", "input": os.path.basename(path), "point": point,
+            "sites": records(list_vars(path, point))}
+
+
+def lines_doc(path: str, function: str) -> dict:
+    """`probe-lines --format json`."""
+    from .listing import lines_doc as doc
+    return {"format": "kprewrite-probe-lines-1", "input": os.path.basename(path), **doc(*_load(path), function)}
