@@ -63,7 +63,7 @@ def _progress(on: bool):
 def _spec(spec, options: dict):
     """The spec file's path as a string, or with probes given as options (the CLI's
     --kprobe, --event...), the spec they and the file make (spec.from_options)."""
-    from .spec import from_options
+    from .probes.spec import from_options
     if spec is not None and not any(options.values()):
         return str(spec)
     return from_options(None if spec is None else str(spec), **options)

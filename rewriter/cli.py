@@ -52,7 +52,7 @@ def main():
     try:
         safety.check_environment()      # KPREWRITE_UNSAFE_OFF: the test suite's only
         if os.environ.get("KPREWRITE_JOBS"):    # named at once, not only when no cached result skips decoding
-            from .workers import jobs
+            from .analysis.workers import jobs
             jobs()
     except KprewriteError as e:
         _fail(e.lines)
@@ -206,7 +206,7 @@ def funcs(input_path, pattern, no_optimize, system_map, fmt):
 @_guard
 def probe_vars(input_path, point, fmt):
     """Variables at a probe point (FUNC[:RLN|+OFFS], SRC:ALN) and their fetch args, like perf probe -V."""
-    from . import perfprobe
+    from .probes import perfprobe
     if fmt == "json":
         _json(perfprobe.vars_doc(input_path, point))
         return
@@ -221,7 +221,7 @@ def probe_vars(input_path, point, fmt):
 @_guard
 def probe_lines(input_path, function, fmt):
     """A function's source lines that can be probed as FUNC:RLN, like perf probe -L."""
-    from . import perfprobe
+    from .probes import perfprobe
     if fmt == "json":
         _json(perfprobe.lines_doc(input_path, function))
         return
@@ -261,14 +261,14 @@ def trace(trace_file, fmt, output):
     """Convert trace lines or a binary trace (KPREWRITE_TRACE output) to JSON lines, a Chrome/Perfetto timeline,
     a call graph or text lines."""
     import json
-    from . import tracefmt
+    from .trace import formats as tracefmt
     records = tracefmt.read(trace_file)
     if fmt == "jsonl":
         text = tracefmt.jsonl(records)
     elif fmt == "text":
         text = tracefmt.text(records)
     elif fmt == "graph":
-        from . import callgraph
+        from .trace import callgraph
         text = callgraph.graph_text(callgraph.build(records))
     else:
         text = json.dumps(tracefmt.chrome(records, os.path.basename(trace_file)), sort_keys=True) + "\n"
@@ -289,7 +289,7 @@ def trace(trace_file, fmt, output):
 @_guard
 def report(trace_file, plot, fmt):
     """Per-event counts, calls (total/self time per function, the slowest) and log2 histograms of trace lines."""
-    from . import tracefmt, tracereport
+    from .trace import formats as tracefmt, report as tracereport
     from .output import write_atomically
     if plot and not plot.lower().endswith(".svg"):
         raise KprewriteError(f"{plot}: --plot writes SVG; name the file *.svg")

@@ -17,10 +17,10 @@ def records(path: str, pattern: str = "*", *, optimize: bool = True, system_map:
     """One check record (report.check_records) per function whose name (or an alias)
     matches `pattern`, in address order."""
     from . import planner, report, targets
-    from .analysis import Analysis
+    from .analysis.functions import Analysis
     from .arch import get_arch
-    from .resolve import Probe
-    from .spec import KprobeSpec
+    from .probes.resolve import Probe
+    from .probes.spec import KprobeSpec
     image = targets.load(path)
     arch = get_arch(image.machine)
     target = image.target

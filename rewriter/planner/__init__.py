@@ -28,8 +28,8 @@ import bisect
 from collections import defaultdict
 
 from .. import safety
-from ..resolve import Probe, is_entry
-from ..spec import where
+from ..probes.resolve import Probe, is_entry
+from ..probes.spec import where
 from .forms import choose_forms
 from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
                     INT3, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)
