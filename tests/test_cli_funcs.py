@@ -104,3 +104,48 @@ def test_rewrite_what_funcs_calls_probeable(prog, tmp_path):
     for line in ok:
         f = line.split("+0x")[0]
         assert ("[OPTIMIZED]" in listed[f]) == (" optimized" in line), (line, listed[f])
+
+
+SUM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noinline)) int sum(int n)
+{
+    int s = 0;
+    for (int i = 0; i < n; i++)
+        s += i * i;
+    return s;
+}
+int main(int argc, char **argv) { printf("%d\n", sum(argc > 1 ? atoi(argv[1]) : 3)); return 0; }
+"""
+
+
+def test_probe_lines_and_vars_json(tmp_path):
+    """probe-lines and probe-vars --format json are their text forms as records; an event
+    line made from probe-vars' JSON traces what `--probe 'sum:4 s i'` traces."""
+    prog = cc(tmp_path, "sum", SUM, "-O1", "-g")
+    text = kprewrite("probe-lines", prog, "sum").stdout.splitlines()
+    doc = json.loads(kprewrite("probe-lines", prog, "sum", "--format", "json").stdout)
+    assert doc["format"] == "kprewrite-probe-lines-1" and doc["function"] == "sum" and doc["input"] == "sum"
+    assert doc["file"] == str(tmp_path / "sum.c") and text[0] == f"<sum@{tmp_path / 'sum.c'}:0>"
+    assert [(r["relative"], r["source"]) for r in doc["lines"]] == [
+        (int(t[:7]) if t[:7].strip() else None, t[9:]) for t in text[1:]], (doc, text)
+    rln = next(r["relative"] for r in doc["lines"] if r["source"].strip() == "s += i * i;")
+    assert rln is not None
+    vtext = kprewrite("probe-vars", prog, f"sum:{rln}").stdout.splitlines()
+    vdoc = json.loads(kprewrite("probe-vars", prog, f"sum:{rln}", "--format", "json").stdout)
+    assert vdoc["format"] == "kprewrite-probe-vars-1" and vdoc["point"] == f"sum:{rln}"
+    (site,) = vdoc["sites"]
+    assert vtext[0] == f"@<{site['at']}> {site['address']} in sum", vtext
+    assert [v.split("\t")[1:] for v in vtext[1:]] == [[v["kind"], v["type"], v["name"], v["fetch"]]
+                                                      for v in site["vars"]]
+    fetch = {v["name"]: v["fetch"] for v in site["vars"]}
+    event = f"p:sq {site['at']} s={fetch['s']} i={fetch['i']}"
+    kprewrite("instrument", prog, "--event", event, "-o", tmp_path / "a.kp")
+    kprewrite("instrument", prog, "--probe", f"sum:{rln} s i", "-o", tmp_path / "b.kp")
+    a, b = run(tmp_path / "a.kp", 4), run(tmp_path / "b.kp", 4)
+    assert a.stdout == b.stdout == run(prog, 4).stdout == "14\n"
+    fields = [line.split(": ", 2)[2] for line in a.stderr.splitlines()]
+    assert fields == [f"({site['at']}/0x{fields[0].split('/0x')[1].split(')')[0]}) s={s} i={i}"
+                      for s, i in [(0, 0), (0, 1), (1, 2), (5, 3)]], a.stderr
+    assert fields == [line.split(": ", 2)[2] for line in b.stderr.splitlines()], b.stderr
