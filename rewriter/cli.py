@@ -43,7 +43,12 @@ def _guard(fn):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kprewrite")
 def main():
-    """kprewrite: Linux-style kprobes compiled ahead of time into ELF images."""
+    """kprewrite: Linux-style kprobes compiled ahead of time into ELF images.
+
+    The probes are the kernel's (kprobes, kretprobes, kprobe_events lines, perf probe
+    definitions), given as options or in a spec file; the output runs as the input did.
+    `kprewrite COMMAND -h` shows a command's options and examples, `man kprewrite` (or
+    `kprewrite man | man -l -`) the manual."""
     from . import safety
     # A rewrite allocates millions of small objects (decoded instructions, rows, plan
     # records) and frees few cycles: the cyclic collector's default pace (every 700
@@ -59,7 +64,7 @@ def main():
 
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-                      help="json: one JSON document (docs/reference/json.md)")
+                      help="json: one JSON document, its schema named by its \"format\" key")
 
 
 def probe_options(fn):
@@ -188,8 +193,11 @@ def blacklist(input_path, system_map, fmt):
 @FORMAT
 @_guard
 def funcs(input_path, pattern, no_optimize, system_map, fmt):
-    """What a kprobe on each function's entry would be (optimized, ftrace, int3, refused and why),
-    as check prints it, like perf probe -F; GLOB (fnmatch, default *) picks the functions."""
+    """What a kprobe on each function's entry would be, like perf probe -F.
+
+    One line per function whose name matches GLOB (fnmatch; default *), in address order:
+    check's line for `--kprobe FUNC` (optimized, ftrace, int3, refused, and why), each
+    function planned alone."""
     from . import funcs as F
     kw = dict(optimize=not no_optimize, system_map=system_map)
     if fmt == "json":
@@ -310,3 +318,111 @@ def report(trace_file, plot, fmt):
                               for h in s["histograms"]]})
     else:
         click.echo(tracereport.text(s), nl=False)
+
+
+@main.command(name="man")
+@click.argument("command", metavar="[COMMAND]", required=False)
+@click.option("-o", "--output-dir", metavar="DIR", help="write every page (kprewrite.1, kprewrite-COMMAND.1) into DIR")
+@_guard
+def man(command, output_dir):
+    """Print the manual page of kprewrite (or of COMMAND) in roff.
+
+    With -o DIR, write every page (kprewrite.1, kprewrite-COMMAND.1) into DIR instead.
+    A wheel installs them into share/man/man1, where `man kprewrite` finds them."""
+    from . import manpage
+    if output_dir:
+        if command:
+            raise KprewriteError("give COMMAND or --output-dir, not both")
+        for path in manpage.write(output_dir, main):
+            click.echo(path)
+        return
+    if command is None:
+        click.echo(manpage.main_page(main), nl=False)
+    elif command in main.commands:
+        click.echo(manpage.command_page(main, command), nl=False)
+    else:
+        raise KprewriteError(f"no such command: {command!r} (the commands: {', '.join(sorted(main.commands))})")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--print-path", is_flag=True, help="print the path of the gdb helper script and exit")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[PROG [ARGS]...]")
+@_guard
+def gdb(print_path, args):
+    """Run PROG under gdb with kprewrite's gdb helper loaded.
+
+    The helper's `kp-run` and `kp-continue` pass the SIGTRAPs of breakpoint (int3) probes
+    on to the program, and still stop at gdb's own breakpoints."""
+    import shutil
+    from .link.resources import gdb_helper
+    helper = gdb_helper()
+    if print_path:
+        click.echo(str(helper))
+        return
+    if not args:
+        raise KprewriteError("name the program to debug: kprewrite gdb PROG [ARGS]...")
+    exe = shutil.which("gdb")
+    if exe is None:
+        raise KprewriteError("gdb: not found on PATH")
+    os.execv(exe, [exe, "-x", str(helper), "--args", *args])
+
+
+# Each command's help ends with examples (and so does its manual page).
+EXAMPLES = {
+    "instrument": """\
+kprewrite instrument prog --kprobe work -o prog.kp
+kprewrite instrument prog --event 'p:ev work x=%di:s32' -o prog.kp
+kprewrite instrument prog --probe 'parse_line:4 sum buf:string' -o prog.kp
+kprewrite instrument prog --handlers h.c --kprobe 'work pre_handler=pre' -o prog.kp
+kprewrite instrument prog --spec probes.toml -o prog.kp
+KPREWRITE_PROFILE=- ./prog.kp""",
+    "check": """\
+kprewrite check prog --kprobe 'work*' --kretprobe main
+kprewrite check prog --spec probes.toml --format json
+kprewrite check vmlinuz --spec probes.toml""",
+    "record": """\
+kprewrite record -- ./prog input.txt
+kprewrite record --graph 'parse_*' -o parse.rec -- ./prog input.txt
+kprewrite record --event 'p:ev work x=%di:s32' -- ./prog
+kprewrite replay parse.rec""",
+    "replay": """\
+kprewrite replay
+kprewrite replay parse.rec --format text
+kprewrite report parse.rec""",
+    "funcs": """\
+kprewrite funcs prog
+kprewrite funcs prog 'parse_*' --format json
+kprewrite funcs vmlinuz 'do_sys_*'""",
+    "list": """\
+kprewrite list prog.kp
+kprewrite list prog.kp --format json""",
+    "blacklist": """\
+kprewrite blacklist prog
+kprewrite blacklist vmlinuz --format json""",
+    "trace": """\
+KPREWRITE_TRACE=trace.txt ./prog.kp
+kprewrite trace trace.txt --format graph
+kprewrite trace trace.txt --format chrome -o trace.json    # open in ui.perfetto.dev""",
+    "diff": """\
+kprewrite diff prog prog.kp
+kprewrite diff prog prog.kp --format json""",
+    "report": """\
+KPREWRITE_TRACE=trace.txt ./prog.kp
+kprewrite report trace.txt --plot trace.svg""",
+    "probe-vars": """\
+kprewrite probe-vars prog parse_line:4
+kprewrite probe-vars prog 'parse_line%return' --format json""",
+    "probe-lines": """\
+kprewrite probe-lines prog parse_line
+kprewrite probe-lines prog parse_line@prog.c --format json""",
+    "man": """\
+kprewrite man check | man -l -
+kprewrite man -o ~/.local/share/man/man1""",
+    "gdb": """\
+kprewrite gdb ./prog.kp 2
+gdb -x "$(kprewrite gdb --print-path)" --args ./prog.kp 2""",
+}
+
+for _name, _text in EXAMPLES.items():
+    if _name in main.commands:
+        main.commands[_name].epilog = "Examples:\n\n\b\n" + _text
