@@ -11,7 +11,7 @@ import warnings
 import click
 
 from . import __version__
-from .errors import KprewriteError
+from .errors import KprewriteError, file_error
 
 
 def _fail(lines) -> None:
@@ -285,7 +285,7 @@ def trace(trace_file, fmt, output):
             with open(output, "w") as f:
                 f.write(text)
         except OSError as e:
-            raise KprewriteError(f"{output}: cannot write: {e.strerror}")
+            raise file_error(output, e, write=True) from None
     else:
         click.echo(text, nl=False)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import KprewriteError
+from .errors import KprewriteError, file_error
 from .output import write_atomically
 
 
@@ -28,13 +28,13 @@ def text(target: str, deps: list) -> str:
 
 def write(path: str, target: str, deps: list, mode_from: str) -> None:
     if os.path.isdir(path):
-        raise KprewriteError(f"{path}: --depfile is a directory")
+        raise KprewriteError(f"{path}: is a directory")
     write_atomically(path, text(target, deps).encode(), mode_from)
     # A depfile is not executable, whatever INPUT is.
     try:
         os.chmod(path, os.stat(path).st_mode & 0o666)
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+        raise file_error(path, e, write=True) from None
 
 
 def read(path) -> list:

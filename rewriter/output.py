@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .errors import KprewriteError
+from .errors import KprewriteError, file_error
 
 
 def write_atomically(path: str, data: bytes, mode_from: str) -> None:
@@ -13,7 +13,7 @@ def write_atomically(path: str, data: bytes, mode_from: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+        raise file_error(path, e, write=True) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -24,4 +24,4 @@ def write_atomically(path: str, data: bytes, mode_from: str) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+        raise file_error(path, e, write=True) from None

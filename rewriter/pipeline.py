@@ -242,7 +242,11 @@ def instrument(input_path: str, spec_path: str | Spec, output: str, no_optimize:
         write_atomically(output, data, input_path)
         if depfile:
             from . import depfile as df
-            df.write(depfile, output, deps, input_path)
+            try:
+                df.write(depfile, output, deps, input_path)
+            except BaseException:       # a failure writes no OUTPUT
+                os.unlink(output)
+                raise
     finally:
         progress.done()
     return s

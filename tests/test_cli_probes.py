@@ -115,7 +115,7 @@ def test_errors_name_the_option(tmp_path):
         "(none listed)"]
     assert not (tmp_path / "x.kp").exists()
     assert _errors("check", prog, "--kprobe", "work", "--handlers", "nosuch.c")[0].startswith(
-        "kprewrite: --handlers: handler file 'nosuch.c' not found")
+        "kprewrite: --handlers: handler file 'nosuch.c': no such file")
     assert _errors("check", prog) == ["kprewrite: no probes: give --spec FILE, or probes as --kprobe SYM, "
                                       "--kretprobe SYM, --event LINE or --probe DEF"]
     # A spec file's probes keep the file's name; the options' their own.

@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import KprewriteError
+from ..errors import KprewriteError, file_error
 
 
 @dataclass
@@ -225,15 +225,11 @@ def _unknown(key: str, known, extra: str = "") -> str:
 _AT = re.compile(r"\s*\(at (line \d+, column \d+|end of document)\)\s*$")
 
 
-def _parse(path: Path, label: str) -> dict:
+def _parse(path: Path, label: str, given: str) -> dict:
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise KprewriteError(f"{label}: no such file") from None
-    except IsADirectoryError:
-        raise KprewriteError(f"{label}: is a directory, not a spec file") from None
     except OSError as e:
-        raise KprewriteError(f"{label}: cannot read: {e.strerror or e}") from None
+        raise file_error(_esc(given, ""), e) from None      # the path as given
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -293,13 +289,16 @@ def _handlers(value, base: Path, label: str, errors: list[str]) -> list[Path]:
     out: list[Path] = []
     for h in value:
         p = Path(os.path.normpath(base / h))
-        if p.suffix not in HANDLER_SUFFIXES:
+        # the path as given (relative to the spec file, or to the current folder for --handlers)
+        if p.is_dir():
+            errors.append(f"{label}: handler file {_q(h)}: is a directory")
+        elif p.suffix not in HANDLER_SUFFIXES:
             errors.append(f"{label}: handler file {_q(h)} must be a C source (.c) "
                           f"or a relocatable object (.o)")
         elif not p.exists():
-            errors.append(f"{label}: handler file {_q(h)} not found ({_esc(str(p), '')})")
+            errors.append(f"{label}: handler file {_q(h)}: no such file")
         elif not p.is_file():
-            errors.append(f"{label}: handler file {_q(h)} is not a regular file ({_esc(str(p), '')})")
+            errors.append(f"{label}: handler file {_q(h)}: not a regular file")
         elif p in out:
             errors.append(f"{label}: handler file {_q(h)} is listed more than once")
         else:
@@ -309,9 +308,10 @@ def _handlers(value, base: Path, label: str, errors: list[str]) -> list[Path]:
 
 def load_spec(path: str | Path) -> Spec:
     """Load and validate the spec at `path`; raise KprewriteError naming every problem."""
+    given = str(path)
     path = Path(os.path.abspath(path))
     label = _esc(path.name, "")
-    doc = _parse(path, label)
+    doc = _parse(path, label, given)
 
     errors: list[str] = []
     handlers: list[Path] = []
