@@ -53,6 +53,7 @@ class InstrumentResult:
     skipped: dict[str, int]
     summary: dict                    # report.instrument_summary
     skipped_lines: list[str]         # the text summary the CLI prints on standard error
+    deps: list[str] = field(default_factory=list)   # every file the rewrite read (what --depfile lists)
 
 
 def _progress(on: bool):
@@ -101,11 +102,13 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
         raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
     spec = _spec(spec, dict(events=events, probes=probes, kprobes=kprobes, kretprobes=kretprobes,
                             graphs=graphs, handlers=handlers))
+    read: list[str] = []
     s = pipeline.instrument(input_path, spec, output, not optimize,
                             str(system_map) if system_map else None, _progress(progress),
-                            str(depfile) if depfile else None)
+                            str(depfile) if depfile else None, read)
     return InstrumentResult(output, report.check_records(s.plan), report.skipped_counts(s.plan),
-                            report.instrument_summary(s.plan, output), _notes(s) + report.skipped_summary(s.plan))
+                            report.instrument_summary(s.plan, output), _notes(s) + report.skipped_summary(s.plan),
+                            deps=read)
 
 
 def _notes(s) -> list[str]:

@@ -268,6 +268,10 @@ def diff(original, rewritten, system_map, fmt):
 def trace(trace_file, fmt, output):
     """Convert trace lines or a binary trace (KPREWRITE_TRACE output) to JSON lines, a Chrome/Perfetto timeline,
     a call graph or text lines."""
+    _trace_text(trace_file, fmt, output)
+
+
+def _trace_text(trace_file, fmt, output):
     import json
     from .trace import formats as tracefmt
     records = tracefmt.read(trace_file)
@@ -318,6 +322,53 @@ def report(trace_file, plot, fmt):
                               for h in s["histograms"]]})
     else:
         click.echo(tracereport.text(s), nl=False)
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@probe_options
+@click.option("-o", "output", metavar="FILE", default="kprewrite.data", show_default=True,
+              help="the recording (binary records); an existing FILE is renamed FILE.old")
+@click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
+@click.option("-v", "--verbose", is_flag=True, help="say whether the rewrite came from the cache, and what "
+                                                    "the globs skipped")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- PROG [ARGS]...")
+@_guard
+def record(spec_path, output, no_optimize, verbose, command, **kw):
+    """Rewrite PROG with the probes (cached), run it, and record its hits into FILE.
+
+    As `uftrace record` and `perf record`: PROG is rewritten into kprewrite's cache (keyed by its
+    bytes and the probes, so a second record starts at once), run with ARGS and its own input and
+    output, and its hits stored as binary records in FILE, for `kprewrite replay`, `trace` and
+    `report`. With no probes, --graph '*': the calls of every function. The exit status is PROG's."""
+    from . import record as R
+    t = time.monotonic()
+    exe, tmp, cached = R.rewrite(command[0], spec_path, _probes(kw), optimize=not no_optimize,
+                                 progress=True, verbose=verbose)
+    try:
+        if verbose:
+            click.echo(f"kprewrite: {'cached' if cached else 'rewrote'} {command[0]} as {exe} "
+                       f"({time.monotonic() - t:.2f} s)", err=True)
+        status = R.run(exe, list(command), output)
+    finally:
+        if tmp is not None:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        click.echo(f"kprewrite: {command[0]} exited with status {status}; recorded into {output}", err=True)
+    sys.exit(status)
+
+
+@main.command()
+@click.argument("trace_file", metavar="[FILE]", default="kprewrite.data")
+@click.option("--format", "fmt", type=click.Choice(["graph", "text", "jsonl", "chrome"]), default="graph",
+              show_default=True, help="graph: the calls nested with their durations, other events as comments; "
+                                      "text: the trace lines; jsonl, chrome: as trace prints them")
+@_guard
+def replay(trace_file, fmt):
+    """Print a recording (of record, or any trace): its call graph, or its trace lines.
+
+    What `trace FILE --format graph` (or text) prints, as `uftrace replay` prints a record's calls."""
+    _trace_text(trace_file, fmt, None)
 
 
 @main.command(name="man")

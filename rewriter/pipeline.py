@@ -222,10 +222,11 @@ def _cache_blob(k: str, workdir: Path, blob) -> None:
 
 
 def instrument(input_path: str, spec_path: str | Spec, output: str, no_optimize: bool = False,
-               system_map: str | None = None, progress=None, depfile: str | None = None) -> Session:
+               system_map: str | None = None, progress=None, depfile: str | None = None,
+               read: list | None = None) -> Session:
     """Write OUTPUT; with depfile, also a make/ninja depfile of every file read:
     INPUT, the spec, the System.map, the handlers and the headers they include,
-    the runtime's sources."""
+    the runtime's sources.  `read`: a list those files' paths are added to."""
     progress = progress or NoProgress()
     spec_file = spec_path.path if isinstance(spec_path, Spec) else spec_path
     deps = [input_path] + ([str(spec_file)] if spec_file is not None else []) + ([system_map] if system_map else [])
@@ -239,6 +240,8 @@ def instrument(input_path: str, spec_path: str | Spec, output: str, no_optimize:
             objs = compile_handlers(s, workdir, progress, deps)
             data = build(s, objs, workdir, progress)
         deps += link.runtime_sources()
+        if read is not None:
+            read += [str(d) for d in deps]
         write_atomically(output, data, input_path)
         if depfile:
             from . import depfile as df

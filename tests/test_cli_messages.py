@@ -34,7 +34,8 @@ def test_file_errors(tmp_path):
                 ["record", "--spec", "{}", "--", "./prog"], ["replay", "{}"]):
         if cmd[0] in ("record", "replay") and cmd[0] not in kprewrite("-h", cwd=tmp_path).stdout:
             continue
-        for path, kind in ((given, "no such file"), ("adir", "is a directory")):
+        # (record's PROG without a slash is looked for on PATH, as a shell does)
+        for path, kind in ((given, "no such file"), ("./adir" if cmd[-2] == "--" else "adir", "is a directory")):
             err = _err(*[a.replace("{}", path) for a in cmd], cwd=tmp_path)
             assert err == f"kprewrite: {path}: {kind}\n", (cmd, err)
     # handler files, given by option (relative to the current folder) or in a spec
