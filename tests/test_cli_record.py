@@ -130,3 +130,37 @@ def test_record_defaults_path_and_a_killed_program(tmp_path, prog):
     graph = _kp(tmp_path, "replay")
     # main never returned: its entry is an event (no return of it anywhere in the trace)
     assert "| /* p_main_0: (main+0x0/" in graph and graph.count("count();") == 3 and "fib() {" in graph, graph
+
+
+def test_readme_quick_start(tmp_path):
+    """The README's one-line quick start, run as written from the repository's top (with this
+    tree's kprewrite first on PATH), prints what the README shows, times and ids aside."""
+    from conftest import ROOT
+    readme = (ROOT / "README.md").read_text()
+    part = readme.split("## Quick start\n", 1)[1]
+    block, output = part.split("\n\n")[1], part.split("\n\n")[3]
+    commands = [line[4:].split("  #")[0].strip() for line in block.splitlines()]
+    assert commands[0].startswith("gcc ") and commands[2].startswith("kprewrite record --")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kprewrite").write_text(f'#!/bin/sh\nexec {" ".join(KPREWRITE)} "$@"\n')
+    (bin_dir / "kprewrite").chmod(0o755)
+    work = tmp_path / "work"
+    (work / "samples" / "kprobe_example").mkdir(parents=True)
+    (work / "samples" / "kprobe_example" / "program.c").write_bytes(
+        (ROOT / "samples" / "kprobe_example" / "program.c").read_bytes())
+    env = _env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    got = []
+    for c in commands:
+        r = subprocess.run(["bash", "-c", c], capture_output=True, text=True, cwd=work, env=env, timeout=300)
+        assert r.returncode == 0 and not r.stderr.replace("kprewrite: ", "").strip() or "instrument" in c, (c, r)
+        got += (r.stdout + r.stderr).splitlines()
+
+    def mask(line):
+        line = re.sub(r"\d+\.\d+ us", "T us", line)
+        line = re.sub(r"^ [ +!#*@$] ", "   ", line)
+        line = re.sub(r"thread \d+", "thread N", line)
+        line = re.sub(r"-\d+ +\[\d+\] +\d+\.\d+:", "-N [C] T:", line.strip())
+        return line
+    want = [line[4:] for line in output.splitlines()]
+    assert sorted(map(mask, got)) == sorted(map(mask, want)), (got, want)
