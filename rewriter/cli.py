@@ -329,11 +329,14 @@ def report(trace_file, plot, fmt):
 @click.option("-o", "output", metavar="FILE", default="kprewrite.data", show_default=True,
               help="the recording (binary records); an existing FILE is renamed FILE.old")
 @click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
+@click.option("--lib", "libs", multiple=True, metavar="LIB",
+              help="also rewrite this library PROG loads (a path, or a name as ldd lists it: libz.so.1, libz), "
+                   "with the probes whose functions it has")
 @click.option("-v", "--verbose", is_flag=True, help="say whether the rewrite came from the cache, and what "
                                                     "the globs skipped")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- PROG [ARGS]...")
 @_guard
-def record(spec_path, output, no_optimize, verbose, command, **kw):
+def record(spec_path, output, no_optimize, libs, verbose, command, **kw):
     """Rewrite PROG with the probes (cached), run it, and record its hits into FILE.
 
     As `uftrace record` and `perf record`: PROG is rewritten into kprewrite's cache (keyed by its
@@ -342,13 +345,13 @@ def record(spec_path, output, no_optimize, verbose, command, **kw):
     `report`. With no probes, --graph '*': the calls of every function. The exit status is PROG's."""
     from . import record as R
     t = time.monotonic()
-    exe, tmp, cached = R.rewrite(command[0], spec_path, _probes(kw), optimize=not no_optimize,
-                                 progress=True, verbose=verbose)
+    exe, tmp, cached, lib_dir = R.rewrite(command[0], spec_path, _probes(kw), optimize=not no_optimize,
+                                          progress=True, verbose=verbose, libs=libs)
     try:
         if verbose:
             click.echo(f"kprewrite: {'cached' if cached else 'rewrote'} {command[0]} as {exe} "
                        f"({time.monotonic() - t:.2f} s)", err=True)
-        status = R.run(exe, list(command), output)
+        status = R.run(exe, list(command), output, lib_dir)
     finally:
         if tmp is not None:
             import shutil
@@ -435,6 +438,7 @@ kprewrite check vmlinuz --spec probes.toml""",
 kprewrite record -- ./prog input.txt
 kprewrite record --graph 'parse_*' -o parse.rec -- ./prog input.txt
 kprewrite record --event 'p:ev work x=%di:s32' -- ./prog
+kprewrite record --graph 'deflate*' --graph main --lib libz.so.1 -- ./prog
 kprewrite replay parse.rec""",
     "replay": """\
 kprewrite replay

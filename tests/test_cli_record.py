@@ -164,3 +164,36 @@ def test_readme_quick_start(tmp_path):
         return line
     want = [line[4:] for line in output.splitlines()]
     assert sorted(map(mask, got)) == sorted(map(mask, want)), (got, want)
+
+
+LIB = r"""
+__attribute__((noinline)) int lib_leaf(int x) { return x * 5; }
+__attribute__((noinline)) int lib_work(int x) { return lib_leaf(x) + 1; }
+"""
+MAIN = r"""
+#include <stdio.h>
+int lib_work(int);
+__attribute__((noinline, noipa)) int twice(int x) { return lib_work(x) + lib_work(x + 1); }
+int main(int argc, char **argv) { printf("s=%d\n", twice(argc)); return 0; }
+"""
+
+
+def test_record_a_library(tmp_path):
+    """--lib: the library PROG loads is rewritten too (found by name as ldd lists it), each
+    probe going to the object that has its function; the graph nests calls across both."""
+    lib = tmp_path / "libkpt.so"
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", lib, "-x", "c", "-"], input=LIB, text=True, check=True)
+    cc(tmp_path, "m", MAIN, "-O1", f"-L{tmp_path}", "-lkpt", "-Wl,-rpath,$ORIGIN")
+    want = subprocess.run(["./m"], capture_output=True, text=True, cwd=tmp_path)
+    assert want.stdout == "s=17\n"      # (5 + 1) + (10 + 1)
+    r = _record(tmp_path, "--graph", "twice", "--graph", "lib_*", "--lib", "libkpt", "--", "./m", stdin="")
+    assert (r.returncode, r.stdout, r.stderr) == (0, want.stdout, ""), r.stderr
+    body = [line.split("|", 1)[1].rstrip() for line in _kp(tmp_path, "replay").splitlines() if not line.startswith("#")]
+    assert [b.split(";")[0].strip() for b in body] == [
+        "twice() {", "lib_work() {", "lib_leaf()", "} /* lib_work */", "lib_work() {", "lib_leaf()",
+        "} /* lib_work */", "} /* twice */"], body
+    # each probe to its object; a probe no object has is an error naming them all
+    err = _record(tmp_path, "--graph", "nosuch", "--lib", str(lib), "--", "./m", stdin="").stderr
+    assert err == "kprewrite: --graph 'nosuch': no function 'nosuch' in m or libkpt.so\n", err
+    err = _record(tmp_path, "--graph", "twice", "--lib", "libnosuch", "--", "./m", stdin="").stderr
+    assert err == "kprewrite: --lib libnosuch: m loads no library of that name (ldd)\n", err
