@@ -425,7 +425,7 @@ def gdb(print_path, args):
 EXAMPLES = {
     "instrument": """\
 kprewrite instrument prog --kprobe work -o prog.kp
-kprewrite instrument prog --event 'p:ev work x=%di:s32' -o prog.kp
+kprewrite instrument prog --event 'p:ev work x=$arg1:s32' -o prog.kp
 kprewrite instrument prog --probe 'parse_line:4 sum buf:string' -o prog.kp
 kprewrite instrument prog --handlers h.c --kprobe 'work pre_handler=pre' -o prog.kp
 kprewrite instrument prog --spec probes.toml -o prog.kp
@@ -437,7 +437,7 @@ kprewrite check vmlinuz --spec probes.toml""",
     "record": """\
 kprewrite record -- ./prog input.txt
 kprewrite record --graph 'parse_*' -o parse.rec -- ./prog input.txt
-kprewrite record --event 'p:ev work x=%di:s32' -- ./prog
+kprewrite record --event 'p:ev work x=$arg1:s32' -- ./prog
 kprewrite record --graph 'deflate*' --graph main --lib libz.so.1 -- ./prog
 kprewrite replay parse.rec""",
     "replay": """\
