@@ -14,6 +14,8 @@ import pytest
 
 from conftest import ARCH, cc, kprewrite, KPREWRITE, TREE_ENV
 
+ARCHES = ["x86_64", "aarch64"]      # (conftest: the architectures this module runs for)
+
 from rewriter.cli import main
 
 COMMANDS = sorted(main.commands)

@@ -6,7 +6,9 @@ import shutil
 
 import pytest
 
-from conftest import ARCH, CC, cc, kprewrite, run
+from conftest import ARCH, CC, CROSS, cc, kprewrite, run
+
+ARCHES = ["x86_64", "aarch64"]      # (conftest: the architectures this module runs for)
 
 PROG = r"""
 #include <stdio.h>
@@ -78,5 +80,5 @@ def test_diff_names_the_breakpoint(tmp_path, arch):
     assert len(site) == 1 and f"f+0x0: {word} (" in site[0], lines
     assert not any(f" {other}" in line for line in lines), lines
     if arch == ARCH:
-        r = run(tmp_path / "prog.kp", env={"KPREWRITE_PROFILE": "-"})
+        r = run(tmp_path / "prog.kp", env={"KPREWRITE_PROFILE": "-"}, runner="qemu" if CROSS else "native")
         assert r.stdout == "7\n", r
