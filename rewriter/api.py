@@ -9,7 +9,6 @@ what these return.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from .errors import KprewriteError
@@ -81,10 +80,11 @@ def check(input_path, spec=None, *, optimize: bool = True, system_map=None, prog
     from . import pipeline, report
     spec = _spec(spec, dict(events=events, probes=probes, kprobes=kprobes, kretprobes=kretprobes,
                             graphs=graphs, handlers=handlers))
-    s = pipeline.prepare_for_check(str(input_path), spec, not optimize, str(system_map) if system_map else None,
+    s, handler_errors = pipeline.prepare_for_check(str(input_path), spec, not optimize,
+                                                   str(system_map) if system_map else None,
                                    _progress(progress))
     d = report.check_doc(s.plan, s.image.label)
-    return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"],
+    return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"] + handler_errors,
                        compiled=[{"table": t, "event": line} for t, line in s.spec.compiled], notes=_notes(s))
 
 
@@ -98,10 +98,15 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
     events, probes, kprobes, kretprobes, graphs, handlers: as for check()."""
     from . import pipeline, report
     input_path, output = str(input_path), str(output)
-    if os.path.abspath(output) == os.path.abspath(input_path):
-        raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
+    from .output import refuse_same
     spec = _spec(spec, dict(events=events, probes=probes, kprobes=kprobes, kretprobes=kretprobes,
                             graphs=graphs, handlers=handlers))
+    spec_file = spec if isinstance(spec, str) else (str(spec.path) if spec.path else None)
+    # Compared as files (device and inode), not names: a symbolic or hard link to INPUT is INPUT.
+    inputs = {"INPUT": input_path, "the spec": spec_file, "the System.map": str(system_map) if system_map else None}
+    refuse_same(output, inputs)
+    if depfile:
+        refuse_same(str(depfile), {**inputs, "OUTPUT": output})
     read: list[str] = []
     s = pipeline.instrument(input_path, spec, output, not optimize,
                             str(system_map) if system_map else None, _progress(progress),
@@ -113,9 +118,8 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
 
 def _notes(s) -> list[str]:
     """A target's one-line notes on what it writes (a module's events without the kernel's
-    BTF: linux_module.notes()); an optional answer of a target."""
-    notes = getattr(s.target, "notes", None)
-    return notes(s.image, s.traces) if notes is not None else []
+    BTF: linux_module.notes())."""
+    return s.target.notes(s.image, s.traces)
 
 
 def read_probes(binary) -> list[dict]:

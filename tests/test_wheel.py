@@ -1,6 +1,6 @@
-"""Packaging (issue 24): `python -m build` makes an sdist and, from it, a wheel that
+"""Packaging: `python -m build` makes an sdist and, from it, a wheel that
 carries the C runtime as package data (rewriter/_runtime), the gdb helper
-(rewriter/_tools) and the manual pages (share/man/man1, issue 43); the wheel, installed in a
+(rewriter/_tools) and the manual pages (share/man/man1); the wheel, installed in a
 fresh venv, runs the README's quick start from a folder outside the tree with its own
 `kprewrite` (not this tree's, not the editable install of another checkout), and
 rewrites to the same bytes as this tree does."""
@@ -35,10 +35,9 @@ def test_wheel_quick_start(tmp_path):
     assert importlib.util.find_spec("build"), "no `build` module: pip install -e '.[test]'"
     # Build from a copy: no build/ or *.egg-info left in the tree, no stale build/ taken in.
     src, dist = tmp_path / "src", tmp_path / "dist"
-    # (build/ and dist/ only at the top: rewriter/build/ is a package.)
-    junk = shutil.ignore_patterns(".git", "*.egg-info", "__pycache__", ".pytest_cache", "*.o")
-    shutil.copytree(ROOT, src, ignore=lambda d, names: junk(d, names) | (
-        {"build", "dist"} & set(names) if Path(d) == ROOT else set()))
+    patterns = shutil.ignore_patterns(".git", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.o")
+    # The top-level build/ only: rewriter/build/ is a package of the tree.
+    shutil.copytree(ROOT, src, ignore=lambda d, names: set(patterns(d, names)) | ({"build"} if Path(d) == ROOT else set()))
     sh([sys.executable, "-m", "build", "--outdir", dist, src])   # sdist, then the wheel from the sdist
     sdist, = dist.glob("kprewrite-*.tar.gz")
     wheel, = dist.glob("kprewrite-*.whl")

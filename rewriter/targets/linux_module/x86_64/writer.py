@@ -988,31 +988,31 @@ kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 
 """
 
 
-def refuse_unsupported(s) -> None:
-    """One line per probe the module cannot take: an optimized region whose copy cannot
-    carry its relocations (optprobe.py; the module's rules refuse it first, so `check`
-    names it too), an @SYM in an event.  What a breakpoint site cannot take is the module's
-    rules' refusal (x86_64/rules.py's int3_copy())."""
+def refusals(image, plan, traces, spec_name: str) -> list[str]:
+    """targets.base.Target.refusals(): one line per probe the module cannot take, asked by
+    `check` and `instrument` alike: an optimized region whose copy cannot carry its
+    relocations (optprobe.py; the module's rules refuse it first), an @SYM in an event.
+    What a breakpoint site cannot take is the module's rules' refusal (x86_64/rules.py's
+    int3_copy())."""
     from ....probes.resolve import is_entry
     from .optprobe import region
     lines = []
     relocs = None
-    for site in s.plan.sites:
+    for site in plan.sites:
         if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
             continue
-        label = lambda p: f"{where(s.spec.name, p.spec.table)} ({p.label})"  # noqa: E731
-        relocs = relocs if relocs is not None else relocations(s.image.container)
+        label = lambda p: f"{where(spec_name, p.spec.table)} ({p.label})"  # noqa: E731
+        relocs = relocs if relocs is not None else relocations(image.container)
         try:
-            region(s.image.container, relocs, site)
+            region(image.container, relocs, site)
         except CopyRefused as e:
             check, addr, why = e.args
             lines += [f"{label(p)}: {check} at {addr:#x}: {why}" for p in site.probes if not is_entry(p)]
-    for key, ev in sorted(s.traces.items(), key=lambda kv: str(kv[0])):
+    for key, ev in sorted(traces.items(), key=lambda kv: str(kv[0])):
         if any(i.op == "IMM_LINK" for a in ev.args for i in a.code):
-            lines.append(f"{s.spec.name}: event {ev.name}: @SYM in a module's event is not written yet "
+            lines.append(f"{spec_name}: event {ev.name}: @SYM in a module's event is not written yet "
                          f"(the module's addresses are the loader's)")
-    if lines:
-        raise KprewriteError(*lines)
+    return lines
 
 
 def _names_bound(ev) -> int:
@@ -1136,7 +1136,7 @@ void kp_module_trace_init(void)
 
 # The runtime's generic pieces a module's trace events use (runtime/; the platform's in
 # runtime/platform/linux_module), compiled with the module's flags.
-EVENT_SOURCES = ["kp_lib.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
+EVENT_SOURCES = ["kp_lib.c", "kp_line.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
 
 
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
@@ -1146,7 +1146,6 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     from ....link.toolchain import linker
     from ....link.runtime import RUNTIME_DIR, _includes, cflags
     from ....build.meta import metadata
-    refuse_unsupported(s)
     mod = s.image.container
     if "cleanup_module" not in s.image.symbols:
         raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")
