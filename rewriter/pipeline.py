@@ -59,7 +59,7 @@ def prepare(input_path: str, spec_path: str | Spec, no_optimize: bool = False, s
     spec = copy.deepcopy(spec_path) if isinstance(spec_path, Spec) else load_spec(spec_path)
     if not (spec.kprobes or spec.kretprobes or spec.events or spec.probes):
         # An output with no probes in it is a copy: most likely the wrong spec was given.
-        raise KprewriteError(f"{spec.path.name if spec.path else 'the command line'}: the spec defines no probes (no [[kprobe]], [[kretprobe]] or "
+        raise KprewriteError(f"{spec.name}: the spec defines no probes (no [[kprobe]], [[kretprobe]] or "
                              "[[function_graph]] table, no events or probes); nothing to instrument")
     progress.stage("loading", os.path.basename(input_path))
     image = targets.load(input_path)   # unwrapped from its container, its target detected
@@ -92,7 +92,7 @@ def prepare(input_path: str, spec_path: str | Spec, no_optimize: bool = False, s
     traces, trace_errors = events.compile_all(image, arch, [p for p in probes if not is_entry(p)],
                                               [p for _, p, _ in plan.kretprobes], spec.name, errors)
     errors += trace_errors
-    errors += target.refusals(image, plan, traces, spec.path.name)
+    errors += target.refusals(image, plan, traces, spec.name)
     symbols, exports = {}, {}
     if strict:
         symbols, exports, handler_errors = handlers.resolve(spec, arch, target.RUNTIME_HANDLERS)
