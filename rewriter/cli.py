@@ -368,6 +368,7 @@ def record(spec_path, output, no_optimize, libs, verbose, command, **kw):
     output, and its hits stored as binary records in FILE, for `kprewrite replay`, `trace` and
     `report`. With no probes, --graph '*': the calls of every function. The exit status is PROG's."""
     from . import record as R
+    R.check_output(output)
     t = time.monotonic()
     exe, tmp, cached, lib_dir = R.rewrite(command[0], spec_path, _probes(kw), optimize=not no_optimize,
                                           progress=True, verbose=verbose, libs=libs)

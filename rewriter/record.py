@@ -214,15 +214,20 @@ def rewrite(prog: str, spec, options: dict, *, optimize: bool = True, progress: 
     return entry / name, None, False, (entry / lib_dir if lib_dir else None)
 
 
+def check_output(output: str) -> str:
+    """FILE's absolute path; an error if it cannot be written there (asked before the rewrite)."""
+    out = os.path.abspath(output)
+    if os.path.isdir(out):
+        raise file_error(output, IsADirectoryError())
+    if not os.path.isdir(os.path.dirname(out)):
+        raise file_error(output, FileNotFoundError(), write=True)
+    return out
+
+
 def run(exe: Path, argv: list[str], output: str, lib_dir: Path | None = None) -> int:
     """Run exe as argv (argv[0] as given) with binary records going to output, lib_dir first
     on the library path; its status."""
-    out = os.path.abspath(output)
-    d = os.path.dirname(out)
-    if os.path.isdir(out):
-        raise file_error(output, IsADirectoryError())
-    if not os.path.isdir(d):
-        raise file_error(output, FileNotFoundError(), write=True)
+    out = check_output(output)
     if os.path.lexists(out):
         os.replace(out, out + ".old")
     env = {**os.environ, "KPREWRITE_TRACE": out, "KPREWRITE_TRACE_FORMAT": "binary"}

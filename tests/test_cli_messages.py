@@ -48,7 +48,8 @@ def test_file_errors(tmp_path):
     # what is written: OUTPUT, --depfile, trace -o, report --plot
     for args, path in ((["instrument", "prog", "--kprobe", "f", "-o", "{}"], "out"),
                        (["instrument", "prog", "--kprobe", "f", "-o", "o.kp", "--depfile", "{}"], "dep"),
-                       (["trace", "t.txt", "-o", "{}"], "trace.json")):
+                       (["trace", "t.txt", "-o", "{}"], "trace.json"),
+                       (["record", "--kprobe", "f", "-o", "{}", "--", "./prog"], "rec.data")):
         if args[0] == "trace":
             (tmp_path / "t.txt").write_text("prog-1 [000] 1.000000: ev: (f+0x0/0x4) x=1\n")
         assert _err(*[a.replace("{}", "adir") for a in args], cwd=tmp_path) == "kprewrite: adir: is a directory\n"
