@@ -132,7 +132,7 @@ def _json(doc) -> None:
               help="print nothing on success, not even progress (errors still go to standard error)")
 @_guard
 def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depfile, quiet, **kw):
-    """Write OUTPUT: INPUT with the spec's probes compiled in."""
+    """Write OUTPUT: INPUT with the probes (options, --spec or both) compiled in."""
     from . import api
     t = time.monotonic()
     r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
