@@ -290,13 +290,14 @@ def trace(trace_file, fmt, output):
     _trace_text(trace_file, fmt, output)
 
 
-def _trace_text(trace_file, fmt, output):
+def _trace_text(trace_file, fmt, output, records=None):
     import json
     from .trace import formats as tracefmt
     if output:
         from .output import refuse_same
         refuse_same(output, {"FILE": trace_file})
-    records = tracefmt.read(trace_file)
+    if records is None:
+        records = tracefmt.read(trace_file)
     if fmt == "jsonl":
         text = tracefmt.jsonl(records)
     elif fmt == "text":
@@ -396,7 +397,14 @@ def replay(trace_file, fmt):
     """Print a recording (of record, or any trace): its call graph, or its trace lines.
 
     What `trace FILE --format graph` (or text) prints, as `uftrace replay` prints a record's calls."""
-    _trace_text(trace_file, fmt, None)
+    from .trace import formats as tracefmt
+    records = tracefmt.read(trace_file)
+    if not records:
+        # a binary recording whose probes wrote no trace line: say why rather than print nothing
+        click.echo(f"kprewrite: {trace_file}: nothing recorded (a --kprobe or --kretprobe without fetch= only "
+                   f"counts its hits; trace lines come from --event, --probe, --graph or fetch=)", err=True)
+        return
+    _trace_text(trace_file, fmt, None, records)
 
 
 @main.command(name="man")

@@ -107,10 +107,15 @@ def test_record_cached_and_remade(tmp_path, prog):
     (tmp_path / "msg.h").write_text('#define MSG "two"\n')
     r3 = _record(tmp_path, *args)
     assert "kprewrite: rewrote ./prog as " in r3.stderr and r3.stderr.count("two ") == 3, r3.stderr
-    # other probes: another entry (the one above was made again in its place)
+    # other probes: other entries (the first was made again in its place)
+    # a probe that writes no trace line: replay says so
+    _record(tmp_path, "--kprobe", "count", "-o", "count.data", "--", "./prog")
+    r = subprocess.run([*KPREWRITE, "replay", "count.data"], capture_output=True, text=True, cwd=tmp_path,
+                       env=_env(tmp_path))
+    assert r.returncode == 0 and not r.stdout and r.stderr.startswith("kprewrite: count.data: nothing recorded ("), r
     r4 = _record(tmp_path, "--event", "p:ev2 count", "-v", "--", "./prog")
     assert "kprewrite: rewrote ./prog" in r4.stderr and r4.stdout == r1.stdout
-    assert len([d for d in os.listdir(tmp_path / "cache" / "record") if not d.startswith(".")]) == 2
+    assert len([d for d in os.listdir(tmp_path / "cache" / "record") if not d.startswith(".")]) == 3
     print(f"cached record took {took:.2f} s")
 
 
