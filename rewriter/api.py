@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import KprewriteError
 
 
 @dataclass
