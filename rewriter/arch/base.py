@@ -354,6 +354,7 @@ class Arch(Protocol):
     r_relative: int           # the ELF relocation type of a base-relative word
     r_got_slot: tuple[int, ...]   # relocation types of GOT slots (GLOB_DAT, JUMP_SLOT)
     breakpoint: bytes         # the breakpoint instruction a breakpoint probe writes
+    breakpoint_name: str      # what diff calls it: int3, brk
     JUMP_SIZE: int            # the bytes of the jump an optimized probe writes
     JUMP_REACH: int           # how far that jump reaches, either way
     FTRACE_NOP: bytes         # the nop an ftrace site holds when not tracing

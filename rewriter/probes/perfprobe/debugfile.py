@@ -64,7 +64,7 @@ def find_debug_file(path: str, elf, names=()):
         if not os.path.isfile(cand):
             if cand == explicit:
                 raise NoDebugInfo(f"{DEBUG_FILE_ENV}={cand}: "
-                                  f"{'a directory, not a file' if os.path.isdir(cand) else 'no such file'}")
+                                  f"{'is a directory' if os.path.isdir(cand) else 'no such file'}")
             continue
         fh = open(cand, "rb")
         try:
