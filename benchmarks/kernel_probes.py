@@ -478,6 +478,17 @@ def committed_hits(path: Path, marker: str) -> dict[str, float]:
     return out
 
 
+def committed_params(path: Path, marker: str) -> tuple[int, int, int] | None:
+    """(calls per loop, warm-up calls, rounds) the committed table was measured with (its head
+    says), or None: the guard compares runs of the same loops only."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    doc = path.read_text() if path.exists() else ""
+    i, j = doc.find(begin), doc.find(end)
+    m = re.search(r"loops of ([\d,]+) calls after ([\d,]+) warm-up calls, (\d+) rounds per phase", doc[i:j]) \
+        if 0 <= i < j else None
+    return tuple(int(g.replace(",", "")) for g in m.groups()) if m else None
+
+
 def guard(rows, committed: dict[str, float], notes: list[str]) -> None:
     """Each of our rows against the committed table (icount: deterministic): a row that grew by
     more than GUARD_GROWTH is a failed check (notes), whatever the kernel's own cost; prints a
@@ -800,7 +811,11 @@ def main():
         print_goal(hits)
         more = print_verdicts(rows)
         if mode == "icount":
-            guard(rows, committed_hits(README, marker), notes)
+            if committed_params(README, marker) == (n, warmup, reps):
+                guard(rows, committed_hits(README, marker), notes)
+            else:
+                print(f"  guard: not compared: the committed table's loops were {committed_params(README, marker)} "
+                      f"(calls, warm-up, rounds), these ({n}, {warmup}, {reps})")
         check_ours(r, len(phases) * reps * (n + warmup), "r" if KRET else "p", 0 if KRET else INSIDE, notes)
         results.append((mode, n, reps, warmup, rows, notes, more))
     finish(args, k, work, results, marker, commit, machine, t_start)
