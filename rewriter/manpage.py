@@ -112,10 +112,9 @@ def pages(group: click.Group, prog: str = "kprewrite") -> dict[str, str]:
     return out
 
 
-def write(directory: str, group: click.Group | None = None) -> list[str]:
-    """Writes every page into `directory` (made if missing); returns their paths."""
-    if group is None:
-        from .cli import main as group
+def write(directory: str, group: click.Group) -> list[str]:
+    """Writes every page of `group` (cli.main) into `directory` (made if missing); returns
+    their paths."""
     os.makedirs(directory, exist_ok=True)
     out = []
     for name, text in pages(group).items():
