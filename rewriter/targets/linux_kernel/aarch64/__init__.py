@@ -1,0 +1,54 @@
+"""Linux on arm64: what the kernel target (..) asks of the architecture (archbase.KernelArch),
+as arch/arm64 answers it in the kernel.
+
+- image.py: the boot Image (Debian's vmlinuz), read and seen as an ELF vmlinux (unwrap());
+- sites.py: the tables and ranges the rules read (the ftrace NOPs, NOKPROBE_SYMBOL, the
+  blacklisted sections).
+"""
+from __future__ import annotations
+
+from . import sites  # noqa: F401
+
+# arm64's registration refusals (check_kprobe_address_safe(), arch_prepare_kprobe()), by table.
+REGISTER_REASONS = {
+    ".entry.text": "in .entry.text (entry code, arch_populate_kprobe_blacklist)",
+    ".irqentry.text": "in .irqentry.text (arch_populate_kprobe_blacklist)",
+    ".idmap.text": "in .idmap.text (runs on the identity map, arch_populate_kprobe_blacklist)",
+    ".hyp.text": "in .hyp.text (runs at EL2, arch_populate_kprobe_blacklist)",
+    ".hyp.idmap.text": "in .hyp.idmap.text (runs at EL2 on the identity map, arch_populate_kprobe_blacklist)",
+    ".head.text": "in .head.text (before _stext: not kernel text)",
+    "ftrace_location": "ftrace site (ftrace_location(); arm64 has no KPROBES_ON_FTRACE)",
+    ".altinstructions": "alternatives site (patched at boot)",
+}
+FUNCTION_RANGES = ()
+RETURN_SITES = ""                       # no table of returns patched at boot on arm64
+PREEMPT_H = ""
+
+
+def function_refusal(image, k, arch, returns):
+    return lambda analysis, func: None
+
+
+def breakpoint_hook(image):
+    return None                         # no BRK probes yet
+
+
+def breakpoint_hook_patches(image, blob):
+    return [], []
+
+
+def return_site_patches(image, layout, rx, plan):
+    return []
+
+
+def diff_expected(image, meta: dict) -> list:
+    return []
+
+
+def unwrap(data: bytes, path: str):
+    """(the Image's ELF view, the Image) when data is an arm64 Image, else None."""
+    from . import image as arm_image
+    if arm_image.is_image(data):
+        img = arm_image.parse(data, path)
+        return img.vmlinux, img
+    return None
