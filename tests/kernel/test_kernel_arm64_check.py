@@ -1,0 +1,92 @@
+"""`check` on Debian's arm64 cloud kernel (its vmlinuz: an uncompressed Image with an EFI stub),
+detected without a flag: symbols from the Image's own kallsyms, the link address from its
+relocation of kallsyms_relative_base, the ftrace NOPs and the NOKPROBE_SYMBOL list from its
+relocation table, arm64's blacklisted sections from kallsyms' text markers.  Every refusal
+names its check and address."""
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import kprewrite  # the tree's CLI, as every test runs it
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import arm64_env  # noqa: E402
+from rewriter.targets.linux_kernel.aarch64 import image as arm_image, sites as ks  # noqa: E402
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def arm64_kernel():
+    try:
+        return arm64_env.obtain_arm64_kernel()
+    except arm64_env.KernelEnvError as e:
+        pytest.fail(f"arm64 kernel test environment: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def image(arm64_kernel):
+    return arm_image.parse(arm64_kernel.vmlinuz.read_bytes(), str(arm64_kernel.vmlinuz))
+
+
+def test_image_is_read(arm64_kernel, image):
+    assert arm64_kernel.vmlinuz.read_bytes()[:2] == b"MZ"          # the EFI stub's PE header
+    s = image.syms
+    # _stext is _text + 64 KiB (the head); the link address is the arm64 kernel's KIMAGE_VADDR.
+    assert s["_stext"] == image.text + 0x10000 and image.text >> 48 == 0xFFFF
+    assert s["_stext"] < s["__arm64_sys_getppid"] < s["_etext"] <= s["_sinittext"]
+    # Every ftrace site is the entry of a function and holds its two NOPs.
+    sites = ks.ftrace_sites(ks.KernelImage(image.vmlinux, image.kallsyms, image.path))
+    starts = {k.addr for k in image.kallsyms.symbols}
+    assert len(sites) > 30000 and sum(a in starts for a in sites) > 0.99 * len(sites)
+    k = ks.KernelImage(image.vmlinux, image.kallsyms, image.path)
+    assert ks.verify_sites(k)["__patchable_function_entries"] == 0
+    # The getppid syscall: nop; nop; paciasp (the placement issue 40 proved by boots).
+    assert k.code(s["__arm64_sys_getppid"], 12) == ks.NOP * 2 + struct.pack("<I", 0xD503233F)
+
+
+def test_check_arm64_rules(tmp_path, arm64_kernel, image):
+    s = image.syms
+    probes = [("__arm64_sys_getppid", 8, ["optimized"]),
+              ("__arm64_sys_getppid", 0, ["refused", "__patchable_function_entries at", "ftrace NOPs"]),
+              ("__arm64_sys_getppid", 4, ["refused", "ftrace site (ftrace_location()"]),
+              ("get_kprobe", 0, ["refused", "NOKPROBE_SYMBOL"])]
+    # The first function of each blacklisted section (past its ftrace NOPs, if it has them).
+    k = ks.KernelImage(image.vmlinux, image.kallsyms, image.path)
+    names = {}
+    for sym in image.kallsyms.symbols:
+        names[sym.name] = names.get(sym.name, 0) + 1
+    for rng in (".entry.text", ".irqentry.text", ".idmap.text", ".hyp.text", ".hyp.idmap.text", ".kprobes.text",
+                ".noinstr.text"):
+        lo, hi = k.bounds(rng)
+        once = {n for n in names if names[n] == 1}
+        f = next((f for f in ks.functions_in(k, lo, hi) if f.name in once and not f.name.endswith(("_start", "_end"))),
+                 None)
+        if f is None:           # .irqentry.text: gic_handle_irq twice (GICv2's and GICv3's)
+            continue
+        off = 8 if k.code(f.start, 8) == ks.NOP * 2 else 0
+        probes.append((f.name, off, ["refused", f"in {rng} ("]))
+    assert len(probes) >= 9, probes
+    spec = tmp_path / "probes.toml"
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o:#x}\n' for n, o, _ in probes))
+    r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, check=False)
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(probes), r.stdout + r.stderr
+    for (sym, off, words), line in zip(probes, lines):
+        assert line.startswith(f"{sym}+{off:#x}  k  "), (line, sym, off)
+        for w in words:
+            assert w in line, (line, words)
+        if "refused" in words:
+            assert f"at {s[sym] + off:#x}" in line, line        # the check's address
+    refused = sum("refused" in w for _, _, w in probes)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == refused, r.stderr
+    doc = json.loads(kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, "--format", "json", check=False).stdout)
+    for (sym, off, words), p in zip(probes, doc["probes"]):
+        assert int(p["address"], 16) == s[sym] + off and p["decision"] == words[0]
+        if p["decision"] == "refused":
+            assert p["reason"]["check"] and int(p["reason"]["address"], 16)
