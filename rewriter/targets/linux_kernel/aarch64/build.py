@@ -1,0 +1,307 @@
+"""An instrumented arm64 Image: the handlers and one detour per jump-optimized site, linked
+into the Image's own room, and a `B` at each site.
+
+Where things go (facts of Debian's 6.1 arm64 Image, issue 40):
+- code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
+  (``_etext`` is 64 KiB-aligned; ~54 KiB in Debian's build), mapped read-only and executable
+  by map_kernel() and never freed, a `B` (+-128 MiB) from every function of the text;
+- writable data (the handlers' .data and .bss, each probe's struct kprobe): the tail of the
+  init data, in the unused (all-zero, R_AARCH64_NONE) entries of .rela.dyn before __init_end.
+  __relocate_kernel reads them at boot as relocations and skips them (only
+  R_AARCH64_RELATIVE is applied): the data must be zero there, or at least no 24-byte entry
+  may read as R_AARCH64_RELATIVE.  free_initmem() would free those pages with the rest of
+  the init memory: its `adrp x20, __init_end` is pointed at the first page kept
+  (free_reserved_area() and vunmap_range() both take their end from x20), so the init memory
+  freed ends where ours starts.  The pages stay mapped read-write and non-executable.
+
+Everything is PC-relative (adrp/add, bl, b): KASLR moves the kernel by a multiple of 64 KiB,
+the Image's relocation table has no room for our absolute addresses, and none is needed; an
+absolute relocation in the handlers is refused.
+
+A detour (detour_asm()): a struct pt_regs on the kernel stack (x0..x30, sp, pc = the probed
+address, pstate's NZCV), interrupts masked as in the kernel's own kprobe handlers, a frame
+record, the generated dispatcher (a struct kprobe filled at run time, the pre_handler
+called), everything restored, the displaced instruction relocated (arch.emit.relocate()),
+and a `B` back after the site."""
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+from pathlib import Path
+
+from ....arch.aarch64 import emit as E, encode as enc
+from ....errors import KprewriteError
+from ....link.toolchain import compiler, run
+from ....link.runtime import cflags, _includes
+from ....planner import OPTIMIZED
+from ...linux_kernel.symbols import link_symbols
+
+PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
+FRAME = 320            # pt_regs, a frame record (288), the saved DAIF (304), padding
+DCR_ROOM = 16          # the displaced instruction, relocated (at most 3 words), NOP-padded
+PAGE = 0x1000
+R_AARCH64_RELATIVE = 1027
+# Relocations whose value does not move with KASLR (PC-relative, or the low bits of an address).
+PC_RELATIVE_RELOCS = {"R_AARCH64_CALL26", "R_AARCH64_JUMP26", "R_AARCH64_ADR_PREL_PG_HI21",
+                      "R_AARCH64_ADR_PREL_PG_HI21_NC", "R_AARCH64_ADR_PREL_LO21", "R_AARCH64_ADD_ABS_LO12_NC",
+                      "R_AARCH64_LDST8_ABS_LO12_NC", "R_AARCH64_LDST16_ABS_LO12_NC", "R_AARCH64_LDST32_ABS_LO12_NC",
+                      "R_AARCH64_LDST64_ABS_LO12_NC", "R_AARCH64_LDST128_ABS_LO12_NC", "R_AARCH64_CONDBR19",
+                      "R_AARCH64_TSTBR14", "R_AARCH64_LD_PREL_LO19", "R_AARCH64_PREL32", "R_AARCH64_PREL64",
+                      "R_AARCH64_PREL16", "R_AARCH64_NONE"}
+# The kernel's names for what the runtime's headers declare (6.1: printk is _printk).
+KERNEL_NAMES = {"printk": "_printk", "vprintk": "vprintk"}
+
+
+def detour_asm(i: int, handler_call: str) -> str:
+    saves = "\n".join(f"\tstp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
+    loads = "\n".join(f"\tldp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
+    return f"""
+	.section .text.kp_detour_{i},"ax"
+	.p2align 3
+	.globl kp_detour_{i}
+kp_detour_{i}:
+	sub sp, sp, #{FRAME}
+{saves}
+	str x30, [sp, #240]
+	add x0, sp, #{FRAME}
+	str x0, [sp, #248]
+	adrp x0, kp_site_{i}
+	add x0, x0, :lo12:kp_site_{i}
+	str x0, [sp, #256]
+	mrs x1, nzcv
+	str x1, [sp, #264]
+	mrs x2, daif
+	str x2, [sp, #304]
+	msr daifset, #3
+	stp x29, x0, [sp, #288]
+	add x29, sp, #288
+	mov x0, sp
+	bl {handler_call}
+	ldr x2, [sp, #304]
+	msr daif, x2
+	ldr x1, [sp, #264]
+	msr nzcv, x1
+{loads}
+	ldr x30, [sp, #240]
+	add sp, sp, #{FRAME}
+	.globl kp_dcr_{i}
+kp_dcr_{i}:
+	.rept {DCR_ROOM // 4}
+	nop
+	.endr
+	b kp_resume_{i}
+"""
+
+
+def dispatch_c(sites) -> str:
+    """One function per site: its struct kprobe (in the writable data, filled at run time: no
+    absolute address in data) and the pre_handler called with it."""
+    out = ["#include <linux/kprobes.h>\n"]
+    for i, (site, probe, sym) in enumerate(sites):
+        out.append(f"""
+int {sym}(struct kprobe *p, struct pt_regs *regs);
+static struct kprobe kp_kprobe_{i};
+__attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
+{{
+	struct kprobe *p = &kp_kprobe_{i};
+	p->addr = (kprobe_opcode_t *)regs->pc;
+	p->symbol_name = "{probe.symbol}";
+	p->offset = {probe.offset};
+	p->pre_handler = {sym};
+	return {sym}(p, regs);
+}}
+""")
+    return "".join(out)
+
+
+def _text_room(img) -> tuple[int, int]:
+    """[start, end) of the zero padding at the end of [_stext, _etext), 256-byte aligned."""
+    end = img.syms["_etext"]
+    o = end - img.text - 1
+    while o >= 0 and img.data[o] == 0:
+        o -= 1
+    start = (img.text + o + 1 + 0x40 + 0xFF) & ~0xFF
+    return start, end
+
+
+def _free_initmem(img, view) -> tuple[int, int]:
+    """(address of free_initmem()'s `adrp x20, __init_end`, __init_end), read from its code:
+    x19 = __init_begin (_sinittext), x20 = the end of the init memory it frees."""
+    import capstone
+    a = img.syms.get("free_initmem")
+    if a is None:
+        raise KprewriteError(f"{img.path}: no free_initmem in kallsyms: cannot keep the probes' data")
+    code = view.read(a, 0x100)
+    cs = capstone.Cs(capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)
+    pages = {}
+    for x in cs.disasm(code, a):
+        if x.mnemonic == "adrp":
+            rd, imm = x.op_str.split(", #")
+            pages[rd] = (x.address, int(imm, 16))
+        if x.mnemonic in ("ret", "bl"):
+            break
+    if "x19" not in pages or "x20" not in pages or pages["x19"][1] != img.syms["_sinittext"] \
+            or pages["x20"][1] & 0xFFFF:
+        raise KprewriteError(f"{img.path}: free_initmem() is not `adrp x19, __init_begin; adrp x20, __init_end` "
+                             f"as kprewrite knows it: cannot keep the probes' data")
+    return pages["x20"]
+
+
+def _check_relocs(objs, path):
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.relocation import RelocationSection
+    from elftools.elf.descriptions import describe_reloc_type
+    for o in objs:
+        with open(o, "rb") as f:
+            e = ELFFile(f)
+            for sec in e.iter_sections():
+                if not isinstance(sec, RelocationSection):
+                    continue
+                target = e.get_section(sec["sh_info"]).name
+                if not target.startswith((".text", ".rodata", ".data", ".bss")):
+                    continue
+                for r in sec.iter_relocations():
+                    t = describe_reloc_type(r["r_info_type"], e)
+                    if t not in PC_RELATIVE_RELOCS:
+                        raise KprewriteError(f"{path}: {Path(o).name} has an absolute relocation ({t}) in {target}: "
+                                             "an arm64 image's probes are PC-relative only (KASLR would leave it "
+                                             "stale; e.g. a static initializer holding an address)")
+
+
+def build(s, objs: list[Path], workdir: Path) -> bytes:
+    image, arch, plan = s.image, s.arch, s.plan
+    img = image.container
+    if img is None:
+        raise KprewriteError(f"{image.path}: an arm64 vmlinux (ELF) is not written yet: give its Image (vmlinuz)")
+    sites = []
+    for site in plan.sites:
+        if site.decision != OPTIMIZED:
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: only jump-optimized probes are written on arm64 yet "
+                                 f"(this one: {site.decision})")
+        if len(site.probes) != 1 or site.head is not None or site.riders or site.slot or site.evicted:
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: one probe per site on arm64 yet")
+        p = site.probes[0]
+        if p.spec.post_handler or not p.spec.pre_handler:
+            raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: arm64 probes take a pre_handler only yet")
+        sites.append((site, p, s.handler_symbols[p.spec.pre_handler]))
+    if plan.kretprobes:
+        raise KprewriteError(f"{image.path}: kretprobes are not written on arm64 yet")
+    cc = compiler(arch)
+    ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
+    (workdir / "kp_detours.S").write_text("".join(detour_asm(i, f"kp_dispatch_{i}") for i in range(len(sites))))
+    (workdir / "kp_dispatch.c").write_text(dispatch_c(sites))
+    flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
+    run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
+    run([cc, "-c", str(workdir / "kp_detours.S"), "-o", str(workdir / "kp_detours.o")], "kp_detours.S")
+    inputs = [workdir / "kp_detours.o", workdir / "kp_dispatch.o", *objs]
+    _check_relocs(inputs, image.path)
+    text_lo, text_hi = _text_room(img)
+    adrp_at, init_end = _free_initmem(img, image)
+    # The data: whole pages at the end of the init data, in zero file bytes after the
+    # R_AARCH64_RELATIVE entries.
+    rela_lo, rela_hi = img.text + img.rela_span[0], img.text + img.rela_span[1]
+    # (The unused entries: zeros after the R_AARCH64_RELATIVE run, before the few other entries.)
+    zeros_from, zeros_to = (rela_hi + PAGE - 1) & ~(PAGE - 1), rela_hi
+    while zeros_to < init_end and img.data[zeros_to - img.text] == 0:
+        zeros_to += 1
+    # Symbols: each site and its resume address; every undefined name from kallsyms.
+    syms = link_symbols(image)
+    defs = {}
+    for i, (site, p, sym) in enumerate(sites):
+        defs[f"kp_site_{i}"] = site.addr
+        defs[f"kp_resume_{i}"] = site.region_end
+    r = run([cc[:-3] + "nm" if cc.endswith("gcc") else "nm", *map(str, inputs)], "nm")
+    undefined, defined = set(), set()
+    for line in r.stdout.splitlines():
+        f = line.split()
+        if len(f) >= 2 and f[-2] == "U":
+            undefined.add(f[-1])
+        elif len(f) == 3:
+            defined.add(f[-1])
+    for name in sorted(undefined - defined):
+        if name in defs:
+            continue
+        kname = KERNEL_NAMES.get(name, name)
+        a = syms.get(kname)
+        if a is None:
+            raise KprewriteError(f"{image.path}: the handlers call {name}, which kallsyms does not name "
+                                 f"(or names more than once)")
+        defs[name] = a
+
+    def link(data_at: int) -> Path:
+        lds = workdir / "kp.lds"
+        lds.write_text(f"""SECTIONS {{
+  . = {text_lo:#x};
+  .text : {{ *(.text .text.*) *(.rodata .rodata.* .srodata*) }}
+  . = {data_at:#x};
+  .data : {{ *(.data .data.*) *(.bss .bss.* COMMON) }}
+  /DISCARD/ : {{ *(.comment) *(.note*) *(.eh_frame*) }}
+}}
+""")
+        out = workdir / "kp_blob.elf"
+        run([ld, "-nostdlib", "--fix-cortex-a53-843419", "-T", str(lds), "-o", str(out),
+             *(f"--defsym={n}={a:#x}" for n, a in sorted(defs.items())), *map(str, inputs)], "link")
+        return out
+
+    elf = link(zeros_from)
+    text, data, addrs = _read_blob(elf)
+    data_lo = (zeros_to - max(len(data[1]), 1)) & ~(PAGE - 1)
+    if data_lo < zeros_from:
+        raise KprewriteError(f"{image.path}: the probes need {len(data[1])} bytes of data; the unused entries of "
+                             f".rela.dyn have {max(zeros_to - zeros_from, 0)} in whole pages")
+    if text[0] + len(text[1]) > text_hi:
+        raise KprewriteError(f"{image.path}: the probes need {len(text[1])} bytes of code; the text padding "
+                             f"has {text_hi - text_lo} (before _etext {text_hi:#x})")
+    elf = link(data_lo)
+    text, data, addrs = _read_blob(elf)
+    out = bytearray(img.data)
+
+    def put(addr: int, b: bytes):
+        off = addr - img.text
+        if not 0 <= off <= len(out) - len(b):
+            raise KprewriteError(f"{image.path}: {addr:#x} is not in the Image's bytes")
+        out[off:off + len(b)] = b
+
+    code = bytearray(text[1])
+    for i, (site, p, sym) in enumerate(sites):
+        at = addrs[f"kp_dcr_{i}"]
+        moved = b""
+        for insn in site.dcr:
+            moved += E.relocate(insn, at + len(moved))
+        if len(moved) > DCR_ROOM:
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: the displaced instructions need {len(moved)} bytes")
+        off = at - text[0]
+        code[off:off + len(moved)] = moved
+    put(text[0], bytes(code))
+    if any(data[1]):
+        rela_base = rela_lo
+        for ent in range((data[0] - rela_base) // 24, (data[0] + len(data[1]) - rela_base) // 24 + 1):
+            a = rela_base + 24 * ent + 8
+            if data[0] <= a and a + 4 <= data[0] + len(data[1]):
+                if struct.unpack_from("<I", data[1], a - data[0])[0] == R_AARCH64_RELATIVE:
+                    raise KprewriteError(f"{image.path}: the probes' data at {a:#x} would read as a relocation at boot")
+        put(data[0], data[1])
+    for i, (site, p, sym) in enumerate(sites):
+        put(site.addr, enc.b(site.addr, addrs[f"kp_detour_{i}"]))
+    # free_initmem() frees the init memory up to our data, no further.
+    put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
+    return bytes(out)
+
+
+def _read_blob(elf: Path):
+    """((.text address, bytes), (.data address, bytes, bss zeros included), symbols)."""
+    from elftools.elf.elffile import ELFFile
+    with open(elf, "rb") as f:
+        e = ELFFile(f)
+        t = e.get_section_by_name(".text")
+        d = e.get_section_by_name(".data")
+        text = (t["sh_addr"], t.data()) if t is not None else (0, b"")
+        if d is None:
+            data = (0, b"")
+        elif d["sh_type"] == "SHT_NOBITS":
+            data = (d["sh_addr"], bytes(d["sh_size"]))
+        else:
+            data = (d["sh_addr"], d.data())
+        addrs = {s.name: s["st_value"] for s in e.get_section_by_name(".symtab").iter_symbols() if s.name}
+    return text, data, addrs
