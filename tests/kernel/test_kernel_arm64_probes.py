@@ -2,7 +2,10 @@
 (vmlinuz) with a C pre_handler on __arm64_sys_getppid past its ftrace NOPs (a `B` to a detour in
 the text padding), booted in qemu-system-aarch64 -M virt -cpu max (pointer authentication on,
 KASLR seeded by RNDR) with a busybox initramfs.  The handler counts its hits in a static
-variable (the probes' data: kept init memory) and prints them with pr_info()."""
+variable (the probes' data: kept init memory) and prints them with pr_info().  The kernel's
+samples/kprobes/kprobe_example.c handlers (samples/kprobe_example/handlers.c: its CONFIG_ARM64
+lines, regs->pc and regs->pstate), unchanged, pre and post, on __arm64_sys_newuname+12 (the
+`stp x29, x30, [sp, #-16]!` after paciasp, copied into the detour)."""
 from __future__ import annotations
 
 import re
@@ -36,6 +39,7 @@ int getppid_pre(struct kprobe *p, struct pt_regs *regs)
 CALLS = 5
 INIT = ("grep -w __arm64_sys_getppid /proc/kallsyms\n"
         f"for i in $(seq {CALLS}); do sh -c 'echo ppid=$PPID' >/dev/null; done\n"
+        "uname -r\n"
         "echo CALLS-DONE\n")
 HIT = re.compile(r"kprewrite-arm64: getppid hit (\d+) pc=([0-9a-f]+) addr=([0-9a-f]+) pstate=([0-9a-f]+) sp=([0-9a-f]+)")
 
@@ -57,8 +61,13 @@ def instrumented(arm64_kernel, tmp_path_factory):
     d = tmp_path_factory.mktemp("arm64-probe")
     (d / "h.c").write_text(HANDLER)
     spec = d / "probes.toml"
-    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 8\n'
-                    'pre_handler = "getppid_pre"\n')
+    sample = Path(__file__).resolve().parents[2] / "samples" / "kprobe_example" / "handlers.c"
+    spec.write_text(f'handlers = ["h.c", "{sample}"]\n'
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 8\npre_handler = "getppid_pre"\n'
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_newuname"\noffset = 12\npre_handler = "handler_pre"\n'
+                    'post_handler = "handler_post"\n')
+    r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
+    assert r.stdout == "__arm64_sys_getppid+0x8  k  optimized\n__arm64_sys_newuname+0xc  k  optimized\n", r.stdout
     out = d / "Image.kp"
     kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out)
     return out
@@ -90,13 +99,30 @@ def _check(r, link_site: int) -> int:
     for n, pc, addr, pstate, sp in hits:
         # regs->pc and p->addr: the probed address where the kernel runs (KASLR: not the link address).
         assert pc == addr == running, (hex(pc), hex(addr), hex(running))
-        assert pstate & 0x0FFFFFFF == 0 and sp >> 48 == 0xFFFF
+        assert pstate & 0xF == 0b0101 and sp >> 48 == 0xFFFF        # EL1h: the kernel's own stack
     assert (running - link_site) % 0x10000 == 0
+    # The sample's handlers, pre then post, once per uname call at least.
+    lines = r.lines()
+    pre = [n for n, l in enumerate(lines) if "handler_pre: <__arm64_sys_newuname> p->addr = 0x" in l]
+    post = [n for n, l in enumerate(lines) if "handler_post: <__arm64_sys_newuname> p->addr = 0x" in l]
+    assert pre and len(pre) == len(post) and all(a < b for a, b in zip(pre, post)), r.explain("no pre/post pairs")
+    m = re.search(r"handler_pre: <__arm64_sys_newuname> p->addr = 0x\S+, pc = 0x([0-9a-f]+), pstate = 0x([0-9a-f]+)",
+                  r.console)
+    assert int(m.group(1), 16) == running - link_site + NEWUNAME_LINK[0] + 12 and int(m.group(2), 16) & 0xF == 5
     return running
 
 
-def test_optimized_probe_fires_under_kaslr(arm64_kernel, instrumented, initramfs, tmp_path_factory):
-    img = arm_image.parse(arm64_kernel.vmlinuz.read_bytes(), str(arm64_kernel.vmlinuz))
+NEWUNAME_LINK = []
+
+
+@pytest.fixture(scope="module")
+def img(arm64_kernel):
+    i = arm_image.parse(arm64_kernel.vmlinuz.read_bytes(), str(arm64_kernel.vmlinuz))
+    NEWUNAME_LINK[:] = [i.syms["__arm64_sys_newuname"]]
+    return i
+
+
+def test_optimized_probe_fires_under_kaslr(arm64_kernel, img, instrumented, initramfs, tmp_path_factory):
     site = img.syms["__arm64_sys_getppid"] + 8
     # The Image: the site holds `b` to the text padding, nothing else of the text changed.
     new = arm_image.parse(instrumented.read_bytes(), str(instrumented))
@@ -110,10 +136,9 @@ def test_optimized_probe_fires_under_kaslr(arm64_kernel, instrumented, initramfs
 
 
 @pytest.mark.slow
-def test_two_kaslr_boots_and_cortex_a72(instrumented, initramfs, arm64_kernel, tmp_path_factory):
+def test_two_kaslr_boots_and_cortex_a72(img, instrumented, initramfs, arm64_kernel, tmp_path_factory):
     """Two more boots (13-24 s each under TCG with -cpu max): each at its own base; then a
     CPU without pointer authentication (cortex-a72; the seed from the device tree)."""
-    img = arm_image.parse(arm64_kernel.vmlinuz.read_bytes(), str(arm64_kernel.vmlinuz))
     site = img.syms["__arm64_sys_getppid"] + 8
     bases = {_check(_boot(instrumented, initramfs, f"arm64-kaslr-{i}", tmp_path_factory), site) for i in range(2)}
     assert len(bases) == 2, bases

@@ -19,10 +19,12 @@ the Image's relocation table has no room for our absolute addresses, and none is
 absolute relocation in the handlers is refused.
 
 A detour (detour_asm()): a struct pt_regs on the kernel stack (x0..x30, sp, pc = the probed
-address, pstate's NZCV), interrupts masked as in the kernel's own kprobe handlers, a frame
-record, the generated dispatcher (a struct kprobe filled at run time, the pre_handler
-called), everything restored, the displaced instruction relocated (arch.emit.relocate()),
-and a `B` back after the site."""
+address, pstate = NZCV, DAIF, CurrentEL and SPSel: 0x...3c5 at EL1h with interrupts on),
+interrupts masked as in the kernel's own kprobe handlers, a frame record, the generated
+dispatcher (a struct kprobe filled at run time, the pre_handler called), everything
+restored, the displaced instruction relocated (arch.emit.relocate()); then the
+post_handler's call the same way (pc = the address after the displaced instruction), and a
+`B` back after the site.  A pre_handler's return value is ignored (no change of path yet)."""
 from __future__ import annotations
 
 import re
@@ -30,7 +32,7 @@ import struct
 import subprocess
 from pathlib import Path
 
-from ....arch.aarch64 import emit as E, encode as enc
+from ....arch.aarch64 import emit as E, encode as enc, insn as I
 from ....errors import KprewriteError
 from ....link.toolchain import compiler, run
 from ....link.runtime import cflags, _includes
@@ -53,44 +55,58 @@ PC_RELATIVE_RELOCS = {"R_AARCH64_CALL26", "R_AARCH64_JUMP26", "R_AARCH64_ADR_PRE
 KERNEL_NAMES = {"printk": "_printk", "vprintk": "vprintk"}
 
 
-def detour_asm(i: int, handler_call: str) -> str:
+def _call(i: int, pc: str, fn: str) -> str:
+    """A struct pt_regs on the stack (pc: the symbol of the address it reports), fn(regs)
+    called with interrupts masked, everything restored."""
     saves = "\n".join(f"\tstp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
     loads = "\n".join(f"\tldp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
-    return f"""
-	.section .text.kp_detour_{i},"ax"
-	.p2align 3
-	.globl kp_detour_{i}
-kp_detour_{i}:
-	sub sp, sp, #{FRAME}
+    return f"""\tsub sp, sp, #{FRAME}
 {saves}
-	str x30, [sp, #240]
-	add x0, sp, #{FRAME}
-	str x0, [sp, #248]
-	adrp x0, kp_site_{i}
-	add x0, x0, :lo12:kp_site_{i}
-	str x0, [sp, #256]
-	mrs x1, nzcv
-	str x1, [sp, #264]
-	mrs x2, daif
-	str x2, [sp, #304]
-	msr daifset, #3
-	stp x29, x0, [sp, #288]
-	add x29, sp, #288
-	mov x0, sp
-	bl {handler_call}
-	ldr x2, [sp, #304]
-	msr daif, x2
-	ldr x1, [sp, #264]
-	msr nzcv, x1
+\tstr x30, [sp, #240]
+\tadd x0, sp, #{FRAME}
+\tstr x0, [sp, #248]
+\tadrp x0, {pc}
+\tadd x0, x0, :lo12:{pc}
+\tstr x0, [sp, #256]
+\tmrs x2, daif
+\tstr x2, [sp, #304]
+\tmsr daifset, #3
+\tmrs x1, nzcv
+\torr x1, x1, x2
+\tmrs x2, currentel
+\torr x1, x1, x2
+\tmrs x2, spsel
+\torr x1, x1, x2
+\tstr x1, [sp, #264]
+\tstp x29, x0, [sp, #288]
+\tadd x29, sp, #288
+\tmov x0, sp
+\tbl {fn}
+\tldr x2, [sp, #304]
+\tmsr daif, x2
+\tldr x1, [sp, #264]
+\tmsr nzcv, x1
 {loads}
-	ldr x30, [sp, #240]
-	add sp, sp, #{FRAME}
-	.globl kp_dcr_{i}
+\tldr x30, [sp, #240]
+\tadd sp, sp, #{FRAME}
+"""
+
+
+def detour_asm(i: int, post: bool) -> str:
+    """Site i's detour: the pre_handler's call (regs->pc the probed address), the displaced
+    instruction (kp_dcr_i: NOPs here, written relocated after the link), the post_handler's
+    call if any (regs->pc the address after the displaced instruction), and a `B` back."""
+    return f"""
+\t.section .text.kp_detour_{i},"ax"
+\t.p2align 3
+\t.globl kp_detour_{i}
+kp_detour_{i}:
+{_call(i, f"kp_site_{i}", f"kp_dispatch_{i}")}\t.globl kp_dcr_{i}
 kp_dcr_{i}:
-	.rept {DCR_ROOM // 4}
-	nop
-	.endr
-	b kp_resume_{i}
+\t.rept {DCR_ROOM // 4}
+\tnop
+\t.endr
+{_call(i, f"kp_resume_{i}", f"kp_post_dispatch_{i}") if post else ""}\tb kp_resume_{i}
 """
 
 
@@ -98,9 +114,10 @@ def dispatch_c(sites) -> str:
     """One function per site: its struct kprobe (in the writable data, filled at run time: no
     absolute address in data) and the pre_handler called with it."""
     out = ["#include <linux/kprobes.h>\n"]
-    for i, (site, probe, sym) in enumerate(sites):
+    for i, (site, probe, (pre, post)) in enumerate(sites):
         out.append(f"""
-int {sym}(struct kprobe *p, struct pt_regs *regs);
+int {pre}(struct kprobe *p, struct pt_regs *regs);
+{f"void {post}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);" if post else ""}
 static struct kprobe kp_kprobe_{i};
 __attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
 {{
@@ -108,8 +125,16 @@ __attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
 	p->addr = (kprobe_opcode_t *)regs->pc;
 	p->symbol_name = "{probe.symbol}";
 	p->offset = {probe.offset};
-	p->pre_handler = {sym};
-	return {sym}(p, regs);
+	p->pre_handler = {pre};
+	{f"p->post_handler = {post};" if post else ""}
+	return {pre}(p, regs);
+}}
+""")
+        if post:
+            out.append(f"""
+__attribute__((used)) void kp_post_dispatch_{i}(struct pt_regs *regs)
+{{
+	{post}(&kp_kprobe_{i}, regs, 0);
 }}
 """)
     return "".join(out)
@@ -182,14 +207,19 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         if len(site.probes) != 1 or site.head is not None or site.riders or site.slot or site.evicted:
             raise KprewriteError(f"{image.path}: {site.addr:#x}: one probe per site on arm64 yet")
         p = site.probes[0]
-        if p.spec.post_handler or not p.spec.pre_handler:
-            raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: arm64 probes take a pre_handler only yet")
-        sites.append((site, p, s.handler_symbols[p.spec.pre_handler]))
+        if not p.spec.pre_handler:
+            raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: arm64 probes need a pre_handler yet")
+        if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in site.dcr):
+            raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: a post_handler after a branch "
+                                 "is not written on arm64 yet")
+        sites.append((site, p, (s.handler_symbols[p.spec.pre_handler],
+                                s.handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None)))
     if plan.kretprobes:
         raise KprewriteError(f"{image.path}: kretprobes are not written on arm64 yet")
     cc = compiler(arch)
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
-    (workdir / "kp_detours.S").write_text("".join(detour_asm(i, f"kp_dispatch_{i}") for i in range(len(sites))))
+    (workdir / "kp_detours.S").write_text("".join(detour_asm(i, post is not None)
+                                                  for i, (_, _, (_, post)) in enumerate(sites)))
     (workdir / "kp_dispatch.c").write_text(dispatch_c(sites))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
@@ -233,7 +263,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         lds = workdir / "kp.lds"
         lds.write_text(f"""SECTIONS {{
   . = {text_lo:#x};
-  .text : {{ *(.text .text.*) *(.rodata .rodata.* .srodata*) }}
+  .text : {{ *(.text .text.* .kprobes.text) *(.rodata .rodata.* .srodata*) }}
   . = {data_at:#x};
   .data : {{ *(.data .data.*) *(.bss .bss.* COMMON) }}
   /DISCARD/ : {{ *(.comment) *(.note*) *(.eh_frame*) }}
