@@ -71,7 +71,39 @@ def test_check_arm64_rules(tmp_path, arm64_kernel, image):
             continue
         off = 8 if k.code(f.start, 8) == ks.NOP * 2 else 0
         probes.append((f.name, off, ["refused", f"in {rng} ("]))
-    assert len(probes) >= 9, probes
+    # One site of each table found in the Image (tables.py), in a function of the text with a
+    # unique name, past its ftrace NOPs.
+    from rewriter.elf.image import Image
+    from rewriter.targets import load
+    from rewriter.targets.linux_kernel.symbols import kernel
+    im = load(str(arm64_kernel.vmlinuz))
+    im.target.load_symbols(im)
+    kk = kernel(im)
+    reserved = ks.kernel_sites(kk.data, None, kk.path, image=kk)
+    by_table = {}
+    for r in reserved:
+        by_table.setdefault(r.table, []).append(r)
+    once = {n for n in names if names[n] == 1}
+
+    def pick(table, words, inside=False):
+        for r in by_table[table]:
+            f = kk.function_at(r.start)
+            if f is None or f.name not in once or not s["_stext"] <= f.start < s["_etext"] or r.start < f.start + 12:
+                continue
+            if any(o.start <= r.start - 4 < o.end for o in reserved if o.table != table):
+                continue
+            if inside:                      # the instruction before: refused for the whole function
+                if any(o.start < r.start and o.end > r.start - 4 for o in reserved if o.start != r.start):
+                    continue
+                return (f.name, r.start - 4 - f.start, words)
+            return (f.name, r.start - f.start, words)
+        raise AssertionError(f"no site of {table}")
+    probes += [pick("__jump_table", ["refused", "jump label site"]),
+               pick("__bug_table", ["refused", "BUG/WARN site"]),
+               pick(".altinstructions", ["refused", "alternatives site"]),
+               pick("__ex_table", ["refused", "exception table entry"]),
+               pick("__ex_table", ["refused", "__ex_table at", "has an exception table entry"], inside=True)]
+    assert len(probes) >= 14, probes
     spec = tmp_path / "probes.toml"
     spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o:#x}\n' for n, o, _ in probes))
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, check=False)
@@ -81,8 +113,8 @@ def test_check_arm64_rules(tmp_path, arm64_kernel, image):
         assert line.startswith(f"{sym}+{off:#x}  k  "), (line, sym, off)
         for w in words:
             assert w in line, (line, words)
-        if "refused" in words:
-            assert f"at {s[sym] + off:#x}" in line, line        # the check's address
+        if "refused" in words and "__ex_table at" not in words:
+            assert f"{s[sym] + off:#x}" in line, line        # the check's address
     refused = sum("refused" in w for _, _, w in probes)
     assert r.returncode == 1 and len(r.stderr.splitlines()) == refused, r.stderr
     doc = json.loads(kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, "--format", "json", check=False).stdout)
@@ -90,3 +122,50 @@ def test_check_arm64_rules(tmp_path, arm64_kernel, image):
         assert int(p["address"], 16) == s[sym] + off and p["decision"] == words[0]
         if p["decision"] == "refused":
             assert p["reason"]["check"] and int(p["reason"]["address"], 16)
+
+
+def test_tables_found(arm64_kernel, image):
+    """The tables of relative entries kallsyms does not bound, found in the Image (tables.py):
+    every jump label site a NOP or a B, every BUG site brk #0x800, sorted exception entries."""
+    from rewriter.targets.linux_kernel.aarch64 import tables
+    found = tables.find(image, image.vmlinux[0x10000:])
+    assert set(found) == {"__ex_table", "__jump_table", "__bug_table", ".altinstructions"}, found
+    from rewriter.targets.linux_kernel.aarch64.target import TABLE_SYMBOLS
+    syms = {n: a for t, (a, b) in found.items() for n, a in zip(TABLE_SYMBOLS[t], (a, b))}
+    k = ks.KernelImage(image.vmlinux, {**image.syms, **syms}, image.path)
+    bad = ks.verify_sites(k)
+    assert bad == {"__patchable_function_entries": 0, "__bug_table": 0, "__jump_table": 0}, bad
+    insns = [e.insn for e in ks.ex_table(k)]
+    assert len(insns) > 500 and insns == sorted(insns)
+
+
+def test_blacklist_is_the_kernels(tmp_path, arm64_kernel):
+    """`kprewrite blacklist` on the Image lists every range the booted kernel's
+    /sys/kernel/debug/kprobes/blacklist does (NOKPROBE_SYMBOL and arm64's sections, function by
+    function), at the same addresses less the KASLR offset; nothing else but NOKPROBE addresses
+    outside any function (listed as one byte)."""
+    import re
+    import kernel_env
+    rd = arm64_env.build_initramfs(kernel_env.init_script(
+        "echo BL-START; cat /sys/kernel/debug/kprobes/blacklist; echo BL-END; grep -w _stext /proc/kallsyms"))
+    r = arm64_env.boot(arm64_kernel.vmlinuz, rd, log=tmp_path / "console.txt")
+    assert r.reached() and r.powered_off, r.explain("no boot")
+    c = r.console
+    stext = int(re.search(r"([0-9a-f]{16}) T _stext", c).group(1), 16)
+    image = arm_image.parse(arm64_kernel.vmlinuz.read_bytes(), str(arm64_kernel.vmlinuz))
+    off = stext - image.syms["_stext"]
+    kern = {}
+    for line in c[c.index("BL-START"):c.index("BL-END")].splitlines()[1:]:
+        m = re.match(r"0x([0-9a-f]+)-0x([0-9a-f]+)\s+(\S+)", line.strip())
+        if m:
+            kern[(int(m.group(1), 16) - off, int(m.group(2), 16) - off)] = m.group(3)
+    assert len(kern) > 400
+    ours = {}
+    for line in kprewrite("blacklist", arm64_kernel.vmlinuz).stdout.splitlines():
+        se, sym, reason = line.split("  ", 2)
+        if reason.startswith(("NOKPROBE", "in .")) and not reason.startswith("in .head"):
+            a, b = (int(x, 16) for x in se.split("-"))
+            ours[(a, b)] = sym
+    assert {k: v for k, v in kern.items() if k not in ours} == {}
+    extra = {k: v for k, v in ours.items() if k not in kern}
+    assert all(b - a == 1 and v.startswith("0x") for (a, b), v in extra.items()), extra

@@ -19,6 +19,7 @@ REGISTER_REASONS = {
     ".head.text": "in .head.text (before _stext: not kernel text)",
     "ftrace_location": "ftrace site (ftrace_location(); arm64 has no KPROBES_ON_FTRACE)",
     ".altinstructions": "alternatives site (patched at boot)",
+    "__ex_table": "exception table entry (search_exception_tables() in arch_prepare_kprobe)",
 }
 FUNCTION_RANGES = ()
 RETURN_SITES = ""                       # no table of returns patched at boot on arm64

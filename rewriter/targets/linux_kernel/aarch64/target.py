@@ -13,6 +13,32 @@ import rewriter.targets.linux_kernel as _base
 globals().update({k: v for k, v in vars(_base).items() if not k.startswith("__") and k != "for_arch"})
 
 RUNTIME_HANDLERS = frozenset()
+# The bounds symbols of the tables tables.py finds (sites.TABLES' names for them).
+TABLE_SYMBOLS = {"__ex_table": ("__start___ex_table", "__stop___ex_table"),
+                 "__bug_table": ("__start___bug_table", "__stop___bug_table"),
+                 "__jump_table": ("__start___jump_table", "__stop___jump_table"),
+                 ".altinstructions": ("__alt_instructions", "__alt_instructions_end")}
+
+
+def load_symbols(image, system_map: str | None = None) -> None:
+    """As the kernel target's, but kallsyms as the Image reader read them (image.py), with the
+    bounds of the tables found in the Image (tables.py) added as data symbols."""
+    img = image.container
+    if system_map is not None or img is None or not hasattr(img, "kallsyms"):
+        return _base.load_symbols(image, system_map)
+    from ..elfview import ElfView
+    from ..kallsyms import KSym, functions
+    from . import tables
+    found = tables.find(img, image.data[image.offset_of(img.text):])
+    syms = list(img.kallsyms.symbols)
+    for t, (a, b) in sorted(found.items()):
+        lo, hi = TABLE_SYMBOLS[t]
+        syms += [KSym(a, "d", lo), KSym(b, "d", hi)]
+    image.kernel_symbols = syms
+    image.kernel_symbols_source = "kallsyms"
+    image._link_symbols = None
+    image.set_functions([(f.start, f.end, f.name) for f in functions(syms, ElfView(image.data, image.path))],
+                        "kallsyms")
 
 
 def runtime_probes(spec) -> None:
