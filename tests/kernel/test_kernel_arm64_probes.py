@@ -1,6 +1,6 @@
-"""A jump-optimized kprobe in Debian's arm64 kernel, booted: `kprewrite instrument` of its Image
-(vmlinuz) with a C pre_handler on __arm64_sys_getppid past its ftrace NOPs (a `B` to a detour in
-the text padding), booted in qemu-system-aarch64 -M virt -cpu max (pointer authentication on,
+"""Jump-optimized kprobes in Debian's arm64 kernel, booted: `kprewrite instrument` of its Image
+(vmlinuz) with a C pre_handler on __arm64_sys_getppid's entry (a `B` past its ftrace NOPs to a
+detour in the text padding; regs->pc and p->addr the entry, as the kernel's kprobe there), booted in qemu-system-aarch64 -M virt -cpu max (pointer authentication on,
 KASLR seeded by RNDR) with a busybox initramfs.  The handler counts its hits in a static
 variable (the probes' data: kept init memory) and prints them with pr_info().  The kernel's
 samples/kprobes/kprobe_example.c handlers (samples/kprobe_example/handlers.c: its CONFIG_ARM64
@@ -40,7 +40,21 @@ CALLS = 5
 INIT = ("grep -w __arm64_sys_getppid /proc/kallsyms\n"
         f"for i in $(seq {CALLS}); do sh -c 'echo ppid=$PPID' >/dev/null; done\n"
         "uname -r\n"
-        "echo CALLS-DONE\n")
+        "echo CALLS-DONE\n"
+        # The kernel's own function tracer and kprobe on the probed function, beside ours.
+        "cd /sys/kernel/tracing\n"
+        "echo __arm64_sys_getppid > set_ftrace_filter\n"
+        "echo function > current_tracer\n"
+        "sh -c 'echo $PPID' >/dev/null\n"
+        "echo 0 > tracing_on\n"            # (a change of tracer would clear the buffer)
+        "echo FTRACE-HITS $(grep -c '__arm64_sys_getppid <-' trace)\n"
+        "echo nop > current_tracer\n"
+        "echo 1 > tracing_on\n"
+        "echo 'p:kpk __arm64_sys_getppid' > kprobe_events\n"
+        "echo 1 > events/kprobes/kpk/enable\n"
+        "sh -c 'echo $PPID' >/dev/null\n"
+        "echo 0 > events/kprobes/kpk/enable\n"
+        "echo KPROBE-HITS $(grep -c 'kpk: (__arm64_sys_getppid+0x0' trace)\n")
 HIT = re.compile(r"kprewrite-arm64: getppid hit (\d+) pc=([0-9a-f]+) addr=([0-9a-f]+) pstate=([0-9a-f]+) sp=([0-9a-f]+)")
 
 
@@ -63,11 +77,11 @@ def instrumented(arm64_kernel, tmp_path_factory):
     spec = d / "probes.toml"
     sample = Path(__file__).resolve().parents[2] / "samples" / "kprobe_example" / "handlers.c"
     spec.write_text(f'handlers = ["h.c", "{sample}"]\n'
-                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 8\npre_handler = "getppid_pre"\n'
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "getppid_pre"\n'
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_newuname"\noffset = 12\npre_handler = "handler_pre"\n'
                     'post_handler = "handler_post"\n')
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
-    assert r.stdout == "__arm64_sys_getppid+0x8  k  optimized\n__arm64_sys_newuname+0xc  k  optimized\n", r.stdout
+    assert r.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n__arm64_sys_newuname+0xc  k  optimized\n", r.stdout
     out = d / "Image.kp"
     kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out)
     return out
@@ -90,7 +104,7 @@ def _check(r, link_site: int) -> int:
     assert arm64_env.WX_PASSED in r.console, r.explain("no W+X check")
     m = re.search(r"^([0-9a-f]{16}) T __arm64_sys_getppid$", r.console, re.M)
     assert m, r.explain("no kallsyms line")
-    running = int(m.group(1), 16) + 8
+    running = int(m.group(1), 16)
     hits = [tuple(int(x, 16) if i else int(x) for i, x in enumerate(h.groups())) for h in HIT.finditer(r.console)]
     assert hits, r.explain("the probe never fired")
     assert [h[0] for h in hits] == list(range(1, len(hits) + 1)), hits        # the counter, in kept init memory
@@ -101,6 +115,12 @@ def _check(r, link_site: int) -> int:
         assert pc == addr == running, (hex(pc), hex(addr), hex(running))
         assert pstate & 0xF == 0b0101 and sp >> 48 == 0xFFFF        # EL1h: the kernel's own stack
     assert (running - link_site) % 0x10000 == 0
+    # ftrace and the kernel's kprobe still work on the function, and ours fired with them.
+    m = re.search(r"^FTRACE-HITS (\d+)$", r.console, re.M)
+    assert m and int(m.group(1)) >= 1, r.explain("the function tracer saw no call")
+    m = re.search(r"^KPROBE-HITS (\d+)$", r.console, re.M)
+    assert m and int(m.group(1)) >= 1, r.explain("the kernel's kprobe saw no call")
+    assert hits[-1][0] >= CALLS + 2
     # The sample's handlers, pre then post, once per uname call at least.
     lines = r.lines()
     pre = [n for n, l in enumerate(lines) if "handler_pre: <__arm64_sys_newuname> p->addr = 0x" in l]
@@ -123,12 +143,14 @@ def img(arm64_kernel):
 
 
 def test_optimized_probe_fires_under_kaslr(arm64_kernel, img, instrumented, initramfs, tmp_path_factory):
-    site = img.syms["__arm64_sys_getppid"] + 8
-    # The Image: the site holds `b` to the text padding, nothing else of the text changed.
+    site = img.syms["__arm64_sys_getppid"]
+    # The Image: entry + 8 (after the ftrace NOPs) holds `b` to the text padding.
     new = arm_image.parse(instrumented.read_bytes(), str(instrumented))
-    word = int.from_bytes(instrumented.read_bytes()[site - img.text:site - img.text + 4], "little")
+    code = instrumented.read_bytes()[site - img.text:site - img.text + 12]
+    assert code[:8] == arm64_kernel.vmlinuz.read_bytes()[site - img.text:site - img.text + 8] == bytes.fromhex("1f2003d5") * 2
+    word = int.from_bytes(code[8:], "little")
     assert word >> 26 == 0b000101
-    target = site + ((word & 0x3FFFFFF) ^ 0x2000000) * 4 - 0x2000000 * 4
+    target = site + 8 + ((word & 0x3FFFFFF) ^ 0x2000000) * 4 - 0x2000000 * 4
     assert new.syms["_stext"] <= target < new.syms["_etext"] and target > img.syms["__idmap_text_end"]
     r = _boot(instrumented, initramfs, "arm64-probe", tmp_path_factory)
     running = _check(r, site)
@@ -139,7 +161,7 @@ def test_optimized_probe_fires_under_kaslr(arm64_kernel, img, instrumented, init
 def test_two_kaslr_boots_and_cortex_a72(img, instrumented, initramfs, arm64_kernel, tmp_path_factory):
     """Two more boots (13-24 s each under TCG with -cpu max): each at its own base; then a
     CPU without pointer authentication (cortex-a72; the seed from the device tree)."""
-    site = img.syms["__arm64_sys_getppid"] + 8
+    site = img.syms["__arm64_sys_getppid"]
     bases = {_check(_boot(instrumented, initramfs, f"arm64-kaslr-{i}", tmp_path_factory), site) for i in range(2)}
     assert len(bases) == 2, bases
     _check(_boot(instrumented, initramfs, "arm64-cortex-a72", tmp_path_factory, cpu="cortex-a72"), site)

@@ -36,7 +36,7 @@ from ....arch.aarch64 import emit as E, encode as enc, insn as I
 from ....errors import KprewriteError
 from ....link.toolchain import compiler, run
 from ....link.runtime import cflags, _includes
-from ....planner import OPTIMIZED
+from ....planner import FTRACE, OPTIMIZED
 from ...linux_kernel.symbols import link_symbols
 
 PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
@@ -106,7 +106,7 @@ kp_dcr_{i}:
 \t.rept {DCR_ROOM // 4}
 \tnop
 \t.endr
-{_call(i, f"kp_resume_{i}", f"kp_post_dispatch_{i}") if post else ""}\tb kp_resume_{i}
+{_call(i, f"kp_post_pc_{i}", f"kp_post_dispatch_{i}") if post else ""}\tb kp_resume_{i}
 """
 
 
@@ -201,6 +201,8 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         raise KprewriteError(f"{image.path}: an arm64 vmlinux (ELF) is not written yet: give its Image (vmlinuz)")
     sites = []
     for site in plan.sites:
+        if site.decision == FTRACE:
+            site = _past_ftrace_nops(s, site)
         if site.decision != OPTIMIZED:
             raise KprewriteError(f"{image.path}: {site.addr:#x}: only jump-optimized probes are written on arm64 yet "
                                  f"(this one: {site.decision})")
@@ -239,8 +241,10 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     syms = link_symbols(image)
     defs = {}
     for i, (site, p, sym) in enumerate(sites):
-        defs[f"kp_site_{i}"] = site.addr
+        defs[f"kp_site_{i}"] = p.addr                         # what regs->pc and p->addr say
         defs[f"kp_resume_{i}"] = site.region_end
+        # regs->pc for the post_handler: after the probed instruction (the first NOP for an entry)
+        defs[f"kp_post_pc_{i}"] = site.region_end if site.addr == p.addr else p.addr + 4
     r = run([cc[:-3] + "nm" if cc.endswith("gcc") else "nm", *map(str, inputs)], "nm")
     undefined, defined = set(), set()
     for line in r.stdout.splitlines():
@@ -317,6 +321,38 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     # free_initmem() frees the init memory up to our data, no further.
     put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
     return bytes(out)
+
+
+class _Moved:
+    """A site taken past a function's ftrace NOPs: the jump and the displaced instruction at
+    entry + 8, the probe's address (regs->pc, p->addr) still the entry."""
+    def __init__(self, site, dcr):
+        self.addr, self.dcr, self.probes, self.decision = site.addr + 8, dcr, site.probes, OPTIMIZED
+        self.head, self.riders, self.slot, self.evicted = None, [], 0, None
+        self.region_end = dcr[-1].addr + len(dcr[-1].code)
+
+
+def _past_ftrace_nops(s, site):
+    """A probe on a function's entry: the kernel's kprobe sits on the first ftrace NOP, which
+    ftrace_init_nop() rewrites at boot and ftrace patches (the second) when tracing; the jump
+    goes after both instead (the instruction at entry + 8, usually paciasp), so that ftrace and
+    the kernel's own kprobes keep working on the function.  The NOPs run before the handler as
+    they would before the kernel's single-step: the same state (unless the function is traced:
+    then its tracer has run first, and x9 holds x30)."""
+    func = site.probes[0].func
+    at = site.addr + 8
+    r = s.arch.optprobe.can_optimize(s.image, s.analysis, func, at)
+    if not isinstance(r, list):
+        raise KprewriteError(f"{s.image.path}: {func.name}: its entry is taken past the ftrace NOPs, at {at:#x}, "
+                             f"which cannot take a jump: {r}")
+    e = next(iter(s.rules.reserved_sites(at, r[-1].addr + len(r[-1].code))), None)
+    if e is not None:
+        raise KprewriteError(f"{s.image.path}: {func.name}: its entry is taken past the ftrace NOPs, at {at:#x}, "
+                             f"where a site patched at boot lies ({e.symbol})")
+    if s.plan.sites and any(o.addr == at for o in s.plan.sites):
+        raise KprewriteError(f"{s.image.path}: {func.name}: a probe on its entry and one at {at:#x}: "
+                             "both would take the jump after the ftrace NOPs")
+    return _Moved(site, r)
 
 
 def _read_blob(elf: Path):

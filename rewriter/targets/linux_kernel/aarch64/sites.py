@@ -14,7 +14,9 @@ The ftrace site (``-fpatchable-function-entry=2``): two NOPs at a function's ent
 first rewritten to ``mov x9, x30`` by ftrace_init_nop() at boot (which fails unless it is a
 NOP), the second (rec->ip, ftrace_call_adjust() = entry + 4) to ``bl ftrace_caller`` when
 traced.  Both are patched at boot; registration refuses the second (ftrace_location(), no
-KPROBES_ON_FTRACE on arm64).
+KPROBES_ON_FTRACE on arm64).  The entries are what mcount_locs() reads for ``__mcount_loc``
+(the planner's ftrace sites: a probe on a function's entry; the arm64 build takes it past
+the NOPs, build.py).
 
 Ranges reserved whole (arch_populate_kprobe_blacklist() in arch/arm64/kernel/probes/kprobes.c,
 populate_kprobe_blacklist() in kernel/kprobes.c): ``.entry.text``, ``.irqentry.text``,
@@ -71,8 +73,8 @@ class KernelImage(_generic.KernelImage):
                 self.addr["_text"] = sec.addr
 
     def bounds(self, table: str):
-        if table == "__mcount_loc":         # arm64 has none: its sites are the patchable entries
-            return None
+        if table == "__mcount_loc":         # arm64's: the patchable entries (each function's first NOP)
+            table = "__patchable_function_entries"
         return super().bounds(table)
 
 
