@@ -131,13 +131,27 @@ def build_initramfs(init: str, extra=None) -> Path:
                                       runner=(runner,))
 
 
+AAVMF = Path("/usr/share/AAVMF")
+
+
 def boot(kernel, initrd, *, cpu: str = "max", smp: int = 2, memory: int = 1024, append: str = DEFAULT_APPEND,
-         extra_append: str = "", timeout: float = 180, log: Path | None = None) -> kernel_env.BootResult:
+         extra_append: str = "", timeout: float = 180, log: Path | None = None,
+         uefi: bool = False) -> kernel_env.BootResult:
     """qemu-system-aarch64 -M virt -cpu <cpu> with -kernel (QEMU loads the Image at a 2 MiB
-    boundary; the kernel randomizes its own base: KASLR)."""
-    return kernel_env.boot(kernel, initrd, smp=smp, memory=memory, append=append, extra_append=extra_append,
-                           timeout=timeout, log=log, qemu_system=QEMU_SYSTEM,
-                           qemu_args=("-M", "virt", "-cpu", cpu))
+    boundary; the kernel randomizes its own base: KASLR).  uefi: through the firmware of
+    Debian's qemu-efi-aarch64 (AAVMF, as pflash), which starts the Image through its PE header
+    and the kernel's EFI stub."""
+    args = ["-M", "virt", "-cpu", cpu]
+    with tempfile.TemporaryDirectory(prefix="kprewrite-uefi-") as work:
+        if uefi:
+            code, vars_ = AAVMF / "AAVMF_CODE.fd", AAVMF / "AAVMF_VARS.fd"
+            if not code.exists() or not vars_.exists():
+                raise KernelEnvError(f"no {code}: install Debian's qemu-efi-aarch64")
+            shutil.copyfile(vars_, Path(work) / "vars.fd")
+            args += ["-drive", f"if=pflash,format=raw,readonly=on,file={code}",
+                     "-drive", f"if=pflash,format=raw,file={Path(work) / 'vars.fd'}"]
+        return kernel_env.boot(kernel, initrd, smp=smp, memory=memory, append=append, extra_append=extra_append,
+                               timeout=timeout, log=log, qemu_system=QEMU_SYSTEM, qemu_args=tuple(args))
 
 
 if __name__ == "__main__":

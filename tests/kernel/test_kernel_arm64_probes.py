@@ -158,10 +158,14 @@ def test_optimized_probe_fires_under_kaslr(arm64_kernel, img, instrumented, init
 
 
 @pytest.mark.slow
-def test_two_kaslr_boots_and_cortex_a72(img, instrumented, initramfs, arm64_kernel, tmp_path_factory):
-    """Two more boots (13-24 s each under TCG with -cpu max): each at its own base; then a
-    CPU without pointer authentication (cortex-a72; the seed from the device tree)."""
+def test_kaslr_boots_uefi_and_cortex_a72(img, instrumented, initramfs, arm64_kernel, tmp_path_factory):
+    """Four more boots (13-24 s each under TCG with -cpu max): two each at its own base; one
+    through UEFI (AAVMF; the EFI stub places the kernel); one on a CPU without pointer
+    authentication (cortex-a72; the seed from the device tree)."""
     site = img.syms["__arm64_sys_getppid"]
     bases = {_check(_boot(instrumented, initramfs, f"arm64-kaslr-{i}", tmp_path_factory), site) for i in range(2)}
     assert len(bases) == 2, bases
+    r = _boot(instrumented, initramfs, "arm64-uefi", tmp_path_factory, uefi=True)
+    assert "EFI stub: Booting Linux Kernel" in r.console, r.explain("not booted through UEFI")
+    _check(r, site)
     _check(_boot(instrumented, initramfs, "arm64-cortex-a72", tmp_path_factory, cpu="cortex-a72"), site)
