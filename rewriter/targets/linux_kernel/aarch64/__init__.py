@@ -3,7 +3,12 @@ as arch/arm64 answers it in the kernel.
 
 - image.py: the boot Image (Debian's vmlinuz), read and seen as an ELF vmlinux (unwrap());
 - sites.py: the tables and ranges the rules read (the ftrace NOPs, NOKPROBE_SYMBOL, the
-  blacklisted sections).
+  blacklisted sections, and the tables of relative entries tables.py finds in an Image);
+- target.py: the kernel target's variant for arm64 (linux_kernel.for_arch()), whose output
+  build.py writes: the handlers and the detours in the Image's own room, until the generic
+  back half (the runtime, its boot hooks and tables) knows arm64.  The members below that
+  only the generic back half asks (the per-CPU key, the boot container) answer what arm64
+  has, or say it is not written yet.
 """
 from __future__ import annotations
 
@@ -23,7 +28,6 @@ REGISTER_REASONS = {
 }
 FUNCTION_RANGES = ()
 RETURN_SITES = ""                       # no table of returns patched at boot on arm64
-PREEMPT_H = ""
 
 
 def function_refusal(image, k, arch, returns):
@@ -44,6 +48,35 @@ def return_site_patches(image, layout, rx, plan):
 
 def diff_expected(image, meta: dict) -> list:
     return []
+
+
+PREEMPT_H = ""
+
+
+def thread_key(image):
+    from ....errors import KprewriteError
+    raise KprewriteError(f"{image.path}: the runtime's per-CPU data is not written for arm64 kernels yet")
+
+
+def resched(image) -> str | None:
+    return "preempt_schedule"           # what preempt_enable() calls (CONFIG_PREEMPTION's)
+
+
+def current_tasks(symbols) -> list:
+    return []                           # arm64 keeps the current task in sp_el0, not in per-CPU data
+
+
+def current_c(decl: str, ctype: str, current: str) -> str:
+    return f"{decl}\n{{\n\t{ctype} *t;\n\tasm(\"mrs %0, sp_el0\" : \"=r\"(t));\n\treturn t;\n}}\n"
+
+
+def tail_call_c(name: str, target: str) -> str:
+    return f"__attribute__((naked)) void {name}(void)\n{{\n\tasm volatile(\"b {target}\");\n}}\n"
+
+
+def write_container(image, arch, layout, rx, patches, blob, plan, zeroed: list, vmlinux: bytes) -> bytes:
+    from ....errors import KprewriteError
+    raise KprewriteError(f"{image.path}: an arm64 Image is written by its own build (aarch64/build.py)")
 
 
 def unwrap(data: bytes, path: str):
