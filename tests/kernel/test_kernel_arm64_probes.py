@@ -169,3 +169,16 @@ def test_kaslr_boots_uefi_and_cortex_a72(img, instrumented, initramfs, arm64_ker
     assert "EFI stub: Booting Linux Kernel" in r.console, r.explain("not booted through UEFI")
     _check(r, site)
     _check(_boot(instrumented, initramfs, "arm64-cortex-a72", tmp_path_factory, cpu="cortex-a72"), site)
+
+
+def test_absolute_addresses_refused(arm64_kernel, tmp_path):
+    """A handler holding an address in its data (a pointer initialized statically) would need a
+    relocation KASLR applies; the Image's table has no room for ours: refused, one line."""
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\nstatic int n;\nstatic int *volatile p = &n;\n"
+                                  "int pre(struct kprobe *k, struct pt_regs *r) { return (*p)++ & 0; }\n")
+    spec = tmp_path / "probes.toml"
+    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "pre"\n')
+    out = tmp_path / "Image.kp"
+    r = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
+    assert r.returncode == 1 and not out.exists(), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "absolute relocation (R_AARCH64_ABS64) in .data" in r.stderr, r.stderr

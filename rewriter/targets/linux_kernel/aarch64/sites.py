@@ -7,8 +7,7 @@ found by their relocations (image.py: the ftrace sites, ``__patchable_function_e
 NOKPROBE_SYMBOL's ``_kprobe_blacklist``) and named as sections of the Image's view; the text
 ranges are bounded by kallsyms' text markers.  Tables of relative entries (``__ex_table``,
 ``__bug_table``, ``__jump_table``, ``.altinstructions``) have neither there: they are read
-when a System.map or the vmlinux's symbols name them, and ``missing_tables()`` lists those
-that were not found (check says so).
+when a System.map names them, else found by the form of their entries (tables.py).
 
 The ftrace site (``-fpatchable-function-entry=2``): two NOPs at a function's entry, the
 first rewritten to ``mov x9, x30`` by ftrace_init_nop() at boot (which fails unless it is a
@@ -48,8 +47,6 @@ RANGES = {
     ".head.text": ("_text", "_stext"),
 }
 assert set(_generic.RANGES) <= set(RANGES)
-# The tables check reads when it can find them, listed by missing_tables() when it cannot.
-RELATIVE_TABLES = ("__ex_table", "__bug_table", "__jump_table", ".altinstructions")
 
 NOP = struct.pack("<I", 0xD503201F)
 FTRACE_SITE = 8                     # the two NOPs
@@ -82,10 +79,6 @@ def ftrace_sites(k: KernelImage) -> list[int]:
     """The entry of every function's ftrace NOPs (a 0 entry: a site ftrace dropped)."""
     a, buf = k.table_bytes("__patchable_function_entries", 8)
     return [s for (s,) in struct.iter_unpack("<Q", buf) if s]
-
-
-def missing_tables(k: KernelImage) -> list[str]:
-    return [t for t in RELATIVE_TABLES if k.bounds(t) is None]
 
 
 def jump_labels(k: KernelImage) -> list[Reserved]:
