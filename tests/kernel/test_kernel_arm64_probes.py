@@ -2,7 +2,8 @@
 (vmlinuz) with a C pre_handler on __arm64_sys_getppid's entry (a `B` past its ftrace NOPs to a
 detour in the text padding; regs->pc and p->addr the entry, as the kernel's kprobe there), booted in qemu-system-aarch64 -M virt -cpu max (pointer authentication on,
 KASLR seeded by RNDR) with a busybox initramfs.  The handler counts its hits in a static
-variable (the probes' data: kept init memory) and prints them with pr_info().  The kernel's
+variable (the probes' data: kept init memory) and prints them with pr_info(), with
+current->comm and current->pid (linux/sched.h made from the Image's BTF).  The kernel's
 samples/kprobes/kprobe_example.c handlers (samples/kprobe_example/handlers.c: its CONFIG_ARM64
 lines, regs->pc and regs->pstate), unchanged, pre and post, on __arm64_sys_newuname+12 (the
 `stp x29, x30, [sp, #-16]!` after paciasp, copied into the detour)."""
@@ -25,14 +26,15 @@ pytestmark = pytest.mark.kernel
 
 HANDLER = r"""
 #include <linux/kprobes.h>
+#include <linux/sched.h>
 
 static unsigned long hits;
 
 int getppid_pre(struct kprobe *p, struct pt_regs *regs)
 {
 	hits++;
-	pr_info("kprewrite-arm64: getppid hit %lu pc=%lx addr=%lx pstate=%lx sp=%lx\n", hits, regs->pc,
-		(unsigned long)p->addr, regs->pstate, regs->sp);
+	pr_info("kprewrite-arm64: getppid hit %lu pc=%lx addr=%lx pstate=%lx sp=%lx comm=%s pid=%d\n", hits, regs->pc,
+		(unsigned long)p->addr, regs->pstate, regs->sp, current->comm, current->pid);
 	return 0;
 }
 """
@@ -56,6 +58,7 @@ INIT = ("grep -w __arm64_sys_getppid /proc/kallsyms\n"
         "echo 0 > events/kprobes/kpk/enable\n"
         "echo KPROBE-HITS $(grep -c 'kpk: (__arm64_sys_getppid+0x0' trace)\n")
 HIT = re.compile(r"kprewrite-arm64: getppid hit (\d+) pc=([0-9a-f]+) addr=([0-9a-f]+) pstate=([0-9a-f]+) sp=([0-9a-f]+)")
+COMM = re.compile(r"kprewrite-arm64: getppid hit \d+ .* comm=(\S+) pid=(\d+)$", re.M)
 
 
 def _env(fn, *a):
@@ -115,6 +118,9 @@ def _check(r, link_site: int) -> int:
         assert pc == addr == running, (hex(pc), hex(addr), hex(running))
         assert pstate & 0xF == 0b0101 and sp >> 48 == 0xFFFF        # EL1h: the kernel's own stack
     assert (running - link_site) % 0x10000 == 0
+    # current->comm and ->pid, the kernel's types from the Image's BTF: /init's shells, none pid 0.
+    comms = COMM.findall(r.console)
+    assert len(comms) == len(hits) and {"sh", "init"} & {c for c, _ in comms} and all(int(p) > 0 for _, p in comms)
     # ftrace and the kernel's kprobe still work on the function, and ours fired with them.
     m = re.search(r"^FTRACE-HITS (\d+)$", r.console, re.M)
     assert m and int(m.group(1)) >= 1, r.explain("the function tracer saw no call")

@@ -63,7 +63,9 @@ def resched(image) -> str | None:
 
 
 def current_tasks(symbols) -> list:
-    return []                           # arm64 keeps the current task in sp_el0, not in per-CPU data
+    """arm64 keeps the current task in sp_el0 (get_current()), not in per-CPU data: a name
+    for it, which current_c() does not need."""
+    return [("sp_el0", None)]
 
 
 def current_c(decl: str, ctype: str, current: str) -> str:

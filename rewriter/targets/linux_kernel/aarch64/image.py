@@ -73,6 +73,7 @@ class ArmImage:
     kallsyms: _ks.Kallsyms
     syms: dict[str, int]                    # first address of each name
     tables: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> [start, end) addresses
+    btf: tuple[int, int] | None = None      # file offsets of the BTF, if any
     vmlinux: bytes = b""
 
     @property
@@ -157,8 +158,25 @@ def parse(data: bytes, path: str) -> ArmImage:
             raise KprewriteError(f"{path}: kallsyms has no {need}: not a layout kprewrite knows")
     img = ArmImage(path, data, text_offset, image_size, flags, pe, text, relas, (lo, hi), ks, first)
     img.tables = _pointer_tables(img)
+    img.btf = _btf(data, first["_etext"] - text, first["_sinittext"] - text)
     img.vmlinux = elf_view(img, bytes(buf))
     return img
+
+
+BTF_HEADER = struct.Struct("<HBBIIIII")         # magic 0xeb9f, version 1, flags, hdr_len, type_off/len, str_off/len
+
+
+def _btf(data: bytes, lo: int, hi: int) -> tuple[int, int] | None:
+    """File offsets [start, end) of the kernel's BTF (CONFIG_DEBUG_INFO_BTF: __start_BTF, in
+    the rodata), found by its header: the first in [lo, hi) whose sizes fit."""
+    pos = data.find(b"\x9f\xeb\x01\x00\x18\x00\x00\x00", lo, hi)
+    while pos >= 0:
+        _m, _v, _f, hdr, toff, tlen, soff, slen = BTF_HEADER.unpack_from(data, pos)
+        end = pos + hdr + max(toff + tlen, soff + slen)
+        if toff == 0 and soff == tlen and end <= hi and data[pos + hdr + soff] == 0:
+            return pos, end
+        pos = data.find(b"\x9f\xeb\x01\x00\x18\x00\x00\x00", pos + 1, hi)
+    return None
 
 
 def _rela_table(data: bytes, path: str) -> tuple[int, int]:
@@ -244,9 +262,14 @@ def _sections(img: ArmImage) -> list[tuple[str, int, int, int, int]]:
     s, t = img.syms, img.text
     file_end = t + len(img.data)
     fixed = [(".head.text", SHT_PROGBITS, SHF_ALLOC, t, s["_stext"]),
-             (".text", SHT_PROGBITS, SHF_ALLOC | SHF_EXECINSTR, s["_stext"], s["_etext"]),
-             (".rodata", SHT_PROGBITS, SHF_ALLOC, s["_etext"], s["_sinittext"]),
-             (".init.text", SHT_PROGBITS, SHF_ALLOC | SHF_EXECINSTR, s["_sinittext"], s["_einittext"])]
+             (".text", SHT_PROGBITS, SHF_ALLOC | SHF_EXECINSTR, s["_stext"], s["_etext"])]
+    if img.btf is not None:                 # .BTF inside the rodata, for the handlers' kernel types
+        a, b = t + img.btf[0], t + img.btf[1]
+        fixed += [(".rodata", SHT_PROGBITS, SHF_ALLOC, s["_etext"], a), (".BTF", SHT_PROGBITS, SHF_ALLOC, a, b),
+                  (".rodata.1", SHT_PROGBITS, SHF_ALLOC, b, s["_sinittext"])]
+    else:
+        fixed.append((".rodata", SHT_PROGBITS, SHF_ALLOC, s["_etext"], s["_sinittext"]))
+    fixed.append((".init.text", SHT_PROGBITS, SHF_ALLOC | SHF_EXECINSTR, s["_sinittext"], s["_einittext"]))
     tables = sorted((a, b, n) for n, (a, b) in img.tables.items())
     tables.append((t + img.rela_span[0], t + img.rela_span[1], ".rela.dyn"))
     cur = s["_einittext"]

@@ -46,10 +46,6 @@ def runtime_probes(spec) -> None:
     return None
 
 
-def handler_headers(image) -> dict[str, str]:
-    return {}
-
-
 def build(s, objs, workdir, progress):
     from .build import build as _build
     return _build(s, objs, workdir)
