@@ -81,10 +81,12 @@ def instrumented(arm64_kernel, tmp_path_factory):
     sample = Path(__file__).resolve().parents[2] / "samples" / "kprobe_example" / "handlers.c"
     spec.write_text(f'handlers = ["h.c", "{sample}"]\n'
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "getppid_pre"\n'
+                    # A second probe on the same address: one detour calls both, in order.
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "handler_pre"\n'
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_newuname"\noffset = 12\npre_handler = "handler_pre"\n'
                     'post_handler = "handler_post"\n')
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
-    assert r.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n__arm64_sys_newuname+0xc  k  optimized\n", r.stdout
+    assert r.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n" * 2 + "__arm64_sys_newuname+0xc  k  optimized\n", r.stdout
     out = d / "Image.kp"
     kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out)
     return out
@@ -121,6 +123,11 @@ def _check(r, link_site: int) -> int:
     # current->comm and ->pid, the kernel's types from the Image's BTF: /init's shells, none pid 0.
     comms = COMM.findall(r.console)
     assert len(comms) == len(hits) and {"sh", "init"} & {c for c, _ in comms} and all(int(p) > 0 for _, p in comms)
+    # The second probe on the entry: the sample's handler_pre after ours, each time.
+    both = re.findall(r"(getppid hit \d+|handler_pre: <__arm64_sys_getppid> p->addr = 0x\S+, pc = 0x[0-9a-f]+)",
+                      r.console)
+    assert len(both) == 2 * len(hits) and all(a.startswith("getppid hit") and b.endswith(f"pc = {running:#x}")
+                                              for a, b in zip(both[::2], both[1::2])), both[:6]
     # ftrace and the kernel's kprobe still work on the function, and ours fired with them.
     m = re.search(r"^FTRACE-HITS (\d+)$", r.console, re.M)
     assert m and int(m.group(1)) >= 1, r.explain("the function tracer saw no call")

@@ -111,30 +111,43 @@ kp_dcr_{i}:
 
 
 def dispatch_c(sites) -> str:
-    """One function per site: its struct kprobe (in the writable data, filled at run time: no
-    absolute address in data) and the pre_handler called with it."""
+    """Per site, a struct kprobe per probe (in the writable data, filled at run time: no
+    absolute address in data), and the functions the detour calls: each probe's pre_handler
+    in the spec's order (their return values are not acted on yet), then, after the displaced
+    instruction, each post_handler."""
     out = ["#include <linux/kprobes.h>\n"]
-    for i, (site, probe, (pre, post)) in enumerate(sites):
-        out.append(f"""
-int {pre}(struct kprobe *p, struct pt_regs *regs);
-{f"void {post}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);" if post else ""}
-static struct kprobe kp_kprobe_{i};
-__attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
-{{
-	struct kprobe *p = &kp_kprobe_{i};
+    declared = set()
+    for i, (site, probes) in enumerate(sites):
+        pres, posts = [], []
+        for j, (probe, pre, post) in enumerate(probes):
+            for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
+                                (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
+                if name and name not in declared:
+                    declared.add(name)
+                    out.append(proto.format(name) + "\n")
+            out.append(f"static struct kprobe kp_kprobe_{i}_{j};\n")
+            pres.append(f"""
+	p = &kp_kprobe_{i}_{j};
 	p->addr = (kprobe_opcode_t *)regs->pc;
 	p->symbol_name = "{probe.symbol}";
 	p->offset = {probe.offset};
-	p->pre_handler = {pre};
+	{f"p->pre_handler = {pre};" if pre else ""}
 	{f"p->post_handler = {post};" if post else ""}
-	return {pre}(p, regs);
+	{f"{pre}(p, regs);" if pre else ""}""")
+            if post:
+                posts.append(f"\n\t{post}(&kp_kprobe_{i}_{j}, regs, 0);")
+        out.append(f"""
+__attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
+{{
+	struct kprobe *p;
+{"".join(pres)}
+	return 0;
 }}
 """)
-        if post:
+        if posts:
             out.append(f"""
 __attribute__((used)) void kp_post_dispatch_{i}(struct pt_regs *regs)
-{{
-	{post}(&kp_kprobe_{i}, regs, 0);
+{{{"".join(posts)}
 }}
 """)
     return "".join(out)
@@ -206,22 +219,23 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         if site.decision != OPTIMIZED:
             raise KprewriteError(f"{image.path}: {site.addr:#x}: only jump-optimized probes are written on arm64 yet "
                                  f"(this one: {site.decision})")
-        if len(site.probes) != 1 or site.head is not None or site.riders or site.slot or site.evicted:
-            raise KprewriteError(f"{image.path}: {site.addr:#x}: one probe per site on arm64 yet")
-        p = site.probes[0]
-        if not p.spec.pre_handler:
-            raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: arm64 probes need a pre_handler yet")
-        if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in site.dcr):
-            raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: a post_handler after a branch "
-                                 "is not written on arm64 yet")
-        sites.append((site, p, (s.handler_symbols[p.spec.pre_handler],
-                                s.handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None)))
+        if site.head is not None or site.riders or site.slot or site.evicted:
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: a region shared between sites is not written "
+                                 "on arm64 yet")
+        probes = []
+        for p in site.probes:
+            if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in site.dcr):
+                raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: a post_handler after a branch "
+                                     "is not written on arm64 yet")
+            probes.append((p, s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
+                           s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None))
+        sites.append((site, probes))
     if plan.kretprobes:
         raise KprewriteError(f"{image.path}: kretprobes are not written on arm64 yet")
     cc = compiler(arch)
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
-    (workdir / "kp_detours.S").write_text("".join(detour_asm(i, post is not None)
-                                                  for i, (_, _, (_, post)) in enumerate(sites)))
+    (workdir / "kp_detours.S").write_text("".join(detour_asm(i, any(post for _, _, post in probes))
+                                                  for i, (_, probes) in enumerate(sites)))
     (workdir / "kp_dispatch.c").write_text(dispatch_c(sites))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
@@ -240,7 +254,8 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     # Symbols: each site and its resume address; every undefined name from kallsyms.
     syms = link_symbols(image)
     defs = {}
-    for i, (site, p, sym) in enumerate(sites):
+    for i, (site, probes) in enumerate(sites):
+        p = probes[0][0]
         defs[f"kp_site_{i}"] = p.addr                         # what regs->pc and p->addr say
         defs[f"kp_resume_{i}"] = site.region_end
         # regs->pc for the post_handler: after the probed instruction (the first NOP for an entry)
@@ -298,7 +313,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         out[off:off + len(b)] = b
 
     code = bytearray(text[1])
-    for i, (site, p, sym) in enumerate(sites):
+    for i, (site, _) in enumerate(sites):
         at = addrs[f"kp_dcr_{i}"]
         moved = b""
         for insn in site.dcr:
@@ -316,7 +331,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                 if struct.unpack_from("<I", data[1], a - data[0])[0] == R_AARCH64_RELATIVE:
                     raise KprewriteError(f"{image.path}: the probes' data at {a:#x} would read as a relocation at boot")
         put(data[0], data[1])
-    for i, (site, p, sym) in enumerate(sites):
+    for i, (site, _) in enumerate(sites):
         put(site.addr, enc.b(site.addr, addrs[f"kp_detour_{i}"]))
     # free_initmem() frees the init memory up to our data, no further.
     put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
