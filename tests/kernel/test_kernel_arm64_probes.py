@@ -37,11 +37,25 @@ int getppid_pre(struct kprobe *p, struct pt_regs *regs)
 		(unsigned long)p->addr, regs->pstate, regs->sp, current->comm, current->pid);
 	return 0;
 }
+
+/* A change of path at an entry: sethostname() from busybox's hostname returns 0 at once. */
+int sethostname_override(struct kprobe *p, struct pt_regs *regs)
+{
+	const char *c = current->comm;
+
+	if (c[0] != 'h' || c[1] != 'o' || c[2] != 's' || c[3] != 't')
+		return 0;
+	regs->regs[0] = 0;
+	regs->pc = regs->regs[30];
+	return 1;
+}
 """
 CALLS = 5
 INIT = ("grep -w __arm64_sys_getppid /proc/kallsyms\n"
         f"for i in $(seq {CALLS}); do sh -c 'echo ppid=$PPID' >/dev/null; done\n"
         "uname -r\n"
+        "hostname kprewrite-x; echo SETHOSTNAME-RC=$? NAME=$(hostname)\n"
+        "echo kprewrite-y > /proc/sys/kernel/hostname; echo NAME2=$(hostname)\n"
         "echo CALLS-DONE\n"
         # The kernel's own function tracer and kprobe on the probed function, beside ours.
         "cd /sys/kernel/tracing\n"
@@ -84,9 +98,11 @@ def instrumented(arm64_kernel, tmp_path_factory):
                     # A second probe on the same address: one detour calls both, in order.
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "handler_pre"\n'
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_newuname"\noffset = 12\npre_handler = "handler_pre"\n'
-                    'post_handler = "handler_post"\n')
+                    'post_handler = "handler_post"\n'
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_sethostname"\npre_handler = "sethostname_override"\n')
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
-    assert r.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n" * 2 + "__arm64_sys_newuname+0xc  k  optimized\n", r.stdout
+    assert r.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n" * 2 + "__arm64_sys_newuname+0xc  k  optimized\n" \
+        "__arm64_sys_sethostname+0x0  k  ftrace\n", r.stdout
     out = d / "Image.kp"
     kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out)
     return out
@@ -128,6 +144,9 @@ def _check(r, link_site: int) -> int:
                       r.console)
     assert len(both) == 2 * len(hits) and all(a.startswith("getppid hit") and b.endswith(f"pc = {running:#x}")
                                               for a, b in zip(both[::2], both[1::2])), both[:6]
+    # The pre_handler that changed the path: sethostname() returned 0 and did nothing.
+    assert re.search(r"^SETHOSTNAME-RC=0 NAME=\(none\)$", r.console, re.M) and "NAME2=kprewrite-y" in r.console, \
+        r.explain("sethostname() was not overridden")
     # ftrace and the kernel's kprobe still work on the function, and ours fired with them.
     m = re.search(r"^FTRACE-HITS (\d+)$", r.console, re.M)
     assert m and int(m.group(1)) >= 1, r.explain("the function tracer saw no call")

@@ -24,7 +24,8 @@ interrupts masked as in the kernel's own kprobe handlers, a frame record, the ge
 dispatcher (a struct kprobe filled at run time, the pre_handler called), everything
 restored, the displaced instruction relocated (arch.emit.relocate()); then the
 post_handler's call the same way (pc = the address after the displaced instruction), and a
-`B` back after the site.  A pre_handler's return value is ignored (no change of path yet)."""
+`B` back after the site.  At a function's entry, a pre_handler that returns non-zero goes on
+at the regs->pc it set (_changed(), as the kernel's ftrace-based kprobes do)."""
 from __future__ import annotations
 
 import re
@@ -55,11 +56,13 @@ PC_RELATIVE_RELOCS = {"R_AARCH64_CALL26", "R_AARCH64_JUMP26", "R_AARCH64_ADR_PRE
 KERNEL_NAMES = {"printk": "_printk", "vprintk": "vprintk"}
 
 
-def _call(i: int, pc: str, fn: str) -> str:
+def _call(i: int, pc: str, fn: str, changed: str | None = None) -> str:
     """A struct pt_regs on the stack (pc: the symbol of the address it reports), fn(regs)
-    called with interrupts masked, everything restored."""
+    called with interrupts masked, everything restored; changed: where to go instead when fn
+    returns non-zero (a pre_handler that changed the path)."""
     saves = "\n".join(f"\tstp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
     loads = "\n".join(f"\tldp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
+    branch = f"\tcbnz w0, {changed}\n" if changed else ""
     return f"""\tsub sp, sp, #{FRAME}
 {saves}
 \tstr x30, [sp, #240]
@@ -82,7 +85,7 @@ def _call(i: int, pc: str, fn: str) -> str:
 \tadd x29, sp, #288
 \tmov x0, sp
 \tbl {fn}
-\tldr x2, [sp, #304]
+{branch}\tldr x2, [sp, #304]
 \tmsr daif, x2
 \tldr x1, [sp, #264]
 \tmsr nzcv, x1
@@ -92,29 +95,52 @@ def _call(i: int, pc: str, fn: str) -> str:
 """
 
 
+def _changed(i: int) -> str:
+    """A pre_handler returned non-zero: the registers from its struct pt_regs (as it left
+    them; not sp), then on at regs->pc, through x16 (IP0), which the procedure call standard
+    leaves dead where such a change goes: a function's entry or a return address
+    (override_function_with_return() sets pc = lr)."""
+    loads = "\n".join(f"\tldp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
+    return f"""kp_changed_{i}:
+\tldr x2, [sp, #304]
+\tmsr daif, x2
+\tldr x1, [sp, #264]
+\tmsr nzcv, x1
+{loads}
+\tldr x30, [sp, #240]
+\tldr x16, [sp, #256]
+\tadd sp, sp, #{FRAME}
+\tbr x16
+"""
+
+
 def detour_asm(i: int, post: bool) -> str:
-    """Site i's detour: the pre_handler's call (regs->pc the probed address), the displaced
-    instruction (kp_dcr_i: NOPs here, written relocated after the link), the post_handler's
-    call if any (regs->pc the address after the displaced instruction), and a `B` back."""
+    """Site i's detour: the pre_handlers' call (regs->pc the probed address), the displaced
+    instruction (kp_dcr_i: NOPs here, written relocated after the link), the post_handlers'
+    call if any (regs->pc the address after the displaced instruction), and a `B` back; or,
+    when a pre_handler returns non-zero, on at the regs->pc it set (_changed())."""
     return f"""
 \t.section .text.kp_detour_{i},"ax"
 \t.p2align 3
 \t.globl kp_detour_{i}
 kp_detour_{i}:
-{_call(i, f"kp_site_{i}", f"kp_dispatch_{i}")}\t.globl kp_dcr_{i}
+{_call(i, f"kp_site_{i}", f"kp_dispatch_{i}", f"kp_changed_{i}")}\t.globl kp_dcr_{i}
 kp_dcr_{i}:
 \t.rept {DCR_ROOM // 4}
 \tnop
 \t.endr
 {_call(i, f"kp_post_pc_{i}", f"kp_post_dispatch_{i}") if post else ""}\tb kp_resume_{i}
-"""
+{_changed(i)}"""
 
 
-def dispatch_c(sites) -> str:
+def dispatch_c(sites, changes) -> str:
     """Per site, a struct kprobe per probe (in the writable data, filled at run time: no
     absolute address in data), and the functions the detour calls: each probe's pre_handler
-    in the spec's order (their return values are not acted on yet), then, after the displaced
-    instruction, each post_handler."""
+    in the spec's order, then, after the displaced instruction, each post_handler.  At a
+    function's entry (changes[i]: the kernel's ftrace-based kprobe there,
+    kprobe_ftrace_handler()) a pre_handler returning non-zero changed the path: the rest and
+    the post_handlers are skipped (aggr_pre_handler()) and the detour goes on at regs->pc;
+    elsewhere its return value is ignored, as opt_pre_handler() ignores it."""
     out = ["#include <linux/kprobes.h>\n"]
     declared = set()
     for i, (site, probes) in enumerate(sites):
@@ -133,7 +159,8 @@ def dispatch_c(sites) -> str:
 	p->offset = {probe.offset};
 	{f"p->pre_handler = {pre};" if pre else ""}
 	{f"p->post_handler = {post};" if post else ""}
-	{f"{pre}(p, regs);" if pre else ""}""")
+	{(f"if ({pre}(p, regs))" if changes[i] else f"{pre}(p, regs);") if pre else ""}
+	{"	return 1;" if pre and changes[i] else ""}""")
             if post:
                 posts.append(f"\n\t{post}(&kp_kprobe_{i}_{j}, regs, 0);")
         out.append(f"""
@@ -236,7 +263,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
     (workdir / "kp_detours.S").write_text("".join(detour_asm(i, any(post for _, _, post in probes))
                                                   for i, (_, probes) in enumerate(sites)))
-    (workdir / "kp_dispatch.c").write_text(dispatch_c(sites))
+    (workdir / "kp_dispatch.c").write_text(dispatch_c(sites, [isinstance(site, _Moved) for site, _ in sites]))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
     run([cc, "-c", str(workdir / "kp_detours.S"), "-o", str(workdir / "kp_detours.o")], "kp_detours.S")
