@@ -41,6 +41,26 @@ def load_symbols(image, system_map: str | None = None) -> None:
                         "kallsyms")
 
 
+def rules(image, arch):
+    """The kernel target's rules, with the ftrace sites (function entries the planner gives the
+    ftrace form: build.py takes them past the NOPs) only where the instruction after the NOPs
+    can take the jump: one a kprobe may step, on no site patched at boot.  (build.py checks
+    the rest, the jump targets, with the analysis.)"""
+    import struct
+    from ....arch.aarch64 import insn as I
+    r = _base.rules(image, arch)
+    for site in list(r.ftrace):
+        at = site + 8
+        f = image.function_at(site)
+        ok = f is not None and at + 4 <= f.end
+        if ok:
+            word = struct.unpack("<I", image.read(at, 4))[0]
+            ok = not I.classify(word, at).refused and not r.reserved_sites(at, at + 4)
+        if not ok:
+            del r.ftrace[site]
+    return r
+
+
 def runtime_probes(spec) -> None:
     """None: the runtime is not linked into an arm64 image yet."""
     return None
