@@ -29,10 +29,12 @@ HANDLER = r"""
 #include <linux/sched.h>
 
 static unsigned long hits;
+void dump_stack(void);
 
 int getppid_pre(struct kprobe *p, struct pt_regs *regs)
 {
-	hits++;
+	if (!hits++)
+		dump_stack();       /* the kernel's unwinder, through the detour */
 	pr_info("kprewrite-arm64: getppid hit %lu pc=%lx addr=%lx pstate=%lx sp=%lx comm=%s pid=%d\n", hits, regs->pc,
 		(unsigned long)p->addr, regs->pstate, regs->sp, current->comm, current->pid);
 	return 0;
@@ -136,6 +138,11 @@ def _check(r, link_site: int) -> int:
         assert pc == addr == running, (hex(pc), hex(addr), hex(running))
         assert pstate & 0xF == 0b0101 and sp >> 48 == 0xFFFF        # EL1h: the kernel's own stack
     assert (running - link_site) % 0x10000 == 0
+    # dump_stack() from the handler: the kernel's unwinder walks the detour's frame record to
+    # the probed function, then the syscall path down to the exception entry.
+    trace = r.console[r.console.index("Call trace:"):].splitlines()[1:16]
+    names = [l.split()[-1].split("+")[0] for l in trace]
+    assert "dump_stack" in names and "__arm64_sys_getppid" in names and "el0t_64_sync" in names, trace
     # current->comm and ->pid, the kernel's types from the Image's BTF: /init's shells, none pid 0.
     comms = COMM.findall(r.console)
     assert len(comms) == len(hits) and {"sh", "init"} & {c for c, _ in comms} and all(int(p) > 0 for _, p in comms)
