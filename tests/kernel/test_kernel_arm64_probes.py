@@ -221,3 +221,17 @@ def test_absolute_addresses_refused(arm64_kernel, tmp_path):
     r = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
     assert r.returncode == 1 and not out.exists(), r.stderr
     assert len(r.stderr.splitlines()) == 1 and "absolute relocation (R_AARCH64_ABS64) in .data" in r.stderr, r.stderr
+
+
+def test_code_beyond_the_text_padding_refused(arm64_kernel, tmp_path):
+    """The handlers' code and read-only data go in the text padding before _etext (~54 KiB in
+    Debian's build): more is refused, saying how much was needed and how much there is."""
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\nstatic const char big[80000] = { 1 };\n"
+                                  "int pre(struct kprobe *k, struct pt_regs *r) { return big[r->regs[0] & 0xffff]; }\n")
+    spec = tmp_path / "probes.toml"
+    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "pre"\n')
+    out = tmp_path / "Image.kp"
+    r = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
+    assert r.returncode == 1 and not out.exists(), r.stderr
+    assert re.search(r"the probes need \d+ bytes of code; the text padding has \d+ \(before _etext 0x[0-9a-f]+\)$",
+                     r.stderr.strip()), r.stderr
