@@ -40,6 +40,13 @@ int getppid_pre(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* In the init text, from the first C of the boot on. */
+int init_pre(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kprewrite-arm64: init-text probe %s+%u\n", p->symbol_name, p->offset);
+	return 0;
+}
+
 /* A change of path at an entry: sethostname() from busybox's hostname returns 0 at once. */
 int sethostname_override(struct kprobe *p, struct pt_regs *regs)
 {
@@ -101,10 +108,11 @@ def instrumented(arm64_kernel, tmp_path_factory):
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "handler_pre"\n'
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_newuname"\noffset = 12\npre_handler = "handler_pre"\n'
                     'post_handler = "handler_post"\n'
-                    '[[kprobe]]\nsymbol_name = "__arm64_sys_sethostname"\npre_handler = "sethostname_override"\n')
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_sethostname"\npre_handler = "sethostname_override"\n'
+                    '[[kprobe]]\nsymbol_name = "setup_arch"\npre_handler = "init_pre"\n')
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
     assert r.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n" * 2 + "__arm64_sys_newuname+0xc  k  optimized\n" \
-        "__arm64_sys_sethostname+0x0  k  ftrace\n", r.stdout
+        "__arm64_sys_sethostname+0x0  k  ftrace\nsetup_arch+0x0  k  ftrace\n", r.stdout
     out = d / "Image.kp"
     kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out)
     return out
@@ -151,6 +159,10 @@ def _check(r, link_site: int) -> int:
                       r.console)
     assert len(both) == 2 * len(hits) and all(a.startswith("getppid hit") and b.endswith(f"pc = {running:#x}")
                                               for a, b in zip(both[::2], both[1::2])), both[:6]
+    # setup_arch() (init text): before the kernel's own first messages are out of start_kernel().
+    lines = r.lines()
+    i = next(n for n, l in enumerate(lines) if "kprewrite-arm64: init-text probe setup_arch+0" in l)
+    assert i < next(n for n, l in enumerate(lines) if "Zone ranges" in l or "KASLR" in l)
     # The pre_handler that changed the path: sethostname() returned 0 and did nothing.
     assert re.search(r"^SETHOSTNAME-RC=0 NAME=\(none\)$", r.console, re.M) and "NAME2=kprewrite-y" in r.console, \
         r.explain("sethostname() was not overridden")
