@@ -170,3 +170,21 @@ def test_blacklist_is_the_kernels(tmp_path, arm64_kernel):
     assert {k: v for k, v in kern.items() if k not in ours} == {}
     extra = {k: v for k, v in ours.items() if k not in kern}
     assert all(b - a == 1 and v.startswith("0x") for (a, b), v in extra.items()), extra
+
+
+def test_system_map(tmp_path, arm64_kernel, image):
+    """--system-map: Debian's stub is refused; a System.map in the kernel's format (here made from
+    the Image's kallsyms, so without the tables' bounds: those are still found) gives the same plan
+    and blacklist as the Image's own kallsyms."""
+    spec = tmp_path / "probes.toml"
+    spec.write_text('[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\n'
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 8\n')
+    r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, "--system-map", arm64_kernel.system_map, check=False)
+    assert r.returncode == 1 and "stub System.map" in r.stderr
+    sm = tmp_path / "System.map"
+    sm.write_text("".join(f"{s.addr:016x} {s.type} {s.name}\n" for s in image.kallsyms.symbols))
+    a = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
+    b = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, "--system-map", sm)
+    assert a.stdout == b.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n__arm64_sys_getppid+0x8  k  optimized\n"
+    assert kprewrite("blacklist", arm64_kernel.vmlinuz).stdout == \
+        kprewrite("blacklist", arm64_kernel.vmlinuz, "--system-map", sm).stdout

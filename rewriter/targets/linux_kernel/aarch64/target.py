@@ -21,24 +21,31 @@ TABLE_SYMBOLS = {"__ex_table": ("__start___ex_table", "__stop___ex_table"),
 
 
 def load_symbols(image, system_map: str | None = None) -> None:
-    """As the kernel target's, but kallsyms as the Image reader read them (image.py), with the
-    bounds of the tables found in the Image (tables.py) added as data symbols."""
+    """As the kernel target's, but kallsyms as the Image reader read them (image.py), and the
+    bounds of the tables found in the Image (tables.py) added as data symbols where the
+    symbols (kallsyms, or a System.map without them) do not give them."""
     img = image.container
-    if system_map is not None or img is None or not hasattr(img, "kallsyms"):
+    if img is None or not hasattr(img, "kallsyms"):
         return _base.load_symbols(image, system_map)
     from ..elfview import ElfView
     from ..kallsyms import KSym, functions
     from . import tables
-    found = tables.find(img, image.data[image.offset_of(img.text):])
-    syms = list(img.kallsyms.symbols)
-    for t, (a, b) in sorted(found.items()):
-        lo, hi = TABLE_SYMBOLS[t]
-        syms += [KSym(a, "d", lo), KSym(b, "d", hi)]
+    if system_map is not None:
+        _base.load_symbols(image, system_map)
+        syms, source = list(image.kernel_symbols), image.kernel_symbols_source
+    else:
+        syms, source = list(img.kallsyms.symbols), "kallsyms"
+    have = {s.name for s in syms}
+    if not all(n in have for pair in TABLE_SYMBOLS.values() for n in pair):
+        for t, (a, b) in sorted(tables.find(img, image.data[image.offset_of(img.text):]).items()):
+            lo, hi = TABLE_SYMBOLS[t]
+            if lo not in have or hi not in have:
+                syms += [KSym(a, "d", lo), KSym(b, "d", hi)]
     image.kernel_symbols = syms
-    image.kernel_symbols_source = "kallsyms"
+    image.kernel_symbols_source = source
     image._link_symbols = None
     image.set_functions([(f.start, f.end, f.name) for f in functions(syms, ElfView(image.data, image.path))],
-                        "kallsyms")
+                        source)
 
 
 def rules(image, arch):
