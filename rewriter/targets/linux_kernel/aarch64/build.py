@@ -312,11 +312,13 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
   .text : {{ *(.text .text.* .kprobes.text) *(.rodata .rodata.* .srodata*) }}
   . = {data_at:#x};
   .data : {{ *(.data .data.*) *(.bss .bss.* COMMON) }}
-  /DISCARD/ : {{ *(.comment) *(.note*) *(.eh_frame*) }}
+  .kp_must_be_empty : {{ *(.iplt) *(.igot.plt) *(.got) *(.got.plt) *(.rela.*) }}
+  /DISCARD/ : {{ *(.comment) *(.note*) *(.eh_frame*) *(.debug*) }}
 }}
 """)
         out = workdir / "kp_blob.elf"
-        run([ld, "-nostdlib", "--fix-cortex-a53-843419", "-T", str(lds), "-o", str(out),
+        # Every section placed by the script, none left for ld to put elsewhere (--orphan-handling).
+        run([ld, "-nostdlib", "--fix-cortex-a53-843419", "--orphan-handling=error", "-T", str(lds), "-o", str(out),
              *(f"--defsym={n}={a:#x}" for n, a in sorted(defs.items())), *map(str, inputs)], "link")
         return out
 
@@ -402,6 +404,10 @@ def _read_blob(elf: Path):
     from elftools.elf.elffile import ELFFile
     with open(elf, "rb") as f:
         e = ELFFile(f)
+        extra = e.get_section_by_name(".kp_must_be_empty")
+        if extra is not None and extra["sh_size"]:
+            raise KprewriteError(f"{elf}: the link made {extra['sh_size']} bytes of GOT, PLT or dynamic relocations: "
+                                 "an arm64 image's probes are PC-relative only")
         t = e.get_section_by_name(".text")
         d = e.get_section_by_name(".data")
         text = (t["sh_addr"], t.data()) if t is not None else (0, b"")
