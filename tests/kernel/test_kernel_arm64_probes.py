@@ -6,7 +6,9 @@ variable (the probes' data: kept init memory) and prints them with pr_info(), wi
 current->comm and current->pid (linux/sched.h made from the Image's BTF).  The kernel's
 samples/kprobes/kprobe_example.c handlers (samples/kprobe_example/handlers.c: its CONFIG_ARM64
 lines, regs->pc and regs->pstate), unchanged, pre and post, on __arm64_sys_newuname+12 (the
-`stp x29, x30, [sp, #-16]!` after paciasp, copied into the detour)."""
+`stp x29, x30, [sp, #-16]!` after paciasp, copied into the detour).  Breakpoint probes where no
+jump may go (strncpy_from_user: exception-table entries): brk, the kernel's break hooks
+(registered from setup_arch()'s entry), the instruction single-stepped out of line."""
 from __future__ import annotations
 
 import re
@@ -40,6 +42,31 @@ int getppid_pre(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* Breakpoint probes (brk, the kernel's break hooks): strncpy_from_user has exception-table
+ * entries, so no jump goes in it; pre and post on one instruction, a pre on the next. */
+static unsigned long brk_pre_hits, brk_post_hits, brk_pre2_hits;
+
+int brk_pre(struct kprobe *p, struct pt_regs *regs)
+{
+	if (++brk_pre_hits <= 2)
+		pr_info("kprewrite-arm64: brk pre %s+%u pc=%lx pstate=%lx\n", p->symbol_name, p->offset, regs->pc,
+			regs->pstate);
+	return 0;
+}
+
+void brk_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
+	if (++brk_post_hits <= 2)
+		pr_info("kprewrite-arm64: brk post %s+%u pc=%lx\n", p->symbol_name, p->offset, regs->pc);
+}
+
+int brk_pre2(struct kprobe *p, struct pt_regs *regs)
+{
+	if (++brk_pre2_hits % 20 == 0)
+		pr_info("kprewrite-arm64: brk counts %lu %lu %lu\n", brk_pre_hits, brk_post_hits, brk_pre2_hits);
+	return 0;
+}
+
 /* In the init text, from the first C of the boot on. */
 int init_pre(struct kprobe *p, struct pt_regs *regs)
 {
@@ -60,7 +87,7 @@ int sethostname_override(struct kprobe *p, struct pt_regs *regs)
 }
 """
 CALLS = 5
-INIT = ("grep -w __arm64_sys_getppid /proc/kallsyms\n"
+INIT = ("grep -w -e __arm64_sys_getppid -e strncpy_from_user /proc/kallsyms\n"
         f"for i in $(seq {CALLS}); do sh -c 'echo ppid=$PPID' >/dev/null; done\n"
         "uname -r\n"
         "hostname kprewrite-x; echo SETHOSTNAME-RC=$? NAME=$(hostname)\n"
@@ -109,10 +136,16 @@ def instrumented(arm64_kernel, tmp_path_factory):
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_newuname"\noffset = 12\npre_handler = "handler_pre"\n'
                     'post_handler = "handler_post"\n'
                     '[[kprobe]]\nsymbol_name = "__arm64_sys_sethostname"\npre_handler = "sethostname_override"\n'
-                    '[[kprobe]]\nsymbol_name = "setup_arch"\npre_handler = "init_pre"\n')
+                    '[[kprobe]]\nsymbol_name = "setup_arch"\npre_handler = "init_pre"\n'
+                    '[[kprobe]]\nsymbol_name = "strncpy_from_user"\noffset = 12\npre_handler = "brk_pre"\n'
+                    'post_handler = "brk_post"\n'
+                    '[[kprobe]]\nsymbol_name = "strncpy_from_user"\noffset = 16\npre_handler = "brk_pre2"\n')
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
-    assert r.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n" * 2 + "__arm64_sys_newuname+0xc  k  optimized\n" \
-        "__arm64_sys_sethostname+0x0  k  ftrace\nsetup_arch+0x0  k  ftrace\n", r.stdout
+    assert "".join(r.stdout.splitlines(True)[:5]) == "__arm64_sys_getppid+0x0  k  ftrace\n" * 2 + "__arm64_sys_newuname+0xc  k  optimized\n" \
+        "__arm64_sys_sethostname+0x0  k  ftrace\nsetup_arch+0x0  k  ftrace\n", r.stdout.splitlines(True)[:5]
+    assert len(r.stdout.splitlines()) == 7 and all(re.fullmatch(r"strncpy_from_user\+0x(c|10)  k  int3  __ex_table at 0x[0-9a-f]+: strncpy_from_user has "
+                            r"an exception table entry: .*\[single-step\]\n", l) for l in r.stdout.splitlines(True)[5:]), \
+        r.stdout
     out = d / "Image.kp"
     kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out)
     return out
@@ -163,6 +196,16 @@ def _check(r, link_site: int) -> int:
     lines = r.lines()
     i = next(n for n, l in enumerate(lines) if "kprewrite-arm64: init-text probe setup_arch+0" in l)
     assert i < next(n for n, l in enumerate(lines) if "Zone ranges" in l or "KASLR" in l)
+    # The breakpoint probes: pre at +12 (the kernel's pt_regs: EL1h), post with pc past it, and the
+    # probe on the next instruction each time too.
+    sfu = int(re.search(r"^([0-9a-f]{16}) T strncpy_from_user$", r.console, re.M).group(1), 16)
+    assert sfu - running == NEWUNAME_LINK[1] - link_site
+    pre = re.findall(r"brk pre strncpy_from_user\+12 pc=([0-9a-f]+) pstate=([0-9a-f]+)", r.console)
+    post = re.findall(r"brk post strncpy_from_user\+12 pc=([0-9a-f]+)", r.console)
+    assert pre and post and all(int(pc, 16) == sfu + 12 and int(ps, 16) & 0xF == 5 for pc, ps in pre), pre
+    assert all(int(pc, 16) == sfu + 16 for pc in post), post
+    counts = re.findall(r"brk counts (\d+) (\d+) (\d+)", r.console)
+    assert counts and all(a == b == c for a, b, c in counts), counts
     # The pre_handler that changed the path: sethostname() returned 0 and did nothing.
     assert re.search(r"^SETHOSTNAME-RC=0 NAME=\(none\)$", r.console, re.M) and "NAME2=kprewrite-y" in r.console, \
         r.explain("sethostname() was not overridden")
@@ -189,7 +232,7 @@ NEWUNAME_LINK = []
 @pytest.fixture(scope="module")
 def img(arm64_kernel):
     i = arm_image.parse(arm64_kernel.vmlinuz.read_bytes(), str(arm64_kernel.vmlinuz))
-    NEWUNAME_LINK[:] = [i.syms["__arm64_sys_newuname"]]
+    NEWUNAME_LINK[:] = [i.syms["__arm64_sys_newuname"], i.syms["strncpy_from_user"]]
     return i
 
 

@@ -1,5 +1,6 @@
 """An instrumented arm64 Image: the handlers and one detour per jump-optimized site, linked
-into the Image's own room, and a `B` at each site.
+into the Image's own room, and a `B` at each site; where no jump may go, a `brk #BRK_IMM`
+handled through the kernel's break hooks (brk_c()) and an out-of-line copy (xol_asm()).
 
 Where things go (facts of Debian's 6.1 arm64 Image, issue 40):
 - code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
@@ -37,7 +38,7 @@ from ....arch.aarch64 import emit as E, encode as enc, insn as I
 from ....errors import KprewriteError
 from ....link.toolchain import compiler, run
 from ....link.runtime import cflags, _includes
-from ....planner import FTRACE, OPTIMIZED
+from ....planner import FTRACE, INT3, OPTIMIZED
 from ...linux_kernel.symbols import link_symbols
 
 PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
@@ -54,6 +55,12 @@ PC_RELATIVE_RELOCS = {"R_AARCH64_CALL26", "R_AARCH64_JUMP26", "R_AARCH64_ADR_PRE
                       "R_AARCH64_PREL16", "R_AARCH64_NONE"}
 # The kernel's names for what the runtime's headers declare (6.1: printk is _printk).
 KERNEL_NAMES = {"printk": "_printk", "vprintk": "vprintk"}
+# Breakpoint probes: immediates no one else uses (arch/arm64/include/asm/brk-imm.h has 0x004-0x007,
+# 0x100, 0x400, 0x401, 0x800, 0x900-0x9ff, 0x8000-), the probe's and the one after its copy.
+BRK_IMM, BRK_SS_IMM = 0x0A0, 0x0A1
+# Where the break hooks are registered: setup_arch()'s entry (a jump probe of our own); the
+# kernel takes breakpoints through them from trap_init() (debug_traps_init()) on.
+HOOK_FUNCTION = "setup_arch"
 
 
 def _call(i: int, pc: str, fn: str, changed: str | None = None) -> str:
@@ -131,6 +138,80 @@ kp_dcr_{i}:
 \t.endr
 {_call(i, f"kp_post_pc_{i}", f"kp_post_dispatch_{i}") if post else ""}\tb kp_resume_{i}
 {_changed(i)}"""
+
+
+def xol_asm(i: int, post: bool) -> str:
+    """Breakpoint site i's out-of-line copy (kp_xol_i: NOPs here, the probed instruction
+    written relocated after the link), then `brk #BRK_SS_IMM` when it has post_handlers, else
+    a `B` back after the site."""
+    return f"""
+\t.section .text.kp_xol_{i},"ax"
+\t.p2align 3
+\t.globl kp_xol_{i}
+kp_xol_{i}:
+\t.rept {DCR_ROOM // 4}
+\tnop
+\t.endr
+\t.globl kp_xol_end_{i}
+kp_xol_end_{i}:
+\t{f"brk #{BRK_SS_IMM:#x}" if post else f"b kp_resume_{i}"}
+"""
+
+
+def brk_c(brk_sites: list[tuple[int, bool]]) -> str:
+    """The kernel's break hooks (struct break_hook, register_kernel_break_hook()): at the
+    probe's brk, the pre_handlers, then on at the copy (unless one changed the path, as the
+    kernel's kprobe_breakpoint_handler() allows); at the brk after a copy, regs->pc after the
+    probed instruction and the post_handlers (post_kprobe_handler()).  Registered by
+    kp_brk_register(), the pre_handler of the hook probe on HOOK_FUNCTION's entry."""
+    out = [f"""
+struct kp_break_hook {{
+	void *next, *prev;
+	int (*fn)(struct pt_regs *regs, unsigned long esr);
+	unsigned short imm, mask;
+}};
+void register_kernel_break_hook(struct kp_break_hook *hook);
+static struct kp_break_hook kp_brk_hook, kp_brk_ss_hook;
+"""]
+    pre, post = [], []
+    for i, with_post in brk_sites:
+        out.append(f"extern char kp_site_{i}[], kp_xol_{i}[], kp_xol_end_{i}[], kp_resume_{i}[];\n")
+        pre.append(f"""
+	if (regs->pc == (unsigned long)kp_site_{i}) {{
+		if (!kp_dispatch_{i}(regs))
+			regs->pc = (unsigned long)kp_xol_{i};
+		return 0;
+	}}""")
+        if with_post:
+            post.append(f"""
+	if (regs->pc == (unsigned long)kp_xol_end_{i}) {{
+		regs->pc = (unsigned long)kp_resume_{i};
+		kp_post_dispatch_{i}(regs);
+		return 0;
+	}}""")
+    out.append(f"""
+static int kp_brk_fn(struct pt_regs *regs, unsigned long esr)
+{{{"".join(pre)}
+	return 1;	/* DBG_HOOK_ERROR: not ours */
+}}
+
+static int kp_brk_ss_fn(struct pt_regs *regs, unsigned long esr)
+{{{"".join(post)}
+	return 1;
+}}
+
+__attribute__((used)) int kp_brk_register(struct kprobe *p, struct pt_regs *regs)
+{{
+	kp_brk_hook.fn = kp_brk_fn;
+	kp_brk_hook.imm = {BRK_IMM:#x};
+	register_kernel_break_hook(&kp_brk_hook);
+	kp_brk_ss_hook.fn = kp_brk_ss_fn;
+	kp_brk_ss_hook.imm = {BRK_SS_IMM:#x};
+	register_kernel_break_hook(&kp_brk_ss_hook);
+	return 0;
+}}
+""")
+    return "".join(out)
 
 
 def dispatch_c(sites, changes) -> str:
@@ -240,11 +321,14 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     if img is None:
         raise KprewriteError(f"{image.path}: an arm64 vmlinux (ELF) is not written yet: give its Image (vmlinuz)")
     sites = []
-    for site in plan.sites:
+    plan_sites = list(plan.sites)
+    if any(site.decision == INT3 for site in plan_sites):
+        plan_sites = _with_hook_probe(s, plan_sites)
+    for site in plan_sites:
         if site.decision == FTRACE:
             site = _past_ftrace_nops(s, site)
-        if site.decision != OPTIMIZED:
-            raise KprewriteError(f"{image.path}: {site.addr:#x}: only jump-optimized probes are written on arm64 yet "
+        if site.decision not in (OPTIMIZED, INT3):
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: not written on arm64 yet "
                                  f"(this one: {site.decision})")
         if site.head is not None or site.riders or site.slot or site.evicted:
             raise KprewriteError(f"{image.path}: {site.addr:#x}: a region shared between sites is not written "
@@ -254,6 +338,9 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
             if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in site.dcr):
                 raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: a post_handler after a branch "
                                      "is not written on arm64 yet")
+            if getattr(p, "hook", None):
+                probes.append((p, p.hook, None))
+                continue
             probes.append((p, s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
                            s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None))
         sites.append((site, probes))
@@ -261,9 +348,13 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         raise KprewriteError(f"{image.path}: kretprobes are not written on arm64 yet")
     cc = compiler(arch)
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
-    (workdir / "kp_detours.S").write_text("".join(detour_asm(i, any(post for _, _, post in probes))
-                                                  for i, (_, probes) in enumerate(sites)))
-    (workdir / "kp_dispatch.c").write_text(dispatch_c(sites, [isinstance(site, _Moved) for site, _ in sites]))
+    (workdir / "kp_detours.S").write_text("".join(
+        (xol_asm if site.decision == INT3 else detour_asm)(i, any(post for _, _, post in probes))
+        for i, (site, probes) in enumerate(sites)))
+    brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == INT3]
+    (workdir / "kp_dispatch.c").write_text(
+        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == INT3 for site, _ in sites])
+        + (brk_c(brk) if brk else ""))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
     run([cc, "-c", str(workdir / "kp_detours.S"), "-o", str(workdir / "kp_detours.o")], "kp_detours.S")
@@ -284,9 +375,10 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     for i, (site, probes) in enumerate(sites):
         p = probes[0][0]
         defs[f"kp_site_{i}"] = p.addr                         # what regs->pc and p->addr say
-        defs[f"kp_resume_{i}"] = site.region_end
+        defs[f"kp_resume_{i}"] = site.region_end if site.decision != INT3 else site.addr + 4
         # regs->pc for the post_handler: after the probed instruction (the first NOP for an entry)
-        defs[f"kp_post_pc_{i}"] = site.region_end if site.addr == p.addr else p.addr + 4
+        if site.decision != INT3:
+            defs[f"kp_post_pc_{i}"] = site.region_end if site.addr == p.addr else p.addr + 4
     r = run([cc[:-3] + "nm" if cc.endswith("gcc") else "nm", *map(str, inputs)], "nm")
     undefined, defined = set(), set()
     for line in r.stdout.splitlines():
@@ -343,9 +435,9 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
 
     code = bytearray(text[1])
     for i, (site, _) in enumerate(sites):
-        at = addrs[f"kp_dcr_{i}"]
+        at = addrs[f"kp_xol_{i}" if site.decision == INT3 else f"kp_dcr_{i}"]
         moved = b""
-        for insn in site.dcr:
+        for insn in ([site.xol.insn] if site.decision == INT3 else site.dcr):
             moved += E.relocate(insn, at + len(moved))
         if len(moved) > DCR_ROOM:
             raise KprewriteError(f"{image.path}: {site.addr:#x}: the displaced instructions need {len(moved)} bytes")
@@ -361,7 +453,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                     raise KprewriteError(f"{image.path}: the probes' data at {a:#x} would read as a relocation at boot")
         put(data[0], data[1])
     for i, (site, _) in enumerate(sites):
-        put(site.addr, enc.b(site.addr, addrs[f"kp_detour_{i}"]))
+        put(site.addr, enc.brk(BRK_IMM) if site.decision == INT3 else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
     # free_initmem() frees the init memory up to our data, no further.
     put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
     return bytes(out)
@@ -397,6 +489,26 @@ def _past_ftrace_nops(s, site):
         raise KprewriteError(f"{s.image.path}: {func.name}: a probe on its entry and one at {at:#x}: "
                              "both would take the jump after the ftrace NOPs")
     return _Moved(site, r)
+
+
+def _with_hook_probe(s, sites):
+    """The sites with the hook probe added: kp_brk_register() as the first pre_handler on
+    HOOK_FUNCTION's entry (a site of its own, or the first probe of the user's there)."""
+    from types import SimpleNamespace
+    f = next((f for f in s.image.functions if f.name == HOOK_FUNCTION), None)
+    if f is None:
+        raise KprewriteError(f"{s.image.path}: no {HOOK_FUNCTION} in kallsyms: breakpoint probes need its entry")
+    hook = SimpleNamespace(symbol=HOOK_FUNCTION, offset=0, addr=f.start, func=f, hook="kp_brk_register",
+                           spec=SimpleNamespace(pre_handler=None, post_handler=None))
+    for site in sites:
+        if site.addr == f.start and site.decision == FTRACE:
+            site.probes.insert(0, hook)
+            return sites
+    if f.start not in s.rules.ftrace:
+        raise KprewriteError(f"{s.image.path}: {HOOK_FUNCTION}'s entry cannot take the jump that registers the "
+                             "breakpoint probes' hooks")
+    return [SimpleNamespace(addr=f.start, probes=[hook], decision=FTRACE, head=None, riders=[], slot=0,
+                            evicted=None, dcr=None)] + list(sites)
 
 
 def _read_blob(elf: Path):

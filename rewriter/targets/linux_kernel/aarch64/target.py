@@ -65,6 +65,9 @@ def rules(image, arch):
             ok = not I.classify(word, at).refused and not r.reserved_sites(at, at + 4)
         if not ok:
             del r.ftrace[site]
+    # Breakpoint probes where no jump fits (build.py: brk, the kernel's break hooks, an
+    # out-of-line copy).
+    r.int3 = True
     return r
 
 
