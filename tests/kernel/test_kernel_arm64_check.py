@@ -103,7 +103,7 @@ def test_check_arm64_rules(tmp_path, arm64_kernel, image):
                pick("__bug_table", ["refused", "BUG/WARN site"]),
                pick(".altinstructions", ["refused", "alternatives site"]),
                pick("__ex_table", ["refused", "exception table entry"]),
-               pick("__ex_table", ["refused", "__ex_table at", "has an exception table entry"], inside=True)]
+               pick("__ex_table", ["int3", "__ex_table at", "has an exception table entry"], inside=True)]
     assert len(probes) >= 14, probes
     spec = tmp_path / "probes.toml"
     spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {o:#x}\n' for n, o, _ in probes))
