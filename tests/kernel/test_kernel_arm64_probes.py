@@ -67,6 +67,17 @@ int brk_pre2(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* Reentry: this handler's printk reaches vprintk again, which runs no handler and counts in
+ * nmissed (kprobe_running()). */
+static unsigned long vprintk_hits;
+
+int vprintk_pre(struct kprobe *p, struct pt_regs *regs)
+{
+	if (++vprintk_hits % 100 == 0)
+		pr_info("kprewrite-arm64: vprintk hit %lu nmissed %lu\n", vprintk_hits, p->nmissed);
+	return 0;
+}
+
 /* In the init text, from the first C of the boot on. */
 int init_pre(struct kprobe *p, struct pt_regs *regs)
 {
@@ -139,12 +150,14 @@ def instrumented(arm64_kernel, tmp_path_factory):
                     '[[kprobe]]\nsymbol_name = "setup_arch"\npre_handler = "init_pre"\n'
                     '[[kprobe]]\nsymbol_name = "strncpy_from_user"\noffset = 12\npre_handler = "brk_pre"\n'
                     'post_handler = "brk_post"\n'
-                    '[[kprobe]]\nsymbol_name = "strncpy_from_user"\noffset = 16\npre_handler = "brk_pre2"\n')
+                    '[[kprobe]]\nsymbol_name = "strncpy_from_user"\noffset = 16\npre_handler = "brk_pre2"\n'
+                    '[[kprobe]]\nsymbol_name = "vprintk"\npre_handler = "vprintk_pre"\n')
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
     assert "".join(r.stdout.splitlines(True)[:5]) == "__arm64_sys_getppid+0x0  k  ftrace\n" * 2 + "__arm64_sys_newuname+0xc  k  optimized\n" \
         "__arm64_sys_sethostname+0x0  k  ftrace\nsetup_arch+0x0  k  ftrace\n", r.stdout.splitlines(True)[:5]
-    assert len(r.stdout.splitlines()) == 7 and all(re.fullmatch(r"strncpy_from_user\+0x(c|10)  k  int3  __ex_table at 0x[0-9a-f]+: strncpy_from_user has "
-                            r"an exception table entry: .*\[single-step\]\n", l) for l in r.stdout.splitlines(True)[5:]), \
+    assert r.stdout.splitlines()[-1] == "vprintk+0x0  k  ftrace"
+    assert len(r.stdout.splitlines()) == 8 and all(re.fullmatch(r"strncpy_from_user\+0x(c|10)  k  int3  __ex_table at 0x[0-9a-f]+: strncpy_from_user has "
+                            r"an exception table entry: .*\[single-step\]\n", l) for l in r.stdout.splitlines(True)[5:7]), \
         r.stdout
     out = d / "Image.kp"
     kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out)
@@ -206,6 +219,11 @@ def _check(r, link_site: int) -> int:
     assert all(int(pc, 16) == sfu + 16 for pc in post), post
     counts = re.findall(r"brk counts (\d+) (\d+) (\d+)", r.console)
     assert counts and all(a == b == c for a, b, c in counts), counts
+    # Reentry: the printk of every handler (this one's included) reaches vprintk, which runs no
+    # handler then and counts it missed: at least once per earlier print of its own.
+    vp = [(int(a), int(b)) for a, b in re.findall(r"vprintk hit (\d+) nmissed (\d+)", r.console)]
+    assert len(vp) >= 2 and all(h == 100 * (n + 1) and m >= n for n, (h, m) in enumerate(vp)), vp
+    assert all(a[1] <= b[1] for a, b in zip(vp, vp[1:])), vp
     # The pre_handler that changed the path: sethostname() returned 0 and did nothing.
     assert re.search(r"^SETHOSTNAME-RC=0 NAME=\(none\)$", r.console, re.M) and "NAME2=kprewrite-y" in r.console, \
         r.explain("sethostname() was not overridden")

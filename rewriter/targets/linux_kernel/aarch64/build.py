@@ -214,48 +214,107 @@ __attribute__((used)) int kp_brk_register(struct kprobe *p, struct pt_regs *regs
     return "".join(out)
 
 
+GUARD_C = r"""
+#define KP_SLOTS 64
+static void *kp_active[KP_SLOTS];
+
+static inline void *kp_task(void)
+{
+	void *t;
+
+	asm volatile("mrs %0, sp_el0" : "=r"(t));
+	return t;
+}
+
+/* The slot the task takes while in handlers; -1 when it is in one already; KP_SLOTS when
+ * every slot is taken (more CPUs than slots: unguarded). */
+static int kp_enter(void)
+{
+	void *t = kp_task();
+	int i;
+
+	for (i = 0; i < KP_SLOTS; i++)
+		if (__atomic_load_n(&kp_active[i], __ATOMIC_RELAXED) == t)
+			return -1;
+	for (i = 0; i < KP_SLOTS; i++) {
+		void *none = 0;
+
+		if (__atomic_compare_exchange_n(&kp_active[i], &none, t, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+			return i;
+	}
+	return KP_SLOTS;
+}
+
+static void kp_leave(int g)
+{
+	if (g >= 0 && g < KP_SLOTS)
+		__atomic_store_n(&kp_active[g], (void *)0, __ATOMIC_RELEASE);
+}
+"""
+
+
 def dispatch_c(sites, changes) -> str:
     """Per site, a struct kprobe per probe (in the writable data, filled at run time: no
     absolute address in data), and the functions the detour calls: each probe's pre_handler
     in the spec's order, then, after the displaced instruction, each post_handler.  At a
     function's entry (changes[i]: the kernel's ftrace-based kprobe there,
-    kprobe_ftrace_handler()) a pre_handler returning non-zero changed the path: the rest and
-    the post_handlers are skipped (aggr_pre_handler()) and the detour goes on at regs->pc;
-    elsewhere its return value is ignored, as opt_pre_handler() ignores it."""
-    out = ["#include <linux/kprobes.h>\n"]
+    kprobe_ftrace_handler()) and at a breakpoint, a pre_handler returning non-zero changed
+    the path: the rest and the post_handlers are skipped (aggr_pre_handler()) and the detour
+    goes on at regs->pc; elsewhere its return value is ignored, as opt_pre_handler() ignores it.
+
+    A hit while the same task is in a handler (a handler that reaches a probed function) runs
+    no handler and counts in each probe's nmissed, as kprobe_running() makes the kernel do:
+    the tasks in handlers are in kp_active[] (their sp_el0; interrupts are masked there, so
+    at most one per CPU)."""
+    out = ["#include <linux/kprobes.h>\n", GUARD_C]
     declared = set()
     for i, (site, probes) in enumerate(sites):
-        pres, posts = [], []
+        fill, calls, missed, posts = [], [], [], []
         for j, (probe, pre, post) in enumerate(probes):
             for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
                                 (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
                 if name and name not in declared:
                     declared.add(name)
                     out.append(proto.format(name) + "\n")
-            out.append(f"static struct kprobe kp_kprobe_{i}_{j};\n")
-            pres.append(f"""
-	p = &kp_kprobe_{i}_{j};
-	p->addr = (kprobe_opcode_t *)regs->pc;
-	p->symbol_name = "{probe.symbol}";
-	p->offset = {probe.offset};
-	{f"p->pre_handler = {pre};" if pre else ""}
-	{f"p->post_handler = {post};" if post else ""}
-	{(f"if ({pre}(p, regs))" if changes[i] else f"{pre}(p, regs);") if pre else ""}
-	{"	return 1;" if pre and changes[i] else ""}""")
+            k = f"kp_kprobe_{i}_{j}"
+            out.append(f"static struct kprobe {k};\n")
+            missed.append(f"\n\t\t{k}.nmissed++;")
+            fill.append(f"""
+	{k}.addr = (kprobe_opcode_t *)regs->pc;
+	{k}.symbol_name = "{probe.symbol}";
+	{k}.offset = {probe.offset};""" + (f"\n\t{k}.pre_handler = {pre};" if pre else "")
+                        + (f"\n\t{k}.post_handler = {post};" if post else ""))
+            if pre and changes[i]:
+                calls.append(f"""
+	if ({pre}(&{k}, regs)) {{
+		kp_leave(g);
+		return 1;
+	}}""")
+            elif pre:
+                calls.append(f"\n\t{pre}(&{k}, regs);")
             if post:
-                posts.append(f"\n\t{post}(&kp_kprobe_{i}_{j}, regs, 0);")
+                posts.append(f"\n\t{post}(&{k}, regs, 0);")
         out.append(f"""
 __attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
 {{
-	struct kprobe *p;
-{"".join(pres)}
+	int g = kp_enter();
+
+	if (g < 0) {{{"".join(missed)}
+		return 0;
+	}}{"".join(fill)}{"".join(calls)}
+	kp_leave(g);
 	return 0;
 }}
 """)
         if posts:
             out.append(f"""
 __attribute__((used)) void kp_post_dispatch_{i}(struct pt_regs *regs)
-{{{"".join(posts)}
+{{
+	int g = kp_enter();
+
+	if (g < 0)
+		return;{"".join(posts)}
+	kp_leave(g);
 }}
 """)
     return "".join(out)
