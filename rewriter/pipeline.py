@@ -8,13 +8,14 @@ instrument() and the report module."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .build import emission, layout, meta, tables
+from .emit import emission, layout, meta, tables
 from .probes import events
 from .link import handlers
 from . import link, planner, targets
@@ -22,7 +23,7 @@ from .analysis.functions import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
 from .elf.image import Image
-from .output import write_atomically
+from .output import write_all
 from .progress import NoProgress
 from .report import blacklist_lines, check_lines, list_lines, read_metadata, skipped_summary
 
@@ -48,15 +49,25 @@ class Session:
     handler_exports: dict              # C source -> handler names it exports
 
 
-def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: bool = True,
+def prepare(input_path: str, spec_path: str | Spec, no_optimize: bool = False, strict: bool = True,
             system_map: str | None = None, progress=None) -> Session:
     """Everything up to the plan.  strict: refused probes and missing handlers are
     errors (instrument); otherwise refused probes stay in the plan to be printed (check).
     progress: a progress.Progress told each stage as it starts."""
     progress = progress or NoProgress()
-    spec = load_spec(spec_path)
+    # A Spec made by the caller (spec.from_options()) is completed here as a loaded one is: a copy
+    spec = copy.deepcopy(spec_path) if isinstance(spec_path, Spec) else load_spec(spec_path)
+    if not (spec.kprobes or spec.kretprobes or spec.events or spec.probes):
+        # An output with no probes in it is a copy: most likely the wrong spec was given.
+        raise KprewriteError(f"{spec.name}: the spec defines no probes (no [[kprobe]], [[kretprobe]] or "
+                             "[[function_graph]] table, no events or probes); nothing to instrument")
     progress.stage("loading", os.path.basename(input_path))
     image = targets.load(input_path)   # unwrapped from its container, its target detected
+    if image.section_named(meta.META_SECTION) is not None:
+        # A second runtime and probe table beside the first (two profiles, two sets of
+        # detours over one another's code): not supported, refused.
+        raise KprewriteError(f"{input_path}: already rewritten by kprewrite (it has a {meta.META_SECTION} "
+                             "section); instrument the original file instead")
     arch = get_arch(image.machine)
     errors = []
     if spec.probes:                   # perf probe definitions become kprobe_events lines (DWARF: pyelftools)
@@ -75,12 +86,13 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources,
                         read_indirect_jumps=rules.read_indirect_jumps)
     progress.stage("planning", f"{len(probes)} probes, {len(analysis.targets)} jump targets")
-    plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.path.name)
+    plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.name)
     if strict:
         errors += plan.errors
     traces, trace_errors = events.compile_all(image, arch, [p for p in probes if not is_entry(p)],
-                                              [p for _, p, _ in plan.kretprobes], spec.path.name, errors)
+                                              [p for _, p, _ in plan.kretprobes], spec.name, errors)
     errors += trace_errors
+    errors += target.refusals(image, plan, traces, spec.name)
     symbols, exports = {}, {}
     if strict:
         symbols, exports, handler_errors = handlers.resolve(spec, arch, target.RUNTIME_HANDLERS)
@@ -90,13 +102,38 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     return Session(image, spec, arch, target, analysis, probes, plan, rules, traces, symbols, exports)
 
 
-def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False,
-                      system_map: str | None = None, progress=None) -> Session:
+def prepare_for_check(input_path: str, spec_path: str | Spec, no_optimize: bool = False,
+                      system_map: str | None = None, progress=None) -> tuple[Session, list[str]]:
+    """`check`'s plan (refused probes kept in it), and the lines of what instrument's
+    handler stage would refuse (check_handlers)."""
     progress = progress or NoProgress()
     try:
-        return prepare(input_path, spec_path, no_optimize, strict=False, system_map=system_map, progress=progress)
+        s = prepare(input_path, spec_path, no_optimize, strict=False, system_map=system_map, progress=progress)
+        progress.stage("compiling", f"{len(s.spec.handlers)} handler files")
+        return s, check_handlers(s)
     finally:
         progress.done()
+
+
+def check_handlers(s: Session) -> list[str]:
+    """What instrument's handler stage would refuse, for `check`: each handler the spec
+    names defined in a handler file (handlers.resolve), and every handler file compiled
+    (to a temporary folder, then dropped).  The error lines; none if instrument would
+    get past it."""
+    symbols, exports, errors = handlers.resolve(s.spec, s.arch, s.target.RUNTIME_HANDLERS)
+    if errors or not s.spec.handlers:
+        return errors
+    with tempfile.TemporaryDirectory(prefix="kprewrite-") as d:
+        workdir = Path(d)
+        headers = workdir / "include"
+        for rel, text in s.target.handler_headers(s.image).items():
+            (headers / rel).parent.mkdir(parents=True, exist_ok=True)
+            (headers / rel).write_text(text)
+        try:
+            handlers.compile_and_read(s.spec, s.arch, symbols, exports, workdir, s.target.name, headers)
+        except KprewriteError as e:
+            return list(e.lines)
+    return []
 
 
 def compile_handlers(s: Session, workdir: Path, progress=None, deps: list | None = None) -> list[Path]:
@@ -121,7 +158,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     lay out (a layout.Layout beside the plan, which stays as it is), generate the
     tables, link, emit, write; each from (plan, layout)."""
     progress = progress or NoProgress()
-    if hasattr(s.target, "build"):       # a target linked by its own linker (a kernel module: ld -r)
+    if s.target.build is not None:       # a target linked by its own linker (a kernel module: ld -r)
         progress.stage("linking")
         return s.target.build(s, objs, workdir, progress)
     platform = s.target.name             # its runtime/platform/<name> folder
@@ -219,13 +256,15 @@ def _cache_blob(k: str, workdir: Path, blob) -> None:
     cache.put("blob", k, pickle.dumps((blob, (workdir / "blob.elf").read_bytes()), protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,
-               system_map: str | None = None, progress=None, depfile: str | None = None) -> Session:
+def instrument(input_path: str, spec_path: str | Spec, output: str, no_optimize: bool = False,
+               system_map: str | None = None, progress=None, depfile: str | None = None,
+               read: list | None = None) -> Session:
     """Write OUTPUT; with depfile, also a make/ninja depfile of every file read:
     INPUT, the spec, the System.map, the handlers and the headers they include,
-    the runtime's sources."""
+    the runtime's sources.  `read`: a list those files' paths are added to."""
     progress = progress or NoProgress()
-    deps = [input_path, spec_path] + ([system_map] if system_map else [])
+    spec_file = spec_path.path if isinstance(spec_path, Spec) else spec_path
+    deps = [input_path] + ([str(spec_file)] if spec_file is not None else []) + ([system_map] if system_map else [])
     try:
         s = prepare(input_path, spec_path, no_optimize, system_map=system_map, progress=progress)
         deps += s.spec.handlers
@@ -236,10 +275,13 @@ def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool =
             objs = compile_handlers(s, workdir, progress, deps)
             data = build(s, objs, workdir, progress)
         deps += link.runtime_sources()
-        write_atomically(output, data, input_path)
-        if depfile:
+        if read is not None:
+            read += [str(d) for d in deps]
+        files = [(output, data, os.stat(input_path).st_mode & 0o7777)]
+        if depfile:             # OUTPUT and its depfile both, or neither (make would take OUTPUT as up to date)
             from . import depfile as df
-            df.write(depfile, output, deps, input_path)
+            files.append(df.entry(depfile, output, deps, input_path))
+        write_all(files)
     finally:
         progress.done()
     return s

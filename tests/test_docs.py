@@ -6,7 +6,9 @@ only what is in it)."""
 import re
 from pathlib import Path
 
-ARCHES = ["x86_64", "aarch64"]      # conftest: not arch-specific
+from conftest import ALL_ARCHES
+
+ARCHES = ALL_ARCHES      # conftest: not arch-specific
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md",
@@ -52,7 +54,7 @@ def test_quoted_repository_paths_exist():
 
 
 def test_quoted_python_files_are_ours():
-    """A module named by its file name alone (`build/layout.py`) is a file of the
+    """A module named by its file name alone (`emit/layout.py`) is a file of the
     repository: a renamed or split module leaves no stale name behind."""
     ours = {p.name for p in ROOT.rglob("*.py") if ".git" not in p.parts}
     bad = []

@@ -29,7 +29,7 @@ import os
 import re
 from pathlib import Path
 
-from ...errors import KprewriteError
+from ...errors import KprewriteError, file_error
 from ..linux_kernel import btf
 
 # Appended to btf._trace_layout()'s list (KP_TR_CLASS_RAW_INIT in the module's generated C).
@@ -43,7 +43,7 @@ def _from_file(path: Path, release: str | None) -> tuple[bytes | None, str | Non
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot read the kernel's vmlinux (for its BTF): {e.strerror}")
+        raise file_error(path, e, role="the kernel's vmlinux, for its BTF") from None
     if data[:2] == btf.BTF_MAGIC.to_bytes(2, "little"):
         return data, None
     if data[:4] != b"\x7fELF":
@@ -52,14 +52,13 @@ def _from_file(path: Path, release: str | None) -> tuple[bytes | None, str | Non
     if release and m and m.group(1).decode("ascii", "replace") != release:
         raise KprewriteError(f"{path}: the vmlinux of release {m.group(1).decode('ascii', 'replace')}, "
                              f"the module's vermagic says {release}")
-    from elftools.elf.elffile import ELFFile
-    import io
+    from ...elf.view import ElfView
     try:
-        sec = ELFFile(io.BytesIO(data)).get_section_by_name(".BTF")
-        btf_data = sec.data() if sec is not None else None
-    except Exception as e:          # pyelftools' own errors: a damaged file
-        raise KprewriteError(f"{path}: damaged ELF file (read as the kernel's vmlinux, for its BTF): "
-                             f"{(str(e).splitlines() or [type(e).__name__])[0]}")
+        view = ElfView(data, None)
+        sec = view.section(".BTF")
+        btf_data = view.section_bytes(sec) if sec is not None else None
+    except KprewriteError as e:     # elf.view's one line: a damaged file
+        raise KprewriteError(f"{path}: damaged ELF file (read as the kernel's vmlinux, for its BTF): {e.args[0]}")
     if btf_data is None:
         return None, f"{path} has no .BTF (a kernel built without CONFIG_DEBUG_INFO_BTF)"
     return btf_data, None

@@ -5,10 +5,11 @@ objects.  New code and data go in two PT_LOAD segments appended to the file
 (sighook.py); the runtime's platform layer is runtime/platform/linux_user."""
 from __future__ import annotations
 
+from .. import base
 from ...analysis import blacklist as bl
 from ...arch import get_arch
 from ...arch.base import ThreadKey
-from ...build.meta import META_SECTION
+from ...emit.meta import META_SECTION
 from ...errors import KprewriteError
 from ...analysis.rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
 from . import ftrace, sighook, unwind, writer
@@ -70,7 +71,7 @@ def handler_headers(image) -> dict[str, str]:
     return {}
 
 
-# The probe tables are whole C structures in the output's data (build/tables.py).
+# The probe tables are whole C structures in the output's data (emit/tables.py).
 TABLES_AT_BOOT = False
 RUNTIME_KALLSYMS = False        # trace lines name addresses from a table compiled in
 
@@ -137,3 +138,6 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     sections.append(writer.NewSection(META_SECTION, 1, 0, 0, metadata, align=1))
     return writer.write_image(image, layout.target, patches, rx, blob.data_addr, blob.data, blob.data_memsz,
                               sections, entry, file_patches, tables)
+
+
+base.declare(globals())

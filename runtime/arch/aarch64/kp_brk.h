@@ -1,6 +1,6 @@
 /*
  * What the AArch64 brk trap handler (kp_int3.c) and the tables kprewrite's
- * back end generates (rewriter/arch/aarch64/kprobe_xol.py, table_c()) share
+ * back end generates (rewriter/emit/breakpoints.py with rewriter/arch/aarch64/kprobe_xol.py's rows) share
  * beyond struct kp_int3_site (kp_arch.h): the simulated kinds, the hash of the
  * descriptors by address and the single-step entries.
  */
@@ -12,10 +12,7 @@
 enum { KP_SIM_B = 1, KP_SIM_BL, KP_SIM_BCOND, KP_SIM_CBZ, KP_SIM_TBZ, KP_SIM_ADR, KP_SIM_LDR_LIT,
        KP_SIM_LDRSW_LIT, KP_SIM_BR, KP_SIM_BLR, KP_SIM_RET };
 
-extern const unsigned int kp_int3_hash_shift, kp_int3_hash_mask;
-extern const unsigned int kp_int3_hash[];
-extern const unsigned int kp_int3_ss[];	/* single-step entries, by ss_end */
-extern const unsigned int kp_nint3_ss;
+/* The descriptors' hash and single-step entries: kp_breakpoint.h. */
 
 #pragma GCC visibility pop
 #endif
