@@ -44,7 +44,7 @@ def for_image(image):
     if any(s.vaddr >= 1 << 63 for s in image.segments):
         from . import linux_kernel
         if linux_kernel.detect(image):
-            return linux_kernel
+            return linux_kernel.for_arch(image)
     from . import linux_user
     return linux_user
 
