@@ -29,9 +29,7 @@ post_handler's call the same way (pc = the address after the displaced instructi
 at the regs->pc it set (_changed(), as the kernel's ftrace-based kprobes do)."""
 from __future__ import annotations
 
-import re
 import struct
-import subprocess
 from pathlib import Path
 
 from ....arch.aarch64 import emit as E, encode as enc, insn as I
@@ -164,12 +162,12 @@ def brk_c(brk_sites: list[tuple[int, bool]]) -> str:
     kernel's kprobe_breakpoint_handler() allows); at the brk after a copy, regs->pc after the
     probed instruction and the post_handlers (post_kprobe_handler()).  Registered by
     kp_brk_register(), the pre_handler of the hook probe on HOOK_FUNCTION's entry."""
-    out = [f"""
-struct kp_break_hook {{
+    out = ["""
+struct kp_break_hook {
 	void *next, *prev;
 	int (*fn)(struct pt_regs *regs, unsigned long esr);
 	unsigned short imm, mask;
-}};
+};
 void register_kernel_break_hook(struct kp_break_hook *hook);
 static struct kp_break_hook kp_brk_hook, kp_brk_ss_hook;
 """]
