@@ -45,12 +45,17 @@ DCR_ROOM = 16          # the displaced instruction, relocated (at most 3 words),
 PAGE = 0x1000
 R_AARCH64_RELATIVE = 1027
 # Relocations whose value does not move with KASLR (PC-relative, or the low bits of an address).
-PC_RELATIVE_RELOCS = {"R_AARCH64_CALL26", "R_AARCH64_JUMP26", "R_AARCH64_ADR_PREL_PG_HI21",
-                      "R_AARCH64_ADR_PREL_PG_HI21_NC", "R_AARCH64_ADR_PREL_LO21", "R_AARCH64_ADD_ABS_LO12_NC",
-                      "R_AARCH64_LDST8_ABS_LO12_NC", "R_AARCH64_LDST16_ABS_LO12_NC", "R_AARCH64_LDST32_ABS_LO12_NC",
-                      "R_AARCH64_LDST64_ABS_LO12_NC", "R_AARCH64_LDST128_ABS_LO12_NC", "R_AARCH64_CONDBR19",
-                      "R_AARCH64_TSTBR14", "R_AARCH64_LD_PREL_LO19", "R_AARCH64_PREL32", "R_AARCH64_PREL64",
-                      "R_AARCH64_PREL16", "R_AARCH64_NONE"}
+# The relocation types of our objects that stay right wherever KASLR puts the image (their
+# numbers: the ELF for the Arm 64-bit Architecture ABI), by name for the refusal.
+PC_RELATIVE_RELOCS = {0: "R_AARCH64_NONE", 260: "R_AARCH64_PREL64", 261: "R_AARCH64_PREL32",
+                      262: "R_AARCH64_PREL16", 273: "R_AARCH64_LD_PREL_LO19", 274: "R_AARCH64_ADR_PREL_LO21",
+                      275: "R_AARCH64_ADR_PREL_PG_HI21", 276: "R_AARCH64_ADR_PREL_PG_HI21_NC",
+                      277: "R_AARCH64_ADD_ABS_LO12_NC", 278: "R_AARCH64_LDST8_ABS_LO12_NC",
+                      279: "R_AARCH64_TSTBR14", 280: "R_AARCH64_CONDBR19", 282: "R_AARCH64_JUMP26",
+                      283: "R_AARCH64_CALL26", 284: "R_AARCH64_LDST16_ABS_LO12_NC",
+                      285: "R_AARCH64_LDST32_ABS_LO12_NC", 286: "R_AARCH64_LDST64_ABS_LO12_NC",
+                      299: "R_AARCH64_LDST128_ABS_LO12_NC"}
+ABSOLUTE_RELOCS = {257: "R_AARCH64_ABS64", 258: "R_AARCH64_ABS32", 259: "R_AARCH64_ABS16"}
 # The kernel's names for what the runtime's headers declare (6.1: printk is _printk).
 KERNEL_NAMES = {"printk": "_printk", "vprintk": "vprintk"}
 # Breakpoint probes: immediates no one else uses (arch/arm64/include/asm/brk-imm.h has 0x004-0x007,
@@ -352,24 +357,21 @@ def _free_initmem(img, view) -> tuple[int, int]:
 
 
 def _check_relocs(objs, path):
-    from elftools.elf.elffile import ELFFile
-    from elftools.elf.relocation import RelocationSection
-    from elftools.elf.descriptions import describe_reloc_type
+    from ....elf.view import SHT_RELA, ElfView, relas
     for o in objs:
-        with open(o, "rb") as f:
-            e = ELFFile(f)
-            for sec in e.iter_sections():
-                if not isinstance(sec, RelocationSection):
-                    continue
-                target = e.get_section(sec["sh_info"]).name
-                if not target.startswith((".text", ".rodata", ".data", ".bss")):
-                    continue
-                for r in sec.iter_relocations():
-                    t = describe_reloc_type(r["r_info_type"], e)
-                    if t not in PC_RELATIVE_RELOCS:
-                        raise KprewriteError(f"{path}: {Path(o).name} has an absolute relocation ({t}) in {target}: "
-                                             "an arm64 image's probes are PC-relative only (KASLR would leave it "
-                                             "stale; e.g. a static initializer holding an address)")
+        e = ElfView(Path(o).read_bytes(), str(o))
+        for sec in e.sections:
+            if sec.type != SHT_RELA or sec.info >= len(e.sections):
+                continue
+            target = e.sections[sec.info].name
+            if not target.startswith((".text", ".rodata", ".data", ".bss")):
+                continue
+            for _off, _sym, typ, _addend in relas(e.data, sec.offset, sec.size):
+                if typ not in PC_RELATIVE_RELOCS:
+                    t = ABSOLUTE_RELOCS.get(typ, f"relocation type {typ}")
+                    raise KprewriteError(f"{path}: {Path(o).name} has an absolute relocation ({t}) in {target}: "
+                                         "an arm64 image's probes are PC-relative only (KASLR would leave it "
+                                         "stale; e.g. a static initializer holding an address)")
 
 
 def build(s, objs: list[Path], workdir: Path) -> bytes:
@@ -570,21 +572,19 @@ def _with_hook_probe(s, sites):
 
 def _read_blob(elf: Path):
     """((.text address, bytes), (.data address, bytes, bss zeros included), symbols)."""
-    from elftools.elf.elffile import ELFFile
-    with open(elf, "rb") as f:
-        e = ELFFile(f)
-        extra = e.get_section_by_name(".kp_must_be_empty")
-        if extra is not None and extra["sh_size"]:
-            raise KprewriteError(f"{elf}: the link made {extra['sh_size']} bytes of GOT, PLT or dynamic relocations: "
-                                 "an arm64 image's probes are PC-relative only")
-        t = e.get_section_by_name(".text")
-        d = e.get_section_by_name(".data")
-        text = (t["sh_addr"], t.data()) if t is not None else (0, b"")
-        if d is None:
-            data = (0, b"")
-        elif d["sh_type"] == "SHT_NOBITS":
-            data = (d["sh_addr"], bytes(d["sh_size"]))
-        else:
-            data = (d["sh_addr"], d.data())
-        addrs = {s.name: s["st_value"] for s in e.get_section_by_name(".symtab").iter_symbols() if s.name}
+    from ....elf.view import SHT_NOBITS, ElfView
+    e = ElfView(Path(elf).read_bytes(), str(elf))
+    extra = e.section(".kp_must_be_empty")
+    if extra is not None and extra.size:
+        raise KprewriteError(f"{elf}: the link made {extra.size} bytes of GOT, PLT or dynamic relocations: "
+                             "an arm64 image's probes are PC-relative only")
+    t, d = e.section(".text"), e.section(".data")
+    text = (t.addr, e.section_bytes(t)) if t is not None else (0, b"")
+    if d is None:
+        data = (0, b"")
+    elif d.type == SHT_NOBITS:
+        data = (d.addr, bytes(d.size))
+    else:
+        data = (d.addr, e.section_bytes(d))
+    addrs = {s.name: s.value for s in e.symbols() if s.name}
     return text, data, addrs
