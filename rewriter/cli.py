@@ -454,6 +454,63 @@ def gdb(print_path, args):
     os.execv(exe, [exe, "-x", str(helper), "--args", *args])
 
 
+@main.command()
+@click.argument("image", metavar="IMAGE")
+@click.option("--run", "commands", multiple=True, metavar="CMD",
+              help="a shell command the initramfs runs after mounting proc, sysfs, debugfs and tracefs "
+                   "(repeatable; then it powers off)")
+@click.option("--initrd", metavar="FILE", help="boot with this initramfs instead of the busybox one")
+@click.option("--write-initrd", metavar="FILE", help="write the busybox initramfs to FILE and boot nothing")
+@click.option("--busybox", default="/bin/busybox", show_default=True, metavar="PATH",
+              help="a static busybox of the image's architecture (Debian's busybox-static)")
+@click.option("--append", default="", metavar="ARGS", help="more kernel command-line parameters")
+@click.option("-m", "--memory", default=512, show_default=True, metavar="MiB")
+@click.option("--smp", default=2, show_default=True, metavar="N")
+@click.option("--timeout", default=300, show_default=True, metavar="SECONDS", help="kill QEMU after this long")
+@click.option("--accel", type=click.Choice(["tcg", "kvm"]), default="tcg", show_default=True,
+              help="QEMU's accelerator (kvm: where the host's KVM boots guests)")
+@_guard
+def boot(image, commands, initrd, write_initrd, busybox, append, memory, smp, timeout, accel):
+    """Boot a kernel image in QEMU with a minimal busybox initramfs; print its console.
+
+    IMAGE is a bzImage or vmlinux (x86-64) or an arm64 Image, rewritten or not.  The
+    initramfs mounts /proc, /sys, debugfs and tracefs, runs each --run command, and
+    powers the machine off; the exit status is 0 when it did."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    from . import boot as B
+    from .targets import load
+    machine = load(image).machine
+    runner = ()
+    if machine != os.uname().machine.replace("arm64", "aarch64") and shutil.which(f"qemu-{machine}"):
+        runner = (f"qemu-{machine}",)
+    with tempfile.TemporaryDirectory(prefix="kprewrite-boot-") as tmp:
+        if initrd is None:
+            data = B.initramfs(list(commands), busybox, runner)
+            if write_initrd:
+                Path(write_initrd).write_bytes(data)
+                click.echo(write_initrd)
+                return
+            initrd = os.path.join(tmp, "initrd.gz")
+            Path(initrd).write_bytes(data)
+        cmd = B.command(image, machine, initrd, append, memory, smp, accel)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        done = False
+        try:
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", errors="replace").replace("\r", "")
+                done = done or B.DONE in line
+                click.echo(line, nl=False)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise KprewriteError(f"{image}: QEMU still running after {timeout} s: killed")
+    if not done:
+        raise KprewriteError(f"{image}: the boot did not reach the initramfs' end (QEMU exit {proc.returncode})")
+
+
 # Each command's help ends with examples (and so does its manual page).
 EXAMPLES = {
     "instrument": """\
@@ -506,6 +563,10 @@ kprewrite probe-lines prog parse_line@prog.c --format json""",
     "man": """\
 kprewrite man check | man -l -
 kprewrite man -o ~/.local/share/man/man1""",
+    "boot": """\
+kprewrite boot vmlinuz.kp --run 'cat /sys/kernel/debug/kprewrite/profile'
+kprewrite boot vmlinuz.kp --append kprewrite.enabled=0 --run 'cat /sys/kernel/debug/kprewrite/enabled'
+kprewrite boot vmlinuz --write-initrd initrd.gz""",
     "gdb": """\
 kprewrite gdb ./prog.kp 2
 gdb -x "$(kprewrite gdb --print-path)" --args ./prog.kp 2""",
