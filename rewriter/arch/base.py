@@ -314,6 +314,9 @@ class Emit(Protocol):
     def chain_stub(self, at: int, fn: int, then: int) -> bytes:
         """A call of fn, then a jump to then (a DT_INIT-style chain)."""
 
+    def call_stub(self, at: int, fn: int) -> bytes:
+        """A function that calls fn and returns (a DT_FINI of our own)."""
+
 
 class HandlerAbi(Protocol):
     """What a compiled handler does with the state a detour passes it."""
@@ -351,6 +354,7 @@ class Arch(Protocol):
     e_machine: int            # ELF e_machine
     r_relative: int           # the ELF relocation type of a base-relative word
     r_got_slot: tuple[int, ...]   # relocation types of GOT slots (GLOB_DAT, JUMP_SLOT)
+    r_irelative: int          # the ELF relocation type whose addend is an IFUNC resolver
     breakpoint: bytes         # the breakpoint instruction a breakpoint probe writes
     JUMP_SIZE: int            # the bytes of the jump an optimized probe writes
     JUMP_REACH: int           # how far that jump reaches, either way

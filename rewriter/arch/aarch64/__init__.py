@@ -10,6 +10,7 @@ name = "aarch64"
 e_machine = 183                 # EM_AARCH64
 r_relative = 1027               # R_AARCH64_RELATIVE
 r_got_slot = (1025, 1026)       # R_AARCH64_GLOB_DAT, R_AARCH64_JUMP_SLOT
+r_irelative = 1032              # R_AARCH64_IRELATIVE
 breakpoint = kprobe_xol.BRK          # brk #0x004 (KPROBES_BRK_IMM)
 JUMP_SIZE = 4                   # B imm26: what an optimized probe writes
 JUMP_REACH = 1 << 27            # +-128 MiB

@@ -11,6 +11,7 @@ name = "x86_64"
 e_machine = 62                  # EM_X86_64
 r_relative = 8                  # R_X86_64_RELATIVE
 r_got_slot = (6, 7)             # R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT
+r_irelative = 37                # R_X86_64_IRELATIVE
 breakpoint = b"\xcc"            # int3
 JUMP_SIZE = 5                   # jmp rel32: what an optimized probe writes
 JUMP_REACH = 1 << 31            # rel32: +-2 GiB

@@ -246,6 +246,11 @@ def chain_stub(at: int, fn: int, then: int) -> bytes:
     return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; jmp {then:#x}", at)
 
 
+def call_stub(at: int, fn: int) -> bytes:
+    """A fini function of our own for a shared object that had none: call fn, return."""
+    return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; ret", at)
+
+
 # -- The clean-call optprobe template -------------------------------------------
 #
 # Layouts the template reads directly, from the runtime's C headers (offsets.py:

@@ -26,12 +26,12 @@ static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
 
 struct kp_ksigaction kp_trap_chain;
 
-void kp_trap_install(void)
+/* The SIGTRAP handler alone: what an early start-up can do (kp_user_lib_early()). */
+void kp_trap_handler_install(void)
 {
 	static int done;
-	if (!kp_nint3 || done)
+	if (!kp_nint3 || __atomic_exchange_n(&done, 1, __ATOMIC_ACQ_REL))
 		return;
-	done = 1;
 	struct kp_ksigaction sa = {
 		.handler = (void *)kp_sigtrap,
 		.flags = KP_SA_SIGINFO | KP_SA_RESTORER | KP_SA_NODEFER | KP_SA_RESTART,
@@ -41,6 +41,16 @@ void kp_trap_install(void)
 	kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
 	if (kp_trap_chain.handler == (void *)kp_sigtrap)	/* never chain to ourselves */
 		kp_trap_chain.handler = 0;
+}
+
+/* The handler, then the GOT hooks that keep it (kp_sighook.c). */
+void kp_trap_install(void)
+{
+	static int done;
+	if (!kp_nint3 || done)
+		return;
+	done = 1;
+	kp_trap_handler_install();
 	kp_sighook_install();
 }
 

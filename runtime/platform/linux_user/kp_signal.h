@@ -17,6 +17,7 @@ struct kp_siginfo { int si_signo, si_errno, si_code; };
 
 /* Install the SIGTRAP handler, only when there are breakpoint sites (kp_signal.c). */
 void kp_trap_install(void);
+void kp_trap_handler_install(void);
 /* The program's view of SIGTRAP: what was installed before us, later what it asked for. */
 extern struct kp_ksigaction kp_trap_chain;
 /* Point the program's sigaction & co. at our hooks (kp_sighook.c). */
