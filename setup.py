@@ -1,7 +1,7 @@
 """Build hook, nothing else (the project is described in pyproject.toml).
 
 The C runtime stays at the top of the repository (runtime/); a wheel carries a copy
-as the package data rewriter/_runtime, where rewriter.resources.runtime_dir() finds
+as the package data rewriter/_runtime, where rewriter.link.resources.runtime_dir() finds
 it.  An editable install builds nothing here and reads runtime/ in place.  The sdist
 takes runtime/ by MANIFEST.in, so a wheel built from it gets the same copy."""
 import shutil
@@ -11,7 +11,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 RUNTIME = Path(__file__).resolve().parent / "runtime"
-SUFFIXES = (".c", ".h", ".S")       # the runtime's files (rewriter/link.py: runtime_sources())
+SUFFIXES = (".c", ".h", ".S")       # the runtime's files (rewriter/link/runtime.py: runtime_sources())
 
 
 class BuildPyWithRuntime(build_py):

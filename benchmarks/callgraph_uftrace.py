@@ -19,7 +19,7 @@ of the child and the children it reaped, os.wait4's rusage: uftrace's recorder
 threads included).  The headline is paired: each round's variant time over the
 baseline's of the same round, the median of those ratios (with the range), and
 the cost per call: (variant - baseline) / calls, the calls counted from
-kprewrite's trace (its entry and return lines paired by rewriter/callgraph.py).
+kprewrite's trace (its entry and return lines paired by rewriter/trace/callgraph.py).
 Before the rounds, the graphs are compared: the calls per function of `uftrace
 report` against `kprewrite report`'s (of the text trace; the binary trace's must
 be the same).  The load average is printed before and

@@ -38,7 +38,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests" / "kernel"))
 sys.path.insert(0, str(ROOT))
 import kernel_env  # noqa: E402
-from rewriter.image import Image  # noqa: E402
+from rewriter.elf.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
 
 HANDLER = "#include <linux/kprobes.h>\nint pre(struct kprobe *p, struct pt_regs *regs) { return 0; }\n"

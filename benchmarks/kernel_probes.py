@@ -143,7 +143,7 @@ def kprewrite(*args) -> str:
 def check_twins(vmlinux: Path) -> None:
     """The four functions are the same instructions, and +INSIDE is an instruction boundary."""
     import capstone
-    from rewriter.image import Image
+    from rewriter.elf.image import Image
     from rewriter.targets import linux_kernel
     image = Image(str(vmlinux))
     linux_kernel.load_symbols(image)
@@ -591,7 +591,7 @@ def singlestep_rewrite(k, work: Path) -> Path:
 def singlestep_check_insn(vmlinux: Path) -> str:
     """The probed instruction, which both the kernel and we single-step (can_boost(): no;
     prepare_emulation(): no)."""
-    from rewriter.image import Image
+    from rewriter.elf.image import Image
     from rewriter.targets import linux_kernel
     from rewriter.arch.x86_64 import insn as x86insn
     import capstone

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .arch import get_arch
 from .errors import KprewriteError
-from .image import PT_LOAD, PT_PHDR
+from .elf.image import PT_LOAD, PT_PHDR
 from .report import hexaddr, read_metadata
 
 PT_GNU_EH_FRAME = 0x6474E550

@@ -52,7 +52,7 @@ def main():
     try:
         safety.check_environment()      # KPREWRITE_UNSAFE_OFF: the test suite's only
         if os.environ.get("KPREWRITE_JOBS"):    # named at once, not only when no cached result skips decoding
-            from .workers import jobs
+            from .analysis.workers import jobs
             jobs()
     except KprewriteError as e:
         _fail(e.lines)
@@ -159,7 +159,7 @@ def blacklist(input_path, system_map, fmt):
 @_guard
 def probe_vars(input_path, point):
     """Variables at a probe point (FUNC[:RLN|+OFFS], SRC:ALN) and their fetch args, like perf probe -V."""
-    from . import perfprobe
+    from .probes import perfprobe
     for line in perfprobe.list_vars(input_path, point):
         click.echo(line)
 
@@ -170,7 +170,7 @@ def probe_vars(input_path, point):
 @_guard
 def probe_lines(input_path, function):
     """A function's source lines that can be probed as FUNC:RLN, like perf probe -L."""
-    from . import perfprobe
+    from .probes import perfprobe
     for line in perfprobe.list_lines(input_path, function):
         click.echo(line)
 
@@ -207,14 +207,14 @@ def trace(trace_file, fmt, output):
     """Convert trace lines or a binary trace (KPREWRITE_TRACE output) to JSON lines, a Chrome/Perfetto timeline,
     a call graph or text lines."""
     import json
-    from . import tracefmt
+    from .trace import formats as tracefmt
     records = tracefmt.read(trace_file)
     if fmt == "jsonl":
         text = tracefmt.jsonl(records)
     elif fmt == "text":
         text = tracefmt.text(records)
     elif fmt == "graph":
-        from . import callgraph
+        from .trace import callgraph
         text = callgraph.graph_text(callgraph.build(records))
     else:
         text = json.dumps(tracefmt.chrome(records, os.path.basename(trace_file)), sort_keys=True) + "\n"
@@ -235,7 +235,7 @@ def trace(trace_file, fmt, output):
 @_guard
 def report(trace_file, plot, fmt):
     """Per-event counts, calls (total/self time per function, the slowest) and log2 histograms of trace lines."""
-    from . import tracefmt, tracereport
+    from .trace import formats as tracefmt, report as tracereport
     from .output import write_atomically
     if plot and not plot.lower().endswith(".svg"):
         raise KprewriteError(f"{plot}: --plot writes SVG; name the file *.svg")

@@ -14,19 +14,22 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import emission, events, handlers, layout, link, planner, report, tables, targets
-from .analysis import Analysis
+from .build import emission, layout, meta, tables
+from .probes import events
+from .link import handlers
+from . import link, planner, targets
+from .analysis.functions import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
-from .image import Image
+from .elf.image import Image
 from .output import write_atomically
 from .progress import NoProgress
 from .report import blacklist_lines, check_lines, list_lines, read_metadata, skipped_summary
 
 __all__ = ["Session", "prepare", "prepare_for_check", "compile_handlers", "build", "instrument",
            "check_lines", "list_lines", "blacklist_lines", "read_metadata", "skipped_summary"]
-from .resolve import Probe, is_entry, resolve
-from .spec import Spec, load_spec
+from .probes.resolve import Probe, is_entry, resolve
+from .probes.spec import Spec, load_spec
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     arch = get_arch(image.machine)
     errors = []
     if spec.probes:                   # perf probe definitions become kprobe_events lines (DWARF: pyelftools)
-        from . import perfprobe
+        from .probes import perfprobe
         errors += perfprobe.expand(spec, image, arch)
     errors += events.expand(spec, arch)  # kprobe_events lines become probe tables
     target = image.target
@@ -151,7 +154,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
                     linked["error"] = e
             linking = threading.Thread(target=run, name="kprewrite-link")
             linking.start()
-        metadata = report.metadata(s.plan, lay, s.image.label)
+        metadata = meta.metadata(s.plan, lay, s.image.label)
         unlinked = emission.unlinked(c, lay)
         early = pending.result() if pending is not None else None
     finally:
@@ -187,8 +190,8 @@ def _link(s: Session, lay, objs: list[Path], workdir: Path, cc: str, table, runt
 # (KPREWRITE_KEEP keeps it for gdb).
 def _blob_key(cc, arch, platform, table, runtime: list[Path], objs: list[Path], lay, externs) -> str:
     from . import cache
-    from .link_runtime import runtime_key
-    from .link_toolchain import compiler_identity, tool_identity
+    from .link.runtime import runtime_key
+    from .link.toolchain import compiler_identity, tool_identity
     parts = [b"blob", cache.code_version(), arch.name.encode(), platform.encode(), *map(str.encode, compiler_identity(cc)),
              tool_identity(link.linker(arch)).encode(), runtime_key(cc, arch.name, platform).encode(), table.c.encode(), table.asm.encode(),
              f"{lay.text_addr:#x} {lay.data_addr!r}".encode(), repr(sorted(externs.items()) if externs else externs).encode()]

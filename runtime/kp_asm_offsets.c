@@ -1,7 +1,7 @@
 /*
  * The layouts of the core's structures that code written outside C reads:
  * kprewrite's inlined templates (rewriter/arch/<arch>/emit.py, retprobe.py)
- * read these as Python constants, made from this file by rewriter/link_runtime.py
+ * read these as Python constants, made from this file by rewriter/link/runtime.py
  * (the kernel's asm-offsets.c).  The arch's own are in its kp_asm_offsets.c.
  */
 #include "kp_internal.h"

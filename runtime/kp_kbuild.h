@@ -1,7 +1,7 @@
 /*
  * The kernel's include/linux/kbuild.h, for the kp_asm_offsets.c files: each
  * DEFINE leaves a "->NAME value" line in the compiler's assembly output,
- * which rewriter/link_runtime.py reads (they are compiled with -S, never linked).
+ * which rewriter/link/runtime.py reads (they are compiled with -S, never linked).
  */
 #ifndef _KP_KBUILD_H
 #define _KP_KBUILD_H

@@ -369,7 +369,7 @@ void kp_trace_flush(void)
  * shape, where a hit puts its record into the ftrace ring buffer and kp_trace_format()
  * prints it only when the trace is read.  Here the buffer is FILE itself, mapped shared:
  * what was recorded is in the page cache as soon as it is stored, and outlives a process
- * that crashes or hangs; `kprewrite trace`/`report` format it (rewriter/tracebin.py).
+ * that crashes or hangs; `kprewrite trace`/`report` format it (rewriter/trace/binary.py).
  *
  * FILE is a sequence of KP_BT_CHUNK-byte chunks.  Chunk 0 is the file's header
  * (struct kp_bt_file: the magic, the sizes, `next`, the next chunk to claim).  An image

@@ -8,7 +8,7 @@
 #include "kp_internal.h"
 #pragma GCC visibility push(hidden)
 
-/* enum fetch_op; the numbers are rewriter/fetch.py's OPS. */
+/* enum fetch_op; the numbers are rewriter/probes/fetch.py's OPS. */
 enum {
 	KP_FETCH_END, KP_FETCH_REG, KP_FETCH_STACK, KP_FETCH_STACKP, KP_FETCH_RETVAL,
 	KP_FETCH_COMM, KP_FETCH_ARG, KP_FETCH_IMM, KP_FETCH_IMM_LINK, KP_FETCH_DATA,

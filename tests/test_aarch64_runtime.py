@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, qemu_command
-from rewriter import link_runtime as lr
+from rewriter.link import runtime as lr
 
 ARCHES = ["x86_64", "aarch64"]      # conftest: cross-built, runs on either host
 ARCH, PLATFORM = "aarch64", "linux_user"
@@ -38,7 +38,7 @@ def _cc(*args, what):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The runtime compiled for aarch64 (object per source, kp_asm_offsets.h), as
-    link_runtime.py builds it."""
+    link/runtime.py builds it."""
     if not shutil.which(CC):
         pytest.skip(f"{CC} not installed (gcc-aarch64-linux-gnu)")
     out = tmp_path_factory.mktemp("aarch64_runtime")
@@ -118,7 +118,7 @@ def test_sample_handlers_compile_for_aarch64(tmp_path):
     if not shutil.which(CC):
         pytest.skip(f"{CC} not installed")
     src = ROOT / "samples/kprobe_example/handlers.c"
-    flags = (*lr.cflags(ARCH, PLATFORM), *lr._includes(ARCH, PLATFORM))    # as link_handlers.py compiles them
+    flags = (*lr.cflags(ARCH, PLATFORM), *lr._includes(ARCH, PLATFORM))    # as link/compile.py compiles them
     _cc(*flags, "-Werror=implicit-function-declaration", "-c", src, "-o", tmp_path / "h.o", what=src)
     r = _cc(*flags, "-E", src, what=src)
     assert "regs->pstate" in r.stdout and "regs->ip" not in r.stdout

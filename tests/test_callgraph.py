@@ -1,4 +1,4 @@
-"""The call graph (rewriter/callgraph.py): a `[[function_graph]]` spec on a program whose
+"""The call graph (rewriter/trace/callgraph.py): a `[[function_graph]]` spec on a program whose
 call tree is known, run natively and under QEMU (and cross-built for aarch64 under
 qemu-aarch64 with KPREWRITE_TEST_ARCH=aarch64); `kprewrite trace --format graph` (ftrace's
 function_graph layout), `report`'s total/self table and slowest calls, and the Chrome
@@ -42,8 +42,8 @@ int main(int argc, char **argv)
     return 0;
 }
 """
-from rewriter import callgraph, tracefmt
-from rewriter.spec import load_spec
+from rewriter.trace import callgraph, formats as tracefmt
+from rewriter.probes.spec import load_spec
 
 ARCHES = ["x86_64", "aarch64"]
 

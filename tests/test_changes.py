@@ -15,8 +15,8 @@ import pytest
 
 from conftest import cc
 from rewriter import changes
-from rewriter.elfwrite import NewSection
-from rewriter.image import Image
+from rewriter.elf.write import NewSection
+from rewriter.elf.image import Image
 from rewriter.targets.linux_user import writer as W
 
 PROG = r"""

@@ -10,7 +10,7 @@ import pytest
 from conftest import cc
 
 from rewriter.arch.x86_64 import cs, decode
-from rewriter.image import Image
+from rewriter.elf.image import Image
 
 PROGRAM = r"""
 #include <stdio.h>

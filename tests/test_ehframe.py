@@ -1,4 +1,4 @@
-"""rewriter.ehframe against real gcc/g++ output, readelf and capstone.
+"""rewriter.elf.ehframe against real gcc/g++ output, readelf and capstone.
 
 Every binary here is compiled in tmp_path; the FDE ranges are checked against
 the symbol table (pyelftools) and `readelf --debug-dump=frames`, the landing
@@ -18,8 +18,8 @@ import capstone
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from rewriter import ehframe
-from rewriter.ehframe import Fde, landing_pads, read_fdes
+from rewriter.elf import ehframe
+from rewriter.elf.ehframe import Fde, landing_pads, read_fdes
 from conftest import LIBPYTHON, cc, functions, va_to_off
 from rewriter.errors import KprewriteError
 
@@ -281,7 +281,7 @@ def test_libpython():
 def pyelftools_rows(data: bytes) -> list:
     """[(start, end, rows)] of every FDE as pyelftools (cfa.py's fallback) reads and decodes it."""
     import io
-    from rewriter.ehframe import cfa
+    from rewriter.elf.ehframe import cfa
     dwarf = ELFFile(io.BytesIO(data)).get_dwarf_info()
     out = []
     for lo, hi, fde in sorted(cfa._read_slow(dwarf, dwarf.eh_frame_sec if dwarf.has_EH_CFI() else None),
@@ -297,7 +297,7 @@ def pyelftools_rows(data: bytes) -> list:
 def check_cfa_rules(data: bytes, fast: bool = True):
     """CfaRules gives every FDE the rows pyelftools gives it (and so the same at() and
     return_address() everywhere); fast: through its own reader, not the fallback."""
-    from rewriter.ehframe import cfa
+    from rewriter.elf.ehframe import cfa
     rules = ehframe.CfaRules(data)
     rules._load()
     want = pyelftools_rows(data)

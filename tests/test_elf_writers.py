@@ -1,5 +1,5 @@
 """Unit tests of the ELF writers: rewriter/targets/linux_user/writer.py (where the new
-segments go, and the output's program headers) and rewriter/elfwrite.py (the section
+segments go, and the output's program headers) and rewriter/elf/write.py (the section
 header table with the new sections).  A real gcc program written with made-up new
 code and data, read back with pyelftools and readelf, and (without code patches)
 run natively: the kernel and ld.so accept the moved program header table.  No
@@ -13,9 +13,9 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from conftest import cc
-from rewriter.elfwrite import NewSection, append_section_headers
+from rewriter.elf.write import NewSection, append_section_headers
 from rewriter.errors import KprewriteError
-from rewriter.image import Image
+from rewriter.elf.image import Image
 from rewriter.targets.linux_user import writer as W
 
 PROG = r"""

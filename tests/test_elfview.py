@@ -1,4 +1,4 @@
-"""rewriter.elfview: the one ELF view image.py, ehframe and the kernel readers share.
+"""rewriter.elf.view: the one ELF view elf/image.py, ehframe and the kernel readers share.
 
 Read against pyelftools on real gcc output (a PIE, a non-PIE executable, a shared
 object), then real truncations and mutations of those files: every fault is one line
@@ -14,10 +14,11 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from conftest import ROOT, cc
-from rewriter import ehframe, targets
-from rewriter.elfview import PT_DYNAMIC, PT_LOAD, SHT_NOBITS, ElfView
+from rewriter.elf import ehframe
+from rewriter import targets
+from rewriter.elf.view import PT_DYNAMIC, PT_LOAD, SHT_NOBITS, ElfView
 from rewriter.errors import KprewriteError
-from rewriter.image import Image
+from rewriter.elf.image import Image
 from rewriter.targets.linux_kernel import elfview as kernel_elfview
 
 PROGRAM = r"""
@@ -127,9 +128,9 @@ def test_users_share_the_view(files):
 
 
 def test_image_does_not_import_targets():
-    """The loading order: image.py reads an ELF; targets.load() opens containers and
+    """The loading order: elf/image.py reads an ELF; targets.load() opens containers and
     builds the Image (no cycle between image and targets)."""
-    r = subprocess.run([sys.executable, "-c", "import sys, rewriter.image; "
+    r = subprocess.run([sys.executable, "-c", "import sys, rewriter.elf.image; "
                         "print([m for m in sys.modules if m.startswith('rewriter.targets')])"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
@@ -242,7 +243,7 @@ def test_bytes_of_any_kind(files):
 def _lief_tables(path: Path):
     import lief
     b = lief.ELF.parse(str(path))
-    from rewriter.image import _Sym, text
+    from rewriter.elf.image import _Sym, text
     syms = [[_Sym(text(s.name), s.value, s.size, int(s.type), s.shndx) for s in t]
             for t in (b.symtab_symbols, b.dynamic_symbols)]
     return syms[0], syms[1], {int(e.tag): e.value for e in b.dynamic_entries} if b.dynamic_entries else {}
@@ -250,11 +251,11 @@ def _lief_tables(path: Path):
 
 @pytest.mark.parametrize("name", ["pie", "nopie", "lib.so", "static"])
 def test_symbols_read_as_lief_reads_them(files, tmp_path, name):
-    """image.py reads .symtab, .dynsym and the dynamic entries with ElfView (LIEF is
+    """elf/image.py reads .symtab, .dynsym and the dynamic entries with ElfView (LIEF is
     not imported for them): the same symbols, in the same order, and the same entries
     (DT_NULL's included) as LIEF gives; the GOT slots sighook hooks likewise."""
     from rewriter.arch import get_arch
-    from rewriter.image import _own_tables
+    from rewriter.elf.image import _own_tables
     from rewriter.targets.linux_user import sighook
     path = files.get(name) or cc(tmp_path, "static", PROGRAM + "#include <signal.h>\nvoid (*h)(int) = 0;\n"
                                  "int sig(void) { return signal(SIGUSR1, h) != 0; }\n", "-O2", "-static",
@@ -291,5 +292,5 @@ def test_symbols_of_a_library_with_signal_hooks():
 
 
 def _own_tables_equal(path: Path) -> bool:
-    from rewriter.image import _own_tables
+    from rewriter.elf.image import _own_tables
     return _own_tables(ElfView(path.read_bytes(), str(path))) == _lief_tables(path)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import (ARCH, CC, KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, qemu_command, rewritten,
                       run, symbols, write_spec)
-from rewriter import tracefmt
+from rewriter.trace import formats as tracefmt
 
 ARCHES = ["x86_64", "aarch64"]
 x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="depends on x86-64 code or registers")
@@ -331,10 +331,11 @@ def test_retval(tmp_path, once, prog, runner, kretprobes):
 def test_return_event_code_compiles(tmp_path, prog):
     """The kretprobe side of the generated C (the integration point for kretprobes):
     an `r` line's handler compiles against the runtime and calls kp_trace_kretprobe()."""
-    from rewriter import events as E, link
+    from rewriter.probes import events as E
+    from rewriter import link
     from rewriter.arch import get_arch
-    from rewriter.image import Image
-    from rewriter.spec import Spec
+    from rewriter.elf.image import Image
+    from rewriter.probes.spec import Spec
     image = Image(str(prog))
     spec = Spec(path=tmp_path / "probes.toml", handlers=[], optimize=True,
                 events=[regs("r:work_exit work ret=$retval:s64 s=+0(%si):string"), "p:bad work $retval"])
@@ -519,10 +520,11 @@ int main(void)
 def test_return_line_format(tmp_path, prog):
     """The runtime's kretprobe line, driven directly (until kretprobes exist):
     (CALLER+off/size <- FUNC) and $retval, as print_kretprobe_event() prints them."""
-    from rewriter import events as E, link
+    from rewriter.probes import events as E
+    from rewriter import link
     from rewriter.arch import get_arch
-    from rewriter.image import Image
-    from rewriter.spec import Spec
+    from rewriter.elf.image import Image
+    from rewriter.probes.spec import Spec
     spec = Spec(path=tmp_path / "probes.toml", handlers=[], optimize=True,
                 events=[regs("r:work_exit work ret=$retval:s64 s=+0(%si):string x=$retval")])
     image = Image(str(prog))

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from conftest import ARCH, CROSS, cc, kprewrite, rewritten, run, toml_value, write_spec
-from rewriter import events as E
-from rewriter import fetch as F
+from rewriter.probes import events as E
+from rewriter.probes import fetch as F
 from test_events import RETADDR, regs
 
 ARCHES = ["x86_64", "aarch64"]
@@ -138,7 +138,7 @@ def built(tmp_path_factory):
 
 
 def parse_trace(stderr: str, event: str) -> list[dict[str, str]]:
-    from rewriter import tracefmt
+    from rewriter.trace import formats as tracefmt
     out = []
     for line in stderr.splitlines():
         r = tracefmt.parse_line(line)

@@ -1,4 +1,4 @@
-"""Unit tests of what kprewrite reads in compiled handler code (rewriter/handlers.py and
+"""Unit tests of what kprewrite reads in compiled handler code (rewriter/link/handlers.py and
 rewriter/arch/x86_64/handler_abi.py): whether a handler may read its regs argument
 (the clean call or the full pt_regs frame), whether it touches vector/x87 state
 (detours do not save it), and which call-clobbered registers a leaf writes (what
@@ -13,9 +13,10 @@ import capstone
 import pytest
 
 from conftest import CC
-from rewriter import handlers, link
+from rewriter.link import handlers
+from rewriter import link
 from rewriter.arch import get_arch
-from rewriter.spec import KprobeSpec, KretprobeSpec, Spec
+from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec
 
 ARCH = get_arch("x86_64")
 ABI = ARCH.handler_abi

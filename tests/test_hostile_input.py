@@ -31,7 +31,7 @@ import pytest
 
 from conftest import TREE_ENV, cc, make_bzimage
 
-from rewriter.resolve import MAX_PROBES
+from rewriter.probes.resolve import MAX_PROBES
 from rewriter.targets.linux_kernel.x86_64 import bzimage
 
 SECONDS = 30                  # wall time for one refusal: a runaway takes minutes; most take < 2 s, but

@@ -11,10 +11,10 @@ import capstone
 import pytest
 
 from conftest import CC, cc
-from rewriter.analysis import Analysis
+from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch
 from rewriter.arch.x86_64 import jumptable as jt
-from rewriter.image import Image
+from rewriter.elf.image import Image
 
 ARCH = get_arch("x86_64")
 

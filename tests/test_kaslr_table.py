@@ -17,9 +17,9 @@ import pytest
 from rewriter import link
 from rewriter.arch import get_arch
 from rewriter.errors import KprewriteError
-from rewriter.image import Image
-from rewriter.layout import Layout
-from rewriter.link import Blob, LinkReloc
+from rewriter.elf.image import Image
+from rewriter.build.layout import Layout
+from rewriter.link.ld import Blob, LinkReloc
 from rewriter.planner import Plan, Site, make_int3
 from rewriter.targets.linux_kernel.x86_64 import kaslr
 from rewriter.targets.linux_kernel.x86_64.bzimage import RelocTable

@@ -13,7 +13,7 @@ import pytest
 from conftest import CC
 from rewriter.arch.base import BOOST, EMULATE, SINGLESTEP
 from rewriter.arch.x86_64 import kprobe_xol as K
-from rewriter.image import Image
+from rewriter.elf.image import Image
 
 # struct pt_regs of arch/x86/include/asm/ptrace.h, word by word (what kp_int3.c indexes).
 PT_REGS = ["r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi"]

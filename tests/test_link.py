@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rewriter import depfile, link, link_runtime, link_toolchain
+from rewriter import depfile, link
+from rewriter.link import runtime as link_runtime, toolchain as link_toolchain
 from rewriter.errors import KprewriteError
 
 ROOT = Path(__file__).resolve().parent.parent

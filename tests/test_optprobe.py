@@ -175,7 +175,7 @@ int main() { int s = 0; for (int i = 0; i < 6; i++) s += catcher(i); std::printf
 
 
 def _landing_pad(tmp):
-    from rewriter import ehframe
+    from rewriter.elf import ehframe
     prog = cc(tmp, "prog", CXX, "-O2", lang="c++")
     data = prog.read_bytes()
     fdes = ehframe.read_fdes(data)

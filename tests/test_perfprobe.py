@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from conftest import cc, kprewrite, run, write_spec
-from rewriter import tracefmt
+from rewriter.trace import formats as tracefmt
 
 ARCHES = ["x86_64"]
 
@@ -329,7 +329,7 @@ def test_build_id_debug_file(built, tmp_path, monkeypatch):
     """A stripped image whose DWARF is in DEBUG_ROOT/.build-id/xx/yyyy.debug (where Debian's
     -dbgsym packages put it): found by its build-id, the same locations as the image's own."""
     from elftools.elf.elffile import ELFFile
-    from rewriter.perfprobe import dwarf as D
+    from rewriter.probes.perfprobe import dwarf as D
     opt, (prog, out, check) = built
     with open(prog, "rb") as f:
         note = next(n for n in ELFFile(f).get_section_by_name(".note.gnu.build-id").iter_notes())

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import cc, kprewrite, run, write_spec
 from test_perfprobe import gdb_hits
-from rewriter import tracefmt
+from rewriter.trace import formats as tracefmt
 
 ARCHES = ["x86_64"]
 

@@ -37,7 +37,7 @@ import pytest
 
 import conftest
 from conftest import cc, instrument, run, write_spec
-from rewriter import tracefmt
+from rewriter.trace import formats as tracefmt
 
 ARCHES = ["x86_64"]
 pytestmark = pytest.mark.slow
@@ -129,10 +129,10 @@ def choose_probes(lib: str, function: str, most: int = 6) -> list[tuple[str, lis
     memory: values the code computed) are taken."""
     from rewriter import targets
     from rewriter.arch import get_arch
-    from rewriter.perfprobe import compile as C
-    from rewriter.perfprobe import debug_info
-    from rewriter.perfprobe import dwarf as D
-    from rewriter.perfprobe.syntax import parse
+    from rewriter.probes.perfprobe import compile as C
+    from rewriter.probes.perfprobe import debug_info
+    from rewriter.probes.perfprobe import dwarf as D
+    from rewriter.probes.perfprobe.syntax import parse
     image = targets.load(lib)
     dbg = debug_info(image, get_arch(image.machine))
     assert dbg.source.startswith(os.environ["KPREWRITE_DEBUG_FILE_DIRECTORY"]), dbg.source

@@ -14,11 +14,11 @@ import pytest
 
 from conftest import TREE_ENV, cc, write_spec
 
-from rewriter import analysis as A
-from rewriter import workers as W
+from rewriter.analysis import functions as A
+from rewriter.analysis import workers as W
 from rewriter.arch import get_arch
 from rewriter.errors import KprewriteError
-from rewriter.image import Image
+from rewriter.elf.image import Image
 
 PROGRAM = r"""
 #include <stdio.h>

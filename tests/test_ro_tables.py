@@ -1,7 +1,7 @@
 """Read-only probe tables (issue 26): once the runtime has relocated itself, the
 handlers the dispatch calls (kp_site_handlers[], kp_kret_handlers[]), the sites,
 their probe lists and the breakpoint descriptors are read-only (runtime/kp_core.c, kp_relocate(); the linker
-script's .data.rel.ro in rewriter/link.py).  A probed program with a memory-corruption
+script's .data.rel.ro in rewriter/link/ld.py).  A probed program with a memory-corruption
 bug -- here a deliberate out-of-bounds write past one of its own arrays -- that
 overwrites a handler pointer dies of SIGSEGV at the write instead of running its
 value at the next hit; overwriting the (still writable) handler fields of

@@ -639,8 +639,8 @@ def _jtb_spec(prog: Path) -> str:
 def _lsda_spec(prog: Path) -> str:
     """A probe on work's instruction boundary whose 5-byte jump would cover its
     landing pad (the catch), the boundary nearest before the pad."""
-    from rewriter import ehframe
-    from rewriter.image import Image
+    from rewriter.elf import ehframe
+    from rewriter.elf.image import Image
     img = Image(str(prog))
     start = symbols(prog)["_Z4worki"]
     pads = ehframe.landing_pads(img.data, img.fdes).get(start)

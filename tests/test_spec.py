@@ -1,4 +1,4 @@
-"""rewriter.spec: loading and validating the TOML spec (docs/reference/spec.md)."""
+"""rewriter.probes.spec: loading and validating the TOML spec (docs/reference/spec.md)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import write_spec
 from rewriter.errors import KprewriteError
-from rewriter.spec import KprobeSpec, KretprobeSpec, Spec, load_spec
+from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec, load_spec
 
 
 def errors(tmp: Path, text: str, *files: str) -> list[str]:

@@ -10,13 +10,14 @@ import capstone
 import pytest
 
 from conftest import cc
-from rewriter import emission, layout, tables, targets
-from rewriter.analysis import Analysis
+from rewriter.build import emission, layout, tables
+from rewriter import targets
+from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch
-from rewriter.image import Image
+from rewriter.elf.image import Image
 from rewriter.planner import INT3, NO_HANDLER, OPTIMIZED, Plan, Site, choose_forms, make_int3
-from rewriter.resolve import Probe
-from rewriter.spec import KprobeSpec
+from rewriter.probes.resolve import Probe
+from rewriter.probes.spec import KprobeSpec
 
 SRC = r"""
 #include <stdio.h>

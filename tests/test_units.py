@@ -12,14 +12,14 @@ from pathlib import Path
 import capstone
 import pytest
 
-from rewriter import blacklist as bl
-from rewriter.analysis import Analysis
+from rewriter.analysis import blacklist as bl
+from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch
-from rewriter.image import Image
+from rewriter.elf.image import Image
 from rewriter.planner import FTRACE, INT3, OPTIMIZED, REFUSED, plan
-from rewriter.resolve import is_entry, resolve
-from rewriter.rules import Rules
-from rewriter.spec import KprobeSpec, KretprobeSpec, Spec
+from rewriter.probes.resolve import is_entry, resolve
+from rewriter.analysis.rules import Rules
+from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec
 
 ARCH = get_arch("x86_64")
 

@@ -143,7 +143,8 @@ def test_unwind_programs_from_the_layout_are_those_of_the_final_code(prog, tmp_p
     full, aggregated, return sites)."""
     import dataclasses
 
-    from rewriter import emission, layout, link, pipeline
+    from rewriter.build import emission, layout
+    from rewriter import link, pipeline
     from rewriter.targets.linux_user import unwind
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))      # nothing cached: computed
     spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n'
@@ -164,7 +165,7 @@ def test_unwind_programs_from_the_layout_are_those_of_the_final_code(prog, tmp_p
 
     # Computed by worker processes (a large image's: unwind.PARALLEL_PIECES), the same,
     # in the same order; and no worker is left once they are read.
-    from rewriter import workers
+    from rewriter.analysis import workers
     monkeypatch.setattr(unwind, "PARALLEL_PIECES", 1)
     monkeypatch.setattr(workers, "jobs", lambda: 2)
     started = unwind.Programs(s.plan, lay, s.arch)

@@ -342,7 +342,7 @@ class FetchRegs(Protocol):
 
 
 class Toolchain(Protocol):
-    """How C is compiled for the arch (link_toolchain.py, link_runtime.py)."""
+    """How C is compiled for the arch (link/toolchain.py, link/runtime.py)."""
     TRIPLE: str                            # the GNU toolchain's prefix: TRIPLE-gcc, TRIPLE-ld
     CFLAGS: dict[str, tuple[str, ...]]     # by kind of code ("user", "kernel"): the arch's own flags
 

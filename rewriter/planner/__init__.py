@@ -28,7 +28,7 @@ import bisect
 from collections import defaultdict
 
 from .. import safety
-from ..resolve import Probe, is_entry
+from ..probes.resolve import Probe, is_entry
 from .forms import choose_forms
 from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
                     INT3, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)

@@ -3,9 +3,9 @@ function's return hooks are emitted (clean call, pt_regs, inlined template,
 light hit)."""
 from __future__ import annotations
 
-from ..events import trace_key
-from ..resolve import is_entry
-from ..rules import Rules
+from ..probes.events import trace_key
+from ..probes.resolve import is_entry
+from ..analysis.rules import Rules
 from .model import JUMPS, NO_HANDLER, OPTIMIZED, Group, HandlerCode, Plan, Site
 
 

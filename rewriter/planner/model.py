@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..resolve import EntryProbe, Probe, is_entry
+from ..probes.resolve import EntryProbe, Probe, is_entry
 
 OPTIMIZED, FTRACE, INT3, REFUSED = "optimized", "ftrace", "int3", "refused"
 JUMPS = (OPTIMIZED, FTRACE)         # decisions that write a jump to a detour

@@ -3,9 +3,9 @@ instruction boundary, blacklist, can_probe; a kretprobe's function entry and
 kretprobe_blacklist."""
 from __future__ import annotations
 
-from .. import blacklist as bl
+from ..analysis import blacklist as bl
 from .. import safety
-from ..resolve import EntryProbe, Probe
+from ..probes.resolve import EntryProbe, Probe
 from .exits import find_exits
 
 def register_refusal(image, analysis, arch, p: Probe, blacklist) -> tuple | None:

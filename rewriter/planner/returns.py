@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 
-from ..resolve import is_entry
+from ..probes.resolve import is_entry
 from .exits import find_exits
 from .forms import light_group, light_kretprobes
 from .model import HOOK_KIND, HOOK_LIGHT, HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site

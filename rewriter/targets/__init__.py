@@ -18,7 +18,7 @@ def load(path: str):
     """The image.Image of the file at `path` (the ELF inside it when it is a
     container a target knows), its target detected (image.target)."""
     from ..errors import KprewriteError
-    from ..image import Image
+    from ..elf.image import Image
     try:
         with open(path, "rb") as f:
             data = f.read()

@@ -41,7 +41,7 @@ class Target(Protocol):
     def tables_c(self, image, arch, any_int3: bool) -> str:
         """The target's part of the generated C tables."""
 
-    TABLES_AT_BOOT: bool               # tables.py writes compact records the runtime builds from
+    TABLES_AT_BOOT: bool               # build/tables.py writes compact records the runtime builds from
     RUNTIME_KALLSYMS: bool             # trace events name addresses from the running image's own
                                        # symbols (a kernel's kallsyms), not a table compiled in
 

@@ -129,7 +129,7 @@ def test_fuzz_glob_probe_count(tables, many_functions, tmp_path_factory):
     """Specs whose globs ask for up to 180,000 probes, against the bound lowered to 1,000
     (the real one is a million: the same code path, at a cost a fuzzer can pay).  Past the
     bound, `check` must refuse in one line naming the spec."""
-    from rewriter import resolve
+    from rewriter.probes import resolve
     d = tmp_path_factory.mktemp("globs", numbered=True)
     spec = d / "probes.toml"
     spec.write_text("".join(f'[[{k}]]\nsymbol_name = "{g}"\n' for k, g in tables))

@@ -15,7 +15,7 @@ from conftest import kprewrite  # the tree's CLI, as every test runs it
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from rewriter.image import Image  # noqa: E402
+from rewriter.elf.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
 from rewriter.targets.linux_kernel.x86_64 import sites as ks  # noqa: E402
 

@@ -110,7 +110,7 @@ def booted(rewritten, make_initramfs, boot_kernel):
 @pytest.fixture(scope="module")
 def trace(booted):
     """(the trace file's lines, the records `kprewrite trace` made of them, opener's pid)."""
-    from rewriter import tracefmt
+    from rewriter.trace import formats as tracefmt
     lines = sections(booted.console)["trace"]
     m = re.search(r"^open-missing=-1 errno=2 pid=(\d+)$", booted.console, re.M)
     assert m, booted.explain("the opener did not run")
@@ -171,7 +171,7 @@ def test_lines_in_the_ring_buffer_next_to_the_kernels_own_event(trace):
 
 def test_printk_before_the_ring_buffer(booted):
     """trap_init() runs before early_trace_init(): its event goes to the kernel log, whole."""
-    from rewriter import tracefmt
+    from rewriter.trace import formats as tracefmt
     early = [l for l in booted.lines() if " kp_early: " in l]
     assert len(early) == 1, booted.explain("one kp_early line in the kernel log")
     r = tracefmt.parse_line(early[0])
@@ -210,7 +210,7 @@ def test_retval_of_a_return_event(rewritten, trace):
     assert [r.args["ret"] for r in rets] == [-2, -14], rets
     assert all(re.fullmatch(r"(do_sys_open|__x64_sys_openat)\+0x[0-9a-f]+/0x[0-9a-f]+ <- do_sys_openat2", r.loc)
                for r in rets), rets
-    from rewriter import tracefmt
+    from rewriter.trace import formats as tracefmt
     doc = tracefmt.chrome([r for r in recs if r.event != "kp_banner"])   # one entry event per call
     slices = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["tid"] == pid]
     assert [(e["name"], e["args"]["entry.file"], e["args"]["return.ret"]) for e in slices] == [

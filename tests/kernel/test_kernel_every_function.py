@@ -15,7 +15,7 @@ import pytest
 
 from conftest import kprewrite
 from kernel_env import assert_boot_ok, init_script
-from rewriter.image import Image
+from rewriter.elf.image import Image
 from rewriter.targets import linux_kernel
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow]

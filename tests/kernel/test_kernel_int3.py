@@ -32,7 +32,7 @@ from kernel_env import KILL_OVERRIDE_C, assert_boot_ok, init_script, sections
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from rewriter.image import Image  # noqa: E402
+from rewriter.elf.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
 
 pytestmark = pytest.mark.kernel

@@ -1,4 +1,4 @@
-"""perf probe definitions in Debian's kernel, from its own BTF (rewriter/perfprobe/btfprobe.py):
+"""perf probe definitions in Debian's kernel, from its own BTF (rewriter/probes/perfprobe/btfprobe.py):
 
 - no boot: `do_sys_openat2 dfd filename:string how->flags` compiles to the line written by hand
   with the x86-64 argument registers and struct open_how's offsets read from BTF here; `%return`
@@ -109,7 +109,7 @@ def _boot(boot_kernel, make_initramfs, name, kernel, opener, commands):
     assert_boot_ok(r)
     m = re.search(r"^open=1 pid=(\d+)$", r.console, re.M)
     assert m and re.search(r"^openat2=1$", r.console, re.M), r.explain("the opener did not run")
-    from rewriter import tracefmt
+    from rewriter.trace import formats as tracefmt
     recs = [x for x in (tracefmt.parse_line(l) for l in sections(r.console)["trace"]) if x is not None]
     return [x for x in recs if x.pid == int(m.group(1))]
 

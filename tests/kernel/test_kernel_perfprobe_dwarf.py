@@ -1,6 +1,6 @@
 """perf probe definitions in Debian's kernel from its DWARF: Debian's linux-image-<release>-dbg
 (the vmlinux with DWARF, fetched with `apt-get download` and only that file extracted into the
-kernel cache), read one compilation unit at a time (rewriter/perfprobe/dwarf.py, by_address).
+kernel cache), read one compilation unit at a time (rewriter/probes/perfprobe/dwarf.py, by_address).
 
 The oracle is perf itself, reading the same debug vmlinux with libdw (`perf probe -k VMLINUX`):
 
@@ -245,7 +245,7 @@ def _boot(boot_kernel, make_initramfs, name, kernel, opener, commands):
     assert_boot_ok(r)
     m = re.search(r"^open=1 pid=(\d+)$", r.console, re.M)
     assert m, r.explain("the opener did not run")
-    from rewriter import tracefmt
+    from rewriter.trace import formats as tracefmt
     recs = [x for x in (tracefmt.parse_line(l) for l in sections(r.console)["trace"]) if x is not None]
     return [x for x in recs if x.pid == int(m.group(1))]
 

@@ -31,7 +31,7 @@ from kernel_env import DONE_MARKER, WX_PASSED, assert_boot_ok, init_script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from rewriter.image import Image  # noqa: E402
+from rewriter.elf.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
 
 pytestmark = pytest.mark.kernel

@@ -22,7 +22,7 @@ from test_kernel_probes import inside_probe
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from rewriter.image import Image  # noqa: E402
+from rewriter.elf.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
 
 pytestmark = pytest.mark.kernel

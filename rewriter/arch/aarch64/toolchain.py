@@ -1,4 +1,4 @@
-"""How C is compiled for AArch64 (link_runtime.py adds these to a target's
+"""How C is compiled for AArch64 (link/runtime.py adds these to a target's
 recipe): the toolchain's target triple and the flags only AArch64 has."""
 
 # The GNU toolchain's name prefix: aarch64-linux-gnu-gcc, aarch64-linux-gnu-ld

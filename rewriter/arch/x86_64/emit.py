@@ -254,7 +254,7 @@ def call_stub(at: int, fn: int) -> bytes:
 # -- The clean-call optprobe template -------------------------------------------
 #
 # Layouts the template reads directly, from the runtime's C headers (offsets.py:
-# read at first use).  As emit.NAME too (retprobe.py, tables.py, emission.py):
+# read at first use).  As emit.NAME too (retprobe.py, build/tables.py, build/emission.py):
 # KPROBE_SIZE sizeof(struct kprobe), KPROBE_FLAGS offsetof(struct kprobe, flags),
 # KRETPROBE_SIZE sizeof(struct kretprobe) (whose kprobe comes first), THREAD_ACTIVE,
 # THREAD_HITS, THREAD_KRET offsetof(struct kp_thread, ...), THREAD_TABLE_MASK

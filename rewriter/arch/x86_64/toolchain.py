@@ -1,4 +1,4 @@
-"""How C is compiled for x86-64 (link_runtime.py adds these to a target's
+"""How C is compiled for x86-64 (link/runtime.py adds these to a target's
 recipe): the toolchain's target triple and the flags only x86-64 has."""
 
 # The GNU toolchain's name prefix: x86_64-linux-gnu-gcc, x86_64-linux-gnu-ld

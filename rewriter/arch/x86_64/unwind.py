@@ -26,7 +26,7 @@ import functools
 import re
 
 from . import cs
-from ...ehframe.write import sleb as _sleb, uleb as _uleb
+from ...elf.ehframe.write import sleb as _sleb, uleb as _uleb
 
 # DWARF register numbers (the x86-64 psABI's).
 DWARF = {"rax": 0, "rdx": 1, "rcx": 2, "rbx": 3, "rsi": 4, "rdi": 5, "rbp": 6, "rsp": 7,

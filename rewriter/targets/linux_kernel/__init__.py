@@ -32,7 +32,7 @@ from .symbols import (KERNEL_HALF, PT_LOAD, address_c, derived_symbol, link_symb
 from .writer import before_link, diff_expected, write  # noqa: F401
 
 name = "linux_kernel"
-# The spec's `probes` (rewriter/perfprobe): lines and locals from the kernel's DWARF where its
+# The spec's `probes` (rewriter/probes/perfprobe): lines and locals from the kernel's DWARF where its
 # debug file is found (debug_file_names()), else parameters by name from the image's BTF
 # (btfprobe.py).
 PROBES_BY_NAME = "btf"

@@ -1,4 +1,4 @@
-"""The kernel readers' ELF view: rewriter.elfview's, under the names they import.
+"""The kernel readers' ELF view: rewriter.elf.view's, under the names they import.
 
 kallsyms and sites read a vmlinux (a file, or the ELF just decompressed from a
 bzImage) through it: section and program headers, address-to-file-offset
@@ -8,14 +8,13 @@ KprewriteError naming the file.
 
 from __future__ import annotations
 
-from rewriter.elfview import (PT_LOAD, SHF_ALLOC, SHF_EXECINSTR, SHT_NOBITS,  # noqa: F401
-                              ElfView as _ElfView, Section, Segment)
+from rewriter.elf.view import PT_LOAD, SHF_ALLOC, SHF_EXECINSTR, SHT_NOBITS, ElfView as _ElfView, Section, Segment
 
 KERNEL_HALF = 1 << 63
 
 
 class ElfView(_ElfView):
-    """rewriter.elfview.ElfView, the file named "vmlinux" unless told."""
+    """rewriter.elf.view.ElfView, the file named "vmlinux" unless told."""
 
     def __init__(self, data: bytes, path: str = "vmlinux"):
         super().__init__(data, path)

@@ -1,5 +1,5 @@
 """How the runtime is built and linked for a kernel image
-(runtime/platform/linux_kernel; link_runtime.py reads this): no signals, no GOT
+(runtime/platform/linux_kernel; link/runtime.py reads this): no signals, no GOT
 hooks; kretprobes the kernel's way, instances per task (kp_kretprobe_task.c, for
 kp_kretprobe.c); breakpoint sites through a hook on the kernel's kprobe
 breakpoint handler (the arch's linux_kernel/kp_int3_hook.c).  Compiled as kernel

@@ -14,8 +14,8 @@ import bisect
 import struct
 
 from ... import safety
-from ...blacklist import BlacklistEntry, Index
-from ...rules import SWITCHES, Rules
+from ...analysis.blacklist import BlacklistEntry, Index
+from ...analysis.rules import SWITCHES, Rules
 from . import sites as ks
 from .symbols import arch_of, kernel, symbol_at
 

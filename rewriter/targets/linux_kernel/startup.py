@@ -4,7 +4,7 @@ as any probe: the boot hooks (gap.py says why the gap's pages need keeping), the
 shutdown hooks and, with kretprobes, the task hook."""
 from __future__ import annotations
 
-from ...spec import KprobeSpec
+from ...probes.spec import KprobeSpec
 
 # The boot hooks: (function, runtime pre_handler).
 BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import struct
 
-from ...elfwrite import NewSection, append_section_headers
+from ...elf.write import NewSection, append_section_headers
 from ...errors import KprewriteError
 from ...planner import INT3
-from ...report import META_SECTION
+from ...build.meta import META_SECTION
 from . import sites as ks
 from .gap import extend_first_load
 from .symbols import arch_of, kernel

@@ -23,7 +23,7 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
 from __future__ import annotations
 
 from ...errors import KprewriteError
-from ...rules import Rules
+from ...analysis.rules import Rules
 from ..linux_kernel import reserved as _kernel_reserved
 from .x86_64.writer import build  # noqa: F401
 from .x86_64.relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
@@ -64,7 +64,7 @@ def load_symbols(image, system_map: str | None = None) -> None:
 def rules(image, arch) -> Rules:
     """The kernel's rules read from the module's own tables (linux_kernel/reserved.py),
     plus its init sections."""
-    from ...blacklist import BlacklistEntry, Index
+    from ...analysis.blacklist import BlacklistEntry, Index
     _tables(image)
     r = _kernel_reserved.rules(image, arch)
     extra = []

@@ -1,4 +1,4 @@
-"""How handlers are compiled for a kernel module (link_runtime.py reads this): as the
+"""How handlers are compiled for a kernel module (link/runtime.py reads this): as the
 module's own code, with the kernel's flags (the kernel code model, no red zone,
 return thunks and retpolines through the kernel's exported thunks).  The module's
 runtime is generated per module (writer.py); for trace events it compiles the runtime's

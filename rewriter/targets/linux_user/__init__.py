@@ -5,17 +5,18 @@ objects.  New code and data go in two PT_LOAD segments appended to the file
 (sighook.py); the runtime's platform layer is runtime/platform/linux_user."""
 from __future__ import annotations
 
-from ... import blacklist as bl
+from ...analysis import blacklist as bl
 from ...arch import get_arch
 from ...arch.base import ThreadKey
+from ...build.meta import META_SECTION
 from ...errors import KprewriteError
-from ...rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
+from ...analysis.rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
 from . import ftrace, sighook, unwind, writer
 from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"
-# The spec's `probes` (rewriter/perfprobe): names resolved from the image's own DWARF.
+# The spec's `probes` (rewriter/probes/perfprobe): names resolved from the image's own DWARF.
 PROBES_BY_NAME = True
 
 
@@ -23,7 +24,6 @@ def thread_key(image) -> ThreadKey:
     """The thread's identity, as the arch's psABI defines the thread pointer (x86-64:
     the TCB's self pointer, at 0 from it)."""
     return get_arch(image.machine).USER_THREAD_KEY
-META_SECTION = ".kprewrite.meta"
 
 
 def load_symbols(image, system_map: str | None = None) -> None:
@@ -70,7 +70,7 @@ def handler_headers(image) -> dict[str, str]:
     return {}
 
 
-# The probe tables are whole C structures in the output's data (tables.py).
+# The probe tables are whole C structures in the output's data (build/tables.py).
 TABLES_AT_BOOT = False
 RUNTIME_KALLSYMS = False        # trace lines name addresses from a table compiled in
 

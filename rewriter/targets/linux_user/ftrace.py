@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...blacklist import BlacklistEntry
+from ...analysis.blacklist import BlacklistEntry
 
 TABLES = ("__mcount_loc", "__patchable_function_entries")
 MAX_PADDING = 64          # nops before a function's entry (-fpatchable-function-entry=N,M: M of them)

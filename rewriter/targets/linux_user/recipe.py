@@ -1,5 +1,5 @@
 """How the runtime is built and linked for a Linux user process
-(runtime/platform/linux_user; link_runtime.py reads this): position-independent
+(runtime/platform/linux_user; link/runtime.py reads this): position-independent
 and freestanding, linked -pie where the new segments will be, relocated by the
 runtime at start-up."""
 

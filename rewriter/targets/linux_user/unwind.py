@@ -1,7 +1,7 @@
 """Unwind tables for a rewritten user ELF: the output's PT_GNU_EH_FRAME points
 at a new .eh_frame_hdr whose table covers the image's own FDEs (left where they
 are), the linked runtime's and handlers' (compiled with unwind tables, .eh_frame
-kept by link.py) and one FDE per detour, return-site detour and out-of-line slot
+kept by link/ld.py) and one FDE per detour, return-site detour and out-of-line slot
 (the arch's unwind module), all in a read-only segment after the runtime's data.
 An unwinder finds FDEs only through that table (libgcc's _Unwind_Find_FDE, via
 dl_iterate_phdr) or __register_frame, which the freestanding runtime cannot call;
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from array import array
 
-from ... import cache, workers
+from ... import cache
+from ...analysis import workers
 from ...arch.base import unwind_info
-from ...ehframe import write as ehw
+from ...elf.ehframe import write as ehw
 from ...planner import INT3
 
 PT_GNU_EH_FRAME = 0x6474E550

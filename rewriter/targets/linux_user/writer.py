@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ...arch import get_arch
 from ...errors import KprewriteError
-from ...elfwrite import NewSection, append_section_headers  # noqa: F401  (NewSection: the target's API)
-from ...image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
+from ...elf.write import NewSection, append_section_headers  # noqa: F401  (NewSection: the target's API)
+from ...elf.image import PF_R, PF_W, PF_X, PT_LOAD, PT_PHDR, Image
 
 PAGE = 0x1000
 PT_GNU_EH_FRAME = 0x6474E550
@@ -38,7 +38,7 @@ class Layout:
     rx_offset: int
     phdr_size: int
     unwind: bool = False  # a third PT_LOAD, after the data, holds unwind tables (unwind.py)
-    data_vaddr = None  # the runtime's data follows its code (link.py's default)
+    data_vaddr = None  # the runtime's data follows its code (link/ld.py's default)
 
     @property
     def after_phdrs(self) -> int:

@@ -1,7 +1,7 @@
 /*
  * AArch64 layouts that code written outside C reads: struct pt_regs, as the
  * .S entries build it (kp_regs.h, through the generated kp_asm_offsets.h) and
- * as kprewrite's templates and fetch programs address it (rewriter/link_runtime.py
+ * as kprewrite's templates and fetch programs address it (rewriter/link/runtime.py
  * turns this file into both; the kernel's arch/arm64/kernel/asm-offsets.c,
  * whose S_X0.. names these follow as PT_X0..).
  */

@@ -3,7 +3,7 @@
  * kretprobe detours), and the layout they fill.
  *
  * struct pt_regs (include/kprewrite/arch/aarch64/ptrace.h), byte offsets; the
- * PT_* names come from kp_asm_offsets.h, which rewriter/link_runtime.py
+ * PT_* names come from kp_asm_offsets.h, which rewriter/link/runtime.py
  * generates from kp_asm_offsets.c:
  *
  *     regs[n]   8 * n      x0..x30 (PT_X0..PT_X30; PT_FP = x29 at 232, PT_LR = x30 at 240)

@@ -1,7 +1,7 @@
 /*
  * x86-64 layouts that code written outside C reads: struct pt_regs, as the
  * .S entries build it (kp_regs.h, through the generated kp_asm_offsets.h) and
- * as kprewrite's templates and fetch programs address it (rewriter/link_runtime.py
+ * as kprewrite's templates and fetch programs address it (rewriter/link/runtime.py
  * turns this file into both; the kernel's asm-offsets_64.c).
  */
 #include "kp_internal.h"

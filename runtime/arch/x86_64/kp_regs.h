@@ -3,7 +3,7 @@
  * (optprobe_entry.S, kretprobe_entry.S).
  *
  * struct pt_regs offsets (PT_*, PT_SIZE) come from kp_asm_offsets.h, which
- * rewriter/link_runtime.py generates from kp_asm_offsets.c.  Flags: pushfq/popfq cost
+ * rewriter/link/runtime.py generates from kp_asm_offsets.c.  Flags: pushfq/popfq cost
  * 7 ns on the machines we measure, so the arithmetic flags are saved with
  * seto/lahf and restored with add/sahf.
  *

@@ -6,7 +6,7 @@
  *
  * The runtime is linked at the address it runs at, inside the kernel image,
  * and calls the kernel's own functions by their kallsyms addresses (resolved
- * at link time by rewriter/link.py).  It is never started
+ * at link time by rewriter/link/ld.py).  It is never started
  * (KP_PLATFORM_NO_STARTUP): the runtime's own probes (the boot hooks) are ready
  * from the first instruction of boot, and the probe tables are built from
  * compact records at the setup_per_cpu_areas() hook (KP_PLATFORM_TABLES_AT_BOOT,

@@ -14,7 +14,7 @@
 #define PAGE_SIZE (1UL << PAGE_SHIFT)
 #define PAGE_ALIGN(x) (((x) + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1))
 
-/* The linked blob's layout (rewriter/link.py's linker script): code and
+/* The linked blob's layout (rewriter/link/ld.py's linker script): code and
  * rodata from the text/rodata gap's start up to __kp_rela_end, data from
  * __kp_data_start, the start of the rodata/data gap. */
 extern char __kp_rela_end[], __kp_data_start[], __kp_data_end[];
@@ -80,7 +80,7 @@ static const char *kp_rec_string(unsigned int at)
  * pages of their own, made read-only at mark_rodata_ro() (kp_kernel_keep_ro()). */
 static unsigned long kp_kernel_ro_tables, kp_kernel_ro_size;
 
-/* What register_kprobe() fills in, from the records tables.py wrote: addresses
+/* What register_kprobe() fills in, from the records build/tables.py wrote: addresses
  * from _text, the handler pair, a symbol name the kernel's kallsyms gives (the
  * records leave out those that are the first name at the symbol's address), the
  * event name p_SYMBOL_OFFSET when it is the default.  Then the pointers are

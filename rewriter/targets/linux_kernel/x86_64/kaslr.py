@@ -30,7 +30,8 @@ from __future__ import annotations
 import bisect
 from array import array
 
-from .... import emission, link
+from ....build import emission
+from .... import link
 from ....arch.base import EMULATE
 from ....errors import KprewriteError
 from ..symbols import KERNEL_HALF, PT_LOAD, kernel_range

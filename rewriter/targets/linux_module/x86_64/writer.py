@@ -56,12 +56,12 @@ from pathlib import Path
 
 from ....errors import KprewriteError
 from ....arch.base import SINGLESTEP
+from ....build.meta import META_SECTION
 from ....planner.model import FTRACE, INT3, OPTIMIZED
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
 R_X86_64_NONE = 0
-META_SECTION = ".kprewrite.meta"
 
 DETOUR_S = r"""
 	.section .text.kprewrite,"ax",@progbits
@@ -434,7 +434,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     kp_events.c) run in place of the user's handler and call it; debugfs: each probe's
     counters as files while the module is loaded; place: an address's section name (the
     breakpoint sites' runs, int3_runs())."""
-    from ....events import trace_key
+    from ....probes.events import trace_key
     traces = traces or {}
     out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
     kps = [p for _, p in plan.kprobes]
@@ -797,7 +797,7 @@ def trap_path(plan, traces: dict | None = None) -> tuple[set[str], list[str]]:
     kprobe_post_process(), the kretprobe trampoline's handler): (those of kp_module.c, by name,
     gcc's clones of them included by nokprobe_s(); those defined elsewhere: an event's
     pre_handler at a breakpoint (kp_events.c), the trampoline (kp_detours.S))."""
-    from ....events import trace_key
+    from ....probes.events import trace_key
     traces = traces or {}
     local, other = set(), []
     sites = _sites(plan)
@@ -992,7 +992,7 @@ def refuse_unsupported(s) -> None:
     carry its relocations (optprobe.py; the module's rules refuse it first, so `check`
     names it too), an @SYM in an event.  What a breakpoint site cannot take is the module's
     rules' refusal (x86_64/rules.py's int3_copy())."""
-    from ....resolve import is_entry
+    from ....probes.resolve import is_entry
     from .optprobe import region
     lines = []
     relocs = None
@@ -1034,7 +1034,7 @@ def event_calls_c(traces: dict, layout: list) -> str:
     (trace_module_add_events(): raw_init, the output type, the tracefs files) and removes
     them after its exit (trace_module_remove_events()), as for a module's TRACE_EVENT()s.
     raw_init fills in what the names need (print_fmt, array types) first."""
-    from ....link_runtime import RUNTIME_DIR
+    from ....link.runtime import RUNTIME_DIR
     from ..kernel_btf import EXTRA
     trace_n = len(layout) - len(EXTRA)
     (raw_init,) = layout[trace_n:]
@@ -1140,11 +1140,11 @@ EVENT_SOURCES = ["kp_lib.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/
 
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     """The rewritten module's bytes (see the module docstring)."""
-    from ....events import trace_c, trace_key
-    from ....link import compiler
-    from ....link_toolchain import linker
-    from ....link_runtime import RUNTIME_DIR, _includes, cflags
-    from ....report import metadata
+    from ....probes.events import trace_c, trace_key
+    from ....link.toolchain import compiler
+    from ....link.toolchain import linker
+    from ....link.runtime import RUNTIME_DIR, _includes, cflags
+    from ....build.meta import metadata
     refuse_unsupported(s)
     mod = s.image.container
     if "cleanup_module" not in s.image.symbols:

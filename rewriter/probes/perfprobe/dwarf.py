@@ -1,0 +1,1008 @@
+"""Debug information for probe points by name: functions, lines, variables and
+their locations, read from DWARF 4 and 5 with pyelftools.
+
+What tools/perf/util/probe-finder.c and dwarf-aux.c do with libdw, ahead of time:
+find the instances of a function (its out-of-line copy and its inlined sites),
+the addresses of a source line, the variables in scope at an address, and where
+each one is there (convert_variable_location(): a register, the frame base or a
+register plus an offset, a static address, a constant; a location list's entry
+covering the address).  The frame base DW_OP_call_frame_cfa is the CFA rule of
+.eh_frame at the address (rewriter/elf/ehframe/cfa.py).
+
+The debug information is the image's own `.debug_*` sections (compressed or
+not: pyelftools decompresses SHF_COMPRESSED and .zdebug sections), or a separate
+file found as perf and gdb find it: by build-id under /usr/lib/debug/.build-id/,
+or by .gnu_debuglink next to the image, in its .debug/ folder or under
+/usr/lib/debug.  KPREWRITE_DEBUG_FILE_DIRECTORY (colon-separated, gdb's
+`set debug-file-directory`) names other roots instead of /usr/lib/debug: a -dbgsym
+package extracted with dpkg-deb -x rather than installed.  A target may name more
+files under those roots (a kernel: boot/vmlinux-RELEASE, where Debian's
+linux-image-*-dbg puts it, as perf's vmlinux_path does); KPREWRITE_DEBUG_FILE names
+the file itself.  A separate file whose build-id differs from the image's is not
+used (gdb and perf check it too).
+
+A kernel's DWARF is large (Debian's 6.1 vmlinux: 164 MB of .debug_info in 2,172
+compilation units), too large to index whole with pyelftools.  There DebugInfo
+reads it by address (`by_address`): a function's symbol gives its address (the
+debug file's .symtab), .debug_aranges the compilation unit that holds it, and only
+that unit's DIEs and line program are read; a source file named as SRC:ALN is the
+unit whose DW_AT_name it is (an index of the units' names, cached).  Copies of a
+function inlined into other units are therefore not found there, nor globals
+defined in other units.
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+from elftools.dwarf.dwarf_expr import DWARFExprParser
+from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, LocationExpr, LocationParser
+from elftools.dwarf.ranges import BaseAddressEntry as RangeBase, RangeEntry
+from elftools.elf.elffile import ELFFile
+
+DEBUG_ROOT = "/usr/lib/debug"
+DEBUG_DIR_ENV = "KPREWRITE_DEBUG_FILE_DIRECTORY"
+DEBUG_FILE_ENV = "KPREWRITE_DEBUG_FILE"
+
+
+def debug_roots() -> list[str]:
+    """The folders searched for separate debug files: $KPREWRITE_DEBUG_FILE_DIRECTORY's
+    (colon-separated, as gdb's debug-file-directory), else DEBUG_ROOT."""
+    env = os.environ.get(DEBUG_DIR_ENV)
+    roots = [d for d in env.split(":") if d] if env else []
+    return roots or [DEBUG_ROOT]
+
+
+class NoDebugInfo(Exception):
+    pass
+
+
+class Unavailable(Exception):
+    """A variable has no location that a fetch arg can read at the address (the reason)."""
+
+
+@dataclass
+class Loc:
+    """Where a value is at an address: `reg` (a fetch register name), `mem` (at the
+    address `base` + `off`, base a fetch expression of an address, None for a static
+    address), `imm` (a constant), or `pieces` (DW_OP_piece, DW_OP_bit_piece: the value's
+    bits in several places, `pieces` [(bit offset, bit size, Loc or the reason that part is
+    not available)]: a small struct passed in two registers).  A `reg` may hold only
+    `width` bits of the value, from bit `shift` (a member of a struct in a register;
+    width 0: the whole register)."""
+    kind: str
+    reg: str | None = None
+    base: str | None = None
+    off: int = 0
+    imm: int = 0
+    pieces: list | None = None
+    shift: int = 0
+    width: int = 0
+    bitfield: bool = False        # a `reg` part read as its bits (bW@S/64) whatever its offset
+
+    def value(self) -> str:
+        """The fetch arg that reads the value itself (for a part of a register, the
+        whole register: the part is read with a bN@S/64 type)."""
+        if self.kind == "pieces":
+            raise Unavailable("split into pieces (DW_OP_piece)")
+        if self.kind == "reg":
+            return f"%{self.reg}"
+        if self.kind == "imm":
+            return f"\\{self.imm}"
+        if self.base is None:
+            return f"@{self.off & (1 << 64) - 1:#x}"
+        return f"{self.off:+d}({self.base})"
+
+
+@dataclass
+class Instance:
+    """One copy of a function's code: its out-of-line body or an inlined site."""
+    name: str
+    die: object
+    cu: object
+    ranges: list[tuple[int, int]]
+    entry: int
+    decl_file: str | None
+    decl_line: int
+    frame: object                 # the concrete DW_TAG_subprogram, whose DW_AT_frame_base applies
+    inlined: bool
+    optimized: bool               # the CU was compiled with optimization (no prologue skip)
+
+    def contains(self, addr: int) -> bool:
+        return any(lo <= addr < hi for lo, hi in self.ranges)
+
+
+@dataclass
+class Var:
+    name: str
+    die: object
+    type: object                  # the DW_AT_type DIE, or None
+    param: bool
+
+
+@dataclass
+class LineRow:
+    addr: int
+    file: str
+    line: int
+
+
+def build_id(elf) -> str | None:
+    """The GNU build-id note's hex (a kernel keeps it among its other notes, in .notes)."""
+    notes = elf.get_section_by_name(".note.gnu.build-id")
+    secs = [notes] if notes is not None else [s for s in elf.iter_sections() if s["sh_type"] == "SHT_NOTE"]
+    for sec in secs:
+        for n in sec.iter_notes():
+            if n["n_type"] == "NT_GNU_BUILD_ID" and n["n_name"] == "GNU" and isinstance(n["n_desc"], str):
+                return n["n_desc"]
+    return None
+
+
+def _debuglink_candidates(path: str, elf, names=()) -> list[str]:
+    out = []
+    roots = debug_roots()
+    explicit = os.environ.get(DEBUG_FILE_ENV)
+    if explicit:
+        out.append(explicit)
+    bid = build_id(elf)
+    if bid:
+        out += [os.path.join(r, ".build-id", bid[:2], bid[2:] + ".debug") for r in roots]
+    link = elf.get_section_by_name(".gnu_debuglink")
+    if link is not None:
+        name = link.data().split(b"\0", 1)[0].decode("utf-8", "replace")
+        d = os.path.dirname(os.path.abspath(path))
+        out += [os.path.join(d, name), os.path.join(d, ".debug", name)]
+        out += [r + os.path.join(d, name) for r in roots]
+    out += [os.path.join(r, n) for n in names for r in roots]
+    return out
+
+
+def find_debug_file(path: str, elf, names=()):
+    """(ELFFile, path) of the separate debug file of the image, or None; a candidate
+    whose build-id is not the image's is skipped, KPREWRITE_DEBUG_FILE's is an error."""
+    want = build_id(elf)
+    explicit = os.environ.get(DEBUG_FILE_ENV)
+    for cand in _debuglink_candidates(path, elf, names):
+        if not os.path.isfile(cand):
+            if cand == explicit:
+                raise NoDebugInfo(f"{DEBUG_FILE_ENV}={cand}: "
+                                  f"{'a directory, not a file' if os.path.isdir(cand) else 'no such file'}")
+            continue
+        fh = open(cand, "rb")
+        try:
+            other = ELFFile(fh)
+            ok = other.has_dwarf_info() and (other.get_section_by_name(".debug_info") is not None or
+                                            other.get_section_by_name(".zdebug_info") is not None)
+            theirs = build_id(other) if ok else None
+        except Exception:
+            ok, theirs = False, None
+        if ok and (want is None or theirs is None or theirs == want):
+            return other, cand
+        fh.close()
+        if cand == explicit:
+            why = "no DWARF debug information" if not ok else \
+                f"the build-id {theirs}, not the image's {want}"
+            raise NoDebugInfo(f"{DEBUG_FILE_ENV}={cand} has {why}")
+    return None
+
+
+def _attr(die, name, follow=True):
+    """An attribute of the DIE, or of its abstract origin / specification."""
+    seen = 0
+    while die is not None and seen < 8:
+        a = die.attributes.get(name)
+        if a is not None:
+            return a
+        if not follow:
+            return None
+        nxt = None
+        for ref in ("DW_AT_abstract_origin", "DW_AT_specification"):
+            if ref in die.attributes:
+                nxt = die.get_DIE_from_attribute(ref)
+                break
+        die, seen = nxt, seen + 1
+    return None
+
+
+def die_name(die) -> str | None:
+    a = _attr(die, "DW_AT_name")
+    if a is None:
+        return None
+    v = a.value
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+def _origin_type(die):
+    """The DW_AT_type DIE of a DIE or of its abstract origin / specification."""
+    for _ in range(8):
+        if "DW_AT_type" in die.attributes:
+            return die.get_DIE_from_attribute("DW_AT_type")
+        for ref in ("DW_AT_abstract_origin", "DW_AT_specification"):
+            if ref in die.attributes:
+                die = die.get_DIE_from_attribute(ref)
+                break
+        else:
+            return None
+    return None
+
+
+class DebugInfo:
+    """The DWARF of one image (or of its separate debug file).  by_address: read it
+    one compilation unit at a time, found by address (a kernel's; see the module's
+    docstring); names: more debug file names under the debug roots (the target's)."""
+
+    def __init__(self, path: str, data: bytes, regs: dict[int, str], reg_names: dict[int, str] | None = None,
+                 *, names=(), by_address: bool = False, group: str | None = None):
+        # regs: DWARF register numbers fetch args read; reg_names: others, named in errors
+        self.path, self.regs, self.reg_names = path, regs, reg_names or {}
+        self._data = data
+        self.by_address = by_address
+        self.group = group            # the default event group (a kernel's: perf's "probe")
+        elf = ELFFile(io.BytesIO(data))
+        self.source = path
+        self.image_has_eh_frame = elf.get_section_by_name(".eh_frame") is not None
+        if not elf.has_dwarf_info() or elf.get_section_by_name(".debug_info") is None and \
+                elf.get_section_by_name(".zdebug_info") is None:
+            found = find_debug_file(path, elf, names)
+            if found is None:
+                raise NoDebugInfo(f"{os.path.basename(path)} has no DWARF debug information "
+                                  f"(.debug_info), and no separate debug file was found "
+                                  f"(build-id or .gnu_debuglink under {':'.join(debug_roots())}); compile with -g")
+            elf, self.source = found
+        self.elf = elf
+        # A linked file's .rela.debug_* (ld --emit-relocs, a kernel's) are already applied
+        self.dwarf = elf.get_dwarf_info(relocate_dwarf_sections=elf["e_type"] == "ET_REL")
+        self.loc = LocationParser(self.dwarf.location_lists())
+        self.expr = DWARFExprParser(self.dwarf.structs)
+        self._cfa = None
+        self._instances: dict[str, list[Instance]] | None = None
+        self._all: list[Instance] = []
+        self._globals: dict[str, object] = {}
+        self._lines: dict[int, list[LineRow]] = {}
+        self._raw_lines: dict[int, list[LineRow]] = {}
+        self._sources: dict[str, list[str] | None] = {}
+        self._loaded: dict[int, object] = {}       # by_address: the units read, by offset
+        self._aranges = None
+        self._symtab = None
+        self._cu_names = None
+        self.cus = [] if by_address else list(self.dwarf.iter_CUs())
+
+    # --- CFA (the frame base of DW_OP_call_frame_cfa) --------------------------------------------
+
+    def cfa(self, addr: int):
+        if self._cfa is None:
+            if self.image_has_eh_frame or self.dwarf.debug_frame_sec is None:
+                from ...elf.ehframe.cfa import CfaRules
+                self._cfa = CfaRules(self._data)
+            else:                      # a kernel: no .eh_frame, the debug file's .debug_frame
+                self._cfa = DebugFrame(self.dwarf)
+        return self._cfa.at(addr)
+
+    # --- by address: symbols, .debug_aranges, units read one at a time -----------------------------
+
+    def symbols(self) -> tuple[dict[str, list[int]], list[tuple[int, int, str]]]:
+        """The debug file's function symbols: name -> addresses, and (start, size, name) sorted."""
+        if self._symtab is None:
+            self._symtab = _func_symbols(self.elf)
+        return self._symtab
+
+    def symbol_at(self, addr: int) -> tuple[str, int, bool] | None:
+        """(function symbol, its start, whether its name is unique) covering addr."""
+        by_name, spans = self.symbols()
+        i = bisect.bisect_right(spans, (addr, 1 << 64, "")) - 1
+        if i < 0:
+            return None
+        start = spans[i][0]
+        j = i
+        while j > 0 and spans[j - 1][0] == start:
+            j -= 1
+        cands = [(n, sz) for st, sz, n in spans[j:i + 1] if addr < start + max(sz, 1)]
+        if not cands:
+            return None
+        name = min(cands, key=lambda c: (len(by_name.get(c[0], ())) != 1, c[0]))[0]
+        return name, start, len(by_name.get(name, ())) == 1
+
+    def _load_cu(self, cu) -> None:
+        if cu.cu_offset in self._loaded:
+            return
+        self._loaded[cu.cu_offset] = cu
+        self.cus.append(cu)
+        if self._instances is None:
+            self._instances = {}
+        self._walk(cu.get_top_DIE(), cu, None, self._optimized(cu))
+
+    def _load_at(self, addr: int) -> bool:
+        """Read the unit whose code holds addr (.debug_aranges); False if none does."""
+        if self._aranges is None:
+            self._aranges = self.dwarf.get_aranges() or False
+        off = self._aranges.cu_offset_at_addr(addr) if self._aranges else None
+        if off is None:
+            return False
+        self._load_cu(self.dwarf.get_CU_at(off))
+        return True
+
+    def units_named(self, src: str) -> list:
+        """The units whose own source file (DW_AT_name) SRC names, read (by_address)."""
+        names = self._unit_names()
+        offs = [o for n, os_ in names.items() if _tail_match(n, src) for o in os_]
+        for o in offs:
+            self._load_cu(self.dwarf.get_CU_at(o))
+        return [self._loaded[o] for o in offs]
+
+    def _unit_names(self) -> dict[str, list[int]]:
+        """DW_AT_name -> unit offsets, made once per debug file (some 20 s for a kernel's
+        2,000 units) and kept in kprewrite's cache."""
+        if self._cu_names is not None:
+            return self._cu_names
+        from ... import cache
+        st = os.stat(self.source)
+        k = cache.key(b"perfprobe-unit-names-1", os.path.abspath(self.source).encode(),
+                      str((st.st_size, st.st_mtime_ns)).encode(), (build_id(self.elf) or "").encode())
+        raw = cache.get("perfprobe-units", k)
+        if raw is not None:
+            try:
+                self._cu_names = json.loads(raw)
+                return self._cu_names
+            except ValueError:
+                pass
+        out: dict[str, list[int]] = {}
+        for cu in self.dwarf.iter_CUs():
+            a = cu.get_top_DIE().attributes.get("DW_AT_name")
+            if a is not None:
+                n = a.value.decode("utf-8", "replace") if isinstance(a.value, bytes) else str(a.value)
+                out.setdefault(os.path.normpath(n), []).append(cu.cu_offset)
+        cache.put("perfprobe-units", k, json.dumps(out, sort_keys=True).encode())
+        self._cu_names = out
+        return out
+
+    # --- functions ---------------------------------------------------------------------------------
+
+    def _cu_base(self, cu) -> int:
+        top = cu.get_top_DIE()
+        a = top.attributes.get("DW_AT_low_pc")
+        return self._addr_value(cu, a) if a is not None else 0
+
+    def _addr_value(self, cu, a) -> int:
+        if a.form in ("DW_FORM_addrx", "DW_FORM_addrx1", "DW_FORM_addrx2", "DW_FORM_addrx3",
+                      "DW_FORM_addrx4", "DW_FORM_GNU_addr_index"):
+            return self.dwarf.get_addr(cu, a.value)
+        return a.value
+
+    def ranges(self, die) -> list[tuple[int, int]]:
+        at = die.attributes
+        cu = die.cu
+        if "DW_AT_low_pc" in at and "DW_AT_high_pc" in at:
+            lo = self._addr_value(cu, at["DW_AT_low_pc"])
+            hi = at["DW_AT_high_pc"]
+            hv = self._addr_value(cu, hi) if hi.form.startswith("DW_FORM_addr") else lo + hi.value
+            return [(lo, hv)] if hv > lo else []
+        if "DW_AT_ranges" in at:
+            rl = self.dwarf.range_lists()
+            if rl is None:
+                return []
+            base, out = self._cu_base(cu), []
+            for e in rl.get_range_list_at_offset(at["DW_AT_ranges"].value, cu=cu):
+                if isinstance(e, RangeBase):
+                    base = e.base_address
+                elif isinstance(e, RangeEntry):
+                    lo, hi = (e.begin_offset, e.end_offset) if e.is_absolute else \
+                        (base + e.begin_offset, base + e.end_offset)
+                    if hi > lo:
+                        out.append((lo, hi))
+            return sorted(out)
+        return []
+
+    def _file_name(self, cu, index: int) -> str | None:
+        lp = self.dwarf.line_program_for_CU(cu)
+        if lp is None:
+            return None
+        files, dirs = lp["file_entry"], lp["include_directory"]
+        v5 = lp.header["version"] >= 5
+        i = index if v5 else index - 1
+        if not 0 <= i < len(files):
+            return None
+        fe = files[i]
+        name = fe.name.decode("utf-8", "replace") if isinstance(fe.name, bytes) else fe.name
+        di = fe.dir_index if v5 else fe.dir_index - 1
+        if di >= 0 and di < len(dirs) and not os.path.isabs(name):
+            d = dirs[di]
+            d = d.decode("utf-8", "replace") if isinstance(d, bytes) else d
+            name = os.path.join(d, name)
+        if not os.path.isabs(name):
+            comp = cu.get_top_DIE().attributes.get("DW_AT_comp_dir")
+            if comp is not None:
+                c = comp.value.decode("utf-8", "replace") if isinstance(comp.value, bytes) else comp.value
+                name = os.path.join(c, name)
+        return os.path.normpath(name)
+
+    def _optimized(self, cu) -> bool:
+        """Whether the CU was compiled with optimization: gcc records its switches in
+        DW_AT_producer; without them, a CU using location lists or entry values is."""
+        prod = cu.get_top_DIE().attributes.get("DW_AT_producer")
+        if prod is not None:
+            p = prod.value.decode("utf-8", "replace") if isinstance(prod.value, bytes) else str(prod.value)
+            opts = [w for w in p.split() if w.startswith("-O")]
+            if opts:
+                return opts[-1] not in ("-O0",)
+            if " -g" in p or "GNU" in p:
+                return False
+        return True
+
+    def _index(self) -> None:
+        if self._instances is not None:
+            return
+        self._instances = {}
+        if self.by_address:
+            return                     # units are read as addresses name them (_load_at)
+        for cu in self.cus:
+            top = cu.get_top_DIE()
+            opt = self._optimized(cu)
+            self._walk(top, cu, None, opt)
+
+    def _walk(self, die, cu, frame, opt) -> None:
+        for child in die.iter_children():
+            tag = child.tag
+            if tag == "DW_TAG_subprogram":
+                rng = self.ranges(child)
+                if rng:
+                    self._add(child, cu, rng, child, False, opt)
+                    self._walk(child, cu, child, opt)
+                elif die.tag in ("DW_TAG_compile_unit", "DW_TAG_partial_unit", "DW_TAG_namespace",
+                                 "DW_TAG_structure_type", "DW_TAG_class_type"):
+                    self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_inlined_subroutine" and frame is not None:
+                rng = self.ranges(child)
+                if rng:
+                    self._add(child, cu, rng, frame, True, opt)
+                self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_lexical_block" and frame is not None:
+                self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_namespace":
+                self._walk(child, cu, frame, opt)
+            elif tag == "DW_TAG_variable" and frame is None:
+                name = die_name(child)
+                if name and "DW_AT_location" in child.attributes and name not in self._globals:
+                    self._globals[name] = child
+
+    def _add(self, die, cu, rng, frame, inlined, opt) -> None:
+        name = die_name(die)
+        if not name:
+            return
+        entry = rng[0][0]
+        ep = die.attributes.get("DW_AT_entry_pc")
+        if ep is not None:
+            entry = self._addr_value(cu, ep) if ep.form.startswith("DW_FORM_addr") else self._cu_base(cu) + ep.value
+        elif "DW_AT_low_pc" in die.attributes:
+            entry = self._addr_value(cu, die.attributes["DW_AT_low_pc"])
+        f = _attr(die, "DW_AT_decl_file")
+        origin = die
+        if "DW_AT_abstract_origin" in die.attributes:
+            origin = die.get_DIE_from_attribute("DW_AT_abstract_origin")
+        fcu = origin.cu if f is not None and "DW_AT_decl_file" not in die.attributes else cu
+        decl_file = self._file_name(fcu, f.value) if f is not None else None
+        ln = _attr(die, "DW_AT_decl_line")
+        inst = Instance(name, die, cu, rng, entry, decl_file, ln.value if ln is not None else 0,
+                        frame, inlined, opt)
+        self._instances.setdefault(name, []).append(inst)
+        self._all.append(inst)
+
+    def instances(self, name: str, src: str | None = None) -> list[Instance]:
+        """The function's instances; by_address, those of the units holding its symbols
+        (and its clones', NAME.part.N, NAME.isra.N), or with no symbol, of SRC's unit."""
+        self._index()
+        if self.by_address:
+            by_name, _ = self.symbols()
+            addrs = [a for n, v in by_name.items() if n == name or n.startswith(name + ".") for a in v]
+            for a in addrs:
+                self._load_at(a)
+            if not addrs and src is not None:
+                self.units_named(src)
+        return sorted(self._instances.get(name, []), key=lambda i: i.entry)
+
+    def cu_instances(self, cu) -> list[Instance]:
+        """Every instance (out-of-line and inlined) of the unit's functions."""
+        self._index()
+        return [x for x in self._all if x.cu.cu_offset == cu.cu_offset]
+
+    def call_site(self, inst: Instance) -> tuple[str, int] | None:
+        """(file, line) an inlined instance was called from (DW_AT_call_file/_line)."""
+        at = inst.die.attributes
+        if "DW_AT_call_file" not in at or "DW_AT_call_line" not in at:
+            return None
+        f = self._file_name(inst.cu, at["DW_AT_call_file"].value)
+        return (f, at["DW_AT_call_line"].value) if f is not None else None
+
+    def function_names(self) -> list[str]:
+        self._index()
+        return sorted(self._instances)
+
+    def innermost(self, addr: int) -> Instance | None:
+        """The innermost instance (an inlined site rather than its caller) at addr."""
+        self._index()
+        if self.by_address:
+            self._load_at(addr)
+        best = None
+        for inst in self._all:
+            if inst.contains(addr):
+                if best is None or _size(inst) < _size(best):
+                    best = inst
+        return best
+
+    # --- lines ---------------------------------------------------------------------------------------
+
+    def lines(self, cu) -> list[LineRow]:
+        """The line table's statement rows that start a line: the first row of each
+        run of rows of one line, as debuggers set a breakpoint on a line."""
+        rows = self._lines.get(cu.cu_offset)
+        if rows is not None:
+            return rows
+        rows, raw = [], []
+        lp = self.dwarf.line_program_for_CU(cu)
+        names: dict[int, str | None] = {}
+        prev = None
+        for e in (lp.get_entries() if lp is not None else []):
+            st = e.state
+            if st is None:
+                continue
+            if st.end_sequence:
+                prev = None
+                continue
+            key = (st.file, st.line)
+            if st.is_stmt and st.line:
+                if st.file not in names:
+                    names[st.file] = self._file_name(cu, st.file)
+                if names[st.file] is not None:
+                    row = LineRow(st.address, names[st.file], st.line)
+                    raw.append(row)
+                    if key != prev:
+                        rows.append(row)
+            prev = key
+        self._lines[cu.cu_offset] = rows
+        self._raw_lines[cu.cu_offset] = raw
+        return rows
+
+    def statement_rows(self, cu) -> list[LineRow]:
+        """Every statement row of the line table (a line's later rows too)."""
+        self.lines(cu)
+        return self._raw_lines[cu.cu_offset]
+
+    def source_line(self, path: str, line: int) -> str | None:
+        """Line `line` of a source file, as the line table names it (None if unreadable)."""
+        if path not in self._sources:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    self._sources[path] = f.read().split("\n")
+            except OSError:
+                self._sources[path] = None
+        text = self._sources[path]
+        return text[line - 1] if text is not None and 0 < line <= len(text) else None
+
+    def line_rows(self, src: str):
+        """The line rows of the units that may hold lines of SRC (by_address: SRC's own
+        unit, a header's lines are in every unit that includes it)."""
+        cus = self.cus
+        if self.by_address:
+            cus = self.units_named(src)
+            if not cus:
+                raise NoDebugInfo(f"no compilation unit of {os.path.basename(self.source)} is '{src}': in a "
+                                  f"kernel, SRC:ALN names a unit's own source file (a .c file); a header's "
+                                  f"lines are probed as FUNC@SRC:RLN or FUNC:RLN")
+        for cu in cus:
+            for r in self.lines(cu):
+                yield cu, r
+
+    # --- variables --------------------------------------------------------------------------------
+
+    def scope(self, inst: Instance, addr: int) -> list[Var]:
+        """Parameters and locals of inst visible at addr, outermost first (an inner
+        block's variable shadows an outer one of the same name)."""
+        out: list[Var] = []
+
+        def walk(die, top):
+            for c in die.iter_children():
+                if c.tag in ("DW_TAG_formal_parameter", "DW_TAG_variable"):
+                    name = die_name(c)
+                    if name:
+                        out.append(Var(name, c, _origin_type(c), c.tag == "DW_TAG_formal_parameter" and top))
+                elif c.tag == "DW_TAG_lexical_block":
+                    rng = self.ranges(c)
+                    if not rng or any(lo <= addr < hi for lo, hi in rng):
+                        walk(c, False)
+        walk(inst.die, True)
+        seen: dict[str, Var] = {}
+        for v in out:
+            seen.pop(v.name, None)
+            seen[v.name] = v
+        return list(seen.values())
+
+    def global_var(self, name: str):
+        self._index()
+        return self._globals.get(name)
+
+    def location(self, var_die, inst: Instance | None, addr: int) -> Loc:
+        """Where the variable is at addr; Unavailable if nowhere a fetch arg can read."""
+        at = var_die.attributes
+        if "DW_AT_const_value" in at:
+            v = at["DW_AT_const_value"].value
+            if isinstance(v, int):
+                return Loc("imm", imm=v)
+            raise Unavailable("a constant that is not an integer")
+        a = at.get("DW_AT_location")
+        if a is None:
+            raise Unavailable("optimized out")
+        expr = self._expr_at(a, var_die, addr)
+        if expr is None:
+            raise Unavailable("optimized out")
+        return self._eval(expr, inst, addr, var_die.cu)
+
+    def _expr_at(self, a, die, addr):
+        try:
+            parsed = self.loc.parse_from_attribute(a, die.cu["version"], die)
+        except ValueError:
+            return None
+        if isinstance(parsed, LocationExpr):
+            return parsed.loc_expr
+        base = self._cu_base(die.cu)
+        for e in parsed:
+            if isinstance(e, BaseAddressEntry):
+                base = e.base_address
+            elif isinstance(e, LocationEntry):
+                lo, hi = (e.begin_offset, e.end_offset) if e.is_absolute else \
+                    (base + e.begin_offset, base + e.end_offset)
+                if lo <= addr < hi:
+                    return e.loc_expr
+        return None
+
+    def _reg(self, n: int) -> str:
+        r = self.regs.get(n)
+        if r is None:
+            name = self.reg_names.get(n)
+            if name is not None:     # perf 6.1: "Mapping for the register number 17 missing"
+                raise Unavailable(f"in %{name} (DWARF register {n}), a floating-point or vector register, "
+                                  f"which fetch args cannot read")
+            raise Unavailable(f"in DWARF register {n}, which fetch args cannot read")
+        return r
+
+    def _frame_base(self, inst: Instance | None, addr: int) -> tuple[str, int]:
+        fb = _attr(inst.frame, "DW_AT_frame_base") if inst is not None else None
+        if fb is None:
+            raise Unavailable("relative to a frame base the function does not have")
+        expr = self._expr_at(fb, inst.frame, addr)
+        if expr is None:
+            raise Unavailable("its frame base is not known at this address")
+        ops = self.expr.parse_expr(expr)
+        if len(ops) == 1 and ops[0].op_name == "DW_OP_call_frame_cfa":
+            rule = self.cfa(addr)
+            if rule is None:
+                raise Unavailable("the CFA is not known at this address (no .eh_frame rule)")
+            return self._reg(rule[0]), rule[1]
+        if len(ops) == 1 and ops[0].op_name.startswith("DW_OP_breg"):
+            return self._reg(_regno(ops[0])), ops[0].args[-1]
+        raise Unavailable(f"its frame base is {_show(ops)}")
+
+    def _eval(self, expr, inst, addr, cu) -> Loc:
+        """convert_variable_location(): one DWARF expression to a Loc; a composite
+        location (DW_OP_piece) to a `pieces` Loc of each piece's, whose members
+        compile.py reads one by one (perf 6.1 refuses these: "Structure on a register
+        is not supported yet")."""
+        ops = self.expr.parse_expr(expr)
+        names = [o.op_name for o in ops]
+        if "DW_OP_piece" not in names and "DW_OP_bit_piece" not in names:
+            return self._eval_ops(ops, inst, addr, cu)
+        pieces, cur, bit = [], [], 0
+        for o in ops:
+            if o.op_name not in ("DW_OP_piece", "DW_OP_bit_piece"):
+                cur.append(o)
+                continue
+            # DW_OP_piece N: N bytes; DW_OP_bit_piece N, O: N bits, from bit O of the location
+            nbits, at = (8 * o.args[0], 0) if o.op_name == "DW_OP_piece" else (o.args[0], o.args[1])
+            if not cur:
+                part = "optimized out"          # an empty piece: that part has no location
+            else:
+                try:
+                    part = _bits_of(self._eval_ops(cur, inst, addr, cu), at, nbits)
+                except Unavailable as e:
+                    part = str(e)
+            pieces.append((bit, nbits, part))
+            bit, cur = bit + nbits, []
+        if cur:
+            raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
+        return Loc("pieces", pieces=pieces)
+
+    def _eval_ops(self, ops, inst, addr, cu) -> Loc:
+        """One simple location (no pieces) to a Loc."""
+        names = [o.op_name for o in ops]
+        if any("entry_value" in n for n in names):
+            raise Unavailable("optimized out: only its value at the function's entry is known (DW_OP_entry_value)")
+        if any("implicit_pointer" in n for n in names):
+            raise Unavailable("optimized out: an implicit pointer")
+        if any("tls_address" in n for n in names):
+            raise Unavailable("thread-local")
+        stack = names[-1] == "DW_OP_stack_value"
+        core = ops[:-1] if stack else ops
+        if len(core) != 1:
+            raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
+        op = core[0]
+        n = op.op_name
+        if stack:
+            if n.startswith("DW_OP_lit"):
+                return Loc("imm", imm=int(n[9:]))
+            if n.startswith("DW_OP_const"):
+                return Loc("imm", imm=op.args[0])
+            if n.startswith("DW_OP_breg") and op.args[-1] == 0:
+                return Loc("reg", reg=self._reg(_regno(op)))
+            raise Unavailable(f"computed ({_show(ops)}), which fetch args cannot express")
+        if n.startswith("DW_OP_reg"):
+            return Loc("reg", reg=self._reg(_regno(op)))
+        if n.startswith("DW_OP_breg"):
+            return Loc("mem", base=f"%{self._reg(_regno(op))}", off=op.args[-1])
+        if n == "DW_OP_fbreg":
+            reg, k = self._frame_base(inst, addr)
+            return Loc("mem", base=f"%{reg}", off=k + op.args[0])
+        if n == "DW_OP_addr":
+            return Loc("mem", base=None, off=op.args[0])
+        if n in ("DW_OP_addrx", "DW_OP_GNU_addr_index"):
+            return Loc("mem", base=None, off=self.dwarf.get_addr(cu, op.args[0]))
+        raise Unavailable(f"at {_show(ops)}, which fetch args cannot express")
+
+
+def _tail_match(path: str, want: str) -> bool:
+    """strtailcmp(): SRC names a file by a tail of its path."""
+    want = os.path.normpath(want)
+    return path == want or path.endswith("/" + want.lstrip("/")) or want.endswith("/" + path.lstrip("/")) \
+        or os.path.basename(path) == want
+
+
+def _func_symbols(elf):
+    """The function symbols of an ELF's .symtab, read with struct (a kernel's 150,000
+    symbols: pyelftools' symbol objects take seconds): name -> addresses, and the
+    (start, size, name) list sorted by start."""
+    sec = elf.get_section_by_name(".symtab")
+    if sec is None or elf.elfclass != 64 or not elf.little_endian:
+        by_name: dict[str, list[int]] = {}
+        spans = []
+        if sec is not None:
+            for sym in sec.iter_symbols():
+                if sym["st_info"]["type"] == "STT_FUNC" and sym["st_shndx"] != "SHN_UNDEF" and sym.name:
+                    by_name.setdefault(sym.name, []).append(sym["st_value"])
+                    spans.append((sym["st_value"], sym["st_size"], sym.name))
+        return by_name, sorted(spans)
+    strtab = elf.get_section(sec["sh_link"]).data()
+    data = sec.data()
+    by_name, spans = {}, []
+    for name_off, info, _other, shndx, value, size in struct.iter_unpack("<IBBHQQ", data):
+        if info & 0xF != 2 or shndx == 0 or not name_off:      # STT_FUNC, defined
+            continue
+        end = strtab.index(b"\0", name_off)
+        name = strtab[name_off:end].decode("utf-8", "replace")
+        v = by_name.setdefault(name, [])
+        if value not in v:
+            v.append(value)
+        spans.append((value, size, name))
+    return by_name, sorted(spans)
+
+
+class DebugFrame:
+    """CFA rules from .debug_frame (a kernel has no .eh_frame): the records' address
+    ranges are indexed with struct, and only the FDE covering an address is decoded,
+    by pyelftools (the whole section of a kernel is 50,000 FDEs)."""
+
+    def __init__(self, dwarf):
+        self.dwarf = dwarf
+        self.sec = dwarf.debug_frame_sec
+        self._index = None
+        self._rows: dict[int, list] = {}
+
+    def _scan(self):
+        d = self.sec.stream.getvalue()[:self.sec.size]
+        out, p, n = [], 0, len(d)
+        while p + 4 <= n:
+            length, = struct.unpack_from("<I", d, p)
+            if length == 0xFFFFFFFF:                  # 64-bit DWARF
+                length, = struct.unpack_from("<Q", d, p + 4)
+                hdr, cie, idw = 12, 0xFFFFFFFFFFFFFFFF, "<Q"
+            else:
+                hdr, cie, idw = 4, 0xFFFFFFFF, "<I"
+            if length == 0:
+                p += hdr
+                continue
+            body = p + hdr
+            ident, = struct.unpack_from(idw, d, body)
+            if ident != cie:
+                at = body + struct.calcsize(idw)
+                lo, size = struct.unpack_from("<QQ", d, at)
+                if size:
+                    out.append((lo, lo + size, p))
+            p = body + length
+        out.sort()
+        self._index = out
+        self._starts = [o[0] for o in out]
+
+    def at(self, addr: int) -> tuple[int, int] | None:
+        """(register, offset) of the CFA rule at addr, None where no FDE covers it or the
+        rule is an expression (as CfaRules.at())."""
+        if self._index is None:
+            self._scan()
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0 or addr >= self._index[i][1]:
+            return None
+        lo, _, off = self._index[i]
+        rows = self._rows.get(off)
+        if rows is None:
+            from elftools.dwarf.callframe import CallFrameInfo
+            cfi = CallFrameInfo(self.sec.stream, self.sec.size, self.sec.address, self.dwarf.structs,
+                                for_eh_frame=False)
+            try:
+                rows = [(r["pc"], r.get("cfa")) for r in cfi._parse_entry_at(off).get_decoded().table]
+            except Exception:          # a program pyelftools cannot decode: no rule known
+                rows = []
+            self._rows[off] = rows
+        rule = None
+        for pc, cfa in rows:
+            if pc > addr:
+                break
+            rule = cfa
+        if rule is None or rule.expr is not None or rule.reg is None:
+            return None
+        return rule.reg, rule.offset
+
+
+def _bits_of(loc: Loc, at: int, nbits: int) -> Loc:
+    """The nbits bits from bit `at` of a simple location: DW_OP_bit_piece's offset (a
+    register's bits from the least significant, memory's from its first byte)."""
+    if at == 0 and nbits % 8 == 0:
+        return loc
+    if loc.kind == "reg":
+        return Loc("reg", reg=loc.reg, shift=loc.shift + at, width=nbits, bitfield=nbits % 8 != 0)
+    if loc.kind == "imm":
+        return Loc("imm", imm=(loc.imm >> at) & ((1 << nbits) - 1))
+    if loc.kind == "mem":
+        return Loc("mem", base=loc.base, off=loc.off + at // 8, shift=at % 8, width=nbits, bitfield=True)
+    raise Unavailable(f"bits {at}..{at + nbits - 1} of a location fetch args cannot split")
+
+
+def _regno(op) -> int:
+    n = op.op_name
+    if n in ("DW_OP_regx", "DW_OP_bregx"):
+        return op.args[0]
+    return int(n[9:] if n.startswith("DW_OP_reg") else n[10:])
+
+
+def _show(ops) -> str:
+    return "; ".join(o.op_name + (" " + " ".join(str(a) for a in o.args) if o.args else "") for o in ops)
+
+
+def _size(inst: Instance) -> int:
+    return sum(hi - lo for lo, hi in inst.ranges)
+
+
+# --- types -------------------------------------------------------------------------------------------
+
+_QUALIFIERS = ("DW_TAG_typedef", "DW_TAG_const_type", "DW_TAG_volatile_type", "DW_TAG_restrict_type",
+               "DW_TAG_atomic_type")
+
+
+def strip(t):
+    """The type under typedefs and qualifiers."""
+    for _ in range(32):
+        if t is None or t.tag not in _QUALIFIERS:
+            return t
+        t = t.get_DIE_from_attribute("DW_AT_type") if "DW_AT_type" in t.attributes else None
+    return t
+
+
+def target(t):
+    return t.get_DIE_from_attribute("DW_AT_type") if t is not None and "DW_AT_type" in t.attributes else None
+
+
+def byte_size(t) -> int | None:
+    t = strip(t)
+    if t is None:
+        return None
+    a = t.attributes.get("DW_AT_byte_size")
+    if a is not None:
+        return a.value
+    if t.tag == "DW_TAG_pointer_type" or t.tag in ("DW_TAG_reference_type", "DW_TAG_rvalue_reference_type"):
+        return 8
+    if t.tag == "DW_TAG_array_type":
+        n, e = array_count(t), byte_size(target(t))
+        return n * e if n is not None and e is not None else None
+    if t.tag == "DW_TAG_enumeration_type":
+        return byte_size(target(t))
+    return None
+
+
+def array_count(t) -> int | None:
+    for c in t.iter_children():
+        if c.tag == "DW_TAG_subrange_type":
+            if "DW_AT_count" in c.attributes and isinstance(c.attributes["DW_AT_count"].value, int):
+                return c.attributes["DW_AT_count"].value
+            if "DW_AT_upper_bound" in c.attributes and isinstance(c.attributes["DW_AT_upper_bound"].value, int):
+                return c.attributes["DW_AT_upper_bound"].value + 1
+            return None
+    return None
+
+
+def encoding(t) -> str | None:
+    """DW_ATE_* name of a base type (an enum: its underlying type's, else unsigned)."""
+    t = strip(t)
+    if t is None:
+        return None
+    if t.tag == "DW_TAG_enumeration_type":
+        u = target(t)
+        return encoding(u) if u is not None else "DW_ATE_unsigned"
+    if t.tag != "DW_TAG_base_type":
+        return None
+    from elftools.dwarf.enums import ENUM_DW_ATE
+    v = t.attributes["DW_AT_encoding"].value if "DW_AT_encoding" in t.attributes else None
+    for k, n in ENUM_DW_ATE.items():
+        if n == v:
+            return k
+    return None
+
+
+def member(t, name: str):
+    """(member DIE, byte offset) of a field of a struct/union, looking through
+    anonymous members."""
+    for c in t.iter_children():
+        if c.tag != "DW_TAG_member":
+            continue
+        off = _member_offset(c)
+        cname = die_name(c)
+        if cname == name:
+            return c, off
+        if cname is None:
+            sub = strip(target(c))
+            if sub is not None and sub.tag in ("DW_TAG_structure_type", "DW_TAG_union_type", "DW_TAG_class_type"):
+                found = member(sub, name)
+                if found is not None:
+                    return found[0], off + found[1]
+    return None
+
+
+def _member_offset(m) -> int:
+    a = m.attributes.get("DW_AT_data_member_location")
+    if a is None:
+        return 0
+    if isinstance(a.value, int):
+        return a.value
+    if isinstance(a.value, list) and len(a.value) >= 2 and a.value[0] == 0x23:   # DW_OP_plus_uconst
+        v, shift = 0, 0
+        for b in a.value[1:]:
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        return v
+    return 0
+
+
+def type_name(t) -> str:
+    """A C spelling of a type, for listings."""
+    if t is None:
+        return "void"
+    tag = t.tag
+    n = die_name(t)
+    if tag == "DW_TAG_base_type" or tag == "DW_TAG_typedef":
+        return n or "?"
+    if tag == "DW_TAG_pointer_type":
+        return type_name(target(t)) + "*"
+    if tag in ("DW_TAG_const_type", "DW_TAG_volatile_type", "DW_TAG_restrict_type", "DW_TAG_atomic_type"):
+        q = tag[7:-5]
+        return f"{q} {type_name(target(t))}"
+    if tag == "DW_TAG_structure_type":
+        return f"struct {n or '(anon)'}"
+    if tag == "DW_TAG_union_type":
+        return f"union {n or '(anon)'}"
+    if tag == "DW_TAG_enumeration_type":
+        return f"enum {n or '(anon)'}"
+    if tag == "DW_TAG_array_type":
+        c = array_count(t)
+        return f"{type_name(target(t))}[{'' if c is None else c}]"
+    if tag == "DW_TAG_subroutine_type":
+        return "func"
+    return n or tag[7:]
