@@ -28,6 +28,13 @@ def is_branch(insn) -> bool:
     return insn.info.kind in _insn.BRANCHES
 
 
+def signal_syscalls(image, analysis) -> list:
+    """The system calls setting a signal mask or action (x86-64: sigcalls.py): not
+    looked for yet (`svc #0` with the number in x8); a blocked SIGTRAP still kills a
+    program at its next breakpoint probe (docs/int3.md)."""
+    return []
+
+
 def direct_branch_target(insn) -> int | None:
     """Where a b, bl, b.cond, cbz or tbz goes (None: not one)."""
     return insn.info.target if insn.info.kind in _insn.DIRECT else None

@@ -6,6 +6,7 @@ from ..base import DcrInsn, Refusal, ThreadKey  # noqa: F401
 from . import emit, handler_abi, jumptable, kprobe_xol, optprobe, retprobe, toolchain, unwind  # noqa: F401
 from . import fetchregs as fetch_regs  # noqa: F401
 from .decode import decode_function  # noqa: F401
+from .sigcalls import signal_syscalls  # noqa: F401
 
 name = "x86_64"
 e_machine = 62                  # EM_X86_64

@@ -251,6 +251,22 @@ def call_stub(at: int, fn: int) -> bytes:
     return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; ret", at)
 
 
+def signal_syscall_stub(at: int, insns, hook: int, back: int) -> bytes:
+    """Where a base.SignalSyscall's jump goes: its instructions up to the system call
+    (the arguments set as the program sets them), then, instead of the system call,
+    hook(a0, a1, a2, a3, nr) (kp_signal_syscall) with every register but %rax (the
+    result) and the flags kept, over the red zone; then a jmp back after it."""
+    out = b""
+    for insn in insns[:-1]:
+        out += relocate(insn, at + len(out))
+    out += _asm_pi("lea rsp, [rsp-128]; pushfq; push rdi; push rsi; push rdx; push r10; push r8; push r9; "
+                   "push rcx; push r11; push rbp; mov rbp, rsp; and rsp, -16; mov rcx, r10; mov r8, rax")
+    out += b"\xe8" + _s32(hook - (at + len(out) + 5), "call of the signal system call hook")
+    out += _asm_pi("mov rsp, rbp; pop rbp; pop r11; pop rcx; pop r9; pop r8; pop r10; pop rdx; pop rsi; pop rdi; "
+                   "popfq; lea rsp, [rsp+128]")
+    return out + b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back from the signal system call stub")
+
+
 # -- The clean-call optprobe template -------------------------------------------
 #
 # Layouts the template reads directly, from the runtime's C headers (offsets.py:

@@ -42,7 +42,7 @@ def rules(image, arch) -> Rules:
     sites = ftrace.sites(image, arch)
     return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, arch, sites)), ftrace=sites, shared_regions=True,
                  short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True,
-                 kretprobe_blacklist=KRETPROBE_BLACKLIST)
+                 kretprobe_blacklist=KRETPROBE_BLACKLIST, signal_syscalls=True)
 
 
 # kretprobe_blacklist for a process: the C library's (glibc's, and the names other C
@@ -118,7 +118,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
             raise KprewriteError(f"internal error: stub at {addr:#x} is {len(code)} bytes")
         rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
 
-    entry, file_patches = emit_stubs(image, arch, layout.stubs, blob.symbols, put)
+    entry, file_patches = emit_stubs(image, arch, layout.stubs, blob.symbols, put, plan)
     rx = bytes(rx + blob.text)
     sections = [
         writer.NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, rx),

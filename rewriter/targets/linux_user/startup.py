@@ -172,9 +172,14 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     object's init/fini hooks (the 8 bytes slot_hook() rewrites, or the 16 of a DT_FINI
     entry of ours) and its IFUNC resolvers' addends.  An executable's new entry point
     is in the ELF header, which diff explains itself."""
+    names = {13: "rt_sigaction", 14: "rt_sigprocmask"}
+    calls = [(image.offset_of(a), get_arch(image.machine).JUMP_SIZE,
+              f"{names.get(nr, nr)} system call at {a:#x}: a jump to the runtime's stub (kp_signal_syscall: "
+              f"SIGTRAP kept unblocked and its handler the runtime's, for breakpoint probes)")
+             for a, _, nr in meta.get("signal_syscalls") or []]
     if not image.is_shared:
-        return []
-    return [(off, 8 if old is not None else 16, how) for _, off, old, how in _hooks(image)]
+        return calls
+    return [(off, 8 if old is not None else 16, how) for _, off, old, how in _hooks(image)] + calls
 
 
 def _dynamic_entries(image, dyn) -> int:
@@ -194,11 +199,17 @@ def _dynamic_value_offset(image, tag: int) -> int | None:
     return None
 
 
-def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> tuple[int | None, list]:
+def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put, plan=None) -> tuple[int | None, list]:
     """The stubs' code (put(addr, code, room)); returns (new entry point or None,
     file patches [(offset, bytes)])."""
     em = arch.emit
     entry = None
+    signal_patches = []
+    for i, sc in enumerate(plan.signal_syscalls if plan is not None else ()):
+        at = stubs[f"sigcall{i}"]
+        code = em.signal_syscall_stub(at, sc.insns, sym["kp_signal_syscall"], sc.end)
+        put(at, code, len(code))
+        signal_patches.append((image.offset_of(sc.addr), em.jump_patch(sc.addr, arch.JUMP_SIZE, at)))
     if image.is_executable:
         orig = int.from_bytes(image.data[24:32], "little")
         if not image.is_code(orig):       # a damaged e_entry: the stub's jmp could not reach it
@@ -206,7 +217,7 @@ def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> 
         put(stubs["entry"], em.entry_stub(stubs["entry"], sym["kp_user_start"], orig), STUB_ROOM)
         entry = stubs["entry"]
     if not image.is_shared:
-        return entry, []
+        return entry, signal_patches
     file_patches = []
     fns = {"init": "kp_user_lib_init", "fini": "kp_user_lib_fini"}
     for name, off, old, _ in _hooks(image):
@@ -220,4 +231,4 @@ def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put) -> 
             raise KprewriteError(f"{image.path}: the {what} {old:#x} the runtime would chain to is not in the image's code")
         put(at, em.chain_stub(at, sym[fns.get(name, "kp_user_lib_early")], old), STUB_ROOM)
         file_patches.append((off, struct.pack("<Q", at)))
-    return entry, file_patches
+    return entry, file_patches + signal_patches

@@ -25,6 +25,7 @@
 static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
 
 struct kp_ksigaction kp_trap_chain;
+static int kp_trap_installed;	/* the handler is ours: a sigaction(SIGTRAP) is recorded, not made */
 
 /* The SIGTRAP handler alone: what an early start-up can do (kp_user_lib_early()). */
 void kp_trap_handler_install(void)
@@ -41,6 +42,7 @@ void kp_trap_handler_install(void)
 	kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
 	if (kp_trap_chain.handler == (void *)kp_sigtrap)	/* never chain to ourselves */
 		kp_trap_chain.handler = 0;
+	__atomic_store_n(&kp_trap_installed, 1, __ATOMIC_RELEASE);
 }
 
 /* The handler, then the GOT hooks that keep it (kp_sighook.c). */
@@ -94,4 +96,47 @@ static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
 	if (info->si_code > 0 && kp_arch_int3_trap(uc))
 		return;
 	kp_trap_forward(sig, info, uc);
+}
+
+/*
+ * The rewritten image's own rt_sigprocmask and rt_sigaction system calls, sent
+ * here by the stubs its `syscall` instructions jump to (the rewriter's
+ * Rules.signal_syscalls, where the image has breakpoint sites): what the GOT
+ * hooks (kp_sighook.c) do for calls through the GOT, for the calls a C library
+ * makes itself (glibc's pthread_create() and posix_spawn() block every signal
+ * with a raw system call; a rewritten libc.so.6 or a static program's libc
+ * implements sigaction() itself):
+ *  - a mask set loses the SIGTRAP bit (blocked, an int3 would kill the process);
+ *  - sigaction(SIGTRAP) only records the program's handler once ours is
+ *    installed (traps that are not ours go to it: kp_trap_forward()), and reports
+ *    the program's own view back; another signal's sa_mask loses SIGTRAP.
+ * Called with the system call's arguments and number; returns its result.
+ */
+long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr)
+{
+	unsigned long mask;
+	struct kp_ksigaction copy;
+	if (nr == __NR_rt_sigprocmask) {
+		const unsigned long *set = (const unsigned long *)a1;
+		if (set && a0 != 1 /* SIG_UNBLOCK */ && a3 == 8 && (set[0] & KP_SIGBIT(KP_SIGTRAP))) {
+			mask = set[0] & ~KP_SIGBIT(KP_SIGTRAP);
+			a1 = (long)&mask;
+		}
+	} else if (nr == __NR_rt_sigaction) {
+		const struct kp_ksigaction *act = (const struct kp_ksigaction *)a1;
+		if (a0 == KP_SIGTRAP && a3 == 8 && __atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE)) {
+			struct kp_ksigaction prev = kp_trap_chain;
+			if (act)
+				kp_trap_chain = *act;
+			if (a2)
+				*(struct kp_ksigaction *)a2 = prev;
+			return 0;
+		}
+		if (act && a3 == 8 && (act->mask & KP_SIGBIT(KP_SIGTRAP))) {
+			copy = *act;
+			copy.mask &= ~KP_SIGBIT(KP_SIGTRAP);
+			a1 = (long)&copy;
+		}
+	}
+	return kp_syscall6(nr, a0, a1, a2, a3, 0, 0);
 }

@@ -22,6 +22,8 @@ void kp_trap_handler_install(void);
 extern struct kp_ksigaction kp_trap_chain;
 /* Point the program's sigaction & co. at our hooks (kp_sighook.c). */
 void kp_sighook_install(void);
+/* The image's own rt_sigprocmask/rt_sigaction system calls (kp_signal.c). */
+long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr);
 
 #pragma GCC visibility pop
 
