@@ -22,7 +22,35 @@
 #include "kp_signal.h"
 
 
-static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
+__attribute__((visibility("hidden"), used)) void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
+
+/*
+ * The handler's address as installed: on x86-64 an entry that starts with a
+ * `jmp` over 8 bytes every kprewrite runtime's has (kp_trap_is_a_runtime()), so
+ * that a runtime that finds another's handler installed over its own at exit
+ * knows it was chained (two rewritten libraries), not replaced by the program.
+ */
+#ifdef __x86_64__
+__asm__(".text\n\t.p2align 4\n\t.hidden kp_sigtrap_entry\n\t.type kp_sigtrap_entry, @function\n"
+	"kp_sigtrap_entry:\n\tjmp 1f\n\t.ascii \"kprwSIGT\"\n1:\tjmp kp_sigtrap\n\t.size kp_sigtrap_entry, .-kp_sigtrap_entry\n");
+void kp_sigtrap_entry(int sig, struct kp_siginfo *info, void *uc);
+#define KP_SIGTRAP_ENTRY kp_sigtrap_entry
+
+static int kp_trap_is_a_runtime(void *h)
+{
+	const unsigned char *p = h;
+	static const unsigned char sig[10] = { 0xeb, 0x08, 'k', 'p', 'r', 'w', 'S', 'I', 'G', 'T' };
+	if ((unsigned long)h < 4096)		/* SIG_DFL, SIG_IGN */
+		return 0;
+	for (int i = 0; i < 10; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
+#else
+#define KP_SIGTRAP_ENTRY kp_sigtrap
+#define kp_trap_is_a_runtime(h) ((h) == (void *)kp_sigtrap)
+#endif
 
 struct kp_ksigaction kp_trap_chain;
 static int kp_trap_installed;	/* the handler is ours: a sigaction(SIGTRAP) is recorded, not made */
@@ -34,13 +62,13 @@ void kp_trap_handler_install(void)
 	if (!kp_nint3 || __atomic_exchange_n(&done, 1, __ATOMIC_ACQ_REL))
 		return;
 	struct kp_ksigaction sa = {
-		.handler = (void *)kp_sigtrap,
+		.handler = (void *)KP_SIGTRAP_ENTRY,
 		.flags = KP_SA_SIGINFO | KP_SA_RESTORER | KP_SA_NODEFER | KP_SA_RESTART,
 		.restorer = kp_arch_sigreturn,
 		.mask = ~(KP_SIGBIT(KP_SIGTRAP) | KP_SIGBIT(11) | KP_SIGBIT(7) | KP_SIGBIT(4) | KP_SIGBIT(8)),
 	};
 	kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
-	if (kp_trap_chain.handler == (void *)kp_sigtrap)	/* never chain to ourselves */
+	if (kp_trap_chain.handler == (void *)KP_SIGTRAP_ENTRY)	/* never chain to ourselves */
 		kp_trap_chain.handler = 0;
 	__atomic_store_n(&kp_trap_installed, 1, __ATOMIC_RELEASE);
 }
@@ -88,7 +116,7 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 	kp_syscall6(__NR_rt_sigprocmask, 2, (long)&old, 0, 8, 0, 0);
 }
 
-static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
+void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
 {
 	kp_arch_signal_entry();
 	/* si_code > 0: raised by the CPU (SI_KERNEL for int3, TRAP_TRACE or,
@@ -139,4 +167,27 @@ long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr)
 		}
 	}
 	return kp_syscall6(nr, a0, a1, a2, a3, 0, 0);
+}
+
+/*
+ * At exit: whether the program replaced our SIGTRAP handler behind the runtime's
+ * back (a sigaction the hooks did not see: made in an object that is not
+ * rewritten and not hooked, a library dlopen()ed later, a raw system call).  Its
+ * handler then got the traps of our breakpoint probes, which did not fire, and
+ * the program may have run wrong.  Says so once on standard error; returns the
+ * line for the profile, or 0.
+ */
+const char *kp_trap_check(void)
+{
+	static const char line[] = "kprewrite: the program replaced the SIGTRAP handler of the breakpoint probes "
+				   "(a sigaction the runtime did not see): their traps went to its handler\n";
+	static int said;
+	if (!__atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE))
+		return 0;
+	struct kp_ksigaction cur;
+	if (kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, 0, (long)&cur, 8, 0, 0) != 0 || kp_trap_is_a_runtime(cur.handler))
+		return 0;
+	if (!__atomic_exchange_n(&said, 1, __ATOMIC_ACQ_REL))
+		kp_platform_write(2, line, sizeof(line) - 1);
+	return line;
 }

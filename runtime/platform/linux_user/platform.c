@@ -267,6 +267,7 @@ static void kp_user_exit(void)
 	if (__atomic_exchange_n(&kp_exited, 1, __ATOMIC_ACQ_REL))
 		return;
 	kp_trace_flush();	/* the trace lines gathered (kp_trace.c) */
+	kp_profile_note = kp_trap_check();
 	kp_write_profile();
 }
 
