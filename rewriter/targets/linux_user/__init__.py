@@ -12,7 +12,7 @@ from ...build.meta import META_SECTION
 from ...errors import KprewriteError
 from ...analysis.rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
 from . import ftrace, sighook, unwind, writer
-from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
+from .startup import check_supported, diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"
@@ -39,6 +39,7 @@ def rules(image, arch) -> Rules:
     as KPROBE_FLAG_FTRACE does, the bytes after a site's first refused as in a
     kernel.  The output keeps the sites' tables unchanged (write() does not touch
     them): nothing patches them at run time in a user process."""
+    check_supported(image)          # the dynamic loader: refused by check as by instrument
     sites = ftrace.sites(image, arch)
     return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, arch, sites)), ftrace=sites, shared_regions=True,
                  short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True,
