@@ -76,8 +76,8 @@ def _programs(tmp: Path) -> list[tuple[list, dict]]:
     """Real programs on real input: (command, extra keywords for _run)."""
     data = tmp / "numbers.txt"
     if not data.exists():
-        # 200,000 lines in an order of their own: sort's threads and gzip's blocks work.
-        data.write_text("".join(f"{(i * 7919) % 200003}\n" for i in range(200000)))
+        # 100,000 lines in an order of their own: sort's threads and gzip's blocks work.
+        data.write_text("".join(f"{(i * 7919) % 100003}\n" for i in range(100000)))
     tree = Path(__file__).resolve().parent.parent / "runtime"
     return [
         (["/bin/echo", "hello", "world"], {}),
