@@ -101,6 +101,12 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 		kp_syscall3(__NR_tgkill, kp_syscall3(__NR_getpid, 0, 0, 0), kp_syscall3(__NR_gettid, 0, 0, 0), KP_SIGTRAP);
 		return;
 	}
+	/* Another rewritten object's runtime (installed before us): its handler
+	 * keeps the mask as ours does, no system call needed around it. */
+	if (kp_trap_is_a_runtime(h)) {
+		((void (*)(int, struct kp_siginfo *, void *))h)(sig, info, uc);
+		return;
+	}
 	/* The program's handler, under its sa_mask (SIGTRAP itself stays
 	 * deliverable, see above); SA_RESETHAND is honoured. */
 	unsigned long *ucmask = (unsigned long *)((char *)uc + KP_UC_SIGMASK);
