@@ -247,6 +247,8 @@ static void kp_hook_object(struct kp_link_map *l, const struct kp_phdr *ph, unsi
 			phnum = *(const unsigned short *)(e + 56);
 		}
 	}
+	if (!ph)		/* its RELRO unknown: a slot there could not be written */
+		return;
 	unsigned long rlo, rhi, lo = ~0UL, hi = 0;
 	kp_relro_of(ph, phnum, b, &rlo, &rhi);
 	for (unsigned long i = 0; ph && i < phnum; i++)
