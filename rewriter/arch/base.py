@@ -38,7 +38,7 @@ class SignalSyscall:
     addr (the load of the call's number) to end (after the system call instruction)."""
     addr: int
     end: int
-    nr: int
+    nr: int             # 0: known at run time only (the C library's syscall(2))
     insns: tuple        # DcrInsn: the number's load, what sets the arguments, the system call
 
 
@@ -328,9 +328,10 @@ class Emit(Protocol):
     def call_stub(self, at: int, fn: int) -> bytes:
         """A function that calls fn and returns (a DT_FINI of our own)."""
 
-    def signal_syscall_stub(self, at: int, insns, hook: int, back: int) -> bytes:
+    def signal_syscall_stub(self, at: int, sc, hook: int) -> bytes:
         """Where a SignalSyscall's jump goes: its instructions but the system call, then
-        hook(a0, a1, a2, a3, nr) in its place, then a jump back to after it."""
+        hook(a0, a1, a2, a3, nr) in its place (nr 0: only for the two numbers), then a
+        jump back to after it."""
 
 
 class HandlerAbi(Protocol):

@@ -279,7 +279,7 @@ def call_stub(at: int, fn: int) -> bytes:
     return out + E.ldp_post(29, 30, 31, 16) + (0xD65F03C0).to_bytes(4, "little")      # ret
 
 
-def signal_syscall_stub(at: int, insns, hook: int, back: int) -> bytes:
+def signal_syscall_stub(at: int, sc, hook: int) -> bytes:
     """Unused: signal_syscalls() finds none on AArch64 yet."""
     raise NotImplementedError("signal system call stubs on AArch64")
 

@@ -172,7 +172,7 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     object's init/fini hooks (the 8 bytes slot_hook() rewrites, or the 16 of a DT_FINI
     entry of ours) and its IFUNC resolvers' addends.  An executable's new entry point
     is in the ELF header, which diff explains itself."""
-    names = {13: "rt_sigaction", 14: "rt_sigprocmask"}
+    names = {13: "rt_sigaction", 14: "rt_sigprocmask", 0: "syscall(2)'s (rt_sigaction or rt_sigprocmask)"}
     calls = [(image.offset_of(a), get_arch(image.machine).JUMP_SIZE,
               f"{names.get(nr, nr)} system call at {a:#x}: a jump to the runtime's stub (kp_signal_syscall: "
               f"SIGTRAP kept unblocked and its handler the runtime's, for breakpoint probes)")
@@ -207,7 +207,7 @@ def emit_stubs(image, arch, stubs: dict[str, int], sym: dict[str, int], put, pla
     signal_patches = []
     for i, sc in enumerate(plan.signal_syscalls if plan is not None else ()):
         at = stubs[f"sigcall{i}"]
-        code = em.signal_syscall_stub(at, sc.insns, sym["kp_signal_syscall"], sc.end)
+        code = em.signal_syscall_stub(at, sc, sym["kp_signal_syscall"])
         put(at, code, len(code))
         signal_patches.append((image.offset_of(sc.addr), em.jump_patch(sc.addr, arch.JUMP_SIZE, at)))
     if image.is_executable:
