@@ -1,4 +1,4 @@
-"""A call graph of every function: uftrace against kprewrite (issue 27's anchor).
+"""A call graph of every function: uftrace against kprewrite (the anchor users know).
 
     python3 benchmarks/callgraph_uftrace.py [--runs N] [--n N] [--verbose]
 

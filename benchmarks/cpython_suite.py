@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPython's whole regression suite on a rewritten libpython (issue 13, item 3).
+"""CPython's whole regression suite on a rewritten libpython.
 
 Runs `python -m test -j2` (every test module; only --exclude left out; a per-test
 timeout) with the interpreter that runs this script, against

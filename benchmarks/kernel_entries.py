@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Kernel benchmark: a probe on every function entry (issue 10, Benchmarks, third bullet).
+"""Kernel benchmark: a probe on every function entry.
 
 Run: python3 benchmarks/kernel_entries.py [--count N] [--timeout S]
      python3 benchmarks/kernel_entries.py --all [--timeout S]
      (fetches Debian's cloud kernel like tests/kernel do; needs gcc, qemu-system-x86, busybox-static)
 
---all (issue 28): one `[[kprobe]] symbol_name = "*"` table with an empty pre_handler, every
+--all: one `[[kprobe]] symbol_name = "*"` table with an empty pre_handler, every
 function (ftrace sites, jump-optimized entries and breakpoint probes alike; what the rules
 refuse is skipped, as for any glob): the decisions `check` gives, the space used of each gap,
 then the same boot.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Kernel benchmark: the cost of a trace event hit, ours (an `events` line, each hit a line in the
 kernel's ftrace ring buffer) and the running kernel's own tracefs kprobe event, side by side in the
-same boot (issue 11, kprobe_events in the kernel).
+same boot (kprobe_events in the kernel).
 
 Run: python3 benchmarks/kernel_events.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Kernel benchmark: the cost of a probe hit, ours and the running kernel's own kprobes, side by
-side in the same boot, under qemu-system-x86_64 (issue 10, "Benchmarks", first bullet).
+side in the same boot, under qemu-system-x86_64.
 
 Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] [--warmup W] [--keep DIR] [--int3]
                                          [--write-table benchmarks/README.md] [--check]
@@ -9,9 +9,9 @@ Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] 
       kernel_probes-int3, -kret, -singlestep for those tables)
      (--check: exit status 3 when ours costs MORE than any of the kernel's configurations it is
       compared with, or a check failed; every kernel row prints a "verdict:" line, less or MORE)
-     (--int3: ours at +0xe is a breakpoint probe, issue 11, compared with the kernel's INT3 kprobes)
+     (--int3: ours at +0xe is a breakpoint probe, compared with the kernel's INT3 kprobes)
      (--singlestep: row k, a breakpoint probe whose instruction is single-stepped: see SINGLESTEP_DOC below)
-     (--kret: kretprobes, issue 11 rows r and ro: ours on getuid (empty handler) and geteuid (empty
+     (--kret: kretprobes, rows r and ro: ours on getuid (empty handler) and geteuid (empty
       entry_handler and handler), the kernel's on getgid: register_kretprobe() in the module, both
       ways, and the tracefs `r:` event, with and without tracing_on)
      (fetches Debian's cloud kernel like tests/kernel do; needs gcc, make, qemu-system-x86, busybox-static)
@@ -441,7 +441,7 @@ def is_ours(what: str) -> bool:
 def print_verdicts(rows) -> int:
     """Each of the kernel's configurations against ours at the same place (the row's
     "x ours": its cost over ours, from medians): "less" when ours costs less.  Prints a
-    line per row and a summary; returns how many rows say MORE (issue 30: the check of
+    line per row and a summary; returns how many rows say MORE (the check of
     tests/kernel/test_kernel_bench.py and --check)."""
     more = 0
     for what, kind, per_call, hit, ratio, hit_min, ratio_min in rows:

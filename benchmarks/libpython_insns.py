@@ -1,4 +1,4 @@
-"""Every instruction of libpython's 50 largest functions probed (issue 15's
+"""Every instruction of libpython's 50 largest functions probed (the
 every-instruction figure): how many are jump-optimized, and why the rest are
 not, from `kprewrite check --format json`.
 

@@ -1,6 +1,6 @@
 """Real libraries from Debian's packages with a probe on every function entry
-(issue 15's table), or with --kretprobe a kretprobe on every function (issue
-27's): how many entries are jump-optimized (and, for kretprobes, how each
+(the optimizer's table), or with --kretprobe a kretprobe on every function:
+how many entries are jump-optimized (and, for kretprobes, how each
 return site is hooked), and how much slower a real workload runs.
 
     python3 benchmarks/real_libs.py [--runs N] [--scale [NAME=]K ...] [--cpu N] [--warmup N]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The tiny-function case of issue 27: a kretprobe on a 6-byte function,
+"""The tiny-function case: a kretprobe on a 6-byte function,
 `lea 0x1(%rdi,%rdi,1),%rax; ret`, placed last in .text (no padding after its
 `ret` to borrow, so its entry's region grows to take the ret and the return
 hook runs in the entry's detour), called in a tight loop.

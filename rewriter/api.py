@@ -9,10 +9,8 @@ what these return.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from .errors import KprewriteError
 
 
 @dataclass
@@ -65,10 +63,10 @@ def check(input_path, spec, *, optimize: bool = True, system_map=None, progress:
     "refused") and, when named exactly, in `errors`; a bad spec or image raises.
     progress: show each stage on standard error if it is a terminal."""
     from . import pipeline, report
-    s = pipeline.prepare_for_check(str(input_path), str(spec), not optimize, str(system_map) if system_map else None,
+    s, handler_errors = pipeline.prepare_for_check(str(input_path), str(spec), not optimize, str(system_map) if system_map else None,
                                    _progress(progress))
     d = report.check_doc(s.plan, s.image.label)
-    return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"],
+    return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"] + handler_errors,
                        compiled=[{"table": t, "event": line} for t, line in s.spec.compiled], notes=_notes(s))
 
 
@@ -80,8 +78,12 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
     write a make/ninja depfile there, naming every file the rewrite read."""
     from . import pipeline, report
     input_path, output = str(input_path), str(output)
-    if os.path.abspath(output) == os.path.abspath(input_path):
-        raise KprewriteError(f"{output}: OUTPUT must differ from INPUT (INPUT is never modified)")
+    from .output import refuse_same
+    # Compared as files (device and inode), not names: a symbolic or hard link to INPUT is INPUT.
+    inputs = {"INPUT": input_path, "the spec": str(spec), "the System.map": str(system_map) if system_map else None}
+    refuse_same(output, inputs)
+    if depfile:
+        refuse_same(str(depfile), {**inputs, "OUTPUT": output})
     s = pipeline.instrument(input_path, str(spec), output, not optimize,
                             str(system_map) if system_map else None, _progress(progress),
                             str(depfile) if depfile else None)
@@ -91,9 +93,8 @@ def instrument(input_path, spec, output, *, optimize: bool = True, system_map=No
 
 def _notes(s) -> list[str]:
     """A target's one-line notes on what it writes (a module's events without the kernel's
-    BTF: linux_module.notes()); an optional answer of a target."""
-    notes = getattr(s.target, "notes", None)
-    return notes(s.image, s.traces) if notes is not None else []
+    BTF: linux_module.notes())."""
+    return s.target.notes(s.image, s.traces)
 
 
 def read_probes(binary) -> list[dict]:

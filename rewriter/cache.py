@@ -2,7 +2,9 @@
 inputs (the jump targets of a whole kernel image, the compiled runtime): keyed by
 a hash of everything it depends on, written atomically, safe to delete.
 
-Where: $KPREWRITE_CACHE, else $XDG_CACHE_HOME/kprewrite, else ~/.cache/kprewrite.
+Where: $KPREWRITE_CACHE, else $XDG_CACHE_HOME/kprewrite, else ~/.cache/kprewrite when
+the home folder exists (kprewrite never makes the user's home), else
+kprewrite-cache-<uid> in the temporary folder ($TMPDIR, /tmp).
 A cache that cannot be written is simply not used.  Each kind keeps its KEEP most
 recently used entries: an entry is touched when read, and the oldest beyond that
 are deleted when a new one is written (a runtime edited often, or many images
@@ -30,8 +32,19 @@ def cache_dir() -> Path:
     d = os.environ.get("KPREWRITE_CACHE")
     if d:
         return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kprewrite"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if base:
+        return Path(base) / "kprewrite"
+    home = os.path.expanduser("~")
+    if os.path.isdir(home):
+        return Path(home) / ".cache" / "kprewrite"
+    return _fallback()
+
+
+def _fallback() -> Path:
+    """The cache when there is no home folder to hold it (HOME names a missing folder:
+    a service account, a build sandbox): one of this user's own in the temporary folder."""
+    return Path(tempfile.gettempdir()) / f"kprewrite-cache-{os.geteuid()}"
 
 
 def _private(p: Path) -> bool:
@@ -48,7 +61,14 @@ def trusted(kind: str | None = None) -> bool:
     and private (made so when missing)."""
     root = cache_dir()
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if root == _fallback():
+            # In a folder everyone may write: made here, never followed through a link
+            # (another user's symbolic link there would choose where entries go).
+            root.mkdir(mode=0o700, exist_ok=True)
+            if os.path.islink(root):
+                return False
+        else:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         if kind:
             (root / kind).mkdir(mode=0o700, exist_ok=True)
     except OSError:

@@ -156,9 +156,7 @@ def diff(original: str, rewritten: str, system_map: str | None = None) -> dict:
     from . import targets
     orig = targets.load(original)
     if orig.container is not None:      # the image is re-laid inside its container when written
-        why = getattr(orig.target, "DIFF_REFUSAL", None) or ("a bzImage's vmlinux is re-laid when written, so "
-                                                             "compare the vmlinux it holds and that vmlinux rewritten")
-        raise KprewriteError(f"{original}: diff compares ELF files; {why}")
+        raise KprewriteError(f"{original}: diff compares ELF files; {orig.target.DIFF_REFUSAL}")
     target = orig.target
     target.load_symbols(orig, system_map)
     meta = read_metadata(rewritten)

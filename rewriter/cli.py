@@ -20,17 +20,36 @@ def _fail(lines) -> None:
     sys.exit(1)
 
 
+def _reader_gone() -> None:
+    """Standard output's reader has gone (`kprewrite blacklist IMAGE | head -1`): stop
+    quietly, as a C program killed by SIGPIPE does (`perf list | head`), with its status
+    (128 + SIGPIPE).  Standard output is pointed at /dev/null so that nothing still
+    buffered for it fails again at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    sys.exit(128 + 13)
+
+
 def _guard(fn):
     def run(*a, **kw):
         # LIEF reads an unknown enum value (a section type, a dynamic tag of a damaged or
         # newer ELF) as its number, warning as it does: a number is all kprewrite needs.
         warnings.filterwarnings("ignore", r"\d+ is not a valid", RuntimeWarning)
         try:
-            return fn(*a, **kw)
+            r = fn(*a, **kw)
+            sys.stdout.flush()          # a closed pipe is found here, not at the interpreter's exit
+            return r
+        except BrokenPipeError:
+            _reader_gone()
         except KprewriteError as e:
             _fail(e.lines)
-        except KeyboardInterrupt:
-            _fail(["interrupted"])
+        except KeyboardInterrupt:       # Ctrl-C: 128 + SIGINT, as a shell reports a command it interrupted
+            click.echo("kprewrite: interrupted", err=True)
+            sys.exit(130)
         except Exception as e:   # a bug: still one line, traceback only on request
             if os.environ.get("KPREWRITE_DEBUG"):
                 raise
@@ -208,6 +227,9 @@ def trace(trace_file, fmt, output):
     a call graph or text lines."""
     import json
     from .trace import formats as tracefmt
+    if output:
+        from .output import refuse_same
+        refuse_same(output, {"FILE": trace_file})
     records = tracefmt.read(trace_file)
     if fmt == "jsonl":
         text = tracefmt.jsonl(records)
@@ -219,11 +241,10 @@ def trace(trace_file, fmt, output):
     else:
         text = json.dumps(tracefmt.chrome(records, os.path.basename(trace_file)), sort_keys=True) + "\n"
     if output:
-        try:
-            with open(output, "w") as f:
-                f.write(text)
-        except OSError as e:
-            raise KprewriteError(f"{output}: cannot write: {e.strerror}")
+        from .output import write_all
+        umask = os.umask(0o022)
+        os.umask(umask)
+        write_all([(output, text.encode(), 0o666 & ~umask)])
     else:
         click.echo(text, nl=False)
 
@@ -239,6 +260,9 @@ def report(trace_file, plot, fmt):
     from .output import write_atomically
     if plot and not plot.lower().endswith(".svg"):
         raise KprewriteError(f"{plot}: --plot writes SVG; name the file *.svg")
+    if plot:
+        from .output import refuse_same
+        refuse_same(plot, {"TRACE": trace_file})
     records = tracefmt.read(trace_file)
     s = tracereport.summary(records)
     if plot:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from .errors import KprewriteError
-from .output import write_atomically
+from .output import write_all
 
 
 def escape(path: str) -> str:
@@ -26,15 +26,15 @@ def text(target: str, deps: list) -> str:
     return escape(target) + ":" + "".join(f" \\\n  {escape(p)}" for p in ordered) + "\n"
 
 
-def write(path: str, target: str, deps: list, mode_from: str) -> None:
+def entry(path: str, target: str, deps: list, mode_from: str) -> tuple[str, bytes, int]:
+    """The depfile as output.write_all() takes it: INPUT's mode, but not executable."""
     if os.path.isdir(path):
         raise KprewriteError(f"{path}: --depfile is a directory")
-    write_atomically(path, text(target, deps).encode(), mode_from)
-    # A depfile is not executable, whatever INPUT is.
-    try:
-        os.chmod(path, os.stat(path).st_mode & 0o666)
-    except OSError as e:
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+    return path, text(target, deps).encode(), os.stat(mode_from).st_mode & 0o666
+
+
+def write(path: str, target: str, deps: list, mode_from: str) -> None:
+    write_all([entry(path, target, deps, mode_from)])
 
 
 def read(path) -> list:

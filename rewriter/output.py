@@ -1,4 +1,5 @@
-"""Writing the output file: atomically, with the input's mode, never over the input."""
+"""Writing the output files: atomically, with the input's mode, never over the input,
+and all of them or none."""
 from __future__ import annotations
 
 import os
@@ -7,21 +8,66 @@ import tempfile
 from .errors import KprewriteError
 
 
+def same_file(a: str, b: str) -> bool:
+    """a and b name one file (a symbolic or hard link to it counts): compared by device
+    and inode, not by name.  A path that does not exist names no file yet."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def refuse_same(output: str, inputs: dict[str, str | None]) -> None:
+    """An output that is one of `inputs` (what -> path) is refused before anything is read."""
+    for what, path in inputs.items():
+        if path and path != "-" and same_file(output, path):
+            raise KprewriteError(f"{output}: is {what} ({path}); the output must be another file "
+                                 f"({what} is never modified)")
+
+
 def write_atomically(path: str, data: bytes, mode_from: str) -> None:
     """Write OUTPUT atomically, with INPUT's file mode."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
+    write_all([(path, data, os.stat(mode_from).st_mode & 0o7777)])
+
+
+def write_all(files: list[tuple[str, bytes, int]]) -> None:
+    """Each (path, data, mode) written, or none of them: every file goes to a temporary
+    file beside it first, and only when all are written are they renamed into place (a
+    rename that fails takes back the ones before it)."""
+    staged = []
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
-    except OSError as e:
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+        for path, data, mode in files:
+            d = os.path.dirname(os.path.abspath(path)) or "."
+            if os.path.isdir(path):
+                raise KprewriteError(f"{path}: cannot write: is a directory")
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
+            except OSError as e:
+                raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+            staged.append((path, tmp))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.chmod(tmp, mode)
+            except OSError as e:
+                raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+        done = []
+        for path, tmp in staged:
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                for p in done:
+                    _unlink(p)
+                raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+            done.append(path)
+        staged = []
+    finally:
+        for _, tmp in staged:
+            _unlink(tmp)
+
+
+def _unlink(p: str) -> None:
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, os.stat(mode_from).st_mode & 0o7777)
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+        os.unlink(p)
+    except OSError:
+        pass

@@ -22,7 +22,7 @@ from .analysis.functions import Analysis
 from .arch import get_arch
 from .errors import KprewriteError
 from .elf.image import Image
-from .output import write_atomically
+from .output import write_all
 from .progress import NoProgress
 from .report import blacklist_lines, check_lines, list_lines, read_metadata, skipped_summary
 
@@ -55,8 +55,17 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     progress: a progress.Progress told each stage as it starts."""
     progress = progress or NoProgress()
     spec = load_spec(spec_path)
+    if not (spec.kprobes or spec.kretprobes or spec.events or spec.probes):
+        # An output with no probes in it is a copy: most likely the wrong spec was given.
+        raise KprewriteError(f"{spec.path.name}: the spec defines no probes (no [[kprobe]], [[kretprobe]] or "
+                             "[[function_graph]] table, no events or probes); nothing to instrument")
     progress.stage("loading", os.path.basename(input_path))
     image = targets.load(input_path)   # unwrapped from its container, its target detected
+    if image.section_named(meta.META_SECTION) is not None:
+        # A second runtime and probe table beside the first (two profiles, two sets of
+        # detours over one another's code): not supported, refused.
+        raise KprewriteError(f"{input_path}: already rewritten by kprewrite (it has a {meta.META_SECTION} "
+                             "section); instrument the original file instead")
     arch = get_arch(image.machine)
     errors = []
     if spec.probes:                   # perf probe definitions become kprobe_events lines (DWARF: pyelftools)
@@ -81,6 +90,7 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     traces, trace_errors = events.compile_all(image, arch, [p for p in probes if not is_entry(p)],
                                               [p for _, p, _ in plan.kretprobes], spec.path.name, errors)
     errors += trace_errors
+    errors += target.refusals(image, plan, traces, spec.path.name)
     symbols, exports = {}, {}
     if strict:
         symbols, exports, handler_errors = handlers.resolve(spec, arch, target.RUNTIME_HANDLERS)
@@ -91,12 +101,37 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
 
 
 def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False,
-                      system_map: str | None = None, progress=None) -> Session:
+                      system_map: str | None = None, progress=None) -> tuple[Session, list[str]]:
+    """`check`'s plan (refused probes kept in it), and the lines of what instrument's
+    handler stage would refuse (check_handlers)."""
     progress = progress or NoProgress()
     try:
-        return prepare(input_path, spec_path, no_optimize, strict=False, system_map=system_map, progress=progress)
+        s = prepare(input_path, spec_path, no_optimize, strict=False, system_map=system_map, progress=progress)
+        progress.stage("compiling", f"{len(s.spec.handlers)} handler files")
+        return s, check_handlers(s)
     finally:
         progress.done()
+
+
+def check_handlers(s: Session) -> list[str]:
+    """What instrument's handler stage would refuse, for `check`: each handler the spec
+    names defined in a handler file (handlers.resolve), and every handler file compiled
+    (to a temporary folder, then dropped).  The error lines; none if instrument would
+    get past it."""
+    symbols, exports, errors = handlers.resolve(s.spec, s.arch, s.target.RUNTIME_HANDLERS)
+    if errors or not s.spec.handlers:
+        return errors
+    with tempfile.TemporaryDirectory(prefix="kprewrite-") as d:
+        workdir = Path(d)
+        headers = workdir / "include"
+        for rel, text in s.target.handler_headers(s.image).items():
+            (headers / rel).parent.mkdir(parents=True, exist_ok=True)
+            (headers / rel).write_text(text)
+        try:
+            handlers.compile_and_read(s.spec, s.arch, symbols, exports, workdir, s.target.name, headers)
+        except KprewriteError as e:
+            return list(e.lines)
+    return []
 
 
 def compile_handlers(s: Session, workdir: Path, progress=None, deps: list | None = None) -> list[Path]:
@@ -121,7 +156,7 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     lay out (a layout.Layout beside the plan, which stays as it is), generate the
     tables, link, emit, write; each from (plan, layout)."""
     progress = progress or NoProgress()
-    if hasattr(s.target, "build"):       # a target linked by its own linker (a kernel module: ld -r)
+    if s.target.build is not None:       # a target linked by its own linker (a kernel module: ld -r)
         progress.stage("linking")
         return s.target.build(s, objs, workdir, progress)
     platform = s.target.name             # its runtime/platform/<name> folder
@@ -236,10 +271,11 @@ def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool =
             objs = compile_handlers(s, workdir, progress, deps)
             data = build(s, objs, workdir, progress)
         deps += link.runtime_sources()
-        write_atomically(output, data, input_path)
-        if depfile:
+        files = [(output, data, os.stat(input_path).st_mode & 0o7777)]
+        if depfile:             # OUTPUT and its depfile both, or neither (make would take OUTPUT as up to date)
             from . import depfile as df
-            df.write(depfile, output, deps, input_path)
+            files.append(df.entry(depfile, output, deps, input_path))
+        write_all(files)
     finally:
         progress.done()
     return s

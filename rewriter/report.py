@@ -151,11 +151,7 @@ def skipped_text(counts: dict[str, int], placed: int) -> list[str]:
 
 
 def read_metadata(path: str) -> dict:
-    from elftools.common.exceptions import ELFError
-    from elftools.elf.elffile import ELFFile
-    import io
-    import struct
-
+    from .elf.view import ElfView
     from .targets import unwrap
     try:
         with open(path, "rb") as f:
@@ -165,18 +161,20 @@ def read_metadata(path: str) -> dict:
             data = unwrapped[0]
         if data[:4] != b"\x7fELF":
             raise KprewriteError(f"{path}: not an ELF file")
-        sec = ELFFile(io.BytesIO(data)).get_section_by_name(META_SECTION)
+        try:
+            view = ElfView(data, path)
+            sec = view.section(META_SECTION)
+        except KprewriteError as e:       # a bad header or section table: elf.view's one line
+            raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file ({e.args[0]})")
         if sec is None:
             raise KprewriteError(f"{path}: not rewritten by kprewrite (no {META_SECTION} section)")
-        doc = json.loads(sec.data())
+        doc = json.loads(view.section_bytes(sec))
         if not isinstance(doc, dict) or not isinstance(doc.get("probes"), list):
             raise ValueError
         return doc
     except OSError as e:
         raise KprewriteError(f"{path}: cannot read: {e.strerror}")
-    except (ValueError, KeyError, TypeError, ELFError, struct.error, AssertionError, OverflowError):
-        # pyelftools raises ELFError on a bad header, struct errors or assertions on truncation,
-        # OverflowError when a damaged offset is seeked in memory (a bzImage's vmlinux is read so)
+    except (ValueError, KeyError, TypeError):
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 

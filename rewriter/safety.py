@@ -17,6 +17,10 @@ rsp_relative_call in copy_region().  Its one remaining check, MAX_OPTIMIZED_LENG
 as faithfully.  So it has no entry: switching the umbrella off would only switch off
 rules that are proven one by one.
 
+A back end's own rules (those only its code checks) sit in its folder,
+rewriter/arch/<arch>/safety_rules.py, and rules() adds them to RULES: a new
+architecture registers its rules without editing this file.
+
 tests/test_safety_rules.py holds, for each rule with a switch, a small program
 that the rewrite with the rule on leaves printing what the original prints and
 that crashes, hangs or prints something else with the rule off; and it checks
@@ -119,7 +123,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "a leaf keeping data at -8(%rsp) across the probe reads the detour's saved %rax: wrong sum"),
     Rule("lsda_landing_pads",
          "C++ landing pads (the LSDA's call-site table) are known jump targets",
-         "analysis:landing_pad_targets", OURS, "test_lsda_landing_pads",
+         "analysis.functions:landing_pad_targets", OURS, "test_lsda_landing_pads",
          "the unwinder lands inside the probe's 5-byte jump: SIGTRAP"),
     Rule("jump_table_bounds",
          "a jump table's entries are trusted as its jump's only targets only when its index is "
@@ -187,39 +191,38 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "no region or int3 over a site the kernel patches at boot or looks up by its address "
          "(alternatives, paravirt, retpolines, return sites, static calls, jump labels, "
          ".smp_locks, ftrace sites, BUG sites)",
-         "rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",
+         "analysis.rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",
          "kernel: a jump-optimized probe at do_exit+0x2d, over the paravirt call the "
          "alternatives patch at boot: apply_alternatives() writes over the jump, and the first "
          "exit jumps to garbage", kernel=True),
-    # --- AArch64's (rewriter/arch/aarch64, proven in tests/test_aarch64_safety_rules.py) -------
-    Rule("exclusive_monitor",
-         "no probe inside an ldxr ... stxr sequence (arm64 is_probed_address_atomic()): a trap, or "
-         "a detour's handler, clears the exclusive monitor",
-         "arch.aarch64.optprobe:can_probe_insn", KERNEL, "test_exclusive_monitor",
-         "a breakpoint between an ldxr and its stxr: each trap's return clears the monitor, the "
-         "stxr fails and the loop retries forever (timeout)", arch="aarch64"),
-    Rule("pc_relative",
-         "a PC-relative instruction (adr, adrp, ldr literal, b, bl, b.cond, cbz, tbz) copied to a "
-         "detour is re-encoded for its new address (simulate-insn.c, Frida's relocator)",
-         "arch.aarch64.emit:relocate", OURS, "test_pc_relative",
-         "an adrp copied unchanged computes the detour's page: the program reads another word, "
-         "prints another sum", arch="aarch64"),
-    Rule("landing_pad",
-         "in a BTI-guarded image no B is written over a landing pad (bti, paciasp): an indirect "
-         "branch to it must land on one; the site is a brk instead",
-         "arch.aarch64.optprobe:can_optimize", OURS, "test_landing_pad",
-         "under qemu-aarch64 -cpu max the indirect call of a probed paciasp entry lands on the B: "
-         "SIGILL", arch="aarch64"),
 ]}
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=1)
+def rules() -> dict[str, Rule]:
+    """Every rule: the generic registry (RULES) and each back end's own, which its folder
+    registers (rewriter/arch/<arch>/safety_rules.py's RULES, read when first asked: an
+    arch's checks run after its package is imported)."""
+    from importlib import import_module
+    from importlib.util import find_spec
+
+    from .arch import MACHINES
+    out = dict(RULES)
+    for machine in sorted(set(MACHINES.values())):
+        name = f"{__package__}.arch.{machine}.safety_rules"
+        if find_spec(name) is not None:
+            out.update({r.name: r for r in import_module(name).RULES})
+    return out
+
+
 def _switched_off(raw: str, suite: bool) -> frozenset:
     if not suite:
         raise KprewriteError(f"{OFF_VAR} switches safety rules off for the test suite only; "
                              f"unset it (it is refused outside tests/conftest.py's runs)")
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
-    unknown = sorted(n for n in names if n not in RULES or not RULES[n].switch)
+    every = rules()
+    unknown = sorted(n for n in names if n not in every or not every[n].switch)
     if unknown:
         raise KprewriteError(f"{OFF_VAR}: no switchable safety rule named {', '.join(unknown)}")
     return names
@@ -235,7 +238,7 @@ def switched_off() -> frozenset:
 
 def enabled(name: str) -> bool:
     """Whether the safety rule `name` is on: always, but in the test suite's rule-off runs."""
-    if name not in RULES:
+    if name not in RULES and name not in rules():
         raise ValueError(f"safety.enabled(): no rule named {name!r} in rewriter/safety.py")
     raw = os.environ.get(OFF_VAR)
     return not raw or name not in _switched_off(raw, bool(os.environ.get(SUITE_VAR)))

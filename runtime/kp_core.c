@@ -275,7 +275,7 @@ static __attribute__((noinline)) void kp_clean_dispatch_general(unsigned long si
  * general form on tables built at boot tests kp_tables_built, then the site, reached
  * through a pointer, for NULL, and reads the site's probes through another pointer
  * in one more saved register (five): 8 guest instructions a hit more than on the
- * link-time tables, 21 more than this path (issue 30).  kp_fast is set only once
+ * link-time tables, 21 more than this path.  kp_fast is set only once
  * the tables are built (platform.c, kp_kernel_alloc_cpus()), so its one test covers both.
  */
 void kp_optimized_clean_callback(unsigned long site_index)

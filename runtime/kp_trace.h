@@ -75,8 +75,7 @@ static inline const char *kp_fetch_comm(struct kp_fetch_ctx *c)
 	return c->comm;
 }
 
-/* Output being built: one trace line. */
-struct kp_line { char *p, *end; };
+#include "kp_line.h"
 
 /*
  * A hit's record: the fetched values in binary, what the kernel's kprobe events store in
@@ -94,12 +93,6 @@ struct kp_rec { unsigned char *p, *end; int full; };
 void kp_fetch_arg(struct kp_rec *r, const struct kp_probe_arg *a, struct kp_fetch_ctx *c);
 /* One argument's text from the record at *p (advanced); 0 when the record ended first. */
 int kp_print_arg(struct kp_line *l, const struct kp_probe_arg *a, const unsigned char **p, const unsigned char *end);
-void kp_line_puts(struct kp_line *l, const char *s);
-void kp_line_putc(struct kp_line *l, char ch);
-void kp_line_put(struct kp_line *l, const char *s, unsigned long n);
-void kp_line_hex(struct kp_line *l, unsigned long v, int width);
-void kp_line_dec(struct kp_line *l, unsigned long v, int neg, int width, int left);
-void kp_line_sym(struct kp_line *l, unsigned long addr, int with_offset);
 
 /*
  * kp_trace.c: one hit of a trace event.  A kprobe event calls

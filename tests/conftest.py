@@ -15,6 +15,7 @@ Every test module takes its helpers from here: compiling (`cc`), the CLI
 and `once`, which builds what a native/QEMU pair of a test shares."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
@@ -37,7 +38,10 @@ os.environ["KPREWRITE_TEST_SUITE"] = "1"   # honours KPREWRITE_UNSAFE_OFF (rewri
 TREE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 HOST_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
 ARCH = os.environ.get("KPREWRITE_TEST_ARCH", HOST_ARCH)
-TRIPLES = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
+# Each architecture's facts (tests/arches/<arch>.py): ARCH's are FACTS.
+ALL_ARCHES = sorted(p.stem for p in (Path(__file__).parent / "arches").glob("*.py") if p.stem != "__init__")
+TRIPLES = {a: importlib.import_module(f"arches.{a}").TRIPLE for a in ALL_ARCHES}
+FACTS = importlib.import_module(f"arches.{ARCH}")
 CROSS = ARCH != HOST_ARCH
 CC = f"{TRIPLES[ARCH]}-gcc" if CROSS else "gcc"
 CXX = f"{TRIPLES[ARCH]}-g++" if CROSS else "g++"
@@ -313,8 +317,7 @@ def read_at(path: Path, va: int, size: int) -> bytes:
     return data[off:off + size]
 
 
-_md = (capstone.Cs(capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM) if ARCH == "aarch64"
-       else capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64))
+_md = capstone.Cs(*FACTS.CAPSTONE)
 
 
 def insns(path: Path, func: str) -> list:

@@ -11,7 +11,9 @@ from rewriter.arch.aarch64 import emit, encode
 from rewriter.arch.aarch64 import insn as I
 from rewriter.arch.base import DcrInsn
 
-ARCHES = ["x86_64", "aarch64"]      # conftest: pure Python, any host
+from conftest import ALL_ARCHES
+
+ARCHES = ALL_ARCHES      # conftest: pure Python, any host
 
 _cs = capstone.Cs(capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)
 ORIG, NEW = 0x400000, 0x400000 + 100 * (1 << 20)      # 100 MiB away: beyond adr/b.cond/tbz reach

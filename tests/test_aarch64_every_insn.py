@@ -1,4 +1,4 @@
-"""Every instruction of eight functions probed (issue 25), under qemu-aarch64
+"""Every instruction of eight functions probed, under qemu-aarch64
 (KPREWRITE_TEST_ARCH=aarch64): a C program whose functions stress the arm64 back
 end -- a switch through a jump table (adrp/add, ldrb, adr, br), adr and ldr/ldrsw
 literal with cbz/tbz/b.cond loops, bl and a tail b, exclusive load/store loops

@@ -1,4 +1,4 @@
-"""Real AArch64 software no one here wrote (issue 25): Debian's arm64 static
+"""Real AArch64 software no one here wrote: Debian's arm64 static
 busybox (busybox-static) and libsqlite3 (libsqlite3-0, loaded by the arm64
 sqlite3 shell), each rewritten two ways, a kprobe on every function and a
 kretprobe on every function, run under qemu-aarch64: output, errors and exit

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, qemu_command
+from conftest import ALL_ARCHES, ROOT, qemu_command
 from rewriter.link import runtime as lr
 
-ARCHES = ["x86_64", "aarch64"]      # conftest: cross-built, runs on either host
+ARCHES = ALL_ARCHES      # conftest: cross-built, runs on either host
 ARCH, PLATFORM = "aarch64", "linux_user"
 CC = "aarch64-linux-gnu-gcc"
 HERE = Path(__file__).resolve().parent / "aarch64"

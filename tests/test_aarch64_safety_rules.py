@@ -87,6 +87,49 @@ int main(void)
 }
 """
 
+# x86-64's ENTRY_FRAME (tests/test_safety_rules.py) for AArch64: work, a leaf, keeps x19 in a
+# 16-byte frame and branches to workpart with it live; workpart has unwind information and no
+# `.cold` name (a stripped hot/cold split), and only its FDE, CFA = sp+16 (x30 unsaved) at its
+# first byte, says it is entered mid-frame.  A kretprobe taking it as an entry (CFA = sp+0 is an
+# entry's: bl pushes nothing) swaps x30 there, and at work's ret the trampoline finds the
+# instance's frame 16 bytes off: "lost the return address", SIGILL.
+ENTRY_FRAME = r"""
+__asm__(
+".text\n"
+".globl work\n.type work,%function\nwork:\n"
+"  .cfi_startproc\n"
+"  str x19, [sp, #-16]!\n"
+"  .cfi_def_cfa_offset 16\n"
+"  .cfi_offset 19, -16\n"
+"  mov x19, x0\n"
+"  tbnz x0, #63, workpart\n"
+"1: add x0, x19, #1\n"
+"  ldr x19, [sp], #16\n"
+"  .cfi_restore 19\n"
+"  .cfi_def_cfa_offset 0\n"
+"  ret\n"
+"  .cfi_endproc\n"
+".size work,.-work\n"
+".type workpart,%function\nworkpart:\n"
+"  .cfi_startproc\n"
+"  .cfi_def_cfa_offset 16\n"
+"  .cfi_offset 19, -16\n"
+"  neg x19, x19\n"
+"  b 1b\n"
+"  .cfi_endproc\n"
+".size workpart,.-workpart\n");
+#include <stdio.h>
+long work(long);
+int main(void)
+{
+    long s = 0;
+    for (long i = 1; i <= 3; i++)
+        s = s * 10 + work(-i);
+    printf("s=%ld\n", s);
+    return 0;
+}
+"""
+
 # rule -> (source, gcc flags, spec, handlers, run under -cpu max (BTI enforced))
 PROGRAMS = {
     # A glob: with the rule on the probe is refused and skipped, not an error.
@@ -95,6 +138,9 @@ PROGRAMS = {
     "pc_relative": (PC_RELATIVE, ["-O2"], probe_spec("kprobe", ["get"], handlers=False), None, False),
     "trampoline_unsafe": (TRAMPOLINE_UNSAFE, ["-O2", "-no-pie", "-Wl,--section-start=.fartext=0x10000000"],
                           probe_spec("kretprobe", ["cramped"], handlers=False), None, False),
+    # A rule of every back end (`where` is <arch>.retprobe), proven here for AArch64's.
+    "entry_frame": (ENTRY_FRAME, ["-O2"], probe_spec("kretprobe", ["workpar?"], handlers=False, maxactive=20),
+                    None, False),
     # mid starts with paciasp, the landing pad of main's call through fp.
     "landing_pad": (BTI_PROGRAM, ["-O2", "-static", "-nostdlib", *PROTECTION["bti+pac"]],
                     probe_spec("kprobe", ["mid"], pre_handler="pre"), BTI_HANDLERS, True),
@@ -160,6 +206,14 @@ def test_landing_pad(built):
     on, off = _prove(built, "landing_pad")
     assert on[0].startswith("mid+0x0  k  int3  landing_pad at "), on
     assert off.startswith("mid+0x0  k  optimized"), off
+
+
+def test_entry_frame(built):
+    """aarch64.retprobe.entry_frame_refusal(): workpart's CFA is sp+16 (the register is sp, as
+    at an entry, but not its offset): refused, not placed."""
+    on, off = _prove(built, "entry_frame")
+    assert on[0].startswith("workpart+0x0  r  refused  entry_frame at ") and "sp+16" in on[0], on
+    assert off.startswith("workpart+0x0  r  optimized"), off
 
 
 def test_trampoline_unsafe(built):

@@ -8,7 +8,9 @@ import pytest
 
 from rewriter.arch import MACHINES, base, get_arch
 
-ARCHES = ["x86_64", "aarch64"]        # conftest: this module runs for either
+from conftest import ALL_ARCHES
+
+ARCHES = ALL_ARCHES        # conftest: this module runs for either
 BACKENDS = sorted(set(MACHINES.values()))
 # Arch members that are parts, each declared by its own Protocol.
 PARTS = {"optprobe": base.OptProbe, "kprobe_xol": base.KprobeXol, "retprobe": base.RetProbe,

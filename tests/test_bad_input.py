@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from conftest import ARCH, ROOT, cc, kprewrite, run, write_spec
+from conftest import ALL_ARCHES, ARCH, ROOT, cc, kprewrite, run, write_spec
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 # A test of x86-64 code, its register names, its EM_ or its reach (rel32: a PT_LOAD 2 GiB away stops the
 # rewrite; aarch64 falls back site by site instead, tests/test_aarch64_reach.py).
 x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="depends on x86-64 code")
@@ -71,6 +71,20 @@ def test_relocatable_object_that_is_not_a_module(tmp_path):
     assert fails(tmp_path, obj, spec, "not a readable kernel module") == [
         f"kprewrite: {obj}: a relocatable object that is not a readable kernel module (no .gnu.linkonce.this_module "
         "section in its section headers: truncated, or not a .ko)"]
+
+
+def test_module_of_an_arch_without_a_module_folder(tmp_path):
+    """A .ko of an architecture the module target has no folder for: one line naming the
+    architecture and the folders there are, no output."""
+    ko = tmp_path / "m.ko"
+    src = '__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\nint work(int x) { return x + 1; }\n'
+    r = subprocess.run(["aarch64-linux-gnu-gcc", "-c", "-o", ko, "-x", "c", "-"], input=src, text=True,
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("no aarch64-linux-gnu-gcc")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert fails(tmp_path, ko, spec, "not supported yet") == [
+        f"kprewrite: {ko}: kernel modules for aarch64 are not supported yet (rewriter/targets/linux_module/ has x86_64)"]
 
 
 def test_wrong_machine(tmp_path, prog):

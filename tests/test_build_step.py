@@ -1,4 +1,4 @@
-"""kprewrite as a build step (issue 14): `instrument --depfile` and
+"""kprewrite as a build step: `instrument --depfile` and
 samples/build_step's Makefile and CMake project (Ninja and Makefile generators).
 The rewrite runs when the program, the spec, a handler or a header it includes
 changes, and only then."""

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from conftest import cc, instrument, kprewrite, run, write_spec
+from conftest import ALL_ARCHES, cc, instrument, kprewrite, run, write_spec
 from test_events import check_chrome
 
 FORK_PROG = r"""
@@ -45,7 +45,7 @@ int main(int argc, char **argv)
 from rewriter.trace import callgraph, formats as tracefmt
 from rewriter.probes.spec import load_spec
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 
 # main -> cg_a -> cg_b x3, main -> cg_c -> cg_b, and a thread: cg_t -> cg_b.
 PROG = r"""

@@ -1,4 +1,4 @@
-"""Every relocatable instruction in the DCR (issue 15): beyond can_boost(),
+"""Every relocatable instruction in the DCR: beyond can_boost(),
 SSE moves and compares, push m64, bt, with RIP-relative operands re-encoded;
 a final call through a register or memory, emulated so the callee sees the
 original return address; a jmp through memory.  Each function's entry region

@@ -6,7 +6,9 @@ only what is in it)."""
 import re
 from pathlib import Path
 
-ARCHES = ["x86_64", "aarch64"]      # conftest: not arch-specific
+from conftest import ALL_ARCHES
+
+ARCHES = ALL_ARCHES      # conftest: not arch-specific
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md",

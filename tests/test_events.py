@@ -13,25 +13,22 @@ import subprocess
 
 import pytest
 
-from conftest import (ARCH, CC, KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, qemu_command, rewritten,
+from conftest import (ALL_ARCHES, ARCH, FACTS, CC, KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, qemu_command, rewritten,
                       run, symbols, write_spec)
 from rewriter.trace import formats as tracefmt
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="depends on x86-64 code or registers")
 
 # The first argument registers in the kernel's names of the arch (x86-64 pt_regs' di si dx
-# cx; arm64's x0..x3), and a function entry's return address: the stack's top on x86-64,
-# the link register x30 on arm64.
-ARM64_REGS = {"%di": "%x0", "%si": "%x1", "%dx": "%x2", "%cx": "%x3"}
-RETADDR = "$stack0" if ARCH == "x86_64" else "%x30"
+# cx; arm64's x0..x3), and a function entry's return address (tests/arches/<arch>.py).
+ARG_REGS = dict(zip(["%di", "%si", "%dx", "%cx"], FACTS.ARG_REGS))
+RETADDR = FACTS.RETADDR
 
 
 def regs(text: str) -> str:
     """`text` (written with x86-64's register names) with the names of ARCH."""
-    if ARCH == "x86_64":
-        return text
-    return re.sub(r"%(di|si|dx|cx)\b", lambda m: ARM64_REGS[m.group()], text)
+    return re.sub(r"%(di|si|dx|cx)\b", lambda m: ARG_REGS[m.group()], text)
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -539,7 +536,7 @@ def test_return_line_format(tmp_path, prog):
     fields = {"x86_64": ["-DREG_RETVAL=ax", "-DREG_ARG2=si"],
               "aarch64": ["-DREG_RETVAL=regs[0]", "-DREG_ARG2=regs[1]"]}[ARCH]
     r = subprocess.run([CC, "-O1", "-w", *fields, *link._includes(ARCH), str(tmp_path / "main.c"),
-                        str(tmp_path / "gen.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
+                        str(tmp_path / "gen.c"), str(rt / "kp_line.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
                         "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

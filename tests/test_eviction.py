@@ -1,4 +1,4 @@
-"""Neighbour eviction (issue 15; planner.short_jumps.evict_neighbour(), optprobe.can_evict()):
+"""Neighbour eviction (planner.short_jumps.evict_neighbour(), optprobe.can_evict()):
 E9Patch's T3 for a probe whose region cannot reach 5 bytes and which has no
 dead padding within a short jump's reach.  A neighbouring region N is moved to
 a detour of its own (its start jumps there; its copy runs and jumps back to its

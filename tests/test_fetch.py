@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from conftest import ARCH, CROSS, cc, kprewrite, rewritten, run, toml_value, write_spec
+from conftest import ALL_ARCHES, ARCH, CROSS, cc, kprewrite, rewritten, run, toml_value, write_spec
 from rewriter.probes import events as E
 from rewriter.probes import fetch as F
 from test_events import RETADDR, regs
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 
 PROGRAM = r"""
 #include <stdio.h>

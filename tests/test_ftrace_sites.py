@@ -1,4 +1,4 @@
-"""Ftrace sites in user ELFs (issue 10, item 3): a function entry that a
+"""Ftrace sites in user ELFs: a function entry that a
 `-pg -mfentry -mnop-mcount -mrecord-mcount` or `-fpatchable-function-entry=5`
 build leaves as a 5-byte nop, recorded in __mcount_loc or
 __patchable_function_entries, is probed there as KPROBE_FLAG_FTRACE does

@@ -8,11 +8,11 @@ import subprocess
 
 import pytest
 
-from conftest import ARCH, CROSS, TRIPLES, cc, instrument, kprewrite, profile, run, symbols, write_spec
+from conftest import ALL_ARCHES, ARCH, CROSS, FACTS, TRIPLES, cc, instrument, kprewrite, profile, run, symbols, write_spec
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 # The control-flow protection flag of the arch (its landing pads at function entries).
-CF = "-fcf-protection" if ARCH == "x86_64" else "-mbranch-protection=standard"
+CF = FACTS.CF_PROTECTION
 STRIP = f"{TRIPLES[ARCH]}-strip" if CROSS else "strip"
 LOCAL = "qemu" if CROSS else "native"       # the runner of the tests that run once
 

@@ -1,4 +1,4 @@
-"""Indirect jumps read instead of refused (issue 15; rewriter/arch/x86_64/jumptable.py).
+"""Indirect jumps read instead of refused (rewriter/arch/x86_64/jumptable.py).
 
 The kernel refuses to jump-optimize any probe in a function with an indirect
 jump.  kprewrite reads the jump tables and knows where stored code pointers

@@ -12,9 +12,9 @@ import subprocess
 
 import pytest
 
-from conftest import ARCH, CC, ROOT, cc, check_lines, insns, instrument, kprewrite, meta, probe_spec, profile, run, write_spec
+from conftest import ALL_ARCHES, ARCH, CC, ROOT, cc, check_lines, insns, instrument, kprewrite, meta, probe_spec, profile, run, write_spec
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 # A test that depends on x86-64 facts (its assembly, objdump's x86 syntax, regs->ax).
 x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="depends on x86-64 code or registers")
 

@@ -1,4 +1,4 @@
-"""Kretprobes on every function at their floor (issue 27).
+"""Kretprobes on every function at their floor.
 
 A stripped library's hot/cold split functions: the cold blocks have FDEs of
 their own that start mid-frame (CFA %rsp+N, N > 8) and no `.cold` name; a

@@ -1,4 +1,4 @@
-"""Light hits (issue 15; planner.forms.choose_forms()'s Site.light, emit.light_detour):
+"""Light hits (planner.forms.choose_forms()'s Site.light, emit.light_detour):
 in an image with no handler at all, a jump-optimized probe only counts its hit,
 in sharded counters bumped with a locked increment, and at a function entry
 keeps its one saved register in the red zone instead of moving %rsp.

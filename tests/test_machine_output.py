@@ -1,4 +1,4 @@
-"""Machine-readable output (issue 14): `check`, `list` and `blacklist` with
+"""Machine-readable output: `check`, `list` and `blacklist` with
 `--format json`, `instrument --format json` and `--quiet`.  Every field the text
 form shows is in the JSON, checked against the program's own symbols and code."""
 from __future__ import annotations

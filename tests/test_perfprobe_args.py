@@ -1,5 +1,5 @@
 """Probes by name on parameters that are not in the six argument registers
-(issue 29): parameters passed on the stack (the seventh on), a struct passed by
+: parameters passed on the stack (the seventh on), a struct passed by
 value in two registers (a composite DWARF location, DW_OP_piece), and a double in
 %xmm0.  The values traced are gdb's at the same addresses, at -O0 and -O2,
 natively and under QEMU; what fetch args cannot read is a one-line error naming

@@ -1,5 +1,5 @@
 """Probes by source line and local name in a Debian library no one here compiled,
-its DWARF in the separate debug file of Debian's debug package (issue 29): the
+its DWARF in the separate debug file of Debian's debug package: the
 values the rewritten library traces are gdb's at the same addresses.
 
 - libsqlite3 (libsqlite3-0, run by the sqlite3 shell) with libsqlite3-0-dbgsym.

@@ -1,4 +1,4 @@
-"""Progress of a rewrite (issue 14): one bar over the pipeline's stages, with
+"""Progress of a rewrite: one bar over the pipeline's stages, with
 counts, when standard error is a terminal (here a pseudo-terminal); nothing when
 it is not; nothing at all with --quiet."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Real software no one here wrote, rewritten and run (issue 13): Debian's sqlite3
+"""Real software no one here wrote, rewritten and run: Debian's sqlite3
 shell on a SQL script, busybox applets (the static busybox of busybox-static),
 gzip round trips, and a C++ program with exceptions and threads (libstdc++).
 Each is rewritten three ways: a kprobe on every function (jump-optimized where the

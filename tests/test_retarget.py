@@ -1,4 +1,4 @@
-"""Direct branches that enter a detour themselves (issue 15; Rules.retarget_branches,
+"""Direct branches that enter a detour themselves (Rules.retarget_branches,
 planner.retarget.retarget_branches()): a `call`, `jmp` or `jcc` rel32 to the start of a
 jump-optimized region names the detour, so a hit through it skips the jump at the
 region.  The callee must not tell: its return address, its arguments, its hit

@@ -1,4 +1,4 @@
-"""Read-only probe tables (issue 26): once the runtime has relocated itself, the
+"""Read-only probe tables: once the runtime has relocated itself, the
 handlers the dispatch calls (kp_site_handlers[], kp_kret_handlers[]), the sites,
 their probe lists and the breakpoint descriptors are read-only (runtime/kp_core.c, kp_relocate(); the linker
 script's .data.rel.ro in rewriter/link/ld.py).  A probed program with a memory-corruption

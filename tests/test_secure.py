@@ -1,4 +1,4 @@
-"""Set-user-ID safety (issue 26): a rewritten program the kernel runs AT_SECURE
+"""Set-user-ID safety: a rewritten program the kernel runs AT_SECURE
 (set-user-ID, set-group-ID, file capabilities) ignores every KPREWRITE_*
 variable, which its unprivileged caller controls: probes armed as built, trace
 lines on standard error, no trace or profile file, no profile signal.  The same

@@ -1,5 +1,5 @@
 """Functions shorter than the 5-byte jump borrow the alignment padding after
-them (issue 15; optprobe._borrow_padding()): nop or int3 bytes that no symbol,
+them (optprobe._borrow_padding()): nop or int3 bytes that no symbol,
 FDE, relocation or jump names.  One function falls through its padding into the
 next, so the padding's copy runs; one has padding a jump lands in, and one has
 none: those two cannot borrow (func_size), and take a short jump to a 5-byte

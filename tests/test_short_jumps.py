@@ -1,4 +1,4 @@
-"""A short jump to a 5-byte jump in dead padding (issue 15; planner.short_jumps.short_jumps(),
+"""A short jump to a 5-byte jump in dead padding (planner.short_jumps.short_jumps(),
 optprobe.short_jump_slot()): E9Patch's tactic for a probe whose region cannot
 reach 5 bytes.  The program is glibc's memmove/mempcpy pattern: `move` is
 entered 3 bytes in by `pcopy`'s tail jump, so its entry's 5-byte region holds a

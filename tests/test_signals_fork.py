@@ -1,5 +1,5 @@
 """Signals, fork, vfork+exec, sigaltstack, coroutines and threads in a program with a
-kretprobe (and, separately, an INT3 kprobe) on every function (issue 13, item 4):
+kretprobe (and, separately, an INT3 kprobe) on every function:
 the output equals the original's, and each function's return handler ran exactly as
 often as it returned, per process.
 
@@ -21,9 +21,9 @@ import re
 
 import pytest
 
-from conftest import cc, instrument, profile, run, write_spec
+from conftest import ALL_ARCHES, cc, instrument, profile, run, write_spec
 
-ARCHES = ["x86_64", "aarch64"]
+ARCHES = ALL_ARCHES
 CRT_EXIT = {"__do_global_dtors_aux", "deregister_tm_clones"}
 
 PROGRAM = r"""

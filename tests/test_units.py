@@ -15,6 +15,7 @@ import pytest
 from rewriter.analysis import blacklist as bl
 from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch
+from rewriter.errors import KprewriteError
 from rewriter.elf.image import Image
 from rewriter.planner import FTRACE, INT3, OPTIMIZED, REFUSED, plan
 from rewriter.probes.resolve import is_entry, resolve
@@ -294,20 +295,36 @@ data: .quad 0
 
 
 def test_every_target_answers_the_declared_interface():
-    """targets.base.Target: each target module has every member, functions with the
-    declared parameters, so a stage can call any target the same way."""
+    """targets.base.Target: every target package (each folder of rewriter/targets/) has
+    every declared member after base.declare(), functions with the declared parameters,
+    so a stage can call any target the same way; and declare() refuses a target that
+    lacks a required member."""
+    import importlib
     import inspect
 
-    from rewriter.targets import base, linux_kernel, linux_user
-    declared = {n: v for n, v in vars(base.Target).items() if not n.startswith("_") and callable(v)}
-    assert {"write", "rules", "plan_layout", "tables_c"} <= set(declared)
-    for target in (linux_user, linux_kernel):
-        for n in base.Target.__annotations__:
-            assert hasattr(target, n), (target.name, n)
-        for n, f in declared.items():
-            want = list(inspect.signature(f).parameters)[1:]          # without self
-            assert list(inspect.signature(getattr(target, n)).parameters) == want, (target.name, n)
-
+    from rewriter import targets
+    from rewriter.targets import base
+    folders = sorted(p.name for p in Path(targets.__file__).parent.iterdir()
+                     if (p / "__init__.py").is_file())
+    assert folders == ["linux_kernel", "linux_module", "linux_user"]
+    declared = base.members()
+    assert {"write", "rules", "plan_layout", "tables_c", "notes", "build", "DIFF_REFUSAL"} <= set(declared)
+    for folder in folders:
+        target = importlib.import_module(f"rewriter.targets.{folder}")
+        assert target.name == folder
+        for n, default in declared.items():
+            assert hasattr(target, n), (folder, n)
+            if callable(default):
+                want = list(inspect.signature(default).parameters)[1:]          # without self
+                assert list(inspect.signature(getattr(target, n)).parameters) == want, (folder, n)
+    # The defaults answer: a user program has no notes; a module's back half is its own.
+    from rewriter.targets import linux_module, linux_user
+    assert linux_user.notes(None, []) == [] and linux_user.build is None
+    assert callable(linux_module.build) and linux_module.DIFF_REFUSAL
+    with pytest.raises(KprewriteError, match="linux_module: written by its own build"):
+        linux_module.plan_layout(None)
+    with pytest.raises(TypeError, match="lacks rules"):
+        base.declare({"__name__": "t", "name": "t", "load_symbols": None})
 
 
 def test_every_kernel_arch_answers_the_declared_interface():

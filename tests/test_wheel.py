@@ -1,4 +1,4 @@
-"""Packaging (issue 24): `python -m build` makes an sdist and, from it, a wheel that
+"""Packaging: `python -m build` makes an sdist and, from it, a wheel that
 carries the C runtime as package data (rewriter/_runtime); the wheel, installed in a
 fresh venv, runs the README's quick start from a folder outside the tree with its own
 `kprewrite` (not this tree's, not the editable install of another checkout), and
@@ -34,8 +34,9 @@ def test_wheel_quick_start(tmp_path):
     assert importlib.util.find_spec("build"), "no `build` module: pip install -e '.[test]'"
     # Build from a copy: no build/ or *.egg-info left in the tree, no stale build/ taken in.
     src, dist = tmp_path / "src", tmp_path / "dist"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.o"))
+    patterns = shutil.ignore_patterns(".git", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.o")
+    # The top-level build/ only: rewriter/build/ is a package of the tree.
+    shutil.copytree(ROOT, src, ignore=lambda d, names: set(patterns(d, names)) | ({"build"} if Path(d) == ROOT else set()))
     sh([sys.executable, "-m", "build", "--outdir", dist, src])   # sdist, then the wheel from the sdist
     sdist, = dist.glob("kprewrite-*.tar.gz")
     wheel, = dist.glob("kprewrite-*.whl")

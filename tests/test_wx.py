@@ -1,4 +1,4 @@
-"""No page of any output is both writable and executable (issue 26): every
+"""No page of any output is both writable and executable: every
 PT_LOAD of a rewritten PIE, non-PIE, static executable and shared object, with
 optimized kprobes, kretprobes, INT3 probes and trace events, is W or X, never
 both, and PT_GNU_STACK stays non-executable; a running rewritten program (its

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from . import ehframe
 from ..arch import MACHINES, get_arch
-from .view import (PF_R, PF_W, PF_X, PT_DYNAMIC, PT_INTERP, PT_LOAD, PT_NOTE, PT_PHDR, SHF_ALLOC, SHF_EXECINSTR,
+from .view import (PF_R, PF_W, PF_X, PT_DYNAMIC, PT_INTERP, PT_LOAD, PT_NOTE, PT_PHDR, SHF_ALLOC, SHF_EXECINSTR,  # noqa: F401
                    SHF_WRITE, SHT_DYNSYM, SHT_SYMTAB, ElfView, Section, Segment, relas)
 from ..errors import KprewriteError
 

@@ -17,9 +17,9 @@ module:
 """
 from ..build.cstring import c_string
 from ..depfile import read as read_depfile
-from .compile import compile_handlers, compile_table, defines_function, object_defines, resolve_handlers
+from .compile import compile_handlers, compile_table, defines_function, resolve_handlers
 from .ld import SCRIPT_SYMBOLS, Blob, LinkReloc, link, read_blob
-from .objects import executable_sections, object_functions, undefined_symbols
+from .objects import executable_sections, object_defines, object_functions, undefined_symbols
 from .runtime import PLATFORM, RUNTIME_DIR, _includes, asm_offsets, cflags, compile_runtime, runtime_sources
 from .toolchain import compiler, default_arch, linker
 

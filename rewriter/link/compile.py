@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 from .. import depfile
+from .objects import object_defines
 from .runtime import PLATFORM, RUNTIME_DIR, _includes, cflags
 from .toolchain import default_arch, run
 
@@ -22,17 +23,6 @@ def defines_function(cc: str, src: Path, name: str) -> bool:
         r = run([cc, "-E", "-P", f"-I{RUNTIME_DIR / 'include'}", str(src)], f"{src.name}")
         text = _DEF_RE_CACHE[src] = r.stdout
     return re.search(r"\b" + re.escape(name) + r"\s*\([^;{}]*\)\s*(__attribute__\s*\(\(.*?\)\)\s*)*\{", text, re.S) is not None
-
-
-def object_defines(obj: Path, name: str) -> bool:
-    with open(obj, "rb") as f:
-        from elftools.elf.elffile import ELFFile   # imported when an object is read
-        e = ELFFile(f)
-        st = e.get_section_by_name(".symtab")
-        for s in st.iter_symbols() if st else []:
-            if s.name == name and s["st_shndx"] != "SHN_UNDEF" and s["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK"):
-                return True
-    return False
 
 
 def resolve_handlers(cc: str, handlers: list[Path], names: set[str]) -> tuple[dict[str, str], dict[Path, list[str]], list[str]]:

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# ELF constants of the objects read here (elf.view reads them; pyelftools is for DWARF and CFI).
+_SHT_PROGBITS, _SHT_RELA, _SHF_EXECINSTR = 1, 4, 4
+_STT_FUNC, _STB_GLOBAL, _STB_WEAK = 2, 1, 2
+_SHN_UNDEF, _SHN_LORESERVE = 0, 0xFF00
+
+
+def _view(obj: Path):
+    from ..elf.view import ElfView
+    return ElfView(Path(obj).read_bytes(), str(obj))
 
 
 def executable_sections(obj: Path) -> list[bytes]:
     """The bytes of each executable section of a relocatable object."""
     try:
-        with open(obj, "rb") as f:
-            from elftools.elf.elffile import ELFFile   # imported when an object is read
-            e = ELFFile(f)
-            return [sec.data() for sec in e.iter_sections()
-                    if sec["sh_type"] == "SHT_PROGBITS" and sec["sh_flags"] & 4]
+        e = _view(obj)
+        return [e.section_bytes(s) for s in e.sections if s.type == _SHT_PROGBITS and s.flags & _SHF_EXECINSTR]
     except Exception:
         return []
 
@@ -23,37 +29,38 @@ def object_functions(objs: list[Path]) -> dict[str, tuple[int, bytes, dict[int, 
     """name -> (section offset, bytes, {section offset of a relocated field: the
     symbol it names}) of every sized function defined in the relocatable objects,
     each object read once: handler code is read before linking (handler_abi)."""
+    from ..elf.view import relas
     out: dict[str, tuple[int, bytes, dict[int, str]]] = {}
     for obj in objs:
-        with open(obj, "rb") as f:
-            from elftools.elf.elffile import ELFFile   # imported when an object is read
-            e = ELFFile(f)
-            st = e.get_section_by_name(".symtab")
-            if st is None:
+        e = _view(obj)
+        st = e.section(".symtab")
+        if st is None:
+            continue
+        table = list(e.symbols_of(st))
+        # Symbols in a section of the object (not undefined, absolute or common).
+        syms = [s for s in table if _SHN_UNDEF < s.shndx < _SHN_LORESERVE and s.name]
+        # An alias (e.g. kp_handler_NAME) may carry no size: take its function's.
+        sizes: dict[tuple[int, int], int] = {}
+        for s in syms:
+            if s.type == _STT_FUNC:
+                key = (s.shndx, s.value)
+                sizes[key] = max(sizes.get(key, 0), s.size)
+        data: dict[int, bytes] = {}
+        relocs: dict[int, dict[int, str]] = {}
+        for sec in e.sections:
+            if sec.type == _SHT_RELA and sec.info:
+                named = relocs.setdefault(sec.info, {})
+                for r_offset, sym, _type, _addend in relas(e.data, sec.offset, sec.size):
+                    named[r_offset] = table[sym].name if sym < len(table) else ""
+        for s in syms:
+            size = s.size or sizes.get((s.shndx, s.value), 0)
+            if not size or s.name in out:
                 continue
-            syms = [s for s in st.iter_symbols() if isinstance(s["st_shndx"], int) and s.name]
-            # An alias (e.g. kp_handler_NAME) may carry no size: take its function's.
-            sizes: dict[tuple[int, int], int] = {}
-            for s in syms:
-                if s["st_info"]["type"] == "STT_FUNC":
-                    key = (s["st_shndx"], s["st_value"])
-                    sizes[key] = max(sizes.get(key, 0), s["st_size"])
-            data: dict[int, bytes] = {}
-            relocs: dict[int, dict[int, str]] = {}
-            for sec in e.iter_sections():
-                if sec["sh_type"] == "SHT_RELA" and sec["sh_info"]:
-                    named = relocs.setdefault(sec["sh_info"], {})
-                    for r in sec.iter_relocations():
-                        named[r["r_offset"]] = st.get_symbol(r["r_info_sym"]).name
-            for s in syms:
-                size = s["st_size"] or sizes.get((s["st_shndx"], s["st_value"]), 0)
-                if not size or s.name in out:
-                    continue
-                if s["st_shndx"] not in data:
-                    data[s["st_shndx"]] = e.get_section(s["st_shndx"]).data()
-                lo, hi = s["st_value"], s["st_value"] + size
-                out[s.name] = lo, data[s["st_shndx"]][lo:hi], \
-                    {o: n for o, n in relocs.get(s["st_shndx"], {}).items() if lo <= o < hi}
+            if s.shndx not in data:
+                data[s.shndx] = e.section_bytes(e.sections[s.shndx])
+            lo, hi = s.value, s.value + size
+            out[s.name] = lo, data[s.shndx][lo:hi], \
+                {o: n for o, n in relocs.get(s.shndx, {}).items() if lo <= o < hi}
     return out
 
 
@@ -63,17 +70,20 @@ def undefined_symbols(objs: list[Path], defined_elsewhere=frozenset()) -> dict[s
     must provide."""
     defined, wanted = set(defined_elsewhere), {}
     for obj in objs:
-        with open(obj, "rb") as f:
-            from elftools.elf.elffile import ELFFile   # imported when an object is read
-            st = ELFFile(f).get_section_by_name(".symtab")
-            for sym in st.iter_symbols() if st else []:
-                if not sym.name or sym["st_info"]["bind"] not in ("STB_GLOBAL", "STB_WEAK"):
-                    continue
-                if sym["st_shndx"] != "SHN_UNDEF":
-                    defined.add(sym.name)
-                elif sym["st_info"]["bind"] == "STB_GLOBAL":
-                    wanted.setdefault(sym.name, obj)
+        for sym in _view(obj).symbols():
+            if not sym.name or sym.bind not in (_STB_GLOBAL, _STB_WEAK):
+                continue
+            if sym.shndx != _SHN_UNDEF:
+                defined.add(sym.name)
+            elif sym.bind == _STB_GLOBAL:
+                wanted.setdefault(sym.name, obj)
     return {n: o for n, o in wanted.items() if n not in defined}
+
+
+def object_defines(obj: Path, name: str) -> bool:
+    """Whether a relocatable object defines the global or weak symbol `name`."""
+    return any(s.name == name and s.shndx != _SHN_UNDEF and s.bind in (_STB_GLOBAL, _STB_WEAK)
+               for s in _view(obj).symbols())
 
 
 def machine(obj: Path) -> int:

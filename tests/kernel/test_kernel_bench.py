@@ -1,4 +1,4 @@
-"""The kernel benchmark's verdicts (issue 30): a probe of ours costs fewer guest instructions per
+"""The kernel benchmark's verdicts: a probe of ours costs fewer guest instructions per
 hit than every configuration of the kernel's own kprobes it is compared with, in each table of
 benchmarks/kernel_probes.py -- the optimized and ftrace-site probes, the breakpoint probe
 (--int3), the kretprobes (--kret) and the single-stepped breakpoint probe (--singlestep).

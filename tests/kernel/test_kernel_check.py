@@ -59,7 +59,7 @@ def _examples(image):
             continue
         before = [a for a in _boundaries(image, f) if r.start - 4 <= a < r.start and a >= f.start + 5]
         if before:
-            # Not jump-optimized: a breakpoint probe (issue 11) says why.
+            # Not jump-optimized: a breakpoint probe says why.
             out["return_site"] = (f.name, before[0] - f.start, ["int3", ".return_sites at", "patched at boot"])
             # The return site itself: a breakpoint there would be overwritten at boot (apply_returns()).
             out["int3_on_return_site"] = (f.name, r.start - f.start, ["refused", ".return_sites at",

@@ -1,4 +1,4 @@
-"""The kernel's own controls of our trace events (issue 28, part 3): each `events` line of a
+"""The kernel's own controls of our trace events: each `events` line of a
 rewritten kernel is a trace_event_call, so tracefs has events/kprobes/<EVENT>/ with enable, filter,
 trigger, format, hist and id.  One rewrite of Debian's vmlinuz and one boot (-smp 2, KASLR on):
 

@@ -1,4 +1,4 @@
-"""A probe on every function of Debian's kernel (issue 28): one `[[kprobe]] symbol_name = "*"`
+"""A probe on every function of Debian's kernel: one `[[kprobe]] symbol_name = "*"`
 table with an empty pre_handler -- ftrace sites, jump-optimized entries and breakpoint probes
 alike -- fits in the two gaps (the short stubs, docs/kernel.md "Where the code goes") and boots
 with -smp 2 and no boot parameter: /init runs, the W+X check passes, the power-off is clean, and

@@ -1,4 +1,4 @@
-"""A bzImage in, a bzImage out, KASLR on (issue 12): `instrument` on Debian's own vmlinuz writes a
+"""A bzImage in, a bzImage out, KASLR on: `instrument` on Debian's own vmlinuz writes a
 vmlinuz that qemu-system-x86_64 -kernel boots like the original, with no boot parameter (KASLR on,
 as by default): three boots, three random bases, probes firing at each; one per boot loader:
 QEMU's -kernel, SYSLINUX from a disk image, and UEFI (OVMF: the PE header and the EFI stub).

@@ -1,4 +1,4 @@
-"""kretprobes in a kernel (issue 11): Debian's vmlinux rewritten with return probes, booted once
+"""kretprobes in a kernel: Debian's vmlinux rewritten with return probes, booted once
 under qemu-system-x86_64 -smp 2 with preempt=full, and every assertion read from that boot.
 
 - the kernel's samples/kprobes/kretprobe_example.c handlers, unchanged, on kernel_clone

@@ -1,4 +1,4 @@
-"""Probe tables read-only in a kernel (issue 26): from mark_rodata_ro() on, what a probe hit
+"""Probe tables read-only in a kernel: from mark_rodata_ro() on, what a probe hit
 follows to code -- the sites (their resume addresses), the probe lists, the handler pairs the
 dispatch calls, the kretprobes' handler table, the records, the breakpoint descriptors and the
 tables' own pointers -- cannot be written; what must change (struct kprobe's nmissed and flags,

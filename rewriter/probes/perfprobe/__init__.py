@@ -45,8 +45,8 @@ def debug_info(image, arch):
     cached = getattr(image, "_kp_debug_info", None)
     if cached is not None:
         return cached
-    target = getattr(image, "target", None)
-    mode = getattr(target, "PROBES_BY_NAME", False)
+    target = image.target
+    mode = target.PROBES_BY_NAME
     if not mode:
         raise KprewriteError(f"{image.label}: probes by name (`probes`) are read from a user "
                              f"program's or library's DWARF; this image's target does not have them")

@@ -547,7 +547,12 @@ def compile_def(dbg: D.DebugInfo, image, d: ProbeDef, taken: set[tuple[str, str]
         args = compile_args(dbg, image, site, d)
         if d.point.retprobe:
             f = _function_at(image, site.addr)
-            loc = f[0] if f is not None and f[1] == site.addr else location_text(image, site.addr)
+            if f is not None and f[1] == site.addr:
+                # By name only if the name is unique (two files' static FUNC): else by address,
+                # which is this unit's own function.
+                loc = f[0] if f[2] else f"{site.addr:#x}"
+            else:
+                loc = location_text(image, site.addr)
             head = f"r:{group}/{ev} {loc}"
         else:
             head = f"p:{group}/{ev} {location_text(image, site.addr)}"

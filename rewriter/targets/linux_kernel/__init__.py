@@ -21,6 +21,7 @@ here, x86_64/ (symbols.arch_of(): the image's arch name).
 """
 from __future__ import annotations
 
+from .. import base
 from .gap import GapLayout, plan_layout  # noqa: F401
 from .generated_c import (RUNTIME_KALLSYMS, TABLES_AT_BOOT, handler_headers, tables_c,  # noqa: F401
                           thread_key)
@@ -36,6 +37,9 @@ name = "linux_kernel"
 # debug file is found (debug_file_names()), else parameters by name from the image's BTF
 # (btfprobe.py).
 PROBES_BY_NAME = "btf"
+# `kprewrite diff` on a bzImage (changes.py says so).
+DIFF_REFUSAL = ("a bzImage's vmlinux is re-laid when written, so compare the vmlinux it holds "
+                "and that vmlinux rewritten")
 
 
 def debug_file_names(image) -> list[str]:
@@ -70,3 +74,6 @@ def unwrap(data: bytes, path: str):
         if found is not None:
             return found
     return None
+
+
+base.declare(globals())

@@ -8,7 +8,8 @@ KprewriteError naming the file.
 
 from __future__ import annotations
 
-from rewriter.elf.view import PT_LOAD, SHF_ALLOC, SHF_EXECINSTR, SHT_NOBITS, ElfView as _ElfView, Section, Segment
+from ...elf.view import (PT_LOAD, SHF_ALLOC, SHF_EXECINSTR, SHT_NOBITS,  # noqa: F401
+                         ElfView as _ElfView, Section, Segment)
 
 KERNEL_HALF = 1 << 63
 

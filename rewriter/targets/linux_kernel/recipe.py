@@ -11,9 +11,9 @@ runs."""
 # ARCH_FOLDERS.  The order decides where each function lands.  Every arch's
 # linux_kernel/ folder has a kp_int3_hook.c: its way into the kernel's #BP path.
 SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
-           "{platform}/kp_kretprobe_task.c", "kp_fetch.c", "kp_trace.c",
+           "{platform}/kp_kretprobe_task.c", "kp_line.c", "kp_fetch.c", "kp_trace.c",
            "{arch}/kp_int3.c", "{arch}/linux_kernel/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
-# kprobe_events into the ftrace ring buffer, symbols from kallsyms (issue 11).
+# kprobe_events into the ftrace ring buffer, symbols from kallsyms.
 SOURCES += ["{platform}/kp_trace_buffer.c"]
 # Stacks through probes (unwind.py): the frame records' return addresses, the code
 # registered as kernel text.

@@ -1,6 +1,9 @@
 """Linux kernel modules (.ko): relocatable kernel objects (ET_REL) the module
 loader lays out and relocates at insmod.  A third target beside linux_user/ and
-linux_kernel/, reusing the kernel target's readers of the kernel's tables:
+linux_kernel/, reusing the kernel target's readers of the kernel's tables.  What depends
+on the CPU is in one folder per architecture (x86_64/: relocatable, rules, writer),
+chosen by the module's e_machine; a module of an architecture without a folder is
+refused with one line:
 
 - x86_64/relocatable.py: the module seen at addresses (its allocated sections laid out
   from the module area, its own relocations applied), as an ET_EXEC view the
@@ -22,12 +25,14 @@ linux_kernel/, reusing the kernel target's readers of the kernel's tables:
 """
 from __future__ import annotations
 
-from ...errors import KprewriteError
+from .. import base
+from importlib import import_module
+from importlib.util import find_spec
+from pathlib import Path
+
 from ...analysis.rules import Rules
+from ...errors import KprewriteError
 from ..linux_kernel import reserved as _kernel_reserved
-from .x86_64.writer import build  # noqa: F401
-from .x86_64.relocatable import MODULE_BASE, ModuleObject, is_module, view  # noqa: F401
-from .x86_64.rules import carried as _carried, int3_copy as _int3_copy, thunk_jumps as _thunk_jumps
 
 name = "linux_module"
 RUNTIME_HANDLERS = frozenset()
@@ -40,16 +45,50 @@ INIT_SECTIONS = {".init.text": "in .init.text (freed after the module's init; kp
                  "within_module_init() probes are removed then)"}
 
 
+def _arch(machine: str, path: str = "module"):
+    """The module target's folder for an architecture (<machine>/: relocatable, rules,
+    writer), or a one-line refusal when it has none yet."""
+    name = f"{__name__}.{machine}"
+    if find_spec(name) is None:
+        have = sorted(p.name for p in Path(__file__).parent.iterdir() if (p / "__init__.py").is_file())
+        raise KprewriteError(f"{path}: kernel modules for {machine} are not supported yet "
+                             f"(rewriter/targets/linux_module/ has {', '.join(have)})")
+    return import_module(name)
+
+
+def _part(image, module: str):
+    """The image's architecture's `module` of this target (x86_64/writer.py...)."""
+    return import_module(f"{_arch(image.machine, image.path).__name__}.{module}")
+
+
+# The section every module has (its struct module), as the module loader looks for it.
+THIS_MODULE = ".gnu.linkonce.this_module"
+
+
+def is_module(data: bytes) -> bool:
+    """An ELF64 little-endian relocatable object with the section every module has."""
+    from ...elf.view import ElfView
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1 or data[16:18] != b"\x01\x00":
+        return False
+    try:
+        return ElfView(data, "module").section(THIS_MODULE) is not None
+    except KprewriteError:
+        return False
+
+
 def detect(image) -> bool:
-    """A module: an image unwrapped from a .ko (relocatable.view())."""
-    return isinstance(getattr(image, "container", None), ModuleObject)
+    """A module: an image unwrapped from a .ko (<arch>/relocatable.view())."""
+    return getattr(getattr(image, "container", None), "KERNEL_MODULE", False)
 
 
 def unwrap(data: bytes, path: str):
     """(the view's bytes, ModuleObject) when data is a kernel module, else None."""
+    from ...arch import MACHINES
     if not is_module(data):
         return None
-    return view(data, path)
+    e_machine = int.from_bytes(data[18:20], "little")
+    machine = MACHINES.get(e_machine, f"e_machine {e_machine}")
+    return _arch(machine, path).relocatable.view(data, path)
 
 
 def load_symbols(image, system_map: str | None = None) -> None:
@@ -79,8 +118,9 @@ def rules(image, arch) -> Rules:
                              "code (probe it in the kernel image)") for f in image.functions if lo <= f.start < hi]
     if extra:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
-    r.function_refusal = _thunk_jumps(image, arch, r.function_refusal)
-    r.region_refusal = _carried(image, r.region_refusal)
+    arch_rules = _part(image, "rules")
+    r.function_refusal = arch_rules.thunk_jumps(image, arch, r.function_refusal)
+    r.region_refusal = arch_rules.carried(image, r.region_refusal)
     # Breakpoint probes: the module's own die notifier takes their traps (writer.py), each
     # instruction run from a slot in the module's code (a copy carrying its relocations:
     # int3_copy()), a single-stepped one's ending with an int3, as the kernel's own since
@@ -88,7 +128,7 @@ def rules(image, arch) -> Rules:
     # A kretprobe's entry is any of the three (an ftrace site, a jump, a breakpoint).
     r.int3 = True
     r.singlestep_int3 = True
-    r.int3_refusal = _int3_copy(image)
+    r.int3_refusal = arch_rules.int3_copy(image)
     r.optimized_post_handler = False
     # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the
     # copy (the module's trap code has no probe stub to run it from a boosted copy).
@@ -124,14 +164,13 @@ DIFF_REFUSAL = ("a kernel module is relinked (ld -r) when written, so its sectio
                 "`kprewrite list` shows the rewritten module's probes")
 
 
-def _not_yet(*_a, **_k):
-    raise KprewriteError("kernel modules (.ko) are written by their own linker (writer.build()), "
-                         "not laid out in place")
+def build(s, objs, workdir, progress=None) -> bytes:
+    """The rewritten module, linked with `ld -r` by its architecture's writer."""
+    return _part(s.image, "writer").build(s, objs, workdir, progress)
 
 
-def handler_headers(image) -> dict[str, str]:
-    """None: handlers see the handler API (runtime/include), not the kernel's types."""
-    return {}
+def refusals(image, plan, traces, spec_name: str) -> list[str]:
+    return _part(image, "writer").refusals(image, plan, traces, spec_name)
 
 
 def link_symbols(image) -> dict:
@@ -147,11 +186,4 @@ def notes(image, traces) -> list[str]:
     return kernel_btf.notes(image, traces)
 
 
-def thread_key(image):
-    return None
-
-
-# The pipeline's layout, tables, link and write are the in-place image's; a module is
-# linked by `ld -r` instead (writer.build()).
-plan_layout = reserve_stubs = tables_c = _not_yet
-table_base = derived_symbol = address_c = write = diff_expected = _not_yet
+base.declare(globals())

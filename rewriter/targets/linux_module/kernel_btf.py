@@ -52,14 +52,13 @@ def _from_file(path: Path, release: str | None) -> tuple[bytes | None, str | Non
     if release and m and m.group(1).decode("ascii", "replace") != release:
         raise KprewriteError(f"{path}: the vmlinux of release {m.group(1).decode('ascii', 'replace')}, "
                              f"the module's vermagic says {release}")
-    from elftools.elf.elffile import ELFFile
-    import io
+    from ...elf.view import ElfView
     try:
-        sec = ELFFile(io.BytesIO(data)).get_section_by_name(".BTF")
-        btf_data = sec.data() if sec is not None else None
-    except Exception as e:          # pyelftools' own errors: a damaged file
-        raise KprewriteError(f"{path}: damaged ELF file (read as the kernel's vmlinux, for its BTF): "
-                             f"{(str(e).splitlines() or [type(e).__name__])[0]}")
+        view = ElfView(data, None)
+        sec = view.section(".BTF")
+        btf_data = view.section_bytes(sec) if sec is not None else None
+    except KprewriteError as e:     # elf.view's one line: a damaged file
+        raise KprewriteError(f"{path}: damaged ELF file (read as the kernel's vmlinux, for its BTF): {e.args[0]}")
     if btf_data is None:
         return None, f"{path} has no .BTF (a kernel built without CONFIG_DEBUG_INFO_BTF)"
     return btf_data, None

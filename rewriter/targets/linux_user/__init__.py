@@ -5,6 +5,7 @@ objects.  New code and data go in two PT_LOAD segments appended to the file
 (sighook.py); the runtime's platform layer is runtime/platform/linux_user."""
 from __future__ import annotations
 
+from .. import base
 from ...analysis import blacklist as bl
 from ...arch import get_arch
 from ...arch.base import ThreadKey
@@ -138,3 +139,6 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     sections.append(writer.NewSection(META_SECTION, 1, 0, 0, metadata, align=1))
     return writer.write_image(image, layout.target, patches, rx, blob.data_addr, blob.data, blob.data_memsz,
                               sections, entry, file_patches, tables)
+
+
+base.declare(globals())

@@ -8,14 +8,14 @@ runtime at start-up."""
 # ARCH_FOLDERS.  The order decides where each function lands: changing it
 # changes every output.
 SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c"]
-# INT3 fallback probes (issue 3).
+# INT3 fallback probes.
 # The arch's trap code with the SIGTRAP's context (linux_user/kp_int3_signal.c
 # includes the arch's kp_int3.c: one unit).
 SOURCES += ["{arch}/linux_user/kp_int3_signal.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
-# kretprobes (issue 4).
+# kretprobes.
 SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
-# kprobe_events, fetch args, trace lines (issue 5).
-SOURCES += ["kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
+# kprobe_events, fetch args, trace lines.
+SOURCES += ["kp_line.c", "kp_fetch.c", "kp_trace.c", "{platform}/profile_signal.c"]
 
 # The arch's folders for this platform (runtime/arch/<arch>/<folder>, on the
 # include path, their .S files linked): Linux's ABI on the arch, and the arch's

@@ -12,10 +12,7 @@
 enum { KP_SIM_B = 1, KP_SIM_BL, KP_SIM_BCOND, KP_SIM_CBZ, KP_SIM_TBZ, KP_SIM_ADR, KP_SIM_LDR_LIT,
        KP_SIM_LDRSW_LIT, KP_SIM_BR, KP_SIM_BLR, KP_SIM_RET };
 
-extern const unsigned int kp_int3_hash_shift, kp_int3_hash_mask;
-extern const unsigned int kp_int3_hash[];
-extern const unsigned int kp_int3_ss[];	/* single-step entries, by ss_end */
-extern const unsigned int kp_nint3_ss;
+/* The descriptors' hash and single-step entries: kp_breakpoint.h. */
 
 #pragma GCC visibility pop
 #endif

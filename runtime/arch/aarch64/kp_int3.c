@@ -9,6 +9,7 @@
  */
 #include "kp_internal.h"
 #include "kp_brk.h"
+#include "kp_breakpoint.h"
 
 extern char kp_optprobe_resume_brk[];	/* optprobe_entry.S */
 
@@ -17,37 +18,6 @@ extern char kp_optprobe_resume_brk[];	/* optprobe_entry.S */
 #define PSR_C 0x20000000UL
 #define PSR_V 0x10000000UL
 #define PSR_BTYPE_MASK 0xC00UL
-
-/* get_kprobe(): the descriptor of the brk at link-time address `addr`. */
-static inline __attribute__((always_inline)) struct kp_int3_site *kp_brk_lookup(unsigned long addr)
-{
-	unsigned int h = (addr * 0x61C8864680B583EBUL) >> kp_int3_hash_shift;
-	for (;;) {
-		unsigned int i = kp_int3_hash[h];
-		if (i >= kp_nint3)
-			return 0;
-		if (likely(kp_int3_sites[i].addr == addr))
-			return &kp_int3_sites[i];
-		h = (h + 1) & kp_int3_hash_mask;
-	}
-}
-
-/* The single-step site whose slot's brk #0x006 is at `end` (sorted by it). */
-static struct kp_int3_site *kp_brk_ss_lookup(unsigned long end)
-{
-	unsigned int lo = 0, hi = kp_nint3_ss;
-	while (lo < hi) {
-		unsigned int mid = (lo + hi) / 2;
-		struct kp_int3_site *d = &kp_int3_sites[kp_int3_ss[mid]];
-		if (d->ss_end == end)
-			return d;
-		if (d->ss_end < end)
-			lo = mid + 1;
-		else
-			hi = mid;
-	}
-	return 0;
-}
 
 /* aarch32_opcode_cond_checks[] of the kernel (arch/arm64/kernel/insn.c), on NZCV. */
 static int kp_cond(unsigned long p, unsigned int cond)
@@ -128,6 +98,22 @@ static void kp_simulate(const struct kp_int3_site *d, struct pt_regs *regs, unsi
 	regs->pc = next;
 }
 
+/* The arch's half of a hit (kp_breakpoint.h): simulate-insn.c's instructions simulated,
+ * else the copy stepped (setup_singlestep(): the copy, then brk #0x006). */
+static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_int3_site *d, struct kp_site *s,
+									     struct pt_regs *regs, unsigned long bias,
+									     int r, int ss_trap)
+{
+	(void)ss_trap;
+	if (d->mode == KP_XOL_SIMULATE) {
+		kp_simulate(d, regs, bias);
+		if (r == KP_TRAP_RUN)
+			kp_trap_post(s, regs);
+	} else {
+		regs->pc = d->slot + bias;
+	}
+}
+
 /*
  * kprobe_breakpoint_handler() / kprobe_breakpoint_ss_handler() on the trap's
  * registers: 1 if the brk was ours (regs updated to resume), 0 otherwise.
@@ -148,30 +134,12 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 		regs->pstate = (regs->pstate & ~KP_ARITH_FLAGS) | (saved->pstate & KP_ARITH_FLAGS);
 		return 1;
 	}
-	struct kp_int3_site *d = kp_brk_lookup(pc - bias);
-	if (d) {
-		struct kp_site *s = kp_site(d->site);
-		int r = kp_trap_pre(s, regs);
-		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
-			kp_kretprobe_int3_hook(d->kret, regs);
-		if (r != KP_TRAP_CHANGED) {
-			if (d->mode == KP_XOL_SIMULATE) {
-				kp_simulate(d, regs, bias);
-				if (r == KP_TRAP_RUN)
-					kp_trap_post(s, regs);
-			} else {
-				/* setup_singlestep(): the copy, then brk #0x006 */
-				regs->pc = d->slot + bias;
-			}
-		}
-		return 1;
-	}
-	if (kp_nint3_ss && (d = kp_brk_ss_lookup(pc - bias))) {
+	struct kp_int3_site *d = kp_breakpoint_lookup(pc - bias);
+	if (d)
+		return kp_breakpoint_hit(d, regs, bias, ss_trap);
+	if (kp_nint3_ss && (d = kp_breakpoint_ss_lookup(pc - bias)))
 		/* kprobes_post_process_ss(): the copy was no branch, so the
 		 * original next instruction follows. */
-		regs->pc = d->addr + bias + 4;
-		kp_trap_post(kp_site(d->site), regs);
-		return 1;
-	}
+		return kp_breakpoint_ss_done(d, regs, d->addr + bias + 4);
 	return 0;
 }

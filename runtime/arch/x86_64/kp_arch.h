@@ -135,14 +135,7 @@ struct kp_int3_site {
 	((mode) == KP_XOL_EMULATE ? "[EMULATED]" : (mode) == KP_XOL_BOOST ? "[BOOSTED]" : "[SINGLESTEP]")
 extern struct kp_int3_site kp_int3_sites[];
 extern const unsigned int kp_nint3;
-/* kp_int3_sites[] by address (link-time), open-addressed: kp_int3_hash_mask + 1 entries
- * (at most half used), each an index or ~0 (none), at hash_64(addr, bits) or after it
- * (its shift: 64 - bits). */
-extern const unsigned int kp_int3_hash_shift, kp_int3_hash_mask;
-extern const unsigned int kp_int3_hash[];
-#define KP_GOLDEN_RATIO_64 0x61C8864680B583EBUL
-extern const unsigned int kp_int3_ss[];	/* single-step entries, by ss_end */
-extern const unsigned int kp_nint3_ss;
+/* The descriptors' hash and single-step entries: kp_breakpoint.h. */
 /* The first and last end of an int3-ended single-step copy (link-time; ~0 and 0: none):
  * each such slot's jmp back is followed by its descriptor's index. */
 extern const unsigned long kp_int3_ss_first, kp_int3_ss_last;

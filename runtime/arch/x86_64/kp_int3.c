@@ -6,6 +6,7 @@
  * (linux_user/kp_int3_signal.c).
  */
 #include "kp_internal.h"
+#include "kp_breakpoint.h"
 
 #define X86_EFLAGS_CF 0x0001UL
 #define X86_EFLAGS_PF 0x0004UL
@@ -19,40 +20,6 @@ enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU
        KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN, KP_EMU_JMP_MEM, KP_EMU_CALL_MEM };
 
 _Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes, indexed by a shift");
-
-/* The descriptor of the int3 at link-time address `addr` (get_kprobe()): its hash
- * table (kprobe_xol.int3_hash()), where a miss ends at the first empty entry. */
-static inline __attribute__((always_inline)) struct kp_int3_site *kp_int3_lookup(unsigned long addr)
-{
-	unsigned int h = (addr * KP_GOLDEN_RATIO_64) >> kp_int3_hash_shift;
-	for (;;) {
-		unsigned int i = kp_int3_hash[h];
-		if (i >= kp_nint3)
-			return 0;
-		if (likely(kp_int3_sites[i].addr == addr))
-			return &kp_int3_sites[i];
-		h = (h + 1) & kp_int3_hash_mask;
-	}
-}
-
-/* The single-step site whose copy ends at `end` (slots are in address order). */
-static inline __attribute__((always_inline)) struct kp_int3_site *kp_int3_ss_lookup(unsigned long end)
-{
-	unsigned int lo = 0, hi = kp_nint3_ss;
-	if (end < kp_int3_sites[kp_int3_ss[0]].ss_end || end > kp_int3_sites[kp_int3_ss[hi - 1]].ss_end)
-		return 0;
-	while (lo < hi) {
-		unsigned int mid = (lo + hi) / 2;
-		struct kp_int3_site *d = &kp_int3_sites[kp_int3_ss[mid]];
-		if (d->ss_end == end)
-			return d;
-		if (d->ss_end < end)
-			lo = mid + 1;
-		else
-			hi = mid;
-	}
-	return 0;
-}
 
 /* The condition codes of jcc (and cmovcc, setcc): cc>>1 picks the test, bit 0 negates. */
 static int kp_cond(unsigned long f, unsigned int cc)
@@ -145,6 +112,29 @@ static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsig
  * an int3 follows the copy, as the kernel's own kprobes do since 5.14), with
  * regs updated to resume; 0 otherwise (nothing changed).
  */
+/* The arch's half of a hit (kp_breakpoint.h): prepare_emulation()'s branches emulated,
+ * a boosted copy run, or a copy single-stepped (the trap flag, or the int3 after it). */
+static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_int3_site *d, struct kp_site *s,
+									     struct pt_regs *regs, unsigned long bias,
+									     int r, int ss_trap)
+{
+	switch (d->mode) {
+	case KP_XOL_EMULATE:
+		kp_emulate(d, regs, bias);
+		if (r == KP_TRAP_RUN)
+			kp_trap_post(s, regs);
+		break;
+	case KP_XOL_BOOST:	/* the slot runs the post stub itself */
+		regs->ip = d->slot + bias;
+		break;
+	default:		/* single-step: trap again after the copy */
+		regs->ip = d->slot + bias;
+		if (!ss_trap)
+			regs->flags |= X86_EFLAGS_TF;
+		break;
+	}
+}
+
 int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 {
 #ifndef KP_PLATFORM_NO_STARTUP	/* a kernel's runtime is linked where it runs */
@@ -152,39 +142,15 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 		kp_relocate();
 #endif
 	unsigned long bias = kp_rt.bias, ip = regs->ip;
-	struct kp_int3_site *d = kp_int3_lookup(ip - 1 - bias);
-	if (d) {
-		struct kp_site *s = kp_site(d->site);
-		int r = kp_trap_pre(s, regs);
-		if (d->kret && r != KP_TRAP_CHANGED)	/* at an exit: the return hook, then the exit */
-			kp_kretprobe_int3_hook(d->kret, regs);
-		if (r != KP_TRAP_CHANGED) {
-			switch (d->mode) {
-			case KP_XOL_EMULATE:
-				kp_emulate(d, regs, bias);
-				if (r == KP_TRAP_RUN)
-					kp_trap_post(s, regs);
-				break;
-			case KP_XOL_BOOST:	/* the slot runs the post stub itself */
-				regs->ip = d->slot + bias;
-				break;
-			default:		/* single-step: trap again after the copy */
-				regs->ip = d->slot + bias;
-				if (!ss_trap)
-					regs->flags |= X86_EFLAGS_TF;
-				break;
-			}
-		}
-		return 1;
-	}
+	struct kp_int3_site *d = kp_breakpoint_lookup(ip - 1 - bias);
+	if (d)
+		return kp_breakpoint_hit(d, regs, bias, ss_trap);
 	if (kp_nint3_ss && (ss_trap || (regs->flags & X86_EFLAGS_TF)) &&
-	    (d = kp_int3_ss_lookup(ip - ss_trap - bias))) {
+	    (d = kp_breakpoint_ss_lookup(ip - ss_trap - bias))) {
 		/* resume_singlestep(): the copy was not a branch, so the original
 		 * next instruction follows; RIP-relative operands were relocated. */
 		regs->flags &= ~X86_EFLAGS_TF;
-		regs->ip = d->addr + bias + d->size;
-		kp_trap_post(kp_site(d->site), regs);
-		return 1;
+		return kp_breakpoint_ss_done(d, regs, d->addr + bias + d->size);
 	}
 	return 0;
 }
@@ -273,7 +239,7 @@ int kp_arch_int3_bp(struct pt_regs *regs)
 			return kp_int3_bp_post(d, regs);
 		return 1;
 	}
-	d = kp_int3_lookup(ip - 1 - bias);
+	d = kp_breakpoint_lookup(ip - 1 - bias);
 	if (d)
 		return kp_int3_bp_hit(d, regs);
 	return kp_platform_int3_not_ours(regs);	/* the kernel's kprobes, kgdb, ... */
@@ -302,7 +268,7 @@ int kp_arch_int3_early(struct pt_regs *regs)
 			kp_int3_bp_post(d, regs);
 		return 1;
 	}
-	d = kp_int3_lookup(ip - 1 - bias);
+	d = kp_breakpoint_lookup(ip - 1 - bias);
 	if (!d)
 		return 0;
 	if (d->mode == KP_XOL_EMULATE &&

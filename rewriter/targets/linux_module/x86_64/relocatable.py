@@ -77,6 +77,7 @@ class Shdr:
 @dataclass
 class ModuleObject:
     """The container of a module's view: the .ko's own bytes and layout."""
+    KERNEL_MODULE = True                   # linux_module.detect()
     data: bytes
     path: str
     sections: list[Shdr]
@@ -97,19 +98,6 @@ class ModuleObject:
             if a is not None and a <= addr < a + max(s.size, 1):
                 return s, addr - a
         return None
-
-
-def is_module(data: bytes) -> bool:
-    """An x86-64 or other ELF64 LE relocatable object with the section every module has
-    (.gnu.linkonce.this_module: its struct module)."""
-    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return False
-    if struct.unpack_from("<H", data, 16)[0] != ET_REL:
-        return False
-    try:
-        return any(s.name == THIS_MODULE for s in read_sections(data, "module"))
-    except KprewriteError:
-        return False
 
 
 def read_sections(data: bytes, path: str) -> list[Shdr]:

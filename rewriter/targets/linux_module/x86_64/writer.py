@@ -61,6 +61,14 @@ from ....planner.model import FTRACE, INT3, OPTIMIZED
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
+
+def module_source(rel: str) -> str:
+    """A fixed part of the module's generated runtime, kept as a source file under runtime/
+    (its first comment says what it is; the text after it is what is pasted in)."""
+    from ....link.runtime import RUNTIME_DIR
+    return (RUNTIME_DIR / rel).read_text().split("*/\n", 1)[1]
+
+
 R_X86_64_NONE = 0
 
 DETOUR_S = r"""
@@ -156,91 +164,17 @@ INT3_SLOT_TAIL = r"""	.byte 0xe9			/* jmp <the next instruction> */
 """
 
 
-RUNTIME_C = r"""
-#include <kprewrite/kprobes.h>
-#pragma GCC visibility push(hidden)
-
-/* The kernel's, exported: the module loader resolves them. */
-struct va_format { const char *fmt; va_list *va; };
-extern int _printk(const char *fmt, ...);
-extern int init_module(void);
-extern void cleanup_module(void);
-
-static volatile int kp_armed;
-
-/* printk for handlers: the kernel's, the level kept in front (%pV prints the rest). */
-int printk(const char *fmt, ...)
-{
-	struct va_format vaf;
-	va_list ap;
-	int r;
-	char level[3] = "";
-	if (fmt[0] == '\001' && fmt[1]) {
-		level[0] = fmt[0];
-		level[1] = fmt[1];
-		fmt += 2;
-	}
-	va_start(ap, fmt);
-	vaf.fmt = fmt;
-	vaf.va = &ap;
-	r = level[0] ? _printk("%c%c%pV", level[0], level[1], &vaf) : _printk("%pV", &vaf);
-	va_end(ap);
-	return r;
-}
-"""
+RUNTIME_C = module_source("platform/linux_module/kp_module_head.c")
 
 
 # With the kernel's CRCs at hand (Module.symvers), handlers run as the kernel's kprobe handlers
 # do (kprobe_ftrace_handler()): preemption disabled, and a hit while a handler of this module
 # runs on the CPU (kprobe_running()) is missed: nmissed counted, no handler run.
-PREEMPT_C = r"""
-extern int __preempt_count;		/* per CPU */
-extern int cpu_number;			/* per CPU */
-/* Whether a handler runs on a CPU; CPUs past the array are not checked. */
-#define KP_NR_ACTIVE 1024
-static unsigned char kp_active[KP_NR_ACTIVE];
-
-/* preempt_disable(), then kprobe_running() on this CPU: 0 when a handler of ours runs. */
-static inline int kp_enter(void)
-{
-	int cpu;
-	__asm__ volatile("incl %%gs:__preempt_count" ::: "memory", "cc");
-	__asm__ volatile("movl %%gs:cpu_number, %0" : "=r"(cpu));
-	if ((unsigned int)cpu >= KP_NR_ACTIVE)
-		return 1;
-	if (kp_active[cpu]) {
-		__asm__ volatile("decl %%gs:__preempt_count" ::: "memory", "cc");
-		return 0;
-	}
-	kp_active[cpu] = 1;
-	return 1;
-}
-
-/* preempt_enable(): a pending reschedule taken as the kernel's __preempt_schedule() takes it
- * (KP_RESCHED: the preempt_schedule static call, or preempt_schedule_thunk; either keeps
- * every register; none without CONFIG_PREEMPTION). */
-static inline void kp_leave(void)
-{
-	int cpu;
-	register unsigned long sp __asm__("rsp");
-	__asm__ volatile("movl %%gs:cpu_number, %0" : "=r"(cpu));
-	if ((unsigned int)cpu < KP_NR_ACTIVE)
-		kp_active[cpu] = 0;
-#ifdef KP_RESCHED
-	__asm__ volatile("decl %%gs:__preempt_count\n\tjnz 1f\n\tcall " KP_RESCHED "\n1:"
-			 : "+r"(sp) :: "memory", "cc");
-#else
-	__asm__ volatile("decl %%gs:__preempt_count" ::: "memory", "cc");
-#endif
-}
-"""
+PREEMPT_C = module_source("arch/x86_64/linux_module/kp_module_preempt.c")
 
 # Without them (no Module.symvers): only what the module imports already; handlers run as the
 # detour enters them, preemptible, and no hit is missed.
-NO_PREEMPT_C = r"""
-static inline int kp_enter(void) { return 1; }
-static inline void kp_leave(void) { }
-"""
+NO_PREEMPT_C = module_source("arch/x86_64/linux_module/kp_module_no_preempt.c")
 
 
 def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str:
@@ -618,73 +552,7 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 
 
 # The die notifier's side (kp_int3_notify()): the kernel's types as their layouts, not headers.
-INT3_C = r"""
-/* arch/x86/include/asm/kdebug.h, include/linux/notifier.h */
-#define KP_DIE_INT3 2
-#define KP_NOTIFY_DONE 0
-#define KP_NOTIFY_STOP 0x8001		/* NOTIFY_OK | NOTIFY_STOP_MASK */
-struct kp_die_args { struct pt_regs *regs; const char *str; long err; int trapnr; int signr; };
-struct kp_notifier_block {
-	int (*notifier_call)(struct kp_notifier_block *, unsigned long, void *);
-	struct kp_notifier_block *next;
-	int priority;
-};
-extern int register_die_notifier(struct kp_notifier_block *nb);
-extern int unregister_die_notifier(struct kp_notifier_block *nb);
-/* Each breakpoint site's address (kp_detours.S): a distance from its entry, relocated at insmod. */
-extern const int kp_int3_at[];
-static inline unsigned long kp_int3_addr(unsigned int k)
-{
-	return (unsigned long)&kp_int3_at[k] + (long)kp_int3_at[k];
-}
-/* The runs of kp_int3_at[], each sorted by address (writer.py's int3_runs()): an entry's index
- * by halves in each, -1 for an address of no breakpoint of ours. */
-static __attribute__((always_inline)) inline int kp_int3_find(const unsigned int *runs, unsigned int n,
-								unsigned long at)
-{
-	unsigned int g;
-	for (g = 0; g + 1 < n; g++) {
-		unsigned int lo = runs[g], hi = runs[g + 1];
-		if (at < kp_int3_addr(lo) || at > kp_int3_addr(hi - 1))
-			continue;
-		while (lo < hi) {
-			unsigned int mid = lo + (hi - lo) / 2;
-			unsigned long a = kp_int3_addr(mid);
-			if (a == at)
-				return (int)mid;
-			if (a < at)
-				lo = mid + 1;
-			else
-				hi = mid;
-		}
-	}
-	return -1;
-}
-/* arch/x86/include/uapi/asm/processor-flags.h */
-#define KP_X86_EFLAGS_IF 0x200
-static inline unsigned long kp_int3_target(const int *t)
-{
-	return (unsigned long)t + (long)*t;
-}
-
-/* A jcc's condition on the trap's flags (kprobe_emulate_jcc(); runtime/arch/x86_64/kp_int3.c's
- * kp_cond()): cc>>1 picks the test, bit 0 negates. */
-static inline int kp_cond(unsigned long f, unsigned int cc)
-{
-	int r;
-	switch (cc >> 1) {
-	case 0: r = !!(f & 0x800); break;		/* OF */
-	case 1: r = !!(f & 0x1); break;			/* CF */
-	case 2: r = !!(f & 0x40); break;		/* ZF */
-	case 3: r = !!(f & 0x41); break;		/* CF | ZF */
-	case 4: r = !!(f & 0x80); break;		/* SF */
-	case 5: r = !!(f & 0x4); break;			/* PF */
-	case 6: r = !(f & 0x80) != !(f & 0x800); break;	/* SF != OF */
-	default: r = (f & 0x40) || (!(f & 0x80) != !(f & 0x800)); break;
-	}
-	return (cc & 1) ? !r : r;
-}
-"""
+INT3_C = module_source("arch/x86_64/linux_module/kp_module_int3.c")
 
 
 def _int3_c(int3: list, kps: list, handler_symbols: dict, sections: list[str]) -> str:
@@ -936,82 +804,36 @@ void kp_module_exit(void)
 """
 
 
-KRET_C = r"""
-extern char kp_kret_trampoline[];
+KRET_C = module_source("platform/linux_module/kp_module_kretprobe.c")
 
-static struct kretprobe_instance *kp_claim(unsigned int j)
-{
-	unsigned int i;
-	for (i = 0; i < (unsigned int)kp_kretprobes[j].maxactive; i++) {
-		struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
-		unsigned int free = 0;
-		/* 2: claimed, being filled; 1 once its fp and ret_addr are set (kp_kret_entry_N) */
-		if (__atomic_compare_exchange_n(&ri->kp_state, &free, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-			ri->rp = &kp_kretprobes[j];
-			return ri;
-		}
-	}
-	return 0;
-}
-"""
-
-TRAMPOLINE_S = r"""
-	.section .text.kprewrite,"ax",@progbits
-	.globl kp_kret_trampoline
-	.type kp_kret_trampoline,@function
-kp_kret_trampoline:			/* the probed function returned here: %rsp = its slot + 8 */
-	pushq $0			/* the slot again: the real return address goes here */
-	sub $0x28, %rsp
-	pushq $-1
-	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
-	push %r8; push %r9; push %r10; push %r11
-	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
-	leaq kp_kret_trampoline(%rip), %rax
-	mov %rax, 0x80(%rsp)
-	movq $0x10, 0x88(%rsp)
-	pushfq
-	pop %rax
-	mov %rax, 0x90(%rsp)
-	lea 0xb0(%rsp), %rax		/* sp after the return */
-	mov %rax, 0x98(%rsp)
-	movq $0x18, 0xa0(%rsp)
-	mov %rsp, %rdi
-	call kp_kret_return
-	mov %rax, 0xa8(%rsp)
-	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
-	pop %r11; pop %r10; pop %r9; pop %r8
-	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
-	add $0x30, %rsp
-	jmp __x86_return_thunk
-	.size kp_kret_trampoline, .-kp_kret_trampoline
-"""
+TRAMPOLINE_S = module_source("arch/x86_64/linux_module/kp_module_kret_trampoline.S")
 
 
-def refuse_unsupported(s) -> None:
-    """One line per probe the module cannot take: an optimized region whose copy cannot
-    carry its relocations (optprobe.py; the module's rules refuse it first, so `check`
-    names it too), an @SYM in an event.  What a breakpoint site cannot take is the module's
-    rules' refusal (x86_64/rules.py's int3_copy())."""
+def refusals(image, plan, traces, spec_name: str) -> list[str]:
+    """targets.base.Target.refusals(): one line per probe the module cannot take, asked by
+    `check` and `instrument` alike: an optimized region whose copy cannot carry its
+    relocations (optprobe.py; the module's rules refuse it first), an @SYM in an event.
+    What a breakpoint site cannot take is the module's rules' refusal (x86_64/rules.py's
+    int3_copy())."""
     from ....probes.resolve import is_entry
     from .optprobe import region
     lines = []
     relocs = None
-    for site in s.plan.sites:
+    for site in plan.sites:
         if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
             continue
-        label = lambda p: f"{s.spec.path.name}: {p.spec.table} ({p.label})"  # noqa: E731
-        relocs = relocs if relocs is not None else relocations(s.image.container)
+        label = lambda p: f"{spec_name}: {p.spec.table} ({p.label})"  # noqa: E731
+        relocs = relocs if relocs is not None else relocations(image.container)
         try:
-            region(s.image.container, relocs, site)
+            region(image.container, relocs, site)
         except CopyRefused as e:
             check, addr, why = e.args
             lines += [f"{label(p)}: {check} at {addr:#x}: {why}" for p in site.probes if not is_entry(p)]
-    for key, ev in sorted(s.traces.items(), key=lambda kv: str(kv[0])):
+    for key, ev in sorted(traces.items(), key=lambda kv: str(kv[0])):
         if any(i.op == "IMM_LINK" for a in ev.args for i in a.code):
-            lines.append(f"{s.spec.path.name}: event {ev.name}: @SYM in a module's event is not written yet "
+            lines.append(f"{spec_name}: event {ev.name}: @SYM in a module's event is not written yet "
                          f"(the module's addresses are the loader's)")
-    if lines:
-        raise KprewriteError(*lines)
+    return lines
 
 
 def _names_bound(ev) -> int:
@@ -1135,7 +957,7 @@ void kp_module_trace_init(void)
 
 # The runtime's generic pieces a module's trace events use (runtime/; the platform's in
 # runtime/platform/linux_module), compiled with the module's flags.
-EVENT_SOURCES = ["kp_lib.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
+EVENT_SOURCES = ["kp_lib.c", "kp_line.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
 
 
 def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
@@ -1145,7 +967,6 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     from ....link.toolchain import linker
     from ....link.runtime import RUNTIME_DIR, _includes, cflags
     from ....build.meta import metadata
-    refuse_unsupported(s)
     mod = s.image.container
     if "cleanup_module" not in s.image.symbols:
         raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")

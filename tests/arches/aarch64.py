@@ -1,0 +1,9 @@
+"""AArch64's facts for the tests."""
+import capstone
+
+TRIPLE = "aarch64-linux-gnu"                         # cross gcc, binutils and sysroot (/usr/TRIPLE)
+CAPSTONE = (capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)
+# The first arguments' registers in the kernel's pt_regs names (kprobe_events fetch args).
+ARG_REGS = ["%x0", "%x1", "%x2", "%x3"]
+RETADDR = "%x30"                                     # a function entry's return address: the link register
+CF_PROTECTION = "-mbranch-protection=standard"       # gcc's landing-pad flag (BTI, PAC)

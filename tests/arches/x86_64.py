@@ -1,0 +1,9 @@
+"""x86-64's facts for the tests."""
+import capstone
+
+TRIPLE = "x86_64-linux-gnu"                          # cross gcc, binutils and sysroot (/usr/TRIPLE)
+CAPSTONE = (capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+# The first arguments' registers in the kernel's pt_regs names (kprobe_events fetch args).
+ARG_REGS = ["%di", "%si", "%dx", "%cx"]
+RETADDR = "$stack0"                                  # a function entry's return address
+CF_PROTECTION = "-fcf-protection"                    # gcc's landing-pad flag (ENDBR64)
