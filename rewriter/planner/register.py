@@ -51,7 +51,7 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
         ex = find_exits(image, analysis, arch, f)
         if not ex.exits and ex.refusal is None:
             return f"{f.name} has no ret and no tail call: it never returns", "never_returns"
-    if rules.kretprobe_exits and d.undecodable is None:
+    if rules.kretprobe_exits and d.undecodable is None and ".cold" not in f.name:     # a cold part: cold_part's
         # Exits that cannot all be named leave only the return-address trampoline
         # (planner/returns.py); where it is unsafe (the function reads its own return
         # address, as libgcc's _Unwind_RaiseException does to unwind from its caller,
