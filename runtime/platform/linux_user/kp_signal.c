@@ -194,6 +194,6 @@ const char *kp_trap_check(void)
 	if (kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, 0, (long)&cur, 8, 0, 0) != 0 || kp_trap_is_a_runtime(cur.handler))
 		return 0;
 	if (!__atomic_exchange_n(&said, 1, __ATOMIC_ACQ_REL))
-		kp_platform_write(2, line, sizeof(line) - 1);
+		kp_syscall3(__NR_write, 2, line, sizeof(line) - 1);
 	return line;
 }
