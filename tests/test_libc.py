@@ -118,7 +118,8 @@ def puts_setup(tmp_path_factory):
     libs = {"optimized": _rewrite(LIBC, k, tmp / "opt" / "libc.so.6").parent,
             "int3": _rewrite(LIBC, k, tmp / "int3" / "libc.so.6", "--no-optimize").parent,
             "kretprobe": _rewrite(LIBC, r, tmp / "ret" / "libc.so.6").parent,
-            "event": _rewrite(LIBC, e, tmp / "event" / "libc.so.6", "--no-optimize").parent}
+            "event-int3": _rewrite(LIBC, e, tmp / "event" / "libc.so.6", "--no-optimize").parent,
+            "event-optimized": _rewrite(LIBC, e, tmp / "event-opt" / "libc.so.6").parent}
     return prog, libs
 
 
@@ -138,11 +139,12 @@ def test_puts_counted_exactly(puts_setup, kind, tmp_path):
     assert profile(off.stderr.decode()) == {name: (0, 0)}, off.stderr
 
 
-def test_puts_trace_file(puts_setup, tmp_path):
+@pytest.mark.parametrize("form", ["optimized", "int3"])
+def test_puts_trace_file(puts_setup, tmp_path, form):
     """KPREWRITE_TRACE=FILE: the 3 trace lines go to FILE, nothing to stderr."""
     prog, libs = puts_setup
     trace = tmp_path / "trace.txt"
-    r = _run([prog], libs["event"], env={"KPREWRITE_TRACE": str(trace), "KPREWRITE_PROFILE": str(tmp_path / "p")})
+    r = _run([prog], libs[f"event-{form}"], env={"KPREWRITE_TRACE": str(trace), "KPREWRITE_PROFILE": str(tmp_path / "p")})
     assert (r.returncode, r.stdout, r.stderr) == (3, b"one\ntwo\nthree\n", b"")
     lines = trace.read_text().splitlines()
     assert [line.split("myputs: (puts+0x0/")[1].split(" ", 1)[1] for line in lines] == \

@@ -315,11 +315,29 @@ static void kp_sighook_install_others(void)
 	for (struct kp_dyn *d = (struct kp_dyn *)dyn; d && d->tag; d++)
 		if (d->tag == KP_DT_DEBUG)
 			r = (struct kp_r_debug *)d->val;
+	/* The objects hooked already, by load bias and dynamic section: a scan after
+	 * dlopen() reads only the new ones (CPython loads dozens of modules). */
+	static struct { unsigned long addr; void *ld; } seen[256];
+	static unsigned int nseen;
+	static int busy;	/* two threads' dlopen() */
+	while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE))
+		kp_syscall3(__NR_sched_yield, 0, 0, 0);
 	for (struct kp_link_map *l = r ? r->r_map : 0; l; l = l->l_next) {
 		if (l->l_addr == kp_rt.bias)	/* our own object: its slots are hooked above */
 			continue;
+		unsigned int i = 0;
+		while (i < nseen && (seen[i].addr != l->l_addr || seen[i].ld != l->l_ld))
+			i++;
+		if (i < nseen)
+			continue;
 		kp_hook_object(l, l == r->r_map ? ph : 0, l == r->r_map ? phnum : 0);
+		if (nseen < sizeof(seen) / sizeof(seen[0])) {
+			seen[nseen].addr = l->l_addr;
+			seen[nseen].ld = l->l_ld;
+			nseen++;
+		}
 	}
+	__atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
 }
 #else
 static void kp_sighook_install_others(void)

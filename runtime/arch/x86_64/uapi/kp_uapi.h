@@ -22,6 +22,7 @@
 #define __NR_rt_sigprocmask 14
 #define __NR_rt_sigreturn 15
 #define __NR_pwrite64 18
+#define __NR_sched_yield 24
 #define __NR_madvise 28
 #define __NR_getpid 39
 #define __NR_ftruncate 77
