@@ -11,7 +11,9 @@
  *    kernel reset it to SIG_DFL and kill the process.
  * The functions themselves are the program's own (libc's), called through the
  * address the slot held; with lazy binding the dynamic linker overwrites the
- * slot on that first call, so the hook re-arms itself afterwards.
+ * slot on that first call, so the hook re-arms itself afterwards.  On x86-64
+ * the other loaded objects' slots get the same hooks (kp_sighook_install_others());
+ * the C library's own system calls go through kp_signal_syscall() (kp_signal.c).
  */
 #include "kp_signal.h"
 
@@ -156,10 +158,12 @@ void kp_sighook_install(void)
  * that their sigaction(SIGTRAP) & co. do not replace the handler our breakpoint
  * probes need: found in the dynamic loader's list of loaded objects (struct
  * r_debug, which it points the executable's DT_DEBUG at), their relocations
- * read from their dynamic sections.  Objects dlopen()ed later are not hooked
- * (kp_trap_check() says so at exit if one replaced the handler).  A slot is
- * resolved first by a call with no effect through it (lazy binding), and one
- * that holds another runtime's hook already is left to it.
+ * read from their dynamic sections; again after each dlopen() made through a
+ * hooked slot, for the objects it brought in.  A slot is resolved first by a
+ * call with no effect through it (lazy binding), and one that holds another
+ * runtime's hook already is left to it.  What still replaces the handler (a raw
+ * system call, a dlopen() through an object not hooked) kp_trap_check() reports
+ * at exit.
  */
 #define KP_AT_PHDR 3
 #define KP_AT_PHNUM 5
@@ -189,6 +193,8 @@ static unsigned long kp_auxv_value(unsigned long type)
 				n += r;
 		kp_platform_close((int)fd);
 	}
+	if (n > (long)sizeof(auxv))		/* PR_GET_AUXV: the whole vector's size */
+		n = sizeof(auxv);
 	for (long i = 0; i + 1 < n / 8 && auxv[i]; i += 2)
 		if (auxv[i] == type)
 			return auxv[i + 1];
