@@ -60,6 +60,10 @@ int main(int argc, char **argv) {
     sigaction(SIGUSR1, 0, &cur);          /* libc's restorer, borrowed */
     struct ksa k = { (void *)on_trap, 0x04000000 /* SA_RESTORER */, (void *)cur.sa_restorer, 0 };
     syscall(SYS_rt_sigaction, SIGTRAP, &k, 0, 8);
+  } else if (!strcmp(m, "vfork")) {      /* a child sharing our memory resets SIGTRAP, then leaves */
+    struct sigaction sa; memset(&sa, 0, sizeof sa); sa.sa_handler = on_trap;
+    sigaction(SIGTRAP, &sa, 0);
+    if (vfork() == 0) { signal(SIGTRAP, SIG_DFL); _exit(0); }
   } else if (!strcmp(m, "dlopen")) {
     void *h = dlopen(argv[2], RTLD_NOW);
     ((void (*)(void (*)(int)))dlsym(h, "install"))(on_trap);
@@ -73,7 +77,7 @@ int main(int argc, char **argv) {
 }
 """
 EXPECTED = {"sigaction": "s=6 traps=1\n", "signal": "s=6 traps=1\n", "block": "s=6 traps=0\n",
-            "int3": "s=6 traps=2\n", "dlopen": "s=6 traps=1\n", "raw": "s=6 traps=1\n"}
+            "int3": "s=6 traps=2\n", "dlopen": "s=6 traps=1\n", "raw": "s=6 traps=1\n", "vfork": "s=6 traps=1\n"}
 SPEC = '[[kprobe]]\nsymbol_name = "add"\n'
 
 
@@ -100,10 +104,11 @@ def built(tmp_path_factory):
 
 
 @pytest.mark.parametrize("binding", ["lazy", "now"])
-@pytest.mark.parametrize("mode", ["sigaction", "signal", "block", "int3", "dlopen"])
+@pytest.mark.parametrize("mode", ["sigaction", "signal", "block", "int3", "dlopen", "vfork"])
 def test_library_probe_and_program_handler(built, mode, binding):
     """Only the library is rewritten; the program's sigaction/signal(SIGTRAP) (through
-    its own GOT, or an object it dlopen()s), its blocking of every signal, its own int3:
+    its own GOT, or an object it dlopen()s; a vfork() child's, which shares the
+    parent's memory, is the child's own), its blocking of every signal, its own int3:
     the program's handler sees its own traps, the probe fires 3 times, output and exit
     status are the original's."""
     tmp, progs, inst = built
@@ -131,7 +136,7 @@ def test_raw_system_call_is_said(built, tmp_path):
 STATIC = MAIN.replace("int add(int, int);", "__attribute__((noinline)) int add(int a, int b) { return a + b; }")
 
 
-@pytest.mark.parametrize("mode", ["sigaction", "signal", "block", "int3"])
+@pytest.mark.parametrize("mode", ["sigaction", "signal", "block", "int3", "vfork"])
 def test_static_program(tmp_path, mode):
     """A static program with a breakpoint probe: its sigaction, signal and sigprocmask are
     its own libc's, no GOT to hook; their system calls go to the runtime."""

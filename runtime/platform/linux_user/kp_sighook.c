@@ -370,7 +370,7 @@ static void kp_rearm(unsigned long kind)
 
 static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struct kp_libc_sigaction *oact)
 {
-	if (sig == KP_SIGTRAP) {
+	if (sig == KP_SIGTRAP && kp_trap_record_here()) {
 		struct kp_ksigaction prev = kp_trap_chain;
 		if (act) {
 			kp_trap_chain.handler = act->handler;
@@ -401,7 +401,7 @@ static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struc
 
 static void *kp_hook_signal(int sig, void *handler)
 {
-	if (sig == KP_SIGTRAP) {
+	if (sig == KP_SIGTRAP && kp_trap_record_here()) {
 		void *old = kp_trap_chain.handler;
 		kp_trap_chain.handler = handler;
 		kp_trap_chain.mask = 0;

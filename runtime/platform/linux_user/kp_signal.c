@@ -54,6 +54,27 @@ static int kp_trap_is_a_runtime(void *h)
 
 struct kp_ksigaction kp_trap_chain;
 static int kp_trap_installed;	/* the handler is ours: a sigaction(SIGTRAP) is recorded, not made */
+static long kp_trap_pid;	/* the process whose kp_trap_chain this memory holds */
+
+/*
+ * Whether a sigaction(SIGTRAP) made now is to be recorded in kp_trap_chain:
+ * not in a child that shares its parent's memory (vfork(), posix_spawn()'s
+ * child resetting dispositions), whose record would change the parent's chain;
+ * the call goes to the kernel there (the child's dispositions are its own, and
+ * exec resets them).  A forked child has memory of its own: it records, and
+ * takes the chain as its own.
+ */
+int kp_trap_record_here(void)
+{
+	long pid = kp_syscall3(__NR_getpid, 0, 0, 0);
+	if (pid == __atomic_load_n(&kp_trap_pid, __ATOMIC_RELAXED))
+		return 1;
+	long ppid = kp_syscall3(__NR_getppid, 0, 0, 0);
+	if (kp_syscall6(__NR_kcmp, pid, ppid, 1 /* KCMP_VM */, 0, 0, 0) == 0)
+		return 0;
+	__atomic_store_n(&kp_trap_pid, pid, __ATOMIC_RELAXED);
+	return 1;
+}
 
 /* The SIGTRAP handler alone: what an early start-up can do (kp_user_lib_early()). */
 void kp_trap_handler_install(void)
@@ -70,6 +91,7 @@ void kp_trap_handler_install(void)
 	kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
 	if (kp_trap_chain.handler == (void *)KP_SIGTRAP_ENTRY)	/* never chain to ourselves */
 		kp_trap_chain.handler = 0;
+	kp_trap_pid = kp_syscall3(__NR_getpid, 0, 0, 0);
 	__atomic_store_n(&kp_trap_installed, 1, __ATOMIC_RELEASE);
 }
 
@@ -158,7 +180,8 @@ long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr)
 		}
 	} else if (nr == __NR_rt_sigaction) {
 		const struct kp_ksigaction *act = (const struct kp_ksigaction *)a1;
-		if (a0 == KP_SIGTRAP && a3 == 8 && __atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE)) {
+		if (a0 == KP_SIGTRAP && a3 == 8 && __atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE) &&
+		    kp_trap_record_here()) {
 			struct kp_ksigaction prev = kp_trap_chain;
 			if (act)
 				kp_trap_chain = *act;

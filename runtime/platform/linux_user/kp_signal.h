@@ -24,6 +24,8 @@ extern struct kp_ksigaction kp_trap_chain;
 void kp_sighook_install(void);
 /* The image's own rt_sigprocmask/rt_sigaction system calls (kp_signal.c). */
 long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr);
+/* Whether a sigaction(SIGTRAP) is recorded here (not in a vfork() child: kp_signal.c). */
+int kp_trap_record_here(void);
 /* At exit: whether the program replaced our SIGTRAP handler (said on stderr; the profile's line, or 0). */
 const char *kp_trap_check(void);
 

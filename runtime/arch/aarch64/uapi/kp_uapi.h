@@ -33,6 +33,8 @@
 #define __NR_getresgid 150
 #define __NR_prctl 167
 #define __NR_getpid 172
+#define __NR_getppid 173
+#define __NR_kcmp 272
 #define __NR_gettid 178
 #define __NR_munmap 215
 #define __NR_mmap 222
