@@ -108,7 +108,7 @@ def built(tmp_path_factory):
 def test_library_probe_and_program_handler(built, mode, binding):
     """Only the library is rewritten; the program's sigaction/signal(SIGTRAP) (through
     its own GOT, or an object it dlopen()s; a vfork() child's, which shares the
-    parent's memory, is the child's own), its blocking of every signal, its own int3:
+    parent's memory, leaves the parent's alone), its blocking of every signal, its own int3:
     the program's handler sees its own traps, the probe fires 3 times, output and exit
     status are the original's."""
     tmp, progs, inst = built

@@ -370,9 +370,9 @@ static void kp_rearm(unsigned long kind)
 
 static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struct kp_libc_sigaction *oact)
 {
-	if (sig == KP_SIGTRAP && kp_trap_record_here()) {
+	if (sig == KP_SIGTRAP) {
 		struct kp_ksigaction prev = kp_trap_chain;
-		if (act) {
+		if (act && kp_trap_record_here()) {
 			kp_trap_chain.handler = act->handler;
 			kp_trap_chain.mask = act->mask[0];
 			kp_trap_chain.flags = (unsigned int)act->flags;
@@ -401,11 +401,13 @@ static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struc
 
 static void *kp_hook_signal(int sig, void *handler)
 {
-	if (sig == KP_SIGTRAP && kp_trap_record_here()) {
+	if (sig == KP_SIGTRAP) {
 		void *old = kp_trap_chain.handler;
-		kp_trap_chain.handler = handler;
-		kp_trap_chain.mask = 0;
-		kp_trap_chain.flags = KP_SA_RESTART;	/* glibc's signal(): BSD semantics */
+		if (kp_trap_record_here()) {	/* not in a vfork() child (kp_signal.c) */
+			kp_trap_chain.handler = handler;
+			kp_trap_chain.mask = 0;
+			kp_trap_chain.flags = KP_SA_RESTART;	/* glibc's signal(): BSD semantics */
+		}
 		return old;
 	}
 	void *r = ((void *(*)(int, void *))kp_real[KP_HOOK_SIGNAL])(sig, handler);

@@ -79,10 +79,11 @@ static long kp_trap_pid;	/* the process whose kp_trap_chain this memory holds */
 /*
  * Whether a sigaction(SIGTRAP) made now is to be recorded in kp_trap_chain:
  * not in a child that shares its parent's memory (vfork(), posix_spawn()'s
- * child resetting dispositions), whose record would change the parent's chain;
- * the call goes to the kernel there (the child's dispositions are its own, and
- * exec resets them).  A forked child has memory of its own: it records, and
- * takes the chain as its own.
+ * and CPython's children resetting every handler before exec), whose record
+ * would change the parent's chain.  There it is answered from the chain and
+ * dropped: made, it would take our handler from the child, whose breakpoint
+ * probes still fire until exec (which resets every handler anyway).  A forked
+ * child has memory of its own: it records, and takes the chain as its own.
  */
 int kp_trap_record_here(void)
 {
@@ -200,10 +201,9 @@ long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr)
 		}
 	} else if (nr == __NR_rt_sigaction) {
 		const struct kp_ksigaction *act = (const struct kp_ksigaction *)a1;
-		if (a0 == KP_SIGTRAP && a3 == 8 && __atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE) &&
-		    kp_trap_record_here()) {
+		if (a0 == KP_SIGTRAP && a3 == 8 && __atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE)) {
 			struct kp_ksigaction prev = kp_trap_chain;
-			if (act)
+			if (act && kp_trap_record_here())
 				kp_trap_chain = *act;
 			if (a2)
 				*(struct kp_ksigaction *)a2 = prev;
