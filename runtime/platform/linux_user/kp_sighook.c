@@ -11,9 +11,10 @@
  *    kernel reset it to SIG_DFL and kill the process.
  * The functions themselves are the program's own (libc's), called through the
  * address the slot held; with lazy binding the dynamic linker overwrites the
- * slot on that first call, so the hook re-arms itself afterwards.  On x86-64
- * the other loaded objects' slots get the same hooks (kp_sighook_install_others());
- * the C library's own system calls go through kp_signal_syscall() (kp_signal.c).
+ * slot on that first call, so the hook re-arms itself afterwards.  The other
+ * loaded objects' slots get the same hooks (kp_sighook_install_others()); on
+ * x86-64 the C library's own system calls go through kp_signal_syscall()
+ * (kp_signal.c).
  */
 #include "kp_signal.h"
 
@@ -60,6 +61,36 @@ static int kp_is_a_hook(unsigned long v)
 			return 0;
 	return 1;
 }
+#elif defined(__aarch64__)
+/* bti c first: a PLT stub enters a hook by `br x17` (BTI pages). */
+#define KP_HOOK_ENTRY(name) \
+	__asm__(".text\n\t.p2align 4\n\t.hidden " #name "_entry\n\t.type " #name "_entry, @function\n" \
+		#name "_entry:\n\thint 34\n\tb 1f\n\t.ascii \"kprwHOOK\"\n1:\tb " #name "\n\t.size " #name "_entry, .-" #name "_entry\n"); \
+	void name##_entry(void);
+__attribute__((used)) static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struct kp_libc_sigaction *oact);
+__attribute__((used)) static void *kp_hook_signal(int sig, void *handler);
+__attribute__((used)) static int kp_hook_sigprocmask(int how, const unsigned long *set, unsigned long *old);
+__attribute__((used)) static int kp_hook_pthread_sigmask(int how, const unsigned long *set, unsigned long *old);
+KP_HOOK_ENTRY(kp_hook_sigaction)
+KP_HOOK_ENTRY(kp_hook_signal)
+KP_HOOK_ENTRY(kp_hook_sigprocmask)
+KP_HOOK_ENTRY(kp_hook_pthread_sigmask)
+__attribute__((used)) static void *kp_hook_dlopen(const char *file, int mode);
+KP_HOOK_ENTRY(kp_hook_dlopen)
+#define KP_ENTRY(name) ((void *)name##_entry)
+
+static int kp_is_a_hook(unsigned long v)
+{
+	const unsigned char *p = (const unsigned char *)v;
+	static const unsigned char sig[16] = { 0x5f, 0x24, 0x03, 0xd5, 0x03, 0x00, 0x00, 0x14,
+					       'k', 'p', 'r', 'w', 'H', 'O', 'O', 'K' };
+	if (v & 3)
+		return 0;
+	for (int i = 0; i < 16; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
 #else
 #define KP_ENTRY(name) ((void *)name)
 #endif
@@ -70,7 +101,7 @@ static void *kp_hook_fn(unsigned long kind)
 	case KP_HOOK_SIGACTION: return KP_ENTRY(kp_hook_sigaction);
 	case KP_HOOK_SIGNAL: return KP_ENTRY(kp_hook_signal);
 	case KP_HOOK_SIGPROCMASK: return KP_ENTRY(kp_hook_sigprocmask);
-#ifdef __x86_64__
+#if defined(__x86_64__) || defined(__aarch64__)
 	case KP_HOOK_DLOPEN: return KP_ENTRY(kp_hook_dlopen);
 #endif
 	default: return KP_ENTRY(kp_hook_pthread_sigmask);
@@ -131,6 +162,9 @@ __attribute__((unused)) static void kp_resolve_any(unsigned long kind, unsigned 
 	case KP_HOOK_SIGNAL:
 		kp_arch_call_lazy_slot(v, slot, 9, (long)KP_SIG_DFL, 0);
 		break;
+	case KP_HOOK_DLOPEN:		/* the program itself, RTLD_LAZY|RTLD_NOLOAD: loads nothing */
+		kp_arch_call_lazy_slot(v, slot, 0, 5, 0);
+		break;
 	default:
 		kp_arch_call_lazy_slot(v, slot, 0, 0, (long)old);
 		break;
@@ -151,7 +185,14 @@ void kp_sighook_install(void)
 	kp_sighook_install_others();
 }
 
+#if defined(__x86_64__) || defined(__aarch64__)
 #ifdef __x86_64__
+#define KP_R_GLOB_DAT 6
+#define KP_R_JUMP_SLOT 7
+#else
+#define KP_R_GLOB_DAT 1025
+#define KP_R_JUMP_SLOT 1026
+#endif
 /*
  * The same hooks in the GOT of every other object loaded with the program (the
  * executable, when only a library is rewritten, and the other libraries), so
@@ -191,7 +232,7 @@ static unsigned long kp_auxv_value(unsigned long type)
 		while (n < (long)sizeof(auxv) && ((r = kp_syscall3(__NR_read, fd, (char *)auxv + n, sizeof(auxv) - n)) > 0 || r == -4))
 			if (r > 0)
 				n += r;
-		kp_platform_close((int)fd);
+		kp_syscall3(__NR_close, fd, 0, 0);
 	}
 	if (n > (long)sizeof(auxv))		/* PR_GET_AUXV: the whole vector's size */
 		n = sizeof(auxv);
@@ -266,7 +307,7 @@ static void kp_hook_object(struct kp_link_map *l, const struct kp_phdr *ph, unsi
 		const struct kp_rela *r = (const struct kp_rela *)tabs[t][0];
 		for (unsigned long i = 0; r && i < tabs[t][1] / sizeof(*r); i++) {
 			unsigned int type = (unsigned int)r[i].info, si = (unsigned int)(r[i].info >> 32);
-			if ((type != 6 && type != 7) || !si)	/* R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT */
+			if ((type != KP_R_GLOB_DAT && type != KP_R_JUMP_SLOT) || !si)
 				continue;
 			const struct kp_sym *sym = (const struct kp_sym *)symtab + si;
 			int kind = sym->shndx ? 0 : kp_hook_kind((const char *)strtab + sym->name);
@@ -276,18 +317,26 @@ static void kp_hook_object(struct kp_link_map *l, const struct kp_phdr *ph, unsi
 			if (!*slot || kp_is_a_hook(*slot))
 				continue;
 			/* Still the object's own PLT stub (lazy binding): resolved by a call
-			 * with no effect (counted by probes on it in a rewritten libc); not
-			 * dlopen(), whose query would run much of the dynamic loader. */
+			 * with no effect (counted by probes on it in a rewritten libc); on
+			 * x86-64 not dlopen(), whose query would run much of the dynamic
+			 * loader. */
 			if (lo <= *slot && *slot < hi) {
 				if (kind == KP_HOOK_DLOPEN) {
 					/* Called through the stub: the dynamic linker resolves it over
-					 * our hook, which the hook's scan after the call puts back. */
+					 * our hook, which the hook's scan after the call puts back
+					 * (x86-64: AArch64's lazy slots all hold PLT0, which needs
+					 * the slot's address in x16). */
+#ifdef __aarch64__
+					kp_resolve_any(kind, slot);	/* dlopen(NULL, RTLD_LAZY|RTLD_NOLOAD) */
+#else
 					if (!kp_real[kind])
 						kp_real[kind] = (void *)*slot, kp_real_lazy = 1;
 					kp_set_slot(slot, kp_hook_fn(kind), (unsigned long)slot >= rlo && (unsigned long)slot < rhi);
 					continue;
+#endif
+				} else {
+					kp_resolve_any(kind, slot);
 				}
-				kp_resolve_any(kind, slot);
 			}
 			if (kind == KP_HOOK_DLOPEN && kp_real_lazy)
 				kp_real[kind] = 0, kp_real_lazy = 0;
@@ -327,7 +376,7 @@ static void kp_sighook_install_others(void)
 	static unsigned int nseen;
 	static int busy;	/* two threads' dlopen() */
 	while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE))
-		kp_syscall3(__NR_sched_yield, 0, 0, 0);
+		kp_syscall3(__NR_sched_yield, 0, 0, 0);	/* a dlopen() in another thread */
 	for (struct kp_link_map *l = r ? r->r_map : 0; l; l = l->l_next) {
 		if (l->l_addr == kp_rt.bias)	/* our own object: its slots are hooked above */
 			continue;

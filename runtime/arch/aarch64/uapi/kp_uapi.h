@@ -20,6 +20,7 @@
 #define __NR_close 57
 #define __NR_pipe2 59
 #define __NR_read 63
+#define __NR_sched_yield 124
 #define __NR_write 64
 #define __NR_lseek 62
 #define __NR_pwrite64 68
