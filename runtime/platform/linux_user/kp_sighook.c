@@ -360,9 +360,18 @@ static void kp_sighook_install_others(void)
 {
 	const struct kp_phdr *ph = (const struct kp_phdr *)kp_auxv_value(KP_AT_PHDR);
 	unsigned long phnum = kp_auxv_value(KP_AT_PHNUM), bias = 0, dyn = 0;
+	int phdr = 0, interp = 0;
 	for (unsigned long i = 0; ph && i < phnum; i++)
-		if (ph[i].type == KP_PT_PHDR)
+		if (ph[i].type == KP_PT_PHDR) {
 			bias = (unsigned long)ph - ph[i].vaddr;
+			phdr = 1;
+		} else if (ph[i].type == 3 /* PT_INTERP */) {
+			interp = 1;
+		}
+	/* No dynamic loader (a static program, static-PIE too): no other object; no
+	 * PT_PHDR: the program's load bias, so its dynamic section, unknown. */
+	if (!phdr || !interp)
+		return;
 	for (unsigned long i = 0; ph && i < phnum; i++)
 		if (ph[i].type == KP_PT_DYNAMIC)
 			dyn = bias + ph[i].vaddr;
