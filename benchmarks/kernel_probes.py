@@ -8,7 +8,9 @@ Run: python3 benchmarks/kernel_probes.py [--modes icount,tcg] [-n N] [--reps R] 
       what lies between <!-- kernel_probes:begin --> and <!-- kernel_probes:end --> in FILE;
       kernel_probes-int3, -kret, -singlestep for those tables)
      (--check: exit status 3 when ours costs MORE than any of the kernel's configurations it is
-      compared with, or a check failed; every kernel row prints a "verdict:" line, less or MORE)
+      compared with, when (icount) a row of ours grew by more than 2% over the table committed in
+      benchmarks/README.md, or a check failed; every kernel row prints a "verdict:" line, less or
+      MORE, and each of ours a "guard:" line)
      (--int3: ours at +0xe is a breakpoint probe, compared with the kernel's INT3 kprobes)
      (--singlestep: row k, a breakpoint probe whose instruction is single-stepped: see SINGLESTEP_DOC below)
      (--kret: kretprobes, rows r and ro: ours on getuid (empty handler) and geteuid (empty
@@ -457,6 +459,52 @@ def print_verdicts(rows) -> int:
     return more
 
 
+# --- the regression guard: ours against the committed table --------------------------------------
+README = ROOT / "benchmarks" / "README.md"
+GUARD_GROWTH = 1.02     # ours may cost at most 2% more guest instructions a hit than the committed table says
+
+
+def committed_hits(path: Path, marker: str) -> dict[str, float]:
+    """Ours' per-hit figures in the table last committed between <!-- MARKER:begin --> and
+    <!-- MARKER:end --> of path (its bold rows): configuration -> guest instructions a hit."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    doc = path.read_text() if path.exists() else ""
+    i, j = doc.find(begin), doc.find(end)
+    out = {}
+    for line in doc[i:j].splitlines() if 0 <= i < j else []:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[0].startswith("**(") and cells[3].startswith("**"):
+            out[cells[0].strip("*")] = float(cells[3].strip("*").replace(",", ""))
+    return out
+
+
+def committed_params(path: Path, marker: str) -> tuple[int, int, int] | None:
+    """(calls per loop, warm-up calls, rounds) the committed table was measured with (its head
+    says), or None: the guard compares runs of the same loops only."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    doc = path.read_text() if path.exists() else ""
+    i, j = doc.find(begin), doc.find(end)
+    m = re.search(r"loops of ([\d,]+) calls after ([\d,]+) warm-up calls, (\d+) rounds per phase", doc[i:j]) \
+        if 0 <= i < j else None
+    return tuple(int(g.replace(",", "")) for g in m.groups()) if m else None
+
+
+def guard(rows, committed: dict[str, float], notes: list[str]) -> None:
+    """Each of our rows against the committed table (icount: deterministic): a row that grew by
+    more than GUARD_GROWTH is a failed check (notes), whatever the kernel's own cost; prints a
+    line per row."""
+    for what, kind, per_call, hit, *_ in rows:
+        base = committed.get(what)
+        if hit is None or not is_ours(what) or base is None:
+            continue
+        grew = hit > base * GUARD_GROWTH
+        print(f"  guard: {what}: {hit:.1f} per hit, the committed table {base:.1f} "
+              f"({hit / base - 1:+.1%}: {'REGRESSION' if grew else 'kept'})")
+        if grew:
+            notes.append(f"{what}: {hit:.1f} guest instructions a hit, {hit / base - 1:+.1%} over the committed "
+                         f"{base:.1f} (the guard allows {GUARD_GROWTH - 1:.0%})")
+
+
 # --- the table in benchmarks/README.md (--write-table) -------------------------------------------
 TABLE_MARKER = "kernel_probes"      # <!-- kernel_probes:begin --> ... <!-- kernel_probes:end -->
 
@@ -674,6 +722,8 @@ def singlestep_main(args, k, work: Path) -> list:
               f"loops of N = {n} calls after {warmup} warm-up calls, {reps} rounds per phase, -smp 1")
         print_table(rows)
         more = print_verdicts(rows)
+        if mode == "icount":
+            guard(rows, committed_hits(README, TABLE_MARKER + "-singlestep"), notes)
         check_hits(ours_profile(r), f"p_{SS_FUNC}_{SS_OFF}", reps * (n + warmup), notes)
         for note in notes:
             print(f"  CHECK FAILED: {note}")
@@ -699,7 +749,8 @@ def main():
                     "<!-- kernel_probes:begin --> and <!-- kernel_probes:end --> in FILE (e.g. benchmarks/README.md; "
                     "with --int3, --kret or --singlestep: the markers kernel_probes-int3, -kret, -singlestep)")
     ap.add_argument("--check", action="store_true",
-                    help="exit with status 3 when ours costs MORE than any of the kernel's configurations")
+                    help="exit with status 3 when ours costs MORE than any of the kernel's configurations, or "
+                    "(icount) a row of ours grew by more than 2%% over the table committed in benchmarks/README.md")
     args = ap.parse_args()
     if args.write_table and "icount" not in args.modes.split(","):
         sys.exit("kernel_probes: --write-table writes the icount figures: add icount to --modes")
@@ -759,6 +810,12 @@ def main():
         print_table(rows)
         print_goal(hits)
         more = print_verdicts(rows)
+        if mode == "icount":
+            if committed_params(README, marker) == (n, warmup, reps):
+                guard(rows, committed_hits(README, marker), notes)
+            else:
+                print(f"  guard: not compared: the committed table's loops were {committed_params(README, marker)} "
+                      f"(calls, warm-up, rounds), these ({n}, {warmup}, {reps})")
         check_ours(r, len(phases) * reps * (n + warmup), "r" if KRET else "p", 0 if KRET else INSIDE, notes)
         results.append((mode, n, reps, warmup, rows, notes, more))
     finish(args, k, work, results, marker, commit, machine, t_start)

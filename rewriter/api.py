@@ -51,6 +51,7 @@ class InstrumentResult:
     skipped: dict[str, int]
     summary: dict                    # report.instrument_summary
     skipped_lines: list[str]         # the text summary the CLI prints on standard error
+    deps: list[str] = field(default_factory=list)   # every file the rewrite read (what --depfile lists)
 
 
 def _progress(on: bool):
@@ -58,12 +59,28 @@ def _progress(on: bool):
     return Progress() if on else NoProgress()
 
 
-def check(input_path, spec, *, optimize: bool = True, system_map=None, progress: bool = False) -> CheckResult:
+def _spec(spec, options: dict):
+    """The spec file's path as a string, or with probes given as options (the CLI's
+    --kprobe, --event...), the spec they and the file make (spec.from_options)."""
+    from .probes.spec import from_options
+    if spec is not None and not any(options.values()):
+        return str(spec)
+    return from_options(None if spec is None else str(spec), **options)
+
+
+def check(input_path, spec=None, *, optimize: bool = True, system_map=None, progress: bool = False,
+          events=(), probes=(), kprobes=(), kretprobes=(), graphs=(), handlers=()) -> CheckResult:
     """The plan, nothing written.  Refused probes are in `probes` (decision
     "refused") and, when named exactly, in `errors`; a bad spec or image raises.
-    progress: show each stage on standard error if it is a terminal."""
+    progress: show each stage on standard error if it is a terminal.
+    events, probes, kprobes, kretprobes, graphs, handlers: probes added to the spec
+    file's (or instead of one, spec=None), as the command line's --event, --probe,
+    --kprobe, --kretprobe, --graph and --handlers give them."""
     from . import pipeline, report
-    s, handler_errors = pipeline.prepare_for_check(str(input_path), str(spec), not optimize, str(system_map) if system_map else None,
+    spec = _spec(spec, dict(events=events, probes=probes, kprobes=kprobes, kretprobes=kretprobes,
+                            graphs=graphs, handlers=handlers))
+    s, handler_errors = pipeline.prepare_for_check(str(input_path), spec, not optimize,
+                                                   str(system_map) if system_map else None,
                                    _progress(progress))
     d = report.check_doc(s.plan, s.image.label)
     return CheckResult(d["input"], d["probes"], d["skipped"], d["errors"] + handler_errors,
@@ -71,24 +88,31 @@ def check(input_path, spec, *, optimize: bool = True, system_map=None, progress:
 
 
 def instrument(input_path, spec, output, *, optimize: bool = True, system_map=None,
-               progress: bool = False, depfile=None) -> InstrumentResult:
+               progress: bool = False, depfile=None, events=(), probes=(), kprobes=(), kretprobes=(),
+               graphs=(), handlers=()) -> InstrumentResult:
     """Write `output`: `input_path` with the spec's probes compiled in, atomically,
     all or nothing.  Raises KprewriteError (every failing probe named) and
     writes nothing if any probe named exactly cannot be placed.  depfile: also
-    write a make/ninja depfile there, naming every file the rewrite read."""
+    write a make/ninja depfile there, naming every file the rewrite read.
+    events, probes, kprobes, kretprobes, graphs, handlers: as for check()."""
     from . import pipeline, report
     input_path, output = str(input_path), str(output)
     from .output import refuse_same
+    spec = _spec(spec, dict(events=events, probes=probes, kprobes=kprobes, kretprobes=kretprobes,
+                            graphs=graphs, handlers=handlers))
+    spec_file = spec if isinstance(spec, str) else (str(spec.path) if spec.path else None)
     # Compared as files (device and inode), not names: a symbolic or hard link to INPUT is INPUT.
-    inputs = {"INPUT": input_path, "the spec": str(spec), "the System.map": str(system_map) if system_map else None}
+    inputs = {"INPUT": input_path, "the spec": spec_file, "the System.map": str(system_map) if system_map else None}
     refuse_same(output, inputs)
     if depfile:
         refuse_same(str(depfile), {**inputs, "OUTPUT": output})
-    s = pipeline.instrument(input_path, str(spec), output, not optimize,
+    read: list[str] = []
+    s = pipeline.instrument(input_path, spec, output, not optimize,
                             str(system_map) if system_map else None, _progress(progress),
-                            str(depfile) if depfile else None)
+                            str(depfile) if depfile else None, read)
     return InstrumentResult(output, report.check_records(s.plan), report.skipped_counts(s.plan),
-                            report.instrument_summary(s.plan, output), _notes(s) + report.skipped_summary(s.plan))
+                            report.instrument_summary(s.plan, output), _notes(s) + report.skipped_summary(s.plan),
+                            deps=read)
 
 
 def _notes(s) -> list[str]:

@@ -107,14 +107,16 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
             e.probes.append(name)
 
     riders = []
-    brk = len(get_arch(orig.machine).breakpoint)     # what a breakpoint writes (x86 int3: 1 byte)
+    arch = get_arch(orig.machine)
+    brk = len(arch.breakpoint)      # what a breakpoint writes (x86 int3: 1 byte; AArch64 brk: 4)
+    bp = arch.breakpoint_name       # int3, brk
     for p in meta["probes"]:
         a, end = p["region"]
         label = f"{p['symbol']}+{p['offset']:#x}"
         if p.get("ftrace"):
             how = f"ftrace site: jump to detour {p['detour']:#x}"
         elif p.get("int3"):
-            how = f"int3 ({p['int3']})"
+            how = f"{bp} ({p['int3']})"
             end = a + brk
         else:
             how = f"jump to detour {p['detour']:#x}"
@@ -133,7 +135,7 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
         for ra, rend, exit_ in p.get("return_sites") or []:
             add(ra, rend, "return_site", f"return hook of {label} (exit at {exit_:#x}): jump to detour", p["name"])
         for x in p.get("int3_exits") or []:
-            add(x, x + brk, "int3_exit", f"return hook of {label} (exit at {x:#x}): int3", p["name"])
+            add(x, x + brk, "int3_exit", f"return hook of {label} (exit at {x:#x}): {bp}", p["name"])
     for p in riders:
         for e in out.values():
             if e.address == p["shared_with"] and e.what in ("kprobe", "kretprobe") and p["name"] not in e.probes:

@@ -59,10 +59,15 @@ def _guard(fn):
     return run
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kprewrite")
 def main():
-    """kprewrite: Linux-style kprobes compiled ahead of time into ELF images."""
+    """kprewrite: Linux-style kprobes compiled ahead of time into ELF images.
+
+    The probes are the kernel's (kprobes, kretprobes, kprobe_events lines, perf probe
+    definitions), given as options or in a spec file; the output runs as the input did.
+    `kprewrite COMMAND -h` shows a command's options and examples, `man kprewrite` (or
+    `kprewrite man | man -l -`) the manual."""
     from . import safety
     # A rewrite allocates millions of small objects (decoded instructions, rows, plan
     # records) and frees few cycles: the cyclic collector's default pace (every 700
@@ -78,7 +83,33 @@ def main():
 
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-                      help="json: one JSON document (docs/reference/json.md)")
+                      help="json: one JSON document, its schema named by its \"format\" key")
+
+
+def probe_options(fn):
+    """--spec and the probes given on the command line, which add to the spec file's."""
+    for opt in reversed([
+        click.option("--spec", "spec_path", metavar="SPEC.toml", help="probe spec (optional with probe options)"),
+        click.option("--kprobe", "kprobes", multiple=True, metavar="SYM",
+                     help="a kprobe: 'SYM[+OFFS] [KEY=VALUE]...', SYM a symbol, glob or address, KEY a "
+                          "[[kprobe]] key (pre_handler=NAME, fetch=ARGS...)"),
+        click.option("--kretprobe", "kretprobes", multiple=True, metavar="SYM",
+                     help="a kretprobe: 'SYM [KEY=VALUE]...' (handler=NAME, maxactive=N...)"),
+        click.option("--event", "events", multiple=True, metavar="LINE", help="a kprobe_events line"),
+        click.option("--probe", "probes", multiple=True, metavar="DEF",
+                     help="a perf probe definition (FUNC:RLN VAR..., from DWARF)"),
+        click.option("--graph", "graphs", multiple=True, metavar="GLOB",
+                     help="trace entries and returns of the matching functions ([[function_graph]])"),
+        click.option("--handlers", "handlers", multiple=True, metavar="FILE",
+                     help="a C source or object file with handlers"),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _probes(kw: dict) -> dict:
+    """The probe options' values, for api.check() and api.instrument()."""
+    return {k: kw.pop(k) for k in ("events", "probes", "kprobes", "kretprobes", "graphs", "handlers")}
 
 
 def _json(doc) -> None:
@@ -88,7 +119,7 @@ def _json(doc) -> None:
 
 @main.command()
 @click.argument("input_path", metavar="INPUT")
-@click.option("--spec", "spec_path", required=True, metavar="SPEC.toml", help="probe spec")
+@probe_options
 @click.option("-o", "output", required=True, metavar="OUTPUT", help="rewritten image")
 @click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map "
@@ -100,12 +131,12 @@ def _json(doc) -> None:
 @click.option("-q", "--quiet", is_flag=True,
               help="print nothing on success, not even progress (errors still go to standard error)")
 @_guard
-def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depfile, quiet):
-    """Write OUTPUT: INPUT with the spec's probes compiled in."""
+def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depfile, quiet, **kw):
+    """Write OUTPUT: INPUT with the probes (options, --spec or both) compiled in."""
     from . import api
     t = time.monotonic()
     r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
-                       progress=not quiet, depfile=depfile)
+                       progress=not quiet, depfile=depfile, **_probes(kw))
     if quiet:
         return
     if fmt == "json":
@@ -121,15 +152,16 @@ def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depf
 
 @main.command()
 @click.argument("input_path", metavar="INPUT")
-@click.option("--spec", "spec_path", required=True, metavar="SPEC.toml")
-@click.option("--no-optimize", is_flag=True)
+@probe_options
+@click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
 @click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
 @FORMAT
 @_guard
-def check(input_path, spec_path, no_optimize, system_map, fmt):
+def check(input_path, spec_path, no_optimize, system_map, fmt, **kw):
     """Print the plan: each probe's decision and, if not optimized, why."""
     from . import api, report
-    r = api.check(input_path, spec_path, optimize=not no_optimize, system_map=system_map, progress=True)
+    r = api.check(input_path, spec_path, optimize=not no_optimize, system_map=system_map, progress=True,
+                  **_probes(kw))
     if fmt == "json":
         _json(r.as_dict())
     else:
@@ -172,13 +204,39 @@ def blacklist(input_path, system_map, fmt):
         click.echo(line)
 
 
+@main.command()
+@click.argument("input_path", metavar="IMAGE")
+@click.argument("pattern", metavar="[GLOB]", default="*")
+@click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
+@click.option("--system-map", metavar="FILE", help="a kernel image's symbols from this System.map")
+@FORMAT
+@_guard
+def funcs(input_path, pattern, no_optimize, system_map, fmt):
+    """What a kprobe on each function's entry would be, like perf probe -F.
+
+    One line per function whose name matches GLOB (fnmatch; default *), in address order:
+    check's line for `--kprobe FUNC` (optimized, ftrace, int3, refused, and why), each
+    function planned alone."""
+    from . import funcs as F
+    kw = dict(optimize=not no_optimize, system_map=system_map)
+    if fmt == "json":
+        _json(F.doc(input_path, pattern, **kw))
+        return
+    for line in F.lines(input_path, pattern, **kw):
+        click.echo(line)
+
+
 @main.command(name="probe-vars")
 @click.argument("input_path", metavar="INPUT")
 @click.argument("point", metavar="POINT")
+@FORMAT
 @_guard
-def probe_vars(input_path, point):
+def probe_vars(input_path, point, fmt):
     """Variables at a probe point (FUNC[:RLN|+OFFS], SRC:ALN) and their fetch args, like perf probe -V."""
     from .probes import perfprobe
+    if fmt == "json":
+        _json(perfprobe.vars_doc(input_path, point))
+        return
     for line in perfprobe.list_vars(input_path, point):
         click.echo(line)
 
@@ -186,10 +244,14 @@ def probe_vars(input_path, point):
 @main.command(name="probe-lines")
 @click.argument("input_path", metavar="INPUT")
 @click.argument("function", metavar="FUNC[@SRC]")
+@FORMAT
 @_guard
-def probe_lines(input_path, function):
+def probe_lines(input_path, function, fmt):
     """A function's source lines that can be probed as FUNC:RLN, like perf probe -L."""
     from .probes import perfprobe
+    if fmt == "json":
+        _json(perfprobe.lines_doc(input_path, function))
+        return
     for line in perfprobe.list_lines(input_path, function):
         click.echo(line)
 
@@ -225,12 +287,17 @@ def diff(original, rewritten, system_map, fmt):
 def trace(trace_file, fmt, output):
     """Convert trace lines or a binary trace (KPREWRITE_TRACE output) to JSON lines, a Chrome/Perfetto timeline,
     a call graph or text lines."""
+    _trace_text(trace_file, fmt, output)
+
+
+def _trace_text(trace_file, fmt, output, records=None):
     import json
     from .trace import formats as tracefmt
     if output:
         from .output import refuse_same
         refuse_same(output, {"FILE": trace_file})
-    records = tracefmt.read(trace_file)
+    if records is None:
+        records = tracefmt.read(trace_file)
     if fmt == "jsonl":
         text = tracefmt.jsonl(records)
     elif fmt == "text":
@@ -280,3 +347,170 @@ def report(trace_file, plot, fmt):
                               for h in s["histograms"]]})
     else:
         click.echo(tracereport.text(s), nl=False)
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@probe_options
+@click.option("-o", "output", metavar="FILE", default="kprewrite.data", show_default=True,
+              help="the recording (binary records); an existing FILE is renamed FILE.old")
+@click.option("--no-optimize", is_flag=True, help="no jump optimization (debug.kprobes_optimization=0)")
+@click.option("--lib", "libs", multiple=True, metavar="LIB",
+              help="also rewrite this library PROG loads (a path, or a name as ldd lists it: libz.so.1, libz), "
+                   "with the probes whose functions it has")
+@click.option("-v", "--verbose", is_flag=True, help="say whether the rewrite came from the cache, and what "
+                                                    "the globs skipped")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- PROG [ARGS]...")
+@_guard
+def record(spec_path, output, no_optimize, libs, verbose, command, **kw):
+    """Rewrite PROG with the probes (cached), run it, and record its hits into FILE.
+
+    As `uftrace record` and `perf record`: PROG is rewritten into kprewrite's cache (keyed by its
+    bytes and the probes, so a second record starts at once), run with ARGS and its own input and
+    output, and its hits stored as binary records in FILE, for `kprewrite replay`, `trace` and
+    `report`. With no probes, --graph '*': the calls of every function. The exit status is PROG's."""
+    from . import record as R
+    R.check_output(output)
+    t = time.monotonic()
+    exe, tmp, cached, lib_dir = R.rewrite(command[0], spec_path, _probes(kw), optimize=not no_optimize,
+                                          progress=True, verbose=verbose, libs=libs)
+    try:
+        if verbose:
+            click.echo(f"kprewrite: {'cached' if cached else 'rewrote'} {command[0]} as {exe} "
+                       f"({time.monotonic() - t:.2f} s)", err=True)
+        status = R.run(exe, list(command), output, lib_dir)
+    finally:
+        if tmp is not None:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        click.echo(f"kprewrite: {command[0]} exited with status {status}; recorded into {output}", err=True)
+    sys.exit(status)
+
+
+@main.command()
+@click.argument("trace_file", metavar="[FILE]", default="kprewrite.data")
+@click.option("--format", "fmt", type=click.Choice(["graph", "text", "jsonl", "chrome"]), default="graph",
+              show_default=True, help="graph: the calls nested with their durations, other events as comments; "
+                                      "text: the trace lines; jsonl, chrome: as trace prints them")
+@_guard
+def replay(trace_file, fmt):
+    """Print a recording (of record, or any trace): its call graph, or its trace lines.
+
+    What `trace FILE --format graph` (or text) prints, as `uftrace replay` prints a record's calls."""
+    from .trace import formats as tracefmt
+    records = tracefmt.read(trace_file)
+    if not records:
+        # a binary recording whose probes wrote no trace line: say why rather than print nothing
+        click.echo(f"kprewrite: {trace_file}: nothing recorded (a --kprobe or --kretprobe without fetch= only "
+                   f"counts its hits; trace lines come from --event, --probe, --graph or fetch=)", err=True)
+        return
+    _trace_text(trace_file, fmt, None, records)
+
+
+@main.command(name="man")
+@click.argument("command", metavar="[COMMAND]", required=False)
+@click.option("-o", "--output-dir", metavar="DIR", help="write every page (kprewrite.1, kprewrite-COMMAND.1) into DIR")
+@_guard
+def man(command, output_dir):
+    """Print the manual page of kprewrite (or of COMMAND) in roff.
+
+    With -o DIR, write every page (kprewrite.1, kprewrite-COMMAND.1) into DIR instead.
+    A wheel installs them into share/man/man1, where `man kprewrite` finds them."""
+    from . import manpage
+    if output_dir:
+        if command:
+            raise KprewriteError("give COMMAND or --output-dir, not both")
+        for path in manpage.write(output_dir, main):
+            click.echo(path)
+        return
+    if command is None:
+        click.echo(manpage.main_page(main), nl=False)
+    elif command in main.commands:
+        click.echo(manpage.command_page(main, command), nl=False)
+    else:
+        raise KprewriteError(f"no such command: {command!r} (the commands: {', '.join(sorted(main.commands))})")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--print-path", is_flag=True, help="print the path of the gdb helper script and exit")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[PROG [ARGS]...]")
+@_guard
+def gdb(print_path, args):
+    """Run PROG under gdb with kprewrite's gdb helper loaded.
+
+    The helper's `kp-run` and `kp-continue` pass the SIGTRAPs of breakpoint (int3) probes
+    on to the program, and still stop at gdb's own breakpoints."""
+    import shutil
+    from .link.resources import gdb_helper
+    helper = gdb_helper()
+    if print_path:
+        click.echo(str(helper))
+        return
+    if not args:
+        raise KprewriteError("name the program to debug: kprewrite gdb PROG [ARGS]...")
+    exe = shutil.which("gdb")
+    if exe is None:
+        raise KprewriteError("gdb: not found on PATH")
+    os.execv(exe, [exe, "-x", str(helper), "--args", *args])
+
+
+# Each command's help ends with examples (and so does its manual page).
+EXAMPLES = {
+    "instrument": """\
+kprewrite instrument prog --kprobe work -o prog.kp
+kprewrite instrument prog --event 'p:ev work x=$arg1:s32' -o prog.kp
+kprewrite instrument prog --probe 'parse_line:4 sum buf:string' -o prog.kp
+kprewrite instrument prog --handlers h.c --kprobe 'work pre_handler=pre' -o prog.kp
+kprewrite instrument prog --spec probes.toml -o prog.kp
+KPREWRITE_PROFILE=- ./prog.kp""",
+    "check": """\
+kprewrite check prog --kprobe 'work*' --kretprobe main
+kprewrite check prog --spec probes.toml --format json
+kprewrite check vmlinuz --spec probes.toml""",
+    "record": """\
+kprewrite record -- ./prog input.txt
+kprewrite record --graph 'parse_*' -o parse.rec -- ./prog input.txt
+kprewrite record --event 'p:ev work x=$arg1:s32' -- ./prog
+kprewrite record --graph 'deflate*' --graph main --lib libz.so.1 -- ./prog
+kprewrite replay parse.rec""",
+    "replay": """\
+kprewrite replay
+kprewrite replay parse.rec --format text
+kprewrite report parse.rec""",
+    "funcs": """\
+kprewrite funcs prog
+kprewrite funcs prog 'parse_*' --format json
+kprewrite funcs vmlinuz 'do_sys_*'""",
+    "list": """\
+kprewrite list prog.kp
+kprewrite list prog.kp --format json""",
+    "blacklist": """\
+kprewrite blacklist prog
+kprewrite blacklist vmlinuz --format json""",
+    "trace": """\
+KPREWRITE_TRACE=trace.txt ./prog.kp
+kprewrite trace trace.txt --format graph
+kprewrite trace trace.txt --format chrome -o trace.json    # open in ui.perfetto.dev""",
+    "diff": """\
+kprewrite diff prog prog.kp
+kprewrite diff prog prog.kp --format json""",
+    "report": """\
+KPREWRITE_TRACE=trace.txt ./prog.kp
+kprewrite report trace.txt --plot trace.svg""",
+    "probe-vars": """\
+kprewrite probe-vars prog parse_line:4
+kprewrite probe-vars prog 'parse_line%return' --format json""",
+    "probe-lines": """\
+kprewrite probe-lines prog parse_line
+kprewrite probe-lines prog parse_line@prog.c --format json""",
+    "man": """\
+kprewrite man check | man -l -
+kprewrite man -o ~/.local/share/man/man1""",
+    "gdb": """\
+kprewrite gdb ./prog.kp 2
+gdb -x "$(kprewrite gdb --print-path)" --args ./prog.kp 2""",
+}
+
+for _name, _text in EXAMPLES.items():
+    if _name in main.commands:
+        main.commands[_name].epilog = "Examples:\n\n\b\n" + _text

@@ -29,7 +29,7 @@ def text(target: str, deps: list) -> str:
 def entry(path: str, target: str, deps: list, mode_from: str) -> tuple[str, bytes, int]:
     """The depfile as output.write_all() takes it: INPUT's mode, but not executable."""
     if os.path.isdir(path):
-        raise KprewriteError(f"{path}: --depfile is a directory")
+        raise KprewriteError(f"{path}: is a directory")
     return path, text(target, deps).encode(), os.stat(mode_from).st_mode & 0o666
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .errors import KprewriteError
+from .errors import KprewriteError, file_error
 
 
 def same_file(a: str, b: str) -> bool:
@@ -39,18 +39,18 @@ def write_all(files: list[tuple[str, bytes, int]]) -> None:
         for path, data, mode in files:
             d = os.path.dirname(os.path.abspath(path)) or "."
             if os.path.isdir(path):
-                raise KprewriteError(f"{path}: cannot write: is a directory")
+                raise file_error(path, IsADirectoryError())
             try:
                 fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
             except OSError as e:
-                raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+                raise file_error(path, e, write=True) from None
             staged.append((path, tmp))
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                 os.chmod(tmp, mode)
             except OSError as e:
-                raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+                raise file_error(path, e, write=True) from None
         done = []
         for path, tmp in staged:
             try:
@@ -58,7 +58,7 @@ def write_all(files: list[tuple[str, bytes, int]]) -> None:
             except OSError as e:
                 for p in done:
                     _unlink(p)
-                raise KprewriteError(f"{path}: cannot write: {e.strerror}")
+                raise file_error(path, e, write=True) from None
             done.append(path)
         staged = []
     finally:

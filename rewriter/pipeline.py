@@ -8,13 +8,14 @@ instrument() and the report module."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .build import emission, layout, meta, tables
+from .emit import emission, layout, meta, tables
 from .probes import events
 from .link import handlers
 from . import link, planner, targets
@@ -48,16 +49,17 @@ class Session:
     handler_exports: dict              # C source -> handler names it exports
 
 
-def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: bool = True,
+def prepare(input_path: str, spec_path: str | Spec, no_optimize: bool = False, strict: bool = True,
             system_map: str | None = None, progress=None) -> Session:
     """Everything up to the plan.  strict: refused probes and missing handlers are
     errors (instrument); otherwise refused probes stay in the plan to be printed (check).
     progress: a progress.Progress told each stage as it starts."""
     progress = progress or NoProgress()
-    spec = load_spec(spec_path)
+    # A Spec made by the caller (spec.from_options()) is completed here as a loaded one is: a copy
+    spec = copy.deepcopy(spec_path) if isinstance(spec_path, Spec) else load_spec(spec_path)
     if not (spec.kprobes or spec.kretprobes or spec.events or spec.probes):
         # An output with no probes in it is a copy: most likely the wrong spec was given.
-        raise KprewriteError(f"{spec.path.name}: the spec defines no probes (no [[kprobe]], [[kretprobe]] or "
+        raise KprewriteError(f"{spec.name}: the spec defines no probes (no [[kprobe]], [[kretprobe]] or "
                              "[[function_graph]] table, no events or probes); nothing to instrument")
     progress.stage("loading", os.path.basename(input_path))
     image = targets.load(input_path)   # unwrapped from its container, its target detected
@@ -84,13 +86,13 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources,
                         read_indirect_jumps=rules.read_indirect_jumps)
     progress.stage("planning", f"{len(probes)} probes, {len(analysis.targets)} jump targets")
-    plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.path.name)
+    plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.name)
     if strict:
         errors += plan.errors
     traces, trace_errors = events.compile_all(image, arch, [p for p in probes if not is_entry(p)],
-                                              [p for _, p, _ in plan.kretprobes], spec.path.name, errors)
+                                              [p for _, p, _ in plan.kretprobes], spec.name, errors)
     errors += trace_errors
-    errors += target.refusals(image, plan, traces, spec.path.name)
+    errors += target.refusals(image, plan, traces, spec.name)
     symbols, exports = {}, {}
     if strict:
         symbols, exports, handler_errors = handlers.resolve(spec, arch, target.RUNTIME_HANDLERS)
@@ -100,7 +102,7 @@ def prepare(input_path: str, spec_path: str, no_optimize: bool = False, strict: 
     return Session(image, spec, arch, target, analysis, probes, plan, rules, traces, symbols, exports)
 
 
-def prepare_for_check(input_path: str, spec_path: str, no_optimize: bool = False,
+def prepare_for_check(input_path: str, spec_path: str | Spec, no_optimize: bool = False,
                       system_map: str | None = None, progress=None) -> tuple[Session, list[str]]:
     """`check`'s plan (refused probes kept in it), and the lines of what instrument's
     handler stage would refuse (check_handlers)."""
@@ -254,13 +256,15 @@ def _cache_blob(k: str, workdir: Path, blob) -> None:
     cache.put("blob", k, pickle.dumps((blob, (workdir / "blob.elf").read_bytes()), protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool = False,
-               system_map: str | None = None, progress=None, depfile: str | None = None) -> Session:
+def instrument(input_path: str, spec_path: str | Spec, output: str, no_optimize: bool = False,
+               system_map: str | None = None, progress=None, depfile: str | None = None,
+               read: list | None = None) -> Session:
     """Write OUTPUT; with depfile, also a make/ninja depfile of every file read:
     INPUT, the spec, the System.map, the handlers and the headers they include,
-    the runtime's sources."""
+    the runtime's sources.  `read`: a list those files' paths are added to."""
     progress = progress or NoProgress()
-    deps = [input_path, spec_path] + ([system_map] if system_map else [])
+    spec_file = spec_path.path if isinstance(spec_path, Spec) else spec_path
+    deps = [input_path] + ([str(spec_file)] if spec_file is not None else []) + ([system_map] if system_map else [])
     try:
         s = prepare(input_path, spec_path, no_optimize, system_map=system_map, progress=progress)
         deps += s.spec.handlers
@@ -271,6 +275,8 @@ def instrument(input_path: str, spec_path: str, output: str, no_optimize: bool =
             objs = compile_handlers(s, workdir, progress, deps)
             data = build(s, objs, workdir, progress)
         deps += link.runtime_sources()
+        if read is not None:
+            read += [str(d) for d in deps]
         files = [(output, data, os.stat(input_path).st_mode & 0o7777)]
         if depfile:             # OUTPUT and its depfile both, or neither (make would take OUTPUT as up to date)
             from . import depfile as df

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from .arch.base import BOOST, EMULATE, SINGLESTEP
-from .build.meta import META_SECTION
-from .errors import KprewriteError
+from .emit.meta import META_SECTION
+from .errors import KprewriteError, file_error
 from .planner import FTRACE, HOOK_PENDING, INT3, OPTIMIZED, TRAMPOLINE, Plan
 
 
@@ -173,7 +173,7 @@ def read_metadata(path: str) -> dict:
             raise ValueError
         return doc
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        raise file_error(path, e) from None
     except (ValueError, KeyError, TypeError):
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 

@@ -65,7 +65,7 @@ static inline struct kp_site *kp_site(unsigned long i)
 #else
 /*
  * Tables built at boot (a kernel: the structures of every probe would not fit the
- * image's gaps): kprewrite writes compact records (build/tables.py, _records_c()), the
+ * image's gaps): kprewrite writes compact records (emit/tables.py, _records_c()), the
  * platform decodes them into memory it allocates and sets the three pointers
  * (linux_kernel/platform.c, kp_kernel_build_tables()).  Addresses are 32-bit offsets
  * from the target's table base (the kernel's _text).

@@ -116,7 +116,7 @@ def test_missing_symbol_and_handler(tmp_path, prog):
 
 def test_missing_handler_file(tmp_path, prog):
     spec = write_spec(tmp_path, 'handlers = ["nothere.c"]\n[[kprobe]]\nsymbol_name = "work"\n')
-    assert len(fails(tmp_path, prog, spec, "handler file 'nothere.c' not found")) == 1
+    assert len(fails(tmp_path, prog, spec, "handler file 'nothere.c': no such file")) == 1
 
 
 def test_offset_off_instruction_boundary(tmp_path, prog):

@@ -54,7 +54,7 @@ def test_quoted_repository_paths_exist():
 
 
 def test_quoted_python_files_are_ours():
-    """A module named by its file name alone (`build/layout.py`) is a file of the
+    """A module named by its file name alone (`emit/layout.py`) is a file of the
     repository: a renamed or split module leaves no stale name behind."""
     ours = {p.name for p in ROOT.rglob("*.py") if ".git" not in p.parts}
     bad = []

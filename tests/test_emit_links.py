@@ -70,7 +70,7 @@ def prog(tmp_path_factory):
 @pytest.mark.skipif(ARCH != "x86_64", reason="x86-64 logs its links (aarch64 builds each detour again)")
 @pytest.mark.parametrize("kind", SPECS)
 def test_patched_detours_are_the_detours_built_again(prog, tmp_path, monkeypatch, kind):
-    from rewriter.build import emission, layout
+    from rewriter.emit import emission, layout
     from rewriter import link, pipeline
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))
     spec = write_spec(tmp_path, SPECS[kind], HANDLERS)

@@ -618,7 +618,7 @@ def test_trace_command_input(tmp_path):
     r = subprocess.run([*KPREWRITE, "trace", "-"], input="noise\n" + line, capture_output=True, text=True, env=TREE_ENV)
     assert r.returncode == 0 and json.loads(r.stdout)["args"] == {"a": 1}
     r = kprewrite("trace", tmp_path / "missing.txt", check=False)
-    assert r.returncode == 1 and r.stderr.startswith("kprewrite: ") and "cannot read" in r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("kprewrite: ") and r.stderr.endswith("missing.txt: no such file\n")
     assert "Traceback" not in r.stderr
 
 

@@ -18,7 +18,7 @@ from rewriter import link
 from rewriter.arch import get_arch
 from rewriter.errors import KprewriteError
 from rewriter.elf.image import Image
-from rewriter.build.layout import Layout
+from rewriter.emit.layout import Layout
 from rewriter.link.ld import Blob, LinkReloc
 from rewriter.planner import Plan, Site, make_int3
 from rewriter.targets.linux_kernel.x86_64 import kaslr

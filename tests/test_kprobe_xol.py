@@ -172,14 +172,15 @@ def test_slot_code_round_trip(image, label, with_post, ss_int3):
 
 
 def test_int3_hash_finds_every_descriptor():
-    """The descriptor hash (kp_int3_lookup's): at most half full, each address found by
-    linear probing from hash_64(addr, bits)."""
+    """The descriptor hash (kp_breakpoint.h's kp_breakpoint_lookup()): at most half full, each
+    address found by linear probing from hash_64(addr, bits)."""
+    from rewriter.emit import breakpoints as B
     addrs = [0x401000 + 7 * i for i in range(37)] + [0xffffffff81000000 + 5 * i for i in range(20)]
-    bits, slots = K.int3_hash(addrs)
+    bits, slots = B.descriptor_hash(addrs)
     assert len(slots) == 1 << bits and 2 * len(addrs) <= len(slots) < 4 * len(addrs)
-    assert sorted(s for s in slots if s != K.HASH_EMPTY) == list(range(len(addrs)))
+    assert sorted(s for s in slots if s != B.HASH_EMPTY) == list(range(len(addrs)))
     for i, a in enumerate(addrs):
-        h = ((a * K.GOLDEN_RATIO_64) % 2**64) >> (64 - bits)
+        h = ((a * B.GOLDEN_RATIO_64) % 2**64) >> (64 - bits)
         while slots[h] != i:
-            assert slots[h] != K.HASH_EMPTY, f"{a:#x} not found"
+            assert slots[h] != B.HASH_EMPTY, f"{a:#x} not found"
             h = (h + 1) % len(slots)

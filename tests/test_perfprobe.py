@@ -339,7 +339,8 @@ def test_build_id_debug_file(built, tmp_path, monkeypatch):
     stripped = tmp_path / "stripped"
     subprocess.run(["objcopy", "--only-keep-debug", str(prog), str(dbg)], check=True)
     subprocess.run(["objcopy", "--strip-debug", str(prog), str(stripped)], check=True)
-    monkeypatch.setattr(D, "DEBUG_ROOT", str(tmp_path))
+    from rewriter.probes.perfprobe import debugfile
+    monkeypatch.setattr(debugfile, "DEBUG_ROOT", str(tmp_path))
     regs = {0: "ax", 1: "dx", 2: "cx", 3: "bx", 4: "si", 5: "di", 6: "bp", 7: "sp"}
 
     def locs(path):
@@ -390,7 +391,7 @@ def test_debug_file_directory(built, tmp_path):
     r = check_with(str(tmp_path / "nothing"))
     assert r.returncode == 1 and f"under {tmp_path / 'nothing'})" in r.stderr and os.path.isfile(dbg), r.stderr
     # KPREWRITE_DEBUG_FILE naming a missing file or a folder: one line that says which
-    for named, why in ((tmp_path / "nothing.debug", "no such file"), (root, "a directory, not a file")):
+    for named, why in ((tmp_path / "nothing.debug", "no such file"), (root, "is a directory")):
         r = subprocess.run([*KPREWRITE, "check", str(stripped), "--spec", str(spec)], capture_output=True, text=True,
                            env={**TREE_ENV, "KPREWRITE_DEBUG_FILE": str(named)})
         assert r.returncode == 1 and r.stderr == f"kprewrite: probes.toml: probes[1]: KPREWRITE_DEBUG_FILE={named}: " \

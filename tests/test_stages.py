@@ -10,7 +10,7 @@ import capstone
 import pytest
 
 from conftest import cc
-from rewriter.build import emission, layout, tables
+from rewriter.emit import emission, layout, tables
 from rewriter import targets
 from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch

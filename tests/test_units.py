@@ -307,11 +307,15 @@ def test_every_target_answers_the_declared_interface():
     folders = sorted(p.name for p in Path(targets.__file__).parent.iterdir()
                      if (p / "__init__.py").is_file())
     assert folders == ["linux_kernel", "linux_module", "linux_user"]
+    # An architecture's variant of the kernel target (linux_kernel.for_arch(): <arch>/target.py).
+    variants = [f"linux_kernel.{p.parent.name}.target" for p in
+                sorted((Path(targets.__file__).parent / "linux_kernel").glob("*/target.py"))]
+    assert "linux_kernel.aarch64.target" in variants
     declared = base.members()
     assert {"write", "rules", "plan_layout", "tables_c", "notes", "build", "DIFF_REFUSAL"} <= set(declared)
-    for folder in folders:
+    for folder in folders + variants:
         target = importlib.import_module(f"rewriter.targets.{folder}")
-        assert target.name == folder
+        assert target.name == folder.split(".")[0]
         for n, default in declared.items():
             assert hasattr(target, n), (folder, n)
             if callable(default):

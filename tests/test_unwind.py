@@ -143,7 +143,7 @@ def test_unwind_programs_from_the_layout_are_those_of_the_final_code(prog, tmp_p
     full, aggregated, return sites)."""
     import dataclasses
 
-    from rewriter.build import emission, layout
+    from rewriter.emit import emission, layout
     from rewriter import link, pipeline
     from rewriter.targets.linux_user import unwind
     monkeypatch.setenv("KPREWRITE_CACHE", str(tmp_path / "cache"))      # nothing cached: computed

@@ -1,5 +1,6 @@
 """Packaging: `python -m build` makes an sdist and, from it, a wheel that
-carries the C runtime as package data (rewriter/_runtime); the wheel, installed in a
+carries the C runtime as package data (rewriter/_runtime), the gdb helper
+(rewriter/_tools) and the manual pages (share/man/man1); the wheel, installed in a
 fresh venv, runs the README's quick start from a folder outside the tree with its own
 `kprewrite` (not this tree's, not the editable install of another checkout), and
 rewrites to the same bytes as this tree does."""
@@ -35,7 +36,7 @@ def test_wheel_quick_start(tmp_path):
     # Build from a copy: no build/ or *.egg-info left in the tree, no stale build/ taken in.
     src, dist = tmp_path / "src", tmp_path / "dist"
     patterns = shutil.ignore_patterns(".git", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.o")
-    # The top-level build/ only: rewriter/build/ is a package of the tree.
+    # The top-level build/ only (a package of the tree may be named so).
     shutil.copytree(ROOT, src, ignore=lambda d, names: set(patterns(d, names)) | ({"build"} if Path(d) == ROOT else set()))
     sh([sys.executable, "-m", "build", "--outdir", dist, src])   # sdist, then the wheel from the sdist
     sdist, = dist.glob("kprewrite-*.tar.gz")
@@ -81,6 +82,21 @@ def test_wheel_quick_start(tmp_path):
                           r.stderr, re.M)) == 2, r.stderr
     assert re.search(r"^\s*p_kernel_clone_0\s+2\s+0$", r.stderr, re.M), r.stderr
     assert re.fullmatch(r"[0-9a-f]{16}  k  kernel_clone\+0x0 \[OPTIMIZED\]\n", run(exe, "list", "program.kp").stdout)
+
+    # The manual, installed into the venv's share/man/man1 and found by `man` from PATH alone
+    # (man-db looks in ../share/man of each PATH folder); the gdb helper, packaged.
+    commands = run(py, "-c", "from rewriter.cli import main; print(*sorted(main.commands))").stdout.split()
+    assert sorted(p.name for p in (venv / "share" / "man" / "man1").iterdir()) == sorted(
+        ["kprewrite.1"] + [f"kprewrite-{c}.1" for c in commands])
+    man_env = {k: v for k, v in env.items() if k != "MANPATH"}
+    man_env.update(PATH=f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin", MANPAGER="cat", MANWIDTH="100")
+    if shutil.which("man"):
+        page = sh(["man", "kprewrite"], cwd=work, env=man_env).stdout
+        assert page.startswith("KPREWRITE(1)") and "kprewrite-check(1)" in page, page
+        assert "--kprobe" in sh(["man", "kprewrite-check"], cwd=work, env=man_env).stdout.replace("\u2010", "-")
+    helper = Path(run(exe, "gdb", "--print-path").stdout.strip())
+    assert helper == site / "rewriter" / "_tools" / "kprewrite-gdb.py"
+    assert helper.read_bytes() == (ROOT / "tools" / "kprewrite-gdb.py").read_bytes()
 
     # The runtime compiled into the user's cache, nothing written into the installed package.
     assert list((tmp_path / "cache").glob("runtime-*"))

@@ -176,9 +176,6 @@ class KprobeXol(Protocol):
     def emulates_refused(self, image, addr: int) -> bool:
         """can_probe() refuses the instruction but the trap handler emulates it."""
 
-    def number_descriptors(self, sites) -> dict[int, int]:
-        """Each breakpoint site's descriptor index, by Site.index."""
-
     def place_slot(self, x: Xol, site_index: int, with_post: bool, at: int, desc: int = 0) -> XolSlot:
         """x's slot placed at `at` (desc: the site's descriptor index)."""
 
@@ -186,10 +183,15 @@ class KprobeXol(Protocol):
                   desc: int = 0) -> bytes:
         """The slot's bytes at `at` (the copy, a post stub, the jump back)."""
 
-    def table_c(self, sites, slots: dict, ro_after_init: bool = False) -> str:
-        """The breakpoint sites' descriptor table, as C (slots: the layout's XolSlot by
-        Site.index; ro_after_init: in the section the runtime makes read-only once
-        relocated, link.RELRO)."""
+    # The descriptor table (emit/breakpoints.py: the numbering, the hash, the single-step
+    # entries are arch-neutral) asks the arch for its rows.
+    NO_SLOT: XolSlot                   # the slot of a site whose trap does the work (emulated)
+    TABLE_INCLUDES: tuple[str, ...]    # lines before the table (headers of its struct)
+    EMPTY_DESCRIPTOR: str | None       # the one row of a table with no site (None: empty)
+    SS_INT3_SPAN: bool                 # single-stepped copies may end with a breakpoint
+
+    def descriptor(self, s, x: Xol, slot: XolSlot) -> str:
+        """Site s's row of kp_int3_sites[] (the arch's struct kp_int3_site), as C."""
 
 
 class RetProbe(Protocol):
@@ -374,6 +376,7 @@ class Arch(Protocol):
     # The image's system calls that set a signal mask or action (SignalSyscall list).
     signal_syscalls: Callable
     breakpoint: bytes         # the breakpoint instruction a breakpoint probe writes
+    breakpoint_name: str      # what diff calls it: int3, brk
     JUMP_SIZE: int            # the bytes of the jump an optimized probe writes
     JUMP_REACH: int           # how far that jump reaches, either way
     FTRACE_NOP: bytes         # the nop an ftrace site holds when not tracing

@@ -22,7 +22,7 @@ from . import ehframe
 from ..arch import MACHINES, get_arch
 from .view import (PF_R, PF_W, PF_X, PT_DYNAMIC, PT_INTERP, PT_LOAD, PT_NOTE, PT_PHDR, SHF_ALLOC, SHF_EXECINSTR,  # noqa: F401
                    SHF_WRITE, SHT_DYNSYM, SHT_SYMTAB, ElfView, Section, Segment, relas)
-from ..errors import KprewriteError
+from ..errors import KprewriteError, file_error
 
 STT_NOTYPE, STT_OBJECT, STT_FUNC, STT_GNU_IFUNC = 0, 1, 2, 10
 SHT_DYNAMIC = 6
@@ -109,7 +109,7 @@ class Image:
                 with open(path, "rb") as f:
                     data = f.read()
             except OSError as e:
-                raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+                raise file_error(path, e) from None
         self.data = data
         # A container the image travels in (a kernel's bzImage): its ELF is what we read.
         self.container = container

@@ -80,6 +80,8 @@ class Section:
     link: int = 0
     info: int = 0
     entsize: int = 0
+    index: int = 0           # its index in the section header table
+    align: int = 0
 
     @property
     def end(self) -> int:
@@ -195,7 +197,7 @@ class ElfView:
             if s[1] != SHT_NOBITS:
                 lo, hi = s[4], min(s[4] + s[5], n)
         out = []
-        for i, (sh_name, typ, flags, addr, off, size, link, info, _align, entsize) in enumerate(raw):
+        for i, (sh_name, typ, flags, addr, off, size, link, info, align, entsize) in enumerate(raw):
             name = ""
             a = lo + sh_name
             if a < hi:
@@ -203,7 +205,7 @@ class ElfView:
                 name = _name(d[a:e if e >= 0 else hi])
             if typ not in (SHT_NULL, SHT_NOBITS) and off + size > n:
                 raise self._truncated(f"section {name or f'#{i} (no name)'} ends", off + size)
-            out.append(Section(name, typ, flags, addr, off, size, link, info, entsize))
+            out.append(Section(name, typ, flags, addr, off, size, link, info, entsize, i, align))
         return out
 
     @cached_property

@@ -15,7 +15,7 @@ module:
   handlers.py   the user's handlers read for the planner (what their code touches)
   resources.py  where the runtime's sources are
 """
-from ..build.cstring import c_string
+from ..emit.cstring import c_string
 from ..depfile import read as read_depfile
 from .compile import compile_handlers, compile_table, defines_function, resolve_handlers
 from .ld import SCRIPT_SYMBOLS, Blob, LinkReloc, link, read_blob

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import link
 from ..planner import HandlerCode
+from ..probes.spec import where
 
 
 def names(spec) -> set[str]:
@@ -33,7 +34,7 @@ def resolve(spec, arch, runtime_handlers=frozenset()) -> tuple[dict[str, str], d
             for sec in link.executable_sections(h):
                 at = arch.handler_abi.vector_use(sec, 0)
                 if at is not None:
-                    lines.append(f"{spec.path.name}: handlers: {h.name} uses {arch.handler_abi.VECTOR_STATE} registers at "
+                    lines.append(f"{spec.name}: handlers: {h.name} uses {arch.handler_abi.VECTOR_STATE} registers at "
                                  f"{at:#x}, which detours do not save; compile it with -mgeneral-regs-only")
                     break
     listed = ", ".join(h.name for h in spec.handlers) or "none listed"
@@ -42,7 +43,7 @@ def resolve(spec, arch, runtime_handlers=frozenset()) -> tuple[dict[str, str], d
             for key in keys:
                 n = getattr(k, key)
                 if n in missing:
-                    lines.append(f"{spec.path.name}: {k.table}: {key} '{n}' is not defined in any handler file ({listed})")
+                    lines.append(f"{where(spec.name, k.table)}: {key} '{n}' is not defined in any handler file ({listed})")
     return symbols, exports, lines
 
 

@@ -22,3 +22,12 @@ def runtime_dir() -> Path:
     if packaged.is_dir():
         return packaged
     return _PACKAGE.parent / "runtime"
+
+
+def gdb_helper() -> Path:
+    """tools/kprewrite-gdb.py: the copy installed with the package (rewriter/_tools, put
+    there by setup.py's build hook), else the source tree's."""
+    packaged = _PACKAGE / "_tools" / "kprewrite-gdb.py"
+    if packaged.is_file():
+        return packaged
+    return _PACKAGE.parent / "tools" / "kprewrite-gdb.py"

@@ -29,6 +29,7 @@ from collections import defaultdict
 
 from .. import safety
 from ..probes.resolve import Probe, is_entry
+from ..probes.spec import where
 from .forms import choose_forms
 from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
                     INT3, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)
@@ -55,7 +56,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if p.from_glob:
             into.skipped[check].append(p)
         else:
-            into.errors.append(f"{spec_name}: {p.spec.table} ({p.label}): {reason}")
+            into.errors.append(f"{where(spec_name, p.spec.table)} ({p.label}): {reason}")
 
     for p in probes:
         if is_entry(p):

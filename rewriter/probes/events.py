@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from . import fetch as F
 from .spec import KprobeSpec, KretprobeSpec, Spec
+from .spec import where as spec_where
 
 MAX_EVENT_NAME_LEN = 64
 KRETPROBE_MAXACTIVE_MAX = 4096
@@ -75,10 +76,11 @@ class EventDef:
     addr: int | None
     maxactive: int
     words: list[tuple[str, int]]        # FETCHARGS with their columns
+    label: str = ""                     # its option, for a line given on the command line (--event)
 
     @property
     def table(self) -> str:
-        return f"events[{self.index}]"
+        return self.label or f"events[{self.index}]"
 
 
 @dataclass
@@ -187,22 +189,23 @@ def expand(spec: Spec, arch=None) -> list[str]:
     """Parse `events` into probe tables appended to the spec, and check the syntax
     of every table's `fetch` (register names: the arch's).  Returns the error lines."""
     regs = arch.fetch_regs if arch is not None else None
-    name = spec.path.name
+    name = spec.name
     errors: list[str] = []
     seen: dict[tuple[str, str], int] = {}
     for i, text in enumerate(spec.events, 1):
-        where = f"{name}: events[{i}]"
+        where = spec_where(name, spec.table("events", i))
         if not text.strip() or text.lstrip().startswith("#"):
             continue                    # as in kprobe_events: blank lines and comments
         try:
             ev = parse_line(text, i, regs)
+            ev.label = spec.labels.get(ev.table, "")
         except (LineError, F.FetchError) as e:
             errors += caret_lines(where, text, e.column, e.message)
             continue
         key = (ev.group, ev.event)
         if key in seen:
             col = text.find(ev.event) if ":" in F.split_args(text)[0][0] else 0
-            errors += caret_lines(where, text, max(col, 0), LINE_ERR["EVENT_EXIST"] + f" (events[{seen[key]}])")
+            errors += caret_lines(where, text, max(col, 0), LINE_ERR["EVENT_EXIST"] + f" ({spec.table('events', seen[key])})")
             continue
         seen[key] = i
         fetch = text[ev.words[0][1]:] if ev.words else ""
@@ -218,7 +221,7 @@ def expand(spec: Spec, arch=None) -> list[str]:
         try:
             F.parse_args(F.split_args(k.fetch), F.ParseFlags(is_return=isinstance(k, KretprobeSpec), fentry=True, regs=regs))
         except F.FetchError as e:
-            errors += caret_lines(f"{name}: {k.table}: fetch", k.fetch, e.column, e.message)
+            errors += caret_lines(f"{spec_where(name, k.table)}: fetch", k.fetch, e.column, e.message)
     return errors
 
 
@@ -255,7 +258,7 @@ def _parse_fetch(image, k, spec_name: str, flags) -> tuple[list | None, list[str
         return None, []
     text, words = _args_text(k)
     is_event = getattr(k, "event", None) is not None
-    where = f"{spec_name}: {k.table}" + ("" if is_event else ": fetch")
+    where = spec_where(spec_name, k.table) + ("" if is_event else ": fetch")
     try:
         args = F.parse_args(words, flags)
         F.resolve_symbols(args, image)
@@ -324,7 +327,7 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
     pre_handler; a kretprobe event gets `int kp_trace_ret_<key>(struct
     kretprobe_instance *, struct pt_regs *)`, to be its return handler.
     user_syms: key -> link symbol of the user's pre_handler / handler."""
-    from ..build.cstring import c_string
+    from ..emit.cstring import c_string
     out = ['#include "kp_trace.h"']
     order = sorted(events, key=str)
     for n, idx in enumerate(order):

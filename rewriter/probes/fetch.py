@@ -486,14 +486,14 @@ def symbol_table(image) -> list[tuple[int, int, str]]:
 
 
 def _c_bytes(b: bytes) -> str:
-    from ..build.cstring import c_string
+    from ..emit.cstring import c_string
     return c_string(b.decode("latin-1")) if all(0x20 <= c < 0x7F for c in b) else \
         '"' + "".join(f"\\{c:03o}" for c in b) + '"'
 
 
 def args_c(prefix: str, args: list[ProbeArg]) -> tuple[list[str], str]:
     """C definitions for one event's args; returns (lines, name of the kp_probe_arg array)."""
-    from ..build.cstring import c_string
+    from ..emit.cstring import c_string
     out = []
     for j, a in enumerate(args):
         insns = []

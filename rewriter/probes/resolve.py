@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..errors import KprewriteError
 from ..elf.image import Function, Image
 from .spec import KprobeSpec, KretprobeSpec, Spec
+from .spec import where as spec_where
 
 # At most this many probes (kprobes and kretprobes) in one output: far above every function of a
 # kernel probed twice (a distribution kernel has about 120,000), it refuses a spec whose globs would
@@ -129,7 +130,7 @@ def _count(image: Image, spec: Spec, globs: dict[str, list[Function]]) -> None:
         n = len(_glob(image, kp.symbol_name, globs))
         total += n
         if total > MAX_PROBES:
-            where = f"{spec.path.name}: {kp.table}"
+            where = spec_where(spec.name, kp.table)
             raise KprewriteError(f"{where}: symbol_name '{kp.symbol_name}' matches {n} functions of "
                                  f"{image.label}, which makes {total} probes, more than the "
                                  f"{MAX_PROBES} kprewrite places in one output")
@@ -139,7 +140,7 @@ def _resolve_one(image: Image, spec: Spec, arch, kp: KprobeSpec, errors: list[st
                  globs: dict[str, list[Function]] | None = None):
     """(addr, function, symbol, offset, from_glob) of each probe one table asks for
     (a glob's matches cached in `globs`)."""
-    where = f"{spec.path.name}: {kp.table}"
+    where = spec_where(spec.name, kp.table)
     if kp.is_glob:
         matched = _glob(image, kp.symbol_name, {} if globs is None else globs)
         if not matched:

@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import KprewriteError
+from ..errors import KprewriteError, file_error
 
 
 @dataclass
@@ -54,7 +54,7 @@ class KretprobeSpec:
 
 @dataclass
 class Spec:
-    path: Path                          # absolute path of the spec file
+    path: Path | None                   # absolute path of the spec file; None: probes from the command line only
     handlers: list[Path]                # absolute, resolved relative to the spec's directory, in order
     optimize: bool
     kprobes: list[KprobeSpec] = field(default_factory=list)
@@ -62,6 +62,25 @@ class Spec:
     events: list[str] = field(default_factory=list)
     probes: list[str] = field(default_factory=list)      # perf probe definitions (rewriter/probes/perfprobe)
     compiled: list[tuple[str, str]] = field(default_factory=list)  # (probes[N], kprobe_events line) each became
+    # events[N] and probes[N] that came from the command line: their option as written
+    # (`--event 'p:f f'`), which names them in messages instead of the spec file's name
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """What messages call the spec: its file's name."""
+        return self.path.name if self.path is not None else "command line"
+
+    def table(self, kind: str, i: int) -> str:
+        """The label of events[i] or probes[i] (1-based): its option if it came from one."""
+        t = f"{kind}[{i}]"
+        return self.labels.get(t, t)
+
+
+def where(spec_name: str, table: str) -> str:
+    """The head of a message about a table: the spec file's name and the table, or for a
+    probe given on the command line, its option alone (`--kprobe 'work'`)."""
+    return table if table.startswith("--") else f"{spec_name}: {table}"
 
 
 HANDLER_SUFFIXES = (".c", ".o")
@@ -206,15 +225,11 @@ def _unknown(key: str, known, extra: str = "") -> str:
 _AT = re.compile(r"\s*\(at (line \d+, column \d+|end of document)\)\s*$")
 
 
-def _parse(path: Path, label: str) -> dict:
+def _parse(path: Path, label: str, given: str) -> dict:
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise KprewriteError(f"{label}: no such file") from None
-    except IsADirectoryError:
-        raise KprewriteError(f"{label}: is a directory, not a spec file") from None
     except OSError as e:
-        raise KprewriteError(f"{label}: cannot read: {e.strerror or e}") from None
+        raise file_error(_esc(given, ""), e) from None      # the path as given
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -274,13 +289,16 @@ def _handlers(value, base: Path, label: str, errors: list[str]) -> list[Path]:
     out: list[Path] = []
     for h in value:
         p = Path(os.path.normpath(base / h))
-        if p.suffix not in HANDLER_SUFFIXES:
+        # the path as given (relative to the spec file, or to the current folder for --handlers)
+        if p.is_dir():
+            errors.append(f"{label}: handler file {_q(h)}: is a directory")
+        elif p.suffix not in HANDLER_SUFFIXES:
             errors.append(f"{label}: handler file {_q(h)} must be a C source (.c) "
                           f"or a relocatable object (.o)")
         elif not p.exists():
-            errors.append(f"{label}: handler file {_q(h)} not found ({_esc(str(p), '')})")
+            errors.append(f"{label}: handler file {_q(h)}: no such file")
         elif not p.is_file():
-            errors.append(f"{label}: handler file {_q(h)} is not a regular file ({_esc(str(p), '')})")
+            errors.append(f"{label}: handler file {_q(h)}: not a regular file")
         elif p in out:
             errors.append(f"{label}: handler file {_q(h)} is listed more than once")
         else:
@@ -290,9 +308,10 @@ def _handlers(value, base: Path, label: str, errors: list[str]) -> list[Path]:
 
 def load_spec(path: str | Path) -> Spec:
     """Load and validate the spec at `path`; raise KprewriteError naming every problem."""
+    given = str(path)
     path = Path(os.path.abspath(path))
     label = _esc(path.name, "")
-    doc = _parse(path, label)
+    doc = _parse(path, label, given)
 
     errors: list[str] = []
     handlers: list[Path] = []
@@ -338,3 +357,82 @@ def load_spec(path: str | Path) -> Spec:
         raise KprewriteError(*errors)
     return Spec(path=path, handlers=handlers, optimize=optimize,
                 kprobes=probes["kprobe"], kretprobes=probes["kretprobe"], events=events, probes=perf_probes)
+
+
+# --- probes on the command line ----------------------------------------------------------------
+
+OPTION_KINDS = {"--kprobe": "kprobe", "--kretprobe": "kretprobe", "--graph": "function_graph"}
+
+
+def _option_value(text: str):
+    """A KEY=VALUE word's value as TOML would type it: an integer (0x.. too), a boolean, else a string."""
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text, 0)
+    except ValueError:
+        return text
+
+
+def _option_probe(option: str, text: str, errors: list[str]):
+    """`--kprobe 'SYM[+OFFS] [KEY=VALUE ...]'` (SYM: a symbol, a glob or an address) as the
+    table `[[kprobe]] symbol_name = SYM  offset = OFFS  KEY = VALUE` would be, its messages
+    naming the option."""
+    kind = OPTION_KINDS[option]
+    label = f"{option} {_q(text)}"
+    words = text.split()
+    if not words:
+        errors.append(f"{label}: names no symbol")
+        return None
+    raw: dict = {}
+    head, plus, off = words[0].partition("+")
+    if plus:
+        try:
+            raw["offset"] = int(off, 0)
+        except ValueError:
+            errors.append(f"{label}: offset {_q(off)} is not a number")
+            return None
+    addr = _option_value(head) if head[:1].isdigit() else head
+    raw["addr" if isinstance(addr, int) else "symbol_name"] = addr
+    for w in words[1:]:
+        k, eq, v = w.partition("=")
+        if not eq or k in ("symbol_name", "addr"):
+            errors.append(f"{label}: {_q(w)} is not KEY=VALUE (a key of [[{kind}]] other than symbol_name and addr)")
+            return None
+        raw[k] = _option_value(v)
+    return _probe(kind, label, label, raw, errors)
+
+
+def from_options(spec_path: str | Path | None = None, *, events=(), probes=(), kprobes=(), kretprobes=(),
+                 graphs=(), handlers=()) -> Spec:
+    """The spec of a command line: the spec file's (if any) and the probes of the options
+    added to it, as `--event LINE`, `--probe DEF`, `--kprobe SYM`, `--kretprobe SYM`,
+    `--graph SYM` and `--handlers FILE` give them (handler files relative to the current
+    folder).  Raises one KprewriteError naming every bad option; and if there is neither a
+    spec file nor a probe."""
+    if spec_path is None and not (events or probes or kprobes or kretprobes or graphs):
+        raise KprewriteError("no probes: give --spec FILE, or probes as --kprobe SYM, --kretprobe SYM, "
+                             "--event LINE or --probe DEF")
+    spec = load_spec(spec_path) if spec_path is not None else Spec(path=None, handlers=[], optimize=True)
+    errors: list[str] = []
+    for h in _handlers(list(handlers), Path(os.getcwd()), "--handlers", errors):
+        if h in spec.handlers:
+            errors.append(f"--handlers: handler file {_q(h.name)} is listed more than once")
+        else:
+            spec.handlers.append(h)
+    for option, texts in (("--kprobe", kprobes), ("--kretprobe", kretprobes), ("--graph", graphs)):
+        for text in texts:
+            p = _option_probe(option, text, errors)
+            if isinstance(p, tuple):
+                spec.kprobes.append(p[0])
+                spec.kretprobes.append(p[1])
+            elif p is not None:
+                getattr(spec, option[2:] + "s").append(p)
+    for kind, option, texts in (("events", "--event", events), ("probes", "--probe", probes)):
+        got = getattr(spec, kind)
+        for text in texts:
+            got.append(text)
+            spec.labels[f"{kind}[{len(got)}]"] = f"{option} {_q(text)}"
+    if errors:
+        raise KprewriteError(*errors)
+    return spec

@@ -17,13 +17,13 @@ from __future__ import annotations
 def load(path: str):
     """The image.Image of the file at `path` (the ELF inside it when it is a
     container a target knows), its target detected (image.target)."""
-    from ..errors import KprewriteError
+    from ..errors import file_error
     from ..elf.image import Image
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        raise file_error(path, e) from None
     unwrapped = unwrap(data, path)
     image = Image(path, data) if unwrapped is None else Image(path, *unwrapped)
     image.target = for_image(image)
@@ -44,7 +44,7 @@ def for_image(image):
     if any(s.vaddr >= 1 << 63 for s in image.segments):
         from . import linux_kernel
         if linux_kernel.detect(image):
-            return linux_kernel
+            return linux_kernel.for_arch(image)
     from . import linux_user
     return linux_user
 

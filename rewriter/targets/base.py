@@ -25,7 +25,7 @@ class Target:
 
     name: str                          # also the runtime's folder: runtime/platform/<name>
     RUNTIME_HANDLERS: frozenset = frozenset()   # handler names the runtime defines (boot hooks...)
-    TABLES_AT_BOOT: bool = False       # build/tables.py writes compact records the runtime builds from
+    TABLES_AT_BOOT: bool = False       # emit/tables.py writes compact records the runtime builds from
     RUNTIME_KALLSYMS: bool = False     # trace events name addresses from the running image's own
                                        # symbols (a kernel's kallsyms), not a table compiled in
     PROBES_BY_NAME: Any = False        # perf-probe definitions: True (DWARF), "btf" (DWARF if the

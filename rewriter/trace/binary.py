@@ -327,13 +327,20 @@ def records(data: bytes, where: str) -> list:
                 if key not in bodies:
                     t = body(img, ev, ret, rec).decode("utf-8", errors="replace")
                     m = LINE.match("x-1 [000] 0.0: " + t)
-                    bodies[key] = (t, (m.group("event"), m.group("loc"))
-                                   if m and not m.group("ip") and not m.group("args") else None)
+                    if m and not m.group("ip") and not m.group("args"):
+                        # What Record derives from (event, loc), once per key.
+                        probe = Record("", 0, 0, "0.0", m.group("event"), m.group("loc"), {})
+                        bodies[key] = (t, (probe.event, probe.loc, {"is_return": probe.is_return,
+                                                                    "func": probe.func,
+                                                                    "is_entry": probe.is_entry}))
+                    else:
+                        bodies[key] = (t, None)
                 text, parts = bodies[key]
             if parts is None:
                 r = parse_line(line_head + text)
             else:
                 r = Record(ctx[1], ctx[2], ctx[3], ts, parts[0], parts[1], {}, line_head + text)
+                r.__dict__.update(parts[2], ts_ns=ns)
             if r is not None:
                 out.append((ns, seq, r))
                 seq += 1

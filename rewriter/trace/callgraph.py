@@ -184,11 +184,14 @@ def _mark(ns: int) -> str:
 DUR_W = 14          # " + 1234.567 us" fits the column; longer ones push the bar right
 
 
+_NO_DUR = " " * DUR_W
+
+
 def _dur_col(ns: int | None) -> str:
     """The duration column; its first character is a space, so that a mark ('#' over
     1 ms) never starts a line and reads as a comment, as the header lines do."""
     if ns is None:
-        return " " * DUR_W
+        return _NO_DUR
     return f" {_mark(ns)} {duration_text(ns):>{DUR_W - 3}}"
 
 

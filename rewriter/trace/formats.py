@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from ..errors import KprewriteError
+from ..errors import KprewriteError, file_error
 from . import binary as tracebin, callgraph
 from .record import LINE, SYM, Record, parse_args, parse_line
 
@@ -35,7 +35,7 @@ def read(path: str) -> list[Record]:
             with open(path, "rb") as f:
                 data = f.read()
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        raise file_error(path, e) from None
     if tracebin.is_binary(data):
         return tracebin.records(data, path)
     lines = data.decode("utf-8", errors="replace").splitlines()

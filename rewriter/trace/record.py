@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 # trace_print_context() + print_kprobe_event()/print_kretprobe_event().  A kernel's
 # tracing/trace adds the irq-info flags column ("d..1.") and, with options/record-tgid,
@@ -31,20 +32,22 @@ class Record:
     args: dict
     line: str = ""           # the trace line, as written (or formatted from a binary record)
 
+    # What the readers ask of a record, each computed once (a reader of a large trace asks
+    # every record several times; a binary trace's reader sets them from its cache).
     @property
     def ts_us(self) -> int:
         return self.ts_ns // 1000
 
-    @property
+    @cached_property
     def ts_ns(self) -> int:
         sec, frac = self.ts.split(".")
         return int(sec) * 1_000_000_000 + int(frac.ljust(9, "0")[:9])
 
-    @property
+    @cached_property
     def is_return(self) -> bool:
         return " <- " in self.loc
 
-    @property
+    @cached_property
     def func(self) -> str:
         """The function: FUNC of a return event, else the symbol of the probe address."""
         if self.is_return:
@@ -52,7 +55,7 @@ class Record:
         m = SYM.match(self.loc)
         return m.group("sym") if m else self.loc
 
-    @property
+    @cached_property
     def is_entry(self) -> bool:
         m = SYM.match(self.loc)
         return not self.is_return and m is not None and int(m.group("off"), 16) in (0, 4)

@@ -10,7 +10,7 @@
 
 #define NR_exit_group 94	/* not one the runtime uses */
 
-/* What the runtime's objects take from a probe table (rewriter/build/tables.py). */
+/* What the runtime's objects take from a probe table (rewriter/emit/tables.py). */
 struct kp_runtime kp_rt;
 const unsigned int kp_nint3 = 1;
 struct kp_got_hook kp_got_hooks[1];

@@ -304,13 +304,15 @@ def _newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
     return bytes(out)
 
 
-def _busybox_entries() -> list[tuple[str, int, bytes, int]]:
-    if not BUSYBOX.exists():
-        raise KernelEnvError(f"{BUSYBOX} not found: install Debian's busybox-static")
-    data = BUSYBOX.read_bytes()
+def _busybox_entries(busybox: Path = BUSYBOX, runner: tuple[str, ...] = ()) -> list[tuple[str, int, bytes, int]]:
+    """busybox (the host's, or another architecture's run through `runner`, e.g. qemu-aarch64)
+    and its applets' symlinks."""
+    if not busybox.exists():
+        raise KernelEnvError(f"{busybox} not found: install Debian's busybox-static")
+    data = busybox.read_bytes()
     if b"/lib64/ld-linux" in data[:4096] or b"/lib/ld-linux" in data[:4096]:
-        raise KernelEnvError(f"{BUSYBOX} is dynamically linked: install busybox-static instead of busybox")
-    r = _run([str(BUSYBOX), "--list-full"])
+        raise KernelEnvError(f"{busybox} is dynamically linked: install busybox-static instead of busybox")
+    r = _run([*runner, str(busybox), "--list-full"])
     applets = sorted({l.strip() for l in r.stdout.splitlines() if l.strip()})
     dirs = ["bin", "sbin", "usr", "usr/bin", "usr/sbin", "dev", "proc", "sys", "tmp", "etc", "root", "run"]
     e = [(d, 0o40755, b"", 0) for d in dirs]
@@ -324,11 +326,11 @@ def _busybox_entries() -> list[tuple[str, int, bytes, int]]:
 
 
 def build_initramfs(init: str, extra: dict[str, bytes | str | Path] | None = None, *,
-                    dest_dir: Path | None = None) -> Path:
+                    dest_dir: Path | None = None, busybox: Path = BUSYBOX, runner: tuple[str, ...] = ()) -> Path:
     """A gzip'd newc initramfs: busybox with its applets as symlinks, ``/init`` (the script text),
     and ``extra`` files (archive path -> contents, text or a file to copy; mode 0755, so scripts
     and programs run).  Cached by content in ``dest_dir`` (default: the kernel cache's initramfs/)."""
-    entries = _busybox_entries()
+    entries = _busybox_entries(busybox, runner)
     names = {n for n, *_ in entries}
     files = {"init": init, **(extra or {})}
     for name, content in sorted(files.items()):
@@ -505,14 +507,14 @@ def _loader_args(loader: str, kernel, initrd, cmdline: str, work: Path) -> list[
 def boot(kernel: Path | str, initrd: Path | str, *, smp: int = 2, memory: int = 512,
          append: str = DEFAULT_APPEND, extra_append: str = "", timeout: float = 90,
          accel: str | None = None, qemu_args: tuple[str, ...] = (), log: Path | None = None,
-         loader: str = "qemu") -> BootResult:
+         loader: str = "qemu", qemu_system: str = QEMU_SYSTEM) -> BootResult:
     """Boot ``kernel`` (an ELF vmlinux through its PVH note, or a bzImage) with ``initrd`` in
     qemu-system-x86_64 and return the serial console.  -no-reboot: a reboot or a panic
     (panic=-1) ends QEMU like a power-off does; BootResult.powered_off tells them apart.
     loader: "qemu" (-kernel), "syslinux" (a disk image) or "uefi" (OVMF; bzImage only)."""
-    qemu = shutil.which(QEMU_SYSTEM)
+    qemu = shutil.which(qemu_system)
     if not qemu:
-        raise KernelEnvError(f"{QEMU_SYSTEM} not found: install Debian's qemu-system-x86")
+        raise KernelEnvError(f"{qemu_system} not found: install Debian's {'qemu-system-arm' if 'aarch64' in qemu_system else 'qemu-system-x86'}")
     accel = accel or default_accel()
     cmdline = " ".join(x for x in (append, extra_append) if x)
     with tempfile.TemporaryDirectory(prefix="kprewrite-boot-") as work:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -212,3 +213,24 @@ def test_check_reads_the_bzimage_too(tmp_path, debian_kernel):
     a = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     b = kprewrite("check", debian_kernel.vmlinuz, "--spec", spec)
     assert a.stdout == b.stdout == "do_sys_openat2+0x0  k  ftrace\ndo_sys_openat2+0x5  k  optimized\n"
+
+
+def test_funcs_on_the_kernel(debian_kernel):
+    """`funcs` on Debian's bzImage: every function (some 46,000, in seconds), each decision
+    seen; a sample of every 997th function, far apart so that no two plans meet, says in
+    one `check` what funcs says of each."""
+    lines = kprewrite("funcs", debian_kernel.vmlinuz).stdout.splitlines()
+    assert len(lines) > 30000, len(lines)
+    decisions = {}
+    for line in lines:
+        decisions[line.split("  ")[2].split()[0]] = decisions.get(line.split("  ")[2].split()[0], 0) + 1
+    assert set(decisions) == {"ftrace", "optimized", "int3", "refused"}, decisions
+    assert decisions["ftrace"] > len(lines) // 2, decisions
+    names = [line.split("+0x")[0] for line in lines]
+    once = {n for n, c in Counter(names).items() if c == 1}
+    # (a name several static functions have is ambiguous to --kprobe: funcs lists each)
+    sample = [line for line in lines[::997] if not line.startswith("sub_") and line.split("+0x")[0] in once]
+    args = [a for line in sample for a in ("--kprobe", line.split("+0x")[0])]
+    r = kprewrite("check", debian_kernel.vmlinuz, *args, check=False)
+    assert r.stdout.splitlines() == sample, (r.stdout, sample)
+    assert kprewrite("funcs", debian_kernel.vmlinuz, "do_sys_openat2").stdout == "do_sys_openat2+0x0  k  ftrace\n"

@@ -12,6 +12,7 @@ r_relative = 1027               # R_AARCH64_RELATIVE
 r_got_slot = (1025, 1026)       # R_AARCH64_GLOB_DAT, R_AARCH64_JUMP_SLOT
 r_irelative = 1032              # R_AARCH64_IRELATIVE
 breakpoint = kprobe_xol.BRK          # brk #0x004 (KPROBES_BRK_IMM)
+breakpoint_name = "brk"         # what diff calls it
 JUMP_SIZE = 4                   # B imm26: what an optimized probe writes
 JUMP_REACH = 1 << 27            # +-128 MiB
 FAR_FALLBACK = True             # a site out of reach is a brk (reach.py), not a stop

@@ -84,61 +84,16 @@ def place_slot(x: Xol, site_index: int, with_post: bool, at: int, desc: int = 0)
 NO_SLOT = XolSlot(0, 0, 0)      # a simulated site's: the trap handler does its work
 
 
-def number_descriptors(sites) -> dict[int, int]:
-    """Every breakpoint site's index in kp_int3_sites[] (table_c()'s order), by Site.index."""
-    return {s.index: i for i, s in enumerate(s for s in sites if s.xol is not None)}
+# The descriptor table (emit/breakpoints.py) asks these.
+TABLE_INCLUDES = ("#include <kp_brk.h>",)
+# No brk site: one descriptor no address matches (kp_nint3 1), so the SIGTRAP handler is
+# still installed for a detour's slow resume (optprobe_entry.S's kp_optprobe_resume_regs traps).
+EMPTY_DESCRIPTOR = "  { ~0UL, 0, 0, 0, 0, 0, 0 },"
+SS_INT3_SPAN = False            # a single-stepped copy ends with brk #0x006, looked up by its end
 
 
-GOLDEN_RATIO_64 = 0x61C8864680B583EB   # the kernel's hash_64() multiplier (include/linux/hash.h)
-HASH_EMPTY = 0xFFFFFFFF
-
-
-def brk_hash(addrs: list[int]) -> tuple[int, list[int]]:
-    """The descriptors by address, open-addressed (linear probing), at most half
-    full: get_kprobe()'s kprobe_table[] (kp_int3.c's kp_brk_lookup() hashes the same)."""
-    bits = 1
-    while (1 << bits) < 2 * len(addrs):
-        bits += 1
-    size = 1 << bits
-    slots = [HASH_EMPTY] * size
-    for i, a in enumerate(addrs):
-        h = ((a * GOLDEN_RATIO_64) & (2**64 - 1)) >> (64 - bits)
-        while slots[h] != HASH_EMPTY:
-            h = (h + 1) & (size - 1)
-        slots[h] = i
-    return bits, slots
-
-
-def table_c(sites, slots: dict, ro_after_init: bool = False) -> str:
-    """The per-site descriptors (struct kp_int3_site, runtime/arch/aarch64/kp_arch.h),
-    their hash by address, and the single-step entries sorted by slot end (slots: the
-    layout's XolSlot by Site.index)."""
-    rows, ss = [], []
-    for s in sites:
-        x = s.xol
-        if x is None:
-            continue
-        slot = slots.get(s.index, NO_SLOT)
-        if x.mode == SINGLESTEP:
-            ss.append((slot.ss_end, len(rows)))
-        rows.append(f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
-                    f"{int.from_bytes(x.insn.code, 'little'):#x}, {MODE_CODE[x.mode]}, {x.kind}, {x.cond}, {x.rt}, "
-                    f"{x.bit}, {x.sf}, {s.kret_hook}, {int(s.with_post)}, {int(x.mode != EMULATE and not s.kret_hook)} }},")
-    bits, hashed = brk_hash([s.addr for s in sites if s.xol is not None])
-    ss = [i for _, i in sorted(ss)]
-    n = len(rows)
-    if not rows:
-        # No brk site: one descriptor no address matches (kp_nint3 1), so the
-        # SIGTRAP handler is still installed for a detour's slow resume
-        # (optprobe_entry.S's kp_optprobe_resume_regs traps).
-        rows.append("  { ~0UL, 0, 0, 0, 0, 0, 0 },")
-        n = 1
-    section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""
-    out = ["#include <kp_brk.h>",
-           f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
-           f"const unsigned int kp_nint3 = {n};",
-           f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
-           f"const unsigned int kp_int3_hash[{len(hashed)}] = {{ {', '.join(map(str, hashed))} }};",
-           f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
-           f"const unsigned int kp_nint3_ss = {len(ss)};"]
-    return "\n".join(out) + "\n"
+def descriptor(s, x: Xol, slot: XolSlot) -> str:
+    """Site s's row of kp_int3_sites[] (struct kp_int3_site, runtime/arch/aarch64/kp_arch.h)."""
+    return (f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
+            f"{int.from_bytes(x.insn.code, 'little'):#x}, {MODE_CODE[x.mode]}, {x.kind}, {x.cond}, {x.rt}, "
+            f"{x.bit}, {x.sf}, {s.kret_hook}, {int(s.with_post)}, {int(x.mode != EMULATE and not s.kret_hook)} }},")

@@ -14,4 +14,8 @@ CFLAGS = {
     # entry, so that a program whose pages are BTI-guarded may reach runtime
     # and handler functions through a register (a hint, a NOP elsewhere).
     "user": ("-mgeneral-regs-only", "-mno-outline-atomics", "-mbranch-protection=bti"),
+    # Handlers in an arm64 kernel image (rewriter/targets/linux_kernel/aarch64/build.py): no FP/SIMD
+    # (the kernel's own flag), atomics inline, every address PC-relative (the small code model,
+    # no PIC: adrp/add and bl, which KASLR's 64 KiB-aligned displacement leaves right).
+    "kernel": ("-mgeneral-regs-only", "-mno-outline-atomics", "-mcmodel=small", "-mbranch-protection=none"),
 }

@@ -14,6 +14,7 @@ r_relative = 8                  # R_X86_64_RELATIVE
 r_got_slot = (6, 7)             # R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT
 r_irelative = 37                # R_X86_64_IRELATIVE
 breakpoint = b"\xcc"            # int3
+breakpoint_name = "int3"        # what diff calls it
 JUMP_SIZE = 5                   # jmp rel32: what an optimized probe writes
 JUMP_REACH = 1 << 31            # rel32: +-2 GiB
 NOP1 = b"\x90"                  # what -fpatchable-function-entry pads with

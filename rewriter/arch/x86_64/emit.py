@@ -277,7 +277,7 @@ def signal_syscall_stub(at: int, sc, hook: int) -> bytes:
 # -- The clean-call optprobe template -------------------------------------------
 #
 # Layouts the template reads directly, from the runtime's C headers (offsets.py:
-# read at first use).  As emit.NAME too (retprobe.py, build/tables.py, build/emission.py):
+# read at first use).  As emit.NAME too (retprobe.py, emit/tables.py, emit/emission.py):
 # KPROBE_SIZE sizeof(struct kprobe), KPROBE_FLAGS offsetof(struct kprobe, flags),
 # KRETPROBE_SIZE sizeof(struct kretprobe) (whose kprobe comes first), THREAD_ACTIVE,
 # THREAD_HITS, THREAD_KRET offsetof(struct kp_thread, ...), THREAD_TABLE_MASK

@@ -201,63 +201,15 @@ SS_INDEX_SIZE = 4   # the descriptor index after an int3-ended slot's jmp back
 NO_SLOT = XolSlot(0, 0, 0)      # an emulated site's: the trap handler does its work
 
 
-def number_descriptors(sites) -> dict[int, int]:
-    """Every breakpoint site's index in kp_int3_sites[] (table_c()'s order), by Site.index:
-    what an int3-ended single-step slot carries (place_slot()'s desc)."""
-    return {s.index: i for i, s in enumerate(s for s in sites if s.xol is not None)}
+# The descriptor table (emit/breakpoints.py) asks these.
+TABLE_INCLUDES: tuple[str, ...] = ()
+EMPTY_DESCRIPTOR = None         # no site: an empty table
+SS_INT3_SPAN = True             # single-stepped copies may end with an int3 (kp_int3_ss_first/last)
 
 
-GOLDEN_RATIO_64 = 0x61C8864680B583EB   # the kernel's hash_64() multiplier (include/linux/hash.h)
-HASH_EMPTY = 0xFFFFFFFF
-
-
-def int3_hash(addrs: list[int]) -> tuple[int, list[int]]:
-    """The descriptors by address, open-addressed (linear probing), at most half full:
-    (bits, slots), slot = hash_64(addr, bits), HASH_EMPTY where none; what get_kprobe()'s
-    kprobe_table[] is to the kernel.  runtime/arch/x86_64/kp_int3.c, kp_int3_lookup(),
-    computes the same hash."""
-    bits = 1
-    while (1 << bits) < 2 * len(addrs):
-        bits += 1
-    size = 1 << bits
-    slots = [HASH_EMPTY] * size
-    for i, a in enumerate(addrs):
-        h = ((a * GOLDEN_RATIO_64) & (2**64 - 1)) >> (64 - bits)
-        while slots[h] != HASH_EMPTY:
-            h = (h + 1) & (size - 1)
-        slots[h] = i
-    return bits, slots
-
-
-def table_c(sites, slots: dict, ro_after_init: bool = False) -> str:
-    """The per-site descriptors, sorted by address, and the single-step slot ends (and the
-    span of the int3-ended ones' ends, which kp_int3_ss_end() checks before reading a slot).
-    slots: the layout's XolSlot by Site.index (none for an emulated site).
-    ro_after_init: the descriptors (never written at run time) in the section the runtime
-    makes read-only once relocated (link.RELRO)."""
-    rows, ss, ends = [], [], []
-    for s in sites:
-        x = s.xol
-        if x is None:
-            continue
-        slot = slots.get(s.index, NO_SLOT)
-        if x.mode == SINGLESTEP:
-            ss.append(len(rows))
-            if x.ss_int3:
-                assert slot.desc == len(rows), "an int3-ended slot carries the wrong descriptor index"
-                ends.append(slot.ss_end)
-        rows.append(f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
-                    f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32}, "
-                    f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook}, {int(s.with_post)}, "
-                    f"{int(x.mode != EMULATE and not s.kret_hook)} }},")
-    bits, hashed = int3_hash([s.addr for s in sites if s.xol is not None])
-    section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""
-    out = [f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
-           f"const unsigned int kp_nint3 = {len(rows)};",
-           f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
-           f"const unsigned int kp_int3_hash[{len(hashed)}] = {{ {', '.join(map(str, hashed))} }};",
-           f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
-           f"const unsigned int kp_nint3_ss = {len(ss)};",
-           f"const unsigned long kp_int3_ss_first = {min(ends, default=-1) & (2**64 - 1):#x}UL, "
-           f"kp_int3_ss_last = {max(ends, default=0):#x}UL;"]
-    return "\n".join(out) + "\n"
+def descriptor(s, x: Xol, slot: XolSlot) -> str:
+    """Site s's row of kp_int3_sites[] (struct kp_int3_site, runtime/arch/x86_64/kp_arch.h)."""
+    return (f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
+            f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32}, "
+            f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook}, {int(s.with_post)}, "
+            f"{int(x.mode != EMULATE and not s.kret_hook)} }},")

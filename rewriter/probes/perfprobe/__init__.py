@@ -25,6 +25,7 @@ from .. import events as E
 from ...errors import KprewriteError
 from . import compile as C
 from . import dwarf as D
+from ..spec import where as spec_where
 from .syntax import ProbeSyntaxError, parse
 
 
@@ -35,7 +36,7 @@ class ProbeEventDef(E.EventDef):
 
     @property
     def table(self) -> str:
-        return f"probes[{self.source}]"
+        return self.label or f"probes[{self.source}]"
 
 
 def debug_info(image, arch):
@@ -104,7 +105,7 @@ def expand(spec, image, arch) -> list[str]:
     in spec.compiled.  Returns the error lines."""
     if not spec.probes:
         return []
-    name = spec.path.name
+    name = spec.name
     errors: list[str] = []
     taken: set[tuple[str, str]] = set()
     for text in spec.events:
@@ -115,7 +116,7 @@ def expand(spec, image, arch) -> list[str]:
             pass                   # events.expand() reports it
     dbg = None
     for i, text in enumerate(spec.probes, 1):
-        where = f"{name}: probes[{i}]"
+        where = spec_where(name, spec.table("probes", i))
         try:
             d = parse(text)
         except ProbeSyntaxError as e:
@@ -142,7 +143,8 @@ def expand(spec, image, arch) -> list[str]:
                 errors += E.caret_lines(where + ": compiled to", c.line, e.column, e.message)
                 continue
             ev = ProbeEventDef(**{k: getattr(ev, k) for k in ev.__dataclass_fields__}, source=i)
-            spec.compiled.append((f"probes[{i}]", c.line))
+            ev.label = spec.labels.get(f"probes[{i}]", "")
+            spec.compiled.append((spec.table("probes", i), c.line))
             fetch = c.line[ev.words[0][1]:] if ev.words else ""
             common = dict(table=ev.table, symbol_name=ev.symbol, addr=ev.addr, offset=ev.offset,
                           name=ev.event, fetch=fetch, is_glob=False, event=ev)
@@ -170,3 +172,16 @@ def list_lines(path: str, function: str) -> list[str]:
     """`probe-lines`: a function's probe-able lines."""
     from .listing import lines_lines
     return lines_lines(*_load(path), function)
+
+
+def vars_doc(path: str, point: str) -> dict:
+    """`probe-vars --format json`."""
+    from .listing import vars_doc as records
+    return {"format": "kprewrite-probe-vars-1", "input": os.path.basename(path), "point": point,
+            "sites": records(list_vars(path, point))}
+
+
+def lines_doc(path: str, function: str) -> dict:
+    """`probe-lines --format json`."""
+    from .listing import lines_doc as doc
+    return {"format": "kprewrite-probe-lines-1", "input": os.path.basename(path), **doc(*_load(path), function)}

@@ -50,10 +50,52 @@ def vars_lines(image, arch, text: str) -> list[str]:
     return out
 
 
+def vars_doc(lines: list[str]) -> list[dict]:
+    """`probe-vars --format json`: vars_lines() as records, one per address of the point:
+    {"at": "FUNC+OFF", "address", "function", "inlined", "return", "vars": [{"kind"
+    (param, local or retval), "type", "name", "fetch" (the fetch arg, or null), "unavailable"
+    (why not, or null)}]}."""
+    out: list[dict] = []
+    for line in lines:
+        if line.startswith("@<"):
+            at, _, rest = line[2:].partition(">")     # @<WHERE> 0xADDR in FUNC[ (inlined)], @<FUNC+0>[ (return)]
+            rest = rest.strip()
+            addr, _, func = rest.partition(" in ") if rest.startswith("0x") else ("", "", "")
+            out.append({"at": at, "address": addr or None,
+                        "function": func.removesuffix(" (inlined)") if func else at.split("+")[0],
+                        "inlined": func.endswith(" (inlined)"), "return": False, "vars": []})
+            continue
+        f = line.split("\t")[1:]
+        if len(f) == 2:                  # \tTYPE\t$retval
+            out[-1]["vars"].append({"kind": "retval", "type": f[0], "name": f[1], "fetch": None, "unavailable": None})
+            out[-1]["return"] = True
+            continue
+        kind, ty, name, what = f
+        bad = what.startswith("(") and what.endswith(")")
+        out[-1]["vars"].append({"kind": kind, "type": ty, "name": name, "fetch": None if bad else what,
+                                "unavailable": what[1:-1] if bad else None})
+    return out
+
+
 def lines_lines(image, arch, text: str) -> list[str]:
     """perf probe -L: a function's source with the line numbers (relative to the
     function's declaration) that have code and can be probed as FUNC:RLN, those perf
     lists (_probeable_lines())."""
+    d = lines_doc(image, arch, text)
+    out = [f"<{d['function']}@{d['file']}:0>"]
+    for r in d["lines"]:
+        if r["source"] is not None:
+            out.append(f"{r['relative']:>7}  {r['source']}" if r["relative"] is not None else f"         {r['source']}")
+        else:
+            out.append(f"{r['relative']:>7}  (line {r['line']}: {', '.join(r['addresses'])})")
+    return out
+
+
+def lines_doc(image, arch, text: str) -> dict:
+    """`probe-lines --format json`: {"function", "file", "lines": [{"line" (in the file),
+    "relative" (RLN, or null for a line that cannot be probed), "source" (its text, or null
+    when the file cannot be read), "addresses"}]}: every line from the declaration to the last
+    with code (only those with code when the source cannot be read)."""
     from . import debug_info
     from .btfprobe import Types
     dbg = debug_info(image, arch)
@@ -75,20 +117,20 @@ def lines_lines(image, arch, text: str) -> list[str]:
     if not code:
         raise KprewriteError(f"'{p.function}' has no line information")
     first, last = inst.decl_line, max(code)
-    out = [f"<{p.function}@{inst.decl_file}:0>"]
     try:
         with open(inst.decl_file, encoding="utf-8", errors="replace") as f:
             src = f.read().split("\n")
     except OSError:
         src = None
+    rows = []
     for n in range(first, last + 1):
-        rel = n - first
+        addrs = [hex(a) for a in sorted(set(code.get(n, ())))]
         if src is not None and n - 1 < len(src):
-            text_line = src[n - 1].rstrip()
-            out.append(f"{rel:>7}  {text_line}" if n in code else f"         {text_line}")
+            rows.append({"line": n, "relative": n - first if n in code else None, "source": src[n - 1].rstrip(),
+                         "addresses": addrs})
         elif n in code:
-            out.append(f"{rel:>7}  (line {n}: {', '.join(hex(a) for a in sorted(set(code[n])))})")
-    return out
+            rows.append({"line": n, "relative": n - first, "source": None, "addresses": addrs})
+    return {"function": p.function, "file": inst.decl_file, "lines": rows}
 
 
 def _probeable_lines(dbg, i, path: str) -> list[tuple[int, int]]:

@@ -65,6 +65,20 @@ def detect(image) -> bool:
     return image.e_type == 2 and any(s.type == PT_LOAD and s.vaddr >= KERNEL_HALF for s in image.segments)
 
 
+def for_arch(image):
+    """This target, or the architecture's variant of it where its folder has one (a
+    `target` module: arm64's, which builds its own output until it shares the back half)."""
+    from .symbols import arch_folders
+    if image.machine in arch_folders():
+        from importlib import import_module
+        try:
+            return import_module(f".{image.machine}.target", __package__)
+        except ModuleNotFoundError:
+            pass
+    import sys
+    return sys.modules[__name__]
+
+
 def unwrap(data: bytes, path: str):
     """(vmlinux bytes, container) when data is a boot image around a vmlinux (x86's
     bzImage) of an architecture this target knows, else None."""

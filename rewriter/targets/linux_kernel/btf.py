@@ -28,8 +28,10 @@ QUALIFIERS = (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG)
 # Tags the handler API defines itself (runtime/include/kprewrite/kprobes.h):
 # pt_regs has the kernel's layout and is reused; the others are renamed.
 OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kretprobe",
-            "kretprobe_instance": "kp_btf_kretprobe_instance"}
-GENERATOR = b"kprewrite-btf-sched-h-5-perf"
+            "kretprobe_instance": "kp_btf_kretprobe_instance",
+            # arm64's pt_regs holds a user_pt_regs, which the handler API defines too.
+            "user_pt_regs": "kp_btf_user_pt_regs"}
+GENERATOR = b"kprewrite-btf-sched-h-6-perf"
 
 
 @dataclass

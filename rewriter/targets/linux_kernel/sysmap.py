@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rewriter.errors import KprewriteError
+from rewriter.errors import KprewriteError, file_error
 
 from .kallsyms import KSym, SymbolTable
 
@@ -70,7 +70,7 @@ def read_system_map(path: str) -> SystemMap:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot read System.map: {e.strerror}") from None
+        raise file_error(path, e, role="the System.map") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -9,7 +9,7 @@ import struct
 from ...elf.write import NewSection, append_section_headers
 from ...errors import KprewriteError
 from ...planner import INT3
-from ...build.meta import META_SECTION
+from ...emit.meta import META_SECTION
 from . import sites as ks
 from .gap import extend_first_load
 from .symbols import arch_of, kernel

@@ -29,7 +29,7 @@ import os
 import re
 from pathlib import Path
 
-from ...errors import KprewriteError
+from ...errors import KprewriteError, file_error
 from ..linux_kernel import btf
 
 # Appended to btf._trace_layout()'s list (KP_TR_CLASS_RAW_INIT in the module's generated C).
@@ -43,7 +43,7 @@ def _from_file(path: Path, release: str | None) -> tuple[bytes | None, str | Non
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot read the kernel's vmlinux (for its BTF): {e.strerror}")
+        raise file_error(path, e, role="the kernel's vmlinux, for its BTF") from None
     if data[:2] == btf.BTF_MAGIC.to_bytes(2, "little"):
         return data, None
     if data[:4] != b"\x7fELF":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ...errors import KprewriteError
+from ...errors import KprewriteError, file_error
 
 _LINE = re.compile(r"^0x([0-9a-fA-F]{1,8})\t(\S+)\t(\S*)\t(EXPORT_\w+)")
 
@@ -50,7 +50,7 @@ def load(mod, given: str | None) -> tuple[dict[str, int] | None, str | None]:
         try:
             text = Path(given).read_text(errors="replace")
         except OSError as e:
-            raise KprewriteError(f"{given}: cannot read the kernel's Module.symvers: {e.strerror}")
+            raise file_error(given, e, role="the kernel's Module.symvers") from None
         return parse(text, given), given
     rel = release(mod)
     if rel:

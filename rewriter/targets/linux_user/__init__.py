@@ -9,7 +9,7 @@ from .. import base
 from ...analysis import blacklist as bl
 from ...arch import get_arch
 from ...arch.base import ThreadKey
-from ...build.meta import META_SECTION
+from ...emit.meta import META_SECTION
 from ...errors import KprewriteError
 from ...analysis.rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
 from . import ftrace, sighook, unwind, writer
@@ -72,7 +72,7 @@ def handler_headers(image) -> dict[str, str]:
     return {}
 
 
-# The probe tables are whole C structures in the output's data (build/tables.py).
+# The probe tables are whole C structures in the output's data (emit/tables.py).
 TABLES_AT_BOOT = False
 RUNTIME_KALLSYMS = False        # trace lines name addresses from a table compiled in
 

@@ -80,7 +80,7 @@ static const char *kp_rec_string(unsigned int at)
  * pages of their own, made read-only at mark_rodata_ro() (kp_kernel_keep_ro()). */
 static unsigned long kp_kernel_ro_tables, kp_kernel_ro_size;
 
-/* What register_kprobe() fills in, from the records build/tables.py wrote: addresses
+/* What register_kprobe() fills in, from the records emit/tables.py wrote: addresses
  * from _text, the handler pair, a symbol name the kernel's kallsyms gives (the
  * records leave out those that are the first name at the symbol's address), the
  * event name p_SYMBOL_OFFSET when it is the default.  Then the pointers are

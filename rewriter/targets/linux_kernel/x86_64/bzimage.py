@@ -30,7 +30,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ....errors import KprewriteError
+from ....errors import KprewriteError, file_error
 
 # Setup header offsets (boot.rst, "The real-mode kernel header").
 OFF_SETUP_SECTS = 0x1F1
@@ -467,5 +467,5 @@ def read(path: str | Path) -> BzImage:
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise KprewriteError(f"{path}: cannot read: {e.strerror}")
+        raise file_error(path, e) from None
     return parse(data, str(path))

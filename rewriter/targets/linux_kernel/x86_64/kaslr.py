@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 from array import array
 
-from ....build import emission
+from ....emit import emission
 from .... import link
 from ....arch.base import EMULATE
 from ....errors import KprewriteError

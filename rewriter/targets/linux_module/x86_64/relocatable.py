@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
+from ....elf.view import ElfView, Section
 from ....errors import KprewriteError
 
 MODULE_BASE = 0xFFFFFFFFC0000000      # MODULES_VADDR on x86-64 (no KASLR)
@@ -60,27 +61,12 @@ def relas(data, r):
 
 
 @dataclass
-class Shdr:
-    index: int
-    name: str
-    type: int
-    flags: int
-    addr: int
-    offset: int
-    size: int
-    link: int
-    info: int
-    align: int
-    entsize: int
-
-
-@dataclass
 class ModuleObject:
     """The container of a module's view: the .ko's own bytes and layout."""
     KERNEL_MODULE = True                   # linux_module.detect()
     data: bytes
     path: str
-    sections: list[Shdr]
+    sections: list[Section]
     addr: dict[int, int] = field(default_factory=dict)     # section index -> its address in the view
     stand_in: tuple[int, int] = (0, 0)     # [start, end) of the kernel symbols' stand-ins
     symvers: dict | None = None            # the kernel's symbol CRCs (symvers.py), when found
@@ -88,10 +74,10 @@ class ModuleObject:
     relocs: dict | None = None             # the .ko's relocations by section (optprobe.relocations()), once read
     event_layout: tuple | None = None      # kernel_btf.event_layout(), once read
 
-    def section_named(self, name: str) -> Shdr | None:
+    def section_named(self, name: str) -> Section | None:
         return next((s for s in self.sections if s.name == name), None)
 
-    def place(self, addr: int) -> tuple[Shdr, int] | None:
+    def place(self, addr: int) -> tuple[Section, int] | None:
         """(section, offset in it) of a view address."""
         for s in self.sections:
             a = self.addr.get(s.index)
@@ -100,28 +86,13 @@ class ModuleObject:
         return None
 
 
-def read_sections(data: bytes, path: str) -> list[Shdr]:
-    e = _EHDR.unpack_from(data, 0)
-    shoff, shentsize, shnum, shstrndx = e[6], e[11], e[12], e[13]
-    if shoff == 0 or shentsize < _SHDR.size or shoff + shnum * shentsize > len(data):
-        raise KprewriteError(f"{path}: truncated ELF file (section headers end past the file's "
-                             f"{len(data):#x} bytes)")
-    raw = [_SHDR.unpack_from(data, shoff + i * shentsize) for i in range(shnum)]
-    if shstrndx >= shnum:
-        raise KprewriteError(f"{path}: section name table index {shstrndx} out of range")
-    stroff = raw[shstrndx][4]
-    out = []
-    for i, (name, typ, flags, addr, off, size, link, info, align, entsize) in enumerate(raw):
-        if typ != SHT_NOBITS and off + size > len(data):
-            raise KprewriteError(f"{path}: truncated ELF file (section {i} ends at {off + size:#x}, "
-                                 f"file is {len(data):#x} bytes)")
-        end = data.find(b"\0", stroff + name)
-        out.append(Shdr(i, data[stroff + name:end].decode("utf-8", "backslashreplace"), typ, flags,
-                        addr, off, size, link, info, align, entsize))
-    return out
+def read_sections(data: bytes, path: str) -> list[Section]:
+    """The module's section headers (index 0 included), read by the ELF view (bounds checked,
+    a one-line error naming the file)."""
+    return ElfView(data, path).sections
 
 
-def layout(sections: list[Shdr]) -> dict[int, int]:
+def layout(sections: list[Section]) -> dict[int, int]:
     """Each SHF_ALLOC section's address: one after another from MODULE_BASE, in section
     order, each at its alignment."""
     addr, pos = {}, MODULE_BASE
@@ -134,7 +105,7 @@ def layout(sections: list[Shdr]) -> dict[int, int]:
     return addr
 
 
-def symbols(data: bytes, sections: list[Shdr]) -> tuple[Shdr, list[tuple]]:
+def symbols(data: bytes, sections: list[Section]) -> tuple[Section, list[tuple]]:
     symtab = next((s for s in sections if s.type == SHT_SYMTAB), None)
     if symtab is None:
         return None, []
@@ -249,6 +220,6 @@ def view(data: bytes, path: str) -> tuple[bytes, ModuleObject]:
     return bytes(out), mod
 
 
-def _name_offset(data: bytes, s: Shdr) -> int:
+def _name_offset(data: bytes, s: Section) -> int:
     e = _EHDR.unpack_from(data, 0)
     return struct.unpack_from("<I", data, e[6] + s.index * e[11])[0]

@@ -56,8 +56,9 @@ from pathlib import Path
 
 from ....errors import KprewriteError
 from ....arch.base import SINGLESTEP
-from ....build.meta import META_SECTION
+from ....emit.meta import META_SECTION
 from ....planner.model import FTRACE, INT3, OPTIMIZED
+from ....probes.spec import where
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
@@ -822,7 +823,7 @@ def refusals(image, plan, traces, spec_name: str) -> list[str]:
     for site in plan.sites:
         if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
             continue
-        label = lambda p: f"{spec_name}: {p.spec.table} ({p.label})"  # noqa: E731
+        label = lambda p: f"{where(spec_name, p.spec.table)} ({p.label})"  # noqa: E731
         relocs = relocs if relocs is not None else relocations(image.container)
         try:
             region(image.container, relocs, site)
@@ -966,7 +967,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     from ....link.toolchain import compiler
     from ....link.toolchain import linker
     from ....link.runtime import RUNTIME_DIR, _includes, cflags
-    from ....build.meta import metadata
+    from ....emit.meta import metadata
     mod = s.image.container
     if "cleanup_module" not in s.image.symbols:
         raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")

@@ -4,7 +4,7 @@ kp_site per address with its probes (the aggregator's list), the arch's
 breakpoint-site descriptors, the target's own tables, the trace events' fetch
 programs.  What the kernel builds at register_kprobe() time, built at rewrite
 time and linked with the runtime: C, but for a process's per-probe arrays,
-which build/tables_data.py writes as assembler data (a kernel's are records its
+which emit/tables_data.py writes as assembler data (a kernel's are records its
 runtime builds the structs from at boot)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..probes import events as ev_mod
 from ..probes import fetch as fetch_mod
-from . import tables_data
+from . import breakpoints, tables_data
 from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
 from ..probes.events import trace_key
 from .cstring import c_string
@@ -27,7 +27,7 @@ DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE
 @dataclass(frozen=True)
 class TableSource:
     """The probe table's sources: C, and the per-probe arrays as assembly
-    (build/tables_data.py; "" for a target whose tables are records built at boot)."""
+    (emit/tables_data.py; "" for a target whose tables are records built at boot)."""
     c: str
     asm: str
 
@@ -71,7 +71,7 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     # Read-only once the runtime runs (link.RELRO: once relocated; a kernel: from mark_rodata_ro()).
     out.append(_kretprobes_c(c, traces, A, True))
-    out.append(c.arch.kprobe_xol.table_c(plan.sites, lay.xol, True))
+    out.append(breakpoints.table_c(plan.sites, lay.xol, c.arch.kprobe_xol, True))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     out += _layout_asserts(c.arch.emit)

@@ -22,7 +22,7 @@ KPROBE_SIZE = 72
 KP_SITE_FIELDS = (("addr", 0), ("post_ip", 8), ("resume", 16), ("resume_post", 24), ("first", 32), ("count", 36))
 KP_SITE_SIZE = 40
 KP_HANDLER_REC_SIZE = 16    # struct kp_handler_rec: { pre, post }
-# KPROBE_FLAG_* (kprobes.h), by the names build/tables.py gives them.
+# KPROBE_FLAG_* (kprobes.h), by the names emit/tables.py gives them.
 KPROBE_FLAGS = {"KPROBE_FLAG_DISABLED": 2, "KPROBE_FLAG_OPTIMIZED": 4, "KPROBE_FLAG_FTRACE": 8}
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from . import emission
+from . import breakpoints, emission
 from ..arch.base import EMULATE, XolSlot
 from ..errors import KprewriteError
 from ..planner import INT3, EvictedRegion, RetSite, Site
@@ -147,7 +147,7 @@ def place(c: emission.Code, target) -> Layout:
         if logs:
             links[key] = tuple(far.links)
         pos += n
-    desc = c.arch.kprobe_xol.number_descriptors(c.plan.sites)
+    desc = breakpoints.number_descriptors(c.plan.sites)
     for site in c.plan.sites:
         if site.decision == INT3 and site.xol.mode != EMULATE:
             with relocating(c, "probe", site.addr):

@@ -1,0 +1,590 @@
+"""An instrumented arm64 Image: the handlers and one detour per jump-optimized site, linked
+into the Image's own room, and a `B` at each site; where no jump may go, a `brk #BRK_IMM`
+handled through the kernel's break hooks (brk_c()) and an out-of-line copy (xol_asm()).
+
+Where things go (facts of Debian's 6.1 arm64 Image, issue 40):
+- code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
+  (``_etext`` is 64 KiB-aligned; ~54 KiB in Debian's build), mapped read-only and executable
+  by map_kernel() and never freed, a `B` (+-128 MiB) from every function of the text;
+- writable data (the handlers' .data and .bss, each probe's struct kprobe): the tail of the
+  init data, in the unused (all-zero, R_AARCH64_NONE) entries of .rela.dyn before __init_end.
+  __relocate_kernel reads them at boot as relocations and skips them (only
+  R_AARCH64_RELATIVE is applied): the data must be zero there, or at least no 24-byte entry
+  may read as R_AARCH64_RELATIVE.  free_initmem() would free those pages with the rest of
+  the init memory: its `adrp x20, __init_end` is pointed at the first page kept
+  (free_reserved_area() and vunmap_range() both take their end from x20), so the init memory
+  freed ends where ours starts.  The pages stay mapped read-write and non-executable.
+
+Everything is PC-relative (adrp/add, bl, b): KASLR moves the kernel by a multiple of 64 KiB,
+the Image's relocation table has no room for our absolute addresses, and none is needed; an
+absolute relocation in the handlers is refused.
+
+A detour (detour_asm()): a struct pt_regs on the kernel stack (x0..x30, sp, pc = the probed
+address, pstate = NZCV, DAIF, CurrentEL and SPSel: 0x...3c5 at EL1h with interrupts on),
+interrupts masked as in the kernel's own kprobe handlers, a frame record, the generated
+dispatcher (a struct kprobe filled at run time, the pre_handler called), everything
+restored, the displaced instruction relocated (arch.emit.relocate()); then the
+post_handler's call the same way (pc = the address after the displaced instruction), and a
+`B` back after the site.  At a function's entry, a pre_handler that returns non-zero goes on
+at the regs->pc it set (_changed(), as the kernel's ftrace-based kprobes do)."""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from ....arch.aarch64 import emit as E, encode as enc, insn as I
+from ....errors import KprewriteError
+from ....link.toolchain import compiler, run
+from ....link.runtime import cflags, _includes
+from ....planner import FTRACE, INT3, OPTIMIZED
+from ...linux_kernel.symbols import link_symbols
+
+PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
+FRAME = 320            # pt_regs, a frame record (288), the saved DAIF (304), padding
+DCR_ROOM = 16          # the displaced instruction, relocated (at most 3 words), NOP-padded
+PAGE = 0x1000
+R_AARCH64_RELATIVE = 1027
+# Relocations whose value does not move with KASLR (PC-relative, or the low bits of an address).
+# The relocation types of our objects that stay right wherever KASLR puts the image (their
+# numbers: the ELF for the Arm 64-bit Architecture ABI), by name for the refusal.
+PC_RELATIVE_RELOCS = {0: "R_AARCH64_NONE", 260: "R_AARCH64_PREL64", 261: "R_AARCH64_PREL32",
+                      262: "R_AARCH64_PREL16", 273: "R_AARCH64_LD_PREL_LO19", 274: "R_AARCH64_ADR_PREL_LO21",
+                      275: "R_AARCH64_ADR_PREL_PG_HI21", 276: "R_AARCH64_ADR_PREL_PG_HI21_NC",
+                      277: "R_AARCH64_ADD_ABS_LO12_NC", 278: "R_AARCH64_LDST8_ABS_LO12_NC",
+                      279: "R_AARCH64_TSTBR14", 280: "R_AARCH64_CONDBR19", 282: "R_AARCH64_JUMP26",
+                      283: "R_AARCH64_CALL26", 284: "R_AARCH64_LDST16_ABS_LO12_NC",
+                      285: "R_AARCH64_LDST32_ABS_LO12_NC", 286: "R_AARCH64_LDST64_ABS_LO12_NC",
+                      299: "R_AARCH64_LDST128_ABS_LO12_NC"}
+ABSOLUTE_RELOCS = {257: "R_AARCH64_ABS64", 258: "R_AARCH64_ABS32", 259: "R_AARCH64_ABS16"}
+# The kernel's names for what the runtime's headers declare (6.1: printk is _printk).
+KERNEL_NAMES = {"printk": "_printk", "vprintk": "vprintk"}
+# Breakpoint probes: immediates no one else uses (arch/arm64/include/asm/brk-imm.h has 0x004-0x007,
+# 0x100, 0x400, 0x401, 0x800, 0x900-0x9ff, 0x8000-), the probe's and the one after its copy.
+BRK_IMM, BRK_SS_IMM = 0x0A0, 0x0A1
+# Where the break hooks are registered: setup_arch()'s entry (a jump probe of our own); the
+# kernel takes breakpoints through them from trap_init() (debug_traps_init()) on.
+HOOK_FUNCTION = "setup_arch"
+
+
+def _call(i: int, pc: str, fn: str, changed: str | None = None) -> str:
+    """A struct pt_regs on the stack (pc: the symbol of the address it reports), fn(regs)
+    called with interrupts masked, everything restored; changed: where to go instead when fn
+    returns non-zero (a pre_handler that changed the path)."""
+    saves = "\n".join(f"\tstp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
+    loads = "\n".join(f"\tldp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
+    branch = f"\tcbnz w0, {changed}\n" if changed else ""
+    return f"""\tsub sp, sp, #{FRAME}
+{saves}
+\tstr x30, [sp, #240]
+\tadd x0, sp, #{FRAME}
+\tstr x0, [sp, #248]
+\tadrp x0, {pc}
+\tadd x0, x0, :lo12:{pc}
+\tstr x0, [sp, #256]
+\tmrs x2, daif
+\tstr x2, [sp, #304]
+\tmsr daifset, #3
+\tmrs x1, nzcv
+\torr x1, x1, x2
+\tmrs x2, currentel
+\torr x1, x1, x2
+\tmrs x2, spsel
+\torr x1, x1, x2
+\tstr x1, [sp, #264]
+\tstp x29, x0, [sp, #288]
+\tadd x29, sp, #288
+\tmov x0, sp
+\tbl {fn}
+{branch}\tldr x2, [sp, #304]
+\tmsr daif, x2
+\tldr x1, [sp, #264]
+\tmsr nzcv, x1
+{loads}
+\tldr x30, [sp, #240]
+\tadd sp, sp, #{FRAME}
+"""
+
+
+def _changed(i: int) -> str:
+    """A pre_handler returned non-zero: the registers from its struct pt_regs (as it left
+    them; not sp), then on at regs->pc, through x16 (IP0), which the procedure call standard
+    leaves dead where such a change goes: a function's entry or a return address
+    (override_function_with_return() sets pc = lr)."""
+    loads = "\n".join(f"\tldp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
+    return f"""kp_changed_{i}:
+\tldr x2, [sp, #304]
+\tmsr daif, x2
+\tldr x1, [sp, #264]
+\tmsr nzcv, x1
+{loads}
+\tldr x30, [sp, #240]
+\tldr x16, [sp, #256]
+\tadd sp, sp, #{FRAME}
+\tbr x16
+"""
+
+
+def detour_asm(i: int, post: bool) -> str:
+    """Site i's detour: the pre_handlers' call (regs->pc the probed address), the displaced
+    instruction (kp_dcr_i: NOPs here, written relocated after the link), the post_handlers'
+    call if any (regs->pc the address after the displaced instruction), and a `B` back; or,
+    when a pre_handler returns non-zero, on at the regs->pc it set (_changed())."""
+    return f"""
+\t.section .text.kp_detour_{i},"ax"
+\t.p2align 3
+\t.globl kp_detour_{i}
+kp_detour_{i}:
+{_call(i, f"kp_site_{i}", f"kp_dispatch_{i}", f"kp_changed_{i}")}\t.globl kp_dcr_{i}
+kp_dcr_{i}:
+\t.rept {DCR_ROOM // 4}
+\tnop
+\t.endr
+{_call(i, f"kp_post_pc_{i}", f"kp_post_dispatch_{i}") if post else ""}\tb kp_resume_{i}
+{_changed(i)}"""
+
+
+def xol_asm(i: int, post: bool) -> str:
+    """Breakpoint site i's out-of-line copy (kp_xol_i: NOPs here, the probed instruction
+    written relocated after the link), then `brk #BRK_SS_IMM` when it has post_handlers, else
+    a `B` back after the site."""
+    return f"""
+\t.section .text.kp_xol_{i},"ax"
+\t.p2align 3
+\t.globl kp_xol_{i}
+kp_xol_{i}:
+\t.rept {DCR_ROOM // 4}
+\tnop
+\t.endr
+\t.globl kp_xol_end_{i}
+kp_xol_end_{i}:
+\t{f"brk #{BRK_SS_IMM:#x}" if post else f"b kp_resume_{i}"}
+"""
+
+
+def brk_c(brk_sites: list[tuple[int, bool]]) -> str:
+    """The kernel's break hooks (struct break_hook, register_kernel_break_hook()): at the
+    probe's brk, the pre_handlers, then on at the copy (unless one changed the path, as the
+    kernel's kprobe_breakpoint_handler() allows); at the brk after a copy, regs->pc after the
+    probed instruction and the post_handlers (post_kprobe_handler()).  Registered by
+    kp_brk_register(), the pre_handler of the hook probe on HOOK_FUNCTION's entry."""
+    out = ["""
+struct kp_break_hook {
+	void *next, *prev;
+	int (*fn)(struct pt_regs *regs, unsigned long esr);
+	unsigned short imm, mask;
+};
+void register_kernel_break_hook(struct kp_break_hook *hook);
+static struct kp_break_hook kp_brk_hook, kp_brk_ss_hook;
+"""]
+    pre, post = [], []
+    for i, with_post in brk_sites:
+        out.append(f"extern char kp_site_{i}[], kp_xol_{i}[], kp_xol_end_{i}[], kp_resume_{i}[];\n")
+        pre.append(f"""
+	if (regs->pc == (unsigned long)kp_site_{i}) {{
+		if (!kp_dispatch_{i}(regs))
+			regs->pc = (unsigned long)kp_xol_{i};
+		return 0;
+	}}""")
+        if with_post:
+            post.append(f"""
+	if (regs->pc == (unsigned long)kp_xol_end_{i}) {{
+		regs->pc = (unsigned long)kp_resume_{i};
+		kp_post_dispatch_{i}(regs);
+		return 0;
+	}}""")
+    out.append(f"""
+static int kp_brk_fn(struct pt_regs *regs, unsigned long esr)
+{{{"".join(pre)}
+	return 1;	/* DBG_HOOK_ERROR: not ours */
+}}
+
+static int kp_brk_ss_fn(struct pt_regs *regs, unsigned long esr)
+{{{"".join(post)}
+	return 1;
+}}
+
+__attribute__((used)) int kp_brk_register(struct kprobe *p, struct pt_regs *regs)
+{{
+	kp_brk_hook.fn = kp_brk_fn;
+	kp_brk_hook.imm = {BRK_IMM:#x};
+	register_kernel_break_hook(&kp_brk_hook);
+	kp_brk_ss_hook.fn = kp_brk_ss_fn;
+	kp_brk_ss_hook.imm = {BRK_SS_IMM:#x};
+	register_kernel_break_hook(&kp_brk_ss_hook);
+	return 0;
+}}
+""")
+    return "".join(out)
+
+
+GUARD_C = r"""
+#define KP_SLOTS 64
+static void *kp_active[KP_SLOTS];
+
+static inline void *kp_task(void)
+{
+	void *t;
+
+	asm volatile("mrs %0, sp_el0" : "=r"(t));
+	return t;
+}
+
+/* The slot the task takes while in handlers; -1 when it is in one already; KP_SLOTS when
+ * every slot is taken (more CPUs than slots: unguarded). */
+static int kp_enter(void)
+{
+	void *t = kp_task();
+	int i;
+
+	for (i = 0; i < KP_SLOTS; i++)
+		if (__atomic_load_n(&kp_active[i], __ATOMIC_RELAXED) == t)
+			return -1;
+	for (i = 0; i < KP_SLOTS; i++) {
+		void *none = 0;
+
+		if (__atomic_compare_exchange_n(&kp_active[i], &none, t, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+			return i;
+	}
+	return KP_SLOTS;
+}
+
+static void kp_leave(int g)
+{
+	if (g >= 0 && g < KP_SLOTS)
+		__atomic_store_n(&kp_active[g], (void *)0, __ATOMIC_RELEASE);
+}
+"""
+
+
+def dispatch_c(sites, changes) -> str:
+    """Per site, a struct kprobe per probe (in the writable data, filled at run time: no
+    absolute address in data), and the functions the detour calls: each probe's pre_handler
+    in the spec's order, then, after the displaced instruction, each post_handler.  At a
+    function's entry (changes[i]: the kernel's ftrace-based kprobe there,
+    kprobe_ftrace_handler()) and at a breakpoint, a pre_handler returning non-zero changed
+    the path: the rest and the post_handlers are skipped (aggr_pre_handler()) and the detour
+    goes on at regs->pc; elsewhere its return value is ignored, as opt_pre_handler() ignores it.
+
+    A hit while the same task is in a handler (a handler that reaches a probed function) runs
+    no handler and counts in each probe's nmissed, as kprobe_running() makes the kernel do:
+    the tasks in handlers are in kp_active[] (their sp_el0; interrupts are masked there, so
+    at most one per CPU)."""
+    out = ["#include <linux/kprobes.h>\n", GUARD_C]
+    declared = set()
+    for i, (site, probes) in enumerate(sites):
+        fill, calls, missed, posts = [], [], [], []
+        for j, (probe, pre, post) in enumerate(probes):
+            for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
+                                (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
+                if name and name not in declared:
+                    declared.add(name)
+                    out.append(proto.format(name) + "\n")
+            k = f"kp_kprobe_{i}_{j}"
+            out.append(f"static struct kprobe {k};\n")
+            missed.append(f"\n\t\t{k}.nmissed++;")
+            fill.append(f"""
+	{k}.addr = (kprobe_opcode_t *)regs->pc;
+	{k}.symbol_name = "{probe.symbol}";
+	{k}.offset = {probe.offset};""" + (f"\n\t{k}.pre_handler = {pre};" if pre else "")
+                        + (f"\n\t{k}.post_handler = {post};" if post else ""))
+            if pre and changes[i]:
+                calls.append(f"""
+	if ({pre}(&{k}, regs)) {{
+		kp_leave(g);
+		return 1;
+	}}""")
+            elif pre:
+                calls.append(f"\n\t{pre}(&{k}, regs);")
+            if post:
+                posts.append(f"\n\t{post}(&{k}, regs, 0);")
+        out.append(f"""
+__attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
+{{
+	int g = kp_enter();
+
+	if (g < 0) {{{"".join(missed)}
+		return 0;
+	}}{"".join(fill)}{"".join(calls)}
+	kp_leave(g);
+	return 0;
+}}
+""")
+        if posts:
+            out.append(f"""
+__attribute__((used)) void kp_post_dispatch_{i}(struct pt_regs *regs)
+{{
+	int g = kp_enter();
+
+	if (g < 0)
+		return;{"".join(posts)}
+	kp_leave(g);
+}}
+""")
+    return "".join(out)
+
+
+def _text_room(img) -> tuple[int, int]:
+    """[start, end) of the zero padding at the end of [_stext, _etext), 256-byte aligned."""
+    end = img.syms["_etext"]
+    o = end - img.text - 1
+    while o >= 0 and img.data[o] == 0:
+        o -= 1
+    start = (img.text + o + 1 + 0x40 + 0xFF) & ~0xFF
+    return start, end
+
+
+def _free_initmem(img, view) -> tuple[int, int]:
+    """(address of free_initmem()'s `adrp x20, __init_end`, __init_end), read from its code:
+    x19 = __init_begin (_sinittext), x20 = the end of the init memory it frees."""
+    import capstone
+    a = img.syms.get("free_initmem")
+    if a is None:
+        raise KprewriteError(f"{img.path}: no free_initmem in kallsyms: cannot keep the probes' data")
+    code = view.read(a, 0x100)
+    cs = capstone.Cs(capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)
+    pages = {}
+    for x in cs.disasm(code, a):
+        if x.mnemonic == "adrp":
+            rd, imm = x.op_str.split(", #")
+            pages[rd] = (x.address, int(imm, 16))
+        if x.mnemonic in ("ret", "bl"):
+            break
+    if "x19" not in pages or "x20" not in pages or pages["x19"][1] != img.syms["_sinittext"] \
+            or pages["x20"][1] & 0xFFFF:
+        raise KprewriteError(f"{img.path}: free_initmem() is not `adrp x19, __init_begin; adrp x20, __init_end` "
+                             f"as kprewrite knows it: cannot keep the probes' data")
+    return pages["x20"]
+
+
+def _check_relocs(objs, path):
+    from ....elf.view import SHT_RELA, ElfView, relas
+    for o in objs:
+        e = ElfView(Path(o).read_bytes(), str(o))
+        for sec in e.sections:
+            if sec.type != SHT_RELA or sec.info >= len(e.sections):
+                continue
+            target = e.sections[sec.info].name
+            if not target.startswith((".text", ".rodata", ".data", ".bss")):
+                continue
+            for _off, _sym, typ, _addend in relas(e.data, sec.offset, sec.size):
+                if typ not in PC_RELATIVE_RELOCS:
+                    t = ABSOLUTE_RELOCS.get(typ, f"relocation type {typ}")
+                    raise KprewriteError(f"{path}: {Path(o).name} has an absolute relocation ({t}) in {target}: "
+                                         "an arm64 image's probes are PC-relative only (KASLR would leave it "
+                                         "stale; e.g. a static initializer holding an address)")
+
+
+def build(s, objs: list[Path], workdir: Path) -> bytes:
+    image, arch, plan = s.image, s.arch, s.plan
+    img = image.container
+    if img is None:
+        raise KprewriteError(f"{image.path}: an arm64 vmlinux (ELF) is not written yet: give its Image (vmlinuz)")
+    sites = []
+    plan_sites = list(plan.sites)
+    if any(site.decision == INT3 for site in plan_sites):
+        plan_sites = _with_hook_probe(s, plan_sites)
+    for site in plan_sites:
+        if site.decision == FTRACE:
+            site = _past_ftrace_nops(s, site)
+        if site.decision not in (OPTIMIZED, INT3):
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: not written on arm64 yet "
+                                 f"(this one: {site.decision})")
+        if site.head is not None or site.riders or site.slot or site.evicted:
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: a region shared between sites is not written "
+                                 "on arm64 yet")
+        probes = []
+        for p in site.probes:
+            if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in site.dcr):
+                raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: a post_handler after a branch "
+                                     "is not written on arm64 yet")
+            if getattr(p, "hook", None):
+                probes.append((p, p.hook, None))
+                continue
+            probes.append((p, s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
+                           s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None))
+        sites.append((site, probes))
+    if plan.kretprobes:
+        raise KprewriteError(f"{image.path}: kretprobes are not written on arm64 yet")
+    cc = compiler(arch)
+    ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
+    (workdir / "kp_detours.S").write_text("".join(
+        (xol_asm if site.decision == INT3 else detour_asm)(i, any(post for _, _, post in probes))
+        for i, (site, probes) in enumerate(sites)))
+    brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == INT3]
+    (workdir / "kp_dispatch.c").write_text(
+        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == INT3 for site, _ in sites])
+        + (brk_c(brk) if brk else ""))
+    flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
+    run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
+    run([cc, "-c", str(workdir / "kp_detours.S"), "-o", str(workdir / "kp_detours.o")], "kp_detours.S")
+    inputs = [workdir / "kp_detours.o", workdir / "kp_dispatch.o", *objs]
+    _check_relocs(inputs, image.path)
+    text_lo, text_hi = _text_room(img)
+    adrp_at, init_end = _free_initmem(img, image)
+    # The data: whole pages at the end of the init data, in zero file bytes after the
+    # R_AARCH64_RELATIVE entries.
+    rela_lo, rela_hi = img.text + img.rela_span[0], img.text + img.rela_span[1]
+    # (The unused entries: zeros after the R_AARCH64_RELATIVE run, before the few other entries.)
+    zeros_from, zeros_to = (rela_hi + PAGE - 1) & ~(PAGE - 1), rela_hi
+    while zeros_to < init_end and img.data[zeros_to - img.text] == 0:
+        zeros_to += 1
+    # Symbols: each site and its resume address; every undefined name from kallsyms.
+    syms = link_symbols(image)
+    defs = {}
+    for i, (site, probes) in enumerate(sites):
+        p = probes[0][0]
+        defs[f"kp_site_{i}"] = p.addr                         # what regs->pc and p->addr say
+        defs[f"kp_resume_{i}"] = site.region_end if site.decision != INT3 else site.addr + 4
+        # regs->pc for the post_handler: after the probed instruction (the first NOP for an entry)
+        if site.decision != INT3:
+            defs[f"kp_post_pc_{i}"] = site.region_end if site.addr == p.addr else p.addr + 4
+    r = run([cc[:-3] + "nm" if cc.endswith("gcc") else "nm", *map(str, inputs)], "nm")
+    undefined, defined = set(), set()
+    for line in r.stdout.splitlines():
+        f = line.split()
+        if len(f) >= 2 and f[-2] == "U":
+            undefined.add(f[-1])
+        elif len(f) == 3:
+            defined.add(f[-1])
+    for name in sorted(undefined - defined):
+        if name in defs:
+            continue
+        kname = KERNEL_NAMES.get(name, name)
+        a = syms.get(kname)
+        if a is None:
+            raise KprewriteError(f"{image.path}: the handlers call {name}, which kallsyms does not name "
+                                 f"(or names more than once)")
+        defs[name] = a
+
+    def link(data_at: int) -> Path:
+        lds = workdir / "kp.lds"
+        lds.write_text(f"""SECTIONS {{
+  . = {text_lo:#x};
+  .text : {{ *(.text .text.* .kprobes.text) *(.rodata .rodata.* .srodata*) }}
+  . = {data_at:#x};
+  .data : {{ *(.data .data.*) *(.bss .bss.* COMMON) }}
+  .kp_must_be_empty : {{ *(.iplt) *(.igot.plt) *(.got) *(.got.plt) *(.rela.*) }}
+  /DISCARD/ : {{ *(.comment) *(.note*) *(.eh_frame*) *(.debug*) }}
+}}
+""")
+        out = workdir / "kp_blob.elf"
+        # Every section placed by the script, none left for ld to put elsewhere (--orphan-handling).
+        run([ld, "-nostdlib", "--fix-cortex-a53-843419", "--orphan-handling=error", "-T", str(lds), "-o", str(out),
+             *(f"--defsym={n}={a:#x}" for n, a in sorted(defs.items())), *map(str, inputs)], "link")
+        return out
+
+    elf = link(zeros_from)
+    text, data, addrs = _read_blob(elf)
+    data_lo = (zeros_to - max(len(data[1]), 1)) & ~(PAGE - 1)
+    if data_lo < zeros_from:
+        raise KprewriteError(f"{image.path}: the probes need {len(data[1])} bytes of data; the unused entries of "
+                             f".rela.dyn have {max(zeros_to - zeros_from, 0)} in whole pages")
+    if text[0] + len(text[1]) > text_hi:
+        raise KprewriteError(f"{image.path}: the probes need {len(text[1])} bytes of code; the text padding "
+                             f"has {text_hi - text_lo} (before _etext {text_hi:#x})")
+    elf = link(data_lo)
+    text, data, addrs = _read_blob(elf)
+    out = bytearray(img.data)
+
+    def put(addr: int, b: bytes):
+        off = addr - img.text
+        if not 0 <= off <= len(out) - len(b):
+            raise KprewriteError(f"{image.path}: {addr:#x} is not in the Image's bytes")
+        out[off:off + len(b)] = b
+
+    code = bytearray(text[1])
+    for i, (site, _) in enumerate(sites):
+        at = addrs[f"kp_xol_{i}" if site.decision == INT3 else f"kp_dcr_{i}"]
+        moved = b""
+        for insn in ([site.xol.insn] if site.decision == INT3 else site.dcr):
+            moved += E.relocate(insn, at + len(moved))
+        if len(moved) > DCR_ROOM:
+            raise KprewriteError(f"{image.path}: {site.addr:#x}: the displaced instructions need {len(moved)} bytes")
+        off = at - text[0]
+        code[off:off + len(moved)] = moved
+    put(text[0], bytes(code))
+    if any(data[1]):
+        rela_base = rela_lo
+        for ent in range((data[0] - rela_base) // 24, (data[0] + len(data[1]) - rela_base) // 24 + 1):
+            a = rela_base + 24 * ent + 8
+            if data[0] <= a and a + 4 <= data[0] + len(data[1]):
+                if struct.unpack_from("<I", data[1], a - data[0])[0] == R_AARCH64_RELATIVE:
+                    raise KprewriteError(f"{image.path}: the probes' data at {a:#x} would read as a relocation at boot")
+        put(data[0], data[1])
+    for i, (site, _) in enumerate(sites):
+        put(site.addr, enc.brk(BRK_IMM) if site.decision == INT3 else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
+    # free_initmem() frees the init memory up to our data, no further.
+    put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
+    return bytes(out)
+
+
+class _Moved:
+    """A site taken past a function's ftrace NOPs: the jump and the displaced instruction at
+    entry + 8, the probe's address (regs->pc, p->addr) still the entry."""
+    def __init__(self, site, dcr):
+        self.addr, self.dcr, self.probes, self.decision = site.addr + 8, dcr, site.probes, OPTIMIZED
+        self.head, self.riders, self.slot, self.evicted = None, [], 0, None
+        self.region_end = dcr[-1].addr + len(dcr[-1].code)
+
+
+def _past_ftrace_nops(s, site):
+    """A probe on a function's entry: the kernel's kprobe sits on the first ftrace NOP, which
+    ftrace_init_nop() rewrites at boot and ftrace patches (the second) when tracing; the jump
+    goes after both instead (the instruction at entry + 8, usually paciasp), so that ftrace and
+    the kernel's own kprobes keep working on the function.  The NOPs run before the handler as
+    they would before the kernel's single-step: the same state (unless the function is traced:
+    then its tracer has run first, and x9 holds x30)."""
+    func = site.probes[0].func
+    at = site.addr + 8
+    r = s.arch.optprobe.can_optimize(s.image, s.analysis, func, at)
+    if not isinstance(r, list):
+        raise KprewriteError(f"{s.image.path}: {func.name}: its entry is taken past the ftrace NOPs, at {at:#x}, "
+                             f"which cannot take a jump: {r}")
+    e = next(iter(s.rules.reserved_sites(at, r[-1].addr + len(r[-1].code))), None)
+    if e is not None:
+        raise KprewriteError(f"{s.image.path}: {func.name}: its entry is taken past the ftrace NOPs, at {at:#x}, "
+                             f"where a site patched at boot lies ({e.symbol})")
+    if s.plan.sites and any(o.addr == at for o in s.plan.sites):
+        raise KprewriteError(f"{s.image.path}: {func.name}: a probe on its entry and one at {at:#x}: "
+                             "both would take the jump after the ftrace NOPs")
+    return _Moved(site, r)
+
+
+def _with_hook_probe(s, sites):
+    """The sites with the hook probe added: kp_brk_register() as the first pre_handler on
+    HOOK_FUNCTION's entry (a site of its own, or the first probe of the user's there)."""
+    from types import SimpleNamespace
+    f = next((f for f in s.image.functions if f.name == HOOK_FUNCTION), None)
+    if f is None:
+        raise KprewriteError(f"{s.image.path}: no {HOOK_FUNCTION} in kallsyms: breakpoint probes need its entry")
+    hook = SimpleNamespace(symbol=HOOK_FUNCTION, offset=0, addr=f.start, func=f, hook="kp_brk_register",
+                           spec=SimpleNamespace(pre_handler=None, post_handler=None))
+    for site in sites:
+        if site.addr == f.start and site.decision == FTRACE:
+            site.probes.insert(0, hook)
+            return sites
+    if f.start not in s.rules.ftrace:
+        raise KprewriteError(f"{s.image.path}: {HOOK_FUNCTION}'s entry cannot take the jump that registers the "
+                             "breakpoint probes' hooks")
+    return [SimpleNamespace(addr=f.start, probes=[hook], decision=FTRACE, head=None, riders=[], slot=0,
+                            evicted=None, dcr=None)] + list(sites)
+
+
+def _read_blob(elf: Path):
+    """((.text address, bytes), (.data address, bytes, bss zeros included), symbols)."""
+    from ....elf.view import SHT_NOBITS, ElfView
+    e = ElfView(Path(elf).read_bytes(), str(elf))
+    extra = e.section(".kp_must_be_empty")
+    if extra is not None and extra.size:
+        raise KprewriteError(f"{elf}: the link made {extra.size} bytes of GOT, PLT or dynamic relocations: "
+                             "an arm64 image's probes are PC-relative only")
+    t, d = e.section(".text"), e.section(".data")
+    text = (t.addr, e.section_bytes(t)) if t is not None else (0, b"")
+    if d is None:
+        data = (0, b"")
+    elif d.type == SHT_NOBITS:
+        data = (d.addr, bytes(d.size))
+    else:
+        data = (d.addr, e.section_bytes(d))
+    addrs = {s.name: s.value for s in e.symbols() if s.name}
+    return text, data, addrs

@@ -1,0 +1,81 @@
+"""The kernel target for arm64 images (linux_kernel.for_arch() picks it by the image's arch): the
+kernel target's reading, rules and planning as they are, and its own output (build.py) until
+the generic back half (the runtime's tables, boot hooks, per-CPU data, KASLR table) knows arm64.
+
+What differs from the x86-64 kernel target:
+- no boot or shutdown hooks (the runtime is not linked: build.py links the handlers alone);
+- build(): the handlers and a detour per jump-optimized site, linked into the Image's own
+  text padding and init-data tail (build.py says where and why), Image in, Image out."""
+from __future__ import annotations
+
+import rewriter.targets.linux_kernel as _base
+
+globals().update({k: v for k, v in vars(_base).items() if not k.startswith("__") and k != "for_arch"})
+
+RUNTIME_HANDLERS = frozenset()
+# The bounds symbols of the tables tables.py finds (sites.TABLES' names for them).
+TABLE_SYMBOLS = {"__ex_table": ("__start___ex_table", "__stop___ex_table"),
+                 "__bug_table": ("__start___bug_table", "__stop___bug_table"),
+                 "__jump_table": ("__start___jump_table", "__stop___jump_table"),
+                 ".altinstructions": ("__alt_instructions", "__alt_instructions_end")}
+
+
+def load_symbols(image, system_map: str | None = None) -> None:
+    """As the kernel target's, but kallsyms as the Image reader read them (image.py), and the
+    bounds of the tables found in the Image (tables.py) added as data symbols where the
+    symbols (kallsyms, or a System.map without them) do not give them."""
+    img = image.container
+    if img is None or not hasattr(img, "kallsyms"):
+        return _base.load_symbols(image, system_map)
+    from ..elfview import ElfView
+    from ..kallsyms import KSym, functions
+    from . import tables
+    if system_map is not None:
+        _base.load_symbols(image, system_map)
+        syms, source = list(image.kernel_symbols), image.kernel_symbols_source
+    else:
+        syms, source = list(img.kallsyms.symbols), "kallsyms"
+    have = {s.name for s in syms}
+    if not all(n in have for pair in TABLE_SYMBOLS.values() for n in pair):
+        for t, (a, b) in sorted(tables.find(img, image.data[image.offset_of(img.text):]).items()):
+            lo, hi = TABLE_SYMBOLS[t]
+            if lo not in have or hi not in have:
+                syms += [KSym(a, "d", lo), KSym(b, "d", hi)]
+    image.kernel_symbols = syms
+    image.kernel_symbols_source = source
+    image._link_symbols = None
+    image.set_functions([(f.start, f.end, f.name) for f in functions(syms, ElfView(image.data, image.path))],
+                        source)
+
+
+def rules(image, arch):
+    """The kernel target's rules, with the ftrace sites (function entries the planner gives the
+    ftrace form: build.py takes them past the NOPs) only where the instruction after the NOPs
+    can take the jump: one a kprobe may step, on no site patched at boot.  (build.py checks
+    the rest, the jump targets, with the analysis.)"""
+    import struct
+    from ....arch.aarch64 import insn as I
+    r = _base.rules(image, arch)
+    for site in list(r.ftrace):
+        at = site + 8
+        f = image.function_at(site)
+        ok = f is not None and at + 4 <= f.end
+        if ok:
+            word = struct.unpack("<I", image.read(at, 4))[0]
+            ok = not I.classify(word, at).refused and not r.reserved_sites(at, at + 4)
+        if not ok:
+            del r.ftrace[site]
+    # Breakpoint probes where no jump fits (build.py: brk, the kernel's break hooks, an
+    # out-of-line copy).
+    r.int3 = True
+    return r
+
+
+def runtime_probes(spec) -> None:
+    """None: the runtime is not linked into an arm64 image yet."""
+    return None
+
+
+def build(s, objs, workdir, progress):
+    from .build import build as _build
+    return _build(s, objs, workdir)
