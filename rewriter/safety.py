@@ -148,7 +148,8 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("trampoline_unsafe",
          "an exit no jump fits takes the return-address trampoline (instead of a breakpoint return "
          "hook) only where the function's CFA rules prove no instruction addresses its return-address "
-         "slot, and where it calls nothing if the image unwinds exceptions (the trampoline has no FDE)",
+         "slot, and where it calls nothing if the image unwinds exceptions (the trampoline has no FDE); "
+         "a function whose exits cannot all be named has its kretprobe refused there (planner.register)",
          "<arch>.retprobe:trampoline_refusal", OURS, "test_trampoline_unsafe",
          "the function reads its return-address slot and sees the trampoline: prints ra_ok=0"),
     Rule("rsp_relative_call",

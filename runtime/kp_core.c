@@ -392,6 +392,10 @@ void kp_profile_row(int fd, const char *name, unsigned long hits, unsigned long 
 }
 
 /* kprobe_profile: "  EVENT  HITS  MISSES", written where KPREWRITE_PROFILE says. */
+/* A line the platform adds to the profile after its rows (a Linux process: the
+ * program replaced the SIGTRAP handler of the breakpoint probes, kp_trap_check()). */
+const char *kp_profile_note;
+
 void kp_write_profile(void)
 {
 	const char *path = kp_rt.profile_path;
@@ -424,6 +428,8 @@ void kp_write_profile(void)
 				hits += __atomic_load_n(&kp_light_hits[KP_LIGHT_INDEX(rp->kp.index, s)], __ATOMIC_RELAXED);
 		kp_profile_row(fd, rp->kp.name, hits, rp->kp.nmissed + (unsigned long)rp->nmissed);
 	}
+	if (kp_profile_note)
+		kp_platform_write(fd, kp_profile_note, strlen(kp_profile_note));
 	if (fd != 2)
 		kp_platform_close(fd);
 }

@@ -197,6 +197,7 @@ extern struct kp_thread *kp_thread_table[KP_TABLE_SIZE];
 void kp_relocate(void);
 void kp_configure(char **envp);
 void kp_write_profile(void);
+extern const char *kp_profile_note;
 void kp_profile_row(int fd, const char *name, unsigned long hits, unsigned long missed);
 struct kp_thread *kp_thread_slow(unsigned long key);
 #ifdef KP_PLATFORM_NO_STARTUP

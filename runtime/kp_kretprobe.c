@@ -120,11 +120,18 @@ static struct kp_kret_thread *kp_kret_thread_of(struct kp_thread *t)
 #define kp_arch_note_entry(kt, regs, S) ((void)0)
 #endif
 
+#ifndef kp_arch_entry_slot_foreign
+#define kp_arch_entry_slot_foreign(kt, S) 0
+#define kp_arch_is_a_trampoline(v) 0
+#endif
+
 static inline int kp_ri_chained(struct kp_kret_thread *kt, struct kretprobe_instance *ri, unsigned long S)
 {
 	if (ri->kp_flags & KP_RI_PENDING)
 		return kt->tail_slot == S;
-	return (ri->kp_flags & KP_RI_TRAMP) && kp_arch_entry_slot_holds(kt, S, TRAMP);
+	/* The slot still holds our trampoline, or another rewritten object's: its
+	 * runtime swapped it on a tail call out of a function ours tail-called. */
+	return (ri->kp_flags & KP_RI_TRAMP) && (kp_arch_entry_slot_holds(kt, S, TRAMP) || kp_arch_entry_slot_foreign(kt, S));
 }
 
 /* Keep ri, whose frame may be alive on another stack, for the trampoline; the
@@ -501,10 +508,16 @@ unsigned long kp_kretprobe_trampoline_handler(struct pt_regs *regs)
 			break;
 		kt->depth--;
 		fired = 1;
+		int last = (ri->kp_flags & KP_RI_SWAPPED) && (unsigned long)ri->ret_addr == ret && kp_arch_is_a_trampoline(ret);
 		if (active)
 			kp_ri_free(ri);
 		else
 			kp_ri_fire(t, ri, regs);
+		/* Returning into another runtime's trampoline, whose function our
+		 * older instances at S had tail-called: they wait for the frame's
+		 * real return, through our trampoline again. */
+		if (last)
+			break;
 	}
 	/* Instances kept aside for this slot: their frame was alive after all. */
 	for (unsigned int i = kt->norphans; !fired && i-- > 0;) {

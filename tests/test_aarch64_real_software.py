@@ -217,3 +217,46 @@ def test_stripped_cold_parts_refused_by_entry_frame(once):
     assert want.returncode == 0 and "warn huge" in want.stderr, want.stderr
     assert got.returncode == 0 and got.stdout == want.stdout, got.stdout + got.stderr[-2000:]
     assert profile(got.stderr)["r_lib_classify_0"][0] == 200, got.stderr[-2000:]
+
+
+EXCEPTIONS = r"""
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+__attribute__((noinline)) int parse(const std::string &s) {
+  if (s.empty() || s[0] == 'x') throw std::invalid_argument("bad: " + s);
+  return std::stoi(s);
+}
+int main() {
+  int c = 0, sum = 0;
+  for (int i = 0; i < 40; i++) { try { sum += parse(i % 3 ? std::to_string(i) : "x"); } catch (const std::exception &e) { c++; } }
+  std::printf("caught %d sum %d\n", c, sum);
+}
+"""
+
+
+@pytest.mark.slow
+def test_cxx_libraries_with_kretprobes(tmp_path):
+    """The cross sysroot's libstdc++ and libgcc_s, both with a kretprobe on every function,
+    under a program that throws and catches: __cxa_end_catch's tail call to
+    _Unwind_DeleteException and on to libstdc++'s exception cleanup crosses the two
+    runtimes (their trampolines' marks keep the chain), and the output is the original's."""
+    sysroot = Path("/usr") / TRIPLES["aarch64"] / "lib"
+    libs = [sysroot / n for n in ("libstdc++.so.6", "libgcc_s.so.1")]
+    if not all(p.exists() for p in libs):
+        pytest.skip("no arm64 libstdc++/libgcc_s in the cross sysroot")
+    prog = cc(tmp_path, "exceptions", EXCEPTIONS, "-O2", lang="c++")
+    spec = write_spec(tmp_path, KRETPROBES)
+    (tmp_path / "lib").mkdir()
+    for lib in libs:
+        instrument(lib, spec, tmp_path / "lib" / lib.name)
+    cmd = [*qemu_command(), str(prog)]
+    a = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    prof = tmp_path / "profile"
+    b = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path / "lib"), "KPREWRITE_PROFILE": str(prof)})
+    assert (a.returncode, a.stdout) == (0, "caught 14 sum 507\n"), a
+    assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr)
+    p = profile("\n".join("  " + line.strip() for line in prof.read_text().splitlines()))
+    assert p["r__Unwind_DeleteException_0"][0] == 14 and p["r___cxa_end_catch_0"][0] == 14, \
+        {k: v for k, v in p.items() if "Unwind" in k or "cxa" in k}

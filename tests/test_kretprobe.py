@@ -941,3 +941,44 @@ def test_stripped_cold_part_reloading_x30_keeps_its_return(once, runner):
     assert r.returncode == 0 and r.stdout == want.stdout, r.stderr
     got = [l for l in r.stderr.splitlines() if l.startswith("R lib_")]
     assert got == ["R lib_scan = 30", "R lib_warn = 17", "R lib_fix = 71", "R lib_scan = 71"], r.stderr
+
+
+UNKNOWN_EXITS_RA = r"""
+#include <stdio.h>
+/* The return address read at the entry, and an indirect jump whose target the
+ * analysis cannot bound (popped): libgcc's _Unwind_RaiseException, whose
+ * __builtin_eh_return exit is such a jump, unwinds from its own return address. */
+__attribute__((noinline)) void *whence(long x) {
+  void *ra = __builtin_return_address(0);
+  if (x)
+    __asm__ volatile("lea 1f(%%rip), %%rcx; push %%rcx; pop %%rcx; jmp *%%rcx; 1:" ::: "rcx", "memory");
+  return ra;
+}
+__attribute__((noinline)) int caller(long x) {
+  char *ra = whence(x);
+  return ra > (char *)caller && ra < (char *)caller + 64;
+}
+int main(int argc, char **argv) { int ok = 0; for (int i = 0; i < 3; i++) ok += caller(argc + i); printf("ra_ok=%d\n", ok); return 0; }
+"""
+
+
+def test_unknown_exits_with_unsafe_trampoline_refused(tmp_path):
+    """Exits that cannot all be named leave only the trampoline; a function that reads its
+    own return address would see the trampoline there: its kretprobe is refused
+    (trampoline_unsafe).  Switched off, the trampoline is taken and the program prints
+    ra_ok=0; from a glob the function is skipped and the program runs right."""
+    import os
+    prog = cc(tmp_path, "whence", UNKNOWN_EXITS_RA, "-O2")
+    assert run(prog).stdout == "ra_ok=3\n"
+    spec = write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "whence"\nmaxactive = 20\n')
+    r = kprewrite("check", prog, "--spec", spec, check=False)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[0].startswith("whence+0x0  r  refused  trampoline_unsafe at ") and "pop rcx" in lines[0], lines
+    assert kprewrite("instrument", prog, "--spec", spec, "-o", tmp_path / "on", check=False).returncode == 1
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KPREWRITE_UNSAFE_OFF": "trampoline_unsafe"}
+    subprocess.run([*__import__("conftest").KPREWRITE, "instrument", prog, "--spec", spec, "-o", tmp_path / "off"],
+                   check=True, env=env, capture_output=True)
+    assert run(tmp_path / "off").stdout == "ra_ok=0\n"
+    glob = write_spec(tmp_path, '[[kretprobe]]\nsymbol_name = "*"\nmaxactive = 20\n', name="glob.toml")
+    new = instrument(prog, glob, tmp_path / "glob")
+    assert run(new).stdout == "ra_ok=3\n"

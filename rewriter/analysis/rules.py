@@ -86,6 +86,10 @@ class Rules:
     # (planner.retarget.retarget_branches()).
     retarget_branches: bool = False
     singlestep_int3: bool = False
+    # With breakpoint sites, the image's system calls that set a signal mask or action go
+    # to the runtime, which keeps SIGTRAP unblocked and its handler ours (a user process:
+    # arch.signal_syscalls(), planner.signal_syscalls()).
+    signal_syscalls: bool = False
     # (arch, Site) -> arch Refusal | None: why a breakpoint site the target cannot write is
     # refused (a module's out-of-line copy that cannot carry its relocations), so `check` says so.
     int3_refusal: Callable | None = None

@@ -31,6 +31,17 @@ class DcrInsn:
     info: Any
 
 
+@dataclass(frozen=True)
+class SignalSyscall:
+    """A system call setting a signal mask or action (rt_sigprocmask, rt_sigaction) that
+    a rewritten user image with breakpoint probes sends to the runtime: its bytes from
+    addr (the load of the call's number) to end (after the system call instruction)."""
+    addr: int
+    end: int
+    nr: int             # 0: known at run time only (the C library's syscall(2))
+    insns: tuple        # DcrInsn: the number's load, what sets the arguments, the system call
+
+
 class LinkSym(int):
     """A runtime symbol's placeholder address while the layout sizes the detours
     (emission.Far): an int that remembers the symbol's name and the list of links
@@ -316,6 +327,14 @@ class Emit(Protocol):
     def chain_stub(self, at: int, fn: int, then: int) -> bytes:
         """A call of fn, then a jump to then (a DT_INIT-style chain)."""
 
+    def call_stub(self, at: int, fn: int) -> bytes:
+        """A function that calls fn and returns (a DT_FINI of our own)."""
+
+    def signal_syscall_stub(self, at: int, sc, hook: int) -> bytes:
+        """Where a SignalSyscall's jump goes: its instructions but the system call, then
+        hook(a0, a1, a2, a3, nr) in its place (nr 0: only for the two numbers), then a
+        jump back to after it."""
+
 
 class HandlerAbi(Protocol):
     """What a compiled handler does with the state a detour passes it."""
@@ -353,6 +372,9 @@ class Arch(Protocol):
     e_machine: int            # ELF e_machine
     r_relative: int           # the ELF relocation type of a base-relative word
     r_got_slot: tuple[int, ...]   # relocation types of GOT slots (GLOB_DAT, JUMP_SLOT)
+    r_irelative: int          # the ELF relocation type whose addend is an IFUNC resolver
+    # The image's system calls that set a signal mask or action (SignalSyscall list).
+    signal_syscalls: Callable
     breakpoint: bytes         # the breakpoint instruction a breakpoint probe writes
     breakpoint_name: str      # what diff calls it: int3, brk
     JUMP_SIZE: int            # the bytes of the jump an optimized probe writes

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import io
 import os
+import struct
 from dataclasses import dataclass, field
 
 from . import ehframe
@@ -26,6 +27,7 @@ from ..errors import KprewriteError, file_error
 STT_NOTYPE, STT_OBJECT, STT_FUNC, STT_GNU_IFUNC = 0, 1, 2, 10
 SHT_DYNAMIC = 6
 DT_SYMTAB, DT_SYMENT = 6, 11
+DT_RELRSZ, DT_RELR = 35, 36
 
 DF_1_PIE = 0x08000000
 EM_NAMES = {3: "EM_386", 40: "EM_ARM", 62: "EM_X86_64", 183: "EM_AARCH64", 243: "EM_RISCV"}
@@ -131,8 +133,11 @@ class Image:
         self.has_interp = any(s.type == PT_INTERP for s in self.segments)
         self.dynamic = dynamic
         flags_1 = self.dynamic.get(0x6FFFFFFB, 0)
+        # A program runs from e_entry; a shared object starts from its init functions when a
+        # dynamic loader loads it.  A shared object with a PT_INTERP and no DF_1_PIE (glibc's
+        # libc.so.6, which prints its version when run) is both: started either way.
         self.is_executable = self.e_type == 2 or self.has_interp or bool(flags_1 & DF_1_PIE)
-        self.is_shared = not self.is_executable
+        self.is_shared = self.e_type == 3 and not flags_1 & DF_1_PIE
         self.kind = ("shared object" if self.is_shared else
                      ("PIE" if self.has_interp else "static-PIE") if self.is_pic else
                      ("executable" if self.has_interp else "static executable"))
@@ -378,7 +383,7 @@ class Image:
 
     def _read_relative_relocations(self) -> list[tuple[int, int, int]]:
         r_relative = get_arch(self.machine).r_relative
-        out = []
+        out = self._relr_relocations()
         for tag_rela, tag_sz in ((7, 8),):
             rela, size = self.dynamic.get(tag_rela), self.dynamic.get(tag_sz)
             if not rela or not size:
@@ -390,4 +395,45 @@ class Image:
             for i, (r_offset, _, typ, addend) in enumerate(relas(self.data, off, size)):
                 if typ == r_relative:
                     out.append((off + i * 24, r_offset, addend))
+        return out
+
+    def relr_offsets(self) -> list[int]:
+        """The addresses DT_RELR relocates (ld -z pack-relative-relocs: glibc 2.36's own
+        libc): an even entry is an address, an odd one a bitmap of the 63 words after
+        the last address (bit i + 1: the word at i * 8), which then moves 63 words on."""
+        got = self.__dict__.get("_relr_offsets")
+        if got is not None:
+            return got
+        relr, size = self.dynamic.get(DT_RELR), self.dynamic.get(DT_RELRSZ)
+        out: list[int] = []
+        if relr and size:
+            off = self.elf.offset(relr, size)
+            if off is None:
+                raise KprewriteError(f"{self.path}: malformed dynamic section: DT_RELR at {relr:#x} with DT_RELRSZ "
+                                     f"{size:#x} runs past the end of the file ({len(self.data):#x} bytes)")
+            where = 0
+            for (e,) in struct.iter_unpack("<Q", self.data[off:off + size // 8 * 8]):
+                if not e & 1:
+                    out.append(e)
+                    where = e + 8
+                    continue
+                bits, at = e >> 1, where
+                while bits:
+                    if bits & 1:
+                        out.append(at)
+                    bits >>= 1
+                    at += 8
+                where += 63 * 8
+        self._relr_offsets = out
+        return out
+
+    def _relr_relocations(self) -> list[tuple[int, int, int]]:
+        """relative_relocations()' entries of DT_RELR: (file offset of the relocated word,
+        its address, the word: a packed relocation's addend is what the word holds)."""
+        out = []
+        for addr in self.relr_offsets():
+            off = self.elf.offset(addr, 8)
+            if off is None:             # in .bss: nothing to read (ld.so would fault on it too)
+                continue
+            out.append((off, addr, int.from_bytes(self.data[off:off + 8], "little", signed=True)))
         return out

@@ -98,6 +98,10 @@ def place(c: emission.Code, target) -> Layout:
     detour names a detour laid out already, or its region: the encoding is as long)."""
     tl = target.plan_layout(c.image)
     stubs, pos = target.reserve_stubs(c.image, tl.after_phdrs)
+    for i, sc in enumerate(c.plan.signal_syscalls):     # Rules.signal_syscalls: each one's stub
+        pos = (pos + 15) & ~15
+        stubs[f"sigcall{i}"] = pos
+        pos += len(c.arch.emit.signal_syscall_stub(pos, sc, pos))
     sizes, sites, evicted, returns, xol, codes, links = {}, {}, {}, {}, {}, {}, {}
     logs = c.arch.emit.relink is not None
     # What is laid out so far: the same mappings, filled in as pieces are placed.

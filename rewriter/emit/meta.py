@@ -62,4 +62,6 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
     doc = {"format": "kprewrite-1", "input": label, "probes": probes}
     if plan.retargets:      # direct branches sent to a detour (`diff` attributes their bytes)
         doc["branches"] = [[r.src, r.size, r.target] for r in plan.retargets]
+    if plan.signal_syscalls:    # rt_sigprocmask/rt_sigaction sent to the runtime (a user process)
+        doc["signal_syscalls"] = [[sc.addr, sc.end, sc.nr] for sc in plan.signal_syscalls]
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

@@ -120,7 +120,28 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     plan_returns(image, analysis, arch, out, rules)
     if rules.retarget_branches:
         retarget_branches(image, analysis, arch, out, rules)
+    if rules.signal_syscalls and any(s.decision == INT3 for s in out.sites):
+        out.signal_syscalls = signal_syscalls(image, analysis, arch, out)
     _number(out)
+    return out
+
+
+def signal_syscalls(image, analysis, arch, plan: Plan) -> list:
+    """The image's system calls that set a signal mask or action (arch.signal_syscalls()),
+    but those under a site's region, slot or evicted neighbour, or a return site: those
+    bytes are the plan's already."""
+    taken = sorted([(s.addr, max(s.region_end, s.addr + 1)) for s in plan.sites]
+                   + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot]
+                   + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted]
+                   + [(r.addr, r.region_end) for g in plan.groups for r in g.sites]
+                   + [(r.src, r.src + r.size) for r in plan.retargets])
+    starts = [a for a, _ in taken]
+    out = []
+    for sc in arch.signal_syscalls(image, analysis):
+        i = bisect.bisect_left(starts, sc.end)
+        if any(lo < sc.end and sc.addr < hi for lo, hi in taken[max(0, i - 64):i]):
+            continue
+        out.append(sc)
     return out
 
 

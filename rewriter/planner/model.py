@@ -156,6 +156,9 @@ class Plan:
     kprobes: list[tuple[Site, Probe]] = field(default_factory=list)          # kp_probes[], by slot
     kretprobes: list[tuple[Site, EntryProbe, Group]] = field(default_factory=list)   # kp_kretprobes[]
     retargets: list[Retarget] = field(default_factory=list)   # by source address
+    # System calls that set a signal mask or action, sent to the runtime where the image
+    # has breakpoint sites (arch.base.SignalSyscall; Rules.signal_syscalls), by address.
+    signal_syscalls: list = field(default_factory=list)
 
     def hit_slot(self, p: Probe) -> int:
         """A probe's hit counter: kp_probes[] first, then each kretprobe's rp->kp."""

@@ -51,4 +51,15 @@ def kretprobe_refusal(image, analysis, arch, p: EntryProbe, rules) -> tuple[str,
         ex = find_exits(image, analysis, arch, f)
         if not ex.exits and ex.refusal is None:
             return f"{f.name} has no ret and no tail call: it never returns", "never_returns"
+    if rules.kretprobe_exits and d.undecodable is None and ".cold" not in f.name:     # a cold part: cold_part's
+        # Exits that cannot all be named leave only the return-address trampoline
+        # (planner/returns.py); where it is unsafe (the function reads its own return
+        # address, as libgcc's _Unwind_RaiseException does to unwind from its caller,
+        # or an exception may unwind through its frame), nothing can hook the returns.
+        ex = find_exits(image, analysis, arch, f)
+        if ex.refusal is not None and ex.refusal.check != "decode":
+            why = arch.retprobe.trampoline_refusal(image, analysis, f, ex.parts, ex.exits)
+            if why is not None:
+                return (f"its exits cannot all be hooked ({ex.refusal.detail}) and the return-address trampoline "
+                        f"is unsafe: {why.detail}"), "trampoline_unsafe", why.addr
     return None

@@ -272,6 +272,18 @@ def chain_stub(at: int, fn: int, then: int) -> bytes:
     return out + _far_b(at + len(out), then)
 
 
+def call_stub(at: int, fn: int) -> bytes:
+    """A fini function of our own for a shared object that had none: fn(), then ret."""
+    out = BTI_C + E.stp_pre(29, 30, 31, -16)
+    out += _e(E.b, at + len(out), fn, True)
+    return out + E.ldp_post(29, 30, 31, 16) + (0xD65F03C0).to_bytes(4, "little")      # ret
+
+
+def signal_syscall_stub(at: int, sc, hook: int) -> bytes:
+    """Unused: signal_syscalls() finds none on AArch64 yet."""
+    raise NotImplementedError("signal system call stubs on AArch64")
+
+
 def _far_b(at: int, target: int) -> bytes:
     """A tail branch from a start-up stub to the program's code: B when in reach,
     else adrp + add + br x16 (a linker's veneer: x16 is IP0, free between

@@ -6,11 +6,13 @@ from ..base import DcrInsn, Refusal, ThreadKey  # noqa: F401
 from . import emit, handler_abi, jumptable, kprobe_xol, optprobe, retprobe, toolchain, unwind  # noqa: F401
 from . import fetchregs as fetch_regs  # noqa: F401
 from .decode import decode_function  # noqa: F401
+from .sigcalls import signal_syscalls  # noqa: F401
 
 name = "x86_64"
 e_machine = 62                  # EM_X86_64
 r_relative = 8                  # R_X86_64_RELATIVE
 r_got_slot = (6, 7)             # R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT
+r_irelative = 37                # R_X86_64_IRELATIVE
 breakpoint = b"\xcc"            # int3
 breakpoint_name = "int3"        # what diff calls it
 JUMP_SIZE = 5                   # jmp rel32: what an optimized probe writes

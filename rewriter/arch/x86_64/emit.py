@@ -246,6 +246,34 @@ def chain_stub(at: int, fn: int, then: int) -> bytes:
     return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; jmp {then:#x}", at)
 
 
+def call_stub(at: int, fn: int) -> bytes:
+    """A fini function of our own for a shared object that had none: call fn, return."""
+    return asm(f"push rdi; push rsi; push rdx; call {fn:#x}; pop rdx; pop rsi; pop rdi; ret", at)
+
+
+def signal_syscall_stub(at: int, sc, hook: int) -> bytes:
+    """Where a base.SignalSyscall's jump goes: its instructions up to the system call
+    (the arguments set as the program sets them), then, instead of the system call,
+    hook(a0, a1, a2, a3, nr) (kp_signal_syscall) with every register but %rax (the
+    result) and the flags kept, over the red zone; then a jmp back after it.  With
+    sc.nr 0 (syscall(2)), the number is tested first: any other system call is made
+    right here (clone's child goes on from it as from the original)."""
+    insns, back = sc.insns, sc.end
+    out = b""
+    for insn in insns[:-1]:
+        out += relocate(insn, at + len(out))
+    if not sc.nr:
+        # cmp eax,13; je H; cmp eax,14; je H; syscall; jmp back; H:
+        out += b"\x83\xf8\x0d\x74\x0c\x83\xf8\x0e\x74\x07\x0f\x05"
+        out += b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back from the signal system call stub")
+    out += _asm_pi("lea rsp, [rsp-128]; pushfq; push rdi; push rsi; push rdx; push r10; push r8; push r9; "
+                   "push rcx; push r11; push rbp; mov rbp, rsp; and rsp, -16; mov rcx, r10; mov r8, rax")
+    out += b"\xe8" + _s32(hook - (at + len(out) + 5), "call of the signal system call hook")
+    out += _asm_pi("mov rsp, rbp; pop rbp; pop r11; pop rcx; pop r9; pop r8; pop r10; pop rdx; pop rsi; pop rdi; "
+                   "popfq; lea rsp, [rsp+128]")
+    return out + b"\xe9" + _s32(back - (at + len(out) + 5), "jmp back from the signal system call stub")
+
+
 # -- The clean-call optprobe template -------------------------------------------
 #
 # Layouts the template reads directly, from the runtime's C headers (offsets.py:

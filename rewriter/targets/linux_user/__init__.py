@@ -13,7 +13,7 @@ from ...emit.meta import META_SECTION
 from ...errors import KprewriteError
 from ...analysis.rules import NEVER_RETURNS, RETURNS_TWICE, SWITCHES, Rules
 from . import ftrace, sighook, unwind, writer
-from .startup import diff_expected, emit_stubs, reserve_stubs  # noqa: F401
+from .startup import check_supported, diff_expected, emit_stubs, reserve_stubs  # noqa: F401
 from .writer import plan_layout  # noqa: F401
 
 name = "linux_user"
@@ -40,10 +40,11 @@ def rules(image, arch) -> Rules:
     as KPROBE_FLAG_FTRACE does, the bytes after a site's first refused as in a
     kernel.  The output keeps the sites' tables unchanged (write() does not touch
     them): nothing patches them at run time in a user process."""
+    check_supported(image)          # the dynamic loader: refused by check as by instrument
     sites = ftrace.sites(image, arch)
     return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, arch, sites)), ftrace=sites, shared_regions=True,
                  short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True,
-                 kretprobe_blacklist=KRETPROBE_BLACKLIST)
+                 kretprobe_blacklist=KRETPROBE_BLACKLIST, signal_syscalls=True)
 
 
 # kretprobe_blacklist for a process: the C library's (glibc's, and the names other C
@@ -119,7 +120,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
             raise KprewriteError(f"internal error: stub at {addr:#x} is {len(code)} bytes")
         rx[addr - layout.rx_vaddr:addr - layout.rx_vaddr + len(code)] = code
 
-    entry, file_patches = emit_stubs(image, arch, layout.stubs, blob.symbols, put)
+    entry, file_patches = emit_stubs(image, arch, layout.stubs, blob.symbols, put, plan)
     rx = bytes(rx + blob.text)
     sections = [
         writer.NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, rx),

@@ -7,9 +7,12 @@ pthread_sigmask, or a handler's sa_mask) would be killed by the next trap (the
 kernel forces a blocked synchronous signal to its default action).  So the
 runtime takes over the program's own GOT slots of those functions at start-up:
 sigaction/signal on SIGTRAP only record the program's handler, to which traps
-that are not ours are delivered; masks lose the SIGTRAP bit.  This covers calls
-made by the rewritten object itself through its GOT (PLT or -fno-plt), not
-calls from other libraries or static programs' internal calls.
+that are not ours are delivered; masks lose the SIGTRAP bit.  This table covers
+calls made by the rewritten object itself through its GOT (PLT or -fno-plt); the
+runtime also hooks the other loaded objects' slots at start-up and after dlopen()
+(kp_sighook.c), and on x86-64 a C library's own calls (a rewritten libc, a static
+program's) go through the runtime by their system calls (arch/x86_64/sigcalls.py,
+Rules.signal_syscalls).
 """
 from __future__ import annotations
 

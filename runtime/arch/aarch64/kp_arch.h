@@ -90,6 +90,23 @@ static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_afte
 	((kt)->entry_slot = (S), (kt)->entry_x30 = (regs) ? (regs)->regs[30] : 0)
 #define kp_arch_entry_slot_holds(kt, S, v) ((kt)->entry_slot == (S) && (kt)->entry_x30 == (v))
 
+/* Whether code address v is a kretprobe trampoline, ours or another rewritten
+ * object's runtime's: each starts with a `b` over the same 8 bytes
+ * (kretprobe_entry.S); see x86-64's kp_arch.h for the chain it serves. */
+static __attribute__((always_inline)) inline int kp_arch_is_a_trampoline(unsigned long v)
+{
+	const unsigned char *p = (const unsigned char *)v;
+	static const unsigned char sig[12] = { 0x03, 0x00, 0x00, 0x14, 'k', 'p', 'r', 'w', 'T', 'R', 'M', 'P' };
+	if (v < 4096 || (v & 3))
+		return 0;
+	for (int i = 0; i < 12; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
+/* The call being entered at S returns into another runtime's trampoline. */
+#define kp_arch_entry_slot_foreign(kt, S) ((kt)->entry_slot == (S) && kp_arch_is_a_trampoline((kt)->entry_x30))
+
 /* regs at a `ret` made as after it: pc the return address (x30), sp unchanged
  * (a return hook placed as a breakpoint).  x30 is as the hook finds it: at the
  * `ret` of `autiasp; ret` it is authenticated (plain); before the autiasp it

@@ -36,7 +36,11 @@
 	.hidden kp_kretprobe_trampoline
 	.type kp_kretprobe_trampoline, @function
 kp_kretprobe_trampoline:
-	sub	sp, sp, #PT_SIZE
+	/* The mark another rewritten object's runtime knows a trampoline by
+	 * (kp_arch_is_a_trampoline()). */
+	b	1f
+	.ascii	"kprwTRMP"
+1:	sub	sp, sp, #PT_SIZE
 	PT_REGS_SAVE
 	add	x0, sp, #PT_SIZE
 	str	x0, [sp, #PT_SP]

@@ -59,6 +59,23 @@ static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_afte
 /* Whether slot S of a frame that is not running now still returns to v. */
 #define kp_arch_ret_slot_holds(S, v) (*(unsigned long *)(S) == (v))
 
+/* Whether code address v is a kretprobe trampoline, ours or another rewritten
+ * object's runtime's (a tail call through a pointer chained across two rewritten
+ * libraries: libstdc++'s __cxa_end_catch to libgcc's _Unwind_DeleteException to
+ * libstdc++'s exception cleanup): every trampoline starts with a `jmp` over the
+ * same 8 bytes (kretprobe_entry.S).  Compared a byte at a time: v is a return
+ * address, code that runs next. */
+static __attribute__((always_inline)) inline int kp_arch_is_a_trampoline(unsigned long v)
+{
+	const unsigned char *p = (const unsigned char *)v;
+	static const unsigned char sig[10] = { 0xeb, 0x08, 'k', 'p', 'r', 'w', 'T', 'R', 'M', 'P' };
+	for (int i = 0; i < 10; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
+#define kp_arch_entry_slot_foreign(kt, S) kp_arch_is_a_trampoline(*(unsigned long *)(S))
+
 /* regs at a `ret` (sp at the slot) made as after it: ip the return address,
  * sp past the slot (a return hook placed as a breakpoint). */
 static __attribute__((always_inline)) inline void kp_arch_regs_returned(struct pt_regs *regs, unsigned long sp)

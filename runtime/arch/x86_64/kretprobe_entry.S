@@ -139,7 +139,11 @@
 	.type kp_kretprobe_trampoline, @function
 	nop					/* unwinders look up (return address - 1) */
 kp_kretprobe_trampoline:
-	push	$0
+	/* The mark another rewritten object's runtime knows a trampoline by
+	 * (kp_arch_slot_holds_a_trampoline()). */
+	jmp	1f
+	.ascii	"kprwTRMP"
+1:	push	$0
 	lea	-PT_SIZE-KP_KRET_GAP(%rsp), %rsp
 	PT_REGS_SAVE
 	movq	$0, PT_IP(%rsp)

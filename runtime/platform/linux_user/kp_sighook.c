@@ -11,12 +11,15 @@
  *    kernel reset it to SIG_DFL and kill the process.
  * The functions themselves are the program's own (libc's), called through the
  * address the slot held; with lazy binding the dynamic linker overwrites the
- * slot on that first call, so the hook re-arms itself afterwards.
+ * slot on that first call, so the hook re-arms itself afterwards.  The other
+ * loaded objects' slots get the same hooks (kp_sighook_install_others()); on
+ * x86-64 the C library's own system calls go through kp_signal_syscall()
+ * (kp_signal.c).
  */
 #include "kp_signal.h"
 
 
-enum { KP_HOOK_SIGACTION = 1, KP_HOOK_SIGNAL, KP_HOOK_SIGPROCMASK, KP_HOOK_PTHREAD_SIGMASK, KP_HOOK_MAX };
+enum { KP_HOOK_SIGACTION = 1, KP_HOOK_SIGNAL, KP_HOOK_SIGPROCMASK, KP_HOOK_PTHREAD_SIGMASK, KP_HOOK_DLOPEN, KP_HOOK_MAX };
 
 /* The C library's struct sigaction: the arch's (kp_arch_platform.h). */
 
@@ -27,13 +30,81 @@ static void *kp_hook_signal(int sig, void *handler);
 static int kp_hook_sigprocmask(int how, const unsigned long *set, unsigned long *old);
 static int kp_hook_pthread_sigmask(int how, const unsigned long *set, unsigned long *old);
 
+/*
+ * On x86-64 a slot points at an entry that starts with a `jmp` over 8 bytes
+ * every kprewrite runtime's hooks have: a runtime that finds another's hook in a
+ * slot of an object neither rewrote leaves it (kp_sighook_install_others()).
+ */
+#ifdef __x86_64__
+#define KP_HOOK_ENTRY(name) \
+	__asm__(".text\n\t.p2align 4\n\t.hidden " #name "_entry\n\t.type " #name "_entry, @function\n" \
+		#name "_entry:\n\tjmp 1f\n\t.ascii \"kprwHOOK\"\n1:\tjmp " #name "\n\t.size " #name "_entry, .-" #name "_entry\n"); \
+	void name##_entry(void);
+__attribute__((used)) static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struct kp_libc_sigaction *oact);
+__attribute__((used)) static void *kp_hook_signal(int sig, void *handler);
+__attribute__((used)) static int kp_hook_sigprocmask(int how, const unsigned long *set, unsigned long *old);
+__attribute__((used)) static int kp_hook_pthread_sigmask(int how, const unsigned long *set, unsigned long *old);
+KP_HOOK_ENTRY(kp_hook_sigaction)
+KP_HOOK_ENTRY(kp_hook_signal)
+KP_HOOK_ENTRY(kp_hook_sigprocmask)
+KP_HOOK_ENTRY(kp_hook_pthread_sigmask)
+__attribute__((used)) static void *kp_hook_dlopen(const char *file, int mode);
+KP_HOOK_ENTRY(kp_hook_dlopen)
+#define KP_ENTRY(name) ((void *)name##_entry)
+
+static int kp_is_a_hook(unsigned long v)
+{
+	const unsigned char *p = (const unsigned char *)v;
+	static const unsigned char sig[10] = { 0xeb, 0x08, 'k', 'p', 'r', 'w', 'H', 'O', 'O', 'K' };
+	for (int i = 0; i < 10; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
+#elif defined(__aarch64__)
+/* bti c first: a PLT stub enters a hook by `br x17` (BTI pages). */
+#define KP_HOOK_ENTRY(name) \
+	__asm__(".text\n\t.p2align 4\n\t.hidden " #name "_entry\n\t.type " #name "_entry, @function\n" \
+		#name "_entry:\n\thint 34\n\tb 1f\n\t.ascii \"kprwHOOK\"\n1:\tb " #name "\n\t.size " #name "_entry, .-" #name "_entry\n"); \
+	void name##_entry(void);
+__attribute__((used)) static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struct kp_libc_sigaction *oact);
+__attribute__((used)) static void *kp_hook_signal(int sig, void *handler);
+__attribute__((used)) static int kp_hook_sigprocmask(int how, const unsigned long *set, unsigned long *old);
+__attribute__((used)) static int kp_hook_pthread_sigmask(int how, const unsigned long *set, unsigned long *old);
+KP_HOOK_ENTRY(kp_hook_sigaction)
+KP_HOOK_ENTRY(kp_hook_signal)
+KP_HOOK_ENTRY(kp_hook_sigprocmask)
+KP_HOOK_ENTRY(kp_hook_pthread_sigmask)
+__attribute__((used)) static void *kp_hook_dlopen(const char *file, int mode);
+KP_HOOK_ENTRY(kp_hook_dlopen)
+#define KP_ENTRY(name) ((void *)name##_entry)
+
+static int kp_is_a_hook(unsigned long v)
+{
+	const unsigned char *p = (const unsigned char *)v;
+	static const unsigned char sig[16] = { 0x5f, 0x24, 0x03, 0xd5, 0x03, 0x00, 0x00, 0x14,
+					       'k', 'p', 'r', 'w', 'H', 'O', 'O', 'K' };
+	if (v & 3)
+		return 0;
+	for (int i = 0; i < 16; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
+#else
+#define KP_ENTRY(name) ((void *)name)
+#endif
+
 static void *kp_hook_fn(unsigned long kind)
 {
 	switch (kind) {
-	case KP_HOOK_SIGACTION: return (void *)kp_hook_sigaction;
-	case KP_HOOK_SIGNAL: return (void *)kp_hook_signal;
-	case KP_HOOK_SIGPROCMASK: return (void *)kp_hook_sigprocmask;
-	default: return (void *)kp_hook_pthread_sigmask;
+	case KP_HOOK_SIGACTION: return KP_ENTRY(kp_hook_sigaction);
+	case KP_HOOK_SIGNAL: return KP_ENTRY(kp_hook_signal);
+	case KP_HOOK_SIGPROCMASK: return KP_ENTRY(kp_hook_sigprocmask);
+#if defined(__x86_64__) || defined(__aarch64__)
+	case KP_HOOK_DLOPEN: return KP_ENTRY(kp_hook_dlopen);
+#endif
+	default: return KP_ENTRY(kp_hook_pthread_sigmask);
 	}
 }
 
@@ -76,6 +147,30 @@ static void kp_resolve_lazy(unsigned long kind, unsigned long *slot)
 	}
 }
 
+static void kp_sighook_install_others(void);
+
+/* A query through the slot, whatever it holds (its PLT stub, or the function):
+ * resolved by the dynamic linker if lazy. */
+__attribute__((unused)) static void kp_resolve_any(unsigned long kind, unsigned long *slot)
+{
+	unsigned long old[16], v = *slot;
+	struct kp_libc_sigaction sa;
+	switch (kind) {
+	case KP_HOOK_SIGACTION:
+		kp_arch_call_lazy_slot(v, slot, KP_SIGTRAP, 0, (long)&sa);
+		break;
+	case KP_HOOK_SIGNAL:
+		kp_arch_call_lazy_slot(v, slot, 9, (long)KP_SIG_DFL, 0);
+		break;
+	case KP_HOOK_DLOPEN:		/* the program itself, RTLD_LAZY|RTLD_NOLOAD: loads nothing */
+		kp_arch_call_lazy_slot(v, slot, 0, 5, 0);
+		break;
+	default:
+		kp_arch_call_lazy_slot(v, slot, 0, 0, (long)old);
+		break;
+	}
+}
+
 void kp_sighook_install(void)
 {
 	unsigned long bias = kp_rt.bias;
@@ -87,7 +182,232 @@ void kp_sighook_install(void)
 			kp_real[h->kind] = (void *)*slot;
 		kp_set_slot(slot, kp_hook_fn(h->kind), h->got >= kp_relro_start && h->got < kp_relro_end);
 	}
+	kp_sighook_install_others();
 }
+
+#if defined(__x86_64__) || defined(__aarch64__)
+#ifdef __x86_64__
+#define KP_R_GLOB_DAT 6
+#define KP_R_JUMP_SLOT 7
+#else
+#define KP_R_GLOB_DAT 1025
+#define KP_R_JUMP_SLOT 1026
+#endif
+/*
+ * The same hooks in the GOT of every other object loaded with the program (the
+ * executable, when only a library is rewritten, and the other libraries), so
+ * that their sigaction(SIGTRAP) & co. do not replace the handler our breakpoint
+ * probes need: found in the dynamic loader's list of loaded objects (struct
+ * r_debug, which it points the executable's DT_DEBUG at), their relocations
+ * read from their dynamic sections; again after each dlopen() made through a
+ * hooked slot, for the objects it brought in.  A slot is resolved first by a
+ * call with no effect through it (lazy binding), and one that holds another
+ * runtime's hook already is left to it.  What still replaces the handler (a raw
+ * system call, a dlopen() through an object not hooked) kp_trap_check() reports
+ * at exit.
+ */
+#define KP_AT_PHDR 3
+#define KP_AT_PHNUM 5
+#define KP_PT_DYNAMIC 2
+#define KP_PT_PHDR 6
+#define KP_PT_GNU_RELRO 0x6474e552
+#define KP_DT_DEBUG 21
+
+struct kp_phdr { unsigned int type, flags; unsigned long offset, vaddr, paddr, filesz, memsz, align; };
+struct kp_dyn { long tag; unsigned long val; };
+struct kp_sym { unsigned int name; unsigned char info, other; unsigned short shndx; unsigned long value, size; };
+struct kp_rela { unsigned long offset, info; long addend; };
+struct kp_link_map { unsigned long l_addr; char *l_name; struct kp_dyn *l_ld; struct kp_link_map *l_next, *l_prev; };
+struct kp_r_debug { int r_version; struct kp_link_map *r_map; };
+
+static unsigned long kp_auxv_value(unsigned long type)
+{
+	unsigned long auxv[128];
+	long n = kp_syscall6(__NR_prctl, 0x41555856 /* PR_GET_AUXV */, (long)auxv, sizeof(auxv), 0, 0, 0);
+	if (n <= 0) {
+		long fd = kp_sys_open("/proc/self/auxv", 02000000, 0), r;
+		n = 0;
+		if (fd < 0)
+			return 0;
+		while (n < (long)sizeof(auxv) && ((r = kp_syscall3(__NR_read, fd, (char *)auxv + n, sizeof(auxv) - n)) > 0 || r == -4))
+			if (r > 0)
+				n += r;
+		kp_syscall3(__NR_close, fd, 0, 0);
+	}
+	if (n > (long)sizeof(auxv))		/* PR_GET_AUXV: the whole vector's size */
+		n = sizeof(auxv);
+	for (long i = 0; i + 1 < n / 8 && auxv[i]; i += 2)
+		if (auxv[i] == type)
+			return auxv[i + 1];
+	return 0;
+}
+
+static int kp_hook_kind(const char *name)
+{
+	static const struct { const char *name; int kind; } names[] = {
+		{ "sigaction", KP_HOOK_SIGACTION }, { "__sigaction", KP_HOOK_SIGACTION },
+		{ "signal", KP_HOOK_SIGNAL }, { "sysv_signal", KP_HOOK_SIGNAL }, { "__sysv_signal", KP_HOOK_SIGNAL },
+		{ "bsd_signal", KP_HOOK_SIGNAL }, { "sigprocmask", KP_HOOK_SIGPROCMASK },
+		{ "pthread_sigmask", KP_HOOK_PTHREAD_SIGMASK }, { "dlopen", KP_HOOK_DLOPEN },
+	};
+	for (unsigned int i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+		if (!strcmp(name, names[i].name))
+			return names[i].kind;
+	return 0;
+}
+
+/* The RELRO range of the object whose program headers are at ph (n of them), load bias b. */
+static void kp_relro_of(const struct kp_phdr *ph, unsigned long n, unsigned long b, unsigned long *lo, unsigned long *hi)
+{
+	*lo = *hi = 0;
+	for (unsigned long i = 0; ph && i < n; i++)
+		if (ph[i].type == KP_PT_GNU_RELRO) {
+			*lo = b + ph[i].vaddr;
+			*hi = *lo + ph[i].memsz;
+		}
+}
+
+static int kp_real_lazy;	/* kp_real[KP_HOOK_DLOPEN] is a PLT stub still */
+
+static void kp_hook_object(struct kp_link_map *l, const struct kp_phdr *ph, unsigned long phnum)
+{
+	unsigned long b = l->l_addr, symtab = 0, strtab = 0, tabs[2][2] = { { 0, 0 }, { 0, 0 } };
+	for (struct kp_dyn *d = l->l_ld; d && d->tag; d++) {
+		unsigned long v = d->val;
+		if (b && v < b)		/* a read-only dynamic section (the vDSO's) is not relocated */
+			v += b;
+		switch (d->tag) {
+		case 6: symtab = v; break;		/* DT_SYMTAB */
+		case 5: strtab = v; break;		/* DT_STRTAB */
+		case 23: tabs[0][0] = v; break;		/* DT_JMPREL */
+		case 2: tabs[0][1] = d->val; break;	/* DT_PLTRELSZ */
+		case 7: tabs[1][0] = v; break;		/* DT_RELA */
+		case 8: tabs[1][1] = d->val; break;	/* DT_RELASZ */
+		}
+	}
+	if (!symtab || !strtab)
+		return;
+	if (!ph) {		/* a library: its ELF header is at its load bias */
+		const unsigned char *e = (const unsigned char *)b;
+		if (b && e[0] == 0x7f && e[1] == 'E' && e[2] == 'L' && e[3] == 'F') {
+			ph = (const struct kp_phdr *)(b + *(const unsigned long *)(e + 32));
+			phnum = *(const unsigned short *)(e + 56);
+		}
+	}
+	if (!ph)		/* its RELRO unknown: a slot there could not be written */
+		return;
+	unsigned long rlo, rhi, lo = ~0UL, hi = 0;
+	kp_relro_of(ph, phnum, b, &rlo, &rhi);
+	for (unsigned long i = 0; ph && i < phnum; i++)
+		if (ph[i].type == 1 /* PT_LOAD */) {
+			lo = b + ph[i].vaddr < lo ? b + ph[i].vaddr : lo;
+			hi = b + ph[i].vaddr + ph[i].memsz > hi ? b + ph[i].vaddr + ph[i].memsz : hi;
+		}
+	for (int t = 0; t < 2; t++) {
+		const struct kp_rela *r = (const struct kp_rela *)tabs[t][0];
+		for (unsigned long i = 0; r && i < tabs[t][1] / sizeof(*r); i++) {
+			unsigned int type = (unsigned int)r[i].info, si = (unsigned int)(r[i].info >> 32);
+			if ((type != KP_R_GLOB_DAT && type != KP_R_JUMP_SLOT) || !si)
+				continue;
+			const struct kp_sym *sym = (const struct kp_sym *)symtab + si;
+			int kind = sym->shndx ? 0 : kp_hook_kind((const char *)strtab + sym->name);
+			if (!kind)
+				continue;
+			unsigned long *slot = (unsigned long *)(b + r[i].offset);
+			if (!*slot || kp_is_a_hook(*slot))
+				continue;
+			/* Still the object's own PLT stub (lazy binding): resolved by a call
+			 * with no effect (counted by probes on it in a rewritten libc); on
+			 * x86-64 not dlopen(), whose query would run much of the dynamic
+			 * loader. */
+			if (lo <= *slot && *slot < hi) {
+				if (kind == KP_HOOK_DLOPEN) {
+					/* Called through the stub: the dynamic linker resolves it over
+					 * our hook, which the hook's scan after the call puts back
+					 * (x86-64: AArch64's lazy slots all hold PLT0, which needs
+					 * the slot's address in x16). */
+#ifdef __aarch64__
+					kp_resolve_any(kind, slot);	/* dlopen(NULL, RTLD_LAZY|RTLD_NOLOAD) */
+#else
+					if (!kp_real[kind])
+						kp_real[kind] = (void *)*slot, kp_real_lazy = 1;
+					kp_set_slot(slot, kp_hook_fn(kind), (unsigned long)slot >= rlo && (unsigned long)slot < rhi);
+					continue;
+#endif
+				} else {
+					kp_resolve_any(kind, slot);
+				}
+			}
+			if (kind == KP_HOOK_DLOPEN && kp_real_lazy)
+				kp_real[kind] = 0, kp_real_lazy = 0;
+			if (!kp_real[kind])
+				kp_real[kind] = (void *)*slot;
+			kp_set_slot(slot, kp_hook_fn(kind), (unsigned long)slot >= rlo && (unsigned long)slot < rhi);
+		}
+	}
+}
+
+/* dlopen(): the objects it loaded get the hooks too. */
+static void *kp_hook_dlopen(const char *file, int mode)
+{
+	void *r = ((void *(*)(const char *, int))kp_real[KP_HOOK_DLOPEN])(file, mode);
+	if (r)
+		kp_sighook_install_others();
+	return r;
+}
+
+static void kp_sighook_install_others(void)
+{
+	const struct kp_phdr *ph = (const struct kp_phdr *)kp_auxv_value(KP_AT_PHDR);
+	unsigned long phnum = kp_auxv_value(KP_AT_PHNUM), bias = 0, dyn = 0;
+	int phdr = 0, interp = 0;
+	for (unsigned long i = 0; ph && i < phnum; i++)
+		if (ph[i].type == KP_PT_PHDR) {
+			bias = (unsigned long)ph - ph[i].vaddr;
+			phdr = 1;
+		} else if (ph[i].type == 3 /* PT_INTERP */) {
+			interp = 1;
+		}
+	/* No dynamic loader (a static program, static-PIE too): no other object; no
+	 * PT_PHDR: the program's load bias, so its dynamic section, unknown. */
+	if (!phdr || !interp)
+		return;
+	for (unsigned long i = 0; ph && i < phnum; i++)
+		if (ph[i].type == KP_PT_DYNAMIC)
+			dyn = bias + ph[i].vaddr;
+	struct kp_r_debug *r = 0;
+	for (struct kp_dyn *d = (struct kp_dyn *)dyn; d && d->tag; d++)
+		if (d->tag == KP_DT_DEBUG)
+			r = (struct kp_r_debug *)d->val;
+	/* The objects hooked already, by load bias and dynamic section: a scan after
+	 * dlopen() reads only the new ones (CPython loads dozens of modules). */
+	static struct { unsigned long addr; void *ld; } seen[256];
+	static unsigned int nseen;
+	static int busy;	/* two threads' dlopen() */
+	while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE))
+		kp_syscall3(__NR_sched_yield, 0, 0, 0);	/* a dlopen() in another thread */
+	for (struct kp_link_map *l = r ? r->r_map : 0; l; l = l->l_next) {
+		if (l->l_addr == kp_rt.bias)	/* our own object: its slots are hooked above */
+			continue;
+		unsigned int i = 0;
+		while (i < nseen && (seen[i].addr != l->l_addr || seen[i].ld != l->l_ld))
+			i++;
+		if (i < nseen)
+			continue;
+		kp_hook_object(l, l == r->r_map ? ph : 0, l == r->r_map ? phnum : 0);
+		if (nseen < sizeof(seen) / sizeof(seen[0])) {
+			seen[nseen].addr = l->l_addr;
+			seen[nseen].ld = l->l_ld;
+			nseen++;
+		}
+	}
+	__atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+}
+#else
+static void kp_sighook_install_others(void)
+{
+}
+#endif
 
 /* After a call through the real function: lazy binding may have replaced our
  * hook with the resolved address; keep that as the real one, and re-arm. */
@@ -110,7 +430,7 @@ static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struc
 {
 	if (sig == KP_SIGTRAP) {
 		struct kp_ksigaction prev = kp_trap_chain;
-		if (act) {
+		if (act && kp_trap_record_here()) {
 			kp_trap_chain.handler = act->handler;
 			kp_trap_chain.mask = act->mask[0];
 			kp_trap_chain.flags = (unsigned int)act->flags;
@@ -141,9 +461,11 @@ static void *kp_hook_signal(int sig, void *handler)
 {
 	if (sig == KP_SIGTRAP) {
 		void *old = kp_trap_chain.handler;
-		kp_trap_chain.handler = handler;
-		kp_trap_chain.mask = 0;
-		kp_trap_chain.flags = KP_SA_RESTART;	/* glibc's signal(): BSD semantics */
+		if (kp_trap_record_here()) {	/* not in a vfork() child (kp_signal.c) */
+			kp_trap_chain.handler = handler;
+			kp_trap_chain.mask = 0;
+			kp_trap_chain.flags = KP_SA_RESTART;	/* glibc's signal(): BSD semantics */
+		}
 		return old;
 	}
 	void *r = ((void *(*)(int, void *))kp_real[KP_HOOK_SIGNAL])(sig, handler);

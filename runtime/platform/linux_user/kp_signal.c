@@ -22,25 +22,108 @@
 #include "kp_signal.h"
 
 
-static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
+__attribute__((visibility("hidden"), used)) void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc);
+
+/*
+ * The handler's address as installed: an entry that starts with a `jmp` (on
+ * AArch64 `bti c; b`) over 8 bytes every kprewrite runtime's has
+ * (kp_trap_is_a_runtime()), so
+ * that a runtime that finds another's handler installed over its own at exit
+ * knows it was chained (two rewritten libraries), not replaced by the program.
+ */
+#ifdef __x86_64__
+__asm__(".text\n\t.p2align 4\n\t.hidden kp_sigtrap_entry\n\t.type kp_sigtrap_entry, @function\n"
+	"kp_sigtrap_entry:\n\tjmp 1f\n\t.ascii \"kprwSIGT\"\n1:\tjmp kp_sigtrap\n\t.size kp_sigtrap_entry, .-kp_sigtrap_entry\n");
+void kp_sigtrap_entry(int sig, struct kp_siginfo *info, void *uc);
+#define KP_SIGTRAP_ENTRY kp_sigtrap_entry
+
+static int kp_trap_is_a_runtime(void *h)
+{
+	const unsigned char *p = h;
+	static const unsigned char sig[10] = { 0xeb, 0x08, 'k', 'p', 'r', 'w', 'S', 'I', 'G', 'T' };
+	if ((unsigned long)h < 4096)		/* SIG_DFL, SIG_IGN */
+		return 0;
+	for (int i = 0; i < 10; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
+#elif defined(__aarch64__)
+/* bti c first: the kernel enters a handler as an indirect branch (BTI pages). */
+__asm__(".text\n\t.p2align 4\n\t.hidden kp_sigtrap_entry\n\t.type kp_sigtrap_entry, @function\n"
+	"kp_sigtrap_entry:\n\thint 34\n\tb 1f\n\t.ascii \"kprwSIGT\"\n1:\tb kp_sigtrap\n\t.size kp_sigtrap_entry, .-kp_sigtrap_entry\n");
+void kp_sigtrap_entry(int sig, struct kp_siginfo *info, void *uc);
+#define KP_SIGTRAP_ENTRY kp_sigtrap_entry
+
+static int kp_trap_is_a_runtime(void *h)
+{
+	const unsigned char *p = h;
+	static const unsigned char sig[16] = { 0x5f, 0x24, 0x03, 0xd5, 0x03, 0x00, 0x00, 0x14,
+					       'k', 'p', 'r', 'w', 'S', 'I', 'G', 'T' };
+	if ((unsigned long)h < 4096 || ((unsigned long)h & 3))
+		return 0;
+	for (int i = 0; i < 16; i++)
+		if (p[i] != sig[i])
+			return 0;
+	return 1;
+}
+#else
+#define KP_SIGTRAP_ENTRY kp_sigtrap
+#define kp_trap_is_a_runtime(h) ((h) == (void *)kp_sigtrap)
+#endif
 
 struct kp_ksigaction kp_trap_chain;
+static int kp_trap_installed;	/* the handler is ours: a sigaction(SIGTRAP) is recorded, not made */
+static long kp_trap_pid;	/* the process whose kp_trap_chain this memory holds */
 
+/*
+ * Whether a sigaction(SIGTRAP) made now is to be recorded in kp_trap_chain:
+ * not in a child that shares its parent's memory (vfork(), posix_spawn()'s
+ * and CPython's children resetting every handler before exec), whose record
+ * would change the parent's chain.  There it is answered from the chain and
+ * dropped: made, it would take our handler from the child, whose breakpoint
+ * probes still fire until exec (which resets every handler anyway).  A forked
+ * child has memory of its own: it records, and takes the chain as its own.
+ */
+int kp_trap_record_here(void)
+{
+	long pid = kp_syscall3(__NR_getpid, 0, 0, 0);
+	if (pid == __atomic_load_n(&kp_trap_pid, __ATOMIC_RELAXED))
+		return 1;
+	long ppid = kp_syscall3(__NR_getppid, 0, 0, 0);
+	if (kp_syscall6(__NR_kcmp, pid, ppid, 1 /* KCMP_VM */, 0, 0, 0) == 0)
+		return 0;
+	__atomic_store_n(&kp_trap_pid, pid, __ATOMIC_RELAXED);
+	return 1;
+}
+
+/* The SIGTRAP handler alone: what an early start-up can do (kp_user_lib_early()). */
+void kp_trap_handler_install(void)
+{
+	static int done;
+	if (!kp_nint3 || __atomic_exchange_n(&done, 1, __ATOMIC_ACQ_REL))
+		return;
+	struct kp_ksigaction sa = {
+		.handler = (void *)KP_SIGTRAP_ENTRY,
+		.flags = KP_SA_SIGINFO | KP_SA_RESTORER | KP_SA_NODEFER | KP_SA_RESTART,
+		.restorer = kp_arch_sigreturn,
+		.mask = ~(KP_SIGBIT(KP_SIGTRAP) | KP_SIGBIT(11) | KP_SIGBIT(7) | KP_SIGBIT(4) | KP_SIGBIT(8)),
+	};
+	kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
+	if (kp_trap_chain.handler == (void *)KP_SIGTRAP_ENTRY)	/* never chain to ourselves */
+		kp_trap_chain.handler = 0;
+	kp_trap_pid = kp_syscall3(__NR_getpid, 0, 0, 0);
+	__atomic_store_n(&kp_trap_installed, 1, __ATOMIC_RELEASE);
+}
+
+/* The handler, then the GOT hooks that keep it (kp_sighook.c). */
 void kp_trap_install(void)
 {
 	static int done;
 	if (!kp_nint3 || done)
 		return;
 	done = 1;
-	struct kp_ksigaction sa = {
-		.handler = (void *)kp_sigtrap,
-		.flags = KP_SA_SIGINFO | KP_SA_RESTORER | KP_SA_NODEFER | KP_SA_RESTART,
-		.restorer = kp_arch_sigreturn,
-		.mask = ~(KP_SIGBIT(KP_SIGTRAP) | KP_SIGBIT(11) | KP_SIGBIT(7) | KP_SIGBIT(4) | KP_SIGBIT(8)),
-	};
-	kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, (long)&sa, (long)&kp_trap_chain, 8, 0, 0);
-	if (kp_trap_chain.handler == (void *)kp_sigtrap)	/* never chain to ourselves */
-		kp_trap_chain.handler = 0;
+	kp_trap_handler_install();
 	kp_sighook_install();
 }
 
@@ -61,6 +144,12 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 		kp_syscall3(__NR_tgkill, kp_syscall3(__NR_getpid, 0, 0, 0), kp_syscall3(__NR_gettid, 0, 0, 0), KP_SIGTRAP);
 		return;
 	}
+	/* Another rewritten object's runtime (installed before us): its handler
+	 * keeps the mask as ours does, no system call needed around it. */
+	if (kp_trap_is_a_runtime(h)) {
+		((void (*)(int, struct kp_siginfo *, void *))h)(sig, info, uc);
+		return;
+	}
 	/* The program's handler, under its sa_mask (SIGTRAP itself stays
 	 * deliverable, see above); SA_RESETHAND is honoured. */
 	unsigned long *ucmask = (unsigned long *)((char *)uc + KP_UC_SIGMASK);
@@ -76,7 +165,7 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 	kp_syscall6(__NR_rt_sigprocmask, 2, (long)&old, 0, 8, 0, 0);
 }
 
-static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
+void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
 {
 	kp_arch_signal_entry();
 	/* si_code > 0: raised by the CPU (SI_KERNEL for int3, TRAP_TRACE or,
@@ -84,4 +173,70 @@ static void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
 	if (info->si_code > 0 && kp_arch_int3_trap(uc))
 		return;
 	kp_trap_forward(sig, info, uc);
+}
+
+/*
+ * The rewritten image's own rt_sigprocmask and rt_sigaction system calls, sent
+ * here by the stubs its `syscall` instructions jump to (the rewriter's
+ * Rules.signal_syscalls, where the image has breakpoint sites): what the GOT
+ * hooks (kp_sighook.c) do for calls through the GOT, for the calls a C library
+ * makes itself (glibc's pthread_create() and posix_spawn() block every signal
+ * with a raw system call; a rewritten libc.so.6 or a static program's libc
+ * implements sigaction() itself):
+ *  - a mask set loses the SIGTRAP bit (blocked, an int3 would kill the process);
+ *  - sigaction(SIGTRAP) only records the program's handler once ours is
+ *    installed (traps that are not ours go to it: kp_trap_forward()), and reports
+ *    the program's own view back; another signal's sa_mask loses SIGTRAP.
+ * Called with the system call's arguments and number; returns its result.
+ */
+long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr)
+{
+	unsigned long mask;
+	struct kp_ksigaction copy;
+	if (nr == __NR_rt_sigprocmask) {
+		const unsigned long *set = (const unsigned long *)a1;
+		if (set && a0 != 1 /* SIG_UNBLOCK */ && a3 == 8 && (set[0] & KP_SIGBIT(KP_SIGTRAP))) {
+			mask = set[0] & ~KP_SIGBIT(KP_SIGTRAP);
+			a1 = (long)&mask;
+		}
+	} else if (nr == __NR_rt_sigaction) {
+		const struct kp_ksigaction *act = (const struct kp_ksigaction *)a1;
+		if (a0 == KP_SIGTRAP && a3 == 8 && __atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE)) {
+			struct kp_ksigaction prev = kp_trap_chain;
+			if (act && kp_trap_record_here())
+				kp_trap_chain = *act;
+			if (a2)
+				*(struct kp_ksigaction *)a2 = prev;
+			return 0;
+		}
+		if (act && a3 == 8 && (act->mask & KP_SIGBIT(KP_SIGTRAP))) {
+			copy = *act;
+			copy.mask &= ~KP_SIGBIT(KP_SIGTRAP);
+			a1 = (long)&copy;
+		}
+	}
+	return kp_syscall6(nr, a0, a1, a2, a3, 0, 0);
+}
+
+/*
+ * At exit: whether the program replaced our SIGTRAP handler behind the runtime's
+ * back (a sigaction the hooks did not see: made in an object that is not
+ * rewritten and not hooked, a library dlopen()ed later, a raw system call).  Its
+ * handler then got the traps of our breakpoint probes, which did not fire, and
+ * the program may have run wrong.  Says so once on standard error; returns the
+ * line for the profile, or 0.
+ */
+const char *kp_trap_check(void)
+{
+	static const char line[] = "kprewrite: the program replaced the SIGTRAP handler of the breakpoint probes "
+				   "(a sigaction the runtime did not see): their traps went to its handler\n";
+	static int said;
+	if (!__atomic_load_n(&kp_trap_installed, __ATOMIC_ACQUIRE))
+		return 0;
+	struct kp_ksigaction cur;
+	if (kp_syscall6(__NR_rt_sigaction, KP_SIGTRAP, 0, (long)&cur, 8, 0, 0) != 0 || kp_trap_is_a_runtime(cur.handler))
+		return 0;
+	if (!__atomic_exchange_n(&said, 1, __ATOMIC_ACQ_REL))
+		kp_syscall3(__NR_write, 2, line, sizeof(line) - 1);
+	return line;
 }

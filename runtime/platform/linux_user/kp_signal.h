@@ -17,10 +17,17 @@ struct kp_siginfo { int si_signo, si_errno, si_code; };
 
 /* Install the SIGTRAP handler, only when there are breakpoint sites (kp_signal.c). */
 void kp_trap_install(void);
+void kp_trap_handler_install(void);
 /* The program's view of SIGTRAP: what was installed before us, later what it asked for. */
 extern struct kp_ksigaction kp_trap_chain;
 /* Point the program's sigaction & co. at our hooks (kp_sighook.c). */
 void kp_sighook_install(void);
+/* The image's own rt_sigprocmask/rt_sigaction system calls (kp_signal.c). */
+long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr);
+/* Whether a sigaction(SIGTRAP) is recorded here (not in a vfork() child: kp_signal.c). */
+int kp_trap_record_here(void);
+/* At exit: whether the program replaced our SIGTRAP handler (said on stderr; the profile's line, or 0). */
+const char *kp_trap_check(void);
 
 #pragma GCC visibility pop
 

@@ -136,18 +136,6 @@ void *kp_platform_alloc_wipeonfork(unsigned long size)
 	return p;
 }
 
-/* What the program's start-up would have passed on: the ELF ABI's rdx at entry
- * (a function to run at exit), or a shared object's first fini function. */
-static void (*kp_saved_fini)(void);
-
-static void kp_user_fini(void)
-{
-	kp_trace_flush();	/* the trace lines gathered (kp_trace.c) */
-	kp_write_profile();
-	if (kp_saved_fini)
-		kp_saved_fini();
-}
-
 /*
  * Set-user-ID safety, glibc's __libc_enable_secure: a program the kernel marked
  * AT_SECURE in its auxiliary vector (set-user-ID, set-group-ID, file
@@ -208,6 +196,90 @@ static int kp_secure_stack(char **envp)
 	return s >= 0 ? s : kp_secure_slow();
 }
 
+/* The environment the process started with, for a start-up that has no pointer to
+ * it (kp_user_lib_early(): the dynamic loader is still relocating the object, and
+ * the C library's environ is not set yet): /proc/self/environ, the kernel's copy of
+ * the initial stack's strings, read into an array of our own.  0 if unreadable
+ * (no /proc): the init function's envp configures the runtime then. */
+static char **kp_initial_environ(void)
+{
+	long fd = kp_sys_open("/proc/self/environ", 02000000 /* RDONLY|CLOEXEC */, 0);
+	if (fd < 0)
+		return 0;
+	unsigned long cap = 1 << 16, got = 0;
+	char *buf = kp_platform_alloc(cap);
+	while (buf) {
+		if (got + 1 >= cap) {
+			char *more = kp_platform_alloc(cap * 2);
+			if (more)
+				memcpy(more, buf, got);
+			kp_platform_unmap(buf, cap);
+			buf = more;
+			cap *= 2;
+			continue;
+		}
+		long r = kp_syscall3(__NR_read, fd, buf + got, cap - 1 - got);
+		if (r == -4)
+			continue;
+		if (r <= 0)
+			break;
+		got += r;
+	}
+	kp_platform_close((int)fd);
+	if (!buf)
+		return 0;
+	buf[got] = 0;
+	unsigned long n = 0;
+	for (unsigned long i = 0; i < got; i++)
+		n += !buf[i];
+	char **env = kp_platform_alloc((n + 2) * sizeof(char *));
+	if (!env)
+		return 0;
+	unsigned long k = 0;
+	for (unsigned long i = 0; i < got; i += strlen(buf + i) + 1)
+		env[k++] = buf + i;
+	env[k] = 0;
+	return env;
+}
+
+/*
+ * Start-up runs once, from whichever comes first: an executable's entry stub, a
+ * shared object's first IFUNC resolver (kp_user_lib_early), its init function.
+ * A library that can also run as a program (libc.so.6) has all three.
+ */
+static int kp_configured;
+
+static void kp_user_configure(char **envp)
+{
+	if (__atomic_exchange_n(&kp_configured, 1, __ATOMIC_ACQ_REL))
+		return;
+	kp_configure(envp);
+}
+
+/* The exit work, once: whichever of the executable's exit function, the shared
+ * object's fini function (or DT_FINI of ours) runs first writes the profile.  A
+ * forked child that exits writes its own (the flag is the parent's as forked). */
+static int kp_exited;
+static void (*kp_saved_fini)(void);
+
+static void kp_user_exit(void)
+{
+	if (__atomic_exchange_n(&kp_exited, 1, __ATOMIC_ACQ_REL))
+		return;
+	kp_trace_flush();	/* the trace lines gathered (kp_trace.c) */
+	kp_profile_note = kp_trap_check();
+	kp_write_profile();
+}
+
+/* What the program's start-up would have passed on: the ELF ABI's rdx at entry
+ * (a function to run at exit), run after ours. */
+static void kp_user_fini(void)
+{
+	kp_user_exit();
+	if (kp_saved_fini)
+		kp_saved_fini();
+}
+
 /*
  * Executables: called by the entry stub before the program's own entry point,
  * with the initial stack (argc, argv, envp) and rdx.  Returns the rdx to pass
@@ -218,13 +290,40 @@ void *kp_user_start(unsigned long *sp, void (*rtld_fini)(void))
 	kp_relocate();
 	long argc = (long)sp[0];
 	char **envp = (char **)(sp + 1 + argc + 1);
-	kp_configure(kp_secure_stack(envp) ? 0 : envp);	/* no environment: as built */
+	kp_user_configure(kp_secure_stack(envp) ? 0 : envp);	/* no environment: as built */
 	kp_platform_thread_key();
 	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler */
 	if (!kp_rt.profile_path && !kp_trace_buffered())
 		return rtld_fini;
 	kp_saved_fini = rtld_fini;
 	return kp_user_fini;
+}
+
+/*
+ * Shared objects, before any of their code runs: called by the stub each
+ * IRELATIVE relocation's resolver is chained through, while the dynamic loader
+ * relocates the object (C library or not: the loader's own state only), and
+ * before libc's __libc_early_init.  Raw system calls only: relocate, configure
+ * from the initial environment, and install the SIGTRAP handler, so that a
+ * breakpoint probe in a resolver or in the C library's own start-up traps into
+ * us.  The GOT hooks (kp_sighook.c) wait for the init function: they may call
+ * through the object's PLT, which is not relocated yet.
+ */
+void kp_user_lib_early(void)
+{
+	static int done;
+	if (__atomic_exchange_n(&done, 1, __ATOMIC_ACQ_REL))
+		return;
+	kp_relocate();
+	if (kp_secure_slow())
+		kp_user_configure(0);
+	else {
+		char **env = kp_initial_environ();
+		if (env)
+			kp_user_configure(env);
+	}
+	kp_platform_thread_key();
+	kp_trap_handler_install();
 }
 
 /* Shared objects: called from the first DT_INIT_ARRAY entry, which glibc
@@ -234,14 +333,15 @@ void kp_user_lib_init(int argc, char **argv, char **envp)
 	(void)argc;
 	(void)argv;
 	kp_relocate();
-	kp_configure(kp_secure_slow() ? 0 : envp);	/* no environment: as built */
+	if (!kp_configured)
+		kp_user_configure(kp_secure_slow() ? 0 : envp);	/* no environment: as built */
 	kp_platform_thread_key();
-	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler */
+	kp_trap_install();	/* breakpoint probes: the SIGTRAP handler, the GOT hooks */
 }
 
-/* Shared objects: called from the first DT_FINI_ARRAY entry. */
+/* Shared objects: called from the first DT_FINI_ARRAY entry, DT_FINI, or a
+ * DT_FINI of ours (a library that has neither: glibc's libc.so.6). */
 void kp_user_lib_fini(void)
 {
-	kp_trace_flush();
-	kp_write_profile();
+	kp_user_exit();
 }

@@ -20,6 +20,7 @@
 #define __NR_close 57
 #define __NR_pipe2 59
 #define __NR_read 63
+#define __NR_sched_yield 124
 #define __NR_write 64
 #define __NR_lseek 62
 #define __NR_pwrite64 68
@@ -33,6 +34,8 @@
 #define __NR_getresgid 150
 #define __NR_prctl 167
 #define __NR_getpid 172
+#define __NR_getppid 173
+#define __NR_kcmp 272
 #define __NR_gettid 178
 #define __NR_munmap 215
 #define __NR_mmap 222

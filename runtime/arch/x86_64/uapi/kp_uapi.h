@@ -22,8 +22,10 @@
 #define __NR_rt_sigprocmask 14
 #define __NR_rt_sigreturn 15
 #define __NR_pwrite64 18
+#define __NR_sched_yield 24
 #define __NR_madvise 28
 #define __NR_getpid 39
+#define __NR_getppid 110
 #define __NR_ftruncate 77
 #define __NR_getresuid 118
 #define __NR_getresgid 120
@@ -36,6 +38,7 @@
 #define __NR_fallocate 285
 #define __NR_pipe2 293
 #define __NR_getcpu 309
+#define __NR_kcmp 312
 #define __NR_process_vm_readv 310
 #define ARCH_GET_FS 0x1003
 
