@@ -185,6 +185,18 @@ void kp_sighook_install(void)
 	kp_sighook_install_others();
 }
 
+/* The SIGTRAP handler (kp_signal.c), then the GOT hooks that keep it: what the start-up
+ * calls when the image has breakpoint sites. */
+void kp_trap_install(void)
+{
+	static int done;
+	if (!kp_nint3 || done)
+		return;
+	done = 1;
+	kp_trap_handler_install();
+	kp_sighook_install();
+}
+
 #if defined(__x86_64__) || defined(__aarch64__)
 #ifdef __x86_64__
 #define KP_R_GLOB_DAT 6

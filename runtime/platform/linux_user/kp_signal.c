@@ -116,17 +116,6 @@ void kp_trap_handler_install(void)
 	__atomic_store_n(&kp_trap_installed, 1, __ATOMIC_RELEASE);
 }
 
-/* The handler, then the GOT hooks that keep it (kp_sighook.c). */
-void kp_trap_install(void)
-{
-	static int done;
-	if (!kp_nint3 || done)
-		return;
-	done = 1;
-	kp_trap_handler_install();
-	kp_sighook_install();
-}
-
 /* Deliver a SIGTRAP that is not ours as the kernel would have without us. */
 static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 {

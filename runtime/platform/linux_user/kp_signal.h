@@ -15,7 +15,8 @@ struct kp_siginfo { int si_signo, si_errno, si_code; };
 #define KP_SIG_IGN ((void *)1)
 /* KP_SA_* (sa_flags) are the arch's: kp_uapi.h. */
 
-/* Install the SIGTRAP handler, only when there are breakpoint sites (kp_signal.c). */
+/* Install the SIGTRAP handler, only when there are breakpoint sites (kp_signal.c); with
+ * the GOT hooks that keep it (kp_trap_install(), kp_sighook.c). */
 void kp_trap_install(void);
 void kp_trap_handler_install(void);
 /* The program's view of SIGTRAP: what was installed before us, later what it asked for. */
