@@ -25,7 +25,6 @@ import capstone.arm64_const
 
 from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal, unwinds_exceptions
 from . import emit as em
-from . import encode as E
 from . import insn as I
 from . import reach
 from ... import safety
