@@ -962,6 +962,7 @@ int main(int argc, char **argv) { int ok = 0; for (int i = 0; i < 3; i++) ok += 
 """
 
 
+@x86_only
 def test_unknown_exits_with_unsafe_trampoline_refused(tmp_path):
     """Exits that cannot all be named leave only the trampoline; a function that reads its
     own return address would see the trampoline there: its kretprobe is refused
