@@ -188,21 +188,3 @@ def test_system_map(tmp_path, arm64_kernel, image):
     assert a.stdout == b.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n__arm64_sys_getppid+0x8  k  optimized\n"
     assert kprewrite("blacklist", arm64_kernel.vmlinuz).stdout == \
         kprewrite("blacklist", arm64_kernel.vmlinuz, "--system-map", sm).stdout
-
-
-def test_entry_and_entry_plus_8_refused_alike(tmp_path, arm64_kernel):
-    """A probe on a function's entry takes the jump past the ftrace NOPs (entry + 8), so one
-    more probe at entry + 8 cannot be written: `check` and `instrument` refuse the pair with
-    the same line (the target's refusals()), and nothing is written."""
-    spec = tmp_path / "probes.toml"
-    spec.write_text('[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\n'
-                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 8\n')
-    out = tmp_path / "Image"
-    c = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, check=False)
-    i = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
-    for r in (c, i):
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode != 0 and len(lines) == 1, r.stderr
-        assert "a probe on __arm64_sys_getppid's entry and one at 0x" in lines[0]
-        assert "both would take the jump after the ftrace NOPs" in lines[0]
-    assert c.stderr == i.stderr and not out.exists()

@@ -79,19 +79,3 @@ def runtime_probes(spec) -> None:
 def build(s, objs, workdir, progress):
     from .build import build as _build
     return _build(s, objs, workdir)
-
-
-def refusals(image, plan, traces, spec_name: str) -> list[str]:
-    """targets.base.Target.refusals(), asked by `check` and `instrument` alike: a probe on a
-    function's entry takes the jump past the ftrace NOPs (build.py), so another probe at that
-    instruction (entry + 8) cannot have a jump of its own."""
-    from ....planner import FTRACE
-    at = {s.addr: s for s in plan.sites}
-    out = []
-    for site in plan.sites:
-        other = at.get(site.addr + 8) if site.decision == FTRACE else None
-        if other is not None:
-            func = site.probes[0].func.name
-            out.append(f"{spec_name}: a probe on {func}'s entry and one at {site.addr + 8:#x} ({func}+0x8): "
-                       "both would take the jump after the ftrace NOPs")
-    return out
