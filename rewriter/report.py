@@ -8,7 +8,7 @@ import json
 from .arch.base import BOOST, EMULATE, SINGLESTEP
 from .emit.meta import META_SECTION
 from .errors import KprewriteError, file_error
-from .planner import FTRACE, HOOK_PENDING, INT3, OPTIMIZED, TRAMPOLINE, Plan
+from .planner import FTRACE, HOOK_PENDING, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Plan
 
 
 
@@ -44,7 +44,7 @@ def _probe_record(p, kind: str, decision: str) -> dict:
 def _site_record(p, kind: str, site) -> dict:
     """A placed probe's record: its site's decision, and for a breakpoint why and how it runs."""
     r = _probe_record(p, kind, site.decision)
-    if site.decision == INT3:
+    if site.decision == BREAKPOINT:
         r["reason"], r["int3"] = refusal(site.reason, site.addr), site.xol.mode
     return r
 
@@ -128,7 +128,7 @@ def check_doc(plan: Plan, label: str) -> dict:
 
 def instrument_summary(plan: Plan, output: str) -> dict:
     """`instrument --format json`'s last line."""
-    decisions = {d: 0 for d in (OPTIMIZED, FTRACE, INT3)}
+    decisions = {d: 0 for d in (OPTIMIZED, FTRACE, BREAKPOINT)}
     for site, _ in plan.kprobes:
         decisions[site.decision] += 1
     return {"type": "summary", "output": output, "kprobes": len(plan.kprobes),

@@ -15,7 +15,7 @@ from rewriter import targets
 from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch
 from rewriter.elf.image import Image
-from rewriter.planner import INT3, NO_HANDLER, OPTIMIZED, Plan, Site, choose_forms, make_int3
+from rewriter.planner import BREAKPOINT, NO_HANDLER, OPTIMIZED, Plan, Site, choose_forms, make_int3
 from rewriter.probes.resolve import Probe
 from rewriter.probes.spec import KprobeSpec
 
@@ -92,11 +92,11 @@ def test_layout_places_each_piece_apart_and_aligned(staged):
     """Every detour and slot the plan needs gets its own bytes below the runtime,
     16-byte aligned (64 for a light hit: its hot part takes one cache line)."""
     image, arch, target, plan, c, lay, rx, patches = staged
-    pieces = sorted((lay.detour(s), lay.sizes[("site" if s.decision != INT3 else "xol", s.index)], s)
-                    for s in plan.sites if s.decision != INT3 or s.xol.mode != "emulate")
+    pieces = sorted((lay.detour(s), lay.sizes[("site" if s.decision != BREAKPOINT else "xol", s.index)], s)
+                    for s in plan.sites if s.decision != BREAKPOINT or s.xol.mode != "emulate")
     assert pieces, "nothing laid out"
     for (a, n, s), nxt in zip(pieces, pieces[1:] + [None]):
-        assert a % (64 if s.light else 16) == 0 or s.decision == INT3
+        assert a % (64 if s.light else 16) == 0 or s.decision == BREAKPOINT
         assert lay.rx_vaddr <= a and a + n <= lay.text_addr
         if nxt is not None:
             assert a + n <= nxt[0], "pieces overlap"
@@ -108,7 +108,7 @@ def test_emission_patches_what_the_plan_says(staged):
     site's first byte the arch's breakpoint; nothing else of the image changes."""
     image, arch, target, plan, c, lay, rx, patches = staged
     sf = next(s for s in plan.sites if s.decision == OPTIMIZED)
-    sg = next(s for s in plan.sites if s.decision == INT3)
+    sg = next(s for s in plan.sites if s.decision == BREAKPOINT)
     assert set(patches) == {sf.addr, sg.addr}
     jmp = _disasm(patches[sf.addr], sf.addr)[0]
     assert jmp.mnemonic == "jmp" and int(jmp.op_str, 16) == lay.detour(sf)

@@ -17,7 +17,7 @@ from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch
 from rewriter.errors import KprewriteError
 from rewriter.elf.image import Image
-from rewriter.planner import FTRACE, INT3, OPTIMIZED, REFUSED, plan
+from rewriter.planner import FTRACE, BREAKPOINT, OPTIMIZED, REFUSED, plan
 from rewriter.probes.resolve import is_entry, resolve
 from rewriter.analysis.rules import Rules
 from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec
@@ -94,7 +94,7 @@ END f
     f = sym(image, "f")
     p = planned(image, [kprobe("f")])
     s = site_of(p, f)
-    assert s.decision == INT3 and s.reason.check == "jump_into_region"
+    assert s.decision == BREAKPOINT and s.reason.check == "jump_into_region"
     assert s.reason.addr == f + 2          # the jz is the offender
     assert s.xol.mode in ("boost", "emulate", "single-step")
 
@@ -111,7 +111,7 @@ END f
 """)
     f = sym(image, "f")
     s = site_of(planned(image, [kprobe("f")]), f)
-    assert s.decision == INT3 and s.reason.check == check and s.reason.addr == f + 7
+    assert s.decision == BREAKPOINT and s.reason.check == check and s.reason.addr == f + 7
 
 
 def test_short_function_and_no_optimize(tmp_path):
@@ -144,7 +144,7 @@ h2:
     assert site_of(p, sym(image, "g")).decision == OPTIMIZED
     p = planned(image, [kprobe("g")], optimize=False)
     s = site_of(p, sym(image, "g"))
-    assert s.decision == INT3 and "kprobes_optimization" in str(s.reason)
+    assert s.decision == BREAKPOINT and "kprobes_optimization" in str(s.reason)
 
 
 def test_registration_refusals_are_errors_for_explicit_probes(tmp_path):
@@ -177,7 +177,7 @@ END f
                 [KretprobeSpec("[[kretprobe]] f", "f", None, 0)])
     at_f, at_f1 = site_of(p, f), site_of(p, f + 1)
     # Three kprobes and rp->kp at f aggregate; the probe at f+1 inside f's region keeps f an int3.
-    assert len(at_f.probes) == 3 and at_f.decision == INT3 and at_f.reason.check == "probe_in_region"
+    assert len(at_f.probes) == 3 and at_f.decision == BREAKPOINT and at_f.reason.check == "probe_in_region"
     assert at_f1.decision == OPTIMIZED
     # f's ret has no room for a jump (f+1's region reaches it): a breakpoint return hook.
     assert [s.index for s in p.sites] == [0, 1, 2] and p.sites[2].kret_hook and not p.sites[2].probes
@@ -238,7 +238,7 @@ END f
     # A site patched at load (as a kernel's .smp_locks entry) inside the region refuses it, by name.
     rules = Rules(bl.Index(bl.compute(image)), bl.Index([bl.BlacklistEntry(f + 6, f + 7, "lock", ".smp_locks")]))
     s = site_of(planned(image, [kprobe("f", 5)], rules=rules), f + 5)
-    assert s.decision == INT3 and s.reason.check == ".smp_locks" and s.reason.addr == f + 6
+    assert s.decision == BREAKPOINT and s.reason.check == ".smp_locks" and s.reason.addr == f + 6
     # An ftrace site: the 5-byte nop is the probe's whole region, whatever optimize says.
     rules = Rules(bl.Index(bl.compute(image)), ftrace={f: None})
     s = site_of(planned(image, [kprobe("f")], optimize=False, rules=rules), f)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..arch.base import EMULATE, LinkSym
 from ..errors import KprewriteError
-from ..planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, Plan, Site
+from ..planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, BREAKPOINT, OPTIMIZED, Plan, Site
 from ..probes.events import trace_key
 from ..probes.resolve import is_entry
 
@@ -247,7 +247,7 @@ def unlinked(c: Code, layout) -> tuple[bytearray, list[tuple[int, bytes]]]:
     patches = []
     em, base, links, code = c.arch.emit, layout.rx_vaddr, layout.links, layout.code
     for site in c.plan.sites:
-        if site.decision == INT3:
+        if site.decision == BREAKPOINT:
             patches.append((site.addr, c.arch.breakpoint))
             continue
         detour = layout.detour(site)
@@ -293,7 +293,7 @@ def emit(c: Code, layout, sym: dict[str, int], early=None) -> tuple[bytearray, l
     rx, patches = early if early is not None else unlinked(c, layout)
     em, base, links = c.arch.emit, layout.rx_vaddr, layout.links
     for site in c.plan.sites:
-        if site.decision == INT3:
+        if site.decision == BREAKPOINT:
             if site.xol.mode != EMULATE:
                 _put(rx, layout, layout.xol[site.index].addr, xol_slot(c, layout, site, sym), ("xol", site.index))
             continue

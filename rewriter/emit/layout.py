@@ -19,7 +19,7 @@ from types import MappingProxyType
 from . import breakpoints, emission
 from ..arch.base import EMULATE, XolSlot
 from ..errors import KprewriteError
-from ..planner import INT3, EvictedRegion, RetSite, Site
+from ..planner import BREAKPOINT, EvictedRegion, RetSite, Site
 
 
 class relocating:
@@ -107,7 +107,7 @@ def place(c: emission.Code, target) -> Layout:
     # What is laid out so far: the same mappings, filled in as pieces are placed.
     so_far = Layout(tl.rx_vaddr, stubs, 0, tl, tl.data_vaddr, sizes, sites, evicted, returns, xol)
     for site in c.plan.sites:
-        if site.decision == INT3:
+        if site.decision == BREAKPOINT:
             continue
         # A light hit's hot part (emit.light_detour: up to the jump back, some 55 bytes)
         # starts a cache line, which then holds all of it: one line fetched a hit.
@@ -149,7 +149,7 @@ def place(c: emission.Code, target) -> Layout:
         pos += n
     desc = breakpoints.number_descriptors(c.plan.sites)
     for site in c.plan.sites:
-        if site.decision == INT3 and site.xol.mode != EMULATE:
+        if site.decision == BREAKPOINT and site.xol.mode != EMULATE:
             with relocating(c, "probe", site.addr):
                 slot = c.arch.kprobe_xol.place_slot(site.xol, site.index, site.with_post, pos, desc.get(site.index, 0))
             xol[site.index] = slot

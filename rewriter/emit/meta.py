@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..planner import FTRACE, INT3, JUMPS, OPTIMIZED, Plan
+from ..planner import FTRACE, BREAKPOINT, JUMPS, OPTIMIZED, Plan
 
 META_SECTION = ".kprewrite.meta"
 
@@ -32,7 +32,7 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
             d["jump_slot"] = site.slot
         if site.evicted is not None:    # the slot lies in a neighbour moved to a detour of its own
             d["evicted"] = [site.evicted.addr, site.evicted.region_end, detour(site.evicted)]
-        if site.decision == INT3:
+        if site.decision == BREAKPOINT:
             d.update({"int3": site.xol.mode, "reason": str(site.reason)})
         probes.append(d)
     for site, p, g in plan.kretprobes:
@@ -50,7 +50,7 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
             probes[-1].update({"light": True, "returns": "light"})
         if site.decision == FTRACE:
             probes[-1]["ftrace"] = True
-        if site.decision == INT3:       # the entry is a breakpoint (list: [BOOSTED]..., not [OPTIMIZED])
+        if site.decision == BREAKPOINT:       # the entry is a breakpoint (list: [BOOSTED]..., not [OPTIMIZED])
             probes[-1].update({"int3": site.xol.mode, "reason": str(site.reason)})
         if site.head is not None:
             probes[-1]["shared_with"] = site.head.addr

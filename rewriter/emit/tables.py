@@ -17,7 +17,7 @@ from . import breakpoints, tables_data
 from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
 from ..probes.events import trace_key
 from .cstring import c_string
-from ..planner import FTRACE, INT3, OPTIMIZED, TRAMPOLINE
+from ..planner import FTRACE, BREAKPOINT, OPTIMIZED, TRAMPOLINE
 from ..probes.resolve import event_symbol, is_entry
 
 KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAMPOLINE
@@ -72,7 +72,7 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     # Read-only once the runtime runs (link.RELRO: once relocated; a kernel: from mark_rodata_ro()).
     out.append(_kretprobes_c(c, traces, A, True))
     out.append(breakpoints.table_c(plan.sites, lay.xol, c.arch.kprobe_xol, True))
-    out.append(target.tables_c(c.image, c.arch, any(site.decision == INT3 for site in plan.sites)))
+    out.append(target.tables_c(c.image, c.arch, any(site.decision == BREAKPOINT for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
     out += _layout_asserts(c.arch.emit)
     if traces:

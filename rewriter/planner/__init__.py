@@ -32,7 +32,7 @@ from ..probes.resolve import Probe, is_entry
 from ..probes.spec import where
 from .forms import choose_forms
 from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
-                    INT3, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)
+                    BREAKPOINT, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)
 from .register import kretprobe_refusal, register_refusal
 from .retarget import retarget_branches
 from .returns import plan_returns
@@ -41,7 +41,7 @@ from .sites import make_int3, optimize_site, share_regions
 
 # What the later stages read: the plan's data (model.py) and the two entry points.
 __all__ = ["EvictedRegion", "FTRACE", "Group", "HOOK_KIND", "HOOK_PENDING", "HOOK_RET",
-           "HOOK_SWAP", "HandlerCode", "INT3", "JUMPS", "NO_HANDLER",
+           "HOOK_SWAP", "HandlerCode", "BREAKPOINT", "JUMPS", "NO_HANDLER",
            "OPTIMIZED", "Plan", "REFUSED", "RetSite", "Retarget", "Site", "TRAMPOLINE",
            "choose_forms", "make_int3", "plan"]
 
@@ -120,7 +120,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     plan_returns(image, analysis, arch, out, rules)
     if rules.retarget_branches:
         retarget_branches(image, analysis, arch, out, rules)
-    if rules.signal_syscalls and any(s.decision == INT3 for s in out.sites):
+    if rules.signal_syscalls and any(s.decision == BREAKPOINT for s in out.sites):
         out.signal_syscalls = signal_syscalls(image, analysis, arch, out)
     _number(out)
     return out

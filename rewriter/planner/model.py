@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 from ..probes.resolve import EntryProbe, Probe, is_entry
 
-OPTIMIZED, FTRACE, INT3, REFUSED = "optimized", "ftrace", "int3", "refused"
+# A breakpoint probe's decision is written "int3", the word of `check`'s contract (its AArch64 form
+# is a brk: the arch names it where it is shown, `diff`'s lines).
+OPTIMIZED, FTRACE, BREAKPOINT, REFUSED = "optimized", "ftrace", "int3", "refused"
 JUMPS = (OPTIMIZED, FTRACE)         # decisions that write a jump to a detour
 TRAMPOLINE = "trampoline"           # a kretprobe whose returns only the trampoline catches
 # How an exit reaches the kretprobe return path (the runtime's KP_KRET_HOOK_*):

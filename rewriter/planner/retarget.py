@@ -5,13 +5,13 @@ from __future__ import annotations
 import bisect
 
 from .. import safety
-from .model import INT3, JUMPS, OPTIMIZED, Plan, Retarget
+from .model import BREAKPOINT, JUMPS, OPTIMIZED, Plan, Retarget
 
 def patched_ranges(arch, plan: Plan) -> list[tuple[int, int]]:
     """Every byte range the plan writes in the image's code: regions,
     breakpoints, short jumps' slots, evicted neighbours (the slot in them),
     return sites."""
-    return ([(s.addr, s.addr + 1) if s.decision == INT3 else (s.addr, s.region_end)
+    return ([(s.addr, s.addr + 1) if s.decision == BREAKPOINT else (s.addr, s.region_end)
              for s in plan.sites if s.head is None]
             + [(s.slot, s.slot + arch.JUMP_SIZE) for s in plan.sites if s.slot and s.evicted is None]
             + [(s.evicted.addr, s.evicted.region_end) for s in plan.sites if s.evicted is not None]

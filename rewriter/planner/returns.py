@@ -10,7 +10,7 @@ import bisect
 from ..probes.resolve import is_entry
 from .exits import find_exits
 from .forms import light_group, light_kretprobes
-from .model import HOOK_KIND, HOOK_LIGHT, HOOK_PENDING, HOOK_RET, HOOK_SWAP, INT3, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
+from .model import HOOK_KIND, HOOK_LIGHT, HOOK_PENDING, HOOK_RET, HOOK_SWAP, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
 from .sites import make_int3
 
 def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
@@ -134,7 +134,7 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             s.hook = g.hooks[s.exit.addr]
             plan.ret_sites.append(s)
         for host, e in g.embedded:
-            if host.decision == INT3:
+            if host.decision == BREAKPOINT:
                 # A breakpoint kprobe at the exit: its site takes the hook (aggregation), as
                 # _place_int3_hooks() does; ret_hooks is read only by a detour's emitter.
                 host.kret_hook = HOOK_KIND[g.hooks[e.addr]]

@@ -3,7 +3,7 @@ shared with the probes on the next instructions, or the INT3 fallback."""
 from __future__ import annotations
 
 from .. import safety
-from .model import FTRACE, INT3, JUMPS, OPTIMIZED, REFUSED, Site
+from .model import FTRACE, BREAKPOINT, JUMPS, OPTIMIZED, REFUSED, Site
 
 def make_int3(image, arch, s: Site, ss_int3: bool = False, boost_post_handler: bool = True) -> Site:
     """The INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
@@ -12,7 +12,7 @@ def make_int3(image, arch, s: Site, ss_int3: bool = False, boost_post_handler: b
     False: a site with a post_handler is not boosted, Rules.boost_post_handler)."""
     s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_int3, boost=boost_post_handler or not s.with_post)
     s.dcr = [s.xol.insn]
-    s.decision = INT3
+    s.decision = BREAKPOINT
     return s
 
 

@@ -8,7 +8,7 @@ import struct
 
 from ...elf.write import NewSection, append_section_headers
 from ...errors import KprewriteError
-from ...planner import INT3
+from ...planner import BREAKPOINT
 from ...emit.meta import META_SECTION
 from . import sites as ks
 from .gap import extend_first_load
@@ -39,9 +39,9 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
     # chose, some of it run where a CPU has no IDT yet (Xen PVH's entry, a CPU coming up);
     # a probe named exactly is armed in the image, from the first instruction on.
     unarmed = {site.addr for site in plan.sites
-               if site.decision == INT3 and all(p.from_glob for p in site.probes)}
+               if site.decision == BREAKPOINT and all(p.from_glob for p in site.probes)}
     patches = [(addr, code) for addr, code in patches if addr not in unarmed]
-    if any(site.decision == INT3 for site in plan.sites):
+    if any(site.decision == BREAKPOINT for site in plan.sites):
         hook_patches, hooked = kern.breakpoint_hook_patches(image, blob)
         patches = list(patches) + hook_patches
     patches = list(patches) + kern.return_site_patches(image, layout, rx, plan)

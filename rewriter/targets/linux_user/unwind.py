@@ -15,7 +15,7 @@ from ... import cache
 from ...analysis import workers
 from ...arch.base import unwind_info
 from ...elf.ehframe import write as ehw
-from ...planner import INT3
+from ...planner import BREAKPOINT
 
 PT_GNU_EH_FRAME = 0x6474E550
 
@@ -121,7 +121,7 @@ def _pieces(plan, layout, rx: bytes | None) -> list[tuple[int, int, int, bytes]]
         sites = [site for site in sites if ("site", site.index) not in code]
         ret_sites = [rs for rs in ret_sites if ("ret", rs.addr) not in code]
     for site in sites:
-        key = ("xol", site.index) if site.decision == INT3 else ("site", site.index)
+        key = ("xol", site.index) if site.decision == BREAKPOINT else ("site", site.index)
         if key in layout.sizes and layout.detour(site):
             add(key, layout.detour(site), site.addr)
     for rs in ret_sites:

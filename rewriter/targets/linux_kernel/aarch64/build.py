@@ -36,7 +36,7 @@ from ....arch.aarch64 import emit as E, encode as enc, insn as I
 from ....errors import KprewriteError
 from ....link.toolchain import compiler, run
 from ....link.runtime import cflags, _includes
-from ....planner import FTRACE, INT3, OPTIMIZED
+from ....planner import FTRACE, BREAKPOINT, OPTIMIZED
 from ...linux_kernel.symbols import link_symbols
 
 PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
@@ -381,12 +381,12 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         raise KprewriteError(f"{image.path}: an arm64 vmlinux (ELF) is not written yet: give its Image (vmlinuz)")
     sites = []
     plan_sites = list(plan.sites)
-    if any(site.decision == INT3 for site in plan_sites):
+    if any(site.decision == BREAKPOINT for site in plan_sites):
         plan_sites = _with_hook_probe(s, plan_sites)
     for site in plan_sites:
         if site.decision == FTRACE:
             site = _past_ftrace_nops(s, site)
-        if site.decision not in (OPTIMIZED, INT3):
+        if site.decision not in (OPTIMIZED, BREAKPOINT):
             raise KprewriteError(f"{image.path}: {site.addr:#x}: not written on arm64 yet "
                                  f"(this one: {site.decision})")
         if site.head is not None or site.riders or site.slot or site.evicted:
@@ -408,11 +408,11 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     cc = compiler(arch)
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
     (workdir / "kp_detours.S").write_text("".join(
-        (xol_asm if site.decision == INT3 else detour_asm)(i, any(post for _, _, post in probes))
+        (xol_asm if site.decision == BREAKPOINT else detour_asm)(i, any(post for _, _, post in probes))
         for i, (site, probes) in enumerate(sites)))
-    brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == INT3]
+    brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == BREAKPOINT]
     (workdir / "kp_dispatch.c").write_text(
-        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == INT3 for site, _ in sites])
+        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites])
         + (brk_c(brk) if brk else ""))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
@@ -434,9 +434,9 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     for i, (site, probes) in enumerate(sites):
         p = probes[0][0]
         defs[f"kp_site_{i}"] = p.addr                         # what regs->pc and p->addr say
-        defs[f"kp_resume_{i}"] = site.region_end if site.decision != INT3 else site.addr + 4
+        defs[f"kp_resume_{i}"] = site.region_end if site.decision != BREAKPOINT else site.addr + 4
         # regs->pc for the post_handler: after the probed instruction (the first NOP for an entry)
-        if site.decision != INT3:
+        if site.decision != BREAKPOINT:
             defs[f"kp_post_pc_{i}"] = site.region_end if site.addr == p.addr else p.addr + 4
     r = run([cc[:-3] + "nm" if cc.endswith("gcc") else "nm", *map(str, inputs)], "nm")
     undefined, defined = set(), set()
@@ -494,9 +494,9 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
 
     code = bytearray(text[1])
     for i, (site, _) in enumerate(sites):
-        at = addrs[f"kp_xol_{i}" if site.decision == INT3 else f"kp_dcr_{i}"]
+        at = addrs[f"kp_xol_{i}" if site.decision == BREAKPOINT else f"kp_dcr_{i}"]
         moved = b""
-        for insn in ([site.xol.insn] if site.decision == INT3 else site.dcr):
+        for insn in ([site.xol.insn] if site.decision == BREAKPOINT else site.dcr):
             moved += E.relocate(insn, at + len(moved))
         if len(moved) > DCR_ROOM:
             raise KprewriteError(f"{image.path}: {site.addr:#x}: the displaced instructions need {len(moved)} bytes")
@@ -512,7 +512,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                     raise KprewriteError(f"{image.path}: the probes' data at {a:#x} would read as a relocation at boot")
         put(data[0], data[1])
     for i, (site, _) in enumerate(sites):
-        put(site.addr, enc.brk(BRK_IMM) if site.decision == INT3 else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
+        put(site.addr, enc.brk(BRK_IMM) if site.decision == BREAKPOINT else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
     # free_initmem() frees the init memory up to our data, no further.
     put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
     return bytes(out)

@@ -149,15 +149,15 @@ def _moved(path: str, insn, at: int, copy: bytes, e: int, inverse: bool, width: 
 def _copies(image, arch, plan, rx: bytes, layout, blob):
     """(DCR instruction, address of its copy, the copy) of every detoured site, found by
     emitting each detour again with a recording copy and checking it is the one written."""
-    from ....planner import INT3
+    from ....planner import BREAKPOINT
     from .percpu import thread_key
     em = arch.emit
     # The short stubs (emission.site_detour()), as the thread key says; asked only where a
     # detour exists (an image with none need not have the per-CPU symbols).
-    short = any(s.decision != INT3 for s in plan.sites) and not thread_key(image).red_zone
+    short = any(s.decision != BREAKPOINT for s in plan.sites) and not thread_key(image).red_zone
     out = []
     for site in plan.sites:
-        if site.decision == INT3:
+        if site.decision == BREAKPOINT:
             # A boosted or single-stepped instruction's copy in its out-of-line slot.
             if site.xol.mode != EMULATE:
                 slot = layout.xol[site.index].addr

@@ -57,7 +57,7 @@ from pathlib import Path
 from ....errors import KprewriteError
 from ....arch.base import SINGLESTEP
 from ....emit.meta import META_SECTION
-from ....planner.model import FTRACE, INT3, OPTIMIZED
+from ....planner.model import FTRACE, BREAKPOINT, OPTIMIZED
 from ....probes.spec import where
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
@@ -503,7 +503,7 @@ unsigned long kp_kret_return(struct pt_regs *regs)
             post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
             if site.decision == OPTIMIZED:      # opt_pre_handler(): its return value ignored
                 run = f"{pre}(p, regs);" if pre else ""
-            elif site.decision == INT3:
+            elif site.decision == BREAKPOINT:
                 # kprobe_int3_handler(): a pre_handler that returned 1 and moved regs->ip resumes
                 # there (no copy, no post_handler); else the slot runs the instruction, and a
                 # post_handler runs at the trap after it (kp_post_N()).
@@ -544,7 +544,7 @@ unsigned long kp_dispatch_{n}(struct pt_regs *regs)
 	kp_leave();
 	return r;
 }}""")
-    int3 = [(n, site, ks) for n, (site, ks, _) in enumerate(_sites(plan)) if site.decision == INT3]
+    int3 = [(n, site, ks) for n, (site, ks, _) in enumerate(_sites(plan)) if site.decision == BREAKPOINT]
     if int3:
         sections = [place(site.addr) if place else "" for _, site, _ in int3]
         out.append(_int3_c(int3, kps, handler_symbols, sections))
@@ -672,7 +672,7 @@ def trap_path(plan, traces: dict | None = None) -> tuple[set[str], list[str]]:
     sites = _sites(plan)
     kps = [p for _, p in plan.kprobes]
     for n, (site, ks, rs) in enumerate(sites):
-        if site.decision != INT3:
+        if site.decision != BREAKPOINT:
             continue
         local |= {"kp_int3_notify", f"kp_dispatch_{n}"}
         if any(kps[i].spec.post_handler for i in ks):
@@ -1000,10 +1000,10 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
         # the return address into the probed function right above the CFA all along
         return unwind[0].annotate(text, lambda cfa: orc.entry(fmt, orc.ORC_REG_SP, cfa), start=8)
     detours = [ftrace_detour(i) if site.decision == FTRACE
-               else "" if site.decision == INT3 and emulated(site)     # run in the trap: no slot
-               else int3_slot(i, site, mod, relocs, placeholders, unwind) if site.decision == INT3
+               else "" if site.decision == BREAKPOINT and emulated(site)     # run in the trap: no slot
+               else int3_slot(i, site, mod, relocs, placeholders, unwind) if site.decision == BREAKPOINT
                else opt_detour(i, site, mod, relocs, placeholders, unwind) for i, (site, _, _) in enumerate(sites_)]
-    int3 = [(i, site) for i, (site, _, _) in enumerate(sites_) if site.decision == INT3]
+    int3 = [(i, site) for i, (site, _, _) in enumerate(sites_) if site.decision == BREAKPOINT]
     trampoline = TRAMPOLINE_S if s.plan.kretprobes else ""
     if unwind and trampoline:
         # Its return address is a kretprobe's, the real one in the instance: no rule before the
@@ -1235,7 +1235,7 @@ def _redirect(data: bytearray, path: str, sites, placeholders: dict | None = Non
     by_offset: dict[str, dict] = {}     # section -> {offset: [where its relocations are]}
     mcount = None                       # __mcount_loc's entries by the place each names
     for i, sec, off, decision in sites:
-        if decision == INT3:            # the breakpoint, in place from load (kp_module_init())
+        if decision == BREAKPOINT:            # the breakpoint, in place from load (kp_module_init())
             data[by_name[sec].offset + off] = 0xCC
             continue
         if decision == OPTIMIZED:
