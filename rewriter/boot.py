@@ -5,8 +5,7 @@ rewritten kernel's probes fire.
 The initramfs is Debian's static busybox (busybox-static) with its applets, and an /init
 that mounts proc, sysfs, debugfs and tracefs, runs the commands given (--run, each in a
 shell), and powers the machine off.  QEMU is the image's architecture's system emulator
-(x86-64: qemu-system-x86_64, -kernel; arm64: qemu-system-aarch64 -M virt -cpu max), TCG
-unless told (--accel kvm: a host whose KVM boots guests; some nested ones never get past
+(its toolchain.py's QEMU_SYSTEM and CONSOLE), booted with -kernel, TCG unless told (--accel kvm: a host whose KVM boots guests; some nested ones never get past
 the firmware)."""
 from __future__ import annotations
 
@@ -20,11 +19,6 @@ from .errors import KprewriteError
 BUSYBOX = "/bin/busybox"
 DONE = "kprewrite-boot: init done"
 
-# The QEMU of each architecture: its program, its machine, the package that has it.
-QEMU = {"x86_64": ("qemu-system-x86_64", [], "qemu-system-x86"),
-        "aarch64": ("qemu-system-aarch64", ["-M", "virt", "-cpu", "max"], "qemu-system-arm")}
-CONSOLE = {"x86_64": "ttyS0", "aarch64": "ttyAMA0"}
-
 INIT = """#!/bin/busybox sh
 /bin/busybox mount -t proc proc /proc
 /bin/busybox mount -t sysfs sysfs /sys
@@ -35,7 +29,7 @@ INIT = """#!/bin/busybox sh
 """
 
 
-def _newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
+def newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
     """A cpio archive in the SVR4 "newc" format the kernel's initramfs unpacker reads.
     entries: (name, mode, data, rdev as (major << 8 | minor)); times and owners zero."""
     out = bytearray()
@@ -56,7 +50,7 @@ def _newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
 
 def initramfs(commands: list[str], busybox: str = BUSYBOX, runner: tuple[str, ...] = ()) -> bytes:
     """A gzip'd initramfs: busybox and its applets' links, /init running `commands`.  runner:
-    how to run another architecture's busybox here to list its applets (qemu-aarch64)."""
+    how to run another architecture's busybox here to list its applets (qemu-<arch>)."""
     path = Path(busybox)
     if not path.is_file():
         raise KprewriteError(f"{busybox}: no such file (install Debian's busybox-static, or give --busybox)")
@@ -74,17 +68,17 @@ def initramfs(commands: list[str], busybox: str = BUSYBOX, runner: tuple[str, ..
                 if a and a != "bin/busybox"]
     script = INIT.format(commands="".join(f"{c}\n" for c in commands), done=DONE)
     entries.append(("init", 0o100755, script.encode(), 0))
-    return gzip.compress(_newc(entries), compresslevel=6, mtime=0)
+    return gzip.compress(newc(entries), compresslevel=6, mtime=0)
 
 
 def command(image: str, machine: str, initrd: str, append: str, memory: int, smp: int, accel: str = "tcg") -> list[str]:
     """The QEMU command line that boots `image` with `initrd`."""
-    if machine not in QEMU:
-        raise KprewriteError(f"{image}: no QEMU known for {machine} images")
-    program, args, package = QEMU[machine]
+    from .link.toolchain import arch_toolchain
+    tc = arch_toolchain(machine)
+    program, args, package = tc.QEMU_SYSTEM
     qemu = shutil.which(program)
     if qemu is None:
         raise KprewriteError(f"{program}: not found (install Debian's {package})")
-    cmdline = " ".join(x for x in (f"console={CONSOLE[machine]} panic=-1", append) if x)
+    cmdline = " ".join(x for x in (f"console={tc.CONSOLE} panic=-1", append) if x)
     return [qemu, *args, "-accel", accel, "-m", str(memory), "-smp", str(smp), "-nographic",
             "-no-reboot", "-nic", "none", "-kernel", image, "-initrd", initrd, "-append", cmdline]

@@ -363,6 +363,8 @@ class Toolchain(Protocol):
     """How C is compiled for the arch (link/toolchain.py, link/runtime.py)."""
     TRIPLE: str                            # the GNU toolchain's prefix: TRIPLE-gcc, TRIPLE-ld
     CFLAGS: dict[str, tuple[str, ...]]     # by kind of code ("user", "kernel"): the arch's own flags
+    QEMU_SYSTEM: tuple[str, tuple[str, ...], str]   # `kprewrite boot`: emulator, machine options, package
+    CONSOLE: str                           # the kernel's serial console (console=...)
 
 
 class Arch(Protocol):

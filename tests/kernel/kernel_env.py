@@ -285,23 +285,8 @@ def init_script(commands: str, marker: str = USERSPACE_MARKER) -> str:
             "poweroff -f\n")
 
 
-def _newc(entries: list[tuple[str, int, bytes, int]]) -> bytes:
-    """A cpio archive, SVR4 "newc" format (what the kernel's initramfs unpacker reads).
-    entries: (name, mode, data, rdev as (major << 8 | minor)); times and owners zero."""
-    out = bytearray()
-
-    def pad():
-        out.extend(b"\0" * (-len(out) % 4))
-
-    for ino, (name, mode, data, rdev) in enumerate(entries + [("TRAILER!!!", 0, b"", 0)], 1):
-        nb = name.encode() + b"\0"
-        fields = (ino if name != "TRAILER!!!" else 0, mode, 0, 0, 1, 0, len(data), 0, 0,
-                  rdev >> 8, rdev & 0xFF, len(nb), 0)
-        out += b"070701" + "".join(f"{f:08X}" for f in fields).encode() + nb
-        pad()
-        out += data
-        pad()
-    return bytes(out)
+# The initramfs archive: the one `kprewrite boot` writes (rewriter/boot.py).
+from rewriter.boot import newc as _newc  # noqa: E402
 
 
 def _busybox_entries(busybox: Path = BUSYBOX, runner: tuple[str, ...] = ()) -> list[tuple[str, int, bytes, int]]:

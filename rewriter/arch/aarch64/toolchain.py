@@ -19,3 +19,8 @@ CFLAGS = {
     # no PIC: adrp/add and bl, which KASLR's 64 KiB-aligned displacement leaves right).
     "kernel": ("-mgeneral-regs-only", "-mno-outline-atomics", "-mcmodel=small", "-mbranch-protection=none"),
 }
+
+# How `kprewrite boot` runs a kernel of this arch: QEMU's system emulator, its machine
+# options, the Debian package that has it, and the kernel's serial console.
+QEMU_SYSTEM = ("qemu-system-aarch64", ("-M", "virt", "-cpu", "max"), "qemu-system-arm")
+CONSOLE = "ttyAMA0"

@@ -18,3 +18,8 @@ CFLAGS = {
                "-mpreferred-stack-boundary=3", "-mfunction-return=thunk-extern",
                "-mindirect-branch=thunk-extern", "-mindirect-branch-register", "-momit-leaf-frame-pointer"),
 }
+
+# How `kprewrite boot` runs a kernel of this arch: QEMU's system emulator, its machine
+# options, the Debian package that has it, and the kernel's serial console.
+QEMU_SYSTEM = ("qemu-system-x86_64", (), "qemu-system-x86")
+CONSOLE = "ttyS0"
