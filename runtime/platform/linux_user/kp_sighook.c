@@ -30,70 +30,21 @@ static void *kp_hook_signal(int sig, void *handler);
 static int kp_hook_sigprocmask(int how, const unsigned long *set, unsigned long *old);
 static int kp_hook_pthread_sigmask(int how, const unsigned long *set, unsigned long *old);
 
-/*
- * On x86-64 a slot points at an entry that starts with a `jmp` over 8 bytes
- * every kprewrite runtime's hooks have: a runtime that finds another's hook in a
- * slot of an object neither rewrote leaves it (kp_sighook_install_others()).
- */
-#ifdef __x86_64__
-#define KP_HOOK_ENTRY(name) \
-	__asm__(".text\n\t.p2align 4\n\t.hidden " #name "_entry\n\t.type " #name "_entry, @function\n" \
-		#name "_entry:\n\tjmp 1f\n\t.ascii \"kprwHOOK\"\n1:\tjmp " #name "\n\t.size " #name "_entry, .-" #name "_entry\n"); \
-	void name##_entry(void);
+/* Each hook's entry, with the tag every runtime's hooks carry (the arch's
+ * KP_ARCH_TAGGED_ENTRY_ASM(), kp_arch_platform.h): a slot of an object neither rewrote that
+ * holds another runtime's hook is left to it (kp_sighook_install_others()). */
+#define KP_HOOK_ENTRY(name) __asm__(KP_ARCH_TAGGED_ENTRY_ASM(#name, "kprwHOOK")); void name##_entry(void);
 __attribute__((used)) static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struct kp_libc_sigaction *oact);
 __attribute__((used)) static void *kp_hook_signal(int sig, void *handler);
 __attribute__((used)) static int kp_hook_sigprocmask(int how, const unsigned long *set, unsigned long *old);
 __attribute__((used)) static int kp_hook_pthread_sigmask(int how, const unsigned long *set, unsigned long *old);
+__attribute__((used)) static void *kp_hook_dlopen(const char *file, int mode);
 KP_HOOK_ENTRY(kp_hook_sigaction)
 KP_HOOK_ENTRY(kp_hook_signal)
 KP_HOOK_ENTRY(kp_hook_sigprocmask)
 KP_HOOK_ENTRY(kp_hook_pthread_sigmask)
-__attribute__((used)) static void *kp_hook_dlopen(const char *file, int mode);
 KP_HOOK_ENTRY(kp_hook_dlopen)
 #define KP_ENTRY(name) ((void *)name##_entry)
-
-static int kp_is_a_hook(unsigned long v)
-{
-	const unsigned char *p = (const unsigned char *)v;
-	static const unsigned char sig[10] = { 0xeb, 0x08, 'k', 'p', 'r', 'w', 'H', 'O', 'O', 'K' };
-	for (int i = 0; i < 10; i++)
-		if (p[i] != sig[i])
-			return 0;
-	return 1;
-}
-#elif defined(__aarch64__)
-/* bti c first: a PLT stub enters a hook by `br x17` (BTI pages). */
-#define KP_HOOK_ENTRY(name) \
-	__asm__(".text\n\t.p2align 4\n\t.hidden " #name "_entry\n\t.type " #name "_entry, @function\n" \
-		#name "_entry:\n\thint 34\n\tb 1f\n\t.ascii \"kprwHOOK\"\n1:\tb " #name "\n\t.size " #name "_entry, .-" #name "_entry\n"); \
-	void name##_entry(void);
-__attribute__((used)) static int kp_hook_sigaction(int sig, const struct kp_libc_sigaction *act, struct kp_libc_sigaction *oact);
-__attribute__((used)) static void *kp_hook_signal(int sig, void *handler);
-__attribute__((used)) static int kp_hook_sigprocmask(int how, const unsigned long *set, unsigned long *old);
-__attribute__((used)) static int kp_hook_pthread_sigmask(int how, const unsigned long *set, unsigned long *old);
-KP_HOOK_ENTRY(kp_hook_sigaction)
-KP_HOOK_ENTRY(kp_hook_signal)
-KP_HOOK_ENTRY(kp_hook_sigprocmask)
-KP_HOOK_ENTRY(kp_hook_pthread_sigmask)
-__attribute__((used)) static void *kp_hook_dlopen(const char *file, int mode);
-KP_HOOK_ENTRY(kp_hook_dlopen)
-#define KP_ENTRY(name) ((void *)name##_entry)
-
-static int kp_is_a_hook(unsigned long v)
-{
-	const unsigned char *p = (const unsigned char *)v;
-	static const unsigned char sig[16] = { 0x5f, 0x24, 0x03, 0xd5, 0x03, 0x00, 0x00, 0x14,
-					       'k', 'p', 'r', 'w', 'H', 'O', 'O', 'K' };
-	if (v & 3)
-		return 0;
-	for (int i = 0; i < 16; i++)
-		if (p[i] != sig[i])
-			return 0;
-	return 1;
-}
-#else
-#define KP_ENTRY(name) ((void *)name)
-#endif
 
 static void *kp_hook_fn(unsigned long kind)
 {
@@ -101,9 +52,7 @@ static void *kp_hook_fn(unsigned long kind)
 	case KP_HOOK_SIGACTION: return KP_ENTRY(kp_hook_sigaction);
 	case KP_HOOK_SIGNAL: return KP_ENTRY(kp_hook_signal);
 	case KP_HOOK_SIGPROCMASK: return KP_ENTRY(kp_hook_sigprocmask);
-#if defined(__x86_64__) || defined(__aarch64__)
 	case KP_HOOK_DLOPEN: return KP_ENTRY(kp_hook_dlopen);
-#endif
 	default: return KP_ENTRY(kp_hook_pthread_sigmask);
 	}
 }
@@ -197,14 +146,8 @@ void kp_trap_install(void)
 	kp_sighook_install();
 }
 
-#if defined(__x86_64__) || defined(__aarch64__)
-#ifdef __x86_64__
-#define KP_R_GLOB_DAT 6
-#define KP_R_JUMP_SLOT 7
-#else
-#define KP_R_GLOB_DAT 1025
-#define KP_R_JUMP_SLOT 1026
-#endif
+#define KP_R_GLOB_DAT KP_ARCH_R_GLOB_DAT
+#define KP_R_JUMP_SLOT KP_ARCH_R_JUMP_SLOT
 /*
  * The same hooks in the GOT of every other object loaded with the program (the
  * executable, when only a library is rewritten, and the other libraries), so
@@ -326,7 +269,7 @@ static void kp_hook_object(struct kp_link_map *l, const struct kp_phdr *ph, unsi
 			if (!kind)
 				continue;
 			unsigned long *slot = (unsigned long *)(b + r[i].offset);
-			if (!*slot || kp_is_a_hook(*slot))
+			if (!*slot || kp_arch_is_tagged_entry(*slot, "kprwHOOK"))
 				continue;
 			/* Still the object's own PLT stub (lazy binding): resolved by a call
 			 * with no effect (counted by probes on it in a rewritten libc); on
@@ -338,7 +281,7 @@ static void kp_hook_object(struct kp_link_map *l, const struct kp_phdr *ph, unsi
 					 * our hook, which the hook's scan after the call puts back
 					 * (x86-64: AArch64's lazy slots all hold PLT0, which needs
 					 * the slot's address in x16). */
-#ifdef __aarch64__
+#ifdef KP_ARCH_LAZY_SLOTS_HOLD_PLT0
 					kp_resolve_any(kind, slot);	/* dlopen(NULL, RTLD_LAZY|RTLD_NOLOAD) */
 #else
 					if (!kp_real[kind])
@@ -415,11 +358,6 @@ static void kp_sighook_install_others(void)
 	}
 	__atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
 }
-#else
-static void kp_sighook_install_others(void)
-{
-}
-#endif
 
 /* After a call through the real function: lazy binding may have replaced our
  * hook with the resolved address; keep that as the real one, and re-arm. */

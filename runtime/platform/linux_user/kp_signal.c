@@ -27,50 +27,14 @@ __attribute__((visibility("hidden"), used)) void kp_sigtrap(int sig, struct kp_s
 /*
  * The handler's address as installed: an entry that starts with a `jmp` (on
  * AArch64 `bti c; b`) over 8 bytes every kprewrite runtime's has
- * (kp_trap_is_a_runtime()), so
+ * (kp_trap_is_a_runtime(); the arch's KP_ARCH_TAGGED_ENTRY_ASM()), so
  * that a runtime that finds another's handler installed over its own at exit
  * knows it was chained (two rewritten libraries), not replaced by the program.
  */
-#ifdef __x86_64__
-__asm__(".text\n\t.p2align 4\n\t.hidden kp_sigtrap_entry\n\t.type kp_sigtrap_entry, @function\n"
-	"kp_sigtrap_entry:\n\tjmp 1f\n\t.ascii \"kprwSIGT\"\n1:\tjmp kp_sigtrap\n\t.size kp_sigtrap_entry, .-kp_sigtrap_entry\n");
+__asm__(KP_ARCH_TAGGED_ENTRY_ASM("kp_sigtrap", "kprwSIGT"));
 void kp_sigtrap_entry(int sig, struct kp_siginfo *info, void *uc);
 #define KP_SIGTRAP_ENTRY kp_sigtrap_entry
-
-static int kp_trap_is_a_runtime(void *h)
-{
-	const unsigned char *p = h;
-	static const unsigned char sig[10] = { 0xeb, 0x08, 'k', 'p', 'r', 'w', 'S', 'I', 'G', 'T' };
-	if ((unsigned long)h < 4096)		/* SIG_DFL, SIG_IGN */
-		return 0;
-	for (int i = 0; i < 10; i++)
-		if (p[i] != sig[i])
-			return 0;
-	return 1;
-}
-#elif defined(__aarch64__)
-/* bti c first: the kernel enters a handler as an indirect branch (BTI pages). */
-__asm__(".text\n\t.p2align 4\n\t.hidden kp_sigtrap_entry\n\t.type kp_sigtrap_entry, @function\n"
-	"kp_sigtrap_entry:\n\thint 34\n\tb 1f\n\t.ascii \"kprwSIGT\"\n1:\tb kp_sigtrap\n\t.size kp_sigtrap_entry, .-kp_sigtrap_entry\n");
-void kp_sigtrap_entry(int sig, struct kp_siginfo *info, void *uc);
-#define KP_SIGTRAP_ENTRY kp_sigtrap_entry
-
-static int kp_trap_is_a_runtime(void *h)
-{
-	const unsigned char *p = h;
-	static const unsigned char sig[16] = { 0x5f, 0x24, 0x03, 0xd5, 0x03, 0x00, 0x00, 0x14,
-					       'k', 'p', 'r', 'w', 'S', 'I', 'G', 'T' };
-	if ((unsigned long)h < 4096 || ((unsigned long)h & 3))
-		return 0;
-	for (int i = 0; i < 16; i++)
-		if (p[i] != sig[i])
-			return 0;
-	return 1;
-}
-#else
-#define KP_SIGTRAP_ENTRY kp_sigtrap
-#define kp_trap_is_a_runtime(h) ((h) == (void *)kp_sigtrap)
-#endif
+#define kp_trap_is_a_runtime(h) kp_arch_is_tagged_entry((unsigned long)(h), "kprwSIGT")
 
 struct kp_ksigaction kp_trap_chain;
 static int kp_trap_installed;	/* the handler is ours: a sigaction(SIGTRAP) is recorded, not made */

@@ -98,4 +98,35 @@ static inline long kp_arch_call_lazy_slot(unsigned long fn, unsigned long *slot,
 /* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was
  * (kp_int3_signal.c). */
 __attribute__((visibility("hidden"))) int kp_arch_int3_trap(void *ucontext);
+/*
+ * An entry of the runtime's that other kprewrite runtimes recognise (kp_sighook.c's GOT
+ * hooks, kp_signal.c's SIGTRAP handler): bti c (a PLT stub's `br x17` and the kernel's
+ * handler call are indirect branches, BTI pages), a `b` over an 8-byte tag, then a `b` to
+ * the function; a runtime that finds another's entry where it would put its own leaves it
+ * (a hook) or chains to it (a handler).  `name` and `tag`: strings.
+ */
+#define KP_ARCH_TAGGED_ENTRY_ASM(name, tag) \
+	".text\n\t.p2align 4\n\t.hidden " name "_entry\n\t.type " name "_entry, @function\n" \
+	name "_entry:\n\thint 34\n\tb 1f\n\t.ascii \"" tag "\"\n1:\tb " name "\n\t.size " name "_entry, .-" name "_entry\n"
+
+/* Whether the code at v is such an entry with `tag` (8 characters). */
+static inline int kp_arch_is_tagged_entry(unsigned long v, const char *tag)
+{
+	const unsigned char *p = (const unsigned char *)v;
+	static const unsigned char head[8] = { 0x5f, 0x24, 0x03, 0xd5, 0x03, 0x00, 0x00, 0x14 };	/* bti c; b .+12 */
+	if (v < 4096 || (v & 3))	/* SIG_DFL, SIG_IGN */
+		return 0;
+	for (int i = 0; i < 8; i++)
+		if (p[i] != head[i] || p[8 + i] != (unsigned char)tag[i])
+			return 0;
+	return 1;
+}
+
+/* The relocation types of GOT slots (R_AARCH64_GLOB_DAT, R_AARCH64_JUMP_SLOT). */
+#define KP_ARCH_R_GLOB_DAT 1025
+#define KP_ARCH_R_JUMP_SLOT 1026
+/* A lazy slot holds PLT0 itself, which needs the slot's address in x16: a hook there is set
+ * by resolving the slot first (kp_sighook.c). */
+#define KP_ARCH_LAZY_SLOTS_HOLD_PLT0 1
+
 #endif

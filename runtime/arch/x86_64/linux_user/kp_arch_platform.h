@@ -84,4 +84,30 @@ static inline long kp_arch_call_lazy_slot(unsigned long fn, unsigned long *slot,
 	(void)slot;
 	return ((long (*)(long, long, long))fn)(a, b, c);
 }
+/*
+ * An entry of the runtime's that other kprewrite runtimes recognise (kp_sighook.c's GOT
+ * hooks, kp_signal.c's SIGTRAP handler): a `jmp` over an 8-byte tag, then a `jmp` to the
+ * function; a runtime that finds another's entry where it would put its own leaves it (a
+ * hook) or chains to it (a handler).  `name` and `tag`: strings.
+ */
+#define KP_ARCH_TAGGED_ENTRY_ASM(name, tag) \
+	".text\n\t.p2align 4\n\t.hidden " name "_entry\n\t.type " name "_entry, @function\n" \
+	name "_entry:\n\tjmp 1f\n\t.ascii \"" tag "\"\n1:\tjmp " name "\n\t.size " name "_entry, .-" name "_entry\n"
+
+/* Whether the code at v is such an entry with `tag` (8 characters). */
+static inline int kp_arch_is_tagged_entry(unsigned long v, const char *tag)
+{
+	const unsigned char *p = (const unsigned char *)v;
+	if (v < 4096 || p[0] != 0xeb || p[1] != 0x08)	/* SIG_DFL, SIG_IGN; jmp .+10 */
+		return 0;
+	for (int i = 0; i < 8; i++)
+		if (p[2 + i] != (unsigned char)tag[i])
+			return 0;
+	return 1;
+}
+
+/* The relocation types of GOT slots (R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT). */
+#define KP_ARCH_R_GLOB_DAT 6
+#define KP_ARCH_R_JUMP_SLOT 7
+
 #endif
