@@ -482,7 +482,10 @@ def boot(image, commands, initrd, write_initrd, busybox, append, memory, smp, ti
     from pathlib import Path
     from . import boot as B
     from .targets import load
-    machine = load(image).machine
+    loaded = load(image)
+    if loaded.target.name != "linux_kernel":
+        raise KprewriteError(f"{image}: not a kernel image (boot takes a vmlinux, a bzImage or an arm64 Image)")
+    machine = loaded.machine
     runner = ()
     if machine != os.uname().machine.replace("arm64", "aarch64") and shutil.which(f"qemu-{machine}"):
         runner = (f"qemu-{machine}",)

@@ -50,3 +50,14 @@ def test_the_readme_kernel_quick_start_runs_as_written(tmp_path):
     m = re.search(r"^\s*p_kernel_clone_0\s+(\d+)\s+0\s*$", r.stdout, re.M)
     assert m and int(m.group(1)) >= 1, r.stdout[-3000:]
     assert "kprewrite-boot: init done" in r.stdout and "reboot: Power down" in r.stdout
+
+
+def test_boot_refuses_what_is_not_a_kernel(tmp_path):
+    """`kprewrite boot` of a user program or a non-ELF file: one line, no QEMU started."""
+    (tmp_path / "junk").write_text("not an image\n")
+    for path, why in (("/bin/true", "not a kernel image (boot takes a vmlinux, a bzImage or an arm64 Image)"),
+                      (str(tmp_path / "junk"), "not an ELF file")):
+        r = subprocess.run([sys.executable, "-m", "rewriter", "boot", path], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 1 and not r.stdout, r
+        assert r.stderr.strip().splitlines() == [f"kprewrite: {path}: {why}"], r.stderr
