@@ -113,7 +113,10 @@ def _probe_ranges(orig, meta: dict) -> list[Expected]:
     for p in meta["probes"]:
         a, end = p["region"]
         label = f"{p['symbol']}+{p['offset']:#x}"
-        if p.get("ftrace"):
+        if p.get("jump_at"):        # the ftrace site stays the kernel's; the jump follows it
+            a = p["jump_at"]
+            how = f"after its ftrace site: jump to detour {p['detour']:#x}"
+        elif p.get("ftrace"):
             how = f"ftrace site: jump to detour {p['detour']:#x}"
         elif p.get("int3"):
             how = f"{bp} ({p['int3']})"

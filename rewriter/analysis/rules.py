@@ -10,6 +10,8 @@ answer (targets/*), used by the planner.
 - function_refusal: what refuses a whole function (a kernel function with an
   exception-table entry: can_optimize()'s search_exception_tables());
 - ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
+- share_ftrace: whether such a probe leaves the site to the kernel's ftrace and jumps
+  after it (a kernel whose own tracers must keep working on the function);
 - shared_regions: whether probes inside one region share its detour (the
   runtime then maps an ip inside a region to its copy, kp_region_ip());
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
@@ -106,6 +108,9 @@ class Rules:
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their
     # functions as the kernel does; off where decoding every function costs too much.
     read_indirect_jumps: bool = True
+    # A probe on an ftrace site leaves the site to the kernel's ftrace and jumps after it
+    # (planner.sites.share_ftrace_site()); off: the jump takes the site.
+    share_ftrace: bool = False
 
     def region_refusal(self, arch, analysis, func, lo: int, hi: int):
         """Why the region [lo, hi) of func cannot be detoured, or None."""

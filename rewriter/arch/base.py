@@ -31,6 +31,12 @@ class DcrInsn:
     info: Any
 
 
+class FtraceSiteInsn(DcrInsn):
+    """An ftrace site as the first instruction of a DCR (ftrace_site_insn()): the nop it is
+    when not traced.  A kernel's detour copies nothing for it (the next copy, or the jump
+    back, resumes past it)."""
+
+
 @dataclass(frozen=True)
 class SignalSyscall:
     """A system call setting a signal mask or action (rt_sigprocmask, rt_sigaction) that

@@ -263,7 +263,8 @@ def unlinked(c: Code, layout) -> tuple[bytearray, list[tuple[int, bytes]]]:
             patches.append((site.addr, em.short_jump_patch(site.addr, site.region_end - site.addr, site.slot)))
             patches.append((site.slot, em.jump_patch(site.slot, c.arch.JUMP_SIZE, detour)))
         elif site.head is None:     # a rider's instruction lies under its head's jump
-            patches.append((site.addr, em.jump_patch(site.addr, site.region_end - site.addr, detour)))
+            at = site.jump_addr     # past a shared ftrace site (Rules.share_ftrace)
+            patches.append((at, em.jump_patch(at, site.region_end - at, detour)))
     for rs in c.plan.ret_sites:
         detour = layout.detour(rs)
         key = ("ret", rs.addr)

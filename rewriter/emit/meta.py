@@ -22,6 +22,8 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
              "detour": detour(site), "region": [site.addr, site.region_end]}
         if site.decision == FTRACE:
             d["ftrace"] = True
+            if site.jump_at:            # the site stays ftrace's; the jump is after it
+                d["jump_at"] = site.jump_at
         if site.decision in JUMPS:
             d.update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
             if site.light:              # counts its hits, nothing else (emit.light_detour)
@@ -50,6 +52,8 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
             probes[-1].update({"light": True, "returns": "light"})
         if site.decision == FTRACE:
             probes[-1]["ftrace"] = True
+            if site.jump_at:
+                probes[-1]["jump_at"] = site.jump_at
         if site.decision == BREAKPOINT:       # the entry is a breakpoint (list: [BOOSTED]..., not [OPTIMIZED])
             probes[-1].update({"int3": site.xol.mode, "reason": str(site.reason)})
         if site.head is not None:

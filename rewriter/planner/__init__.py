@@ -37,7 +37,7 @@ from .register import kretprobe_refusal, register_refusal
 from .retarget import retarget_branches
 from .returns import plan_returns
 from .short_jumps import short_jumps
-from .sites import make_int3, optimize_site, share_regions
+from .sites import make_int3, optimize_site, share_regions, unshare_ftrace_site
 
 # What the later stages read: the plan's data (model.py) and the two entry points.
 __all__ = ["EvictedRegion", "FTRACE", "Group", "HOOK_KIND", "HOOK_PENDING", "HOOK_RET",
@@ -78,6 +78,12 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     # Another probe inside the region keeps the site unoptimized (the kernel's
     # pre-optimization check); every site is placed (optimized or int3), so all count.
     placed = sorted(s.addr for s in sites if s.head is None)
+    for s in sites:
+        if s.jump_at:       # a shared ftrace site with a probe after it: the site is taken instead
+            i = bisect.bisect_right(placed, s.addr)
+            if i < len(placed) and placed[i] < s.region_end:
+                unshare_ftrace_site(s, arch.Refusal("probe_in_region", placed[i], "another probe sits inside "
+                                                    f"the region [{s.jump_at:#x}, {s.region_end:#x})"))
     for s in sites:
         if s.decision not in JUMPS or s.head is not None:
             continue

@@ -58,6 +58,9 @@ class Site:
     # No dead padding in reach (evict_neighbour()): the slot is the second 5 bytes
     # of a neighbouring region moved to a detour of its own.
     evicted: "EvictedRegion | None" = None
+    # An ftrace site shared with the kernel's ftrace (Rules.share_ftrace): the site stays
+    # for ftrace and the jump takes the instructions after it, at jump_at (0: at addr).
+    jump_at: int = 0
     # No addresses of new code: those are the layout's (layout.Layout, by index).
 
     @property
@@ -81,6 +84,11 @@ class Site:
     @property
     def region_end(self) -> int:
         return self.dcr[-1].addr + len(self.dcr[-1].code) if self.dcr else self.addr + 1
+
+    @property
+    def jump_addr(self) -> int:
+        """Where the jump to the detour is written: the site, or past a shared ftrace site."""
+        return self.jump_at or self.addr
 
 
 @dataclass

@@ -22,6 +22,8 @@ def optimize_site(image, analysis, arch, s: Site, optimize: bool, rules) -> None
     can_optimize() for the site: its DCR, or the refusal."""
     if s.addr in rules.ftrace:
         s.dcr, s.decision = [arch.ftrace_site_insn(s.addr)], FTRACE
+        if rules.share_ftrace:
+            share_ftrace_site(image, analysis, arch, s, rules)
         return
     if not optimize:
         s.reason = "kprobes_optimization: jump optimization is off (--no-optimize or optimize = false)"
@@ -44,6 +46,30 @@ def optimize_site(image, analysis, arch, s: Site, optimize: bool, rules) -> None
         return
     s.dcr = r
     s.decision = OPTIMIZED
+
+
+def share_ftrace_site(image, analysis, arch, s: Site, rules) -> None:
+    """Beyond the kernel, which gives an ftrace site to one user at a time through ftrace
+    itself (KPROBE_FLAG_FTRACE): the site stays the kernel's, in __mcount_loc, so ftrace's
+    function tracer, its own kprobes on the function and BPF on them keep working, and the
+    jump takes the instructions right after it (can_optimize() from there).  The probe is
+    still the site's (its address, regs->ip, FTRACE), for the site is a nop when not traced
+    and ftrace returns past it when traced.  Where the instructions after the site cannot
+    be detoured, the jump takes the site itself (s.reason says why)."""
+    after = s.addr + len(arch.FTRACE_NOP)
+    r = arch.optprobe.can_optimize(image, analysis, s.probes[0].func, after)
+    if isinstance(r, list):
+        why = rules.region_refusal(arch, analysis, s.probes[0].func, after, r[-1].addr + len(r[-1].code))
+        if why is None:
+            s.dcr, s.jump_at = s.dcr + r, after
+            return
+        r = why
+    s.reason = r
+
+
+def unshare_ftrace_site(s: Site, why) -> None:
+    """Back to taking the site itself (share_ftrace_site()'s fallback)."""
+    s.dcr, s.jump_at, s.reason = s.dcr[:1], 0, why
 
 
 def share_regions(image, analysis, arch, sites: list[Site], rules) -> None:

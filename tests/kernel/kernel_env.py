@@ -258,6 +258,212 @@ int main(int argc, char **argv)
 """
 
 
+# perf and BPF on an event, as `perf record -e kprobes:EVENT` and a bpftrace-style program do:
+#   perfbpf sample ID CMD...  samples every hit of CMD (PERF_SAMPLE_RAW): one line of hex per sample;
+#   perfbpf bpf ID CMD...     a BPF_PROG_TYPE_KPROBE program attached to the event
+#                             (PERF_EVENT_IOC_SET_BPF) counts every hit in an array map and sums
+#                             its second argument (regs->si); prints both after CMD.
+PERFBPF_C = r"""
+#include <errno.h>
+#include <linux/bpf.h>
+#include <linux/perf_event.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PAGES 8
+#define REGS_SI 104	/* offsetof(struct pt_regs, si) on x86-64 */
+
+static int perf_open(unsigned long long id, int pid, int cpu, int sample)
+{
+	struct perf_event_attr a;
+	memset(&a, 0, sizeof(a));
+	a.type = PERF_TYPE_TRACEPOINT;
+	a.size = sizeof(a);
+	a.config = id;
+	if (sample) {
+		a.sample_period = 1;
+		a.sample_type = PERF_SAMPLE_RAW;
+		a.wakeup_events = 1;
+		a.disabled = 1;
+		a.enable_on_exec = 1;
+	}
+	return (int)syscall(SYS_perf_event_open, &a, pid, cpu, -1, 0);
+}
+
+static long bpf(int cmd, union bpf_attr *a)
+{
+	return syscall(SYS_bpf, cmd, a, sizeof(*a));
+}
+
+#define I(c, d, s, o, i) ((struct bpf_insn){ .code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i) })
+
+static int run(char **argv, int *gate)
+{
+	pid_t pid = fork();
+	if (pid == 0) {
+		char c;
+		if (gate) {
+			close(gate[1]);
+			if (read(gate[0], &c, 1) < 0)
+				_exit(126);
+		}
+		execvp(argv[0], argv);
+		_exit(127);
+	}
+	return pid;
+}
+
+static int sample(unsigned long long id, char **argv)
+{
+	int gate[2];
+	if (pipe(gate))
+		return 1;
+	pid_t pid = run(argv, gate);
+	close(gate[0]);
+	int fd = perf_open(id, pid, -1, 1);
+	if (fd < 0) {
+		printf("perf open errno=%d\n", errno);
+		return 1;
+	}
+	long page = sysconf(_SC_PAGESIZE);
+	unsigned char *m = mmap(0, (PAGES + 1) * page, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (m == MAP_FAILED) {
+		printf("perf mmap errno=%d\n", errno);
+		return 1;
+	}
+	close(gate[1]);		/* the child execs: enable_on_exec */
+	int status;
+	waitpid(pid, &status, 0);
+	struct perf_event_mmap_page *mp = (void *)m;
+	uint64_t head = __atomic_load_n(&mp->data_head, __ATOMIC_ACQUIRE), tail = mp->data_tail;
+	unsigned char *data = m + (mp->data_offset ? mp->data_offset : (uint64_t)page);
+	uint64_t size = mp->data_size ? mp->data_size : (uint64_t)PAGES * page;
+	unsigned samples = 0, lost = 0;
+	while (tail < head) {
+		unsigned char rec[4096];
+		struct perf_event_header h;
+		for (unsigned i = 0; i < sizeof(h); i++)
+			((unsigned char *)&h)[i] = data[(tail + i) % size];
+		for (unsigned i = 0; i < h.size && i < sizeof(rec); i++)
+			rec[i] = data[(tail + i) % size];
+		if (h.type == PERF_RECORD_SAMPLE) {
+			uint32_t n;
+			memcpy(&n, rec + sizeof(h), 4);
+			printf("sample pid=%d raw=", pid);
+			for (uint32_t i = 0; i < n && sizeof(h) + 4 + i < sizeof(rec); i++)
+				printf("%02x", rec[sizeof(h) + 4 + i]);
+			printf("\n");
+			samples++;
+		} else if (h.type == PERF_RECORD_LOST) {
+			lost++;
+		}
+		if (!h.size)
+			break;
+		tail += h.size;
+	}
+	printf("perf samples=%u lost=%u\n", samples, lost);
+	return 0;
+}
+
+static int count(unsigned long long id, char **argv)
+{
+	union bpf_attr a;
+	memset(&a, 0, sizeof(a));
+	a.map_type = BPF_MAP_TYPE_ARRAY;
+	a.key_size = 4;
+	a.value_size = 8;
+	a.max_entries = 2;
+	int map = (int)bpf(BPF_MAP_CREATE, &a);
+	if (map < 0) {
+		printf("bpf map errno=%d\n", errno);
+		return 1;
+	}
+	/* key 0: hits; key 1: the sum of the second argument */
+	struct bpf_insn prog[] = {
+		I(BPF_ALU64 | BPF_MOV | BPF_X, 6, 1, 0, 0),		/* r6 = ctx (struct pt_regs *) */
+		I(BPF_ST | BPF_MEM | BPF_W, 10, 0, -4, 0),		/* key = 0 */
+		I(BPF_ALU64 | BPF_MOV | BPF_X, 2, 10, 0, 0),
+		I(BPF_ALU64 | BPF_ADD | BPF_K, 2, 0, 0, -4),
+		I(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0, map), I(0, 0, 0, 0, 0),
+		I(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_map_lookup_elem),
+		I(BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 11, 0),		/* to the exit */
+		I(BPF_ALU64 | BPF_MOV | BPF_K, 1, 0, 0, 1),
+		I(BPF_STX | BPF_ATOMIC | BPF_DW, 0, 1, 0, BPF_ADD),	/* hits += 1 */
+		I(BPF_ST | BPF_MEM | BPF_W, 10, 0, -4, 1),		/* key = 1 */
+		I(BPF_ALU64 | BPF_MOV | BPF_X, 2, 10, 0, 0),
+		I(BPF_ALU64 | BPF_ADD | BPF_K, 2, 0, 0, -4),
+		I(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0, map), I(0, 0, 0, 0, 0),
+		I(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_map_lookup_elem),
+		I(BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 2, 0),
+		I(BPF_LDX | BPF_MEM | BPF_DW, 1, 6, REGS_SI, 0),	/* r1 = regs->si */
+		I(BPF_STX | BPF_ATOMIC | BPF_DW, 0, 1, 0, BPF_ADD),	/* sum += r1 */
+		I(BPF_ALU64 | BPF_MOV | BPF_K, 0, 0, 0, 1),
+		I(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
+	};
+	static char log[65536];
+	memset(&a, 0, sizeof(a));
+	a.prog_type = BPF_PROG_TYPE_KPROBE;
+	a.insns = (uint64_t)(uintptr_t)prog;
+	a.insn_cnt = sizeof(prog) / sizeof(prog[0]);
+	a.license = (uint64_t)(uintptr_t)"GPL";
+	a.log_buf = (uint64_t)(uintptr_t)log;
+	a.log_size = sizeof(log);
+	a.log_level = 1;
+	int pfd = (int)bpf(BPF_PROG_LOAD, &a);
+	if (pfd < 0) {
+		printf("bpf load errno=%d\n%s\n", errno, log);
+		return 1;
+	}
+	int fd = perf_open(id, -1, 0, 0);
+	if (fd < 0) {
+		printf("perf open errno=%d\n", errno);
+		return 1;
+	}
+	if (ioctl(fd, PERF_EVENT_IOC_SET_BPF, pfd)) {
+		printf("bpf attach errno=%d\n", errno);
+		return 1;
+	}
+	ioctl(fd, PERF_EVENT_IOC_ENABLE, 0);
+	int status;
+	waitpid(run(argv, 0), &status, 0);
+	unsigned long long v[2] = { 0, 0 };
+	for (uint32_t k = 0; k < 2; k++) {
+		memset(&a, 0, sizeof(a));
+		a.map_fd = map;
+		a.key = (uint64_t)(uintptr_t)&k;
+		a.value = (uint64_t)(uintptr_t)&v[k];
+		if (bpf(BPF_MAP_LOOKUP_ELEM, &a))
+			printf("bpf lookup errno=%d\n", errno);
+	}
+	printf("bpf hits=%llu argsum=%llu\n", v[0], v[1]);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 4)
+		return 2;
+	unsigned long long id = strtoull(argv[2], 0, 0);
+	return strcmp(argv[1], "sample") == 0 ? sample(id, argv + 3) : count(id, argv + 3);
+}
+"""
+
+
+def perfbpf_program(d: Path) -> Path:
+    """PERFBPF_C built static in folder d (for an initramfs)."""
+    src, exe = d / "perfbpf.c", d / "perfbpf"
+    src.write_text(PERFBPF_C)
+    subprocess.run(["gcc", "-static", "-O2", "-o", exe, src], check=True)
+    return exe
+
+
 def perfcount_program(d: Path) -> Path:
     """PERFCOUNT_C built static in folder d (for an initramfs)."""
     src, exe = d / "perfcount.c", d / "perfcount"

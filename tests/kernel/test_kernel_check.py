@@ -157,15 +157,18 @@ def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')
     r = kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out, check=False)
     assert r.returncode == 0 and out.exists() and r.stderr == "", r.stderr
-    # kprewrite diff explains every changed byte: the ftrace site's jump, its dropped
-    # __mcount_loc entry, our code and data in the text/rodata gap (and the boot hooks' probes).
+    # kprewrite diff explains every changed byte: the jump after the ftrace site (the site and
+    # its __mcount_loc entry stay ftrace's), our code and data in the text/rodata gap (and the
+    # boot hooks' probes).
     doc = json.loads(kprewrite("diff", debian_kernel.vmlinux, out, "--format", "json").stdout)
     site = kimage.symbols["do_sys_openat2"][0]
     what = {c["what"] for c in doc["changes"]}
-    assert {"kprobe", "target", "added_section", "elf_header"} <= what and doc["unattributed"] == []
-    (entry,) = [c for c in doc["changes"] if c["address"] == hex(site)]
-    assert entry["probes"] == ["p_do_sys_openat2_0"] and entry["changed"] == 5 and "ftrace site" in entry["detail"]
-    assert any(c["what"] == "target" and f"ftrace site {site:#x} dropped" in c["detail"] for c in doc["changes"])
+    assert {"kprobe", "added_section", "elf_header"} <= what and doc["unattributed"] == []
+    assert [c for c in doc["changes"] if c["address"] == hex(site)] == []
+    (entry,) = [c for c in doc["changes"] if c["address"] == hex(site + 5)]
+    assert entry["probes"] == ["p_do_sys_openat2_0"] and entry["changed"] == 5, entry
+    assert "after its ftrace site" in entry["detail"], entry
+    assert not any("__mcount_loc" in c["detail"] for c in doc["changes"]), doc["changes"]
     assert all(g["segment"] == "LOAD" and g["filesz"][1] > g["filesz"][0] for g in doc["grown"])
     assert doc["added_segments"] == [] and [s["name"] for s in doc["added_sections"]] == [
         ".kprewrite.text", ".kprewrite.data", ".kprewrite.meta"]

@@ -18,7 +18,15 @@ trigger, format, hist and id.  One rewrite of Debian's vmlinuz and one boot (-sm
   name is refused;
 - perf: a counter opened on the event's id (PERF_TYPE_TRACEPOINT, as `perf stat -e
   kprobes:kp_fadv` opens one) counts the calls of the process it follows, with a filter on a
-  field set through perf (PERF_EVENT_IOC_SET_FILTER) and on the `r` event's retval.
+  field set through perf (PERF_EVENT_IOC_SET_FILTER) and on the `r` event's retval; a sampling
+  event (`perf record -e kprobes:kp_fadv`, PERF_SAMPLE_RAW) gets one sample a call with the raw
+  fields at the offsets `format` gives;
+- BPF: a BPF_PROG_TYPE_KPROBE program loaded with the bpf system call and attached to the event
+  (PERF_EVENT_IOC_SET_BPF) counts every hit in an array map and sums an argument read from its
+  pt_regs: the count equals kprobe_profile's;
+- the kernel's own tracers on the function we probe at its entry (an ftrace site we share): a
+  tracefs kprobe event on ksys_fadvise64_64 and the function tracer filtered to it, both firing
+  with ours, one line each a call.
 """
 from __future__ import annotations
 
@@ -29,7 +37,7 @@ import pytest
 
 from conftest import kprewrite  # the tree's CLI, as every test runs it
 
-from kernel_env import assert_boot_ok, init_script, perfcount_program, sections
+from kernel_env import assert_boot_ok, init_script, perfbpf_program, perfcount_program, sections
 
 pytestmark = pytest.mark.kernel
 
@@ -109,6 +117,22 @@ echo "== perf"
 /perfcount $(cat {E}/id) "off == 200" /fadv 6 201
 /perfcount $(cat {E}/id) "off == 200" /fadv 3 200
 [ -d {T}/events/kprobes/kp_fadv_ret ] && /perfcount $(cat {T}/events/kprobes/kp_fadv_ret/id) "ret == 0" /fadv 5 202
+echo "== perf_sample"
+/perfbpf sample $(cat {E}/id) /fadv 3 210
+echo "== profile_bpf_before"; cat {PROFILE}
+echo "== bpf"
+/perfbpf bpf $(cat {E}/id) /fadv 7 220
+echo "== profile_bpf_after"; cat {PROFILE}
+echo "== own"
+echo 'p:kk ksys_fadvise64_64 off=%si:s64' >> {T}/kprobe_events && echo accepted || echo refused
+echo 1 > {T}/events/kprobes/kk/enable
+echo ksys_fadvise64_64 > {T}/set_ftrace_filter && echo filtered || echo not-filtered
+echo function > {T}/current_tracer
+echo > {T}/trace
+/fadv 3 300
+echo "== trace_own"; cat {T}/trace
+echo nop > {T}/current_tracer
+echo 0 > {T}/events/kprobes/kk/enable
 echo "== end"
 """
 
@@ -129,7 +153,8 @@ def booted(tmp_path_factory, debian_kernel, make_initramfs, boot_kernel):
     src = d / "fadv.c"
     src.write_text(FADV_C)
     subprocess.run(["gcc", "-static", "-O2", "-o", d / "fadv", src], check=True)
-    initrd = make_initramfs(init_script(COMMANDS), {"fadv": d / "fadv", "perfcount": perfcount_program(d)})
+    initrd = make_initramfs(init_script(COMMANDS), {"fadv": d / "fadv", "perfcount": perfcount_program(d),
+                                                        "perfbpf": perfbpf_program(d)})
     b = boot_kernel("event-controls-bzimage-smp2", out, initrd, smp=2, timeout=240)
     assert_boot_ok(b)
     return b
@@ -249,7 +274,7 @@ def test_hist_trigger_counts(booted, out):
     delta = _profile_hits(out["profile_after"], "kp_fadv") - _profile_hits(out["profile_before"], "kp_fadv")
     assert total == delta == 12, (total, delta, hist)
     # the probe fires whether or not its event is enabled (kprobe_profile counts every hit)
-    assert booted.profile()["kp_fadv"][0] == 2 + 5 + 4 + 6 + 2 + 3 + 1 + 3 + 9 + (4 + 6 + 3 + 5), booted.profile()
+    assert booted.profile()["kp_fadv"][0] == 2 + 5 + 4 + 6 + 2 + 3 + 1 + 3 + 9 + (4 + 6 + 3 + 5) + 3 + 7 + 3, booted.profile()
 
 
 def test_perf_counts_the_event_with_a_filter(out):
@@ -261,3 +286,50 @@ def test_perf_counts_the_event_with_a_filter(out):
     want = [4, 0, 3] + ([5] if any(l == "name: kp_fadv_ret" for l in out["format_ret"]) else [])
     got = [int(m.group(1)) for l in out["perf"] for m in [re.fullmatch(r"perf count=(\d+)", l)] if m]
     assert got == want, out["perf"]
+
+
+def _trace_entry(raw: bytes) -> tuple[int, int]:
+    """(type, pid) of a struct trace_entry: unsigned short type, flags, preempt_count, int pid."""
+    return int.from_bytes(raw[0:2], "little"), int.from_bytes(raw[4:8], "little", signed=True)
+
+
+def test_perf_samples_carry_the_raw_fields(out):
+    """A sampling event on kp_fadv (sample_period 1, PERF_SAMPLE_RAW, enable_on_exec on /fadv):
+    3 samples for 3 calls, each the kernel's record of the event: its type, the pid of /fadv, and
+    `off` and `advice` at the offsets the event's `format` gives."""
+    lines = out["perf_sample"]
+    assert "perf samples=3 lost=0" in lines, lines
+    event_id = int(out["id"][0])
+    fields = {name: (off, size) for _, name, off, size, _ in _fields(out["format"])}
+    samples = [re.fullmatch(r"sample pid=(\d+) raw=([0-9a-f]+)", l) for l in lines]
+    samples = [(int(m.group(1)), bytes.fromhex(m.group(2))) for m in samples if m]
+    assert len(samples) == 3, lines
+
+    def field(raw: bytes, name: str) -> int:
+        off, size = fields[name]
+        return int.from_bytes(raw[off:off + size], "little", signed=True)
+    for pid, raw in samples:
+        assert _trace_entry(raw) == (event_id, pid), (raw.hex(), event_id, pid)
+        assert (field(raw, "off"), field(raw, "advice")) == (210, 0), raw.hex()
+
+
+def test_bpf_program_counts_hits_and_reads_an_argument(out):
+    """A BPF_PROG_TYPE_KPROBE program on kp_fadv (perf_event_set_bpf_prog() takes it: the call is
+    flagged TRACE_EVENT_FL_KPROBE; the hit runs it through trace_call_bpf()): 7 hits, each reading
+    `off` (220) from regs->si, and kprobe_profile counted the same 7."""
+    assert "bpf hits=7 argsum=1540" in out["bpf"], out["bpf"]
+    delta = _profile_hits(out["profile_bpf_after"], "kp_fadv") - _profile_hits(out["profile_bpf_before"], "kp_fadv")
+    assert delta == 7, (out["profile_bpf_before"], out["profile_bpf_after"])
+
+
+def test_kernels_own_kprobe_and_function_tracer_on_our_probed_entry(out):
+    """Our probe's jump follows the function's ftrace site (Rules.share_ftrace), so the site is
+    still ftrace's: the kernel accepts its own tracefs kprobe event at ksys_fadvise64_64 (placed
+    on ftrace, KPROBE_FLAG_FTRACE) and the function tracer filtered to it, and in 3 calls all
+    three fire 3 times: the function tracer's line, the kernel's `kk` and our kp_fadv."""
+    assert out["own"][:2] == ["accepted", "filtered"], out["own"]
+    trace = out["trace_own"]
+    func = [l for l in trace if re.search(r"\bksys_fadvise64_64 <-", l)]
+    kk = [l for l in trace if re.search(r" kk: \(ksys_fadvise64_64\+0x0/0x[0-9a-f]+\) off=300$", l)]
+    ours = [l for l in trace if " kp_fadv: " in l]
+    assert len(func) == len(kk) == 3 and _offs(ours) == [300] * 3, trace

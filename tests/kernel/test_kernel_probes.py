@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from rewriter.elf.image import Image  # noqa: E402
 from rewriter.targets import linux_kernel  # noqa: E402
+from rewriter.targets.linux_kernel import sites as ks  # noqa: E402
+from rewriter.targets.linux_kernel.symbols import kernel  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -339,8 +341,11 @@ def test_preempt_full_reschedules_on_the_way_out(probed, make_initramfs, boot_ke
 
 
 def _detour_entry(image, addr: int) -> int:
-    """The runtime entry a site's detour calls: the jmp at the site, then the detour's first call."""
+    """The runtime entry a site's detour calls: the jmp at the site (past an ftrace site, which
+    stays `call __fentry__` for ftrace: Rules.share_ftrace), then the detour's first call."""
     code = image.read(addr, 5)
+    if code[0] == 0xE8:
+        addr, code = addr + 5, image.read(addr + 5, 5)
     assert code[0] == 0xE9, code.hex()
     detour = addr + 5 + int.from_bytes(code[1:], "little", signed=True)
     cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
@@ -358,23 +363,34 @@ def test_clean_handler_gets_a_clean_call(probed):
     assert len(full) == 1 and clean not in full, (full, clean)
 
 
-def test_ftrace_site_detours_are_a_push_a_call_and_the_jump_back(probed):
-    """A kernel has no red zone: a detour's stub is `push $SITE; call` the runtime's short
-    entry (which returns over SITE), and an ftrace site's nop is not copied, so the detour
-    of an ftrace-site probe is 15 bytes (docs/kernel.md, "Where the code goes"); with a
-    post_handler, a second push and call after the (empty) copy."""
+def test_ftrace_site_probes_leave_the_site_to_ftrace(probed, debian_kernel):
+    """A probe on an ftrace site leaves the site to ftrace (Rules.share_ftrace): the site still
+    holds `call __fentry__` and its __mcount_loc entry stays, the jump follows it.  A kernel has
+    no red zone: the detour's stub is `push $SITE; call` the runtime's short entry (which returns
+    over SITE); the site's nop is not copied, so after the stub (with a post_handler, a second
+    push and call) comes the copy of the instructions the jump displaced, then the jump back to
+    the end of that region (docs/kernel.md, "Where the code goes")."""
+    orig = Image(str(debian_kernel.vmlinux))
+    linux_kernel.load_symbols(orig)
     out = Image(str(probed["out"]))
     linux_kernel.load_symbols(out)
+    sites = {m.site for m in ks.mcount_locs(kernel(out))}
     cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     for name, calls in (("__x64_sys_openat", 1), ("do_sys_openat2", 1), ("kernel_clone", 2)):
         site = out.symbols[name][0]
-        code = out.read(site, 5)
+        assert site in sites and out.read(site, 5) == orig.read(site, 5) and out.read(site, 1) == b"\xe8", name
+        code = out.read(site + 5, 5)
         assert code[0] == 0xE9, (name, code.hex())
-        detour = site + 5 + int.from_bytes(code[1:], "little", signed=True)
-        insns = list(cs.disasm(out.read(detour, 15 * calls), detour))[:2 * calls + 1]
-        assert [i.mnemonic for i in insns] == ["push", "call"] * calls + ["jmp"], (name, insns)
-        assert int(insns[-1].op_str, 16) == site + 5, (name, insns[-1])
-        assert insns[-1].address + insns[-1].size - detour <= 15 * calls, (name, insns)
+        detour = site + 10 + int.from_bytes(code[1:], "little", signed=True)
+        insns = list(cs.disasm(out.read(detour, 64), detour))
+        assert [i.mnemonic for i in insns[:2 * calls]] == ["push", "call"] * calls, (name, insns)
+        back = next(i for i in insns[2 * calls:] if i.mnemonic == "jmp")
+        end = int(back.op_str, 16)
+        copied = insns[2 * calls:insns.index(back)]
+        displaced = list(cs.disasm(orig.read(site + 5, end - site - 5), site + 5))
+        assert copied and [(i.mnemonic, i.size) for i in copied] == [(i.mnemonic, i.size) for i in displaced], \
+            (name, copied, displaced)
+        assert end - site - 5 >= 5 and out.read(site + 10, end - site - 10) == b"\xcc" * (end - site - 10), name
 
 
 def test_list_reads_the_probes_back(probed, debian_kernel):

@@ -1,6 +1,6 @@
 """AArch64: decode, probe checks and emission (the arch/arm64/kernel/probes/ of
 kprewrite).  The package is the arch.base.Arch of AArch64."""
-from ..base import DcrInsn, Refusal, ThreadKey  # noqa: F401
+from ..base import DcrInsn, FtraceSiteInsn, Refusal, ThreadKey  # noqa: F401
 from . import emit, handler_abi, kprobe_xol, optprobe, retprobe, toolchain  # noqa: F401
 from . import fetchregs as fetch_regs  # noqa: F401
 from . import insn as _insn
@@ -48,4 +48,4 @@ def with_branch_target(insn, target: int):
 
 def ftrace_site_insn(addr: int):
     """The DCR of a probe on an ftrace site: the nop it holds when not traced."""
-    return DcrInsn(addr, FTRACE_NOP, _insn.classify(FTRACE_NOP, addr))
+    return FtraceSiteInsn(addr, FTRACE_NOP, _insn.classify(FTRACE_NOP, addr))

@@ -2,7 +2,7 @@
 The package is the arch.base.Arch of x86-64."""
 import dataclasses
 
-from ..base import DcrInsn, Refusal, ThreadKey  # noqa: F401
+from ..base import DcrInsn, FtraceSiteInsn, Refusal, ThreadKey  # noqa: F401
 from . import emit, handler_abi, jumptable, kprobe_xol, optprobe, retprobe, toolchain, unwind  # noqa: F401
 from . import fetchregs as fetch_regs  # noqa: F401
 from .decode import decode_function  # noqa: F401
@@ -47,4 +47,4 @@ def ftrace_site_insn(addr: int):
     """The DCR of a probe on an ftrace site (KPROBE_FLAG_FTRACE): the site as the
     nop it is when not traced, whatever the file holds (call __fentry__)."""
     from .insn import classify
-    return DcrInsn(addr, FTRACE_NOP, classify(FTRACE_NOP, addr))
+    return FtraceSiteInsn(addr, FTRACE_NOP, classify(FTRACE_NOP, addr))

@@ -160,13 +160,14 @@ def detour(site: int, dcr: list[DcrInsn], with_post: bool, at: int,
     back: where the copy jumps (default: the end of dcr in the original code;
     in a shared region, the next probe's detour).
     short: short_stub()s to the runtime's short entries (a kernel); an ftrace site's
-    nop is then not copied (the copy is the jump back), so its detour is 15 bytes
-    and fills one 16-byte slot."""
-    from . import FTRACE_NOP        # an ftrace site's DCR (ftrace_site_insn())
+    nop is then not copied (the copy is the jump back, or the instructions after a
+    shared site), so a taken site's detour is 15 bytes and fills one 16-byte slot."""
+    from ..base import FtraceSiteInsn        # an ftrace site's DCR (ftrace_site_insn())
     copy = copy or relocate
     stub = short_stub if short else probe_stub
-    if short and len(dcr) == 1 and dcr[0].code == FTRACE_NOP:
-        copy = lambda insn, at: b""  # noqa: E731
+    if short and isinstance(dcr[0], FtraceSiteInsn):
+        site_nop, each = dcr[0], copy
+        copy = lambda insn, at: b"" if insn is site_nop else each(insn, at)  # noqa: E731
     out = bytearray(stub(site, entry, at))
     resume = at + len(out)
     resume_post = resume

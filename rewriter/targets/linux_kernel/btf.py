@@ -31,7 +31,7 @@ OWN_TAGS = {"pt_regs": None, "kprobe": "kp_btf_kprobe", "kretprobe": "kp_btf_kre
             "kretprobe_instance": "kp_btf_kretprobe_instance",
             # arm64's pt_regs holds a user_pt_regs, which the handler API defines too.
             "user_pt_regs": "kp_btf_user_pt_regs"}
-GENERATOR = b"kprewrite-btf-sched-h-6-perf"
+GENERATOR = b"kprewrite-btf-sched-h-7-bpf"
 
 
 @dataclass
@@ -293,9 +293,18 @@ _PERF_LAYOUT = (
     (None, "TRACE_REG_PERF_DEL"),
 )
 
-# The entries every event call needs; the perf ones follow.
+# What BPF programs on the events need (perf_event_set_bpf_prog() takes a BPF_PROG_TYPE_KPROBE
+# program on a call flagged TRACE_EVENT_FL_KPROBE, perf_event_attach_bpf_prog() puts it in
+# call->prog_array, kprobe_perf_func() runs it), then where a trace_probe_event's `probes`
+# list lies from its call (the kernel reads it through container_of() on such a call:
+# trace_kprobe_primary_from_call(), which our empty list answers with NULL).  -1: no BPF.
+_BPF_LAYOUT = (
+    ("trace_event_call", "flags"), ("trace_event_call", "prog_array"), (None, "TRACE_EVENT_FL_KPROBE"),
+)
+
+# The entries every event call needs; the perf ones follow, then BPF's.
 TRACE_CALL_LEN = 8 + len(_CALL_LAYOUT)
-TRACE_LAYOUT_LEN = TRACE_CALL_LEN + len(_PERF_LAYOUT)
+TRACE_LAYOUT_LEN = TRACE_CALL_LEN + len(_PERF_LAYOUT) + len(_BPF_LAYOUT) + 1
 
 
 def _layout_values(types, layout) -> list:
@@ -313,9 +322,13 @@ def _trace_layout(types) -> list | None:
         return None
     call = _layout_values(types, _CALL_LAYOUT)
     perf = _layout_values(types, _PERF_LAYOUT)
+    tpe = [member_offset(types, "trace_probe_event", m) for m in ("call", "probes")]
+    bpf = _layout_values(types, _BPF_LAYOUT) + [None if None in tpe else tpe[1] - tpe[0]]
+    if None in bpf:
+        bpf = [None] * len(bpf)
     if None in call:
-        call, perf = [-1] * len(call), [None] * len(perf)
-    return out + call + [-1 if v is None else v for v in perf]
+        call, perf, bpf = [-1] * len(call), [None] * len(perf), [None] * len(bpf)
+    return out + call + [-1 if v is None else v for v in perf + bpf]
 
 
 def kernel_types(btf: bytes, symbols: dict, where: str, kern) -> KernelTypes:

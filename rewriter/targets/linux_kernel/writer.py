@@ -49,14 +49,16 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
         off = image.offset_of(addr)
         out[off:off + len(code)] = code
     mcount = {m.site: m for m in ks.mcount_locs(k)}
-    for m in [mcount[site.addr] for site in plan.sites if site.decision == "ftrace"] + hooked:
+    # The ftrace sites a jump took (not those shared with ftrace, Site.jump_at).
+    taken = [mcount[site.addr] for site in plan.sites if site.decision == "ftrace" and not site.jump_at]
+    for m in taken + hooked:
         out[m.entry_offset:m.entry_offset + 8] = bytes(8)     # ftrace neither patches nor checks it any more
     code = bytes(rx) + blob.text
     off = image.offset_of(layout.rx_vaddr)
     out[off:off + len(code)] = code
     doff = offset_of(blob.data_addr)
     out[doff:doff + len(blob.data)] = blob.data
-    zeroed = [mcount[site.addr].entry for site in plan.sites if site.decision == "ftrace"] + [m.entry for m in hooked]
+    zeroed = [m.entry for m in taken + hooked]
     sections = [NewSection(".kprewrite.text", 1, 6, layout.rx_vaddr, code),
                 NewSection(".kprewrite.data", 8 if not blob.data else 1, 3, blob.data_addr, blob.data, blob.data_memsz),
                 NewSection(META_SECTION, 1, 0, 0, metadata, align=1)]
@@ -74,7 +76,7 @@ def diff_expected(image, meta: dict) -> list[tuple[int, int, str]]:
     our code fills: the __mcount_loc entry of each ftrace site a probe took
     (write() zeroes it, so ftrace neither patches nor checks the site), and what the
     architecture's patches changed."""
-    taken = {p["addr"]: p["name"] for p in meta["probes"] if p.get("ftrace")}
+    taken = {p["addr"]: p["name"] for p in meta["probes"] if p.get("ftrace") and not p.get("jump_at")}
     out = [(m.entry_offset, 8, f"__mcount_loc entry of the ftrace site {m.site:#x} dropped ({taken[m.site]})")
            for m in ks.mcount_locs(kernel(image)) if m.site in taken] if taken else []
     return out + arch_of(image).diff_expected(image, meta)

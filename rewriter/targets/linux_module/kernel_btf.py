@@ -111,7 +111,7 @@ def layout(data: bytes, where: str) -> list | None:
     cached by the BTF's contents (parsing a kernel's BTF takes seconds)."""
     import json
     from ... import cache
-    k = cache.key(b"module-trace-layout-2-perf", repr(EXTRA).encode(), data)
+    k = cache.key(b"module-trace-layout-3-bpf", repr(EXTRA).encode(), data)
     hit = cache.get("module-trace-layout", k)
     if hit is not None:
         return json.loads(hit)

@@ -86,6 +86,11 @@ void *perf_trace_buf_alloc(int size, struct pt_regs **regs, int *rctxp);
 void perf_tp_event(unsigned short event_type, unsigned long long count, void *record, int entry_size,
 		   struct pt_regs *regs, void *head, int rctx, void *task);
 #define KP_PERF_MAX_TRACE_SIZE 8192	/* PERF_MAX_TRACE_SIZE: perf_trace_buf_alloc() warns past it */
+#ifndef KP_MODULE_EVENTS
+/* kernel/trace/bpf_trace.c: the BPF programs attached to a call (call->prog_array), run
+ * with the probed context's registers; 0 means "filtered out" for perf. */
+unsigned int trace_call_bpf(void *call, void *ctx);
+#endif
 
 /* The layouts BTF gives (rewriter/targets/linux_kernel/btf.py: _trace_layout()), -1 when
  * unknown: the output type's first, then the trace_event_call's (all known or all -1). */
@@ -98,7 +103,9 @@ enum { KP_TR_ENTRY_SIZE, KP_TR_EVENT_SIZE, KP_TR_EVENT_TYPE, KP_TR_EVENT_FUNCS, 
        KP_TR_REG_REGISTER, KP_TR_REG_UNREGISTER, KP_TR_FILTER_OTHER,
        /* perf's (btf.py: _PERF_LAYOUT), each -1 on its own when unknown: perf refused */
        KP_TR_CALL_PERF_EVENTS, KP_TR_REG_PERF_REGISTER, KP_TR_REG_PERF_UNREGISTER, KP_TR_REG_PERF_OPEN,
-       KP_TR_REG_PERF_CLOSE, KP_TR_REG_PERF_ADD, KP_TR_REG_PERF_DEL, KP_TR_N };
+       KP_TR_REG_PERF_CLOSE, KP_TR_REG_PERF_ADD, KP_TR_REG_PERF_DEL,
+       /* BPF's (btf.py: _BPF_LAYOUT), all known or all -1: no BPF program on the events */
+       KP_TR_CALL_FLAGS, KP_TR_CALL_PROG_ARRAY, KP_TR_FL_KPROBE, KP_TR_CALL_PROBES, KP_TR_N };
 extern const long kp_kernel_trace[KP_TR_N];
 
 /* An event's trace_event_call (its struct trace_event inside: the output type), its
@@ -128,6 +135,7 @@ static struct kp_trace_type *kp_trace_types;	/* per kp_trace_events[], memblock 
 /* Where the struct trace_event is in ours: in the trace_event_call, or at 0 without one. */
 static long kp_trace_event_at;
 static int kp_trace_calls;			/* BTF gave the trace_event_call's layout */
+static int kp_trace_bpf;			/* ... and BPF's: the calls take BPF programs */
 
 /* The entry after struct trace_entry: the kernel's kprobe_trace_entry_head's ip, or
  * kretprobe_trace_entry_head's func and ret_ip; the fields follow. */
@@ -327,6 +335,15 @@ static void kp_trace_file(const struct kp_trace_type *t, void *file, struct pt_r
 static void kp_trace_perf(const struct kp_trace_type *t, struct pt_regs *regs, unsigned long ip,
 			  unsigned long ret_addr, const unsigned char *rec, unsigned long len, unsigned long size)
 {
+#ifndef KP_MODULE_EVENTS
+	/* bpf_prog_array_valid(): the programs first, on every hit while perf holds the
+	 * event (they run whether or not a perf event is on this CPU's list); one that
+	 * returns 0 keeps the hit from perf, as in kprobe_perf_func(). */
+	if (kp_trace_bpf && regs
+	    && __atomic_load_n((void **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PROG_ARRAY]), __ATOMIC_RELAXED)
+	    && !trace_call_bpf((void *)t->call, regs))
+		return;
+#endif
 	void *pcpu = __atomic_load_n((void **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PERF_EVENTS]),
 				     __ATOMIC_ACQUIRE);
 	if (!pcpu)
@@ -457,8 +474,9 @@ static void *kp_trace_funcs[4] = { kp_trace_print };
  * on other CPUs, which run with preemption off, are waited for before its file may go);
  * TRACE_REG_PERF_REGISTER/UNREGISTER count perf's users (enable_trace_kprobe(event,
  * NULL)), the other perf cases take nothing.  Where BTF did not give perf's side, perf
- * is refused: `perf record -e kprobes:<EVENT>` says so.  BPF programs are not
- * attached to these events (the kernel takes them on a kprobe event's call only). */
+ * is refused: `perf record -e kprobes:<EVENT>` says so.  A BPF program attaches through
+ * perf (PERF_EVENT_IOC_SET_BPF: the call is flagged TRACE_EVENT_FL_KPROBE) and runs in
+ * kp_trace_perf(); not on a module's events. */
 static int kp_trace_reg(void *call, int type, void *data)
 {
 	struct kp_trace_type *t = call;
@@ -672,6 +690,12 @@ void kp_kernel_trace_init(void)
 			 && kp_kernel_trace[KP_TR_FBUF_SIZE] <= KP_FBUF_MAX
 			 && kp_kernel_trace[KP_TR_CALL_EVENT] + kp_kernel_trace[KP_TR_EVENT_SIZE] <= KP_CALL_MAX;
 	kp_trace_event_at = kp_trace_calls ? kp_kernel_trace[KP_TR_CALL_EVENT] : 0;
+#ifndef KP_MODULE_EVENTS
+	kp_trace_bpf = kp_trace_calls && kp_kernel_trace[KP_TR_CALL_PERF_EVENTS] >= 0
+		       && kp_kernel_trace[KP_TR_CALL_PROBES] >= kp_kernel_trace[KP_TR_CALL_SIZE]
+		       && kp_kernel_trace[KP_TR_CALL_PROBES] + 16 <= KP_CALL_MAX
+		       && kp_kernel_trace[KP_TR_CALL_PROG_ARRAY] + 8 <= KP_CALL_MAX;
+#endif
 	unsigned long size = kp_ntrace_events * sizeof(struct kp_trace_type);
 	struct kp_trace_type *types = memblock_alloc_try_nid(size, 64, 0, 0, -1);
 	if (!types) {
@@ -707,6 +731,14 @@ void kp_kernel_trace_init(void)
 			*(void **)(fields + kp_kernel_trace[KP_TR_FIELDS_DEFINE]) = (void *)kp_trace_define_fields;
 			*(char **)(call + kp_kernel_trace[KP_TR_CALL_CLASS]) = class;
 			*(const char **)(call + kp_kernel_trace[KP_TR_CALL_NAME]) = t->ev->name;
+			if (kp_trace_bpf) {
+				/* a kprobe event's flag (BPF_PROG_TYPE_KPROBE programs attach), and
+				 * where the kernel would find a trace_probe_event's probes: empty */
+				*(int *)(call + kp_kernel_trace[KP_TR_CALL_FLAGS]) |= (int)kp_kernel_trace[KP_TR_FL_KPROBE];
+				char *probes = call + kp_kernel_trace[KP_TR_CALL_PROBES];
+				((void **)probes)[0] = probes;
+				((void **)probes)[1] = probes;
+			}
 		}
 		int type = register_trace_event(event);
 		t->type = type > 0 ? (unsigned int)type : 0;

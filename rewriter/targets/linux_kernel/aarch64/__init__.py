@@ -27,6 +27,8 @@ REGISTER_REASONS = {
     "__ex_table": "exception table entry (search_exception_tables() in arch_prepare_kprobe)",
 }
 FUNCTION_RANGES = ()
+# Its ftrace sites are written by its own back half (build.py): taken, not shared (Rules.share_ftrace).
+SHARE_FTRACE = False
 RETURN_SITES = ""                       # no table of returns patched at boot on arm64
 
 
