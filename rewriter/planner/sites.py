@@ -22,7 +22,9 @@ def optimize_site(image, analysis, arch, s: Site, optimize: bool, rules) -> None
     can_optimize() for the site: its DCR, or the refusal."""
     if s.addr in rules.ftrace:
         s.dcr, s.decision = [arch.ftrace_site_insn(s.addr)], FTRACE
-        if rules.share_ftrace:
+        # A glob's probes take the site: sharing costs each detour the copy of the displaced
+        # instructions, and a probe on every function must fit the kernel's gaps.
+        if rules.share_ftrace and not all(p.from_glob for p in s.probes):
             share_ftrace_site(image, analysis, arch, s, rules)
         return
     if not optimize:
@@ -55,7 +57,8 @@ def share_ftrace_site(image, analysis, arch, s: Site, rules) -> None:
     jump takes the instructions right after it (can_optimize() from there).  The probe is
     still the site's (its address, regs->ip, FTRACE), for the site is a nop when not traced
     and ftrace returns past it when traced.  Where the instructions after the site cannot
-    be detoured, the jump takes the site itself (s.reason says why)."""
+    be detoured, the jump takes the site itself (s.reason says why); so does a site whose
+    probes all come from globs (optimize_site())."""
     after = s.addr + len(arch.FTRACE_NOP)
     r = arch.optprobe.can_optimize(image, analysis, s.probes[0].func, after)
     if isinstance(r, list):
