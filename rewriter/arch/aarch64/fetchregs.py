@@ -25,3 +25,11 @@ def __getattr__(name: str):
 REGS_HINT = "arm64 names: x0-x30 sp pc pstate"
 PARAM_MAX_STACK = 16384 // 8       # THREAD_SIZE / sizeof(long)
 DEFAULT_TYPE = "x64"               # BITS_PER_LONG
+# DWARF register numbers (the AArch64 DWARF ABI's: x0-x30 0-30, sp 31) -> these names, for
+# probes by variable name (perfprobe)
+DWARF_REGS = {**{n: f"x{n}" for n in range(31)}, 31: "sp"}
+# DWARF registers fetch args cannot read, named in errors ("'x' is not available ... in %v0")
+DWARF_REG_NAMES = {64 + n: f"v{n}" for n in range(32)}
+# The first eight integer or pointer arguments at a function's entry (AAPCS64's, and the
+# kernel's regs_get_kernel_argument()), for kernel probes by parameter name (perfprobe/btfprobe.py)
+ARG_REGS = tuple(f"x{n}" for n in range(8))
