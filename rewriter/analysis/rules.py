@@ -10,8 +10,9 @@ answer (targets/*), used by the planner.
 - function_refusal: what refuses a whole function (a kernel function with an
   exception-table entry: can_optimize()'s search_exception_tables());
 - ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
-- share_ftrace: whether such a probe leaves the site to the kernel's ftrace and jumps
-  after it (a kernel whose own tracers must keep working on the function);
+- share_ftrace / take_ftrace: such a probe leaves the site to the kernel's ftrace and jumps
+  after it (a kernel whose own tracers must keep working on the function), and whether it may
+  take the site where it cannot;
 - shared_regions: whether probes inside one region share its detour (the
   runtime then maps an ip inside a region to its copy, kp_region_ip());
 - int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
@@ -108,9 +109,12 @@ class Rules:
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their
     # functions as the kernel does; off where decoding every function costs too much.
     read_indirect_jumps: bool = True
-    # A probe on an ftrace site leaves the site to the kernel's ftrace and jumps after it
-    # (planner.sites.share_ftrace_site()); off: the jump takes the site.
-    share_ftrace: bool = False
+    # The bytes of an ftrace site a probe's jump goes past, leaving the site to the kernel's
+    # ftrace (planner.sites.share_ftrace_site()); 0: the jump takes the site.
+    share_ftrace: int = 0
+    # Where a site cannot be shared, the jump may take it (not where the kernel rewrites the
+    # site at boot whatever it holds: arm64's ftrace_init_nop()); else the probe is refused.
+    take_ftrace: bool = True
 
     def region_refusal(self, arch, analysis, func, lo: int, hi: int):
         """Why the region [lo, hi) of func cannot be detoured, or None."""

@@ -82,8 +82,9 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if s.jump_at:       # a shared ftrace site with a probe after it: the site is taken instead
             i = bisect.bisect_right(placed, s.addr)
             if i < len(placed) and placed[i] < s.region_end:
-                unshare_ftrace_site(s, arch.Refusal("probe_in_region", placed[i], "another probe sits inside "
-                                                    f"the region [{s.jump_at:#x}, {s.region_end:#x})"))
+                unshare_ftrace_site(s, arch.Refusal("probe_in_region", placed[i], "another probe sits in "
+                                                    f"[{s.jump_at:#x}, {s.region_end:#x}), where the jump past the "
+                                                    "ftrace site would go"), rules)
     for s in sites:
         if s.decision not in JUMPS or s.head is not None:
             continue
@@ -95,7 +96,9 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         short_jumps(image, analysis, arch, sites, rules)
     for s in sites:
         if s.decision not in JUMPS:
-            if not rules.int3:      # no breakpoint probes in this target (yet): refused
+            if not rules.int3 or (s.addr in rules.ftrace and not rules.take_ftrace):
+                # No breakpoint probes in this target (yet), or on a site the kernel rewrites
+                # at boot (Rules.take_ftrace): refused, with the check that refused the jump.
                 for p in s.probes:
                     fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"),
                          getattr(s.reason, "addr", s.addr))
