@@ -115,6 +115,9 @@ class Rules:
     # Where a site cannot be shared, the jump may take it (not where the kernel rewrites the
     # site at boot whatever it holds: arm64's ftrace_init_nop()); else the probe is refused.
     take_ftrace: bool = True
+    # Every trace event's hit passes the probed context's pt_regs, whatever its fetch args read:
+    # perf's samples and BPF programs on the event read them (a kernel's events).
+    events_pt_regs: bool = False
 
     def region_refusal(self, arch, analysis, func, lo: int, hi: int):
         """Why the region [lo, hi) of func cannot be detoured, or None."""

@@ -135,6 +135,9 @@ def rules(image, arch) -> Rules:
     r.boost_post_handler = False
     # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
     r.kretprobe_exits = False
+    # An entry probe takes its ftrace site through the site's relocation (writer.py), not a
+    # jump after it.
+    r.share_ftrace = 0
     return r
 
 
