@@ -46,6 +46,12 @@ def _site_record(p, kind: str, site) -> dict:
     r = _probe_record(p, kind, site.decision)
     if site.decision == BREAKPOINT:
         r["reason"], r["int3"] = refusal(site.reason, site.addr), site.xol.mode
+    if site.decision == FTRACE:
+        # Shared with the kernel's ftrace (the jump after the site), or taken; why taken where
+        # sharing was tried (Rules.share_ftrace).
+        r["ftrace_site"] = "shared" if site.jump_at else "taken"
+        if not site.jump_at and site.reason is not None:
+            r["reason"] = refusal(site.reason, site.addr)
     return r
 
 
@@ -93,7 +99,9 @@ def check_line(r: dict) -> str:
         why = r["reason"]
         # Every refusal names its check and address (an int3 reason's message already does).
         named = why["message"].startswith(why["check"]) or why["check"] == "unknown"
-        head += f"  {why['message']}" if named else f"  {why['check']} at {why['address']}: {why['message']}"
+        text = why["message"] if named else f"{why['check']} at {why['address']}: {why['message']}"
+        # An ftrace site taken rather than shared: ftrace loses the function.
+        head += f"  site taken, not shared with ftrace: {text}" if r.get("ftrace_site") == "taken" else f"  {text}"
     head += f"  [{r['int3']}]" if r["int3"] else ""
     if r["returns"] is not None:
         ret = r["returns"]
