@@ -42,7 +42,7 @@ def table_c(sites, slots: dict, xol, ro_after_init: bool = False) -> str:
     ro_after_init: the descriptors (never written at run time) in the section the runtime
     makes read-only once relocated (link.RELRO).  An arch whose single-stepped copies can
     end with a breakpoint (xol.SS_BREAKPOINT_SPAN) also gets the span of those ends, checked
-    before a slot is read (kp_int3_ss_end())."""
+    before a slot is read (x86-64's kp_int3_ss_end())."""
     rows, ss, ends = [], [], []
     for s in sites:
         x = s.xol

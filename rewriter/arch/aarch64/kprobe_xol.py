@@ -2,7 +2,7 @@
 arch_prepare_kprobe(), done at rewrite time.
 
 A breakpoint probe writes `brk #0x004` (KPROBES_BRK_IMM) over the probed
-instruction.  The runtime's SIGTRAP handler (runtime/arch/aarch64/kp_int3.c)
+instruction.  The runtime's SIGTRAP handler (runtime/arch/aarch64/kp_brk.c)
 runs the pre_handlers, then the instruction, as decode-insn.c sorts it:
 
 * simulate -- simulate-insn.c: b, bl, b.cond, cbz/cbnz, tbz/tbnz, adr, adrp,

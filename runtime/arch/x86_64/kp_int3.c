@@ -156,7 +156,7 @@ int kp_arch_breakpoint_regs(struct pt_regs *regs, int ss_trap)
 }
 
 /*
- * The trap at the int3 that ends a single-stepped copy (Rules.singlestep_int3): the
+ * The trap at the int3 that ends a single-stepped copy (Rules.singlestep_breakpoint): the
  * kernel's kprobe_is_ss() without a per-CPU record.  The slot carries its descriptor's
  * index after its jmp back (kprobe_xol.slot_code()), read only once the trap's address
  * is within the span of such ends; the descriptor confirms it.
