@@ -1,16 +1,16 @@
 """Each site's decision: jump-optimized (opt.c's can_optimize()), its region
-shared with the probes on the next instructions, or the INT3 fallback."""
+shared with the probes on the next instructions, or the breakpoint fallback."""
 from __future__ import annotations
 
 from .. import safety
 from .model import FTRACE, BREAKPOINT, JUMPS, OPTIMIZED, REFUSED, Site
 
-def make_int3(image, arch, s: Site, ss_int3: bool = False, boost_post_handler: bool = True) -> Site:
-    """The INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
-    instruction is emulated, boosted or single-stepped out of line (ss_int3: the
-    single-stepped copy ends with an int3, Rules.singlestep_int3; boost_post_handler
+def make_breakpoint(image, arch, s: Site, ss_breakpoint: bool = False, boost_post_handler: bool = True) -> Site:
+    """The breakpoint fallback (arch_prepare_kprobe()): a breakpoint probe whose
+    instruction is emulated, boosted or single-stepped out of line (ss_breakpoint: the
+    single-stepped copy ends with a breakpoint, Rules.singlestep_breakpoint; boost_post_handler
     False: a site with a post_handler is not boosted, Rules.boost_post_handler)."""
-    s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_int3, boost=boost_post_handler or not s.with_post)
+    s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_breakpoint, boost=boost_post_handler or not s.with_post)
     s.dcr = [s.xol.insn]
     s.decision = BREAKPOINT
     return s
@@ -116,7 +116,7 @@ def share_regions(image, analysis, arch, sites: list[Site], rules) -> None:
 def split_segments(arch, head: Site) -> None:
     """Each site's part of its head's region: from its address to the next
     rider's.  A rider that is no instruction boundary of the region, or whose
-    post_handler would follow a branch, sends the whole region to INT3."""
+    post_handler would follow a branch, sends the whole region to a breakpoint."""
     starts = {i.addr for i in head.dcr}
     bad = next((r for r in head.riders if r.addr not in starts
                 or (r.with_post and safety.enabled("shared_regions") and arch.is_branch(next(i for i in head.dcr if i.addr == r.addr)))), None)

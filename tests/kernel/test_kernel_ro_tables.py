@@ -62,7 +62,7 @@ extern const struct kp_handler_rec kp_rec_handlers[];	/* the records' handler pa
 extern char kp_probe_recs[], kp_site_recs[];
 extern const struct kp_handler_rec kp_kret_handlers[];
 extern struct kretprobe kp_kretprobes[];
-extern char kp_int3_sites[];				/* the breakpoint descriptors */
+extern char kp_breakpoints[];				/* the breakpoint descriptors */
 extern const unsigned int kp_nsites;
 
 static unsigned long seen;		/* handler data: writable */
@@ -82,7 +82,7 @@ static void try_writes(const char *when, struct kprobe *p)
 		"nmissed=%ld flags=%ld data=%ld\n", when,
 		RW(kp_site_handlers[last->first]), RW(last->resume), RW(kp_site_probes[last->first]),
 		RW(kp_site_handlers), RW(kp_sites), RW(kp_site_probes), RW(kp_rec_handlers[0]),
-		rw(kp_probe_recs, 8), rw(kp_site_recs, 8), RW(kp_kret_handlers[0]), rw(kp_int3_sites, 8),
+		rw(kp_probe_recs, 8), rw(kp_site_recs, 8), RW(kp_kret_handlers[0]), rw(kp_breakpoints, 8),
 		RW(p->nmissed), RW(p->flags), RW(seen));
 }
 
