@@ -108,7 +108,7 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
             # instruction with an exception fixup must not fault in an out-of-line copy.
             e = next(iter(rules.reserved_sites(s.addr, s.addr + 1)), None)
             if e is not None:
-                why = arch.Refusal(e.reason, e.start, f"the int3 at {s.addr:#x} would sit on " + (
+                why = arch.Refusal(e.reason, e.start, f"the {arch.breakpoint_name} at {s.addr:#x} would sit on " + (
                     "an instruction with an exception fixup (its out-of-line copy could fault)"
                     if e.reason == "__ex_table" else f"a site patched at boot ({e.symbol})"))
                 for p in s.probes:
