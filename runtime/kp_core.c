@@ -283,12 +283,12 @@ void kp_optimized_clean_callback(unsigned long site_index)
 	const struct kp_site_fast *f = kp_site_fast;
 	unsigned long at = site_index * sizeof(*f);
 	if (__builtin_expect(f != 0, 1)) {
-		struct kp_thread *t = kp_thread_table[kp_platform_cpu_slot()];
 		f = (const struct kp_site_fast *)((const char *)f + at);
 		struct kprobe *p = f->p;
+		struct kp_thread *t = kp_thread_table[kp_platform_cpu_slot()];
 		/* t->active and p->flags read once each, as plain loads the compiler
 		 * folds into their tests (kprobe_disabled()'s test). */
-		if (__builtin_expect(p && !*(const unsigned int *)&t->active, 1)) {
+		if (__builtin_expect(p != 0, 1) && __builtin_expect(*(const unsigned int *)&t->active == 0, 1)) {
 			if (!(*(const unsigned int *)&p->flags & (KPROBE_FLAG_DISABLED | KPROBE_FLAG_GONE))) {
 				t->active = 1;
 				t->hits[p->index]++;

@@ -141,7 +141,7 @@
  * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
  * 80 return into the stub, then SITE and S as OPTPROBE_ENTRY's (site, sp).
  */
-.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=0, site=8, sp=144, pop=0
+.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=0, site=8, sp=144, pop=0, flags=1
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -150,7 +150,7 @@
 	COPY_RET \pop
 	lea	-80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset 80)
-	CLEAN_SAVE
+	CLEAN_SAVE \flags
 	mov	80+\site(%rsp), %edi		/* SITE */
 	KP_UNWIND_FRAME 80+\sp, 80, \unwind
 .if \slot
@@ -173,7 +173,7 @@
 .if \pop != 2
 	KP_UNWIND_FRAME_END
 .endif
-	CLEAN_RESTORE
+	CLEAN_RESTORE \flags
 	lea	80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -80)
 	RET_OVER_SITE \pop, 1
@@ -190,6 +190,9 @@
 #endif
 #ifdef KP_SHORT_STUBS
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_entry, kp_optimized_clean_callback, 0, 0, SHORT_LAYOUT
+/* The same where the arithmetic flags are dead at the site (Site.flags_live, e.g. a
+ * function's entry): the flags are neither kept nor put back. */
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_nf_entry, kp_optimized_clean_callback, 0, 0, SHORT_LAYOUT, 0
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_post_entry, kp_post_clean_callback, 0, 1, SHORT_LAYOUT
 #ifdef KP_KRET_CLEAN_ENTRY
 	OPTPROBE_CLEAN_ENTRY kp_kretprobe_short_clean_entry, kp_kretprobe_clean_callback, 1, 0, SHORT_LAYOUT
