@@ -596,7 +596,7 @@ deterministic, so boots compare as rounds do):
                             not serve.  0f 18 is not in twobyte_is_boostable[], nor is it emulated:
                             the kernel's INT3 kprobe copies it into its insn slot and single-steps
                             it there (an int3 after the copy, since 5.14); ours does the same
-                            (`check` says int3 [single-step]; Rules.singlestep_int3).
+                            (`check` says int3 [single-step]; Rules.singlestep_breakpoint).
 
   the rewritten kernel      ours, an int3 probe (optimize = false), empty pre_handler;
                             /init times the cputime loop against getegid (never probed)

@@ -1,7 +1,7 @@
 """`kprewrite diff ORIGINAL REWRITTEN`: which bytes a rewrite changed, and why.
 
 Every changed byte of the original's file contents is attributed to what the
-rewrite is known to write there: a probe site (the jump or int3 patched in, as
+rewrite is known to write there: a probe site (the jump or breakpoint patched in, as
 text_poke() writes an optimized or a breakpoint kprobe), a return site, a
 breakpoint return hook, the ELF header fields a new segment table needs, or a
 target's own change (targets/*: diff_expected(), e.g. a shared object's relocated

@@ -46,6 +46,12 @@ def _site_record(p, kind: str, site) -> dict:
     r = _probe_record(p, kind, site.decision)
     if site.decision == BREAKPOINT:
         r["reason"], r["int3"] = refusal(site.reason, site.addr), site.xol.mode
+    if site.decision == FTRACE:
+        # Shared with the kernel's ftrace (the jump after the site), or taken; why taken where
+        # sharing was tried (Rules.share_ftrace).
+        r["ftrace_site"] = "shared" if site.jump_at else "taken"
+        if not site.jump_at and site.reason is not None:
+            r["reason"] = refusal(site.reason, site.addr)
     return r
 
 
@@ -58,14 +64,14 @@ def returns_record(g) -> dict:
             {"address": hexaddr(e.addr), "kind": "ret" if e.kind == "ret" else "tail",
              "target": hexaddr(e.target) if e.kind != "ret" else None, "hook": "light", "int3": False,
              "int3_reason": None} for e in g.exits]}
-    int3 = {e.addr: why for e, why in g.int3_exits}
+    bp = {e.addr: why for e, why in g.breakpoint_exits}
     sites = []
     for e in g.exits:
         hook = "ret" if e.kind == "ret" else ("pending" if g.hooks[e.addr] == HOOK_PENDING else TRAMPOLINE)
         sites.append({"address": hexaddr(e.addr), "kind": "ret" if e.kind == "ret" else "tail",
                       "target": hexaddr(e.target) if e.kind != "ret" else None, "hook": hook,
-                      "int3": e.addr in int3,
-                      "int3_reason": refusal(int3[e.addr], e.addr) if e.addr in int3 else None})
+                      "int3": e.addr in bp,
+                      "int3_reason": refusal(bp[e.addr], e.addr) if e.addr in bp else None})
     return {"mode": "hooks", "reason": None, "sites": sites}
 
 
@@ -91,9 +97,11 @@ def check_line(r: dict) -> str:
     head = f"{r['symbol']}+{r['offset']:#x}  {r['kind']}  {r['decision']}"
     if r["reason"] is not None:         # a refusal, or why a (kretprobe's entry) probe is a breakpoint
         why = r["reason"]
-        # Every refusal names its check and address (an int3 reason's message already does).
+        # Every refusal names its check and address (a breakpoint's reason's message already does).
         named = why["message"].startswith(why["check"]) or why["check"] == "unknown"
-        head += f"  {why['message']}" if named else f"  {why['check']} at {why['address']}: {why['message']}"
+        text = why["message"] if named else f"{why['check']} at {why['address']}: {why['message']}"
+        # An ftrace site taken rather than shared: ftrace loses the function.
+        head += f"  site taken, not shared with ftrace: {text}" if r.get("ftrace_site") == "taken" else f"  {text}"
     head += f"  [{r['int3']}]" if r["int3"] else ""
     if r["returns"] is not None:
         ret = r["returns"]
@@ -178,12 +186,12 @@ def read_metadata(path: str) -> dict:
         raise KprewriteError(f"{path}: malformed {META_SECTION} section or ELF file")
 
 
-INT3_FLAGS = {EMULATE: "EMULATED", BOOST: "BOOSTED", SINGLESTEP: "SINGLESTEP"}
+BREAKPOINT_FLAGS = {EMULATE: "EMULATED", BOOST: "BOOSTED", SINGLESTEP: "SINGLESTEP"}
 
 
 def _list_flags(p: dict) -> list[str]:
     return ((["DISABLED"] if p["disabled"] else []) + (["OPTIMIZED"] if p["optimized"] else [])
-            + (["FTRACE"] if p.get("ftrace") else []) + ([INT3_FLAGS[p["int3"]]] if p.get("int3") in INT3_FLAGS else []))
+            + (["FTRACE"] if p.get("ftrace") else []) + ([BREAKPOINT_FLAGS[p["int3"]]] if p.get("int3") in BREAKPOINT_FLAGS else []))
 
 
 def list_records(path: str, meta: dict | None = None) -> list[dict]:

@@ -108,7 +108,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "(as a kernel's entry code before the stack switch) is probed: the detour's first "
          "write below %rsp faults in the guard page, SIGSEGV"),
     Rule("exception_tables",
-         "no region or int3 over a kernel instruction with an exception-table entry (its copy "
+         "no region or breakpoint over a kernel instruction with an exception-table entry (its copy "
          "would fault where no entry names it), and, as can_optimize()'s "
          "search_exception_tables(), no jump-optimized probe in a function with one",
          "targets.linux_kernel.reserved:rules", KERNEL, "test_exception_tables",
@@ -165,7 +165,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
     Rule("shared_regions",
          "a probe shares a head's region only at one of its instruction boundaries and, with a "
          "post_handler, not on a branch (the post_handler would run after the branch, or not at "
-         "all): else the whole region goes to INT3",
+         "all): else the whole region goes to a breakpoint",
          "planner.sites:split_segments", OURS, "test_shared_regions",
          "a rider's post_handler on a jcc runs only when the jcc falls through: fewer post lines"),
     Rule("probe_in_region",
@@ -179,7 +179,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "an evicted neighbour's region holds no exit of its function (no ret, no indirect or "
          "outward jump): a kretprobe's return hook could not see it run in the copy",
          "<arch>.optprobe:can_evict", OURS, "test_eviction",
-         "a kretprobe'd neighbour's ret runs in the evicted copy (its return hook, an int3 at the "
+         "a kretprobe'd neighbour's ret runs in the evicted copy (its return hook, a breakpoint at the "
          "ret, lies under the probe's jump): the return handler never runs, or SIGSEGV"),
     Rule("retargeting",
          "a direct branch is retargeted to a detour only where the decoding vouches for it: in a "
@@ -188,7 +188,7 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "bytes in .text that only look like a `call` of the probed function (data, no FDE) are "
          "rewritten: the program prints other bytes"),
     Rule("boot_patched_tables",
-         "no region or int3 over a site the kernel patches at boot or looks up by its address "
+         "no region or breakpoint over a site the kernel patches at boot or looks up by its address "
          "(alternatives, paravirt, retpolines, return sites, static calls, jump labels, "
          ".smp_locks, ftrace sites, BUG sites)",
          "analysis.rules:Rules.reserved_sites", KERNEL, "test_boot_patched_tables",

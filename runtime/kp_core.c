@@ -224,7 +224,7 @@ kp_pre_dispatch(unsigned long site_index, struct pt_regs *regs)
 		kp_count_missed(s);
 		return KP_RESUME_DETOUR;
 	}
-	unsigned long sp = 0, flags = 0, ip = kp_arch_trap_ip(s->addr);	/* as if the int3 had trapped */
+	unsigned long sp = 0, flags = 0, ip = kp_arch_trap_ip(s->addr);	/* as if the breakpoint had trapped */
 	if (regs) {
 		sp = kernel_stack_pointer(regs);
 		flags = kp_arch_regs_flags(regs);

@@ -245,7 +245,7 @@ struct kp_kret_thread {
 #define KP_RI_SWAPPED 1		/* ret_addr is the real one; the slot holds the trampoline */
 #define KP_RI_TRAMP 2		/* fires at the trampoline */
 #define KP_RI_PENDING 4		/* the frame tail-called a hooked function */
-/* A kretprobe return hook placed as a breakpoint (kp_int3_site.kret). */
+/* A kretprobe return hook placed as a breakpoint (kp_breakpoint_site.kret). */
 #define KP_KRET_HOOK_RET 1
 #define KP_KRET_HOOK_PENDING 2
 #define KP_KRET_HOOK_SWAP 3
@@ -259,7 +259,7 @@ extern const unsigned int kp_nkretprobes;
 #define KP_KRET_HANDLER(rp) KP_KRET_HANDLER_REC(rp, handler)
 #define KP_KRET_ENTRY_HANDLER(rp) KP_KRET_HANDLER_REC(rp, entry_handler)
 void kp_kretprobe_relocate(unsigned long bias);
-void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs);
+void kp_kretprobe_breakpoint_hook(unsigned int kind, struct pt_regs *regs);
 
 /* kprobes_inc_nmissed_count(): a hit while a handler runs on this thread. */
 static inline __attribute__((always_inline)) void kp_count_missed(const struct kp_site *s)
@@ -313,15 +313,16 @@ static inline struct kp_thread *kp_current_thread(void)
 }
 
 /*
- * The generic halves of a breakpoint (INT3) probe hit: kernel/kprobes.c's
+ * The generic halves of a breakpoint probe hit: kernel/kprobes.c's
  * aggr_pre_handler()/aggr_post_handler() with the same semantics as the
  * optimized path in kp_core.c -- aggregation, nmissed on reentrancy, disabled
  * probes, KPREWRITE_ENABLED=0, per-thread hit counters.  The arch trap code
- * (arch/<arch>/kp_int3.c) builds pt_regs and runs the instruction out of line;
+ * (arch/<arch>/'s trap file, with kp_breakpoint.h) builds pt_regs and runs the instruction out of line;
  * inlined there (a trap is the hot path of a breakpoint probe).
  */
 
-/* Before the probed instruction; regs->ip is the address after the int3. */
+/* Before the probed instruction; regs->ip is where the breakpoint left it
+ * (kp_arch_trap_ip(): after x86-64's int3, at AArch64's brk). */
 static inline __attribute__((always_inline)) int kp_trap_pre(struct kp_site *s, struct pt_regs *regs)
 {
 	if (__builtin_expect(!s, 0))			/* before the tables are built */

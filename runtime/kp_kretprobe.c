@@ -436,11 +436,11 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
 
 /*
  * A return hook placed as a breakpoint, at an exit that cannot take a jump
- * (kp_arch_int3_trap(), before the exit is emulated): regs->sp is the slot.
+ * (kp_arch_breakpoint_trap(), before the exit is emulated): regs->sp is the slot.
  * The hooks see what the jump-optimized ones see: ip the return address, sp
  * the stack pointer after the ret; a handler's register writes are kept.
  */
-void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
+void kp_kretprobe_breakpoint_hook(unsigned int kind, struct pt_regs *regs)
 {
 	unsigned long ip = instruction_pointer(regs), sp = kernel_stack_pointer(regs), flags = kp_arch_regs_flags(regs);
 	kp_arch_regs_returned(regs, sp);

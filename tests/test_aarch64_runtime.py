@@ -53,9 +53,9 @@ def built(tmp_path_factory):
     objs = {}
     for src in c_srcs + asm_srcs:
         if not (RUNTIME / src).exists():
-            # The brk trap code (arch/aarch64/linux_user/kp_int3_signal.c, with kp_int3.c) is
+            # The brk trap code (arch/aarch64/linux_user/kp_brk_signal.c, with kp_brk.c) is
             # the back end's; compiled once it is there.
-            assert src == "arch/aarch64/linux_user/kp_int3_signal.c", src
+            assert src == "arch/aarch64/linux_user/kp_brk_signal.c", src
             continue
         o = out / (src.replace("/", "_") + ".o")
         _cc(*(flags if src.endswith(".c") else ()), *inc, f"-I{out / 'include'}", "-c", RUNTIME / src, "-o", o, what=src)
@@ -79,7 +79,7 @@ def test_pt_regs_layout(built):
     assert (offsets["PT_FP"], offsets["PT_LR"]) == (232, 240)
     assert (offsets["PT_SP"], offsets["PT_PC"], offsets["PT_PSTATE"]) == (248, 256, 264)
     assert (offsets["PT_ORIG_X0"], offsets["PT_SYSCALLNO"], offsets["PT_SIZE"]) == (272, 280, 288)
-    assert offsets["ARITH_FLAGS"] == 0xf0000000 and offsets["INT3_SITE_SIZE"] == 64
+    assert offsets["ARITH_FLAGS"] == 0xf0000000 and offsets["BREAKPOINT_SITE_SIZE"] == 64
     assert offsets["KPROBE_SIZE"] == 72     # generic structures, as on x86-64 (LP64 both)
 
 

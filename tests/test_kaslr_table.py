@@ -20,7 +20,7 @@ from rewriter.errors import KprewriteError
 from rewriter.elf.image import Image
 from rewriter.emit.layout import Layout
 from rewriter.link.ld import Blob, LinkReloc
-from rewriter.planner import Plan, Site, make_int3
+from rewriter.planner import Plan, Site, make_breakpoint
 from rewriter.targets.linux_kernel.x86_64 import kaslr
 from rewriter.targets.linux_kernel.x86_64.bzimage import RelocTable
 
@@ -153,7 +153,7 @@ def test_copied_instruction_moves_its_entry(kernel):
     address: its entry is added at the copy's field (the original's stays: its bytes
     after the int3 are intact)."""
     image, sym = kernel
-    site = make_int3(image, ARCH, Site(sym["f"], []))
+    site = make_breakpoint(image, ARCH, Site(sym["f"], []))
     assert site.xol.mode == "boost"
     site.index = 0
     slot = GAP + 0x10
@@ -172,7 +172,7 @@ def test_emulated_absolute_operand_refused(kernel):
     """`jmp *tbl(,%rax,8)` is emulated from a descriptor linked at the image's addresses:
     with its displacement relocated by KASLR it cannot be."""
     image, sym = kernel
-    site = make_int3(image, ARCH, Site(sym["k"], []))
+    site = make_breakpoint(image, ARCH, Site(sym["k"], []))
     assert site.xol.mode == "emulate" and not site.xol.rip
     with pytest.raises(KprewriteError, match="absolute operand that KASLR relocates"):
         _table(image, sym, sites=[site])
@@ -222,13 +222,13 @@ def test_moved_field(kernel):
     """_moved(): a copied instruction keeps its absolute operand's bytes at the same place
     from its end; a re-encoded branch, or a copy that changed the field, is refused."""
     image, sym = kernel
-    ins = make_int3(image, ARCH, Site(sym["h"], [])).xol.insn
+    ins = make_breakpoint(image, ARCH, Site(sym["h"], [])).xol.insn
     assert kaslr._moved("k", ins, GAP, ins.code, sym["h"] + 3, False, 4) == GAP + 3
     with pytest.raises(KprewriteError, match="does not keep its operand bytes"):
         kaslr._moved("k", ins, GAP, ins.code[:3] + b"\0\0\0\0", sym["h"] + 3, False, 4)
     with pytest.raises(KprewriteError, match="is not RIP-relative"):
         kaslr._moved("k", ins, GAP, ins.code, sym["h"] + 3, True, 4)
-    jmp = make_int3(image, ARCH, Site(sym["f"] + 18, [])).xol.insn
+    jmp = make_breakpoint(image, ARCH, Site(sym["f"] + 18, [])).xol.insn
     assert jmp.info.emulate == "jmp rel"
     with pytest.raises(KprewriteError, match="re-encoded in its detour"):
         kaslr._moved("k", jmp, GAP, jmp.code, jmp.addr + 1, False, 1)

@@ -119,8 +119,8 @@ def test_boost_and_single_step(image):
         assert K.prepare(img, L[label]).mode == BOOST, label
     for label in ("L_fld", "L_cpuid", "L_cs"):
         x = K.prepare(img, L[label])
-        assert x.mode == SINGLESTEP and not x.ss_int3 and x.insn.info.boost_reason, label
-    assert K.prepare(img, L["L_cpuid"], ss_int3=True).ss_int3
+        assert x.mode == SINGLESTEP and not x.ss_breakpoint and x.insn.info.boost_reason, label
+    assert K.prepare(img, L["L_cpuid"], ss_breakpoint=True).ss_breakpoint
 
 
 def _decode(code: bytes, at: int):
@@ -128,16 +128,16 @@ def _decode(code: bytes, at: int):
     return out
 
 
-@pytest.mark.parametrize("label,with_post,ss_int3", [("L_mov", False, False), ("L_riprel", False, False),
+@pytest.mark.parametrize("label,with_post,ss_breakpoint", [("L_mov", False, False), ("L_riprel", False, False),
                                                      ("L_riprel", True, False), ("L_fld", False, False),
                                                      ("L_cpuid", False, True)])
-def test_slot_code_round_trip(image, label, with_post, ss_int3):
+def test_slot_code_round_trip(image, label, with_post, ss_breakpoint):
     """The slot decodes to: the copy (a RIP-relative operand still reaching the same
     address), the post stub (a boosted site with a post_handler), an int3 (a kernel's
     single-step), and the jmp back to the next instruction; place_slot() sizes it and
     finds its jmp back and the copy's end."""
     img, L = image
-    x = K.prepare(img, L[label], ss_int3=ss_int3)
+    x = K.prepare(img, L[label], ss_breakpoint=ss_breakpoint)
     at = L["f"] + 0x200000                       # far from the original: displacements change
     slot = K.place_slot(x, 7, with_post, at, desc=3)
     size = slot.size
@@ -157,7 +157,7 @@ def test_slot_code_round_trip(image, label, with_post, ss_int3):
     rest = insns[1:]
     if x.mode == SINGLESTEP:
         assert slot.ss_end == at + copy.size
-    if ss_int3:
+    if ss_breakpoint:
         assert rest[0].mnemonic == "int3"
         rest = rest[1:]
         assert code[-4:] == (3).to_bytes(4, "little")      # the descriptor's index, after the jmp back
@@ -168,7 +168,7 @@ def test_slot_code_round_trip(image, label, with_post, ss_int3):
     back = rest[0]
     assert back.mnemonic == "jmp" and int(back.op_str, 16) == x.next_ip
     assert back.address == slot.post
-    assert back.address + back.size == at + size - (K.SS_INDEX_SIZE if ss_int3 else 0)
+    assert back.address + back.size == at + size - (K.SS_INDEX_SIZE if ss_breakpoint else 0)
 
 
 def test_int3_hash_finds_every_descriptor():

@@ -43,14 +43,14 @@ int main(int argc, char **argv)
 HANDLERS = r"""
 #include <kprewrite/kprobes.h>
 #include <linux/printk.h>
-extern char kp_site_handlers[], kp_kret_handlers[], kp_site_probes[], kp_sites[], kp_probes[], kp_int3_sites[];
+extern char kp_site_handlers[], kp_kret_handlers[], kp_site_probes[], kp_sites[], kp_probes[], kp_breakpoints[];
 static int pre(struct kprobe *p, struct pt_regs *regs)
 {
     printk("pre\n");
     printk("at kp_site_handlers=%lx kp_kret_handlers=%lx kp_site_probes=%lx kp_sites=%lx kp_probes=%lx "
-           "kp_int3_sites=%lx\n", (unsigned long)kp_site_handlers, (unsigned long)kp_kret_handlers,
+           "kp_breakpoints=%lx\n", (unsigned long)kp_site_handlers, (unsigned long)kp_kret_handlers,
            (unsigned long)kp_site_probes, (unsigned long)kp_sites, (unsigned long)kp_probes,
-           (unsigned long)kp_int3_sites);
+           (unsigned long)kp_breakpoints);
     return 0;
 }
 static void post(struct kprobe *p, struct pt_regs *regs, unsigned long flags) { printk("post\n"); }
@@ -115,7 +115,7 @@ def test_no_write_runs(built, runner):
 
 @pytest.mark.parametrize("table,offset", [("kp_site_handlers", 0), ("kp_site_handlers", PTR),
                                           ("kp_site_handlers", 2 * PTR), ("kp_kret_handlers", 0),
-                                          ("kp_site_probes", 0), ("kp_sites", 0), ("kp_int3_sites", PTR)])
+                                          ("kp_site_probes", 0), ("kp_sites", 0), ("kp_breakpoints", PTR)])
 def test_overwrite_read_only_table_faults(built, runner, table, offset):
     """A write over a handler pointer (or the site and probe lists that lead to
     one, or a breakpoint's descriptor: its out-of-line slot) is a SIGSEGV at the

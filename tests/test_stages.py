@@ -15,7 +15,7 @@ from rewriter import targets
 from rewriter.analysis.functions import Analysis
 from rewriter.arch import get_arch
 from rewriter.elf.image import Image
-from rewriter.planner import BREAKPOINT, NO_HANDLER, OPTIMIZED, Plan, Site, choose_forms, make_int3
+from rewriter.planner import BREAKPOINT, NO_HANDLER, OPTIMIZED, Plan, Site, choose_forms, make_breakpoint
 from rewriter.probes.resolve import Probe
 from rewriter.probes.spec import KprobeSpec
 
@@ -47,7 +47,7 @@ def _plan(image, arch, analysis) -> Plan:
     sf.dcr = arch.optprobe.can_optimize(image, analysis, pf.func, pf.addr)
     assert isinstance(sf.dcr, list), sf.dcr
     sf.decision = OPTIMIZED
-    sg = make_int3(image, arch, Site(pg.addr, [pg]))
+    sg = make_breakpoint(image, arch, Site(pg.addr, [pg]))
     plan = Plan(sites=sorted([sf, sg], key=lambda s: s.addr))
     for i, s in enumerate(plan.sites):
         s.index = i

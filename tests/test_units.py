@@ -244,7 +244,7 @@ END f
     s = site_of(planned(image, [kprobe("f")], optimize=False, rules=rules), f)
     assert s.decision == FTRACE and s.region_end == f + 5
     # A target without breakpoint probes refuses what it cannot optimize.
-    rules = Rules(bl.Index(bl.compute(image)), int3=False)
+    rules = Rules(bl.Index(bl.compute(image)), breakpoints=False)
     p = planned(image, [kprobe("f", 5)], optimize=False, rules=rules)
     assert not p.sites and "kprobes_optimization" in p.errors[0]
 

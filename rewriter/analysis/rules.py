@@ -10,26 +10,27 @@ answer (targets/*), used by the planner.
 - function_refusal: what refuses a whole function (a kernel function with an
   exception-table entry: can_optimize()'s search_exception_tables());
 - ftrace: function-entry sites a probe takes as KPROBE_FLAG_FTRACE does;
-- share_ftrace: whether such a probe leaves the site to the kernel's ftrace and jumps
-  after it (a kernel whose own tracers must keep working on the function);
+- share_ftrace / take_ftrace: such a probe leaves the site to the kernel's ftrace and jumps
+  after it (a kernel whose own tracers must keep working on the function), and whether it may
+  take the site where it cannot;
 - shared_regions: whether probes inside one region share its detour (the
   runtime then maps an ip inside a region to its copy, kp_region_ip());
-- int3 / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
+- breakpoints / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
 - kretprobe_exits: whether a kretprobe's exits are hooked (the user-space design), or
   every kretprobe swaps the return address for the trampoline, as the kernel's own do;
 - return_jumps: addresses of `jmp`s that are returns, not tail calls (a kernel's
   `jmp __x86_return_thunk` at its .return_sites entries); a return region may cover its
   own return jump although it is reserved: the target points the table entry at the
   jump's copy in the detour (exit_region_refusal());
-- kretprobe_int3_exits: an exit no jump fits gets a breakpoint return hook where the
+- kretprobe_breakpoint_exits: an exit no jump fits gets a breakpoint return hook where the
   trampoline is unsafe for its function (else the function takes the trampoline); without
   (a kernel) the function always keeps the trampoline, with the check that refused the exit;
 - short_jumps / evict_neighbours: a site with no room for a 5-byte jump takes a short
   jump to one in dead padding, or in a neighbouring region moved out of the way;
 - retarget_branches: direct branches to a detoured region's start enter its detour;
-- singlestep_int3: a single-stepped instruction's copy ends with a breakpoint (the
+- singlestep_breakpoint: a single-stepped instruction's copy ends with a breakpoint (the
   kernel's own kprobes since 5.14) rather than running with the trap flag;
-- int3_refusal: the target's own refusal of a breakpoint site (a module's, whose
+- breakpoint_refusal: the target's own refusal of a breakpoint site (a module's, whose
   out-of-line copy must carry the module's relocations);
 - fast_forms: whether detours may inline the dispatch (templates: the thread lookup, the
   hit counter and the handler call in the detour itself).  Clean calls (no pt_regs for a
@@ -61,11 +62,11 @@ class Rules:
     reserved: Index = field(default_factory=lambda: Index([]))
     ftrace: dict = field(default_factory=dict)          # site address -> what to drop from the image's table
     function_refusal: Callable | None = None            # (analysis, func) -> arch Refusal | None
-    int3: bool = True
+    breakpoints: bool = True
     kretprobes: bool = True
     kretprobe_exits: bool = True
     return_jumps: frozenset = frozenset()
-    kretprobe_int3_exits: bool = True
+    kretprobe_breakpoint_exits: bool = True
     # A detour runs a post_handler after the copied instruction (beyond the kernel); off: the
     # kernel's optimize_kprobe() rule, no kprobe with a post_handler is optimized.
     optimized_post_handler: bool = True
@@ -87,14 +88,14 @@ class Rules:
     # A direct branch to a detoured region's start names the detour instead
     # (planner.retarget.retarget_branches()).
     retarget_branches: bool = False
-    singlestep_int3: bool = False
+    singlestep_breakpoint: bool = False
     # With breakpoint sites, the image's system calls that set a signal mask or action go
     # to the runtime, which keeps SIGTRAP unblocked and its handler ours (a user process:
     # arch.signal_syscalls(), planner.signal_syscalls()).
     signal_syscalls: bool = False
     # (arch, Site) -> arch Refusal | None: why a breakpoint site the target cannot write is
     # refused (a module's out-of-line copy that cannot carry its relocations), so `check` says so.
-    int3_refusal: Callable | None = None
+    breakpoint_refusal: Callable | None = None
     fast_forms: bool = True          # inlined templates (else detours call the runtime's shared entries)
     # In an image with no handler at all, a template only counts the hit (emit.light_detour).
     light_hits: bool = False
@@ -108,9 +109,15 @@ class Rules:
     # Read indirect jumps (jump tables, stored code pointers) instead of refusing their
     # functions as the kernel does; off where decoding every function costs too much.
     read_indirect_jumps: bool = True
-    # A probe on an ftrace site leaves the site to the kernel's ftrace and jumps after it
-    # (planner.sites.share_ftrace_site()); off: the jump takes the site.
-    share_ftrace: bool = False
+    # The bytes of an ftrace site a probe's jump goes past, leaving the site to the kernel's
+    # ftrace (planner.sites.share_ftrace_site()); 0: the jump takes the site.
+    share_ftrace: int = 0
+    # Where a site cannot be shared, the jump may take it (not where the kernel rewrites the
+    # site at boot whatever it holds: arm64's ftrace_init_nop()); else the probe is refused.
+    take_ftrace: bool = True
+    # Every trace event's hit passes the probed context's pt_regs, whatever its fetch args read:
+    # perf's samples and BPF programs on the event read them (a kernel's events).
+    events_pt_regs: bool = False
 
     def region_refusal(self, arch, analysis, func, lo: int, hi: int):
         """Why the region [lo, hi) of func cannot be detoured, or None."""

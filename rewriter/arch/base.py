@@ -175,8 +175,8 @@ class OptProbe(Protocol):
 
 class KprobeXol(Protocol):
     """arch_prepare_kprobe() and the out-of-line slots of breakpoint probes."""
-    def prepare(self, image, addr: int, ss_int3: bool = False, boost: bool = True) -> Xol:
-        """How the instruction at addr runs when its breakpoint hits (ss_int3: a single-stepped
+    def prepare(self, image, addr: int, ss_breakpoint: bool = False, boost: bool = True) -> Xol:
+        """How the instruction at addr runs when its breakpoint hits (ss_breakpoint: a single-stepped
         copy ends with a breakpoint; boost False: nothing boosted, Rules.boost_post_handler)."""
 
     def emulates_refused(self, image, addr: int) -> bool:
@@ -194,10 +194,10 @@ class KprobeXol(Protocol):
     NO_SLOT: XolSlot                   # the slot of a site whose trap does the work (emulated)
     TABLE_INCLUDES: tuple[str, ...]    # lines before the table (headers of its struct)
     EMPTY_DESCRIPTOR: str | None       # the one row of a table with no site (None: empty)
-    SS_INT3_SPAN: bool                 # single-stepped copies may end with a breakpoint
+    SS_BREAKPOINT_SPAN: bool                 # single-stepped copies may end with a breakpoint
 
     def descriptor(self, s, x: Xol, slot: XolSlot) -> str:
-        """Site s's row of kp_int3_sites[] (the arch's struct kp_int3_site), as C."""
+        """Site s's row of kp_breakpoints[] (the arch's struct kp_breakpoint_site), as C."""
 
 
 class RetProbe(Protocol):
@@ -371,6 +371,9 @@ class Toolchain(Protocol):
     CFLAGS: dict[str, tuple[str, ...]]     # by kind of code ("user", "kernel"): the arch's own flags
     QEMU_SYSTEM: tuple[str, tuple[str, ...], str]   # `kprewrite boot`: emulator, machine options, package
     CONSOLE: str                           # the kernel's serial console (console=...)
+    # The runtime's files a recipe names by role, in the arch's words: "breakpoint" (the
+    # trap code), "breakpoint_signal" (its user SIGTRAP glue), "breakpoint_hook" (a kernel's #BP hook).
+    RUNTIME_FILES: dict[str, str]
 
 
 class Arch(Protocol):

@@ -1,6 +1,6 @@
 """The breakpoint probes' descriptor table, arch-neutral: what kernel/kprobes.c keeps in
 kprobe_table[] for get_kprobe(), here a C table the runtime's kp_breakpoint.h reads.  Each
-site's descriptor row is the arch's (its kprobe_xol.descriptor(): struct kp_int3_site of
+site's descriptor row is the arch's (its kprobe_xol.descriptor(): struct kp_breakpoint_site of
 runtime/arch/<arch>/kp_arch.h); the numbering, the hash by address and the single-step
 entries are the same on every arch."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ HASH_EMPTY = 0xFFFFFFFF
 
 
 def number_descriptors(sites) -> dict[int, int]:
-    """Every breakpoint site's index in kp_int3_sites[] (table_c()'s order), by Site.index:
+    """Every breakpoint site's index in kp_breakpoints[] (table_c()'s order), by Site.index:
     what a slot that ends with a breakpoint carries (the arch's place_slot()'s desc)."""
     return {s.index: i for i, s in enumerate(s for s in sites if s.xol is not None)}
 
@@ -41,8 +41,8 @@ def table_c(sites, slots: dict, xol, ro_after_init: bool = False) -> str:
     layout's XolSlot by Site.index (xol.NO_SLOT for a site whose trap does the work).
     ro_after_init: the descriptors (never written at run time) in the section the runtime
     makes read-only once relocated (link.RELRO).  An arch whose single-stepped copies can
-    end with a breakpoint (xol.SS_INT3_SPAN) also gets the span of those ends, checked
-    before a slot is read (kp_int3_ss_end())."""
+    end with a breakpoint (xol.SS_BREAKPOINT_SPAN) also gets the span of those ends, checked
+    before a slot is read (x86-64's kp_int3_ss_end())."""
     rows, ss, ends = [], [], []
     for s in sites:
         x = s.xol
@@ -51,7 +51,7 @@ def table_c(sites, slots: dict, xol, ro_after_init: bool = False) -> str:
         slot = slots.get(s.index, xol.NO_SLOT)
         if x.mode == SINGLESTEP:
             ss.append((slot.ss_end, len(rows)))
-            if getattr(x, "ss_int3", False):
+            if getattr(x, "ss_breakpoint", False):
                 assert slot.desc == len(rows), "a breakpoint-ended slot carries the wrong descriptor index"
                 ends.append(slot.ss_end)
         rows.append(xol.descriptor(s, x, slot))
@@ -62,13 +62,13 @@ def table_c(sites, slots: dict, xol, ro_after_init: bool = False) -> str:
         rows, n = [xol.EMPTY_DESCRIPTOR], 1
     section = ' __attribute__((section(".data..ro_after_init")))' if ro_after_init else ""
     out = [*xol.TABLE_INCLUDES,
-           f"struct kp_int3_site kp_int3_sites[{max(1, len(rows))}]{section} = {{", *rows, "};",
-           f"const unsigned int kp_nint3 = {n};",
-           f"const unsigned int kp_int3_hash_shift = {64 - bits}, kp_int3_hash_mask = {(1 << bits) - 1};",
-           f"const unsigned int kp_int3_hash[{len(hashed)}] = {{ {', '.join(map(str, hashed))} }};",
-           f"const unsigned int kp_int3_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
-           f"const unsigned int kp_nint3_ss = {len(ss)};"]
-    if xol.SS_INT3_SPAN:
-        out.append(f"const unsigned long kp_int3_ss_first = {min(ends, default=-1) & (2**64 - 1):#x}UL, "
-                   f"kp_int3_ss_last = {max(ends, default=0):#x}UL;")
+           f"struct kp_breakpoint_site kp_breakpoints[{max(1, len(rows))}]{section} = {{", *rows, "};",
+           f"const unsigned int kp_nbreakpoints = {n};",
+           f"const unsigned int kp_breakpoint_hash_shift = {64 - bits}, kp_breakpoint_hash_mask = {(1 << bits) - 1};",
+           f"const unsigned int kp_breakpoint_hash[{len(hashed)}] = {{ {', '.join(map(str, hashed))} }};",
+           f"const unsigned int kp_breakpoint_ss[{max(1, len(ss))}] = {{ {', '.join(map(str, ss)) or '0'} }};",
+           f"const unsigned int kp_nbreakpoint_ss = {len(ss)};"]
+    if xol.SS_BREAKPOINT_SPAN:
+        out.append(f"const unsigned long kp_breakpoint_ss_first = {min(ends, default=-1) & (2**64 - 1):#x}UL, "
+                   f"kp_breakpoint_ss_last = {max(ends, default=0):#x}UL;")
     return "\n".join(out) + "\n"

@@ -47,7 +47,7 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
                        + ("clean" if g.ret_clean else "pt_regs"),
                        "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]
                        + [[h.addr, h.region_end, e.addr] for h, e in g.embedded],
-                       "int3_exits": [e.addr for e, _ in g.int3_exits]})
+                       "int3_exits": [e.addr for e, _ in g.breakpoint_exits]})
         if g.light:                     # nothing runs at its returns (planner.forms.light_kretprobes)
             probes[-1].update({"light": True, "returns": "light"})
         if site.decision == FTRACE:

@@ -70,10 +70,26 @@ def _includes(arch=None, platform: str = PLATFORM) -> list[str]:
             f"-I{RUNTIME_DIR / d['platform']}"]
 
 
+class _Roles(dict):
+    """An arch's RUNTIME_FILES for a recipe's {role} fields: a role the arch has no file
+    for (AArch64 has no kernel #BP hook yet) is an error that says so."""
+    def __init__(self, files: dict, arch: str, platform: str):
+        super().__init__(files)
+        self.where = (arch, platform)
+
+    def __missing__(self, role: str):
+        arch, platform = self.where
+        raise KprewriteError(f"the {platform} runtime needs the {arch} runtime's {role} file, which it has "
+                             f"not (RUNTIME_FILES in rewriter/arch/{arch}/toolchain.py)")
+
+
 def _runtime_files(arch, platform: str) -> tuple[list[str], list[str], list[str]]:
     """(C sources in link order, the arch's .S files, the asm-offsets sources), relative to RUNTIME_DIR."""
     d = _folders(arch, platform)
-    c = [src.format(**d) for src in recipe(platform).SOURCES]
+    # The arch's own names for the files a recipe names by role ({breakpoint}...).
+    name = arch_name(arch) or default_arch()
+    fields = _Roles({**arch_toolchain(name).RUNTIME_FILES, **d}, name, platform)
+    c = [src.format_map(fields) for src in recipe(platform).SOURCES]
     asm = [f"{folder}/{p.name}" for folder in (d["arch"], *_arch_folders(arch, platform))
            for p in sorted((RUNTIME_DIR / folder).glob("*.S"))]
     offsets = [src.format(**d) for src in ASM_OFFSETS_SOURCES if (RUNTIME_DIR / src.format(**d)).exists()]

@@ -3,7 +3,7 @@
 Registration checks first (kernel/kprobes.c: instruction boundary, blacklist,
 can_probe; register_kretprobe()'s own checks for rp->kp), then probes at one
 address aggregate into a site, and each site is either jump-optimized (opt.c's
-can_optimize) or an INT3 probe, with the check that refused the jump and the
+can_optimize) or a breakpoint probe, with the check that refused the jump and the
 offending address.  Explicit probes that cannot be placed are errors
 (register_kprobes() is all or nothing); probes from a glob are skipped.
 
@@ -13,8 +13,8 @@ jump-optimized return hook (a short function's exit may ride in the entry's
 region).  A function whose exits cannot all be named, or with an exit no jump
 fits, falls back to the kernel's return-address trampoline; where the
 trampoline is unsafe for it (arch.retprobe.trampoline_refusal()) and the target
-has breakpoint return hooks (Rules.kretprobe_int3_exits), such an exit gets a
-breakpoint return hook instead (an INT3 site at the exit, aggregated with the
+has breakpoint return hooks (Rules.kretprobe_breakpoint_exits), such an exit gets a
+breakpoint return hook instead (a breakpoint site at the exit, aggregated with the
 sites above).  The plan ends with one numbering: site
 indices, kp_probes[] and kp_kretprobes[] slots.
 
@@ -37,13 +37,13 @@ from .register import kretprobe_refusal, register_refusal
 from .retarget import retarget_branches
 from .returns import plan_returns
 from .short_jumps import short_jumps
-from .sites import make_int3, optimize_site, share_regions, unshare_ftrace_site
+from .sites import make_breakpoint, optimize_site, share_regions, unshare_ftrace_site
 
 # What the later stages read: the plan's data (model.py) and the two entry points.
 __all__ = ["EvictedRegion", "FTRACE", "Group", "HOOK_KIND", "HOOK_PENDING", "HOOK_RET",
            "HOOK_SWAP", "HandlerCode", "BREAKPOINT", "JUMPS", "NO_HANDLER",
            "OPTIMIZED", "Plan", "REFUSED", "RetSite", "Retarget", "Site", "TRAMPOLINE",
-           "choose_forms", "make_int3", "plan"]
+           "choose_forms", "make_breakpoint", "plan"]
 
 
 def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec_name: str) -> Plan:
@@ -76,14 +76,15 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     if rules.shared_regions and optimize:
         share_regions(image, analysis, arch, sites, rules)
     # Another probe inside the region keeps the site unoptimized (the kernel's
-    # pre-optimization check); every site is placed (optimized or int3), so all count.
+    # pre-optimization check); every site is placed (optimized or breakpoint), so all count.
     placed = sorted(s.addr for s in sites if s.head is None)
     for s in sites:
         if s.jump_at:       # a shared ftrace site with a probe after it: the site is taken instead
             i = bisect.bisect_right(placed, s.addr)
             if i < len(placed) and placed[i] < s.region_end:
-                unshare_ftrace_site(s, arch.Refusal("probe_in_region", placed[i], "another probe sits inside "
-                                                    f"the region [{s.jump_at:#x}, {s.region_end:#x})"))
+                unshare_ftrace_site(s, arch.Refusal("probe_in_region", placed[i], "another probe sits in "
+                                                    f"[{s.jump_at:#x}, {s.region_end:#x}), where the jump past the "
+                                                    "ftrace site would go"), rules)
     for s in sites:
         if s.decision not in JUMPS or s.head is not None:
             continue
@@ -95,7 +96,9 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         short_jumps(image, analysis, arch, sites, rules)
     for s in sites:
         if s.decision not in JUMPS:
-            if not rules.int3:      # no breakpoint probes in this target (yet): refused
+            if not rules.breakpoints or (s.addr in rules.ftrace and not rules.take_ftrace):
+                # No breakpoint probes in this target (yet), or on a site the kernel rewrites
+                # at boot (Rules.take_ftrace): refused, with the check that refused the jump.
                 for p in s.probes:
                     fail(p, REFUSED, str(s.reason), getattr(s.reason, "check", "kprobes_optimization"),
                          getattr(s.reason, "addr", s.addr))
@@ -111,8 +114,8 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
                 for p in s.probes:
                     fail(p, REFUSED, str(why), why.check, why.addr)
                 continue
-            make_int3(image, arch, s, rules.singlestep_int3, rules.boost_post_handler)
-            why = rules.int3_refusal(arch, s) if rules.int3_refusal is not None else None
+            make_breakpoint(image, arch, s, rules.singlestep_breakpoint, rules.boost_post_handler)
+            why = rules.breakpoint_refusal(arch, s) if rules.breakpoint_refusal is not None else None
             if why is not None:         # the target cannot write this breakpoint's copy
                 for p in s.probes:
                     fail(p, REFUSED, str(why), why.check, why.addr)

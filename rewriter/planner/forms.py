@@ -78,7 +78,7 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: 
     # Kretprobes with nothing to run at their returns keep that (light_kretprobes()).  A light
     # one's entry is such a template whatever else the image holds: plan_returns() hooked none
     # of its exits (Group.light), so its entry must claim no instance.  Any other kretprobe's
-    # (an int3 entry, an aggregated site) takes its instance as before.
+    # (a breakpoint entry, an aggregated site) takes its instance as before.
     quiet = not events and light_kretprobes([p for s in plan.sites for p in s.probes], rules)
     for site in plan.sites:
         p0 = site.probes[0] if site.probes else None

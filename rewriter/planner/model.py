@@ -33,7 +33,7 @@ class Site:
     reason: object = None            # arch Refusal, or str
     dcr: list | None = None          # the detoured code region, if optimized
     index: int = -1
-    xol: object = None               # INT3 fallback: the arch's out-of-line plan
+    xol: object = None               # breakpoint fallback: the arch's out-of-line plan
     kret_hook: int = 0               # a breakpoint return hook at this exit (HOOK_KIND)
     ret_hooks: dict = field(default_factory=dict)   # exits inside this DCR -> (Group, hook kind)
     # Forms (choose_forms):
@@ -130,7 +130,7 @@ class Group:
     exits: list = field(default_factory=list)
     sites: list[RetSite] = field(default_factory=list)
     embedded: list = field(default_factory=list)     # (kprobe Site, Exit): exits inside a kprobe's DCR
-    int3_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
+    breakpoint_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
     hooks: dict = field(default_factory=dict)        # exit addr -> HOOK_*
     ret_template: dict | None = None  # the inlined return hook's parameters (choose_forms)
     # A light kretprobe (planner.forms.light_kretprobes()): nothing runs at its returns,

@@ -11,7 +11,7 @@ from ..probes.resolve import is_entry
 from .exits import find_exits
 from .forms import light_group, light_kretprobes
 from .model import HOOK_KIND, HOOK_LIGHT, HOOK_PENDING, HOOK_RET, HOOK_SWAP, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
-from .sites import make_int3
+from .sites import make_breakpoint
 
 def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
     """Return sites of every function with a placed kretprobe."""
@@ -92,26 +92,26 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
                 g.embedded.append((g.site, e))
                 continue
             if not isinstance(r, tuple):
-                if not rules.kretprobe_int3_exits:
+                if not rules.kretprobe_breakpoint_exits:
                     _exits_refused(g, r, e)
                     break
                 # No jump fits: a breakpoint return hook at the exit (the return
                 # address still stays where the caller put it), unless the
                 # trampoline is safe for this function (below).
-                g.int3_exits.append((e, r))
+                g.breakpoint_exits.append((e, r))
                 continue
             dcr, end = r
             mine.append((dcr[0].addr, end))
             g.sites.append(RetSite(e, dcr, dcr[0].addr, end, group=g))
-        if g.int3_exits and g.mode != TRAMPOLINE:
+        if g.breakpoint_exits and g.mode != TRAMPOLINE:
             # A trap costs microseconds, the kernel's trampoline nanoseconds: it
             # takes the whole function wherever it is safe (arch.retprobe.trampoline_refusal()).
             why = rp.trampoline_refusal(image, analysis, g.func, ex.parts, g.exits)
             if why is None:
-                _exits_refused(g, g.int3_exits[0][1], g.int3_exits[0][0])
+                _exits_refused(g, g.breakpoint_exits[0][1], g.breakpoint_exits[0][0])
             else:
-                g.int3_exits = [(e, type(r)(r.check, r.addr, f"{r.detail}; no trampoline: {why}"))
-                                for e, r in g.int3_exits]
+                g.breakpoint_exits = [(e, type(r)(r.check, r.addr, f"{r.detail}; no trampoline: {why}"))
+                                for e, r in g.breakpoint_exits]
         if g.mode == TRAMPOLINE:
             continue
         for r in mine:
@@ -136,12 +136,12 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
         for host, e in g.embedded:
             if host.decision == BREAKPOINT:
                 # A breakpoint kprobe at the exit: its site takes the hook (aggregation), as
-                # _place_int3_hooks() does; ret_hooks is read only by a detour's emitter.
+                # _place_breakpoint_hooks() does; ret_hooks is read only by a detour's emitter.
                 host.kret_hook = HOOK_KIND[g.hooks[e.addr]]
             else:
                 host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
     plan.ret_sites.sort(key=lambda s: s.addr)
-    _place_int3_hooks(image, arch, plan)
+    _place_breakpoint_hooks(image, arch, plan)
 
 
 def _entry_covers(image, analysis, arch, g: Group, e, rules, taken, starts, site_at, site_starts, busy) -> bool:
@@ -154,7 +154,7 @@ def _entry_covers(image, analysis, arch, g: Group, e, rules, taken, starts, site
     end = e.addr + len(e.insn.code)
     if (s.decision != OPTIMIZED or s.head is not None or s.riders or s.slot or s.evicted is not None
             or not s.region_end <= e.addr < g.func.end or end - s.addr > arch.optprobe.MAX_OPTIMIZED_LENGTH
-            or any(s.region_end <= x.addr < end for x, _ in g.int3_exits) or busy(s.region_end, end)):
+            or any(s.region_end <= x.addr < end for x, _ in g.breakpoint_exits) or busy(s.region_end, end)):
         return False
     r = arch.optprobe.can_optimize(image, analysis, g.func, s.addr, min_end=end)
     if not isinstance(r, list) or r[-1].addr + len(r[-1].code) != end \
@@ -177,22 +177,22 @@ def _as_return(e):
 
 def _exits_refused(g: Group, why, e) -> None:
     """An exit no jump can hook where the target has no breakpoint return hooks
-    (Rules.kretprobe_int3_exits off): the function keeps the trampoline, and
+    (Rules.kretprobe_breakpoint_exits off): the function keeps the trampoline, and
     `check` names the check that refused the exit and where."""
-    g.mode, g.embedded, g.sites, g.int3_exits = TRAMPOLINE, [], [], []
+    g.mode, g.embedded, g.sites, g.breakpoint_exits = TRAMPOLINE, [], [], []
     g.reason = type(why)(why.check, why.addr, f"the exit at {e.addr:#x} cannot take a jump: {why.detail} "
                                               "(the return address is swapped at entry)")
 
 
-def _place_int3_hooks(image, arch, plan: Plan) -> None:
+def _place_breakpoint_hooks(image, arch, plan: Plan) -> None:
     """Breakpoint sites for the exits no jump could hook (arch_prepare_kprobe()
     on the ret or the tail jmp, emulated out of line), aggregated with a
     breakpoint kprobe already at that address."""
     at = {s.addr: s for s in plan.sites}
     for g in plan.groups:
-        for e, why in g.int3_exits:
+        for e, why in g.breakpoint_exits:
             site = at.get(e.addr)
             if site is None:
-                site = at[e.addr] = make_int3(image, arch, Site(e.addr, [], reason=why))
+                site = at[e.addr] = make_breakpoint(image, arch, Site(e.addr, [], reason=why))
             site.kret_hook = HOOK_KIND[g.hooks[e.addr]]
     plan.sites = sorted(at.values(), key=lambda s: s.addr)

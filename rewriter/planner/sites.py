@@ -1,16 +1,16 @@
 """Each site's decision: jump-optimized (opt.c's can_optimize()), its region
-shared with the probes on the next instructions, or the INT3 fallback."""
+shared with the probes on the next instructions, or the breakpoint fallback."""
 from __future__ import annotations
 
 from .. import safety
 from .model import FTRACE, BREAKPOINT, JUMPS, OPTIMIZED, REFUSED, Site
 
-def make_int3(image, arch, s: Site, ss_int3: bool = False, boost_post_handler: bool = True) -> Site:
-    """The INT3 fallback (arch_prepare_kprobe()): a breakpoint probe whose
-    instruction is emulated, boosted or single-stepped out of line (ss_int3: the
-    single-stepped copy ends with an int3, Rules.singlestep_int3; boost_post_handler
+def make_breakpoint(image, arch, s: Site, ss_breakpoint: bool = False, boost_post_handler: bool = True) -> Site:
+    """The breakpoint fallback (arch_prepare_kprobe()): a breakpoint probe whose
+    instruction is emulated, boosted or single-stepped out of line (ss_breakpoint: the
+    single-stepped copy ends with a breakpoint, Rules.singlestep_breakpoint; boost_post_handler
     False: a site with a post_handler is not boosted, Rules.boost_post_handler)."""
-    s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_int3, boost=boost_post_handler or not s.with_post)
+    s.xol = arch.kprobe_xol.prepare(image, s.addr, ss_breakpoint, boost=boost_post_handler or not s.with_post)
     s.dcr = [s.xol.insn]
     s.decision = BREAKPOINT
     return s
@@ -22,9 +22,9 @@ def optimize_site(image, analysis, arch, s: Site, optimize: bool, rules) -> None
     can_optimize() for the site: its DCR, or the refusal."""
     if s.addr in rules.ftrace:
         s.dcr, s.decision = [arch.ftrace_site_insn(s.addr)], FTRACE
-        # A glob's probes take the site: sharing costs each detour the copy of the displaced
-        # instructions, and a probe on every function must fit the kernel's gaps.
-        if rules.share_ftrace and not all(p.from_glob for p in s.probes):
+        # A glob's probes take the site where they may: sharing costs each detour the copy of
+        # the displaced instructions, and a probe on every function must fit the kernel's gaps.
+        if rules.share_ftrace and (not rules.take_ftrace or not all(p.from_glob for p in s.probes)):
             share_ftrace_site(image, analysis, arch, s, rules)
         return
     if not optimize:
@@ -59,7 +59,7 @@ def share_ftrace_site(image, analysis, arch, s: Site, rules) -> None:
     and ftrace returns past it when traced.  Where the instructions after the site cannot
     be detoured, the jump takes the site itself (s.reason says why); so does a site whose
     probes all come from globs (optimize_site())."""
-    after = s.addr + len(arch.FTRACE_NOP)
+    after = s.addr + rules.share_ftrace
     r = arch.optprobe.can_optimize(image, analysis, s.probes[0].func, after)
     if isinstance(r, list):
         why = rules.region_refusal(arch, analysis, s.probes[0].func, after, r[-1].addr + len(r[-1].code))
@@ -67,12 +67,17 @@ def share_ftrace_site(image, analysis, arch, s: Site, rules) -> None:
             s.dcr, s.jump_at = s.dcr + r, after
             return
         r = why
-    s.reason = r
+    unshare_ftrace_site(s, r, rules)
 
 
-def unshare_ftrace_site(s: Site, why) -> None:
-    """Back to taking the site itself (share_ftrace_site()'s fallback)."""
-    s.dcr, s.jump_at, s.reason = s.dcr[:1], 0, why
+def unshare_ftrace_site(s: Site, why, rules) -> None:
+    """Back to taking the site itself (share_ftrace_site()'s fallback), or, where the site
+    may not be taken (Rules.take_ftrace), refused: `why` names the check."""
+    s.jump_at, s.reason = 0, why
+    if rules.take_ftrace:
+        s.dcr = s.dcr[:1]
+    else:
+        s.dcr, s.decision = None, REFUSED
 
 
 def share_regions(image, analysis, arch, sites: list[Site], rules) -> None:
@@ -111,7 +116,7 @@ def share_regions(image, analysis, arch, sites: list[Site], rules) -> None:
 def split_segments(arch, head: Site) -> None:
     """Each site's part of its head's region: from its address to the next
     rider's.  A rider that is no instruction boundary of the region, or whose
-    post_handler would follow a branch, sends the whole region to INT3."""
+    post_handler would follow a branch, sends the whole region to a breakpoint."""
     starts = {i.addr for i in head.dcr}
     bad = next((r for r in head.riders if r.addr not in starts
                 or (r.with_post and safety.enabled("shared_regions") and arch.is_branch(next(i for i in head.dcr if i.addr == r.addr)))), None)

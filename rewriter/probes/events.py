@@ -234,13 +234,15 @@ class TraceEvent:
     where: str                  # "(work+0x0/0x1b)" for a kprobe; "work" (FUNC) for a kretprobe
     args: list[F.ProbeArg]
     is_return: bool = False
+    pt_regs: bool = False       # the target hands every hit pt_regs (Rules.events_pt_regs)
 
     @property
     def reads_regs(self) -> bool:
         """Whether a hit reads pt_regs: a register, the stack, an argument or $retval
         ($comm, @SYM and immediates do not), so a kprobe event without any takes the
-        clean call (planner.forms.choose_forms) and its pre_handler passes no regs."""
-        return self.is_return or any(i.op in F.REGS_OPS for a in self.args for i in a.code)
+        clean call (planner.forms.choose_forms) and its pre_handler passes no regs; in a
+        kernel always (perf and BPF read them)."""
+        return self.pt_regs or self.is_return or any(i.op in F.REGS_OPS for a in self.args for i in a.code)
 
 
 def _args_text(k) -> tuple[str, list[tuple[str, int]]]:

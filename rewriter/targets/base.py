@@ -89,7 +89,7 @@ class Target:
         """The image's symbols the runtime and handlers may use (None: self-contained)."""
         return None
 
-    def tables_c(self, image, arch, any_int3: bool) -> str:
+    def tables_c(self, image, arch, any_breakpoint: bool) -> str:
         """The target's part of the generated C tables."""
         _own_build(self, "tables_c")
 

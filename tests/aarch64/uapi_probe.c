@@ -12,7 +12,7 @@
 
 /* What the runtime's objects take from a probe table (rewriter/emit/tables.py). */
 struct kp_runtime kp_rt;
-const unsigned int kp_nint3 = 1;
+const unsigned int kp_nbreakpoints = 1;
 struct kp_got_hook kp_got_hooks[1];
 const unsigned int kp_ngot_hooks = 0;
 const unsigned long kp_relro_start, kp_relro_end, kp_plt_start, kp_plt_end;
@@ -117,7 +117,7 @@ extern char probe_here[];
 static unsigned long trap_pc, trap_x0, trap_insn, trap_nzcv;
 static int trap_calls;
 
-int kp_arch_int3_trap(void *ucontext)
+int kp_breakpoint_sigtrap(void *ucontext)
 {
 	struct kp_ucontext *uc = ucontext;
 	trap_calls++;

@@ -52,8 +52,8 @@ def test_image_is_read(arm64_kernel, image):
 
 def test_check_arm64_rules(tmp_path, arm64_kernel, image):
     s = image.syms
-    probes = [("__arm64_sys_getppid", 8, ["optimized"]),
-              # The entry: taken after the ftrace NOPs (build.py), as the planner's ftrace form.
+    probes = [("__arm64_sys_getpid", 8, ["optimized"]),
+              # The entry: its jump goes past the ftrace NOPs (Rules.share_ftrace), the ftrace form.
               ("__arm64_sys_getppid", 0, ["ftrace"]),
               ("__arm64_sys_getppid", 4, ["refused", "ftrace site (ftrace_location()"]),
               ("get_kprobe", 0, ["refused", "NOKPROBE_SYMBOL"])]
@@ -178,13 +178,34 @@ def test_system_map(tmp_path, arm64_kernel, image):
     and blacklist as the Image's own kallsyms."""
     spec = tmp_path / "probes.toml"
     spec.write_text('[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\n'
-                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 8\n')
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getpid"\noffset = 8\n')
     r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, "--system-map", arm64_kernel.system_map, check=False)
     assert r.returncode == 1 and "stub System.map" in r.stderr
     sm = tmp_path / "System.map"
     sm.write_text("".join(f"{s.addr:016x} {s.type} {s.name}\n" for s in image.kallsyms.symbols))
     a = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
     b = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, "--system-map", sm)
-    assert a.stdout == b.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n__arm64_sys_getppid+0x8  k  optimized\n"
+    assert a.stdout == b.stdout == "__arm64_sys_getppid+0x0  k  ftrace\n__arm64_sys_getpid+0x8  k  optimized\n"
     assert kprewrite("blacklist", arm64_kernel.vmlinuz).stdout == \
         kprewrite("blacklist", arm64_kernel.vmlinuz, "--system-map", sm).stdout
+
+
+def test_entry_and_past_its_nops_refused_by_check_as_by_instrument(tmp_path, arm64_kernel, image):
+    """A probe on a function's entry and one at entry + 8: the entry's jump would go where the
+    second probe is, and the entry's NOPs cannot be taken (ftrace_init_nop() rewrites the first at
+    boot: Rules.take_ftrace), so the entry is refused, by `check` as by `instrument`, with the same
+    line naming probe_in_region and the address; instrument writes nothing."""
+    s = image.syms
+    spec = tmp_path / "probes.toml"
+    spec.write_text('[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\n'
+                    '[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 8\n')
+    at = s["__arm64_sys_getppid"] + 8
+    c = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec, check=False)
+    assert c.returncode == 1, c.stdout + c.stderr
+    assert c.stdout.splitlines()[0].startswith(f"__arm64_sys_getppid+0x0  k  refused  probe_in_region at {at:#x}: ")
+    assert c.stdout.splitlines()[1] == "__arm64_sys_getppid+0x8  k  optimized", c.stdout
+    out = tmp_path / "Image.kp"
+    i = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
+    assert i.returncode == 1 and not out.exists()
+    assert i.stderr == c.stderr and len(c.stderr.splitlines()) == 1, (c.stderr, i.stderr)
+    assert f"probe_in_region at {at:#x}: another probe sits in [{at:#x}, " in c.stderr, c.stderr

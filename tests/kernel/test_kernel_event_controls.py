@@ -49,6 +49,7 @@ SPEC = r'''
 events = [
   "p:kp_fadv ksys_fadvise64_64 fd=$arg1:s32 off=$arg2:s64 advice=$arg4:s32 comm=$comm",
   "r:kp_fadv_ret ksys_fadvise64_64 ret=$retval:s32",
+  "p:kp_fadv_comm ksys_fadvise64_64 comm=$comm",
 ]
 '''
 
@@ -119,6 +120,8 @@ echo "== perf"
 [ -d {T}/events/kprobes/kp_fadv_ret ] && /perfcount $(cat {T}/events/kprobes/kp_fadv_ret/id) "ret == 0" /fadv 5 202
 echo "== perf_sample"
 /perfbpf sample $(cat {E}/id) /fadv 3 210
+echo "== perf_sample_comm"
+/perfbpf sample $(cat {T}/events/kprobes/kp_fadv_comm/id) /fadv 2 211
 echo "== profile_bpf_before"; cat {PROFILE}
 echo "== bpf"
 /perfbpf bpf $(cat {E}/id) /fadv 7 220
@@ -274,7 +277,7 @@ def test_hist_trigger_counts(booted, out):
     delta = _profile_hits(out["profile_after"], "kp_fadv") - _profile_hits(out["profile_before"], "kp_fadv")
     assert total == delta == 12, (total, delta, hist)
     # the probe fires whether or not its event is enabled (kprobe_profile counts every hit)
-    assert booted.profile()["kp_fadv"][0] == 2 + 5 + 4 + 6 + 2 + 3 + 1 + 3 + 9 + (4 + 6 + 3 + 5) + 3 + 7 + 3, booted.profile()
+    assert booted.profile()["kp_fadv"][0] == 2 + 5 + 4 + 6 + 2 + 3 + 1 + 3 + 9 + (4 + 6 + 3 + 5) + 3 + 2 + 7 + 3, booted.profile()
 
 
 def test_perf_counts_the_event_with_a_filter(out):
@@ -333,3 +336,15 @@ def test_kernels_own_kprobe_and_function_tracer_on_our_probed_entry(out):
     kk = [l for l in trace if re.search(r" kk: \(ksys_fadvise64_64\+0x0/0x[0-9a-f]+\) off=300$", l)]
     ours = [l for l in trace if " kp_fadv: " in l]
     assert len(func) == len(kk) == 3 and _offs(ours) == [300] * 3, trace
+
+
+def test_perf_samples_an_event_that_reads_no_register(out):
+    """kp_fadv_comm fetches only $comm (no register): a kernel's events still pass the probed
+    context's pt_regs (Rules.events_pt_regs), which perf's sample header reads
+    (perf_misc_flags()) and a BPF program takes as its context: 2 samples for 2 calls, each
+    with the pid and the task's name in the raw record."""
+    lines = out["perf_sample_comm"]
+    assert "perf samples=2 lost=0" in lines, lines
+    samples = [re.fullmatch(r"sample pid=(\d+) raw=([0-9a-f]+)", l) for l in lines]
+    samples = [(int(m.group(1)), bytes.fromhex(m.group(2))) for m in samples if m]
+    assert len(samples) == 2 and all(_trace_entry(raw)[1] == pid and b"fadv\0" in raw for pid, raw in samples), lines

@@ -1095,3 +1095,22 @@ def test_module_noinstr_alternatives_ex_table(modules, tmp_path):
     assert re.search(rf"^{func}\+0x5  k  int3  __ex_table at 0x\S+: {func} has an exception "
                      "table entry", r.stdout, re.M), r.stdout
     assert re.search(rf"^{sorted(noinstr)[0]}\+0x0  k  refused  blacklist at .* in \.noinstr\.text", r.stdout, re.M), r.stdout
+
+
+def test_module_without_exit_refused_by_check_and_instrument(romfs, tmp_path):
+    """A module with no exit (its `cleanup_module` symbol renamed in .strtab, the same length)
+    could never be unloaded once our probes are in it: `check` and `instrument` refuse it
+    with the same line (targets.base.Target.refusals()), and instrument writes nothing."""
+    data = romfs.read_bytes()
+    assert data.count(b"\0cleanup_module\0") == 1
+    bad = tmp_path / "noexit.ko"
+    bad.write_bytes(data.replace(b"\0cleanup_module\0", b"\0cleanup_modulX\0"))
+    spec = tmp_path / "probes.toml"
+    spec.write_text('[[kprobe]]\nsymbol_name = "romfs_get_tree"\n')
+    want = f"kprewrite: {bad}: the module has no exit (cleanup_module): it could not be unloaded"
+    r = kprewrite("check", bad, "--spec", spec, check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [want], r.stderr
+    out = tmp_path / "noexit.kp.ko"
+    r = kprewrite("instrument", bad, "--spec", spec, "-o", out, check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [want], r.stderr
+    assert not out.exists() and bad.read_bytes() == data.replace(b"\0cleanup_module\0", b"\0cleanup_modulX\0")

@@ -63,7 +63,7 @@ extern const struct kp_handler_rec kp_rec_handlers[];	/* the records' handler pa
 extern char kp_probe_recs[], kp_site_recs[];
 extern const struct kp_handler_rec kp_kret_handlers[];
 extern struct kretprobe kp_kretprobes[];
-extern char kp_int3_sites[];				/* the breakpoint descriptors */
+extern char kp_breakpoints[];				/* the breakpoint descriptors */
 extern const unsigned int kp_nsites;
 
 static unsigned long seen;		/* handler data: writable */
@@ -83,7 +83,7 @@ static void try_writes(const char *when, struct kprobe *p)
 		"site_fast=%ld ptr_site_fast=%ld nmissed=%ld flags=%ld data=%ld\n", when,
 		RW(kp_site_handlers[last->first]), RW(last->resume), RW(kp_site_probes[last->first]),
 		RW(kp_site_handlers), RW(kp_sites), RW(kp_site_probes), RW(kp_rec_handlers[0]),
-		rw(kp_probe_recs, 8), rw(kp_site_recs, 8), RW(kp_kret_handlers[0]), rw(kp_int3_sites, 8),
+		rw(kp_probe_recs, 8), rw(kp_site_recs, 8), RW(kp_kret_handlers[0]), rw(kp_breakpoints, 8),
 		RW(kp_site_fast[kp_nsites - 1]), RW(kp_site_fast), RW(p->nmissed), RW(p->flags), RW(seen));
 }
 
@@ -167,7 +167,11 @@ def probed(tmp_path_factory, debian_kernel):
                     'entry_handler = "ret_entry"\n')
     r = kprewrite("check", debian_kernel.vmlinux, "--spec", spec)
     lines = r.stdout.splitlines()
-    assert lines[:3] == ["free_initmem+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace"] + lines[2:3], r.stdout
+    # The entry's jump cannot follow its ftrace site (the probe at +5 is there): the site is taken.
+    assert lines[:3] == ["free_initmem+0x0  k  ftrace", "do_sys_openat2+0x0  k  ftrace  site taken, not shared "
+                         "with ftrace: probe_in_region at " + f"{f.start + 5:#x}: another probe sits in "
+                         f"[{f.start + 5:#x}, {f.start + 10:#x}), where the jump past the ftrace site would go"] \
+        + lines[2:3], r.stdout
     assert lines[2].startswith("do_sys_openat2+0x5  k  int3"), r.stdout
     out = d / "vmlinux.kp"
     kprewrite("instrument", debian_kernel.vmlinux, "--spec", spec, "-o", out)

@@ -2,7 +2,7 @@
 arch_prepare_kprobe(), done at rewrite time.
 
 A breakpoint probe writes `brk #0x004` (KPROBES_BRK_IMM) over the probed
-instruction.  The runtime's SIGTRAP handler (runtime/arch/aarch64/kp_int3.c)
+instruction.  The runtime's SIGTRAP handler (runtime/arch/aarch64/kp_brk.c)
 runs the pre_handlers, then the instruction, as decode-insn.c sorts it:
 
 * simulate -- simulate-insn.c: b, bl, b.cond, cbz/cbnz, tbz/tbnz, adr, adrp,
@@ -56,9 +56,9 @@ def emulates_refused(image, addr: int) -> bool:
     return False
 
 
-def prepare(image, addr: int, ss_int3: bool = False, boost: bool = True) -> Xol:
+def prepare(image, addr: int, ss_breakpoint: bool = False, boost: bool = True) -> Xol:
     """arch_prepare_kprobe() for one address (can_probe() has already passed).
-    Single-stepped copies always end with a brk (ss_int3 is what arm64 does anyway);
+    Single-stepped copies always end with a brk (ss_breakpoint is what arm64 does anyway);
     arm64 boosts nothing, so `boost` changes nothing."""
     code = bytes(image.read(addr, 4))
     info = I.classify(code, addr)
@@ -86,14 +86,14 @@ NO_SLOT = XolSlot(0, 0, 0)      # a simulated site's: the trap handler does its 
 
 # The descriptor table (emit/breakpoints.py) asks these.
 TABLE_INCLUDES = ("#include <kp_brk.h>",)
-# No brk site: one descriptor no address matches (kp_nint3 1), so the SIGTRAP handler is
+# No brk site: one descriptor no address matches (kp_nbreakpoints 1), so the SIGTRAP handler is
 # still installed for a detour's slow resume (optprobe_entry.S's kp_optprobe_resume_regs traps).
 EMPTY_DESCRIPTOR = "  { ~0UL, 0, 0, 0, 0, 0, 0 },"
-SS_INT3_SPAN = False            # a single-stepped copy ends with brk #0x006, looked up by its end
+SS_BREAKPOINT_SPAN = False            # a single-stepped copy ends with brk #0x006, looked up by its end
 
 
 def descriptor(s, x: Xol, slot: XolSlot) -> str:
-    """Site s's row of kp_int3_sites[] (struct kp_int3_site, runtime/arch/aarch64/kp_arch.h)."""
+    """Site s's row of kp_breakpoints[] (struct kp_breakpoint_site, runtime/arch/aarch64/kp_arch.h)."""
     return (f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
             f"{int.from_bytes(x.insn.code, 'little'):#x}, {MODE_CODE[x.mode]}, {x.kind}, {x.cond}, {x.rt}, "
             f"{x.bit}, {x.sf}, {s.kret_hook}, {int(s.with_post)}, {int(x.mode != EMULATE and not s.kret_hook)} }},")

@@ -24,3 +24,8 @@ CFLAGS = {
 # options, the Debian package that has it, and the kernel's serial console.
 QEMU_SYSTEM = ("qemu-system-aarch64", ("-M", "virt", "-cpu", "max"), "qemu-system-arm")
 CONSOLE = "ttyAMA0"
+
+# The runtime's breakpoint trap code (runtime/arch/aarch64/), in the arch's word: the files
+# a platform's recipe names as {arch}/{breakpoint} and {arch}/{breakpoint_signal} (a user
+# process: the SIGTRAP's context, which includes the former as one unit); no kernel hook yet.
+RUNTIME_FILES = {"breakpoint": "kp_brk.c", "breakpoint_signal": "linux_user/kp_brk_signal.c"}

@@ -15,7 +15,7 @@ of line", in the kernel's order of preference:
 * single-step -- the rest: the copy, run with the trap flag set; the SIGTRAP
   after it runs the post_handlers and resumes at the next instruction
   (resume_singlestep()).  A jmp back follows the copy as a safety net.  Where
-  the target says so (Rules.singlestep_int3: a kernel), an int3 follows the
+  the target says so (Rules.singlestep_breakpoint: a kernel), an int3 follows the
   copy instead of TF, as the kernel's own kprobes do since 5.14 (the #DB path
   is not ours to hook); the trap at it is found by the copy's end address.
 
@@ -64,7 +64,7 @@ class Xol:
     index: int = NO_REG    # emulate, through memory: index register (pt_regs word index)
     scale: int = 0         # emulate, through memory: index scale
     rip: int = 0           # emulate, through memory: target holds the absolute (link-time) address
-    ss_int3: bool = False  # single-step: an int3 after the copy rather than TF
+    ss_breakpoint: bool = False  # single-step: an int3 after the copy rather than TF
 
     @property
     def next_ip(self) -> int:
@@ -129,9 +129,9 @@ def emulates_refused(image, addr: int) -> bool:
     return _memory_indirect(DcrInsn(addr, bytes(code[:info.length]), info)) is not None
 
 
-def prepare(image, addr: int, ss_int3: bool = False, boost: bool = True) -> Xol:
+def prepare(image, addr: int, ss_breakpoint: bool = False, boost: bool = True) -> Xol:
     """arch_prepare_kprobe() for one address (can_probe() has already passed);
-    ss_int3: a single-stepped copy ends with an int3 rather than running with TF;
+    ss_breakpoint: a single-stepped copy ends with an int3 rather than running with TF;
     boost False: a boostable instruction single-stepped too (setup_singlestep() boosts
     no kprobe with a post_handler)."""
     code = image.read(addr, 16)
@@ -167,7 +167,7 @@ def prepare(image, addr: int, ss_int3: bool = False, boost: bool = True) -> Xol:
         # returns through iret and the single-step trap comes one instruction
         # late (after the jmp back).  The kernel never probes a syscall insn.
         return Xol(BOOST, insn)
-    return Xol(SINGLESTEP, insn, ss_int3=ss_int3)
+    return Xol(SINGLESTEP, insn, ss_breakpoint=ss_breakpoint)
 
 
 def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int, desc: int = 0) -> bytes:
@@ -175,13 +175,13 @@ def slot_code(x: Xol, site_index: int, with_post: bool, at: int, post_entry: int
     one with a post_handler the probe stub, and the jmp back (an int3-ended single-step
     one's then carries desc, its descriptor's index).  Same size whatever post_entry is."""
     out = bytearray(em.relocate(x.insn, at))
-    if x.mode == SINGLESTEP and x.ss_int3:
+    if x.mode == SINGLESTEP and x.ss_breakpoint:
         out += b"\xcc"
     if x.mode != SINGLESTEP and with_post:
         out += em.probe_stub(site_index, post_entry, at + len(out))
     pos = at + len(out)
     out += b"\xe9" + em._s32(x.next_ip - (pos + 5), "jmp back from the out-of-line slot")
-    if x.mode == SINGLESTEP and x.ss_int3:
+    if x.mode == SINGLESTEP and x.ss_breakpoint:
         # Data, never run (the jmp is before it): the descriptor's index, so the trap at
         # the int3 finds its site without a search (kp_int3.c, kp_int3_ss_end()).
         out += desc.to_bytes(4, "little")
@@ -193,7 +193,7 @@ def place_slot(x: Xol, site_index: int, with_post: bool, at: int, desc: int = 0)
     it): its size, where the jmp back is, where a single-stepped copy ends."""
     copy = len(em.relocate(x.insn, at))
     size = len(slot_code(x, site_index, with_post, at, at + 0x1000000, desc))
-    post = at + size - 5 - (SS_INDEX_SIZE if x.mode == SINGLESTEP and x.ss_int3 else 0)
+    post = at + size - 5 - (SS_INDEX_SIZE if x.mode == SINGLESTEP and x.ss_breakpoint else 0)
     return XolSlot(at, size, post, at + copy if x.mode == SINGLESTEP else 0, desc)
 
 
@@ -204,11 +204,11 @@ NO_SLOT = XolSlot(0, 0, 0)      # an emulated site's: the trap handler does its 
 # The descriptor table (emit/breakpoints.py) asks these.
 TABLE_INCLUDES: tuple[str, ...] = ()
 EMPTY_DESCRIPTOR = None         # no site: an empty table
-SS_INT3_SPAN = True             # single-stepped copies may end with an int3 (kp_int3_ss_first/last)
+SS_BREAKPOINT_SPAN = True             # single-stepped copies may end with an int3 (kp_breakpoint_ss_first/last)
 
 
 def descriptor(s, x: Xol, slot: XolSlot) -> str:
-    """Site s's row of kp_int3_sites[] (struct kp_int3_site, runtime/arch/x86_64/kp_arch.h)."""
+    """Site s's row of kp_breakpoints[] (struct kp_breakpoint_site, runtime/arch/x86_64/kp_arch.h)."""
     return (f"  {{ {s.addr:#x}UL, {slot.addr:#x}UL, {slot.ss_end:#x}UL, {x.target:#x}UL, {s.index}, "
             f"{MODE_CODE[x.mode]}, {x.kind}, {x.cc}, {len(x.insn.code)}, {x.imm}, {x.reg}, {x.addr32}, "
             f"{x.index}, {x.scale}, {x.rip}, {s.kret_hook}, {int(s.with_post)}, "

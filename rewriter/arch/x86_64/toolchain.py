@@ -23,3 +23,10 @@ CFLAGS = {
 # options, the Debian package that has it, and the kernel's serial console.
 QEMU_SYSTEM = ("qemu-system-x86_64", (), "qemu-system-x86")
 CONSOLE = "ttyS0"
+
+# The runtime's breakpoint trap code (runtime/arch/x86_64/), in the arch's word: the files
+# a platform's recipe names as {arch}/{breakpoint}, {arch}/{breakpoint_signal} (a user
+# process: the SIGTRAP's context, which includes the former as one unit) and
+# {arch}/{breakpoint_hook} (a kernel's way into its #BP path).
+RUNTIME_FILES = {"breakpoint": "kp_int3.c", "breakpoint_signal": "linux_user/kp_int3_signal.c",
+                 "breakpoint_hook": "linux_kernel/kp_int3_hook.c"}

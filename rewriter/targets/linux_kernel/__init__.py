@@ -15,7 +15,7 @@ image (x86's bzImage).  The target, assembled from its parts, one job each:
   (btf.py: the image's types);
 - writer.py: the output image and what `kprewrite diff` may find changed.
 
-What differs by architecture (tables and opcodes, the int3 and return-thunk patches,
+What differs by architecture (tables and opcodes, the breakpoint and return-thunk patches,
 per-CPU access, the boot image and its KASLR table) is in the architecture's folder
 here, x86_64/ (symbols.arch_of(): the image's arch name).
 """

@@ -15,7 +15,8 @@ class KernelArch(Protocol):
     REGISTER_REASONS: dict             # table -> why registration refuses its sites
     FUNCTION_RANGES: tuple             # tables refused function by function, never patched
     RETURN_SITES: str                  # the table of returns patched at boot (rules.return_jumps)
-    SHARE_FTRACE: bool                 # an ftrace-site probe leaves the site to ftrace (rules.share_ftrace)
+    SHARE_FTRACE: int                  # the ftrace site's bytes a probe's jump goes past (rules.share_ftrace)
+    TAKE_FTRACE: bool                  # where it cannot, the jump may take the site (rules.take_ftrace)
 
     def function_refusal(self, image, k, arch, returns) -> Callable:
         """(analysis, func) -> arch.Refusal or None: a function not jump-optimized."""

@@ -29,7 +29,7 @@ def thread_key(image):
     return arch_of(image).thread_key(image)
 
 
-def tables_c(image, arch, any_int3: bool) -> str:
+def tables_c(image, arch, any_breakpoint: bool) -> str:
     """struct task_struct's comm and pid (BTF) and the current task, for trace lines; the
     tracing structures (BTF) our events' output types need; the
     gap's bounds (the boot hooks); the per-CPU blocks' pool, sized from the probe tables

@@ -2,17 +2,18 @@
 (runtime/platform/linux_kernel; link/runtime.py reads this): no signals, no GOT
 hooks; kretprobes the kernel's way, instances per task (kp_kretprobe_task.c, for
 kp_kretprobe.c); breakpoint sites through a hook on the kernel's kprobe
-breakpoint handler (the arch's linux_kernel/kp_int3_hook.c).  Compiled as kernel
+breakpoint handler (the arch's {breakpoint_hook}: x86-64's linux_kernel/kp_int3_hook.c).  Compiled as kernel
 code is (the arch's "kernel" flags), not position-independent: linked where it
 runs."""
 
 # C sources in link order ({arch}: runtime/arch/<arch>/, {platform}:
-# runtime/platform/<platform>/), then the .S files of the arch's folder and of
+# runtime/platform/<platform>/, {breakpoint...}: the arch's file of that role,
+# rewriter/arch/<arch>/toolchain.py's RUNTIME_FILES), then the .S files of the arch's folder and of
 # ARCH_FOLDERS.  The order decides where each function lands.  Every arch's
-# linux_kernel/ folder has a kp_int3_hook.c: its way into the kernel's #BP path.
+# kernel names a {breakpoint_hook}: its way into the kernel's #BP path.
 SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c",
            "{platform}/kp_kretprobe_task.c", "kp_line.c", "kp_fetch.c", "kp_trace.c",
-           "{arch}/kp_int3.c", "{arch}/linux_kernel/kp_int3_hook.c", "{platform}/kp_debugfs.c"]
+           "{arch}/{breakpoint}", "{arch}/{breakpoint_hook}", "{platform}/kp_debugfs.c"]
 # kprobe_events into the ftrace ring buffer, symbols from kallsyms.
 SOURCES += ["{platform}/kp_trace_buffer.c"]
 # Stacks through probes (unwind.py): the frame records' return addresses, the code

@@ -83,19 +83,19 @@ def rules(image, arch) -> Rules:
             yield a + i + 4 + target, f"jump label at {a + i + code:#x}"
 
     # Breakpoint probes need our hook on the kernel's breakpoint path (the architecture's
-    # breakpoint_hook()); single-stepped copies end with an int3, as the kernel's own since 5.14
+    # breakpoint_hook()); single-stepped copies end with a breakpoint, as the kernel's own since 5.14
     # (its #DB path is not hooked).
     return Rules(Index(register), Index(patched), mcount, function_refusal,
-                 share_ftrace=kern.SHARE_FTRACE,
-                 int3=kern.breakpoint_hook(image) is not None,
+                 share_ftrace=kern.SHARE_FTRACE, take_ftrace=kern.TAKE_FTRACE, events_pt_regs=True,
+                 breakpoints=kern.breakpoint_hook(image) is not None,
                  # kretprobes hook every exit (the user-space design; instances per task): a
                  # return the kernel patches at boot is a return, its table entry pointed at the
                  # copy in the detour (the architecture's return_site_patches()); an exit no jump
                  # fits keeps the trampoline for its function (no breakpoint return hooks in a kernel).
                  kretprobes=True, kretprobe_exits=True, return_jumps=frozenset(returns),
                  kretprobe_blacklist={"__switch_to": SWITCHES},   # the kernel's kretprobe_blacklist[]
-                 kretprobe_int3_exits=False, kretprobe_clean_entry=True,
-                 singlestep_int3=True,
+                 kretprobe_breakpoint_exits=False, kretprobe_clean_entry=True,
+                 singlestep_breakpoint=True,
                  fast_forms=False, jump_target_sources=[ex_fixups, jump_label_targets],
                  # A kernel is built with -fno-jump-tables and jumps through retpoline
                  # thunks; decoding its 46,000 functions again would cost half a minute.

@@ -8,7 +8,7 @@ from ...probes.spec import KprobeSpec
 
 # The boot hooks: (function, runtime pre_handler).
 BOOT_HOOKS = (("setup_per_cpu_areas", "kp_kernel_alloc_cpus"),
-              # The int3s of breakpoint sites from globs, once smp_init() has brought every CPU up
+              # The breakpoints of breakpoint sites from globs, once smp_init() has brought every CPU up
               # (platform.c, writer.py).
               ("sched_init_smp", "kp_kernel_arm_breakpoints"),
               ("set_memory_ro", "kp_kernel_keep_ro"), ("set_memory_nx", "kp_kernel_keep_nx"),

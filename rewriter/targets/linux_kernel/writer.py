@@ -32,9 +32,9 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
                              f"{(gap.end - gap.rx_vaddr) >> 10} KiB and the rodata/data gap {(gap.data_end - gap.data_vaddr) >> 10} KiB")
     out = bytearray(image.data)
     offset_of = extend_first_load(image, out, gap.data_vaddr, data_end)
-    hooked = []         # the ftrace sites the int3 hooks take, when there are breakpoint sites
+    hooked = []         # the ftrace sites the breakpoint hooks take, when there are breakpoint sites
     # A breakpoint site whose probes all come from globs keeps its instruction in the image:
-    # the runtime writes the int3 at the sched_init_smp() boot hook (kp_kernel_arm_int3(), as
+    # the runtime writes the breakpoint at the sched_init_smp() boot hook (kp_arch_arm_breakpoints(), as
     # arch_arm_kprobe() at registration), once every CPU is up.  A glob reaches code no one
     # chose, some of it run where a CPU has no IDT yet (Xen PVH's entry, a CPU coming up);
     # a probe named exactly is armed in the image, from the first instruction on.

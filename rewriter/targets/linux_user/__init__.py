@@ -92,9 +92,9 @@ def address_c(image, addr: int) -> str:
     return f"{addr:#x}UL"
 
 
-def tables_c(image, arch, any_int3: bool) -> str:
+def tables_c(image, arch, any_breakpoint: bool) -> str:
     """The target's part of the generated C: the GOT slots sighook takes over."""
-    return sighook.table_c(image, arch, any_int3)
+    return sighook.table_c(image, arch, any_breakpoint)
 
 
 RUNTIME_HANDLERS = frozenset()

@@ -4,14 +4,16 @@ and freestanding, linked -pie where the new segments will be, relocated by the
 runtime at start-up."""
 
 # C sources in link order ({arch}: runtime/arch/<arch>/, {platform}:
-# runtime/platform/<platform>/), then the .S files of the arch's folder and of
+# runtime/platform/<platform>/, {breakpoint...}: the arch's file of that role), then the .S files of the arch's folder and of
 # ARCH_FOLDERS.  The order decides where each function lands: changing it
 # changes every output.
 SOURCES = ["kp_core.c", "kp_lib.c", "kp_printk.c", "{platform}/platform.c"]
-# INT3 fallback probes.
-# The arch's trap code with the SIGTRAP's context (linux_user/kp_int3_signal.c
-# includes the arch's kp_int3.c: one unit).
-SOURCES += ["{arch}/linux_user/kp_int3_signal.c", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
+# Breakpoint probes.
+# The arch's trap code with the SIGTRAP's context ({breakpoint_signal}, the arch's
+# name: x86-64's linux_user/kp_int3_signal.c, AArch64's linux_user/kp_brk_signal.c,
+# includes the arch's {breakpoint}: one unit; rewriter/arch/<arch>/toolchain.py's
+# RUNTIME_FILES names them).
+SOURCES += ["{arch}/{breakpoint_signal}", "{platform}/kp_signal.c", "{platform}/kp_sighook.c"]
 # kretprobes.
 SOURCES += ["kp_kretprobe.c", "{platform}/clock_cpus.c"]
 # kprobe_events, fetch args, trace lines.

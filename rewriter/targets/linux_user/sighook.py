@@ -2,7 +2,7 @@
 processes).
 
 A program that later calls sigaction(SIGTRAP) or signal(SIGTRAP) would replace
-the handler our int3s need, and one that blocks SIGTRAP (sigprocmask,
+the handler our breakpoints need, and one that blocks SIGTRAP (sigprocmask,
 pthread_sigmask, or a handler's sa_mask) would be killed by the next trap (the
 kernel forces a blocked synchronous signal to its default action).  So the
 runtime takes over the program's own GOT slots of those functions at start-up:

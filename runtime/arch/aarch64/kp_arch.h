@@ -139,7 +139,7 @@ static inline void cpu_relax(void)
 /*
  * Breakpoint probes (the platform's trap entry, arch/aarch64/'s trap code): one
  * descriptor per brk site, sorted by address; addresses are link-time (the trap
- * handler adds kp_rt.bias).  The generic names (kp_int3_*) are the core's and
+ * handler adds kp_rt.bias).  The generic names (kp_breakpoint_*) are the core's and
  * the platform's; the fields are this arch's, after the kernel's struct
  * arch_probe_insn (arch/arm64/include/asm/probes.h): a site is simulated (the
  * kernel's simulate-insn.c: PC-relative and branch instructions) or
@@ -147,7 +147,7 @@ static inline void cpu_relax(void)
  * `brk #0x006`.  The trap code and the back end that fills it
  * (rewriter/arch/aarch64/) own the meaning of the per-kind fields.
  */
-struct kp_int3_site {
+struct kp_breakpoint_site {
 	unsigned long addr;		/* the probed instruction, now brk #0x004 */
 	unsigned long slot;		/* single-step: the out-of-line copy */
 	unsigned long ss_end;		/* single-step: the copy's brk #0x006 (slot + 4) */
@@ -165,13 +165,13 @@ struct kp_int3_site {
 	unsigned char plain;		/* single-stepped, no kretprobe hook */
 	unsigned char pad[15];		/* 64 bytes: an index is a shift */
 };
-_Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes");
+_Static_assert(sizeof(struct kp_breakpoint_site) == 64, "kp_breakpoint_site: 64 bytes");
 #define KP_XOL_SIMULATE 1
 #define KP_XOL_SINGLESTEP 3
 /* A mode's tag in a kernel's kprobes/list (kp_debugfs.c), after the kernel's [OPTIMIZED]. */
 #define kp_arch_xol_tag(mode) ((mode) == KP_XOL_SIMULATE ? "[SIMULATED]" : "[SINGLESTEP]")
-extern struct kp_int3_site kp_int3_sites[];
-extern const unsigned int kp_nint3;
+extern struct kp_breakpoint_site kp_breakpoints[];
+extern const unsigned int kp_nbreakpoints;
 
 #pragma GCC visibility pop
 

@@ -50,5 +50,5 @@ void kp_asm_offsets(void)
 	OFFSET(PT_SYSCALLNO, pt_regs, syscallno);
 	DEFINE(PT_SIZE, sizeof(struct pt_regs));
 	DEFINE(ARITH_FLAGS, KP_ARITH_FLAGS);
-	DEFINE(INT3_SITE_SIZE, sizeof(struct kp_int3_site));
+	DEFINE(BREAKPOINT_SITE_SIZE, sizeof(struct kp_breakpoint_site));
 }

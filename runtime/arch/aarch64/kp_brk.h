@@ -1,7 +1,7 @@
 /*
- * What the AArch64 brk trap handler (kp_int3.c) and the tables kprewrite's
+ * What the AArch64 brk trap handler (kp_brk.c) and the tables kprewrite's
  * back end generates (rewriter/emit/breakpoints.py with rewriter/arch/aarch64/kprobe_xol.py's rows) share
- * beyond struct kp_int3_site (kp_arch.h): the simulated kinds, the hash of the
+ * beyond struct kp_breakpoint_site (kp_arch.h): the simulated kinds, the hash of the
  * descriptors by address and the single-step entries.
  */
 #ifndef _KP_BRK_H

@@ -28,7 +28,7 @@
 /*
  * Resume at regs->pc on regs->sp with all of regs (sp at pt_regs).  No branch
  * restores every register (one must hold the target), so this traps: the brk
- * below is ours, and the SIGTRAP handler (kp_int3.c) loads the signal context
+ * below is ours, and the SIGTRAP handler (kp_brk.c) loads the signal context
  * from the pt_regs sp points at; rt_sigreturn then resumes exactly there.  Only
  * a handler that changes the path, sp or PSTATE pays for it.
  */

@@ -106,7 +106,7 @@ static inline void cpu_relax(void)
 /* INT3 fallback probes (kp_trap.c, arch/x86_64/kp_int3.c, the platform's trap entry).
  * One descriptor per breakpoint site, sorted by address; addresses are link-time
  * (the trap handler subtracts kp_rt.bias). */
-struct kp_int3_site {
+struct kp_breakpoint_site {
 	unsigned long addr;		/* the probed instruction, now 0xcc */
 	unsigned long slot;		/* boost / single-step: the out-of-line copy */
 	unsigned long ss_end;		/* single-step: right after the copy (where TF traps) */
@@ -133,19 +133,19 @@ struct kp_int3_site {
 /* A mode's tag in a kernel's kprobes/list (kp_debugfs.c), after the kernel's [OPTIMIZED]. */
 #define kp_arch_xol_tag(mode) \
 	((mode) == KP_XOL_EMULATE ? "[EMULATED]" : (mode) == KP_XOL_BOOST ? "[BOOSTED]" : "[SINGLESTEP]")
-extern struct kp_int3_site kp_int3_sites[];
-extern const unsigned int kp_nint3;
+extern struct kp_breakpoint_site kp_breakpoints[];
+extern const unsigned int kp_nbreakpoints;
 /* The descriptors' hash and single-step entries: kp_breakpoint.h. */
 /* The first and last end of an int3-ended single-step copy (link-time; ~0 and 0: none):
  * each such slot's jmp back is followed by its descriptor's index. */
-extern const unsigned long kp_int3_ss_first, kp_int3_ss_last;
+extern const unsigned long kp_breakpoint_ss_first, kp_breakpoint_ss_last;
 
 /* Handle a trap's struct pt_regs if it follows one of our int3s or single-stepped
  * copies; 1 if it did (a user SIGTRAP's context converted, linux_user's
- * kp_arch_int3_trap(); a kernel's #BP frame): ss_trap is 1 where single-stepped
+ * kp_arch_breakpoint_trap(); a kernel's #BP frame): ss_trap is 1 where single-stepped
  * copies end with an int3 rather than trap with TF set. */
 struct pt_regs;
-int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap);
+int kp_arch_breakpoint_regs(struct pt_regs *regs, int ss_trap);
 /* The same for a kernel's #BP (ss_trap 1), its common cases first. */
 int kp_arch_int3_bp(struct pt_regs *regs);
 /* The same for an int3 through a kernel's early IDT (no handlers yet); 0: not ours. */

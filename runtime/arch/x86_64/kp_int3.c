@@ -19,7 +19,7 @@
 enum { KP_EMU_JMP = 1, KP_EMU_CALL, KP_EMU_JCC, KP_EMU_LOOP, KP_EMU_JCXZ, KP_EMU_RET,
        KP_EMU_JMP_REG, KP_EMU_CALL_REG, KP_EMU_XBEGIN, KP_EMU_JMP_MEM, KP_EMU_CALL_MEM };
 
-_Static_assert(sizeof(struct kp_int3_site) == 64, "kp_int3_site: 64 bytes, indexed by a shift");
+_Static_assert(sizeof(struct kp_breakpoint_site) == 64, "kp_breakpoint_site: 64 bytes, indexed by a shift");
 
 /* The condition codes of jcc (and cmovcc, setcc): cc>>1 picks the test, bit 0 negates. */
 static int kp_cond(unsigned long f, unsigned int cc)
@@ -39,7 +39,7 @@ static int kp_cond(unsigned long f, unsigned int cc)
 }
 
 /* kprobe_emulate_{call,jmp,jcc,loop,ret,call_indirect,jmp_indirect}(). */
-static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsigned long bias)
+static void kp_emulate(const struct kp_breakpoint_site *d, struct pt_regs *regs, unsigned long bias)
 {
 	unsigned long next = d->addr + bias + d->size, target = d->target + bias, v;
 	int taken;
@@ -105,16 +105,9 @@ static void kp_emulate(const struct kp_int3_site *d, struct pt_regs *regs, unsig
 	}
 }
 
-/*
- * kprobe_int3_handler() on the trap's registers: 1 if the trap follows one of
- * our int3s, or the end of one of our single-stepped copies (`ss_trap`: the
- * trap's ip there: the copy's end under the trap flag, one byte past it where
- * an int3 follows the copy, as the kernel's own kprobes do since 5.14), with
- * regs updated to resume; 0 otherwise (nothing changed).
- */
 /* The arch's half of a hit (kp_breakpoint.h): prepare_emulation()'s branches emulated,
  * a boosted copy run, or a copy single-stepped (the trap flag, or the int3 after it). */
-static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_int3_site *d, struct kp_site *s,
+static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_breakpoint_site *d, struct kp_site *s,
 									     struct pt_regs *regs, unsigned long bias,
 									     int r, int ss_trap)
 {
@@ -135,17 +128,24 @@ static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(cons
 	}
 }
 
-int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
+/*
+ * kprobe_int3_handler() on the trap's registers: 1 if the trap follows one of
+ * our int3s, or the end of one of our single-stepped copies (`ss_trap`: the
+ * trap's ip there: the copy's end under the trap flag, one byte past it where
+ * an int3 follows the copy, as the kernel's own kprobes do since 5.14), with
+ * regs updated to resume; 0 otherwise (nothing changed).
+ */
+int kp_arch_breakpoint_regs(struct pt_regs *regs, int ss_trap)
 {
 #ifndef KP_PLATFORM_NO_STARTUP	/* a kernel's runtime is linked where it runs */
 	if (unlikely(kp_rt.state != 2))
 		kp_relocate();
 #endif
 	unsigned long bias = kp_rt.bias, ip = regs->ip;
-	struct kp_int3_site *d = kp_breakpoint_lookup(ip - 1 - bias);
+	struct kp_breakpoint_site *d = kp_breakpoint_lookup(ip - 1 - bias);
 	if (d)
 		return kp_breakpoint_hit(d, regs, bias, ss_trap);
-	if (kp_nint3_ss && (ss_trap || (regs->flags & X86_EFLAGS_TF)) &&
+	if (kp_nbreakpoint_ss && (ss_trap || (regs->flags & X86_EFLAGS_TF)) &&
 	    (d = kp_breakpoint_ss_lookup(ip - ss_trap - bias))) {
 		/* resume_singlestep(): the copy was not a branch, so the original
 		 * next instruction follows; RIP-relative operands were relocated. */
@@ -156,26 +156,26 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 }
 
 /*
- * The trap at the int3 that ends a single-stepped copy (Rules.singlestep_int3): the
+ * The trap at the int3 that ends a single-stepped copy (Rules.singlestep_breakpoint): the
  * kernel's kprobe_is_ss() without a per-CPU record.  The slot carries its descriptor's
  * index after its jmp back (kprobe_xol.slot_code()), read only once the trap's address
  * is within the span of such ends; the descriptor confirms it.
  */
-static inline __attribute__((always_inline)) struct kp_int3_site *
+static inline __attribute__((always_inline)) struct kp_breakpoint_site *
 kp_int3_ss_end(unsigned long ip, unsigned long bias)
 {
 	unsigned long at = ip - 1 - bias;
-	if (at < kp_int3_ss_first || at > kp_int3_ss_last)
+	if (at < kp_breakpoint_ss_first || at > kp_breakpoint_ss_last)
 		return 0;
 	unsigned int i = *(const unsigned int *)(ip + 5);
-	if (i >= kp_nint3 || kp_int3_sites[i].ss_end != at)
+	if (i >= kp_nbreakpoints || kp_breakpoints[i].ss_end != at)
 		return 0;
-	return &kp_int3_sites[i];
+	return &kp_breakpoints[i];
 }
 
-#ifdef KP_PLATFORM_INT3_BP	/* a kernel: its tables are built at boot too */
+#ifdef KP_PLATFORM_BREAKPOINT_HOOK	/* a kernel: its tables are built at boot too */
 /*
- * kp_arch_int3_regs(regs, 1) for a kernel's #BP, the common cases first, as
+ * kp_arch_breakpoint_regs(regs, 1) for a kernel's #BP, the common cases first, as
  * kprobe_int3_handler() has them: a site whose instruction is boosted or
  * single-stepped, with one probe, on a CPU whose block is in the table, and the
  * trap at the end of a single-stepped copy.  Everything else (emulated branches,
@@ -183,12 +183,12 @@ kp_int3_ss_end(unsigned long ip, unsigned long bias)
  * yet built, probes disarmed) takes the general path.  Kept to the few values the
  * pre_handler's call must preserve: its cost is the trap's, twice per hit.  Entered in
  * kprobe_int3_handler()'s place (the platform's hook): 1 when the int3 was ours (regs
- * updated), else what the platform's kp_platform_int3_not_ours() says (the kernel's own
+ * updated), else what the platform's kp_platform_breakpoint_not_ours() says (the kernel's own
  * kprobe_int3_handler(), tail-called).
  */
 /* kprobe_post_process() at a site with a post_handler: out of line, so the common
  * path saves no registers for it. */
-static __attribute__((noinline)) int kp_int3_bp_post(const struct kp_int3_site *d, struct pt_regs *regs)
+static __attribute__((noinline)) int kp_int3_bp_post(const struct kp_breakpoint_site *d, struct pt_regs *regs)
 {
 	kp_trap_post(kp_site(d->site), regs);
 	return 1;
@@ -196,7 +196,7 @@ static __attribute__((noinline)) int kp_int3_bp_post(const struct kp_int3_site *
 
 /* A hit at one of our int3s (kprobe_int3_handler()'s get_kprobe() found it): out of
  * line, so the single-step's end saves no registers for the pre_handler's call. */
-static __attribute__((noinline)) int kp_int3_bp_hit(struct kp_int3_site *d, struct pt_regs *regs)
+static __attribute__((noinline)) int kp_int3_bp_hit(struct kp_breakpoint_site *d, struct pt_regs *regs)
 {
 	if (likely(d->plain && kp_tables_built && kp_fast)) {
 		struct kp_site *s = &kp_sites[d->site];
@@ -222,16 +222,16 @@ static __attribute__((noinline)) int kp_int3_bp_hit(struct kp_int3_site *d, stru
 			return 1;
 		}
 	}
-	return kp_arch_int3_regs(regs, 1);
+	return kp_arch_breakpoint_regs(regs, 1);
 }
 
 int kp_arch_int3_bp(struct pt_regs *regs)
 {
 	if (unlikely(regs->cs & 3))	/* from user mode: never ours */
-		return kp_platform_int3_not_ours(regs);
+		return kp_platform_breakpoint_not_ours(regs);
 	unsigned long bias = kp_rt.bias, ip = regs->ip;
 	/* First the single-step's end: a site's address fails its span check at once. */
-	struct kp_int3_site *d = kp_int3_ss_end(ip, bias);
+	struct kp_breakpoint_site *d = kp_int3_ss_end(ip, bias);
 	if (d) {
 		/* resume_singlestep(), then kprobe_post_process(): the post_handlers */
 		regs->ip = d->addr + bias + d->size;
@@ -242,7 +242,7 @@ int kp_arch_int3_bp(struct pt_regs *regs)
 	d = kp_breakpoint_lookup(ip - 1 - bias);
 	if (d)
 		return kp_int3_bp_hit(d, regs);
-	return kp_platform_int3_not_ours(regs);	/* the kernel's kprobes, kgdb, ... */
+	return kp_platform_breakpoint_not_ours(regs);	/* the kernel's kprobes, kgdb, ... */
 }
 
 /*
@@ -261,7 +261,7 @@ int kp_arch_int3_early(struct pt_regs *regs)
 	if (regs->cs & 3)
 		return 0;
 	unsigned long bias = kp_rt.bias, ip = regs->ip;
-	struct kp_int3_site *d = kp_int3_ss_end(ip, bias);
+	struct kp_breakpoint_site *d = kp_int3_ss_end(ip, bias);
 	if (d) {
 		regs->ip = d->addr + bias + d->size;
 		if (unlikely(d->post && kp_tables_built))
@@ -275,6 +275,6 @@ int kp_arch_int3_early(struct pt_regs *regs)
 	    (d->kind == KP_EMU_CALL || d->kind == KP_EMU_CALL_REG || d->kind == KP_EMU_CALL_MEM) &&
 	    regs->sp - 8 < (unsigned long)(regs + 1))
 		return 0;
-	return kp_arch_int3_regs(regs, 1);
+	return kp_arch_breakpoint_regs(regs, 1);
 }
 #endif

@@ -119,10 +119,10 @@ static const char *kp_placement(const struct kprobe *p)
 		return "[OPTIMIZED]";
 	/* The breakpoint sites are sorted by link-time address. */
 	unsigned long a = (unsigned long)p->addr - kp_rt.bias;
-	unsigned int lo = 0, hi = kp_nint3;
+	unsigned int lo = 0, hi = kp_nbreakpoints;
 	while (lo < hi) {
 		unsigned int mid = (lo + hi) / 2;
-		const struct kp_int3_site *d = &kp_int3_sites[mid];
+		const struct kp_breakpoint_site *d = &kp_breakpoints[mid];
 		if (d->addr == a)
 			return kp_arch_xol_tag(d->mode);
 		if (d->addr < a)

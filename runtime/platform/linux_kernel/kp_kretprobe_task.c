@@ -494,9 +494,9 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
 	kp_platform_dispatch_end();
 }
 
-/* Breakpoint return hooks are not placed in a kernel (Rules.kretprobe_int3_exits is
+/* Breakpoint return hooks are not placed in a kernel (Rules.kretprobe_breakpoint_exits is
  * off: such a function keeps the trampoline). */
-void kp_kretprobe_int3_hook(unsigned int kind, struct pt_regs *regs)
+void kp_kretprobe_breakpoint_hook(unsigned int kind, struct pt_regs *regs)
 {
 	(void)kind;
 	(void)regs;

@@ -38,18 +38,20 @@ extern unsigned int nr_cpu_ids;
  * _text + offset, relocated with the kernel when KASLR moves it. */
 extern char _text[];
 
-/* --- breakpoint probes: the kernel's #BP (the arch's kp_int3_hook.c) --- */
+/* --- breakpoint probes: the kernel's breakpoint trap (the arch's hook: x86-64's
+ * linux_kernel/kp_int3_hook.c, rewriter/arch/<arch>/toolchain.py's
+ * RUNTIME_FILES["breakpoint_hook"]) --- */
 
-/* The arch's kp_arch_int3_bp() is the hook's C half: entered in place of the
- * kernel's kprobe breakpoint handler, it goes on into the rest of it when an int3
- * is not ours (kp_kernel_int3_next, the arch's hook: on x86-64,
+/* The arch's hook has a C half (x86-64's kp_arch_int3_bp()): entered in place of the
+ * kernel's kprobe breakpoint handler, it goes on into the rest of it when a
+ * breakpoint is not ours (kp_kernel_breakpoint_next, the arch's hook: on x86-64,
  * kprobe_int3_handler() past its ftrace site). */
-#define KP_PLATFORM_INT3_BP 1
+#define KP_PLATFORM_BREAKPOINT_HOOK 1
 struct pt_regs;
-int kp_kernel_int3_next(struct pt_regs *regs);
-static inline int kp_platform_int3_not_ours(struct pt_regs *regs)
+int kp_kernel_breakpoint_next(struct pt_regs *regs);
+static inline int kp_platform_breakpoint_not_ours(struct pt_regs *regs)
 {
-	return kp_kernel_int3_next(regs);
+	return kp_kernel_breakpoint_next(regs);
 }
 
 #define KP_KERN_INFO "\001" "6"	/* KERN_INFO */
@@ -123,8 +125,9 @@ void *memblock_alloc_try_nid(unsigned long size, unsigned long align, unsigned l
 /* kretprobes' instance pools, from memblock at the setup_per_cpu_areas() hook
  * (kp_kretprobe_task.c). */
 void kp_kernel_kretprobes_init(void);
-/* The breakpoint sites' int3s, written at the sched_init_smp() hook (the arch's kp_int3_hook.c). */
-void kp_kernel_arm_int3(void);
+/* The breakpoint sites' breakpoints, written at the sched_init_smp() hook (the arch's
+ * breakpoint hook file; the kernel's arch_arm_kprobe()). */
+void kp_arch_arm_breakpoints(void);
 /* The text/rodata gap, PFN_ALIGN(_etext) .. __start_rodata, which holds our code and data. */
 extern const unsigned long kp_kernel_gap_start, kp_kernel_gap_end;
 

@@ -335,11 +335,13 @@ static void kp_trace_file(const struct kp_trace_type *t, void *file, struct pt_r
 static void kp_trace_perf(const struct kp_trace_type *t, struct pt_regs *regs, unsigned long ip,
 			  unsigned long ret_addr, const unsigned char *rec, unsigned long len, unsigned long size)
 {
+	if (!regs)	/* never: an event's hit passes pt_regs (Rules.events_pt_regs), which perf reads */
+		return;
 #ifndef KP_MODULE_EVENTS
 	/* bpf_prog_array_valid(): the programs first, on every hit while perf holds the
 	 * event (they run whether or not a perf event is on this CPU's list); one that
 	 * returns 0 keeps the hit from perf, as in kprobe_perf_func(). */
-	if (kp_trace_bpf && regs
+	if (kp_trace_bpf
 	    && __atomic_load_n((void **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PROG_ARRAY]), __ATOMIC_RELAXED)
 	    && !trace_call_bpf((void *)t->call, regs))
 		return;

@@ -215,16 +215,16 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
-/* sched_init_smp(), right after smp_init() has brought every CPU up: the int3s of the
- * breakpoint sites that came from globs (kp_kernel_arm_int3()).  Not earlier: a CPU
- * coming up runs cr4_init() (native_write_cr4()) before it loads the IDT, where an
- * int3 is a triple fault (as the boot CPU does before setup_arch(): Xen PVH's entry
+/* sched_init_smp(), right after smp_init() has brought every CPU up: the breakpoints of
+ * the breakpoint sites that came from globs (kp_arch_arm_breakpoints()).  Not earlier: on
+ * x86-64 a CPU coming up runs cr4_init() (native_write_cr4()) before it loads the IDT, where
+ * an int3 is a triple fault (as the boot CPU does before setup_arch(): Xen PVH's entry
  * calls memcmp()). */
 int kp_kernel_arm_breakpoints(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
 	(void)regs;
-	kp_kernel_arm_int3();
+	kp_arch_arm_breakpoints();
 	return 0;
 }
 

@@ -7,7 +7,7 @@
  *    is recorded in kp_trap_chain, which gets every SIGTRAP that is not one of
  *    our traps, and the old disposition reported is the program's own view;
  *  - any other call loses the SIGTRAP bit from the masks it sets (sa_mask,
- *    SIG_BLOCK/SIG_SETMASK sets): a blocked SIGTRAP raised by an int3 makes the
+ *    SIG_BLOCK/SIG_SETMASK sets): a blocked SIGTRAP raised by a breakpoint makes the
  *    kernel reset it to SIG_DFL and kill the process.
  * The functions themselves are the program's own (libc's), called through the
  * address the slot held; with lazy binding the dynamic linker overwrites the
@@ -139,7 +139,7 @@ void kp_sighook_install(void)
 void kp_trap_install(void)
 {
 	static int done;
-	if (!kp_nint3 || done)
+	if (!kp_nbreakpoints || done)
 		return;
 	done = 1;
 	kp_trap_handler_install();

@@ -15,8 +15,8 @@
  *    zone, like the program's own code would, and leaves a program's
  *    sigaltstack to the program;
  *  - SA_RESTART, so a trap never makes a system call fail with EINTR.
- * Traps that are not ours (sent with kill/raise, or an int3 of the program's
- * own) go to the disposition that was there before us, or the one the program
+ * Traps that are not ours (sent with kill/raise, or a breakpoint of the
+ * program's own) go to the disposition that was there before us, or the one the program
  * set since through the hooks in kp_sighook.c.
  */
 #include "kp_signal.h"
@@ -65,7 +65,7 @@ int kp_trap_record_here(void)
 void kp_trap_handler_install(void)
 {
 	static int done;
-	if (!kp_nint3 || __atomic_exchange_n(&done, 1, __ATOMIC_ACQ_REL))
+	if (!kp_nbreakpoints || __atomic_exchange_n(&done, 1, __ATOMIC_ACQ_REL))
 		return;
 	struct kp_ksigaction sa = {
 		.handler = (void *)KP_SIGTRAP_ENTRY,
@@ -121,9 +121,9 @@ static void kp_trap_forward(int sig, struct kp_siginfo *info, void *uc)
 void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
 {
 	kp_arch_signal_entry();
-	/* si_code > 0: raised by the CPU (SI_KERNEL for int3, TRAP_TRACE or,
+	/* si_code > 0: raised by the CPU (x86-64: SI_KERNEL for int3, TRAP_TRACE or,
 	 * under QEMU, TRAP_BRKPT for the single-step); <= 0: sent by a process. */
-	if (info->si_code > 0 && kp_arch_int3_trap(uc))
+	if (info->si_code > 0 && kp_breakpoint_sigtrap(uc))
 		return;
 	kp_trap_forward(sig, info, uc);
 }
@@ -136,7 +136,7 @@ void kp_sigtrap(int sig, struct kp_siginfo *info, void *uc)
  * makes itself (glibc's pthread_create() and posix_spawn() block every signal
  * with a raw system call; a rewritten libc.so.6 or a static program's libc
  * implements sigaction() itself):
- *  - a mask set loses the SIGTRAP bit (blocked, an int3 would kill the process);
+ *  - a mask set loses the SIGTRAP bit (blocked, a breakpoint would kill the process);
  *  - sigaction(SIGTRAP) only records the program's handler once ours is
  *    installed (traps that are not ours go to it: kp_trap_forward()), and reports
  *    the program's own view back; another signal's sa_mask loses SIGTRAP.

@@ -27,6 +27,9 @@ void kp_sighook_install(void);
 long kp_signal_syscall(long a0, long a1, long a2, long a3, long nr);
 /* Whether a sigaction(SIGTRAP) is recorded here (not in a vfork() child: kp_signal.c). */
 int kp_trap_record_here(void);
+/* A SIGTRAP raised by the CPU: 1 if one of our breakpoints' (kp_breakpoint_signal.h, in
+ * the arch's SIGTRAP file), its context updated to resume. */
+int kp_breakpoint_sigtrap(void *ucontext);
 /* At exit: whether the program replaced our SIGTRAP handler (said on stderr; the profile's line, or 0). */
 const char *kp_trap_check(void);
 

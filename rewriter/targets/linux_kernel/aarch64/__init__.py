@@ -27,8 +27,11 @@ REGISTER_REASONS = {
     "__ex_table": "exception table entry (search_exception_tables() in arch_prepare_kprobe)",
 }
 FUNCTION_RANGES = ()
-# Its ftrace sites are written by its own back half (build.py): taken, not shared (Rules.share_ftrace).
-SHARE_FTRACE = False
+# A probe on a function's entry goes past its two ftrace NOPs (-fpatchable-function-entry=2):
+# ftrace_init_nop() rewrites the first at boot whatever it holds, so the site is never taken
+# (Rules.share_ftrace, take_ftrace).
+SHARE_FTRACE = 8
+TAKE_FTRACE = False
 RETURN_SITES = ""                       # no table of returns patched at boot on arm64
 
 

@@ -384,8 +384,8 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     if any(site.decision == BREAKPOINT for site in plan_sites):
         plan_sites = _with_hook_probe(s, plan_sites)
     for site in plan_sites:
-        if site.decision == FTRACE:
-            site = _past_ftrace_nops(s, site)
+        if site.decision == FTRACE:     # the jump past the ftrace NOPs (planner: Site.jump_at)
+            site = _Moved(site, site.dcr[1:]) if getattr(site, "jump_at", 0) else _past_ftrace_nops(s, site)
         if site.decision not in (OPTIMIZED, BREAKPOINT):
             raise KprewriteError(f"{image.path}: {site.addr:#x}: not written on arm64 yet "
                                  f"(this one: {site.decision})")
@@ -528,7 +528,9 @@ class _Moved:
 
 
 def _past_ftrace_nops(s, site):
-    """A probe on a function's entry: the kernel's kprobe sits on the first ftrace NOP, which
+    """The breakpoint hook's own site (_with_hook_probe(), added here, after planning); the
+    planner places the probes' sites the same way (Rules.share_ftrace, Site.jump_at).
+    A probe on a function's entry: the kernel's kprobe sits on the first ftrace NOP, which
     ftrace_init_nop() rewrites at boot and ftrace patches (the second) when tracing; the jump
     goes after both instead (the instruction at entry + 8, usually paciasp), so that ftrace and
     the kernel's own kprobes keep working on the function.  The NOPs run before the handler as

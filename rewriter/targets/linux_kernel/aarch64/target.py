@@ -67,7 +67,7 @@ def rules(image, arch):
             del r.ftrace[site]
     # Breakpoint probes where no jump fits (build.py: brk, the kernel's break hooks, an
     # out-of-line copy).
-    r.int3 = True
+    r.breakpoints = True
     return r
 
 

@@ -28,9 +28,11 @@ REGISTER_REASONS = {
     "__x86_thunks": "retpoline/return thunk (every return and indirect branch runs it, the probe's own)",
     "__x86_no_percpu_base": "runs with GS base 0 (load_percpu_segment()): a probe reads per-CPU data",
 }
-# A probe on a function's ftrace site leaves the site to ftrace and jumps after it, so the
-# kernel's own function tracer, kprobes and BPF keep working on the function (Rules.share_ftrace).
-SHARE_FTRACE = True
+# A probe on a function's ftrace site (the 5-byte `call __fentry__`) leaves the site to ftrace
+# and jumps after it, so the kernel's own function tracer, kprobes and BPF keep working on the
+# function (Rules.share_ftrace); where it cannot, the jump takes the site, the nop it is untraced.
+SHARE_FTRACE = 5
+TAKE_FTRACE = True
 # Refused function by function, with the function's name (never patched at boot).
 FUNCTION_RANGES = (".head.text", "__x86_thunks", "__x86_no_percpu_base")
 

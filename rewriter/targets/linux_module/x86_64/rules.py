@@ -58,7 +58,7 @@ def carried(image, inner):
 
 
 def int3_copy(image):
-    """Rules.int3_refusal() for a module: a breakpoint site's out-of-line copy lives in the
+    """Rules.breakpoint_refusal() for a module: a breakpoint site's out-of-line copy lives in the
     module's own code (writer.py's int3_slot()), so it must carry the instruction's
     relocations (optprobe.copy(), `module_relocation`); an instruction the kernel emulates
     is run from its copy too (a relative branch re-encoded, a call pushing the original

@@ -812,13 +812,18 @@ TRAMPOLINE_S = module_source("arch/x86_64/linux_module/kp_module_kret_trampoline
 
 def refusals(image, plan, traces, spec_name: str) -> list[str]:
     """targets.base.Target.refusals(): one line per probe the module cannot take, asked by
-    `check` and `instrument` alike: an optimized region whose copy cannot carry its
-    relocations (optprobe.py; the module's rules refuse it first), an @SYM in an event.
+    `check` and `instrument` alike: a module without an exit, an optimized region whose
+    copy cannot carry its relocations (optprobe.py; the module's rules refuse it first),
+    an @SYM in an event.
     What a breakpoint site cannot take is the module's rules' refusal (x86_64/rules.py's
     int3_copy())."""
     from ....probes.resolve import is_entry
     from .optprobe import region
     lines = []
+    if "cleanup_module" not in image.symbols:
+        # The probes' exit (unregistering, freeing) runs from the module's; without one
+        # the module could never be unloaded, so it is not rewritten.
+        lines.append(f"{image.path}: the module has no exit (cleanup_module): it could not be unloaded")
     relocs = None
     for site in plan.sites:
         if site.decision != OPTIMIZED or all(is_entry(p) for p in site.probes):
@@ -969,8 +974,6 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     from ....link.runtime import RUNTIME_DIR, _includes, cflags
     from ....emit.meta import metadata
     mod = s.image.container
-    if "cleanup_module" not in s.image.symbols:
-        raise KprewriteError(f"{s.image.path}: the module has no exit (cleanup_module): it could not be unloaded")
     cc = compiler(s.arch)
     name = module_name(mod)
     debugfs = mod.symvers is not None

@@ -95,9 +95,6 @@ static inline long kp_arch_call_lazy_slot(unsigned long fn, unsigned long *slot,
 	return x0;
 }
 
-/* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was
- * (kp_int3_signal.c). */
-__attribute__((visibility("hidden"))) int kp_arch_int3_trap(void *ucontext);
 /*
  * An entry of the runtime's that other kprewrite runtimes recognise (kp_sighook.c's GOT
  * hooks, kp_signal.c's SIGTRAP handler): bti c (a PLT stub's `br x17` and the kernel's

@@ -33,7 +33,7 @@
 #include "kp_internal.h"
 
 /*
- * The C half is kp_arch_int3_bp(regs) (runtime/arch/x86_64/kp_int3.c: kp_arch_int3_regs(regs, 1),
+ * The C half is kp_arch_int3_bp(regs) (runtime/arch/x86_64/kp_int3.c: kp_arch_breakpoint_regs(regs, 1),
  * its common cases first; an int3 follows each single-stepped copy).  It needs no
  * dispatch_begin()/end() of its own: exc_int3() has raised the preempt count
  * (irqentry_nmi_enter()), so the CPU, the thread key of the hit, cannot change under it.
@@ -44,7 +44,7 @@
  * entry drops ours and jumps to the C half, which so returns straight to the caller: 1
  * for an int3 of ours, as kprobe_int3_handler() would; any other (a user-mode one too,
  * which kprobe_int3_handler() refuses itself) it tail-calls into the rest of
- * kprobe_int3_handler(), past the ftrace site (kp_kernel_int3_next), with regs still the
+ * kprobe_int3_handler(), past the ftrace site (kp_kernel_breakpoint_next), with regs still the
  * argument and the caller's return address on top, as if the site had been a nop.  No
  * register is saved here: at a function's entry only %rdi is live.
  */
@@ -55,11 +55,11 @@ __asm__(".pushsection .text\n"
 	"	add $8, %rsp\n"			/* our return address: kprobe_int3_handler+5 */
 	"	jmp kp_arch_int3_bp\n"
 	".size kp_kernel_int3_entry, .-kp_kernel_int3_entry\n"
-	".globl kp_kernel_int3_next\n"
-	".type kp_kernel_int3_next, @function\n"
-	"kp_kernel_int3_next:\n"
+	".globl kp_kernel_breakpoint_next\n"
+	".type kp_kernel_breakpoint_next, @function\n"
+	"kp_kernel_breakpoint_next:\n"
 	"	jmp kprobe_int3_handler + 5\n"	/* past the 5-byte ftrace site */
-	".size kp_kernel_int3_next, .-kp_kernel_int3_next\n"
+	".size kp_kernel_breakpoint_next, .-kp_kernel_breakpoint_next\n"
 	".popsection\n");
 
 /*
@@ -104,12 +104,12 @@ void kp_kernel_early_exception(struct pt_regs *regs, int trapnr)
  * CPU (sync_core()).  A CPU brought up later (hotplug) would meet the armed sites on
  * that path, as with the kernel's own kprobes.
  */
-void kp_kernel_arm_int3(void)
+void kp_arch_arm_breakpoints(void)
 {
 	unsigned long bias = kp_rt.bias;
-	for (unsigned int i = 0; i < kp_nint3; i++)
-		*(volatile unsigned char *)(kp_int3_sites[i].addr + bias) = 0xcc;
-	if (kp_nint3) {
+	for (unsigned int i = 0; i < kp_nbreakpoints; i++)
+		*(volatile unsigned char *)(kp_breakpoints[i].addr + bias) = 0xcc;
+	if (kp_nbreakpoints) {
 		unsigned int a = 1, b, c = 0, d;
 		__asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d) : : "memory");
 	}

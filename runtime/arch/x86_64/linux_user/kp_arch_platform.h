@@ -73,10 +73,6 @@ struct kp_libc_sigaction {
 	void (*restorer)(void);
 };
 
-/* Handle a SIGTRAP's machine context if it is one of ours; 1 if it was
- * (kp_int3_signal.c).  Hidden, as kp_arch.h's are: a direct call. */
-__attribute__((visibility("hidden"))) int kp_arch_int3_trap(void *ucontext);
-
 /* A call through a lazily bound GOT slot's initial value: on x86-64 the PLT
  * entry's second half (push the relocation's index; jmp PLT0), callable as is. */
 static inline long kp_arch_call_lazy_slot(unsigned long fn, unsigned long *slot, long a, long b, long c)

@@ -1,8 +1,8 @@
 /*
- * x86-64 breakpoint probes in a Linux user process: the SIGTRAP's machine context
- * (ucontext_t.uc_mcontext.gregs) is copied into struct pt_regs for
- * kp_arch_int3_regs() and the handlers, and written back afterwards, so whatever
- * a handler changes takes effect when the kernel's rt_sigreturn restores it.
+ * x86-64 breakpoint probes in a Linux user process: the hooks of the platform's
+ * SIGTRAP glue (kp_breakpoint_signal.h, included last) on the SIGTRAP's machine
+ * context (ucontext_t.uc_mcontext.gregs), copied into struct pt_regs for
+ * kp_arch_breakpoint_regs() and the handlers, and written back afterwards.
  *
  * A user-process fact: the linux_user recipe compiles this file in place of the
  * arch's kp_int3.c, which it includes first (one unit, as before the two were
@@ -18,8 +18,12 @@
 /* The restorer our SIGTRAP handler returns through (SA_RESTORER) is
  * kp_arch_sigreturn, in sigreturn.S. */
 
-static void kp_uc_to_regs(const unsigned long *g, struct pt_regs *r)
+/* A user process single-steps a copy with TF: the trap is after the copy, not at an int3. */
+#define KP_SIGTRAP_SS_TRAP 0
+
+static void kp_uc_to_regs(const void *uc, struct pt_regs *r)
 {
+	const unsigned long *g = (const unsigned long *)((const char *)uc + KP_UC_GREGS);
 	r->r15 = g[G_R15]; r->r14 = g[G_R14]; r->r13 = g[G_R13]; r->r12 = g[G_R12];
 	r->bp = g[G_RBP]; r->bx = g[G_RBX]; r->r11 = g[G_R11]; r->r10 = g[G_R10];
 	r->r9 = g[G_R9]; r->r8 = g[G_R8]; r->ax = g[G_RAX]; r->cx = g[G_RCX];
@@ -32,8 +36,9 @@ static void kp_uc_to_regs(const unsigned long *g, struct pt_regs *r)
 	r->ss = KP_USER_DS;
 }
 
-static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)
+static void kp_regs_to_uc(const struct pt_regs *r, void *uc)
 {
+	unsigned long *g = (unsigned long *)((char *)uc + KP_UC_GREGS);
 	g[G_R15] = r->r15; g[G_R14] = r->r14; g[G_R13] = r->r13; g[G_R12] = r->r12;
 	g[G_RBP] = r->bp; g[G_RBX] = r->bx; g[G_R11] = r->r11; g[G_R10] = r->r10;
 	g[G_R9] = r->r9; g[G_R8] = r->r8; g[G_RAX] = r->ax; g[G_RCX] = r->cx;
@@ -43,18 +48,4 @@ static void kp_regs_to_uc(const struct pt_regs *r, unsigned long *g)
 	g[G_RSP] = r->sp;
 }
 
-/*
- * A SIGTRAP raised by the CPU (not sent by kill).  Ours if it follows one of
- * our int3s, or the single-step of one of our copies; 0 otherwise (the platform
- * layer passes it on to whoever else handles SIGTRAP).
- */
-int kp_arch_int3_trap(void *uc)
-{
-	unsigned long *g = (unsigned long *)((char *)uc + KP_UC_GREGS);
-	struct pt_regs regs;
-	kp_uc_to_regs(g, &regs);
-	if (!kp_arch_int3_regs(&regs, 0))
-		return 0;
-	kp_regs_to_uc(&regs, g);
-	return 1;
-}
+#include <kp_breakpoint_signal.h>

@@ -3,9 +3,8 @@
  * kprobe_breakpoint_ss_handler() (arch/arm64/kernel/probes/kprobes.c) and the
  * simulation of PC-relative instructions (simulate-insn.c), on struct pt_regs;
  * in a Linux user process made from the SIGTRAP's machine context
- * (linux_user/kp_int3_signal.c, which includes this file).
- *
- * (Named kp_int3.c as the x86-64 file it mirrors.)
+ * (linux_user/kp_brk_signal.c, which includes this file).  The arch-neutral half
+ * (the descriptors' lookups, a hit, a single-step's end) is kp_breakpoint.h.
  */
 #include "kp_internal.h"
 #include "kp_brk.h"
@@ -51,7 +50,7 @@ static inline void kp_set_reg(struct pt_regs *regs, unsigned int n, unsigned lon
 /* simulate_b_bl(), simulate_b_cond(), simulate_cbz_cbnz(), simulate_tbz_tbnz(),
  * simulate_adr_adrp(), simulate_ldr_literal(), simulate_ldrsw_literal(),
  * simulate_br_blr_ret(). */
-static void kp_simulate(const struct kp_int3_site *d, struct pt_regs *regs, unsigned long bias)
+static void kp_simulate(const struct kp_breakpoint_site *d, struct pt_regs *regs, unsigned long bias)
 {
 	unsigned long next = d->addr + bias + 4, target = d->target + bias, v;
 	int taken;
@@ -100,7 +99,7 @@ static void kp_simulate(const struct kp_int3_site *d, struct pt_regs *regs, unsi
 
 /* The arch's half of a hit (kp_breakpoint.h): simulate-insn.c's instructions simulated,
  * else the copy stepped (setup_singlestep(): the copy, then brk #0x006). */
-static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_int3_site *d, struct kp_site *s,
+static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_breakpoint_site *d, struct kp_site *s,
 									     struct pt_regs *regs, unsigned long bias,
 									     int r, int ss_trap)
 {
@@ -119,7 +118,7 @@ static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(cons
  * registers: 1 if the brk was ours (regs updated to resume), 0 otherwise.
  * regs->pc is the brk's address, as the kernel reports it.
  */
-int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
+int kp_arch_breakpoint_regs(struct pt_regs *regs, int ss_trap)
 {
 	if (unlikely(kp_rt.state != 2))
 		kp_relocate();
@@ -134,10 +133,10 @@ int kp_arch_int3_regs(struct pt_regs *regs, int ss_trap)
 		regs->pstate = (regs->pstate & ~KP_ARITH_FLAGS) | (saved->pstate & KP_ARITH_FLAGS);
 		return 1;
 	}
-	struct kp_int3_site *d = kp_breakpoint_lookup(pc - bias);
+	struct kp_breakpoint_site *d = kp_breakpoint_lookup(pc - bias);
 	if (d)
 		return kp_breakpoint_hit(d, regs, bias, ss_trap);
-	if (kp_nint3_ss && (d = kp_breakpoint_ss_lookup(pc - bias)))
+	if (kp_nbreakpoint_ss && (d = kp_breakpoint_ss_lookup(pc - bias)))
 		/* kprobes_post_process_ss(): the copy was no branch, so the
 		 * original next instruction follows. */
 		return kp_breakpoint_ss_done(d, regs, d->addr + bias + 4);

@@ -1,16 +1,19 @@
 /*
- * AArch64 breakpoint probes in a Linux user process: struct pt_regs made from the
- * SIGTRAP's machine context (struct sigcontext: regs[31], sp, pc, pstate) for
- * kp_arch_int3_regs() and the handlers, written back afterwards so a handler's
- * changes take effect at rt_sigreturn.
+ * AArch64 breakpoint probes in a Linux user process: the hooks of the platform's
+ * SIGTRAP glue (kp_breakpoint_signal.h, included last) on the SIGTRAP's machine
+ * context (struct sigcontext: regs[31], sp, pc, pstate), copied into struct pt_regs
+ * for kp_arch_breakpoint_regs() and the handlers, and written back afterwards.
  *
  * A user-process fact: the linux_user recipe compiles this file in place of the
- * arch's kp_int3.c, which it includes first (one unit, as x86-64's).
+ * arch's kp_brk.c, which it includes first (one unit, as x86-64's).
  */
-#include <kp_int3.c>
+#include <kp_brk.c>
 
 /* Linux's struct ucontext on arm64 (uapi/kp_uapi.h: KP_UC_REGS, KP_UC_SP...). */
 #include <kp_uapi.h>
+
+/* A single-stepped copy ends with brk #0x006. */
+#define KP_SIGTRAP_SS_TRAP 1
 
 static void kp_uc_to_regs(const char *uc, struct pt_regs *r)
 {
@@ -40,16 +43,4 @@ static void kp_regs_to_uc(const struct pt_regs *r, char *uc)
 	*(unsigned long *)(uc + KP_UC_PSTATE) = r->pstate & ~PSR_BTYPE_MASK;
 }
 
-/*
- * A SIGTRAP raised by the CPU (not sent by kill): ours if it is one of our
- * brks; 0 otherwise (the platform layer passes it on).
- */
-int kp_arch_int3_trap(void *uc)
-{
-	struct pt_regs regs;
-	kp_uc_to_regs(uc, &regs);
-	if (!kp_arch_int3_regs(&regs, 1))
-		return 0;
-	kp_regs_to_uc(&regs, uc);
-	return 1;
-}
+#include <kp_breakpoint_signal.h>
