@@ -260,45 +260,46 @@ void kp_optimized_clean_callback(unsigned long site_index)
 	kp_platform_dispatch_end();
 }
 #else
-static __attribute__((noinline)) void kp_clean_dispatch_general(unsigned long site_index)
+/* at: the site's index * sizeof(struct kp_site_fast), as the fast path below has it. */
+static __attribute__((noinline)) void kp_clean_dispatch_general(unsigned long at)
 {
-	kp_pre_dispatch(site_index, 0);
+	kp_pre_dispatch(at / sizeof(struct kp_site_fast), 0);
 	kp_platform_dispatch_end();
 }
 
 /*
  * A kernel's clean hit, the path of every optimized and ftrace-site probe whose
  * handlers never read regs (the detours call the shared kp_optprobe_clean_entry):
- * the common case straight through -- tables built, this CPU's block in the table,
- * no handler running on it, one probe at the site -- with one register kept across
- * the pre_handler's call; anything else takes the general dispatch above.  The
- * general form on tables built at boot tests kp_tables_built, then the site, reached
- * through a pointer, for NULL, and reads the site's probes through another pointer
- * in one more saved register (five): 8 guest instructions a hit more than on the
- * link-time tables, 21 more than this path.  kp_fast is set only once
- * the tables are built (platform.c, kp_kernel_alloc_cpus()), so its one test covers both.
+ * the common case straight through -- kp_site_fast[] published (tables built, every
+ * CPU's block in its slot), one probe with a pre_handler at the site, no handler
+ * running on this CPU -- with one register kept across the pre_handler's call;
+ * anything else takes the general dispatch above.  The CPU's block is read by its
+ * number, with no key to compare, and the site's probe and pre_handler from one
+ * 16-byte entry: no kp_sites[], kp_site_probes[] or kp_site_handlers[] on the way.
  */
 void kp_optimized_clean_callback(unsigned long site_index)
 {
 	kp_platform_dispatch_begin();
-	if (__builtin_expect(kp_fast, 1)) {
-		unsigned long key = kp_platform_thread_key_fast();
-		struct kp_thread *t = kp_thread_table[KP_HASH(key)];
-		const struct kp_site *s = &kp_sites[site_index];
-		if (__builtin_expect(t->key == key && !t->active && s->count == 1, 1)) {
-			struct kprobe *p = kp_site_probes[s->first];
-			if (!kprobe_disabled(p)) {
+	const struct kp_site_fast *f = kp_site_fast;
+	unsigned long at = site_index * sizeof(*f);
+	if (__builtin_expect(f != 0, 1)) {
+		f = (const struct kp_site_fast *)((const char *)f + at);
+		struct kprobe *p = f->p;
+		struct kp_thread *t = kp_thread_table[kp_platform_cpu_slot()];
+		/* t->active and p->flags read once each, as plain loads the compiler
+		 * folds into their tests (kprobe_disabled()'s test). */
+		if (__builtin_expect(p != 0, 1) && __builtin_expect(*(const unsigned int *)&t->active == 0, 1)) {
+			if (!(*(const unsigned int *)&p->flags & (KPROBE_FLAG_DISABLED | KPROBE_FLAG_GONE))) {
 				t->active = 1;
 				t->hits[p->index]++;
-				if (kp_site_handlers[s->first].pre)
-					kp_site_handlers[s->first].pre(p, 0);
+				f->pre(p, 0);
 				t->active = 0;
 			}
 			kp_platform_dispatch_end();
 			return;
 		}
 	}
-	kp_clean_dispatch_general(site_index);
+	kp_clean_dispatch_general(at);
 }
 #endif
 

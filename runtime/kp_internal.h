@@ -106,6 +106,18 @@ extern struct kprobe *const *kp_site_probes;
 extern const struct kp_handler_rec *kp_site_handlers;	/* beside kp_site_probes */
 extern volatile int kp_tables_built;
 /*
+ * A kernel's clean hit (kp_core.c, kp_optimized_clean_callback()): per site, its
+ * probe and pre_handler where it has one probe and that probe a pre_handler (else
+ * p is NULL: the general dispatch).  Built with the tables, in their read-only
+ * pages; published (not NULL) once every possible CPU has its block in slot
+ * kp_platform_cpu_slot() of kp_thread_table[] (linux_kernel/platform.c).
+ */
+struct kp_site_fast {
+	struct kprobe *p;
+	kprobe_pre_handler_t pre;
+};
+extern const struct kp_site_fast *kp_site_fast;
+/*
  * Read-only from mark_rodata_ro() on (linux_kernel/platform.c): these pointers,
  * the probe records and the arch's breakpoint descriptors (.data..ro_after_init, first
  * in the rodata/data gap, which the set_memory_ro() boot hook leaves to the

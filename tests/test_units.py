@@ -377,3 +377,18 @@ def test_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
     cache.put("analysis", "new", b"y")                  # one over KEEP: the least recently used goes
     left = sorted(p.name for p in (tmp_path / "analysis").iterdir())
     assert len(left) == cache.KEEP and "k1" not in left and {"k0", "new", "k2"} <= set(left)
+
+
+def test_short_clean_entry_keeps_no_flags_where_they_are_dead():
+    """A kernel's clean detour calls the entry that keeps no flags where the arithmetic
+    flags are dead at the site (Site.flags_live, forms.py), the full one elsewhere."""
+    from rewriter.emit.emission import detour_entries
+    from rewriter.planner.model import Site
+    s = Site(0x1000, [])
+    s.clean, s.flags_live = True, False
+    assert detour_entries(s, short=True) == ("kp_optprobe_short_clean_nf_entry", "kp_optprobe_short_clean_post_entry")
+    assert detour_entries(s) == ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry")   # no short stubs
+    s.flags_live = True
+    assert detour_entries(s, short=True)[0] == "kp_optprobe_short_clean_entry"
+    s.clean = False
+    assert detour_entries(s, short=True)[0] == "kp_optprobe_short_entry"

@@ -113,7 +113,8 @@ def pre_handler_symbol(c: Code, p) -> str | None:
 
 def detour_entries(site: Site, short: bool = False) -> tuple[str, str]:
     """The runtime's shared entries a non-template detour calls: (before, after the copy);
-    short: those of the short stubs (a thread key without a red zone: a kernel's)."""
+    short: those of the short stubs (a thread key without a red zone: a kernel's), the
+    clean one before the copy keeping no flags where they are dead at the site."""
     entries = ("kp_optprobe_clean_entry", "kp_optprobe_clean_post_entry") if site.clean else \
               ("kp_optprobe_entry", "kp_optprobe_post_entry")
     if site.clean and any(is_entry(p) for p in site.probes):
@@ -121,6 +122,8 @@ def detour_entries(site: Site, short: bool = False) -> tuple[str, str]:
         entries = ("kp_kretprobe_clean_entry", entries[1])
     if short:
         entries = tuple(e.replace("probe_", "probe_short_", 1) for e in entries)
+        if entries[0] == "kp_optprobe_short_clean_entry" and not site.flags_live:
+            entries = ("kp_optprobe_short_clean_nf_entry", entries[1])   # keeps no flags
     return entries
 
 

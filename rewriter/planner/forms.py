@@ -136,3 +136,6 @@ def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traces: di
         site.aligned = arch.optprobe.stack_aligned_at(image, p.func, site.addr)
         if site.clean:
             site.flags_live = not arch.optprobe.arith_flags_dead(image, p.func, site.addr)
+    elif site.clean and site.decision in JUMPS and site.probes:
+        # The shared clean entries' variant that keeps no flags (emission.detour_entries()).
+        site.flags_live = not arch.optprobe.arith_flags_dead(image, site.probes[0].func, site.addr)

@@ -41,7 +41,7 @@ class Site:
     template: bool = False           # one probe, no post_handler: dispatch inlined in the detour
     clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
     aligned: bool = False            # template: the ABI has the stack 16-byte aligned at the site
-    flags_live: bool = True          # clean template: the arithmetic flags are live at the site
+    flags_live: bool = True          # clean: the arithmetic flags are live at the site
     light: bool = False              # template of a probe in an image with no handler: count only
     red_zone: bool = False           # light: the ABI's red zone below the stack pointer is free here (a function entry)
     # A region shared by several probes (share_regions): the head takes the jump and

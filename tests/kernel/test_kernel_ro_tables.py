@@ -57,6 +57,7 @@ struct kp_site { unsigned long addr, post_ip, resume, resume_post; unsigned int 
 extern const struct kp_handler_rec *kp_site_handlers;	/* the pairs the dispatch calls */
 extern struct kp_site *kp_sites;
 extern struct kprobe *const *kp_site_probes;
+extern const struct kp_handler_rec *kp_site_fast;	/* a clean hit's probe and pre_handler per site */
 extern struct kprobe *kp_probes;
 extern const struct kp_handler_rec kp_rec_handlers[];	/* the records' handler pairs */
 extern char kp_probe_recs[], kp_site_recs[];
@@ -79,11 +80,11 @@ static void try_writes(const char *when, struct kprobe *p)
 	const struct kp_site *last = &kp_sites[kp_nsites - 1];
 	pr_info("kp-ro-%s: site_handlers=%ld sites=%ld site_probes=%ld ptr_handlers=%ld ptr_sites=%ld "
 		"ptr_probes=%ld rec_handlers=%ld probe_recs=%ld site_recs=%ld kret_handlers=%ld int3_sites=%ld "
-		"nmissed=%ld flags=%ld data=%ld\n", when,
+		"site_fast=%ld ptr_site_fast=%ld nmissed=%ld flags=%ld data=%ld\n", when,
 		RW(kp_site_handlers[last->first]), RW(last->resume), RW(kp_site_probes[last->first]),
 		RW(kp_site_handlers), RW(kp_sites), RW(kp_site_probes), RW(kp_rec_handlers[0]),
 		rw(kp_probe_recs, 8), rw(kp_site_recs, 8), RW(kp_kret_handlers[0]), rw(kp_breakpoints, 8),
-		RW(p->nmissed), RW(p->flags), RW(seen));
+		RW(kp_site_fast[kp_nsites - 1]), RW(kp_site_fast), RW(p->nmissed), RW(p->flags), RW(seen));
 }
 
 static int evil(struct kprobe *p, struct pt_regs *regs)
@@ -190,7 +191,7 @@ def _writes(r, when: str) -> dict[str, int]:
 
 
 TABLES = ("site_handlers", "sites", "site_probes", "ptr_handlers", "ptr_sites", "ptr_probes", "rec_handlers",
-          "probe_recs", "site_recs", "kret_handlers", "int3_sites")
+          "probe_recs", "site_recs", "kret_handlers", "int3_sites", "site_fast", "ptr_site_fast")
 EFAULT = -14
 
 

@@ -8,7 +8,8 @@
  * seto/lahf and restored with add/sahf.
  *
  * The clean frame: rax rcx rdx rsi rdi r8 r9 r10 r11 at 0..64, the flags word
- * at 72 (al = OF, ah = lahf).
+ * at 72 (al = OF, ah = lahf; flags 0: not kept, the arithmetic flags are dead
+ * at the site).
  */
 #include <kp_asm_offsets.h>
 #include <kp_platform_asm.h>	/* arch/x86_64/<platform>/: KP_PT_CS, KP_PT_SS, KP_PT_REAL_FLAGS, KP_RET */
@@ -101,11 +102,13 @@
 .endm
 
 /* The clean frame at %rsp: the call-clobbered registers and the flags. */
-.macro CLEAN_SAVE
+.macro CLEAN_SAVE flags=1
 	mov	%rax, 0(%rsp)
+.if \flags
 	seto	%al
 	lahf
 	mov	%ax, 72(%rsp)
+.endif
 	mov	%rcx, 8(%rsp)
 	mov	%rdx, 16(%rsp)
 	mov	%rsi, 24(%rsp)
@@ -116,10 +119,12 @@
 	mov	%r11, 64(%rsp)
 .endm
 
-.macro CLEAN_RESTORE
+.macro CLEAN_RESTORE flags=1
+.if \flags
 	movzwl	72(%rsp), %eax
 	add	$0x7f, %al			/* OF = (al == 1) */
 	sahf					/* SF ZF AF PF CF */
+.endif
 	mov	0(%rsp), %rax
 	mov	8(%rsp), %rcx
 	mov	16(%rsp), %rdx

@@ -36,7 +36,8 @@
  * copy the return address one word lower (`push (%rsp)`, no register), read SITE,
  * and then build the record over the two words; on the way out `popq 8(%rsp)`
  * puts the return address back at S - 8 (over the record's) and `lea 8(%rsp)`
- * steps onto it.  The long stub's entries build it in the 128 bytes the stub
+ * steps onto it (the clean entries `pop %rbp`: the probed code's, from the
+ * record).  The long stub's entries build it in the 128 bytes the stub
  * steps over.  Layouts, from the return into the stub (the entry's frame above):
  *	long stub:			ret, SITE, 128 bytes, S
  *	short stub:			ret, SITE, S
@@ -65,23 +66,29 @@
 .endm
 
 /* Back into the stub; pop 1: over SITE too (a short stub's entries); pop 2: the
- * copy of the return address back at S - 8, over the record's. */
-.macro RET_OVER_SITE pop
+ * copy of the return address back at S - 8, over the record's, whose %rbp word
+ * the clean entries pop into %rbp (rbp 1: the probed code's, KP_UNWIND_FRAME_END's
+ * work) and the full ones step over (they restored it from pt_regs). */
+.macro RET_OVER_SITE pop, rbp=0
 .if \pop == 1
 	popq	(%rsp)
 	KP_CFI(.cfi_adjust_cfa_offset -8)
 .endif
 .if \pop == 2
 	popq	8(%rsp)
+.if \rbp
+	pop	%rbp
+.else
 	lea	8(%rsp), %rsp
+.endif
 	KP_CFI(.cfi_adjust_cfa_offset -16)
 .endif
 	KP_RET
 .endm
 
-/* unwind: the struct kp_site member the frame record's return address comes from
- * (KP_UNWIND_FRAME: addr, or post_ip after the probed instruction); site, sp: SITE's
- * and S's offsets from the return into the stub; pop: RET_OVER_SITE's. */
+/* unwind: 1 when the frame record's return address is after the probed instruction
+ * (KP_UNWIND_FRAME: a post_handler's); site, sp: SITE's and S's offsets from the
+ * return into the stub; pop: RET_OVER_SITE's. */
 .macro OPTPROBE_ENTRY name, callback, unwind, site=8, sp=144, pop=0
 	.globl \name
 	.hidden \name
@@ -120,10 +127,10 @@
 .endm
 
 	OPTPROBE_ENTRY kp_optprobe_entry, kp_optimized_callback, 0
-	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback, 8
+	OPTPROBE_ENTRY kp_optprobe_post_entry, kp_post_callback, 1
 #ifdef KP_SHORT_STUBS
 	OPTPROBE_ENTRY kp_optprobe_short_entry, kp_optimized_callback, 0, SHORT_LAYOUT
-	OPTPROBE_ENTRY kp_optprobe_short_post_entry, kp_post_callback, 8, SHORT_LAYOUT
+	OPTPROBE_ENTRY kp_optprobe_short_post_entry, kp_post_callback, 1, SHORT_LAYOUT
 #endif
 
 /*
@@ -134,7 +141,7 @@
  * Frame: 0..64 the nine registers, 72 the flags word (al = OF, ah = lahf),
  * 80 return into the stub, then SITE and S as OPTPROBE_ENTRY's (site, sp).
  */
-.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=0, site=8, sp=144, pop=0
+.macro OPTPROBE_CLEAN_ENTRY name, callback, slot=0, unwind=0, site=8, sp=144, pop=0, flags=1
 	.globl \name
 	.hidden \name
 	.type \name, @function
@@ -143,7 +150,7 @@
 	COPY_RET \pop
 	lea	-80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset 80)
-	CLEAN_SAVE
+	CLEAN_SAVE \flags
 	mov	80+\site(%rsp), %edi		/* SITE */
 	KP_UNWIND_FRAME 80+\sp, 80, \unwind
 .if \slot
@@ -163,17 +170,19 @@
 	mov	(%rsp), %rsp
 	KP_CFI(.cfi_def_cfa %rsp, 88)
 #endif
+.if \pop != 2
 	KP_UNWIND_FRAME_END
-	CLEAN_RESTORE
+.endif
+	CLEAN_RESTORE \flags
 	lea	80(%rsp), %rsp
 	KP_CFI(.cfi_adjust_cfa_offset -80)
-	RET_OVER_SITE \pop
+	RET_OVER_SITE \pop, 1
 	KP_CFI(.cfi_endproc)
 	.size \name, .-\name
 .endm
 
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_entry, kp_optimized_clean_callback
-	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback, 0, 8
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_clean_post_entry, kp_post_clean_callback, 0, 1
 #ifdef KP_KRET_CLEAN_ENTRY
 /* A kretprobe's entry as a clean call (Rules.kretprobe_clean_entry): callback(SITE, the
  * return-address slot), a kernel's (runtime/platform/linux_kernel/kp_kretprobe_task.c). */
@@ -181,7 +190,10 @@
 #endif
 #ifdef KP_SHORT_STUBS
 	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_entry, kp_optimized_clean_callback, 0, 0, SHORT_LAYOUT
-	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_post_entry, kp_post_clean_callback, 0, 8, SHORT_LAYOUT
+/* The same where the arithmetic flags are dead at the site (Site.flags_live, e.g. a
+ * function's entry): the flags are neither kept nor put back. */
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_nf_entry, kp_optimized_clean_callback, 0, 0, SHORT_LAYOUT, 0
+	OPTPROBE_CLEAN_ENTRY kp_optprobe_short_clean_post_entry, kp_post_clean_callback, 0, 1, SHORT_LAYOUT
 #ifdef KP_KRET_CLEAN_ENTRY
 	OPTPROBE_CLEAN_ENTRY kp_kretprobe_short_clean_entry, kp_kretprobe_clean_callback, 1, 0, SHORT_LAYOUT
 #endif

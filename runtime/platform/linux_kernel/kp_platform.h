@@ -11,7 +11,7 @@
  * from the first instruction of boot, and the probe tables are built from
  * compact records at the setup_per_cpu_areas() hook (KP_PLATFORM_TABLES_AT_BOOT,
  * platform.c), from where every probe fires.  The "thread" of the core is the CPU, as the kernel's
- * current_kprobe is per-CPU: its key is the CPU's per-CPU offset, read with
+ * current_kprobe is per-CPU: its key is the CPU's number, read with
  * preemption disabled around the dispatch, so a hit while a handler runs on
  * the same CPU counts as missed.
  */
@@ -59,11 +59,19 @@ static inline int kp_platform_breakpoint_not_ours(struct pt_regs *regs)
 
 /* --- thread identity: the CPU --- */
 
-/* The running CPU's per-CPU offset (never 0 once per-CPU areas exist; the
- * boot CPU's early value is __per_cpu_load, not 0 either). */
+/* The running CPU's slot in kp_thread_table[]: smp_processor_id() + 1, the
+ * same from the first instruction of boot on (cpu_number is 0 on the boot CPU
+ * before its per-CPU area exists). */
+static inline unsigned long kp_platform_cpu_slot(void)
+{
+	return kp_arch_cpu_index() + 1;
+}
+
+/* The key of the CPU's block: its slot << 12, so that KP_HASH() is the slot
+ * (never 0, which is "no thread yet"). */
 static inline unsigned long kp_platform_thread_key_fast(void)
 {
-	return kp_arch_this_cpu_off();
+	return kp_platform_cpu_slot() << 12;
 }
 
 static inline unsigned long kp_platform_thread_key(void)

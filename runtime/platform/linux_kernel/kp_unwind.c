@@ -9,7 +9,7 @@
  * - every frame of ours keeps an %rbp chain: the runtime and handlers are
  *   compiled with -fno-omit-frame-pointer (recipe.py), and the asm entries point
  *   %rbp at a frame record below the hit's stack pointer whose return address is
- *   the hit + 1 (KP_UNWIND_FRAME, the arch's kp_platform_asm.h, reads it from kp_sites[]);
+ *   the hit + 1 (KP_UNWIND_FRAME, the arch's kp_platform_asm.h, reads it from kp_site_recs[]);
  *   the probed function's own ORC entry takes over from there;
  * - our code counts as kernel text: the stack printer (show_trace_log_lvl())
  *   steps the unwinder only at a stack word that __kernel_text_address() accepts,
@@ -26,10 +26,10 @@ extern char __kp_rela_end[];
 extern const long kp_kernel_bpf_ksym[2];
 extern void (*const kp_kernel_bpf_ksym_add)(void *);
 
-/* The entries' frame records read kp_sites[SITE].addr and .post_ip (the arch's
- * KP_UNWIND_FRAME, linux_kernel/kp_platform_asm.h: KP_SITE_SIZE). */
-_Static_assert(sizeof(struct kp_site) == 40 && __builtin_offsetof(struct kp_site, addr) == 0
-	       && __builtin_offsetof(struct kp_site, post_ip) == 8, "KP_UNWIND_FRAME's kp_sites[] layout");
+/* The entries' frame records read kp_site_recs[SITE].addr and .insn_len (the arch's
+ * KP_UNWIND_FRAME, linux_kernel/kp_platform_asm.h: 16-byte records, KP_SITE_REC_LEN). */
+_Static_assert(sizeof(struct kp_site_rec) == 16 && __builtin_offsetof(struct kp_site_rec, addr) == 0
+	       && __builtin_offsetof(struct kp_site_rec, insn_len) == 12, "KP_UNWIND_FRAME's kp_site_recs[] layout");
 
 /* Two struct bpf_ksym: the code before the kretprobe trampoline's first byte and
  * the code after it.  That address is what a swapped return-address slot holds while

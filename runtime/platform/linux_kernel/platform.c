@@ -79,6 +79,9 @@ static const char *kp_rec_string(unsigned int at)
 /* The built tables that never change (sites, probe lists, handler pairs): whole
  * pages of their own, made read-only at mark_rodata_ro() (kp_kernel_keep_ro()). */
 static unsigned long kp_kernel_ro_tables, kp_kernel_ro_size;
+/* The clean hit's per-site entries (kp_internal.h), published by kp_kernel_alloc_cpus(). */
+const struct kp_site_fast *kp_site_fast __attribute__((section(".data..ro_after_init")));
+static struct kp_site_fast *kp_kernel_site_fast;
 
 /* What register_kprobe() fills in, from the records emit/tables.py wrote: addresses
  * from _text, the handler pair, a symbol name the kernel's kallsyms gives (the
@@ -92,8 +95,8 @@ static void kp_kernel_build_tables(void)
 {
 	unsigned long base = (unsigned long)_text;
 	unsigned long size = kp_nprobes * sizeof(struct kprobe);
-	unsigned long ro_size = PAGE_ALIGN(kp_nsites * sizeof(struct kp_site) + kp_nsite_probes
-					   * (sizeof(struct kprobe *) + sizeof(struct kp_handler_rec)));
+	unsigned long ro_size = PAGE_ALIGN(kp_nsites * (sizeof(struct kp_site_fast) + sizeof(struct kp_site))
+					   + kp_nsite_probes * (sizeof(struct kprobe *) + sizeof(struct kp_handler_rec)));
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);
 	char *ro = memblock_alloc_try_nid(ro_size, PAGE_SIZE, 0, 0, -1);
 	size += ro_size;
@@ -103,7 +106,8 @@ static void kp_kernel_build_tables(void)
 		return;
 	}
 	struct kprobe *probes = (struct kprobe *)m;
-	struct kp_handler_rec *handlers = (struct kp_handler_rec *)ro;
+	struct kp_site_fast *fast = (struct kp_site_fast *)ro;
+	struct kp_handler_rec *handlers = (struct kp_handler_rec *)(fast + kp_nsites);
 	struct kp_site *sites = (struct kp_site *)(handlers + kp_nsite_probes);
 	struct kprobe **site_probes = (struct kprobe **)(sites + kp_nsites);
 	char name[KP_KSYM_NAME_LEN + 32];
@@ -149,12 +153,18 @@ static void kp_kernel_build_tables(void)
 		handlers[i] = k & KP_REC_KRET ? (struct kp_handler_rec){ kp_pre_handler_kretprobe, 0 }
 					      : kp_rec_handlers[kp_probe_recs[k].handlers];
 	}
+	for (unsigned int i = 0; i < kp_nsites; i++) {
+		unsigned int first = sites[i].first;
+		int one = sites[i].count == 1 && handlers[first].pre;
+		fast[i] = (struct kp_site_fast){ one ? site_probes[first] : 0, one ? handlers[first].pre : 0 };
+	}
 	for (unsigned int i = 0; i < kp_nearly_probes; i++)
 		probes[kp_early_probes[i].index].nmissed = kp_early_probes[i].nmissed;
 	kp_probes = probes;
 	kp_sites = sites;
 	kp_site_probes = (struct kprobe *const *)site_probes;
 	kp_site_handlers = handlers;
+	kp_kernel_site_fast = fast;
 	kp_kernel_ro_tables = (unsigned long)ro;
 	kp_kernel_ro_size = ro_size;
 	__atomic_store_n(&kp_tables_built, 1, __ATOMIC_RELEASE);
@@ -167,8 +177,8 @@ static void kp_kernel_build_tables(void)
 
 /* setup_per_cpu_areas(): nr_cpu_ids is known and memblock still hands out
  * memory for good, as it does for the per-CPU areas themselves.  Until here
- * only the boot CPU runs, on the static block; its per-CPU offset changes
- * now, so its next hit takes a block of this memory, as every other CPU's. */
+ * only the boot CPU runs, on the static block, which it keeps; every other
+ * CPU's block comes from this memory. */
 void kp_kernel_unwind_init(void);	/* kp_unwind.c */
 int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 {
@@ -191,6 +201,17 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	}
 	kp_kernel_cpus_size = size;
 	__atomic_store_n(&kp_kernel_cpus, m, __ATOMIC_RELEASE);
+	/* Every possible CPU's block now, in slot smp_processor_id() + 1 (the boot CPU's
+	 * may be the static one it took before, this hook's), so that a clean hit reads
+	 * its CPU's by number (kp_optimized_clean_callback()); then its per-site entries. */
+	int all = kp_fast && kp_kernel_site_fast && nr_cpu_ids < KP_TABLE_SIZE;
+	for (unsigned int cpu = 0; all && cpu < nr_cpu_ids; cpu++) {
+		unsigned long key = ((unsigned long)cpu + 1) << 12;
+		struct kp_thread *t = kp_thread_slow(key);
+		all = t && kp_thread_table[KP_HASH(key)] == t;
+	}
+	if (all)
+		__atomic_store_n(&kp_site_fast, kp_kernel_site_fast, __ATOMIC_RELEASE);
 	return 0;
 }
 

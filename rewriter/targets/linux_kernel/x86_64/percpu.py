@@ -9,7 +9,9 @@ from ..symbols import link_symbols, symbol
 
 def thread_key(image) -> ThreadKey:
     """The runtime's "thread" in a kernel is the CPU (preemption off while handlers
-    run, as the kernel's current_kprobe is per-CPU): its per-CPU offset.  No red zone
+    run, as the kernel's current_kprobe is per-CPU).  The runtime keys its block by the
+    CPU's number (linux_kernel/kp_platform.h, kp_platform_cpu_slot()), not by this word:
+    no template reads the key in a kernel (Rules.fast_forms is off).  No red zone
     (the kernel is built with -mno-red-zone: an interrupt pushes on the stack it
     interrupts), so detours take the short stubs."""
     r = resched(image)

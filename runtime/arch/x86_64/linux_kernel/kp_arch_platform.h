@@ -30,6 +30,14 @@ KP_ARCH_INLINE unsigned long kp_arch_this_cpu_off(void)
 	return off;
 }
 
+/* smp_processor_id() as an index (movl zero-extends). */
+KP_ARCH_INLINE unsigned long kp_arch_cpu_index(void)
+{
+	unsigned long cpu;
+	__asm__ volatile("movl %%gs:cpu_number, %k0" : "=r"(cpu));
+	return cpu;
+}
+
 /* smp_processor_id(): this_cpu_read(cpu_number). */
 KP_ARCH_INLINE unsigned int kp_arch_smp_processor_id(void)
 {

@@ -20,39 +20,41 @@
  * address at %rbp + 8, the caller's %rbp at %rbp).  The runtime and handlers keep
  * %rbp chains (-fno-omit-frame-pointer); an entry points %rbp at a frame record
  * below the stack pointer of the hit S, at S - 16: [S - 16] the probed code's
- * %rbp, [S - 8] the hit + 1 (kp_sites[SITE].addr + 1; .post_ip + 1 after the
- * probed instruction, for a post_handler; 0 before the tables are built: the
- * unwind stops there), as a call at the hit would have pushed.  From it the
- * unwinder goes on by the probed function's own ORC entry at the hit, with
- * %rsp = S.  The two words are below the hit's stack pointer (a kernel has no
- * red zone: nothing lives there): in the 128 bytes a long stub steps over, or
- * over a short stub's SITE and return address, which its entries first copy
- * one word lower (optprobe_entry.S: COPY_RET, RET_OVER_SITE; SHORT_LAYOUT).
+ * %rbp, [S - 8] the hit + 1 (its site record's address, from _text, + 1;
+ * + insn_len after the probed instruction, for a post_handler), as a call at
+ * the hit would have pushed.  From it the unwinder goes on by the probed
+ * function's own ORC entry at the hit, with %rsp = S.  The site records
+ * (kp_site_recs[], 16 bytes each) are rodata from the first instruction of
+ * boot: no test for the tables built at boot.  The two words are below the
+ * hit's stack pointer (a kernel has no red zone: nothing lives there): in the
+ * 128 bytes a long stub steps over, or over a short stub's SITE and return
+ * address, which its entries first copy one word lower (optprobe_entry.S:
+ * COPY_RET, RET_OVER_SITE; SHORT_LAYOUT).
  * s: S's offset from %rsp; ret: the offset of the return address the entry
- * returns by (the record must be above it); field: the struct kp_site member's
- * offset (kp_unwind.c checks the layout).  SITE is in %edi already (read before
- * the record may cover it; the callback's first argument); %rax and %rdx are
- * free (saved) where it runs.
+ * returns by (the record must be above it); post: 1 after the probed
+ * instruction (kp_unwind.c checks the record's layout).  SITE is in %edi
+ * already (read before the record may cover it; the callback's first
+ * argument); %rax and %rdx are free (saved) where it runs.
  */
 #define KP_UNWIND_FRAME_RECORD 1
-#define KP_SITE_SIZE 40			/* sizeof(struct kp_site) */
-.macro KP_UNWIND_FRAME s, ret, field
+#define KP_SITE_REC_LEN 12		/* offsetof(struct kp_site_rec, insn_len) */
+.macro KP_UNWIND_FRAME s, ret, post
 .if \s - 16 < \ret + 8
 	.error "KP_UNWIND_FRAME: the frame record would overwrite the entry's return address"
 .endif
 	mov	%rbp, \s-16(%rsp)
 	lea	\s-16(%rsp), %rbp
-	mov	kp_sites(%rip), %rax
-	test	%rax, %rax
-	jz	.Lkp_unwind_frame_\@
-	imul	$KP_SITE_SIZE, %rdi, %rdx
-	mov	\field(%rax,%rdx), %rax
-	inc	%rax
-.Lkp_unwind_frame_\@:
+	lea	(,%rdi,8), %rdx
+	mov	kp_site_recs(%rdx,%rdx), %eax
+.if \post
+	movzbl	kp_site_recs+KP_SITE_REC_LEN(%rdx,%rdx), %edx
+	add	%rdx, %rax
+.endif
+	lea	_text+1(%rax), %rax
 	mov	%rax, 8(%rbp)
 .endm
 /* After the C call: the probed code's %rbp back (the full entries reload it
- * from pt_regs anyway). */
+ * from pt_regs anyway; the clean ones pop it on the way out: RET_OVER_SITE). */
 .macro KP_UNWIND_FRAME_END
 	mov	(%rbp), %rbp
 .endm
