@@ -45,7 +45,9 @@ KMSG = re.compile(r"\[\s*\d+\.\d{6}\] [^\n]*\n")     # a kernel message, printk'
 DONE_MARKER = "KPREWRITE-INIT-DONE"
 WX_PASSED = "x86/mm: Checked W+X mappings: passed"
 POWER_DOWN = "reboot: Power down"
-DEFAULT_APPEND = "console=ttyS0 panic=-1"
+# no_timer_check: under TCG on a loaded host, the kernel's IO-APIC timer check can miss its
+# ticks and panic ("IO-APIC + timer doesn't work!") before anything of ours runs.
+DEFAULT_APPEND = "console=ttyS0 panic=-1 no_timer_check"
 # Lines that mean the kernel went wrong somewhere (matched case-sensitively, anywhere in a line).
 PROBLEMS = ("Oops", "BUG:", "WARNING:", "Call Trace", "Kernel panic", "general protection fault",
             "ftrace bug", "ftrace failed", "unable to handle", "segfault at", "invalid opcode")

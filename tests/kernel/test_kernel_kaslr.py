@@ -93,8 +93,9 @@ def rewritten(tmp_path_factory, debian_kernel):
 
 
 LOADERS = ("qemu", "syslinux", "uefi")     # kernel_env.boot()'s
-CMDLINES = {"qemu": "console=ttyS0 panic=-1", "syslinux": "BOOT_IMAGE=vmlinuz console=ttyS0 panic=-1 initrd=initrd.gz",
-            "uefi": "console=ttyS0 panic=-1 initrd=initrd"}
+CMDLINES = {"qemu": "console=ttyS0 panic=-1 no_timer_check",
+            "syslinux": "BOOT_IMAGE=vmlinuz console=ttyS0 panic=-1 no_timer_check initrd=initrd.gz",
+            "uefi": "console=ttyS0 panic=-1 no_timer_check initrd=initrd"}
 
 
 @pytest.fixture(scope="module")
