@@ -106,7 +106,8 @@ extern struct kprobe *const *kp_site_probes;
 extern const struct kp_handler_rec *kp_site_handlers;	/* beside kp_site_probes */
 extern volatile int kp_tables_built;
 /*
- * A kernel's clean hit (kp_core.c, kp_optimized_clean_callback()): per site, its
+ * A kernel's clean hit (kp_core.c, kp_optimized_clean_callback()) and boosted or
+ * single-stepped int3 hit (x86-64's kp_int3.c, kp_int3_bp_hit()): per site, its
  * probe and pre_handler where it has one probe and that probe a pre_handler (else
  * p is NULL: the general dispatch).  Built with the tables, in their read-only
  * pages; published (not NULL) once every possible CPU has its block in slot

@@ -177,10 +177,11 @@ kp_int3_ss_end(unsigned long ip, unsigned long bias)
 /*
  * kp_arch_breakpoint_regs(regs, 1) for a kernel's #BP, the common cases first, as
  * kprobe_int3_handler() has them: a site whose instruction is boosted or
- * single-stepped, with one probe, on a CPU whose block is in the table, and the
- * trap at the end of a single-stepped copy.  Everything else (emulated branches,
- * kretprobe exits, aggregated probes, a nested hit counted as missed, tables not
- * yet built, probes disarmed) takes the general path.  Kept to the few values the
+ * single-stepped, with one probe and its pre_handler, once kp_site_fast[] is
+ * published, and the trap at the end of a single-stepped copy.  Everything else
+ * (emulated branches, kretprobe exits, aggregated probes, a probe without a
+ * pre_handler, a nested hit counted as missed, tables not yet built, probes
+ * disarmed) takes the general path.  Kept to the few values the
  * pre_handler's call must preserve: its cost is the trap's, twice per hit.  Entered in
  * kprobe_int3_handler()'s place (the platform's hook): 1 when the int3 was ours (regs
  * updated), else what the platform's kp_platform_breakpoint_not_ours() says (the kernel's own
@@ -195,27 +196,29 @@ static __attribute__((noinline)) int kp_int3_bp_post(const struct kp_breakpoint_
 }
 
 /* A hit at one of our int3s (kprobe_int3_handler()'s get_kprobe() found it): out of
- * line, so the single-step's end saves no registers for the pre_handler's call. */
+ * line, so the single-step's end saves no registers for the pre_handler's call.  The
+ * site's probe and pre_handler from its kp_site_fast[] entry, the CPU's block by its
+ * number, as the clean hit has them (kp_optimized_clean_callback()); NULL until every
+ * CPU's block is in its slot. */
 static __attribute__((noinline)) int kp_int3_bp_hit(struct kp_breakpoint_site *d, struct pt_regs *regs)
 {
-	if (likely(d->plain && kp_tables_built && kp_fast)) {
-		struct kp_site *s = &kp_sites[d->site];
-		unsigned long key = kp_platform_thread_key_fast();
-		struct kp_thread *t = kp_thread_table[KP_HASH(key)];
-		if (likely(s->count == 1 && t->key == key && !t->active)) {
-			struct kprobe *p = kp_site_probes[s->first];
-			if (likely(!kprobe_disabled(p))) {	/* aggr_pre_handler() */
-				t->hits[p->index]++;
-				kprobe_pre_handler_t pre = kp_site_handlers[s->first].pre;
-				if (pre) {
-					t->active = 1;
-					int stop = pre(p, regs);
-					t->active = 0;
-					/* A path change only when it moved regs->ip (the
-					 * address after the int3), as kp_trap_pre(). */
-					if (unlikely(stop) && regs->ip != d->addr + kp_rt.bias + 1)
-						return 1;
-				}
+	const struct kp_site_fast *f = kp_site_fast;
+	if (likely(d->plain && f)) {
+		f += d->site;
+		struct kprobe *p = f->p;
+		struct kp_thread *t = kp_thread_table[kp_platform_cpu_slot()];
+		/* t->active and p->flags read once each, as plain loads
+		 * (kprobe_disabled()'s test). */
+		if (likely(p && !*(const unsigned int *)&t->active)) {
+			if (likely(!(*(const unsigned int *)&p->flags & (KPROBE_FLAG_DISABLED | KPROBE_FLAG_GONE)))) {
+				t->hits[p->index]++;	/* aggr_pre_handler() */
+				t->active = 1;
+				int stop = f->pre(p, regs);
+				t->active = 0;
+				/* A path change only when it moved regs->ip (the
+				 * address after the int3), as kp_trap_pre(). */
+				if (unlikely(stop) && regs->ip != d->addr + kp_rt.bias + 1)
+					return 1;
 			}
 			/* setup_singlestep(): the copy (an int3 after it, or the jmp back) */
 			regs->ip = d->slot + kp_rt.bias;

@@ -202,8 +202,9 @@ int kp_kernel_alloc_cpus(struct kprobe *p, struct pt_regs *regs)
 	kp_kernel_cpus_size = size;
 	__atomic_store_n(&kp_kernel_cpus, m, __ATOMIC_RELEASE);
 	/* Every possible CPU's block now, in slot smp_processor_id() + 1 (the boot CPU's
-	 * may be the static one it took before, this hook's), so that a clean hit reads
-	 * its CPU's by number (kp_optimized_clean_callback()); then its per-site entries. */
+	 * may be the static one it took before, this hook's), so that a clean or int3 hit
+	 * reads its CPU's by number (kp_optimized_clean_callback(), kp_int3_bp_hit()); then
+	 * its per-site entries. */
 	int all = kp_fast && kp_kernel_site_fast && nr_cpu_ids < KP_TABLE_SIZE;
 	for (unsigned int cpu = 0; all && cpu < nr_cpu_ids; cpu++) {
 		unsigned long key = ((unsigned long)cpu + 1) << 12;
