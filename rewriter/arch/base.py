@@ -349,6 +349,11 @@ class HandlerAbi(Protocol):
     def may_use_regs(self, code: bytes, start: int, end: int, relocs: dict[int, str] | None = None) -> bool:
         """The function may read its pt_regs argument."""
 
+    def regs_loads(self, code: bytes, start: int, end: int, relocs: dict[int, str] | None = None
+                   ) -> frozenset[int] | None:
+        """The pt_regs fields (byte offsets) the function can read, when it only loads
+        from its pt_regs argument at constant offsets (None: any other use)."""
+
     def vector_use(self, code: bytes, start: int) -> int | None:
         """The first instruction touching VECTOR_STATE registers, or None."""
 
