@@ -25,7 +25,8 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
     return True
 
 
-def regs_loads(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None) -> frozenset[int] | None:
+def regs_loads(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None,
+               limit: int | None = None) -> frozenset[int] | None:
     """The pt_regs fields the function loads: unknown (None), as may_use_regs()."""
     return None
 
