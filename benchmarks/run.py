@@ -4,7 +4,8 @@
 Row "o": an optimized kprobe with an empty pre_handler on a trivial function
 called in a tight loop; (rewritten - original) / N, medians of several runs of
 both binaries interleaved in one go.  Row "o+regs": the same with a
-pre_handler that reads a register, so the detour builds struct pt_regs.
+pre_handler that reads a register: it only loads from regs, so the detour stores
+that field of a partial struct pt_regs (the whole one for a handler that writes it).
 Row "c": the same probe with no handler at all (it only counts hits: a
 light hit, the form of every probe in an image without handlers).
 
@@ -161,7 +162,7 @@ def main():
         print("| row | what | per call, original (ns) | per call, rewritten (ns) | per hit (ns) | ratio |")
         print("|---|---|---|---|---|---|")
         what = {"o": "optimized kprobe, empty pre_handler (clean call, dispatch inlined)",
-                "o+regs": "optimized kprobe, pre_handler reading regs (struct pt_regs built)",
+                "o+regs": "optimized kprobe, pre_handler reading regs (partial pt_regs: the field read)",
                 "c": "optimized kprobe, no handler (counts only: light hit)",
                 "b": "breakpoint kprobe, boosted, empty pre_handler",
                 "k": "breakpoint kprobe, single-stepped, empty pre_handler",

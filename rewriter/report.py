@@ -206,6 +206,8 @@ def list_records(path: str, meta: dict | None = None) -> list[dict]:
                  "reason": p.get("reason"), "call": p.get("call"), "detour": hexaddr(p["detour"]) if p.get("detour") else None,
                  "region": [hexaddr(a) for a in p["region"]], "returns": p.get("returns"), "return_sites": None, "int3_exits": None,
                  "shared_with": hexaddr(p["shared_with"]) if p.get("shared_with") is not None else None}
+            if p.get("regs_fields") is not None:     # a partial pt_regs (only these byte offsets saved)
+                r["regs_fields"] = [int(o) for o in p["regs_fields"]]
             if p["kind"] == "r":
                 r["return_sites"] = [{"address": hexaddr(a), "end": hexaddr(e), "exit": hexaddr(x)} for a, e, x in p["return_sites"]]
                 r["int3_exits"] = [hexaddr(a) for a in p["int3_exits"]]

@@ -82,6 +82,55 @@ def test_may_use_regs_follows_rsi(objs):
     assert _uses(f["passes"])
 
 
+# pt_regs-shaped (21 words, as the kernel's), with handlers that only load from it and
+# handlers that use it any other way.
+LOADS = r"""
+struct regs { unsigned long r15, r14, r13, r12, bp, bx, r11, r10, r9, r8, ax, cx, dx, si, di,
+              orig_ax, ip, cs, flags, sp, ss; };
+extern long sink;
+extern int other(void *p, void *r);
+extern int printk(const char *fmt, ...);
+int one(void *p, struct regs *regs) { sink += regs->di; return 0; }
+int two(void *p, struct regs *regs) { return regs->ax == 0xdead && regs->flags & 1; }
+int low(void *p, struct regs *regs) { sink += (unsigned char)(regs->flags >> 8) + (int)regs->sp; return 0; }
+int prints(void *p, struct regs *regs) { printk("%lx %lx\n", regs->si, regs->di); return 0; }
+int writes(void *p, struct regs *regs) { regs->di = 5; return 0; }
+int bumps(void *p, struct regs *regs) { regs->ax++; return 0; }
+int passes(void *p, struct regs *regs) { return other(p, regs); }
+int keeps(void *p, struct regs *regs) { sink = (long)regs; return 0; }
+int field(void *p, struct regs *regs) { sink = (long)&regs->di; return 0; }
+int computed(void *p, struct regs *regs, long k) { sink = ((unsigned long *)regs)[k]; return 0; }
+int beyond(void *p, struct regs *regs) { sink = ((unsigned long *)regs)[21]; return 0; }
+int reads_then_calls(void *p, struct regs *regs) { sink = regs->di; return other(p, 0); }
+"""
+
+PT_SIZE = 168
+PT = {"bx": 40, "ax": 80, "si": 104, "di": 112, "ip": 128, "flags": 144, "sp": 152}
+
+
+def test_regs_loads_only_for_plain_loads(tmp_path):
+    """regs_loads(): the pt_regs words a handler reads, when it only loads from regs at
+    constant offsets (a partial pt_regs will do); None when it writes regs, passes it
+    on, lets it escape, reads at a computed offset or beyond pt_regs."""
+    f = link.object_functions([_compile(tmp_path, "loads", LOADS)])
+
+    def loads(name):
+        off, body, relocs = f[name]
+        assert ABI.may_use_regs(body, off, off + len(body), relocs), name
+        return ABI.regs_loads(body, off, off + len(body), relocs, limit=PT_SIZE)
+
+    assert loads("one") == {PT["di"]}
+    assert loads("two") == {PT["ax"], PT["flags"]}
+    assert loads("low") == {PT["flags"], PT["sp"]}            # a byte and a half word: their words
+    assert loads("prints") == {PT["si"], PT["di"]}            # %rsi overwritten by its last load
+    assert loads("reads_then_calls") == {PT["di"]}            # %esi zeroed before the call
+    for name in ("writes", "bumps", "passes", "keeps", "field", "computed", "beyond"):
+        assert loads(name) is None, name
+    # In the rewriter's own terms (link/handlers.py): the fields next to reads_regs.
+    off, body, relocs = f["one"]
+    assert ABI.regs_loads(body, off, off + len(body), relocs) == {PT["di"]}   # the runtime's PT_SIZE
+
+
 def test_return_thunk_is_a_return(objs):
     """With -mfunction-return=thunk-extern a handler returns by `jmp __x86_return_thunk`:
     named by its relocation, it ends the path; without the relocation (unknown jump out)

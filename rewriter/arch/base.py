@@ -293,8 +293,9 @@ class Emit(Protocol):
     def clean_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                      probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,
                      aligned: bool, handler_clobbers: set[str] | None = None, copy=None, body=None,
-                     back: int | None = None) -> tuple[bytes, int]:
-        """A detour that saves only what its handler clobbers."""
+                     back: int | None = None, regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
+        """A detour that saves only what its handler clobbers (regs_fields: and the
+        pt_regs fields a pre_handler that only loads from regs reads, passed to it)."""
 
     def full_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                     probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
@@ -348,6 +349,12 @@ class HandlerAbi(Protocol):
 
     def may_use_regs(self, code: bytes, start: int, end: int, relocs: dict[int, str] | None = None) -> bool:
         """The function may read its pt_regs argument."""
+
+    def regs_loads(self, code: bytes, start: int, end: int, relocs: dict[int, str] | None = None,
+                   limit: int | None = None) -> frozenset[int] | None:
+        """The pt_regs fields (byte offsets) the function can read, when it only loads
+        from its pt_regs argument at constant offsets below limit (default: pt_regs'
+        size) (None: any other use)."""
 
     def vector_use(self, code: bytes, start: int) -> int | None:
         """The first instruction touching VECTOR_STATE registers, or None."""

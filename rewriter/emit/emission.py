@@ -167,13 +167,15 @@ def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int
         handler = sym[h] if h else None
     common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, probe=probe, probe_index=k,
                   handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym), back=back)
-    if site.clean:
-        callback, body = sym["kp_optimized_clean_callback"], None
+    if site.clean or site.regs_fields is not None:
+        callback, body, extra = sym["kp_optimized_clean_callback"], None, {}
         if is_entry(p):
             callback = sym["kp_kretprobe_enter_clean_slow"]
             body = _kret_entry_body(c, p, probe, sym, site.aligned, regs=False)
+        if site.regs_fields is not None:    # a partial pt_regs; the slow path passes it
+            callback, extra = sym["kp_optimized_callback"], {"regs_fields": site.regs_fields}
         code, resume = em.clean_detour(site.index, copied(c.arch, lay, site), at, callback=callback, flags_live=site.flags_live,
-                                       handler_clobbers=site.clobbers, body=body, **common)
+                                       handler_clobbers=site.clobbers, body=body, **common, **extra)
     else:
         # full_detour realigns the stack itself before the body.
         body = _kret_entry_body(c, p, probe, sym, True, regs=True) if is_entry(p) else None

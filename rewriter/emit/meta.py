@@ -28,6 +28,8 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
             d.update({"call": "clean" if site.clean else "pt_regs", "inline_dispatch": site.template})
             if site.light:              # counts its hits, nothing else (emit.light_detour)
                 d["light"] = True
+            if site.regs_fields is not None:    # a partial pt_regs: only these fields are saved
+                d["regs_fields"] = sorted(site.regs_fields)
         if site.head is not None:       # rides on the detour of the probe whose jump covers it
             d["shared_with"] = site.head.addr
         if site.slot:                   # a short jump to the jump at the slot

@@ -64,6 +64,7 @@ def compile_and_read(spec, arch, symbols: dict[str, str], exports: dict, workdir
             code[name] = HandlerCode(True, None, sym)
         else:
             off, body, relocs = fn
-            code[name] = HandlerCode(abi.may_use_regs(body, off, off + len(body), relocs),
-                                     abi.clobbered_scratch(body, off, relocs), sym)
+            reads = abi.may_use_regs(body, off, off + len(body), relocs)
+            code[name] = HandlerCode(reads, abi.clobbered_scratch(body, off, relocs), sym,
+                                     abi.regs_loads(body, off, off + len(body), relocs) if reads else None)
     return objs, code

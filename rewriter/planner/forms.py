@@ -131,10 +131,15 @@ def _site_form(site: Site, image, arch, code: dict[str, HandlerCode], traces: di
         site.clean = not h.reads_regs
         # The inlined entry (retprobe.kret_entry_body) uses these, and the entry_handler its own.
         site.clobbers = None if h.clobbers is None else h.clobbers | set(arch.retprobe.KRET_ENTRY_USES)
+    site.regs_fields = None
     if site.template:
         p = site.probes[0]
         site.aligned = arch.optprobe.stack_aligned_at(image, p.func, site.addr)
-        if site.clean:
+        if not site.clean and not is_entry(p) and trace_key(p) not in traces and p.spec.pre_handler:
+            # A pre_handler that only loads from regs at constant offsets: a partial
+            # pt_regs, those fields saved, nothing restored (emit.clean_detour's regs_fields).
+            site.regs_fields = code[p.spec.pre_handler].regs_fields
+        if site.clean or site.regs_fields is not None:
             site.flags_live = not arch.optprobe.arith_flags_dead(image, p.func, site.addr)
     elif site.clean and site.decision in JUMPS and site.probes:
         # The shared clean entries' variant that keeps no flags (emission.detour_entries()).

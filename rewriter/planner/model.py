@@ -42,6 +42,10 @@ class Site:
     clobbers: set | None = None      # call-clobbered registers the handlers write (None: unknown)
     aligned: bool = False            # template: the ABI has the stack 16-byte aligned at the site
     flags_live: bool = True          # clean: the arithmetic flags are live at the site
+    # Template, not clean: the pt_regs fields (byte offsets) its pre_handler can read, when
+    # it only loads from regs at constant offsets (a partial pt_regs, emit.clean_detour's
+    # regs_fields); None: a whole pt_regs (full_detour).
+    regs_fields: frozenset | None = None
     light: bool = False              # template of a probe in an image with no handler: count only
     red_zone: bool = False           # light: the ABI's red zone below the stack pointer is free here (a function entry)
     # A region shared by several probes (share_regions): the head takes the jump and
@@ -181,6 +185,10 @@ class HandlerCode:
     reads_regs: bool                 # may read its pt_regs argument (unknown code may)
     clobbers: set[str] | None        # call-clobbered registers it writes (None: unknown)
     symbol: str | None = None        # its link symbol
+    # The pt_regs fields (byte offsets) it can read when its only uses of regs are loads
+    # at constant offsets (handler_abi.regs_loads()); None: unknown, or it may write or
+    # pass on regs.  Meaningful when reads_regs.
+    regs_fields: frozenset | None = None
 
 
 NO_HANDLER = HandlerCode(False, set())

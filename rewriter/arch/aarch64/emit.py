@@ -194,9 +194,12 @@ def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                  probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,
                  aligned: bool, handler_clobbers: set[str] | None = None, copy=None, body=None,
-                 back: int | None = None) -> tuple[bytes, int]:
+                 back: int | None = None, regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
     """A detour whose handlers never read regs: on aarch64 still the whole pt_regs
-    (handler_abi does not read handlers yet), through the clean callback."""
+    (handler_abi does not read handlers yet), through the clean callback.  No partial
+    pt_regs (regs_fields): handler_abi.regs_loads() finds none here."""
+    if regs_fields is not None:
+        raise ValueError("aarch64 has no partial pt_regs template")
     if body is not None:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
     return _after(regs_call(at, callback, site, None), dcr, at, copy, back)

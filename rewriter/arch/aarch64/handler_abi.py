@@ -25,6 +25,12 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
     return True
 
 
+def regs_loads(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None,
+               limit: int | None = None) -> frozenset[int] | None:
+    """The pt_regs fields the function loads: unknown (None), as may_use_regs()."""
+    return None
+
+
 def vector_use(code: bytes, start: int) -> int | None:
     """The first instruction naming an FP/SIMD register, or None."""
     for addr, _size, mnem, ops in _cs.disasm_lite(bytes(code), start):

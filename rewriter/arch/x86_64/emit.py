@@ -480,7 +480,8 @@ def _dcr_and_back(c: _Code, dcr: list[DcrInsn], copy=None, back: int | None = No
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
                  probe_index: int, handler: int | None, callback: int,
                  flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None,
-                 copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
+                 copy=None, body=None, back: int | None = None,
+                 regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
     common case inlined (_dispatch_fast_path); anything else calls the generic
@@ -494,16 +495,31 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     retprobe.kret_entry_body); the callback is then callback(site, sp at the
     hit), the return-address slot.
     copy(insn, at): how to copy a DCR instruction (default: relocate).
+    regs_fields: a pre_handler that only loads from regs, at these pt_regs byte
+    offsets (handler_abi.regs_loads()): a partial pt_regs in the frame
+    (PARTIAL_REGS), only those fields stored, passed in %rsi; nothing is restored
+    from it (the handler cannot write it).  The callback is then
+    callback(site, regs) (kp_optimized_callback), whose return is not read: with
+    regs unchanged it is always KP_RESUME_DETOUR.
     Returns (code, resume): where the relocated DCR starts."""
+    partial = regs_fields is not None
     used = {"rax", "rdx", "rdi"} | (set() if aligned else {"rcx"})
+    if partial:
+        used |= {"rsi"} | ({"rcx"} if O.PT_FLAGS in regs_fields else set())
+    frame = CLEAN_FRAME + (_partial_area() if partial else 0)
     fast_saves, slow_saves, slot = scratch_plan(used, handler_clobbers)
     c = _Code(at)
-    c.a(f"lea rsp, [rsp - {CLEAN_FRAME:#x}]")
+    c.a(f"lea rsp, [rsp - {frame:#x}]")
     c.a("mov qword ptr [rsp], rax")
-    if flags_live:
+    if partial:
+        _partial_pt_regs(c, regs_fields, frame, dcr[0].addr + 1)
+    if flags_live or (partial and O.PT_FLAGS in regs_fields):
         c.a("seto al; lahf; mov word ptr [rsp + 72], ax")
     for reg in fast_saves[1:]:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
+    if partial and O.PT_FLAGS in regs_fields:           # as save_pt_regs(): IF set
+        c.a("movzx ecx, ah; movzx eax, al; shl eax, 11; or ecx, eax; or ecx, 0x200")
+        c.a(f"mov qword ptr [rsp + {PARTIAL_REGS + O.PT_FLAGS}], rcx")
     preempt_disable(c, key)
     to_slow, to_restore = _dispatch_fast_path(c, fast, table, key, probe, probe_index,
                                               "[rsp + 80]" if handler is not None or body else None)
@@ -511,6 +527,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         body(c, slow_saves, slot)
     elif handler is not None:
         c.rip("lea rdi, [rip + {d}]", probe)        # the handler never reads regs (%rsi)
+        if partial:                                 # ... or only the fields stored
+            c.a(f"lea rsi, [rsp + {PARTIAL_REGS}]")
         c.call_aligned(handler, aligned, "rcx")
         c.a(f"mov rdx, qword ptr [rsp + 80]; mov dword ptr [rdx + {O.THREAD_ACTIVE}], 0")
     restore = c.pc
@@ -519,7 +537,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         c.a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
     for reg in fast_saves:
         c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
-    c.a(f"lea rsp, [rsp + {CLEAN_FRAME:#x}]")
+    c.a(f"lea rsp, [rsp + {frame:#x}]")
     resume = _dcr_and_back(c, dcr, copy, back)
     slow = c.pc
     for reg in slow_saves:
@@ -527,6 +545,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     c.a(f"mov edi, {site:#x}")
     if body is not None:                                       # kp_kretprobe_enter_clean_slow(site, S)
         c.a(f"lea rsi, [rsp + {CLEAN_FRAME:#x}]")
+    elif partial:                                              # kp_optimized_callback(site, regs)
+        c.a(f"lea rsi, [rsp + {PARTIAL_REGS}]")
     c.call_aligned(callback, aligned, "rcx")
     for reg in slow_saves:
         c.a(f"mov {reg}, qword ptr [rsp + {slot[reg]}]")
@@ -534,6 +554,42 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     c.fix(to_slow, slow)
     c.fix(to_restore, restore)
     return bytes(c.out), resume
+
+
+# A clean template's partial pt_regs (clean_detour's regs_fields): in the frame after
+# the clean part (the nine registers, the flags word, the thread block), before the
+# red zone, as long as pt_regs rounded up to 16 bytes (the frame keeps its alignment).
+PARTIAL_REGS = CLEAN_FRAME - RED_ZONE
+
+
+def _partial_area() -> int:
+    """The partial pt_regs' room in the frame: pt_regs rounded up to 16 bytes."""
+    return (O.PT_SIZE + 15) & ~15
+
+
+def _partial_pt_regs(c: _Code, fields: frozenset[int], frame: int, hit_ip: int):
+    """The pt_regs fields a pre_handler reads, at [rsp + PARTIAL_REGS], as
+    save_pt_regs() and full_detour() store them: each register as at the hit, ip the
+    hit + 1, sp the stack pointer at the hit, orig_ax, cs, ss; the flags are the
+    caller's (they need rax and rcx).  Only %rax is saved when this runs: it is
+    written last, for ip and sp."""
+    base = PARTIAL_REGS
+    regs = {off: reg for reg, off in O.PT_REGS.items()}
+    for off in sorted(fields):
+        if off in regs:
+            c.a(f"mov qword ptr [rsp + {base + off}], {regs[off]}")
+    consts = {O.PT_ORIG_AX: -1, O.PT_CS: 0x33, O.PT_SS: 0x2b}
+    for off in sorted(fields):
+        if off in consts:
+            c.a(f"mov qword ptr [rsp + {base + off}], {consts[off]}")
+    if O.PT_SP in fields:
+        c.a(f"lea rax, [rsp + {frame:#x}]; mov qword ptr [rsp + {base + O.PT_SP}], rax")
+    if O.PT_IP in fields:
+        c.rip("lea rax, [rip + {d}]", hit_ip)
+        c.a(f"mov qword ptr [rsp + {base + O.PT_IP}], rax")
+    known = set(regs) | set(consts) | {O.PT_SP, O.PT_IP, O.PT_FLAGS}
+    if not fields <= known:
+        raise EmitError(f"pt_regs fields {sorted(fields - known)} have no value")
 
 
 # struct pt_regs (arch/x86/include/asm/ptrace.h): O.PT_REGS, byte offsets in save

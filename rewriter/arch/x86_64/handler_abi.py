@@ -89,6 +89,74 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
     """Whether the function [start, end) (code = its bytes) may use the value
     %rsi has at entry.  Follows every path until %rsi is overwritten.
     relocs: offset of a relocated field -> the symbol it names (an object's)."""
+    return _regs_use(code, start, end, relocs, None) is None
+
+
+# Instructions whose memory operand (through regs) is only read, and which write
+# nothing but their register destination and the flags: (mnemonic, where the memory
+# operand may be: 1, the source of a two-operand form; 0 or 1: either, cmp and test).
+_LOAD_SOURCE = re.compile(r"^(mov|movzx|movsx|movsxd|add|sub|and|or|xor|adc|sbb|imul|cmov[a-z]+)$")
+_LOAD_EITHER = ("cmp", "test")
+_RSI_PART = {X.X86_REG_SI, X.X86_REG_SIL}              # writing these leaves a pointer derived from regs
+
+
+def _regs_load(ci) -> tuple[int, int] | None:
+    """(offset, size) when the instruction's one use of %rsi is a plain load from
+    [%rsi + constant] into a register or the flags; None for any other use."""
+    if ci.mnemonic == "imul" and len(ci.operands) not in (2, 3):
+        return None
+    where = (1,) if _LOAD_SOURCE.match(ci.mnemonic) else (0, 1) if ci.mnemonic in _LOAD_EITHER else ()
+    mem = None
+    for i, op in enumerate(ci.operands):
+        if op.type == X.X86_OP_MEM:
+            if mem is not None or i not in where:
+                return None
+            m = op.mem
+            if m.base not in _RSI_FULL - {X.X86_REG_ESI} or m.index != 0 or m.segment != 0:
+                return None
+            mem = (m.disp, op.size)
+        elif op.type == X.X86_OP_REG and op.reg in _RSI_ANY:
+            # %rsi as a register operand: only as a plain load's destination (it then no
+            # longer holds regs), never as a value read.
+            if not (i == 0 and ci.mnemonic in ("mov", "movzx", "movsx", "movsxd")):
+                return None
+    if mem is None or ci.prefix[0] not in (0,) or ci.mnemonic.startswith("lock"):
+        return None
+    try:
+        read, written = ci.regs_access()
+    except capstone.CsError:
+        return None
+    if any(r in _RSI_PART for r in written):
+        return None
+    return mem
+
+
+def regs_loads(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None,
+               limit: int | None = None) -> frozenset[int] | None:
+    """The pt_regs fields (their byte offsets, 8-byte words) the function [start, end)
+    may read through its regs argument, when every use of the %rsi it has at entry is a
+    load from [%rsi + constant] inside the first `limit` bytes (pt_regs' size) into a
+    register or the flags, on every path until %rsi is overwritten: it never stores to
+    regs, passes it on, copies it or reads at a computed offset.  None: any other use
+    (may_use_regs()'s uses but these loads).  An empty set: no use at all."""
+    loads = _regs_use(code, start, end, relocs, set())
+    if loads is None:
+        return None
+    if limit is None:
+        from . import offsets as O      # the runtime's struct pt_regs (compiled at first use)
+        limit = O.PT_SIZE
+    fields = set()
+    for off, size in loads:
+        if off < 0 or size <= 0 or (limit is not None and off + size > limit):
+            return None
+        fields.update(range(off // 8 * 8, off + size, 8))
+    return frozenset(fields)
+
+
+def _regs_use(code: bytes, start: int, end: int, relocs: dict[int, str] | None,
+              loads: set | None) -> set | None:
+    """The walk of may_use_regs() and regs_loads(): None when %rsi may be used (loads:
+    None, any read is a use; a set, a plain load through it is added there instead)."""
     relocs = relocs or {}
     seen: set[int] = set()
     work = [start]
@@ -98,31 +166,34 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
             if addr in seen:
                 break
             if not start <= addr < end:
-                return True                      # fell or jumped out: unknown code
+                return None                      # fell or jumped out: unknown code
             seen.add(addr)
             ci = next(_cs.disasm(code[addr - start:addr - start + 16], addr, 1), None)
             if ci is None:
-                return True
+                return None
             if _reads_rsi(ci):
-                return True
+                load = _regs_load(ci) if loads is not None else None
+                if load is None:
+                    return None
+                loads.add(load)
             groups = set(ci.groups)
             if capstone.CS_GRP_RET in groups:
                 break
             if ci.mnemonic == "jmp" and relocs.get(addr + 1) in RETURN_THUNKS:
                 break                            # jmp __x86_return_thunk: a return
             if capstone.CS_GRP_JUMP in groups and _relocated(ci, relocs):
-                return True                      # a jump to another symbol: a tail call, regs passed on
+                return None                      # a jump to another symbol: a tail call, regs passed on
             if capstone.CS_GRP_CALL in groups:
-                return True                      # the callee may take it as an argument
+                return None                      # the callee may take it as an argument
             if capstone.CS_GRP_INT in groups or capstone.CS_GRP_IRET in groups:
-                return True
+                return None
             if _kills_rsi(ci):
                 break                            # this path no longer holds regs
             nxt = addr + ci.size
             if capstone.CS_GRP_JUMP in groups:
                 t = _target(ci)
                 if t is None:
-                    return True                  # indirect jump: could go anywhere
+                    return None                  # indirect jump: could go anywhere
                 if ci.mnemonic == "jmp":
                     addr = t
                     continue
@@ -130,7 +201,7 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
             if ci.mnemonic == "ud2" or ci.mnemonic == "hlt":
                 break
             addr = nxt
-    return False
+    return loads if loads is not None else set()
 
 
 _VECTOR_GROUPS = {X.X86_GRP_SSE1, X.X86_GRP_SSE2, X.X86_GRP_SSE3, X.X86_GRP_SSSE3, X.X86_GRP_SSE41,
