@@ -90,10 +90,9 @@ def prepare(input_path: str, spec_path: str | Spec, no_optimize: bool = False, s
     if strict:
         errors += plan.errors
     traces, trace_errors = events.compile_all(image, arch, [p for p in probes if not is_entry(p)],
-                                              [p for _, p, _ in plan.kretprobes], spec.name, errors)
+                                              [p for _, p, _ in plan.kretprobes], spec.name, errors,
+                                              pt_regs=rules.events_pt_regs)
     errors += trace_errors
-    for t in traces.values():
-        t.pt_regs = rules.events_pt_regs
     errors += target.refusals(image, plan, traces, spec.name)
     symbols, exports = {}, {}
     if strict:

@@ -79,17 +79,19 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
     # pre-optimization check); every site is placed (optimized or breakpoint), so all count.
     placed = sorted(s.addr for s in sites if s.head is None)
     for s in sites:
-        if s.jump_at:       # a shared ftrace site with a probe after it: the site is taken instead
-            i = bisect.bisect_right(placed, s.addr)
-            if i < len(placed) and placed[i] < s.region_end:
-                unshare_ftrace_site(s, arch.Refusal("probe_in_region", placed[i], "another probe sits in "
-                                                    f"[{s.jump_at:#x}, {s.region_end:#x}), where the jump past the "
-                                                    "ftrace site would go"), rules)
-    for s in sites:
         if s.decision not in JUMPS or s.head is not None:
             continue
         i = bisect.bisect_right(placed, s.addr)
-        if i < len(placed) and placed[i] < s.region_end and safety.enabled("probe_in_region"):
+        inside = i < len(placed) and placed[i] < s.region_end
+        if inside and s.jump_at:
+            # The jump past a shared ftrace site would cover the other probe: the site is
+            # taken instead (whatever the safety rules say: two jumps cannot share bytes),
+            # or refused where it may not be (Rules.take_ftrace).
+            unshare_ftrace_site(s, arch.Refusal("probe_in_region", placed[i], "another probe sits in "
+                                                f"[{s.jump_at:#x}, {s.region_end:#x}), where the jump past the "
+                                                "ftrace site would go"), rules)
+            continue                # the site's own bytes hold no other probe's
+        if inside and safety.enabled("probe_in_region"):
             s.reason = arch.Refusal("probe_in_region", placed[i], f"another probe sits inside the region [{s.addr:#x}, {s.region_end:#x})")
             s.decision, s.dcr = REFUSED, None
     if rules.short_jumps and optimize and arch.optprobe.SHORT_JUMP_SIZE:

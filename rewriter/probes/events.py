@@ -300,10 +300,12 @@ def trace_key(p):
     return f"r{p.index}" if getattr(p, "kret", None) is not None else p.index
 
 
-def compile_all(image, arch, probes, kretprobes, spec_name: str, known_errors: list[str]) -> tuple[dict, list[str]]:
+def compile_all(image, arch, probes, kretprobes, spec_name: str, known_errors: list[str],
+                pt_regs: bool = False) -> tuple[dict, list[str]]:
     """The trace event of every kprobe with `fetch` or from a `p` line, and of every
     placed kretprobe with `fetch` or from an `r` line, keyed by trace_key().
-    Errors already reported (a syntax error expand() found) are not repeated."""
+    Errors already reported (a syntax error expand() found) are not repeated.
+    pt_regs: every event's hit passes pt_regs (Rules.events_pt_regs)."""
     traces, errors = {}, []
     for p in probes:
         t, err = compile_probe(image, arch, p, spec_name)
@@ -317,6 +319,8 @@ def compile_all(image, arch, probes, kretprobes, spec_name: str, known_errors: l
             errors += err
         if t is not None:
             traces[trace_key(p)] = t
+    for t in traces.values():
+        t.pt_regs = pt_regs
     return traces, errors
 
 
