@@ -522,34 +522,32 @@ class _Moved:
     """A site taken past a function's ftrace NOPs: the jump and the displaced instruction at
     entry + 8, the probe's address (regs->pc, p->addr) still the entry."""
     def __init__(self, site, dcr):
-        self.addr, self.dcr, self.probes, self.decision = site.addr + 8, dcr, site.probes, OPTIMIZED
+        self.addr, self.dcr, self.probes, self.decision = site.jump_at, dcr, site.probes, OPTIMIZED
         self.head, self.riders, self.slot, self.evicted = None, [], 0, None
         self.region_end = dcr[-1].addr + len(dcr[-1].code)
 
 
 def _past_ftrace_nops(s, site):
-    """The breakpoint hook's own site (_with_hook_probe(), added here, after planning); the
-    planner places the probes' sites the same way (Rules.share_ftrace, Site.jump_at).
+    """The breakpoint hook's own site (_with_hook_probe(), added here, after planning),
+    placed as the planner places a probe's entry (planner.sites.share_ftrace_site()).
     A probe on a function's entry: the kernel's kprobe sits on the first ftrace NOP, which
     ftrace_init_nop() rewrites at boot and ftrace patches (the second) when tracing; the jump
     goes after both instead (the instruction at entry + 8, usually paciasp), so that ftrace and
     the kernel's own kprobes keep working on the function.  The NOPs run before the handler as
     they would before the kernel's single-step: the same state (unless the function is traced:
     then its tracer has run first, and x9 holds x30)."""
+    from ....planner.sites import share_ftrace_site
     func = site.probes[0].func
-    at = site.addr + 8
-    r = s.arch.optprobe.can_optimize(s.image, s.analysis, func, at)
-    if not isinstance(r, list):
-        raise KprewriteError(f"{s.image.path}: {func.name}: its entry is taken past the ftrace NOPs, at {at:#x}, "
-                             f"which cannot take a jump: {r}")
-    e = next(iter(s.rules.reserved_sites(at, r[-1].addr + len(r[-1].code))), None)
-    if e is not None:
-        raise KprewriteError(f"{s.image.path}: {func.name}: its entry is taken past the ftrace NOPs, at {at:#x}, "
-                             f"where a site patched at boot lies ({e.symbol})")
-    if s.plan.sites and any(o.addr == at for o in s.plan.sites):
+    at = site.addr + s.rules.share_ftrace
+    if any(o.addr == at for o in s.plan.sites):
         raise KprewriteError(f"{s.image.path}: {func.name}: a probe on its entry and one at {at:#x}: "
                              "both would take the jump after the ftrace NOPs")
-    return _Moved(site, r)
+    site.dcr, site.jump_at, site.reason = [s.arch.ftrace_site_insn(site.addr)], 0, None
+    share_ftrace_site(s.image, s.analysis, s.arch, site, s.rules)
+    if not site.jump_at:
+        raise KprewriteError(f"{s.image.path}: {func.name}: its entry is taken past the ftrace NOPs, at {at:#x}, "
+                             f"which cannot take a jump: {site.reason}")
+    return _Moved(site, site.dcr[1:])
 
 
 def _with_hook_probe(s, sites):
