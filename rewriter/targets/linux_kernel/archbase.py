@@ -17,6 +17,8 @@ class KernelArch(Protocol):
     RETURN_SITES: str                  # the table of returns patched at boot (rules.return_jumps)
     SHARE_FTRACE: int                  # the ftrace site's bytes a probe's jump goes past (rules.share_ftrace)
     TAKE_FTRACE: bool                  # where it cannot, the jump may take the site (rules.take_ftrace)
+    KRETPROBE_EXITS: bool              # kretprobes hook every exit (rules.kretprobe_exits), or swap
+                                       # the return address at entry for the trampoline, as the kernel's
 
     def function_refusal(self, image, k, arch, returns) -> Callable:
         """(analysis, func) -> arch.Refusal or None: a function not jump-optimized."""

@@ -88,11 +88,12 @@ def rules(image, arch) -> Rules:
     return Rules(Index(register), Index(patched), mcount, function_refusal,
                  share_ftrace=kern.SHARE_FTRACE, take_ftrace=kern.TAKE_FTRACE, events_pt_regs=True,
                  breakpoints=kern.breakpoint_hook(image) is not None,
-                 # kretprobes hook every exit (the user-space design; instances per task): a
-                 # return the kernel patches at boot is a return, its table entry pointed at the
-                 # copy in the detour (the architecture's return_site_patches()); an exit no jump
-                 # fits keeps the trampoline for its function (no breakpoint return hooks in a kernel).
-                 kretprobes=True, kretprobe_exits=True, return_jumps=frozenset(returns),
+                 # kretprobes hook every exit where the architecture does (the user-space design;
+                 # instances per task): a return the kernel patches at boot is a return, its table
+                 # entry pointed at the copy in the detour (the architecture's return_site_patches());
+                 # an exit no jump fits keeps the trampoline for its function (no breakpoint return
+                 # hooks in a kernel).  Elsewhere the entry swaps the return address, as the kernel's.
+                 kretprobes=True, kretprobe_exits=kern.KRETPROBE_EXITS, return_jumps=frozenset(returns),
                  kretprobe_blacklist={"__switch_to": SWITCHES},   # the kernel's kretprobe_blacklist[]
                  kretprobe_breakpoint_exits=False, kretprobe_clean_entry=True,
                  singlestep_breakpoint=True,

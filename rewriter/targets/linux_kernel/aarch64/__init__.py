@@ -32,6 +32,9 @@ FUNCTION_RANGES = ()
 # (Rules.share_ftrace, take_ftrace).
 SHARE_FTRACE = 8
 TAKE_FTRACE = False
+# A kretprobe swaps x30 at the entry for the trampoline (arch_prepare_kretprobe()), before the
+# function's paciasp signs it: its exits are not hooked (build.py's kretprobe_c()).
+KRETPROBE_EXITS = False
 RETURN_SITES = ""                       # no table of returns patched at boot on arm64
 
 

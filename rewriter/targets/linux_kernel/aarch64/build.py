@@ -37,6 +37,7 @@ from ....errors import KprewriteError
 from ....link.toolchain import compiler, run
 from ....link.runtime import cflags, _includes
 from ....planner import FTRACE, BREAKPOINT, OPTIMIZED
+from ....probes.resolve import is_entry
 from ...linux_kernel.symbols import link_symbols
 
 PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
@@ -64,15 +65,18 @@ BRK_IMM, BRK_SS_IMM = 0x0A0, 0x0A1
 # Where the break hooks are registered: setup_arch()'s entry (a jump probe of our own); the
 # kernel takes breakpoints through them from trap_init() (debug_traps_init()) on.
 HOOK_FUNCTION = "setup_arch"
+# Where a dead task's kretprobe instances are freed (kp_kret_flush_task()): do_exit()'s entry.
+EXIT_HOOK_FUNCTION = "do_exit"
 
 
-def _call(i: int, pc: str, fn: str, changed: str | None = None) -> str:
+def _call(i: int, pc: str, fn: str, changed: str | None = None, after: str = "") -> str:
     """A struct pt_regs on the stack (pc: the symbol of the address it reports), fn(regs)
     called with interrupts masked, everything restored; changed: where to go instead when fn
-    returns non-zero (a pre_handler that changed the path)."""
+    returns non-zero (a pre_handler that changed the path); after: instructions right after
+    the call (the trampoline's: fn's result into regs->regs[30])."""
     saves = "\n".join(f"\tstp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
     loads = "\n".join(f"\tldp x{r}, x{r + 1}, [sp, #{8 * r}]" for r in range(0, 30, 2))
-    branch = f"\tcbnz w0, {changed}\n" if changed else ""
+    branch = f"\tcbnz w0, {changed}\n" if changed else after
     return f"""\tsub sp, sp, #{FRAME}
 {saves}
 \tstr x30, [sp, #240]
@@ -217,6 +221,153 @@ __attribute__((used)) int kp_brk_register(struct kprobe *p, struct pt_regs *regs
     return "".join(out)
 
 
+KEEP_RETURN_ADDRESS = "\tstr x0, [sp, #240]\n"     # the handler's result into regs->regs[30]
+
+
+def trampoline_asm() -> str:
+    """The kretprobes' return trampoline (the kernel's __kretprobe_trampoline): a function whose
+    entry swapped x30 for it returns here, sp back at its value at the entry; a struct pt_regs
+    (pc: the trampoline; the handler sets it to the real return address), the return handlers
+    (kp_kret_trampoline_handler()), the registers restored as they left them, and `ret` to the
+    real return address it returned.  Reached by a plain `ret` after the function's autiasp, so
+    pointer authentication has checked the swapped value the function's paciasp signed."""
+    return f"""
+\t.section .text.kp_kret_trampoline,"ax"
+\t.p2align 3
+\t.globl kp_kret_trampoline
+kp_kret_trampoline:
+{_call(0, "kp_kret_trampoline", "kp_kret_trampoline_handler", after=KEEP_RETURN_ADDRESS)}\tret
+"""
+
+
+KRET_DEFAULT_MAXACTIVE = 10     # the kernel's max(10, 2 * num_possible_cpus()) up to 5 CPUs
+
+
+def kretprobe_c(krets) -> str:
+    """The kretprobes (krets: (index, EntryProbe, handler, entry_handler) in the spec's order):
+    each a struct kretprobe, a static pool of maxactive instances with their owners, and its entry
+    (pre_handler_kretprobe(): claim an instance, none free: nmissed; the entry_handler, non-zero:
+    no return for this call; ri->ret_addr = x30, ri->fp = sp; x30 swapped for the trampoline, as
+    arch_prepare_kretprobe()).  An instance's owner is its task (sp_el0) and the sp of the call:
+    at the trampoline, sp is back at that value, so the current task's instance at the current sp
+    is the call returning (the newest first: a tail call into another return-probed function
+    shares the sp, and its instance holds the trampoline as its return address; the kernel's
+    __kretprobe_trampoline_handler() walks the task's list the same way).  A task's instances are
+    freed when it exits (kp_kret_flush_task(), on do_exit()'s entry, as kprobe_flush_task() frees
+    a dead task's), so a call that never returns does not keep one."""
+    out = ["""
+extern char kp_kret_trampoline[];
+void panic(const char *fmt, ...);
+static unsigned long kp_kret_seq;
+#define KP_RI_CLAIMING ((void *)1)
+"""]
+    each = []
+    for k, p, h, eh in krets:
+        n = p.kret.maxactive if p.kret.maxactive > 0 else KRET_DEFAULT_MAXACTIVE
+        stride = (40 + p.kret.data_size + 7) & ~7
+        for name in (h, eh):
+            if name:
+                out.append(f"int {name}(struct kretprobe_instance *ri, struct pt_regs *regs);\n")
+        out.append(f"""
+static struct kretprobe kp_rp_{k};
+static char kp_rp_pool_{k}[{n}][{stride}] __attribute__((aligned(8)));
+static void *kp_rp_task_{k}[{n}];
+static unsigned long kp_rp_seq_{k}[{n}];
+
+static void kp_kret_entry_{k}(struct pt_regs *regs)
+{{
+	struct kretprobe_instance *ri;
+	int n;
+
+	kp_rp_{k}.kp.addr = (kprobe_opcode_t *)regs->pc;
+	kp_rp_{k}.kp.symbol_name = "{p.symbol}";
+	kp_rp_{k}.handler = {h or 0};
+	kp_rp_{k}.entry_handler = {eh or 0};
+	kp_rp_{k}.maxactive = {n};
+	kp_rp_{k}.data_size = {p.kret.data_size};
+	for (n = 0; n < {n}; n++) {{
+		void *none = 0;
+
+		if (__atomic_compare_exchange_n(&kp_rp_task_{k}[n], &none, KP_RI_CLAIMING, 0, __ATOMIC_ACQUIRE,
+						__ATOMIC_RELAXED))
+			break;
+	}}
+	if (n == {n}) {{
+		__atomic_fetch_add(&kp_rp_{k}.nmissed, 1, __ATOMIC_RELAXED);
+		return;
+	}}
+	ri = (struct kretprobe_instance *)kp_rp_pool_{k}[n];
+	ri->rp = &kp_rp_{k};
+	if (kp_rp_{k}.entry_handler && kp_rp_{k}.entry_handler(ri, regs)) {{
+		__atomic_store_n(&kp_rp_task_{k}[n], (void *)0, __ATOMIC_RELEASE);
+		return;
+	}}
+	ri->ret_addr = (kprobe_opcode_t *)regs->regs[30];
+	ri->fp = (void *)regs->sp;
+	kp_rp_seq_{k}[n] = __atomic_add_fetch(&kp_kret_seq, 1, __ATOMIC_RELAXED);
+	regs->regs[30] = (unsigned long)kp_kret_trampoline;
+	__atomic_store_n(&kp_rp_task_{k}[n], kp_task(), __ATOMIC_RELEASE);
+}}
+""")
+        each.append((k, n))
+    find = "".join(f"""
+	for (n = 0; n < {n}; n++)
+		if (kp_rp_task_{k}[n] == t && ((struct kretprobe_instance *)kp_rp_pool_{k}[n])->fp == (void *)sp &&
+		    kp_rp_seq_{k}[n] > seq) {{
+			seq = kp_rp_seq_{k}[n];
+			*owner = &kp_rp_task_{k}[n];
+			ri = (struct kretprobe_instance *)kp_rp_pool_{k}[n];
+		}}""" for k, n in each)
+    flush = "".join(f"""
+	for (n = 0; n < {n}; n++)
+		if (kp_rp_task_{k}[n] == t)
+			__atomic_store_n(&kp_rp_task_{k}[n], (void *)0, __ATOMIC_RELEASE);""" for k, n in each)
+    out.append(f"""
+/* The current task's newest instance at sp (its owner slot in *owner), or NULL. */
+static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, void ***owner)
+{{
+	struct kretprobe_instance *ri = 0;
+	unsigned long seq = 0;
+	int n;
+{find}
+	return ri;
+}}
+
+/* At the trampoline: each instance of this call, newest first, its handler with regs->pc the
+ * real return address; returns that address. */
+__attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *regs)
+{{
+	void *t = kp_task(), **owner;
+	unsigned long ret = (unsigned long)kp_kret_trampoline;
+	int g = kp_enter();
+	struct kretprobe_instance *ri;
+
+	while (ret == (unsigned long)kp_kret_trampoline) {{
+		ri = kp_kret_find(t, regs->sp, &owner);
+		if (!ri)
+			panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
+		ret = (unsigned long)ri->ret_addr;
+		regs->pc = ret;
+		if (ri->rp->handler)
+			ri->rp->handler(ri, regs);
+		__atomic_store_n(owner, (void *)0, __ATOMIC_RELEASE);
+	}}
+	kp_leave(g);
+	return ret;
+}}
+
+/* do_exit()'s entry: the task's frames never return; its instances go back to their pools. */
+__attribute__((used)) int kp_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
+{{
+	void *t = kp_task();
+	int n;
+{flush}
+	return 0;
+}}
+""")
+    return "".join(out)
+
+
 GUARD_C = r"""
 #define KP_SLOTS 64
 static void *kp_active[KP_SLOTS];
@@ -256,7 +407,7 @@ static void kp_leave(int g)
 """
 
 
-def dispatch_c(sites, changes) -> str:
+def dispatch_c(sites, changes, krets=()) -> str:
     """Per site, a struct kprobe per probe (in the writable data, filled at run time: no
     absolute address in data), and the functions the detour calls: each probe's pre_handler
     in the spec's order, then, after the displaced instruction, each post_handler.  At a
@@ -268,12 +419,19 @@ def dispatch_c(sites, changes) -> str:
     A hit while the same task is in a handler (a handler that reaches a probed function) runs
     no handler and counts in each probe's nmissed, as kprobe_running() makes the kernel do:
     the tasks in handlers are in kp_active[] (their sp_el0; interrupts are masked there, so
-    at most one per CPU)."""
-    out = ["#include <linux/kprobes.h>\n", GUARD_C]
+    at most one per CPU).  A kretprobe's entry (krets: kretprobe_c()) is one of the site's
+    probes, in the spec's order."""
+    out = ["#include <linux/kprobes.h>\n", GUARD_C, kretprobe_c(krets) if krets else ""]
+    kret_of = {id(p): k for k, p, _, _ in krets}
     declared = set()
     for i, (site, probes) in enumerate(sites):
         fill, calls, missed, posts = [], [], [], []
         for j, (probe, pre, post) in enumerate(probes):
+            if id(probe) in kret_of:
+                k = kret_of[id(probe)]
+                missed.append(f"\n\t\tkp_rp_{k}.kp.nmissed++;")
+                calls.append(f"\n\tkp_kret_entry_{k}(regs);")
+                continue
             for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
                                 (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
                 if name and name not in declared:
@@ -382,7 +540,15 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     sites = []
     plan_sites = list(plan.sites)
     if any(site.decision == BREAKPOINT for site in plan_sites):
-        plan_sites = _with_hook_probe(s, plan_sites)
+        plan_sites = _with_hook_probe(s, plan_sites, HOOK_FUNCTION, "kp_brk_register", first=True)
+    if plan.kretprobes:
+        plan_sites = _with_hook_probe(s, plan_sites, EXIT_HOOK_FUNCTION, "kp_kret_flush_task", first=False)
+    krets = []
+    for k, (_site, p, _group) in enumerate(plan.kretprobes):
+        if p.kret.fetch is not None:
+            raise KprewriteError(f"{image.path}: {p.event_name}: trace events are not written on arm64 yet")
+        krets.append((k, p, s.handler_symbols[p.kret.handler] if p.kret.handler else None,
+                      s.handler_symbols[p.kret.entry_handler] if p.kret.entry_handler else None))
     for site in plan_sites:
         if site.decision == FTRACE:     # the jump past the ftrace NOPs (planner: Site.jump_at)
             site = _Moved(site, site.dcr[1:]) if getattr(site, "jump_at", 0) else _past_ftrace_nops(s, site)
@@ -394,6 +560,9 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                                  "on arm64 yet")
         probes = []
         for p in site.probes:
+            if is_entry(p):             # a kretprobe's entry (kretprobe_c())
+                probes.append((p, None, None))
+                continue
             if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in site.dcr):
                 raise KprewriteError(f"{image.path}: {p.symbol}+{p.offset:#x}: a post_handler after a branch "
                                      "is not written on arm64 yet")
@@ -403,16 +572,14 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
             probes.append((p, s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
                            s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None))
         sites.append((site, probes))
-    if plan.kretprobes:
-        raise KprewriteError(f"{image.path}: kretprobes are not written on arm64 yet")
     cc = compiler(arch)
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
     (workdir / "kp_detours.S").write_text("".join(
         (xol_asm if site.decision == BREAKPOINT else detour_asm)(i, any(post for _, _, post in probes))
-        for i, (site, probes) in enumerate(sites)))
+        for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else ""))
     brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == BREAKPOINT]
     (workdir / "kp_dispatch.c").write_text(
-        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites])
+        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets)
         + (brk_c(brk) if brk else ""))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
@@ -550,22 +717,23 @@ def _past_ftrace_nops(s, site):
     return _Moved(site, site.dcr[1:])
 
 
-def _with_hook_probe(s, sites):
-    """The sites with the hook probe added: kp_brk_register() as the first pre_handler on
-    HOOK_FUNCTION's entry (a site of its own, or the first probe of the user's there)."""
+def _with_hook_probe(s, sites, function: str, hook_name: str, first: bool):
+    """The sites with a hook probe of ours added on function's entry (a site of its own, or a
+    probe beside the user's there): kp_brk_register() first on HOOK_FUNCTION's,
+    kp_kret_flush_task() last on EXIT_HOOK_FUNCTION's (after a kretprobe there has claimed
+    the instance it frees)."""
     from types import SimpleNamespace
-    f = next((f for f in s.image.functions if f.name == HOOK_FUNCTION), None)
+    f = next((f for f in s.image.functions if f.name == function), None)
     if f is None:
-        raise KprewriteError(f"{s.image.path}: no {HOOK_FUNCTION} in kallsyms: breakpoint probes need its entry")
-    hook = SimpleNamespace(symbol=HOOK_FUNCTION, offset=0, addr=f.start, func=f, hook="kp_brk_register",
+        raise KprewriteError(f"{s.image.path}: no {function} in kallsyms: {hook_name}() needs its entry")
+    hook = SimpleNamespace(symbol=function, offset=0, addr=f.start, func=f, hook=hook_name,
                            spec=SimpleNamespace(pre_handler=None, post_handler=None))
     for site in sites:
         if site.addr == f.start and site.decision == FTRACE:
-            site.probes.insert(0, hook)
+            site.probes.insert(0 if first else len(site.probes), hook)
             return sites
     if f.start not in s.rules.ftrace:
-        raise KprewriteError(f"{s.image.path}: {HOOK_FUNCTION}'s entry cannot take the jump that registers the "
-                             "breakpoint probes' hooks")
+        raise KprewriteError(f"{s.image.path}: {function}'s entry cannot take the jump that calls {hook_name}()")
     return [SimpleNamespace(addr=f.start, probes=[hook], decision=FTRACE, head=None, riders=[], slot=0,
                             evicted=None, dcr=None)] + list(sites)
 
