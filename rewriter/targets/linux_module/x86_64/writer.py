@@ -72,97 +72,18 @@ def module_source(rel: str) -> str:
 
 R_X86_64_NONE = 0
 
-DETOUR_S = r"""
-	.section .text.kprewrite,"ax",@progbits
-	.globl kp_detour_{i}
-	.type kp_detour_{i},@function
-kp_detour_{i}:
-	sub $0x28, %rsp			/* ip, cs, flags, sp, ss */
-	pushq $-1			/* orig_ax */
-	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
-	push %r8; push %r9; push %r10; push %r11
-	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
-	mov 0xa8(%rsp), %rax		/* the return address: the probed address + 5 */
-	sub $4, %rax			/* ip: after the (virtual) int3, as the kernel's ftrace kprobes */
-	mov %rax, 0x80(%rsp)
-	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
-	pushfq
-	pop %rax
-	mov %rax, 0x90(%rsp)
-	lea 0xb0(%rsp), %rax		/* sp at the probed address */
-	mov %rax, 0x98(%rsp)
-	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
-	mov %rsp, %rdi
-	call kp_dispatch_{i}
-	test %rax, %rax			/* a pre_handler that returned 1 chose where to resume */
-	jz 1f
-	mov %rax, 0xa8(%rsp)
-1:	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
-	pop %r11; pop %r10; pop %r9; pop %r8
-	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
-	add $0x30, %rsp
-	jmp __x86_return_thunk
-	.size kp_detour_{i}, .-kp_detour_{i}
-"""
 
-# An optimized (jump) probe's detour, entered by the `jmp` at the probed address (no
-# return address on the stack; the probed code's flags live): arch/x86/kernel/kprobes/
-# opt.c's optprobe_template: pt_regs built with ip the probed address + 1 (as
-# optimized_callback() sets it) and the flags saved first, the dispatch called, every
-# register restored (a handler's changes to them kept, as the kernel's; a pre_handler's
-# return value ignored, as opt_pre_handler() does), then the region's copy and the jump
-# back to the region's end.  {site} and {back} are placeholder references (optprobe.py).
-OPT_DETOUR_HEAD = r"""
-	.section .text.kprewrite,"ax",@progbits
-	.globl kp_detour_{i}
-	.type kp_detour_{i},@function
-kp_detour_{i}:
-	lea -0x10(%rsp), %rsp		/* ss, sp: no flags changed before they are saved */
-	pushfq
-	lea -0x10(%rsp), %rsp		/* cs, ip */
-	pushq $-1			/* orig_ax */
-	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
-	push %r8; push %r9; push %r10; push %r11
-	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
-	.byte 0x48, 0x8d, 0x05		/* lea <the probed address + 1>(%rip), %rax */
-	.long {site} - .
-	mov %rax, 0x80(%rsp)
-	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
-	lea 0xa8(%rsp), %rax		/* sp at the probed address */
-	mov %rax, 0x98(%rsp)
-	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
-	mov %rsp, %rdi
-	call kp_dispatch_{i}
-	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
-	pop %r11; pop %r10; pop %r9; pop %r8
-	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
-	lea 0x18(%rsp), %rsp		/* orig_ax, ip, cs */
-	popfq
-	lea 0x10(%rsp), %rsp		/* sp, ss */
-"""
-OPT_DETOUR_TAIL = r"""	.byte 0xe9			/* jmp <the region's end> */
-	.long {back} - .
-	.size kp_detour_{i}, .-kp_detour_{i}
-"""
+def module_parts(rel: str) -> dict[str, str]:
+    """A source file of templates under runtime/, by parts: each part's text follows its line
+    `/* @NAME */` (the file's first comment says what they are)."""
+    from ....link.runtime import RUNTIME_DIR
+    parts = re.split(r"^/\* @(\w+) \*/\n", (RUNTIME_DIR / rel).read_text().split("*/\n", 1)[1], flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+# The detours' and slots' templates: ftrace, opt_head, opt_tail, slot_head, slot_ss_end, slot_tail.
+DETOURS = module_parts("arch/x86_64/linux_module/kp_module_detours.S")
 PLACEHOLDER = "kp_ph_"
-
-# A breakpoint site's slot (int3_slot()): the copy, [an int3,] the jump back.
-INT3_SLOT_HEAD = r"""
-	.section .text.kprewrite,"ax",@progbits
-	.globl kp_slot_{i}
-	.hidden kp_slot_{i}
-	.type kp_slot_{i},@function
-kp_slot_{i}:
-"""
-INT3_SS_END = r"""	.globl kp_ss_{i}
-	.hidden kp_ss_{i}
-kp_ss_{i}:
-	int3				/* the single-step's end: kp_int3_notify() resumes after the original */
-"""
-INT3_SLOT_TAIL = r"""	.byte 0xe9			/* jmp <the next instruction> */
-	.long {back} - .
-	.size kp_slot_{i}, .-kp_slot_{i}
-"""
 
 
 RUNTIME_C = module_source("platform/linux_module/kp_module_head.c")
@@ -179,7 +100,7 @@ NO_PREEMPT_C = module_source("arch/x86_64/linux_module/kp_module_no_preempt.c")
 
 
 def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str:
-    """The optimized detour of site i (OPT_DETOUR_HEAD, the region's copies, OPT_DETOUR_TAIL),
+    """The optimized detour of site i (DETOURS' opt_head, the region's copies, opt_tail),
     each relocated field a reference to a new placeholder: placeholders[name] = Field
     (optprobe.Field: what _redirect() points its relocation at).  unwind: (orc.Entries, the
     module's entries) to give the detour ORC entries (orc.py): the probed function's entry at
@@ -189,7 +110,7 @@ def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> st
     ph = _placeholder(placeholders)
     sec, off = mod.place(site.addr)
     end_sec, end = mod.place(site.region_end - 1)
-    head = OPT_DETOUR_HEAD.replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))
+    head = DETOURS["opt_head"].replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))
     if unwind:
         from . import orc
         entries, table = unwind
@@ -203,7 +124,7 @@ def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> st
         out.append(_copy_s(code, fields, ph))
     if unwind:
         out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
-    out.append(OPT_DETOUR_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
+    out.append(DETOURS["opt_tail"].replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
                                                                                    addend=end + 1 - 4))))
     return "".join(out)
 
@@ -256,7 +177,7 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
     end_sec, end = mod.place(site.addr + len(site.xol.insn.code) - 1)
     out = []
     for name in ss_slots(i, site) or (str(i),):
-        out.append(INT3_SLOT_HEAD.replace("{i}", name))
+        out.append(DETOURS["slot_head"].replace("{i}", name))
         if unwind:
             from . import orc
             entries, table = unwind
@@ -266,8 +187,8 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
         if unwind:
             out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
         if traps_after(site):
-            out.append(INT3_SS_END.replace("{i}", name))
-        out.append(INT3_SLOT_TAIL.replace("{i}", name).replace("{back}", ph(Field(0, 4, end_sec.name,
+            out.append(DETOURS["slot_ss_end"].replace("{i}", name))
+        out.append(DETOURS["slot_tail"].replace("{i}", name).replace("{back}", ph(Field(0, 4, end_sec.name,
                                                                                   addend=end + 1 - 4))))
     return "".join(out)
 
@@ -912,53 +833,7 @@ def event_calls_c(traces: dict, layout: list) -> str:
 
 
 # The module's side of its event calls (event_calls_c()).
-MODULE_EVENTS_C = r"""
-/* The trace_event_class's raw_init, from the module loader's trace notifier (process
- * context, before the module's init): the event, its fields' total, print_fmt and the
- * array fields' types (before define_fields reads them), then the output type
- * (trace_event_raw_init(): register_trace_event()). */
-static int kp_module_raw_init(void *call)
-{
-	struct kp_trace_type *t = call;
-	unsigned int i = (unsigned int)(t - kp_module_types);
-	if (i >= KP_NCALLS || i >= kp_ntrace_events)
-		return -22;
-	const struct kp_trace_event *ev = kp_trace_events[i];
-	unsigned int fixed = 0;
-	for (unsigned int k = 0; k < ev->nargs; k++) {
-		const struct kp_probe_arg *a = &ev->args[k];
-		fixed += kp_arg_field_size(a) * (a->count ? a->count : 1);
-	}
-	t->fixed = fixed;
-	kp_trace_names(ev, kp_module_names[i], kp_module_names_size[i], kp_module_arrays[i]);
-	t->types = kp_module_arrays[i];
-	*(char **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PRINT_FMT]) = kp_module_names[i];
-	t->ev = ev;
-	return trace_event_raw_init(call);
-}
-
-/* From the module's init, the calls registered: each event with an output type written
- * through its trace_event_files from now on, and enabled in the top instance (as a kernel
- * image's events are); an event the notifier did not register (a module with a bad taint)
- * writes trace_printk() lines. */
-void kp_module_trace_init(void)
-{
-	kp_trace_event_at = kp_kernel_trace[KP_TR_CALL_EVENT];
-	kp_trace_calls = 1;
-	for (unsigned int i = 0; i < KP_NCALLS; i++) {
-		struct kp_trace_type *t = &kp_module_types[i];
-		int type = *(int *)((char *)t->call + kp_kernel_trace[KP_TR_CALL_EVENT] + kp_kernel_trace[KP_TR_EVENT_TYPE]);
-		if (type <= 0 || !t->ev)
-			continue;
-		t->type = (unsigned int)type;
-		__atomic_store_n(&t->live, 1, __ATOMIC_RELEASE);
-		int ret = trace_set_clr_event("kprobes", t->ev->name, 1);
-		if (ret)
-			_printk(KP_KERN_ERR "kprewrite: trace event %s: not enabled (%d)\n", t->ev->name, ret);
-	}
-	__atomic_store_n(&kp_trace_types, kp_module_types, __ATOMIC_RELEASE);
-}
-"""
+MODULE_EVENTS_C = module_source("platform/linux_module/kp_module_event_calls.c")
 
 
 # The runtime's generic pieces a module's trace events use (runtime/; the platform's in
@@ -997,7 +872,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     unwind = (orc.Entries(fmt), own) if own is not None else None
 
     def ftrace_detour(i):
-        text = DETOUR_S.replace("{i}", str(i))
+        text = DETOURS["ftrace"].replace("{i}", str(i))
         if not unwind:
             return text
         # the return address into the probed function right above the CFA all along
