@@ -8,13 +8,14 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
 - the call's relocation points at the probe's detour instead of __fentry__, and its
   __mcount_loc entry is dropped (its relocation made R_X86_64_NONE: the entry stays 0,
   which ftrace_process_locs() skips), so ftrace never sees the site;
-- the detour (kp_detours.S) builds a struct pt_regs as kprobe_ftrace_handler() does
+- the detour (kp_detours.S, from runtime/arch/x86_64/linux_module/kp_module_detours.S) builds a struct pt_regs as kprobe_ftrace_handler() does
   (ip the probed address + 1), calls the probe's dispatch, restores the registers (a
   handler's changes to them included) and returns to the function through
   __x86_return_thunk, or, when the pre_handler returned 1, to the regs->ip it set (a
   change of regs->sp is not applied);
-- the dispatch (kp_module.c) counts the hit and calls the pre- and post-handlers
-  directly (no indirect call), while the probes are armed;
+- the dispatch (runtime/platform/linux_module/kp_module_runtime.c, on the probes' facts
+  runtime_c() generates as macros in kp_module.c) counts the hit and calls the pre- and
+  post-handlers directly (no indirect call), while the probes are armed;
 - `struct module`'s init and exit (the relocations of .gnu.linkonce.this_module against
   init_module and cleanup_module) are redirected to kp_module_init, which arms the
   probes and chains to the module's own init, and kp_module_exit, which chains to the
@@ -28,7 +29,7 @@ by its return-address slot.  A kprobe inside a function is an optimized (jump) p
 relocations carried (optprobe.py; opt_detour(), _redirect()).  Where no jump can go (or
 with a post_handler, which the kernel never optimizes), a breakpoint probe: an int3 at the
 site, taken by the module's own die notifier (DIE_INT3, registered first thing in
-kp_module_init(); _int3_c()), the instruction run from a slot in the module's code
+kp_module_init(); kp_module_int3.c), the instruction run from a slot in the module's code
 (int3_slot(): its copy carrying its relocations, then a jump back, or an int3 where the
 kernel would single-step).  A kretprobe's entry may be any of these.  What cannot be placed
 is refused with one line.
@@ -40,7 +41,7 @@ trampoline per instruction.
 
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
 kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
-own event call (event_calls_c()), else their lines are written to the ftrace ring buffer
+own event call (kp_module_event_calls.c), else their lines are written to the ftrace ring buffer
 as trace_printk() writes them.  The kernel symbols our code calls that the module did not
 get their CRCs from the kernel's Module.symvers (symvers.py) in extra __versions entries;
 with them, handlers run with preemption disabled and a hit during one of ours is missed
@@ -64,8 +65,9 @@ from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODU
 
 
 def module_source(rel: str) -> str:
-    """A fixed part of the module's generated runtime, kept as a source file under runtime/
-    (its first comment says what it is; the text after it is what is pasted in)."""
+    """A source file under runtime/ the writer reads as text (the kretprobe trampoline, which
+    it annotates with ORC entries): its first comment says what it is; the text after it is
+    what is read."""
     from ....link.runtime import RUNTIME_DIR
     return (RUNTIME_DIR / rel).read_text().split("*/\n", 1)[1]
 
