@@ -9,8 +9,9 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
   __mcount_loc entry is dropped (its relocation made R_X86_64_NONE: the entry stays 0,
   which ftrace_process_locs() skips), so ftrace never sees the site;
 - the detour (kp_detours.S, from runtime/arch/x86_64/linux_module/kp_module_detours.S)
-  builds a struct pt_regs as kprobe_ftrace_handler() does (ip the probed address + 1), calls the probe's dispatch, restores the registers (a
-  handler's changes to them included) and returns to the function through
+  builds a struct pt_regs as kprobe_ftrace_handler() does (ip the probed address + 1),
+  calls the probe's dispatch, restores the registers (a handler's changes to them
+  included) and returns to the function through
   __x86_return_thunk, or, when the pre_handler returned 1, to the regs->ip it set (a
   change of regs->sp is not applied);
 - the dispatch (runtime/platform/linux_module/kp_module_runtime.c, on the probes' facts
