@@ -1,8 +1,6 @@
 /*
- * The start of every module's generated runtime (x86_64/writer.py's runtime_c()): the handler API, the kernel's
+ * The start of a module's runtime (kp_module_runtime.c includes it first): the handler API, the kernel's
  * exported printk under the handlers' printk().
- * Read as text by rewriter/targets/linux_module/x86_64/writer.py (module_source()), from the line after
- * this comment; not compiled alone.
  */
 
 #include <kprewrite/kprobes.h>

@@ -1,7 +1,6 @@
 /*
- * A module's kretprobe instances: a free one claimed for a hit (runtime_c() adds it after the pools it names).
- * Read as text by rewriter/targets/linux_module/x86_64/writer.py (module_source()), from the line after
- * this comment; not compiled alone.
+ * A module's kretprobe instances: a free one claimed for a hit (kp_module_runtime.c includes it after the
+ * pools it names).
  */
 
 extern char kp_kret_trampoline[];

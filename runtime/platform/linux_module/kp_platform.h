@@ -5,8 +5,9 @@
  * (rewriter/targets/linux_module/x86_64/writer.py) and relocated by the module
  * loader, so the kernel is reached through its exported symbols only (each with
  * the CRC the kernel's Module.symvers gives it, added to the module's __versions).
- * The probes, detours and dispatch are generated per module (writer.py), not
- * kp_core.c's: nothing of the thread tables below is used.
+ * The probes, detours and dispatch are the module's own (kp_module_runtime.c, on
+ * the probes' facts writer.py generates), not kp_core.c's: nothing of the thread
+ * tables below is used.
  */
 #ifndef _KP_PLATFORM_H
 #define _KP_PLATFORM_H
@@ -98,7 +99,7 @@ int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long l
 #ifdef KP_MODULE_EVENTS
 /* With the kernel's BTF (rewriter/targets/linux_module/kernel_btf.py): each event is the
  * kernel's own event call, registered from the module's _ftrace_events by the module
- * loader (writer.py's event_calls_c(), on the kernel image's kp_trace_buffer.c): a hit's
+ * loader (kp_module_event_calls.c, on the kernel image's kp_trace_buffer.c): a hit's
  * record goes into each instance that has the event enabled, 1 when it was taken or
  * dropped as the kernel drops its own, 0 when the event has no call (then the line is
  * written as above); nothing is fetched while every instance has it disabled. */

@@ -3,7 +3,7 @@
  * hit's line goes to the ftrace ring buffer as trace_printk() writes it, when the
  * event has no trace_event_call of its own (without the kernel's BTF, whose layouts
  * it needs; with it, the event calls are the kernel image's kp_trace_buffer.c,
- * built for the module by writer.py's event_calls_c()).
+ * built for the module with kp_module_event_calls.c).
  */
 #include "kp_internal.h"
 

@@ -8,13 +8,15 @@ the loader would turn into a nop; KPROBE_FLAG_FTRACE's place):
 - the call's relocation points at the probe's detour instead of __fentry__, and its
   __mcount_loc entry is dropped (its relocation made R_X86_64_NONE: the entry stays 0,
   which ftrace_process_locs() skips), so ftrace never sees the site;
-- the detour (kp_detours.S) builds a struct pt_regs as kprobe_ftrace_handler() does
-  (ip the probed address + 1), calls the probe's dispatch, restores the registers (a
-  handler's changes to them included) and returns to the function through
+- the detour (kp_detours.S, from runtime/arch/x86_64/linux_module/kp_module_detours.S)
+  builds a struct pt_regs as kprobe_ftrace_handler() does (ip the probed address + 1),
+  calls the probe's dispatch, restores the registers (a handler's changes to them
+  included) and returns to the function through
   __x86_return_thunk, or, when the pre_handler returned 1, to the regs->ip it set (a
   change of regs->sp is not applied);
-- the dispatch (kp_module.c) counts the hit and calls the pre- and post-handlers
-  directly (no indirect call), while the probes are armed;
+- the dispatch (runtime/platform/linux_module/kp_module_runtime.c, on the probes' facts
+  runtime_c() generates as macros in kp_module.c) counts the hit and calls the pre- and
+  post-handlers directly (no indirect call), while the probes are armed;
 - `struct module`'s init and exit (the relocations of .gnu.linkonce.this_module against
   init_module and cleanup_module) are redirected to kp_module_init, which arms the
   probes and chains to the module's own init, and kp_module_exit, which chains to the
@@ -28,7 +30,7 @@ by its return-address slot.  A kprobe inside a function is an optimized (jump) p
 relocations carried (optprobe.py; opt_detour(), _redirect()).  Where no jump can go (or
 with a post_handler, which the kernel never optimizes), a breakpoint probe: an int3 at the
 site, taken by the module's own die notifier (DIE_INT3, registered first thing in
-kp_module_init(); _int3_c()), the instruction run from a slot in the module's code
+kp_module_init(); kp_module_int3.c), the instruction run from a slot in the module's code
 (int3_slot(): its copy carrying its relocations, then a jump back, or an int3 where the
 kernel would single-step).  A kretprobe's entry may be any of these.  What cannot be placed
 is refused with one line.
@@ -40,7 +42,7 @@ trampoline per instruction.
 
 Trace events (`events` lines, `fetch`) are the runtime's fetch programs (kp_fetch.c,
 kp_trace.c on runtime/platform/linux_module); with the kernel's BTF each is the kernel's
-own event call (event_calls_c()), else their lines are written to the ftrace ring buffer
+own event call (kp_module_event_calls.c), else their lines are written to the ftrace ring buffer
 as trace_printk() writes them.  The kernel symbols our code calls that the module did not
 get their CRCs from the kernel's Module.symvers (symvers.py) in extra __versions entries;
 with them, handlers run with preemption disabled and a hit during one of ours is missed
@@ -64,122 +66,33 @@ from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODU
 
 
 def module_source(rel: str) -> str:
-    """A fixed part of the module's generated runtime, kept as a source file under runtime/
-    (its first comment says what it is; the text after it is what is pasted in)."""
+    """A source file under runtime/ the writer reads as text (the kretprobe trampoline, which
+    it annotates with ORC entries): its first comment says what it is; the text after it is
+    what is read."""
     from ....link.runtime import RUNTIME_DIR
     return (RUNTIME_DIR / rel).read_text().split("*/\n", 1)[1]
 
 
 R_X86_64_NONE = 0
 
-DETOUR_S = r"""
-	.section .text.kprewrite,"ax",@progbits
-	.globl kp_detour_{i}
-	.type kp_detour_{i},@function
-kp_detour_{i}:
-	sub $0x28, %rsp			/* ip, cs, flags, sp, ss */
-	pushq $-1			/* orig_ax */
-	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
-	push %r8; push %r9; push %r10; push %r11
-	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
-	mov 0xa8(%rsp), %rax		/* the return address: the probed address + 5 */
-	sub $4, %rax			/* ip: after the (virtual) int3, as the kernel's ftrace kprobes */
-	mov %rax, 0x80(%rsp)
-	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
-	pushfq
-	pop %rax
-	mov %rax, 0x90(%rsp)
-	lea 0xb0(%rsp), %rax		/* sp at the probed address */
-	mov %rax, 0x98(%rsp)
-	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
-	mov %rsp, %rdi
-	call kp_dispatch_{i}
-	test %rax, %rax			/* a pre_handler that returned 1 chose where to resume */
-	jz 1f
-	mov %rax, 0xa8(%rsp)
-1:	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
-	pop %r11; pop %r10; pop %r9; pop %r8
-	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
-	add $0x30, %rsp
-	jmp __x86_return_thunk
-	.size kp_detour_{i}, .-kp_detour_{i}
-"""
 
-# An optimized (jump) probe's detour, entered by the `jmp` at the probed address (no
-# return address on the stack; the probed code's flags live): arch/x86/kernel/kprobes/
-# opt.c's optprobe_template: pt_regs built with ip the probed address + 1 (as
-# optimized_callback() sets it) and the flags saved first, the dispatch called, every
-# register restored (a handler's changes to them kept, as the kernel's; a pre_handler's
-# return value ignored, as opt_pre_handler() does), then the region's copy and the jump
-# back to the region's end.  {site} and {back} are placeholder references (optprobe.py).
-OPT_DETOUR_HEAD = r"""
-	.section .text.kprewrite,"ax",@progbits
-	.globl kp_detour_{i}
-	.type kp_detour_{i},@function
-kp_detour_{i}:
-	lea -0x10(%rsp), %rsp		/* ss, sp: no flags changed before they are saved */
-	pushfq
-	lea -0x10(%rsp), %rsp		/* cs, ip */
-	pushq $-1			/* orig_ax */
-	push %rdi; push %rsi; push %rdx; push %rcx; push %rax
-	push %r8; push %r9; push %r10; push %r11
-	push %rbx; push %rbp; push %r12; push %r13; push %r14; push %r15
-	.byte 0x48, 0x8d, 0x05		/* lea <the probed address + 1>(%rip), %rax */
-	.long {site} - .
-	mov %rax, 0x80(%rsp)
-	movq $0x10, 0x88(%rsp)		/* __KERNEL_CS */
-	lea 0xa8(%rsp), %rax		/* sp at the probed address */
-	mov %rax, 0x98(%rsp)
-	movq $0x18, 0xa0(%rsp)		/* __KERNEL_DS */
-	mov %rsp, %rdi
-	call kp_dispatch_{i}
-	pop %r15; pop %r14; pop %r13; pop %r12; pop %rbp; pop %rbx
-	pop %r11; pop %r10; pop %r9; pop %r8
-	pop %rax; pop %rcx; pop %rdx; pop %rsi; pop %rdi
-	lea 0x18(%rsp), %rsp		/* orig_ax, ip, cs */
-	popfq
-	lea 0x10(%rsp), %rsp		/* sp, ss */
-"""
-OPT_DETOUR_TAIL = r"""	.byte 0xe9			/* jmp <the region's end> */
-	.long {back} - .
-	.size kp_detour_{i}, .-kp_detour_{i}
-"""
+def module_parts(rel: str) -> dict[str, str]:
+    """A source file of templates under runtime/, by parts: each part's text follows its line
+    `/* @NAME */` (the file's first comment says what they are)."""
+    from ....link.runtime import RUNTIME_DIR
+    parts = re.split(r"^/\* @(\w+) \*/\n", (RUNTIME_DIR / rel).read_text().split("*/\n", 1)[1], flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+# The detours' and slots' templates: ftrace, opt_head, opt_tail, slot_head, slot_ss_end, slot_tail.
+DETOURS = module_parts("arch/x86_64/linux_module/kp_module_detours.S")
 PLACEHOLDER = "kp_ph_"
 
-# A breakpoint site's slot (int3_slot()): the copy, [an int3,] the jump back.
-INT3_SLOT_HEAD = r"""
-	.section .text.kprewrite,"ax",@progbits
-	.globl kp_slot_{i}
-	.hidden kp_slot_{i}
-	.type kp_slot_{i},@function
-kp_slot_{i}:
-"""
-INT3_SS_END = r"""	.globl kp_ss_{i}
-	.hidden kp_ss_{i}
-kp_ss_{i}:
-	int3				/* the single-step's end: kp_int3_notify() resumes after the original */
-"""
-INT3_SLOT_TAIL = r"""	.byte 0xe9			/* jmp <the next instruction> */
-	.long {back} - .
-	.size kp_slot_{i}, .-kp_slot_{i}
-"""
 
-
-RUNTIME_C = module_source("platform/linux_module/kp_module_head.c")
-
-
-# With the kernel's CRCs at hand (Module.symvers), handlers run as the kernel's kprobe handlers
-# do (kprobe_ftrace_handler()): preemption disabled, and a hit while a handler of this module
-# runs on the CPU (kprobe_running()) is missed: nmissed counted, no handler run.
-PREEMPT_C = module_source("arch/x86_64/linux_module/kp_module_preempt.c")
-
-# Without them (no Module.symvers): only what the module imports already; handlers run as the
-# detour enters them, preemptible, and no hit is missed.
-NO_PREEMPT_C = module_source("arch/x86_64/linux_module/kp_module_no_preempt.c")
 
 
 def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str:
-    """The optimized detour of site i (OPT_DETOUR_HEAD, the region's copies, OPT_DETOUR_TAIL),
+    """The optimized detour of site i (DETOURS' opt_head, the region's copies, opt_tail),
     each relocated field a reference to a new placeholder: placeholders[name] = Field
     (optprobe.Field: what _redirect() points its relocation at).  unwind: (orc.Entries, the
     module's entries) to give the detour ORC entries (orc.py): the probed function's entry at
@@ -189,7 +102,7 @@ def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> st
     ph = _placeholder(placeholders)
     sec, off = mod.place(site.addr)
     end_sec, end = mod.place(site.region_end - 1)
-    head = OPT_DETOUR_HEAD.replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))
+    head = DETOURS["opt_head"].replace("{i}", str(i)).replace("{site}", ph(Field(0, 4, sec.name, addend=off + 1 - 4)))
     if unwind:
         from . import orc
         entries, table = unwind
@@ -203,7 +116,7 @@ def opt_detour(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> st
         out.append(_copy_s(code, fields, ph))
     if unwind:
         out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
-    out.append(OPT_DETOUR_TAIL.replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
+    out.append(DETOURS["opt_tail"].replace("{i}", str(i)).replace("{back}", ph(Field(0, 4, end_sec.name,
                                                                                    addend=end + 1 - 4))))
     return "".join(out)
 
@@ -256,7 +169,7 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
     end_sec, end = mod.place(site.addr + len(site.xol.insn.code) - 1)
     out = []
     for name in ss_slots(i, site) or (str(i),):
-        out.append(INT3_SLOT_HEAD.replace("{i}", name))
+        out.append(DETOURS["slot_head"].replace("{i}", name))
         if unwind:
             from . import orc
             entries, table = unwind
@@ -266,8 +179,8 @@ def int3_slot(i: int, site, mod, relocs, placeholders: dict, unwind=None) -> str
         if unwind:
             out.append(entries.at(orc.entry_at(table, end_sec.name, end + 1)))
         if traps_after(site):
-            out.append(INT3_SS_END.replace("{i}", name))
-        out.append(INT3_SLOT_TAIL.replace("{i}", name).replace("{back}", ph(Field(0, 4, end_sec.name,
+            out.append(DETOURS["slot_ss_end"].replace("{i}", name))
+        out.append(DETOURS["slot_tail"].replace("{i}", name).replace("{back}", ph(Field(0, 4, end_sec.name,
                                                                                   addend=end + 1 - 4))))
     return "".join(out)
 
@@ -349,150 +262,89 @@ def _sites(plan) -> list:
     return [by[a] for a in sorted(by)]
 
 
-def _preempt_c(symvers: dict | None) -> str:
-    """PREEMPT_C with the kernel's way to reschedule: its PREEMPT_DYNAMIC static call, else its
-    thunk, else none (a kernel without CONFIG_PREEMPTION exports neither)."""
-    resched = next((n for n in ("__SCT__preempt_schedule", "preempt_schedule_thunk") if n in (symvers or {})), None)
-    return (f'#define KP_RESCHED "{resched}"\n' if resched else "") + PREEMPT_C
+def _resched(symvers: dict | None) -> str | None:
+    """The kernel's way to reschedule after a handler (kp_module_preempt.c's KP_RESCHED): its
+    PREEMPT_DYNAMIC static call, else its thunk, else none (a kernel without CONFIG_PREEMPTION
+    exports neither)."""
+    return next((n for n in ("__SCT__preempt_schedule", "preempt_schedule_thunk") if n in (symvers or {})), None)
 
 
 # struct kprobe's flags by the site's decision (a breakpoint's: none).
 _KPROBE_FLAGS = {FTRACE: "KPROBE_FLAG_FTRACE", OPTIMIZED: "KPROBE_FLAG_OPTIMIZED"}
 
 
+def _define(name: str, items: list[str]) -> str:
+    """A macro of a list, one item a line."""
+    return f"#define {name}" + "".join(f" \\\n\t{x}" for x in items)
+
+
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict | None = None,
               debugfs: bool = False, symvers: dict | None = None, event_calls: bool = False,
               place=None) -> str:
-    """The module's runtime: probe structures, the dispatch of each site, the kretprobe
-    entry and return, init and exit.  traces: the trace events (events.trace_key ->
-    TraceEvent) whose kp_trace_pre_<key>/kp_trace_ret_<key> (events.trace_c(), in
-    kp_events.c) run in place of the user's handler and call it; debugfs: each probe's
-    counters as files while the module is loaded; place: an address's section name (the
-    breakpoint sites' runs, int3_runs())."""
+    """The module's kp_module.c: the probes' facts as macros (names, numbers, the handlers each
+    site calls, by its decision), for the fixed runtime it includes last,
+    runtime/platform/linux_module/kp_module_runtime.c (its first comment names the macros):
+    probe structures, the dispatch of each site, the kretprobe entry and return, init and exit.
+    traces: the trace events (events.trace_key -> TraceEvent) whose
+    kp_trace_pre_<key>/kp_trace_ret_<key> (events.trace_c(), in kp_events.c) run in place of
+    the user's handler and call it; debugfs: with the kernel's CRCs (each probe's counters as
+    files while the module is loaded, handlers with preemption off); place: an address's
+    section name (the breakpoint sites' runs, int3_runs())."""
     from ....probes.events import trace_key
     traces = traces or {}
-    out = [RUNTIME_C, _preempt_c(symvers) if debugfs else NO_PREEMPT_C]
+    out = ["/* A module's probes, for kp_module_runtime.c (generated by kprewrite: writer.py's runtime_c()). */",
+           f'#define KP_MODULE_NAME "{module}"']
+    if debugfs:
+        out.append("#define KP_MODULE_CRCS 1")
+        resched = _resched(symvers)
+        if resched:
+            out.append(f'#define KP_RESCHED "{resched}"')
+    if event_calls:
+        out.append("#define KP_MODULE_EVENT_CALLS 1")
     kps = [p for _, p in plan.kprobes]
     krs = [ep for _, ep, _ in plan.kretprobes]
     kr_flags = [_KPROBE_FLAGS.get(site.decision, "0") for site, _, _ in plan.kretprobes]
-    declared = set()
+    out += [f"#define KP_NK {len(kps)}", f"#define KP_NK_SLOTS {max(len(kps), 1)}",
+            f"#define KP_NR {len(krs)}", f"#define KP_NR_SLOTS {max(len(krs), 1)}"]
+    externs, declared = [], set()
     for key in sorted(traces, key=str):
         if traces[key].is_return:
-            out.append(f"extern int kp_trace_ret_{key}(struct kretprobe_instance *, struct pt_regs *);")
+            externs.append(f"KP_EXTERN_KRET(kp_trace_ret_{key})")
         else:
-            out.append(f"extern int kp_trace_pre_{key}(struct kprobe *, struct pt_regs *);")
+            externs.append(f"KP_EXTERN_PRE(kp_trace_pre_{key})")
 
-    def declare(h, proto):
+    def declare(h, kind):
         if h and handler_symbols[h] not in declared:
             declared.add(handler_symbols[h])
-            out.append(f"extern {proto.format(handler_symbols[h])};")
+            externs.append(f"KP_EXTERN_{kind}({handler_symbols[h]})")
     for p in kps:
-        declare(p.spec.pre_handler, "int {}(struct kprobe *, struct pt_regs *)")
-        declare(p.spec.post_handler, "void {}(struct kprobe *, struct pt_regs *, unsigned long)")
+        declare(p.spec.pre_handler, "PRE")
+        declare(p.spec.post_handler, "POST")
     for ep in krs:
-        declare(ep.kret.handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
-        declare(ep.kret.entry_handler, "int {}(struct kretprobe_instance *, struct pt_regs *)")
-    out.append(f"static struct kprobe kp_probes[{max(len(kps), 1)}] = {{")
-    for site, p in plan.kprobes:
-        flag = _KPROBE_FLAGS.get(site.decision, "0")
-        out.append(f"\t{{ .symbol_name = {_c_string(p.symbol)}, .offset = {p.offset}, "
-                   f".flags = {flag}, .name = {_c_string(p.event_name)}, .index = {p.index} }},")
-    out.append("};")
-    out.append(f"static unsigned long kp_hits[{max(len(kps), 1)}];")
-    # kretprobes: a pool of maxactive instances each, claimed atomically; an instance is found
-    # again at return by its return-address slot (ri->fp), unique while the call lives.
-    out.append(f"static struct kretprobe kp_kretprobes[{max(len(krs), 1)}] = {{")
-    for ep, flag in zip(krs, kr_flags):
-        out.append(f"\t{{ .kp = {{ .symbol_name = {_c_string(ep.symbol)}, .offset = {ep.offset}, "
-                   f".flags = {flag}, .name = {_c_string(ep.event_name)}, .index = {ep.index} }}, "
-                   f".maxactive = {ep.kret.maxactive or 16}, .data_size = {ep.kret.data_size} }},")
-    out.append("};")
-    out.append(f"static unsigned long kp_kret_hits[{max(len(krs), 1)}], kp_kret_returns[{max(len(krs), 1)}];")
-    for j, ep in enumerate(krs):
-        stride = (32 + ep.kret.data_size + 7) // 8 * 8
-        out.append(f"static char kp_pool_{j}[{(ep.kret.maxactive or 16) * stride}] __attribute__((aligned(8)));")
-    out.append(f"static const unsigned int kp_stride[{max(len(krs), 1)}] = "
-               f"{{ {', '.join(str((32 + ep.kret.data_size + 7) // 8 * 8) for ep in krs) or '0'} }};")
-    out.append(f"static char *const kp_pools[{max(len(krs), 1)}] = "
-               f"{{ {', '.join(f'kp_pool_{j}' for j in range(len(krs))) or '0'} }};")
-    # The instances one return can find: at most one per kretprobe (a recursive call has a slot of its own).
-    out.append(f"#define KP_KRET_FRAME {max(len(krs), 1)}")
-    out.append(KRET_C)
+        declare(ep.kret.handler, "KRET")
+        declare(ep.kret.entry_handler, "KRET")
+    out.append(_define("KP_EXTERNS", externs))
+    out.append(_define("KP_PROBES", [
+        f"KP_PROBE({_c_string(p.symbol)}, {p.offset}, {_KPROBE_FLAGS.get(site.decision, '0')}, "
+        f"{_c_string(p.event_name)}, {p.index})" for site, p in plan.kprobes]))
+    # kretprobes: a pool of maxactive instances each, of stride bytes (the instance, then data_size).
+    strides = [(32 + ep.kret.data_size + 7) // 8 * 8 for ep in krs]
+    out.append(_define("KP_KRETPROBES", [
+        f"KP_KRETPROBE({_c_string(ep.symbol)}, {ep.offset}, {flag}, {_c_string(ep.event_name)}, {ep.index}, "
+        f"{ep.kret.maxactive or 16}, {ep.kret.data_size})" for ep, flag in zip(krs, kr_flags)]))
+    out.append(_define("KP_POOLS", [f"KP_POOL({j}, {(ep.kret.maxactive or 16) * st})"
+                                    for j, (ep, st) in enumerate(zip(krs, strides))]))
+    out.append(f"#define KP_STRIDES {', '.join(map(str, strides)) or '0'}")
+    out.append(f"#define KP_POOL_NAMES {', '.join(f'kp_pool_{j}' for j in range(len(krs))) or '0'}")
+    kret = []
     for j, ep in enumerate(krs):
         h = handler_symbols.get(ep.kret.handler) if ep.kret.handler else None
         if trace_key(ep) in traces:         # the event's return handler, which calls the user's
             h = f"kp_trace_ret_{trace_key(ep)}"
         eh = handler_symbols.get(ep.kret.entry_handler) if ep.kret.entry_handler else None
-        out.append(f"""
-static void kp_kret_entry_{j}(struct pt_regs *regs)
-{{
-	struct kretprobe *rp = &kp_kretprobes[{j}];
-	struct kretprobe_instance *ri = kp_claim({j});
-	unsigned long *slot = (unsigned long *)regs->sp;
-	__atomic_fetch_add(&kp_kret_hits[{j}], 1, __ATOMIC_RELAXED);
-	if (!ri) {{
-		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);
-		return;
-	}}
-	if (!rp->kp.addr)
-		rp->kp.addr = (kprobe_opcode_t *)(regs->ip - 1);
-	ri->fp = slot;
-	ri->ret_addr = (kprobe_opcode_t *)*slot;
-	{f"if ({eh}(ri, regs)) {{ __atomic_store_n(&ri->kp_state, 0, __ATOMIC_RELEASE); return; }}" if eh else ""}
-	/* Found at return only once filled: a return elsewhere never meets a stale fp. */
-	__atomic_store_n(&ri->kp_state, 1, __ATOMIC_RELEASE);
-	*slot = (unsigned long)kp_kret_trampoline;
-}}
-
-static void kp_kret_handler_{j}(struct kretprobe_instance *ri, struct pt_regs *regs)
-{{
-	__atomic_fetch_add(&kp_kret_returns[{j}], 1, __ATOMIC_RELAXED);
-	{f"{h}(ri, regs);" if h else ""}
-}}""")
-    # At return: every instance of this frame (one per kretprobe on the function, as rethook
-    # keeps one per kretprobe), the real return address the one that is not the trampoline
-    # (the others were taken after the first swap).
-    out.append("""
-unsigned long kp_kret_return(struct pt_regs *regs)
-{
-	void *slot = (void *)(regs->sp - 8);
-	struct kretprobe_instance *found[KP_KRET_FRAME];
-	unsigned int kind[KP_KRET_FRAME];
-	unsigned int j, i, n = 0;
-	unsigned long ret = 0;
-	int entered;
-	for (j = 0; j < sizeof(kp_kretprobes) / sizeof(kp_kretprobes[0]); j++) {
-		struct kretprobe *rp = &kp_kretprobes[j];
-		for (i = 0; i < (unsigned int)rp->maxactive && kp_stride[j] && n < KP_KRET_FRAME; i++) {
-			struct kretprobe_instance *ri = (void *)(kp_pools[j] + i * kp_stride[j]);
-			if (__atomic_load_n(&ri->kp_state, __ATOMIC_ACQUIRE) != 1 || ri->fp != slot)
-				continue;
-			if ((unsigned long)ri->ret_addr != (unsigned long)kp_kret_trampoline)
-				ret = (unsigned long)ri->ret_addr;
-			found[n] = ri;
-			kind[n++] = j;
-		}
-	}
-	if (!ret) {
-		_printk("\\0010kprewrite: a return through the trampoline without an instance\\n");
-		return 0;
-	}
-	regs->ip = ret;
-	entered = kp_enter();		/* 0: a handler of ours runs on this CPU: missed */
-	for (i = 0; i < n; i++) {
-		found[i]->ret_addr = (kprobe_opcode_t *)ret;
-		if (!entered)
-			__atomic_fetch_add(&kp_kretprobes[kind[i]].nmissed, 1, __ATOMIC_RELAXED);
-		else switch (kind[i]) {""")
-    for j in range(len(krs)):
-        out.append(f"\t\tcase {j}: kp_kret_handler_{j}(found[i], regs); break;")
-    out.append("""		}
-		__atomic_store_n(&found[i]->kp_state, 0, __ATOMIC_RELEASE);
-	}
-	if (entered)
-		kp_leave();
-	return ret;
-}""")
+        kret.append(f"X({j}, {f'KP_KRET_ENTRY_HANDLER({eh})' if eh else ''}, {f'KP_KRET_HANDLER({h})' if h else ''})")
+    out.append(_define("KP_KRET_LIST(X)", kret))
+    dispatches = []
     for n, (site, ks, rs) in enumerate(_sites(plan)):
         body = []
         for i in ks:
@@ -501,163 +353,62 @@ unsigned long kp_kret_return(struct pt_regs *regs)
             if trace_key(p) in traces:      # the event's pre_handler, which calls the user's
                 pre = f"kp_trace_pre_{trace_key(p)}"
             post = handler_symbols.get(p.spec.post_handler) if p.spec.post_handler else None
-            if site.decision == OPTIMIZED:      # opt_pre_handler(): its return value ignored
-                run = f"{pre}(p, regs);" if pre else ""
+            if site.decision == OPTIMIZED:
+                run = f"KP_RUN_OPTIMIZED({pre})" if pre else ""
             elif site.decision == BREAKPOINT:
-                # kprobe_int3_handler(): a pre_handler that returned 1 and moved regs->ip resumes
-                # there (no copy, no post_handler); else the slot runs the instruction, and a
-                # post_handler runs at the trap after it (kp_post_N()).
-                run = (f"if ({pre}(p, regs) && regs->ip != (unsigned long)p->addr + 1) {{ r = regs->ip; goto out; }}"
-                       if pre else "")
+                run = f"KP_RUN_INT3({pre})" if pre else ""
             else:
-                run = (f"{f'if ({pre}(p, regs)) {{ r = regs->ip; goto out; }}' if pre else ''}\n"
-                       f"\t\t\tregs->ip = (unsigned long)p->addr + 5;\n"
-                       f"\t\t\t{f'{post}(p, regs, 0);' if post else ''}\n"
-                       f"\t\t\tregs->ip = (unsigned long)p->addr + 1;")
-            body.append(f"""	{{
-		struct kprobe *p = &kp_probes[{i}];
-		if (!(p->flags & KPROBE_FLAG_DISABLED)) {{
-			__atomic_fetch_add(&kp_hits[{i}], 1, __ATOMIC_RELAXED);
-			if (!p->addr)
-				p->addr = (kprobe_opcode_t *)(regs->ip - 1);
-			{run}
-		}}
-	}}""")
-        for j in rs:
-            body.append(f"\tif (!(kp_kretprobes[{j}].kp.flags & KPROBE_FLAG_DISABLED))\n\t\tkp_kret_entry_{j}(regs);")
-        missed = [f"\tif (!(kp_probes[{i}].flags & KPROBE_FLAG_DISABLED))\n"
-                  f"\t\t__atomic_fetch_add(&kp_probes[{i}].nmissed, 1, __ATOMIC_RELAXED);" for i in ks]
-        missed += [f"\tif (!(kp_kretprobes[{j}].kp.flags & KPROBE_FLAG_DISABLED))\n"
-                   f"\t\t__atomic_fetch_add(&kp_kretprobes[{j}].nmissed, 1, __ATOMIC_RELAXED);" for j in rs]
-        out.append(f"""
-unsigned long kp_dispatch_{n}(struct pt_regs *regs)
-{{
-	unsigned long r = 0;
-	if (!kp_armed)
-		return 0;
-	if (!kp_enter()) {{
-{chr(10).join(missed)}
-		return 0;
-	}}
-{chr(10).join(body)}
-{"out:" if "goto out" in "".join(body) else ""}
-	kp_leave();
-	return r;
-}}""")
+                run = (f"KP_RUN_FTRACE({f'KP_FTRACE_PRE({pre})' if pre else ''}, "
+                       f"{f'KP_FTRACE_POST({post})' if post else ''})")
+            body.append(f"KP_KPROBE({i}, {run})")
+        body += [f"KP_KRET_AT({j})" for j in rs]
+        missed = [f"KP_MISSED_K({i})" for i in ks] + [f"KP_MISSED_R({j})" for j in rs]
+        out_label = "KP_OUT" if any("KP_RUN_INT3" in b or "KP_FTRACE_PRE" in b for b in body) else ""
+        dispatches.append(f"KP_DISPATCH({n}, {' '.join(missed)}, {' '.join(body)}, {out_label})")
+    out.append(_define("KP_SITES", dispatches))
     int3 = [(n, site, ks) for n, (site, ks, _) in enumerate(_sites(plan)) if site.decision == BREAKPOINT]
     if int3:
         sections = [place(site.addr) if place else "" for _, site, _ in int3]
         out.append(_int3_c(int3, kps, handler_symbols, sections))
-    out.append(_init_exit_c(module, len(kps), len(krs), debugfs, event_calls, bool(int3)))
-    return "\n".join(out)
-
-
-# The die notifier's side (kp_int3_notify()): the kernel's types as their layouts, not headers.
-INT3_C = module_source("arch/x86_64/linux_module/kp_module_int3.c")
+    out.append('#include "kp_module_runtime.c"')
+    return "\n".join(out) + "\n"
 
 
 def _int3_c(int3: list, kps: list, handler_symbols: dict, sections: list[str]) -> str:
-    """The breakpoint sites' trap handling, as an out-of-tree module takes an int3: a die
-    notifier (do_int3() calls notify_die(DIE_INT3) once kprobe_int3_handler() has found no
-    kprobe of the kernel's there), which claims (NOTIFY_STOP) the traps at our sites only:
-
-    - at a site (regs->ip its address + 1): the site's dispatch (the pre_handlers, as
-      kprobe_int3_handler() runs them), then regs->ip to the slot, where the copy runs
-      (setup_singlestep()), unless a pre_handler moved regs->ip; a single-stepped copy with
-      interrupts off (IF cleared in regs->flags), from the slot that says whether they were on;
-    - at a slot's closing int3 (kp_ss_N): IF set again if the site's trap came with it
-      (resume_singlestep()), regs->ip to the instruction after the original, then the
-      post_handlers (kprobe_post_process()).
-
-    The trap comes with interrupts off and in NMI-like context (exc_int3()'s
-    irqentry_nmi_enter()), preemption off; a hit inside a handler of ours is missed, its
-    instruction still run from the slot.  The address is looked up by halves in kp_int3_at[]
-    (kp_int3_find(), int3_runs()), its entry's index a case of a switch.  sections: each
-    site's section, in int3's order."""
-    out = [INT3_C]
+    """The breakpoint sites' facts for kp_module_int3.c (its first comment says how their traps
+    are taken): each site's slots, post_handlers and emulated branch, and the notifier's cases,
+    one per kp_int3_at[] entry: a site's trap (the site's k-th), then each closing int3's (the
+    e-th), in int3_runs()' order.  sections: each site's section, in int3's order."""
+    decls, targets = [], []
     for n, site, ks in int3:
         if not emulated(site):
-            out.append(f"extern char kp_slot_{n}[];")
+            decls.append(f"KP_SLOT({n})")
         if len(ss_slots(n, site)) == 2:
-            out.append(f"extern char kp_slot_{n}_irqoff[];")
+            decls.append(f"KP_SLOT_IRQOFF({n})")
         posts = [(i, handler_symbols[kps[i].spec.post_handler]) for i in ks if kps[i].spec.post_handler]
         if posts:
-            calls = "\n".join(f"\tif (!(kp_probes[{i}].flags & KPROBE_FLAG_DISABLED))\n"
-                              f"\t\t{h}(&kp_probes[{i}], regs, 0);" for i, h in posts)
-            out.append(f"""
-/* kprobe_post_process(): after the copy ran, regs->ip at the next instruction. */
-static void kp_post_{n}(struct pt_regs *regs)
-{{
-	if (!kp_armed || !kp_enter())
-		return;
-{calls}
-	kp_leave();
-}}""")
-    body, e = [], len(int3)
+            decls.append(f"KP_POST_FUNC({n}, {' '.join(f'KP_POST_CALL({i}, {h})' for i, h in posts)})")
+    cases, e = [], len(int3)
     for k, (n, site, ks) in enumerate(int3):
         has_post = any(kps[i].spec.post_handler for i in ks)
         if emulated(site):
-            out.append(f"extern const int kp_int3_target_{n};")
-            body.append(f"""	case {k}: {{
-		unsigned long r = kp_dispatch_{n}(regs);
-		if (r) {{
-			regs->ip = r;
-			return KP_NOTIFY_STOP;
-		}}
-		{_emulate_c(site, k, n)}
-		kp_post_{n}(regs);	/* kprobe_post_process(): regs->ip where the branch went */
-		return KP_NOTIFY_STOP;
-	}}""")
+            targets.append(f"KP_TARGET({n})")
+            cases.append(f"KP_CASE_EMULATED({k}, {n}, {_emulate_c(site, k, n)})")
             continue
-        after = f"""
-		regs->ip = kp_int3_addr({k}) + {len(site.xol.insn.code)};
-		{f"kp_post_{n}(regs);" if has_post else ""}
-		return KP_NOTIFY_STOP;"""
+        after = f"KP_AFTER({k}, {len(site.xol.insn.code)}, {f'KP_POST({n})' if has_post else ''})"
         if len(ss_slots(n, site)) < 2:  # boosted, or an IF modifier: the copy runs with IF untouched
-            body.append(f"""	case {k}: {{
-		unsigned long r = kp_dispatch_{n}(regs);
-		regs->ip = r ? r : (unsigned long)kp_slot_{n};
-		return KP_NOTIFY_STOP;
-	}}""")
+            cases.append(f"KP_CASE_SLOT({k}, {n})")
             if traps_after(site):
-                body.append(f"""	case {e}:		/* resume_singlestep() */{after}""")
+                cases.append(f"KP_CASE_RESUME({e}, {after})")
                 e += 1
             continue
-        body.append(f"""	case {k}: {{
-		unsigned long r = kp_dispatch_{n}(regs);
-		if (r)
-			regs->ip = r;
-		else if (regs->flags & KP_X86_EFLAGS_IF) {{	/* setup_singlestep(): nothing preempts the slot */
-			regs->flags &= ~KP_X86_EFLAGS_IF;
-			regs->ip = (unsigned long)kp_slot_{n};
-		}} else
-			regs->ip = (unsigned long)kp_slot_{n}_irqoff;
-		return KP_NOTIFY_STOP;
-	}}""")
-        body.append(f"""	case {e}:		/* resume_singlestep(): kprobe_saved_flags, the slot kp_slot_{n} */
-		regs->flags |= KP_X86_EFLAGS_IF;
-		__attribute__((fallthrough));
-	case {e + 1}:{after}""")
+        cases.append(f"KP_CASE_SS({k}, {n})")
+        cases.append(f"KP_CASE_RESUME_IF({e}, {e + 1}, {after})")
         e += 2
     runs = int3_runs(sections, e - len(int3))
-    out.append(f"""
-static const unsigned int kp_int3_runs[{len(runs)}] = {{ {", ".join(map(str, runs))} }};
-
-static int kp_int3_notify(struct kp_notifier_block *nb, unsigned long val, void *data)
-{{
-	struct pt_regs *regs = ((struct kp_die_args *)data)->regs;
-	(void)nb;
-	if (val != KP_DIE_INT3 || (regs->cs & 3))	/* from user mode: never ours */
-		return KP_NOTIFY_DONE;
-	switch (kp_int3_find(kp_int3_runs, {len(runs)}, regs->ip - 1)) {{
-{chr(10).join(body)}
-	}}
-	return KP_NOTIFY_DONE;
-}}
-
-/* First on the chain: the traps at our sites are ours whoever else listens. */
-static struct kp_notifier_block kp_int3_nb = {{ .notifier_call = kp_int3_notify, .priority = 0x7fffffff }};""")
-    return "\n".join(out)
+    return "\n".join(["#define KP_MODULE_INT3 1", _define("KP_INT3_DECLS", decls), _define("KP_INT3_TARGETS", targets),
+                      f"#define KP_INT3_RUNS {', '.join(map(str, runs))}", f"#define KP_INT3_NRUNS {len(runs)}",
+                      _define("KP_INT3_CASES", cases)])
 
 
 def trap_path(plan, traces: dict | None = None) -> tuple[set[str], list[str]]:
@@ -702,110 +453,18 @@ def nokprobe_s(asm: str, names: tuple[set[str], list[str]]) -> str:
 
 
 def _emulate_c(site, k: int, n: int) -> str:
-    """prepare_emulation()'s branch done in the trap for breakpoint site n (the k-th): a jmp, a
-    jcc on the trap's flags, a call pushing the next instruction's address onto the probed
-    code's stack (int3_emulate_push(): the #BP entry leaves a gap below its frame for it)."""
+    """prepare_emulation()'s branch done in the trap for breakpoint site n (the k-th), as
+    kp_module_int3.c's KP_EMULATE_JMP/JCC/CALL."""
     from ....arch.x86_64.kprobe_xol import K_CALL, K_JCC, K_JMP
     x = site.xol
-    target = f"kp_int3_target(&kp_int3_target_{n})"
-    nxt = f"kp_int3_addr({k}) + {len(x.insn.code)}"
     if x.kind == K_JMP:
-        return f"regs->ip = {target};"
+        return f"KP_EMULATE_JMP({n})"
     if x.kind == K_JCC:
-        return f"regs->ip = kp_cond(regs->flags, {x.cc}) ? {target} : {nxt};"
+        return f"KP_EMULATE_JCC({k}, {n}, {len(x.insn.code)}, {x.cc})"
     if x.kind == K_CALL:
-        return (f"regs->sp -= 8;\n\t\t*(unsigned long *)regs->sp = {nxt};\n"
-                f"\t\tregs->ip = {target};")
+        return f"KP_EMULATE_CALL({k}, {n}, {len(x.insn.code)})"
     raise KprewriteError(f"{site.addr:#x}: no emulation of kind {x.kind} in a module (its rules refuse it)")
 
-
-def _init_exit_c(module: str, nk: int, nr: int, debugfs: bool, event_calls: bool = False,
-                 int3: bool = False) -> str:
-    """kp_module_init/kp_module_exit: arm, chain to the module's own init and exit, disarm and
-    print each probe's counts; with debugfs, /sys/kernel/debug/kprewrite-<module>/<EVENT>/
-    {hits,nmissed} (and a kretprobe's `returns`) while the module is loaded, made with
-    debugfs_create_ulong() (no struct file_operations of ours: its layout is the kernel's)."""
-    mk = rm = ""
-    if debugfs:
-        mk = f"""
-	kp_debugfs = debugfs_create_dir("kprewrite-{module}", 0);
-	if (kp_debugfs_ok(kp_debugfs)) {{
-		for (i = 0; i < {nk}; i++) {{
-			void *d = debugfs_create_dir(kp_probes[i].name, kp_debugfs);
-			debugfs_create_ulong("hits", 0400, d, &kp_hits[i]);
-			debugfs_create_ulong("nmissed", 0400, d, &kp_probes[i].nmissed);
-		}}
-		for (i = 0; i < {nr}; i++) {{
-			void *d = debugfs_create_dir(kp_kretprobes[i].kp.name, kp_debugfs);
-			debugfs_create_ulong("hits", 0400, d, &kp_kret_hits[i]);
-			debugfs_create_ulong("returns", 0400, d, &kp_kret_returns[i]);
-			debugfs_create_u32("nmissed", 0400, d, (unsigned int *)&kp_kretprobes[i].nmissed);
-		}}
-	}}"""
-        rm = """
-	if (kp_debugfs_ok(kp_debugfs))
-		debugfs_remove(kp_debugfs);"""
-    decl = ""
-    if debugfs:
-        decl = """
-/* debugfs (exported to modules): the counters as files, read-only. */
-extern void *debugfs_create_dir(const char *name, void *parent);
-extern void debugfs_create_ulong(const char *name, unsigned short mode, void *parent, unsigned long *value);
-extern void debugfs_create_u32(const char *name, unsigned short mode, void *parent, unsigned int *value);
-extern void debugfs_remove(void *dentry);
-static void *kp_debugfs;
-/* IS_ERR_OR_NULL(): debugfs returns an error pointer when it is off or the name is taken. */
-static int kp_debugfs_ok(void *d)
-{
-	return d && (unsigned long)d < (unsigned long)-4095;
-}
-"""
-    if event_calls:
-        decl += "\nvoid kp_module_trace_init(void);\n"
-    reg = unreg = ""
-    if int3:
-        # The breakpoints are in the module's text from load: the notifier comes first, before
-        # anything of the module's own init runs (nothing else enters the module before it:
-        # the loader gives no other module its symbols while it is COMING), and goes last,
-        # after its exit (unregister_die_notifier() waits for a trap being handled to end).
-        reg = """
-	r = register_die_notifier(&kp_int3_nb);
-	if (r)
-		return r;"""
-        unreg = """
-	unregister_die_notifier(&kp_int3_nb);"""
-    return f"""{decl}
-int kp_module_init(void)
-{{
-	unsigned int i = 0;
-	int r;
-	(void)i;{reg}{mk}
-{"	kp_module_trace_init();	/* the events' calls, registered before init (event_calls_c()) */" if event_calls else ""}
-	kp_armed = 1;
-	r = init_module();
-	if (r) {{
-		kp_armed = 0;{rm}{unreg}
-	}}
-	return r;
-}}
-
-void kp_module_exit(void)
-{{
-	unsigned int i;
-	cleanup_module();
-	kp_armed = 0;{rm}{unreg}
-	for (i = 0; i < {nk}; i++)
-		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu nmissed %lu\\n", kp_probes[i].name,
-			kp_probes[i].symbol_name, kp_probes[i].offset, kp_hits[i], kp_probes[i].nmissed);
-	for (i = 0; i < {nr}; i++)
-		_printk("\\0016kprewrite: {module}: %s %s+%#x hits %lu returns %lu nmissed %d\\n",
-			kp_kretprobes[i].kp.name, kp_kretprobes[i].kp.symbol_name, kp_kretprobes[i].kp.offset,
-			kp_kret_hits[i], kp_kret_returns[i], kp_kretprobes[i].nmissed);
-}}
-"""
-
-
-KRET_C = module_source("platform/linux_module/kp_module_kretprobe.c")
 
 TRAMPOLINE_S = module_source("arch/x86_64/linux_module/kp_module_kret_trampoline.S")
 
@@ -853,27 +512,16 @@ def _names_bound(ev) -> int:
 
 
 def event_calls_c(traces: dict, layout: list) -> str:
-    """Each trace event as the kernel's own event call (events/kprobes/<EVENT>/): the image's
-    runtime (runtime/platform/linux_kernel/kp_trace_buffer.c, built with KP_MODULE_EVENTS:
-    its entries, fields, print_fmt, reg and .trace function) with each event's
-    trace_event_call, class and fields_array laid out here from the kernel's BTF (layout:
-    kernel_btf.layout()) and listed in the module's `_ftrace_events` section, from which
-    the module loader's trace notifier registers them before the module's init
-    (trace_module_add_events(): raw_init, the output type, the tracefs files) and removes
-    them after its exit (trace_module_remove_events()), as for a module's TRACE_EVENT()s.
-    raw_init fills in what the names need (print_fmt, array types) first."""
+    """The module's kp_event_calls.c: each trace event as the kernel's own event call, the words
+    of its trace_event_call, class and fields_array laid out from the kernel's BTF (layout:
+    kernel_btf.layout()), as macros for runtime/platform/linux_module/kp_module_event_calls.c
+    (its first comment says how the calls are registered), on the kernel image's
+    runtime/platform/linux_kernel/kp_trace_buffer.c built with KP_MODULE_EVENTS."""
     from ....link.runtime import RUNTIME_DIR
     from ..kernel_btf import EXTRA
     trace_n = len(layout) - len(EXTRA)
     (raw_init,) = layout[trace_n:]
     order = sorted(traces, key=str)
-    out = ["#define KP_MODULE_EVENTS 1",
-           f'#include "{RUNTIME_DIR / "platform" / "linux_kernel" / "kp_trace_buffer.c"}"',
-           f"const long kp_kernel_trace[KP_TR_N] = {{ {', '.join(map(str, layout[:trace_n]))} }};",
-           f"_Static_assert(KP_TR_N == {trace_n}, \"kp_kernel_trace[]: the kernel platform's layout\");",
-           "int trace_event_raw_init(void *call);",
-           "static int kp_module_raw_init(void *call);",
-           f"#define KP_NCALLS {len(order)}"]
     L = dict(zip(("entry", "ev_size", "ev_type", "ev_funcs", "seq", "ent", "ent_size", "buffer", "call_size",
                   "call_class", "call_name", "call_event", "print_fmt", "class_size", "system", "reg",
                   "fields_array", "fields", "fields_size", "define"), layout))
@@ -881,84 +529,32 @@ def event_calls_c(traces: dict, layout: list) -> str:
         if k not in ("ev_type", "seq", "ent", "ent_size", "buffer", "call_size", "class_size", "fields_size",
                      "entry", "ev_size") and v % 8:
             raise KprewriteError(f"the kernel's BTF puts {k} at {v}, not a pointer's place")
-    for i, k in enumerate(order):
-        ev = traces[k]
-        out.append(f"static char kp_module_names_{i}[{_names_bound(ev)}];")
-        out.append(f"static const char *kp_module_types_{i}[{len(ev.args) + 1}];")
-    out.append("static struct kp_trace_type kp_module_types[KP_NCALLS] = {")
-    for i, k in enumerate(order):
-        t = f"kp_module_types[{i}]"
-        fl = L["fields"] // 8
-        out.append(f"\t{{ .call = {{ [{L['call_class'] // 8}] = (unsigned long){t}.class, "
-                   f"[{L['call_name'] // 8}] = (unsigned long){json.dumps(traces[k].name)}, "
-                   f"[{(L['call_event'] + L['ev_funcs']) // 8}] = (unsigned long)kp_trace_funcs }},\n"
-                   f"\t  .class = {{ [{L['system'] // 8}] = (unsigned long)\"kprobes\", "
-                   f"[{L['reg'] // 8}] = (unsigned long)kp_trace_reg, "
-                   f"[{raw_init // 8}] = (unsigned long)kp_module_raw_init, "
-                   f"[{L['fields_array'] // 8}] = (unsigned long){t}.fields, "
-                   f"[{fl}] = (unsigned long)&{t}.class[{fl}], [{fl + 1}] = (unsigned long)&{t}.class[{fl}] }},\n"
-                   f"\t  .fields = {{ {{ [0] = ~0UL, [{L['define'] // 8}] = (unsigned long)kp_trace_define_fields }} }} }},")
-    out.append("};")
-    out.append("static void *const kp_module_ftrace_events[KP_NCALLS] __attribute__((section(\"_ftrace_events\"), "
-               "used, aligned(8))) = { " + ", ".join(f"kp_module_types[{i}].call" for i in range(len(order))) + " };")
-    out.append("static char *const kp_module_names[KP_NCALLS] = { "
-               + ", ".join(f"kp_module_names_{i}" for i in range(len(order))) + " };")
-    out.append("static const char **const kp_module_arrays[KP_NCALLS] = { "
-               + ", ".join(f"kp_module_types_{i}" for i in range(len(order))) + " };")
-    out.append("static const unsigned long kp_module_names_size[KP_NCALLS] = { "
-               + ", ".join(str(_names_bound(traces[k])) for k in order) + " };")
-    out.append(MODULE_EVENTS_C)
+    fl = L["fields"] // 8
+    out = ["/* A module's event calls, for kp_module_event_calls.c (generated by kprewrite: writer.py's "
+           "event_calls_c()). */",
+           "#define KP_MODULE_EVENTS 1",
+           f'#include "{RUNTIME_DIR / "platform" / "linux_kernel" / "kp_trace_buffer.c"}"',
+           f"#define KP_TRACE_LAYOUT {', '.join(map(str, layout[:trace_n]))}",
+           f"#define KP_TRACE_LAYOUT_N {trace_n}",
+           # The words of a trace_event_call and of its class each pointer goes in (the BTF's offsets / 8).
+           f"#define KP_CALL_CLASS {L['call_class'] // 8}",
+           f"#define KP_CALL_NAME {L['call_name'] // 8}",
+           f"#define KP_CALL_EVENT_FUNCS {(L['call_event'] + L['ev_funcs']) // 8}",
+           f"#define KP_CLASS_SYSTEM {L['system'] // 8}",
+           f"#define KP_CLASS_REG {L['reg'] // 8}",
+           f"#define KP_CLASS_RAW_INIT {raw_init // 8}",
+           f"#define KP_CLASS_FIELDS_ARRAY {L['fields_array'] // 8}",
+           f"#define KP_CLASS_FIELDS {fl}",
+           f"#define KP_CLASS_FIELDS_PREV {fl + 1}",
+           f"#define KP_FIELD_DEFINE {L['define'] // 8}",
+           f"#define KP_NCALLS {len(order)}",
+           # each call: its index, the event's name, the bytes of its names, its array types' count
+           _define("KP_CALLS(X)", [f"X({i}, {json.dumps(traces[k].name)}, {_names_bound(traces[k])}, "
+                                   f"{len(traces[k].args) + 1})" for i, k in enumerate(order)]),
+           '#include "kp_module_event_calls.c"']
     return "\n".join(out) + "\n"
 
 
-# The module's side of its event calls (event_calls_c()).
-MODULE_EVENTS_C = r"""
-/* The trace_event_class's raw_init, from the module loader's trace notifier (process
- * context, before the module's init): the event, its fields' total, print_fmt and the
- * array fields' types (before define_fields reads them), then the output type
- * (trace_event_raw_init(): register_trace_event()). */
-static int kp_module_raw_init(void *call)
-{
-	struct kp_trace_type *t = call;
-	unsigned int i = (unsigned int)(t - kp_module_types);
-	if (i >= KP_NCALLS || i >= kp_ntrace_events)
-		return -22;
-	const struct kp_trace_event *ev = kp_trace_events[i];
-	unsigned int fixed = 0;
-	for (unsigned int k = 0; k < ev->nargs; k++) {
-		const struct kp_probe_arg *a = &ev->args[k];
-		fixed += kp_arg_field_size(a) * (a->count ? a->count : 1);
-	}
-	t->fixed = fixed;
-	kp_trace_names(ev, kp_module_names[i], kp_module_names_size[i], kp_module_arrays[i]);
-	t->types = kp_module_arrays[i];
-	*(char **)((char *)t->call + kp_kernel_trace[KP_TR_CALL_PRINT_FMT]) = kp_module_names[i];
-	t->ev = ev;
-	return trace_event_raw_init(call);
-}
-
-/* From the module's init, the calls registered: each event with an output type written
- * through its trace_event_files from now on, and enabled in the top instance (as a kernel
- * image's events are); an event the notifier did not register (a module with a bad taint)
- * writes trace_printk() lines. */
-void kp_module_trace_init(void)
-{
-	kp_trace_event_at = kp_kernel_trace[KP_TR_CALL_EVENT];
-	kp_trace_calls = 1;
-	for (unsigned int i = 0; i < KP_NCALLS; i++) {
-		struct kp_trace_type *t = &kp_module_types[i];
-		int type = *(int *)((char *)t->call + kp_kernel_trace[KP_TR_CALL_EVENT] + kp_kernel_trace[KP_TR_EVENT_TYPE]);
-		if (type <= 0 || !t->ev)
-			continue;
-		t->type = (unsigned int)type;
-		__atomic_store_n(&t->live, 1, __ATOMIC_RELEASE);
-		int ret = trace_set_clr_event("kprobes", t->ev->name, 1);
-		if (ret)
-			_printk(KP_KERN_ERR "kprewrite: trace event %s: not enabled (%d)\n", t->ev->name, ret);
-	}
-	__atomic_store_n(&kp_trace_types, kp_module_types, __ATOMIC_RELEASE);
-}
-"""
 
 
 # The runtime's generic pieces a module's trace events use (runtime/; the platform's in
@@ -997,7 +593,7 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     unwind = (orc.Entries(fmt), own) if own is not None else None
 
     def ftrace_detour(i):
-        text = DETOUR_S.replace("{i}", str(i))
+        text = DETOURS["ftrace"].replace("{i}", str(i))
         if not unwind:
             return text
         # the return address into the probed function right above the CFA all along

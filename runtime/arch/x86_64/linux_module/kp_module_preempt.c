@@ -1,9 +1,8 @@
 /*
  * Handlers run as the kernel's kprobe handlers do (kprobe_ftrace_handler()), with the kernel's CRCs at hand
  * (Module.symvers): preemption disabled, and a hit while a handler of this module runs on the CPU
- * (kprobe_running()) missed.
- * Read as text by rewriter/targets/linux_module/x86_64/writer.py (module_source()), from the line after
- * this comment; not compiled alone.
+ * (kprobe_running()) missed.  Included by kp_module_runtime.c with KP_MODULE_CRCS (KP_RESCHED: the
+ * kernel's way to reschedule, writer.py's _preempt_c()).
  */
 
 extern int __preempt_count;		/* per CPU */
