@@ -192,6 +192,24 @@ def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
 
 
 _SCRATCH = tuple(range(19)) + (30,)     # what a C call clobbers (AAPCS64): x0-x18, x30
+SCRATCH_FRAME = 176                     # x0-x18, x30, NZCV, 16-byte aligned
+
+
+def scratch_save() -> bytes:
+    """x0-x18, x30 and NZCV below sp, which moves down SCRATCH_FRAME (no pt_regs)."""
+    out = bytearray(E.stp_pre(0, 1, 31, -SCRATCH_FRAME))
+    for r in range(2, 18, 2):
+        out += E.stp(r, r + 1, 31, 8 * r)
+    out += E.stp(18, 30, 31, 144) + MRS_X0_NZCV + E.str_x(0, 31, 160)
+    return bytes(out)
+
+
+def scratch_restore() -> bytes:
+    """What scratch_save() saved, back; sp as before it."""
+    out = bytearray(E.ldr_x(0, 31, 160) + MSR_NZCV_X0 + E.ldp(18, 30, 31, 144))
+    for r in range(2, 18, 2):
+        out += E.ldp(r, r + 1, 31, 8 * r)
+    return bytes(out + E.ldp_post(0, 1, 31, SCRATCH_FRAME))
 _NZCV = 32                              # a clean frame's slot name for the flags
 _TPL = (0, 1, 2, 30)                    # what the template itself writes
 
