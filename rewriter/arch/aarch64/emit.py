@@ -242,11 +242,13 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
     on the slow path the rest, before kp_optimized_clean_callback(site) (the generic
     dispatch, which counts nmissed).  No template instruction writes NZCV.  A kretprobe's
-    entry (body) still goes through the runtime's dispatch with a whole pt_regs; no
-    partial pt_regs (regs_fields: handler_abi.regs_loads() finds none here).
+    entry (body) still goes through the runtime's dispatch with a whole pt_regs.
+    regs_fields: a pre_handler that only loads from regs, at these pt_regs byte offsets
+    (handler_abi.regs_loads()): a partial pt_regs in the frame, only those fields
+    stored, passed in x1; nothing is restored from it (the handler cannot write it).
+    The callback is then callback(site, regs) (kp_optimized_callback), whose return is
+    not read: with regs unchanged it resumes here.
     Returns (code, resume): where the relocated DCR starts."""
-    if regs_fields is not None:
-        raise ValueError("aarch64 has no partial pt_regs template")
     if body is not None:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
     names = {f"x{r}": r for r in _SCRATCH}
@@ -260,12 +262,15 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     slow_saves = [r for r in list(_SCRATCH) + [_NZCV] if r not in fast_saves]
     order = fast_saves + slow_saves
     slot = {r: 8 * i for i, r in enumerate(order)}
-    frame = (8 * len(order) + 8 + 15) & ~15           # the registers, the thread block
+    area = (8 * len(order) + 8 + 15) & ~15            # the registers, the thread block
+    frame = area + (((O.PT_SIZE + 15) & ~15) if regs_fields is not None else 0)
     block = 8 * len(order)
     fregs = [r for r in fast_saves if r != _NZCV]
     sregs = [r for r in slow_saves if r != _NZCV]
     out = bytearray(E.stp_pre(0, 1, 31, -frame))      # x0 and x1 are first (slots 0, 8)
     out += _save_pairs(fregs[2:], slot, False)
+    if regs_fields is not None:
+        out += _partial_pt_regs(at + len(out), regs_fields, area, frame, dcr[0].addr)
     if _NZCV in fast_saves:
         out += E.mrs_nzcv(30) + E.str_x(30, 31, slot[_NZCV])
     to_slow, to_restore = [], []
@@ -292,6 +297,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         out += _add_const(1, 2, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
     if handler is not None:
         out += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, block)
+        if regs_fields is not None:
+            out += E.add_imm(1, 31, area)                           # ... or only the fields stored
         out += _e(E.b, at + len(out), handler, True)                # handler(p, regs never read)
         out += E.ldr_x(2, 31, block) + E.str_w(31, 2, O.THREAD_ACTIVE)
     restore = len(out)
@@ -308,6 +315,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     if _NZCV in slow_saves:
         out += E.mrs_nzcv(30) + E.str_x(30, 31, slot[_NZCV])
     out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16)
+    if regs_fields is not None:
+        out += E.add_imm(1, 31, area)                               # kp_optimized_callback(site, regs)
     out += _e(E.b, at + len(out), callback, True)               # kp_optimized_clean_callback(site)
     if _NZCV in slow_saves:
         out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
@@ -317,6 +326,30 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         for pos, rt, sf, nz in lst:
             out[pos:pos + 4] = _e(E.cbz, at + pos, rt, sf, nz, at + target)
     return bytes(out), resume
+
+
+def _partial_pt_regs(at: int, fields: frozenset[int], area: int, frame: int, hit: int) -> bytes:
+    """The pt_regs fields a pre_handler reads, at sp + area, as regs_call() stores them:
+    each register as at the hit (none written yet), sp the stack pointer at the hit, pc
+    the probed address, pstate NZCV, orig_x0 0, syscallno -1.  x2 is the scratch (saved)."""
+    out = bytearray()
+    for off in sorted(fields):
+        if O.PT_X0 <= off < O.PT_X0 + 31 * 8:
+            out += E.str_x((off - O.PT_X0) // 8, 31, area + off)
+    for off in sorted(fields):
+        if off == O.PT_SP:
+            out += E.add_imm(2, 31, frame) + E.str_x(2, 31, area + off)
+        elif off == O.PT_PC:
+            out += _e(E.load_address, at + len(out), 2, hit) + E.str_x(2, 31, area + off)
+        elif off == O.PT_PSTATE:
+            out += E.mrs_nzcv(2) + E.str_x(2, 31, area + off)
+        elif off == O.PT_ORIG_X0:
+            out += E.str_x(31, 31, area + off)                      # xzr
+        elif off == O.PT_SYSCALLNO:
+            out += E.movn_w(2, 0) + E.str_x(2, 31, area + off)      # -1, then 4 bytes 0
+        elif not O.PT_X0 <= off < O.PT_X0 + 31 * 8:
+            raise EmitError(f"pt_regs field {off} has no value")
+    return bytes(out)
 
 
 def _add_const(rd: int, rn: int, v: int) -> bytes:

@@ -5,8 +5,8 @@ argument (AAPCS64's second argument, x1) gets the clean template, which saves on
 the call-clobbered registers it and the handler write.  The walk is conservative:
 x1 named by any instruction other than one that only writes it, passed to a call,
 or left by a jump out of the function while it may still hold `regs` counts as a
-use.  Which pt_regs fields a handler loads (x86-64's partial pt_regs) is not read
-here: a handler that uses regs gets the whole struct.  Vector use is read: the
+use.  A handler whose only uses are plain loads from [x1, #imm] gets a partial
+pt_regs, those fields stored (regs_loads(), emit.clean_detour's regs_fields).  Vector use is read: the
 detours save no FP/SIMD state, so a prebuilt handler object that touches v0-v31 is
 refused (C sources are compiled with -mgeneral-regs-only, as kernel code)."""
 from __future__ import annotations
@@ -59,9 +59,50 @@ def _kills_x1(mnem: str, ops: str) -> bool | None:
     return None
 
 
+_LOAD = re.compile(r"^([xw])([0-9]|[12][0-9]|30|zr), \[x1(?:, #(0x[0-9a-f]+|[0-9]+))?\]$")
+_LOAD_SIZE = {"ldr": None, "ldur": None, "ldrb": 1, "ldurb": 1, "ldrsb": 1, "ldursb": 1, "ldrh": 2,
+              "ldurh": 2, "ldrsh": 2, "ldursh": 2, "ldrsw": 4, "ldursw": 4}
+
+
+def _regs_load(mnem: str, ops: str) -> tuple[int, int, bool] | None:
+    """(offset, size, x1 overwritten) of a plain load from [x1, #imm] into a register."""
+    m = _LOAD.match(ops)
+    if m is None or mnem not in _LOAD_SIZE:
+        return None
+    size = _LOAD_SIZE[mnem] or (8 if m.group(1) == "x" else 4)
+    return int(m.group(3) or "0", 0), size, m.group(2) == "1"
+
+
 def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None) -> bool:
     """Whether the function [start, end) may use the value x1 (regs) has at entry:
     every path is followed until x1 is overwritten."""
+    return _regs_use(code, start, end, relocs, None) is None
+
+
+def regs_loads(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None,
+               limit: int | None = None) -> frozenset[int] | None:
+    """The pt_regs fields (byte offsets of 8-byte words) the function may read through
+    regs, when its every use of x1 on every path is a plain load from [x1, #imm] within
+    pt_regs (`limit` bytes) into a register: it never stores to regs, passes it on, copies
+    it or reads at a computed offset.  None: any other use.  An empty set: no use."""
+    loads = _regs_use(code, start, end, relocs, set())
+    if loads is None:
+        return None
+    if limit is None:
+        from . import offsets as O      # the runtime's struct pt_regs (compiled at first use)
+        limit = O.PT_SIZE
+    fields = set()
+    for off, size in loads:
+        if off < 0 or off + size > limit:
+            return None
+        fields.update(range(off // 8 * 8, off + size, 8))
+    return frozenset(fields)
+
+
+def _regs_use(code: bytes, start: int, end: int, relocs: dict[int, str] | None,
+              loads: set | None) -> set | None:
+    """The walk of may_use_regs() and regs_loads(): None when x1 may be used (loads:
+    None, any read is a use; a set, a plain load through it is added there instead)."""
     relocs = relocs or {}
     seen: set[int] = set()
     work = [start]
@@ -71,23 +112,27 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
             if addr in seen:
                 break
             if not start <= addr < end or addr & 3:
-                return True                      # fell or jumped out: unknown code
+                return None                      # fell or jumped out: unknown code
             seen.add(addr)
             got = list(_cs.disasm_lite(bytes(code[addr - start:addr - start + 4]), addr))
             if not got:
-                return True
+                return None
             _, _, mnem, ops = got[0]
             if mnem in _CALLS or mnem in ("br", "braa", "brab", "braaz", "brabz", "eret"):
-                return True                      # the callee may take it as an argument
+                return None                      # the callee may take it as an argument
             kills = _kills_x1(mnem, ops)
             if kills is None:
-                return True
+                load = _regs_load(mnem, ops) if loads is not None else None
+                if load is None:
+                    return None
+                loads.add(load[:2])
+                kills = load[2]
             if mnem in ("ret", "retaa", "retab"):
                 break
             if _DIRECT.match(mnem):
                 t = _target(ops)
                 if t is None or _relocated(addr, relocs):
-                    return True                  # a tail call: regs passed on
+                    return None                  # a tail call: regs passed on
                 if mnem == "b":
                     addr = t
                     continue
@@ -95,14 +140,7 @@ def may_use_regs(code: bytes, start: int, end: int, relocs: dict[int, str] | Non
             if kills:
                 break
             addr += 4
-    return False
-
-
-def regs_loads(code: bytes, start: int, end: int, relocs: dict[int, str] | None = None,
-               limit: int | None = None) -> frozenset[int] | None:
-    """The pt_regs fields the function loads: not read here (None); an unused regs
-    is the empty set, as on x86-64."""
-    return None if may_use_regs(code, start, end, relocs) else frozenset()
+    return loads if loads is not None else set()
 
 
 def vector_use(code: bytes, start: int) -> int | None:
