@@ -191,27 +191,216 @@ def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
     return bytes(out), resume
 
 
+_SCRATCH = tuple(range(19)) + (30,)     # what a C call clobbers (AAPCS64): x0-x18, x30
+SCRATCH_FRAME = 176                     # x0-x18, x30, NZCV, 16-byte aligned
+
+
+def scratch_save() -> bytes:
+    """x0-x18, x30 and NZCV below sp, which moves down SCRATCH_FRAME (no pt_regs)."""
+    out = bytearray(E.stp_pre(0, 1, 31, -SCRATCH_FRAME))
+    for r in range(2, 18, 2):
+        out += E.stp(r, r + 1, 31, 8 * r)
+    out += E.stp(18, 30, 31, 144) + MRS_X0_NZCV + E.str_x(0, 31, 160)
+    return bytes(out)
+
+
+def scratch_restore() -> bytes:
+    """What scratch_save() saved, back; sp as before it."""
+    out = bytearray(E.ldr_x(0, 31, 160) + MSR_NZCV_X0 + E.ldp(18, 30, 31, 144))
+    for r in range(2, 18, 2):
+        out += E.ldp(r, r + 1, 31, 8 * r)
+    return bytes(out + E.ldp_post(0, 1, 31, SCRATCH_FRAME))
+_NZCV = 32                              # a clean frame's slot name for the flags
+_TPL = (0, 1, 2, 30)                    # what the template itself writes
+
+
+def _save_pairs(regs: list[int], slot: dict[int, int], load: bool) -> bytes:
+    """str/stp (ldr/ldp with load) of regs at their frame slots, pairs where two are adjacent."""
+    out, i = bytearray(), 0
+    while i < len(regs):
+        r = regs[i]
+        if i + 1 < len(regs) and slot[regs[i + 1]] == slot[r] + 8 and slot[r] % 8 == 0:
+            out += (E.ldp if load else E.stp)(r, regs[i + 1], 31, slot[r])
+            i += 2
+        else:
+            out += (E.ldr_x if load else E.str_x)(r, 31, slot[r])
+            i += 1
+    return bytes(out)
+
+
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                  probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,
                  aligned: bool, handler_clobbers: set[str] | None = None, copy=None, body=None,
                  back: int | None = None, regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
-    """A detour whose handlers never read regs: on aarch64 still the whole pt_regs
-    (handler_abi does not read handlers yet), through the clean callback.  No partial
-    pt_regs (regs_fields): handler_abi.regs_loads() finds none here."""
-    if regs_fields is not None:
-        raise ValueError("aarch64 has no partial pt_regs template")
+    """The detour of a site with one probe whose handler never reads regs: the
+    optprobe template with the dispatch of the common case inlined (kp_pre_dispatch()
+    for one probe, as x86-64's clean_detour): kprobes armed (kp_fast), the thread's
+    block (the thread pointer hashed into kp_thread_table), no handler running on this
+    thread, the probe enabled, then the hit counted and the pre_handler called with
+    (p, regs) where regs is never read.  Only call-clobbered registers are saved (no
+    pt_regs): on the fast path x0-x2 and x30, which the template writes, and what the
+    handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
+    on the slow path the rest, before kp_optimized_clean_callback(site) (the generic
+    dispatch, which counts nmissed).  No template instruction writes NZCV.  A kretprobe's
+    entry (body) still goes through the runtime's dispatch with a whole pt_regs.
+    regs_fields: a pre_handler that only loads from regs, at these pt_regs byte offsets
+    (handler_abi.regs_loads()): a partial pt_regs in the frame, only those fields
+    stored, passed in x1; nothing is restored from it (the handler cannot write it).
+    The callback is then callback(site, regs) (kp_optimized_callback), whose return is
+    not read: with regs unchanged it resumes here.
+    Returns (code, resume): where the relocated DCR starts."""
     if body is not None:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
-    return _after(regs_call(at, callback, site, None), dcr, at, copy, back)
+    names = {f"x{r}": r for r in _SCRATCH}
+    clob = set() if handler is None else handler_clobbers
+    if clob is None:
+        fast_saves = list(_SCRATCH) + [_NZCV]
+    else:
+        fast_saves = [r for r in _SCRATCH if r in _TPL or any(names.get(c) == r for c in clob)]
+        if "nzcv" in clob:
+            fast_saves.append(_NZCV)
+    slow_saves = [r for r in list(_SCRATCH) + [_NZCV] if r not in fast_saves]
+    order = fast_saves + slow_saves
+    slot = {r: 8 * i for i, r in enumerate(order)}
+    area = (8 * len(order) + 8 + 15) & ~15            # the registers, the thread block
+    frame = area + (((O.PT_SIZE + 15) & ~15) if regs_fields is not None else 0)
+    block = 8 * len(order)
+    fregs = [r for r in fast_saves if r != _NZCV]
+    sregs = [r for r in slow_saves if r != _NZCV]
+    out = bytearray(E.stp_pre(0, 1, 31, -frame))      # x0 and x1 are first (slots 0, 8)
+    out += _save_pairs(fregs[2:], slot, False)
+    if regs_fields is not None:
+        out += _partial_pt_regs(at + len(out), regs_fields, area, frame, dcr[0].addr)
+    if _NZCV in fast_saves:
+        out += E.mrs_nzcv(30) + E.str_x(30, 31, slot[_NZCV])
+    to_slow, to_restore = [], []
+
+    def branch(lst, rt, sf, nz):
+        lst.append((len(out), rt, sf, nz))
+        out.extend(b"\0\0\0\0")
+
+    out += _load_word(at + len(out), 0, fast, 4)
+    branch(to_slow, 0, 0, 0)                                    # cbz w0, slow: disarmed
+    out += E.mrs_tpidr_el0(1) + E.ubfx(0, 1, 12, O.THREAD_TABLE_MASK.bit_length())
+    out += _e(E.adrp, at + len(out), 2, table) + E.add_imm(2, 2, table & 0xFFF) + E.ldr_x_index(2, 2, 0)
+    out += E.ldr_x(30, 2, 0) + E.eor_reg(30, 30, 1)
+    branch(to_slow, 30, 1, 1)                                   # a thread seen for the first time
+    out += E.ldr_w(30, 2, O.THREAD_ACTIVE)
+    branch(to_slow, 30, 0, 1)                                   # reentered: nmissed
+    out += _e(E.adrp, at + len(out), 0, probe) + E.add_imm(0, 0, probe & 0xFFF)
+    out += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
+    branch(to_restore, 30, 1, 1)                                # KPROBE_FLAG_GONE|DISABLED: silent
+    hits = O.THREAD_HITS + 8 * probe_index
+    if hits < 32768:
+        out += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
+    else:
+        out += _add_const(1, 2, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
+    if handler is not None:
+        out += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, block)
+        if regs_fields is not None:
+            out += E.add_imm(1, 31, area)                           # ... or only the fields stored
+        out += _e(E.b, at + len(out), handler, True)                # handler(p, regs never read)
+        out += E.ldr_x(2, 31, block) + E.str_w(31, 2, O.THREAD_ACTIVE)
+    restore = len(out)
+    if _NZCV in fast_saves:
+        out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
+    out += _save_pairs(fregs[2:], slot, True) + E.ldp_post(0, 1, 31, frame)
+    resume = at + len(out)
+    copy = copy or relocate
+    for insn in dcr:
+        out += copy(insn, at + len(out))
+    out += _e(E.b, at + len(out), back or dcr[-1].addr + len(dcr[-1].code))
+    slow = len(out)
+    out += _save_pairs(sregs, slot, False)
+    if _NZCV in slow_saves:
+        out += E.mrs_nzcv(30) + E.str_x(30, 31, slot[_NZCV])
+    out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16)
+    if regs_fields is not None:
+        out += E.add_imm(1, 31, area)                               # kp_optimized_callback(site, regs)
+    out += _e(E.b, at + len(out), callback, True)               # kp_optimized_clean_callback(site)
+    if _NZCV in slow_saves:
+        out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
+    out += _save_pairs(sregs, slot, True)
+    out += _e(E.b, at + len(out), at + restore)
+    for lst, target in ((to_slow, slow), (to_restore, restore)):
+        for pos, rt, sf, nz in lst:
+            out[pos:pos + 4] = _e(E.cbz, at + pos, rt, sf, nz, at + target)
+    return bytes(out), resume
+
+
+def _partial_pt_regs(at: int, fields: frozenset[int], area: int, frame: int, hit: int) -> bytes:
+    """The pt_regs fields a pre_handler reads, at sp + area, as regs_call() stores them:
+    each register as at the hit (none written yet), sp the stack pointer at the hit, pc
+    the probed address, pstate NZCV, orig_x0 0, syscallno -1.  x2 is the scratch (saved)."""
+    out = bytearray()
+    for off in sorted(fields):
+        if O.PT_X0 <= off < O.PT_X0 + 31 * 8:
+            out += E.str_x((off - O.PT_X0) // 8, 31, area + off)
+    for off in sorted(fields):
+        if off == O.PT_SP:
+            out += E.add_imm(2, 31, frame) + E.str_x(2, 31, area + off)
+        elif off == O.PT_PC:
+            out += _e(E.load_address, at + len(out), 2, hit) + E.str_x(2, 31, area + off)
+        elif off == O.PT_PSTATE:
+            out += E.mrs_nzcv(2) + E.str_x(2, 31, area + off)
+        elif off == O.PT_ORIG_X0:
+            out += E.str_x(31, 31, area + off)                      # xzr
+        elif off == O.PT_SYSCALLNO:
+            out += E.movn_w(2, 0) + E.str_x(2, 31, area + off)      # -1, then 4 bytes 0
+        elif not O.PT_X0 <= off < O.PT_X0 + 31 * 8:
+            raise EmitError(f"pt_regs field {off} has no value")
+    return bytes(out)
+
+
+def _add_const(rd: int, rn: int, v: int) -> bytes:
+    """rd = rn + v (0 <= v < 2**24): one or two adds, as long for any v of the same range."""
+    if v >> 24 or v < 0:
+        raise EmitError(f"offset {v:#x} too large for a detour's add")
+    if v < 4096:
+        return E.add_imm(rd, rn, v)
+    return E.add_imm_hi(rd, rn, v) + E.add_imm(rd, rd, v & 0xFFF)
+
+
+def _load_word(at: int, rt: int, target: int, size: int) -> bytes:
+    """adrp + ldr of the word at target (size 4 or 8), into rt."""
+    lo = target & 0xFFF
+    if lo % size:
+        raise EmitError(f"{target:#x} is not {size}-byte aligned")
+    return _e(E.adrp, at, rt, target) + (E.ldr_x(rt, rt, lo) if size == 8 else E.ldr_w(rt, rt, lo))
 
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
                  counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
                  back: int | None = None) -> tuple[bytes, int]:
-    """A detour that only counts the hit: on aarch64 through the runtime's clean
-    entry (the hit counts in the thread's block)."""
-    code, resume, _ = detour(site, dcr, False, at, slow_entry, slow_entry, copy, back)
-    return code, resume
+    """The detour of a probe that runs nothing, in an image where no handler can run
+    (planner.choose_forms(): Site.light), as x86-64's: kprobes armed (kp_fast), then an
+    exclusive increment (ldxr/stxr: no LSE atomics before ARMv8.1) of the probe's counter in
+    the shard the thread pointer's bits 12-15 choose, *kp_light_base + counter +
+    4096 * shard (light_counter()).  x0-x2 are saved below sp, which moves first (AArch64
+    has no red zone: red_zone is never asked for); nothing here writes NZCV.  The slow path
+    (disarmed) puts them back and calls the runtime's shared clean entry, which counts in
+    the thread's block.  Returns (code, resume): where the relocated DCR starts."""
+    copy = copy or relocate
+    out = bytearray(E.stp_pre(0, 1, 31, -32) + E.str_x(2, 31, 16))
+    out += _load_word(at + len(out), 0, fast, 4)
+    cbz_at = len(out)
+    out += b"\0\0\0\0"                           # cbz w0, slow
+    out += E.mrs_tpidr_el0(1) + E.and_bits(1, 1, 12, (O.LIGHT_SHARDS - 1).bit_length())
+    out += _load_word(at + len(out), 0, base, 8)
+    out += E.add_reg(0, 0, 1) + _add_const(0, 0, counter)
+    loop = len(out)
+    out += E.ldxr(1, 0) + E.add_imm(1, 1, 1) + E.stxr(2, 1, 0)
+    out += _e(E.cbz, at + len(out), 2, 0, 1, at + loop)
+    undo = E.ldr_x(2, 31, 16) + E.ldp_post(0, 1, 31, 32)
+    out += undo
+    resume = at + len(out)
+    for insn in dcr:
+        out += copy(insn, at + len(out))
+    out += _e(E.b, at + len(out), back or dcr[-1].addr + len(dcr[-1].code))
+    out[cbz_at:cbz_at + 4] = _e(E.cbz, at + cbz_at, 0, 0, 0, at + len(out))
+    out += undo + probe_stub(site, slow_entry, at + len(out) + len(undo))
+    out += _e(E.b, at + len(out), resume)
+    return bytes(out), resume
 
 
 LIGHT_PAGE = 512           # counters per 4 KiB page
@@ -219,9 +408,8 @@ LIGHT_PAGE = 512           # counters per 4 KiB page
 
 def light_counter(slot: int) -> int:
     """Where hit slot `slot`'s counter of shard 0 lies in kp_light_hits[], in
-    bytes (the runtime's KP_LIGHT_INDEX: shards interleave page by page).  The
-    light detours here count through the runtime's entry instead; the table's
-    layout check still reads this."""
+    bytes (the runtime's KP_LIGHT_INDEX: shards interleave page by page, so shard
+    s's is 4096 * s further)."""
     return (slot // LIGHT_PAGE * O.LIGHT_SHARDS * LIGHT_PAGE + slot % LIGHT_PAGE) * 8
 
 

@@ -182,3 +182,75 @@ def ldp(rt: int, rt2: int, rn: int, off: int) -> bytes:
 def load_address(at: int, rd: int, target: int) -> bytes:
     """rd = target: adrp + add (8 bytes, +-4 GiB), PC-relative so a PIE's load bias holds."""
     return adrp(at, rd, target) + add_imm(rd, rd, target & 0xFFF)
+
+
+def add_reg(rd: int, rn: int, rm: int) -> bytes:
+    """ADD Xd, Xn, Xm."""
+    return _word(0x8B000000 | (rm << 16) | (rn << 5) | rd)
+
+
+def add_imm_hi(rd: int, rn: int, imm: int) -> bytes:
+    """ADD Xd, Xn, #imm12, LSL #12 (31 is sp)."""
+    return _word(0x91400000 | (((imm >> 12) & 0xFFF) << 10) | (rn << 5) | rd)
+
+
+def and_bits(rd: int, rn: int, lo: int, n: int) -> bytes:
+    """AND Xd, Xn, #mask: the n bits from bit lo kept (a logical immediate)."""
+    assert 0 < n < 64 and 0 <= lo < 64
+    return _word(0x92400000 | (((64 - lo) % 64) << 16) | ((n - 1) << 10) | (rn << 5) | rd)
+
+
+def ldxr(rt: int, rn: int) -> bytes:
+    """LDXR Xt, [Xn]."""
+    return _word(0xC85F7C00 | (rn << 5) | rt)
+
+
+def stxr(rs: int, rt: int, rn: int) -> bytes:
+    """STXR Ws, Xt, [Xn]."""
+    return _word(0xC8007C00 | (rs << 16) | (rn << 5) | rt)
+
+
+def mrs_tpidr_el0(rt: int) -> bytes:
+    return _word(0xD53BD040 | rt)
+
+
+def mrs_nzcv(rt: int) -> bytes:
+    return _word(0xD53B4200 | rt)
+
+
+def msr_nzcv(rt: int) -> bytes:
+    return _word(0xD51B4200 | rt)
+
+
+def ldrb(rt: int, rn: int, off: int = 0) -> bytes:
+    """LDRB Wt, [Xn, #off]."""
+    return _word(0x39400000 | ((off & 0xFFF) << 10) | (rn << 5) | rt)
+
+
+def str_w(rt: int, rn: int, off: int = 0) -> bytes:
+    """STR Wt, [Xn, #off] (unsigned, 4-aligned)."""
+    return _word(0xB9000000 | ((off // 4) << 10) | (rn << 5) | rt)
+
+
+def ldr_x_index(rt: int, rn: int, rm: int) -> bytes:
+    """LDR Xt, [Xn, Xm, LSL #3]."""
+    return _word(0xF8607800 | (rm << 16) | (rn << 5) | rt)
+
+
+def eor_reg(rd: int, rn: int, rm: int) -> bytes:
+    """EOR Xd, Xn, Xm."""
+    return _word(0xCA000000 | (rm << 16) | (rn << 5) | rd)
+
+
+def ubfx(rd: int, rn: int, lo: int, n: int) -> bytes:
+    """UBFX Xd, Xn, #lo, #n."""
+    return _word(0xD3400000 | (lo << 16) | ((lo + n - 1) << 10) | (rn << 5) | rd)
+
+
+def mov_reg(rd: int, rm: int) -> bytes:
+    """MOV Xd, Xm (ORR Xd, XZR, Xm)."""
+    return _word(0xAA0003E0 | (rm << 16) | rd)
+
+
+def movz_w(rd: int, imm16: int) -> bytes:
+    return _word(0x52800000 | ((imm16 & 0xFFFF) << 5) | rd)

@@ -26,6 +26,7 @@ import capstone.arm64_const
 from ..base import COND, RET, TAIL, DcrInsn, Exit, Refusal, unwinds_exceptions
 from . import emit as em
 from . import insn as I
+from . import encode as E
 from . import reach
 from ... import safety
 
@@ -275,8 +276,25 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
 
 def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
                    handler: int | None, return_c: int, full_hook, aligned: bool, handler_clobbers) -> bytes:
-    """Not inlined on aarch64 yet: the shared hook with pt_regs."""
-    return hook_then_exit(exit, full_hook, at)
+    """A function whose kretprobes' handlers never read regs: the call-clobbered
+    registers and NZCV saved (no pt_regs), kp_kretprobe_return_clean(S) with S the
+    stack pointer as after the ret; when it returns 1 (an instance whose handler reads
+    regs: a tail-calling caller's) everything comes back and the shared hook with
+    pt_regs runs (full_hook), then the exit."""
+    out = bytearray(em.scratch_save())
+    out += E.add_imm(0, 31, em.SCRATCH_FRAME)
+    out += _call(at + len(out), return_c)
+    cbnz = len(out)
+    out += b"\0\0\0\0"
+    out += em.scratch_restore()
+    out += em.relocate(exit, at + len(out))
+    out[cbnz:cbnz + 4] = em._e(E.cbz, at + cbnz, 0, 0, 1, at + len(out))
+    out += em.scratch_restore()
+    return bytes(out + hook_then_exit(exit, full_hook, at + len(out)))
+
+
+def _call(at: int, fn: int) -> bytes:
+    return em._e(E.b, at, fn, True)
 
 
 def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
