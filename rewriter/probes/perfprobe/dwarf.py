@@ -48,6 +48,7 @@ from elftools.elf.elffile import ELFFile
 # own (perf's probe-finder.c beside dwarf-aux.c); their names stay reachable here.
 from .debugfile import (DEBUG_DIR_ENV, DEBUG_FILE_ENV, DEBUG_ROOT, NoDebugInfo, build_id,  # noqa: F401
                         debug_roots, find_debug_file)
+from .. import fetch as F
 from .debugframe import DebugFrame
 from .dwarfaux import (_attr, _origin_type, array_count, byte_size, die_name, encoding, member,  # noqa: F401
                        strip, target, type_name)
@@ -59,7 +60,7 @@ class Unavailable(Exception):
 @dataclass
 class Loc:
     """Where a value is at an address: `reg` (a fetch register name), `mem` (at the
-    address `base` + `off`, base a fetch expression of an address, None for a static
+    address `base` + `off`, base the fetch.Value of an address, None for a static
     address), `imm` (a constant), or `pieces` (DW_OP_piece, DW_OP_bit_piece: the value's
     bits in several places, `pieces` [(bit offset, bit size, Loc or the reason that part is
     not available)]: a small struct passed in two registers).  A `reg` may hold only
@@ -67,7 +68,7 @@ class Loc:
     width 0: the whole register)."""
     kind: str
     reg: str | None = None
-    base: str | None = None
+    base: F.Value | None = None
     off: int = 0
     imm: int = 0
     pieces: list | None = None
@@ -75,18 +76,22 @@ class Loc:
     width: int = 0
     bitfield: bool = False        # a `reg` part read as its bits (bW@S/64) whatever its offset
 
-    def value(self) -> str:
+    def fetch(self) -> F.Value:
         """The fetch arg that reads the value itself (for a part of a register, the
         whole register: the part is read with a bN@S/64 type)."""
         if self.kind == "pieces":
             raise Unavailable("split into pieces (DW_OP_piece)")
         if self.kind == "reg":
-            return f"%{self.reg}"
+            return F.reg(self.reg)
         if self.kind == "imm":
-            return f"\\{self.imm}"
+            return F.imm(self.imm)
         if self.base is None:
-            return f"@{self.off & (1 << 64) - 1:#x}"
-        return f"{self.off:+d}({self.base})"
+            return F.addr(self.off)
+        return F.deref(self.off, self.base)
+
+    def value(self) -> str:
+        """fetch() as a kprobe_events line writes it."""
+        return self.fetch().text()
 
 
 @dataclass
@@ -631,10 +636,10 @@ class DebugInfo:
         if n.startswith("DW_OP_reg"):
             return Loc("reg", reg=self._reg(_regno(op)))
         if n.startswith("DW_OP_breg"):
-            return Loc("mem", base=f"%{self._reg(_regno(op))}", off=op.args[-1])
+            return Loc("mem", base=F.reg(self._reg(_regno(op))), off=op.args[-1])
         if n == "DW_OP_fbreg":
             reg, k = self._frame_base(inst, addr)
-            return Loc("mem", base=f"%{reg}", off=k + op.args[0])
+            return Loc("mem", base=F.reg(reg), off=k + op.args[0])
         if n == "DW_OP_addr":
             return Loc("mem", base=None, off=op.args[0])
         if n in ("DW_OP_addrx", "DW_OP_GNU_addr_index"):
