@@ -551,10 +551,9 @@ def build_arg(name: str, body: Fetch, col: int, flags: ParseFlags, out: list[Pro
     bcol = col + len(name) + 1
     if len(text) > MAX_ARGSTR_LEN:
         raise FetchError(bcol, "ARG_TOO_LONG")
-    vlen = len(body.value.text())
-    _, t, tcol, ftype, count, bf = _parse_type(text, bcol, flags)
-    if vlen != len(text) - len(t) - 1:          # a ':' in the value: never made so
+    if text.find(":") != len(body.value.text()):        # a ':' in the value: never made so
         raise FetchError(bcol, "BAD_FETCH_ARG")
+    _, _, tcol, ftype, count, bf = _parse_type(text, bcol, flags)
     code: list[Insn] = []
     body.value.lower(code, flags, bcol)
     _store(code, ftype, count, bf, True, tcol, bcol)
