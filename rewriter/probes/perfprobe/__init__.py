@@ -2,7 +2,11 @@
 resolved ahead of time from the image's DWARF (docs/reference/spec.md#probes).
 
     syntax.py   the probe definition (parse_perf_probe_command())
-    dwarf.py    functions, lines, variables and their locations (probe-finder.c's part)
+    dwarf.py    the debug information's functions, lines and variables in scope
+                (probe-finder.c's part); dwarfloc.py where a variable is at an
+                address (convert_variable_location()); dwarfaux.py DIEs and types
+                (dwarf-aux.c); debugfile.py the separate debug file; debugframe.py
+                .debug_frame's CFA
     compile.py  the addresses and fetch args: probe records (compile.Compiled)
     listing.py  what `probe-vars` and `probe-lines` print (perf probe -V / -L)
     btfprobe.py a kernel image's definitions from its BTF instead, where its debug
