@@ -259,20 +259,21 @@ def test_build_arg_as_parsed():
     cases.append((F.Fetch(deep, "u8"), False))
     cases.append((F.Fetch(F.deref(0, F.reg("bx")), "x" * 60), False))      # longer than MAX_ARGSTR_LEN
 
-    def outcome(make):
+    def outcome(make, *args):
         try:
-            return make()
+            return make(*args)
         except F.FetchError as e:
             return (e.column, e.code, e.message)
 
     for body, ret in cases:
         flags = F.ParseFlags(is_return=ret, fentry=True)
         for before in ([], F.parse_args([("v=%si", 0)], flags)):
-            made = outcome(lambda: F.build_arg("v" if not before else "w", body, 9, flags, list(before)))
-            parsed = outcome(lambda: F.parse_arg(f"{'v' if not before else 'w'}={body.text}", 9, flags, list(before)))
+            name = "w" if before else "v"
+            made = outcome(F.build_arg, name, body, 9, flags, list(before))
+            parsed = outcome(F.parse_arg, f"{name}={body.text}", 9, flags, list(before))
             assert made == parsed, body.text
-    assert outcome(lambda: F.build_arg("v", F.Fetch(di, "u8"), 9, F.ParseFlags(), [*F.parse_args(
-        [("v=%si", 0)], F.ParseFlags())]))[1] == "USED_ARG_NAME"
+    used = F.parse_args([("v=%si", 0)], F.ParseFlags())
+    assert outcome(F.build_arg, "v", F.Fetch(di, "u8"), 9, F.ParseFlags(), used)[1] == "USED_ARG_NAME"
 
 def test_parse_event_lines():
     ev = E.parse_line("p:grp/myev work+8 a=%di", 1)

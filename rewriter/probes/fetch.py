@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-
 # Kernel limits (trace_probe.h).
 MAX_TRACE_ARGS = 128
 MAX_ARG_NAME_LEN = 32
@@ -74,7 +73,7 @@ class FetchError(Exception):
 
 # --- registers: the arch's fetch_regs (names and pt_regs offsets, $stackN bound, default type) ---
 
-def _regs(flags: "ParseFlags"):
+def _regs(flags: ParseFlags):
     """The arch's FETCHARGS facts: the image's arch, else the machine we run on."""
     if flags.regs is not None:
         return flags.regs
@@ -467,7 +466,7 @@ class Value:
     kind: str
     reg: str | None = None
     imm: int = 0                    # imm: the constant; addr: the address; deref: the offset
-    inner: "Value | None" = None
+    inner: Value | None = None
 
     def text(self) -> str:
         """As a kprobe_events line writes it."""

@@ -11,8 +11,8 @@ result is the same probe records (compile.Compiled) compile.py makes from DWARF.
 from __future__ import annotations
 
 from ...errors import KprewriteError
-from .. import fetch as F
 from ...targets.linux_kernel import btf as B
+from .. import fetch as F
 from .compile import Compiled, ProbeError, _arg_name, default_event
 from .syntax import Arg, ProbeDef
 

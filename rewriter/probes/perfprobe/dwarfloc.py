@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elftools.dwarf.dwarf_expr import DWARFExprParser
-from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, LocationExpr, LocationParser
+from elftools.dwarf.locationlists import (
+    BaseAddressEntry,
+    LocationEntry,
+    LocationExpr,
+    LocationParser,
+)
 
 from .. import fetch as F
 from .debugframe import DebugFrame
