@@ -165,8 +165,8 @@ def _outside_arch_folders(root, suffixes):
 
 def test_rewriter_names_a_back_end_only_in_its_registry():
     """The rewriter's code outside the arch folders (rewriter/arch/<arch>/,
-    rewriter/targets/*/<arch>/) names no back end: MACHINES (rewriter/arch/__init__.py)
-    is the one line a new architecture adds outside its folders.  (Comments and
+    rewriter/targets/*/<arch>/) names no back end but in rewriter/arch/__init__.py, whose
+    MACHINES is the one line a new architecture adds outside its folders.  (Comments and
     docstrings may name them.)"""
     import re
     from pathlib import Path
