@@ -3,11 +3,12 @@
     python3 benchmarks/byte_identity.py REV_A [REV_B]      (REV_B: the work tree)
 
 A move of code (a module into a package, C text into runtime/ files) must leave every
-output the same bytes; this checks it on user programs (the samples, x86-64 and, with the
-cross compiler, AArch64), a system library with a probe on every function and kretprobes,
-busybox with breakpoint probes, and, when the kernel tests' cache has Debian's kernel
-(tests/kernel/kernel_env.py), a kernel module and the vmlinux.  Each revision is checked
-out with `git worktree` into a temporary folder and run as `python3 -m rewriter` from it.
+output the same bytes; this checks it on user programs (the samples, the host's and, with
+their cross compilers, every other back end's: AArch64), a system library with a probe on
+every function and kretprobes, busybox with breakpoint probes, and, when the kernel tests'
+cache has Debian's kernel (tests/kernel/kernel_env.py), a kernel module and the vmlinux.
+Each revision is checked out with `git worktree` into a temporary folder and run as
+`python3 -m rewriter` from it.
 Prints one line per output, SAME or DIFFERS, and exits 1 if any differs or fails.
 """
 from __future__ import annotations
@@ -58,9 +59,13 @@ def inputs(work: Path) -> list[tuple[str, list[str], Path]]:
     for sample in ("kprobe_example", "kretprobe_example", "events_example"):
         exe = cc("gcc", sample, sample)
         cases.append((sample, [str(exe), "--spec", "probes.toml"], SAMPLES / sample))
-    exe = cc("aarch64-linux-gnu-gcc", "kprobe_example", "kprobe_example.aarch64")
-    if exe:
-        cases.append(("kprobe_example.aarch64", [str(exe), "--spec", "probes.toml"], SAMPLES / "kprobe_example"))
+    # Every other back end's, with its cross compiler where installed (kprobe_example.aarch64...).
+    sys.path.insert(0, str(ROOT))
+    from rewriter.arch import MACHINES, get_arch, host_machine
+    for arch in sorted(set(MACHINES.values()) - {host_machine()}):
+        exe = cc(f"{get_arch(arch).toolchain.TRIPLE}-gcc", "kprobe_example", f"kprobe_example.{arch}")
+        if exe:
+            cases.append((f"kprobe_example.{arch}", [str(exe), "--spec", "probes.toml"], SAMPLES / "kprobe_example"))
     lib = Path("/usr/lib/x86_64-linux-gnu/libsqlite3.so.0")
     if lib.exists():
         cases.append(("sqlite3_every_kprobe", [str(lib), "--spec", str(work / "all.toml")], work))

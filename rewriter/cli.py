@@ -481,13 +481,14 @@ def boot(image, commands, initrd, write_initrd, busybox, append, memory, smp, ti
     import tempfile
     from pathlib import Path
     from . import boot as B
+    from .arch import host_machine
     from .targets import load
     loaded = load(image)
     if loaded.target.name != "linux_kernel":
         raise KprewriteError(f"{image}: not a kernel image (boot takes a vmlinux, a bzImage or an arm64 Image)")
     machine = loaded.machine
     runner = ()
-    if machine != os.uname().machine.replace("arm64", "aarch64") and shutil.which(f"qemu-{machine}"):
+    if machine != host_machine() and shutil.which(f"qemu-{machine}"):
         runner = (f"qemu-{machine}",)
     with tempfile.TemporaryDirectory(prefix="kprewrite-boot-") as tmp:
         if initrd is None:

@@ -198,7 +198,6 @@ RULES: dict[str, Rule] = {r.name: r for r in [
 ]}
 
 
-@functools.lru_cache(maxsize=8)
 @functools.lru_cache(maxsize=1)
 def rules() -> dict[str, Rule]:
     """Every rule: the generic registry (RULES) and each back end's own, which its folder

@@ -3,9 +3,12 @@ CLI, run them natively and under QEMU user mode (qemu-<arch>).
 
 The architecture under test is the host's, or KPREWRITE_TEST_ARCH (a cross
 compiler <triple>-gcc and qemu-<arch> then build and run everything, and the
-"native" runner is skipped).  A test module that runs on an architecture other
-than x86-64 says so with a module-level `ARCHES = [...]`; the rest are skipped
-there (their programs hold x86-64 assembly or x86-64 facts).
+"native" runner is skipped).  An architecture's facts (its triple, Capstone
+mode, register names...) are tests/arches/<arch>.py, ARCH's loaded as FACTS; a
+test module written for every architecture says `ARCHES = ALL_ARCHES` and takes
+them from there, one written for one architecture names it (`ARCHES = ["aarch64"]`),
+and one with no ARCHES is x86-64's (its programs hold x86-64 assembly or facts)
+and skipped elsewhere.
 
 Every test module takes its helpers from here: compiling (`cc`), the CLI
 (`kprewrite`, `instrument`, which also checks with `attributed` that
@@ -18,7 +21,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import platform
 import shutil
 import struct
 import subprocess
@@ -32,19 +34,31 @@ from elftools.elf.elffile import ELFFile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))      # in-process imports of rewriter: this tree too
+from rewriter.arch import host_machine  # noqa: E402
+
 # The CLI of this tree, not whatever `kprewrite` comes first on PATH (another checkout).
 KPREWRITE = [sys.executable, "-m", "rewriter"]
 os.environ["KPREWRITE_TEST_SUITE"] = "1"   # honours KPREWRITE_UNSAFE_OFF (rewriter/safety.py): the suite only
 TREE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-HOST_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+HOST_ARCH = host_machine()
 ARCH = os.environ.get("KPREWRITE_TEST_ARCH", HOST_ARCH)
-# Each architecture's facts (tests/arches/<arch>.py): ARCH's are FACTS.
+# Each architecture's facts (tests/arches/<arch>.py, the tests' one registry): ARCH's are FACTS.
 ALL_ARCHES = sorted(p.stem for p in (Path(__file__).parent / "arches").glob("*.py") if p.stem != "__init__")
-TRIPLES = {a: importlib.import_module(f"arches.{a}").TRIPLE for a in ALL_ARCHES}
-FACTS = importlib.import_module(f"arches.{ARCH}")
+ALL_FACTS = {a: importlib.import_module(f"arches.{a}") for a in ALL_ARCHES}
+TRIPLES = {a: f.TRIPLE for a, f in ALL_FACTS.items()}
+if ARCH not in ALL_FACTS:
+    raise pytest.UsageError(f"KPREWRITE_TEST_ARCH={ARCH}: no tests/arches/{ARCH}.py (there are {', '.join(ALL_ARCHES)})")
+FACTS = ALL_FACTS[ARCH]
 CROSS = ARCH != HOST_ARCH
-CC = f"{TRIPLES[ARCH]}-gcc" if CROSS else "gcc"
-CXX = f"{TRIPLES[ARCH]}-g++" if CROSS else "g++"
+
+
+def compiler(arch: str = ARCH, cxx: bool = False) -> str:
+    """gcc (g++) building programs of `arch`: the host's, or the cross compiler of its triple."""
+    name = "g++" if cxx else "gcc"
+    return name if arch == HOST_ARCH else f"{TRIPLES[arch]}-{name}"
+
+
+CC, CXX = compiler(), compiler(cxx=True)
 QEMU = shutil.which(f"qemu-{ARCH}")
 
 

@@ -152,3 +152,77 @@ def test_generic_code_names_no_x86_fact():
             if fact.search(text):
                 hits.append(f"{rel}:{line}: {text[:60]}")
     assert not hits, "\n".join(hits)
+
+
+# --- a new architecture: its folders and one registry line per layer ---------------------------
+
+def _outside_arch_folders(root, suffixes):
+    """Files under `root` outside every back end's folders (a path part named after one)."""
+    arch_dirs = set(MACHINES.values())
+    return [p for p in sorted(root.rglob("*")) if p.suffix in suffixes
+            and not arch_dirs & set(p.relative_to(root).parts[:-1])]
+
+
+def test_rewriter_names_a_back_end_only_in_its_registry():
+    """The rewriter's code outside the arch folders (rewriter/arch/<arch>/,
+    rewriter/targets/*/<arch>/) names no back end but in rewriter/arch/__init__.py, whose
+    MACHINES is the one line a new architecture adds outside its folders.  (Comments and
+    docstrings may name them.)"""
+    import re
+    from pathlib import Path
+    root = Path(base.__file__).resolve().parents[1]
+    name = re.compile(r"\b(" + "|".join(sorted(BACKENDS)) + r")\b")
+    hits = [f"{p.relative_to(root)}:{line}: {text.strip()[:60]}"
+            for p in _outside_arch_folders(root, {".py"}) if p != root / "arch" / "__init__.py"
+            for line, text in _code_tokens(p) if name.search(text)]
+    assert not hits, "\n".join(hits)
+
+
+def test_runtime_names_a_back_end_only_in_its_registry():
+    """The runtime's C outside runtime/arch/<arch>/ and runtime/include/kprewrite/arch/<arch>/
+    names no back end (nor its compiler's macro) but in kprobes.h's chain, which has each
+    back end's `defined(...)` and `#include <kprewrite/arch/<arch>/ptrace.h>`."""
+    import re
+    from pathlib import Path
+    root = Path(base.__file__).resolve().parents[2] / "runtime"
+    registry = root / "include" / "kprewrite" / "kprobes.h"
+    name = re.compile("|".join(sorted(BACKENDS)))
+    hits, chain = [], []
+    for p in _outside_arch_folders(root, {".c", ".h", ".S"}):
+        code = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), p.read_text(), flags=re.S)
+        for i, line in enumerate(re.sub(r"//[^\n]*", "", code).splitlines(), 1):
+            if not name.search(line):
+                continue
+            if p == registry and re.fullmatch(r"#(el)?if defined\(__\w+__\)|#include <kprewrite/arch/\w+/ptrace\.h>",
+                                              line.strip()):
+                chain.append(line.strip())
+            else:
+                hits.append(f"{p.relative_to(root)}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+    for arch in BACKENDS:
+        assert f"#include <kprewrite/arch/{arch}/ptrace.h>" in chain, f"kprobes.h: no line for {arch}"
+        assert (root / "include" / "kprewrite" / "arch" / arch / "ptrace.h").is_file()
+        assert (root / "arch" / arch / "kp_arch.h").is_file()
+
+
+def test_tests_take_arch_facts_from_their_registry():
+    """The tests' arch facts are tests/arches/<arch>.py, one per back end, each naming
+    what the others do; a test module's ARCHES is ALL_ARCHES (written for every
+    architecture) or one architecture, never a list a new one would have to join."""
+    import ast
+    from pathlib import Path
+    from conftest import ALL_ARCHES, ALL_FACTS
+    assert ALL_ARCHES == BACKENDS, "tests/arches/ and rewriter.arch.MACHINES name different architectures"
+    names = {a: {n for n in vars(f) if n.isupper()} for a, f in ALL_FACTS.items()}
+    assert all(n == names[ALL_ARCHES[0]] for n in names.values()), names
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for p in sorted(tests.rglob("*.py")):
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ARCHES" for t in node.targets):
+                v = node.value
+                one = isinstance(v, ast.List) and len(v.elts) == 1 and isinstance(v.elts[0], ast.Constant) \
+                    and v.elts[0].value in ALL_ARCHES
+                if not (one or isinstance(v, ast.Name) and v.id == "ALL_ARCHES"):
+                    bad.append(f"{p.relative_to(tests)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)

@@ -12,9 +12,9 @@ import subprocess
 import click
 import pytest
 
-from conftest import ARCH, cc, kprewrite, KPREWRITE, TREE_ENV
+from conftest import ALL_ARCHES, ARCH, cc, kprewrite, KPREWRITE, TREE_ENV
 
-ARCHES = ["x86_64", "aarch64"]      # (conftest: the architectures this module runs for)
+ARCHES = ALL_ARCHES
 
 from rewriter.cli import main
 

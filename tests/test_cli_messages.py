@@ -1,14 +1,14 @@
 """One wording per kind of error (docs/reference/cli.md#rules-common-to-every-command):
 `PATH: no such file`, `PATH: is a directory`, `PATH: cannot write: no such directory`,
 the path as the user gave it, from every command and option that takes a file; and
-`diff` naming the breakpoint the architecture writes (int3, AArch64's brk)."""
+`diff` naming the breakpoint each architecture writes (int3, AArch64's brk: tests/arches/)."""
 import shutil
 
 import pytest
 
-from conftest import ARCH, CC, CROSS, cc, kprewrite, run
+from conftest import ALL_ARCHES, ALL_FACTS, ARCH, CROSS, cc, compiler, kprewrite, run
 
-ARCHES = ["x86_64", "aarch64"]      # (conftest: the architectures this module runs for)
+ARCHES = ALL_ARCHES
 
 PROG = r"""
 #include <stdio.h>
@@ -58,28 +58,26 @@ def test_file_errors(tmp_path):
     assert not (tmp_path / "o.kp").exists()
 
 
-@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+@pytest.mark.parametrize("arch", ALL_ARCHES)
 def test_diff_names_the_breakpoint(tmp_path, arch):
     """A breakpoint probe in `diff`: `int3 (MODE)` on x86-64, `brk (MODE)` on AArch64, for a
-    kprobe's site and a kretprobe's return hook alike; never the other architecture's word."""
-    compiler = "gcc" if arch == "x86_64" else "aarch64-linux-gnu-gcc"
-    if arch == "x86_64" and ARCH != "x86_64":
-        compiler = "x86_64-linux-gnu-gcc"
-    if arch == ARCH:
-        compiler = CC
-    if not shutil.which(compiler):
-        pytest.skip(f"no {compiler}")
+    kprobe's site and a kretprobe's return hook alike; never another architecture's word."""
+    gcc = compiler(arch)
+    if not shutil.which(gcc):
+        pytest.skip(f"no {gcc}")
     src = tmp_path / "prog.c"
     src.write_text(PROG)
     prog = tmp_path / "prog"
     import subprocess
-    subprocess.run([compiler, "-O1", "-o", str(prog), str(src)], check=True)
+    subprocess.run([gcc, "-O1", "-o", str(prog), str(src)], check=True)
     kprewrite("instrument", prog, "--kprobe", "f", "--kretprobe", "main", "--no-optimize", "-o", tmp_path / "prog.kp")
     lines = kprewrite("diff", prog, tmp_path / "prog.kp").stdout.splitlines()
-    word, other = ("int3", "brk") if arch == "x86_64" else ("brk", "int3")
+    word = ALL_FACTS[arch].BREAKPOINT
+    others = {f.BREAKPOINT for f in ALL_FACTS.values()} - {word}
+    assert others, "one word per architecture"
     site = [line for line in lines if "  kprobe  f+0x0: " in line]
     assert len(site) == 1 and f"f+0x0: {word} (" in site[0], lines
-    assert not any(f" {other}" in line for line in lines), lines
+    assert not any(f" {other}" in line for line in lines for other in others), lines
     if arch == ARCH:
         r = run(tmp_path / "prog.kp", env={"KPREWRITE_PROFILE": "-"}, runner="qemu" if CROSS else "native")
         assert r.stdout == "7\n", r

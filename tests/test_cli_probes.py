@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from conftest import ARCH, CROSS, attributed, cc, kprewrite, profile, run, write_spec
+from conftest import ALL_ARCHES, CROSS, FACTS, attributed, cc, kprewrite, profile, run, write_spec
 
-ARCHES = ["x86_64", "aarch64"]      # (conftest: the architectures this module runs for)
+ARCHES = ALL_ARCHES
 
 RUNNER = "qemu" if CROSS else "native"
-ARG0 = "%di" if ARCH == "x86_64" else "%x0"     # the first argument's register, as perf probe names it
+ARG0 = FACTS.ARG_REGS[0]     # the first argument's register, as perf probe names it
 
 PROG = r"""
 #include <stdio.h>
@@ -77,7 +77,6 @@ def test_options_and_spec_combine(tmp_path):
     assert [line.split("  ")[0] for line in c] == ["work+0x0", "other+0x0", "other2+0x0"], c
 
 
-@pytest.mark.skipif(ARCH != "x86_64", reason="probes by name need a DWARF register map (x86-64 only)")
 def test_check_probe_definition(tmp_path):
     """--probe: a perf probe definition, what it compiled to named by the option."""
     prog = _prog(tmp_path)
@@ -116,9 +115,8 @@ def test_errors_name_the_option(tmp_path):
     err = _errors("check", prog, "--event", "p:ev work x=%zz")
     assert err[0].startswith("kprewrite: --event 'p:ev work x=%zz': column 13: Invalid register name"), err
     assert err[1:] == ["kprewrite:   Command: p:ev work x=%zz", "kprewrite:" + " " * 24 + "^"], err
-    if ARCH == "x86_64":
-        assert _errors("check", prog, "--probe", "nosuchf x") == [
-            "kprewrite: --probe 'nosuchf x': function 'nosuchf' not found in the debug information of prog"]
+    assert _errors("check", prog, "--probe", "nosuchf x") == [
+        "kprewrite: --probe 'nosuchf x': function 'nosuchf' not found in the debug information of prog"]
     assert _errors("instrument", prog, "--kprobe", "work pre_handler=pre", "-o", tmp_path / "x.kp") == [
         "kprewrite: --kprobe 'work pre_handler=pre': pre_handler 'pre' is not defined in any handler file "
         "(none listed)"]

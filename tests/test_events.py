@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import (ALL_ARCHES, ARCH, FACTS, CC, KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, qemu_command, rewritten,
+from conftest import (ALL_ARCHES, ARCH, CROSS, FACTS, CC, KPREWRITE, ROOT, TREE_ENV, cc, instrument, kprewrite, profile, qemu_command, rewritten,
                       run, symbols, write_spec)
 from rewriter.trace import formats as tracefmt
 
@@ -533,14 +533,13 @@ def test_return_line_format(tmp_path, prog):
     rt = link.RUNTIME_DIR
     exe = tmp_path / "harness"
     # pt_regs' return value and second argument registers (the handler API's ptrace.h).
-    fields = {"x86_64": ["-DREG_RETVAL=ax", "-DREG_ARG2=si"],
-              "aarch64": ["-DREG_RETVAL=regs[0]", "-DREG_ARG2=regs[1]"]}[ARCH]
+    fields = [f"-DREG_RETVAL={FACTS.PT_RETVAL}", f"-DREG_ARG2={FACTS.PT_ARGS[1]}"]
     r = subprocess.run([CC, "-O1", "-w", *fields, *link._includes(ARCH), str(tmp_path / "main.c"),
                         str(tmp_path / "gen.c"), str(rt / "kp_line.c"), str(rt / "kp_fetch.c"), str(rt / "kp_trace.c"), str(rt / "kp_lib.c"),
                         "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    out = run(exe, runner="native" if ARCH == "x86_64" else "qemu").stdout.splitlines()
+    out = run(exe, runner="qemu" if CROSS else "native").stdout.splitlines()
     assert len(out) == 2
     a, b = map(tracefmt.parse_line, out)
     assert a.event == "work_exit" and a.loc == "caller_fn+0x13/0x40 <- work" and a.is_return

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ARCH, cc, instrument, profile, qemu_command, write_spec
+from conftest import ALL_ARCHES, ARCH, CROSS, cc, instrument, profile, qemu_command, write_spec
 
-# The library cases run on AArch64 too (under qemu-aarch64); the rest are x86-64's: its
-# own int3, the system call stubs (a static program, a rewritten libc).
-ARCHES = ["x86_64", "aarch64"]
+# The library cases run on every architecture (cross-built: under qemu-<arch>); the rest
+# are x86-64's: its own int3, the system call stubs (a static program, a rewritten libc).
+ARCHES = ALL_ARCHES
 x86_only = pytest.mark.skipif(ARCH != "x86_64", reason="x86-64's system call stubs")
 
 LINE = ("kprewrite: the program replaced the SIGTRAP handler of the breakpoint probes "
@@ -92,7 +92,7 @@ def _run(cmd, env=None, libdir=None):
     e = {**os.environ, **(env or {})}
     if libdir is not None:
         e["LD_LIBRARY_PATH"] = str(libdir)
-    prefix = qemu_command() if ARCH != "x86_64" else []
+    prefix = qemu_command() if CROSS else []
     return subprocess.run([*prefix, *map(str, cmd)], capture_output=True, text=True, env=e, timeout=60)
 
 

@@ -1,5 +1,7 @@
-"""Architecture back ends.  A second architecture is one more folder here,
-providing what arch/base.py's Arch declares."""
+"""Architecture back ends.  A new architecture is one more folder here, providing
+what arch/base.py's Arch declares, and its line in MACHINES: the rewriter's one
+registry of back ends (tests/test_arch.py: no other code outside the arch folders
+names one)."""
 import platform
 from importlib import import_module
 
@@ -19,4 +21,4 @@ def host_machine() -> str:
     """The back end of the machine kprewrite runs on (for what is checked before an
     image names its own, e.g. event syntax in unit use)."""
     m = platform.machine().lower()
-    return {"amd64": "x86_64"}.get(m, m)
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)     # other systems' names

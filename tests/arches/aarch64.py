@@ -7,3 +7,6 @@ CAPSTONE = (capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)
 ARG_REGS = ["%x0", "%x1", "%x2", "%x3"]
 RETADDR = "%x30"                                     # a function entry's return address: the link register
 CF_PROTECTION = "-mbranch-protection=standard"       # gcc's landing-pad flag (BTI, PAC)
+# struct pt_regs' members (the handler API's ptrace.h): the return value, the first arguments.
+PT_RETVAL, PT_ARGS = "regs[0]", ["regs[0]", "regs[1]", "regs[2]", "regs[3]"]
+BREAKPOINT = "brk"                                   # the breakpoint instruction, as `kprewrite diff` names it

@@ -7,3 +7,6 @@ CAPSTONE = (capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 ARG_REGS = ["%di", "%si", "%dx", "%cx"]
 RETADDR = "$stack0"                                  # a function entry's return address
 CF_PROTECTION = "-fcf-protection"                    # gcc's landing-pad flag (ENDBR64)
+# struct pt_regs' members (the handler API's ptrace.h): the return value, the first arguments.
+PT_RETVAL, PT_ARGS = "ax", ["di", "si", "dx", "cx"]
+BREAKPOINT = "int3"                                  # the breakpoint instruction, as `kprewrite diff` names it

@@ -23,8 +23,8 @@ typedef long long s64;
 typedef int s32;
 
 /* The CPU's half: struct pt_regs and its accessors (the kernel's <asm/ptrace.h>),
- * for the architecture the compiler targets.  A second architecture is one more
- * header in kprewrite/arch/ and one line here. */
+ * for the architecture the compiler targets.  A new architecture is one more header
+ * in kprewrite/arch/ and its #elif here: the runtime's one registry (tests/test_arch.py). */
 #if defined(__x86_64__)
 #include <kprewrite/arch/x86_64/ptrace.h>
 #elif defined(__aarch64__)
