@@ -35,6 +35,9 @@ TAKE_FTRACE = False
 # A kretprobe swaps x30 at the entry for the trampoline (arch_prepare_kretprobe()), before the
 # function's paciasp signs it: its exits are not hooked (build.py's kretprobe_c()).
 KRETPROBE_EXITS = False
+# A glob's probes (symbol_name = "*": 37,763 ftrace sites) go through one ftrace_ops registered at
+# boot (build.py: ftrace_ops_c()); ~54 KiB of text padding holds no detour per function.
+FTRACE_OPS_GLOBS = True
 RETURN_SITES = ""                       # no table of returns patched at boot on arm64
 
 
