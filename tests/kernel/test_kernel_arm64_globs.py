@@ -146,3 +146,32 @@ def test_every_function_boots(arm64_kernel, tmp_path, tmp_path_factory):
     assert not b.problems() and arm64_env.WX_PASSED in b.console and "STAR-DONE" in b.console, b.explain("boot")
     counts = [int(n) for n in re.findall(r"kprewrite-star: (\d+) hits", b.console)]
     assert len(counts) >= 2 and counts == sorted(counts), counts
+
+
+@pytest.mark.slow
+def test_elf_vmlinux_in_elf_out(arm64_kernel, tmp_path):
+    """The -dbg package's ELF vmlinux (262 MB download, kept in the cache) is read as the Image
+    objcopy makes of it and written back into its PT_LOADs: `check` says the same as for the
+    Image, and `objcopy -O binary` of the output (arch/arm64/boot/Makefile's flags) is byte for
+    byte the Image kprewrite writes from vmlinuz with the same spec; the detours' code, between
+    the ELF's sections, has a section of its own so that objcopy keeps it."""
+    import shutil
+    import subprocess
+    objcopy = shutil.which("aarch64-linux-gnu-objcopy")
+    if objcopy is None:
+        pytest.skip("aarch64-linux-gnu-objcopy (binutils-aarch64-linux-gnu) is not installed")
+    elf = _env(arm64_env.obtain_dbg_vmlinux, arm64_kernel)
+    (tmp_path / "h.c").write_text(HANDLER)
+    spec = tmp_path / "probes.toml"
+    spec.write_text(SPEC + '[[kprobe]]\nsymbol_name = "__arm64_sys_newuname"\noffset = 12\npre_handler = "named_pre"\n')
+    a = kprewrite("check", elf, "--spec", spec)
+    b = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
+    assert a.stdout == b.stdout and "__arm64_sys_newuname+0xc  k  optimized" in a.stdout, (a.stdout, b.stdout)
+    kprewrite("instrument", elf, "--spec", spec, "-o", tmp_path / "vmlinux.kp")
+    kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", tmp_path / "Image.kp")
+    subprocess.run([objcopy, "-O", "binary", "-R", ".note", "-R", ".note.gnu.build-id", "-R", ".comment", "-S",
+                    str(tmp_path / "vmlinux.kp"), str(tmp_path / "Image.objcopy")], check=True)
+    made, written = (tmp_path / "Image.objcopy").read_bytes(), (tmp_path / "Image.kp").read_bytes()
+    assert made == written and written != arm64_kernel.vmlinuz.read_bytes()
+    r = subprocess.run(["readelf", "-SW", str(tmp_path / "vmlinux.kp")], capture_output=True, text=True)
+    assert re.search(r"\.kprewrite\.text\s+PROGBITS\s+ffff8000", r.stdout), r.stdout[-2000:]

@@ -683,8 +683,6 @@ def _check_relocs(objs, path):
 def build(s, objs: list[Path], workdir: Path) -> bytes:
     image, arch, plan = s.image, s.arch, s.plan
     img = image.container
-    if img is None:
-        raise KprewriteError(f"{image.path}: an arm64 vmlinux (ELF) is not written yet: give its Image (vmlinuz)")
     sites = []
     plan_sites = [site for site in plan.sites if not site.ftrace_ops]
     ops = _ftrace_ops_groups(s, img, [site for site in plan.sites if site.ftrace_ops])
@@ -846,7 +844,10 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         put(site.addr, enc.brk(BRK_IMM) if site.decision == BREAKPOINT else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
     # free_initmem() frees the init memory up to our data, no further.
     put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
-    return bytes(out)
+    if img.elf is None:
+        return bytes(out)
+    # ELF in, ELF out: the code in the text padding (between the ELF's sections) gets a section.
+    return img.elf.write(bytes(out), [(".kprewrite.text", text[0], len(text[1]))] if text[1] else [])
 
 
 class _Moved:
