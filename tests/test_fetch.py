@@ -236,6 +236,45 @@ def test_parse_codes():
     assert args[2].type.name == "string"
 
 
+
+def test_build_arg_as_parsed():
+    """fetch.build_arg() (perf probe's args, made from data) gives what parse_arg() makes
+    of the same NAME=BODY written at the same column: the instructions, or the error and
+    its column."""
+    di, sp = F.reg("di"), F.reg("sp")
+    cases = [(F.Fetch(di, "s32"), False), (F.Fetch(F.deref(-20, F.reg("bp")), "x64"), False),
+             (F.Fetch(F.deref(0, F.deref(24, F.reg("dx"))), "string"), False),
+             (F.Fetch(F.deref(16, di), "ustring"), False), (F.Fetch(F.addr(0x4010), "u32"), False),
+             (F.Fetch(F.addr(0x4010), "string"), False), (F.Fetch(F.imm(-5), "s64"), False),
+             (F.Fetch(F.imm(7), "u8"), False), (F.Fetch(F.reg("ax"), "b5@8/64"), False),
+             (F.Fetch(F.deref(4, sp), "b3@2/32"), False), (F.Fetch(F.deref(8, di), "u16[4]"), False),
+             (F.Fetch(F.RETVAL, "s32"), True), (F.Fetch(F.deref(0, F.RETVAL), "string"), True),
+             # errors: a bad cast, $retval on a probe, an array of a register, too deep
+             (F.Fetch(di, "foo"), False), (F.Fetch(F.RETVAL, "x64"), False), (F.Fetch(di, "u8[2]"), False),
+             (F.Fetch(F.deref(0, di), "b9@0/8"), False), (F.Fetch(di, "string"), False),
+             (F.Fetch(F.reg("zz"), "u8"), False)]
+    deep = di
+    for _ in range(15):
+        deep = F.deref(1, deep)
+    cases.append((F.Fetch(deep, "u8"), False))
+    cases.append((F.Fetch(F.deref(0, F.reg("bx")), "x" * 60), False))      # longer than MAX_ARGSTR_LEN
+
+    def outcome(make, *args):
+        try:
+            return make(*args)
+        except F.FetchError as e:
+            return (e.column, e.code, e.message)
+
+    for body, ret in cases:
+        flags = F.ParseFlags(is_return=ret, fentry=True)
+        for before in ([], F.parse_args([("v=%si", 0)], flags)):
+            name = "w" if before else "v"
+            made = outcome(F.build_arg, name, body, 9, flags, list(before))
+            parsed = outcome(F.parse_arg, f"{name}={body.text}", 9, flags, list(before))
+            assert made == parsed, body.text
+    used = F.parse_args([("v=%si", 0)], F.ParseFlags())
+    assert outcome(F.build_arg, "v", F.Fetch(di, "u8"), 9, F.ParseFlags(), used)[1] == "USED_ARG_NAME"
+
 def test_parse_event_lines():
     ev = E.parse_line("p:grp/myev work+8 a=%di", 1)
     assert (ev.is_return, ev.group, ev.event, ev.symbol, ev.offset) == (False, "grp", "myev", "work", 8)

@@ -82,6 +82,10 @@ class EventDef:
     def table(self) -> str:
         return self.label or f"events[{self.index}]"
 
+    def fetch_args(self, flags: F.ParseFlags) -> list[F.ProbeArg]:
+        """Its FETCHARGS' fetch programs (flags: as the resolved address allows)."""
+        return F.parse_args(self.words, flags)
+
 
 @dataclass
 class EventKprobeSpec(KprobeSpec):
@@ -100,27 +104,37 @@ def _sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
 
+def check_group(g: str, col: int) -> None:
+    """A group name written at `col`, as traceprobe_parse_event_name() checks it."""
+    if not g:
+        raise LineError(col, "NO_GROUP_NAME")
+    if len(g) + 1 > MAX_EVENT_NAME_LEN:
+        raise LineError(col, "GROUP_TOO_LONG")
+    if not F.is_good_name(g):
+        raise LineError(col, "BAD_GROUP_NAME")
+
+
+def check_event(ev: str, col: int) -> None:
+    """An event name written at `col`, as traceprobe_parse_event_name() checks it."""
+    if len(ev) > MAX_EVENT_NAME_LEN:
+        raise LineError(col, "EVENT_TOO_LONG")
+    if not F.is_good_name(ev):
+        raise LineError(col, "BAD_EVENT_NAME")
+
+
 def _event_name(ev: str, col: int) -> tuple[str | None, str | None]:
     """traceprobe_parse_event_name(): [GRP/][EVENT] -> (group, event); event None: generate."""
     group = None
     slash = min([i for i in (ev.find("/"), ev.find(".")) if i >= 0], default=-1)
     if slash >= 0:
         g = ev[:slash]
-        if not g:
-            raise LineError(col, "NO_GROUP_NAME")
-        if len(g) + 1 > MAX_EVENT_NAME_LEN:
-            raise LineError(col, "GROUP_TOO_LONG")
-        if not F.is_good_name(g):
-            raise LineError(col, "BAD_GROUP_NAME")
+        check_group(g, col)
         group, ev, col = g, ev[slash + 1:], col + slash + 1
     if not ev:
         if group is not None:
             return group, None
         raise LineError(col, "NO_EVENT_NAME")
-    if len(ev) > MAX_EVENT_NAME_LEN:
-        raise LineError(col, "EVENT_TOO_LONG")
-    if not F.is_good_name(ev):
-        raise LineError(col, "BAD_EVENT_NAME")
+    check_event(ev, col)
     return group, ev
 
 
@@ -262,7 +276,7 @@ def _parse_fetch(image, k, spec_name: str, flags) -> tuple[list | None, list[str
     is_event = getattr(k, "event", None) is not None
     where = spec_where(spec_name, k.table) + ("" if is_event else ": fetch")
     try:
-        args = F.parse_args(words, flags)
+        args = k.event.fetch_args(flags) if is_event else F.parse_args(words, flags)
         F.resolve_symbols(args, image)
     except F.FetchError as e:
         return None, caret_lines(where, text, e.column, e.message)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-
 # Kernel limits (trace_probe.h).
 MAX_TRACE_ARGS = 128
 MAX_ARG_NAME_LEN = 32
@@ -74,7 +73,7 @@ class FetchError(Exception):
 
 # --- registers: the arch's fetch_regs (names and pt_regs offsets, $stackN bound, default type) ---
 
-def _regs(flags: "ParseFlags"):
+def _regs(flags: ParseFlags):
     """The arch's FETCHARGS facts: the image's arch, else the machine we run on."""
     if flags.regs is not None:
         return flags.regs
@@ -335,12 +334,8 @@ def _bitfield(t: str, tcol: int) -> tuple[int, int, int] | None:
     return bw, bo, bs // 8
 
 
-def parse_arg_body(body: str, col: int, flags: ParseFlags) -> tuple[FetchType, int, list[Insn], bool]:
-    """traceprobe_parse_probe_arg_body(): BODY[:TYPE[N]] -> (type, count, code, is_bitfield)."""
-    if len(body) > MAX_ARGSTR_LEN:
-        raise FetchError(col, "ARG_TOO_LONG")
-    if not body:
-        raise FetchError(col, "NO_ARG_BODY")
+def _parse_type(body: str, col: int, flags: ParseFlags):
+    """BODY[:TYPE[N]] -> (arg, type text or None, type column, fetch type, array count, bitfield)."""
     arg, t, count, tcol = body, None, 0, col
     colon = body.find(":")
     if colon >= 0:
@@ -372,13 +367,15 @@ def parse_arg_body(body: str, col: int, flags: ParseFlags) -> tuple[FetchType, i
         ftype = TYPES.get(t if t is not None else _regs(flags).DEFAULT_TYPE)
         if ftype is None:
             raise FetchError(tcol, "BAD_TYPE")
-    code: list[Insn] = []
-    _parse_arg(arg, code, flags, col)
+    return arg, t, tcol, ftype, count, bf
+
+
+def _store(code: list[Insn], ftype: FetchType, count: int, bf, typed: bool, tcol: int, col: int) -> None:
+    """Stage 3 and after: the store of the typed value, the bitfield modifier, the array loop."""
     last = code[-1]
-    # Store operation.
     if ftype.kind in STRING_KINDS:
         if last.op not in ("DEREF", "UDEREF", "IMM", "IMM_LINK", "COMM", "DATA"):
-            raise FetchError(tcol if t is not None else col, "BAD_STRING")
+            raise FetchError(tcol if typed else col, "BAD_STRING")
         user = ftype.kind == "ustring" or last.op == "UDEREF"
         if count and last.op not in ("DEREF", "UDEREF"):
             raise FetchError(tcol, "BAD_STRING", "a string array needs a dereference: +0(...):string[N]")
@@ -403,6 +400,18 @@ def parse_arg_body(body: str, col: int, flags: ParseFlags) -> tuple[FetchType, i
     if len(code) >= FETCH_INSN_MAX:
         raise FetchError(col, "TOO_MANY_OPS")
     code.append(Insn("END"))
+
+
+def parse_arg_body(body: str, col: int, flags: ParseFlags) -> tuple[FetchType, int, list[Insn], bool]:
+    """traceprobe_parse_probe_arg_body(): BODY[:TYPE[N]] -> (type, count, code, is_bitfield)."""
+    if len(body) > MAX_ARGSTR_LEN:
+        raise FetchError(col, "ARG_TOO_LONG")
+    if not body:
+        raise FetchError(col, "NO_ARG_BODY")
+    arg, t, tcol, ftype, count, bf = _parse_type(body, col, flags)
+    code: list[Insn] = []
+    _parse_arg(arg, code, flags, col)
+    _store(code, ftype, count, bf, t is not None, tcol, col)
     return ftype, count, code, bf is not None
 
 
@@ -410,28 +419,144 @@ RESERVED_NAMES = {"common_type", "common_flags", "common_preempt_count", "common
                   "__probe_ip", "__probe_ret_ip", "__probe_func"}
 
 
+def _check_name(name: str, col: int, out: list[ProbeArg]) -> None:
+    if not is_good_name(name):
+        raise FetchError(col, "BAD_ARG_NAME")
+    if name in RESERVED_NAMES or any(a.name == name for a in out):
+        raise FetchError(col, "USED_ARG_NAME")
+
+
+def _split_name(arg: str, col: int, i: int) -> tuple[str, str, int]:
+    """NAME=BODY -> (name, body, body column); NAME defaults to arg<i + 1>."""
+    eq = arg.find("=")
+    if eq < 0:
+        return f"arg{i + 1}", arg, col
+    if eq > MAX_ARG_NAME_LEN:
+        raise FetchError(col, "ARG_NAME_TOO_LONG")
+    if eq == 0:
+        raise FetchError(col, "NO_ARG_NAME")
+    return arg[:eq], arg[eq + 1:], col + eq + 1
+
+
+def parse_arg(arg: str, col: int, flags: ParseFlags, out: list[ProbeArg]) -> ProbeArg:
+    """One FETCHARG written at `col`, after the args `out` (its name must differ)."""
+    if len(out) >= MAX_TRACE_ARGS:
+        raise FetchError(col, "TOO_MANY_ARGS")
+    name, body, bcol = _split_name(arg, col, len(out))
+    _check_name(name, col, out)
+    ftype, count, code, bf = parse_arg_body(body, bcol, flags)
+    return ProbeArg(name, body, ftype, count, code, col, bf)
+
+
 def parse_args(words: list[tuple[str, int]], flags: ParseFlags) -> list[ProbeArg]:
     """Every FETCHARG of one probe; words are (text, column) from split_args()."""
-    if len(words) > MAX_TRACE_ARGS:
-        raise FetchError(words[MAX_TRACE_ARGS][1], "TOO_MANY_ARGS")
     out: list[ProbeArg] = []
-    for i, (arg, col) in enumerate(words):
-        eq = arg.find("=")
-        if eq >= 0:
-            if eq > MAX_ARG_NAME_LEN:
-                raise FetchError(col, "ARG_NAME_TOO_LONG")
-            if eq == 0:
-                raise FetchError(col, "NO_ARG_NAME")
-            name, body, bcol = arg[:eq], arg[eq + 1:], col + eq + 1
-        else:
-            name, body, bcol = f"arg{i + 1}", arg, col
-        if not is_good_name(name):
-            raise FetchError(col, "BAD_ARG_NAME")
-        if name in RESERVED_NAMES or any(a.name == name for a in out):
-            raise FetchError(col, "USED_ARG_NAME")
-        ftype, count, code, bf = parse_arg_body(body, bcol, flags)
-        out.append(ProbeArg(name, body, ftype, count, code, col, bf))
+    for arg, col in words:
+        out.append(parse_arg(arg, col, flags, out))
     return out
+
+
+# --- fetch args as data: what perf probe definitions compile to ------------------------------------
+
+@dataclass(frozen=True)
+class Value:
+    """Where a fetch arg's value is (stage 1 and 2 as data rather than text): `reg` (a
+    register by its FETCHARGS name), `imm` (a constant), `addr` (@ADDR: the memory at a
+    link-time address), `retval`, or `deref` (memory at `off` from `inner`'s value)."""
+    kind: str
+    reg: str | None = None
+    imm: int = 0                    # imm: the constant; addr: the address; deref: the offset
+    inner: Value | None = None
+
+    def text(self) -> str:
+        """As a kprobe_events line writes it."""
+        if self.kind == "reg":
+            return f"%{self.reg}"
+        if self.kind == "imm":
+            return f"\\{self.imm}"
+        if self.kind == "addr":
+            return f"@{self.imm & (1 << 64) - 1:#x}"
+        if self.kind == "retval":
+            return "$retval"
+        return f"{self.imm:+d}({self.inner.text()})"
+
+    def lower(self, code: list[Insn], flags: ParseFlags, col: int) -> None:
+        """Appends its instructions to `code`, as _parse_arg() does for text(); `col`:
+        where text() would be written (for errors)."""
+        if self.kind == "reg":
+            regs = _regs(flags)
+            if self.reg not in regs.REG_OFFSET:
+                raise FetchError(col, "BAD_REG_NAME", regs.REGS_HINT)
+            code.append(Insn("REG", param=regs.REG_OFFSET[self.reg]))
+        elif self.kind == "imm":
+            if not -(1 << 63) <= self.imm < 1 << 64:
+                raise FetchError(col + 1, "BAD_IMM")
+            code.append(Insn("IMM", imm=self.imm & (1 << 64) - 1))
+        elif self.kind == "addr":
+            code += [Insn("IMM_LINK", imm=self.imm & (1 << 64) - 1), Insn("DEREF", imm=0)]
+        elif self.kind == "retval":
+            if not flags.is_return:
+                raise FetchError(col, "RETVAL_ON_PROBE")
+            code.append(Insn("RETVAL"))
+        else:
+            if not -(1 << 63) <= self.imm < 1 << 63:
+                raise FetchError(col, "BAD_DEREF_OFFS")
+            self.inner.lower(code, flags, col + len(f"{self.imm:+d}") + 1)
+            if len(code) >= FETCH_INSN_MAX - 2:
+                raise FetchError(col, "TOO_MANY_OPS")
+            code.append(Insn("DEREF", imm=self.imm))
+
+
+def reg(name: str) -> Value:
+    return Value("reg", reg=name)
+
+
+def imm(v: int) -> Value:
+    return Value("imm", imm=v)
+
+
+def addr(a: int) -> Value:
+    return Value("addr", imm=a)
+
+
+def deref(off: int, inner: Value) -> Value:
+    return Value("deref", imm=off, inner=inner)
+
+
+RETVAL = Value("retval")
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """A fetch arg's body as data: a Value and its type, by its kprobe_events name
+    (u32, string, b4@2/32, u8[4]...)."""
+    value: Value
+    type: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.value.text()}:{self.type}"
+
+
+def build_arg(name: str, body: Fetch, col: int, flags: ParseFlags, out: list[ProbeArg]) -> ProbeArg:
+    """The ProbeArg that parse_arg() makes of `NAME=` + body.text at `col`, made from the
+    data: the same instructions and the same errors (their columns in that text)."""
+    if len(out) >= MAX_TRACE_ARGS:
+        raise FetchError(col, "TOO_MANY_ARGS")
+    text = body.text
+    if len(name) > MAX_ARG_NAME_LEN:
+        raise FetchError(col, "ARG_NAME_TOO_LONG")
+    _check_name(name, col, out)
+    bcol = col + len(name) + 1
+    if len(text) > MAX_ARGSTR_LEN:
+        raise FetchError(bcol, "ARG_TOO_LONG")
+    if text.find(":") != len(body.value.text()):        # a ':' in the value: never made so
+        raise FetchError(bcol, "BAD_FETCH_ARG")
+    _, _, tcol, ftype, count, bf = _parse_type(text, bcol, flags)
+    code: list[Insn] = []
+    body.value.lower(code, flags, bcol)
+    _store(code, ftype, count, bf, True, tcol, bcol)
+    return ProbeArg(name, text, ftype, count, code, col, bf is not None)
 
 
 # --- resolution and C emission ------------------------------------------------------------------

@@ -2,26 +2,32 @@
 resolved ahead of time from the image's DWARF (docs/reference/spec.md#probes).
 
     syntax.py   the probe definition (parse_perf_probe_command())
-    dwarf.py    functions, lines, variables and their locations (probe-finder.c's part)
-    compile.py  the addresses and fetch args: kprobe_events lines
+    dwarf.py    the debug information's functions, lines and variables in scope
+                (probe-finder.c's part); dwarfloc.py where a variable is at an
+                address (convert_variable_location()); dwarfaux.py DIEs and types
+                (dwarf-aux.c); debugfile.py the separate debug file; debugframe.py
+                .debug_frame's CFA
+    compile.py  the addresses and fetch args: probe records (compile.Compiled)
     listing.py  what `probe-vars` and `probe-lines` print (perf probe -V / -L)
     btfprobe.py a kernel image's definitions from its BTF instead, where its debug
                 vmlinux is not found: parameters at the entry, members, $retval (the
                 target's PROBES_BY_NAME = "btf"; with the debug vmlinux, dwarf.py reads
                 it one compilation unit at a time)
 
-The spec's `probes` strings become `p`/`r` lines, parsed by events.parse_line()
-into the same kprobe and kretprobe tables as `events` lines: the trace events,
-handlers and reports are theirs.
+The spec's `probes` strings become the records events.parse_line() makes of `p`/`r`
+lines (an EventDef, its kprobe or kretprobe table, its fetch programs), made from the
+data with no line written and read back: the trace events, handlers and reports are
+those of `events` lines.  The equivalent line is kept for the user (spec.compiled).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elftools.common.exceptions import DWARFError, ELFError, ELFParseError
 
 from .. import events as E
+from .. import fetch as F
 from ...errors import KprewriteError
 from . import compile as C
 from . import dwarf as D
@@ -31,12 +37,38 @@ from .syntax import ProbeSyntaxError, parse
 
 @dataclass
 class ProbeEventDef(E.EventDef):
-    """An event compiled from the spec's probes[N] (named so in errors)."""
+    """An event compiled from the spec's probes[N] (named so in errors); `text` and
+    `words` are the equivalent kprobe_events line's, for errors."""
     source: int = 0
+    args: list = field(default_factory=list)    # (NAME, fetch.Fetch or a raw fetch arg as written)
 
     @property
     def table(self) -> str:
         return self.label or f"probes[{self.source}]"
+
+    def fetch_args(self, flags: F.ParseFlags) -> list[F.ProbeArg]:
+        """The fetch programs, made from the data (a raw fetch arg: parsed as written)."""
+        out: list[F.ProbeArg] = []
+        for (name, body), (word, col) in zip(self.args, self.words):
+            out.append(F.parse_arg(word, col, flags, out) if isinstance(body, str) else
+                       F.build_arg(name, body, col, flags, out))
+        return out
+
+
+def _event(c: C.Compiled, source: int, regs) -> ProbeEventDef:
+    """The EventDef of a compiled probe, checked as events.parse_line() checks a line."""
+    words = c.words()
+    wcol = words[1][1]
+    if c.symbol is not None and ":" in c.symbol:
+        raise E.LineError(wcol, "NO_MODULE")
+    if c.is_return and c.offset:
+        raise E.LineError(wcol, "BAD_RETPROBE")
+    E.check_group(c.group, 2)
+    E.check_event(c.event, 2 + len(c.group) + 1)
+    ev = ProbeEventDef(0, c.line, c.is_return, c.group, c.event, c.symbol, c.offset, c.addr, 0, words[2:],
+                       source=source, args=c.args)
+    ev.fetch_args(F.ParseFlags(is_return=c.is_return, fentry=True, regs=regs))
+    return ev
 
 
 def debug_info(image, arch):
@@ -138,11 +170,10 @@ def expand(spec, image, arch) -> list[str]:
             break
         for c in compiled:
             try:
-                ev = E.parse_line(c.line, 0, arch.fetch_regs)
-            except (E.LineError, E.F.FetchError) as e:
+                ev = _event(c, i, arch.fetch_regs)
+            except (E.LineError, F.FetchError) as e:
                 errors += E.caret_lines(where + ": compiled to", c.line, e.column, e.message)
                 continue
-            ev = ProbeEventDef(**{k: getattr(ev, k) for k in ev.__dataclass_fields__}, source=i)
             ev.label = spec.labels.get(f"probes[{i}]", "")
             spec.compiled.append((spec.table("probes", i), c.line))
             fetch = c.line[ev.words[0][1]:] if ev.words else ""

@@ -6,12 +6,13 @@ parse_btf_arg() and parse_btf_field(), Linux 6.x): BTF FUNC -> FUNC_PROTO gives 
 parameter's name and type, the calling convention its register at the entry (the
 architecture's fetchregs.ARG_REGS), and a struct's BTF members their offsets.  BTF has
 no locals and no line table, so only FUNC and FUNC%return are probe points here.  The
-result is the same `p`/`r` kprobe_events lines compile.py makes from DWARF.
+result is the same probe records (compile.Compiled) compile.py makes from DWARF.
 """
 from __future__ import annotations
 
 from ...errors import KprewriteError
 from ...targets.linux_kernel import btf as B
+from .. import fetch as F
 from .compile import Compiled, ProbeError, _arg_name, default_event
 from .syntax import Arg, ProbeDef
 
@@ -83,11 +84,14 @@ class Loc:
     def __init__(self, reg: str | None = None, base: Loc | None = None, off: int = 0):
         self.reg, self.base, self.off = reg, base, off
 
-    def value(self) -> str:
+    def fetch(self) -> F.Value:
         """The fetch arg reading this location."""
         if self.reg is not None:
-            return self.reg
-        return f"{'+' if self.off >= 0 else ''}{self.off}({self.base.value()})"
+            return F.reg(self.reg[1:])
+        return F.deref(self.off, self.base.fetch())
+
+    def value(self) -> str:
+        return self.fetch().text()
 
 
 
@@ -119,13 +123,13 @@ def _char(ty: Types, tid: int) -> bool:
     return s == 0 or (ty.t[s].kind == B.INT and ty.t[s].size_or_type == 1)
 
 
-def _string(ty: Types, loc: Loc, tid: int, kind: str, label: str) -> str:
+def _string(ty: Types, loc: Loc, tid: int, kind: str, label: str) -> F.Fetch:
     s = ty.strip(tid)
     t = ty.t[s] if s else None
     if t is not None and t.kind == B.PTR and _char(ty, t.size_or_type):
-        return f"+0({loc.value()}):{kind}"
+        return F.Fetch(F.deref(0, loc.fetch()), kind)
     if t is not None and t.kind == B.ARRAY and _char(ty, t.array[0]) and loc.reg is None:
-        return f"{'+' if loc.off >= 0 else ''}{loc.off}({loc.base.value()}):{kind}"
+        return F.Fetch(loc.fetch(), kind)
     raise ProbeError(f"{label} is {ty.name(tid)}, not a char pointer or array: it cannot be read as a {kind}")
 
 
@@ -181,14 +185,14 @@ def _fields(ty: Types, loc: Loc, tid: int, arg: Arg, label: str) -> tuple[Loc, i
     return loc, tid, bit, bits
 
 
-def _bitfield(ty: Types, loc: Loc, tid: int, bit: int, bits: int) -> str:
+def _bitfield(ty: Types, loc: Loc, tid: int, bit: int, bits: int) -> F.Fetch:
     """A bitfield as its container (the member type's size) and a bN@O/C type."""
     csize = ty.size(tid) or 4
     start = (bit // (csize * 8)) * csize
     shift = bit - start * 8
     if shift + bits > csize * 8:
         raise ProbeError(f"a bitfield of {bits} bits at bit {bit} straddles its {csize}-byte container")
-    return f"{Loc(base=loc.base, off=loc.off + start).value()}:b{bits}@{shift}/{csize * 8}"
+    return F.Fetch(Loc(base=loc.base, off=loc.off + start).fetch(), f"b{bits}@{shift}/{csize * 8}")
 
 
 def _param_loc(ty: Types, proto, index: int, fetch_regs, func: str) -> Loc:
@@ -209,25 +213,25 @@ def _param_loc(ty: Types, proto, index: int, fetch_regs, func: str) -> Loc:
     return Loc(reg="%" + regs[index])
 
 
-def _compile_arg(ty: Types, proto, func: str, arg: Arg, fetch_regs) -> list[tuple[str, str]]:
+def _compile_arg(ty: Types, proto, func: str, arg: Arg, fetch_regs) -> list[tuple[str, F.Fetch | str]]:
     if arg.raw:
         return [(arg.name or "", arg.var)]      # named arg<N> where it lands (compile_args())
     if arg.var == "$retval":
         ftype = arg.type
         if ftype in ("string", "ustring"):
-            return [(_arg_name(arg), f"+0($retval):{ftype}")]
+            return [(_arg_name(arg), F.Fetch(F.deref(0, F.RETVAL), ftype))]
         if ftype is None:
             s = ty.strip(proto.size_or_type)
             ftype = _default_type(ty, proto.size_or_type, f"the return value of '{func}'") \
                 if s and ty.t[s].kind in (B.INT, B.ENUM, B.ENUM64) else "x64"
-        return [(_arg_name(arg), f"$retval:{ftype}")]
+        return [(_arg_name(arg), F.Fetch(F.RETVAL, ftype))]
     names = [n for n, _ in proto.params]
     if arg.var in ("$params", "$vars"):
         out = []
         for i, (n, t) in enumerate(proto.params):
             try:
-                out.append((n, f"{_param_loc(ty, proto, i, fetch_regs, func).value()}:"
-                               f"{_default_type(ty, t, n)}"))
+                out.append((n, F.Fetch(_param_loc(ty, proto, i, fetch_regs, func).fetch(),
+                                       _default_type(ty, t, n))))
             except ProbeError:
                 continue          # perf's $params: what cannot be read is left out
         return out
@@ -249,13 +253,13 @@ def _compile_arg(ty: Types, proto, func: str, arg: Arg, fetch_regs) -> list[tupl
         if s and ty.t[s].kind == B.ARRAY and _char(ty, ty.t[s].array[0]) and loc.reg is None:
             return [(_arg_name(arg), _string(ty, loc, tid, "string", label))]
     ftype = arg.type or _default_type(ty, tid, label)
-    return [(_arg_name(arg), f"{loc.value()}:{ftype}")]
+    return [(_arg_name(arg), F.Fetch(loc.fetch(), ftype))]
 
 
 def compile_def(ty: Types, image, d: ProbeDef, taken: set[tuple[str, str]], fetch_regs) -> list[Compiled]:
-    """The kprobe_events line of one definition, from BTF.  The line names the function
-    by its symbol (its address is resolved with the `events` lines', from the kernel's
-    symbols, which are read after this); Compiled.addr is 0."""
+    """The probe of one definition, from BTF.  It names the function by its symbol (its
+    address is resolved with the `events` lines', from the kernel's symbols, which are
+    read after this)."""
     p = d.point
     if p.function is None or p.file is not None or p.line or p.lazy is not None or p.offset:
         what = "a source line" if (p.line or p.lazy is not None or p.function is None) else \
@@ -267,7 +271,7 @@ def compile_def(ty: Types, image, d: ProbeDef, taken: set[tuple[str, str]], fetc
     if fid is None:
         raise ProbeError(f"function '{func}' not found in the BTF of {image.label}")
     proto = ty.t[ty.t[fid].size_or_type]
-    seen: dict[str, str] = {}
+    seen: dict[str, F.Fetch | str] = {}
     for a in d.args:
         for name, body in _compile_arg(ty, proto, func, a, fetch_regs):
             name = name or f"arg{len(seen) + 1}"
@@ -281,8 +285,7 @@ def compile_def(ty: Types, image, d: ProbeDef, taken: set[tuple[str, str]], fetc
     while (group, ev) in taken:
         ev, n = f"{base}_{n}", n + 1
     taken.add((group, ev))
-    head = f"{'r' if p.retprobe else 'p'}:{group}/{ev} {func}"
-    return [Compiled(" ".join([head, *(f"{k}={v}" for k, v in seen.items())]), 0, p.retprobe)]
+    return [Compiled(p.retprobe, group, ev, func, 0, None, list(seen.items()))]
 
 
 def vars_lines(ty: Types, fetch_regs, p) -> list[str]:

@@ -1,12 +1,14 @@
-"""From a parsed perf probe definition to kprobe_events lines: where (addresses,
-from the debug information) and what (each variable's location at that address,
-as a fetch arg with a type).
+"""From a parsed perf probe definition to probe records: where (addresses, from the
+debug information) and what (each variable's location at that address, as a fetch
+arg with a type).
 
 Mirrors tools/perf/util/probe-finder.c: find_probe_point_by_func() /
 find_probe_point_by_line() for the addresses, and convert_variable() /
 convert_variable_fields() / convert_variable_type() for the arguments.  The result
-is ordinary `p`/`r` lines (events.parse_line() reads them), so the trace events,
-handlers and reports are the ones kprobe_events lines get.
+is what events.parse_line() makes of a `p`/`r` line, as data (Compiled: the event,
+the probe point, each argument's fetch.Fetch), so the trace events, handlers and
+reports are the ones kprobe_events lines get; Compiled.line is that line, for the
+user to read (`check`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from .. import fetch as F
 from . import dwarf as D
 from .syntax import Arg, Point, ProbeDef
 
@@ -33,10 +36,35 @@ class Site:
 
 @dataclass
 class Compiled:
-    """One kprobe_events line from a probe definition."""
-    line: str
-    addr: int
+    """One probe of a definition: what a kprobe_events line holds, as data."""
     is_return: bool
+    group: str
+    event: str
+    symbol: str | None              # the probe point: SYMBOL+offset, or addr
+    offset: int
+    addr: int | None
+    args: list[tuple[str, F.Fetch | str]]      # NAME and its body (a raw fetch arg: as written)
+
+    @property
+    def where(self) -> str:
+        if self.symbol is None:
+            return f"{self.addr:#x}"
+        return f"{self.symbol}+{self.offset:#x}" if self.offset else self.symbol
+
+    def words(self) -> list[tuple[str, int]]:
+        """Its words as the equivalent kprobe_events line writes them, with their columns:
+        the head, the probe point, then NAME=BODY each."""
+        out, col = [], 0
+        for w in [f"{'r' if self.is_return else 'p'}:{self.group}/{self.event}", self.where,
+                  *(f"{n}={b if isinstance(b, str) else b.text}" for n, b in self.args)]:
+            out.append((w, col))
+            col += len(w) + 1
+        return out
+
+    @property
+    def line(self) -> str:
+        """The equivalent kprobe_events line (what `check` shows)."""
+        return " ".join(w for w, _ in self.words())
 
 
 def _file_match(path: str | None, want: str) -> bool:
@@ -261,7 +289,7 @@ def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]
                 size = D.byte_size(elem)
                 if size is None:
                     raise ProbeError(f"{label}: {shown} points to a type of unknown size")
-                loc, t = D.Loc("mem", base=loc.value(), off=f.index * size), elem
+                loc, t = D.Loc("mem", base=loc.fetch(), off=f.index * size), elem
             else:
                 raise ProbeError(f"{label}: {shown[:shown.rfind('[')]} is not an array or a pointer")
             last_member = None
@@ -273,7 +301,7 @@ def _fields(loc: D.Loc, t, arg: Arg, label: str) -> tuple[D.Loc, object, object]
             rec = D.strip(D.target(s))
             if rec is None or rec.tag not in _AGGREGATES:
                 raise ProbeError(f"{label}: {shown} does not point to a struct or union")
-            base, off = loc.value(), 0
+            base, off = loc.fetch(), 0
         else:
             if s is not None and s.tag == "DW_TAG_pointer_type":
                 raise ProbeError(f"{label}: {shown} is a pointer; use '->{f.name}'")
@@ -357,20 +385,20 @@ def _arg_name(arg: Arg) -> str:
     return base
 
 
-def _string(loc: D.Loc, t, label: str, user: bool) -> str:
+def _string(loc: D.Loc, t, label: str, user: bool) -> F.Fetch:
     s = D.strip(t)
     kind = "ustring" if user else "string"
     if s is not None and s.tag == "DW_TAG_pointer_type" and (D.target(s) is None or _char_like(D.target(s))):
-        return f"+0({loc.value()}):{kind}"
+        return F.Fetch(F.deref(0, loc.fetch()), kind)
     if s is not None and s.tag == "DW_TAG_array_type" and _char_like(D.target(s)):
         if loc.kind != "mem":
             raise ProbeError(f"{label} is not in memory here")
-        return f"{loc.value()}:{kind}"
+        return F.Fetch(loc.fetch(), kind)
     raise ProbeError(f"{label} is {D.type_name(t)}, not a char pointer or array: it cannot be read as a string")
 
 
-def compile_var(dbg: D.DebugInfo, image, site: Site, arg: Arg, var: D.Var | None, gvar=None) -> str:
-    """One argument: NAME=FETCHARG:TYPE."""
+def compile_var(dbg: D.DebugInfo, image, site: Site, arg: Arg, var: D.Var | None, gvar=None) -> F.Fetch:
+    """One argument's FETCHARG:TYPE."""
     at = where(image, site.addr)
     die = var.die if var is not None else gvar
     label = f"'{arg.var}'"
@@ -399,7 +427,7 @@ def compile_var(dbg: D.DebugInfo, image, site: Site, arg: Arg, var: D.Var | None
             raise ProbeError(f"{flabel} is {loc.width} bits from bit {loc.shift} of memory: wider than a fetch arg")
         if arg.type is not None:
             raise ProbeError(f"{flabel} is a bitfield: it takes its own bN@O/C type, not ':{arg.type}'")
-        return f"{D.Loc('mem', base=loc.base, off=loc.off).value()}:b{loc.width}@{loc.shift}/{8 * csize}"
+        return F.Fetch(D.Loc("mem", base=loc.base, off=loc.off).fetch(), f"b{loc.width}@{loc.shift}/{8 * csize}")
     if loc.kind == "reg" and (loc.shift or loc.bitfield):
         # a member in the upper bits of a register, or a bitfield: those bits, unsigned
         # (fetch args have no signed bitfield)
@@ -408,27 +436,27 @@ def compile_var(dbg: D.DebugInfo, image, site: Site, arg: Arg, var: D.Var | None
                              f"it can be read only as those bits (b{loc.width}@{loc.shift}/64), not as "
                              f"'{arg.type}'")
         _default_type(t, flabel) if arg.type is None else None    # a float or a struct: refused as elsewhere
-        body = f"%{loc.reg}:{arg.type or f'b{loc.width}@{loc.shift}/64'}"
-        if len(body) > MAX_ARGSTR_LEN:
-            raise ProbeError(f"{flabel}: the fetch arg '{body}' is longer than {MAX_ARGSTR_LEN} characters")
+        body = F.Fetch(F.reg(loc.reg), arg.type or f"b{loc.width}@{loc.shift}/64")
+        if len(body.text) > MAX_ARGSTR_LEN:
+            raise ProbeError(f"{flabel}: the fetch arg '{body.text}' is longer than {MAX_ARGSTR_LEN} characters")
         return body
     body = None
     if arg.type in ("string", "ustring"):
         body = _string(loc, t, flabel, arg.type == "ustring")
     elif arg.type is not None:
-        body = f"{loc.value()}:{arg.type}"
+        body = F.Fetch(loc.fetch(), arg.type)
     else:
         bf = _bitfield(m, t, loc)
         if bf is not None:
-            body = f"{bf[0].value()}:{bf[1]}"
+            body = F.Fetch(bf[0].fetch(), bf[1])
         else:
             s = D.strip(t)
             if s is not None and s.tag == "DW_TAG_array_type" and _char_like(D.target(s)):
                 body = _string(loc, t, flabel, False)
             else:
-                body = f"{loc.value()}:{_default_type(t, flabel)}"
-    if len(body) > MAX_ARGSTR_LEN:
-        raise ProbeError(f"{flabel}: the fetch arg '{body}' is longer than {MAX_ARGSTR_LEN} characters")
+                body = F.Fetch(loc.fetch(), _default_type(t, flabel))
+    if len(body.text) > MAX_ARGSTR_LEN:
+        raise ProbeError(f"{flabel}: the fetch arg '{body.text}' is longer than {MAX_ARGSTR_LEN} characters")
     return body
 
 
@@ -444,12 +472,12 @@ def _scalar(t) -> bool:
     return False
 
 
-def compile_args(dbg: D.DebugInfo, image, site: Site, d: ProbeDef) -> list[str]:
-    """Every argument of one site: a list of NAME=FETCHARG words."""
-    out: list[tuple[str, str]] = []
+def compile_args(dbg: D.DebugInfo, image, site: Site, d: ProbeDef) -> list[tuple[str, F.Fetch | str]]:
+    """Every argument of one site: (NAME, its fetch.Fetch, or a raw fetch arg as written)."""
+    out: list[tuple[str, F.Fetch | str]] = []
     used: set[str] = set()
 
-    def add(name: str, body: str):
+    def add(name: str, body: F.Fetch | str):
         n, i = name, 1
         while n in used:
             n, i = f"{name}_{i}", i + 1
@@ -472,7 +500,7 @@ def compile_args(dbg: D.DebugInfo, image, site: Site, d: ProbeDef) -> list[str]:
                                  f"cannot read")
             if ftype is None:
                 ftype = _default_type(rt, f"the return value of '{site.inst.name}'") if _scalar(rt) else "x64"
-            body = f"+0($retval):{ftype}" if ftype in ("string", "ustring") else f"$retval:{ftype}"
+            body = F.Fetch(F.deref(0, F.RETVAL) if ftype in ("string", "ustring") else F.RETVAL, ftype)
             add(_arg_name(arg), body)
             continue
         if scope is None:
@@ -495,7 +523,7 @@ def compile_args(dbg: D.DebugInfo, image, site: Site, d: ProbeDef) -> list[str]:
             raise ProbeError(f"no variable '{arg.var}' at {where(image, site.addr)} "
                              f"(in '{site.inst.name}': {', '.join(v.name for v in scope) or 'none'})")
         add(_arg_name(arg), compile_var(dbg, image, site, arg, var, gvar))
-    return [f"{n}={b}" for n, b in out]
+    return out
 
 
 # --- event names and lines ----------------------------------------------------------------------------
@@ -524,17 +552,17 @@ def default_event(d: ProbeDef, inst: D.Instance) -> str:
     return _sanitize(p.function)
 
 
-def location_text(image, addr: int) -> str:
-    """The probe address as a kprobe_events line names it: SYMBOL+OFFS when the
-    function's symbol is unique, else the address."""
+def location(image, addr: int) -> tuple[str | None, int, int | None]:
+    """The probe address as a kprobe_events line names it: (SYMBOL, offset, None) when
+    the function's symbol is unique, else (None, 0, the address)."""
     f = _function_at(image, addr)
     if f is not None and f[2]:
-        return f"{f[0]}+{addr - f[1]:#x}" if addr != f[1] else f[0]
-    return f"{addr:#x}"
+        return f[0], addr - f[1], None
+    return None, 0, addr
 
 
 def compile_def(dbg: D.DebugInfo, image, d: ProbeDef, taken: set[tuple[str, str]]) -> list[Compiled]:
-    """Every kprobe_events line of one definition; `taken` collects the event names used."""
+    """Every probe of one definition; `taken` collects the event names used."""
     out = []
     group = d.group or dbg.group or default_group(image)
     reads_vars = any(not a.raw and a.var != "$retval" for a in d.args)
@@ -545,16 +573,12 @@ def compile_def(dbg: D.DebugInfo, image, d: ProbeDef, taken: set[tuple[str, str]
             ev, n = f"{base}_{n}", n + 1
         taken.add((group, ev))
         args = compile_args(dbg, image, site, d)
+        at = location(image, site.addr)
         if d.point.retprobe:
             f = _function_at(image, site.addr)
             if f is not None and f[1] == site.addr:
                 # By name only if the name is unique (two files' static FUNC): else by address,
                 # which is this unit's own function.
-                loc = f[0] if f[2] else f"{site.addr:#x}"
-            else:
-                loc = location_text(image, site.addr)
-            head = f"r:{group}/{ev} {loc}"
-        else:
-            head = f"p:{group}/{ev} {location_text(image, site.addr)}"
-        out.append(Compiled(" ".join([head, *args]), site.addr, d.point.retprobe))
+                at = (f[0], 0, None) if f[2] else (None, 0, site.addr)
+        out.append(Compiled(d.point.retprobe, group, ev, *at, args))
     return out

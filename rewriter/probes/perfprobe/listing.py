@@ -41,7 +41,7 @@ def vars_lines(image, arch, text: str) -> list[str]:
         for v in dbg.scope(s.inst, s.addr):
             kind = "param" if v.param else "local"
             try:
-                what = C.compile_var(dbg, image, s, Arg(v.name, 0, None, v.name), v)
+                what = C.compile_var(dbg, image, s, Arg(v.name, 0, None, v.name), v).text
             except C.ProbeError as e:
                 msg = str(e)
                 what = "(" + (msg.split(" (", 1)[1][:-1] if " is not available at " in msg and " (" in msg
