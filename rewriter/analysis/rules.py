@@ -13,6 +13,8 @@ answer (targets/*), used by the planner.
 - share_ftrace / take_ftrace: such a probe leaves the site to the kernel's ftrace and jumps
   after it (a kernel whose own tracers must keep working on the function), and whether it may
   take the site where it cannot;
+- ftrace_ops_globs: a glob's probes reach functions through an ftrace_ops the image registers
+  at boot (no code per site), and only functions ftrace reaches, as ftrace's own filters do;
 - shared_regions: whether probes inside one region share its detour (the
   runtime then maps an ip inside a region to its copy, kp_region_ip());
 - breakpoints / kretprobes: whether breakpoint probes and kretprobes exist for the target yet;
@@ -115,6 +117,10 @@ class Rules:
     # Where a site cannot be shared, the jump may take it (not where the kernel rewrites the
     # site at boot whatever it holds: arm64's ftrace_init_nop()); else the probe is refused.
     take_ftrace: bool = True
+    # A site whose probes all come from globs is reached through an ftrace_ops registered at
+    # boot (planner.sites.optimize_site(): Site.ftrace_ops), a glob's probe off an ftrace site
+    # is skipped: room for a detour per function there is not (arm64's ~54 KiB).
+    ftrace_ops_globs: bool = False
     # Every trace event's hit passes the probed context's pt_regs, whatever its fetch args read:
     # perf's samples and BPF programs on the event read them (a kernel's events).
     events_pt_regs: bool = False

@@ -65,6 +65,9 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
                 fail(p, REFUSED, *why, into=kret_refused)
                 continue
         why = register_refusal(image, analysis, arch, p, rules.blacklist)
+        if why is None and rules.ftrace_ops_globs and p.from_glob and p.addr not in rules.ftrace:
+            why = (f"{p.addr:#x} is not an ftrace site: a glob reaches the functions ftrace reaches "
+                   "(available_filter_functions)", "ftrace_location")
         if why is not None:
             fail(p, REFUSED, *why)
             continue

@@ -65,6 +65,9 @@ class Site:
     # An ftrace site shared with the kernel's ftrace (Rules.share_ftrace): the site stays
     # for ftrace and the jump takes the instructions after it, at jump_at (0: at addr).
     jump_at: int = 0
+    # An ftrace site reached through the ftrace_ops the image registers at boot
+    # (Rules.ftrace_ops_globs): no jump, no detour; the site stays ftrace's.
+    ftrace_ops: bool = False
     # No addresses of new code: those are the layout's (layout.Layout, by index).
 
     @property

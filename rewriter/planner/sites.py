@@ -3,6 +3,7 @@ shared with the probes on the next instructions, or the breakpoint fallback."""
 from __future__ import annotations
 
 from .. import safety
+from ..probes.resolve import is_entry
 from .model import FTRACE, BREAKPOINT, JUMPS, OPTIMIZED, REFUSED, Site
 
 def make_breakpoint(image, arch, s: Site, ss_breakpoint: bool = False, boost_post_handler: bool = True) -> Site:
@@ -22,6 +23,9 @@ def optimize_site(image, analysis, arch, s: Site, optimize: bool, rules) -> None
     can_optimize() for the site: its DCR, or the refusal."""
     if s.addr in rules.ftrace:
         s.dcr, s.decision = [arch.ftrace_site_insn(s.addr)], FTRACE
+        if rules.ftrace_ops_globs and all(p.from_glob and not is_entry(p) for p in s.probes):
+            s.ftrace_ops = True     # through ftrace itself, as kprobe_ftrace_handler()
+            return
         # A glob's probes take the site where they may: sharing costs each detour the copy of
         # the displaced instructions, and a probe on every function must fit the kernel's gaps.
         if rules.share_ftrace and (not rules.take_ftrace or not all(p.from_glob for p in s.probes)):

@@ -13,6 +13,8 @@ detects its target once (image.target); the later stages take it from there.
 """
 from __future__ import annotations
 
+import struct
+
 
 def load(path: str):
     """The image.Image of the file at `path` (the ELF inside it when it is a
@@ -54,8 +56,13 @@ def unwrap(data: bytes, path: str):
     knows (a bzImage holds a vmlinux; a .ko's view is unwrapped from it), else None."""
     # A module is an ELF relocatable object, and the containers the kernel target opens
     # (a bzImage) are not ELF files: an ELF executable or shared object imports neither.
+    # An ELF kernel (linked in the upper half) may still be read through its boot image (arm64's
+    # vmlinux as its Image: the kernel target's arch folder says).
     if data[:4] == b"\x7fELF" and data[16:18] not in (b"\x01\x00", b"\x00\x01"):   # e_type ET_REL
-        return None
+        if len(data) < 32 or data[4] != 2 or struct.unpack_from("<Q", data, 24)[0] < 1 << 63:
+            return None
+        from . import linux_kernel
+        return linux_kernel.unwrap(data, path)
     from . import linux_kernel, linux_module
     found = linux_module.unwrap(data, path)
     return found if found is not None else linux_kernel.unwrap(data, path)

@@ -102,6 +102,26 @@ def obtain_arm64_kernel() -> Arm64Kernel:
         return Arm64Kernel(final)
 
 
+def obtain_dbg_vmlinux(k: Arm64Kernel) -> Path:
+    """The ELF vmlinux of the same kernel, from Debian's linux-image-<release>-dbg (262 MB; only
+    the vmlinux is kept), downloaded once into the kernel's cache folder."""
+    out = k.dir / f"vmlinux-{k.release}"
+    with _locked(_root() / ".lock"):
+        if out.exists():
+            return out
+        work = Path(tempfile.mkdtemp(prefix=".dbg-", dir=_root()))
+        try:
+            deb = _download(f"linux-image-{k.release}-dbg:arm64={k.version}", work)
+            member = f"./usr/lib/debug/boot/vmlinux-{k.release}"
+            r = _run(["sh", "-c", f"dpkg-deb --fsys-tarfile '{deb}' | tar -x -C '{work}' '{member}'"])
+            if r.returncode != 0 or not (work / member).exists():
+                raise KernelEnvError(f"{deb.name}: no {member} ({r.stderr.strip()[-200:]})")
+            (work / member).rename(out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def arm64_busybox() -> Path:
     """Debian's busybox-static for arm64 (bin/busybox), fetched once."""
     root = _root()

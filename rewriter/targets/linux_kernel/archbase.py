@@ -17,6 +17,7 @@ class KernelArch(Protocol):
     RETURN_SITES: str                  # the table of returns patched at boot (rules.return_jumps)
     SHARE_FTRACE: int                  # the ftrace site's bytes a probe's jump goes past (rules.share_ftrace)
     TAKE_FTRACE: bool                  # where it cannot, the jump may take the site (rules.take_ftrace)
+    FTRACE_OPS_GLOBS: bool             # globs reach ftrace's functions through an ftrace_ops (rules)
     KRETPROBE_EXITS: bool              # kretprobes hook every exit (rules.kretprobe_exits), or swap
                                        # the return address at entry for the trampoline, as the kernel's
 

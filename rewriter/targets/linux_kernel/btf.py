@@ -356,3 +356,23 @@ def kernel_types(btf: bytes, symbols: dict, where: str, kern) -> KernelTypes:
                      _trace_layout(types))
     cache.put("btf-types", k, json.dumps(kt.__dict__).encode())
     return kt
+
+
+def layout(image, items: tuple, what: str) -> list:
+    """_layout_values() of the image's own BTF for `items` ((struct, member) an offset, (struct,
+    None) a size, (None, NAME) an enumerator), cached by the BTF's contents; refused in one line
+    when the image has no BTF or BTF lacks one of them (`what` says who needs them)."""
+    sec = image.section_named(".BTF")
+    if sec is None:
+        raise KprewriteError(f"{image.path}: no .BTF section: {what} needs the kernel's types")
+    data = image.data[sec.offset:sec.offset + sec.size]
+    k = cache.key(GENERATOR, data, json.dumps(items).encode())
+    hit = cache.get("btf-layout", k)
+    if hit is not None:
+        return json.loads(hit)
+    vals = _layout_values(parse(data, image.path), items)
+    missing = [f"{s or ''}{'.' if s and m else ''}{m or ''}" for (s, m), v in zip(items, vals) if v is None]
+    if missing:
+        raise KprewriteError(f"{image.path}: the image's BTF lacks {', '.join(missing)}: {what} needs them")
+    cache.put("btf-layout", k, json.dumps(vals).encode())
+    return vals

@@ -86,7 +86,8 @@ def rules(image, arch) -> Rules:
     # breakpoint_hook()); single-stepped copies end with a breakpoint, as the kernel's own since 5.14
     # (its #DB path is not hooked).
     return Rules(Index(register), Index(patched), mcount, function_refusal,
-                 share_ftrace=kern.SHARE_FTRACE, take_ftrace=kern.TAKE_FTRACE, events_pt_regs=True,
+                 share_ftrace=kern.SHARE_FTRACE, take_ftrace=kern.TAKE_FTRACE,
+                 ftrace_ops_globs=kern.FTRACE_OPS_GLOBS, events_pt_regs=True,
                  breakpoints=kern.breakpoint_hook(image) is not None,
                  # kretprobes hook every exit where the architecture does (the user-space design;
                  # instances per task): a return the kernel patches at boot is a return, its table

@@ -35,6 +35,9 @@ TAKE_FTRACE = False
 # A kretprobe swaps x30 at the entry for the trampoline (arch_prepare_kretprobe()), before the
 # function's paciasp signs it: its exits are not hooked (build.py's kretprobe_c()).
 KRETPROBE_EXITS = False
+# A glob's probes (symbol_name = "*": 37,763 ftrace sites) go through one ftrace_ops registered at
+# boot (build.py: ftrace_ops_c()); ~54 KiB of text padding holds no detour per function.
+FTRACE_OPS_GLOBS = True
 RETURN_SITES = ""                       # no table of returns patched at boot on arm64
 
 
@@ -90,9 +93,15 @@ def write_container(image, arch, layout, rx, patches, blob, plan, zeroed: list, 
 
 
 def unwrap(data: bytes, path: str):
-    """(the Image's ELF view, the Image) when data is an arm64 Image, else None."""
+    """(the Image's ELF view, the Image) when data is an arm64 Image, or an ELF vmlinux (read
+    as the Image objcopy makes of it, and written back into it: image.ElfVmlinux), else None."""
     from . import image as arm_image
     if arm_image.is_image(data):
         img = arm_image.parse(data, path)
+        return img.vmlinux, img
+    elf = arm_image.elf_vmlinux(data, path)
+    if elf is not None:
+        img = arm_image.parse(elf.image(), path)
+        img.elf = elf
         return img.vmlinux, img
     return None

@@ -44,6 +44,8 @@ PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
 FRAME = 320            # pt_regs, a frame record (288), the saved DAIF (304), padding
 DCR_ROOM = 16          # the displaced instruction, relocated (at most 3 words), NOP-padded
 PAGE = 0x1000
+CONT = 0x10000         # a contiguous-hint run of 4 KiB pages (map_kernel_segment() may set PTE_CONT)
+BLOCK = 0x200000       # a PMD block mapping
 R_AARCH64_RELATIVE = 1027
 # Relocations whose value does not move with KASLR (PC-relative, or the low bits of an address).
 # The relocation types of our objects that stay right wherever KASLR puts the image (their
@@ -368,6 +370,151 @@ __attribute__((used)) int kp_kret_flush_task(struct kprobe *p, struct pt_regs *r
     return "".join(out)
 
 
+# struct ftrace_ops as the image's BTF lays it out (INIT_OPS_HASH() done at run time: the data
+# holds no absolute address), and the flag asking ftrace for a whole struct pt_regs.
+FTRACE_OPS_LAYOUT = (("ftrace_ops", None), ("ftrace_ops", "func"), ("ftrace_ops", "flags"),
+                     ("ftrace_ops", "local_hash"), ("ftrace_ops", "func_hash"), ("ftrace_ops_hash", "regex_lock"),
+                     (None, "FTRACE_OPS_FL_SAVE_REGS"))
+# Where the ftrace_ops is registered: kernel_init_freeable()'s entry (process context, after
+# ftrace_init(), before the secondary CPUs and the initcalls), a jump probe of our own.
+OPS_HOOK_FUNCTION = "kernel_init_freeable"
+
+
+def ftrace_ops_c(groups, ops_layout) -> str:
+    """The glob sites reached through ftrace (Site.ftrace_ops; the kernel's kprobes on ftrace,
+    kprobe_ftrace_handler(), without a kprobe per function): one struct ftrace_ops asking for
+    pt_regs, its filter the sites (ftrace_set_filter_ips(), each site by its ftrace record's
+    address, the `bl` at entry + 4), registered by kp_ftrace_ops_register() at
+    OPS_HOOK_FUNCTION's entry.  groups: (rows, [(pre, post)...]): the sites whose probes have the
+    same handlers, as offsets from kp_ops_anchor (the image's start) of their records, sorted.
+    At a hit, regs->pc is the entry (p->addr) for the pre_handlers and entry + 8 (after the
+    NOPs) for the post_handlers, as kprobe_ftrace_handler() emulates the single-step; a
+    pre_handler returning non-zero leaves regs->pc where it set it, and ftrace returns there.
+    One struct kprobe per glob probe and group, its addr set at each hit (symbol_name NULL:
+    kallsyms names the address); a hit while the task is in a handler counts in its nmissed."""
+    size, f_func, f_flags, f_local, f_hash, f_lock, fl_regs = ops_layout
+    out = [f"""
+extern char kp_ops_anchor[];
+void *vmalloc(unsigned long size);
+void vfree(const void *addr);
+int ftrace_set_filter_ips(void *ops, unsigned long *ips, unsigned int cnt, int remove, int reset);
+int ftrace_set_filter_ip(void *ops, unsigned long ip, int remove, int reset);
+int register_ftrace_function(void *ops);
+void __mutex_init(void *lock, const char *name, void *key);
+static char kp_ops[{size}] __attribute__((aligned(16)));
+static char kp_ops_lock_key[16];
+
+static int kp_ops_find(const unsigned int *rows, int n, unsigned int off)
+{{
+	int lo = 0, hi = n;
+
+	while (lo < hi) {{
+		int mid = (lo + hi) / 2;
+
+		if (rows[mid] == off)
+			return 1;
+		if (rows[mid] < off)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}}
+	return 0;
+}}
+"""]
+    declared, cases, fill = set(), [], []
+    total = sum(len(rows) for rows, _ in groups)
+    for g, (rows, handlers) in enumerate(groups):
+        out.append(f"static const unsigned int kp_ops_boot_rows_{g}[{len(rows)}] __attribute__((used, section(\".kp_initdata\"))) = {{"
+                   + ",".join(str(r) for r in rows) + f"}};\nstatic unsigned int *kp_ops_rows_{g};\n")
+        missed, calls, posts = [], [], []
+        for j, (pre, post) in enumerate(handlers):
+            for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
+                                (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
+                if name and name not in declared:
+                    declared.add(name)
+                    out.append(proto.format(name) + "\n")
+            k = f"kp_ops_kprobe_{g}_{j}"
+            out.append(f"static struct kprobe {k};\n")
+            missed.append(f"\n\t\t\t{k}.nmissed++;")
+            calls.append(f"\n\t\t{k}.addr = (kprobe_opcode_t *)(ip - 4);")
+            if pre:
+                calls.append(f"\n\t\t{k}.pre_handler = {pre};\n\t\tif ({pre}(&{k}, regs))\n\t\t\tgoto changed;")
+            if post:
+                calls.append(f"\n\t\t{k}.post_handler = {post};")
+                posts.append(f"\n\t\t{post}(&{k}, regs, 0);")
+        cases.append(f"""
+	if ({"1" if len(groups) == 1 else f"kp_ops_find(kp_ops_rows_{g}, {len(rows)}, off)"}) {{   /* ftrace's filter: the sites */
+		if (g < 0) {{{"".join(missed)}
+			goto out;
+		}}
+		regs->pc = ip - 4;{"".join(calls)}
+		regs->pc = ip + 4;{"".join(posts)}
+		goto done;
+	}}""")
+        fill.append(f"""
+	kp_ops_rows_{g} = rows;
+	for (i = 0; i < {len(rows)}; i++) {{
+		*rows++ = kp_ops_boot_rows_{g}[i];
+		ips[n++] = base + kp_ops_boot_rows_{g}[i];
+	}}""")
+    out.append(f"""
+static void kp_ftrace_handler(unsigned long ip, unsigned long parent_ip, void *op, struct pt_regs *regs)
+{{
+	unsigned int off = (unsigned int)(ip - (unsigned long)kp_ops_anchor);
+	unsigned long daif;
+	int g;
+
+	asm volatile("mrs %0, daif\\n\\tmsr daifset, #3" : "=r"(daif) :: "memory");
+	g = kp_enter();{"".join(cases)}
+	goto out;
+changed:
+done:
+	kp_leave(g);
+out:
+	asm volatile("msr daif, %0" :: "r"(daif) : "memory");
+}}
+
+/* Process context (kernel_init_freeable()): ftrace's mutexes may sleep, so interrupts are on
+ * for the calls as they were before the detour. */
+__attribute__((used)) int kp_ftrace_ops_register(struct kprobe *p, struct pt_regs *regs)
+{{
+	unsigned long *ips, base = (unsigned long)kp_ops_anchor;
+	unsigned int n = 0, i, *rows;
+	int r;
+
+	if (!(regs->pstate & 0x80))
+		asm volatile("msr daifclr, #3" ::: "memory");
+	*(void **)(kp_ops + {f_func}) = (void *)kp_ftrace_handler;
+	*(unsigned long *)(kp_ops + {f_flags}) = {fl_regs};
+	*(void **)(kp_ops + {f_hash}) = kp_ops + {f_local};
+	__mutex_init(kp_ops + {f_local} + {f_lock}, "kp_ops", kp_ops_lock_key);
+	/* The sites, from the boot-only data (freed with the init memory) to kept memory. */
+	ips = vmalloc({total} * sizeof(*ips));
+	rows = vmalloc({total} * sizeof(*rows));
+	if (!ips || !rows) {{
+		vfree(ips);
+		vfree(rows);
+		pr_err("kprewrite: no memory for the glob probes' ftrace filter: not armed\\n");
+		goto out;
+	}}{"".join(fill)}
+	r = ftrace_set_filter_ips(kp_ops, ips, n, 0, 1);
+	if (r) {{
+		pr_warn("kprewrite: ftrace_set_filter_ips: %d; setting the filter one function at a time\\n", r);
+		for (i = 0; i < n; i++)
+			ftrace_set_filter_ip(kp_ops, ips[i], 0, 0);
+	}}
+	vfree(ips);
+	r = register_ftrace_function(kp_ops);
+	if (r)
+		pr_err("kprewrite: register_ftrace_function: %d: the glob probes are not armed\\n", r);
+out:
+	asm volatile("msr daifset, #3" ::: "memory");
+	return 0;
+}}
+""")
+    return "".join(out)
+
+
 GUARD_C = r"""
 #define KP_SLOTS 64
 static void *kp_active[KP_SLOTS];
@@ -407,7 +554,7 @@ static void kp_leave(int g)
 """
 
 
-def dispatch_c(sites, changes, krets=()) -> str:
+def dispatch_c(sites, changes, krets=(), ops=None) -> str:
     """Per site, a struct kprobe per probe (in the writable data, filled at run time: no
     absolute address in data), and the functions the detour calls: each probe's pre_handler
     in the spec's order, then, after the displaced instruction, each post_handler.  At a
@@ -420,8 +567,9 @@ def dispatch_c(sites, changes, krets=()) -> str:
     no handler and counts in each probe's nmissed, as kprobe_running() makes the kernel do:
     the tasks in handlers are in kp_active[] (their sp_el0; interrupts are masked there, so
     at most one per CPU).  A kretprobe's entry (krets: kretprobe_c()) is one of the site's
-    probes, in the spec's order."""
-    out = ["#include <linux/kprobes.h>\n", GUARD_C, kretprobe_c(krets) if krets else ""]
+    probes, in the spec's order; ops: the glob sites reached through ftrace (ftrace_ops_c())."""
+    out = ["#include <linux/kprobes.h>\n", GUARD_C, kretprobe_c(krets) if krets else "",
+           ftrace_ops_c(*ops) if ops else ""]
     kret_of = {id(p): k for k, p, _, _ in krets}
     declared = set()
     for i, (site, probes) in enumerate(sites):
@@ -535,10 +683,11 @@ def _check_relocs(objs, path):
 def build(s, objs: list[Path], workdir: Path) -> bytes:
     image, arch, plan = s.image, s.arch, s.plan
     img = image.container
-    if img is None:
-        raise KprewriteError(f"{image.path}: an arm64 vmlinux (ELF) is not written yet: give its Image (vmlinuz)")
     sites = []
-    plan_sites = list(plan.sites)
+    plan_sites = [site for site in plan.sites if not site.ftrace_ops]
+    ops = _ftrace_ops_groups(s, img, [site for site in plan.sites if site.ftrace_ops])
+    if ops:
+        plan_sites = _with_hook_probe(s, plan_sites, OPS_HOOK_FUNCTION, "kp_ftrace_ops_register", first=True)
     if any(site.decision == BREAKPOINT for site in plan_sites):
         plan_sites = _with_hook_probe(s, plan_sites, HOOK_FUNCTION, "kp_brk_register", first=True)
     if plan.kretprobes:
@@ -579,7 +728,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else ""))
     brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == BREAKPOINT]
     (workdir / "kp_dispatch.c").write_text(
-        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets)
+        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets, ops)
         + (brk_c(brk) if brk else ""))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
@@ -597,7 +746,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         zeros_to += 1
     # Symbols: each site and its resume address; every undefined name from kallsyms.
     syms = link_symbols(image)
-    defs = {}
+    defs = {"kp_ops_anchor": img.text} if ops else {}
     for i, (site, probes) in enumerate(sites):
         p = probes[0][0]
         defs[f"kp_site_{i}"] = p.addr                         # what regs->pc and p->addr say
@@ -623,11 +772,13 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                                  f"(or names more than once)")
         defs[name] = a
 
-    def link(data_at: int) -> Path:
+    def link(data_at: int, init_at: int) -> Path:
         lds = workdir / "kp.lds"
         lds.write_text(f"""SECTIONS {{
   . = {text_lo:#x};
   .text : {{ *(.text .text.* .kprobes.text) *(.rodata .rodata.* .srodata*) }}
+  . = {init_at:#x};
+  .kp_initdata : {{ *(.kp_initdata) }}
   . = {data_at:#x};
   .data : {{ *(.data .data.*) *(.bss .bss.* COMMON) }}
   .kp_must_be_empty : {{ *(.iplt) *(.igot.plt) *(.got) *(.got.plt) *(.rela.*) }}
@@ -640,17 +791,27 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
              *(f"--defsym={n}={a:#x}" for n, a in sorted(defs.items())), *map(str, inputs)], "link")
         return out
 
-    elf = link(zeros_from)
-    text, data, addrs = _read_blob(elf)
-    data_lo = (zeros_to - max(len(data[1]), 1)) & ~(PAGE - 1)
-    if data_lo < zeros_from:
-        raise KprewriteError(f"{image.path}: the probes need {len(data[1])} bytes of data; the unused entries of "
-                             f".rela.dyn have {max(zeros_to - zeros_from, 0)} in whole pages")
+    elf = link(zeros_to, zeros_from)
+    text, data, addrs, initdata = _read_blob(elf)
+    # The data kept after boot: whole 64 KiB (contiguous-hint) chunks above the last 2 MiB
+    # boundary below __init_end.  free_initmem()'s vunmap_range() clears a whole block
+    # mapping it touches (pmd_clear_huge()), and the init data's 2 MiB-aligned middle may be
+    # one: data below that boundary would go with it.  Boot-only data (.kp_initdata: read up
+    # to the registration of the glob probes) goes below, and is freed with the init memory.
+    floor = init_end & ~(BLOCK - 1)
+    data_lo = (zeros_to - max(len(data[1]), 1)) & ~(CONT - 1)
+    if data_lo < max(floor, zeros_from):
+        raise KprewriteError(f"{image.path}: the probes need {len(data[1])} bytes of data; the room kept after "
+                             f"boot (the unused entries of .rela.dyn after the last 2 MiB boundary of the init "
+                             f"data) has {max(zeros_to - max(floor, zeros_from), 0) & ~(CONT - 1)} in 64 KiB chunks")
+    if zeros_from + len(initdata[1]) > data_lo:
+        raise KprewriteError(f"{image.path}: the glob probes need {len(initdata[1])} bytes of boot-time data; "
+                             f"the unused entries of .rela.dyn below the probes' data have {data_lo - zeros_from}")
     if text[0] + len(text[1]) > text_hi:
         raise KprewriteError(f"{image.path}: the probes need {len(text[1])} bytes of code; the text padding "
                              f"has {text_hi - text_lo} (before _etext {text_hi:#x})")
-    elf = link(data_lo)
-    text, data, addrs = _read_blob(elf)
+    elf = link(data_lo, zeros_from)
+    text, data, addrs, initdata = _read_blob(elf)
     out = bytearray(img.data)
 
     def put(addr: int, b: bytes):
@@ -670,19 +831,23 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         off = at - text[0]
         code[off:off + len(moved)] = moved
     put(text[0], bytes(code))
-    if any(data[1]):
-        rela_base = rela_lo
-        for ent in range((data[0] - rela_base) // 24, (data[0] + len(data[1]) - rela_base) // 24 + 1):
-            a = rela_base + 24 * ent + 8
-            if data[0] <= a and a + 4 <= data[0] + len(data[1]):
-                if struct.unpack_from("<I", data[1], a - data[0])[0] == R_AARCH64_RELATIVE:
+    for blob in (data, initdata):
+        if not any(blob[1]):
+            continue
+        for ent in range((blob[0] - rela_lo) // 24, (blob[0] + len(blob[1]) - rela_lo) // 24 + 1):
+            a = rela_lo + 24 * ent + 8
+            if blob[0] <= a and a + 4 <= blob[0] + len(blob[1]):
+                if struct.unpack_from("<I", blob[1], a - blob[0])[0] == R_AARCH64_RELATIVE:
                     raise KprewriteError(f"{image.path}: the probes' data at {a:#x} would read as a relocation at boot")
-        put(data[0], data[1])
+        put(blob[0], blob[1])
     for i, (site, _) in enumerate(sites):
         put(site.addr, enc.brk(BRK_IMM) if site.decision == BREAKPOINT else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
     # free_initmem() frees the init memory up to our data, no further.
     put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
-    return bytes(out)
+    if img.elf is None:
+        return bytes(out)
+    # ELF in, ELF out: the code in the text padding (between the ELF's sections) gets a section.
+    return img.elf.write(bytes(out), [(".kprewrite.text", text[0], len(text[1]))] if text[1] else [])
 
 
 class _Moved:
@@ -717,6 +882,22 @@ def _past_ftrace_nops(s, site):
     return _Moved(site, site.dcr[1:])
 
 
+def _ftrace_ops_groups(s, img, ops_sites):
+    """ftrace_ops_c()'s arguments for the sites reached through ftrace: their ftrace records
+    (entry + 4) as offsets from the image's start, grouped by their probes' handlers; None
+    when there are none."""
+    if not ops_sites:
+        return None
+    from ..btf import layout
+    groups: dict[tuple, list[int]] = {}
+    for site in ops_sites:
+        key = tuple((s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
+                     s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None) for p in site.probes)
+        groups.setdefault(key, []).append(site.addr + 4 - img.text)
+    return ([(sorted(rows), list(key)) for key, rows in groups.items()],
+            layout(s.image, FTRACE_OPS_LAYOUT, "probes from a glob (an ftrace_ops)"))
+
+
 def _with_hook_probe(s, sites, function: str, hook_name: str, first: bool):
     """The sites with a hook probe of ours added on function's entry (a site of its own, or a
     probe beside the user's there): kp_brk_register() first on HOOK_FUNCTION's,
@@ -729,7 +910,7 @@ def _with_hook_probe(s, sites, function: str, hook_name: str, first: bool):
     hook = SimpleNamespace(symbol=function, offset=0, addr=f.start, func=f, hook=hook_name,
                            spec=SimpleNamespace(pre_handler=None, post_handler=None))
     for site in sites:
-        if site.addr == f.start and site.decision == FTRACE:
+        if site.addr == f.start and site.decision == FTRACE and not getattr(site, "ftrace_ops", False):
             site.probes.insert(0 if first else len(site.probes), hook)
             return sites
     if f.start not in s.rules.ftrace:
@@ -739,20 +920,21 @@ def _with_hook_probe(s, sites, function: str, hook_name: str, first: bool):
 
 
 def _read_blob(elf: Path):
-    """((.text address, bytes), (.data address, bytes, bss zeros included), symbols)."""
+    """((.text address, bytes), (.data address, bytes, bss zeros included), symbols,
+    (.kp_initdata address, bytes))."""
     from ....elf.view import SHT_NOBITS, ElfView
     e = ElfView(Path(elf).read_bytes(), str(elf))
     extra = e.section(".kp_must_be_empty")
     if extra is not None and extra.size:
         raise KprewriteError(f"{elf}: the link made {extra.size} bytes of GOT, PLT or dynamic relocations: "
                              "an arm64 image's probes are PC-relative only")
-    t, d = e.section(".text"), e.section(".data")
+    t = e.section(".text")
     text = (t.addr, e.section_bytes(t)) if t is not None else (0, b"")
-    if d is None:
-        data = (0, b"")
-    elif d.type == SHT_NOBITS:
-        data = (d.addr, bytes(d.size))
-    else:
-        data = (d.addr, e.section_bytes(d))
+
+    def data_of(name):
+        d = e.section(name)
+        if d is None:
+            return (0, b"")
+        return (d.addr, bytes(d.size) if d.type == SHT_NOBITS else e.section_bytes(d))
     addrs = {s.name: s.value for s in e.symbols() if s.name}
-    return text, data, addrs
+    return text, data_of(".data"), addrs, data_of(".kp_initdata")

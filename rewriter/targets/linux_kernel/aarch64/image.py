@@ -54,6 +54,89 @@ BLACKLIST_ANCHOR = "get_kprobe"
 EM_AARCH64 = 183
 
 
+@dataclass
+class ElfVmlinux:
+    """An ELF vmlinux (Debian's linux-image-*-dbg) read as the Image it is objcopy'd into
+    (arch/arm64/boot/Makefile: `objcopy -O binary`): its PT_LOADs' file bytes at their
+    addresses from the first, gaps zero.  The Image's bytes go back to the same places."""
+    data: bytes
+    loads: list[tuple[int, int, int]]       # (p_offset, p_vaddr, p_filesz) of each PT_LOAD
+
+    def image(self) -> bytes:
+        base = min(v for _, v, _ in self.loads)
+        out = bytearray(max(v + n for _, v, n in self.loads) - base)
+        for off, v, n in self.loads:
+            out[v - base:v - base + n] = self.data[off:off + n]
+        return bytes(out)
+
+    def write(self, image: bytes, sections=()) -> bytes:
+        """The ELF with the (rewritten) Image's bytes in its PT_LOADs, and a section header for
+        each of `sections` ((name, address, size): new code between the ELF's sections, which
+        `objcopy -O binary` would drop as a gap: the Image made from this ELF must hold it).
+        The new headers and names go at the end of the file: a copy of the section header
+        table with them appended, and of .shstrtab with their names."""
+        base = min(v for _, v, _ in self.loads)
+        out = bytearray(self.data)
+        for off, v, n in self.loads:
+            out[off:off + n] = image[v - base:v - base + n]
+        if not sections:
+            return bytes(out)
+        shoff, = struct.unpack_from("<Q", out, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", out, 0x3A)
+        if shentsize != 64 or not 0 < shstrndx < shnum or shoff + 64 * shnum > len(out):
+            raise KprewriteError("the ELF vmlinux's section headers are not as kprewrite reads them")
+        table = bytearray(out[shoff:shoff + 64 * shnum])
+        str_off, str_size = struct.unpack_from("<QQ", table, 64 * shstrndx + 0x18)
+        names = bytearray(out[str_off:str_off + str_size])
+        for name, addr, size in sections:
+            off = next((o + addr - v for o, v, n in self.loads if v <= addr and addr + size <= v + n), None)
+            if off is None:
+                raise KprewriteError(f"{name} at {addr:#x} is not in a PT_LOAD of the ELF vmlinux")
+            # sh_name, SHT_PROGBITS, SHF_ALLOC | SHF_EXECINSTR, addr, offset, size, link, info, align, entsize
+            table += struct.pack("<IIQQQQIIQQ", len(names), 1, 6, addr, off, size, 0, 0, 4, 0)
+            names += name.encode() + b"\0"
+        out += bytes(-len(out) % 8)
+        new_str = len(out)
+        out += names + bytes(-len(names) % 8)
+        struct.pack_into("<QQ", table, 64 * shstrndx + 0x18, new_str, len(names))
+        new_shoff = len(out)
+        out += table
+        struct.pack_into("<Q", out, 0x28, new_shoff)
+        struct.pack_into("<H", out, 0x3C, shnum + len(sections))
+        return bytes(out)
+
+
+def elf_vmlinux(data: bytes, path: str) -> ElfVmlinux | None:
+    """An arm64 ELF vmlinux's PT_LOADs (an ELF64 little-endian EM_AARCH64 executable linked in
+    the upper half whose first loaded byte is an Image header), else None."""
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    e_type, e_machine = struct.unpack_from("<HH", data, 16)
+    if e_machine != EM_AARCH64 or e_type not in (2, 3):
+        return None
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    if phentsize != 56 or phoff + phnum * 56 > len(data):
+        raise KprewriteError(f"{path}: its program headers ({phnum} at {phoff:#x}) run past the end of the file")
+    loads = []
+    for i in range(phnum):
+        p_type, _flags, off, vaddr, _pa, filesz, _memsz, _align = struct.unpack_from("<IIQQQQQQ", data, phoff + 56 * i)
+        if p_type == 1 and filesz:
+            if off + filesz > len(data):
+                raise KprewriteError(f"{path}: PT_LOAD {i} ({filesz:#x} bytes at {off:#x}) runs past the end of the file")
+            loads.append((off, vaddr, filesz))
+    if not loads or min(v for _, v, _ in loads) < 1 << 63:
+        return None
+    e = ElfVmlinux(data, loads)
+    base = min(v for _, v, _ in loads)
+    first = next(off for off, v, _ in loads if v == base)
+    if data[first + MAGIC_OFFSET:first + MAGIC_OFFSET + 4] != MAGIC:
+        return None
+    if max(v + n for _, v, n in loads) - base > 1 << 31:
+        raise KprewriteError(f"{path}: its PT_LOADs span more than 2 GiB: not an arm64 vmlinux kprewrite reads")
+    return e
+
+
 def is_image(data: bytes) -> bool:
     return len(data) >= 64 and data[MAGIC_OFFSET:MAGIC_OFFSET + 4] == MAGIC
 
@@ -75,6 +158,7 @@ class ArmImage:
     tables: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> [start, end) addresses
     btf: tuple[int, int] | None = None      # file offsets of the BTF, if any
     vmlinux: bytes = b""
+    elf: "ElfVmlinux | None" = None         # read from an ELF vmlinux (-dbg): written back into it
 
     @property
     def relocs(self):        # what the x86 container calls its KASLR table (none here: see relas)

@@ -49,24 +49,12 @@ def load_symbols(image, system_map: str | None = None) -> None:
 
 
 def rules(image, arch):
-    """The kernel target's rules, with the ftrace sites (function entries the planner gives the
-    ftrace form: build.py takes them past the NOPs) only where the instruction after the NOPs
-    can take the jump: one a kprobe may step, on no site patched at boot.  (build.py checks
-    the rest, the jump targets, with the analysis.)"""
-    import struct
-    from ....arch.aarch64 import insn as I
+    """The kernel target's rules, with breakpoint probes where no jump fits (build.py: brk, the
+    kernel's break hooks, an out-of-line copy).  Every ftrace site stays one: where the
+    instruction after a function's NOPs cannot take the jump, the planner's share_ftrace_site()
+    refuses its entry probe naming the check (the site itself is never taken: ftrace_init_nop()),
+    and a glob reaches it through the ftrace_ops (Rules.ftrace_ops_globs)."""
     r = _base.rules(image, arch)
-    for site in list(r.ftrace):
-        at = site + 8
-        f = image.function_at(site)
-        ok = f is not None and at + 4 <= f.end
-        if ok:
-            word = struct.unpack("<I", image.read(at, 4))[0]
-            ok = not I.classify(word, at).refused and not r.reserved_sites(at, at + 4)
-        if not ok:
-            del r.ftrace[site]
-    # Breakpoint probes where no jump fits (build.py: brk, the kernel's break hooks, an
-    # out-of-line copy).
     r.breakpoints = True
     return r
 

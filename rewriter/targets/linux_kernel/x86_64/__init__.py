@@ -33,6 +33,7 @@ REGISTER_REASONS = {
 # function (Rules.share_ftrace); where it cannot, the jump takes the site, the nop it is untraced.
 SHARE_FTRACE = 5
 TAKE_FTRACE = True
+FTRACE_OPS_GLOBS = False                # a glob takes each site (the gaps hold it)
 KRETPROBE_EXITS = True                  # every exit hooked (the user-space design)
 # Refused function by function, with the function's name (never patched at boot).
 FUNCTION_RANGES = (".head.text", "__x86_thunks", "__x86_no_percpu_base")
