@@ -8,7 +8,7 @@ import json
 from .arch.base import BOOST, EMULATE, SINGLESTEP
 from .emit.meta import META_SECTION
 from .errors import KprewriteError, file_error
-from .planner import FTRACE, HOOK_PENDING, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Plan
+from .planner import FTRACE, HOOK_PENDING, HOOK_POINTER, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Plan
 
 
 
@@ -18,6 +18,10 @@ from .planner import FTRACE, HOOK_PENDING, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Pl
 
 CHECK_FORMAT, LIST_FORMAT, BLACKLIST_FORMAT = "kprewrite-check-1", "kprewrite-list-1", "kprewrite-blacklist-1"
 
+
+# A tail call through a pointer: pending when its target is a hooked entry, else the
+# trampoline, decided at each call (kp_kretprobe_tail_pointer()).
+POINTER_HOOK = "pending or trampoline"
 
 def hexaddr(a: int | None) -> str | None:
     return None if a is None else f"{a:#x}"
@@ -67,7 +71,8 @@ def returns_record(g) -> dict:
     bp = {e.addr: why for e, why in g.breakpoint_exits}
     sites = []
     for e in g.exits:
-        hook = "ret" if e.kind == "ret" else ("pending" if g.hooks[e.addr] == HOOK_PENDING else TRAMPOLINE)
+        hook = "ret" if e.kind == "ret" else ("pending" if g.hooks[e.addr] == HOOK_PENDING else
+                                              POINTER_HOOK if g.hooks[e.addr] == HOOK_POINTER else TRAMPOLINE)
         sites.append({"address": hexaddr(e.addr), "kind": "ret" if e.kind == "ret" else "tail",
                       "target": hexaddr(e.target) if e.kind != "ret" else None, "hook": hook,
                       "int3": e.addr in bp,

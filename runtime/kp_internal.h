@@ -260,6 +260,9 @@ extern const unsigned int kp_nkretprobes;
 #define KP_KRET_HANDLER(rp) KP_KRET_HANDLER_REC(rp, handler)
 #define KP_KRET_ENTRY_HANDLER(rp) KP_KRET_HANDLER_REC(rp, entry_handler)
 void kp_kretprobe_relocate(unsigned long bias);
+/* Entries whose returns are all hooked (kprewrite's tables: link-time addresses). */
+extern const unsigned long kp_kret_hooked[];
+extern const unsigned int kp_kret_hooked_bits;
 void kp_kretprobe_breakpoint_hook(unsigned int kind, struct pt_regs *regs);
 
 /* kprobes_inc_nmissed_count(): a hit while a handler runs on this thread. */

@@ -44,7 +44,7 @@
 #define KP_KRET_TRAMPOLINE 1	/* entry swaps the return address (kernel's way) */
 
 extern char kp_kretprobe_trampoline[];
-static unsigned long kp_kret_total;
+static unsigned long kp_kret_total, kp_kret_bias;
 
 #define TRAMP ((unsigned long)kp_kretprobe_trampoline)
 
@@ -71,6 +71,7 @@ void kp_kretprobe_relocate(unsigned long bias)
 		total += rp->maxactive;
 	}
 	kp_kret_total = total;
+	kp_kret_bias = bias;
 }
 
 static inline struct kretprobe_instance *kp_ri_at(struct kretprobe *rp, unsigned int i)
@@ -395,9 +396,8 @@ int kp_kretprobe_return_clean(unsigned long S)
 
 /* A tail call to a function whose returns are hooked: this frame's instances
  * fire at that function's ret through the same slot. */
-void kp_kretprobe_tail_pending(struct pt_regs *regs)
+static void kp_tail_pending(unsigned long S)
 {
-	unsigned long S = kp_arch_ret_slot_after_return(regs);
 	struct kp_kret_thread *kt = kp_kret_at(kp_current_thread(), S);
 	if (!kt)
 		return;
@@ -410,11 +410,15 @@ void kp_kretprobe_tail_pending(struct pt_regs *regs)
 	kt->tail_slot = S;
 }
 
-/* A tail call to a function we do not hook: swap the slot for the trampoline
- * (the kernel's way, for this path only). */
-void kp_kretprobe_tail_swap(struct pt_regs *regs)
+void kp_kretprobe_tail_pending(struct pt_regs *regs)
 {
-	unsigned long S = kp_arch_ret_slot_after_return(regs);
+	kp_tail_pending(kp_arch_ret_slot_after_return(regs));
+}
+
+/* A tail call to a function we do not hook: swap the slot for the trampoline
+ * (the kernel's way, for this path only).  regs NULL: where the slot is memory. */
+static void kp_tail_swap(struct pt_regs *regs, unsigned long S)
+{
 	struct kp_kret_thread *kt = kp_kret_at(kp_current_thread(), S);
 	if (!kt)
 		return;
@@ -432,6 +436,43 @@ void kp_kretprobe_tail_swap(struct pt_regs *regs)
 		top->kp_flags |= KP_RI_SWAPPED;
 		kp_arch_ret_addr_set(regs, S, TRAMP);
 	}
+}
+
+void kp_kretprobe_tail_swap(struct pt_regs *regs)
+{
+	kp_tail_swap(regs, kp_arch_ret_slot_after_return(regs));
+}
+
+/* Whether a is the entry of a function of this image whose returns are all
+ * hooked (kprewrite's kp_kret_hooked[]: link-time addresses, open addressing). */
+static int kp_kret_hooked_entry(unsigned long a)
+{
+	unsigned int bits = kp_kret_hooked_bits;
+	unsigned long mask = (1UL << bits) - 1;
+	a -= kp_kret_bias;
+	if (!a)
+		return 0;
+	for (unsigned long h = (a * 0x9E3779B97F4A7C15UL) >> (64 - bits);; h = (h + 1) & mask) {
+		unsigned long v = kp_kret_hooked[h];
+		if (v == a)
+			return 1;
+		if (!v)
+			return 0;
+	}
+}
+
+/*
+ * A tail call through a pointer, from kp_kretprobe_tail_pointer_entry (a
+ * user process, where the slot is memory): to a hooked entry, the instances
+ * stay pending as for a direct tail call to it; to anything else (another
+ * object's function, one without kretprobe), the slot is swapped.
+ */
+void kp_kretprobe_tail_pointer(unsigned long S, unsigned long target)
+{
+	if (kp_kret_hooked_entry(target))
+		kp_tail_pending(S);
+	else
+		kp_tail_swap(0, S);
 }
 
 /*

@@ -69,6 +69,10 @@ class Rules:
     kretprobe_exits: bool = True
     return_jumps: frozenset = frozenset()
     kretprobe_breakpoint_exits: bool = True
+    # A tail call through a pointer leaves the instances pending when its target turns out
+    # at run time to be a hooked entry (kp_kretprobe_tail_pointer(), a user process), else
+    # the return address is swapped for the trampoline (the kernel's way, every time).
+    kretprobe_pointer_tails: bool = False
     # A detour runs a post_handler after the copied instruction (beyond the kernel); off: the
     # kernel's optimize_kprobe() rule, no kprobe with a post_handler is optimized.
     optimized_post_handler: bool = True

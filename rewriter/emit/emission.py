@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..arch.base import EMULATE, LinkSym
 from ..errors import KprewriteError
-from ..planner import HOOK_PENDING, HOOK_RET, HOOK_SWAP, BREAKPOINT, OPTIMIZED, Plan, Site
+from ..planner import HOOK_PENDING, HOOK_POINTER, HOOK_RET, HOOK_SWAP, BREAKPOINT, OPTIMIZED, Plan, Site
 from ..probes.events import trace_key
 from ..probes.resolve import is_entry
 
@@ -26,7 +26,7 @@ from ..probes.resolve import is_entry
 # handlers never read regs; and the jmp form of the ret hooks, reached by jmp
 # before a plain ret.
 HOOK_SYMBOL = {HOOK_RET: "kp_kretprobe_ret_entry", HOOK_PENDING: "kp_kretprobe_tail_pending_entry",
-               HOOK_SWAP: "kp_kretprobe_tail_swap_entry"}
+               HOOK_SWAP: "kp_kretprobe_tail_swap_entry", HOOK_POINTER: "kp_kretprobe_tail_pointer_entry"}
 HOOK_RET_CLEAN, HOOK_RET_JMP, HOOK_RET_CLEAN_JMP = \
     "kp_kretprobe_ret_clean_entry", "kp_kretprobe_ret_jmp_entry", "kp_kretprobe_ret_clean_jmp_entry"
 JMP_FORM = {HOOK_SYMBOL[HOOK_RET]: HOOK_RET_JMP, HOOK_RET_CLEAN: HOOK_RET_CLEAN_JMP}
@@ -80,6 +80,8 @@ def _hook(c: Code, group, kind: str, sym, at: int):
     """How an exit reaches its return hook: (call target, jmp target for a plain
     ret), or the inlined template (a function with one kretprobe, at a ret)."""
     hook = hook_targets(group, kind, sym)
+    if kind == HOOK_POINTER:        # the pointer's target passed to the hook
+        return lambda exit, pos: c.arch.retprobe.pointer_tail_hook(exit, pos, hook[0])
     tpl = group.ret_template if kind == HOOK_RET else None
     if tpl is None:
         return hook

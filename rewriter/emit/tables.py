@@ -71,6 +71,7 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     # Read-only once the runtime runs (link.RELRO: once relocated; a kernel: from mark_rodata_ro()).
     out.append(_kretprobes_c(c, traces, A, True))
+    out.append(_kret_hooked_c(plan.hooked_entries))
     out.append(breakpoints.table_c(plan.sites, lay.xol, c.arch.kprobe_xol, True))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == BREAKPOINT for site in plan.sites)))
     out.append("unsigned long kp_link_anchor_addr = (unsigned long)&kp_link_anchor;")
@@ -252,6 +253,26 @@ def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL", ro_handlers: b
     if ro_handlers:
         out.append(f"const struct kp_kret_handler_rec kp_kret_handlers[] = {{ {', '.join(recs) or '{ 0, 0 }'} }};")
     return "\n".join(out) + "\n"
+
+
+KRET_HOOKED_MUL = 0x9E3779B97F4A7C15     # the runtime's KP_KRET_HOOKED_HASH()
+
+
+def _kret_hooked_c(entries: list[int]) -> str:
+    """kp_kret_hooked[]: the entries whose returns are all hooked, as link-time
+    addresses in an open-addressing hash table (linear probing, 0 empty, at
+    most half full) that kp_kretprobe_tail_pointer() reads: a tail call through
+    a pointer to one of them leaves the instances pending."""
+    bits = max(1, (2 * len(entries) - 1).bit_length())
+    table = [0] * (1 << bits)
+    for a in entries:
+        h = ((a * KRET_HOOKED_MUL) & (1 << 64) - 1) >> (64 - bits)
+        while table[h]:
+            h = (h + 1) & (len(table) - 1)
+        table[h] = a
+    rows = ", ".join(f"{a:#x}UL" for a in table)
+    return (f"const unsigned long kp_kret_hooked[{len(table)}] = {{ {rows} }};\n"
+            f"const unsigned int kp_kret_hooked_bits = {bits};\n")
 
 
 def _layout_asserts(em) -> list[str]:

@@ -31,7 +31,7 @@ from .. import safety
 from ..probes.resolve import Probe, is_entry
 from ..probes.spec import where
 from .forms import choose_forms
-from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_RET, HOOK_SWAP, HandlerCode,
+from .model import (EvictedRegion, FTRACE, Group, HOOK_KIND, HOOK_PENDING, HOOK_POINTER, HOOK_RET, HOOK_SWAP, HandlerCode,
                     BREAKPOINT, JUMPS, NO_HANDLER, OPTIMIZED, Plan, REFUSED, RetSite, Retarget, Site, TRAMPOLINE)
 from .register import kretprobe_refusal, register_refusal
 from .retarget import retarget_branches
@@ -41,7 +41,7 @@ from .sites import make_breakpoint, optimize_site, share_regions, unshare_ftrace
 
 # What the later stages read: the plan's data (model.py) and the two entry points.
 __all__ = ["EvictedRegion", "FTRACE", "Group", "HOOK_KIND", "HOOK_PENDING", "HOOK_RET",
-           "HOOK_SWAP", "HandlerCode", "BREAKPOINT", "JUMPS", "NO_HANDLER",
+           "HOOK_POINTER", "HOOK_SWAP", "HandlerCode", "BREAKPOINT", "JUMPS", "NO_HANDLER",
            "OPTIMIZED", "Plan", "REFUSED", "RetSite", "Retarget", "Site", "TRAMPOLINE",
            "choose_forms", "make_breakpoint", "plan"]
 

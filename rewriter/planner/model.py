@@ -18,10 +18,12 @@ TRAMPOLINE = "trampoline"           # a kretprobe whose returns only the trampol
 # How an exit reaches the kretprobe return path (the runtime's KP_KRET_HOOK_*):
 # a ret; a tail call to a function whose own returns are hooked (the instance
 # stays pending for them); a tail call to anything else (the return address is
-# swapped for the trampoline, as the kernel's kretprobes always do).
-HOOK_RET, HOOK_PENDING, HOOK_SWAP = "ret", "pending", "swap"
+# swapped for the trampoline, as the kernel's kretprobes always do); a tail
+# call through a pointer, where the arch can read the pointer at the hook:
+# pending when its target is a hooked entry, else swapped (decided at run time).
+HOOK_RET, HOOK_PENDING, HOOK_SWAP, HOOK_POINTER = "ret", "pending", "swap", "pointer"
 HOOK_LIGHT = "light"                # a light kretprobe's exit: nothing runs there (Group.light)
-HOOK_KIND = {HOOK_RET: 1, HOOK_PENDING: 2, HOOK_SWAP: 3}
+HOOK_KIND = {HOOK_RET: 1, HOOK_PENDING: 2, HOOK_SWAP: 3, HOOK_POINTER: 3}   # a breakpoint hook swaps
 
 
 @dataclass
@@ -121,7 +123,7 @@ class RetSite:
     dcr: list
     addr: int
     region_end: int
-    hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP
+    hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP / HOOK_POINTER
     group: object = None
 
 
@@ -170,6 +172,7 @@ class Plan:
     rejected: list[tuple[Probe, str, str, str, int]] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)        # functions with kretprobes, by entry
     ret_sites: list[RetSite] = field(default_factory=list)   # by address
+    hooked_entries: list[int] = field(default_factory=list)  # entries whose returns are all hooked (pending)
     kprobes: list[tuple[Site, Probe]] = field(default_factory=list)          # kp_probes[], by slot
     kretprobes: list[tuple[Site, EntryProbe, Group]] = field(default_factory=list)   # kp_kretprobes[]
     retargets: list[Retarget] = field(default_factory=list)   # by source address

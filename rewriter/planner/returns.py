@@ -10,7 +10,7 @@ import bisect
 from ..probes.resolve import is_entry
 from .exits import find_exits
 from .forms import light_group, light_kretprobes
-from .model import HOOK_KIND, HOOK_LIGHT, HOOK_PENDING, HOOK_RET, HOOK_SWAP, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
+from .model import HOOK_KIND, HOOK_LIGHT, HOOK_PENDING, HOOK_POINTER, HOOK_RET, HOOK_SWAP, BREAKPOINT, OPTIMIZED, TRAMPOLINE, Group, Plan, RetSite, Site
 from .sites import make_breakpoint
 
 def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
@@ -122,12 +122,18 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
     # A light function's returns are not (an instance left pending for them would never fire).
     hooked = {g.func.start for g in plan.groups if g.mode == OPTIMIZED and not g.light} | \
              {g.entry for g in plan.groups if g.mode == OPTIMIZED and not g.light}
+    # A tail call through a pointer: the arch's hook reads the pointer and asks at run time
+    # (the runtime's kp_kret_hooked[], from plan.hooked_entries).
+    pointer = HOOK_POINTER if rules.kretprobe_pointer_tails and hasattr(rp, "pointer_tail_hook") else HOOK_SWAP
+    if pointer == HOOK_POINTER:
+        plan.hooked_entries = sorted(hooked)
     for g in plan.groups:
         if g.light:
             g.hooks = {e.addr: HOOK_LIGHT for e in g.exits}
             continue
         for e in g.exits:
-            g.hooks[e.addr] = HOOK_RET if e.kind == "ret" else HOOK_PENDING if e.target in hooked else HOOK_SWAP
+            g.hooks[e.addr] = HOOK_RET if e.kind == "ret" else HOOK_PENDING if e.target in hooked else \
+                pointer if e.target is None else HOOK_SWAP
         if g.mode != OPTIMIZED:
             continue
         for s in g.sites:

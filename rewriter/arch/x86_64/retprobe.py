@@ -237,6 +237,25 @@ def hook_then_exit(exit: DcrInsn, hook, at: int) -> bytes:
     return hook_call(at, call_hook) + exit_code(exit, at + 5)
 
 
+def pointer_tail_hook(exit: DcrInsn, at: int, hook: int) -> bytes:
+    """A tail call through a pointer (`jmp *m64`, `jmp *%reg`): push its target
+    (the same operand, ff /4 -> ff /6: read before the push moves %rsp), call
+    the hook (kp_kretprobe_tail_pointer_entry: pending or swapped by the
+    target), drop the target, then the jmp itself."""
+    code = bytearray(exit.code)
+    i = 0
+    while code[i] != 0xFF:          # legacy prefixes and REX come first
+        i += 1
+    assert (code[i + 1] >> 3) & 7 == 4, f"not a jmp through a pointer at {exit.addr:#x}"
+    code[i + 1] ^= 0x04 << 3 ^ 0x06 << 3
+    code = bytes(b for b in code[:i] if b not in (0xF2, 0xF3)) + bytes(code[i:])     # no bnd on a push
+    push = DcrInsn(exit.addr, code, exit.info)
+    out = em._rip_moved(push, at) if exit.info.rip_relative else push.code
+    out += hook_call(at + len(out), hook)
+    out += em._asm_pi("lea rsp, [rsp + 8]")
+    return out + exit_code(exit, at + len(out))
+
+
 def ret_detour(dcr: list[DcrInsn], hook: tuple[int, int | None], at: int) -> bytes:
     """Detour of a return site: the DCR up to the exit, the hook, the exit."""
     out = bytearray()

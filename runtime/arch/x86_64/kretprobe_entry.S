@@ -128,6 +128,44 @@
 	KRET_CLEAN_HOOK kp_kretprobe_ret_clean_jmp_entry, 0, kp_kretprobe_ret_jmp_entry
 
 /*
+ * A tail call through a pointer (a user process's: rules.kretprobe_pointer_tails;
+ * no kernel frame record): the detour pushed the pointer's target, so 0(%rsp)
+ * returns into the detour, 8(%rsp) is the target, 16(%rsp) the slot.
+ * kp_kretprobe_tail_pointer(S, target) runs no handler: the clean frame.
+ */
+#ifdef KP_KRET_POINTER_TAILS
+	.p2align 4
+	.globl kp_kretprobe_tail_pointer_entry
+	.hidden kp_kretprobe_tail_pointer_entry
+	.type kp_kretprobe_tail_pointer_entry, @function
+kp_kretprobe_tail_pointer_entry:
+	KP_CFI(.cfi_startproc)
+	lea	-CLEAN_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset CLEAN_SIZE)
+	CLEAN_SAVE
+	lea	CLEAN_SIZE+16(%rsp), %rdi	/* the return-address slot */
+	mov	CLEAN_SIZE+8(%rsp), %rsi	/* the tail call's target */
+#ifdef KP_STACK_ALIGN8
+	call	kp_kretprobe_tail_pointer
+#else
+	mov	%rsp, %rcx
+	and	$-16, %rsp
+	sub	$16, %rsp
+	mov	%rcx, 8(%rsp)
+	KP_CFI(.cfi_escape 0x0f, 0x05, 0x77, 0x08, 0x06, 0x23, CLEAN_SIZE+8)
+	call	kp_kretprobe_tail_pointer
+	mov	8(%rsp), %rsp
+	KP_CFI(.cfi_def_cfa %rsp, CLEAN_SIZE+8)
+#endif
+	CLEAN_RESTORE
+	lea	CLEAN_SIZE(%rsp), %rsp
+	KP_CFI(.cfi_adjust_cfa_offset -CLEAN_SIZE)
+	KP_RET
+	KP_CFI(.cfi_endproc)
+	.size kp_kretprobe_tail_pointer_entry, .-kp_kretprobe_tail_pointer_entry
+#endif
+
+/*
  * The trampoline a swapped slot returns into: %rsp is just above the slot.
  * Push a word back into the slot, build pt_regs below it, let the handler
  * fire the instances and return the real address, store it in the slot, and

@@ -5,6 +5,7 @@
 #define KP_PT_CS KP_USER_CS
 #define KP_PT_SS KP_USER_DS
 #define KP_RET ret
+#define KP_KRET_POINTER_TAILS 1	/* kp_kretprobe_tail_pointer_entry (rules.kretprobe_pointer_tails) */
 /* Call frame information for the entries (.eh_frame: a backtrace in a handler goes
  * on into the detour and the probed function; rewriter/targets/linux_user/unwind.py). */
 #define KP_CFI(...) __VA_ARGS__
