@@ -320,7 +320,7 @@ def test_tail_calls_and_several_ret_sites(once, runner):
         body = dis.split(f"<{f}>:")[1].split("\n\n")[0]
         assert re.search(rf"jmp\s+\S+ <{target}", body), body     # the compiler made real tail calls
     assert all(hooked(l) for l in lines), lines
-    assert "(pending)" in lines[1] and "(trampoline)" in lines[2] and "(trampoline)" in lines[3], lines
+    assert "(pending)" in lines[1] and "(trampoline)" in lines[2] and "(pending or trampoline)" in lines[3], lines
     assert len(re.findall(r"0x[0-9a-f]+ ret", lines[0])) >= 2, lines[0]
     r = run(out, runner=runner, env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr

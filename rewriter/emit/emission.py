@@ -81,7 +81,8 @@ def _hook(c: Code, group, kind: str, sym, at: int):
     ret), or the inlined template (a function with one kretprobe, at a ret)."""
     hook = hook_targets(group, kind, sym)
     if kind == HOOK_POINTER:        # the pointer's target passed to the hook
-        return lambda exit, pos: c.arch.retprobe.pointer_tail_hook(exit, pos, hook[0])
+        return lambda exit, pos: c.arch.retprobe.pointer_tail_hook(exit, pos, hook[0],
+                                                                   group.pointer_slots.get(exit.addr))
     tpl = group.ret_template if kind == HOOK_RET else None
     if tpl is None:
         return hook

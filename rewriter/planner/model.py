@@ -141,6 +141,7 @@ class Group:
     embedded: list = field(default_factory=list)     # (kprobe Site, Exit): exits inside a kprobe's DCR
     breakpoint_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
     hooks: dict = field(default_factory=dict)        # exit addr -> HOOK_*
+    pointer_slots: dict = field(default_factory=dict)  # exit addr -> the GOT slot a PLT stub jumps through
     ret_template: dict | None = None  # the inlined return hook's parameters (choose_forms)
     # A light kretprobe (planner.forms.light_kretprobes()): nothing runs at its returns,
     # no instance is taken; its entry only counts the hit.  Exits are listed, not hooked.

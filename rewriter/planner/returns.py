@@ -134,6 +134,12 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
         for e in g.exits:
             g.hooks[e.addr] = HOOK_RET if e.kind == "ret" else HOOK_PENDING if e.target in hooked else \
                 pointer if e.target is None else HOOK_SWAP
+            if g.hooks[e.addr] == HOOK_SWAP and pointer == HOOK_POINTER:
+                # A tail call to a PLT stub: through the pointer in its GOT slot (our own
+                # exported function, or another object's).
+                slot = rp.plt_slot(image, analysis, e.target)
+                if slot is not None:
+                    g.hooks[e.addr], g.pointer_slots[e.addr] = HOOK_POINTER, slot
         if g.mode != OPTIMIZED:
             continue
         for s in g.sites:

@@ -237,11 +237,41 @@ def hook_then_exit(exit: DcrInsn, hook, at: int) -> bytes:
     return hook_call(at, call_hook) + exit_code(exit, at + 5)
 
 
-def pointer_tail_hook(exit: DcrInsn, at: int, hook: int) -> bytes:
-    """A tail call through a pointer (`jmp *m64`, `jmp *%reg`): push its target
-    (the same operand, ff /4 -> ff /6: read before the push moves %rsp), call
-    the hook (kp_kretprobe_tail_pointer_entry: pending or swapped by the
-    target), drop the target, then the jmp itself."""
+_PLT = (".plt", ".plt.sec", ".plt.got")
+
+
+def plt_slot(image, analysis, target: int) -> int | None:
+    """The GOT slot a PLT stub at `target` jumps through (`[endbr64;] [bnd] jmp
+    *slot(%rip)`), or None when target is no PLT stub."""
+    sec = image.section_containing(target)
+    if sec is None or sec.name not in _PLT:
+        return None
+    for ci in cs.DETAIL.disasm(image.read(target, 16), target, 2):
+        if ci.mnemonic.endswith("jmp"):
+            op = ci.operands[0] if ci.operands else None
+            if op is not None and op.type == capstone.x86_const.X86_OP_MEM and op.mem.base == _X86_RIP \
+                    and op.mem.index == 0 and op.size == 8:
+                return ci.address + ci.size + op.mem.disp
+            return None
+        if ci.mnemonic != "endbr64":
+            return None
+    return None
+
+
+_X86_RIP = capstone.x86_const.X86_REG_RIP
+
+
+def pointer_tail_hook(exit: DcrInsn, at: int, hook: int, slot: int | None = None) -> bytes:
+    """A tail call through a pointer (`jmp *m64`, `jmp *%reg`), or to a PLT stub
+    whose GOT slot is `slot`: push its target (the same operand, ff /4 -> ff /6:
+    read before the push moves %rsp; `push slot(%rip)`), call the hook
+    (kp_kretprobe_tail_pointer_entry: pending or swapped by the target), drop
+    the target, then the jmp itself."""
+    if slot is not None:
+        out = b"\xff\x35" + em._s32(slot - (at + 6), "push GOT slot")
+        out += hook_call(at + len(out), hook)
+        out += em._asm_pi("lea rsp, [rsp + 8]")
+        return out + exit_code(exit, at + len(out))
     code = bytearray(exit.code)
     i = 0
     while code[i] != 0xFF:          # legacy prefixes and REX come first
