@@ -21,6 +21,7 @@ void kp_asm_offsets(void)
 
 	OFFSET(KRET_DEPTH, kp_kret_thread, depth);
 	OFFSET(KRET_TAIL_SLOT, kp_kret_thread, tail_slot);
+	OFFSET(KRET_NORPHANS, kp_kret_thread, norphans);
 	OFFSET(KRET_STACK, kp_kret_thread, stack);
 
 	OFFSET(RP_MAXACTIVE, kretprobe, maxactive);
@@ -34,6 +35,8 @@ void kp_asm_offsets(void)
 	OFFSET(RI_STATE, kretprobe_instance, kp_state);
 	OFFSET(RI_FLAGS, kretprobe_instance, kp_flags);
 	DEFINE(RI_TRAMP, KP_RI_TRAMP);
+	DEFINE(RI_PENDING, KP_RI_PENDING);
+	DEFINE(KRET_HANDLER_REC_SIZE, sizeof(struct kp_kret_handler_rec));
 
 	/* A kernel's KASLR table gets an entry for kp_rt.bias (targets/linux_kernel/x86_64/kaslr.py). */
 	OFFSET(RT_BIAS, kp_runtime, bias);

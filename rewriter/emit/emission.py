@@ -92,11 +92,13 @@ def _hook(c: Code, group, kind: str, sym, at: int):
     if not group.ret_clean:
         return lambda exit, pos: rp_.full_ret_hook(
             exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, rp=rp, handler=handler,
-            return_c=sym["kp_kretprobe_return"], aligned=tpl["aligned"])
+            return_c=sym["kp_kretprobe_return"], aligned=tpl["aligned"], kretprobes=sym["kp_kretprobes"],
+            handlers=sym["kp_kret_handlers"])
     return lambda exit, pos: rp_.clean_ret_hook(
         exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, rp=rp, handler=handler,
         return_c=sym["kp_kretprobe_return_clean"], full_hook=(sym[HOOK_SYMBOL[HOOK_RET]], sym[HOOK_RET_JMP]),
-        aligned=tpl["aligned"], handler_clobbers=tpl["clobbers"])
+        aligned=tpl["aligned"], handler_clobbers=tpl["clobbers"], kretprobes=sym["kp_kretprobes"],
+        handlers=sym["kp_kret_handlers"])
 
 
 def _site_copy(c: Code, site: Site, at: int, sym):

@@ -375,7 +375,7 @@ class _Code:
         self.out += b"\xe9" + _s32(target - (self.pc + 5), what)
 
 
-JB, JAE, JE, JNE, JBE = 0x2, 0x3, 0x4, 0x5, 0x6
+JB, JAE, JE, JNE, JBE, JA = 0x2, 0x3, 0x4, 0x5, 0x6, 0x7
 
 
 # The base a platform's thread key is read from (arch.base.ThreadKey.base): the

@@ -350,8 +350,17 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
         c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
         empty = c.jcc(em.JE)
         c.a(f"mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; cmp qword ptr [rcx + {em.RI_FP}], rsi")
-        to_c.append(c.jcc(em.JBE))                                    # a frame left behind: reclaim
-        c.fix([empty], c.pc)
+        above = c.jcc(em.JA)
+        to_c.append(c.jcc(em.JNE))                                    # a frame left behind: reclaim
+        # At S itself: a tail-calling caller's instance, chained by its pending tail
+        # call (kp_ri_chained()), stays; anything else is C's to reclaim.
+        c.a(f"test byte ptr [rcx + {em.RI_FLAGS}], {em.RI_PENDING}")
+        to_c.append(c.jcc(em.JE))
+        c.a(f"cmp qword ptr [rdi + {em.KRET_TAIL_SLOT}], rsi")
+        to_c.append(c.jcc(em.JNE))
+        c.a(f"cmp dword ptr [rdi + {em.KRET_NORPHANS}], 0")
+        to_c.append(c.jcc(em.JNE))
+        c.fix([empty, above], c.pc)
         c.rip("lea r8, [rip + {d}]", tramp)
         c.a("cmp qword ptr [rsi], r8")
         to_c.append(c.jcc(em.JE))                                     # a tail call swapped the slot
@@ -400,12 +409,15 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
 
 
 def _ret_fast_path(c, F: int, *, fast: int, table: int, key, rp: int, handler: int | None, aligned: bool,
-                   ri_slot: int, t_slot: int, regs_arg: str) -> tuple[list[int], list[int]]:
+                   ri_slot: int, t_slot: int, regs_arg: str, kretprobes: int,
+                   handlers: int) -> tuple[list[int], list[int]]:
     """The inlined part of a return hook (kp_kretprobe_return() for the common
     case), S at [rsp + F]: armed, the thread's block found, no handler running,
     the top instance recorded at S, not fired by the trampoline, this
     kretprobe's; pop it, run the handler (regs_arg sets its regs argument),
-    free it.  Returns (jumps to the slow path, jumps to the restore)."""
+    free it; then the instances of tail-calling callers at S whose kretprobe has
+    no handler (kp_kret_handlers[], by position in kretprobes[]): popped and
+    freed.  Returns (jumps to the slow path, jumps to the restore)."""
     slow = em.find_thread(c, fast, table, key)
     c.a(f"cmp dword ptr [rdx + {em.THREAD_ACTIVE}], 0")
     restore = [c.jcc(em.JNE)]                                       # in a handler: nothing fires
@@ -429,12 +441,29 @@ def _ret_fast_path(c, F: int, *, fast: int, table: int, key, rp: int, handler: i
         c.a(f"mov rdx, qword ptr [rsp + {t_slot}]; mov dword ptr [rdx + {em.THREAD_ACTIVE}], 0; "
             f"mov rcx, qword ptr [rsp + {ri_slot}]")
     c.a(f"mov dword ptr [rcx + {em.RI_STATE}], 0")                  # kp_ri_free()
-    # A tail-calling caller's instance at the same slot fires too: C does that.
-    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    # A tail-calling caller's instance at the same slot fires too: inline when its
+    # kretprobe has no handler, else C does that.
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]")
+    caller = c.pc
+    c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
     restore.append(c.jcc(em.JE))
     c.a(f"lea rsi, [rsp + {F}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
         f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
-    slow.append(c.jcc(em.JE))
+    restore.append(c.jcc(em.JNE))
+    shift = (em.KRETPROBE_SIZE // em.KRET_HANDLER_REC_SIZE).bit_length() - 1
+    if em.KRETPROBE_SIZE != em.KRET_HANDLER_REC_SIZE << shift:
+        slow.append(c.jcc(-1))
+        return slow, restore
+    c.a(f"test byte ptr [rcx + {em.RI_FLAGS}], {em.RI_TRAMP}")
+    restore.append(c.jcc(em.JNE))                                   # the trampoline fires it
+    c.a(f"mov r8, qword ptr [rcx + {em.RI_RP}]")
+    c.rip("lea rsi, [rip + {d}]", kretprobes)
+    c.a(f"sub r8, rsi; shr r8, {shift}")
+    c.rip("lea rsi, [rip + {d}]", handlers)
+    c.a("cmp qword ptr [rsi + r8], 0")
+    slow.append(c.jcc(em.JNE))                                      # a handler: C runs it
+    c.a(f"dec eax; mov dword ptr [rdi + {em.KRET_DEPTH}], eax; mov dword ptr [rcx + {em.RI_STATE}], 0")
+    c.jmp_abs(caller, "jmp next instance")
     return slow, restore
 
 
@@ -443,7 +472,7 @@ RET_FRAME = 104     # rax rcx rdx rsi rdi r8-r11 (0..64), flags 72, the instance
 
 def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int, handler: int | None,
                    return_c: int, full_hook: tuple[int, int | None], aligned: bool,
-                   handler_clobbers: set[str] | None) -> bytes:
+                   handler_clobbers: set[str] | None, kretprobes: int, handlers: int) -> bytes:
     """A return hook inlined before a `ret` (rsp at the return-address slot S)
     of a function with one kretprobe whose handler never reads regs: find the
     thread, pop the instance recorded at S, run the handler, free the
@@ -459,7 +488,8 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: in
     for reg in fast_saves[1:]:
         c.a(f"mov qword ptr [rsp + {slot[reg]}], {reg}")
     slow, restore = _ret_fast_path(c, F, fast=fast, table=table, key=key, rp=rp, handler=handler, aligned=aligned,
-                                   ri_slot=80, t_slot=88, regs_arg="xor esi, esi")
+                                   ri_slot=80, t_slot=88, regs_arg="xor esi, esi", kretprobes=kretprobes,
+                                   handlers=handlers)
 
     def restore_all(saves):
         c.a("movzx eax, word ptr [rsp + 72]; add al, 0x7f; sahf")
@@ -486,7 +516,7 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: in
 
 
 def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int, handler: int | None,
-                  return_c: int, aligned: bool) -> bytes:
+                  return_c: int, aligned: bool, kretprobes: int, handlers: int) -> bytes:
     """The same for a kretprobe whose handler may read regs: struct pt_regs is
     built inline as the kernel's trampoline reports it (ip the return address,
     sp the stack pointer after the ret), the handler is called directly, and
@@ -504,7 +534,8 @@ def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int
                                    # ip: the instance's return address (the slot may hold the
                                    # trampoline: a tail call through a pointer swapped it)
                                    regs_arg=f"mov rax, qword ptr [rcx + {em.RI_RET_ADDR}]; "
-                                            f"mov qword ptr [rsp + {em.PT_IP}], rax; mov rsi, rsp")
+                                            f"mov qword ptr [rsp + {em.PT_IP}], rax; mov rsi, rsp",
+                                   kretprobes=kretprobes, handlers=handlers)
     restore_pc = c.pc
     c.fix(restore, restore_pc)
     em.restore_pt_regs(c)
