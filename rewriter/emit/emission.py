@@ -34,6 +34,14 @@ JMP_FORM = {HOOK_SYMBOL[HOOK_RET]: HOOK_RET_JMP, HOOK_RET_CLEAN: HOOK_RET_CLEAN_
 
 FAR = 0x1000000
 
+# kp_kret_hooked[] (tables.py): an open-addressing table of the entries whose returns
+# are all hooked, hashed by (address * KRET_HOOKED_MUL) >> (64 - bits), at most half full.
+KRET_HOOKED_MUL = 0x9E3779B97F4A7C15
+
+
+def kret_hooked_bits(n: int) -> int:
+    return max(1, (2 * n - 1).bit_length())
+
 
 class Far:
     """Placeholder addresses of runtime symbols, before linking: far enough from
@@ -80,13 +88,19 @@ def _hook(c: Code, group, kind: str, sym, at: int):
     """How an exit reaches its return hook: (call target, jmp target for a plain
     ret), or the inlined template (a function with one kretprobe, at a ret)."""
     hook = hook_targets(group, kind, sym)
+    rp_ = c.arch.retprobe
+    if kind in (HOOK_PENDING, HOOK_POINTER) and group.ret_template is not None \
+            and hasattr(rp_, "inline_tail_hook"):
+        # The pending mark inlined (the pointer's target looked up in kp_kret_hooked[]).
+        return lambda exit, pos: rp_.inline_tail_hook(
+            exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, c_hook=hook[0],
+            pointer=kind == HOOK_POINTER, slot=group.pointer_slots.get(exit.addr), hooked=sym["kp_kret_hooked"],
+            bits=kret_hooked_bits(len(c.plan.hooked_entries)), mul=KRET_HOOKED_MUL)
     if kind == HOOK_POINTER:        # the pointer's target passed to the hook
-        return lambda exit, pos: c.arch.retprobe.pointer_tail_hook(exit, pos, hook[0],
-                                                                   group.pointer_slots.get(exit.addr))
+        return lambda exit, pos: rp_.pointer_tail_hook(exit, pos, hook[0], group.pointer_slots.get(exit.addr))
     tpl = group.ret_template if kind == HOOK_RET else None
     if tpl is None:
         return hook
-    rp_ = c.arch.retprobe
     rp = sym["kp_kretprobes"] + tpl["slot"] * c.arch.emit.KRETPROBE_SIZE
     handler = sym[tpl["handler"]] if tpl["handler"] else None
     if not group.ret_clean:

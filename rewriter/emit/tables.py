@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..probes import events as ev_mod
 from ..probes import fetch as fetch_mod
 from . import breakpoints, tables_data
-from .emission import Code, evicted_ips, pre_handler_symbol, region_ips
+from .emission import KRET_HOOKED_MUL, Code, evicted_ips, kret_hooked_bits, pre_handler_symbol, region_ips
 from ..probes.events import trace_key
 from .cstring import c_string
 from ..planner import FTRACE, BREAKPOINT, OPTIMIZED, TRAMPOLINE
@@ -255,15 +255,12 @@ def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL", ro_handlers: b
     return "\n".join(out) + "\n"
 
 
-KRET_HOOKED_MUL = 0x9E3779B97F4A7C15     # the runtime's KP_KRET_HOOKED_HASH()
-
-
 def _kret_hooked_c(entries: list[int]) -> str:
     """kp_kret_hooked[]: the entries whose returns are all hooked, as link-time
     addresses in an open-addressing hash table (linear probing, 0 empty, at
     most half full) that kp_kretprobe_tail_pointer() reads: a tail call through
     a pointer to one of them leaves the instances pending."""
-    bits = max(1, (2 * len(entries) - 1).bit_length())
+    bits = kret_hooked_bits(len(entries))
     table = [0] * (1 << bits)
     for a in entries:
         h = ((a * KRET_HOOKED_MUL) & (1 << 64) - 1) >> (64 - bits)

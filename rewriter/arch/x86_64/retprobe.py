@@ -263,15 +263,20 @@ _X86_RIP = capstone.x86_const.X86_REG_RIP
 
 def pointer_tail_hook(exit: DcrInsn, at: int, hook: int, slot: int | None = None) -> bytes:
     """A tail call through a pointer (`jmp *m64`, `jmp *%reg`), or to a PLT stub
-    whose GOT slot is `slot`: push its target (the same operand, ff /4 -> ff /6:
-    read before the push moves %rsp; `push slot(%rip)`), call the hook
+    whose GOT slot is `slot`: push its target, call the hook
     (kp_kretprobe_tail_pointer_entry: pending or swapped by the target), drop
     the target, then the jmp itself."""
+    out = _push_target(exit, at, slot)
+    out += hook_call(at + len(out), hook)
+    out += em._asm_pi("lea rsp, [rsp + 8]")
+    return out + exit_code(exit, at + len(out))
+
+
+def _push_target(exit: DcrInsn, at: int, slot: int | None) -> bytes:
+    """push the target of a tail call through a pointer: the same operand (ff /4 ->
+    ff /6, read before the push moves %rsp), or the PLT stub's GOT slot."""
     if slot is not None:
-        out = b"\xff\x35" + em._s32(slot - (at + 6), "push GOT slot")
-        out += hook_call(at + len(out), hook)
-        out += em._asm_pi("lea rsp, [rsp + 8]")
-        return out + exit_code(exit, at + len(out))
+        return b"\xff\x35" + em._s32(slot - (at + 6), "push GOT slot")
     code = bytearray(exit.code)
     i = 0
     while code[i] != 0xFF:          # legacy prefixes and REX come first
@@ -280,10 +285,83 @@ def pointer_tail_hook(exit: DcrInsn, at: int, hook: int, slot: int | None = None
     code[i + 1] ^= 0x04 << 3 ^ 0x06 << 3
     code = bytes(b for b in code[:i] if b not in (0xF2, 0xF3)) + bytes(code[i:])     # no bnd on a push
     push = DcrInsn(exit.addr, code, exit.info)
-    out = em._rip_moved(push, at) if exit.info.rip_relative else push.code
-    out += hook_call(at + len(out), hook)
-    out += em._asm_pi("lea rsp, [rsp + 8]")
-    return out + exit_code(exit, at + len(out))
+    return em._rip_moved(push, at) if exit.info.rip_relative else push.code
+
+
+TAIL_FRAME = 56     # rax rcx rdx rsi rdi r8 (0..40), flags 48
+
+
+def inline_tail_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, c_hook: int, pointer: bool,
+                     slot: int | None, hooked: int, bits: int, mul: int) -> bytes:
+    """kp_kretprobe_tail_pending() inlined before a tail jmp (rsp at the slot S):
+    find the thread, mark the instances recorded at S pending, and set the
+    thread's tail_slot.  pointer: a tail call through a pointer (or a PLT
+    stub's GOT slot), pending only when its target is in kp_kret_hooked[]
+    (the link-time address: the target less the image's bias, which a
+    RIP-relative lea of link address 0 gives).  Anything else (a frame left
+    behind to reclaim, a thread seen for the first time, a target not hooked:
+    the swap) restores everything and calls the shared hook c_hook
+    (kp_kretprobe_tail_pending_entry, kp_kretprobe_tail_pointer_entry)."""
+    c = em._Code(at)
+    P = 0
+    if pointer:
+        c.out += _push_target(exit, c.pc, slot)
+        P = 8
+    F = TAIL_FRAME
+    c.a(f"lea rsp, [rsp - {F}]")
+    c.a("mov qword ptr [rsp], rax; seto al; lahf; mov word ptr [rsp + 48], ax; mov qword ptr [rsp + 8], rcx; "
+        "mov qword ptr [rsp + 16], rdx; mov qword ptr [rsp + 24], rsi; mov qword ptr [rsp + 32], rdi; "
+        "mov qword ptr [rsp + 40], r8")
+    slow = em.find_thread(c, fast, table, key)
+    done = []
+    if pointer:
+        c.a(f"mov rax, qword ptr [rsp + {F}]")
+        c.rip("lea rcx, [rip + {d}]", 0)                              # the image's bias
+        c.a("sub rax, rcx")
+        slow.append(c.jcc(em.JE))
+        c.a(f"movabs rcx, {mul:#x}; imul rcx, rax; shr rcx, {64 - bits}")
+        c.rip("lea rsi, [rip + {d}]", hooked)
+        probe = c.pc
+        c.a("mov r8, qword ptr [rsi + rcx*8]; cmp r8, rax")
+        found = c.jcc(em.JE)
+        c.a("test r8, r8")
+        slow.append(c.jcc(em.JE))                                     # not hooked: the swap
+        c.a(f"inc ecx; and ecx, {(1 << bits) - 1:#x}")
+        c.jmp_abs(probe, "jmp next probe")
+        c.fix([found], c.pc)
+    c.a(f"mov rdi, qword ptr [rdx + {em.THREAD_KRET}]; test rdi, rdi")
+    done.append(c.jcc(em.JE))
+    c.a(f"mov eax, dword ptr [rdi + {em.KRET_DEPTH}]; test eax, eax")
+    done.append(c.jcc(em.JE))
+    c.a(f"lea rsi, [rsp + {F + P}]; mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; "
+        f"cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    none_at_s = c.jcc(em.JA)
+    slow.append(c.jcc(em.JB))                                         # a frame left behind: reclaim
+    mark = c.pc
+    c.a(f"or dword ptr [rcx + {em.RI_FLAGS}], {em.RI_PENDING}; dec eax")
+    last = c.jcc(em.JE)
+    c.a(f"mov rcx, qword ptr [rdi + rax*8 + {em.KRET_STACK - 8}]; cmp qword ptr [rcx + {em.RI_FP}], rsi")
+    c.fix([c.jcc(em.JE)], mark)
+    c.fix([none_at_s, last], c.pc)
+    c.a(f"mov qword ptr [rdi + {em.KRET_TAIL_SLOT}], rsi")
+
+    def restore():
+        c.a("movzx eax, word ptr [rsp + 48]; add al, 0x7f; sahf; mov rcx, qword ptr [rsp + 8]; "
+            "mov rdx, qword ptr [rsp + 16]; mov rsi, qword ptr [rsp + 24]; mov rdi, qword ptr [rsp + 32]; "
+            "mov r8, qword ptr [rsp + 40]; mov rax, qword ptr [rsp]")
+        c.a(f"lea rsp, [rsp + {F}]")
+    c.fix(done, c.pc)
+    restore()
+    if pointer:
+        c.a("lea rsp, [rsp + 8]")
+    c.out += exit_code(exit, c.pc)
+    c.fix(slow, c.pc)
+    restore()
+    c.out += hook_call(c.pc, c_hook)
+    if pointer:
+        c.a("lea rsp, [rsp + 8]")
+    c.out += exit_code(exit, c.pc)
+    return bytes(c.out)
 
 
 def ret_detour(dcr: list[DcrInsn], hook: tuple[int, int | None], at: int) -> bytes:
