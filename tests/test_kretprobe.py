@@ -672,6 +672,109 @@ def test_shared_object(once, runner):
         f"E lib_api {i}", f"E lib_work {i}", f"R lib_work {i} = {i + 100}", f"R lib_api {i} = {2 * (i + 100)}")]
 
 
+# --- tail calls through a pointer and through the PLT --------------------------------
+# A tail call through a pointer (a table of functions, -fno-plt's GOT load) or to a PLT
+# stub (through its GOT slot) leaves the caller's instance pending when the target is a
+# return-hooked entry of the same object (kp_kret_hooked[]): it fires at the target's
+# ret.  Any other target (a function without kretprobe, libc's) gets the trampoline.
+
+PTR_LIB = r"""
+#include <stdlib.h>
+__attribute__((noinline)) long leaf_a(long x) { __asm__ volatile("" : "+r"(x)); return x * 3; }
+__attribute__((noinline)) long leaf_b(long x) { __asm__ volatile("" : "+r"(x)); return x * 5; }
+__attribute__((noinline)) static long leaf_c(long x) { __asm__ volatile("" : "+r"(x)); return x * 7; }
+long (*const table[4])(long) = { leaf_a, leaf_b, leaf_c, labs };
+long ptr_tail(long i, long x) { return table[i & 3](x); }
+long plt_tail(long x) { return leaf_a(x + 1); }
+long plt_plain(long x) { return leaf_b(x + 2); }
+static const char *numbers[] = { "50", "49", "48", "47" };
+long libc_tail(long x) { return strtol(numbers[x & 3], 0, 10); }
+"""
+PTR_MAIN = r"""
+#include <stdio.h>
+#include <stdlib.h>
+long ptr_tail(long, long), plt_tail(long), plt_plain(long), libc_tail(long);
+int main(int argc, char **argv)
+{
+	long s = 0, n = atol(argv[1]);
+	for (long i = 0; i < n; i++) {
+		s += ptr_tail(i, i);
+		s += plt_tail(i);
+		s += plt_plain(i);
+		s += libc_tail(i);
+	}
+	printf("s=%ld\n", s);
+	return 0;
+}
+"""
+PTR_FUNCS = ["ptr_tail", "plt_tail", "plt_plain", "libc_tail", "leaf_a", "leaf_c"]
+
+
+def _pointer_tails(tmp, plt):
+    lib = cc(tmp, "libpt.so", PTR_LIB, "-O2", "-shared", "-fPIC", *([] if plt else ["-fno-plt"]))
+    prog = cc(tmp, "main", PTR_MAIN, "-O2", f"-L{tmp}", "-lpt")
+    dis = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+    spec = write_spec(tmp, probe_spec("kretprobe", PTR_FUNCS, **KRET), HANDLERS)
+    # Every function of the object, no handler, one instance each: an instance left
+    # claimed by a pending tail call makes the next call miss.
+    bare = write_spec(tmp, '[[kretprobe]]\nsymbol_name = "*"\nmaxactive = 1\n', name="bare.toml")
+    out, out_bare = tmp / "out", tmp / "bare"
+    out.mkdir()
+    out_bare.mkdir()
+    instrument(lib, spec, out / "libpt.so")
+    instrument(lib, bare, out_bare / "libpt.so")
+    return dis, check_lines(lib, spec), prog, out, out_bare
+
+
+def _ptr_expected(n):
+    ev, s = [], 0
+    for i in range(n):
+        target = i & 3
+        r = (3 * i, 5 * i, 7 * i, abs(i))[target]
+        ev.append(f"E ptr_tail {i}")
+        if target in (0, 2):
+            name = ("leaf_a", None, "leaf_c")[target]
+            ev += [f"E {name} {i}", f"R {name} {i} = {r}"]
+        ev.append(f"R ptr_tail {i} = {r}")
+        ev += [f"E plt_tail {i}", f"E leaf_a {i + 1}", f"R leaf_a {i + 1} = {3 * (i + 1)}",
+               f"R plt_tail {i} = {3 * (i + 1)}"]
+        ev += [f"E plt_plain {i}", f"R plt_plain {i} = {5 * (i + 2)}"]
+        ev += [f"E libc_tail {i}", f"R libc_tail {i} = {50 - (i & 3)}"]
+        s += r + 3 * (i + 1) + 5 * (i + 2) + 50 - (i & 3)
+    return ev, s
+
+
+@x86_only
+@pytest.mark.parametrize("plt", [True, False], ids=["plt", "no-plt"])
+def test_tail_calls_through_a_pointer_and_the_plt(once, runner, plt):
+    dis, lines, prog, out, out_bare = once(_pointer_tails, plt)
+    body = lambda f: dis.split(f"<{f}>:")[1].split("\n\n")[0]     # noqa: E731
+    # The compiler made the tail calls this test is about.
+    assert re.search(r"jmp\s+\*", body("ptr_tail")), body("ptr_tail")
+    for f, target in (("plt_tail", "leaf_a"), ("plt_plain", "leaf_b"), ("libc_tail", "strtol")):
+        assert re.search(rf"jmp\s+\S+ <{target}@plt>" if plt else r"jmp\s+\*0x[0-9a-f]+\(%rip\)", body(f)), body(f)
+    for f in ["ptr_tail", "plt_tail", "plt_plain", "libc_tail"]:
+        line = next(l for l in lines if l.startswith(f"{f}+0x0  r  "))
+        assert hooked(line) and "(pending or trampoline)" in line, line
+    n = 8
+    ev, s = _ptr_expected(n)
+    r = run(prog, n, runner=runner, libdir=out, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"s={s}\n"
+    assert events(r.stderr) == ev
+    assert "BAD-IP" not in r.stderr
+    prof = profile(r.stderr)
+    assert prof["r_ptr_tail_0"] == (n, 0) and prof["r_leaf_a_0"] == (n + n // 4, 0), prof
+    n = 2000
+    r = run(prog, n, runner=runner, libdir=out_bare, env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"s={_ptr_expected(n)[1]}\n"
+    prof = profile(r.stderr)
+    want = {"r_ptr_tail_0": n, "r_plt_tail_0": n, "r_plt_plain_0": n, "r_libc_tail_0": n,
+            "r_leaf_a_0": n + n // 4, "r_leaf_b_0": n + n // 4, "r_leaf_c_0": n // 4}
+    assert {k: prof[k] for k in want} == {k: (v, 0) for k, v in want.items()}, prof
+
+
 OVERRIDE = r"""
 #include <kprewrite/kprobes.h>
 int plus_thousand(struct kretprobe_instance *ri, struct pt_regs *regs) { regs->ax += 1000; return 0; }
