@@ -103,16 +103,18 @@ def _hook(c: Code, group, kind: str, sym, at: int):
         return hook
     rp = sym["kp_kretprobes"] + tpl["slot"] * c.arch.emit.KRETPROBE_SIZE
     handler = sym[tpl["handler"]] if tpl["handler"] else None
+    # An arch whose hook frees a tail-calling caller's instance without handler inline
+    # reads the handlers by position.
+    more = dict(kretprobes=sym["kp_kretprobes"], handlers=sym["kp_kret_handlers"]) \
+        if getattr(rp_, "FREES_CALLERS_INLINE", False) else {}
     if not group.ret_clean:
         return lambda exit, pos: rp_.full_ret_hook(
             exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, rp=rp, handler=handler,
-            return_c=sym["kp_kretprobe_return"], aligned=tpl["aligned"], kretprobes=sym["kp_kretprobes"],
-            handlers=sym["kp_kret_handlers"])
+            return_c=sym["kp_kretprobe_return"], aligned=tpl["aligned"], **more)
     return lambda exit, pos: rp_.clean_ret_hook(
         exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, rp=rp, handler=handler,
         return_c=sym["kp_kretprobe_return_clean"], full_hook=(sym[HOOK_SYMBOL[HOOK_RET]], sym[HOOK_RET_JMP]),
-        aligned=tpl["aligned"], handler_clobbers=tpl["clobbers"], kretprobes=sym["kp_kretprobes"],
-        handlers=sym["kp_kret_handlers"])
+        aligned=tpl["aligned"], handler_clobbers=tpl["clobbers"], **more)
 
 
 def _site_copy(c: Code, site: Site, at: int, sym):

@@ -486,6 +486,11 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
     return body
 
 
+# The return hooks free a tail-calling caller's instance without handler inline
+# (emission passes kp_kretprobes and kp_kret_handlers).
+FREES_CALLERS_INLINE = True
+
+
 def _ret_fast_path(c, F: int, *, fast: int, table: int, key, rp: int, handler: int | None, aligned: bool,
                    ri_slot: int, t_slot: int, regs_arg: str, kretprobes: int,
                    handlers: int) -> tuple[list[int], list[int]]:
