@@ -74,16 +74,7 @@ INIT = ("grep -w -e __arm64_sys_getuid -e __arm64_sys_getppid -e __arm64_sys_get
         "echo GLOB-DONE\n")
 
 
-def _env(fn, *a):
-    try:
-        return fn(*a)
-    except kernel_env.KernelEnvError as e:
-        pytest.fail(f"arm64 kernel test environment: {e}", pytrace=False)
-
-
-@pytest.fixture(scope="module")
-def arm64_kernel():
-    return _env(arm64_env.obtain_arm64_kernel)
+_env = arm64_env.env
 
 
 def test_glob_probes_fire_through_ftrace(arm64_kernel, tmp_path, tmp_path_factory):
