@@ -1,6 +1,6 @@
 """A call graph of every function: uftrace against kprewrite (the anchor users know).
 
-    python3 benchmarks/callgraph_uftrace.py [--runs N] [--n N] [--verbose]
+    python3 benchmarks/callgraph_uftrace.py [--runs N] [--n N] [--compare TREE] [--verbose]
 
 One CPU-bound C program (recursive fib over a small mixing function, and a loop
 calling the same function), built twice with gcc -O2: plainly, and with -pg for
@@ -23,7 +23,11 @@ kprewrite's trace (its entry and return lines paired by rewriter/trace/callgraph
 Before the rounds, the graphs are compared: the calls per function of `uftrace
 report` against `kprewrite report`'s (of the text trace; the binary trace's must
 be the same).  The load average is printed before and
-after: the machine may be shared."""
+after: the machine may be shared.
+
+--compare TREE: a seventh variant, the plain build rewritten by TREE's kprewrite (another
+checkout, e.g. a worktree of main) with binary records, in the same rounds: a change to
+the runtime measured against what it changes, under the same load."""
 from __future__ import annotations
 
 import argparse
@@ -107,6 +111,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=7, help="rounds (default 7)")
     ap.add_argument("--n", type=int, default=24, help="fib(N) (default 24: some 680,000 calls)")
+    ap.add_argument("--compare", metavar="TREE", type=Path,
+                    help="also the binary variant rewritten by TREE's kprewrite (a checkout), in the same rounds")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     if not shutil.which("uftrace"):
@@ -121,6 +127,10 @@ def main() -> None:
         sh(["gcc", "-O2", "-pg", str(tmp / "prog.c"), "-o", str(pg)])
         (tmp / "graph.toml").write_text(SPEC)
         sh([*KPREWRITE, "instrument", str(plain), "--spec", str(tmp / "graph.toml"), "-o", str(ours), "-q"], env=ENV)
+        theirs = tmp / "prog.cmp.kp"
+        if a.compare:
+            sh([sys.executable, "-m", "rewriter", "instrument", str(plain), "--spec", str(tmp / "graph.toml"),
+                "-o", str(theirs), "-q"], env={**os.environ, "PYTHONPATH": str(a.compare.resolve())})
         trace, btrace, udir = tmp / "trace.txt", tmp / "trace.bin", tmp / "uftrace.data"
 
         # The two graphs, once: calls per function.
@@ -166,6 +176,8 @@ def main() -> None:
             ("  KPREWRITE_TRACE_FORMAT=binary", [str(ours), str(a.n)], {**benv, "KPREWRITE_TRACE_FORMAT": "binary"},
              prep_ours_bin),
         ]
+        if a.compare:
+            variants.append((f"  binary, {a.compare.name}'s", [str(theirs), str(a.n)], benv, prep_ours_bin))
         want = None
         res = {name: [] for name, *_ in variants}
         for rnd in range(a.runs):
