@@ -126,11 +126,15 @@ def main() -> None:
         sh(["gcc", "-O2", str(tmp / "prog.c"), "-o", str(plain)])
         sh(["gcc", "-O2", "-pg", str(tmp / "prog.c"), "-o", str(pg)])
         (tmp / "graph.toml").write_text(SPEC)
-        sh([*KPREWRITE, "instrument", str(plain), "--spec", str(tmp / "graph.toml"), "-o", str(ours), "-q"], env=ENV)
+        sh([*KPREWRITE, "instrument", str(plain), "--spec", str(tmp / "graph.toml"), "-o", str(ours), "-q"], env=ENV,
+           cwd=ROOT)
         theirs = tmp / "prog.cmp.kp"
         if a.compare:
             sh([sys.executable, "-m", "rewriter", "instrument", str(plain), "--spec", str(tmp / "graph.toml"),
-                "-o", str(theirs), "-q"], env={**os.environ, "PYTHONPATH": str(a.compare.resolve())})
+                "-o", str(theirs), "-q"], env={**os.environ, "PYTHONPATH": str(a.compare.resolve())},
+               cwd=a.compare.resolve())     # not this tree's rewriter/ by `-m` from the current folder
+            if theirs.read_bytes() == ours.read_bytes():
+                print(f"note: {a.compare} rewrites the program to the same bytes as this tree")
         trace, btrace, udir = tmp / "trace.txt", tmp / "trace.bin", tmp / "uftrace.data"
 
         # The two graphs, once: calls per function.
