@@ -18,7 +18,8 @@ A run's time is its wall time from spawn to reap, and its CPU time (user + sys
 of the child and the children it reaped, os.wait4's rusage: uftrace's recorder
 threads included).  The headline is paired: each round's variant time over the
 baseline's of the same round, the median of those ratios (with the range), and
-the cost per call: (variant - baseline) / calls, the calls counted from
+the cost per call: (variant - baseline) / calls, of the wall time and of the CPU time
+(the machine's other load lengthens the first more), the calls counted from
 kprewrite's trace (its entry and return lines paired by rewriter/trace/callgraph.py).
 Before the rounds, the graphs are compared: the calls per function of `uftrace
 report` against `kprewrite report`'s (of the text trace; the binary trace's must
@@ -200,15 +201,17 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     base = res["plain"]
     print()
-    print(f"{'variant':<30} {'wall (median)':>14} {'ratio (range)':>22} {'CPU ratio':>10} {'ns/call':>9}")
+    print(f"{'variant':<30} {'wall (median)':>14} {'ratio (range)':>22} {'CPU ratio':>10} {'ns/call':>9}"
+          f" {'CPU ns/call':>12}")
     for name, *_ in variants:
         walls = [w for w, _ in res[name]]
         ratios = [w / b for (w, _), (b, _) in zip(res[name], base)]
         cratios = [c / max(b, 1e-6) for (_, c), (_, b) in zip(res[name], base)]
         per_call = statistics.median(w - b for (w, _), (b, _) in zip(res[name], base)) / calls * 1e9
+        cpu_call = statistics.median(c - b for (_, c), (_, b) in zip(res[name], base)) / calls * 1e9
         print(f"{name:<30} {statistics.median(walls):>12.3f} s "
               f"{statistics.median(ratios):>8.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
-              f"{statistics.median(cratios):>9.2f}x {per_call:>9.0f}")
+              f"{statistics.median(cratios):>9.2f}x {per_call:>9.0f} {cpu_call:>12.0f}")
 
 
 if __name__ == "__main__":
