@@ -586,9 +586,10 @@ static void kp_bt_hit(struct kp_tc *t, const struct kp_trace_event *ev, long lon
 }
 
 /* The common hit of an event without fetch args (a [[function_graph]]'s), stored here with
- * no call: the thread's kp_tc slot at its hash, a chunk with room, the clock anchored and
- * read before KP_TC_GAP_NS, the identity unchanged.  0: anything else, which
- * kp_trace_hit() does as before (kp_tc_now() reads the counter again). */
+ * no call: the thread's kp_tc slot at its hash, a chunk with room, its previous hit less
+ * than KP_TC_GAP_NS and its clock reading less than KP_TC_ANCHOR_NS ago, its identity
+ * unchanged.  0: anything else, which kp_trace_hit() does as before (kp_tc_now() reads
+ * the counter again). */
 static __attribute__((always_inline)) inline int kp_bt_fast(const struct kp_trace_event *ev, unsigned long ret_addr)
 {
 	if (!kp_bt_on || ev->nargs || !kp_platform_thread_key_ready())
