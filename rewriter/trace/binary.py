@@ -25,6 +25,7 @@ Layout (all little-endian, as the writer's CPU stores it; KP_BT_CHUNK-byte chunk
 from __future__ import annotations
 
 import bisect
+import mmap
 import struct
 from dataclasses import dataclass
 
@@ -265,6 +266,8 @@ def scan(data, where: str) -> tuple[int, dict, list]:
         # header was never written (a process killed between its two pwrite()s).
         if kind == KIND_RECORDS:
             pending.append((i, image))
+        if isinstance(data, mmap.mmap):     # the pages its read mapped let go of (trace/stream.py)
+            data.madvise(mmap.MADV_DONTNEED, at, chunk)
         i += 1
     return chunk, images, pending
 

@@ -91,8 +91,7 @@ class Plan:
         self.end, self.nrecords = end, nrecords
 
     def words(self, i: int) -> list:
-        at = i * self.chunk
-        return memoryview(self.data)[at + 16:at + self.chunk].cast("Q").tolist()
+        return _words(self.data, i, self.chunk)
 
     def counts(self) -> Counter:
         c: Counter = Counter()
@@ -109,15 +108,13 @@ def plan(data, where: str) -> Plan | None:
     infos = {i: _Image(img) for i, img in images.items()}
     segs: dict[int, list] = {}
     comms: dict[int, tuple] = {}
-    mv = memoryview(data)
     end = nrec = 0
     CTX = B.CTX
     for ci, image in pending:
         info = infos.get(image)
         if info is None:
             return None
-        at = ci * chunk + 16
-        L = mv[at:at - 16 + chunk].cast("Q").tolist()
+        L = _words(data, ci, chunk)
         n = len(L)
         L += (0, 0)
         if L[0] and L[0] & 0xFFFF != CTX:
@@ -142,7 +139,7 @@ def plan(data, where: str) -> Plan | None:
                 return None
             if k > k0:
                 segs[tid].append((base + (L[k0] >> 16), ci, k0, k, image, base + (prev >> 16), comm))
-            ctx = _context(data, at, L, k)
+            ctx = _context(L, k)
             if ctx is None:
                 return None
             tid, comm = ctx
@@ -174,11 +171,22 @@ def plan(data, where: str) -> Plan | None:
     return Plan(data, chunk, infos, threads, end, nrec)
 
 
-def _context(data, at: int, L: list, k: int):
+def _words(data, i: int, chunk: int) -> list:
+    """Chunk i's words, as ints; the mapped pages let go of (they stay in the page cache),
+    so that the process does not hold the file."""
+    at = i * chunk
+    with memoryview(data) as mv:
+        L = mv[at + 16:at + chunk].cast("Q").tolist()
+    if isinstance(data, mmap.mmap):
+        data.madvise(mmap.MADV_DONTNEED, at, chunk)
+    return L
+
+
+def _context(L: list, k: int):
     """A context record's (thread id, comm) as the line's parse gives them; None: its
     line does not parse."""
     tid, cpu = L[k + 1] & 0xFFFFFFFF, L[k + 2]
-    comm = bytes(data[at + 8 * (k + 3):at + 8 * (k + 5)]).split(b"\0", 1)[0]
+    comm = (L[k + 3] | L[k + 4] << 64).to_bytes(16, "little").split(b"\0", 1)[0]
     prefix = (comm.rjust(16) + b"-" + str(tid).encode().ljust(7) +
               f" [{cpu % 1000:03d}] ".encode()).decode("utf-8", errors="replace")
     m = LINE.match(prefix + "0.000000000: e: (x)")
