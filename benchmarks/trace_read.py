@@ -8,16 +8,14 @@ The trace: Debian's memcached (4 worker threads) rewritten with `[[function_grap
 symbol_name = "*"` and KPREWRITE_TRACE_FORMAT=binary, under tests/test_server_load.py's
 load generator (16 clients, R rounds of 1 set + 2 gets each; every reply checked), then
 stopped with SIGTERM.  It is made once per --rounds and kept in ~/.cache/kprewrite/bench
-(--trace FILE reads a given trace instead); its size, record and call counts are printed.
+(--trace FILE reads a given trace instead); its size and its report's CALLS line are printed.
 
 Each round runs every command of every tree (this checkout, then each --compare TREE; in
 reverse order every other round) as a user runs it: `python -m rewriter ...` with the
-tree on PYTHONPATH.  A run's wall time and peak RSS (resource.getrusage(RUSAGE_CHILDREN)
-read after the run: ru_maxrss of the largest child so far, so the commands of a tree
-run from the smallest expected up is not needed: each run is its own process and the
-figure is read from os.wait4's rusage of that process) are recorded; the table gives
-medians with their ranges, and the ratio of this tree's to the other's medians.  The
-trees' outputs must be the same bytes (checked on the first round)."""
+tree on PYTHONPATH, standard output to a file in the first round (the trees' outputs
+must be the same bytes) and to /dev/null after.  A run's wall time and peak RSS (the
+ru_maxrss of os.wait4's rusage of that run's process) are recorded; the table gives
+medians with their ranges, and each tree's median over the last tree's."""
 from __future__ import annotations
 
 import argparse
@@ -87,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compare", action="append", default=[], metavar="TREE")
-    ap.add_argument("--rounds", type=int, default=4400, help="the load's rounds per client (default 4400)")
+    ap.add_argument("--rounds", type=int, default=1350, help="the load's rounds per client (default 1350: a 92 MB trace)")
     ap.add_argument("--trace", type=Path, help="read this binary trace instead of making one")
     args = ap.parse_args()
     trace = args.trace or make_trace(args.rounds)
