@@ -74,12 +74,15 @@ class _Image:
             if not m or m.group("ip") or m.group("args"):
                 continue
             r = Record("", 0, 0, "0.0", m.group("event"), m.group("loc"), {})
+            if r.is_return != ev.is_return:
+                continue                    # a record's length would not follow from its kind
             step[i] = 2 if ev.is_return else 1
             self.fn[i], self.event[i], self.loc[i] = r.func, r.event, r.loc
             self.is_entry[i], self.is_return[i] = r.is_entry, r.is_return
         self.step = bytes(step)
         self.kind: list = []
         self.text: list = []
+        self.ret: list = []                 # by an entry's id: the id of its function's return, else -1
 
 
 class Plan:
@@ -168,6 +171,11 @@ def plan(data, where: str) -> Plan | None:
         info.kind = [RET if r else E if e and f in paired else OTHER
                      for f, e, r in zip(info.fn, info.is_entry, info.is_return)]
         info.text = [f"{ev}: ({loc})" for ev, loc in zip(info.event, info.loc)]
+        rets: dict = {}
+        for i, (f, k) in enumerate(zip(info.fn, info.kind)):
+            if k == RET:
+                rets[f] = i if f not in rets else -1     # two return events of f: no shortcut
+        info.ret = [rets.get(f, -1) if k == E else -1 for f, k in zip(info.fn, info.kind)]
     return Plan(data, chunk, infos, threads, end, nrec)
 
 
@@ -200,14 +208,12 @@ _NO = C._NO_DUR + " | "
 
 def graph(p: Plan, write) -> None:
     """callgraph.graph_text(callgraph.build(records)), written a part at a time."""
-    durs: dict = {}
+    durs: dict = {}                     # duration -> its column (the short ones, which repeat)
 
     def dcol(d: int) -> str:
-        s = durs.get(d)
-        if s is None:
-            s = C._dur_col(d) + " | "
-            if d < 1 << 16:
-                durs[d] = s
+        s = C._dur_col(d) + " | "
+        if d < 1 << 16:
+            durs[d] = s
         return s
     pads = ["  " * i for i in range(64)]
     out: list = []
@@ -219,67 +225,85 @@ def graph(p: Plan, write) -> None:
                 f"# {'|   |':>{C.DUR_W - 4}}   | |   |   |   |"]
         sf: list = []           # the open calls' functions, outermost first
         ss: list = []           # and their start times
+        dep = 0                 # len(sf)
         pend = False            # the innermost open call has nothing in it yet: its line waits
         for _, ci, k, k1, image, _, _ in segs:
             L = p.words(ci)
+            L.append(0)
             info = p.images[image]
-            kind, fn, base, step, text = info.kind, info.fn, info.base, info.step, info.text
+            kind, fn, base, text, rets = info.kind, info.fn, info.base, info.text, info.ret
             while k < k1:
                 w = L[k]
                 ident = w & 0xFFFF
                 kd = kind[ident]
                 if kd == E:
                     if pend:
-                        out.append(_NO + pads[len(sf) - 1] + sf[-1] + "() {")
+                        out.append(_NO + pads[dep - 1] + sf[-1] + "() {")
+                    x = L[k + 1]
+                    if x & 0xFFFF == rets[ident] and k + 1 < k1:     # its return next: a leaf
+                        d = (x >> 16) - (w >> 16)
+                        out.append((durs.get(d) or dcol(d)) + pads[dep] + fn[ident] + "();")
+                        pend = False
+                        k += 3
+                        continue
                     sf.append(fn[ident])
                     ss.append(base + (w >> 16))
-                    if len(sf) >= len(pads):
-                        pads.append("  " * len(pads))
+                    dep += 1
+                    if dep == len(pads):
+                        pads.append("  " * dep)
                     pend = True
-                elif kd == RET:
+                    k += 1
+                    continue
+                if kd == RET:
                     f = fn[ident]
-                    if sf and sf[-1] == f:
+                    if dep and sf[-1] == f:
                         sf.pop()
+                        dep -= 1
                         d = base + (w >> 16) - ss.pop()
                         if pend:
-                            out.append(dcol(d) + pads[len(sf)] + f + "();")
+                            out.append((durs.get(d) or dcol(d)) + pads[dep] + f + "();")
                             pend = False
                         else:
-                            out.append(dcol(d) + pads[len(sf)] + "} /* " + f + " */")
+                            out.append((durs.get(d) or dcol(d)) + pads[dep] + "} /* " + f + " */")
                     elif f in sf:
-                        i = len(sf) - 1 - sf[::-1].index(f)
-                        while len(sf) > i + 1:      # calls above it: no return of their own
+                        i = dep - 1 - sf[::-1].index(f)
+                        while dep > i + 1:          # calls above it: no return of their own
                             g = sf.pop()
                             ss.pop()
+                            dep -= 1
                             if pend:
-                                out.append(_NO + pads[len(sf)] + g + "(); /* no return in the trace */")
+                                out.append(_NO + pads[dep] + g + "(); /* no return in the trace */")
                                 pend = False
                             else:
-                                out.append(_NO + pads[len(sf)] + "} /* " + g + ": no return in the trace */")
+                                out.append(_NO + pads[dep] + "} /* " + g + ": no return in the trace */")
                         sf.pop()
-                        out.append(dcol(base + (w >> 16) - ss.pop()) + pads[len(sf)] + "} /* " + f + " */")
+                        dep -= 1
+                        d = base + (w >> 16) - ss.pop()
+                        out.append((durs.get(d) or dcol(d)) + pads[dep] + "} /* " + f + " */")
                     else:
                         if pend:
-                            out.append(_NO + pads[len(sf) - 1] + sf[-1] + "() {")
+                            out.append(_NO + pads[dep - 1] + sf[-1] + "() {")
                             pend = False
-                        out.append(_NO + pads[len(sf)] + "} /* " + f + ": return with no entry in the trace */")
-                else:
-                    if pend:
-                        out.append(_NO + pads[len(sf) - 1] + sf[-1] + "() {")
-                        pend = False
-                    out.append(_NO + pads[len(sf)] + "/* " + text[ident] + " */")
-                k += step[ident]
+                        out.append(_NO + pads[dep] + "} /* " + f + ": return with no entry in the trace */")
+                    k += 2
+                    continue
+                if pend:
+                    out.append(_NO + pads[dep - 1] + sf[-1] + "() {")
+                    pend = False
+                out.append(_NO + pads[dep] + "/* " + text[ident] + " */")
+                k += 1
             if len(out) > 50000:
                 write("\n".join(out) + "\n")
                 out.clear()
         while sf:                       # still open at the end of the trace
             g = sf.pop()
             ss.pop()
+            dep -= 1
             if pend:
-                out.append(_NO + pads[len(sf)] + g + "(); /* no return in the trace */")
+                out.append(_NO + pads[dep] + g + "(); /* no return in the trace */")
                 pend = False
             else:
-                out.append(_NO + pads[len(sf)] + "} /* " + g + ": no return in the trace */")
+                out.append(_NO + pads[dep] + "} /* " + g + ": no return in the trace */")
     if out:
         write("\n".join(out) + "\n")
 
