@@ -345,14 +345,39 @@ def summary(p: Plan) -> dict:
         seq = 0
         for _, ci, k, k1, image, _, _ in segs:
             L = p.words(ci)
+            L.append(0)
             info = p.images[image]
-            kind, fix, base, step = info.kind, info.fi, info.base, info.step
+            kind, fix, base, step, rets = info.kind, info.fi, info.base, info.step, info.ret
             while k < k1:
                 w = L[k]
                 ident = w & 0xFFFF
                 kd = kind[ident]
                 if kd == E:
                     fi = fix[ident]
+                    x = L[k + 1]
+                    if x & 0xFFFF == rets[ident] and k + 1 < k1:     # its return next: a leaf
+                        d = (x >> 16) - (w >> 16)
+                        calls[fi] += 1
+                        if not active[fi]:
+                            total[fi] += d
+                        selfns[fi] += d
+                        if d > mx[fi]:
+                            mx[fi] = d
+                        hist[fi][d.bit_length()] += 1
+                        if sc:
+                            sc[-1] += d
+                        if d >= slow_min:
+                            t = (d, -(base + (w >> 16)), -tid, -seq, fi, sf[-1] if sf else -1)
+                            if len(slow) < R.SLOWEST:
+                                heapq.heappush(slow, t)
+                                if len(slow) == R.SLOWEST:
+                                    slow_min = slow[0][0]
+                            elif t > slow[0]:
+                                heapq.heapreplace(slow, t)
+                                slow_min = slow[0][0]
+                        seq += 1
+                        k += 3
+                        continue
                     sf.append(fi)
                     ss.append(base + (w >> 16))
                     sc.append(0)
