@@ -13,8 +13,8 @@ stopped with SIGTERM.  It is made once per --rounds and kept in ~/.cache/kprewri
 Each round runs every command of every tree (this checkout, then each --compare TREE; in
 reverse order every other round) as a user runs it: `python -m rewriter ...` with the
 tree on PYTHONPATH, standard output to a file in the first round (the trees' outputs
-must be the same bytes) and to /dev/null after.  A run's wall time and peak RSS (the
-ru_maxrss of os.wait4's rusage of that run's process) are recorded; the table gives
+must be the same bytes) and to /dev/null after.  A run's wall time, CPU time (user + sys)
+and peak RSS (ru_maxrss; both from os.wait4's rusage of that run's process) are recorded; the table gives
 medians with their ranges, and each tree's median over the last tree's."""
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def make_trace(rounds: int) -> Path:
     return out
 
 
-def timed(tree: Path, args: list[str], out: Path) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of `python -m rewriter ARGS` from tree, stdout to out."""
+def timed(tree: Path, args: list[str], out: Path) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS in MiB, CPU seconds) of `python -m rewriter ARGS` from tree,
+    stdout to out."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with open(out, "wb") as f:
         t = time.monotonic()
@@ -70,7 +71,7 @@ def timed(tree: Path, args: list[str], out: Path) -> tuple[float, float]:
     p.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"{tree}: {' '.join(args)} failed: {err.strip()[-300:]}")
-    return wall, ru.ru_maxrss / 1024
+    return wall, ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
 
 
 def digest(path: Path) -> str:
@@ -114,15 +115,17 @@ def main() -> None:
         print(f"round {r + 1} (load {load:.2f}): " + "; ".join(
             f"{t.name} {c} {res[(t, c)][-1][0]:.1f} s" for t in order for c in cmds), flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-    print("| command | tree | wall, median (range) | peak RSS, median | vs " + trees[-1].name + " (wall) |")
-    print("|---|---|---|---|---|")
+    print("| command | tree | wall, median (range) | CPU, median | peak RSS, median | vs " + trees[-1].name
+          + " (wall) |")
+    print("|---|---|---|---|---|---|")
     for c in cmds:
-        base = statistics.median(w for w, _ in res[(trees[-1], c)])
+        base = statistics.median(w for w, _, _ in res[(trees[-1], c)])
         for t in trees:
-            ws = [w for w, _ in res[(t, c)]]
-            rss = statistics.median(m for _, m in res[(t, c)])
+            ws = [w for w, _, _ in res[(t, c)]]
+            rss = statistics.median(m for _, m, _ in res[(t, c)])
+            cpu = statistics.median(u for _, _, u in res[(t, c)])
             med = statistics.median(ws)
-            print(f"| `{c}` | {t.name} | {med:.1f} s ({min(ws):.1f}–{max(ws):.1f}) | {rss:.0f} MiB "
+            print(f"| `{c}` | {t.name} | {med:.1f} s ({min(ws):.1f}–{max(ws):.1f}) | {cpu:.1f} s | {rss:.0f} MiB "
                   f"| {med / base:.3f}× |")
 
 
