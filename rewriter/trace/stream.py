@@ -325,15 +325,14 @@ def summary(p: Plan) -> dict:
     with_calls = 0
     end = p.end
 
-    def close(fi, start, ch, at, done):
-        """A call's numbers; its duration."""
+    def unfinished(fi, start, ch, at):
+        """A call with no return's numbers (closed at `at`); its duration."""
         d = at - start
         active[fi] -= 1
         if not active[fi]:
             total[fi] += d
         selfns[fi] += d - ch
-        if not done:
-            unf[fi] += 1
+        unf[fi] += 1
         return d
 
     for tid in sorted(p.threads):
@@ -392,7 +391,7 @@ def summary(p: Plan) -> dict:
                         if sf[-1] != fi:
                             i = len(sf) - 1 - sf[::-1].index(fi)
                             while len(sf) > i + 1:      # calls above it: no return of their own
-                                d = close(sf.pop(), ss.pop(), sc.pop(), ns, False)
+                                d = unfinished(sf.pop(), ss.pop(), sc.pop(), ns)
                                 sq.pop()
                                 sc[-1] += d
                         sf.pop()
@@ -423,7 +422,7 @@ def summary(p: Plan) -> dict:
         if seq:
             with_calls += 1
         while sf:
-            d = close(sf.pop(), ss.pop(), sc.pop(), end, False)
+            d = unfinished(sf.pop(), ss.pop(), sc.pop(), end)
             sq.pop()
             if sc:
                 sc[-1] += d
