@@ -160,16 +160,16 @@ def regs_call(at: int, fn: int, site: int | None, resume_regs: int | None, pc_is
     return bytes(out)
 
 
-# A kretprobe entry's body (retprobe.kret_entry_body()) is not code here but the
-# runtime's kretprobe trampoline address, packed: the entry detour calls the
-# generic dispatch placed at a fixed offset after it (kretprobe_entry.S), which
-# runs pre_handler_kretprobe() as any pre_handler (hit counted, nmissed, disabled).
+# A kretprobe entry's body (retprobe.kret_entry_body(): retprobe.KretEntry) names
+# the runtime's kretprobe trampoline: the generic dispatch lies at a fixed offset
+# after it (kretprobe_entry.S), which runs pre_handler_kretprobe() as any
+# pre_handler (hit counted, nmissed, disabled).  Entries not inlined call it, and
+# the inlined one's slow path (kret_entry_detour()).
 KRET_DISPATCH_OFFSET = 256
 
 
-def _kret_entry(site: int, body: bytes, at: int) -> bytes:
-    tramp = int.from_bytes(body[:8], "little")
-    return probe_stub(site, tramp + KRET_DISPATCH_OFFSET, at)
+def _kret_entry(site: int, body, at: int) -> bytes:
+    return probe_stub(site, body.tramp + KRET_DISPATCH_OFFSET, at)
 
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
@@ -242,7 +242,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
     on the slow path the rest, before kp_optimized_clean_callback(site) (the generic
     dispatch, which counts nmissed).  No template instruction writes NZCV.  A kretprobe's
-    entry (body) still goes through the runtime's dispatch with a whole pt_regs.
+    entry (body) is kret_entry_detour()'s, or the runtime's dispatch where not inlined.
     regs_fields: a pre_handler that only loads from regs, at these pt_regs byte offsets
     (handler_abi.regs_loads()): a partial pt_regs in the frame, only those fields
     stored, passed in x1; nothing is restored from it (the handler cannot write it).
@@ -250,6 +250,9 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     not read: with regs unchanged it resumes here.
     Returns (code, resume): where the relocated DCR starts."""
     if body is not None:
+        if body.inline:
+            return kret_entry_detour(site, dcr, at, fast=fast, table=table, probe_index=probe_index, body=body,
+                                     handler_clobbers=handler_clobbers, copy=copy, back=back)
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
     names = {f"x{r}": r for r in _SCRATCH}
     clob = set() if handler is None else handler_clobbers
@@ -367,6 +370,165 @@ def _load_word(at: int, rt: int, target: int, size: int) -> bytes:
     if lo % size:
         raise EmitError(f"{target:#x} is not {size}-byte aligned")
     return _e(E.adrp, at, rt, target) + (E.ldr_x(rt, rt, lo) if size == 8 else E.ldr_w(rt, rt, lo))
+
+
+class _Asm:
+    """Code at `at` with forward branches to named labels, patched by done()."""
+
+    def __init__(self, at: int):
+        self.at, self.out, self.labels, self._fix = at, bytearray(), {}, []
+
+    @property
+    def pc(self) -> int:
+        return self.at + len(self.out)
+
+    def __iadd__(self, code: bytes):
+        self.out += code
+        return self
+
+    def label(self, name: str):
+        self.labels[name] = len(self.out)
+
+    def _later(self, label: str, enc):
+        self._fix.append((len(self.out), label, enc))
+        self.out += b"\0\0\0\0"
+
+    def cbz(self, label: str, rt: int, sf: int = 1, nonzero: int = 0):
+        self._later(label, lambda at, t: E.cbz(at, rt, sf, nonzero, t))
+
+    def cbnz(self, label: str, rt: int, sf: int = 1):
+        self.cbz(label, rt, sf, 1)
+
+    def tbz(self, label: str, rt: int, bit: int, nonzero: int = 0):
+        self._later(label, lambda at, t: E.tbz(at, rt, bit, nonzero, t))
+
+    def b(self, label: str):
+        self._later(label, lambda at, t: E.b(at, t))
+
+    def call(self, fn: int):
+        self.out += _e(E.b, self.pc, fn, True)
+
+    def addr(self, rd: int, target: int):
+        self.out += _e(E.load_address, self.pc, rd, target)
+
+    def done(self) -> bytes:
+        for pos, label, enc in self._fix:
+            self.out[pos:pos + 4] = _e(enc, self.at + pos, self.at + self.labels[label])
+        return bytes(self.out)
+
+
+def _find_thread(c: _Asm, fast: int, table: int, slow: str):
+    """kp_current_thread() inlined, as clean_detour's: kprobes armed (kp_fast), the
+    thread's block in x2 (tpidr_el0 hashed into kp_thread_table).  Writes x0 x1 x2
+    x30; a disarmed or unknown thread goes to `slow`."""
+    c += _load_word(c.pc, 0, fast, 4)
+    c.cbz(slow, 0, 0)
+    c += E.mrs_tpidr_el0(1) + E.ubfx(0, 1, 12, O.THREAD_TABLE_MASK.bit_length())
+    c.addr(2, table)
+    c += E.ldr_x_index(2, 2, 0) + E.ldr_x(30, 2, 0) + E.eor_reg(30, 30, 1)
+    c.cbnz(slow, 30)
+
+
+_KRET_TPL = (0, 1, 2, 3, 4, 5, 30)      # what kret_entry_detour() writes itself
+
+
+def kret_entry_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe_index: int,
+                      body, handler_clobbers: set[str] | None, copy=None,
+                      back: int | None = None) -> tuple[bytes, int]:
+    """A kretprobe's entry with pre_handler_kretprobe() inlined for the common case,
+    as x86-64's (x86_64/retprobe.kret_entry_body): the dispatch (armed, the thread's
+    block, no handler running, enabled), then the instance at the pool's hint claimed
+    (ldaxr/stxr), the hint moved on, the slot S (sp at the entry) and the return
+    address (x30) recorded, the instance pushed on the thread's instance stack, the
+    hit counted, the entry_handler called with (ri, regs never read); a non-zero
+    return drops the instance.  The thread is marked active from the claim on.
+    Only x0-x5, x30 and what the entry_handler writes are saved (handler_clobbers,
+    None: all of x0-x18, x30 and NZCV); nothing here writes NZCV.  Anything else
+    (disarmed, a thread seen for the first time or without instances yet, a handler
+    running, a frame left behind to reclaim, x30 the trampoline, the instance at the
+    hint taken or no pool) puts the registers back and takes the runtime's dispatch
+    (kp_optimized_callback(), pre_handler_kretprobe() with a whole pt_regs), which
+    counts the hit and nmissed.  Returns (code, resume)."""
+    clob = set() if body.entry_handler is None else handler_clobbers
+    if clob is None:
+        saves = list(_SCRATCH) + [_NZCV]
+    else:
+        saves = [r for r in _SCRATCH if r in _KRET_TPL or f"x{r}" in clob] + ([_NZCV] if "nzcv" in clob else [])
+    slot = {r: 8 * i for i, r in enumerate(saves)}
+    frame = (8 * len(saves) + 8 + 15) & ~15          # the registers, the thread block
+    block = 8 * len(saves)
+    regs = [r for r in saves if r != _NZCV]
+    rp = body.rp
+    c = _Asm(at)
+    c += E.stp_pre(0, 1, 31, -frame) + _save_pairs(regs[2:], slot, False)
+    if _NZCV in saves:
+        c += E.mrs_nzcv(0) + E.str_x(0, 31, slot[_NZCV])
+    _find_thread(c, fast, table, "slow")
+    c += E.ldr_w(30, 2, O.THREAD_ACTIVE)
+    c.cbnz("slow", 30, 0)                                       # a handler running: nmissed
+    c.addr(0, rp)                                               # rp, and &rp->kp
+    c += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
+    c.cbnz("restore", 30, 0)                                    # KPROBE_FLAG_GONE|DISABLED: silent
+    c += E.ldr_x(1, 2, O.THREAD_KRET)
+    c.cbz("slow", 1)                                            # the thread's first kretprobe hit
+    c += E.ldr_w(3, 1, O.KRET_DEPTH)
+    c.cbz("empty", 3, 0)
+    c += E.add_lsl(4, 1, 3, 3) + E.ldr_x(4, 4, O.KRET_STACK - 8) + E.ldr_x(4, 4, O.RI_FP)
+    c += E.add_imm(30, 31, frame) + E.sub_reg(4, 30, 4)
+    c.tbz("slow", 4, 63)                                        # top's fp <= S: a frame left behind
+    c.label("empty")
+    c += E.ldr_x(30, 31, slot[30])
+    c.addr(4, body.tramp)
+    c += E.eor_reg(4, 4, 30)
+    c.cbz("slow", 4)                                            # a tail call swapped x30
+    c += E.ldr_w(3, 0, O.RP_HINT) + E.ldr_w(5, 0, O.RP_MAXACTIVE) + E.sub_reg_w(4, 3, 5)
+    c.tbz("slow", 4, 31)                                        # hint >= maxactive: no pool
+    c += E.ldr_w(4, 0, O.RP_STRIDE) + E.ldr_x(30, 0, O.RP_POOL) + E.umaddl(4, 3, 4, 30)
+    c += E.add_imm(4, 4, O.RI_STATE)                            # &ri->kp_state, ri at the hint
+    c += E.add_imm_w(3, 3, 1) + E.sub_reg_w(5, 3, 5)            # the next hint, 0 past the end
+    c.cbnz("claim", 5, 0)
+    c += E.movz_w(3, 0)
+    c.label("claim")
+    c += E.ldaxr_w(30, 4)
+    c.cbnz("slow", 30, 0)                                       # taken: C scans the pool
+    c += E.movz_w(30, 1) + E.stxr_w(5, 30, 4)
+    c.cbnz("claim", 5, 0)
+    c += E.str_w(3, 0, O.RP_HINT) + E.sub_imm(4, 4, O.RI_STATE)
+    c += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE)
+    hits = O.THREAD_HITS + 8 * probe_index
+    if hits < 32768:
+        c += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
+    else:
+        c += _add_const(3, 2, hits) + E.ldr_x(30, 3, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 3, 0)
+    c += E.str_x(0, 4, O.RI_RP) + E.ldr_x(30, 31, slot[30]) + E.str_x(30, 4, O.RI_RET_ADDR)
+    c += E.add_imm(30, 31, frame) + E.str_x(30, 4, O.RI_FP) + E.str_w(31, 4, O.RI_FLAGS)
+    c += E.str_x(31, 1, O.KRET_TAIL_SLOT) + E.ldr_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
+    c += E.str_x(4, 5, O.KRET_STACK) + E.add_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH)
+    if body.entry_handler is not None:
+        c += E.str_x(2, 31, block) + E.mov_reg(0, 4) + E.movz(1, 0)
+        c.call(body.entry_handler)                              # entry_handler(ri, regs never read)
+        c.cbz("kept", 0, 0)
+        # Non-zero: no return handler for this call (nested probes missed, so ours is on top).
+        c += E.ldr_x(2, 31, block) + E.ldr_x(1, 2, O.THREAD_KRET) + E.ldr_w(3, 1, O.KRET_DEPTH)
+        c += E.sub_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
+        c += E.ldr_x(4, 5, O.KRET_STACK) + E.add_imm(4, 4, O.RI_STATE) + E.stlr_w(31, 4)
+        c.label("kept")
+        c += E.ldr_x(2, 31, block)
+    c += E.str_w(31, 2, O.THREAD_ACTIVE)
+    c.label("restore")
+    restore = E.ldr_x(0, 31, slot[_NZCV]) + E.msr_nzcv(0) if _NZCV in saves else b""
+    restore += _save_pairs(regs[2:], slot, True) + E.ldp_post(0, 1, 31, frame)
+    c += restore
+    resume = c.pc
+    copy = copy or relocate
+    for insn in dcr:
+        c += copy(insn, c.pc)
+    c += _e(E.b, c.pc, back or dcr[-1].addr + len(dcr[-1].code))
+    c.label("slow")
+    c += restore
+    c += _kret_entry(site, body, c.pc)
+    c += _e(E.b, c.pc, resume)
+    return c.done(), resume
 
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
