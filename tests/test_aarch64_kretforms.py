@@ -63,7 +63,14 @@ REG_HANDLERS = {
     # Calls C (pr_info): may write every call-clobbered register and the flags.
     "noisy": r"""
 #include <kprewrite/kprobes.h>
-int n_entry(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = 7; return 0; }
+int n_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	static long e;
+	*(long *)ri->data = 7;
+	if (++e % 500 == 1)
+		pr_info("E %s\n", ri->rp->kp.symbol_name);
+	return 0;
+}
 int n_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
 	static long k;
@@ -72,11 +79,16 @@ int n_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 	return 0;
 }
 """,
-    # Leaves: kprewrite reads which registers they write.
+    # Leaves: kprewrite reads which registers they write (the entry's cmp, the flags).
     "leaf": r"""
 #include <kprewrite/kprobes.h>
 static long k;
-int n_entry(struct kretprobe_instance *ri, struct pt_regs *regs) { *(long *)ri->data = 7; return 0; }
+/* 7, from a comparison that leaves "eq" (pf is entered with "ne"). */
+int n_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	*(long *)ri->data = 6 + (ri->rp->kp.symbol_name[0] == 'p');
+	return 0;
+}
 int n_return(struct kretprobe_instance *ri, struct pt_regs *regs) { k += *(long *)ri->data; return 0; }
 """,
     # Reads regs: the return value, pc (the return address) and sp (the entry's) it sees.
@@ -113,7 +125,7 @@ def test_registers_and_flags_survive_the_inlined_halves(once, handlers):
     assert r.returncode == 0, r.stderr
     assert r.stdout == "bad=0\n"
     if handlers == "noisy":
-        assert events(r.stderr) == ["R pf 7"] * 4
+        assert events(r.stderr) == ["E pf", "R pf 7", "R pf 7", "E pf", "R pf 7", "R pf 7"]
     if handlers == "regs":
         # pf returns i + 1 for call i (from 0): the sums after calls 1, 500, 501 and 1000.
         sums = [sum(j + 1 for j in range(n)) for n in (1, 500, 501, 1000)]
