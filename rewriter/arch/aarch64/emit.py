@@ -175,10 +175,77 @@ def _kret_entry(site: int, body, at: int) -> bytes:
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                 probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
                 aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
-    """A detour that saves a whole pt_regs in line and calls optimized_callback()."""
+    """The detour of a site with one probe whose pre_handler may read or write
+    pt_regs, as x86-64's full_detour: struct pt_regs saved once, in line (pc the
+    probed address, sp at the hit, pstate NZCV), the dispatch of the common case
+    inlined (clean_detour's), the pre_handler called with (p, regs).  A handler that
+    changed the path (a non-zero return and a new regs->pc), regs->sp or a PSTATE
+    bit beyond NZCV resumes through resume_regs (kp_optprobe_resume_regs, pc
+    regs->pc or the copied instruction); anything else restores every register and
+    NZCV from pt_regs.  The slow path calls callback(site, regs)
+    (kp_optimized_callback(), which counts nmissed) on the same pt_regs.  A
+    kretprobe's entry (body) takes the runtime's dispatch.  Returns (code, resume)."""
     if body is not None:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
-    return _after(regs_call(at, callback, site, resume_regs), dcr, at, copy, back)
+    pt = _frame()
+    F = pt + 16                                         # pt_regs, the thread block
+    hit = dcr[0].addr
+    c = _Asm(at)
+    c += E.sub_imm(31, 31, F)
+    for r in range(0, 30, 2):
+        c += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    c += E.str_x(30, 31, O.PT_X0 + 240) + E.add_imm(0, 31, F)
+    c.addr(1, hit)
+    assert O.PT_PC == O.PT_SP + 8
+    c += E.stp(0, 1, 31, O.PT_SP) + MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
+    c += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)       # orig_x0 0, syscallno -1
+    _find_thread(c, fast, table, "slow")
+    c += E.ldr_w(30, 2, O.THREAD_ACTIVE)
+    c.cbnz("slow", 30, 0)                                       # reentered: nmissed
+    c.addr(0, probe)
+    c += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
+    c.cbnz("restore", 30, 0)                                    # KPROBE_FLAG_GONE|DISABLED: silent
+    hits = O.THREAD_HITS + 8 * probe_index
+    if hits < 32768:
+        c += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
+    else:
+        c += _add_const(1, 2, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
+    c += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, pt) + E.add_imm(1, 31, 0)
+    c.call(handler)                                             # pre_handler(p, regs)
+    c += E.ldr_x(2, 31, pt) + E.str_w(31, 2, O.THREAD_ACTIVE)
+    # What the handler changed: the path, the stack pointer, PSTATE beyond NZCV.
+    c.cbz("same_path", 0, 0)
+    c += E.ldr_x(0, 31, O.PT_PC)
+    c.addr(1, hit)
+    c += E.eor_reg(0, 0, 1)
+    c.cbnz("leave", 0)
+    c.label("same_path")
+    c += E.ldr_x(0, 31, O.PT_SP)
+    c += E.add_imm(1, 31, F) + E.eor_reg(0, 0, 1)
+    c.cbnz("changed", 0)
+    c += E.ldr_x(0, 31, O.PT_PSTATE) + E.and_bits(0, 0, 32, 60)   # ~NZCV: at the hit, none set
+    c.cbnz("changed", 0)
+    c.label("restore")
+    c += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
+    for r in range(0, 30, 2):
+        c += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    c += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, F)
+    resume = c.pc
+    copy = copy or relocate
+    for insn in dcr:
+        c += copy(insn, c.pc)
+    c += _e(E.b, c.pc, back or dcr[-1].addr + len(dcr[-1].code))
+    c.label("changed")                                          # go on with the copy, on regs->sp
+    c.addr(0, resume)
+    c += E.str_x(0, 31, O.PT_PC)
+    c.label("leave")
+    c += _e(E.b, c.pc, resume_regs)
+    c.label("slow")
+    c += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
+    c.call(callback)                                            # kp_optimized_callback(site, regs)
+    c.cbnz("leave", 0)
+    c.b("restore")
+    return c.done(), resume
 
 
 def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
