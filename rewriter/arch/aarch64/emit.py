@@ -184,8 +184,10 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     regs->pc or the copied instruction); anything else restores every register and
     NZCV from pt_regs.  The slow path calls callback(site, regs)
     (kp_optimized_callback(), which counts nmissed) on the same pt_regs.  A
-    kretprobe's entry (body) takes the runtime's dispatch.  Returns (code, resume)."""
-    if body is not None:
+    kretprobe's entry (body, retprobe.KretEntry) whose entry_handler may read regs
+    runs pre_handler_kretprobe() in place of the pre_handler (_kret_claim()), or,
+    not inlined, takes the runtime's dispatch.  Returns (code, resume)."""
+    if body is not None and not body.inline:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
     pt = _frame()
     F = pt + 16                                         # pt_regs, the thread block
@@ -210,8 +212,24 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
         c += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
     else:
         c += _add_const(1, 2, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
-    c += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, pt) + E.add_imm(1, 31, 0)
-    c.call(handler)                                             # pre_handler(p, regs)
+    c += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, pt)
+    if body is None:
+        c += E.add_imm(1, 31, 0)
+        c.call(handler)                                         # pre_handler(p, regs)
+    else:
+        # pre_handler_kretprobe(), as kret_entry_detour's, with regs: the slot is sp at
+        # the hit, the return address x30's; anything uncommon calls
+        # kp_kretprobe_enter(p, S, t, regs) (enter_c), which returns nothing.
+        _kret_claim(c, body, F, O.PT_X30, "enter_c")
+        _kret_push(c, F, O.PT_X30)
+        if body.entry_handler is not None:
+            _kret_entry_handler(c, body, pt, E.add_imm(1, 31, 0))
+        c.b("entered")
+        c.label("enter_c")
+        c += E.add_imm(1, 31, F) + E.add_imm(3, 31, 0)
+        c.call(body.enter_c)
+        c.label("entered")
+        c += E.movz_w(0, 0)
     c += E.ldr_x(2, 31, pt) + E.str_w(31, 2, O.THREAD_ACTIVE)
     # What the handler changed: the path, the stack pointer, PSTATE beyond NZCV.
     c.cbz("same_path", 0, 0)
@@ -496,6 +514,61 @@ def _find_thread(c: _Asm, fast: int, table: int, slow: str):
     c.cbnz(slow, 30)
 
 
+def _kret_claim(c: _Asm, body, S: int, ra: int, fail: str):
+    """pre_handler_kretprobe()'s claim, inlined: with rp in x0 and the thread block in
+    x2, the thread's instances in x1 and the instance at the pool's hint claimed into
+    x4 (ldaxr/stxr), the hint moved on.  S: the slot (sp at the entry) at sp + S; ra:
+    where the frame holds x30.  Writes x1 x3 x4 x5 x30; anything uncommon (no
+    instances yet, a frame left behind to reclaim, x30 the trampoline, no pool, the
+    instance taken) goes to `fail` with nothing claimed."""
+    c += E.ldr_x(1, 2, O.THREAD_KRET)
+    c.cbz(fail, 1)                                              # the thread's first kretprobe hit
+    c += E.ldr_w(3, 1, O.KRET_DEPTH)
+    c.cbz("empty", 3, 0)
+    c += E.add_lsl(4, 1, 3, 3) + E.ldr_x(4, 4, O.KRET_STACK - 8) + E.ldr_x(4, 4, O.RI_FP)
+    c += E.add_imm(30, 31, S) + E.sub_reg(4, 30, 4)
+    c.tbz(fail, 4, 63)                                          # top's fp <= S: a frame left behind
+    c.label("empty")
+    c += E.ldr_x(30, 31, ra)
+    c.addr(4, body.tramp)
+    c += E.eor_reg(4, 4, 30)
+    c.cbz(fail, 4)                                              # a tail call swapped x30
+    c += E.ldr_w(3, 0, O.RP_HINT) + E.ldr_w(5, 0, O.RP_MAXACTIVE) + E.sub_reg_w(4, 3, 5)
+    c.tbz(fail, 4, 31)                                          # hint >= maxactive: no pool
+    c += E.ldr_w(4, 0, O.RP_STRIDE) + E.ldr_x(30, 0, O.RP_POOL) + E.umaddl(4, 3, 4, 30)
+    c += E.add_imm(4, 4, O.RI_STATE)                            # &ri->kp_state, ri at the hint
+    c += E.add_imm_w(3, 3, 1) + E.sub_reg_w(5, 3, 5)            # the next hint, 0 past the end
+    c.cbnz("claim", 5, 0)
+    c += E.movz_w(3, 0)
+    c.label("claim")
+    c += E.ldaxr_w(30, 4)
+    c.cbnz(fail, 30, 0)                                         # taken: C scans the pool
+    c += E.movz_w(30, 1) + E.stxr_w(5, 30, 4)
+    c.cbnz("claim", 5, 0)
+    c += E.str_w(3, 0, O.RP_HINT) + E.sub_imm(4, 4, O.RI_STATE)
+
+
+def _kret_push(c: _Asm, S: int, ra: int):
+    """The claimed instance (x4) recorded (rp x0, the return address, the slot S, no
+    flags) and pushed on the thread's instances (x1); the tail slot cleared."""
+    c += E.str_x(0, 4, O.RI_RP) + E.ldr_x(30, 31, ra) + E.str_x(30, 4, O.RI_RET_ADDR)
+    c += E.add_imm(30, 31, S) + E.str_x(30, 4, O.RI_FP) + E.str_w(31, 4, O.RI_FLAGS)
+    c += E.str_x(31, 1, O.KRET_TAIL_SLOT) + E.ldr_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
+    c += E.str_x(4, 5, O.KRET_STACK) + E.add_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH)
+
+
+def _kret_entry_handler(c: _Asm, body, block: int, regs_arg: bytes):
+    """entry_handler(ri x4, regs) with the thread block saved at sp + block; a non-zero
+    return drops the instance (nested probes missed, so ours is on top)."""
+    c += E.str_x(2, 31, block) + E.mov_reg(0, 4) + regs_arg
+    c.call(body.entry_handler)
+    c.cbz("kept", 0, 0)
+    c += E.ldr_x(2, 31, block) + E.ldr_x(1, 2, O.THREAD_KRET) + E.ldr_w(3, 1, O.KRET_DEPTH)
+    c += E.sub_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
+    c += E.ldr_x(4, 5, O.KRET_STACK) + E.add_imm(4, 4, O.RI_STATE) + E.stlr_w(31, 4)
+    c.label("kept")
+
+
 _KRET_TPL = (0, 1, 2, 3, 4, 5, 30)      # what kret_entry_detour() writes itself
 
 
@@ -536,50 +609,16 @@ def kret_entry_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, tabl
     c.addr(0, rp)                                               # rp, and &rp->kp
     c += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
     c.cbnz("restore", 30, 0)                                    # KPROBE_FLAG_GONE|DISABLED: silent
-    c += E.ldr_x(1, 2, O.THREAD_KRET)
-    c.cbz("slow", 1)                                            # the thread's first kretprobe hit
-    c += E.ldr_w(3, 1, O.KRET_DEPTH)
-    c.cbz("empty", 3, 0)
-    c += E.add_lsl(4, 1, 3, 3) + E.ldr_x(4, 4, O.KRET_STACK - 8) + E.ldr_x(4, 4, O.RI_FP)
-    c += E.add_imm(30, 31, frame) + E.sub_reg(4, 30, 4)
-    c.tbz("slow", 4, 63)                                        # top's fp <= S: a frame left behind
-    c.label("empty")
-    c += E.ldr_x(30, 31, slot[30])
-    c.addr(4, body.tramp)
-    c += E.eor_reg(4, 4, 30)
-    c.cbz("slow", 4)                                            # a tail call swapped x30
-    c += E.ldr_w(3, 0, O.RP_HINT) + E.ldr_w(5, 0, O.RP_MAXACTIVE) + E.sub_reg_w(4, 3, 5)
-    c.tbz("slow", 4, 31)                                        # hint >= maxactive: no pool
-    c += E.ldr_w(4, 0, O.RP_STRIDE) + E.ldr_x(30, 0, O.RP_POOL) + E.umaddl(4, 3, 4, 30)
-    c += E.add_imm(4, 4, O.RI_STATE)                            # &ri->kp_state, ri at the hint
-    c += E.add_imm_w(3, 3, 1) + E.sub_reg_w(5, 3, 5)            # the next hint, 0 past the end
-    c.cbnz("claim", 5, 0)
-    c += E.movz_w(3, 0)
-    c.label("claim")
-    c += E.ldaxr_w(30, 4)
-    c.cbnz("slow", 30, 0)                                       # taken: C scans the pool
-    c += E.movz_w(30, 1) + E.stxr_w(5, 30, 4)
-    c.cbnz("claim", 5, 0)
-    c += E.str_w(3, 0, O.RP_HINT) + E.sub_imm(4, 4, O.RI_STATE)
+    _kret_claim(c, body, frame, slot[30], "slow")
     c += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE)
     hits = O.THREAD_HITS + 8 * probe_index
     if hits < 32768:
         c += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
     else:
         c += _add_const(3, 2, hits) + E.ldr_x(30, 3, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 3, 0)
-    c += E.str_x(0, 4, O.RI_RP) + E.ldr_x(30, 31, slot[30]) + E.str_x(30, 4, O.RI_RET_ADDR)
-    c += E.add_imm(30, 31, frame) + E.str_x(30, 4, O.RI_FP) + E.str_w(31, 4, O.RI_FLAGS)
-    c += E.str_x(31, 1, O.KRET_TAIL_SLOT) + E.ldr_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
-    c += E.str_x(4, 5, O.KRET_STACK) + E.add_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH)
+    _kret_push(c, frame, slot[30])
     if body.entry_handler is not None:
-        c += E.str_x(2, 31, block) + E.mov_reg(0, 4) + E.movz(1, 0)
-        c.call(body.entry_handler)                              # entry_handler(ri, regs never read)
-        c.cbz("kept", 0, 0)
-        # Non-zero: no return handler for this call (nested probes missed, so ours is on top).
-        c += E.ldr_x(2, 31, block) + E.ldr_x(1, 2, O.THREAD_KRET) + E.ldr_w(3, 1, O.KRET_DEPTH)
-        c += E.sub_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
-        c += E.ldr_x(4, 5, O.KRET_STACK) + E.add_imm(4, 4, O.RI_STATE) + E.stlr_w(31, 4)
-        c.label("kept")
+        _kret_entry_handler(c, body, block, E.movz(1, 0))          # regs never read
         c += E.ldr_x(2, 31, block)
     c += E.str_w(31, 2, O.THREAD_ACTIVE)
     c.label("restore")

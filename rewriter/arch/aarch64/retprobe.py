@@ -271,22 +271,24 @@ def hook_copy(hooks):
 @dataclasses.dataclass(frozen=True)
 class KretEntry:
     """A kretprobe entry's body for emit.clean_detour() and full_detour(): inline
-    (its group's returns hooked in place, the entry_handler never reads regs):
-    emit.kret_entry_detour(); else the runtime's dispatch after the trampoline."""
+    (its group's returns hooked in place): emit.kret_entry_detour(), or full_detour()
+    with pt_regs; else the runtime's dispatch after the trampoline."""
     rp: int
     tramp: int
     entry_handler: int | None
     inline: bool
+    enter_c: int
 
 
 def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: int,
                     aligned: bool, inline: bool = True, regs: bool = False) -> KretEntry:
-    """pre_handler_kretprobe() for a site whose one probe is rp->kp: inlined by
+    """pre_handler_kretprobe() for a site whose one probe is rp->kp, inlined: by
     emit.kret_entry_detour() when the entry_handler never reads regs (clean_detour's
-    body); an entry_handler that reads them (full_detour's), or a kretprobe whose
-    returns use the trampoline (inline=False), takes the runtime's dispatch with a
-    whole pt_regs.  enter_c is not called: the slow path is that dispatch."""
-    return KretEntry(rp, tramp, entry_handler, inline and not regs)
+    body; its slow path is the runtime's dispatch), by emit.full_detour() with
+    pt_regs when it may (regs; its slow path calls enter_c, kp_kretprobe_enter()).
+    A kretprobe whose returns use the trampoline (inline=False) takes the runtime's
+    dispatch."""
+    return KretEntry(rp, tramp, entry_handler, inline, enter_c)
 
 
 # A return hook's frame: x0-x18, x30 and NZCV at their slots (scratch order), the
