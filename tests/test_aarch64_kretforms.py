@@ -106,6 +106,27 @@ int n_return(struct kretprobe_instance *ri, struct pt_regs *regs)
 	return 0;
 }
 """,
+    # Reads regs at the entry too (the pt_regs template): sp, x30 and pc as at the entry.
+    "regs_entry": r"""
+#include <kprewrite/kprobes.h>
+static long k, sum, bad;
+int n_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	*(long *)ri->data = 7;
+	bad += regs->sp != (unsigned long)ri->fp || regs->regs[30] != (unsigned long)ri->ret_addr
+		|| regs->pc != (unsigned long)ri->rp->kp.addr || regs->regs[1] != 0x101;
+	return 0;
+}
+int n_return(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	sum += regs_return_value(regs);
+	bad += regs->pc != (unsigned long)ri->ret_addr || regs->sp != (unsigned long)ri->fp
+		|| *(long *)ri->data != 7 || (regs->pstate & 0xf0000000) != 0x60000000;
+	if (++k % 500 < 2)
+		pr_info("R %s %ld sum %ld bad %ld\n", ri->rp->kp.symbol_name, *(long *)ri->data, sum, bad);
+	return 0;
+}
+""",
 }
 
 
@@ -115,18 +136,19 @@ def _regs(tmp, handlers):
     return instrument(prog, write_spec(tmp, spec, REG_HANDLERS[handlers]))
 
 
-@pytest.mark.parametrize("handlers", ["noisy", "leaf", "regs"])
+@pytest.mark.parametrize("handlers", ["noisy", "leaf", "regs", "regs_entry"])
 def test_registers_and_flags_survive_the_inlined_halves(once, handlers):
     out = once(_regs, handlers)
     m = kret_meta(out)["pf"]
-    assert (m["call"], m["inline_dispatch"], m["returns"]) == ("clean", True, "optimized"), m
-    assert m["return_hook"] == ("inline pt_regs" if handlers == "regs" else "inline clean"), m
+    assert (m["call"], m["inline_dispatch"], m["returns"]) == \
+        ("pt_regs" if handlers == "regs_entry" else "clean", True, "optimized"), m
+    assert m["return_hook"] == ("inline pt_regs" if handlers.startswith("regs") else "inline clean"), m
     r = run(out, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == "bad=0\n"
     if handlers == "noisy":
         assert events(r.stderr) == ["E pf", "R pf 7", "R pf 7", "E pf", "R pf 7", "R pf 7"]
-    if handlers == "regs":
+    if handlers.startswith("regs"):
         # pf returns i + 1 for call i (from 0): the sums after calls 1, 500, 501 and 1000.
         sums = [sum(j + 1 for j in range(n)) for n in (1, 500, 501, 1000)]
         assert events(r.stderr) == [f"R pf 7 sum {s} bad 0" for s in sums]
