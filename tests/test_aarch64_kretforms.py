@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cc, instrument, meta, probe_spec, profile, run, write_spec
+from conftest import cc, instrument, probe_spec, profile, run, write_spec
 from test_kretprobe import THREADS, events
 # The same programs, handlers and assertions as on x86-64: collected here, they run
 # under qemu-aarch64 (this module's ARCHES).

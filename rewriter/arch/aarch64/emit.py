@@ -121,43 +121,30 @@ def _frame() -> int:
     return (O.PT_SIZE + 15) & ~15
 
 
-def regs_call(at: int, fn: int, site: int | None, resume_regs: int | None, pc_is_lr: bool = False) -> bytes:
-    """struct pt_regs on the stack, fn(SITE, regs) (fn(regs) when site is None),
-    every register back (NZCV by msr).  With resume_regs, a non-zero result
-    resumes through it with sp at the frame (optprobe_entry.S); without, the
-    result is not read (the clean callbacks return nothing).  pc_is_lr: regs
-    as after a `ret` (pc the return address in x30; a return hook)."""
-    f = _frame()
-    out = bytearray(E.sub_imm(31, 31, f))
+def _save_pt_regs(c, F: int, pc: int | None):
+    """struct pt_regs at sp, which moves down F (pt_regs first): every register, sp
+    as before, pc the given address (None: x30, as after a `ret`), pstate NZCV,
+    orig_x0 0, syscallno -1.  Writes x0 x1 (saved first)."""
+    c += E.sub_imm(31, 31, F)
     for r in range(0, 30, 2):
-        out += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
-    out += E.str_x(30, 31, O.PT_X0 + 240)
-    out += E.add_imm(0, 31, f) + E.str_x(0, 31, O.PT_SP)
-    if pc_is_lr:
-        out += E.str_x(30, 31, O.PT_PC)
-    out += MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
-    out += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)    # orig_x0 0, syscallno -1
-    if site is None:
-        out += E.add_imm(0, 31, 0)
+        c += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    c += E.str_x(30, 31, O.PT_X0 + 240) + E.add_imm(0, 31, F)
+    assert O.PT_PC == O.PT_SP + 8
+    if pc is None:
+        c += E.stp(0, 30, 31, O.PT_SP)
     else:
-        out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
-    out += _e(E.b, at + len(out), fn, True)
-    cbnz_at = len(out)
-    if resume_regs is not None:
-        out += b"\0\0\0\0"              # cbnz x0, slow (below)
-    out += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
+        c.addr(1, pc)
+        c += E.stp(0, 1, 31, O.PT_SP)
+    c += MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
+    c += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)      # orig_x0 0, syscallno -1
+
+
+def _restore_pt_regs(c, F: int):
+    """Every register and NZCV back from pt_regs at sp; sp up F."""
+    c += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
     for r in range(0, 30, 2):
-        out += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
-    out += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, f)
-    if resume_regs is None:
-        return bytes(out)
-    skip_at = len(out)
-    out += b"\0\0\0\0"                  # b over the slow path
-    slow = len(out)
-    out += _e(E.b, at + slow, resume_regs)
-    out[cbnz_at:cbnz_at + 4] = _e(E.cbz, at + cbnz_at, 0, 1, 1, at + slow)
-    out[skip_at:skip_at + 4] = _e(E.b, at + skip_at, at + len(out))
-    return bytes(out)
+        c += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    c += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, F)
 
 
 # A kretprobe entry's body (retprobe.kret_entry_body(): retprobe.KretEntry) names
@@ -193,14 +180,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     F = pt + 16                                         # pt_regs, the thread block
     hit = dcr[0].addr
     c = _Asm(at)
-    c += E.sub_imm(31, 31, F)
-    for r in range(0, 30, 2):
-        c += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
-    c += E.str_x(30, 31, O.PT_X0 + 240) + E.add_imm(0, 31, F)
-    c.addr(1, hit)
-    assert O.PT_PC == O.PT_SP + 8
-    c += E.stp(0, 1, 31, O.PT_SP) + MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
-    c += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)       # orig_x0 0, syscallno -1
+    _save_pt_regs(c, F, hit)
     _find_thread(c, fast, table, "slow")
     c += E.ldr_w(30, 2, O.THREAD_ACTIVE)
     c.cbnz("slow", 30, 0)                                       # reentered: nmissed
@@ -244,10 +224,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     c += E.ldr_x(0, 31, O.PT_PSTATE) + E.and_bits(0, 0, 32, 60)   # ~NZCV: at the hit, none set
     c.cbnz("changed", 0)
     c.label("restore")
-    c += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
-    for r in range(0, 30, 2):
-        c += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
-    c += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, F)
+    _restore_pt_regs(c, F)
     resume = c.pc
     copy = copy or relocate
     for insn in dcr:
@@ -277,24 +254,6 @@ def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
 
 
 _SCRATCH = tuple(range(19)) + (30,)     # what a C call clobbers (AAPCS64): x0-x18, x30
-SCRATCH_FRAME = 176                     # x0-x18, x30, NZCV, 16-byte aligned
-
-
-def scratch_save() -> bytes:
-    """x0-x18, x30 and NZCV below sp, which moves down SCRATCH_FRAME (no pt_regs)."""
-    out = bytearray(E.stp_pre(0, 1, 31, -SCRATCH_FRAME))
-    for r in range(2, 18, 2):
-        out += E.stp(r, r + 1, 31, 8 * r)
-    out += E.stp(18, 30, 31, 144) + MRS_X0_NZCV + E.str_x(0, 31, 160)
-    return bytes(out)
-
-
-def scratch_restore() -> bytes:
-    """What scratch_save() saved, back; sp as before it."""
-    out = bytearray(E.ldr_x(0, 31, 160) + MSR_NZCV_X0 + E.ldp(18, 30, 31, 144))
-    for r in range(2, 18, 2):
-        out += E.ldp(r, r + 1, 31, 8 * r)
-    return bytes(out + E.ldp_post(0, 1, 31, SCRATCH_FRAME))
 _NZCV = 32                              # a clean frame's slot name for the flags
 _TPL = (0, 1, 2, 30)                    # what the template itself writes
 
@@ -417,7 +376,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
 
 
 def _partial_pt_regs(at: int, fields: frozenset[int], area: int, frame: int, hit: int) -> bytes:
-    """The pt_regs fields a pre_handler reads, at sp + area, as regs_call() stores them:
+    """The pt_regs fields a pre_handler reads, at sp + area, as _save_pt_regs() stores them:
     each register as at the hit (none written yet), sp the stack pointer at the hit, pc
     the probed address, pstate NZCV, orig_x0 0, syscallno -1.  x2 is the scratch (saved)."""
     out = bytearray()

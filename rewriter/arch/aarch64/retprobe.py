@@ -387,10 +387,6 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: in
     return c.done()
 
 
-def _call(at: int, fn: int) -> bytes:
-    return em._e(E.b, at, fn, True)
-
-
 def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
                   handler: int | None, return_c: int, aligned: bool) -> bytes:
     """The same for a kretprobe whose handler may read regs: struct pt_regs built in
@@ -400,19 +396,10 @@ def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int
     kp_kretprobe_return(regs)."""
     F = em._frame() + 16                       # pt_regs, the thread block, the instance
     c = em._Asm(at)
-    c += E.sub_imm(31, 31, F)
-    for r in range(0, 30, 2):
-        c += E.stp(r, r + 1, 31, em.PT_X0 + 8 * r)
-    c += E.str_x(30, 31, em.PT_X0 + 240) + E.add_imm(0, 31, F) + E.stp(0, 30, 31, em.PT_SP)
-    assert em.PT_PC == em.PT_SP + 8
-    c += em.MRS_X0_NZCV + E.str_x(0, 31, em.PT_PSTATE)
-    c += E.movn_w(0, 0) + E.stp(31, 0, 31, em.PT_ORIG_X0)     # orig_x0 0, syscallno -1
+    em._save_pt_regs(c, F, None)
     _ret_fast_path(c, F, fast=fast, table=table, rp=rp, handler=handler, t_slot=em._frame(), regs=True)
     c.label("restore")
-    c += E.ldr_x(0, 31, em.PT_PSTATE) + em.MSR_NZCV_X0
-    for r in range(0, 30, 2):
-        c += E.ldp(r, r + 1, 31, em.PT_X0 + 8 * r)
-    c += E.ldr_x(30, 31, em.PT_X0 + 240) + E.add_imm(31, 31, F)
+    em._restore_pt_regs(c, F)
     c += em.relocate(exit, c.pc)
     c.label("slow")
     c += E.add_imm(0, 31, 0)
