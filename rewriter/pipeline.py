@@ -84,7 +84,8 @@ def prepare(input_path: str, spec_path: str | Spec, no_optimize: bool = False, s
     errors += res_errors
     progress.stage("analysing", f"{len(image.functions)} functions, {len(probes)} probes")
     analysis = Analysis(image, arch, extra_sources=rules.jump_target_sources,
-                        read_indirect_jumps=rules.read_indirect_jumps)
+                        read_indirect_jumps=rules.read_indirect_jumps,
+                        probed_functions=len({p.func.start for p in probes if p.func is not None}))
     progress.stage("planning", f"{len(probes)} probes, {len(analysis.targets)} jump targets")
     plan = planner.plan(image, analysis, arch, probes, rules, spec.optimize and not no_optimize, spec.name)
     if strict:

@@ -321,6 +321,41 @@ void kp_kretprobe_enter_clean_slow(unsigned long site_index, unsigned long S)
 	t->active = 0;
 }
 
+#ifdef KP_KRET_CLEAN_ENTRY
+/*
+ * A site with a kretprobe whose handlers (entry_handler, and the pre_handlers of kprobes
+ * at the same address) never read regs, such as a [[function_graph]]'s entry: the clean
+ * call of kp_kretprobe_clean_entry (optprobe_entry.S), which saves only the call-clobbered
+ * registers and passes the slot S instead of struct pt_regs.  aggr_pre_handler() with the
+ * kretprobes' entry half called directly.
+ */
+void kp_kretprobe_clean_callback(unsigned long site_index, unsigned long S)
+{
+	kp_platform_dispatch_begin();
+	const struct kp_site *s = kp_site(site_index);
+	struct kp_thread *t = s ? kp_current_thread() : 0;
+	if (t && t->active) {
+		kp_count_missed(s);
+	} else if (t) {
+		struct kprobe *const *pp = &kp_site_probes[s->first];
+		t->active = 1;
+		for (unsigned int i = 0; i < s->count; i++) {
+			struct kprobe *p = pp[i];
+			if (kprobe_disabled(p))
+				continue;
+			t->hits[p->index]++;
+			kprobe_pre_handler_t pre = KP_PRE_HANDLER(s, pp, i);
+			if (pre == kp_pre_handler_kretprobe)
+				kp_kret_enter((struct kretprobe *)((char *)p - __builtin_offsetof(struct kretprobe, kp)), S, t, 1, 0);
+			else if (pre && pre(p, 0))
+				break;
+		}
+		t->active = 0;
+	}
+	kp_platform_dispatch_end();
+}
+#endif
+
 static inline void kp_ri_fire(struct kp_thread *t, struct kretprobe_instance *ri, struct pt_regs *regs)
 {
 	struct kretprobe *rp = ri->rp;

@@ -585,6 +585,40 @@ static void kp_bt_hit(struct kp_tc *t, const struct kp_trace_event *ev, long lon
 	__atomic_store_n(&kp_bt_lock, 0, __ATOMIC_RELEASE);
 }
 
+/* The common hit of an event without fetch args (a [[function_graph]]'s), stored here with
+ * no call: the thread's kp_tc slot at its hash, a chunk with room, its previous hit less
+ * than KP_TC_GAP_NS and its clock reading less than KP_TC_ANCHOR_NS ago, its identity
+ * unchanged.  0: anything else, which kp_trace_hit() does as before (kp_tc_now() reads
+ * the counter again). */
+static __attribute__((always_inline)) inline int kp_bt_fast(const struct kp_trace_event *ev, unsigned long ret_addr)
+{
+	if (!kp_bt_on || ev->nargs || !kp_platform_thread_key_ready())
+		return 0;
+	unsigned long key = kp_platform_thread_key_fast();
+	unsigned long h = (key >> 12 ^ key >> 22) & (KP_TC_SLOTS - 1), words = 1 + (ev->is_return != 0);
+	struct kp_tc *t = &kp_tc[h];
+	struct kp_bt_slot *s = &kp_bt->slots[h];
+	if (!key || __atomic_load_n(&t->key, __ATOMIC_ACQUIRE) != key || t->fresh || t->changed ||
+	    (unsigned long)(s->end - s->p) < words)
+		return 0;
+	unsigned long mult = __atomic_load_n(&kp_tc_mult, __ATOMIC_ACQUIRE);
+	unsigned long c = kp_arch_counter();
+	if (!mult || c - t->last_c >= kp_tc_gap_c || c - t->anchor_c >= kp_tc_anchor_c)
+		return 0;
+	long long ns = t->anchor_ns + (long long)((c - t->anchor_c) * mult >> KP_TC_SHIFT);
+	if (ns < t->last_ns)
+		ns = t->last_ns;
+	t->last_ns = ns;
+	t->last_c = c;
+	unsigned long rel = ns > kp_bt_base ? ((unsigned long)(ns - kp_bt_base) & ((1UL << 48) - 1)) << 16 : 0;
+	unsigned long *q = s->p;
+	if (ev->is_return)
+		q[1] = ret_addr;
+	__atomic_store_n(q, rel | (ev->index + 1), __ATOMIC_RELEASE);
+	s->p = q + words;
+	return 1;
+}
+
 /* Start-up: FILE opened (created) and joined, this image's descriptor written.  A message
  * and 0 when it cannot be (the caller traces text to standard error). */
 static int kp_bt_open(const char *path)
@@ -839,6 +873,10 @@ static void kp_trace_hit(const struct kp_trace_event *ev, struct pt_regs *regs,
 
 void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsigned long addr)
 {
+#ifdef KP_PLATFORM_TRACE_BINARY
+	if (kp_bt_fast(ev, 0))
+		return;
+#endif
 	kp_trace_hit(ev, regs, addr, 0);
 }
 
@@ -851,5 +889,9 @@ void kp_trace_kprobe(const struct kp_trace_event *ev, struct pt_regs *regs, unsi
 void kp_trace_kretprobe(const struct kp_trace_event *ev, struct pt_regs *regs,
 			unsigned long ret_addr, unsigned long func_addr)
 {
+#ifdef KP_PLATFORM_TRACE_BINARY
+	if (kp_bt_fast(ev, ret_addr))
+		return;
+#endif
 	kp_trace_hit(ev, regs, func_addr, ret_addr);
 }

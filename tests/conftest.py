@@ -341,7 +341,7 @@ def insns(path: Path, func: str) -> list:
 
 
 # The kernel-image tests' fixtures (tests/kernel/fixtures.py).
-from kernel.fixtures import boot_kernel, debian_kernel, make_initramfs  # noqa: E402,F401
+from kernel.fixtures import arm64_kernel, boot_kernel, debian_kernel, make_initramfs  # noqa: E402,F401
 from kernel.fixtures import pytest_terminal_summary as _kernel_boots_summary  # noqa: E402
 
 

@@ -74,7 +74,7 @@ def _branch_lists(image: Image, an: "Analysis"):
             yield zip(it, it)
             return
     pairs = array("Q")
-    if k is not None and not an.read_indirect_jumps and workers.jobs() > 1:
+    if k is not None and not an.read_indirect_jumps and workers.jobs() > 1 and not an.decode_probed:
         # A kernel: only the branches are needed here (its probes decode their own
         # functions' first bytes), so the workers send back the pairs alone.
         for chunk in _in_workers(image, an.arch, _pairs_of):
@@ -376,9 +376,14 @@ class Analysis:
     """Decoded functions and known jump targets of one image."""
 
     def __init__(self, image: Image, arch, sources: list[TargetSource] | None = None,
-                 extra_sources: list[TargetSource] = (), read_indirect_jumps: bool = True):
+                 extra_sources: list[TargetSource] = (), read_indirect_jumps: bool = True,
+                 probed_functions: int = 0):
         self.image = image
         self.read_indirect_jumps = read_indirect_jumps
+        # The planner decodes each probed function whole (can_optimize()): past
+        # PARALLEL_FUNCTIONS of them (a kernel's every entry), the workers that read a
+        # kernel's branches send the decoded functions back, not the branches alone.
+        self.decode_probed = probed_functions >= PARALLEL_FUNCTIONS
         self.fixed_pointers_scanned = False
         self.arch = arch
         self._decoded: dict[int, object] = {}

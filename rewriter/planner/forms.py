@@ -95,7 +95,7 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: 
         if len(g.probes) != 1 or g.mode != OPTIMIZED or not rules.fast_forms or g.light:
             continue
         p = g.probes[0]
-        if trace_key(p) in traced:           # the generated trace handler (it calls the user's)
+        if trace_key(p) in traces:           # the generated trace handler (it calls the user's)
             sym, clobbers = f"kp_trace_ret_{trace_key(p)}", None
         elif p.kret.handler:
             sym, clobbers = code[p.kret.handler].symbol, code[p.kret.handler].clobbers

@@ -254,9 +254,9 @@ class TraceEvent:
     def reads_regs(self) -> bool:
         """Whether a hit reads pt_regs: a register, the stack, an argument or $retval
         ($comm, @SYM and immediates do not), so a kprobe event without any takes the
-        clean call (planner.forms.choose_forms) and its pre_handler passes no regs; in a
-        kernel always (perf and BPF read them)."""
-        return self.pt_regs or self.is_return or any(i.op in F.REGS_OPS for a in self.args for i in a.code)
+        clean call (planner.forms.choose_forms) and a kretprobe event the clean return
+        hook, and its handler passes no regs; in a kernel always (perf and BPF read them)."""
+        return self.pt_regs or any(i.op in F.REGS_OPS for a in self.args for i in a.code)
 
 
 def _args_text(k) -> tuple[str, list[tuple[str, int]]]:
@@ -359,15 +359,15 @@ def trace_c(events: dict, user_syms: dict, symtab) -> str:
                    f"{c_string(ev.where)}, {arr}, {len(ev.args)}, {int(ev.is_return)}, "
                    f"{c_string(head)}, {len(head.encode())}, {n} }};")
         user = user_syms.get(idx)
+        # no regs read: the hook may be a clean one, whose regs argument is not pt_regs
+        regs = "regs" if ev.reads_regs else "0"
         if ev.is_return:
             call = f"return ((kretprobe_handler_t){user})(ri, regs);" if user else "return 0;"
             out.append(f"int kp_trace_ret_{idx}(struct kretprobe_instance *ri, struct pt_regs *regs) "
-                       f"{{ kp_trace_kretprobe(&kp_tev_{idx}, regs, (unsigned long)ri->ret_addr, "
+                       f"{{ kp_trace_kretprobe(&kp_tev_{idx}, {regs}, (unsigned long)ri->ret_addr, "
                        f"(unsigned long)get_kretprobe(ri)->kp.addr); {call} }}")
         else:
             call = f"return ((kprobe_pre_handler_t){user})(p, regs);" if user else "return 0;"
-            # no regs read: the site may be a clean call, whose regs argument is not pt_regs
-            regs = "regs" if ev.reads_regs else "0"
             out.append(f"int kp_trace_pre_{idx}(struct kprobe *p, struct pt_regs *regs) "
                        f"{{ kp_trace_kprobe(&kp_tev_{idx}, {regs}, (unsigned long)p->addr); {call} }}")
     out.append(f"const struct kp_trace_event *const kp_trace_events[{max(1, len(order))}] = {{ "

@@ -65,6 +65,16 @@ class Arm64Kernel:
         return None
 
 
+def env(fn, *a):
+    """fn(*a), a failure of the test environment (no package, no QEMU) failing the test in one
+    line, as the kernel tests' fixtures do."""
+    try:
+        return fn(*a)
+    except KernelEnvError as e:
+        import pytest
+        pytest.fail(f"arm64 kernel test environment: {e}", pytrace=False)
+
+
 def _download(spec: str, work: Path) -> Path:
     r = _run(["apt-get", "download", "-q", spec], cwd=work)
     debs = list(work.glob("*.deb"))

@@ -33,6 +33,13 @@ def debian_kernel() -> kernel_env.DebianKernel:
 
 
 @pytest.fixture(scope="session")
+def arm64_kernel():
+    """Debian's current arm64 cloud kernel (arm64_env.Arm64Kernel: its Image, config, System.map)."""
+    import arm64_env
+    return arm64_env.env(arm64_env.obtain_arm64_kernel)
+
+
+@pytest.fixture(scope="session")
 def make_initramfs():
     """make_initramfs(init_text, extra=None) -> Path of a cached gzip'd cpio."""
     def make(init: str, extra=None) -> Path:

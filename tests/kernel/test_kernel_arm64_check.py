@@ -22,14 +22,6 @@ pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")
-def arm64_kernel():
-    try:
-        return arm64_env.obtain_arm64_kernel()
-    except arm64_env.KernelEnvError as e:
-        pytest.fail(f"arm64 kernel test environment: {e}", pytrace=False)
-
-
-@pytest.fixture(scope="module")
 def image(arm64_kernel):
     return arm_image.parse(arm64_kernel.vmlinuz.read_bytes(), str(arm64_kernel.vmlinuz))
 

@@ -5,7 +5,8 @@ the kernel's kprobes on ftrace (kprobe_ftrace_handler()) but without a kprobe pe
 per site, so a probe on every function fits where ~54 KiB of text padding holds no detour per
 function.  A named probe on a function a glob also matches keeps its jump past the ftrace NOPs;
 a glob's probe on a function without an ftrace site is skipped (ftrace_location), as ftrace's own
-filters reach only available_filter_functions.  The slow test: `symbol_name = "*"`, every
+filters reach only available_filter_functions.  A second boot with kprewrite.enabled=0: nothing of
+the spec runs.  The slow test: `symbol_name = "*"`, every
 function (38,019), booted."""
 from __future__ import annotations
 
@@ -73,16 +74,7 @@ INIT = ("grep -w -e __arm64_sys_getuid -e __arm64_sys_getppid -e __arm64_sys_get
         "echo GLOB-DONE\n")
 
 
-def _env(fn, *a):
-    try:
-        return fn(*a)
-    except kernel_env.KernelEnvError as e:
-        pytest.fail(f"arm64 kernel test environment: {e}", pytrace=False)
-
-
-@pytest.fixture(scope="module")
-def arm64_kernel():
-    return _env(arm64_env.obtain_arm64_kernel)
+_env = arm64_env.env
 
 
 def test_glob_probes_fire_through_ftrace(arm64_kernel, tmp_path, tmp_path_factory):
@@ -120,6 +112,14 @@ def test_glob_probes_fire_through_ftrace(arm64_kernel, tmp_path, tmp_path_factor
     assert "PPID=" in b.console
     # The override through ftrace: getegid() returned 4242 for id without running (0 as root).
     assert re.search(r"^EGID=4242$", b.console, re.M), b.explain("id -g: getegid not overridden")
+    # kprewrite.enabled=0 on the command line: nothing of the spec runs (the glob's ftrace_ops,
+    # the named probe's detour), our own hooks still do (the ftrace_ops is registered).
+    off = _env(lambda: arm64_env.boot(out, rd, extra_append="kprewrite.enabled=0",
+                                      log=tmp_path_factory.mktemp("boots") / "arm64-glob-off.console.txt"))
+    assert off.reached() and off.powered_off and not off.problems(), off.explain("boot with kprewrite.enabled=0")
+    assert "kprewrite: kprewrite.enabled=0: every probe disarmed" in off.console, off.explain("not disarmed")
+    assert "kprewrite-glob" not in off.console and "kprewrite-named" not in off.console, off.explain("a probe ran")
+    assert re.search(r"^EGID=0$", off.console, re.M) and "GLOB-DONE" in off.console, off.explain("getegid")
 
 
 @pytest.mark.slow

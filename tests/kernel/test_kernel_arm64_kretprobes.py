@@ -118,16 +118,7 @@ INIT = ("grep -w -e invoke_syscall -e __arm64_sys_getppid -e __kretprobe_trampol
 PACIASP = bytes.fromhex("3f2303d5")
 
 
-def _env(fn, *a):
-    try:
-        return fn(*a)
-    except kernel_env.KernelEnvError as e:
-        pytest.fail(f"arm64 kernel test environment: {e}", pytrace=False)
-
-
-@pytest.fixture(scope="module")
-def arm64_kernel():
-    return _env(arm64_env.obtain_arm64_kernel)
+_env = arm64_env.env
 
 
 @pytest.fixture(scope="module")

@@ -122,16 +122,7 @@ HIT = re.compile(r"kprewrite-arm64: getppid hit (\d+) pc=([0-9a-f]+) addr=([0-9a
 COMM = re.compile(r"kprewrite-arm64: getppid hit \d+ .* comm=(\S+) pid=(\d+)$", re.M)
 
 
-def _env(fn, *a):
-    try:
-        return fn(*a)
-    except kernel_env.KernelEnvError as e:
-        pytest.fail(f"arm64 kernel test environment: {e}", pytrace=False)
-
-
-@pytest.fixture(scope="module")
-def arm64_kernel():
-    return _env(arm64_env.obtain_arm64_kernel)
+_env = arm64_env.env
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ per-CPU `current_task`, or `pcpu_hot.current_task` in Linux 6.2+; x86_64/percpu.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -48,8 +49,22 @@ class BtfType:
     params: tuple = ()     # FUNC_PROTO: (name, type) of each parameter (perfprobe reads them)
 
 
+_PARSED: dict[bytes, list] = {}        # the last parse, by the BTF's digest (several readers per run)
+
+
 def parse(data: bytes, where: str) -> list[BtfType | None]:
-    """Types by id (0: void), from a .BTF section's bytes (include/uapi/linux/btf.h)."""
+    """Types by id (0: void), from a .BTF section's bytes (include/uapi/linux/btf.h), parsed
+    once per process (a kernel's 5 MB take seconds; the handlers' types, the unwinder's layout
+    and the events' each read them).  The list is shared: not to be changed."""
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    got = _PARSED.get(digest)
+    if got is None:
+        _PARSED.clear()
+        got = _PARSED[digest] = _parse(data, where)
+    return got
+
+
+def _parse(data: bytes, where: str) -> list[BtfType | None]:
     if len(data) < 24:
         raise KprewriteError(f"{where}: .BTF is truncated")
     magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data)

@@ -67,6 +67,9 @@ BRK_IMM, BRK_SS_IMM = 0x0A0, 0x0A1
 # Where the break hooks are registered: setup_arch()'s entry (a jump probe of our own); the
 # kernel takes breakpoints through them from trap_init() (debug_traps_init()) on.
 HOOK_FUNCTION = "setup_arch"
+# Where the command line's kprewrite.enabled is read: do_early_param(), parse_early_param()'s
+# callback for each parameter (setup_arch()).
+CMDLINE_HOOK_FUNCTION = "do_early_param"
 # Where a dead task's kretprobe instances are freed (kp_kret_flush_task()): do_exit()'s entry.
 EXIT_HOOK_FUNCTION = "do_exit"
 
@@ -464,6 +467,8 @@ static void kp_ftrace_handler(unsigned long ip, unsigned long parent_ip, void *o
 	unsigned long daif;
 	int g;
 
+	if (kp_disarmed)
+		return;
 	asm volatile("mrs %0, daif\\n\\tmsr daifset, #3" : "=r"(daif) :: "memory");
 	g = kp_enter();{"".join(cases)}
 	goto out;
@@ -518,6 +523,27 @@ out:
 GUARD_C = r"""
 #define KP_SLOTS 64
 static void *kp_active[KP_SLOTS];
+static int kp_disarmed;		/* kprewrite.enabled=0 (kp_cmdline()) */
+
+/* do_early_param(param, val, ...), for each parameter of the command line in setup_arch()'s
+ * parse_early_param(): kprewrite.enabled=0 disarms every probe of the spec, the last one
+ * given wins (the kernel ignores a dotted parameter it does not know). */
+__attribute__((used)) int kp_cmdline(struct kprobe *p, struct pt_regs *regs)
+{
+	static const char key[] = "kprewrite.enabled";
+	const char *param = (const char *)regs->regs[0], *val = (const char *)regs->regs[1];
+	unsigned int i;
+
+	for (i = 0; i < sizeof(key); i++)
+		if (param[i] != key[i])
+			return 0;
+	if (!val)
+		return 0;
+	kp_disarmed = val[0] == '0' && !val[1];
+	if (kp_disarmed)
+		pr_info("kprewrite: kprewrite.enabled=0: every probe disarmed\n");
+	return 0;
+}
 
 static inline void *kp_task(void)
 {
@@ -578,8 +604,10 @@ def dispatch_c(sites, changes, krets=(), ops=None) -> str:
             if id(probe) in kret_of:
                 k = kret_of[id(probe)]
                 missed.append(f"\n\t\tkp_rp_{k}.kp.nmissed++;")
-                calls.append(f"\n\tkp_kret_entry_{k}(regs);")
+                calls.append(f"\n\tif (!kp_disarmed)\n\t\tkp_kret_entry_{k}(regs);")
                 continue
+            # Our own hooks stay armed with kprewrite.enabled=0; the spec's probes do not.
+            armed = "" if getattr(probe, "hook", None) else "!kp_disarmed && "
             for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
                                 (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
                 if name and name not in declared:
@@ -595,14 +623,16 @@ def dispatch_c(sites, changes, krets=(), ops=None) -> str:
                         + (f"\n\t{k}.post_handler = {post};" if post else ""))
             if pre and changes[i]:
                 calls.append(f"""
-	if ({pre}(&{k}, regs)) {{
+	if ({armed}{pre}(&{k}, regs)) {{
 		kp_leave(g);
 		return 1;
 	}}""")
+            elif pre and armed:
+                calls.append(f"\n\tif (!kp_disarmed)\n\t\t{pre}(&{k}, regs);")
             elif pre:
                 calls.append(f"\n\t{pre}(&{k}, regs);")
             if post:
-                posts.append(f"\n\t{post}(&{k}, regs, 0);")
+                posts.append(f"\n\tif (!kp_disarmed)\n\t\t{post}(&{k}, regs, 0);")
         out.append(f"""
 __attribute__((used)) int kp_dispatch_{i}(struct pt_regs *regs)
 {{
@@ -688,6 +718,8 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     ops = _ftrace_ops_groups(s, img, [site for site in plan.sites if site.ftrace_ops])
     if ops:
         plan_sites = _with_hook_probe(s, plan_sites, OPS_HOOK_FUNCTION, "kp_ftrace_ops_register", first=True)
+    # kprewrite.enabled=0 on the command line (kp_cmdline()), read as setup_arch() parses it.
+    plan_sites = _with_hook_probe(s, plan_sites, CMDLINE_HOOK_FUNCTION, "kp_cmdline", first=True)
     if any(site.decision == BREAKPOINT for site in plan_sites):
         plan_sites = _with_hook_probe(s, plan_sites, HOOK_FUNCTION, "kp_brk_register", first=True)
     if plan.kretprobes:

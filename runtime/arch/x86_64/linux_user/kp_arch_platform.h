@@ -65,6 +65,9 @@ static inline unsigned long kp_arch_counter(void)
 	return (unsigned long)hi << 32 | lo;
 }
 
+/* kp_kretprobe_clean_callback() is called by kp_kretprobe_clean_entry (kp_platform_asm.h). */
+#define KP_KRET_CLEAN_ENTRY 1
+
 /* glibc's (and musl's) struct sigaction on x86-64. */
 struct kp_libc_sigaction {
 	void *handler;
