@@ -181,22 +181,24 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     hit = dcr[0].addr
     c = _Asm(at)
     _save_pt_regs(c, F, hit)
-    _find_thread(c, fast, table, "slow")
-    c += E.ldr_w(30, 2, O.THREAD_ACTIVE)
+    t = _T if body is None else 2       # the kretprobe's helpers take it in x2
+    _find_thread(c, fast, table, "slow", t)
+    c += E.ldr_w(30, t, O.THREAD_ACTIVE)
     c.cbnz("slow", 30, 0)                                       # reentered: nmissed
     c.addr(0, probe)
     c += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
     c.cbnz("restore", 30, 0)                                    # KPROBE_FLAG_GONE|DISABLED: silent
     hits = O.THREAD_HITS + 8 * probe_index
     if hits < 32768:
-        c += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
+        c += E.ldr_x(30, t, hits) + E.add_imm(30, 30, 1) + E.str_x(30, t, hits)
     else:
-        c += _add_const(1, 2, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
-    c += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, pt)
+        c += _add_const(1, t, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
+    c += E.movz_w(30, 1) + E.str_w(30, t, O.THREAD_ACTIVE)
     if body is None:
         c += E.add_imm(1, 31, 0)
-        c.call(handler)                                         # pre_handler(p, regs)
+        c.call(handler)                                         # pre_handler(p, regs); x19 kept
     else:
+        c += E.str_x(2, 31, pt)
         # pre_handler_kretprobe(), as kret_entry_detour's, with regs: the slot is sp at
         # the hit, the return address x30's; anything uncommon calls
         # kp_kretprobe_enter(p, S, t, regs) (enter_c), which returns nothing.
@@ -209,8 +211,8 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
         c += E.add_imm(1, 31, F) + E.add_imm(3, 31, 0)
         c.call(body.enter_c)
         c.label("entered")
-        c += E.movz_w(0, 0)
-    c += E.ldr_x(2, 31, pt) + E.str_w(31, 2, O.THREAD_ACTIVE)
+        c += E.movz_w(0, 0) + E.ldr_x(2, 31, pt)
+    c += E.str_w(31, t, O.THREAD_ACTIVE)
     # What the handler changed: the path, the stack pointer, PSTATE beyond NZCV.
     c.cbz("same_path", 0, 0)
     c += E.ldr_x(0, 31, O.PT_PC)
@@ -255,7 +257,8 @@ def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
 
 _SCRATCH = tuple(range(19)) + (30,)     # what a C call clobbers (AAPCS64): x0-x18, x30
 _NZCV = 32                              # a clean frame's slot name for the flags
-_TPL = (0, 1, 2, 30)                    # what the template itself writes
+_T = 19                                 # the thread block, callee-saved: kept across the handler
+_TPL = (0, 1, _T, 30)                   # what the template itself writes
 
 
 def _save_pairs(regs: list[int], slot: dict[int, int], load: bool) -> bytes:
@@ -282,8 +285,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     block (the thread pointer hashed into kp_thread_table), no handler running on this
     thread, the probe enabled, then the hit counted and the pre_handler called with
     (p, regs) where regs is never read.  Only call-clobbered registers are saved (no
-    pt_regs): on the fast path x0-x2 and x30, which the template writes, and what the
-    handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
+    pt_regs): on the fast path x0, x1, x19 (the thread block, callee-saved: kept across
+    the handler's call) and x30, which the template writes, and what the handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
     on the slow path the rest, before kp_optimized_clean_callback(site) (the generic
     dispatch, which counts nmissed).  No template instruction writes NZCV.  A kretprobe's
     entry (body) is kret_entry_detour()'s, or the runtime's dispatch where not inlined.
@@ -301,17 +304,16 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     names = {f"x{r}": r for r in _SCRATCH}
     clob = set() if handler is None else handler_clobbers
     if clob is None:
-        fast_saves = list(_SCRATCH) + [_NZCV]
+        fast_saves = [0, 1, _T] + list(_SCRATCH[2:]) + [_NZCV]
     else:
-        fast_saves = [r for r in _SCRATCH if r in _TPL or any(names.get(c) == r for c in clob)]
+        fast_saves = [0, 1, _T] + [r for r in _SCRATCH[2:] if r in _TPL or any(names.get(c) == r for c in clob)]
         if "nzcv" in clob:
             fast_saves.append(_NZCV)
     slow_saves = [r for r in list(_SCRATCH) + [_NZCV] if r not in fast_saves]
     order = fast_saves + slow_saves
     slot = {r: 8 * i for i, r in enumerate(order)}
-    area = (8 * len(order) + 8 + 15) & ~15            # the registers, the thread block
+    area = (8 * len(order) + 15) & ~15                # the registers
     frame = area + (((O.PT_SIZE + 15) & ~15) if regs_fields is not None else 0)
-    block = 8 * len(order)
     fregs = [r for r in fast_saves if r != _NZCV]
     sregs = [r for r in slow_saves if r != _NZCV]
     out = bytearray(E.stp_pre(0, 1, 31, -frame))      # x0 and x1 are first (slots 0, 8)
@@ -329,25 +331,25 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     out += _load_word(at + len(out), 0, fast, 4)
     branch(to_slow, 0, 0, 0)                                    # cbz w0, slow: disarmed
     out += E.mrs_tpidr_el0(1) + E.ubfx(0, 1, 12, O.THREAD_TABLE_MASK.bit_length())
-    out += _e(E.adrp, at + len(out), 2, table) + E.add_imm(2, 2, table & 0xFFF) + E.ldr_x_index(2, 2, 0)
-    out += E.ldr_x(30, 2, 0) + E.eor_reg(30, 30, 1)
+    out += _e(E.adrp, at + len(out), _T, table) + E.add_imm(_T, _T, table & 0xFFF) + E.ldr_x_index(_T, _T, 0)
+    out += E.ldr_x(30, _T, 0) + E.eor_reg(30, 30, 1)
     branch(to_slow, 30, 1, 1)                                   # a thread seen for the first time
-    out += E.ldr_w(30, 2, O.THREAD_ACTIVE)
+    out += E.ldr_w(30, _T, O.THREAD_ACTIVE)
     branch(to_slow, 30, 0, 1)                                   # reentered: nmissed
     out += _e(E.adrp, at + len(out), 0, probe) + E.add_imm(0, 0, probe & 0xFFF)
     out += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
     branch(to_restore, 30, 1, 1)                                # KPROBE_FLAG_GONE|DISABLED: silent
     hits = O.THREAD_HITS + 8 * probe_index
     if hits < 32768:
-        out += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
+        out += E.ldr_x(30, _T, hits) + E.add_imm(30, 30, 1) + E.str_x(30, _T, hits)
     else:
-        out += _add_const(1, 2, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
+        out += _add_const(1, _T, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
     if handler is not None:
-        out += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, block)
+        out += E.movz_w(30, 1) + E.str_w(30, _T, O.THREAD_ACTIVE)
         if regs_fields is not None:
             out += E.add_imm(1, 31, area)                           # ... or only the fields stored
         out += _e(E.b, at + len(out), handler, True)                # handler(p, regs never read)
-        out += E.ldr_x(2, 31, block) + E.str_w(31, 2, O.THREAD_ACTIVE)
+        out += E.str_w(31, _T, O.THREAD_ACTIVE)
     restore = len(out)
     if _NZCV in fast_saves:
         out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
@@ -378,22 +380,23 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
 def _partial_pt_regs(at: int, fields: frozenset[int], area: int, frame: int, hit: int) -> bytes:
     """The pt_regs fields a pre_handler reads, at sp + area, as _save_pt_regs() stores them:
     each register as at the hit (none written yet), sp the stack pointer at the hit, pc
-    the probed address, pstate NZCV, orig_x0 0, syscallno -1.  x2 is the scratch (saved)."""
+    the probed address, pstate NZCV, orig_x0 0, syscallno -1.  x30 is the scratch (saved,
+    its own field stored first)."""
     out = bytearray()
     for off in sorted(fields):
         if O.PT_X0 <= off < O.PT_X0 + 31 * 8:
             out += E.str_x((off - O.PT_X0) // 8, 31, area + off)
     for off in sorted(fields):
         if off == O.PT_SP:
-            out += E.add_imm(2, 31, frame) + E.str_x(2, 31, area + off)
+            out += E.add_imm(30, 31, frame) + E.str_x(30, 31, area + off)
         elif off == O.PT_PC:
-            out += _e(E.load_address, at + len(out), 2, hit) + E.str_x(2, 31, area + off)
+            out += _e(E.load_address, at + len(out), 30, hit) + E.str_x(30, 31, area + off)
         elif off == O.PT_PSTATE:
-            out += E.mrs_nzcv(2) + E.str_x(2, 31, area + off)
+            out += E.mrs_nzcv(30) + E.str_x(30, 31, area + off)
         elif off == O.PT_ORIG_X0:
             out += E.str_x(31, 31, area + off)                      # xzr
         elif off == O.PT_SYSCALLNO:
-            out += E.movn_w(2, 0) + E.str_x(2, 31, area + off)      # -1, then 4 bytes 0
+            out += E.movn_w(30, 0) + E.str_x(30, 31, area + off)      # -1, then 4 bytes 0
         elif not O.PT_X0 <= off < O.PT_X0 + 31 * 8:
             raise EmitError(f"pt_regs field {off} has no value")
     return bytes(out)
@@ -461,15 +464,15 @@ class _Asm:
         return bytes(self.out)
 
 
-def _find_thread(c: _Asm, fast: int, table: int, slow: str):
+def _find_thread(c: _Asm, fast: int, table: int, slow: str, t: int = 2):
     """kp_current_thread() inlined, as clean_detour's: kprobes armed (kp_fast), the
-    thread's block in x2 (tpidr_el0 hashed into kp_thread_table).  Writes x0 x1 x2
+    thread's block in x<t> (tpidr_el0 hashed into kp_thread_table).  Writes x0 x1 x<t>
     x30; a disarmed or unknown thread goes to `slow`."""
     c += _load_word(c.pc, 0, fast, 4)
     c.cbz(slow, 0, 0)
     c += E.mrs_tpidr_el0(1) + E.ubfx(0, 1, 12, O.THREAD_TABLE_MASK.bit_length())
-    c.addr(2, table)
-    c += E.ldr_x_index(2, 2, 0) + E.ldr_x(30, 2, 0) + E.eor_reg(30, 30, 1)
+    c.addr(t, table)
+    c += E.ldr_x_index(t, t, 0) + E.ldr_x(30, t, 0) + E.eor_reg(30, 30, 1)
     c.cbnz(slow, 30)
 
 
