@@ -15,7 +15,9 @@ return hook.  A stripped cold part is followed by its FDE (mid_frame_part()).
 An exit is one instruction, as long as the `B` that takes it: the return
 region is the exit alone.  Its detour calls the runtime's hook
 (kretprobe_entry.S: pt_regs as after the ret, pc the return address in x30, sp
-unchanged), then runs the exit itself (a `ret`, or the relocated `b`)."""
+unchanged), then runs the exit itself (a `ret`, or the relocated `b`).  A `ret`
+of a function with one kretprobe has the hook's common case inlined instead
+(clean_ret_hook(), full_ret_hook()), as has its entry (emit.kret_entry_detour())."""
 from __future__ import annotations
 
 import dataclasses
