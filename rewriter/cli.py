@@ -296,6 +296,12 @@ def _trace_text(trace_file, fmt, output, records=None):
     if output:
         from .output import refuse_same
         refuse_same(output, {"FILE": trace_file})
+    if records is None and fmt == "graph":
+        from .trace import stream
+        plan = stream.read(trace_file)
+        if plan is not None:        # a binary trace read a thread at a time, not into memory
+            _streamed(output, lambda write: stream.graph(plan, write))
+            return
     if records is None:
         records = tracefmt.read(trace_file)
     if fmt == "jsonl":
@@ -316,6 +322,17 @@ def _trace_text(trace_file, fmt, output, records=None):
         click.echo(text, nl=False)
 
 
+def _streamed(output, produce) -> None:
+    """Text made a part at a time (produce(write)), to OUT or standard output."""
+    if output:
+        from .output import write_streamed
+        umask = os.umask(0o022)
+        os.umask(umask)
+        write_streamed(output, produce, 0o666 & ~umask)
+    else:
+        produce(lambda s: click.echo(s, nl=False))
+
+
 @main.command()
 @click.argument("trace_file", metavar="TRACE")
 @click.option("--plot", metavar="FILE.svg", help="also write the histograms as an SVG plot")
@@ -323,15 +340,15 @@ def _trace_text(trace_file, fmt, output, records=None):
 @_guard
 def report(trace_file, plot, fmt):
     """Per-event counts, calls (total/self time per function, the slowest) and log2 histograms of trace lines."""
-    from .trace import formats as tracefmt, report as tracereport
+    from .trace import formats as tracefmt, report as tracereport, stream
     from .output import write_atomically
     if plot and not plot.lower().endswith(".svg"):
         raise KprewriteError(f"{plot}: --plot writes SVG; name the file *.svg")
     if plot:
         from .output import refuse_same
         refuse_same(plot, {"TRACE": trace_file})
-    records = tracefmt.read(trace_file)
-    s = tracereport.summary(records)
+    plan = stream.read(trace_file)     # a binary trace read a thread at a time, not into memory
+    s = stream.summary(plan) if plan is not None else tracereport.summary(tracefmt.read(trace_file))
     if plot:
         data = tracereport.svg(s, f"kprewrite report {os.path.basename(trace_file)}").encode()
         d = os.path.dirname(os.path.abspath(plot))
@@ -397,12 +414,16 @@ def replay(trace_file, fmt):
     """Print a recording (of record, or any trace): its call graph, or its trace lines.
 
     What `trace FILE --format graph` (or text) prints, as `uftrace replay` prints a record's calls."""
-    from .trace import formats as tracefmt
-    records = tracefmt.read(trace_file)
-    if not records:
+    from .trace import formats as tracefmt, stream
+    plan = stream.read(trace_file) if fmt == "graph" else None
+    records = None if plan is not None else tracefmt.read(trace_file)
+    if (plan.nrecords == 0) if plan is not None else not records:
         # a binary recording whose probes wrote no trace line: say why rather than print nothing
         click.echo(f"kprewrite: {trace_file}: nothing recorded (a --kprobe or --kretprobe without fetch= only "
                    f"counts its hits; trace lines come from --event, --probe, --graph or fetch=)", err=True)
+        return
+    if plan is not None:
+        _streamed(None, lambda write: stream.graph(plan, write))
         return
     _trace_text(trace_file, fmt, None, records)
 

@@ -71,3 +71,27 @@ def _unlink(p: str) -> None:
         os.unlink(p)
     except OSError:
         pass
+
+
+def write_streamed(path: str, produce, mode: int) -> None:
+    """Text written a part at a time (produce(write) calls write(str) for each part) to a
+    temporary file beside path, renamed into place once all is written: write_all()'s
+    all-or-nothing without the whole text in memory."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise file_error(path, IsADirectoryError())
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
+    except OSError as e:
+        raise file_error(path, e, write=True) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            produce(f.write)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as e:
+        _unlink(tmp)
+        raise file_error(path, e, write=True) from None
+    except BaseException:
+        _unlink(tmp)
+        raise

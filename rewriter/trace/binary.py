@@ -25,6 +25,7 @@ Layout (all little-endian, as the writer's CPU stores it; KP_BT_CHUNK-byte chunk
 from __future__ import annotations
 
 import bisect
+import mmap
 import struct
 from dataclasses import dataclass
 
@@ -231,11 +232,9 @@ def body(img: Image, ev: Event, ret_addr: int, rec: bytes) -> bytes:
     return bytes(out)
 
 
-def records(data: bytes, where: str) -> list:
-    """The records of a binary trace as Records of the lines the program would
-    have written as text, in time order (a thread's in the order written).  A line is
-    parsed by tracefmt.parse_line() as a text line is, except where it is known to parse
-    as its parts (a context, an event without args: checked once, then cached)."""
+def scan(data, where: str) -> tuple[int, dict, list]:
+    """The header checked, and the chunks: (chunk size, {chunk index: Image}, [(chunk
+    index, image index)] of the records chunks in file order)."""
     if not is_binary(data):
         raise KprewriteError(f"{where}: not a binary trace")
     if len(data) < 64:
@@ -253,8 +252,6 @@ def records(data: bytes, where: str) -> list:
         raise KprewriteError(f"{where}: a binary trace truncated ({len(data)} bytes: not a whole number of "
                              f"{chunk}-byte chunks of at least one {window}-byte window)")
 
-    def damaged(i: int, k: int, what: str) -> KprewriteError:
-        return KprewriteError(f"{where}: damaged binary trace: {what} at offset 0x{i * chunk + 16 + 8 * k:x}")
     images: dict[int, Image] = {}
     pending = []
     nchunks, i = len(data) // chunk, 1
@@ -269,7 +266,21 @@ def records(data: bytes, where: str) -> list:
         # header was never written (a process killed between its two pwrite()s).
         if kind == KIND_RECORDS:
             pending.append((i, image))
+        if isinstance(data, mmap.mmap):     # the pages its read mapped let go of (trace/stream.py)
+            data.madvise(mmap.MADV_DONTNEED, at, chunk)
         i += 1
+    return chunk, images, pending
+
+
+def records(data: bytes, where: str) -> list:
+    """The records of a binary trace as Records of the lines the program would
+    have written as text, in time order (a thread's in the order written).  A line is
+    parsed by tracefmt.parse_line() as a text line is, except where it is known to parse
+    as its parts (a context, an event without args: checked once, then cached)."""
+    chunk, images, pending = scan(data, where)
+
+    def damaged(i: int, k: int, what: str) -> KprewriteError:
+        return KprewriteError(f"{where}: damaged binary trace: {what} at offset 0x{i * chunk + 16 + 8 * k:x}")
     out: list = []
     bodies: dict = {}           # (image, event, return address) -> (body, (event, loc) or None: parse the line)
     seq = 0
