@@ -98,3 +98,13 @@ def test_direct_branches_are_named_and_retargeted():
     assert arch.direct_branch_target(_insn(0xD503201F)) is None
     addr, patch = emit.retarget_patch(ORIG, bl.code, NEW)
     assert addr == ORIG and _dis(patch, ORIG) == [f"bl #{NEW:#x}"]
+
+
+def test_template_instructions_decode_as_asked():
+    """The instructions the inlined kretprobe templates add (no PC-relative operand)."""
+    got = [_dis(code, 0)[0] for code in (
+        encode.add_lsl(4, 1, 3, 3), encode.sub_reg(4, 30, 4), encode.sub_reg_w(4, 3, 5), encode.add_imm_w(3, 3, 1),
+        encode.sub_imm_w(3, 3, 1), encode.umaddl(4, 3, 4, 30), encode.ldaxr_w(30, 4), encode.stxr_w(5, 30, 4),
+        encode.stlr_w(31, 4))]
+    assert got == ["add x4, x1, x3, lsl #3", "sub x4, x30, x4", "sub w4, w3, w5", "add w3, w3, #1", "sub w3, w3, #1",
+                   "umaddl x4, w3, w4, x30", "ldaxr w30, [x4]", "stxr w5, w30, [x4]", "stlr wzr, [x4]"]

@@ -221,3 +221,78 @@ def test_disarmed(once, which):
             env={"KPREWRITE_ENABLED": "0", "KPREWRITE_PROFILE": "-"})
     assert r.returncode == 0 and r.stdout == EXPECTED, r.stdout + r.stderr
     assert "hit" not in r.stderr and profile(r.stderr)["p_quiet_0"] == (0, 0)
+
+
+# The pt_regs template (emit.full_detour): pre_handlers that write regs.  fl(x) is
+# x + 1 if entered with "eq", else x; spw(x) calls spf with x1 = its sp, and spf returns
+# how far below that sp its first instruction ran (spf puts sp back).
+PT_PROG = r"""
+#include <stdio.h>
+__asm__(".text\n"
+	".globl fl\n.type fl,%function\nfl:\n  cinc x0, x0, eq\n  ret\n.size fl,.-fl\n"
+	".globl spw\n.type spw,%function\nspw:\n  mov x1, sp\n  b spf\n.size spw,.-spw\n"
+	".globl spf\n.type spf,%function\nspf:\n  mov x9, sp\n  sub x0, x1, x9\n  mov sp, x1\n  ret\n"
+	".size spf,.-spf\n");
+long fl(long), spw(long);
+__attribute__((noinline)) long off(long x) { __asm__ volatile("" : "+r"(x)); return x ^ 1; }
+int main(void)
+{
+	long a = 0, b = 0, c = 0;
+	for (long i = 0; i < 100; i++) {
+		a += fl(i);
+		b += spw(i);
+		c += off(i);
+	}
+	printf("%ld %ld %ld\n", a, b, c);
+	return 0;
+}
+"""
+
+PT_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+/* x0 + 1000 and, for even x0, Z set: the probed cinc sees both. */
+int wr(struct kprobe *p, struct pt_regs *regs)
+{
+	long x = regs->regs[0];
+	regs->regs[0] = x + 1000;
+	regs->pstate = (regs->pstate & ~0xf0000000UL) | (x % 2 ? 0 : 0x40000000UL);
+	return 0;
+}
+/* For odd x0, sp 16 lower: the copied instruction runs on it (resume_regs). */
+int sp_pre(struct kprobe *p, struct pt_regs *regs)
+{
+	if (regs->regs[0] & 1)
+		regs->sp -= 16;
+	return 0;
+}
+int never(struct kprobe *p, struct pt_regs *regs) { regs->regs[0] = 0; return 0; }
+"""
+
+PT_SPEC = """
+handlers = ["handlers.c"]
+[[kprobe]]
+symbol_name = "fl"
+pre_handler = "wr"
+[[kprobe]]
+symbol_name = "spf"
+pre_handler = "sp_pre"
+[[kprobe]]
+symbol_name = "off"
+pre_handler = "never"
+disabled = true
+"""
+
+
+def test_pt_regs_template(tmp_path):
+    """Writes to x0 and NZCV take effect on the fast path; a changed sp resumes through
+    kp_optprobe_resume_regs on it; a disabled probe is silent and not counted."""
+    prog = cc(tmp_path, "pt", PT_PROG, "-O2")
+    out = instrument(prog, write_spec(tmp_path, PT_SPEC, PT_HANDLERS))
+    assert _forms(out) == {("fl", 0): ("pt_regs", True, False), ("spf", 0): ("pt_regs", True, False),
+                           ("off", 0): ("pt_regs", True, False)}
+    r = run(out, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    a = sum(i + 1000 + (i % 2 == 0) for i in range(100))
+    assert r.stdout == f"{a} {16 * 50} {sum(i ^ 1 for i in range(100))}\n", r.stdout + r.stderr
+    prof = profile(r.stderr)
+    assert prof["p_fl_0"] == (100, 0) and prof["p_spf_0"] == (100, 0) and prof["p_off_0"] == (0, 0)

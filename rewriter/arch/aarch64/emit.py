@@ -121,64 +121,128 @@ def _frame() -> int:
     return (O.PT_SIZE + 15) & ~15
 
 
-def regs_call(at: int, fn: int, site: int | None, resume_regs: int | None, pc_is_lr: bool = False) -> bytes:
-    """struct pt_regs on the stack, fn(SITE, regs) (fn(regs) when site is None),
-    every register back (NZCV by msr).  With resume_regs, a non-zero result
-    resumes through it with sp at the frame (optprobe_entry.S); without, the
-    result is not read (the clean callbacks return nothing).  pc_is_lr: regs
-    as after a `ret` (pc the return address in x30; a return hook)."""
-    f = _frame()
-    out = bytearray(E.sub_imm(31, 31, f))
+def _save_pt_regs(c, F: int, pc: int | None):
+    """struct pt_regs at sp, which moves down F (pt_regs first): every register, sp
+    as before, pc the given address (None: x30, as after a `ret`), pstate NZCV,
+    orig_x0 0, syscallno -1.  Writes x0 x1 (saved first)."""
+    c += E.sub_imm(31, 31, F)
     for r in range(0, 30, 2):
-        out += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
-    out += E.str_x(30, 31, O.PT_X0 + 240)
-    out += E.add_imm(0, 31, f) + E.str_x(0, 31, O.PT_SP)
-    if pc_is_lr:
-        out += E.str_x(30, 31, O.PT_PC)
-    out += MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
-    out += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)    # orig_x0 0, syscallno -1
-    if site is None:
-        out += E.add_imm(0, 31, 0)
+        c += E.stp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    c += E.str_x(30, 31, O.PT_X0 + 240) + E.add_imm(0, 31, F)
+    assert O.PT_PC == O.PT_SP + 8
+    if pc is None:
+        c += E.stp(0, 30, 31, O.PT_SP)
     else:
-        out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
-    out += _e(E.b, at + len(out), fn, True)
-    cbnz_at = len(out)
-    if resume_regs is not None:
-        out += b"\0\0\0\0"              # cbnz x0, slow (below)
-    out += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
+        c.addr(1, pc)
+        c += E.stp(0, 1, 31, O.PT_SP)
+    c += MRS_X0_NZCV + E.str_x(0, 31, O.PT_PSTATE)
+    c += E.movn_w(0, 0) + E.stp(31, 0, 31, O.PT_ORIG_X0)      # orig_x0 0, syscallno -1
+
+
+def _restore_pt_regs(c, F: int):
+    """Every register and NZCV back from pt_regs at sp; sp up F."""
+    c += E.ldr_x(0, 31, O.PT_PSTATE) + MSR_NZCV_X0
     for r in range(0, 30, 2):
-        out += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
-    out += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, f)
-    if resume_regs is None:
-        return bytes(out)
-    skip_at = len(out)
-    out += b"\0\0\0\0"                  # b over the slow path
-    slow = len(out)
-    out += _e(E.b, at + slow, resume_regs)
-    out[cbnz_at:cbnz_at + 4] = _e(E.cbz, at + cbnz_at, 0, 1, 1, at + slow)
-    out[skip_at:skip_at + 4] = _e(E.b, at + skip_at, at + len(out))
-    return bytes(out)
+        c += E.ldp(r, r + 1, 31, O.PT_X0 + 8 * r)
+    c += E.ldr_x(30, 31, O.PT_X0 + 240) + E.add_imm(31, 31, F)
 
 
-# A kretprobe entry's body (retprobe.kret_entry_body()) is not code here but the
-# runtime's kretprobe trampoline address, packed: the entry detour calls the
-# generic dispatch placed at a fixed offset after it (kretprobe_entry.S), which
-# runs pre_handler_kretprobe() as any pre_handler (hit counted, nmissed, disabled).
+# A kretprobe entry's body (retprobe.kret_entry_body(): retprobe.KretEntry) names
+# the runtime's kretprobe trampoline: the generic dispatch lies at a fixed offset
+# after it (kretprobe_entry.S), which runs pre_handler_kretprobe() as any
+# pre_handler (hit counted, nmissed, disabled).  Entries not inlined call it, and
+# the inlined one's slow path (kret_entry_detour()).
 KRET_DISPATCH_OFFSET = 256
 
 
-def _kret_entry(site: int, body: bytes, at: int) -> bytes:
-    tramp = int.from_bytes(body[:8], "little")
-    return probe_stub(site, tramp + KRET_DISPATCH_OFFSET, at)
+def _kret_entry(site: int, body, at: int) -> bytes:
+    return probe_stub(site, body.tramp + KRET_DISPATCH_OFFSET, at)
 
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                 probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
                 aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
-    """A detour that saves a whole pt_regs in line and calls optimized_callback()."""
-    if body is not None:
+    """The detour of a site with one probe whose pre_handler may read or write
+    pt_regs, as x86-64's full_detour: struct pt_regs saved once, in line (pc the
+    probed address, sp at the hit, pstate NZCV), the dispatch of the common case
+    inlined (clean_detour's), the pre_handler called with (p, regs).  A handler that
+    changed the path (a non-zero return and a new regs->pc), regs->sp or a PSTATE
+    bit beyond NZCV resumes through resume_regs (kp_optprobe_resume_regs, pc
+    regs->pc or the copied instruction); anything else restores every register and
+    NZCV from pt_regs.  The slow path calls callback(site, regs)
+    (kp_optimized_callback(), which counts nmissed) on the same pt_regs.  A
+    kretprobe's entry (body, retprobe.KretEntry) whose entry_handler may read regs
+    runs pre_handler_kretprobe() in place of the pre_handler (_kret_claim()), or,
+    not inlined, takes the runtime's dispatch.  Returns (code, resume)."""
+    if body is not None and not body.inline:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
-    return _after(regs_call(at, callback, site, resume_regs), dcr, at, copy, back)
+    pt = _frame()
+    F = pt + 16                                         # pt_regs, the thread block
+    hit = dcr[0].addr
+    c = _Asm(at)
+    _save_pt_regs(c, F, hit)
+    t = _T if body is None else 2       # the kretprobe's helpers take it in x2
+    _find_thread(c, fast, table, "slow", t)
+    c += E.ldr_w(30, t, O.THREAD_ACTIVE)
+    c.cbnz("slow", 30, 0)                                       # reentered: nmissed
+    c.addr(0, probe)
+    c += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
+    c.cbnz("restore", 30, 0)                                    # KPROBE_FLAG_GONE|DISABLED: silent
+    hits = O.THREAD_HITS + 8 * probe_index
+    if hits < 32768:
+        c += E.ldr_x(30, t, hits) + E.add_imm(30, 30, 1) + E.str_x(30, t, hits)
+    else:
+        c += _add_const(1, t, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
+    c += E.movz_w(30, 1) + E.str_w(30, t, O.THREAD_ACTIVE)
+    if body is None:
+        c += E.add_imm(1, 31, 0)
+        c.call(handler)                                         # pre_handler(p, regs); x19 kept
+    else:
+        c += E.str_x(2, 31, pt)
+        # pre_handler_kretprobe(), as kret_entry_detour's, with regs: the slot is sp at
+        # the hit, the return address x30's; anything uncommon calls
+        # kp_kretprobe_enter(p, S, t, regs) (enter_c), which returns nothing.
+        _kret_claim(c, body, F, O.PT_X30, "enter_c")
+        _kret_push(c, F, O.PT_X30)
+        if body.entry_handler is not None:
+            _kret_entry_handler(c, body, pt, E.add_imm(1, 31, 0))
+        c.b("entered")
+        c.label("enter_c")
+        c += E.add_imm(1, 31, F) + E.add_imm(3, 31, 0)
+        c.call(body.enter_c)
+        c.label("entered")
+        c += E.movz_w(0, 0) + E.ldr_x(2, 31, pt)
+    c += E.str_w(31, t, O.THREAD_ACTIVE)
+    # What the handler changed: the path, the stack pointer, PSTATE beyond NZCV.
+    c.cbz("same_path", 0, 0)
+    c += E.ldr_x(0, 31, O.PT_PC)
+    c.addr(1, hit)
+    c += E.eor_reg(0, 0, 1)
+    c.cbnz("leave", 0)
+    c.label("same_path")
+    c += E.ldr_x(0, 31, O.PT_SP)
+    c += E.add_imm(1, 31, F) + E.eor_reg(0, 0, 1)
+    c.cbnz("changed", 0)
+    c += E.ldr_x(0, 31, O.PT_PSTATE) + E.and_bits(0, 0, 32, 60)   # ~NZCV: at the hit, none set
+    c.cbnz("changed", 0)
+    c.label("restore")
+    _restore_pt_regs(c, F)
+    resume = c.pc
+    copy = copy or relocate
+    for insn in dcr:
+        c += copy(insn, c.pc)
+    c += _e(E.b, c.pc, back or dcr[-1].addr + len(dcr[-1].code))
+    c.label("changed")                                          # go on with the copy, on regs->sp
+    c.addr(0, resume)
+    c += E.str_x(0, 31, O.PT_PC)
+    c.label("leave")
+    c += _e(E.b, c.pc, resume_regs)
+    c.label("slow")
+    c += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16) + E.add_imm(1, 31, 0)
+    c.call(callback)                                            # kp_optimized_callback(site, regs)
+    c.cbnz("leave", 0)
+    c.b("restore")
+    return c.done(), resume
 
 
 def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
@@ -192,26 +256,9 @@ def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
 
 
 _SCRATCH = tuple(range(19)) + (30,)     # what a C call clobbers (AAPCS64): x0-x18, x30
-SCRATCH_FRAME = 176                     # x0-x18, x30, NZCV, 16-byte aligned
-
-
-def scratch_save() -> bytes:
-    """x0-x18, x30 and NZCV below sp, which moves down SCRATCH_FRAME (no pt_regs)."""
-    out = bytearray(E.stp_pre(0, 1, 31, -SCRATCH_FRAME))
-    for r in range(2, 18, 2):
-        out += E.stp(r, r + 1, 31, 8 * r)
-    out += E.stp(18, 30, 31, 144) + MRS_X0_NZCV + E.str_x(0, 31, 160)
-    return bytes(out)
-
-
-def scratch_restore() -> bytes:
-    """What scratch_save() saved, back; sp as before it."""
-    out = bytearray(E.ldr_x(0, 31, 160) + MSR_NZCV_X0 + E.ldp(18, 30, 31, 144))
-    for r in range(2, 18, 2):
-        out += E.ldp(r, r + 1, 31, 8 * r)
-    return bytes(out + E.ldp_post(0, 1, 31, SCRATCH_FRAME))
 _NZCV = 32                              # a clean frame's slot name for the flags
-_TPL = (0, 1, 2, 30)                    # what the template itself writes
+_T = 19                                 # the thread block, callee-saved: kept across the handler
+_TPL = (0, 1, _T, 30)                   # what the template itself writes
 
 
 def _save_pairs(regs: list[int], slot: dict[int, int], load: bool) -> bytes:
@@ -238,11 +285,11 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     block (the thread pointer hashed into kp_thread_table), no handler running on this
     thread, the probe enabled, then the hit counted and the pre_handler called with
     (p, regs) where regs is never read.  Only call-clobbered registers are saved (no
-    pt_regs): on the fast path x0-x2 and x30, which the template writes, and what the
-    handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
+    pt_regs): on the fast path x0, x1, x19 (the thread block, callee-saved: kept across
+    the handler's call) and x30, which the template writes, and what the handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
     on the slow path the rest, before kp_optimized_clean_callback(site) (the generic
     dispatch, which counts nmissed).  No template instruction writes NZCV.  A kretprobe's
-    entry (body) still goes through the runtime's dispatch with a whole pt_regs.
+    entry (body) is kret_entry_detour()'s, or the runtime's dispatch where not inlined.
     regs_fields: a pre_handler that only loads from regs, at these pt_regs byte offsets
     (handler_abi.regs_loads()): a partial pt_regs in the frame, only those fields
     stored, passed in x1; nothing is restored from it (the handler cannot write it).
@@ -250,21 +297,23 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     not read: with regs unchanged it resumes here.
     Returns (code, resume): where the relocated DCR starts."""
     if body is not None:
+        if body.inline:
+            return kret_entry_detour(site, dcr, at, fast=fast, table=table, probe_index=probe_index, body=body,
+                                     handler_clobbers=handler_clobbers, copy=copy, back=back)
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
     names = {f"x{r}": r for r in _SCRATCH}
     clob = set() if handler is None else handler_clobbers
     if clob is None:
-        fast_saves = list(_SCRATCH) + [_NZCV]
+        fast_saves = [0, 1, _T] + list(_SCRATCH[2:]) + [_NZCV]
     else:
-        fast_saves = [r for r in _SCRATCH if r in _TPL or any(names.get(c) == r for c in clob)]
+        fast_saves = [0, 1, _T] + [r for r in _SCRATCH[2:] if r in _TPL or any(names.get(c) == r for c in clob)]
         if "nzcv" in clob:
             fast_saves.append(_NZCV)
     slow_saves = [r for r in list(_SCRATCH) + [_NZCV] if r not in fast_saves]
     order = fast_saves + slow_saves
     slot = {r: 8 * i for i, r in enumerate(order)}
-    area = (8 * len(order) + 8 + 15) & ~15            # the registers, the thread block
+    area = (8 * len(order) + 15) & ~15                # the registers
     frame = area + (((O.PT_SIZE + 15) & ~15) if regs_fields is not None else 0)
-    block = 8 * len(order)
     fregs = [r for r in fast_saves if r != _NZCV]
     sregs = [r for r in slow_saves if r != _NZCV]
     out = bytearray(E.stp_pre(0, 1, 31, -frame))      # x0 and x1 are first (slots 0, 8)
@@ -282,25 +331,25 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     out += _load_word(at + len(out), 0, fast, 4)
     branch(to_slow, 0, 0, 0)                                    # cbz w0, slow: disarmed
     out += E.mrs_tpidr_el0(1) + E.ubfx(0, 1, 12, O.THREAD_TABLE_MASK.bit_length())
-    out += _e(E.adrp, at + len(out), 2, table) + E.add_imm(2, 2, table & 0xFFF) + E.ldr_x_index(2, 2, 0)
-    out += E.ldr_x(30, 2, 0) + E.eor_reg(30, 30, 1)
+    out += _e(E.adrp, at + len(out), _T, table) + E.add_imm(_T, _T, table & 0xFFF) + E.ldr_x_index(_T, _T, 0)
+    out += E.ldr_x(30, _T, 0) + E.eor_reg(30, 30, 1)
     branch(to_slow, 30, 1, 1)                                   # a thread seen for the first time
-    out += E.ldr_w(30, 2, O.THREAD_ACTIVE)
+    out += E.ldr_w(30, _T, O.THREAD_ACTIVE)
     branch(to_slow, 30, 0, 1)                                   # reentered: nmissed
     out += _e(E.adrp, at + len(out), 0, probe) + E.add_imm(0, 0, probe & 0xFFF)
     out += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
     branch(to_restore, 30, 1, 1)                                # KPROBE_FLAG_GONE|DISABLED: silent
     hits = O.THREAD_HITS + 8 * probe_index
     if hits < 32768:
-        out += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
+        out += E.ldr_x(30, _T, hits) + E.add_imm(30, 30, 1) + E.str_x(30, _T, hits)
     else:
-        out += _add_const(1, 2, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
+        out += _add_const(1, _T, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
     if handler is not None:
-        out += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE) + E.str_x(2, 31, block)
+        out += E.movz_w(30, 1) + E.str_w(30, _T, O.THREAD_ACTIVE)
         if regs_fields is not None:
             out += E.add_imm(1, 31, area)                           # ... or only the fields stored
         out += _e(E.b, at + len(out), handler, True)                # handler(p, regs never read)
-        out += E.ldr_x(2, 31, block) + E.str_w(31, 2, O.THREAD_ACTIVE)
+        out += E.str_w(31, _T, O.THREAD_ACTIVE)
     restore = len(out)
     if _NZCV in fast_saves:
         out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
@@ -329,24 +378,25 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
 
 
 def _partial_pt_regs(at: int, fields: frozenset[int], area: int, frame: int, hit: int) -> bytes:
-    """The pt_regs fields a pre_handler reads, at sp + area, as regs_call() stores them:
+    """The pt_regs fields a pre_handler reads, at sp + area, as _save_pt_regs() stores them:
     each register as at the hit (none written yet), sp the stack pointer at the hit, pc
-    the probed address, pstate NZCV, orig_x0 0, syscallno -1.  x2 is the scratch (saved)."""
+    the probed address, pstate NZCV, orig_x0 0, syscallno -1.  x30 is the scratch (saved,
+    its own field stored first)."""
     out = bytearray()
     for off in sorted(fields):
         if O.PT_X0 <= off < O.PT_X0 + 31 * 8:
             out += E.str_x((off - O.PT_X0) // 8, 31, area + off)
     for off in sorted(fields):
         if off == O.PT_SP:
-            out += E.add_imm(2, 31, frame) + E.str_x(2, 31, area + off)
+            out += E.add_imm(30, 31, frame) + E.str_x(30, 31, area + off)
         elif off == O.PT_PC:
-            out += _e(E.load_address, at + len(out), 2, hit) + E.str_x(2, 31, area + off)
+            out += _e(E.load_address, at + len(out), 30, hit) + E.str_x(30, 31, area + off)
         elif off == O.PT_PSTATE:
-            out += E.mrs_nzcv(2) + E.str_x(2, 31, area + off)
+            out += E.mrs_nzcv(30) + E.str_x(30, 31, area + off)
         elif off == O.PT_ORIG_X0:
             out += E.str_x(31, 31, area + off)                      # xzr
         elif off == O.PT_SYSCALLNO:
-            out += E.movn_w(2, 0) + E.str_x(2, 31, area + off)      # -1, then 4 bytes 0
+            out += E.movn_w(30, 0) + E.str_x(30, 31, area + off)      # -1, then 4 bytes 0
         elif not O.PT_X0 <= off < O.PT_X0 + 31 * 8:
             raise EmitError(f"pt_regs field {off} has no value")
     return bytes(out)
@@ -367,6 +417,186 @@ def _load_word(at: int, rt: int, target: int, size: int) -> bytes:
     if lo % size:
         raise EmitError(f"{target:#x} is not {size}-byte aligned")
     return _e(E.adrp, at, rt, target) + (E.ldr_x(rt, rt, lo) if size == 8 else E.ldr_w(rt, rt, lo))
+
+
+class _Asm:
+    """Code at `at` with forward branches to named labels, patched by done()."""
+
+    def __init__(self, at: int):
+        self.at, self.out, self.labels, self._fix = at, bytearray(), {}, []
+
+    @property
+    def pc(self) -> int:
+        return self.at + len(self.out)
+
+    def __iadd__(self, code: bytes):
+        self.out += code
+        return self
+
+    def label(self, name: str):
+        self.labels[name] = len(self.out)
+
+    def _later(self, label: str, enc):
+        self._fix.append((len(self.out), label, enc))
+        self.out += b"\0\0\0\0"
+
+    def cbz(self, label: str, rt: int, sf: int = 1, nonzero: int = 0):
+        self._later(label, lambda at, t: E.cbz(at, rt, sf, nonzero, t))
+
+    def cbnz(self, label: str, rt: int, sf: int = 1):
+        self.cbz(label, rt, sf, 1)
+
+    def tbz(self, label: str, rt: int, bit: int, nonzero: int = 0):
+        self._later(label, lambda at, t: E.tbz(at, rt, bit, nonzero, t))
+
+    def b(self, label: str):
+        self._later(label, lambda at, t: E.b(at, t))
+
+    def call(self, fn: int):
+        self.out += _e(E.b, self.pc, fn, True)
+
+    def addr(self, rd: int, target: int):
+        self.out += _e(E.load_address, self.pc, rd, target)
+
+    def done(self) -> bytes:
+        for pos, label, enc in self._fix:
+            self.out[pos:pos + 4] = _e(enc, self.at + pos, self.at + self.labels[label])
+        return bytes(self.out)
+
+
+def _find_thread(c: _Asm, fast: int, table: int, slow: str, t: int = 2):
+    """kp_current_thread() inlined, as clean_detour's: kprobes armed (kp_fast), the
+    thread's block in x<t> (tpidr_el0 hashed into kp_thread_table).  Writes x0 x1 x<t>
+    x30; a disarmed or unknown thread goes to `slow`."""
+    c += _load_word(c.pc, 0, fast, 4)
+    c.cbz(slow, 0, 0)
+    c += E.mrs_tpidr_el0(1) + E.ubfx(0, 1, 12, O.THREAD_TABLE_MASK.bit_length())
+    c.addr(t, table)
+    c += E.ldr_x_index(t, t, 0) + E.ldr_x(30, t, 0) + E.eor_reg(30, 30, 1)
+    c.cbnz(slow, 30)
+
+
+def _kret_claim(c: _Asm, body, S: int, ra: int, fail: str):
+    """pre_handler_kretprobe()'s claim, inlined: with rp in x0 and the thread block in
+    x2, the thread's instances in x1 and the instance at the pool's hint claimed into
+    x4 (ldaxr/stxr), the hint moved on.  S: the slot (sp at the entry) at sp + S; ra:
+    where the frame holds x30.  Writes x1 x3 x4 x5 x30; anything uncommon (no
+    instances yet, a frame left behind to reclaim, x30 the trampoline, no pool, the
+    instance taken) goes to `fail` with nothing claimed."""
+    c += E.ldr_x(1, 2, O.THREAD_KRET)
+    c.cbz(fail, 1)                                              # the thread's first kretprobe hit
+    c += E.ldr_w(3, 1, O.KRET_DEPTH)
+    c.cbz("empty", 3, 0)
+    c += E.add_lsl(4, 1, 3, 3) + E.ldr_x(4, 4, O.KRET_STACK - 8) + E.ldr_x(4, 4, O.RI_FP)
+    c += E.add_imm(30, 31, S) + E.sub_reg(4, 30, 4)
+    c.tbz(fail, 4, 63)                                          # top's fp <= S: a frame left behind
+    c.label("empty")
+    c += E.ldr_x(30, 31, ra)
+    c.addr(4, body.tramp)
+    c += E.eor_reg(4, 4, 30)
+    c.cbz(fail, 4)                                              # a tail call swapped x30
+    c += E.ldr_w(3, 0, O.RP_HINT) + E.ldr_w(5, 0, O.RP_MAXACTIVE) + E.sub_reg_w(4, 3, 5)
+    c.tbz(fail, 4, 31)                                          # hint >= maxactive: no pool
+    c += E.ldr_w(4, 0, O.RP_STRIDE) + E.ldr_x(30, 0, O.RP_POOL) + E.umaddl(4, 3, 4, 30)
+    c += E.add_imm(4, 4, O.RI_STATE)                            # &ri->kp_state, ri at the hint
+    c += E.add_imm_w(3, 3, 1) + E.sub_reg_w(5, 3, 5)            # the next hint, 0 past the end
+    c.cbnz("claim", 5, 0)
+    c += E.movz_w(3, 0)
+    c.label("claim")
+    c += E.ldaxr_w(30, 4)
+    c.cbnz(fail, 30, 0)                                         # taken: C scans the pool
+    c += E.movz_w(30, 1) + E.stxr_w(5, 30, 4)
+    c.cbnz("claim", 5, 0)
+    c += E.str_w(3, 0, O.RP_HINT) + E.sub_imm(4, 4, O.RI_STATE)
+
+
+def _kret_push(c: _Asm, S: int, ra: int):
+    """The claimed instance (x4) recorded (rp x0, the return address, the slot S, no
+    flags) and pushed on the thread's instances (x1); the tail slot cleared."""
+    c += E.str_x(0, 4, O.RI_RP) + E.ldr_x(30, 31, ra) + E.str_x(30, 4, O.RI_RET_ADDR)
+    c += E.add_imm(30, 31, S) + E.str_x(30, 4, O.RI_FP) + E.str_w(31, 4, O.RI_FLAGS)
+    c += E.str_x(31, 1, O.KRET_TAIL_SLOT) + E.ldr_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
+    c += E.str_x(4, 5, O.KRET_STACK) + E.add_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH)
+
+
+def _kret_entry_handler(c: _Asm, body, block: int, regs_arg: bytes):
+    """entry_handler(ri x4, regs) with the thread block saved at sp + block; a non-zero
+    return drops the instance (nested probes missed, so ours is on top)."""
+    c += E.str_x(2, 31, block) + E.mov_reg(0, 4) + regs_arg
+    c.call(body.entry_handler)
+    c.cbz("kept", 0, 0)
+    c += E.ldr_x(2, 31, block) + E.ldr_x(1, 2, O.THREAD_KRET) + E.ldr_w(3, 1, O.KRET_DEPTH)
+    c += E.sub_imm_w(3, 3, 1) + E.str_w(3, 1, O.KRET_DEPTH) + E.add_lsl(5, 1, 3, 3)
+    c += E.ldr_x(4, 5, O.KRET_STACK) + E.add_imm(4, 4, O.RI_STATE) + E.stlr_w(31, 4)
+    c.label("kept")
+
+
+_KRET_TPL = (0, 1, 2, 3, 4, 5, 30)      # what kret_entry_detour() writes itself
+
+
+def kret_entry_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, probe_index: int,
+                      body, handler_clobbers: set[str] | None, copy=None,
+                      back: int | None = None) -> tuple[bytes, int]:
+    """A kretprobe's entry with pre_handler_kretprobe() inlined for the common case,
+    as x86-64's (x86_64/retprobe.kret_entry_body): the dispatch (armed, the thread's
+    block, no handler running, enabled), then the instance at the pool's hint claimed
+    (ldaxr/stxr), the hint moved on, the slot S (sp at the entry) and the return
+    address (x30) recorded, the instance pushed on the thread's instance stack, the
+    hit counted, the entry_handler called with (ri, regs never read); a non-zero
+    return drops the instance.  The thread is marked active from the claim on.
+    Only x0-x5, x30 and what the entry_handler writes are saved (handler_clobbers,
+    None: all of x0-x18, x30 and NZCV); nothing here writes NZCV.  Anything else
+    (disarmed, a thread seen for the first time or without instances yet, a handler
+    running, a frame left behind to reclaim, x30 the trampoline, the instance at the
+    hint taken or no pool) puts the registers back and takes the runtime's dispatch
+    (kp_optimized_callback(), pre_handler_kretprobe() with a whole pt_regs), which
+    counts the hit and nmissed.  Returns (code, resume)."""
+    clob = set() if body.entry_handler is None else handler_clobbers
+    if clob is None:
+        saves = list(_SCRATCH) + [_NZCV]
+    else:
+        saves = [r for r in _SCRATCH if r in _KRET_TPL or f"x{r}" in clob] + ([_NZCV] if "nzcv" in clob else [])
+    slot = {r: 8 * i for i, r in enumerate(saves)}
+    frame = (8 * len(saves) + 8 + 15) & ~15          # the registers, the thread block
+    block = 8 * len(saves)
+    regs = [r for r in saves if r != _NZCV]
+    rp = body.rp
+    c = _Asm(at)
+    c += E.stp_pre(0, 1, 31, -frame) + _save_pairs(regs[2:], slot, False)
+    if _NZCV in saves:
+        c += E.mrs_nzcv(0) + E.str_x(0, 31, slot[_NZCV])
+    _find_thread(c, fast, table, "slow")
+    c += E.ldr_w(30, 2, O.THREAD_ACTIVE)
+    c.cbnz("slow", 30, 0)                                       # a handler running: nmissed
+    c.addr(0, rp)                                               # rp, and &rp->kp
+    c += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
+    c.cbnz("restore", 30, 0)                                    # KPROBE_FLAG_GONE|DISABLED: silent
+    _kret_claim(c, body, frame, slot[30], "slow")
+    c += E.movz_w(30, 1) + E.str_w(30, 2, O.THREAD_ACTIVE)
+    hits = O.THREAD_HITS + 8 * probe_index
+    if hits < 32768:
+        c += E.ldr_x(30, 2, hits) + E.add_imm(30, 30, 1) + E.str_x(30, 2, hits)
+    else:
+        c += _add_const(3, 2, hits) + E.ldr_x(30, 3, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 3, 0)
+    _kret_push(c, frame, slot[30])
+    if body.entry_handler is not None:
+        _kret_entry_handler(c, body, block, E.movz(1, 0))          # regs never read
+        c += E.ldr_x(2, 31, block)
+    c += E.str_w(31, 2, O.THREAD_ACTIVE)
+    c.label("restore")
+    restore = E.ldr_x(0, 31, slot[_NZCV]) + E.msr_nzcv(0) if _NZCV in saves else b""
+    restore += _save_pairs(regs[2:], slot, True) + E.ldp_post(0, 1, 31, frame)
+    c += restore
+    resume = c.pc
+    copy = copy or relocate
+    for insn in dcr:
+        c += copy(insn, c.pc)
+    c += _e(E.b, c.pc, back or dcr[-1].addr + len(dcr[-1].code))
+    c.label("slow")
+    c += restore
+    c += _kret_entry(site, body, c.pc)
+    c += _e(E.b, c.pc, resume)
+    return c.done(), resume
 
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,

@@ -254,3 +254,50 @@ def mov_reg(rd: int, rm: int) -> bytes:
 
 def movz_w(rd: int, imm16: int) -> bytes:
     return _word(0x52800000 | ((imm16 & 0xFFFF) << 5) | rd)
+
+
+# --- what the inlined kretprobe templates add (retprobe.py) ---
+
+def add_lsl(rd: int, rn: int, rm: int, shift: int) -> bytes:
+    """ADD Xd, Xn, Xm, LSL #shift."""
+    return _word(0x8B000000 | (rm << 16) | (shift << 10) | (rn << 5) | rd)
+
+
+def sub_reg(rd: int, rn: int, rm: int) -> bytes:
+    """SUB Xd, Xn, Xm (no flags)."""
+    return _word(0xCB000000 | (rm << 16) | (rn << 5) | rd)
+
+
+def sub_reg_w(rd: int, rn: int, rm: int) -> bytes:
+    """SUB Wd, Wn, Wm (no flags)."""
+    return _word(0x4B000000 | (rm << 16) | (rn << 5) | rd)
+
+
+def add_imm_w(rd: int, rn: int, imm12: int) -> bytes:
+    """ADD Wd, Wn, #imm12."""
+    return _word(0x11000000 | ((imm12 & 0xFFF) << 10) | (rn << 5) | rd)
+
+
+def sub_imm_w(rd: int, rn: int, imm12: int) -> bytes:
+    """SUB Wd, Wn, #imm12."""
+    return _word(0x51000000 | ((imm12 & 0xFFF) << 10) | (rn << 5) | rd)
+
+
+def umaddl(rd: int, rn: int, rm: int, ra: int) -> bytes:
+    """UMADDL Xd, Wn, Wm, Xa: Xa + Wn * Wm, unsigned."""
+    return _word(0x9BA00000 | (rm << 16) | (ra << 10) | (rn << 5) | rd)
+
+
+def ldaxr_w(rt: int, rn: int) -> bytes:
+    """LDAXR Wt, [Xn]."""
+    return _word(0x885FFC00 | (rn << 5) | rt)
+
+
+def stxr_w(rs: int, rt: int, rn: int) -> bytes:
+    """STXR Ws, Wt, [Xn]."""
+    return _word(0x88007C00 | (rs << 16) | (rn << 5) | rt)
+
+
+def stlr_w(rt: int, rn: int) -> bytes:
+    """STLR Wt, [Xn]."""
+    return _word(0x889FFC00 | (rn << 5) | rt)

@@ -15,10 +15,12 @@ return hook.  A stripped cold part is followed by its FDE (mid_frame_part()).
 An exit is one instruction, as long as the `B` that takes it: the return
 region is the exit alone.  Its detour calls the runtime's hook
 (kretprobe_entry.S: pt_regs as after the ret, pc the return address in x30, sp
-unchanged), then runs the exit itself (a `ret`, or the relocated `b`)."""
+unchanged), then runs the exit itself (a `ret`, or the relocated `b`).  A `ret`
+of a function with one kretprobe has the hook's common case inlined instead
+(clean_ret_hook(), full_ret_hook()), as has its entry (emit.kret_entry_detour())."""
 from __future__ import annotations
 
-import struct
+import dataclasses
 
 import capstone
 import capstone.arm64_const
@@ -35,7 +37,8 @@ from ... import safety
 _DWARF_SP = 31
 _DWARF_FP = 29
 
-# What kret_entry_body's form writes besides the entry_handler's own (it saves everything).
+# What kret_entry_body's form writes besides the entry_handler's own: none to name
+# (emit.kret_entry_detour() saves what it writes itself).
 KRET_ENTRY_USES: tuple[str, ...] = ()
 
 
@@ -267,38 +270,141 @@ def hook_copy(hooks):
     return copy
 
 
+@dataclasses.dataclass(frozen=True)
+class KretEntry:
+    """A kretprobe entry's body for emit.clean_detour() and full_detour(): inline
+    (its group's returns hooked in place): emit.kret_entry_detour(), or full_detour()
+    with pt_regs; else the runtime's dispatch after the trampoline."""
+    rp: int
+    tramp: int
+    entry_handler: int | None
+    inline: bool
+    enter_c: int
+
+
 def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: int,
-                    aligned: bool, inline: bool = True, regs: bool = False) -> bytes:
-    """Not inlined on aarch64 yet: the trampoline's address, which tells the entry
-    detour where the runtime's generic kretprobe entry dispatch is (emit._kret_entry())."""
-    return struct.pack("<Q", tramp)
+                    aligned: bool, inline: bool = True, regs: bool = False) -> KretEntry:
+    """pre_handler_kretprobe() for a site whose one probe is rp->kp, inlined: by
+    emit.kret_entry_detour() when the entry_handler never reads regs (clean_detour's
+    body; its slow path is the runtime's dispatch), by emit.full_detour() with
+    pt_regs when it may (regs; its slow path calls enter_c, kp_kretprobe_enter()).
+    A kretprobe whose returns use the trampoline (inline=False) takes the runtime's
+    dispatch."""
+    return KretEntry(rp, tramp, entry_handler, inline, enter_c)
+
+
+# A return hook's frame: x0-x18, x30 and NZCV at their slots (scratch order), the
+# thread block and the instance.
+_RET_SLOTS = tuple(range(19)) + (30, em._NZCV)
+_RET_T = 8 * len(_RET_SLOTS)
+_RET_FRAME = (_RET_T + 16 + 15) & ~15
+_RET_TPL = (0, 1, 2, 3, 4, 30)          # what the inlined fast path writes itself
+
+
+def _ret_fast_path(c, S: int, *, fast: int, table: int, rp: int, handler: int | None, t_slot: int,
+                   regs: bool):
+    """The inlined part of a return hook (kp_kretprobe_return() for the common case),
+    as x86-64's: armed, the thread's block found, no handler running, the top
+    instance recorded at S (sp + S here), not fired by the trampoline, this
+    kretprobe's; pop it, run the handler (ri, regs: sp when regs, with pc the
+    instance's return address, else 0), free it; another instance at S goes to C.
+    Writes x0-x4 and x30 (and what the handler writes); jumps to "slow" or "restore"."""
+    em._find_thread(c, fast, table, "slow")
+    c += E.ldr_w(30, 2, em.THREAD_ACTIVE)
+    c.cbnz("restore", 30, 0)                                    # in a handler: nothing fires
+    c += E.ldr_x(1, 2, em.THREAD_KRET)
+    c.cbz("restore", 1)
+    c += E.ldr_w(3, 1, em.KRET_DEPTH)
+    c.cbz("restore", 3, 0)
+    c += E.add_lsl(4, 1, 3, 3) + E.ldr_x(4, 4, em.KRET_STACK - 8)
+    c += E.ldr_x(30, 4, em.RI_FP) + E.add_imm(0, 31, S) + E.eor_reg(30, 30, 0)
+    c.cbnz("slow", 30)                                          # frames to reclaim, or none of S
+    tramp_bit = em.RI_TRAMP.bit_length() - 1
+    assert em.RI_TRAMP == 1 << tramp_bit and tramp_bit < 8
+    c += E.ldrb(30, 4, em.RI_FLAGS)
+    c.tbz("slow", 30, tramp_bit, 1)                             # the trampoline fires it
+    c += E.ldr_x(30, 4, em.RI_RP)
+    c.addr(0, rp)
+    c += E.eor_reg(30, 30, 0)
+    c.cbnz("slow", 30)                                          # a tail-calling caller's instance
+    c += E.sub_imm_w(3, 3, 1) + E.str_w(3, 1, em.KRET_DEPTH)
+    if handler is not None:
+        c += E.movz_w(30, 1) + E.str_w(30, 2, em.THREAD_ACTIVE) + E.stp(2, 4, 31, t_slot) + E.mov_reg(0, 4)
+        if regs:
+            # pc: the instance's return address (x30 may hold the trampoline: a tail
+            # call through a pointer swapped it), as the kernel's trampoline reports it.
+            c += E.ldr_x(1, 4, em.RI_RET_ADDR) + E.str_x(1, 31, em.PT_PC) + E.add_imm(1, 31, 0)
+        else:
+            c += E.movz(1, 0)
+        c.call(handler)
+        c += E.ldp(2, 4, 31, t_slot) + E.str_w(31, 2, em.THREAD_ACTIVE)
+    c += E.add_imm(4, 4, em.RI_STATE) + E.stlr_w(31, 4)        # kp_ri_free()
+    # A tail-calling caller's instance at the same slot fires too: C does that.
+    c += E.ldr_x(1, 2, em.THREAD_KRET) + E.ldr_w(3, 1, em.KRET_DEPTH)
+    c.cbz("restore", 3, 0)
+    c += E.add_lsl(4, 1, 3, 3) + E.ldr_x(4, 4, em.KRET_STACK - 8) + E.ldr_x(4, 4, em.RI_FP)
+    c += E.add_imm(0, 31, S) + E.eor_reg(4, 4, 0)
+    c.cbz("slow", 4)
 
 
 def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
                    handler: int | None, return_c: int, full_hook, aligned: bool, handler_clobbers) -> bytes:
-    """A function whose kretprobes' handlers never read regs: the call-clobbered
-    registers and NZCV saved (no pt_regs), kp_kretprobe_return_clean(S) with S the
-    stack pointer as after the ret; when it returns 1 (an instance whose handler reads
-    regs: a tail-calling caller's) everything comes back and the shared hook with
-    pt_regs runs (full_hook), then the exit."""
-    out = bytearray(em.scratch_save())
-    out += E.add_imm(0, 31, em.SCRATCH_FRAME)
-    out += _call(at + len(out), return_c)
-    cbnz = len(out)
-    out += b"\0\0\0\0"
-    out += em.scratch_restore()
-    out += em.relocate(exit, at + len(out))
-    out[cbnz:cbnz + 4] = em._e(E.cbz, at + cbnz, 0, 0, 1, at + len(out))
-    out += em.scratch_restore()
-    return bytes(out + hook_then_exit(exit, full_hook, at + len(out)))
+    """A return hook inlined before a `ret` (sp is S, as after it) of a function with
+    one kretprobe whose handler never reads regs (x86-64's clean_ret_hook): find the
+    thread, pop the instance recorded at S, run the handler, free the instance, then
+    the ret.  Only x0-x4, x30 and what the handler writes are saved on that path
+    (handler_clobbers, None: all of x0-x18, x30 and NZCV); nothing in it writes NZCV.
+    Anything else saves the rest and calls kp_kretprobe_return_clean(S); when that
+    returns 1 (an instance whose handler reads regs: a tail-calling caller's)
+    everything comes back and the shared hook with pt_regs runs (full_hook), then
+    the exit."""
+    clob = set() if handler is None else handler_clobbers
+    fast_saves = [r for r in _RET_SLOTS if clob is None or r in _RET_TPL
+                  or (f"x{r}" if r != em._NZCV else "nzcv") in clob]
+    slow_saves = [r for r in _RET_SLOTS if r not in fast_saves]
+    slot = {r: 8 * i for i, r in enumerate(_RET_SLOTS)}
 
+    def save(rs, load):
+        """str (ldr with load) of rs; NZCV through x30, which is saved first and loaded last."""
+        out = em._save_pairs([r for r in rs if r != em._NZCV], slot, load)
+        if em._NZCV in rs:
+            flags = E.ldr_x(30, 31, slot[em._NZCV]) + E.msr_nzcv(30) if load else \
+                E.mrs_nzcv(30) + E.str_x(30, 31, slot[em._NZCV])
+            out = flags + out if load else out + flags
+        return out
 
-def _call(at: int, fn: int) -> bytes:
-    return em._e(E.b, at, fn, True)
+    c = em._Asm(at)
+    c += E.stp_pre(0, 1, 31, -_RET_FRAME) + save(fast_saves[2:], False)
+    _ret_fast_path(c, _RET_FRAME, fast=fast, table=table, rp=rp, handler=handler, t_slot=_RET_T, regs=False)
+    c.label("restore")
+    c += save(fast_saves[2:], True) + E.ldp_post(0, 1, 31, _RET_FRAME)
+    c += em.relocate(exit, c.pc)
+    c.label("slow")
+    c += save(slow_saves, False) + E.add_imm(0, 31, _RET_FRAME)
+    c.call(return_c)                                            # kp_kretprobe_return_clean(S)
+    c += save(slow_saves, True)
+    c.cbz("restore", 0, 0)
+    c += save(_RET_SLOTS[2:], True) + E.ldp_post(0, 1, 31, _RET_FRAME)      # all of them
+    c += hook_then_exit(exit, full_hook, c.pc)
+    return c.done()
 
 
 def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
                   handler: int | None, return_c: int, aligned: bool) -> bytes:
-    """pt_regs as after the ret, kp_kretprobe_return(regs) in line, then the exit."""
-    out = em.regs_call(at, return_c, None, None, pc_is_lr=True)
-    return out + em.relocate(exit, at + len(out))
+    """The same for a kretprobe whose handler may read regs: struct pt_regs built in
+    line as the kernel's trampoline reports it (pc the return address, sp as after
+    the ret), the handler called directly, every register and NZCV restored from
+    pt_regs (a handler may change regs->regs[0]).  Anything uncommon calls
+    kp_kretprobe_return(regs)."""
+    F = em._frame() + 16                       # pt_regs, the thread block, the instance
+    c = em._Asm(at)
+    em._save_pt_regs(c, F, None)
+    _ret_fast_path(c, F, fast=fast, table=table, rp=rp, handler=handler, t_slot=em._frame(), regs=True)
+    c.label("restore")
+    em._restore_pt_regs(c, F)
+    c += em.relocate(exit, c.pc)
+    c.label("slow")
+    c += E.add_imm(0, 31, 0)
+    c.call(return_c)                                            # kp_kretprobe_return(regs)
+    c.b("restore")
+    return c.done()

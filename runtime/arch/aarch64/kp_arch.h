@@ -59,8 +59,8 @@
  * arm64 rethook records regs->regs[29] there; sp is what both the entry and
  * every exit hook have).  The "slot" the core orders and matches instances by
  * is that sp; the return address itself is read and swapped in regs->regs[30]
- * (kp_arch_ret_addr()), so on AArch64 every kretprobe path passes its regs
- * (no NULL regs on the clean paths).
+ * (kp_arch_ret_addr()), so on AArch64 every entry that reaches the C code passes
+ * its regs (the inlined clean entry's slow path is the dispatch with pt_regs).
  */
 static __attribute__((always_inline)) inline unsigned long kp_arch_ret_slot_at_entry(const struct pt_regs *regs)
 {

@@ -7,8 +7,9 @@
  * unchanged: a `bl` pushes nothing), then kp_kretprobe_return() at a ret,
  * kp_kretprobe_tail_pending() / kp_kretprobe_tail_swap() at a tail call (the
  * latter sets regs->regs[30] to the trampoline, which the stub's pair carries
- * back into x30).  Every hook passes pt_regs, so the clean names and the jmp
- * forms the generic emission may name are the same code.
+ * back into x30).  Every hook here passes pt_regs, so the clean names and the
+ * jmp forms the generic emission may name are the same code (a function with one
+ * kretprobe has its hooks inlined: rewriter/arch/aarch64/retprobe.py).
  */
 #include "kp_entry.h"
 
@@ -56,7 +57,8 @@ kp_kretprobe_trampoline:
 
 /*
  * A kretprobe's entry detour (emit._kret_entry(): KRET_DISPATCH_OFFSET bytes
- * after the trampoline): the generic dispatch, which runs
+ * after the trampoline), and the slow path of an inlined one
+ * (emit.kret_entry_detour()): the generic dispatch, which runs
  * pre_handler_kretprobe() as the site's pre_handler.
  */
 	.org kp_kretprobe_trampoline + 256
