@@ -205,6 +205,12 @@ class RetProbe(Protocol):
     the entry's return-address handling."""
     KRET_ENTRY_USES: tuple[str, ...]   # registers the kretprobe entry body clobbers
     JUMP_WORD: str                     # what the arch calls a jump, in refusals ("jump", "branch")
+    # The return hooks free a tail-calling caller's handler-less instance inline (they read
+    # kp_kretprobes[] and kp_kret_handlers[]: the hooks' kretprobes and handlers arguments).
+    FREES_CALLERS_INLINE: bool
+    # The runtime has the clean kretprobe entry in user processes (kp_kretprobe_clean_entry:
+    # the return-address slot passed instead of a pt_regs; Rules.kretprobe_clean_entry).
+    CLEAN_ENTRY_IN_USER: bool
 
     # The generic exit walk (planner/exits.py: find_exits()) asks these.
     def exits_refusal(self, image, func) -> Refusal | None:
@@ -241,11 +247,13 @@ class RetProbe(Protocol):
 
     def clean_ret_hook(self, exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
                        handler: int | None, return_c: int, full_hook: tuple[int, int | None],
-                       aligned: bool, handler_clobbers: set[str] | None) -> bytes:
+                       aligned: bool, handler_clobbers: set[str] | None, kretprobes: int = 0,
+                       handlers: int = 0) -> bytes:
         """A return hook that saves only what its handler clobbers."""
 
     def full_ret_hook(self, exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
-                      handler: int | None, return_c: int, aligned: bool) -> bytes:
+                      handler: int | None, return_c: int, aligned: bool, kretprobes: int = 0,
+                      handlers: int = 0) -> bytes:
         """A return hook that saves a whole pt_regs."""
 
 

@@ -106,7 +106,7 @@ def _hook(c: Code, group, kind: str, sym, at: int):
     # An arch whose hook frees a tail-calling caller's instance without handler inline
     # reads the handlers by position.
     more = dict(kretprobes=sym["kp_kretprobes"], handlers=sym["kp_kret_handlers"]) \
-        if getattr(rp_, "FREES_CALLERS_INLINE", False) else {}
+        if rp_.FREES_CALLERS_INLINE else {}
     if not group.ret_clean:
         return lambda exit, pos: rp_.full_ret_hook(
             exit, pos, fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, rp=rp, handler=handler,

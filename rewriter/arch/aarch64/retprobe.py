@@ -40,6 +40,8 @@ _DWARF_FP = 29
 # What kret_entry_body's form writes besides the entry_handler's own: none to name
 # (emit.kret_entry_detour() saves what it writes itself).
 KRET_ENTRY_USES: tuple[str, ...] = ()
+FREES_CALLERS_INLINE = False           # kretprobes, handlers: not read (x86-64's inline free)
+CLEAN_ENTRY_IN_USER = False            # no kp_kretprobe_clean_entry in its user runtime
 
 
 def _mid_frame(image, addr: int) -> str | None:
@@ -348,7 +350,8 @@ def _ret_fast_path(c, S: int, *, fast: int, table: int, rp: int, handler: int | 
 
 
 def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
-                   handler: int | None, return_c: int, full_hook, aligned: bool, handler_clobbers) -> bytes:
+                   handler: int | None, return_c: int, full_hook, aligned: bool, handler_clobbers,
+                   kretprobes: int = 0, handlers: int = 0) -> bytes:
     """A return hook inlined before a `ret` (sp is S, as after it) of a function with
     one kretprobe whose handler never reads regs (x86-64's clean_ret_hook): find the
     thread, pop the instance recorded at S, run the handler, free the instance, then
@@ -390,7 +393,8 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: in
 
 
 def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int,
-                  handler: int | None, return_c: int, aligned: bool) -> bytes:
+                  handler: int | None, return_c: int, aligned: bool, kretprobes: int = 0,
+                  handlers: int = 0) -> bytes:
     """The same for a kretprobe whose handler may read regs: struct pt_regs built in
     line as the kernel's trampoline reports it (pc the return address, sp as after
     the ret), the handler called directly, every register and NZCV restored from

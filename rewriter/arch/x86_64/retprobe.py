@@ -489,6 +489,7 @@ def kret_entry_body(*, rp: int, tramp: int, entry_handler: int | None, enter_c: 
 # The return hooks free a tail-calling caller's instance without handler inline
 # (emission passes kp_kretprobes and kp_kret_handlers).
 FREES_CALLERS_INLINE = True
+CLEAN_ENTRY_IN_USER = True             # kp_kretprobe_clean_entry (optprobe_entry.S)
 
 
 def _ret_fast_path(c, F: int, *, fast: int, table: int, key, rp: int, handler: int | None, aligned: bool,
@@ -555,7 +556,7 @@ RET_FRAME = 104     # rax rcx rdx rsi rdi r8-r11 (0..64), flags 72, the instance
 
 def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int, handler: int | None,
                    return_c: int, full_hook: tuple[int, int | None], aligned: bool,
-                   handler_clobbers: set[str] | None, kretprobes: int, handlers: int) -> bytes:
+                   handler_clobbers: set[str] | None, kretprobes: int = 0, handlers: int = 0) -> bytes:
     """A return hook inlined before a `ret` (rsp at the return-address slot S)
     of a function with one kretprobe whose handler never reads regs: find the
     thread, pop the instance recorded at S, run the handler, free the
@@ -599,7 +600,7 @@ def clean_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: in
 
 
 def full_ret_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, rp: int, handler: int | None,
-                  return_c: int, aligned: bool, kretprobes: int, handlers: int) -> bytes:
+                  return_c: int, aligned: bool, kretprobes: int = 0, handlers: int = 0) -> bytes:
     """The same for a kretprobe whose handler may read regs: struct pt_regs is
     built inline as the kernel's trampoline reports it (ip the return address,
     sp the stack pointer after the ret), the handler is called directly, and
