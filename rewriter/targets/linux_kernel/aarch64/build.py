@@ -431,11 +431,7 @@ static int kp_ops_find(const unsigned int *rows, int n, unsigned int off)
                    + ",".join(str(r) for r in rows) + f"}};\nstatic unsigned int *kp_ops_rows_{g};\n")
         missed, calls, posts = [], [], []
         for j, (pre, post) in enumerate(handlers):
-            for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
-                                (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
-                if name and name not in declared:
-                    declared.add(name)
-                    out.append(proto.format(name) + "\n")
+            _declare(out, declared, pre, post)
             k = f"kp_ops_kprobe_{g}_{j}"
             out.append(f"static struct kprobe {k};\n")
             missed.append(f"\n\t\t\t{k}.nmissed++;")
@@ -518,6 +514,15 @@ out:
 }}
 """)
     return "".join(out)
+
+
+def _declare(out: list, declared: set, pre: str | None, post: str | None) -> None:
+    """The prototypes of a probe's pre and post handlers, each once."""
+    for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
+                        (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
+        if name and name not in declared:
+            declared.add(name)
+            out.append(proto.format(name) + "\n")
 
 
 GUARD_C = r"""
@@ -608,11 +613,7 @@ def dispatch_c(sites, changes, krets=(), ops=None) -> str:
                 continue
             # Our own hooks stay armed with kprewrite.enabled=0; the spec's probes do not.
             armed = "" if getattr(probe, "hook", None) else "!kp_disarmed && "
-            for name, proto in ((pre, "int {}(struct kprobe *p, struct pt_regs *regs);"),
-                                (post, "void {}(struct kprobe *p, struct pt_regs *regs, unsigned long flags);")):
-                if name and name not in declared:
-                    declared.add(name)
-                    out.append(proto.format(name) + "\n")
+            _declare(out, declared, pre, post)
             k = f"kp_kprobe_{i}_{j}"
             out.append(f"static struct kprobe {k};\n")
             missed.append(f"\n\t\t{k}.nmissed++;")
