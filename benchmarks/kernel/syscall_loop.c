@@ -4,7 +4,7 @@
  *
  * For each of REPS rounds, for each LABEL=SYSCALL in turn: WARMUP calls (not timed, so QEMU's
  * translation cache and the kernel's caches are warm), then N calls of the system call made
- * with the `syscall` instruction itself (no libc wrapper), timed with
+ * with the `syscall` instruction itself (`svc #0` on arm64; no libc wrapper), timed with
  * clock_gettime(CLOCK_MONOTONIC); prints one line per loop:
  *
  *   RESULT LABEL ROUND NS_TOTAL N
@@ -40,12 +40,24 @@ static const struct { const char *name; long nr, a1, a2; } SYSCALLS[] = {
 	{"cputime", SYS_clock_gettime, CLOCK_THREAD_CPUTIME_ID, (long)&cputime_ts},
 };
 
+#if defined(__aarch64__)
+/* benchmarks/kernel_arm64_probes.py: aarch64-linux-gnu-gcc -static, `svc #0`. */
+static inline long raw_syscall2(long nr, long a1, long a2)
+{
+	register long x8 __asm__("x8") = nr;
+	register long x0 __asm__("x0") = a1;
+	register long x1 __asm__("x1") = a2;
+	__asm__ volatile ("svc #0" : "+r"(x0) : "r"(x8), "r"(x1) : "memory");
+	return x0;
+}
+#else
 static inline long raw_syscall2(long nr, long a1, long a2)
 {
 	long ret;
 	__asm__ volatile ("syscall" : "=a"(ret) : "a"(nr), "D"(a1), "S"(a2) : "rcx", "r11", "memory");
 	return ret;
 }
+#endif
 
 static long loop(int k, long n)
 {

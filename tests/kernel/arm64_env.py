@@ -166,11 +166,11 @@ AAVMF = Path("/usr/share/AAVMF")
 
 def boot(kernel, initrd, *, cpu: str = "max", smp: int = 2, memory: int = 1024, append: str = DEFAULT_APPEND,
          extra_append: str = "", timeout: float = 180, log: Path | None = None,
-         uefi: bool = False) -> kernel_env.BootResult:
+         uefi: bool = False, qemu_args: tuple[str, ...] = ()) -> kernel_env.BootResult:
     """qemu-system-aarch64 -M virt -cpu <cpu> with -kernel (QEMU loads the Image at a 2 MiB
     boundary; the kernel randomizes its own base: KASLR).  uefi: through the firmware of
     Debian's qemu-efi-aarch64 (AAVMF, as pflash), which starts the Image through its PE header
-    and the kernel's EFI stub."""
+    and the kernel's EFI stub.  qemu_args: more options (e.g. -icount)."""
     args = ["-M", "virt", "-cpu", cpu]
     with tempfile.TemporaryDirectory(prefix="kprewrite-uefi-") as work:
         if uefi:
@@ -181,7 +181,7 @@ def boot(kernel, initrd, *, cpu: str = "max", smp: int = 2, memory: int = 1024, 
             args += ["-drive", f"if=pflash,format=raw,readonly=on,file={code}",
                      "-drive", f"if=pflash,format=raw,file={Path(work) / 'vars.fd'}"]
         return kernel_env.boot(kernel, initrd, smp=smp, memory=memory, append=append, extra_append=extra_append,
-                               timeout=timeout, log=log, qemu_system=QEMU_SYSTEM, qemu_args=tuple(args))
+                               timeout=timeout, log=log, qemu_system=QEMU_SYSTEM, qemu_args=(*args, *qemu_args))
 
 
 if __name__ == "__main__":
