@@ -558,21 +558,29 @@ static inline void *kp_task(void)
 	return t;
 }
 
+static int kp_nslots;		/* slots ever taken: how far the task's own is looked for */
+
 /* The slot the task takes while in handlers; -1 when it is in one already; KP_SLOTS when
- * every slot is taken (more CPUs than slots: unguarded). */
+ * every slot is taken (more CPUs than slots: unguarded).  Only the task itself looks for its
+ * slot, and it raised kp_nslots past it before leaving here, so the search stops there (one
+ * slot per CPU in handlers at once: scanning all 64 was most of a hit's cost). */
 static int kp_enter(void)
 {
 	void *t = kp_task();
-	int i;
+	int i, n = __atomic_load_n(&kp_nslots, __ATOMIC_ACQUIRE);
 
-	for (i = 0; i < KP_SLOTS; i++)
+	for (i = 0; i < n; i++)
 		if (__atomic_load_n(&kp_active[i], __ATOMIC_RELAXED) == t)
 			return -1;
 	for (i = 0; i < KP_SLOTS; i++) {
 		void *none = 0;
 
-		if (__atomic_compare_exchange_n(&kp_active[i], &none, t, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+		if (__atomic_compare_exchange_n(&kp_active[i], &none, t, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+			while (n <= i && !__atomic_compare_exchange_n(&kp_nslots, &n, i + 1, 0, __ATOMIC_RELEASE,
+								      __ATOMIC_RELAXED))
+				;
 			return i;
+		}
 	}
 	return KP_SLOTS;
 }
