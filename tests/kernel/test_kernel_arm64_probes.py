@@ -299,3 +299,18 @@ def test_code_beyond_the_text_padding_refused(arm64_kernel, tmp_path):
     assert r.returncode == 1 and not out.exists(), r.stderr
     assert re.search(r"the probes need \d+ bytes of code; the text padding has \d+ \(before _etext 0x[0-9a-f]+\)$",
                      r.stderr.strip()), r.stderr
+
+
+def test_data_beyond_the_room_kept_after_boot_refused(arm64_kernel, tmp_path):
+    """The handlers' writable data goes in the unused .rela.dyn entries after the last 2 MiB
+    boundary before __init_end (free_initmem() unmaps a whole block mapping below it): 64 KiB
+    in Debian's build.  More is refused, saying how much was needed and how much there is."""
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\nstatic char big[80000] = { 1 };\n"
+                                  "int pre(struct kprobe *k, struct pt_regs *r) { return big[r->regs[0] & 0xffff]++ & 0; }\n")
+    spec = tmp_path / "probes.toml"
+    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "pre"\n')
+    out = tmp_path / "Image.kp"
+    r = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
+    assert r.returncode == 1 and not out.exists(), r.stderr
+    m = re.search(r"the probes need (\d+) bytes of data; the room kept after boot .* has (\d+)$", r.stderr.strip())
+    assert m and len(r.stderr.splitlines()) == 1 and int(m.group(1)) > 80000 > int(m.group(2)) > 32768, r.stderr

@@ -844,7 +844,8 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     if data_lo < max(floor, zeros_from):
         raise KprewriteError(f"{image.path}: the probes need {len(data[1])} bytes of data; the room kept after "
                              f"boot (the unused entries of .rela.dyn after the last 2 MiB boundary of the init "
-                             f"data) has {max(zeros_to - max(floor, zeros_from), 0) & ~(CONT - 1)} in 64 KiB chunks")
+                             f"data, from a 64 KiB boundary) has "
+                             f"{max(zeros_to - max(floor, (zeros_from + CONT - 1) & ~(CONT - 1)), 0)}")
     if zeros_from + len(initdata[1]) > data_lo:
         raise KprewriteError(f"{image.path}: the glob probes need {len(initdata[1])} bytes of boot-time data; "
                              f"the unused entries of .rela.dyn below the probes' data have {data_lo - zeros_from}")
