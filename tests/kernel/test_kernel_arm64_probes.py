@@ -274,43 +274,40 @@ def test_kaslr_boots_uefi_and_cortex_a72(img, instrumented, initramfs, arm64_ker
     _check(_boot(instrumented, initramfs, "arm64-cortex-a72", tmp_path_factory, cpu="cortex-a72"), site)
 
 
-def test_absolute_addresses_refused(arm64_kernel, tmp_path):
-    """A handler holding an address in its data (a pointer initialized statically) would need a
-    relocation KASLR applies; the Image's table has no room for ours: refused, one line."""
-    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\nstatic int n;\nstatic int *volatile p = &n;\n"
-                                  "int pre(struct kprobe *k, struct pt_regs *r) { return (*p)++ & 0; }\n")
+def _refused(arm64_kernel, tmp_path, handler_c: str) -> str:
+    """instrument with one pre_handler from handler_c on __arm64_sys_getppid: refused (exit 1, no
+    output file); its stderr."""
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n" + handler_c)
     spec = tmp_path / "probes.toml"
     spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "pre"\n')
     out = tmp_path / "Image.kp"
     r = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
     assert r.returncode == 1 and not out.exists(), r.stderr
-    assert len(r.stderr.splitlines()) == 1 and "absolute relocation (R_AARCH64_ABS64) in .data" in r.stderr, r.stderr
+    return r.stderr
+
+
+def test_absolute_addresses_refused(arm64_kernel, tmp_path):
+    """A handler holding an address in its data (a pointer initialized statically) would need a
+    relocation KASLR applies; the Image's table has no room for ours: refused, one line."""
+    err = _refused(arm64_kernel, tmp_path, "static int n;\nstatic int *volatile p = &n;\n"
+                   "int pre(struct kprobe *k, struct pt_regs *r) { return (*p)++ & 0; }\n")
+    assert len(err.splitlines()) == 1 and "absolute relocation (R_AARCH64_ABS64) in .data" in err, err
 
 
 def test_code_beyond_the_text_padding_refused(arm64_kernel, tmp_path):
     """The handlers' code and read-only data go in the text padding before _etext (~54 KiB in
     Debian's build): more is refused, saying how much was needed and how much there is."""
-    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\nstatic const char big[80000] = { 1 };\n"
-                                  "int pre(struct kprobe *k, struct pt_regs *r) { return big[r->regs[0] & 0xffff]; }\n")
-    spec = tmp_path / "probes.toml"
-    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "pre"\n')
-    out = tmp_path / "Image.kp"
-    r = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
-    assert r.returncode == 1 and not out.exists(), r.stderr
+    err = _refused(arm64_kernel, tmp_path, "static const char big[80000] = { 1 };\n"
+                   "int pre(struct kprobe *k, struct pt_regs *r) { return big[r->regs[0] & 0xffff]; }\n")
     assert re.search(r"the probes need \d+ bytes of code; the text padding has \d+ \(before _etext 0x[0-9a-f]+\)$",
-                     r.stderr.strip()), r.stderr
+                     err.strip()), err
 
 
 def test_data_beyond_the_room_kept_after_boot_refused(arm64_kernel, tmp_path):
     """The handlers' writable data goes in the unused .rela.dyn entries after the last 2 MiB
     boundary before __init_end (free_initmem() unmaps a whole block mapping below it): 64 KiB
     in Debian's build.  More is refused, saying how much was needed and how much there is."""
-    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\nstatic char big[80000] = { 1 };\n"
-                                  "int pre(struct kprobe *k, struct pt_regs *r) { return big[r->regs[0] & 0xffff]++ & 0; }\n")
-    spec = tmp_path / "probes.toml"
-    spec.write_text('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\npre_handler = "pre"\n')
-    out = tmp_path / "Image.kp"
-    r = kprewrite("instrument", arm64_kernel.vmlinuz, "--spec", spec, "-o", out, check=False)
-    assert r.returncode == 1 and not out.exists(), r.stderr
-    m = re.search(r"the probes need (\d+) bytes of data; the room kept after boot .* has (\d+)$", r.stderr.strip())
-    assert m and len(r.stderr.splitlines()) == 1 and int(m.group(1)) > 80000 > int(m.group(2)) > 32768, r.stderr
+    err = _refused(arm64_kernel, tmp_path, "static char big[80000] = { 1 };\n"
+                   "int pre(struct kprobe *k, struct pt_regs *r) { return big[r->regs[0] & 0xffff]++ & 0; }\n")
+    m = re.search(r"the probes need (\d+) bytes of data; the room kept after boot .* has (\d+)$", err.strip())
+    assert m and len(err.splitlines()) == 1 and int(m.group(1)) > 80000 > int(m.group(2)) > 32768, err
