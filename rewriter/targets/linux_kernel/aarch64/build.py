@@ -952,13 +952,13 @@ def _with_hook_probe(s, sites, function: str, hook_name: str, first: bool):
     hook = SimpleNamespace(symbol=function, offset=0, addr=f.start, func=f, hook=hook_name,
                            spec=SimpleNamespace(pre_handler=None, post_handler=None))
     for site in sites:
-        if site.addr == f.start and site.decision == FTRACE and not getattr(site, "ftrace_ops", False):
+        if site.addr == f.start and site.decision == FTRACE and not site.ftrace_ops:
             site.probes.insert(0 if first else len(site.probes), hook)
             return sites
     if f.start not in s.rules.ftrace:
         raise KprewriteError(f"{s.image.path}: {function}'s entry cannot take the jump that calls {hook_name}()")
-    return [SimpleNamespace(addr=f.start, probes=[hook], decision=FTRACE, head=None, riders=[], slot=0,
-                            evicted=None, dcr=None)] + list(sites)
+    return [SimpleNamespace(addr=f.start, probes=[hook], decision=FTRACE, ftrace_ops=False, head=None, riders=[],
+                            slot=0, evicted=None, dcr=None)] + list(sites)
 
 
 def _read_blob(elf: Path):
