@@ -85,8 +85,11 @@ def module_parts(rel: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-# The detours' and slots' templates: ftrace, opt_head, opt_tail, slot_head, slot_ss_end, slot_tail.
+# The detours' and slots' templates: ftrace, opt_head, opt_tail, slot_head, slot_ss_end, slot_tail;
+# kp_int3_at[]'s: int3_table, int3_at, int3_ss, int3_target.
 DETOURS = module_parts("arch/x86_64/linux_module/kp_module_detours.S")
+# The module's __versions entries (versions, version) and _kprobe_blacklist's (nokprobe, nokprobe_entry).
+SECTIONS = module_parts("platform/linux_module/kp_module_sections.S")
 PLACEHOLDER = "kp_ph_"
 
 
@@ -211,18 +214,17 @@ def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
     kp_int3_target_<i>, an emulated branch's target, the same way (optprobe.branch_target())."""
     from .optprobe import Field, branch_target
     ph = _placeholder(placeholders)
-    out = ['\t.section .rodata.kprewrite,"a",@progbits', "\t.balign 4", "\t.globl kp_int3_at",
-           "\t.hidden kp_int3_at", "kp_int3_at:"]
+    out = [DETOURS["int3_table"]]
     for _, site in int3:
         sec, off = mod.place(site.addr)
-        out.append(f"\t.long {ph(Field(0, 4, sec.name, addend=off))} - .")
+        out.append(DETOURS["int3_at"].replace("{site}", ph(Field(0, 4, sec.name, addend=off))))
     for i, site in int3:
-        out += [f"\t.long kp_ss_{name} - ." for name in ss_slots(i, site)]
+        out += [DETOURS["int3_ss"].replace("{i}", name) for name in ss_slots(i, site)]
     for i, site in int3:
         if emulated(site):              # the branch's target, for its emulation in the trap
-            out += [f"\t.globl kp_int3_target_{i}", f"\t.hidden kp_int3_target_{i}", f"kp_int3_target_{i}:",
-                    f"\t.long {ph(branch_target(mod, relocs, site.xol.insn))} - ."]
-    return "\n".join(out) + "\n"
+            out.append(DETOURS["int3_target"].replace("{i}", str(i)).replace(
+                "{target}", ph(branch_target(mod, relocs, site.xol.insn))))
+    return "".join(out)
 
 
 def int3_runs(sections: list[str], n_ss: int) -> list[int]:
@@ -449,8 +451,7 @@ def nokprobe_s(asm: str, names: tuple[set[str], list[str]]) -> str:
     found = [f for f in funcs if f.split(".")[0] in local]
     if not found and not other:
         return ""
-    return ('\t.section _kprobe_blacklist,"aw"\n\t.balign 8\n'
-            + "".join(f"\t.quad {f}\n" for f in found + other))
+    return SECTIONS["nokprobe"] + "".join(SECTIONS["nokprobe_entry"].replace("{func}", f) for f in found + other)
 
 
 def _emulate_c(site, k: int, n: int) -> str:
@@ -825,12 +826,13 @@ def _versions(mod, rt: Path, workdir: Path, cc: str) -> Path | None:
         raise KprewriteError(f"{mod.symvers_path}: no CRC for {', '.join(missing)} (the module's runtime calls "
                              f"them; this kernel does not export them to modules)")
     asm = workdir / "kp_versions.S"
-    lines = ['\t.section __versions,"a"', "\t.balign 32"]
+    lines = [SECTIONS["versions"]]
     for n in new:
         if len(n) > 55:
             raise KprewriteError(f"{mod.path}: kernel symbol {n} is longer than __versions takes (55 bytes)")
-        lines += [f"\t.quad {mod.symvers[n]:#x}", f'\t.ascii "{n}"', f"\t.zero {56 - len(n)}"]
-    asm.write_text("\n".join(lines) + "\n")
+        lines.append(SECTIONS["version"].replace("{crc}", f"{mod.symvers[n]:#x}").replace("{name}", n)
+                     .replace("{pad}", str(56 - len(n))))
+    asm.write_text("".join(lines))
     obj = workdir / "kp_versions.o"
     _run([cc, "-c", str(asm), "-o", str(obj)], "the module's __versions")
     return obj
