@@ -1114,3 +1114,55 @@ def test_module_without_exit_refused_by_check_and_instrument(romfs, tmp_path):
     r = kprewrite("instrument", bad, "--spec", spec, "-o", out, check=False)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [want], r.stderr
     assert not out.exists() and bad.read_bytes() == data.replace(b"\0cleanup_module\0", b"\0cleanup_modulX\0")
+
+
+def _text_sites(ko: Path, every: int) -> list[tuple[str, int]]:
+    """(function, offset) of every `every`-th instruction boundary of a module's .text (objdump's),
+    in functions of 30 bytes or more."""
+    starts = {v: n for n, (sec, v, size) in _func_syms(ko).items() if sec == ".text" and size >= 30}
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text", str(ko)], capture_output=True,
+                         text=True, check=True).stdout
+    sites, func = [], None
+    for m in re.finditer(r"^(?:([0-9a-f]+) <(\S+)>:|\s+([0-9a-f]+):)", dis, re.M):
+        if m.group(1):
+            func = (starts.get(int(m.group(1), 16)), int(m.group(1), 16))
+        elif func and func[0]:
+            sites.append((func[0], int(m.group(3), 16) - func[1]))
+    return sites[::every]
+
+
+# Each module's spec: a probe placed, and probes refused by the module's rules (romfs: .init.text,
+# a kernel function's stand-in, a kretprobe there, a breakpoint on a return thunk's jump; loop: a
+# breakpoint in a module parameter's set, before the module's init; kvm-amd: a sample of its .text,
+# alternatives, static calls, BUG sites, bytes no function covers), and the checks they must name.
+REFUSING = {
+    "romfs": ('[[kprobe]]\nsymbol_name = "romfs_get_tree"\n[[kprobe]]\nsymbol_name = "init_romfs_fs"\n'
+              '[[kprobe]]\nsymbol_name = "_printk"\n[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xe\n'
+              '[[kretprobe]]\nsymbol_name = "init_romfs_fs"\n', {"blacklist", ".return_sites"}),
+    "loop": ('[[kprobe]]\nsymbol_name = "max_loop_param_set_int"\noffset = 0x15\n'
+             '[[kprobe]]\nsymbol_name = "max_loop_param_set_int"\n', {"module_int3"}),
+    "kvm-amd": (None, {"blacklist", "no_function", ".return_sites"}),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSING))
+def test_check_refuses_what_instrument_refuses(modules, symvers, tmp_path, name):
+    """`check` on a module refuses exactly the probes `instrument` refuses, each with the same
+    check and address (instrument's error line names them as check's line does), and says so on
+    standard error in instrument's own lines; both exit 1 and instrument writes nothing."""
+    ko = modules[name]
+    text, checks = REFUSING[name]
+    if text is None:
+        text = "".join(f'[[kprobe]]\nsymbol_name = "{f}"\noffset = {o}\n' for f, o in _text_sites(ko, 9))
+    spec = tmp_path / "probes.toml"
+    spec.write_text(text)
+    c = kprewrite("check", ko, "--spec", spec, check=False)
+    out = tmp_path / "out.ko"
+    i = kprewrite("instrument", ko, "--spec", spec, "--system-map", symvers, "-o", out, check=False)
+    assert c.returncode == 1 and i.returncode == 1 and not out.exists(), (c.returncode, i.returncode, i.stderr)
+    refused = re.findall(r"^(\S+)  [kr]  refused  (.+?) at (0x[0-9a-f]+): ", c.stdout, re.M)
+    errors = re.findall(r"^kprewrite: probes\.toml: \[\[k(?:ret)?probe\]\] #\d+ \((\S+)\): (.+?) at (0x[0-9a-f]+): ",
+                        i.stderr, re.M)
+    assert len(errors) == len(i.stderr.strip().splitlines()), i.stderr      # every line names its check
+    assert sorted(refused) == sorted(errors) and checks <= {ch for _, ch, _ in refused}, (refused, errors)
+    assert c.stderr.strip().splitlines() == i.stderr.strip().splitlines()
