@@ -3,8 +3,10 @@
 lay out -> generate tables -> link handlers and runtime -> emit code -> write.
 Each stage is its own module; this one only passes plain data between them:
 prepare() ends with the plan `check` prints, compile_handlers() completes it,
-build() carries it out and decides nothing.  The CLI is a thin layer over prepare(),
-instrument() and the report module."""
+build() carries it out and decides nothing: the same back half for every target,
+each step asked of the target (targets/base.py declares them, with the defaults of an
+image laid out in place).  The CLI is a thin layer over prepare(), instrument() and the
+report module."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,7 @@
 /*
- * A module's sections for its loader, kept beside its code (x86_64/writer.py, read by parts): each
- * part follows its line `@NAME` (in a comment).  Read as text by
- * rewriter/targets/linux_module/<arch>/writer.py (module_parts()); not assembled alone.
+ * A module's sections for its loader, kept beside its code, whatever the CPU: each part follows
+ * its line `@NAME` (in a comment).  Read as text by rewriter/targets/linux_module/<arch>/writer.py
+ * (module_parts()), filled in per module; not assembled alone.
  *
  * versions, version: __versions entries (struct modversion_info: the CRC in 8 bytes, the name in
  * 56), for the kernel symbols the module's runtime calls that the module did not: {crc} from the
