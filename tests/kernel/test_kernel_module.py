@@ -565,6 +565,34 @@ def _versions(ko: Path) -> dict[str, int]:
             for i in range(0, len(raw) - 63, 64)}
 
 
+def _undefined(obj: Path) -> set[str]:
+    out = subprocess.run(["nm", "-u", str(obj)], capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+def test_module_runtime_is_the_cached_runtime(rewritten_romfs):
+    """A module's fetch and trace code is the runtime link/runtime.py builds from the module's
+    recipe and caches, as every target's: the same objects in both variants, the event_calls one
+    (the kernel's BTF read: the events are the kernel's own event calls) calling
+    kp_platform_trace_record(), the other not; the rewritten romfs (events, the kernel's BTF)
+    holds the variant's code."""
+    from rewriter.link import compiler, runtime as lr
+    cc = compiler("x86_64")
+    plain = lr.compile_runtime(cc, None, "x86_64", "linux_module")
+    calls = lr.compile_runtime(cc, None, "x86_64", "linux_module", "event_calls")
+    assert [p.name for p in plain] == [p.name for p in calls] == [
+        "rt_kp_lib.c.o", "rt_kp_line.c.o", "rt_kp_fetch.c.o", "rt_kp_trace.c.o", "rt_platform_linux_module_platform.c.o"]
+    assert plain[0].parent != calls[0].parent and all(p.is_file() for p in plain + calls)
+    assert "kp_platform_trace_record" in _undefined(calls[3]) - _undefined(plain[3])
+    assert lr.compile_runtime(cc, None, "x86_64", "linux_module", "event_calls") == calls     # built once
+    with pytest.raises(Exception, match="no variant 'nope'"):
+        lr.compile_runtime(cc, None, "x86_64", "linux_module", "nope")
+    # kp_trace.c's record path is in the module: its call of the event calls' kp_platform_trace_record().
+    dis = subprocess.run(["objdump", "-dr", "-j", ".text.kprewrite_c", str(rewritten_romfs)], capture_output=True,
+                         text=True, check=True).stdout
+    assert re.search(r"call.*<kp_platform_trace_record>|R_X86_64_PLT32\s+kp_platform_trace_record", dis), dis[-2000:]
+
+
 def test_new_imports_get_their_crcs(romfs, rewritten_romfs, symvers):
     """What the module's runtime calls and the module did not (__trace_puts, debugfs...) is in its
     __versions with the kernel's CRC; what it had is kept."""
