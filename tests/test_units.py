@@ -22,6 +22,8 @@ from rewriter.probes.resolve import is_entry, resolve
 from rewriter.analysis.rules import Rules
 from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (the stages on synthetic x86 code)
+
 ARCH = get_arch("x86_64")
 
 
