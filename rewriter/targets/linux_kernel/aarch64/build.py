@@ -6,6 +6,8 @@ Where things go (facts of Debian's 6.1 arm64 Image, issue 40):
 - code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
   (``_etext`` is 64 KiB-aligned; ~54 KiB in Debian's build), mapped read-only and executable
   by map_kernel() and never freed, a `B` (+-128 MiB) from every function of the text;
+- the runtime's debugfs views, which do not fit the padding: one blob with its relocations in
+  the boot-only data (below), placed in module memory at boot (runtime.py);
 - writable data (the handlers' .data and .bss, each probe's struct kprobe): the tail of the
   init data, in the unused (all-zero, R_AARCH64_NONE) entries of .rela.dyn before __init_end.
   __relocate_kernel reads them at boot as relocations and skips them (only
@@ -435,7 +437,8 @@ static int kp_ops_find(const unsigned int *rows, int n, unsigned int off)
         for j, (pre, post) in enumerate(handlers):
             _declare(out, declared, pre, post)
             k = f"kp_ops_kprobe_{g}_{j}"
-            n = index.add(0, *labels[j], 0, KPROBE_FLAG_FTRACE)
+            # (Its symbol_name stays NULL, as its handlers see it: the list shows the last hit's address.)
+            n = index.add(labels[j][2], 0, None, 0, labels[j][1], KPROBE_FLAG_FTRACE)
             out.append(f"#define {k} kp_kprobes[{n}]\n")
             missed.append(f"\n\t\t\t{k}.nmissed++;")
             calls.append(f"\n\t\t__atomic_fetch_add(&kp_hit_block.hits[{n}], 1, __ATOMIC_RELAXED);"
@@ -598,14 +601,25 @@ static void kp_leave(int g)
 
 
 class ProbeIndex:
-    """The spec's probes in kp_kprobes[]'s order (their hit counters' too), as the debugfs
-    views list them (runtime.glue_c()): (link address, symbol, offset, event name, flags)."""
+    """The spec's probes, each a slot of kp_kprobes[] (and of the hit counters) in the spec's
+    order (key: the probe's index), as the debugfs views list them (runtime.glue_c()'s rows:
+    link address, symbol, offset, event name, flags).  add() gives the C for the slot: a macro
+    (KP_SLOT_n) that slots() defines once every probe is known."""
     def __init__(self):
-        self.rows = []
+        self._rows = []
 
-    def add(self, addr: int, symbol, offset: int, name: str, flags: int) -> int:
-        self.rows.append((addr, symbol, offset, name, flags))
-        return len(self.rows) - 1
+    def add(self, key: int, addr: int, symbol, offset: int, name: str, flags: int) -> str:
+        self._rows.append((key, len(self._rows), (addr, symbol, offset, name, flags)))
+        return f"KP_SLOT_{len(self._rows) - 1}"
+
+    @property
+    def rows(self) -> list:
+        return [row for _k, _n, row in sorted(self._rows)]
+
+    def slots(self) -> str:
+        order = sorted(self._rows)
+        return "".join(f"#define KP_SLOT_{n} {slot}\n" for slot, (_k, n, _r) in
+                       sorted(enumerate(order), key=lambda e: e[1][1]))
 
 
 KPROBE_FLAG_OPTIMIZED, KPROBE_FLAG_FTRACE = 4, 8
@@ -640,34 +654,42 @@ def dispatch_c(sites, changes, krets=(), ops=None, index=None, flags=None) -> st
         for j, (probe, pre, post) in enumerate(probes):
             if id(probe) in kret_of:
                 k = kret_of[id(probe)]
-                missed.append(f"\n\t\tkp_rp_{k}.kp.nmissed++;")
+                missed.append(f"\n\t\tif (!kp_disarmed)\n\t\t\tkp_rp_{k}.kp.nmissed++;")
                 calls.append(f"\n\tif (!kp_disarmed)\n\t\tkp_kret_entry_{k}(regs);")
                 continue
             # Our own hooks stay armed with kprewrite.enabled=0; the spec's probes do not.
             armed = "" if getattr(probe, "hook", None) else "!kp_disarmed && "
             _declare(out, declared, pre, post)
             k = f"kp_kprobe_{i}_{j}"
+            # A disarmed probe is not hit at all: no hit, no nmissed (the kernel's disarmed kprobe).
+            missed.append(f"\n\t\tif (!kp_disarmed)\n\t\t\t{k}.nmissed++;" if armed else f"\n\t\t{k}.nmissed++;")
             if armed:
-                n = index.add(probe.addr, probe.symbol, probe.offset, probe.event_name, flags[i] if flags else 0)
+                n = index.add(probe.index, probe.addr, probe.symbol, probe.offset, probe.event_name,
+                              flags[i] if flags else 0)
                 out.append(f"#define {k} kp_kprobes[{n}]\n")
-                calls.append(f"\n\tif (!kp_disarmed)\n\t\t__atomic_fetch_add(&kp_hit_block.hits[{n}], 1, "
-                             "__ATOMIC_RELAXED);")
+                hit = f"\n\t\t__atomic_fetch_add(&kp_hit_block.hits[{n}], 1, __ATOMIC_RELAXED);"
             else:
                 out.append(f"static struct kprobe {k};\n")
-            missed.append(f"\n\t\t{k}.nmissed++;")
             fill.append(f"""
 	{k}.addr = (kprobe_opcode_t *)regs->pc;
 	{k}.symbol_name = "{probe.symbol}";
 	{k}.offset = {probe.offset};""" + (f"\n\t{k}.pre_handler = {pre};" if pre else "")
                         + (f"\n\t{k}.post_handler = {post};" if post else ""))
+            # An armed probe: its hit counted, then its pre_handler, under one test of kp_disarmed.
             if pre and changes[i]:
                 calls.append(f"""
 	if ({armed}{pre}(&{k}, regs)) {{
 		kp_leave(g);
 		return 1;
+	}}""" if not armed else f"""
+	if (!kp_disarmed) {{{hit}
+		if ({pre}(&{k}, regs)) {{
+			kp_leave(g);
+			return 1;
+		}}
 	}}""")
-            elif pre and armed:
-                calls.append(f"\n\tif (!kp_disarmed)\n\t\t{pre}(&{k}, regs);")
+            elif armed:
+                calls.append(f"\n\tif (!kp_disarmed) {{{hit}" + (f"\n\t\t{pre}(&{k}, regs);" if pre else "") + "\n\t}")
             elif pre:
                 calls.append(f"\n\t{pre}(&{k}, regs);")
             if post:
@@ -696,7 +718,7 @@ __attribute__((used)) void kp_post_dispatch_{i}(struct pt_regs *regs)
 }}
 """)
     n, nk = len(index.rows), len(krets)
-    out[1] = (f"#define KP_NKPROBES {n}\n"
+    out[1] = (index.slots() + f"#define KP_NKPROBES {n}\n"
               f"struct kprobe kp_kprobes[{max(n, 1)}];\n"
               f"struct kretprobe kp_kretprobes[{max(nk, 1)}];\n"
               "/* The hits of kp_kprobes[] then kp_kretprobes[], laid out as struct kp_thread. */\n"
@@ -807,13 +829,15 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
     (workdir / "kp_detours.S").write_text("".join(
         (xol_asm if site.decision == BREAKPOINT else detour_asm)(i, any(post for _, _, post in probes))
-        for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else ""))
+        for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else "") + "@HOLES@")
     brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == BREAKPOINT]
     index = ProbeIndex()
     dispatch = (dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets,
                            ops, index, site_flags) + (brk_c(brk) if brk else ""))
     blob_objs, blob_syms, blob = _runtime_blob(s, img, workdir, cc, index, krets)
     (workdir / "kp_dispatch.c").write_text(dispatch + rt.loader_c(blob.layout(), img.text))
+    detours = workdir / "kp_detours.S"
+    detours.write_text(detours.read_text().replace("@HOLES@", rt.holes_asm(blob.layout())))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
     run([cc, "-c", str(workdir / "kp_detours.S"), "-o", str(workdir / "kp_detours.o")], "kp_detours.S")
@@ -876,7 +900,8 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
              *(f"--defsym={n}={a:#x}" for n, a in sorted(defs.items())), *map(str, inputs)], "link")
         return out
 
-    elf = link(zeros_to, zeros_from)
+    # (Measured with the boot-only data out of the way: it may be larger than its room.)
+    elf = link(zeros_to, zeros_to + BLOCK)
     text, data, addrs, initdata = _read_blob(elf)
     # The data kept after boot: whole 64 KiB (contiguous-hint) chunks above the last 2 MiB
     # boundary below __init_end.  free_initmem()'s vunmap_range() clears a whole block
@@ -891,9 +916,9 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                              f"data, from a 64 KiB boundary) has "
                              f"{max(zeros_to - max(floor, (zeros_from + CONT - 1) & ~(CONT - 1)), 0)}")
     if zeros_from + len(initdata[1]) > data_lo:
-        raise KprewriteError(f"{image.path}: the runtime placed at boot ({_boot_bytes(blob)} bytes with its "
-                             f"relocations) and the glob probes' sites need {len(initdata[1])} bytes of boot-only "
-                             f"data; the unused entries of .rela.dyn below the probes' data have {data_lo - zeros_from}")
+        raise KprewriteError(f"{image.path}: the runtime placed at boot needs {_boot_bytes(blob)} bytes of boot-only "
+                             f"data (with its relocations), {len(initdata[1])} in all with the glob probes' sites; "
+                             f"the unused entries of .rela.dyn below the probes' data have {data_lo - zeros_from}")
     if text[0] + len(text[1]) > text_hi:
         raise KprewriteError(f"{image.path}: the probes need {len(text[1])} bytes of code; the text padding "
                              f"has {text_hi - text_lo} (before _etext {text_hi:#x})")
@@ -1052,8 +1077,8 @@ def _ftrace_ops_groups(s, img, ops_sites):
         groups.setdefault(key, []).append(site.addr + 4 - img.text)
         # What the debugfs views say of each of the group's struct kprobes: its glob, and the
         # spec's name or the kernel's default name made from the glob.
-        labels.setdefault(key, [(p.spec.symbol_name, p.spec.name or f"p_{event_symbol(p.spec.symbol_name)}_0")
-                                for p in site.probes])
+        labels.setdefault(key, [(p.spec.symbol_name, p.spec.name or f"p_{event_symbol(p.spec.symbol_name)}_0",
+                                 p.index) for p in site.probes])
     return ([(sorted(rows), list(key), labels[key]) for key, rows in groups.items()],
             layout(s.image, FTRACE_OPS_LAYOUT, "probes from a glob (an ftrace_ops)"))
 

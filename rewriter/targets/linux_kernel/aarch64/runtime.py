@@ -264,6 +264,17 @@ def link_blob(cc: str, objs: list[Path], workdir: Path, functions: dict[str, int
     return blob
 
 
+def holes_asm(layout: tuple) -> str:
+    """The blob's bytes and relocation lists in the boot-only data: room the Image's link
+    places, filled with the blob's second link (build.py's _fill_runtime())."""
+    nbytes, _size, _text, nrel, nimg, nadrp, _entries, _base = layout
+    return "\t.section .kp_initdata,\"a\"\n" + "".join(
+        f"\t.p2align {align}\n\t.globl {name}\n{name}:\n\t.space {max(n, 1) * unit}\n"
+        for name, n, unit, align in (("kp_rt_blob", nbytes, 1, 4), ("kp_rt_rel_blob", nrel, 4, 2),
+                                     ("kp_rt_rel_image", nimg, 4, 2), ("kp_rt_adrp_at", nadrp, 4, 2),
+                                     ("kp_rt_adrp_to", nadrp, 8, 3)))
+
+
 def loader_c(layout: tuple, text_link: int) -> str:
     """kp_rt_load(), the hook on LOAD_HOOK_FUNCTION's entry that places the blob and calls its
     entries (the pre_handler of a jump probe of our own, in the text padding).  The blob's bytes and
@@ -276,11 +287,11 @@ int set_memory_ro(unsigned long addr, int numpages);
 int set_memory_x(unsigned long addr, int numpages);
 void caches_clean_inval_pou(unsigned long start, unsigned long end);
 extern char kp_rt_text[];
-unsigned char kp_rt_blob[{nbytes}] __attribute__((used, aligned(16), section(".kp_initdata")));
-unsigned int kp_rt_rel_blob[{max(nrel, 1)}] __attribute__((used, section(".kp_initdata")));
-unsigned int kp_rt_rel_image[{max(nimg, 1)}] __attribute__((used, section(".kp_initdata")));
-unsigned int kp_rt_adrp_at[{max(nadrp, 1)}] __attribute__((used, section(".kp_initdata")));
-unsigned long kp_rt_adrp_to[{max(nadrp, 1)}] __attribute__((used, section(".kp_initdata")));
+/* The holes of holes_asm(), filled after the link: not C definitions, whose zeros the
+ * compiler would read as the values. */
+extern const unsigned char kp_rt_blob[];
+extern const unsigned int kp_rt_rel_blob[], kp_rt_rel_image[], kp_rt_adrp_at[];
+extern const unsigned long kp_rt_adrp_to[];
 /* Where the blob was placed (kept data): 0 before, or if it could not be. */
 unsigned long kp_rt_placed;
 
