@@ -51,11 +51,13 @@ R_PCREL_LOCAL = {261, 260, 273, 274, 279, 280, 282, 283}   # only within the blo
 
 @dataclass
 class Blob:
-    """The blob, as linked (at base): its bytes (code and rodata, page-aligned, then data), its size
-    with the bss, the size of its code pages, its relocations, its entries' offsets."""
+    """The blob, as linked (at base): its bytes as stored (code and rodata, code_len bytes, then
+    data, which runs from text_size: the code pages' end), its size with the bss, its
+    relocations (offsets where it runs), its entries' offsets."""
     data: bytes
     size: int
     text_size: int
+    code_len: int
     base: int = 0
     rel_blob: list = field(default_factory=list)       # offsets of u64s: + where it runs - base
     rel_image: list = field(default_factory=list)      # offsets of u64s: + the KASLR offset
@@ -64,8 +66,8 @@ class Blob:
 
     def layout(self) -> tuple:
         """What the Image's loader is compiled with (the same for both links of the blob)."""
-        return (len(self.data), self.size, self.text_size, len(self.rel_blob), len(self.rel_image),
-                len(self.adrp), tuple(sorted(self.entries.items())), self.base)
+        return (len(self.data), self.size, self.text_size, self.code_len, len(self.rel_blob),
+                len(self.rel_image), len(self.adrp), tuple(sorted(self.entries.items())), self.base)
 
 
 def glue_c(probes, kretprobes, fops, text_link: int) -> str:
@@ -221,14 +223,17 @@ def link_blob(cc: str, objs: list[Path], workdir: Path, functions: dict[str, int
     text, dat, bss = e.section(".text"), e.section(".data"), e.section(".bss")
     code = e.section_bytes(text)
     text_size = (len(code) + PAGE - 1) & ~(PAGE - 1)
-    image = bytearray(code) + bytes(text_size - len(code))
+    # Stored without the code's last page's zeros (the loader writes them).
+    stored, size = bytes(code), text_size
     if dat is not None and dat.size and dat.type != SHT_NOBITS:
-        image += bytes(dat.addr - base - len(image)) + e.section_bytes(dat)
-    size = len(image)
+        if dat.addr - base != text_size:
+            raise KprewriteError(f"{path}: the runtime's .data is not at the end of its code pages")
+        stored += e.section_bytes(dat)
+        size += dat.size
     if bss is not None and bss.size:
         size = max(size, bss.addr - base + bss.size)
     syms = list(e.symbols())
-    blob = Blob(bytes(image), (size + 15) & ~15, text_size, base)
+    blob = Blob(stored, (size + 15) & ~15, text_size, len(code), base)
     blob.entries = {s.name: s.value - base for s in syms if s.name in ENTRIES}
     for sec in e.sections:
         if sec.type != SHT_RELA or sec.info >= len(e.sections):
@@ -252,7 +257,7 @@ def link_blob(cc: str, objs: list[Path], workdir: Path, functions: dict[str, int
                 raise KprewriteError(f"{where}: relocation type {typ} against "
                                      f"{s.name if s else sym} cannot be applied where the runtime is placed")
     for at, _ in blob.adrp:
-        word = struct.unpack_from("<I", blob.data, at)[0]
+        word = struct.unpack_from("<I", code, at)[0]
         if word & 0x9F000000 != 0x90000000:
             raise KprewriteError(f"{path}: the runtime's {at:#x} is not an adrp (erratum 843419's fix moved it?)")
     missing = [n for n in ENTRIES if n not in blob.entries]
@@ -267,7 +272,7 @@ def link_blob(cc: str, objs: list[Path], workdir: Path, functions: dict[str, int
 def holes_asm(layout: tuple) -> str:
     """The blob's bytes and relocation lists in the boot-only data: room the Image's link
     places, filled with the blob's second link (build.py's _fill_runtime())."""
-    nbytes, _size, _text, nrel, nimg, nadrp, _entries, _base = layout
+    nbytes, _size, _text, _code, nrel, nimg, nadrp, _entries, _base = layout
     return "\t.section .kp_initdata,\"a\"\n" + "".join(
         f"\t.p2align {align}\n\t.globl {name}\n{name}:\n\t.space {max(n, 1) * unit}\n"
         for name, n, unit, align in (("kp_rt_blob", nbytes, 1, 4), ("kp_rt_rel_blob", nrel, 4, 2),
@@ -279,7 +284,7 @@ def loader_c(layout: tuple, text_link: int) -> str:
     """kp_rt_load(), the hook on LOAD_HOOK_FUNCTION's entry that places the blob and calls its
     entries (the pre_handler of a jump probe of our own, in the text padding).  The blob's bytes and
     relocations are holes in .kp_initdata here, filled after the link (build.py)."""
-    nbytes, size, text_size, nrel, nimg, nadrp, entries, base = layout
+    nbytes, size, text_size, code_len, nrel, nimg, nadrp, entries, base = layout
     ent = dict(entries)
     return f"""
 void *module_alloc(unsigned long size);
@@ -303,7 +308,7 @@ unsigned long kp_rt_placed;
 __attribute__((used)) int kp_rt_load(struct kprobe *p, struct pt_regs *regs)
 {{
 	unsigned long kaslr = (unsigned long)kp_rt_text - {text_link:#x}UL, mem;
-	unsigned int i;
+	unsigned int i, j;
 	unsigned char *m;
 
 	if (!(regs->pstate & 0x80))
@@ -314,8 +319,12 @@ __attribute__((used)) int kp_rt_load(struct kprobe *p, struct pt_regs *regs)
 		goto out;
 	}}
 	mem = (unsigned long)m;
-	for (i = 0; i < {nbytes}; i++)
+	for (i = 0; i < {code_len}; i++)	/* the code, its last page's zeros, the data, the bss */
 		m[i] = kp_rt_blob[i];
+	for (; i < {text_size}; i++)
+		m[i] = 0;
+	for (j = {code_len}; j < {nbytes}; j++, i++)
+		m[i] = kp_rt_blob[j];
 	for (; i < {size}; i++)
 		m[i] = 0;
 	for (i = 0; i < {nrel}; i++)
