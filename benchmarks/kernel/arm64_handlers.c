@@ -1,7 +1,7 @@
 /* The handlers of benchmarks/kernel_arm64_probes.py's probes (Debian's arm64 kernel): each
  * counts its hits in a static variable, as bench_kprobe.c's do (like for like with the
  * kernel's own kprobe from a module); bench_report(), on __arm64_sys_sync, prints the counts
- * (our arm64 probes have no kprobe_profile yet). */
+ * (the probes' own counts are in debugfs kprewrite/profile too, which the benchmark does not read). */
 #include <linux/kprobes.h>
 
 static unsigned long entry_hits, inside_hits, ret_hits, reto_hits;

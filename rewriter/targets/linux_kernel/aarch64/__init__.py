@@ -6,7 +6,9 @@ as arch/arm64 answers it in the kernel.
   blacklisted sections, and the tables of relative entries tables.py finds in an Image);
 - target.py: the kernel target's variant for arm64 (linux_kernel.for_arch()), whose output
   build.py writes: the handlers and the detours in the Image's own room, until the generic
-  back half (the runtime, its boot hooks and tables) knows arm64.  The members below that
+  back half (the runtime, its boot hooks and tables) knows arm64;
+- runtime.py: the part of the generic runtime an arm64 Image has (the debugfs views), linked
+  as one blob kept in the boot-only data and placed in module memory at boot.  The members below that
   only the generic back half asks (the per-CPU key, the boot container) answer what arm64
   has, or say it is not written yet.
 """

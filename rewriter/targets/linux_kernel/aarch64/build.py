@@ -6,6 +6,8 @@ Where things go (facts of Debian's 6.1 arm64 Image, issue 40):
 - code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
   (``_etext`` is 64 KiB-aligned; ~54 KiB in Debian's build), mapped read-only and executable
   by map_kernel() and never freed, a `B` (+-128 MiB) from every function of the text;
+- the runtime's debugfs views, which do not fit the padding: one blob with its relocations in
+  the boot-only data (below), placed in module memory at boot (runtime.py);
 - writable data (the handlers' .data and .bss, each probe's struct kprobe): the tail of the
   init data, in the unused (all-zero, R_AARCH64_NONE) entries of .rela.dyn before __init_end.
   __relocate_kernel reads them at boot as relocations and skips them (only
@@ -37,7 +39,8 @@ from ....errors import KprewriteError
 from ....link.toolchain import compiler, run
 from ....link.runtime import cflags, _includes
 from ....planner import FTRACE, BREAKPOINT, OPTIMIZED
-from ....probes.resolve import is_entry
+from ....probes.resolve import event_symbol, is_entry
+from . import runtime as rt
 from ...linux_kernel.symbols import link_symbols
 
 PT_REGS = 288          # runtime/include/kprewrite/arch/aarch64/ptrace.h
@@ -274,7 +277,7 @@ static unsigned long kp_kret_seq;
             if name:
                 out.append(f"int {name}(struct kretprobe_instance *ri, struct pt_regs *regs);\n")
         out.append(f"""
-static struct kretprobe kp_rp_{k};
+#define kp_rp_{k} kp_kretprobes[{k}]
 static char kp_rp_pool_{k}[{n}][{stride}] __attribute__((aligned(8)));
 static void *kp_rp_task_{k}[{n}];
 static unsigned long kp_rp_seq_{k}[{n}];
@@ -284,6 +287,7 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
 	struct kretprobe_instance *ri;
 	int n;
 
+	__atomic_fetch_add(&kp_hit_block.hits[KP_NKPROBES + {k}], 1, __ATOMIC_RELAXED);
 	kp_rp_{k}.kp.addr = (kprobe_opcode_t *)regs->pc;
 	kp_rp_{k}.kp.symbol_name = "{p.symbol}";
 	kp_rp_{k}.handler = {h or 0};
@@ -383,7 +387,7 @@ FTRACE_OPS_LAYOUT = (("ftrace_ops", None), ("ftrace_ops", "func"), ("ftrace_ops"
 OPS_HOOK_FUNCTION = "kernel_init_freeable"
 
 
-def ftrace_ops_c(groups, ops_layout) -> str:
+def ftrace_ops_c(groups, ops_layout, index) -> str:
     """The glob sites reached through ftrace (Site.ftrace_ops; the kernel's kprobes on ftrace,
     kprobe_ftrace_handler(), without a kprobe per function): one struct ftrace_ops asking for
     pt_regs, its filter the sites (ftrace_set_filter_ips(), each site by its ftrace record's
@@ -425,17 +429,20 @@ static int kp_ops_find(const unsigned int *rows, int n, unsigned int off)
 }}
 """]
     declared, cases, fill = set(), [], []
-    total = sum(len(rows) for rows, _ in groups)
-    for g, (rows, handlers) in enumerate(groups):
+    total = sum(len(rows) for rows, _, _ in groups)
+    for g, (rows, handlers, labels) in enumerate(groups):
         out.append(f"static const unsigned int kp_ops_boot_rows_{g}[{len(rows)}] __attribute__((used, section(\".kp_initdata\"))) = {{"
                    + ",".join(str(r) for r in rows) + f"}};\nstatic unsigned int *kp_ops_rows_{g};\n")
         missed, calls, posts = [], [], []
         for j, (pre, post) in enumerate(handlers):
             _declare(out, declared, pre, post)
             k = f"kp_ops_kprobe_{g}_{j}"
-            out.append(f"static struct kprobe {k};\n")
+            # (Its symbol_name stays NULL, as its handlers see it: the list shows the last hit's address.)
+            n = index.add(labels[j][2], 0, None, 0, labels[j][1], KPROBE_FLAG_FTRACE)
+            out.append(f"#define {k} kp_kprobes[{n}]\n")
             missed.append(f"\n\t\t\t{k}.nmissed++;")
-            calls.append(f"\n\t\t{k}.addr = (kprobe_opcode_t *)(ip - 4);")
+            calls.append(f"\n\t\t__atomic_fetch_add(&kp_hit_block.hits[{n}], 1, __ATOMIC_RELAXED);"
+                         f"\n\t\t{k}.addr = (kprobe_opcode_t *)(ip - 4);")
             if pre:
                 calls.append(f"\n\t\t{k}.pre_handler = {pre};\n\t\tif ({pre}(&{k}, regs))\n\t\t\tgoto changed;")
             if post:
@@ -593,7 +600,32 @@ static void kp_leave(int g)
 """
 
 
-def dispatch_c(sites, changes, krets=(), ops=None) -> str:
+class ProbeIndex:
+    """The spec's probes, each a slot of kp_kprobes[] (and of the hit counters) in the spec's
+    order (key: the probe's index), as the debugfs views list them (runtime.glue_c()'s rows:
+    link address, symbol, offset, event name, flags).  add() gives the C for the slot: a macro
+    (KP_SLOT_n) that slots() defines once every probe is known."""
+    def __init__(self):
+        self._rows = []
+
+    def add(self, key: int, addr: int, symbol, offset: int, name: str, flags: int) -> str:
+        self._rows.append((key, len(self._rows), (addr, symbol, offset, name, flags)))
+        return f"KP_SLOT_{len(self._rows) - 1}"
+
+    @property
+    def rows(self) -> list:
+        return [row for _k, _n, row in sorted(self._rows)]
+
+    def slots(self) -> str:
+        order = sorted(self._rows)
+        return "".join(f"#define KP_SLOT_{n} {slot}\n" for slot, (_k, n, _r) in
+                       sorted(enumerate(order), key=lambda e: e[1][1]))
+
+
+KPROBE_FLAG_OPTIMIZED, KPROBE_FLAG_FTRACE = 4, 8
+
+
+def dispatch_c(sites, changes, krets=(), ops=None, index=None, flags=None) -> str:
     """Per site, a struct kprobe per probe (in the writable data, filled at run time: no
     absolute address in data), and the functions the detour calls: each probe's pre_handler
     in the spec's order, then, after the displaced instruction, each post_handler.  At a
@@ -606,9 +638,15 @@ def dispatch_c(sites, changes, krets=(), ops=None) -> str:
     no handler and counts in each probe's nmissed, as kprobe_running() makes the kernel do:
     the tasks in handlers are in kp_active[] (their sp_el0; interrupts are masked there, so
     at most one per CPU).  A kretprobe's entry (krets: kretprobe_c()) is one of the site's
-    probes, in the spec's order; ops: the glob sites reached through ftrace (ftrace_ops_c())."""
-    out = ["#include <linux/kprobes.h>\n", GUARD_C, kretprobe_c(krets) if krets else "",
-           ftrace_ops_c(*ops) if ops else ""]
+    probes, in the spec's order; ops: the glob sites reached through ftrace (ftrace_ops_c()).
+
+    The spec's struct kprobes are kp_kprobes[] (index: ProbeIndex, flags: each site's
+    KPROBE_FLAG_*), its kretprobes kp_kretprobes[], and each counts its hits (armed, not
+    missed) in kp_hit_block, laid out as the runtime's struct kp_thread: the runtime placed
+    at boot (runtime.py) reads them for the debugfs views."""
+    index = index if index is not None else ProbeIndex()
+    out = ["#include <linux/kprobes.h>\n", "", GUARD_C, kretprobe_c(krets) if krets else "",
+           ftrace_ops_c(*ops, index) if ops else ""]
     kret_of = {id(p): k for k, p, _, _ in krets}
     declared = set()
     for i, (site, probes) in enumerate(sites):
@@ -616,28 +654,42 @@ def dispatch_c(sites, changes, krets=(), ops=None) -> str:
         for j, (probe, pre, post) in enumerate(probes):
             if id(probe) in kret_of:
                 k = kret_of[id(probe)]
-                missed.append(f"\n\t\tkp_rp_{k}.kp.nmissed++;")
+                missed.append(f"\n\t\tif (!kp_disarmed)\n\t\t\tkp_rp_{k}.kp.nmissed++;")
                 calls.append(f"\n\tif (!kp_disarmed)\n\t\tkp_kret_entry_{k}(regs);")
                 continue
             # Our own hooks stay armed with kprewrite.enabled=0; the spec's probes do not.
             armed = "" if getattr(probe, "hook", None) else "!kp_disarmed && "
             _declare(out, declared, pre, post)
             k = f"kp_kprobe_{i}_{j}"
-            out.append(f"static struct kprobe {k};\n")
-            missed.append(f"\n\t\t{k}.nmissed++;")
+            # A disarmed probe is not hit at all: no hit, no nmissed (the kernel's disarmed kprobe).
+            missed.append(f"\n\t\tif (!kp_disarmed)\n\t\t\t{k}.nmissed++;" if armed else f"\n\t\t{k}.nmissed++;")
+            if armed:
+                n = index.add(probe.index, probe.addr, probe.symbol, probe.offset, probe.event_name,
+                              flags[i] if flags else 0)
+                out.append(f"#define {k} kp_kprobes[{n}]\n")
+                hit = f"\n\t\t__atomic_fetch_add(&kp_hit_block.hits[{n}], 1, __ATOMIC_RELAXED);"
+            else:
+                out.append(f"static struct kprobe {k};\n")
             fill.append(f"""
 	{k}.addr = (kprobe_opcode_t *)regs->pc;
 	{k}.symbol_name = "{probe.symbol}";
 	{k}.offset = {probe.offset};""" + (f"\n\t{k}.pre_handler = {pre};" if pre else "")
                         + (f"\n\t{k}.post_handler = {post};" if post else ""))
+            # An armed probe: its hit counted, then its pre_handler, under one test of kp_disarmed.
             if pre and changes[i]:
                 calls.append(f"""
 	if ({armed}{pre}(&{k}, regs)) {{
 		kp_leave(g);
 		return 1;
+	}}""" if not armed else f"""
+	if (!kp_disarmed) {{{hit}
+		if ({pre}(&{k}, regs)) {{
+			kp_leave(g);
+			return 1;
+		}}
 	}}""")
-            elif pre and armed:
-                calls.append(f"\n\tif (!kp_disarmed)\n\t\t{pre}(&{k}, regs);")
+            elif armed:
+                calls.append(f"\n\tif (!kp_disarmed) {{{hit}" + (f"\n\t\t{pre}(&{k}, regs);" if pre else "") + "\n\t}")
             elif pre:
                 calls.append(f"\n\t{pre}(&{k}, regs);")
             if post:
@@ -665,6 +717,13 @@ __attribute__((used)) void kp_post_dispatch_{i}(struct pt_regs *regs)
 	kp_leave(g);
 }}
 """)
+    n, nk = len(index.rows), len(krets)
+    out[1] = (index.slots() + f"#define KP_NKPROBES {n}\n"
+              f"struct kprobe kp_kprobes[{max(n, 1)}];\n"
+              f"struct kretprobe kp_kretprobes[{max(nk, 1)}];\n"
+              "/* The hits of kp_kprobes[] then kp_kretprobes[], laid out as struct kp_thread. */\n"
+              "struct {\n\tunsigned long key;\n\tvoid *next;\n\tunsigned int active, pad;\n\tvoid *kret;\n"
+              f"\tunsigned long hits[{max(n + nk, 1)}];\n}} kp_hit_block;\n")
     return "".join(out)
 
 
@@ -733,13 +792,17 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         plan_sites = _with_hook_probe(s, plan_sites, HOOK_FUNCTION, "kp_brk_register", first=True)
     if plan.kretprobes:
         plan_sites = _with_hook_probe(s, plan_sites, EXIT_HOOK_FUNCTION, "kp_kret_flush_task", first=False)
+    # The runtime placed at boot, and its debugfs files (runtime.py: kp_rt_load()).
+    plan_sites = _with_hook_probe(s, plan_sites, rt.LOAD_HOOK_FUNCTION, "kp_rt_load", first=True)
     krets = []
     for k, (_site, p, _group) in enumerate(plan.kretprobes):
         if p.kret.fetch is not None:
             raise KprewriteError(f"{image.path}: {p.event_name}: trace events are not written on arm64 yet")
         krets.append((k, p, s.handler_symbols[p.kret.handler] if p.kret.handler else None,
                       s.handler_symbols[p.kret.entry_handler] if p.kret.entry_handler else None))
+    site_flags = []                     # each site's KPROBE_FLAG_* as the debugfs list shows it
     for site in plan_sites:
+        site_flags.append({FTRACE: KPROBE_FLAG_FTRACE, OPTIMIZED: KPROBE_FLAG_OPTIMIZED}.get(site.decision, 0))
         if site.decision == FTRACE:     # the jump past the ftrace NOPs (planner: Site.jump_at)
             site = _Moved(site, site.dcr[1:]) if getattr(site, "jump_at", 0) else _past_ftrace_nops(s, site)
         if site.decision not in (OPTIMIZED, BREAKPOINT):
@@ -766,11 +829,15 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
     (workdir / "kp_detours.S").write_text("".join(
         (xol_asm if site.decision == BREAKPOINT else detour_asm)(i, any(post for _, _, post in probes))
-        for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else ""))
+        for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else "") + "@HOLES@")
     brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == BREAKPOINT]
-    (workdir / "kp_dispatch.c").write_text(
-        dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets, ops)
-        + (brk_c(brk) if brk else ""))
+    index = ProbeIndex()
+    dispatch = (dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets,
+                           ops, index, site_flags) + (brk_c(brk) if brk else ""))
+    blob_objs, blob_syms, blob = _runtime_blob(s, img, workdir, cc, index, krets)
+    (workdir / "kp_dispatch.c").write_text(dispatch + rt.loader_c(blob.layout(), img.text))
+    detours = workdir / "kp_detours.S"
+    detours.write_text(detours.read_text().replace("@HOLES@", rt.holes_asm(blob.layout())))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
     run([cc, "-c", str(workdir / "kp_detours.S"), "-o", str(workdir / "kp_detours.o")], "kp_detours.S")
@@ -788,6 +855,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     # Symbols: each site and its resume address; every undefined name from kallsyms.
     syms = link_symbols(image)
     defs = {"kp_ops_anchor": img.text} if ops else {}
+    defs["kp_rt_text"] = img.text
     for i, (site, probes) in enumerate(sites):
         p = probes[0][0]
         defs[f"kp_site_{i}"] = p.addr                         # what regs->pc and p->addr say
@@ -832,7 +900,8 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
              *(f"--defsym={n}={a:#x}" for n, a in sorted(defs.items())), *map(str, inputs)], "link")
         return out
 
-    elf = link(zeros_to, zeros_from)
+    # (Measured with the boot-only data out of the way: it may be larger than its room.)
+    elf = link(zeros_to, zeros_to + BLOCK)
     text, data, addrs, initdata = _read_blob(elf)
     # The data kept after boot: whole 64 KiB (contiguous-hint) chunks above the last 2 MiB
     # boundary below __init_end.  free_initmem()'s vunmap_range() clears a whole block
@@ -847,13 +916,15 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                              f"data, from a 64 KiB boundary) has "
                              f"{max(zeros_to - max(floor, (zeros_from + CONT - 1) & ~(CONT - 1)), 0)}")
     if zeros_from + len(initdata[1]) > data_lo:
-        raise KprewriteError(f"{image.path}: the glob probes need {len(initdata[1])} bytes of boot-time data; "
+        raise KprewriteError(f"{image.path}: the runtime placed at boot needs {_boot_bytes(blob)} bytes of boot-only "
+                             f"data (with its relocations), {len(initdata[1])} in all with the glob probes' sites; "
                              f"the unused entries of .rela.dyn below the probes' data have {data_lo - zeros_from}")
     if text[0] + len(text[1]) > text_hi:
         raise KprewriteError(f"{image.path}: the probes need {len(text[1])} bytes of code; the text padding "
                              f"has {text_hi - text_lo} (before _etext {text_hi:#x})")
     elf = link(data_lo, zeros_from)
     text, data, addrs, initdata = _read_blob(elf)
+    initdata = _fill_runtime(s, img, workdir, cc, blob_objs, blob_syms, blob, addrs, initdata)
     out = bytearray(img.data)
 
     def put(addr: int, b: bytes):
@@ -890,6 +961,73 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         return bytes(out)
     # ELF in, ELF out: the code in the text padding (between the ELF's sections) gets a section.
     return img.elf.write(bytes(out), [(".kprewrite.text", text[0], len(text[1]))] if text[1] else [])
+
+
+# The detours' data the runtime's glue reads (runtime.glue_c()), by name.
+RUNTIME_DATA = ("kp_kprobes", "kp_kretprobes", "kp_hit_block", "kp_disarmed", "kp_rt_text")
+
+
+def _runtime_blob(s, img, workdir, cc, index, krets):
+    """The runtime's objects (runtime.compile_blob()), the symbols they need ({name: (address,
+    is a function)}: kernel symbols from kallsyms, the detours' data a placeholder until the
+    Image's link), and its first link: its size and layout, for the loader's C."""
+    from ..btf import layout
+    from ..symbols import link_symbols
+    image = s.image
+    try:
+        fops = layout(image, FOPS_LAYOUT, "the debugfs files")
+    except KprewriteError:
+        fops = [-1] * 4             # no BTF: no debugfs files (kp_kernel_debugfs() says so)
+    kret_rows = [(p.addr, p.symbol, p.offset, p.event_name, KPROBE_FLAG_FTRACE) for _k, p, _h, _e in krets]
+    objs = rt.compile_blob(cc, s.arch, workdir, rt.glue_c(index.rows, kret_rows, fops, img.text))
+    ksyms = link_symbols(image)
+    types = {k.name: k.type for k in image.kernel_symbols}
+    syms = {}
+    for name in rt.undefined(cc, objs):
+        if name in RUNTIME_DATA:
+            syms[name] = (img.text, False)
+            continue
+        a = ksyms.get(KERNEL_NAMES.get(name, name))
+        if a is None:               # only code the link leaves out may use it (--gc-sections)
+            continue
+        syms[name] = (a, types.get(KERNEL_NAMES.get(name, name), "t") in "tTwW")
+    return objs, syms, _link_runtime(cc, objs, workdir, syms, image.path, img.text - rt.LINK_BELOW)
+
+
+def _link_runtime(cc, objs, workdir, syms, path, base):
+    return rt.link_blob(cc, objs, workdir, {n: a for n, (a, f) in syms.items() if f},
+                        {n: a for n, (a, f) in syms.items() if not f}, path, base)
+
+
+FOPS_LAYOUT = (("file_operations", None), ("file_operations", "llseek"), ("file_operations", "read"),
+               ("file_operations", "write"))
+
+
+def _boot_bytes(blob) -> int:
+    return len(blob.data) + 4 * (len(blob.rel_blob) + len(blob.rel_image)) + 12 * len(blob.adrp)
+
+
+def _fill_runtime(s, img, workdir, cc, objs, syms, blob, addrs, initdata):
+    """The runtime linked again with the detours' data where the Image's link put it (the
+    same layout: the loader was compiled for it), its bytes and relocations written into the
+    loader's holes in the boot-only data."""
+    syms = {n: ((addrs[n], f) if n in RUNTIME_DATA and n != "kp_rt_text" else (a, f)) for n, (a, f) in syms.items()}
+    final = _link_runtime(cc, objs, workdir, syms, s.image.path, blob.base)
+    if final.layout() != blob.layout():
+        raise KprewriteError(f"{s.image.path}: the runtime's second link differs from its first")
+    at, b = initdata[0], bytearray(initdata[1])
+
+    def hole(name: str, data: bytes):
+        off = addrs[name] - at
+        if not 0 <= off <= len(b) - len(data):
+            raise KprewriteError(f"{s.image.path}: {name} is not in the boot-only data")
+        b[off:off + len(data)] = data
+    hole("kp_rt_blob", final.data)
+    hole("kp_rt_rel_blob", struct.pack(f"<{len(final.rel_blob)}I", *final.rel_blob))
+    hole("kp_rt_rel_image", struct.pack(f"<{len(final.rel_image)}I", *final.rel_image))
+    hole("kp_rt_adrp_at", struct.pack(f"<{len(final.adrp)}I", *(o for o, _ in final.adrp)))
+    hole("kp_rt_adrp_to", struct.pack(f"<{len(final.adrp)}Q", *(t for _, t in final.adrp)))
+    return at, bytes(b)
 
 
 class _Moved:
@@ -932,11 +1070,16 @@ def _ftrace_ops_groups(s, img, ops_sites):
         return None
     from ..btf import layout
     groups: dict[tuple, list[int]] = {}
+    labels: dict[tuple, list] = {}
     for site in ops_sites:
         key = tuple((s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
                      s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None) for p in site.probes)
         groups.setdefault(key, []).append(site.addr + 4 - img.text)
-    return ([(sorted(rows), list(key)) for key, rows in groups.items()],
+        # What the debugfs views say of each of the group's struct kprobes: its glob, and the
+        # spec's name or the kernel's default name made from the glob.
+        labels.setdefault(key, [(p.spec.symbol_name, p.spec.name or f"p_{event_symbol(p.spec.symbol_name)}_0",
+                                 p.index) for p in site.probes])
+    return ([(sorted(rows), list(key), labels[key]) for key, rows in groups.items()],
             layout(s.image, FTRACE_OPS_LAYOUT, "probes from a glob (an ftrace_ops)"))
 
 

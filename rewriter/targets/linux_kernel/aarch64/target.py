@@ -3,7 +3,9 @@ kernel target's reading, rules and planning as they are, and its own output (bui
 the generic back half (the runtime's tables, boot hooks, per-CPU data, KASLR table) knows arm64.
 
 What differs from the x86-64 kernel target:
-- no boot or shutdown hooks (the runtime is not linked: build.py links the handlers alone);
+- no boot or shutdown hooks of the generic back half (build.py adds its own: the break hooks,
+  the ftrace_ops, the command line, and the loader of the runtime's part an arm64 Image has,
+  the debugfs views, placed in module memory at boot: runtime.py);
 - build(): the handlers and a detour per jump-optimized site, linked into the Image's own
   text padding and init-data tail (build.py says where and why), Image in, Image out."""
 from __future__ import annotations
