@@ -201,3 +201,23 @@ def test_entry_and_past_its_nops_refused_by_check_as_by_instrument(tmp_path, arm
     assert i.returncode == 1 and not out.exists()
     assert i.stderr == c.stderr and len(c.stderr.splitlines()) == 1, (c.stderr, i.stderr)
     assert f"probe_in_region at {at:#x}: another probe sits in [{at:#x}, " in c.stderr, c.stderr
+
+
+@pytest.mark.parametrize("spec, line", [
+    ('events = ["p:myev __arm64_sys_getppid a=%x0"]\n',
+     "e.toml: events[1] (__arm64_sys_getppid+0x0): trace events are not written on arm64 kernels yet"),
+    ('[[kretprobe]]\nsymbol_name = "__arm64_sys_getppid"\nfetch = "ret=$retval"\n',
+     "e.toml: [[kretprobe]] #1 (__arm64_sys_getppid+0x0): trace events are not written on arm64 kernels yet"),
+    ('[[kprobe]]\nsymbol_name = "__arm64_sys_getpid"\ndisabled = true\n',
+     "e.toml: [[kprobe]] #1 (__arm64_sys_getpid+0x0): a probe compiled in disabled is not written on arm64 "
+     "kernels yet (nothing would arm it)"),
+], ids=["event", "kretprobe-event", "disabled"])
+def test_what_arm64_does_not_write_is_refused_by_check_as_by_instrument(tmp_path, arm64_kernel, spec, line):
+    """An event or a probe compiled in disabled is not written on arm64 yet: check and instrument
+    both refuse it in one line (exit 1, no output), rather than write an Image without it."""
+    (tmp_path / "e.toml").write_text(spec)
+    out = tmp_path / "Image.kp"
+    for cmd in (["check"], ["instrument", "-o", str(out)]):
+        r = kprewrite(cmd[0], arm64_kernel.vmlinuz, "--spec", tmp_path / "e.toml", *cmd[1:], check=False)
+        assert r.returncode == 1 and r.stderr.strip() == f"kprewrite: {line}", r.stderr
+    assert not out.exists()

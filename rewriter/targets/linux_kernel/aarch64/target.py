@@ -61,6 +61,31 @@ def rules(image, arch):
     return r
 
 
+def refusals(image, plan, traces, spec_name: str) -> list[str]:
+    """targets.base.Target.refusals(): what build.py does not write on arm64 yet, one line per
+    probe, asked by `check` and `instrument` alike (so neither drops it silently): a trace event
+    (an `events` line, a `fetch`: the ring buffer's half of the runtime is not placed at boot
+    yet, runtime.py), and a probe compiled in disabled (`disabled = true`: nothing arms it
+    later, as enable_kprobe() would)."""
+    from ....probes.resolve import is_entry
+    from ....probes.spec import where
+    lines, seen = [], set()
+    probes = [p for site in plan.sites for p in site.probes if not is_entry(p)]
+    probes += [p for _s, p, _g in plan.kretprobes]
+    for p in probes:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        what = getattr(p, "kret", None) or p.spec
+        head = f"{where(spec_name, what.table)} ({p.label})"
+        if what.fetch is not None:
+            lines.append(f"{head}: trace events are not written on arm64 kernels yet")
+        if what.disabled:
+            lines.append(f"{head}: a probe compiled in disabled is not written on arm64 kernels yet "
+                         "(nothing would arm it)")
+    return lines
+
+
 def runtime_probes(spec) -> None:
     """None: the runtime is not linked into an arm64 image yet."""
     return None
