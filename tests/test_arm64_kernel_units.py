@@ -43,7 +43,7 @@ def test_detour_and_dispatch_compile(tmp_path):
     subprocess.run([gcc, "-c", str(tmp_path / "d.S"), "-o", str(tmp_path / "d.o")], check=True)
 
     class P:
-        symbol, offset = "f", 0
+        symbol, offset, index, addr, event_name = "f", 0, 0, 0, "p_f_0"
     (tmp_path / "c.c").write_text(build.dispatch_c([(None, [(P, "pre", "post")])], [True]))
     from rewriter.arch import get_arch
     from rewriter.link.runtime import _includes, cflags

@@ -307,11 +307,11 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
 	}}
 	ri = (struct kretprobe_instance *)kp_rp_pool_{k}[n];
 	ri->rp = &kp_rp_{k};
-	if (kp_rp_{k}.entry_handler && kp_rp_{k}.entry_handler(ri, regs)) {{
+{f'''	if ({eh}(ri, regs)) {{
 		__atomic_store_n(&kp_rp_task_{k}[n], (void *)0, __ATOMIC_RELEASE);
 		return;
 	}}
-	ri->ret_addr = (kprobe_opcode_t *)regs->regs[30];
+''' if eh else ''}	ri->ret_addr = (kprobe_opcode_t *)regs->regs[30];
 	ri->fp = (void *)regs->sp;
 	kp_rp_seq_{k}[n] = __atomic_add_fetch(&kp_kret_seq, 1, __ATOMIC_RELAXED);
 	regs->regs[30] = (unsigned long)kp_kret_trampoline;
@@ -325,15 +325,19 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
 		    kp_rp_seq_{k}[n] > seq) {{
 			seq = kp_rp_seq_{k}[n];
 			*owner = &kp_rp_task_{k}[n];
+			*which = {k};
 			ri = (struct kretprobe_instance *)kp_rp_pool_{k}[n];
 		}}""" for k, n in each)
+    # The handlers called by the position of the instance's pool, never through the writable
+    # struct kretprobe's fields (as the x86-64 kernel's kp_kret_handlers[]: docs/security.md).
+    calls = "".join(f"\n\tcase {k}:\n\t\t{h}(ri, regs);\n\t\tbreak;" for k, _p, h, _eh in krets if h)
     flush = "".join(f"""
 	for (n = 0; n < {n}; n++)
 		if (kp_rp_task_{k}[n] == t)
 			__atomic_store_n(&kp_rp_task_{k}[n], (void *)0, __ATOMIC_RELEASE);""" for k, n in each)
     out.append(f"""
 /* The current task's newest instance at sp (its owner slot in *owner), or NULL. */
-static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, void ***owner)
+static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, void ***owner, int *which)
 {{
 	struct kretprobe_instance *ri = 0;
 	unsigned long seq = 0;
@@ -348,17 +352,17 @@ __attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *r
 {{
 	void *t = kp_task(), **owner;
 	unsigned long ret = (unsigned long)kp_kret_trampoline;
-	int g = kp_enter();
+	int g = kp_enter(), which = -1;
 	struct kretprobe_instance *ri;
 
 	while (ret == (unsigned long)kp_kret_trampoline) {{
-		ri = kp_kret_find(t, regs->sp, &owner);
+		ri = kp_kret_find(t, regs->sp, &owner, &which);
 		if (!ri)
 			panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
 		ret = (unsigned long)ri->ret_addr;
 		regs->pc = ret;
-		if (ri->rp->handler)
-			ri->rp->handler(ri, regs);
+		switch (which) {{{calls}
+		}}
 		__atomic_store_n(owner, (void *)0, __ATOMIC_RELEASE);
 	}}
 	kp_leave(g);
