@@ -48,11 +48,27 @@ def relink(buf: bytearray, base: int, links, sym, placeholder: int):
         _pack_i32_into(buf, base + field, v)
 
 
+def _keystone():
+    """A Keystone engine that reads decimal immediates as decimal.  Keystone 0.9.2 never
+    initialises its MCAsmInfo::Radix (keystone-engine/keystone#528, #608): an engine made where
+    freed heap memory held 16 lexes every decimal immediate as hex (`sub rsp, 16` as 0x16, the
+    templates' 0x12345678 marker written in decimal as 0x305419896), so the same text assembled
+    differently from one process to the next.  Each engine is asked once; one that reads "10"
+    as 0x10 is kept (its memory not reused) while another is made."""
+    from keystone import KS_ARCH_X86, KS_MODE_64, Ks
+    wrong = []
+    for _ in range(64):
+        ks = Ks(KS_ARCH_X86, KS_MODE_64)
+        if bytes(ks.asm("mov eax, 10", 0)[0]) == b"\xb8\x0a\x00\x00\x00":
+            return ks
+        wrong.append(ks)
+    raise KprewriteError("internal error: every Keystone engine made reads decimal immediates as hex")
+
+
 def asm(text: str, addr: int) -> bytes:
     global _ks
     if _ks is None:
-        from keystone import KS_ARCH_X86, KS_MODE_64, Ks
-        _ks = Ks(KS_ARCH_X86, KS_MODE_64)
+        _ks = _keystone()
     enc, _ = _ks.asm(text, addr)
     return bytes(enc or b"")
 
