@@ -187,7 +187,8 @@ def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int
         h = pre_handler_symbol(c, p)
         handler = sym[h] if h else None
     common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, probe=probe, probe_index=k,
-                  handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym), back=back)
+                  handler=handler, aligned=site.aligned, red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
+                  back=back)
     if site.clean or site.regs_fields is not None:
         callback, body, extra = sym["kp_optimized_clean_callback"], None, {}
         if is_entry(p):

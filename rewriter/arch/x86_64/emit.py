@@ -481,7 +481,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
                  probe_index: int, handler: int | None, callback: int,
                  flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None,
                  copy=None, body=None, back: int | None = None,
-                 regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
+                 regs_fields: frozenset[int] | None = None, red_zone: bool = False) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
     common case inlined (_dispatch_fast_path); anything else calls the generic
@@ -604,7 +604,8 @@ def _full_frame() -> int:
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
                 probe_index: int, handler: int, callback: int, resume_regs: int,
-                aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
+                aligned: bool, copy=None, body=None, back: int | None = None,
+                red_zone: bool = False) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
     pt_regs: optprobe_template building struct pt_regs inline (as
     kp_optprobe_entry does), with the dispatch of the common case inlined.  A
