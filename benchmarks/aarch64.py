@@ -13,8 +13,20 @@ rewritten interleaved, RUNS times each, medians):
   r  kretprobe (every exit hooked, the return hooks jump-optimized), empty handler.
 And the rewrite time of each (`kprewrite instrument`, wall clock).
 
-Run: python3 benchmarks/aarch64.py   (BENCH_N, BENCH_N_TRAP, BENCH_RUNS to scale)
+--real: Debian 12's arm64 busybox (static) and libsqlite3 (loaded by Debian's arm64
+sqlite3 shell) with a kprobe on every function entry (`symbol_name = "*"`, no handler:
+light hits), each run paired with the original in the same round (the order flipped
+every round), the median of the rounds' ratios of the child's user + sys time.  The
+packages are fetched with `apt-get download` (dpkg --add-architecture arm64) into
+$KPREWRITE_ARM64_CACHE, else ~/.cache/kprewrite/debian-arm64 (the cache
+tests/test_aarch64_real_software.py fills, with the same layout).
+
+Run: python3 benchmarks/aarch64.py [--real [--rounds R] [--cpu CPU]]
+(BENCH_N, BENCH_N_TRAP, BENCH_RUNS to scale the loop rows)
 """
+import argparse
+import random
+import resource
 import os
 import shutil
 import statistics
@@ -96,7 +108,110 @@ def fmt(ns: float) -> str:
     return f"{ns / 1000:.2f} µs" if ns >= 1000 else f"{ns:.2f} ns"
 
 
+CACHE = Path(os.environ.get("KPREWRITE_ARM64_CACHE", Path.home() / ".cache" / "kprewrite" / "debian-arm64"))
+REAL_PACKAGES = ["busybox-static", "sqlite3", "libsqlite3-0", "libreadline8", "libtinfo6", "zlib1g"]
+EVERY_ENTRY = '[[kprobe]]\nsymbol_name = "*"\n'
+SQL = """
+CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);
+WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < {rows})
+INSERT INTO t(name, v) SELECT printf('n%07d', (x * 7919) % {rows}), x * 1.5 FROM c;
+CREATE INDEX t_name ON t(name);
+SELECT count(*), sum(v), min(name), max(name) FROM t;
+SELECT count(*) FROM t a JOIN t b ON a.name = b.name WHERE a.id % 13 = 0;
+UPDATE t SET v = v * 2 WHERE id % 7 = 0;
+SELECT round(avg(v), 3), count(DISTINCT substr(name, 1, 5)) FROM t;
+"""
+
+
+def sysroot() -> Path:
+    """Debian's arm64 packages, extracted once into CACHE/root."""
+    root, done = CACHE / "root", CACHE / "packages"
+    if done.is_file() and set(REAL_PACKAGES) <= set(done.read_text().split()):
+        return root
+    debs = CACHE / "debs-bench"
+    debs.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["apt-get", "download", "-q", *(f"{p}:arm64" for p in REAL_PACKAGES)], cwd=debs,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit("apt-get download of arm64 packages failed (dpkg --add-architecture arm64 && apt-get update): "
+                 + r.stderr.strip().splitlines()[-1])
+    for deb in sorted(debs.glob("*.deb")):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    return root
+
+
+def cpu_run(cmd: list[str], stdin: bytes, env: dict) -> tuple[float, bytes]:
+    """User + sys seconds of the child, and its standard output (exit 0 asserted)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = subprocess.run(cmd, input=stdin, capture_output=True, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.decode()[-300:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
+
+
+def real(rounds: int, cpu: str | None, lines: int, rows: int):
+    """Every function entry of busybox and libsqlite3 probed, paired rounds under qemu-aarch64."""
+    q = [*qemu(), *(["-cpu", cpu] if cpu else [])]
+    root = sysroot()
+    libdirs = f"{root}/usr/lib/aarch64-linux-gnu:{root}/lib/aarch64-linux-gnu"
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        spec = tmp / "every.toml"
+        spec.write_text(EVERY_ENTRY)
+        bb, bb_secs = rewrite(root / "bin" / "busybox", spec, tmp / "busybox")
+        lib = (root / "usr" / "lib" / "aarch64-linux-gnu" / "libsqlite3.so.0").resolve()
+        (tmp / "sq").mkdir()
+        _, sq_secs = rewrite(lib, spec, tmp / "sq" / "libsqlite3.so.0")
+        rng = random.Random(42)
+        numbers = "".join(f"{rng.randint(-10**6, 10**6)}\n" for _ in range(lines)).encode()
+        env = dict(os.environ)
+        env.pop("KPREWRITE_PROFILE", None)
+        cases = {   # name -> (original command, rewritten, stdin, env original, env rewritten, what, rewrite s)
+            "busybox": ([*q, str(root / "bin" / "busybox"), "sort", "-n"], [*q, str(bb), "sort", "-n"], numbers,
+                        env, env, f"`busybox sort -n`, {lines:,} lines", bb_secs),
+            "sqlite3": ([*q, str(root / "usr" / "bin" / "sqlite3"), ":memory:"],
+                        [*q, str(root / "usr" / "bin" / "sqlite3"), ":memory:"], SQL.format(rows=rows).encode(),
+                        dict(env, LD_LIBRARY_PATH=libdirs), dict(env, LD_LIBRARY_PATH=f"{tmp / 'sq'}:{libdirs}"),
+                        f"`sqlite3 :memory:`, {rows:,} rows", sq_secs),
+        }
+        load = os.getloadavg()
+        res = {}
+        for name, (co, cn, stdin, eo, en, what, secs) in cases.items():
+            ratios, t_o, t_n = [], [], []
+            for i in range(rounds):
+                order = [(co, eo), (cn, en)] if i % 2 == 0 else [(cn, en), (co, eo)]
+                got = {}
+                for cmd, e in order:
+                    got[cmd is cn and e is en] = cpu_run(cmd, stdin, e)
+                if got[True][1] != got[False][1]:
+                    sys.exit(f"{name}: the rewrite prints otherwise than the original")
+                t_o.append(got[False][0])
+                t_n.append(got[True][0])
+                ratios.append(got[True][0] / got[False][0])
+                print(f"{name} round {i}: {got[False][0]:.2f} s, {got[True][0]:.2f} s, {ratios[-1]:.3f}", file=sys.stderr)
+            res[name] = (what, statistics.median(t_o), statistics.median(t_n), statistics.median(ratios),
+                         min(ratios), max(ratios), secs)
+        load2 = os.getloadavg()
+    print(f"qemu-aarch64{' -cpu ' + cpu if cpu else ''} TCG; {rounds} paired rounds; load average "
+          f"{load[0]:.2f} before, {load2[0]:.2f} after")
+    print("| object | workload | user + sys, original (median) | rewritten (median) | paired ratio (median) "
+          "| range | rewrite time |")
+    print("|---|---|---:|---:|---:|---|---:|")
+    for name, (what, o, n, r, lo, hi, secs) in res.items():
+        print(f"| {name} | {what} | {o:.2f} s | {n:.2f} s | **{r:.3f}×** | {lo:.3f}–{hi:.3f}× | {secs:.1f} s |")
+
+
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--real", action="store_true", help="busybox and sqlite3, every function entry probed")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cpu", help="qemu-aarch64 -cpu (default: QEMU's, max)")
+    ap.add_argument("--lines", type=int, default=200_000, help="busybox sort's input")
+    ap.add_argument("--rows", type=int, default=20_000, help="sqlite3's table")
+    a = ap.parse_args()
+    if a.real:
+        return real(a.rounds, a.cpu, a.lines, a.rows)
     qemu()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

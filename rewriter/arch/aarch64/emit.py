@@ -161,7 +161,8 @@ def _kret_entry(site: int, body, at: int) -> bytes:
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                 probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
-                aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
+                aligned: bool, copy=None, body=None, back: int | None = None,
+                red_zone: bool = False) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
     pt_regs, as x86-64's full_detour: struct pt_regs saved once, in line (pc the
     probed address, sp at the hit, pstate NZCV), the dispatch of the common case
