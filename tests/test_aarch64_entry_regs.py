@@ -106,3 +106,37 @@ def test_red_zone_off_clobbers_x16(tmp_path):
         want = run(prog, runner="qemu")
         got = run(new, runner="qemu")
         assert (got.returncode, got.stdout) != (want.returncode, want.stdout), name
+
+
+DISABLE = r"""
+#include <stdio.h>
+__attribute__((noinline)) long plain(long x, long y) { __asm__ volatile("" : "+r"(x)); return x * 3 + y; }
+int main(void)
+{
+	long s = 0;
+	for (long i = 0; i < 1000; i++)
+		s += plain(i, 7);
+	printf("%ld\n", s);
+	return 0;
+}
+"""
+DISABLE_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+static int n;
+int pre(struct kprobe *p, struct pt_regs *regs) { if (++n == 100) disable_kprobe(p); return 0; }
+int pre_regs(struct kprobe *p, struct pt_regs *regs) { if ((n += regs->regs[1] == 7) == 100) disable_kprobe(p); return 0; }
+"""
+
+
+def test_disabled_by_its_handler(tmp_path):
+    """A probe its handler disables (the template's flags test, one branch with the
+    reentry test to the C dispatch) is silent from then on: 100 hits, none missed."""
+    prog = cc(tmp_path, "prog", DISABLE, "-O2")
+    want = run(prog, runner="qemu")
+    for h in ("pre", "pre_regs"):
+        spec = write_spec(tmp_path, f'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "plain"\n'
+                                    f'pre_handler = "{h}"\n', DISABLE_HANDLERS, name=f"{h}.toml")
+        new = instrument(prog, spec, tmp_path / h)
+        got = run(new, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
+        assert (got.returncode, got.stdout) == (0, want.stdout), got.stderr
+        assert profile(got.stderr) == {"p_plain_0": (100, 0)}, got.stderr

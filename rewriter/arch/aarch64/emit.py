@@ -388,11 +388,12 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     out += E.ldr_x_index(t, t, ix)
     out += E.ldr_x(ix, t, 0) + E.eor_reg(ix, ix, tp)
     branch(to_slow, ix, 1, 1)                                   # a thread seen for the first time
-    out += E.ldr_w(30, t, O.THREAD_ACTIVE)
-    branch(to_slow, 30, 0, 1)                                   # reentered: nmissed
+    # Reentered (nmissed) or the probe KPROBE_FLAG_GONE|DISABLED (bits 0-1 of its flags,
+    # shifted to 30-31): one branch to the slow path, whose C dispatch tells the two apart.
     near.add(out, at, 0, probe)
-    out += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
-    branch(to_restore, 30, 1, 1)                                # KPROBE_FLAG_GONE|DISABLED: silent
+    fl = 1 if tp == 30 else 17
+    out += E.ldr_w(30, t, O.THREAD_ACTIVE) + E.ldrb(fl, 0, O.KPROBE_FLAGS) + E.orr_lsl_w(30, 30, fl, 30)
+    branch(to_slow, 30, 0, 1)
     hits = O.THREAD_HITS + 8 * probe_index
     if hits < 32768:
         out += E.ldr_x(30, t, hits) + E.add_imm(30, 30, 1) + E.str_x(30, t, hits)
