@@ -174,7 +174,8 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     (kp_optimized_callback(), which counts nmissed) on the same pt_regs.  A
     kretprobe's entry (body, retprobe.KretEntry) whose entry_handler may read regs
     runs pre_handler_kretprobe() in place of the pre_handler (_kret_claim()), or,
-    not inlined, takes the runtime's dispatch.  Returns (code, resume)."""
+    not inlined, takes the runtime's dispatch.  red_zone: unused (pt_regs holds x16 and
+    x17 whatever they hold).  Returns (code, resume)."""
     if body is not None and not body.inline:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
     pt = _frame()
@@ -325,8 +326,9 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     kp_optimized_clean_callback(site) (the generic dispatch, which counts nmissed).
     red_zone: a function's entry, where x16 and x17 (IP0/IP1, which any call's veneer
     may write) hold nothing: they are used without being saved.  kp_fast, the table
-    and the probe share one adrp where they lie in one 4 KiB page.  No template
-    instruction writes NZCV.  A kretprobe's entry (body) is kret_entry_detour()'s, or
+    and the probe share one adrp where they lie in one 4 KiB page (_Near).  Reentry and
+    KPROBE_FLAG_GONE|DISABLED are tested in one branch to the slow path, whose C
+    dispatch counts the miss or stays silent.  No template instruction writes NZCV.  A kretprobe's entry (body) is kret_entry_detour()'s, or
     the runtime's dispatch where not inlined.
     regs_fields: a pre_handler that only loads from regs, at these pt_regs byte offsets
     (handler_abi.regs_loads()): a partial pt_regs at sp, passed in x1, only those fields

@@ -500,7 +500,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     (PARTIAL_REGS), only those fields stored, passed in %rsi; nothing is restored
     from it (the handler cannot write it).  The callback is then
     callback(site, regs) (kp_optimized_callback), whose return is not read: with
-    regs unchanged it is always KP_RESUME_DETOUR.
+    regs unchanged it is always KP_RESUME_DETOUR.  red_zone (a function's entry):
+    unused here, the template steps over the red zone wherever it is.
     Returns (code, resume): where the relocated DCR starts."""
     partial = regs_fields is not None
     used = {"rax", "rdx", "rdi"} | (set() if aligned else {"rcx"})
@@ -614,7 +615,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     anything else restores every register from pt_regs.
     body(c): emits what runs instead of the handler call (pt_regs at rbx, the
     thread block in rdx and after pt_regs; leaves the pre_handler's return in
-    eax: retprobe.kret_entry_body).
+    eax: retprobe.kret_entry_body).  red_zone: unused (as clean_detour's).
     Returns (code, resume): where the relocated DCR starts."""
     c = _Code(at)
     F = O.PT_FLAGS
