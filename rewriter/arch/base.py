@@ -315,8 +315,9 @@ class Emit(Protocol):
 
     def light_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
                      counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
-                     back: int | None = None) -> tuple[bytes, int]:
-        """A detour that only counts the hit."""
+                     back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
+        """A detour that only counts the hit (base: kp_light_base, the pointer to kp_light_hits,
+        hits: the array itself)."""
 
     def light_counter(self, slot: int) -> int:
         """The byte offset of a light site's hit counter."""

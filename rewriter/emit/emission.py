@@ -173,7 +173,8 @@ def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int
     k = c.plan.hit_slot(p)
     if site.light:
         code, resume = em.light_detour(site.index, copied(c.arch, lay, site), at, fast=sym["kp_fast"],
-                                       base=sym["kp_light_base"], key=c.thread_key, counter=em.light_counter(k),
+                                       base=sym["kp_light_base"], hits=sym["kp_light_hits"], key=c.thread_key,
+                                       counter=em.light_counter(k),
                                        slow_entry=sym["kp_optprobe_clean_entry"], flags_live=site.flags_live,
                                        red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
                                        back=back)

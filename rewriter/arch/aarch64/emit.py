@@ -659,12 +659,13 @@ def kret_entry_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, tabl
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
                  counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
-                 back: int | None = None) -> tuple[bytes, int]:
+                 back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
     """The detour of a probe that runs nothing, in an image where no handler can run
     (planner.choose_forms(): Site.light), as x86-64's: kprobes armed (kp_fast), then an
     exclusive increment (ldxr/stxr: no LSE atomics before ARMv8.1) of the probe's counter in
     the shard the thread pointer's bits 12-15 choose, *kp_light_base + counter +
-    4096 * shard (light_counter()).  Its registers are saved below sp, which moves first
+    4096 * shard (light_counter(); at a function's entry hits + counter + 4096 * shard,
+    hits being kp_light_hits itself: adrp + add, no load).  Its registers are saved below sp, which moves first
     (AArch64 has no red zone): x0-x2, or at a function's entry (red_zone:
     optprobe.red_zone_free_at()) x0 alone, the stxr's status, as x16 and x17 (IP0/IP1)
     hold nothing there.  Nothing here writes NZCV.  The slow path (disarmed) puts them
@@ -679,8 +680,10 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         cbz_at = len(out)
         out += b"\0\0\0\0"                       # cbz w17, slow
         out += E.mrs_tpidr_el0(v) + E.and_bits(v, v, 12, (O.LIGHT_SHARDS - 1).bit_length())
-        out += _load_word(at + len(out), a, base, 8)     # kp_light_base: rarely kp_fast's page
-        out += E.add_reg(a, a, v) + _add_const(a, a, counter)
+        if hits is None:
+            out += _load_word(at + len(out), a, base, 8) + E.add_reg(a, a, v) + _add_const(a, a, counter)
+        else:                                    # the shard-0 counter's own address, PC-relative
+            out += _e(E.load_address, at + len(out), a, hits + counter) + E.add_reg(a, a, v)
     else:
         a, v, st = 0, 1, 2
         out = bytearray(E.stp_pre(0, 1, 31, -32) + E.str_x(2, 31, 16))

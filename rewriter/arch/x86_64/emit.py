@@ -717,7 +717,7 @@ def _light_parts(red_zone: bool, flags_live: bool) -> tuple[bytes, bytes, bytes]
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key, counter: int,
                  slow_entry: int, flags_live: bool, red_zone: bool,
-                 copy=None, back: int | None = None) -> tuple[bytes, int]:
+                 copy=None, back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
     """The detour of a probe that runs nothing, in an image where no handler can
     run at all (planner.choose_forms(): Site.light).  What is left of the
     dispatch (kp_pre_dispatch()) is the kprobes/enabled test and the hit count:
@@ -735,6 +735,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     they are live.  The slow path (disarmed, before start-up, before a static
     program has its thread pointer) puts everything back and calls the runtime's
     shared clean entry (probe_stub()), which counts in C, in the thread's block.
+    hits (kp_light_hits itself): unused, `add rax, [rip + base]` adds the base in one.
     Returns (code, resume): where the relocated DCR starts."""
     if key.preempt is not None:
         raise EmitError("light detours are for a thread key that needs no preempt_disable()")
