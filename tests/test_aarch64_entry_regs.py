@@ -6,8 +6,9 @@ binding gets x16 from PLT0), they are saved.  Each program's sum is asserted und
 qemu-aarch64, with several threads hitting the probes at once, and the hits exactly."""
 from __future__ import annotations
 
-import os
 import subprocess
+
+import pytest
 
 from conftest import KPREWRITE, TREE_ENV, cc, instrument, profile, run, write_spec
 
@@ -128,15 +129,76 @@ int pre_regs(struct kprobe *p, struct pt_regs *regs) { if ((n += regs->regs[1] =
 """
 
 
-def test_disabled_by_its_handler(tmp_path):
+# 3 MiB of handler data between the detours and the runtime's: kp_fast, the thread table
+# and the probe lie beyond an adr's or ldr literal's 1 MiB, so the templates take their
+# far stubs (emit._Near).
+BIG = "char big[3 << 20] = {1};\n"
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["near", "far"])
+def test_disabled_by_its_handler(tmp_path, far):
     """A probe its handler disables (the template's flags test, one branch with the
-    reentry test to the C dispatch) is silent from then on: 100 hits, none missed."""
+    reentry test to the C dispatch) is silent from then on: 100 hits, none missed;
+    with the runtime's data near the detours and far from them."""
     prog = cc(tmp_path, "prog", DISABLE, "-O2")
     want = run(prog, runner="qemu")
     for h in ("pre", "pre_regs"):
         spec = write_spec(tmp_path, f'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "plain"\n'
-                                    f'pre_handler = "{h}"\n', DISABLE_HANDLERS, name=f"{h}.toml")
+                                    f'pre_handler = "{h}"\n', DISABLE_HANDLERS + (BIG if far else ""),
+                          name=f"{h}.toml")
         new = instrument(prog, spec, tmp_path / h)
         got = run(new, runner="qemu", env={"KPREWRITE_PROFILE": "-"})
         assert (got.returncode, got.stdout) == (0, want.stdout), got.stderr
         assert profile(got.stderr) == {"p_plain_0": (100, 0)}, got.stderr
+
+
+LOOP = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noinline)) long plain(long x, long y) { __asm__ volatile("" : "+r"(x)); return x * 3 + y; }
+int main(int argc, char **argv)
+{
+	long s = 0, n = atol(argv[1]);
+	for (long i = 0; i < n; i++)
+		s += plain(i, 7);
+	printf("%ld\n", s);
+	return 0;
+}
+"""
+LOOP_HANDLERS = r"""
+#include <kprewrite/kprobes.h>
+long seen;
+int pre(struct kprobe *p, struct pt_regs *regs) { return 0; }
+int pre_regs(struct kprobe *p, struct pt_regs *regs) { seen += regs->regs[1]; return 0; }
+"""
+
+
+def _executed(binary, n: int, log) -> tuple[int, str]:
+    """Instructions qemu-aarch64 executed running `binary n` (-singlestep -d exec: one
+    Trace line each, as benchmarks/insn_count.py counts), and what it printed."""
+    r = run(binary, n, runner="qemu", env={"QEMU_LOG": "exec,nochain", "QEMU_LOG_FILENAME": str(log),
+                                           "QEMU_SINGLESTEP": "1"})
+    assert r.returncode == 0, r.stderr
+    with open(log, "rb") as f:
+        count = sum(1 for line in f if line.startswith(b"Trace "))
+    log.unlink()
+    return count, r.stdout
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["near", "far"])
+def test_templates_take_their_fast_path(tmp_path, far):
+    """The inlined dispatch, not the C one, counts each hit whether the runtime's data
+    lie within 1 MiB of the detours or beyond (the far stubs): under 50 executed
+    instructions a hit (the C dispatch's path takes over 100)."""
+    prog = cc(tmp_path, "loop", LOOP, "-O2")
+    o1, oo1 = _executed(prog, 200, tmp_path / "log")
+    o2, oo2 = _executed(prog, 1200, tmp_path / "log")
+    for h in ("pre", "pre_regs"):
+        spec = write_spec(tmp_path, f'handlers = ["handlers.c"]\n[[kprobe]]\nsymbol_name = "plain"\n'
+                                    f'pre_handler = "{h}"\n', LOOP_HANDLERS + (BIG if far else ""), name=f"{h}.toml")
+        new = instrument(prog, spec, tmp_path / h)
+        r1, ro1 = _executed(new, 200, tmp_path / "log")
+        r2, ro2 = _executed(new, 1200, tmp_path / "log")
+        assert (ro1, ro2) == (oo1, oo2)
+        per_hit = ((r2 - r1) - (o2 - o1)) / 1000
+        assert per_hit < 50, (h, per_hit)

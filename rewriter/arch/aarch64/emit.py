@@ -278,34 +278,54 @@ def _save_pairs(regs: list[int], slot: dict[int, int], load: bool) -> bytes:
 
 
 class _Near:
-    """Addresses reached from a register that holds a 4 KiB page (kp_fast's): one
-    instruction in the fast path, an add or a load off that page, where the target lies
-    in it; else a B to a far stub after the detour's code (adrp, add or load, B back),
-    3 words kept in either case, so that a detour is as long wherever the runtime's data
-    lie (layout.py lays it out with placeholder addresses, emission builds it again)."""
+    """Runtime data reached PC-relative, one instruction each, `adr` (an address) or
+    `ldr` literal (a word), where every item of a group lies within +-1 MiB of it (the
+    runtime's data follow the detours); else a B to a far stub after the detour's code
+    (adrp and add or load for each item, B back past the group).  The stub's words are
+    kept in either case, so that a detour is as long wherever its data lie (layout.py
+    lays it out with placeholder addresses, emission builds it again with the linked
+    ones)."""
 
-    def __init__(self, page_reg: int, page: int):
-        self.page_reg, self.page, self.far = page_reg, page & ~0xFFF, []
+    def __init__(self):
+        self.far, self.kept = [], 0
 
-    def add(self, out: bytearray, at: int, rd: int, target: int, load: bool = False):
-        """rd = target (load: rd = the 8-byte word at target)."""
-        lo = target & 0xFFF
-        if target & ~0xFFF == self.page:
-            out += E.ldr_x(rd, self.page_reg, lo) if load else E.add_imm(rd, self.page_reg, lo)
+    @staticmethod
+    def _reach(pc: int, target: int, size: int) -> bool:
+        return -(1 << 20) <= target - pc < (1 << 20) and target % max(size, 1) == 0
+
+    def get(self, out: bytearray, at: int, items: list[tuple[int, int, int]]):
+        """Each (rd, target, size): rd = target (size 0), or the size-byte word at target."""
+        self.kept += 2 * len(items) + 1
+        pc = at + len(out)
+        if all(self._reach(pc + 4 * i, t, size) for i, (_, t, size) in enumerate(items)):
+            for rd, target, size in items:
+                pc = at + len(out)
+                out += E.ldr_lit(pc, rd, target, size) if size else E.adr(pc, rd, target)
         else:
-            self.far.append((len(out), rd, target, load))
-            out += UDF
+            self.far.append((len(out), items))
+            out += UDF * len(items)
 
-    def stubs(self, out: bytearray, at: int, n: int):
-        """The far stubs of the n add()s made, after the detour's code."""
-        far = {pos: (rd, target, load) for pos, rd, target, load in self.far}
-        for pos in sorted(far):
-            rd, target, load = far[pos]
+    def stubs(self, out: bytearray, at: int):
+        """The far stubs of the groups get() made, after the detour's code."""
+        start = len(out)
+        for pos, items in self.far:
             out[pos:pos + 4] = _e(E.b, at + pos, at + len(out))
-            out += _e(E.adrp, at + len(out), rd, target)
-            out += E.ldr_x(rd, rd, target & 0xFFF) if load else E.add_imm(rd, rd, target & 0xFFF)
-            out += _e(E.b, at + len(out), at + pos + 4)
-        out += UDF * (3 * (n - len(far)))
+            for page in dict.fromkeys(t & ~0xFFF for _, t, _ in items):
+                # One adrp a page, into an address's register (which takes its offset
+                # last), or into the word's own.
+                group = [(rd, t, size) for rd, t, size in items if t & ~0xFFF == page]
+                group.sort(key=lambda it: it[2] == 0)          # words first, addresses after
+                base = group[-1][0]
+                out += _e(E.adrp, at + len(out), base, page)
+                for rd, t, size in group:
+                    if size == 8:
+                        out += E.ldr_x(rd, base, t & 0xFFF)
+                    elif size == 4:
+                        out += E.ldr_w(rd, base, t & 0xFFF)
+                    else:
+                        out += E.add_imm(rd, base, t & 0xFFF)
+            out += _e(E.b, at + len(out), at + pos + 4 * len(items))
+        out += UDF * (self.kept - (len(out) - start) // 4)
 
 
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
@@ -379,20 +399,18 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         lst.append((len(out), rt, sf, nz))
         out.extend(b"\0\0\0\0")
 
-    near = _Near(0, fast)                                       # x0 holds kp_fast's page
-    out += _e(E.adrp, at + len(out), 0, fast) + E.ldr_w(17, 0, fast & 0xFFF)
+    near = _Near()
+    near.get(out, at, [(17, fast, 4), (t, table, 0), (0, probe, 0)])
     branch(to_slow, 17, 0, 0)                                   # cbz w17, slow: disarmed
     # x1, where saved anyway, is the index and the key: w17 then keeps kp_fast (not 0) to mark
     # the thread active with.
     tp, ix = (30, 1) if 1 in fast_saves else (17, 30)
     out += E.mrs_tpidr_el0(tp) + E.ubfx(ix, tp, 12, O.THREAD_TABLE_MASK.bit_length())
-    near.add(out, at, t, table)
     out += E.ldr_x_index(t, t, ix)
     out += E.ldr_x(ix, t, 0) + E.eor_reg(ix, ix, tp)
     branch(to_slow, ix, 1, 1)                                   # a thread seen for the first time
     # Reentered (nmissed) or the probe KPROBE_FLAG_GONE|DISABLED (bits 0-1 of its flags,
     # shifted to 30-31): one branch to the slow path, whose C dispatch tells the two apart.
-    near.add(out, at, 0, probe)
     fl = 1 if tp == 30 else 17
     out += E.ldr_w(30, t, O.THREAD_ACTIVE) + E.ldrb(fl, 0, O.KPROBE_FLAGS) + E.orr_lsl_w(30, 30, fl, 30)
     branch(to_slow, 30, 0, 1)
@@ -428,7 +446,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
     out += _save_pairs(sregs, slot, True)
     out += _e(E.b, at + len(out), at + restore)
-    near.stubs(out, at, 2)
+    near.stubs(out, at)
     for lst, target in ((to_slow, slow), (to_restore, restore)):
         for pos, rt, sf, nz in lst:
             out[pos:pos + 4] = _e(E.cbz, at + pos, rt, sf, nz, at + target)
@@ -665,7 +683,8 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     exclusive increment (ldxr/stxr: no LSE atomics before ARMv8.1) of the probe's counter in
     the shard the thread pointer's bits 12-15 choose, *kp_light_base + counter +
     4096 * shard (light_counter(); at a function's entry hits + counter + 4096 * shard,
-    hits being kp_light_hits itself: adrp + add, no load).  Its registers are saved below sp, which moves first
+    hits being kp_light_hits itself, and it and kp_fast PC-relative, one instruction
+    each within 1 MiB: _Near).  Its registers are saved below sp, which moves first
     (AArch64 has no red zone): x0-x2, or at a function's entry (red_zone:
     optprobe.red_zone_free_at()) x0 alone, the stxr's status, as x16 and x17 (IP0/IP1)
     hold nothing there.  Nothing here writes NZCV.  The slow path (disarmed) puts them
@@ -676,14 +695,18 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
         a, v, st = 16, 17, 0                     # the counter's address, its value, the stxr's status
         out = bytearray(E.stp_pre(0, 1, 31, -16))     # one instruction, as a str of x0 alone
         undo = E.ldp_post(0, 1, 31, 16)
-        out += _e(E.adrp, at + len(out), a, fast) + E.ldr_w(v, a, fast & 0xFFF)
+        near = _Near()
+        if hits is None:
+            near.get(out, at, [(v, fast, 4)])
+        else:                                    # the shard-0 counter's own address
+            near.get(out, at, [(v, fast, 4), (a, hits + counter, 0)])
         cbz_at = len(out)
         out += b"\0\0\0\0"                       # cbz w17, slow
         out += E.mrs_tpidr_el0(v) + E.and_bits(v, v, 12, (O.LIGHT_SHARDS - 1).bit_length())
         if hits is None:
             out += _load_word(at + len(out), a, base, 8) + E.add_reg(a, a, v) + _add_const(a, a, counter)
-        else:                                    # the shard-0 counter's own address, PC-relative
-            out += _e(E.load_address, at + len(out), a, hits + counter) + E.add_reg(a, a, v)
+        else:
+            out += E.add_reg(a, a, v)
     else:
         a, v, st = 0, 1, 2
         out = bytearray(E.stp_pre(0, 1, 31, -32) + E.str_x(2, 31, 16))
@@ -706,6 +729,8 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     out[cbz_at:cbz_at + 4] = _e(E.cbz, at + cbz_at, fast_reg, 0, 0, at + len(out))
     out += undo + probe_stub(site, slow_entry, at + len(out) + len(undo))
     out += _e(E.b, at + len(out), resume)
+    if red_zone:
+        near.stubs(out, at)
     return bytes(out), resume
 
 
