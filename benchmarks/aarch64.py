@@ -21,7 +21,7 @@ packages are fetched with `apt-get download` (dpkg --add-architecture arm64) int
 $KPREWRITE_ARM64_CACHE, else ~/.cache/kprewrite/debian-arm64 (the cache
 tests/test_aarch64_real_software.py fills, with the same layout).
 
-Run: python3 benchmarks/aarch64.py [--real [--rounds R] [--cpu CPU]]
+Run: python3 benchmarks/aarch64.py [--real [--rounds R] [--cpu CPU] [--also TREE]]
 (BENCH_N, BENCH_N_TRAP, BENCH_RUNS to scale the loop rows)
 """
 import argparse
@@ -92,10 +92,12 @@ def qemu() -> list[str]:
     return [q, "-L", SYSROOT]
 
 
-def rewrite(exe: Path, spec: Path, out: Path, *extra: str) -> tuple[Path, float]:
+def rewrite(exe: Path, spec: Path, out: Path, *extra: str, tree: str | None = None) -> tuple[Path, float]:
+    """`kprewrite instrument` by this tree's rewriter (or another tree's); (output, wall seconds)."""
+    env = TREE_ENV if tree is None else dict(os.environ, PYTHONPATH=tree)
     t = time.perf_counter()
     subprocess.run([*KPREWRITE, "instrument", str(exe), "--spec", str(spec), "-o", str(out), *extra],
-                   check=True, env=TREE_ENV)
+                   check=True, env=env)
     return out, time.perf_counter() - t
 
 
@@ -150,56 +152,61 @@ def cpu_run(cmd: list[str], stdin: bytes, env: dict) -> tuple[float, bytes]:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
 
 
-def real(rounds: int, cpu: str | None, lines: int, rows: int):
-    """Every function entry of busybox and libsqlite3 probed, paired rounds under qemu-aarch64."""
+def real(rounds: int, cpu: str | None, lines: int, rows: int, also: str | None):
+    """Every function entry of busybox and libsqlite3 probed, paired rounds under qemu-aarch64
+    (also: another tree's rewrite run in the same rounds)."""
     q = [*qemu(), *(["-cpu", cpu] if cpu else [])]
     root = sysroot()
     libdirs = f"{root}/usr/lib/aarch64-linux-gnu:{root}/lib/aarch64-linux-gnu"
+    trees = {"this tree": None, **({also: also} if also else {})}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         spec = tmp / "every.toml"
         spec.write_text(EVERY_ENTRY)
-        bb, bb_secs = rewrite(root / "bin" / "busybox", spec, tmp / "busybox")
-        lib = (root / "usr" / "lib" / "aarch64-linux-gnu" / "libsqlite3.so.0").resolve()
-        (tmp / "sq").mkdir()
-        _, sq_secs = rewrite(lib, spec, tmp / "sq" / "libsqlite3.so.0")
         rng = random.Random(42)
         numbers = "".join(f"{rng.randint(-10**6, 10**6)}\n" for _ in range(lines)).encode()
         env = dict(os.environ)
         env.pop("KPREWRITE_PROFILE", None)
-        cases = {   # name -> (original command, rewritten, stdin, env original, env rewritten, what, rewrite s)
-            "busybox": ([*q, str(root / "bin" / "busybox"), "sort", "-n"], [*q, str(bb), "sort", "-n"], numbers,
-                        env, env, f"`busybox sort -n`, {lines:,} lines", bb_secs),
-            "sqlite3": ([*q, str(root / "usr" / "bin" / "sqlite3"), ":memory:"],
-                        [*q, str(root / "usr" / "bin" / "sqlite3"), ":memory:"], SQL.format(rows=rows).encode(),
-                        dict(env, LD_LIBRARY_PATH=libdirs), dict(env, LD_LIBRARY_PATH=f"{tmp / 'sq'}:{libdirs}"),
-                        f"`sqlite3 :memory:`, {rows:,} rows", sq_secs),
+        sqlite3 = [*q, str(root / "usr" / "bin" / "sqlite3"), ":memory:"]
+        lib = (root / "usr" / "lib" / "aarch64-linux-gnu" / "libsqlite3.so.0").resolve()
+        cases = {   # name -> (what, stdin, {variant: (command, env)}, {tree: rewrite seconds})
+            "busybox": (f"`busybox sort -n`, {lines:,} lines", numbers,
+                        {"original": ([*q, str(root / "bin" / "busybox"), "sort", "-n"], env)}, {}),
+            "sqlite3": (f"`sqlite3 :memory:`, {rows:,} rows", SQL.format(rows=rows).encode(),
+                        {"original": (sqlite3, dict(env, LD_LIBRARY_PATH=libdirs))}, {}),
         }
+        for k, (label, tree) in enumerate(trees.items()):
+            bb, cases["busybox"][3][label] = rewrite(root / "bin" / "busybox", spec, tmp / f"busybox{k}", tree=tree)
+            cases["busybox"][2][label] = ([*q, str(bb), "sort", "-n"], env)
+            (tmp / f"sq{k}").mkdir()
+            _, cases["sqlite3"][3][label] = rewrite(lib, spec, tmp / f"sq{k}" / "libsqlite3.so.0", tree=tree)
+            cases["sqlite3"][2][label] = (sqlite3, dict(env, LD_LIBRARY_PATH=f"{tmp / f'sq{k}'}:{libdirs}"))
         load = os.getloadavg()
         res = {}
-        for name, (co, cn, stdin, eo, en, what, secs) in cases.items():
-            ratios, t_o, t_n = [], [], []
+        for name, (what, stdin, variants, secs) in cases.items():
+            times = {v: [] for v in variants}
+            names = list(variants)
             for i in range(rounds):
-                order = [(co, eo), (cn, en)] if i % 2 == 0 else [(cn, en), (co, eo)]
-                got = {}
-                for cmd, e in order:
-                    got[cmd is cn and e is en] = cpu_run(cmd, stdin, e)
-                if got[True][1] != got[False][1]:
-                    sys.exit(f"{name}: the rewrite prints otherwise than the original")
-                t_o.append(got[False][0])
-                t_n.append(got[True][0])
-                ratios.append(got[True][0] / got[False][0])
-                print(f"{name} round {i}: {got[False][0]:.2f} s, {got[True][0]:.2f} s, {ratios[-1]:.3f}", file=sys.stderr)
-            res[name] = (what, statistics.median(t_o), statistics.median(t_n), statistics.median(ratios),
-                         min(ratios), max(ratios), secs)
+                order = names[i % len(names):] + names[:i % len(names)]     # each variant first in turn
+                out = {}
+                for v in order if i % 2 == 0 else order[::-1]:
+                    t, out[v] = cpu_run(variants[v][0], stdin, variants[v][1])
+                    times[v].append(t)
+                if len(set(out.values())) != 1:
+                    sys.exit(f"{name}: a rewrite prints otherwise than the original")
+                print(f"{name} round {i}: " + ", ".join(f"{v} {times[v][-1]:.2f} s" for v in names), file=sys.stderr)
+            for label in trees:
+                ratios = [n / o for n, o in zip(times[label], times["original"])]
+                res[name, label] = (what, statistics.median(times["original"]), statistics.median(times[label]),
+                                    statistics.median(ratios), min(ratios), max(ratios), secs[label])
         load2 = os.getloadavg()
     print(f"qemu-aarch64{' -cpu ' + cpu if cpu else ''} TCG; {rounds} paired rounds; load average "
           f"{load[0]:.2f} before, {load2[0]:.2f} after")
-    print("| object | workload | user + sys, original (median) | rewritten (median) | paired ratio (median) "
-          "| range | rewrite time |")
-    print("|---|---|---:|---:|---:|---|---:|")
-    for name, (what, o, n, r, lo, hi, secs) in res.items():
-        print(f"| {name} | {what} | {o:.2f} s | {n:.2f} s | **{r:.3f}×** | {lo:.3f}–{hi:.3f}× | {secs:.1f} s |")
+    print("| object | rewriter | workload | user + sys, original (median) | rewritten (median) "
+          "| paired ratio (median) | range | rewrite time |")
+    print("|---|---|---|---:|---:|---:|---|---:|")
+    for (name, label), (what, o, n, r, lo, hi, sec) in res.items():
+        print(f"| {name} | {label} | {what} | {o:.2f} s | {n:.2f} s | **{r:.3f}×** | {lo:.3f}–{hi:.3f}× | {sec:.1f} s |")
 
 
 def main():
@@ -209,9 +216,10 @@ def main():
     ap.add_argument("--cpu", help="qemu-aarch64 -cpu (default: QEMU's, max)")
     ap.add_argument("--lines", type=int, default=200_000, help="busybox sort's input")
     ap.add_argument("--rows", type=int, default=20_000, help="sqlite3's table")
+    ap.add_argument("--also", metavar="TREE", help="--real: another kprewrite tree's rewrite in the same rounds")
     a = ap.parse_args()
     if a.real:
-        return real(a.rounds, a.cpu, a.lines, a.rows)
+        return real(a.rounds, a.cpu, a.lines, a.rows, a.also)
     qemu()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
