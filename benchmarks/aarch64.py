@@ -19,9 +19,11 @@ light hits), each run paired with the original in the same round (the order flip
 every round), the median of the rounds' ratios of the child's user + sys time.  The
 packages are fetched with `apt-get download` (dpkg --add-architecture arm64) into
 $KPREWRITE_ARM64_CACHE, else ~/.cache/kprewrite/debian-arm64 (the cache
-tests/test_aarch64_real_software.py fills, with the same layout).
+tests/test_aarch64_real_software.py fills, with the same layout).  --count: the
+instructions each run executes instead (QEMU's -d in_asm,exec through a pipe: exact, and
+the same under any load), one run each.
 
-Run: python3 benchmarks/aarch64.py [--real [--rounds R] [--cpu CPU] [--also TREE]]
+Run: python3 benchmarks/aarch64.py [--real [--rounds R] [--cpu CPU] [--also TREE] [--count]]
 (BENCH_N, BENCH_N_TRAP, BENCH_RUNS to scale the loop rows)
 """
 import argparse
@@ -96,8 +98,9 @@ def rewrite(exe: Path, spec: Path, out: Path, *extra: str, tree: str | None = No
     """`kprewrite instrument` by this tree's rewriter (or another tree's); (output, wall seconds)."""
     env = TREE_ENV if tree is None else dict(os.environ, PYTHONPATH=tree)
     t = time.perf_counter()
+    # cwd: out's folder, not a tree's (python3 -m would import the rewriter found there first).
     subprocess.run([*KPREWRITE, "instrument", str(exe), "--spec", str(spec), "-o", str(out), *extra],
-                   check=True, env=env)
+                   check=True, env=env, cwd=out.parent)
     return out, time.perf_counter() - t
 
 
@@ -152,7 +155,35 @@ def cpu_run(cmd: list[str], stdin: bytes, env: dict) -> tuple[float, bytes]:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout
 
 
-def real(rounds: int, cpu: str | None, lines: int, rows: int, also: str | None):
+def executed(cmd: list[str], stdin: bytes, env: dict, tmp: Path) -> tuple[int, bytes]:
+    """Instructions QEMU executed running cmd (`qemu-aarch64 ...`), deterministic: with
+    `-d in_asm,exec,nochain` every translated block is listed once (its instructions)
+    and logged at each execution (a `Trace` line naming its pc), read from a pipe; and
+    the program's standard output."""
+    fifo, inp, outp = tmp / "qemu.log", tmp / "stdin", tmp / "stdout"
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    inp.write_bytes(stdin)
+    with open(inp, "rb") as i, open(outp, "wb") as o:
+        p = subprocess.Popen([cmd[0], "-d", "in_asm,exec,nochain", "-D", str(fifo), *cmd[1:]], stdin=i, stdout=o,
+                             stderr=subprocess.DEVNULL, env=env)
+        size, total, block, first = {}, 0, 0, None
+        with open(fifo, "rb") as log:
+            for line in log:
+                if line.startswith(b"Trace "):
+                    total += size[int(line.split(b"/", 2)[1], 16)]
+                elif line.startswith(b"0x"):
+                    if first is None:
+                        first = int(line.split(b":", 1)[0], 16)
+                    block += 1
+                elif first is not None:              # the blank line after a block
+                    size[first], block, first = block, 0, None
+        if p.wait() != 0:
+            sys.exit(f"{' '.join(cmd)}: exit {p.returncode}")
+    return total, outp.read_bytes()
+
+
+def real(rounds: int, cpu: str | None, lines: int, rows: int, also: str | None, count: bool = False):
     """Every function entry of busybox and libsqlite3 probed, paired rounds under qemu-aarch64
     (also: another tree's rewrite run in the same rounds)."""
     q = [*qemu(), *(["-cpu", cpu] if cpu else [])]
@@ -181,6 +212,18 @@ def real(rounds: int, cpu: str | None, lines: int, rows: int, also: str | None):
             (tmp / f"sq{k}").mkdir()
             _, cases["sqlite3"][3][label] = rewrite(lib, spec, tmp / f"sq{k}" / "libsqlite3.so.0", tree=tree)
             cases["sqlite3"][2][label] = (sqlite3, dict(env, LD_LIBRARY_PATH=f"{tmp / f'sq{k}'}:{libdirs}"))
+        if count:
+            print(f"qemu-aarch64{' -cpu ' + cpu if cpu else ''} TCG, instructions executed (`-d in_asm,exec`)")
+            print("| object | workload | original | " + " | ".join(trees) + " |")
+            print("|---|---|---:|" + "---:|" * len(trees))
+            for name, (what, stdin, variants, secs) in cases.items():
+                n = {v: executed(variants[v][0], stdin, variants[v][1], tmp) for v in variants}
+                if len({out for _, out in n.values()}) != 1:
+                    sys.exit(f"{name}: a rewrite prints otherwise than the original")
+                o = n["original"][0]
+                print(f"| {name} | {what} | {o:,} | " + " | ".join(f"{n[t][0]:,} (**{n[t][0] / o:.3f}×**)"
+                                                                   for t in trees) + " |")
+            return
         load = os.getloadavg()
         res = {}
         for name, (what, stdin, variants, secs) in cases.items():
@@ -217,9 +260,11 @@ def main():
     ap.add_argument("--lines", type=int, default=200_000, help="busybox sort's input")
     ap.add_argument("--rows", type=int, default=20_000, help="sqlite3's table")
     ap.add_argument("--also", metavar="TREE", help="--real: another kprewrite tree's rewrite in the same rounds")
+    ap.add_argument("--count", action="store_true",
+                    help="--real: instructions executed (deterministic) instead of CPU time")
     a = ap.parse_args()
     if a.real:
-        return real(a.rounds, a.cpu, a.lines, a.rows, a.also)
+        return real(a.rounds, a.cpu, a.lines, a.rows, a.also, a.count)
     qemu()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
