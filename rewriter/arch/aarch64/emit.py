@@ -346,10 +346,11 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     kp_optimized_clean_callback(site) (the generic dispatch, which counts nmissed).
     red_zone: a function's entry, where x16 and x17 (IP0/IP1, which any call's veneer
     may write) hold nothing: they are used without being saved.  kp_fast, the table
-    and the probe share one adrp where they lie in one 4 KiB page (_Near).  Reentry and
-    KPROBE_FLAG_GONE|DISABLED are tested in one branch to the slow path, whose C
-    dispatch counts the miss or stays silent.  No template instruction writes NZCV.  A kretprobe's entry (body) is kret_entry_detour()'s, or
-    the runtime's dispatch where not inlined.
+    and the probe are reached PC-relative, one instruction each, within 1 MiB, else
+    through one far stub (_Near).  Reentry and KPROBE_FLAG_GONE|DISABLED are tested in
+    one branch to the slow path, whose C dispatch counts the miss or stays silent.  No
+    template instruction writes NZCV.  A kretprobe's entry (body) is
+    kret_entry_detour()'s, or the runtime's dispatch where not inlined.
     regs_fields: a pre_handler that only loads from regs, at these pt_regs byte offsets
     (handler_abi.regs_loads()): a partial pt_regs at sp, passed in x1, only those fields
     stored; each saved register is saved in its own field (so a field of a register the
