@@ -117,8 +117,9 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "which no fixup names, and the kernel oopses", kernel=True),
     # --- ours ---------------------------------------------------------------------------------
     Rule("red_zone",
-         "a light detour keeps registers in the red zone below %rsp only at a function's entry, "
-         "never in its middle nor in a .cold part, where the function may be using it",
+         "a light detour keeps registers in the red zone below %rsp (AArch64's templates use x16/x17, "
+         "IP0/IP1, unsaved) only at a function's entry, never in its middle nor in a .cold part, where "
+         "the function may be using it",
          "<arch>.optprobe:red_zone_free_at", OURS, "test_red_zone",
          "a leaf keeping data at -8(%rsp) across the probe reads the detour's saved %rax: wrong sum"),
     Rule("lsda_landing_pads",

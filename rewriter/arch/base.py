@@ -301,19 +301,23 @@ class Emit(Protocol):
     def clean_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                      probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,
                      aligned: bool, handler_clobbers: set[str] | None = None, copy=None, body=None,
-                     back: int | None = None, regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
+                     back: int | None = None, regs_fields: frozenset[int] | None = None,
+                     red_zone: bool = False) -> tuple[bytes, int]:
         """A detour that saves only what its handler clobbers (regs_fields: and the
-        pt_regs fields a pre_handler that only loads from regs reads, passed to it)."""
+        pt_regs fields a pre_handler that only loads from regs reads, passed to it;
+        red_zone: a function's entry, where the ABI leaves room free: optprobe.red_zone_free_at())."""
 
     def full_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                     probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
-                    aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
-        """A detour that saves a whole pt_regs in line."""
+                    aligned: bool, copy=None, body=None, back: int | None = None,
+                    red_zone: bool = False) -> tuple[bytes, int]:
+        """A detour that saves a whole pt_regs in line (red_zone: as clean_detour's)."""
 
     def light_detour(self, site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
                      counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
-                     back: int | None = None) -> tuple[bytes, int]:
-        """A detour that only counts the hit."""
+                     back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
+        """A detour that only counts the hit (base: kp_light_base, the pointer to kp_light_hits,
+        hits: the array itself)."""
 
     def light_counter(self, slot: int) -> int:
         """The byte offset of a light site's hit counter."""

@@ -173,7 +173,8 @@ def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int
     k = c.plan.hit_slot(p)
     if site.light:
         code, resume = em.light_detour(site.index, copied(c.arch, lay, site), at, fast=sym["kp_fast"],
-                                       base=sym["kp_light_base"], key=c.thread_key, counter=em.light_counter(k),
+                                       base=sym["kp_light_base"], hits=sym["kp_light_hits"], key=c.thread_key,
+                                       counter=em.light_counter(k),
                                        slow_entry=sym["kp_optprobe_clean_entry"], flags_live=site.flags_live,
                                        red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
                                        back=back)
@@ -187,7 +188,8 @@ def site_detour(c: Code, lay, site: Site, at: int, sym) -> tuple[bytes, int, int
         h = pre_handler_symbol(c, p)
         handler = sym[h] if h else None
     common = dict(fast=sym["kp_fast"], table=sym["kp_thread_table"], key=c.thread_key, probe=probe, probe_index=k,
-                  handler=handler, aligned=site.aligned, copy=_site_copy(c, site, at, sym), back=back)
+                  handler=handler, aligned=site.aligned, red_zone=site.red_zone, copy=_site_copy(c, site, at, sym),
+                  back=back)
     if site.clean or site.regs_fields is not None:
         callback, body, extra = sym["kp_optimized_clean_callback"], None, {}
         if is_entry(p):

@@ -64,8 +64,9 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: 
     light (Rules.light_hits): in an image with no handler at all (events count as handlers), a
     template only counts the hit (Site.light, emit.light_detour); so does a light kretprobe's
     entry (Group.light, light_kretprobes()), whose returns run nothing; red_zone
-    (Rules.red_zone): its registers are then saved below the stack pointer without moving it
-    where the ABI leaves that room free (a function entry)."""
+    (Rules.red_zone), of any template: where the ABI leaves room free (a function entry), which
+    the arch's template may use: x86-64's light one saves its registers below the stack pointer
+    without moving it, AArch64's use IP0/IP1 (x16, x17) without saving them."""
     traced = {k for k, reads_regs in traces.items() if reads_regs}
     events = bool(traces)
     for site in plan.sites:
@@ -87,8 +88,8 @@ def choose_forms(plan: Plan, image, arch, code: dict[str, HandlerCode], traces: 
         else:
             site.light = quiet and site.template and not (p0 is not None and is_entry(p0)) \
                 and not site.probes[0].spec.disabled
-        site.red_zone = site.light and rules.red_zone and arch.optprobe.red_zone_free_at(image, site.probes[0].func,
-                                                                                     site.addr)
+        site.red_zone = (site.light or site.template) and rules.red_zone and \
+            arch.optprobe.red_zone_free_at(image, site.probes[0].func, site.addr)
     for g in plan.groups:
         for p in g.probes:
             p.ret_clean = trace_key(p) not in traced and not (p.kret.handler and code[p.kret.handler].reads_regs)

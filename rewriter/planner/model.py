@@ -49,7 +49,7 @@ class Site:
     # regs_fields); None: a whole pt_regs (full_detour).
     regs_fields: frozenset | None = None
     light: bool = False              # template of a probe in an image with no handler: count only
-    red_zone: bool = False           # light: the ABI's red zone below the stack pointer is free here (a function entry)
+    red_zone: bool = False           # template: room the ABI leaves free here, a function entry (the arch's red_zone_free_at)
     # A region shared by several probes (share_regions): the head takes the jump and
     # holds the whole region in dcr; each site copies only seg, its own part of it.
     head: "Site | None" = None

@@ -161,7 +161,8 @@ def _kret_entry(site: int, body, at: int) -> bytes:
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                 probe: int, probe_index: int, handler: int, callback: int, resume_regs: int,
-                aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
+                aligned: bool, copy=None, body=None, back: int | None = None,
+                red_zone: bool = False) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
     pt_regs, as x86-64's full_detour: struct pt_regs saved once, in line (pc the
     probed address, sp at the hit, pstate NZCV), the dispatch of the common case
@@ -173,7 +174,8 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     (kp_optimized_callback(), which counts nmissed) on the same pt_regs.  A
     kretprobe's entry (body, retprobe.KretEntry) whose entry_handler may read regs
     runs pre_handler_kretprobe() in place of the pre_handler (_kret_claim()), or,
-    not inlined, takes the runtime's dispatch.  Returns (code, resume)."""
+    not inlined, takes the runtime's dispatch.  red_zone: unused (pt_regs holds x16 and
+    x17 whatever they hold).  Returns (code, resume)."""
     if body is not None and not body.inline:
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
     pt = _frame()
@@ -258,7 +260,7 @@ def _after(head: bytes, dcr, at: int, copy, back) -> tuple[bytes, int]:
 _SCRATCH = tuple(range(19)) + (30,)     # what a C call clobbers (AAPCS64): x0-x18, x30
 _NZCV = 32                              # a clean frame's slot name for the flags
 _T = 19                                 # the thread block, callee-saved: kept across the handler
-_TPL = (0, 1, _T, 30)                   # what the template itself writes
+_IP = (16, 17)                          # IP0/IP1: free at a function's entry (optprobe.red_zone_free_at)
 
 
 def _save_pairs(regs: list[int], slot: dict[int, int], load: bool) -> bytes:
@@ -275,51 +277,121 @@ def _save_pairs(regs: list[int], slot: dict[int, int], load: bool) -> bytes:
     return bytes(out)
 
 
+class _Near:
+    """Runtime data reached PC-relative, one instruction each, `adr` (an address) or
+    `ldr` literal (a word), where every item of a group lies within +-1 MiB of it (the
+    runtime's data follow the detours); else a B to a far stub after the detour's code
+    (adrp and add or load for each item, B back past the group).  The stub's words are
+    kept in either case, so that a detour is as long wherever its data lie (layout.py
+    lays it out with placeholder addresses, emission builds it again with the linked
+    ones)."""
+
+    def __init__(self):
+        self.far, self.kept = [], 0
+
+    @staticmethod
+    def _reach(pc: int, target: int, size: int) -> bool:
+        return -(1 << 20) <= target - pc < (1 << 20) and target % max(size, 1) == 0
+
+    def get(self, out: bytearray, at: int, items: list[tuple[int, int, int]]):
+        """Each (rd, target, size): rd = target (size 0), or the size-byte word at target."""
+        self.kept += 2 * len(items) + 1
+        pc = at + len(out)
+        if all(self._reach(pc + 4 * i, t, size) for i, (_, t, size) in enumerate(items)):
+            for rd, target, size in items:
+                pc = at + len(out)
+                out += E.ldr_lit(pc, rd, target, size) if size else E.adr(pc, rd, target)
+        else:
+            self.far.append((len(out), items))
+            out += UDF * len(items)
+
+    def stubs(self, out: bytearray, at: int):
+        """The far stubs of the groups get() made, after the detour's code."""
+        start = len(out)
+        for pos, items in self.far:
+            out[pos:pos + 4] = _e(E.b, at + pos, at + len(out))
+            for page in dict.fromkeys(t & ~0xFFF for _, t, _ in items):
+                # One adrp a page, into an address's register (which takes its offset
+                # last), or into the word's own.
+                group = [(rd, t, size) for rd, t, size in items if t & ~0xFFF == page]
+                group.sort(key=lambda it: it[2] == 0)          # words first, addresses after
+                base = group[-1][0]
+                out += _e(E.adrp, at + len(out), base, page)
+                for rd, t, size in group:
+                    if size == 8:
+                        out += E.ldr_x(rd, base, t & 0xFFF)
+                    elif size == 4:
+                        out += E.ldr_w(rd, base, t & 0xFFF)
+                    else:
+                        out += E.add_imm(rd, base, t & 0xFFF)
+            out += _e(E.b, at + len(out), at + pos + 4 * len(items))
+        out += UDF * (self.kept - (len(out) - start) // 4)
+
+
 def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key,
                  probe: int, probe_index: int, handler: int | None, callback: int, flags_live: bool,
                  aligned: bool, handler_clobbers: set[str] | None = None, copy=None, body=None,
-                 back: int | None = None, regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
+                 back: int | None = None, regs_fields: frozenset[int] | None = None,
+                 red_zone: bool = False) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads regs: the
     optprobe template with the dispatch of the common case inlined (kp_pre_dispatch()
     for one probe, as x86-64's clean_detour): kprobes armed (kp_fast), the thread's
     block (the thread pointer hashed into kp_thread_table), no handler running on this
     thread, the probe enabled, then the hit counted and the pre_handler called with
     (p, regs) where regs is never read.  Only call-clobbered registers are saved (no
-    pt_regs): on the fast path x0, x1, x19 (the thread block, callee-saved: kept across
-    the handler's call) and x30, which the template writes, and what the handler writes (handler_clobbers, None: unknown, so all of x0-x18, x30 and NZCV);
-    on the slow path the rest, before kp_optimized_clean_callback(site) (the generic
-    dispatch, which counts nmissed).  No template instruction writes NZCV.  A kretprobe's
-    entry (body) is kret_entry_detour()'s, or the runtime's dispatch where not inlined.
+    pt_regs): on the fast path those the template writes (x0, x17, x30 and the thread
+    block's register: x16 where the handler leaves it, else x19, callee-saved, so kept
+    across the handler's call) and those the handler writes (handler_clobbers, None:
+    unknown, so all of x0-x18, x30 and NZCV); on the slow path the rest, before
+    kp_optimized_clean_callback(site) (the generic dispatch, which counts nmissed).
+    red_zone: a function's entry, where x16 and x17 (IP0/IP1, which any call's veneer
+    may write) hold nothing: they are used without being saved.  kp_fast, the table
+    and the probe are reached PC-relative, one instruction each, within 1 MiB, else
+    through one far stub (_Near).  Reentry and KPROBE_FLAG_GONE|DISABLED are tested in
+    one branch to the slow path, whose C dispatch counts the miss or stays silent.  No
+    template instruction writes NZCV.  A kretprobe's entry (body) is
+    kret_entry_detour()'s, or the runtime's dispatch where not inlined.
     regs_fields: a pre_handler that only loads from regs, at these pt_regs byte offsets
-    (handler_abi.regs_loads()): a partial pt_regs in the frame, only those fields
-    stored, passed in x1; nothing is restored from it (the handler cannot write it).
-    The callback is then callback(site, regs) (kp_optimized_callback), whose return is
-    not read: with regs unchanged it resumes here.
+    (handler_abi.regs_loads()): a partial pt_regs at sp, passed in x1, only those fields
+    stored; each saved register is saved in its own field (so a field of a register the
+    detour saves anyway costs no store); nothing is restored from it but the saves (the
+    handler cannot write it).  The callback is then callback(site, regs)
+    (kp_optimized_callback), whose return is not read: with regs unchanged it resumes here.
     Returns (code, resume): where the relocated DCR starts."""
     if body is not None:
         if body.inline:
             return kret_entry_detour(site, dcr, at, fast=fast, table=table, probe_index=probe_index, body=body,
                                      handler_clobbers=handler_clobbers, copy=copy, back=back)
         return _after(_kret_entry(site, body, at), dcr, at, copy, back)
-    names = {f"x{r}": r for r in _SCRATCH}
     clob = set() if handler is None else handler_clobbers
-    if clob is None:
-        fast_saves = [0, 1, _T] + list(_SCRATCH[2:]) + [_NZCV]
+    t = 16 if clob is not None and "x16" not in clob else _T
+    tpl = [0] + ([1] if regs_fields is not None else []) + [t, 17, 30]
+    free = set(_IP) if red_zone else set()
+    fast_saves = [r for r in _SCRATCH if r not in free and (clob is None or r in tpl or f"x{r}" in clob)]
+    if t == _T:
+        fast_saves.append(_T)
+    if clob is None or "nzcv" in clob:
+        fast_saves.append(_NZCV)
+    slow_saves = [r for r in list(_SCRATCH) + [_NZCV] if r not in fast_saves and r not in free]
+    if regs_fields is not None:
+        # pt_regs at sp: each register saved in its own field, the flags in pstate's.
+        slot = {r: O.PT_X0 + 8 * r for r in list(_SCRATCH) + [_T]}
+        slot[_NZCV] = O.PT_PSTATE
+        frame = (O.PT_SIZE + 15) & ~15
+        order = [r for r in fast_saves if r != _NZCV]
+        order.sort(key=lambda r: slot[r])
     else:
-        fast_saves = [0, 1, _T] + [r for r in _SCRATCH[2:] if r in _TPL or any(names.get(c) == r for c in clob)]
-        if "nzcv" in clob:
-            fast_saves.append(_NZCV)
-    slow_saves = [r for r in list(_SCRATCH) + [_NZCV] if r not in fast_saves]
-    order = fast_saves + slow_saves
-    slot = {r: 8 * i for i, r in enumerate(order)}
-    area = (8 * len(order) + 15) & ~15                # the registers
-    frame = area + (((O.PT_SIZE + 15) & ~15) if regs_fields is not None else 0)
-    fregs = [r for r in fast_saves if r != _NZCV]
+        order = fast_saves + slow_saves
+        slot = {r: 8 * i for i, r in enumerate(order)}
+        frame = (8 * len(order) + 15) & ~15
+        order = [r for r in fast_saves if r != _NZCV]
+    fregs = order
     sregs = [r for r in slow_saves if r != _NZCV]
-    out = bytearray(E.stp_pre(0, 1, 31, -frame))      # x0 and x1 are first (slots 0, 8)
+    assert slot[fregs[0]] == 0 and slot[fregs[1]] == 8, "the first two saves open the frame"
+    out = bytearray(E.stp_pre(fregs[0], fregs[1], 31, -frame))
     out += _save_pairs(fregs[2:], slot, False)
     if regs_fields is not None:
-        out += _partial_pt_regs(at + len(out), regs_fields, area, frame, dcr[0].addr)
+        out += _partial_pt_regs(at + len(out), regs_fields - {slot[r] for r in fregs}, 0, frame, dcr[0].addr)
     if _NZCV in fast_saves:
         out += E.mrs_nzcv(30) + E.str_x(30, 31, slot[_NZCV])
     to_slow, to_restore = [], []
@@ -328,32 +400,36 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         lst.append((len(out), rt, sf, nz))
         out.extend(b"\0\0\0\0")
 
-    out += _load_word(at + len(out), 0, fast, 4)
-    branch(to_slow, 0, 0, 0)                                    # cbz w0, slow: disarmed
-    out += E.mrs_tpidr_el0(1) + E.ubfx(0, 1, 12, O.THREAD_TABLE_MASK.bit_length())
-    out += _e(E.adrp, at + len(out), _T, table) + E.add_imm(_T, _T, table & 0xFFF) + E.ldr_x_index(_T, _T, 0)
-    out += E.ldr_x(30, _T, 0) + E.eor_reg(30, 30, 1)
-    branch(to_slow, 30, 1, 1)                                   # a thread seen for the first time
-    out += E.ldr_w(30, _T, O.THREAD_ACTIVE)
-    branch(to_slow, 30, 0, 1)                                   # reentered: nmissed
-    out += _e(E.adrp, at + len(out), 0, probe) + E.add_imm(0, 0, probe & 0xFFF)
-    out += E.ldrb(30, 0, O.KPROBE_FLAGS) + E.and_bits(30, 30, 0, 2)
-    branch(to_restore, 30, 1, 1)                                # KPROBE_FLAG_GONE|DISABLED: silent
+    near = _Near()
+    near.get(out, at, [(17, fast, 4), (t, table, 0), (0, probe, 0)])
+    branch(to_slow, 17, 0, 0)                                   # cbz w17, slow: disarmed
+    # x1, where saved anyway, is the index and the key: w17 then keeps kp_fast (not 0) to mark
+    # the thread active with.
+    tp, ix = (30, 1) if 1 in fast_saves else (17, 30)
+    out += E.mrs_tpidr_el0(tp) + E.ubfx(ix, tp, 12, O.THREAD_TABLE_MASK.bit_length())
+    out += E.ldr_x_index(t, t, ix)
+    out += E.ldr_x(ix, t, 0) + E.eor_reg(ix, ix, tp)
+    branch(to_slow, ix, 1, 1)                                   # a thread seen for the first time
+    # Reentered (nmissed) or the probe KPROBE_FLAG_GONE|DISABLED (bits 0-1 of its flags,
+    # shifted to 30-31): one branch to the slow path, whose C dispatch tells the two apart.
+    fl = 1 if tp == 30 else 17
+    out += E.ldr_w(30, t, O.THREAD_ACTIVE) + E.ldrb(fl, 0, O.KPROBE_FLAGS) + E.orr_lsl_w(30, 30, fl, 30)
+    branch(to_slow, 30, 0, 1)
     hits = O.THREAD_HITS + 8 * probe_index
     if hits < 32768:
-        out += E.ldr_x(30, _T, hits) + E.add_imm(30, 30, 1) + E.str_x(30, _T, hits)
+        out += E.ldr_x(30, t, hits) + E.add_imm(30, 30, 1) + E.str_x(30, t, hits)
     else:
-        out += _add_const(1, _T, hits) + E.ldr_x(30, 1, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 1, 0)
+        out += _add_const(17, t, hits) + E.ldr_x(30, 17, 0) + E.add_imm(30, 30, 1) + E.str_x(30, 17, 0)
     if handler is not None:
-        out += E.movz_w(30, 1) + E.str_w(30, _T, O.THREAD_ACTIVE)
+        out += E.str_w(17, t, O.THREAD_ACTIVE) if tp == 30 else E.movz_w(30, 1) + E.str_w(30, t, O.THREAD_ACTIVE)
         if regs_fields is not None:
-            out += E.add_imm(1, 31, area)                           # ... or only the fields stored
+            out += E.add_imm(1, 31, 0)                              # ... or only the fields stored
         out += _e(E.b, at + len(out), handler, True)                # handler(p, regs never read)
-        out += E.str_w(31, _T, O.THREAD_ACTIVE)
+        out += E.str_w(31, t, O.THREAD_ACTIVE)
     restore = len(out)
     if _NZCV in fast_saves:
         out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
-    out += _save_pairs(fregs[2:], slot, True) + E.ldp_post(0, 1, 31, frame)
+    out += _save_pairs(fregs[2:], slot, True) + E.ldp_post(fregs[0], fregs[1], 31, frame)
     resume = at + len(out)
     copy = copy or relocate
     for insn in dcr:
@@ -365,12 +441,13 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
         out += E.mrs_nzcv(30) + E.str_x(30, 31, slot[_NZCV])
     out += E.movz(0, site & 0xFFFF) + E.movk(0, (site >> 16) & 0xFFFF, 16)
     if regs_fields is not None:
-        out += E.add_imm(1, 31, area)                               # kp_optimized_callback(site, regs)
+        out += E.add_imm(1, 31, 0)                                  # kp_optimized_callback(site, regs)
     out += _e(E.b, at + len(out), callback, True)               # kp_optimized_clean_callback(site)
     if _NZCV in slow_saves:
         out += E.ldr_x(30, 31, slot[_NZCV]) + E.msr_nzcv(30)
     out += _save_pairs(sregs, slot, True)
     out += _e(E.b, at + len(out), at + restore)
+    near.stubs(out, at)
     for lst, target in ((to_slow, slow), (to_restore, restore)):
         for pos, rt, sf, nz in lst:
             out[pos:pos + 4] = _e(E.cbz, at + pos, rt, sf, nz, at + target)
@@ -601,35 +678,60 @@ def kret_entry_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, tabl
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key,
                  counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
-                 back: int | None = None) -> tuple[bytes, int]:
+                 back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
     """The detour of a probe that runs nothing, in an image where no handler can run
     (planner.choose_forms(): Site.light), as x86-64's: kprobes armed (kp_fast), then an
     exclusive increment (ldxr/stxr: no LSE atomics before ARMv8.1) of the probe's counter in
     the shard the thread pointer's bits 12-15 choose, *kp_light_base + counter +
-    4096 * shard (light_counter()).  x0-x2 are saved below sp, which moves first (AArch64
-    has no red zone: red_zone is never asked for); nothing here writes NZCV.  The slow path
-    (disarmed) puts them back and calls the runtime's shared clean entry, which counts in
-    the thread's block.  Returns (code, resume): where the relocated DCR starts."""
+    4096 * shard (light_counter(); at a function's entry hits + counter + 4096 * shard,
+    hits being kp_light_hits itself, and it and kp_fast PC-relative, one instruction
+    each within 1 MiB: _Near).  Its registers are saved below sp, which moves first
+    (AArch64 has no red zone): x0-x2, or at a function's entry (red_zone:
+    optprobe.red_zone_free_at()) x0 alone, the stxr's status, as x16 and x17 (IP0/IP1)
+    hold nothing there.  Nothing here writes NZCV.  The slow path (disarmed) puts them
+    back and calls the runtime's shared clean entry, which counts in the thread's block.
+    Returns (code, resume): where the relocated DCR starts."""
     copy = copy or relocate
-    out = bytearray(E.stp_pre(0, 1, 31, -32) + E.str_x(2, 31, 16))
-    out += _load_word(at + len(out), 0, fast, 4)
-    cbz_at = len(out)
-    out += b"\0\0\0\0"                           # cbz w0, slow
-    out += E.mrs_tpidr_el0(1) + E.and_bits(1, 1, 12, (O.LIGHT_SHARDS - 1).bit_length())
-    out += _load_word(at + len(out), 0, base, 8)
-    out += E.add_reg(0, 0, 1) + _add_const(0, 0, counter)
+    if red_zone:
+        a, v, st = 16, 17, 0                     # the counter's address, its value, the stxr's status
+        out = bytearray(E.stp_pre(0, 1, 31, -16))     # one instruction, as a str of x0 alone
+        undo = E.ldp_post(0, 1, 31, 16)
+        near = _Near()
+        if hits is None:
+            near.get(out, at, [(v, fast, 4)])
+        else:                                    # the shard-0 counter's own address
+            near.get(out, at, [(v, fast, 4), (a, hits + counter, 0)])
+        cbz_at = len(out)
+        out += b"\0\0\0\0"                       # cbz w17, slow
+        out += E.mrs_tpidr_el0(v) + E.and_bits(v, v, 12, (O.LIGHT_SHARDS - 1).bit_length())
+        if hits is None:
+            out += _load_word(at + len(out), a, base, 8) + E.add_reg(a, a, v) + _add_const(a, a, counter)
+        else:
+            out += E.add_reg(a, a, v)
+    else:
+        a, v, st = 0, 1, 2
+        out = bytearray(E.stp_pre(0, 1, 31, -32) + E.str_x(2, 31, 16))
+        undo = E.ldr_x(2, 31, 16) + E.ldp_post(0, 1, 31, 32)
+        out += _load_word(at + len(out), 0, fast, 4)
+        cbz_at = len(out)
+        out += b"\0\0\0\0"                       # cbz w0, slow
+        out += E.mrs_tpidr_el0(1) + E.and_bits(1, 1, 12, (O.LIGHT_SHARDS - 1).bit_length())
+        out += _load_word(at + len(out), 0, base, 8)
+        out += E.add_reg(0, 0, 1) + _add_const(0, 0, counter)
     loop = len(out)
-    out += E.ldxr(1, 0) + E.add_imm(1, 1, 1) + E.stxr(2, 1, 0)
-    out += _e(E.cbz, at + len(out), 2, 0, 1, at + loop)
-    undo = E.ldr_x(2, 31, 16) + E.ldp_post(0, 1, 31, 32)
+    out += E.ldxr(v, a) + E.add_imm(v, v, 1) + E.stxr(st, v, a)
+    out += _e(E.cbz, at + len(out), st, 0, 1, at + loop)
     out += undo
     resume = at + len(out)
     for insn in dcr:
         out += copy(insn, at + len(out))
     out += _e(E.b, at + len(out), back or dcr[-1].addr + len(dcr[-1].code))
-    out[cbz_at:cbz_at + 4] = _e(E.cbz, at + cbz_at, 0, 0, 0, at + len(out))
+    fast_reg = v if red_zone else 0
+    out[cbz_at:cbz_at + 4] = _e(E.cbz, at + cbz_at, fast_reg, 0, 0, at + len(out))
     out += undo + probe_stub(site, slow_entry, at + len(out) + len(undo))
     out += _e(E.b, at + len(out), resume)
+    if red_zone:
+        near.stubs(out, at)
     return bytes(out), resume
 
 

@@ -242,6 +242,11 @@ def eor_reg(rd: int, rn: int, rm: int) -> bytes:
     return _word(0xCA000000 | (rm << 16) | (rn << 5) | rd)
 
 
+def orr_lsl_w(rd: int, rn: int, rm: int, shift: int) -> bytes:
+    """ORR Wd, Wn, Wm, LSL #shift."""
+    return _word(0x2A000000 | (rm << 16) | ((shift & 31) << 10) | (rn << 5) | rd)
+
+
 def ubfx(rd: int, rn: int, lo: int, n: int) -> bytes:
     """UBFX Xd, Xn, #lo, #n."""
     return _word(0xD3400000 | (lo << 16) | ((lo + n - 1) << 10) | (rn << 5) | rd)

@@ -8,6 +8,8 @@ can land inside the region (x86's jump target prohibition region is empty
 here), and nothing is left for a short jump or an evicted neighbour."""
 from __future__ import annotations
 
+import capstone
+
 from ..base import DcrInsn, Refusal
 from . import bti, reach
 from . import insn as I
@@ -90,8 +92,49 @@ def stack_aligned_at(image, func, addr: int) -> bool:
     return True
 
 
+# Functions entered with a convention of their own, where x16/x17 are not free:
+# ld.so's lazy binding (PLT0 passes the GOT slot in x16) and TLS descriptors (their
+# callers keep every register but x0, x30 and NZCV across the call: GCC's tlsdesc
+# patterns).
+_OWN_CONVENTION = ("_dl_runtime_resolve", "_dl_runtime_profile", "_dl_tlsdesc_")
+
+
 def red_zone_free_at(image, func, addr: int) -> bool:
-    """AAPCS64 has no red zone: nothing may live below sp."""
+    """AAPCS64 has no red zone (nothing may live below sp); what it leaves free at a
+    function's entry is IP0/IP1, x16 and x17: a linker's veneer or a PLT entry may
+    write them between any call and its target, so no caller keeps a value in them
+    across a call (GCC names them in every call's clobbers, with -fipa-ra too) and no
+    function reads them before writing them.  So at a function's entry (its first
+    instruction, or the one after its `bti c`/`bti jc`), not in a part entered
+    mid-frame (a stripped cold part: its FDE) nor in a function of another
+    convention (_OWN_CONVENTION) nor in one that reads x16/x17 before writing them
+    (hand-written assembly), a template uses them without saving them.  Anywhere
+    else they may hold the function's values."""
+    if not safety.enabled("red_zone"):
+        return True
+    if func is None or func.name == "_start" or ".cold" in func.name or func.name.startswith(_OWN_CONVENTION):
+        return False
+    w = int.from_bytes(image.read(func.start, 4), "little")
+    if addr != func.start and not (addr == func.start + 4 and w in (0xD503245F, 0xD50324DF)):
+        return False
+    from .retprobe import _mid_frame
+    return _mid_frame(image, func.start) is None and not _reads_ip(image, func, addr)
+
+
+def _reads_ip(image, func, addr: int, limit: int = 16) -> bool:
+    """Whether the straight-line code from addr reads x16 or x17 before writing it
+    (up to its first branch, or limit instructions)."""
+    from .retprobe import _cs, _A
+    ip = {_A.ARM64_REG_X16: 16, _A.ARM64_REG_W16: 16, _A.ARM64_REG_X17: 17, _A.ARM64_REG_W17: 17}
+    written = set()
+    end = min(func.end, addr + 4 * limit)
+    for ci in _cs.disasm(image.read(addr, end - addr), addr):
+        read, write = ci.regs_access()
+        if any(ip[r] not in written for r in read if r in ip):
+            return True
+        written |= {ip[r] for r in write if r in ip}
+        if ci.group(capstone.CS_GRP_JUMP) or ci.group(capstone.CS_GRP_CALL) or ci.group(capstone.CS_GRP_RET):
+            break
     return False
 
 

@@ -497,7 +497,7 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
                  probe_index: int, handler: int | None, callback: int,
                  flags_live: bool, aligned: bool, handler_clobbers: set[str] | None = None,
                  copy=None, body=None, back: int | None = None,
-                 regs_fields: frozenset[int] | None = None) -> tuple[bytes, int]:
+                 regs_fields: frozenset[int] | None = None, red_zone: bool = False) -> tuple[bytes, int]:
     """The detour of a site with one probe whose handler never reads pt_regs:
     arch/x86/kernel/kprobes/opt.c's optprobe_template with the dispatch of the
     common case inlined (_dispatch_fast_path); anything else calls the generic
@@ -516,7 +516,8 @@ def clean_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: in
     (PARTIAL_REGS), only those fields stored, passed in %rsi; nothing is restored
     from it (the handler cannot write it).  The callback is then
     callback(site, regs) (kp_optimized_callback), whose return is not read: with
-    regs unchanged it is always KP_RESUME_DETOUR.
+    regs unchanged it is always KP_RESUME_DETOUR.  red_zone (a function's entry):
+    unused here, the template steps over the red zone wherever it is.
     Returns (code, resume): where the relocated DCR starts."""
     partial = regs_fields is not None
     used = {"rax", "rdx", "rdi"} | (set() if aligned else {"rcx"})
@@ -620,7 +621,8 @@ def _full_frame() -> int:
 
 def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int, key, probe: int,
                 probe_index: int, handler: int, callback: int, resume_regs: int,
-                aligned: bool, copy=None, body=None, back: int | None = None) -> tuple[bytes, int]:
+                aligned: bool, copy=None, body=None, back: int | None = None,
+                red_zone: bool = False) -> tuple[bytes, int]:
     """The detour of a site with one probe whose pre_handler may read or write
     pt_regs: optprobe_template building struct pt_regs inline (as
     kp_optprobe_entry does), with the dispatch of the common case inlined.  A
@@ -629,7 +631,7 @@ def full_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, table: int
     anything else restores every register from pt_regs.
     body(c): emits what runs instead of the handler call (pt_regs at rbx, the
     thread block in rdx and after pt_regs; leaves the pre_handler's return in
-    eax: retprobe.kret_entry_body).
+    eax: retprobe.kret_entry_body).  red_zone: unused (as clean_detour's).
     Returns (code, resume): where the relocated DCR starts."""
     c = _Code(at)
     F = O.PT_FLAGS
@@ -731,7 +733,7 @@ def _light_parts(red_zone: bool, flags_live: bool) -> tuple[bytes, bytes, bytes]
 
 def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int, key, counter: int,
                  slow_entry: int, flags_live: bool, red_zone: bool,
-                 copy=None, back: int | None = None) -> tuple[bytes, int]:
+                 copy=None, back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
     """The detour of a probe that runs nothing, in an image where no handler can
     run at all (planner.choose_forms(): Site.light).  What is left of the
     dispatch (kp_pre_dispatch()) is the kprobes/enabled test and the hit count:
@@ -749,6 +751,7 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     they are live.  The slow path (disarmed, before start-up, before a static
     program has its thread pointer) puts everything back and calls the runtime's
     shared clean entry (probe_stub()), which counts in C, in the thread's block.
+    hits (kp_light_hits itself): unused, `add rax, [rip + base]` adds the base in one.
     Returns (code, resume): where the relocated DCR starts."""
     if key.preempt is not None:
         raise EmitError("light detours are for a thread key that needs no preempt_disable()")
