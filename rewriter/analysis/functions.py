@@ -402,9 +402,11 @@ class Analysis:
             return
         # In workers (a small image): what the analysis makes lives as long as it does,
         # and is kept out of the cyclic collector (_unscanned()).
-        parallel = branch_targets in sources and len(image.data) < BIG_IMAGE and workers.jobs() > 1 \
-            and len(image.functions) >= PARALLEL_FUNCTIONS
-        with _unscanned() if parallel else contextlib.nullcontext():
+        many = branch_targets in sources and workers.jobs() > 1 and len(image.functions) >= PARALLEL_FUNCTIONS
+        parallel = many and len(image.data) < BIG_IMAGE
+        # A big image (a kernel) decoded by the workers too: its decoded functions and
+        # branches (millions of tuples and lists) are kept out of the collector as well.
+        with _unscanned() if many else contextlib.nullcontext():
             self._find(image, arch, sources, read_indirect_jumps, parallel, keep_raw=k is not None)
         self._sorted_targets = sorted(self.targets)
         if k is not None:
