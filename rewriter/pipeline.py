@@ -3,19 +3,20 @@
 lay out -> generate tables -> link handlers and runtime -> emit code -> write.
 Each stage is its own module; this one only passes plain data between them:
 prepare() ends with the plan `check` prints, compile_handlers() completes it,
-build() carries it out and decides nothing.  The CLI is a thin layer over prepare(),
-instrument() and the report module."""
+build() carries it out and decides nothing: the same back half for every target,
+each step asked of the target (targets/base.py declares them, with the defaults of an
+image laid out in place).  The CLI is a thin layer over prepare(), instrument() and the
+report module."""
 from __future__ import annotations
 
 import contextlib
 import copy
 import os
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .emit import emission, layout, meta, tables
+from .emit import emission, meta
 from .probes import events
 from .link import handlers
 from . import link, planner, targets
@@ -156,106 +157,44 @@ def compile_handlers(s: Session, workdir: Path, progress=None, deps: list | None
 
 
 def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
-    """The output image's bytes, from the finished plan and the handlers' objects:
-    lay out (a layout.Layout beside the plan, which stays as it is), generate the
-    tables, link, emit, write; each from (plan, layout)."""
+    """The output image's bytes, from the finished plan and the handlers' objects: the
+    same steps for every target, each asked of it (targets/base.py says what each answers
+    and its default): lay out (beside the plan, which stays as it is), generate the
+    tables, build the runtime (link/runtime.py's builder and cache, from the target's
+    recipe), link, emit, write."""
     progress = progress or NoProgress()
-    if s.target.build is not None:       # a target linked by its own linker (a kernel module: ld -r)
+    t = s.target
+    if t.build is not None:             # a back half of its own (the arm64 kernel, for now)
         progress.stage("linking")
-        return s.target.build(s, objs, workdir, progress)
-    platform = s.target.name             # its runtime/platform/<name> folder
-    c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), s.target.thread_key(s.image))
+        return t.build(s, objs, workdir, progress)
+    c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), t.thread_key(s.image))
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
-    lay = layout.place(c, s.target)
+    lay = t.lay_out(s, c)
     progress.stage("linking")
     # What the target computes from the layout alone (a user image's unwind programs)
     # starts first, in worker processes forked while no other thread runs: they work
-    # beside the table's generation, then beside the compiler and the linker, which run
-    # in a thread (waiting on them, it holds the interpreter's lock little) while this
-    # one makes the metadata and the code and patches that do not reach the runtime
-    # (emission.unlinked).
-    pending = s.target.before_link(s.image, s.arch, lay, s.plan)
-    linked: dict = {}
+    # beside the table's generation, then beside the link (which may run in a thread:
+    # link/blob.py), while this one makes the metadata and what emit() needs that the
+    # link does not change.
+    pending = t.before_link(s.image, s.arch, lay, s.plan)
     linking = None
     try:
         cc = link.compiler(s.arch)             # the image's arch, not the host's
-        table = tables.generate(c, lay, s.target, s.traces)
-        runtime = link.compile_runtime(cc, workdir, s.arch, platform)
-        externs = s.target.link_symbols(s.image)
-        k = _blob_key(cc, s.arch, platform, table, runtime, objs, lay, externs)
-        blob = _cached_blob(k, workdir)
-        if blob is None:
-            def run():
-                try:
-                    linked["blob"] = _link(s, lay, objs, workdir, cc, table, runtime, platform, externs)
-                    _cache_blob(k, workdir, linked["blob"])
-                except BaseException as e:      # raised here, below
-                    linked["error"] = e
-            linking = threading.Thread(target=run, name="kprewrite-link")
-            linking.start()
+        table = t.tables(s, c, lay)
+        runtime = link.compile_runtime(cc, workdir, s.arch, t.name, t.runtime_variant(s, lay))
+        linking = t.link(s, lay, table, runtime, objs, workdir, cc)
         metadata = meta.metadata(s.plan, lay, s.image.label)
-        unlinked = emission.unlinked(c, lay)
+        unlinked = t.unlinked(s, c, lay)
         early = pending.result() if pending is not None else None
     finally:
         if pending is not None:
             pending.close()
         if linking is not None:
             linking.join()
-    if linking is not None:
-        if "error" in linked:
-            raise linked["error"]
-        blob = linked["blob"]
-    rx, patches = emission.emit(c, lay, blob.symbols, unlinked)
+    blob = linking.result()
+    rx, patches = t.emit(s, c, lay, blob, unlinked)
     progress.stage("writing")
-    return s.target.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan, early)
-
-
-def _link(s: Session, lay, objs: list[Path], workdir: Path, cc: str, table, runtime: list[Path],
-          platform: str, externs):
-    """The probe table compiled and linked with the runtime and the handlers' objects."""
-    table_objs = link.compile_table(cc, workdir, table, platform, s.arch)
-    # A target whose runtime and handlers call into the image (a kernel's printk...)
-    # resolves them from the image's symbols.
-    origin = {o: h.name for o, h in zip(objs, s.spec.handlers)}
-    origin.update((o, "probe table") for o in table_objs)
-    return link.link(workdir, runtime + objs + table_objs, lay.text_addr, platform,
-                     externs, origin, Path(s.image.path).name, lay.data_addr, s.arch)
-
-
-# The linked blob (the probe table compiled, linked with the runtime and the handlers'
-# objects) is the same for the same inputs: kprewrite's cache keeps it, keyed by
-# everything the compile and the link read, so a second rewrite of an image with the
-# same spec runs neither gcc nor ld.  workdir/blob.elf is written either way
-# (KPREWRITE_KEEP keeps it for gdb).
-def _blob_key(cc, arch, platform, table, runtime: list[Path], objs: list[Path], lay, externs) -> str:
-    from . import cache
-    from .link.runtime import runtime_key
-    from .link.toolchain import compiler_identity, tool_identity
-    parts = [b"blob", cache.code_version(), arch.name.encode(), platform.encode(), *map(str.encode, compiler_identity(cc)),
-             tool_identity(link.linker(arch)).encode(), runtime_key(cc, arch.name, platform).encode(), table.c.encode(), table.asm.encode(),
-             f"{lay.text_addr:#x} {lay.data_addr!r}".encode(), repr(sorted(externs.items()) if externs else externs).encode()]
-    parts += [p.read_bytes() for p in runtime + objs]
-    return cache.key(*parts)
-
-
-def _cached_blob(k: str, workdir: Path):
-    import pickle
-    from . import cache
-    got = cache.get("blob", k)
-    if got is None:
-        return None
-    try:
-        blob, elf = pickle.loads(got)
-    except Exception:
-        return None
-    (workdir / "blob.elf").write_bytes(elf)
-    return blob
-
-
-def _cache_blob(k: str, workdir: Path, blob) -> None:
-    import pickle
-    from . import cache
-    cache.put("blob", k, pickle.dumps((blob, (workdir / "blob.elf").read_bytes()), protocol=pickle.HIGHEST_PROTOCOL))
+    return t.write(s.image, s.arch, lay, rx, patches, blob, metadata, s.plan, early)
 
 
 def instrument(input_path: str, spec_path: str | Spec, output: str, no_optimize: bool = False,

@@ -11,7 +11,9 @@ import sys
 import pytest
 
 import rewriter
-from conftest import ROOT, TREE_ENV, cc, kprewrite, probe_spec, symbols, write_spec
+from conftest import ALL_ARCHES, ROOT, TREE_ENV, cc, kprewrite, probe_spec, symbols, write_spec
+
+ARCHES = ALL_ARCHES
 
 PROG = r"""
 #include <stdio.h>

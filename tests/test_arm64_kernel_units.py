@@ -11,6 +11,9 @@ import pytest
 
 from rewriter.errors import KprewriteError
 from rewriter.targets.linux_kernel.aarch64 import build, image
+from conftest import ALL_ARCHES
+
+ARCHES = ALL_ARCHES
 
 
 def _header(flags=0b1010, image_size=0x200000, size=0x1000):

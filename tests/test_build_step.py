@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, TREE_ENV, cc, kprewrite, run, write_spec
+from conftest import ALL_ARCHES, ROOT, TREE_ENV, cc, kprewrite, run, write_spec
+
+ARCHES = ALL_ARCHES
 
 SAMPLE = ROOT / "samples" / "build_step"
 KP = [sys.executable, "-m", "rewriter"]      # this tree's CLI (TREE_ENV puts it on PYTHONPATH)

@@ -19,6 +19,8 @@ from rewriter.elf.write import NewSection
 from rewriter.elf.image import Image
 from rewriter.targets.linux_user import writer as W
 
+ARCHES = ["x86_64"]      # x86-64 only: hand-written x86-64 patches (jmp rel32, int3) read back with x86 Capstone
+
 PROG = r"""
 #include <stdio.h>
 #include <stdlib.h>

@@ -8,6 +8,8 @@ import subprocess
 
 from conftest import cc, instrument, kprewrite, meta, profile, run, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (the registers and flags the clean call keeps)
+
 PROG = r"""
 #include <stdio.h>
 /* live(x): every scratch register holds a known value and the flags of

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import cc, check_lines, instrument, profile, run, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 instructions relocated in the DCR (RIP-relative, SSE, push m64)
+
 ASM = r"""
 __asm__(
 ".section .rodata\n.balign 16\n"

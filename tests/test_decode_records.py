@@ -12,6 +12,8 @@ from conftest import cc
 from rewriter.arch.x86_64 import cs, decode
 from rewriter.elf.image import Image
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's decode_function() on Capstone's x86 records
+
 PROGRAM = r"""
 #include <stdio.h>
 #include <stdlib.h>

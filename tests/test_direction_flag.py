@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from conftest import cc, check_lines, instrument, kprewrite, profile, run, symbols, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86's direction flag (std/cld, rep movsb)
+
 PROG = r"""
 #include <stdio.h>
 #include <string.h>

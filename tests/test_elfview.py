@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from conftest import ROOT, cc
+from conftest import ALL_ARCHES, FACTS, ROOT, cc
 from rewriter.elf import ehframe
 from rewriter import targets
 from rewriter.elf.view import PT_DYNAMIC, PT_LOAD, SHT_NOBITS, ElfView
 from rewriter.errors import KprewriteError
 from rewriter.elf.image import Image
 from rewriter.targets.linux_kernel import elfview as kernel_elfview
+
+ARCHES = ALL_ARCHES
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -74,7 +76,7 @@ def test_tables_match_pyelftools(files, name):
     path = files[name]
     v = ElfView(path.read_bytes(), str(path))
     (entry, phnum, shnum), segs, secs, syms, tags = reference(path)
-    assert (v.entry, v.phnum, v.shnum, v.e_machine) == (entry, phnum, shnum, 62)
+    assert (v.entry, v.phnum, v.shnum, v.e_machine) == (entry, phnum, shnum, FACTS.E_MACHINE)
     assert [(s.offset, s.vaddr, s.paddr, s.filesz, s.memsz, s.flags, s.align) for s in v.segments] == segs
     assert [(s.name, s.addr, s.offset, s.size, s.flags, s.link, s.entsize) for s in v.sections] == secs
     mine = [(s.name, s.value, s.size, s.shndx) for s in v.symbols(".symtab")]

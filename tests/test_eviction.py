@@ -28,6 +28,8 @@ import pytest
 
 from conftest import cc, instrument, meta, oracle_runs, profile, symbols, with_oracle
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (neighbour eviction for 5-byte jumps)
+
 CALLS = "  .rept 34\n  call nop_fn\n  .endr\n  ret\n"
 
 PROGRAM = r"""

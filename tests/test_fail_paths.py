@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KPREWRITE, ROOT, TREE_ENV, cc, kprewrite, run, write_spec
+from conftest import ALL_ARCHES, CC, CROSS, KPREWRITE, ROOT, TREE_ENV, cc, kprewrite, run, write_spec
+
+ARCHES = ALL_ARCHES
+LOCAL = "qemu" if CROSS else "native"      # the runner of the tests that run once
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -168,7 +171,7 @@ def test_ctrl_c_exits_130_and_writes_nothing(tmp_path, prog):
     """SIGINT while gcc compiles the handlers (a CC that says when it starts, then waits)."""
     marker = tmp_path / "compiling"
     wrapper = tmp_path / "cc"
-    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *handler0.c*) touch {marker}; sleep 60;; esac\nexec gcc \"$@\"\n")
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *handler0.c*) touch {marker}; sleep 60;; esac\nexec {CC} \"$@\"\n")
     wrapper.chmod(0o755)
     spec = write_spec(tmp_path, SPEC, HANDLERS)
     out = tmp_path / "out"
@@ -194,7 +197,7 @@ def test_missing_home_is_not_created(tmp_path, prog):
         r = subprocess.run([*KPREWRITE, *map(str, cmd)], capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr
         assert not (tmp_path / "no").exists()
-    assert run(tmp_path / "out", "x").stderr.count("hit") == 1
+    assert run(tmp_path / "out", "x", runner=LOCAL).stderr.count("hit") == 1
 
 
 # --- probes by name ------------------------------------------------------------------------------
@@ -218,7 +221,7 @@ def test_return_probe_on_one_of_two_static_functions(tmp_path):
     assert [l.split()[1] for l in lines[:2]] == ["r", "r"], lines
     out = tmp_path / "prog.kp"
     kprewrite("instrument", prog, "--spec", spec, "-o", out)
-    r = run(out, "x", "y")                 # argc = 3: a's f gives 10, b's 17
+    r = run(out, "x", "y", runner=LOCAL)                 # argc = 3: a's f gives 10, b's 17
     assert r.stdout == "10 17\n"
     got = {l.split()[3]: l.split()[-1] for l in r.stderr.splitlines() if "f__return" in l}
     assert got == {"f__return:": "retval=17", "f__return_1:": "retval=10"}, r.stderr

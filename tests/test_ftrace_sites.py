@@ -13,6 +13,8 @@ from elftools.elf.elffile import ELFFile
 
 from conftest import cc, check_lines, function, instrument, kprewrite, meta, probe_spec, profile, read_at, run, symbols, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's ftrace sites (-mfentry, -mnop-mcount, 5-byte patchable entries)
+
 PROGRAM = r"""
 #include <stdio.h>
 #include <stdlib.h>

@@ -18,6 +18,8 @@ from rewriter import link
 from rewriter.arch import get_arch
 from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 handler code and gcc flags (-mfunction-return, xrstor, SSE)
+
 ARCH = get_arch("x86_64")
 ABI = ARCH.handler_abi
 

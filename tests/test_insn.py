@@ -13,6 +13,8 @@ from capstone import x86 as csx86
 from rewriter.arch.x86_64 import insn as x86insn
 from rewriter.arch.x86_64.insn import InsnInfo, classify, decode_length
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 instruction encodings (rewriter/arch/x86_64/insn.py)
+
 A = 0x401000
 
 # (name, bytes, expected fields).  Unlisted fields are not checked, except that

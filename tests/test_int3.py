@@ -15,6 +15,8 @@ from conftest import (cc, check_lines, function, insns, instrument, kprewrite, p
                       write_spec)
 from rewriter.arch.x86_64 import insn as x86insn
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's int3 emulation classes; AArch64's brk probes: test_aarch64_probes.py
+
 
 def offset_of(binary, func, mnemonic_prefix, nth=0):
     hits = [off for off, i in insns(binary, func) if (i.mnemonic + " " + i.op_str).startswith(mnemonic_prefix)]

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import cc, insns, instrument, kprewrite, profile, run, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 jump tables (rewriter/arch/x86_64/jumptable.py)
+
 PROGRAM = r"""
 #include <stdio.h>
 #include <stdlib.h>

@@ -16,6 +16,8 @@ from rewriter.arch import get_arch
 from rewriter.arch.x86_64 import jumptable as jt
 from rewriter.elf.image import Image
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 jump tables (rewriter/arch/x86_64/jumptable.py)
+
 ARCH = get_arch("x86_64")
 
 SWITCH = r"""

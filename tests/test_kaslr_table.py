@@ -24,6 +24,8 @@ from rewriter.planner import Plan, Site, make_breakpoint
 from rewriter.targets.linux_kernel.x86_64 import kaslr
 from rewriter.targets.linux_kernel.x86_64.bzimage import RelocTable
 
+ARCHES = ["x86_64"]      # x86-64 only: the x86-64 kernel's KASLR relocation table
+
 ARCH = get_arch("x86_64")
 TEXT = 0xFFFFFFFF81000000
 GAP = TEXT + 0x1000              # free space in the text segment: the new code goes there

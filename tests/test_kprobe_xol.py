@@ -15,6 +15,8 @@ from rewriter.arch.base import BOOST, EMULATE, SINGLESTEP
 from rewriter.arch.x86_64 import kprobe_xol as K
 from rewriter.elf.image import Image
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's out-of-line plan (rewriter/arch/x86_64/kprobe_xol.py)
+
 # struct pt_regs of arch/x86/include/asm/ptrace.h, word by word (what kp_int3.c indexes).
 PT_REGS = ["r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi"]
 

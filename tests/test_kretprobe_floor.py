@@ -16,6 +16,8 @@ from elftools.elf.elffile import ELFFile
 
 from conftest import CC, cc, check_lines, instrument, kprewrite, oracle_runs, profile, run, symbols, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (exits with and without a 5-byte region)
+
 LIB = r"""
 #include <stdio.h>
 #include <stdlib.h>

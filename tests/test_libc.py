@@ -21,6 +21,8 @@ import pytest
 from conftest import cc, kprewrite, profile, write_spec
 from realsoft import KPROBES, KRETPROBES
 
+ARCHES = ["x86_64"]      # x86-64 only: Debian's x86-64 libc.so.6; AArch64's real software: test_aarch64_real_software.py
+
 LIBDIR = Path("/lib/x86_64-linux-gnu")
 LIBC = LIBDIR / "libc.so.6"
 LD_SO = LIBDIR / "ld-linux-x86-64.so.2"

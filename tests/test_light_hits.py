@@ -20,6 +20,8 @@ import pytest
 
 from conftest import cc, instrument, meta, profile, read_at, run, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly; AArch64's light hits: test_aarch64_forms.py
+
 PROGRAM = r"""
 /* flagsy(a, b): (2a + 1) if a < b, else -(2a + 1): %rax and the flags of the cmp
    are live across the two leas at flagsy+6 (the probe there is no entry). */

@@ -16,6 +16,9 @@ import pytest
 from rewriter import depfile, link
 from rewriter.link import runtime as link_runtime, toolchain as link_toolchain
 from rewriter.errors import KprewriteError
+from conftest import ALL_ARCHES
+
+ARCHES = ALL_ARCHES
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "runtime"

@@ -6,6 +6,8 @@ import pytest
 
 from conftest import cc, check_lines, insns, instrument, kprewrite, probe_spec, profile, run, symbols, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (the optimizer's checks on 5-byte regions)
+
 ASM = r"""
 __asm__(
 ".text\n"

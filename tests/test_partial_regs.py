@@ -12,6 +12,8 @@ import re
 
 from conftest import cc, instrument, kprewrite, meta, profile, run, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (the partial pt_regs template)
+
 PROG = r"""
 #include <signal.h>
 #include <stdio.h>

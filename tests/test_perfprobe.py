@@ -14,7 +14,7 @@ import pytest
 from conftest import cc, kprewrite, run, write_spec
 from rewriter.trace import formats as tracefmt
 
-ARCHES = ["x86_64"]
+ARCHES = ["x86_64"]      # x86-64 only: gdb's values natively and under qemu-x86_64; AArch64's: test_aarch64_perfprobe.py
 
 PROGRAM = r"""
 #include <stdio.h>

@@ -18,7 +18,7 @@ from conftest import cc, kprewrite, run, write_spec
 from test_perfprobe import gdb_hits
 from rewriter.trace import formats as tracefmt
 
-ARCHES = ["x86_64"]
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's argument registers and stack (the seventh on), %xmm0
 
 PROGRAM = r"""
 #include <stdio.h>

@@ -39,7 +39,7 @@ import conftest
 from conftest import cc, instrument, run, write_spec
 from rewriter.trace import formats as tracefmt
 
-ARCHES = ["x86_64"]
+ARCHES = ["x86_64"]      # x86-64 only: Debian's x86-64 libraries and their debug packages
 pytestmark = pytest.mark.slow
 
 CACHE = Path(os.environ.get("KPREWRITE_DBGSYM_CACHE", Path.home() / ".cache" / "kprewrite" / "dbgsym"))

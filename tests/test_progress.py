@@ -9,7 +9,9 @@ import re
 import select
 import subprocess
 
-from conftest import KPREWRITE, TREE_ENV, cc, kprewrite, write_spec
+from conftest import ALL_ARCHES, KPREWRITE, TREE_ENV, cc, kprewrite, write_spec
+
+ARCHES = ALL_ARCHES
 
 PROG = r"""
 #include <stdio.h>

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import QEMU, cc, instrument, run, write_spec
 from realsoft import KPROBES, KRETPROBES, assert_same_run
+
+ARCHES = ["x86_64"]      # x86-64 only: Debian's x86-64 packages; AArch64's: test_aarch64_real_software.py
 VARIANTS = ["kprobe", "no-optimize", "kretprobe"]
 
 SQL = """

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from conftest import cc, instrument, kprewrite, run, write_spec
+from conftest import ALL_ARCHES, CROSS, FACTS, cc, instrument, kprewrite, run, write_spec
+
+ARCHES = ALL_ARCHES
+LOCAL = "qemu" if CROSS else "native"      # the runner of the tests that run once
 
 PROG = r"""
 #include <stdio.h>
@@ -21,7 +24,7 @@ int main(int argc, char **argv)
     return 0;
 }
 """
-SPEC = 'events = ["p:leaf_entry leaf x=%di:s64", "r:leaf_ret leaf ret=$retval:s64"]\n'
+SPEC = f'events = ["p:leaf_entry leaf x={FACTS.ARG_REGS[0]}:s64", "r:leaf_ret leaf ret=$retval:s64"]\n'
 
 
 def log2_label(v: int) -> str:
@@ -42,7 +45,7 @@ def _trace(tmp_path, n=40):
     prog = cc(tmp_path, "prog", PROG, "-O2")
     out = instrument(prog, write_spec(tmp_path, SPEC))
     trace = tmp_path / "trace.txt"
-    r = run(out, n, env={"KPREWRITE_TRACE": str(trace)})
+    r = run(out, n, runner=LOCAL, env={"KPREWRITE_TRACE": str(trace)})
     assert r.returncode == 0 and r.stdout == f"{sum(i * 1000 - 3000 for i in range(n))}\n"
     return trace
 

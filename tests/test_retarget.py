@@ -16,6 +16,8 @@ import pytest
 
 from conftest import cc, function, instrument, meta, profile, read_at, run, symbols, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (branches into 5-byte regions)
+
 N = 2000
 
 PROGRAM = r"""

@@ -14,6 +14,8 @@ from rewriter.arch.x86_64 import emit as em
 from rewriter.arch.x86_64 import insn as x86insn
 from rewriter.arch.x86_64 import retprobe as rp
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's return-probe emitters (rewriter/arch/x86_64/retprobe.py)
+
 AT = 0x7000_0000          # where the emitted code goes
 SITE = 0x40_1000          # the original code
 HOOK, JMP_HOOK = 0x7100_0000, 0x7100_0040

@@ -12,13 +12,15 @@ import threading
 
 import pytest
 
-from conftest import TREE_ENV, cc, write_spec
+from conftest import ALL_ARCHES, ARCH, TREE_ENV, cc, write_spec
 
 from rewriter.analysis import functions as A
 from rewriter.analysis import workers as W
 from rewriter.arch import get_arch
 from rewriter.errors import KprewriteError
 from rewriter.elf.image import Image
+
+ARCHES = ALL_ARCHES
 
 PROGRAM = r"""
 #include <stdio.h>
@@ -38,6 +40,7 @@ def _state(an):
             {f: (d.boundaries.tobytes(), d.branches, d.exits, d.indirect_jumps) for f, d in an._decoded.items()})
 
 
+@pytest.mark.skipif(ARCH != "x86_64", reason="x86-64's jump tables (arch/x86_64/jumptable.py)")
 def test_analysis_from_the_cache_and_from_workers(tmp_path, monkeypatch):
     """An image's analysis read back from the cache, and one decoded by two worker
     processes, equal the analysis done in one process with no cache."""
@@ -302,6 +305,7 @@ int main(int argc, char **argv) { return argc > 5 ? crossing(argc, argv[0]) : 0;
 """
 
 
+@pytest.mark.skipif(ARCH != "x86_64", reason="x86-64 assembly and jump tables")
 def test_jump_tables_read_by_workers_again_where_an_earlier_table_lands(tmp_path, monkeypatch):
     """The workers read every function's indirect jumps with the targets the other
     sources found; a function an earlier function's jump table lands in is read

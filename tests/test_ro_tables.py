@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cc, instrument, run, symbols, write_spec
+from conftest import ALL_ARCHES, cc, instrument, run, symbols, write_spec
+
+ARCHES = ALL_ARCHES
 
 RUNTIME_INCLUDE = Path(__file__).resolve().parent.parent / "runtime" / "include"
 

@@ -31,6 +31,8 @@ from conftest import ARCH, KPREWRITE, ROOT, TREE_ENV, attributed, cc, instrument
 from rewriter import safety
 from test_kretprobe import FALLBACK
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 programs; AArch64's rules: test_aarch64_safety_rules.py
+
 HANG = 15       # seconds a rule-off run may take before it counts as hung
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import LIBPYTHON, kprewrite
 
+ARCHES = ["x86_64"]      # x86-64 only: the libpython running these tests (the host's)
+
 pytestmark = pytest.mark.skipif(LIBPYTHON is None, reason="this Python has no shared libpython")
 
 REGRTEST = [sys.executable, "-m", "test", "test_json", "test_re", "test_list", "test_bisect"]

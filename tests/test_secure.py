@@ -8,7 +8,8 @@ mode 0600.
 The suite runs as root: the programs are chowned to root, made set-user-ID and
 run as `nobody` through util-linux's setpriv.  Natively only: under qemu-user
 the kernel executes QEMU, not the program, so the set-user-ID bit grants nothing
-and the program is not AT_SECURE (QEMU passes on its own AT_SECURE)."""
+and the program is not AT_SECURE (QEMU passes on its own AT_SECURE); for another
+architecture (KPREWRITE_TEST_ARCH) only that qemu-user case runs."""
 from __future__ import annotations
 
 import os
@@ -20,11 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cc, instrument, write_spec
+from conftest import ALL_ARCHES, CROSS, FACTS, cc, instrument, qemu_command, write_spec
+
+ARCHES = ALL_ARCHES
 
 SETPRIV = shutil.which("setpriv")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,
                                 reason="needs root (to make a set-user-ID program) and setpriv")
+# The kernel must execute the program itself (not qemu-user) for it to be AT_SECURE.
+native = pytest.mark.skipif(CROSS, reason="runs the program natively")
 
 PROGRAM = r"""
 #include <signal.h>
@@ -63,7 +68,7 @@ int main(void)
 }
 """
 
-SPEC = 'events = ["p:w work x=%di:s64"]\n'
+SPEC = f'events = ["p:w work x={FACTS.ARG_REGS[0]}:s64"]\n'
 
 
 @pytest.fixture
@@ -137,6 +142,7 @@ def program(tmp_path, dirs):
     return dst
 
 
+@native
 def test_setuid_ignores_variables(program, dirs):
     """The issue's case: run by nobody, a set-user-ID root program creates no file,
     not even in a directory only root can write, and cannot be silenced."""
@@ -145,6 +151,7 @@ def test_setuid_ignores_variables(program, dirs):
     check_ignored(as_nobody(program, variables(out, private / "trace")), out, private)
 
 
+@native
 def test_static_setuid_ignores_variables(tmp_path, dirs):
     """A static executable: AT_SECURE from the same initial stack, before the C library runs."""
     bindir, out, private = dirs
@@ -157,6 +164,7 @@ def test_static_setuid_ignores_variables(tmp_path, dirs):
     check_honoured(as_nobody(dst, variables(out, out / "trace")), out)
 
 
+@native
 def test_setgid_ignores_variables(program, dirs):
     """Set-group-ID alone makes the program AT_SECURE too."""
     _, out, private = dirs
@@ -165,6 +173,7 @@ def test_setgid_ignores_variables(program, dirs):
     check_ignored(as_nobody(program, variables(out, private / "trace")), out, private)
 
 
+@native
 def test_without_setuid_honours_variables(program, dirs):
     """The same binary without the bit, run by nobody: today's behaviour."""
     _, out, _ = dirs
@@ -172,6 +181,7 @@ def test_without_setuid_honours_variables(program, dirs):
     check_honoured(as_nobody(program, variables(out, out / "trace")), out)
 
 
+@native
 def test_root_honours_variables(program, dirs):
     """Run by root with the bit set (no change of identity: not AT_SECURE)."""
     _, out, _ = dirs
@@ -184,6 +194,7 @@ def test_root_honours_variables(program, dirs):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
+@native
 def test_shared_object_in_setuid_program(tmp_path, dirs):
     """A rewritten shared object reads AT_SECURE from the kernel (prctl(PR_GET_AUXV)
     or /proc/self/auxv), not from the environment array its init is given."""
@@ -205,12 +216,9 @@ def test_shared_object_in_setuid_program(tmp_path, dirs):
 def test_qemu_grants_nothing(program, dirs):
     """Under qemu-user the kernel executes QEMU (not set-user-ID), so the program
     runs as nobody with nobody's rights, is not AT_SECURE, and honours the variables."""
-    from conftest import QEMU
-    if not QEMU:
-        pytest.skip("qemu not installed")
     _, out, _ = dirs
     setuid_root(program, True)
-    cmd = [SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups", QEMU, str(program)]
+    cmd = [SETPRIV, "--reuid=nobody", "--regid=nogroup", "--clear-groups", *qemu_command(), str(program)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                        env={"PATH": "/usr/bin:/bin", **variables(out, out / "trace")})
     check_honoured(r, out)
@@ -230,6 +238,7 @@ int main(void)
 """
 
 
+@native
 def test_files_close_on_exec(tmp_path):
     """The trace file (opened at start-up) is not inherited by a program the
     probed one executes; the profile is only opened at exit."""

@@ -39,7 +39,7 @@ import pytest
 
 from conftest import cc, instrument, profile, write_spec
 
-ARCHES = ["x86_64"]
+ARCHES = ["x86_64"]      # x86-64 only: Debian's x86-64 memcached
 pytestmark = pytest.mark.slow
 
 CACHE = Path(os.environ.get("KPREWRITE_DEBIAN_CACHE", Path.home() / ".cache" / "kprewrite" / "debian"))

@@ -19,6 +19,8 @@ import pytest
 from conftest import cc, check_lines, function, insns, instrument, meta, probe_spec, profile, run, write_spec
 from test_int3 import EVERY_FUNCS, EVERYWHERE, TRACER
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (consecutive instructions in one 5-byte region)
+
 PROG = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>

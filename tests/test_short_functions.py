@@ -11,6 +11,8 @@ import pytest
 
 from conftest import cc, check_lines, instrument, meta, profile, run, symbols, write_spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's 5-byte jump borrowing padding
+
 PROGRAM = r"""
 __asm__(
 ".text\n"

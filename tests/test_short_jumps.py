@@ -22,6 +22,8 @@ import pytest
 
 from conftest import cc, meta, oracle_runs, profile, symbols, with_oracle
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64's 2-byte short jump to a 5-byte jump
+
 PROGRAM = r"""
 __asm__(
 ".text\n"

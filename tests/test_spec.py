@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_spec
+from conftest import ALL_ARCHES, write_spec
 from rewriter.errors import KprewriteError
 from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec, load_spec
+
+ARCHES = ALL_ARCHES
 
 
 def errors(tmp: Path, text: str, *files: str) -> list[str]:

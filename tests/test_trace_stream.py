@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import struct
 
-from conftest import kprewrite
+from conftest import ALL_ARCHES, kprewrite
 from rewriter.trace import binary, callgraph, report, stream
 
-ARCHES = ["x86_64"]
+ARCHES = ALL_ARCHES
 CHUNK, WINDOW, BIAS, BASE = 4096, 4 * 4096, 0x400000, 5_000_000_000
 SYMS = [(0x1000, 0x40, b"fa"), (0x1040, 0x40, b"fb"), (0x1080, 0x40, b"fc"), (0x10c0, 0x40, b"fd"),
         (0x1100, 0x40, b"fu"), (0x1140, 0x40, b"fx")]

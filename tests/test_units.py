@@ -22,6 +22,8 @@ from rewriter.probes.resolve import is_entry, resolve
 from rewriter.analysis.rules import Rules
 from rewriter.probes.spec import KprobeSpec, KretprobeSpec, Spec
 
+ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (the stages on synthetic x86 code)
+
 ARCH = get_arch("x86_64")
 
 
@@ -321,11 +323,14 @@ def test_every_target_answers_the_declared_interface():
             if callable(default):
                 want = list(inspect.signature(default).parameters)[1:]          # without self
                 assert list(inspect.signature(getattr(target, n)).parameters) == want, (folder, n)
-    # The defaults answer: a user program has no notes; a module's back half is its own.
+    # The defaults answer: a user program has no notes; a module goes through the same back
+    # half's steps (no build() of its own), answering them itself, and is not laid out in place.
     from rewriter.targets import linux_module, linux_user
     assert linux_user.notes(None, []) == [] and linux_user.build is None
-    assert callable(linux_module.build) and linux_module.DIFF_REFUSAL
-    with pytest.raises(KprewriteError, match="linux_module: written by its own build"):
+    assert linux_module.build is None and linux_module.DIFF_REFUSAL
+    assert {"lay_out", "tables", "link", "emit", "write"} <= set(declared)
+    assert linux_module.link is not declared["link"] and linux_user.link.__doc__ == declared["link"].__doc__
+    with pytest.raises(KprewriteError, match="linux_module: not laid out in place"):
         linux_module.plan_layout(None)
     with pytest.raises(TypeError, match="lacks rules"):
         base.declare({"__name__": "t", "name": "t", "load_symbols": None})

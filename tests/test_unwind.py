@@ -4,7 +4,7 @@ callers (main -> a -> b -> c, c probed), for an optimized probe (a template
 detour, and an aggregated site's stub through the runtime's shared entry and C
 callback), a breakpoint probe (the runtime's SIGTRAP handler, its signal return)
 and a kretprobe's return handler (a return-site detour and the runtime's return
-hook).  Handlers cannot call the C library, so each executes `ud2`: the
+hook).  Handlers cannot call the C library, so each executes an illegal instruction (`ud2`): the
 program's SIGILL handler takes the backtrace (through the kernel's signal frame
 into the handler, libgcc's unwinder reading the output's PT_GNU_EH_FRAME table)
 and steps over it.  With the image's own table put back (PT_GNU_EH_FRAME as the
@@ -18,7 +18,14 @@ import struct
 
 import pytest
 
-from conftest import cc, instrument, run, write_spec
+from conftest import ALL_ARCHES, CROSS, FACTS, cc, instrument, run, write_spec
+
+ARCHES = ALL_ARCHES
+LOCAL = "qemu" if CROSS else "native"      # the runner of the tests that run once
+# An arch whose back end writes no unwind table for the new code yet (no unwind_info()):
+# every test here fails there, and must pass once it does.
+pytestmark = pytest.mark.xfail(not FACTS.DETOUR_CFI, strict=True,
+                               reason="the back end writes no unwind table for detours (rewriter/targets/linux_user/unwind.py)")
 
 PROGRAM = r"""
 #define _GNU_SOURCE
@@ -34,7 +41,7 @@ static void on_ill(int sig, siginfo_t *si, void *uc)
     int n = backtrace(pcs, 64);
     backtrace_symbols_fd(pcs, n, 1);
     write(1, "--\n", 3);
-    ((ucontext_t *)uc)->uc_mcontext.gregs[REG_RIP] += 2;     /* over the handler's ud2 */
+    ((ucontext_t *)uc)->UC_PC += ILL_SIZE;     /* over the handler's illegal instruction */
 }
 volatile int sink;
 __attribute__((noinline)) int c(int x) { sink += x; return x * 3 + sink; }
@@ -51,7 +58,7 @@ int main(void)
     printf("r=%d\n", a(1));
     return 0;
 }
-"""
+""".replace("UC_PC", FACTS.UC_PC).replace("ILL_SIZE", str(FACTS.ILLEGAL_INSN[1]))
 
 HANDLERS = r"""
 #include <linux/kprobes.h>
@@ -59,7 +66,7 @@ static int n;
 int pre(struct kprobe *p, struct pt_regs *regs) { __asm__ volatile("ud2"); return 0; }
 int count(struct kprobe *p, struct pt_regs *regs) { n++; return 0; }
 int ret(struct kretprobe_instance *ri, struct pt_regs *regs) { __asm__ volatile("ud2"); return 0; }
-"""
+""".replace("ud2", FACTS.ILLEGAL_INSN[0])
 
 SPECS = {
     "optimized": ('[[kprobe]]\nsymbol_name = "c"\npre_handler = "pre"\n', ()),
@@ -99,7 +106,7 @@ def test_backtrace_in_handler_reaches_the_callers(prog, tmp_path, kind):
     text, extra = SPECS[kind]
     spec = write_spec(tmp_path, 'handlers = ["handlers.c"]\n' + text, HANDLERS)
     out = instrument(prog, spec, tmp_path / "prog.kp", *extra)
-    r = run(out)
+    r = run(out, runner=LOCAL)
     assert r.returncode == 0 and "r=15" in r.stdout, (r.returncode, r.stdout, r.stderr)
     names = frames(r.stdout)
     assert "c" in names, r.stdout
@@ -119,7 +126,7 @@ def test_backtrace_in_handler_reaches_the_callers(prog, tmp_path, kind):
     old = tmp_path / "prog.oldtable"
     old.write_bytes(bytes(data))
     old.chmod(0o755)
-    r = run(old)
+    r = run(old, runner=LOCAL)
     assert "c" not in frames(r.stdout), r.stdout
 
 

@@ -1,8 +1,11 @@
 """The compiled runtime: runtime/ built for (arch, platform) from the platform's
 recipe (rewriter/targets/<platform>/recipe.py: sources in link order, flags, the
 arch's folders it uses) and the arch's flags (rewriter/arch/<arch>/toolchain.py),
-cached per contents of the runtime tree, compiler, flags, arch and platform; its
-kp_asm_offsets.h (the kernel's asm-offsets) for the emitted code."""
+cached per contents of the runtime tree, compiler, flags, arch and platform (and the
+recipe's variant, when a target asks for one: VARIANTS, its extra flags); its
+kp_asm_offsets.h (the kernel's asm-offsets) for the emitted code.  A recipe may name its
+.S files (ASM_SOURCES; else every .S of the arch's folders) and go without asm-offsets
+(ASM_OFFSETS = False)."""
 from __future__ import annotations
 
 import atexit
@@ -86,23 +89,40 @@ class _Roles(dict):
 def _runtime_files(arch, platform: str) -> tuple[list[str], list[str], list[str]]:
     """(C sources in link order, the arch's .S files, the asm-offsets sources), relative to RUNTIME_DIR."""
     d = _folders(arch, platform)
+    r = recipe(platform)
     # The arch's own names for the files a recipe names by role ({breakpoint}...).
     name = arch_name(arch) or default_arch()
     fields = _Roles({**arch_toolchain(name).RUNTIME_FILES, **d}, name, platform)
-    c = [src.format_map(fields) for src in recipe(platform).SOURCES]
-    asm = [f"{folder}/{p.name}" for folder in (d["arch"], *_arch_folders(arch, platform))
-           for p in sorted((RUNTIME_DIR / folder).glob("*.S"))]
-    offsets = [src.format(**d) for src in ASM_OFFSETS_SOURCES if (RUNTIME_DIR / src.format(**d)).exists()]
+    c = [src.format_map(fields) for src in r.SOURCES]
+    if getattr(r, "ASM_SOURCES", None) is not None:
+        asm = [src.format_map(fields) for src in r.ASM_SOURCES]
+    else:
+        asm = [f"{folder}/{p.name}" for folder in (d["arch"], *_arch_folders(arch, platform))
+               for p in sorted((RUNTIME_DIR / folder).glob("*.S"))]
+    offsets = [src.format(**d) for src in ASM_OFFSETS_SOURCES
+               if getattr(r, "ASM_OFFSETS", True) and (RUNTIME_DIR / src.format(**d)).exists()]
     return c, asm, offsets
 
 
+def variant_flags(platform: str, variant: str | None) -> tuple[str, ...]:
+    """The extra C flags of a recipe's variant (its VARIANTS); none for None."""
+    if variant is None:
+        return ()
+    variants = getattr(recipe(platform), "VARIANTS", {})
+    if variant not in variants:
+        raise KprewriteError(f"the {platform} runtime has no variant '{variant}' (VARIANTS in "
+                             f"rewriter/targets/{platform}/recipe.py)")
+    return tuple(variants[variant])
+
+
 @functools.lru_cache(maxsize=None)
-def _runtime_key(cc: str, arch: str, platform: str) -> str:
+def _runtime_key(cc: str, arch: str, platform: str, variant: str | None = None) -> str:
     """What the compiled runtime depends on: every file of the runtime tree
-    (sources and headers, by contents), the compiler, the flags, arch and platform."""
+    (sources and headers, by contents), the compiler, the flags, arch, platform and variant."""
     h = hashlib.sha256()
     c_srcs, asm_srcs, _ = _runtime_files(arch, platform)
-    for part in (CACHE_FORMAT, arch, platform, *compiler_identity(cc), *cflags(arch, platform), *c_srcs,
+    extra = ("variant", variant, *variant_flags(platform, variant)) if variant is not None else ()
+    for part in (CACHE_FORMAT, arch, platform, *compiler_identity(cc), *cflags(arch, platform), *extra, *c_srcs,
                  *ASM_OFFSETS_SOURCES, *asm_srcs):
         h.update(part.encode() + b"\0")
     for f in runtime_sources():
@@ -110,10 +130,10 @@ def _runtime_key(cc: str, arch: str, platform: str) -> str:
     return h.hexdigest()[:32]
 
 
-def runtime_key(cc: str, arch: str, platform: str) -> str:
+def runtime_key(cc: str, arch: str, platform: str, variant: str | None = None) -> str:
     """The runtime's cache key (its sources, headers, compiler, flags): what a cached
     link of code compiled against its headers depends on too."""
-    return _runtime_key(cc, arch, platform)
+    return _runtime_key(cc, arch, platform, variant)
 
 
 def _object(src: str) -> str:
@@ -121,10 +141,10 @@ def _object(src: str) -> str:
     return "rt_" + (Path(src).name if src.endswith(".S") else src.replace("/", "_")) + ".o"
 
 
-def _build_runtime(cc: str, arch: str, platform: str, out: Path) -> None:
+def _build_runtime(cc: str, arch: str, platform: str, out: Path, variant: str | None = None) -> None:
     """Compile the runtime into `out`: asm-offsets.h and the objects."""
     inc = _includes(arch, platform)
-    flags = cflags(arch, platform)
+    flags = (*cflags(arch, platform), *variant_flags(platform, variant))
     c_srcs, asm_srcs, offset_srcs = _runtime_files(arch, platform)
     lines = []
     for i, src in enumerate(offset_srcs):
@@ -172,16 +192,17 @@ def _intact(entry: Path) -> bool:
 _BUILT: dict[str, Path] = {}
 
 
-def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
+def _runtime_build(cc: str, arch=None, platform: str = PLATFORM, variant: str | None = None) -> Path:
     """The folder holding the compiled runtime for (sources, compiler, flags,
     arch, platform): the cache's entry, built once (in a temporary folder
     renamed into place, so concurrent processes never see half an entry); or,
     if the cache cannot be written, a temporary folder built once for this process."""
     arch = arch_name(arch) or default_arch(cc)
-    key = _runtime_key(cc, arch, platform)
+    key = _runtime_key(cc, arch, platform, variant)
     if key in _BUILT:
         return _BUILT[key]
-    entry = cache.cache_dir() / f"runtime-{arch}-{platform}-{key}"
+    kind = f"runtime-{arch}-{platform}" + (f"-{variant}" if variant else "")
+    entry = cache.cache_dir() / f"{kind}-{key}"
     private = cache.trusted()   # else built in a temporary folder (below), as when it cannot be written
     if private and entry.is_dir() and not _intact(entry):
         # Damaged: set aside (another process may be reading it) and built again below.
@@ -204,13 +225,13 @@ def _runtime_build(cc: str, arch=None, platform: str = PLATFORM) -> Path:
         except OSError:
             entry = Path(tempfile.mkdtemp(prefix="kprewrite-runtime-"))
             atexit.register(shutil.rmtree, entry, ignore_errors=True)
-            _build_runtime(cc, arch, platform, entry)
+            _build_runtime(cc, arch, platform, entry, variant)
             _BUILT[key] = entry
             return entry
         try:
-            _build_runtime(cc, arch, platform, tmp)
+            _build_runtime(cc, arch, platform, tmp, variant)
             os.rename(tmp, entry)
-            cache.prune(entry.parent.glob(f"runtime-{arch}-{platform}-*"))
+            cache.prune(entry.parent.glob(f"{kind}-*"))
         except OSError:
             if not entry.is_dir():      # not another process's entry: a failed rename
                 raise
@@ -229,11 +250,12 @@ def asm_offsets(arch=None, platform: str = PLATFORM) -> dict[str, int]:
     return {name: int(value) for name, value in re.findall(r"^#define (\w+) (-?\d+)$", header.read_text(), re.M)}
 
 
-def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: str = PLATFORM) -> list[Path]:
+def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: str = PLATFORM,
+                    variant: str | None = None) -> list[Path]:
     """The runtime's objects in link order, compiled once per (sources,
-    compiler, flags, arch, platform) and cached (_runtime_build(); workdir is
+    compiler, flags, arch, platform, variant) and cached (_runtime_build(); workdir is
     not needed)."""
-    out = _runtime_build(cc, arch, platform)
+    out = _runtime_build(cc, arch, platform, variant)
     c_srcs, asm_srcs, _ = _runtime_files(arch_name(arch) or default_arch(cc), platform)
     return [out / _object(src) for src in c_srcs + asm_srcs]
 

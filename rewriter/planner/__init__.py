@@ -56,7 +56,12 @@ def plan(image, analysis, arch, probes: list[Probe], rules, optimize: bool, spec
         if p.from_glob:
             into.skipped[check].append(p)
         else:
-            into.errors.append(f"{where(spec_name, p.spec.table)} ({p.label}): {reason}")
+            # Named as `check` names it (report.check_line()): the check and its address, so
+            # the two say the same of a probe.
+            text = str(reason)
+            if not text.startswith(check):
+                text = f"{check} at {p.addr if addr is None else addr:#x}: {text}"
+            into.errors.append(f"{where(spec_name, p.spec.table)} ({p.label}): {text}")
 
     for p in probes:
         if is_entry(p):

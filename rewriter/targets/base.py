@@ -8,8 +8,16 @@ the defaults below and refuses a target that lacks a required member.  A new tar
 a folder beside them with these members, and one line in targets.for_image().
 
 Members without a default (REQUIRED) are what every image is asked: its name, its
-symbols, its rules.  The back half's members (plan_layout ... diff_expected) default to a
-refusal naming the target, for a target that writes its output by its own `build`.
+symbols, its rules.
+
+The back half (pipeline.build()) is the same steps for every target, each asked of the
+target: lay_out -> tables -> the runtime (link/runtime.py's builder and cache, for every target:
+its recipe.py, as runtime_variant() says) -> link -> unlinked, emit -> write.  Their defaults are the shared stages for an image
+laid out in place (new segments at addresses the rewriter chooses: emit/layout.py,
+emit/tables.py, link/blob.py, emit/emission.py), which ask the in-place members
+(plan_layout, reserve_stubs, tables_c, table_base, address_c, write); those default to a
+refusal naming the target.  A target whose loader lays it out (a kernel module: `ld -r`,
+its own relocations, ORC entries and the loader's order) answers the steps themselves.
 """
 from __future__ import annotations
 
@@ -107,10 +115,49 @@ class Target:
         expression the linker relocates (a kernel moved by KASLR)."""
         _own_build(self, "address_c")
 
-    # --- the output ---
-    # A target that writes its output by a linker of its own (a kernel module: `ld -r`)
-    # answers build(session, objs, workdir, progress) -> bytes; the pipeline's layout,
-    # tables, link and write are then not asked.  None: the pipeline's back half.
+    # --- the back half: pipeline.build() asks these in this order ---
+    def lay_out(self, s, code) -> Any:
+        """Where the new code and data go, for session s (code: emission.Code): an object the
+        later steps get as `lay`, with detour(site) (the address `list` shows; 0: none known
+        before a loader's).  Default: emit/layout.py's in place (plan_layout, reserve_stubs)."""
+        from ..emit import layout
+        return layout.place(code, s.target)
+
+    def tables(self, s, code, lay) -> Any:
+        """The generated sources compiled with the runtime (what differs per rewrite: the
+        probes' facts).  Default: emit/tables.py's probe table (tables_c, table_base, address_c)."""
+        from ..emit import tables
+        return tables.generate(code, lay, s.target, s.traces)
+
+    def runtime_variant(self, s, lay) -> str | None:
+        """Which of its recipe's VARIANTS the runtime is built as (link/runtime.py: built and
+        cached per variant), None: the recipe's flags alone."""
+        return None
+
+    def link(self, s, lay, table, runtime: list, objs: list, workdir, cc: str) -> Any:
+        """The link, started: an object whose join() waits for it and result() is the linked
+        output emit() and write() get as `blob` (link/blob.py's Linked, Linking).  runtime:
+        link/runtime.py's objects of runtime/ for this target (its recipe.py), objs: the
+        handlers'.  Default: the table, runtime and handlers linked at the layout's addresses
+        (link/blob.py: in a thread, cached)."""
+        from ..link import blob
+        return blob.start(s, lay, table, runtime, objs, workdir, cc)
+
+    def unlinked(self, s, code, lay) -> Any:
+        """What emit() needs that the link does not change, made while the link runs (default:
+        emission.unlinked(): the code and patches that do not reach the runtime)."""
+        from ..emit import emission
+        return emission.unlinked(code, lay)
+
+    def emit(self, s, code, lay, blob, unlinked) -> tuple[Any, list]:
+        """(rx, patches) for write(): the new code at its addresses and the image's bytes to
+        change (default: emission.emit() with the linked symbols)."""
+        from ..emit import emission
+        return emission.emit(code, lay, blob.symbols, unlinked)
+
+    # A target that writes its whole output by a back half of its own (today the arm64
+    # kernel: targets/linux_kernel/aarch64/build.py) answers build(session, objs, workdir,
+    # progress) -> bytes, and the steps above are not asked.  None: the steps.
     build = None
 
     def before_link(self, image, arch, layout, plan) -> Any:
@@ -132,8 +179,8 @@ class Target:
 
 
 def _own_build(target, member: str):
-    raise KprewriteError(f"{target['name'] if isinstance(target, dict) else target.name}: written by its own "
-                         f"build(), not laid out in place ({member})")
+    raise KprewriteError(f"{target['name'] if isinstance(target, dict) else target.name}: not laid out in "
+                         f"place ({member}): its back half's steps are its own")
 
 
 def members() -> dict[str, Any]:

@@ -152,6 +152,7 @@ def test_instrument_is_all_or_nothing_and_says_what_is_missing(tmp_path, debian_
     assert r.returncode == 1 and not out.exists()
     assert r.stderr.splitlines() == [
         "kprewrite: probes.toml: [[kprobe]] #2 (kprobe_int3_handler+0x0): "
+        f"blacklist at {kimage.symbols['kprobe_int3_handler'][0]:#x}: "
         f"{kimage.symbols['kprobe_int3_handler'][0]:#x} is blacklisted: NOKPROBE_SYMBOL (kprobe_int3_handler)"]
     # Without the refused probe, the same image is written (test_kernel_probes.py boots such images).
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "do_sys_openat2"\n')

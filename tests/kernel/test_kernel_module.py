@@ -565,6 +565,34 @@ def _versions(ko: Path) -> dict[str, int]:
             for i in range(0, len(raw) - 63, 64)}
 
 
+def _undefined(obj: Path) -> set[str]:
+    out = subprocess.run(["nm", "-u", str(obj)], capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+def test_module_runtime_is_the_cached_runtime(rewritten_romfs):
+    """A module's fetch and trace code is the runtime link/runtime.py builds from the module's
+    recipe and caches, as every target's: the same objects in both variants, the event_calls one
+    (the kernel's BTF read: the events are the kernel's own event calls) calling
+    kp_platform_trace_record(), the other not; the rewritten romfs (events, the kernel's BTF)
+    holds the variant's code."""
+    from rewriter.link import compiler, runtime as lr
+    cc = compiler("x86_64")
+    plain = lr.compile_runtime(cc, None, "x86_64", "linux_module")
+    calls = lr.compile_runtime(cc, None, "x86_64", "linux_module", "event_calls")
+    assert [p.name for p in plain] == [p.name for p in calls] == [
+        "rt_kp_lib.c.o", "rt_kp_line.c.o", "rt_kp_fetch.c.o", "rt_kp_trace.c.o", "rt_platform_linux_module_platform.c.o"]
+    assert plain[0].parent != calls[0].parent and all(p.is_file() for p in plain + calls)
+    assert "kp_platform_trace_record" in _undefined(calls[3]) - _undefined(plain[3])
+    assert lr.compile_runtime(cc, None, "x86_64", "linux_module", "event_calls") == calls     # built once
+    with pytest.raises(Exception, match="no variant 'nope'"):
+        lr.compile_runtime(cc, None, "x86_64", "linux_module", "nope")
+    # kp_trace.c's record path is in the module: its call of the event calls' kp_platform_trace_record().
+    dis = subprocess.run(["objdump", "-dr", "-j", ".text.kprewrite_c", str(rewritten_romfs)], capture_output=True,
+                         text=True, check=True).stdout
+    assert re.search(r"call.*<kp_platform_trace_record>|R_X86_64_PLT32\s+kp_platform_trace_record", dis), dis[-2000:]
+
+
 def test_new_imports_get_their_crcs(romfs, rewritten_romfs, symvers):
     """What the module's runtime calls and the module did not (__trace_puts, debugfs...) is in its
     __versions with the kernel's CRC; what it had is kept."""
@@ -1114,3 +1142,55 @@ def test_module_without_exit_refused_by_check_and_instrument(romfs, tmp_path):
     r = kprewrite("instrument", bad, "--spec", spec, "-o", out, check=False)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [want], r.stderr
     assert not out.exists() and bad.read_bytes() == data.replace(b"\0cleanup_module\0", b"\0cleanup_modulX\0")
+
+
+def _text_sites(ko: Path, every: int) -> list[tuple[str, int]]:
+    """(function, offset) of every `every`-th instruction boundary of a module's .text (objdump's),
+    in functions of 30 bytes or more."""
+    starts = {v: n for n, (sec, v, size) in _func_syms(ko).items() if sec == ".text" and size >= 30}
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text", str(ko)], capture_output=True,
+                         text=True, check=True).stdout
+    sites, func = [], None
+    for m in re.finditer(r"^(?:([0-9a-f]+) <(\S+)>:|\s+([0-9a-f]+):)", dis, re.M):
+        if m.group(1):
+            func = (starts.get(int(m.group(1), 16)), int(m.group(1), 16))
+        elif func and func[0]:
+            sites.append((func[0], int(m.group(3), 16) - func[1]))
+    return sites[::every]
+
+
+# Each module's spec: a probe placed, and probes refused by the module's rules (romfs: .init.text,
+# a kernel function's stand-in, a kretprobe there, a breakpoint on a return thunk's jump; loop: a
+# breakpoint in a module parameter's set, before the module's init; kvm-amd: a sample of its .text,
+# alternatives, static calls, BUG sites, bytes no function covers), and the checks they must name.
+REFUSING = {
+    "romfs": ('[[kprobe]]\nsymbol_name = "romfs_get_tree"\n[[kprobe]]\nsymbol_name = "init_romfs_fs"\n'
+              '[[kprobe]]\nsymbol_name = "_printk"\n[[kprobe]]\nsymbol_name = "romfs_init_fs_context"\noffset = 0xe\n'
+              '[[kretprobe]]\nsymbol_name = "init_romfs_fs"\n', {"blacklist", ".return_sites"}),
+    "loop": ('[[kprobe]]\nsymbol_name = "max_loop_param_set_int"\noffset = 0x15\n'
+             '[[kprobe]]\nsymbol_name = "max_loop_param_set_int"\n', {"module_int3"}),
+    "kvm-amd": (None, {"blacklist", "no_function", ".return_sites"}),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSING))
+def test_check_refuses_what_instrument_refuses(modules, symvers, tmp_path, name):
+    """`check` on a module refuses exactly the probes `instrument` refuses, each with the same
+    check and address (instrument's error line names them as check's line does), and says so on
+    standard error in instrument's own lines; both exit 1 and instrument writes nothing."""
+    ko = modules[name]
+    text, checks = REFUSING[name]
+    if text is None:
+        text = "".join(f'[[kprobe]]\nsymbol_name = "{f}"\noffset = {o}\n' for f, o in _text_sites(ko, 9))
+    spec = tmp_path / "probes.toml"
+    spec.write_text(text)
+    c = kprewrite("check", ko, "--spec", spec, check=False)
+    out = tmp_path / "out.ko"
+    i = kprewrite("instrument", ko, "--spec", spec, "--system-map", symvers, "-o", out, check=False)
+    assert c.returncode == 1 and i.returncode == 1 and not out.exists(), (c.returncode, i.returncode, i.stderr)
+    refused = re.findall(r"^(\S+)  [kr]  refused  (.+?) at (0x[0-9a-f]+): ", c.stdout, re.M)
+    errors = re.findall(r"^kprewrite: probes\.toml: \[\[k(?:ret)?probe\]\] #\d+ \((\S+)\): (.+?) at (0x[0-9a-f]+): ",
+                        i.stderr, re.M)
+    assert len(errors) == len(i.stderr.strip().splitlines()), i.stderr      # every line names its check
+    assert sorted(refused) == sorted(errors) and checks <= {ch for _, ch, _ in refused}, (refused, errors)
+    assert c.stderr.strip().splitlines() == i.stderr.strip().splitlines()

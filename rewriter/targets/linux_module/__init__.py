@@ -13,7 +13,8 @@ refused with one line:
   .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
   .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
   init) and the kernel's symbols the module refers to (stand-ins in the view);
-- x86_64/writer.py: the rewritten module, linked with `ld -r` (kprobes and kretprobes at
+- x86_64/writer.py: the rewritten module through the back half's steps (lay_out, tables,
+  link, emit, write: targets/base.py), linked with `ld -r` (kprobes and kretprobes at
   ftrace sites, kprobes inside functions as optimized probes (x86_64/optprobe.py: the
   region's copy carrying the module's relocations), else as breakpoint probes taken by the
   module's own die notifier (each instruction run from a slot copied the same way), C
@@ -167,9 +168,38 @@ DIFF_REFUSAL = ("a kernel module is relinked (ld -r) when written, so its sectio
                 "`kprewrite list` shows the rewritten module's probes")
 
 
-def build(s, objs, workdir, progress=None) -> bytes:
-    """The rewritten module, linked with `ld -r` by its architecture's writer."""
-    return _part(s.image, "writer").build(s, objs, workdir, progress)
+# The back half's steps (targets/base.py; pipeline.build() asks them as of every target),
+# answered by the module's architecture's writer: the loader's layout, the generated sources,
+# `ld -r` with the module (ORC entries, __versions), the module's relocations pointed at
+# our code, the .kprewrite.meta section.
+def lay_out(s, code):
+    return _part(s.image, "writer").lay_out(s, code)
+
+
+def tables(s, code, lay):
+    return _part(s.image, "writer").tables(s, code, lay)
+
+
+def runtime_variant(s, lay) -> str | None:
+    """The module runtime's event_calls variant when its events are the kernel's own event
+    calls (the kernel's BTF read: recipe.py), else its recipe's flags alone."""
+    return "event_calls" if lay.calls is not None else None
+
+
+def link(s, lay, table, runtime: list, objs: list, workdir, cc: str):
+    return _part(s.image, "writer").link(s, lay, table, runtime, objs, workdir, cc)
+
+
+def unlinked(s, code, lay):
+    return None
+
+
+def emit(s, code, lay, blob, unlinked):
+    return _part(s.image, "writer").emit(s, code, lay, blob, unlinked)
+
+
+def write(image, arch, layout, rx, patches, blob, metadata: bytes, plan, early=None) -> bytes:
+    return _part(image, "writer").write(image, arch, layout, rx, patches, blob, metadata, plan, early)
 
 
 def refusals(image, plan, traces, spec_name: str) -> list[str]:

@@ -97,48 +97,58 @@ static void kp_simulate(const struct kp_breakpoint_site *d, struct pt_regs *regs
 	regs->pc = next;
 }
 
-/* The arch's half of a hit (kp_breakpoint.h): simulate-insn.c's instructions simulated,
- * else the copy stepped (setup_singlestep(): the copy, then brk #0x006). */
-static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_breakpoint_site *d, struct kp_site *s,
-									     struct pt_regs *regs, unsigned long bias,
-									     int r, int ss_trap)
+/* The arch's hooks (kp_breakpoint.h). */
+
+/* The brk's own address: the kernel reports the pc at it. */
+KP_ARCH_BREAKPOINT_HOOK unsigned long kp_arch_breakpoint_addr(const struct pt_regs *regs)
 {
-	(void)ss_trap;
-	if (d->mode == KP_XOL_SIMULATE) {
-		kp_simulate(d, regs, bias);
-		if (r == KP_TRAP_RUN)
-			kp_trap_post(s, regs);
-	} else {
-		regs->pc = d->slot + bias;
-	}
+	return regs->pc;
 }
 
-/*
- * kprobe_breakpoint_handler() / kprobe_breakpoint_ss_handler() on the trap's
- * registers: 1 if the brk was ours (regs updated to resume), 0 otherwise.
- * regs->pc is the brk's address, as the kernel reports it.
- */
-int kp_arch_breakpoint_regs(struct pt_regs *regs, int ss_trap)
+/* A detour's slow resume (optprobe_entry.S's brk, no probe's): all of the pt_regs at sp,
+ * the arithmetic flags of pstate. */
+KP_ARCH_BREAKPOINT_HOOK int kp_arch_breakpoint_own(struct pt_regs *regs)
 {
-	if (unlikely(kp_rt.state != 2))
-		kp_relocate();
-	unsigned long bias = kp_rt.bias, pc = regs->pc;
-	if (unlikely(pc == (unsigned long)kp_optprobe_resume_brk)) {
-		/* A detour's slow resume (optprobe_entry.S): all of the pt_regs at sp. */
-		const struct pt_regs *saved = (const struct pt_regs *)regs->sp;
-		for (int i = 0; i < 31; i++)
-			regs->regs[i] = saved->regs[i];
-		regs->sp = saved->sp;
-		regs->pc = saved->pc;
-		regs->pstate = (regs->pstate & ~KP_ARITH_FLAGS) | (saved->pstate & KP_ARITH_FLAGS);
-		return 1;
-	}
-	struct kp_breakpoint_site *d = kp_breakpoint_lookup(pc - bias);
-	if (d)
-		return kp_breakpoint_hit(d, regs, bias, ss_trap);
-	if (kp_nbreakpoint_ss && (d = kp_breakpoint_ss_lookup(pc - bias)))
-		/* kprobes_post_process_ss(): the copy was no branch, so the
-		 * original next instruction follows. */
-		return kp_breakpoint_ss_done(d, regs, d->addr + bias + 4);
-	return 0;
+	if (likely(regs->pc != (unsigned long)kp_optprobe_resume_brk))
+		return 0;
+	const struct pt_regs *saved = (const struct pt_regs *)regs->sp;
+	for (int i = 0; i < 31; i++)
+		regs->regs[i] = saved->regs[i];
+	regs->sp = saved->sp;
+	regs->pc = saved->pc;
+	regs->pstate = (regs->pstate & ~KP_ARITH_FLAGS) | (saved->pstate & KP_ARITH_FLAGS);
+	return 1;
+}
+
+/* A single-stepped copy ends with brk #0x006, at its own address. */
+KP_ARCH_BREAKPOINT_HOOK unsigned long kp_arch_breakpoint_ss_end(const struct pt_regs *regs, int ss_trap)
+{
+	(void)ss_trap;
+	return regs->pc;
+}
+
+/* simulate-insn.c's instructions (PC-relative and branches). */
+KP_ARCH_BREAKPOINT_HOOK int kp_arch_breakpoint_emulate(const struct kp_breakpoint_site *d, struct pt_regs *regs,
+							  unsigned long bias)
+{
+	if (d->mode != KP_XOL_SIMULATE)
+		return 0;
+	kp_simulate(d, regs, bias);
+	return 1;
+}
+
+/* setup_singlestep(): the copy, then brk #0x006. */
+KP_ARCH_BREAKPOINT_HOOK void kp_arch_breakpoint_resume(const struct kp_breakpoint_site *d, struct pt_regs *regs,
+							 unsigned long bias, int ss_trap)
+{
+	(void)ss_trap;
+	regs->pc = d->slot + bias;
+}
+
+/* kprobes_post_process_ss(): the copy was no branch, so the original next instruction
+ * follows. */
+KP_ARCH_BREAKPOINT_HOOK void kp_arch_breakpoint_ss_resume(const struct kp_breakpoint_site *d, struct pt_regs *regs,
+							    unsigned long bias)
+{
+	regs->pc = d->addr + bias + 4;
 }

@@ -105,54 +105,56 @@ static void kp_emulate(const struct kp_breakpoint_site *d, struct pt_regs *regs,
 	}
 }
 
-/* The arch's half of a hit (kp_breakpoint.h): prepare_emulation()'s branches emulated,
- * a boosted copy run, or a copy single-stepped (the trap flag, or the int3 after it). */
-static inline __attribute__((always_inline)) void kp_arch_breakpoint_resume(const struct kp_breakpoint_site *d, struct kp_site *s,
-									     struct pt_regs *regs, unsigned long bias,
-									     int r, int ss_trap)
+/* The arch's hooks (kp_breakpoint.h). */
+
+/* kprobe_int3_handler(): the int3 is the byte before the trap's ip. */
+KP_ARCH_BREAKPOINT_HOOK unsigned long kp_arch_breakpoint_addr(const struct pt_regs *regs)
 {
-	switch (d->mode) {
-	case KP_XOL_EMULATE:
-		kp_emulate(d, regs, bias);
-		if (r == KP_TRAP_RUN)
-			kp_trap_post(s, regs);
-		break;
-	case KP_XOL_BOOST:	/* the slot runs the post stub itself */
-		regs->ip = d->slot + bias;
-		break;
-	default:		/* single-step: trap again after the copy */
-		regs->ip = d->slot + bias;
-		if (!ss_trap)
-			regs->flags |= X86_EFLAGS_TF;
-		break;
-	}
+	return regs->ip - 1;
 }
 
-/*
- * kprobe_int3_handler() on the trap's registers: 1 if the trap follows one of
- * our int3s, or the end of one of our single-stepped copies (`ss_trap`: the
- * trap's ip there: the copy's end under the trap flag, one byte past it where
- * an int3 follows the copy, as the kernel's own kprobes do since 5.14), with
- * regs updated to resume; 0 otherwise (nothing changed).
- */
-int kp_arch_breakpoint_regs(struct pt_regs *regs, int ss_trap)
+/* No trap of its own: every int3 of the runtime is a probe's or a copy's end. */
+KP_ARCH_BREAKPOINT_HOOK int kp_arch_breakpoint_own(struct pt_regs *regs)
 {
-#ifndef KP_PLATFORM_NO_STARTUP	/* a kernel's runtime is linked where it runs */
-	if (unlikely(kp_rt.state != 2))
-		kp_relocate();
-#endif
-	unsigned long bias = kp_rt.bias, ip = regs->ip;
-	struct kp_breakpoint_site *d = kp_breakpoint_lookup(ip - 1 - bias);
-	if (d)
-		return kp_breakpoint_hit(d, regs, bias, ss_trap);
-	if (kp_nbreakpoint_ss && (ss_trap || (regs->flags & X86_EFLAGS_TF)) &&
-	    (d = kp_breakpoint_ss_lookup(ip - ss_trap - bias))) {
-		/* resume_singlestep(): the copy was not a branch, so the original
-		 * next instruction follows; RIP-relative operands were relocated. */
-		regs->flags &= ~X86_EFLAGS_TF;
-		return kp_breakpoint_ss_done(d, regs, d->addr + bias + d->size);
-	}
+	(void)regs;
 	return 0;
+}
+
+/* A single-stepped copy ends under the trap flag (the trap's ip is the copy's end) or,
+ * with ss_trap, at the int3 after it (as the kernel's own kprobes since 5.14: one byte
+ * past the end); no other trap can be a copy's end. */
+KP_ARCH_BREAKPOINT_HOOK unsigned long kp_arch_breakpoint_ss_end(const struct pt_regs *regs, int ss_trap)
+{
+	return ss_trap || (regs->flags & X86_EFLAGS_TF) ? regs->ip - ss_trap : 0;
+}
+
+/* prepare_emulation()'s branches. */
+KP_ARCH_BREAKPOINT_HOOK int kp_arch_breakpoint_emulate(const struct kp_breakpoint_site *d, struct pt_regs *regs,
+							  unsigned long bias)
+{
+	if (d->mode != KP_XOL_EMULATE)
+		return 0;
+	kp_emulate(d, regs, bias);
+	return 1;
+}
+
+/* A boosted copy (the slot runs the post stub itself and jumps back), or a copy
+ * single-stepped: the trap flag, or the int3 after it. */
+KP_ARCH_BREAKPOINT_HOOK void kp_arch_breakpoint_resume(const struct kp_breakpoint_site *d, struct pt_regs *regs,
+							 unsigned long bias, int ss_trap)
+{
+	regs->ip = d->slot + bias;
+	if (d->mode != KP_XOL_BOOST && !ss_trap)
+		regs->flags |= X86_EFLAGS_TF;
+}
+
+/* resume_singlestep(): RIP-relative operands were relocated in the copy, so only the ip
+ * moves back, after the original; the trap flag ends. */
+KP_ARCH_BREAKPOINT_HOOK void kp_arch_breakpoint_ss_resume(const struct kp_breakpoint_site *d, struct pt_regs *regs,
+							    unsigned long bias)
+{
+	regs->flags &= ~X86_EFLAGS_TF;
+	regs->ip = d->addr + bias + d->size;
 }
 
 /*

@@ -6,9 +6,9 @@ The kernel's ORC unwinder finds a module address's entry in the module's own tab
 unwind_module_init() sorted at load): the nearest entry at or below the address.  Code
 ld -r adds after the module's would get whatever entry precedes it (a section's
 terminator: the unwind stops there).  So each piece of our code gets the entries objtool
-would have written for it, as assembler lines (ENTRY_MACRO_S: one PC32 relocation in
-.orc_unwind_ip and six bytes in .orc_unwind per entry, as objtool emits them; ld -r appends
-them to the module's):
+would have written for it, as assembler lines (ENTRY_MACRO_S, from
+runtime/arch/x86_64/linux_module/kp_module_orc.S: one PC32 relocation in .orc_unwind_ip and
+six bytes in .orc_unwind per entry, as objtool emits them; ld -r appends them to the module's):
 
 - the runtime and handlers (C, compiled with frame pointers: the kernel recipe's flags):
   one frame-pointer entry at the start of their code (the kernel's orc_fp_entry: CFA =
@@ -40,18 +40,18 @@ ORC_REG_UNDEFINED, ORC_REG_PREV_SP, ORC_REG_BP, ORC_REG_SP = 0, 1, 4, 5
 CALL, REGS = "call", "regs"
 TYPES = {"6.1": {CALL: 0, REGS: 1}, "6.4": {CALL: 2, REGS: 3}}
 UNDEFINED = (0, 0, 0)                   # (sp_offset, bp_offset, the bit fields' 16 bits)
-C_SECTION = ".text.kprewrite_c"         # the runtime's and handlers' code, renamed by the writer
 
-ENTRY_MACRO_S = r"""
-	.macro KP_ORC at, sp_offset, bp_offset, bits
-	.pushsection .orc_unwind_ip,"a",@progbits
-	.long \at - .
-	.popsection
-	.pushsection .orc_unwind,"a",@progbits
-	.short \sp_offset, \bp_offset, \bits
-	.popsection
-	.endm
-"""
+def _parts() -> dict[str, str]:
+    from .writer import module_parts
+    return module_parts("arch/x86_64/linux_module/kp_module_orc.S")
+
+
+# The assembly that does not change (runtime/arch/x86_64/linux_module/kp_module_orc.S): KP_ORC, the
+# macro of one entry as objtool emits it, and the line opening C_SECTION.
+PARTS = _parts()
+ENTRY_MACRO_S = PARTS["entry_macro"]
+# The runtime's and handlers' code, renamed by the writer: the section c_code opens.
+C_SECTION = re.search(r"\.section\s+([^\s,]+)", PARTS["c_code"]).group(1)
 
 
 def orc_format(mod) -> str | None:
@@ -229,11 +229,9 @@ def _moves(insn: str) -> int:
 
 def c_begin_s(fmt: str) -> str:
     """The object linked before the runtime's and handlers' code: the frame-pointer entry at its start."""
-    return (ENTRY_MACRO_S + f'\t.section {C_SECTION},"ax",@progbits\n'
-            + Entries(fmt).at(fp_entry(fmt)))
+    return ENTRY_MACRO_S + PARTS["c_code"] + Entries(fmt).at(fp_entry(fmt))
 
 
 def c_end_s(fmt: str) -> str:
     """The object linked after it: a terminator at its end."""
-    return (ENTRY_MACRO_S + f'\t.section {C_SECTION},"ax",@progbits\n'
-            + Entries(fmt).at(UNDEFINED))
+    return ENTRY_MACRO_S + PARTS["c_code"] + Entries(fmt).at(UNDEFINED)

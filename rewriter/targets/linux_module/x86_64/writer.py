@@ -54,6 +54,7 @@ import json
 import re
 import struct
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from ....errors import KprewriteError
@@ -84,8 +85,11 @@ def module_parts(rel: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-# The detours' and slots' templates: ftrace, opt_head, opt_tail, slot_head, slot_ss_end, slot_tail.
+# The detours' and slots' templates: ftrace, opt_head, opt_tail, slot_head, slot_ss_end, slot_tail;
+# kp_int3_at[]'s: int3_table, int3_at, int3_ss, int3_target.
 DETOURS = module_parts("arch/x86_64/linux_module/kp_module_detours.S")
+# The module's __versions entries (versions, version) and _kprobe_blacklist's (nokprobe, nokprobe_entry).
+SECTIONS = module_parts("platform/linux_module/kp_module_sections.S")
 PLACEHOLDER = "kp_ph_"
 
 
@@ -210,18 +214,17 @@ def int3_table(int3: list, mod, relocs, placeholders: dict) -> str:
     kp_int3_target_<i>, an emulated branch's target, the same way (optprobe.branch_target())."""
     from .optprobe import Field, branch_target
     ph = _placeholder(placeholders)
-    out = ['\t.section .rodata.kprewrite,"a",@progbits', "\t.balign 4", "\t.globl kp_int3_at",
-           "\t.hidden kp_int3_at", "kp_int3_at:"]
+    out = [DETOURS["int3_table"]]
     for _, site in int3:
         sec, off = mod.place(site.addr)
-        out.append(f"\t.long {ph(Field(0, 4, sec.name, addend=off))} - .")
+        out.append(DETOURS["int3_at"].replace("{site}", ph(Field(0, 4, sec.name, addend=off))))
     for i, site in int3:
-        out += [f"\t.long kp_ss_{name} - ." for name in ss_slots(i, site)]
+        out += [DETOURS["int3_ss"].replace("{i}", name) for name in ss_slots(i, site)]
     for i, site in int3:
         if emulated(site):              # the branch's target, for its emulation in the trap
-            out += [f"\t.globl kp_int3_target_{i}", f"\t.hidden kp_int3_target_{i}", f"kp_int3_target_{i}:",
-                    f"\t.long {ph(branch_target(mod, relocs, site.xol.insn))} - ."]
-    return "\n".join(out) + "\n"
+            out.append(DETOURS["int3_target"].replace("{i}", str(i)).replace(
+                "{target}", ph(branch_target(mod, relocs, site.xol.insn))))
+    return "".join(out)
 
 
 def int3_runs(sections: list[str], n_ss: int) -> list[int]:
@@ -448,8 +451,7 @@ def nokprobe_s(asm: str, names: tuple[set[str], list[str]]) -> str:
     found = [f for f in funcs if f.split(".")[0] in local]
     if not found and not other:
         return ""
-    return ('\t.section _kprobe_blacklist,"aw"\n\t.balign 8\n'
-            + "".join(f"\t.quad {f}\n" for f in found + other))
+    return SECTIONS["nokprobe"] + "".join(SECTIONS["nokprobe_entry"].replace("{func}", f) for f in found + other)
 
 
 def _emulate_c(site, k: int, n: int) -> str:
@@ -557,40 +559,88 @@ def event_calls_c(traces: dict, layout: list) -> str:
 
 
 
-# The runtime's generic pieces a module's trace events use (runtime/; the platform's in
-# runtime/platform/linux_module), compiled with the module's flags.
-EVENT_SOURCES = ["kp_lib.c", "kp_line.c", "kp_fetch.c", "kp_trace.c", "platform/linux_module/platform.c"]
+# The module's back half: the steps of pipeline.build() (targets.base.Target's lay_out,
+# tables, link, unlinked, emit, write) answered for a module, which its loader lays out and
+# `ld -r` links.  The runtime's fixed objects a module's trace events use (runtime/kp_lib.c,
+# kp_line.c, kp_fetch.c, kp_trace.c, platform/linux_module/platform.c) come built and cached
+# by link/runtime.py from the module's recipe (linux_module/recipe.py).
 
 
-def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
-    """The rewritten module's bytes (see the module docstring)."""
-    from ....probes.events import trace_c, trace_key
-    from ....link.toolchain import compiler
-    from ....link.toolchain import linker
-    from ....link.runtime import RUNTIME_DIR, _includes, cflags
-    from ....emit.meta import metadata
+@dataclass
+class ModuleLayout:
+    """A module's layout is its loader's: nothing of it has an address before insmod, and the
+    loader places each section where it will (only the order inside one is known here).  What
+    the later steps share: the probed sites in address order (_sites(): one detour each), the
+    module's relocations read once, its ORC tables' layout and entries (orc.py) when it has them."""
+    mod: object
+    name: str                           # the module's name (module_name())
+    debugfs: bool                       # the kernel's CRCs are known (symvers.py)
+    calls: list | None                  # the kernel's event-call layout (kernel_btf.py), or None
+    sites: list                         # _sites(plan)
+    relocs: dict                        # optprobe.relocations(mod)
+    orc_format: str | None
+    orc_own: dict | None                # orc.module_entries(): None, no ORC entries of ours
+
+    def detour(self, site) -> int:
+        """The address `list` shows for a site's detour: none before the loader's (meta.py)."""
+        return 0
+
+    def section(self, addr: int) -> str:
+        """The name of the module's section holding addr."""
+        return self.mod.place(addr)[0].name
+
+
+@dataclass
+class ModuleTables:
+    """The generated sources of a module's rewrite: kp_module.c (the probes' facts as macros
+    for kp_module_runtime.c, runtime_c()), kp_detours.S (the detours, slots, kp_int3_at[] and the
+    kretprobe trampoline from the templates of runtime/arch/x86_64/linux_module/, with their
+    ORC entries), the trace events' C (kp_events.c, and kp_event_calls.c with the kernel's BTF);
+    the placeholders the copies' relocated fields name (_redirect() points them) and the
+    functions of the trap's path (trap_path())."""
+    c: str
+    asm: str
+    events: list                        # [(file name, C text)]
+    placeholders: dict
+    trap_path: tuple
+
+
+@dataclass
+class ModuleBlob:
+    """The linked module (`ld -r`: the .ko, our code and the handlers), before emit() points
+    its relocations at our code."""
+    path: Path
+    data: bytes
+    placeholders: dict
+
+
+def lay_out(s, code) -> ModuleLayout:
+    """targets.base.Target.lay_out() for a module: its loader's (ModuleLayout)."""
     mod = s.image.container
-    cc = compiler(s.arch)
-    name = module_name(mod)
     debugfs = mod.symvers is not None
-    src = workdir / "kp_module.c"
     # The events as the kernel's own event calls when the kernel's BTF gives their layouts
     # (kernel_btf.py; with the CRCs, which their functions need), else trace_printk() lines.
     calls = None
     if s.traces and debugfs:
         from .. import kernel_btf
         calls = kernel_btf.event_layout(mod)[0]
-    src.write_text(runtime_c(s.plan, s.handler_symbols, name, s.traces, debugfs, mod.symvers, calls is not None,
-                             place=lambda a: mod.place(a)[0].name))
-    asm = workdir / "kp_detours.S"
-    sites_ = _sites(s.plan)
     relocs = relocations(mod)
-    placeholders: dict = {}
     # The module's own ORC tables take entries for our code (orc.py), when it has them.
     from . import orc
     fmt = orc.orc_format(mod)
     own = orc.module_entries(mod, relocs) if fmt else None
-    unwind = (orc.Entries(fmt), own) if own is not None else None
+    return ModuleLayout(mod, module_name(mod), debugfs, calls, _sites(s.plan), relocs, fmt, own)
+
+
+def tables(s, code, lay: ModuleLayout) -> ModuleTables:
+    """targets.base.Target.tables() for a module: its generated sources (ModuleTables)."""
+    from ....probes.events import trace_c, trace_key
+    from . import orc
+    mod, relocs, fmt = lay.mod, lay.relocs, lay.orc_format
+    src = runtime_c(s.plan, s.handler_symbols, lay.name, s.traces, lay.debugfs, mod.symvers, lay.calls is not None,
+                    place=lay.section)
+    placeholders: dict = {}
+    unwind = (orc.Entries(fmt), lay.orc_own) if lay.orc_own is not None else None
 
     def ftrace_detour(i):
         text = DETOURS["ftrace"].replace("{i}", str(i))
@@ -601,8 +651,8 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     detours = [ftrace_detour(i) if site.decision == FTRACE
                else "" if site.decision == BREAKPOINT and emulated(site)     # run in the trap: no slot
                else int3_slot(i, site, mod, relocs, placeholders, unwind) if site.decision == BREAKPOINT
-               else opt_detour(i, site, mod, relocs, placeholders, unwind) for i, (site, _, _) in enumerate(sites_)]
-    int3 = [(i, site) for i, (site, _, _) in enumerate(sites_) if site.decision == BREAKPOINT]
+               else opt_detour(i, site, mod, relocs, placeholders, unwind) for i, (site, _, _) in enumerate(lay.sites)]
+    int3 = [(i, site) for i, (site, _, _) in enumerate(lay.sites) if site.decision == BREAKPOINT]
     trampoline = TRAMPOLINE_S if s.plan.kretprobes else ""
     if unwind and trampoline:
         # Its return address is a kretprobe's, the real one in the instance: no rule before the
@@ -619,44 +669,61 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
         trampoline += '\t.section .text.kprewrite,"ax",@progbits\n' + unwind[0].at(orc.UNDEFINED)
     if int3:
         detours.append(int3_table(int3, mod, relocs, placeholders))
-    asm.write_text((orc.ENTRY_MACRO_S if unwind else "") + "".join(f"\t.weak {n}\n" for n in placeholders)
-                   + "".join(detours) + trampoline)
+    asm = ((orc.ENTRY_MACRO_S if unwind else "") + "".join(f"\t.weak {n}\n" for n in placeholders)
+           + "".join(detours) + trampoline)
+    events = []
+    if s.traces:
+        users = {trace_key(p): s.handler_symbols[p.spec.pre_handler] for _, p in s.plan.kprobes if p.spec.pre_handler}
+        users.update({trace_key(p): s.handler_symbols[p.kret.handler] for _, p, _ in s.plan.kretprobes
+                      if p.kret.handler})
+        events.append(("kp_events.c", "".join(f"extern char {u}[];\n" for u in sorted(set(users.values())))
+                       + trace_c(s.traces, users, [])))
+        if lay.calls is not None:
+            events.append(("kp_event_calls.c", event_calls_c(s.traces, lay.calls)))
+    return ModuleTables(src, asm, events, placeholders, trap_path(s.plan, s.traces))
+
+
+def link(s, lay: ModuleLayout, table: ModuleTables, runtime: list[Path], objs: list[Path], workdir: Path, cc: str):
+    """targets.base.Target.link() for a module: its generated sources compiled, linked with the
+    runtime's objects (when it has trace events) and the handlers' into one object whose hidden
+    symbols are made local, ORC entries framing its C code, then `ld -r` with the module itself
+    and the __versions entries of the kernel symbols it added; done here (link.blob.Linked)."""
+    from ....link.blob import Linked
+    from ....link.toolchain import linker
+    from ....link.runtime import _includes, cflags
+    from . import orc
+    mod, fmt = lay.mod, lay.orc_format
+    src, asm = workdir / "kp_module.c", workdir / "kp_detours.S"
+    src.write_text(table.c)
+    asm.write_text(table.asm)
     obj_c, obj_s = workdir / "kp_module.o", workdir / "kp_detours.o"
     flags = [*cflags(s.arch, "linux_module"), *_includes(s.arch, "linux_module")]
-    if calls is not None:
+    if lay.calls is not None:
         flags.append("-DKP_MODULE_EVENTS")
     # Compiled to assembly first: the trap's functions, as gcc emitted them (clones included),
     # are named in the module's _kprobe_blacklist there (nokprobe_s()).
     src_s = workdir / "kp_module.s"
     _run([cc, *flags, "-S", str(src), "-o", str(src_s)], "the module's runtime")
     asm_c = src_s.read_text()
-    src_s.write_text(asm_c + nokprobe_s(asm_c, trap_path(s.plan, s.traces)))
+    src_s.write_text(asm_c + nokprobe_s(asm_c, table.trap_path))
     _run([cc, *flags, "-c", str(src_s), "-o", str(obj_c)], "the module's runtime")
     _run([cc, "-c", str(asm), "-o", str(obj_s)], "the module's detours")
     ours = [obj_c, obj_s]
-    if s.traces:
-        users = {trace_key(p): s.handler_symbols[p.spec.pre_handler] for _, p in s.plan.kprobes if p.spec.pre_handler}
-        users.update({trace_key(p): s.handler_symbols[p.kret.handler] for _, p, _ in s.plan.kretprobes
-                      if p.kret.handler})
-        ev = workdir / "kp_events.c"
-        ev.write_text("".join(f"extern char {u}[];\n" for u in sorted(set(users.values())))
-                      + trace_c(s.traces, users, []))
-        extra = []
-        if calls is not None:
-            ec = workdir / "kp_event_calls.c"
-            ec.write_text(event_calls_c(s.traces, calls))
-            extra = [ec]
-        for i, c in enumerate([ev, *extra, *(RUNTIME_DIR / f for f in EVENT_SOURCES)]):
-            o = workdir / f"kp_rt{i}.o"
-            _run([cc, *flags, "-c", str(c), "-o", str(o)], f"the module's runtime ({c.name})")
-            ours.append(o)
+    for i, (name, text) in enumerate(table.events):
+        c = workdir / name
+        c.write_text(text)
+        o = workdir / f"kp_rt{i}.o"
+        _run([cc, *flags, "-c", str(c), "-o", str(o)], f"the module's runtime ({name})")
+        ours.append(o)
+    if table.events:                    # the runtime's fetch and trace code, for the events
+        ours += runtime
     # Our code first linked alone, its hidden symbols made local: the module's own references
     # (its memcmp, a handler's name) never bind to ours, nor ours to the module's.
     rt = workdir / "kp_runtime.o"
     _run([linker(s.arch), "-r", "-o", str(rt), *map(str, ours), *map(str, objs)], "ld -r (the runtime)")
     _run(["objcopy", "--localize-hidden", str(rt)], "objcopy --localize-hidden")
     around = ([], [])
-    if unwind:
+    if lay.orc_own is not None:
         # The runtime's and handlers' code (frame-pointer code) in a section of its own, framed by
         # an object with the frame-pointer entry at its start and one with a terminator at its end.
         code = [sc.name for sc in read_sections(rt.read_bytes(), str(rt)) if sc.flags & 0x6 == 0x6   # SHF_ALLOC|EXEC
@@ -675,23 +742,33 @@ def build(s, objs: list[Path], workdir: Path, progress=None) -> bytes:
     linked = workdir / "linked.ko"
     _run([linker(s.arch), "-r", "-o", str(linked), str(orig), *around[0], str(rt), *around[1],
           *([str(versions)] if versions else [])], "ld -r")
-    data = bytearray(linked.read_bytes())
-    sites = []
-    for i, (site, _, _) in enumerate(sites_):
-        placed = mod.place(site.addr)
-        sites.append((i, placed[0].name, placed[1], site.decision))
-    data = _redirect(data, str(linked), sites, placeholders)
+    return Linked(ModuleBlob(linked, linked.read_bytes(), table.placeholders))
+
+
+def emit(s, code, lay: ModuleLayout, blob: ModuleBlob, unlinked) -> tuple[bytearray, list]:
+    """targets.base.Target.emit() for a module: the linked module's bytes with its relocations
+    pointed at our code (_redirect(): the probed sites, the copies' placeholders, struct
+    module's init and exit); no patches beside."""
+    sites = [(i, lay.section(site.addr), lay.mod.place(site.addr)[1], site.decision)
+             for i, (site, _, _) in enumerate(lay.sites)]
+    return _redirect(bytearray(blob.data), str(blob.path), sites, blob.placeholders), []
+
+
+def write(image, arch, layout, rx: bytearray, patches, blob: ModuleBlob, metadata: bytes, plan, early=None) -> bytes:
+    """targets.base.Target.write() for a module: the redirected module (rx) with the
+    .kprewrite.meta section `list` reads, the placeholders' names gone."""
+    workdir = blob.path.parent
     meta = workdir / "meta.json"
-    meta.write_bytes(metadata(s.plan, None, s.image.label))
+    meta.write_bytes(metadata)
     out = workdir / "out.ko"
-    linked.write_bytes(data)
+    blob.path.write_bytes(rx)
     strip = []
-    if placeholders:                # no relocation names them any more
+    if blob.placeholders:               # no relocation names them any more
         names = workdir / "kp_placeholders.txt"
-        names.write_text("".join(f"{n}\n" for n in placeholders))
+        names.write_text("".join(f"{n}\n" for n in blob.placeholders))
         strip = [f"--strip-symbols={names}"]
     _run(["objcopy", *strip, "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
-          f"{META_SECTION}=readonly", str(linked), str(out)], "objcopy")
+          f"{META_SECTION}=readonly", str(blob.path), str(out)], "objcopy")
     return out.read_bytes()
 
 
@@ -749,12 +826,13 @@ def _versions(mod, rt: Path, workdir: Path, cc: str) -> Path | None:
         raise KprewriteError(f"{mod.symvers_path}: no CRC for {', '.join(missing)} (the module's runtime calls "
                              f"them; this kernel does not export them to modules)")
     asm = workdir / "kp_versions.S"
-    lines = ['\t.section __versions,"a"', "\t.balign 32"]
+    lines = [SECTIONS["versions"]]
     for n in new:
         if len(n) > 55:
             raise KprewriteError(f"{mod.path}: kernel symbol {n} is longer than __versions takes (55 bytes)")
-        lines += [f"\t.quad {mod.symvers[n]:#x}", f'\t.ascii "{n}"', f"\t.zero {56 - len(n)}"]
-    asm.write_text("\n".join(lines) + "\n")
+        lines.append(SECTIONS["version"].replace("{crc}", f"{mod.symvers[n]:#x}").replace("{name}", n)
+                     .replace("{pad}", str(56 - len(n))))
+    asm.write_text("".join(lines))
     obj = workdir / "kp_versions.o"
     _run([cc, "-c", str(asm), "-o", str(obj)], "the module's __versions")
     return obj

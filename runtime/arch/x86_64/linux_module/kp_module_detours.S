@@ -18,6 +18,12 @@
  * slot_head, slot_ss_end, slot_tail: a breakpoint site's out-of-line slot (int3_slot()): the
  * copy (between head and the rest), the closing int3 where the kernel would single-step, the
  * jump back.
+ *
+ * int3_table, int3_at, int3_ss, int3_target: kp_int3_at[] (int3_table()), the module's table of
+ * its breakpoints for kp_module_int3.c's notifier, as the kernel's kprobe_table is its data:
+ * each site's address as a 32-bit distance from its entry ({site}: a placeholder the writer
+ * points at the site's section, applied by the module loader), then each single-stepped slot's
+ * closing int3 (kp_ss_{i}); and an emulated branch's target (kp_int3_target_{i}), the same way.
  */
 /* @ftrace */
 	.section .text.kprewrite,"ax",@progbits
@@ -96,3 +102,18 @@ kp_ss_{i}:
 	.byte 0xe9			/* jmp <the next instruction> */
 	.long {back} - .
 	.size kp_slot_{i}, .-kp_slot_{i}
+/* @int3_table */
+	.section .rodata.kprewrite,"a",@progbits
+	.balign 4
+	.globl kp_int3_at
+	.hidden kp_int3_at
+kp_int3_at:
+/* @int3_at */
+	.long {site} - .
+/* @int3_ss */
+	.long kp_ss_{i} - .
+/* @int3_target */
+	.globl kp_int3_target_{i}
+	.hidden kp_int3_target_{i}
+kp_int3_target_{i}:
+	.long {target} - .
