@@ -135,18 +135,8 @@ def instrument(input_path, spec_path, output, no_optimize, system_map, fmt, depf
     """Write OUTPUT: INPUT with the probes (options, --spec or both) compiled in."""
     from . import api
     t = time.monotonic()
-    # No cyclic collector during the rewrite: it finds next to nothing (a cold rewrite of
-    # libpython leaves 407 unreachable objects, of a kernel 562) and its collections of
-    # the young objects cost 0.2 s of libpython's 1.7 s of CPU in this process, 0.4 s of a
-    # kernel's.  Back on after it for an in-process caller (the fuzzer), which may go on.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
-                           progress=not quiet, depfile=depfile, **_probes(kw))
-    finally:
-        if collecting:
-            gc.enable()
+    r = api.instrument(input_path, spec_path, output, optimize=not no_optimize, system_map=system_map,
+                       progress=not quiet, depfile=depfile, **_probes(kw))
     if quiet:
         return
     if fmt == "json":
