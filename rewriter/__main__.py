@@ -1,4 +1,4 @@
 """`python -m rewriter`: the CLI of this tree (tests run it, not whatever `kprewrite` is on PATH)."""
-from .cli import main
+from .cli import command
 
-main(prog_name="kprewrite")
+command(prog_name="kprewrite")

@@ -69,3 +69,21 @@ def test_any_buffer_and_no_layout(tmp_path, monkeypatch):
         assert decode.decode_function(buf, f.start) == want
     monkeypatch.setattr(cs, "LAYOUT", None)
     assert decode.decode_function(code, f.start) == want
+
+
+@pytest.mark.skipif(cs.LAYOUT is None, reason="this Capstone binding has no cs_insn layout to read")
+def test_records_in_chunks():
+    """A function of more instructions than one cs_disasm() run decodes (decode.CHUNK) gives
+    what one sweep gives: the boundaries, branches and exits on from each run's end, and
+    the end where decoding stops, whether that falls inside a run or right at its end."""
+    n = decode.CHUNK
+    jcc = bytes.fromhex("7402")                 # je .+4: a branch and an exit, 2 bytes
+    body = (bytes.fromhex("4889e5") + jcc) * n  # mov %rsp,%rbp; je: 2n instructions
+    for code in (body, body + b"\x06" + b"\xc3" * 9,                      # runs past CHUNK, then stops
+                 bytes.fromhex("4889e5") * n + b"\x06" + b"\xc3" * 9,     # stops right at a run's end
+                 bytes.fromhex("4889e5") * n,                            # ends right at a run's end
+                 bytes.fromhex("4889e5") * (3 * n - 1) + jcc):
+        got = decode.decode_function(code, 0x400000)
+        assert got == decode._decode_lite(code, 0x400000)
+        assert len(got.boundaries) >= n
+    assert len(decode.decode_function(body, 0).branches) == n

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import bisect
 import re
+from itertools import accumulate
+from operator import attrgetter
 from dataclasses import dataclass
 
 from ..elf.image import Image
@@ -94,12 +96,10 @@ class Index:
     image has tens of thousands)."""
 
     def __init__(self, entries: list[BlacklistEntry]):
-        self.entries = sorted(entries, key=lambda e: (e.start, e.end, e.symbol))
+        self.entries = sorted(entries, key=attrgetter("start", "end", "symbol"))
         self._starts = [e.start for e in self.entries]
-        self._reach, hi = [], 0          # the furthest end among entries[:i+1]
-        for e in self.entries:
-            hi = max(hi, e.end)
-            self._reach.append(hi)
+        # The furthest end among entries[:i+1].
+        self._reach = list(accumulate(map(attrgetter("end"), self.entries), max, initial=0))[1:]
 
     def overlapping(self, lo: int, hi: int) -> BlacklistEntry | None:
         """The first entry (by start) overlapping [lo, hi)."""

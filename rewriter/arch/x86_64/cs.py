@@ -1,7 +1,8 @@
 """The x86-64 Capstone decoders, one of each kind for the whole back end:
 LITE for boundaries and mnemonics (disasm_lite), DETAIL for operands and
 register/flag access.  records() is LITE's cs_disasm() without a Python tuple
-per instruction, for decode.py's sweep over whole images; length() one
+per instruction, record_chunks() the same a bounded run at a time, for decode.py's
+sweep over whole images; length() one
 instruction's size, for insn.py's classification.  The raw Capstone calls are here."""
 import ctypes
 
@@ -37,13 +38,17 @@ def _layout():
 LAYOUT = _layout()
 
 
-def _disasm(cs, code, start: int):
+def _disasm(cs, code, start: int, count: int = 0, size: int | None = None):
     """(count, the cs_insn array to cs_free()) of cs_disasm() with handle `cs` over
-    `code` at `start`; (0, None) when nothing decodes; CsError for Capstone's errors."""
-    if not isinstance(code, bytes):     # the binding's argument type takes bytes only
-        code = bytes(code)              # (disasm_lite() takes a bytearray, a memoryview too)
+    `code` at `start` (at most `count` instructions, 0: all; `size` bytes of code, by
+    default all: code may be a ctypes pointer into a longer buffer); (0, None) when
+    nothing decodes; CsError for Capstone's errors."""
+    if size is None:
+        if not isinstance(code, bytes):     # the binding's argument type takes bytes only
+            code = bytes(code)              # (disasm_lite() takes a bytearray, a memoryview too)
+        size = len(code)
     p = ctypes.POINTER(capstone._cs_insn)()
-    n = capstone._cs.cs_disasm(cs.csh, code, len(code), start, 0, ctypes.byref(p))
+    n = capstone._cs.cs_disasm(cs.csh, code, size, start, count, ctypes.byref(p))
     if n <= 0:
         status = capstone._cs.cs_errno(cs.csh)
         if status != capstone.CS_ERR_OK:
@@ -63,6 +68,39 @@ def records(code: bytes, start: int) -> tuple[int, bytes]:
         return n, ctypes.string_at(p, n * LAYOUT[0])
     finally:
         capstone._cs.cs_free(p, n)
+
+
+def record_chunks(code: bytes, start: int, count: int):
+    """records() of `code` at `start`, `count` instructions at a time: (count, records)
+    of each run of cs_disasm() until the end of code or the first byte it cannot decode
+    (the records of a whole function at once are a fresh mapping each time: paged in)."""
+    if not isinstance(code, bytes):
+        code = bytes(code)
+    n, p = _disasm(LITE, code, start, count)
+    if n < count or n == 0:             # all of it in one run (most functions)
+        if n == 0:
+            return
+        try:
+            yield n, ctypes.string_at(p, n * LAYOUT[0])
+        finally:
+            capstone._cs.cs_free(p, n)
+        return
+    buf = ctypes.create_string_buffer(code, len(code))     # (one copy) to point into
+    off = 0
+    rec, o_size = LAYOUT[0], LAYOUT[1]
+    while True:
+        try:
+            got = ctypes.string_at(p, n * rec)
+        finally:
+            capstone._cs.cs_free(p, n)
+        yield n, got
+        off += sum(memoryview(got).cast("H")[o_size // 2::rec // 2])
+        if n < count or off >= len(code):
+            return
+        at = ctypes.cast(ctypes.addressof(buf) + off, ctypes.POINTER(ctypes.c_char))
+        n, p = _disasm(LITE, at, start + off, count, len(code) - off)
+        if n == 0:
+            return
 
 
 def _detail_layout():

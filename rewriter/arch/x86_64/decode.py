@@ -89,63 +89,74 @@ SHORT = 128
 _KINDS_B: dict[bytes, int] = {}
 
 
+# Instructions decoded a cs_disasm() call (CHUNK records of 248 bytes: 124 KB, under
+# malloc's mmap threshold).  A whole big function's records at once (a kernel's 6.8
+# million instructions: 1.7 GB, allocated by Capstone and copied by records()) came
+# from fresh mappings, paged in each time: 0.6 s of system time in the kernel's
+# decoding, and more user time besides.
+CHUNK = 512
+
+
 def decode_function(code: bytes, start: int) -> DecodedFunction:
     """Every instruction from `start` to the end of `code` or the first byte that
-    does not decode, from LITE's cs_disasm() records (cs.records()): the sizes of
-    all give the boundaries in one pass, and only an instruction whose mnemonic may
-    matter (_MASKS) has its mnemonic read."""
+    does not decode, from LITE's cs_disasm() records (cs.records(), CHUNK at a time):
+    the sizes of all give the boundaries in one pass, and only an instruction whose
+    mnemonic may matter (_MASKS) has its mnemonic read."""
     if cs.LAYOUT is None or len(code) <= SHORT:
         return _decode_lite(code, start)
     rec, o_size, o_mn, n_mn, o_ops, n_ops = cs.LAYOUT
-    n, buf = cs.records(code, start)
-    sizes = memoryview(buf).cast("H")[o_size // 2::rec // 2]
-    bounds = array("I", accumulate(sizes, initial=0))
-    length = bounds.pop()
+    bounds = array("I")
     branches: list[tuple[int, int]] = []
     std = None
     exits: list[int] = []
     indirects: list[int] = []
     refs: list[tuple[int, int]] = []
     kinds = _KINDS_B
-    index = buf.index
     rip = _RIP_B.search
     t1, t2, t3 = _MASKS
     frm = int.from_bytes
-    # One byte an instruction, not 0 where its three letters' masks share a bit: the
-    # columns' masks ANDed as whole numbers, not a Python step an instruction.
-    maybe = (frm(buf[o_mn::rec].translate(t1), "little") & frm(buf[o_mn + 1::rec].translate(t2), "little")
-             & frm(buf[o_mn + 2::rec].translate(t3), "little")).to_bytes(n, "little")
-    for m in _NONZERO.finditer(maybe):
-        i = m.start()
-        o = i * rec
-        mb = buf[o + o_mn:index(0, o + o_mn, o + o_mn + n_mn)]
-        k = kinds.get(mb)
-        if k is None:
-            k = kinds[mb] = _kind(mb.decode("ascii"))
-        if not k:
-            continue
-        addr = start + bounds[i]
-        if k & 1:
-            exits.append(addr)
-        if k & 2:
-            o += o_ops
-            if 48 <= buf[o] <= 57:          # a digit: an address (the op_str's bytes, as int() reads them)
-                try:
-                    branches.append((int(buf[o:index(0, o, o + n_ops)], 0), addr))
-                except ValueError:
-                    pass
-            elif b"jmp" in mb:
+    length = 0
+    for n, buf in cs.record_chunks(code, start, CHUNK):
+        sizes = memoryview(buf).cast("H")[o_size // 2::rec // 2]
+        at = array("I", accumulate(sizes, initial=length))
+        length = at.pop()
+        bounds += at
+        index = buf.index
+        # One byte an instruction, not 0 where its three letters' masks share a bit: the
+        # columns' masks ANDed as whole numbers, not a Python step an instruction.
+        maybe = (frm(buf[o_mn::rec].translate(t1), "little") & frm(buf[o_mn + 1::rec].translate(t2), "little")
+                 & frm(buf[o_mn + 2::rec].translate(t3), "little")).to_bytes(n, "little")
+        for m in _NONZERO.finditer(maybe):
+            i = m.start()
+            o = i * rec
+            mb = buf[o + o_mn:index(0, o + o_mn, o + o_mn + n_mn)]
+            k = kinds.get(mb)
+            if k is None:
+                k = kinds[mb] = _kind(mb.decode("ascii"))
+            if not k:
+                continue
+            addr = start + at[i]
+            if k & 1:
+                exits.append(addr)
+            if k & 2:
+                o += o_ops
+                if 48 <= buf[o] <= 57:          # a digit: an address (the op_str's bytes, as int() reads them)
+                    try:
+                        branches.append((int(buf[o:index(0, o, o + n_ops)], 0), addr))
+                    except ValueError:
+                        pass
+                elif b"jmp" in mb:
+                    indirects.append(addr)
+            elif k & 4:
                 indirects.append(addr)
-        elif k & 4:
-            indirects.append(addr)
-        elif k & 8:
-            o += o_ops
-            # `lea X(%rip)`: a code address a register may hold, then jump to.
-            r = rip(buf, o, index(0, o, o + n_ops))
-            if r:
-                refs.append((addr + sizes[i] + int(r.group(1) + r.group(2), 16), addr))
-        elif k & 16 and std is None:
-            std = addr
+            elif k & 8:
+                o += o_ops
+                # `lea X(%rip)`: a code address a register may hold, then jump to.
+                r = rip(buf, o, index(0, o, o + n_ops))
+                if r:
+                    refs.append((addr + sizes[i] + int(r.group(1) + r.group(2), 16), addr))
+            elif k & 16 and std is None:
+                std = addr
     end = start + length
     undecodable = end if end < start + len(code) else None
     return DecodedFunction(bounds, undecodable, branches, std, exits,

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from operator import attrgetter
 
 from .. import sites as _generic
 from ..elfview import ElfView
@@ -303,7 +304,9 @@ def kernel_sites(data: bytes, symbols, path: str = "vmlinux", elf: ElfView | Non
     out += thunks(k)
     out += no_percpu_base(k)
     out += cfi_symbols(k)
-    out.sort()
+    # Reserved's own order, by a key: its dataclass __lt__ is a Python call a comparison
+    # (some 600,000 over a kernel's 190,000 entries: 0.3 s).
+    out.sort(key=attrgetter("start", "end", "table", "detail"))
     return out
 
 
