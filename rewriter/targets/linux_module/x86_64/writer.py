@@ -63,6 +63,7 @@ from ....emit.meta import META_SECTION
 from ....planner.model import FTRACE, BREAKPOINT, OPTIMIZED
 from ....probes.spec import where
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
+from .parts import module_parts
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
 
@@ -75,14 +76,6 @@ def module_source(rel: str) -> str:
 
 
 R_X86_64_NONE = 0
-
-
-def module_parts(rel: str) -> dict[str, str]:
-    """A source file of templates under runtime/, by parts: each part's text follows its line
-    `/* @NAME */` (the file's first comment says what they are)."""
-    from ....link.runtime import RUNTIME_DIR
-    parts = re.split(r"^/\* @(\w+) \*/\n", (RUNTIME_DIR / rel).read_text().split("*/\n", 1)[1], flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
 
 
 # The detours' and slots' templates: ftrace, opt_head, opt_tail, slot_head, slot_ss_end, slot_tail;
