@@ -164,9 +164,6 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     recipe), link, emit, write."""
     progress = progress or NoProgress()
     t = s.target
-    if t.build is not None:             # a back half of its own (the arm64 kernel, for now)
-        progress.stage("linking")
-        return t.build(s, objs, workdir, progress)
     c = emission.Code(s.image, s.arch, s.plan, s.handler_symbols, set(s.traces), t.thread_key(s.image))
     progress.stage("emitting", f"{len(s.plan.sites)} sites, {len(s.plan.ret_sites)} return sites")
     lay = t.lay_out(s, c)
@@ -181,7 +178,8 @@ def build(s: Session, objs: list[Path], workdir: Path, progress=None) -> bytes:
     try:
         cc = link.compiler(s.arch)             # the image's arch, not the host's
         table = t.tables(s, c, lay)
-        runtime = link.compile_runtime(cc, workdir, s.arch, t.name, t.runtime_variant(s, lay))
+        variant = t.runtime_variant(s, lay)     # False: the target links no runtime of link/runtime.py's
+        runtime = [] if variant is False else link.compile_runtime(cc, workdir, s.arch, t.name, variant)
         linking = t.link(s, lay, table, runtime, objs, workdir, cc)
         metadata = meta.metadata(s.plan, lay, s.image.label)
         unlinked = t.unlinked(s, c, lay)

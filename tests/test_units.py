@@ -314,7 +314,8 @@ def test_every_target_answers_the_declared_interface():
                 sorted((Path(targets.__file__).parent / "linux_kernel").glob("*/target.py"))]
     assert "linux_kernel.aarch64.target" in variants
     declared = base.members()
-    assert {"write", "rules", "plan_layout", "tables_c", "notes", "build", "DIFF_REFUSAL"} <= set(declared)
+    assert {"write", "rules", "plan_layout", "tables_c", "notes", "runtime_variant", "DIFF_REFUSAL"} <= set(declared)
+    assert "build" not in declared      # one back half for every target: its steps, asked in order
     for folder in folders + variants:
         target = importlib.import_module(f"rewriter.targets.{folder}")
         assert target.name == folder.split(".")[0]
@@ -323,13 +324,17 @@ def test_every_target_answers_the_declared_interface():
             if callable(default):
                 want = list(inspect.signature(default).parameters)[1:]          # without self
                 assert list(inspect.signature(getattr(target, n)).parameters) == want, (folder, n)
-    # The defaults answer: a user program has no notes; a module goes through the same back
-    # half's steps (no build() of its own), answering them itself, and is not laid out in place.
+    # The defaults answer: a user program has no notes; a module and the arm64 kernel go through
+    # the same back half's steps, answering them themselves, and are not laid out in place.
     from rewriter.targets import linux_module, linux_user
-    assert linux_user.notes(None, []) == [] and linux_user.build is None
-    assert linux_module.build is None and linux_module.DIFF_REFUSAL
+    from rewriter.targets.linux_kernel.aarch64 import target as arm64_kernel
+    assert linux_user.notes(None, []) == [] and linux_user.runtime_variant(None, None) is None
+    assert linux_module.DIFF_REFUSAL
     assert {"lay_out", "tables", "link", "emit", "write"} <= set(declared)
     assert linux_module.link is not declared["link"] and linux_user.link.__doc__ == declared["link"].__doc__
+    for step in ("lay_out", "tables", "runtime_variant", "link", "unlinked", "emit", "write"):
+        assert getattr(arm64_kernel, step).__module__.endswith("aarch64.build"), step
+    assert arm64_kernel.runtime_variant(None, None) is False    # no runtime of link/runtime.py's
     with pytest.raises(KprewriteError, match="linux_module: not laid out in place"):
         linux_module.plan_layout(None)
     with pytest.raises(TypeError, match="lacks rules"):

@@ -11,13 +11,15 @@ Members without a default (REQUIRED) are what every image is asked: its name, it
 symbols, its rules.
 
 The back half (pipeline.build()) is the same steps for every target, each asked of the
-target: lay_out -> tables -> the runtime (link/runtime.py's builder and cache, for every target:
-its recipe.py, as runtime_variant() says) -> link -> unlinked, emit -> write.  Their defaults are the shared stages for an image
-laid out in place (new segments at addresses the rewriter chooses: emit/layout.py,
+target: lay_out -> tables -> the runtime (link/runtime.py's builder and cache, from the
+target's recipe.py, as runtime_variant() says; False: none) -> link -> unlinked, emit ->
+write.  Their defaults are the shared stages for an image laid out in place (new segments at addresses the rewriter chooses: emit/layout.py,
 emit/tables.py, link/blob.py, emit/emission.py), which ask the in-place members
 (plan_layout, reserve_stubs, tables_c, table_base, address_c, write); those default to a
 refusal naming the target.  A target whose loader lays it out (a kernel module: `ld -r`,
-its own relocations, ORC entries and the loader's order) answers the steps themselves.
+its own relocations, ORC entries and the loader's order) answers the steps themselves, as
+does the arm64 kernel (its new code and data placed by the link itself in the Image's own
+room: targets/linux_kernel/aarch64/build.py).
 """
 from __future__ import annotations
 
@@ -129,9 +131,11 @@ class Target:
         from ..emit import tables
         return tables.generate(code, lay, s.target, s.traces)
 
-    def runtime_variant(self, s, lay) -> str | None:
+    def runtime_variant(self, s, lay) -> str | None | bool:
         """Which of its recipe's VARIANTS the runtime is built as (link/runtime.py: built and
-        cached per variant), None: the recipe's flags alone."""
+        cached per variant), None: the recipe's flags alone; False: no runtime of
+        link/runtime.py's, link() gets none (the arm64 kernel's link() compiles and links the
+        part of the runtime its Image has per rewrite: targets/linux_kernel/aarch64/runtime.py)."""
         return None
 
     def link(self, s, lay, table, runtime: list, objs: list, workdir, cc: str) -> Any:
@@ -154,11 +158,6 @@ class Target:
         change (default: emission.emit() with the linked symbols)."""
         from ..emit import emission
         return emission.emit(code, lay, blob.symbols, unlinked)
-
-    # A target that writes its whole output by a back half of its own (today the arm64
-    # kernel: targets/linux_kernel/aarch64/build.py) answers build(session, objs, workdir,
-    # progress) -> bytes, and the steps above are not asked.  None: the steps.
-    build = None
 
     def before_link(self, image, arch, layout, plan) -> Any:
         """What write() needs that the linked runtime does not change, started before the

@@ -67,7 +67,7 @@ def detect(image) -> bool:
 
 def for_arch(image):
     """This target, or the architecture's variant of it where its folder has one (a
-    `target` module: arm64's, which builds its own output until it shares the back half)."""
+    `target` module: arm64's, which answers the back half's steps itself)."""
     from .symbols import arch_folders
     if image.machine in arch_folders():
         from importlib import import_module

@@ -4,9 +4,9 @@ as arch/arm64 answers it in the kernel.
 - image.py: the boot Image (Debian's vmlinuz), read and seen as an ELF vmlinux (unwrap());
 - sites.py: the tables and ranges the rules read (the ftrace NOPs, NOKPROBE_SYMBOL, the
   blacklisted sections, and the tables of relative entries tables.py finds in an Image);
-- target.py: the kernel target's variant for arm64 (linux_kernel.for_arch()), whose output
-  build.py writes: the handlers and the detours in the Image's own room, until the generic
-  back half (the runtime, its boot hooks and tables) knows arm64;
+- target.py: the kernel target's variant for arm64 (linux_kernel.for_arch()), whose answers
+  to the back half's steps build.py gives: the handlers and the detours in the Image's own
+  room, until the generic back half (the runtime, its boot hooks and tables) knows arm64;
 - runtime.py: the part of the generic runtime an arm64 Image has (the debugfs views), linked
   as one blob kept in the boot-only data and placed in module memory at boot.  The members below that
   only the generic back half asks (the per-CPU key, the boot container) answer what arm64

@@ -32,11 +32,12 @@ at the regs->pc it set (_changed(), as the kernel's ftrace-based kprobes do)."""
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from ....arch.aarch64 import emit as E, encode as enc, insn as I
 from ....errors import KprewriteError
-from ....link.toolchain import compiler, run
+from ....link.toolchain import run
 from ....link.runtime import cflags, _includes
 from ....planner import FTRACE, BREAKPOINT, OPTIMIZED
 from ....probes.resolve import event_symbol, is_entry
@@ -782,8 +783,63 @@ def _check_relocs(objs, path):
                                          "stale; e.g. a static initializer holding an address)")
 
 
-def build(s, objs: list[Path], workdir: Path) -> bytes:
-    image, arch, plan = s.image, s.arch, s.plan
+# The Image's back half: the steps of pipeline.build() (targets.base.Target's lay_out, tables,
+# link, emit, write) answered for an arm64 Image, whose new code and data the link itself
+# places in the Image's own room (two links: the first measures, the second is placed).  No
+# runtime of link/runtime.py's (runtime_variant() False): the runtime's part an Image has is
+# compiled and linked per rewrite, its glue holding the probes' rows (runtime.py).
+
+
+@dataclass
+class ImageLayout:
+    """The sites as the detours take them, one detour or break each: the plan's, the hook
+    probes of ours added (_with_hook_probe()), an entry taken past its ftrace NOPs (_Moved), with
+    their probes' handlers ((probe, pre, post)); the kretprobes' handlers, the glob probes'
+    ftrace_ops groups (_ftrace_ops_groups()) and each site's flags as the debugfs list shows
+    them.  Where the code and data go is the link's (link(): the text padding, the init-data
+    tail), so nothing has an address yet."""
+    sites: list                         # [(site, [(probe, pre_handler, post_handler)])]
+    krets: list                         # [(k, probe, handler, entry_handler)]
+    ops: tuple | None
+    site_flags: list
+
+    def detour(self, site) -> int:
+        """The address `list` shows for a site's detour: none here (meta.py; an Image is
+        written without the metadata)."""
+        return 0
+
+
+@dataclass
+class ImageTables:
+    """The generated sources: kp_detours.S (the detours and out-of-line copies, the kretprobe
+    trampoline; HOLES where the runtime's holes go once its layout is known) and kp_dispatch.c
+    (the struct kprobes, dispatchers, break hooks, kretprobes and ftrace_ops; the runtime's
+    loader added by link()), and the probes' slots (ProbeIndex) the runtime's glue lists."""
+    asm: str
+    c: str
+    index: ProbeIndex
+
+
+@dataclass
+class ImageBlob:
+    """The linked detours, dispatch and handlers, as placed: (address, bytes) of the text
+    (the text padding), the data kept after boot and the boot-only data (the runtime's bytes
+    and relocations in its holes), their symbols; the rooms write() checks and patches."""
+    text: tuple
+    data: tuple
+    initdata: tuple
+    addrs: dict
+    rela_lo: int                        # the start of .rela.dyn (its entries' grid)
+    data_lo: int                        # where the data kept after boot starts
+    adrp_at: int                        # free_initmem()'s `adrp x20, __init_end`
+
+
+HOLES = "@HOLES@"
+
+
+def lay_out(s, code) -> ImageLayout:
+    """targets.base.Target.lay_out() for an arm64 Image: its sites and probes (ImageLayout)."""
+    image, plan = s.image, s.plan
     img = image.container
     sites = []
     plan_sites = [site for site in plan.sites if not site.ftrace_ops]
@@ -829,19 +885,44 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
             probes.append((p, s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
                            s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None))
         sites.append((site, probes))
-    cc = compiler(arch)
-    ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
-    (workdir / "kp_detours.S").write_text("".join(
-        (xol_asm if site.decision == BREAKPOINT else detour_asm)(i, any(post for _, _, post in probes))
-        for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else "") + "@HOLES@")
+    return ImageLayout(sites, krets, ops, site_flags)
+
+
+def tables(s, code, lay: ImageLayout) -> ImageTables:
+    """targets.base.Target.tables() for an arm64 Image: the detours' assembly and the dispatch's
+    C (ImageTables)."""
+    sites, krets = lay.sites, lay.krets
+    asm = "".join((xol_asm if site.decision == BREAKPOINT else detour_asm)(i, any(post for _, _, post in probes))
+                  for i, (site, probes) in enumerate(sites)) + (trampoline_asm() if krets else "") + HOLES
     brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == BREAKPOINT]
     index = ProbeIndex()
     dispatch = (dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets,
-                           ops, index, site_flags) + (brk_c(brk) if brk else ""))
-    blob_objs, blob_syms, blob = _runtime_blob(s, img, workdir, cc, index, krets)
-    (workdir / "kp_dispatch.c").write_text(dispatch + rt.loader_c(blob.layout(), img.text))
+                           lay.ops, index, lay.site_flags) + (brk_c(brk) if brk else ""))
+    return ImageTables(asm, dispatch, index)
+
+
+def runtime_variant(s, lay) -> bool:
+    """targets.base.Target.runtime_variant() for an arm64 Image: False, no runtime of
+    link/runtime.py's: the part of the runtime an Image has is compiled and linked by link()
+    (runtime.py), its glue holding this rewrite's probes."""
+    return False
+
+
+def link(s, lay: ImageLayout, table: ImageTables, runtime: list, objs: list[Path], workdir: Path, cc: str):
+    """targets.base.Target.link() for an arm64 Image: the runtime's blob compiled and linked
+    (its layout decides the loader's C and the holes), the generated sources compiled, and
+    the detours, dispatch and handlers linked twice: once to measure them, then placed in the
+    text padding and the init-data tail (ImageBlob), the runtime's final link in its holes;
+    done here (link.blob.Linked)."""
+    from ....link.blob import Linked
+    image, arch, sites = s.image, s.arch, lay.sites
+    img = image.container
+    ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
+    (workdir / "kp_detours.S").write_text(table.asm)
+    blob_objs, blob_syms, blob = _runtime_blob(s, img, workdir, cc, table.index, lay.krets)
+    (workdir / "kp_dispatch.c").write_text(table.c + rt.loader_c(blob.layout(), img.text))
     detours = workdir / "kp_detours.S"
-    detours.write_text(detours.read_text().replace("@HOLES@", rt.holes_asm(blob.layout())))
+    detours.write_text(detours.read_text().replace(HOLES, rt.holes_asm(blob.layout())))
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel")]
     run([cc, *flags, "-c", str(workdir / "kp_dispatch.c"), "-o", str(workdir / "kp_dispatch.o")], "kp_dispatch.c")
     run([cc, "-c", str(workdir / "kp_detours.S"), "-o", str(workdir / "kp_detours.o")], "kp_detours.S")
@@ -858,7 +939,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         zeros_to += 1
     # Symbols: each site and its resume address; every undefined name from kallsyms.
     syms = link_symbols(image)
-    defs = {"kp_ops_anchor": img.text} if ops else {}
+    defs = {"kp_ops_anchor": img.text} if lay.ops else {}
     defs["kp_rt_text"] = img.text
     for i, (site, probes) in enumerate(sites):
         p = probes[0][0]
@@ -885,7 +966,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
                                  f"(or names more than once)")
         defs[name] = a
 
-    def link(data_at: int, init_at: int) -> Path:
+    def link_at(data_at: int, init_at: int) -> Path:
         lds = workdir / "kp.lds"
         lds.write_text(f"""SECTIONS {{
   . = {text_lo:#x};
@@ -905,7 +986,7 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
         return out
 
     # (Measured with the boot-only data out of the way: it may be larger than its room.)
-    elf = link(zeros_to, zeros_to + BLOCK)
+    elf = link_at(zeros_to, zeros_to + BLOCK)
     text, data, addrs, initdata = _read_blob(elf)
     # The data kept after boot: whole 64 KiB (contiguous-hint) chunks above the last 2 MiB
     # boundary below __init_end.  free_initmem()'s vunmap_range() clears a whole block
@@ -926,9 +1007,47 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
     if text[0] + len(text[1]) > text_hi:
         raise KprewriteError(f"{image.path}: the probes need {len(text[1])} bytes of code; the text padding "
                              f"has {text_hi - text_lo} (before _etext {text_hi:#x})")
-    elf = link(data_lo, zeros_from)
+    elf = link_at(data_lo, zeros_from)
     text, data, addrs, initdata = _read_blob(elf)
     initdata = _fill_runtime(s, img, workdir, cc, blob_objs, blob_syms, blob, addrs, initdata)
+    return Linked(ImageBlob(text, data, initdata, addrs, rela_lo, data_lo, adrp_at))
+
+
+def unlinked(s, code, lay) -> None:
+    """targets.base.Target.unlinked() for an arm64 Image: nothing (emit() needs the link's
+    addresses for all it writes)."""
+    return None
+
+
+def emit(s, code, lay: ImageLayout, blob: ImageBlob, unlinked) -> tuple[bytearray, list]:
+    """targets.base.Target.emit() for an arm64 Image: the linked text with each displaced
+    instruction relocated into its detour (or out-of-line copy), and the patches: a `B` to the
+    detour (or `brk #BRK_IMM`) at each site, free_initmem()'s `adrp x20` pointed at the data
+    kept after boot ([(address, bytes)])."""
+    path, text, addrs = s.image.path, blob.text, blob.addrs
+    code = bytearray(text[1])
+    for i, (site, _) in enumerate(lay.sites):
+        at = addrs[f"kp_xol_{i}" if site.decision == BREAKPOINT else f"kp_dcr_{i}"]
+        moved = b""
+        for insn in ([site.xol.insn] if site.decision == BREAKPOINT else site.dcr):
+            moved += E.relocate(insn, at + len(moved))
+        if len(moved) > DCR_ROOM:
+            raise KprewriteError(f"{path}: {site.addr:#x}: the displaced instructions need {len(moved)} bytes")
+        off = at - text[0]
+        code[off:off + len(moved)] = moved
+    patches = [(site.addr, enc.brk(BRK_IMM) if site.decision == BREAKPOINT else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
+               for i, (site, _) in enumerate(lay.sites)]
+    # free_initmem() frees the init memory up to our data, no further.
+    patches.append((blob.adrp_at, enc.adrp(blob.adrp_at, 20, blob.data_lo)))
+    return code, patches
+
+
+def write(image, arch, layout, rx: bytearray, patches, blob: ImageBlob, metadata: bytes, plan, early=None) -> bytes:
+    """targets.base.Target.write() for an arm64 Image: the text (rx), the data (checked: no
+    unused .rela.dyn entry may read as R_AARCH64_RELATIVE) and the patches put into the Image's
+    bytes (an ELF vmlinux in, an ELF out: the text padding's code gets a section).  No metadata:
+    `list` reads the running kernel's debugfs instead."""
+    img = image.container
     out = bytearray(img.data)
 
     def put(addr: int, b: bytes):
@@ -937,30 +1056,19 @@ def build(s, objs: list[Path], workdir: Path) -> bytes:
             raise KprewriteError(f"{image.path}: {addr:#x} is not in the Image's bytes")
         out[off:off + len(b)] = b
 
-    code = bytearray(text[1])
-    for i, (site, _) in enumerate(sites):
-        at = addrs[f"kp_xol_{i}" if site.decision == BREAKPOINT else f"kp_dcr_{i}"]
-        moved = b""
-        for insn in ([site.xol.insn] if site.decision == BREAKPOINT else site.dcr):
-            moved += E.relocate(insn, at + len(moved))
-        if len(moved) > DCR_ROOM:
-            raise KprewriteError(f"{image.path}: {site.addr:#x}: the displaced instructions need {len(moved)} bytes")
-        off = at - text[0]
-        code[off:off + len(moved)] = moved
-    put(text[0], bytes(code))
-    for blob in (data, initdata):
-        if not any(blob[1]):
+    text, rela_lo = blob.text, blob.rela_lo
+    put(text[0], bytes(rx))
+    for part in (blob.data, blob.initdata):
+        if not any(part[1]):
             continue
-        for ent in range((blob[0] - rela_lo) // 24, (blob[0] + len(blob[1]) - rela_lo) // 24 + 1):
+        for ent in range((part[0] - rela_lo) // 24, (part[0] + len(part[1]) - rela_lo) // 24 + 1):
             a = rela_lo + 24 * ent + 8
-            if blob[0] <= a and a + 4 <= blob[0] + len(blob[1]):
-                if struct.unpack_from("<I", blob[1], a - blob[0])[0] == R_AARCH64_RELATIVE:
+            if part[0] <= a and a + 4 <= part[0] + len(part[1]):
+                if struct.unpack_from("<I", part[1], a - part[0])[0] == R_AARCH64_RELATIVE:
                     raise KprewriteError(f"{image.path}: the probes' data at {a:#x} would read as a relocation at boot")
-        put(blob[0], blob[1])
-    for i, (site, _) in enumerate(sites):
-        put(site.addr, enc.brk(BRK_IMM) if site.decision == BREAKPOINT else enc.b(site.addr, addrs[f"kp_detour_{i}"]))
-    # free_initmem() frees the init memory up to our data, no further.
-    put(adrp_at, enc.adrp(adrp_at, 20, data_lo))
+        put(part[0], part[1])
+    for addr, b in patches:
+        put(addr, b)
     if img.elf is None:
         return bytes(out)
     # ELF in, ELF out: the code in the text padding (between the ELF's sections) gets a section.

@@ -1,13 +1,20 @@
 """The kernel target for arm64 images (linux_kernel.for_arch() picks it by the image's arch): the
-kernel target's reading, rules and planning as they are, and its own output (build.py) until
-the generic back half (the runtime's tables, boot hooks, per-CPU data, KASLR table) knows arm64.
+kernel target's reading, rules and planning as they are, and its own answers to the back half's
+steps (pipeline.build(); build.py) until the generic back half (the runtime's tables, boot hooks,
+per-CPU data, KASLR table) knows arm64.
 
 What differs from the x86-64 kernel target:
 - no boot or shutdown hooks of the generic back half (build.py adds its own: the break hooks,
   the ftrace_ops, the command line, and the loader of the runtime's part an arm64 Image has,
   the debugfs views, placed in module memory at boot: runtime.py);
-- build(): the handlers and a detour per jump-optimized site, linked into the Image's own
-  text padding and init-data tail (build.py says where and why), Image in, Image out."""
+- the back half's steps (build.py says where and why): lay_out(), the sites as the detours take
+  them, the hook probes of ours added (nothing has an address before the link); tables(),
+  kp_detours.S and kp_dispatch.c; runtime_variant() False, no runtime of link/runtime.py's
+  (the runtime's part is linked per rewrite, in link()); link(), the handlers and a detour per
+  jump-optimized site linked into the Image's own text padding and init-data tail; emit(), the
+  displaced instructions relocated, a `B` (or `brk`) at each site and free_initmem()'s `adrp`;
+  write(), Image in, Image out (no metadata);
+- thread_key(): None (the detours run on the kernel stack, with no per-CPU data of ours)."""
 from __future__ import annotations
 
 import rewriter.targets.linux_kernel as _base
@@ -91,6 +98,10 @@ def runtime_probes(spec) -> None:
     return None
 
 
-def build(s, objs, workdir, progress):
-    from .build import build as _build
-    return _build(s, objs, workdir)
+def thread_key(image):
+    """None: the detours find no thread (the generic emitter's templates are not used)."""
+    return None
+
+
+# The back half's steps (targets.base.Target: pipeline.build() asks them in order).
+from .build import emit, lay_out, link, runtime_variant, tables, unlinked, write  # noqa: E402,F401
