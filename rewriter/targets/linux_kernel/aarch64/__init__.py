@@ -91,7 +91,7 @@ def tail_call_c(name: str, target: str) -> str:
 
 def write_container(image, arch, layout, rx, patches, blob, plan, zeroed: list, vmlinux: bytes) -> bytes:
     from ....errors import KprewriteError
-    raise KprewriteError(f"{image.path}: an arm64 Image is written by its own build (aarch64/build.py)")
+    raise KprewriteError(f"{image.path}: an arm64 Image is written by aarch64/build.py's write() step")
 
 
 def unwrap(data: bytes, path: str):
