@@ -54,3 +54,21 @@ def test_detour_and_dispatch_compile(tmp_path):
     text = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(tmp_path / "d.o")], capture_output=True,
                           text=True).stdout
     assert "cbnz" in text and "br\tx16" in text and "msr\tdaifset, #0x3" in text
+
+
+def test_runtime_placed_at_boot_is_the_cached_runtime():
+    """The blob's part of the generic runtime (the debugfs views) is link/runtime.py's, built and
+    cached as every target's runtime is: the kernel recipe's "placed_at_boot" variant, its own
+    sources only (no .S, no asm-offsets), each function in a section of its own."""
+    gcc = shutil.which("aarch64-linux-gnu-gcc")
+    if gcc is None:
+        pytest.skip("no aarch64-linux-gnu-gcc")
+    from rewriter.link.runtime import compile_runtime
+    from rewriter.targets.linux_kernel.aarch64 import runtime as rt
+    objs = compile_runtime(gcc, arch="aarch64", platform="linux_kernel", variant=rt.RUNTIME_VARIANT)
+    assert [o.name for o in objs] == ["rt_platform_linux_kernel_kp_debugfs.c.o", "rt_kp_lib.c.o"]
+    assert objs[0].parent.name.startswith("runtime-aarch64-linux_kernel-placed_at_boot-")
+    assert compile_runtime(gcc, arch="aarch64", platform="linux_kernel", variant=rt.RUNTIME_VARIANT) == objs
+    sections = subprocess.run(["aarch64-linux-gnu-objdump", "-h", str(objs[0])], capture_output=True,
+                              text=True).stdout
+    assert ".text.kp_" in sections

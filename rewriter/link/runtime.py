@@ -86,33 +86,43 @@ class _Roles(dict):
                              f"not (RUNTIME_FILES in rewriter/arch/{arch}/toolchain.py)")
 
 
-def _runtime_files(arch, platform: str) -> tuple[list[str], list[str], list[str]]:
+def _variant(platform: str, variant: str | None) -> dict:
+    """A recipe's variant (its VARIANTS[variant]): extra C flags (a list), or a dict of "flags"
+    and what it builds instead of the recipe's own "SOURCES", "ASM_SOURCES", "ASM_OFFSETS"
+    (a part of the runtime on its own: the arm64 kernel's runtime placed at boot); {} for None."""
+    if variant is None:
+        return {}
+    variants = getattr(recipe(platform), "VARIANTS", {})
+    if variant not in variants:
+        raise KprewriteError(f"the {platform} runtime has no variant '{variant}' (VARIANTS in "
+                             f"rewriter/targets/{platform}/recipe.py)")
+    v = variants[variant]
+    return dict(v) if isinstance(v, dict) else {"flags": list(v)}
+
+
+def _runtime_files(arch, platform: str, variant: str | None = None) -> tuple[list[str], list[str], list[str]]:
     """(C sources in link order, the arch's .S files, the asm-offsets sources), relative to RUNTIME_DIR."""
     d = _folders(arch, platform)
     r = recipe(platform)
+    v = _variant(platform, variant)
     # The arch's own names for the files a recipe names by role ({breakpoint}...).
     name = arch_name(arch) or default_arch()
     fields = _Roles({**arch_toolchain(name).RUNTIME_FILES, **d}, name, platform)
-    c = [src.format_map(fields) for src in r.SOURCES]
-    if getattr(r, "ASM_SOURCES", None) is not None:
-        asm = [src.format_map(fields) for src in r.ASM_SOURCES]
+    c = [src.format_map(fields) for src in v.get("SOURCES", r.SOURCES)]
+    asm_sources = v.get("ASM_SOURCES", getattr(r, "ASM_SOURCES", None))
+    if asm_sources is not None:
+        asm = [src.format_map(fields) for src in asm_sources]
     else:
         asm = [f"{folder}/{p.name}" for folder in (d["arch"], *_arch_folders(arch, platform))
                for p in sorted((RUNTIME_DIR / folder).glob("*.S"))]
     offsets = [src.format(**d) for src in ASM_OFFSETS_SOURCES
-               if getattr(r, "ASM_OFFSETS", True) and (RUNTIME_DIR / src.format(**d)).exists()]
+               if v.get("ASM_OFFSETS", getattr(r, "ASM_OFFSETS", True)) and (RUNTIME_DIR / src.format(**d)).exists()]
     return c, asm, offsets
 
 
 def variant_flags(platform: str, variant: str | None) -> tuple[str, ...]:
     """The extra C flags of a recipe's variant (its VARIANTS); none for None."""
-    if variant is None:
-        return ()
-    variants = getattr(recipe(platform), "VARIANTS", {})
-    if variant not in variants:
-        raise KprewriteError(f"the {platform} runtime has no variant '{variant}' (VARIANTS in "
-                             f"rewriter/targets/{platform}/recipe.py)")
-    return tuple(variants[variant])
+    return tuple(_variant(platform, variant).get("flags", ()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +130,7 @@ def _runtime_key(cc: str, arch: str, platform: str, variant: str | None = None) 
     """What the compiled runtime depends on: every file of the runtime tree
     (sources and headers, by contents), the compiler, the flags, arch, platform and variant."""
     h = hashlib.sha256()
-    c_srcs, asm_srcs, _ = _runtime_files(arch, platform)
+    c_srcs, asm_srcs, _ = _runtime_files(arch, platform, variant)
     extra = ("variant", variant, *variant_flags(platform, variant)) if variant is not None else ()
     for part in (CACHE_FORMAT, arch, platform, *compiler_identity(cc), *cflags(arch, platform), *extra, *c_srcs,
                  *ASM_OFFSETS_SOURCES, *asm_srcs):
@@ -145,7 +155,7 @@ def _build_runtime(cc: str, arch: str, platform: str, out: Path, variant: str | 
     """Compile the runtime into `out`: asm-offsets.h and the objects."""
     inc = _includes(arch, platform)
     flags = (*cflags(arch, platform), *variant_flags(platform, variant))
-    c_srcs, asm_srcs, offset_srcs = _runtime_files(arch, platform)
+    c_srcs, asm_srcs, offset_srcs = _runtime_files(arch, platform, variant)
     lines = []
     for i, src in enumerate(offset_srcs):
         s = out / f"asm_offsets{i}.s"
@@ -256,7 +266,7 @@ def compile_runtime(cc: str, workdir: Path | None = None, arch=None, platform: s
     compiler, flags, arch, platform, variant) and cached (_runtime_build(); workdir is
     not needed)."""
     out = _runtime_build(cc, arch, platform, variant)
-    c_srcs, asm_srcs, _ = _runtime_files(arch_name(arch) or default_arch(cc), platform)
+    c_srcs, asm_srcs, _ = _runtime_files(arch_name(arch) or default_arch(cc), platform, variant)
     return [out / _object(src) for src in c_srcs + asm_srcs]
 
 

@@ -34,8 +34,9 @@ from ....link.toolchain import run
 
 PAGE = 0x1000
 LINK_BELOW = 0x8000000        # where the blob is linked: 128 MiB below _text (arm64's MODULES_VADDR)
-# What the blob holds of the generic runtime (runtime/), in link order; the glue (glue_c()) first.
-SOURCES = ["platform/linux_kernel/kp_debugfs.c", "kp_lib.c"]
+# What the blob holds of the generic runtime (runtime/): the kernel recipe's variant (its
+# sources in link order, after the glue: glue_c()).
+RUNTIME_VARIANT = "placed_at_boot"
 # The blob's entries, called by the loader: its init (after the relocation) and the debugfs
 # files' creation.
 ENTRIES = ("kp_rt_init", "kp_kernel_debugfs")
@@ -160,22 +161,18 @@ def veneers_asm(functions: list[str]) -> str:
 
 
 def compile_blob(cc: str, arch, workdir: Path, glue: str) -> list[Path]:
-    """The blob's objects: the glue, then the runtime's SOURCES, each function and object in a
-    section of its own (the link keeps what the entries reach)."""
-    from ....link.runtime import RUNTIME_DIR, _includes, cflags
+    """The blob's objects: the glue, then the runtime's part placed at boot, built and cached by
+    link/runtime.py (the kernel recipe's "placed_at_boot" variant: kp_debugfs.c and kp_lib.c,
+    each function and object in a section of its own, the link keeping what the entries reach)."""
+    from ....link.runtime import _includes, cflags, compile_runtime, variant_flags
     d = workdir / "kp_rt"
     d.mkdir(exist_ok=True)
     (d / "kp_rt_glue.c").write_text(glue)
-    # kp_debugfs.c's disarm flag is the detours' (kp_disarmed, in the Image), through a pointer
-    # the glue sets: its `int kp_kernel_disarmed;` becomes that pointer's definition.
-    flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel"), "-ffunction-sections",
-             "-fdata-sections", "-Dkp_kernel_disarmed=(*kp_kernel_disarmed_at)"]
-    objs = []
-    for src in [d / "kp_rt_glue.c", *(RUNTIME_DIR / s for s in SOURCES)]:
-        o = d / (Path(src).stem + ".o")
-        run([cc, *flags, "-c", str(src), "-o", str(o)], f"runtime {Path(src).name}")
-        objs.append(o)
-    return objs
+    # The glue with the variant's flags: its pointer is the variant's kp_kernel_disarmed.
+    flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel"),
+             *variant_flags("linux_kernel", RUNTIME_VARIANT)]
+    run([cc, *flags, "-c", str(d / "kp_rt_glue.c"), "-o", str(d / "kp_rt_glue.o")], "runtime kp_rt_glue.c")
+    return [d / "kp_rt_glue.o", *compile_runtime(cc, arch=arch, platform="linux_kernel", variant=RUNTIME_VARIANT)]
 
 
 def undefined(cc: str, objs: list[Path]) -> list[str]:
