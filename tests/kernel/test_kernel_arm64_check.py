@@ -211,11 +211,18 @@ def test_entry_and_past_its_nops_refused_by_check_as_by_instrument(tmp_path, arm
     ('[[kprobe]]\nsymbol_name = "__arm64_sys_getpid"\ndisabled = true\n',
      "e.toml: [[kprobe]] #1 (__arm64_sys_getpid+0x0): a probe compiled in disabled is not written on arm64 "
      "kernels yet (nothing would arm it)"),
-], ids=["event", "kretprobe-event", "disabled"])
+    # __arm64_sys_getppid+0x24 is its `bl`: a breakpoint probe (a post_handler after a branch is no jump)
+    ('handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "__arm64_sys_getppid"\noffset = 0x24\npost_handler = "post"\n',
+     "e.toml: [[kprobe]] #1 (__arm64_sys_getppid+0x24): a post_handler after a branch is not written on arm64 "
+     "kernels yet"),
+], ids=["event", "kretprobe-event", "disabled", "post-handler-after-branch"])
 def test_what_arm64_does_not_write_is_refused_by_check_as_by_instrument(tmp_path, arm64_kernel, spec, line):
-    """An event or a probe compiled in disabled is not written on arm64 yet: check and instrument
-    both refuse it in one line (exit 1, no output), rather than write an Image without it."""
+    """What build.py does not write on arm64 yet (an event, a probe compiled in disabled, a
+    post_handler after a branch): check and instrument both refuse it in one line (exit 1, no
+    output), rather than check accepting what instrument refuses or an Image written without it."""
     (tmp_path / "e.toml").write_text(spec)
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
+                                  "void post(struct kprobe *p, struct pt_regs *r, unsigned long f) {}\n")
     out = tmp_path / "Image.kp"
     for cmd in (["check"], ["instrument", "-o", str(out)]):
         r = kprewrite(cmd[0], arm64_kernel.vmlinuz, "--spec", tmp_path / "e.toml", *cmd[1:], check=False)

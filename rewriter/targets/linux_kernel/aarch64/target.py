@@ -70,13 +70,30 @@ def rules(image, arch):
 
 def refusals(image, plan, traces, spec_name: str) -> list[str]:
     """targets.base.Target.refusals(): what build.py does not write on arm64 yet, one line per
-    probe, asked by `check` and `instrument` alike (so neither drops it silently): a trace event
+    probe, asked by `check` and `instrument` alike (so they agree): a region shared between sites,
+    a post_handler after a branch, a trace event
     (an `events` line, a `fetch`: the ring buffer's half of the runtime is not placed at boot
     yet, runtime.py), and a probe compiled in disabled (`disabled = true`: nothing arms it
     later, as enable_kprobe() would)."""
+    from ....arch.aarch64 import insn as I
+    from ....planner import BREAKPOINT, FTRACE, OPTIMIZED
     from ....probes.resolve import is_entry
     from ....probes.spec import where
     lines, seen = [], set()
+    for site in plan.sites:
+        # What build.py writes of a site: its region (past the ftrace NOPs at an entry), alone.
+        dcr = site.dcr[1:] if site.decision == FTRACE and getattr(site, "jump_at", 0) else \
+            site.dcr if site.decision in (OPTIMIZED, BREAKPOINT) else []
+        shared = site.decision in (OPTIMIZED, BREAKPOINT) and \
+            (site.head is not None or site.riders or site.slot or site.evicted)
+        for p in site.probes:
+            if is_entry(p):
+                continue
+            head = f"{where(spec_name, p.spec.table)} ({p.label})"
+            if shared:
+                lines.append(f"{head}: a region shared between sites is not written on arm64 kernels yet")
+            if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in dcr):
+                lines.append(f"{head}: a post_handler after a branch is not written on arm64 kernels yet")
     probes = [p for site in plan.sites for p in site.probes if not is_entry(p)]
     probes += [p for _s, p, _g in plan.kretprobes]
     for p in probes:
