@@ -2,7 +2,7 @@
 into the Image's own room, and a `B` at each site; where no jump may go, a `brk #BRK_IMM`
 handled through the kernel's break hooks (brk_c()) and an out-of-line copy (xol_asm()).
 
-Where things go (facts of Debian's 6.1 arm64 Image, issue 40):
+Where things go (facts of Debian's 6.1 arm64 Image):
 - code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
   (``_etext`` is 64 KiB-aligned; ~54 KiB in Debian's build), mapped read-only and executable
   by map_kernel() and never freed, a `B` (+-128 MiB) from every function of the text;
