@@ -37,13 +37,7 @@ def write_all(files: list[tuple[str, bytes, int]]) -> None:
     staged = []
     try:
         for path, data, mode in files:
-            d = os.path.dirname(os.path.abspath(path)) or "."
-            if os.path.isdir(path):
-                raise file_error(path, IsADirectoryError())
-            try:
-                fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
-            except OSError as e:
-                raise file_error(path, e, write=True) from None
+            fd, tmp = _temporary_beside(path)
             staged.append((path, tmp))
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -66,6 +60,17 @@ def write_all(files: list[tuple[str, bytes, int]]) -> None:
             _unlink(tmp)
 
 
+def _temporary_beside(path: str) -> tuple[int, str]:
+    """(fd, name) of a new temporary file in path's folder, to be renamed onto path; a path
+    that is a folder, or a folder that takes no new file, is refused in one line."""
+    if os.path.isdir(path):
+        raise file_error(path, IsADirectoryError())
+    try:
+        return tempfile.mkstemp(prefix=".kprewrite-", dir=os.path.dirname(os.path.abspath(path)) or ".")
+    except OSError as e:
+        raise file_error(path, e, write=True) from None
+
+
 def _unlink(p: str) -> None:
     try:
         os.unlink(p)
@@ -77,13 +82,7 @@ def write_streamed(path: str, produce, mode: int) -> None:
     """Text written a part at a time (produce(write) calls write(str) for each part) to a
     temporary file beside path, renamed into place once all is written: write_all()'s
     all-or-nothing without the whole text in memory."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    if os.path.isdir(path):
-        raise file_error(path, IsADirectoryError())
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".kprewrite-", dir=d)
-    except OSError as e:
-        raise file_error(path, e, write=True) from None
+    fd, tmp = _temporary_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             produce(f.write)
