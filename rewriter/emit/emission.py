@@ -254,7 +254,11 @@ def evicted_ips(c: Code, lay, ev) -> list[tuple[int, int]]:
 
 
 def ret_detour(c: Code, rs, at: int, sym) -> bytes:
-    """A return site's detour at `at`: the DCR up to the exit, the hook, the exit."""
+    """A return site's detour at `at`: the DCR up to the exit, the hook, the exit; for a
+    branch exit (planner/returns.py's _branch_exits()), the DCR up to the jump, then
+    what it lands on, the hook and the exit."""
+    if rs.block is not None:
+        return c.arch.retprobe.branch_ret_detour(rs.dcr, rs.block, _hook(c, rs.group, rs.hook, sym, at), at)
     return c.arch.retprobe.ret_detour(rs.dcr, _hook(c, rs.group, rs.hook, sym, at), at)
 
 

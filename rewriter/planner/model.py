@@ -125,6 +125,9 @@ class RetSite:
     region_end: int
     hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP / HOOK_POINTER
     group: object = None
+    # A branch exit (planner/returns.py): the dcr ends with a jump to the exit's own
+    # region; block, the instructions from where it lands to the exit, run in its detour.
+    block: list | None = None
 
 
 @dataclass
@@ -142,6 +145,7 @@ class Group:
     breakpoint_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
     hooks: dict = field(default_factory=dict)        # exit addr -> HOOK_*
     pointer_slots: dict = field(default_factory=dict)  # exit addr -> the GOT slot a PLT stub jumps through
+    branch_exits: dict = field(default_factory=dict)   # exit addr -> the jumps into its region, hooked as exits
     ret_template: dict | None = None  # the inlined return hook's parameters (choose_forms)
     # A light kretprobe (planner.forms.light_kretprobes()): nothing runs at its returns,
     # no instance is taken; its entry only counts the hit.  Exits are listed, not hooked.
