@@ -14,7 +14,7 @@ import subprocess
 
 from elftools.elf.elffile import ELFFile
 
-from conftest import CC, cc, check_lines, instrument, kprewrite, oracle_runs, profile, run, symbols, write_spec
+from conftest import CC, cc, check_lines, instrument, kprewrite, meta, oracle_runs, profile, run, symbols, write_spec
 
 ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (exits with and without a 5-byte region)
 
@@ -351,3 +351,141 @@ def test_light_kretprobes_count_as_the_breakpoint_oracle(once, runner):
     off = run(light, 40, runner=runner, env={"KPREWRITE_PROFILE": "-", "KPREWRITE_ENABLED": "0"})
     assert off.returncode == 0 and off.stdout == want.stdout, off.stderr[-2000:]
     assert profile(off.stderr) == {f"r_{f}_0": (0, 0) for f in LIGHT_FUNCS + ["heavy_tail"]}, off.stderr[-2000:]
+
+
+# --- Branch exits: the jumps that land on a `ret` hooked as exits of their own ------------
+#
+# A `ret` that conditional jumps land on, with code right after it (no padding): its
+# region holds the jumps' target.  Each jump, a `jcc` outside the region, gets a region
+# of its own whose detour runs the jcc inverted (back to the code after it), then what
+# it lands on, the return hook and the `ret`; a `jcc` inside the exit's region goes to
+# its copy in the detour.  jcc_on_ret calls out in an image that unwinds exceptions (an
+# LSDA, from a C cleanup under -fexceptions): the trampoline is unsafe there, so before
+# branch exits its `ret` took a breakpoint.  jcc_on_block's jg lands two instructions
+# before its ret (`xor; ret`), so its detour runs the xor too.
+# The oracle: breakpoint kprobes (--no-optimize) on each `ret`, reading %rax.
+
+BRANCH = r"""
+__asm__(
+".text\n"
+".globl jcc_on_ret\n.type jcc_on_ret,@function\njcc_on_ret:\n"
+"  .cfi_startproc\n"
+"  push %rbx\n"
+"  .cfi_def_cfa_offset 16\n"
+"  .cfi_offset %rbx, -16\n"
+"  mov %edi,%ebx\n"
+"  call helper\n"
+"  add %ebx,%eax\n"
+"  pop %rbx\n"
+"  .cfi_def_cfa_offset 8\n"
+"  cmp $100,%eax\n"
+"  jg 1f\n"
+"  sub $7,%eax\n"
+"  test $1,%al\n"
+"  je 1f\n"
+"  add $5,%eax\n"
+"1:ret\n"
+"  .cfi_endproc\n"
+".size jcc_on_ret,.-jcc_on_ret\n"
+".globl jcc_on_block\n.type jcc_on_block,@function\njcc_on_block:\n"
+"  .cfi_startproc\n"
+"  mov %edi,%eax\n"
+"  imul $3,%eax,%eax\n"
+"  cmp $50,%eax\n"
+"  jg 2f\n"
+"  add $1,%eax\n"
+"  cmp $20,%eax\n"
+"  jl 3f\n"
+"  lea 9(%rax),%eax\n"
+"2:xor $0x55,%eax\n"
+"3:ret\n"
+"  .cfi_endproc\n"
+".size jcc_on_block,.-jcc_on_block\n"
+/* Code right after each ret: no padding to borrow. */
+".globl after_block\n.type after_block,@function\nafter_block:\n"
+"  xor %eax,%eax\n"
+"  ret\n"
+".size after_block,.-after_block\n"
+);
+#include <stdio.h>
+#include <stdlib.h>
+int jcc_on_ret(int), jcc_on_block(int);
+volatile int released;
+__attribute__((noinline)) int helper(int x) { __asm__ volatile(""); return x * 2; }
+__attribute__((noinline)) void release(int *p) { released += *p; }
+/* A cleanup under -fexceptions around a call that may throw (through a pointer): an LSDA,
+ * so the image unwinds exceptions. */
+int (*volatile call_helper)(int) = helper;
+__attribute__((noinline)) int guarded(int x) { int __attribute__((cleanup(release))) g = x; return call_helper(g) + 1; }
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 60;
+    long t = 0;
+    for (int i = -30; i < n; i++)
+        t = t * 3 + jcc_on_ret(i) + jcc_on_block(i) + guarded(i);
+    printf("t=%ld released=%d\n", t, released);
+    return 0;
+}
+"""
+
+BRANCH_FUNCS = ["jcc_on_ret", "jcc_on_block"]
+
+
+def _build_branch(tmp):
+    from conftest import insns, probe_spec
+    prog = cc(tmp, "branch", BRANCH, "-O2", "-fexceptions")
+    kret = write_spec(tmp, probe_spec("kretprobe", BRANCH_FUNCS, handler="on_return", maxactive=4),
+                      RET_HANDLER, "kret.toml")
+    rets = [(f, off) for f in BRANCH_FUNCS for off, i in insns(prog, f) if i.mnemonic == "ret"]
+    oracle = write_spec(tmp, probe_spec("kprobe", rets, pre_handler="at_ret"), RET_HANDLER, "oracle.toml")
+    return (prog, kret, check_lines(prog, kret), instrument(prog, kret, tmp / "kret"),
+            instrument(prog, oracle, tmp / "oracle", "--no-optimize"))
+
+
+def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
+    from conftest import insns
+    prog, kret_spec, check, kret, oracle = once(_build_branch)
+    syms = symbols(prog)
+    # The shape, by disassembly: each function's one ret ends it with code right after it,
+    # and conditional jumps land on it (jcc_on_block: on it and on the xor before it).
+    shape = {}
+    for f in BRANCH_FUNCS:
+        code = insns(prog, f)
+        (off, ret), = [(o, i) for o, i in code if i.mnemonic == "ret"]
+        assert ret.address + 1 in (syms["jcc_on_block"], syms["after_block"]), f
+        jumps = {i.mnemonic: int(i.op_str, 16) for _, i in code if i.mnemonic.startswith("j")}
+        shape[f] = (ret.address, jumps)
+    r, j = shape["jcc_on_ret"]
+    assert j == {"jg": r, "je": r}, j
+    r, j = shape["jcc_on_block"]
+    assert j["jl"] == r and j["jg"] == r - 3, j
+    # The image unwinds exceptions (a personality and an LSDA: augmentation zPLR), so the
+    # trampoline would be unsafe for jcc_on_ret, which calls out.
+    frames = subprocess.run(["readelf", "--debug-dump=frames", str(prog)], capture_output=True, text=True).stdout
+    assert '"zPLR"' in frames, frames[:2000]
+    # check: each ret hooked by a jump, with the jumps outside its region hooked as exits of
+    # their own -- no breakpoint, no trampoline.
+    lines = {l.split("+")[0]: l for l in check}
+    r, j = shape["jcc_on_ret"]
+    # (its je lies in the ret's own region: the detour's copy goes to the hook)
+    assert lines["jcc_on_ret"].endswith(f"returns: {r:#x} ret (and the jumps at {_jump_at(prog, 'jcc_on_ret', 'jg'):#x})"), \
+        lines["jcc_on_ret"]
+    r, j = shape["jcc_on_block"]
+    assert lines["jcc_on_block"].endswith(
+        f"returns: {r:#x} ret (and the jumps at {_jump_at(prog, 'jcc_on_block', 'jg'):#x}, "
+        f"{_jump_at(prog, 'jcc_on_block', 'jl'):#x})"), lines["jcc_on_block"]
+    sites = {p["symbol"]: p["returns"]["sites"] for p in json.loads(
+        kprewrite("check", prog, "--spec", kret_spec, "--format", "json").stdout)["probes"]}
+    assert all(s["int3"] is False and s["hook"] == "ret" for ss in sites.values() for s in ss), sites
+    recs = [p for p in meta(kret)["probes"] if p["kind"] == "r"]
+    assert len(recs) == 2 and all(p["int3_exits"] == [] and p["returns"] == "optimized" for p in recs), recs
+    # Every return handler with the value the breakpoint at the ret reads, once a call.
+    want, got, ref = oracle_runs(prog, kret, oracle, runner, 90)
+    mine, theirs = _returns(got.stderr), _returns(ref.stderr)
+    assert sum(mine.values()) == 2 * 120 and mine == theirs, (mine - theirs, theirs - mine)
+    assert len({k for k in mine if k.startswith("R jcc_on_ret ")}) > 20, mine
+    assert profile(got.stderr) == {f"r_{f}_0": (120, 0) for f in BRANCH_FUNCS}, profile(got.stderr)
+
+
+def _jump_at(prog, func: str, mnemonic: str) -> int:
+    from conftest import insns
+    return next(i.address for _, i in insns(prog, func) if i.mnemonic == mnemonic)
