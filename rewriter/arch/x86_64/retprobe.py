@@ -411,11 +411,19 @@ def branch_exit(insn: DcrInsn) -> bool:
     return insn.info.emulate == "jcc rel" and (0x70 <= insn.code[0] <= 0x7F or insn.code[0] == 0x0F)
 
 
-def branch_ret_detour(dcr: list[DcrInsn], block: list[DcrInsn], hook, at: int) -> bytes:
+def branch_ret_detour(dcr: list[DcrInsn], block: list[DcrInsn], hook, at: int, branch: int) -> bytes:
     """Detour of a branch exit: the DCR up to the jump (its last), then, for a
     jcc, the inverted jcc back to the instruction after it; then the block the
     jump lands on (a `ret`, or the instructions up to it: `xor %eax,%eax;
-    ret`), the hook and the exit, as the exit's own detour runs them."""
+    ret`), the hook and the exit, as the exit's own detour runs them.  A region
+    that starts at the jump (`branch`, the DCR's first) runs the rest of its
+    copy after the inverted jcc, then jumps back to the region's end."""
+    if dcr[-1].addr != branch:
+        out = bytearray(hook_copy({branch: hook}, {branch: block})(dcr[0], at))
+        for insn in dcr[1:]:
+            out += relocate(insn, at + len(out))
+        end = dcr[-1].addr + len(dcr[-1].code)
+        return bytes(out + b"\xe9" + _s32(end - (at + len(out) + 5), "jmp back"))
     out = bytearray()
     for insn in dcr[:-1]:
         out += relocate(insn, at + len(out))
@@ -426,11 +434,21 @@ def branch_ret_detour(dcr: list[DcrInsn], block: list[DcrInsn], hook, at: int) -
     return bytes(out)
 
 
-def hook_copy(hooks: dict[int, tuple[int, int | None]]):
+def hook_copy(hooks: dict[int, tuple[int, int | None]], blocks: dict | None = None):
     """How a detour copies its DCR when the DCR holds exits of a return-probed
     function (a short function: the entry's region reaches its ret): each exit
-    in the copy calls its return hook first.  hooks: exit address -> hook."""
+    in the copy calls its return hook first.  hooks: exit address -> hook.
+    blocks: branch exits among them (planner/returns.py's _branch_exits()) ->
+    what each jump lands on: the jump's copy runs that block, the hook and the
+    exit (a jcc inverted, over them, to the next instruction's copy)."""
+    blocks = blocks or {}
+
     def copy(insn, pos):
+        if insn.addr in blocks:
+            if insn.info.emulate == "jmp rel":
+                return _run_then_exit(blocks[insn.addr], hooks[insn.addr], pos)
+            body = _run_then_exit(blocks[insn.addr], hooks[insn.addr], pos + 6)
+            return _branch_to(insn, pos, pos + 6 + len(body), invert=True) + body
         if insn.addr in hooks:
             return hook_then_exit(insn, hooks[insn.addr], pos)
         return relocate(insn, pos)
