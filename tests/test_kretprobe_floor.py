@@ -362,7 +362,10 @@ def test_light_kretprobes_count_as_the_breakpoint_oracle(once, runner):
 # its copy in the detour.  jcc_on_ret calls out in an image that unwinds exceptions (an
 # LSDA, from a C cleanup under -fexceptions): the trampoline is unsafe there, so before
 # branch exits its `ret` took a breakpoint.  jcc_on_block's jg lands two instructions
-# before its ret (`xor; ret`), so its detour runs the xor too.
+# before its ret (`xor; ret`), so its detour runs the xor too.  jcc_at_entry's je lies in
+# the entry's region: the entry detour's copy takes the hook.  jmp_on_ret: an
+# unconditional jmp.  no_cfi_rcx: a jrcxz lands on the ret, which cannot be hooked so
+# (no plain jcc): a breakpoint, the check named.
 # The oracle: breakpoint kprobes (--no-optimize) on each `ret`, reading %rax.
 
 BRANCH = r"""
@@ -412,6 +415,20 @@ __asm__(
 "7:ret\n"
 "  .cfi_endproc\n"
 ".size jcc_at_entry,.-jcc_at_entry\n"
+/* An unconditional jmp lands on the ret: its detour runs the hook and the ret. */
+".globl jmp_on_ret\n.type jmp_on_ret,@function\njmp_on_ret:\n"
+"  .cfi_startproc\n"
+"  mov %edi,%eax\n"
+"  add $4,%eax\n"
+"  test $1,%edi\n"
+"  jne 9f\n"
+"  shl $1,%eax\n"
+"  jmp 8f\n"
+"9:sub $1,%eax\n"
+"  imul %eax,%eax\n"
+"8:ret\n"
+"  .cfi_endproc\n"
+".size jmp_on_ret,.-jmp_on_ret\n"
 /* No CFI (the trampoline unsafe), and a jrcxz lands on the ret: no jump of its own
  * to hook it by, so a breakpoint, the check that refused it named. */
 ".globl no_cfi_rcx\n.type no_cfi_rcx,@function\nno_cfi_rcx:\n"
@@ -430,7 +447,7 @@ __asm__(
 );
 #include <stdio.h>
 #include <stdlib.h>
-int jcc_on_ret(int), jcc_on_block(int), jcc_at_entry(int), no_cfi_rcx(int);
+int jcc_on_ret(int), jcc_on_block(int), jcc_at_entry(int), jmp_on_ret(int), no_cfi_rcx(int);
 volatile int released;
 __attribute__((noinline)) int helper(int x) { __asm__ volatile(""); return x * 2; }
 __attribute__((noinline)) void release(int *p) { released += *p; }
@@ -442,13 +459,14 @@ int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 60;
     long t = 0;
     for (int i = -30; i < n; i++)
-        t = t * 3 + jcc_on_ret(i) + jcc_on_block(i) + jcc_at_entry(i % 4) + no_cfi_rcx(i) + guarded(i);
+        t = t * 3 + jcc_on_ret(i) + jcc_on_block(i) + jcc_at_entry(i % 4) + jmp_on_ret(i) + no_cfi_rcx(i)
+            + guarded(i);
     printf("t=%ld released=%d\n", t, released);
     return 0;
 }
 """
 
-BRANCH_FUNCS = ["jcc_on_ret", "jcc_on_block", "jcc_at_entry", "no_cfi_rcx"]
+BRANCH_FUNCS = ["jcc_on_ret", "jcc_on_block", "jcc_at_entry", "jmp_on_ret", "no_cfi_rcx"]
 
 
 def _build_branch(tmp):
@@ -481,6 +499,8 @@ def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
     assert j["jl"] == r and j["jg"] == r - 3, j
     r, j = shape["jcc_at_entry"]
     assert j == {"je": r} and j["je"] - 3 - 3 - 2 == _jump_at(prog, "jcc_at_entry", "je"), j
+    r, j = shape["jmp_on_ret"]
+    assert j["jmp"] == r and j["jne"] == r - 6, j
     r, j = shape["no_cfi_rcx"]
     assert j == {"jrcxz": r}, j
     # The image unwinds exceptions (a personality and an LSDA: augmentation zPLR), so the
@@ -501,6 +521,9 @@ def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
     r, j = shape["jcc_at_entry"]
     assert lines["jcc_at_entry"].endswith(f"returns: {r:#x} ret (and the jumps at {j['je'] - 8:#x})"), \
         lines["jcc_at_entry"]
+    r, j = shape["jmp_on_ret"]
+    assert lines["jmp_on_ret"].endswith(f"returns: {r:#x} ret (and the jumps at {_jump_at(prog, 'jmp_on_ret', 'jmp'):#x})"), \
+        lines["jmp_on_ret"]
     # The jrcxz: a breakpoint, the check that refused the jump named, with its address.
     r, j = shape["no_cfi_rcx"]
     src = _jump_at(prog, "no_cfi_rcx", "jrcxz")
@@ -519,7 +542,7 @@ def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
     # Every return handler with the value the breakpoint at the ret reads, once a call.
     want, got, ref = oracle_runs(prog, kret, oracle, runner, 90)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
-    assert sum(mine.values()) == 4 * 120 and mine == theirs, (mine - theirs, theirs - mine)
+    assert sum(mine.values()) == 5 * 120 and mine == theirs, (mine - theirs, theirs - mine)
     assert len({k for k in mine if k.startswith("R jcc_on_ret ")}) > 20, mine
     assert profile(got.stderr) == {f"r_{f}_0": (120, 0) for f in BRANCH_FUNCS}, profile(got.stderr)
 
