@@ -119,26 +119,9 @@ def rules(image, arch) -> Rules:
                              "code (probe it in the kernel image)") for f in image.functions if lo <= f.start < hi]
     if extra:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
-    arch_rules = _part(image, "rules")
-    r.function_refusal = arch_rules.thunk_jumps(image, arch, r.function_refusal)
-    r.region_refusal = arch_rules.carried(image, r.region_refusal)
-    # Breakpoint probes: the module's own die notifier takes their traps (writer.py), each
-    # instruction run from a slot in the module's code (a copy carrying its relocations:
-    # int3_copy()), a single-stepped one's ending with a breakpoint, as the kernel's own since
-    # 5.14.  A post_handler makes a kprobe a breakpoint one, as the kernel's optimize_kprobe().
-    # A kretprobe's entry is any of the three (an ftrace site, a jump, a breakpoint).
-    r.breakpoints = True
-    r.singlestep_breakpoint = True
-    r.breakpoint_refusal = arch_rules.int3_copy(image)
-    r.optimized_post_handler = False
-    # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the
-    # copy (the module's trap code has no probe stub to run it from a boosted copy).
-    r.boost_post_handler = False
-    # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
-    r.kretprobe_exits = False
-    # An entry probe takes its ftrace site through the site's relocation (writer.py), not a
-    # jump after it.
-    r.share_ftrace = 0
+    # What the module's architecture writes (<arch>/rules.py): its checks of a region's copy,
+    # its breakpoint probes, its kretprobes.
+    _part(image, "rules").adjust(image, arch, r)
     return r
 
 
