@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ...errors import KprewriteError
 from ...emit.meta import META_SECTION
-from .relocatable import RELA, SHT_RELA, read_sections, symbols
+from .relocatable import RELA, SHT_RELA, read_sections, relas, symbols
 from .parts import module_parts
 
 # The module's __versions entries (versions, version) and _kprobe_blacklist's (nokprobe, nokprobe_entry).
@@ -38,9 +38,11 @@ def _define(name: str, items: list[str]) -> str:
     return f"#define {name}" + "".join(f" \\\n\t{x}" for x in items)
 
 
-def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan, early=None) -> bytes:
+def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, plan, early=None,
+          objcopy: str = "objcopy") -> bytes:
     """targets.base.Target.write() for a module: the redirected module (rx) with the
-    .kprewrite.meta section `list` reads, the placeholders' names gone."""
+    .kprewrite.meta section `list` reads, the placeholders' names gone (objcopy: one that
+    reads the module's architecture)."""
     workdir = blob.path.parent
     meta = workdir / "meta.json"
     meta.write_bytes(metadata)
@@ -51,7 +53,7 @@ def write(image, arch, layout, rx: bytearray, patches, blob, metadata: bytes, pl
         names = workdir / "kp_placeholders.txt"
         names.write_text("".join(f"{n}\n" for n in blob.placeholders))
         strip = [f"--strip-symbols={names}"]
-    _run(["objcopy", *strip, "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
+    _run([objcopy, *strip, "--add-section", f"{META_SECTION}={meta}", "--set-section-flags",
           f"{META_SECTION}=readonly", str(blob.path), str(out)], "objcopy")
     return out.read_bytes()
 
@@ -154,3 +156,19 @@ def _append_relas(data: bytearray, path: str, secs, extra: dict) -> bytearray:
         struct.pack_into("<QQ", data, shoff + r.index * shentsize + 24, len(data), len(table))
         data += table
     return data
+
+
+def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
+    """section name -> {offset: (symbol index, type, addend)} of the .ko's own relocations,
+    read once (kept in mod.relocs for the rules' checks and the writer)."""
+    if mod.relocs is not None:
+        return mod.relocs
+    secs = read_sections(mod.data, mod.path)
+    out = mod.relocs = {}
+    for r in secs:
+        if r.type != SHT_RELA or not r.info:
+            continue
+        t = out.setdefault(secs[r.info].name, {})
+        for _, off, sym, typ, addend in relas(mod.data, r):
+            t[off] = (sym, typ, addend)
+    return out

@@ -1,0 +1,191 @@
+"""arm64 kernel modules: Debian's arm64 romfs.ko (the cloud kernel builds romfs as a module) rewritten
+with jump-optimized kprobes and C pre_handlers (pr_info), then in one boot of the unmodified Debian
+arm64 Image under qemu-system-aarch64: loop.ko (unmodified) and the rewritten romfs.ko loaded with
+insmod, three mounts that fail (/dev/null is no block device: romfs_get_tree() only) and one of a
+romfs image on a loop device, the image's file read, the module removed (its exit prints each probe's
+hits).
+
+The probes cover each way a displaced instruction's copy is written in the module's detour
+(aarch64/writer.py's copy()): paciasp past a function's ftrace NOPs (an entry probe), a carried
+adrp and add (R_AARCH64_ADR_PREL_PG_HI21/ADD_ABS_LO12_NC against .rodata), a carried ldr
+(LDST64_ABS_LO12_NC against a kernel symbol), a carried bl of a kernel function and one of the
+module's own (CALL26), cbz and tbnz not taken and b.eq taken (each re-encoded over a `B` back, its
+target a JUMP26 against .text), a plain store; each handler's line must appear exactly as often as
+the function runs, and the file must read back.  What an arm64 module does not take yet is refused
+with one line, by `check` as by `instrument`."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import kprewrite  # the tree's CLI, as every test runs it
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import arm64_env  # noqa: E402
+import kernel_env  # noqa: E402
+from test_kernel_module import ROMFS_FILE, romfs_image  # noqa: E402
+
+pytestmark = pytest.mark.kernel
+
+MODULES = ["kernel/fs/romfs/romfs.ko", "kernel/drivers/block/loop.ko"]
+
+HANDLER = r"""
+#include <linux/kprobes.h>
+#include <linux/printk.h>
+
+static int on_hit(struct kprobe *p, struct pt_regs *regs)
+{
+	pr_info("kpmod: hit %s+%#x pc=%lx addr=%lx\n", p->symbol_name, p->offset, regs->pc, (unsigned long)p->addr);
+	return 0;
+}
+
+static int on_fill_super(struct kprobe *p, struct pt_regs *regs)
+{
+	/* romfs_fill_super(struct super_block *sb, struct fs_context *fc): x0 the super block */
+	pr_info("kpmod: fill_super sb=%lx sp=%lx\n", regs->regs[0], regs->sp);
+	return 0;
+}
+"""
+
+# (function, offset, the instruction there, hits in the boot): romfs_fill_super() runs once (the
+# real mount), romfs_get_tree() on each of the 4 mounts.
+PROBES = [
+    ("romfs_get_tree", 0, "paciasp past the ftrace NOPs", 4),
+    ("romfs_fill_super", 0x40, "adrp x22, .rodata", 1),
+    ("romfs_fill_super", 0x44, "add x22, x22, :lo12:.rodata", 1),
+    ("romfs_fill_super", 0x68, "ldr x0, [x0, :lo12:kmalloc_caches+0x48]", 1),
+    ("romfs_fill_super", 0x88, "bl kmalloc_trace", 1),
+    ("romfs_fill_super", 0x90, "cbz x0 (not taken)", 1),
+    ("romfs_fill_super", 0xa8, "bl romfs_dev_read", 1),
+    ("romfs_fill_super", 0xb0, "tbnz w0, #31 (not taken)", 1),
+    ("romfs_fill_super", 0xe4, "b.eq (taken: the magic matches)", 1),
+    ("romfs_fill_super", 0x3c, "str x0, [x19, #24]", 1),
+]
+
+COMMANDS = """
+mkdir -p /mnt
+insmod /loop.ko; echo loop=$?
+insmod /romfs.ko; echo insmod=$?
+for i in 1 2 3; do mount -t romfs /dev/null /mnt 2>/dev/null; done
+losetup /dev/loop0 /romfs.img; echo losetup=$?
+mount -t romfs -o ro /dev/loop0 /mnt; echo mount=$?
+cat /mnt/hello | sed 's/^/file: /'
+umount /mnt
+rmmod romfs; echo rmmod=$?
+grep -c romfs /proc/modules | sed 's/^/loaded: /'
+"""
+
+
+@pytest.fixture(scope="module")
+def modules(arm64_kernel) -> dict[str, Path]:
+    romfs, loop = arm64_env.env(arm64_env.obtain_arm64_modules, arm64_kernel, MODULES)
+    return {"romfs": romfs, "loop": loop}
+
+
+def _spec(d: Path) -> Path:
+    (d / "h.c").write_text(HANDLER)
+    spec = d / "probes.toml"
+    lines = ['handlers = ["h.c"]']
+    for fn, off, _, _ in PROBES:
+        pre = "on_fill_super" if (fn, off) == ("romfs_fill_super", 0x3c) else "on_hit"
+        lines.append(f'[[kprobe]]\nsymbol_name = "{fn}"\noffset = {off:#x}\npre_handler = "{pre}"')
+    spec.write_text("\n".join(lines) + "\n")
+    return spec
+
+
+@pytest.fixture(scope="module")
+def rewritten(modules, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("arm64-module")
+    spec = _spec(d)
+    r = kprewrite("check", modules["romfs"], "--spec", spec)
+    assert r.stdout.splitlines() == [f"{fn}+{off:#x}  k  {'ftrace' if off == 0 else 'optimized'}"
+                                     for fn, off, _, _ in PROBES], r.stdout
+    out = d / "romfs.ko"
+    kprewrite("instrument", modules["romfs"], "--spec", spec, "-o", out)
+    return out
+
+
+def _words(ko: Path, section: str) -> bytes:
+    return subprocess.run(["aarch64-linux-gnu-objcopy", "-O", "binary", "-j", section, str(ko), "/dev/stdout"],
+                          capture_output=True, check=True).stdout
+
+
+def test_rewritten_module_layout(modules, rewritten):
+    """Each probed instruction a `B` with a JUMP26 relocation against its detour, in .text.kprewrite;
+    no placeholder left; the module's own init and exit redirected to ours."""
+    rel = subprocess.run(["aarch64-linux-gnu-readelf", "-rW", str(rewritten)], capture_output=True, text=True).stdout
+    jumps = re.findall(r"^([0-9a-f]+) +[0-9a-f]+ R_AARCH64_JUMP26 +[0-9a-f]+ kp_detour_(\d+) \+ 0$", rel, re.M)
+    assert len(jumps) == len(PROBES), rel
+    assert "kp_module_init + 0" in rel and "kp_module_exit + 0" in rel
+    nm = subprocess.run(["aarch64-linux-gnu-nm", str(rewritten)], capture_output=True, text=True).stdout
+    assert "kp_ph_" not in nm
+    syms = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"^([0-9a-f]+) [tT] (\w+)$", nm, re.M)}
+    text = _words(rewritten, ".text")
+    for off, _ in jumps:
+        assert text[int(off, 16):int(off, 16) + 4] == (0x14000000).to_bytes(4, "little")
+    sites = sorted(syms[fn] + (8 if off == 0 else off) for fn, off, _, _ in PROBES)
+    assert sorted(int(o, 16) for o, _ in jumps) == sites
+
+
+REFUSED = [
+    ('[[kretprobe]]\nsymbol_name = "romfs_get_tree"\n',
+     r"kprewrite: p\.toml: \[\[kretprobe\]\] #1 \(romfs_get_tree\+0x0\): kretprobe at 0x[0-9a-f]+: kretprobes are not "
+     r"written for arm64 modules yet"),
+    ('[[kprobe]]\nsymbol_name = "romfs_get_tree"\npost_handler = "post"\n',
+     r"kprewrite: p\.toml: \[\[kprobe\]\] #1 \(romfs_get_tree\+0x0\): post_handler at 0x[0-9a-f]+: a post_handler is "
+     r"not written for arm64 modules yet"),
+    ('[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 4\n',
+     r"kprewrite: p\.toml: \[\[kprobe\]\] #1 \(romfs_get_tree\+0x4\): blacklist at 0x[0-9a-f]+: .*ftrace site.*"),
+]
+
+
+@pytest.mark.parametrize("text,line", REFUSED, ids=["kretprobe", "post_handler", "ftrace-nop"])
+def test_refusals(modules, tmp_path, text, line):
+    """What an arm64 module does not take yet: one line, naming the check and the address, from
+    `check` and `instrument` alike, and no output."""
+    spec = tmp_path / "p.toml"
+    handlers = 'handlers = ["h.c"]\n' if "post_handler" in text else ""
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
+                                  "void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
+    spec.write_text(handlers + text)
+    for cmd in (("check",), ("instrument", "-o", tmp_path / "out.ko")):
+        r = kprewrite(*cmd[:1], modules["romfs"], "--spec", spec, *cmd[1:], check=False)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert [l for l in r.stderr.splitlines() if re.fullmatch(line, l)], r.stderr
+        assert not (tmp_path / "out.ko").exists()
+
+
+def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_path_factory):
+    """One boot of the unmodified Image: the rewritten module loads, each probe's pre_handler line
+    appears once per run of its instruction, romfs mounts and reads its file back, and the exit's
+    counters agree."""
+    initrd = arm64_env.env(arm64_env.build_initramfs, kernel_env.init_script(COMMANDS),
+                           {"romfs.ko": rewritten, "loop.ko": modules["loop"],
+                            "romfs.img": romfs_image(b"hello", ROMFS_FILE)})
+    log = tmp_path_factory.mktemp("boots") / "arm64-module.console.txt"
+    r = arm64_env.env(lambda: arm64_env.boot(arm64_kernel.vmlinuz, initrd, log=log))
+    assert r.reached() and r.powered_off, r.explain("no clean boot to user space and power-off")
+    assert not r.problems(), r.explain("kernel problems")
+    out = r.between()
+    for step in ("loop=0", "insmod=0", "losetup=0", "mount=0", "rmmod=0", "loaded: 0"):
+        assert re.search(rf"^{step}$", out, re.M), r.explain(f"no {step}")
+    assert f"file: {ROMFS_FILE.decode().strip()}" in out, r.explain("the romfs file was not read back")
+    hits = re.findall(r"kpmod: hit (\w+)\+(0x[0-9a-f]+|0) pc=([0-9a-f]+) addr=([0-9a-f]+)", r.console)
+    for fn, off, _, n in PROBES:
+        if (fn, off) == ("romfs_fill_super", 0x3c):
+            continue
+        mine = [h for h in hits if h[0] == fn and int(h[1], 16) == off]
+        assert len(mine) == n, (fn, hex(off), len(mine), r.explain("hits"))
+        # regs->pc and p->addr: the probed address (an entry probe's: the function's entry).
+        assert all(pc == addr for _, _, pc, addr in mine), mine
+    pcs = {(h[0], int(h[1], 16)): int(h[2], 16) for h in hits}
+    assert pcs[("romfs_fill_super", 0x44)] - pcs[("romfs_fill_super", 0x40)] == 4
+    assert pcs[("romfs_fill_super", 0xe4)] - pcs[("romfs_fill_super", 0x40)] == 0xa4
+    sb = re.findall(r"kpmod: fill_super sb=([0-9a-f]+) sp=([0-9a-f]+)", r.console)
+    assert len(sb) == 1 and int(sb[0][0], 16) >> 48 == 0xFFFF and int(sb[0][1], 16) >> 48 == 0xFFFF, sb
+    exits = re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+) nmissed 0", r.console)
+    assert [(fn, int(o, 16), int(n)) for fn, o, n in exits] == [(fn, off, n) for fn, off, _, n in PROBES], exits
