@@ -9,7 +9,7 @@ The probes cover each way a displaced instruction's copy is written in the modul
 (aarch64/writer.py's copy()): paciasp past a function's ftrace NOPs (an entry probe), a carried
 adrp and add (R_AARCH64_ADR_PREL_PG_HI21/ADD_ABS_LO12_NC against .rodata), a carried ldr
 (LDST64_ABS_LO12_NC against a kernel symbol), a carried bl of a kernel function and one of the
-module's own (CALL26), cbz and tbnz not taken and b.eq taken (each re-encoded over a `B` back, its
+module's own (CALL26), cbz and tbnz not taken, b.eq and a cbnz back taken (each re-encoded over a `B` back, its
 target a JUMP26 against .text), a plain store; each handler's line must appear exactly as often as
 the function runs, and the file must read back.  What an arm64 module does not take yet is refused
 with one line, by `check` as by `instrument`."""
@@ -45,8 +45,8 @@ static int on_hit(struct kprobe *p, struct pt_regs *regs)
 
 static int on_fill_super(struct kprobe *p, struct pt_regs *regs)
 {
-	/* romfs_fill_super(struct super_block *sb, struct fs_context *fc): x0 the super block */
-	pr_info("kpmod: fill_super sb=%lx sp=%lx\n", regs->regs[0], regs->sp);
+	/* romfs_fill_super(struct super_block *sb, ...): the super block in x19 by then */
+	pr_info("kpmod: fill_super sb=%lx sp=%lx\n", regs->regs[19], regs->sp);
 	return 0;
 }
 """
@@ -63,7 +63,8 @@ PROBES = [
     ("romfs_fill_super", 0xa8, "bl romfs_dev_read", 1),
     ("romfs_fill_super", 0xb0, "tbnz w0, #31 (not taken)", 1),
     ("romfs_fill_super", 0xe4, "b.eq (taken: the magic matches)", 1),
-    ("romfs_fill_super", 0x3c, "str x0, [x19, #24]", 1),
+    ("romfs_fill_super", 0x20c, "cbnz w0 (taken: back to +0x40, the block device's way)", 1),
+    ("romfs_fill_super", 0x54, "str x2, [x19, #32]", 1),
 ]
 
 COMMANDS = """
@@ -91,7 +92,7 @@ def _spec(d: Path) -> Path:
     spec = d / "probes.toml"
     lines = ['handlers = ["h.c"]']
     for fn, off, _, _ in PROBES:
-        pre = "on_fill_super" if (fn, off) == ("romfs_fill_super", 0x3c) else "on_hit"
+        pre = "on_fill_super" if (fn, off) == ("romfs_fill_super", 0x54) else "on_hit"
         lines.append(f'[[kprobe]]\nsymbol_name = "{fn}"\noffset = {off:#x}\npre_handler = "{pre}"')
     spec.write_text("\n".join(lines) + "\n")
     return spec
@@ -176,7 +177,7 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
     assert f"file: {ROMFS_FILE.decode().strip()}" in out, r.explain("the romfs file was not read back")
     hits = re.findall(r"kpmod: hit (\w+)\+(0x[0-9a-f]+|0) pc=([0-9a-f]+) addr=([0-9a-f]+)", r.console)
     for fn, off, _, n in PROBES:
-        if (fn, off) == ("romfs_fill_super", 0x3c):
+        if (fn, off) == ("romfs_fill_super", 0x54):
             continue
         mine = [h for h in hits if h[0] == fn and int(h[1], 16) == off]
         assert len(mine) == n, (fn, hex(off), len(mine), r.explain("hits"))
