@@ -1,5 +1,5 @@
 """arm64 kernel modules: Debian's arm64 romfs.ko (the cloud kernel builds romfs as a module) rewritten
-with jump-optimized kprobes and C pre_handlers (pr_info), then in one boot of the unmodified Debian
+with jump-optimized kprobes and kretprobes, C handlers (pr_info), then in one boot of the unmodified Debian
 arm64 Image under qemu-system-aarch64: loop.ko (unmodified) and the rewritten romfs.ko loaded with
 insmod, three mounts that fail (/dev/null is no block device: romfs_get_tree() only) and one of a
 romfs image on a loop device, the image's file read, the module removed (its exit prints each probe's
@@ -10,8 +10,9 @@ The probes cover each way a displaced instruction's copy is written in the modul
 adrp and add (R_AARCH64_ADR_PREL_PG_HI21/ADD_ABS_LO12_NC against .rodata), a carried ldr
 (LDST64_ABS_LO12_NC against a kernel symbol), a carried bl of a kernel function and one of the
 module's own (CALL26), cbz and tbnz not taken, b.eq and a cbnz back taken (each re-encoded over a `B` back, its
-target a JUMP26 against .text), a plain store; each handler's line must appear exactly as often as
-the function runs, and the file must read back.  What an arm64 module does not take yet is refused
+target a JUMP26 against .text), a plain store; and two kretprobes (one sharing its entry's detour
+with a kprobe).  Each handler's line must appear exactly as often as the function runs (a
+kretprobe's with the values returned), and the file must read back.  What an arm64 module does not take yet is refused
 with one line, by `check` as by `instrument`."""
 from __future__ import annotations
 
@@ -49,7 +50,17 @@ static int on_fill_super(struct kprobe *p, struct pt_regs *regs)
 	pr_info("kpmod: fill_super sb=%lx sp=%lx\n", regs->regs[19], regs->sp);
 	return 0;
 }
+
+static int on_return(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	pr_info("kpmod: ret %s=%d pc=%lx\n", ri->rp->kp.symbol_name, (int)regs_return_value(regs), regs->pc);
+	return 0;
+}
 """
+
+# kretprobes (name, the values returned in the boot): romfs_get_tree() -ENOTBLK on /dev/null, 0 on the
+# loop device; romfs_fill_super() 0.  romfs_get_tree()'s shares its entry's detour with the kprobe there.
+KRETPROBES = [("romfs_get_tree", [-15, -15, -15, 0]), ("romfs_fill_super", [0])]
 
 # (function, offset, the instruction there, hits in the boot): romfs_fill_super() runs once (the
 # real mount), romfs_get_tree() on each of the 4 mounts.
@@ -94,6 +105,8 @@ def _spec(d: Path) -> Path:
     for fn, off, _, _ in PROBES:
         pre = "on_fill_super" if (fn, off) == ("romfs_fill_super", 0x54) else "on_hit"
         lines.append(f'[[kprobe]]\nsymbol_name = "{fn}"\noffset = {off:#x}\npre_handler = "{pre}"')
+    for fn, _ in KRETPROBES:
+        lines.append(f'[[kretprobe]]\nsymbol_name = "{fn}"\nhandler = "on_return"')
     spec.write_text("\n".join(lines) + "\n")
     return spec
 
@@ -103,8 +116,10 @@ def rewritten(modules, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("arm64-module")
     spec = _spec(d)
     r = kprewrite("check", modules["romfs"], "--spec", spec)
-    assert r.stdout.splitlines() == [f"{fn}+{off:#x}  k  {'ftrace' if off == 0 else 'optimized'}"
-                                     for fn, off, _, _ in PROBES], r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[:len(PROBES)] == [f"{fn}+{off:#x}  k  {'ftrace' if off == 0 else 'optimized'}"
+                                   for fn, off, _, _ in PROBES], r.stdout
+    assert [l.split("  returns:")[0] for l in lines[len(PROBES):]] == [f"{fn}+0x0  r  ftrace" for fn, _ in KRETPROBES]
     out = d / "romfs.ko"
     kprewrite("instrument", modules["romfs"], "--spec", spec, "-o", out)
     return out
@@ -120,7 +135,7 @@ def test_rewritten_module_layout(modules, rewritten):
     no placeholder left; the module's own init and exit redirected to ours."""
     rel = subprocess.run(["aarch64-linux-gnu-readelf", "-rW", str(rewritten)], capture_output=True, text=True).stdout
     jumps = re.findall(r"^([0-9a-f]+) +[0-9a-f]+ R_AARCH64_JUMP26 +[0-9a-f]+ kp_detour_(\d+) \+ 0$", rel, re.M)
-    assert len(jumps) == len(PROBES), rel
+    assert len(jumps) == len(PROBES) + 1, rel          # romfs_fill_super()'s entry: the kretprobe's
     assert "kp_module_init + 0" in rel and "kp_module_exit + 0" in rel
     nm = subprocess.run(["aarch64-linux-gnu-nm", str(rewritten)], capture_output=True, text=True).stdout
     assert "kp_ph_" not in nm
@@ -128,14 +143,13 @@ def test_rewritten_module_layout(modules, rewritten):
     text = _words(rewritten, ".text")
     for off, _ in jumps:
         assert text[int(off, 16):int(off, 16) + 4] == (0x14000000).to_bytes(4, "little")
-    sites = sorted(syms[fn] + (8 if off == 0 else off) for fn, off, _, _ in PROBES)
+    sites = sorted(syms[fn] + (8 if off == 0 else off) for fn, off, _, _ in [*PROBES, ("romfs_fill_super", 0, "", 0)])
     assert sorted(int(o, 16) for o, _ in jumps) == sites
 
 
 REFUSED = [
-    ('[[kretprobe]]\nsymbol_name = "romfs_get_tree"\n',
-     r"kprewrite: p\.toml: \[\[kretprobe\]\] #1 \(romfs_get_tree\+0x0\): kretprobe at 0x[0-9a-f]+: kretprobes are not "
-     r"written for arm64 modules yet"),
+    ('events = ["p:kp_x romfs_get_tree"]\n',
+     r"kprewrite: p\.toml: event kp_x: trace events are not written for arm64 modules yet"),
     ('[[kprobe]]\nsymbol_name = "romfs_get_tree"\npost_handler = "post"\n',
      r"kprewrite: p\.toml: \[\[kprobe\]\] #1 \(romfs_get_tree\+0x0\): post_handler at 0x[0-9a-f]+: a post_handler is "
      r"not written for arm64 modules yet"),
@@ -144,7 +158,7 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("text,line", REFUSED, ids=["kretprobe", "post_handler", "ftrace-nop"])
+@pytest.mark.parametrize("text,line", REFUSED, ids=["event", "post_handler", "ftrace-nop"])
 def test_refusals(modules, tmp_path, text, line):
     """What an arm64 module does not take yet: one line, naming the check and the address, from
     `check` and `instrument` alike, and no output."""
@@ -188,5 +202,12 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
     assert pcs[("romfs_fill_super", 0xe4)] - pcs[("romfs_fill_super", 0x40)] == 0xa4
     sb = re.findall(r"kpmod: fill_super sb=([0-9a-f]+) sp=([0-9a-f]+)", r.console)
     assert len(sb) == 1 and int(sb[0][0], 16) >> 48 == 0xFFFF and int(sb[0][1], 16) >> 48 == 0xFFFF, sb
-    exits = re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+) nmissed 0", r.console)
-    assert [(fn, int(o, 16), int(n)) for fn, o, n in exits] == [(fn, off, n) for fn, off, _, n in PROBES], exits
+    for fn, values in KRETPROBES:
+        rets = re.findall(rf"kpmod: ret {fn}=(-?\d+) pc=([0-9a-f]+)", r.console)
+        # regs->pc: the real return address (in the kernel: vfs_get_tree(), get_tree_bdev()), the same each time.
+        assert [int(v) for v, _ in rets] == values and len({pc for _, pc in rets}) == 1, (fn, rets)
+        assert int(rets[0][1], 16) >> 48 == 0xFFFF
+    exits = re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+)( returns \d+)? nmissed 0", r.console)
+    assert [(fn, int(o, 16), int(n), ret) for fn, o, n, ret in exits] == \
+        [(fn, off, n, "") for fn, off, _, n in PROBES] + \
+        [(fn, 0, len(v), f" returns {len(v)}") for fn, v in KRETPROBES], exits

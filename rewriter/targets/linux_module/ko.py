@@ -172,3 +172,29 @@ def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
         for _, off, sym, typ, addend in relas(mod.data, r):
             t[off] = (sym, typ, addend)
     return out
+
+
+def kretprobes_c(krs: list, flags: list[str], handler_symbols: dict[str, str], traces: dict) -> list[str]:
+    """The kretprobes' macros of a module's kp_module.c (kp_module_runtime.c's KP_KRETPROBES,
+    KP_POOLS, KP_STRIDES, KP_POOL_NAMES, KP_KRET_LIST): krs the plan's kretprobes, flags each one's
+    struct kprobe flags; traces: the trace events whose return handlers run in place of the user's."""
+    from ...probes.events import trace_key
+    out = []
+    # kretprobes: a pool of maxactive instances each, of stride bytes (the instance, then data_size).
+    strides = [(32 + ep.kret.data_size + 7) // 8 * 8 for ep in krs]
+    out.append(_define("KP_KRETPROBES", [
+        f"KP_KRETPROBE({_c_string(ep.symbol)}, {ep.offset}, {flag}, {_c_string(ep.event_name)}, {ep.index}, "
+        f"{ep.kret.maxactive or 16}, {ep.kret.data_size})" for ep, flag in zip(krs, flags)]))
+    out.append(_define("KP_POOLS", [f"KP_POOL({j}, {(ep.kret.maxactive or 16) * st})"
+                                    for j, (ep, st) in enumerate(zip(krs, strides))]))
+    out.append(f"#define KP_STRIDES {', '.join(map(str, strides)) or '0'}")
+    out.append(f"#define KP_POOL_NAMES {', '.join(f'kp_pool_{j}' for j in range(len(krs))) or '0'}")
+    kret = []
+    for j, ep in enumerate(krs):
+        h = handler_symbols.get(ep.kret.handler) if ep.kret.handler else None
+        if trace_key(ep) in traces:         # the event's return handler, which calls the user's
+            h = f"kp_trace_ret_{trace_key(ep)}"
+        eh = handler_symbols.get(ep.kret.entry_handler) if ep.kret.entry_handler else None
+        kret.append(f"X({j}, {f'KP_KRET_ENTRY_HANDLER({eh})' if eh else ''}, {f'KP_KRET_HANDLER({h})' if h else ''})")
+    out.append(_define("KP_KRET_LIST(X)", kret))
+    return out

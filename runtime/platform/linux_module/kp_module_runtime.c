@@ -66,7 +66,7 @@ static void kp_kret_entry_##j(struct pt_regs *regs)						\
 {												\
 	struct kretprobe *rp = &kp_kretprobes[j];						\
 	struct kretprobe_instance *ri = kp_claim(j);						\
-	unsigned long *slot = (unsigned long *)KP_REGS_SP(regs);					\
+	unsigned long *slot = KP_KRET_RET_SLOT(regs);						\
 	__atomic_fetch_add(&kp_kret_hits[j], 1, __ATOMIC_RELAXED);				\
 	if (!ri) {										\
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);				\
@@ -74,7 +74,7 @@ static void kp_kret_entry_##j(struct pt_regs *regs)						\
 	}											\
 	if (!rp->kp.addr)									\
 		rp->kp.addr = (kprobe_opcode_t *)KP_HIT_ADDR(regs);				\
-	ri->fp = slot;										\
+	ri->fp = KP_KRET_ENTRY_FP(regs, slot);						\
 	ri->ret_addr = (kprobe_opcode_t *)*slot;						\
 	entry_handler										\
 	/* Found at return only once filled: a return elsewhere never meets a stale fp. */	\
@@ -96,7 +96,7 @@ KP_KRET_LIST(KP_KRET_FUNCS)
  * (the others were taken after the first swap). */
 unsigned long kp_kret_return(struct pt_regs *regs)
 {
-	void *slot = (void *)(KP_REGS_SP(regs) - 8);
+	void *slot = KP_KRET_RETURN_FP(regs);
 	struct kretprobe_instance *found[KP_KRET_FRAME];
 	unsigned int kind[KP_KRET_FRAME];
 	unsigned int j, i, n = 0;

@@ -62,7 +62,7 @@ from ....probes.spec import where
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from ..parts import module_parts
 from ..ko import (PLACEHOLDER, SECTIONS, _append_relas, _c_string, _define, _imported, _names,  # noqa: F401
-                  _run, _sites, _versions, module_name, write)
+                  _run, _sites, _versions, kretprobes_c, module_name, write)
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
 
@@ -297,23 +297,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     out.append(_define("KP_PROBES", [
         f"KP_PROBE({_c_string(p.symbol)}, {p.offset}, {_KPROBE_FLAGS.get(site.decision, '0')}, "
         f"{_c_string(p.event_name)}, {p.index})" for site, p in plan.kprobes]))
-    # kretprobes: a pool of maxactive instances each, of stride bytes (the instance, then data_size).
-    strides = [(32 + ep.kret.data_size + 7) // 8 * 8 for ep in krs]
-    out.append(_define("KP_KRETPROBES", [
-        f"KP_KRETPROBE({_c_string(ep.symbol)}, {ep.offset}, {flag}, {_c_string(ep.event_name)}, {ep.index}, "
-        f"{ep.kret.maxactive or 16}, {ep.kret.data_size})" for ep, flag in zip(krs, kr_flags)]))
-    out.append(_define("KP_POOLS", [f"KP_POOL({j}, {(ep.kret.maxactive or 16) * st})"
-                                    for j, (ep, st) in enumerate(zip(krs, strides))]))
-    out.append(f"#define KP_STRIDES {', '.join(map(str, strides)) or '0'}")
-    out.append(f"#define KP_POOL_NAMES {', '.join(f'kp_pool_{j}' for j in range(len(krs))) or '0'}")
-    kret = []
-    for j, ep in enumerate(krs):
-        h = handler_symbols.get(ep.kret.handler) if ep.kret.handler else None
-        if trace_key(ep) in traces:         # the event's return handler, which calls the user's
-            h = f"kp_trace_ret_{trace_key(ep)}"
-        eh = handler_symbols.get(ep.kret.entry_handler) if ep.kret.entry_handler else None
-        kret.append(f"X({j}, {f'KP_KRET_ENTRY_HANDLER({eh})' if eh else ''}, {f'KP_KRET_HANDLER({h})' if h else ''})")
-    out.append(_define("KP_KRET_LIST(X)", kret))
+    out += kretprobes_c(krs, kr_flags, handler_symbols, traces)
     dispatches = []
     for n, (site, ks, rs) in enumerate(_sites(plan)):
         body = []

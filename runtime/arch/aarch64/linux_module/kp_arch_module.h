@@ -26,5 +26,11 @@ static inline __attribute__((always_inline)) unsigned long kp_arch_module_this_c
 #define KP_REGS_IP(regs) ((regs)->pc)
 #define KP_REGS_SP(regs) ((regs)->sp)
 #define KP_HIT_ADDR(regs) ((regs)->pc)
+/* A kretprobe's return address at entry (x30: the detour runs before the function's paciasp signs it,
+ * as arch_prepare_kretprobe() swaps it), and the key that finds its instance again at return: sp, the
+ * same at the function's entry and after its ret. */
+#define KP_KRET_RET_SLOT(regs) (&(regs)->regs[30])
+#define KP_KRET_ENTRY_FP(regs, slot) ((void *)(regs)->sp)
+#define KP_KRET_RETURN_FP(regs) ((void *)(regs)->sp)
 
 #endif
