@@ -74,17 +74,22 @@ def test_relocatable_object_that_is_not_a_module(tmp_path):
 
 
 def test_module_of_an_arch_without_a_module_folder(tmp_path):
-    """A .ko of an architecture the module target has no folder for: one line naming the
-    architecture and the folders there are, no output."""
+    """A .ko of an architecture the module target has no folder for (an AArch64 object whose
+    e_machine says RISC-V, which no back end takes): one line naming the machine and the
+    folders there are, no output."""
     ko = tmp_path / "m.ko"
     src = '__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\nint work(int x) { return x + 1; }\n'
     r = subprocess.run(["aarch64-linux-gnu-gcc", "-c", "-o", ko, "-x", "c", "-"], input=src, text=True,
                        capture_output=True)
     if r.returncode != 0:
         pytest.skip("no aarch64-linux-gnu-gcc")
+    data = bytearray(ko.read_bytes())
+    data[18:20] = (243).to_bytes(2, "little")          # EM_RISCV
+    ko.write_bytes(data)
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
     assert fails(tmp_path, ko, spec, "not supported yet") == [
-        f"kprewrite: {ko}: kernel modules for aarch64 are not supported yet (rewriter/targets/linux_module/ has x86_64)"]
+        f"kprewrite: {ko}: kernel modules for e_machine 243 are not supported yet (rewriter/targets/linux_module/ "
+        "has aarch64, x86_64)"]
 
 
 def test_wrong_machine(tmp_path, prog):

@@ -1,24 +1,25 @@
 """Linux kernel modules (.ko): relocatable kernel objects (ET_REL) the module
 loader lays out and relocates at insmod.  A third target beside linux_user/ and
 linux_kernel/, reusing the kernel target's readers of the kernel's tables.  What depends
-on the CPU is in one folder per architecture (x86_64/: relocatable, rules, writer),
+on the CPU is in one folder per architecture (x86_64/, aarch64/: relocatable, rules, writer),
 chosen by the module's e_machine; a module of an architecture without a folder is
-refused with one line:
+refused with one line.  What they share is here:
 
-- x86_64/relocatable.py: the module seen at addresses (its allocated sections laid out
-  from the module area, its own relocations applied), as an ET_EXEC view the
-  pipeline reads like any image; the ModuleObject keeps the .ko itself;
+- relocatable.py: the module seen at addresses (its allocated sections laid out from the
+  architecture's module area, its own relocations applied by <arch>/relocatable.py's
+  apply()), as an ET_EXEC view the pipeline reads like any image; the ModuleObject keeps
+  the .ko itself;
 - the rules are the kernel's (linux_kernel/reserved.py on the view: the module's
-  __mcount_loc, __ex_table, __jump_table, __bug_table, _kprobe_blacklist,
-  .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
-  .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
-  init) and the kernel's symbols the module refers to (stand-ins in the view);
-- x86_64/writer.py: the rewritten module through the back half's steps (lay_out, tables,
-  link, emit, write: targets/base.py), linked with `ld -r` (kprobes and kretprobes at
-  ftrace sites, kprobes inside functions as optimized probes (x86_64/optprobe.py: the
-  region's copy carrying the module's relocations), else as breakpoint probes taken by the
-  module's own die notifier (each instruction run from a slot copied the same way), C
-  handlers and trace events; the rest is refused with one line, docs/limitations.md);
+  __mcount_loc or __patchable_function_entries, __ex_table, __jump_table, __bug_table,
+  _kprobe_blacklist, .noinstr.text and the architecture's tables), plus the module's own:
+  .init.text (freed after init) and the kernel's symbols the module refers to (stand-ins
+  in the view); <arch>/rules.py's adjust() adds what its writer can and cannot write;
+- <arch>/writer.py: the rewritten module through the back half's steps (lay_out, tables,
+  link, emit, write: targets/base.py), linked with `ld -r` (x86_64/: kprobes and kretprobes
+  at ftrace sites, optimized and breakpoint probes, trace events; aarch64/: jump-optimized
+  kprobes and kretprobes; the rest is refused with one line, docs/limitations.md), on
+  ko.py's shared steps (the sites in order, the kretprobes' macros, __versions, the
+  module's name, the extra relocations, the .kprewrite.meta section);
 - symvers.py: the kernel's Module.symvers, the CRCs of the kernel symbols the module's
   runtime adds to its imports (its __versions);
 - kernel_btf.py: the kernel's BTF (beside Module.symvers, or /sys/kernel/btf/vmlinux), the
