@@ -161,6 +161,29 @@ def obtain_arm64_modules(k: Arm64Kernel, rels: list[str]) -> list[Path]:
     return dests
 
 
+def obtain_arm64_symvers(k: Arm64Kernel) -> Path:
+    """The kernel's Module.symvers (its exported symbols' CRCs, for a module's __versions), from
+    Debian's linux-headers-<release>:arm64 of the same version (1.5 MB), once into the kernel's
+    cache folder."""
+    dest = k.dir / "Module.symvers"
+    with _locked(_root() / ".lock"):
+        if dest.exists():
+            return dest
+        work = Path(tempfile.mkdtemp(prefix=".hdr-", dir=_root()))
+        try:
+            deb = _download(f"linux-headers-{k.release}:arm64={k.version}", work)
+            member = f"./usr/src/linux-headers-{k.release}/Module.symvers"
+            r = subprocess.run(f"dpkg-deb --fsys-tarfile '{deb}' | tar -xO '{member}'", shell=True, capture_output=True)
+            if r.returncode != 0 or not r.stdout.startswith(b"0x"):
+                raise KernelEnvError(f"{deb.name} has no {member}")
+            tmp = dest.with_suffix(".tmp")
+            tmp.write_bytes(r.stdout)
+            tmp.rename(dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
 def arm64_busybox() -> Path:
     """Debian's busybox-static for arm64 (bin/busybox), fetched once."""
     root = _root()

@@ -2,8 +2,9 @@
 with jump-optimized kprobes and kretprobes, C handlers (pr_info), then in one boot of the unmodified Debian
 arm64 Image under qemu-system-aarch64: loop.ko (unmodified) and the rewritten romfs.ko loaded with
 insmod, three mounts that fail (/dev/null is no block device: romfs_get_tree() only) and one of a
-romfs image on a loop device, the image's file read, the module removed (its exit prints each probe's
-hits).
+romfs image on a loop device, the image's file read, each probe's counters read in debugfs (the
+kernel's Module.symvers gives the CRCs of the debugfs functions the module's runtime adds), the
+module removed (its exit prints each probe's hits).
 
 The probes cover each way a displaced instruction's copy is written in the module's detour
 (aarch64/writer.py's copy()): paciasp past a function's ftrace NOPs (an entry probe), a carried
@@ -87,7 +88,10 @@ losetup /dev/loop0 /romfs.img; echo losetup=$?
 mount -t romfs -o ro /dev/loop0 /mnt; echo mount=$?
 cat /mnt/hello | sed 's/^/file: /'
 umount /mnt
+D=/sys/kernel/debug/kprewrite-romfs
+for f in $D/*/*; do echo "counter: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod=$?
+ls $D 2>/dev/null | wc -l | sed 's/^/debugfs-left: /'
 grep -c romfs /proc/modules | sed 's/^/loaded: /'
 """
 
@@ -112,7 +116,12 @@ def _spec(d: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def rewritten(modules, tmp_path_factory) -> Path:
+def symvers(arm64_kernel) -> Path:
+    return arm64_env.env(arm64_env.obtain_arm64_symvers, arm64_kernel)
+
+
+@pytest.fixture(scope="module")
+def rewritten(modules, symvers, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("arm64-module")
     spec = _spec(d)
     r = kprewrite("check", modules["romfs"], "--spec", spec)
@@ -121,7 +130,7 @@ def rewritten(modules, tmp_path_factory) -> Path:
                                    for fn, off, _, _ in PROBES], r.stdout
     assert [l.split("  returns:")[0] for l in lines[len(PROBES):]] == [f"{fn}+0x0  r  ftrace" for fn, _ in KRETPROBES]
     out = d / "romfs.ko"
-    kprewrite("instrument", modules["romfs"], "--spec", spec, "-o", out)
+    kprewrite("instrument", modules["romfs"], "--spec", spec, "--system-map", symvers, "-o", out)
     return out
 
 
@@ -186,7 +195,7 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
     assert r.reached() and r.powered_off, r.explain("no clean boot to user space and power-off")
     assert not r.problems(), r.explain("kernel problems")
     out = r.between()
-    for step in ("loop=0", "insmod=0", "losetup=0", "mount=0", "rmmod=0", "loaded: 0"):
+    for step in ("loop=0", "insmod=0", "losetup=0", "mount=0", "rmmod=0", "loaded: 0", "debugfs-left: 0"):
         assert re.search(rf"^{step}$", out, re.M), r.explain(f"no {step}")
     assert f"file: {ROMFS_FILE.decode().strip()}" in out, r.explain("the romfs file was not read back")
     hits = re.findall(r"kpmod: hit (\w+)\+(0x[0-9a-f]+|0) pc=([0-9a-f]+) addr=([0-9a-f]+)", r.console)
@@ -207,6 +216,14 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
         # regs->pc: the real return address (in the kernel: vfs_get_tree(), get_tree_bdev()), the same each time.
         assert [int(v) for v, _ in rets] == values and len({pc for _, pc in rets}) == 1, (fn, rets)
         assert int(rets[0][1], 16) >> 48 == 0xFFFF
+    # The counters in debugfs while loaded: each probe's hits and nmissed, a kretprobe's returns.
+    counters = dict(re.findall(r"^counter: (\S+) (\d+)$", out, re.M))
+    names = re.findall(r"kprewrite: romfs: (\S+) ", r.console)
+    assert len(counters) == 2 * len(PROBES) + 3 * len(KRETPROBES), counters
+    for name, (fn, off, _, n) in zip(names, PROBES):
+        assert counters[f"{name}/hits"] == str(n) and counters[f"{name}/nmissed"] == "0", (name, counters)
+    for name, (fn, v) in zip(names[len(PROBES):], KRETPROBES):
+        assert counters[f"{name}/hits"] == counters[f"{name}/returns"] == str(len(v)), (name, counters)
     exits = re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+)( returns \d+)? nmissed 0", r.console)
     assert [(fn, int(o, 16), int(n), ret) for fn, o, n, ret in exits] == \
         [(fn, off, n, "") for fn, off, _, n in PROBES] + \
