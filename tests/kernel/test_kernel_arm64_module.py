@@ -11,7 +11,7 @@ The probes cover each way a displaced instruction's copy is written in the modul
 adrp and add (R_AARCH64_ADR_PREL_PG_HI21/ADD_ABS_LO12_NC against .rodata), a carried ldr
 (LDST64_ABS_LO12_NC against a kernel symbol), a carried bl of a kernel function and one of the
 module's own (CALL26), cbz and tbnz not taken, b.eq and a cbnz back taken (each re-encoded over a `B` back, its
-target a JUMP26 against .text), a plain store; and two kretprobes (one sharing its entry's detour
+target a JUMP26 against .text), a plain store with a pre_handler and a post_handler; and two kretprobes (one sharing its entry's detour
 with a kprobe).  Each handler's line must appear exactly as often as the function runs (a
 kretprobe's with the values returned), and the file must read back.  What an arm64 module does not take yet is refused
 with one line, by `check` as by `instrument`."""
@@ -50,6 +50,12 @@ static int on_fill_super(struct kprobe *p, struct pt_regs *regs)
 	/* romfs_fill_super(struct super_block *sb, ...): the super block in x19 by then */
 	pr_info("kpmod: fill_super sb=%lx sp=%lx\n", regs->regs[19], regs->sp);
 	return 0;
+}
+
+static void on_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags)
+{
+	pr_info("kpmod: post %s+%#x pc=%lx addr=%lx x2=%lx\n", p->symbol_name, p->offset, regs->pc,
+		(unsigned long)p->addr, regs->regs[2]);
 }
 
 static int on_return(struct kretprobe_instance *ri, struct pt_regs *regs)
@@ -108,7 +114,8 @@ def _spec(d: Path) -> Path:
     lines = ['handlers = ["h.c"]']
     for fn, off, _, _ in PROBES:
         pre = "on_fill_super" if (fn, off) == ("romfs_fill_super", 0x54) else "on_hit"
-        lines.append(f'[[kprobe]]\nsymbol_name = "{fn}"\noffset = {off:#x}\npre_handler = "{pre}"')
+        lines.append(f'[[kprobe]]\nsymbol_name = "{fn}"\noffset = {off:#x}\npre_handler = "{pre}"'
+                     + ('\npost_handler = "on_post"' if pre == "on_fill_super" else ""))
     for fn, _ in KRETPROBES:
         lines.append(f'[[kretprobe]]\nsymbol_name = "{fn}"\nhandler = "on_return"')
     spec.write_text("\n".join(lines) + "\n")
@@ -159,15 +166,15 @@ def test_rewritten_module_layout(modules, rewritten):
 REFUSED = [
     ('events = ["p:kp_x romfs_get_tree"]\n',
      r"kprewrite: p\.toml: event kp_x: trace events are not written for arm64 modules yet"),
-    ('[[kprobe]]\nsymbol_name = "romfs_get_tree"\npost_handler = "post"\n',
-     r"kprewrite: p\.toml: \[\[kprobe\]\] #1 \(romfs_get_tree\+0x0\): post_handler at 0x[0-9a-f]+: a post_handler is "
-     r"not written for arm64 modules yet"),
+    ('[[kprobe]]\nsymbol_name = "romfs_fill_super"\noffset = 0x88\npost_handler = "post"\n',
+     r"kprewrite: p\.toml: \[\[kprobe\]\] #1 \(romfs_fill_super\+0x88\): post_handler at 0x[0-9a-f]+: a post_handler "
+     r"cannot run after a branch in a detour"),
     ('[[kprobe]]\nsymbol_name = "romfs_get_tree"\noffset = 4\n',
      r"kprewrite: p\.toml: \[\[kprobe\]\] #1 \(romfs_get_tree\+0x4\): blacklist at 0x[0-9a-f]+: .*ftrace site.*"),
 ]
 
 
-@pytest.mark.parametrize("text,line", REFUSED, ids=["event", "post_handler", "ftrace-nop"])
+@pytest.mark.parametrize("text,line", REFUSED, ids=["event", "post_after_bl", "ftrace-nop"])
 def test_refusals(modules, tmp_path, text, line):
     """What an arm64 module does not take yet: one line, naming the check and the address, from
     `check` and `instrument` alike, and no output."""
@@ -211,6 +218,12 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
     assert pcs[("romfs_fill_super", 0xe4)] - pcs[("romfs_fill_super", 0x40)] == 0xa4
     sb = re.findall(r"kpmod: fill_super sb=([0-9a-f]+) sp=([0-9a-f]+)", r.console)
     assert len(sb) == 1 and int(sb[0][0], 16) >> 48 == 0xFFFF and int(sb[0][1], 16) >> 48 == 0xFFFF, sb
+    # The post_handler: after the store (x2 = -1, stored to sb->s_maxbytes), pc the next instruction.
+    post = re.findall(r"kpmod: post romfs_fill_super\+0x54 pc=([0-9a-f]+) addr=([0-9a-f]+) x2=([0-9a-f]+)", r.console)
+    assert len(post) == 1 and int(post[0][0], 16) == int(post[0][1], 16) + 4 and post[0][2] == "ffffffff", post
+    lines = r.lines()
+    assert next(n for n, l in enumerate(lines) if "kpmod: fill_super sb=" in l) < \
+        next(n for n, l in enumerate(lines) if "kpmod: post romfs_fill_super+0x54" in l)
     for fn, values in KRETPROBES:
         rets = re.findall(rf"kpmod: ret {fn}=(-?\d+) pc=([0-9a-f]+)", r.console)
         # regs->pc: the real return address (in the kernel: vfs_get_tree(), get_tree_bdev()), the same each time.

@@ -4,8 +4,8 @@ does for x86-64 (its docstring says the shared design; ../ko.py has the shared s
 
 What is written, for each jump-optimized kprobe and kretprobe (the only kinds an arm64 module takes
 yet: the kernel's own arm64 kprobes are breakpoints, BRK, which a module's own code would take
-through a break hook of its own, not written; post_handlers and trace events are refused too,
-refusals()):
+through a break hook of its own, not written; a post_handler after a branch and trace events are
+refused too, refusals()):
 
 - the probed instruction becomes a `B` to the site's detour: a R_AARCH64_JUMP26 relocation added
   against kp_detour_<i> (the loader places each section where it will, so the branch out of the
@@ -14,7 +14,8 @@ refusals()):
   included), and the relocation the instruction had, if any, made R_AARCH64_NONE;
 - the detour (runtime/arch/aarch64/linux_module/kp_module_detours.S, in .text.kprewrite) builds a
   struct pt_regs (pc the probe's address), calls the site's dispatch with interrupts masked, restores
-  the registers, then runs the displaced instruction's copy and branches back after it.  The copy
+  the registers, then runs the displaced instruction's copy, calls the post_handlers the same way
+  (pc the address after the instruction; kp_module_post.c), and branches back after it.  The copy
   (copy()) carries the original's relocation (a call of a kernel function, adrp/add/ldr of the
   module's data: the same symbol, type and addend, applied at the copy's place); a branch the
   assembler had resolved inside its section becomes a relocation against that section (b, bl; b.cond,
@@ -44,7 +45,7 @@ from .relocatable import (LDST_SHIFT, NAMES, R_AARCH64_ABS64, R_AARCH64_ADD_ABS_
                           R_AARCH64_ADR_PREL_PG_HI21_NC, R_AARCH64_CALL26, R_AARCH64_JUMP26, R_AARCH64_NONE,
                           RELA, SHT_RELA, THIS_MODULE, read_sections, relas, symbols)
 
-# The detours' templates: opt_head, opt_tail.
+# The detours' templates: macros, opt_head, opt_post, opt_tail, opt_post_pc, opt_end, kret_trampoline.
 DETOURS = module_parts("arch/aarch64/linux_module/kp_module_detours.S")
 # The relocations a copy carries as they are: the place moves, the symbol and addend do not, and each
 # is right at any place (a call or tail call through a PLT entry if out of reach; adrp's page delta,
@@ -140,18 +141,32 @@ def _taken(site):
     return site.addr, site.dcr
 
 
-def opt_detour(i: int, site, mod, relocs, placeholders: dict) -> str:
-    """Site i's detour: DETOURS' opt_head, the displaced instruction's copy, opt_tail."""
+def opt_detour(i: int, site, mod, relocs, placeholders: dict, post: bool) -> str:
+    """Site i's detour: DETOURS' opt_head, the displaced instruction's copy, with post_handlers
+    (post) their call (opt_post), opt_tail."""
     ph = _placeholder(placeholders)
     at, dcr = _taken(site)
     sec, off = mod.place(site.addr)
     end_sec, end = mod.place(dcr[-1].addr)
-    head = DETOURS["opt_head"].replace("{i}", str(i)).replace("{n}", str(i))
-    body = "".join(_copy_s(i, copy(mod, relocs, insn), ph) for insn in dcr)
-    tail = (DETOURS["opt_tail"].replace("{i}", str(i))
-            .replace("{back}", ph(Field(end_sec.name, addend=end + 4)))
-            .replace("{site}", ph(Field(sec.name, addend=off, type=R_AARCH64_ABS64))))
-    return head + body + tail
+    after = Field(end_sec.name, addend=end + 4)
+    parts = [DETOURS["opt_head"], _copy_s(i, [c for insn in dcr for c in copy(mod, relocs, insn)], ph),
+             DETOURS["opt_post"] if post else "",
+             DETOURS["opt_tail"].replace("{back}", ph(after))
+             .replace("{site}", ph(Field(sec.name, addend=off, type=R_AARCH64_ABS64))),
+             DETOURS["opt_post_pc"].replace("{post_pc}", ph(Field(after.section, addend=after.addend,
+                                                                     type=R_AARCH64_ABS64))) if post else "",
+             DETOURS["opt_end"]]
+    return "".join(parts).replace("{i}", str(i)).replace("{n}", str(i))
+
+
+def _posts(plan) -> list[tuple[int, list[int]]]:
+    """The sites with post_handlers: (the site's number in _sites(), its kprobes with one)."""
+    out = []
+    for n, (site, ks, _) in enumerate(_sites(plan)):
+        with_post = [i for i in ks if plan.kprobes[i][1].spec.post_handler]
+        if with_post:
+            out.append((n, with_post))
+    return out
 
 
 def runtime_c(plan, handler_symbols: dict[str, str], module: str, debugfs: bool) -> str:
@@ -174,6 +189,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, debugfs: bool)
             externs.append(f"KP_EXTERN_{kind}({handler_symbols[h]})")
     for p in kps:
         declare(p.spec.pre_handler, "PRE")
+        declare(p.spec.post_handler, "POST")
     for ep in krs:
         declare(ep.kret.handler, "KRET")
         declare(ep.kret.entry_handler, "KRET")
@@ -192,12 +208,19 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, debugfs: bool)
         dispatches.append(f"KP_DISPATCH({n}, {missed}, {' '.join(body)}, )")
     out.append(_define("KP_SITES", dispatches))
     out.append('#include "kp_module_runtime.c"')
+    posts = _posts(plan)
+    if posts:
+        out.append(_define("KP_POSTS", [
+            f"KP_POST_FUNC({n}, {' '.join(f'KP_POST_CALL({i}, {handler_symbols[kps[i].spec.post_handler]})' for i in ks)})"
+            for n, ks in posts]))
+        out.append('#include "kp_module_post.c"')
     return "\n".join(out) + "\n"
 
 
 def refusals(image, plan, traces, spec_name: str) -> list[str]:
     """targets.base.Target.refusals(): one line per probe an arm64 module cannot take yet, asked by
-    `check` and `instrument` alike: a module without an exit, a post_handler, a site no jump may go
+    `check` and `instrument` alike (the planner's own checks first: a post_handler after a branch,
+    `post_handler`): a module without an exit, a site no jump may go
     (no breakpoint probes), a region shared between sites, a displaced instruction whose copy cannot be
     written (copy(); the rules refuse it first), a trace event."""
     lines = []
@@ -208,11 +231,7 @@ def refusals(image, plan, traces, spec_name: str) -> list[str]:
         heads = []
         for p in site.probes:
             what = getattr(p, "kret", None) or p.spec
-            head = f"{where(spec_name, what.table)} ({p.label})"
-            heads.append(head)
-            if getattr(what, "post_handler", None):
-                lines.append(f"{head}: post_handler at {site.addr:#x}: a post_handler is not written for arm64 "
-                             "modules yet")
+            heads.append(f"{where(spec_name, what.table)} ({p.label})")
         if site.decision not in (OPTIMIZED, FTRACE) or (site.decision == FTRACE and not site.jump_at):
             lines += [f"{h}: jump at {site.addr:#x}: only jump-optimized probes are written for arm64 modules yet "
                       f"(this one: {site.decision}; breakpoint probes are not)" for h in heads]
@@ -273,8 +292,10 @@ def lay_out(s, code) -> ModuleLayout:
 def tables(s, code, lay: ModuleLayout) -> ModuleTables:
     placeholders: dict = {}
     src = runtime_c(s.plan, s.handler_symbols, lay.name, lay.debugfs)
-    detours = "".join(opt_detour(i, site, lay.mod, lay.relocs, placeholders) for i, (site, _, _) in enumerate(lay.sites))
-    asm = "".join(f"\t.weak {n}\n" for n in placeholders) + detours
+    posts = {n for n, _ in _posts(s.plan)}
+    detours = "".join(opt_detour(i, site, lay.mod, lay.relocs, placeholders, i in posts)
+                      for i, (site, _, _) in enumerate(lay.sites))
+    asm = DETOURS["macros"] + "".join(f"\t.weak {n}\n" for n in placeholders) + detours
     if s.plan.kretprobes:
         # The trampoline, and what runs on a kretprobe's way back kept from the kernel's own kprobes
         # (NOKPROBE_SYMBOL(): the module's _kprobe_blacklist, as on x86-64).
