@@ -11,7 +11,9 @@ The probes cover each way a displaced instruction's copy is written in the modul
 adrp and add (R_AARCH64_ADR_PREL_PG_HI21/ADD_ABS_LO12_NC against .rodata), a carried ldr
 (LDST64_ABS_LO12_NC against a kernel symbol), a carried bl of a kernel function and one of the
 module's own (CALL26), cbz and tbnz not taken, b.eq and a cbnz back taken (each re-encoded over a `B` back, its
-target a JUMP26 against .text), a plain store with a pre_handler and a post_handler; and two kretprobes (one sharing its entry's detour
+target a JUMP26 against .text), a plain store with a pre_handler and a post_handler, a counting
+probe in romfs_dev_read() that a pre_handler's own call of romfs_dev_read() reaches (missed:
+nmissed 1); and two kretprobes (one sharing its entry's detour
 with a kprobe).  Each handler's line must appear exactly as often as the function runs (a
 kretprobe's with the values returned), and the file must read back.  What an arm64 module does not take yet is refused
 with one line, by `check` as by `instrument`."""
@@ -45,10 +47,26 @@ static int on_hit(struct kprobe *p, struct pt_regs *regs)
 	return 0;
 }
 
+/* The module's own (storage.c): the handlers are linked into the module. */
+int romfs_dev_read(void *sb, unsigned long pos, void *buf, unsigned long buflen);
+
 static int on_fill_super(struct kprobe *p, struct pt_regs *regs)
 {
 	/* romfs_fill_super(struct super_block *sb, ...): the super block in x19 by then */
 	pr_info("kpmod: fill_super sb=%lx sp=%lx\n", regs->regs[19], regs->sp);
+	return 0;
+}
+
+/* After romfs_fill_super()'s first read (x19 the super block, its size known): a handler that reaches a
+ * probed function of the module (romfs_dev_read()+0x20), whose hit is missed (nmissed), not run.  A read
+ * past the end, which romfs_dev_read() refuses (-EIO) before any block I/O (a handler runs with
+ * interrupts masked: __bread() may not). */
+static int on_reenter(struct kprobe *p, struct pt_regs *regs)
+{
+	char buf[8];
+	int r = romfs_dev_read((void *)regs->regs[19], ~0UL, buf, sizeof(buf));
+	pr_info("kpmod: reenter %s+%#x pc=%lx addr=%lx read %d\n", p->symbol_name, p->offset, regs->pc,
+		(unsigned long)p->addr, r);
 	return 0;
 }
 
@@ -83,6 +101,7 @@ PROBES = [
     ("romfs_fill_super", 0xe4, "b.eq (taken: the magic matches)", 1),
     ("romfs_fill_super", 0x20c, "cbnz w0 (taken: back to +0x40, the block device's way)", 1),
     ("romfs_fill_super", 0x54, "str x2, [x19, #32]", 1),
+    ("romfs_dev_read", 0x20, "cmp x1, x0: the position against the size (a count of its own)", None),
 ]
 
 COMMANDS = """
@@ -113,8 +132,10 @@ def _spec(d: Path) -> Path:
     spec = d / "probes.toml"
     lines = ['handlers = ["h.c"]']
     for fn, off, _, _ in PROBES:
-        pre = "on_fill_super" if (fn, off) == ("romfs_fill_super", 0x54) else "on_hit"
-        lines.append(f'[[kprobe]]\nsymbol_name = "{fn}"\noffset = {off:#x}\npre_handler = "{pre}"'
+        pre = {("romfs_fill_super", 0x54): "on_fill_super", ("romfs_fill_super", 0xb0): "on_reenter",
+               ("romfs_dev_read", 0x20): None}.get((fn, off), "on_hit")
+        lines.append(f'[[kprobe]]\nsymbol_name = "{fn}"\noffset = {off:#x}'
+                     + (f'\npre_handler = "{pre}"' if pre else "")
                      + ('\npost_handler = "on_post"' if pre == "on_fill_super" else ""))
     for fn, _ in KRETPROBES:
         lines.append(f'[[kretprobe]]\nsymbol_name = "{fn}"\nhandler = "on_return"')
@@ -205,9 +226,9 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
     for step in ("loop=0", "insmod=0", "losetup=0", "mount=0", "rmmod=0", "loaded: 0", "debugfs-left: 0"):
         assert re.search(rf"^{step}$", out, re.M), r.explain(f"no {step}")
     assert f"file: {ROMFS_FILE.decode().strip()}" in out, r.explain("the romfs file was not read back")
-    hits = re.findall(r"kpmod: hit (\w+)\+(0x[0-9a-f]+|0) pc=([0-9a-f]+) addr=([0-9a-f]+)", r.console)
+    hits = re.findall(r"kpmod: (?:hit|reenter) (\w+)\+(0x[0-9a-f]+|0) pc=([0-9a-f]+) addr=([0-9a-f]+)", r.console)
     for fn, off, _, n in PROBES:
-        if (fn, off) == ("romfs_fill_super", 0x54):
+        if (fn, off) in (("romfs_fill_super", 0x54), ("romfs_dev_read", 0x20)):
             continue
         mine = [h for h in hits if h[0] == fn and int(h[1], 16) == off]
         assert len(mine) == n, (fn, hex(off), len(mine), r.explain("hits"))
@@ -229,15 +250,23 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
         # regs->pc: the real return address (in the kernel: vfs_get_tree(), get_tree_bdev()), the same each time.
         assert [int(v) for v, _ in rets] == values and len({pc for _, pc in rets}) == 1, (fn, rets)
         assert int(rets[0][1], 16) >> 48 == 0xFFFF
+    # The handler's own read: refused past the end (-EIO), its hit at romfs_dev_read+0x20 missed.
+    assert re.findall(r"kpmod: reenter romfs_fill_super\+0xb0 pc=[0-9a-f]+ addr=[0-9a-f]+ read (-?\d+)$",
+                      r.console, re.M) == ["-5"], r.explain("the reentering handler")
+    exits = re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+)( returns \d+)? nmissed (\d+)",
+                       r.console)
+    reads = next(int(n) for fn, o, n, _, _ in exits if fn == "romfs_dev_read")
+    assert reads >= 3, exits            # the superblock, the root's inode, the file's data at least
+    assert [(fn, int(o, 16), int(n), ret, int(m)) for fn, o, n, ret, m in exits] == \
+        [(fn, off, reads if n is None else n, "", int(fn == "romfs_dev_read")) for fn, off, _, n in PROBES] + \
+        [(fn, 0, len(v), f" returns {len(v)}", 0) for fn, v in KRETPROBES], exits
     # The counters in debugfs while loaded: each probe's hits and nmissed, a kretprobe's returns.
     counters = dict(re.findall(r"^counter: (\S+) (\d+)$", out, re.M))
     names = re.findall(r"kprewrite: romfs: (\S+) ", r.console)
     assert len(counters) == 2 * len(PROBES) + 3 * len(KRETPROBES), counters
     for name, (fn, off, _, n) in zip(names, PROBES):
-        assert counters[f"{name}/hits"] == str(n) and counters[f"{name}/nmissed"] == "0", (name, counters)
+        missed = int(fn == "romfs_dev_read")
+        assert int(counters[f"{name}/hits"]) == (n or reads) and counters[f"{name}/nmissed"] == str(missed), \
+            (name, counters)
     for name, (fn, v) in zip(names[len(PROBES):], KRETPROBES):
         assert counters[f"{name}/hits"] == counters[f"{name}/returns"] == str(len(v)), (name, counters)
-    exits = re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+)( returns \d+)? nmissed 0", r.console)
-    assert [(fn, int(o, 16), int(n), ret) for fn, o, n, ret in exits] == \
-        [(fn, off, n, "") for fn, off, _, n in PROBES] + \
-        [(fn, 0, len(v), f" returns {len(v)}") for fn, v in KRETPROBES], exits
