@@ -50,10 +50,13 @@ static int on_hit(struct kprobe *p, struct pt_regs *regs)
 /* The module's own (storage.c): the handlers are linked into the module. */
 int romfs_dev_read(void *sb, unsigned long pos, void *buf, unsigned long buflen);
 
+void dump_stack(void);
+
 static int on_fill_super(struct kprobe *p, struct pt_regs *regs)
 {
 	/* romfs_fill_super(struct super_block *sb, ...): the super block in x19 by then */
 	pr_info("kpmod: fill_super sb=%lx sp=%lx\n", regs->regs[19], regs->sp);
+	dump_stack();		/* the kernel's unwinder, through the detour's frame record */
 	return 0;
 }
 
@@ -239,6 +242,17 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
     assert pcs[("romfs_fill_super", 0xe4)] - pcs[("romfs_fill_super", 0x40)] == 0xa4
     sb = re.findall(r"kpmod: fill_super sb=([0-9a-f]+) sp=([0-9a-f]+)", r.console)
     assert len(sb) == 1 and int(sb[0][0], 16) >> 48 == 0xFFFF and int(sb[0][1], 16) >> 48 == 0xFFFF, sb
+    # dump_stack() from the handler: through the dispatch and the detour's frame record to the probed
+    # function, then the mount's path; a kretprobed function's return address is the trampoline by then
+    # (romfs_fill_super()'s into get_tree_bdev(), romfs_get_tree()'s into vfs_get_tree(): the kernel's
+    # unwinder does not know our trampoline, as it knows its own kretprobes').
+    trace = r.console[r.console.index("Call trace:"):].splitlines()[1:20]
+    frames = [re.sub(r"\+0x[0-9a-f]+/0x[0-9a-f]+", "", l.split("]  ", 1)[1]) for l in trace]
+    i = frames.index("dump_stack")
+    assert [re.sub(r"_\d+ ", "_N ", f) for f in frames[i + 1:i + 8]] == [
+        "on_fill_super [romfs]", "kp_dispatch_N [romfs]", "kp_detour_N [romfs]", "romfs_fill_super [romfs]",
+        "kp_kret_trampoline [romfs]", "romfs_get_tree [romfs]", "kp_kret_trampoline [romfs]"], trace
+    assert frames[i + 8] == "path_mount" and "el0t_64_sync" in frames, trace
     # The post_handler: after the store (x2 = -1, stored to sb->s_maxbytes), pc the next instruction.
     post = re.findall(r"kpmod: post romfs_fill_super\+0x54 pc=([0-9a-f]+) addr=([0-9a-f]+) x2=([0-9a-f]+)", r.console)
     assert len(post) == 1 and int(post[0][0], 16) == int(post[0][1], 16) + 4 and post[0][2] == "ffffffff", post
