@@ -4,7 +4,8 @@ arm64 Image under qemu-system-aarch64: loop.ko (unmodified) and the rewritten ro
 insmod, three mounts that fail (/dev/null is no block device: romfs_get_tree() only) and one of a
 romfs image on a loop device, the image's file read, each probe's counters read in debugfs (the
 kernel's Module.symvers gives the CRCs of the debugfs functions the module's runtime adds), the
-module removed (its exit prints each probe's hits).
+module removed (its exit prints each probe's hits); then romfs.ko rewritten with a counting kprobe on
+every instruction `check` takes (956 of 1019), loaded, the image mounted and read through them all.
 
 The probes cover each way a displaced instruction's copy is written in the module's detour
 (aarch64/writer.py's copy()): paciasp past a function's ftrace NOPs (an entry probe), a carried
@@ -121,6 +122,13 @@ for f in $D/*/*; do echo "counter: ${f#$D/} $(cat $f)"; done
 rmmod romfs; echo rmmod=$?
 ls $D 2>/dev/null | wc -l | sed 's/^/debugfs-left: /'
 grep -c romfs /proc/modules | sed 's/^/loaded: /'
+echo EVERY-INSN
+insmod /romfs-all.ko; echo insmod-all=$?
+mount -t romfs -o ro /dev/loop0 /mnt; echo mount-all=$?
+cat /mnt/hello | sed 's/^/file-all: /'
+ls /mnt | sed 's/^/ls-all: /'
+umount /mnt
+rmmod romfs; echo rmmod-all=$?
 """
 
 
@@ -163,6 +171,30 @@ def rewritten(modules, symvers, tmp_path_factory) -> Path:
     out = d / "romfs.ko"
     kprewrite("instrument", modules["romfs"], "--spec", spec, "--system-map", symvers, "-o", out)
     return out
+
+
+@pytest.fixture(scope="module")
+def every_insn(modules, tmp_path_factory) -> tuple[Path, list[tuple[str, int]]]:
+    """romfs.ko with a counting kprobe on every instruction of its text that `check` takes (each
+    jump-optimized, its copy in a detour), and those probes; what check refuses is left out (the
+    ftrace NOPs, the alternatives, can_probe's and a probe in another's region)."""
+    d = tmp_path_factory.mktemp("arm64-every-insn")
+    nm = subprocess.run(["aarch64-linux-gnu-nm", "-S", str(modules["romfs"])], capture_output=True, text=True,
+                        check=True).stdout
+    funcs = [(n, int(size, 16)) for _, size, kind, n in (l.split() for l in nm.splitlines() if len(l.split()) == 4)
+             if kind in "tT" and n not in ("init_module", "cleanup_module") and not n.startswith("init_")]
+    spec = d / "all.toml"
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {off}\n'
+                            for n, size in funcs for off in range(0, size, 4)))
+    r = kprewrite("check", modules["romfs"], "--spec", spec, check=False)
+    taken = [(m.group(1), int(m.group(2), 16)) for m in re.finditer(r"^(\w+)\+0x([0-9a-f]+)  k  (\w+)", r.stdout, re.M)
+             if m.group(3) != "refused"]
+    assert len(taken) > 900 and r.stdout.count("  k  ") == sum(size // 4 for _, size in funcs), r.stdout[-2000:]
+    assert all(m.group(1) == "optimized" for m in re.finditer(r"  k  (\w+)", r.stdout) if m.group(1) != "refused")
+    spec.write_text("".join(f'[[kprobe]]\nsymbol_name = "{n}"\noffset = {off}\n' for n, off in taken))
+    out = d / "romfs-all.ko"
+    kprewrite("instrument", modules["romfs"], "--spec", spec, "-o", out)
+    return out, taken
 
 
 def _words(ko: Path, section: str) -> bytes:
@@ -214,22 +246,23 @@ def test_refusals(modules, tmp_path, text, line):
         assert not (tmp_path / "out.ko").exists()
 
 
-def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_path_factory):
+def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, every_insn, tmp_path_factory):
     """One boot of the unmodified Image: the rewritten module loads, each probe's pre_handler line
     appears once per run of its instruction, romfs mounts and reads its file back, and the exit's
     counters agree."""
     initrd = arm64_env.env(arm64_env.build_initramfs, kernel_env.init_script(COMMANDS),
                            {"romfs.ko": rewritten, "loop.ko": modules["loop"],
-                            "romfs.img": romfs_image(b"hello", ROMFS_FILE)})
+                            "romfs.img": romfs_image(b"hello", ROMFS_FILE), "romfs-all.ko": every_insn[0]})
     log = tmp_path_factory.mktemp("boots") / "arm64-module.console.txt"
     r = arm64_env.env(lambda: arm64_env.boot(arm64_kernel.vmlinuz, initrd, log=log))
     assert r.reached() and r.powered_off, r.explain("no clean boot to user space and power-off")
     assert not r.problems(), r.explain("kernel problems")
-    out = r.between()
+    out, all_out = r.between().split("EVERY-INSN\n")
+    console, all_console = r.console.split("EVERY-INSN\n")
     for step in ("loop=0", "insmod=0", "losetup=0", "mount=0", "rmmod=0", "loaded: 0", "debugfs-left: 0"):
         assert re.search(rf"^{step}$", out, re.M), r.explain(f"no {step}")
     assert f"file: {ROMFS_FILE.decode().strip()}" in out, r.explain("the romfs file was not read back")
-    hits = re.findall(r"kpmod: (?:hit|reenter) (\w+)\+(0x[0-9a-f]+|0) pc=([0-9a-f]+) addr=([0-9a-f]+)", r.console)
+    hits = re.findall(r"kpmod: (?:hit|reenter) (\w+)\+(0x[0-9a-f]+|0) pc=([0-9a-f]+) addr=([0-9a-f]+)", console)
     for fn, off, _, n in PROBES:
         if (fn, off) in (("romfs_fill_super", 0x54), ("romfs_dev_read", 0x20)):
             continue
@@ -240,13 +273,13 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
     pcs = {(h[0], int(h[1], 16)): int(h[2], 16) for h in hits}
     assert pcs[("romfs_fill_super", 0x44)] - pcs[("romfs_fill_super", 0x40)] == 4
     assert pcs[("romfs_fill_super", 0xe4)] - pcs[("romfs_fill_super", 0x40)] == 0xa4
-    sb = re.findall(r"kpmod: fill_super sb=([0-9a-f]+) sp=([0-9a-f]+)", r.console)
+    sb = re.findall(r"kpmod: fill_super sb=([0-9a-f]+) sp=([0-9a-f]+)", console)
     assert len(sb) == 1 and int(sb[0][0], 16) >> 48 == 0xFFFF and int(sb[0][1], 16) >> 48 == 0xFFFF, sb
     # dump_stack() from the handler: through the dispatch and the detour's frame record to the probed
     # function, then the mount's path; a kretprobed function's return address is the trampoline by then
     # (romfs_fill_super()'s into get_tree_bdev(), romfs_get_tree()'s into vfs_get_tree(): the kernel's
     # unwinder does not know our trampoline, as it knows its own kretprobes').
-    trace = r.console[r.console.index("Call trace:"):].splitlines()[1:20]
+    trace = console[console.index("Call trace:"):].splitlines()[1:20]
     frames = [re.sub(r"\+0x[0-9a-f]+/0x[0-9a-f]+", "", l.split("]  ", 1)[1]) for l in trace]
     i = frames.index("dump_stack")
     assert [re.sub(r"_\d+ ", "_N ", f) for f in frames[i + 1:i + 8]] == [
@@ -254,21 +287,21 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
         "kp_kret_trampoline [romfs]", "romfs_get_tree [romfs]", "kp_kret_trampoline [romfs]"], trace
     assert frames[i + 8] == "path_mount" and "el0t_64_sync" in frames, trace
     # The post_handler: after the store (x2 = -1, stored to sb->s_maxbytes), pc the next instruction.
-    post = re.findall(r"kpmod: post romfs_fill_super\+0x54 pc=([0-9a-f]+) addr=([0-9a-f]+) x2=([0-9a-f]+)", r.console)
+    post = re.findall(r"kpmod: post romfs_fill_super\+0x54 pc=([0-9a-f]+) addr=([0-9a-f]+) x2=([0-9a-f]+)", console)
     assert len(post) == 1 and int(post[0][0], 16) == int(post[0][1], 16) + 4 and post[0][2] == "ffffffff", post
     lines = r.lines()
     assert next(n for n, l in enumerate(lines) if "kpmod: fill_super sb=" in l) < \
         next(n for n, l in enumerate(lines) if "kpmod: post romfs_fill_super+0x54" in l)
     for fn, values in KRETPROBES:
-        rets = re.findall(rf"kpmod: ret {fn}=(-?\d+) pc=([0-9a-f]+)", r.console)
+        rets = re.findall(rf"kpmod: ret {fn}=(-?\d+) pc=([0-9a-f]+)", console)
         # regs->pc: the real return address (in the kernel: vfs_get_tree(), get_tree_bdev()), the same each time.
         assert [int(v) for v, _ in rets] == values and len({pc for _, pc in rets}) == 1, (fn, rets)
         assert int(rets[0][1], 16) >> 48 == 0xFFFF
     # The handler's own read: refused past the end (-EIO), its hit at romfs_dev_read+0x20 missed.
     assert re.findall(r"kpmod: reenter romfs_fill_super\+0xb0 pc=[0-9a-f]+ addr=[0-9a-f]+ read (-?\d+)$",
-                      r.console, re.M) == ["-5"], r.explain("the reentering handler")
+                      console, re.M) == ["-5"], r.explain("the reentering handler")
     exits = re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+)( returns \d+)? nmissed (\d+)",
-                       r.console)
+                       console)
     reads = next(int(n) for fn, o, n, _, _ in exits if fn == "romfs_dev_read")
     assert reads >= 3, exits            # the superblock, the root's inode, the file's data at least
     assert [(fn, int(o, 16), int(n), ret, int(m)) for fn, o, n, ret, m in exits] == \
@@ -276,7 +309,7 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
         [(fn, 0, len(v), f" returns {len(v)}", 0) for fn, v in KRETPROBES], exits
     # The counters in debugfs while loaded: each probe's hits and nmissed, a kretprobe's returns.
     counters = dict(re.findall(r"^counter: (\S+) (\d+)$", out, re.M))
-    names = re.findall(r"kprewrite: romfs: (\S+) ", r.console)
+    names = re.findall(r"kprewrite: romfs: (\S+) ", console)
     assert len(counters) == 2 * len(PROBES) + 3 * len(KRETPROBES), counters
     for name, (fn, off, _, n) in zip(names, PROBES):
         missed = int(fn == "romfs_dev_read")
@@ -284,3 +317,16 @@ def test_probes_fire_in_a_booted_kernel(arm64_kernel, modules, rewritten, tmp_pa
             (name, counters)
     for name, (fn, v) in zip(names[len(PROBES):], KRETPROBES):
         assert counters[f"{name}/hits"] == counters[f"{name}/returns"] == str(len(v)), (name, counters)
+    # Every instruction's probe, in the module loaded again: the mount and the file work through them
+    # all; each probe's exit line, the straight-line code's counts as the function's.
+    for step in ("insmod-all=0", "mount-all=0", "rmmod-all=0"):
+        assert re.search(rf"^{step}$", all_out, re.M), r.explain(f"no {step}")
+    assert f"file-all: {ROMFS_FILE.decode().strip()}" in all_out and "ls-all: hello" in all_out, r.explain("every-insn")
+    counts = {(fn, int(o, 16)): int(n) for fn, o, n in
+              re.findall(r"kprewrite: romfs: \S+ (\w+)\+(0x[0-9a-f]+|0) hits (\d+) nmissed 0", all_console)}
+    path, taken = every_insn
+    assert sorted(counts) == sorted(taken), set(taken) ^ set(counts)
+    assert counts[("romfs_fill_super", 0x8)] == counts[("romfs_fill_super", 0x40)] == counts[("romfs_fill_super", 0x54)] \
+        == counts[("romfs_fill_super", 0xe4)] == 1, counts
+    assert counts[("romfs_fill_super", 0x44)] == 1 and counts[("romfs_get_tree", 0x8)] == 1, counts
+    assert sum(1 for n in counts.values() if n) > 600, sum(1 for n in counts.values() if n)
