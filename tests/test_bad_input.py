@@ -92,6 +92,26 @@ def test_module_of_an_arch_without_a_module_folder(tmp_path):
         "has aarch64, x86_64)"]
 
 
+def test_bti_guarded_arm64_module(tmp_path):
+    """An arm64 module whose property note claims BTI (a kernel built with CONFIG_ARM64_BTI_KERNEL
+    guards module text): one line, no output; the same module without BTI is taken."""
+    src = ('__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\n'
+           'int work(int x) { return x + 1; }\nint init_module(void) { return 0; }\nvoid cleanup_module(void) { }\n')
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\noffset = 4\n')
+    for protection, guarded in (("standard", True), ("none", False)):
+        ko = tmp_path / f"{protection}.ko"
+        r = subprocess.run(["aarch64-linux-gnu-gcc", "-O2", f"-mbranch-protection={protection}", "-c", "-o", ko,
+                            "-x", "c", "-"], input=src, text=True, capture_output=True)
+        if r.returncode != 0:
+            pytest.skip("no aarch64-linux-gnu-gcc")
+        if guarded:
+            assert fails(tmp_path, ko, spec, "landing_pad") == [
+                f"kprewrite: {ko}: landing_pad at .note.gnu.property: a BTI-guarded module is not written yet (its "
+                "new code has no BTI landing pads)"]
+        else:
+            assert kprewrite("check", ko, "--spec", spec).stdout == "work+0x4  k  optimized\n"
+
+
 def test_wrong_machine(tmp_path, prog):
     from rewriter.arch import MACHINES
     # A machine no back end takes (EM_AARCH64 is supported now; a new arch may take another).

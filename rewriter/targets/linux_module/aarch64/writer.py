@@ -223,9 +223,17 @@ def refusals(image, plan, traces, spec_name: str) -> list[str]:
     `post_handler`): a module without an exit, a site no jump may go
     (no breakpoint probes), a region shared between sites, a displaced instruction whose copy cannot be
     written (copy(); the rules refuse it first), a trace event."""
+    from ....arch.aarch64 import bti
     lines = []
     if "cleanup_module" not in image.symbols:
         lines.append(f"{image.path}: the module has no exit (cleanup_module): it could not be unloaded")
+    note = image.container.section_named(".note.gnu.property")
+    if note is not None and bti.note_features(image.container.data[note.offset:note.offset + note.size]) \
+            & bti.FEATURE_1_BTI:
+        # A kernel built with CONFIG_ARM64_BTI_KERNEL guards module text: a module PLT entry's `br x16`
+        # to a detour, the loader's call of our init, would need landing pads our code has not.
+        lines.append(f"{image.path}: landing_pad at .note.gnu.property: a BTI-guarded module is not written yet "
+                     "(its new code has no BTI landing pads)")
     relocs = None
     for site in plan.sites:
         heads = []
