@@ -75,8 +75,8 @@ BACK = "back"                           # copy()'s item: the `B` back after the 
 def copy(mod, relocs, insn) -> list:
     """The displaced instruction's copy: a list of (word, relocation type or None, Field or None),
     or BACK for a branch to the detour's way back.  CopyRefused when it cannot be written."""
-    sec, off = mod.place(insn.addr)
-    sec = sec.name
+    section, off = mod.place(insn.addr)
+    sec = section.name
     w = int.from_bytes(insn.code, "little")
     r = relocs.get(sec, {}).get(off)
     if r is not None:
@@ -84,7 +84,9 @@ def copy(mod, relocs, insn) -> list:
         if typ not in CARRIED:
             raise CopyRefused("module_relocation", insn.addr, f"{NAMES.get(typ, f'relocation type {typ}')} at "
                                                               f"{sec}+{off:#x} cannot be carried to a detour")
-        return [(w, typ, Field(sec, carry=off))]
+        # The .ko's own word (its field as the assembler left it for the relocation), not the view's.
+        orig = int.from_bytes(mod.data[section.offset + off:section.offset + off + 4], "little")
+        return [(orig, typ, Field(sec, carry=off))]
     info = I.classify(w, insn.addr)
     if info.kind not in I.PC_RELATIVE:
         return [(w, None, None)]
