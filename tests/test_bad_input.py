@@ -112,6 +112,26 @@ def test_bti_guarded_arm64_module(tmp_path):
             assert kprewrite("check", ko, "--spec", spec).stdout == "work+0x4  k  optimized\n"
 
 
+def test_arm64_module_site_without_a_jump(tmp_path):
+    """An arm64 module has no breakpoint probes: a site no jump may go (a function with an
+    exception-table entry, whose fixup may come back into it) is refused in one line naming the
+    check and the address, by check as by instrument."""
+    ko = tmp_path / "ex.ko"
+    src = ('__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\n'
+           'int work(int x) { asm volatile("1: nop\\n .pushsection __ex_table,\\"a\\"\\n .balign 4\\n .long 1b - .\\n"\n'
+           '" .long 1b - .\\n .short 0\\n .short 0\\n .popsection"); return x + 1; }\n'
+           'int init_module(void) { return 0; }\nvoid cleanup_module(void) { }\n')
+    r = subprocess.run(["aarch64-linux-gnu-gcc", "-O2", "-c", "-o", ko, "-x", "c", "-"], input=src, text=True,
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"no aarch64-linux-gnu-gcc ({r.stderr.strip()[-200:]})")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\noffset = 4\n')
+    line = ("__ex_table at 0xffff800000000000: work has an exception table entry: its fixup may jump back into the "
+            "function")
+    assert kprewrite("check", ko, "--spec", spec, check=False).stdout == f"work+0x4  k  refused  {line}\n"
+    assert fails(tmp_path, ko, spec, "__ex_table") == [f"kprewrite: {spec.name}: [[kprobe]] #1 (work+0x4): {line}"]
+
+
 def test_wrong_machine(tmp_path, prog):
     from rewriter.arch import MACHINES
     # A machine no back end takes (EM_AARCH64 is supported now; a new arch may take another).
