@@ -3,9 +3,8 @@ itself (`ld -r`), for the module loader to relocate (apply_relocate_add()), as x
 does for x86-64 (its docstring says the shared design; ../ko.py has the shared steps).
 
 What is written, for each jump-optimized kprobe and kretprobe (the only kinds an arm64 module takes
-yet: the kernel's own arm64 kprobes are breakpoints, BRK, which a module's own code would take
-through a break hook of its own, not written; a post_handler after a branch and trace events are
-refused too, refusals()):
+yet: the kernel's own arm64 kprobes are breakpoints, BRK, taken through break hooks a module cannot
+register (rules.py); a post_handler after a branch and trace events are refused too, refusals()):
 
 - the probed instruction becomes a `B` to the site's detour: a R_AARCH64_JUMP26 relocation added
   against kp_detour_<i> (the loader places each section where it will, so the branch out of the
