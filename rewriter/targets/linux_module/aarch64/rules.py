@@ -8,8 +8,9 @@ def adjust(image, arch, r) -> None:
     """The arm64 module's part of its rules, set on r."""
     r.region_refusal = carried(image, r.region_refusal)
     # No breakpoint probes: the kernel's arm64 kprobes are BRKs taken by its break hooks, and
-    # register_kernel_break_hook() is not exported to modules (nor does an unclaimed BRK at EL1 reach a
-    # die notifier before the oops, as x86's int3 does): a site no jump fits is refused, naming the check.
+    # register_kernel_break_hook() is not exported to modules (an unclaimed BRK at EL1 reaches die
+    # notifiers only as an oops, DIE_OOPS, not as x86's DIE_INT3): a site no jump fits is refused, naming
+    # the check.
     r.breakpoints = False
 
 
