@@ -61,7 +61,7 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             # The target's kretprobes are the kernel's: the return address is swapped at entry.
             g.mode, g.reason = TRAMPOLINE, arch.Refusal(
                 "kretprobe_trampoline", g.entry, "the return address is swapped at entry (the kernel's "
-                "kretprobe_trampoline; instances per task)")
+                "kretprobe_trampoline)")
             continue
         if ex.refusal is not None:
             # An exit we cannot even name (a conditional tail call, a jump into
