@@ -550,3 +550,69 @@ def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
 def _jump_at(prog, func: str, mnemonic: str) -> int:
     from conftest import insns
     return next(i.address for _, i in insns(prog, func) if i.mnemonic == mnemonic)
+
+
+# A jl back to a ret whose own region cannot end with it (the jl is a jump target) would
+# take one that starts at it, [jl, ret + 1): that one holds the function's second ret,
+# whose copy in the detour would return with no hook (and whose breakpoint would lie
+# under the jump).  The region is refused, so the first ret takes a breakpoint (no CFI:
+# the trampoline is unsafe) and the second a region of its own.
+BACK = r"""
+__asm__(
+".text\n"
+".globl back_jl\n.type back_jl,@function\nback_jl:\n"
+"  mov %edi,%eax\n"
+"  cmp $10,%edi\n"
+"  jg 4f\n"
+"  add $1,%eax\n"
+"  add $2,%eax\n"
+"1:ret\n"
+"  sub $3,%eax\n"
+"  cmp $20,%eax\n"
+"4:jl 1b\n"
+"  inc %eax\n"
+"  ret\n"
+".size back_jl,.-back_jl\n"
+".globl back_next\n.type back_next,@function\nback_next:\n"
+"  xor %eax,%eax\n"
+"  ret\n"
+".size back_next,.-back_next\n");
+#include <stdio.h>
+#include <stdlib.h>
+int back_jl(int);
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 60;
+    long t = 0;
+    for (int i = -30; i < n; i++)
+        t = t * 3 + back_jl(i);
+    printf("t=%ld\n", t);
+    return 0;
+}
+"""
+
+
+def _build_back(tmp):
+    from conftest import insns, probe_spec
+    prog = cc(tmp, "back", BACK, "-O2")
+    kret = write_spec(tmp, probe_spec("kretprobe", ["back_jl"], handler="on_return", maxactive=4),
+                      RET_HANDLER, "kret.toml")
+    rets = [("back_jl", off) for off, i in insns(prog, "back_jl") if i.mnemonic == "ret"]
+    oracle = write_spec(tmp, probe_spec("kprobe", rets, pre_handler="at_ret"), RET_HANDLER, "oracle.toml")
+    return (prog, rets, check_lines(prog, kret), instrument(prog, kret, tmp / "kret"),
+            instrument(prog, oracle, tmp / "oracle", "--no-optimize"))
+
+
+def test_a_jumps_region_holding_another_exit_is_refused(once, runner):
+    prog, rets, check, kret, oracle = once(_build_back)
+    syms = symbols(prog)
+    (_, first), (_, second) = rets
+    first, second = syms["back_jl"] + first, syms["back_jl"] + second
+    jl = _jump_at(prog, "back_jl", "jl")
+    assert second == jl + 4, (hex(jl), hex(second))
+    line, = check
+    assert f"returns: {first:#x} ret (int3), {second:#x} ret  jump_into_region at {first:#x}" in line \
+        and "(and the jumps" not in line, line
+    # Every return, by either ret, with the value the breakpoint at the ret reads.
+    want, got, ref = oracle_runs(prog, kret, oracle, runner, 60)
+    mine, theirs = _returns(got.stderr), _returns(ref.stderr)
+    assert sum(mine.values()) == 90 and mine == theirs, (mine - theirs, theirs - mine)
