@@ -182,8 +182,9 @@ def _branch_exits(image, analysis, arch, g: Group, parts, part, e, rules, busy, 
     instruction after it) and then what the jump lands on (the `ret`, or the
     instructions up to it), its hook and the exit.  A jump inside the exit's own
     region goes to its copy in the detour.  Anything else that may land in the
-    region (a call, a jump table, a landing pad, a jump of another function), or
-    a jump's region refused, refuses the whole (the arch Refusal, its check named).
+    region (a call, a jump table, a landing pad, a jump of another function), a
+    jump's region refused, or a region that holds another exit of the function (its
+    copy would return unhooked), refuses the whole (the arch Refusal, its check named).
     A jump inside a jump-optimized probe's region (the entry's: `test %rdi,%rdi;
     je 1f` at the start) is hooked in that detour's copy instead.  Returns
     ([the exit's RetSite, a RetSite per jump], [(host Site, jump, block, exit)])

@@ -172,7 +172,9 @@ def exit_region(image, analysis, part, exit: Exit, busy, landed=None) -> tuple[l
 
 
 # Relative jumps before an exit: copied to the detour re-encoded (their targets lie
-# outside the region: a target inside it was refused as a jump into the region).
+# outside the region: a target inside it was refused as a jump into the region, except
+# a branch exit's, where _run_then_exit() sends a jump to a later instruction of the
+# region to that one's copy).
 _REENCODED = ("jcc rel", "jmp rel")
 
 
