@@ -268,6 +268,7 @@ def _returns(stderr: str):
 
 
 def test_exits_without_a_region_take_no_breakpoint(once, runner):
+    from conftest import insns
     prog, rets, check, kret, oracle = once(_build_floor)
     lines = {l.split("+")[0]: l for l in check}
     assert len(rets) == 6, rets
@@ -290,6 +291,15 @@ def test_exits_without_a_region_take_no_breakpoint(once, runner):
     # trampoline is unsafe, a breakpoint: test_jumps_landing_on_a_ret_are_hooked_as_exits.
     for f in ("three_way", "no_cfi"):
         assert re.search(r"returns: 0x[0-9a-f]+ ret \(and the jumps at 0x[0-9a-f]+, 0x[0-9a-f]+\)$", lines[f]), lines[f]
+        # (the metadata's return sites, [start, end, exit]: the first jump's starts at it, the
+        # second's ends with it, the third lies in the ret's)
+        code = insns(prog, f)
+        j = [i for _, i in code if i.mnemonic.startswith("j")]
+        ret = next(i for _, i in code if i.mnemonic == "ret")
+        rs = next(p["return_sites"] for p in meta(kret)["probes"] if p["symbol"] == f and p["kind"] == "r")
+        assert [s[0] == j[0].address for s in rs if s[0] <= j[0].address < s[1]] == [True], rs
+        assert [s[1] == j[1].address + j[1].size for s in rs if s[0] <= j[1].address < s[1]] == [True], rs
+        assert [s[1] == ret.address + 1 for s in rs if s[0] <= j[2].address < s[1]] == [True], rs
     want, got, ref = oracle_runs(prog, kret, oracle, runner, 40)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
     # tiny6 is also tail-called from heavy_tail (through light_tail): 45 more returns.
@@ -539,6 +549,16 @@ def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
     assert sites["jcc_on_block"][0]["branches"] == [hex(_jump_at(prog, "jcc_on_block", m)) for m in ("jg", "jl")]
     recs = {p["symbol"]: p for p in meta(kret)["probes"] if p["kind"] == "r"}
     assert all((p["int3_exits"] == []) is (f != "no_cfi_rcx") and p["returns"] == "optimized" for f, p in recs.items()), recs
+    # Where each jump is hooked (the metadata's return sites: [start, end, exit]): jcc_at_entry's
+    # je in the entry's region, whose detour's copy takes the hook; jcc_on_ret's je in its
+    # ret's own region; jmp_on_ret's jmp in a region that ends with it.
+    for f, m, first in (("jcc_at_entry", "je", syms["jcc_at_entry"]), ("jcc_on_ret", "je", None),
+                        ("jmp_on_ret", "jmp", None)):
+        a = _jump_at(prog, f, m)
+        held = [s for s in recs[f]["return_sites"] if s[0] <= a < s[1] and s[2] == shape[f][0]]
+        assert len(held) == 1 and (first is None or held[0][0] == first), (f, recs[f]["return_sites"])
+    assert [s[1] for s in recs["jmp_on_ret"]["return_sites"]
+            if s[0] <= _jump_at(prog, "jmp_on_ret", "jmp") < s[1]] == [_jump_at(prog, "jmp_on_ret", "jmp") + 2]
     # Every return handler with the value the breakpoint at the ret reads, once a call.
     want, got, ref = oracle_runs(prog, kret, oracle, runner, 90)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
