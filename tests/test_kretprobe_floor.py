@@ -636,3 +636,47 @@ def test_a_jumps_region_holding_another_exit_is_refused(once, runner):
     want, got, ref = oracle_runs(prog, kret, oracle, runner, 60)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
     assert sum(mine.values()) == 90 and mine == theirs, (mine - theirs, theirs - mine)
+
+
+# A jcc with a prefix (a branch hint, `3e`) in the entry's region: its copy in the detour is
+# re-encoded with its own condition (`je`), not the one its first byte's nibble reads (`3e`:
+# jle).  (Its ret, which the hinted je lands on, takes a breakpoint: no plain jcc to hook.)
+HINTED = r"""
+__asm__(
+".text\n"
+".globl hinted\n.type hinted,@function\nhinted:\n"
+"  mov %edi,%eax\n"
+"  test %edi,%edi\n"
+"  .byte 0x3e\n"
+"  je 1f\n"
+"  add $5,%eax\n"
+"1:ret\n"
+".size hinted,.-hinted\n");
+#include <stdio.h>
+int hinted(int);
+int main(void) {
+    long t = 0;
+    for (int i = -5; i < 5; i++)
+        t = t * 7 + hinted(i);
+    printf("t=%ld\n", t);
+    return 0;
+}
+"""
+
+
+def _build_hinted(tmp):
+    from conftest import probe_spec
+    prog = cc(tmp, "hinted", HINTED, "-O2")
+    kret = write_spec(tmp, probe_spec("kretprobe", ["hinted"], handler="on_return", maxactive=4),
+                      RET_HANDLER, "kret.toml")
+    return prog, check_lines(prog, kret), instrument(prog, kret, tmp / "kret")
+
+
+def test_a_hinted_jcc_keeps_its_condition(once, runner):
+    prog, check, kret = once(_build_hinted)
+    assert check[0].startswith("hinted+0x0  r  optimized  returns: ") and " ret (int3)  jump_into_region at " in check[0] \
+        and "branch_exit at " in check[0], check
+    want, got = run(prog, runner=runner), run(kret, runner=runner)
+    assert want.returncode == 0 and got.returncode == 0 and got.stdout == want.stdout, (want.stdout, got.stdout)
+    assert sorted(int(l.split()[2]) for l in _returns(got.stderr).elements()) == [0] + [i + 5 for i in range(-5, 5) if i], \
+        got.stderr[-2000:]
