@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,12 @@ symbol_name = "__arm64_sys_getuid"
 """
 
 
+def _version(p: Path) -> list:
+    """A cached kernel's folder (or file) name as a version sorts: linux-image-6.1.0-10-...
+    after linux-image-6.1.0-9-... (by the text, 6.1.0-9 would come last)."""
+    return [(1, int(t), "") if t.isdigit() else (0, 0, t) for t in re.split(r"(\d+)", str(p))]
+
+
 def inputs(work: Path) -> list[tuple[str, list[str], Path]]:
     """(name, instrument's arguments before -o, the folder to run in) of each case."""
     def cc(compiler: str, sample: str, out: str) -> Path | None:
@@ -82,7 +89,7 @@ def inputs(work: Path) -> list[tuple[str, list[str], Path]]:
     (work / "module.toml").write_text(MODULE_SPEC)
     (work / "kernel.toml").write_text(KERNEL_SPEC)
     (work / "arm64.toml").write_text(ARM64_SPEC)
-    for k in sorted(KERNEL_CACHE.glob("linux-image-*-amd64-*"), reverse=True):
+    for k in sorted(KERNEL_CACHE.glob("linux-image-*-amd64-*"), key=_version, reverse=True):
         found = len(cases)
         ko = k / "modules/kernel/fs/romfs/romfs.ko"
         if ko.exists() and (k / "Module.symvers").exists():
@@ -92,7 +99,7 @@ def inputs(work: Path) -> list[tuple[str, list[str], Path]]:
             cases.append(("vmlinux", [str(k / "vmlinux"), "--spec", str(work / "kernel.toml")], work))
         if len(cases) > found:
             break
-    for image in sorted(KERNEL_CACHE.glob("arm64/linux-image-*/vmlinuz-*"), reverse=True):
+    for image in sorted(KERNEL_CACHE.glob("arm64/linux-image-*/vmlinuz-*"), key=_version, reverse=True):
         cases.append(("arm64_Image", [str(image), "--spec", str(work / "arm64.toml")], work))
         break
     return cases

@@ -472,6 +472,9 @@ def test_one_event_name_for_two_tables_is_refused(tmp_path, prog, runner):
     recs = trace_lines(r.stderr)
     assert [(x.event, x.args) for x in recs] == [("p_work_0", {"x": 0}), ("glob_work", {"y": 0}),
                                                  ("p_work_0", {"x": 1}), ("glob_work", {"y": 1})]
+    # One event name in two groups is two events, as in kprobe_events: not refused.
+    spec = write_spec(tmp_path, regs('events = ["p:g1/ev work x=%di:s64", "p:g2/ev work y=%di:s64"]\n'), name="groups.toml")
+    assert kprewrite("check", prog, "--spec", spec, check=False).returncode == 0
 
 
 def _profile_on_request(tmp):

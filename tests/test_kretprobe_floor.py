@@ -268,6 +268,7 @@ def _returns(stderr: str):
 
 
 def test_exits_without_a_region_take_no_breakpoint(once, runner):
+    from conftest import insns
     prog, rets, check, kret, oracle = once(_build_floor)
     lines = {l.split("+")[0]: l for l in check}
     assert len(rets) == 6, rets
@@ -290,6 +291,15 @@ def test_exits_without_a_region_take_no_breakpoint(once, runner):
     # trampoline is unsafe, a breakpoint: test_jumps_landing_on_a_ret_are_hooked_as_exits.
     for f in ("three_way", "no_cfi"):
         assert re.search(r"returns: 0x[0-9a-f]+ ret \(and the jumps at 0x[0-9a-f]+, 0x[0-9a-f]+\)$", lines[f]), lines[f]
+        # (the metadata's return sites, [start, end, exit]: the first jump's starts at it, the
+        # second's ends with it, the third lies in the ret's)
+        code = insns(prog, f)
+        j = [i for _, i in code if i.mnemonic.startswith("j")]
+        ret = next(i for _, i in code if i.mnemonic == "ret")
+        rs = next(p["return_sites"] for p in meta(kret)["probes"] if p["symbol"] == f and p["kind"] == "r")
+        assert [s[0] == j[0].address for s in rs if s[0] <= j[0].address < s[1]] == [True], rs
+        assert [s[1] == j[1].address + j[1].size for s in rs if s[0] <= j[1].address < s[1]] == [True], rs
+        assert [s[1] == ret.address + 1 for s in rs if s[0] <= j[2].address < s[1]] == [True], rs
     want, got, ref = oracle_runs(prog, kret, oracle, runner, 40)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
     # tiny6 is also tail-called from heavy_tail (through light_tail): 45 more returns.
@@ -539,6 +549,16 @@ def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
     assert sites["jcc_on_block"][0]["branches"] == [hex(_jump_at(prog, "jcc_on_block", m)) for m in ("jg", "jl")]
     recs = {p["symbol"]: p for p in meta(kret)["probes"] if p["kind"] == "r"}
     assert all((p["int3_exits"] == []) is (f != "no_cfi_rcx") and p["returns"] == "optimized" for f, p in recs.items()), recs
+    # Where each jump is hooked (the metadata's return sites: [start, end, exit]): jcc_at_entry's
+    # je in the entry's region, whose detour's copy takes the hook; jcc_on_ret's je in its
+    # ret's own region; jmp_on_ret's jmp in a region that ends with it.
+    for f, m, first in (("jcc_at_entry", "je", syms["jcc_at_entry"]), ("jcc_on_ret", "je", None),
+                        ("jmp_on_ret", "jmp", None)):
+        a = _jump_at(prog, f, m)
+        held = [s for s in recs[f]["return_sites"] if s[0] <= a < s[1] and s[2] == shape[f][0]]
+        assert len(held) == 1 and (first is None or held[0][0] == first), (f, recs[f]["return_sites"])
+    assert [s[1] for s in recs["jmp_on_ret"]["return_sites"]
+            if s[0] <= _jump_at(prog, "jmp_on_ret", "jmp") < s[1]] == [_jump_at(prog, "jmp_on_ret", "jmp") + 2]
     # Every return handler with the value the breakpoint at the ret reads, once a call.
     want, got, ref = oracle_runs(prog, kret, oracle, runner, 90)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
@@ -550,3 +570,113 @@ def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
 def _jump_at(prog, func: str, mnemonic: str) -> int:
     from conftest import insns
     return next(i.address for _, i in insns(prog, func) if i.mnemonic == mnemonic)
+
+
+# A jl back to a ret whose own region cannot end with it (the jl is a jump target) would
+# take one that starts at it, [jl, ret + 1): that one holds the function's second ret,
+# whose copy in the detour would return with no hook (and whose breakpoint would lie
+# under the jump).  The region is refused, so the first ret takes a breakpoint (no CFI:
+# the trampoline is unsafe) and the second a region of its own.
+BACK = r"""
+__asm__(
+".text\n"
+".globl back_jl\n.type back_jl,@function\nback_jl:\n"
+"  mov %edi,%eax\n"
+"  cmp $10,%edi\n"
+"  jg 4f\n"
+"  add $1,%eax\n"
+"  add $2,%eax\n"
+"1:ret\n"
+"  sub $3,%eax\n"
+"  cmp $20,%eax\n"
+"4:jl 1b\n"
+"  inc %eax\n"
+"  ret\n"
+".size back_jl,.-back_jl\n"
+".globl back_next\n.type back_next,@function\nback_next:\n"
+"  xor %eax,%eax\n"
+"  ret\n"
+".size back_next,.-back_next\n");
+#include <stdio.h>
+#include <stdlib.h>
+int back_jl(int);
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 60;
+    long t = 0;
+    for (int i = -30; i < n; i++)
+        t = t * 3 + back_jl(i);
+    printf("t=%ld\n", t);
+    return 0;
+}
+"""
+
+
+def _build_back(tmp):
+    from conftest import insns, probe_spec
+    prog = cc(tmp, "back", BACK, "-O2")
+    kret = write_spec(tmp, probe_spec("kretprobe", ["back_jl"], handler="on_return", maxactive=4),
+                      RET_HANDLER, "kret.toml")
+    rets = [("back_jl", off) for off, i in insns(prog, "back_jl") if i.mnemonic == "ret"]
+    oracle = write_spec(tmp, probe_spec("kprobe", rets, pre_handler="at_ret"), RET_HANDLER, "oracle.toml")
+    return (prog, rets, check_lines(prog, kret), instrument(prog, kret, tmp / "kret"),
+            instrument(prog, oracle, tmp / "oracle", "--no-optimize"))
+
+
+def test_a_jumps_region_holding_another_exit_is_refused(once, runner):
+    prog, rets, check, kret, oracle = once(_build_back)
+    syms = symbols(prog)
+    (_, first), (_, second) = rets
+    first, second = syms["back_jl"] + first, syms["back_jl"] + second
+    jl = _jump_at(prog, "back_jl", "jl")
+    assert second == jl + 4, (hex(jl), hex(second))
+    line, = check
+    assert f"returns: {first:#x} ret (int3), {second:#x} ret  jump_into_region at {first:#x}" in line \
+        and "(and the jumps" not in line, line
+    # Every return, by either ret, with the value the breakpoint at the ret reads.
+    want, got, ref = oracle_runs(prog, kret, oracle, runner, 60)
+    mine, theirs = _returns(got.stderr), _returns(ref.stderr)
+    assert sum(mine.values()) == 90 and mine == theirs, (mine - theirs, theirs - mine)
+
+
+# A jcc with a prefix (a branch hint, `3e`) in the entry's region: its copy in the detour is
+# re-encoded with its own condition (`je`), not the one its first byte's nibble reads (`3e`:
+# jle).  (Its ret, which the hinted je lands on, takes a breakpoint: no plain jcc to hook.)
+HINTED = r"""
+__asm__(
+".text\n"
+".globl hinted\n.type hinted,@function\nhinted:\n"
+"  mov %edi,%eax\n"
+"  test %edi,%edi\n"
+"  .byte 0x3e\n"
+"  je 1f\n"
+"  add $5,%eax\n"
+"1:ret\n"
+".size hinted,.-hinted\n");
+#include <stdio.h>
+int hinted(int);
+int main(void) {
+    long t = 0;
+    for (int i = -5; i < 5; i++)
+        t = t * 7 + hinted(i);
+    printf("t=%ld\n", t);
+    return 0;
+}
+"""
+
+
+def _build_hinted(tmp):
+    from conftest import probe_spec
+    prog = cc(tmp, "hinted", HINTED, "-O2")
+    kret = write_spec(tmp, probe_spec("kretprobe", ["hinted"], handler="on_return", maxactive=4),
+                      RET_HANDLER, "kret.toml")
+    return prog, check_lines(prog, kret), instrument(prog, kret, tmp / "kret")
+
+
+def test_a_hinted_jcc_keeps_its_condition(once, runner):
+    prog, check, kret = once(_build_hinted)
+    assert check[0].startswith("hinted+0x0  r  optimized  returns: ") and " ret (int3)  jump_into_region at " in check[0] \
+        and "branch_exit at " in check[0], check
+    want, got = run(prog, runner=runner), run(kret, runner=runner)
+    assert want.returncode == 0 and got.returncode == 0 and got.stdout == want.stdout, (want.stdout, got.stdout)
+    assert sorted(int(l.split()[2]) for l in _returns(got.stderr).elements()) == [0] + [i + 5 for i in range(-5, 5) if i], \
+        got.stderr[-2000:]

@@ -127,7 +127,7 @@ class RetSite:
     hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP / HOOK_POINTER
     group: object = None
     # A branch exit (planner/returns.py): the dcr ends with a jump to the exit's own
-    # region; block, the instructions from where it lands to the exit, run in its detour.
+    # region (or starts with it, where no region ends with it); block, the instructions from where it lands to the exit, run in its detour.
     block: list | None = None
     branch: int = 0                 # that jump's address (the dcr's last instruction, or its first)
 

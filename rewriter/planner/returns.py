@@ -182,8 +182,9 @@ def _branch_exits(image, analysis, arch, g: Group, parts, part, e, rules, busy, 
     instruction after it) and then what the jump lands on (the `ret`, or the
     instructions up to it), its hook and the exit.  A jump inside the exit's own
     region goes to its copy in the detour.  Anything else that may land in the
-    region (a call, a jump table, a landing pad, a jump of another function), or
-    a jump's region refused, refuses the whole (the arch Refusal, its check named).
+    region (a call, a jump table, a landing pad, a jump of another function), a
+    jump's region refused, or a region that holds another exit of the function (its
+    copy would return unhooked), refuses the whole (the arch Refusal, its check named).
     A jump inside a jump-optimized probe's region (the entry's: `test %rdi,%rdi;
     je 1f` at the start) is hooked in that detour's copy instead.  Returns
     ([the exit's RetSite, a RetSite per jump], [(host Site, jump, block, exit)])
@@ -209,12 +210,19 @@ def _branch_exits(image, analysis, arch, g: Group, parts, part, e, rules, busy, 
                                                         f"jcc of {g.func.name}"))
             return False
         return True
+
+    def exit_in(lo, hi):
+        # Another exit of the function in a region: its copy in the detour would run with
+        # no hook, and its own hook (its region, a breakpoint) would overlap this one.
+        x = next((x.addr for x in g.exits if lo <= x.addr < hi and x.addr != e.addr), None)
+        return None if x is None else arch.Refusal("probe_in_region", x, f"the exit at {x:#x} lies in "
+                                                                         f"the region [{lo:#x}, {hi:#x})")
     r = rp.exit_region(image, analysis, part, e, lambda lo, hi: busy(lo, hi, []), landed=landed)
     if not isinstance(r, tuple):
         return why[-1] if why and r.check == "jump_into_region" and why[-1].addr in (r.addr, *sources.get(r.addr, ())) \
             else r
     dcr, end = r
-    r = rules.exit_region_refusal(arch, analysis, g.func, dcr[0].addr, end, e.addr)
+    r = rules.exit_region_refusal(arch, analysis, g.func, dcr[0].addr, end, e.addr) or exit_in(dcr[0].addr, end)
     if r is not None:
         return r
     start = dcr[0].addr
@@ -243,7 +251,8 @@ def _branch_exits(image, analysis, arch, g: Group, parts, part, e, rules, busy, 
             jr = rp.exit_region(image, analysis, p, type(e)(src, "tail", j, x.addr),
                                 lambda lo, hi: busy(lo, hi, taken))
             if isinstance(jr, tuple):
-                bad = rules.exit_region_refusal(arch, analysis, g.func, jr[0][0].addr, jr[1], src)
+                bad = rules.exit_region_refusal(arch, analysis, g.func, jr[0][0].addr, jr[1], src) \
+                    or exit_in(jr[0][0].addr, jr[1])
                 jr = bad if bad is not None else jr
             if not isinstance(jr, tuple):
                 # A region that starts at the jump instead, as a probe's would (the detour
@@ -255,7 +264,7 @@ def _branch_exits(image, analysis, arch, g: Group, parts, part, e, rules, busy, 
                         fw = arch.Refusal("probe_in_region", src, f"another probe overlaps the region "
                                                                   f"[{src:#x}, {fend:#x})")
                     else:
-                        fw = rules.region_refusal(arch, analysis, p, src, fend) or (fw, fend)
+                        fw = rules.region_refusal(arch, analysis, p, src, fend) or exit_in(src, fend) or (fw, fend)
                 if isinstance(fw, tuple):
                     jr = fw
             if not isinstance(jr, tuple):

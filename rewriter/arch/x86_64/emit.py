@@ -12,6 +12,7 @@ from ...errors import KprewriteError
 from ..base import DcrInsn, LinkSym
 from . import cs
 from . import offsets as O
+from .insn import LEGACY_PREFIXES
 
 _ks = None          # Keystone, made when first used (imported only by a run that assembles)
 _cs = cs.DETAIL
@@ -79,15 +80,22 @@ def _s32(v: int, what: str) -> bytes:
     return _pack_i32(v)
 
 
+def jcc_cc(code: bytes) -> int:
+    """A jcc's condition (the low nibble of 70-7F, 0F 80-8F), past its prefixes (a branch
+    hint 2E/3E, bnd F2: `3e 74 05` is a je, not the jle its first byte's nibble says)."""
+    i = 0
+    while code[i] in LEGACY_PREFIXES or 0x40 <= code[i] <= 0x4F:
+        i += 1
+    return (code[i + 1] if code[i] == 0x0F else code[i]) & 0x0F
+
+
 def relocate(insn: DcrInsn, new: int) -> bytes:
     """One DCR instruction copied to `new`."""
     info = insn.info
     if info.emulate == "jmp rel":
         return b"\xe9" + _s32(info.rel_target - (new + 5), "jmp")
     if info.emulate == "jcc rel":
-        op = insn.code[0] if insn.code[0] != 0x0F else insn.code[1]
-        cc = op & 0x0F
-        return bytes([0x0F, 0x80 | cc]) + _s32(info.rel_target - (new + 6), "jcc")
+        return bytes([0x0F, 0x80 | jcc_cc(insn.code)]) + _s32(info.rel_target - (new + 6), "jcc")
     if info.emulate == "call rel":
         # A call pushes the original return address, so returns, unwinding and
         # __builtin_return_address() see the program's own code, not the detour.

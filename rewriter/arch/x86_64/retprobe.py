@@ -172,7 +172,9 @@ def exit_region(image, analysis, part, exit: Exit, busy, landed=None) -> tuple[l
 
 
 # Relative jumps before an exit: copied to the detour re-encoded (their targets lie
-# outside the region: a target inside it was refused as a jump into the region).
+# outside the region: a target inside it was refused as a jump into the region, except
+# a branch exit's, where _run_then_exit() sends a jump to a later instruction of the
+# region to that one's copy).
 _REENCODED = ("jcc rel", "jmp rel")
 
 
@@ -399,8 +401,7 @@ def _branch_to(insn: DcrInsn, at: int, to: int, invert: bool = False) -> bytes:
     """A relative jmp or jcc (the condition inverted: invert) at `at` to `to`, rel32."""
     if insn.info.emulate == "jmp rel":
         return b"\xe9" + _s32(to - (at + 5), "jmp")
-    op = insn.code[0] if insn.code[0] != 0x0F else insn.code[1]
-    return bytes([0x0F, 0x80 | (op & 0x0F) ^ invert]) + _s32(to - (at + 6), "jcc")
+    return bytes([0x0F, 0x80 | em.jcc_cc(insn.code) ^ invert]) + _s32(to - (at + 6), "jcc")
 
 
 def branch_exit(insn: DcrInsn) -> bool:
