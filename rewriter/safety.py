@@ -132,7 +132,8 @@ RULES: dict[str, Rule] = {r.name: r for r in [
          "<arch>.jumptable:_bound", OURS, "test_jump_table_bounds",
          "an entry past the bound of one path is no known target, and a region covers it: SIGSEGV"),
     Rule("return_regions",
-         "a return hook's region (grown backwards from a ret) holds no jump target but at its start",
+         "a return hook's region (grown backwards from a ret) holds no jump target but at its start, "
+         "unless every jump landing there is a plain jmp/jcc of the function hooked as an exit of its own",
          "<arch>.retprobe:exit_region", OURS, "test_return_regions",
          "a branch to the ret lands inside the return hook's 5-byte jump: SIGSEGV or SIGILL"),
     Rule("cold_parts",
