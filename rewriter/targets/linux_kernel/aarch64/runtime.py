@@ -217,10 +217,12 @@ def _c_string(s: str) -> str:
 
 def veneers_asm(functions: list[str]) -> str:
     """A veneer per kernel function the blob calls or takes the address of, under its name:
-    a `bl` in the blob stays in the blob, and the word it loads is relocated with the Image."""
-    out = ['\t.section .text.kp_veneers,"ax"\n']
+    a `bl` in the blob stays in the blob, and the word it loads is relocated with the Image.  Each
+    in a section of its own: the link keeps those the code it keeps calls (--gc-sections)."""
+    out = []
     for f in functions:
-        out.append(f"\t.p2align 3\n\t.globl {f}\n\t.hidden {f}\n\t.type {f}, %function\n{f}:\n"
+        out.append(f"\t.section .text.kp_veneer.{f},\"ax\"\n"
+                   f"\t.p2align 3\n\t.globl {f}\n\t.hidden {f}\n\t.type {f}, %function\n{f}:\n"
                    f"\tldr x16, 1f\n\tbr x16\n1:\t.xword kp_k_{f}\n")
     return "".join(out)
 

@@ -104,8 +104,10 @@ def refusals(image, plan, traces, spec_name: str) -> list[str]:
         what = getattr(p, "kret", None) or p.spec
         head = f"{where(spec_name, what.table)} ({p.label})"
         if what.fetch is not None and id(p) in globs:
-            lines.append(f"{head}: a trace event on a glob's probes (through the ftrace_ops) is not written "
-                         "on arm64 kernels yet")
+            if ("glob", what.table) not in seen:        # one line for the glob, not one per function
+                seen.add(("glob", what.table))
+                lines.append(f"{where(spec_name, what.table)} ({what.symbol_name}): a trace event on a glob's "
+                             "probes (through the ftrace_ops) is not written on arm64 kernels yet")
         if what.disabled:
             lines.append(f"{head}: a probe compiled in disabled is not written on arm64 kernels yet "
                          "(nothing would arm it)")
