@@ -15,7 +15,10 @@ KASLR):
   function's address where the kernel runs (/proc/kallsyms), and the handler still runs;
 - `format` lists the fields (the kernel's names, types and offsets) and the print fmt; a
   `filter` on the string field keeps one file's lines; `enable` 0 writes nothing;
-- a `trigger` (hist) counts the hits by path.
+- a `trigger` (hist) counts the hits by path;
+- perf-probe lines (`probes`, from the Image's BTF: `dfd` and `pathname->name:string` as perf
+  probe fetches them, x0 and the string through x1's struct filename; `%return $retval`) write
+  the same values.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ events = [
   "p:kp_open do_filp_open dfd=%x0:s32 arg1=$arg1:s32 path=+0(+0(%x1)):string",
   "r:kp_ppid __arm64_sys_getppid ret=$retval:s32",
 ]
+probes = ["do_filp_open dfd pathname->name:string", "__arm64_sys_getppid%return $retval"]
 [[kprobe]]
 symbol_name = "__arm64_sys_getppid"
 name = "kp_getppid"
@@ -156,6 +160,26 @@ def test_values_in_the_ring_buffer(ev_boot):
     m = re.search(r"\(__arm64_sys_getppid\+0x0/0x[0-9a-f]+\) pc=0x([0-9a-f]+) sp=0x([0-9a-f]+)$", hits[0])
     assert m and int(m.group(1), 16) == kall["__arm64_sys_getppid"] and int(m.group(2), 16) >> 48 == 0xffff, hits
     assert "PPID=1" in r.console and "kprewrite-ev: getppid handler" in r.console, r.explain("the handler")
+
+
+def test_perf_probe_lines(ev_boot):
+    """`probes` lines, translated from BTF as perf probe translates them (check prints the
+    kprobe_events line): their events carry the values the tracefs-syntax events above carry."""
+    trace = _section(ev_boot, "trace")
+    opens = [l for l in _events(trace, "do_filp_open") if " cat-" in l and "/kp-" in l]
+    assert len(opens) == 1 and re.search(r': \(do_filp_open\+0x0/0x[0-9a-f]+\) dfd=-100 name="/kp-one"$', opens[0]), trace
+    ret = [l for l in _events(trace, "__arm64_sys_getppid__return") if " sh-" in l]
+    assert len(ret) == 1 and re.search(r"<- __arm64_sys_getppid\) retval=1$", ret[0]), trace
+
+
+def test_perf_probe_lines_translated(arm64_kernel, tmp_path):
+    """What perf probe would fetch for them on arm64: `check` prints the kprobe_events lines."""
+    spec = tmp_path / "p.toml"
+    spec.write_text('probes = ["do_filp_open dfd pathname->name:string", "__arm64_sys_getppid%return $retval"]\n')
+    r = kprewrite("check", arm64_kernel.vmlinuz, "--spec", spec)
+    assert r.stdout.splitlines()[-2:] == [
+        "probes[1]: p:probe/do_filp_open do_filp_open dfd=%x0:s32 name=+0(+0(%x1)):string",
+        "probes[2]: r:probe/__arm64_sys_getppid__return __arm64_sys_getppid retval=$retval:s64"], r.stdout
 
 
 def test_filter_keeps_one_file(ev_boot):

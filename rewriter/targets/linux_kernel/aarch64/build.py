@@ -324,7 +324,7 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
     find = "".join(f"""
 	for (n = 0; n < {n}; n++)
 		if (kp_rp_task_{k}[n] == t && ((struct kretprobe_instance *)kp_rp_pool_{k}[n])->fp == (void *)sp &&
-		    kp_rp_seq_{k}[n] > seq) {{
+		    kp_rp_seq_{k}[n] > seq && kp_rp_seq_{k}[n] < below) {{
 			seq = kp_rp_seq_{k}[n];
 			*owner = &kp_rp_task_{k}[n];
 			*which = {k};
@@ -338,31 +338,42 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
 		if (kp_rp_task_{k}[n] == t)
 			__atomic_store_n(&kp_rp_task_{k}[n], (void *)0, __ATOMIC_RELEASE);""" for k, n in each)
     out.append(f"""
-/* The current task's newest instance at sp (its owner slot in *owner), or NULL. */
-static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, void ***owner, int *which)
+/* The current task's newest instance at sp older than `below` (its owner slot in *owner, its
+ * sequence number in *at), or NULL. */
+static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, unsigned long below, void ***owner,
+					       int *which, unsigned long *at)
 {{
 	struct kretprobe_instance *ri = 0;
 	unsigned long seq = 0;
 	int n;
 {find}
+	*at = seq;
 	return ri;
 }}
 
-/* At the trampoline: each instance of this call, newest first, its handler with regs->pc the
- * real return address; returns that address. */
+/* At the trampoline: the instances of this call (the newest, and the older ones its return
+ * address, the trampoline, leads to), then each one's handler, newest first, with ri->ret_addr
+ * and regs->pc the real return address, as __kretprobe_trampoline_handler() sets
+ * correct_ret_addr in each; returns that address. */
 __attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *regs)
 {{
 	void *t = kp_task(), **owner;
-	unsigned long ret = (unsigned long)kp_kret_trampoline;
-	int g = kp_enter(), which = -1;
+	unsigned long ret = (unsigned long)kp_kret_trampoline, below = ~0UL, seq;
+	int g = kp_enter(), which = -1, count = 0;
 	struct kretprobe_instance *ri;
 
 	while (ret == (unsigned long)kp_kret_trampoline) {{
-		ri = kp_kret_find(t, regs->sp, &owner, &which);
+		ri = kp_kret_find(t, regs->sp, below, &owner, &which, &below);
 		if (!ri)
 			panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
 		ret = (unsigned long)ri->ret_addr;
-		regs->pc = ret;
+		count++;
+	}}
+	regs->pc = ret;
+	for (below = ~0UL; count > 0; count--) {{
+		ri = kp_kret_find(t, regs->sp, below, &owner, &which, &seq);
+		below = seq;
+		ri->ret_addr = (kprobe_opcode_t *)ret;
 		switch (which) {{{calls}
 		}}
 		__atomic_store_n(owner, (void *)0, __ATOMIC_RELEASE);
