@@ -12,7 +12,8 @@ KASLR):
 - `r:kp_ppid __arm64_sys_getppid ret=$retval:s32`: a shell started by /init (pid 1) reads
   getppid() for $PPID: the return value 1;
 - a [[kprobe]] with `fetch` and a pre_handler on __arm64_sys_getppid's entry: `pc=%pc` is the
-  function's address where the kernel runs (/proc/kallsyms), and the handler still runs;
+  function's address where the kernel runs (/proc/kallsyms), `@__arm64_sys_getppid+4` reads its
+  second ftrace NOP there (KASLR), and the handler still runs;
 - `format` lists the fields (the kernel's names, types and offsets) and the print fmt; a
   `filter` on the string field keeps one file's lines; `enable` 0 writes nothing;
 - a `trigger` (hist) counts the hits by path;
@@ -54,7 +55,7 @@ probes = ["do_filp_open dfd pathname->name:string", "__arm64_sys_getppid%return 
 symbol_name = "__arm64_sys_getppid"
 name = "kp_getppid"
 pre_handler = "ppid_pre"
-fetch = "pc=%pc sp=%sp"
+fetch = "pc=%pc sp=%sp nop=@__arm64_sys_getppid+4:x32"
 """
 T = "/sys/kernel/tracing"
 E = f"{T}/events/kprobes"
@@ -157,7 +158,9 @@ def test_values_in_the_ring_buffer(ev_boot):
     kall = _kallsyms(r)
     hits = [l for l in _events(trace, "kp_getppid") if " sh-" in l]
     assert len(hits) == 1, trace
-    m = re.search(r"\(__arm64_sys_getppid\+0x0/0x[0-9a-f]+\) pc=0x([0-9a-f]+) sp=0x([0-9a-f]+)$", hits[0])
+    # @SYM: the second ftrace NOP where the kernel runs (KASLR: the link address + the offset)
+    m = re.search(r"\(__arm64_sys_getppid\+0x0/0x[0-9a-f]+\) pc=0x([0-9a-f]+) sp=0x([0-9a-f]+) nop=0xd503201f$",
+                  hits[0])
     assert m and int(m.group(1), 16) == kall["__arm64_sys_getppid"] and int(m.group(2), 16) >> 48 == 0xffff, hits
     assert "PPID=1" in r.console and "kprewrite-ev: getppid handler" in r.console, r.explain("the handler")
 
@@ -169,7 +172,8 @@ def test_perf_probe_lines(ev_boot):
     opens = [l for l in _events(trace, "do_filp_open") if " cat-" in l and "/kp-" in l]
     assert len(opens) == 1 and re.search(r': \(do_filp_open\+0x0/0x[0-9a-f]+\) dfd=-100 name="/kp-one"$', opens[0]), trace
     ret = [l for l in _events(trace, "__arm64_sys_getppid__return") if " sh-" in l]
-    assert len(ret) == 1 and re.search(r"<- __arm64_sys_getppid\) retval=1$", ret[0]), trace
+    assert len(ret) == 1 and re.search(r": \(invoke_syscall\+0x[0-9a-f]+/0x[0-9a-f]+ <- __arm64_sys_getppid\) "
+                                       r"retval=1$", ret[0]), trace
 
 
 def test_perf_probe_lines_translated(arm64_kernel, tmp_path):

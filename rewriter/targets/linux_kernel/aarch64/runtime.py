@@ -200,6 +200,7 @@ __attribute__((used)) void kp_rt_init(void)
 	unsigned int i;
 
 	kp_kernel_disarmed_at = &kp_disarmed;
+	kp_rt.bias = kaslr;	/* run - link: @SYM and @ADDR in fetch args (KP_FETCH_IMM_LINK) */
 	for (i = 0; i < {n}; i++)
 		kp_rt_fill(&kp_kprobes[i], &kp_rt_probes[i], i, kaslr);
 	for (i = 0; i < {k}; i++)
