@@ -6,8 +6,9 @@ Where things go (facts of Debian's 6.1 arm64 Image):
 - code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
   (``_etext`` is 64 KiB-aligned; ~54 KiB in Debian's build), mapped read-only and executable
   by map_kernel() and never freed, a `B` (+-128 MiB) from every function of the text;
-- the runtime's debugfs views, which do not fit the padding: one blob with its relocations in
-  the boot-only data (below), placed in module memory at boot (runtime.py);
+- the runtime's debugfs views and trace events, which do not fit the padding: one blob with its
+  relocations in the boot-only data (below), placed in module memory at boot (runtime.py); a
+  probe's event is called through a pointer the blob sets (events_c());
 - writable data (the handlers' .data and .bss, each probe's struct kprobe): the tail of the
   init data, in the unused (all-zero, R_AARCH64_NONE) entries of .rela.dyn before __init_end.
   __relocate_kernel reads them at boot as relocations and skips them (only

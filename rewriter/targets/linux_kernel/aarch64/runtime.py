@@ -1,5 +1,7 @@
 """The runtime of an arm64 Image, placed at boot: the generic runtime's C that an arm64 Image
-has (the debugfs views, runtime/platform/linux_kernel/kp_debugfs.c, on kp_lib.c), which does
+has (the debugfs views, runtime/platform/linux_kernel/kp_debugfs.c, on kp_lib.c; the trace
+events, kp_trace.c, kp_fetch.c, kp_line.c and kp_trace_buffer.c, built KP_PLACED_AT_BOOT, with
+the events' fetch programs and handlers: Events), which does
 not fit the text padding build.py places the detours in, linked here as one blob (at
 LINK_BELOW under the Image's _text: an adrp reaches the Image from there, as from the module
 region) and kept, with its relocations, in the boot-only data (.kp_initdata: freed with the init
@@ -8,7 +10,8 @@ console_on_rootfs()'s entry: process context, after the initcalls, before free_i
 allocates module memory (module_alloc(): RW and NX; with RANDOMIZE_MODULE_REGION_FULL it may be
 beyond a `B`'s reach of the Image), copies the blob, zeroes its bss, applies its relocations,
 makes its code pages read-only then executable (set_memory_ro(), set_memory_x(): never W+X),
-cleans the caches to the point of unification (caches_clean_inval_pou()), runs its init, then
+cleans the caches to the point of unification (caches_clean_inval_pou()), runs its init (which
+registers the trace events and publishes their handlers: events_glue_c()), then
 its debugfs entry (kp_kernel_debugfs(), as x86-64's boot hook on the same function calls it),
 and publishes where it is in the kept data (kp_rt_placed; 0: not placed, or not placeable).
 

@@ -6,7 +6,7 @@ per-CPU data, KASLR table) knows arm64.
 What differs from the x86-64 kernel target:
 - no boot or shutdown hooks of the generic back half (build.py adds its own: the break hooks,
   the ftrace_ops, the command line, and the loader of the runtime's part an arm64 Image has,
-  the debugfs views, placed in module memory at boot: runtime.py);
+  the debugfs views and the trace events, placed in module memory at boot: runtime.py);
 - the back half's steps (build.py says where and why): lay_out(), the sites as the detours take
   them, the hook probes of ours added (nothing has an address before the link); tables(),
   kp_detours.S and kp_dispatch.c; runtime_variant() False, no runtime of link/runtime.py's
