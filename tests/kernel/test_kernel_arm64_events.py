@@ -17,6 +17,8 @@ KASLR):
 - `format` lists the fields (the kernel's names, types and offsets) and the print fmt; a
   `filter` on the string field keeps one file's lines; `enable` 0 writes nothing;
 - a `trigger` (hist) counts the hits by path;
+- an event on a breakpoint probe (strncpy_from_user+16: `brk`, the kernel's break hook) writes
+  its lines too (getname()'s count, EMBEDDED_NAME_MAX);
 - perf-probe lines (`probes`, from the Image's BTF: `dfd` and `pathname->name:string` as perf
   probe fetches them, x0 and the string through x1's struct filename; `%return $retval`) write
   the same values.
@@ -49,6 +51,7 @@ SPEC = """handlers = ["h.c"]
 events = [
   "p:kp_open do_filp_open dfd=%x0:s32 arg1=$arg1:s32 path=+0(+0(%x1)):string",
   "r:kp_ppid __arm64_sys_getppid ret=$retval:s32",
+  "p:kp_brk strncpy_from_user+16 count=%x2:u32",
 ]
 probes = ["do_filp_open dfd pathname->name:string", "__arm64_sys_getppid%return $retval"]
 [[kprobe]]
@@ -184,6 +187,15 @@ def test_perf_probe_lines_translated(arm64_kernel, tmp_path):
     assert r.stdout.splitlines()[-2:] == [
         "probes[1]: p:probe/do_filp_open do_filp_open dfd=%x0:s32 name=+0(+0(%x1)):string",
         "probes[2]: r:probe/__arm64_sys_getppid__return __arm64_sys_getppid retval=$retval:s64"], r.stdout
+
+
+def test_event_on_a_breakpoint_probe(ev_boot):
+    """strncpy_from_user+16 takes a `brk` (no jump fits there): its event is written from the
+    break hook's dispatch; cat's getname() copies its paths with count = EMBEDDED_NAME_MAX
+    (PATH_MAX less struct filename's 32-byte head)."""
+    lines = [l for l in _events(_section(ev_boot, "trace"), "kp_brk") if " cat-" in l]
+    assert lines and all(re.search(r": \(strncpy_from_user\+0x10/0x[0-9a-f]+\) count=\d+$", l) for l in lines), lines
+    assert any(l.endswith(" count=4064") for l in lines), lines
 
 
 def test_filter_keeps_one_file(ev_boot):
