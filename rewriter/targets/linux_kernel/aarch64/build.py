@@ -355,29 +355,33 @@ static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, unsign
 /* At the trampoline: the instances of this call (the newest, and the older ones its return
  * address, the trampoline, leads to), then each one's handler, newest first, with ri->ret_addr
  * and regs->pc the real return address, as __kretprobe_trampoline_handler() sets
- * correct_ret_addr in each; returns that address. */
+ * correct_ret_addr in each; returns that address.  (A handler's nested hits are missed: no
+ * instance is added meanwhile.) */
 __attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *regs)
 {{
-	void *t = kp_task(), **owner;
-	unsigned long ret = (unsigned long)kp_kret_trampoline, below = ~0UL, seq;
-	int g = kp_enter(), which = -1, count = 0;
-	struct kretprobe_instance *ri;
+	void *t = kp_task(), **owner, **older_owner;
+	unsigned long ret, below;
+	int g = kp_enter(), which = -1, older_which, count = 1;
+	struct kretprobe_instance *ri, *older;
 
-	while (ret == (unsigned long)kp_kret_trampoline) {{
-		ri = kp_kret_find(t, regs->sp, below, &owner, &which, &below);
-		if (!ri)
+	ri = kp_kret_find(t, regs->sp, ~0UL, &owner, &which, &below);
+	if (!ri)
+		panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
+	for (ret = (unsigned long)ri->ret_addr; ret == (unsigned long)kp_kret_trampoline; count++) {{
+		older = kp_kret_find(t, regs->sp, below, &older_owner, &older_which, &below);
+		if (!older)
 			panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
-		ret = (unsigned long)ri->ret_addr;
-		count++;
+		ret = (unsigned long)older->ret_addr;
 	}}
 	regs->pc = ret;
-	for (below = ~0UL; count > 0; count--) {{
-		ri = kp_kret_find(t, regs->sp, below, &owner, &which, &seq);
-		below = seq;
+	for (;;) {{
 		ri->ret_addr = (kprobe_opcode_t *)ret;
 		switch (which) {{{calls}
 		}}
 		__atomic_store_n(owner, (void *)0, __ATOMIC_RELEASE);
+		if (--count == 0)
+			break;
+		ri = kp_kret_find(t, regs->sp, ~0UL, &owner, &which, &below);
 	}}
 	kp_leave(g);
 	return ret;
