@@ -341,8 +341,8 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
     out.append(f"""
 /* The current task's newest instance at sp older than `below` (its owner slot in *owner, its
  * sequence number in *at), or NULL. */
-static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, unsigned long below, void ***owner,
-					       int *which, unsigned long *at)
+static inline __attribute__((always_inline)) struct kretprobe_instance *
+kp_kret_find(void *t, unsigned long sp, unsigned long below, void ***owner, int *which, unsigned long *at)
 {{
 	struct kretprobe_instance *ri = 0;
 	unsigned long seq = 0;
@@ -352,21 +352,20 @@ static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, unsign
 	return ri;
 }}
 
-/* At the trampoline: the instances of this call (the newest, and the older ones its return
- * address, the trampoline, leads to), then each one's handler, newest first, with ri->ret_addr
- * and regs->pc the real return address, as __kretprobe_trampoline_handler() sets
- * correct_ret_addr in each; returns that address.  (A handler's nested hits are missed: no
- * instance is added meanwhile.) */
-__attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *regs)
+/* Two or more instances of this call (a tail call into another return-probed function, two
+ * kretprobes on one function): the newer ones hold the trampoline as their return address.  The
+ * real one is the oldest's; each handler runs, newest first, with ri->ret_addr and regs->pc that
+ * address, as __kretprobe_trampoline_handler() sets correct_ret_addr in each.  (A handler's
+ * nested hits are missed: no instance is added meanwhile.) */
+static __attribute__((noinline)) unsigned long kp_kret_chain(struct pt_regs *regs, void *t,
+							   struct kretprobe_instance *ri, void **owner, int which,
+							   unsigned long below)
 {{
-	void *t = kp_task(), **owner, **older_owner;
-	unsigned long ret, below;
-	int g = kp_enter(), which = -1, older_which, count = 1;
-	struct kretprobe_instance *ri, *older;
+	void **older_owner;
+	unsigned long ret;
+	int older_which, count = 1;
+	struct kretprobe_instance *older;
 
-	ri = kp_kret_find(t, regs->sp, ~0UL, &owner, &which, &below);
-	if (!ri)
-		panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
 	for (ret = (unsigned long)ri->ret_addr; ret == (unsigned long)kp_kret_trampoline; count++) {{
 		older = kp_kret_find(t, regs->sp, below, &older_owner, &older_which, &below);
 		if (!older)
@@ -382,6 +381,30 @@ __attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *r
 		if (--count == 0)
 			break;
 		ri = kp_kret_find(t, regs->sp, ~0UL, &owner, &which, &below);
+	}}
+	return ret;
+}}
+
+/* At the trampoline: the newest instance of this call, its handler with regs->pc the real
+ * return address (kp_kret_chain() when it is another instance's trampoline); returns it. */
+__attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *regs)
+{{
+	void *t = kp_task(), **owner;
+	unsigned long ret, seq;
+	int g = kp_enter(), which = -1;
+	struct kretprobe_instance *ri;
+
+	ri = kp_kret_find(t, regs->sp, ~0UL, &owner, &which, &seq);
+	if (!ri)
+		panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
+	ret = (unsigned long)ri->ret_addr;
+	if (ret == (unsigned long)kp_kret_trampoline) {{
+		ret = kp_kret_chain(regs, t, ri, owner, which, seq);
+	}} else {{
+		regs->pc = ret;
+		switch (which) {{{calls}
+		}}
+		__atomic_store_n(owner, (void *)0, __ATOMIC_RELEASE);
 	}}
 	kp_leave(g);
 	return ret;
