@@ -27,11 +27,13 @@ field they load and the from_k*id_munged() they call):
   getegid -> __arm64_sys_getegid    never probed: the reference loop run right before the others
 
 and in a second rewritten kernel (kretprobes): ours on getuid (empty handler) and on geteuid
-(empty entry_handler and handler), the kernel's on getgid.  Three boots: the unmodified kernel
-(the loops unprobed: ours' baseline), the kprobe kernel (phase none, then the kernel's kprobes
-from the module benchmarks/kernel/bench_kprobe.c, the tracefs `p:` event, the event with
-tracing_on = 0), the kretprobe kernel (the module's register_kretprobe(), both ways, the
-tracefs `r:` event, with and without tracing_on).  Every handler, ours and the module's,
+(empty entry_handler and handler), the kernel's on getgid; in a third, ours on getuid's entry with
+a trace event (no fetch args, as the kernel's `p:bench`) and the counting pre_handler.  Four
+boots: the unmodified kernel (the loops unprobed: ours' baseline), the kprobe kernel (phase none,
+then the kernel's kprobes from the module benchmarks/kernel/bench_kprobe.c, the tracefs `p:`
+event, the event with tracing_on = 0), the kretprobe kernel (the module's register_kretprobe(),
+both ways, the tracefs `r:` event, with and without tracing_on), the event kernel (phase none:
+our event's entries written are read from the trace's header, its hits from the handler).  Every handler, ours and the module's,
 counts its hits in a static variable; ours' counts are printed from a probe on
 __arm64_sys_sync (benchmarks/kernel/arm64_handlers.c), the module's at rmmod, tracefs's in
 kprobe_profile, each checked against the calls the loops made.
