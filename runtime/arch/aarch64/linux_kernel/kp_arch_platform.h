@@ -27,9 +27,9 @@ KP_ARCH_INLINE unsigned long kp_arch_this_cpu_off(void)
 }
 
 #ifdef KP_PLACED_AT_BOOT
-/* kallsyms names no cpu_number (no KALLSYMS_ALL): the current task's cpu
- * (THREAD_INFO_IN_TASK's task_struct.cpu, at an offset BTF gives: runtime.py's glue),
- * which is the running CPU's while the task runs with preemption or interrupts off. */
+/* kallsyms names no cpu_number (no KALLSYMS_ALL): the current task's cpu (arm64's
+ * thread_info.cpu, THREAD_INFO_IN_TASK: inside task_struct, at the offset BTF gives:
+ * runtime.py's glue), the running CPU's while the task runs with interrupts off. */
 extern const long kp_kernel_task_cpu;
 char *kp_kernel_current(void);
 
