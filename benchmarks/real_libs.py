@@ -4,7 +4,7 @@ how many entries are jump-optimized (and, for kretprobes, how each
 return site is hooked), and how much slower a real workload runs.
 
     python3 benchmarks/real_libs.py [--runs N] [--scale [NAME=]K ...] [--cpu N] [--warmup N]
-                                    [--verbose] [--compare TREE] [--kretprobe [--maxactive N]]
+                                    [--verbose] [--compare TREE] [--kretprobe [--maxactive N] [--handler]]
                                     [NAME ...]
                                     (sqlite3 busybox crypto stdcxx lua python)
 
@@ -44,7 +44,9 @@ same rounds.  --kretprobe alone gives light kretprobes (no handler: no instance
 is claimed, docs/kretprobes.md); --kretprobe --maxactive N gives each one a
 pool of N instances, which is the instance form (claimed at each entry, freed
 at each return hook; calls nested deeper than N in one function count in
-nmissed).  The load average is printed before and after: the
+nmissed).  --handler gives each kretprobe issue 42's return handler, which reads
+regs (`nonzero += regs_return_value(regs) != 0`: the inlined hook builds struct
+pt_regs).  The load average is printed before and after: the
 machine may be shared."""
 from __future__ import annotations
 
@@ -123,6 +125,19 @@ int main()
 """
 
 
+# --handler: issue 42's return handler, which reads regs.
+HANDLER_FILE = "bench_handler.c"
+HANDLER = r"""
+#include <kprewrite/kprobes.h>
+unsigned long nonzero;
+int kp_bench_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
+{
+	nonzero += regs_return_value(regs) != 0;
+	return 0;
+}
+"""
+
+
 def check(obj: Path, spec: Path, tree: Path = ROOT) -> tuple[int, Counter, Counter]:
     """(probes, their decisions, the return sites by hook kind: `ret`/`tail` jump-hooked,
     `int3` breakpoint return hooks, `trampoline function` for functions whose returns
@@ -188,9 +203,13 @@ def iqr(xs: list[float]) -> tuple[float, float, float]:
 
 def measure(name: str, tmp: Path, runs: int = 3, compare: list[Path] = (), scale: int = 1,
             cpu: int | None = None, warmup: int = 1, verbose: bool = False, kind: str = "kprobe",
-            maxactive: int | None = None) -> None:
+            maxactive: int | None = None, handler: bool = False) -> None:
     spec = tmp / "all.toml"
-    spec.write_text(f'[[{kind}]]\nsymbol_name = "*"\n' + (f"maxactive = {maxactive}\n" if maxactive else ""))
+    spec.write_text((f'handlers = ["{HANDLER_FILE}"]\n' if handler else "")
+                    + f'[[{kind}]]\nsymbol_name = "*"\n' + (f"maxactive = {maxactive}\n" if maxactive else "")
+                    + ('handler = "kp_bench_ret"\n' if handler else ""))
+    if handler:
+        (tmp / HANDLER_FILE).write_text(HANDLER)
     work = tmp / name
     work.mkdir()
     stdin = None
@@ -353,9 +372,14 @@ def main() -> None:
                     help="a kretprobe on every function (no handlers) instead of a kprobe")
     ap.add_argument("--maxactive", type=int, default=None, metavar="N",
                     help="with --kretprobe: maxactive = N for each, the instance form (without: light)")
+    ap.add_argument("--handler", action="store_true",
+                    help="with --kretprobe: a return handler reading regs on each (nonzero += "
+                         "regs_return_value(regs) != 0)")
     args = ap.parse_args()
     if args.maxactive is not None and (not args.kretprobe or args.maxactive < 1):
         raise SystemExit("--maxactive N needs --kretprobe and N >= 1")
+    if args.handler and not args.kretprobe:
+        raise SystemExit("--handler needs --kretprobe")
     scales: dict[str | None, int] = {None: 1}
     for a in args.scale:
         name, _, k = a.rpartition("=")
@@ -376,7 +400,7 @@ def main() -> None:
         for name in args.names:
             measure(name, tmp, args.runs, [t.resolve() for t in args.compare], scales.get(name, scales[None]),
                     args.cpu, args.warmup, args.verbose, "kretprobe" if args.kretprobe else "kprobe",
-                    args.maxactive)
+                    args.maxactive, args.handler)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -67,7 +67,7 @@ def returns_record(g) -> dict:
         return {"mode": "light", "reason": None, "sites": [
             {"address": hexaddr(e.addr), "kind": "ret" if e.kind == "ret" else "tail",
              "target": hexaddr(e.target) if e.kind != "ret" else None, "hook": "light", "int3": False,
-             "int3_reason": None} for e in g.exits]}
+             "int3_reason": None, "branches": []} for e in g.exits]}
     bp = {e.addr: why for e, why in g.breakpoint_exits}
     sites = []
     for e in g.exits:
@@ -76,7 +76,9 @@ def returns_record(g) -> dict:
         sites.append({"address": hexaddr(e.addr), "kind": "ret" if e.kind == "ret" else "tail",
                       "target": hexaddr(e.target) if e.kind != "ret" else None, "hook": hook,
                       "int3": e.addr in bp,
-                      "int3_reason": refusal(bp[e.addr], e.addr) if e.addr in bp else None})
+                      "int3_reason": refusal(bp[e.addr], e.addr) if e.addr in bp else None,
+                      # jumps landing in the exit's region, each hooked as an exit of its own
+                      "branches": [hexaddr(a) for a in g.branch_exits.get(e.addr, ())]})
     return {"mode": "hooks", "reason": None, "sites": sites}
 
 
@@ -118,7 +120,9 @@ def check_line(r: dict) -> str:
                     "no instance, the hit counted at the entry)")
         parts = [f"{e['address']} ret" if e["kind"] == "ret" else f"{e['address']} tail->{e['target'] or '*pointer'} ({e['hook']})"
                  for e in ret["sites"]]
-        parts = [t + (" (int3)" if e["int3"] else "") for t, e in zip(parts, ret["sites"])]
+        parts = [t + (" (int3)" if e["int3"] else "")
+                 + (f" (and the jumps at {', '.join(e['branches'])})" if e.get("branches") else "")
+                 for t, e in zip(parts, ret["sites"])]
         # Why each breakpoint return hook: no jump fits, and the trampoline is unsafe.
         why = [e["int3_reason"]["message"] for e in ret["sites"] if e["int3"] and e["int3_reason"]]
         return f"{head}  returns: {', '.join(parts)}" + (f"  {' | '.join(why)}" if why else "")

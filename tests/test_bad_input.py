@@ -74,17 +74,62 @@ def test_relocatable_object_that_is_not_a_module(tmp_path):
 
 
 def test_module_of_an_arch_without_a_module_folder(tmp_path):
-    """A .ko of an architecture the module target has no folder for: one line naming the
-    architecture and the folders there are, no output."""
+    """A .ko of an architecture the module target has no folder for (an AArch64 object whose
+    e_machine says RISC-V, which no back end takes): one line naming the machine and the
+    folders there are, no output."""
     ko = tmp_path / "m.ko"
     src = '__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\nint work(int x) { return x + 1; }\n'
     r = subprocess.run(["aarch64-linux-gnu-gcc", "-c", "-o", ko, "-x", "c", "-"], input=src, text=True,
                        capture_output=True)
     if r.returncode != 0:
         pytest.skip("no aarch64-linux-gnu-gcc")
+    data = bytearray(ko.read_bytes())
+    data[18:20] = (243).to_bytes(2, "little")          # EM_RISCV
+    ko.write_bytes(data)
     spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
     assert fails(tmp_path, ko, spec, "not supported yet") == [
-        f"kprewrite: {ko}: kernel modules for aarch64 are not supported yet (rewriter/targets/linux_module/ has x86_64)"]
+        f"kprewrite: {ko}: kernel modules for e_machine 243 are not supported yet (rewriter/targets/linux_module/ "
+        "has aarch64, x86_64)"]
+
+
+def test_bti_guarded_arm64_module(tmp_path):
+    """An arm64 module whose property note claims BTI (a kernel built with CONFIG_ARM64_BTI_KERNEL
+    guards module text): one line, no output; the same module without BTI is taken."""
+    src = ('__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\n'
+           'int work(int x) { return x + 1; }\nint init_module(void) { return 0; }\nvoid cleanup_module(void) { }\n')
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\noffset = 4\n')
+    for protection, guarded in (("standard", True), ("none", False)):
+        ko = tmp_path / f"{protection}.ko"
+        r = subprocess.run(["aarch64-linux-gnu-gcc", "-O2", f"-mbranch-protection={protection}", "-c", "-o", ko,
+                            "-x", "c", "-"], input=src, text=True, capture_output=True)
+        if r.returncode != 0:
+            pytest.skip("no aarch64-linux-gnu-gcc")
+        if guarded:
+            assert fails(tmp_path, ko, spec, "landing_pad") == [
+                f"kprewrite: {ko}: landing_pad at .note.gnu.property: a BTI-guarded module is not written yet (its "
+                "new code has no BTI landing pads)"]
+        else:
+            assert kprewrite("check", ko, "--spec", spec).stdout == "work+0x4  k  optimized\n"
+
+
+def test_arm64_module_site_without_a_jump(tmp_path):
+    """An arm64 module has no breakpoint probes: a site no jump may go (a function with an
+    exception-table entry, whose fixup may come back into it) is refused in one line naming the
+    check and the address, by check as by instrument."""
+    ko = tmp_path / "ex.ko"
+    src = ('__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\n'
+           'int work(int x) { asm volatile("1: nop\\n .pushsection __ex_table,\\"a\\"\\n .balign 4\\n .long 1b - .\\n"\n'
+           '" .long 1b - .\\n .short 0\\n .short 0\\n .popsection"); return x + 1; }\n'
+           'int init_module(void) { return 0; }\nvoid cleanup_module(void) { }\n')
+    r = subprocess.run(["aarch64-linux-gnu-gcc", "-O2", "-c", "-o", ko, "-x", "c", "-"], input=src, text=True,
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"no aarch64-linux-gnu-gcc ({r.stderr.strip()[-200:]})")
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\noffset = 4\n')
+    line = ("__ex_table at 0xffff800000000000: work has an exception table entry: its fixup may jump back into the "
+            "function")
+    assert kprewrite("check", ko, "--spec", spec, check=False).stdout == f"work+0x4  k  refused  {line}\n"
+    assert fails(tmp_path, ko, spec, "__ex_table") == [f"kprewrite: {spec.name}: [[kprobe]] #1 (work+0x4): {line}"]
 
 
 def test_wrong_machine(tmp_path, prog):

@@ -14,7 +14,7 @@ import subprocess
 
 from elftools.elf.elffile import ELFFile
 
-from conftest import CC, cc, check_lines, instrument, kprewrite, oracle_runs, profile, run, symbols, write_spec
+from conftest import CC, cc, check_lines, instrument, kprewrite, meta, oracle_runs, profile, run, symbols, write_spec
 
 ARCHES = ["x86_64"]      # x86-64 only: x86-64 assembly (exits with and without a 5-byte region)
 
@@ -269,7 +269,6 @@ def _returns(stderr: str):
 
 def test_exits_without_a_region_take_no_breakpoint(once, runner):
     prog, rets, check, kret, oracle = once(_build_floor)
-    kret_spec = kret.parent / "kret.toml"
     lines = {l.split("+")[0]: l for l in check}
     assert len(rets) == 6, rets
     # The 6-byte function ends .text; its entry's region takes the ret.
@@ -279,17 +278,18 @@ def test_exits_without_a_region_take_no_breakpoint(once, runner):
         and "trampoline" not in lines["tiny6"], lines["tiny6"]
     # `test; js; ret`: the js goes with the region, re-encoded.
     assert re.search(r"returns: 0x[0-9a-f]+ ret, 0x[0-9a-f]+ ret$", lines["jcc_ret"]), lines["jcc_ret"]
-    # No region fits the other two rets: the trampoline (no call out that an exception could
-    # unwind through here), with the check that refused the region, not a breakpoint.
-    for f in ("shared_epi", "three_way"):
-        assert "returns: trampoline  jump_into_region at " in lines[f] and "int3" not in lines[f], lines[f]
-    # Where the trampoline is unsafe (no CFI says where the return address is), the breakpoint,
-    # with both reasons in `check`.
-    assert " ret (int3)  jump_into_region at " in lines["no_cfi"] \
-        and "; no trampoline: trampoline_unsafe at " in lines["no_cfi"], lines["no_cfi"]
-    why = next(p["returns"]["sites"][0]["int3_reason"] for p in json.loads(
-        kprewrite("check", prog, "--spec", kret_spec, "--format", "json").stdout)["probes"] if p["symbol"] == "no_cfi")
-    assert why["check"] == "jump_into_region" and "no trampoline: trampoline_unsafe at " in why["message"], why
+    # No region fits shared_epi's ret (its pop is a jump target, and the jump's own region
+    # would take a call): the trampoline (no call out that an exception could unwind through
+    # here), with the checks that refused the regions, not a breakpoint.
+    assert "returns: trampoline  jump_into_region at " in lines["shared_epi"] \
+        and "; the jumps there not hooked: can_boost at " in lines["shared_epi"] \
+        and "int3" not in lines["shared_epi"], lines["shared_epi"]
+    # A ret three jumps land on: the first takes a region that starts at it (one that ends
+    # with it would overlap the entry's), the second one that ends with it, the third lies
+    # in the ret's own region (its copy goes to the hook); with CFI or without.  Where no such jump can be hooked and the
+    # trampoline is unsafe, a breakpoint: test_jumps_landing_on_a_ret_are_hooked_as_exits.
+    for f in ("three_way", "no_cfi"):
+        assert re.search(r"returns: 0x[0-9a-f]+ ret \(and the jumps at 0x[0-9a-f]+, 0x[0-9a-f]+\)$", lines[f]), lines[f]
     want, got, ref = oracle_runs(prog, kret, oracle, runner, 40)
     mine, theirs = _returns(got.stderr), _returns(ref.stderr)
     # tiny6 is also tail-called from heavy_tail (through light_tail): 45 more returns.
@@ -351,3 +351,202 @@ def test_light_kretprobes_count_as_the_breakpoint_oracle(once, runner):
     off = run(light, 40, runner=runner, env={"KPREWRITE_PROFILE": "-", "KPREWRITE_ENABLED": "0"})
     assert off.returncode == 0 and off.stdout == want.stdout, off.stderr[-2000:]
     assert profile(off.stderr) == {f"r_{f}_0": (0, 0) for f in LIGHT_FUNCS + ["heavy_tail"]}, off.stderr[-2000:]
+
+
+# --- Branch exits: the jumps that land on a `ret` hooked as exits of their own ------------
+#
+# A `ret` that conditional jumps land on, with code right after it (no padding): its
+# region holds the jumps' target.  Each jump, a `jcc` outside the region, gets a region
+# of its own whose detour runs the jcc inverted (back to the code after it), then what
+# it lands on, the return hook and the `ret`; a `jcc` inside the exit's region goes to
+# its copy in the detour.  jcc_on_ret calls out in an image that unwinds exceptions (an
+# LSDA, from a C cleanup under -fexceptions): the trampoline is unsafe there, so before
+# branch exits its `ret` took a breakpoint.  jcc_on_block's jg lands two instructions
+# before its ret (`xor; ret`), so its detour runs the xor too.  jcc_at_entry's je lies in
+# the entry's region: the entry detour's copy takes the hook.  jmp_on_ret: an
+# unconditional jmp.  no_cfi_rcx: a jrcxz lands on the ret, which cannot be hooked so
+# (no plain jcc): a breakpoint, the check named.
+# The oracle: breakpoint kprobes (--no-optimize) on each `ret`, reading %rax.
+
+BRANCH = r"""
+__asm__(
+".text\n"
+".globl jcc_on_ret\n.type jcc_on_ret,@function\njcc_on_ret:\n"
+"  .cfi_startproc\n"
+"  push %rbx\n"
+"  .cfi_def_cfa_offset 16\n"
+"  .cfi_offset %rbx, -16\n"
+"  mov %edi,%ebx\n"
+"  call helper\n"
+"  add %ebx,%eax\n"
+"  pop %rbx\n"
+"  .cfi_def_cfa_offset 8\n"
+"  cmp $100,%eax\n"
+"  jg 1f\n"
+"  sub $7,%eax\n"
+"  test $1,%al\n"
+"  je 1f\n"
+"  add $5,%eax\n"
+"1:ret\n"
+"  .cfi_endproc\n"
+".size jcc_on_ret,.-jcc_on_ret\n"
+".globl jcc_on_block\n.type jcc_on_block,@function\njcc_on_block:\n"
+"  .cfi_startproc\n"
+"  mov %edi,%eax\n"
+"  imul $3,%eax,%eax\n"
+"  cmp $50,%eax\n"
+"  jg 2f\n"
+"  add $1,%eax\n"
+"  cmp $20,%eax\n"
+"  jl 3f\n"
+"  lea 9(%rax),%eax\n"
+"2:xor $0x55,%eax\n"
+"3:ret\n"
+"  .cfi_endproc\n"
+".size jcc_on_block,.-jcc_on_block\n"
+/* The je lies in the entry's region: the entry detour's copy of it takes the hook. */
+".globl jcc_at_entry\n.type jcc_at_entry,@function\njcc_at_entry:\n"
+"  .cfi_startproc\n"
+"  xor %eax,%eax\n"
+"  test %edi,%edi\n"
+"  je 7f\n"
+"  lea 3(%rdi),%eax\n"
+"  imul %edi,%eax\n"
+"7:ret\n"
+"  .cfi_endproc\n"
+".size jcc_at_entry,.-jcc_at_entry\n"
+/* An unconditional jmp lands on the ret: its detour runs the hook and the ret. */
+".globl jmp_on_ret\n.type jmp_on_ret,@function\njmp_on_ret:\n"
+"  .cfi_startproc\n"
+"  mov %edi,%eax\n"
+"  add $4,%eax\n"
+"  test $1,%edi\n"
+"  jne 9f\n"
+"  shl $1,%eax\n"
+"  jmp 8f\n"
+"9:sub $1,%eax\n"
+"  imul %eax,%eax\n"
+"8:ret\n"
+"  .cfi_endproc\n"
+".size jmp_on_ret,.-jmp_on_ret\n"
+/* No CFI (the trampoline unsafe), and a jrcxz lands on the ret: no jump of its own
+ * to hook it by, so a breakpoint, the check that refused it named. */
+".globl no_cfi_rcx\n.type no_cfi_rcx,@function\nno_cfi_rcx:\n"
+"  mov %edi,%eax\n"
+"  mov %edi,%ecx\n"
+"  and $3,%ecx\n"
+"  jrcxz 8f\n"
+"  add %ecx,%eax\n"
+"8:ret\n"
+".size no_cfi_rcx,.-no_cfi_rcx\n"
+/* Code right after each ret: no padding to borrow. */
+".globl after_block\n.type after_block,@function\nafter_block:\n"
+"  xor %eax,%eax\n"
+"  ret\n"
+".size after_block,.-after_block\n"
+);
+#include <stdio.h>
+#include <stdlib.h>
+int jcc_on_ret(int), jcc_on_block(int), jcc_at_entry(int), jmp_on_ret(int), no_cfi_rcx(int);
+volatile int released;
+__attribute__((noinline)) int helper(int x) { __asm__ volatile(""); return x * 2; }
+__attribute__((noinline)) void release(int *p) { released += *p; }
+/* A cleanup under -fexceptions around a call that may throw (through a pointer): an LSDA,
+ * so the image unwinds exceptions. */
+int (*volatile call_helper)(int) = helper;
+__attribute__((noinline)) int guarded(int x) { int __attribute__((cleanup(release))) g = x; return call_helper(g) + 1; }
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 60;
+    long t = 0;
+    for (int i = -30; i < n; i++)
+        t = t * 3 + jcc_on_ret(i) + jcc_on_block(i) + jcc_at_entry(i % 4) + jmp_on_ret(i) + no_cfi_rcx(i)
+            + guarded(i);
+    printf("t=%ld released=%d\n", t, released);
+    return 0;
+}
+"""
+
+BRANCH_FUNCS = ["jcc_on_ret", "jcc_on_block", "jcc_at_entry", "jmp_on_ret", "no_cfi_rcx"]
+
+
+def _build_branch(tmp):
+    from conftest import insns, probe_spec
+    prog = cc(tmp, "branch", BRANCH, "-O2", "-fexceptions")
+    kret = write_spec(tmp, probe_spec("kretprobe", BRANCH_FUNCS, handler="on_return", maxactive=4),
+                      RET_HANDLER, "kret.toml")
+    rets = [(f, off) for f in BRANCH_FUNCS for off, i in insns(prog, f) if i.mnemonic == "ret"]
+    oracle = write_spec(tmp, probe_spec("kprobe", rets, pre_handler="at_ret"), RET_HANDLER, "oracle.toml")
+    return (prog, kret, check_lines(prog, kret), instrument(prog, kret, tmp / "kret"),
+            instrument(prog, oracle, tmp / "oracle", "--no-optimize"))
+
+
+def test_jumps_landing_on_a_ret_are_hooked_as_exits(once, runner):
+    from conftest import insns
+    prog, kret_spec, check, kret, oracle = once(_build_branch)
+    syms = symbols(prog)
+    # The shape, by disassembly: each function's one ret ends it with code right after it,
+    # and conditional jumps land on it (jcc_on_block: on it and on the xor before it).
+    shape = {}
+    for f, after in zip(BRANCH_FUNCS, BRANCH_FUNCS[1:] + ["after_block"]):
+        code = insns(prog, f)
+        (off, ret), = [(o, i) for o, i in code if i.mnemonic == "ret"]
+        assert ret.address + 1 == syms[after], f
+        jumps = {i.mnemonic: int(i.op_str, 16) for _, i in code if i.mnemonic.startswith("j")}
+        shape[f] = (ret.address, jumps)
+    r, j = shape["jcc_on_ret"]
+    assert j == {"jg": r, "je": r}, j
+    r, j = shape["jcc_on_block"]
+    assert j["jl"] == r and j["jg"] == r - 3, j
+    r, j = shape["jcc_at_entry"]
+    assert j == {"je": r} and j["je"] - 3 - 3 - 2 == _jump_at(prog, "jcc_at_entry", "je"), j
+    r, j = shape["jmp_on_ret"]
+    assert j["jmp"] == r and j["jne"] == r - 6, j
+    r, j = shape["no_cfi_rcx"]
+    assert j == {"jrcxz": r}, j
+    # The image unwinds exceptions (a personality and an LSDA: augmentation zPLR), so the
+    # trampoline would be unsafe for jcc_on_ret, which calls out.
+    frames = subprocess.run(["readelf", "--debug-dump=frames", str(prog)], capture_output=True, text=True).stdout
+    assert '"zPLR"' in frames, frames[:2000]
+    # check: each ret hooked by a jump, with the jumps outside its region hooked as exits of
+    # their own -- no breakpoint, no trampoline.
+    lines = {l.split("+")[0]: l for l in check}
+    r, j = shape["jcc_on_ret"]
+    # (its je lies in the ret's own region: the detour's copy goes to the hook)
+    assert lines["jcc_on_ret"].endswith(f"returns: {r:#x} ret (and the jumps at {_jump_at(prog, 'jcc_on_ret', 'jg'):#x})"), \
+        lines["jcc_on_ret"]
+    r, j = shape["jcc_on_block"]
+    assert lines["jcc_on_block"].endswith(
+        f"returns: {r:#x} ret (and the jumps at {_jump_at(prog, 'jcc_on_block', 'jg'):#x}, "
+        f"{_jump_at(prog, 'jcc_on_block', 'jl'):#x})"), lines["jcc_on_block"]
+    r, j = shape["jcc_at_entry"]
+    assert lines["jcc_at_entry"].endswith(f"returns: {r:#x} ret (and the jumps at {j['je'] - 8:#x})"), \
+        lines["jcc_at_entry"]
+    r, j = shape["jmp_on_ret"]
+    assert lines["jmp_on_ret"].endswith(f"returns: {r:#x} ret (and the jumps at {_jump_at(prog, 'jmp_on_ret', 'jmp'):#x})"), \
+        lines["jmp_on_ret"]
+    # The jrcxz: a breakpoint, the check that refused the jump named, with its address.
+    r, j = shape["no_cfi_rcx"]
+    src = _jump_at(prog, "no_cfi_rcx", "jrcxz")
+    assert lines["no_cfi_rcx"].endswith(
+        f"returns: {r:#x} ret (int3)  jump_into_region at {r:#x}: jump from {src:#x} lands at {r:#x}, inside the "
+        f"return region; the jumps there not hooked: branch_exit at {src:#x}: the branch at {src:#x} to {r:#x} is "
+        f"not a plain jmp or jcc of no_cfi_rcx; no trampoline: trampoline_unsafe at {syms['no_cfi_rcx']:#x}: no "
+        f"CFA rule at {syms['no_cfi_rcx']:#x} says where the return address is, so whether the function reads it "
+        "is unknown"), lines["no_cfi_rcx"]
+    sites = {p["symbol"]: p["returns"]["sites"] for p in json.loads(
+        kprewrite("check", prog, "--spec", kret_spec, "--format", "json").stdout)["probes"]}
+    assert all(s["int3"] is (f == "no_cfi_rcx") and s["hook"] == "ret" for f, ss in sites.items() for s in ss), sites
+    assert sites["jcc_on_block"][0]["branches"] == [hex(_jump_at(prog, "jcc_on_block", m)) for m in ("jg", "jl")]
+    recs = {p["symbol"]: p for p in meta(kret)["probes"] if p["kind"] == "r"}
+    assert all((p["int3_exits"] == []) is (f != "no_cfi_rcx") and p["returns"] == "optimized" for f, p in recs.items()), recs
+    # Every return handler with the value the breakpoint at the ret reads, once a call.
+    want, got, ref = oracle_runs(prog, kret, oracle, runner, 90)
+    mine, theirs = _returns(got.stderr), _returns(ref.stderr)
+    assert sum(mine.values()) == 5 * 120 and mine == theirs, (mine - theirs, theirs - mine)
+    assert len({k for k in mine if k.startswith("R jcc_on_ret ")}) > 20, mine
+    assert profile(got.stderr) == {f"r_{f}_0": (120, 0) for f in BRANCH_FUNCS}, profile(got.stderr)
+
+
+def _jump_at(prog, func: str, mnemonic: str) -> int:
+    from conftest import insns
+    return next(i.address for _, i in insns(prog, func) if i.mnemonic == mnemonic)

@@ -27,6 +27,8 @@ answer (targets/*), used by the planner.
 - kretprobe_breakpoint_exits: an exit no jump fits gets a breakpoint return hook where the
   trampoline is unsafe for its function (else the function takes the trampoline); without
   (a kernel) the function always keeps the trampoline, with the check that refused the exit;
+- kretprobe_branch_exits: before that, an exit whose region jumps land in takes it, each of
+  those jumps hooked as an exit of its own (a jump to the exit's hook, in its own region);
 - short_jumps / evict_neighbours: a site with no room for a 5-byte jump takes a short
   jump to one in dead padding, or in a neighbouring region moved out of the way;
 - retarget_branches: direct branches to a detoured region's start enter its detour;
@@ -73,6 +75,10 @@ class Rules:
     # at run time to be a hooked entry (kp_kretprobe_tail_pointer(), a user process), else
     # the return address is swapped for the trampoline (the kernel's way, every time).
     kretprobe_pointer_tails: bool = False
+    # An exit whose region other jumps land in (a `ret` two `je` reach, with no padding
+    # after it) takes its region anyway, each of those jumps hooked as an exit of its own
+    # (planner/returns.py's _branch_exits()), before the breakpoint or the trampoline.
+    kretprobe_branch_exits: bool = False
     # A detour runs a post_handler after the copied instruction (beyond the kernel); off: the
     # kernel's optimize_kprobe() rule, no kprobe with a post_handler is optimized.
     optimized_post_handler: bool = True

@@ -241,6 +241,18 @@ class RetProbe(Protocol):
     def hook_copy(self, hooks: dict[int, tuple[int, int | None]]) -> Callable:
         """A copy function for a detour whose region holds exits: each exit calls its hook."""
 
+    # Optional (x86-64), branch exits (planner/returns.py's _branch_exits(), where the
+    # target's Rules.kretprobe_branch_exits is on): exit_region(..., landed=f) lets a
+    # region hold an address whose jumps f vouches for; hook_copy(hooks, blocks=...)
+    # runs a jump's block, hook and exit in a detour's copy; and:
+    #
+    # def branch_exit(self, insn: DcrInsn) -> bool:
+    #     """A jump that may stand for the exit it lands on (a plain jmp or jcc)."""
+    #
+    # def branch_ret_detour(self, dcr, block, hook, at: int, branch: int) -> bytes:
+    #     """A branch exit's detour: its region's copy, the jump (a jcc inverted) to what
+    #     it lands on, the hook and the exit."""
+
     def kret_entry_body(self, *, rp: int, tramp: int, entry_handler: int | None, enter_c: int,
                         aligned: bool, inline: bool = True, regs: bool = False) -> bytes:
         """The code a kretprobe's entry runs (arch_prepare_kretprobe())."""

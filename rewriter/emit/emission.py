@@ -121,7 +121,10 @@ def _site_copy(c: Code, site: Site, at: int, sym):
     """How to copy a DCR holding a return-probed function's exits (None: plain relocation)."""
     if not site.ret_hooks:
         return None
-    return c.arch.retprobe.hook_copy({a: _hook(c, g, kind, sym, at) for a, (g, kind) in site.ret_hooks.items()})
+    hooks = {a: _hook(c, g, kind, sym, at) for a, (g, kind) in site.ret_hooks.items()}
+    if site.branch_blocks:          # branch exits: each jump's copy runs what it lands on, the hook, the exit
+        return c.arch.retprobe.hook_copy(hooks, blocks=site.branch_blocks)
+    return c.arch.retprobe.hook_copy(hooks)
 
 
 def pre_handler_symbol(c: Code, p) -> str | None:
@@ -254,7 +257,12 @@ def evicted_ips(c: Code, lay, ev) -> list[tuple[int, int]]:
 
 
 def ret_detour(c: Code, rs, at: int, sym) -> bytes:
-    """A return site's detour at `at`: the DCR up to the exit, the hook, the exit."""
+    """A return site's detour at `at`: the DCR up to the exit, the hook, the exit; for a
+    branch exit (planner/returns.py's _branch_exits()), the DCR up to the jump, then
+    what it lands on, the hook and the exit."""
+    if rs.block is not None:
+        return c.arch.retprobe.branch_ret_detour(rs.dcr, rs.block, _hook(c, rs.group, rs.hook, sym, at), at,
+                                                 rs.branch)
     return c.arch.retprobe.ret_detour(rs.dcr, _hook(c, rs.group, rs.hook, sym, at), at)
 
 

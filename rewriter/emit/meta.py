@@ -48,7 +48,8 @@ def metadata(plan: Plan, lay, label: str) -> bytes:
                        "return_hook": ("inline " if g.ret_template and any(e.kind == "ret" for e in g.exits) else "")
                        + ("clean" if g.ret_clean else "pt_regs"),
                        "return_sites": [[rs.addr, rs.region_end, rs.exit.addr] for rs in g.sites]
-                       + [[h.addr, h.region_end, e.addr] for h, e in g.embedded],
+                       + [[h.addr, h.region_end, e.addr] for h, e in g.embedded]
+                       + [[h.addr, h.region_end, e.addr] for h, _, _, e in g.embedded_branches],
                        "int3_exits": [e.addr for e, _ in g.breakpoint_exits]})
         if g.light:                     # nothing runs at its returns (planner.forms.light_kretprobes)
             probes[-1].update({"light": True, "returns": "light"})

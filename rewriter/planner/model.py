@@ -38,6 +38,7 @@ class Site:
     xol: object = None               # breakpoint fallback: the arch's out-of-line plan
     kret_hook: int = 0               # a breakpoint return hook at this exit (HOOK_KIND)
     ret_hooks: dict = field(default_factory=dict)   # exits inside this DCR -> (Group, hook kind)
+    branch_blocks: dict = field(default_factory=dict)   # of those, branch exits -> what they land on
     # Forms (choose_forms):
     clean: bool = False              # clean call: no handler here reads pt_regs
     template: bool = False           # one probe, no post_handler: dispatch inlined in the detour
@@ -125,6 +126,10 @@ class RetSite:
     region_end: int
     hook: str = HOOK_RET         # HOOK_RET / HOOK_PENDING / HOOK_SWAP / HOOK_POINTER
     group: object = None
+    # A branch exit (planner/returns.py): the dcr ends with a jump to the exit's own
+    # region; block, the instructions from where it lands to the exit, run in its detour.
+    block: list | None = None
+    branch: int = 0                 # that jump's address (the dcr's last instruction, or its first)
 
 
 @dataclass
@@ -142,6 +147,8 @@ class Group:
     breakpoint_exits: list = field(default_factory=list)   # (Exit, why no jump): breakpoint return hooks
     hooks: dict = field(default_factory=dict)        # exit addr -> HOOK_*
     pointer_slots: dict = field(default_factory=dict)  # exit addr -> the GOT slot a PLT stub jumps through
+    branch_exits: dict = field(default_factory=dict)   # exit addr -> the jumps into its region, hooked as exits
+    embedded_branches: list = field(default_factory=list)  # (Site, jump addr, block, Exit): such jumps in a DCR
     ret_template: dict | None = None  # the inlined return hook's parameters (choose_forms)
     # A light kretprobe (planner.forms.light_kretprobes()): nothing runs at its returns,
     # no instance is taken; its entry only counts the hit.  Exits are listed, not hooked.

@@ -61,7 +61,7 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
             # The target's kretprobes are the kernel's: the return address is swapped at entry.
             g.mode, g.reason = TRAMPOLINE, arch.Refusal(
                 "kretprobe_trampoline", g.entry, "the return address is swapped at entry (the kernel's "
-                "kretprobe_trampoline; instances per task)")
+                "kretprobe_trampoline)")
             continue
         if ex.refusal is not None:
             # An exit we cannot even name (a conditional tail call, a jump into
@@ -91,6 +91,21 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
                 # A short function: the entry's region grows to take the exit (its hook in that detour).
                 g.embedded.append((g.site, e))
                 continue
+            if not isinstance(r, tuple) and r.check == "jump_into_region" and e.kind == "ret" \
+                    and rules.kretprobe_branch_exits and hasattr(rp, "branch_ret_detour"):
+                got = _branch_exits(image, analysis, arch, g, ex.parts, part, e, rules,
+                                    lambda lo, hi, more: busy(lo, hi, mine + more), host_of)
+                if isinstance(got, tuple):
+                    got, inside = got
+                    for rs in got:
+                        mine.append((rs.addr, rs.region_end))
+                        g.sites.append(rs)
+                    g.embedded_branches += inside
+                    g.branch_exits[e.addr] = sorted([rs.branch for rs in got if rs.block is not None]
+                                                    + [a for _, a, _, _ in inside])
+                    continue
+                r = type(r)(r.check, r.addr, f"{r.detail}; the jumps there not hooked: {got.check} at "
+                                             f"{got.addr:#x}: {got.detail}")
             if not isinstance(r, tuple):
                 if not rules.kretprobe_breakpoint_exits:
                     _exits_refused(g, r, e)
@@ -152,8 +167,102 @@ def plan_returns(image, analysis, arch, plan: Plan, rules) -> None:
                 host.kret_hook = HOOK_KIND[g.hooks[e.addr]]
             else:
                 host.ret_hooks[e.addr] = (g, g.hooks[e.addr])
+        for host, a, block, e in g.embedded_branches:
+            host.ret_hooks[a] = (g, g.hooks[e.addr])
+            host.branch_blocks[a] = block
     plan.ret_sites.sort(key=lambda s: s.addr)
     _place_breakpoint_hooks(image, arch, plan)
+
+
+def _branch_exits(image, analysis, arch, g: Group, parts, part, e, rules, busy, host_of) -> tuple | object:
+    """Beyond the kernel: a `ret` whose region jumps land in (`je 1f; ...; 1: ret`
+    with code right after it) takes that region anyway, and each such jump, a
+    `jcc` or `jmp` of the function, becomes an exit of its own: a region ending
+    with the jump, whose detour runs the jump's copy (a `jcc` inverted, back to the
+    instruction after it) and then what the jump lands on (the `ret`, or the
+    instructions up to it), its hook and the exit.  A jump inside the exit's own
+    region goes to its copy in the detour.  Anything else that may land in the
+    region (a call, a jump table, a landing pad, a jump of another function), or
+    a jump's region refused, refuses the whole (the arch Refusal, its check named).
+    A jump inside a jump-optimized probe's region (the entry's: `test %rdi,%rdi;
+    je 1f` at the start) is hooked in that detour's copy instead.  Returns
+    ([the exit's RetSite, a RetSite per jump], [(host Site, jump, block, exit)])
+    or that Refusal."""
+    rp = arch.retprobe
+    sources = analysis.branch_sources
+    why = []
+
+    def jump_at(src):
+        p = next((p for p in parts if p.start <= src < p.end), None)
+        insn = rp.exit_insn(image, analysis, p, src) if p is not None else None
+        return (p, insn) if insn is not None and insn.addr == src and rp.branch_exit(insn) else None
+
+    def landed(x):
+        srcs = sources.get(x, ())
+        if x in analysis.entered or not srcs:
+            why.append(arch.Refusal("branch_exit", x, f"{x:#x} may be entered other than by a jump "
+                                                      f"({analysis.targets.get(x, 'unknown')})"))
+            return False
+        bad = next((s for s in srcs if jump_at(s) is None), None)
+        if bad is not None:
+            why.append(arch.Refusal("branch_exit", bad, f"the branch at {bad:#x} to {x:#x} is not a plain jmp or "
+                                                        f"jcc of {g.func.name}"))
+            return False
+        return True
+    r = rp.exit_region(image, analysis, part, e, lambda lo, hi: busy(lo, hi, []), landed=landed)
+    if not isinstance(r, tuple):
+        return why[-1] if why and r.check == "jump_into_region" and why[-1].addr in (r.addr, *sources.get(r.addr, ())) \
+            else r
+    dcr, end = r
+    r = rules.exit_region_refusal(arch, analysis, g.func, dcr[0].addr, end, e.addr)
+    if r is not None:
+        return r
+    start = dcr[0].addr
+    out = [RetSite(e, dcr, start, end, group=g)]
+    inside = []
+    taken = [(start, end)]
+    for k, x in enumerate(dcr[1:], 1):
+        if not analysis.targets_in(x.addr, x.addr + 1):
+            continue
+        for src in sorted(sources.get(x.addr, ())):
+            if start <= src < end:
+                if src < x.addr:
+                    continue            # its copy in the detour goes to x's copy
+                return arch.Refusal("branch_exit", src, f"the jump at {src:#x} goes back to {x.addr:#x} inside "
+                                                        "the return region")
+            host = host_of(src)
+            if host is not None:
+                # In a probe's region: its detour's copy of the jump takes the hook.
+                if host.decision != OPTIMIZED or host.head is not None or host.riders or host.with_post \
+                        or not any(i.addr == src for i in host.dcr):
+                    return arch.Refusal("probe_in_region", src, f"the jump at {src:#x} to {x.addr:#x} lies in "
+                                                                f"the region of the probe at {host.addr:#x}")
+                inside.append((host, src, dcr[k:], e))
+                continue
+            p, j = jump_at(src)
+            jr = rp.exit_region(image, analysis, p, type(e)(src, "tail", j, x.addr),
+                                lambda lo, hi: busy(lo, hi, taken))
+            if isinstance(jr, tuple):
+                bad = rules.exit_region_refusal(arch, analysis, g.func, jr[0][0].addr, jr[1], src)
+                jr = bad if bad is not None else jr
+            if not isinstance(jr, tuple):
+                # A region that starts at the jump instead, as a probe's would (the detour
+                # runs on after the jump's copy, then jumps back).
+                fw = arch.optprobe.can_optimize(image, analysis, p, src)
+                if isinstance(fw, list):
+                    fend = fw[-1].addr + len(fw[-1].code)
+                    if busy(src, fend, taken):
+                        fw = arch.Refusal("probe_in_region", src, f"another probe overlaps the region "
+                                                                  f"[{src:#x}, {fend:#x})")
+                    else:
+                        fw = rules.region_refusal(arch, analysis, p, src, fend) or (fw, fend)
+                if isinstance(fw, tuple):
+                    jr = fw
+            if not isinstance(jr, tuple):
+                return type(jr)(jr.check, jr.addr, f"the jump at {src:#x} to {x.addr:#x}: {jr.detail}")
+            taken.append((jr[0][0].addr, jr[1]))
+            out.append(RetSite(e, jr[0], jr[0][0].addr, jr[1], group=g, block=dcr[k:], branch=src))
+    return out, inside
 
 
 def _entry_covers(image, analysis, arch, g: Group, e, rules, taken, starts, site_at, site_starts, busy) -> bool:
@@ -192,6 +301,7 @@ def _exits_refused(g: Group, why, e) -> None:
     (Rules.kretprobe_breakpoint_exits off): the function keeps the trampoline, and
     `check` names the check that refused the exit and where."""
     g.mode, g.embedded, g.sites, g.breakpoint_exits = TRAMPOLINE, [], [], []
+    g.branch_exits, g.embedded_branches = {}, []
     g.reason = type(why)(why.check, why.addr, f"the exit at {e.addr:#x} cannot take a jump: {why.detail} "
                                               "(the return address is swapped at entry)")
 

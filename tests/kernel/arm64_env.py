@@ -132,6 +132,58 @@ def obtain_dbg_vmlinux(k: Arm64Kernel) -> Path:
     return out
 
 
+def obtain_arm64_modules(k: Arm64Kernel, rels: list[str]) -> list[Path]:
+    """lib/modules/<release>/<rel> of the kernel's package for each rel, extracted once into its
+    cache folder (modules/<rel>; the package fetched again with apt-get download: the cache keeps
+    only boot/ files otherwise)."""
+    dests = [k.dir / "modules" / rel for rel in rels]
+    if all(d.exists() for d in dests):
+        return dests
+    with _locked(_root() / ".lock"):
+        missing = [(rel, d) for rel, d in zip(rels, dests) if not d.exists()]
+        if not missing:
+            return dests
+        work = Path(tempfile.mkdtemp(prefix=".mod-", dir=_root()))
+        try:
+            deb = _download(f"{k.package}:arm64={k.version}", work)
+            for rel, dest in missing:
+                member = f"./lib/modules/{k.release}/{rel}"
+                r = subprocess.run(f"dpkg-deb --fsys-tarfile '{deb}' | tar -xO '{member}'", shell=True,
+                                   capture_output=True)
+                if r.returncode != 0 or not r.stdout.startswith(b"\x7fELF"):
+                    raise KernelEnvError(f"{deb.name} has no {member}")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_suffix(".tmp")
+                tmp.write_bytes(r.stdout)
+                tmp.rename(dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return dests
+
+
+def obtain_arm64_symvers(k: Arm64Kernel) -> Path:
+    """The kernel's Module.symvers (its exported symbols' CRCs, for a module's __versions), from
+    Debian's linux-headers-<release>:arm64 of the same version (1.5 MB), once into the kernel's
+    cache folder."""
+    dest = k.dir / "Module.symvers"
+    with _locked(_root() / ".lock"):
+        if dest.exists():
+            return dest
+        work = Path(tempfile.mkdtemp(prefix=".hdr-", dir=_root()))
+        try:
+            deb = _download(f"linux-headers-{k.release}:arm64={k.version}", work)
+            member = f"./usr/src/linux-headers-{k.release}/Module.symvers"
+            r = subprocess.run(f"dpkg-deb --fsys-tarfile '{deb}' | tar -xO '{member}'", shell=True, capture_output=True)
+            if r.returncode != 0 or not r.stdout.startswith(b"0x"):
+                raise KernelEnvError(f"{deb.name} has no {member}")
+            tmp = dest.with_suffix(".tmp")
+            tmp.write_bytes(r.stdout)
+            tmp.rename(dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
 def arm64_busybox() -> Path:
     """Debian's busybox-static for arm64 (bin/busybox), fetched once."""
     root = _root()

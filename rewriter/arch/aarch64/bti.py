@@ -29,22 +29,27 @@ def features(image) -> int:
     cached = getattr(image, "_aarch64_features", None)
     if cached is not None:
         return cached
-    out = 0
     seg = image.elf.segment(PT_GNU_PROPERTY)
-    if seg is not None:
-        note = image.data[seg.offset:seg.offset + seg.filesz]
-        if len(note) >= 16:
-            namesz, descsz, ntype = struct.unpack_from("<III", note, 0)
-            desc = 12 + ((namesz + 3) & ~3)
-            if ntype == NT_GNU_PROPERTY_TYPE_0 and note[12:12 + namesz].rstrip(b"\0") == b"GNU":
-                end = min(len(note), desc + descsz)
-                p = desc
-                while p + 8 <= end:
-                    pr_type, pr_size = struct.unpack_from("<II", note, p)
-                    if pr_type == GNU_PROPERTY_AARCH64_FEATURE_1_AND and pr_size >= 4 and p + 12 <= end:
-                        out = struct.unpack_from("<I", note, p + 8)[0]
-                    p += 8 + ((pr_size + 7) & ~7)
+    out = note_features(image.data[seg.offset:seg.offset + seg.filesz]) if seg is not None else 0
     image._aarch64_features = out
+    return out
+
+
+def note_features(note: bytes) -> int:
+    """GNU_PROPERTY_AARCH64_FEATURE_1_AND of a GNU property note's bytes (a PT_GNU_PROPERTY
+    segment's, or a relocatable object's .note.gnu.property section), 0 if none."""
+    out = 0
+    if len(note) >= 16:
+        namesz, descsz, ntype = struct.unpack_from("<III", note, 0)
+        desc = 12 + ((namesz + 3) & ~3)
+        if ntype == NT_GNU_PROPERTY_TYPE_0 and note[12:12 + namesz].rstrip(b"\0") == b"GNU":
+            end = min(len(note), desc + descsz)
+            p = desc
+            while p + 8 <= end:
+                pr_type, pr_size = struct.unpack_from("<II", note, p)
+                if pr_type == GNU_PROPERTY_AARCH64_FEATURE_1_AND and pr_size >= 4 and p + 12 <= end:
+                    out = struct.unpack_from("<I", note, p + 8)[0]
+                p += 8 + ((pr_size + 7) & ~7)
     return out
 
 

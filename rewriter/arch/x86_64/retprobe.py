@@ -124,19 +124,23 @@ def mid_frame_part(image, func) -> bool:
     return entry_frame_refusal(image, func.start) is not None
 
 
-def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
+def exit_region(image, analysis, part, exit: Exit, busy, landed=None) -> tuple[list[DcrInsn], int] | Refusal:
     """The smallest region ending with `exit` that can take a 5-byte jump:
     (its instructions, region end).  `busy(lo, hi)` says whether another probe's
-    region overlaps [lo, hi)."""
+    region overlaps [lo, hi).  landed(addr): the jumps landing at addr will not
+    land there (planner/returns.py hooks each as an exit of its own, or the
+    detour runs it), so the region may hold addr."""
     allin = _insns(image, analysis, part)
     k = bisect.bisect_left(allin.addrs, exit.addr)
     end_insn = exit.addr + len(exit.insn.code)
     last = Refusal("ret_region", exit.addr, "no region of 5 bytes ending with this exit")
     dcr: list[DcrInsn] = [exit.insn]
+    # After a jcc (a branch exit's) the code runs on: no padding to borrow.
+    pad = exit.insn.info.emulate != "jcc rel"
     while True:
         b = dcr[0].addr
         need = JMP32_INSN_SIZE - (end_insn - b)
-        if need <= 0 or dead_padding(image, analysis, part, end_insn, need):
+        if need <= 0 or pad and dead_padding(image, analysis, part, end_insn, need):
             end = max(end_insn, b + JMP32_INSN_SIZE)
             if busy(b, end):
                 last = Refusal("probe_in_region", b, f"another probe overlaps the return region [{b:#x}, {end:#x})")
@@ -147,7 +151,7 @@ def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn],
         # Grow backwards by one instruction, if the one we add can be relocated
         # and the current start is not a jump target.
         hits = analysis.targets_in(b, b + 1)
-        if hits and safety.enabled("return_regions"):
+        if hits and safety.enabled("return_regions") and not (landed is not None and landed(b)):
             return Refusal("jump_into_region", b, f"{hits[0][1]} lands at {b:#x}, inside the return region")
         k -= 1
         if k < 0 or allin.ends[k] != b:
@@ -366,18 +370,85 @@ def inline_tail_hook(exit: DcrInsn, at: int, *, fast: int, table: int, key, c_ho
 
 def ret_detour(dcr: list[DcrInsn], hook: tuple[int, int | None], at: int) -> bytes:
     """Detour of a return site: the DCR up to the exit, the hook, the exit."""
+    return _run_then_exit(dcr, hook, at)
+
+
+def _run_then_exit(insns: list[DcrInsn], hook, at: int) -> bytes:
+    """insns up to the exit (the last), copied, then the hook and the exit.  A
+    relative jump among them to a later one of them (a `jne` to the `ret` of
+    the same region, whose other jumps are exits of their own: planner/returns.py)
+    goes to that one's copy: rel32, so each copy's place is known beforehand."""
+    where, pos = {}, at
+    if any(i.info.emulate in _REENCODED and insns[0].addr < i.info.rel_target <= insns[-1].addr for i in insns):
+        for insn in insns:
+            where[insn.addr] = pos
+            if insn is not insns[-1]:
+                pos += len(relocate(insn, pos))
     out = bytearray()
-    for insn in dcr[:-1]:
-        out += relocate(insn, at + len(out))
-    out += hook_then_exit(dcr[-1], hook, at + len(out))
+    for insn in insns[:-1]:
+        t = insn.info.rel_target if insn.info.emulate in _REENCODED else None
+        if t is not None and t in where and t > insn.addr:
+            out += _branch_to(insn, at + len(out), where[t])
+        else:
+            out += relocate(insn, at + len(out))
+    out += hook_then_exit(insns[-1], hook, at + len(out))
     return bytes(out)
 
 
-def hook_copy(hooks: dict[int, tuple[int, int | None]]):
+def _branch_to(insn: DcrInsn, at: int, to: int, invert: bool = False) -> bytes:
+    """A relative jmp or jcc (the condition inverted: invert) at `at` to `to`, rel32."""
+    if insn.info.emulate == "jmp rel":
+        return b"\xe9" + _s32(to - (at + 5), "jmp")
+    op = insn.code[0] if insn.code[0] != 0x0F else insn.code[1]
+    return bytes([0x0F, 0x80 | (op & 0x0F) ^ invert]) + _s32(to - (at + 6), "jcc")
+
+
+def branch_exit(insn: DcrInsn) -> bool:
+    """A jump that may stand for the exit it lands on: `jmp rel` or `jcc rel`
+    (a plain opcode, no prefix: its condition is inverted in the detour)."""
+    if insn.info.emulate == "jmp rel":
+        return insn.code[0] in (0xEB, 0xE9)
+    return insn.info.emulate == "jcc rel" and (0x70 <= insn.code[0] <= 0x7F or insn.code[0] == 0x0F)
+
+
+def branch_ret_detour(dcr: list[DcrInsn], block: list[DcrInsn], hook, at: int, branch: int) -> bytes:
+    """Detour of a branch exit: the DCR up to the jump (its last), then, for a
+    jcc, the inverted jcc back to the instruction after it; then the block the
+    jump lands on (a `ret`, or the instructions up to it: `xor %eax,%eax;
+    ret`), the hook and the exit, as the exit's own detour runs them.  A region
+    that starts at the jump (`branch`, the DCR's first) runs the rest of its
+    copy after the inverted jcc, then jumps back to the region's end."""
+    if dcr[-1].addr != branch:
+        out = bytearray(hook_copy({branch: hook}, {branch: block})(dcr[0], at))
+        for insn in dcr[1:]:
+            out += relocate(insn, at + len(out))
+        end = dcr[-1].addr + len(dcr[-1].code)
+        return bytes(out + b"\xe9" + _s32(end - (at + len(out) + 5), "jmp back"))
+    out = bytearray()
+    for insn in dcr[:-1]:
+        out += relocate(insn, at + len(out))
+    j = dcr[-1]
+    if j.info.emulate == "jcc rel":
+        out += _branch_to(j, at + len(out), j.addr + len(j.code), invert=True)
+    out += _run_then_exit(block, hook, at + len(out))
+    return bytes(out)
+
+
+def hook_copy(hooks: dict[int, tuple[int, int | None]], blocks: dict | None = None):
     """How a detour copies its DCR when the DCR holds exits of a return-probed
     function (a short function: the entry's region reaches its ret): each exit
-    in the copy calls its return hook first.  hooks: exit address -> hook."""
+    in the copy calls its return hook first.  hooks: exit address -> hook.
+    blocks: branch exits among them (planner/returns.py's _branch_exits()) ->
+    what each jump lands on: the jump's copy runs that block, the hook and the
+    exit (a jcc inverted, over them, to the next instruction's copy)."""
+    blocks = blocks or {}
+
     def copy(insn, pos):
+        if insn.addr in blocks:
+            if insn.info.emulate == "jmp rel":
+                return _run_then_exit(blocks[insn.addr], hooks[insn.addr], pos)
+            body = _run_then_exit(blocks[insn.addr], hooks[insn.addr], pos + 6)
+            return _branch_to(insn, pos, pos + 6 + len(body), invert=True) + body
         if insn.addr in hooks:
             return hook_then_exit(insn, hooks[insn.addr], pos)
         return relocate(insn, pos)

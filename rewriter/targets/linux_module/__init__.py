@@ -1,24 +1,25 @@
 """Linux kernel modules (.ko): relocatable kernel objects (ET_REL) the module
 loader lays out and relocates at insmod.  A third target beside linux_user/ and
 linux_kernel/, reusing the kernel target's readers of the kernel's tables.  What depends
-on the CPU is in one folder per architecture (x86_64/: relocatable, rules, writer),
+on the CPU is in one folder per architecture (x86_64/, aarch64/: relocatable, rules, writer),
 chosen by the module's e_machine; a module of an architecture without a folder is
-refused with one line:
+refused with one line.  What they share is here:
 
-- x86_64/relocatable.py: the module seen at addresses (its allocated sections laid out
-  from the module area, its own relocations applied), as an ET_EXEC view the
-  pipeline reads like any image; the ModuleObject keeps the .ko itself;
+- relocatable.py: the module seen at addresses (its allocated sections laid out from the
+  architecture's module area, its own relocations applied by <arch>/relocatable.py's
+  apply()), as an ET_EXEC view the pipeline reads like any image; the ModuleObject keeps
+  the .ko itself;
 - the rules are the kernel's (linux_kernel/reserved.py on the view: the module's
-  __mcount_loc, __ex_table, __jump_table, __bug_table, _kprobe_blacklist,
-  .noinstr.text and x86's .altinstructions, .static_call_sites, .return_sites,
-  .retpoline_sites, .smp_locks), plus the module's own: .init.text (freed after
-  init) and the kernel's symbols the module refers to (stand-ins in the view);
-- x86_64/writer.py: the rewritten module through the back half's steps (lay_out, tables,
-  link, emit, write: targets/base.py), linked with `ld -r` (kprobes and kretprobes at
-  ftrace sites, kprobes inside functions as optimized probes (x86_64/optprobe.py: the
-  region's copy carrying the module's relocations), else as breakpoint probes taken by the
-  module's own die notifier (each instruction run from a slot copied the same way), C
-  handlers and trace events; the rest is refused with one line, docs/limitations.md);
+  __mcount_loc or __patchable_function_entries, __ex_table, __jump_table, __bug_table,
+  _kprobe_blacklist, .noinstr.text and the architecture's tables), plus the module's own:
+  .init.text (freed after init) and the kernel's symbols the module refers to (stand-ins
+  in the view); <arch>/rules.py's adjust() adds what its writer can and cannot write;
+- <arch>/writer.py: the rewritten module through the back half's steps (lay_out, tables,
+  link, emit, write: targets/base.py), linked with `ld -r` (x86_64/: kprobes and kretprobes
+  at ftrace sites, optimized and breakpoint probes, trace events; aarch64/: jump-optimized
+  kprobes and kretprobes; the rest is refused with one line, docs/limitations.md), on
+  ko.py's shared steps (the sites in order, the kretprobes' macros, __versions, the
+  module's name, the extra relocations, the .kprewrite.meta section);
 - symvers.py: the kernel's Module.symvers, the CRCs of the kernel symbols the module's
   runtime adds to its imports (its __versions);
 - kernel_btf.py: the kernel's BTF (beside Module.symvers, or /sys/kernel/btf/vmlinux), the
@@ -119,26 +120,9 @@ def rules(image, arch) -> Rules:
                              "code (probe it in the kernel image)") for f in image.functions if lo <= f.start < hi]
     if extra:
         r.blacklist = Index(list(r.blacklist.entries) + extra)
-    arch_rules = _part(image, "rules")
-    r.function_refusal = arch_rules.thunk_jumps(image, arch, r.function_refusal)
-    r.region_refusal = arch_rules.carried(image, r.region_refusal)
-    # Breakpoint probes: the module's own die notifier takes their traps (writer.py), each
-    # instruction run from a slot in the module's code (a copy carrying its relocations:
-    # int3_copy()), a single-stepped one's ending with a breakpoint, as the kernel's own since
-    # 5.14.  A post_handler makes a kprobe a breakpoint one, as the kernel's optimize_kprobe().
-    # A kretprobe's entry is any of the three (an ftrace site, a jump, a breakpoint).
-    r.breakpoints = True
-    r.singlestep_breakpoint = True
-    r.breakpoint_refusal = arch_rules.int3_copy(image)
-    r.optimized_post_handler = False
-    # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the
-    # copy (the module's trap code has no probe stub to run it from a boosted copy).
-    r.boost_post_handler = False
-    # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
-    r.kretprobe_exits = False
-    # An entry probe takes its ftrace site through the site's relocation (writer.py), not a
-    # jump after it.
-    r.share_ftrace = 0
+    # What the module's architecture writes (<arch>/rules.py): its checks of a region's copy,
+    # its breakpoint probes, its kretprobes.
+    _part(image, "rules").adjust(image, arch, r)
     return r
 
 

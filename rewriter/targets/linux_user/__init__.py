@@ -45,7 +45,8 @@ def rules(image, arch) -> Rules:
     return Rules(bl.Index(bl.compute(image) + ftrace.inside_sites(image, arch, sites)), ftrace=sites, shared_regions=True,
                  short_jumps=True, evict_neighbours=True, light_hits=True, red_zone=True, retarget_branches=True,
                  kretprobe_blacklist=KRETPROBE_BLACKLIST, signal_syscalls=True,
-                 kretprobe_clean_entry=arch.retprobe.CLEAN_ENTRY_IN_USER, kretprobe_pointer_tails=True)
+                 kretprobe_clean_entry=arch.retprobe.CLEAN_ENTRY_IN_USER, kretprobe_pointer_tails=True,
+                 kretprobe_branch_exits=True)
 
 
 # kretprobe_blacklist for a process: the C library's (glibc's, and the names other C

@@ -1,7 +1,7 @@
 /*
  * A module's runtime: its probes and kretprobes, each site's dispatch, the kretprobes' entry and
  * return, the breakpoint sites' die notifier, init and exit.  Compiled once per module, included
- * by the kp_module.c that rewriter/targets/linux_module/x86_64/writer.py generates (runtime_c()),
+ * by the kp_module.c that rewriter/targets/linux_module/<arch>/writer.py generates (runtime_c()),
  * whose macros give the probes' facts:
  *
  *   KP_MODULE_NAME          the module's name, a string
@@ -17,6 +17,7 @@
  */
 
 #include "kp_module_head.c"
+#include <kp_arch_module.h>	/* the CPU's pt_regs: KP_REGS_IP, KP_REGS_SP, KP_HIT_ADDR */
 
 #ifdef KP_MODULE_CRCS
 #include "kp_module_preempt.c"
@@ -65,15 +66,15 @@ static void kp_kret_entry_##j(struct pt_regs *regs)						\
 {												\
 	struct kretprobe *rp = &kp_kretprobes[j];						\
 	struct kretprobe_instance *ri = kp_claim(j);						\
-	unsigned long *slot = (unsigned long *)regs->sp;					\
+	unsigned long *slot = KP_KRET_RET_SLOT(regs);						\
 	__atomic_fetch_add(&kp_kret_hits[j], 1, __ATOMIC_RELAXED);				\
 	if (!ri) {										\
 		__atomic_fetch_add(&rp->nmissed, 1, __ATOMIC_RELAXED);				\
 		return;										\
 	}											\
 	if (!rp->kp.addr)									\
-		rp->kp.addr = (kprobe_opcode_t *)(regs->ip - 1);				\
-	ri->fp = slot;										\
+		rp->kp.addr = (kprobe_opcode_t *)KP_HIT_ADDR(regs);				\
+	ri->fp = KP_KRET_ENTRY_FP(regs, slot);						\
 	ri->ret_addr = (kprobe_opcode_t *)*slot;						\
 	entry_handler										\
 	/* Found at return only once filled: a return elsewhere never meets a stale fp. */	\
@@ -95,7 +96,7 @@ KP_KRET_LIST(KP_KRET_FUNCS)
  * (the others were taken after the first swap). */
 unsigned long kp_kret_return(struct pt_regs *regs)
 {
-	void *slot = (void *)(regs->sp - 8);
+	void *slot = KP_KRET_RETURN_FP(regs);
 	struct kretprobe_instance *found[KP_KRET_FRAME];
 	unsigned int kind[KP_KRET_FRAME];
 	unsigned int j, i, n = 0;
@@ -117,7 +118,7 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 		_printk("\0010kprewrite: a return through the trampoline without an instance\n");
 		return 0;
 	}
-	regs->ip = ret;
+	KP_REGS_IP(regs) = ret;
 	entered = kp_enter();		/* 0: a handler of ours runs on this CPU: missed */
 	for (i = 0; i < n; i++) {
 		found[i]->ret_addr = (kprobe_opcode_t *)ret;
@@ -150,7 +151,7 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 		if (!(p->flags & KPROBE_FLAG_DISABLED)) {			\
 			__atomic_fetch_add(&kp_hits[i], 1, __ATOMIC_RELAXED);	\
 			if (!p->addr)						\
-				p->addr = (kprobe_opcode_t *)(regs->ip - 1);	\
+				p->addr = (kprobe_opcode_t *)KP_HIT_ADDR(regs);	\
 			run							\
 		}								\
 	}
@@ -159,15 +160,15 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 /* kprobe_int3_handler(): a pre_handler that returned 1 and moved regs->ip resumes there (no
  * copy, no post_handler); else the slot runs the instruction, and a post_handler runs at the
  * trap after it (kp_post_N()). */
-#define KP_RUN_INT3(pre) if (pre(p, regs) && regs->ip != (unsigned long)p->addr + 1) { r = regs->ip; goto out; }
+#define KP_RUN_INT3(pre) if (pre(p, regs) && KP_REGS_IP(regs) != (unsigned long)p->addr + 1) { r = KP_REGS_IP(regs); goto out; }
 /* kprobe_ftrace_handler(): a pre_handler that returned 1 chose where to resume; else the
  * post_handler runs with regs->ip past the call. */
 #define KP_RUN_FTRACE(pre, post)						\
 	pre									\
-	regs->ip = (unsigned long)p->addr + 5;					\
+	KP_REGS_IP(regs) = (unsigned long)p->addr + 5;			\
 	post									\
-	regs->ip = (unsigned long)p->addr + 1;
-#define KP_FTRACE_PRE(pre) if (pre(p, regs)) { r = regs->ip; goto out; }
+	KP_REGS_IP(regs) = (unsigned long)p->addr + 1;
+#define KP_FTRACE_PRE(pre) if (pre(p, regs)) { r = KP_REGS_IP(regs); goto out; }
 #define KP_FTRACE_POST(post) post(p, regs, 0);
 #define KP_KRET_AT(j)								\
 	if (!(kp_kretprobes[j].kp.flags & KPROBE_FLAG_DISABLED))		\

@@ -34,8 +34,8 @@ import capstone.x86_const
 
 from ....arch.x86_64 import cs
 from ....arch.x86_64.emit import EmitError, relocate
-from .relocatable import (R_X86_64_32, R_X86_64_32S, R_X86_64_64, R_X86_64_PC32, R_X86_64_PC64,
-                          R_X86_64_PLT32, SHT_RELA, read_sections, relas)
+from .relocatable import R_X86_64_32, R_X86_64_32S, R_X86_64_64, R_X86_64_PC32, R_X86_64_PC64, R_X86_64_PLT32
+from ..ko import relocations  # noqa: F401  (writer.py and rules.py ask it here)
 
 FIELD_SIZE = {R_X86_64_64: 8, R_X86_64_PC64: 8, R_X86_64_PC32: 4, R_X86_64_PLT32: 4, R_X86_64_32: 4,
               R_X86_64_32S: 4}
@@ -60,22 +60,6 @@ class Field:
 
 class CopyRefused(Exception):
     """(check, address, why): the copy cannot be written for the module."""
-
-
-def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
-    """section name -> {offset: (symbol index, type, addend)} of the .ko's own relocations,
-    read once (kept in mod.relocs for the rules' checks and the writer)."""
-    if mod.relocs is not None:
-        return mod.relocs
-    secs = read_sections(mod.data, mod.path)
-    out = mod.relocs = {}
-    for r in secs:
-        if r.type != SHT_RELA or not r.info:
-            continue
-        t = out.setdefault(secs[r.info].name, {})
-        for _, off, sym, typ, addend in relas(mod.data, r):
-            t[off] = (sym, typ, addend)
-    return out
 
 
 def _pc_fields(code: bytes, at: int, copy: bool = True):

@@ -42,7 +42,7 @@ TYPES = {"6.1": {CALL: 0, REGS: 1}, "6.4": {CALL: 2, REGS: 3}}
 UNDEFINED = (0, 0, 0)                   # (sp_offset, bp_offset, the bit fields' 16 bits)
 
 def _parts() -> dict[str, str]:
-    from .parts import module_parts
+    from ..parts import module_parts
     return module_parts("arch/x86_64/linux_module/kp_module_orc.S")
 
 

@@ -8,6 +8,30 @@ from __future__ import annotations
 THUNKS = ("__x86_indirect_thunk_", "__x86_indirect_jump_thunk_")
 
 
+def adjust(image, arch, r) -> None:
+    """The x86-64 module's part of its rules (linux_module.rules() has the kernel's and the
+    init sections'), set on r."""
+    r.function_refusal = thunk_jumps(image, arch, r.function_refusal)
+    r.region_refusal = carried(image, r.region_refusal)
+    # Breakpoint probes: the module's own die notifier takes their traps (writer.py), each
+    # instruction run from a slot in the module's code (a copy carrying its relocations:
+    # int3_copy()), a single-stepped one's ending with a breakpoint, as the kernel's own since
+    # 5.14.  A post_handler makes a kprobe a breakpoint one, as the kernel's optimize_kprobe().
+    # A kretprobe's entry is any of the three (an ftrace site, a jump, a breakpoint).
+    r.breakpoints = True
+    r.singlestep_breakpoint = True
+    r.breakpoint_refusal = int3_copy(image)
+    r.optimized_post_handler = False
+    # setup_singlestep() boosts no kprobe with a post_handler: it runs at the trap after the
+    # copy (the module's trap code has no probe stub to run it from a boosted copy).
+    r.boost_post_handler = False
+    # kretprobes the kernel's way: the return address swapped for a trampoline at entry (writer.py).
+    r.kretprobe_exits = False
+    # An entry probe takes its ftrace site through the site's relocation (writer.py), not a
+    # jump after it.
+    r.share_ftrace = 0
+
+
 def thunk_jumps(image, arch, inner):
     """can_optimize()'s insn_is_indirect_jump() for a module: a `jmp` (not a call) to a
     retpoline thunk is an indirect jump, which refuses optimizing the whole function (its

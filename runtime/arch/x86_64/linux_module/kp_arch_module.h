@@ -27,4 +27,15 @@ static inline __attribute__((always_inline)) unsigned long kp_arch_module_this_c
 	return off;
 }
 
+/* The module's dispatch's view of a struct pt_regs (kp_module_runtime.c): the instruction and stack
+ * pointers, and the probed address a hit reports (regs->ip is past the int3, as the kernel's). */
+#define KP_REGS_IP(regs) ((regs)->ip)
+#define KP_REGS_SP(regs) ((regs)->sp)
+#define KP_HIT_ADDR(regs) ((regs)->ip - 1)
+/* A kretprobe's return address at entry (on the stack, at sp), and the key that finds its instance
+ * again at return (that slot's address: sp - 8 once returned). */
+#define KP_KRET_RET_SLOT(regs) ((unsigned long *)KP_REGS_SP(regs))
+#define KP_KRET_ENTRY_FP(regs, slot) (slot)
+#define KP_KRET_RETURN_FP(regs) ((void *)(KP_REGS_SP(regs) - 8))
+
 #endif
