@@ -27,11 +27,13 @@ field they load and the from_k*id_munged() they call):
   getegid -> __arm64_sys_getegid    never probed: the reference loop run right before the others
 
 and in a second rewritten kernel (kretprobes): ours on getuid (empty handler) and on geteuid
-(empty entry_handler and handler), the kernel's on getgid.  Three boots: the unmodified kernel
-(the loops unprobed: ours' baseline), the kprobe kernel (phase none, then the kernel's kprobes
-from the module benchmarks/kernel/bench_kprobe.c, the tracefs `p:` event, the event with
-tracing_on = 0), the kretprobe kernel (the module's register_kretprobe(), both ways, the
-tracefs `r:` event, with and without tracing_on).  Every handler, ours and the module's,
+(empty entry_handler and handler), the kernel's on getgid; in a third, ours on getuid's entry with
+a trace event (no fetch args, as the kernel's `p:bench`) and the counting pre_handler.  Four
+boots: the unmodified kernel (the loops unprobed: ours' baseline), the kprobe kernel (phase none,
+then the kernel's kprobes from the module benchmarks/kernel/bench_kprobe.c, the tracefs `p:`
+event, the event with tracing_on = 0), the kretprobe kernel (the module's register_kretprobe(),
+both ways, the tracefs `r:` event, with and without tracing_on), the event kernel (phase none:
+our event's entries written are read from the trace's header, its hits from the handler).  Every handler, ours and the module's,
 counts its hits in a static variable; ours' counts are printed from a probe on
 __arm64_sys_sync (benchmarks/kernel/arm64_handlers.c), the module's at rmmod, tracefs's in
 kprobe_profile, each checked against the calls the loops made.
@@ -92,8 +94,13 @@ KRET_PHASES = [
     ("k-ret-event", "kernel kretprobe, BRK, tracefs r: event", 0, "kret-event", "r"),
     ("k-ret-off", "kernel kretprobe, BRK, r: event, tracing_on=0", 0, "kret-event-off", "r"),
 ]
-# Which of ours each kernel configuration is compared with.
-AGAINST = {"k-entry-mod": "entry", "k-entry-event": "entry", "k-entry-off": "entry",
+# The third rewritten kernel: ours with a trace event (no fetch args, as the kernel's `p:bench`),
+# written into the ring buffer by the runtime placed at boot; the trace's header read after.
+EVENT_PHASES = [("none", "no kernel probe", None, None, "e")]
+TRACE_HEAD = "head -3 /sys/kernel/tracing/trace | sed -n 's/^# entries-in-buffer/EVENTS &/p'\n"
+# Which of ours each kernel configuration is compared with (the kernel's p: event with ours, when
+# the event boot ran, else with our empty pre_handler).
+AGAINST = {"k-entry-mod": "entry", "k-entry-event": "event", "k-entry-off": "entry",
            "k-in-mod": "inside", "k-in-event": "inside", "k-in-off": "inside",
            "k-ret-mod": "ret", "k-reto-mod": "reto", "k-ret-event": "ret", "k-ret-off": "ret"}
 OURS = {  # key: (boot, loop, row, probe kind as `check` says)
@@ -101,7 +108,10 @@ OURS = {  # key: (boot, loop, row, probe kind as `check` says)
     "inside": ("p", OURS_INSIDE, f"(2) ours at +{INSIDE:#x}, empty pre_handler", "optimized"),
     "ret": ("r", OURS_ENTRY, "(r) ours kretprobe, empty handler", "ftrace"),
     "reto": ("r", OURS_INSIDE, "(ro) ours kretprobe, empty entry_handler+handler", "ftrace"),
+    "event": ("e", OURS_ENTRY, "(e) ours at entry, p: event (no args) into the ring buffer, empty pre_handler",
+              "ftrace"),
 }
+COUNTED_AS = {"event": "entry"}     # the handler whose count ours_hits() reports for it
 GOAL = 0.3      # issue 40: our jump-optimized hit <= 0.3x the kernel's BRK kprobe on the same function
 DEFAULTS = kp.DEFAULTS
 
@@ -131,7 +141,11 @@ def rewrite(k, work: Path, boot: str) -> Path:
     probe; `check` must place them as the table says."""
     spec = work / f"probes-{boot}.toml"
     text = f'handlers = ["{HANDLER_SRC}"]\n'
-    if boot == "p":
+    if boot == "e":
+        text += (f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\nname = "bench_ours"\npre_handler = "bench_entry"\n'
+                 'fetch = ""\n')
+        want = [f"{TWINS[OURS_ENTRY]}+0x0  k  ftrace"]
+    elif boot == "p":
         text += (f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_ENTRY]}"\npre_handler = "bench_entry"\n'
                  f'[[kprobe]]\nsymbol_name = "{TWINS[OURS_INSIDE]}"\noffset = {INSIDE:#x}\npre_handler = "bench_inside"\n')
         want = [f"{TWINS[OURS_ENTRY]}+0x0  k  ftrace", f"{TWINS[OURS_INSIDE]}+{INSIDE:#x}  k  optimized"]
@@ -199,6 +213,8 @@ def build_module(k, work: Path) -> Path | None:
 
 def run_boot(image: Path, phases, n, reps, warmup, mode, files: dict, log: Path) -> kernel_env.BootResult:
     init = kp.init_commands([ph[:4] + (None,) for ph in phases], n, reps, warmup, func=KFUNC) + "sync\n"
+    if phases and phases[0][4] == "e":
+        init += TRACE_HEAD
     initrd = arm64_env.build_initramfs(kernel_env.init_script(init), files)
     r = arm64_env.boot(image, initrd, cpu=CPU, smp=1, memory=512, timeout=1800, log=log, qemu_args=kp.MODES[mode])
     if not r.reached(kernel_env.DONE_MARKER) or "== end" not in r.console:
@@ -232,7 +248,13 @@ def analyse(boots: dict, calib: dict, counts: dict, n: int, reps: int, warmup: i
         ours[key] = (kp.med(d) - kp.med(kp.diffs(c0, lab))) / n
         rows.append((what, kind, kp.med([x for ph in phs for x in ph["results"][lab]]) / n, ours[key], 1.0, None, None))
         calls = len(boots[boot]["phases"]) * reps * (n + warmup)
-        got = counts[boot].get(key)
+        got = counts[boot].get(COUNTED_AS.get(key, key))
+        if key == "event":
+            written = [int(w) for w in re.findall(r"^EVENTS # entries-in-buffer/entries-written: \d+/(\d+)",
+                                                  boots[boot]["console"], re.M)]
+            print(f"  ours event: {written} entries written into the ring buffer")
+            if not written or written[-1] < calls:
+                notes.append(f"ours event: the trace says {written} entries written, expected >= {calls}")
         print(f"  ours {key}: {got} hits counted by its handler; the loops made {calls} calls")
         if got is None or got < calls:
             notes.append(f"ours {key}: its handler counted {got} hits, expected >= {calls}")
@@ -244,7 +266,7 @@ def analyse(boots: dict, calib: dict, counts: dict, n: int, reps: int, warmup: i
         res = ph["results"]
         ref = kp.med(kp.diffs(boots[boot]["phases"]["none"]["results"], KERNEL))
         hit = (kp.med(kp.diffs(res, KERNEL)) - ref) / n
-        against = ours[AGAINST[key]]
+        against = ours.get(AGAINST[key], ours.get("entry"))
         pairs[key] = (against, hit)
         listed = [l for l in ph["lines"] if l.startswith("LIST ") and KFUNC in l]
         if not listed or any(f"[{t}]" in l for l in listed for t in ("FTRACE", "OPTIMIZED", "DISABLED")):
@@ -262,7 +284,7 @@ def analyse(boots: dict, calib: dict, counts: dict, n: int, reps: int, warmup: i
                 notes.append(f"{key}: the module's (hits, nmissed) {got}, expected [({want}, 0)]")
         if any("SETUP-FAILED" in l for l in ph["lines"]):
             notes.append(f"{key}: setup failed")
-        num = {"entry": "3", "inside": "4", "ret": "r", "reto": "ro"}[AGAINST[key]]
+        num = {"entry": "3", "event": "3", "inside": "4", "ret": "r", "reto": "ro"}[AGAINST[key]]
         rows.append((f"({num}) {desc}", "brk", kp.med(res[KERNEL]) / n, hit,
                      hit / against if against > 0 else float("nan"), None, None))
     return rows, notes, pairs
@@ -303,7 +325,8 @@ def main():
     ap.add_argument("--reps", type=int, help="rounds per phase (default: icount 3, tcg 60)")
     ap.add_argument("--warmup", type=int, help="untimed calls before each loop (default: icount 20000, tcg 2000)")
     ap.add_argument("--keep", metavar="DIR", help="keep the rewritten kernels, specs and consoles in DIR")
-    ap.add_argument("--only", choices=("p", "r"), help="p: the kprobe boot only; r: the kretprobe boot only")
+    ap.add_argument("--only", choices=("p", "r", "e"),
+                    help="p: the kprobe boot only; r: the kretprobe boot only; e: the event boot only")
     ap.add_argument("--write-table", metavar="FILE", type=Path,
                     help=f"write the icount table between <!-- {TABLE_MARKER}:begin --> and <!-- {TABLE_MARKER}:end --> "
                     "in FILE (e.g. benchmarks/README.md)")
@@ -328,7 +351,7 @@ def main():
     check_twins(k.vmlinuz)
     loop_bin = work / "syscall_loop"
     kp.sh(["aarch64-linux-gnu-gcc", "-static", "-O2", "-Wall", "-o", str(loop_bin), str(kp.LOOP_SRC)])
-    boots = [b for b in ("p", "r") if args.only in (None, b)]
+    boots = [b for b in ("p", "r", "e") if args.only in (None, b)]
     images = {b: rewrite(k, work, b) for b in boots}
     ko = build_module(k, work)
     files = {"bench": loop_bin, **({"bench_kprobe.ko": ko} if ko else {})}
@@ -342,9 +365,11 @@ def main():
         parsed, counts = {}, {}
         for b in boots:
             t = time.monotonic()
-            phases = [ph for ph in (PHASES if b == "p" else KRET_PHASES) if ko or not (ph[3] or "").endswith("module")]
+            phases = [ph for ph in {"p": PHASES, "r": KRET_PHASES, "e": EVENT_PHASES}[b]
+                      if ko or not (ph[3] or "").endswith("module")]
             r = run_boot(images[b], phases, n, reps, warmup, mode, files, work / f"rewritten-{b}-{mode}.console.txt")
             parsed[b], counts[b] = kp.parse(r), ours_hits(r)
+            parsed[b]["console"] = r.console
             times.append(f"{b} boot {time.monotonic() - t:.0f} s")
         rows, notes, pairs = analyse(parsed, calib, counts, n, reps, warmup)
         print(f"\n== QEMU mode: {mode} {' '.join(kp.MODES[mode])}; {', '.join(times)}; loops of N = {n} calls after "

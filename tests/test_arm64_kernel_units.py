@@ -57,16 +57,22 @@ def test_detour_and_dispatch_compile(tmp_path):
 
 
 def test_runtime_placed_at_boot_is_the_cached_runtime():
-    """The blob's part of the generic runtime (the debugfs views) is link/runtime.py's, built and
-    cached as every target's runtime is: the kernel recipe's "placed_at_boot" variant, its own
-    sources only (no .S, no asm-offsets), each function in a section of its own."""
+    """The blob's part of the generic runtime (the debugfs views, the trace events) is
+    link/runtime.py's, built and cached as every target's runtime is: the kernel recipe's
+    "placed_at_boot" variant, its own sources only (no .S, no asm-offsets), each function in a
+    section of its own, naming none of the data kallsyms lacks (event_mutex, global_trace,
+    tracing_disabled, cpu_number: the Image has no KALLSYMS_ALL)."""
     gcc = shutil.which("aarch64-linux-gnu-gcc")
     if gcc is None:
         pytest.skip("no aarch64-linux-gnu-gcc")
     from rewriter.link.runtime import compile_runtime
     from rewriter.targets.linux_kernel.aarch64 import runtime as rt
     objs = compile_runtime(gcc, arch="aarch64", platform="linux_kernel", variant=rt.RUNTIME_VARIANT)
-    assert [o.name for o in objs] == ["rt_platform_linux_kernel_kp_debugfs.c.o", "rt_kp_lib.c.o"]
+    assert [o.name for o in objs] == ["rt_platform_linux_kernel_kp_debugfs.c.o", "rt_kp_lib.c.o", "rt_kp_line.c.o",
+                                      "rt_kp_fetch.c.o", "rt_kp_trace.c.o",
+                                      "rt_platform_linux_kernel_kp_trace_buffer.c.o"]
+    undefined = subprocess.run(["aarch64-linux-gnu-nm", "-u", *map(str, objs)], capture_output=True, text=True).stdout
+    assert not {"event_mutex", "global_trace", "tracing_disabled", "cpu_number"} & set(undefined.split()), undefined
     assert objs[0].parent.name.startswith("runtime-aarch64-linux_kernel-placed_at_boot-")
     assert compile_runtime(gcc, arch="aarch64", platform="linux_kernel", variant=rt.RUNTIME_VARIANT) == objs
     sections = subprocess.run(["aarch64-linux-gnu-objdump", "-h", str(objs[0])], capture_output=True,

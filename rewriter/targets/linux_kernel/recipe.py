@@ -41,9 +41,12 @@ PIE = False         # linked where it runs (the image's symbols resolved at link
 
 # A kernel whose runtime is placed at boot, not linked into the image (an arch whose image
 # has no room for it: runtime.py of the arch's kernel folder links the blob): the debugfs
-# views alone, each function and object in a section of its own (the blob's link keeps what
-# its entries reach); kp_debugfs.c's disarm flag is the detours' (in the image), through a
-# pointer the blob's glue sets.
+# views and the trace events (kprobe_events into the ftrace ring buffer, registered when
+# the blob is placed: KP_PLACED_AT_BOOT, kp_trace_buffer.c), each function and object in a
+# section of its own (the blob's link keeps what its entries reach); kp_debugfs.c's disarm
+# flag is the detours' (in the image), through a pointer the blob's glue sets.
 VARIANTS = {"placed_at_boot": {
-    "flags": ["-ffunction-sections", "-fdata-sections", "-Dkp_kernel_disarmed=(*kp_kernel_disarmed_at)"],
-    "SOURCES": ["{platform}/kp_debugfs.c", "kp_lib.c"], "ASM_SOURCES": [], "ASM_OFFSETS": False}}
+    "flags": ["-ffunction-sections", "-fdata-sections", "-Dkp_kernel_disarmed=(*kp_kernel_disarmed_at)",
+              "-DKP_PLACED_AT_BOOT"],
+    "SOURCES": ["{platform}/kp_debugfs.c", "kp_lib.c", "kp_line.c", "kp_fetch.c", "kp_trace.c",
+                "{platform}/kp_trace_buffer.c"], "ASM_SOURCES": [], "ASM_OFFSETS": False}}

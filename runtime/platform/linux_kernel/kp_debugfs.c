@@ -249,11 +249,13 @@ int kp_kernel_debugfs(struct kprobe *p, struct pt_regs *regs)
 {
 	(void)p;
 	(void)regs;
+#ifndef KP_PLACED_AT_BOOT	/* placed at boot, its glue has registered them before (kp_rt_events()) */
 	/* the kernel's cmdline recording for our trace events (kp_trace_buffer.c): it
 	 * registers tracepoint probes, which may sleep */
 	kp_platform_dispatch_end();
 	kp_kernel_trace_late();
 	kp_platform_dispatch_begin();
+#endif
 	if (kp_kernel_fops[0] < 0 || (unsigned long)kp_kernel_fops[0] > sizeof(kp_fops_mem[0])) {
 		_printk(KP_KERN_INFO "kprewrite: no struct file_operations in the image's BTF: no debugfs files\n");
 		return 0;

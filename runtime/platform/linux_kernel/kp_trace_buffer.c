@@ -44,6 +44,15 @@
  * (rewriter/targets/linux_module/x86_64/writer.py: event_calls_c() lays the calls out
  * and the module loader registers them); what only an image does is left out there:
  * the boot-hook registration, the top instance's buffer before it, the names' recording.
+ *
+ * Built with KP_PLACED_AT_BOOT, the same code is the part of the runtime an arm64 Image
+ * places in module memory after the initcalls (rewriter/targets/linux_kernel/aarch64/
+ * runtime.py), whose kallsyms name no data (no KALLSYMS_ALL): no event_mutex (the calls are
+ * added under it from dyn_event_create(), which takes it), no global_trace and no
+ * tracing_disabled (the calls are registered, and their hits written, before any hit is
+ * passed to it: no top-instance buffer before them; __trace_puts() tests tracing_disabled
+ * itself), the output types' memory from vzalloc(), and no names recorded at the hits (the
+ * kernel's recording runs from the registration on, before the first hit).
  */
 #include "kp_trace.h"
 
@@ -79,6 +88,7 @@ void mutex_lock(void *lock);
 void mutex_unlock(void *lock);
 extern char event_mutex[];
 void *vmalloc(unsigned long size);
+void *vzalloc(unsigned long size);
 
 /* perf's side (kernel/trace/trace_event_perf.c, kernel/events/core.c): a record in the
  * CPU's perf trace buffer, handed to the perf events on the call's per-CPU list. */
@@ -167,6 +177,9 @@ static struct {
  * slot is ours. */
 static void kp_trace_save_cmdline(void)
 {
+#ifdef KP_PLACED_AT_BOOT
+	return;		/* the recording runs before the first hit (above) */
+#endif
 	if (__atomic_load_n(&kp_trace_cmdline_recording, __ATOMIC_RELAXED))
 		return;
 	char *task = kp_kernel_current();
@@ -383,7 +396,7 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 			     unsigned long ret_addr, const unsigned char *rec, unsigned long len)
 {
 	struct kp_trace_type *types = __atomic_load_n(&kp_trace_types, __ATOMIC_ACQUIRE);
-#ifndef KP_MODULE_EVENTS
+#if !defined(KP_MODULE_EVENTS) && !defined(KP_PLACED_AT_BOOT)
 	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED) || !types)
 		return 0;
 #else
@@ -406,7 +419,7 @@ int kp_platform_trace_record(const struct kp_trace_event *ev, struct pt_regs *re
 			kp_trace_perf(t, regs, ip, ret_addr, rec, len, size);
 		return 1;
 	}
-#ifdef KP_MODULE_EVENTS
+#if defined(KP_MODULE_EVENTS) || defined(KP_PLACED_AT_BOOT)
 	return 0;	/* no call: the line is written (trace_printk()) */
 #else
 	/* Before the trace_event_call is registered: the top instance's buffer. */
@@ -641,6 +654,32 @@ static void kp_trace_names(const struct kp_trace_event *ev, char *buf, unsigned 
 }
 
 #ifndef KP_MODULE_EVENTS	/* a module's calls are registered by the module loader */
+#ifdef KP_PLACED_AT_BOOT
+/* trace_add_event_call() under event_mutex, which kallsyms does not name: dyn_event_create()
+ * takes it and calls its operations' create() (a struct dyn_event_operations of ours, its
+ * create at kp_kernel_dyn_create: BTF), which adds the call.  Process context. */
+int dyn_event_create(const char *raw_command, void *type);
+extern const long kp_kernel_dyn_create;
+#define KP_DYN_OPS_MAX 128
+static void *kp_trace_adding;
+
+static int kp_trace_add_locked(const char *raw_command)
+{
+	(void)raw_command;
+	return trace_add_event_call(kp_trace_adding);
+}
+
+static int kp_trace_add_event_call(void *call)
+{
+	unsigned long ops[KP_DYN_OPS_MAX / 8] = { 0 };
+	if (kp_kernel_dyn_create < 0 || kp_kernel_dyn_create + 8 > KP_DYN_OPS_MAX)
+		return -KP_EOPNOTSUPP;
+	*(void **)((char *)ops + kp_kernel_dyn_create) = (void *)kp_trace_add_locked;
+	kp_trace_adding = call;
+	return dyn_event_create("", ops);
+}
+#endif
+
 /* trace_probe_register_event_call()'s second half, trace_add_event_call(), and the event
  * enabled in the top instance; process context, tracefs up.  0 when it did not take. */
 static int kp_trace_register(struct kp_trace_type *t)
@@ -659,9 +698,13 @@ static int kp_trace_register(struct kp_trace_type *t)
 	kp_trace_names(ev, text, cap, types);
 	t->types = types;
 	*(char **)(call + kp_kernel_trace[KP_TR_CALL_PRINT_FMT]) = text;
+#ifdef KP_PLACED_AT_BOOT
+	int ret = kp_trace_add_event_call(call);
+#else
 	mutex_lock(event_mutex);
 	int ret = trace_add_event_call(call);
 	mutex_unlock(event_mutex);
+#endif
 	if (ret) {
 		_printk(KP_KERN_ERR "kprewrite: trace event %s: trace_add_event_call() says %d: "
 			"no events/kprobes/%s/, written to the top instance only\n", ev->name, ret, ev->name);
@@ -699,7 +742,11 @@ void kp_kernel_trace_init(void)
 		       && kp_kernel_trace[KP_TR_CALL_PROG_ARRAY] + 8 <= KP_CALL_MAX;
 #endif
 	unsigned long size = kp_ntrace_events * sizeof(struct kp_trace_type);
+#ifdef KP_PLACED_AT_BOOT
+	struct kp_trace_type *types = vzalloc(size);	/* after the initcalls: no memblock */
+#else
 	struct kp_trace_type *types = memblock_alloc_try_nid(size, 64, 0, 0, -1);
+#endif
 	if (!types) {
 		_printk(KP_KERN_ERR "kprewrite: no memory for %u trace events' output types: "
 			"they are written as trace_printk() lines\n", kp_ntrace_events);
@@ -779,6 +826,10 @@ void kp_kernel_trace_late(void)
 
 int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long len)
 {
+#ifdef KP_PLACED_AT_BOOT
+	__trace_puts(ip, body, (int)len);	/* which tests tracing_disabled */
+	return 1;
+#else
 	if (__atomic_load_n(&tracing_disabled, __ATOMIC_RELAXED))
 		return 0;
 	/* 0 written also means dropped as the kernel drops trace_printk(): tracing_on
@@ -786,6 +837,7 @@ int kp_platform_trace_buffer(unsigned long ip, const char *body, unsigned long l
 	if (__trace_puts(ip, body, (int)len))
 		kp_trace_save_cmdline();
 	return 1;
+#endif
 }
 
 /* %pS / %ps: "sym+0xoff/0xsize" (or "0xADDR"), modules included. */

@@ -7,7 +7,8 @@ as arch/arm64 answers it in the kernel.
 - target.py: the kernel target's variant for arm64 (linux_kernel.for_arch()), whose answers
   to the back half's steps build.py gives: the handlers and the detours in the Image's own
   room, until the generic back half (the runtime, its boot hooks and tables) knows arm64;
-- runtime.py: the part of the generic runtime an arm64 Image has (the debugfs views), linked
+- runtime.py: the part of the generic runtime an arm64 Image has (the debugfs views, the trace
+  events), linked
   as one blob kept in the boot-only data and placed in module memory at boot.  The members below that
   only the generic back half asks (the per-CPU key, the boot container) answer what arm64
   has, or say it is not written yet.

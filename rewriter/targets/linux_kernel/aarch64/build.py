@@ -6,8 +6,9 @@ Where things go (facts of Debian's 6.1 arm64 Image):
 - code and read-only data: the zero padding inside [_stext, _etext) after the last of the text
   (``_etext`` is 64 KiB-aligned; ~54 KiB in Debian's build), mapped read-only and executable
   by map_kernel() and never freed, a `B` (+-128 MiB) from every function of the text;
-- the runtime's debugfs views, which do not fit the padding: one blob with its relocations in
-  the boot-only data (below), placed in module memory at boot (runtime.py);
+- the runtime's debugfs views and trace events, which do not fit the padding: one blob with its
+  relocations in the boot-only data (below), placed in module memory at boot (runtime.py); a
+  probe's event is called through a pointer the blob sets (events_c());
 - writable data (the handlers' .data and .bss, each probe's struct kprobe): the tail of the
   init data, in the unused (all-zero, R_AARCH64_NONE) entries of .rela.dyn before __init_end.
   __relocate_kernel reads them at boot as relocations and skips them (only
@@ -40,6 +41,7 @@ from ....errors import KprewriteError
 from ....link.toolchain import run
 from ....link.runtime import cflags, _includes
 from ....planner import FTRACE, BREAKPOINT, OPTIMIZED
+from ....probes.events import trace_key
 from ....probes.resolve import event_symbol, is_entry
 from . import runtime as rt
 from ...linux_kernel.symbols import link_symbols
@@ -323,7 +325,7 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
     find = "".join(f"""
 	for (n = 0; n < {n}; n++)
 		if (kp_rp_task_{k}[n] == t && ((struct kretprobe_instance *)kp_rp_pool_{k}[n])->fp == (void *)sp &&
-		    kp_rp_seq_{k}[n] > seq) {{
+		    kp_rp_seq_{k}[n] > seq && kp_rp_seq_{k}[n] < below) {{
 			seq = kp_rp_seq_{k}[n];
 			*owner = &kp_rp_task_{k}[n];
 			*which = {k};
@@ -337,30 +339,68 @@ static void kp_kret_entry_{k}(struct pt_regs *regs)
 		if (kp_rp_task_{k}[n] == t)
 			__atomic_store_n(&kp_rp_task_{k}[n], (void *)0, __ATOMIC_RELEASE);""" for k, n in each)
     out.append(f"""
-/* The current task's newest instance at sp (its owner slot in *owner), or NULL. */
-static struct kretprobe_instance *kp_kret_find(void *t, unsigned long sp, void ***owner, int *which)
+/* The current task's newest instance at sp older than `below` (its owner slot in *owner, its
+ * sequence number in *at), or NULL. */
+static inline __attribute__((always_inline)) struct kretprobe_instance *
+kp_kret_find(void *t, unsigned long sp, unsigned long below, void ***owner, int *which, unsigned long *at)
 {{
 	struct kretprobe_instance *ri = 0;
 	unsigned long seq = 0;
 	int n;
 {find}
+	*at = seq;
 	return ri;
 }}
 
-/* At the trampoline: each instance of this call, newest first, its handler with regs->pc the
- * real return address; returns that address. */
+/* Two or more instances of this call (a tail call into another return-probed function, two
+ * kretprobes on one function): the newer ones hold the trampoline as their return address.  The
+ * real one is the oldest's; each handler runs, newest first, with ri->ret_addr and regs->pc that
+ * address, as __kretprobe_trampoline_handler() sets correct_ret_addr in each.  (A handler's
+ * nested hits are missed: no instance is added meanwhile.) */
+static __attribute__((noinline)) unsigned long kp_kret_chain(struct pt_regs *regs, void *t,
+							   struct kretprobe_instance *ri, void **owner, int which,
+							   unsigned long below)
+{{
+	void **older_owner;
+	unsigned long ret;
+	int older_which, count = 1;
+	struct kretprobe_instance *older;
+
+	for (ret = (unsigned long)ri->ret_addr; ret == (unsigned long)kp_kret_trampoline; count++) {{
+		older = kp_kret_find(t, regs->sp, below, &older_owner, &older_which, &below);
+		if (!older)
+			panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
+		ret = (unsigned long)older->ret_addr;
+	}}
+	regs->pc = ret;
+	for (;;) {{
+		ri->ret_addr = (kprobe_opcode_t *)ret;
+		switch (which) {{{calls}
+		}}
+		__atomic_store_n(owner, (void *)0, __ATOMIC_RELEASE);
+		if (--count == 0)
+			break;
+		ri = kp_kret_find(t, regs->sp, ~0UL, &owner, &which, &below);
+	}}
+	return ret;
+}}
+
+/* At the trampoline: the newest instance of this call, its handler with regs->pc the real
+ * return address (kp_kret_chain() when it is another instance's trampoline); returns it. */
 __attribute__((used)) unsigned long kp_kret_trampoline_handler(struct pt_regs *regs)
 {{
 	void *t = kp_task(), **owner;
-	unsigned long ret = (unsigned long)kp_kret_trampoline;
+	unsigned long ret, seq;
 	int g = kp_enter(), which = -1;
 	struct kretprobe_instance *ri;
 
-	while (ret == (unsigned long)kp_kret_trampoline) {{
-		ri = kp_kret_find(t, regs->sp, &owner, &which);
-		if (!ri)
-			panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
-		ret = (unsigned long)ri->ret_addr;
+	ri = kp_kret_find(t, regs->sp, ~0UL, &owner, &which, &seq);
+	if (!ri)
+		panic("kprewrite: kretprobe trampoline at sp %lx: no instance of this task\\n", regs->sp);
+	ret = (unsigned long)ri->ret_addr;
+	if (ret == (unsigned long)kp_kret_trampoline) {{
+		ret = kp_kret_chain(regs, t, ri, owner, which, seq);
+	}} else {{
 		regs->pc = ret;
 		switch (which) {{{calls}
 		}}
@@ -732,6 +772,36 @@ __attribute__((used)) void kp_post_dispatch_{i}(struct pt_regs *regs)
     return "".join(out)
 
 
+def events_c(evs) -> str:
+    """The trace events' side in the Image (evs: ImageLayout.events): kp_rt_trace[], a pointer
+    per event in the data kept after boot, 0 until the runtime placed at boot has registered
+    the events and publishes its handler there (runtime.py: kp_rt_events()); and per event the
+    handler the dispatch calls in the user's place (kp_ev_<slot>): the event's handler through
+    the pointer, then the user's.  A hit before the runtime is placed writes no event (there is
+    no trace_event_call yet) and counts in kp_rt_trace_early, which the runtime reports in the
+    kernel log when it is placed; the kernel has no such count (its events cannot exist before
+    the initcalls)."""
+    out = [f"void *kp_rt_trace[{max(len(evs), 1)}];\nunsigned long kp_rt_trace_early;\n"]
+    for slot, _key, ret, user in evs:
+        args = "struct kretprobe_instance *ri, struct pt_regs *regs" if ret else "struct kprobe *p, struct pt_regs *regs"
+        call = "ri, regs" if ret else "p, regs"
+        if user:
+            out.append(f"int {user}({args});\n")
+        out.append(f"""
+__attribute__((used)) int kp_ev_{slot}({args})
+{{
+	int (*ev)({args}) = __atomic_load_n(&kp_rt_trace[{slot}], __ATOMIC_ACQUIRE);
+
+	if (ev)
+		ev({call});
+	else
+		__atomic_fetch_add(&kp_rt_trace_early, 1, __ATOMIC_RELAXED);
+	return {f"{user}({call})" if user else "0"};
+}}
+""")
+    return "".join(out)
+
+
 def _text_room(img) -> tuple[int, int]:
     """[start, end) of the zero padding at the end of [_stext, _etext), 256-byte aligned."""
     end = img.syms["_etext"]
@@ -802,6 +872,7 @@ class ImageLayout:
     krets: list                         # [(k, probe, handler, entry_handler)]
     ops: tuple | None
     site_flags: list
+    events: list = None                 # [(slot, trace key, is_return, the user's handler)]: events_c()
 
     def detour(self, site) -> int:
         """The address `list` shows for a site's detour: none here (meta.py; an Image is
@@ -854,11 +925,17 @@ def lay_out(s, code) -> ImageLayout:
         plan_sites = _with_hook_probe(s, plan_sites, EXIT_HOOK_FUNCTION, "kp_kret_flush_task", first=False)
     # The runtime placed at boot, and its debugfs files (runtime.py: kp_rt_load()).
     plan_sites = _with_hook_probe(s, plan_sites, rt.LOAD_HOOK_FUNCTION, "kp_rt_load", first=True)
-    krets = []
+    krets, evs = [], []
+
+    def traced(p, user):
+        """The handler the dispatch calls for p: its event's (events_c()) when it has one."""
+        key = trace_key(p)
+        if key not in s.traces:
+            return user
+        evs.append((len(evs), key, s.traces[key].is_return, user))
+        return f"kp_ev_{len(evs) - 1}"
     for k, (_site, p, _group) in enumerate(plan.kretprobes):
-        if p.kret.fetch is not None:
-            raise KprewriteError(f"{image.path}: {p.event_name}: trace events are not written on arm64 yet")
-        krets.append((k, p, s.handler_symbols[p.kret.handler] if p.kret.handler else None,
+        krets.append((k, p, traced(p, s.handler_symbols[p.kret.handler] if p.kret.handler else None),
                       s.handler_symbols[p.kret.entry_handler] if p.kret.entry_handler else None))
     site_flags = []                     # each site's KPROBE_FLAG_* as the debugfs list shows it
     for site in plan_sites:
@@ -882,10 +959,10 @@ def lay_out(s, code) -> ImageLayout:
             if getattr(p, "hook", None):
                 probes.append((p, p.hook, None))
                 continue
-            probes.append((p, s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None,
+            probes.append((p, traced(p, s.handler_symbols[p.spec.pre_handler] if p.spec.pre_handler else None),
                            s.handler_symbols[p.spec.post_handler] if p.spec.post_handler else None))
         sites.append((site, probes))
-    return ImageLayout(sites, krets, ops, site_flags)
+    return ImageLayout(sites, krets, ops, site_flags, evs)
 
 
 def tables(s, code, lay: ImageLayout) -> ImageTables:
@@ -897,7 +974,7 @@ def tables(s, code, lay: ImageLayout) -> ImageTables:
     brk = [(i, any(post for _, _, post in probes)) for i, (site, probes) in enumerate(sites) if site.decision == BREAKPOINT]
     index = ProbeIndex()
     dispatch = (dispatch_c(sites, [isinstance(site, _Moved) or site.decision == BREAKPOINT for site, _ in sites], krets,
-                           lay.ops, index, lay.site_flags) + (brk_c(brk) if brk else ""))
+                           lay.ops, index, lay.site_flags) + (brk_c(brk) if brk else "") + events_c(lay.events or []))
     return ImageTables(asm, dispatch, index)
 
 
@@ -919,7 +996,7 @@ def link(s, lay: ImageLayout, table: ImageTables, runtime: list, objs: list[Path
     img = image.container
     ld = cc[:-3] + "ld" if cc.endswith("gcc") else "ld"
     (workdir / "kp_detours.S").write_text(table.asm)
-    blob_objs, blob_syms, blob = _runtime_blob(s, img, workdir, cc, table.index, lay.krets)
+    blob_objs, blob_syms, blob = _runtime_blob(s, img, workdir, cc, table.index, lay.krets, lay.events)
     (workdir / "kp_dispatch.c").write_text(table.c + rt.loader_c(blob.layout(), img.text))
     detours = workdir / "kp_detours.S"
     detours.write_text(detours.read_text().replace(HOLES, rt.holes_asm(blob.layout())))
@@ -1076,10 +1153,34 @@ def write(image, arch, layout, rx: bytearray, patches, blob: ImageBlob, metadata
 
 
 # The detours' data the runtime's glue reads (runtime.glue_c()), by name.
-RUNTIME_DATA = ("kp_kprobes", "kp_kretprobes", "kp_hit_block", "kp_disarmed", "kp_rt_text")
+RUNTIME_DATA = ("kp_kprobes", "kp_kretprobes", "kp_hit_block", "kp_disarmed", "kp_rt_text", "kp_rt_trace",
+                "kp_rt_trace_early")
 
 
-def _runtime_blob(s, img, workdir, cc, index, krets):
+# What the events' runtime needs of the kernel's types: the task's cpu (THREAD_INFO_IN_TASK:
+# task_struct.thread_info.cpu; the blob names no cpu_number: kp_arch_platform.h) and where
+# dyn_event_operations has its create (kp_trace_buffer.c: trace_add_event_call() under
+# dyn_event_create()'s event_mutex).
+EVENTS_LAYOUT = (("task_struct", "thread_info"), ("thread_info", "cpu"), ("dyn_event_operations", "create"))
+
+
+def _events(s, evs):
+    """runtime.Events for the blob: the events' C (events.trace_c(), no user handler: the
+    dispatch calls the user's after the event's, events_c()) and the kernel's facts (BTF)."""
+    from ....probes.events import trace_c
+    from ..btf import layout
+    from ..generated_c import _types
+    kt = _types(s.image)
+    if kt is None or not kt.trace or kt.comm is None or kt.pid is None:
+        raise KprewriteError(f"{s.image.path}: trace events need the kernel's types (task_struct, the tracing "
+                             "structures) from the image's BTF, which lacks them")
+    info, cpu, create = layout(s.image, EVENTS_LAYOUT, "trace events")
+    keys = {key for _slot, key, _ret, _user in evs}
+    return rt.Events(trace_c({k: v for k, v in s.traces.items() if k in keys}, {}, []),
+                     [(slot, key, ret) for slot, key, ret, _user in evs], (kt.comm, kt.pid, info + cpu), kt.trace, create)
+
+
+def _runtime_blob(s, img, workdir, cc, index, krets, evs=()):
     """The runtime's objects (runtime.compile_blob()), the symbols they need ({name: (address,
     is a function)}: kernel symbols from kallsyms, the detours' data a placeholder until the
     Image's link), and its first link: its size and layout, for the loader's C."""
@@ -1091,7 +1192,8 @@ def _runtime_blob(s, img, workdir, cc, index, krets):
     except KprewriteError:
         fops = [-1] * 4             # no BTF: no debugfs files (kp_kernel_debugfs() says so)
     kret_rows = [(p.addr, p.symbol, p.offset, p.event_name, KPROBE_FLAG_FTRACE) for _k, p, _h, _e in krets]
-    objs = rt.compile_blob(cc, s.arch, workdir, rt.glue_c(index.rows, kret_rows, fops, img.text))
+    events = _events(s, evs) if evs else None
+    objs = rt.compile_blob(cc, s.arch, workdir, rt.glue_c(index.rows, kret_rows, fops, img.text, events), events)
     ksyms = link_symbols(image)
     types = {k.name: k.type for k in image.kernel_symbols}
     syms = {}

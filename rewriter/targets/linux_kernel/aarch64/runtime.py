@@ -1,5 +1,7 @@
 """The runtime of an arm64 Image, placed at boot: the generic runtime's C that an arm64 Image
-has (the debugfs views, runtime/platform/linux_kernel/kp_debugfs.c, on kp_lib.c), which does
+has (the debugfs views, runtime/platform/linux_kernel/kp_debugfs.c, on kp_lib.c; the trace
+events, kp_trace.c, kp_fetch.c, kp_line.c and kp_trace_buffer.c, built KP_PLACED_AT_BOOT, with
+the events' fetch programs and handlers: Events), which does
 not fit the text padding build.py places the detours in, linked here as one blob (at
 LINK_BELOW under the Image's _text: an adrp reaches the Image from there, as from the module
 region) and kept, with its relocations, in the boot-only data (.kp_initdata: freed with the init
@@ -8,7 +10,8 @@ console_on_rootfs()'s entry: process context, after the initcalls, before free_i
 allocates module memory (module_alloc(): RW and NX; with RANDOMIZE_MODULE_REGION_FULL it may be
 beyond a `B`'s reach of the Image), copies the blob, zeroes its bss, applies its relocations,
 makes its code pages read-only then executable (set_memory_ro(), set_memory_x(): never W+X),
-cleans the caches to the point of unification (caches_clean_inval_pou()), runs its init, then
+cleans the caches to the point of unification (caches_clean_inval_pou()), runs its init (which
+registers the trace events and publishes their handlers: events_glue_c()), then
 its debugfs entry (kp_kernel_debugfs(), as x86-64's boot hook on the same function calls it),
 and publishes where it is in the kept data (kp_rt_placed; 0: not placed, or not placeable).
 
@@ -71,7 +74,74 @@ class Blob:
                 len(self.rel_image), len(self.adrp), tuple(sorted(self.entries.items())), self.base)
 
 
-def glue_c(probes, kretprobes, fops, text_link: int) -> str:
+@dataclass
+class Events:
+    """The trace events the blob writes (runtime/kp_trace.c, kp_trace_buffer.c built
+    KP_PLACED_AT_BOOT): their C (events.trace_c(): the fetch programs and kp_trace_pre_<key> /
+    kp_trace_ret_<key>, compiled as kp_rt_events.c), each event's slot of the Image's
+    kp_rt_trace[] ((slot, key, is_return): build.py's dispatch calls the handler through it),
+    and the kernel's facts from BTF: struct task_struct's comm, pid and cpu, the tracing
+    structures (btf.py's trace layout, as x86-64's kp_kernel_trace[]) and where struct
+    dyn_event_operations has its create (dyn_event_create(): kp_trace_buffer.c)."""
+    c: str
+    slots: list
+    task: tuple                 # (comm, pid, cpu) offsets, -1 unknown
+    trace: list
+    dyn_create: int
+
+
+def events_glue_c(ev: "Events | None") -> str:
+    """The glue's part for the events: the kernel's facts, `current` (sp_el0), the line
+    written whole (kp_trace.c's fallback: printk, as platform.c's), and kp_rt_events(), which
+    kp_rt_init() calls: the output types and the trace_event_calls registered
+    (kp_kernel_trace_init(), kp_kernel_trace_late(): process context, after the initcalls,
+    tracefs up), then each event's handler published in the Image's kp_rt_trace[] (0 until
+    then: a hit before it writes no event and counts in kp_rt_trace_early)."""
+    if ev is None:
+        return "static void kp_rt_events(void)\n{\n}\n"
+    decl = "".join(f"int kp_trace_{'ret' if ret else 'pre'}_{key}(void *, struct pt_regs *);\n"
+                   for _slot, key, ret in ev.slots)
+    publish = "".join(f"\t__atomic_store_n(&kp_rt_trace[{slot}], (void *)kp_trace_{'ret' if ret else 'pre'}_{key}, "
+                      "__ATOMIC_RELEASE);\n" for slot, key, ret in ev.slots)
+    comm, pid, cpu = ev.task
+    return f"""
+const long kp_kernel_task_comm = {comm}, kp_kernel_task_pid = {pid}, kp_kernel_task_cpu = {cpu};
+const long kp_kernel_trace[{len(ev.trace)}] = {{ {", ".join(map(str, ev.trace))} }};
+const long kp_kernel_dyn_create = {ev.dyn_create};
+char *kp_kernel_current(void)
+{{
+	char *t;
+
+	asm("mrs %0, sp_el0" : "=r"(t));
+	return t;
+}}
+
+void kp_platform_write(int fd, const char *buf, unsigned long len)
+{{
+	(void)fd;
+	_printk("\\0016%.*s", (int)len, buf);
+}}
+
+void kp_kernel_trace_init(void);
+void kp_kernel_trace_late(void);
+{decl}/* The Image's (build.py's dispatch): each event's handler here, 0 until published. */
+extern void *kp_rt_trace[];
+extern unsigned long kp_rt_trace_early;
+
+static void kp_rt_events(void)
+{{
+	unsigned long early;
+
+	kp_kernel_trace_init();
+	kp_kernel_trace_late();
+{publish}	early = __atomic_load_n(&kp_rt_trace_early, __ATOMIC_RELAXED);
+	if (early)
+		_printk("\\0016kprewrite: %lu trace event hits before the runtime was placed: not written\\n", early);
+}}
+"""
+
+
+def glue_c(probes, kretprobes, fops, text_link: int, events: "Events | None" = None) -> str:
     """What kp_debugfs.c reads, from the detours' own structures (build.py's dispatch_c():
     kp_kprobes[], kp_kretprobes[], the hit counters kp_hit_block, the disarm flag): the probe
     table built at boot (KP_PLATFORM_TABLES_AT_BOOT: kp_probes points at the detours'
@@ -112,10 +182,7 @@ const long kp_kernel_fops[4] = {{ {", ".join(str(v) for v in fops)} }};
 /* kp_debugfs.c's kp_kernel_disarmed is the detours' kp_disarmed, through the pointer
  * kp_kernel_disarmed_at, which kp_debugfs.c defines (compile_blob()'s -D). */
 
-void kp_kernel_trace_late(void)
-{{
-}}
-
+{events_glue_c(events)}
 _Static_assert(__builtin_offsetof(struct kp_thread, hits) == 32, "kp_hit_block: struct kp_thread");
 
 static void kp_rt_fill(struct kprobe *p, const struct kp_rt_probe *r, unsigned int index, unsigned long kaslr)
@@ -136,12 +203,14 @@ __attribute__((used)) void kp_rt_init(void)
 	unsigned int i;
 
 	kp_kernel_disarmed_at = &kp_disarmed;
+	kp_rt.bias = kaslr;	/* run - link: @SYM and @ADDR in fetch args (KP_FETCH_IMM_LINK) */
 	for (i = 0; i < {n}; i++)
 		kp_rt_fill(&kp_kprobes[i], &kp_rt_probes[i], i, kaslr);
 	for (i = 0; i < {k}; i++)
 		kp_rt_fill(&kp_kretprobes[i].kp, &kp_rt_probes[{n} + i], {n} + i, kaslr);
 	kp_rt.threads = &kp_hit_block;
 	kp_probes = kp_kprobes;
+	kp_rt_events();
 }}
 """
 
@@ -152,15 +221,17 @@ def _c_string(s: str) -> str:
 
 def veneers_asm(functions: list[str]) -> str:
     """A veneer per kernel function the blob calls or takes the address of, under its name:
-    a `bl` in the blob stays in the blob, and the word it loads is relocated with the Image."""
-    out = ['\t.section .text.kp_veneers,"ax"\n']
+    a `bl` in the blob stays in the blob, and the word it loads is relocated with the Image.  Each
+    in a section of its own: the link keeps those the code it keeps calls (--gc-sections)."""
+    out = []
     for f in functions:
-        out.append(f"\t.p2align 3\n\t.globl {f}\n\t.hidden {f}\n\t.type {f}, %function\n{f}:\n"
+        out.append(f"\t.section .text.kp_veneer.{f},\"ax\"\n"
+                   f"\t.p2align 3\n\t.globl {f}\n\t.hidden {f}\n\t.type {f}, %function\n{f}:\n"
                    f"\tldr x16, 1f\n\tbr x16\n1:\t.xword kp_k_{f}\n")
     return "".join(out)
 
 
-def compile_blob(cc: str, arch, workdir: Path, glue: str) -> list[Path]:
+def compile_blob(cc: str, arch, workdir: Path, glue: str, events: "Events | None" = None) -> list[Path]:
     """The blob's objects: the glue, then the runtime's part placed at boot, built and cached by
     link/runtime.py (the kernel recipe's "placed_at_boot" variant: kp_debugfs.c and kp_lib.c,
     each function and object in a section of its own, the link keeping what the entries reach)."""
@@ -172,7 +243,12 @@ def compile_blob(cc: str, arch, workdir: Path, glue: str) -> list[Path]:
     flags = [*cflags(arch, "linux_kernel"), *_includes(arch, "linux_kernel"),
              *variant_flags("linux_kernel", RUNTIME_VARIANT)]
     run([cc, *flags, "-c", str(d / "kp_rt_glue.c"), "-o", str(d / "kp_rt_glue.o")], "runtime kp_rt_glue.c")
-    return [d / "kp_rt_glue.o", *compile_runtime(cc, arch=arch, platform="linux_kernel", variant=RUNTIME_VARIANT)]
+    objs = [d / "kp_rt_glue.o"]
+    if events is not None:
+        (d / "kp_rt_events.c").write_text(events.c)
+        run([cc, *flags, "-c", str(d / "kp_rt_events.c"), "-o", str(d / "kp_rt_events.o")], "runtime kp_rt_events.c")
+        objs.append(d / "kp_rt_events.o")
+    return [*objs, *compile_runtime(cc, arch=arch, platform="linux_kernel", variant=RUNTIME_VARIANT)]
 
 
 def undefined(cc: str, objs: list[Path]) -> list[str]:

@@ -6,7 +6,7 @@ per-CPU data, KASLR table) knows arm64.
 What differs from the x86-64 kernel target:
 - no boot or shutdown hooks of the generic back half (build.py adds its own: the break hooks,
   the ftrace_ops, the command line, and the loader of the runtime's part an arm64 Image has,
-  the debugfs views, placed in module memory at boot: runtime.py);
+  the debugfs views and the trace events, placed in module memory at boot: runtime.py);
 - the back half's steps (build.py says where and why): lay_out(), the sites as the detours take
   them, the hook probes of ours added (nothing has an address before the link); tables(),
   kp_detours.S and kp_dispatch.c; runtime_variant() False, no runtime of link/runtime.py's
@@ -71,10 +71,10 @@ def rules(image, arch):
 def refusals(image, plan, traces, spec_name: str) -> list[str]:
     """targets.base.Target.refusals(): what build.py does not write on arm64 yet, one line per
     probe, asked by `check` and `instrument` alike (so they agree): a region shared between sites,
-    a post_handler after a branch, a trace event
-    (an `events` line, a `fetch`: the ring buffer's half of the runtime is not placed at boot
-    yet, runtime.py), and a probe compiled in disabled (`disabled = true`: nothing arms it
-    later, as enable_kprobe() would)."""
+    a post_handler after a branch, a trace event on a glob's probes (an `events` line or a `fetch`
+    on probes reached through the ftrace_ops: their one struct kprobe has no event per function),
+    and a probe compiled in disabled (`disabled = true`: nothing arms it later, as
+    enable_kprobe() would)."""
     from ....arch.aarch64 import insn as I
     from ....planner import BREAKPOINT, FTRACE, OPTIMIZED
     from ....probes.resolve import is_entry
@@ -94,6 +94,7 @@ def refusals(image, plan, traces, spec_name: str) -> list[str]:
                 lines.append(f"{head}: a region shared between sites is not written on arm64 kernels yet")
             if p.spec.post_handler and any(insn.info.kind in I.BRANCHES for insn in dcr):
                 lines.append(f"{head}: a post_handler after a branch is not written on arm64 kernels yet")
+    globs = {id(p) for site in plan.sites if getattr(site, "ftrace_ops", False) for p in site.probes}
     probes = [p for site in plan.sites for p in site.probes if not is_entry(p)]
     probes += [p for _s, p, _g in plan.kretprobes]
     for p in probes:
@@ -102,8 +103,11 @@ def refusals(image, plan, traces, spec_name: str) -> list[str]:
         seen.add(id(p))
         what = getattr(p, "kret", None) or p.spec
         head = f"{where(spec_name, what.table)} ({p.label})"
-        if what.fetch is not None:
-            lines.append(f"{head}: trace events are not written on arm64 kernels yet")
+        if what.fetch is not None and id(p) in globs:
+            if ("glob", what.table) not in seen:        # one line for the glob, not one per function
+                seen.add(("glob", what.table))
+                lines.append(f"{where(spec_name, what.table)} ({what.symbol_name}): a trace event on a glob's "
+                             "probes (through the ftrace_ops) is not written on arm64 kernels yet")
         if what.disabled:
             lines.append(f"{head}: a probe compiled in disabled is not written on arm64 kernels yet "
                          "(nothing would arm it)")

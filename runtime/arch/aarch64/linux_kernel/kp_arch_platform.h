@@ -19,8 +19,6 @@
 /* --- the CPU: MPIDR's affinity is not the kernel's CPU number; the per-CPU offset
  * is in TPIDR_EL1 (this_cpu_off), cpu_number a per-CPU variable --- */
 
-extern int cpu_number;
-
 KP_ARCH_INLINE unsigned long kp_arch_this_cpu_off(void)
 {
 	unsigned long off;
@@ -28,10 +26,25 @@ KP_ARCH_INLINE unsigned long kp_arch_this_cpu_off(void)
 	return off;
 }
 
+#ifdef KP_PLACED_AT_BOOT
+/* kallsyms names no cpu_number (no KALLSYMS_ALL): the current task's cpu (arm64's
+ * thread_info.cpu, THREAD_INFO_IN_TASK: inside task_struct, at the offset BTF gives:
+ * runtime.py's glue), the running CPU's while the task runs with interrupts off. */
+extern const long kp_kernel_task_cpu;
+char *kp_kernel_current(void);
+
+KP_ARCH_INLINE unsigned int kp_arch_smp_processor_id(void)
+{
+	return kp_kernel_task_cpu < 0 ? 0 : *(unsigned int *)(kp_kernel_current() + kp_kernel_task_cpu);
+}
+#else
+extern int cpu_number;
+
 KP_ARCH_INLINE unsigned int kp_arch_smp_processor_id(void)
 {
 	return *(int *)((char *)&cpu_number + kp_arch_this_cpu_off());
 }
+#endif
 
 KP_ARCH_INLINE unsigned long kp_arch_cpu_index(void)
 {
