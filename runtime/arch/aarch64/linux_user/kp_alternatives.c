@@ -78,23 +78,26 @@ static int kp_alt_words(const unsigned int *at, unsigned int out[2])
 	return 1;
 }
 
-/* Each pair whose words lie in [page, page + size): patched in a copy moved over it. */
-static int kp_alt_page(unsigned long page, unsigned long size, unsigned long bias, const unsigned int (*words)[2])
+/* Pairs [i, j), on the page at `page`: patched in a copy moved over it.  A pair across
+ * the page's end (none: a light detour starts a 64-byte line) is left as it is. */
+static int kp_alt_page(unsigned long page, unsigned long size, unsigned long bias,
+		       const unsigned int (*words)[2], unsigned int i, unsigned int j)
 {
 	char *tmp = (char *)kp_syscall6(__NR_mmap, 0, size, 3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
 	if ((unsigned long)tmp >= -4096UL)
 		return 0;
 	memcpy(tmp, (const void *)page, size);
-	for (unsigned int i = 0; i < kp_nlight_alt; i++)
-		for (int k = 0; k < 2; k++) {
-			unsigned long w = kp_light_alt[i] + bias + 4 * k;
-			if (w - page < size) {
-				unsigned int *p = (unsigned int *)(tmp + (w - page));
-				*p = words[i][k];
-				/* To the point of unification, the old instruction dropped. */
-				__asm__ volatile("dc cvau, %0\n\tdsb ish\n\tic ivau, %0\n\tdsb ish" :: "r"(p) : "memory");
-			}
-		}
+	for (; i < j; i++) {
+		unsigned long off = kp_light_alt[i] + bias - page;
+		if (off > size - 8)
+			continue;
+		unsigned int *p = (unsigned int *)(tmp + off);
+		p[0] = words[i][0];
+		p[1] = words[i][1];
+		/* To the point of unification, the old instructions dropped (both words lie in
+		 * one 64-byte line). */
+		__asm__ volatile("dc cvau, %0\n\tdsb ish\n\tic ivau, %0\n\tdsb ish" :: "r"(p) : "memory");
+	}
 	if (kp_syscall3(__NR_mprotect, tmp, size, 5 /* R|X */) < 0 ||
 	    kp_syscall6(__NR_mremap, (long)tmp, size, size, 3 /* MAYMOVE|FIXED */, page, 0) != (long)page) {
 		kp_syscall3(__NR_munmap, tmp, size, 0);
@@ -119,22 +122,15 @@ void kp_arch_text_alternatives(unsigned long bias)
 	unsigned int (*words)[2] = kp_platform_alloc(n * sizeof(*words));
 	if (!words)
 		return;
-	unsigned long lo = -1UL, hi = 0;
-	for (unsigned int i = 0; i < n; i++) {
-		unsigned long at = kp_light_alt[i] + bias;
-		if (!kp_alt_words((const unsigned int *)at, words[i]))
+	for (unsigned int i = 0; i < n; i++)
+		if (!kp_alt_words((const unsigned int *)(kp_light_alt[i] + bias), words[i]))
 			goto out;
-		lo = at < lo ? at : lo;
-		hi = at + 8 > hi ? at + 8 : hi;
-	}
-	for (unsigned long page = lo & -pagesz; page < hi; page += pagesz) {
-		int here = 0;
-		for (unsigned int i = 0; i < n && !here; i++) {
-			unsigned long at = kp_light_alt[i] + bias;
-			here = at + 8 > page && at < page + pagesz;
-		}
-		if (here)
-			kp_alt_page(page, pagesz, bias, (const unsigned int (*)[2])words);
+	/* The table is sorted (emit/tables.py): one copy a page. */
+	for (unsigned int i = 0, j; i < n; i = j) {
+		unsigned long page = (kp_light_alt[i] + bias) & -pagesz;
+		for (j = i + 1; j < n && ((kp_light_alt[j] + bias) & -pagesz) == page; j++)
+			;
+		kp_alt_page(page, pagesz, bias, (const unsigned int (*)[2])words, i, j);
 	}
 out:
 	kp_syscall3(__NR_munmap, words, (n * sizeof(*words) + 4095) & -4096UL, 0);
