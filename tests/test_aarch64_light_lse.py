@@ -8,7 +8,8 @@ hitting an entry probe, a mid-function probe (x0-x2 saved) and a kretprobe at on
 hits counted exactly, with the runtime's data near the detours and beyond 1 MiB (the far
 stubs); the executed instructions a hit are 8 with LSE and 13 without
 (benchmarks/insn_count.py's count), so a patch that is not applied, or applied where it
-must not be, fails; the output is the same bytes rewritten twice."""
+must not be, fails; the output is the same bytes rewritten twice; and the running
+program, patched, maps no page writable and executable."""
 from __future__ import annotations
 
 import pytest
@@ -130,3 +131,34 @@ def test_light_instructions_a_hit(tmp_path, cpu, want):
         # where the stack lies (the program's name): a few dozen instructions in all.
         per_hit = ((r2 - r1) - (o2 - o1)) / 1000
         assert abs(per_hit - want) < 0.05, (kind, cpu, per_hit)
+
+
+MAPS = r"""
+#include <stdio.h>
+#include <string.h>
+__attribute__((noinline)) long plain(long x) { __asm__ volatile("" : "+r"(x)); return x * 3; }
+int main(void)
+{
+	long s = 0;
+	for (long i = 0; i < 100; i++)
+		s += plain(i);
+	char line[512];
+	FILE *f = fopen("/proc/self/maps", "r");
+	while (f && fgets(line, sizeof(line), f))
+		if (strstr(line, " rwx") || strstr(line, " -wx"))
+			printf("wx: %s", line);
+	printf("%ld\n", s);
+	return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_patched_program_maps_no_wx_page(tmp_path, cpu):
+    """The pages the runtime rewrote (a copy moved over each with mremap) are read-only
+    and executable, as every other page of code: none is writable and executable."""
+    prog = cc(tmp_path, "maps", MAPS, "-O2")
+    new = instrument(prog, write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "plain"\n'), tmp_path / "maps.kp")
+    r = run(new, runner="qemu", env={"QEMU_CPU": cpu, "KPREWRITE_PROFILE": "-"})
+    assert (r.returncode, r.stdout) == (0, "14850\n"), (r.stdout, r.stderr)
+    assert profile(r.stderr) == {"p_plain_0": (100, 0)}, r.stderr
