@@ -9,7 +9,8 @@ hits counted exactly, with the runtime's data near the detours and beyond 1 MiB 
 stubs); the executed instructions a hit are 8 with LSE and 13 without
 (benchmarks/insn_count.py's count), so a patch that is not applied, or applied where it
 must not be, fails; the output is the same bytes rewritten twice; and the running
-program, patched, maps no page writable and executable."""
+program, patched, maps no page writable and executable, and a BTI-guarded image's
+rewritten pages stay guarded."""
 from __future__ import annotations
 
 import pytest
@@ -162,3 +163,43 @@ def test_patched_program_maps_no_wx_page(tmp_path, cpu):
     r = run(new, runner="qemu", env={"QEMU_CPU": cpu, "KPREWRITE_PROFILE": "-"})
     assert (r.returncode, r.stdout) == (0, "14850\n"), (r.stdout, r.stderr)
     assert profile(r.stderr) == {"p_plain_0": (100, 0)}, r.stderr
+
+
+# Freestanding (Debian's crt files carry no BTI note): `leaf` is light-probed; then the
+# program branches through a register to its detour's first word, no landing pad, which
+# a BTI-guarded page refuses with SIGILL.
+BTI_PROGRAM = r"""
+static long sys3(long n, long a, long b, long c) {
+    register long x8 __asm__("x8") = n, x0 __asm__("x0") = a, x1 __asm__("x1") = b, x2 __asm__("x2") = c;
+    __asm__ volatile("svc #0" : "+r"(x0) : "r"(x8), "r"(x1), "r"(x2) : "memory");
+    return x0;
+}
+__attribute__((noinline)) long leaf(long a) { __asm__ volatile("" : "+r"(a)); return a * 3; }
+void _start(void) {
+    long t = 0;
+    for (int i = 0; i < 10; i++) t += leaf(i);
+    const unsigned int *w = (const unsigned int *)leaf;
+    if (*w == 0xd503245f)       /* bti c: the probe is on the next word */
+        w++;
+    if ((*w & 0xfc000000u) != 0x14000000u)
+        sys3(93, 3, 0, 0);      /* not a B: not jump-optimized */
+    long target = (long)w + ((long)((int)(*w << 6)) >> 4);
+    long (*detour)(long) = (long (*)(long))target;
+    t += detour(1);
+    sys3(64, 1, (long)"unguarded\n", 10);
+    sys3(93, t == 135 + 3 ? 0 : 4, 0, 0);
+}
+"""
+
+
+def test_patched_pages_stay_bti_guarded(tmp_path):
+    """Under `max` (LSE and BTI) the pages rewritten at start-up are guarded as the
+    loader guarded them (PROT_BTI on the copy): the branch to a detour's first word,
+    no landing pad, raises SIGILL; under `cortex-a72` (no BTI) it runs."""
+    prog = cc(tmp_path, "bti", BTI_PROGRAM, "-O2", "-static", "-nostdlib", "-mbranch-protection=bti",
+              "-Wl,-z,force-bti")
+    new = instrument(prog, write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "leaf"\n'), tmp_path / "bti.kp")
+    r = run(new, runner="qemu", env={"QEMU_CPU": "cortex-a72"})
+    assert (r.returncode, r.stdout) == (0, "unguarded\n"), r.stderr
+    r = run(new, runner="qemu", env={"QEMU_CPU": "max"})
+    assert r.returncode == -4 and "unguarded" not in r.stdout, (r.returncode, r.stdout, r.stderr)

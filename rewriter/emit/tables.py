@@ -56,14 +56,13 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     else:
         out.append("unsigned long kp_light_hits[1];\nunsigned long *kp_light_base;")
         out.append("const unsigned int kp_nlight_hits = 0;")
-    # Where the runtime rewrites each light detour at start-up for this CPU (the arch's
-    # alternatives: AArch64's LSE increment, emit.light_patch_at()); an arch without
-    # light_patch_at (x86-64) patches nothing and gets no table.
-    patch_at = getattr(c.arch.emit, "light_patch_at", None)
-    alts = sorted(patch_at(lay.site(s).detour, s.red_zone) for s in plan.sites if s.light) if patch_at else []
-    if alts:
-        out.append(f"const unsigned long kp_light_alt[{len(alts)}] = {{ {', '.join(A(x) for x in alts)} }};")
-        out.append(f"const unsigned int kp_nlight_alt = {len(alts)};")
+    # Where the runtime rewrites light detours at start-up for the CPU it runs on (the
+    # arch's alternatives: AArch64's LSE increment, emit.light_alternatives_c()); an arch
+    # without them (x86-64) gets no table.
+    alternatives = getattr(c.arch.emit, "light_alternatives_c", None)
+    light = [(lay.site(s).detour, s.red_zone) for s in plan.sites if s.light]
+    if alternatives and light:
+        out.append(alternatives(c.image, light, A))
     data = ""
     if getattr(target, "TABLES_AT_BOOT", False):
         out += _records_c(c, lay, target, traces)

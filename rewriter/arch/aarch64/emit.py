@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..base import DcrInsn
+from . import bti
 from . import encode as E
 from . import insn as I
 from . import offsets as O
@@ -736,6 +737,17 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     out[pair:pair + 8] = _e(E.cbz, at + pair, v, 0, 1, at + tail) + _e(E.b, at + pair + 4, at + slow)
     near.stubs(out, at)
     return bytes(out), resume
+
+
+def light_alternatives_c(image, detours: list[tuple[int, bool]], A) -> str:
+    """The runtime's table of the light detours to rewrite where the CPU has LSE atomics
+    (kp_alternatives.c): each one's two words (light_patch_at() of each (detour,
+    red_zone)), sorted, as C (A: an address as C); and whether the image's code pages
+    are BTI-guarded, so that the pages rewritten stay so."""
+    alts = sorted(light_patch_at(at, red_zone) for at, red_zone in detours)
+    return (f"const unsigned long kp_light_alt[{len(alts)}] = {{ {', '.join(A(x) for x in alts)} }};\n"
+            f"const unsigned int kp_nlight_alt = {len(alts)};\n"
+            f"const unsigned int kp_light_alt_bti = {int(bti.guarded(image))};")
 
 
 def light_patch_at(at: int, red_zone: bool) -> int:
