@@ -39,7 +39,7 @@ __attribute__((weak)) const unsigned int kp_light_alt_bti;
 
 /* AT_HWCAP, AT_HWCAP2 and AT_PAGESZ from /proc/self/auxv (an executable's initial stack is not
  * at hand in kp_relocate(), nor a shared object's; prctl(PR_GET_AUXV) is not asked:
- * qemu-user passes it to the host kernel).  0 when unreadable. */
+ * Linux has it from 6.4 only, and QEMU 7.2's user mode refuses it).  0 when unreadable. */
 static unsigned long kp_alt_auxv(unsigned long *hwcap2, unsigned long *pagesz)
 {
 	unsigned long auxv[128], hwcap = 0;
