@@ -6,7 +6,8 @@ A move of code (a module into a package, C text into runtime/ files) must leave 
 output the same bytes; this checks it on user programs (the samples, the host's and, with
 their cross compilers, every other back end's: AArch64), a system library with a probe on
 every function and kretprobes, busybox with breakpoint probes, and, when the kernel tests'
-cache has Debian's kernel (tests/kernel/kernel_env.py), a kernel module and the vmlinux.
+cache has Debian's kernels (tests/kernel/kernel_env.py, arm64_env.py), a kernel module, the
+vmlinux and the arm64 Image.
 Each revision is checked out with `git worktree` into a temporary folder and run as
 `python3 -m rewriter` from it.
 Prints one line per output, SAME or DIFFERS, and exits 1 if any differs or fails.
@@ -43,6 +44,11 @@ symbol_name = "__x64_sys_getppid"
 [[kretprobe]]
 symbol_name = "__x64_sys_getuid"
 """
+ARM64_SPEC = """[[kprobe]]
+symbol_name = "__arm64_sys_getppid"
+[[kretprobe]]
+symbol_name = "__arm64_sys_getuid"
+"""
 
 
 def inputs(work: Path) -> list[tuple[str, list[str], Path]]:
@@ -72,15 +78,22 @@ def inputs(work: Path) -> list[tuple[str, list[str], Path]]:
         cases.append(("sqlite3_kretprobes", [str(lib), "--spec", str(work / "ret.toml")], work))
     if Path("/bin/busybox").exists():
         cases.append(("busybox_breakpoints", ["/bin/busybox", "--spec", str(work / "all.toml"), "--no-optimize"], work))
-    for k in sorted(KERNEL_CACHE.glob("linux-image-*-amd64-*")):
-        (work / "module.toml").write_text(MODULE_SPEC)
-        (work / "kernel.toml").write_text(KERNEL_SPEC)
+    # The newest cached kernel that has the files (an older folder may have been kept without them).
+    (work / "module.toml").write_text(MODULE_SPEC)
+    (work / "kernel.toml").write_text(KERNEL_SPEC)
+    (work / "arm64.toml").write_text(ARM64_SPEC)
+    for k in sorted(KERNEL_CACHE.glob("linux-image-*-amd64-*"), reverse=True):
+        found = len(cases)
         ko = k / "modules/kernel/fs/romfs/romfs.ko"
         if ko.exists() and (k / "Module.symvers").exists():
             cases.append(("romfs.ko", [str(ko), "--spec", str(work / "module.toml"), "--system-map",
                                        str(k / "Module.symvers")], work))
         if (k / "vmlinux").exists():
             cases.append(("vmlinux", [str(k / "vmlinux"), "--spec", str(work / "kernel.toml")], work))
+        if len(cases) > found:
+            break
+    for image in sorted(KERNEL_CACHE.glob("arm64/linux-image-*/vmlinuz-*"), reverse=True):
+        cases.append(("arm64_Image", [str(image), "--spec", str(work / "arm64.toml")], work))
         break
     return cases
 

@@ -443,6 +443,37 @@ def test_deterministic(tmp_path, prog):
     assert a.read_bytes() == b.read_bytes()
 
 
+GLOB_AND_NAMED = regs("""
+[[kprobe]]
+symbol_name = "work"
+fetch = "x=%di:s64"
+[[kprobe]]
+symbol_name = "w[o]rk"
+NAME_LINE
+fetch = "y=%di:s64"
+""")
+
+
+def test_one_event_name_for_two_tables_is_refused(tmp_path, prog, runner):
+    """A glob's default event name for a function a named table also probes would write two
+    formats under one name: refused by check and instrument alike (EVENT_EXIST, both tables
+    named), nothing written; with a `name`, two events, each with its own arguments."""
+    spec = write_spec(tmp_path, GLOB_AND_NAMED.replace("NAME_LINE", ""))
+    out = tmp_path / "prog.kp"
+    for cmd in (["check", prog, "--spec", spec], ["instrument", prog, "--spec", spec, "-o", out]):
+        r = kprewrite(*cmd, check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert r.stderr.strip().splitlines() == [
+            "kprewrite: probes.toml: [[kprobe]] #2: event p_work_0 at work+0x0: Given group/event name is "
+            "already used by another event ([[kprobe]] #1); give one of the tables a `name`"]
+    assert not out.exists()
+    out = instrument(prog, write_spec(tmp_path, GLOB_AND_NAMED.replace("NAME_LINE", 'name = "glob_work"')), out)
+    r = run(out, 2, runner=runner)
+    recs = trace_lines(r.stderr)
+    assert [(x.event, x.args) for x in recs] == [("p_work_0", {"x": 0}), ("glob_work", {"y": 0}),
+                                                 ("p_work_0", {"x": 1}), ("glob_work", {"y": 1})]
+
+
 def _profile_on_request(tmp):
     prog = cc(tmp, "prog", r"""
 #include <signal.h>

@@ -333,9 +333,32 @@ def compile_all(image, arch, probes, kretprobes, spec_name: str, known_errors: l
             errors += err
         if t is not None:
             traces[trace_key(p)] = t
+    errors += _same_names(traces, [*probes, *kretprobes], spec_name)
     for t in traces.values():
         t.pt_regs = pt_regs
     return traces, errors
+
+
+def _same_names(traces: dict, probes, spec_name: str) -> list[str]:
+    """EVENT_EXIST for two tables whose events take one name (a glob's default name
+    for a function that a named table also probes, two tables given the same `name`),
+    which would write two formats under one event. The kernel's kprobe_events appends a
+    probe with the same arguments to the existing event and refuses one whose arguments
+    differ; a spec says which table it means by giving one a `name`. The functions of one
+    glob table given a `name` are one event on several functions, as the kernel's
+    multi-probe events are (their arguments are the same by construction)."""
+    first: dict[str, object] = {}
+    errors = []
+    for p in probes:
+        t = traces.get(trace_key(p))
+        if t is None:
+            continue
+        table = p.kret if getattr(p, "kret", None) is not None else p.spec
+        other = first.setdefault(t.name, table)
+        if other is not table:
+            errors.append(f"{spec_where(spec_name, table.table)}: event {t.name} at {p.symbol}+{p.offset:#x}: "
+                          f"{LINE_ERR['EVENT_EXIST']} ({other.table}); give one of the tables a `name`")
+    return errors
 
 
 def trace_c(events: dict, user_syms: dict, symtab) -> str:
