@@ -60,8 +60,8 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     # arch's alternatives: AArch64's LSE increment, emit.light_alternatives_c()); an arch
     # without them (x86-64) gets no table.
     alternatives = getattr(c.arch.emit, "light_alternatives_c", None)
-    light = [(lay.site(s).detour, s.red_zone) for s in plan.sites if s.light]
-    if alternatives and light:
+    light = [(lay.site(s).detour, s.red_zone) for s in plan.sites if s.light] if alternatives else []
+    if light:
         out.append(alternatives(c.image, light, A))
     data = ""
     if getattr(target, "TABLES_AT_BOOT", False):
