@@ -694,11 +694,14 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
     written, LDXR/STXR (ARMv8.0, no LSE atomics), `cbnz wv, tail; b slow`, the tail saving
     a third register for STXR's status; where the CPU has LSE atomics (HWCAP_ATOMICS) the
     runtime rewrites these two words at start-up, before kprobes are armed, into
-    `cbz wv, slow; stadd xv, [xa]` (runtime/arch/aarch64/linux_user/kp_alternatives.h,
+    `cbz wv, slow; stadd xv, [xa]` (runtime/arch/aarch64/linux_user/kp_alternatives.c,
     which reads the registers from these words and the tail's LDXR), at
     light_patch_at(at, red_zone).  The slow path (disarmed) puts the registers back and
-    calls the runtime's shared clean entry, which counts in the thread's block.
+    calls the runtime's shared clean entry, which counts in the thread's block.  base
+    (kp_light_base) is x86-64's: unused here.
     Returns (code, resume): where the relocated DCR starts."""
+    if hits is None:
+        raise EmitError("an AArch64 light detour reaches kp_light_hits itself (hits)")
     copy = copy or relocate
     back = back or dcr[-1].addr + len(dcr[-1].code)
     if red_zone:
