@@ -150,11 +150,6 @@ def ldr_post(rt: int, rn: int, off: int) -> bytes:
     return _word(0xF8400400 | ((off & 0x1FF) << 12) | (rn << 5) | rt)
 
 
-def stadd(rs: int, rn: int) -> bytes:
-    """STADD Xs, [Xn] (LSE, ARMv8.1: LDADD with XZR as the destination)."""
-    return _word(0xF820001F | (rs << 16) | (rn << 5))
-
-
 def movn_w(rd: int, imm16: int) -> bytes:
     """MOVN Wd, #imm16 (~imm16 in 32 bits, the upper half zeroed)."""
     return _word(0x12800000 | ((imm16 & 0xFFFF) << 5) | rd)
