@@ -88,9 +88,14 @@ def test_light_counts_exact_across_threads(built, cpu, far):
         got.stderr
 
 
+# 150 probed functions before `target`: its detour lies pages after the first, which the
+# runtime rewrites too.
+FILLERS = "".join(f'__attribute__((noinline)) long f{i}(long x) {{ __asm__ volatile("" : "+r"(x)); return x + {i}; }}\n'
+                  for i in range(150))
 LOOP = r"""
 #include <stdio.h>
 #include <stdlib.h>
+""" + FILLERS + r"""
 __attribute__((noinline)) long target(long x) { __asm__ volatile("" : "+r"(x)); return x + 1; }
 int main(int argc, char **argv)
 {
@@ -118,12 +123,15 @@ def _executed(binary, n: int, log, cpu: str) -> tuple[int, str]:
 @pytest.mark.parametrize("cpu,want", [("max", 8), ("cortex-a72", 13)])
 def test_light_instructions_a_hit(tmp_path, cpu, want):
     """benchmarks/insn_count.py's light and kret rows: 8 executed instructions a hit
-    with LSE atomics (stadd), 13 without (the LDXR/STXR loop and its saved register)."""
+    with LSE atomics (stadd), 13 without (the LDXR/STXR loop and its saved register), at
+    a detour pages after the first (151 light sites)."""
     prog = cc(tmp_path, "loop", LOOP, "-O2")
     o1, oo1 = _executed(prog, 200, tmp_path / "log", cpu)
     o2, oo2 = _executed(prog, 1200, tmp_path / "log", cpu)
     for kind in ("kprobe", "kretprobe"):
-        spec = write_spec(tmp_path, f'[[{kind}]]\nsymbol_name = "target"\n', name=f"{kind}.toml")
+        spec = write_spec(tmp_path, "".join(f'[[{kind}]]\nsymbol_name = "{f}"\n'
+                                            for f in [f"f{i}" for i in range(150)] + ["target"]),
+                          name=f"{kind}.toml")
         new = instrument(prog, spec, tmp_path / kind)
         r1, ro1 = _executed(new, 200, tmp_path / "log", cpu)
         r2, ro2 = _executed(new, 1200, tmp_path / "log", cpu)

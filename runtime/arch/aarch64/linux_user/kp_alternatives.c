@@ -37,6 +37,16 @@ __attribute__((weak)) const unsigned int kp_nlight_alt;
 /* The image's code pages are BTI-guarded (its property note): the copies stay so. */
 __attribute__((weak)) const unsigned int kp_light_alt_bti;
 
+/* kp_light_alt, through a pointer whose bounds the compiler cannot see: the weak
+ * definition above is one element long, and GCC would take it that no loop reads
+ * past it; the table emit/tables.py writes is longer. */
+static const unsigned long *kp_alt_table(void)
+{
+	const unsigned long *t = kp_light_alt;
+	__asm__("" : "+r"(t));
+	return t;
+}
+
 /* AT_HWCAP, AT_HWCAP2 and AT_PAGESZ from /proc/self/auxv (an executable's initial stack is not
  * at hand in kp_relocate(), nor a shared object's; prctl(PR_GET_AUXV) is not asked:
  * Linux has it from 6.4 only, and QEMU 7.2's user mode refuses it).  0 when unreadable. */
@@ -86,15 +96,15 @@ static int kp_alt_words(const unsigned int *at, unsigned int out[2])
 
 /* Pairs [i, j), on the page at `page`: patched in a copy moved over it.  A pair across
  * the page's end (none: a light detour starts a 64-byte line) is left as it is. */
-static int kp_alt_page(unsigned long page, unsigned long size, unsigned long bias, long prot,
-		       const unsigned int (*words)[2], unsigned int i, unsigned int j)
+static int kp_alt_page(const unsigned long *alt, unsigned long page, unsigned long size, unsigned long bias,
+		       long prot, const unsigned int (*words)[2], unsigned int i, unsigned int j)
 {
 	char *tmp = (char *)kp_syscall6(__NR_mmap, 0, size, 3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
 	if ((unsigned long)tmp >= -4096UL)
 		return 0;
 	memcpy(tmp, (const void *)page, size);
 	for (; i < j; i++) {
-		unsigned long off = kp_light_alt[i] + bias - page;
+		unsigned long off = alt[i] + bias - page;
 		if (off > size - 8)
 			continue;
 		unsigned int *p = (unsigned int *)(tmp + off);
@@ -116,6 +126,7 @@ static int kp_alt_page(unsigned long page, unsigned long size, unsigned long bia
 void kp_arch_text_alternatives(unsigned long bias)
 {
 	unsigned int n = kp_nlight_alt;
+	const unsigned long *alt = kp_alt_table();
 	if (!n)
 		return;
 	unsigned long pagesz = 0, hwcap2 = 0;
@@ -132,14 +143,14 @@ void kp_arch_text_alternatives(unsigned long bias)
 	if (!words)
 		return;
 	for (unsigned int i = 0; i < n; i++)
-		if (!kp_alt_words((const unsigned int *)(kp_light_alt[i] + bias), words[i]))
+		if (!kp_alt_words((const unsigned int *)(alt[i] + bias), words[i]))
 			goto out;
 	/* The table is sorted (emit/tables.py): one copy a page. */
 	for (unsigned int i = 0, j; i < n; i = j) {
-		unsigned long page = (kp_light_alt[i] + bias) & -pagesz;
-		for (j = i + 1; j < n && ((kp_light_alt[j] + bias) & -pagesz) == page; j++)
+		unsigned long page = (alt[i] + bias) & -pagesz;
+		for (j = i + 1; j < n && ((alt[j] + bias) & -pagesz) == page; j++)
 			;
-		kp_alt_page(page, pagesz, bias, prot, (const unsigned int (*)[2])words, i, j);
+		kp_alt_page(alt, page, pagesz, bias, prot, (const unsigned int (*)[2])words, i, j);
 	}
 out:
 	kp_syscall3(__NR_munmap, words, (n * sizeof(*words) + 4095) & -4096UL, 0);
