@@ -21,8 +21,15 @@ Forms (the handlers are in HANDLERS, the same C for both architectures):
   kret_regs  kretprobe, return handler reading regs_return_value()
   kret_entry kretprobe, empty entry_handler and return handler
 
-Run: python3 benchmarks/insn_count.py [--tree DIR] [--arch x86_64|aarch64] [--form NAME]
-(--tree: the kprewrite tree whose rewriter is measured, this one by default).
+AArch64 runs twice, under `QEMU_CPU=max` (LSE atomics, ARMv8.1+: the runtime rewrites
+the light detours' increment into `stadd` at start-up) and `QEMU_CPU=cortex-a72` (none,
+ARMv8.0: the LDXR/STXR loop as written); the other forms are the same on both.
+
+Run: python3 benchmarks/insn_count.py [--tree DIR] [--baseline DIR] [--arch x86_64|aarch64]
+     [--form NAME] [--write-table benchmarks/README.md]
+(--tree: the kprewrite tree whose rewriter is measured, this one by default; --baseline:
+another tree measured in the same run, its AArch64 columns added; --write-table: the
+table written between <!-- insn_count:begin --> and <!-- insn_count:end --> in FILE).
 """
 import argparse
 import os
@@ -30,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -83,10 +91,12 @@ FORMS = {   # name -> (what, spec body)
                    '[[kretprobe]]\nsymbol_name = "target"\nhandler = "empty_ret"\nentry_handler = "empty_entry"\n'),
 }
 
-ARCHES = {   # name -> (compiler, QEMU command)
-    "x86_64": ("gcc", ["qemu-x86_64"]),
-    "aarch64": ("aarch64-linux-gnu-gcc", ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]),
+ARCHES = {   # name -> (compiler, QEMU command, the CPUs it runs on: None for QEMU's default)
+    "x86_64": ("gcc", ["qemu-x86_64"], [None]),
+    "aarch64": ("aarch64-linux-gnu-gcc", ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"], ["max", "cortex-a72"]),
 }
+CPU_NAME = {None: "", "max": " LSE (`max`)", "cortex-a72": " no LSE (`cortex-a72`)"}
+MARKER = "insn_count"
 
 
 def executed(qemu: list[str], exe: Path, n: int, log: Path) -> tuple[int, str]:
@@ -111,42 +121,79 @@ def per_hit(qemu, orig: Path, new: Path, tmp: Path) -> float:
     return ((r2 - r1) - (o2 - o1)) / (N2 - N1)
 
 
+def write_table(path: Path, text: str) -> None:
+    """Replace what lies between <!-- insn_count:begin --> and <!-- insn_count:end --> in path."""
+    begin, end = f"<!-- {MARKER}:begin -->", f"<!-- {MARKER}:end -->"
+    doc = path.read_text()
+    i, j = doc.find(begin), doc.find(end)
+    if i < 0 or j < i:
+        sys.exit(f"insn_count: {path} has no {begin} ... {end} pair to write the table between")
+    path.write_text(doc[:i + len(begin)] + "\n" + text + doc[j:])
+    print(f"wrote the table between {begin} and {end} in {path}", file=sys.stderr)
+
+
+def commit_of(tree: str) -> str:
+    return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", default=str(HERE.parent), help="the kprewrite tree to measure")
+    ap.add_argument("--baseline", help="another tree, its AArch64 columns measured in the same run")
     ap.add_argument("--arch", action="append", choices=list(ARCHES), help="default: both")
     ap.add_argument("--form", action="append", choices=list(FORMS), help="default: all")
+    ap.add_argument("--write-table", type=Path, metavar="FILE",
+                    help=f"write the table between <!-- {MARKER}:begin --> and <!-- {MARKER}:end --> in FILE")
     a = ap.parse_args()
     arches = a.arch or list(ARCHES)
     forms = a.form or list(FORMS)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([a.tree] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    if a.write_table and f"<!-- {MARKER}:begin -->" not in a.write_table.read_text():
+        sys.exit(f"insn_count: {a.write_table} has no <!-- {MARKER}:begin --> marker")
+    trees = [(a.tree, commit_of(a.tree))] + ([(a.baseline, commit_of(a.baseline))] if a.baseline else [])
+    # Columns: (tree, commit, arch, cpu); the baseline's for AArch64 only (x86-64's outputs are
+    # the same bytes, benchmarks/byte_identity.py).
+    cols = [(t, c, arch, cpu) for t, c in trees for arch in arches for cpu in ARCHES[arch][2]
+            if t == a.tree or arch == "aarch64"]
     qv = subprocess.run(["qemu-x86_64", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    commit = subprocess.run(["git", "-C", a.tree, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     res = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "loop.c").write_text(LOOP)
         (tmp / "handlers.c").write_text(HANDLERS)
         for arch in arches:
-            cc, qemu = ARCHES[arch]
+            cc, qemu, _ = ARCHES[arch]
             if not shutil.which(cc) or not shutil.which(qemu[0]):
                 sys.exit(f"needs {cc} and {qemu[0]}")
             orig = tmp / f"loop.{arch}"
             subprocess.run([cc, "-O2", str(tmp / "loop.c"), "-o", str(orig)], check=True)
-            for form in forms:
-                spec = tmp / f"{form}.toml"
-                spec.write_text('handlers = ["handlers.c"]\n' + FORMS[form][1])
-                new = tmp / f"loop.{arch}.{form}"
-                subprocess.run([sys.executable, "-m", "rewriter", "instrument", str(orig), "--spec", str(spec),
-                                "-o", str(new)], check=True, env=env, cwd=tmp)
-                res[arch, form] = per_hit(qemu, orig, new, tmp)
-                print(f"{arch} {form}: {res[arch, form]:.2f}", file=sys.stderr)
-    print(f"{qv}; tree {a.tree} at {commit}; N = {N1}, {N2}")
-    print("| form | what | " + " | ".join(f"{x} insns/hit" for x in arches) + " |")
-    print("|---|---|" + "---:|" * len(arches))
+            for tree, commit in trees:
+                if not any(col[0] == tree and col[2] == arch for col in cols):
+                    continue
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+                for form in forms:
+                    spec = tmp / f"{form}.toml"
+                    spec.write_text('handlers = ["handlers.c"]\n' + FORMS[form][1])
+                    new = tmp / f"loop.{arch}.{form}"
+                    subprocess.run([sys.executable, "-m", "rewriter", "instrument", str(orig), "--spec", str(spec),
+                                    "-o", str(new)], check=True, env=env, cwd=tmp)
+                    for cpu in ARCHES[arch][2]:
+                        q = qemu[:1] + (["-cpu", cpu] if cpu else []) + qemu[1:]
+                        res[tree, arch, cpu, form] = per_hit(q, orig, new, tmp)
+                        print(f"{commit} {arch}{CPU_NAME[cpu]} {form}: {res[tree, arch, cpu, form]:.2f}", file=sys.stderr)
+    head = (f"Generated by `python3 benchmarks/insn_count.py {' '.join(sys.argv[1:])}` on "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {qv}; N = {N1}, {N2}; "
+            + "; ".join(f"{'tree' if t == a.tree else 'baseline'} at {c}" for t, c in trees) + ".")
+    lines = [head, "", "| form | what | " + " | ".join(
+        f"{arch.replace('_', '-')}{CPU_NAME[cpu]}{'' if t == a.tree else f' {c}'}" for t, c, arch, cpu in cols) + " |",
+        "|---|---|" + "---:|" * len(cols)]
     for form in forms:
-        print(f"| {form} | {FORMS[form][0]} | " + " | ".join(f"{res[x, form]:.1f}" for x in arches) + " |")
+        lines.append(f"| {form} | {FORMS[form][0]} | " + " | ".join(
+            f"{res[t, arch, cpu, form]:.1f}" for t, c, arch, cpu in cols) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.write_table:
+        write_table(a.write_table, text)
 
 
 if __name__ == "__main__":

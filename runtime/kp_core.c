@@ -75,6 +75,11 @@ void kp_relocate(void)
 	 * now on (kp_internal.h, kp_site_handlers[]). */
 	kp_platform_protect_tables(__kp_ro_start, __kp_ro_end);
 #endif
+#ifdef KP_ARCH_TEXT_ALTERNATIVES
+	/* The arch's code chosen for this CPU (AArch64: LSE atomics in light detours),
+	 * while kp_fast is still 0, so no detour runs the words it rewrites. */
+	kp_arch_text_alternatives(bias);
+#endif
 	kp_rt.armed = 1;
 	__atomic_store_n(&kp_rt.state, 2, __ATOMIC_RELEASE);
 	kp_update_fast();

@@ -329,7 +329,10 @@ class Emit(Protocol):
                      counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
                      back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
         """A detour that only counts the hit (base: kp_light_base, the pointer to kp_light_hits,
-        hits: the array itself)."""
+        hits: the array itself).  An arch whose runtime rewrites light detours at start-up
+        for the CPU it runs on (AArch64: LSE atomics) also has
+        light_alternatives_c(image, [(detour, red_zone)...], address_c) -> str: the runtime's
+        table of them, as C (emit/tables.py); an arch without it gets no such table."""
 
     def light_counter(self, slot: int) -> int:
         """The byte offset of a light site's hit counter."""

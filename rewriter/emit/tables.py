@@ -56,6 +56,13 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     else:
         out.append("unsigned long kp_light_hits[1];\nunsigned long *kp_light_base;")
         out.append("const unsigned int kp_nlight_hits = 0;")
+    # Where the runtime rewrites light detours at start-up for the CPU it runs on (the
+    # arch's alternatives: AArch64's LSE increment, emit.light_alternatives_c()); an arch
+    # without them (x86-64) gets no table.
+    alternatives = getattr(c.arch.emit, "light_alternatives_c", None)
+    light = [(lay.site(s).detour, s.red_zone) for s in plan.sites if s.light] if alternatives else []
+    if light:
+        out.append(alternatives(c.image, light, A))
     data = ""
     if getattr(target, "TABLES_AT_BOOT", False):
         out += _records_c(c, lay, target, traces)

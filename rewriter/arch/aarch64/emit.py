@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..base import DcrInsn
+from . import bti
 from . import encode as E
 from . import insn as I
 from . import offsets as O
@@ -680,59 +681,84 @@ def light_detour(site: int, dcr: list[DcrInsn], at: int, *, fast: int, base: int
                  counter: int, slow_entry: int, flags_live: bool, red_zone: bool, copy=None,
                  back: int | None = None, hits: int | None = None) -> tuple[bytes, int]:
     """The detour of a probe that runs nothing, in an image where no handler can run
-    (planner.choose_forms(): Site.light), as x86-64's: kprobes armed (kp_fast), then an
-    exclusive increment (ldxr/stxr: no LSE atomics before ARMv8.1) of the probe's counter in
-    the shard the thread pointer's bits 12-15 choose, *kp_light_base + counter +
-    4096 * shard (light_counter(); at a function's entry hits + counter + 4096 * shard,
-    hits being kp_light_hits itself, and it and kp_fast PC-relative, one instruction
-    each within 1 MiB: _Near).  Its registers are saved below sp, which moves first
-    (AArch64 has no red zone): x0-x2, or at a function's entry (red_zone:
-    optprobe.red_zone_free_at()) x0 alone, the stxr's status, as x16 and x17 (IP0/IP1)
-    hold nothing there.  Nothing here writes NZCV.  The slow path (disarmed) puts them
-    back and calls the runtime's shared clean entry, which counts in the thread's block.
+    (planner.choose_forms(): Site.light), as x86-64's: the probe's counter in the shard
+    the thread pointer's bits 12-15 choose, hits + counter + 4096 * shard (light_counter();
+    hits: kp_light_hits itself, reached PC-relative in one instruction within 1 MiB:
+    _Near), then kprobes armed (kp_fast, 1 when armed, which is also the increment), then
+    the counter incremented.  Two registers a (the counter's address) and v (kp_fast):
+    x16 and x17 at a function's entry (red_zone: optprobe.red_zone_free_at()), which hold
+    nothing there, else x0 and x1 saved below sp, which moves first (AArch64 has no red
+    zone).  Nothing here writes NZCV.
+
+    The increment is the arch's alternative (the kernel's ARM64_HAS_LSE_ATOMICS): as
+    written, LDXR/STXR (ARMv8.0, no LSE atomics), `cbnz wv, tail; b slow`, the tail saving
+    a third register for STXR's status; where the CPU has LSE atomics (HWCAP_ATOMICS) the
+    runtime rewrites these two words at start-up, before kprobes are armed, into
+    `cbz wv, slow; stadd xv, [xa]` (runtime/arch/aarch64/linux_user/kp_alternatives.c,
+    which reads the registers from these words and the tail's LDXR), at
+    light_patch_at(at, red_zone).  The slow path (disarmed) puts the registers back and
+    calls the runtime's shared clean entry, which counts in the thread's block.  base
+    (kp_light_base) is x86-64's: unused here.
     Returns (code, resume): where the relocated DCR starts."""
+    if hits is None:
+        raise EmitError("an AArch64 light detour reaches kp_light_hits itself (hits)")
     copy = copy or relocate
+    back = back or dcr[-1].addr + len(dcr[-1].code)
     if red_zone:
-        a, v, st = 16, 17, 0                     # the counter's address, its value, the stxr's status
-        out = bytearray(E.stp_pre(0, 1, 31, -16))     # one instruction, as a str of x0 alone
-        undo = E.ldp_post(0, 1, 31, 16)
-        near = _Near()
-        if hits is None:
-            near.get(out, at, [(v, fast, 4)])
-        else:                                    # the shard-0 counter's own address
-            near.get(out, at, [(v, fast, 4), (a, hits + counter, 0)])
-        cbz_at = len(out)
-        out += b"\0\0\0\0"                       # cbz w17, slow
-        out += E.mrs_tpidr_el0(v) + E.and_bits(v, v, 12, (O.LIGHT_SHARDS - 1).bit_length())
-        if hits is None:
-            out += _load_word(at + len(out), a, base, 8) + E.add_reg(a, a, v) + _add_const(a, a, counter)
-        else:
-            out += E.add_reg(a, a, v)
+        a, v, st = 16, 17, 0                     # st: the STXR's status, saved in the tail
+        out = bytearray()
+        undo = b""
     else:
         a, v, st = 0, 1, 2
-        out = bytearray(E.stp_pre(0, 1, 31, -32) + E.str_x(2, 31, 16))
-        undo = E.ldr_x(2, 31, 16) + E.ldp_post(0, 1, 31, 32)
-        out += _load_word(at + len(out), 0, fast, 4)
-        cbz_at = len(out)
-        out += b"\0\0\0\0"                       # cbz w0, slow
-        out += E.mrs_tpidr_el0(1) + E.and_bits(1, 1, 12, (O.LIGHT_SHARDS - 1).bit_length())
-        out += _load_word(at + len(out), 0, base, 8)
-        out += E.add_reg(0, 0, 1) + _add_const(0, 0, counter)
-    loop = len(out)
-    out += E.ldxr(v, a) + E.add_imm(v, v, 1) + E.stxr(st, v, a)
-    out += _e(E.cbz, at + len(out), st, 0, 1, at + loop)
+        out = bytearray(E.stp_pre(0, 1, 31, -16))
+        undo = E.ldp_post(0, 1, 31, 16)
+    near = _Near()
+    out += E.mrs_tpidr_el0(a) + E.and_bits(a, a, 12, (O.LIGHT_SHARDS - 1).bit_length())
+    near.get(out, at, [(v, hits + counter, 0)])
+    out += E.add_reg(a, a, v)
+    near.get(out, at, [(v, fast, 4)])
+    pair = len(out)
+    assert at + pair == light_patch_at(at, red_zone)
+    out += b"\0" * 8                             # cbnz wv, tail; b slow
     out += undo
     resume = at + len(out)
     for insn in dcr:
         out += copy(insn, at + len(out))
-    out += _e(E.b, at + len(out), back or dcr[-1].addr + len(dcr[-1].code))
-    fast_reg = v if red_zone else 0
-    out[cbz_at:cbz_at + 4] = _e(E.cbz, at + cbz_at, fast_reg, 0, 0, at + len(out))
+    out += _e(E.b, at + len(out), back)
+    tail = len(out)                              # LDXR/STXR, then the copy again: no branch back
+    out += E.str_pre(st, 31, -16)
+    loop = len(out)
+    out += E.ldxr(v, a) + E.add_imm(v, v, 1) + E.stxr(st, v, a)
+    out += _e(E.cbz, at + len(out), st, 0, 1, at + loop)
+    out += E.ldr_post(st, 31, 16) + undo
+    for insn in dcr:
+        out += copy(insn, at + len(out))
+    out += _e(E.b, at + len(out), back)
+    slow = len(out)
     out += undo + probe_stub(site, slow_entry, at + len(out) + len(undo))
     out += _e(E.b, at + len(out), resume)
-    if red_zone:
-        near.stubs(out, at)
+    out[pair:pair + 8] = _e(E.cbz, at + pair, v, 0, 1, at + tail) + _e(E.b, at + pair + 4, at + slow)
+    near.stubs(out, at)
     return bytes(out), resume
+
+
+def light_alternatives_c(image, detours: list[tuple[int, bool]], A) -> str:
+    """The runtime's table of the light detours to rewrite where the CPU has LSE atomics
+    (kp_alternatives.c): each one's two words (light_patch_at() of each (detour,
+    red_zone)), sorted, as C (A: an address as C); and whether the image's code pages
+    are BTI-guarded, so that the pages rewritten stay so."""
+    alts = sorted(light_patch_at(at, red_zone) for at, red_zone in detours)
+    return (f"const unsigned long kp_light_alt[{len(alts)}] = {{ {', '.join(A(x) for x in alts)} }};\n"
+            f"const unsigned int kp_nlight_alt = {len(alts)};\n"
+            f"const unsigned int kp_light_alt_bti = {int(bti.guarded(image))};")
+
+
+def light_patch_at(at: int, red_zone: bool) -> int:
+    """Where the light detour at `at` holds the two words the runtime rewrites at
+    start-up where the CPU has LSE atomics (light_detour()): after the save (not at a
+    function's entry), the shard, the counter's address and kp_fast, 5 words however
+    far the data lie (_Near keeps a detour as long)."""
+    return at + 20 + (0 if red_zone else 4)
 
 
 LIGHT_PAGE = 512           # counters per 4 KiB page

@@ -138,6 +138,18 @@ def str_x(rt: int, rn: int, off: int = 0) -> bytes:
     return _word(0xF9000000 | ((off // 8) << 10) | (rn << 5) | rt)
 
 
+def str_pre(rt: int, rn: int, off: int) -> bytes:
+    """STR Xt, [Xn, #off]! (pre-index, -256 <= off < 256)."""
+    assert -256 <= off < 256
+    return _word(0xF8000C00 | ((off & 0x1FF) << 12) | (rn << 5) | rt)
+
+
+def ldr_post(rt: int, rn: int, off: int) -> bytes:
+    """LDR Xt, [Xn], #off (post-index, -256 <= off < 256)."""
+    assert -256 <= off < 256
+    return _word(0xF8400400 | ((off & 0x1FF) << 12) | (rn << 5) | rt)
+
+
 def movn_w(rd: int, imm16: int) -> bytes:
     """MOVN Wd, #imm16 (~imm16 in 32 bits, the upper half zeroed)."""
     return _word(0x12800000 | ((imm16 & 0xFFFF) << 5) | rd)

@@ -119,6 +119,11 @@ static inline int kp_arch_is_tagged_entry(unsigned long v, const char *tag)
 	return 1;
 }
 
+/* The light detours' increment chosen at start-up, LSE atomics where the CPU has them
+ * (kp_alternatives.c): kp_relocate() calls this before kprobes are armed. */
+#define KP_ARCH_TEXT_ALTERNATIVES 1
+void kp_arch_text_alternatives(unsigned long bias);
+
 /* The relocation types of GOT slots (R_AARCH64_GLOB_DAT, R_AARCH64_JUMP_SLOT). */
 #define KP_ARCH_R_GLOB_DAT 1025
 #define KP_ARCH_R_JUMP_SLOT 1026

@@ -44,3 +44,7 @@ static void kp_regs_to_uc(const struct pt_regs *r, char *uc)
 }
 
 #include <kp_breakpoint_signal.h>
+
+/* The light detours' alternatives (LSE atomics where the CPU has them): compiled in this
+ * unit, the recipe's one C file of the arch's user-process folder. */
+#include "kp_alternatives.c"

@@ -38,6 +38,7 @@
 #define __NR_kcmp 272
 #define __NR_gettid 178
 #define __NR_munmap 215
+#define __NR_mremap 216
 #define __NR_mmap 222
 #define __NR_mprotect 226
 #define __NR_madvise 233
