@@ -5,8 +5,9 @@
  * whose macros give the probes' facts:
  *
  *   KP_MODULE_NAME          the module's name, a string
- *   KP_MODULE_CRCS          defined with the kernel's CRCs (Module.symvers): preemption disabled in
- *                           the handlers (KP_RESCHED: how the kernel reschedules), debugfs counters
+ *   KP_MODULE_CRCS          defined with the kernel's CRCs (Module.symvers): debugfs counters, and
+ *                           on x86-64 preemption disabled in the handlers (KP_RESCHED: how the
+ *                           kernel reschedules; arm64's detours mask interrupts either way)
  *   KP_MODULE_EVENT_CALLS   defined when the trace events are the kernel's own event calls
  *   KP_MODULE_INT3          defined when there are breakpoint sites (KP_INT3_*)
  *   KP_NK, KP_NR            the kprobes and kretprobes; KP_NK_SLOTS, KP_NR_SLOTS their arrays' sizes
