@@ -132,6 +132,29 @@ def test_arm64_module_site_without_a_jump(tmp_path):
     assert fails(tmp_path, ko, spec, "__ex_table") == [f"kprewrite: {spec.name}: [[kprobe]] #1 (work+0x4): {line}"]
 
 
+def test_arm64_module_post_handler_after_an_entry_branch(tmp_path):
+    """A probe on a function's entry is taken past its ftrace NOPs: where the instruction there is a
+    branch (a cbz), its post_handler could not run after the copy (the detour's call follows it, and
+    both ways of the copy leave before): refused in one line, as a post_handler after a branch
+    inside a function is; without the post_handler the probe is taken."""
+    ko = tmp_path / "m.ko"
+    src = ('__attribute__((section(".gnu.linkonce.this_module"))) char this_module[64];\nint other(int);\n'
+           '__attribute__((patchable_function_entry(2))) int work(int *p) { if (!p) return other(1); return *p; }\n'
+           'int init_module(void) { return 0; }\nvoid cleanup_module(void) { }\n')
+    r = subprocess.run(["aarch64-linux-gnu-gcc", "-O2", "-mbranch-protection=none", "-c", "-o", ko, "-x", "c", "-"],
+                       input=src, text=True, capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"no aarch64-linux-gnu-gcc ({r.stderr.strip()[-200:]})")
+    (tmp_path / "h.c").write_text("#include <linux/kprobes.h>\n"
+                                  "void post(struct kprobe *p, struct pt_regs *regs, unsigned long f) { }\n")
+    spec = write_spec(tmp_path, 'handlers = ["h.c"]\n[[kprobe]]\nsymbol_name = "work"\npost_handler = "post"\n')
+    line = "post_handler at 0xffff800000000008: a post_handler cannot run after a branch in a detour"
+    assert kprewrite("check", ko, "--spec", spec, check=False).stdout == f"work+0x0  k  refused  {line}\n"
+    assert fails(tmp_path, ko, spec, "post_handler") == [f"kprewrite: {spec.name}: [[kprobe]] #1 (work+0x0): {line}"]
+    spec = write_spec(tmp_path, '[[kprobe]]\nsymbol_name = "work"\n')
+    assert kprewrite("check", ko, "--spec", spec).stdout == "work+0x0  k  ftrace\n"
+
+
 def test_wrong_machine(tmp_path, prog):
     from rewriter.arch import MACHINES
     # A machine no back end takes (EM_AARCH64 is supported now; a new arch may take another).

@@ -65,6 +65,9 @@ def share_ftrace_site(image, analysis, arch, s: Site, rules) -> None:
     probes all come from globs (optimize_site())."""
     after = s.addr + rules.share_ftrace
     r = arch.optprobe.can_optimize(image, analysis, s.probes[0].func, after)
+    if isinstance(r, list) and s.with_post and arch.is_branch(r[0]):
+        # As optimize_site(): the detour's post_handler call follows the copy, which a branch leaves.
+        r = arch.Refusal("post_handler", after, "a post_handler cannot run after a branch in a detour")
     if isinstance(r, list):
         why = rules.region_refusal(arch, analysis, s.probes[0].func, after, r[-1].addr + len(r[-1].code))
         if why is None:

@@ -5,8 +5,9 @@
  * whose macros give the probes' facts:
  *
  *   KP_MODULE_NAME          the module's name, a string
- *   KP_MODULE_CRCS          defined with the kernel's CRCs (Module.symvers): preemption disabled in
- *                           the handlers (KP_RESCHED: how the kernel reschedules), debugfs counters
+ *   KP_MODULE_CRCS          defined with the kernel's CRCs (Module.symvers): debugfs counters, and
+ *                           on x86-64 preemption disabled in the handlers (KP_RESCHED: how the
+ *                           kernel reschedules; arm64's detours mask interrupts either way)
  *   KP_MODULE_EVENT_CALLS   defined when the trace events are the kernel's own event calls
  *   KP_MODULE_INT3          defined when there are breakpoint sites (KP_INT3_*)
  *   KP_NK, KP_NR            the kprobes and kretprobes; KP_NK_SLOTS, KP_NR_SLOTS their arrays' sizes
@@ -157,19 +158,8 @@ unsigned long kp_kret_return(struct pt_regs *regs)
 	}
 /* opt_pre_handler(): its return value ignored. */
 #define KP_RUN_OPTIMIZED(pre) pre(p, regs);
-/* kprobe_int3_handler(): a pre_handler that returned 1 and moved regs->ip resumes there (no
- * copy, no post_handler); else the slot runs the instruction, and a post_handler runs at the
- * trap after it (kp_post_N()). */
-#define KP_RUN_INT3(pre) if (pre(p, regs) && KP_REGS_IP(regs) != (unsigned long)p->addr + 1) { r = KP_REGS_IP(regs); goto out; }
-/* kprobe_ftrace_handler(): a pre_handler that returned 1 chose where to resume; else the
- * post_handler runs with regs->ip past the call. */
-#define KP_RUN_FTRACE(pre, post)						\
-	pre									\
-	KP_REGS_IP(regs) = (unsigned long)p->addr + 5;			\
-	post									\
-	KP_REGS_IP(regs) = (unsigned long)p->addr + 1;
-#define KP_FTRACE_PRE(pre) if (pre(p, regs)) { r = KP_REGS_IP(regs); goto out; }
-#define KP_FTRACE_POST(post) post(p, regs, 0);
+/* A breakpoint's and an ftrace site's (KP_RUN_INT3, KP_RUN_FTRACE): the arch's kp_arch_module.h
+ * (x86-64's: the int3's and the call's lengths). */
 #define KP_KRET_AT(j)								\
 	if (!(kp_kretprobes[j].kp.flags & KPROBE_FLAG_DISABLED))		\
 		kp_kret_entry_##j(regs);

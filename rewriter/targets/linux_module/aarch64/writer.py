@@ -4,7 +4,8 @@ does for x86-64 (its docstring says the shared design; ../ko.py has the shared s
 
 What is written, for each jump-optimized kprobe and kretprobe (the only kinds an arm64 module takes
 yet: the kernel's own arm64 kprobes are breakpoints, BRK, taken through break hooks a module cannot
-register (rules.py); a post_handler after a branch and trace events are refused too, refusals()):
+register (rules.py); a post_handler after a branch is refused too, by the planner, and trace events
+by refusals()):
 
 - the probed instruction becomes a `B` to the site's detour: a R_AARCH64_JUMP26 relocation added
   against kp_detour_<i> (the loader places each section where it will, so the branch out of the

@@ -38,4 +38,20 @@ static inline __attribute__((always_inline)) unsigned long kp_arch_module_this_c
 #define KP_KRET_ENTRY_FP(regs, slot) (slot)
 #define KP_KRET_RETURN_FP(regs) ((void *)(KP_REGS_SP(regs) - 8))
 
+/* How the dispatch (kp_module_runtime.c's KP_KPROBE) runs a breakpoint's and an ftrace site's
+ * pre_handler and post_handler: regs->ip one past the int3, five past the ftrace call. */
+/* kprobe_int3_handler(): a pre_handler that returned 1 and moved regs->ip resumes there (no
+ * copy, no post_handler); else the slot runs the instruction, and a post_handler runs at the
+ * trap after it (kp_post_N()). */
+#define KP_RUN_INT3(pre) if (pre(p, regs) && KP_REGS_IP(regs) != (unsigned long)p->addr + 1) { r = KP_REGS_IP(regs); goto out; }
+/* kprobe_ftrace_handler(): a pre_handler that returned 1 chose where to resume; else the
+ * post_handler runs with regs->ip past the call. */
+#define KP_RUN_FTRACE(pre, post)						\
+	pre									\
+	KP_REGS_IP(regs) = (unsigned long)p->addr + 5;			\
+	post									\
+	KP_REGS_IP(regs) = (unsigned long)p->addr + 1;
+#define KP_FTRACE_PRE(pre) if (pre(p, regs)) { r = KP_REGS_IP(regs); goto out; }
+#define KP_FTRACE_POST(post) post(p, regs, 0);
+
 #endif
