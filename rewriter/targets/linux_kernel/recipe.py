@@ -43,7 +43,9 @@ PIE = False         # linked where it runs (the image's symbols resolved at link
 # has no room for it: runtime.py of the arch's kernel folder links the blob): the debugfs
 # views alone, each function and object in a section of its own (the blob's link keeps what
 # its entries reach); kp_debugfs.c's disarm flag is the detours' (in the image), through a
-# pointer the blob's glue sets.
+# pointer the blob's glue sets; its kretprobes are the detours' array (KP_KRETPROBES_IN_IMAGE),
+# not built at boot from records.
 VARIANTS = {"placed_at_boot": {
-    "flags": ["-ffunction-sections", "-fdata-sections", "-Dkp_kernel_disarmed=(*kp_kernel_disarmed_at)"],
+    "flags": ["-ffunction-sections", "-fdata-sections", "-Dkp_kernel_disarmed=(*kp_kernel_disarmed_at)",
+              "-DKP_KRETPROBES_IN_IMAGE"],
     "SOURCES": ["{platform}/kp_debugfs.c", "kp_lib.c"], "ASM_SOURCES": [], "ASM_OFFSETS": False}}

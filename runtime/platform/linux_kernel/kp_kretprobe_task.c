@@ -101,23 +101,39 @@ static inline unsigned long kp_task(void)
 	return (unsigned long)kp_kernel_current();
 }
 
-/* The pools, from memblock at the setup_per_cpu_areas() hook (maxactive <= 0: the
- * kernel's default, max(10, 2 * num_possible_cpus())). */
+/* The pools, from memblock at the setup_per_cpu_areas() hook, once the tables are built
+ * (maxactive <= 0: the kernel's default, max(10, 2 * num_possible_cpus())): one block
+ * for all (a kretprobe on every function: some 42,000 pools), each pool 64-byte aligned. */
+static unsigned long kp_kret_pool_size(const struct kretprobe *rp)
+{
+	return ((unsigned long)rp->kp_stride * rp->maxactive + 63) & ~63UL;
+}
+
 void kp_kernel_kretprobes_init(void)
 {
+	unsigned long total = 0;
+	if (!kp_kretprobes)		/* the tables could not be built: every call misses */
+		return;
 	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
 		struct kretprobe *rp = &kp_kretprobes[i];
 		if (rp->maxactive <= 0)
 			rp->maxactive = 2 * (int)nr_cpu_ids > 10 ? 2 * (int)nr_cpu_ids : 10;
 		rp->kp_stride = (sizeof(struct kp_kri) + rp->data_size + 7) & ~7UL;
-		char *pool = memblock_alloc_try_nid((unsigned long)rp->kp_stride * rp->maxactive, 64, 0, 0, -1);
-		if (!pool) {
-			_printk(KP_KERN_ERR "kprewrite: no memory for %s's %d kretprobe instances: every call misses\n",
-				rp->kp.name, rp->maxactive);
-			continue;
-		}
-		__atomic_store_n(&rp->kp_pool, pool, __ATOMIC_RELEASE);
+		total += kp_kret_pool_size(rp);
 	}
+	char *pool = total ? memblock_alloc_try_nid(total, 64, 0, 0, -1) : 0;
+	if (!pool) {
+		if (total)
+			_printk(KP_KERN_ERR "kprewrite: no memory for the instances of %u kretprobes (%lu KiB): "
+				"every call misses\n", kp_nkretprobes, total >> 10);
+		return;
+	}
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		struct kretprobe *rp = &kp_kretprobes[i];
+		__atomic_store_n(&rp->kp_pool, pool, __ATOMIC_RELEASE);
+		pool += kp_kret_pool_size(rp);
+	}
+	_printk(KP_KERN_INFO "kprewrite: instances of %u kretprobes: %lu KiB\n", kp_nkretprobes, total >> 10);
 }
 
 /* Not called in a kernel (the runtime is never relocated); the pools come from the
