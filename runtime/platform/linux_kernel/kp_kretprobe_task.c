@@ -53,18 +53,54 @@ extern char kp_kretprobe_trampoline[];
 /* An instance with the fields the per-task table needs before the kernel's
  * struct kretprobe_instance (whose layout the handler API fixes). */
 struct kp_kri {
-	struct kp_kri *next;		/* in its bucket, newest first */
+	struct kp_kri *next;		/* the task's next older instance */
+	struct kp_kri *next_task;	/* a task's newest only: the next task's newest in the bucket */
 	unsigned long task;		/* ri->task */
 	struct kretprobe_instance ri;
 };
 #define KRI(ri) ((struct kp_kri *)((char *)(ri) - __builtin_offsetof(struct kp_kri, ri)))
 
-/* kretprobe_inst_table[]: KPROBE_HASH_BITS 6, a lock per bucket. */
+/*
+ * kretprobe_inst_table[]: KPROBE_HASH_BITS 6, a lock per bucket.  A bucket holds a chain
+ * per task, its instances newest first (next), the chains linked by their newest
+ * instances (next_task); the chain of the task that used the bucket last is first
+ * (kp_chain() moves it there), so a task's entries and exits, nested ones too, find
+ * its instances without walking other tasks' or, usually, anything at all.
+ */
 #define KP_KRET_BUCKETS 64
 static struct kp_kret_bucket {
-	struct kp_kri *head;
+	struct kp_kri *head;		/* the first chain's newest instance */
 	unsigned int lock;
 } kp_kret_table[KP_KRET_BUCKETS];
+
+/* The task's chain (its newest instance), moved first in the bucket; NULL: none.  Locked. */
+static inline __attribute__((always_inline)) struct kp_kri *kp_chain(struct kp_kret_bucket *b, unsigned long task)
+{
+	struct kp_kri *h = b->head;
+	if (!h || h->task == task)
+		return h;
+	for (struct kp_kri **pp = &h->next_task; *pp; pp = &(*pp)->next_task) {
+		struct kp_kri *k = *pp;
+		if (k->task == task) {
+			*pp = k->next_task;
+			k->next_task = h;
+			b->head = k;
+			return k;
+		}
+	}
+	return 0;
+}
+
+/* The first chain (h, the bucket's head) now starts at n (NULL: the task has no instance left). */
+static inline void kp_chain_restart(struct kp_kret_bucket *b, struct kp_kri *h, struct kp_kri *n)
+{
+	if (n) {
+		n->next_task = h->next_task;
+		b->head = n;
+	} else {
+		b->head = h->next_task;
+	}
+}
 
 static inline struct kp_kret_bucket *kp_bucket(unsigned long task)
 {
@@ -178,8 +214,8 @@ static inline void kp_kri_free(struct kp_kri *kri)
  * already (a tail call from another return-probed function): its instance's. */
 static unsigned long kp_real_ret_locked(struct kp_kret_bucket *b, unsigned long task, unsigned long S)
 {
-	for (struct kp_kri *k = b->head; k; k = k->next)
-		if (k->task == task && (unsigned long)k->ri.fp == S)
+	for (struct kp_kri *k = kp_chain(b, task); k; k = k->next)
+		if ((unsigned long)k->ri.fp == S)
 			return (unsigned long)k->ri.ret_addr;
 	return 0;
 }
@@ -196,11 +232,14 @@ static inline unsigned long kp_file_at(struct kp_kri *kri, unsigned long task, u
 	struct kp_kret_bucket *b = kp_bucket(task);
 	unsigned long flags = kp_bucket_lock(b, 0);
 	unsigned long ret = *(unsigned long *)S;
+	struct kp_kri *h = kp_chain(b, task);
 	if (ret == TRAMP)
 		ret = kp_real_ret_locked(b, task, S);
 	kri->ri.ret_addr = (kprobe_opcode_t *)ret;
 	if (ret) {
-		kri->next = b->head;
+		/* the task's newest: its chain first in the bucket, as kp_chain() left it */
+		kri->next = h;
+		kri->next_task = h ? h->next_task : b->head;
 		b->head = kri;
 		if (swap)
 			*(unsigned long *)S = TRAMP;
@@ -291,60 +330,37 @@ static inline __attribute__((always_inline)) struct kp_kri *kp_take_at(unsigned 
 									  int irqsave, int need_clean)
 {
 	struct kp_kret_bucket *b = kp_bucket(task);
-	struct kp_kri *fire = 0, **tail = &fire, *stale = 0;
 	unsigned long flags = kp_bucket_lock(b, irqsave);
-	struct kp_kri **pp = &b->head, *k = b->head;
-	int any = 0, found = 0;
-	/* The common case: the bucket holds this one instance alone (what the walks
-	 * below find then: it fires, nothing is stale), taken without walking. */
-	if (k && !k->next && k->task == task && (unsigned long)k->ri.fp == S) {
-		if (need_clean && !k->ri.rp->kp_ret_clean) {
-			kp_bucket_unlock(b, flags);
-			return KP_NEED_REGS;
-		}
-		b->head = 0;
-		kp_bucket_unlock(b, flags);
-		return k;
+	struct kp_kri *h = kp_chain(b, task), *fire = h, *prev = 0;
+	/* The task's instances, newest first: those before the first of S are stale. */
+	while (fire && (unsigned long)fire->ri.fp != S) {
+		prev = fire;
+		fire = fire->next;
 	}
-	for (k = b->head; k; k = k->next)	/* any instance of S at all? */
-		if (k->task == task && (unsigned long)k->ri.fp == S) {
-			any = 1;
-			if (!need_clean)
-				break;
-			if (!k->ri.rp->kp_ret_clean) {
-				kp_bucket_unlock(b, flags);
-				return KP_NEED_REGS;
-			}
-		}
-	if (!any) {
+	if (!fire) {
 		kp_bucket_unlock(b, flags);
 		return 0;
 	}
-	while (*pp) {
-		k = *pp;
-		if (k->task != task) {
-			pp = &k->next;
-			continue;
+	struct kp_kri *last = fire;	/* S's instances follow each other */
+	for (;;) {
+		if (need_clean && !last->ri.rp->kp_ret_clean) {
+			kp_bucket_unlock(b, flags);
+			return KP_NEED_REGS;
 		}
-		if ((unsigned long)k->ri.fp == S) {
-			found = 1;
-			*pp = k->next;
-			k->next = 0;
-			*tail = k;
-			tail = &k->next;
-			continue;
-		}
-		if (found)
-			break;		/* an older frame of the task */
-		*pp = k->next;		/* entered inside this frame, never returned */
-		k->next = stale;
-		stale = k;
+		if (!last->next || (unsigned long)last->next->ri.fp != S)
+			break;
+		last = last->next;
 	}
+	kp_chain_restart(b, h, last->next);
+	last->next = 0;
 	kp_bucket_unlock(b, flags);
-	while (stale) {
-		k = stale;
-		stale = k->next;
-		kp_kri_free(k);
+	if (prev) {			/* h .. prev: entered inside this frame, never returned */
+		prev->next = 0;
+		while (h) {
+			struct kp_kri *k = h;
+			h = k->next;
+			kp_kri_free(k);
+		}
 	}
 	return fire;
 }
@@ -406,18 +422,10 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 	(void)p;
 	unsigned long task = regs_get_kernel_argument(regs, 0);	/* free_task(tsk) */
 	struct kp_kret_bucket *b = kp_bucket(task);
-	struct kp_kri *dead = 0;
 	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
-	for (struct kp_kri **pp = &b->head; *pp;) {
-		struct kp_kri *k = *pp;
-		if (k->task == task) {
-			*pp = k->next;
-			k->next = dead;
-			dead = k;
-		} else {
-			pp = &k->next;
-		}
-	}
+	struct kp_kri *dead = kp_chain(b, task);
+	if (dead)
+		b->head = dead->next_task;
 	kp_bucket_unlock(b, flags);
 	while (dead) {
 		struct kp_kri *k = dead;
