@@ -29,8 +29,9 @@
  * returned) are freed without a handler.  An exit hook leaves a slot that holds the
  * trampoline to the trampoline.
  *
- * The table holds only tasks inside a return-probed function; a task is found by
- * `current` wherever it runs, so a task switched out inside the function returns on
+ * The table holds only tasks inside a return-probed function, each task's instances a
+ * chain of their own in its bucket, the chain of the bucket's last user first
+ * (kp_chain()); a task is found by `current` wherever it runs, so a task switched out inside the function returns on
  * another CPU with its instances.  Interrupt handlers run with the interrupted
  * task's `current`: their frames nest inside the task's, LIFO.  Nothing is allocated
  * in probe context: the pools come from memblock at the setup_per_cpu_areas() boot
