@@ -29,9 +29,9 @@
  * returned) are freed without a handler.  An exit hook leaves a slot that holds the
  * trampoline to the trampoline.
  *
- * The table holds only tasks inside a return-probed function, each task's instances a
- * chain of their own in its bucket, the chain of the bucket's last user first
- * (kp_chain()); a task is found by `current` wherever it runs, so a task switched out inside the function returns on
+ * The table holds only tasks inside a return-probed function, newest instance first
+ * in each bucket, so that a task's exit usually finds its instance first; a task is
+ * found by `current` wherever it runs, so a task switched out inside the function returns on
  * another CPU with its instances.  Interrupt handlers run with the interrupted
  * task's `current`: their frames nest inside the task's, LIFO.  Nothing is allocated
  * in probe context: the pools come from memblock at the setup_per_cpu_areas() boot
@@ -54,54 +54,18 @@ extern char kp_kretprobe_trampoline[];
 /* An instance with the fields the per-task table needs before the kernel's
  * struct kretprobe_instance (whose layout the handler API fixes). */
 struct kp_kri {
-	struct kp_kri *next;		/* the task's next older instance */
-	struct kp_kri *next_task;	/* a task's newest only: the next task's newest in the bucket */
+	struct kp_kri *next;		/* in its bucket, newest first */
 	unsigned long task;		/* ri->task */
 	struct kretprobe_instance ri;
 };
 #define KRI(ri) ((struct kp_kri *)((char *)(ri) - __builtin_offsetof(struct kp_kri, ri)))
 
-/*
- * kretprobe_inst_table[]: KPROBE_HASH_BITS 6, a lock per bucket.  A bucket holds a chain
- * per task, its instances newest first (next), the chains linked by their newest
- * instances (next_task); the chain of the task that used the bucket last is first
- * (kp_chain() moves it there), so a task's entries and exits, nested ones too, find
- * its instances without walking other tasks' or, usually, anything at all.
- */
+/* kretprobe_inst_table[]: KPROBE_HASH_BITS 6, a lock per bucket. */
 #define KP_KRET_BUCKETS 64
 static struct kp_kret_bucket {
-	struct kp_kri *head;		/* the first chain's newest instance */
+	struct kp_kri *head;
 	unsigned int lock;
 } kp_kret_table[KP_KRET_BUCKETS];
-
-/* The task's chain (its newest instance), moved first in the bucket; NULL: none.  Locked. */
-static inline __attribute__((always_inline)) struct kp_kri *kp_chain(struct kp_kret_bucket *b, unsigned long task)
-{
-	struct kp_kri *h = b->head;
-	if (!h || h->task == task)
-		return h;
-	for (struct kp_kri **pp = &h->next_task; *pp; pp = &(*pp)->next_task) {
-		struct kp_kri *k = *pp;
-		if (k->task == task) {
-			*pp = k->next_task;
-			k->next_task = h;
-			b->head = k;
-			return k;
-		}
-	}
-	return 0;
-}
-
-/* The first chain (h, the bucket's head) now starts at n (NULL: the task has no instance left). */
-static inline void kp_chain_restart(struct kp_kret_bucket *b, struct kp_kri *h, struct kp_kri *n)
-{
-	if (n) {
-		n->next_task = h->next_task;
-		b->head = n;
-	} else {
-		b->head = h->next_task;
-	}
-}
 
 static inline struct kp_kret_bucket *kp_bucket(unsigned long task)
 {
@@ -215,8 +179,8 @@ static inline void kp_kri_free(struct kp_kri *kri)
  * already (a tail call from another return-probed function): its instance's. */
 static unsigned long kp_real_ret_locked(struct kp_kret_bucket *b, unsigned long task, unsigned long S)
 {
-	for (struct kp_kri *k = kp_chain(b, task); k; k = k->next)
-		if ((unsigned long)k->ri.fp == S)
+	for (struct kp_kri *k = b->head; k; k = k->next)
+		if (k->task == task && (unsigned long)k->ri.fp == S)
 			return (unsigned long)k->ri.ret_addr;
 	return 0;
 }
@@ -233,14 +197,11 @@ static inline unsigned long kp_file_at(struct kp_kri *kri, unsigned long task, u
 	struct kp_kret_bucket *b = kp_bucket(task);
 	unsigned long flags = kp_bucket_lock(b, 0);
 	unsigned long ret = *(unsigned long *)S;
-	struct kp_kri *h = kp_chain(b, task);
 	if (ret == TRAMP)
 		ret = kp_real_ret_locked(b, task, S);
 	kri->ri.ret_addr = (kprobe_opcode_t *)ret;
 	if (ret) {
-		/* the task's newest: its chain first in the bucket, as kp_chain() left it */
-		kri->next = h;
-		kri->next_task = h ? h->next_task : b->head;
+		kri->next = b->head;
 		b->head = kri;
 		if (swap)
 			*(unsigned long *)S = TRAMP;
@@ -331,37 +292,66 @@ static inline __attribute__((always_inline)) struct kp_kri *kp_take_at(unsigned 
 									  int irqsave, int need_clean)
 {
 	struct kp_kret_bucket *b = kp_bucket(task);
+	struct kp_kri *fire = 0, **tail = &fire, *stale = 0;
 	unsigned long flags = kp_bucket_lock(b, irqsave);
-	struct kp_kri *h = kp_chain(b, task), *fire = h, *prev = 0;
-	/* The task's instances, newest first: those before the first of S are stale. */
-	while (fire && (unsigned long)fire->ri.fp != S) {
-		prev = fire;
-		fire = fire->next;
-	}
-	if (!fire) {
-		kp_bucket_unlock(b, flags);
-		return 0;
-	}
-	struct kp_kri *last = fire;	/* S's instances follow each other */
-	for (;;) {
-		if (need_clean && !last->ri.rp->kp_ret_clean) {
+	struct kp_kri **pp = &b->head, *k = b->head;
+	int any = 0, found = 0;
+	/* The common case: the bucket's newest instance is the task's at S, and the next
+	 * one none or the task's own older frame's (what the walks below find then: it
+	 * fires alone, nothing is stale), taken without walking.  An entry files its
+	 * instance first in the bucket, so a task's nested return-probed calls take this
+	 * way, unless another task's instance lies between two of its own. */
+	struct kp_kri *n = k ? k->next : 0;
+	if (k && k->task == task && (unsigned long)k->ri.fp == S &&
+	    (!n || (n->task == task && (unsigned long)n->ri.fp != S))) {
+		if (need_clean && !k->ri.rp->kp_ret_clean) {
 			kp_bucket_unlock(b, flags);
 			return KP_NEED_REGS;
 		}
-		if (!last->next || (unsigned long)last->next->ri.fp != S)
-			break;
-		last = last->next;
+		b->head = n;
+		k->next = 0;
+		kp_bucket_unlock(b, flags);
+		return k;
 	}
-	kp_chain_restart(b, h, last->next);
-	last->next = 0;
-	kp_bucket_unlock(b, flags);
-	if (prev) {			/* h .. prev: entered inside this frame, never returned */
-		prev->next = 0;
-		while (h) {
-			struct kp_kri *k = h;
-			h = k->next;
-			kp_kri_free(k);
+	for (k = b->head; k; k = k->next)	/* any instance of S at all? */
+		if (k->task == task && (unsigned long)k->ri.fp == S) {
+			any = 1;
+			if (!need_clean)
+				break;
+			if (!k->ri.rp->kp_ret_clean) {
+				kp_bucket_unlock(b, flags);
+				return KP_NEED_REGS;
+			}
 		}
+	if (!any) {
+		kp_bucket_unlock(b, flags);
+		return 0;
+	}
+	while (*pp) {
+		k = *pp;
+		if (k->task != task) {
+			pp = &k->next;
+			continue;
+		}
+		if ((unsigned long)k->ri.fp == S) {
+			found = 1;
+			*pp = k->next;
+			k->next = 0;
+			*tail = k;
+			tail = &k->next;
+			continue;
+		}
+		if (found)
+			break;		/* an older frame of the task */
+		*pp = k->next;		/* entered inside this frame, never returned */
+		k->next = stale;
+		stale = k;
+	}
+	kp_bucket_unlock(b, flags);
+	while (stale) {
+		k = stale;
+		stale = k->next;
+		kp_kri_free(k);
 	}
 	return fire;
 }
@@ -423,10 +413,18 @@ int kp_kernel_kret_flush_task(struct kprobe *p, struct pt_regs *regs)
 	(void)p;
 	unsigned long task = regs_get_kernel_argument(regs, 0);	/* free_task(tsk) */
 	struct kp_kret_bucket *b = kp_bucket(task);
+	struct kp_kri *dead = 0;
 	unsigned long flags = kp_bucket_lock(b, 0);	/* in a dispatch: `active` is set */
-	struct kp_kri *dead = kp_chain(b, task);
-	if (dead)
-		b->head = dead->next_task;
+	for (struct kp_kri **pp = &b->head; *pp;) {
+		struct kp_kri *k = *pp;
+		if (k->task == task) {
+			*pp = k->next;
+			k->next = dead;
+			dead = k;
+		} else {
+			pp = &k->next;
+		}
+	}
 	kp_bucket_unlock(b, flags);
 	while (dead) {
 		struct kp_kri *k = dead;
