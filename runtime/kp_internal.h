@@ -263,8 +263,8 @@ extern struct kretprobe kp_kretprobes[];
  * Built at boot as the kprobes are (kp_kernel_build_tables()), from a record per
  * kretprobe (.data..ro_after_init: read-only from mark_rodata_ro() on) naming its
  * kind, the spec's part shared by many (handlers, maxactive, data_size, offset: a
- * small const table).  The handlers the dispatch calls are read through the
- * record, by rp's position, as kp_kret_handlers[] is elsewhere.
+ * small const table).  The handlers the dispatch calls are read by rp's position, as
+ * kp_kret_handlers[] is elsewhere.
  */
 struct kp_kret_rec {			/* its address is its site's */
 	unsigned int symbol, name;	/* as struct kp_probe_rec's (name: r_SYMBOL_OFFSET) */
@@ -283,8 +283,11 @@ struct kp_kret_kind {
 extern struct kp_kret_rec kp_kret_recs[];
 extern const struct kp_kret_kind kp_kret_kinds[];
 extern struct kretprobe *kp_kretprobes;
+/* Each kretprobe's {handler, entry_handler} from its kind, built with the tables in their
+ * read-only pages: one load a hit, as kp_kret_handlers[] elsewhere. */
+extern const struct kp_kret_handler_rec *kp_kret_handler_table;
 #define KP_KRET_HANDLER_REC(rp, f) \
-	((unsigned long)((rp) - kp_kretprobes) < kp_nkretprobes ? kp_kret_kinds[kp_kret_recs[(rp) - kp_kretprobes].kind].f : 0)
+	((unsigned long)((rp) - kp_kretprobes) < kp_nkretprobes ? kp_kret_handler_table[(rp) - kp_kretprobes].f : 0)
 #endif
 #define KP_KRET_HANDLER(rp) KP_KRET_HANDLER_REC(rp, handler)
 #define KP_KRET_ENTRY_HANDLER(rp) KP_KRET_HANDLER_REC(rp, entry_handler)

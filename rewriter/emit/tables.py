@@ -277,7 +277,8 @@ def _kret_records_c(c: Code, traces: dict, target, string, derived_name) -> list
                   "const struct kp_kret_kind kp_kret_kinds[] = {"
                   + ", ".join(f"{{ {h}, {eh}, {m}, {o}, {d} }}" for h, eh, m, o, d in kinds)
                   + (" " if kinds else "{ 0, 0, 0, 0, 0 } ") + "};",
-                  f"struct kretprobe *kp_kretprobes{RO_AFTER_INIT};"]
+                  f"struct kretprobe *kp_kretprobes{RO_AFTER_INIT};",
+                  f"const struct kp_kret_handler_rec *kp_kret_handler_table{RO_AFTER_INIT};"]
     return out
 
 

@@ -102,7 +102,8 @@ static int kp_kernel_name(struct kprobe *p, unsigned int symbol, unsigned int ev
 	return made;
 }
 
-/* The built tables that never change (sites, probe lists, handler pairs): whole
+/* The built tables that never change (sites, probe lists, handler pairs, the kretprobes'
+ * handlers): whole
  * pages of their own, made read-only at mark_rodata_ro() (kp_kernel_keep_ro()). */
 static unsigned long kp_kernel_ro_tables, kp_kernel_ro_size;
 /* The clean hit's per-site entries (kp_internal.h), published by kp_kernel_alloc_cpus(). */
@@ -123,7 +124,8 @@ static void kp_kernel_build_tables(void)
 	unsigned long base = (unsigned long)_text;
 	unsigned long size = kp_nprobes * sizeof(struct kprobe) + kp_nkretprobes * sizeof(struct kretprobe);
 	unsigned long ro_size = PAGE_ALIGN(kp_nsites * (sizeof(struct kp_site_fast) + sizeof(struct kp_site))
-					   + kp_nsite_probes * (sizeof(struct kprobe *) + sizeof(struct kp_handler_rec)));
+					   + kp_nsite_probes * (sizeof(struct kprobe *) + sizeof(struct kp_handler_rec))
+					   + kp_nkretprobes * sizeof(struct kp_kret_handler_rec));
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);
 	char *ro = memblock_alloc_try_nid(ro_size, PAGE_SIZE, 0, 0, -1);
 	size += ro_size;
@@ -138,6 +140,7 @@ static void kp_kernel_build_tables(void)
 	struct kp_handler_rec *handlers = (struct kp_handler_rec *)(fast + kp_nsites);
 	struct kp_site *sites = (struct kp_site *)(handlers + kp_nsite_probes);
 	struct kprobe **site_probes = (struct kprobe **)(sites + kp_nsites);
+	struct kp_kret_handler_rec *kret_handlers = (struct kp_kret_handler_rec *)(site_probes + kp_nsite_probes);
 	char name[KP_KSYM_NAME_LEN + 32];
 	unsigned long named = 0;
 	for (unsigned int i = 0; i < kp_nprobes; i++) {
@@ -164,9 +167,10 @@ static void kp_kernel_build_tables(void)
 		p->index = kp_nprobes + i;	/* its hit counter follows the kprobes' */
 		p->site = r->site;
 		named += kp_kernel_name(p, r->symbol, r->name, 'r', name);
-		/* For handlers to read; the dispatch calls kp_kret_kinds[]' (KP_KRET_HANDLER()). */
+		/* For handlers to read; the dispatch calls kp_kret_handler_table[]'s (KP_KRET_HANDLER()). */
 		rp->handler = kind->handler;
 		rp->entry_handler = kind->entry_handler;
+		kret_handlers[i] = (struct kp_kret_handler_rec){ kind->handler, kind->entry_handler };
 		rp->maxactive = kind->maxactive;
 		rp->data_size = kind->data_size;
 		rp->kp_mode = r->flags & KP_KRET_REC_TRAMPOLINE ? 1 : 0;	/* KP_KRET_TRAMPOLINE */
@@ -193,6 +197,7 @@ static void kp_kernel_build_tables(void)
 		probes[kp_early_probes[i].index].nmissed = kp_early_probes[i].nmissed;
 	kp_probes = probes;
 	kp_kretprobes = krets;
+	kp_kret_handler_table = kret_handlers;
 	kp_sites = sites;
 	kp_site_probes = (struct kprobe *const *)site_probes;
 	kp_site_handlers = handlers;
