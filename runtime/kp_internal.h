@@ -251,12 +251,44 @@ struct kp_kret_thread {
 #define KP_KRET_HOOK_PENDING 2
 #define KP_KRET_HOOK_SWAP 3
 
-extern struct kretprobe kp_kretprobes[];
 extern const unsigned int kp_nkretprobes;
+#if !defined(KP_PLATFORM_TABLES_AT_BOOT) || defined(KP_KRETPROBES_IN_IMAGE)
+extern struct kretprobe kp_kretprobes[];
 /* rp's return and entry handlers: from the read-only kp_kret_handlers[] by rp's
  * position (none for a pointer outside kp_kretprobes[]). */
 #define KP_KRET_HANDLER_REC(rp, f) \
 	((unsigned long)((rp) - kp_kretprobes) < kp_nkretprobes ? kp_kret_handlers[(rp) - kp_kretprobes].f : 0)
+#else
+/*
+ * Built at boot as the kprobes are (kp_kernel_build_tables()), from a record per
+ * kretprobe (.data..ro_after_init: read-only from mark_rodata_ro() on) naming its
+ * kind, the spec's part shared by many (handlers, maxactive, data_size, offset: a
+ * small const table).  The handlers the dispatch calls are read by rp's position, as
+ * kp_kret_handlers[] is elsewhere.
+ */
+struct kp_kret_rec {			/* its address is its site's */
+	unsigned int symbol, name;	/* as struct kp_probe_rec's (name: r_SYMBOL_OFFSET) */
+	unsigned int site;
+	unsigned short kind;		/* kp_kret_kinds[] */
+	unsigned short flags;		/* kp.flags (low byte), KP_KRET_REC_* */
+};
+#define KP_KRET_REC_TRAMPOLINE 0x100	/* rp->kp_mode KP_KRET_TRAMPOLINE */
+#define KP_KRET_REC_RET_CLEAN 0x200	/* rp->kp_ret_clean */
+struct kp_kret_kind {
+	kretprobe_handler_t handler, entry_handler;
+	int maxactive;
+	unsigned int offset;
+	unsigned long data_size;
+};
+extern struct kp_kret_rec kp_kret_recs[];
+extern const struct kp_kret_kind kp_kret_kinds[];
+extern struct kretprobe *kp_kretprobes;
+/* Each kretprobe's {handler, entry_handler} from its kind, built with the tables in their
+ * read-only pages: one load a hit, as kp_kret_handlers[] elsewhere. */
+extern const struct kp_kret_handler_rec *kp_kret_handler_table;
+#define KP_KRET_HANDLER_REC(rp, f) \
+	((unsigned long)((rp) - kp_kretprobes) < kp_nkretprobes ? kp_kret_handler_table[(rp) - kp_kretprobes].f : 0)
+#endif
 #define KP_KRET_HANDLER(rp) KP_KRET_HANDLER_REC(rp, handler)
 #define KP_KRET_ENTRY_HANDLER(rp) KP_KRET_HANDLER_REC(rp, entry_handler)
 void kp_kretprobe_relocate(unsigned long bias);

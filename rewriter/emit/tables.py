@@ -19,6 +19,7 @@ from ..probes.events import trace_key
 from .cstring import c_string
 from ..planner import FTRACE, BREAKPOINT, OPTIMIZED, TRAMPOLINE
 from ..probes.resolve import event_symbol, is_entry
+from ..errors import KprewriteError
 
 KRET_MODE = {OPTIMIZED: 0, TRAMPOLINE: 1}     # KP_KRET_OPTIMIZED / KP_KRET_TRAMPOLINE
 DECISION_FLAG = {OPTIMIZED: "KPROBE_FLAG_OPTIMIZED", FTRACE: "KPROBE_FLAG_FTRACE"}
@@ -77,7 +78,8 @@ def generate(c: Code, lay, target, traces: dict) -> TableSource:
     out.append("};")
     out.append(f"const unsigned int kp_nregion_ips = {len(ips)};")
     # Read-only once the runtime runs (link.RELRO: once relocated; a kernel: from mark_rodata_ro()).
-    out.append(_kretprobes_c(c, traces, A, True))
+    if not getattr(target, "TABLES_AT_BOOT", False):     # else among the records (_kret_records_c())
+        out.append(_kretprobes_c(c, traces, A, True))
     out.append(_kret_hooked_c(plan.hooked_entries))
     out.append(breakpoints.table_c(plan.sites, lay.xol, c.arch.kprobe_xol, True))
     out.append(target.tables_c(c.image, c.arch, any(site.decision == BREAKPOINT for site in plan.sites)))
@@ -164,6 +166,14 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
             strings_size += len(s.encode()) + 1
         return string_at[s]
 
+    def derived_name(p, sym: str | None, kind: str) -> tuple[str, str]:
+        """A record's symbol and name fields: left out (KP_REC_DERIVED) where the running
+        kernel's kallsyms gives the symbol and the name is the default KIND_SYMBOL_OFFSET."""
+        derived = sym is not None and target.derived_symbol(image, p.addr - p.offset) == sym
+        symbol = "KP_REC_NONE" if sym is None else "KP_REC_DERIVED" if derived else str(string(sym))
+        default = derived and p.event_name == f"{kind}_{event_symbol(sym)}_{p.offset}"
+        return symbol, "KP_REC_DERIVED" if default else str(string(p.event_name))
+
     early_sites, fields = [], {}    # the sites of the runtime's own probes; each kprobe's fields
     # Not const: the probe records go with the data, in the rodata/data gap (the code gap
     # holds the detours), read-only from mark_rodata_ro() on (RO_AFTER_INIT, link.RELRO).
@@ -174,18 +184,22 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
         if pair not in handler_at:
             handler_at[pair] = len(handlers)
             handlers.append(pair)
-        sym = f["symbol"]
-        derived = sym is not None and target.derived_symbol(image, p.addr - p.offset) == sym
-        symbol = "KP_REC_NONE" if sym is None else "KP_REC_DERIVED" if derived else string(sym)
-        name = "KP_REC_DERIVED" if derived and p.event_name == f"p_{event_symbol(sym)}_{p.offset}" else string(p.event_name)
+        symbol, name = derived_name(p, f["symbol"], "p")
         out.append(f"  {{ {p.offset}, {symbol}, {name}, {site.index}, {handler_at[pair]}, {'|'.join(f['flags']) or '0'} }},")
         fields[id(p)] = f
         if p.spec.pre_handler in target.RUNTIME_HANDLERS and site.index not in early_sites:
             early_sites.append(site.index)
     out.append("};")
     out.append(f"const unsigned int kp_nprobes = {len(plan.kprobes)};")
-    # Const: rodata, in the code gap (short stubs left room there: the data gap could not hold both).
-    out.append(f"const struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}] = {{")
+    out += _kret_records_c(c, traces, target, string, derived_name)
+    # Const: rodata, in the code gap, where the short stubs left room (with a probe on every
+    # function the data gap could not hold them beside the probe records), unless the
+    # detours leave too little there (a kretprobe on every function: its return detours),
+    # then with the data, read-only from mark_rodata_ro() on (.data.rel.ro, in link.RELRO).
+    room = target.code_room(image, lay)
+    need = SITE_REC_SIZE * len(plan.sites) + 4 * sum(len(site.probes) for site in plan.sites) + RUNTIME_CODE_ROOM
+    where = "" if room is None or need <= room else ' __attribute__((section(".data.rel.ro.kp_site_recs")))'
+    out.append(f"const struct kp_site_rec kp_site_recs[{max(1, len(plan.sites))}]{where} = {{")
     for site in plan.sites:
         a = lay.site(site)
         out.append(f"  {{ {off(site.addr):#x}, {off(a.resume):#x}, {off(a.resume_post):#x}, "
@@ -230,6 +244,49 @@ def _records_c(c: Code, lay, target, traces: dict) -> list[str]:
 
 
 RO_AFTER_INIT = ' __attribute__((section(".data..ro_after_init")))'
+SITE_REC_SIZE = 16          # struct kp_site_rec
+# What the runtime's own code and rodata take in the code gap beside the records, with
+# room to spare (some 60 KiB in Debian's 6.1 kernel): where the site records go.
+RUNTIME_CODE_ROOM = 128 << 10
+
+
+def _kret_records_c(c: Code, traces: dict, target, string, derived_name) -> list[str]:
+    """The kretprobes as records (TABLES_AT_BOOT; struct kp_kret_rec, 16 bytes each, in
+    .data..ro_after_init), their struct kretprobe built at boot: the site gives the
+    address, the kind (kp_kret_kinds[], const) what the spec's entry shares with others
+    (the handlers, maxactive, data_size, offset), the flags kp.flags and the return's way.
+    string, derived_name: _records_c()'s."""
+    plan = c.plan
+    decl, kinds, kind_at, recs = [], [], {}, []
+    for site, p, g in plan.kretprobes:
+        k = p.kret
+        if p.addr != site.addr:
+            raise KprewriteError(f"internal error: kretprobe {p.event_name} at {p.addr:#x}, its site at {site.addr:#x}")
+        h = f"(kretprobe_handler_t){c.handler_symbol[k.handler]}" if k.handler else "0"
+        if trace_key(p) in traces:     # fetch / r event: the trace handler calls k.handler
+            h = f"kp_trace_ret_{trace_key(p)}"
+            decl.append(f"int {h}(struct kretprobe_instance *, struct pt_regs *);")
+        eh = f"(kretprobe_handler_t){c.handler_symbol[k.entry_handler]}" if k.entry_handler else "0"
+        kind = (h, eh, k.maxactive, p.offset, k.data_size)
+        if kind not in kind_at:
+            kind_at[kind] = len(kinds)
+            kinds.append(kind)
+        flags = ["KPROBE_FLAG_OPTIMIZED"] + (["KPROBE_FLAG_DISABLED"] if k.disabled else [])
+        flags += ["KP_KRET_REC_TRAMPOLINE"] if KRET_MODE[g.mode] else []
+        flags += ["KP_KRET_REC_RET_CLEAN"] if p.ret_clean else []
+        symbol, name = derived_name(p, p.symbol if (k.symbol_name or p.func) else None, "r")
+        recs.append(f"  {{ {symbol}, {name}, {site.index}, {kind_at[kind]}, {'|'.join(flags)} }},")
+    if len(kinds) > 0xFFFF:
+        raise KprewriteError(f"{c.image.path}: {len(kinds)} kretprobes with handlers, maxactive, data_size or "
+                             "offset of their own: a kernel's records hold 65,535")
+    out = decl + [f"struct kp_kret_rec kp_kret_recs[{max(1, len(recs))}]{RO_AFTER_INIT} = {{", *recs, "};",
+                  f"const unsigned int kp_nkretprobes = {len(recs)};",
+                  "const struct kp_kret_kind kp_kret_kinds[] = {"
+                  + ", ".join(f"{{ {h}, {eh}, {m}, {o}, {d} }}" for h, eh, m, o, d in kinds)
+                  + (" " if kinds else "{ 0, 0, 0, 0, 0 } ") + "};",
+                  f"struct kretprobe *kp_kretprobes{RO_AFTER_INIT};",
+                  f"const struct kp_kret_handler_rec *kp_kret_handler_table{RO_AFTER_INIT};"]
+    return out
 
 
 def _kretprobes_c(c: Code, traces: dict, A=lambda a: f"{a:#x}UL", ro_handlers: bool = False) -> str:

@@ -112,6 +112,12 @@ class Target:
         records leave it out (None: always written)."""
         return None
 
+    def code_room(self, image, lay) -> int | None:
+        """With TABLES_AT_BOOT: bytes left for the runtime's code and rodata after the
+        detours (lay: the layout), so that records too large for it go with the data
+        (None: no bound)."""
+        return None
+
     def address_c(self, image, addr: int) -> str:
         """An address of the image as a C constant in the generated tables: a number, or an
         expression the linker relocates (a kernel moved by KASLR)."""

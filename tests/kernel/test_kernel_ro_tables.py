@@ -1,6 +1,6 @@
 """Probe tables read-only in a kernel: from mark_rodata_ro() on, what a probe hit
 follows to code -- the sites (their resume addresses), the probe lists, the handler pairs the
-dispatch calls, the kretprobes' handler table, the records, the breakpoint descriptors and the
+dispatch calls, the kretprobes' records and their kinds (the handlers), the records, the breakpoint descriptors and the
 tables' own pointers -- cannot be written; what must change (struct kprobe's nmissed and flags,
 handler data) still can.  Debian's vmlinux rewritten once, booted once (-smp 2, no boot
 parameter), every assertion read from that boot.
@@ -61,8 +61,10 @@ extern const struct kp_handler_rec *kp_site_fast;	/* a clean hit's probe and pre
 extern struct kprobe *kp_probes;
 extern const struct kp_handler_rec kp_rec_handlers[];	/* the records' handler pairs */
 extern char kp_probe_recs[], kp_site_recs[];
-extern const struct kp_handler_rec kp_kret_handlers[];
-extern struct kretprobe kp_kretprobes[];
+extern char kp_kret_recs[];				/* a kretprobe's record names its kind */
+extern const struct kp_handler_rec kp_kret_kinds[];	/* {handler, entry_handler, ...} */
+extern struct kretprobe *kp_kretprobes;
+extern const struct kp_handler_rec *kp_kret_handler_table;	/* built from the kinds: the dispatch's */
 extern char kp_breakpoints[];				/* the breakpoint descriptors */
 extern const unsigned int kp_nsites;
 
@@ -79,11 +81,12 @@ static void try_writes(const char *when, struct kprobe *p)
 {
 	const struct kp_site *last = &kp_sites[kp_nsites - 1];
 	pr_info("kp-ro-%s: site_handlers=%ld sites=%ld site_probes=%ld ptr_handlers=%ld ptr_sites=%ld "
-		"ptr_probes=%ld rec_handlers=%ld probe_recs=%ld site_recs=%ld kret_handlers=%ld int3_sites=%ld "
-		"site_fast=%ld ptr_site_fast=%ld nmissed=%ld flags=%ld data=%ld\n", when,
+		"ptr_probes=%ld rec_handlers=%ld probe_recs=%ld site_recs=%ld kret_recs=%ld kret_kinds=%ld "
+		"ptr_krets=%ld kret_handlers=%ld ptr_kret_handlers=%ld int3_sites=%ld site_fast=%ld ptr_site_fast=%ld nmissed=%ld flags=%ld data=%ld\n", when,
 		RW(kp_site_handlers[last->first]), RW(last->resume), RW(kp_site_probes[last->first]),
 		RW(kp_site_handlers), RW(kp_sites), RW(kp_site_probes), RW(kp_rec_handlers[0]),
-		rw(kp_probe_recs, 8), rw(kp_site_recs, 8), RW(kp_kret_handlers[0]), rw(kp_breakpoints, 8),
+		rw(kp_probe_recs, 8), rw(kp_site_recs, 8), rw(kp_kret_recs, 8), RW(kp_kret_kinds[0]), RW(kp_kretprobes),
+		RW(kp_kret_handler_table[0]), RW(kp_kret_handler_table), rw(kp_breakpoints, 8),
 		RW(kp_site_fast[kp_nsites - 1]), RW(kp_site_fast), RW(p->nmissed), RW(p->flags), RW(seen));
 }
 
@@ -191,7 +194,8 @@ def _writes(r, when: str) -> dict[str, int]:
 
 
 TABLES = ("site_handlers", "sites", "site_probes", "ptr_handlers", "ptr_sites", "ptr_probes", "rec_handlers",
-          "probe_recs", "site_recs", "kret_handlers", "int3_sites", "site_fast", "ptr_site_fast")
+          "probe_recs", "site_recs", "kret_recs", "kret_kinds", "ptr_krets", "kret_handlers",
+          "ptr_kret_handlers", "int3_sites", "site_fast", "ptr_site_fast")
 EFAULT = -14
 
 

@@ -22,7 +22,7 @@ here, x86_64/ (symbols.arch_of(): the image's arch name).
 from __future__ import annotations
 
 from .. import base
-from .gap import GapLayout, plan_layout  # noqa: F401
+from .gap import GapLayout, code_room, plan_layout  # noqa: F401
 from .generated_c import (RUNTIME_KALLSYMS, TABLES_AT_BOOT, handler_headers, tables_c,  # noqa: F401
                           thread_key)
 from .reserved import rules  # noqa: F401

@@ -42,6 +42,12 @@ def plan_layout(image) -> GapLayout:
                      align(symbol(image, "__end_rodata")), symbol(image, "_sdata"))
 
 
+def code_room(image, lay) -> int:
+    """What the text/rodata gap has left after the detours, for the runtime's code and
+    rodata (emit/tables.py places the site records by it)."""
+    return lay.target.end - lay.text_addr
+
+
 def extend_first_load(image, out: bytearray, data_vaddr: int, data_end: int):
     """Extend the PT_LOAD that ends in the rodata/data gap over [data_vaddr, data_end), so
     that the loader (QEMU's PVH loader, the decompressor's parse_elf()) copies our data;

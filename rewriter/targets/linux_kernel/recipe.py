@@ -44,9 +44,10 @@ PIE = False         # linked where it runs (the image's symbols resolved at link
 # views and the trace events (kprobe_events into the ftrace ring buffer, registered when
 # the blob is placed: KP_PLACED_AT_BOOT, kp_trace_buffer.c), each function and object in a
 # section of its own (the blob's link keeps what its entries reach); kp_debugfs.c's disarm
-# flag is the detours' (in the image), through a pointer the blob's glue sets.
+# flag is the detours' (in the image), through a pointer the blob's glue sets; its kretprobes
+# are the detours' array (KP_KRETPROBES_IN_IMAGE), not built at boot from records.
 VARIANTS = {"placed_at_boot": {
     "flags": ["-ffunction-sections", "-fdata-sections", "-Dkp_kernel_disarmed=(*kp_kernel_disarmed_at)",
-              "-DKP_PLACED_AT_BOOT"],
+              "-DKP_PLACED_AT_BOOT", "-DKP_KRETPROBES_IN_IMAGE"],
     "SOURCES": ["{platform}/kp_debugfs.c", "kp_lib.c", "kp_line.c", "kp_fetch.c", "kp_trace.c",
                 "{platform}/kp_trace_buffer.c"], "ASM_SOURCES": [], "ASM_OFFSETS": False}}

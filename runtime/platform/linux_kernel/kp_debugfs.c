@@ -182,37 +182,67 @@ static void kp_fill_enabled(struct kp_text *t)
 	kp_puts(t, __atomic_load_n(&kp_kernel_disarmed, __ATOMIC_ACQUIRE) ? "0\n" : "1\n");
 }
 
-static long kp_read_text(char *ubuf, unsigned long count, long long *ppos, void (*fill)(struct kp_text *))
+/* The text of the last file read, kept for its next read(): a reader takes a file in
+ * chunks (a page at a time), and with a probe on every function each chunk would
+ * format the whole text again (some 90,000 lines).  The reader that holds kp_text_busy
+ * uses and replaces it; a concurrent one formats its own.  A read at offset 0 formats
+ * afresh, so each reading from the start sees the counters of that moment. */
+static struct {
+	void *file;
+	void (*fill)(struct kp_text *);
+	char *buf;
+	unsigned long len;
+} kp_text_kept;
+static int kp_text_busy;
+
+static long kp_read_text(void *file, char *ubuf, unsigned long count, long long *ppos,
+			 void (*fill)(struct kp_text *))
 {
+	int own = !__atomic_exchange_n(&kp_text_busy, 1, __ATOMIC_ACQUIRE);
+	if (own && *ppos && kp_text_kept.buf && kp_text_kept.file == file && kp_text_kept.fill == fill) {
+		long r = simple_read_from_buffer(ubuf, count, ppos, kp_text_kept.buf, kp_text_kept.len);
+		__atomic_store_n(&kp_text_busy, 0, __ATOMIC_RELEASE);
+		return r;
+	}
 	struct kp_text t = { 0, 0, 0 };
 	fill(&t);			/* its length */
 	t.cap = t.len + 64;		/* counters may grow in between */
 	t.buf = vmalloc(t.cap);
-	if (!t.buf)
-		return -KP_ENOMEM;
-	t.len = 0;
-	fill(&t);
-	long r = simple_read_from_buffer(ubuf, count, ppos, t.buf, t.len < t.cap ? t.len : t.cap);
-	vfree(t.buf);
+	long r = -KP_ENOMEM;
+	if (t.buf) {
+		t.len = 0;
+		fill(&t);
+		if (t.len > t.cap)
+			t.len = t.cap;
+		r = simple_read_from_buffer(ubuf, count, ppos, t.buf, t.len);
+	}
+	if (own) {
+		if (kp_text_kept.buf)
+			vfree(kp_text_kept.buf);
+		kp_text_kept.file = file;
+		kp_text_kept.fill = fill;
+		kp_text_kept.buf = t.buf;
+		kp_text_kept.len = t.len;
+		__atomic_store_n(&kp_text_busy, 0, __ATOMIC_RELEASE);
+	} else if (t.buf) {
+		vfree(t.buf);
+	}
 	return r;
 }
 
 static long kp_list_read(void *file, char *ubuf, unsigned long count, long long *ppos)
 {
-	(void)file;
-	return kp_read_text(ubuf, count, ppos, kp_fill_list);
+	return kp_read_text(file, ubuf, count, ppos, kp_fill_list);
 }
 
 static long kp_profile_read(void *file, char *ubuf, unsigned long count, long long *ppos)
 {
-	(void)file;
-	return kp_read_text(ubuf, count, ppos, kp_fill_profile);
+	return kp_read_text(file, ubuf, count, ppos, kp_fill_profile);
 }
 
 static long kp_enabled_read(void *file, char *ubuf, unsigned long count, long long *ppos)
 {
-	(void)file;
-	return kp_read_text(ubuf, count, ppos, kp_fill_enabled);
+	return kp_read_text(file, ubuf, count, ppos, kp_fill_enabled);
 }
 
 /* write_enabled_file_bool(): 0 disarms, 1 arms. */

@@ -29,8 +29,9 @@
  * returned) are freed without a handler.  An exit hook leaves a slot that holds the
  * trampoline to the trampoline.
  *
- * The table holds only tasks inside a return-probed function; a task is found by
- * `current` wherever it runs, so a task switched out inside the function returns on
+ * The table holds only tasks inside a return-probed function, newest instance first
+ * in each bucket, so that a task's exit usually finds its instance first; a task is
+ * found by `current` wherever it runs, so a task switched out inside the function returns on
  * another CPU with its instances.  Interrupt handlers run with the interrupted
  * task's `current`: their frames nest inside the task's, LIFO.  Nothing is allocated
  * in probe context: the pools come from memblock at the setup_per_cpu_areas() boot
@@ -101,23 +102,39 @@ static inline unsigned long kp_task(void)
 	return (unsigned long)kp_kernel_current();
 }
 
-/* The pools, from memblock at the setup_per_cpu_areas() hook (maxactive <= 0: the
- * kernel's default, max(10, 2 * num_possible_cpus())). */
+/* The pools, from memblock at the setup_per_cpu_areas() hook, once the tables are built
+ * (maxactive <= 0: the kernel's default, max(10, 2 * num_possible_cpus())): one block
+ * for all (a kretprobe on every function: some 42,000 pools), each pool 64-byte aligned. */
+static unsigned long kp_kret_pool_size(const struct kretprobe *rp)
+{
+	return ((unsigned long)rp->kp_stride * rp->maxactive + 63) & ~63UL;
+}
+
 void kp_kernel_kretprobes_init(void)
 {
+	unsigned long total = 0;
+	if (!kp_kretprobes)		/* the tables could not be built: every call misses */
+		return;
 	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
 		struct kretprobe *rp = &kp_kretprobes[i];
 		if (rp->maxactive <= 0)
 			rp->maxactive = 2 * (int)nr_cpu_ids > 10 ? 2 * (int)nr_cpu_ids : 10;
 		rp->kp_stride = (sizeof(struct kp_kri) + rp->data_size + 7) & ~7UL;
-		char *pool = memblock_alloc_try_nid((unsigned long)rp->kp_stride * rp->maxactive, 64, 0, 0, -1);
-		if (!pool) {
-			_printk(KP_KERN_ERR "kprewrite: no memory for %s's %d kretprobe instances: every call misses\n",
-				rp->kp.name, rp->maxactive);
-			continue;
-		}
-		__atomic_store_n(&rp->kp_pool, pool, __ATOMIC_RELEASE);
+		total += kp_kret_pool_size(rp);
 	}
+	char *pool = total ? memblock_alloc_try_nid(total, 64, 0, 0, -1) : 0;
+	if (!pool) {
+		if (total)
+			_printk(KP_KERN_ERR "kprewrite: no memory for the instances of %u kretprobes (%lu KiB): "
+				"every call misses\n", kp_nkretprobes, total >> 10);
+		return;
+	}
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		struct kretprobe *rp = &kp_kretprobes[i];
+		__atomic_store_n(&rp->kp_pool, pool, __ATOMIC_RELEASE);
+		pool += kp_kret_pool_size(rp);
+	}
+	_printk(KP_KERN_INFO "kprewrite: instances of %u kretprobes: %lu KiB\n", kp_nkretprobes, total >> 10);
 }
 
 /* Not called in a kernel (the runtime is never relocated); the pools come from the
@@ -279,14 +296,20 @@ static inline __attribute__((always_inline)) struct kp_kri *kp_take_at(unsigned 
 	unsigned long flags = kp_bucket_lock(b, irqsave);
 	struct kp_kri **pp = &b->head, *k = b->head;
 	int any = 0, found = 0;
-	/* The common case: the bucket holds this one instance alone (what the walks
-	 * below find then: it fires, nothing is stale), taken without walking. */
-	if (k && !k->next && k->task == task && (unsigned long)k->ri.fp == S) {
+	/* The common case: the bucket's newest instance is the task's at S, and the next
+	 * one none or the task's own older frame's (what the walks below find then: it
+	 * fires alone, nothing is stale), taken without walking.  An entry files its
+	 * instance first in the bucket, so a task's nested return-probed calls take this
+	 * way, unless another task's instance lies between two of its own. */
+	struct kp_kri *n = k ? k->next : 0;
+	if (k && k->task == task && (unsigned long)k->ri.fp == S &&
+	    (!n || (n->task == task && (unsigned long)n->ri.fp != S))) {
 		if (need_clean && !k->ri.rp->kp_ret_clean) {
 			kp_bucket_unlock(b, flags);
 			return KP_NEED_REGS;
 		}
-		b->head = 0;
+		b->head = n;
+		k->next = 0;
 		kp_bucket_unlock(b, flags);
 		return k;
 	}

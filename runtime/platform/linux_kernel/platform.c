@@ -76,7 +76,34 @@ static const char *kp_rec_string(unsigned int at)
 	return at == KP_REC_NONE ? 0 : kp_rec_strings + at - 1;
 }
 
-/* The built tables that never change (sites, probe lists, handler pairs): whole
+/* p's symbol_name and name from a record's fields (p->addr and offset set): a name the
+ * records left out from kallsyms, an event name left out the default KIND_SYMBOL_OFFSET
+ * (trace_kprobe's, the symbol sanitized).  1 when the event name was made. */
+static int kp_kernel_name(struct kprobe *p, unsigned int symbol, unsigned int event, char kind, char *name)
+{
+	p->symbol_name = kp_rec_string(symbol);
+	if (symbol == KP_REC_DERIVED) {
+		const char *s = kallsyms_lookup((unsigned long)p->addr - p->offset, 0, 0, 0, name);
+		p->symbol_name = s ? kp_kernel_keep_name(name, strlen(name)) : 0;
+	}
+	p->name = kp_rec_string(event);
+	int made = 0;
+	if (event == KP_REC_DERIVED && p->symbol_name) {
+		int n = snprintf(name, KP_KSYM_NAME_LEN + 32, "%c_%s_%u", kind, p->symbol_name, p->offset);
+		for (int k = 2; k < n; k++)
+			if (!((name[k] >= 'a' && name[k] <= 'z') || (name[k] >= 'A' && name[k] <= 'Z')
+			      || (name[k] >= '0' && name[k] <= '9') || name[k] == '_'))
+				name[k] = '_';
+		p->name = kp_kernel_keep_name(name, n);
+		made = 1;
+	}
+	if (!p->name)
+		p->name = "?";
+	return made;
+}
+
+/* The built tables that never change (sites, probe lists, handler pairs, the kretprobes'
+ * handlers): whole
  * pages of their own, made read-only at mark_rodata_ro() (kp_kernel_keep_ro()). */
 static unsigned long kp_kernel_ro_tables, kp_kernel_ro_size;
 /* The clean hit's per-site entries (kp_internal.h), published by kp_kernel_alloc_cpus(). */
@@ -86,7 +113,8 @@ static struct kp_site_fast *kp_kernel_site_fast;
 /* What register_kprobe() fills in, from the records emit/tables.py wrote: addresses
  * from _text, the handler pair, a symbol name the kernel's kallsyms gives (the
  * records leave out those that are the first name at the symbol's address), the
- * event name p_SYMBOL_OFFSET when it is the default.  Then the pointers are
+ * event name p_SYMBOL_OFFSET (r_ for a kretprobe) when it is the default; a
+ * kretprobe's struct kretprobe from its record and kind.  Then the pointers are
  * published; the runtime's own probes keep the counts of their early copies.
  * struct kprobe (nmissed, flags) stays writable; what the dispatch follows to
  * code -- kp_site (its resume addresses), the probe lists, the handler pairs it
@@ -94,9 +122,10 @@ static struct kp_site_fast *kp_kernel_site_fast;
 static void kp_kernel_build_tables(void)
 {
 	unsigned long base = (unsigned long)_text;
-	unsigned long size = kp_nprobes * sizeof(struct kprobe);
+	unsigned long size = kp_nprobes * sizeof(struct kprobe) + kp_nkretprobes * sizeof(struct kretprobe);
 	unsigned long ro_size = PAGE_ALIGN(kp_nsites * (sizeof(struct kp_site_fast) + sizeof(struct kp_site))
-					   + kp_nsite_probes * (sizeof(struct kprobe *) + sizeof(struct kp_handler_rec)));
+					   + kp_nsite_probes * (sizeof(struct kprobe *) + sizeof(struct kp_handler_rec))
+					   + kp_nkretprobes * sizeof(struct kp_kret_handler_rec));
 	char *m = memblock_alloc_try_nid(size, 64, 0, 0, -1);
 	char *ro = memblock_alloc_try_nid(ro_size, PAGE_SIZE, 0, 0, -1);
 	size += ro_size;
@@ -106,10 +135,12 @@ static void kp_kernel_build_tables(void)
 		return;
 	}
 	struct kprobe *probes = (struct kprobe *)m;
+	struct kretprobe *krets = (struct kretprobe *)(probes + kp_nprobes);
 	struct kp_site_fast *fast = (struct kp_site_fast *)ro;
 	struct kp_handler_rec *handlers = (struct kp_handler_rec *)(fast + kp_nsites);
 	struct kp_site *sites = (struct kp_site *)(handlers + kp_nsite_probes);
 	struct kprobe **site_probes = (struct kprobe **)(sites + kp_nsites);
+	struct kp_kret_handler_rec *kret_handlers = (struct kp_kret_handler_rec *)(site_probes + kp_nsite_probes);
 	char name[KP_KSYM_NAME_LEN + 32];
 	unsigned long named = 0;
 	for (unsigned int i = 0; i < kp_nprobes; i++) {
@@ -122,24 +153,28 @@ static void kp_kernel_build_tables(void)
 		p->flags = r->flags;
 		p->index = i;
 		p->site = r->site;
-		p->symbol_name = kp_rec_string(r->symbol);
-		if (r->symbol == KP_REC_DERIVED) {
-			const char *s = kallsyms_lookup((unsigned long)p->addr - r->offset, 0, 0, 0, name);
-			p->symbol_name = s ? kp_kernel_keep_name(name, strlen(name)) : 0;
-		}
-		p->name = kp_rec_string(r->name);
-		if (r->name == KP_REC_DERIVED && p->symbol_name) {
-			/* trace_kprobe's default event name, the symbol sanitized. */
-			int n = snprintf(name, sizeof(name), "p_%s_%u", p->symbol_name, p->offset);
-			for (int k = 2; k < n; k++)
-				if (!((name[k] >= 'a' && name[k] <= 'z') || (name[k] >= 'A' && name[k] <= 'Z')
-				      || (name[k] >= '0' && name[k] <= '9') || name[k] == '_'))
-					name[k] = '_';
-			p->name = kp_kernel_keep_name(name, n);
-			named++;
-		}
-		if (!p->name)
-			p->name = "?";
+		named += kp_kernel_name(p, r->symbol, r->name, 'p', name);
+	}
+	for (unsigned int i = 0; i < kp_nkretprobes; i++) {
+		const struct kp_kret_rec *r = &kp_kret_recs[i];
+		const struct kp_kret_kind *kind = &kp_kret_kinds[r->kind];
+		struct kretprobe *rp = &krets[i];
+		struct kprobe *p = &rp->kp;
+		p->addr = (kprobe_opcode_t *)(base + kp_site_recs[r->site].addr);
+		p->offset = kind->offset;
+		p->pre_handler = kp_pre_handler_kretprobe;
+		p->flags = r->flags & 0xff;
+		p->index = kp_nprobes + i;	/* its hit counter follows the kprobes' */
+		p->site = r->site;
+		named += kp_kernel_name(p, r->symbol, r->name, 'r', name);
+		/* For handlers to read; the dispatch calls kp_kret_handler_table[]'s (KP_KRET_HANDLER()). */
+		rp->handler = kind->handler;
+		rp->entry_handler = kind->entry_handler;
+		kret_handlers[i] = (struct kp_kret_handler_rec){ kind->handler, kind->entry_handler };
+		rp->maxactive = kind->maxactive;
+		rp->data_size = kind->data_size;
+		rp->kp_mode = r->flags & KP_KRET_REC_TRAMPOLINE ? 1 : 0;	/* KP_KRET_TRAMPOLINE */
+		rp->kp_ret_clean = !!(r->flags & KP_KRET_REC_RET_CLEAN);
 	}
 	for (unsigned int i = 0, first = 0; i < kp_nsites; i++) {
 		const struct kp_site_rec *r = &kp_site_recs[i];
@@ -149,7 +184,7 @@ static void kp_kernel_build_tables(void)
 	}
 	for (unsigned int i = 0; i < kp_nsite_probes; i++) {
 		unsigned int k = kp_site_probe_recs[i];
-		site_probes[i] = k & KP_REC_KRET ? &kp_kretprobes[k & ~KP_REC_KRET].kp : &probes[k];
+		site_probes[i] = k & KP_REC_KRET ? &krets[k & ~KP_REC_KRET].kp : &probes[k];
 		handlers[i] = k & KP_REC_KRET ? (struct kp_handler_rec){ kp_pre_handler_kretprobe, 0 }
 					      : kp_rec_handlers[kp_probe_recs[k].handlers];
 	}
@@ -161,6 +196,8 @@ static void kp_kernel_build_tables(void)
 	for (unsigned int i = 0; i < kp_nearly_probes; i++)
 		probes[kp_early_probes[i].index].nmissed = kp_early_probes[i].nmissed;
 	kp_probes = probes;
+	kp_kretprobes = krets;
+	kp_kret_handler_table = kret_handlers;
 	kp_sites = sites;
 	kp_site_probes = (struct kprobe *const *)site_probes;
 	kp_site_handlers = handlers;
@@ -171,7 +208,7 @@ static void kp_kernel_build_tables(void)
 	if (kp_kernel_disarmed)		/* kprewrite.enabled=0, read before the tables existed */
 		kp_kernel_arm(0);
 	_printk(KP_KERN_INFO "kprewrite: built the tables of %u probes at %s (%lu KiB, %lu names from kallsyms); "
-		"%lu hits before ran no handler\n", kp_nprobes, "setup_per_cpu_areas", size >> 10, named,
+		"%lu hits before ran no handler\n", kp_nprobes + kp_nkretprobes, "setup_per_cpu_areas", size >> 10, named,
 		__atomic_load_n(&kp_early_hits, __ATOMIC_RELAXED));
 }
 
