@@ -1315,7 +1315,7 @@ def _with_hook_probe(s, sites, function: str, hook_name: str, first: bool):
     if f.start not in s.rules.ftrace:
         raise KprewriteError(f"{s.image.path}: {function}'s entry cannot take the jump that calls {hook_name}()")
     return [SimpleNamespace(addr=f.start, probes=[hook], decision=FTRACE, ftrace_ops=False, head=None, riders=[],
-                            slot=0, evicted=None, dcr=None)] + list(sites)
+                            slot=0, evicted=None, dcr=None, with_post=False)] + list(sites)
 
 
 def _read_blob(elf: Path):
