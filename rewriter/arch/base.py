@@ -229,8 +229,10 @@ class RetProbe(Protocol):
     def mid_frame_part(self, image, func) -> bool:
         """func (not a PLT) is a block of another function entered mid-frame (a stripped cold part)."""
 
-    def exit_region(self, image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
-        """The region a jump at an exit may take, and where it starts."""
+    def exit_region(self, image, analysis, part, exit: Exit, busy, landed=None) -> tuple[list[DcrInsn], int] | Refusal:
+        """The region a jump at an exit may take, and where it starts.  landed(addr): the
+        jumps landing at addr are hooked as exits of their own (branch exits, below), so the
+        region may hold addr; an arch without branch exits is never given one."""
 
     def hook_then_exit(self, exit: DcrInsn, hook, at: int) -> bytes:
         """A call of the return hook, then the exit itself, at `at`."""
@@ -238,8 +240,9 @@ class RetProbe(Protocol):
     def ret_detour(self, dcr: list[DcrInsn], hook: tuple[int, int | None], at: int) -> bytes:
         """A return region's detour: its copy up to the exit, the hook, the exit."""
 
-    def hook_copy(self, hooks: dict[int, tuple[int, int | None]]) -> Callable:
-        """A copy function for a detour whose region holds exits: each exit calls its hook."""
+    def hook_copy(self, hooks: dict[int, tuple[int, int | None]], blocks: dict | None = None) -> Callable:
+        """A copy function for a detour whose region holds exits: each exit calls its hook.
+        blocks: the branch exits among them (below); an arch without them is never given any."""
 
     # Optional (x86-64), branch exits (planner/returns.py's _branch_exits(), where the
     # target's Rules.kretprobe_branch_exits is on): exit_region(..., landed=f) lets a

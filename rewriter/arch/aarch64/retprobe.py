@@ -231,9 +231,10 @@ def mid_frame_part(image, func) -> bool:
     return _mid_frame(image, func.start) is not None
 
 
-def exit_region(image, analysis, part, exit: Exit, busy) -> tuple[list[DcrInsn], int] | Refusal:
+def exit_region(image, analysis, part, exit: Exit, busy, landed=None) -> tuple[list[DcrInsn], int] | Refusal:
     """The exit alone (a B is as long): (its instruction, region end); refused out of
-    a B's reach of the new code (reach.py)."""
+    a B's reach of the new code (reach.py).  landed: unused (no branch exits here: a
+    region of one instruction holds no other jump's target)."""
     far = reach.refusal(image, exit.addr, "a B to a return hook")
     if far is not None:
         return far
@@ -262,9 +263,9 @@ def ret_detour(dcr: list[DcrInsn], hook, at: int) -> bytes:
     return bytes(out)
 
 
-def hook_copy(hooks):
+def hook_copy(hooks, blocks=None):
     """How a kprobe's detour copies an exit of a return-probed function (a kprobe
-    on a ret): the exit calls its return hook first."""
+    on a ret): the exit calls its return hook first.  blocks: unused (no branch exits)."""
     def copy(insn, pos):
         if insn.addr in hooks:
             return hook_then_exit(insn, hooks[insn.addr], pos)
