@@ -174,6 +174,25 @@ def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
     return out
 
 
+def handler_externs(handler_symbols: dict[str, str], kps: list, krs: list, externs: list[str]) -> list[str]:
+    """`externs` and a KP_EXTERN_PRE/POST/KRET line for each handler the kprobes (kps) and
+    kretprobes' entries (krs) name, once each, in spec order (runtime/platform/linux_module's
+    macros declare them)."""
+    out, declared = list(externs), set()
+
+    def declare(h, kind):
+        if h and handler_symbols[h] not in declared:
+            declared.add(handler_symbols[h])
+            out.append(f"KP_EXTERN_{kind}({handler_symbols[h]})")
+    for p in kps:
+        declare(p.spec.pre_handler, "PRE")
+        declare(p.spec.post_handler, "POST")
+    for ep in krs:
+        declare(ep.kret.handler, "KRET")
+        declare(ep.kret.entry_handler, "KRET")
+    return out
+
+
 def kretprobes_c(krs: list, flags: list[str], handler_symbols: dict[str, str], traces: dict) -> list[str]:
     """The kretprobes' macros of a module's kp_module.c (kp_module_runtime.c's KP_KRETPROBES,
     KP_POOLS, KP_STRIDES, KP_POOL_NAMES, KP_KRET_LIST): krs the plan's kretprobes, flags each one's

@@ -38,7 +38,7 @@ from ....planner.model import FTRACE, OPTIMIZED
 from ....probes.spec import where
 from ....arch.aarch64 import insn as I
 from ..parts import module_parts
-from ..ko import (PLACEHOLDER, SECTIONS, _append_relas, _c_string, _define, _run, _sites, _versions,
+from ..ko import (PLACEHOLDER, SECTIONS, _append_relas, _c_string, _define, _run, _sites, _versions, handler_externs,
                   kretprobes_c, module_name, relocations)
 from ..ko import write as _write
 from .relocatable import (LDST_SHIFT, NAMES, R_AARCH64_ABS64, R_AARCH64_ADD_ABS_LO12_NC, R_AARCH64_ADR_PREL_PG_HI21,
@@ -183,19 +183,7 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, debugfs: bool)
     krs = [ep for _, ep, _ in plan.kretprobes]
     out += [f"#define KP_NK {len(kps)}", f"#define KP_NK_SLOTS {max(len(kps), 1)}",
             f"#define KP_NR {len(krs)}", f"#define KP_NR_SLOTS {max(len(krs), 1)}"]
-    externs, declared = [], set()
-
-    def declare(h, kind):
-        if h and handler_symbols[h] not in declared:
-            declared.add(handler_symbols[h])
-            externs.append(f"KP_EXTERN_{kind}({handler_symbols[h]})")
-    for p in kps:
-        declare(p.spec.pre_handler, "PRE")
-        declare(p.spec.post_handler, "POST")
-    for ep in krs:
-        declare(ep.kret.handler, "KRET")
-        declare(ep.kret.entry_handler, "KRET")
-    out.append(_define("KP_EXTERNS", externs))
+    out.append(_define("KP_EXTERNS", handler_externs(handler_symbols, kps, krs, [])))
     out.append(_define("KP_PROBES", [f"KP_PROBE({_c_string(p.symbol)}, {p.offset}, KPROBE_FLAG_OPTIMIZED, "
                                      f"{_c_string(p.event_name)}, {p.index})" for _, p in plan.kprobes]))
     out += kretprobes_c(krs, ["KPROBE_FLAG_OPTIMIZED"] * len(krs), handler_symbols, {})

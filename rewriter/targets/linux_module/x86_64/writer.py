@@ -62,7 +62,7 @@ from ....probes.spec import where
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from ..parts import module_parts
 from ..ko import (PLACEHOLDER, SECTIONS, _append_relas, _c_string, _define, _imported, _names,  # noqa: F401
-                  _run, _sites, _versions, kretprobes_c, module_name, write)
+                  _run, _sites, _versions, handler_externs, kretprobes_c, module_name, write)
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
 
@@ -276,24 +276,9 @@ def runtime_c(plan, handler_symbols: dict[str, str], module: str, traces: dict |
     kr_flags = [_KPROBE_FLAGS.get(site.decision, "0") for site, _, _ in plan.kretprobes]
     out += [f"#define KP_NK {len(kps)}", f"#define KP_NK_SLOTS {max(len(kps), 1)}",
             f"#define KP_NR {len(krs)}", f"#define KP_NR_SLOTS {max(len(krs), 1)}"]
-    externs, declared = [], set()
-    for key in sorted(traces, key=str):
-        if traces[key].is_return:
-            externs.append(f"KP_EXTERN_KRET(kp_trace_ret_{key})")
-        else:
-            externs.append(f"KP_EXTERN_PRE(kp_trace_pre_{key})")
-
-    def declare(h, kind):
-        if h and handler_symbols[h] not in declared:
-            declared.add(handler_symbols[h])
-            externs.append(f"KP_EXTERN_{kind}({handler_symbols[h]})")
-    for p in kps:
-        declare(p.spec.pre_handler, "PRE")
-        declare(p.spec.post_handler, "POST")
-    for ep in krs:
-        declare(ep.kret.handler, "KRET")
-        declare(ep.kret.entry_handler, "KRET")
-    out.append(_define("KP_EXTERNS", externs))
+    traced = [f"KP_EXTERN_KRET(kp_trace_ret_{key})" if traces[key].is_return else f"KP_EXTERN_PRE(kp_trace_pre_{key})"
+              for key in sorted(traces, key=str)]
+    out.append(_define("KP_EXTERNS", handler_externs(handler_symbols, kps, krs, traced)))
     out.append(_define("KP_PROBES", [
         f"KP_PROBE({_c_string(p.symbol)}, {p.offset}, {_KPROBE_FLAGS.get(site.decision, '0')}, "
         f"{_c_string(p.event_name)}, {p.index})" for site, p in plan.kprobes]))
