@@ -174,6 +174,16 @@ def relocations(mod) -> dict[str, dict[int, tuple[int, int, int]]]:
     return out
 
 
+def placeholder_namer(placeholders: dict):
+    """ph(field) -> a new undefined symbol standing for `field` in generated assembly; the
+    field is kept in `placeholders` under that name, for the writer to resolve after linking."""
+    def ph(field) -> str:
+        name = f"{PLACEHOLDER}{len(placeholders)}"
+        placeholders[name] = field
+        return name
+    return ph
+
+
 def handler_externs(handler_symbols: dict[str, str], kps: list, krs: list, externs: list[str]) -> list[str]:
     """`externs` and a KP_EXTERN_PRE/POST/KRET line for each handler the kprobes (kps) and
     kretprobes' entries (krs) name, once each, in spec order (runtime/platform/linux_module's

@@ -38,7 +38,7 @@ from ....planner.model import FTRACE, OPTIMIZED
 from ....probes.spec import where
 from ....arch.aarch64 import insn as I
 from ..parts import module_parts
-from ..ko import (PLACEHOLDER, SECTIONS, _append_relas, _c_string, _define, _run, _sites, _versions, handler_externs,
+from ..ko import (PLACEHOLDER, SECTIONS, placeholder_namer as _placeholder, _append_relas, _c_string, _define, _run, _sites, _versions, handler_externs,
                   kretprobes_c, module_name, relocations)
 from ..ko import write as _write
 from .relocatable import (LDST_SHIFT, NAMES, R_AARCH64_ABS64, R_AARCH64_ADD_ABS_LO12_NC, R_AARCH64_ADR_PREL_PG_HI21,
@@ -125,14 +125,6 @@ def _copy_s(i: int, items: list, ph) -> str:
             out.append(f"\t.reloc ., {NAMES[typ]}, {ph(field)}\n")
         out.append(f"\t.inst {word:#010x}\n")
     return "".join(out)
-
-
-def _placeholder(placeholders: dict):
-    def ph(field) -> str:
-        name = f"{PLACEHOLDER}{len(placeholders)}"
-        placeholders[name] = field
-        return name
-    return ph
 
 
 def _taken(site):

@@ -61,7 +61,7 @@ from ....planner.model import FTRACE, BREAKPOINT, OPTIMIZED
 from ....probes.spec import where
 from .optprobe import CopyRefused, FIELD_SIZE, relocations
 from ..parts import module_parts
-from ..ko import (PLACEHOLDER, SECTIONS, _append_relas, _c_string, _define, _imported, _names,  # noqa: F401
+from ..ko import (PLACEHOLDER, SECTIONS, placeholder_namer as _placeholder, _append_relas, _c_string, _define, _imported, _names,  # noqa: F401
                   _run, _sites, _versions, handler_externs, kretprobes_c, module_name, write)
 from .relocatable import RELA, R_X86_64_PC32, SHN_LORESERVE, SHT_RELA, THIS_MODULE, read_sections, relas, symbols
 
@@ -124,14 +124,6 @@ def _copy_s(code: bytes, fields: list, ph) -> str:
     if pos < len(code):
         out.append("\t.byte " + ", ".join(f"{b:#x}" for b in code[pos:]) + "\n")
     return "".join(out)
-
-
-def _placeholder(placeholders: dict):
-    def ph(field) -> str:
-        name = f"{PLACEHOLDER}{len(placeholders)}"
-        placeholders[name] = field
-        return name
-    return ph
 
 
 def traps_after(site) -> bool:
